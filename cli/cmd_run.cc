@@ -1,0 +1,151 @@
+// `infersweep run`: trials of one model under one or more backend configs, each in an isolated
+// worker process; and `infersweep worker`, that process.
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cli/commands.h"
+#include "engine/backends.h"
+#include "engine/fault_injection.h"
+#include "harness/executor.h"
+#include "harness/report.h"
+#include "harness/runner.h"
+
+namespace infersweep::cli {
+namespace {
+
+// "matmul=naive|blocked,threads=1|2" -> the product of the alternatives.
+absl::StatusOr<std::vector<BackendConfig>> ExpandConfigArg(const std::string& text) {
+  std::map<std::string, std::vector<std::string>> axes;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    if (kv.first.empty() || kv.second.empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--config item '", item, "' is not of the form axis=value[|value...]"));
+    if (axes.count(kv.first))
+      return absl::InvalidArgumentError(absl::StrCat("--config axis '", kv.first, "' given twice"));
+    axes[kv.first] = absl::StrSplit(kv.second, '|', absl::SkipEmpty());
+  }
+  std::vector<BackendConfig> configs;
+  for (const BackendConfig& c : ExpandMatrix(axes)) {
+    auto normalized = NormalizeBackendConfig(c);
+    if (!normalized.ok()) return normalized.status();
+    configs.push_back(*normalized);
+  }
+  return configs;
+}
+
+struct RunArgs {
+  std::string model = "preset:tiny-moe";
+  int layers = 0;
+  uint64_t seed = 1;
+  std::vector<std::string> configs;
+  std::string workload = "prompt=64,output=16,batch=1,repeats=3,warmup=1";
+  std::string json_out;
+  std::string inject_fault;
+};
+
+int RunTrials(const RunArgs& args) {
+  auto workload = ParseWorkload(args.workload);
+  if (!workload.ok()) {
+    std::fprintf(stderr, "error: --workload: %s\n", std::string(workload.status().message()).c_str());
+    return 2;
+  }
+  if (auto fault = ParseFaultInjection(args.inject_fault); !fault.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(fault.status().message()).c_str());
+    return 2;
+  }
+  std::vector<BackendConfig> configs;
+  for (const std::string& text : args.configs.empty() ? std::vector<std::string>{"device=cpu"}
+                                                      : args.configs) {
+    auto expanded = ExpandConfigArg(text);
+    if (!expanded.ok()) {
+      std::fprintf(stderr, "error: --config %s: %s\n", text.c_str(),
+                   std::string(expanded.status().message()).c_str());
+      return 2;
+    }
+    configs.insert(configs.end(), expanded->begin(), expanded->end());
+  }
+  const LocalDevices devices = ProbeLocalDevices();
+  std::vector<std::string> header = {
+      absl::StrCat("infersweep run: model ", args.model,
+                   args.layers ? absl::StrCat(" (layers ", args.layers, ")") : "", ", ",
+                   configs.size(), " config(s)"),
+      absl::StrCat("devices: cpu", devices.gpu_count ? absl::StrCat(", ", devices.gpu_name, " sm_", devices.sm) : "",
+                   devices.has_cuda_build ? " (CUDA build)" : " (no CUDA in this build)"),
+      absl::StrCat("workload: prompt ", workload->prompt_len, " tokens, output ", workload->output_len,
+                   " tokens, repeats ", workload->repeats, " (median; spread on # lines), warmup ",
+                   workload->warmup, ", timeout ", workload->timeout_s, " s"),
+      "verdict: teacher-forced logits + free-running greedy vs the reference on the same weights",
+  };
+  if (!args.inject_fault.empty())
+    header.push_back("TEST-ONLY fault injected into every config under test: " + args.inject_fault);
+  std::fputs(FormatReportHeader(header).c_str(), stdout);
+  std::fputs(FormatColumnHeader().c_str(), stdout);
+  std::fflush(stdout);
+
+  TrialRunner runner;
+  nlohmann::json all = nlohmann::json::array();
+  int index = 0;
+  for (const BackendConfig& config : configs) {
+    TrialRequest request;
+    request.trial_id = absl::StrCat("local-", index++);
+    request.model = args.model;
+    request.layers = args.layers;
+    request.seed = args.seed;
+    request.config = config;
+    request.workload = *workload;
+    request.inject_fault = args.inject_fault;
+    const TrialResult result = runner.Run(request);
+    std::fputs(FormatResultRows(result).c_str(), stdout);
+    if (!result.stderr_tail.empty() && result.status != TrialStatus::kOk) {
+      std::string tail = result.stderr_tail;
+      if (tail.size() > 600) tail = "..." + tail.substr(tail.size() - 600);
+      for (absl::string_view line : absl::StrSplit(tail, '\n'))
+        std::printf("#   stderr: %s\n", std::string(line).c_str());
+    }
+    std::fflush(stdout);
+    all.push_back(ToJson(result));
+  }
+  if (!args.json_out.empty()) {
+    std::ofstream out(args.json_out);
+    out << nlohmann::json{{"schema", "infersweep.run/1"}, {"model", args.model},
+                          {"workload", ToJson(*workload)}, {"results", all}}
+               .dump(1)
+        << "\n";
+    if (!out) {
+      std::fprintf(stderr, "error: cannot write %s\n", args.json_out.c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddRunCommands(CLI::App& app) {
+  static RunArgs args;
+  CLI::App* run = app.add_subcommand("run", "run backend configs in isolated workers; judge and time them");
+  run->add_option("--model", args.model, "checkpoint folder or preset:NAME")->capture_default_str();
+  run->add_option("--layers", args.layers, "presets: override the layer count");
+  run->add_option("--seed", args.seed, "presets: synthetic weight seed")->capture_default_str();
+  run->add_option("--config", args.configs,
+                  "axis=value[|value...],... (repeatable; '|' alternatives expand to a matrix)");
+  run->add_option("--workload", args.workload,
+                  "prompt=N,output=N,batch=B1:B2,repeats=N,warmup=N,timeout=S")
+      ->capture_default_str();
+  run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
+  run->add_option("--test-inject-fault", args.inject_fault,
+                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, stuck-token:T, segv, abort, hang");
+  run->callback([] { std::exit(RunTrials(args)); });
+
+  CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");
+  worker->group("");  // hidden from --help
+  worker->callback([] { std::exit(WorkerMain()); });
+}
+
+}  // namespace infersweep::cli

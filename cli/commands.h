@@ -1,0 +1,13 @@
+// Subcommands of the `infersweep` binary, grouped by the module they drive.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace infersweep::cli {
+
+// logits, generate, demo: the engine's command-line contract (docs/CLI.md).
+void AddEngineCommands(CLI::App& app);
+// run (trials in isolated workers) and the hidden worker.
+void AddRunCommands(CLI::App& app);
+
+}  // namespace infersweep::cli

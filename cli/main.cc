@@ -1,0 +1,12 @@
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"infersweep: find which inference backends work on a GPU, and which are fastest"};
+  app.require_subcommand(1);
+  infersweep::cli::AddEngineCommands(app);
+  infersweep::cli::AddRunCommands(app);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}

@@ -1,0 +1,198 @@
+#include "engine/backend_config.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace infersweep {
+namespace {
+
+constexpr PrecisionClass kFp32 = PrecisionClass::kFp32;
+constexpr PrecisionClass kBf16 = PrecisionClass::kBf16;
+
+std::vector<BackendDescriptor> MakeRegistry() {
+  const std::vector<std::string> dense_formats = {"bf16", "f16", "f32"};
+  std::vector<BackendDescriptor> r;
+  // ---- CPU: the reference device; its axes run everywhere, CI included.
+  r.push_back({"device", "cpu", "cpu", 0, 0, false, {}, {}, kFp32, "host CPU, fp32 arithmetic"});
+  r.push_back({"matmul", "naive", "cpu", 0, 0, false, dense_formats, {}, kFp32,
+               "one dot product per output; the reference"});
+  r.push_back({"matmul", "blocked", "cpu", 0, 0, false, dense_formats, {}, kFp32,
+               "weight rows decoded once per block, 4 accumulators"});
+  for (const char* t : {"1", "2", "4", "8", "all"})
+    r.push_back({"threads", t, "cpu", 0, 0, false, {}, {}, kFp32, "worker threads"});
+  // ---- CUDA (docs/BACKENDS.md). sm ranges are inclusive; 0 means unbounded.
+  r.push_back({"device", "cuda", "cuda", 80, 0, true, {}, {}, kFp32, "one NVIDIA GPU"});
+  r.push_back({"gemm", "reference", "cuda", 80, 0, true, dense_formats, {}, kFp32,
+               "simple fp32-accumulate kernels: the GPU reference"});
+  r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, dense_formats, {}, kBf16,
+               "cuBLASLt bf16 tensor cores, fp32 accumulate"});
+  r.push_back({"gemm", "wgmma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
+               "hand-written Hopper wgmma + TMA kernel (sm_90a only)"});
+  r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
+               "materialised scores, fp32"});
+  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kBf16,
+               "tiled online softmax; split-KV decode"});
+  r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
+               "per-expert GEMMs, host sync to read routing"});
+  r.push_back({"moe", "grouped", "cuda", 80, 0, true, {}, {"graphs=on"}, kBf16,
+               "cuBLAS grouped GEMM over routed experts (host-built problem list)"});
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, {}, {}, kBf16,
+               "device-side routing, permutation and grouped GEMMs; no host sync"});
+  r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
+  r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32, "decode step captured in a CUDA graph"});
+  return r;
+}
+
+const BackendDescriptor* Find(std::string_view axis, std::string_view value) {
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.axis == axis && d.value == value) return &d;
+  return nullptr;
+}
+
+std::string SmName(int sm) { return absl::StrCat("sm_", sm); }
+
+}  // namespace
+
+const std::vector<BackendDescriptor>& BackendRegistry() {
+  static const std::vector<BackendDescriptor> registry = MakeRegistry();
+  return registry;
+}
+
+std::string_view PrecisionClassName(PrecisionClass p) {
+  switch (p) {
+    case PrecisionClass::kFp32:
+      return "fp32";
+    case PrecisionClass::kBf16:
+      return "bf16";
+    case PrecisionClass::kFp8:
+      return "fp8";
+    case PrecisionClass::kFp4:
+      return "fp4";
+  }
+  return "?";
+}
+
+std::string BackendConfigString(const BackendConfig& config) {
+  return absl::StrJoin(config, ",", absl::PairFormatter("="));
+}
+
+absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
+  BackendConfig config;
+  for (absl::string_view item : absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> kv = absl::StrSplit(item, '=');
+    if (kv.size() != 2 || absl::StripAsciiWhitespace(kv[0]).empty() ||
+        absl::StripAsciiWhitespace(kv[1]).empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("config item '", item, "' is not of the form axis=value"));
+    const std::string axis(absl::StripAsciiWhitespace(kv[0]));
+    if (config.count(axis))
+      return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "' given twice"));
+    config[axis] = std::string(absl::StripAsciiWhitespace(kv[1]));
+  }
+  return config;
+}
+
+std::map<std::string, std::string> DefaultAxes(std::string_view device) {
+  if (device == "cuda")  // the GPU reference: every axis at its most conservative value
+    return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"}, {"moe", "loop"},
+            {"graphs", "off"}};
+  return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
+}
+
+std::string ConfigDevice(const BackendConfig& config) {
+  auto it = config.find("device");
+  return it == config.end() ? "cpu" : it->second;
+}
+
+absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config) {
+  const std::string device = ConfigDevice(config);
+  if (!Find("device", device))
+    return absl::InvalidArgumentError(
+        absl::StrCat("config axis 'device': unknown value '", device, "' (known: cpu, cuda)"));
+  BackendConfig normalized = DefaultAxes(device);
+  for (const auto& [axis, value] : config) {
+    std::vector<std::string> known_values;
+    bool axis_on_device = false;
+    for (const BackendDescriptor& d : BackendRegistry()) {
+      if (d.axis != axis || d.device != device) continue;
+      axis_on_device = true;
+      known_values.push_back(d.value);
+    }
+    if (!axis_on_device) {
+      std::set<std::string> axes;
+      for (const BackendDescriptor& d : BackendRegistry())
+        if (d.device == device) axes.insert(d.axis);
+      return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "' is not an axis of ",
+                                                     device, " (known: ", absl::StrJoin(axes, ", "),
+                                                     ")"));
+    }
+    if (std::find(known_values.begin(), known_values.end(), value) == known_values.end())
+      return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "': unknown value '",
+                                                     value, "' (known: ",
+                                                     absl::StrJoin(known_values, ", "), ")"));
+    normalized[axis] = value;
+  }
+  return normalized;
+}
+
+PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& target) {
+  PreflightResult result;
+  auto unsupported = [&](std::string reason) {
+    result.supported = false;
+    result.reason = std::move(reason);
+    return result;
+  };
+  for (const auto& [axis, value] : config) {
+    const BackendDescriptor* d = Find(axis, value);
+    if (d == nullptr) return unsupported(absl::StrCat(axis, "=", value, " is not registered"));
+    const std::string name = absl::StrCat(axis, "=", value);
+    if (d->needs_cuda_build && !target.has_cuda_build)
+      return unsupported(absl::StrCat(name, " needs a build with CUDA backends"));
+    if (d->device == "cuda" && target.gpu_count == 0)
+      return unsupported(absl::StrCat(name, " needs a GPU; this host has none"));
+    if (d->device == "cuda" && d->min_sm > 0 && target.sm < d->min_sm)
+      return unsupported(absl::StrCat(name, " needs ", SmName(d->min_sm), " or newer; the GPU is ",
+                                      SmName(target.sm)));
+    if (d->device == "cuda" && d->max_sm > 0 && target.sm > d->max_sm)
+      return unsupported(absl::StrCat(name, " runs only up to ", SmName(d->max_sm),
+                                      " (arch-specific code); the GPU is ", SmName(target.sm)));
+    if (!d->weight_formats.empty() && !target.weight_format.empty() &&
+        std::find(d->weight_formats.begin(), d->weight_formats.end(), target.weight_format) ==
+            d->weight_formats.end())
+      return unsupported(absl::StrCat(name, " does not take ", target.weight_format,
+                                      " weights (takes ", absl::StrJoin(d->weight_formats, ", "),
+                                      ")"));
+    for (const std::string& conflict : d->conflicts) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(conflict, absl::MaxSplits('=', 1));
+      auto it = config.find(kv.first);
+      if (it != config.end() && it->second == kv.second)
+        return unsupported(absl::StrCat(name, " cannot be combined with ", conflict));
+    }
+    result.precision = std::max(result.precision, d->precision);
+  }
+  return result;
+}
+
+std::vector<BackendConfig> ExpandMatrix(
+    const std::map<std::string, std::vector<std::string>>& axes) {
+  std::vector<BackendConfig> out = {{}};
+  for (const auto& [axis, values] : axes) {
+    std::vector<BackendConfig> next;
+    next.reserve(out.size() * values.size());
+    for (const BackendConfig& partial : out)
+      for (const std::string& v : values) {
+        BackendConfig c = partial;
+        c[axis] = v;
+        next.push_back(std::move(c));
+      }
+    out = std::move(next);
+  }
+  return out;
+}
+
+}  // namespace infersweep

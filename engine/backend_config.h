@@ -1,0 +1,75 @@
+// Backend configurations: a map axis -> value (e.g. device=cuda,attention=flash,graphs=on), the
+// registry of every backend value with what it needs, and the preflight that judges a config
+// UNSUPPORTED before any weights load.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace infersweep {
+
+// Sorted by axis, so the canonical string is stable: "device=cpu,matmul=blocked,threads=2".
+using BackendConfig = std::map<std::string, std::string>;
+
+std::string BackendConfigString(const BackendConfig& config);
+// Parses "axis=value,axis=value". Errors name the offending item; duplicate axes are errors.
+absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text);
+
+// How close to the fp32 reference a backend is meant to be; sets the verdict thresholds.
+enum class PrecisionClass { kFp32, kBf16, kFp8, kFp4 };
+std::string_view PrecisionClassName(PrecisionClass p);
+
+// One value of one axis, and what it needs to run.
+struct BackendDescriptor {
+  std::string axis;
+  std::string value;
+  std::string device;  // "cpu" or "cuda"
+  // Inclusive SM range for cuda backends, e.g. {90, 90} for sm_90a-only code; 0 = unbounded.
+  int min_sm = 0;
+  int max_sm = 0;
+  bool needs_cuda_build = false;
+  std::vector<std::string> weight_formats;  // empty = any; else e.g. {"bf16","f16","f32"}
+  std::vector<std::string> conflicts;       // "axis=value" entries it cannot be combined with
+  PrecisionClass precision = PrecisionClass::kFp32;
+  std::string description;
+};
+
+// Every registered backend value, for every axis and device: the one table.
+const std::vector<BackendDescriptor>& BackendRegistry();
+
+// Axes of a device and their default values (what an absent axis means).
+std::map<std::string, std::string> DefaultAxes(std::string_view device);
+
+// The device a config targets ("cpu" when no device axis is given).
+std::string ConfigDevice(const BackendConfig& config);
+
+// Fills in defaults and rejects unknown axes or values (InvalidArgument naming the axis, the
+// value and the known values). Not an UNSUPPORTED judgement: a typo is the user's error.
+absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config);
+
+// What the machine and the model offer, for preflight.
+struct PreflightTarget {
+  bool has_cuda_build = false;
+  int sm = 0;                   // e.g. 90 for sm_90; 0 when there is no GPU
+  int gpu_count = 0;
+  std::string weight_format;    // "bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"
+};
+
+struct PreflightResult {
+  bool supported = true;
+  std::string reason;  // why not, when !supported
+  PrecisionClass precision = PrecisionClass::kFp32;  // the loosest class among its backends
+};
+
+// Judges a normalized config against the target without loading anything.
+PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget& target);
+
+// The cartesian product of per-axis value lists (each list non-empty), in a stable order.
+std::vector<BackendConfig> ExpandMatrix(const std::map<std::string, std::vector<std::string>>& axes);
+
+}  // namespace infersweep

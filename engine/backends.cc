@@ -1,0 +1,60 @@
+#include "engine/backends.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "engine/cpu_model.h"
+
+namespace infersweep {
+
+#ifndef INFERSWEEP_HAVE_CUDA
+LocalDevices ProbeLocalDevices() { return {}; }
+#endif
+
+std::string WeightFormat(const HostModel& model) {
+  for (const HostTensor& t : model.tensors) {
+    switch (t.dtype) {
+      case DType::kBF16:
+        return "bf16";
+      case DType::kF16:
+        return "f16";
+      case DType::kF32:
+        return "f32";
+      default:
+        break;
+    }
+  }
+  return "bf16";
+}
+
+PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel* model) {
+  PreflightTarget target;
+  target.has_cuda_build = devices.has_cuda_build;
+  target.gpu_count = devices.gpu_count;
+  target.sm = devices.sm;
+  if (model != nullptr) target.weight_format = WeightFormat(*model);
+  return target;
+}
+
+BackendConfig ReferenceConfigFor(const BackendConfig& normalized) {
+  return DefaultAxes(ConfigDevice(normalized));
+}
+
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(const HostModel& host,
+                                                   const BackendConfig& config,
+                                                   const FaultInjection& fault) {
+  const std::string device = ConfigDevice(config);
+  if (device == "cpu") {
+    CpuModelOptions options;
+    options.fault = fault;
+    options.matmul =
+        config.at("matmul") == "blocked" ? cpu::MatmulVariant::kBlocked : cpu::MatmulVariant::kNaive;
+    const std::string& threads = config.at("threads");
+    if (threads != "all" && !absl::SimpleAtoi(threads, &options.threads))
+      return absl::InvalidArgumentError(absl::StrCat("threads=", threads, " is not a number"));
+    return MakeCpuModel(host, options);
+  }
+  return absl::UnimplementedError(
+      absl::StrCat("device=", device, ": this build has no implementation for it yet"));
+}
+
+}  // namespace infersweep

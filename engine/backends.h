@@ -1,0 +1,41 @@
+// Turns a normalized backend config into a running Model on host weights: the one place that
+// maps registry entries to implementations.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "engine/backend_config.h"
+#include "engine/fault_injection.h"
+#include "engine/model.h"
+#include "engine/weights.h"
+
+namespace infersweep {
+
+// What this process can offer: whether CUDA backends were compiled in, and the first GPU.
+struct LocalDevices {
+  bool has_cuda_build = false;
+  int gpu_count = 0;
+  int sm = 0;
+  std::string gpu_name;
+  int64_t gpu_memory_bytes = 0;
+};
+LocalDevices ProbeLocalDevices();
+
+// "bf16", "f16" or "f32": the stored dtype of the model's linear weights.
+std::string WeightFormat(const HostModel& model);
+
+PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel* model);
+
+// The reference a config is judged against: the CPU reference for cpu configs, the GPU reference
+// (gemm=reference, attention=naive, moe=loop, graphs=off) for cuda configs.
+BackendConfig ReferenceConfigFor(const BackendConfig& normalized);
+
+// `host` must outlive the model. `fault` is TEST ONLY.
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(const HostModel& host,
+                                                   const BackendConfig& normalized,
+                                                   const FaultInjection& fault = {});
+
+}  // namespace infersweep

@@ -1,0 +1,363 @@
+#include "engine/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <optional>
+#include <set>
+#include <system_error>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace infersweep {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kIndexName[] = "model.safetensors.index.json";
+constexpr char kSingleName[] = "model.safetensors";
+
+std::string JoinPath(const std::string& dir, absl::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return absl::StrCat(dir, name);
+  return absl::StrCat(dir, "/", name);
+}
+
+std::string Basename(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// This abseil build's absl::string_view is not std::string_view; StrCat needs the former.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string FormatShape(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::Status Annotate(const absl::Status& s, absl::string_view prefix) {
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    const int err = errno;
+    return absl::Status(absl::ErrnoToStatusCode(err),
+                        absl::StrCat(path, ": cannot open: ", std::generic_category().message(err)));
+  }
+  std::string text;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return absl::DataLossError(absl::StrCat(path, ": read error"));
+  return text;
+}
+
+// A shard must live next to the index: no paths, no parent references, no embedded NULs.
+bool IsPlainFileName(const std::string& name) {
+  return !name.empty() && name != "." && name.find('/') == std::string::npos &&
+         name.find("..") == std::string::npos && name.find('\0') == std::string::npos;
+}
+
+// tensor name -> shard file name, from model.safetensors.index.json.
+absl::StatusOr<std::map<std::string, std::string>> ParseIndex(const std::string& text,
+                                                              const std::string& path) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": must be a JSON object, found ", root.type_name()));
+  }
+  const auto wm = root.find("weight_map");
+  if (wm == root.end() || !wm->is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": missing \"weight_map\" object"));
+  }
+  if (wm->empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": empty weight_map"));
+  std::map<std::string, std::string> out;
+  for (const auto& [tensor, shard] : wm->items()) {
+    if (!shard.is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map entry for '", tensor,
+                                                     "' must be a string, found ",
+                                                     shard.type_name()));
+    }
+    const std::string& file = shard.get_ref<const std::string&>();
+    if (!IsPlainFileName(file)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": weight_map entry for '", tensor,
+                                                     "' names shard '", file,
+                                                     "', which is not a plain file name"));
+    }
+    out.emplace(tensor, file);
+  }
+  return out;
+}
+
+// "model.layers.<L>.mlp.<rest>" split into "model.layers.<L>." and "<rest>".
+struct MlpName {
+  std::string layer_prefix;
+  std::string rest;
+};
+
+std::optional<MlpName> SplitMlpName(std::string_view name) {
+  constexpr std::string_view kLayers = "model.layers.";
+  if (!name.starts_with(kLayers)) return std::nullopt;
+  size_t i = kLayers.size();
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
+  if (i == kLayers.size() || !name.substr(i).starts_with(".mlp.")) return std::nullopt;
+  return MlpName{std::string(name.substr(0, i + 1)), std::string(name.substr(i + 5))};
+}
+
+enum class Proj { kGate, kUp, kDown };
+
+// "experts.<E>.<proj>_proj.weight" split into expert index and projection.
+struct ExpertName {
+  int expert = 0;
+  Proj proj = Proj::kGate;
+};
+
+std::optional<ExpertName> ParseExpertName(std::string_view rest) {
+  constexpr std::string_view kExperts = "experts.";
+  if (!rest.starts_with(kExperts)) return std::nullopt;
+  size_t i = kExperts.size();
+  int64_t e = 0;
+  while (i < rest.size() && rest[i] >= '0' && rest[i] <= '9') {
+    e = e * 10 + (rest[i] - '0');
+    if (e > (1 << 30)) return std::nullopt;
+    ++i;
+  }
+  if (i == kExperts.size()) return std::nullopt;
+  const std::string_view tail = rest.substr(i);
+  ExpertName out;
+  out.expert = static_cast<int>(e);
+  if (tail == ".gate_proj.weight") {
+    out.proj = Proj::kGate;
+  } else if (tail == ".up_proj.weight") {
+    out.proj = Proj::kUp;
+  } else if (tail == ".down_proj.weight") {
+    out.proj = Proj::kDown;
+  } else {
+    return std::nullopt;
+  }
+  return out;
+}
+
+// Mixtral's per-expert names: w1 = gate, w3 = up, w2 = down.
+const char* MixtralWeight(Proj p) {
+  switch (p) {
+    case Proj::kGate:
+      return "w1";
+    case Proj::kUp:
+      return "w3";
+    case Proj::kDown:
+      return "w2";
+  }
+  return "";
+}
+
+bool SupportedDType(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
+
+// "" when the disk name is the canonical one, else " (for 'canonical')" so messages show both.
+std::string ForCanonical(const std::string& disk, const std::string& canonical) {
+  if (disk == canonical) return "";
+  return absl::StrCat(" (for '", canonical, "')");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+
+  auto ckpt = std::make_unique<Checkpoint>();
+  ckpt->dir_ = dir;
+  ckpt->config_ = *std::move(config);
+
+  // Maps every tensor of files_[i], rejecting a name that a second file also holds.
+  auto index_file = [&ckpt](size_t i) -> absl::Status {
+    const SafetensorsFile& f = *ckpt->files_[i];
+    for (const SafetensorsEntry& t : f.header().tensors) {
+      const auto [it, inserted] = ckpt->tensor_file_.emplace(t.name, i);
+      if (!inserted) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", t.name, "' is in two shards: ",
+                         Basename(ckpt->files_[it->second]->path()), " and ", Basename(f.path())));
+      }
+    }
+    return absl::OkStatus();
+  };
+
+  const std::string index_path = JoinPath(dir, kIndexName);
+  if (PathExists(index_path)) {
+    absl::StatusOr<std::string> text = ReadTextFile(index_path);
+    if (!text.ok()) return text.status();
+    absl::StatusOr<std::map<std::string, std::string>> weight_map = ParseIndex(*text, index_path);
+    if (!weight_map.ok()) return weight_map.status();
+
+    // Open each distinct shard once, in name order so errors are deterministic.
+    std::map<std::string, size_t> shard_slot;
+    for (const auto& [tensor, shard] : *weight_map) shard_slot.emplace(shard, 0);
+    for (auto& [shard, slot] : shard_slot) {
+      absl::StatusOr<std::unique_ptr<SafetensorsFile>> f =
+          SafetensorsFile::Open(JoinPath(dir, shard));
+      if (!f.ok()) {
+        return Annotate(f.status(), absl::StrCat(kIndexName, " lists shard '", shard, "': "));
+      }
+      slot = ckpt->files_.size();
+      ckpt->files_.push_back(*std::move(f));
+      if (absl::Status s = index_file(slot); !s.ok()) return Annotate(s, absl::StrCat(dir, ": "));
+    }
+    // Every tensor the index promises must really be in the shard it names.
+    for (const auto& [tensor, shard] : *weight_map) {
+      const auto it = ckpt->tensor_file_.find(tensor);
+      if (it == ckpt->tensor_file_.end() || it->second != shard_slot.at(shard)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, " maps tensor '", tensor, "' to shard '", shard,
+                         "', but that shard has no such tensor"));
+      }
+    }
+    return ckpt;
+  }
+
+  const std::string single_path = JoinPath(dir, kSingleName);
+  if (!PathExists(single_path)) {
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no ", kSingleName, " or ", kIndexName, " in this folder"));
+  }
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single_path);
+  if (!f.ok()) return f.status();
+  ckpt->files_.push_back(*std::move(f));
+  if (absl::Status s = index_file(0); !s.ok()) return s;
+  return ckpt;
+}
+
+absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
+    const std::vector<TensorSpec>& specs) const {
+  struct Hit {
+    const SafetensorsFile* file = nullptr;
+    const SafetensorsEntry* entry = nullptr;
+  };
+  auto find = [this](const std::string& disk_name) -> Hit {
+    const auto it = tensor_file_.find(disk_name);
+    if (it == tensor_file_.end()) return {};
+    const SafetensorsFile* f = files_[it->second].get();
+    return {f, f->Find(disk_name)};
+  };
+  auto check_dtype = [](const Hit& hit, const std::string& canonical) -> absl::Status {
+    if (SupportedDType(hit.entry->dtype)) return absl::OkStatus();
+    return absl::UnimplementedError(absl::StrCat(
+        Basename(hit.file->path()), ": tensor '", hit.entry->name, "'",
+        ForCanonical(hit.entry->name, canonical), ": dtype ", Sv(DTypeName(hit.entry->dtype)),
+        " not supported yet (F32, F16 or BF16 only)"));
+  };
+  const bool mixtral = config_.arch == ModelArch::kMixtral;
+
+  std::vector<HostTensor> out;
+  out.reserve(specs.size());
+  for (const TensorSpec& spec : specs) {
+    const std::optional<MlpName> mlp = SplitMlpName(spec.name);
+    // Plain values rather than an optional: GCC 12 misreads the optional as maybe-uninitialized.
+    bool is_expert = false;
+    ExpertName expert;
+    if (mlp) {
+      if (const std::optional<ExpertName> e = ParseExpertName(mlp->rest)) {
+        is_expert = true;
+        expert = *e;
+      }
+    }
+
+    // Names whose tensor is exactly the spec's tensor, most canonical first.
+    std::vector<std::string> direct = {spec.name};
+    if (mixtral && mlp) {
+      if (mlp->rest == "gate.weight") {
+        direct.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.gate.weight"));
+      } else if (is_expert) {
+        const std::string w = absl::StrCat(expert.expert, ".", MixtralWeight(expert.proj));
+        direct.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts.", w, ".weight"));
+        direct.push_back(absl::StrCat(mlp->layer_prefix, "mlp.experts.", w, ".weight"));
+      }
+    }
+    if (spec.name == "lm_head.weight" && config_.tie_word_embeddings) {
+      direct.push_back("model.embed_tokens.weight");
+    }
+    // transformers 5 stores all experts of a layer in one tensor; the spec is a slice of it.
+    std::vector<std::string> fused;
+    if (is_expert && config_.is_moe() && spec.shape.size() == 2) {
+      const char* which = expert.proj == Proj::kDown ? "down_proj" : "gate_up_proj";
+      std::vector<std::string> parents = {absl::StrCat(mlp->layer_prefix, "mlp.experts.")};
+      if (mixtral) parents.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts."));
+      for (const std::string& p : parents) {
+        fused.push_back(absl::StrCat(p, which));
+        fused.push_back(absl::StrCat(p, which, ".weight"));
+      }
+    }
+
+    bool resolved = false;
+    for (const std::string& name : direct) {
+      const Hit hit = find(name);
+      if (hit.entry == nullptr) continue;
+      if (absl::Status s = check_dtype(hit, spec.name); !s.ok()) return s;
+      if (hit.entry->shape != spec.shape) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            Basename(hit.file->path()), ": tensor '", name, "'", ForCanonical(name, spec.name),
+            " has shape ", FormatShape(hit.entry->shape), ", expected ",
+            FormatShape(spec.shape)));
+      }
+      out.push_back({spec.name, absl::StrCat(Basename(hit.file->path()), ":", name),
+                     hit.entry->dtype, spec.shape, hit.file->Data(*hit.entry)});
+      resolved = true;
+      break;
+    }
+    for (size_t k = 0; !resolved && k < fused.size(); ++k) {
+      const std::string& name = fused[k];
+      const Hit hit = find(name);
+      if (hit.entry == nullptr) continue;
+      if (absl::Status s = check_dtype(hit, spec.name); !s.ok()) return s;
+      // gate_up_proj: [E, 2*I, H], gate rows first; down_proj: [E, H, I].
+      const int64_t rows = spec.shape[0];
+      const int64_t cols = spec.shape[1];
+      const std::vector<int64_t> want =
+          expert.proj == Proj::kDown
+              ? std::vector<int64_t>{config_.num_experts, rows, cols}
+              : std::vector<int64_t>{config_.num_experts, 2 * rows, cols};
+      if (hit.entry->shape != want || expert.expert >= config_.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            Basename(hit.file->path()), ": fused tensor '", name, "' (for '", spec.name,
+            "') has shape ", FormatShape(hit.entry->shape), ", expected ", FormatShape(want),
+            expert.proj == Proj::kDown ? " [experts, hidden, intermediate]"
+                                        : " [experts, 2 * intermediate, hidden]"));
+      }
+      // Offsets stay inside the tensor: expert < shape[0] and the shape matched exactly.
+      int64_t offset = expert.expert * want[1] * want[2];
+      if (expert.proj == Proj::kUp) offset += rows * cols;
+      const uint8_t* base = hit.file->Data(*hit.entry);
+      out.push_back({spec.name, absl::StrCat(Basename(hit.file->path()), ":", name),
+                     hit.entry->dtype, spec.shape,
+                     base + offset * DTypeSize(hit.entry->dtype)});
+      resolved = true;
+    }
+    if (!resolved) {
+      std::vector<std::string> tried = direct;
+      tried.insert(tried.end(), fused.begin(), fused.end());
+      return absl::NotFoundError(absl::StrCat("tensor '", spec.name, "' not found in ", dir_,
+                                              " (tried: ", absl::StrJoin(tried, ", "), ")"));
+    }
+  }
+  return out;
+}
+
+}  // namespace infersweep

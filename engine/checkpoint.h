@@ -1,0 +1,48 @@
+// HF checkpoint folders: config.json plus model.safetensors or shards listed in
+// model.safetensors.index.json, memory-mapped, with every tensor checked before use.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/dtype.h"
+#include "engine/model_config.h"
+#include "engine/safetensors.h"
+#include "engine/tensor_spec.h"
+
+namespace infersweep {
+
+// A view of one weight inside a mapped file (or inside memory owned by whoever made it).
+struct HostTensor {
+  std::string name;      // canonical name (TensorSpec::name)
+  std::string source;    // "<file>:<tensor name on disk>" for messages
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+
+class Checkpoint {
+ public:
+  // Opens <dir>/config.json and the safetensors file(s); validates every file header.
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+
+  // Finds each spec's tensor under the architecture's on-disk names (per-expert Hub layout,
+  // Mixtral w1/w2/w3, transformers 5 fused `experts.gate_up_proj`/`experts.down_proj`, tied
+  // lm_head), and checks dtype (F32, F16 or BF16) and shape. Returns views in spec order.
+  // Errors name the file and the tensor.
+  absl::StatusOr<std::vector<HostTensor>> Resolve(const std::vector<TensorSpec>& specs) const;
+
+ private:
+  std::string dir_;
+  ModelConfig config_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  // on-disk tensor name -> index into files_
+  std::map<std::string, size_t, std::less<>> tensor_file_;
+};
+
+}  // namespace infersweep

@@ -1,0 +1,212 @@
+#include "engine/cpu_model.h"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/routing.h"
+
+namespace infersweep {
+namespace {
+
+class CpuModel final : public Model {
+ public:
+  CpuModel(const HostModel& host, const CpuModelOptions& options)
+      : config_(host.config), w_(host.weights), options_(options), fault_(options.fault) {
+    cpu::SetNumThreads(options.threads);
+  }
+
+  const ModelConfig& config() const override { return config_; }
+  std::string device() const override { return "cpu"; }
+  int position() const override { return position_; }
+
+  absl::Status StartBatch(int batch, int max_tokens) override {
+    if (batch <= 0 || max_tokens <= 0)
+      return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
+    batch_ = batch;
+    capacity_ = max_tokens;
+    position_ = 0;
+    const size_t per_layer = static_cast<size_t>(batch) * max_tokens * config_.kv_dim();
+    k_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
+    v_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
+      return s;
+    MaybeCommitProcessFault(options_.fault);
+    const int64_t rows = static_cast<int64_t>(batch_) * n;
+    const int64_t hidden = config_.hidden_size;
+    std::vector<float> x(rows * hidden);
+    for (int64_t r = 0; r < rows; ++r) cpu::DecodeRow(w_.embed, tokens[r], x.data() + r * hidden);
+
+    for (int l = 0; l < config_.num_layers; ++l) {
+      Attention(l, n, x);
+      FeedForward(l, rows, x);
+      if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
+        x[0] = std::numeric_limits<float>::quiet_NaN();
+    }
+
+    // Final norm and lm_head on the rows whose logits were asked for.
+    std::vector<float> picked;
+    int64_t out_rows = rows;
+    if (mode == LogitsMode::kAll) {
+      picked = std::move(x);
+    } else {
+      out_rows = batch_;
+      picked.resize(out_rows * hidden);
+      for (int b = 0; b < batch_; ++b)
+        std::copy_n(x.data() + (static_cast<int64_t>(b) * n + n - 1) * hidden, hidden,
+                    picked.data() + b * hidden);
+    }
+    cpu::RmsNorm(picked.data(), out_rows, hidden, w_.final_norm, config_.rms_norm_eps,
+                 picked.data());
+    logits->resize(out_rows * config_.vocab_size);
+    cpu::Matmul(options_.matmul, picked.data(), out_rows, w_.lm_head, {}, logits->data());
+    if (fault_.kind == FaultInjection::Kind::kStuckToken) {
+      const int vocab = config_.vocab_size, stuck = static_cast<int>(fault_.value) % vocab;
+      for (int64_t r = 0; r < out_rows; ++r) {
+        float* row = logits->data() + r * vocab;
+        row[stuck] = *std::max_element(row, row + vocab) + 1.f;
+      }
+    }
+    position_ += n;
+    return absl::OkStatus();
+  }
+
+ private:
+  // x += o_proj(attention(q, k, v)) for every row; appends this step's k and v to the cache.
+  void Attention(int l, int n, std::vector<float>& x) {
+    const LayerWeights& lw = w_.layers[l];
+    const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
+    const int64_t q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
+    const int head_dim = config_.head_dim;
+    std::vector<float> xn(rows * hidden), q(rows * q_dim), k(rows * kv_dim), v(rows * kv_dim);
+    cpu::RmsNorm(x.data(), rows, hidden, lw.input_norm, config_.rms_norm_eps, xn.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, lw.q, lw.q_bias, q.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, lw.k, lw.k_bias, k.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, lw.v, lw.v_bias, v.data());
+
+    float* k_cache = k_cache_[l].data();
+    float* v_cache = v_cache_[l].data();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / n, pos = position_ + r % n;
+      float* qr = q.data() + r * q_dim;
+      float* kr = k.data() + r * kv_dim;
+      if (config_.qk_norm) {
+        cpu::RmsNorm(qr, config_.num_q_heads, head_dim, lw.q_norm, config_.rms_norm_eps, qr);
+        cpu::RmsNorm(kr, config_.num_kv_heads, head_dim, lw.k_norm, config_.rms_norm_eps, kr);
+      }
+      for (int h = 0; h < config_.num_q_heads; ++h)
+        cpu::ApplyRope(qr + h * head_dim, head_dim, pos, config_.rope_theta);
+      for (int h = 0; h < config_.num_kv_heads; ++h)
+        cpu::ApplyRope(kr + h * head_dim, head_dim, pos, config_.rope_theta);
+      const int64_t slot = (b * capacity_ + pos) * kv_dim;
+      std::copy_n(kr, kv_dim, k_cache + slot);
+      std::copy_n(v.data() + r * kv_dim, kv_dim, v_cache + slot);
+    }
+
+    std::vector<float> attn(rows * q_dim);
+    cpu::ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(capacity_);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / n, pos = position_ + r % n;
+        const int64_t base = b * capacity_ * kv_dim;
+        cpu::AttendCausal(q.data() + r * q_dim, k_cache + base, v_cache + base, pos,
+                          config_.num_q_heads, config_.num_kv_heads, head_dim, scores.data(),
+                          attn.data() + r * q_dim);
+      }
+    });
+    std::vector<float> o(rows * hidden);
+    cpu::Matmul(options_.matmul, attn.data(), rows, lw.o, lw.o_bias, o.data());
+    const float scale = (fault_.kind == FaultInjection::Kind::kBadScale && l == 0)
+                            ? static_cast<float>(fault_.value)
+                            : 1.f;
+    for (int64_t i = 0; i < rows * hidden; ++i) x[i] += scale * o[i];
+  }
+
+  // y = down(silu(gate(x)) * up(x)) for `rows` rows of x.
+  void GatedMlp(const ExpertWeights& e, const float* in, int64_t rows, float* y) {
+    const int64_t inter = e.gate.rows;
+    std::vector<float> g(rows * inter), u(rows * inter);
+    cpu::Matmul(options_.matmul, in, rows, e.gate, {}, g.data());
+    cpu::Matmul(options_.matmul, in, rows, e.up, {}, u.data());
+    cpu::SiluMul(g.data(), u.data(), rows * inter, g.data());
+    cpu::Matmul(options_.matmul, g.data(), rows, e.down, {}, y);
+  }
+
+  // x += mlp(post_attention_norm(x)): the dense MLP, or routed experts (+ gated shared expert).
+  void FeedForward(int l, int64_t rows, std::vector<float>& x) {
+    const LayerWeights& lw = w_.layers[l];
+    const int64_t hidden = config_.hidden_size;
+    std::vector<float> xn(rows * hidden), y(rows * hidden, 0.f);
+    cpu::RmsNorm(x.data(), rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn.data());
+    if (!config_.IsMoeLayer(l)) {
+      GatedMlp(lw.mlp, xn.data(), rows, y.data());
+    } else {
+      MoeExperts(lw, xn, rows, y);
+    }
+    for (int64_t i = 0; i < rows * hidden; ++i) x[i] += y[i];
+  }
+
+  void MoeExperts(const LayerWeights& lw, const std::vector<float>& xn, int64_t rows,
+                  std::vector<float>& y) {
+    const int64_t hidden = config_.hidden_size;
+    const int num_experts = config_.num_experts, top_k = config_.num_experts_per_tok;
+    std::vector<float> router_logits(rows * num_experts);
+    cpu::Matmul(options_.matmul, xn.data(), rows, lw.router, {}, router_logits.data());
+    // Per expert: the rows routed to it and their routing weights.
+    std::vector<std::vector<std::pair<int64_t, float>>> assigned(num_experts);
+    std::vector<int> chosen(top_k);
+    std::vector<float> weights(top_k);
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::TopKRouting(router_logits.data() + r * num_experts, num_experts, top_k,
+                       config_.norm_topk_prob, chosen.data(), weights.data());
+      for (int i = 0; i < top_k; ++i) assigned[chosen[i]].push_back({r, weights[i]});
+    }
+    for (int e = 0; e < num_experts; ++e) {
+      const auto& routed = assigned[e];
+      if (routed.empty()) continue;
+      if (fault_.kind == FaultInjection::Kind::kZeroExpert && e == static_cast<int>(fault_.value))
+        continue;
+      const int64_t m = static_cast<int64_t>(routed.size());
+      std::vector<float> in(m * hidden), out(m * hidden);
+      for (int64_t i = 0; i < m; ++i)
+        std::copy_n(xn.data() + routed[i].first * hidden, hidden, in.data() + i * hidden);
+      GatedMlp(lw.experts[e], in.data(), m, out.data());
+      for (int64_t i = 0; i < m; ++i) {
+        float* yr = y.data() + routed[i].first * hidden;
+        for (int64_t j = 0; j < hidden; ++j) yr[j] += routed[i].second * out[i * hidden + j];
+      }
+    }
+    if (!lw.shared_expert.gate.empty()) {
+      std::vector<float> shared(rows * hidden), gate(rows);
+      GatedMlp(lw.shared_expert, xn.data(), rows, shared.data());
+      cpu::Matmul(options_.matmul, xn.data(), rows, lw.shared_expert_gate, {}, gate.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const float s = cpu::Sigmoid(gate[r]);
+        for (int64_t j = 0; j < hidden; ++j) y[r * hidden + j] += s * shared[r * hidden + j];
+      }
+    }
+  }
+
+  const ModelConfig& config_;
+  const ModelWeights& w_;
+  CpuModelOptions options_;
+  const FaultInjection fault_;
+  int batch_ = 0, capacity_ = 0, position_ = 0;
+  std::vector<std::vector<float>> k_cache_, v_cache_;  // [layer][batch, capacity, kv_dim]
+};
+
+}  // namespace
+
+std::unique_ptr<Model> MakeCpuModel(const HostModel& weights, const CpuModelOptions& options) {
+  return std::make_unique<CpuModel>(weights, options);
+}
+
+}  // namespace infersweep

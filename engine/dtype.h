@@ -1,0 +1,83 @@
+// Element types of checkpoint tensors and the exact conversions the reference needs.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string_view>
+
+#if defined(__CUDACC__)
+#define INFERSWEEP_HD __host__ __device__ __forceinline__
+#else
+#define INFERSWEEP_HD inline
+#endif
+
+namespace infersweep {
+
+enum class DType : uint8_t { kF32, kF16, kBF16, kF8E4M3, kU8, kI8, kI32, kI64, kBool };
+
+// Size of one element in bytes.
+constexpr int DTypeSize(DType t) {
+  switch (t) {
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kI64:
+      return 8;
+    default:
+      return 1;
+  }
+}
+
+// Safetensors spelling ("F32", "BF16", ...).
+std::string_view DTypeName(DType t);
+std::optional<DType> DTypeFromSafetensorsName(std::string_view name);
+
+INFERSWEEP_HD float Bf16ToFloat(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN stays NaN (quiet).
+INFERSWEEP_HD uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// IEEE half to float, exact for every input (subnormals included).
+INFERSWEEP_HD float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      mant &= 0x3ffu;
+      u = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace infersweep

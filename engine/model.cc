@@ -1,0 +1,25 @@
+#include "engine/model.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace infersweep {
+
+absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capacity, int position,
+                                 std::span<const int32_t> tokens, int n) {
+  if (batch <= 0) return absl::FailedPreconditionError("Forward before StartBatch");
+  if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("Forward: n must be > 0, got ", n));
+  if (tokens.size() != static_cast<size_t>(batch) * n)
+    return absl::InvalidArgumentError(absl::StrCat("Forward: got ", tokens.size(),
+                                                   " tokens, expected batch ", batch, " x ", n));
+  if (position + n > capacity)
+    return absl::OutOfRangeError(absl::StrCat("Forward: ", position, " + ", n,
+                                              " tokens exceed the batch's max_tokens ", capacity));
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= config.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " at index ", i,
+                                                     " outside vocabulary [0, ", config.vocab_size,
+                                                     ")"));
+  return absl::OkStatus();
+}
+
+}  // namespace infersweep

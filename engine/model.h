@@ -1,0 +1,44 @@
+// The engine's device-independent interface: a batch of sequences advancing in lockstep.
+//
+// Every backend (the CPU reference, the GPU reference, the fast GPU configs) implements this, so
+// the harness can drive and compare them identically.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/model_config.h"
+
+namespace infersweep {
+
+enum class LogitsMode {
+  kLast,  // logits of each sequence's last fed token: [batch, vocab]
+  kAll,   // logits of every fed token: [batch, n, vocab]
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  // "cpu" or "cuda:<ordinal>".
+  virtual std::string device() const = 0;
+
+  // Starts `batch` empty sequences, each with room for `max_tokens` tokens.
+  virtual absl::Status StartBatch(int batch, int max_tokens) = 0;
+  // Feeds `n` tokens to every sequence (tokens is [batch, n], row-major), appending to the KV
+  // cache, and returns float32 logits on the host.
+  virtual absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                               std::vector<float>* logits) = 0;
+  // Tokens already fed to each sequence of the current batch.
+  virtual int position() const = 0;
+};
+
+// Checks the arguments every Forward implementation must check (batch started, shape, id range,
+// capacity). `capacity` is the max_tokens of the current batch.
+absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capacity, int position,
+                                 std::span<const int32_t> tokens, int n);
+
+}  // namespace infersweep

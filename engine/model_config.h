@@ -1,0 +1,72 @@
+// Model architecture description, read from an HF config.json or from a named synthetic preset.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace infersweep {
+
+enum class ModelArch { kLlama, kQwen3, kQwen2Moe, kQwen3Moe, kMixtral };
+
+// HF `model_type` spelling of an architecture.
+std::string_view ModelArchName(ModelArch arch);
+
+struct ModelConfig {
+  ModelArch arch = ModelArch::kLlama;
+  std::string model_type;  // as in config.json
+
+  int hidden_size = 0;
+  int num_layers = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;           // explicit `head_dim`, else hidden_size / num_q_heads
+  int intermediate_size = 0;  // dense MLP width (dense layers of MoE models too)
+  int vocab_size = 0;
+  int max_position_embeddings = 0;
+  float rms_norm_eps = 1e-6f;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v projections carry a bias (qwen2_moe always; llama if set)
+  bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (qwen3, qwen3_moe)
+
+  // Mixture of experts. num_experts == 0 means a dense model.
+  int num_experts = 0;
+  int num_experts_per_tok = 0;
+  int moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;
+  int shared_expert_intermediate_size = 0;  // > 0: a shared expert gated by sigmoid(shared_expert_gate(x))
+
+  std::string torch_dtype = "bfloat16";  // `torch_dtype` or `dtype`
+
+  bool is_moe() const { return num_experts > 0; }
+  // True when layer `layer` uses the sparse MoE block rather than the dense MLP.
+  bool IsMoeLayer(int layer) const;
+  int q_dim() const { return num_q_heads * head_dim; }
+  int kv_dim() const { return num_kv_heads * head_dim; }
+
+  // Total and per-token-active parameter counts (embeddings and lm_head included).
+  int64_t TotalParams() const;
+  int64_t ActiveParams() const;
+};
+
+// Parses the text of a config.json. `source` names the file in error messages.
+// Accepts transformers 4.x and 5.x spellings (see docs/MODELS.md).
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source);
+
+// Reads <dir>/config.json.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
+
+// Synthetic presets at real shapes: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, tiny-moe,
+// tiny-dense. num_layers_override > 0 truncates (or extends) the layer count.
+absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override = 0);
+std::vector<std::string> PresetNames();
+
+// Checks internal consistency (positive sizes, heads divide, top-k <= experts, ...).
+absl::Status ValidateModelConfig(const ModelConfig& config, std::string_view source);
+
+}  // namespace infersweep

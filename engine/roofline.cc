@@ -1,0 +1,39 @@
+#include "engine/roofline.h"
+
+#include <cmath>
+
+namespace infersweep {
+
+DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t context,
+                                 double bytes_per_weight, double bytes_per_kv_element) {
+  const double h = c.hidden_size;
+  const double attention = h * c.q_dim() * 2 + h * c.kv_dim() * 2;  // q, o and k, v
+  double per_layer_sum = 0, distinct = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    double layer = attention;
+    if (c.IsMoeLayer(l)) {
+      const double e = c.num_experts, k = c.num_experts_per_tok;
+      distinct = e * (1.0 - std::pow(1.0 - k / e, batch));
+      layer += e * h + distinct * 3.0 * h * c.moe_intermediate_size;
+      if (c.shared_expert_intermediate_size > 0)
+        layer += 3.0 * h * c.shared_expert_intermediate_size + h;
+    } else {
+      layer += 3.0 * h * c.intermediate_size;
+    }
+    per_layer_sum += layer;
+  }
+  DecodeTraffic t;
+  t.distinct_experts_per_layer = distinct;
+  t.weight_bytes = (per_layer_sum + static_cast<double>(c.vocab_size) * h) * bytes_per_weight;
+  t.kv_bytes = 2.0 * c.num_layers * c.kv_dim() * static_cast<double>(context) * batch *
+               bytes_per_kv_element;
+  return t;
+}
+
+std::optional<double> KnownReadBandwidthGbs(std::string_view device_name) {
+  // Measured on the lent H200 (device-to-device read, docs/PERFORMANCE.md).
+  if (device_name.find("H200") != std::string_view::npos) return 4460.0;
+  return std::nullopt;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,28 @@
+// Memory-bound decode roofline (docs/METRICS.md): the bytes one decode step must read.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "engine/model_config.h"
+
+namespace infersweep {
+
+struct DecodeTraffic {
+  double weight_bytes = 0;  // attention + router + dense MLPs + distinct experts + lm_head
+  double kv_bytes = 0;      // K and V read for every sequence at `context` tokens
+  double distinct_experts_per_layer = 0;
+  double total() const { return weight_bytes + kv_bytes; }
+};
+
+// One decode step for `batch` sequences at `context` tokens each. Distinct experts touched at
+// batch B: E * (1 - (1 - k/E)^B) (uniform routing).
+DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t context,
+                                 double bytes_per_weight, double bytes_per_kv_element);
+
+// Measured read bandwidth of known devices in GB/s (docs/PERFORMANCE.md), by GPU name substring;
+// nullopt when unknown (the CPU, unlisted GPUs).
+std::optional<double> KnownReadBandwidthGbs(std::string_view device_name);
+
+}  // namespace infersweep

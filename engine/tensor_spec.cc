@@ -1,0 +1,71 @@
+#include "engine/tensor_spec.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace infersweep {
+namespace {
+
+void AddLinear(std::vector<TensorSpec>& specs, std::string name, int64_t out, int64_t in,
+               int layer, int expert = -1) {
+  specs.push_back({std::move(name), {out, in}, WeightKind::kLinear, layer, expert, in});
+}
+
+void AddVector(std::vector<TensorSpec>& specs, std::string name, int64_t n, WeightKind kind,
+               int layer) {
+  specs.push_back({std::move(name), {n}, kind, layer, -1, 0});
+}
+
+}  // namespace
+
+std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& c) {
+  std::vector<TensorSpec> specs;
+  const int64_t hidden = c.hidden_size;
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, WeightKind::kEmbedding,
+                   -1, -1, hidden});
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    AddVector(specs, p + "input_layernorm.weight", hidden, WeightKind::kNorm, l);
+    AddLinear(specs, p + "self_attn.q_proj.weight", c.q_dim(), hidden, l);
+    AddLinear(specs, p + "self_attn.k_proj.weight", c.kv_dim(), hidden, l);
+    AddLinear(specs, p + "self_attn.v_proj.weight", c.kv_dim(), hidden, l);
+    if (c.attention_bias) {
+      AddVector(specs, p + "self_attn.q_proj.bias", c.q_dim(), WeightKind::kBias, l);
+      AddVector(specs, p + "self_attn.k_proj.bias", c.kv_dim(), WeightKind::kBias, l);
+      AddVector(specs, p + "self_attn.v_proj.bias", c.kv_dim(), WeightKind::kBias, l);
+    }
+    if (c.qk_norm) {
+      AddVector(specs, p + "self_attn.q_norm.weight", c.head_dim, WeightKind::kNorm, l);
+      AddVector(specs, p + "self_attn.k_norm.weight", c.head_dim, WeightKind::kNorm, l);
+    }
+    AddLinear(specs, p + "self_attn.o_proj.weight", hidden, c.q_dim(), l);
+    if (c.attention_bias && c.arch != ModelArch::kQwen2Moe)  // Qwen2's o_proj has no bias
+      AddVector(specs, p + "self_attn.o_proj.bias", hidden, WeightKind::kBias, l);
+    AddVector(specs, p + "post_attention_layernorm.weight", hidden, WeightKind::kNorm, l);
+    if (c.IsMoeLayer(l)) {
+      specs.push_back({p + "mlp.gate.weight", {c.num_experts, hidden}, WeightKind::kRouter, l, -1,
+                       hidden});
+      for (int e = 0; e < c.num_experts; ++e) {
+        const std::string ep = absl::StrCat(p, "mlp.experts.", e, ".");
+        AddLinear(specs, ep + "gate_proj.weight", c.moe_intermediate_size, hidden, l, e);
+        AddLinear(specs, ep + "up_proj.weight", c.moe_intermediate_size, hidden, l, e);
+        AddLinear(specs, ep + "down_proj.weight", hidden, c.moe_intermediate_size, l, e);
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        const int64_t si = c.shared_expert_intermediate_size;
+        AddLinear(specs, p + "mlp.shared_expert.gate_proj.weight", si, hidden, l);
+        AddLinear(specs, p + "mlp.shared_expert.up_proj.weight", si, hidden, l);
+        AddLinear(specs, p + "mlp.shared_expert.down_proj.weight", hidden, si, l);
+        AddLinear(specs, p + "mlp.shared_expert_gate.weight", 1, hidden, l);
+      }
+    } else {
+      AddLinear(specs, p + "mlp.gate_proj.weight", c.intermediate_size, hidden, l);
+      AddLinear(specs, p + "mlp.up_proj.weight", c.intermediate_size, hidden, l);
+      AddLinear(specs, p + "mlp.down_proj.weight", hidden, c.intermediate_size, l);
+    }
+  }
+  AddVector(specs, "model.norm.weight", hidden, WeightKind::kNorm, -1);
+  AddLinear(specs, "lm_head.weight", c.vocab_size, hidden, -1);
+  return specs;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,130 @@
+#include "harness/executor.h"
+
+#include <sys/resource.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/roofline.h"
+
+namespace infersweep {
+namespace {
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+}  // namespace
+
+std::string EngineVersion() { return "infersweep-0.1.0"; }
+
+TrialExecutor::TrialExecutor(LocalDevices devices, EvalSpec eval)
+    : devices_(std::move(devices)), eval_(eval) {}
+
+std::string TrialExecutor::ModelKey(const TrialRequest& r) {
+  return absl::StrCat(r.model, "|", r.layers, "|", r.seed);
+}
+
+absl::Status TrialExecutor::EnsureModel(const TrialRequest& request) {
+  const std::string key = ModelKey(request);
+  if (host_ && key == model_key_) return absl::OkStatus();
+  host_.reset();
+  reference_cache_.clear();
+  auto host = LoadHostModel(request.model, {request.layers, request.seed});
+  if (!host.ok()) return host.status();
+  host_ = std::move(*host);
+  model_key_ = key;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config) {
+  const std::string key = BackendConfigString(config);
+  if (auto it = reference_cache_.find(key); it != reference_cache_.end()) return &it->second;
+  auto model = CreateModel(*host_, config);
+  if (!model.ok()) return model.status();
+  auto outputs = RunEval(**model, eval_);
+  if (!outputs.ok()) return outputs.status();
+  return &(reference_cache_[key] = std::move(*outputs));
+}
+
+TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& progress) {
+  TrialResult result;
+  result.trial_id = request.trial_id;
+  result.attempt = request.attempt;
+  result.model = request.model;
+  result.config = request.config;
+  result.engine_version = EngineVersion();
+  result.started_unix_ms = NowUnixMs();
+  result.device = devices_.gpu_count > 0 ? devices_.gpu_name : "cpu";
+  result.sm = devices_.sm;
+  auto finish = [&](TrialStatus status, std::string reason) {
+    result.status = status;
+    result.reason = std::move(reason);
+    result.finished_unix_ms = NowUnixMs();
+    result.peak_memory_bytes = PeakRssBytes();
+    return result;
+  };
+  auto say = [&](const std::string& line) {
+    if (progress) progress(line);
+  };
+
+  auto config = NormalizeBackendConfig(request.config);
+  if (!config.ok()) return finish(TrialStatus::kError, std::string(config.status().message()));
+  result.config = *config;
+  if (ConfigDevice(*config) == "cpu") result.device = "cpu";
+  auto fault = ParseFaultInjection(request.inject_fault);
+  if (!fault.ok()) return finish(TrialStatus::kError, std::string(fault.status().message()));
+  if (auto s = ValidateWorkload(request.workload); !s.ok())
+    return finish(TrialStatus::kError, std::string(s.message()));
+
+  // Arch, device and conflicts are judged before any weights load; the weight format needs the
+  // model's config only, which a cached model already has.
+  PreflightResult preflight = Preflight(*config, MakePreflightTarget(devices_, nullptr));
+  if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
+
+  say("loading " + request.model);
+  if (auto s = EnsureModel(request); !s.ok())
+    return finish(TrialStatus::kError, absl::StrCat("load: ", s.message()));
+  result.load_seconds = host_->load_seconds;
+  preflight = Preflight(*config, MakePreflightTarget(devices_, host_.get()));
+  if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
+
+  const BackendConfig reference_config = ReferenceConfigFor(*config);
+  say("reference " + BackendConfigString(reference_config));
+  auto reference = Reference(reference_config);
+  if (!reference.ok())
+    return finish(TrialStatus::kError, absl::StrCat("reference: ", reference.status().message()));
+
+  say("config under test " + BackendConfigString(*config));
+  auto model = CreateModel(*host_, *config, *fault);
+  if (!model.ok()) return finish(TrialStatus::kError, std::string(model.status().message()));
+  auto outputs = RunEval(**model, eval_);
+  if (!outputs.ok()) return finish(TrialStatus::kError, std::string(outputs.status().message()));
+  const TrialStatus verdict = JudgeOutputs(**reference, *outputs, host_->config.vocab_size,
+                                           preflight.precision, &result.verdict);
+  if (verdict != TrialStatus::kOk)  // garbage is not worth timing
+    return finish(verdict, absl::StrJoin(result.verdict.failures, "; "));
+
+  MeasureOptions measure;
+  measure.progress = progress;
+  measure.bandwidth_gb_s = KnownReadBandwidthGbs(result.device);
+  measure.bytes_per_weight = WeightFormat(*host_) == "f32" ? 4 : 2;
+  measure.bytes_per_kv_element = ConfigDevice(*config) == "cpu" ? 4 : 2;
+  for (int batch : request.workload.batch_sizes) {
+    auto figures = MeasureBatch(**model, request.workload, batch, measure);
+    if (!figures.ok()) return finish(TrialStatus::kError, std::string(figures.status().message()));
+    result.batches.push_back(*figures);
+  }
+  return finish(TrialStatus::kOk, "");
+}
+
+}  // namespace infersweep

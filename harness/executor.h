@@ -1,0 +1,44 @@
+// Executes trials in this process (the worker side): load weights once per model, preflight,
+// judge against the reference, measure. Keeps the weights and the reference outputs cached
+// across trials of the same model.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "engine/backends.h"
+#include "engine/weights.h"
+#include "harness/measure.h"
+#include "harness/trial.h"
+#include "harness/verdict.h"
+
+namespace infersweep {
+
+// The version string stored with every result.
+std::string EngineVersion();
+
+class TrialExecutor {
+ public:
+  using Progress = std::function<void(const std::string&)>;
+  explicit TrialExecutor(LocalDevices devices = ProbeLocalDevices(), EvalSpec eval = {});
+
+  // Always returns a result; status ERROR carries what went wrong (bad request, load failure).
+  TrialResult Execute(const TrialRequest& request, const Progress& progress = {});
+
+  // "model|layers|seed": trials with the same key share loaded weights.
+  static std::string ModelKey(const TrialRequest& request);
+
+ private:
+  absl::Status EnsureModel(const TrialRequest& request);
+  absl::StatusOr<const EvalOutputs*> Reference(const BackendConfig& reference_config);
+
+  LocalDevices devices_;
+  EvalSpec eval_;
+  std::string model_key_;
+  std::unique_ptr<HostModel> host_;
+  std::map<std::string, EvalOutputs> reference_cache_;  // by reference config string
+};
+
+}  // namespace infersweep

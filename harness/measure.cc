@@ -1,0 +1,113 @@
+#include "harness/measure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "engine/roofline.h"
+#include "engine/sampler.h"
+#include "engine/synthetic.h"
+
+namespace infersweep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+Spread SpreadOf(const std::vector<double>& v) {
+  return {Percentile(v, 50), *std::min_element(v.begin(), v.end()),
+          *std::max_element(v.begin(), v.end())};
+}
+
+struct RepeatTiming {
+  double ttft_ms = 0;
+  double latency_ms = 0;
+  std::vector<double> itl_ms;
+};
+
+absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch, int repeat) {
+  const int vocab = model.config().vocab_size;
+  std::vector<int32_t> prompt(static_cast<size_t>(batch) * w.prompt_len);
+  for (size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<int32_t>(Mix64(0xbe7c4 + i + 7919ull * repeat) % vocab);
+  if (auto s = model.StartBatch(batch, w.prompt_len + w.output_len); !s.ok()) return s;
+  RepeatTiming t;
+  std::vector<float> logits;
+  std::vector<int32_t> next(batch);
+  auto sample = [&] {
+    for (int b = 0; b < batch; ++b)
+      next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
+  };
+  const auto start = Clock::now();
+  if (auto s = model.Forward(prompt, w.prompt_len, LogitsMode::kLast, &logits); !s.ok()) return s;
+  sample();
+  auto last = Clock::now();
+  t.ttft_ms = Ms(start, last);
+  for (int step = 1; step < w.output_len; ++step) {
+    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
+    sample();
+    const auto now = Clock::now();
+    t.itl_ms.push_back(Ms(last, now));
+    last = now;
+  }
+  t.latency_ms = Ms(start, last);
+  return t;
+}
+
+}  // namespace
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const double rank = std::ceil(p / 100.0 * values.size());
+  const size_t index = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(values.size())));
+  return values[index - 1];
+}
+
+absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int batch,
+                                          const MeasureOptions& options) {
+  for (int i = 0; i < w.warmup; ++i)
+    if (auto t = RunOnce(model, w, batch, -1 - i); !t.ok()) return t.status();
+  std::vector<double> ttft, tpot, latency, prefill, output, per_seq, itl;
+  for (int r = 0; r < w.repeats; ++r) {
+    auto t = RunOnce(model, w, batch, r);
+    if (!t.ok()) return t.status();
+    ttft.push_back(t->ttft_ms);
+    latency.push_back(t->latency_ms);
+    tpot.push_back((t->latency_ms - t->ttft_ms) / (w.output_len - 1));
+    prefill.push_back(1e3 * batch * w.prompt_len / t->ttft_ms);
+    output.push_back(1e3 * batch * w.output_len / t->latency_ms);
+    per_seq.push_back(1e3 * w.output_len / t->latency_ms);
+    itl.insert(itl.end(), t->itl_ms.begin(), t->itl_ms.end());
+    if (options.progress)
+      options.progress(absl::StrFormat("batch %d repeat %d/%d: ttft %.2f ms, tpot %.3f ms", batch,
+                                       r + 1, w.repeats, t->ttft_ms, tpot.back()));
+  }
+  BatchFigures f;
+  f.batch = batch;
+  f.ttft_ms = SpreadOf(ttft);
+  f.tpot_ms = SpreadOf(tpot);
+  f.latency_ms = SpreadOf(latency);
+  f.prefill_tok_s = SpreadOf(prefill);
+  f.output_tok_s = SpreadOf(output);
+  f.output_tok_s_per_seq = SpreadOf(per_seq);
+  f.itl_ms = {Percentile(itl, 50), Percentile(itl, 90), Percentile(itl, 99)};
+  // Roofline at the mean decode context (prompt + half the output).
+  const int64_t context = w.prompt_len + w.output_len / 2;
+  const DecodeTraffic traffic = DecodeBytesPerStep(model.config(), batch, context,
+                                                   options.bytes_per_weight,
+                                                   options.bytes_per_kv_element);
+  f.decode_bytes_per_step = traffic.total();
+  f.achieved_gb_s = traffic.total() / (f.tpot_ms.median * 1e-3) / 1e9;
+  if (options.bandwidth_gb_s) {
+    f.roofline_tok_s = batch * *options.bandwidth_gb_s * 1e9 / traffic.total();
+    f.roofline_fraction = f.achieved_gb_s / *options.bandwidth_gb_s;
+  }
+  return f;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,30 @@
+// Latency and throughput of one batch size, measured after warm-up, median over repeats.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/model.h"
+#include "harness/trial.h"
+
+namespace infersweep {
+
+struct MeasureOptions {
+  std::optional<double> bandwidth_gb_s;  // for % of roofline; nullopt when unknown
+  double bytes_per_weight = 2;           // bf16
+  double bytes_per_kv_element = 4;       // fp32 KV on the CPU
+  std::function<void(const std::string&)> progress;
+};
+
+// Runs warmup + repeats of [prefill prompt_len tokens, then output_len - 1 decode steps] for
+// `batch` sequences. Every sequence gets a distinct deterministic prompt. Timing: wall clock
+// around each Forward, which returns host logits (so GPU work is complete when it returns).
+absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& workload, int batch,
+                                          const MeasureOptions& options);
+
+// Nearest-rank percentile of unsorted values (p in [0, 100]).
+double Percentile(std::vector<double> values, double p);
+
+}  // namespace infersweep

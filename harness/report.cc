@@ -1,0 +1,52 @@
+#include "harness/report.h"
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace infersweep {
+
+std::string FormatReportHeader(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += "# " + l + "\n";
+  return out;
+}
+
+std::string FormatColumnHeader() {
+  return absl::StrFormat(
+      "#%-40s %5s %-11s %10s %9s %10s %11s %9s %8s %6s %6s %9s %9s\n"
+      "#%-40s %5s %-11s %10s %9s %10s %11s %9s %8s %6s %6s %9s %9s\n",
+      " config", "batch", "status", "ttft", "tpot", "out", "prefill", "itl_p99", "decode", "roof",
+      "top1", "kl_mean", "max_rel", "", "", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)", "(ms)",
+      "(GB/s)", "(%)", "(%)", "(nats)", "err");
+}
+
+std::string FormatResultRows(const TrialResult& r) {
+  const std::string config = BackendConfigString(r.config);
+  const VerdictMetrics& v = r.verdict;
+  std::string out;
+  if (r.batches.empty()) {
+    out = absl::StrFormat(" %-40s %5s %-11s", config, "-", TrialStatusName(r.status));
+    if (r.status == TrialStatus::kIncorrect)
+      out += absl::StrFormat(" %10s %9s %10s %11s %9s %8s %6s %6.1f %9.3g %9.3g", "-", "-", "-",
+                             "-", "-", "-", "-", 100 * v.top1_agreement, v.kl_mean,
+                             v.max_rel_error);
+    out += "\n";
+    if (!r.reason.empty()) out += "#   reason: " + r.reason + "\n";
+    return out;
+  }
+  for (const BatchFigures& b : r.batches) {
+    out += absl::StrFormat(
+        " %-40s %5d %-11s %10.2f %9.3f %10.1f %11.1f %9.3f %8.2f %6s %6.1f %9.3g %9.3g\n", config,
+        b.batch, TrialStatusName(r.status), b.ttft_ms.median, b.tpot_ms.median,
+        b.output_tok_s.median, b.prefill_tok_s.median, b.itl_ms.p99, b.achieved_gb_s,
+        b.roofline_fraction ? absl::StrFormat("%.1f", 100 * *b.roofline_fraction) : "-",
+        100 * v.top1_agreement, v.kl_mean, v.max_rel_error);
+    out += absl::StrFormat(
+        "#   spread over repeats: ttft %.2f-%.2f ms, tpot %.3f-%.3f ms, out %.1f-%.1f tok/s\n",
+        b.ttft_ms.min, b.ttft_ms.max, b.tpot_ms.min, b.tpot_ms.max, b.output_tok_s.min,
+        b.output_tok_s.max);
+  }
+  return out;
+}
+
+}  // namespace infersweep

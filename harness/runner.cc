@@ -1,0 +1,240 @@
+#include "harness/runner.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "harness/executor.h"
+
+namespace infersweep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Reads what is available; returns false at EOF or on error.
+bool ReadSome(int fd, std::string& buffer) {
+  char chunk[65536];
+  const ssize_t n = read(fd, chunk, sizeof chunk);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+  if (n <= 0) return false;
+  buffer.append(chunk, static_cast<size_t>(n));
+  return true;
+}
+
+}  // namespace
+
+struct TrialRunner::Worker {
+  pid_t pid = -1;
+  int in = -1, out = -1, err = -1;
+  std::string out_buffer, err_buffer;
+  std::deque<std::string> stderr_tail;
+  bool out_open = true, err_open = true;
+
+  ~Worker() { Kill(); }
+
+  void Kill() {
+    if (in >= 0) close(in);
+    if (out >= 0) close(out);
+    if (err >= 0) close(err);
+    in = out = err = -1;
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      pid = -1;
+    }
+  }
+};
+
+TrialRunner::TrialRunner(RunnerOptions options) : options_(std::move(options)) {
+  if (options_.worker_argv.empty()) options_.worker_argv = {"/proc/self/exe", "worker"};
+  signal(SIGPIPE, SIG_IGN);  // a dead worker must surface as EPIPE, not kill the parent
+}
+
+TrialRunner::~TrialRunner() = default;
+
+void TrialRunner::Kill() { worker_.reset(); }
+
+TrialResult TrialRunner::Run(const TrialRequest& request) {
+  TrialResult result;
+  result.trial_id = request.trial_id;
+  result.attempt = request.attempt;
+  result.model = request.model;
+  result.config = request.config;
+  result.started_unix_ms = NowUnixMs();
+  result.engine_version = EngineVersion();
+  auto fail = [&](TrialStatus status, std::string reason) {
+    result.status = status;
+    result.reason = std::move(reason);
+    if (worker_) result.stderr_tail = absl::StrJoin(worker_->stderr_tail, "\n");
+    result.finished_unix_ms = NowUnixMs();
+    worker_.reset();  // restarted after any failure
+    return result;
+  };
+
+  const std::string key = TrialExecutor::ModelKey(request);
+  if (worker_ && key != worker_model_key_) worker_.reset();
+  if (!worker_) {
+    auto w = std::make_unique<Worker>();
+    int in_pipe[2], out_pipe[2], err_pipe[2];
+    if (pipe2(in_pipe, O_CLOEXEC) || pipe2(out_pipe, O_CLOEXEC) || pipe2(err_pipe, O_CLOEXEC))
+      return fail(TrialStatus::kError, absl::StrCat("pipe: ", strerror(errno)));
+    std::vector<char*> argv;
+    for (std::string& a : options_.worker_argv) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) return fail(TrialStatus::kError, absl::StrCat("fork: ", strerror(errno)));
+    if (pid == 0) {
+      dup2(in_pipe[0], 0);
+      dup2(out_pipe[1], 1);
+      dup2(err_pipe[1], 2);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(in_pipe[0]);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    w->pid = pid;
+    w->in = in_pipe[1];
+    w->out = out_pipe[0];
+    w->err = err_pipe[0];
+    worker_ = std::move(w);
+    worker_model_key_ = key;
+  }
+  Worker& w = *worker_;
+  w.stderr_tail.clear();
+
+  if (!WriteAll(w.in, ToJson(request).dump() + "\n"))
+    return fail(TrialStatus::kCrashed, "worker closed its input (it died before the request)");
+
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(request.workload.timeout_s * 1e3));
+  auto take_stderr_lines = [&] {
+    size_t pos;
+    while ((pos = w.err_buffer.find('\n')) != std::string::npos) {
+      std::string line = w.err_buffer.substr(0, pos);
+      w.err_buffer.erase(0, pos + 1);
+      if (line.rfind("#progress ", 0) == 0) {
+        if (options_.on_progress) options_.on_progress(line.substr(10));
+        continue;
+      }
+      w.stderr_tail.push_back(std::move(line));
+      while (static_cast<int>(w.stderr_tail.size()) > options_.stderr_tail_lines)
+        w.stderr_tail.pop_front();
+    }
+  };
+
+  while (true) {
+    if (const size_t nl = w.out_buffer.find('\n'); nl != std::string::npos) {
+      const std::string line = w.out_buffer.substr(0, nl);
+      w.out_buffer.erase(0, nl + 1);
+      auto parsed = nlohmann::json::parse(line, nullptr, false);
+      if (parsed.is_discarded())
+        return fail(TrialStatus::kError, "worker wrote a line that is not JSON: " + line.substr(0, 200));
+      auto worker_result = TrialResultFromJson(parsed);
+      if (!worker_result.ok())
+        return fail(TrialStatus::kError,
+                    absl::StrCat("worker result invalid: ", worker_result.status().message()));
+      take_stderr_lines();
+      if (worker_result->status != TrialStatus::kOk)
+        worker_result->stderr_tail = absl::StrJoin(w.stderr_tail, "\n");
+      return *worker_result;
+    }
+    if (!w.out_open) break;  // EOF without a result: the worker died
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, nullptr, 0);
+      w.pid = -1;
+      take_stderr_lines();
+      return fail(TrialStatus::kTimeout,
+                  absl::StrCat("no result within ", request.workload.timeout_s,
+                               " s; worker killed"));
+    }
+    pollfd fds[2] = {{w.out, POLLIN, 0}, {w.err_open ? w.err : -1, POLLIN, 0}};
+    const int wait_ms = static_cast<int>(
+        std::min<int64_t>(1000, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1));
+    if (poll(fds, 2, wait_ms) < 0 && errno != EINTR)
+      return fail(TrialStatus::kError, absl::StrCat("poll: ", strerror(errno)));
+    if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) w.out_open = ReadSome(w.out, w.out_buffer);
+    if (w.err_open && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+      w.err_open = ReadSome(w.err, w.err_buffer);
+      take_stderr_lines();
+    }
+  }
+
+  // The worker closed stdout: collect the rest of its stderr and how it ended.
+  while (w.err_open) {
+    pollfd fd = {w.err, POLLIN, 0};
+    if (poll(&fd, 1, 2000) <= 0) break;
+    w.err_open = ReadSome(w.err, w.err_buffer);
+  }
+  if (!w.err_buffer.empty()) w.err_buffer.push_back('\n');
+  take_stderr_lines();
+  int wstatus = 0;
+  waitpid(w.pid, &wstatus, 0);
+  w.pid = -1;
+  std::string how;
+  if (WIFSIGNALED(wstatus)) {
+    const int sig = WTERMSIG(wstatus);
+    const char* abbrev = sigabbrev_np(sig);
+    how = absl::StrCat("worker killed by signal ", sig, " (SIG", abbrev ? abbrev : "?", ": ",
+                       strsignal(sig), ")");
+  } else {
+    how = absl::StrCat("worker exited with code ", WEXITSTATUS(wstatus), " without a result");
+  }
+  return fail(TrialStatus::kCrashed, how);
+}
+
+int WorkerMain() {
+  TrialExecutor executor;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line.empty()) continue;
+    TrialResult result;
+    auto parsed = nlohmann::json::parse(line, nullptr, false);
+    auto request = parsed.is_discarded()
+                       ? absl::StatusOr<TrialRequest>(absl::InvalidArgumentError("request is not JSON"))
+                       : TrialRequestFromJson(parsed);
+    if (!request.ok()) {
+      result.status = TrialStatus::kError;
+      result.reason = std::string(request.status().message());
+    } else {
+      const std::string trial_id = request->trial_id;
+      result = executor.Execute(*request, [&](const std::string& message) {
+        std::cerr << "#progress " << nlohmann::json{{"trial_id", trial_id}, {"message", message}}.dump()
+                  << std::endl;
+      });
+    }
+    std::cout << ToJson(result).dump() << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace infersweep

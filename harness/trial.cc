@@ -1,0 +1,277 @@
+#include "harness/trial.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace infersweep {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kStatusNames[] = {"OK",          "INCORRECT", "CRASHED",
+                                             "UNSUPPORTED", "TIMEOUT",   "ERROR"};
+
+// Reads an optional field of type T; a present field of the wrong type is an error naming it.
+template <typename T>
+absl::Status Read(const json& j, const char* key, T* out, absl::string_view where) {
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not an object"));
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  try {
+    *out = it->get<T>();
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".", key, ": wrong type (", it->type_name(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+#define RETURN_IF_ERROR(expr)            \
+  do {                                   \
+    if (absl::Status _s = (expr); !_s.ok()) return _s; \
+  } while (0)
+
+json SpreadJson(const Spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+json OptJson(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }
+
+absl::Status ReadSpread(const json& j, const char* key, Spread* s, absl::string_view where) {
+  auto it = j.find(key);
+  if (it == j.end()) return absl::OkStatus();
+  const std::string w = absl::StrCat(where, ".", key);
+  RETURN_IF_ERROR(Read(*it, "median", &s->median, w));
+  RETURN_IF_ERROR(Read(*it, "min", &s->min, w));
+  return Read(*it, "max", &s->max, w);
+}
+
+absl::Status ReadOpt(const json& j, const char* key, std::optional<double>* v,
+                     absl::string_view where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) return absl::InvalidArgumentError(absl::StrCat(where, ".", key, ": not a number"));
+  *v = it->get<double>();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string_view TrialStatusName(TrialStatus s) { return kStatusNames[static_cast<int>(s)]; }
+
+std::optional<TrialStatus> TrialStatusFromName(std::string_view name) {
+  for (int i = 0; i < 6; ++i)
+    if (kStatusNames[i] == name) return static_cast<TrialStatus>(i);
+  return std::nullopt;
+}
+
+absl::Status ValidateWorkload(const Workload& w) {
+  auto bad = [](absl::string_view field, auto value, absl::string_view range) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workload field '", field, "': ", value, " is outside ", range));
+  };
+  if (w.prompt_len < 1 || w.prompt_len > 65536) return bad("prompt", w.prompt_len, "[1, 65536]");
+  if (w.output_len < 2 || w.output_len > 65536) return bad("output", w.output_len, "[2, 65536]");
+  if (w.batch_sizes.empty() || w.batch_sizes.size() > 16)
+    return bad("batch", w.batch_sizes.size(), "1..16 batch sizes");
+  for (int b : w.batch_sizes)
+    if (b < 1 || b > 1024) return bad("batch", b, "[1, 1024]");
+  if (w.repeats < 1 || w.repeats > 100) return bad("repeats", w.repeats, "[1, 100]");
+  if (w.warmup < 0 || w.warmup > 100) return bad("warmup", w.warmup, "[0, 100]");
+  if (!(w.timeout_s >= 1 && w.timeout_s <= 86400)) return bad("timeout", w.timeout_s, "[1, 86400] s");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
+  Workload w;
+  for (absl::string_view item : absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    auto as_int = [&](int* out) -> absl::Status {
+      if (!absl::SimpleAtoi(kv.second, out))
+        return absl::InvalidArgumentError(
+            absl::StrCat("workload field '", kv.first, "': '", kv.second, "' is not an integer"));
+      return absl::OkStatus();
+    };
+    if (kv.first == "prompt") {
+      RETURN_IF_ERROR(as_int(&w.prompt_len));
+    } else if (kv.first == "output") {
+      RETURN_IF_ERROR(as_int(&w.output_len));
+    } else if (kv.first == "repeats") {
+      RETURN_IF_ERROR(as_int(&w.repeats));
+    } else if (kv.first == "warmup") {
+      RETURN_IF_ERROR(as_int(&w.warmup));
+    } else if (kv.first == "timeout") {
+      if (!absl::SimpleAtod(kv.second, &w.timeout_s))
+        return absl::InvalidArgumentError(
+            absl::StrCat("workload field 'timeout': '", kv.second, "' is not a number"));
+    } else if (kv.first == "batch") {
+      w.batch_sizes.clear();
+      for (absl::string_view b : absl::StrSplit(kv.second, ':')) {
+        int size;
+        if (!absl::SimpleAtoi(b, &size))
+          return absl::InvalidArgumentError(
+              absl::StrCat("workload field 'batch': '", b, "' is not an integer"));
+        w.batch_sizes.push_back(size);
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown workload field '", kv.first,
+          "' (known: prompt, output, batch, repeats, warmup, timeout)"));
+    }
+  }
+  RETURN_IF_ERROR(ValidateWorkload(w));
+  return w;
+}
+
+json ToJson(const Workload& w) {
+  return {{"prompt_len", w.prompt_len}, {"output_len", w.output_len},
+          {"batch_sizes", w.batch_sizes}, {"repeats", w.repeats},
+          {"warmup", w.warmup},           {"timeout_s", w.timeout_s}};
+}
+
+absl::StatusOr<Workload> WorkloadFromJson(const json& j) {
+  Workload w;
+  RETURN_IF_ERROR(Read(j, "prompt_len", &w.prompt_len, "workload"));
+  RETURN_IF_ERROR(Read(j, "output_len", &w.output_len, "workload"));
+  RETURN_IF_ERROR(Read(j, "batch_sizes", &w.batch_sizes, "workload"));
+  RETURN_IF_ERROR(Read(j, "repeats", &w.repeats, "workload"));
+  RETURN_IF_ERROR(Read(j, "warmup", &w.warmup, "workload"));
+  RETURN_IF_ERROR(Read(j, "timeout_s", &w.timeout_s, "workload"));
+  RETURN_IF_ERROR(ValidateWorkload(w));
+  return w;
+}
+
+json ToJson(const TrialRequest& r) {
+  return {{"trial_id", r.trial_id}, {"attempt", r.attempt},   {"model", r.model},
+          {"layers", r.layers},     {"seed", r.seed},         {"config", r.config},
+          {"workload", ToJson(r.workload)}, {"inject_fault", r.inject_fault}};
+}
+
+absl::StatusOr<TrialRequest> TrialRequestFromJson(const json& j) {
+  TrialRequest r;
+  RETURN_IF_ERROR(Read(j, "trial_id", &r.trial_id, "request"));
+  RETURN_IF_ERROR(Read(j, "attempt", &r.attempt, "request"));
+  RETURN_IF_ERROR(Read(j, "model", &r.model, "request"));
+  RETURN_IF_ERROR(Read(j, "layers", &r.layers, "request"));
+  RETURN_IF_ERROR(Read(j, "seed", &r.seed, "request"));
+  RETURN_IF_ERROR(Read(j, "config", &r.config, "request"));
+  RETURN_IF_ERROR(Read(j, "inject_fault", &r.inject_fault, "request"));
+  if (r.model.empty()) return absl::InvalidArgumentError("request.model: missing");
+  if (j.contains("workload")) {
+    auto w = WorkloadFromJson(j["workload"]);
+    if (!w.ok()) return w.status();
+    r.workload = *w;
+  }
+  return r;
+}
+
+json ToJson(const TrialResult& r) {
+  json batches = json::array();
+  for (const BatchFigures& b : r.batches) {
+    batches.push_back({{"batch", b.batch},
+                       {"ttft_ms", SpreadJson(b.ttft_ms)},
+                       {"tpot_ms", SpreadJson(b.tpot_ms)},
+                       {"latency_ms", SpreadJson(b.latency_ms)},
+                       {"prefill_tok_s", SpreadJson(b.prefill_tok_s)},
+                       {"output_tok_s", SpreadJson(b.output_tok_s)},
+                       {"output_tok_s_per_seq", SpreadJson(b.output_tok_s_per_seq)},
+                       {"itl_ms", {{"p50", b.itl_ms.p50}, {"p90", b.itl_ms.p90}, {"p99", b.itl_ms.p99}}},
+                       {"decode_bytes_per_step", b.decode_bytes_per_step},
+                       {"achieved_gb_s", b.achieved_gb_s},
+                       {"roofline_tok_s", OptJson(b.roofline_tok_s)},
+                       {"roofline_fraction", OptJson(b.roofline_fraction)},
+                       {"avg_power_w", OptJson(b.avg_power_w)},
+                       {"joules_per_output_token", OptJson(b.joules_per_output_token)}});
+  }
+  const VerdictMetrics& v = r.verdict;
+  return {{"trial_id", r.trial_id},
+          {"attempt", r.attempt},
+          {"status", TrialStatusName(r.status)},
+          {"reason", r.reason},
+          {"stderr_tail", r.stderr_tail},
+          {"model", r.model},
+          {"config", r.config},
+          {"device", r.device},
+          {"sm", r.sm},
+          {"engine_version", r.engine_version},
+          {"load_seconds", r.load_seconds},
+          {"graph_capture_seconds", r.graph_capture_seconds},
+          {"peak_memory_bytes", r.peak_memory_bytes},
+          {"verdict",
+           {{"precision_class", v.precision_class},
+            {"max_rel_error", v.max_rel_error},
+            {"top1_agreement", v.top1_agreement},
+            {"kl_mean", v.kl_mean},
+            {"kl_max", v.kl_max},
+            {"non_finite", v.non_finite},
+            {"degenerate", v.degenerate},
+            {"reference_degenerate", v.reference_degenerate},
+            {"free_run_agreement", v.free_run_agreement},
+            {"failures", v.failures}}},
+          {"batches", batches},
+          {"started_unix_ms", r.started_unix_ms},
+          {"finished_unix_ms", r.finished_unix_ms}};
+}
+
+absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
+  TrialResult r;
+  std::string status;
+  RETURN_IF_ERROR(Read(j, "status", &status, "result"));
+  auto parsed = TrialStatusFromName(status);
+  if (!parsed) return absl::InvalidArgumentError(absl::StrCat("result.status: unknown '", status, "'"));
+  r.status = *parsed;
+  RETURN_IF_ERROR(Read(j, "trial_id", &r.trial_id, "result"));
+  RETURN_IF_ERROR(Read(j, "attempt", &r.attempt, "result"));
+  RETURN_IF_ERROR(Read(j, "reason", &r.reason, "result"));
+  RETURN_IF_ERROR(Read(j, "stderr_tail", &r.stderr_tail, "result"));
+  RETURN_IF_ERROR(Read(j, "model", &r.model, "result"));
+  RETURN_IF_ERROR(Read(j, "config", &r.config, "result"));
+  RETURN_IF_ERROR(Read(j, "device", &r.device, "result"));
+  RETURN_IF_ERROR(Read(j, "sm", &r.sm, "result"));
+  RETURN_IF_ERROR(Read(j, "engine_version", &r.engine_version, "result"));
+  RETURN_IF_ERROR(Read(j, "load_seconds", &r.load_seconds, "result"));
+  RETURN_IF_ERROR(Read(j, "graph_capture_seconds", &r.graph_capture_seconds, "result"));
+  RETURN_IF_ERROR(Read(j, "peak_memory_bytes", &r.peak_memory_bytes, "result"));
+  RETURN_IF_ERROR(Read(j, "started_unix_ms", &r.started_unix_ms, "result"));
+  RETURN_IF_ERROR(Read(j, "finished_unix_ms", &r.finished_unix_ms, "result"));
+  if (auto it = j.find("verdict"); it != j.end()) {
+    VerdictMetrics& v = r.verdict;
+    RETURN_IF_ERROR(Read(*it, "precision_class", &v.precision_class, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "max_rel_error", &v.max_rel_error, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "top1_agreement", &v.top1_agreement, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "kl_mean", &v.kl_mean, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "kl_max", &v.kl_max, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "non_finite", &v.non_finite, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "degenerate", &v.degenerate, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "reference_degenerate", &v.reference_degenerate, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "free_run_agreement", &v.free_run_agreement, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "failures", &v.failures, "result.verdict"));
+  }
+  if (auto it = j.find("batches"); it != j.end()) {
+    if (!it->is_array()) return absl::InvalidArgumentError("result.batches: not an array");
+    for (const json& bj : *it) {
+      BatchFigures b;
+      const std::string w = "result.batches[]";
+      RETURN_IF_ERROR(Read(bj, "batch", &b.batch, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "ttft_ms", &b.ttft_ms, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "tpot_ms", &b.tpot_ms, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "latency_ms", &b.latency_ms, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "prefill_tok_s", &b.prefill_tok_s, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "output_tok_s", &b.output_tok_s, w));
+      RETURN_IF_ERROR(ReadSpread(bj, "output_tok_s_per_seq", &b.output_tok_s_per_seq, w));
+      if (auto itl = bj.find("itl_ms"); itl != bj.end()) {
+        RETURN_IF_ERROR(Read(*itl, "p50", &b.itl_ms.p50, w));
+        RETURN_IF_ERROR(Read(*itl, "p90", &b.itl_ms.p90, w));
+        RETURN_IF_ERROR(Read(*itl, "p99", &b.itl_ms.p99, w));
+      }
+      RETURN_IF_ERROR(Read(bj, "decode_bytes_per_step", &b.decode_bytes_per_step, w));
+      RETURN_IF_ERROR(Read(bj, "achieved_gb_s", &b.achieved_gb_s, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "roofline_tok_s", &b.roofline_tok_s, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "roofline_fraction", &b.roofline_fraction, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "avg_power_w", &b.avg_power_w, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "joules_per_output_token", &b.joules_per_output_token, w));
+      r.batches.push_back(b);
+    }
+  }
+  return r;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,117 @@
+// The unit of work of the whole system: one model x one backend config x one workload, ending in
+// a verdict and figures. These types cross process and network boundaries as JSON
+// (docs/RESULTS.md documents the schema).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "engine/backend_config.h"
+
+namespace infersweep {
+
+enum class TrialStatus { kOk, kIncorrect, kCrashed, kUnsupported, kTimeout, kError };
+std::string_view TrialStatusName(TrialStatus s);  // "OK", "INCORRECT", ...
+std::optional<TrialStatus> TrialStatusFromName(std::string_view name);
+
+struct Workload {
+  int prompt_len = 128;
+  int output_len = 32;
+  std::vector<int> batch_sizes = {1};
+  int repeats = 3;
+  int warmup = 1;
+  double timeout_s = 600;  // per trial, wall clock, enforced by the parent
+};
+
+// Bounds: prompt 1..65536, output 2..65536, batch 1..1024 each (at most 16 sizes),
+// repeats 1..100, warmup 0..100, timeout 1..86400 s. Errors name the field.
+absl::Status ValidateWorkload(const Workload& w);
+// "prompt=128,output=32,batch=1:8:64,repeats=3,warmup=1,timeout=600" (every key optional).
+absl::StatusOr<Workload> ParseWorkload(std::string_view text);
+
+struct TrialRequest {
+  std::string trial_id;
+  int attempt = 1;
+  std::string model;  // checkpoint folder or preset:NAME
+  int layers = 0;     // preset layer override
+  uint64_t seed = 1;  // preset weight seed
+  BackendConfig config;
+  Workload workload;
+  std::string inject_fault;  // TEST ONLY: see engine/fault_injection.h; empty in production
+};
+
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+struct Percentiles {
+  double p50 = 0, p90 = 0, p99 = 0;
+};
+
+// Figures for one batch size; each Spread is over repeats (median, min, max).
+struct BatchFigures {
+  int batch = 1;
+  Spread ttft_ms;               // request start -> first token
+  Spread tpot_ms;               // (latency - ttft) / (output_len - 1)
+  Spread latency_ms;            // request start -> last token
+  Spread prefill_tok_s;         // batch * prompt_len / prefill time
+  Spread output_tok_s;          // total: batch * output_len / duration
+  Spread output_tok_s_per_seq;  // output_len / latency
+  Percentiles itl_ms;           // every inter-token gap, pooled over repeats
+  // Decode roofline: bytes read per decode step (docs/METRICS.md), achieved rate, and the
+  // fraction of the memory roofline when the device's bandwidth is known.
+  double decode_bytes_per_step = 0;
+  double achieved_gb_s = 0;
+  std::optional<double> roofline_tok_s;
+  std::optional<double> roofline_fraction;
+  std::optional<double> avg_power_w;           // NVML, GPUs only
+  std::optional<double> joules_per_output_token;
+};
+
+struct VerdictMetrics {
+  std::string precision_class;  // fp32, bf16, fp8, fp4: picks the thresholds
+  double max_rel_error = 0;     // max|test - ref| / max|ref| over every teacher-forced logit
+  double top1_agreement = 0;    // fraction of positions with the same argmax
+  double kl_mean = 0;           // mean KL(ref || test) per position, nats
+  double kl_max = 0;
+  int64_t non_finite = 0;       // NaN or Inf logits in the test config
+  bool degenerate = false;      // free-running generation of the test config is degenerate
+  bool reference_degenerate = false;
+  double free_run_agreement = 0;  // fraction of greedy tokens equal to the reference's
+  std::vector<std::string> failures;  // which thresholds failed, human-readable
+};
+
+struct TrialResult {
+  std::string trial_id;
+  int attempt = 1;
+  TrialStatus status = TrialStatus::kError;
+  std::string reason;       // unsupported/crash/timeout/error detail
+  std::string stderr_tail;  // last lines of the worker's stderr on CRASHED/TIMEOUT/ERROR
+  std::string model;
+  BackendConfig config;
+  std::string device;       // "cpu" or the GPU's name
+  int sm = 0;
+  std::string engine_version;
+  double load_seconds = 0;
+  double graph_capture_seconds = 0;
+  int64_t peak_memory_bytes = 0;  // device memory on GPUs, peak RSS on the CPU
+  VerdictMetrics verdict;
+  std::vector<BatchFigures> batches;
+  int64_t started_unix_ms = 0;
+  int64_t finished_unix_ms = 0;
+};
+
+nlohmann::json ToJson(const Workload& w);
+nlohmann::json ToJson(const TrialRequest& r);
+nlohmann::json ToJson(const TrialResult& r);
+// Parsers validate types and ranges; errors name the field.
+absl::StatusOr<Workload> WorkloadFromJson(const nlohmann::json& j);
+absl::StatusOr<TrialRequest> TrialRequestFromJson(const nlohmann::json& j);
+absl::StatusOr<TrialResult> TrialResultFromJson(const nlohmann::json& j);
+
+}  // namespace infersweep

@@ -1,0 +1,161 @@
+#include "harness/verdict.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "engine/sampler.h"
+#include "engine/synthetic.h"
+
+namespace infersweep {
+namespace {
+
+std::vector<int32_t> EvalTokens(const EvalSpec& spec, int vocab, int count, uint64_t salt) {
+  std::vector<int32_t> tokens(count);
+  for (int i = 0; i < count; ++i)
+    tokens[i] = static_cast<int32_t>(Mix64(spec.seed ^ Mix64(salt + i)) % vocab);
+  return tokens;
+}
+
+// log-softmax of one row in double; NaN/Inf propagate.
+void LogSoftmax(const float* row, int n, std::vector<double>& out) {
+  double max_v = -INFINITY;
+  for (int i = 0; i < n; ++i) max_v = std::max(max_v, static_cast<double>(row[i]));
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += std::exp(row[i] - max_v);
+  const double log_sum = std::log(sum) + max_v;
+  for (int i = 0; i < n; ++i) out[i] = row[i] - log_sum;
+}
+
+}  // namespace
+
+absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
+  const int vocab = model.config().vocab_size;
+  EvalOutputs out;
+  const std::vector<int32_t> prompts = EvalTokens(spec, vocab, spec.prompts * spec.prompt_len, 1);
+  if (auto s = model.StartBatch(spec.prompts, spec.prompt_len); !s.ok()) return s;
+  if (auto s = model.Forward(prompts, spec.prompt_len, LogitsMode::kAll, &out.logits); !s.ok())
+    return s;
+
+  const std::vector<int32_t> starts =
+      EvalTokens(spec, vocab, spec.prompts * spec.free_run_prompt_len, 1u << 20);
+  if (auto s = model.StartBatch(spec.prompts, spec.free_run_prompt_len + spec.free_run_len);
+      !s.ok())
+    return s;
+  std::vector<float> logits;
+  if (auto s = model.Forward(starts, spec.free_run_prompt_len, LogitsMode::kLast, &logits);
+      !s.ok())
+    return s;
+  out.free.assign(spec.prompts, {});
+  std::vector<int32_t> next(spec.prompts);
+  for (int step = 0; step < spec.free_run_len; ++step) {
+    for (int b = 0; b < spec.prompts; ++b) {
+      next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
+      out.free[b].push_back(next[b]);
+    }
+    if (step + 1 == spec.free_run_len) break;
+    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
+  }
+  return out;
+}
+
+Thresholds ThresholdsFor(PrecisionClass precision) {
+  switch (precision) {
+    case PrecisionClass::kFp32:
+      return {1e-4, 0.99, 1e-6, 1e-5};
+    case PrecisionClass::kBf16:
+      return {0.1, 0.9, 1e-2, 0.1};
+    case PrecisionClass::kFp8:
+      return {0.25, 0.8, 5e-2, 0.5};
+    case PrecisionClass::kFp4:
+      return {0.5, 0.7, 0.1, 1.0};
+  }
+  return {0, 1, 0, 0};
+}
+
+bool IsDegenerate(const std::vector<int32_t>& tokens) {
+  const size_t n = tokens.size();
+  if (n < 8) return false;
+  for (size_t period : {size_t{1}, size_t{2}}) {
+    bool repeats = true;
+    for (size_t i = n / 2 + period; i < n && repeats; ++i)  // within the second half only
+      if (tokens[i] != tokens[i - period]) repeats = false;
+    if (repeats) return true;
+  }
+  return false;
+}
+
+TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vocab,
+                         PrecisionClass precision, VerdictMetrics* m) {
+  *m = VerdictMetrics{};
+  m->precision_class = std::string(PrecisionClassName(precision));
+  const Thresholds th = ThresholdsFor(precision);
+  const size_t positions = ref.logits.size() / vocab;
+  if (test.logits.size() != ref.logits.size()) {
+    m->failures.push_back("test logits have the wrong size");
+    return TrialStatus::kIncorrect;
+  }
+  double max_diff = 0, max_ref = 0, kl_sum = 0;
+  int64_t agree = 0;
+  std::vector<double> lr(vocab), lt(vocab);
+  for (size_t p = 0; p < positions; ++p) {
+    const float* r = ref.logits.data() + p * vocab;
+    const float* t = test.logits.data() + p * vocab;
+    bool finite = true;
+    for (int i = 0; i < vocab; ++i) {
+      if (!std::isfinite(t[i])) {
+        ++m->non_finite;
+        finite = false;
+      }
+      max_diff = std::max(max_diff, std::fabs(static_cast<double>(t[i]) - r[i]));
+      max_ref = std::max(max_ref, std::fabs(static_cast<double>(r[i])));
+    }
+    if (Greedy({r, static_cast<size_t>(vocab)}) == Greedy({t, static_cast<size_t>(vocab)})) ++agree;
+    double kl = INFINITY;
+    if (finite) {
+      LogSoftmax(r, vocab, lr);
+      LogSoftmax(t, vocab, lt);
+      kl = 0;
+      for (int i = 0; i < vocab; ++i) kl += std::exp(lr[i]) * (lr[i] - lt[i]);
+      kl = std::max(kl, 0.0);  // rounding can make a tiny KL negative
+    }
+    kl_sum += kl;
+    m->kl_max = std::max(m->kl_max, kl);
+  }
+  m->max_rel_error = m->non_finite > 0 ? INFINITY : max_diff / std::max(max_ref, 1e-30);
+  m->top1_agreement = static_cast<double>(agree) / positions;
+  m->kl_mean = kl_sum / positions;
+
+  int64_t same = 0, total = 0;
+  for (size_t s = 0; s < ref.free.size() && s < test.free.size(); ++s) {
+    const bool test_degenerate = IsDegenerate(test.free[s]);
+    const bool ref_degenerate = IsDegenerate(ref.free[s]);
+    m->reference_degenerate |= ref_degenerate;
+    m->degenerate |= test_degenerate && !ref_degenerate;
+    for (size_t i = 0; i < ref.free[s].size() && i < test.free[s].size(); ++i, ++total)
+      same += ref.free[s][i] == test.free[s][i];
+  }
+  m->free_run_agreement = total ? static_cast<double>(same) / total : 0;
+
+  if (m->non_finite > 0)
+    m->failures.push_back(absl::StrFormat("%d non-finite logits", m->non_finite));
+  if (!(m->max_rel_error <= th.max_rel_error))
+    m->failures.push_back(
+        absl::StrFormat("max_rel_error %.3g > %.3g", m->max_rel_error, th.max_rel_error));
+  if (!(m->top1_agreement >= th.min_top1))
+    m->failures.push_back(
+        absl::StrFormat("top1_agreement %.3f < %.3f", m->top1_agreement, th.min_top1));
+  if (!(m->kl_mean <= th.max_kl_mean))
+    m->failures.push_back(absl::StrFormat("kl_mean %.3g > %.3g", m->kl_mean, th.max_kl_mean));
+  if (!(m->kl_max <= th.max_kl))
+    m->failures.push_back(absl::StrFormat("kl_max %.3g > %.3g", m->kl_max, th.max_kl));
+  if (m->degenerate)
+    m->failures.push_back("free-running generation is degenerate where the reference's is not");
+  // JSON cannot carry Inf: store a large finite sentinel instead.
+  if (!std::isfinite(m->max_rel_error)) m->max_rel_error = 1e30;
+  if (!std::isfinite(m->kl_mean)) m->kl_mean = 1e30;
+  if (!std::isfinite(m->kl_max)) m->kl_max = 1e30;
+  return m->failures.empty() ? TrialStatus::kOk : TrialStatus::kIncorrect;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,47 @@
+// Correctness verdicts: a config under test against the reference on the same weights.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/backend_config.h"
+#include "engine/model.h"
+#include "harness/trial.h"
+
+namespace infersweep {
+
+// Fixed evaluation inputs: teacher-forced prompts and free-running greedy generation.
+struct EvalSpec {
+  int prompts = 4;
+  int prompt_len = 32;
+  int free_run_prompt_len = 8;
+  int free_run_len = 24;
+  uint64_t seed = 0x5eed;
+};
+
+// What a model produced on the eval inputs.
+struct EvalOutputs {
+  std::vector<float> logits;               // [prompts, prompt_len, vocab], teacher-forced
+  std::vector<std::vector<int32_t>> free;  // [prompts][free_run_len] greedy tokens
+};
+
+absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec);
+
+struct Thresholds {
+  double max_rel_error;   // max|test - ref| / max|ref|
+  double min_top1;        // argmax agreement
+  double max_kl_mean;     // nats
+  double max_kl;          // nats, worst position
+};
+// docs/VERDICTS.md explains each class's numbers.
+Thresholds ThresholdsFor(PrecisionClass precision);
+
+// A sequence is degenerate when its last half repeats with period 1 or 2 ("!!!!", "ab ab").
+bool IsDegenerate(const std::vector<int32_t>& tokens);
+
+// Fills the metrics and returns OK or INCORRECT.
+TrialStatus JudgeOutputs(const EvalOutputs& reference, const EvalOutputs& test, int vocab,
+                         PrecisionClass precision, VerdictMetrics* metrics);
+
+}  // namespace infersweep

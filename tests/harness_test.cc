@@ -1,0 +1,231 @@
+// The trial harness: configs, preflight, workloads, verdicts, and isolation under injected faults.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/backends.h"
+#include "harness/executor.h"
+#include "harness/measure.h"
+#include "harness/runner.h"
+#include "harness/verdict.h"
+
+namespace infersweep {
+namespace {
+
+using testing::HasSubstr;
+
+TEST(BackendConfig, ParsesAndNormalizesWithDefaults) {
+  auto parsed = ParseBackendConfig("matmul=blocked, threads=2");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  auto normalized = NormalizeBackendConfig(*parsed);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  EXPECT_EQ(BackendConfigString(*normalized), "device=cpu,matmul=blocked,threads=2");
+}
+
+TEST(BackendConfig, RejectsMalformedAndUnknown) {
+  EXPECT_THAT(ParseBackendConfig("matmul").status().message(), HasSubstr("axis=value"));
+  EXPECT_THAT(ParseBackendConfig("a=1,a=2").status().message(), HasSubstr("given twice"));
+  auto unknown_axis = NormalizeBackendConfig({{"flux", "on"}});
+  EXPECT_THAT(unknown_axis.status().message(), HasSubstr("'flux' is not an axis of cpu"));
+  auto unknown_value = NormalizeBackendConfig({{"matmul", "magic"}});
+  EXPECT_THAT(unknown_value.status().message(), HasSubstr("unknown value 'magic'"));
+  EXPECT_THAT(unknown_value.status().message(), HasSubstr("naive, blocked"));
+  auto wrong_device_axis = NormalizeBackendConfig({{"device", "cpu"}, {"graphs", "on"}});
+  EXPECT_FALSE(wrong_device_axis.ok());
+  EXPECT_FALSE(NormalizeBackendConfig({{"device", "tpu"}}).ok());
+}
+
+TEST(Preflight, GatesOnBuildArchAndConflicts) {
+  auto cuda = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "wgmma"}});
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  PreflightTarget no_build{false, 0, 0, "bf16"};
+  EXPECT_THAT(Preflight(*cuda, no_build).reason, HasSubstr("needs a build with CUDA"));
+  PreflightTarget hopper{true, 90, 1, "bf16"};
+  EXPECT_TRUE(Preflight(*cuda, hopper).supported) << Preflight(*cuda, hopper).reason;
+  PreflightTarget blackwell{true, 120, 1, "bf16"};
+  const PreflightResult on_blackwell = Preflight(*cuda, blackwell);
+  EXPECT_FALSE(on_blackwell.supported);
+  EXPECT_THAT(on_blackwell.reason, HasSubstr("gemm=wgmma runs only up to sm_90"));
+  PreflightTarget ampere{true, 80, 1, "bf16"};
+  EXPECT_THAT(Preflight(*cuda, ampere).reason, HasSubstr("needs sm_90 or newer"));
+  PreflightTarget fp32_weights{true, 90, 1, "f32"};
+  EXPECT_THAT(Preflight(*cuda, fp32_weights).reason, HasSubstr("does not take f32 weights"));
+
+  auto conflict = NormalizeBackendConfig({{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}});
+  ASSERT_TRUE(conflict.ok());
+  EXPECT_THAT(Preflight(*conflict, hopper).reason,
+              HasSubstr("moe=loop cannot be combined with graphs=on"));
+
+  auto cpu = NormalizeBackendConfig({{"matmul", "blocked"}});
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_TRUE(Preflight(*cpu, no_build).supported);
+  EXPECT_EQ(Preflight(*cpu, no_build).precision, PrecisionClass::kFp32);
+}
+
+TEST(Workload, ParsesAndRejectsBadValues) {
+  auto w = ParseWorkload("prompt=16,output=8,batch=1:4,repeats=2,warmup=0,timeout=30");
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->batch_sizes, (std::vector<int>{1, 4}));
+  EXPECT_THAT(ParseWorkload("batch=0").status().message(), HasSubstr("'batch': 0"));
+  EXPECT_THAT(ParseWorkload("batch=100000").status().message(), HasSubstr("[1, 1024]"));
+  EXPECT_THAT(ParseWorkload("output=1").status().message(), HasSubstr("'output'"));
+  EXPECT_THAT(ParseWorkload("prompt=abc").status().message(), HasSubstr("not an integer"));
+  EXPECT_THAT(ParseWorkload("flavour=1").status().message(), HasSubstr("unknown workload field"));
+}
+
+TEST(Verdict, DegenerateRepetition) {
+  EXPECT_TRUE(IsDegenerate({1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7, 7, 7}));
+  EXPECT_TRUE(IsDegenerate({1, 2, 3, 4, 5, 6, 8, 9, 8, 9, 8, 9, 8, 9}));
+  EXPECT_FALSE(IsDegenerate({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
+}
+
+TEST(Measure, PercentileIsNearestRank) {
+  EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 50), 3);
+  EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 99), 5);
+  EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 0), 1);
+}
+
+TrialRequest TinyRequest(const std::string& config, const std::string& fault = "") {
+  TrialRequest r;
+  r.trial_id = "t";
+  r.model = "preset:tiny-moe";
+  r.layers = 2;
+  r.config = *ParseBackendConfig(config);
+  r.workload.prompt_len = 8;
+  r.workload.output_len = 4;
+  r.workload.repeats = 2;
+  r.workload.warmup = 0;
+  r.workload.batch_sizes = {1, 2};
+  r.inject_fault = fault;
+  return r;
+}
+
+// No false positives: every registered CPU config is OK against the CPU reference.
+TEST(Executor, EveryCpuConfigIsOk) {
+  TrialExecutor executor(LocalDevices{});
+  std::map<std::string, std::vector<std::string>> axes;
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.device == "cpu") axes[d.axis].push_back(d.value);
+  const auto configs = ExpandMatrix(axes);
+  ASSERT_EQ(configs.size(), 10u);  // device=cpu x 2 matmul x 5 threads
+  for (const BackendConfig& config : configs) {
+    TrialRequest request = TinyRequest("device=cpu");
+    request.config = config;
+    const TrialResult result = executor.Execute(request);
+    EXPECT_EQ(result.status, TrialStatus::kOk)
+        << BackendConfigString(config) << ": " << result.reason;
+    ASSERT_EQ(result.batches.size(), 2u);
+    EXPECT_GT(result.batches[1].output_tok_s.median, 0);
+    EXPECT_GT(result.batches[0].decode_bytes_per_step, 0);
+    EXPECT_LE(result.verdict.max_rel_error, 1e-4);
+    EXPECT_EQ(result.verdict.top1_agreement, 1.0);
+  }
+}
+
+class NumericFaults : public testing::TestWithParam<std::string> {};
+
+TEST_P(NumericFaults, AreIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  const TrialResult result = executor.Execute(TinyRequest("matmul=blocked", GetParam()));
+  EXPECT_EQ(result.status, TrialStatus::kIncorrect) << GetParam() << ": " << result.reason;
+  EXPECT_FALSE(result.verdict.failures.empty());
+  EXPECT_TRUE(result.batches.empty()) << "garbage is not timed";
+}
+
+INSTANTIATE_TEST_SUITE_P(Injected, NumericFaults,
+                         testing::Values("nan-layer:1", "zero-expert:3", "bad-scale:2",
+                                         "stuck-token:7"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name)
+                             if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return name;
+                         });
+
+TEST(Executor, NanFaultIsCountedAsNonFinite) {
+  TrialExecutor executor(LocalDevices{});
+  const TrialResult result = executor.Execute(TinyRequest("device=cpu", "nan-layer:0"));
+  EXPECT_GT(result.verdict.non_finite, 0);
+  EXPECT_THAT(result.reason, HasSubstr("non-finite"));
+}
+
+TEST(Executor, StuckTokenIsDegenerate) {
+  TrialExecutor executor(LocalDevices{});
+  const TrialResult result = executor.Execute(TinyRequest("device=cpu", "stuck-token:7"));
+  EXPECT_TRUE(result.verdict.degenerate);
+}
+
+TEST(Executor, BadRequestsAreErrorsAndCudaIsUnsupportedWithoutBuild) {
+  TrialExecutor executor(LocalDevices{});
+  EXPECT_EQ(executor.Execute(TinyRequest("matmul=magic")).status, TrialStatus::kError);
+  TrialRequest bad_workload = TinyRequest("device=cpu");
+  bad_workload.workload.batch_sizes = {0};
+  EXPECT_EQ(executor.Execute(bad_workload).status, TrialStatus::kError);
+  TrialRequest missing = TinyRequest("device=cpu");
+  missing.model = "/nonexistent/checkpoint";
+  const TrialResult load_error = executor.Execute(missing);
+  EXPECT_EQ(load_error.status, TrialStatus::kError);
+  EXPECT_THAT(load_error.reason, HasSubstr("/nonexistent/checkpoint"));
+  const TrialResult cuda = executor.Execute(TinyRequest("device=cuda,moe=fused"));
+  EXPECT_EQ(cuda.status, TrialStatus::kUnsupported);
+  EXPECT_THAT(cuda.reason, HasSubstr("CUDA"));
+}
+
+// Isolation: the worker is this test suite's own `infersweep` binary.
+RunnerOptions WorkerOptions() {
+  RunnerOptions options;
+  options.worker_argv = {INFERSWEEP_BINARY, "worker"};
+  return options;
+}
+
+TEST(Runner, CrashesAndHangsAreClassifiedAndTheParentCarriesOn) {
+  TrialRunner runner(WorkerOptions());
+  std::vector<std::string> progress;
+
+  const TrialResult segv = runner.Run(TinyRequest("device=cpu", "segv"));
+  EXPECT_EQ(segv.status, TrialStatus::kCrashed);
+  EXPECT_THAT(segv.reason, HasSubstr("SIGSEGV"));
+
+  const TrialResult aborted = runner.Run(TinyRequest("device=cpu", "abort"));
+  EXPECT_EQ(aborted.status, TrialStatus::kCrashed);
+  EXPECT_THAT(aborted.reason, HasSubstr("SIGABRT"));
+
+  TrialRequest hang = TinyRequest("device=cpu", "hang");
+  hang.workload.timeout_s = 3;
+  const auto start = std::chrono::steady_clock::now();
+  const TrialResult hung = runner.Run(hang);
+  EXPECT_EQ(hung.status, TrialStatus::kTimeout);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+
+  // A healthy config right after: a fresh worker, a clean OK.
+  const TrialResult ok = runner.Run(TinyRequest("matmul=blocked,threads=2"));
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason << "\n" << ok.stderr_tail;
+  const TrialResult incorrect = runner.Run(TinyRequest("device=cpu", "zero-expert:1"));
+  EXPECT_EQ(incorrect.status, TrialStatus::kIncorrect);
+  const TrialResult ok_again = runner.Run(TinyRequest("device=cpu"));
+  EXPECT_EQ(ok_again.status, TrialStatus::kOk) << ok_again.reason;
+}
+
+TEST(Runner, WorkerThatCannotStartIsCrashed) {
+  RunnerOptions options;
+  options.worker_argv = {"/nonexistent/worker"};
+  TrialRunner runner(options);
+  const TrialResult result = runner.Run(TinyRequest("device=cpu"));
+  EXPECT_EQ(result.status, TrialStatus::kCrashed);
+  EXPECT_THAT(result.reason, HasSubstr("127"));
+}
+
+TEST(TrialJson, RoundTrips) {
+  TrialExecutor executor(LocalDevices{});
+  const TrialResult result = executor.Execute(TinyRequest("device=cpu"));
+  auto back = TrialResultFromJson(nlohmann::json::parse(ToJson(result).dump()));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(ToJson(*back), ToJson(result));
+  EXPECT_FALSE(TrialResultFromJson(nlohmann::json{{"status", "MAYBE"}}).ok());
+  EXPECT_THAT(TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}})
+                  .status()
+                  .message(),
+              HasSubstr("result.sm"));
+}
+
+}  // namespace
+}  // namespace infersweep

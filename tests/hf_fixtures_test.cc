@@ -1,0 +1,146 @@
+// The first link of the trust chain: the CPU reference against HF transformers (fp32, eager) on
+// tiny checkpoints that transformers itself saved (scripts/gen_hf_fixtures.py).
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/cpu_model.h"
+#include "engine/npy.h"
+#include "engine/sampler.h"
+#include "engine/weights.h"
+
+namespace infersweep {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kFixtures = std::string(INFERSWEEP_SOURCE_DIR) + "/tests/fixtures/hf";
+
+std::vector<std::string> FixtureNames() {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(kFixtures))
+    if (fs::exists(entry.path() / "expected.json")) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+struct Expected {
+  std::vector<int32_t> prompt, greedy;
+};
+
+Expected ReadExpected(const std::string& dir) {
+  std::ifstream in(dir + "/expected.json");
+  const auto j = nlohmann::json::parse(in);
+  return {j.at("prompt").get<std::vector<int32_t>>(), j.at("greedy").get<std::vector<int32_t>>()};
+}
+
+// max|ours - ref| / max|ref| over every logit.
+double RelativeMaxError(const std::vector<float>& ours, const std::vector<float>& ref) {
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(ours[i]) - ref[i]);
+    max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+  }
+  return max_diff / max_ref;
+}
+
+class HfFixtureTest : public testing::TestWithParam<std::tuple<std::string, cpu::MatmulVariant>> {};
+
+TEST_P(HfFixtureTest, LogitsAndGreedyMatchTransformers) {
+  const auto& [name, variant] = GetParam();
+  const std::string dir = kFixtures + "/" + name;
+  const Expected expected = ReadExpected(dir);
+  auto ref = ReadNpyFloat32(dir + "/logits.npy");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+
+  auto host = LoadHostModel(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto model = MakeCpuModel(**host, {variant, 0});
+  const int n = static_cast<int>(expected.prompt.size());
+  ASSERT_EQ(ref->shape, (std::vector<int64_t>{n, (*host)->config.vocab_size}));
+
+  ASSERT_TRUE(model->StartBatch(1, n + static_cast<int>(expected.greedy.size())).ok());
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Forward(expected.prompt, n, LogitsMode::kAll, &logits).ok());
+  const double rel = RelativeMaxError(logits, ref->data);
+  std::printf("# %s: max|ours - transformers| / max|transformers| = %.3g\n", name.c_str(), rel);
+  EXPECT_LE(rel, 1e-4) << name;
+
+  // Greedy continuation through the KV cache, one token per step.
+  std::vector<int32_t> generated;
+  std::vector<float> last(logits.end() - (*host)->config.vocab_size, logits.end());
+  for (size_t step = 0; step < expected.greedy.size(); ++step) {
+    const int32_t next = Greedy(last);
+    generated.push_back(next);
+    ASSERT_TRUE(model->Forward({&next, 1}, 1, LogitsMode::kLast, &last).ok());
+  }
+  EXPECT_EQ(generated, expected.greedy) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllArchitectures, HfFixtureTest,
+    testing::Combine(testing::ValuesIn(FixtureNames()),
+                     testing::Values(cpu::MatmulVariant::kNaive, cpu::MatmulVariant::kBlocked)),
+    [](const auto& info) {
+      return std::get<0>(info.param) +
+             (std::get<1>(info.param) == cpu::MatmulVariant::kNaive ? "_naive" : "_blocked");
+    });
+
+TEST(HfFixtures, EveryArchitectureIsCovered) {
+  const auto names = FixtureNames();
+  for (const char* arch : {"llama", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"})
+    EXPECT_THAT(names, testing::Contains(arch));
+  EXPECT_THAT(names, testing::Contains("qwen3_moe_hub_sharded"));
+}
+
+// Batched prefill of two different prompts equals running each alone.
+TEST(HfFixtures, BatchRowsAreIndependent) {
+  const std::string dir = kFixtures + "/qwen2_moe";
+  auto host = LoadHostModel(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+  const Expected expected = ReadExpected(dir);
+  const int n = 16;
+  std::vector<int32_t> a(expected.prompt.begin(), expected.prompt.begin() + n);
+  std::vector<int32_t> b(expected.prompt.end() - n, expected.prompt.end());
+  const int vocab = (*host)->config.vocab_size;
+  auto model = MakeCpuModel(**host);
+  std::vector<float> alone_a, alone_b, both;
+  ASSERT_TRUE(model->StartBatch(1, n).ok());
+  ASSERT_TRUE(model->Forward(a, n, LogitsMode::kLast, &alone_a).ok());
+  ASSERT_TRUE(model->StartBatch(1, n).ok());
+  ASSERT_TRUE(model->Forward(b, n, LogitsMode::kLast, &alone_b).ok());
+  std::vector<int32_t> ab = a;
+  ab.insert(ab.end(), b.begin(), b.end());
+  ASSERT_TRUE(model->StartBatch(2, n).ok());
+  ASSERT_TRUE(model->Forward(ab, n, LogitsMode::kLast, &both).ok());
+  for (int i = 0; i < vocab; ++i) {
+    EXPECT_NEAR(both[i], alone_a[i], 1e-5f);
+    EXPECT_NEAR(both[vocab + i], alone_b[i], 1e-5f);
+  }
+}
+
+TEST(HfFixtures, ForwardRejectsBadTokens) {
+  auto host = LoadHostModel(kFixtures + "/qwen3");
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto model = MakeCpuModel(**host);
+  std::vector<float> logits;
+  const std::vector<int32_t> bad = {1, 2, 100000};
+  EXPECT_FALSE(model->Forward(bad, 3, LogitsMode::kLast, &logits).ok()) << "before StartBatch";
+  ASSERT_TRUE(model->StartBatch(1, 8).ok());
+  const auto status = model->Forward(bad, 3, LogitsMode::kLast, &logits);
+  EXPECT_THAT(status.message(), testing::HasSubstr("100000"));
+  const std::vector<int32_t> long_prompt(9, 1);
+  EXPECT_EQ(model->Forward(long_prompt, 9, LogitsMode::kLast, &logits).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+}  // namespace
+}  // namespace infersweep
