@@ -9,5 +9,9 @@ namespace infersweep::cli {
 void AddEngineCommands(CLI::App& app);
 // run (trials in isolated workers) and the hidden worker.
 void AddRunCommands(CLI::App& app);
+// coordinator, agent, submit, status, cancel, results, best, compare, agents (docs/SERVICE.md).
+void AddServiceCommands(CLI::App& app);
+// regressions: the stored history judged with a noise-aware test (docs/OBSERVABILITY.md).
+void AddObservabilityCommands(CLI::App& app);
 
 }  // namespace infersweep::cli

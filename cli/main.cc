@@ -7,6 +7,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   infersweep::cli::AddEngineCommands(app);
   infersweep::cli::AddRunCommands(app);
+  infersweep::cli::AddServiceCommands(app);
+  infersweep::cli::AddObservabilityCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

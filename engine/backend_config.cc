@@ -29,27 +29,25 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"device", "cuda", "cuda", 80, 0, true, {}, {}, kFp32, "one NVIDIA GPU"});
   r.push_back({"gemm", "reference", "cuda", 80, 0, true, dense_formats, {}, kFp32,
                "simple fp32-accumulate kernels: the GPU reference"});
-  r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, dense_formats, {}, kBf16,
-               "cuBLASLt bf16 tensor cores, fp32 accumulate"});
-  r.push_back({"gemm", "wgmma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
-               "hand-written Hopper wgmma + TMA kernel (sm_90a only)"});
+  r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
+               "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
   r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
                "materialised scores, fp32"});
-  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kBf16,
-               "tiled online softmax; split-KV decode"});
+  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kFp32,
+               "tiled online softmax, K/V tiles shared across a GQA group, split-KV + combine"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
-               "per-expert GEMMs, host sync to read routing"});
-  r.push_back({"moe", "grouped", "cuda", 80, 0, true, {}, {"graphs=on"}, kBf16,
-               "cuBLAS grouped GEMM over routed experts (host-built problem list)"});
-  r.push_back({"moe", "fused", "cuda", 80, 0, true, {}, {}, kBf16,
-               "device-side routing, permutation and grouped GEMMs; no host sync"});
+               "per-expert GEMMs on gathered rows; host sync to read the routing"});
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kFp32,
+               "decode: device-side routing and device-indexed expert GEMVs, no host sync (capturable); prefill: grouped by expert"});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
-  r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32, "decode step captured in a CUDA graph"});
+  r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
+               "decode step captured once per batch size and replayed"});
   return r;
 }
 
-const BackendDescriptor* Find(std::string_view axis, std::string_view value) {
-  for (const BackendDescriptor& d : BackendRegistry())
+const BackendDescriptor* Find(const std::vector<BackendDescriptor>& registry,
+                              std::string_view axis, std::string_view value) {
+  for (const BackendDescriptor& d : registry)
     if (d.axis == axis && d.value == value) return &d;
   return nullptr;
 }
@@ -111,7 +109,7 @@ std::string ConfigDevice(const BackendConfig& config) {
 
 absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config) {
   const std::string device = ConfigDevice(config);
-  if (!Find("device", device))
+  if (!Find(BackendRegistry(), "device", device))
     return absl::InvalidArgumentError(
         absl::StrCat("config axis 'device': unknown value '", device, "' (known: cpu, cuda)"));
   BackendConfig normalized = DefaultAxes(device);
@@ -140,7 +138,8 @@ absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config
   return normalized;
 }
 
-PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& target) {
+PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& target,
+                          const std::vector<BackendDescriptor>& registry) {
   PreflightResult result;
   auto unsupported = [&](std::string reason) {
     result.supported = false;
@@ -148,7 +147,7 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
     return result;
   };
   for (const auto& [axis, value] : config) {
-    const BackendDescriptor* d = Find(axis, value);
+    const BackendDescriptor* d = Find(registry, axis, value);
     if (d == nullptr) return unsupported(absl::StrCat(axis, "=", value, " is not registered"));
     const std::string name = absl::StrCat(axis, "=", value);
     if (d->needs_cuda_build && !target.has_cuda_build)

@@ -66,8 +66,10 @@ struct PreflightResult {
   PrecisionClass precision = PrecisionClass::kFp32;  // the loosest class among its backends
 };
 
-// Judges a normalized config against the target without loading anything.
-PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget& target);
+// Judges a normalized config against the target without loading anything. The registry is a
+// parameter so tests can judge against a table of their own.
+PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget& target,
+                          const std::vector<BackendDescriptor>& registry = BackendRegistry());
 
 // The cartesian product of per-axis value lists (each list non-empty), in a stable order.
 std::vector<BackendConfig> ExpandMatrix(const std::map<std::string, std::vector<std::string>>& axes);

@@ -3,6 +3,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_model.h"
+#ifdef INFERSWEEP_HAVE_CUDA
+#include "engine/cuda/cuda_model.h"
+#endif
 
 namespace infersweep {
 
@@ -39,11 +42,12 @@ BackendConfig ReferenceConfigFor(const BackendConfig& normalized) {
   return DefaultAxes(ConfigDevice(normalized));
 }
 
-absl::StatusOr<std::unique_ptr<Model>> CreateModel(const HostModel& host,
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                                                    const BackendConfig& config,
                                                    const FaultInjection& fault) {
   const std::string device = ConfigDevice(config);
   if (device == "cpu") {
+    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
     CpuModelOptions options;
     options.fault = fault;
     options.matmul =
@@ -53,8 +57,19 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(const HostModel& host,
       return absl::InvalidArgumentError(absl::StrCat("threads=", threads, " is not a number"));
     return MakeCpuModel(host, options);
   }
+#ifdef INFERSWEEP_HAVE_CUDA
+  if (device == "cuda") {
+    CudaModelOptions options;
+    options.gemm_cublaslt = config.at("gemm") == "cublaslt";
+    options.attention_flash = config.at("attention") == "flash";
+    options.moe_fused = config.at("moe") == "fused";
+    options.graphs = config.at("graphs") == "on";
+    options.fault = fault;
+    return MakeCudaModel(host, options);
+  }
+#endif
   return absl::UnimplementedError(
-      absl::StrCat("device=", device, ": this build has no implementation for it yet"));
+      absl::StrCat("device=", device, ": this build has no implementation for it"));
 }
 
 }  // namespace infersweep

@@ -33,8 +33,9 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel
 // (gemm=reference, attention=naive, moe=loop, graphs=off) for cuda configs.
 BackendConfig ReferenceConfigFor(const BackendConfig& normalized);
 
-// `host` must outlive the model. `fault` is TEST ONLY.
-absl::StatusOr<std::unique_ptr<Model>> CreateModel(const HostModel& host,
+// `host` must outlive the model; CPU models generate its host copy if it has none yet.
+// `fault` is TEST ONLY.
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                                                    const BackendConfig& normalized,
                                                    const FaultInjection& fault = {});
 

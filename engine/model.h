@@ -34,6 +34,8 @@ class Model {
                                std::vector<float>* logits) = 0;
   // Tokens already fed to each sequence of the current batch.
   virtual int position() const = 0;
+  // Seconds spent capturing CUDA graphs so far (0 where there are none).
+  virtual double graph_capture_seconds() const { return 0; }
 };
 
 // Checks the arguments every Forward implementation must check (batch started, shape, id range,

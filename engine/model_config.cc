@@ -151,7 +151,6 @@ class FieldReader {
     const json* v = Find(key);
     return (v == nullptr || v->is_null()) ? nullptr : v;
   }
-  bool Has(std::string_view key) const { return FindSet(key) != nullptr; }
 
   absl::Status TypeError(std::string_view key, std::string_view expected, const json& got) const {
     return absl::InvalidArgumentError(absl::StrFormat("%s: field '%s': expected %s, got %s",
@@ -875,5 +874,11 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   }
   return ParseModelConfig(text, path);
 }
+
+#undef RETURN_IF_ERROR
+#undef ASSIGN_OR_RETURN
+#undef IS_CONCAT
+#undef IS_CONCAT_INNER
+#undef IS_ASSIGN_OR_RETURN_IMPL
 
 }  // namespace infersweep

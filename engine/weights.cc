@@ -65,25 +65,40 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
   model->config = *config;
   model->source = "preset:" + preset;
   model->seed = options.seed;
+  model->is_synthetic = true;
+  model->host_materialized = false;
   model->specs = ModelTensorSpecs(*config);
-  model->synthetic.resize(model->specs.size());
   model->tensors.resize(model->specs.size());
   for (size_t i = 0; i < model->specs.size(); ++i) {
     const TensorSpec& spec = model->specs[i];
-    model->synthetic[i].resize(spec.numel());
-    model->tensors[i] = {spec.name, "synthetic:" + spec.name, DType::kBF16, spec.shape,
-                         model->synthetic[i].data()};
+    model->tensors[i] = {spec.name, "synthetic:" + spec.name, DType::kBF16, spec.shape, nullptr};
   }
-  // Generation is embarrassingly parallel over tensors (the largest dominate; fine at our sizes).
-  cpu::ParallelFor(static_cast<int64_t>(model->specs.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      GenerateSyntheticBf16(options.seed, model->specs[i], config->tie_word_embeddings, 0,
-                            model->specs[i].numel(), model->synthetic[i].data());
-  });
+  if (options.materialize_host)
+    if (auto s = MaterializeHostWeights(*model); !s.ok()) return s;
   return model;
 }
 
 }  // namespace
+
+absl::Status MaterializeHostWeights(HostModel& model) {
+  if (model.host_materialized) return absl::OkStatus();
+  model.synthetic.resize(model.specs.size());
+  for (size_t i = 0; i < model.specs.size(); ++i) {
+    model.synthetic[i].resize(model.specs[i].numel());
+    model.tensors[i].data = model.synthetic[i].data();
+  }
+  // Embarrassingly parallel over tensors (the largest dominate; fine at our sizes).
+  cpu::ParallelFor(static_cast<int64_t>(model.specs.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      GenerateSyntheticBf16(model.seed, model.specs[i], model.config.tie_word_embeddings, 0,
+                            model.specs[i].numel(), model.synthetic[i].data());
+  });
+  auto bound = BindWeights(model.config, model.specs, model.tensors);
+  if (!bound.ok()) return bound.status();
+  model.weights = std::move(*bound);
+  model.host_materialized = true;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ModelWeights> BindWeights(const ModelConfig& config,
                                          const std::vector<TensorSpec>& specs,

@@ -52,8 +52,15 @@ struct HostModel {
   ModelWeights weights;
   std::unique_ptr<Checkpoint> checkpoint;          // owns mapped files
   std::vector<std::vector<uint16_t>> synthetic;    // owns generated bf16 buffers
+  bool is_synthetic = false;
+  bool host_materialized = true;  // false: synthetic weights not generated on the host (yet)
   double load_seconds = 0;
+  // Weights resident on a device, shared by every model built on this host model (CUDA).
+  std::shared_ptr<void> device_weights;
 };
+
+// Generates a synthetic model's host copy if it was loaded without one (GPU-only runs skip it).
+absl::Status MaterializeHostWeights(HostModel& model);
 
 // Binds tensors (parallel to specs) into the forward pass's structure.
 absl::StatusOr<ModelWeights> BindWeights(const ModelConfig& config,
@@ -63,6 +70,7 @@ absl::StatusOr<ModelWeights> BindWeights(const ModelConfig& config,
 struct LoadOptions {
   int num_layers_override = 0;  // presets only
   uint64_t seed = 1;            // presets only
+  bool materialize_host = true; // presets: generate the host copy now (else on first CPU use)
 };
 
 // `model` is a checkpoint folder or "preset:NAME".

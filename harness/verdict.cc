@@ -63,12 +63,15 @@ Thresholds ThresholdsFor(PrecisionClass precision) {
   switch (precision) {
     case PrecisionClass::kFp32:
       return {1e-4, 0.99, 1e-6, 1e-5};
+    // Below fp32, one logit's worst error says little (a near-tied routing decision can move a
+    // token); the distributions (KL) and the argmax carry the judgement. top-1 floors are low
+    // because synthetic models have near-flat logits, where argmax flips on tiny noise.
     case PrecisionClass::kBf16:
-      return {0.1, 0.9, 1e-2, 0.1};
+      return {INFINITY, 0.7, 1e-2, 1.0};
     case PrecisionClass::kFp8:
-      return {0.25, 0.8, 5e-2, 0.5};
+      return {INFINITY, 0.6, 5e-2, 2.0};
     case PrecisionClass::kFp4:
-      return {0.5, 0.7, 0.1, 1.0};
+      return {INFINITY, 0.5, 0.1, 4.0};
   }
   return {0, 1, 0, 0};
 }
@@ -126,15 +129,19 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   m->top1_agreement = static_cast<double>(agree) / positions;
   m->kl_mean = kl_sum / positions;
 
-  int64_t same = 0, total = 0;
-  for (size_t s = 0; s < ref.free.size() && s < test.free.size(); ++s) {
-    const bool test_degenerate = IsDegenerate(test.free[s]);
-    const bool ref_degenerate = IsDegenerate(ref.free[s]);
-    m->reference_degenerate |= ref_degenerate;
-    m->degenerate |= test_degenerate && !ref_degenerate;
+  // Garbage ("!!!!") repeats in most sequences; one sequence of a near-flat synthetic model
+  // falling into a loop is chaos, not garbage. Flag degeneracy in at least half the sequences,
+  // and in more of them than the reference's.
+  int64_t same = 0, total = 0, test_loops = 0, ref_loops = 0;
+  const size_t sequences = std::min(ref.free.size(), test.free.size());
+  for (size_t s = 0; s < sequences; ++s) {
+    test_loops += IsDegenerate(test.free[s]);
+    ref_loops += IsDegenerate(ref.free[s]);
     for (size_t i = 0; i < ref.free[s].size() && i < test.free[s].size(); ++i, ++total)
       same += ref.free[s][i] == test.free[s][i];
   }
+  m->reference_degenerate = ref_loops > 0;
+  m->degenerate = test_loops > ref_loops && 2 * test_loops >= static_cast<int64_t>(sequences);
   m->free_run_agreement = total ? static_cast<double>(same) / total : 0;
 
   if (m->non_finite > 0)
@@ -150,7 +157,9 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   if (!(m->kl_max <= th.max_kl))
     m->failures.push_back(absl::StrFormat("kl_max %.3g > %.3g", m->kl_max, th.max_kl));
   if (m->degenerate)
-    m->failures.push_back("free-running generation is degenerate where the reference's is not");
+    m->failures.push_back(absl::StrFormat(
+        "free-running generation is degenerate in %d of %d sequences (reference: %d)", test_loops,
+        sequences, ref_loops));
   // JSON cannot carry Inf: store a large finite sentinel instead.
   if (!std::isfinite(m->max_rel_error)) m->max_rel_error = 1e30;
   if (!std::isfinite(m->kl_mean)) m->kl_mean = 1e30;

@@ -68,7 +68,10 @@ def randomize(model, gen):
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                # Tied embeddings double as the lm_head: keep logits O(1) so greedy decoding
+                # does not collapse onto the prompt's own tokens.
+                std = 1 / math.sqrt(p.shape[-1]) if model.config.tie_word_embeddings else 1.0
+                p.copy_(std * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 

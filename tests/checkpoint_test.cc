@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -250,10 +251,10 @@ TEST_F(CheckpointTest, ShardedWithIndex) {
 }
 
 // transformers 5 layout, with and without the `.weight` suffix: the views equal per-expert bytes.
-class FusedExpertsTest : public CheckpointTest,
+class CheckpointFusedExpertsTest : public CheckpointTest,
                          public ::testing::WithParamInterface<std::string> {};
 
-TEST_P(FusedExpertsTest, SameBytesAsPerExpert) {
+TEST_P(CheckpointFusedExpertsTest, SameBytesAsPerExpert) {
   const ModelConfig c = ParseConfig(kQwen3MoeConfig);
   const std::vector<DiskTensor> per_expert = CanonicalTensors(c);
   WriteText("config.json", kQwen3MoeConfig);
@@ -275,7 +276,7 @@ TEST_P(FusedExpertsTest, SameBytesAsPerExpert) {
             3 * c.moe_intermediate_size * c.hidden_size * 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Suffix, FusedExpertsTest, ::testing::Values("", ".weight"),
+INSTANTIATE_TEST_SUITE_P(Suffix, CheckpointFusedExpertsTest, ::testing::Values("", ".weight"),
                          [](const auto& info) { return info.param.empty() ? "Bare" : "Weight"; });
 
 TEST_F(CheckpointTest, FusedExpertsWrongShape) {
@@ -302,7 +303,9 @@ struct MixtralLayout {
   std::function<std::vector<DiskTensor>(const std::vector<DiskTensor>&, const ModelConfig&)> make;
 };
 
-class MixtralTest : public CheckpointTest, public ::testing::WithParamInterface<MixtralLayout> {};
+void PrintTo(const MixtralLayout& l, std::ostream* os) { *os << l.label; }
+
+class CheckpointMixtralTest : public CheckpointTest, public ::testing::WithParamInterface<MixtralLayout> {};
 
 std::vector<DiskTensor> MixtralW123(std::vector<DiskTensor> t) {
   t = Rename(std::move(t), "gate_proj.weight", "w1.weight");
@@ -310,7 +313,7 @@ std::vector<DiskTensor> MixtralW123(std::vector<DiskTensor> t) {
   return Rename(std::move(t), "down_proj.weight", "w2.weight");
 }
 
-TEST_P(MixtralTest, ResolvesToCanonicalBytes) {
+TEST_P(CheckpointMixtralTest, ResolvesToCanonicalBytes) {
   const ModelConfig c = ParseConfig(kMixtralConfig);
   ASSERT_EQ(c.arch, ModelArch::kMixtral);
   const std::vector<DiskTensor> canonical = CanonicalTensors(c);
@@ -323,7 +326,7 @@ TEST_P(MixtralTest, ResolvesToCanonicalBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Layouts, MixtralTest,
+    Layouts, CheckpointMixtralTest,
     ::testing::Values(
         MixtralLayout{"BlockSparseMoeW123",
                       [](const std::vector<DiskTensor>& t, const ModelConfig&) {

@@ -19,9 +19,19 @@
 namespace infersweep {
 namespace {
 
+// Built-in paths, overridable where the tests run from another tree (the GPU machine).
+[[maybe_unused]] std::string SourceDir() {
+  const char* env = std::getenv("INFERSWEEP_SOURCE_DIR");
+  return env ? env : INFERSWEEP_SOURCE_DIR;
+}
+[[maybe_unused]] std::string WorkerBinary() {
+  const char* env = std::getenv("INFERSWEEP_BINARY");
+  return env ? env : INFERSWEEP_BINARY;
+}
+
 namespace fs = std::filesystem;
 
-const std::string kFixtures = std::string(INFERSWEEP_SOURCE_DIR) + "/tests/fixtures/hf";
+const std::string kFixtures = SourceDir() + "/tests/fixtures/hf";
 
 std::vector<std::string> FixtureNames() {
   std::vector<std::string> names;

@@ -127,7 +127,7 @@ class Mutator {
   void MutateOnce(Bytes& image) {
     const size_t header_end = HeaderEnd(image);
     const size_t header_size = header_end > 8 ? header_end - 8 : 0;
-    switch (Below(9)) {
+    switch (Below(10)) {
       case 0: {  // flip bits anywhere
         if (image.empty()) return;
         for (size_t k = 1 + Below(4); k > 0; --k) {
@@ -200,6 +200,27 @@ class Mutator {
         if (header_size == 0) return;
         static const char kChars[] = "{}[],:\"-0123456789eE. \\";
         image[8 + Below(header_size)] = static_cast<uint8_t>(kChars[Below(sizeof kChars - 1)]);
+        break;
+      }
+      case 9: {  // move one tensor's range, keeping its length, so that ranges can collide
+        if (header_size == 0) return;
+        const std::string text(image.begin() + 8, image.begin() + header_end);
+        static const std::string kKey = "\"data_offsets\":[";
+        std::vector<size_t> found;
+        for (size_t p = text.find(kKey); p != std::string::npos; p = text.find(kKey, p + 1)) {
+          found.push_back(p + kKey.size());
+        }
+        if (found.empty()) return;
+        const size_t start = found[Below(found.size())];
+        const size_t close = text.find(']', start);
+        if (close == std::string::npos) return;
+        unsigned long long begin = 0, end = 0;
+        if (std::sscanf(text.c_str() + start, "%llu,%llu", &begin, &end) != 2 || end < begin) {
+          return;
+        }
+        const unsigned long long to = Below(end + 8);
+        Resize(image, 8 + start, close - start,
+               std::to_string(to) + "," + std::to_string(to + (end - begin)));
         break;
       }
     }

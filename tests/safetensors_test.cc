@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -141,7 +142,7 @@ TEST(SafetensorsWriter, HeaderIsPaddedWithSpaces) {
   }
 }
 
-TEST(DTypeNames, RoundTripAndRejectUnknown) {
+TEST(SafetensorsDTypeNames, RoundTripAndRejectUnknown) {
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kU8, DType::kI8,
                   DType::kI32, DType::kI64, DType::kBool}) {
     EXPECT_EQ(DTypeFromSafetensorsName(DTypeName(t)), t) << DTypeName(t);
@@ -163,9 +164,12 @@ struct BadHeaderCase {
   bool names_tensor = true;
 };
 
-class BadHeaderTest : public ::testing::TestWithParam<BadHeaderCase> {};
+// Keeps ctest names readable (gtest_discover_tests appends the printed parameter).
+void PrintTo(const BadHeaderCase& c, std::ostream* os) { *os << c.label; }
 
-TEST_P(BadHeaderTest, RejectedWithFileAndTensorNamed) {
+class SafetensorsBadHeaderTest : public ::testing::TestWithParam<BadHeaderCase> {};
+
+TEST_P(SafetensorsBadHeaderTest, RejectedWithFileAndTensorNamed) {
   const BadHeaderCase& c = GetParam();
   absl::StatusOr<SafetensorsHeader> h = Parse(Image(c.header, c.data_bytes));
   ASSERT_FALSE(h.ok()) << c.label << ": accepted " << c.header;
@@ -180,7 +184,7 @@ TEST_P(BadHeaderTest, RejectedWithFileAndTensorNamed) {
 const std::string kOther = "\"other\": " + Entry("\"U8\"", "[4]", "[4, 8]");
 
 INSTANTIATE_TEST_SUITE_P(
-    Rules, BadHeaderTest,
+    Rules, SafetensorsBadHeaderTest,
     ::testing::Values(
         BadHeaderCase{"EntryNotObject", OneTensor("[1, 2]"), 4, "must be an object"},
         BadHeaderCase{"MissingDtype", OneTensor("{\"shape\": [4], \"data_offsets\": [0, 4]}"), 4,

@@ -16,7 +16,7 @@ void TopKRouting(const float* logits, int num_experts, int k, bool renormalize, 
     p = std::exp(p - max_logit);
     sum += p;
   }
-  for (float& p : probs) p /= sum;
+  for (float& p : probs) p = std::isnan(p / sum) ? -INFINITY : p / sum;  // NaN breaks ordering
   std::vector<int> order(num_experts);
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {

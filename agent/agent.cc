@@ -1,0 +1,532 @@
+#include "agent/agent.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <optional>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "harness/runner.h"
+#include "proto/infersweep.grpc.pb.h"
+#include "proto/rpc.h"
+
+namespace infersweep {
+
+struct Agent::Job {
+  std::string trial_id;
+  int attempt = 1;
+  std::string request_json;
+  std::vector<int> slots;
+  bool cancelled = false;
+};
+
+struct Agent::Slot {
+  int index = 0;
+  std::deque<Job> queue;       // assigned, not started (normally at most one)
+  std::optional<Job> current;  // running now
+  int reserved = 0;            // held by multi-slot jobs that run on another slot
+  std::unique_ptr<TrialRunner> runner;
+  std::thread thread;
+};
+
+struct Agent::Link {
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::CoordinatorMessage>> stream;
+  std::mutex write_mu;
+  bool write_ok = true;
+  std::atomic<bool> ready{false};  // welcomed: other threads may write
+};
+
+namespace {
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+  if (options_.agent_id.empty()) options_.agent_id = HostName();
+  if (options_.spool_path.empty())
+    options_.spool_path = absl::StrCat("infersweep-spool-", options_.agent_id, ".db");
+  options_.initial_backoff_ms = std::max(1, options_.initial_backoff_ms);
+  options_.max_backoff_ms = std::max(options_.initial_backoff_ms, options_.max_backoff_ms);
+}
+
+Agent::~Agent() { Stop(); }
+
+void Agent::Log(const std::string& line) {
+  if (options_.log) {
+    options_.log(line);
+  } else {
+    std::fprintf(stderr, "[agent %s] %s\n", options_.agent_id.c_str(), line.c_str());
+  }
+}
+
+absl::Status Agent::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return absl::FailedPreconditionError("agent already started");
+  }
+  auto inventory = DetectInventory(options_.test_fake_gpus);
+  if (!inventory.ok()) return inventory.status();
+  inventory_ = *std::move(inventory);
+  auto spool = Spool::Open(options_.spool_path);
+  if (!spool.ok()) return spool.status();
+  spool_ = *std::move(spool);
+  if (auto n = spool_->Count(); n.ok() && *n > 0)
+    Log(absl::StrCat(*n, " unacknowledged result(s) in the spool; they are sent after connecting"));
+  if (!options_.metrics_listen.empty()) {
+    auto metrics = std::make_unique<AgentMetrics>();
+    absl::StatusOr<int> port = metrics->Listen(options_.metrics_listen);
+    if (!port.ok()) return port.status();
+    metrics_ = std::move(metrics);
+    Log(absl::StrCat("metrics on http://", options_.metrics_listen, "/metrics (port ", *port,
+                     ")"));
+    UpdateSpoolMetric();
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  started_ = true;
+  const size_t n_slots = std::max<size_t>(1, inventory_.gpus.size());
+  for (size_t i = 0; i < n_slots; ++i) {
+    auto slot = std::make_unique<Slot>();
+    slot->index = static_cast<int>(i);
+    RunnerOptions ro;
+    if (!options_.worker_argv.empty()) ro.worker_argv = options_.worker_argv;
+    Slot* raw = slot.get();
+    ro.on_progress = [this, raw](const std::string& line) {
+      v1::AgentMessage m;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!raw->current) return;
+        m.mutable_progress()->set_trial_id(raw->current->trial_id);
+        m.mutable_progress()->set_attempt(raw->current->attempt);
+      }
+      m.mutable_progress()->set_text(line);
+      Send(m);
+    };
+    slot->runner = std::make_unique<TrialRunner>(std::move(ro));
+    slots_.push_back(std::move(slot));
+  }
+  for (auto& slot : slots_) slot->thread = std::thread([this, s = slot.get()] { SlotLoop(s); });
+  connection_thread_ = std::thread([this] { ConnectionLoop(); });
+  return absl::OkStatus();
+}
+
+void Agent::Stop() {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool first = !stopping_;
+    stopping_ = true;
+    link = link_;
+    if (!first || !started_) {
+      cv_.notify_all();
+      return;
+    }
+  }
+  cv_.notify_all();
+  if (link) link->context.TryCancel();
+  if (connection_thread_.joinable()) connection_thread_.join();
+  // A running trial is allowed to end (TrialRunner::Kill may not be called while Run() blocks
+  // in another thread); it is not reported: its lease expires and it runs again.
+  for (auto& slot : slots_) {
+    if (slot->thread.joinable()) slot->thread.join();
+  }
+}
+
+void Agent::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return stopping_; });
+}
+
+int Agent::metrics_port() const { return metrics_ != nullptr ? metrics_->port() : 0; }
+
+void Agent::UpdateSpoolMetric() {
+  if (metrics_ == nullptr) return;
+  if (auto n = spool_->Count(); n.ok()) metrics_->SetSpoolDepth(*n);
+}
+
+AgentStats Agent::stats() {
+  AgentStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+  }
+  if (spool_) {
+    if (auto n = spool_->Count(); n.ok()) s.spooled = *n;
+  }
+  return s;
+}
+
+bool Agent::Send(const v1::AgentMessage& message) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    link = link_;
+  }
+  if (!link || !link->ready.load()) return false;
+  std::lock_guard<std::mutex> lock(link->write_mu);
+  if (!link->write_ok) return false;
+  link->write_ok = link->stream->Write(message);
+  return link->write_ok;
+}
+
+std::vector<v1::RunningTrial> Agent::RunningLocked() const {
+  std::vector<v1::RunningTrial> out;
+  auto add = [&](const Job& job) {
+    v1::RunningTrial r;
+    r.set_trial_id(job.trial_id);
+    r.set_attempt(job.attempt);
+    for (int s : job.slots) r.add_slots(s);
+    out.push_back(std::move(r));
+  };
+  for (const auto& slot : slots_) {
+    if (slot->current) add(*slot->current);
+    for (const Job& job : slot->queue) add(job);
+  }
+  return out;
+}
+
+int Agent::FreeSlotsLocked() const {
+  int free = 0;
+  for (const auto& slot : slots_)
+    if (!slot->current && slot->queue.empty() && slot->reserved == 0) ++free;
+  return free;
+}
+
+void Agent::ConnectionLoop() {
+  int backoff_ms = options_.initial_backoff_ms;
+  while (true) {
+    auto link = std::make_shared<Link>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) break;
+      link_ = link;
+    }
+    const bool welcomed = RunStream(link);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (link_ == link) link_ = nullptr;
+      connected_ = false;
+      if (stopping_) break;
+    }
+    cv_.notify_all();
+    if (welcomed) backoff_ms = options_.initial_backoff_ms;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::milliseconds(backoff_ms), [&] { return stopping_; });
+    if (stopping_) break;
+    backoff_ms = std::min(options_.max_backoff_ms, backoff_ms * 2);
+  }
+}
+
+bool Agent::RunStream(const std::shared_ptr<Link>& link) {
+  auto stub = v1::AgentService::NewStub(rpc::MakeChannel(options_.coordinator));
+  link->stream = stub->Connect(&link->context);
+
+  v1::AgentMessage hello_msg;
+  v1::Hello* hello = hello_msg.mutable_hello();
+  hello->set_agent_id(options_.agent_id);
+  hello->set_host(inventory_.host);
+  hello->set_engine_version(inventory_.engine_version);
+  hello->set_cpu_only(inventory_.gpus.empty());
+  hello->set_cuda_build(inventory_.cuda_build);
+  hello->set_auth_token(options_.auth_token);
+  hello->set_protocol_version(rpc::kProtocolVersion);
+  for (const std::string& b : inventory_.backends) hello->add_backends(b);
+  for (const GpuInfo& g : inventory_.gpus) {
+    v1::Gpu* gpu = hello->add_gpus();
+    gpu->set_index(g.index);
+    gpu->set_name(g.name);
+    gpu->set_sm(g.sm);
+    gpu->set_memory_bytes(g.memory_bytes);
+    gpu->set_driver_version(g.driver_version);
+    gpu->set_cuda_version(g.cuda_version);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& r : RunningLocked()) *hello->add_running() = std::move(r);
+  }
+
+  bool welcomed = false;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(link->write_mu);
+    ok = link->write_ok = link->stream->Write(hello_msg);
+  }
+  v1::CoordinatorMessage msg;
+  if (ok && link->stream->Read(&msg)) {
+    if (msg.has_welcome()) {
+      welcomed = true;
+    } else if (msg.has_error()) {
+      Log(absl::StrCat("coordinator refused the connection: ", msg.error().message()));
+    } else {
+      Log("coordinator sent something other than Welcome first; reconnecting");
+    }
+  }
+
+  std::thread heartbeat;
+  if (welcomed) {
+    const int64_t interval_ms =
+        std::clamp<int64_t>(msg.welcome().heartbeat_interval_ms(), 20, 60'000);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.connects;
+      connected_ = true;
+    }
+    link->ready = true;
+    Log(absl::StrCat("connected to ", options_.coordinator, " (heartbeat every ", interval_ms,
+                     " ms)"));
+    SendSpooled();
+    heartbeat = std::thread([this, link, interval_ms] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (true) {
+        cv_.wait_for(lock, std::chrono::milliseconds(interval_ms),
+                     [&] { return stopping_ || link_ != link; });
+        if (stopping_ || link_ != link) return;
+        v1::AgentMessage m;
+        v1::Heartbeat* hb = m.mutable_heartbeat();
+        for (auto& r : RunningLocked()) {
+          hb->add_running_trial_ids(r.trial_id());
+          *hb->add_running() = std::move(r);
+        }
+        hb->set_free_slots(FreeSlotsLocked());
+        lock.unlock();
+        Send(m);
+        lock.lock();
+      }
+    });
+    while (link->stream->Read(&msg)) {
+      switch (msg.msg_case()) {
+        case v1::CoordinatorMessage::kAssignment:
+          HandleAssignment(msg.assignment());
+          break;
+        case v1::CoordinatorMessage::kCancel:
+          HandleCancel(msg.cancel().trial_id());
+          break;
+        case v1::CoordinatorMessage::kAck: {
+          if (auto s = spool_->Remove(msg.ack().trial_id(), msg.ack().attempt()); !s.ok())
+            Log(std::string(s.message()));
+          UpdateSpoolMetric();
+          std::lock_guard<std::mutex> lock(mu_);
+          ++stats_.acks;
+          break;
+        }
+        case v1::CoordinatorMessage::kError: {
+          const v1::Error& e = msg.error();
+          Log(absl::StrCat("coordinator error", e.trial_id().empty() ? "" : " about ", e.trial_id(),
+                           ": ", e.message()));
+          if (e.permanent() && !e.trial_id().empty()) {
+            Log(absl::StrCat("dropping the result of ", e.trial_id(), " attempt ", e.attempt(),
+                             " from the spool: the coordinator will never accept it"));
+            (void)spool_->Remove(e.trial_id(), e.attempt());
+            UpdateSpoolMetric();
+          }
+          std::lock_guard<std::mutex> lock(mu_);
+          ++stats_.errors_received;
+          break;
+        }
+        default:
+          break;  // a second Welcome, or a message this agent does not know: ignore
+      }
+    }
+  }
+  link->ready = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (link_ == link) link_ = nullptr;
+    connected_ = false;
+  }
+  cv_.notify_all();
+  if (heartbeat.joinable()) heartbeat.join();
+  {
+    std::lock_guard<std::mutex> lock(link->write_mu);
+    link->write_ok = false;
+  }
+  // Drain whatever is left so Finish() may run; then learn why the stream ended.
+  while (link->stream->Read(&msg)) {
+  }
+  const grpc::Status status = link->stream->Finish();
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping = stopping_;
+  }
+  if (!stopping) {
+    // A coordinator that stays down is reported on the first failure and then every 10th.
+    if (welcomed) {
+      failures_ = 0;
+    } else {
+      ++failures_;
+    }
+    if (welcomed || failures_ == 1 || failures_ % 10 == 0)
+      Log(absl::StrCat(welcomed ? "disconnected" : "could not connect",
+                       failures_ > 1 ? absl::StrCat(" (", failures_, " attempts)") : "", ": ",
+                       status.ok() ? "stream closed" : status.error_message()));
+  }
+  return welcomed;
+}
+
+void Agent::SendSpooled() {
+  auto all = spool_->All();
+  if (!all.ok()) {
+    Log(absl::StrCat("cannot read the spool: ", all.status().message()));
+    return;
+  }
+  for (const SpooledResult& r : *all) {
+    v1::AgentMessage m;
+    v1::Result* res = m.mutable_result();
+    res->set_trial_id(r.trial_id);
+    res->set_attempt(r.attempt);
+    res->set_result_json(r.result_json);
+    for (int s : r.slots) res->add_slots(s);
+    if (!Send(m)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.results_sent;
+  }
+}
+
+void Agent::HandleAssignment(const v1::Assignment& a) {
+  Job job;
+  job.trial_id = a.trial_id();
+  job.attempt = a.attempt();
+  job.request_json = a.request_json();
+  job.slots.assign(a.slots().begin(), a.slots().end());
+  if (job.slots.empty()) job.slots.push_back(0);
+  std::string bad;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.assignments;
+    for (int s : job.slots) {
+      if (s < 0 || s >= static_cast<int>(slots_.size()))
+        bad = absl::StrCat("assignment names slot ", s, " but this agent has ", slots_.size());
+    }
+    if (bad.empty()) {
+      for (size_t i = 1; i < job.slots.size(); ++i) ++slots_[job.slots[i]]->reserved;
+      slots_[job.slots[0]]->queue.push_back(job);
+    }
+  }
+  if (!bad.empty()) {
+    TrialResult result;
+    result.status = TrialStatus::kError;
+    result.reason = bad;
+    Finish(job, std::move(result));
+    return;
+  }
+  cv_.notify_all();
+}
+
+void Agent::HandleCancel(const std::string& trial_id) {
+  std::vector<Job> dropped;
+  bool running = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& slot : slots_) {
+      for (auto it = slot->queue.begin(); it != slot->queue.end();) {
+        if (it->trial_id == trial_id) {
+          for (size_t i = 1; i < it->slots.size(); ++i) --slots_[it->slots[i]]->reserved;
+          dropped.push_back(*it);
+          it = slot->queue.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (slot->current && slot->current->trial_id == trial_id) {
+        slot->current->cancelled = true;
+        running = true;
+      }
+    }
+  }
+  // A queued trial never starts; it is answered so the coordinator frees the slot. A running one
+  // ends on its own (bounded by its workload timeout) and is reported as it ends.
+  for (const Job& job : dropped) {
+    TrialResult result;
+    result.status = TrialStatus::kError;
+    result.reason = "cancelled by the coordinator before it started";
+    Finish(job, std::move(result));
+  }
+  if (running || !dropped.empty())
+    Log(absl::StrCat("cancelled ", trial_id, running ? " (already running: it finishes)" : ""));
+}
+
+void Agent::SlotLoop(Slot* slot) {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !slot->queue.empty(); });
+      if (stopping_) return;
+      job = slot->queue.front();
+      slot->queue.pop_front();
+      slot->current = job;
+    }
+    TrialResult result;
+    auto parsed = nlohmann::json::parse(job.request_json, nullptr, /*allow_exceptions=*/false);
+    absl::StatusOr<TrialRequest> request =
+        parsed.is_discarded() ? absl::InvalidArgumentError("request_json is not valid JSON")
+                              : TrialRequestFromJson(parsed);
+    if (!request.ok()) {
+      result.status = TrialStatus::kError;
+      result.reason = absl::StrCat("bad assignment: ", request.status().message());
+    } else {
+      request->trial_id = job.trial_id;
+      request->attempt = job.attempt;
+      Log(absl::StrCat("running ", job.trial_id, " attempt ", job.attempt, " on slot ",
+                       slot->index, ": ", BackendConfigString(request->config)));
+      if (metrics_) metrics_->TrialStarted(job.trial_id, BackendConfigString(request->config));
+      result = slot->runner->Run(*request);
+    }
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled = slot->current && slot->current->cancelled;
+      slot->current.reset();
+      for (size_t i = 1; i < job.slots.size(); ++i) --slots_[job.slots[i]]->reserved;
+      if (stopping_) {  // cut short by shutdown: not a result
+        if (metrics_) metrics_->TrialAbandoned(job.trial_id);
+        return;
+      }
+    }
+    Log(absl::StrCat(job.trial_id, " attempt ", job.attempt, cancelled ? " (cancelled)" : "", ": ",
+                     std::string(TrialStatusName(result.status)),
+                     result.reason.empty() ? "" : " (", result.reason,
+                     result.reason.empty() ? "" : ")"));
+    Finish(job, std::move(result));
+  }
+}
+
+void Agent::Finish(const Job& job, TrialResult result) {
+  result.trial_id = job.trial_id;
+  result.attempt = job.attempt;
+  if (result.finished_unix_ms == 0) result.finished_unix_ms = NowUnixMs();
+  SpooledResult spooled;
+  spooled.trial_id = job.trial_id;
+  spooled.attempt = job.attempt;
+  spooled.result_json = ToJson(result).dump();
+  spooled.slots = job.slots;
+  if (auto seq = spool_->Put(spooled); !seq.ok())
+    Log(absl::StrCat("cannot spool ", job.trial_id, ": ", seq.status().message(),
+                     " (sending it anyway)"));
+  if (metrics_) {
+    metrics_->TrialFinished(job.trial_id, result.status);  // ends its running series, counts it
+    UpdateSpoolMetric();
+  }
+  v1::AgentMessage m;
+  v1::Result* r = m.mutable_result();
+  r->set_trial_id(job.trial_id);
+  r->set_attempt(job.attempt);
+  r->set_result_json(spooled.result_json);
+  for (int s : job.slots) r->add_slots(s);
+  if (Send(m)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.results_sent;
+  }
+}
+
+}  // namespace infersweep

@@ -1,0 +1,118 @@
+// The agent: runs on a GPU host, holds one stream to the coordinator, runs the trials it is
+// assigned (one per slot at a time, each in an isolated worker process through TrialRunner), and
+// streams progress and results back. Results go to the local spool before they are sent and
+// leave it only when the coordinator acks them; every (re)connect replays the spool.
+//
+// A slot is one GPU, or the single CPU slot of a CPU-only agent (index 0, sm 0).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "agent/inventory.h"
+#include "agent/metrics.h"
+#include "agent/spool.h"
+#include "harness/trial.h"
+#include "proto/infersweep.pb.h"
+
+namespace infersweep {
+
+struct AgentOptions {
+  std::string coordinator = "127.0.0.1:7070";  // host:port
+  std::string agent_id;                        // default: the host name
+  std::string spool_path;                      // default: "infersweep-spool-<agent_id>.db"
+  std::string auth_token;
+  // TEST ONLY: "NAME:SM:MEMORY_GIB" labels that replace the detected GPUs (see inventory.h).
+  // Trials with device=cpu still run on the CPU.
+  std::vector<std::string> test_fake_gpus;
+  // argv of the trial worker; default {"/proc/self/exe", "worker"} (the infersweep binary).
+  std::vector<std::string> worker_argv;
+  // Reconnect backoff: doubles from the initial delay up to the cap; reset by a Welcome.
+  int initial_backoff_ms = 200;
+  int max_backoff_ms = 5000;
+  // Where to serve Prometheus /metrics (agent/metrics.h), e.g. "127.0.0.1:9465"; port 0 picks a
+  // free one; empty serves none.
+  std::string metrics_listen;
+  // Log sink; default: stderr lines prefixed "[agent <id>]".
+  std::function<void(const std::string&)> log;
+};
+
+struct AgentStats {
+  int64_t connects = 0;          // streams that got a Welcome
+  int64_t assignments = 0;
+  int64_t results_sent = 0;      // Result messages written, replays included
+  int64_t acks = 0;
+  int64_t errors_received = 0;   // Error messages from the coordinator
+  int64_t spooled = 0;           // results in the spool now
+};
+
+class Agent {
+ public:
+  explicit Agent(AgentOptions options);
+  ~Agent();  // Stop()s
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // Opens the spool, detects the inventory and starts the connection and slot threads.
+  absl::Status Start();
+  // Closes the stream, lets running trials end (unreported) and joins every thread. Idempotent.
+  void Stop();
+  // Blocks until Stop() is called from another thread (or a signal handler's thread).
+  void Wait();
+
+  const std::string& agent_id() const { return options_.agent_id; }
+  const Inventory& inventory() const { return inventory_; }
+  AgentStats stats();
+  bool connected() const { return connected_.load(); }
+  // The port /metrics is served on; 0 when options.metrics_listen is empty or before Start.
+  int metrics_port() const;
+
+ private:
+  struct Slot;
+  struct Link;
+  struct Job;
+
+  void ConnectionLoop();
+  // One stream, from Hello to its end. Returns true when it got a Welcome.
+  bool RunStream(const std::shared_ptr<Link>& link);
+  void SlotLoop(Slot* slot);
+  // Writes on the current stream once it is welcomed; false while disconnected.
+  bool Send(const v1::AgentMessage& message);
+  void HandleAssignment(const v1::Assignment& assignment);
+  void HandleCancel(const std::string& trial_id);
+  // Spools the result, then sends it.
+  void Finish(const Job& job, TrialResult result);
+  void SendSpooled();
+  void Log(const std::string& line);
+  // Sets the spool depth gauge from the spool (when metrics are served).
+  void UpdateSpoolMetric();
+  // Under mu_: what runs or waits on the slots, and how many slots are idle.
+  std::vector<v1::RunningTrial> RunningLocked() const;
+  int FreeSlotsLocked() const;
+
+  AgentOptions options_;
+  Inventory inventory_;
+  std::unique_ptr<Spool> spool_;
+  std::unique_ptr<AgentMetrics> metrics_;  // null unless options_.metrics_listen is set
+
+  std::mutex mu_;  // guards slots' queues/state, link_, stats_, stopping_
+  std::condition_variable cv_;
+  bool started_ = false;
+  bool stopping_ = false;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::shared_ptr<Link> link_;  // the current stream; null while disconnected
+  AgentStats stats_;
+  std::atomic<bool> connected_{false};
+  int failures_ = 0;  // connection attempts without a Welcome since the last one (loop thread)
+  std::thread connection_thread_;
+};
+
+}  // namespace infersweep

@@ -1,0 +1,105 @@
+#include "agent/inventory.h"
+
+#include <unistd.h>
+
+#include <cctype>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "engine/backend_config.h"
+#include "engine/backends.h"
+#include "harness/executor.h"
+
+namespace infersweep {
+
+absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
+  const absl::string_view text(text_in.data(), text_in.size());
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  absl::string_view v = t;
+  if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
+  // Architecture-specific suffixes (sm_90a, sm_100f) name the same SM number.
+  while (!v.empty() && std::isalpha(static_cast<unsigned char>(v.back()))) v.remove_suffix(1);
+  int sm = 0;
+  if (v.empty() || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not an SM architecture (e.g. sm_90, 90, sm_90a)"));
+  return sm;
+}
+
+absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
+  const absl::string_view text(text_in.data(), text_in.size());
+  const auto last = text.rfind(':');
+  const auto mid = last == absl::string_view::npos || last == 0 ? absl::string_view::npos
+                                                                : text.rfind(':', last - 1);
+  if (mid == absl::string_view::npos || mid == 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--test-fake-gpu '", text, "': expected NAME:SM:MEMORY_GIB, e.g. \"NVIDIA H200:90:141\""));
+  GpuInfo gpu;
+  gpu.name = std::string(absl::StripAsciiWhitespace(text.substr(0, mid)));
+  const absl::string_view sm_text = text.substr(mid + 1, last - mid - 1);
+  auto sm = ParseSmArch(std::string_view(sm_text.data(), sm_text.size()));
+  if (!sm.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--test-fake-gpu '", text, "': ", sm.status().message()));
+  gpu.sm = *sm;
+  double gib = 0;
+  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text.substr(last + 1)), &gib) || gib <= 0 ||
+      gib > 1e6)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--test-fake-gpu '", text, "': memory must be a positive number of GiB"));
+  gpu.memory_bytes = static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
+  if (gpu.name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--test-fake-gpu '", text, "': empty name"));
+  gpu.test_fake = true;
+  gpu.driver_version = "test-fake";
+  gpu.cuda_version = "test-fake";
+  return gpu;
+}
+
+std::vector<GpuInfo> DetectGpus() {
+  // TODO(nvml): nvmlInit_v2, nvmlDeviceGetCount_v2, then per device the name, the CUDA compute
+  // capability (major*10+minor), nvmlDeviceGetMemoryInfo and the driver version. Until then the
+  // engine's probe describes the first GPU and every GPU is assumed to be the same.
+  const LocalDevices devices = ProbeLocalDevices();
+  std::vector<GpuInfo> gpus;
+  for (int i = 0; i < devices.gpu_count; ++i) {
+    GpuInfo g;
+    g.index = i;
+    g.name = devices.gpu_name.empty() ? "GPU" : devices.gpu_name;
+    g.sm = devices.sm;
+    g.memory_bytes = devices.gpu_memory_bytes;
+    gpus.push_back(std::move(g));
+  }
+  return gpus;
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_gpus) {
+  Inventory inv;
+  inv.host = HostName();
+  inv.engine_version = EngineVersion();
+  inv.cuda_build = ProbeLocalDevices().has_cuda_build;
+  if (fake_gpus.empty()) {
+    inv.gpus = DetectGpus();
+  } else {
+    for (const std::string& text : fake_gpus) {
+      auto gpu = ParseFakeGpu(text);
+      if (!gpu.ok()) return gpu.status();
+      gpu->index = static_cast<int>(inv.gpus.size());
+      inv.gpus.push_back(*std::move(gpu));
+    }
+  }
+  for (const BackendDescriptor& d : BackendRegistry()) {
+    if (d.needs_cuda_build && !inv.cuda_build) continue;
+    inv.backends.push_back(absl::StrCat(d.axis, "=", d.value));
+  }
+  return inv;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,271 @@
+// store_bench: fills a Store with N results, then times the coordinator's read paths.
+//
+//   store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]
+//
+// Creates sweeps of 10,000 trials each, records N results through RecordResults in
+// transactions of B results (coordinator-made results, so no leases are needed), then times
+// QueryResults and Best, each the median of R runs. Lines starting with '#' are metadata.
+#include <sqlite3.h>
+#include <sys/utsname.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "storage/store.h"
+
+namespace infersweep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "store_bench: %s: %s\n", what, std::string(s.message()).c_str());
+    std::exit(1);
+  }
+}
+
+struct Options {
+  int64_t rows = 1'000'000;
+  std::string db = "/tmp/infersweep_store_bench.db";
+  int batch = 10'000;
+  int runs = 20;
+  bool keep = false;
+};
+
+Options ParseArgs(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    auto value = [&](const char* flag) -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "store_bench: %s needs a value\n", flag);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (!std::strcmp(argv[i], "--rows")) {
+      o.rows = std::atoll(value("--rows"));
+    } else if (!std::strcmp(argv[i], "--db")) {
+      o.db = value("--db");
+    } else if (!std::strcmp(argv[i], "--batch")) {
+      o.batch = std::atoi(value("--batch"));
+    } else if (!std::strcmp(argv[i], "--runs")) {
+      o.runs = std::atoi(value("--runs"));
+    } else if (!std::strcmp(argv[i], "--keep")) {
+      o.keep = true;
+    } else {
+      std::fprintf(stderr, "usage: store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]\n");
+      std::exit(2);
+    }
+  }
+  if (o.rows < 1 || o.batch < 1 || o.runs < 1) {
+    std::fprintf(stderr, "store_bench: --rows, --batch and --runs must be >= 1\n");
+    std::exit(2);
+  }
+  return o;
+}
+
+// Median wall time of `runs` calls, in ms.
+double MedianMs(int runs, const std::function<void()>& fn) {
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    const auto start = Clock::now();
+    fn();
+    ms.push_back(Ms(Clock::now() - start));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+const std::vector<std::string> kModels = {"preset:qwen3-30b-a3b", "preset:qwen3-8b",
+                                          "preset:llama3-8b", "preset:tiny"};
+// sm 90 gets about 40% of the rows; the rest spread over four other architectures.
+const std::vector<int> kSms = {90, 90, 90, 90, 80, 89, 100, 120, 120, 86};
+const std::vector<BackendConfig> kConfigs = {
+    {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"}, {"moe", "loop"}, {"graphs", "off"}},
+    {{"device", "cuda"}, {"gemm", "cublaslt"}, {"attention", "naive"}, {"moe", "fused"}, {"graphs", "on"}},
+    {{"device", "cuda"}, {"gemm", "cublaslt"}, {"attention", "flash"}, {"moe", "fused"}, {"graphs", "off"}},
+    {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "flash"}, {"moe", "grouped"}, {"graphs", "on"}},
+};
+
+BatchFigures Figures(int batch, double tok_s, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> jitter(0.9, 1.1);
+  BatchFigures b;
+  b.batch = batch;
+  const double t = tok_s * jitter(rng);
+  b.output_tok_s = {t, t * 0.97, t * 1.03};
+  b.output_tok_s_per_seq = {t / batch, t / batch * 0.97, t / batch * 1.03};
+  b.ttft_ms = {20 * jitter(rng), 19, 22};
+  b.tpot_ms = {1000.0 / t * batch, 1, 2};
+  b.latency_ms = {200 * jitter(rng), 190, 210};
+  b.prefill_tok_s = {5000 * jitter(rng), 4900, 5100};
+  b.itl_ms = {5, 6, 9};
+  b.decode_bytes_per_step = 6.1e9;
+  b.achieved_gb_s = 3000 * jitter(rng);
+  b.roofline_tok_s = 800;
+  b.roofline_fraction = 0.6;
+  return b;
+}
+
+int Main(int argc, char** argv) {
+  const Options o = ParseArgs(argc, argv);
+  for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(o.db + suffix);
+
+  utsname u{};
+  uname(&u);
+  std::printf("# store_bench: %lld results, transactions of %d, medians of %d runs\n",
+              static_cast<long long>(o.rows), o.batch, o.runs);
+  std::printf("# machine: %s %s, %u hardware threads; sqlite %s; db %s\n", u.sysname, u.machine,
+              std::thread::hardware_concurrency(), sqlite3_libversion(), o.db.c_str());
+
+  absl::StatusOr<std::unique_ptr<Store>> opened = Store::Open(o.db);
+  Check(opened.status(), "open");
+  Store& store = **opened;
+
+  // Trials: sweeps of 10,000.
+  constexpr int64_t kTrialsPerSweep = 10'000;
+  std::vector<std::string> trial_ids;
+  std::vector<int64_t> sweep_of;
+  trial_ids.reserve(o.rows);
+  const auto t_trials = Clock::now();
+  for (int64_t done = 0; done < o.rows;) {
+    const int64_t n = std::min(kTrialsPerSweep, o.rows - done);
+    std::vector<TrialRecord> trials(n);
+    for (int64_t i = 0; i < n; ++i) {
+      trials[i].model = kModels[((done + i) / 7) % kModels.size()];
+      trials[i].config = kConfigs[(done + i) % kConfigs.size()];
+      trials[i].workload.batch_sizes = {1, 8};
+    }
+    SweepRecord sweep;
+    sweep.name = absl::StrCat("bench-", done / kTrialsPerSweep);
+    sweep.model = kModels[0];
+    absl::StatusOr<int64_t> id = store.CreateSweep(sweep, trials);
+    Check(id.status(), "CreateSweep");
+    for (int64_t i = 0; i < n; ++i) trial_ids.push_back(absl::StrCat(*id, "-", i));
+    done += n;
+  }
+  const double trials_ms = Ms(Clock::now() - t_trials);
+
+  // Results.
+  std::mt19937_64 rng(42);
+  const int64_t t0_ms = 1'700'000'000'000;
+  const auto t_insert = Clock::now();
+  for (int64_t done = 0; done < o.rows;) {
+    const int64_t n = std::min<int64_t>(o.batch, o.rows - done);
+    std::vector<ResultSubmission> batch(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t k = done + i;
+      ResultSubmission& s = batch[i];
+      s.sm = kSms[rng() % kSms.size()];
+      s.gpu_name = s.sm == 90 ? "NVIDIA H200" : absl::StrCat("GPU sm_", s.sm);
+      TrialResult& r = s.result;
+      r.trial_id = trial_ids[k];
+      r.attempt = 1;
+      const uint64_t roll = rng() % 100;
+      r.status = roll < 85   ? TrialStatus::kOk
+                 : roll < 90 ? TrialStatus::kIncorrect
+                 : roll < 95 ? TrialStatus::kUnsupported
+                             : TrialStatus::kCrashed;
+      r.model = kModels[(k / 7) % kModels.size()];
+      r.config = kConfigs[k % kConfigs.size()];
+      r.device = s.gpu_name;
+      r.sm = s.sm;
+      r.engine_version = "0.1.0";
+      r.load_seconds = 3.2;
+      r.peak_memory_bytes = 40'000'000'000;
+      r.verdict.precision_class = "bf16";
+      r.verdict.max_rel_error = 0.01;
+      r.verdict.top1_agreement = 0.99;
+      r.verdict.free_run_agreement = 0.97;
+      if (r.status == TrialStatus::kOk || r.status == TrialStatus::kIncorrect) {
+        const double base = 100 + 50 * static_cast<double>(k % kConfigs.size());
+        r.batches = {Figures(1, base, rng), Figures(8, base * 6, rng)};
+      } else {
+        r.reason = "needs sm_90a";
+      }
+      r.finished_unix_ms = t0_ms + k * 1000 + static_cast<int64_t>(rng() % 1000);
+      r.started_unix_ms = r.finished_unix_ms - 60'000;
+    }
+    Check(store.RecordResults(batch), "RecordResults");
+    done += n;
+  }
+  const double insert_ms = Ms(Clock::now() - t_insert);
+  std::printf("create_trials          %10.0f ms  (%lld trials, %.1f us/trial)\n", trials_ms,
+              static_cast<long long>(o.rows), trials_ms * 1000 / o.rows);
+  std::printf("insert_results         %10.0f ms  (%.0f results/s, %.1f us/result)\n", insert_ms,
+              o.rows / (insert_ms / 1000), insert_ms * 1000 / o.rows);
+  std::error_code ec;
+  std::printf("# db size after insert: %.0f MiB (+ wal %.0f MiB)\n",
+              std::filesystem::file_size(o.db, ec) / 1048576.0,
+              std::filesystem::exists(o.db + "-wal") ? std::filesystem::file_size(o.db + "-wal", ec) / 1048576.0 : 0.0);
+
+  size_t rows_seen = 0;
+  ResultQuery by_sm;
+  by_sm.sm = 90;
+  by_sm.limit = 1000;
+  const double q_sm = MedianMs(o.runs, [&] {
+    absl::StatusOr<std::vector<StoredResult>> r = store.QueryResults(by_sm);
+    Check(r.status(), "QueryResults");
+    rows_seen = r->size();
+  });
+  std::printf("query_sm90_limit1000   %10.2f ms  (median of %d, %zu rows, JSON parsed)\n", q_sm,
+              o.runs, rows_seen);
+
+  ResultQuery by_all = by_sm;
+  by_all.model = kModels[1];
+  by_all.status = TrialStatus::kOk;
+  by_all.axis_values = {{"attention", "flash"}};
+  const double q_all = MedianMs(o.runs, [&] {
+    absl::StatusOr<std::vector<StoredResult>> r = store.QueryResults(by_all);
+    Check(r.status(), "QueryResults");
+    rows_seen = r->size();
+  });
+  std::printf("query_sm_model_ok_axis %10.2f ms  (median of %d, %zu rows)\n", q_all, o.runs,
+              rows_seen);
+
+  double best_value = 0;
+  const double best1 = MedianMs(o.runs, [&] {
+    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "output_tok_s", 1);
+    Check(b.status(), "Best");
+    best_value = b->has_value() ? (*b)->result.batches[0].output_tok_s.median : 0;
+  });
+  std::printf("best_output_tok_s_b1   %10.2f ms  (median of %d; best %.1f tok/s; index)\n", best1,
+              o.runs, best_value);
+
+  const double best_ttft = MedianMs(o.runs, [&] {
+    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "ttft_ms", 1);
+    Check(b.status(), "Best");
+  });
+  std::printf("best_ttft_ms_b1        %10.2f ms  (median of %d; column scan of model+sm+OK)\n",
+              best_ttft, o.runs);
+
+  const int json_runs = std::min(o.runs, 5);
+  const double best8 = MedianMs(json_runs, [&] {
+    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "output_tok_s", 8);
+    Check(b.status(), "Best");
+  });
+  std::printf("best_output_tok_s_b8   %10.2f ms  (median of %d; json_each over model+sm+OK rows)\n",
+              best8, json_runs);
+
+  opened->reset();
+  if (!o.keep)
+    for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(o.db + suffix, ec);
+  return 0;
+}
+
+}  // namespace
+}  // namespace infersweep
+
+int main(int argc, char** argv) { return infersweep::Main(argc, argv); }

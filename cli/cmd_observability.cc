@@ -1,0 +1,135 @@
+// Observability commands (docs/OBSERVABILITY.md): `regressions` judges the latest result of every
+// series in a coordinator's database against its history with a noise-aware test.
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "agent/inventory.h"
+#include "cli/commands.h"
+#include "coordinator/regressions.h"
+#include "storage/store.h"
+
+namespace infersweep::cli {
+namespace {
+
+constexpr int kUsageError = 2;
+constexpr int kRegressionsFound = 3;
+
+struct RegressionsArgs {
+  std::string db = "data/infersweep.db";
+  int window = 10;
+  int min_history = 5;
+  std::string metric = "output_tok_s";
+  std::string test = "z";
+  double z_threshold = 3.5;
+  double iqr_k = 1.5;
+  double min_change_pct = 2;
+  std::string model;
+  std::string sm_arch;
+  int limit = 100000;
+  bool flagged_only = false;
+  bool fail_on_regression = false;
+};
+
+int Usage(const std::string& message) {
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  return kUsageError;
+}
+
+int RunRegressions(const RegressionsArgs& args) {
+  RegressionQuery q;
+  q.metric = args.metric;
+  q.limit = args.limit;
+  q.options.window = args.window;
+  q.options.min_history = args.min_history;
+  q.options.z_threshold = args.z_threshold;
+  q.options.iqr_k = args.iqr_k;
+  q.options.min_change = args.min_change_pct / 100.0;
+  absl::StatusOr<RegressionTest> test = ParseRegressionTest(args.test);
+  if (!test.ok()) return Usage(absl::StrCat("--test: ", test.status().message()));
+  q.options.test = *test;
+  if (absl::Status s = ValidateRegressionOptions(q.options); !s.ok())
+    return Usage(std::string(s.message()));
+  if (absl::StatusOr<Direction> d = MetricDirection(q.metric); !d.ok())
+    return Usage(absl::StrCat("--metric: ", d.status().message()));
+  if (!args.model.empty()) q.model = args.model;
+  if (!args.sm_arch.empty()) {
+    if (absl::AsciiStrToLower(args.sm_arch) == "cpu") {
+      q.sm = 0;
+    } else {
+      absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
+      if (!sm.ok()) return Usage(absl::StrCat("--sm-arch: ", sm.status().message()));
+      q.sm = *sm;
+    }
+  }
+  // Store::Open would create an empty database: a typo in --db must be an error instead.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(args.db, ec))
+    return Usage(absl::StrCat("--db ", args.db, ": no such database file"));
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(args.db);
+  if (!store.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(store.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<std::vector<RegressionRow>> rows = FindRegressions(**store, q);
+  if (!rows.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(rows.status().message()).c_str());
+    return rows.status().code() == absl::StatusCode::kInvalidArgument ? kUsageError : 1;
+  }
+  bool regression = false;
+  std::vector<RegressionRow> shown;
+  for (RegressionRow& r : *rows) {
+    const RegressionVerdict v = r.judgement.verdict;
+    regression = regression || v == RegressionVerdict::kRegression;
+    if (!args.flagged_only || v == RegressionVerdict::kRegression ||
+        v == RegressionVerdict::kImprovement)
+      shown.push_back(std::move(r));
+  }
+  std::fputs(FormatRegressionTable(shown, q).c_str(), stdout);
+  return args.fail_on_regression && regression ? kRegressionsFound : 0;
+}
+
+}  // namespace
+
+void AddObservabilityCommands(CLI::App& app) {
+  static RegressionsArgs args;
+  CLI::App* cmd = app.add_subcommand(
+      "regressions",
+      "judge the latest result of each (model, sm, gpu, config, batch) against its history");
+  cmd->add_option("--db", args.db, "the coordinator's SQLite database (read)")
+      ->capture_default_str();
+  cmd->add_option("--window", args.window, "history: the previous N OK results of each series")
+      ->capture_default_str();
+  cmd->add_option("--min-history", args.min_history,
+                  "fewer history points than this: too-few-points")
+      ->capture_default_str();
+  cmd->add_option("--metric", args.metric,
+                  "output_tok_s, output_tok_s_per_seq, prefill_tok_s (higher is better), "
+                  "ttft_ms, tpot_ms, latency_ms, itl_p99_ms (lower is better)")
+      ->capture_default_str();
+  cmd->add_option("--test", args.test,
+                  "z: modified z-score (median, MAD) > --z; iqr: outside Tukey fences "
+                  "Q1 - k*IQR, Q3 + k*IQR")
+      ->capture_default_str();
+  cmd->add_option("--z", args.z_threshold, "robust z threshold")->capture_default_str();
+  cmd->add_option("--iqr-k", args.iqr_k, "IQR fence factor k")->capture_default_str();
+  cmd->add_option("--min-change-pct", args.min_change_pct,
+                  "changes smaller than this % of the history's median are never flagged")
+      ->capture_default_str();
+  cmd->add_option("--model", args.model, "only this model");
+  cmd->add_option("--sm-arch", args.sm_arch, "only this SM architecture (sm_90, 90, cpu)");
+  cmd->add_option("--limit", args.limit, "read at most this many newest OK results")
+      ->capture_default_str();
+  cmd->add_flag("--flagged-only", args.flagged_only, "print only regressions and improvements");
+  cmd->add_flag("--fail-on-regression", args.fail_on_regression,
+                "exit with status 3 when any series regressed (for CI)");
+  cmd->callback([] { std::exit(RunRegressions(args)); });
+}
+
+}  // namespace infersweep::cli

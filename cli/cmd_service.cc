@@ -1,0 +1,823 @@
+// The fleet service's commands (docs/SERVICE.md): `coordinator` and `agent` run the service;
+// `submit`, `status`, `cancel`, `results`, `best`, `compare` and `agents` talk to a coordinator.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "agent/agent.h"
+#include "agent/inventory.h"
+#include "cli/commands.h"
+#include "coordinator/client.h"
+#include "coordinator/server.h"
+#include "harness/trial.h"
+
+namespace infersweep::cli {
+namespace {
+
+constexpr int kUsageError = 2;
+
+std::string DefaultCoordinator() {
+  const char* env = std::getenv("INFERSWEEP_COORDINATOR");
+  return env && *env ? env : "127.0.0.1:7070";
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? kUsageError : 1;
+}
+
+int Usage(const std::string& message) {
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  return kUsageError;
+}
+
+std::string S(std::string_view v) { return std::string(v); }
+
+std::string FormatUnixMs(int64_t ms) {
+  if (ms <= 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ms), absl::LocalTimeZone());
+}
+
+std::string FormatBytes(int64_t bytes) {
+  if (bytes <= 0) return "-";
+  return absl::StrFormat("%.0f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
+
+// Blocks SIGINT and SIGTERM in this thread (and every thread it starts later), so that
+// WaitForSignal() can take them synchronously.
+void BlockStopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+// ------------------------------------------------------------------------------ coordinator
+
+struct CoordinatorArgs {
+  std::string listen = "127.0.0.1:7070";
+  std::string db = "data/infersweep.db";
+  double lease_s = 60;
+  size_t max_trials = 10000;
+  std::string auth_token_env;
+  std::string metrics_listen = "127.0.0.1:9464";
+};
+
+int RunCoordinator(const CoordinatorArgs& args) {
+  if (args.lease_s < 1 || args.lease_s > 86400) return Usage("--lease-s must be in [1, 86400]");
+  const std::filesystem::path db(args.db);
+  if (db.has_parent_path()) {
+    std::error_code ec;
+    std::filesystem::create_directories(db.parent_path(), ec);
+    if (ec)
+      return Fail(absl::UnavailableError(
+          absl::StrCat("cannot create ", db.parent_path().string(), ": ", ec.message())));
+  }
+  CoordinatorOptions options;
+  options.lease_ms = static_cast<int64_t>(args.lease_s * 1000);
+  options.max_trials_per_sweep = args.max_trials;
+  options.metrics_listen = args.metrics_listen;
+  if (!args.auth_token_env.empty()) {
+    const char* token = std::getenv(args.auth_token_env.c_str());
+    if (token == nullptr || *token == '\0')
+      return Usage(absl::StrCat("--auth-token-env ", args.auth_token_env, ": variable is empty"));
+    options.auth_token = token;
+  }
+  BlockStopSignals();
+  CoordinatorServer server(options);
+  absl::StatusOr<int> port = server.Start(args.listen, args.db);
+  if (!port.ok()) return Fail(port.status());
+  std::printf("# infersweep coordinator on %s (port %d), database %s, lease %.0f s\n",
+              args.listen.c_str(), *port, args.db.c_str(), args.lease_s);
+  if (server.metrics_port() > 0)
+    std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), server.metrics_port());
+  std::fflush(stdout);
+  const int sig = WaitForSignal();
+  std::fprintf(stderr, "[coordinator] %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  server.Stop();
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ agent
+
+struct AgentArgs {
+  std::string coordinator = DefaultCoordinator();
+  std::string id;
+  std::string spool;
+  std::vector<std::string> fake_gpus;
+  int max_backoff_ms = 5000;
+  std::string auth_token_env;
+  std::string metrics_listen = "127.0.0.1:9465";
+};
+
+int RunAgent(const AgentArgs& args) {
+  AgentOptions options;
+  options.coordinator = args.coordinator;
+  options.agent_id = args.id;
+  options.spool_path = args.spool;
+  options.test_fake_gpus = args.fake_gpus;
+  options.max_backoff_ms = args.max_backoff_ms;
+  options.metrics_listen = args.metrics_listen;
+  if (!args.auth_token_env.empty()) {
+    const char* token = std::getenv(args.auth_token_env.c_str());
+    if (token == nullptr || *token == '\0')
+      return Usage(absl::StrCat("--auth-token-env ", args.auth_token_env, ": variable is empty"));
+    options.auth_token = token;
+  }
+  if (!options.spool_path.empty()) {
+    const std::filesystem::path p(options.spool_path);
+    std::error_code ec;
+    if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
+  }
+  BlockStopSignals();
+  Agent agent(options);
+  if (absl::Status s = agent.Start(); !s.ok()) return Fail(s);
+  const Inventory& inv = agent.inventory();
+  std::string slots;
+  if (inv.gpus.empty()) {
+    slots = "1 CPU slot (no GPU)";
+  } else {
+    std::vector<std::string> names;
+    for (const GpuInfo& g : inv.gpus)
+      names.push_back(absl::StrCat(g.name, " sm_", g.sm, g.test_fake ? " [TEST-FAKE LABEL]" : ""));
+    slots = absl::StrJoin(names, ", ");
+  }
+  std::printf("# infersweep agent %s on %s -> coordinator %s; slots: %s\n",
+              agent.agent_id().c_str(), inv.host.c_str(), args.coordinator.c_str(), slots.c_str());
+  if (agent.metrics_port() > 0)
+    std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), agent.metrics_port());
+  std::fflush(stdout);
+  WaitForSignal();
+  std::fprintf(stderr, "[agent %s] stopping (running trials finish first; Ctrl-C again to quit now)\n",
+               agent.agent_id().c_str());
+  std::thread second([] {
+    WaitForSignal();
+    std::_Exit(130);
+  });
+  second.detach();
+  agent.Stop();
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ status
+
+std::string StatusCounts(const v1::SweepInfo& s) {
+  std::vector<std::string> parts;
+  static const char* kOrder[] = {"OK", "INCORRECT", "CRASHED", "UNSUPPORTED", "TIMEOUT", "ERROR"};
+  for (const char* name : kOrder) {
+    auto it = s.status_counts().find(name);
+    if (it != s.status_counts().end() && it->second > 0)
+      parts.push_back(absl::StrCat(name, " ", it->second));
+  }
+  return parts.empty() ? "no results yet" : absl::StrJoin(parts, "  ");
+}
+
+std::string ProgressLine(const v1::SweepInfo& s) {
+  constexpr int64_t kWidth = 30;
+  const int64_t total = std::max<int64_t>(1, s.trials_total());
+  const int64_t done = std::clamp<int64_t>(s.trials_done(), 0, total);
+  const int64_t running = std::clamp<int64_t>(s.trials_running(), 0, total - done);
+  const int64_t filled = kWidth * done / total;
+  const int64_t busy = std::max<int64_t>(0, (kWidth * (done + running) + total - 1) / total - filled);
+  std::string bar = std::string(static_cast<size_t>(filled), '#') +
+                    std::string(static_cast<size_t>(std::min(busy, kWidth - filled)), '>');
+  bar.resize(kWidth, '.');
+  const int64_t queued = std::max<int64_t>(0, s.trials_total() - s.trials_done() - s.trials_running());
+  return absl::StrFormat("sweep %d [%s] %d/%d done, %d running, %d queued | %s | %s",
+                         s.sweep_id(), bar, s.trials_done(), s.trials_total(), s.trials_running(),
+                         queued, StatusCounts(s), s.state());
+}
+
+// Polls the sweep until it is no longer active; redraws one line on a terminal.
+int WatchSweep(ServiceClient& client, int64_t id) {
+  const bool tty = isatty(STDOUT_FILENO);
+  std::string last;
+  auto last_print = std::chrono::steady_clock::now() - std::chrono::hours(1);
+  while (true) {
+    absl::StatusOr<v1::SweepInfo> s = client.GetSweep(id);
+    if (!s.ok()) {
+      if (tty) std::printf("\n");
+      return Fail(s.status());
+    }
+    const std::string line = ProgressLine(*s);
+    const bool active = s->state() == "active";
+    if (tty) {
+      std::printf("\r%s\033[K", line.c_str());
+      if (!active) std::printf("\n");
+    } else if (line != last &&
+               (!active || std::chrono::steady_clock::now() - last_print > std::chrono::seconds(5))) {
+      std::printf("%s\n", line.c_str());
+      last = line;
+      last_print = std::chrono::steady_clock::now();
+    }
+    std::fflush(stdout);
+    if (!active) return s->state() == "done" ? 0 : 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+}
+
+int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
+  ServiceClient client(coordinator);
+  if (sweep_id > 0) {
+    absl::StatusOr<v1::SweepInfo> s = client.GetSweep(sweep_id);
+    if (!s.ok()) return Fail(s.status());
+    std::printf("# sweep %lld '%s', model %s, created %s, priority %d\n",
+                static_cast<long long>(s->sweep_id()), s->name().c_str(), s->model().c_str(),
+                FormatUnixMs(s->created_unix_ms()).c_str(), s->priority());
+    if (once || s->state() != "active" || !isatty(STDOUT_FILENO)) {
+      std::printf("%s\n", ProgressLine(*s).c_str());
+      return 0;
+    }
+    return WatchSweep(client, sweep_id);
+  }
+  absl::StatusOr<v1::ListSweepsResponse> list = client.ListSweeps();
+  if (!list.ok()) return Fail(list.status());
+  std::printf("# infersweep sweeps at %s\n", coordinator.c_str());
+  std::printf("#%6s %-24s %-28s %-10s %8s %8s %8s %-19s\n", "sweep", " name", " model", " state",
+              "done", "running", "total", " created");
+  std::printf("#%6s %-24s %-28s %-10s %8s %8s %8s %-19s\n", "", "", "", "", "(trials)",
+              "(trials)", "(trials)", " (local time)");
+  for (const v1::SweepInfo& s : list->sweeps())
+    std::printf(" %6lld %-24s %-28s %-10s %8lld %8lld %8lld %-19s\n",
+                static_cast<long long>(s.sweep_id()), s.name().c_str(), s.model().c_str(),
+                s.state().c_str(), static_cast<long long>(s.trials_done()),
+                static_cast<long long>(s.trials_running()),
+                static_cast<long long>(s.trials_total()), FormatUnixMs(s.created_unix_ms()).c_str());
+  if (list->sweeps().empty()) std::printf("# no sweeps yet: infersweep submit sweep.yaml\n");
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ submit, cancel
+
+int RunSubmit(const std::string& coordinator, const std::string& path, bool wait) {
+  std::ifstream in(path);
+  if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot read ", path)));
+  std::stringstream text;
+  text << in.rdbuf();
+  ServiceClient client(coordinator);
+  absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
+              static_cast<long long>(r->trial_count()));
+  std::fflush(stdout);
+  if (!wait) return 0;
+  return WatchSweep(client, r->sweep_id());
+}
+
+int RunCancel(const std::string& coordinator, int64_t sweep_id) {
+  ServiceClient client(coordinator);
+  absl::StatusOr<v1::CancelSweepResponse> r = client.CancelSweep(sweep_id);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("sweep %lld cancelled; %lld running trial(s) told to stop\n",
+              static_cast<long long>(sweep_id), static_cast<long long>(r->trials_cancelled_running()));
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ results
+
+struct Row {
+  int64_t sweep_id = 0;
+  std::string agent_id, gpu_name;
+  int sm = 0;
+  TrialResult result;
+};
+
+absl::StatusOr<Row> ParseRow(const v1::ResultRow& r) {
+  auto j = nlohmann::json::parse(r.result_json(), nullptr, false);
+  if (j.is_discarded()) return absl::DataLossError("coordinator sent a result that is not JSON");
+  absl::StatusOr<TrialResult> result = TrialResultFromJson(j);
+  if (!result.ok()) return result.status();
+  Row row;
+  row.sweep_id = r.sweep_id();
+  row.agent_id = r.agent_id();
+  row.gpu_name = r.gpu_name();
+  row.sm = r.sm();
+  row.result = *std::move(result);
+  return row;
+}
+
+const BatchFigures* FindBatch(const TrialResult& r, int batch) {
+  for (const BatchFigures& b : r.batches)
+    if (b.batch == batch) return &b;
+  return nullptr;
+}
+
+std::string CsvField(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
+absl::StatusOr<int64_t> ParseTimeArg(const std::string& text, const char* flag) {
+  absl::Duration ago;
+  if (absl::ParseDuration(text, &ago)) return absl::ToUnixMillis(absl::Now() - ago);
+  absl::Time t;
+  std::string err;
+  if (absl::ParseTime(absl::RFC3339_full, text, &t, &err) ||
+      absl::ParseTime("%Y-%m-%d", text, absl::LocalTimeZone(), &t, &err))
+    return absl::ToUnixMillis(t);
+  return absl::InvalidArgumentError(absl::StrCat(
+      flag, " '", text, "': expected a duration ago (24h, 30m), a date (2025-01-31) or RFC 3339"));
+}
+
+struct ResultsArgs {
+  std::string coordinator = DefaultCoordinator();
+  int64_t sweep = 0;
+  std::string sm_arch, gpu, model, status, since, until, format = "table";
+  std::vector<std::string> axes;
+  int limit = 1000;
+};
+
+void PrintResultsTable(const std::vector<Row>& rows, const std::string& context) {
+  std::printf("# infersweep results: %s\n", context.c_str());
+  std::printf("#%6s %-10s %-14s %-22s %4s %-38s %5s %-11s %9s %9s %10s %10s %6s\n", "sweep",
+              " trial", " agent", " gpu", "sm", " config", "batch", " status", "ttft", "tpot", "out",
+              "prefill", "top1");
+  std::printf("#%6s %-10s %-14s %-22s %4s %-38s %5s %-11s %9s %9s %10s %10s %6s\n", "", "", "", "",
+              "", "", "", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)", "(%)");
+  for (const Row& row : rows) {
+    const TrialResult& r = row.result;
+    const std::string config = BackendConfigString(r.config);
+    const std::string status = S(TrialStatusName(r.status));
+    const std::string agent = row.agent_id.empty() ? "(coordinator)" : row.agent_id;
+    if (r.batches.empty()) {
+      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
+                  static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
+                  row.gpu_name.c_str(), row.sm, config.c_str(), "-", status.c_str(), "-", "-", "-",
+                  "-", "-");
+      if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
+      continue;
+    }
+    for (const BatchFigures& b : r.batches)
+      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f %6.1f\n",
+                  static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
+                  row.gpu_name.c_str(), row.sm, config.c_str(), b.batch, status.c_str(),
+                  b.ttft_ms.median, b.tpot_ms.median, b.output_tok_s.median,
+                  b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
+    if (r.status != TrialStatus::kOk && !r.reason.empty())
+      std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
+  }
+  std::printf("# %zu result(s)\n", rows.size());
+}
+
+void PrintResultsCsv(const std::vector<Row>& rows) {
+  std::printf(
+      "sweep_id,trial_id,attempt,agent_id,gpu_name,sm,model,config,status,batch,ttft_ms,tpot_ms,"
+      "output_tok_s,prefill_tok_s,top1_agreement,kl_mean,peak_memory_bytes,finished_unix_ms,"
+      "reason\n");
+  for (const Row& row : rows) {
+    const TrialResult& r = row.result;
+    const std::string prefix = absl::StrCat(
+        row.sweep_id, ",", CsvField(r.trial_id), ",", r.attempt, ",", CsvField(row.agent_id), ",",
+        CsvField(row.gpu_name), ",", row.sm, ",", CsvField(r.model), ",",
+        CsvField(BackendConfigString(r.config)), ",", S(TrialStatusName(r.status)));
+    const std::string suffix =
+        absl::StrCat(absl::StrFormat("%.6g", r.verdict.top1_agreement), ",",
+                     absl::StrFormat("%.6g", r.verdict.kl_mean), ",", r.peak_memory_bytes, ",",
+                     r.finished_unix_ms, ",", CsvField(r.reason));
+    if (r.batches.empty()) {
+      std::printf("%s,,,,,,%s\n", prefix.c_str(), suffix.c_str());
+      continue;
+    }
+    for (const BatchFigures& b : r.batches)
+      std::printf("%s,%d,%.6g,%.6g,%.6g,%.6g,%s\n", prefix.c_str(), b.batch, b.ttft_ms.median,
+                  b.tpot_ms.median, b.output_tok_s.median, b.prefill_tok_s.median, suffix.c_str());
+  }
+}
+
+int RunResults(const ResultsArgs& args) {
+  v1::QueryResultsRequest req;
+  std::vector<std::string> context;
+  if (args.sweep > 0) {
+    req.set_sweep_id(args.sweep);
+    context.push_back(absl::StrCat("sweep ", args.sweep));
+  }
+  if (!args.sm_arch.empty()) {
+    absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
+    if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+    req.set_sm(*sm);
+    context.push_back(absl::StrCat("sm_", *sm));
+  }
+  if (!args.gpu.empty()) {
+    req.set_gpu_name(args.gpu);
+    context.push_back(absl::StrCat("gpu '", args.gpu, "'"));
+  }
+  if (!args.model.empty()) {
+    req.set_model(args.model);
+    context.push_back(absl::StrCat("model ", args.model));
+  }
+  if (!args.status.empty()) {
+    req.set_status(args.status);
+    context.push_back(absl::StrCat("status ", args.status));
+  }
+  for (const std::string& a : args.axes) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(a, absl::MaxSplits('=', 1));
+    if (kv.first.empty() || kv.second.empty())
+      return Usage(absl::StrCat("--axis '", a, "': expected axis=value"));
+    (*req.mutable_axis_values())[kv.first] = kv.second;
+    context.push_back(a);
+  }
+  if (!args.since.empty()) {
+    absl::StatusOr<int64_t> t = ParseTimeArg(args.since, "--since");
+    if (!t.ok()) return Fail(t.status());
+    req.set_since_unix_ms(*t);
+    context.push_back(absl::StrCat("since ", FormatUnixMs(*t)));
+  }
+  if (!args.until.empty()) {
+    absl::StatusOr<int64_t> t = ParseTimeArg(args.until, "--until");
+    if (!t.ok()) return Fail(t.status());
+    req.set_until_unix_ms(*t);
+    context.push_back(absl::StrCat("until ", FormatUnixMs(*t)));
+  }
+  if (args.format != "table" && args.format != "csv" && args.format != "json")
+    return Usage(absl::StrCat("--format '", args.format, "': expected table, csv or json"));
+  req.set_limit(args.limit);
+  ServiceClient client(args.coordinator);
+  absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
+  if (!resp.ok()) return Fail(resp.status());
+  std::vector<Row> rows;
+  for (const v1::ResultRow& r : resp->rows()) {
+    absl::StatusOr<Row> row = ParseRow(r);
+    if (!row.ok()) return Fail(row.status());
+    rows.push_back(*std::move(row));
+  }
+  if (args.format == "json") {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Row& row : rows)
+      out.push_back({{"sweep_id", row.sweep_id},
+                     {"agent_id", row.agent_id},
+                     {"gpu_name", row.gpu_name},
+                     {"sm", row.sm},
+                     {"result", ToJson(row.result)}});
+    std::printf("%s\n", out.dump(1).c_str());
+  } else if (args.format == "csv") {
+    PrintResultsCsv(rows);
+  } else {
+    PrintResultsTable(rows, context.empty() ? "all" : absl::StrJoin(context, ", "));
+  }
+  if (resp->truncated())
+    std::fprintf(stderr, "warning: more results matched than fit into one reply; narrow the query\n");
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ best, compare
+
+void PrintFigures(const Row& row, int batch) {
+  const TrialResult& r = row.result;
+  const BatchFigures* b = FindBatch(r, batch);
+  std::printf("# config        %s\n", BackendConfigString(r.config).c_str());
+  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s sm_%d\n", r.trial_id.c_str(),
+              r.attempt, static_cast<long long>(row.sweep_id), row.agent_id.c_str(),
+              row.gpu_name.c_str(), row.sm);
+  if (b == nullptr) return;
+  std::printf("#%-16s %9s %9s %10s %10s %9s %6s\n", " batch", "ttft", "tpot", "out", "prefill",
+              "itl_p99", "top1");
+  std::printf("#%-16s %9s %9s %10s %10s %9s %6s\n", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)",
+              "(ms)", "(%)");
+  std::printf(" %-16d %9.2f %9.3f %10.1f %10.1f %9.3f %6.1f\n", b->batch, b->ttft_ms.median,
+              b->tpot_ms.median, b->output_tok_s.median, b->prefill_tok_s.median, b->itl_ms.p99,
+              100 * r.verdict.top1_agreement);
+}
+
+int RunBest(const std::string& coordinator, const std::string& model, const std::string& sm_arch,
+            const std::string& metric, int batch, const std::string& format) {
+  absl::StatusOr<int> sm = ParseSmArch(sm_arch);
+  if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+  if (format != "table" && format != "json")
+    return Usage(absl::StrCat("--format '", format, "': expected table or json"));
+  v1::BestRequest req;
+  req.set_model(model);
+  req.set_sm(*sm);
+  req.set_metric(metric);
+  req.set_batch(batch);
+  ServiceClient client(coordinator);
+  absl::StatusOr<v1::BestResponse> resp = client.Best(req);
+  if (!resp.ok()) return Fail(resp.status());
+  if (!resp->found()) {
+    if (format == "json") {
+      std::printf("null\n");
+    } else {
+      std::printf("# no OK result for %s on sm_%d with %s at batch %d\n", model.c_str(), *sm,
+                  metric.c_str(), batch);
+    }
+    return 1;
+  }
+  absl::StatusOr<Row> row = ParseRow(resp->row());
+  if (!row.ok()) return Fail(row.status());
+  if (format == "json") {
+    std::printf("%s\n", nlohmann::json{{"sweep_id", row->sweep_id},
+                                       {"agent_id", row->agent_id},
+                                       {"gpu_name", row->gpu_name},
+                                       {"sm", row->sm},
+                                       {"result", ToJson(row->result)}}
+                            .dump(1)
+                            .c_str());
+    return 0;
+  }
+  std::printf("# best %s for %s on sm_%d at batch %d\n", metric.c_str(), model.c_str(), *sm, batch);
+  PrintFigures(*row, batch);
+  std::printf("%s\n", BackendConfigString(row->result.config).c_str());
+  return 0;
+}
+
+struct CompareArgs {
+  std::string coordinator = DefaultCoordinator();
+  std::string model;
+  std::vector<std::string> configs;
+  std::vector<std::string> sm_archs;
+  int batch = 1;
+};
+
+// The fastest OK result (output tok/s at `batch`) matching a partial config on one arch.
+absl::StatusOr<std::optional<Row>> FastestMatching(ServiceClient& client, const std::string& model,
+                                                   const BackendConfig& config, int sm, int batch) {
+  v1::QueryResultsRequest req;
+  req.set_model(model);
+  req.set_sm(sm);
+  req.set_status("OK");
+  req.set_limit(10000);
+  for (const auto& [axis, value] : config) (*req.mutable_axis_values())[axis] = value;
+  absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
+  if (!resp.ok()) return resp.status();
+  std::optional<Row> best;
+  double best_tok_s = -1;
+  for (const v1::ResultRow& r : resp->rows()) {
+    absl::StatusOr<Row> row = ParseRow(r);
+    if (!row.ok()) return row.status();
+    const BatchFigures* b = FindBatch(row->result, batch);
+    if (b == nullptr) continue;
+    if (b->output_tok_s.median > best_tok_s) {
+      best_tok_s = b->output_tok_s.median;
+      best = *std::move(row);
+    }
+  }
+  return best;
+}
+
+int RunCompare(const CompareArgs& args) {
+  if (args.model.empty()) return Usage("--model is required");
+  std::vector<std::pair<std::string, int>> sides;  // config text, sm
+  std::vector<int> sms;
+  for (const std::string& a : args.sm_archs) {
+    absl::StatusOr<int> sm = ParseSmArch(a);
+    if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+    sms.push_back(*sm);
+  }
+  if (args.configs.size() == 2 && sms.size() == 1) {
+    sides = {{args.configs[0], sms[0]}, {args.configs[1], sms[0]}};
+  } else if (args.configs.size() == 1 && sms.size() == 2) {
+    sides = {{args.configs[0], sms[0]}, {args.configs[0], sms[1]}};
+  } else {
+    return Usage(
+        "compare takes two --config on one --sm-arch, or one --config on two --sm-arch");
+  }
+  ServiceClient client(args.coordinator);
+  std::vector<std::optional<Row>> found;
+  for (const auto& [text, sm] : sides) {
+    absl::StatusOr<BackendConfig> config = ParseBackendConfig(text);
+    if (!config.ok())
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--config '", text, "': ", config.status().message())));
+    absl::StatusOr<std::optional<Row>> row = FastestMatching(client, args.model, *config, sm, args.batch);
+    if (!row.ok()) return Fail(row.status());
+    found.push_back(*std::move(row));
+  }
+  std::printf("# infersweep compare: %s, batch %d; each side is its fastest OK result (output "
+              "tok/s)\n",
+              args.model.c_str(), args.batch);
+  for (size_t i = 0; i < sides.size(); ++i)
+    std::printf("# %c: %s on sm_%d%s\n", static_cast<char>('A' + i), sides[i].first.c_str(),
+                sides[i].second, found[i] ? "" : "  -- no OK result");
+  auto cell = [&](size_t i, auto get) -> std::string {
+    if (!found[i]) return "-";
+    const BatchFigures* b = FindBatch(found[i]->result, args.batch);
+    if (b == nullptr) return "-";
+    return absl::StrFormat("%.4g", get(found[i]->result, *b));
+  };
+  auto value = [&](size_t i, auto get) -> std::optional<double> {
+    if (!found[i]) return std::nullopt;
+    const BatchFigures* b = FindBatch(found[i]->result, args.batch);
+    if (b == nullptr) return std::nullopt;
+    return get(found[i]->result, *b);
+  };
+  std::printf("#%-26s %-40s %-40s %8s\n", " metric", " A", " B", "B/A");
+  auto text_row = [&](const char* name, auto get) {
+    std::printf(" %-26s %-40s %-40s %8s\n", name, found[0] ? get(*found[0]).c_str() : "-",
+                found[1] ? get(*found[1]).c_str() : "-", "");
+  };
+  text_row("config", [](const Row& r) { return BackendConfigString(r.result.config); });
+  text_row("gpu", [](const Row& r) { return absl::StrCat(r.gpu_name, " sm_", r.sm); });
+  text_row("agent", [](const Row& r) { return r.agent_id; });
+  text_row("trial", [](const Row& r) { return absl::StrCat(r.result.trial_id, " (sweep ", r.sweep_id, ")"); });
+  auto num_row = [&](const char* name, auto get) {
+    const auto a = value(0, get), b = value(1, get);
+    const std::string ratio = a && b && *a != 0 ? absl::StrFormat("%.3g", *b / *a) : "-";
+    std::printf(" %-26s %-40s %-40s %8s\n", name, cell(0, get).c_str(), cell(1, get).c_str(),
+                ratio.c_str());
+  };
+  num_row("ttft (ms)", [](const TrialResult&, const BatchFigures& b) { return b.ttft_ms.median; });
+  num_row("tpot (ms)", [](const TrialResult&, const BatchFigures& b) { return b.tpot_ms.median; });
+  num_row("output (tok/s)",
+          [](const TrialResult&, const BatchFigures& b) { return b.output_tok_s.median; });
+  num_row("output per seq (tok/s)",
+          [](const TrialResult&, const BatchFigures& b) { return b.output_tok_s_per_seq.median; });
+  num_row("prefill (tok/s)",
+          [](const TrialResult&, const BatchFigures& b) { return b.prefill_tok_s.median; });
+  num_row("itl p99 (ms)", [](const TrialResult&, const BatchFigures& b) { return b.itl_ms.p99; });
+  num_row("peak memory (MiB)", [](const TrialResult& r, const BatchFigures&) {
+    return static_cast<double>(r.peak_memory_bytes) / (1024.0 * 1024.0);
+  });
+  num_row("top1 agreement (%)",
+          [](const TrialResult& r, const BatchFigures&) { return 100 * r.verdict.top1_agreement; });
+  num_row("kl mean (nats)", [](const TrialResult& r, const BatchFigures&) { return r.verdict.kl_mean; });
+  return found[0] && found[1] ? 0 : 1;
+}
+
+// ------------------------------------------------------------------------------ agents
+
+int RunAgents(const std::string& coordinator) {
+  ServiceClient client(coordinator);
+  absl::StatusOr<v1::ListAgentsResponse> resp = client.ListAgents();
+  if (!resp.ok()) return Fail(resp.status());
+  std::printf("# infersweep agents at %s\n", coordinator.c_str());
+  std::printf("#%-20s %-16s %-10s %7s %-40s %-19s %s\n", " agent", " host", " state", "free",
+              " devices", " last seen", "running");
+  std::printf("#%-20s %-16s %-10s %7s %-40s %-19s %s\n", "", "", "", "(slots)", " (name sm memory)",
+              " (local time)", "(trials)");
+  for (const v1::AgentInfo& a : resp->agents()) {
+    std::string devices;
+    if (a.gpus_size() == 0) {
+      devices = "cpu";
+    } else {
+      std::vector<std::string> parts;
+      for (const v1::Gpu& g : a.gpus())
+        parts.push_back(absl::StrCat(g.name(), " sm_", g.sm(), " ", FormatBytes(g.memory_bytes())));
+      devices = absl::StrJoin(parts, "; ");
+    }
+    const std::string free =
+        a.connected() ? absl::StrCat(a.free_slots(), "/", a.slots()) : std::string("-");
+    std::printf(" %-20s %-16s %-10s %7s %-40s %-19s %s\n", a.agent_id().c_str(), a.host().c_str(),
+                a.connected() ? "connected" : "away", free.c_str(), devices.c_str(),
+                FormatUnixMs(a.last_seen_unix_ms()).c_str(),
+                a.running_trial_ids().empty() ? "-"
+                                              : absl::StrJoin(a.running_trial_ids(), ",").c_str());
+  }
+  if (resp->agents().empty()) std::printf("# no agents have connected yet\n");
+  return 0;
+}
+
+}  // namespace
+
+void AddServiceCommands(CLI::App& app) {
+  {
+    static CoordinatorArgs args;
+    CLI::App* cmd = app.add_subcommand("coordinator", "run the coordinator (gRPC service + SQLite)");
+    cmd->add_option("--listen", args.listen, "host:port to bind")->capture_default_str();
+    cmd->add_option("--db", args.db, "SQLite database file")->capture_default_str();
+    cmd->add_option("--lease-s", args.lease_s, "trial lease without a heartbeat, seconds")
+        ->capture_default_str();
+    cmd->add_option("--max-trials", args.max_trials, "cap on the trials of one sweep")
+        ->capture_default_str();
+    cmd->add_option("--auth-token-env", args.auth_token_env,
+                    "environment variable holding the token agents must present");
+    cmd->add_option("--metrics-listen", args.metrics_listen,
+                    "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
+                    "\"\" for none")
+        ->capture_default_str();
+    cmd->callback([] { std::exit(RunCoordinator(args)); });
+  }
+  {
+    static AgentArgs args;
+    CLI::App* cmd = app.add_subcommand("agent", "run an agent: execute trials for a coordinator");
+    cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")
+        ->capture_default_str();
+    cmd->add_option("--id", args.id, "agent id (default: host name)");
+    cmd->add_option("--spool", args.spool,
+                    "SQLite spool of unacknowledged results (default: infersweep-spool-<id>.db)");
+    cmd->add_option("--test-fake-gpu", args.fake_gpus,
+                    "TEST ONLY: advertise a GPU label \"NAME:SM:MEMORY_GIB\" (repeatable); trials "
+                    "still run on the CPU");
+    cmd->add_option("--max-backoff-ms", args.max_backoff_ms, "reconnect backoff cap")
+        ->capture_default_str();
+    cmd->add_option("--auth-token-env", args.auth_token_env,
+                    "environment variable holding the coordinator's token");
+    cmd->add_option("--metrics-listen", args.metrics_listen,
+                    "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
+                    "\"\" for none")
+        ->capture_default_str();
+    cmd->callback([] { std::exit(RunAgent(args)); });
+  }
+  {
+    static std::string coordinator = DefaultCoordinator(), path;
+    static bool wait = false;
+    CLI::App* cmd = app.add_subcommand("submit", "submit a sweep spec (YAML); prints its id");
+    cmd->add_option("spec", path, "sweep spec file")->required();
+    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
+    cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait)); });
+  }
+  {
+    static std::string coordinator = DefaultCoordinator();
+    static int64_t sweep = 0;
+    static bool once = false;
+    CLI::App* cmd = app.add_subcommand("status", "sweeps, or one sweep's live progress");
+    cmd->add_option("sweep_id", sweep, "sweep id (default: list every sweep)");
+    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_flag("--once", once, "print one snapshot instead of a live bar");
+    cmd->callback([] { std::exit(RunStatus(coordinator, sweep, once)); });
+  }
+  {
+    static std::string coordinator = DefaultCoordinator();
+    static int64_t sweep = 0;
+    CLI::App* cmd = app.add_subcommand("cancel", "cancel a sweep's remaining trials");
+    cmd->add_option("sweep_id", sweep, "sweep id")->required();
+    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->callback([] { std::exit(RunCancel(coordinator, sweep)); });
+  }
+  {
+    static ResultsArgs args;
+    CLI::App* cmd = app.add_subcommand("results", "query stored results");
+    cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--sweep", args.sweep, "sweep id");
+    cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
+    cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
+    cmd->add_option("--model", args.model, "model (checkpoint folder or preset:NAME)");
+    cmd->add_option("--axis", args.axes, "axis=value the config must have (repeatable)");
+    cmd->add_option("--status", args.status, "OK, INCORRECT, CRASHED, UNSUPPORTED, TIMEOUT, ERROR");
+    cmd->add_option("--since", args.since, "finished at or after: 24h (ago), 2025-01-31, RFC 3339");
+    cmd->add_option("--until", args.until, "finished before (same forms as --since)");
+    cmd->add_option("--limit", args.limit, "at most this many results (newest first)")
+        ->capture_default_str();
+    cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
+    cmd->callback([] { std::exit(RunResults(args)); });
+  }
+  {
+    static std::string coordinator = DefaultCoordinator(), model, sm_arch, metric = "output_tok_s",
+                       format = "table";
+    static int batch = 1;
+    CLI::App* cmd = app.add_subcommand("best", "the fastest OK config for a model on an arch");
+    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--model", model, "model")->required();
+    cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
+    cmd->add_option("--metric", metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
+        ->capture_default_str();
+    cmd->add_option("--batch", batch, "batch size the metric is read at")->capture_default_str();
+    cmd->add_option("--format", format, "table or json")->capture_default_str();
+    cmd->callback([] { std::exit(RunBest(coordinator, model, sm_arch, metric, batch, format)); });
+  }
+  {
+    static CompareArgs args;
+    CLI::App* cmd = app.add_subcommand(
+        "compare", "two configs on one arch, or one config on two archs, side by side");
+    cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--model", args.model, "model")->required();
+    cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
+                                              "the axes they leave out)");
+    cmd->add_option("--sm-arch", args.sm_archs, "SM architecture(s)");
+    cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
+    cmd->callback([] { std::exit(RunCompare(args)); });
+  }
+  {
+    static std::string coordinator = DefaultCoordinator();
+    CLI::App* cmd = app.add_subcommand("agents", "agents known to the coordinator");
+    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->callback([] { std::exit(RunAgents(coordinator)); });
+  }
+}
+
+}  // namespace infersweep::cli

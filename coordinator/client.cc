@@ -1,0 +1,71 @@
+#include "coordinator/client.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "proto/rpc.h"
+
+namespace infersweep {
+
+ServiceClient::ServiceClient(const std::string& address, int64_t timeout_ms)
+    : address_(address),
+      timeout_ms_(timeout_ms),
+      stub_(v1::SweepService::NewStub(rpc::MakeChannel(address))) {}
+
+template <typename Req, typename Resp, typename Method>
+absl::StatusOr<Resp> ServiceClient::Call(const Req& request, Method method) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
+  Resp response;
+  const grpc::Status status = ((*stub_).*method)(&context, request, &response);
+  if (status.ok()) return response;
+  absl::Status s = rpc::FromGrpcStatus(status);
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+    return absl::Status(s.code(), absl::StrCat("coordinator at ", address_, ": ", s.message()));
+  return s;
+}
+
+absl::StatusOr<v1::SubmitSweepResponse> ServiceClient::SubmitSweep(const std::string& yaml,
+                                                                   const std::string& source) {
+  v1::SubmitSweepRequest req;
+  req.set_spec_yaml(yaml);
+  req.set_source(source);
+  return Call<v1::SubmitSweepRequest, v1::SubmitSweepResponse>(req,
+                                                               &v1::SweepService::Stub::SubmitSweep);
+}
+
+absl::StatusOr<v1::SweepInfo> ServiceClient::GetSweep(int64_t sweep_id) {
+  v1::GetSweepRequest req;
+  req.set_sweep_id(sweep_id);
+  return Call<v1::GetSweepRequest, v1::SweepInfo>(req, &v1::SweepService::Stub::GetSweep);
+}
+
+absl::StatusOr<v1::ListSweepsResponse> ServiceClient::ListSweeps() {
+  return Call<v1::ListSweepsRequest, v1::ListSweepsResponse>(v1::ListSweepsRequest(),
+                                                             &v1::SweepService::Stub::ListSweeps);
+}
+
+absl::StatusOr<v1::CancelSweepResponse> ServiceClient::CancelSweep(int64_t sweep_id) {
+  v1::CancelSweepRequest req;
+  req.set_sweep_id(sweep_id);
+  return Call<v1::CancelSweepRequest, v1::CancelSweepResponse>(req,
+                                                               &v1::SweepService::Stub::CancelSweep);
+}
+
+absl::StatusOr<v1::ListAgentsResponse> ServiceClient::ListAgents() {
+  return Call<v1::ListAgentsRequest, v1::ListAgentsResponse>(v1::ListAgentsRequest(),
+                                                             &v1::SweepService::Stub::ListAgents);
+}
+
+absl::StatusOr<v1::QueryResultsResponse> ServiceClient::QueryResults(
+    const v1::QueryResultsRequest& request) {
+  return Call<v1::QueryResultsRequest, v1::QueryResultsResponse>(
+      request, &v1::SweepService::Stub::QueryResults);
+}
+
+absl::StatusOr<v1::BestResponse> ServiceClient::Best(const v1::BestRequest& request) {
+  return Call<v1::BestRequest, v1::BestResponse>(request, &v1::SweepService::Stub::Best);
+}
+
+}  // namespace infersweep

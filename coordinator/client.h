@@ -1,0 +1,38 @@
+// A blocking client of the coordinator's user API (SweepService), for the CLI and tests.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "proto/infersweep.grpc.pb.h"
+
+namespace infersweep {
+
+class ServiceClient {
+ public:
+  // `address` is "host:port"; every call fails after `timeout_ms`.
+  explicit ServiceClient(const std::string& address, int64_t timeout_ms = 30'000);
+
+  absl::StatusOr<v1::SubmitSweepResponse> SubmitSweep(const std::string& yaml,
+                                                      const std::string& source);
+  absl::StatusOr<v1::SweepInfo> GetSweep(int64_t sweep_id);
+  absl::StatusOr<v1::ListSweepsResponse> ListSweeps();
+  absl::StatusOr<v1::CancelSweepResponse> CancelSweep(int64_t sweep_id);
+  absl::StatusOr<v1::ListAgentsResponse> ListAgents();
+  absl::StatusOr<v1::QueryResultsResponse> QueryResults(const v1::QueryResultsRequest& request);
+  absl::StatusOr<v1::BestResponse> Best(const v1::BestRequest& request);
+
+  const std::string& address() const { return address_; }
+
+ private:
+  template <typename Req, typename Resp, typename Method>
+  absl::StatusOr<Resp> Call(const Req& request, Method method);
+
+  std::string address_;
+  int64_t timeout_ms_;
+  std::unique_ptr<v1::SweepService::Stub> stub_;
+};
+
+}  // namespace infersweep

@@ -1,0 +1,191 @@
+#include "coordinator/metrics.h"
+
+#include <sstream>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/metrics_http.h"
+
+namespace infersweep {
+namespace {
+
+constexpr TrialStatus kAllStatuses[] = {TrialStatus::kOk,          TrialStatus::kIncorrect,
+                                        TrialStatus::kCrashed,     TrialStatus::kUnsupported,
+                                        TrialStatus::kTimeout,     TrialStatus::kError};
+
+std::string StatusLabel(TrialStatus s) {
+  const std::string_view name = TrialStatusName(s);
+  return std::string(name.data(), name.size());
+}
+
+}  // namespace
+
+std::string SmArchLabel(int sm) { return sm <= 0 ? std::string("cpu") : absl::StrCat("sm_", sm); }
+
+CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
+    : options_(options), registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  auto& r = *registry_;
+  output_tok_s_ = &BuildGauge()
+                       .Name("infersweep_output_tokens_per_second")
+                       .Help("Output token throughput of the latest result of a config at one "
+                             "batch size (median over repeats), tokens per second")
+                       .Register(r);
+  ttft_ = &BuildGauge()
+               .Name("infersweep_ttft_seconds")
+               .Help("Time to first token of the latest result of a config at one batch size "
+                     "(median over repeats), seconds")
+               .Register(r);
+  tpot_ = &BuildGauge()
+               .Name("infersweep_tpot_seconds")
+               .Help("Time per output token after the first, latest result of a config at one "
+                     "batch size (median over repeats), seconds")
+               .Register(r);
+  trials_ = &BuildCounter()
+                 .Name("infersweep_trials_total")
+                 .Help("Trial results stored by the coordinator, by verdict status")
+                 .Register(r);
+  config_status_ = &BuildGauge()
+                        .Name("infersweep_config_status")
+                        .Help("1 for the status of the latest result of a config on an SM "
+                              "architecture, 0 for its other statuses")
+                        .Register(r);
+  agents_connected_ = &BuildGauge()
+                           .Name("infersweep_agents_connected")
+                           .Help("Agents with an open stream to the coordinator")
+                           .Register(r)
+                           .Add({});
+  queue_depth_ = &BuildGauge()
+                      .Name("infersweep_queue_depth")
+                      .Help("Trials queued and not yet leased to an agent")
+                      .Register(r)
+                      .Add({});
+  leased_ = &BuildGauge()
+                 .Name("infersweep_leased_trials")
+                 .Help("Trials leased to an agent (running or about to run)")
+                 .Register(r)
+                 .Add({});
+  // 0.5 ms .. ~8 s: a result is one SQLite transaction, normally a few milliseconds.
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double b = 0.0005; b < 10; b *= 2) buckets.push_back(b);
+  ingest_ = &BuildHistogram()
+                 .Name("infersweep_ingest_latency_seconds")
+                 .Help("Time from receiving an agent's result to having stored it, seconds")
+                 .Register(r)
+                 .Add({}, buckets);
+  dropped_ = &BuildCounter()
+                  .Name("infersweep_metrics_series_dropped_total")
+                  .Help("New label sets not exported because of the cardinality cap (one per "
+                        "capped family and result; see infersweep_metrics_config_series_limit)")
+                  .Register(r)
+                  .Add({});
+  series_ = &BuildGauge()
+                 .Name("infersweep_metrics_config_series")
+                 .Help("Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
+                       "keys are dropped once it reaches infersweep_metrics_config_series_limit")
+                 .Register(r)
+                 .Add({});
+  BuildGauge()
+      .Name("infersweep_metrics_config_series_limit")
+      .Help("The cap on distinct (model, sm_arch, gpu, config, batch) keys")
+      .Register(r)
+      .Add({})
+      .Set(static_cast<double>(options_.max_config_series));
+}
+
+CoordinatorMetrics::~CoordinatorMetrics() {
+  if (http_ != nullptr) http_->Stop();  // before the families it renders go away
+}
+
+absl::StatusOr<int> CoordinatorMetrics::Listen(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (http_ != nullptr) return absl::FailedPreconditionError("metrics: already listening");
+  auto http = std::make_unique<MetricsHttpServer>();
+  absl::StatusOr<int> port = http->Start(address, [this] { return Serialize(); });
+  if (port.ok()) http_ = std::move(http);
+  return port;
+}
+
+int CoordinatorMetrics::port() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return http_ != nullptr ? http_->port() : 0;
+}
+
+void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::string& gpu,
+                                  const BackendConfig& config, const TrialResult& r) {
+  const std::string arch = SmArchLabel(sm);
+  const std::string config_string = BackendConfigString(config);
+  const std::string status = StatusLabel(r.status);
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t cap = options_.max_config_series;
+
+  // Trials by status: keyed by (model, sm_arch); every status of a key is one series.
+  const auto trial_key = std::make_pair(model, arch);
+  if (trial_keys_.count(trial_key) != 0 || trial_keys_.size() < cap) {
+    trial_keys_.insert(trial_key);
+    trials_->Add({{"status", status}, {"sm_arch", arch}, {"model", model}}).Increment();
+  } else {
+    dropped_->Increment();
+  }
+
+  // Latest status of the config: 1 on its status, 0 on the others.
+  const ConfigKey config_key{model, arch, config_string};
+  if (config_keys_.count(config_key) != 0 || config_keys_.size() < cap) {
+    config_keys_.insert(config_key);
+    for (TrialStatus s : kAllStatuses) {
+      const std::string name = StatusLabel(s);
+      config_status_
+          ->Add({{"model", model}, {"sm_arch", arch}, {"config", config_string}, {"status", name}})
+          .Set(s == r.status ? 1 : 0);
+    }
+  } else {
+    dropped_->Increment();
+  }
+
+  // Latest figures per batch size.
+  for (const BatchFigures& b : r.batches) {
+    const SeriesKey key{model, arch, gpu, config_string, b.batch};
+    if (series_keys_.count(key) == 0) {
+      if (series_keys_.size() >= cap) {
+        dropped_->Increment();
+        continue;
+      }
+      series_keys_.insert(key);
+    }
+    const prometheus::Labels labels = {{"model", model},
+                                       {"sm_arch", arch},
+                                       {"gpu", gpu},
+                                       {"config", config_string},
+                                       {"batch", absl::StrCat(b.batch)}};
+    output_tok_s_->Add(labels).Set(b.output_tok_s.median);
+    ttft_->Add(labels).Set(b.ttft_ms.median / 1000.0);
+    tpot_->Add(labels).Set(b.tpot_ms.median / 1000.0);
+  }
+  series_->Set(static_cast<double>(series_keys_.size()));
+}
+
+void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); }
+void CoordinatorMetrics::SetQueueDepth(int64_t n) { queue_depth_->Set(static_cast<double>(n)); }
+void CoordinatorMetrics::SetLeasedTrials(int64_t n) { leased_->Set(static_cast<double>(n)); }
+void CoordinatorMetrics::ObserveIngestSeconds(double seconds) { ingest_->Observe(seconds); }
+
+std::string CoordinatorMetrics::Serialize() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, registry_->Collect());
+  return out.str();
+}
+
+int64_t CoordinatorMetrics::dropped_series() const {
+  return static_cast<int64_t>(dropped_->Value());
+}
+
+}  // namespace infersweep

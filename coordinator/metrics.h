@@ -1,0 +1,105 @@
+// The coordinator's Prometheus metrics (docs/OBSERVABILITY.md lists every one): fleet state
+// (agents, queue, leases), ingestion latency, and the latest figures and verdict of every
+// (model, sm_arch, gpu, config, batch) the fleet has measured, for the Grafana dashboards in
+// dashboards/ and the alerts in deploy/prometheus/alerts.yml.
+//
+// Cardinality: backend configs are label values, so the per-config series grow with the sweeps.
+// At most `max_config_series` distinct keys are exported per keyed family (see
+// CoordinatorMetricsOptions); a result whose key would be new beyond the cap is not exported and
+// is counted in infersweep_metrics_series_dropped_total. Existing keys keep updating.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "absl/status/statusor.h"
+#include "engine/backend_config.h"
+#include "harness/trial.h"
+
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace infersweep {
+
+class MetricsHttpServer;
+
+struct CoordinatorMetricsOptions {
+  // Cap on distinct (model, sm_arch, gpu, config, batch) keys of the figure gauges, and
+  // separately on distinct (model, sm_arch, config) keys of infersweep_config_status and
+  // (model, sm_arch) keys of infersweep_trials_total.
+  size_t max_config_series = 5000;
+};
+
+// "sm_90" for 90; "cpu" for 0 (CPU results have no SM architecture).
+std::string SmArchLabel(int sm);
+
+class CoordinatorMetrics {
+ public:
+  explicit CoordinatorMetrics(CoordinatorMetricsOptions options = {});
+  ~CoordinatorMetrics();
+  CoordinatorMetrics(const CoordinatorMetrics&) = delete;
+  CoordinatorMetrics& operator=(const CoordinatorMetrics&) = delete;
+
+  // Serves GET /metrics on `address` ("127.0.0.1:9464"; port 0 picks a free one; see
+  // coordinator/metrics_http.h). Returns the bound port. Fails (Unavailable) when the address
+  // cannot be bound, FailedPrecondition if already listening.
+  absl::StatusOr<int> Listen(const std::string& address);
+  // The bound port; 0 before Listen.
+  int port() const;
+
+  // A stored result: counts it, and updates the latest figures and status of its config.
+  // `gpu` is the GPU's name ("cpu" for CPU results); `model` and `config` as stored.
+  void OnResult(const std::string& model, int sm, const std::string& gpu,
+                const BackendConfig& config, const TrialResult& r);
+  void SetAgentsConnected(int n);
+  void SetQueueDepth(int64_t n);
+  void SetLeasedTrials(int64_t n);
+  void ObserveIngestSeconds(double seconds);
+
+  // The text exposition of every metric (what GET /metrics returns), for tests and debugging.
+  std::string Serialize() const;
+  // Results left out of the keyed families because of the cardinality cap (what the dropped
+  // counter holds).
+  int64_t dropped_series() const;
+
+ private:
+  using SeriesKey = std::tuple<std::string, std::string, std::string, std::string, int>;
+  using ConfigKey = std::tuple<std::string, std::string, std::string>;
+
+  CoordinatorMetricsOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<MetricsHttpServer> http_;
+
+  prometheus::Family<prometheus::Gauge>* output_tok_s_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* ttft_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* tpot_ = nullptr;
+  prometheus::Family<prometheus::Counter>* trials_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* config_status_ = nullptr;
+  prometheus::Gauge* agents_connected_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* leased_ = nullptr;
+  prometheus::Histogram* ingest_ = nullptr;
+  prometheus::Counter* dropped_ = nullptr;
+  prometheus::Gauge* series_ = nullptr;
+
+  mutable std::mutex mu_;  // guards the key sets and Listen
+  std::set<SeriesKey> series_keys_;
+  std::set<ConfigKey> config_keys_;
+  std::set<std::pair<std::string, std::string>> trial_keys_;
+};
+
+}  // namespace infersweep

@@ -1,0 +1,1177 @@
+#include "coordinator/server.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/metrics.h"
+#include "coordinator/sweep_spec.h"
+#include "engine/backend_config.h"
+#include "harness/executor.h"
+#include "harness/trial.h"
+#include "proto/infersweep.grpc.pb.h"
+#include "proto/rpc.h"
+
+namespace infersweep {
+namespace {
+
+using AgentStream = grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::AgentMessage>;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+constexpr size_t kMaxAgentIdLength = 128;
+constexpr size_t kMaxTextField = 256;
+constexpr int kMaxSlots = 256;
+constexpr int kMaxQueryRows = 10000;
+// A page of results stays below the message limit with room for the envelope.
+constexpr size_t kMaxResultPageBytes = rpc::kMaxMessageBytes - 256 * 1024;
+constexpr size_t kMaxProgressText = 4096;
+// The scheduler reads this many queued trials per scan, more (up to the max) while the head of the
+// queue cannot be placed, so that trials behind an unplaceable backlog are still reached.
+constexpr size_t kInitialScanLimit = 512;
+constexpr size_t kMaxScanLimit = 65536;
+// A scan that placed nothing is repeated on the next event, or after this long.
+constexpr int64_t kIdleScanIntervalMs = 2000;
+
+bool ValidAgentId(const std::string& id) {
+  if (id.empty() || id.size() > kMaxAgentIdLength) return false;
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-' || c == ':';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+const char* MessageName(const v1::AgentMessage& m) {
+  switch (m.msg_case()) {
+    case v1::AgentMessage::kHello: return "Hello";
+    case v1::AgentMessage::kHeartbeat: return "Heartbeat";
+    case v1::AgentMessage::kProgress: return "Progress";
+    case v1::AgentMessage::kResult: return "Result";
+    default: return "an empty message";
+  }
+}
+
+v1::CoordinatorMessage ErrorMessage(const std::string& text, const std::string& trial_id = "",
+                                    int attempt = 0, bool permanent = false) {
+  v1::CoordinatorMessage m;
+  v1::Error* e = m.mutable_error();
+  e->set_message(text);
+  e->set_trial_id(trial_id);
+  e->set_attempt(attempt);
+  e->set_permanent(permanent);
+  return m;
+}
+
+grpc::Status GrpcError(grpc::StatusCode code, const std::string& message) {
+  return grpc::Status(code, message);
+}
+
+// What one agent slot offers: a GPU, or the CPU slot of a CPU-only agent.
+struct SlotInfo {
+  int index = 0;
+  bool gpu = false;
+  std::string gpu_name;  // "cpu" for the CPU slot
+  int sm = 0;
+  int64_t memory_bytes = 0;
+};
+
+// One agent stream. Messages to the agent go through a queue drained by a writer thread, so the
+// scheduler never blocks on a slow agent.
+struct Conn {
+  std::string agent_id;
+  v1::Hello hello;
+  std::vector<SlotInfo> slots;
+  int gpu_count = 0;
+  grpc::ServerContext* context = nullptr;
+  std::atomic<int64_t> bad_messages{0};
+  std::atomic<bool> superseded{false};
+
+  std::mutex out_mu;
+  std::condition_variable out_cv;
+  std::deque<v1::CoordinatorMessage> out;
+  bool out_closed = false;
+
+  void Enqueue(v1::CoordinatorMessage m) {
+    {
+      std::lock_guard<std::mutex> lock(out_mu);
+      if (out_closed) return;
+      out.push_back(std::move(m));
+    }
+    out_cv.notify_one();
+  }
+  // Stops the writer after it has written what is queued.
+  void CloseOutbound() {
+    {
+      std::lock_guard<std::mutex> lock(out_mu);
+      out_closed = true;
+    }
+    out_cv.notify_one();
+  }
+  void WriterLoop(AgentStream* stream) {
+    bool ok = true;
+    while (true) {
+      v1::CoordinatorMessage m;
+      {
+        std::unique_lock<std::mutex> lock(out_mu);
+        out_cv.wait(lock, [&] { return out_closed || !out.empty(); });
+        if (out.empty()) return;
+        m = std::move(out.front());
+        out.pop_front();
+      }
+      if (ok && !stream->Write(m)) {
+        ok = false;
+        context->TryCancel();  // the reader sees the end of the stream
+      }
+    }
+  }
+};
+
+// A trial leased to an agent, as the coordinator knows it.
+struct Held {
+  int attempt = 0;
+  int64_t sweep_id = 0;
+  std::vector<int> slots;     // the slots it occupies; empty while its agent is away
+  int64_t lost_deadline = 0;  // >0: the agent reconnected without it; recorded lost after this
+  bool confirmed = true;      // false: recovered from the store, not yet seen in a Hello
+  bool foreign = false;       // the agent runs it but the store does not lease it to it
+  std::string last_progress;
+};
+
+}  // namespace
+
+class CoordinatorServer::Impl {
+ public:
+  explicit Impl(CoordinatorOptions options) : options_(std::move(options)) {
+    CoordinatorMetricsOptions mo;
+    mo.max_config_series = options_.metrics_max_config_series;
+    metrics_ = std::make_unique<CoordinatorMetrics>(mo);
+    if (options_.lease_ms < 100) options_.lease_ms = 100;
+    if (options_.heartbeat_interval_ms <= 0)
+      options_.heartbeat_interval_ms = std::clamp<int64_t>(options_.lease_ms / 4, 50, 15'000);
+    if (options_.tick_ms <= 0) options_.tick_ms = 100;
+    if (options_.lost_trial_grace_ms <= 0)
+      options_.lost_trial_grace_ms = std::max<int64_t>(1000, 3 * options_.heartbeat_interval_ms);
+  }
+
+  ~Impl() { Stop(); }
+
+  absl::StatusOr<int> Start(const std::string& address, const std::string& db_path);
+  void Stop();
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    stopped_cv_.wait(lock, [&] { return stopping_; });
+  }
+  Store* store() { return store_.get(); }
+  int metrics_port() { return metrics_->port(); }
+  std::string MetricsText() { return metrics_->Serialize(); }
+  CoordinatorStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    CoordinatorStats s = stats_;
+    s.agents_connected = static_cast<int64_t>(conns_.size());
+    return s;
+  }
+
+  // AgentService.
+  grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream);
+
+  // SweepService.
+  grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
+  grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
+  grpc::Status ListSweeps(v1::ListSweepsResponse* resp);
+  grpc::Status CancelSweep(const v1::CancelSweepRequest& req, v1::CancelSweepResponse* resp);
+  grpc::Status ListAgents(v1::ListAgentsResponse* resp);
+  grpc::Status QueryResults(const v1::QueryResultsRequest& req, v1::QueryResultsResponse* resp);
+  grpc::Status Best(const v1::BestRequest& req, v1::BestResponse* resp);
+
+ private:
+  class AgentServiceImpl final : public v1::AgentService::Service {
+   public:
+    explicit AgentServiceImpl(Impl* impl) : impl_(impl) {}
+    grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream) override {
+      return impl_->Connect(context, stream);
+    }
+
+   private:
+    Impl* impl_;
+  };
+
+  class SweepServiceImpl final : public v1::SweepService::Service {
+   public:
+    explicit SweepServiceImpl(Impl* impl) : impl_(impl) {}
+    grpc::Status SubmitSweep(grpc::ServerContext*, const v1::SubmitSweepRequest* req,
+                             v1::SubmitSweepResponse* resp) override {
+      return impl_->SubmitSweep(*req, resp);
+    }
+    grpc::Status GetSweep(grpc::ServerContext*, const v1::GetSweepRequest* req,
+                          v1::SweepInfo* resp) override {
+      return impl_->GetSweep(*req, resp);
+    }
+    grpc::Status ListSweeps(grpc::ServerContext*, const v1::ListSweepsRequest*,
+                            v1::ListSweepsResponse* resp) override {
+      return impl_->ListSweeps(resp);
+    }
+    grpc::Status CancelSweep(grpc::ServerContext*, const v1::CancelSweepRequest* req,
+                             v1::CancelSweepResponse* resp) override {
+      return impl_->CancelSweep(*req, resp);
+    }
+    grpc::Status ListAgents(grpc::ServerContext*, const v1::ListAgentsRequest*,
+                            v1::ListAgentsResponse* resp) override {
+      return impl_->ListAgents(resp);
+    }
+    grpc::Status QueryResults(grpc::ServerContext*, const v1::QueryResultsRequest* req,
+                              v1::QueryResultsResponse* resp) override {
+      return impl_->QueryResults(*req, resp);
+    }
+    grpc::Status Best(grpc::ServerContext*, const v1::BestRequest* req,
+                      v1::BestResponse* resp) override {
+      return impl_->Best(*req, resp);
+    }
+
+   private:
+    Impl* impl_;
+  };
+
+  void Log(const std::string& line) {
+    if (options_.log) {
+      options_.log(line);
+    } else {
+      std::fprintf(stderr, "[coordinator] %s\n", line.c_str());
+    }
+  }
+  void Wake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      wake_ = true;
+    }
+    sched_cv_.notify_all();
+  }
+
+  absl::Status ValidateHello(const v1::Hello& hello) const;
+  void RecoverHeld();
+  void ReconcileHeldLocked(Conn& conn, int64_t now);
+  void OnHeartbeat(Conn& conn, const v1::Heartbeat& hb);
+  void OnProgress(Conn& conn, const v1::Progress& p);
+  void OnResult(Conn& conn, const v1::Result& r);
+  void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt);
+
+  void SchedulerLoop();
+  void ScheduleOnce(bool event);
+  // Places or judges one queued trial; returns true when it left the queue.
+  bool TryPlaceLocked(const TrialRecord& trial, int64_t now);
+  bool SlotBusyLocked(const std::string& agent_id, int slot) const;
+  bool MatchesLocked(const Selector& selector, const SlotInfo& slot);
+  void RecordCoordinatorResult(const TrialRecord& trial, TrialStatus status,
+                               const std::string& reason, const SlotInfo* slot);
+  void FillSweepInfo(const SweepRecord& s, bool with_counts, v1::SweepInfo* out);
+  // Exports a stored result (fresh, not a replay) to the metrics.
+  void ExportResult(const TrialResult& result, const std::string& gpu_name, int sm);
+  // Agents connected, queued and leased trials (at most once a second: CountTrials scans).
+  void UpdateFleetMetrics(int64_t now);
+
+  CoordinatorOptions options_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<AgentServiceImpl> agent_service_;
+  std::unique_ptr<SweepServiceImpl> sweep_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::thread scheduler_;
+
+  std::mutex mu_;
+  std::condition_variable sched_cv_;
+  std::condition_variable stopped_cv_;
+  bool wake_ = false;
+  bool started_ = false;
+  bool stopping_ = false;
+  std::map<std::string, std::shared_ptr<Conn>> conns_;            // agent id -> live stream
+  std::map<std::string, std::map<std::string, Held>> held_;       // agent id -> trial id -> held
+  std::map<std::string, std::regex> regex_cache_;
+  size_t rr_ = 0;  // round-robin start among agents
+  // Queue scans: how many queued trials one scan reads, and when a scan that changed nothing
+  // may run again without an event (scheduler thread only).
+  size_t scan_limit_ = kInitialScanLimit;
+  int64_t next_idle_scan_ms_ = 0;
+  CoordinatorStats stats_;
+  std::unique_ptr<CoordinatorMetrics> metrics_;  // always kept; served when metrics_listen is set
+  int64_t next_fleet_metrics_ms_ = 0;           // scheduler thread only
+};
+
+// ------------------------------------------------------------------------------ lifecycle
+
+absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
+                                                   const std::string& db_path) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return absl::FailedPreconditionError("coordinator already started");
+    started_ = true;
+  }
+  auto store = Store::Open(db_path);
+  if (!store.ok()) return store.status();
+  store_ = *std::move(store);
+  // Nobody is connected to a coordinator that is only starting.
+  if (auto agents = store_->ListAgents(); agents.ok()) {
+    for (const AgentRecord& a : *agents)
+      if (a.connected) (void)store_->SetAgentConnected(a.agent_id, false, NowMs());
+  }
+  RecoverHeld();
+  if (!options_.metrics_listen.empty()) {
+    absl::StatusOr<int> metrics_port = metrics_->Listen(options_.metrics_listen);
+    if (!metrics_port.ok()) return metrics_port.status();
+    Log(absl::StrCat("metrics on http://", options_.metrics_listen, "/metrics (port ",
+                     *metrics_port, ")"));
+  }
+
+  agent_service_ = std::make_unique<AgentServiceImpl>(this);
+  sweep_service_ = std::make_unique<SweepServiceImpl>(this);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  rpc::ConfigureServer(builder);
+  builder.RegisterService(agent_service_.get());
+  builder.RegisterService(sweep_service_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_ || port == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
+                                               " (address in use or not a host:port?)"));
+  }
+  scheduler_ = std::thread([this] { SchedulerLoop(); });
+  Log(absl::StrCat("listening on ", address, " (port ", port, "), database ", db_path));
+  return port;
+}
+
+void CoordinatorServer::Impl::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  sched_cv_.notify_all();
+  stopped_cv_.notify_all();
+  if (scheduler_.joinable()) scheduler_.join();
+  {
+    // Under mu_: a stream still in conns_ has not finished, so its context is alive.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, c] : conns_) c->context->TryCancel();
+  }
+  if (server_) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_->Wait();
+  }
+}
+
+void CoordinatorServer::Impl::RecoverHeld() {
+  // Leases outlive a coordinator restart; rebuild which agent holds what, so a reconnecting agent
+  // that lost a trial is noticed. Trial ids are "<sweep>-<index>" (Store::CreateSweep).
+  auto sweeps = store_->ListSweeps();
+  if (!sweeps.ok()) return;
+  int recovered = 0;
+  for (const SweepRecord& s : *sweeps) {
+    if (s.state != "active" && s.state != "cancelled") continue;
+    for (int64_t i = 0; i < s.trials_total; ++i) {
+      auto t = store_->GetTrial(absl::StrCat(s.id, "-", i));
+      if (!t.ok() || t->state != TrialState::kLeased || t->leased_to.empty()) continue;
+      Held h;
+      h.attempt = t->attempt;
+      h.sweep_id = s.id;
+      h.confirmed = false;
+      held_[t->leased_to][t->trial_id] = h;
+      ++recovered;
+    }
+  }
+  if (recovered > 0) Log(absl::StrCat(recovered, " leased trial(s) recovered from the database"));
+}
+
+// ------------------------------------------------------------------------------ agent stream
+
+absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
+  if (h.protocol_version() != rpc::kProtocolVersion)
+    return absl::FailedPreconditionError(
+        absl::StrCat("Hello: protocol version ", h.protocol_version(), "; this coordinator speaks ",
+                     rpc::kProtocolVersion));
+  if (!options_.auth_token.empty() && h.auth_token() != options_.auth_token)
+    return absl::UnauthenticatedError("Hello: missing or wrong auth token");
+  if (!ValidAgentId(h.agent_id()))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Hello: agent_id must be 1..", kMaxAgentIdLength,
+        " characters of [A-Za-z0-9._:-], got '", h.agent_id().substr(0, kMaxAgentIdLength), "'"));
+  if (h.host().size() > kMaxTextField || h.engine_version().size() > kMaxTextField)
+    return absl::InvalidArgumentError("Hello: host or engine_version longer than 256 characters");
+  if (h.gpus_size() > kMaxSlots)
+    return absl::InvalidArgumentError(absl::StrCat("Hello: more than ", kMaxSlots, " GPUs"));
+  if (h.cpu_only() && h.gpus_size() > 0)
+    return absl::InvalidArgumentError("Hello: cpu_only with a non-empty GPU list");
+  for (int i = 0; i < h.gpus_size(); ++i) {
+    const v1::Gpu& g = h.gpus(i);
+    if (g.index() != i)
+      return absl::InvalidArgumentError(
+          absl::StrCat("Hello: gpus[", i, "].index is ", g.index(), "; GPUs must be listed 0..n-1"));
+    if (g.name().empty() || g.name().size() > kMaxTextField)
+      return absl::InvalidArgumentError(absl::StrCat("Hello: gpus[", i, "].name is empty or too long"));
+    if (g.sm() < 0 || g.sm() > 1000 || g.memory_bytes() < 0)
+      return absl::InvalidArgumentError(absl::StrCat("Hello: gpus[", i, "]: sm or memory out of range"));
+  }
+  if (h.backends_size() > 4096 || h.running_size() > 4096)
+    return absl::InvalidArgumentError("Hello: too many backends or running trials");
+  return absl::OkStatus();
+}
+
+grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, AgentStream* stream) {
+  v1::AgentMessage msg;
+  if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
+  auto reject = [&](grpc::StatusCode code, const std::string& text) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.streams_rejected;
+    }
+    Log(absl::StrCat("stream rejected: ", text));
+    stream->Write(ErrorMessage(text));
+    return GrpcError(code, text);
+  };
+  if (!msg.has_hello())
+    return reject(grpc::StatusCode::FAILED_PRECONDITION,
+                  absl::StrCat("protocol error: the first message on a stream must be Hello, got ",
+                               MessageName(msg)));
+  if (absl::Status s = ValidateHello(msg.hello()); !s.ok())
+    return reject(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+
+  auto conn = std::make_shared<Conn>();
+  conn->hello = msg.hello();
+  conn->hello.clear_auth_token();
+  conn->agent_id = conn->hello.agent_id();
+  conn->context = context;
+  if (conn->hello.gpus_size() == 0) {
+    conn->slots.push_back(SlotInfo{0, false, "cpu", 0, 0});
+  } else {
+    for (const v1::Gpu& g : conn->hello.gpus())
+      conn->slots.push_back(SlotInfo{g.index(), true, g.name(), g.sm(), g.memory_bytes()});
+    conn->gpu_count = conn->hello.gpus_size();
+  }
+  const std::string& id = conn->agent_id;
+  const int64_t now = NowMs();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return GrpcError(grpc::StatusCode::UNAVAILABLE, "coordinator is stopping");
+    if (auto it = conns_.find(id); it != conns_.end()) {
+      // The same agent again (it reconnected before its old stream was noticed dead): the new
+      // stream replaces the old one.
+      it->second->superseded = true;
+      it->second->context->TryCancel();
+      Log(absl::StrCat("agent ", id, " reconnected; closing its previous stream"));
+    }
+    conns_[id] = conn;
+    ReconcileHeldLocked(*conn, now);
+  }
+  {
+    v1::Hello stored = conn->hello;
+    stored.clear_running();
+    std::string json;
+    (void)google::protobuf::util::MessageToJsonString(stored, &json);
+    AgentRecord rec{id, conn->hello.host(), json, now, true};
+    if (absl::Status s = store_->UpsertAgent(rec); !s.ok())
+      Log(absl::StrCat("storing agent ", id, ": ", s.message()));
+  }
+  Log(absl::StrCat("agent ", id, " connected from ", context->peer(), ": ",
+                   conn->hello.gpus_size() == 0 ? "cpu-only" : absl::StrCat(conn->hello.gpus_size(), " GPU(s)"),
+                   conn->hello.gpus_size() > 0 ? absl::StrCat(", ", conn->hello.gpus(0).name(), " sm_",
+                                                              conn->hello.gpus(0).sm())
+                                               : ""));
+
+  std::thread writer([conn, stream] { conn->WriterLoop(stream); });
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_coordinator_version(EngineVersion());
+  welcome.mutable_welcome()->set_protocol_version(rpc::kProtocolVersion);
+  welcome.mutable_welcome()->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  welcome.mutable_welcome()->set_lease_ms(options_.lease_ms);
+  conn->Enqueue(std::move(welcome));
+  Wake();
+
+  grpc::Status end = grpc::Status::OK;
+  while (stream->Read(&msg)) {
+    if (msg.has_hello()) {
+      const std::string text = "protocol error: a second Hello on the same stream";
+      conn->Enqueue(ErrorMessage(text));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.streams_rejected;
+      }
+      end = GrpcError(grpc::StatusCode::FAILED_PRECONDITION, text);
+      Log(absl::StrCat("agent ", id, ": ", text, "; stream closed"));
+      break;
+    }
+    switch (msg.msg_case()) {
+      case v1::AgentMessage::kHeartbeat:
+        OnHeartbeat(*conn, msg.heartbeat());
+        break;
+      case v1::AgentMessage::kProgress:
+        OnProgress(*conn, msg.progress());
+        break;
+      case v1::AgentMessage::kResult:
+        OnResult(*conn, msg.result());
+        break;
+      default:
+        Reject(*conn, "empty message: no field of AgentMessage is set", "", 0);
+        break;
+    }
+  }
+
+  bool current = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = conns_.find(id); it != conns_.end() && it->second == conn) {
+      conns_.erase(it);
+      current = true;
+    }
+    // Its trials keep their leases: they expire unless the agent comes back (docs/SERVICE.md).
+    if (current) {
+      for (auto& [tid, h] : held_[id])
+        if (h.foreign) h.slots.clear();
+    }
+  }
+  if (current) (void)store_->SetAgentConnected(id, false, NowMs());
+  conn->CloseOutbound();
+  writer.join();
+  if (current) Log(absl::StrCat("agent ", id, " disconnected"));
+  Wake();
+  return end;
+}
+
+void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
+  auto& held = held_[conn.agent_id];
+  std::map<std::string, const v1::RunningTrial*> running;
+  for (const v1::RunningTrial& r : conn.hello.running()) running[r.trial_id()] = &r;
+  auto valid_slots = [&](const v1::RunningTrial& r) {
+    std::vector<int> slots;
+    for (int s : r.slots())
+      if (s >= 0 && s < static_cast<int>(conn.slots.size())) slots.push_back(s);
+    if (slots.empty()) slots.push_back(0);
+    return slots;
+  };
+  for (auto it = held.begin(); it != held.end();) {
+    auto& [tid, h] = *it;
+    auto r = running.find(tid);
+    if (r != running.end() && r->second->attempt() == h.attempt) {
+      h.slots = valid_slots(*r->second);
+      h.lost_deadline = 0;
+      h.confirmed = true;
+      ++it;
+    } else if (h.foreign) {
+      it = held.erase(it);
+    } else {
+      // Not running any more: its result may be in the agent's spool, replayed right after this
+      // Hello. Recorded as lost if it does not come within the grace period.
+      h.slots.clear();
+      h.lost_deadline = now + options_.lost_trial_grace_ms;
+      ++it;
+    }
+  }
+  for (const auto& [tid, r] : running) {
+    if (held.count(tid)) continue;
+    Held h;
+    h.attempt = r->attempt();
+    h.slots = valid_slots(*r);
+    auto t = store_->GetTrial(tid);
+    if (t.ok() && t->state == TrialState::kLeased && t->leased_to == conn.agent_id &&
+        t->attempt == r->attempt()) {
+      h.sweep_id = t->sweep_id;
+    } else {
+      h.foreign = true;  // occupies the slots until its result comes; the result is refused
+    }
+    held[tid] = std::move(h);
+  }
+}
+
+void CoordinatorServer::Impl::Reject(Conn& conn, const std::string& message,
+                                     const std::string& trial_id, int attempt) {
+  ++conn.bad_messages;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.bad_messages;
+  }
+  Log(absl::StrCat("agent ", conn.agent_id, ": rejected: ", message));
+  conn.Enqueue(ErrorMessage(message, trial_id, attempt, /*permanent=*/true));
+}
+
+void CoordinatorServer::Impl::OnHeartbeat(Conn& conn, const v1::Heartbeat& hb) {
+  const int64_t now = NowMs();
+  if (absl::Status s = store_->RenewLeases(conn.agent_id, now + options_.lease_ms); !s.ok())
+    Log(absl::StrCat("renewing leases of ", conn.agent_id, ": ", s.message()));
+  (void)store_->SetAgentConnected(conn.agent_id, true, now);
+  std::set<std::string> running;
+  for (const v1::RunningTrial& r : hb.running()) running.insert(r.trial_id());
+  for (const std::string& id : hb.running_trial_ids()) running.insert(id);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& held = held_[conn.agent_id];
+  for (auto it = held.begin(); it != held.end();) {
+    if (it->second.foreign && !running.count(it->first)) {
+      it = held.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void CoordinatorServer::Impl::OnProgress(Conn& conn, const v1::Progress& p) {
+  // Advisory: kept for status displays, never an error.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& held = held_[conn.agent_id];
+  if (auto it = held.find(p.trial_id()); it != held.end() && it->second.attempt == p.attempt())
+    it->second.last_progress = p.text().substr(0, kMaxProgressText);
+}
+
+void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
+  const auto received = std::chrono::steady_clock::now();
+  const std::string& tid = r.trial_id();
+  if (tid.empty()) return Reject(conn, "Result without trial_id", "", r.attempt());
+  if (r.attempt() < 1)
+    return Reject(conn, absl::StrCat("Result for ", tid, ": attempt must be >= 1, got ", r.attempt()),
+                  tid, r.attempt());
+  auto parsed = nlohmann::json::parse(r.result_json(), nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded())
+    return Reject(conn, absl::StrCat("Result for ", tid, ": result_json is not valid JSON"), tid,
+                  r.attempt());
+  absl::StatusOr<TrialResult> result = TrialResultFromJson(parsed);
+  if (!result.ok())
+    return Reject(conn,
+                  absl::StrCat("Result for ", tid, ": result_json is not a TrialResult: ",
+                               result.status().message()),
+                  tid, r.attempt());
+  if (result->trial_id != tid || result->attempt != r.attempt())
+    return Reject(conn,
+                  absl::StrCat("Result names trial ", tid, " attempt ", r.attempt(),
+                               " but its result_json names trial ", result->trial_id, " attempt ",
+                               result->attempt),
+                  tid, r.attempt());
+
+  // The slot that ran it gives the GPU name and arch the result is filed under.
+  int slot = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& held = held_[conn.agent_id];
+    if (r.slots_size() > 0) {
+      slot = r.slots(0);
+    } else if (auto it = held.find(tid); it != held.end() && !it->second.slots.empty()) {
+      slot = it->second.slots[0];
+    }
+  }
+  if (slot < 0 || slot >= static_cast<int>(conn.slots.size())) slot = 0;
+  const SlotInfo& info = conn.slots[slot];
+
+  const absl::Status s = store_->RecordResult(conn.agent_id, info.gpu_name, info.sm, *result);
+  bool fresh = false;  // the attempt was held: not a replay of a result stored before
+  {
+    // Whatever the store says, the agent is done with this attempt.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& held = held_[conn.agent_id];
+    if (auto it = held.find(tid); it != held.end() && it->second.attempt == r.attempt()) {
+      fresh = true;
+      held.erase(it);
+    }
+    if (s.ok()) ++stats_.results_stored;
+  }
+  Wake();
+  if (s.ok()) {
+    metrics_->ObserveIngestSeconds(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - received).count());
+    if (fresh) ExportResult(*result, info.gpu_name, info.sm);
+    v1::CoordinatorMessage ack;
+    ack.mutable_ack()->set_trial_id(tid);
+    ack.mutable_ack()->set_attempt(r.attempt());
+    conn.Enqueue(std::move(ack));
+    return;
+  }
+  switch (s.code()) {
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+      return Reject(conn, std::string(s.message()), tid, r.attempt());
+    default:
+      // Storage trouble: the agent keeps the result spooled and resends it after reconnecting.
+      Log(absl::StrCat("storing the result of ", tid, ": ", s.message()));
+      conn.Enqueue(ErrorMessage(absl::StrCat("could not store the result: ", s.message()), tid,
+                                r.attempt(), /*permanent=*/false));
+  }
+}
+
+// ------------------------------------------------------------------------------ scheduler
+
+void CoordinatorServer::Impl::SchedulerLoop() {
+  while (true) {
+    bool event;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      sched_cv_.wait_for(lock, std::chrono::milliseconds(options_.tick_ms),
+                         [&] { return stopping_ || wake_; });
+      if (stopping_) return;
+      event = wake_;
+      wake_ = false;
+    }
+    ScheduleOnce(event);
+    UpdateFleetMetrics(NowMs());
+  }
+}
+
+bool CoordinatorServer::Impl::SlotBusyLocked(const std::string& agent_id, int slot) const {
+  auto it = held_.find(agent_id);
+  if (it == held_.end()) return false;
+  for (const auto& [tid, h] : it->second)
+    if (std::find(h.slots.begin(), h.slots.end(), slot) != h.slots.end()) return true;
+  return false;
+}
+
+bool CoordinatorServer::Impl::MatchesLocked(const Selector& sel, const SlotInfo& slot) {
+  // CPU trials run on the host's CPU, so any slot can take one; CUDA trials need a GPU slot.
+  if (sel.device != "cpu" && !slot.gpu) return false;
+  if (!sel.sm_archs.empty() &&
+      std::find(sel.sm_archs.begin(), sel.sm_archs.end(), slot.sm) == sel.sm_archs.end())
+    return false;
+  if (sel.min_memory_bytes > 0 && slot.memory_bytes < sel.min_memory_bytes) return false;
+  if (!sel.gpu_name_regex.empty()) {
+    auto it = regex_cache_.find(sel.gpu_name_regex);
+    if (it == regex_cache_.end()) {
+      try {
+        it = regex_cache_.emplace(sel.gpu_name_regex, std::regex(sel.gpu_name_regex)).first;
+      } catch (const std::regex_error&) {
+        return false;  // validated at submit; a stored bad pattern matches nothing
+      }
+    }
+    if (!std::regex_search(slot.gpu_name, it->second)) return false;
+  }
+  return true;
+}
+
+void CoordinatorServer::Impl::RecordCoordinatorResult(const TrialRecord& trial, TrialStatus status,
+                                                      const std::string& reason,
+                                                      const SlotInfo* slot) {
+  TrialResult r;
+  r.trial_id = trial.trial_id;
+  r.attempt = trial.attempt + 1;
+  r.status = status;
+  r.reason = reason;
+  r.model = trial.model;
+  r.config = trial.config;
+  r.device = ConfigDevice(trial.config) == "cpu" || slot == nullptr || !slot->gpu ? "cpu"
+                                                                                   : slot->gpu_name;
+  r.sm = slot ? slot->sm : 0;
+  r.engine_version = EngineVersion();
+  r.started_unix_ms = r.finished_unix_ms = NowMs();
+  if (absl::Status s =
+          store_->RecordResult("", slot ? slot->gpu_name : "", slot ? slot->sm : 0, r);
+      !s.ok()) {
+    Log(absl::StrCat("recording ", TrialStatusName(status).data(), " for ", trial.trial_id, ": ",
+                     s.message()));
+  } else {
+    ExportResult(r, slot ? slot->gpu_name : "", slot ? slot->sm : 0);
+  }
+}
+
+void CoordinatorServer::Impl::ExportResult(const TrialResult& result, const std::string& gpu_name,
+                                           int sm) {
+  std::string model = result.model;
+  BackendConfig config = result.config;
+  if (model.empty() || config.empty()) {
+    // Filed under the trial's model and config, as the store does.
+    if (absl::StatusOr<TrialRecord> t = store_->GetTrial(result.trial_id); t.ok()) {
+      if (model.empty()) model = t->model;
+      if (config.empty()) config = t->config;
+    }
+  }
+  metrics_->OnResult(model, sm, gpu_name.empty() ? "unknown" : gpu_name, config, result);
+}
+
+void CoordinatorServer::Impl::UpdateFleetMetrics(int64_t now) {
+  if (now < next_fleet_metrics_ms_) return;
+  next_fleet_metrics_ms_ = now + 1000;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_->SetAgentsConnected(static_cast<int>(conns_.size()));
+  }
+  if (absl::StatusOr<TrialCounts> counts = store_->CountTrials(); counts.ok()) {
+    metrics_->SetQueueDepth(counts->queued);
+    metrics_->SetLeasedTrials(counts->leased);
+  }
+}
+
+void CoordinatorServer::Impl::ScheduleOnce(bool event) {
+  const int64_t now = NowMs();
+  if (auto requeued = store_->RequeueExpired(now); requeued.ok() && !requeued->empty()) {
+    event = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& tid : *requeued) {
+      for (auto& [agent, held] : held_) {
+        if (auto it = held.find(tid); it != held.end() && !it->second.foreign) held.erase(it);
+      }
+    }
+    Log(absl::StrCat("lease expired, requeued: ", requeued->size(), " trial(s), first ",
+                     requeued->front()));
+  }
+
+  // Trials a reconnected agent held but no longer runs, past their grace period: lost.
+  struct Lost {
+    std::string agent_id, trial_id;
+    int attempt;
+    SlotInfo slot;
+  };
+  std::vector<Lost> lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [agent, held] : held_) {
+      auto c = conns_.find(agent);
+      if (c == conns_.end()) continue;  // away: its leases run out instead
+      for (auto it = held.begin(); it != held.end();) {
+        if (it->second.lost_deadline > 0 && it->second.lost_deadline < now) {
+          lost.push_back({agent, it->first, it->second.attempt, c->second->slots[0]});
+          it = held.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (const Lost& l : lost) {
+    TrialResult r;
+    r.trial_id = l.trial_id;
+    r.attempt = l.attempt;
+    r.status = TrialStatus::kError;
+    r.reason = absl::StrCat("lost: agent '", l.agent_id,
+                            "' reconnected without this trial and sent no result for it (the "
+                            "agent restarted while the trial ran)");
+    r.device = l.slot.gpu ? l.slot.gpu_name : "cpu";
+    r.sm = l.slot.sm;
+    r.started_unix_ms = r.finished_unix_ms = now;
+    const absl::Status s = store_->RecordResult(l.agent_id, l.slot.gpu_name, l.slot.sm, r);
+    Log(absl::StrCat("trial ", l.trial_id, " attempt ", l.attempt, " lost by agent ", l.agent_id,
+                     s.ok() ? "" : absl::StrCat(" (not recorded: ", s.message(), ")")));
+    if (s.ok()) ExportResult(r, l.slot.gpu_name, l.slot.sm);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (s.ok()) ++stats_.lost;
+  }
+
+  if (!lost.empty()) event = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conns_.empty()) return;  // nothing can be placed, and nothing judged
+  }
+  if (!event && now < next_idle_scan_ms_) return;
+  auto queued = store_->QueuedTrials(static_cast<int>(scan_limit_));
+  if (!queued.ok()) {
+    Log(absl::StrCat("listing queued trials: ", queued.status().message()));
+    return;
+  }
+  int changed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const TrialRecord& trial : *queued) {
+      if (stopping_) return;
+      if (TryPlaceLocked(trial, now)) ++changed;
+    }
+    ++rr_;
+  }
+  if (changed > 0) {
+    next_idle_scan_ms_ = 0;
+    scan_limit_ = kInitialScanLimit;
+  } else {
+    next_idle_scan_ms_ = now + kIdleScanIntervalMs;
+    if (queued->size() >= scan_limit_) scan_limit_ = std::min(scan_limit_ * 4, kMaxScanLimit);
+  }
+}
+
+bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now) {
+  absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
+  if (!config.ok()) {
+    RecordCoordinatorResult(trial, TrialStatus::kError,
+                            absl::StrCat("invalid config: ", config.status().message()), nullptr);
+    return true;
+  }
+  const int needed = std::max(1, trial.selector.gpus_needed);
+  std::vector<std::shared_ptr<Conn>> order;
+  for (auto& [id, c] : conns_) order.push_back(c);
+  std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()), order.end());
+
+  bool any_match = false, any_supported = false;
+  std::string first_reason;
+  std::optional<SlotInfo> first_slot;
+  for (const auto& conn : order) {
+    std::map<int, PreflightResult> by_sm;  // preflight per SM of this agent
+    std::vector<int> free_supported;
+    int matching = 0;
+    for (const SlotInfo& slot : conn->slots) {
+      if (!MatchesLocked(trial.selector, slot)) continue;
+      ++matching;
+      if (!first_slot) first_slot = slot;
+      auto pf = by_sm.find(slot.sm);
+      if (pf == by_sm.end()) {
+        PreflightTarget target;
+        target.has_cuda_build = conn->hello.cuda_build();
+        target.sm = slot.sm;
+        target.gpu_count = conn->gpu_count;
+        pf = by_sm.emplace(slot.sm, Preflight(*config, target)).first;
+      }
+      if (!pf->second.supported) {
+        if (first_reason.empty()) first_reason = pf->second.reason;
+        continue;
+      }
+      any_supported = true;
+      if (!SlotBusyLocked(conn->agent_id, slot.index)) free_supported.push_back(slot.index);
+    }
+    if (matching >= needed) any_match = true;
+    if (static_cast<int>(free_supported.size()) < needed) continue;
+
+    free_supported.resize(static_cast<size_t>(needed));
+    const int64_t expires = now + options_.lease_ms;
+    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires);
+    if (!leased.ok()) {
+      Log(absl::StrCat("leasing ", trial.trial_id, ": ", leased.status().message()));
+      return false;
+    }
+    TrialRequest req;
+    req.trial_id = leased->trial_id;
+    req.attempt = leased->attempt;
+    req.model = leased->model;
+    req.layers = leased->layers;
+    req.seed = leased->seed;
+    req.config = *config;
+    req.workload = leased->workload;
+    v1::CoordinatorMessage m;
+    v1::Assignment* a = m.mutable_assignment();
+    a->set_trial_id(req.trial_id);
+    a->set_attempt(req.attempt);
+    a->set_request_json(ToJson(req).dump());
+    a->set_lease_expires_ms(expires);
+    for (int s : free_supported) a->add_slots(s);
+    Held h;
+    h.attempt = req.attempt;
+    h.sweep_id = leased->sweep_id;
+    h.slots = free_supported;
+    held_[conn->agent_id][req.trial_id] = std::move(h);
+    ++stats_.assignments;
+    conn->Enqueue(std::move(m));
+    return true;
+  }
+  if (any_match && !any_supported) {
+    ++stats_.unsupported;
+    RecordCoordinatorResult(trial, TrialStatus::kUnsupported, first_reason,
+                            first_slot ? &*first_slot : nullptr);
+    return true;
+  }
+  return false;
+}
+
+// ------------------------------------------------------------------------------ user API
+
+grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& req,
+                                                  v1::SubmitSweepResponse* resp) {
+  const std::string source = req.source().empty() ? "<request>" : req.source().substr(0, 256);
+  if (req.spec_yaml().size() > kMaxSweepSpecBytes)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat(source, ": spec is ", req.spec_yaml().size(),
+                                  " bytes; the limit is ", kMaxSweepSpecBytes));
+  absl::StatusOr<SweepSpec> spec = ParseSweepSpec(req.spec_yaml(), source);
+  if (!spec.ok()) return rpc::ToGrpcStatus(spec.status());
+  absl::StatusOr<std::vector<TrialRecord>> trials =
+      ExpandSweep(*spec, 0, options_.max_trials_per_sweep);
+  if (!trials.ok()) return rpc::ToGrpcStatus(trials.status());
+  absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweepRecord(*spec), *trials);
+  if (!id.ok()) return rpc::ToGrpcStatus(id.status());
+  resp->set_sweep_id(*id);
+  resp->set_trial_count(static_cast<int64_t>(trials->size()));
+  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)"));
+  Wake();
+  return grpc::Status::OK;
+}
+
+void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_counts,
+                                            v1::SweepInfo* out) {
+  out->set_sweep_id(s.id);
+  out->set_name(s.name);
+  out->set_model(s.model);
+  out->set_state(s.state);
+  out->set_created_unix_ms(s.created_unix_ms);
+  out->set_trials_total(s.trials_total);
+  out->set_trials_done(s.trials_done);
+  out->set_priority(s.priority);
+  int64_t running = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [agent, held] : held_)
+      for (const auto& [tid, h] : held)
+        if (h.sweep_id == s.id && !h.foreign && !h.slots.empty()) ++running;
+  }
+  out->set_trials_running(running);
+  if (!with_counts) return;
+  ResultQuery q;
+  q.sweep_id = s.id;
+  q.limit = static_cast<int>(std::clamp<int64_t>(s.trials_total * 2 + 16, 16, 1'000'000));
+  if (auto rows = store_->QueryResults(q); rows.ok()) {
+    auto& counts = *out->mutable_status_counts();
+    for (const StoredResult& r : *rows) ++counts[std::string(TrialStatusName(r.result.status))];
+  }
+}
+
+grpc::Status CoordinatorServer::Impl::GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp) {
+  absl::StatusOr<SweepRecord> s = store_->GetSweep(req.sweep_id());
+  if (!s.ok()) return rpc::ToGrpcStatus(s.status());
+  FillSweepInfo(*s, /*with_counts=*/true, resp);
+  resp->set_spec_yaml(s->spec_yaml);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::ListSweeps(v1::ListSweepsResponse* resp) {
+  absl::StatusOr<std::vector<SweepRecord>> sweeps = store_->ListSweeps();
+  if (!sweeps.ok()) return rpc::ToGrpcStatus(sweeps.status());
+  for (const SweepRecord& s : *sweeps) FillSweepInfo(s, /*with_counts=*/false, resp->add_sweeps());
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::CancelSweep(const v1::CancelSweepRequest& req,
+                                                  v1::CancelSweepResponse* resp) {
+  if (absl::Status s = store_->CancelSweep(req.sweep_id()); !s.ok()) return rpc::ToGrpcStatus(s);
+  int64_t sent = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [agent, held] : held_) {
+    auto c = conns_.find(agent);
+    if (c == conns_.end()) continue;
+    for (const auto& [tid, h] : held) {
+      if (h.sweep_id != req.sweep_id() || h.foreign) continue;
+      v1::CoordinatorMessage m;
+      m.mutable_cancel()->set_trial_id(tid);
+      c->second->Enqueue(std::move(m));
+      ++sent;
+    }
+  }
+  resp->set_trials_cancelled_running(sent);
+  Log(absl::StrCat("sweep ", req.sweep_id(), " cancelled (", sent, " running trial(s) told)"));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::ListAgents(v1::ListAgentsResponse* resp) {
+  absl::StatusOr<std::vector<AgentRecord>> agents = store_->ListAgents();
+  if (!agents.ok()) return rpc::ToGrpcStatus(agents.status());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const AgentRecord& a : *agents) {
+    v1::AgentInfo* info = resp->add_agents();
+    info->set_agent_id(a.agent_id);
+    info->set_host(a.host);
+    info->set_last_seen_unix_ms(a.last_seen_unix_ms);
+    v1::Hello hello;
+    google::protobuf::util::JsonParseOptions opts;
+    opts.ignore_unknown_fields = true;
+    if (google::protobuf::util::JsonStringToMessage(a.inventory_json, &hello, opts).ok()) {
+      *info->mutable_gpus() = hello.gpus();
+      info->set_cpu_only(hello.gpus_size() == 0);
+      info->set_engine_version(hello.engine_version());
+    }
+    auto c = conns_.find(a.agent_id);
+    info->set_connected(c != conns_.end());
+    if (c == conns_.end()) continue;
+    const Conn& conn = *c->second;
+    info->set_slots(static_cast<int32_t>(conn.slots.size()));
+    int free = 0;
+    for (const SlotInfo& s : conn.slots)
+      if (!SlotBusyLocked(a.agent_id, s.index)) ++free;
+    info->set_free_slots(free);
+    info->set_bad_messages(conn.bad_messages.load());
+    if (auto h = held_.find(a.agent_id); h != held_.end())
+      for (const auto& [tid, held] : h->second)
+        if (!held.slots.empty()) info->add_running_trial_ids(tid);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest& req,
+                                                   v1::QueryResultsResponse* resp) {
+  ResultQuery q;
+  if (req.has_sm()) q.sm = req.sm();
+  if (req.has_gpu_name()) q.gpu_name = req.gpu_name();
+  if (req.has_model()) q.model = req.model();
+  if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
+  if (req.has_status()) {
+    std::optional<TrialStatus> st = TrialStatusFromName(req.status());
+    if (!st)
+      return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                       absl::StrCat("unknown status '", req.status(),
+                                    "' (known: OK, INCORRECT, CRASHED, UNSUPPORTED, TIMEOUT, ERROR)"));
+    q.status = *st;
+  }
+  for (const auto& [axis, value] : req.axis_values()) q.axis_values[axis] = value;
+  if (req.has_since_unix_ms()) q.since_unix_ms = req.since_unix_ms();
+  if (req.has_until_unix_ms()) q.until_unix_ms = req.until_unix_ms();
+  if (req.limit() < 0)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("limit must be >= 0, got ", req.limit()));
+  q.limit = req.limit() == 0 ? 1000 : std::min(req.limit(), kMaxQueryRows);
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
+  size_t bytes = 0;
+  for (const StoredResult& r : *rows) {
+    std::string json = ToJson(r.result).dump();
+    bytes += json.size() + r.agent_id.size() + r.gpu_name.size() + 32;
+    if (bytes > kMaxResultPageBytes) {
+      resp->set_truncated(true);
+      break;
+    }
+    v1::ResultRow* row = resp->add_rows();
+    row->set_sweep_id(r.sweep_id);
+    row->set_agent_id(r.agent_id);
+    row->set_gpu_name(r.gpu_name);
+    row->set_sm(r.sm);
+    row->set_result_json(std::move(json));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestResponse* resp) {
+  if (req.model().empty())
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, "best: model is required");
+  const std::string metric = req.metric().empty() ? "output_tok_s" : req.metric();
+  const int batch = req.batch() == 0 ? 1 : req.batch();
+  absl::StatusOr<std::optional<StoredResult>> best =
+      store_->Best(req.model(), req.sm(), metric, batch);
+  if (!best.ok()) return rpc::ToGrpcStatus(best.status());
+  if (!*best) return grpc::Status::OK;
+  const StoredResult& r = **best;
+  resp->set_found(true);
+  v1::ResultRow* row = resp->mutable_row();
+  row->set_sweep_id(r.sweep_id);
+  row->set_agent_id(r.agent_id);
+  row->set_gpu_name(r.gpu_name);
+  row->set_sm(r.sm);
+  row->set_result_json(ToJson(r.result).dump());
+  return grpc::Status::OK;
+}
+
+// ------------------------------------------------------------------------------ facade
+
+CoordinatorServer::CoordinatorServer(CoordinatorOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
+CoordinatorServer::~CoordinatorServer() { Stop(); }
+absl::StatusOr<int> CoordinatorServer::Start(const std::string& address,
+                                             const std::string& db_path) {
+  return impl_->Start(address, db_path);
+}
+void CoordinatorServer::Stop() { impl_->Stop(); }
+void CoordinatorServer::Wait() { impl_->Wait(); }
+Store* CoordinatorServer::store() { return impl_->store(); }
+int CoordinatorServer::metrics_port() { return impl_->metrics_port(); }
+std::string CoordinatorServer::MetricsText() { return impl_->MetricsText(); }
+CoordinatorStats CoordinatorServer::stats() { return impl_->stats(); }
+
+}  // namespace infersweep

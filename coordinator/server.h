@@ -1,0 +1,84 @@
+// The coordinator: a gRPC server (docs/PROTOCOL.md) with two services on one port.
+//
+//  - AgentService.Connect: one bidirectional stream per agent. The coordinator assigns queued
+//    trials to free slots of connected agents, renews leases on heartbeats, and stores results.
+//  - SweepService: the user API (submit, status, cancel, agents, results, best).
+//
+// Durable state is the SQLite Store; what lives only in memory is which agent is connected now,
+// its slots, and which trials it holds (rebuilt from the store and the agents' Hellos after a
+// restart). docs/SERVICE.md describes the operation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "storage/store.h"
+
+namespace infersweep {
+
+struct CoordinatorOptions {
+  // A lease lasts this long without a heartbeat; then the trial goes back to the queue.
+  int64_t lease_ms = 60'000;
+  // How often agents send heartbeats; 0 = lease_ms / 4, clamped to [50 ms, 15 s].
+  int64_t heartbeat_interval_ms = 0;
+  // Scheduler period (it also runs on events: submit, hello, result, disconnect).
+  int64_t tick_ms = 100;
+  // How long a reconnecting agent has to deliver the result of a trial it held but no longer
+  // runs (its spool replays right after Hello) before the trial is recorded as lost;
+  // 0 = 3 heartbeat intervals, at least 1 s.
+  int64_t lost_trial_grace_ms = 0;
+  size_t max_trials_per_sweep = 10000;
+  std::string auth_token;  // when set, every Hello must carry it
+  // Where to serve Prometheus /metrics (coordinator/metrics.h), e.g. "127.0.0.1:9464"; port 0
+  // picks a free one; empty serves none (the metrics are still kept).
+  std::string metrics_listen;
+  // Cardinality cap of the per-config metric families (docs/OBSERVABILITY.md).
+  size_t metrics_max_config_series = 5000;
+  // Log sink; default: stderr lines prefixed "[coordinator]".
+  std::function<void(const std::string&)> log;
+};
+
+struct CoordinatorStats {
+  int64_t agents_connected = 0;
+  int64_t assignments = 0;        // Assignment messages sent
+  int64_t results_stored = 0;     // agent results stored (or already stored: replays)
+  int64_t unsupported = 0;        // UNSUPPORTED results made by preflight
+  int64_t lost = 0;               // trials recorded as lost by a restarted agent
+  int64_t bad_messages = 0;       // rejected agent messages (Error sent)
+  int64_t streams_rejected = 0;   // streams closed for a protocol violation
+};
+
+class CoordinatorServer {
+ public:
+  explicit CoordinatorServer(CoordinatorOptions options = {});
+  ~CoordinatorServer();  // Stop()s
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // Opens the database, binds `address` ("127.0.0.1:0" picks a free port) and starts serving.
+  // Returns the bound port.
+  absl::StatusOr<int> Start(const std::string& address, const std::string& db_path);
+  // Closes every agent stream, stops the scheduler and the server. Idempotent.
+  void Stop();
+  // Blocks until Stop() is called from another thread.
+  void Wait();
+
+  // The store, for tests and in-process tools; valid between Start and destruction.
+  Store* store();
+  // The port /metrics is served on; 0 when options.metrics_listen is empty or before Start.
+  int metrics_port();
+  // The metrics' text exposition (what /metrics serves), for tests and in-process tools.
+  std::string MetricsText();
+  CoordinatorStats stats();
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace infersweep

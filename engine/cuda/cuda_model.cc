@@ -1,0 +1,514 @@
+#include "engine/cuda/cuda_model.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/synthetic.h"
+#include "kernels/cuda/gemm_cublaslt.h"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep {
+namespace {
+
+// CUDA errors other than allocation failures are sticky: the context is lost, so the worker dies
+// loudly (the harness reports CRASHED with this line in the stderr tail).
+#define CUDA_OR_DIE(expr)                                                                      \
+  do {                                                                                         \
+    const cudaError_t _e = (expr);                                                             \
+    if (_e != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "CUDA error %s (%s) at %s:%d: %s\n", cudaGetErrorName(_e),          \
+                   cudaGetErrorString(_e), __FILE__, __LINE__, #expr);                         \
+      std::abort();                                                                            \
+    }                                                                                          \
+  } while (0)
+#define CHECK_LAUNCH() CUDA_OR_DIE(cudaGetLastError())
+
+template <typename T>
+absl::StatusOr<T*> DeviceAlloc(size_t count) {
+  void* p = nullptr;
+  if (count == 0) count = 1;
+  const cudaError_t e = cudaMalloc(&p, count * sizeof(T));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes: ", cudaGetErrorString(e)));
+  }
+  return static_cast<T*>(p);
+}
+
+// The model's weights on the device, shared by every CudaModel of one HostModel.
+struct DeviceWeights {
+  std::vector<void*> buffers;
+  std::vector<HostTensor> tensors;  // device pointers, parallel to the specs
+  ModelWeights weights;
+  // Per MoE layer: device tables of expert weight pointers for the device-indexed kernels.
+  std::vector<const uint16_t**> gate_table, up_table, down_table;
+  double load_seconds = 0;
+
+  ~DeviceWeights() {
+    for (void* b : buffers) cudaFree(b);
+    for (auto* t : gate_table) cudaFree(t);
+    for (auto* t : up_table) cudaFree(t);
+    for (auto* t : down_table) cudaFree(t);
+  }
+};
+
+absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
+  if (host.device_weights) return std::static_pointer_cast<DeviceWeights>(host.device_weights);
+  const auto start = std::chrono::steady_clock::now();
+  auto dw = std::make_shared<DeviceWeights>();
+  dw->tensors = host.tensors;
+  for (size_t i = 0; i < host.specs.size(); ++i) {
+    const TensorSpec& spec = host.specs[i];
+    const HostTensor& t = host.tensors[i];
+    const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(t.dtype);
+    auto buffer = DeviceAlloc<uint8_t>(bytes);
+    if (!buffer.ok()) return buffer.status();
+    dw->buffers.push_back(*buffer);
+    dw->tensors[i].data = *buffer;
+    if (host.is_synthetic) {  // generated in place: bit-identical to the CPU generator
+      TensorSpec source = spec;
+      const bool tied = host.config.tie_word_embeddings && spec.name == "lm_head.weight";
+      if (tied) source.kind = WeightKind::kEmbedding;
+      const SyntheticInit init = SyntheticInitFor(source);
+      const uint64_t key = SyntheticStream(
+          host.seed, HashTensorName(SyntheticSourceName(spec, host.config.tie_word_embeddings)));
+      cuda::GenerateSyntheticBf16(key, init.scale, init.offset, spec.numel(),
+                                  reinterpret_cast<uint16_t*>(*buffer), nullptr);
+      CHECK_LAUNCH();
+    } else {
+      CUDA_OR_DIE(cudaMemcpy(*buffer, t.data, bytes, cudaMemcpyHostToDevice));
+    }
+  }
+  auto bound = BindWeights(host.config, host.specs, dw->tensors);
+  if (!bound.ok()) return bound.status();
+  dw->weights = std::move(*bound);
+  for (const LayerWeights& layer : dw->weights.layers) {
+    std::vector<const uint16_t*> gate, up, down;
+    for (const ExpertWeights& e : layer.experts) {
+      gate.push_back(static_cast<const uint16_t*>(e.gate.data));
+      up.push_back(static_cast<const uint16_t*>(e.up.data));
+      down.push_back(static_cast<const uint16_t*>(e.down.data));
+    }
+    for (auto [list, table] : {std::pair{&gate, &dw->gate_table}, std::pair{&up, &dw->up_table},
+                               std::pair{&down, &dw->down_table}}) {
+      auto d = DeviceAlloc<const uint16_t*>(list->size());
+      if (!d.ok()) return d.status();
+      CUDA_OR_DIE(cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
+      table->push_back(*d);
+    }
+  }
+  CUDA_OR_DIE(cudaDeviceSynchronize());
+  dw->load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  host.device_weights = dw;
+  return dw;
+}
+
+class CudaModel final : public Model {
+ public:
+  CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
+            CudaModelOptions options, std::unique_ptr<cuda::CublasLtGemm> gemm)
+      : config_(config), dw_(std::move(weights)), w_(dw_->weights), options_(options),
+        gemm_(std::move(gemm)) {
+    CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+
+  ~CudaModel() override {
+    for (auto& [batch, exec] : graphs_) cudaGraphExecDestroy(exec);
+    FreeScratch();
+    if (k_cache_) cudaFree(k_cache_);
+    if (v_cache_) cudaFree(v_cache_);
+    cudaStreamDestroy(stream_);
+  }
+
+  const ModelConfig& config() const override { return config_; }
+  std::string device() const override { return "cuda:0"; }
+  int position() const override { return position_; }
+  double graph_capture_seconds() const override { return capture_seconds_; }
+
+  absl::Status StartBatch(int batch, int max_tokens) override {
+    if (batch <= 0 || max_tokens <= 0)
+      return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
+    if (batch != batch_ || max_tokens != capacity_) {
+      for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);
+      graphs_.clear();
+      if (k_cache_) cudaFree(k_cache_);
+      if (v_cache_) cudaFree(v_cache_);
+      k_cache_ = v_cache_ = nullptr;
+      const size_t elems = static_cast<size_t>(config_.num_layers) * batch * max_tokens * config_.kv_dim();
+      auto k = DeviceAlloc<float>(elems);
+      if (!k.ok()) return k.status();
+      k_cache_ = *k;
+      auto v = DeviceAlloc<float>(elems);
+      if (!v.ok()) return v.status();
+      v_cache_ = *v;
+    }
+    batch_ = batch;
+    capacity_ = max_tokens;
+    position_ = 0;
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
+      return s;
+    MaybeCommitProcessFault(options_.fault);
+    const int rows = batch_ * n;
+    const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
+    if (auto s = EnsureScratch(rows, out_rows); !s.ok()) return s;
+    // Inputs go through pinned staging buffers so a captured graph can replay the copies.
+    std::copy(tokens.begin(), tokens.end(), h_tokens_);
+    *h_position_ = position_;
+    for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
+
+    const bool use_graph = options_.graphs && n == 1 && mode == LogitsMode::kLast;
+    if (use_graph) {
+      auto it = graphs_.find(batch_);
+      if (it == graphs_.end()) {
+        const auto start = std::chrono::steady_clock::now();
+        cudaGraph_t graph;
+        CUDA_OR_DIE(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        if (auto s = EnqueueStep(rows, n, mode); !s.ok()) {
+          cudaStreamEndCapture(stream_, &graph);
+          return s;
+        }
+        CUDA_OR_DIE(cudaStreamEndCapture(stream_, &graph));
+        cudaGraphExec_t exec;
+        CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
+        cudaGraphDestroy(graph);
+        it = graphs_.emplace(batch_, exec).first;
+        capture_seconds_ +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+      CUDA_OR_DIE(cudaGraphLaunch(it->second, stream_));
+    } else if (auto s = EnqueueStep(rows, n, mode); !s.ok()) {
+      return s;
+    }
+    CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+    logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
+    position_ += n;
+    return absl::OkStatus();
+  }
+
+ private:
+  // y = x . W^T (+ bias) through the configured GEMM. `x_bf16` is x already rounded to bf16
+  // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
+  absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
+                    const MatrixRef& bias, float* y) {
+    if (gemm_) {
+      if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
+      if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+    } else {
+      cuda::GemmReference(x, rows, w, bias, y, stream_);
+    }
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+  const uint16_t* PrepareInput(const float* x, int64_t count) {
+    if (!gemm_) return nullptr;
+    cuda::ToBf16(x, count, bf16_, stream_);
+    CHECK_LAUNCH();
+    return bf16_;
+  }
+
+  // One forward pass: embeddings, every layer, final norm, lm_head, logits to pinned memory.
+  absl::Status EnqueueStep(int rows, int n, LogitsMode mode) {
+    const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
+    const float eps = config_.rms_norm_eps;
+    CUDA_OR_DIE(cudaMemcpyAsync(d_tokens_, h_tokens_, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_OR_DIE(cudaMemcpyAsync(d_position_, h_position_, sizeof(int), cudaMemcpyHostToDevice, stream_));
+    cuda::EmbeddingGather(d_tokens_, rows, w_.embed, x_, stream_);
+    CHECK_LAUNCH();
+    const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
+    for (int l = 0; l < config_.num_layers; ++l) {
+      const LayerWeights& lw = w_.layers[l];
+      cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
+      const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+      if (auto s = Gemm(xn_, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
+      if (auto s = Gemm(xn_, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
+      if (auto s = Gemm(xn_, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
+      if (config_.qk_norm) {
+        cuda::RmsNorm(q_, rows * config_.num_q_heads, config_.head_dim, lw.q_norm, eps, q_, stream_);
+        cuda::RmsNorm(k_, rows * config_.num_kv_heads, config_.head_dim, lw.k_norm, eps, k_, stream_);
+      }
+      float* kc = k_cache_ + l * layer_kv;
+      float* vc = v_cache_ + l * layer_kv;
+      cuda::RopeAndAppendKv(q_, k_, v_, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                            config_.head_dim, config_.rope_theta, d_position_, capacity_, kc, vc,
+                            stream_);
+      if (options_.attention_flash) {
+        cuda::AttentionFlash(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                             config_.head_dim, d_position_, capacity_,
+                             cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
+                             attn_, stream_);
+      } else {
+        cuda::AttentionNaive(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                             config_.head_dim, d_position_, capacity_, scores_, attn_, stream_);
+      }
+      CHECK_LAUNCH();
+      const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
+      if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
+      const bool bad_scale = options_.fault.kind == FaultInjection::Kind::kBadScale && l == 0;
+      cuda::AddScaled(x_, o_, bad_scale ? static_cast<float>(options_.fault.value) : 1.f,
+                      static_cast<int64_t>(rows) * hidden, stream_);
+
+      cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, eps, xn_, stream_);
+      CHECK_LAUNCH();
+      if (config_.IsMoeLayer(l)) {
+        if (auto s = Moe(l, rows, n); !s.ok()) return s;
+      } else {
+        const uint16_t* mb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+        if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
+      }
+      cuda::AddScaled(x_, y_, 1.f, static_cast<int64_t>(rows) * hidden, stream_);
+      if (options_.fault.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(options_.fault.value))
+        cuda::SetNan(x_, stream_);
+      CHECK_LAUNCH();
+    }
+    const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
+    const float* final_in = x_;
+    if (mode == LogitsMode::kLast) {
+      CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_, h_last_rows_, batch_ * sizeof(int), cudaMemcpyHostToDevice, stream_));
+      cuda::GatherRows(x_, d_last_rows_, batch_, hidden, o_, stream_);
+      final_in = o_;
+    }
+    cuda::RmsNorm(final_in, out_rows, hidden, w_.final_norm, eps, xn_, stream_);
+    const uint16_t* fb = PrepareInput(xn_, static_cast<int64_t>(out_rows) * hidden);
+    if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
+    if (options_.fault.kind == FaultInjection::Kind::kStuckToken)
+      cuda::ForceToken(logits_, out_rows, config_.vocab_size,
+                       static_cast<int>(options_.fault.value) % config_.vocab_size, stream_);
+    CHECK_LAUNCH();
+    CUDA_OR_DIE(cudaMemcpyAsync(h_logits_, logits_,
+                                static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+
+  // y = down(silu(gate(x)) * up(x)) over `rows` rows of x.
+  absl::Status Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16, int rows,
+                   float* y) {
+    const int inter = static_cast<int>(e.gate.rows);
+    if (auto s = Gemm(in, in_bf16, rows, e.gate, {}, gate_); !s.ok()) return s;
+    if (auto s = Gemm(in, in_bf16, rows, e.up, {}, up_); !s.ok()) return s;
+    cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
+    const uint16_t* hb = PrepareInput(gate_, static_cast<int64_t>(rows) * inter);
+    return Gemm(gate_, hb, rows, e.down, {}, y);
+  }
+
+  // Decode steps (n == 1) use the device-indexed kernels when moe=fused (capturable, no host
+  // sync); prefill chunks group rows by expert so each expert's weights are read once, not once
+  // per token (a 32k-row prefill would otherwise re-read 2.4 TB per layer).
+  absl::Status Moe(int l, int rows, int n) {
+    const LayerWeights& lw = w_.layers[l];
+    const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
+    const int inter = config_.moe_intermediate_size;
+    const int skip = options_.fault.kind == FaultInjection::Kind::kZeroExpert
+                         ? static_cast<int>(options_.fault.value)
+                         : -1;
+    // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
+    // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
+    cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
+    cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
+                     expert_weights_, stream_);
+    CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(rows) * hidden * sizeof(float), stream_));
+    if (options_.moe_fused && n == 1) {
+      cuda::MoeGateUp(xn_, rows, k, expert_ids_, dw_->gate_table[l], dw_->up_table[l], hidden,
+                      inter, moe_h_, stream_);
+      cuda::MoeDown(moe_h_, rows * k, expert_ids_, k, dw_->down_table[l], hidden, inter,
+                    moe_out_, stream_);
+      cuda::MoeCombine(moe_out_, expert_weights_, expert_ids_, skip, rows, k, hidden, y_, stream_);
+      CHECK_LAUNCH();
+    } else {
+      // The loop: read the routing on the host, then one gather + MLP + scatter per expert.
+      std::vector<int> ids(static_cast<size_t>(rows) * k);
+      std::vector<float> weights(ids.size());
+      CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_, ids.size() * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+      CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_, ids.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+      std::vector<int> index;
+      std::vector<float> index_weight;
+      std::vector<std::pair<int, int>> spans(config_.num_experts, {0, 0});
+      for (int e = 0; e < config_.num_experts; ++e) {
+        spans[e].first = static_cast<int>(index.size());
+        for (size_t p = 0; p < ids.size(); ++p)
+          if (ids[p] == e && e != skip) {
+            index.push_back(static_cast<int>(p / k));
+            index_weight.push_back(weights[p]);
+          }
+        spans[e].second = static_cast<int>(index.size()) - spans[e].first;
+      }
+      CUDA_OR_DIE(cudaMemcpyAsync(route_index_, index.data(), index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
+      CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, index_weight.data(), index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      for (int e = 0; e < config_.num_experts; ++e) {
+        const auto [first, count] = spans[e];
+        if (count == 0) continue;
+        cuda::GatherRows(xn_, route_index_ + first, count, hidden, moe_in_, stream_);
+        const uint16_t* gb = PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
+        if (auto s = Mlp(lw.experts[e], moe_in_, gb, count, moe_out_); !s.ok()) return s;
+        cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
+                             y_, stream_);
+        CHECK_LAUNCH();
+      }
+      // The host vectors must outlive the async copies above.
+      CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+    }
+    if (!lw.shared_expert.gate.empty()) {
+      const uint16_t* sb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+      if (auto s = Mlp(lw.shared_expert, xn_, sb, rows, o_); !s.ok()) return s;
+      // Mlp reused the bf16 staging buffer: convert the input again for the gate.
+      sb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+      if (auto s = Gemm(xn_, sb, rows, lw.shared_expert_gate, {}, router_); !s.ok()) return s;
+      cuda::AddSigmoidGated(y_, o_, router_, rows, hidden, stream_);
+      CHECK_LAUNCH();
+    }
+    return absl::OkStatus();
+  }
+
+  // Activation buffers sized for `rows` rows; grown (never shrunk) on demand.
+  // Logits buffers are sized by the rows whose logits are returned (prefill of 64 x 512 tokens
+  // returns 64 rows, not 32768).
+  absl::Status EnsureScratch(int rows, int out_rows) {
+    if (rows <= scratch_rows_ && out_rows <= logit_rows_ && capacity_ <= scratch_capacity_)
+      return absl::OkStatus();
+    rows = std::max(rows, scratch_rows_);
+    out_rows = std::max(out_rows, logit_rows_);
+    for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);  // they point at old buffers
+    graphs_.clear();
+    FreeScratch();
+    const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
+    const size_t inter = std::max({config_.intermediate_size, config_.moe_intermediate_size,
+                                   config_.shared_expert_intermediate_size, 1});
+    const size_t moe_inter = std::max(config_.moe_intermediate_size, 1);
+    const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter});
+    struct Want {
+      float** ptr;
+      size_t count;
+    };
+    const Want wants[] = {
+        {&x_, r * hidden}, {&xn_, r * hidden}, {&q_, r * config_.q_dim()}, {&k_, r * config_.kv_dim()},
+        {&v_, r * config_.kv_dim()}, {&attn_, r * config_.q_dim()}, {&o_, r * hidden},
+        {&y_, r * hidden}, {&gate_, r * inter}, {&up_, r * inter},
+        {&router_, r * std::max(config_.num_experts, 1)}, {&expert_weights_, r * k},
+        {&moe_h_, r * k * moe_inter}, {&moe_out_, r * k * hidden}, {&moe_in_, r * k * hidden},
+        {&route_weight_, r * k},
+        // naive: materialised scores; flash: the splits' partial softmaxes
+        {&scores_, options_.attention_flash
+                       ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
+                                                                      config_.num_kv_heads,
+                                                                      config_.head_dim))
+                       : r * config_.num_q_heads * static_cast<size_t>(capacity_)},
+        {&logits_, static_cast<size_t>(out_rows) * config_.vocab_size}};
+    for (const Want& want : wants) {
+      auto p = DeviceAlloc<float>(want.count);
+      if (!p.ok()) return p.status();
+      *want.ptr = *p;
+    }
+    auto ids = DeviceAlloc<int>(r * k);
+    auto index = DeviceAlloc<int>(r * k);
+    auto tokens = DeviceAlloc<int32_t>(r);
+    auto last = DeviceAlloc<int>(r);
+    auto pos = DeviceAlloc<int>(1);
+    auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
+    for (const auto* s : {&ids.status(), &index.status(), &tokens.status(), &last.status(), &pos.status(), &bf16.status()})
+      if (!s->ok()) return *s;
+    expert_ids_ = *ids;
+    route_index_ = *index;
+    d_tokens_ = *tokens;
+    d_last_rows_ = *last;
+    d_position_ = *pos;
+    bf16_ = *bf16;
+    CUDA_OR_DIE(cudaMallocHost(&h_tokens_, r * sizeof(int32_t)));
+    CUDA_OR_DIE(cudaMallocHost(&h_last_rows_, r * sizeof(int)));
+    CUDA_OR_DIE(cudaMallocHost(&h_position_, sizeof(int)));
+    CUDA_OR_DIE(cudaMallocHost(&h_logits_, static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float)));
+    scratch_rows_ = rows;
+    logit_rows_ = out_rows;
+    scratch_capacity_ = capacity_;
+    return absl::OkStatus();
+  }
+
+  void FreeScratch() {
+    for (float* p : {x_, xn_, q_, k_, v_, attn_, o_, y_, gate_, up_, router_, expert_weights_, moe_h_,
+                     moe_out_, moe_in_, route_weight_, scores_, logits_})
+      if (p) cudaFree(p);
+    for (int* p : {expert_ids_, route_index_, d_tokens_, d_last_rows_, d_position_})
+      if (p) cudaFree(p);
+    if (bf16_) cudaFree(bf16_);
+    for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
+                    static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
+      if (p) cudaFreeHost(p);
+    x_ = xn_ = q_ = k_ = v_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
+        moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
+    expert_ids_ = route_index_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
+    bf16_ = nullptr;
+    h_tokens_ = nullptr;
+    h_last_rows_ = h_position_ = nullptr;
+    h_logits_ = nullptr;
+    scratch_rows_ = 0;
+    logit_rows_ = 0;
+  }
+
+  const ModelConfig config_;
+  std::shared_ptr<DeviceWeights> dw_;
+  const ModelWeights& w_;
+  CudaModelOptions options_;
+  std::unique_ptr<cuda::CublasLtGemm> gemm_;
+  cudaStream_t stream_ = nullptr;
+  int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
+      logit_rows_ = 0;
+  float *k_cache_ = nullptr, *v_cache_ = nullptr;
+  float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *attn_ = nullptr,
+        *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
+        *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
+        *route_weight_ = nullptr, *scores_ = nullptr, *logits_ = nullptr;
+  int *expert_ids_ = nullptr, *route_index_ = nullptr, *d_tokens_ = nullptr,
+      *d_last_rows_ = nullptr, *d_position_ = nullptr;
+  uint16_t* bf16_ = nullptr;
+  int32_t* h_tokens_ = nullptr;
+  int *h_last_rows_ = nullptr, *h_position_ = nullptr;
+  float* h_logits_ = nullptr;
+  std::map<int, cudaGraphExec_t> graphs_;
+  double capture_seconds_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
+                                                     const CudaModelOptions& options) {
+  if (options.attention_flash &&
+      !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
+    return absl::UnimplementedError("attention=flash supports head_dim <= 128 and <= 16 q heads per kv head");
+  if (options.graphs && !options.moe_fused && host.config.is_moe())
+    return absl::InvalidArgumentError("graphs=on needs a MoE runner without host syncs (moe=fused)");
+  auto weights = UploadWeights(host);
+  if (!weights.ok()) return weights.status();
+  std::unique_ptr<cuda::CublasLtGemm> gemm;
+  if (options.gemm_cublaslt) {
+    auto made = cuda::CublasLtGemm::Create();
+    if (!made.ok()) return made.status();
+    gemm = std::move(*made);
+  }
+  return std::unique_ptr<Model>(
+      new CudaModel(host.config, std::move(*weights), options, std::move(gemm)));
+}
+
+absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {
+  auto weights = UploadWeights(host);
+  if (!weights.ok()) return weights.status();
+  if (index >= host.specs.size()) return absl::OutOfRangeError("tensor index");
+  const HostTensor& t = (*weights)->tensors[index];
+  std::vector<uint8_t> bytes(static_cast<size_t>(host.specs[index].numel()) * DTypeSize(t.dtype));
+  CUDA_OR_DIE(cudaMemcpy(bytes.data(), t.data, bytes.size(), cudaMemcpyDeviceToHost));
+  return bytes;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,31 @@
+// The engine on one NVIDIA GPU: weights resident on the device (synthetic ones generated there),
+// an fp32 KV cache, and per-axis choices of GEMM, MoE runner and CUDA graphs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/fault_injection.h"
+#include "engine/model.h"
+#include "engine/weights.h"
+
+namespace infersweep {
+
+struct CudaModelOptions {
+  bool gemm_cublaslt = false;  // else the reference GEMM
+  bool attention_flash = false;  // else the naive (materialised scores) kernel
+  bool moe_fused = false;      // else the per-expert loop with a host sync
+  bool graphs = false;         // capture the decode step (needs moe_fused)
+  FaultInjection fault;        // TEST ONLY
+};
+
+// Uploads (or generates) `host`'s weights once per HostModel; every model built on the same host
+// model shares them. `host` must outlive the model.
+absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaModelOptions& options);
+
+// Tests: the raw bytes of tensor `index` (spec order) as resident on the device.
+absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index);
+
+}  // namespace infersweep

@@ -1,0 +1,102 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep::cuda {
+namespace {
+
+__global__ void EmbeddingKernel(const int32_t* tokens, const void* table, DType dtype, int hidden,
+                                float* out) {
+  const int64_t base = static_cast<int64_t>(tokens[blockIdx.x]) * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[static_cast<int64_t>(blockIdx.x) * hidden + i] = LoadAsFloat(table, dtype, base + i);
+}
+
+__global__ void RmsNormKernel(const float* x, int n, const void* gain, DType gain_dtype, float eps,
+                              float* out) {
+  __shared__ float scratch[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) sum_sq += xr[i] * xr[i];
+  sum_sq = BlockSum(sum_sq, scratch);
+  const float inv = rsqrtf(sum_sq / n + eps);
+  float* o = out + static_cast<int64_t>(blockIdx.x) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * inv * LoadAsFloat(gain, gain_dtype, i);
+}
+
+__global__ void AddScaledKernel(float* x, const float* y, float scale, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] += scale * y[i];
+}
+
+__global__ void AddBiasKernel(float* y, int64_t total, int n, const void* bias, DType dtype) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] += LoadAsFloat(bias, dtype, i % n);
+}
+
+__global__ void SiluMulKernel(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = gate[i];
+    out[i] = g / (1.f + expf(-g)) * up[i];
+  }
+}
+
+__global__ void ToBf16Kernel(const float* x, int64_t n, __nv_bfloat16* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void SetNanKernel(float* x) { x[0] = __int_as_float(0x7fc00000); }
+
+__global__ void ForceTokenKernel(float* logits, int vocab, int stuck) {
+  __shared__ float scratch[32];
+  float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, row[i]);
+  m = BlockMax(m, scratch);
+  if (threadIdx.x == 0) row[stuck] = m + 1.f;
+}
+
+int GridFor(int64_t n) { return static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 132 * 16)); }
+
+}  // namespace
+
+void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, float* out,
+                     cudaStream_t stream) {
+  EmbeddingKernel<<<rows, 256, 0, stream>>>(tokens, table.data, table.dtype,
+                                            static_cast<int>(table.cols), out);
+}
+
+void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
+             cudaStream_t stream) {
+  RmsNormKernel<<<rows, n >= 1024 ? 512 : 128, 0, stream>>>(x, n, gain.data, gain.dtype, eps, out);
+}
+
+void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream) {
+  AddScaledKernel<<<GridFor(n), 256, 0, stream>>>(x, y, scale, n);
+}
+
+void AddBias(float* y, int rows, const MatrixRef& bias, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(rows) * bias.cols;
+  AddBiasKernel<<<GridFor(total), 256, 0, stream>>>(y, total, static_cast<int>(bias.cols),
+                                                    bias.data, bias.dtype);
+}
+
+void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStream_t stream) {
+  SiluMulKernel<<<GridFor(n), 256, 0, stream>>>(gate, up, n, out);
+}
+
+void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream) {
+  ToBf16Kernel<<<GridFor(n), 256, 0, stream>>>(x, n, reinterpret_cast<__nv_bfloat16*>(out));
+}
+
+void SetNan(float* x, cudaStream_t stream) { SetNanKernel<<<1, 1, 0, stream>>>(x); }
+
+void ForceToken(float* logits, int rows, int vocab, int stuck, cudaStream_t stream) {
+  ForceTokenKernel<<<rows, 256, 0, stream>>>(logits, vocab, stuck);
+}
+
+}  // namespace infersweep::cuda

@@ -1,0 +1,100 @@
+// CUDA launchers. Plain functions with explicit shapes; all asynchronous on `stream`; callers
+// check cudaGetLastError. Activations are fp32 row-major; weights are typed views (MatrixRef,
+// device pointers). Napkin math is for an H200 (4.46 TB/s read, measured).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "engine/tensor_ref.h"
+
+namespace infersweep::cuda {
+
+// ---- synthetic weights (engine/synthetic.h): bit-identical to the CPU generator.
+// Writes n bf16 values of a tensor, elements [0, n). 2 bytes/element: 61 GB (qwen3-30b-a3b) in
+// ~20 ms of write bandwidth; the hash makes it ~2x that.
+void GenerateSyntheticBf16(uint64_t stream_key, float scale, float offset, int64_t n, uint16_t* out,
+                           cudaStream_t stream);
+
+// ---- elementwise
+// out[r, :] = table[tokens[r], :] upcast. rows x hidden.
+void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, float* out,
+                     cudaStream_t stream);
+// RMSNorm over rows of n; in place allowed. One block per row.
+void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
+             cudaStream_t stream);
+// x += scale * y (n elements).
+void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream);
+// y[r, n] += bias[n].
+void AddBias(float* y, int rows, const MatrixRef& bias, cudaStream_t stream);
+// out = silu(gate) * up.
+void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStream_t stream);
+// fp32 -> bf16.
+void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream);
+
+// ---- attention
+// RoPE (HF rotate_half) on q [rows, q_heads*d] and k [rows, kv_heads*d] in place, then appends k
+// and v rows to the caches [batch, capacity, kv_dim] at position *position + (row % n).
+void RopeAndAppendKv(float* q, float* k, const float* v, int rows, int n, int q_heads, int kv_heads,
+                     int head_dim, double theta, const int* position, int capacity, float* k_cache,
+                     float* v_cache, cudaStream_t stream);
+// Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`.
+// One block per (row, head): reads position+1 keys and values of kv_dim floats.
+void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
+                    int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
+                    float* scores, float* out, cudaStream_t stream);
+
+// Flash attention (attention_flash.cu): same function as AttentionNaive, tiled online softmax,
+// K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks and merged.
+// `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
+constexpr int kMaxFlashSplits = 64;
+constexpr int kFlashBlockTarget = 264;  // 2 waves of 132 SMs
+// Floats `partial` needs for `rows` rows (any split count FlashSplits picks).
+inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
+  return (static_cast<int64_t>(rows) + kFlashBlockTarget / kv_heads + 1) * q_heads * (head_dim + 2);
+}
+int FlashSplits(int rows, int kv_heads, int capacity);
+bool FlashSupports(int q_heads, int kv_heads, int head_dim);
+void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
+                    int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
+                    int splits, float* partial, float* out, cudaStream_t stream);
+
+// ---- GEMM: y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 accumulate.
+// Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read
+// from L1/L2. Simple on purpose: it is the GPU link of the trust chain, not a fast path.
+void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
+                   cudaStream_t stream);
+
+// ---- MoE
+// Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
+// One warp per row; E <= 1024.
+void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
+                int* expert_ids, float* expert_weights, cudaStream_t stream);
+// Device-indexed expert MLP for pairs p = (row, slot): h[p] = silu(Wg[e]·x) * (Wu[e]·x),
+// e = expert_ids[p]; weights bf16, [inter, hidden] each, addressed through pointer tables.
+// Batch-1 decode of qwen3-30b-a3b: 8 pairs x 2 x 768 x 2048 x 2 B = 50 MB/layer -> ~11 us.
+void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
+               const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream);
+// out_pair[p] = Wd[e]·h[p], Wd [hidden, inter] bf16. 25 MB/layer at batch 1 -> ~6 us.
+void MoeDown(const float* h, int pairs, const int* expert_ids, int k, const uint16_t* const* down,
+             int hidden, int inter, float* out_pair, cudaStream_t stream);
+// y[r] += sum_slot w[r, slot] * out_pair[r*k + slot] (fixed order: deterministic). Pairs whose
+// expert is `skip_expert` are left out (TEST ONLY zero-expert fault; -1 in production).
+void MoeCombine(const float* out_pair, const float* weights, const int* expert_ids, int skip_expert,
+                int rows, int k, int hidden, float* y, cudaStream_t stream);
+// y[r] += sigmoid(gate_logit[r]) * shared[r]  (qwen2_moe shared expert).
+void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,
+                     cudaStream_t stream);
+// Gather rows: out[i] = x[rows_index[i]];  scatter-add: y[rows_index[i]] += w[i] * src[i].
+void GatherRows(const float* x, const int* index, int count, int hidden, float* out,
+                cudaStream_t stream);
+void ScatterAddRows(const float* src, const int* index, const float* weights, int count, int hidden,
+                    float* y, cudaStream_t stream);
+
+// ---- TEST ONLY fault helpers
+void SetNan(float* x, cudaStream_t stream);
+// row[stuck] = max(row) + 1 for every row of `vocab`.
+void ForceToken(float* logits, int rows, int vocab, int stuck, cudaStream_t stream);
+
+}  // namespace infersweep::cuda

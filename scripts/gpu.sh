@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, in one device call: GPU tests, then the benchmarks, then the peer.
+#   here:   bash scripts/gpu_bundle.sh
+#   device: bash scripts/gpu.sh        (carry .carry; results and logs land in $OUT)
+# STAGES (default "test bench peer fixtures") picks what runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export INFERSWEEP_SOURCE_DIR="$PWD" INFERSWEEP_BINARY="$PWD/.carry/infersweep"
+B=.carry/infersweep
+STAGES=${STAGES:-"test bench peer fixtures"}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+
+for stage in $STAGES; do
+  case $stage in
+  test)
+    .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error' ;;
+  bench)
+    # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
+    # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=reference|cublaslt,attention=naive|flash,moe=loop|fused,graphs=off|on' \
+      --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_decode_b1.json" 2>&1 | tee "$OUT/bench_decode_b1.log"
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=off|on' \
+      --workload prompt=512,output=64,batch=64,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_decode_b64.json" 2>&1 | tee "$OUT/bench_decode_b64.log"
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
+      --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
+  best)  # the fastest config only: batch 1, batch 64, prefill 2048
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
+      --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
+      --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_best_prefill.json" 2>&1 | tee "$OUT/bench_best_prefill.log" ;;
+  peer)
+    timeout 420 python3 scripts/hf_peer_bench.py 2>&1 ;;
+  fixtures)
+    python3 scripts/gen_hf_fixtures.py --out "$OUT/hf" 2>&1 | grep -v "it/s" &&
+      tar czf "$OUT/hf.tgz" -C "$OUT" hf && rm -rf "$OUT/hf" ;;
+  esac
+done

@@ -1,0 +1,193 @@
+#include "storage/schema.h"
+
+#include <sqlite3.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace infersweep {
+
+// Columns every query returning a StoredResult selects, in this order.
+// (Kept in sync with kResultCols in store.cc.)
+namespace {
+constexpr char kResultCols[] = "sweep_id, agent_id, gpu_name, sm, result_json, result_id";
+}  // namespace
+
+const std::vector<Migration>& Migrations() {
+  static const std::vector<Migration> migrations = {
+      {"sweeps, trials, results, result_axes, agents",
+       R"sql(
+CREATE TABLE sweeps (
+  sweep_id      INTEGER PRIMARY KEY AUTOINCREMENT,
+  name          TEXT    NOT NULL,
+  spec_yaml     TEXT    NOT NULL,
+  model         TEXT    NOT NULL,
+  priority      INTEGER NOT NULL DEFAULT 0,
+  state         TEXT    NOT NULL DEFAULT 'active'
+                CHECK (state IN ('active', 'done', 'cancelled')),
+  created_ms    INTEGER NOT NULL,
+  trials_total  INTEGER NOT NULL DEFAULT 0,
+  trials_done   INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE trials (
+  trial_id          TEXT    PRIMARY KEY,
+  sweep_id          INTEGER NOT NULL REFERENCES sweeps(sweep_id),
+  model             TEXT    NOT NULL,
+  layers            INTEGER NOT NULL,
+  seed              INTEGER NOT NULL,      -- uint64 stored as its int64 bit pattern
+  config_json       TEXT    NOT NULL,      -- {"axis": "value", ...}
+  config_string     TEXT    NOT NULL,      -- canonical "a=b,c=d"
+  workload_json     TEXT    NOT NULL,
+  selector_json     TEXT    NOT NULL,
+  priority          INTEGER NOT NULL,
+  state             TEXT    NOT NULL
+                    CHECK (state IN ('queued', 'leased', 'done', 'cancelled')),
+  attempt           INTEGER NOT NULL DEFAULT 0,
+  leased_to         TEXT,                  -- agent id; NULL when never leased or requeued
+  lease_expires_ms  INTEGER,
+  created_ms        INTEGER NOT NULL
+);
+CREATE INDEX trials_queue ON trials(state, priority DESC, created_ms);
+CREATE INDEX trials_sweep ON trials(sweep_id);
+CREATE INDEX trials_leases ON trials(leased_to) WHERE state = 'leased';
+
+CREATE TABLE results (
+  result_id             INTEGER PRIMARY KEY,
+  trial_id              TEXT    NOT NULL REFERENCES trials(trial_id),
+  attempt               INTEGER NOT NULL,
+  sweep_id              INTEGER NOT NULL REFERENCES sweeps(sweep_id),
+  agent_id              TEXT    NOT NULL,  -- '' for results made by the coordinator
+  gpu_name              TEXT    NOT NULL,
+  sm                    INTEGER NOT NULL,
+  model                 TEXT    NOT NULL,
+  status                TEXT    NOT NULL,  -- TrialStatusName: OK, INCORRECT, ...
+  config_string         TEXT    NOT NULL,
+  result_json           TEXT    NOT NULL,  -- ToJson(TrialResult)
+  output_tok_s          REAL,              -- batch 1, median over repeats; NULL if not measured
+  output_tok_s_max_batch REAL,             -- at the largest batch of the workload
+  max_batch             INTEGER,
+  ttft_ms_p50           REAL,              -- batch 1, median
+  tpot_ms               REAL,              -- batch 1, median
+  finished_ms           INTEGER NOT NULL,
+  UNIQUE (trial_id, attempt)
+);
+-- (sm, model, status) filters; finished_ms last so the newest-first order needs no sort.
+CREATE INDEX results_sm_model_status ON results(sm, model, status, finished_ms);
+CREATE INDEX results_finished ON results(finished_ms);
+CREATE INDEX results_sm_finished ON results(sm, finished_ms);  -- newest results of one GPU arch
+CREATE INDEX results_best ON results(model, sm, status, output_tok_s);
+CREATE INDEX results_sweep ON results(sweep_id);
+
+CREATE TABLE result_axes (
+  result_id  INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
+  axis       TEXT    NOT NULL,
+  value      TEXT    NOT NULL,
+  PRIMARY KEY (result_id, axis)
+) WITHOUT ROWID;
+CREATE INDEX result_axes_lookup ON result_axes(axis, value, result_id);
+
+CREATE TABLE agents (
+  agent_id        TEXT    PRIMARY KEY,
+  host            TEXT    NOT NULL,
+  inventory_json  TEXT    NOT NULL,
+  last_seen_ms    INTEGER NOT NULL,
+  connected       INTEGER NOT NULL DEFAULT 0
+);
+)sql"},
+  };
+  return migrations;
+}
+
+absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation) {
+  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  const std::string detail = absl::StrCat(operation, ": ", msg, " (sqlite code ", rc, ")");
+  switch (rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      return absl::UnavailableError(absl::StrCat("database is busy (another connection holds a "
+                                                 "lock; retry later) during ", detail));
+    case SQLITE_FULL:
+      return absl::ResourceExhaustedError(absl::StrCat("disk full during ", detail));
+    case SQLITE_NOMEM:
+      return absl::ResourceExhaustedError(absl::StrCat("out of memory during ", detail));
+    case SQLITE_CONSTRAINT:
+      if (rc == SQLITE_CONSTRAINT_UNIQUE || rc == SQLITE_CONSTRAINT_PRIMARYKEY)
+        return absl::AlreadyExistsError(detail);
+      return absl::FailedPreconditionError(detail);
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+      return absl::DataLossError(detail);
+    case SQLITE_READONLY:
+    case SQLITE_PERM:
+    case SQLITE_CANTOPEN:
+      return absl::FailedPreconditionError(detail);
+    default:
+      return absl::InternalError(detail);
+  }
+}
+
+absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation) {
+  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, nullptr);
+  if (rc != SQLITE_OK) return SqliteError(db, rc, operation);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> SchemaVersion(sqlite3* db) {
+  sqlite3_stmt* stmt = nullptr;
+  int rc = sqlite3_prepare_v2(db, "PRAGMA user_version", -1, &stmt, nullptr);
+  if (rc != SQLITE_OK) return SqliteError(db, rc, "reading the schema version");
+  rc = sqlite3_step(stmt);
+  if (rc != SQLITE_ROW) {
+    absl::Status s = SqliteError(db, rc, "reading the schema version");
+    sqlite3_finalize(stmt);
+    return s;
+  }
+  const int version = sqlite3_column_int(stmt, 0);
+  sqlite3_finalize(stmt);
+  return version;
+}
+
+absl::Status Migrate(sqlite3* db) {
+  absl::StatusOr<int> version = SchemaVersion(db);
+  if (!version.ok()) return version.status();
+  const int latest = LatestSchemaVersion();
+  if (*version > latest)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "database schema version ", *version, " is newer than this build supports (", latest,
+        "); use a newer infersweep or another database file"));
+  for (int v = *version; v < latest; ++v) {
+    const std::string op = absl::StrCat("migrating the schema from version ", v, " to ", v + 1,
+                                        " (", Migrations()[v].description, ")");
+    if (absl::Status s = ExecSql(db, "BEGIN IMMEDIATE", op); !s.ok()) return s;
+    // PRAGMA takes no bound parameters; the version is this build's own constant.
+    const std::string sql =
+        absl::StrCat(Migrations()[v].sql, "\nPRAGMA user_version = ", v + 1, ";");
+    absl::Status s = ExecSql(db, sql.c_str(), op);
+    if (s.ok()) s = ExecSql(db, "COMMIT", op);
+    if (!s.ok()) {
+      if (!sqlite3_get_autocommit(db)) sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string BestByColumnSql(absl::string_view column, bool higher_is_better) {
+  const char* dir = higher_is_better ? "DESC" : "ASC";
+  return absl::StrCat("SELECT ", kResultCols,
+                      " FROM results WHERE model = ? AND sm = ? AND status = 'OK' AND ", column,
+                      " IS NOT NULL ORDER BY ", column, " ", dir, ", result_id DESC LIMIT 1");
+}
+
+std::string BestByJsonSql(bool higher_is_better) {
+  const char* dir = higher_is_better ? "DESC" : "ASC";
+  return absl::StrCat(
+      "SELECT ", kResultCols, " FROM (SELECT ", kResultCols,
+      ", (SELECT json_extract(b.value, ?1) FROM json_each(results.result_json, '$.batches') AS b"
+      " WHERE json_extract(b.value, '$.batch') = ?2 LIMIT 1) AS metric"
+      " FROM results WHERE model = ?3 AND sm = ?4 AND status = 'OK')"
+      " WHERE metric IS NOT NULL ORDER BY metric ",
+      dir, ", result_id DESC LIMIT 1");
+}
+
+}  // namespace infersweep

@@ -1,0 +1,860 @@
+// SqliteStore: the Store on one SQLite connection (C API), serialised by a mutex.
+//
+// Every value reaches SQL through sqlite3_bind_*; the only SQL assembled at run time is made of
+// fixed fragments from this file and storage/schema.cc (QueryResults' WHERE clause, Best's
+// column and direction).
+#include "storage/store.h"
+
+#include <sqlite3.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "storage/schema.h"
+
+namespace infersweep {
+namespace {
+
+using nlohmann::json;
+
+#define STORE_RETURN_IF_ERROR(expr)                       \
+  do {                                                    \
+    if (absl::Status _st = (expr); !_st.ok()) return _st; \
+  } while (0)
+
+#define STORE_CONCAT_INNER(a, b) a##b
+#define STORE_CONCAT(a, b) STORE_CONCAT_INNER(a, b)
+#define STORE_ASSIGN_OR_RETURN(lhs, expr)                     \
+  auto STORE_CONCAT(_sor_, __LINE__) = (expr);                \
+  if (!STORE_CONCAT(_sor_, __LINE__).ok())                    \
+    return std::move(STORE_CONCAT(_sor_, __LINE__)).status(); \
+  lhs = std::move(*STORE_CONCAT(_sor_, __LINE__))
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+constexpr const char* kStateNames[] = {"queued", "leased", "done", "cancelled"};
+
+std::optional<TrialState> StateFromName(absl::string_view name) {
+  for (int i = 0; i < 4; ++i)
+    if (name == kStateNames[i]) return static_cast<TrialState>(i);
+  return std::nullopt;
+}
+
+// A prepared statement borrowed from the connection's cache (or owned, for one-off SQL). Resets
+// and clears its bindings on Reset() and when it goes out of scope, so a cached statement never
+// keeps a read transaction open.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, sqlite3_stmt* stmt, bool owned, std::string op)
+      : db_(db), stmt_(stmt), owned_(owned), op_(std::move(op)) {}
+  Stmt(Stmt&& o) noexcept
+      : db_(o.db_), stmt_(std::exchange(o.stmt_, nullptr)), owned_(o.owned_),
+        op_(std::move(o.op_)), next_(o.next_), bind_error_(std::move(o.bind_error_)) {}
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+  Stmt& operator=(Stmt&&) = delete;
+  ~Stmt() {
+    if (stmt_ == nullptr) return;
+    Reset();
+    if (owned_) sqlite3_finalize(stmt_);
+  }
+
+  // Ready to bind and run again.
+  void Reset() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+    next_ = 0;
+    bind_error_ = absl::OkStatus();
+  }
+
+  // Binds the next parameter; the first failure is kept and reported by Step().
+  Stmt& Bind(int64_t v) { return Check(sqlite3_bind_int64(stmt_, ++next_, v)); }
+  Stmt& Bind(int v) { return Bind(static_cast<int64_t>(v)); }
+  Stmt& Bind(double v) { return Check(sqlite3_bind_double(stmt_, ++next_, v)); }
+  Stmt& Bind(absl::string_view v) {
+    return Check(
+        sqlite3_bind_text64(stmt_, ++next_, v.data(), v.size(), SQLITE_TRANSIENT, SQLITE_UTF8));
+  }
+  Stmt& Bind(std::string_view v) { return Bind(absl::string_view(v.data(), v.size())); }
+  Stmt& Bind(const std::string& v) { return Bind(absl::string_view(v)); }
+  Stmt& Bind(const char* v) { return Bind(absl::string_view(v)); }
+  Stmt& BindNull() { return Check(sqlite3_bind_null(stmt_, ++next_)); }
+  Stmt& Bind(const std::optional<double>& v) { return v ? Bind(*v) : BindNull(); }
+
+  // true: a row is ready; false: done.
+  absl::StatusOr<bool> Step() {
+    if (!bind_error_.ok()) return bind_error_;
+    const int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqliteError(db_, rc, op_);
+  }
+  // Runs a statement to completion, ignoring any rows.
+  absl::Status Run() {
+    for (;;) {
+      absl::StatusOr<bool> row = Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return absl::OkStatus();
+    }
+  }
+
+  bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
+  int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  std::string Text(int col) const {
+    const unsigned char* p = sqlite3_column_text(stmt_, col);
+    if (p == nullptr) return {};
+    return std::string(reinterpret_cast<const char*>(p),
+                       static_cast<size_t>(sqlite3_column_bytes(stmt_, col)));
+  }
+  const std::string& op() const { return op_; }
+
+ private:
+  Stmt& Check(int rc) {
+    if (rc != SQLITE_OK && bind_error_.ok())
+      bind_error_ = SqliteError(db_, rc, absl::StrCat(op_, " (binding parameter ", next_, ")"));
+    return *this;
+  }
+
+  sqlite3* db_;
+  sqlite3_stmt* stmt_;
+  bool owned_;
+  std::string op_;
+  int next_ = 0;
+  absl::Status bind_error_;
+};
+
+// A write transaction. BEGIN IMMEDIATE takes the write lock up front, so a busy database fails
+// before anything is written. Rolls back unless committed, on every path out.
+class Txn {
+ public:
+  explicit Txn(sqlite3* db) : db_(db) {}
+  Txn(const Txn&) = delete;
+  Txn& operator=(const Txn&) = delete;
+  ~Txn() {
+    if (!sqlite3_get_autocommit(db_)) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  absl::Status Begin(absl::string_view op) {
+    return ExecSql(db_, "BEGIN IMMEDIATE", absl::StrCat(op, " (BEGIN)"));
+  }
+  absl::Status Commit(absl::string_view op) {
+    return ExecSql(db_, "COMMIT", absl::StrCat(op, " (COMMIT)"));
+  }
+
+ private:
+  sqlite3* db_;
+};
+
+json SelectorJson(const Selector& s) {
+  return {{"sm", s.sm_archs},
+          {"gpu_name", s.gpu_name_regex},
+          {"min_memory_bytes", s.min_memory_bytes},
+          {"gpus", s.gpus_needed},
+          {"device", s.device}};
+}
+
+absl::StatusOr<json> ParseStoredJson(const std::string& text, absl::string_view what) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded())
+    return absl::DataLossError(absl::StrCat("stored ", what, " is not valid JSON"));
+  return j;
+}
+
+const BatchFigures* FindBatch(const TrialResult& r, int batch) {
+  for (const BatchFigures& b : r.batches)
+    if (b.batch == batch) return &b;
+  return nullptr;
+}
+
+constexpr char kTrialCols[] =
+    "trial_id, sweep_id, model, layers, seed, config_json, workload_json, selector_json, "
+    "priority, state, attempt, leased_to, lease_expires_ms";
+constexpr char kSweepCols[] =
+    "sweep_id, name, spec_yaml, model, priority, state, created_ms, trials_total, trials_done";
+// The same columns as kResultCols in schema.cc, which the Best queries select.
+constexpr char kResultCols[] = "sweep_id, agent_id, gpu_name, sm, result_json, result_id";
+
+struct MetricInfo {
+  const char* name;
+  const char* json_path;  // inside one element of result_json's "batches"
+  const char* column;     // the batch-1 column of results, or nullptr
+  bool higher_is_better;
+};
+constexpr MetricInfo kMetrics[] = {
+    {"output_tok_s", "$.output_tok_s.median", "output_tok_s", true},
+    {"ttft_ms", "$.ttft_ms.median", "ttft_ms_p50", false},
+    {"tpot_ms", "$.tpot_ms.median", "tpot_ms", false},
+    {"prefill_tok_s", "$.prefill_tok_s.median", nullptr, true},
+};
+
+// Cached statements: at most this many distinct SQL texts (QueryResults makes a few variants).
+constexpr size_t kMaxCachedStatements = 128;
+
+class SqliteStore final : public Store {
+ public:
+  explicit SqliteStore(sqlite3* db) : db_(db) {}
+  ~SqliteStore() override {
+    for (auto& [sql, stmt] : cache_) sqlite3_finalize(stmt);
+    sqlite3_close_v2(db_);
+  }
+
+  // ---------------------------------------------------------------------------------- sweeps
+
+  absl::StatusOr<int64_t> CreateSweep(const SweepRecord& sweep,
+                                      const std::vector<TrialRecord>& trials) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("creating sweep '", sweep.name, "'");
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    const int64_t created = sweep.created_unix_ms != 0 ? sweep.created_unix_ms : NowMs();
+    int64_t id = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt insert,
+          Prepare("INSERT INTO sweeps (sweep_id, name, spec_yaml, model, priority, state, "
+                  "created_ms, trials_total, trials_done) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                  op));
+      if (sweep.id != 0) {
+        insert.Bind(sweep.id);
+      } else {
+        insert.BindNull();
+      }
+      insert.Bind(sweep.name).Bind(sweep.spec_yaml).Bind(sweep.model).Bind(sweep.priority)
+          .Bind(trials.empty() ? "done" : "active").Bind(created)
+          .Bind(static_cast<int64_t>(trials.size()));
+      absl::Status s = insert.Run();
+      if (absl::IsAlreadyExists(s))
+        return absl::AlreadyExistsError(absl::StrCat(op, ": sweep id ", sweep.id, " is taken"));
+      STORE_RETURN_IF_ERROR(s);
+      id = sqlite3_last_insert_rowid(db_);
+    }
+    STORE_ASSIGN_OR_RETURN(
+        Stmt insert,
+        Prepare("INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_json, "
+                "config_string, workload_json, selector_json, priority, state, attempt, "
+                "leased_to, lease_expires_ms, created_ms) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, NULL, NULL, ?)",
+                absl::StrCat(op, ": inserting a trial")));
+    for (size_t i = 0; i < trials.size(); ++i) {
+      const TrialRecord& t = trials[i];
+      if (t.sweep_id != 0 && t.sweep_id != id)
+        return absl::InvalidArgumentError(absl::StrCat(
+            op, ": trial '", t.trial_id, "' belongs to sweep ", t.sweep_id, ", not ", id));
+      const std::string trial_id = t.trial_id.empty() ? absl::StrCat(id, "-", i) : t.trial_id;
+      insert.Reset();
+      insert.Bind(trial_id).Bind(id).Bind(t.model).Bind(t.layers)
+          .Bind(static_cast<int64_t>(t.seed)).Bind(json(t.config).dump())
+          .Bind(BackendConfigString(t.config)).Bind(ToJson(t.workload).dump())
+          .Bind(SelectorJson(t.selector).dump()).Bind(t.priority).Bind(created);
+      absl::Status s = insert.Run();
+      if (absl::IsAlreadyExists(s))
+        return absl::AlreadyExistsError(
+            absl::StrCat(op, ": trial id '", trial_id, "' already exists"));
+      STORE_RETURN_IF_ERROR(s);
+    }
+    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    return id;
+  }
+
+  absl::StatusOr<SweepRecord> GetSweep(int64_t id) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("reading sweep ", id);
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare(absl::StrCat("SELECT ", kSweepCols, " FROM sweeps WHERE sweep_id = ?"), op));
+    q.Bind(id);
+    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    if (!row) return absl::NotFoundError(absl::StrCat("sweep ", id, " not found"));
+    return ReadSweep(q);
+  }
+
+  absl::StatusOr<std::vector<SweepRecord>> ListSweeps() override {
+    absl::MutexLock lock(&mu_);
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare(absl::StrCat("SELECT ", kSweepCols, " FROM sweeps ORDER BY sweep_id"),
+                        "listing sweeps"));
+    std::vector<SweepRecord> out;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      out.push_back(ReadSweep(q));
+    }
+    return out;
+  }
+
+  absl::Status CancelSweep(int64_t id) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("cancelling sweep ", id);
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    std::string state;
+    {
+      STORE_ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT state FROM sweeps WHERE sweep_id = ?", op));
+      q.Bind(id);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) return absl::NotFoundError(absl::StrCat("sweep ", id, " not found"));
+      state = q.Text(0);
+    }
+    if (state == "cancelled") return absl::OkStatus();
+    if (state == "done")
+      return absl::FailedPreconditionError(
+          absl::StrCat("sweep ", id, " is already done; nothing to cancel"));
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE sweeps SET state = 'cancelled' WHERE sweep_id = ?", op));
+      u.Bind(id);
+      STORE_RETURN_IF_ERROR(u.Run());
+    }
+    {
+      // Leased trials keep leased_to and attempt, so the agent's result is still accepted.
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE trials SET state = 'cancelled', lease_expires_ms = NULL "
+                          "WHERE sweep_id = ? AND state IN ('queued', 'leased')",
+                          op));
+      u.Bind(id);
+      STORE_RETURN_IF_ERROR(u.Run());
+    }
+    return txn.Commit(op);
+  }
+
+  // ---------------------------------------------------------------------------------- trials
+
+  absl::StatusOr<std::vector<TrialRecord>> QueuedTrials(int limit) override {
+    absl::MutexLock lock(&mu_);
+    if (limit < 0)
+      return absl::InvalidArgumentError(absl::StrCat("QueuedTrials: negative limit ", limit));
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare(absl::StrCat("SELECT ", kTrialCols,
+                                     " FROM trials WHERE state = 'queued' "
+                                     "ORDER BY priority DESC, created_ms, rowid LIMIT ?"),
+                        "listing queued trials"));
+    q.Bind(limit);
+    std::vector<TrialRecord> out;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      STORE_ASSIGN_OR_RETURN(TrialRecord t, ReadTrial(q));
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  absl::StatusOr<TrialCounts> CountTrials() override {
+    absl::MutexLock lock(&mu_);
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare("SELECT state, COUNT(*) FROM trials GROUP BY state", "counting trials"));
+    TrialCounts counts;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      const std::optional<TrialState> state = StateFromName(q.Text(0));
+      if (!state) continue;
+      switch (*state) {
+        case TrialState::kQueued: counts.queued = q.Int(1); break;
+        case TrialState::kLeased: counts.leased = q.Int(1); break;
+        case TrialState::kDone: counts.done = q.Int(1); break;
+        case TrialState::kCancelled: counts.cancelled = q.Int(1); break;
+      }
+    }
+    return counts;
+  }
+
+  absl::StatusOr<TrialRecord> GetTrial(const std::string& trial_id) override {
+    absl::MutexLock lock(&mu_);
+    return GetTrialLocked(trial_id);
+  }
+
+  absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id, const std::string& agent_id,
+                                         int64_t expires_unix_ms) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("leasing trial '", trial_id, "' to agent '", agent_id, "'");
+    if (agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty agent id"));
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE trials SET state = 'leased', leased_to = ?, "
+                          "lease_expires_ms = ?, attempt = attempt + 1 "
+                          "WHERE trial_id = ? AND state = 'queued'",
+                          op));
+      u.Bind(agent_id).Bind(expires_unix_ms).Bind(trial_id);
+      STORE_RETURN_IF_ERROR(u.Run());
+    }
+    if (sqlite3_changes(db_) == 0) {
+      STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));  // NotFound if absent
+      std::string holder = t.state == TrialState::kLeased
+                               ? absl::StrCat(" (leased to agent '", t.leased_to, "')")
+                               : "";
+      return absl::FailedPreconditionError(
+          absl::StrCat(op, ": the trial is ", kStateNames[static_cast<int>(t.state)], holder,
+                       ", not queued"));
+    }
+    STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));
+    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    return t;
+  }
+
+  absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("renewing the leases of agent '", agent_id, "'");
+    STORE_ASSIGN_OR_RETURN(
+        Stmt u, Prepare("UPDATE trials SET lease_expires_ms = ? "
+                        "WHERE state = 'leased' AND leased_to = ?",
+                        op));
+    u.Bind(expires_unix_ms).Bind(agent_id);
+    return u.Run();
+  }
+
+  absl::StatusOr<std::vector<std::string>> RequeueExpired(int64_t now_unix_ms) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = "requeueing trials with expired leases";
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    std::vector<std::string> ids;
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE trials SET state = 'queued', leased_to = NULL, "
+                          "lease_expires_ms = NULL "
+                          "WHERE state = 'leased' AND lease_expires_ms < ? RETURNING trial_id",
+                          op));
+      u.Bind(now_unix_ms);
+      for (;;) {
+        STORE_ASSIGN_OR_RETURN(bool row, u.Step());
+        if (!row) break;
+        ids.push_back(u.Text(0));
+      }
+    }
+    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
+
+  // --------------------------------------------------------------------------------- results
+
+  absl::Status RecordResult(const std::string& agent_id, const std::string& gpu_name, int sm,
+                            const TrialResult& result) override {
+    return RecordResults({ResultSubmission{agent_id, gpu_name, sm, result}});
+  }
+
+  absl::Status RecordResults(const std::vector<ResultSubmission>& results) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = results.size() == 1
+                               ? absl::StrCat("recording the result of trial '",
+                                              results[0].result.trial_id, "' attempt ",
+                                              results[0].result.attempt)
+                               : absl::StrCat("recording ", results.size(), " results");
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    for (const ResultSubmission& r : results) STORE_RETURN_IF_ERROR(RecordOneLocked(r));
+    return txn.Commit(op);
+  }
+
+  absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) override {
+    absl::MutexLock lock(&mu_);
+    if (q.limit < 1)
+      return absl::InvalidArgumentError(
+          absl::StrCat("QueryResults: limit must be >= 1, got ", q.limit));
+    std::string sql = absl::StrCat("SELECT ", kResultCols, " FROM results WHERE 1");
+    if (q.sm) absl::StrAppend(&sql, " AND sm = ?");
+    if (q.gpu_name) absl::StrAppend(&sql, " AND gpu_name = ?");
+    if (q.model) absl::StrAppend(&sql, " AND model = ?");
+    if (q.sweep_id) absl::StrAppend(&sql, " AND sweep_id = ?");
+    if (q.status) absl::StrAppend(&sql, " AND status = ?");
+    for (size_t i = 0; i < q.axis_values.size(); ++i)
+      absl::StrAppend(&sql,
+                      " AND EXISTS (SELECT 1 FROM result_axes AS a WHERE a.result_id = "
+                      "results.result_id AND a.axis = ? AND a.value = ?)");
+    if (q.since_unix_ms) absl::StrAppend(&sql, " AND finished_ms >= ?");
+    if (q.until_unix_ms) absl::StrAppend(&sql, " AND finished_ms < ?");
+    absl::StrAppend(&sql, " ORDER BY finished_ms DESC, result_id DESC LIMIT ?");
+
+    STORE_ASSIGN_OR_RETURN(Stmt s, Prepare(sql, "querying results"));
+    if (q.sm) s.Bind(*q.sm);
+    if (q.gpu_name) s.Bind(*q.gpu_name);
+    if (q.model) s.Bind(*q.model);
+    if (q.sweep_id) s.Bind(*q.sweep_id);
+    if (q.status) s.Bind(TrialStatusName(*q.status));
+    for (const auto& [axis, value] : q.axis_values) s.Bind(axis).Bind(value);
+    if (q.since_unix_ms) s.Bind(*q.since_unix_ms);
+    if (q.until_unix_ms) s.Bind(*q.until_unix_ms);
+    s.Bind(q.limit);
+    std::vector<StoredResult> out;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, s.Step());
+      if (!row) break;
+      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s));
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::optional<StoredResult>> Best(const std::string& model, int sm,
+                                                   const std::string& metric,
+                                                   int batch) override {
+    absl::MutexLock lock(&mu_);
+    const MetricInfo* info = nullptr;
+    for (const MetricInfo& m : kMetrics)
+      if (metric == m.name) info = &m;
+    if (info == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Best: unknown metric '", metric, "' (known: output_tok_s, ttft_ms, tpot_ms, "
+          "prefill_tok_s)"));
+    if (batch < 1)
+      return absl::InvalidArgumentError(absl::StrCat("Best: batch must be >= 1, got ", batch));
+    const std::string op =
+        absl::StrCat("finding the best ", metric, " at batch ", batch, " for ", model, " on sm_", sm);
+    std::optional<Stmt> s;
+    if (batch == 1 && info->column != nullptr) {
+      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByColumnSql(info->column, info->higher_is_better), op));
+      p.Bind(model).Bind(sm);
+      s.emplace(std::move(p));
+    } else {
+      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByJsonSql(info->higher_is_better), op));
+      p.Bind(info->json_path).Bind(batch).Bind(model).Bind(sm);
+      s.emplace(std::move(p));
+    }
+    STORE_ASSIGN_OR_RETURN(bool row, s->Step());
+    if (!row) return std::optional<StoredResult>();
+    STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(*s));
+    return std::optional<StoredResult>(std::move(r));
+  }
+
+  // ---------------------------------------------------------------------------------- agents
+
+  absl::Status UpsertAgent(const AgentRecord& agent) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("storing agent '", agent.agent_id, "'");
+    if (agent.agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty id"));
+    STORE_ASSIGN_OR_RETURN(
+        Stmt u, Prepare("INSERT INTO agents (agent_id, host, inventory_json, last_seen_ms, "
+                        "connected) VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent_id) DO UPDATE SET "
+                        "host = excluded.host, inventory_json = excluded.inventory_json, "
+                        "last_seen_ms = excluded.last_seen_ms, connected = excluded.connected",
+                        op));
+    u.Bind(agent.agent_id).Bind(agent.host).Bind(agent.inventory_json)
+        .Bind(agent.last_seen_unix_ms).Bind(agent.connected ? 1 : 0);
+    return u.Run();
+  }
+
+  absl::Status SetAgentConnected(const std::string& agent_id, bool connected,
+                                 int64_t now_unix_ms) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("marking agent '", agent_id, "' ",
+                                        connected ? "connected" : "disconnected");
+    STORE_ASSIGN_OR_RETURN(
+        Stmt u, Prepare("UPDATE agents SET connected = ?, last_seen_ms = ? WHERE agent_id = ?", op));
+    u.Bind(connected ? 1 : 0).Bind(now_unix_ms).Bind(agent_id);
+    STORE_RETURN_IF_ERROR(u.Run());
+    if (sqlite3_changes(db_) == 0)
+      return absl::NotFoundError(absl::StrCat("agent '", agent_id, "' not found"));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<AgentRecord>> ListAgents() override {
+    absl::MutexLock lock(&mu_);
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare("SELECT agent_id, host, inventory_json, last_seen_ms, connected "
+                        "FROM agents ORDER BY agent_id",
+                        "listing agents"));
+    std::vector<AgentRecord> out;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      AgentRecord a;
+      a.agent_id = q.Text(0);
+      a.host = q.Text(1);
+      a.inventory_json = q.Text(2);
+      a.last_seen_unix_ms = q.Int(3);
+      a.connected = q.Int(4) != 0;
+      out.push_back(std::move(a));
+    }
+    return out;
+  }
+
+ private:
+  absl::StatusOr<Stmt> Prepare(const std::string& sql, std::string op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (auto it = cache_.find(sql); it != cache_.end())
+      return Stmt(db_, it->second, /*owned=*/false, std::move(op));
+    sqlite3_stmt* stmt = nullptr;
+    const bool cache = cache_.size() < kMaxCachedStatements;
+    const int rc = sqlite3_prepare_v3(db_, sql.c_str(), static_cast<int>(sql.size() + 1),
+                                      cache ? SQLITE_PREPARE_PERSISTENT : 0, &stmt, nullptr);
+    if (rc != SQLITE_OK) {
+      sqlite3_finalize(stmt);
+      return SqliteError(db_, rc, absl::StrCat(op, " (preparing SQL)"));
+    }
+    if (cache) cache_.emplace(sql, stmt);
+    return Stmt(db_, stmt, /*owned=*/!cache, std::move(op));
+  }
+
+  static SweepRecord ReadSweep(const Stmt& q) {
+    SweepRecord s;
+    s.id = q.Int(0);
+    s.name = q.Text(1);
+    s.spec_yaml = q.Text(2);
+    s.model = q.Text(3);
+    s.priority = static_cast<int>(q.Int(4));
+    s.state = q.Text(5);
+    s.created_unix_ms = q.Int(6);
+    s.trials_total = q.Int(7);
+    s.trials_done = q.Int(8);
+    return s;
+  }
+
+  // Columns as kTrialCols.
+  static absl::StatusOr<TrialRecord> ReadTrial(const Stmt& q) {
+    TrialRecord t;
+    t.trial_id = q.Text(0);
+    const std::string where = absl::StrCat("trial '", t.trial_id, "'");
+    t.sweep_id = q.Int(1);
+    t.model = q.Text(2);
+    t.layers = static_cast<int>(q.Int(3));
+    t.seed = static_cast<uint64_t>(q.Int(4));
+    STORE_ASSIGN_OR_RETURN(json config, ParseStoredJson(q.Text(5), where + " config"));
+    STORE_ASSIGN_OR_RETURN(json workload, ParseStoredJson(q.Text(6), where + " workload"));
+    STORE_ASSIGN_OR_RETURN(json selector, ParseStoredJson(q.Text(7), where + " selector"));
+    try {
+      t.config = config.get<BackendConfig>();
+      t.selector.sm_archs = selector.value("sm", std::vector<int>{});
+      t.selector.gpu_name_regex = selector.value("gpu_name", std::string());
+      t.selector.min_memory_bytes = selector.value("min_memory_bytes", int64_t{0});
+      t.selector.gpus_needed = selector.value("gpus", 1);
+      t.selector.device = selector.value("device", std::string("cuda"));
+    } catch (const json::exception& e) {
+      return absl::DataLossError(absl::StrCat(where, ": stored JSON is malformed: ", e.what()));
+    }
+    absl::StatusOr<Workload> w = WorkloadFromJson(workload);
+    if (!w.ok())
+      return absl::DataLossError(absl::StrCat(where, ": stored workload: ", w.status().message()));
+    t.workload = *w;
+    t.priority = static_cast<int>(q.Int(8));
+    std::optional<TrialState> state = StateFromName(q.Text(9));
+    if (!state) return absl::DataLossError(absl::StrCat(where, ": unknown state '", q.Text(9), "'"));
+    t.state = *state;
+    t.attempt = static_cast<int>(q.Int(10));
+    t.leased_to = q.Text(11);
+    t.lease_expires_unix_ms = q.IsNull(12) ? 0 : q.Int(12);
+    return t;
+  }
+
+  // Columns as kResultCols.
+  static absl::StatusOr<StoredResult> ReadResult(const Stmt& q) {
+    StoredResult r;
+    r.sweep_id = q.Int(0);
+    r.agent_id = q.Text(1);
+    r.gpu_name = q.Text(2);
+    r.sm = static_cast<int>(q.Int(3));
+    const std::string where = absl::StrCat("result row ", q.Int(5));
+    STORE_ASSIGN_OR_RETURN(json j, ParseStoredJson(q.Text(4), where));
+    absl::StatusOr<TrialResult> result = TrialResultFromJson(j);
+    if (!result.ok())
+      return absl::DataLossError(absl::StrCat(where, ": ", result.status().message()));
+    r.result = std::move(*result);
+    return r;
+  }
+
+  absl::StatusOr<TrialRecord> GetTrialLocked(const std::string& trial_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare(absl::StrCat("SELECT ", kTrialCols, " FROM trials WHERE trial_id = ?"),
+                        absl::StrCat("reading trial '", trial_id, "'")));
+    q.Bind(trial_id);
+    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    if (!row) return absl::NotFoundError(absl::StrCat("trial '", trial_id, "' not found"));
+    return ReadTrial(q);
+  }
+
+  // One result inside the caller's transaction.
+  absl::Status RecordOneLocked(const ResultSubmission& sub) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const TrialResult& result = sub.result;
+    const std::string op = absl::StrCat("recording the result of trial '", result.trial_id,
+                                        "' attempt ", result.attempt);
+    if (result.trial_id.empty())
+      return absl::InvalidArgumentError("recording a result: empty trial id");
+
+    int64_t sweep_id = 0;
+    std::string model, config_json, state, leased_to;
+    int64_t attempt = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt q, Prepare("SELECT sweep_id, model, config_json, state, attempt, leased_to "
+                          "FROM trials WHERE trial_id = ?",
+                          op));
+      q.Bind(result.trial_id);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row)
+        return absl::NotFoundError(
+            absl::StrCat(op, ": no trial '", result.trial_id, "' in this database"));
+      sweep_id = q.Int(0);
+      model = q.Text(1);
+      config_json = q.Text(2);
+      state = q.Text(3);
+      attempt = q.Int(4);
+      leased_to = q.Text(5);
+    }
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt q, Prepare("SELECT 1 FROM results WHERE trial_id = ? AND attempt = ?", op));
+      q.Bind(result.trial_id).Bind(result.attempt);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (row) return absl::OkStatus();  // already stored: idempotent
+    }
+    if (!sub.agent_id.empty() && (leased_to != sub.agent_id || attempt != result.attempt)) {
+      std::string holder;
+      if (leased_to.empty()) {
+        holder = absl::StrCat("the trial is ", state, " and held by no agent");
+      } else {
+        holder = absl::StrCat("the trial is ", state, ", attempt ", attempt, " held by agent '",
+                              leased_to, "'");
+      }
+      return absl::PermissionDeniedError(absl::StrCat(op, " from agent '", sub.agent_id,
+                                                      "' rejected: ", holder));
+    }
+
+    // What the result describes: fill what coordinator-made results leave out from the trial.
+    TrialResult stored = result;
+    if (stored.model.empty()) stored.model = model;
+    if (stored.config.empty()) {
+      STORE_ASSIGN_OR_RETURN(json config, ParseStoredJson(config_json, op + ": trial config"));
+      try {
+        stored.config = config.get<BackendConfig>();
+      } catch (const json::exception& e) {
+        return absl::DataLossError(absl::StrCat(op, ": stored trial config: ", e.what()));
+      }
+    }
+    const int64_t finished = stored.finished_unix_ms != 0 ? stored.finished_unix_ms : NowMs();
+    std::optional<double> tok_s_b1, ttft_b1, tpot_b1, tok_s_max;
+    std::optional<int64_t> max_batch;
+    if (const BatchFigures* b1 = FindBatch(stored, 1)) {
+      tok_s_b1 = b1->output_tok_s.median;
+      ttft_b1 = b1->ttft_ms.median;
+      tpot_b1 = b1->tpot_ms.median;
+    }
+    const BatchFigures* largest = nullptr;
+    for (const BatchFigures& b : stored.batches)
+      if (largest == nullptr || b.batch > largest->batch) largest = &b;
+    if (largest != nullptr) {
+      tok_s_max = largest->output_tok_s.median;
+      max_batch = largest->batch;
+    }
+    int64_t result_id = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt ins,
+          Prepare("INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
+                  "model, status, config_string, result_json, output_tok_s, "
+                  "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  op));
+      ins.Bind(stored.trial_id).Bind(stored.attempt).Bind(sweep_id).Bind(sub.agent_id)
+          .Bind(sub.gpu_name).Bind(sub.sm).Bind(model).Bind(TrialStatusName(stored.status))
+          .Bind(BackendConfigString(stored.config)).Bind(ToJson(stored).dump())
+          .Bind(tok_s_b1).Bind(tok_s_max);
+      if (max_batch) {
+        ins.Bind(*max_batch);
+      } else {
+        ins.BindNull();
+      }
+      ins.Bind(ttft_b1).Bind(tpot_b1).Bind(finished);
+      STORE_RETURN_IF_ERROR(ins.Run());
+      result_id = sqlite3_last_insert_rowid(db_);
+    }
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt ins, Prepare("INSERT INTO result_axes (result_id, axis, value) VALUES (?, ?, ?)",
+                            op + ": axes"));
+      for (const auto& [axis, value] : stored.config) {
+        ins.Reset();
+        ins.Bind(result_id).Bind(axis).Bind(value);
+        STORE_RETURN_IF_ERROR(ins.Run());
+      }
+    }
+    if (state != "done") {
+      {
+        STORE_ASSIGN_OR_RETURN(
+            Stmt u, Prepare("UPDATE trials SET state = 'done', lease_expires_ms = NULL "
+                            "WHERE trial_id = ?",
+                            op));
+        u.Bind(stored.trial_id);
+        STORE_RETURN_IF_ERROR(u.Run());
+      }
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE sweeps SET trials_done = trials_done + 1, "
+                          "state = CASE WHEN state = 'active' AND trials_done + 1 >= trials_total "
+                          "THEN 'done' ELSE state END WHERE sweep_id = ?",
+                          op));
+      u.Bind(sweep_id);
+      STORE_RETURN_IF_ERROR(u.Run());
+    }
+    return absl::OkStatus();
+  }
+
+  sqlite3* const db_;
+  absl::Mutex mu_;
+  std::unordered_map<std::string, sqlite3_stmt*> cache_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Status Pragma(sqlite3* db, const char* sql, absl::string_view what) {
+  return ExecSql(db, sql, absl::StrCat("opening the database: setting ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
+  return Open(path, StoreOptions());
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
+                                                   const StoreOptions& options) {
+  sqlite3* db = nullptr;
+  const int rc = sqlite3_open_v2(
+      path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
+  if (rc != SQLITE_OK) {
+    absl::Status s = SqliteError(db, rc, absl::StrCat("opening database '", path, "'"));
+    sqlite3_close_v2(db);
+    return s;
+  }
+  auto fail = [&](absl::Status s) {
+    sqlite3_close_v2(db);
+    return absl::Status(s.code(), absl::StrCat("database '", path, "': ", s.message()));
+  };
+  sqlite3_extended_result_codes(db, 1);
+  if (int b = sqlite3_busy_timeout(db, std::max(0, options.busy_timeout_ms)); b != SQLITE_OK)
+    return fail(SqliteError(db, b, "setting busy_timeout"));
+  // 8 KiB pages hold three ~2 KiB result rows where 4 KiB pages hold one (new files only: the
+  // page size of an existing file is fixed).
+  if (absl::Status s = Pragma(db, "PRAGMA page_size = 8192", "page_size"); !s.ok()) return fail(s);
+  if (absl::Status s = Pragma(db, "PRAGMA foreign_keys = ON", "foreign_keys"); !s.ok())
+    return fail(s);
+  // 64 MiB of page cache: index maintenance on a large results table stays in memory.
+  if (absl::Status s = Pragma(db, "PRAGMA cache_size = -65536", "cache_size"); !s.ok())
+    return fail(s);
+  // journal_mode answers with the mode it ended up in: in-memory databases cannot be WAL.
+  {
+    sqlite3_stmt* stmt = nullptr;
+    int r = sqlite3_prepare_v2(db, "PRAGMA journal_mode = WAL", -1, &stmt, nullptr);
+    if (r == SQLITE_OK) r = sqlite3_step(stmt);
+    std::string mode;
+    if (r == SQLITE_ROW) {
+      const unsigned char* text = sqlite3_column_text(stmt, 0);
+      mode = text != nullptr ? reinterpret_cast<const char*>(text) : "";
+    }
+    absl::Status s = r == SQLITE_ROW ? absl::OkStatus()
+                                     : SqliteError(db, r, "opening the database: setting WAL");
+    sqlite3_finalize(stmt);
+    if (!s.ok()) return fail(s);
+    if (mode != "wal" && mode != "memory")
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("the file system does not support WAL mode (journal_mode is '", mode, "')")));
+  }
+  if (absl::Status s = Pragma(db, "PRAGMA synchronous = NORMAL", "synchronous"); !s.ok())
+    return fail(s);
+  if (absl::Status s = Migrate(db); !s.ok()) return fail(s);
+  return std::unique_ptr<Store>(new SqliteStore(db));
+}
+
+}  // namespace infersweep

@@ -1,0 +1,159 @@
+// Durable state of the coordinator in one SQLite file (WAL mode): sweeps, trials, attempts,
+// results, agents. All SQL uses bound parameters. docs/STORAGE.md documents the schema.
+//
+// Thread-safety: a Store serialises its own calls (one connection, one mutex); open one Store per
+// process.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/backend_config.h"
+#include "harness/trial.h"
+
+namespace infersweep {
+
+enum class TrialState { kQueued, kLeased, kDone, kCancelled };
+
+struct SweepRecord {
+  int64_t id = 0;
+  std::string name;
+  std::string spec_yaml;     // the submitted text, verbatim
+  std::string model;
+  int priority = 0;
+  std::string state;         // "active", "done", "cancelled"
+  int64_t created_unix_ms = 0;
+  int64_t trials_total = 0, trials_done = 0;
+};
+
+// Which agents may run a trial (from the sweep's selector).
+struct Selector {
+  std::vector<int> sm_archs;        // empty = any, e.g. {90, 120}
+  std::string gpu_name_regex;       // empty = any (RE2/std::regex ECMAScript)
+  int64_t min_memory_bytes = 0;
+  int gpus_needed = 1;
+  std::string device = "cuda";      // "cpu" trials run on CPU agents
+};
+
+struct TrialRecord {
+  std::string trial_id;             // "<sweep>-<index>", stable
+  int64_t sweep_id = 0;
+  std::string model;
+  int layers = 0;
+  uint64_t seed = 1;
+  BackendConfig config;
+  Workload workload;
+  Selector selector;
+  int priority = 0;
+  TrialState state = TrialState::kQueued;
+  int attempt = 0;                  // attempts started so far
+  std::string leased_to;            // agent id while leased
+  int64_t lease_expires_unix_ms = 0;
+};
+
+// How many trials are in each state (every sweep).
+struct TrialCounts {
+  int64_t queued = 0, leased = 0, done = 0, cancelled = 0;
+};
+
+struct AgentRecord {
+  std::string agent_id;
+  std::string host;
+  std::string inventory_json;       // the hello message, as JSON
+  int64_t last_seen_unix_ms = 0;
+  bool connected = false;
+};
+
+struct ResultQuery {
+  std::optional<int> sm;
+  std::optional<std::string> gpu_name;
+  std::optional<std::string> model;
+  std::optional<int64_t> sweep_id;
+  std::optional<TrialStatus> status;
+  std::map<std::string, std::string> axis_values;  // every listed axis must match
+  std::optional<int64_t> since_unix_ms, until_unix_ms;  // since <= finished_unix_ms < until
+  int limit = 1000;  // newest first; must be >= 1
+};
+
+// One result to store, as RecordResult takes it (RecordResults stores many in one transaction).
+struct ResultSubmission {
+  std::string agent_id;  // empty for results made by the coordinator (e.g. UNSUPPORTED)
+  std::string gpu_name;
+  int sm = 0;
+  TrialResult result;
+};
+
+struct StoreOptions {
+  // How long a call waits for another connection's lock before failing with Unavailable.
+  int busy_timeout_ms = 5000;
+};
+
+struct StoredResult {
+  int64_t sweep_id = 0;
+  std::string agent_id;
+  std::string gpu_name;
+  int sm = 0;
+  TrialResult result;
+};
+
+class Store {
+ public:
+  // Opens or creates the file, sets WAL and busy_timeout, runs migrations (PRAGMA user_version).
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& path,
+                                                     const StoreOptions& options);
+  virtual ~Store() = default;
+
+  // Inserts a sweep and all its trials in one transaction; returns the sweep id. A non-zero
+  // sweep.id is used as the id (AlreadyExists if taken), else a new one is assigned. Trials are
+  // stored queued with attempt 0; an empty trial_id becomes "<sweep id>-<index in trials>", and a
+  // non-zero trial sweep_id must equal the sweep's id. The sweep is "active" ("done" when it
+  // has no trials); trials_total is trials.size(); created_unix_ms 0 means now.
+  virtual absl::StatusOr<int64_t> CreateSweep(const SweepRecord& sweep,
+                                              const std::vector<TrialRecord>& trials) = 0;
+  virtual absl::StatusOr<SweepRecord> GetSweep(int64_t id) = 0;
+  virtual absl::StatusOr<std::vector<SweepRecord>> ListSweeps() = 0;
+  virtual absl::Status CancelSweep(int64_t id) = 0;
+
+  // Queued trials, highest priority first then oldest, at most `limit`.
+  virtual absl::StatusOr<std::vector<TrialRecord>> QueuedTrials(int limit) = 0;
+  // Trials per state, for the coordinator's metrics (one index scan: call it at most about once
+  // a second).
+  virtual absl::StatusOr<TrialCounts> CountTrials() = 0;
+  virtual absl::StatusOr<TrialRecord> GetTrial(const std::string& trial_id) = 0;
+  // Queued -> leased, attempt += 1; fails (FailedPrecondition) if the trial is not queued.
+  virtual absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id,
+                                                 const std::string& agent_id,
+                                                 int64_t expires_unix_ms) = 0;
+  virtual absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) = 0;
+  // Leased trials whose lease expired go back to queued; returns their ids.
+  virtual absl::StatusOr<std::vector<std::string>> RequeueExpired(int64_t now_unix_ms) = 0;
+
+  // Stores a result and marks the trial done. Idempotent by (trial_id, attempt): storing the same
+  // attempt twice is OK and changes nothing. A result for a trial not leased to `agent_id` under
+  // that attempt is rejected (PermissionDenied) unless `agent_id` is empty (coordinator-made
+  // results such as UNSUPPORTED).
+  virtual absl::Status RecordResult(const std::string& agent_id, const std::string& gpu_name,
+                                    int sm, const TrialResult& result) = 0;
+  // RecordResult for each submission, in order, all in one transaction: all or nothing (the
+  // first error is returned and nothing is stored).
+  virtual absl::Status RecordResults(const std::vector<ResultSubmission>& results) = 0;
+
+  virtual absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) = 0;
+  // Fastest OK result per (model, sm) by `metric` ("output_tok_s" at batch `batch`, "ttft_ms",
+  // "tpot_ms", "prefill_tok_s"), higher-is-better or lower-is-better as the metric implies.
+  virtual absl::StatusOr<std::optional<StoredResult>> Best(const std::string& model, int sm,
+                                                           const std::string& metric,
+                                                           int batch) = 0;
+
+  virtual absl::Status UpsertAgent(const AgentRecord& agent) = 0;
+  virtual absl::Status SetAgentConnected(const std::string& agent_id, bool connected,
+                                         int64_t now_unix_ms) = 0;
+  virtual absl::StatusOr<std::vector<AgentRecord>> ListAgents() = 0;
+};
+
+}  // namespace infersweep

@@ -1,0 +1,148 @@
+// The agent's result spool: durable across reopen, replayed in spool order, emptied by acks.
+#include "agent/spool.h"
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "agent/inventory.h"
+
+namespace infersweep {
+namespace {
+
+class SpoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "spool-test-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    path_ = dir_ + "/spool.db";
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  static SpooledResult Make(const std::string& trial, int attempt, const std::string& json,
+                            std::vector<int> slots = {0}) {
+    SpooledResult r;
+    r.trial_id = trial;
+    r.attempt = attempt;
+    r.result_json = json;
+    r.slots = std::move(slots);
+    return r;
+  }
+
+  std::string dir_, path_;
+};
+
+TEST_F(SpoolTest, SurvivesReopenInSpoolOrder) {
+  {
+    auto spool = Spool::Open(path_);
+    ASSERT_TRUE(spool.ok()) << spool.status();
+    // Trial ids deliberately out of alphabetical order: order is spool order, not key order.
+    ASSERT_TRUE((*spool)->Put(Make("7-2", 1, R"({"a":1})", {1, 2})).ok());
+    ASSERT_TRUE((*spool)->Put(Make("7-0", 1, R"({"b":2})")).ok());
+    ASSERT_TRUE((*spool)->Put(Make("3-9", 2, R"({"c":3})")).ok());
+  }
+  auto spool = Spool::Open(path_);
+  ASSERT_TRUE(spool.ok()) << spool.status();
+  auto all = (*spool)->All();
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), 3u);
+  EXPECT_EQ((*all)[0].trial_id, "7-2");
+  EXPECT_EQ((*all)[0].result_json, R"({"a":1})");
+  EXPECT_EQ((*all)[0].slots, (std::vector<int>{1, 2}));
+  EXPECT_EQ((*all)[1].trial_id, "7-0");
+  EXPECT_EQ((*all)[2].trial_id, "3-9");
+  EXPECT_EQ((*all)[2].attempt, 2);
+  EXPECT_LT((*all)[0].seq, (*all)[1].seq);
+  EXPECT_LT((*all)[1].seq, (*all)[2].seq);
+  EXPECT_GT((*all)[0].spooled_unix_ms, 0);
+}
+
+TEST_F(SpoolTest, PutSameKeyReplacesAndKeepsPosition) {
+  auto spool = Spool::Open(path_);
+  ASSERT_TRUE(spool.ok());
+  ASSERT_TRUE((*spool)->Put(Make("1-0", 1, "old")).ok());
+  ASSERT_TRUE((*spool)->Put(Make("1-1", 1, "x")).ok());
+  ASSERT_TRUE((*spool)->Put(Make("1-0", 1, "new")).ok());
+  // Another attempt of the same trial is a different entry.
+  ASSERT_TRUE((*spool)->Put(Make("1-0", 2, "second attempt")).ok());
+  auto all = (*spool)->All();
+  ASSERT_TRUE(all.ok());
+  ASSERT_EQ(all->size(), 3u);
+  EXPECT_EQ((*all)[0].trial_id, "1-0");
+  EXPECT_EQ((*all)[0].attempt, 1);
+  EXPECT_EQ((*all)[0].result_json, "new");
+  EXPECT_EQ((*all)[1].trial_id, "1-1");
+  EXPECT_EQ((*all)[2].attempt, 2);
+}
+
+TEST_F(SpoolTest, AckRemovesOnlyThatAttemptAndSurvivesReopen) {
+  {
+    auto spool = Spool::Open(path_);
+    ASSERT_TRUE(spool.ok());
+    ASSERT_TRUE((*spool)->Put(Make("2-0", 1, "a")).ok());
+    ASSERT_TRUE((*spool)->Put(Make("2-1", 1, "b")).ok());
+    ASSERT_TRUE((*spool)->Put(Make("2-1", 2, "c")).ok());
+    ASSERT_TRUE((*spool)->Remove("2-1", 1).ok());
+    // Acks may repeat, or name something never spooled.
+    ASSERT_TRUE((*spool)->Remove("2-1", 1).ok());
+    ASSERT_TRUE((*spool)->Remove("nope", 1).ok());
+    auto n = (*spool)->Count();
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 2);
+  }
+  auto spool = Spool::Open(path_);
+  ASSERT_TRUE(spool.ok());
+  auto all = (*spool)->All();
+  ASSERT_TRUE(all.ok());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].trial_id, "2-0");
+  EXPECT_EQ((*all)[1].trial_id, "2-1");
+  EXPECT_EQ((*all)[1].attempt, 2);
+  ASSERT_TRUE((*spool)->Remove("2-0", 1).ok());
+  ASSERT_TRUE((*spool)->Remove("2-1", 2).ok());
+  EXPECT_EQ(*(*spool)->Count(), 0);
+}
+
+TEST_F(SpoolTest, RejectsEmptyTrialAndUnopenablePath) {
+  auto spool = Spool::Open(path_);
+  ASSERT_TRUE(spool.ok());
+  EXPECT_FALSE((*spool)->Put(Make("", 1, "x")).ok());
+  EXPECT_FALSE(Spool::Open(dir_ + "/no/such/dir/spool.db").ok());
+}
+
+TEST(InventoryTest, SmArchForms) {
+  EXPECT_EQ(*ParseSmArch("sm_90"), 90);
+  EXPECT_EQ(*ParseSmArch("90"), 90);
+  EXPECT_EQ(*ParseSmArch("sm_90a"), 90);
+  EXPECT_EQ(*ParseSmArch("SM_120"), 120);
+  EXPECT_EQ(*ParseSmArch("sm100f"), 100);
+  EXPECT_FALSE(ParseSmArch("").ok());
+  EXPECT_FALSE(ParseSmArch("sm_").ok());
+  EXPECT_FALSE(ParseSmArch("hopper").ok());
+  EXPECT_FALSE(ParseSmArch("-90").ok());
+}
+
+TEST(InventoryTest, FakeGpuLabel) {
+  auto g = ParseFakeGpu("NVIDIA H200:90:141");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->name, "NVIDIA H200");
+  EXPECT_EQ(g->sm, 90);
+  EXPECT_EQ(g->memory_bytes, int64_t{141} * 1024 * 1024 * 1024);
+  EXPECT_TRUE(g->test_fake);
+  auto colon = ParseFakeGpu("Weird: Name:sm_120a:96");
+  ASSERT_TRUE(colon.ok()) << colon.status();
+  EXPECT_EQ(colon->name, "Weird: Name");
+  EXPECT_EQ(colon->sm, 120);
+  EXPECT_FALSE(ParseFakeGpu("NVIDIA H200").ok());
+  EXPECT_FALSE(ParseFakeGpu("NVIDIA H200:90").ok());
+  EXPECT_FALSE(ParseFakeGpu(":90:141").ok());
+  EXPECT_FALSE(ParseFakeGpu("H200:ninety:141").ok());
+  EXPECT_FALSE(ParseFakeGpu("H200:90:-1").ok());
+}
+
+}  // namespace
+}  // namespace infersweep

@@ -1,0 +1,164 @@
+// The GPU link of the trust chain and the GPU backends, on a real GPU. Skipped (not failed) on
+// machines without one: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/backends.h"
+#include "engine/npy.h"
+#include "engine/sampler.h"
+#include "harness/executor.h"
+#include "harness/runner.h"
+#ifdef INFERSWEEP_HAVE_CUDA
+#include "engine/cuda/cuda_model.h"
+#endif
+
+namespace infersweep {
+namespace {
+
+// Built-in paths, overridable where the tests run from another tree (the GPU machine).
+[[maybe_unused]] std::string SourceDir() {
+  const char* env = std::getenv("INFERSWEEP_SOURCE_DIR");
+  return env ? env : INFERSWEEP_SOURCE_DIR;
+}
+[[maybe_unused]] std::string WorkerBinary() {
+  const char* env = std::getenv("INFERSWEEP_BINARY");
+  return env ? env : INFERSWEEP_BINARY;
+}
+
+bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }
+
+#define REQUIRE_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU on this machine"
+
+double RelMaxError(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - ref[i]);
+    diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+    scale = std::max(scale, std::fabs(static_cast<double>(ref[i])));
+  }
+  return diff / scale;
+}
+
+std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
+                             const std::vector<int32_t>& prompt) {
+  auto normalized = NormalizeBackendConfig(config);
+  EXPECT_TRUE(normalized.ok()) << normalized.status();
+  auto model = CreateModel(host, *normalized);
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<float> logits;
+  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
+  EXPECT_TRUE((*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
+  return logits;
+}
+
+#ifdef INFERSWEEP_HAVE_CUDA
+// Synthetic weights generated on the GPU equal the CPU's, bit for bit, for every tensor.
+TEST(Gpu, SyntheticWeightsAreBitIdentical) {
+  REQUIRE_GPU();
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-qwen2-moe"}) {
+    auto host = LoadHostModel(preset, {2, 7, true});
+    ASSERT_TRUE(host.ok()) << host.status();
+    for (size_t i = 0; i < (*host)->specs.size(); ++i) {
+      auto device_bytes = CopyDeviceTensorToHost(**host, i);
+      ASSERT_TRUE(device_bytes.ok()) << device_bytes.status();
+      ASSERT_EQ(0, std::memcmp(device_bytes->data(), (*host)->tensors[i].data, device_bytes->size()))
+          << preset << " " << (*host)->specs[i].name;
+    }
+  }
+}
+#endif
+
+// GPU reference == CPU reference == transformers, on every fixture.
+TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
+  REQUIRE_GPU();
+  const std::string root = SourceDir() + "/tests/fixtures/hf";
+  for (const auto& entry : std::filesystem::directory_iterator(root)) {
+    const std::string dir = entry.path();
+    std::ifstream in(dir + "/expected.json");
+    const auto expected = nlohmann::json::parse(in);
+    const auto prompt = expected.at("prompt").get<std::vector<int32_t>>();
+    auto ref = ReadNpyFloat32(dir + "/logits.npy");
+    ASSERT_TRUE(ref.ok());
+    auto host = LoadHostModel(dir);
+    ASSERT_TRUE(host.ok()) << host.status();
+    const auto cpu = AllLogits(**host, {{"device", "cpu"}}, prompt);
+    const auto gpu = AllLogits(**host, {{"device", "cuda"}}, prompt);
+    const double vs_cpu = RelMaxError(gpu, cpu), vs_hf = RelMaxError(gpu, ref->data);
+    std::printf("# %s: GPU reference vs CPU reference %.3g, vs transformers %.3g\n",
+                entry.path().filename().c_str(), vs_cpu, vs_hf);
+    EXPECT_LE(vs_cpu, 1e-4) << dir;
+    EXPECT_LE(vs_hf, 1e-4) << dir;
+  }
+}
+
+TrialRequest GpuRequest(const std::string& model, const std::string& config,
+                        const std::string& fault = "") {
+  TrialRequest r;
+  r.trial_id = "gpu";
+  r.model = model;
+  r.layers = 2;
+  r.config = *ParseBackendConfig(config);
+  r.workload.prompt_len = 16;
+  r.workload.output_len = 8;
+  r.workload.repeats = 2;
+  r.workload.warmup = 1;
+  r.workload.batch_sizes = {1, 4};
+  r.inject_fault = fault;
+  return r;
+}
+
+// Every registered GPU config is OK against the GPU reference (or UNSUPPORTED by preflight).
+TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
+  REQUIRE_GPU();
+  std::map<std::string, std::vector<std::string>> axes;
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.device == "cuda") axes[d.axis].push_back(d.value);
+  TrialExecutor executor;
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe"}) {
+    for (const BackendConfig& config : ExpandMatrix(axes)) {
+      TrialRequest request = GpuRequest(preset, "device=cuda");
+      request.config = config;
+      const TrialResult r = executor.Execute(request);
+      const bool conflict = config.at("moe") == "loop" && config.at("graphs") == "on";
+      const TrialStatus want = conflict ? TrialStatus::kUnsupported : TrialStatus::kOk;
+      EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
+      std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
+                  BackendConfigString(r.config).c_str(), std::string(TrialStatusName(r.status)).c_str(),
+                  r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
+    }
+  }
+}
+
+TEST(Gpu, NumericFaultsAreIncorrect) {
+  REQUIRE_GPU();
+  TrialExecutor executor;
+  for (const char* config : {"device=cuda,gemm=cublaslt,moe=fused,graphs=on", "device=cuda"}) {
+    for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2", "stuck-token:7"}) {
+      const TrialResult r = executor.Execute(GpuRequest("preset:tiny-moe", config, fault));
+      EXPECT_EQ(r.status, TrialStatus::kIncorrect) << config << " " << fault << ": " << r.reason;
+    }
+  }
+}
+
+TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
+  REQUIRE_GPU();
+  RunnerOptions options;
+  options.worker_argv = {WorkerBinary(), "worker"};
+  TrialRunner runner(options);
+  const char* config = "device=cuda,gemm=cublaslt,moe=fused,graphs=on";
+  EXPECT_EQ(runner.Run(GpuRequest("preset:tiny-moe", config, "segv")).status, TrialStatus::kCrashed);
+  TrialRequest hang = GpuRequest("preset:tiny-moe", config, "hang");
+  hang.workload.timeout_s = 5;
+  EXPECT_EQ(runner.Run(hang).status, TrialStatus::kTimeout);
+  const TrialResult ok = runner.Run(GpuRequest("preset:tiny-moe", config));
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason << ok.stderr_tail;
+}
+
+}  // namespace
+}  // namespace infersweep

@@ -1,0 +1,298 @@
+// Bad input at the coordinator's edges: rejected with a clear gRPC status or an Error message,
+// nothing stored changes, and the coordinator keeps serving everyone else.
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/client.h"
+#include "coordinator/server.h"
+#include "harness/trial.h"
+#include "proto/infersweep.grpc.pb.h"
+#include "proto/rpc.h"
+#include "storage/store.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kValidSweep[] = R"(name: waits
+model: preset:tiny-moe
+layers: 1
+matrix:
+  device: [cpu]
+  matmul: [naive]
+workload: {prompt: 8, output: 4, batch: [1], repeats: 1}
+selector: {sm: [75]}
+)";
+
+struct Counts {
+  int64_t sweeps = 0, trials = 0, results = 0;
+  bool operator==(const Counts& o) const {
+    return sweeps == o.sweeps && trials == o.trials && results == o.results;
+  }
+};
+
+std::ostream& operator<<(std::ostream& os, const Counts& c) {
+  return os << "{sweeps " << c.sweeps << ", trials " << c.trials << ", results " << c.results << "}";
+}
+
+using AgentStream = grpc::ClientReaderWriter<v1::AgentMessage, v1::CoordinatorMessage>;
+
+// A hand-driven agent stream, to send what a real agent never would.
+struct RawAgent {
+  explicit RawAgent(const std::string& address)
+      : stub(v1::AgentService::NewStub(rpc::MakeChannel(address))) {
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    stream = stub->Connect(&context);
+  }
+  bool Send(const v1::AgentMessage& m) { return stream->Write(m); }
+  bool Hello(const std::string& id) {
+    v1::AgentMessage m;
+    m.mutable_hello()->set_agent_id(id);
+    m.mutable_hello()->set_host("test");
+    m.mutable_hello()->set_cpu_only(true);
+    m.mutable_hello()->set_protocol_version(rpc::kProtocolVersion);
+    return Send(m);
+  }
+  bool Result(const std::string& trial_id, int attempt, const std::string& json) {
+    v1::AgentMessage m;
+    m.mutable_result()->set_trial_id(trial_id);
+    m.mutable_result()->set_attempt(attempt);
+    m.mutable_result()->set_result_json(json);
+    return Send(m);
+  }
+  v1::CoordinatorMessage Next() {
+    v1::CoordinatorMessage m;
+    if (!stream->Read(&m)) m.Clear();
+    return m;
+  }
+  grpc::Status End() {
+    stream->WritesDone();
+    v1::CoordinatorMessage m;
+    while (stream->Read(&m)) {
+    }
+    return stream->Finish();
+  }
+
+  std::unique_ptr<v1::AgentService::Stub> stub;
+  grpc::ClientContext context;
+  std::unique_ptr<AgentStream> stream;
+};
+
+std::string ValidResultJson(const std::string& trial_id, int attempt) {
+  TrialResult r;
+  r.trial_id = trial_id;
+  r.attempt = attempt;
+  r.status = TrialStatus::kOk;
+  r.model = "preset:tiny-moe";
+  r.config = {{"device", "cpu"}, {"matmul", "naive"}};
+  r.device = "cpu";
+  return ToJson(r).dump();
+}
+
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "bad-input-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    CoordinatorOptions o;
+    o.max_trials_per_sweep = 8;
+    o.tick_ms = 50;
+    o.log = [](const std::string&) {};
+    server_ = std::make_unique<CoordinatorServer>(o);
+    auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
+    ASSERT_TRUE(port.ok()) << port.status();
+    address_ = absl::StrCat("127.0.0.1:", *port);
+    client_ = std::make_unique<ServiceClient>(address_, 10'000);
+  }
+  void TearDown() override {
+    client_.reset();
+    server_->Stop();
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  Counts Count() {
+    Counts c;
+    Store* store = server_->store();
+    auto sweeps = store->ListSweeps();
+    EXPECT_TRUE(sweeps.ok());
+    for (const SweepRecord& s : *sweeps) {
+      ++c.sweeps;
+      c.trials += s.trials_total;
+    }
+    ResultQuery q;
+    q.limit = 100000;
+    auto results = store->QueryResults(q);
+    EXPECT_TRUE(results.ok());
+    c.results = static_cast<int64_t>(results->size());
+    return c;
+  }
+
+  // Submits `yaml` and expects INVALID_ARGUMENT naming `source:line` and `needle`.
+  void ExpectRejected(const std::string& yaml, const std::string& source, int line,
+                      const std::string& needle) {
+    const Counts before = Count();
+    auto r = client_->SubmitSweep(yaml, source);
+    ASSERT_FALSE(r.ok()) << "accepted: " << yaml;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(absl::StrCat(source, ":", line)));
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(needle));
+    EXPECT_EQ(Count(), before);
+  }
+
+  std::string dir_, address_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::unique_ptr<ServiceClient> client_;
+};
+
+TEST_F(BadInput, MalformedSpecIsInvalidArgumentWithLine) {
+  ExpectRejected("name: broken\nmodel: preset:tiny-moe\nmatrix: {device: [cpu]]\nworkload: {}\n",
+                 "broken.yaml", 3, "malformed YAML");
+  ExpectRejected("name: indent\nmodel: preset:tiny-moe\n  matrix: x\nworkload: {prompt: 8}\n",
+                 "indent.yaml", 3, "malformed YAML");
+  // Well-formed YAML of the wrong shape.
+  ExpectRejected("name: shape\nmodel: preset:tiny-moe\nmatrix: [cpu]\n", "shape.yaml", 3, "matrix");
+}
+
+TEST_F(BadInput, UnknownAxisIsInvalidArgumentWithLine) {
+  ExpectRejected(
+      "name: x\nmodel: preset:tiny-moe\nmatrix:\n  device: [cpu]\n  flux_capacitor: [on]\n",
+      "axis.yaml", 5, "flux_capacitor");
+}
+
+TEST_F(BadInput, MatrixOverTheCapIsInvalidArgument) {
+  // 2 x 5 = 10 combinations; this coordinator takes at most 8 trials per sweep.
+  ExpectRejected(
+      "name: big\nmodel: preset:tiny-moe\nmatrix:\n  device: [cpu]\n  matmul: [naive, blocked]\n"
+      "  threads: [\"1\", \"2\", \"4\", \"8\", all]\n",
+      "big.yaml", 3, "cap of 8 trials");
+}
+
+TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) {
+  auto submitted = client_->SubmitSweep(kValidSweep, "waits.yaml");  // sm 75: nobody runs it
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const std::string queued_trial = absl::StrCat(submitted->sweep_id(), "-0");
+  const Counts before = Count();
+
+  RawAgent rogue(address_);
+  ASSERT_TRUE(rogue.Hello("rogue"));
+  ASSERT_TRUE(rogue.Next().has_welcome());
+
+  // A trial that exists but is not leased to this agent.
+  ASSERT_TRUE(rogue.Result(queued_trial, 1, ValidResultJson(queued_trial, 1)));
+  v1::CoordinatorMessage m = rogue.Next();
+  ASSERT_TRUE(m.has_error()) << m.DebugString();
+  EXPECT_EQ(m.error().trial_id(), queued_trial);
+  EXPECT_TRUE(m.error().permanent());
+  EXPECT_THAT(m.error().message(), HasSubstr("rogue"));
+
+  // A trial that does not exist.
+  ASSERT_TRUE(rogue.Result("999-0", 1, ValidResultJson("999-0", 1)));
+  m = rogue.Next();
+  ASSERT_TRUE(m.has_error()) << m.DebugString();
+  EXPECT_EQ(m.error().trial_id(), "999-0");
+
+  // Not a TrialResult, and a result_json that names another trial.
+  ASSERT_TRUE(rogue.Result(queued_trial, 1, "{not json"));
+  m = rogue.Next();
+  ASSERT_TRUE(m.has_error());
+  EXPECT_THAT(m.error().message(), HasSubstr("not valid JSON"));
+  ASSERT_TRUE(rogue.Result(queued_trial, 1, ValidResultJson("other-trial", 1)));
+  m = rogue.Next();
+  ASSERT_TRUE(m.has_error());
+  EXPECT_THAT(m.error().message(), HasSubstr("other-trial"));
+
+  // The stream survives single bad messages: a heartbeat, then one more round trip.
+  v1::AgentMessage hb;
+  hb.mutable_heartbeat()->set_free_slots(1);
+  ASSERT_TRUE(rogue.Send(hb));
+  ASSERT_TRUE(rogue.Send(v1::AgentMessage()));  // empty oneof
+  m = rogue.Next();
+  ASSERT_TRUE(m.has_error());
+  EXPECT_THAT(m.error().message(), HasSubstr("empty message"));
+
+  EXPECT_EQ(Count(), before);
+  auto trial = server_->store()->GetTrial(queued_trial);
+  ASSERT_TRUE(trial.ok());
+  EXPECT_EQ(trial->state, TrialState::kQueued);
+  EXPECT_EQ(server_->stats().bad_messages, 5);
+  EXPECT_TRUE(rogue.End().ok());
+}
+
+TEST_F(BadInput, ResultBeforeHelloClosesTheStreamAndOthersAreStillServed) {
+  const Counts before = Count();
+  RawAgent early(address_);
+  ASSERT_TRUE(early.Result("1-0", 1, ValidResultJson("1-0", 1)));
+  v1::CoordinatorMessage m = early.Next();
+  ASSERT_TRUE(m.has_error()) << m.DebugString();
+  EXPECT_THAT(m.error().message(), HasSubstr("first message"));
+  grpc::Status status = early.End();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("Hello"));
+
+  // A second Hello on one stream is a protocol error too.
+  RawAgent twice(address_);
+  ASSERT_TRUE(twice.Hello("twice"));
+  ASSERT_TRUE(twice.Next().has_welcome());
+  ASSERT_TRUE(twice.Hello("twice"));
+  m = twice.Next();
+  ASSERT_TRUE(m.has_error());
+  status = twice.End();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("second Hello"));
+
+  // A Hello that is not valid: refused with INVALID_ARGUMENT.
+  RawAgent bad_id(address_);
+  ASSERT_TRUE(bad_id.Hello("no spaces allowed"));
+  EXPECT_TRUE(bad_id.Next().has_error());
+  EXPECT_EQ(bad_id.End().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Everyone else is still served.
+  RawAgent good(address_);
+  ASSERT_TRUE(good.Hello("good"));
+  EXPECT_TRUE(good.Next().has_welcome());
+  auto sweeps = client_->ListSweeps();
+  EXPECT_TRUE(sweeps.ok()) << sweeps.status();
+  auto agents = client_->ListAgents();
+  ASSERT_TRUE(agents.ok());
+  bool good_connected = false;
+  for (const v1::AgentInfo& a : agents->agents())
+    if (a.agent_id() == "good") good_connected = a.connected();
+  EXPECT_TRUE(good_connected);
+  EXPECT_TRUE(good.End().ok());
+  EXPECT_EQ(Count(), before);
+  EXPECT_EQ(server_->stats().streams_rejected, 3);
+}
+
+TEST_F(BadInput, QueryArgumentsAreChecked) {
+  v1::QueryResultsRequest q;
+  q.set_status("FINE");
+  auto r = client_->QueryResults(q);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("FINE"));
+  v1::BestRequest b;
+  b.set_model("preset:tiny-moe");
+  b.set_sm(90);
+  b.set_metric("vibes");
+  auto best = client_->Best(b);
+  ASSERT_FALSE(best.ok());
+  EXPECT_EQ(best.status().code(), absl::StatusCode::kInvalidArgument);
+  auto missing = client_->GetSweep(12345);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace infersweep

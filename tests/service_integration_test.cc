@@ -1,0 +1,413 @@
+// The fleet end to end: a real coordinator on 127.0.0.1:0 with a SQLite file, three in-process
+// agents (two labelled sm_120, one sm_90; trials run on the CPU in `infersweep worker` children),
+// a sweep selected for sm_120, and the user API and CLI over the stored results.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "agent/agent.h"
+#include "coordinator/client.h"
+#include "coordinator/server.h"
+#include "harness/trial.h"
+#include "storage/store.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::UnorderedElementsAreArray;
+
+constexpr char kSweep[] = R"(name: fleet-smoke
+model: preset:tiny-moe
+layers: 1
+matrix:
+  device: [cpu]
+  matmul: [naive, blocked]
+  threads: ["1", "2"]
+workload: {prompt: 8, output: 4, batch: [1], repeats: 1, warmup: 0}
+selector: {sm: [120]}
+)";
+
+// Polls `done` every 20 ms until it holds or `seconds` pass.
+bool WaitFor(const std::function<bool()>& done, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return done();
+}
+
+std::string RunCommand(const std::string& command, int* exit_code) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+class Fleet : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "fleet-test-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    agents_.clear();  // stop the agents before the coordinator
+    if (server_) server_->Stop();
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  CoordinatorOptions QuietOptions() {
+    CoordinatorOptions o;
+    o.lease_ms = 20'000;
+    o.tick_ms = 50;
+    o.log = [this](const std::string& line) { Remember("coordinator", line); };
+    return o;
+  }
+
+  void StartCoordinator(CoordinatorOptions options, const std::string& address = "127.0.0.1:0") {
+    server_ = std::make_unique<CoordinatorServer>(std::move(options));
+    auto port = server_->Start(address, dir_ + "/coordinator.db");
+    ASSERT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+    address_ = absl::StrCat("127.0.0.1:", port_);
+  }
+
+  Agent* StartAgent(const std::string& id, const std::string& fake_gpu,
+                    std::vector<std::string> worker_argv = {INFERSWEEP_BINARY, "worker"}) {
+    AgentOptions o;
+    o.coordinator = address_;
+    o.agent_id = id;
+    o.spool_path = absl::StrCat(dir_, "/", id, ".spool.db");
+    if (!fake_gpu.empty()) o.test_fake_gpus = {fake_gpu};
+    o.worker_argv = std::move(worker_argv);
+    o.initial_backoff_ms = 50;
+    o.max_backoff_ms = 300;
+    o.log = [this, id](const std::string& line) { Remember(id, line); };
+    auto agent = std::make_unique<Agent>(o);
+    absl::Status s = agent->Start();
+    EXPECT_TRUE(s.ok()) << s;
+    agents_.push_back(std::move(agent));
+    return agents_.back().get();
+  }
+
+  void Remember(const std::string& who, const std::string& line) {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    log_ += absl::StrCat("[", who, "] ", line, "\n");
+  }
+  std::string Log() {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    return log_;
+  }
+
+  std::string dir_;
+  int port_ = 0;
+  std::string address_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::vector<std::unique_ptr<Agent>> agents_;
+  std::mutex log_mu_;
+  std::string log_;
+};
+
+TEST_F(Fleet, SweepRunsOnlyOnSelectedArchAndQueriesAgree) {
+  const auto t0 = std::chrono::steady_clock::now();
+  StartCoordinator(QuietOptions());
+  Agent* rtx_a = StartAgent("rtx-a", "NVIDIA RTX PRO 6000:120:96");
+  Agent* rtx_b = StartAgent("rtx-b", "NVIDIA RTX PRO 6000:sm_120:96");
+  Agent* h200 = StartAgent("h200", "NVIDIA H200:sm_90a:141");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 3; }, 10)) << Log();
+
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(kSweep, "fleet.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const int64_t sweep = submitted->sweep_id();
+  ASSERT_EQ(submitted->trial_count(), 4);
+
+  v1::SweepInfo info;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto s = client.GetSweep(sweep);
+        if (!s.ok()) return false;
+        info = *s;
+        return s->state() != "active";
+      },
+      45))
+      << Log();
+  EXPECT_EQ(info.state(), "done");
+  EXPECT_EQ(info.trials_done(), 4);
+  EXPECT_EQ(info.status_counts().at("OK"), 4) << Log();
+
+  // Every trial: done after one attempt, exactly one stored result, from an sm_120 agent.
+  Store* store = server_->store();
+  ResultQuery all;
+  all.sweep_id = sweep;
+  all.limit = 100;
+  auto stored = store->QueryResults(all);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), 4u);
+  std::vector<std::string> expected_ids, ids;
+  std::map<std::string, double> tok_s;  // config -> output tok/s at batch 1
+  for (int i = 0; i < 4; ++i) expected_ids.push_back(absl::StrCat(sweep, "-", i));
+  for (const StoredResult& r : *stored) {
+    ids.push_back(r.result.trial_id);
+    EXPECT_THAT(r.agent_id, ::testing::AnyOf("rtx-a", "rtx-b"));
+    EXPECT_EQ(r.sm, 120);
+    EXPECT_EQ(r.gpu_name, "NVIDIA RTX PRO 6000");
+    EXPECT_EQ(r.result.status, TrialStatus::kOk) << r.result.reason;
+    EXPECT_EQ(r.result.device, "cpu");
+    ASSERT_EQ(r.result.batches.size(), 1u);
+    tok_s[BackendConfigString(r.result.config)] = r.result.batches[0].output_tok_s.median;
+    auto trial = store->GetTrial(r.result.trial_id);
+    ASSERT_TRUE(trial.ok());
+    EXPECT_EQ(trial->state, TrialState::kDone);
+    EXPECT_EQ(trial->attempt, 1);
+  }
+  EXPECT_THAT(ids, UnorderedElementsAreArray(expected_ids));
+  EXPECT_EQ(tok_s.size(), 4u);
+  EXPECT_EQ(h200->stats().assignments, 0) << Log();
+  EXPECT_EQ(rtx_a->stats().assignments + rtx_b->stats().assignments, 4);
+
+  // Acks reach the agents: nothing stays spooled.
+  EXPECT_TRUE(WaitFor(
+      [&] { return rtx_a->stats().spooled + rtx_b->stats().spooled + h200->stats().spooled == 0; },
+      5))
+      << Log();
+
+  // The user API: by arch, by axis, and the best config.
+  v1::QueryResultsRequest q120;
+  q120.set_sm(120);
+  q120.set_model("preset:tiny-moe");
+  auto rows120 = client.QueryResults(q120);
+  ASSERT_TRUE(rows120.ok()) << rows120.status();
+  EXPECT_EQ(rows120->rows_size(), 4);
+  for (const v1::ResultRow& row : rows120->rows()) EXPECT_EQ(row.sm(), 120);
+  v1::QueryResultsRequest q90;
+  q90.set_sm(90);
+  auto rows90 = client.QueryResults(q90);
+  ASSERT_TRUE(rows90.ok());
+  EXPECT_EQ(rows90->rows_size(), 0);
+  v1::QueryResultsRequest blocked = q120;
+  (*blocked.mutable_axis_values())["matmul"] = "blocked";
+  blocked.set_status("OK");
+  auto rows_blocked = client.QueryResults(blocked);
+  ASSERT_TRUE(rows_blocked.ok());
+  EXPECT_EQ(rows_blocked->rows_size(), 2);
+  for (const v1::ResultRow& row : rows_blocked->rows())
+    EXPECT_NE(row.result_json().find("\"blocked\""), std::string::npos);
+
+  std::string fastest;
+  double fastest_tok_s = -1;
+  for (const auto& [config, v] : tok_s)
+    if (v > fastest_tok_s) fastest = config, fastest_tok_s = v;
+  v1::BestRequest best_req;
+  best_req.set_model("preset:tiny-moe");
+  best_req.set_sm(120);
+  best_req.set_metric("output_tok_s");
+  best_req.set_batch(1);
+  auto best = client.Best(best_req);
+  ASSERT_TRUE(best.ok()) << best.status();
+  ASSERT_TRUE(best->found());
+  auto best_json = nlohmann::json::parse(best->row().result_json());
+  auto best_result = TrialResultFromJson(best_json);
+  ASSERT_TRUE(best_result.ok());
+  EXPECT_EQ(BackendConfigString(best_result->config), fastest);
+  EXPECT_DOUBLE_EQ(best_result->batches.at(0).output_tok_s.median, fastest_tok_s);
+  best_req.set_sm(90);
+  auto none = client.Best(best_req);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->found());
+
+  // Agents as the coordinator sees them.
+  auto agents = client.ListAgents();
+  ASSERT_TRUE(agents.ok());
+  ASSERT_EQ(agents->agents_size(), 3);
+  for (const v1::AgentInfo& a : agents->agents()) {
+    EXPECT_TRUE(a.connected());
+    ASSERT_EQ(a.gpus_size(), 1);
+    EXPECT_EQ(a.gpus(0).sm(), a.agent_id() == "h200" ? 90 : 120);
+  }
+
+  // The CLI over the same coordinator: CSV rows and `best`.
+  int code = -1;
+  const std::string csv = RunCommand(
+      absl::StrCat(INFERSWEEP_BINARY, " results --coordinator ", address_,
+                   " --sm-arch sm_120a --format csv 2>&1"),
+      &code);
+  EXPECT_EQ(code, 0) << csv;
+  std::vector<std::string> lines = absl::StrSplit(csv, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << csv;  // header + 4 rows
+  EXPECT_EQ(lines[0].rfind("sweep_id,trial_id,", 0), 0u);
+  const std::string best_out = RunCommand(
+      absl::StrCat(INFERSWEEP_BINARY, " best --coordinator ", address_,
+                   " --model preset:tiny-moe --sm-arch 120 2>&1"),
+      &code);
+  EXPECT_EQ(code, 0) << best_out;
+  EXPECT_NE(best_out.find(fastest), std::string::npos) << best_out;
+  const std::string none_out = RunCommand(
+      absl::StrCat(INFERSWEEP_BINARY, " results --coordinator ", address_, " --sm-arch 90 2>&1"),
+      &code);
+  EXPECT_EQ(code, 0) << none_out;
+  EXPECT_NE(none_out.find("# 0 result(s)"), std::string::npos) << none_out;
+
+  EXPECT_EQ(server_->stats().bad_messages, 0) << Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+}
+
+// A result finished while the coordinator is down waits in the agent's spool and is delivered
+// after the agent reconnects to the restarted coordinator (same database, same port).
+TEST_F(Fleet, SpooledResultIsDeliveredAfterCoordinatorRestart) {
+  StartCoordinator(QuietOptions());
+  // The worker starts 2 s late, so the trial is still running when the coordinator stops.
+  Agent* agent = StartAgent(
+      "slow", "NVIDIA RTX PRO 6000:120:96",
+      {"/bin/sh", "-c", absl::StrCat("sleep 2; exec '", INFERSWEEP_BINARY, "' worker")});
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[blocked]");
+  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_EQ(submitted->trial_count(), 1);
+  const std::string trial_id = absl::StrCat(submitted->sweep_id(), "-0");
+
+  ASSERT_TRUE(WaitFor([&] { return agent->stats().assignments == 1; }, 10)) << Log();
+  server_->Stop();
+  server_.reset();
+  // The trial ends with nobody to tell: its result is spooled.
+  ASSERT_TRUE(WaitFor([&] { return agent->stats().spooled == 1 && !agent->connected(); }, 20))
+      << Log();
+
+  StartCoordinator(QuietOptions(), address_);
+  ASSERT_TRUE(WaitFor([&] { return agent->stats().spooled == 0; }, 15)) << Log();
+  auto trial = server_->store()->GetTrial(trial_id);
+  ASSERT_TRUE(trial.ok());
+  EXPECT_EQ(trial->state, TrialState::kDone);
+  ResultQuery q;
+  q.sweep_id = submitted->sweep_id();
+  auto rows = server_->store()->QueryResults(q);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].agent_id, "slow");
+  EXPECT_EQ((*rows)[0].sm, 120);
+  EXPECT_EQ((*rows)[0].result.status, TrialStatus::kOk) << (*rows)[0].result.reason;
+  EXPECT_GE(agent->stats().connects, 2);
+}
+
+// Preflight judges configs against the agent's inventory: an impossible one is stored as
+// UNSUPPORTED by the coordinator and never dispatched.
+TEST_F(Fleet, UnsupportedConfigIsRecordedWithoutDispatch) {
+  StartCoordinator(QuietOptions());
+  Agent* h200 = StartAgent("h200", "NVIDIA H200:90:141");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  ServiceClient client(address_);
+  // moe=loop cannot be combined with graphs=on, whatever the build.
+  auto submitted = client.SubmitSweep(R"(name: impossible
+model: preset:tiny-moe
+matrix: {device: [cuda], moe: [loop], graphs: ["on"]}
+workload: {prompt: 8, output: 4, batch: [1], repeats: 1}
+selector: {sm: [90]}
+)",
+                                      "impossible.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto s = client.GetSweep(submitted->sweep_id());
+        return s.ok() && s->state() == "done";
+      },
+      10))
+      << Log();
+  ResultQuery q;
+  q.sweep_id = submitted->sweep_id();
+  auto rows = server_->store()->QueryResults(q);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].result.status, TrialStatus::kUnsupported);
+  EXPECT_FALSE((*rows)[0].result.reason.empty());
+  EXPECT_EQ((*rows)[0].agent_id, "");
+  EXPECT_EQ((*rows)[0].sm, 90);
+  EXPECT_EQ(h200->stats().assignments, 0);
+  EXPECT_EQ(server_->stats().unsupported, 1);
+}
+
+// A cancelled sweep's queued trials are never dispatched.
+TEST_F(Fleet, CancelledSweepIsNotDispatched) {
+  StartCoordinator(QuietOptions());
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(kSweep, "fleet.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  auto cancelled = client.CancelSweep(submitted->sweep_id());
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  Agent* rtx = StartAgent("rtx", "NVIDIA RTX PRO 6000:120:96");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(rtx->stats().assignments, 0);
+  auto s = client.GetSweep(submitted->sweep_id());
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->state(), "cancelled");
+  EXPECT_EQ(s->trials_done(), 0);
+}
+
+// An agent that restarts while a trial runs comes back without it; after a grace period the
+// coordinator records the trial as lost instead of renewing its lease forever.
+TEST_F(Fleet, TrialLostByARestartedAgentIsRecorded) {
+  CoordinatorOptions options = QuietOptions();
+  options.lost_trial_grace_ms = 300;
+  StartCoordinator(options);
+  const std::vector<std::string> slow = {
+      "/bin/sh", "-c", absl::StrCat("sleep 1; exec '", INFERSWEEP_BINARY, "' worker")};
+  Agent* first = StartAgent("phoenix", "NVIDIA RTX PRO 6000:120:96", slow);
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[naive]");
+  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitFor([&] { return first->stats().assignments == 1; }, 10)) << Log();
+  first->Stop();  // the running trial ends unreported
+  agents_.clear();
+  StartAgent("phoenix", "NVIDIA RTX PRO 6000:120:96");
+  ResultQuery q;
+  q.sweep_id = submitted->sweep_id();
+  std::vector<StoredResult> rows;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto r = server_->store()->QueryResults(q);
+        if (!r.ok() || r->empty()) return false;
+        rows = *r;
+        return true;
+      },
+      10))
+      << Log();
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].result.status, TrialStatus::kError);
+  EXPECT_THAT(rows[0].result.reason, ::testing::HasSubstr("lost"));
+  EXPECT_EQ(rows[0].agent_id, "phoenix");
+  EXPECT_TRUE(WaitFor([&] { return server_->stats().lost == 1; }, 2));
+}
+
+}  // namespace
+}  // namespace infersweep

@@ -1,0 +1,710 @@
+// SqliteStore on real files in a temporary directory: sweeps and trials, leases, results
+// (idempotency, ownership), queries, Best, persistence, migrations and a busy database.
+#include "storage/store.h"
+
+#include <sqlite3.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "storage/schema.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "store_test.XXXXXX").string();
+    char* made = mkdtemp(tmpl.data());
+    EXPECT_NE(made, nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string File(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// A second, raw connection to the same file, as another process would have.
+class RawDb {
+ public:
+  explicit RawDb(const std::string& path) {
+    EXPECT_EQ(sqlite3_open(path.c_str(), &db_), SQLITE_OK);
+    sqlite3_busy_timeout(db_, 2000);
+  }
+  ~RawDb() { sqlite3_close(db_); }
+  int Exec(const std::string& sql) { return sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr); }
+  // The first column of the first row, as text ("" if none).
+  std::string Query(const std::string& sql) {
+    sqlite3_stmt* stmt = nullptr;
+    std::string out;
+    if (sqlite3_prepare_v2(db_, sql.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
+      ADD_FAILURE() << sql << ": " << sqlite3_errmsg(db_);
+      return out;
+    }
+    if (sqlite3_step(stmt) == SQLITE_ROW && sqlite3_column_text(stmt, 0) != nullptr)
+      out = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
+    sqlite3_finalize(stmt);
+    return out;
+  }
+  // Every row of EXPLAIN QUERY PLAN, joined.
+  std::string Plan(const std::string& sql) {
+    sqlite3_stmt* stmt = nullptr;
+    std::string out;
+    const std::string explain = "EXPLAIN QUERY PLAN " + sql;
+    if (sqlite3_prepare_v2(db_, explain.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
+      ADD_FAILURE() << explain << ": " << sqlite3_errmsg(db_);
+      return out;
+    }
+    while (sqlite3_step(stmt) == SQLITE_ROW)
+      out += std::string(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 3))) + "\n";
+    sqlite3_finalize(stmt);
+    return out;
+  }
+  int64_t Count(const std::string& table) { return std::stoll(Query("SELECT COUNT(*) FROM " + table)); }
+
+ private:
+  sqlite3* db_ = nullptr;
+};
+
+std::unique_ptr<Store> OpenOrDie(const std::string& path, StoreOptions options = {}) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path, options);
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? std::move(*store) : nullptr;
+}
+
+TrialRecord MakeTrial(const BackendConfig& config, int priority = 0) {
+  TrialRecord t;
+  t.model = "preset:tiny";
+  t.layers = 2;
+  t.seed = 0xfedcba9876543210ull;  // above INT64_MAX: must survive the int64 column
+  t.config = config;
+  t.workload.batch_sizes = {1, 8};
+  t.workload.prompt_len = 64;
+  t.selector.sm_archs = {90, 120};
+  t.selector.gpu_name_regex = "H200|H100";
+  t.selector.min_memory_bytes = 80'000'000'000;
+  t.selector.device = ConfigDevice(config);
+  t.priority = priority;
+  return t;
+}
+
+SweepRecord MakeSweep(const std::string& name, int priority = 0) {
+  SweepRecord s;
+  s.name = name;
+  s.spec_yaml = "name: " + name + "\n";
+  s.model = "preset:tiny";
+  s.priority = priority;
+  return s;
+}
+
+BatchFigures Figures(int batch, double tok_s, double ttft_ms, double tpot_ms, double prefill) {
+  BatchFigures b;
+  b.batch = batch;
+  b.output_tok_s = {tok_s, tok_s * 0.9, tok_s * 1.1};
+  b.ttft_ms = {ttft_ms, ttft_ms, ttft_ms};
+  b.tpot_ms = {tpot_ms, tpot_ms, tpot_ms};
+  b.prefill_tok_s = {prefill, prefill, prefill};
+  return b;
+}
+
+TrialResult MakeResult(const std::string& trial_id, int attempt, TrialStatus status,
+                       double tok_s_b1, int64_t finished_ms, const BackendConfig& config) {
+  TrialResult r;
+  r.trial_id = trial_id;
+  r.attempt = attempt;
+  r.status = status;
+  r.model = "preset:tiny";
+  r.config = config;
+  r.device = "NVIDIA H200";
+  r.sm = 90;
+  r.batches = {Figures(1, tok_s_b1, 10, 5, 1000), Figures(8, tok_s_b1 * 6, 20, 7, 5000)};
+  r.started_unix_ms = finished_ms - 1000;
+  r.finished_unix_ms = finished_ms;
+  return r;
+}
+
+const BackendConfig kFlash = {{"device", "cuda"}, {"attention", "flash"}, {"graphs", "on"}};
+const BackendConfig kNaive = {{"device", "cuda"}, {"attention", "naive"}, {"graphs", "off"}};
+const BackendConfig kCpu = {{"device", "cpu"}, {"matmul", "blocked"}, {"threads", "4"}};
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = dir_.File("coord.db");
+    store_ = OpenOrDie(path_);
+    ASSERT_NE(store_, nullptr);
+  }
+
+  // A sweep of `n` trials alternating the two cuda configs; returns its id.
+  int64_t CreateSweep(int n, int priority = 0, const std::string& name = "s") {
+    std::vector<TrialRecord> trials;
+    for (int i = 0; i < n; ++i) trials.push_back(MakeTrial(i % 2 ? kNaive : kFlash, priority));
+    absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweep(name, priority), trials);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.value_or(0);
+  }
+
+  TempDir dir_;
+  std::string path_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(StoreTest, CreateSweepStoresTrialsWithAssignedIds) {
+  const int64_t id = CreateSweep(3);
+  absl::StatusOr<SweepRecord> sweep = store_->GetSweep(id);
+  ASSERT_TRUE(sweep.ok()) << sweep.status();
+  EXPECT_EQ(sweep->name, "s");
+  EXPECT_EQ(sweep->state, "active");
+  EXPECT_EQ(sweep->trials_total, 3);
+  EXPECT_EQ(sweep->trials_done, 0);
+  EXPECT_GT(sweep->created_unix_ms, 0);
+
+  absl::StatusOr<TrialRecord> t = store_->GetTrial(absl::StrCat(id, "-1"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->sweep_id, id);
+  EXPECT_EQ(t->config, kNaive);
+  EXPECT_EQ(t->seed, 0xfedcba9876543210ull);
+  EXPECT_EQ(t->layers, 2);
+  EXPECT_EQ(t->workload.batch_sizes, (std::vector<int>{1, 8}));
+  EXPECT_EQ(t->workload.prompt_len, 64);
+  EXPECT_EQ(t->selector.sm_archs, (std::vector<int>{90, 120}));
+  EXPECT_EQ(t->selector.gpu_name_regex, "H200|H100");
+  EXPECT_EQ(t->selector.min_memory_bytes, 80'000'000'000);
+  EXPECT_EQ(t->selector.device, "cuda");
+  EXPECT_EQ(t->state, TrialState::kQueued);
+  EXPECT_EQ(t->attempt, 0);
+  EXPECT_TRUE(t->leased_to.empty());
+
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("SELECT config_string FROM trials WHERE trial_id = '" +
+                      absl::StrCat(id, "-1") + "'"),
+            "attention=naive,device=cuda,graphs=off");
+
+  EXPECT_EQ(store_->GetSweep(id + 100).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->GetTrial("nope").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<std::vector<SweepRecord>> all = store_->ListSweeps();
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 1u);
+}
+
+TEST_F(StoreTest, CreateSweepRejectsDuplicateTrialIdsAtomically) {
+  std::vector<TrialRecord> trials = {MakeTrial(kFlash), MakeTrial(kNaive)};
+  trials[0].trial_id = "x";
+  trials[1].trial_id = "x";
+  absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweep("dup"), trials);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kAlreadyExists) << id.status();
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("sweeps"), 0);
+  EXPECT_EQ(raw.Count("trials"), 0);
+}
+
+TEST_F(StoreTest, QueuedTrialsHighestPriorityFirstThenOldest) {
+  const int64_t low = CreateSweep(2, /*priority=*/0, "low");
+  const int64_t high = CreateSweep(2, /*priority=*/5, "high");
+  absl::StatusOr<std::vector<TrialRecord>> q = store_->QueuedTrials(10);
+  ASSERT_TRUE(q.ok()) << q.status();
+  std::vector<std::string> ids;
+  for (const TrialRecord& t : *q) ids.push_back(t.trial_id);
+  EXPECT_THAT(ids, ElementsAre(absl::StrCat(high, "-0"), absl::StrCat(high, "-1"),
+                               absl::StrCat(low, "-0"), absl::StrCat(low, "-1")));
+  q = store_->QueuedTrials(1);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->size(), 1u);
+}
+
+TEST_F(StoreTest, LeaseRenewAndRequeueExpired) {
+  const int64_t id = CreateSweep(3);
+  const std::string a = absl::StrCat(id, "-0"), b = absl::StrCat(id, "-1");
+
+  absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(a, "agent-1", 1000);
+  ASSERT_TRUE(leased.ok()) << leased.status();
+  EXPECT_EQ(leased->state, TrialState::kLeased);
+  EXPECT_EQ(leased->attempt, 1);
+  EXPECT_EQ(leased->leased_to, "agent-1");
+  EXPECT_EQ(leased->lease_expires_unix_ms, 1000);
+
+  absl::StatusOr<TrialRecord> again = store_->LeaseTrial(a, "agent-2", 1000);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("agent-1"));
+  EXPECT_EQ(store_->LeaseTrial("missing", "agent-1", 1000).status().code(),
+            absl::StatusCode::kNotFound);
+
+  ASSERT_TRUE(store_->LeaseTrial(b, "agent-2", 1000).ok());
+  // agent-1 renews; agent-2 does not.
+  ASSERT_TRUE(store_->RenewLeases("agent-1", 5000).ok());
+  EXPECT_EQ(store_->GetTrial(a)->lease_expires_unix_ms, 5000);
+
+  absl::StatusOr<std::vector<std::string>> requeued = store_->RequeueExpired(2000);
+  ASSERT_TRUE(requeued.ok()) << requeued.status();
+  EXPECT_THAT(*requeued, ElementsAre(b));
+  absl::StatusOr<TrialRecord> tb = store_->GetTrial(b);
+  EXPECT_EQ(tb->state, TrialState::kQueued);
+  EXPECT_TRUE(tb->leased_to.empty());
+  EXPECT_EQ(tb->attempt, 1);  // attempts started so far
+  EXPECT_EQ(store_->GetTrial(a)->state, TrialState::kLeased);
+
+  // A requeued trial leases again under the next attempt.
+  absl::StatusOr<TrialRecord> re = store_->LeaseTrial(b, "agent-3", 9000);
+  ASSERT_TRUE(re.ok());
+  EXPECT_EQ(re->attempt, 2);
+  EXPECT_THAT(*store_->RequeueExpired(6000), ElementsAre(a));
+}
+
+TEST_F(StoreTest, RecordResultIsIdempotentPerAttempt) {
+  const int64_t id = CreateSweep(2);
+  const std::string t = absl::StrCat(id, "-0");
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000).ok());
+  const TrialResult r = MakeResult(t, 1, TrialStatus::kOk, 100, 5000, kFlash);
+  ASSERT_TRUE(store_->RecordResult("agent-1", "NVIDIA H200", 90, r).ok());
+  ASSERT_TRUE(store_->RecordResult("agent-1", "NVIDIA H200", 90, r).ok());
+
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("results"), 1);
+  EXPECT_EQ(raw.Count("result_axes"), 3);
+  EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
+  absl::StatusOr<SweepRecord> sweep = store_->GetSweep(id);
+  EXPECT_EQ(sweep->trials_done, 1);
+  EXPECT_EQ(sweep->state, "active");
+  EXPECT_EQ(raw.Query("SELECT output_tok_s FROM results"), "100.0");
+  EXPECT_EQ(raw.Query("SELECT output_tok_s_max_batch FROM results"), "600.0");
+  EXPECT_EQ(raw.Query("SELECT ttft_ms_p50 FROM results"), "10.0");
+  EXPECT_EQ(raw.Query("SELECT tpot_ms FROM results"), "5.0");
+}
+
+TEST_F(StoreTest, ResultFromTheWrongAgentOrAttemptIsRejectedAndChangesNothing) {
+  const int64_t id = CreateSweep(2);
+  const std::string t = absl::StrCat(id, "-0");
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000).ok());
+  RawDb raw(path_);
+  const int64_t results = raw.Count("results"), axes = raw.Count("result_axes");
+
+  absl::Status s = store_->RecordResult("agent-2", "NVIDIA H200", 90,
+                                        MakeResult(t, 1, TrialStatus::kOk, 100, 5000, kFlash));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("agent-1"));
+  s = store_->RecordResult("agent-1", "NVIDIA H200", 90,
+                           MakeResult(t, 2, TrialStatus::kOk, 100, 5000, kFlash));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+
+  EXPECT_EQ(raw.Count("results"), results);
+  EXPECT_EQ(raw.Count("result_axes"), axes);
+  absl::StatusOr<TrialRecord> trial = store_->GetTrial(t);
+  EXPECT_EQ(trial->state, TrialState::kLeased);
+  EXPECT_EQ(trial->leased_to, "agent-1");
+  EXPECT_EQ(store_->GetSweep(id)->trials_done, 0);
+
+  // After the lease expires and is requeued, the old holder cannot report either.
+  ASSERT_TRUE(store_->RequeueExpired(2000).ok());
+  s = store_->RecordResult("agent-1", "NVIDIA H200", 90,
+                           MakeResult(t, 1, TrialStatus::kOk, 100, 5000, kFlash));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_EQ(raw.Count("results"), results);
+}
+
+TEST_F(StoreTest, ResultForUnknownTrialIsNotFound) {
+  CreateSweep(1);
+  absl::Status s = store_->RecordResult("agent-1", "NVIDIA H200", 90,
+                                        MakeResult("999-0", 1, TrialStatus::kOk, 1, 1, kFlash));
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_THAT(s.message(), HasSubstr("999-0"));
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("results"), 0);
+}
+
+TEST_F(StoreTest, SweepIsDoneWhenEveryTrialIsDone) {
+  const int64_t id = CreateSweep(2);
+  for (int i = 0; i < 2; ++i) {
+    const std::string t = absl::StrCat(id, "-", i);
+    ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000).ok());
+    ASSERT_TRUE(store_->RecordResult("agent-1", "NVIDIA H200", 90,
+                                     MakeResult(t, 1, TrialStatus::kOk, 10, 5000, kFlash))
+                    .ok());
+    EXPECT_EQ(store_->GetSweep(id)->state, i == 0 ? "active" : "done");
+  }
+  EXPECT_EQ(store_->GetSweep(id)->trials_done, 2);
+}
+
+TEST_F(StoreTest, CoordinatorResultsNeedNoLeaseAndCountOnce) {
+  const int64_t id = CreateSweep(1);
+  const std::string t = absl::StrCat(id, "-0");
+  TrialResult r = MakeResult(t, 0, TrialStatus::kUnsupported, 0, 5000, {});
+  r.batches.clear();
+  r.model.clear();
+  ASSERT_TRUE(store_->RecordResult("", "", 0, r).ok());
+  EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
+  EXPECT_EQ(store_->GetSweep(id)->state, "done");
+  // The stored result carries the trial's model and config.
+  ResultQuery q;
+  q.sweep_id = id;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].result.model, "preset:tiny");
+  EXPECT_EQ((*rows)[0].result.config, kFlash);
+  EXPECT_EQ((*rows)[0].result.status, TrialStatus::kUnsupported);
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("SELECT output_tok_s IS NULL FROM results"), "1");
+}
+
+TEST_F(StoreTest, RecordResultsIsAllOrNothing) {
+  const int64_t id = CreateSweep(2);
+  std::vector<ResultSubmission> batch = {
+      {"", "g", 90, MakeResult(absl::StrCat(id, "-0"), 1, TrialStatus::kOk, 1, 1, kFlash)},
+      {"", "g", 90, MakeResult("no-such-trial", 1, TrialStatus::kOk, 1, 1, kFlash)},
+  };
+  EXPECT_EQ(store_->RecordResults(batch).code(), absl::StatusCode::kNotFound);
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("results"), 0);
+  EXPECT_EQ(store_->GetTrial(absl::StrCat(id, "-0"))->state, TrialState::kQueued);
+  batch.pop_back();
+  ASSERT_TRUE(store_->RecordResults(batch).ok());
+  EXPECT_EQ(raw.Count("results"), 1);
+}
+
+TEST_F(StoreTest, CancelSweepCancelsOpenTrialsAndStillTakesRunningResults) {
+  const int64_t id = CreateSweep(3);
+  const std::string running = absl::StrCat(id, "-0");
+  ASSERT_TRUE(store_->LeaseTrial(running, "agent-1", 1000).ok());
+  ASSERT_TRUE(store_->CancelSweep(id).ok());
+  EXPECT_EQ(store_->GetSweep(id)->state, "cancelled");
+  EXPECT_EQ(store_->GetTrial(absl::StrCat(id, "-1"))->state, TrialState::kCancelled);
+  EXPECT_EQ(store_->GetTrial(running)->state, TrialState::kCancelled);
+  EXPECT_TRUE(store_->QueuedTrials(10)->empty());
+  EXPECT_EQ(store_->LeaseTrial(absl::StrCat(id, "-1"), "a", 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(store_->RecordResult("agent-1", "g", 90,
+                                   MakeResult(running, 1, TrialStatus::kOk, 5, 5, kFlash))
+                  .ok());
+  EXPECT_EQ(store_->GetSweep(id)->state, "cancelled");
+  EXPECT_TRUE(store_->CancelSweep(id).ok());
+  EXPECT_EQ(store_->CancelSweep(id + 1).code(), absl::StatusCode::kNotFound);
+}
+
+// Stores results directly (coordinator-made, so no leases are needed).
+class QueryTest : public StoreTest {
+ protected:
+  void SetUp() override {
+    StoreTest::SetUp();
+    std::vector<TrialRecord> trials;
+    for (int i = 0; i < 6; ++i) trials.push_back(MakeTrial(i < 3 ? kFlash : kNaive));
+    SweepRecord sweep = MakeSweep("q");
+    absl::StatusOr<int64_t> id = store_->CreateSweep(sweep, trials);
+    ASSERT_TRUE(id.ok());
+    sweep_ = *id;
+    struct Row {
+      int sm;
+      std::string gpu;
+      TrialStatus status;
+      double tok_s;
+      int64_t finished;
+    };
+    const std::vector<Row> rows = {
+        {90, "NVIDIA H200", TrialStatus::kOk, 100, 1000},         // 0 flash
+        {90, "NVIDIA H200", TrialStatus::kOk, 150, 2000},         // 1 flash: best OK on sm 90
+        {90, "NVIDIA H200", TrialStatus::kIncorrect, 300, 3000},  // 2 flash: faster, but wrong
+        {90, "NVIDIA H100", TrialStatus::kOk, 120, 4000},         // 3 naive
+        {120, "RTX 5090", TrialStatus::kOk, 400, 5000},           // 4 naive, other sm
+        {90, "NVIDIA H200", TrialStatus::kCrashed, 0, 6000},      // 5 naive
+    };
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const std::string t = absl::StrCat(sweep_, "-", i);
+      TrialResult r = MakeResult(t, 1, rows[i].status, rows[i].tok_s, rows[i].finished,
+                                 i < 3 ? kFlash : kNaive);
+      r.batches[0].ttft_ms = {static_cast<double>(50 - i), 0, 0};  // later rows: lower ttft
+      // Batch 8 ranks differently from batch 1: row 0 is the fastest OK there.
+      r.batches[1].output_tok_s.median = i == 0 ? 5000 : 100 * static_cast<double>(i);
+      if (rows[i].status == TrialStatus::kCrashed) r.batches.clear();
+      ASSERT_TRUE(store_->RecordResult("", rows[i].gpu, rows[i].sm, r).ok());
+    }
+  }
+
+  static std::vector<std::string> Ids(const absl::StatusOr<std::vector<StoredResult>>& rows) {
+    EXPECT_TRUE(rows.ok()) << rows.status();
+    std::vector<std::string> ids;
+    if (rows.ok())
+      for (const StoredResult& r : *rows) ids.push_back(r.result.trial_id);
+    return ids;
+  }
+  std::string T(int i) const { return absl::StrCat(sweep_, "-", i); }
+
+  int64_t sweep_ = 0;
+};
+
+TEST_F(QueryTest, FiltersCombineAndNewestComesFirst) {
+  ResultQuery q;
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(5), T(4), T(3), T(2), T(1), T(0)));
+  q.sm = 90;
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(5), T(3), T(2), T(1), T(0)));
+  q.status = TrialStatus::kOk;
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(3), T(1), T(0)));
+  q.gpu_name = "NVIDIA H200";
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(1), T(0)));
+  q.limit = 1;
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(1)));
+
+  ResultQuery m;
+  m.model = "preset:tiny";
+  m.sweep_id = sweep_;
+  EXPECT_EQ(Ids(store_->QueryResults(m)).size(), 6u);
+  m.model = "preset:other";
+  EXPECT_TRUE(Ids(store_->QueryResults(m)).empty());
+  m.model.reset();
+  m.sweep_id = sweep_ + 1;
+  EXPECT_TRUE(Ids(store_->QueryResults(m)).empty());
+
+  ResultQuery bad;
+  bad.limit = 0;
+  EXPECT_EQ(store_->QueryResults(bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(QueryTest, AxisValuesMustAllMatch) {
+  ResultQuery q;
+  q.axis_values = {{"attention", "naive"}};
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(5), T(4), T(3)));
+  q.axis_values = {{"attention", "flash"}, {"graphs", "on"}};
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(2), T(1), T(0)));
+  q.axis_values = {{"attention", "flash"}, {"graphs", "off"}};
+  EXPECT_TRUE(Ids(store_->QueryResults(q)).empty());
+  q.axis_values = {{"no-such-axis", "x"}};
+  EXPECT_TRUE(Ids(store_->QueryResults(q)).empty());
+}
+
+TEST_F(QueryTest, TimeRangeIsSinceInclusiveUntilExclusive) {
+  ResultQuery q;
+  q.since_unix_ms = 2000;
+  q.until_unix_ms = 4000;
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(2), T(1)));
+  q.until_unix_ms.reset();
+  EXPECT_THAT(Ids(store_->QueryResults(q)), ElementsAre(T(5), T(4), T(3), T(2), T(1)));
+}
+
+TEST_F(QueryTest, QueryReturnsTheStoredResultAndWhereItRan) {
+  ResultQuery q;
+  q.sm = 120;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 1u);
+  const StoredResult& r = (*rows)[0];
+  EXPECT_EQ(r.sweep_id, sweep_);
+  EXPECT_EQ(r.gpu_name, "RTX 5090");
+  EXPECT_EQ(r.sm, 120);
+  EXPECT_EQ(r.agent_id, "");
+  EXPECT_EQ(r.result.config, kNaive);
+  ASSERT_EQ(r.result.batches.size(), 2u);
+  EXPECT_DOUBLE_EQ(r.result.batches[0].output_tok_s.median, 400);
+}
+
+TEST_F(QueryTest, BestPicksTheFastestOkResult) {
+  absl::StatusOr<std::optional<StoredResult>> best = store_->Best("preset:tiny", 90, "output_tok_s", 1);
+  ASSERT_TRUE(best.ok()) << best.status();
+  ASSERT_TRUE(best->has_value());
+  EXPECT_EQ((*best)->result.trial_id, T(1));  // not T(2): faster, but INCORRECT
+  EXPECT_EQ((*best)->result.status, TrialStatus::kOk);
+
+  best = store_->Best("preset:tiny", 120, "output_tok_s", 1);
+  ASSERT_TRUE(best.ok() && best->has_value());
+  EXPECT_EQ((*best)->result.trial_id, T(4));
+
+  // Lower is better for latencies: T(3) has the lowest batch-1 ttft among the OK sm-90 rows.
+  best = store_->Best("preset:tiny", 90, "ttft_ms", 1);
+  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
+  EXPECT_EQ((*best)->result.trial_id, T(3));
+
+  // Other batch sizes come from the JSON: row 0 is the fastest OK one at batch 8.
+  best = store_->Best("preset:tiny", 90, "output_tok_s", 8);
+  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
+  EXPECT_EQ((*best)->result.trial_id, T(0));
+  best = store_->Best("preset:tiny", 90, "prefill_tok_s", 1);
+  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
+  EXPECT_EQ((*best)->result.status, TrialStatus::kOk);
+
+  best = store_->Best("preset:tiny", 90, "output_tok_s", 64);  // never measured
+  ASSERT_TRUE(best.ok());
+  EXPECT_FALSE(best->has_value());
+  best = store_->Best("preset:other", 90, "output_tok_s", 1);
+  ASSERT_TRUE(best.ok());
+  EXPECT_FALSE(best->has_value());
+
+  EXPECT_EQ(store_->Best("preset:tiny", 90, "joules", 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Best("preset:tiny", 90, "output_tok_s", 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreTest, BestAtBatchOneIsIndexAssisted) {
+  RawDb raw(path_);
+  const std::string plan = raw.Plan(BestByColumnSql("output_tok_s", true));
+  EXPECT_THAT(plan, HasSubstr("results_best")) << plan;
+  EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
+}
+
+TEST_F(StoreTest, DataPersistsAcrossReopen) {
+  const int64_t id = CreateSweep(2);
+  const std::string t = absl::StrCat(id, "-0");
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000).ok());
+  ASSERT_TRUE(store_->RecordResult("agent-1", "g", 90,
+                                   MakeResult(t, 1, TrialStatus::kOk, 42, 7, kFlash))
+                  .ok());
+  AgentRecord agent{"agent-1", "host-a", R"({"gpus":1})", 123, true};
+  ASSERT_TRUE(store_->UpsertAgent(agent).ok());
+  store_.reset();
+
+  store_ = OpenOrDie(path_);
+  ASSERT_NE(store_, nullptr);
+  EXPECT_EQ(store_->GetSweep(id)->trials_done, 1);
+  EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
+  EXPECT_EQ(store_->GetTrial(absl::StrCat(id, "-1"))->state, TrialState::kQueued);
+  absl::StatusOr<std::optional<StoredResult>> best = store_->Best("preset:tiny", 90, "output_tok_s", 1);
+  ASSERT_TRUE(best.ok() && best->has_value());
+  EXPECT_DOUBLE_EQ((*best)->result.batches[0].output_tok_s.median, 42);
+  absl::StatusOr<std::vector<AgentRecord>> agents = store_->ListAgents();
+  ASSERT_TRUE(agents.ok());
+  ASSERT_EQ(agents->size(), 1u);
+  EXPECT_EQ((*agents)[0].host, "host-a");
+  // A new sweep after reopening gets a new id.
+  EXPECT_GT(CreateSweep(1), id);
+}
+
+TEST_F(StoreTest, AgentsUpsertAndConnect) {
+  ASSERT_TRUE(store_->UpsertAgent({"b", "host-b", "{}", 1, true}).ok());
+  ASSERT_TRUE(store_->UpsertAgent({"a", "host-a", "{}", 1, true}).ok());
+  ASSERT_TRUE(store_->UpsertAgent({"a", "host-a2", R"({"x":1})", 2, true}).ok());
+  ASSERT_TRUE(store_->SetAgentConnected("b", false, 99).ok());
+  EXPECT_EQ(store_->SetAgentConnected("zz", false, 99).code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<std::vector<AgentRecord>> agents = store_->ListAgents();
+  ASSERT_TRUE(agents.ok());
+  ASSERT_EQ(agents->size(), 2u);
+  EXPECT_EQ((*agents)[0].agent_id, "a");
+  EXPECT_EQ((*agents)[0].host, "host-a2");
+  EXPECT_EQ((*agents)[0].inventory_json, R"({"x":1})");
+  EXPECT_FALSE((*agents)[1].connected);
+  EXPECT_EQ((*agents)[1].last_seen_unix_ms, 99);
+}
+
+TEST(StoreOpenTest, MigratesAnEmptyFile) {
+  TempDir dir;
+  const std::string path = dir.File("empty.db");
+  { std::ofstream touch(path); }
+  ASSERT_EQ(std::filesystem::file_size(path), 0u);
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  RawDb raw(path);
+  EXPECT_EQ(raw.Query("PRAGMA user_version"), std::to_string(LatestSchemaVersion()));
+  EXPECT_EQ(raw.Query("PRAGMA journal_mode"), "wal");
+  for (const char* table : {"sweeps", "trials", "results", "result_axes", "agents"})
+    EXPECT_EQ(raw.Query(std::string("SELECT COUNT(*) FROM sqlite_master WHERE name = '") + table +
+                        "'"),
+              "1")
+        << table;
+  for (const char* index : {"trials_queue", "results_sm_model_status", "results_finished",
+                            "results_best", "result_axes_lookup"})
+    EXPECT_EQ(raw.Query(std::string("SELECT COUNT(*) FROM sqlite_master WHERE name = '") + index +
+                        "'"),
+              "1")
+        << index;
+}
+
+TEST(StoreOpenTest, RefusesADatabaseFromANewerBuild) {
+  TempDir dir;
+  const std::string path = dir.File("new.db");
+  const int newer = LatestSchemaVersion() + 7;
+  {
+    RawDb raw(path);
+    ASSERT_EQ(raw.Exec("PRAGMA user_version = " + std::to_string(newer)), SQLITE_OK);
+  }
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(store.status().message(), HasSubstr(std::to_string(newer)));
+  EXPECT_THAT(store.status().message(), HasSubstr(std::to_string(LatestSchemaVersion())));
+  RawDb raw(path);
+  EXPECT_EQ(raw.Query("PRAGMA user_version"), std::to_string(newer));  // untouched
+}
+
+TEST(StoreOpenTest, ReopeningAMigratedFileKeepsTheVersion) {
+  TempDir dir;
+  const std::string path = dir.File("v.db");
+  { ASSERT_NE(OpenOrDie(path), nullptr); }
+  { ASSERT_NE(OpenOrDie(path), nullptr); }
+  RawDb raw(path);
+  EXPECT_EQ(raw.Query("PRAGMA user_version"), std::to_string(LatestSchemaVersion()));
+}
+
+TEST(StoreOpenTest, NotADatabaseIsAnError) {
+  TempDir dir;
+  const std::string path = dir.File("junk.db");
+  {
+    std::ofstream junk(path);
+    junk << std::string(4096, 'x');
+  }
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+  ASSERT_FALSE(store.ok());
+  EXPECT_THAT(store.status().message(), HasSubstr(path));
+}
+
+TEST_F(StoreTest, ABusyDatabaseFailsWithUnavailableAndRecovers) {
+  const int64_t id = CreateSweep(2);
+  const std::string t = absl::StrCat(id, "-0");
+  store_.reset();
+  StoreOptions options;
+  options.busy_timeout_ms = 100;
+  store_ = OpenOrDie(path_, options);
+  ASSERT_NE(store_, nullptr);
+
+  RawDb other(path_);
+  ASSERT_EQ(other.Exec("BEGIN EXCLUSIVE"), SQLITE_OK);
+  absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(t, "agent-1", 1000);
+  EXPECT_EQ(leased.status().code(), absl::StatusCode::kUnavailable) << leased.status();
+  EXPECT_THAT(leased.status().message(), HasSubstr("busy"));
+  absl::Status s = store_->RecordResult("", "g", 90, MakeResult(t, 1, TrialStatus::kOk, 1, 1, kFlash));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  absl::StatusOr<int64_t> created = store_->CreateSweep(MakeSweep("blocked"), {MakeTrial(kFlash)});
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kUnavailable) << created.status();
+  // Readers are not blocked in WAL mode, and nothing changed.
+  absl::StatusOr<TrialRecord> trial = store_->GetTrial(t);
+  ASSERT_TRUE(trial.ok()) << trial.status();
+  EXPECT_EQ(trial->state, TrialState::kQueued);
+  ASSERT_EQ(other.Exec("COMMIT"), SQLITE_OK);
+
+  leased = store_->LeaseTrial(t, "agent-1", 1000);
+  ASSERT_TRUE(leased.ok()) << leased.status();
+  EXPECT_EQ(leased->attempt, 1);
+  ASSERT_TRUE(store_->RecordResult("agent-1", "g", 90,
+                                   MakeResult(t, 1, TrialStatus::kOk, 1, 1, kFlash))
+                  .ok());
+  EXPECT_EQ(other.Query("PRAGMA integrity_check"), "ok");
+  EXPECT_EQ(other.Count("results"), 1);
+  EXPECT_EQ(other.Count("sweeps"), 1);
+}
+
+TEST(SqliteErrorTest, MapsResultCodes) {
+  EXPECT_EQ(SqliteError(nullptr, SQLITE_BUSY, "op").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(SqliteError(nullptr, SQLITE_LOCKED, "op").code(), absl::StatusCode::kUnavailable);
+  absl::Status full = SqliteError(nullptr, SQLITE_FULL, "inserting a result");
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("disk full"));
+  EXPECT_THAT(full.message(), HasSubstr("inserting a result"));
+  EXPECT_EQ(SqliteError(nullptr, SQLITE_CORRUPT, "op").code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(SqliteError(nullptr, SQLITE_CONSTRAINT_UNIQUE, "op").code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+}  // namespace
+}  // namespace infersweep
