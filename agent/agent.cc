@@ -349,7 +349,9 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
     std::lock_guard<std::mutex> lock(link->write_mu);
     link->write_ok = false;
   }
-  // Drain whatever is left so Finish() may run; then learn why the stream ended.
+  // A stream we gave up on (no Welcome) stays open on the server's side: cancel it, or the drain
+  // below would block forever. Then drain so Finish() may run, and learn why the stream ended.
+  if (!welcomed) link->context.TryCancel();
   while (link->stream->Read(&msg)) {
   }
   const grpc::Status status = link->stream->Finish();

@@ -17,6 +17,7 @@ namespace infersweep {
 absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
   const absl::string_view text(text_in.data(), text_in.size());
   std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  if (t == "cpu") return 0;  // CPU-only hosts store their results under SM 0
   absl::string_view v = t;
   if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
   // Architecture-specific suffixes (sm_90a, sm_100f) name the same SM number.
@@ -24,7 +25,7 @@ absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
   int sm = 0;
   if (v.empty() || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
     return absl::InvalidArgumentError(
-        absl::StrCat("'", text, "' is not an SM architecture (e.g. sm_90, 90, sm_90a)"));
+        absl::StrCat("'", text, "' is not an SM architecture (e.g. sm_90, 90, sm_90a, or cpu)"));
   return sm;
 }
 

@@ -223,6 +223,36 @@ int Main(int argc, char** argv) {
   std::printf("query_sm90_limit1000   %10.2f ms  (median of %d, %zu rows, JSON parsed)\n", q_sm,
               o.runs, rows_seen);
 
+  // The same query through a raw read-only connection, without parsing result_json: what the
+  // SQL itself costs.
+  {
+    sqlite3* raw = nullptr;
+    if (sqlite3_open_v2(o.db.c_str(), &raw, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+      std::fprintf(stderr, "store_bench: raw open: %s\n", sqlite3_errmsg(raw));
+      return 1;
+    }
+    const char* sql =
+        "SELECT sweep_id, agent_id, gpu_name, sm, result_json, result_id FROM results WHERE 1 "
+        "AND sm = ? ORDER BY finished_ms DESC, result_id DESC LIMIT ?";
+    sqlite3_stmt* stmt = nullptr;
+    if (sqlite3_prepare_v2(raw, sql, -1, &stmt, nullptr) != SQLITE_OK) {
+      std::fprintf(stderr, "store_bench: prepare: %s\n", sqlite3_errmsg(raw));
+      return 1;
+    }
+    size_t bytes = 0;
+    const double q_raw = MedianMs(o.runs, [&] {
+      sqlite3_reset(stmt);
+      sqlite3_bind_int(stmt, 1, 90);
+      sqlite3_bind_int(stmt, 2, 1000);
+      bytes = 0;
+      while (sqlite3_step(stmt) == SQLITE_ROW) bytes += sqlite3_column_bytes(stmt, 4);
+    });
+    std::printf("query_sm90_sql_only    %10.2f ms  (median of %d, same SQL, %zu bytes of JSON not parsed)\n",
+                q_raw, o.runs, bytes);
+    sqlite3_finalize(stmt);
+    sqlite3_close(raw);
+  }
+
   ResultQuery by_all = by_sm;
   by_all.model = kModels[1];
   by_all.status = TrialStatus::kOk;

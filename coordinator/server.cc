@@ -466,6 +466,14 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
   }
   const std::string& id = conn->agent_id;
   const int64_t now = NowMs();
+  // Welcome is queued before the connection becomes visible to the scheduler, so no Assignment
+  // can overtake it (an agent drops a stream whose first message is not Welcome).
+  v1::CoordinatorMessage welcome;
+  welcome.mutable_welcome()->set_coordinator_version(EngineVersion());
+  welcome.mutable_welcome()->set_protocol_version(rpc::kProtocolVersion);
+  welcome.mutable_welcome()->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  welcome.mutable_welcome()->set_lease_ms(options_.lease_ms);
+  conn->Enqueue(std::move(welcome));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return GrpcError(grpc::StatusCode::UNAVAILABLE, "coordinator is stopping");
@@ -495,12 +503,6 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
                                                : ""));
 
   std::thread writer([conn, stream] { conn->WriterLoop(stream); });
-  v1::CoordinatorMessage welcome;
-  welcome.mutable_welcome()->set_coordinator_version(EngineVersion());
-  welcome.mutable_welcome()->set_protocol_version(rpc::kProtocolVersion);
-  welcome.mutable_welcome()->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
-  welcome.mutable_welcome()->set_lease_ms(options_.lease_ms);
-  conn->Enqueue(std::move(welcome));
   Wake();
 
   grpc::Status end = grpc::Status::OK;

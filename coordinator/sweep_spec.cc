@@ -1,5 +1,6 @@
 #include "coordinator/sweep_spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>

@@ -245,6 +245,9 @@ class SqliteStore final : public Store {
         return absl::InvalidArgumentError(absl::StrCat(
             op, ": trial '", t.trial_id, "' belongs to sweep ", t.sweep_id, ", not ", id));
       const std::string trial_id = t.trial_id.empty() ? absl::StrCat(id, "-", i) : t.trial_id;
+      if (absl::Status w = ValidateWorkload(t.workload); !w.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": trial '", trial_id, "': ", w.message()));
       insert.Reset();
       insert.Bind(trial_id).Bind(id).Bind(t.model).Bind(t.layers)
           .Bind(static_cast<int64_t>(t.seed)).Bind(json(t.config).dump())

@@ -112,7 +112,8 @@ class Store {
   // sweep.id is used as the id (AlreadyExists if taken), else a new one is assigned. Trials are
   // stored queued with attempt 0; an empty trial_id becomes "<sweep id>-<index in trials>", and a
   // non-zero trial sweep_id must equal the sweep's id. The sweep is "active" ("done" when it
-  // has no trials); trials_total is trials.size(); created_unix_ms 0 means now.
+  // has no trials); trials_total is trials.size(); created_unix_ms 0 means now. A trial with an
+  // invalid workload (ValidateWorkload) rejects the whole sweep (InvalidArgument).
   virtual absl::StatusOr<int64_t> CreateSweep(const SweepRecord& sweep,
                                               const std::vector<TrialRecord>& trials) = 0;
   virtual absl::StatusOr<SweepRecord> GetSweep(int64_t id) = 0;

@@ -13,6 +13,8 @@
 
 #include "engine/cpu_model.h"
 #include "engine/npy.h"
+#include "engine/safetensors.h"
+#include "engine/safetensors_writer.h"
 #include "engine/sampler.h"
 #include "engine/weights.h"
 
@@ -150,6 +152,84 @@ TEST(HfFixtures, ForwardRejectsBadTokens) {
   const std::vector<int32_t> long_prompt(9, 1);
   EXPECT_EQ(model->Forward(long_prompt, 9, LogitsMode::kLast, &logits).code(),
             absl::StatusCode::kOutOfRange);
+}
+
+}  // namespace
+}  // namespace infersweep
+
+namespace infersweep {
+namespace {
+
+// The CLI contract on bad input: a clear error naming the file (and tensor), a non-zero exit,
+// no crash. Runs the real binary on damaged copies of a fixture.
+struct CliRun {
+  int exit_code;
+  std::string output;
+};
+
+CliRun RunCli(const std::string& args) {
+  const std::string command = std::string(WorkerBinary()) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), output};
+}
+
+std::string DamagedCopy(const std::string& name) {
+  const fs::path dir = fs::path(testing::TempDir()) / ("cli_bad_" + name);
+  fs::remove_all(dir);
+  fs::copy(kFixtures + "/qwen3", dir);
+  return dir;
+}
+
+TEST(CliBadInput, TruncatedCheckpointIsAClearError) {
+  const std::string dir = DamagedCopy("truncated");
+  fs::resize_file(dir + "/model.safetensors", fs::file_size(dir + "/model.safetensors") / 2);
+  const CliRun run = RunCli("logits --model " + dir + " --tokens 1,2,3 --out /dev/null");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("model.safetensors"));
+  EXPECT_THAT(run.output, testing::HasSubstr("error:"));
+}
+
+TEST(CliBadInput, UnknownArchitectureAndMalformedJsonAreClearErrors) {
+  const std::string dir = DamagedCopy("arch");
+  std::ofstream(dir + "/config.json") << R"({"model_type": "gpt9", "hidden_size": 64})";
+  CliRun run = RunCli("generate --model " + dir + " --tokens 1,2 --max-new-tokens 2");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("model_type"));
+  std::ofstream(dir + "/config.json") << "{\"model_type\": ";
+  run = RunCli("generate --model " + dir + " --tokens 1,2 --max-new-tokens 2");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("config.json"));
+}
+
+TEST(CliBadInput, MissingTensorNamesTheTensor) {
+  const std::string dir = DamagedCopy("missing");
+  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<SafetensorsTensorToWrite> kept;
+  for (const SafetensorsEntry& e : (*file)->header().tensors) {
+    if (e.name == "model.layers.1.mlp.down_proj.weight") continue;
+    kept.push_back({e.name, e.dtype, e.shape,
+                    {(*file)->Data(e), static_cast<size_t>(e.data_end - e.data_begin)}});
+  }
+  ASSERT_TRUE(WriteSafetensors(dir + "/rewritten.safetensors", kept).ok());
+  file->reset();
+  fs::rename(dir + "/rewritten.safetensors", dir + "/model.safetensors");
+  const CliRun run = RunCli("logits --model " + dir + " --tokens 1 --out /dev/null");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("model.layers.1.mlp.down_proj.weight"));
+}
+
+TEST(CliBadInput, OutOfRangeTokenAndBadBackend) {
+  CliRun run = RunCli("logits --model " + kFixtures + "/qwen3 --tokens 1,99999 --out /dev/null");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("99999"));
+  run = RunCli("generate --model preset:tiny-moe --tokens 1 --backend tpu");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, testing::HasSubstr("tpu"));
 }
 
 }  // namespace

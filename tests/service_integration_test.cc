@@ -318,6 +318,29 @@ TEST_F(Fleet, SpooledResultIsDeliveredAfterCoordinatorRestart) {
 
 // Preflight judges configs against the agent's inventory: an impossible one is stored as
 // UNSUPPORTED by the coordinator and never dispatched.
+// A sweep queued before any agent connects: the first message an agent gets must still be
+// Welcome (an Assignment that overtook it made the agent drop the stream and hang; found by the
+// README demo). The race is timing-dependent: this test did not reproduce it reliably against
+// the old code, so it guards the scenario rather than proving the fix.
+TEST_F(Fleet, SweepSubmittedBeforeTheAgentConnectsCompletes) {
+  StartCoordinator(QuietOptions());
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[blocked]");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const int64_t sweep = submitted->sweep_id();
+  Agent* agent = StartAgent("late", "NVIDIA RTX PRO 6000:120:96");
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto s = client.GetSweep(sweep);
+        return s.ok() && s->state() == "done";
+      },
+      30))
+      << Log();
+  EXPECT_EQ(agent->stats().connects, 1) << "the agent had to reconnect: " << Log();
+}
+
 TEST_F(Fleet, UnsupportedConfigIsRecordedWithoutDispatch) {
   StartCoordinator(QuietOptions());
   Agent* h200 = StartAgent("h200", "NVIDIA H200:90:141");

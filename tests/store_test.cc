@@ -215,6 +215,17 @@ TEST_F(StoreTest, CreateSweepRejectsDuplicateTrialIdsAtomically) {
   EXPECT_EQ(raw.Count("trials"), 0);
 }
 
+TEST_F(StoreTest, CreateSweepRejectsAnInvalidWorkload) {
+  std::vector<TrialRecord> trials = {MakeTrial(kFlash), MakeTrial(kNaive)};
+  trials[1].workload.batch_sizes = {0};
+  absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweep("bad"), trials);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+  EXPECT_THAT(id.status().message(), HasSubstr("batch"));
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("sweeps"), 0);
+  EXPECT_EQ(raw.Count("trials"), 0);
+}
+
 TEST_F(StoreTest, QueuedTrialsHighestPriorityFirstThenOldest) {
   const int64_t low = CreateSweep(2, /*priority=*/0, "low");
   const int64_t high = CreateSweep(2, /*priority=*/5, "high");
