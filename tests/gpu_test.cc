@@ -6,6 +6,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "tests/test_paths.h"
 #include <nlohmann/json.hpp>
 
 #include "engine/backends.h"
@@ -19,16 +21,6 @@
 
 namespace infersweep {
 namespace {
-
-// Built-in paths, overridable where the tests run from another tree (the GPU machine).
-[[maybe_unused]] std::string SourceDir() {
-  const char* env = std::getenv("INFERSWEEP_SOURCE_DIR");
-  return env ? env : INFERSWEEP_SOURCE_DIR;
-}
-[[maybe_unused]] std::string WorkerBinary() {
-  const char* env = std::getenv("INFERSWEEP_BINARY");
-  return env ? env : INFERSWEEP_BINARY;
-}
 
 bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }
 

@@ -1,6 +1,10 @@
 // The trial harness: configs, preflight, workloads, verdicts, and isolation under injected faults.
+#include <fstream>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "tests/test_paths.h"
 
 #include "engine/backends.h"
 #include "harness/executor.h"
@@ -10,16 +14,6 @@
 
 namespace infersweep {
 namespace {
-
-// Built-in paths, overridable where the tests run from another tree (the GPU machine).
-[[maybe_unused]] std::string SourceDir() {
-  const char* env = std::getenv("INFERSWEEP_SOURCE_DIR");
-  return env ? env : INFERSWEEP_SOURCE_DIR;
-}
-[[maybe_unused]] std::string WorkerBinary() {
-  const char* env = std::getenv("INFERSWEEP_BINARY");
-  return env ? env : INFERSWEEP_BINARY;
-}
 
 using testing::HasSubstr;
 
@@ -248,6 +242,37 @@ TEST(TrialJson, RoundTrips) {
                   .status()
                   .message(),
               HasSubstr("result.sm"));
+}
+
+}  // namespace
+}  // namespace infersweep
+
+namespace infersweep {
+namespace {
+
+// `infersweep run` end to end on a CPU matrix: isolated workers, the table, the JSON file.
+TEST(RunCommand, CpuMatrixEndToEnd) {
+  const std::string json_path = testing::TempDir() + "/run_matrix.json";
+  const std::string command = WorkerBinary() +
+                              " run --model preset:tiny-moe --layers 1"
+                              " --config 'matmul=naive|blocked,threads=1|2'"
+                              " --workload prompt=8,output=4,batch=1:2,repeats=2,warmup=0"
+                              " --json " + json_path + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string table;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) table.append(buffer, n);
+  ASSERT_EQ(pclose(pipe), 0) << table;
+  EXPECT_THAT(table, HasSubstr("device=cpu,matmul=blocked,threads=2"));
+  std::ifstream in(json_path);
+  const auto json = nlohmann::json::parse(in);
+  ASSERT_EQ(json.at("results").size(), 4u) << json.dump(1);
+  for (const auto& r : json.at("results")) {
+    auto result = TrialResultFromJson(r);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->status, TrialStatus::kOk) << result->reason;
+    EXPECT_EQ(result->batches.size(), 2u);
+  }
 }
 
 }  // namespace
