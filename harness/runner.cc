@@ -48,6 +48,19 @@ bool ReadSome(int fd, std::string& buffer) {
   return true;
 }
 
+// Reaps `pid` and says how it ended: the signal that killed it, or its exit code.
+std::string ReapAndDescribe(pid_t pid) {
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  if (WIFSIGNALED(wstatus)) {
+    const int sig = WTERMSIG(wstatus);
+    const char* abbrev = sigabbrev_np(sig);
+    return absl::StrCat("worker killed by signal ", sig, " (SIG", abbrev ? abbrev : "?", ": ",
+                        strsignal(sig), ")");
+  }
+  return absl::StrCat("worker exited with code ", WEXITSTATUS(wstatus), " without a result");
+}
+
 }  // namespace
 
 struct TrialRunner::Worker {
@@ -130,8 +143,12 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   Worker& w = *worker_;
   w.stderr_tail.clear();
 
-  if (!WriteAll(w.in, ToJson(request).dump() + "\n"))
-    return fail(TrialStatus::kCrashed, "worker closed its input (it died before the request)");
+  if (!WriteAll(w.in, ToJson(request).dump() + "\n")) {
+    // It died before reading the request (an exec failure exits 127 that fast).
+    const std::string how = ReapAndDescribe(w.pid);
+    w.pid = -1;
+    return fail(TrialStatus::kCrashed, how + "; it died before reading the request");
+  }
 
   const auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(request.workload.timeout_s * 1e3));
@@ -197,18 +214,8 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   }
   if (!w.err_buffer.empty()) w.err_buffer.push_back('\n');
   take_stderr_lines();
-  int wstatus = 0;
-  waitpid(w.pid, &wstatus, 0);
+  const std::string how = ReapAndDescribe(w.pid);
   w.pid = -1;
-  std::string how;
-  if (WIFSIGNALED(wstatus)) {
-    const int sig = WTERMSIG(wstatus);
-    const char* abbrev = sigabbrev_np(sig);
-    how = absl::StrCat("worker killed by signal ", sig, " (SIG", abbrev ? abbrev : "?", ": ",
-                       strsignal(sig), ")");
-  } else {
-    how = absl::StrCat("worker exited with code ", WEXITSTATUS(wstatus), " without a result");
-  }
   return fail(TrialStatus::kCrashed, how);
 }
 
