@@ -62,7 +62,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
 
 // Synthetic presets at real shapes: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, tiny-moe,
-// tiny-dense. num_layers_override > 0 truncates (or extends) the layer count.
+// tiny-dense, tiny-qwen2-moe (docs/MODELS.md). num_layers_override > 0 truncates (or extends) the layer count.
 absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override = 0);
 std::vector<std::string> PresetNames();
 
