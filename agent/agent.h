@@ -29,6 +29,8 @@ struct AgentOptions {
   std::string coordinator = "127.0.0.1:7070";  // host:port
   std::string agent_id;                        // default: the host name
   std::string spool_path;                      // default: "infersweep-spool-<agent_id>.db"
+  // The coordinator's agent token (docs/SERVICE.md "Authentication"), sent in Hello.auth_token;
+  // empty sends none.
   std::string auth_token;
   // TEST ONLY: "NAME:SM:MEMORY_GIB" labels that replace the detected GPUs (see inventory.h).
   // Trials with device=cpu still run on the CPU.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +32,7 @@
 #include "coordinator/client.h"
 #include "coordinator/server.h"
 #include "harness/trial.h"
+#include "proto/rpc.h"
 
 namespace infersweep::cli {
 namespace {
@@ -50,6 +52,19 @@ int Fail(const absl::Status& status) {
 int Usage(const std::string& message) {
   std::fprintf(stderr, "error: %s\n", message.c_str());
   return kUsageError;
+}
+
+// --token-file of the service commands (only one command runs per process).
+std::string g_token_file;
+
+// The user token the service commands send: --token-file, else $INFERSWEEP_USER_TOKEN (trailing
+// whitespace stripped), else none.
+absl::StatusOr<std::string> UserToken() {
+  if (!g_token_file.empty()) return rpc::ReadTokenFile(g_token_file);
+  const char* env = std::getenv("INFERSWEEP_USER_TOKEN");
+  std::string token = env ? env : "";
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  return token;
 }
 
 std::string S(std::string_view v) { return std::string(v); }
@@ -92,6 +107,8 @@ struct CoordinatorArgs {
   double lease_s = 60;
   size_t max_trials = 10000;
   std::string auth_token_env;
+  std::string agent_token_file;
+  std::string user_token_file;
   std::string metrics_listen = "127.0.0.1:9464";
 };
 
@@ -113,7 +130,19 @@ int RunCoordinator(const CoordinatorArgs& args) {
     const char* token = std::getenv(args.auth_token_env.c_str());
     if (token == nullptr || *token == '\0')
       return Usage(absl::StrCat("--auth-token-env ", args.auth_token_env, ": variable is empty"));
-    options.auth_token = token;
+    options.agent_token = token;
+  }
+  if (!args.agent_token_file.empty()) {
+    if (!args.auth_token_env.empty())
+      return Usage("--agent-token-file and --auth-token-env are alternatives; give one");
+    absl::StatusOr<std::string> token = rpc::ReadTokenFile(args.agent_token_file);
+    if (!token.ok()) return Fail(token.status());
+    options.agent_token = *std::move(token);
+  }
+  if (!args.user_token_file.empty()) {
+    absl::StatusOr<std::string> token = rpc::ReadTokenFile(args.user_token_file);
+    if (!token.ok()) return Fail(token.status());
+    options.user_token = *std::move(token);
   }
   BlockStopSignals();
   CoordinatorServer server(options);
@@ -121,6 +150,8 @@ int RunCoordinator(const CoordinatorArgs& args) {
   if (!port.ok()) return Fail(port.status());
   std::printf("# infersweep coordinator on %s (port %d), database %s, lease %.0f s\n",
               args.listen.c_str(), *port, args.db.c_str(), args.lease_s);
+  std::printf("# authentication: agents %s, users %s\n",
+              options.agent_token.empty() ? "off" : "token", options.user_token.empty() ? "off" : "token");
   if (server.metrics_port() > 0)
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), server.metrics_port());
   std::fflush(stdout);
@@ -139,6 +170,7 @@ struct AgentArgs {
   std::vector<std::string> fake_gpus;
   int max_backoff_ms = 5000;
   std::string auth_token_env;
+  std::string token_file;
   std::string metrics_listen = "127.0.0.1:9465";
 };
 
@@ -155,6 +187,13 @@ int RunAgent(const AgentArgs& args) {
     if (token == nullptr || *token == '\0')
       return Usage(absl::StrCat("--auth-token-env ", args.auth_token_env, ": variable is empty"));
     options.auth_token = token;
+  }
+  if (!args.token_file.empty()) {
+    if (!args.auth_token_env.empty())
+      return Usage("--token-file and --auth-token-env are alternatives; give one");
+    absl::StatusOr<std::string> token = rpc::ReadTokenFile(args.token_file);
+    if (!token.ok()) return Fail(token.status());
+    options.auth_token = *std::move(token);
   }
   if (!options.spool_path.empty()) {
     const std::filesystem::path p(options.spool_path);
@@ -249,7 +288,9 @@ int WatchSweep(ServiceClient& client, int64_t id) {
 }
 
 int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
-  ServiceClient client(coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(coordinator, 30'000, *user_token);
   if (sweep_id > 0) {
     absl::StatusOr<v1::SweepInfo> s = client.GetSweep(sweep_id);
     if (!s.ok()) return Fail(s.status());
@@ -286,7 +327,9 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
   if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot read ", path)));
   std::stringstream text;
   text << in.rdbuf();
-  ServiceClient client(coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(coordinator, 30'000, *user_token);
   absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
@@ -297,7 +340,9 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
 }
 
 int RunCancel(const std::string& coordinator, int64_t sweep_id) {
-  ServiceClient client(coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(coordinator, 30'000, *user_token);
   absl::StatusOr<v1::CancelSweepResponse> r = client.CancelSweep(sweep_id);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld cancelled; %lld running trial(s) told to stop\n",
@@ -468,7 +513,9 @@ int RunResults(const ResultsArgs& args) {
   if (args.format != "table" && args.format != "csv" && args.format != "json")
     return Usage(absl::StrCat("--format '", args.format, "': expected table, csv or json"));
   req.set_limit(args.limit);
-  ServiceClient client(args.coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(args.coordinator, 30'000, *user_token);
   absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
   if (!resp.ok()) return Fail(resp.status());
   std::vector<Row> rows;
@@ -526,7 +573,9 @@ int RunBest(const std::string& coordinator, const std::string& model, const std:
   req.set_sm(*sm);
   req.set_metric(metric);
   req.set_batch(batch);
-  ServiceClient client(coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(coordinator, 30'000, *user_token);
   absl::StatusOr<v1::BestResponse> resp = client.Best(req);
   if (!resp.ok()) return Fail(resp.status());
   if (!resp->found()) {
@@ -607,7 +656,9 @@ int RunCompare(const CompareArgs& args) {
     return Usage(
         "compare takes two --config on one --sm-arch, or one --config on two --sm-arch");
   }
-  ServiceClient client(args.coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(args.coordinator, 30'000, *user_token);
   std::vector<std::optional<Row>> found;
   for (const auto& [text, sm] : sides) {
     absl::StatusOr<BackendConfig> config = ParseBackendConfig(text);
@@ -671,7 +722,9 @@ int RunCompare(const CompareArgs& args) {
 // ------------------------------------------------------------------------------ agents
 
 int RunAgents(const std::string& coordinator) {
-  ServiceClient client(coordinator);
+  absl::StatusOr<std::string> user_token = UserToken();
+  if (!user_token.ok()) return Fail(user_token.status());
+  ServiceClient client(coordinator, 30'000, *user_token);
   absl::StatusOr<v1::ListAgentsResponse> resp = client.ListAgents();
   if (!resp.ok()) return Fail(resp.status());
   std::printf("# infersweep agents at %s\n", coordinator.c_str());
@@ -714,7 +767,12 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--max-trials", args.max_trials, "cap on the trials of one sweep")
         ->capture_default_str();
     cmd->add_option("--auth-token-env", args.auth_token_env,
-                    "environment variable holding the token agents must present");
+                    "environment variable holding the token agents must present (or "
+                    "--agent-token-file)");
+    cmd->add_option("--agent-token-file", args.agent_token_file,
+                    "file holding the token agents must present (docs/SERVICE.md)");
+    cmd->add_option("--user-token-file", args.user_token_file,
+                    "file holding the bearer token every user-API call must carry");
     cmd->add_option("--metrics-listen", args.metrics_listen,
                     "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
                     "\"\" for none")
@@ -735,7 +793,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--max-backoff-ms", args.max_backoff_ms, "reconnect backoff cap")
         ->capture_default_str();
     cmd->add_option("--auth-token-env", args.auth_token_env,
-                    "environment variable holding the coordinator's token");
+                    "environment variable holding the coordinator's agent token");
+    cmd->add_option("--token-file", args.token_file, "file holding the coordinator's agent token");
     cmd->add_option("--metrics-listen", args.metrics_listen,
                     "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
                     "\"\" for none")
@@ -748,6 +807,8 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("submit", "submit a sweep spec (YAML); prints its id");
     cmd->add_option("spec", path, "sweep spec file")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
     cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait)); });
   }
@@ -758,6 +819,8 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("status", "sweeps, or one sweep's live progress");
     cmd->add_option("sweep_id", sweep, "sweep id (default: list every sweep)");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->add_flag("--once", once, "print one snapshot instead of a live bar");
     cmd->callback([] { std::exit(RunStatus(coordinator, sweep, once)); });
   }
@@ -767,12 +830,16 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("cancel", "cancel a sweep's remaining trials");
     cmd->add_option("sweep_id", sweep, "sweep id")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->callback([] { std::exit(RunCancel(coordinator, sweep)); });
   }
   {
     static ResultsArgs args;
     CLI::App* cmd = app.add_subcommand("results", "query stored results");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->add_option("--sweep", args.sweep, "sweep id");
     cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
     cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
@@ -792,6 +859,8 @@ void AddServiceCommands(CLI::App& app) {
     static int batch = 1;
     CLI::App* cmd = app.add_subcommand("best", "the fastest OK config for a model on an arch");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->add_option("--model", model, "model")->required();
     cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
     cmd->add_option("--metric", metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
@@ -805,6 +874,8 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand(
         "compare", "two configs on one arch, or one config on two archs, side by side");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
                                               "the axes they leave out)");
@@ -816,6 +887,8 @@ void AddServiceCommands(CLI::App& app) {
     static std::string coordinator = DefaultCoordinator();
     CLI::App* cmd = app.add_subcommand("agents", "agents known to the coordinator");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
+    cmd->add_option("--token-file", g_token_file,
+                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
     cmd->callback([] { std::exit(RunAgents(coordinator)); });
   }
 }

@@ -1,21 +1,24 @@
 #include "coordinator/client.h"
 
 #include <chrono>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "proto/rpc.h"
 
 namespace infersweep {
 
-ServiceClient::ServiceClient(const std::string& address, int64_t timeout_ms)
+ServiceClient::ServiceClient(const std::string& address, int64_t timeout_ms, std::string token)
     : address_(address),
       timeout_ms_(timeout_ms),
+      token_(std::move(token)),
       stub_(v1::SweepService::NewStub(rpc::MakeChannel(address))) {}
 
 template <typename Req, typename Resp, typename Method>
 absl::StatusOr<Resp> ServiceClient::Call(const Req& request, Method method) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
+  if (!token_.empty()) context.AddMetadata(rpc::kAuthMetadataKey, absl::StrCat(rpc::kBearerPrefix, token_));
   Resp response;
   const grpc::Status status = ((*stub_).*method)(&context, request, &response);
   if (status.ok()) return response;

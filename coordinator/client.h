@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "proto/infersweep.grpc.pb.h"
@@ -12,8 +13,12 @@ namespace infersweep {
 
 class ServiceClient {
  public:
-  // `address` is "host:port"; every call fails after `timeout_ms`.
-  explicit ServiceClient(const std::string& address, int64_t timeout_ms = 30'000);
+  // `address` is "host:port"; every call fails after `timeout_ms`. A non-empty `token` is sent
+  // on every call as the metadata "authorization: Bearer <token>" (docs/SERVICE.md).
+  explicit ServiceClient(const std::string& address, int64_t timeout_ms = 30'000,
+                         std::string token = "");
+
+  void set_token(std::string token) { token_ = std::move(token); }
 
   absl::StatusOr<v1::SubmitSweepResponse> SubmitSweep(const std::string& yaml,
                                                       const std::string& source);
@@ -32,6 +37,7 @@ class ServiceClient {
 
   std::string address_;
   int64_t timeout_ms_;
+  std::string token_;
   std::unique_ptr<v1::SweepService::Stub> stub_;
 };
 

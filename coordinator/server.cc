@@ -194,6 +194,9 @@ class CoordinatorServer::Impl {
   grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream);
 
   // SweepService.
+  // OK when user auth is off or the call carries "authorization: Bearer <user_token>";
+  // UNAUTHENTICATED (counted in stats_.auth_failures) otherwise.
+  grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
   grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
   grpc::Status ListSweeps(v1::ListSweepsResponse* resp);
@@ -217,32 +220,39 @@ class CoordinatorServer::Impl {
   class SweepServiceImpl final : public v1::SweepService::Service {
    public:
     explicit SweepServiceImpl(Impl* impl) : impl_(impl) {}
-    grpc::Status SubmitSweep(grpc::ServerContext*, const v1::SubmitSweepRequest* req,
+    grpc::Status SubmitSweep(grpc::ServerContext* context, const v1::SubmitSweepRequest* req,
                              v1::SubmitSweepResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->SubmitSweep(*req, resp);
     }
-    grpc::Status GetSweep(grpc::ServerContext*, const v1::GetSweepRequest* req,
+    grpc::Status GetSweep(grpc::ServerContext* context, const v1::GetSweepRequest* req,
                           v1::SweepInfo* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->GetSweep(*req, resp);
     }
-    grpc::Status ListSweeps(grpc::ServerContext*, const v1::ListSweepsRequest*,
+    grpc::Status ListSweeps(grpc::ServerContext* context, const v1::ListSweepsRequest*,
                             v1::ListSweepsResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->ListSweeps(resp);
     }
-    grpc::Status CancelSweep(grpc::ServerContext*, const v1::CancelSweepRequest* req,
+    grpc::Status CancelSweep(grpc::ServerContext* context, const v1::CancelSweepRequest* req,
                              v1::CancelSweepResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->CancelSweep(*req, resp);
     }
-    grpc::Status ListAgents(grpc::ServerContext*, const v1::ListAgentsRequest*,
+    grpc::Status ListAgents(grpc::ServerContext* context, const v1::ListAgentsRequest*,
                             v1::ListAgentsResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->ListAgents(resp);
     }
-    grpc::Status QueryResults(grpc::ServerContext*, const v1::QueryResultsRequest* req,
+    grpc::Status QueryResults(grpc::ServerContext* context, const v1::QueryResultsRequest* req,
                               v1::QueryResultsResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->QueryResults(*req, resp);
     }
-    grpc::Status Best(grpc::ServerContext*, const v1::BestRequest* req,
+    grpc::Status Best(grpc::ServerContext* context, const v1::BestRequest* req,
                       v1::BestResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->Best(*req, resp);
     }
 
@@ -317,6 +327,9 @@ class CoordinatorServer::Impl {
 
 absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
                                                    const std::string& db_path) {
+  if (!options_.agent_token.empty() && options_.agent_token == options_.user_token)
+    return absl::InvalidArgumentError(
+        "the agent token and the user token must differ (each must not work on the other API)");
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (started_) return absl::FailedPreconditionError("coordinator already started");
@@ -399,6 +412,27 @@ void CoordinatorServer::Impl::RecoverHeld() {
   if (recovered > 0) Log(absl::StrCat(recovered, " leased trial(s) recovered from the database"));
 }
 
+// ------------------------------------------------------------------------------ authentication
+
+grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
+  if (options_.user_token.empty()) return grpc::Status::OK;
+  bool ok = false;
+  const auto& md = context->client_metadata();
+  auto it = md.find(rpc::kAuthMetadataKey);
+  if (it != md.end()) {
+    const std::string_view value(it->second.data(), it->second.size());
+    const std::string_view prefix(rpc::kBearerPrefix);
+    if (value.size() > prefix.size() && value.substr(0, prefix.size()) == prefix)
+      ok = rpc::ConstantTimeEquals(value.substr(prefix.size()), options_.user_token);
+  }
+  if (ok) return grpc::Status::OK;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.auth_failures;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid credentials");
+}
+
 // ------------------------------------------------------------------------------ agent stream
 
 absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
@@ -406,8 +440,6 @@ absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
     return absl::FailedPreconditionError(
         absl::StrCat("Hello: protocol version ", h.protocol_version(), "; this coordinator speaks ",
                      rpc::kProtocolVersion));
-  if (!options_.auth_token.empty() && h.auth_token() != options_.auth_token)
-    return absl::UnauthenticatedError("Hello: missing or wrong auth token");
   if (!ValidAgentId(h.agent_id()))
     return absl::InvalidArgumentError(absl::StrCat(
         "Hello: agent_id must be 1..", kMaxAgentIdLength,
@@ -449,6 +481,15 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     return reject(grpc::StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("protocol error: the first message on a stream must be Hello, got ",
                                MessageName(msg)));
+  // Authentication comes before any other check, so that a stranger learns nothing else.
+  if (!options_.agent_token.empty() &&
+      !rpc::ConstantTimeEquals(msg.hello().auth_token(), options_.agent_token)) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.auth_failures;
+    }
+    return reject(grpc::StatusCode::UNAUTHENTICATED, "Hello: missing or invalid credentials");
+  }
   if (absl::Status s = ValidateHello(msg.hello()); !s.ok())
     return reject(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 

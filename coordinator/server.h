@@ -32,7 +32,12 @@ struct CoordinatorOptions {
   // 0 = 3 heartbeat intervals, at least 1 s.
   int64_t lost_trial_grace_ms = 0;
   size_t max_trials_per_sweep = 10000;
-  std::string auth_token;  // when set, every Hello must carry it
+  // Authentication (docs/SERVICE.md "Authentication"); empty disables that kind. When
+  // agent_token is set, every agent's Hello must carry it in hello.auth_token; when user_token is
+  // set, every SweepService call must carry the metadata "authorization: Bearer <user_token>".
+  // Both are compared in constant time and never logged; they must differ when both are set.
+  std::string agent_token;
+  std::string user_token;
   // Where to serve Prometheus /metrics (coordinator/metrics.h), e.g. "127.0.0.1:9464"; port 0
   // picks a free one; empty serves none (the metrics are still kept).
   std::string metrics_listen;
@@ -49,7 +54,8 @@ struct CoordinatorStats {
   int64_t unsupported = 0;        // UNSUPPORTED results made by preflight
   int64_t lost = 0;               // trials recorded as lost by a restarted agent
   int64_t bad_messages = 0;       // rejected agent messages (Error sent)
-  int64_t streams_rejected = 0;   // streams closed for a protocol violation
+  int64_t streams_rejected = 0;   // streams closed for a protocol violation (or bad auth)
+  int64_t auth_failures = 0;      // agent streams and user calls refused as UNAUTHENTICATED
 };
 
 class CoordinatorServer {

@@ -1,5 +1,10 @@
 #include "proto/rpc.h"
 
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
 namespace infersweep::rpc {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
@@ -25,6 +30,29 @@ void ConfigureServer(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 3 * kKeepaliveTimeMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+}
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  volatile unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff = diff | (static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]));
+  return diff == 0;
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad())
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
+  std::string token = text.str();
+  while (!token.empty() && (token.back() == ' ' || token.back() == '\t' || token.back() == '\n' ||
+                            token.back() == '\r' || token.back() == '\v' || token.back() == '\f'))
+    token.pop_back();
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
+  return token;
 }
 
 // absl and gRPC share the canonical code numbering (google.rpc.Code).

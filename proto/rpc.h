@@ -4,10 +4,12 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace infersweep::rpc {
 
@@ -25,6 +27,16 @@ inline constexpr int kKeepaliveTimeoutMs = 10'000;
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 // The server side of the same: message size limits and keepalive policy.
 void ConfigureServer(grpc::ServerBuilder& builder);
+
+// Bearer-token authentication (docs/SERVICE.md "Authentication"). User-API calls carry the
+// metadata kAuthMetadataKey: "Bearer <token>"; agents carry theirs in Hello.auth_token.
+inline constexpr char kAuthMetadataKey[] = "authorization";
+inline constexpr char kBearerPrefix[] = "Bearer ";
+// Equal strings, in time that depends on the lengths only, not on where they differ.
+bool ConstantTimeEquals(std::string_view a, std::string_view b);
+// Reads a token file: its content less trailing whitespace. A missing, unreadable or empty file
+// is an error naming the path (never the content).
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -55,9 +56,10 @@ struct RawAgent {
     stream = stub->Connect(&context);
   }
   bool Send(const v1::AgentMessage& m) { return stream->Write(m); }
-  bool Hello(const std::string& id) {
+  bool Hello(const std::string& id, const std::string& token = "") {
     v1::AgentMessage m;
     m.mutable_hello()->set_agent_id(id);
+    if (!token.empty()) m.mutable_hello()->set_auth_token(token);
     m.mutable_hello()->set_host("test");
     m.mutable_hello()->set_cpu_only(true);
     m.mutable_hello()->set_protocol_version(rpc::kProtocolVersion);
@@ -109,6 +111,7 @@ class BadInput : public ::testing::Test {
     o.max_trials_per_sweep = 8;
     o.tick_ms = 50;
     o.log = [](const std::string&) {};
+    Configure(o);
     server_ = std::make_unique<CoordinatorServer>(o);
     auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
     ASSERT_TRUE(port.ok()) << port.status();
@@ -121,6 +124,8 @@ class BadInput : public ::testing::Test {
     server_.reset();
     std::filesystem::remove_all(dir_);
   }
+
+  virtual void Configure(CoordinatorOptions&) {}
 
   Counts Count() {
     Counts c;
@@ -292,6 +297,146 @@ TEST_F(BadInput, QueryArgumentsAreChecked) {
   auto missing = client_->GetSweep(12345);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+// ------------------------------------------------------------------------------ authentication
+
+constexpr char kAgentToken[] = "agent-secret-0123456789";
+constexpr char kUserToken[] = "user-secret-9876543210";
+
+class Auth : public BadInput {
+ protected:
+  void Configure(CoordinatorOptions& o) override {
+    o.agent_token = kAgentToken;
+    o.user_token = kUserToken;
+  }
+};
+
+TEST_F(Auth, UserApiNeedsTheUserToken) {
+  const Counts before = Count();
+  // No token (client_ sends none).
+  auto none = client_->SubmitSweep(kValidSweep, "waits.yaml");
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnauthenticated) << none.status();
+  EXPECT_EQ(Count(), before);
+  // Every user-API method is guarded, not only SubmitSweep.
+  EXPECT_EQ(client_->GetSweep(1).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->ListSweeps().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->CancelSweep(1).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->ListAgents().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->QueryResults(v1::QueryResultsRequest()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client_->Best(v1::BestRequest()).status().code(), absl::StatusCode::kUnauthenticated);
+
+  // The agent token does not open the user API; neither does a wrong one, nor a prefix of the
+  // right one. The message is the same for all and names no token.
+  for (const std::string& token :
+       {std::string(kAgentToken), std::string("wrong"), std::string(kUserToken).substr(0, 8),
+        std::string(kUserToken) + "x"}) {
+    ServiceClient client(address_, 10'000, token);
+    auto r = client.SubmitSweep(kValidSweep, "waits.yaml");
+    ASSERT_FALSE(r.ok()) << token;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnauthenticated) << token << ": " << r.status();
+    EXPECT_EQ(std::string(r.status().message()), std::string(none.status().message()));
+    EXPECT_THAT(std::string(r.status().message()), ::testing::Not(HasSubstr("secret")));
+  }
+  EXPECT_EQ(Count(), before);
+
+  // Metadata without the "Bearer " scheme is refused too.
+  {
+    auto stub = v1::SweepService::NewStub(rpc::MakeChannel(address_));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", kUserToken);
+    v1::ListSweepsResponse resp;
+    EXPECT_EQ(stub->ListSweeps(&context, v1::ListSweepsRequest(), &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(server_->stats().auth_failures, 12);
+
+  // The user token works, on every method.
+  ServiceClient user(address_, 10'000, kUserToken);
+  auto ok = user.SubmitSweep(kValidSweep, "waits.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(Count().sweeps, before.sweeps + 1);
+  EXPECT_TRUE(user.GetSweep(ok->sweep_id()).ok());
+  EXPECT_TRUE(user.ListSweeps().ok());
+  EXPECT_TRUE(user.ListAgents().ok());
+  EXPECT_TRUE(user.QueryResults(v1::QueryResultsRequest()).ok());
+  EXPECT_TRUE(user.CancelSweep(ok->sweep_id()).ok());
+  EXPECT_EQ(server_->stats().auth_failures, 12);
+}
+
+TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
+  ServiceClient user(address_, 10'000, kUserToken);
+  auto submitted = user.SubmitSweep(kValidSweep, "waits.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const Counts before = Count();
+
+  const std::string tokens[] = {"", kUserToken, "wrong-token", std::string(kAgentToken) + " "};
+  int i = 0;
+  for (const std::string& token : tokens) {
+    RawAgent stranger(address_);
+    ASSERT_TRUE(stranger.Hello(absl::StrCat("stranger-", i++), token));
+    v1::CoordinatorMessage m = stranger.Next();
+    EXPECT_FALSE(m.has_welcome()) << "token '" << token << "' was accepted";
+    EXPECT_TRUE(m.has_error()) << m.DebugString();
+    const grpc::Status status = stranger.End();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << "token '" << token << "': " << status.error_message();
+    EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("secret")));
+  }
+  EXPECT_EQ(server_->stats().auth_failures, 4);
+  EXPECT_EQ(server_->stats().agents_connected, 0);
+  EXPECT_EQ(Count(), before);
+  auto agents = user.ListAgents();
+  ASSERT_TRUE(agents.ok()) << agents.status();
+  EXPECT_EQ(agents->agents_size(), 0) << "a refused agent was recorded";
+
+  // The coordinator keeps serving: the right token is welcomed.
+  RawAgent good(address_);
+  ASSERT_TRUE(good.Hello("good", kAgentToken));
+  EXPECT_TRUE(good.Next().has_welcome());
+  EXPECT_EQ(server_->stats().auth_failures, 4);
+  EXPECT_TRUE(good.End().ok());
+}
+
+TEST(AuthOptions, EqualAgentAndUserTokensAreRefusedAtStart) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "auth-opts-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  CoordinatorOptions o;
+  o.agent_token = "same";
+  o.user_token = "same";
+  o.log = [](const std::string&) {};
+  CoordinatorServer server(o);
+  auto port = server.Start("127.0.0.1:0", tmpl + "/c.db");
+  EXPECT_FALSE(port.ok());
+  EXPECT_EQ(port.status().code(), absl::StatusCode::kInvalidArgument);
+  server.Stop();
+  std::filesystem::remove_all(tmpl);
+}
+
+TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
+  EXPECT_TRUE(rpc::ConstantTimeEquals("abc", "abc"));
+  EXPECT_TRUE(rpc::ConstantTimeEquals("", ""));
+  EXPECT_FALSE(rpc::ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(rpc::ConstantTimeEquals("abc", "ab"));
+  EXPECT_FALSE(rpc::ConstantTimeEquals("", "a"));
+
+  std::string tmpl = (std::filesystem::temp_directory_path() / "auth-files-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::string good = tmpl + "/good", empty = tmpl + "/empty", blank = tmpl + "/blank";
+  { std::ofstream(good) << "s3cret token\n \t\r\n"; }
+  { std::ofstream(empty) << ""; }
+  { std::ofstream(blank) << "  \n\n"; }
+  auto t = rpc::ReadTokenFile(good);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(*t, "s3cret token");
+  for (const std::string& path : {empty, blank, tmpl + "/missing"}) {
+    auto r = rpc::ReadTokenFile(path);
+    ASSERT_FALSE(r.ok()) << path;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(path));
+  }
+  std::filesystem::remove_all(tmpl);
 }
 
 }  // namespace

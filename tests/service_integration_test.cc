@@ -96,8 +96,10 @@ class Fleet : public ::testing::Test {
   }
 
   Agent* StartAgent(const std::string& id, const std::string& fake_gpu,
-                    std::vector<std::string> worker_argv = {INFERSWEEP_BINARY, "worker"}) {
+                    std::vector<std::string> worker_argv = {INFERSWEEP_BINARY, "worker"},
+                    const std::string& auth_token = "") {
     AgentOptions o;
+    o.auth_token = auth_token;
     o.coordinator = address_;
     o.agent_id = id;
     o.spool_path = absl::StrCat(dir_, "/", id, ".spool.db");
@@ -430,6 +432,55 @@ TEST_F(Fleet, TrialLostByARestartedAgentIsRecorded) {
   EXPECT_THAT(rows[0].result.reason, ::testing::HasSubstr("lost"));
   EXPECT_EQ(rows[0].agent_id, "phoenix");
   EXPECT_TRUE(WaitFor([&] { return server_->stats().lost == 1; }, 2));
+}
+
+TEST_F(Fleet, OnlyAnAgentWithTheAgentTokenRunsTrials) {
+  const std::string agent_token = "fleet-agent-token", user_token = "fleet-user-token";
+  CoordinatorOptions options = QuietOptions();
+  options.agent_token = agent_token;
+  options.user_token = user_token;
+  StartCoordinator(options);
+  const std::vector<std::string> worker = {INFERSWEEP_BINARY, "worker"};
+  // Refused: no token, the user token, a wrong token. They keep retrying; none gets in.
+  StartAgent("no-token", "NVIDIA RTX PRO 6000:120:96", worker, "");
+  StartAgent("user-token", "NVIDIA RTX PRO 6000:120:96", worker, user_token);
+  StartAgent("wrong-token", "NVIDIA RTX PRO 6000:120:96", worker, "fleet-agent-tokem");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().auth_failures >= 3; }, 10)) << Log();
+  EXPECT_EQ(server_->stats().agents_connected, 0) << Log();
+
+  ServiceClient client(address_, 30'000, user_token);
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[blocked]");
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const int64_t sweep = submitted->sweep_id();
+
+  Agent* good = StartAgent("good", "NVIDIA RTX PRO 6000:120:96", worker, agent_token);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto s = client.GetSweep(sweep);
+        return s.ok() && s->state() == "done";
+      },
+      30))
+      << Log();
+  EXPECT_GE(good->stats().connects, 1);
+  EXPECT_EQ(server_->stats().agents_connected, 1);
+
+  // Every result came from the agent with the right token; the others were never recorded.
+  v1::QueryResultsRequest q;
+  q.set_sweep_id(sweep);
+  auto results = client.QueryResults(q);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_EQ(results->rows_size(), 2);
+  for (const v1::ResultRow& row : results->rows()) EXPECT_EQ(row.agent_id(), "good");
+  auto agents = client.ListAgents();
+  ASSERT_TRUE(agents.ok()) << agents.status();
+  ASSERT_EQ(agents->agents_size(), 1);
+  EXPECT_EQ(agents->agents(0).agent_id(), "good");
+  // No token is ever logged.
+  const std::string log = Log();
+  EXPECT_EQ(log.find(agent_token), std::string::npos);
+  EXPECT_EQ(log.find(user_token), std::string::npos);
 }
 
 }  // namespace
