@@ -73,6 +73,9 @@ absl::Status Agent::Start() {
     std::lock_guard<std::mutex> lock(mu_);
     if (started_) return absl::FailedPreconditionError("agent already started");
   }
+  auto credentials = rpc::MakeChannelCredentials(options_.tls);
+  if (!credentials.ok()) return credentials.status();
+  credentials_ = *std::move(credentials);
   auto inventory = DetectInventory(options_.test_fake_gpus);
   if (!inventory.ok()) return inventory.status();
   inventory_ = *std::move(inventory);
@@ -227,7 +230,8 @@ void Agent::ConnectionLoop() {
 }
 
 bool Agent::RunStream(const std::shared_ptr<Link>& link) {
-  auto stub = v1::AgentService::NewStub(rpc::MakeChannel(options_.coordinator));
+  auto stub = v1::AgentService::NewStub(
+      rpc::MakeChannel(options_.coordinator, credentials_, options_.tls.server_name_override));
   link->stream = stub->Connect(&link->context);
 
   v1::AgentMessage hello_msg;

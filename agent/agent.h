@@ -22,6 +22,7 @@
 #include "agent/spool.h"
 #include "harness/trial.h"
 #include "proto/infersweep.pb.h"
+#include "proto/rpc.h"
 
 namespace infersweep {
 
@@ -32,6 +33,9 @@ struct AgentOptions {
   // The coordinator's agent token (docs/SERVICE.md "Authentication"), sent in Hello.auth_token;
   // empty sends none.
   std::string auth_token;
+  // TLS to the coordinator (docs/SERVICE.md "TLS"): tls.ca_file verifies the coordinator;
+  // tls.cert_file + tls.key_file are the agent's certificate for mutual TLS. Empty: plaintext.
+  rpc::TlsOptions tls;
   // TEST ONLY: "NAME:SM:MEMORY_GIB" labels that replace the detected GPUs (see inventory.h).
   // Trials with device=cpu still run on the CPU.
   std::vector<std::string> test_fake_gpus;
@@ -103,6 +107,7 @@ class Agent {
   AgentOptions options_;
   Inventory inventory_;
   std::unique_ptr<Spool> spool_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;  // from options_.tls, made in Start
   std::unique_ptr<AgentMetrics> metrics_;  // null unless options_.metrics_listen is set
 
   std::mutex mu_;  // guards slots' queues/state, link_, stats_, stopping_

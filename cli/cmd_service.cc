@@ -67,6 +67,17 @@ absl::StatusOr<std::string> UserToken() {
   return token;
 }
 
+// TLS of the service commands (--tls-ca, --tls-cert, --tls-key; docs/SERVICE.md "TLS").
+rpc::TlsOptions g_client_tls;
+
+void AddClientTlsFlags(CLI::App* cmd) {
+  cmd->add_option("--tls-ca", g_client_tls.ca_file,
+                  "PEM CA that verifies the coordinator's certificate (turns TLS on)");
+  cmd->add_option("--tls-cert", g_client_tls.cert_file,
+                  "PEM client certificate, for a coordinator that requires mutual TLS");
+  cmd->add_option("--tls-key", g_client_tls.key_file, "PEM private key of --tls-cert");
+}
+
 std::string S(std::string_view v) { return std::string(v); }
 
 std::string FormatUnixMs(int64_t ms) {
@@ -109,6 +120,7 @@ struct CoordinatorArgs {
   std::string auth_token_env;
   std::string agent_token_file;
   std::string user_token_file;
+  std::string tls_cert, tls_key, tls_client_ca;
   std::string metrics_listen = "127.0.0.1:9464";
 };
 
@@ -144,6 +156,9 @@ int RunCoordinator(const CoordinatorArgs& args) {
     if (!token.ok()) return Fail(token.status());
     options.user_token = *std::move(token);
   }
+  options.tls.cert_file = args.tls_cert;
+  options.tls.key_file = args.tls_key;
+  options.tls.client_ca_file = args.tls_client_ca;
   BlockStopSignals();
   CoordinatorServer server(options);
   absl::StatusOr<int> port = server.Start(args.listen, args.db);
@@ -152,6 +167,11 @@ int RunCoordinator(const CoordinatorArgs& args) {
               args.listen.c_str(), *port, args.db.c_str(), args.lease_s);
   std::printf("# authentication: agents %s, users %s\n",
               options.agent_token.empty() ? "off" : "token", options.user_token.empty() ? "off" : "token");
+  const char* transport = "plaintext";
+  if (options.tls.server_enabled())
+    transport = options.tls.client_ca_file.empty() ? "TLS"
+                                                   : "mutual TLS (client certificates required)";
+  std::printf("# transport: %s\n", transport);
   if (server.metrics_port() > 0)
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), server.metrics_port());
   std::fflush(stdout);
@@ -171,6 +191,7 @@ struct AgentArgs {
   int max_backoff_ms = 5000;
   std::string auth_token_env;
   std::string token_file;
+  std::string tls_ca, tls_cert, tls_key;
   std::string metrics_listen = "127.0.0.1:9465";
 };
 
@@ -182,6 +203,9 @@ int RunAgent(const AgentArgs& args) {
   options.test_fake_gpus = args.fake_gpus;
   options.max_backoff_ms = args.max_backoff_ms;
   options.metrics_listen = args.metrics_listen;
+  options.tls.ca_file = args.tls_ca;
+  options.tls.cert_file = args.tls_cert;
+  options.tls.key_file = args.tls_key;
   if (!args.auth_token_env.empty()) {
     const char* token = std::getenv(args.auth_token_env.c_str());
     if (token == nullptr || *token == '\0')
@@ -290,7 +314,7 @@ int WatchSweep(ServiceClient& client, int64_t id) {
 int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token);
+  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   if (sweep_id > 0) {
     absl::StatusOr<v1::SweepInfo> s = client.GetSweep(sweep_id);
     if (!s.ok()) return Fail(s.status());
@@ -329,7 +353,7 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
   text << in.rdbuf();
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token);
+  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
@@ -342,7 +366,7 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
 int RunCancel(const std::string& coordinator, int64_t sweep_id) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token);
+  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::CancelSweepResponse> r = client.CancelSweep(sweep_id);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld cancelled; %lld running trial(s) told to stop\n",
@@ -515,7 +539,7 @@ int RunResults(const ResultsArgs& args) {
   req.set_limit(args.limit);
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(args.coordinator, 30'000, *user_token);
+  ServiceClient client(args.coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
   if (!resp.ok()) return Fail(resp.status());
   std::vector<Row> rows;
@@ -575,7 +599,7 @@ int RunBest(const std::string& coordinator, const std::string& model, const std:
   req.set_batch(batch);
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token);
+  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::BestResponse> resp = client.Best(req);
   if (!resp.ok()) return Fail(resp.status());
   if (!resp->found()) {
@@ -658,7 +682,7 @@ int RunCompare(const CompareArgs& args) {
   }
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(args.coordinator, 30'000, *user_token);
+  ServiceClient client(args.coordinator, 30'000, *user_token, g_client_tls);
   std::vector<std::optional<Row>> found;
   for (const auto& [text, sm] : sides) {
     absl::StatusOr<BackendConfig> config = ParseBackendConfig(text);
@@ -724,7 +748,7 @@ int RunCompare(const CompareArgs& args) {
 int RunAgents(const std::string& coordinator) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token);
+  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::ListAgentsResponse> resp = client.ListAgents();
   if (!resp.ok()) return Fail(resp.status());
   std::printf("# infersweep agents at %s\n", coordinator.c_str());
@@ -773,6 +797,11 @@ void AddServiceCommands(CLI::App& app) {
                     "file holding the token agents must present (docs/SERVICE.md)");
     cmd->add_option("--user-token-file", args.user_token_file,
                     "file holding the bearer token every user-API call must carry");
+    cmd->add_option("--tls-cert", args.tls_cert,
+                    "PEM certificate (chain) to serve TLS with; needs --tls-key");
+    cmd->add_option("--tls-key", args.tls_key, "PEM private key of --tls-cert");
+    cmd->add_option("--tls-client-ca", args.tls_client_ca,
+                    "PEM CA whose client certificates are required (mutual TLS)");
     cmd->add_option("--metrics-listen", args.metrics_listen,
                     "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
                     "\"\" for none")
@@ -795,6 +824,11 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--auth-token-env", args.auth_token_env,
                     "environment variable holding the coordinator's agent token");
     cmd->add_option("--token-file", args.token_file, "file holding the coordinator's agent token");
+    cmd->add_option("--tls-ca", args.tls_ca,
+                    "PEM CA that verifies the coordinator's certificate (turns TLS on)");
+    cmd->add_option("--tls-cert", args.tls_cert,
+                    "PEM client certificate, for a coordinator that requires mutual TLS");
+    cmd->add_option("--tls-key", args.tls_key, "PEM private key of --tls-cert");
     cmd->add_option("--metrics-listen", args.metrics_listen,
                     "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
                     "\"\" for none")
@@ -809,6 +843,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
     cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait)); });
   }
@@ -821,6 +856,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->add_flag("--once", once, "print one snapshot instead of a live bar");
     cmd->callback([] { std::exit(RunStatus(coordinator, sweep, once)); });
   }
@@ -832,6 +868,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->callback([] { std::exit(RunCancel(coordinator, sweep)); });
   }
   {
@@ -840,6 +877,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->add_option("--sweep", args.sweep, "sweep id");
     cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
     cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
@@ -861,6 +899,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->add_option("--model", model, "model")->required();
     cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
     cmd->add_option("--metric", metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
@@ -876,6 +915,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
                                               "the axes they leave out)");
@@ -889,6 +929,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     cmd->add_option("--token-file", g_token_file,
                     "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    AddClientTlsFlags(cmd);
     cmd->callback([] { std::exit(RunAgents(coordinator)); });
   }
 }

@@ -8,14 +8,22 @@
 
 namespace infersweep {
 
-ServiceClient::ServiceClient(const std::string& address, int64_t timeout_ms, std::string token)
-    : address_(address),
-      timeout_ms_(timeout_ms),
-      token_(std::move(token)),
-      stub_(v1::SweepService::NewStub(rpc::MakeChannel(address))) {}
+ServiceClient::ServiceClient(const std::string& address, int64_t timeout_ms, std::string token,
+                             const rpc::TlsOptions& tls)
+    : address_(address), timeout_ms_(timeout_ms), token_(std::move(token)) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      rpc::MakeChannelCredentials(tls);
+  if (!credentials.ok()) {
+    tls_status_ = credentials.status();
+    credentials = grpc::InsecureChannelCredentials();  // never used: every call fails first
+  }
+  stub_ = v1::SweepService::NewStub(
+      rpc::MakeChannel(address, *credentials, tls.server_name_override));
+}
 
 template <typename Req, typename Resp, typename Method>
 absl::StatusOr<Resp> ServiceClient::Call(const Req& request, Method method) {
+  if (!tls_status_.ok()) return tls_status_;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
   if (!token_.empty()) context.AddMetadata(rpc::kAuthMetadataKey, absl::StrCat(rpc::kBearerPrefix, token_));

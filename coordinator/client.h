@@ -7,16 +7,20 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "absl/status/status.h"
 #include "proto/infersweep.grpc.pb.h"
+#include "proto/rpc.h"
 
 namespace infersweep {
 
 class ServiceClient {
  public:
   // `address` is "host:port"; every call fails after `timeout_ms`. A non-empty `token` is sent
-  // on every call as the metadata "authorization: Bearer <token>" (docs/SERVICE.md).
+  // on every call as the metadata "authorization: Bearer <token>" (docs/SERVICE.md). `tls`
+  // (client side: ca_file, cert_file/key_file, server_name_override) turns on TLS; a bad TLS
+  // file makes every call fail with that error (see tls_status()).
   explicit ServiceClient(const std::string& address, int64_t timeout_ms = 30'000,
-                         std::string token = "");
+                         std::string token = "", const rpc::TlsOptions& tls = {});
 
   void set_token(std::string token) { token_ = std::move(token); }
 
@@ -30,6 +34,8 @@ class ServiceClient {
   absl::StatusOr<v1::BestResponse> Best(const v1::BestRequest& request);
 
   const std::string& address() const { return address_; }
+  // Not OK when the TLS options could not be turned into credentials (unreadable file, ...).
+  const absl::Status& tls_status() const { return tls_status_; }
 
  private:
   template <typename Req, typename Resp, typename Method>
@@ -38,6 +44,7 @@ class ServiceClient {
   std::string address_;
   int64_t timeout_ms_;
   std::string token_;
+  absl::Status tls_status_;
   std::unique_ptr<v1::SweepService::Stub> stub_;
 };
 

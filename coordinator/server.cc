@@ -330,6 +330,9 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
   if (!options_.agent_token.empty() && options_.agent_token == options_.user_token)
     return absl::InvalidArgumentError(
         "the agent token and the user token must differ (each must not work on the other API)");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      rpc::MakeServerCredentials(options_.tls);
+  if (!credentials.ok()) return credentials.status();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (started_) return absl::FailedPreconditionError("coordinator already started");
@@ -355,7 +358,7 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
   sweep_service_ = std::make_unique<SweepServiceImpl>(this);
   int port = 0;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(address, *credentials, &port);
   rpc::ConfigureServer(builder);
   builder.RegisterService(agent_service_.get());
   builder.RegisterService(sweep_service_.get());
@@ -366,7 +369,11 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
                                                " (address in use or not a host:port?)"));
   }
   scheduler_ = std::thread([this] { SchedulerLoop(); });
-  Log(absl::StrCat("listening on ", address, " (port ", port, "), database ", db_path));
+  const char* transport = !options_.tls.server_enabled()        ? "plaintext"
+                          : options_.tls.client_ca_file.empty() ? "TLS"
+                                                                : "mutual TLS";
+  Log(absl::StrCat("listening on ", address, " (port ", port, ", ", transport, "), database ",
+                   db_path));
   return port;
 }
 

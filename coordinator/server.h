@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "proto/rpc.h"
 #include "storage/store.h"
 
 namespace infersweep {
@@ -38,6 +39,10 @@ struct CoordinatorOptions {
   // Both are compared in constant time and never logged; they must differ when both are set.
   std::string agent_token;
   std::string user_token;
+  // TLS on the gRPC port (docs/SERVICE.md "TLS"): tls.cert_file + tls.key_file serve TLS;
+  // tls.client_ca_file also requires client certificates from that CA (mutual TLS). Empty:
+  // plaintext.
+  rpc::TlsOptions tls;
   // Where to serve Prometheus /metrics (coordinator/metrics.h), e.g. "127.0.0.1:9464"; port 0
   // picks a free one; empty serves none (the metrics are still kept).
   std::string metrics_listen;

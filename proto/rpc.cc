@@ -7,8 +7,80 @@
 
 namespace infersweep::rpc {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, ": cannot read it"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad())
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, ": cannot read it"));
+  std::string pem = text.str();
+  if (pem.find_first_not_of(" \t\r\n\v\f") == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " is empty"));
+  return pem;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsOptions& tls) {
+  if (!tls.server_enabled()) {
+    if (!tls.client_ca_file.empty())
+      return absl::InvalidArgumentError(
+          "a TLS client CA needs a server certificate and key too (--tls-cert, --tls-key)");
+    return grpc::InsecureServerCredentials();
+  }
+  if (tls.cert_file.empty() || tls.key_file.empty())
+    return absl::InvalidArgumentError(
+        "TLS needs both a server certificate and its private key (--tls-cert, --tls-key)");
+  absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions options;
+  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
+  if (!tls.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(tls.client_ca_file, "TLS client CA");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+    options.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  } else {
+    options.client_certificate_request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(options);
+  if (!creds) return absl::InvalidArgumentError("cannot build the TLS server credentials");
+  return creds;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const TlsOptions& tls) {
+  if (!tls.client_enabled()) return grpc::InsecureChannelCredentials();
+  if (tls.cert_file.empty() != tls.key_file.empty())
+    return absl::InvalidArgumentError(
+        "a TLS client certificate needs its private key and vice versa (--tls-cert, --tls-key)");
+  grpc::SslCredentialsOptions options;
+  if (!tls.ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(tls.ca_file, "TLS CA");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+  }
+  if (!tls.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
+    if (!key.ok()) return key.status();
+    options.pem_cert_chain = *std::move(cert);
+    options.pem_private_key = *std::move(key);
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::SslCredentials(options);
+  if (!creds) return absl::InvalidArgumentError("cannot build the TLS channel credentials");
+  return creds;
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                           const std::string& server_name_override) {
   grpc::ChannelArguments args;
+  if (!server_name_override.empty()) args.SetSslTargetNameOverride(server_name_override);
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   // Reconnect quickly after a coordinator restart; the agent has its own backoff on top.
@@ -18,7 +90,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!credentials) credentials = grpc::InsecureChannelCredentials();
+  return grpc::CreateCustomChannel(address, credentials, args);
 }
 
 void ConfigureServer(grpc::ServerBuilder& builder) {

@@ -23,8 +23,46 @@ inline constexpr int kProtocolVersion = 1;
 inline constexpr int kKeepaliveTimeMs = 20'000;
 inline constexpr int kKeepaliveTimeoutMs = 10'000;
 
-// An insecure channel to "host:port" with the message size limits and keepalive set.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+// TLS on the gRPC port (docs/SERVICE.md "TLS"). Every file holds PEM. Empty fields mean
+// plaintext (the default, for loopback and trusted networks).
+struct TlsOptions {
+  // Server side: the coordinator's certificate chain and private key. When client_ca_file is
+  // also set, every client must present a certificate issued by that CA (mutual TLS).
+  // Client side: cert_file/key_file are the client's certificate for mutual TLS (optional).
+  std::string cert_file;
+  std::string key_file;
+  std::string client_ca_file;
+  // Client side: the CA that verifies the coordinator's certificate. Setting it (or a client
+  // certificate) turns TLS on for the channel.
+  std::string ca_file;
+  // Client side, tests and odd DNS only: the name expected in the server's certificate instead
+  // of the host in the address.
+  std::string server_name_override;
+
+  bool server_enabled() const { return !cert_file.empty() || !key_file.empty(); }
+  bool client_enabled() const {
+    return !ca_file.empty() || !cert_file.empty() || !key_file.empty();
+  }
+};
+
+// Reads a PEM file whole. A missing, unreadable or empty file is an error naming the path and
+// `what` ("TLS certificate", ...).
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::string& what);
+// Server credentials: insecure when no certificate is given; TLS with cert/key; mutual TLS
+// (client certificate required and verified) when client_ca_file is set too.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsOptions& tls);
+// Channel credentials: insecure unless tls.client_enabled(); TLS verified against ca_file (the
+// system roots when empty), with the client certificate when cert_file/key_file are set.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const TlsOptions& tls);
+
+// A channel to "host:port" with the message size limits and keepalive set; insecure when
+// `credentials` is null. `server_name_override` (TLS only) is the name checked in the server's
+// certificate instead of the host.
+std::shared_ptr<grpc::Channel> MakeChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+    const std::string& server_name_override = "");
 // The server side of the same: message size limits and keepalive policy.
 void ConfigureServer(grpc::ServerBuilder& builder);
 

@@ -8,7 +8,7 @@ packages=(
   libsqlite3-dev sqlite3
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev prometheus
-  python3 python3-yaml curl
+  python3 python3-yaml curl openssl
 )
 missing=()
 for p in "${packages[@]}"; do
