@@ -7,7 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/test_paths.h"
+#include "tests/test_util.h"
 #include <nlohmann/json.hpp>
 
 #include "engine/backends.h"

@@ -4,7 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/test_paths.h"
+#include "tests/test_util.h"
 
 #include "engine/backends.h"
 #include "harness/executor.h"
@@ -258,11 +258,9 @@ TEST(RunCommand, CpuMatrixEndToEnd) {
                               " --config 'matmul=naive|blocked,threads=1|2'"
                               " --workload prompt=8,output=4,batch=1:2,repeats=2,warmup=0"
                               " --json " + json_path + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string table;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) table.append(buffer, n);
-  ASSERT_EQ(pclose(pipe), 0) << table;
+  int exit_code = -1;
+  const std::string table = RunCommand(command, &exit_code);
+  ASSERT_EQ(exit_code, 0) << table;
   EXPECT_THAT(table, HasSubstr("device=cpu,matmul=blocked,threads=2"));
   std::ifstream in(json_path);
   const auto json = nlohmann::json::parse(in);

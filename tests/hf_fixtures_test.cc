@@ -10,7 +10,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/test_paths.h"
+#include "tests/test_util.h"
 #include <nlohmann/json.hpp>
 
 #include "engine/cpu_model.h"
@@ -160,13 +160,9 @@ struct CliRun {
 };
 
 CliRun RunCli(const std::string& args) {
-  const std::string command = std::string(WorkerBinary()) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), output};
+  CliRun run;
+  run.output = RunCommand(WorkerBinary() + " " + args + " 2>&1", &run.exit_code);
+  return run;
 }
 
 std::string DamagedCopy(const std::string& name) {

@@ -25,6 +25,8 @@
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 
+#include "tests/test_util.h"
+
 namespace infersweep {
 namespace {
 
@@ -42,27 +44,7 @@ selector: {sm: [120]}
 )";
 constexpr char kFakeGpu[] = "NVIDIA RTX PRO 6000:sm_120:96";
 
-bool WaitFor(const std::function<bool()>& done, double seconds) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return done();
-}
 
-std::string RunCommand(const std::string& command, int* exit_code) {
-  std::string out;
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
 
 // The throwaway PKI: ca (signs server + client), other-ca (signs nothing we serve).
 struct Pki {

@@ -1,0 +1,55 @@
+// Helpers shared by the test binaries: where the source tree and the built binary are, polling,
+// and running a command. Paths are compiled in by tests/CMakeLists.txt; the environment overrides
+// them where tests run from another tree (the GPU machine, scripts/gpu.sh).
+#pragma once
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <thread>
+
+namespace infersweep {
+
+inline std::string SourceDir() {
+  const char* env = std::getenv("INFERSWEEP_SOURCE_DIR");
+  return env ? env : INFERSWEEP_SOURCE_DIR;
+}
+
+inline std::string WorkerBinary() {
+  const char* env = std::getenv("INFERSWEEP_BINARY");
+  return env ? env : INFERSWEEP_BINARY;
+}
+
+// Polls `done` every 20 ms until it holds or `seconds` pass.
+inline bool WaitFor(const std::function<bool()>& done, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return done();
+}
+
+// Runs `command` through the shell; returns its stdout (add 2>&1 for stderr) and sets the exit
+// code (128 + signal when killed).
+inline std::string RunCommand(const std::string& command, int* exit_code) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    *exit_code = -1;
+    return out;
+  }
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return out;
+}
+
+}  // namespace infersweep
