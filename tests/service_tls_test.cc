@@ -175,21 +175,14 @@ class Tls : public ::testing::Test {
     return agents_.back().get();
   }
 
-  void Remember(const std::string& who, const std::string& line) {
-    std::lock_guard<std::mutex> lock(log_mu_);
-    log_ += absl::StrCat("[", who, "] ", line, "\n");
-  }
-  std::string Log() {
-    std::lock_guard<std::mutex> lock(log_mu_);
-    return log_;
-  }
+  void Remember(const std::string& who, const std::string& line) { log_.Add(who, line); }
+  std::string Log() { return log_.Text(); }
 
   std::string dir_, address_;
   int port_ = 0;
   std::unique_ptr<CoordinatorServer> server_;
   std::vector<std::unique_ptr<Agent>> agents_;
-  std::mutex log_mu_;
-  std::string log_;
+  LineLog log_;
 };
 
 TEST_F(Tls, ClientTrustingTheCaSubmitsAndPlaintextOrWrongCaFail) {

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -51,5 +52,22 @@ inline std::string RunCommand(const std::string& command, int* exit_code) {
   *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return out;
 }
+
+// Lines from several threads (coordinator, agents), kept for failure messages.
+class LineLog {
+ public:
+  void Add(const std::string& who, const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    text_ += "[" + who + "] " + line + "\n";
+  }
+  std::string Text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return text_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::string text_;
+};
 
 }  // namespace infersweep
