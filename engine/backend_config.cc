@@ -31,6 +31,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "simple fp32-accumulate kernels: the GPU reference"});
   r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
                "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
+  r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
+               "decode (<= 4 rows): our bf16 GEMV with RMSNorm, bias and residual fused in, "
+               "fp32 activations; more rows: cuBLASLt"});
   r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
                "materialised scores, fp32"});
   r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kFp32,

@@ -60,7 +60,8 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
     CudaModelOptions options;
-    options.gemm_cublaslt = config.at("gemm") == "cublaslt";
+    options.gemm_cublaslt = config.at("gemm") == "cublaslt" || config.at("gemm") == "fused";
+    options.gemm_fused = config.at("gemm") == "fused";
     options.attention_flash = config.at("attention") == "flash";
     options.moe_fused = config.at("moe") == "fused";
     options.graphs = config.at("graphs") == "on";

@@ -31,13 +31,20 @@ for stage in $STAGES; do
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
-  best)  # the fastest config only: batch 1, batch 64, prefill 2048
-    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
+  best)  # the fastest configs only: batch 1, batch 64, prefill 2048
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt|fused,attention=flash,moe=fused,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best_prefill.json" 2>&1 | tee "$OUT/bench_best_prefill.log" ;;
+  profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
+    # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
+    ncu --clock-control none --target-processes all --launch-skip 1183 --launch-count 120 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
+      $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens 1 --max-new-tokens 3 --backend cuda \
+      --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
+    python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
   peer)
     timeout 420 python3 scripts/hf_peer_bench.py 2>&1 ;;
   fixtures)

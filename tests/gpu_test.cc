@@ -130,7 +130,9 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
 TEST(Gpu, NumericFaultsAreIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;
-  for (const char* config : {"device=cuda,gemm=cublaslt,moe=fused,graphs=on", "device=cuda"}) {
+  for (const char* config : {"device=cuda,gemm=cublaslt,moe=fused,graphs=on",
+                             "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on",
+                             "device=cuda"}) {
     for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2", "stuck-token:7"}) {
       const TrialResult r = executor.Execute(GpuRequest("preset:tiny-moe", config, fault));
       EXPECT_EQ(r.status, TrialStatus::kIncorrect) << config << " " << fault << ": " << r.reason;

@@ -125,6 +125,7 @@ class CudaModel final : public Model {
     FreeScratch();
     if (k_cache_) cudaFree(k_cache_);
     if (v_cache_) cudaFree(v_cache_);
+    if (rope_) cudaFree(rope_);
     cudaStreamDestroy(stream_);
   }
 
@@ -142,6 +143,13 @@ class CudaModel final : public Model {
       if (k_cache_) cudaFree(k_cache_);
       if (v_cache_) cudaFree(v_cache_);
       k_cache_ = v_cache_ = nullptr;
+      if (rope_) cudaFree(rope_);
+      rope_ = nullptr;
+      auto rope = DeviceAlloc<float2>(static_cast<size_t>(max_tokens) * (config_.head_dim / 2));
+      if (!rope.ok()) return rope.status();
+      rope_ = *rope;
+      cuda::BuildRopeTable(max_tokens, config_.head_dim, config_.rope_theta, rope_, stream_);
+      CHECK_LAUNCH();
       const size_t elems = static_cast<size_t>(config_.num_layers) * batch * max_tokens * config_.kv_dim();
       auto k = DeviceAlloc<float>(elems);
       if (!k.ok()) return k.status();
@@ -228,22 +236,30 @@ class CudaModel final : public Model {
     cuda::EmbeddingGather(d_tokens_, rows, w_.embed, x_, stream_);
     CHECK_LAUNCH();
     const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
+    // gemm=fused: decode steps take our GEMV path, with the norms and residual adds fused in.
+    const bool gemv = options_.gemm_fused && cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
+                      cuda::GemvSupports(rows, MaxIntermediate());
     for (int l = 0; l < config_.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
-      cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
-      const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
-      if (auto s = Gemm(xn_, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
-      if (auto s = Gemm(xn_, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
-      if (auto s = Gemm(xn_, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
-      if (config_.qk_norm) {
-        cuda::RmsNorm(q_, rows * config_.num_q_heads, config_.head_dim, lw.q_norm, eps, q_, stream_);
-        cuda::RmsNorm(k_, rows * config_.num_kv_heads, config_.head_dim, lw.k_norm, eps, k_, stream_);
+      if (gemv) {  // input RMSNorm, q, k, v (+ biases): one launch
+        cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.input_norm, eps);
+        AddSegment(a, lw.q, lw.q_bias, q_);
+        AddSegment(a, lw.k, lw.k_bias, k_);
+        AddSegment(a, lw.v, lw.v_bias, v_);
+        cuda::Gemv(a, stream_);
+      } else {
+        cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
+        const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+        if (auto s = Gemm(xn_, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
+        if (auto s = Gemm(xn_, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
+        if (auto s = Gemm(xn_, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
       }
       float* kc = k_cache_ + l * layer_kv;
       float* vc = v_cache_ + l * layer_kv;
-      cuda::RopeAndAppendKv(q_, k_, v_, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                            config_.head_dim, config_.rope_theta, d_position_, capacity_, kc, vc,
-                            stream_);
+      cuda::QkNormRopeAppend(q_, k_, v_, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                             config_.head_dim, config_.qk_norm ? lw.q_norm : MatrixRef{},
+                             config_.qk_norm ? lw.k_norm : MatrixRef{}, eps, rope_, d_position_,
+                             capacity_, kc, vc, stream_);
       if (options_.attention_flash) {
         cuda::AttentionFlash(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
                              config_.head_dim, d_position_, capacity_,
@@ -254,21 +270,26 @@ class CudaModel final : public Model {
                              config_.head_dim, d_position_, capacity_, scores_, attn_, stream_);
       }
       CHECK_LAUNCH();
-      const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
-      if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
       const bool bad_scale = options_.fault.kind == FaultInjection::Kind::kBadScale && l == 0;
-      cuda::AddScaled(x_, o_, bad_scale ? static_cast<float>(options_.fault.value) : 1.f,
-                      static_cast<int64_t>(rows) * hidden, stream_);
-
-      cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, eps, xn_, stream_);
-      CHECK_LAUNCH();
-      if (config_.IsMoeLayer(l)) {
-        if (auto s = Moe(l, rows, n); !s.ok()) return s;
+      const float o_scale = bad_scale ? static_cast<float>(options_.fault.value) : 1.f;
+      if (gemv) {  // o projection added straight into the residual stream
+        cuda::GemvArgs a = GemvInput(attn_, rows, q_dim, {});
+        AddSegment(a, lw.o, lw.o_bias, x_);
+        a.accumulate = true;
+        a.scale = o_scale;
+        cuda::Gemv(a, stream_);
       } else {
-        const uint16_t* mb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
-        if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
+        const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
+        if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
+        cuda::AddScaled(x_, o_, o_scale, static_cast<int64_t>(rows) * hidden, stream_);
       }
-      cuda::AddScaled(x_, y_, 1.f, static_cast<int64_t>(rows) * hidden, stream_);
+      CHECK_LAUNCH();
+      // The MLP or MoE block adds its output into x_ (the residual stream).
+      if (config_.IsMoeLayer(l)) {
+        if (auto s = Moe(l, rows, n, gemv); !s.ok()) return s;
+      } else if (auto s = DenseMlp(lw, rows, gemv); !s.ok()) {
+        return s;
+      }
       if (options_.fault.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(options_.fault.value))
         cuda::SetNan(x_, stream_);
       CHECK_LAUNCH();
@@ -293,7 +314,60 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  int MaxIntermediate() const {
+    return std::max({config_.intermediate_size, config_.moe_intermediate_size,
+                     config_.shared_expert_intermediate_size, 1});
+  }
+  // A GEMV over `rows` rows of x [rows, k], RMS-normalised by `norm` first when it is given.
+  static cuda::GemvArgs GemvInput(const float* x, int rows, int k, const MatrixRef& norm,
+                                  float eps = 0.f) {
+    cuda::GemvArgs a;
+    a.x = x;
+    a.rows = rows;
+    a.k = k;
+    a.norm_gain = norm.data;
+    a.norm_dtype = norm.dtype;
+    a.norm_eps = eps;
+    return a;
+  }
+  static void AddSegment(cuda::GemvArgs& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+    cuda::GemvSegment& s = a.seg[a.segments++];
+    s.w = static_cast<const uint16_t*>(w.data);
+    s.bias = bias.data;
+    s.bias_dtype = bias.dtype;
+    s.y = y;
+    s.n = static_cast<int>(w.rows);
+    s.ld = s.n;
+  }
+
+  // x += MLP(RMSNorm(x)) for a dense (non-MoE) layer.
+  absl::Status DenseMlp(const LayerWeights& lw, int rows, bool gemv) {
+    const int hidden = config_.hidden_size;
+    const int64_t elems = static_cast<int64_t>(rows) * hidden;
+    if (gemv) {
+      const int inter = static_cast<int>(lw.mlp.gate.rows);
+      cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      AddSegment(a, lw.mlp.gate, {}, gate_);
+      AddSegment(a, lw.mlp.up, {}, up_);
+      cuda::Gemv(a, stream_);
+      cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
+      cuda::GemvArgs d = GemvInput(gate_, rows, inter, {});
+      AddSegment(d, lw.mlp.down, {}, x_);
+      d.accumulate = true;
+      cuda::Gemv(d, stream_);
+      CHECK_LAUNCH();
+      return absl::OkStatus();
+    }
+    cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
+    const uint16_t* mb = PrepareInput(xn_, elems);
+    if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
+    cuda::AddScaled(x_, y_, 1.f, elems, stream_);
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+
   // y = down(silu(gate(x)) * up(x)) over `rows` rows of x.
+
   absl::Status Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16, int rows,
                    float* y) {
     const int inter = static_cast<int>(e.gate.rows);
@@ -307,27 +381,35 @@ class CudaModel final : public Model {
   // Decode steps (n == 1) use the device-indexed kernels when moe=fused (capturable, no host
   // sync); prefill chunks group rows by expert so each expert's weights are read once, not once
   // per token (a 32k-row prefill would otherwise re-read 2.4 TB per layer).
-  absl::Status Moe(int l, int rows, int n) {
+  absl::Status Moe(int l, int rows, int n, bool gemv) {
     const LayerWeights& lw = w_.layers[l];
     const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
     const int inter = config_.moe_intermediate_size;
+    const int64_t elems = static_cast<int64_t>(rows) * hidden;
     const int skip = options_.fault.kind == FaultInjection::Kind::kZeroExpert
                          ? static_cast<int>(options_.fault.value)
                          : -1;
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
-    cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
+    if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
+      cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      a.normed_out = xn_;
+      AddSegment(a, lw.router, {}, router_);
+      cuda::Gemv(a, stream_);
+    } else {
+      cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
+      cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
+    }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);
-    CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(rows) * hidden * sizeof(float), stream_));
     if (options_.moe_fused && n == 1) {
       cuda::MoeGateUp(xn_, rows, k, expert_ids_, dw_->gate_table[l], dw_->up_table[l], hidden,
                       inter, moe_h_, stream_);
-      cuda::MoeDown(moe_h_, rows * k, expert_ids_, k, dw_->down_table[l], hidden, inter,
-                    moe_out_, stream_);
-      cuda::MoeCombine(moe_out_, expert_weights_, expert_ids_, skip, rows, k, hidden, y_, stream_);
+      cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
+                           dw_->down_table[l], hidden, inter, x_, stream_);
       CHECK_LAUNCH();
     } else {
+      CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(elems) * sizeof(float), stream_));
       // The loop: read the routing on the host, then one gather + MLP + scatter per expert.
       std::vector<int> ids(static_cast<size_t>(rows) * k);
       std::vector<float> weights(ids.size());
@@ -360,6 +442,7 @@ class CudaModel final : public Model {
       }
       // The host vectors must outlive the async copies above.
       CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+      cuda::AddScaled(x_, y_, 1.f, elems, stream_);
     }
     if (!lw.shared_expert.gate.empty()) {
       const uint16_t* sb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
@@ -367,7 +450,7 @@ class CudaModel final : public Model {
       // Mlp reused the bf16 staging buffer: convert the input again for the gate.
       sb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
       if (auto s = Gemm(xn_, sb, rows, lw.shared_expert_gate, {}, router_); !s.ok()) return s;
-      cuda::AddSigmoidGated(y_, o_, router_, rows, hidden, stream_);
+      cuda::AddSigmoidGated(x_, o_, router_, rows, hidden, stream_);
       CHECK_LAUNCH();
     }
     return absl::OkStatus();
@@ -466,6 +549,7 @@ class CudaModel final : public Model {
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
       logit_rows_ = 0;
   float *k_cache_ = nullptr, *v_cache_ = nullptr;
+  float2* rope_ = nullptr;  // [capacity, head_dim / 2] cos/sin
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *attn_ = nullptr,
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
         *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
@@ -487,6 +571,14 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
   if (options.attention_flash &&
       !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
     return absl::UnimplementedError("attention=flash supports head_dim <= 128 and <= 16 q heads per kv head");
+  const ModelConfig& c = host.config;
+  if (options.moe_fused && c.is_moe() &&
+      (c.num_experts_per_tok > 32 || c.num_experts > 1024 ||
+       static_cast<int64_t>(std::max(c.hidden_size, c.num_experts_per_tok * c.moe_intermediate_size)) *
+               4 > cuda::kMoeMaxSharedBytes))
+    return absl::UnimplementedError(
+        "moe=fused supports <= 1024 experts, top-k <= 32 and max(hidden, k x moe_intermediate) x 4 B "
+        "of shared memory <= 200 KB");
   if (options.graphs && !options.moe_fused && host.config.is_moe())
     return absl::InvalidArgumentError("graphs=on needs a MoE runner without host syncs (moe=fused)");
   auto weights = UploadWeights(host);

@@ -15,6 +15,7 @@ namespace infersweep {
 
 struct CudaModelOptions {
   bool gemm_cublaslt = false;  // else the reference GEMM
+  bool gemm_fused = false;     // decode rows: our GEMV with norm/bias/residual fused (needs cublaslt)
   bool attention_flash = false;  // else the naive (materialised scores) kernel
   bool moe_fused = false;      // else the per-expert loop with a host sync
   bool graphs = false;         // capture the decode step (needs moe_fused)

@@ -34,11 +34,16 @@ void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStre
 void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream);
 
 // ---- attention
-// RoPE (HF rotate_half) on q [rows, q_heads*d] and k [rows, kv_heads*d] in place, then appends k
-// and v rows to the caches [batch, capacity, kv_dim] at position *position + (row % n).
-void RopeAndAppendKv(float* q, float* k, const float* v, int rows, int n, int q_heads, int kv_heads,
-                     int head_dim, double theta, const int* position, int capacity, float* k_cache,
-                     float* v_cache, cudaStream_t stream);
+// RoPE cos/sin for positions [0, capacity): table[p * head_dim/2 + i], angles in double.
+void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cudaStream_t stream);
+// On q [rows, q_heads*d] and k [rows, kv_heads*d]: per-head RMSNorm when the gains are given
+// (qwen3 q_norm/k_norm), RoPE (HF rotate_half) from the table; q is rotated in place, rotated k
+// and v rows are appended to the caches [batch, capacity, kv_dim] at *position + (row % n).
+// One block per head vector: 36 blocks at batch 1 on qwen3-30b-a3b, ~80 KB touched.
+void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q_heads,
+                      int kv_heads, int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm,
+                      float eps, const float2* rope, const int* position, int capacity,
+                      float* k_cache, float* v_cache, cudaStream_t stream);
 // Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`.
 // One block per (row, head): reads position+1 keys and values of kv_dim floats.
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
@@ -66,9 +71,41 @@ void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, 
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
                    cudaStream_t stream);
 
+// ---- decode GEMV (gemv.cu), the gemm=fused path for a few rows:
+//   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
+// for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
+// with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k].
+constexpr int kGemvMaxRows = 4;
+constexpr int kGemvMaxSharedBytes = 64 * 1024;
+struct GemvSegment {
+  const uint16_t* w = nullptr;
+  const void* bias = nullptr;  // [n] or null
+  DType bias_dtype = DType::kBF16;
+  float* y = nullptr;
+  int n = 0;
+  int ld = 0;  // row stride of y
+};
+struct GemvArgs {
+  const float* x = nullptr;  // [rows, k]
+  int rows = 0;
+  int k = 0;
+  const void* norm_gain = nullptr;  // [k] or null: no norm
+  DType norm_dtype = DType::kBF16;
+  float norm_eps = 0.f;
+  float* normed_out = nullptr;  // [rows, k] or null
+  GemvSegment seg[3];
+  int segments = 0;
+  bool accumulate = false;
+  float scale = 1.f;
+};
+bool GemvSupports(int rows, int k);
+void Gemv(const GemvArgs& args, cudaStream_t stream);
+
 // ---- MoE
+// Shared memory the fused MoE kernels may use: hidden * 4 (gate/up) or k * inter * 4 (down).
+constexpr int kMoeMaxSharedBytes = 200 * 1024;
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
-// One warp per row; E <= 1024.
+// One warp per row; E <= 1024, k <= 32.
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
                 int* expert_ids, float* expert_weights, cudaStream_t stream);
 // Device-indexed expert MLP for pairs p = (row, slot): h[p] = silu(Wg[e]·x) * (Wu[e]·x),
@@ -76,13 +113,13 @@ void RouterTopK(const float* logits, int rows, int num_experts, int k, bool reno
 // Batch-1 decode of qwen3-30b-a3b: 8 pairs x 2 x 768 x 2048 x 2 B = 50 MB/layer -> ~11 us.
 void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
                const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream);
-// out_pair[p] = Wd[e]·h[p], Wd [hidden, inter] bf16. 25 MB/layer at batch 1 -> ~6 us.
-void MoeDown(const float* h, int pairs, const int* expert_ids, int k, const uint16_t* const* down,
-             int hidden, int inter, float* out_pair, cudaStream_t stream);
-// y[r] += sum_slot w[r, slot] * out_pair[r*k + slot] (fixed order: deterministic). Pairs whose
-// expert is `skip_expert` are left out (TEST ONLY zero-expert fault; -1 in production).
-void MoeCombine(const float* out_pair, const float* weights, const int* expert_ids, int skip_expert,
-                int rows, int k, int hidden, float* y, cudaStream_t stream);
+// Down projection and combine in one launch: y[r] += sum_slot w[r, slot] * Wd[e]·h[r, slot] (fixed
+// slot order: deterministic), into the residual stream directly; Wd [hidden, inter] bf16. Pairs
+// whose expert is `skip_expert` are left out (TEST ONLY zero-expert fault; -1 in production).
+// Batch-1 decode of qwen3-30b-a3b: 25 MB/layer -> ~6 us. k * inter * 4 bytes of shared memory (24 KB for qwen3-30b-a3b).
+void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
+                    int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
+                    cudaStream_t stream);
 // y[r] += sigmoid(gate_logit[r]) * shared[r]  (qwen2_moe shared expert).
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,
                      cudaStream_t stream);

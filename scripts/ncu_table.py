@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Prints ncu --csv output (gpu__time_duration.sum, dram__bytes_read.sum) as a per-kernel table:
+time, DRAM bytes read and achieved read bandwidth, skipping the synthetic-weight kernels."""
+import collections
+import csv
+import sys
+
+rows = list(csv.reader(open(sys.argv[1])))
+header = next(i for i, r in enumerate(rows) if 'Kernel Name' in r)
+h = rows[header]
+name_i, metric_i, value_i, id_i = (h.index(c) for c in ('Kernel Name', 'Metric Name', 'Metric Value', 'ID'))
+kernels = collections.OrderedDict()
+for r in rows[header + 1:]:
+    if len(r) < len(h):
+        continue
+    kernels.setdefault(int(r[id_i]), {'name': r[name_i]})[r[metric_i]] = float(r[value_i].replace(',', ''))
+total_us = total_mb = 0.0
+for i, k in kernels.items():
+    if 'Synthetic' in k['name']:
+        continue
+    t_ns, b = k.get('gpu__time_duration.sum', 0.0), k.get('dram__bytes_read.sum', 0.0)
+    total_us += t_ns / 1e3
+    total_mb += b / 1e6
+    print(f"{i:5d} {t_ns / 1e3:9.2f} us {b / 1e6:9.3f} MB {b / max(t_ns, 1):8.1f} GB/s  {k['name'][:80]}")
+print(f"total {total_us:.1f} us, {total_mb:.1f} MB read")
