@@ -1,7 +1,7 @@
 // The agent's Prometheus metrics (docs/OBSERVABILITY.md lists every one): liveness
 // (infersweep_agent_up, always 1 while the process serves), the trials it runs now, its spool,
 // the trials it finished by status, and per-GPU power, utilization, memory and temperature read
-// by a GpuSampler at each scrape (none without NVML: see agent/gpu_sampler.h).
+// by a GpuSampler at each scrape (none without NVML: see harness/gpu_sampler.h).
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "agent/gpu_sampler.h"
+#include "harness/gpu_sampler.h"
 #include "harness/trial.h"
 
 namespace prometheus {

@@ -21,6 +21,7 @@ struct LocalDevices {
   int sm = 0;
   std::string gpu_name;
   int64_t gpu_memory_bytes = 0;
+  std::string gpu_pci_bus_id;  // of CUDA device 0, e.g. "0000:3b:00.0" (finds it in NVML)
 };
 LocalDevices ProbeLocalDevices();
 

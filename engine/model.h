@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,6 +37,11 @@ class Model {
   virtual int position() const = 0;
   // Seconds spent capturing CUDA graphs so far (0 where there are none).
   virtual double graph_capture_seconds() const { return 0; }
+  // Device time of the last Forward, from events recorded on its stream around the whole step
+  // (input copies, kernels or graph replay, logits copy); nullopt on devices without events.
+  virtual std::optional<double> last_forward_device_ms() const { return std::nullopt; }
+  // Device memory in use now (total - free, whole device); nullopt on the CPU.
+  virtual std::optional<int64_t> device_memory_used_bytes() const { return std::nullopt; }
 };
 
 // Checks the arguments every Forward implementation must check (batch started, shape, id range,

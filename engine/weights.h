@@ -54,7 +54,8 @@ struct HostModel {
   std::vector<std::vector<uint16_t>> synthetic;    // owns generated bf16 buffers
   bool is_synthetic = false;
   bool host_materialized = true;  // false: synthetic weights not generated on the host (yet)
-  double load_seconds = 0;
+  double load_seconds = 0;           // host side: mapping, parsing, generating
+  double device_upload_seconds = 0;  // first upload (or on-device generation) of the weights
   // Weights resident on a device, shared by every model built on this host model (CUDA).
   std::shared_ptr<void> device_weights;
 };

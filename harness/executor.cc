@@ -67,11 +67,12 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   result.started_unix_ms = NowUnixMs();
   result.device = devices_.gpu_count > 0 ? devices_.gpu_name : "cpu";
   result.sm = devices_.sm;
+  std::optional<int64_t> peak_device_bytes;  // GPU configs, once a model exists
   auto finish = [&](TrialStatus status, std::string reason) {
     result.status = status;
     result.reason = std::move(reason);
     result.finished_unix_ms = NowUnixMs();
-    result.peak_memory_bytes = PeakRssBytes();
+    result.peak_memory_bytes = peak_device_bytes ? *peak_device_bytes : PeakRssBytes();
     return result;
   };
   auto say = [&](const std::string& line) {
@@ -108,6 +109,8 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   say("config under test " + BackendConfigString(*config));
   auto model = CreateModel(*host_, *config, *fault);
   if (!model.ok()) return finish(TrialStatus::kError, std::string(model.status().message()));
+  // Host load plus the first upload (or on-device generation) of the weights, when there was one.
+  result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
   auto outputs = RunEval(**model, eval_);
   if (!outputs.ok()) return finish(TrialStatus::kError, std::string(outputs.status().message()));
   const TrialStatus verdict = JudgeOutputs(**reference, *outputs, host_->config.vocab_size,
@@ -120,10 +123,17 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   measure.bandwidth_gb_s = KnownReadBandwidthGbs(result.device);
   measure.bytes_per_weight = WeightFormat(*host_) == "f32" ? 4 : 2;
   measure.bytes_per_kv_element = 4;  // both devices keep an fp32 KV cache today
+  if (ConfigDevice(*config) == "cuda") {
+    if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
+    measure.energy = energy_meter_.get();
+  }
   for (int batch : request.workload.batch_sizes) {
     auto figures = MeasureBatch(**model, request.workload, batch, measure);
     if (!figures.ok()) return finish(TrialStatus::kError, std::string(figures.status().message()));
     result.batches.push_back(*figures);
+    // Nothing is freed during a run, so the reading after the largest batch is the peak.
+    if (const std::optional<int64_t> used = (*model)->device_memory_used_bytes())
+      peak_device_bytes = std::max(peak_device_bytes.value_or(0), *used);
   }
   result.graph_capture_seconds = (*model)->graph_capture_seconds();
   return finish(TrialStatus::kOk, "");

@@ -11,6 +11,7 @@
 #include "engine/backends.h"
 #include "engine/weights.h"
 #include "harness/measure.h"
+#include "harness/gpu_sampler.h"
 #include "harness/trial.h"
 #include "harness/verdict.h"
 
@@ -39,6 +40,7 @@ class TrialExecutor {
   std::string model_key_;
   std::unique_ptr<HostModel> host_;
   std::map<std::string, EvalOutputs> reference_cache_;  // by reference config string
+  std::unique_ptr<GpuEnergyMeter> energy_meter_;         // opened by the first GPU trial
 };
 
 }  // namespace infersweep

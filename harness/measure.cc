@@ -23,13 +23,20 @@ Spread SpreadOf(const std::vector<double>& v) {
           *std::max_element(v.begin(), v.end())};
 }
 
+// One repeat. Step times come from the model's device timer when it has one (CUDA events),
+// else from the wall clock; the wall-clock figures are kept for comparison either way.
 struct RepeatTiming {
+  bool device_timed = false;
   double ttft_ms = 0;
-  double latency_ms = 0;
+  double latency_ms = 0;  // sum of the step times
   std::vector<double> itl_ms;
+  double wall_ttft_ms = 0;
+  double wall_latency_ms = 0;
+  std::optional<double> energy_j;  // GPU energy counter over the repeat
 };
 
-absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch, int repeat) {
+absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch, int repeat,
+                                     GpuEnergyMeter* energy) {
   const int vocab = model.config().vocab_size;
   std::vector<int32_t> prompt(static_cast<size_t>(batch) * w.prompt_len);
   for (size_t i = 0; i < prompt.size(); ++i)
@@ -42,19 +49,29 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
     for (int b = 0; b < batch; ++b)
       next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
   };
+  const std::optional<double> energy_start = energy ? energy->ReadJoules() : std::nullopt;
   const auto start = Clock::now();
   if (auto s = model.Forward(prompt, w.prompt_len, LogitsMode::kLast, &logits); !s.ok()) return s;
   sample();
   auto last = Clock::now();
-  t.ttft_ms = Ms(start, last);
+  const std::optional<double> prefill_device_ms = model.last_forward_device_ms();
+  t.device_timed = prefill_device_ms.has_value();
+  t.wall_ttft_ms = Ms(start, last);
+  t.ttft_ms = t.device_timed ? *prefill_device_ms : t.wall_ttft_ms;
+  t.latency_ms = t.ttft_ms;
   for (int step = 1; step < w.output_len; ++step) {
     if (auto s = model.Forward(next, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
     sample();
     const auto now = Clock::now();
-    t.itl_ms.push_back(Ms(last, now));
+    const double step_ms = t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);
+    t.itl_ms.push_back(step_ms);
+    t.latency_ms += step_ms;
     last = now;
   }
-  t.latency_ms = Ms(start, last);
+  t.wall_latency_ms = Ms(start, last);
+  if (energy_start) {
+    if (const std::optional<double> end = energy->ReadJoules()) t.energy_j = *end - *energy_start;
+  }
   return t;
 }
 
@@ -71,11 +88,20 @@ double Percentile(std::vector<double> values, double p) {
 absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int batch,
                                           const MeasureOptions& options) {
   for (int i = 0; i < w.warmup; ++i)
-    if (auto t = RunOnce(model, w, batch, -1 - i); !t.ok()) return t.status();
+    if (auto t = RunOnce(model, w, batch, -1 - i, options.energy); !t.ok()) return t.status();
   std::vector<double> ttft, tpot, latency, prefill, output, per_seq, itl;
+  std::vector<double> wall_ttft, wall_tpot, power, joules_per_token;
+  bool device_timed = false;
   for (int r = 0; r < w.repeats; ++r) {
-    auto t = RunOnce(model, w, batch, r);
+    auto t = RunOnce(model, w, batch, r, options.energy);
     if (!t.ok()) return t.status();
+    device_timed = t->device_timed;
+    wall_ttft.push_back(t->wall_ttft_ms);
+    wall_tpot.push_back((t->wall_latency_ms - t->wall_ttft_ms) / (w.output_len - 1));
+    if (t->energy_j) {
+      power.push_back(*t->energy_j / (t->wall_latency_ms * 1e-3));
+      joules_per_token.push_back(*t->energy_j / (static_cast<double>(batch) * w.output_len));
+    }
     ttft.push_back(t->ttft_ms);
     latency.push_back(t->latency_ms);
     tpot.push_back((t->latency_ms - t->ttft_ms) / (w.output_len - 1));
@@ -96,6 +122,15 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
   f.output_tok_s = SpreadOf(output);
   f.output_tok_s_per_seq = SpreadOf(per_seq);
   f.itl_ms = {Percentile(itl, 50), Percentile(itl, 90), Percentile(itl, 99)};
+  if (device_timed) {
+    f.timer = "cuda_events";
+    f.wall_ttft_ms = SpreadOf(wall_ttft);
+    f.wall_tpot_ms = SpreadOf(wall_tpot);
+  }
+  if (power.size() == static_cast<size_t>(w.repeats) && !power.empty()) {
+    f.avg_power_w = SpreadOf(power).median;
+    f.joules_per_output_token = SpreadOf(joules_per_token).median;
+  }
   // Roofline at the mean decode context (prompt + half the output).
   const int64_t context = w.prompt_len + w.output_len / 2;
   const DecodeTraffic traffic = DecodeBytesPerStep(model.config(), batch, context,

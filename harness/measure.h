@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/model.h"
+#include "harness/gpu_sampler.h"
 #include "harness/trial.h"
 
 namespace infersweep {
@@ -16,11 +17,13 @@ struct MeasureOptions {
   double bytes_per_weight = 2;           // bf16
   double bytes_per_kv_element = 4;       // fp32 KV on the CPU
   std::function<void(const std::string&)> progress;
+  GpuEnergyMeter* energy = nullptr;  // the GPU's energy counter; null on the CPU / without NVML
 };
 
 // Runs warmup + repeats of [prefill prompt_len tokens, then output_len - 1 decode steps] for
-// `batch` sequences. Every sequence gets a distinct deterministic prompt. Timing: wall clock
-// around each Forward, which returns host logits (so GPU work is complete when it returns).
+// `batch` sequences. Every sequence gets a distinct deterministic prompt. Timing: the model's
+// device timer (CUDA events around each step) when it has one, else the wall clock around each
+// Forward, which returns host logits (so GPU work is complete when it returns).
 absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& workload, int batch,
                                           const MeasureOptions& options);
 

@@ -45,7 +45,19 @@ std::string FormatResultRows(const TrialResult& r) {
         "#   spread over repeats: ttft %.2f-%.2f ms, tpot %.3f-%.3f ms, out %.1f-%.1f tok/s\n",
         b.ttft_ms.min, b.ttft_ms.max, b.tpot_ms.min, b.tpot_ms.max, b.output_tok_s.min,
         b.output_tok_s.max);
+    std::string timing = "#   timed by " + b.timer;
+    if (b.wall_tpot_ms && b.wall_ttft_ms)
+      timing += absl::StrFormat(" (wall clock: ttft %.2f ms, tpot %.3f ms)", b.wall_ttft_ms->median,
+                                b.wall_tpot_ms->median);
+    if (b.avg_power_w && b.joules_per_output_token)
+      timing += absl::StrFormat("; power %.0f W, %.3g J/output token", *b.avg_power_w,
+                                *b.joules_per_output_token);
+    out += timing + "\n";
   }
+  out += absl::StrFormat("#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)\n",
+                         r.load_seconds, r.graph_capture_seconds,
+                         r.peak_memory_bytes / (1024.0 * 1024.0 * 1024.0),
+                         r.device == "cpu" ? "host RSS" : "device");
   return out;
 }
 

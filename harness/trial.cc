@@ -179,7 +179,10 @@ json ToJson(const TrialResult& r) {
                        {"roofline_tok_s", OptJson(b.roofline_tok_s)},
                        {"roofline_fraction", OptJson(b.roofline_fraction)},
                        {"avg_power_w", OptJson(b.avg_power_w)},
-                       {"joules_per_output_token", OptJson(b.joules_per_output_token)}});
+                       {"joules_per_output_token", OptJson(b.joules_per_output_token)},
+                       {"timer", b.timer},
+                       {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
+                       {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
   }
   const VerdictMetrics& v = r.verdict;
   return {{"trial_id", r.trial_id},
@@ -268,6 +271,15 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
       RETURN_IF_ERROR(ReadOpt(bj, "roofline_fraction", &b.roofline_fraction, w));
       RETURN_IF_ERROR(ReadOpt(bj, "avg_power_w", &b.avg_power_w, w));
       RETURN_IF_ERROR(ReadOpt(bj, "joules_per_output_token", &b.joules_per_output_token, w));
+      // Results stored before these fields existed lack them: wall clock, no comparison.
+      if (bj.contains("timer")) RETURN_IF_ERROR(Read(bj, "timer", &b.timer, w));
+      for (auto [name, field] : {std::pair{"wall_ttft_ms", &b.wall_ttft_ms},
+                                 std::pair{"wall_tpot_ms", &b.wall_tpot_ms}}) {
+        if (!bj.contains(name) || bj[name].is_null()) continue;
+        Spread spread;
+        RETURN_IF_ERROR(ReadSpread(bj, name, &spread, w));
+        *field = spread;
+      }
       r.batches.push_back(b);
     }
   }

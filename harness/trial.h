@@ -69,8 +69,16 @@ struct BatchFigures {
   double achieved_gb_s = 0;
   std::optional<double> roofline_tok_s;
   std::optional<double> roofline_fraction;
-  std::optional<double> avg_power_w;           // NVML, GPUs only
+  // Energy from the GPU's NVML energy counter over each repeat (prefill + decode), median of
+  // repeats; absent on the CPU or without NVML. J/token = energy / (batch * output_len).
+  std::optional<double> avg_power_w;
   std::optional<double> joules_per_output_token;
+  // What timed the steps: "cuda_events" (device time of each step, events on the model's
+  // stream; host sampling between steps excluded) or "wall_clock" (around each Forward).
+  std::string timer = "wall_clock";
+  // With cuda_events: the same two figures by the host's wall clock, for comparison.
+  std::optional<Spread> wall_ttft_ms;
+  std::optional<Spread> wall_tpot_ms;
 };
 
 struct VerdictMetrics {
@@ -99,7 +107,9 @@ struct TrialResult {
   std::string engine_version;
   double load_seconds = 0;
   double graph_capture_seconds = 0;
-  int64_t peak_memory_bytes = 0;  // device memory on GPUs, peak RSS on the CPU
+  // GPU configs: device memory in use at its highest reading (total - free, after each repeat);
+  // CPU configs: the worker's peak RSS.
+  int64_t peak_memory_bytes = 0;
   VerdictMetrics verdict;
   std::vector<BatchFigures> batches;
   int64_t started_unix_ms = 0;

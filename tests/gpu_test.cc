@@ -14,6 +14,7 @@
 #include "engine/npy.h"
 #include "engine/sampler.h"
 #include "harness/executor.h"
+#include "harness/gpu_sampler.h"
 #include "harness/runner.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
@@ -125,6 +126,47 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
                   r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
     }
   }
+}
+
+// A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
+// time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 128 tokens) that the
+// energy counter moves between readings.
+TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
+  REQUIRE_GPU();
+  TrialRequest request =
+      GpuRequest("preset:qwen3-30b-a3b", "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on");
+  request.workload.prompt_len = 512;
+  request.workload.output_len = 128;
+  request.workload.batch_sizes = {1, 8};
+  const LocalDevices devices = ProbeLocalDevices();
+  TrialExecutor executor(devices);
+  const TrialResult r = executor.Execute(request);
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  const bool nvml = MakeGpuSampler()->kind() == "nvml";
+  for (const BatchFigures& b : r.batches) {
+    EXPECT_EQ(b.timer, "cuda_events");
+    ASSERT_TRUE(b.wall_tpot_ms.has_value());
+    // The wall clock also counts launch and host sampling: never much below the device time.
+    EXPECT_GE(b.wall_tpot_ms->median, 0.9 * b.tpot_ms.median);
+    EXPECT_GT(b.tpot_ms.median, 0);
+    if (nvml) {
+      ASSERT_TRUE(b.avg_power_w.has_value());
+      EXPECT_GT(*b.avg_power_w, 30);
+      EXPECT_LT(*b.avg_power_w, 2000);
+      ASSERT_TRUE(b.joules_per_output_token.has_value());
+      EXPECT_GT(*b.joules_per_output_token, 0);
+    }
+    std::printf("# batch %d: tpot %.3f ms (wall %.3f), power %.1f W, %.4f J/token\n", b.batch,
+                b.tpot_ms.median, b.wall_tpot_ms->median, b.avg_power_w.value_or(-1),
+                b.joules_per_output_token.value_or(-1));
+  }
+  // Two layers of weights alone are ~1.3 GB; the device's whole memory is the ceiling.
+  EXPECT_GT(r.peak_memory_bytes, int64_t{1} << 30);
+  EXPECT_LT(r.peak_memory_bytes, devices.gpu_memory_bytes);
+  EXPECT_GT(r.load_seconds, 0);
+  std::printf("# peak device memory %.2f GiB, load %.3f s\n", r.peak_memory_bytes / 1073741824.0,
+              r.load_seconds);
 }
 
 TEST(Gpu, NumericFaultsAreIncorrect) {

@@ -133,6 +133,11 @@ TEST(Executor, EveryCpuConfigIsOk) {
     ASSERT_EQ(result.batches.size(), 2u);
     EXPECT_GT(result.batches[1].output_tok_s.median, 0);
     EXPECT_GT(result.batches[0].decode_bytes_per_step, 0);
+    // The CPU has no device timer and no energy counter: wall clock, no power, host RSS.
+    EXPECT_EQ(result.batches[0].timer, "wall_clock");
+    EXPECT_FALSE(result.batches[0].wall_tpot_ms.has_value());
+    EXPECT_FALSE(result.batches[0].avg_power_w.has_value());
+    EXPECT_GT(result.peak_memory_bytes, 0);
     EXPECT_LE(result.verdict.max_rel_error, 1e-4);
     EXPECT_EQ(result.verdict.top1_agreement, 1.0);
   }
@@ -237,6 +242,19 @@ TEST(TrialJson, RoundTrips) {
   auto back = TrialResultFromJson(nlohmann::json::parse(ToJson(result).dump()));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(ToJson(*back), ToJson(result));
+  // GPU-only fields round-trip too.
+  TrialResult gpu = result;
+  gpu.batches[0].timer = "cuda_events";
+  gpu.batches[0].wall_tpot_ms = Spread{1.5, 1.25, 2.0};
+  gpu.batches[0].wall_ttft_ms = Spread{9, 8, 10};
+  gpu.batches[0].avg_power_w = 412.5;
+  gpu.batches[0].joules_per_output_token = 0.75;
+  auto gpu_back = TrialResultFromJson(nlohmann::json::parse(ToJson(gpu).dump()));
+  ASSERT_TRUE(gpu_back.ok()) << gpu_back.status();
+  EXPECT_EQ(ToJson(*gpu_back), ToJson(gpu));
+  EXPECT_EQ(gpu_back->batches[0].timer, "cuda_events");
+  ASSERT_TRUE(gpu_back->batches[0].wall_tpot_ms.has_value());
+  EXPECT_EQ(gpu_back->batches[0].wall_tpot_ms->min, 1.25);
   EXPECT_FALSE(TrialResultFromJson(nlohmann::json{{"status", "MAYBE"}}).ok());
   EXPECT_THAT(TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}})
                   .status()

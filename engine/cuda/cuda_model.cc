@@ -107,6 +107,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  host.device_upload_seconds = dw->load_seconds;
   host.device_weights = dw;
   return dw;
 }
@@ -118,6 +119,8 @@ class CudaModel final : public Model {
       : config_(config), dw_(std::move(weights)), w_(dw_->weights), options_(options),
         gemm_(std::move(gemm)) {
     CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_OR_DIE(cudaEventCreate(&step_start_));
+    CUDA_OR_DIE(cudaEventCreate(&step_end_));
   }
 
   ~CudaModel() override {
@@ -126,6 +129,8 @@ class CudaModel final : public Model {
     if (k_cache_) cudaFree(k_cache_);
     if (v_cache_) cudaFree(v_cache_);
     if (rope_) cudaFree(rope_);
+    cudaEventDestroy(step_start_);
+    cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
   }
 
@@ -133,6 +138,12 @@ class CudaModel final : public Model {
   std::string device() const override { return "cuda:0"; }
   int position() const override { return position_; }
   double graph_capture_seconds() const override { return capture_seconds_; }
+  std::optional<double> last_forward_device_ms() const override { return last_step_ms_; }
+  std::optional<int64_t> device_memory_used_bytes() const override {
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) return std::nullopt;
+    return static_cast<int64_t>(total - free);
+  }
 
   absl::Status StartBatch(int batch, int max_tokens) override {
     if (batch <= 0 || max_tokens <= 0)
@@ -196,11 +207,17 @@ class CudaModel final : public Model {
         capture_seconds_ +=
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       }
+      CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
       CUDA_OR_DIE(cudaGraphLaunch(it->second, stream_));
-    } else if (auto s = EnqueueStep(rows, n, mode); !s.ok()) {
-      return s;
+    } else {
+      CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
+      if (auto s = EnqueueStep(rows, n, mode); !s.ok()) return s;
     }
+    CUDA_OR_DIE(cudaEventRecord(step_end_, stream_));
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+    float step_ms = 0;
+    CUDA_OR_DIE(cudaEventElapsedTime(&step_ms, step_start_, step_end_));
+    last_step_ms_ = step_ms;
     logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;
     return absl::OkStatus();
@@ -562,6 +579,8 @@ class CudaModel final : public Model {
   float* h_logits_ = nullptr;
   std::map<int, cudaGraphExec_t> graphs_;
   double capture_seconds_ = 0;
+  cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
+  std::optional<double> last_step_ms_;
 };
 
 }  // namespace

@@ -18,6 +18,8 @@ LocalDevices ProbeLocalDevices() {
   devices.sm = prop.major * 10 + prop.minor;
   devices.gpu_name = prop.name;
   devices.gpu_memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), 0) == cudaSuccess) devices.gpu_pci_bus_id = bus_id;
   return devices;
 }
 

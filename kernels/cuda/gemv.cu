@@ -14,7 +14,7 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kGemvThreads = 512;  // 16 warps; one output feature per warp per step
+constexpr int kGemvMaxThreads = 512;  // 16 warps, one output feature each
 constexpr int kGemvUnroll = 8;     // 16-byte weight loads in flight per lane
 
 __device__ __forceinline__ void AccumulateChunk(const uint4 packed, const float* xs, int k,
@@ -37,14 +37,31 @@ __device__ __forceinline__ void AccumulateChunk(const uint4 packed, const float*
   }
 }
 
-// Grid-stride over the outputs of every segment; x (normalised if asked) staged in shared memory
-// once per block, so the grid is kept to a couple of waves and x is read ~2 x SMs times from L2.
-__global__ void __launch_bounds__(kGemvThreads, 2) GemvKernel(GemvArgs a) {
+// One output feature per warp (the grid covers every output: no warp does two rows while others
+// idle). The warp's first kGemvUnroll weight loads are issued before x is staged and normalised,
+// so that prologue (an L2 round trip, two block reductions) hides under their DRAM latency.
+__global__ void __launch_bounds__(kGemvMaxThreads) GemvKernel(GemvArgs a) {
   extern __shared__ float xs[];  // [rows][k]
   __shared__ float scratch[32];
   const int k = a.k;
+  const int lane = threadIdx.x & 31;
+  const int chunks = k / 8;
+  int total = 0;
+  for (int s = 0; s < a.segments; ++s) total += a.seg[s].n;
+  const int out = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const bool active = out < total;
+  int s = 0, local = active ? out : 0;
+  while (s + 1 < a.segments && local >= a.seg[s].n) local -= a.seg[s++].n;
+  const GemvSegment& seg = a.seg[s];
+  const uint4* wrow = reinterpret_cast<const uint4*>(seg.w + static_cast<int64_t>(local) * k);
+  uint4 packed[kGemvUnroll];
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u)
+    if (active && lane + 32 * u < chunks) packed[u] = __ldcs(wrow + lane + 32 * u);  // streamed
+
   for (int i = threadIdx.x; i < a.rows * k; i += blockDim.x) xs[i] = a.x[i];
   if (a.norm_gain) {
+    __syncthreads();
     for (int r = 0; r < a.rows; ++r) {
       float sum_sq = 0.f;
       for (int i = threadIdx.x; i < k; i += blockDim.x) sum_sq += xs[r * k + i] * xs[r * k + i];
@@ -58,36 +75,28 @@ __global__ void __launch_bounds__(kGemvThreads, 2) GemvKernel(GemvArgs a) {
     }
   }
   __syncthreads();
+  if (!active) return;
 
-  int total = 0;
-  for (int s = 0; s < a.segments; ++s) total += a.seg[s].n;
-  const int warps = blockDim.x / 32, lane = threadIdx.x & 31;
-  const int chunks = k / 8;
-  for (int out = blockIdx.x * warps + threadIdx.x / 32; out < total; out += gridDim.x * warps) {
-    int s = 0, local = out;
-    while (local >= a.seg[s].n) local -= a.seg[s++].n;
-    const GemvSegment& seg = a.seg[s];
-    const uint4* wrow = reinterpret_cast<const uint4*>(seg.w + static_cast<int64_t>(local) * k);
-    float acc[kGemvMaxRows] = {};
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
-      uint4 packed[kGemvUnroll];
+  float acc[kGemvMaxRows] = {};
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
+    if (c0 != lane) {
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u)
-        if (c0 + 32 * u < chunks) packed[u] = __ldcs(wrow + c0 + 32 * u);  // streamed: no reuse
-#pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u)
-        if (c0 + 32 * u < chunks) AccumulateChunk(packed[u], xs, k, c0 + 32 * u, a.rows, acc);
+        if (c0 + 32 * u < chunks) packed[u] = __ldcs(wrow + c0 + 32 * u);
     }
 #pragma unroll
-    for (int r = 0; r < kGemvMaxRows; ++r) {
-      if (r >= a.rows) break;
-      const float dot = WarpSum(acc[r]);
-      if (lane == 0) {
-        float* y = seg.y + static_cast<int64_t>(r) * seg.ld + local;
-        float v = a.scale * dot;
-        if (seg.bias) v += LoadAsFloat(seg.bias, seg.bias_dtype, local);
-        *y = a.accumulate ? *y + v : v;
-      }
+    for (int u = 0; u < kGemvUnroll; ++u)
+      if (c0 + 32 * u < chunks) AccumulateChunk(packed[u], xs, k, c0 + 32 * u, a.rows, acc);
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvMaxRows; ++r) {
+    if (r >= a.rows) break;
+    const float dot = WarpSum(acc[r]);
+    if (lane == 0) {
+      float* y = seg.y + static_cast<int64_t>(r) * seg.ld + local;
+      float v = a.scale * dot;
+      if (seg.bias) v += LoadAsFloat(seg.bias, seg.bias_dtype, local);
+      *y = a.accumulate ? *y + v : v;
     }
   }
 }
@@ -117,8 +126,11 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   (void)configured;
   int total = 0;
   for (int s = 0; s < args.segments; ++s) total += args.seg[s].n;
-  const int blocks = std::min(CeilDiv(total, kGemvThreads / 32), 2 * SmCount());
-  GemvKernel<<<blocks, kGemvThreads, static_cast<size_t>(args.rows) * args.k * sizeof(float), stream>>>(args);
+  // 16 warps a block, fewer when that would leave SMs idle (the 128-row router: 32 blocks of 4).
+  int warps = 16;
+  while (warps > 4 && CeilDiv(total, warps) < SmCount()) warps /= 2;
+  GemvKernel<<<CeilDiv(total, warps), warps * 32,
+               static_cast<size_t>(args.rows) * args.k * sizeof(float), stream>>>(args);
 }
 
 }  // namespace infersweep::cuda
