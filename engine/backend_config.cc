@@ -40,6 +40,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "tiled online softmax, K/V tiles shared across a GQA group, split-KV + combine"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
+  r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"}, {"graphs=on", "gemm=reference"},
+               kBf16,
+               "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
+               "to read the routing"});
   r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kFp32,
                "decode: device-side routing and device-indexed expert GEMVs, no host sync (capturable); prefill: grouped by expert"});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});

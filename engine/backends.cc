@@ -64,6 +64,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     options.gemm_fused = config.at("gemm") == "fused";
     options.attention_flash = config.at("attention") == "flash";
     options.moe_fused = config.at("moe") == "fused";
+    options.moe_grouped = config.at("moe") == "grouped";
     options.graphs = config.at("graphs") == "on";
     options.fault = fault;
     return MakeCudaModel(host, options);

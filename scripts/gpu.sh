@@ -40,7 +40,7 @@ for stage in $STAGES; do
       --json "$OUT/bench_best_prefill.json" 2>&1 | tee "$OUT/bench_best_prefill.log" ;;
   profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
     # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
-    ncu --clock-control none --target-processes all --launch-skip 1183 --launch-count 120 \
+    ncu --clock-control none --cache-control none --target-processes all --launch-skip 1183 --launch-count 120 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
       $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens 1 --max-new-tokens 3 --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"

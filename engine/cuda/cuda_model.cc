@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
+#include "kernels/cuda/gemm_grouped.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep {
@@ -115,9 +116,10 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
 class CudaModel final : public Model {
  public:
   CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
-            CudaModelOptions options, std::unique_ptr<cuda::CublasLtGemm> gemm)
+            CudaModelOptions options, std::unique_ptr<cuda::CublasLtGemm> gemm,
+            std::unique_ptr<cuda::CublasGroupedGemm> grouped)
       : config_(config), dw_(std::move(weights)), w_(dw_->weights), options_(options),
-        gemm_(std::move(gemm)) {
+        gemm_(std::move(gemm)), grouped_(std::move(grouped)) {
     CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
     CUDA_OR_DIE(cudaEventCreate(&step_end_));
@@ -426,40 +428,27 @@ class CudaModel final : public Model {
                            dw_->down_table[l], hidden, inter, x_, stream_);
       CHECK_LAUNCH();
     } else {
-      CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(elems) * sizeof(float), stream_));
-      // The loop: read the routing on the host, then one gather + MLP + scatter per expert.
-      std::vector<int> ids(static_cast<size_t>(rows) * k);
-      std::vector<float> weights(ids.size());
-      CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_, ids.size() * sizeof(int), cudaMemcpyDeviceToHost, stream_));
-      CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_, ids.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-      CUDA_OR_DIE(cudaStreamSynchronize(stream_));
-      std::vector<int> index;
-      std::vector<float> index_weight;
-      std::vector<std::pair<int, int>> spans(config_.num_experts, {0, 0});
-      for (int e = 0; e < config_.num_experts; ++e) {
-        spans[e].first = static_cast<int>(index.size());
-        for (size_t p = 0; p < ids.size(); ++p)
-          if (ids[p] == e && e != skip) {
-            index.push_back(static_cast<int>(p / k));
-            index_weight.push_back(weights[p]);
-          }
-        spans[e].second = static_cast<int>(index.size()) - spans[e].first;
+      // Read the routing on the host (a sync), then either one grouped GEMM per projection over
+      // every expert, or (the loop) one gather + MLP + scatter per expert.
+      const HostRouting routing = RouteOnHost(rows, skip);
+      if (options_.moe_grouped) {
+        if (auto s = GroupedExperts(lw, rows, routing); !s.ok()) return s;
+      } else {
+        CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(elems) * sizeof(float), stream_));
+        for (int e = 0; e < config_.num_experts; ++e) {
+          const auto [first, count] = routing.spans[e];
+          if (count == 0) continue;
+          cuda::GatherRows(xn_, route_index_ + first, count, hidden, moe_in_, stream_);
+          const uint16_t* gb = PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
+          if (auto s = Mlp(lw.experts[e], moe_in_, gb, count, moe_out_); !s.ok()) return s;
+          cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count,
+                               hidden, y_, stream_);
+          CHECK_LAUNCH();
+        }
+        cuda::AddScaled(x_, y_, 1.f, elems, stream_);
       }
-      CUDA_OR_DIE(cudaMemcpyAsync(route_index_, index.data(), index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
-      CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, index_weight.data(), index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
-      for (int e = 0; e < config_.num_experts; ++e) {
-        const auto [first, count] = spans[e];
-        if (count == 0) continue;
-        cuda::GatherRows(xn_, route_index_ + first, count, hidden, moe_in_, stream_);
-        const uint16_t* gb = PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
-        if (auto s = Mlp(lw.experts[e], moe_in_, gb, count, moe_out_); !s.ok()) return s;
-        cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
-                             y_, stream_);
-        CHECK_LAUNCH();
-      }
-      // The host vectors must outlive the async copies above.
+      // The routing's host vectors must outlive the async copies from them.
       CUDA_OR_DIE(cudaStreamSynchronize(stream_));
-      cuda::AddScaled(x_, y_, 1.f, elems, stream_);
     }
     if (!lw.shared_expert.gate.empty()) {
       const uint16_t* sb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
@@ -470,6 +459,73 @@ class CudaModel final : public Model {
       cuda::AddSigmoidGated(x_, o_, router_, rows, hidden, stream_);
       CHECK_LAUNCH();
     }
+    return absl::OkStatus();
+  }
+
+  // The routing of `rows` rows read back to the host: pairs (row, slot) grouped by expert, with
+  // the row index and routing weight of each uploaded to route_index_ / route_weight_, and the
+  // position of every pair in that order uploaded to pair_position_ (-1: left out).
+  struct HostRouting {
+    std::vector<int> index;
+    std::vector<float> index_weight;
+    std::vector<int> pair_position;
+    std::vector<std::pair<int, int>> spans;  // per expert: first pair, count
+  };
+  HostRouting RouteOnHost(int rows, int skip) {
+    const int k = config_.num_experts_per_tok;
+    std::vector<int> ids(static_cast<size_t>(rows) * k);
+    std::vector<float> weights(ids.size());
+    CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_, ids.size() * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_, ids.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+    HostRouting r;
+    r.pair_position.assign(ids.size(), -1);
+    r.spans.assign(config_.num_experts, {0, 0});
+    for (int e = 0; e < config_.num_experts; ++e) {
+      r.spans[e].first = static_cast<int>(r.index.size());
+      for (size_t p = 0; p < ids.size(); ++p)
+        if (ids[p] == e && e != skip) {
+          r.pair_position[p] = static_cast<int>(r.index.size());
+          r.index.push_back(static_cast<int>(p / k));
+          r.index_weight.push_back(weights[p]);
+        }
+      r.spans[e].second = static_cast<int>(r.index.size()) - r.spans[e].first;
+    }
+    CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
+    CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
+    return r;
+  }
+
+  // moe=grouped: every routed pair's row gathered in expert order, then gate, up and down each as
+  // one cuBLAS grouped GEMM over the experts, then x += the weighted sum of each row's pairs.
+  absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing) {
+    const int hidden = config_.hidden_size, inter = config_.moe_intermediate_size;
+    const int pairs = static_cast<int>(routing.index.size());
+    if (pairs == 0) return absl::OkStatus();
+    cuda::GatherRows(xn_, route_index_, pairs, hidden, moe_in_, stream_);
+    const uint16_t* xb = PrepareInput(moe_in_, static_cast<int64_t>(pairs) * hidden);
+    std::vector<cuda::GroupedProblem> gate, up, down;
+    for (int e = 0; e < config_.num_experts; ++e) {
+      const auto [first, count] = routing.spans[e];
+      if (count == 0) continue;
+      const ExpertWeights& w = lw.experts[e];
+      const int64_t in_row = static_cast<int64_t>(first) * hidden, h_row = static_cast<int64_t>(first) * inter;
+      gate.push_back({xb + in_row, static_cast<const uint16_t*>(w.gate.data), moe_h_ + h_row, count});
+      up.push_back({xb + in_row, static_cast<const uint16_t*>(w.up.data), moe_up_ + h_row, count});
+      down.push_back({nullptr, static_cast<const uint16_t*>(w.down.data), moe_out_ + in_row, count});
+    }
+    if (auto s = grouped_->Run(gate, inter, hidden, stream_); !s.ok()) return s;
+    if (auto s = grouped_->Run(up, inter, hidden, stream_); !s.ok()) return s;
+    cuda::SiluMul(moe_h_, moe_up_, static_cast<int64_t>(pairs) * inter, moe_h_, stream_);
+    const uint16_t* hb = PrepareInput(moe_h_, static_cast<int64_t>(pairs) * inter);
+    for (size_t i = 0, e = 0; e < static_cast<size_t>(config_.num_experts); ++e)
+      if (routing.spans[e].second > 0)
+        down[i++].x = hb + static_cast<int64_t>(routing.spans[e].first) * inter;
+    if (auto s = grouped_->Run(down, hidden, inter, stream_); !s.ok()) return s;
+    cuda::CombinePairs(moe_out_, pair_position_, expert_weights_, rows,
+                       config_.num_experts_per_tok, hidden, x_, stream_);
+    CHECK_LAUNCH();
     return absl::OkStatus();
   }
 
@@ -498,7 +554,8 @@ class CudaModel final : public Model {
         {&v_, r * config_.kv_dim()}, {&attn_, r * config_.q_dim()}, {&o_, r * hidden},
         {&y_, r * hidden}, {&gate_, r * inter}, {&up_, r * inter},
         {&router_, r * std::max(config_.num_experts, 1)}, {&expert_weights_, r * k},
-        {&moe_h_, r * k * moe_inter}, {&moe_out_, r * k * hidden}, {&moe_in_, r * k * hidden},
+        {&moe_h_, r * k * moe_inter}, {&moe_up_, r * k * moe_inter}, {&moe_out_, r * k * hidden},
+        {&moe_in_, r * k * hidden},
         {&route_weight_, r * k},
         // naive: materialised scores; flash: the splits' partial softmaxes
         {&scores_, options_.attention_flash
@@ -517,7 +574,10 @@ class CudaModel final : public Model {
     auto tokens = DeviceAlloc<int32_t>(r);
     auto last = DeviceAlloc<int>(r);
     auto pos = DeviceAlloc<int>(1);
-    auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
+    auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * std::max(hidden, moe_inter)));
+    auto pair_position = DeviceAlloc<int>(r * k);
+    if (!pair_position.ok()) return pair_position.status();
+    pair_position_ = *pair_position;
     for (const auto* s : {&ids.status(), &index.status(), &tokens.status(), &last.status(), &pos.status(), &bf16.status()})
       if (!s->ok()) return *s;
     expert_ids_ = *ids;
@@ -538,17 +598,17 @@ class CudaModel final : public Model {
 
   void FreeScratch() {
     for (float* p : {x_, xn_, q_, k_, v_, attn_, o_, y_, gate_, up_, router_, expert_weights_, moe_h_,
-                     moe_out_, moe_in_, route_weight_, scores_, logits_})
+                     moe_up_, moe_out_, moe_in_, route_weight_, scores_, logits_})
       if (p) cudaFree(p);
-    for (int* p : {expert_ids_, route_index_, d_tokens_, d_last_rows_, d_position_})
+    for (int* p : {expert_ids_, route_index_, pair_position_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
                     static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
       if (p) cudaFreeHost(p);
     x_ = xn_ = q_ = k_ = v_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
-        moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
-    expert_ids_ = route_index_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
+        moe_up_ = moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
+    expert_ids_ = route_index_ = pair_position_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     bf16_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
@@ -562,6 +622,7 @@ class CudaModel final : public Model {
   const ModelWeights& w_;
   CudaModelOptions options_;
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
+  std::unique_ptr<cuda::CublasGroupedGemm> grouped_;  // moe=grouped
   cudaStream_t stream_ = nullptr;
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
       logit_rows_ = 0;
@@ -569,9 +630,10 @@ class CudaModel final : public Model {
   float2* rope_ = nullptr;  // [capacity, head_dim / 2] cos/sin
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *attn_ = nullptr,
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
-        *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
+        *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_up_ = nullptr, *moe_out_ = nullptr,
+        *moe_in_ = nullptr,
         *route_weight_ = nullptr, *scores_ = nullptr, *logits_ = nullptr;
-  int *expert_ids_ = nullptr, *route_index_ = nullptr, *d_tokens_ = nullptr,
+  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
   int32_t* h_tokens_ = nullptr;
@@ -592,12 +654,12 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     return absl::UnimplementedError("attention=flash supports head_dim <= 128 and <= 16 q heads per kv head");
   const ModelConfig& c = host.config;
   if (options.moe_fused && c.is_moe() &&
-      (c.num_experts_per_tok > 32 || c.num_experts > 1024 ||
-       static_cast<int64_t>(std::max(c.hidden_size, c.num_experts_per_tok * c.moe_intermediate_size)) *
-               4 > cuda::kMoeMaxSharedBytes))
+      (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
+       c.moe_intermediate_size % 8 != 0 ||
+       int64_t{4} * c.hidden_size > cuda::kMoeMaxSharedBytes))
     return absl::UnimplementedError(
-        "moe=fused supports <= 1024 experts, top-k <= 32 and max(hidden, k x moe_intermediate) x 4 B "
-        "of shared memory <= 200 KB");
+        "moe=fused supports <= 1024 experts, top-k <= 32, hidden and moe_intermediate sizes that "
+        "are multiples of 8 (16-byte weight loads), and hidden x 4 bytes <= 200 KB (staged x)");
   if (options.graphs && !options.moe_fused && host.config.is_moe())
     return absl::InvalidArgumentError("graphs=on needs a MoE runner without host syncs (moe=fused)");
   auto weights = UploadWeights(host);
@@ -608,8 +670,16 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     if (!made.ok()) return made.status();
     gemm = std::move(*made);
   }
-  return std::unique_ptr<Model>(
-      new CudaModel(host.config, std::move(*weights), options, std::move(gemm)));
+  std::unique_ptr<cuda::CublasGroupedGemm> grouped;
+  if (options.moe_grouped) {
+    if (!options.gemm_cublaslt)
+      return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
+    auto made = cuda::CublasGroupedGemm::Create();
+    if (!made.ok()) return made.status();
+    grouped = std::move(*made);
+  }
+  return std::unique_ptr<Model>(new CudaModel(host.config, std::move(*weights), options,
+                                              std::move(gemm), std::move(grouped)));
 }
 
 absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {

@@ -18,6 +18,7 @@ struct CudaModelOptions {
   bool gemm_fused = false;     // decode rows: our GEMV with norm/bias/residual fused (needs cublaslt)
   bool attention_flash = false;  // else the naive (materialised scores) kernel
   bool moe_fused = false;      // else the per-expert loop with a host sync
+  bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)
   bool graphs = false;         // capture the decode step (needs moe_fused)
   FaultInjection fault;        // TEST ONLY
 };

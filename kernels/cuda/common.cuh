@@ -42,6 +42,33 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
   return WarpMax(v);
 }
 
+// Eight floats from a 16-byte-aligned address through the read-only path (two 16-byte loads).
+__device__ __forceinline__ void LoadFloat8(const float* p, float* v) {
+  const float4 lo = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+// Copies n floats (n % 4 == 0, 16-byte aligned) into shared memory with 16-byte loads, unrolled
+// so that a block's loads are all in flight together: one L2 round trip, not one per element.
+__device__ __forceinline__ void StageFloats(const float* src, int n, float* dst) {
+#pragma unroll 4
+  for (int q = threadIdx.x; q < n / 4; q += blockDim.x)
+    reinterpret_cast<float4*>(dst)[q] = __ldg(reinterpret_cast<const float4*>(src) + q);
+}
+
+// Dot product of 8 bf16 weights (one 16-byte load) with 8 floats, fp32 accumulate.
+__device__ __forceinline__ float Dot8Bf16(const uint4 packed, const float* x) {
+  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(w[i]);
+    acc += f.x * x[2 * i] + f.y * x[2 * i + 1];
+  }
+  return acc;
+}
+
 inline int CeilDiv(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace infersweep::cuda

@@ -6,6 +6,11 @@
 // latency-bound ~2 us. FLOPs are 2 per weight per row: 0.5 FLOP/byte at batch 1, so the bound is
 // bandwidth. cuBLASLt measured 8.4 us (q), 6.6 us (k), 6.7 us (v) and 8.3 + 3.2 us (o + split-K
 // reduce) on the H200, plus the ToBf16, RMSNorm and residual kernels this one absorbs.
+//
+// A matrix this small is only ~2 DRAM latencies long, so the design goal is one wave: every warp
+// issues all its weight loads at once, before anything else, and the x staging (16-byte loads,
+// all in flight) hides under them. A version that staged x first with scalar loads paid an L2
+// round trip per 512 floats in front of every block: 14-17 us for q+k+v on the H200.
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
@@ -14,89 +19,124 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kGemvMaxThreads = 512;  // 16 warps, one output feature each
-constexpr int kGemvUnroll = 8;     // 16-byte weight loads in flight per lane
+constexpr int kGemvUnroll = 8;  // 16-byte weight loads per lane per row in flight: 4 KB a row
 
-__device__ __forceinline__ void AccumulateChunk(const uint4 packed, const float* xs, int k,
-                                                int chunk, int rows, float* acc) {
-  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&packed);
-  float w[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(w2[i]);
-    w[2 * i] = f.x;
-    w[2 * i + 1] = f.y;
-  }
-#pragma unroll
-  for (int r = 0; r < kGemvMaxRows; ++r) {
-    if (r >= rows) break;
-    const float4* x4 = reinterpret_cast<const float4*>(xs + static_cast<int64_t>(r) * k + chunk * 8);
-    const float4 a = x4[0], b = x4[1];
-    acc[r] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y +
-              w[6] * b.z + w[7] * b.w;
+// Stages rows x k floats of x, times the norm gain when there is one, into shared memory with
+// 16-byte loads all in flight at once (one L2 round trip), and returns each row's sum of squares
+// of x through `sum_sq` (thread 0's copy is complete after the barrier in BlockSum).
+template <int kMaxRows>
+__device__ __forceinline__ void StageInput(const float* x, int rows, int k, const void* gain,
+                                           DType gain_dtype, float* xs) {
+  const int quads = rows * k / 4;
+#pragma unroll 4
+  for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(x) + q);
+    if (gain) {
+      const int i = (q * 4) % k;
+      v.x *= LoadAsFloat(gain, gain_dtype, i);
+      v.y *= LoadAsFloat(gain, gain_dtype, i + 1);
+      v.z *= LoadAsFloat(gain, gain_dtype, i + 2);
+      v.w *= LoadAsFloat(gain, gain_dtype, i + 3);
+    }
+    reinterpret_cast<float4*>(xs)[q] = v;
   }
 }
 
-// One output feature per warp (the grid covers every output: no warp does two rows while others
-// idle). The warp's first kGemvUnroll weight loads are issued before x is staged and normalised,
-// so that prologue (an L2 round trip, two block reductions) hides under their DRAM latency.
-__global__ void __launch_bounds__(kGemvMaxThreads) GemvKernel(GemvArgs a) {
-  extern __shared__ float xs[];  // [rows][k]
+// Warp w owns outputs [w * kRowsPerWarp, +kRowsPerWarp) across the segments. The warp's weight
+// loads are issued first; x (times the gain) is staged in shared memory under their latency, and
+// the RMSNorm factor 1/rms(x) is applied to the finished dot product.
+// kMaxRows: activation rows compiled for (1 for batch-1 decode keeps registers low).
+template <int kRowsPerWarp, int kMaxRows>
+__global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
+  extern __shared__ float xs[];  // [rows][k]: x * gain
   __shared__ float scratch[32];
-  const int k = a.k;
   const int lane = threadIdx.x & 31;
-  const int chunks = k / 8;
+  const int k = a.k, chunks = k / 8;
   int total = 0;
   for (int s = 0; s < a.segments; ++s) total += a.seg[s].n;
-  const int out = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const bool active = out < total;
-  int s = 0, local = active ? out : 0;
-  while (s + 1 < a.segments && local >= a.seg[s].n) local -= a.seg[s++].n;
-  const GemvSegment& seg = a.seg[s];
-  const uint4* wrow = reinterpret_cast<const uint4*>(seg.w + static_cast<int64_t>(local) * k);
-  uint4 packed[kGemvUnroll];
-#pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u)
-    if (active && lane + 32 * u < chunks) packed[u] = __ldcs(wrow + lane + 32 * u);  // streamed
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int first = warp * kRowsPerWarp;
+  const bool active = first < total;
 
-  for (int i = threadIdx.x; i < a.rows * k; i += blockDim.x) xs[i] = a.x[i];
-  if (a.norm_gain) {
-    __syncthreads();
-    for (int r = 0; r < a.rows; ++r) {
+  int seg_of[kRowsPerWarp], local[kRowsPerWarp];
+  const uint4* wrow[kRowsPerWarp];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    int s = 0, l = min(first + rr, total - 1);
+    while (s + 1 < a.segments && l >= a.seg[s].n) l -= a.seg[s++].n;
+    seg_of[rr] = s;
+    local[rr] = l;
+    wrow[rr] = reinterpret_cast<const uint4*>(a.seg[s].w + static_cast<int64_t>(l) * k);
+  }
+  uint4 packed[kRowsPerWarp][kGemvUnroll];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr)
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u)
+      if (active && lane + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + lane + 32 * u);
+
+  StageInput<kMaxRows>(a.x, a.rows, k, a.norm_gain, a.norm_dtype, xs);
+  float inv[kMaxRows];
+#pragma unroll
+  for (int r = 0; r < kMaxRows; ++r) inv[r] = 1.f;
+  if (a.norm_gain) {  // sum of squares of x itself (re-read: L1-hot)
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r >= a.rows) break;
       float sum_sq = 0.f;
-      for (int i = threadIdx.x; i < k; i += blockDim.x) sum_sq += xs[r * k + i] * xs[r * k + i];
-      sum_sq = BlockSum(sum_sq, scratch);
-      const float inv = rsqrtf(sum_sq / k + a.norm_eps);
-      for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        const float v = xs[r * k + i] * inv * LoadAsFloat(a.norm_gain, a.norm_dtype, i);
-        xs[r * k + i] = v;
-        if (a.normed_out && blockIdx.x == 0) a.normed_out[static_cast<int64_t>(r) * k + i] = v;
+      const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<int64_t>(r) * k);
+#pragma unroll 4
+      for (int q = threadIdx.x; q < k / 4; q += blockDim.x) {
+        const float4 v = __ldg(x4 + q);
+        sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
       }
+      inv[r] = rsqrtf(BlockSum(sum_sq, scratch) / k + a.norm_eps);  // BlockSum has barriers
     }
   }
   __syncthreads();
+  if (a.normed_out && blockIdx.x == 0) {
+    for (int r = 0; r < a.rows; ++r)
+      for (int i = threadIdx.x; i < k; i += blockDim.x)
+        a.normed_out[static_cast<int64_t>(r) * k + i] = xs[r * k + i] * inv[r];
+  }
   if (!active) return;
 
-  float acc[kGemvMaxRows] = {};
+  float acc[kRowsPerWarp][kMaxRows] = {};
   for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
     if (c0 != lane) {
 #pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u)
-        if (c0 + 32 * u < chunks) packed[u] = __ldcs(wrow + c0 + 32 * u);
+      for (int rr = 0; rr < kRowsPerWarp; ++rr)
+#pragma unroll
+        for (int u = 0; u < kGemvUnroll; ++u)
+          if (c0 + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + c0 + 32 * u);
     }
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u)
-      if (c0 + 32 * u < chunks) AccumulateChunk(packed[u], xs, k, c0 + 32 * u, a.rows, acc);
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= chunks) break;
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r >= a.rows) break;
+#pragma unroll
+        for (int rr = 0; rr < kRowsPerWarp; ++rr)
+          acc[rr][r] += Dot8Bf16(packed[rr][u], xs + static_cast<int64_t>(r) * k + c * 8);
+      }
+    }
   }
 #pragma unroll
-  for (int r = 0; r < kGemvMaxRows; ++r) {
-    if (r >= a.rows) break;
-    const float dot = WarpSum(acc[r]);
-    if (lane == 0) {
-      float* y = seg.y + static_cast<int64_t>(r) * seg.ld + local;
-      float v = a.scale * dot;
-      if (seg.bias) v += LoadAsFloat(seg.bias, seg.bias_dtype, local);
-      *y = a.accumulate ? *y + v : v;
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    if (first + rr >= total) break;
+    const GemvSegment& seg = a.seg[seg_of[rr]];
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r >= a.rows) break;
+      const float dot = WarpSum(acc[rr][r]) * inv[r];
+      if (lane == 0) {
+        float* y = seg.y + static_cast<int64_t>(r) * seg.ld + local[rr];
+        float v = a.scale * dot;
+        if (seg.bias) v += LoadAsFloat(seg.bias, seg.bias_dtype, local[rr]);
+        *y = a.accumulate ? *y + v : v;
+      }
     }
   }
 }
@@ -120,17 +160,35 @@ bool GemvSupports(int rows, int k) {
 
 void Gemv(const GemvArgs& args, cudaStream_t stream) {
   static const bool configured = [] {
-    cudaFuncSetAttribute(GemvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxSharedBytes);
+    for (const void* kernel : {reinterpret_cast<const void*>(GemvKernel<1, 1>),
+                               reinterpret_cast<const void*>(GemvKernel<2, 1>),
+                               reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows>),
+                               reinterpret_cast<const void*>(GemvKernel<2, kGemvMaxRows>)})
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxSharedBytes);
     return true;
   }();
   (void)configured;
+  const size_t smem = static_cast<size_t>(args.rows) * args.k * sizeof(float);
   int total = 0;
   for (int s = 0; s < args.segments; ++s) total += args.seg[s].n;
-  // 16 warps a block, fewer when that would leave SMs idle (the 128-row router: 32 blocks of 4).
-  int warps = 16;
-  while (warps > 4 && CeilDiv(total, warps) < SmCount()) warps /= 2;
-  GemvKernel<<<CeilDiv(total, warps), warps * 32,
-               static_cast<size_t>(args.rows) * args.k * sizeof(float), stream>>>(args);
+  // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
+  // (q+k+v: 2560 warps, all resident at once); small matrices get small blocks so that they
+  // still spread over every SM (the 128-row router: 64 blocks of 2 warps).
+  const int rows_per_warp = total > 24 * SmCount() ? 2 : 1;
+  const int warps_needed = CeilDiv(total, rows_per_warp);
+  const int warps_per_block = warps_needed >= 8 * SmCount() ? 8 : 2;
+  const int blocks = CeilDiv(warps_needed, warps_per_block);
+  const dim3 grid(blocks), block(warps_per_block * 32);
+  if (args.rows == 1) {
+    if (rows_per_warp == 2)
+      GemvKernel<2, 1><<<grid, block, smem, stream>>>(args);
+    else
+      GemvKernel<1, 1><<<grid, block, smem, stream>>>(args);
+  } else if (rows_per_warp == 2) {
+    GemvKernel<2, kGemvMaxRows><<<grid, block, smem, stream>>>(args);
+  } else {
+    GemvKernel<1, kGemvMaxRows><<<grid, block, smem, stream>>>(args);
+  }
 }
 
 }  // namespace infersweep::cuda

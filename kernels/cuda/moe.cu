@@ -74,33 +74,23 @@ __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts,
   }
 }
 
-// 16-byte loads of 8 bf16 weights; x (fp32) from shared memory.
-__device__ __forceinline__ float Dot8(const uint4 packed, const float* x) {
-  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed);
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(w[i]);
-    acc += f.x * x[2 * i] + f.y * x[2 * i + 1];
-  }
-  return acc;
-}
-
 // grid (ceil(inter / 8), pairs), 256 threads: warp w computes output i = blockIdx.x * 8 + w for
-// both gate and up. Needs hidden % 8 == 0. The first 2 x kUnroll weight loads are issued before
-// x is staged, so the staging (an L2 round trip and a barrier) hides under their latency.
+// both gate and up. Its first 2 x kUnroll weight loads (all of a 2048-wide row) are issued
+// before x is staged in shared memory (16-byte loads, all in flight), so the staging and its
+// barrier hide under their DRAM latency. Needs hidden % 8 == 0.
 __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
                                 const uint16_t* const* gate, const uint16_t* const* up, int hidden,
                                 int inter, float* h) {
   extern __shared__ float xs[];
-  constexpr int kUnroll = 8;  // 16 x 16-byte loads in flight per lane: all of a 2048-wide row
+  constexpr int kUnroll = 8;
   const int pair = blockIdx.y, row = pair / k;
   const int out = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int chunks = hidden / 8;
   const bool active = out < inter;
+  const int chunks = hidden / 8;
   const int e = expert_ids[pair];
-  const uint4* g = reinterpret_cast<const uint4*>(gate[e] + static_cast<int64_t>(active ? out : 0) * hidden);
-  const uint4* u = reinterpret_cast<const uint4*>(up[e] + static_cast<int64_t>(active ? out : 0) * hidden);
+  const int64_t offset = static_cast<int64_t>(active ? out : 0) * hidden;
+  const uint4* g = reinterpret_cast<const uint4*>(gate[e] + offset);
+  const uint4* u = reinterpret_cast<const uint4*>(up[e] + offset);
   uint4 gw[kUnroll], uw[kUnroll];
 #pragma unroll
   for (int i = 0; i < kUnroll; ++i)
@@ -108,7 +98,7 @@ __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
       gw[i] = __ldcs(g + lane + 32 * i);
       uw[i] = __ldcs(u + lane + 32 * i);
     }
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) xs[i] = x[static_cast<int64_t>(row) * hidden + i];
+  StageFloats(x + static_cast<int64_t>(row) * hidden, hidden, xs);
   __syncthreads();
   if (!active) return;
   float ga = 0.f, ua = 0.f;
@@ -122,66 +112,84 @@ __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
         }
     }
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i)
-      if (c0 + 32 * i < chunks) {
-        ga += Dot8(gw[i], xs + (c0 + 32 * i) * 8);
-        ua += Dot8(uw[i], xs + (c0 + 32 * i) * 8);
-      }
+    for (int i = 0; i < kUnroll; ++i) {
+      const int c = c0 + 32 * i;
+      if (c >= chunks) break;
+      ga += Dot8Bf16(gw[i], xs + c * 8);
+      ua += Dot8Bf16(uw[i], xs + c * 8);
+    }
   }
   ga = WarpSum(ga);
   ua = WarpSum(ua);
   if (lane == 0) h[static_cast<int64_t>(pair) * inter + out] = ga / (1.f + expf(-ga)) * ua;
 }
 
-// grid (ceil(hidden / 16), rows), 512 threads: warp computes output j of row r over all k slots,
+// grid (ceil(hidden / 8), rows), 256 threads: warp computes output j of row r over all k slots,
 // y[r, j] += sum_slot w[slot] * (Wd[e_slot][j] . h[r, slot]). One launch instead of a down GEMV
 // plus a combine; the pair outputs never reach DRAM. The k slots' rows are one flat list of
 // (slot, chunk) items so a lane has kUnroll loads in flight across slots: looping slot by slot
-// waited out one DRAM round trip per slot (26 us a layer at batch 1, 0.97 TB/s). Each lane's
-// items and their order are fixed, so the sum is deterministic.
+// waited out one DRAM round trip per slot (26 us a layer at batch 1, 0.97 TB/s). Each slot's row
+// address is computed once by lane `slot` and shuffled to the lanes that need it: resolving
+// expert id -> pointer table -> row per item put two dependent loads in front of every weight
+// load. h is read through L1 (8 warps share it). Each lane's items and their order are fixed,
+// so the sum is deterministic.
 // Batch 1, qwen3-30b-a3b: 8 x 2048 x 768 x 2 B = 25 MB -> 5.6 us.
 __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, const float* weights,
                                      int skip_expert, int k, const uint16_t* const* down,
                                      int hidden, int inter, float* y) {
-  extern __shared__ float hs[];  // [k][inter]
-  constexpr int kUnroll = 8;
+  constexpr int kUnroll = 12;  // 24 items a lane at qwen3-30b-a3b shapes: two batches
   const int row = blockIdx.y;
   const int out = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-  const bool active = out < hidden;
+  if (out >= hidden) return;
   const int chunks = inter / 8, items = k * chunks;
-  const int* ids = expert_ids + row * k;
-  const float* w_slot = weights + row * k;
-  auto address = [&](int item) {
-    const int slot = item / chunks;
-    return reinterpret_cast<const uint4*>(down[ids[slot]] + static_cast<int64_t>(out) * inter) +
-           (item - slot * chunks);
-  };
-  uint4 w[kUnroll];
-#pragma unroll
-  for (int i = 0; i < kUnroll; ++i)
-    if (active && lane + 32 * i < items) w[i] = __ldcs(address(lane + 32 * i));
-  for (int i = threadIdx.x; i < k * inter; i += blockDim.x)
-    hs[i] = h[static_cast<int64_t>(row) * k * inter + i];
-  __syncthreads();
-  if (!active) return;
+  // Lane s < k holds slot s: its row of Wd[e_s], its routing weight (0 for a skipped expert).
+  const uint4* my_row = nullptr;
+  float my_weight = 0.f;
+  if (lane < k) {
+    const int e = expert_ids[row * k + lane];
+    my_row = reinterpret_cast<const uint4*>(down[e] + static_cast<int64_t>(out) * inter);
+    my_weight = e == skip_expert ? 0.f : weights[row * k + lane];
+  }
+  const float* hr = h + static_cast<int64_t>(row) * k * inter;
   float total = 0.f;
   for (int i0 = lane; i0 < items; i0 += 32 * kUnroll) {
-    if (i0 != lane) {
+    uint4 w[kUnroll];
+    float slot_weight[kUnroll];
+    int slot_of[kUnroll];
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i)
-        if (i0 + 32 * i < items) w[i] = __ldcs(address(i0 + 32 * i));
+    for (int i = 0; i < kUnroll; ++i) {
+      const int item = min(i0 + 32 * i, items - 1);
+      const int slot = item / chunks;
+      const auto base = reinterpret_cast<const uint4*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), slot));
+      slot_weight[i] = __shfl_sync(0xffffffffu, my_weight, slot);
+      slot_of[i] = slot;
+      if (i0 + 32 * i < items) w[i] = __ldcs(base + (item - slot * chunks));
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       const int item = i0 + 32 * i;
-      if (item >= items) continue;
-      const int slot = item / chunks;
-      if (ids[slot] == skip_expert) continue;
-      total += w_slot[slot] * Dot8(w[i], hs + slot * inter + (item - slot * chunks) * 8);
+      if (item >= items) break;
+      float hv[8];
+      LoadFloat8(hr + static_cast<int64_t>(slot_of[i]) * inter + (item - slot_of[i] * chunks) * 8, hv);
+      total += slot_weight[i] * Dot8Bf16(w[i], hv);
     }
   }
   total = WarpSum(total);
   if (lane == 0) y[static_cast<int64_t>(row) * hidden + out] += total;
+}
+
+__global__ void CombinePairsKernel(const float* src, const int* position, const float* weights,
+                                   int k, int hidden, float* y) {
+  const int row = blockIdx.x;
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+    float acc = 0.f;
+    for (int slot = 0; slot < k; ++slot) {
+      const int p = position[row * k + slot];
+      if (p >= 0) acc += weights[row * k + slot] * src[static_cast<int64_t>(p) * hidden + j];
+    }
+    y[static_cast<int64_t>(row) * hidden + j] += acc;
+  }
 }
 
 __global__ void SigmoidGatedKernel(float* y, const float* shared, const float* gate_logit,
@@ -205,6 +213,14 @@ __global__ void ScatterAddRowsKernel(const float* src, const int* index, const f
     y[static_cast<int64_t>(index[i]) * hidden + j] += weights[i] * src[static_cast<int64_t>(i) * hidden + j];
 }
 
+void ConfigureMoeSharedMemory() {
+  static const bool configured = [] {
+    cudaFuncSetAttribute(MoeGateUpKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoeMaxSharedBytes);
+    return true;
+  }();
+  (void)configured;
+}
+
 }  // namespace
 
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
@@ -223,12 +239,7 @@ void RouterTopK(const float* logits, int rows, int num_experts, int k, bool reno
 
 void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
                const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream) {
-  static const bool configured = [] {
-    cudaFuncSetAttribute(MoeGateUpKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kMoeMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  ConfigureMoeSharedMemory();
   MoeGateUpKernel<<<dim3(CeilDiv(inter, 8), rows * k), 256, hidden * sizeof(float), stream>>>(
       x, k, expert_ids, gate, up, hidden, inter, h);
 }
@@ -236,14 +247,14 @@ void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uin
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
                     int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
                     cudaStream_t stream) {
-  static const bool configured = [] {
-    cudaFuncSetAttribute(MoeDownCombineKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kMoeMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
-  MoeDownCombineKernel<<<dim3(CeilDiv(hidden, 16), rows), 512, k * inter * sizeof(float), stream>>>(
+  ConfigureMoeSharedMemory();
+  MoeDownCombineKernel<<<dim3(CeilDiv(hidden, 8), rows), 256, 0, stream>>>(
       h, expert_ids, weights, skip_expert, k, down, hidden, inter, y);
+}
+
+void CombinePairs(const float* src, const int* position, const float* weights, int rows, int k,
+                  int hidden, float* y, cudaStream_t stream) {
+  CombinePairsKernel<<<rows, 256, 0, stream>>>(src, position, weights, k, hidden, y);
 }
 
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,

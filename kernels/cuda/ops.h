@@ -74,9 +74,10 @@ void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& b
 // ---- decode GEMV (gemv.cu), the gemm=fused path for a few rows:
 //   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
 // for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
-// with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k].
+// with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k],
+// k % 8 == 0, rows <= kGemvMaxRows, rows * k * 4 <= kGemvMaxSharedBytes (GemvSupports).
 constexpr int kGemvMaxRows = 4;
-constexpr int kGemvMaxSharedBytes = 64 * 1024;
+constexpr int kGemvMaxSharedBytes = 64 * 1024;  // rows * k floats of staged input
 struct GemvSegment {
   const uint16_t* w = nullptr;
   const void* bias = nullptr;  // [n] or null
@@ -102,7 +103,7 @@ bool GemvSupports(int rows, int k);
 void Gemv(const GemvArgs& args, cudaStream_t stream);
 
 // ---- MoE
-// Shared memory the fused MoE kernels may use: hidden * 4 (gate/up) or k * inter * 4 (down).
+// Shared memory the fused gate/up kernel may use for its staged input (hidden * 4 bytes).
 constexpr int kMoeMaxSharedBytes = 200 * 1024;
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
 // One warp per row; E <= 1024, k <= 32.
@@ -120,6 +121,11 @@ void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uin
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
                     int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
                     cudaStream_t stream);
+// y[r] += sum_slot weights[r, slot] * src[position[r, slot]] over slots with position >= 0, in
+// slot order (deterministic; no atomics although rows repeat across experts). src holds the
+// pairs' expert outputs [pairs, hidden] in expert order (moe=grouped).
+void CombinePairs(const float* src, const int* position, const float* weights, int rows, int k,
+                  int hidden, float* y, cudaStream_t stream);
 // y[r] += sigmoid(gate_logit[r]) * shared[r]  (qwen2_moe shared expert).
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,
                      cudaStream_t stream);
