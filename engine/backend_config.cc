@@ -34,6 +34,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
                "decode (<= 4 rows): our bf16 GEMV with RMSNorm, bias and residual fused in, "
                "fp32 activations; more rows: cuBLASLt"});
+  r.push_back({"gemm", "tma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
+               "as gemm=fused, with the q/k/v and o GEMVs streaming weight tiles through the "
+               "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
   r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
                "materialised scores, fp32"});
   r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kFp32,

@@ -60,8 +60,10 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
     CudaModelOptions options;
-    options.gemm_cublaslt = config.at("gemm") == "cublaslt" || config.at("gemm") == "fused";
-    options.gemm_fused = config.at("gemm") == "fused";
+    const std::string& gemm = config.at("gemm");
+    options.gemm_cublaslt = gemm == "cublaslt" || gemm == "fused" || gemm == "tma";
+    options.gemm_fused = gemm == "fused";
+    options.gemm_tma = gemm == "tma";
     options.attention_flash = config.at("attention") == "flash";
     options.moe_fused = config.at("moe") == "fused";
     options.moe_grouped = config.at("moe") == "grouped";

@@ -31,13 +31,22 @@ for stage in $STAGES; do
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
-  best)  # the fastest configs only: batch 1, batch 64, prefill 2048
-    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt|fused,attention=flash,moe=fused,graphs=on' \
+  matrix)  # every registered GPU config on the full 48 layers: the verdict (light timing)
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,moe=loop|grouped|fused,graphs=off|on' \
+      --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=900 \
+      --json "$OUT/matrix.json" 2>&1 | tee "$OUT/matrix.log" | grep -vE "spread|timed by|load " ;;
+  best)  # the fast configs: batch 1 and 64, prefill 2048
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=cublaslt|fused|tma,attention=flash,moe=fused,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
-    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on' \
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=grouped,graphs=off' \
+      --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_grouped.json" 2>&1 | tee "$OUT/bench_grouped.log"
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=fused|grouped,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
-      --json "$OUT/bench_best_prefill.json" 2>&1 | tee "$OUT/bench_best_prefill.log" ;;
+      --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
     # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
     ncu --clock-control none --cache-control none --target-processes all --launch-skip 1183 --launch-count 120 \

@@ -78,6 +78,18 @@ TEST(Preflight, GatesOnSmRange) {
               HasSubstr("not registered"));
 }
 
+// The real registry's sm_90a-only backend: OK on Hopper, UNSUPPORTED (not a crash) elsewhere.
+TEST(Preflight, TmaGemvIsExactlySm90) {
+  auto config = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "tma"}});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(Preflight(*config, {true, 90, 1, "bf16"}).supported);
+  for (int sm : {80, 89, 100, 120}) {
+    const PreflightResult r = Preflight(*config, {true, sm, 1, "bf16"});
+    EXPECT_FALSE(r.supported) << sm;
+    EXPECT_THAT(r.reason, HasSubstr("gemm=tma")) << sm;
+  }
+}
+
 TEST(Workload, ParsesAndRejectsBadValues) {
   auto w = ParseWorkload("prompt=16,output=8,batch=1:4,repeats=2,warmup=0,timeout=30");
   ASSERT_TRUE(w.ok()) << w.status();

@@ -13,6 +13,7 @@
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/gemm_grouped.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sm90a/gemv_tma.h"
 
 namespace infersweep {
 namespace {
@@ -255,8 +256,9 @@ class CudaModel final : public Model {
     cuda::EmbeddingGather(d_tokens_, rows, w_.embed, x_, stream_);
     CHECK_LAUNCH();
     const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
-    // gemm=fused: decode steps take our GEMV path, with the norms and residual adds fused in.
-    const bool gemv = options_.gemm_fused && cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
+    // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
+    const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
+                      cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
     for (int l = 0; l < config_.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
@@ -265,7 +267,7 @@ class CudaModel final : public Model {
         AddSegment(a, lw.q, lw.q_bias, q_);
         AddSegment(a, lw.k, lw.k_bias, k_);
         AddSegment(a, lw.v, lw.v_bias, v_);
-        cuda::Gemv(a, stream_);
+        ProjectionGemv(a);
       } else {
         cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
         const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
@@ -296,7 +298,7 @@ class CudaModel final : public Model {
         AddSegment(a, lw.o, lw.o_bias, x_);
         a.accumulate = true;
         a.scale = o_scale;
-        cuda::Gemv(a, stream_);
+        ProjectionGemv(a);
       } else {
         const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
         if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
@@ -331,6 +333,14 @@ class CudaModel final : public Model {
                                 static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream_));
     return absl::OkStatus();
+  }
+
+  // The attention projections' GEMV: TMA-streamed with gemm=tma (sm_90a), else register-streamed.
+  void ProjectionGemv(const cuda::GemvArgs& a) {
+    if (options_.gemm_tma && cuda::GemvTmaSupports(a.rows, a.k))
+      cuda::GemvTma(a, stream_);
+    else
+      cuda::Gemv(a, stream_);
   }
 
   int MaxIntermediate() const {

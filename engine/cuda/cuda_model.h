@@ -16,6 +16,7 @@ namespace infersweep {
 struct CudaModelOptions {
   bool gemm_cublaslt = false;  // else the reference GEMM
   bool gemm_fused = false;     // decode rows: our GEMV with norm/bias/residual fused (needs cublaslt)
+  bool gemm_tma = false;       // as gemm_fused, q/k/v and o streamed by the TMA engine (sm_90a)
   bool attention_flash = false;  // else the naive (materialised scores) kernel
   bool moe_fused = false;      // else the per-expert loop with a host sync
   bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)

@@ -13,34 +13,12 @@
 // round trip per 512 floats in front of every block: 14-17 us for q+k+v on the H200.
 #include <algorithm>
 
-#include "kernels/cuda/common.cuh"
-#include "kernels/cuda/ops.h"
+#include "kernels/cuda/gemv_common.cuh"
 
 namespace infersweep::cuda {
 namespace {
 
 constexpr int kGemvUnroll = 8;  // 16-byte weight loads per lane per row in flight: 4 KB a row
-
-// Stages rows x k floats of x, times the norm gain when there is one, into shared memory with
-// 16-byte loads all in flight at once (one L2 round trip), and returns each row's sum of squares
-// of x through `sum_sq` (thread 0's copy is complete after the barrier in BlockSum).
-template <int kMaxRows>
-__device__ __forceinline__ void StageInput(const float* x, int rows, int k, const void* gain,
-                                           DType gain_dtype, float* xs) {
-  const int quads = rows * k / 4;
-#pragma unroll 4
-  for (int q = threadIdx.x; q < quads; q += blockDim.x) {
-    float4 v = __ldg(reinterpret_cast<const float4*>(x) + q);
-    if (gain) {
-      const int i = (q * 4) % k;
-      v.x *= LoadAsFloat(gain, gain_dtype, i);
-      v.y *= LoadAsFloat(gain, gain_dtype, i + 1);
-      v.z *= LoadAsFloat(gain, gain_dtype, i + 2);
-      v.w *= LoadAsFloat(gain, gain_dtype, i + 3);
-    }
-    reinterpret_cast<float4*>(xs)[q] = v;
-  }
-}
 
 // Warp w owns outputs [w * kRowsPerWarp, +kRowsPerWarp) across the segments. The warp's weight
 // loads are issued first; x (times the gain) is staged in shared memory under their latency, and
@@ -75,30 +53,8 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
     for (int u = 0; u < kGemvUnroll; ++u)
       if (active && lane + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + lane + 32 * u);
 
-  StageInput<kMaxRows>(a.x, a.rows, k, a.norm_gain, a.norm_dtype, xs);
   float inv[kMaxRows];
-#pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) inv[r] = 1.f;
-  if (a.norm_gain) {  // sum of squares of x itself (re-read: L1-hot)
-#pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r >= a.rows) break;
-      float sum_sq = 0.f;
-      const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<int64_t>(r) * k);
-#pragma unroll 4
-      for (int q = threadIdx.x; q < k / 4; q += blockDim.x) {
-        const float4 v = __ldg(x4 + q);
-        sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
-      inv[r] = rsqrtf(BlockSum(sum_sq, scratch) / k + a.norm_eps);  // BlockSum has barriers
-    }
-  }
-  __syncthreads();
-  if (a.normed_out && blockIdx.x == 0) {
-    for (int r = 0; r < a.rows; ++r)
-      for (int i = threadIdx.x; i < k; i += blockDim.x)
-        a.normed_out[static_cast<int64_t>(r) * k + i] = xs[r * k + i] * inv[r];
-  }
+  StageGemvInput<kMaxRows>(a, xs, scratch, inv);
   if (!active) return;
 
   float acc[kRowsPerWarp][kMaxRows] = {};
@@ -131,12 +87,7 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
     for (int r = 0; r < kMaxRows; ++r) {
       if (r >= a.rows) break;
       const float dot = WarpSum(acc[rr][r]) * inv[r];
-      if (lane == 0) {
-        float* y = seg.y + static_cast<int64_t>(r) * seg.ld + local[rr];
-        float v = a.scale * dot;
-        if (seg.bias) v += LoadAsFloat(seg.bias, seg.bias_dtype, local[rr]);
-        *y = a.accumulate ? *y + v : v;
-      }
+      if (lane == 0) StoreGemvOutput(a, seg, local[rr], r, dot);
     }
   }
 }
