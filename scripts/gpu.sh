@@ -38,7 +38,7 @@ for stage in $STAGES; do
       --json "$OUT/matrix.json" 2>&1 | tee "$OUT/matrix.log" | grep -vE "spread|timed by|load " ;;
   best)  # the fast configs: batch 1 and 64, prefill 2048
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=cublaslt|fused|tma,attention=flash,moe=fused,graphs=on' \
+      --config 'device=cuda,gemm=fused|tma,attention=flash,moe=fused,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=grouped,graphs=off' \
