@@ -508,33 +508,36 @@ class CudaModel final : public Model {
   }
 
   // moe=grouped: every routed pair's row gathered in expert order, then gate, up and down each as
-  // one cuBLAS grouped GEMM over the experts, then x += the weighted sum of each row's pairs.
+  // one cuBLAS grouped GEMM over the experts (bf16 in and out), then x += the weighted sum of each
+  // row's pairs. bf16 buffers: the gathered input in bf16_, gate | up | h in moe_bf16_, the
+  // pairs' outputs after it.
   absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing) {
     const int hidden = config_.hidden_size, inter = config_.moe_intermediate_size;
     const int pairs = static_cast<int>(routing.index.size());
     if (pairs == 0) return absl::OkStatus();
     cuda::GatherRows(xn_, route_index_, pairs, hidden, moe_in_, stream_);
     const uint16_t* xb = PrepareInput(moe_in_, static_cast<int64_t>(pairs) * hidden);
-    std::vector<cuda::GroupedProblem> gate, up, down;
+    const int64_t h_elems = static_cast<int64_t>(pairs) * inter;
+    uint16_t* gate = moe_bf16_;
+    uint16_t* up = gate + h_elems;
+    uint16_t* out = up + h_elems;  // [pairs, hidden]
+    std::vector<cuda::GroupedProblem> gate_problems, up_problems, down_problems;
     for (int e = 0; e < config_.num_experts; ++e) {
       const auto [first, count] = routing.spans[e];
       if (count == 0) continue;
       const ExpertWeights& w = lw.experts[e];
       const int64_t in_row = static_cast<int64_t>(first) * hidden, h_row = static_cast<int64_t>(first) * inter;
-      gate.push_back({xb + in_row, static_cast<const uint16_t*>(w.gate.data), moe_h_ + h_row, count});
-      up.push_back({xb + in_row, static_cast<const uint16_t*>(w.up.data), moe_up_ + h_row, count});
-      down.push_back({nullptr, static_cast<const uint16_t*>(w.down.data), moe_out_ + in_row, count});
+      gate_problems.push_back({xb + in_row, static_cast<const uint16_t*>(w.gate.data), gate + h_row, count});
+      up_problems.push_back({xb + in_row, static_cast<const uint16_t*>(w.up.data), up + h_row, count});
+      // silu(gate) * up is written over gate: the down projection's input.
+      down_problems.push_back({gate + h_row, static_cast<const uint16_t*>(w.down.data), out + in_row, count});
     }
-    if (auto s = grouped_->Run(gate, inter, hidden, stream_); !s.ok()) return s;
-    if (auto s = grouped_->Run(up, inter, hidden, stream_); !s.ok()) return s;
-    cuda::SiluMul(moe_h_, moe_up_, static_cast<int64_t>(pairs) * inter, moe_h_, stream_);
-    const uint16_t* hb = PrepareInput(moe_h_, static_cast<int64_t>(pairs) * inter);
-    for (size_t i = 0, e = 0; e < static_cast<size_t>(config_.num_experts); ++e)
-      if (routing.spans[e].second > 0)
-        down[i++].x = hb + static_cast<int64_t>(routing.spans[e].first) * inter;
-    if (auto s = grouped_->Run(down, hidden, inter, stream_); !s.ok()) return s;
-    cuda::CombinePairs(moe_out_, pair_position_, expert_weights_, rows,
-                       config_.num_experts_per_tok, hidden, x_, stream_);
+    if (auto s = grouped_->Run(gate_problems, inter, hidden, stream_); !s.ok()) return s;
+    if (auto s = grouped_->Run(up_problems, inter, hidden, stream_); !s.ok()) return s;
+    cuda::SiluMulBf16(gate, up, h_elems, gate, stream_);
+    if (auto s = grouped_->Run(down_problems, hidden, inter, stream_); !s.ok()) return s;
+    cuda::CombinePairsBf16(out, pair_position_, expert_weights_, rows, config_.num_experts_per_tok,
+                           hidden, x_, stream_);
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
@@ -564,8 +567,7 @@ class CudaModel final : public Model {
         {&v_, r * config_.kv_dim()}, {&attn_, r * config_.q_dim()}, {&o_, r * hidden},
         {&y_, r * hidden}, {&gate_, r * inter}, {&up_, r * inter},
         {&router_, r * std::max(config_.num_experts, 1)}, {&expert_weights_, r * k},
-        {&moe_h_, r * k * moe_inter}, {&moe_up_, r * k * moe_inter}, {&moe_out_, r * k * hidden},
-        {&moe_in_, r * k * hidden},
+        {&moe_h_, r * k * moe_inter}, {&moe_out_, r * k * hidden}, {&moe_in_, r * k * hidden},
         {&route_weight_, r * k},
         // naive: materialised scores; flash: the splits' partial softmaxes
         {&scores_, options_.attention_flash
@@ -584,7 +586,10 @@ class CudaModel final : public Model {
     auto tokens = DeviceAlloc<int32_t>(r);
     auto last = DeviceAlloc<int>(r);
     auto pos = DeviceAlloc<int>(1);
-    auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * std::max(hidden, moe_inter)));
+    auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
+    auto moe_bf16 = DeviceAlloc<uint16_t>(r * k * (2 * moe_inter + hidden));
+    if (!moe_bf16.ok()) return moe_bf16.status();
+    moe_bf16_ = *moe_bf16;
     auto pair_position = DeviceAlloc<int>(r * k);
     if (!pair_position.ok()) return pair_position.status();
     pair_position_ = *pair_position;
@@ -608,18 +613,19 @@ class CudaModel final : public Model {
 
   void FreeScratch() {
     for (float* p : {x_, xn_, q_, k_, v_, attn_, o_, y_, gate_, up_, router_, expert_weights_, moe_h_,
-                     moe_up_, moe_out_, moe_in_, route_weight_, scores_, logits_})
+                     moe_out_, moe_in_, route_weight_, scores_, logits_})
       if (p) cudaFree(p);
     for (int* p : {expert_ids_, route_index_, pair_position_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
+    if (moe_bf16_) cudaFree(moe_bf16_);
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
                     static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
       if (p) cudaFreeHost(p);
     x_ = xn_ = q_ = k_ = v_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
-        moe_up_ = moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
+        moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
     expert_ids_ = route_index_ = pair_position_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
-    bf16_ = nullptr;
+    bf16_ = moe_bf16_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
     h_logits_ = nullptr;
@@ -640,12 +646,12 @@ class CudaModel final : public Model {
   float2* rope_ = nullptr;  // [capacity, head_dim / 2] cos/sin
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *attn_ = nullptr,
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
-        *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_up_ = nullptr, *moe_out_ = nullptr,
-        *moe_in_ = nullptr,
+        *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
         *route_weight_ = nullptr, *scores_ = nullptr, *logits_ = nullptr;
   int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
+  uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;
   float* h_logits_ = nullptr;

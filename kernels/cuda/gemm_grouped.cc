@@ -69,11 +69,11 @@ absl::Status CublasGroupedGemm::Run(const std::vector<GroupedProblem>& problems,
   const cublasStatus_t s = cublasGemmGroupedBatchedEx(
       handle_, transa.data(), transb.data(), m_array.data(), n_array.data(), k_array.data(),
       alpha.data(), a_dev, CUDA_R_16BF, lda.data(), b_dev, CUDA_R_16BF, ldb.data(), beta.data(),
-      c_dev, CUDA_R_32F, ldc.data(), static_cast<int>(groups), group_size.data(),
+      c_dev, CUDA_R_16BF, ldc.data(), static_cast<int>(groups), group_size.data(),
       CUBLAS_COMPUTE_32F);
   if (s != CUBLAS_STATUS_SUCCESS)
     return absl::InternalError(
-        absl::StrCat("cublasGemmGroupedBatchedEx (bf16 x bf16 -> fp32, ", groups,
+        absl::StrCat("cublasGemmGroupedBatchedEx (bf16 x bf16 -> bf16, ", groups,
                      " groups): status ", static_cast<int>(s)));
   return absl::OkStatus();
 }

@@ -1,5 +1,7 @@
 // cuBLAS grouped GEMM for MoE experts (moe=grouped): one launch computes, for every expert e with
-// rows routed to it, y_e[M_e, N] (fp32) = x_e[M_e, K] (bf16) . W_e[N, K]^T (bf16), fp32 accumulate.
+// rows routed to it, y_e[M_e, N] (bf16) = x_e[M_e, K] (bf16) . W_e[N, K]^T (bf16), fp32
+// accumulate. (cuBLAS 13 answers NOT_SUPPORTED for a grouped bf16 x bf16 -> fp32 product, seen
+// on the H200: hence bf16 outputs, which also feed the next GEMM without a conversion.)
 // The group sizes M_e come from the routing, so the host must know them (a sync per layer): not
 // capturable in a CUDA graph, unlike moe=fused.
 //
@@ -22,7 +24,7 @@ namespace infersweep::cuda {
 struct GroupedProblem {
   const uint16_t* x = nullptr;  // [rows, k] bf16, row-major
   const uint16_t* w = nullptr;  // [n, k] bf16, row-major (an HF linear weight)
-  float* y = nullptr;           // [rows, n] fp32, row-major
+  uint16_t* y = nullptr;        // [rows, n] bf16, row-major
   int rows = 0;
 };
 

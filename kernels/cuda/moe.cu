@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -179,16 +181,27 @@ __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, cons
   if (lane == 0) y[static_cast<int64_t>(row) * hidden + out] += total;
 }
 
-__global__ void CombinePairsKernel(const float* src, const int* position, const float* weights,
-                                   int k, int hidden, float* y) {
+// One block per row; src bf16 [pairs, hidden].
+__global__ void CombinePairsKernel(const __nv_bfloat16* src, const int* position,
+                                   const float* weights, int k, int hidden, float* y) {
   const int row = blockIdx.x;
   for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
     float acc = 0.f;
     for (int slot = 0; slot < k; ++slot) {
       const int p = position[row * k + slot];
-      if (p >= 0) acc += weights[row * k + slot] * src[static_cast<int64_t>(p) * hidden + j];
+      if (p >= 0)
+        acc += weights[row * k + slot] * __bfloat162float(src[static_cast<int64_t>(p) * hidden + j]);
     }
     y[static_cast<int64_t>(row) * hidden + j] += acc;
+  }
+}
+
+__global__ void SiluMulBf16Kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n,
+                                  __nv_bfloat16* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(gate[i]);
+    out[i] = __float2bfloat16_rn(g / (1.f + expf(-g)) * __bfloat162float(up[i]));
   }
 }
 
@@ -252,9 +265,18 @@ void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, cons
       h, expert_ids, weights, skip_expert, k, down, hidden, inter, y);
 }
 
-void CombinePairs(const float* src, const int* position, const float* weights, int rows, int k,
-                  int hidden, float* y, cudaStream_t stream) {
-  CombinePairsKernel<<<rows, 256, 0, stream>>>(src, position, weights, k, hidden, y);
+void CombinePairsBf16(const uint16_t* src, const int* position, const float* weights, int rows,
+                      int k, int hidden, float* y, cudaStream_t stream) {
+  CombinePairsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(src),
+                                               position, weights, k, hidden, y);
+}
+
+void SiluMulBf16(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
+                 cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 4096));
+  SiluMulBf16Kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gate),
+                                                reinterpret_cast<const __nv_bfloat16*>(up), n,
+                                                reinterpret_cast<__nv_bfloat16*>(out));
 }
 
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,

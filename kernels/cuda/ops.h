@@ -123,9 +123,12 @@ void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, cons
                     cudaStream_t stream);
 // y[r] += sum_slot weights[r, slot] * src[position[r, slot]] over slots with position >= 0, in
 // slot order (deterministic; no atomics although rows repeat across experts). src holds the
-// pairs' expert outputs [pairs, hidden] in expert order (moe=grouped).
-void CombinePairs(const float* src, const int* position, const float* weights, int rows, int k,
-                  int hidden, float* y, cudaStream_t stream);
+// pairs' expert outputs [pairs, hidden] in bf16, in expert order (moe=grouped).
+void CombinePairsBf16(const uint16_t* src, const int* position, const float* weights, int rows,
+                      int k, int hidden, float* y, cudaStream_t stream);
+// out = silu(gate) * up over bf16 vectors (fp32 math, one rounding); in place allowed.
+void SiluMulBf16(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
+                 cudaStream_t stream);
 // y[r] += sigmoid(gate_logit[r]) * shared[r]  (qwen2_moe shared expert).
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,
                      cudaStream_t stream);
