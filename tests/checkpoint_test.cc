@@ -420,7 +420,7 @@ TEST_F(CheckpointTest, UnsupportedDtype) {
   const ModelConfig c = ParseConfig(kQwen3MoeConfig);
   std::vector<DiskTensor> tensors = CanonicalTensors(c);
   for (DiskTensor& t : tensors) {
-    if (t.name == "model.layers.0.self_attn.q_proj.weight") t = Make(t.name, t.shape, DType::kF8E4M3);
+    if (t.name == "model.layers.0.self_attn.q_proj.weight") t = Make(t.name, t.shape, DType::kI32);
   }
   WriteText("config.json", kQwen3MoeConfig);
   WriteFile("model.safetensors", tensors);
@@ -429,7 +429,25 @@ TEST_F(CheckpointTest, UnsupportedDtype) {
   const std::string msg(got.status().message());
   EXPECT_THAT(msg, HasSubstr("model.safetensors"));
   EXPECT_THAT(msg, HasSubstr("'model.layers.0.self_attn.q_proj.weight'"));
-  EXPECT_THAT(msg, HasSubstr("dtype F8_E4M3 not supported yet"));
+  EXPECT_THAT(msg, HasSubstr("dtype I32 not supported yet"));
+}
+
+// FP8 codes in a checkpoint that declares no quantization (tests/quant_checkpoint_test.cc covers
+// declared ones).
+TEST_F(CheckpointTest, QuantizedDtypeWithoutDeclaration) {
+  const ModelConfig c = ParseConfig(kQwen3MoeConfig);
+  std::vector<DiskTensor> tensors = CanonicalTensors(c);
+  for (DiskTensor& t : tensors) {
+    if (t.name == "model.layers.0.self_attn.q_proj.weight") t = Make(t.name, t.shape, DType::kF8E4M3);
+  }
+  WriteText("config.json", kQwen3MoeConfig);
+  WriteFile("model.safetensors", tensors);
+  absl::StatusOr<std::vector<HostTensor>> got = OpenAndResolve();
+  ASSERT_FALSE(got.ok());
+  const std::string msg(got.status().message());
+  EXPECT_THAT(msg, HasSubstr("'model.layers.0.self_attn.q_proj.weight'"));
+  EXPECT_THAT(msg, HasSubstr("dtype F8_E4M3 holds quantized codes, but this tensor is not "
+                             "quantized here: no quantization declared"));
 }
 
 TEST_F(CheckpointTest, ShardFileMissing) {
