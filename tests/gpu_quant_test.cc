@@ -8,7 +8,6 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/backends.h"
 #include "engine/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
@@ -21,12 +20,19 @@
 namespace infersweep {
 namespace {
 
-bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }
-
-#define REQUIRE_GPU() \
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU on this machine"
-
 #ifdef INFERSWEEP_HAVE_CUDA
+
+// Tests that need a device skip (not fail) where CUDA finds none.
+class GpuQuant : public testing::Test {
+ protected:
+  void SetUp() override {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      cudaGetLastError();
+      GTEST_SKIP() << "no GPU on this machine";
+    }
+  }
+};
 
 #define CUDA_EXPECT_OK(expr)                                               \
   do {                                                                     \
@@ -94,8 +100,7 @@ std::string Name(QuantFormat f, Shape s) {
 }
 
 // The fp32 kernel is bit-identical to the CPU (same formula); the bf16 one is its rounding.
-TEST(GpuQuant, DequantizeMatchesTheCpuExactly) {
-  REQUIRE_GPU();
+TEST_F(GpuQuant, DequantizeMatchesTheCpuExactly) {
   const Shape shapes[] = {{1, 32}, {37, 96}, {130, 160}, {768, 2048}, {2048, 768}};
   for (QuantFormat format : {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel,
                              QuantFormat::kFp8Block128, QuantFormat::kNvfp4, QuantFormat::kMxfp4}) {
@@ -127,8 +132,7 @@ TEST(GpuQuant, DequantizeMatchesTheCpuExactly) {
 }
 
 // y = x . W^T against a double-precision sum over the CPU's dequantized W.
-TEST(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
-  REQUIRE_GPU();
+TEST_F(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
   const Shape shapes[] = {{768, 2048}, {2048, 768}, {37, 96}, {5, 32}, {129, 1056}};
   for (QuantFormat format : {QuantFormat::kNvfp4, QuantFormat::kMxfp4}) {
     for (Shape s : shapes) {
@@ -169,7 +173,7 @@ TEST(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
               magnitude += std::fabs(x[m * s.cols + k] * wk);
             }
             // fp32 accumulation in another order: a few ulps of the sum of magnitudes.
-            const double tol = 1e-6 * magnitude + 1e-30;
+            const double tol = 2e-6 * magnitude + 1e-30;
             ASSERT_NEAR(y[m * s.rows + n], exact, tol) << "[" << m << ", " << n << "]";
             ASSERT_NEAR(y_bf16[m * s.rows + n], exact_bf16, tol) << "[" << m << ", " << n << "]";
           }
@@ -179,7 +183,7 @@ TEST(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
   }
 }
 
-TEST(GpuQuant, W4A16SupportsOnlyFp4WithWholeChunks) {
+TEST(QuantW4A16, SupportsOnlyFp4WithWholeChunks) {
   const std::vector<float> w = RandomValues(4 * 48, 1);
   auto nvfp4_48 = QuantizeMatrix(QuantFormat::kNvfp4, {w.data(), DType::kF32, 4, 48});
   ASSERT_TRUE(nvfp4_48.ok());

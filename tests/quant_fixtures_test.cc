@@ -31,15 +31,6 @@ namespace fs = std::filesystem;
 
 const std::string kFixtures = SourceDir() + "/tests/fixtures/quant";
 
-std::vector<std::string> FixtureNames() {
-  std::vector<std::string> names;
-  if (!fs::is_directory(kFixtures)) return names;
-  for (const auto& entry : fs::directory_iterator(kFixtures))
-    if (fs::exists(entry.path() / "expected.json")) names.push_back(entry.path().filename());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 #define REQUIRE_FIXTURES(names)                   \
   if ((names).empty())                            \
   GTEST_SKIP() << kFixtures                       \
@@ -60,7 +51,7 @@ int64_t UlpDistance(float a, float b) {
 }
 
 TEST(QuantFixtures, DequantizedWeightsMatchTorch) {
-  const std::vector<std::string> names = FixtureNames();
+  const std::vector<std::string> names = FixtureNames(kFixtures);
   REQUIRE_FIXTURES(names);
   for (const std::string& name : names) {
     SCOPED_TRACE(name);
@@ -102,7 +93,7 @@ TEST(QuantFixtures, DequantizedWeightsMatchTorch) {
 }
 
 TEST(QuantFixtures, CpuReferenceLogitsMatchTransformers) {
-  const std::vector<std::string> names = FixtureNames();
+  const std::vector<std::string> names = FixtureNames(kFixtures);
   REQUIRE_FIXTURES(names);
   for (const std::string& name : names) {
     for (cpu::MatmulVariant variant : {cpu::MatmulVariant::kNaive, cpu::MatmulVariant::kBlocked}) {
@@ -135,7 +126,7 @@ TEST(QuantFixtures, CpuReferenceLogitsMatchTransformers) {
 }
 
 TEST(QuantFixtures, EveryFormatIsCovered) {
-  const std::vector<std::string> names = FixtureNames();
+  const std::vector<std::string> names = FixtureNames(kFixtures);
   REQUIRE_FIXTURES(names);
   std::vector<std::string> formats;
   for (const std::string& name : names) {

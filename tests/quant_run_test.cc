@@ -16,6 +16,7 @@
 #include "engine/npy.h"
 #include "engine/quant/layout.h"
 #include "harness/executor.h"
+#include "harness/verdict.h"
 
 namespace infersweep {
 namespace {
@@ -76,22 +77,22 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_EQ(DefaultAxes("cuda").at("qgemm"), "reference");
 }
 
+// A two-layer trial with a short single-repeat workload, as a worker receives it (JSON).
 TrialRequest QuantRequest(const std::string& model, const std::string& config,
                           const std::string& fault = "") {
-  TrialRequest r;
-  r.trial_id = "q";
-  r.model = model;
-  r.layers = 2;
-  r.config = *ParseBackendConfig(config);
-  r.workload.prompt_len = 8;
-  r.workload.output_len = 4;
-  r.workload.repeats = 1;
-  r.workload.warmup = 0;
-  r.inject_fault = fault;
-  return r;
+  const nlohmann::json request = {
+      {"trial_id", "q"},
+      {"model", model},
+      {"layers", 2},
+      {"config", *ParseBackendConfig(config)},
+      {"inject_fault", fault},
+      {"workload", {{"prompt_len", 8}, {"output_len", 4}, {"repeats", 1}, {"warmup", 0}}}};
+  auto parsed = TrialRequestFromJson(request);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  return *parsed;
 }
 
-TEST(QuantExecutor, NativeFp4IsUnsupportedOnHopperBeforeAnyWeightLoads) {
+TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
   LocalDevices h200;
   h200.has_cuda_build = true;
   h200.gpu_count = 1;
@@ -102,7 +103,12 @@ TEST(QuantExecutor, NativeFp4IsUnsupportedOnHopperBeforeAnyWeightLoads) {
       executor.Execute(QuantRequest("preset:qwen3-30b-a3b@nvfp4", "device=cuda,qgemm=native_fp4"));
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
-  EXPECT_EQ(r.load_seconds, 0) << "judged from the model description alone";
+  // The weight format too comes from the description ("@nvfp4"), before any weight loads.
+  const TrialResult fp8 =
+      executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,qgemm=fp8_cublaslt"));
+  EXPECT_EQ(fp8.status, TrialStatus::kUnsupported) << fp8.reason;
+  EXPECT_EQ(fp8.reason, "qgemm=fp8_cublaslt does not take nvfp4 weights (takes fp8)");
+  EXPECT_EQ(fp8.load_seconds, 0) << "judged from the model description alone";
 }
 
 TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsIncorrect) {
@@ -123,6 +129,40 @@ TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsInco
       executor.Execute(QuantRequest("preset:tiny-moe", "matmul=naive", "bad-quant-scale:0.0625"));
   EXPECT_EQ(dense.status, TrialStatus::kError);
   EXPECT_THAT(dense.reason, HasSubstr("needs quantized weights"));
+}
+
+// The exact-dequant reference of a quantized model stays close to the dense model it came from:
+// far closer than a model with unrelated weights (another seed) is. A forward pass that misread
+// the codes (as bf16, say) would agree with itself, but not with the dense model.
+TEST(QuantExecutor, QuantizedReferenceTracksTheDenseModel) {
+  auto cpu = NormalizeBackendConfig({{"matmul", "naive"}});
+  ASSERT_TRUE(cpu.ok());
+  auto eval = [&](const std::string& model, uint64_t seed) -> EvalOutputs {
+    auto host = LoadHostModel(model, {2, seed});
+    EXPECT_TRUE(host.ok()) << host.status();
+    auto m = CreateModel(**host, *cpu);
+    EXPECT_TRUE(m.ok()) << m.status();
+    auto out = RunEval(**m, EvalSpec{});
+    EXPECT_TRUE(out.ok()) << out.status();
+    return *out;
+  };
+  const int vocab = 512;
+  const EvalOutputs dense = eval("preset:tiny-moe", 1);
+  VerdictMetrics unrelated;
+  JudgeOutputs(dense, eval("preset:tiny-moe", 2), vocab, PrecisionClass::kFp4, &unrelated);
+  std::printf("# unrelated weights vs bf16: top1 %.3f, kl_mean %.2g\n", unrelated.top1_agreement,
+              unrelated.kl_mean);
+  for (const char* format : kFormatNames) {
+    VerdictMetrics m;
+    JudgeOutputs(dense, eval(std::string("preset:tiny-moe@") + format, 1), vocab,
+                 PrecisionClass::kFp4, &m);
+    std::printf("# %s vs bf16: top1 %.3f, kl_mean %.2g, kl_max %.2g\n", format, m.top1_agreement,
+                m.kl_mean, m.kl_max);
+    EXPECT_EQ(m.non_finite, 0) << format;
+    EXPECT_GT(m.kl_mean, 0) << format << ": quantization must change something";
+    EXPECT_LT(m.kl_mean, unrelated.kl_mean / 4) << format;
+    EXPECT_GT(m.top1_agreement, unrelated.top1_agreement + 0.2) << format;
+  }
 }
 
 TEST(QuantExecutor, ModelDescriptions) {
@@ -166,34 +206,35 @@ Cli RunCli(const std::string& args) {
   return run;
 }
 
+// `infersweep run <args> --json <file>` on a tiny workload; the parsed JSON report.
+nlohmann::json RunTrials(const std::string& args, const std::string& name) {
+  const std::string json_path = testing::TempDir() + "/" + name + ".json";
+  const Cli run = RunCli("run " + args +
+                         " --layers 2 --workload prompt=8,output=4,batch=1,repeats=1,warmup=0 "
+                         "--json " +
+                         json_path);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::ifstream in(json_path);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
 TEST(QuantCli, RunQuantizeEveryFormatIsOkOnCpuAndTheFaultIsIncorrect) {
   for (const char* format : kFormatNames) {
-    const std::string json_path = testing::TempDir() + "/quant_run_" + format + ".json";
-    const Cli run =
-        RunCli(std::string("run --model preset:tiny-moe --layers 2 --quantize ") + format +
-               " --config 'matmul=naive|blocked' --workload "
-               "prompt=8,output=4,batch=1,repeats=1,warmup=0 --json " +
-               json_path);
-    ASSERT_EQ(run.exit_code, 0) << run.output;
-    std::ifstream in(json_path);
-    const auto json = nlohmann::json::parse(in);
-    EXPECT_EQ(json.at("model"), std::string("preset:tiny-moe@") + format);
-    ASSERT_EQ(json.at("results").size(), 2u);
+    const nlohmann::json json = RunTrials(std::string("--model preset:tiny-moe --quantize ") +
+                                              format + " --config 'matmul=naive|blocked'",
+                                          std::string("quant_run_") + format);
+    EXPECT_EQ(json.value("model", ""), std::string("preset:tiny-moe@") + format);
+    ASSERT_EQ(json.value("results", nlohmann::json::array()).size(), 2u) << json.dump(1);
     for (const auto& result : json.at("results")) {
       EXPECT_EQ(result.at("status"), "OK") << format << ": " << result.dump();
       EXPECT_EQ(result.at("model"), std::string("preset:tiny-moe@") + format);
     }
   }
-  const std::string json_path = testing::TempDir() + "/quant_run_fault.json";
-  const Cli faulty = RunCli(
-      "run --model preset:tiny-moe@mxfp4 --layers 2 --config matmul=blocked "
-      "--workload prompt=8,output=4,batch=1,repeats=1,warmup=0 --test-inject-fault "
-      "bad-quant-scale:4 --json " +
-      json_path);
-  ASSERT_EQ(faulty.exit_code, 0) << faulty.output;
-  std::ifstream in(json_path);
-  const auto json = nlohmann::json::parse(in);
-  EXPECT_EQ(json.at("results").at(0).at("status"), "INCORRECT") << json.dump(1);
+  const nlohmann::json faulty = RunTrials(
+      "--model preset:tiny-moe@mxfp4 --config matmul=blocked --test-inject-fault bad-quant-scale:4",
+      "quant_run_fault");
+  ASSERT_EQ(faulty.value("results", nlohmann::json::array()).size(), 1u) << faulty.dump(1);
+  EXPECT_EQ(faulty["results"][0].at("status"), "INCORRECT") << faulty.dump(1);
 }
 
 TEST(QuantCli, LogitsAndGenerateTakeQuantize) {

@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 
 template <typename X>
 void LaunchGemvW4A16(const X* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
+  if (rows <= 0 || w.rows <= 0) return;  // an empty grid is a launch error
   const dim3 grid(CeilDiv(w.rows, kWarpsPerBlock), CeilDiv(rows, kRowsPerPass));
   if (w.quant.format == QuantFormat::kNvfp4) {
     GemvW4A16Kernel<QuantFormat::kNvfp4><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, rows, w, y);
