@@ -1,6 +1,7 @@
 #include "engine/weights.h"
 
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -222,33 +223,45 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
         model.source, " is already quantized (", QuantFormatName(model.quant_format),
         "); quantizing takes dense bf16, f16 or f32 weights"));
   if (auto s = MaterializeHostWeights(model); !s.ok()) return s;
+  // Tensors quantize independently (the largest dominate, as in MaterializeHostWeights); the
+  // model changes only once all of them succeeded.
+  const int64_t count = static_cast<int64_t>(model.specs.size());
+  std::vector<std::optional<absl::StatusOr<QuantizedMatrix>>> quantized(count);
+  cpu::ParallelFor(count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      if (IsQuantizable(model.specs[i]))
+        quantized[i] = QuantizeMatrix(format, ToRef(model.specs[i], model.tensors[i]));
+  });
   std::vector<TensorSpec> specs;
   std::vector<HostTensor> tensors;
-  for (size_t i = 0; i < model.specs.size(); ++i) {
+  std::vector<std::vector<uint8_t>> storage;
+  for (int64_t i = 0; i < count; ++i) {
     const TensorSpec& spec = model.specs[i];
-    if (!IsQuantizable(spec)) {
+    if (!quantized[i]) {
       specs.push_back(spec);
       tensors.push_back(model.tensors[i]);
       continue;
     }
-    auto quantized = QuantizeMatrix(format, ToRef(spec, model.tensors[i]));
-    if (!quantized.ok())
-      return absl::Status(quantized.status().code(),
-                          absl::StrCat(spec.name, ": ", quantized.status().message()));
+    absl::StatusOr<QuantizedMatrix>& q = *quantized[i];
+    if (!q.ok())
+      return absl::Status(q.status().code(), absl::StrCat(spec.name, ": ", q.status().message()));
     auto parts = QuantizedTensorSpecs({spec}, [format](const TensorSpec&) { return format; });
     if (!parts.ok()) return parts.status();
     size_t written = 0;  // the quantizer writes every part but the optional ones, in order
     for (const TensorSpec& part : *parts) {
       if (part.optional) continue;
-      model.quantized.push_back(std::move(quantized->parts[written++]));
+      storage.push_back(std::move(q->parts[written++]));
       tensors.push_back({part.name, "quantized:" + spec.name, part.dtypes.front(), part.shape,
-                         model.quantized.back().data()});
+                         storage.back().data()});
       specs.push_back(part);
     }
-    if (i < model.synthetic.size()) std::vector<uint16_t>().swap(model.synthetic[i]);
   }
   auto bound = BindWeights(model.config, specs, tensors);
   if (!bound.ok()) return bound.status();
+  for (int64_t i = 0; i < count; ++i)  // the bf16 copies of quantized linears are not read again
+    if (quantized[i] && i < static_cast<int64_t>(model.synthetic.size()))
+      std::vector<uint16_t>().swap(model.synthetic[i]);
+  model.quantized = std::move(storage);
   model.specs = std::move(specs);
   model.tensors = std::move(tensors);
   model.weights = std::move(*bound);
