@@ -28,6 +28,7 @@ struct ModelArgs {
   uint64_t seed = 1;
   int threads = 0;
   std::string config;
+  std::string quantize;
 };
 
 void AddModelOptions(CLI::App* cmd, ModelArgs& args) {
@@ -38,6 +39,9 @@ void AddModelOptions(CLI::App* cmd, ModelArgs& args) {
   cmd->add_option("--seed", args.seed, "presets: synthetic weight seed")->capture_default_str();
   cmd->add_option("--threads", args.threads, "CPU threads (0: all cores)");
   cmd->add_option("--config", args.config, "axis=value,... overrides on the backend's defaults");
+  cmd->add_option("--quantize", args.quantize,
+                  "quantize the linear layers on load: fp8_tensor, fp8_channel, fp8_block128, "
+                  "nvfp4, mxfp4 (docs/QUANTIZATION.md)");
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
@@ -69,13 +73,16 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   for (const auto& [axis, value] : *overrides) config[axis] = value;
   auto normalized = NormalizeBackendConfig(config);
   if (!normalized.ok()) return normalized.status();
+  auto model_description = WithQuantization(args.model, args.quantize);
+  if (!model_description.ok()) return model_description.status();
   const LocalDevices devices = ProbeLocalDevices();
-  PreflightResult preflight = Preflight(*normalized, MakePreflightTarget(devices, nullptr));
+  PreflightResult preflight =
+      Preflight(*normalized, MakePreflightTarget(devices, *model_description));
   if (!preflight.supported)
     return absl::FailedPreconditionError(absl::StrCat(
         "UNSUPPORTED: ", BackendConfigString(*normalized), ": ", preflight.reason));
   Loaded loaded;
-  auto host = LoadHostModel(args.model, {args.layers, args.seed});
+  auto host = LoadHostModel(*model_description, {args.layers, args.seed});
   if (!host.ok()) return host.status();
   loaded.host = std::move(*host);
   auto model = CreateModel(*loaded.host, *normalized);

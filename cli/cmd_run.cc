@@ -47,9 +47,16 @@ struct RunArgs {
   std::string workload = "prompt=64,output=16,batch=1,repeats=3,warmup=1";
   std::string json_out;
   std::string inject_fault;
+  std::string quantize;
 };
 
 int RunTrials(const RunArgs& args) {
+  // Trials carry the model description: "--quantize nvfp4" is "<model>@nvfp4" from here on.
+  auto model = WithQuantization(args.model, args.quantize);
+  if (!model.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(model.status().message()).c_str());
+    return 2;
+  }
   auto workload = ParseWorkload(args.workload);
   if (!workload.ok()) {
     std::fprintf(stderr, "error: --workload: %s\n", std::string(workload.status().message()).c_str());
@@ -72,7 +79,7 @@ int RunTrials(const RunArgs& args) {
   }
   const LocalDevices devices = ProbeLocalDevices();
   std::vector<std::string> header = {
-      absl::StrCat("infersweep run: model ", args.model,
+      absl::StrCat("infersweep run: model ", *model,
                    args.layers ? absl::StrCat(" (layers ", args.layers, ")") : "", ", ",
                    configs.size(), " config(s)"),
       absl::StrCat("devices: cpu", devices.gpu_count ? absl::StrCat(", ", devices.gpu_name, " sm_", devices.sm) : "",
@@ -94,7 +101,7 @@ int RunTrials(const RunArgs& args) {
   for (const BackendConfig& config : configs) {
     TrialRequest request;
     request.trial_id = absl::StrCat("local-", index++);
-    request.model = args.model;
+    request.model = *model;
     request.layers = args.layers;
     request.seed = args.seed;
     request.config = config;
@@ -113,7 +120,7 @@ int RunTrials(const RunArgs& args) {
   }
   if (!args.json_out.empty()) {
     std::ofstream out(args.json_out);
-    out << nlohmann::json{{"schema", "infersweep.run/1"}, {"model", args.model},
+    out << nlohmann::json{{"schema", "infersweep.run/1"}, {"model", *model},
                           {"workload", ToJson(*workload)}, {"results", all}}
                .dump(1)
         << "\n";
@@ -133,6 +140,9 @@ void AddRunCommands(CLI::App& app) {
   run->add_option("--model", args.model, "checkpoint folder or preset:NAME")->capture_default_str();
   run->add_option("--layers", args.layers, "presets: override the layer count");
   run->add_option("--seed", args.seed, "presets: synthetic weight seed")->capture_default_str();
+  run->add_option("--quantize", args.quantize,
+                  "quantize the linear layers on load (fp8_tensor, fp8_channel, fp8_block128, "
+                  "nvfp4, mxfp4); the same as --model <model>@<format>");
   run->add_option("--config", args.configs,
                   "axis=value[|value...],... (repeatable; '|' alternatives expand to a matrix)");
   run->add_option("--workload", args.workload,
@@ -140,7 +150,8 @@ void AddRunCommands(CLI::App& app) {
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
   run->add_option("--test-inject-fault", args.inject_fault,
-                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, stuck-token:T, segv, abort, hang");
+                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, stuck-token:T, "
+                  "segv, abort, hang");
   run->callback([] { std::exit(RunTrials(args)); });
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");

@@ -13,23 +13,30 @@ namespace {
 
 constexpr PrecisionClass kFp32 = PrecisionClass::kFp32;
 constexpr PrecisionClass kBf16 = PrecisionClass::kBf16;
+constexpr PrecisionClass kFp8 = PrecisionClass::kFp8;
+constexpr PrecisionClass kFp4 = PrecisionClass::kFp4;
 
 std::vector<BackendDescriptor> MakeRegistry() {
-  const std::vector<std::string> dense_formats = {"bf16", "f16", "f32"};
+  // The CPU dequantizes quantized weights exactly (engine/quant/dequantize.h): still fp32.
+  const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
+  const std::vector<std::string> quantized_formats = {"fp8", "nvfp4", "mxfp4"};
+  const std::vector<std::string> fp4_formats = {"nvfp4", "mxfp4"};
   std::vector<BackendDescriptor> r;
   // ---- CPU: the reference device; its axes run everywhere, CI included.
   r.push_back({"device", "cpu", "cpu", 0, 0, false, {}, {}, kFp32, "host CPU, fp32 arithmetic"});
-  r.push_back({"matmul", "naive", "cpu", 0, 0, false, dense_formats, {}, kFp32,
+  r.push_back({"matmul", "naive", "cpu", 0, 0, false, any_format, {}, kFp32,
                "one dot product per output; the reference"});
-  r.push_back({"matmul", "blocked", "cpu", 0, 0, false, dense_formats, {}, kFp32,
+  r.push_back({"matmul", "blocked", "cpu", 0, 0, false, any_format, {}, kFp32,
                "weight rows decoded once per block, 4 accumulators"});
   for (const char* t : {"1", "2", "4", "8", "all"})
     r.push_back({"threads", t, "cpu", 0, 0, false, {}, {}, kFp32, "worker threads"});
   // ---- CUDA (docs/BACKENDS.md). sm ranges are inclusive; 0 means unbounded.
   r.push_back({"device", "cuda", "cuda", 80, 0, true, {}, {}, kFp32, "one NVIDIA GPU"});
-  r.push_back({"gemm", "reference", "cuda", 80, 0, true, dense_formats, {}, kFp32,
+  // gemm runs the dense linears; in a quantized model those are the bf16 ones (lm_head,
+  // router, excluded modules), so it takes the quantized formats too.
+  r.push_back({"gemm", "reference", "cuda", 80, 0, true, any_format, {}, kFp32,
                "simple fp32-accumulate kernels: the GPU reference"});
-  r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
+  r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
                "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
   r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
                "decode (<= 4 rows): our bf16 GEMV with RMSNorm, bias and residual fused in, "
@@ -52,6 +59,22 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
+  // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
+  // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
+  // over qgemm do not repeat the same dense run.
+  r.push_back({"qgemm", "reference", "cuda", 80, 0, true, {}, {}, kFp32,
+               "exact dequantization to fp32 (the CPU's formula), fp32 accumulate: the GPU "
+               "reference for quantized weights"});
+  r.push_back({"qgemm", "dequant_bf16", "cuda", 80, 0, true, quantized_formats, {}, kBf16,
+               "weights dequantized to bf16 once at upload, then the gemm axis's GEMM"});
+  r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,
+               "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
+               "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
+  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 89, 0, true, {"fp8"}, {}, kFp8,
+               "cuBLASLt FP8 tensor cores, activations quantized to E4M3 per tensor"});
+  r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats, {}, kFp4,
+               "block-scaled FP4 tensor cores (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0), activations "
+               "quantized to FP4: sm_100 / sm_120 only"});
   return r;
 }
 
@@ -108,7 +131,7 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 std::map<std::string, std::string> DefaultAxes(std::string_view device) {
   if (device == "cuda")  // the GPU reference: every axis at its most conservative value
     return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"}, {"moe", "loop"},
-            {"graphs", "off"}};
+            {"graphs", "off"}, {"qgemm", "reference"}};
   return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
 }
 

@@ -3,6 +3,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_model.h"
+#include "engine/quant/layout.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
 #endif
@@ -14,6 +15,8 @@ LocalDevices ProbeLocalDevices() { return {}; }
 #endif
 
 std::string WeightFormat(const HostModel& model) {
+  if (model.quant_format != QuantFormat::kNone)
+    return QuantFormatFamily(model.quant_format);
   for (const HostTensor& t : model.tensors) {
     switch (t.dtype) {
       case DType::kBF16:
@@ -38,6 +41,12 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel
   return target;
 }
 
+PreflightTarget MakePreflightTarget(const LocalDevices& devices, const std::string& model) {
+  PreflightTarget target = MakePreflightTarget(devices, nullptr);
+  target.weight_format = DeclaredWeightFormat(model);
+  return target;
+}
+
 BackendConfig ReferenceConfigFor(const BackendConfig& normalized) {
   return DefaultAxes(ConfigDevice(normalized));
 }
@@ -48,6 +57,14 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
   const std::string device = ConfigDevice(config);
   if (device == "cpu") {
     if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+    if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?
+      ModelWeights probe = host.weights;
+      std::vector<uint8_t> scratch;
+      if (auto s = CorruptFirstQuantScale(probe, fault.value, &scratch); !s.ok())
+        return absl::InvalidArgumentError(absl::StrCat(
+            s.message(), " (bad-quant-scale needs quantized weights: a quantized checkpoint or "
+                         "--quantize)"));
+    }
     CpuModelOptions options;
     options.fault = fault;
     options.matmul =
@@ -59,6 +76,12 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
   }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
+    // The qgemm axis and the quantized kernels (kernels/cuda/quant.h) are not wired into the CUDA
+    // model yet: refuse rather than upload codes the dense kernels would misread.
+    if (host.quant_format != QuantFormat::kNone)
+      return absl::UnimplementedError(absl::StrCat(
+          "device=cuda: the GPU forward does not take quantized weights yet (",
+          QuantFormatName(host.quant_format), "); the CPU reference does"));
     CudaModelOptions options;
     const std::string& gemm = config.at("gemm");
     options.gemm_cublaslt = gemm == "cublaslt" || gemm == "fused" || gemm == "tma";

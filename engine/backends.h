@@ -25,10 +25,13 @@ struct LocalDevices {
 };
 LocalDevices ProbeLocalDevices();
 
-// "bf16", "f16" or "f32": the stored dtype of the model's linear weights.
+// "bf16", "f16" or "f32": the stored dtype of the model's linear weights; "fp8", "nvfp4" or
+// "mxfp4" when they are quantized.
 std::string WeightFormat(const HostModel& model);
 
 PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel* model);
+// Before loading: the weight format a model description declares (DeclaredWeightFormat).
+PreflightTarget MakePreflightTarget(const LocalDevices& devices, const std::string& model);
 
 // The reference a config is judged against: the CPU reference for cpu configs, the GPU reference
 // (gemm=reference, attention=naive, moe=loop, graphs=off) for cuda configs.

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <optional>
@@ -11,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
 
 namespace infersweep {
@@ -171,6 +173,32 @@ const char* MixtralWeight(Proj p) {
 
 bool SupportedDType(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
 
+// Dtypes that only quantized codes or scales use.
+bool IsQuantizedDType(DType t) {
+  return t == DType::kF8E4M3 || t == DType::kF8E8M0 || t == DType::kU8;
+}
+
+std::string DTypeList(const std::vector<DType>& dtypes) {
+  return absl::StrJoin(dtypes, " or ", [](std::string* out, DType t) {
+    absl::StrAppend(out, Sv(DTypeName(t)));
+  });
+}
+
+// Equal after dropping size-1 dimensions: a scale [N] may be stored [N, 1], a scalar [] as [1].
+bool SameIgnoringUnitDims(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  std::vector<int64_t> sa, sb;
+  for (int64_t d : a)
+    if (d != 1) sa.push_back(d);
+  for (int64_t d : b)
+    if (d != 1) sb.push_back(d);
+  return sa == sb;
+}
+
+// "<module>.weight" -> "<module>".
+std::string ModuleOf(const std::string& weight_name) {
+  return weight_name.substr(0, weight_name.size() - std::string_view(".weight").size());
+}
+
 // "" when the disk name is the canonical one, else " (for 'canonical')" so messages show both.
 std::string ForCanonical(const std::string& disk, const std::string& canonical) {
   if (disk == canonical) return "";
@@ -183,9 +211,13 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
 
+  absl::StatusOr<QuantScheme> scheme = ReadCheckpointQuantScheme(dir);
+  if (!scheme.ok()) return scheme.status();
+
   auto ckpt = std::make_unique<Checkpoint>();
   ckpt->dir_ = dir;
   ckpt->config_ = *std::move(config);
+  ckpt->quant_ = *std::move(scheme);
 
   // Maps every tensor of files_[i], rejecting a name that a second file also holds.
   auto index_file = [&ckpt](size_t i) -> absl::Status {
@@ -245,6 +277,46 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   return ckpt;
 }
 
+absl::StatusOr<QuantScheme> ReadCheckpointQuantScheme(const std::string& dir) {
+  absl::StatusOr<std::string> config = ReadTextFile(JoinPath(dir, "config.json"));
+  if (!config.ok()) return config.status();
+  const std::string hf_path = JoinPath(dir, "hf_quant_config.json");
+  std::optional<std::string> hf_quant_config;
+  if (PathExists(hf_path)) {
+    absl::StatusOr<std::string> text = ReadTextFile(hf_path);
+    if (!text.ok()) return text.status();
+    hf_quant_config = *std::move(text);
+  }
+  absl::StatusOr<QuantScheme> scheme = ParseQuantScheme(*config, hf_quant_config);
+  if (!scheme.ok()) return Annotate(scheme.status(), absl::StrCat(dir, ": "));
+  return scheme;
+}
+
+std::vector<std::string> Checkpoint::DirectNames(const std::string& canonical) const {
+  std::vector<std::string> names = {canonical};
+  if (config_.arch == ModelArch::kMixtral) {
+    if (const std::optional<MlpName> mlp = SplitMlpName(canonical)) {
+      if (mlp->rest == "gate.weight") {
+        names.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.gate.weight"));
+      } else if (const std::optional<ExpertName> e = ParseExpertName(mlp->rest)) {
+        const std::string w = absl::StrCat(e->expert, ".", MixtralWeight(e->proj));
+        names.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts.", w, ".weight"));
+        names.push_back(absl::StrCat(mlp->layer_prefix, "mlp.experts.", w, ".weight"));
+      }
+    }
+  }
+  if (canonical == "lm_head.weight" && config_.tie_word_embeddings)
+    names.push_back("model.embed_tokens.weight");
+  return names;
+}
+
+QuantFormat Checkpoint::LinearFormat(const TensorSpec& dense) const {
+  if (!quant_.quantized() || !IsQuantizable(dense)) return QuantFormat::kNone;
+  std::vector<std::string> modules;
+  for (const std::string& name : DirectNames(dense.name)) modules.push_back(ModuleOf(name));
+  return quant_.Quantizes(modules) ? quant_.format : QuantFormat::kNone;
+}
+
 absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     const std::vector<TensorSpec>& specs) const {
   struct Hit {
@@ -257,18 +329,55 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     const SafetensorsFile* f = files_[it->second].get();
     return {f, f->Find(disk_name)};
   };
-  auto check_dtype = [](const Hit& hit, const std::string& canonical) -> absl::Status {
-    if (SupportedDType(hit.entry->dtype)) return absl::OkStatus();
-    return absl::UnimplementedError(absl::StrCat(
-        Basename(hit.file->path()), ": tensor '", hit.entry->name, "'",
-        ForCanonical(hit.entry->name, canonical), ": dtype ", Sv(DTypeName(hit.entry->dtype)),
-        " not supported yet (F32, F16 or BF16 only)"));
+  auto describe = [](const Hit& hit, const std::string& canonical) {
+    return absl::StrCat(Basename(hit.file->path()), ": tensor '", hit.entry->name, "'",
+                        ForCanonical(hit.entry->name, canonical));
   };
-  const bool mixtral = config_.arch == ModelArch::kMixtral;
+  auto check_dtype = [&](const Hit& hit, const TensorSpec& spec) -> absl::Status {
+    const DType got = hit.entry->dtype;
+    if (spec.dtypes.empty() ? SupportedDType(got)
+                            : std::find(spec.dtypes.begin(), spec.dtypes.end(), got) !=
+                                  spec.dtypes.end())
+      return absl::OkStatus();
+    const std::string what = describe(hit, spec.name);
+    if (!spec.dtypes.empty())
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": dtype ", Sv(DTypeName(got)), ", expected ", DTypeList(spec.dtypes), " ",
+          spec.rule, " (", QuantFormatName(spec.quant), ")"));
+    if (IsQuantizedDType(got))
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": dtype ", Sv(DTypeName(got)), " holds quantized codes, but this tensor is not "
+          "quantized here: ", quant_.Describe(),
+          "; only attention, MLP and expert linears are, unless excluded"));
+    return absl::UnimplementedError(absl::StrCat(what, ": dtype ", Sv(DTypeName(got)),
+                                                 " not supported yet (F32, F16 or BF16 only)"));
+  };
+  auto check_shape = [&](const Hit& hit, const TensorSpec& spec) -> absl::Status {
+    const bool is_scale = spec.quant != QuantFormat::kNone && spec.part != QuantPart::kData;
+    if (is_scale ? SameIgnoringUnitDims(hit.entry->shape, spec.shape)
+                 : hit.entry->shape == spec.shape)
+      return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(describe(hit, spec.name), " has shape ", FormatShape(hit.entry->shape),
+                     ", expected ", FormatShape(spec.shape), spec.rule.empty() ? "" : " ",
+                     spec.rule));
+  };
 
   std::vector<HostTensor> out;
   out.reserve(specs.size());
   for (const TensorSpec& spec : specs) {
+    const bool is_part = spec.quant != QuantFormat::kNone;
+    // Names whose tensor is exactly the spec's tensor, most canonical first. A part of a
+    // quantized linear goes by each name of its linear, with the part's suffix.
+    std::vector<std::string> direct;
+    if (is_part) {
+      const std::string suffix = spec.name.substr(ModuleOf(spec.linear).size());
+      for (const std::string& name : DirectNames(spec.linear))
+        direct.push_back(ModuleOf(name) + suffix);
+    } else {
+      direct = DirectNames(spec.name);
+    }
+    // transformers 5 stores all experts of a layer in one tensor; the spec is a slice of it.
     const std::optional<MlpName> mlp = SplitMlpName(spec.name);
     // Plain values rather than an optional: GCC 12 misreads the optional as maybe-uninitialized.
     bool is_expert = false;
@@ -279,27 +388,12 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
         expert = *e;
       }
     }
-
-    // Names whose tensor is exactly the spec's tensor, most canonical first.
-    std::vector<std::string> direct = {spec.name};
-    if (mixtral && mlp) {
-      if (mlp->rest == "gate.weight") {
-        direct.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.gate.weight"));
-      } else if (is_expert) {
-        const std::string w = absl::StrCat(expert.expert, ".", MixtralWeight(expert.proj));
-        direct.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts.", w, ".weight"));
-        direct.push_back(absl::StrCat(mlp->layer_prefix, "mlp.experts.", w, ".weight"));
-      }
-    }
-    if (spec.name == "lm_head.weight" && config_.tie_word_embeddings) {
-      direct.push_back("model.embed_tokens.weight");
-    }
-    // transformers 5 stores all experts of a layer in one tensor; the spec is a slice of it.
     std::vector<std::string> fused;
-    if (is_expert && config_.is_moe() && spec.shape.size() == 2) {
+    if (is_expert && !is_part && config_.is_moe() && spec.shape.size() == 2) {
       const char* which = expert.proj == Proj::kDown ? "down_proj" : "gate_up_proj";
       std::vector<std::string> parents = {absl::StrCat(mlp->layer_prefix, "mlp.experts.")};
-      if (mixtral) parents.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts."));
+      if (config_.arch == ModelArch::kMixtral)
+        parents.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts."));
       for (const std::string& p : parents) {
         fused.push_back(absl::StrCat(p, which));
         fused.push_back(absl::StrCat(p, which, ".weight"));
@@ -310,13 +404,8 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     for (const std::string& name : direct) {
       const Hit hit = find(name);
       if (hit.entry == nullptr) continue;
-      if (absl::Status s = check_dtype(hit, spec.name); !s.ok()) return s;
-      if (hit.entry->shape != spec.shape) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            Basename(hit.file->path()), ": tensor '", name, "'", ForCanonical(name, spec.name),
-            " has shape ", FormatShape(hit.entry->shape), ", expected ",
-            FormatShape(spec.shape)));
-      }
+      if (absl::Status s = check_dtype(hit, spec); !s.ok()) return s;
+      if (absl::Status s = check_shape(hit, spec); !s.ok()) return s;
       out.push_back({spec.name, absl::StrCat(Basename(hit.file->path()), ":", name),
                      hit.entry->dtype, spec.shape, hit.file->Data(*hit.entry)});
       resolved = true;
@@ -326,7 +415,7 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       const std::string& name = fused[k];
       const Hit hit = find(name);
       if (hit.entry == nullptr) continue;
-      if (absl::Status s = check_dtype(hit, spec.name); !s.ok()) return s;
+      if (absl::Status s = check_dtype(hit, spec); !s.ok()) return s;
       // gate_up_proj: [E, 2*I, H], gate rows first; down_proj: [E, H, I].
       const int64_t rows = spec.shape[0];
       const int64_t cols = spec.shape[1];
@@ -350,12 +439,28 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
                      base + offset * DTypeSize(hit.entry->dtype)});
       resolved = true;
     }
-    if (!resolved) {
-      std::vector<std::string> tried = direct;
-      tried.insert(tried.end(), fused.begin(), fused.end());
-      return absl::NotFoundError(absl::StrCat("tensor '", spec.name, "' not found in ", dir_,
-                                              " (tried: ", absl::StrJoin(tried, ", "), ")"));
+    if (resolved) continue;
+    if (is_part && spec.optional) {
+      out.push_back({spec.name, "", DType::kF32, spec.shape, nullptr});
+      continue;
     }
+    std::vector<std::string> tried = direct;
+    tried.insert(tried.end(), fused.begin(), fused.end());
+    std::string why;
+    if (is_part) {
+      why = absl::StrCat("; ", quant_.Describe(), " quantizes '", ModuleOf(spec.linear),
+                         "', whose ", QuantFormatName(spec.quant), " layout stores '",
+                         spec.name.substr(ModuleOf(spec.linear).size()), "' ", spec.rule);
+      for (const std::string& name : DirectNames(spec.linear)) {
+        const Hit dense = find(name);
+        if (dense.entry == nullptr || !SupportedDType(dense.entry->dtype)) continue;
+        absl::StrAppend(&why, "; '", name, "' is stored dense (", Sv(DTypeName(dense.entry->dtype)),
+                        "): is the module missing from the exclusion list?");
+        break;
+      }
+    }
+    return absl::NotFoundError(absl::StrCat("tensor '", spec.name, "' not found in ", dir_,
+                                            " (tried: ", absl::StrJoin(tried, ", "), ")", why));
   }
   return out;
 }

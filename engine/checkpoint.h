@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "engine/dtype.h"
 #include "engine/model_config.h"
+#include "engine/quant/scheme.h"
 #include "engine/safetensors.h"
 #include "engine/tensor_spec.h"
 
@@ -23,23 +24,38 @@ struct HostTensor {
   const void* data = nullptr;
 };
 
+// The quantization <dir> declares (hf_quant_config.json, else config.json's
+// quantization_config), read without opening any weight file.
+absl::StatusOr<QuantScheme> ReadCheckpointQuantScheme(const std::string& dir);
+
 class Checkpoint {
  public:
-  // Opens <dir>/config.json and the safetensors file(s); validates every file header.
+  // Opens <dir>/config.json, its quantization declaration and the safetensors file(s); validates
+  // every file header.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
 
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
+  const QuantScheme& quant_scheme() const { return quant_; }
+
+  // The format the declaration gives a quantizable linear (a dense spec), under any of its
+  // on-disk module names; kNone when the checkpoint is dense or the module is excluded.
+  QuantFormat LinearFormat(const TensorSpec& dense) const;
 
   // Finds each spec's tensor under the architecture's on-disk names (per-expert Hub layout,
   // Mixtral w1/w2/w3, transformers 5 fused `experts.gate_up_proj`/`experts.down_proj`, tied
-  // lm_head), and checks dtype (F32, F16 or BF16) and shape. Returns views in spec order.
+  // lm_head), and checks dtype (dense: F32, F16 or BF16; quantized parts: their layout's) and
+  // shape. Returns views in spec order; an absent optional part is a view with no data.
   // Errors name the file and the tensor.
   absl::StatusOr<std::vector<HostTensor>> Resolve(const std::vector<TensorSpec>& specs) const;
 
  private:
+  // On-disk names of a canonical linear or tensor, most canonical first (no fused names).
+  std::vector<std::string> DirectNames(const std::string& canonical) const;
+
   std::string dir_;
   ModelConfig config_;
+  QuantScheme quant_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   // on-disk tensor name -> index into files_
   std::map<std::string, size_t, std::less<>> tensor_file_;

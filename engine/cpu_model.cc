@@ -1,6 +1,8 @@
 #include "engine/cpu_model.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -14,8 +16,14 @@ namespace {
 
 class CpuModel final : public Model {
  public:
-  CpuModel(const HostModel& host, const CpuModelOptions& options)
-      : config_(host.config), w_(host.weights), options_(options), fault_(options.fault) {
+  CpuModel(const HostModel& host, const CpuModelOptions& options, ModelWeights faulty_weights,
+           std::vector<uint8_t> faulty_scale)
+      : config_(host.config),
+        faulty_weights_(std::move(faulty_weights)),
+        faulty_scale_(std::move(faulty_scale)),
+        w_(faulty_scale_.empty() ? host.weights : faulty_weights_),
+        options_(options),
+        fault_(options.fault) {
     cpu::SetNumThreads(options.threads);
   }
 
@@ -196,6 +204,10 @@ class CpuModel final : public Model {
   }
 
   const ModelConfig& config_;
+  // bad-quant-scale (TEST ONLY): the host's views with one scale tensor swapped for a corrupted
+  // copy; empty otherwise.
+  ModelWeights faulty_weights_;
+  std::vector<uint8_t> faulty_scale_;
   const ModelWeights& w_;
   CpuModelOptions options_;
   const FaultInjection fault_;
@@ -205,8 +217,20 @@ class CpuModel final : public Model {
 
 }  // namespace
 
-std::unique_ptr<Model> MakeCpuModel(const HostModel& weights, const CpuModelOptions& options) {
-  return std::make_unique<CpuModel>(weights, options);
+std::unique_ptr<Model> MakeCpuModel(const HostModel& host, const CpuModelOptions& options) {
+  ModelWeights faulty_weights;
+  std::vector<uint8_t> faulty_scale;
+  if (options.fault.kind == FaultInjection::Kind::kBadQuantScale) {
+    faulty_weights = host.weights;
+    // CreateModel checked that the weights take this fault; failing here is a broken invariant.
+    if (auto s = CorruptFirstQuantScale(faulty_weights, options.fault.value, &faulty_scale);
+        !s.ok()) {
+      std::fprintf(stderr, "MakeCpuModel: %s\n", std::string(s.message()).c_str());
+      std::abort();
+    }
+  }
+  return std::make_unique<CpuModel>(host, options, std::move(faulty_weights),
+                                    std::move(faulty_scale));
 }
 
 }  // namespace infersweep

@@ -14,7 +14,8 @@
 
 namespace infersweep {
 
-enum class DType : uint8_t { kF32, kF16, kBF16, kF8E4M3, kU8, kI8, kI32, kI64, kBool };
+// kF8E4M3 is float8_e4m3fn; kF8E8M0 is the power-of-two scale type of MX formats (8 exponent bits).
+enum class DType : uint8_t { kF32, kF16, kBF16, kF8E4M3, kF8E8M0, kU8, kI8, kI32, kI64, kBool };
 
 // Size of one element in bytes.
 constexpr int DTypeSize(DType t) {

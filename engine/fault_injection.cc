@@ -1,12 +1,17 @@
 #include "engine/fault_injection.h"
 
+#include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine/quant/codecs.h"
+#include "engine/quant/layout.h"
 
 namespace infersweep {
 namespace {
@@ -20,6 +25,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kNanLayer, "nan-layer", true},
     {FaultInjection::Kind::kZeroExpert, "zero-expert", true},
     {FaultInjection::Kind::kBadScale, "bad-scale", true},
+    {FaultInjection::Kind::kBadQuantScale, "bad-quant-scale", true},
     {FaultInjection::Kind::kStuckToken, "stuck-token", true},
     {FaultInjection::Kind::kSegv, "segv", false},
     {FaultInjection::Kind::kAbort, "abort", false},
@@ -44,7 +50,8 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "--test-inject-fault: unknown fault '", std::string(text),
-      "' (known: nan-layer:L, zero-expert:E, bad-scale:F, stuck-token:T, segv, abort, hang)"));
+      "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, stuck-token:T, segv, "
+      "abort, hang)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {
@@ -65,6 +72,46 @@ void MaybeCommitProcessFault(const FaultInjection& fault) {
     default:
       break;
   }
+}
+
+absl::Status CorruptFirstQuantScale(ModelWeights& weights, double factor,
+                                    std::vector<uint8_t>* storage) {
+  MatrixRef* target = nullptr;
+  for (LayerWeights& l : weights.layers) {
+    std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
+    for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});
+    linears.insert(linears.end(),
+                   {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
+    for (MatrixRef* m : linears)
+      if (target == nullptr && m->quantized()) target = m;
+    if (target != nullptr) break;
+  }
+  if (target == nullptr) return absl::InvalidArgumentError("bad-quant-scale: no quantized linear");
+  const QuantRef& q = target->quant;
+  const bool byte_scales = q.format == QuantFormat::kNvfp4 || q.format == QuantFormat::kMxfp4;
+  const size_t element = byte_scales ? 1 : DTypeSize(q.scale_dtype);
+  const size_t count = static_cast<size_t>(QuantScaleCount(q.format, target->rows, target->cols));
+  const auto* scale = static_cast<const uint8_t*>(q.scale);
+  storage->assign(scale, scale + count * element);
+  uint8_t* first = storage->data();
+  if (q.format == QuantFormat::kNvfp4) {
+    *first = FloatToE4M3(static_cast<float>(E4M3ToFloat(*first) * factor));
+  } else if (q.format == QuantFormat::kMxfp4) {
+    const long shifted = *first + std::lround(std::log2(factor));
+    *first = static_cast<uint8_t>(std::clamp(shifted, 0L, 254L));
+  } else if (q.scale_dtype == DType::kF32) {
+    const float value = LoadAsFloat(first, DType::kF32, 0) * static_cast<float>(factor);
+    std::memcpy(first, &value, sizeof value);
+  } else if (q.scale_dtype == DType::kBF16) {
+    const uint16_t value =
+        FloatToBf16(LoadAsFloat(first, DType::kBF16, 0) * static_cast<float>(factor));
+    std::memcpy(first, &value, sizeof value);
+  } else {
+    return absl::UnimplementedError(absl::StrCat("bad-quant-scale: ", DTypeName(q.scale_dtype).data(),
+                                                 " scales are not corrupted"));
+  }
+  target->quant.scale = storage->data();
+  return absl::OkStatus();
 }
 
 }  // namespace infersweep

@@ -3,11 +3,14 @@
 // the clearly named `--test-inject-fault` flag; production requests leave it empty.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/weights.h"
 
 namespace infersweep {
 
@@ -17,6 +20,8 @@ struct FaultInjection {
     kNanLayer,    // "nan-layer:L"   one hidden-state element becomes NaN after layer L
     kZeroExpert,  // "zero-expert:E" routed expert E contributes zeros (every MoE layer)
     kBadScale,    // "bad-scale:F"   layer 0's attention output scaled by F (a wrong dequant scale)
+    kBadQuantScale,  // "bad-quant-scale:F" one group's stored scale of the first quantized
+                     //                     linear (layer 0) multiplied by F (quantized weights)
     kStuckToken,  // "stuck-token:T" token T always wins the logits ("!!!!!!")
     kSegv,        // "segv"          SIGSEGV on the first forward
     kAbort,       // "abort"         abort() on the first forward
@@ -33,5 +38,12 @@ std::string FaultInjectionString(const FaultInjection& fault);
 
 // Process-level faults (segv, abort, hang): called at the start of every Forward.
 void MaybeCommitProcessFault(const FaultInjection& fault);
+
+// bad-quant-scale: re-points the first quantized linear of `weights` (layer order: q, k, v, o,
+// MLP, experts) at a copy of its scales, held in `storage`, whose first scale (one group; the
+// whole tensor for fp8_tensor) is multiplied by `factor` and rounded back into its stored type
+// (E8M0 scales move by the nearest power of two). Host weights only.
+absl::Status CorruptFirstQuantScale(ModelWeights& weights, double factor,
+                                    std::vector<uint8_t>* storage);
 
 }  // namespace infersweep

@@ -5,26 +5,33 @@
 namespace infersweep {
 
 DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t context,
-                                 double bytes_per_weight, double bytes_per_kv_element) {
+                                 double bytes_per_weight, double bytes_per_kv_element,
+                                 double quantized_bytes_per_weight) {
   const double h = c.hidden_size;
   const double attention = h * c.q_dim() * 2 + h * c.kv_dim() * 2;  // q, o and k, v
-  double per_layer_sum = 0, distinct = 0;
+  // Per layer, summed: elements of quantizable linears and of the always-dense router/gates.
+  double linear_sum = 0, dense_sum = 0, distinct = 0;
   for (int l = 0; l < c.num_layers; ++l) {
-    double layer = attention;
+    linear_sum += attention;
     if (c.IsMoeLayer(l)) {
       const double e = c.num_experts, k = c.num_experts_per_tok;
       distinct = e * (1.0 - std::pow(1.0 - k / e, batch));
-      layer += e * h + distinct * 3.0 * h * c.moe_intermediate_size;
-      if (c.shared_expert_intermediate_size > 0)
-        layer += 3.0 * h * c.shared_expert_intermediate_size + h;
+      dense_sum += e * h;
+      linear_sum += distinct * 3.0 * h * c.moe_intermediate_size;
+      if (c.shared_expert_intermediate_size > 0) {
+        linear_sum += 3.0 * h * c.shared_expert_intermediate_size;
+        dense_sum += h;
+      }
     } else {
-      layer += 3.0 * h * c.intermediate_size;
+      linear_sum += 3.0 * h * c.intermediate_size;
     }
-    per_layer_sum += layer;
   }
+  const double linear_bytes =
+      quantized_bytes_per_weight > 0 ? quantized_bytes_per_weight : bytes_per_weight;
   DecodeTraffic t;
   t.distinct_experts_per_layer = distinct;
-  t.weight_bytes = (per_layer_sum + static_cast<double>(c.vocab_size) * h) * bytes_per_weight;
+  t.weight_bytes = linear_sum * linear_bytes +
+                   (dense_sum + static_cast<double>(c.vocab_size) * h) * bytes_per_weight;
   t.kv_bytes = 2.0 * c.num_layers * c.kv_dim() * static_cast<double>(context) * batch *
                bytes_per_kv_element;
   return t;

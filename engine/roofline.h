@@ -17,9 +17,12 @@ struct DecodeTraffic {
 };
 
 // One decode step for `batch` sequences at `context` tokens each. Distinct experts touched at
-// batch B: E * (1 - (1 - k/E)^B) (uniform routing).
+// batch B: E * (1 - (1 - k/E)^B) (uniform routing). With quantized weights, the quantizable
+// linears (attention, MLPs, experts) take `quantized_bytes_per_weight` (scales included) and the
+// router, shared-expert gate and lm_head stay at `bytes_per_weight`; 0 means not quantized.
 DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t context,
-                                 double bytes_per_weight, double bytes_per_kv_element);
+                                 double bytes_per_weight, double bytes_per_kv_element,
+                                 double quantized_bytes_per_weight = 0);
 
 // Measured read bandwidth of known devices in GB/s (docs/PERFORMANCE.md), by GPU name substring;
 // nullopt when unknown (the CPU, unlisted GPUs).

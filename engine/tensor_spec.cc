@@ -1,6 +1,8 @@
 #include "engine/tensor_spec.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine/quant/layout.h"
 
 namespace infersweep {
 namespace {
@@ -66,6 +68,44 @@ std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& c) {
   AddVector(specs, "model.norm.weight", hidden, WeightKind::kNorm, -1);
   AddLinear(specs, "lm_head.weight", c.vocab_size, hidden, -1);
   return specs;
+}
+
+bool IsQuantizable(const TensorSpec& spec) {
+  return spec.kind == WeightKind::kLinear && spec.name != "lm_head.weight" &&
+         !absl::EndsWith(spec.name, "mlp.shared_expert_gate.weight");
+}
+
+absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(
+    const std::vector<TensorSpec>& dense,
+    const std::function<QuantFormat(const TensorSpec&)>& format_of) {
+  std::vector<TensorSpec> out;
+  out.reserve(dense.size());
+  for (const TensorSpec& spec : dense) {
+    const QuantFormat format = IsQuantizable(spec) ? format_of(spec) : QuantFormat::kNone;
+    if (format == QuantFormat::kNone) {
+      out.push_back(spec);
+      continue;
+    }
+    auto layout = QuantLayout(format, spec.shape[0], spec.shape[1]);
+    if (!layout.ok())
+      return absl::Status(layout.status().code(),
+                          absl::StrCat(spec.name, ": ", layout.status().message()));
+    // Canonical names end in ".weight"; each part swaps that suffix for its own.
+    const std::string module = spec.name.substr(0, spec.name.size() - 7);
+    for (const QuantPartLayout& part : *layout) {
+      TensorSpec p = spec;
+      p.name = module + part.suffix;
+      p.shape = part.shape;
+      p.quant = format;
+      p.part = part.part;
+      p.linear = spec.name;
+      p.dtypes = part.dtypes;
+      p.optional = part.optional;
+      p.rule = part.rule;
+      out.push_back(std::move(p));
+    }
+  }
+  return out;
 }
 
 }  // namespace infersweep

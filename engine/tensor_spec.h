@@ -7,10 +7,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "engine/dtype.h"
 #include "engine/model_config.h"
+#include "engine/quant/format.h"
 
 namespace infersweep {
 
@@ -30,6 +34,16 @@ struct TensorSpec {
   int expert = -1;              // routed expert index, -1 otherwise
   int64_t fan_in = 0;           // input width for linears (sets the synthetic init scale)
 
+  // A quantized linear is stored as several tensors, one spec each (engine/quant/layout.h):
+  // its codes (part kData; `shape` is the stored shape, the logical one is [shape[0], fan_in])
+  // and its scales. Dense tensors keep quant == kNone.
+  QuantFormat quant = QuantFormat::kNone;
+  QuantPart part = QuantPart::kData;
+  std::string linear;          // the logical weight's canonical name ("...q_proj.weight")
+  std::vector<DType> dtypes;   // stored dtypes accepted; empty: F32, F16 or BF16
+  bool optional = false;       // may be absent from a checkpoint
+  std::string rule;            // how the shape follows from [N, K], for messages
+
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
@@ -37,7 +51,18 @@ struct TensorSpec {
   }
 };
 
-// Every weight the forward pass reads, in a stable order.
+// Every weight the forward pass reads, in a stable order (all dense).
 std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& config);
+
+// Linears that may be quantized: attention q/k/v/o, dense MLPs, routed and shared experts. The
+// embeddings, norms, biases, router, shared-expert gate and lm_head always stay dense.
+bool IsQuantizable(const TensorSpec& spec);
+
+// The stored tensors when each quantizable linear takes `format_of(spec)` (kNone: stays dense):
+// such a linear's spec is replaced by its parts, in layout order. Errors name the tensor (e.g.
+// nvfp4 on an input width that is not a multiple of 16).
+absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(
+    const std::vector<TensorSpec>& dense,
+    const std::function<QuantFormat(const TensorSpec&)>& format_of);
 
 }  // namespace infersweep

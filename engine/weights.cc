@@ -1,9 +1,12 @@
 #include "engine/weights.h"
 
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine/quant/layout.h"
+#include "engine/quant/quantize.h"
 #include "engine/synthetic.h"
 #include "kernels/cpu/parallel.h"
 
@@ -16,16 +19,45 @@ MatrixRef ToRef(const TensorSpec& spec, const HostTensor& t) {
   return ref;
 }
 
-// Which field of the structure a canonical name binds to; the name is the single key.
+// Binds one stored tensor into its slot: a dense tensor is the whole view; a part of a quantized
+// linear fills in the codes (with the logical shape [N, K]) or one of the scale pointers.
+void BindTensor(const TensorSpec& spec, const HostTensor& t, MatrixRef& slot) {
+  if (spec.quant == QuantFormat::kNone) {
+    slot = ToRef(spec, t);
+    return;
+  }
+  slot.quant.format = spec.quant;
+  switch (spec.part) {
+    case QuantPart::kData:
+      slot.data = t.data;
+      slot.dtype = t.dtype;
+      slot.rows = spec.shape[0];
+      slot.cols = spec.fan_in;
+      break;
+    case QuantPart::kScale:
+      slot.quant.scale = t.data;
+      slot.quant.scale_dtype = t.dtype;
+      break;
+    case QuantPart::kGlobalScale:
+      slot.quant.global_scale = t.data;
+      break;
+    case QuantPart::kInputScale:
+      slot.quant.input_scale = t.data;
+      break;
+  }
+}
+
+// Which field of the structure a canonical name binds to; the name (of the logical weight, for
+// the parts of a quantized linear) is the single key.
 MatrixRef* Slot(ModelWeights& w, const TensorSpec& spec) {
+  const std::string& name = spec.linear.empty() ? spec.name : spec.linear;
   if (spec.layer < 0) {
-    if (spec.name == "model.embed_tokens.weight") return &w.embed;
-    if (spec.name == "model.norm.weight") return &w.final_norm;
-    if (spec.name == "lm_head.weight") return &w.lm_head;
+    if (name == "model.embed_tokens.weight") return &w.embed;
+    if (name == "model.norm.weight") return &w.final_norm;
+    if (name == "lm_head.weight") return &w.lm_head;
     return nullptr;
   }
   LayerWeights& l = w.layers[spec.layer];
-  const std::string& name = spec.name;
   const auto ends = [&](const char* suffix) { return absl::EndsWith(name, suffix); };
   if (spec.expert >= 0) {
     ExpertWeights& e = l.experts[spec.expert];
@@ -113,34 +145,184 @@ absl::StatusOr<ModelWeights> BindWeights(const ModelConfig& config,
     MatrixRef* slot = Slot(w, specs[i]);
     if (slot == nullptr)
       return absl::InternalError(absl::StrCat("BindWeights: no slot for ", specs[i].name));
-    *slot = ToRef(specs[i], tensors[i]);
+    BindTensor(specs[i], tensors[i], *slot);
+  }
+  // A quantized linear needs its codes and scales (and nvfp4 its scale_2) to be usable.
+  for (const TensorSpec& spec : specs) {
+    if (spec.quant == QuantFormat::kNone || spec.part != QuantPart::kData) continue;
+    const MatrixRef& q = *Slot(w, spec);
+    if (q.data == nullptr || q.quant.scale == nullptr ||
+        (q.quant.format == QuantFormat::kNvfp4 && q.quant.global_scale == nullptr))
+      return absl::InternalError(
+          absl::StrCat("BindWeights: quantized ", spec.linear, " lacks its codes or scales"));
   }
   return w;
+}
+
+absl::StatusOr<ModelDescription> ParseModelDescription(const std::string& text) {
+  ModelDescription d{text, QuantFormat::kNone};
+  const size_t at = text.rfind('@');
+  if (at == std::string::npos) return d;
+  const std::string suffix = text.substr(at + 1);
+  if (const std::optional<QuantFormat> format = QuantFormatFromName(suffix)) {
+    d.model = text.substr(0, at);
+    d.quantize = *format;
+    return d;
+  }
+  if (absl::StartsWith(text, "preset:"))
+    return absl::InvalidArgumentError(absl::StrCat("model '", text, "': '@", suffix,
+                                                   "' is not a quantization format (known: ",
+                                                   QuantFormatNames(), ")"));
+  return d;  // a folder whose name holds an '@'
+}
+
+std::string ModelDescriptionString(const ModelDescription& d) {
+  if (d.quantize == QuantFormat::kNone) return d.model;
+  return absl::StrCat(d.model, "@", QuantFormatName(d.quantize));
+}
+
+absl::StatusOr<std::string> WithQuantization(const std::string& model, const std::string& format) {
+  if (format.empty() || format == "none") return model;
+  const std::optional<QuantFormat> q = QuantFormatFromName(format);
+  if (!q)
+    return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, ": unknown format (known: ",
+                                                   QuantFormatNames(), ")"));
+  auto d = ParseModelDescription(model);
+  if (!d.ok()) return d.status();
+  if (d->quantize != QuantFormat::kNone && d->quantize != *q)
+    return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, " conflicts with '",
+                                                   model, "', which names another format"));
+  d->quantize = *q;
+  return ModelDescriptionString(*d);
+}
+
+std::string DeclaredWeightFormat(const std::string& model) {
+  auto d = ParseModelDescription(model);
+  if (!d.ok()) return "";
+  if (d->quantize != QuantFormat::kNone) return QuantFormatFamily(d->quantize);
+  if (absl::StartsWith(d->model, "preset:")) return "bf16";
+  auto scheme = ReadCheckpointQuantScheme(d->model);
+  if (!scheme.ok() || !scheme->quantized()) return "";  // the dense dtype shows on load
+  return QuantFormatFamily(scheme->format);
+}
+
+absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical) {
+  for (const TensorSpec& spec : model.specs) {
+    const bool dense = spec.quant == QuantFormat::kNone && spec.name == canonical;
+    const bool codes = spec.part == QuantPart::kData && spec.linear == canonical;
+    if (!dense && !codes) continue;
+    // Slot only navigates; the weights are not modified.
+    if (const MatrixRef* slot = Slot(const_cast<ModelWeights&>(model.weights), spec)) return *slot;
+  }
+  return absl::NotFoundError(absl::StrCat(model.source, " has no weight '", canonical, "'"));
+}
+
+absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
+  if (model.quant_format != QuantFormat::kNone)
+    return absl::InvalidArgumentError(absl::StrCat(
+        model.source, " is already quantized (", QuantFormatName(model.quant_format),
+        "); quantizing takes dense bf16, f16 or f32 weights"));
+  if (auto s = MaterializeHostWeights(model); !s.ok()) return s;
+  // Tensors quantize independently (the largest dominate, as in MaterializeHostWeights); the
+  // model changes only once all of them succeeded.
+  const int64_t count = static_cast<int64_t>(model.specs.size());
+  std::vector<std::optional<absl::StatusOr<QuantizedMatrix>>> quantized(count);
+  cpu::ParallelFor(count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      if (IsQuantizable(model.specs[i]))
+        quantized[i] = QuantizeMatrix(format, ToRef(model.specs[i], model.tensors[i]));
+  });
+  std::vector<TensorSpec> specs;
+  std::vector<HostTensor> tensors;
+  std::vector<std::vector<uint8_t>> storage;
+  for (int64_t i = 0; i < count; ++i) {
+    const TensorSpec& spec = model.specs[i];
+    if (!quantized[i]) {
+      specs.push_back(spec);
+      tensors.push_back(model.tensors[i]);
+      continue;
+    }
+    absl::StatusOr<QuantizedMatrix>& q = *quantized[i];
+    if (!q.ok())
+      return absl::Status(q.status().code(), absl::StrCat(spec.name, ": ", q.status().message()));
+    auto parts = QuantizedTensorSpecs({spec}, [format](const TensorSpec&) { return format; });
+    if (!parts.ok()) return parts.status();
+    size_t written = 0;  // the quantizer writes every part but the optional ones, in order
+    for (const TensorSpec& part : *parts) {
+      if (part.optional) continue;
+      storage.push_back(std::move(q->parts[written++]));
+      tensors.push_back({part.name, "quantized:" + spec.name, part.dtypes.front(), part.shape,
+                         storage.back().data()});
+      specs.push_back(part);
+    }
+  }
+  auto bound = BindWeights(model.config, specs, tensors);
+  if (!bound.ok()) return bound.status();
+  for (int64_t i = 0; i < count; ++i)  // the bf16 copies of quantized linears are not read again
+    if (quantized[i] && i < static_cast<int64_t>(model.synthetic.size()))
+      std::vector<uint16_t>().swap(model.synthetic[i]);
+  model.quantized = std::move(storage);
+  model.specs = std::move(specs);
+  model.tensors = std::move(tensors);
+  model.weights = std::move(*bound);
+  model.quant_format = format;
+  // The stored tensors are host buffers of codes and scales now, no longer a function of the
+  // seed: devices must copy them rather than generate weights in place.
+  model.is_synthetic = false;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& model_arg,
                                                          const LoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
+  auto description = ParseModelDescription(model_arg);
+  if (!description.ok()) return description.status();
+  if (options.quantize != QuantFormat::kNone) {
+    if (description->quantize != QuantFormat::kNone && description->quantize != options.quantize)
+      return absl::InvalidArgumentError(absl::StrCat("model '", model_arg, "' names format ",
+                                                     QuantFormatName(description->quantize),
+                                                     " but the load asks for ",
+                                                     QuantFormatName(options.quantize)));
+    description->quantize = options.quantize;
+  }
+  const std::string& path = description->model;
   std::unique_ptr<HostModel> model;
-  if (absl::StartsWith(model_arg, "preset:")) {
-    auto made = MakeSynthetic(model_arg.substr(7), options);
+  if (absl::StartsWith(path, "preset:")) {
+    auto made = MakeSynthetic(path.substr(7), options);
     if (!made.ok()) return made.status();
     model = std::move(*made);
   } else {
-    auto checkpoint = Checkpoint::Open(model_arg);
+    auto checkpoint = Checkpoint::Open(path);
     if (!checkpoint.ok()) return checkpoint.status();
+    const Checkpoint& ckpt = **checkpoint;
     model = std::make_unique<HostModel>();
-    model->config = (*checkpoint)->config();
-    model->source = model_arg;
-    model->specs = ModelTensorSpecs(model->config);
-    auto tensors = (*checkpoint)->Resolve(model->specs);
+    model->config = ckpt.config();
+    model->source = path;
+    auto specs = QuantizedTensorSpecs(ModelTensorSpecs(model->config), [&ckpt](const TensorSpec& s) {
+      return ckpt.LinearFormat(s);
+    });
+    if (!specs.ok())
+      return absl::Status(specs.status().code(),
+                          absl::StrCat(path, ": ", specs.status().message()));
+    auto tensors = ckpt.Resolve(*specs);
     if (!tensors.ok()) return tensors.status();
-    model->tensors = std::move(*tensors);
+    // Optional parts the checkpoint does not hold (activation scales) leave the table, so every
+    // spec has bytes behind it.
+    for (size_t i = 0; i < specs->size(); ++i) {
+      if ((*tensors)[i].data == nullptr) continue;
+      if ((*specs)[i].quant != QuantFormat::kNone) model->quant_format = (*specs)[i].quant;
+      model->specs.push_back((*specs)[i]);
+      model->tensors.push_back((*tensors)[i]);
+    }
     model->checkpoint = std::move(*checkpoint);
   }
   auto bound = BindWeights(model->config, model->specs, model->tensors);
   if (!bound.ok()) return bound.status();
   model->weights = std::move(*bound);
+  if (description->quantize != QuantFormat::kNone) {
+    if (auto s = QuantizeHostModel(*model, description->quantize); !s.ok()) return s;
+    model->source = ModelDescriptionString(*description);
+  }
   model->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return model;

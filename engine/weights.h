@@ -14,6 +14,7 @@
 
 namespace infersweep {
 
+// Linear weights may be quantized (MatrixRef::quant set; engine/quant/); the rest are dense.
 struct ExpertWeights {
   MatrixRef gate;  // [inter, hidden]
   MatrixRef up;    // [inter, hidden]
@@ -50,8 +51,12 @@ struct HostModel {
   std::vector<TensorSpec> specs;
   std::vector<HostTensor> tensors;  // parallel to specs
   ModelWeights weights;
+  // The format of the quantized linears (declared by the checkpoint or made by --quantize);
+  // kNone when every weight is dense.
+  QuantFormat quant_format = QuantFormat::kNone;
   std::unique_ptr<Checkpoint> checkpoint;          // owns mapped files
   std::vector<std::vector<uint16_t>> synthetic;    // owns generated bf16 buffers
+  std::vector<std::vector<uint8_t>> quantized;     // owns the parts --quantize made
   bool is_synthetic = false;
   bool host_materialized = true;  // false: synthetic weights not generated on the host (yet)
   double load_seconds = 0;           // host side: mapping, parsing, generating
@@ -72,10 +77,38 @@ struct LoadOptions {
   int num_layers_override = 0;  // presets only
   uint64_t seed = 1;            // presets only
   bool materialize_host = true; // presets: generate the host copy now (else on first CPU use)
+  // Quantize the dense linears (IsQuantizable) on load; the same as a "@<format>" suffix.
+  QuantFormat quantize = QuantFormat::kNone;
 };
 
-// `model` is a checkpoint folder or "preset:NAME".
+// A model description: "<checkpoint folder | preset:NAME>[@<format>]", e.g.
+// "preset:qwen3-30b-a3b@nvfp4": the weights, quantized into <format> on load. It is the model
+// string trials, sweeps and stored results carry, so each quantization is its own model there.
+struct ModelDescription {
+  std::string model;  // folder or preset:NAME
+  QuantFormat quantize = QuantFormat::kNone;
+};
+// A suffix after the last '@' that names a format is split off; any other '@' stays part of a
+// folder name. "preset:NAME@<not a format>" is an error naming the known formats.
+absl::StatusOr<ModelDescription> ParseModelDescription(const std::string& text);
+std::string ModelDescriptionString(const ModelDescription& description);
+// `model` with `--quantize <format>` applied ("" or "none": unchanged); an error when the
+// description already names another format.
+absl::StatusOr<std::string> WithQuantization(const std::string& model, const std::string& format);
+
+// The weight format preflight judges by, known without loading weights: a "@<format>" suffix, a
+// checkpoint's quantization declaration, "bf16" for presets; "" when it takes loading to know.
+std::string DeclaredWeightFormat(const std::string& model);
+
+// `model` is a model description (above).
 absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& model,
                                                          const LoadOptions& options = {});
+
+// The bound view of a canonical weight name ("model.layers.0.self_attn.q_proj.weight"): the
+// dense matrix, or the quantized linear with its scales. NotFound for a name the model lacks.
+absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical);
+
+// Replaces every dense quantizable linear of a materialized host model by its quantized parts.
+absl::Status QuantizeHostModel(HostModel& model, QuantFormat format);
 
 }  // namespace infersweep

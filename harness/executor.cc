@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/quant/layout.h"
 #include "engine/roofline.h"
 
 namespace infersweep {
@@ -88,9 +89,10 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   if (auto s = ValidateWorkload(request.workload); !s.ok())
     return finish(TrialStatus::kError, std::string(s.message()));
 
-  // Arch, device and conflicts are judged before any weights load; the weight format needs the
-  // model's config only, which a cached model already has.
-  PreflightResult preflight = Preflight(*config, MakePreflightTarget(devices_, nullptr));
+  // Arch, device, conflicts and the declared weight format (a "@<format>" suffix or the
+  // checkpoint's quantization declaration) are judged before any weights load; the stored dtype
+  // of dense weights after loading.
+  PreflightResult preflight = Preflight(*config, MakePreflightTarget(devices_, request.model));
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
 
   say("loading " + request.model);
@@ -122,6 +124,10 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   measure.progress = progress;
   measure.bandwidth_gb_s = KnownReadBandwidthGbs(result.device);
   measure.bytes_per_weight = WeightFormat(*host_) == "f32" ? 4 : 2;
+  if (host_->quant_format != QuantFormat::kNone)
+    measure.quantized_bytes_per_weight =
+        QuantBytesPerElement(host_->quant_format, host_->config.hidden_size,
+                             host_->config.hidden_size);
   measure.bytes_per_kv_element = 4;  // both devices keep an fp32 KV cache today
   if (ConfigDevice(*config) == "cuda") {
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);

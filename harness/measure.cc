@@ -135,7 +135,8 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
   const int64_t context = w.prompt_len + w.output_len / 2;
   const DecodeTraffic traffic = DecodeBytesPerStep(model.config(), batch, context,
                                                    options.bytes_per_weight,
-                                                   options.bytes_per_kv_element);
+                                                   options.bytes_per_kv_element,
+                                                   options.quantized_bytes_per_weight);
   f.decode_bytes_per_step = traffic.total();
   f.achieved_gb_s = traffic.total() / (f.tpot_ms.median * 1e-3) / 1e9;
   if (options.bandwidth_gb_s) {

@@ -2,7 +2,8 @@
 # Runs on the GPU machine, in one device call: GPU tests, then the benchmarks, then the peer.
 #   here:   bash scripts/gpu_bundle.sh
 #   device: bash scripts/gpu.sh        (carry .carry; results and logs land in $OUT)
-# STAGES (default "test bench peer fixtures") picks what runs.
+# STAGES (default "test bench peer fixtures") picks what runs; quant_fixtures regenerates the
+# quantized fixtures (scripts/gen_quant_fixtures.py) and checks the loader against them there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -16,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 for stage in $STAGES; do
   case $stage in
   test)
-    .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error' ;;
+    .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
+    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error' ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
@@ -59,5 +61,10 @@ for stage in $STAGES; do
   fixtures)
     python3 scripts/gen_hf_fixtures.py --out "$OUT/hf" 2>&1 | grep -v "it/s" &&
       tar czf "$OUT/hf.tgz" -C "$OUT" hf && rm -rf "$OUT/hf" ;;
+  quant_fixtures)  # unpack quant.tgz into tests/fixtures/ here, then commit it
+    python3 scripts/gen_quant_fixtures.py --out tests/fixtures/quant 2>&1 | grep -v "it/s" &&
+      .carry/quant_fixtures_test 2>&1 | tee "$OUT/quant_fixtures_test.log" |
+      grep -E '^#|OK \]|FAILED|Failure|error|SKIPPED'
+    tar czf "$OUT/quant.tgz" -C tests/fixtures quant ;;
   esac
 done

@@ -416,20 +416,28 @@ TEST_F(CheckpointTest, WrongShapeNamesTensorExpectedAndFound) {
   EXPECT_THAT(msg, HasSubstr("has shape [8, 4], expected [4, 8]"));
 }
 
+// A dtype no spec takes; F8/U8 codes in a checkpoint that declares no quantization say so
+// (tests/quant_checkpoint_test.cc covers declared ones).
 TEST_F(CheckpointTest, UnsupportedDtype) {
   const ModelConfig c = ParseConfig(kQwen3MoeConfig);
-  std::vector<DiskTensor> tensors = CanonicalTensors(c);
-  for (DiskTensor& t : tensors) {
-    if (t.name == "model.layers.0.self_attn.q_proj.weight") t = Make(t.name, t.shape, DType::kF8E4M3);
+  const std::pair<DType, std::string> cases[] = {
+      {DType::kI32, "dtype I32 not supported yet"},
+      {DType::kF8E4M3, "dtype F8_E4M3 holds quantized codes, but this tensor is not quantized "
+                       "here: no quantization declared"}};
+  for (const auto& [dtype, expected] : cases) {
+    std::vector<DiskTensor> tensors = CanonicalTensors(c);
+    for (DiskTensor& t : tensors) {
+      if (t.name == "model.layers.0.self_attn.q_proj.weight") t = Make(t.name, t.shape, dtype);
+    }
+    WriteText("config.json", kQwen3MoeConfig);
+    WriteFile("model.safetensors", tensors);
+    absl::StatusOr<std::vector<HostTensor>> got = OpenAndResolve();
+    ASSERT_FALSE(got.ok());
+    const std::string msg(got.status().message());
+    EXPECT_THAT(msg, HasSubstr("model.safetensors"));
+    EXPECT_THAT(msg, HasSubstr("'model.layers.0.self_attn.q_proj.weight'"));
+    EXPECT_THAT(msg, HasSubstr(expected));
   }
-  WriteText("config.json", kQwen3MoeConfig);
-  WriteFile("model.safetensors", tensors);
-  absl::StatusOr<std::vector<HostTensor>> got = OpenAndResolve();
-  ASSERT_FALSE(got.ok());
-  const std::string msg(got.status().message());
-  EXPECT_THAT(msg, HasSubstr("model.safetensors"));
-  EXPECT_THAT(msg, HasSubstr("'model.layers.0.self_attn.q_proj.weight'"));
-  EXPECT_THAT(msg, HasSubstr("dtype F8_E4M3 not supported yet"));
 }
 
 TEST_F(CheckpointTest, ShardFileMissing) {

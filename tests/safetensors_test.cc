@@ -143,11 +143,12 @@ TEST(SafetensorsWriter, HeaderIsPaddedWithSpaces) {
 }
 
 TEST(SafetensorsDTypeNames, RoundTripAndRejectUnknown) {
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kU8, DType::kI8,
-                  DType::kI32, DType::kI64, DType::kBool}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E8M0,
+                  DType::kU8, DType::kI8, DType::kI32, DType::kI64, DType::kBool}) {
     EXPECT_EQ(DTypeFromSafetensorsName(DTypeName(t)), t) << DTypeName(t);
   }
   EXPECT_EQ(DTypeName(DType::kF8E4M3), "F8_E4M3");
+  EXPECT_EQ(DTypeName(DType::kF8E8M0), "F8_E8M0");
   EXPECT_EQ(DTypeName(DType::kBool), "BOOL");
   EXPECT_FALSE(DTypeFromSafetensorsName("f32").has_value());
   EXPECT_FALSE(DTypeFromSafetensorsName("F64").has_value());

@@ -5,13 +5,16 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace infersweep {
 
@@ -23,6 +26,18 @@ inline std::string SourceDir() {
 inline std::string WorkerBinary() {
   const char* env = std::getenv("INFERSWEEP_BINARY");
   return env ? env : INFERSWEEP_BINARY;
+}
+
+// The fixture folders under `root` (those holding an expected.json), sorted; none when `root` is
+// absent.
+inline std::vector<std::string> FixtureNames(const std::string& root) {
+  std::vector<std::string> names;
+  if (!std::filesystem::is_directory(root)) return names;
+  for (const auto& entry : std::filesystem::directory_iterator(root))
+    if (std::filesystem::exists(entry.path() / "expected.json"))
+      names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 // Polls `done` every 20 ms until it holds or `seconds` pass.

@@ -3,11 +3,16 @@
 #include <algorithm>
 #include <vector>
 
+#include "engine/quant/dequantize.h"
 #include "kernels/cpu/parallel.h"
 
 namespace infersweep::cpu {
 
 void DecodeRow(const MatrixRef& w, int64_t r, float* out) {
+  if (w.quantized()) {  // exact: the reference sees the quantized weights, not an approximation
+    DequantizeRow(w, r, out);
+    return;
+  }
   const int64_t base = r * w.cols;
   switch (w.dtype) {
     case DType::kBF16: {

@@ -1,4 +1,5 @@
-// y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) in fp32, with W upcast exactly from its dtype.
+// y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) in fp32, with W upcast exactly from its dtype
+// (quantized W dequantized exactly: engine/quant/dequantize.h).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@ enum class MatmulVariant {
 void Matmul(MatmulVariant variant, const float* x, int64_t rows, const MatrixRef& w,
             const MatrixRef& bias, float* y);
 
-// Decodes row `r` of `w` into `out` (w.cols floats).
+// Decodes row `r` of `w` into `out` (w.cols floats), dense or quantized.
 void DecodeRow(const MatrixRef& w, int64_t r, float* out);
 
 }  // namespace infersweep::cpu

@@ -1,0 +1,110 @@
+// Exact scalar codecs of the low-precision element and scale types (host and device).
+//
+//   E2M1 (FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; magnitudes
+//               {0, 0.5, 1, 1.5, 2, 3, 4, 6}; no Inf or NaN.
+//   E4M3 (float8_e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; max 448; no Inf;
+//               S.1111.111 is NaN.
+//   E8M0 (MX scale): 8 exponent bits, no sign or mantissa: 2^(byte - 127); 0xFF is NaN.
+//
+// Every decode is exact (each value is an fp32 number). Encoders round to nearest, ties to even,
+// and saturate to the largest finite magnitude (E2M1: 6, E4M3: 448).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "engine/dtype.h"
+
+namespace infersweep {
+
+INFERSWEEP_HD float FloatFromBits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+INFERSWEEP_HD uint32_t BitsFromFloat(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// One 4-bit code (the low nibble of `code`).
+INFERSWEEP_HD float E2M1ToFloat(uint8_t code) {
+  const uint32_t exponent = (code >> 1) & 3u, mantissa = code & 1u;
+  // Normal codes are (1 + m/2) * 2^(e-1): fp32 exponent e - 1 + 127, mantissa bit 22.
+  const uint32_t magnitude = exponent == 0 ? (mantissa ? 0x3f000000u : 0u)  // 0.5 or 0
+                                           : ((exponent + 126u) << 23) | (mantissa << 22);
+  return FloatFromBits(magnitude | (static_cast<uint32_t>(code & 8u) << 28));
+}
+
+INFERSWEEP_HD float E4M3ToFloat(uint8_t code) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  const uint32_t exponent = (code >> 3) & 15u, mantissa = code & 7u;
+  if (exponent == 15 && mantissa == 7) return FloatFromBits(sign | 0x7fc00000u);
+  if (exponent == 0) {  // subnormal: m * 2^-9, exact in fp32
+    const float magnitude = static_cast<float>(mantissa) * (1.0f / 512.0f);
+    return FloatFromBits(sign | BitsFromFloat(magnitude));
+  }
+  return FloatFromBits(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+INFERSWEEP_HD float E8M0ToFloat(uint8_t code) {
+  if (code == 0xff) return FloatFromBits(0x7fc00000u);
+  if (code == 0) return FloatFromBits(0x00400000u);  // 2^-127 is an fp32 subnormal
+  return FloatFromBits(static_cast<uint32_t>(code) << 23);
+}
+
+// Nearest E2M1 code, ties to the even code (even mantissa); |x| > 6 saturates; NaN gives +-6
+// (callers reject non-finite weights before encoding).
+INFERSWEEP_HD uint8_t FloatToE2M1(float x) {
+  const uint8_t sign = (BitsFromFloat(x) >> 28) & 8u;
+  const float a = x < 0 ? -x : x;
+  uint8_t code;
+  // Midpoints between neighbours; <= rounds a tie down onto an even code, < rounds it up.
+  if (a <= 0.25f) {
+    code = 0;
+  } else if (a < 0.75f) {
+    code = 1;
+  } else if (a <= 1.25f) {
+    code = 2;
+  } else if (a < 1.75f) {
+    code = 3;
+  } else if (a <= 2.5f) {
+    code = 4;
+  } else if (a < 3.5f) {
+    code = 5;
+  } else if (a <= 5.0f) {
+    code = 6;
+  } else {
+    code = 7;  // (5, inf) and NaN
+  }
+  return static_cast<uint8_t>(sign | code);
+}
+
+// Nearest float8_e4m3fn code, ties to even; |x| > 448 saturates to 448; NaN stays NaN.
+INFERSWEEP_HD uint8_t FloatToE4M3(float x) {
+  const uint32_t u = BitsFromFloat(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7f;
+  const float a = FloatFromBits(magnitude);
+  if (a >= 448.0f) return sign | 0x7e;
+  if (a < 0.015625f) {  // below 2^-6: subnormal codes m * 2^-9, m = 0..8 (8 is the first normal)
+    // a * 512 is exact; round half to even by hand (no dependence on the rounding mode).
+    const float scaled = a * 512.0f;
+    uint32_t m = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    return static_cast<uint8_t>(sign | m);
+  }
+  // Normal: keep 3 of fp32's 23 mantissa bits, round half to even; a carry bumps the exponent.
+  const uint32_t exponent = (magnitude >> 23) - 120u;  // e4m3 biased exponent, 1..15
+  const uint32_t mantissa = magnitude & 0x7fffffu;
+  uint32_t code = (exponent << 3) | (mantissa >> 20);
+  const uint32_t dropped = mantissa & 0xfffffu, half = 0x80000u;
+  if (dropped > half || (dropped == half && (code & 1u))) ++code;
+  return static_cast<uint8_t>(sign | code);  // a < 448 keeps code <= 0x7e
+}
+
+}  // namespace infersweep

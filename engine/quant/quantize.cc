@@ -1,0 +1,177 @@
+#include "engine/quant/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine/quant/codecs.h"
+
+namespace infersweep {
+namespace {
+
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE2M1Max = 6.0f;
+
+// amax / max_code, or 1 for an all-zero range (any scale encodes zeros exactly).
+float AmaxScale(float amax, float max_code) { return amax > 0 ? amax / max_code : 1.0f; }
+
+template <typename T>
+void AppendBytes(std::vector<uint8_t>& out, const T& value) {
+  const size_t at = out.size();
+  out.resize(at + sizeof(T));
+  std::memcpy(out.data() + at, &value, sizeof(T));
+}
+
+// amax over rows [r0, r1) x cols [k0, k1) of a row-major fp32 matrix.
+float Amax(const std::vector<float>& w, int64_t cols, int64_t r0, int64_t r1, int64_t k0,
+           int64_t k1) {
+  float amax = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(w[r * cols + k]));
+  return amax;
+}
+
+// E4M3 codes of w / scale(r, k) with one fp32 scale per element's tensor, row or block.
+std::vector<uint8_t> Fp8Codes(const std::vector<float>& w, int64_t rows, int64_t cols,
+                              QuantFormat format, const std::vector<float>& scales) {
+  std::vector<uint8_t> codes(w.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < cols; ++k)
+      codes[r * cols + k] =
+          FloatToE4M3(w[r * cols + k] / scales[QuantScaleIndex(format, cols, r, k)]);
+  return codes;
+}
+
+// Packs E2M1 codes of w[r, k] / group_scale(r, k), two per byte, low nibble = even k.
+std::vector<uint8_t> PackE2M1(const std::vector<float>& w, int64_t rows, int64_t cols,
+                              QuantFormat format, const std::vector<float>& group_scales) {
+  std::vector<uint8_t> packed(static_cast<size_t>(rows * cols / 2));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < cols; ++k) {
+      const float scale = group_scales[QuantScaleIndex(format, cols, r, k)];
+      const uint8_t code = scale > 0 ? FloatToE2M1(w[r * cols + k] / scale) : 0;
+      packed[(r * cols + k) / 2] |= static_cast<uint8_t>(code << (4 * (k & 1)));
+    }
+  return packed;
+}
+
+// The smallest e in [-127, 127] with 6 * 2^e >= amax (double: 6 * 2^127 overflows fp32).
+int MxScaleExponent(float amax) {
+  if (!(amax > 0)) return -127;
+  int e = std::clamp(std::ilogb(amax) - 2, -127, 127);
+  while (e < 127 && std::ldexp(6.0, e) < amax) ++e;
+  while (e > -127 && std::ldexp(6.0, e - 1) >= amax) --e;
+  return e;
+}
+
+}  // namespace
+
+MatrixRef QuantizedMatrix::View() const {
+  MatrixRef ref;
+  ref.data = parts[0].data();
+  ref.dtype = layout[0].dtypes.front();
+  ref.rows = rows;
+  ref.cols = cols;
+  ref.quant.format = format;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    switch (layout[i].part) {
+      case QuantPart::kScale:
+        ref.quant.scale = parts[i].data();
+        ref.quant.scale_dtype = layout[i].dtypes.front();
+        break;
+      case QuantPart::kGlobalScale:
+        ref.quant.global_scale = parts[i].data();
+        break;
+      case QuantPart::kInputScale:
+        ref.quant.input_scale = parts[i].data();
+        break;
+      case QuantPart::kData:
+        break;
+    }
+  }
+  return ref;
+}
+
+absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixRef& dense) {
+  if (dense.quantized())
+    return absl::InvalidArgumentError("QuantizeMatrix: the matrix is already quantized");
+  if (dense.dtype != DType::kBF16 && dense.dtype != DType::kF16 && dense.dtype != DType::kF32)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantizeMatrix: dense dtype ", DTypeName(dense.dtype).data(), " (bf16, f16 or f32 only)"));
+  auto layout = QuantLayout(format, dense.rows, dense.cols);
+  if (!layout.ok()) return layout.status();
+  const int64_t rows = dense.rows, cols = dense.cols;
+  std::vector<float> w(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    w[i] = LoadAsFloat(dense.data, dense.dtype, i);
+    if (!std::isfinite(w[i]))
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot quantize a non-finite weight at [", i / cols, ", ", i % cols, "]"));
+  }
+
+  QuantizedMatrix q;
+  q.format = format;
+  q.rows = rows;
+  q.cols = cols;
+  for (const QuantPartLayout& part : *layout)
+    if (!part.optional) q.layout.push_back(part);
+
+  const int64_t scale_count = QuantScaleCount(format, rows, cols);
+  std::vector<float> scales(static_cast<size_t>(scale_count));  // fp32 value each group uses
+  std::vector<uint8_t> scale_bytes;
+  switch (format) {
+    case QuantFormat::kFp8Tensor:
+      scales[0] = AmaxScale(Amax(w, cols, 0, rows, 0, cols), kE4M3Max);
+      break;
+    case QuantFormat::kFp8Channel:
+      for (int64_t r = 0; r < rows; ++r)
+        scales[r] = AmaxScale(Amax(w, cols, r, r + 1, 0, cols), kE4M3Max);
+      break;
+    case QuantFormat::kFp8Block128:
+      for (int64_t r0 = 0; r0 < rows; r0 += kFp8BlockSize)
+        for (int64_t k0 = 0; k0 < cols; k0 += kFp8BlockSize)
+          scales[QuantScaleIndex(format, cols, r0, k0)] =
+              AmaxScale(Amax(w, cols, r0, std::min(rows, r0 + kFp8BlockSize), k0,
+                             std::min(cols, k0 + kFp8BlockSize)),
+                        kE4M3Max);
+      break;
+    case QuantFormat::kNvfp4: {
+      const float scale_2 = AmaxScale(Amax(w, cols, 0, rows, 0, cols), kE2M1Max * kE4M3Max);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k0 = 0; k0 < cols; k0 += kNvfp4GroupSize) {
+          const float amax = Amax(w, cols, r, r + 1, k0, k0 + kNvfp4GroupSize);
+          const uint8_t code = FloatToE4M3(amax / kE2M1Max / scale_2);
+          scale_bytes.push_back(code);
+          // The same product the dequantizer forms: (e2m1 * s16) * s2 = e2m1 * (s16 * s2) up to
+          // one rounding, so codes are chosen against the group's effective scale.
+          scales[QuantScaleIndex(format, cols, r, k0)] = E4M3ToFloat(code) * scale_2;
+        }
+      q.parts.push_back(PackE2M1(w, rows, cols, format, scales));
+      q.parts.push_back(std::move(scale_bytes));
+      q.parts.emplace_back();
+      AppendBytes(q.parts.back(), scale_2);
+      return q;
+    }
+    case QuantFormat::kMxfp4: {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k0 = 0; k0 < cols; k0 += kMxfp4GroupSize) {
+          const int e = MxScaleExponent(Amax(w, cols, r, r + 1, k0, k0 + kMxfp4GroupSize));
+          scale_bytes.push_back(static_cast<uint8_t>(e + 127));
+          scales[QuantScaleIndex(format, cols, r, k0)] = std::ldexp(1.0f, e);
+        }
+      q.parts.push_back(PackE2M1(w, rows, cols, format, scales));
+      q.parts.push_back(std::move(scale_bytes));
+      return q;
+    }
+    case QuantFormat::kNone:
+      return absl::InvalidArgumentError("QuantizeMatrix: format none");
+  }
+  // The fp8 layouts: E4M3 codes, then the fp32 scales.
+  q.parts.push_back(Fp8Codes(w, rows, cols, format, scales));
+  q.parts.emplace_back();
+  for (float s : scales) AppendBytes(q.parts.back(), s);
+  return q;
+}
+
+}  // namespace infersweep

@@ -1,0 +1,155 @@
+#include <algorithm>
+
+#include "engine/quant/dequantize.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/quant.h"
+
+namespace infersweep::cuda {
+namespace {
+
+__device__ __forceinline__ void Put(float* out, int64_t i, float v) { out[i] = v; }
+__device__ __forceinline__ void Put(uint16_t* out, int64_t i, float v) { out[i] = FloatToBf16(v); }
+
+// Grid-stride over every element; the formula is the CPU's (DequantizeElement), so the fp32
+// output is bit-identical to the CPU reference's weights.
+template <typename Out>
+__global__ void DequantizeKernel(MatrixRef w, Out* out) {
+  const int64_t total = w.rows * w.cols;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride)
+    Put(out, i, DequantizeElement(w, i / w.cols, i % w.cols));
+}
+
+template <typename Out>
+void LaunchDequantize(const MatrixRef& w, Out* out, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int blocks = std::max(1, std::min(CeilDiv(w.rows * w.cols, kThreads), 132 * 16));
+  DequantizeKernel<<<blocks, kThreads, 0, stream>>>(w, out);
+}
+
+constexpr int kWarpsPerBlock = 4;  // one output row per warp
+constexpr int kRowsPerPass = 4;    // rows of x served by one decode of a chunk
+constexpr int kChunk = 32;         // codes per 16-byte load
+
+// 32 activations of one chunk into registers: 8 float4 loads, or 4 uint4 loads of bf16.
+__device__ __forceinline__ void LoadChunk(const float* x, float* v) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll
+  for (int i = 0; i < kChunk / 4; ++i) {
+    const float4 f = x4[i];
+    v[4 * i] = f.x;
+    v[4 * i + 1] = f.y;
+    v[4 * i + 2] = f.z;
+    v[4 * i + 3] = f.w;
+  }
+}
+
+__device__ __forceinline__ void LoadChunk(const uint16_t* x, float* v) {
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+  for (int i = 0; i < kChunk / 8; ++i) {
+    const uint4 u = x4[i];
+    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + 2 * j] = Bf16ToFloat(static_cast<uint16_t>(words[j] & 0xffffu));
+      v[8 * i + 2 * j + 1] = Bf16ToFloat(static_cast<uint16_t>(words[j] >> 16));
+    }
+  }
+}
+
+// grid (ceil(N / 4), ceil(rows / 4)), 128 threads. Lane l of the warp for row n walks chunks
+// l, l + 32, ...: each is one 16-byte load of codes (consecutive lanes: consecutive 16 bytes, so
+// a warp reads 512 contiguous bytes per step) and its group scales.
+template <QuantFormat kFormat, typename X>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    GemvW4A16Kernel(const X* x, int rows, MatrixRef w, float* y) {
+  const int lane = threadIdx.x & 31;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (n >= w.rows) return;
+  const int64_t K = w.cols, N = w.rows;
+  const int m0 = blockIdx.y * kRowsPerPass;
+  const uint4* codes =
+      reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w.data) + n * (K / 2));
+  const uint8_t* scales = static_cast<const uint8_t*>(w.quant.scale);
+  float acc[kRowsPerPass] = {};
+  for (int64_t c = lane; c < K / kChunk; c += 32) {
+    const uint4 packed = __ldg(codes + c);
+    // The chunk's group scales, in registers: nvfp4 has two groups of 16, mxfp4 one of 32.
+    float scale_lo, scale_hi;
+    if constexpr (kFormat == QuantFormat::kNvfp4) {
+      const int64_t s = n * (K / kNvfp4GroupSize) + 2 * c;
+      scale_lo = E4M3ToFloat(__ldg(scales + s));
+      scale_hi = E4M3ToFloat(__ldg(scales + s + 1));
+    } else {
+      scale_lo = scale_hi = E8M0ToFloat(__ldg(scales + n * (K / kMxfp4GroupSize) + c));
+    }
+    float wv[kChunk];
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+    for (int b = 0; b < 16; ++b) {  // byte b holds elements 2b (low nibble) and 2b + 1
+      const uint32_t byte = (words[b / 4] >> (8 * (b % 4))) & 0xffu;
+      wv[2 * b] = E2M1ToFloat(static_cast<uint8_t>(byte & 0xfu));
+      wv[2 * b + 1] = E2M1ToFloat(static_cast<uint8_t>(byte >> 4));
+    }
+#pragma unroll
+    for (int m = 0; m < kRowsPerPass; ++m) {
+      if (m0 + m >= rows) break;
+      float xv[kChunk];
+      LoadChunk(x + static_cast<int64_t>(m0 + m) * K + c * kChunk, xv);
+      float lo = 0.f, hi = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunk / 2; ++i) {
+        lo += xv[i] * wv[i];
+        hi += xv[kChunk / 2 + i] * wv[kChunk / 2 + i];
+      }
+      acc[m] += lo * scale_lo + hi * scale_hi;
+    }
+  }
+  float global = 1.f;
+  if constexpr (kFormat == QuantFormat::kNvfp4)
+    global = *static_cast<const float*>(w.quant.global_scale);
+#pragma unroll
+  for (int m = 0; m < kRowsPerPass; ++m) {
+    if (m0 + m >= rows) break;
+    const float sum = WarpSum(acc[m]);
+    if (lane == 0) y[static_cast<int64_t>(m0 + m) * N + n] = sum * global;
+  }
+}
+
+template <typename X>
+void LaunchGemvW4A16(const X* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
+  if (rows <= 0 || w.rows <= 0) return;  // an empty grid is a launch error
+  const dim3 grid(CeilDiv(w.rows, kWarpsPerBlock), CeilDiv(rows, kRowsPerPass));
+  if (w.quant.format == QuantFormat::kNvfp4) {
+    GemvW4A16Kernel<QuantFormat::kNvfp4><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, rows, w, y);
+  } else {
+    GemvW4A16Kernel<QuantFormat::kMxfp4><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, rows, w, y);
+  }
+}
+
+}  // namespace
+
+void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
+  LaunchDequantize(w, out, stream);
+}
+
+void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream) {
+  LaunchDequantize(w, out, stream);
+}
+
+bool W4A16Supports(const MatrixRef& w) {
+  const bool fp4 = w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
+  return fp4 && w.cols % kChunk == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+}
+
+void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
+  LaunchGemvW4A16(x, rows, w, y, stream);
+}
+
+void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
+  LaunchGemvW4A16(x, rows, w, y, stream);
+}
+
+}  // namespace infersweep::cuda

@@ -1,0 +1,49 @@
+// CUDA launchers for quantized weights (docs/QUANTIZATION.md). Plain functions, asynchronous on
+// `stream`; callers check cudaGetLastError. A quantized weight is a MatrixRef whose `data`
+// (codes) and `quant` scale pointers are device pointers, laid out exactly as on disk:
+//   nvfp4: codes u8 [N, K/2] (low nibble = even k), scales E4M3 [N, K/16], scale_2 fp32 [1]
+//   mxfp4: codes u8 [N, K/32, 16] (= [N, K/2]), scales E8M0 [N, K/32]
+//   fp8_*: codes E4M3 [N, K], scales fp32/bf16: [1] | [N] | [ceil(N/128), ceil(K/128)]
+// Napkin math is for an H200 (4.46 TB/s read, measured) at Qwen3-30B-A3B expert shapes:
+// gate/up [768, 2048] and down [2048, 768], 1.57M weights each.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "engine/tensor_ref.h"
+
+namespace infersweep::cuda {
+
+// ---- dequantization (qgemm=dequant_bf16 at upload; qgemm=reference; tests)
+// out[n, k] = the exact fp32 weight (engine/quant/dequantize.h, the CPU's formula), rounded to
+// bf16 (nearest even) for the bf16 variant. One thread per element, grid-stride.
+// Expert [768, 2048] nvfp4 -> bf16: reads 0.88 MB, writes 3.1 MB: ~0.9 us of bandwidth (+ launch).
+void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream);
+void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream);
+
+// ---- w4a16 GEMV (qgemm=w4a16): y[m, n] = sum_k x[m, k] * w[n, k] for m < rows, w nvfp4 or
+// mxfp4, fp32 accumulate. Dequantizes in registers: one warp per output row n, each lane loads
+// 16 bytes (32 codes) per step with one vector load, plus that chunk's scales (2 E4M3 bytes for
+// nvfp4, 1 E8M0 byte for mxfp4) into registers; the decoded chunk is reused for up to 4 rows of
+// x (more rows: another pass over w in grid.y). Sums are formed per group and scaled once per
+// group, so results match the exact-dequant reference to fp32 rounding, not bit for bit.
+//
+// Napkin math, nvfp4, batch 1 (rows = 1):
+//   [768, 2048]: codes 786,432 B + scales 98,304 B = 0.88 MB; 3.1 MFLOP (2NK).
+//     DRAM time 0.88 MB / 4.46 TB/s = 0.20 us; 192 blocks of 4 warps, each lane 2 chunks.
+//     At this size launch latency (~2-3 us) dominates: expect ~3 us alone, ~0.3-0.5 us of
+//     bandwidth when experts are launched back to back or captured in a graph.
+//   [2048, 768]: the same 0.88 MB and 3.1 MFLOP; 24 chunks per row, so 24 of 32 lanes work.
+//   A decode step of one MoE layer (8 experts x gate/up/down) reads 21 MB: ~4.8 us at roofline
+//   vs 75 MB / 17 us for the same experts in bf16 (3.55x fewer bytes).
+//   mxfp4: codes 786,432 B + scales 49,152 B = 0.84 MB (0.19 us).
+// ptxas (sm_90): 72-86 registers, no spills, so 128-thread blocks keep several resident per SM.
+// Needs cols % 32 == 0 and 16-byte aligned codes (W4A16Supports); x is [rows, cols] row-major
+// fp32 or bf16, y is [rows, w.rows] fp32 (overwritten).
+bool W4A16Supports(const MatrixRef& w);
+void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
+void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
+
+}  // namespace infersweep::cuda

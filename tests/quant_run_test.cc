@@ -1,0 +1,264 @@
+// Quantized models through the harness and the CLI: the qgemm axis's preflight judgements,
+// `--quantize` end to end (a CPU config judged OK against the quantized model's exact-dequant
+// reference), and the bad-quant-scale fault judged INCORRECT.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include <nlohmann/json.hpp>
+
+#include "engine/backends.h"
+#include "engine/npy.h"
+#include "engine/quant/layout.h"
+#include "harness/executor.h"
+#include "harness/verdict.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr const char* kFormatNames[] = {"fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4",
+                                        "mxfp4"};
+
+BackendConfig Cuda(const std::string& qgemm) {
+  auto c = NormalizeBackendConfig({{"device", "cuda"}, {"qgemm", qgemm}});
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
+  const PreflightTarget h200_nvfp4{true, 90, 1, "nvfp4"};
+  const PreflightTarget b200_nvfp4{true, 100, 1, "nvfp4"};
+  // native_fp4 needs block-scaled FP4 tensor cores: UNSUPPORTED on Hopper, with the reason.
+  PreflightResult r = Preflight(Cuda("native_fp4"), h200_nvfp4);
+  EXPECT_FALSE(r.supported);
+  EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
+  r = Preflight(Cuda("native_fp4"), b200_nvfp4);
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.precision, PrecisionClass::kFp4);
+  EXPECT_TRUE(Preflight(Cuda("native_fp4"), {true, 120, 1, "mxfp4"}).supported);
+
+  // w4a16: FP4 weights only; bf16 activations.
+  r = Preflight(Cuda("w4a16"), h200_nvfp4);
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.precision, PrecisionClass::kBf16);
+  EXPECT_EQ(Preflight(Cuda("w4a16"), {true, 90, 1, "fp8"}).reason,
+            "qgemm=w4a16 does not take fp8 weights (takes nvfp4, mxfp4)");
+  EXPECT_THAT(Preflight(Cuda("w4a16"), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("does not take bf16 weights"));
+
+  // fp8_cublaslt: FP8 weights, sm_89 (Ada) and newer.
+  r = Preflight(Cuda("fp8_cublaslt"), {true, 90, 1, "fp8"});
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.precision, PrecisionClass::kFp8);
+  EXPECT_EQ(Preflight(Cuda("fp8_cublaslt"), {true, 80, 1, "fp8"}).reason,
+            "qgemm=fp8_cublaslt needs sm_89 or newer; the GPU is sm_80");
+  EXPECT_THAT(Preflight(Cuda("fp8_cublaslt"), h200_nvfp4).reason,
+              HasSubstr("does not take nvfp4 weights"));
+
+  // dequant_bf16 takes every quantized format; the reference takes anything, exactly.
+  EXPECT_EQ(Preflight(Cuda("dequant_bf16"), {true, 90, 1, "mxfp4"}).precision,
+            PrecisionClass::kBf16);
+  EXPECT_THAT(Preflight(Cuda("dequant_bf16"), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("does not take bf16 weights"));
+  EXPECT_EQ(Preflight(Cuda("reference"), h200_nvfp4).precision, PrecisionClass::kFp32);
+  EXPECT_TRUE(Preflight(Cuda("reference"), {true, 90, 1, "bf16"}).supported);
+  // The CPU dequantizes exactly: every format, fp32 class.
+  auto cpu = NormalizeBackendConfig({{"matmul", "blocked"}});
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ(Preflight(*cpu, {false, 0, 0, "mxfp4"}).precision, PrecisionClass::kFp32);
+  // The GPU reference's defaults include the axis.
+  EXPECT_EQ(DefaultAxes("cuda").at("qgemm"), "reference");
+}
+
+// A two-layer trial with a short single-repeat workload, as a worker receives it (JSON).
+TrialRequest QuantRequest(const std::string& model, const std::string& config,
+                          const std::string& fault = "") {
+  const nlohmann::json request = {
+      {"trial_id", "q"},
+      {"model", model},
+      {"layers", 2},
+      {"config", *ParseBackendConfig(config)},
+      {"inject_fault", fault},
+      {"workload", {{"prompt_len", 8}, {"output_len", 4}, {"repeats", 1}, {"warmup", 0}}}};
+  auto parsed = TrialRequestFromJson(request);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  return *parsed;
+}
+
+TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
+  LocalDevices h200;
+  h200.has_cuda_build = true;
+  h200.gpu_count = 1;
+  h200.sm = 90;
+  h200.gpu_name = "NVIDIA H200";
+  TrialExecutor executor(h200);
+  const TrialResult r =
+      executor.Execute(QuantRequest("preset:qwen3-30b-a3b@nvfp4", "device=cuda,qgemm=native_fp4"));
+  EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
+  EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
+  // The weight format too comes from the description ("@nvfp4"), before any weight loads.
+  const TrialResult fp8 =
+      executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,qgemm=fp8_cublaslt"));
+  EXPECT_EQ(fp8.status, TrialStatus::kUnsupported) << fp8.reason;
+  EXPECT_EQ(fp8.reason, "qgemm=fp8_cublaslt does not take nvfp4 weights (takes fp8)");
+  EXPECT_EQ(fp8.load_seconds, 0) << "judged from the model description alone";
+}
+
+TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  for (const char* format : kFormatNames) {
+    const std::string model = std::string("preset:tiny-moe@") + format;
+    const TrialResult ok = executor.Execute(QuantRequest(model, "matmul=blocked,threads=2"));
+    EXPECT_EQ(ok.status, TrialStatus::kOk) << format << ": " << ok.reason;
+    EXPECT_EQ(ok.verdict.precision_class, "fp32");
+    EXPECT_LE(ok.verdict.max_rel_error, 1e-4) << format;
+
+    const TrialResult bad =
+        executor.Execute(QuantRequest(model, "matmul=naive", "bad-quant-scale:0.0625"));
+    EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << ": " << bad.reason;
+    EXPECT_THAT(bad.reason, HasSubstr("max_rel_error")) << format;
+  }
+  const TrialResult dense =
+      executor.Execute(QuantRequest("preset:tiny-moe", "matmul=naive", "bad-quant-scale:0.0625"));
+  EXPECT_EQ(dense.status, TrialStatus::kError);
+  EXPECT_THAT(dense.reason, HasSubstr("needs quantized weights"));
+}
+
+// The exact-dequant reference of a quantized model stays close to the dense model it came from:
+// far closer than a model with unrelated weights (another seed) is. A forward pass that misread
+// the codes (as bf16, say) would agree with itself, but not with the dense model.
+TEST(QuantExecutor, QuantizedReferenceTracksTheDenseModel) {
+  auto cpu = NormalizeBackendConfig({{"matmul", "naive"}});
+  ASSERT_TRUE(cpu.ok());
+  auto eval = [&](const std::string& model, uint64_t seed) -> EvalOutputs {
+    auto host = LoadHostModel(model, {2, seed});
+    EXPECT_TRUE(host.ok()) << host.status();
+    auto m = CreateModel(**host, *cpu);
+    EXPECT_TRUE(m.ok()) << m.status();
+    auto out = RunEval(**m, EvalSpec{});
+    EXPECT_TRUE(out.ok()) << out.status();
+    return *out;
+  };
+  const int vocab = 512;
+  const EvalOutputs dense = eval("preset:tiny-moe", 1);
+  VerdictMetrics unrelated;
+  JudgeOutputs(dense, eval("preset:tiny-moe", 2), vocab, PrecisionClass::kFp4, &unrelated);
+  std::printf("# unrelated weights vs bf16: top1 %.3f, kl_mean %.2g\n", unrelated.top1_agreement,
+              unrelated.kl_mean);
+  for (const char* format : kFormatNames) {
+    VerdictMetrics m;
+    JudgeOutputs(dense, eval(std::string("preset:tiny-moe@") + format, 1), vocab,
+                 PrecisionClass::kFp4, &m);
+    std::printf("# %s vs bf16: top1 %.3f, kl_mean %.2g, kl_max %.2g\n", format, m.top1_agreement,
+                m.kl_mean, m.kl_max);
+    EXPECT_EQ(m.non_finite, 0) << format;
+    EXPECT_GT(m.kl_mean, 0) << format << ": quantization must change something";
+    EXPECT_LT(m.kl_mean, unrelated.kl_mean / 4) << format;
+    EXPECT_GT(m.top1_agreement, unrelated.top1_agreement + 0.2) << format;
+  }
+}
+
+TEST(QuantExecutor, ModelDescriptions) {
+  auto d = ParseModelDescription("preset:tiny-moe@fp8_block128");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->model, "preset:tiny-moe");
+  EXPECT_EQ(d->quantize, QuantFormat::kFp8Block128);
+  EXPECT_EQ(ParseModelDescription("/data/ckpt@v2")->model, "/data/ckpt@v2");
+  EXPECT_THAT(ParseModelDescription("preset:tiny-moe@int3").status().message(),
+              HasSubstr("'@int3' is not a quantization format"));
+  EXPECT_EQ(*WithQuantization("preset:tiny-moe", "mxfp4"), "preset:tiny-moe@mxfp4");
+  EXPECT_EQ(*WithQuantization("preset:tiny-moe@mxfp4", "mxfp4"), "preset:tiny-moe@mxfp4");
+  EXPECT_EQ(*WithQuantization("preset:tiny-moe", "none"), "preset:tiny-moe");
+  EXPECT_FALSE(WithQuantization("preset:tiny-moe@mxfp4", "nvfp4").ok());
+  EXPECT_THAT(WithQuantization("x", "fp5").status().message(), HasSubstr("unknown format"));
+  EXPECT_EQ(DeclaredWeightFormat("preset:tiny-moe@fp8_channel"), "fp8");
+  EXPECT_EQ(DeclaredWeightFormat("preset:tiny-moe"), "bf16");
+
+  // A quantized model cannot be quantized again; the roofline counts its smaller linears.
+  auto host = LoadHostModel("preset:tiny-moe@nvfp4", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ((*host)->source, "preset:tiny-moe@nvfp4");
+  EXPECT_FALSE((*host)->is_synthetic);
+  EXPECT_THAT(QuantizeHostModel(**host, QuantFormat::kMxfp4).message(),
+              HasSubstr("already quantized (nvfp4)"));
+  EXPECT_THAT(
+      LoadHostModel("preset:tiny-moe@nvfp4", {2, 1, true, QuantFormat::kMxfp4}).status().message(),
+      HasSubstr("names format nvfp4"));
+}
+
+// ---- the CLI: infersweep run / logits / generate --quantize
+
+struct Cli {
+  int exit_code = 0;
+  std::string output;
+};
+
+Cli RunCli(const std::string& args) {
+  Cli run;
+  run.output = RunCommand(WorkerBinary() + " " + args + " 2>&1", &run.exit_code);
+  return run;
+}
+
+// `infersweep run <args> --json <file>` on a tiny workload; the parsed JSON report.
+nlohmann::json RunTrials(const std::string& args, const std::string& name) {
+  const std::string json_path = testing::TempDir() + "/" + name + ".json";
+  const Cli run = RunCli("run " + args +
+                         " --layers 2 --workload prompt=8,output=4,batch=1,repeats=1,warmup=0 "
+                         "--json " +
+                         json_path);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::ifstream in(json_path);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
+TEST(QuantCli, RunQuantizeEveryFormatIsOkOnCpuAndTheFaultIsIncorrect) {
+  for (const char* format : kFormatNames) {
+    const nlohmann::json json = RunTrials(std::string("--model preset:tiny-moe --quantize ") +
+                                              format + " --config 'matmul=naive|blocked'",
+                                          std::string("quant_run_") + format);
+    EXPECT_EQ(json.value("model", ""), std::string("preset:tiny-moe@") + format);
+    ASSERT_EQ(json.value("results", nlohmann::json::array()).size(), 2u) << json.dump(1);
+    for (const auto& result : json.at("results")) {
+      EXPECT_EQ(result.at("status"), "OK") << format << ": " << result.dump();
+      EXPECT_EQ(result.at("model"), std::string("preset:tiny-moe@") + format);
+    }
+  }
+  const nlohmann::json faulty = RunTrials(
+      "--model preset:tiny-moe@mxfp4 --config matmul=blocked --test-inject-fault bad-quant-scale:4",
+      "quant_run_fault");
+  ASSERT_EQ(faulty.value("results", nlohmann::json::array()).size(), 1u) << faulty.dump(1);
+  EXPECT_EQ(faulty["results"][0].at("status"), "INCORRECT") << faulty.dump(1);
+}
+
+TEST(QuantCli, LogitsAndGenerateTakeQuantize) {
+  const std::string npy = testing::TempDir() + "/quant_logits.npy";
+  Cli run = RunCli(
+      "logits --model preset:tiny-moe --layers 2 --quantize fp8_block128 "
+      "--tokens 1,2,3 --out " +
+      npy);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("preset:tiny-moe@fp8_block128"));
+  auto logits = ReadNpyFloat32(npy);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  EXPECT_EQ(logits->shape, (std::vector<int64_t>{3, 512}));
+
+  run = RunCli(
+      "generate --model preset:tiny-moe --layers 2 --quantize nvfp4 --tokens 1,2,3 "
+      "--max-new-tokens 3");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("{\"tokens\":["));
+
+  run = RunCli("generate --model preset:tiny-moe --quantize int4 --tokens 1 --max-new-tokens 2");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--quantize int4: unknown format (known: fp8_tensor"));
+}
+
+}  // namespace
+}  // namespace infersweep
