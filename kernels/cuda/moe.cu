@@ -154,7 +154,10 @@ __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, cons
   }
   const float* hr = h + static_cast<int64_t>(row) * k * inter;
   float total = 0.f;
-  for (int i0 = lane; i0 < items; i0 += 32 * kUnroll) {
+  // The loop bound is warp-uniform: every lane must reach the shuffles (items < 32 at small
+  // shapes left lanes out of the loop, and their shuffles undefined: an illegal address).
+  for (int base = 0; base < items; base += 32 * kUnroll) {
+    const int i0 = base + lane;
     uint4 w[kUnroll];
     float slot_weight[kUnroll];
     int slot_of[kUnroll];
@@ -162,11 +165,11 @@ __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, cons
     for (int i = 0; i < kUnroll; ++i) {
       const int item = min(i0 + 32 * i, items - 1);
       const int slot = item / chunks;
-      const auto base = reinterpret_cast<const uint4*>(
+      const auto slot_row = reinterpret_cast<const uint4*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), slot));
       slot_weight[i] = __shfl_sync(0xffffffffu, my_weight, slot);
       slot_of[i] = slot;
-      if (i0 + 32 * i < items) w[i] = __ldcs(base + (item - slot * chunks));
+      if (i0 + 32 * i < items) w[i] = __ldcs(slot_row + (item - slot * chunks));
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
