@@ -71,14 +71,22 @@ const char* MessageName(const v1::AgentMessage& m) {
 }
 
 v1::CoordinatorMessage ErrorMessage(const std::string& text, const std::string& trial_id = "",
-                                    int attempt = 0, bool permanent = false) {
+                                    int attempt = 0, bool permanent = false,
+                                    absl::StatusCode code = absl::StatusCode::kUnknown) {
   v1::CoordinatorMessage m;
   v1::Error* e = m.mutable_error();
   e->set_message(text);
   e->set_trial_id(trial_id);
   e->set_attempt(attempt);
   e->set_permanent(permanent);
+  e->set_code(static_cast<int32_t>(code));
   return m;
+}
+
+std::string RateLimitMessage(const std::string& what, const RateLimit& limit,
+                             const std::string& who) {
+  return absl::StrCat("rate limit: ", what, " from ", who, " exceed ", limit.rate_per_s,
+                      "/s (burst ", limit.burst, "); retry later");
 }
 
 grpc::Status GrpcError(grpc::StatusCode code, const std::string& message) {
@@ -160,7 +168,11 @@ struct Held {
 
 class CoordinatorServer::Impl {
  public:
-  explicit Impl(CoordinatorOptions options) : options_(std::move(options)) {
+  explicit Impl(CoordinatorOptions options)
+      : options_(std::move(options)),
+        agent_limiter_(options_.agent_message_limit),
+        user_limiter_(options_.user_call_limit),
+        connect_limiter_(options_.connect_limit) {
     CoordinatorMetricsOptions mo;
     mo.max_config_series = options_.metrics_max_config_series;
     metrics_ = std::make_unique<CoordinatorMetrics>(mo);
@@ -194,8 +206,9 @@ class CoordinatorServer::Impl {
   grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream);
 
   // SweepService.
-  // OK when user auth is off or the call carries "authorization: Bearer <user_token>";
-  // UNAUTHENTICATED (counted in stats_.auth_failures) otherwise.
+  // RESOURCE_EXHAUSTED when the caller's address is over the user-call rate limit; else OK when
+  // user auth is off or the call carries "authorization: Bearer <user_token>"; UNAUTHENTICATED
+  // (counted in stats_.auth_failures) otherwise.
   grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
   grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
@@ -281,10 +294,14 @@ class CoordinatorServer::Impl {
   void OnHeartbeat(Conn& conn, const v1::Heartbeat& hb);
   void OnProgress(Conn& conn, const v1::Progress& p);
   void OnResult(Conn& conn, const v1::Result& r);
-  void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt);
+  // Sends a permanent Error (the agent drops that result) and counts a bad message.
+  void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt,
+              absl::StatusCode code = absl::StatusCode::kInvalidArgument);
 
   void SchedulerLoop();
   void ScheduleOnce(bool event);
+  // Logs, counts and exports a lease the store released (requeued or ended as ERROR).
+  void OnLeaseLost(const LostLease& lost, const std::string& how);
   // Places or judges one queued trial; returns true when it left the queue.
   bool TryPlaceLocked(const TrialRecord& trial, int64_t now);
   bool SlotBusyLocked(const std::string& agent_id, int slot) const;
@@ -313,6 +330,9 @@ class CoordinatorServer::Impl {
   std::map<std::string, std::shared_ptr<Conn>> conns_;            // agent id -> live stream
   std::map<std::string, std::map<std::string, Held>> held_;       // agent id -> trial id -> held
   std::map<std::string, std::regex> regex_cache_;
+  RateLimiter agent_limiter_;    // per agent id, messages after Hello
+  RateLimiter user_limiter_;     // per peer host, SweepService calls
+  RateLimiter connect_limiter_;  // per peer host, Connect streams
   size_t rr_ = 0;  // round-robin start among agents
   // Queue scans: how many queued trials one scan reads, and when a scan that changed nothing
   // may run again without an event (scheduler thread only).
@@ -338,7 +358,9 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
     if (started_) return absl::FailedPreconditionError("coordinator already started");
     started_ = true;
   }
-  auto store = Store::Open(db_path);
+  StoreOptions store_options;
+  store_options.busy_timeout_ms = options_.db_busy_timeout_ms;
+  auto store = Store::Open(db_path, store_options);
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
   // Nobody is connected to a coordinator that is only starting.
@@ -422,6 +444,16 @@ void CoordinatorServer::Impl::RecoverHeld() {
 // ------------------------------------------------------------------------------ authentication
 
 grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
+  // The rate limit comes first, so that guessing tokens is limited too.
+  if (const std::string peer = PeerHost(context->peer()); !user_limiter_.Allow(peer)) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.rate_limited;
+    }
+    metrics_->CountRateLimited("user");
+    return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     RateLimitMessage("user-API calls", user_limiter_.limit(), peer));
+  }
   if (options_.user_token.empty()) return grpc::Status::OK;
   bool ok = false;
   const auto& md = context->client_metadata();
@@ -469,10 +501,22 @@ absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
   }
   if (h.backends_size() > 4096 || h.running_size() > 4096)
     return absl::InvalidArgumentError("Hello: too many backends or running trials");
+  if (h.spooled_size() > rpc::kMaxHelloSpooled)
+    return absl::InvalidArgumentError(
+        absl::StrCat("Hello: more than ", rpc::kMaxHelloSpooled, " spooled results listed"));
   return absl::OkStatus();
 }
 
 grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, AgentStream* stream) {
+  if (const std::string peer = PeerHost(context->peer()); !connect_limiter_.Allow(peer)) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.rate_limited;
+    }
+    metrics_->CountRateLimited("connect");
+    return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     RateLimitMessage("agent streams", connect_limiter_.limit(), peer));
+  }
   v1::AgentMessage msg;
   if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
   auto reject = [&](grpc::StatusCode code, const std::string& text) {
@@ -534,10 +578,12 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     }
     conns_[id] = conn;
     ReconcileHeldLocked(*conn, now);
+    conn->hello.clear_spooled();  // used up
   }
   {
     v1::Hello stored = conn->hello;
     stored.clear_running();
+    stored.clear_spooled();
     std::string json;
     (void)google::protobuf::util::MessageToJsonString(stored, &json);
     AgentRecord rec{id, conn->hello.host(), json, now, true};
@@ -554,7 +600,29 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
   Wake();
 
   grpc::Status end = grpc::Status::OK;
+  int64_t dropped = 0;        // messages over the rate limit since the last log line
+  int64_t next_drop_log = 0;  // when the next such line may be written
   while (stream->Read(&msg)) {
+    if (!agent_limiter_.Allow(id)) {
+      // Nothing is processed or stored. A Result gets a retryable Error: it stays spooled.
+      ++dropped;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.rate_limited;
+      }
+      metrics_->CountRateLimited("agent");
+      const std::string text =
+          RateLimitMessage("messages", agent_limiter_.limit(), absl::StrCat("agent ", id));
+      if (msg.has_result())
+        conn->Enqueue(ErrorMessage(text, msg.result().trial_id(), msg.result().attempt(),
+                                   /*permanent=*/false, absl::StatusCode::kResourceExhausted));
+      if (const int64_t t = NowMs(); t >= next_drop_log) {
+        Log(absl::StrCat(text, " (", dropped, " message(s) dropped)"));
+        dropped = 0;
+        next_drop_log = t + 5000;
+      }
+      continue;
+    }
     if (msg.has_hello()) {
       const std::string text = "protocol error: a second Hello on the same stream";
       conn->Enqueue(ErrorMessage(text));
@@ -607,6 +675,9 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
   auto& held = held_[conn.agent_id];
   std::map<std::string, const v1::RunningTrial*> running;
   for (const v1::RunningTrial& r : conn.hello.running()) running[r.trial_id()] = &r;
+  std::set<std::pair<std::string, int>> spooled;
+  for (const v1::RunningTrial& r : conn.hello.spooled())
+    spooled.insert({r.trial_id(), r.attempt()});
   auto valid_slots = [&](const v1::RunningTrial& r) {
     std::vector<int> slots;
     for (int s : r.slots())
@@ -626,9 +697,12 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
       it = held.erase(it);
     } else {
       // Not running any more: its result may be in the agent's spool, replayed right after this
-      // Hello. Recorded as lost if it does not come within the grace period.
+      // Hello; the lease is released if it does not come within the grace period. An agent that
+      // lists its spool says whether it is there: if not, the trial is lost now (its Assignment
+      // was lost on the way, or the agent restarted without it).
       h.slots.clear();
-      h.lost_deadline = now + options_.lost_trial_grace_ms;
+      const bool lost_now = conn.hello.reports_spool() && !spooled.count({tid, h.attempt});
+      h.lost_deadline = lost_now ? now : now + options_.lost_trial_grace_ms;
       ++it;
     }
   }
@@ -649,14 +723,15 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
 }
 
 void CoordinatorServer::Impl::Reject(Conn& conn, const std::string& message,
-                                     const std::string& trial_id, int attempt) {
+                                     const std::string& trial_id, int attempt,
+                                     absl::StatusCode code) {
   ++conn.bad_messages;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.bad_messages;
   }
   Log(absl::StrCat("agent ", conn.agent_id, ": rejected: ", message));
-  conn.Enqueue(ErrorMessage(message, trial_id, attempt, /*permanent=*/true));
+  conn.Enqueue(ErrorMessage(message, trial_id, attempt, /*permanent=*/true, code));
 }
 
 void CoordinatorServer::Impl::OnHeartbeat(Conn& conn, const v1::Heartbeat& hb) {
@@ -752,12 +827,20 @@ void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
-      return Reject(conn, std::string(s.message()), tid, r.attempt());
-    default:
-      // Storage trouble: the agent keeps the result spooled and resends it after reconnecting.
-      Log(absl::StrCat("storing the result of ", tid, ": ", s.message()));
+      return Reject(conn, std::string(s.message()), tid, r.attempt(), s.code());
+    default: {
+      // Storage trouble (busy, full): nothing was stored; the agent keeps the result spooled
+      // and sends it again after a backoff.
+      Log(absl::StrCat("storing the result of ", tid, " attempt ", r.attempt(),
+                       " failed (the agent ", conn.agent_id,
+                       " keeps it and retries): ", s.message()));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.store_errors;
+      }
       conn.Enqueue(ErrorMessage(absl::StrCat("could not store the result: ", s.message()), tid,
-                                r.attempt(), /*permanent=*/false));
+                                r.attempt(), /*permanent=*/false, s.code()));
+    }
   }
 }
 
@@ -860,59 +943,86 @@ void CoordinatorServer::Impl::UpdateFleetMetrics(int64_t now) {
   }
 }
 
+void CoordinatorServer::Impl::OnLeaseLost(const LostLease& l, const std::string& how) {
+  if (l.requeued) {
+    Log(absl::StrCat("trial ", l.trial_id, " attempt ", l.attempt, " lost (", how, ", agent ",
+                     l.agent_id, "): requeued"));
+    metrics_->CountLeaseLost(/*requeued=*/true);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.requeued;
+    return;
+  }
+  Log(absl::StrCat("trial ", l.trial_id, " stored as ERROR: ", l.reason));
+  metrics_->CountLeaseLost(/*requeued=*/false);
+  if (absl::StatusOr<TrialRecord> t = store_->GetTrial(l.trial_id); t.ok()) {
+    TrialResult r;
+    r.trial_id = l.trial_id;
+    r.attempt = l.attempt;
+    r.status = TrialStatus::kError;
+    r.reason = l.reason;
+    ExportResult(r, t->lease_place.gpu_name, t->lease_place.sm);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.attempts_exhausted;
+}
+
 void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   const int64_t now = NowMs();
-  if (auto requeued = store_->RequeueExpired(now); requeued.ok() && !requeued->empty()) {
+  if (auto expired = store_->RequeueExpired(now, options_.max_attempts); !expired.ok()) {
+    Log(absl::StrCat("requeueing expired leases: ", expired.status().message()));
+  } else if (!expired->empty()) {
     event = true;
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& tid : *requeued) {
-      for (auto& [agent, held] : held_) {
-        if (auto it = held.find(tid); it != held.end() && !it->second.foreign) held.erase(it);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const LostLease& l : *expired) {
+        auto held = held_.find(l.agent_id);
+        if (held == held_.end()) continue;
+        if (auto it = held->second.find(l.trial_id);
+            it != held->second.end() && !it->second.foreign)
+          held->second.erase(it);
       }
     }
-    Log(absl::StrCat("lease expired, requeued: ", requeued->size(), " trial(s), first ",
-                     requeued->front()));
+    for (const LostLease& l : *expired) OnLeaseLost(l, "expired");
   }
 
-  // Trials a reconnected agent held but no longer runs, past their grace period: lost.
+  // Trials a reconnected agent held but no longer runs, past their grace period: their leases
+  // are released (requeued, or ERROR at the attempt cap).
   struct Lost {
     std::string agent_id, trial_id;
     int attempt;
-    SlotInfo slot;
   };
   std::vector<Lost> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [agent, held] : held_) {
-      auto c = conns_.find(agent);
-      if (c == conns_.end()) continue;  // away: its leases run out instead
-      for (auto it = held.begin(); it != held.end();) {
-        if (it->second.lost_deadline > 0 && it->second.lost_deadline < now) {
-          lost.push_back({agent, it->first, it->second.attempt, c->second->slots[0]});
-          it = held.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      if (!conns_.count(agent)) continue;  // away: its leases run out instead
+      for (const auto& [tid, h] : held)
+        if (h.lost_deadline > 0 && h.lost_deadline <= now) lost.push_back({agent, tid, h.attempt});
     }
   }
   for (const Lost& l : lost) {
-    TrialResult r;
-    r.trial_id = l.trial_id;
-    r.attempt = l.attempt;
-    r.status = TrialStatus::kError;
-    r.reason = absl::StrCat("lost: agent '", l.agent_id,
-                            "' reconnected without this trial and sent no result for it (the "
-                            "agent restarted while the trial ran)");
-    r.device = l.slot.gpu ? l.slot.gpu_name : "cpu";
-    r.sm = l.slot.sm;
-    r.started_unix_ms = r.finished_unix_ms = now;
-    const absl::Status s = store_->RecordResult(l.agent_id, l.slot.gpu_name, l.slot.sm, r);
-    Log(absl::StrCat("trial ", l.trial_id, " attempt ", l.attempt, " lost by agent ", l.agent_id,
-                     s.ok() ? "" : absl::StrCat(" (not recorded: ", s.message(), ")")));
-    if (s.ok()) ExportResult(r, l.slot.gpu_name, l.slot.sm);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (s.ok()) ++stats_.lost;
+    absl::StatusOr<LostLease> released =
+        store_->ReleaseLease(l.trial_id, l.agent_id, l.attempt, options_.max_attempts,
+                             "the agent reconnected without the trial and sent no result for it");
+    // FailedPrecondition: its result came in the meantime, or the lease expired first.
+    const bool settled = released.ok() || absl::IsFailedPrecondition(released.status());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& held = held_[l.agent_id];
+      if (auto it = held.find(l.trial_id); it != held.end() && it->second.attempt == l.attempt) {
+        if (settled) {
+          held.erase(it);
+        } else {
+          it->second.lost_deadline = now + 1000;  // the store is busy or full: try again later
+        }
+      }
+      if (released.ok()) ++stats_.lost;
+    }
+    if (released.ok()) {
+      OnLeaseLost(*released, "its agent came back without it");
+    } else if (!settled) {
+      Log(absl::StrCat("releasing the lease of ", l.trial_id, ": ", released.status().message()));
+    }
   }
 
   if (!lost.empty()) event = true;
@@ -987,7 +1097,9 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
 
     free_supported.resize(static_cast<size_t>(needed));
     const int64_t expires = now + options_.lease_ms;
-    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires);
+    const SlotInfo& first = conn->slots[static_cast<size_t>(free_supported[0])];
+    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires,
+                                                            LeasePlace{first.gpu_name, first.sm});
     if (!leased.ok()) {
       Log(absl::StrCat("leasing ", trial.trial_id, ": ", leased.status().message()));
       return false;

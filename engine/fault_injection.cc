@@ -24,6 +24,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kSegv, "segv", false},
     {FaultInjection::Kind::kAbort, "abort", false},
     {FaultInjection::Kind::kHang, "hang", false},
+    {FaultInjection::Kind::kDelay, "delay", true},
 };
 
 }  // namespace
@@ -42,9 +43,10 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
                                                      k.name, " needs a number, as ", k.name, ":1"));
     return fault;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--test-inject-fault: unknown fault '", std::string(text),
-      "' (known: nan-layer:L, zero-expert:E, bad-scale:F, stuck-token:T, segv, abort, hang)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
+                   "' (known: nan-layer:L, zero-expert:E, bad-scale:F, stuck-token:T, segv, abort, "
+                   "hang, delay:S)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {
