@@ -222,7 +222,9 @@ TEST_F(Limits, AgentMessagesOverTheRateAreDroppedAndResultsStayRetryable) {
 // Nothing is stored and the coordinator serves the next caller.
 TEST_F(Limits, OversizedMessagesAreRefusedAndNothingIsStored) {
   Start(CoordinatorOptions());
-  const std::string huge(rpc::kMaxMessageBytes + 1024, '#');
+  // The documented limit is 4 MiB (rpc::kMaxMessageBytes); 5 MiB is over it.
+  static_assert(rpc::kMaxMessageBytes == 4 * 1024 * 1024);
+  const std::string huge(5 * 1024 * 1024, '#');
   {
     auto stub = v1::SweepService::NewStub(BigChannel());
     grpc::ClientContext context;
