@@ -1,17 +1,21 @@
 // fleet_bench: one coordinator and a thousand agents. How many results a second the coordinator
 // ingests, how long an agent waits for the Ack, and how much memory the coordinator needs.
 //
-//   fleet_bench [--agents 1000] [--trials-per-agent 10] [--channels 8] [--binary PATH]
-//               [--db PATH] [--keep]
+//   fleet_bench [--agents 1000] [--trials-per-agent 10] [--channels 8] [--trial-ms 0]
+//               [--binary PATH] [--db PATH] [--keep]
 //
 // Starts `infersweep coordinator` as a child process on a fresh SQLite file (rate limits off:
 // every simulated agent comes from 127.0.0.1), submits sweeps of agents x trials-per-agent CPU
 // trials, and connects the agents. Each is one AgentService.Connect stream speaking the real
 // protocol (Hello, Heartbeats at the Welcome's interval, one Result per Assignment; one CPU
 // slot), all multiplexed over --channels TCP connections through gRPC's callback API, so a
-// 2-core machine can hold them. An agent answers an Assignment at once with a synthetic OK
-// result of the size of a real one, so the coordinator (scheduling, SQLite, acks) is what is
-// measured, not the engine.
+// 2-core machine can hold them. An agent answers an Assignment with a synthetic OK result of
+// the size of a real one, about --trial-ms after it arrived (0: at once; else uniform in
+// [0.5, 1.5) x --trial-ms, seeded per agent, so that trials do not end in lockstep), so the
+// coordinator (scheduling, SQLite, acks) is what is measured, not the engine. With --trial-ms 0
+// every agent always has a result in flight: the coordinator is saturated, and the latency is
+// mostly queueing (agents / throughput). A --trial-ms that offers less than the saturated rate
+// shows the latency of an ingest that keeps up.
 //
 // Prints (nccl-tests style: '#' lines are metadata):
 //   results_per_s   acknowledged results / (last Ack - first Result written)
@@ -30,9 +34,11 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,6 +69,7 @@ struct Options {
   int agents = 1000;
   int trials_per_agent = 10;
   int channels = 8;
+  int trial_ms = 0;
   std::string binary = INFERSWEEP_BINARY;
   std::string db = "/tmp/infersweep_fleet_bench.db";
   bool keep = false;
@@ -82,6 +89,8 @@ Options ParseArgs(int argc, char** argv) {
       o.trials_per_agent = std::atoi(value("--trials-per-agent").c_str());
     } else if (a == "--channels") {
       o.channels = std::atoi(value("--channels").c_str());
+    } else if (a == "--trial-ms") {
+      o.trial_ms = std::atoi(value("--trial-ms").c_str());
     } else if (a == "--binary") {
       o.binary = value("--binary");
     } else if (a == "--db") {
@@ -91,12 +100,12 @@ Options ParseArgs(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: fleet_bench [--agents N] [--trials-per-agent T] [--channels C] "
-                   "[--binary PATH] [--db PATH] [--keep]\n");
+                   "[--trial-ms MS] [--binary PATH] [--db PATH] [--keep]\n");
       std::exit(2);
     }
   }
-  if (o.agents < 1 || o.trials_per_agent < 1 || o.channels < 1)
-    Die("--agents, --trials-per-agent and --channels must be >= 1");
+  if (o.agents < 1 || o.trials_per_agent < 1 || o.channels < 1 || o.trial_ms < 0)
+    Die("--agents, --trials-per-agent and --channels must be >= 1, --trial-ms >= 0");
   return o;
 }
 
@@ -155,14 +164,62 @@ std::string ResultJson(const std::string& trial_id, int attempt, const std::stri
   return ToJson(r).dump();
 }
 
+// Runs callbacks at their due time, on one thread (the simulated trials' ends).
+class Delayer {
+ public:
+  Delayer() : thread_([this] { Loop(); }) {}
+  ~Delayer() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void At(Clock::time_point when, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      due_.emplace(when, std::move(fn));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (due_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const Clock::time_point next = due_.begin()->first;
+      if (Clock::now() < next) {
+        cv_.wait_until(lock, next);
+        continue;
+      }
+      std::function<void()> fn = std::move(due_.begin()->second);
+      due_.erase(due_.begin());
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::multimap<Clock::time_point, std::function<void()>> due_;
+  std::thread thread_;
+};
+
 class Bench;
 
 // One simulated agent: one stream, one CPU slot. Callbacks may run on several gRPC threads at
 // once; mu_ guards the write queue and the send times.
 class SimAgent : public grpc::ClientBidiReactor<v1::AgentMessage, v1::CoordinatorMessage> {
  public:
-  SimAgent(Bench* bench, v1::AgentService::Stub* stub, std::string id)
-      : bench_(bench), stub_(stub), id_(std::move(id)) {}
+  SimAgent(Bench* bench, v1::AgentService::Stub* stub, std::string id, uint64_t seed)
+      : bench_(bench), stub_(stub), id_(std::move(id)), rng_(seed) {}
 
   void Start() {
     v1::AgentMessage hello;
@@ -219,6 +276,7 @@ class SimAgent : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Coordinato
   Bench* bench_;
   v1::AgentService::Stub* stub_;
   const std::string id_;
+  std::mt19937_64 rng_;  // trial durations (read thread only)
   grpc::ClientContext context_;
   v1::CoordinatorMessage in_;
   v1::AgentMessage out_;
@@ -233,6 +291,8 @@ class SimAgent : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Coordinato
 
 class Bench {
  public:
+  int trial_ms = 0;
+  Delayer delayer;
   std::atomic<int> welcomed{0};
   std::atomic<int64_t> acked{0};
   std::atomic<int64_t> errors{0};
@@ -279,8 +339,17 @@ void SimAgent::OnReadDone(bool ok) {
       r->set_attempt(a.attempt());
       r->set_result_json(ResultJson(a.trial_id(), a.attempt(), a.request_json()));
       r->add_slots(0);
-      bench_->OnFirstResult();
-      Enqueue(std::move(m));
+      if (bench_->trial_ms > 0) {
+        const double ms = bench_->trial_ms * std::uniform_real_distribution<double>(0.5, 1.5)(rng_);
+        bench_->delayer.At(now + std::chrono::microseconds(static_cast<int64_t>(ms * 1000)),
+                           [this, m = std::move(m)]() mutable {
+                             bench_->OnFirstResult();
+                             Enqueue(std::move(m));
+                           });
+      } else {
+        bench_->OnFirstResult();
+        Enqueue(std::move(m));
+      }
       break;
     }
     case v1::CoordinatorMessage::kAck: {
@@ -325,8 +394,10 @@ int Main(int argc, char** argv) {
 
   utsname u{};
   uname(&u);
-  std::printf("# fleet_bench: %d simulated agents over %d channels, %lld trials (%d per agent)\n",
-              o.agents, o.channels, static_cast<long long>(total), o.trials_per_agent);
+  std::printf(
+      "# fleet_bench: %d simulated agents over %d channels, %lld trials (%d per agent), each "
+      "answered %d ms after its Assignment\n",
+      o.agents, o.channels, static_cast<long long>(total), o.trials_per_agent, o.trial_ms);
   std::printf("# machine: %s %s %s, %u hardware threads\n", u.sysname, u.release, u.machine,
               std::thread::hardware_concurrency());
   std::printf("# coordinator: %s, database %s (fresh)\n", o.binary.c_str(), o.db.c_str());
@@ -348,6 +419,9 @@ int Main(int argc, char** argv) {
   }
   if (port == 0) Die("the coordinator did not start:\n" + coordinator->Output());
   const std::string address = absl::StrCat("127.0.0.1:", port);
+  const auto [rss_start, hwm_start] = Memory(coordinator->pid());
+  std::printf("# coordinator started: VmRSS %.1f MiB, VmHWM %.1f MiB (no agent yet)\n", rss_start,
+              hwm_start);
 
   // Agents first (idle), then the sweeps: every agent is connected when trials appear.
   std::vector<std::unique_ptr<v1::AgentService::Stub>> stubs;
@@ -360,11 +434,13 @@ int Main(int argc, char** argv) {
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
   }
   Bench bench;
+  bench.trial_ms = o.trial_ms;
   std::vector<std::unique_ptr<SimAgent>> agents;
   const auto connect_start = Clock::now();
   for (int i = 0; i < o.agents; ++i) {
-    agents.push_back(std::make_unique<SimAgent>(
-        &bench, stubs[static_cast<size_t>(i % o.channels)].get(), absl::StrCat("bench-", i)));
+    agents.push_back(std::make_unique<SimAgent>(&bench,
+                                                stubs[static_cast<size_t>(i % o.channels)].get(),
+                                                absl::StrCat("bench-", i), 1000003 * (i + 1)));
     agents.back()->Start();
   }
   while (bench.welcomed < o.agents) {

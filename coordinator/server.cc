@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <google/protobuf/util/json_util.h>
@@ -43,9 +44,11 @@ constexpr int kMaxQueryRows = 10000;
 // A page of results stays below the message limit with room for the envelope.
 constexpr size_t kMaxResultPageBytes = rpc::kMaxMessageBytes - 256 * 1024;
 constexpr size_t kMaxProgressText = 4096;
-// The scheduler reads this many queued trials per scan, more (up to the max) while the head of the
-// queue cannot be placed, so that trials behind an unplaceable backlog are still reached.
-constexpr size_t kInitialScanLimit = 512;
+// A scan reads 8 queued trials per free slot (at least 64), times a boost that grows 4x after
+// each scan that placed nothing while the queue was longer, up to the max: trials behind an
+// unplaceable backlog are still reached, and a scan stays cheap while few slots are free.
+constexpr size_t kMinScanLimit = 64;
+constexpr size_t kScanPerFreeSlot = 8;
 constexpr size_t kMaxScanLimit = 65536;
 // A scan that placed nothing is repeated on the next event, or after this long.
 constexpr int64_t kIdleScanIntervalMs = 2000;
@@ -303,7 +306,13 @@ class CoordinatorServer::Impl {
   // Logs, counts and exports a lease the store released (requeued or ended as ERROR).
   void OnLeaseLost(const LostLease& lost, const std::string& how);
   // Places or judges one queued trial; returns true when it left the queue.
-  bool TryPlaceLocked(const TrialRecord& trial, int64_t now);
+  // Free slots per connected agent (agent id -> slot indices), for one scheduling pass.
+  using FreeSlots = std::map<std::string, std::vector<int>>;
+  FreeSlots FreeSlotsLocked() const;
+  // Places or judges one queued trial on the agents in `order`, taking the slots it uses out of
+  // `free`; returns true when it left the queue.
+  bool TryPlaceLocked(const TrialRecord& trial, int64_t now, const std::vector<Conn*>& order,
+                      FreeSlots& free);
   bool SlotBusyLocked(const std::string& agent_id, int slot) const;
   bool MatchesLocked(const Selector& selector, const SlotInfo& slot);
   void RecordCoordinatorResult(const TrialRecord& trial, TrialStatus status,
@@ -336,8 +345,9 @@ class CoordinatorServer::Impl {
   size_t rr_ = 0;  // round-robin start among agents
   // Queue scans: how many queued trials one scan reads, and when a scan that changed nothing
   // may run again without an event (scheduler thread only).
-  size_t scan_limit_ = kInitialScanLimit;
+  size_t scan_boost_ = 1;
   int64_t next_idle_scan_ms_ = 0;
+  int64_t next_requeue_ms_ = 0;  // RequeueExpired runs at most once a tick (scheduler thread)
   CoordinatorStats stats_;
   std::unique_ptr<CoordinatorMetrics> metrics_;  // always kept; served when metrics_listen is set
   int64_t next_fleet_metrics_ms_ = 0;           // scheduler thread only
@@ -968,7 +978,12 @@ void CoordinatorServer::Impl::OnLeaseLost(const LostLease& l, const std::string&
 
 void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   const int64_t now = NowMs();
-  if (auto expired = store_->RequeueExpired(now, options_.max_attempts); !expired.ok()) {
+  absl::StatusOr<std::vector<LostLease>> expired = std::vector<LostLease>();
+  if (now >= next_requeue_ms_) {  // a write transaction: once a tick, not on every event
+    next_requeue_ms_ = now + options_.tick_ms;
+    expired = store_->RequeueExpired(now, options_.max_attempts);
+  }
+  if (!expired.ok()) {
     Log(absl::StrCat("requeueing expired leases: ", expired.status().message()));
   } else if (!expired->empty()) {
     event = true;
@@ -1026,12 +1041,18 @@ void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   }
 
   if (!lost.empty()) event = true;
+  size_t free_total = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (conns_.empty()) return;  // nothing can be placed, and nothing judged
+    for (const auto& [agent, slots] : FreeSlotsLocked()) free_total += slots.size();
   }
+  // Nothing can be placed while every slot is busy (a trial that no agent supports is judged on
+  // the next pass with a free slot); a freed slot is an event.
+  if (free_total == 0) return;
   if (!event && now < next_idle_scan_ms_) return;
-  auto queued = store_->QueuedTrials(static_cast<int>(scan_limit_));
+  const size_t limit =
+      std::min(kMaxScanLimit, std::max(kMinScanLimit, kScanPerFreeSlot * free_total) * scan_boost_);
+  auto queued = store_->QueuedTrials(static_cast<int>(limit));
   if (!queued.ok()) {
     Log(absl::StrCat("listing queued trials: ", queued.status().message()));
     return;
@@ -1039,22 +1060,43 @@ void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   int changed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    FreeSlots free = FreeSlotsLocked();
+    std::vector<Conn*> order;  // every connected agent, the start rotating from pass to pass
+    for (auto& [id, c] : conns_) order.push_back(c.get());
+    if (!order.empty())
+      std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()),
+                  order.end());
     for (const TrialRecord& trial : *queued) {
-      if (stopping_) return;
-      if (TryPlaceLocked(trial, now)) ++changed;
+      if (stopping_ || free.empty()) break;
+      if (TryPlaceLocked(trial, now, order, free)) ++changed;
     }
     ++rr_;
   }
   if (changed > 0) {
     next_idle_scan_ms_ = 0;
-    scan_limit_ = kInitialScanLimit;
+    scan_boost_ = 1;
   } else {
     next_idle_scan_ms_ = now + kIdleScanIntervalMs;
-    if (queued->size() >= scan_limit_) scan_limit_ = std::min(scan_limit_ * 4, kMaxScanLimit);
+    if (queued->size() >= limit) scan_boost_ = std::min(scan_boost_ * 4, kMaxScanLimit);
   }
 }
 
-bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now) {
+CoordinatorServer::Impl::FreeSlots CoordinatorServer::Impl::FreeSlotsLocked() const {
+  FreeSlots free;
+  for (const auto& [id, conn] : conns_) {
+    std::set<int> busy;
+    if (auto h = held_.find(id); h != held_.end())
+      for (const auto& [tid, held] : h->second) busy.insert(held.slots.begin(), held.slots.end());
+    std::vector<int> slots;
+    for (const SlotInfo& slot : conn->slots)
+      if (!busy.count(slot.index)) slots.push_back(slot.index);
+    if (!slots.empty()) free.emplace(id, std::move(slots));
+  }
+  return free;
+}
+
+bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now,
+                                             const std::vector<Conn*>& order, FreeSlots& free) {
   absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
   if (!config.ok()) {
     RecordCoordinatorResult(trial, TrialStatus::kError,
@@ -1062,40 +1104,33 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
     return true;
   }
   const int needed = std::max(1, trial.selector.gpus_needed);
-  std::vector<std::shared_ptr<Conn>> order;
-  for (auto& [id, c] : conns_) order.push_back(c);
-  std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()), order.end());
-
-  bool any_match = false, any_supported = false;
-  std::string first_reason;
-  std::optional<SlotInfo> first_slot;
-  for (const auto& conn : order) {
-    std::map<int, PreflightResult> by_sm;  // preflight per SM of this agent
-    std::vector<int> free_supported;
-    int matching = 0;
-    for (const SlotInfo& slot : conn->slots) {
-      if (!MatchesLocked(trial.selector, slot)) continue;
-      ++matching;
-      if (!first_slot) first_slot = slot;
-      auto pf = by_sm.find(slot.sm);
-      if (pf == by_sm.end()) {
-        PreflightTarget target;
-        target.has_cuda_build = conn->hello.cuda_build();
-        target.sm = slot.sm;
-        target.gpu_count = conn->gpu_count;
-        pf = by_sm.emplace(slot.sm, Preflight(*config, target)).first;
-      }
-      if (!pf->second.supported) {
-        if (first_reason.empty()) first_reason = pf->second.reason;
-        continue;
-      }
-      any_supported = true;
-      if (!SlotBusyLocked(conn->agent_id, slot.index)) free_supported.push_back(slot.index);
+  // Preflight depends on the slot's SM and its agent's build and GPU count only: once per kind.
+  std::map<std::tuple<int, bool, int>, PreflightResult> preflight;
+  auto judge = [&](const Conn& conn, const SlotInfo& slot) -> const PreflightResult& {
+    const std::tuple<int, bool, int> key{slot.sm, conn.hello.cuda_build(), conn.gpu_count};
+    auto pf = preflight.find(key);
+    if (pf == preflight.end()) {
+      PreflightTarget target;
+      target.has_cuda_build = conn.hello.cuda_build();
+      target.sm = slot.sm;
+      target.gpu_count = conn.gpu_count;
+      pf = preflight.emplace(key, Preflight(*config, target)).first;
     }
-    if (matching >= needed) any_match = true;
+    return pf->second;
+  };
+
+  for (Conn* conn : order) {
+    auto f = free.find(conn->agent_id);
+    if (f == free.end() || static_cast<int>(f->second.size()) < needed) continue;
+    std::vector<int> free_supported;
+    for (int index : f->second) {
+      const SlotInfo& slot = conn->slots[static_cast<size_t>(index)];
+      if (!MatchesLocked(trial.selector, slot) || !judge(*conn, slot).supported) continue;
+      free_supported.push_back(index);
+      if (static_cast<int>(free_supported.size()) == needed) break;
+    }
     if (static_cast<int>(free_supported.size()) < needed) continue;
 
-    free_supported.resize(static_cast<size_t>(needed));
     const int64_t expires = now + options_.lease_ms;
     const SlotInfo& first = conn->slots[static_cast<size_t>(free_supported[0])];
     absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires,
@@ -1126,7 +1161,30 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
     held_[conn->agent_id][req.trial_id] = std::move(h);
     ++stats_.assignments;
     conn->Enqueue(std::move(m));
+    for (int used : free_supported) std::erase(f->second, used);
+    if (f->second.empty()) free.erase(f);
     return true;
+  }
+
+  // No free slot takes it. It is UNSUPPORTED when some agent matches it but none supports it.
+  bool any_match = false, any_supported = false;
+  std::string first_reason;
+  std::optional<SlotInfo> first_slot;
+  for (Conn* conn : order) {
+    int matching = 0;
+    for (const SlotInfo& slot : conn->slots) {
+      if (!MatchesLocked(trial.selector, slot)) continue;
+      ++matching;
+      if (!first_slot) first_slot = slot;
+      const PreflightResult& pf = judge(*conn, slot);
+      if (pf.supported) {
+        any_supported = true;
+        break;
+      }
+      if (first_reason.empty()) first_reason = pf.reason;
+    }
+    if (matching >= needed) any_match = true;
+    if (any_supported) return false;
   }
   if (any_match && !any_supported) {
     ++stats_.unsupported;
