@@ -283,6 +283,16 @@ class CoordinatorServer::Impl {
       std::fprintf(stderr, "[coordinator] %s\n", line.c_str());
     }
   }
+  // True (and counted, by `api` in the metrics) when `key` is over `limiter`'s rate.
+  bool OverRateLimit(RateLimiter& limiter, const std::string& key, const char* api) {
+    if (limiter.Allow(key)) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.rate_limited;
+    }
+    metrics_->CountRateLimited(api);
+    return true;
+  }
   void Wake() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -455,15 +465,10 @@ void CoordinatorServer::Impl::RecoverHeld() {
 
 grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
   // The rate limit comes first, so that guessing tokens is limited too.
-  if (const std::string peer = PeerHost(context->peer()); !user_limiter_.Allow(peer)) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.rate_limited;
-    }
-    metrics_->CountRateLimited("user");
+  if (const std::string peer = PeerHost(context->peer());
+      OverRateLimit(user_limiter_, peer, "user"))
     return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
                      RateLimitMessage("user-API calls", user_limiter_.limit(), peer));
-  }
   if (options_.user_token.empty()) return grpc::Status::OK;
   bool ok = false;
   const auto& md = context->client_metadata();
@@ -518,15 +523,10 @@ absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
 }
 
 grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, AgentStream* stream) {
-  if (const std::string peer = PeerHost(context->peer()); !connect_limiter_.Allow(peer)) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.rate_limited;
-    }
-    metrics_->CountRateLimited("connect");
+  if (const std::string peer = PeerHost(context->peer());
+      OverRateLimit(connect_limiter_, peer, "connect"))
     return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
                      RateLimitMessage("agent streams", connect_limiter_.limit(), peer));
-  }
   v1::AgentMessage msg;
   if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
   auto reject = [&](grpc::StatusCode code, const std::string& text) {
@@ -613,14 +613,9 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
   int64_t dropped = 0;        // messages over the rate limit since the last log line
   int64_t next_drop_log = 0;  // when the next such line may be written
   while (stream->Read(&msg)) {
-    if (!agent_limiter_.Allow(id)) {
+    if (OverRateLimit(agent_limiter_, id, "agent")) {
       // Nothing is processed or stored. A Result gets a retryable Error: it stays spooled.
       ++dropped;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.rate_limited;
-      }
-      metrics_->CountRateLimited("agent");
       const std::string text =
           RateLimitMessage("messages", agent_limiter_.limit(), absl::StrCat("agent ", id));
       if (msg.has_result())

@@ -29,9 +29,8 @@ namespace infersweep {
 class FleetProcesses : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "fleet-proc-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
+    dir_ = MakeTempDir("fleet-proc");
+    ASSERT_FALSE(dir_.empty());
     db_ = dir_ + "/coordinator.db";
   }
   void TearDown() override {

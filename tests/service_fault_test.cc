@@ -61,6 +61,37 @@ class FaultTest : public FleetProcesses {
     }
     return false;
   }
+  // A user call made while the database cannot be written is refused with `code` and `needle`.
+  void ExpectSubmitRefused(absl::StatusCode code, const std::string& needle) {
+    ServiceClient client(address_, 10'000);
+    auto refused = client.SubmitSweep(CpuSweep(1), "refused.yaml");
+    EXPECT_EQ(refused.status().code(), code) << refused.status();
+    EXPECT_THAT(refused.status().message(), HasSubstr(needle));
+  }
+  // The two running trials end while the database cannot be written: both results are refused
+  // as retryable (the coordinator says `reason`), both agents keep them to send again, nothing
+  // more is stored and the file is intact.
+  void ExpectResultsRefusedAndKept(int64_t sweep, int64_t results, const std::string& reason) {
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          const std::string out = Logs();
+          return Count(out, "failed (the agent") >= 2 && Count(out, "sending it again") >= 2;
+        },
+        30))
+        << Logs();
+    EXPECT_THAT(coordinator_->Output(), HasSubstr(reason));
+    EXPECT_EQ(Results(sweep), results);
+    RawDb check(db_);
+    EXPECT_EQ(check.Query("PRAGMA integrity_check"), "ok");
+  }
+  // Once the database can be written again: every result lands once, the refused submit left
+  // nothing, and the coordinator is still the one that ran through the fault.
+  void ExpectRecovered(int64_t sweep, const std::vector<std::string>& agents) {
+    ASSERT_TRUE(WaitSweepDone(sweep, 60)) << Logs();
+    ExpectEveryTrialStoredOnce(sweep, agents);
+    EXPECT_EQ(DbCount("SELECT COUNT(*) FROM sweeps"), 1) << "the refused submit stored something";
+    EXPECT_TRUE(coordinator_->running());
+  }
   static int Count(const std::string& text, const std::string& needle) {
     int n = 0;
     for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1))
@@ -191,28 +222,12 @@ TEST_F(FaultTest, LockedDatabaseIsRetryableAndResultsLandOnceAfterRelease) {
   {
     RawDb locker(db_);
     ASSERT_EQ(locker.Exec("BEGIN EXCLUSIVE"), SQLITE_OK);
-    const int64_t results = std::stoll(locker.Query("SELECT COUNT(*) FROM results"));
-    ServiceClient client(address_, 10'000);
-    auto refused = client.SubmitSweep(CpuSweep(1), "during-lock.yaml");
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
-    EXPECT_THAT(refused.status().message(), HasSubstr("database is busy"));
-    // Both running trials finish and are refused for now.
-    ASSERT_TRUE(WaitFor(
-        [&] {
-          const std::string out = Logs();
-          return Count(out, "failed (the agent") >= 2 && Count(out, "sending it again") >= 2;
-        },
-        30))
-        << Logs();
-    EXPECT_THAT(coordinator_->Output(), HasSubstr("database is busy"));
-    EXPECT_EQ(std::stoll(locker.Query("SELECT COUNT(*) FROM results")), results);
-    EXPECT_EQ(locker.Query("PRAGMA integrity_check"), "ok");
+    const int64_t results = Results(sweep);
+    ExpectSubmitRefused(absl::StatusCode::kUnavailable, "database is busy");
+    ASSERT_NO_FATAL_FAILURE(ExpectResultsRefusedAndKept(sweep, results, "database is busy"));
     ASSERT_EQ(locker.Exec("COMMIT"), SQLITE_OK);
   }
-  ASSERT_TRUE(WaitSweepDone(sweep, 60)) << Logs();
-  ExpectEveryTrialStoredOnce(sweep, {"b1", "b2"});
-  EXPECT_EQ(DbCount("SELECT COUNT(*) FROM sweeps"), 1) << "the refused submit stored something";
-  EXPECT_TRUE(coordinator_->running());
+  ExpectRecovered(sweep, {"b1", "b2"});
 }
 
 // The disk fills up under the coordinator (its file size limit, RLIMIT_FSIZE, is lowered to the
@@ -231,32 +246,12 @@ TEST_F(FaultTest, FullDiskIsRetryableAndResultsLandOnceWhenSpaceReturns) {
   rlimit full{static_cast<rlim_t>(std::filesystem::file_size(wal)), RLIM_INFINITY};
   ASSERT_EQ(prlimit(coordinator_->pid(), RLIMIT_FSIZE, &full, nullptr), 0) << strerror(errno);
   const int64_t results = Results(sweep);
-  {
-    ServiceClient client(address_, 10'000);
-    auto refused = client.SubmitSweep(CpuSweep(1), "while-full.yaml");
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
-    EXPECT_THAT(refused.status().message(), HasSubstr("disk full"));
-  }
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        const std::string out = Logs();
-        return Count(out, "failed (the agent") >= 2 && Count(out, "sending it again") >= 2;
-      },
-      30))
-      << Logs();
-  EXPECT_THAT(coordinator_->Output(), HasSubstr("disk full"));
-  EXPECT_EQ(Results(sweep), results);
-  {
-    RawDb check(db_);
-    EXPECT_EQ(check.Query("PRAGMA integrity_check"), "ok");
-  }
+  ExpectSubmitRefused(absl::StatusCode::kResourceExhausted, "disk full");
+  ASSERT_NO_FATAL_FAILURE(ExpectResultsRefusedAndKept(sweep, results, "disk full"));
 
   rlimit roomy{RLIM_INFINITY, RLIM_INFINITY};
   ASSERT_EQ(prlimit(coordinator_->pid(), RLIMIT_FSIZE, &roomy, nullptr), 0) << strerror(errno);
-  ASSERT_TRUE(WaitSweepDone(sweep, 60)) << Logs();
-  ExpectEveryTrialStoredOnce(sweep, {"f1", "f2"});
-  EXPECT_EQ(DbCount("SELECT COUNT(*) FROM sweeps"), 1) << "the refused submit stored something";
-  EXPECT_TRUE(coordinator_->running());
+  ExpectRecovered(sweep, {"f1", "f2"});
 }
 
 }  // namespace

@@ -85,9 +85,8 @@ TEST(RateLimiter, PeerHostDropsThePort) {
 class Limits : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "limits-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
+    dir_ = MakeTempDir("limits");
+    ASSERT_FALSE(dir_.empty());
   }
   void TearDown() override {
     if (server_) server_->Stop();

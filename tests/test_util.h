@@ -3,11 +3,13 @@
 // them where tests run from another tree (the GPU machine, scripts/gpu.sh).
 #pragma once
 
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -23,6 +25,13 @@ inline std::string SourceDir() {
 inline std::string WorkerBinary() {
   const char* env = std::getenv("INFERSWEEP_BINARY");
   return env ? env : INFERSWEEP_BINARY;
+}
+
+// A new, empty directory under the system's temporary folder, named PREFIX-XXXXXX ("" when it
+// cannot be made). The caller removes it.
+inline std::string MakeTempDir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  return mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
 }
 
 // Polls `done` every 20 ms until it holds or `seconds` pass.
