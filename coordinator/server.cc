@@ -315,7 +315,6 @@ class CoordinatorServer::Impl {
   void ScheduleOnce(bool event);
   // Logs, counts and exports a lease the store released (requeued or ended as ERROR).
   void OnLeaseLost(const LostLease& lost, const std::string& how);
-  // Places or judges one queued trial; returns true when it left the queue.
   // Free slots per connected agent (agent id -> slot indices), for one scheduling pass.
   using FreeSlots = std::map<std::string, std::vector<int>>;
   FreeSlots FreeSlotsLocked() const;
