@@ -104,7 +104,7 @@ class FaultTest : public FleetProcesses {
 // so the kill is certainly mid-trial): nobody renews the lease, it expires after --lease-s, the
 // trial is requeued as attempt 2 and another agent completes it.
 TEST_F(FaultTest, AgentKilledMidTrialIsRequeuedAndCompletedByAnotherAgent) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator({"--lease-s", "2", "--max-attempts", "3"}));
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({"--lease-s", "3", "--max-attempts", "3"}));
   ChildProcess* doomed = StartAgent("doomed", {"--test-inject-fault", "hang"});
   ASSERT_TRUE(WaitFor([&] { return ConnectedAgents() == 1; }, 20)) << Logs();
   const int64_t sweep = Submit(CpuSweep(2));
@@ -131,7 +131,7 @@ TEST_F(FaultTest, AgentKilledMidTrialIsRequeuedAndCompletedByAnotherAgent) {
 // A trial whose every attempt dies with its agent is not retried forever: after --max-attempts
 // lost leases it is stored once, as ERROR "lease lost N times", and the sweep completes.
 TEST_F(FaultTest, TrialLostOnEveryAttemptIsStoredAsErrorAtTheAttemptCap) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator({"--lease-s", "1", "--max-attempts", "2"}));
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({"--lease-s", "2", "--max-attempts", "2"}));
   const int64_t sweep = Submit(CpuSweep(1, "[naive]"));
   std::string trial;
   for (int attempt = 1; attempt <= 2; ++attempt) {
