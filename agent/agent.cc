@@ -4,11 +4,13 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <fstream>
 #include <optional>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "engine/fault_injection.h"
 #include "harness/runner.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
@@ -56,6 +58,7 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
     options_.spool_path = absl::StrCat("infersweep-spool-", options_.agent_id, ".db");
   options_.initial_backoff_ms = std::max(1, options_.initial_backoff_ms);
   options_.max_backoff_ms = std::max(options_.initial_backoff_ms, options_.max_backoff_ms);
+  retry_backoff_ms_ = options_.initial_backoff_ms;
 }
 
 Agent::~Agent() { Stop(); }
@@ -72,6 +75,12 @@ absl::Status Agent::Start() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (started_) return absl::FailedPreconditionError("agent already started");
+  }
+  if (!options_.test_inject_fault.empty()) {
+    if (auto fault = ParseFaultInjection(options_.test_inject_fault); !fault.ok())
+      return fault.status();
+    Log(absl::StrCat("[TEST-FAULT] every trial runs with the injected fault '",
+                     options_.test_inject_fault, "'"));
   }
   auto credentials = rpc::MakeChannelCredentials(options_.tls);
   if (!credentials.ok()) return credentials.status();
@@ -257,6 +266,16 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& r : RunningLocked()) *hello->add_running() = std::move(r);
   }
+  // What the spool holds now; anything that finishes later was listed as running above.
+  if (auto spooled = spool_->All();
+      spooled.ok() && spooled->size() <= static_cast<size_t>(rpc::kMaxHelloSpooled)) {
+    hello->set_reports_spool(true);
+    for (const SpooledResult& r : *spooled) {
+      v1::RunningTrial* t = hello->add_spooled();
+      t->set_trial_id(r.trial_id);
+      t->set_attempt(r.attempt);
+    }
+  }
 
   bool welcomed = false;
   bool ok;
@@ -287,13 +306,37 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
     link->ready = true;
     Log(absl::StrCat("connected to ", options_.coordinator, " (heartbeat every ", interval_ms,
                      " ms)"));
+    {
+      // Everything spooled is sent now, so nothing is waiting for a retry.
+      std::lock_guard<std::mutex> lock(mu_);
+      retry_keys_.clear();
+      retry_at_.reset();
+    }
     SendSpooled();
     heartbeat = std::thread([this, link, interval_ms] {
+      using Clock = std::chrono::steady_clock;
       std::unique_lock<std::mutex> lock(mu_);
+      Clock::time_point next_heartbeat = Clock::now() + std::chrono::milliseconds(interval_ms);
       while (true) {
-        cv_.wait_for(lock, std::chrono::milliseconds(interval_ms),
-                     [&] { return stopping_ || link_ != link; });
+        const Clock::time_point wake =
+            retry_at_ ? std::min(next_heartbeat, *retry_at_) : next_heartbeat;
+        cv_.wait_until(lock, wake, [&] {
+          return stopping_ || link_ != link || (retry_at_ && *retry_at_ < wake);
+        });
         if (stopping_ || link_ != link) return;
+        const Clock::time_point now = Clock::now();
+        if (retry_at_ && *retry_at_ <= now) {
+          // Results the coordinator could not take for a transient reason: send them again.
+          const std::set<std::pair<std::string, int>> keys = std::move(retry_keys_);
+          retry_keys_.clear();
+          retry_at_.reset();
+          lock.unlock();
+          SendSpooled(&keys);
+          lock.lock();
+          continue;
+        }
+        if (now < next_heartbeat) continue;
+        next_heartbeat = now + std::chrono::milliseconds(interval_ms);
         v1::AgentMessage m;
         v1::Heartbeat* hb = m.mutable_heartbeat();
         for (auto& r : RunningLocked()) {
@@ -320,22 +363,13 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
           UpdateSpoolMetric();
           std::lock_guard<std::mutex> lock(mu_);
           ++stats_.acks;
+          retry_keys_.erase({msg.ack().trial_id(), msg.ack().attempt()});
+          retry_backoff_ms_ = options_.initial_backoff_ms;  // the coordinator takes results again
           break;
         }
-        case v1::CoordinatorMessage::kError: {
-          const v1::Error& e = msg.error();
-          Log(absl::StrCat("coordinator error", e.trial_id().empty() ? "" : " about ", e.trial_id(),
-                           ": ", e.message()));
-          if (e.permanent() && !e.trial_id().empty()) {
-            Log(absl::StrCat("dropping the result of ", e.trial_id(), " attempt ", e.attempt(),
-                             " from the spool: the coordinator will never accept it"));
-            (void)spool_->Remove(e.trial_id(), e.attempt());
-            UpdateSpoolMetric();
-          }
-          std::lock_guard<std::mutex> lock(mu_);
-          ++stats_.errors_received;
+        case v1::CoordinatorMessage::kError:
+          OnError(msg.error());
           break;
-        }
         default:
           break;  // a second Welcome, or a message this agent does not know: ignore
       }
@@ -379,13 +413,52 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
   return welcomed;
 }
 
-void Agent::SendSpooled() {
+void Agent::OnError(const v1::Error& e) {
+  Log(absl::StrCat("coordinator error", e.trial_id().empty() ? "" : " about ", e.trial_id(),
+                   e.trial_id().empty() ? "" : absl::StrCat(" attempt ", e.attempt()), ": ",
+                   e.message()));
+  if (e.permanent() && !e.trial_id().empty()) {
+    Log(absl::StrCat("dropping the result of ", e.trial_id(), " attempt ", e.attempt(),
+                     " from the spool: the coordinator will never accept it"));
+    (void)spool_->Remove(e.trial_id(), e.attempt());
+    UpdateSpoolMetric();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.errors_received;
+    if (e.permanent() || e.trial_id().empty()) return;
+    // Transient (database busy or full, rate limit): the result stays spooled and is sent again
+    // after the backoff, which doubles up to max_backoff_ms until an Ack comes.
+    retry_keys_.insert({e.trial_id(), e.attempt()});
+    if (!retry_at_) {
+      retry_at_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(retry_backoff_ms_);
+      Log(absl::StrCat("the result of ", e.trial_id(), " stays spooled; sending it again in ",
+                       retry_backoff_ms_, " ms"));
+      retry_backoff_ms_ = std::min(options_.max_backoff_ms, retry_backoff_ms_ * 2);
+    }
+  }
+  cv_.notify_all();
+}
+
+void Agent::AppendResultsLog(const std::string& result_json) {
+  if (options_.results_log_path.empty()) return;
+  std::lock_guard<std::mutex> lock(results_log_mu_);
+  std::ofstream out(options_.results_log_path, std::ios::app);
+  out << result_json << '\n';
+  out.flush();
+  if (!out) Log(absl::StrCat("cannot append to the results log ", options_.results_log_path));
+}
+
+void Agent::SendSpooled(const std::set<std::pair<std::string, int>>* only) {
   auto all = spool_->All();
   if (!all.ok()) {
     Log(absl::StrCat("cannot read the spool: ", all.status().message()));
     return;
   }
+  if (only == nullptr && !all->empty())
+    Log(absl::StrCat("replaying ", all->size(), " unacknowledged result(s) from the spool"));
   for (const SpooledResult& r : *all) {
+    if (only != nullptr && !only->count({r.trial_id, r.attempt})) continue;
     v1::AgentMessage m;
     v1::Result* res = m.mutable_result();
     res->set_trial_id(r.trial_id);
@@ -395,6 +468,7 @@ void Agent::SendSpooled() {
     if (!Send(m)) return;
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.results_sent;
+    if (only != nullptr) ++stats_.retries;
   }
 }
 
@@ -483,6 +557,7 @@ void Agent::SlotLoop(Slot* slot) {
     } else {
       request->trial_id = job.trial_id;
       request->attempt = job.attempt;
+      if (!options_.test_inject_fault.empty()) request->inject_fault = options_.test_inject_fault;
       Log(absl::StrCat("running ", job.trial_id, " attempt ", job.attempt, " on slot ",
                        slot->index, ": ", BackendConfigString(request->config)));
       if (metrics_) metrics_->TrialStarted(job.trial_id, BackendConfigString(request->config));
@@ -516,6 +591,7 @@ void Agent::Finish(const Job& job, TrialResult result) {
   spooled.attempt = job.attempt;
   spooled.result_json = ToJson(result).dump();
   spooled.slots = job.slots;
+  AppendResultsLog(spooled.result_json);
   if (auto seq = spool_->Put(spooled); !seq.ok())
     Log(absl::StrCat("cannot spool ", job.trial_id, ": ", seq.status().message(),
                      " (sending it anyway)"));

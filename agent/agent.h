@@ -7,13 +7,17 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,7 +45,15 @@ struct AgentOptions {
   std::vector<std::string> test_fake_gpus;
   // argv of the trial worker; default {"/proc/self/exe", "worker"} (the infersweep binary).
   std::vector<std::string> worker_argv;
-  // Reconnect backoff: doubles from the initial delay up to the cap; reset by a Welcome.
+  // TEST ONLY: a fault (engine/fault_injection.h, e.g. "hang", "sleep:2") injected into every
+  // trial this agent runs. Empty in production.
+  std::string test_inject_fault;
+  // When set, every finished result is appended to this file as one JSON line (the TrialResult
+  // exactly as sent) before it is spooled: a local record of what this agent produced.
+  std::string results_log_path;
+  // Reconnect backoff: doubles from the initial delay up to the cap; reset by a Welcome. The
+  // same schedule spaces the resends of results the coordinator could not take for a transient
+  // reason (Error.permanent false: database busy or full, rate limit); reset by an Ack.
   int initial_backoff_ms = 200;
   int max_backoff_ms = 5000;
   // Where to serve Prometheus /metrics (agent/metrics.h), e.g. "127.0.0.1:9465"; port 0 picks a
@@ -57,6 +69,7 @@ struct AgentStats {
   int64_t results_sent = 0;      // Result messages written, replays included
   int64_t acks = 0;
   int64_t errors_received = 0;   // Error messages from the coordinator
+  int64_t retries = 0;           // results sent again after a transient Error
   int64_t spooled = 0;           // results in the spool now
 };
 
@@ -96,7 +109,12 @@ class Agent {
   void HandleCancel(const std::string& trial_id);
   // Spools the result, then sends it.
   void Finish(const Job& job, TrialResult result);
-  void SendSpooled();
+  // Sends the spooled results again: all of them, or only those in `only` when it is given.
+  void SendSpooled(const std::set<std::pair<std::string, int>>* only = nullptr);
+  // After an Error: a transient one about a result schedules a resend of it after a backoff.
+  void OnError(const v1::Error& error);
+  // Appends a finished result to options_.results_log_path.
+  void AppendResultsLog(const std::string& result_json);
   void Log(const std::string& line);
   // Sets the spool depth gauge from the spool (when metrics are served).
   void UpdateSpoolMetric();
@@ -119,6 +137,11 @@ class Agent {
   AgentStats stats_;
   std::atomic<bool> connected_{false};
   int failures_ = 0;  // connection attempts without a Welcome since the last one (loop thread)
+  // Results to send again after a transient Error, when, and the backoff after that (mu_).
+  std::set<std::pair<std::string, int>> retry_keys_;
+  std::optional<std::chrono::steady_clock::time_point> retry_at_;
+  int retry_backoff_ms_ = 0;
+  std::mutex results_log_mu_;
   std::thread connection_thread_;
 };
 

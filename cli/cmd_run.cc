@@ -150,8 +150,8 @@ void AddRunCommands(CLI::App& app) {
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
   run->add_option("--test-inject-fault", args.inject_fault,
-                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, stuck-token:T, "
-                  "segv, abort, hang");
+                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, "
+                  "stuck-token:T, segv, abort, hang, delay:S");
   run->callback([] { std::exit(RunTrials(args)); });
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");

@@ -116,7 +116,12 @@ struct CoordinatorArgs {
   std::string listen = "127.0.0.1:7070";
   std::string db = "data/infersweep.db";
   double lease_s = 60;
+  int max_attempts = 3;
   size_t max_trials = 10000;
+  int db_busy_timeout_ms = 5000;
+  double agent_rate = 50, agent_burst = 500;
+  double user_rate = 20, user_burst = 100;
+  double connect_rate = 5, connect_burst = 50;
   std::string auth_token_env;
   std::string agent_token_file;
   std::string user_token_file;
@@ -126,6 +131,11 @@ struct CoordinatorArgs {
 
 int RunCoordinator(const CoordinatorArgs& args) {
   if (args.lease_s < 1 || args.lease_s > 86400) return Usage("--lease-s must be in [1, 86400]");
+  if (args.max_attempts < 0) return Usage("--max-attempts must be >= 0 (0: no cap)");
+  if (args.db_busy_timeout_ms < 0) return Usage("--db-busy-timeout-ms must be >= 0");
+  for (double v : {args.agent_rate, args.agent_burst, args.user_rate, args.user_burst,
+                   args.connect_rate, args.connect_burst})
+    if (v < 0) return Usage("rate limits and bursts must be >= 0 (rate 0: no limit)");
   const std::filesystem::path db(args.db);
   if (db.has_parent_path()) {
     std::error_code ec;
@@ -137,6 +147,11 @@ int RunCoordinator(const CoordinatorArgs& args) {
   CoordinatorOptions options;
   options.lease_ms = static_cast<int64_t>(args.lease_s * 1000);
   options.max_trials_per_sweep = args.max_trials;
+  options.max_attempts = args.max_attempts;
+  options.db_busy_timeout_ms = args.db_busy_timeout_ms;
+  options.agent_message_limit = {args.agent_rate, args.agent_burst};
+  options.user_call_limit = {args.user_rate, args.user_burst};
+  options.connect_limit = {args.connect_rate, args.connect_burst};
   options.metrics_listen = args.metrics_listen;
   if (!args.auth_token_env.empty()) {
     const char* token = std::getenv(args.auth_token_env.c_str());
@@ -159,12 +174,23 @@ int RunCoordinator(const CoordinatorArgs& args) {
   options.tls.cert_file = args.tls_cert;
   options.tls.key_file = args.tls_key;
   options.tls.client_ca_file = args.tls_client_ca;
+  // A write over a file size limit fails (EFBIG, reported as a full disk) instead of killing
+  // the process.
+  signal(SIGXFSZ, SIG_IGN);
   BlockStopSignals();
   CoordinatorServer server(options);
   absl::StatusOr<int> port = server.Start(args.listen, args.db);
   if (!port.ok()) return Fail(port.status());
   std::printf("# infersweep coordinator on %s (port %d), database %s, lease %.0f s\n",
               args.listen.c_str(), *port, args.db.c_str(), args.lease_s);
+  auto limit_text = [](const RateLimit& l) {
+    return l.enabled() ? absl::StrCat(l.rate_per_s, "/s burst ", l.burst) : std::string("off");
+  };
+  std::printf(
+      "# limits: %zu trials per sweep, %d attempts per trial; rates: agent messages %s, "
+      "user calls %s, agent streams %s\n",
+      args.max_trials, args.max_attempts, limit_text(options.agent_message_limit).c_str(),
+      limit_text(options.user_call_limit).c_str(), limit_text(options.connect_limit).c_str());
   std::printf("# authentication: agents %s, users %s\n",
               options.agent_token.empty() ? "off" : "token", options.user_token.empty() ? "off" : "token");
   const char* transport = "plaintext";
@@ -191,6 +217,8 @@ struct AgentArgs {
   int max_backoff_ms = 5000;
   std::string auth_token_env;
   std::string token_file;
+  std::string test_inject_fault;
+  std::string results_log;
   std::string tls_ca, tls_cert, tls_key;
   std::string metrics_listen = "127.0.0.1:9465";
 };
@@ -203,6 +231,8 @@ int RunAgent(const AgentArgs& args) {
   options.test_fake_gpus = args.fake_gpus;
   options.max_backoff_ms = args.max_backoff_ms;
   options.metrics_listen = args.metrics_listen;
+  options.test_inject_fault = args.test_inject_fault;
+  options.results_log_path = args.results_log;
   options.tls.ca_file = args.tls_ca;
   options.tls.cert_file = args.tls_cert;
   options.tls.key_file = args.tls_key;
@@ -224,6 +254,7 @@ int RunAgent(const AgentArgs& args) {
     std::error_code ec;
     if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
   }
+  signal(SIGXFSZ, SIG_IGN);  // a spool write over a file size limit fails instead of killing us
   BlockStopSignals();
   Agent agent(options);
   if (absl::Status s = agent.Start(); !s.ok()) return Fail(s);
@@ -790,6 +821,27 @@ void AddServiceCommands(CLI::App& app) {
         ->capture_default_str();
     cmd->add_option("--max-trials", args.max_trials, "cap on the trials of one sweep")
         ->capture_default_str();
+    cmd->add_option("--max-attempts", args.max_attempts,
+                    "leases a trial may lose (expired, agent restarted) before it is stored as "
+                    "ERROR; 0: no cap")
+        ->capture_default_str();
+    cmd->add_option("--db-busy-timeout-ms", args.db_busy_timeout_ms,
+                    "how long a database write waits for another connection's lock")
+        ->capture_default_str();
+    cmd->add_option("--agent-rate", args.agent_rate,
+                    "messages per second per agent id (0: no limit)")
+        ->capture_default_str();
+    cmd->add_option("--agent-burst", args.agent_burst, "burst of --agent-rate")
+        ->capture_default_str();
+    cmd->add_option("--user-rate", args.user_rate,
+                    "user-API calls per second per client address (0: no limit)")
+        ->capture_default_str();
+    cmd->add_option("--user-burst", args.user_burst, "burst of --user-rate")->capture_default_str();
+    cmd->add_option("--connect-rate", args.connect_rate,
+                    "agent streams opened per second per client address (0: no limit)")
+        ->capture_default_str();
+    cmd->add_option("--connect-burst", args.connect_burst, "burst of --connect-rate")
+        ->capture_default_str();
     cmd->add_option("--auth-token-env", args.auth_token_env,
                     "environment variable holding the token agents must present (or "
                     "--agent-token-file)");
@@ -819,8 +871,14 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--test-fake-gpu", args.fake_gpus,
                     "TEST ONLY: advertise a GPU label \"NAME:SM:MEMORY_GIB\" (repeatable); trials "
                     "still run on the CPU");
-    cmd->add_option("--max-backoff-ms", args.max_backoff_ms, "reconnect backoff cap")
+    cmd->add_option("--max-backoff-ms", args.max_backoff_ms,
+                    "cap of the reconnect and resend backoff")
         ->capture_default_str();
+    cmd->add_option("--results-log", args.results_log,
+                    "append every finished result to this file, one JSON line each");
+    cmd->add_option("--test-inject-fault", args.test_inject_fault,
+                    "TEST ONLY: inject a fault into every trial (hang, delay:S, segv, ...; "
+                    "docs/VERDICTS.md)");
     cmd->add_option("--auth-token-env", args.auth_token_env,
                     "environment variable holding the coordinator's agent token");
     cmd->add_option("--token-file", args.token_file, "file holding the coordinator's agent token");

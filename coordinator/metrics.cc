@@ -88,6 +88,23 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                         "capped family and result; see infersweep_metrics_config_series_limit)")
                   .Register(r)
                   .Add({});
+  rate_limited_ = &BuildCounter()
+                       .Name("infersweep_rate_limited_total")
+                       .Help(
+                           "Calls, streams and agent messages refused by a rate limit, by api "
+                           "(user: SweepService calls; connect: agent streams; agent: "
+                           "messages on an agent stream)")
+                       .Register(r);
+  for (const char* api : {"user", "connect", "agent"}) rate_limited_->Add({{"api", api}});
+  auto& lease_lost = BuildCounter()
+                         .Name("infersweep_leases_lost_total")
+                         .Help(
+                             "Leases that ended without a result (expired, or the agent came "
+                             "back without the trial), by outcome: requeued, or the trial "
+                             "stored as ERROR at the attempt cap (attempts_exhausted)")
+                         .Register(r);
+  lease_requeued_ = &lease_lost.Add({{"outcome", "requeued"}});
+  lease_exhausted_ = &lease_lost.Add({{"outcome", "attempts_exhausted"}});
   series_ = &BuildGauge()
                  .Name("infersweep_metrics_config_series")
                  .Help("Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
@@ -177,6 +194,12 @@ void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); 
 void CoordinatorMetrics::SetQueueDepth(int64_t n) { queue_depth_->Set(static_cast<double>(n)); }
 void CoordinatorMetrics::SetLeasedTrials(int64_t n) { leased_->Set(static_cast<double>(n)); }
 void CoordinatorMetrics::ObserveIngestSeconds(double seconds) { ingest_->Observe(seconds); }
+void CoordinatorMetrics::CountRateLimited(const std::string& api) {
+  rate_limited_->Add({{"api", api}}).Increment();
+}
+void CoordinatorMetrics::CountLeaseLost(bool requeued) {
+  (requeued ? lease_requeued_ : lease_exhausted_)->Increment();
+}
 
 std::string CoordinatorMetrics::Serialize() const {
   std::ostringstream out;

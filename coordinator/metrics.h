@@ -69,6 +69,11 @@ class CoordinatorMetrics {
   void SetQueueDepth(int64_t n);
   void SetLeasedTrials(int64_t n);
   void ObserveIngestSeconds(double seconds);
+  // A call, stream or agent message refused by a rate limit; `api` is "user", "connect" or
+  // "agent" (docs/SECURITY.md "Limits").
+  void CountRateLimited(const std::string& api);
+  // A lost lease: requeued, or the trial ended as ERROR at the attempt cap.
+  void CountLeaseLost(bool requeued);
 
   // The text exposition of every metric (what GET /metrics returns), for tests and debugging.
   std::string Serialize() const;
@@ -94,6 +99,9 @@ class CoordinatorMetrics {
   prometheus::Gauge* leased_ = nullptr;
   prometheus::Histogram* ingest_ = nullptr;
   prometheus::Counter* dropped_ = nullptr;
+  prometheus::Family<prometheus::Counter>* rate_limited_ = nullptr;
+  prometheus::Counter* lease_requeued_ = nullptr;
+  prometheus::Counter* lease_exhausted_ = nullptr;
   prometheus::Gauge* series_ = nullptr;
 
   mutable std::mutex mu_;  // guards the key sets and Listen

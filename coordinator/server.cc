@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <google/protobuf/util/json_util.h>
@@ -43,9 +44,11 @@ constexpr int kMaxQueryRows = 10000;
 // A page of results stays below the message limit with room for the envelope.
 constexpr size_t kMaxResultPageBytes = rpc::kMaxMessageBytes - 256 * 1024;
 constexpr size_t kMaxProgressText = 4096;
-// The scheduler reads this many queued trials per scan, more (up to the max) while the head of the
-// queue cannot be placed, so that trials behind an unplaceable backlog are still reached.
-constexpr size_t kInitialScanLimit = 512;
+// A scan reads 8 queued trials per free slot (at least 64), times a boost that grows 4x after
+// each scan that placed nothing while the queue was longer, up to the max: trials behind an
+// unplaceable backlog are still reached, and a scan stays cheap while few slots are free.
+constexpr size_t kMinScanLimit = 64;
+constexpr size_t kScanPerFreeSlot = 8;
 constexpr size_t kMaxScanLimit = 65536;
 // A scan that placed nothing is repeated on the next event, or after this long.
 constexpr int64_t kIdleScanIntervalMs = 2000;
@@ -71,14 +74,22 @@ const char* MessageName(const v1::AgentMessage& m) {
 }
 
 v1::CoordinatorMessage ErrorMessage(const std::string& text, const std::string& trial_id = "",
-                                    int attempt = 0, bool permanent = false) {
+                                    int attempt = 0, bool permanent = false,
+                                    absl::StatusCode code = absl::StatusCode::kUnknown) {
   v1::CoordinatorMessage m;
   v1::Error* e = m.mutable_error();
   e->set_message(text);
   e->set_trial_id(trial_id);
   e->set_attempt(attempt);
   e->set_permanent(permanent);
+  e->set_code(static_cast<int32_t>(code));
   return m;
+}
+
+std::string RateLimitMessage(const std::string& what, const RateLimit& limit,
+                             const std::string& who) {
+  return absl::StrCat("rate limit: ", what, " from ", who, " exceed ", limit.rate_per_s,
+                      "/s (burst ", limit.burst, "); retry later");
 }
 
 grpc::Status GrpcError(grpc::StatusCode code, const std::string& message) {
@@ -160,7 +171,11 @@ struct Held {
 
 class CoordinatorServer::Impl {
  public:
-  explicit Impl(CoordinatorOptions options) : options_(std::move(options)) {
+  explicit Impl(CoordinatorOptions options)
+      : options_(std::move(options)),
+        agent_limiter_(options_.agent_message_limit),
+        user_limiter_(options_.user_call_limit),
+        connect_limiter_(options_.connect_limit) {
     CoordinatorMetricsOptions mo;
     mo.max_config_series = options_.metrics_max_config_series;
     metrics_ = std::make_unique<CoordinatorMetrics>(mo);
@@ -194,8 +209,9 @@ class CoordinatorServer::Impl {
   grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream);
 
   // SweepService.
-  // OK when user auth is off or the call carries "authorization: Bearer <user_token>";
-  // UNAUTHENTICATED (counted in stats_.auth_failures) otherwise.
+  // RESOURCE_EXHAUSTED when the caller's address is over the user-call rate limit; else OK when
+  // user auth is off or the call carries "authorization: Bearer <user_token>"; UNAUTHENTICATED
+  // (counted in stats_.auth_failures) otherwise.
   grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
   grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
@@ -267,6 +283,16 @@ class CoordinatorServer::Impl {
       std::fprintf(stderr, "[coordinator] %s\n", line.c_str());
     }
   }
+  // True (and counted, by `api` in the metrics) when `key` is over `limiter`'s rate.
+  bool OverRateLimit(RateLimiter& limiter, const std::string& key, const char* api) {
+    if (limiter.Allow(key)) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.rate_limited;
+    }
+    metrics_->CountRateLimited(api);
+    return true;
+  }
   void Wake() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -281,12 +307,21 @@ class CoordinatorServer::Impl {
   void OnHeartbeat(Conn& conn, const v1::Heartbeat& hb);
   void OnProgress(Conn& conn, const v1::Progress& p);
   void OnResult(Conn& conn, const v1::Result& r);
-  void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt);
+  // Sends a permanent Error (the agent drops that result) and counts a bad message.
+  void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt,
+              absl::StatusCode code = absl::StatusCode::kInvalidArgument);
 
   void SchedulerLoop();
   void ScheduleOnce(bool event);
-  // Places or judges one queued trial; returns true when it left the queue.
-  bool TryPlaceLocked(const TrialRecord& trial, int64_t now);
+  // Logs, counts and exports a lease the store released (requeued or ended as ERROR).
+  void OnLeaseLost(const LostLease& lost, const std::string& how);
+  // Free slots per connected agent (agent id -> slot indices), for one scheduling pass.
+  using FreeSlots = std::map<std::string, std::vector<int>>;
+  FreeSlots FreeSlotsLocked() const;
+  // Places or judges one queued trial on the agents in `order`, taking the slots it uses out of
+  // `free`; returns true when it left the queue.
+  bool TryPlaceLocked(const TrialRecord& trial, int64_t now, const std::vector<Conn*>& order,
+                      FreeSlots& free);
   bool SlotBusyLocked(const std::string& agent_id, int slot) const;
   bool MatchesLocked(const Selector& selector, const SlotInfo& slot);
   void RecordCoordinatorResult(const TrialRecord& trial, TrialStatus status,
@@ -313,11 +348,15 @@ class CoordinatorServer::Impl {
   std::map<std::string, std::shared_ptr<Conn>> conns_;            // agent id -> live stream
   std::map<std::string, std::map<std::string, Held>> held_;       // agent id -> trial id -> held
   std::map<std::string, std::regex> regex_cache_;
+  RateLimiter agent_limiter_;    // per agent id, messages after Hello
+  RateLimiter user_limiter_;     // per peer host, SweepService calls
+  RateLimiter connect_limiter_;  // per peer host, Connect streams
   size_t rr_ = 0;  // round-robin start among agents
   // Queue scans: how many queued trials one scan reads, and when a scan that changed nothing
   // may run again without an event (scheduler thread only).
-  size_t scan_limit_ = kInitialScanLimit;
+  size_t scan_boost_ = 1;
   int64_t next_idle_scan_ms_ = 0;
+  int64_t next_requeue_ms_ = 0;  // RequeueExpired runs at most once a tick (scheduler thread)
   CoordinatorStats stats_;
   std::unique_ptr<CoordinatorMetrics> metrics_;  // always kept; served when metrics_listen is set
   int64_t next_fleet_metrics_ms_ = 0;           // scheduler thread only
@@ -338,7 +377,9 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
     if (started_) return absl::FailedPreconditionError("coordinator already started");
     started_ = true;
   }
-  auto store = Store::Open(db_path);
+  StoreOptions store_options;
+  store_options.busy_timeout_ms = options_.db_busy_timeout_ms;
+  auto store = Store::Open(db_path, store_options);
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
   // Nobody is connected to a coordinator that is only starting.
@@ -422,6 +463,11 @@ void CoordinatorServer::Impl::RecoverHeld() {
 // ------------------------------------------------------------------------------ authentication
 
 grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
+  // The rate limit comes first, so that guessing tokens is limited too.
+  if (const std::string peer = PeerHost(context->peer());
+      OverRateLimit(user_limiter_, peer, "user"))
+    return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     RateLimitMessage("user-API calls", user_limiter_.limit(), peer));
   if (options_.user_token.empty()) return grpc::Status::OK;
   bool ok = false;
   const auto& md = context->client_metadata();
@@ -469,10 +515,17 @@ absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
   }
   if (h.backends_size() > 4096 || h.running_size() > 4096)
     return absl::InvalidArgumentError("Hello: too many backends or running trials");
+  if (h.spooled_size() > rpc::kMaxHelloSpooled)
+    return absl::InvalidArgumentError(
+        absl::StrCat("Hello: more than ", rpc::kMaxHelloSpooled, " spooled results listed"));
   return absl::OkStatus();
 }
 
 grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, AgentStream* stream) {
+  if (const std::string peer = PeerHost(context->peer());
+      OverRateLimit(connect_limiter_, peer, "connect"))
+    return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     RateLimitMessage("agent streams", connect_limiter_.limit(), peer));
   v1::AgentMessage msg;
   if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
   auto reject = [&](grpc::StatusCode code, const std::string& text) {
@@ -534,10 +587,12 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     }
     conns_[id] = conn;
     ReconcileHeldLocked(*conn, now);
+    conn->hello.clear_spooled();  // used up
   }
   {
     v1::Hello stored = conn->hello;
     stored.clear_running();
+    stored.clear_spooled();
     std::string json;
     (void)google::protobuf::util::MessageToJsonString(stored, &json);
     AgentRecord rec{id, conn->hello.host(), json, now, true};
@@ -554,7 +609,24 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
   Wake();
 
   grpc::Status end = grpc::Status::OK;
+  int64_t dropped = 0;        // messages over the rate limit since the last log line
+  int64_t next_drop_log = 0;  // when the next such line may be written
   while (stream->Read(&msg)) {
+    if (OverRateLimit(agent_limiter_, id, "agent")) {
+      // Nothing is processed or stored. A Result gets a retryable Error: it stays spooled.
+      ++dropped;
+      const std::string text =
+          RateLimitMessage("messages", agent_limiter_.limit(), absl::StrCat("agent ", id));
+      if (msg.has_result())
+        conn->Enqueue(ErrorMessage(text, msg.result().trial_id(), msg.result().attempt(),
+                                   /*permanent=*/false, absl::StatusCode::kResourceExhausted));
+      if (const int64_t t = NowMs(); t >= next_drop_log) {
+        Log(absl::StrCat(text, " (", dropped, " message(s) dropped)"));
+        dropped = 0;
+        next_drop_log = t + 5000;
+      }
+      continue;
+    }
     if (msg.has_hello()) {
       const std::string text = "protocol error: a second Hello on the same stream";
       conn->Enqueue(ErrorMessage(text));
@@ -607,6 +679,9 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
   auto& held = held_[conn.agent_id];
   std::map<std::string, const v1::RunningTrial*> running;
   for (const v1::RunningTrial& r : conn.hello.running()) running[r.trial_id()] = &r;
+  std::set<std::pair<std::string, int>> spooled;
+  for (const v1::RunningTrial& r : conn.hello.spooled())
+    spooled.insert({r.trial_id(), r.attempt()});
   auto valid_slots = [&](const v1::RunningTrial& r) {
     std::vector<int> slots;
     for (int s : r.slots())
@@ -626,9 +701,12 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
       it = held.erase(it);
     } else {
       // Not running any more: its result may be in the agent's spool, replayed right after this
-      // Hello. Recorded as lost if it does not come within the grace period.
+      // Hello; the lease is released if it does not come within the grace period. An agent that
+      // lists its spool says whether it is there: if not, the trial is lost now (its Assignment
+      // was lost on the way, or the agent restarted without it).
       h.slots.clear();
-      h.lost_deadline = now + options_.lost_trial_grace_ms;
+      const bool lost_now = conn.hello.reports_spool() && !spooled.count({tid, h.attempt});
+      h.lost_deadline = lost_now ? now : now + options_.lost_trial_grace_ms;
       ++it;
     }
   }
@@ -649,14 +727,15 @@ void CoordinatorServer::Impl::ReconcileHeldLocked(Conn& conn, int64_t now) {
 }
 
 void CoordinatorServer::Impl::Reject(Conn& conn, const std::string& message,
-                                     const std::string& trial_id, int attempt) {
+                                     const std::string& trial_id, int attempt,
+                                     absl::StatusCode code) {
   ++conn.bad_messages;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.bad_messages;
   }
   Log(absl::StrCat("agent ", conn.agent_id, ": rejected: ", message));
-  conn.Enqueue(ErrorMessage(message, trial_id, attempt, /*permanent=*/true));
+  conn.Enqueue(ErrorMessage(message, trial_id, attempt, /*permanent=*/true, code));
 }
 
 void CoordinatorServer::Impl::OnHeartbeat(Conn& conn, const v1::Heartbeat& hb) {
@@ -752,12 +831,20 @@ void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
-      return Reject(conn, std::string(s.message()), tid, r.attempt());
-    default:
-      // Storage trouble: the agent keeps the result spooled and resends it after reconnecting.
-      Log(absl::StrCat("storing the result of ", tid, ": ", s.message()));
+      return Reject(conn, std::string(s.message()), tid, r.attempt(), s.code());
+    default: {
+      // Storage trouble (busy, full): nothing was stored; the agent keeps the result spooled
+      // and sends it again after a backoff.
+      Log(absl::StrCat("storing the result of ", tid, " attempt ", r.attempt(),
+                       " failed (the agent ", conn.agent_id,
+                       " keeps it and retries): ", s.message()));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.store_errors;
+      }
       conn.Enqueue(ErrorMessage(absl::StrCat("could not store the result: ", s.message()), tid,
-                                r.attempt(), /*permanent=*/false));
+                                r.attempt(), /*permanent=*/false, s.code()));
+    }
   }
 }
 
@@ -860,68 +947,106 @@ void CoordinatorServer::Impl::UpdateFleetMetrics(int64_t now) {
   }
 }
 
+void CoordinatorServer::Impl::OnLeaseLost(const LostLease& l, const std::string& how) {
+  if (l.requeued) {
+    Log(absl::StrCat("trial ", l.trial_id, " attempt ", l.attempt, " lost (", how, ", agent ",
+                     l.agent_id, "): requeued"));
+    metrics_->CountLeaseLost(/*requeued=*/true);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.requeued;
+    return;
+  }
+  Log(absl::StrCat("trial ", l.trial_id, " stored as ERROR: ", l.reason));
+  metrics_->CountLeaseLost(/*requeued=*/false);
+  if (absl::StatusOr<TrialRecord> t = store_->GetTrial(l.trial_id); t.ok()) {
+    TrialResult r;
+    r.trial_id = l.trial_id;
+    r.attempt = l.attempt;
+    r.status = TrialStatus::kError;
+    r.reason = l.reason;
+    ExportResult(r, t->lease_place.gpu_name, t->lease_place.sm);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.attempts_exhausted;
+}
+
 void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   const int64_t now = NowMs();
-  if (auto requeued = store_->RequeueExpired(now); requeued.ok() && !requeued->empty()) {
+  absl::StatusOr<std::vector<LostLease>> expired = std::vector<LostLease>();
+  if (now >= next_requeue_ms_) {  // a write transaction: once a tick, not on every event
+    next_requeue_ms_ = now + options_.tick_ms;
+    expired = store_->RequeueExpired(now, options_.max_attempts);
+  }
+  if (!expired.ok()) {
+    Log(absl::StrCat("requeueing expired leases: ", expired.status().message()));
+  } else if (!expired->empty()) {
     event = true;
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& tid : *requeued) {
-      for (auto& [agent, held] : held_) {
-        if (auto it = held.find(tid); it != held.end() && !it->second.foreign) held.erase(it);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const LostLease& l : *expired) {
+        auto held = held_.find(l.agent_id);
+        if (held == held_.end()) continue;
+        if (auto it = held->second.find(l.trial_id);
+            it != held->second.end() && !it->second.foreign)
+          held->second.erase(it);
       }
     }
-    Log(absl::StrCat("lease expired, requeued: ", requeued->size(), " trial(s), first ",
-                     requeued->front()));
+    for (const LostLease& l : *expired) OnLeaseLost(l, "expired");
   }
 
-  // Trials a reconnected agent held but no longer runs, past their grace period: lost.
+  // Trials a reconnected agent held but no longer runs, past their grace period: their leases
+  // are released (requeued, or ERROR at the attempt cap).
   struct Lost {
     std::string agent_id, trial_id;
     int attempt;
-    SlotInfo slot;
   };
   std::vector<Lost> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [agent, held] : held_) {
-      auto c = conns_.find(agent);
-      if (c == conns_.end()) continue;  // away: its leases run out instead
-      for (auto it = held.begin(); it != held.end();) {
-        if (it->second.lost_deadline > 0 && it->second.lost_deadline < now) {
-          lost.push_back({agent, it->first, it->second.attempt, c->second->slots[0]});
-          it = held.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      if (!conns_.count(agent)) continue;  // away: its leases run out instead
+      for (const auto& [tid, h] : held)
+        if (h.lost_deadline > 0 && h.lost_deadline <= now) lost.push_back({agent, tid, h.attempt});
     }
   }
   for (const Lost& l : lost) {
-    TrialResult r;
-    r.trial_id = l.trial_id;
-    r.attempt = l.attempt;
-    r.status = TrialStatus::kError;
-    r.reason = absl::StrCat("lost: agent '", l.agent_id,
-                            "' reconnected without this trial and sent no result for it (the "
-                            "agent restarted while the trial ran)");
-    r.device = l.slot.gpu ? l.slot.gpu_name : "cpu";
-    r.sm = l.slot.sm;
-    r.started_unix_ms = r.finished_unix_ms = now;
-    const absl::Status s = store_->RecordResult(l.agent_id, l.slot.gpu_name, l.slot.sm, r);
-    Log(absl::StrCat("trial ", l.trial_id, " attempt ", l.attempt, " lost by agent ", l.agent_id,
-                     s.ok() ? "" : absl::StrCat(" (not recorded: ", s.message(), ")")));
-    if (s.ok()) ExportResult(r, l.slot.gpu_name, l.slot.sm);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (s.ok()) ++stats_.lost;
+    absl::StatusOr<LostLease> released =
+        store_->ReleaseLease(l.trial_id, l.agent_id, l.attempt, options_.max_attempts,
+                             "the agent reconnected without the trial and sent no result for it");
+    // FailedPrecondition: its result came in the meantime, or the lease expired first.
+    const bool settled = released.ok() || absl::IsFailedPrecondition(released.status());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& held = held_[l.agent_id];
+      if (auto it = held.find(l.trial_id); it != held.end() && it->second.attempt == l.attempt) {
+        if (settled) {
+          held.erase(it);
+        } else {
+          it->second.lost_deadline = now + 1000;  // the store is busy or full: try again later
+        }
+      }
+      if (released.ok()) ++stats_.lost;
+    }
+    if (released.ok()) {
+      OnLeaseLost(*released, "its agent came back without it");
+    } else if (!settled) {
+      Log(absl::StrCat("releasing the lease of ", l.trial_id, ": ", released.status().message()));
+    }
   }
 
   if (!lost.empty()) event = true;
+  size_t free_total = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (conns_.empty()) return;  // nothing can be placed, and nothing judged
+    for (const auto& [agent, slots] : FreeSlotsLocked()) free_total += slots.size();
   }
+  // Nothing can be placed while every slot is busy (a trial that no agent supports is judged on
+  // the next pass with a free slot); a freed slot is an event.
+  if (free_total == 0) return;
   if (!event && now < next_idle_scan_ms_) return;
-  auto queued = store_->QueuedTrials(static_cast<int>(scan_limit_));
+  const size_t limit =
+      std::min(kMaxScanLimit, std::max(kMinScanLimit, kScanPerFreeSlot * free_total) * scan_boost_);
+  auto queued = store_->QueuedTrials(static_cast<int>(limit));
   if (!queued.ok()) {
     Log(absl::StrCat("listing queued trials: ", queued.status().message()));
     return;
@@ -929,22 +1054,43 @@ void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   int changed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    FreeSlots free = FreeSlotsLocked();
+    std::vector<Conn*> order;  // every connected agent, the start rotating from pass to pass
+    for (auto& [id, c] : conns_) order.push_back(c.get());
+    if (!order.empty())
+      std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()),
+                  order.end());
     for (const TrialRecord& trial : *queued) {
-      if (stopping_) return;
-      if (TryPlaceLocked(trial, now)) ++changed;
+      if (stopping_ || free.empty()) break;
+      if (TryPlaceLocked(trial, now, order, free)) ++changed;
     }
     ++rr_;
   }
   if (changed > 0) {
     next_idle_scan_ms_ = 0;
-    scan_limit_ = kInitialScanLimit;
+    scan_boost_ = 1;
   } else {
     next_idle_scan_ms_ = now + kIdleScanIntervalMs;
-    if (queued->size() >= scan_limit_) scan_limit_ = std::min(scan_limit_ * 4, kMaxScanLimit);
+    if (queued->size() >= limit) scan_boost_ = std::min(scan_boost_ * 4, kMaxScanLimit);
   }
 }
 
-bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now) {
+CoordinatorServer::Impl::FreeSlots CoordinatorServer::Impl::FreeSlotsLocked() const {
+  FreeSlots free;
+  for (const auto& [id, conn] : conns_) {
+    std::set<int> busy;
+    if (auto h = held_.find(id); h != held_.end())
+      for (const auto& [tid, held] : h->second) busy.insert(held.slots.begin(), held.slots.end());
+    std::vector<int> slots;
+    for (const SlotInfo& slot : conn->slots)
+      if (!busy.count(slot.index)) slots.push_back(slot.index);
+    if (!slots.empty()) free.emplace(id, std::move(slots));
+  }
+  return free;
+}
+
+bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now,
+                                             const std::vector<Conn*>& order, FreeSlots& free) {
   absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
   if (!config.ok()) {
     RecordCoordinatorResult(trial, TrialStatus::kError,
@@ -952,42 +1098,37 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
     return true;
   }
   const int needed = std::max(1, trial.selector.gpus_needed);
-  std::vector<std::shared_ptr<Conn>> order;
-  for (auto& [id, c] : conns_) order.push_back(c);
-  std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()), order.end());
-
-  bool any_match = false, any_supported = false;
-  std::string first_reason;
-  std::optional<SlotInfo> first_slot;
-  for (const auto& conn : order) {
-    std::map<int, PreflightResult> by_sm;  // preflight per SM of this agent
-    std::vector<int> free_supported;
-    int matching = 0;
-    for (const SlotInfo& slot : conn->slots) {
-      if (!MatchesLocked(trial.selector, slot)) continue;
-      ++matching;
-      if (!first_slot) first_slot = slot;
-      auto pf = by_sm.find(slot.sm);
-      if (pf == by_sm.end()) {
-        PreflightTarget target;
-        target.has_cuda_build = conn->hello.cuda_build();
-        target.sm = slot.sm;
-        target.gpu_count = conn->gpu_count;
-        pf = by_sm.emplace(slot.sm, Preflight(*config, target)).first;
-      }
-      if (!pf->second.supported) {
-        if (first_reason.empty()) first_reason = pf->second.reason;
-        continue;
-      }
-      any_supported = true;
-      if (!SlotBusyLocked(conn->agent_id, slot.index)) free_supported.push_back(slot.index);
+  // Preflight depends on the slot's SM and its agent's build and GPU count only: once per kind.
+  std::map<std::tuple<int, bool, int>, PreflightResult> preflight;
+  auto judge = [&](const Conn& conn, const SlotInfo& slot) -> const PreflightResult& {
+    const std::tuple<int, bool, int> key{slot.sm, conn.hello.cuda_build(), conn.gpu_count};
+    auto pf = preflight.find(key);
+    if (pf == preflight.end()) {
+      PreflightTarget target;
+      target.has_cuda_build = conn.hello.cuda_build();
+      target.sm = slot.sm;
+      target.gpu_count = conn.gpu_count;
+      pf = preflight.emplace(key, Preflight(*config, target)).first;
     }
-    if (matching >= needed) any_match = true;
+    return pf->second;
+  };
+
+  for (Conn* conn : order) {
+    auto f = free.find(conn->agent_id);
+    if (f == free.end() || static_cast<int>(f->second.size()) < needed) continue;
+    std::vector<int> free_supported;
+    for (int index : f->second) {
+      const SlotInfo& slot = conn->slots[static_cast<size_t>(index)];
+      if (!MatchesLocked(trial.selector, slot) || !judge(*conn, slot).supported) continue;
+      free_supported.push_back(index);
+      if (static_cast<int>(free_supported.size()) == needed) break;
+    }
     if (static_cast<int>(free_supported.size()) < needed) continue;
 
-    free_supported.resize(static_cast<size_t>(needed));
     const int64_t expires = now + options_.lease_ms;
-    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires);
+    const SlotInfo& first = conn->slots[static_cast<size_t>(free_supported[0])];
+    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires,
+                                                            LeasePlace{first.gpu_name, first.sm});
     if (!leased.ok()) {
       Log(absl::StrCat("leasing ", trial.trial_id, ": ", leased.status().message()));
       return false;
@@ -1014,7 +1155,30 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
     held_[conn->agent_id][req.trial_id] = std::move(h);
     ++stats_.assignments;
     conn->Enqueue(std::move(m));
+    for (int used : free_supported) std::erase(f->second, used);
+    if (f->second.empty()) free.erase(f);
     return true;
+  }
+
+  // No free slot takes it. It is UNSUPPORTED when some agent matches it but none supports it.
+  bool any_match = false, any_supported = false;
+  std::string first_reason;
+  std::optional<SlotInfo> first_slot;
+  for (Conn* conn : order) {
+    int matching = 0;
+    for (const SlotInfo& slot : conn->slots) {
+      if (!MatchesLocked(trial.selector, slot)) continue;
+      ++matching;
+      if (!first_slot) first_slot = slot;
+      const PreflightResult& pf = judge(*conn, slot);
+      if (pf.supported) {
+        any_supported = true;
+        break;
+      }
+      if (first_reason.empty()) first_reason = pf.reason;
+    }
+    if (matching >= needed) any_match = true;
+    if (any_supported) return false;
   }
   if (any_match && !any_supported) {
     ++stats_.unsupported;

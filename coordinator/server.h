@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "coordinator/rate_limit.h"
 #include "proto/rpc.h"
 #include "storage/store.h"
 
@@ -29,10 +30,24 @@ struct CoordinatorOptions {
   // Scheduler period (it also runs on events: submit, hello, result, disconnect).
   int64_t tick_ms = 100;
   // How long a reconnecting agent has to deliver the result of a trial it held but no longer
-  // runs (its spool replays right after Hello) before the trial is recorded as lost;
+  // runs (its spool replays right after Hello) before its lease is released (requeued, or ERROR
+  // at the attempt cap);
   // 0 = 3 heartbeat intervals, at least 1 s.
   int64_t lost_trial_grace_ms = 0;
+  // A trial whose lease is lost (expired, or its agent came back without it) is queued again
+  // until it has had this many attempts; then it is stored as ERROR "lease lost N times".
+  // <= 0: no cap (docs/RELIABILITY.md).
+  int max_attempts = 3;
   size_t max_trials_per_sweep = 10000;
+  // How long a database write waits for another connection's lock before it fails as
+  // UNAVAILABLE (the agent keeps the result spooled and sends it again).
+  int db_busy_timeout_ms = 5000;
+  // Request-rate limits (docs/SECURITY.md "Limits"); rate 0 disables one. Over the limit, a
+  // user-API call or a stream open fails with RESOURCE_EXHAUSTED, and an agent message is
+  // dropped (a Result is answered with a retryable Error, so it stays in the agent's spool).
+  RateLimit agent_message_limit{50, 500};  // per agent id: every message after Hello
+  RateLimit user_call_limit{20, 100};      // per peer address: every SweepService call
+  RateLimit connect_limit{5, 50};          // per peer address: AgentService.Connect streams
   // Authentication (docs/SERVICE.md "Authentication"); empty disables that kind. When
   // agent_token is set, every agent's Hello must carry it in hello.auth_token; when user_token is
   // set, every SweepService call must carry the metadata "authorization: Bearer <user_token>".
@@ -57,10 +72,14 @@ struct CoordinatorStats {
   int64_t assignments = 0;        // Assignment messages sent
   int64_t results_stored = 0;     // agent results stored (or already stored: replays)
   int64_t unsupported = 0;        // UNSUPPORTED results made by preflight
-  int64_t lost = 0;               // trials recorded as lost by a restarted agent
+  int64_t lost = 0;               // leases released because their agent came back without them
   int64_t bad_messages = 0;       // rejected agent messages (Error sent)
   int64_t streams_rejected = 0;   // streams closed for a protocol violation (or bad auth)
   int64_t auth_failures = 0;      // agent streams and user calls refused as UNAUTHENTICATED
+  int64_t rate_limited = 0;       // calls, streams and agent messages refused by a rate limit
+  int64_t requeued = 0;           // lost leases whose trial went back to the queue
+  int64_t attempts_exhausted = 0;  // lost leases that ended their trial as ERROR (attempt cap)
+  int64_t store_errors = 0;        // results the store could not take now (busy, full): retried
 };
 
 class CoordinatorServer {

@@ -30,6 +30,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kSegv, "segv", false},
     {FaultInjection::Kind::kAbort, "abort", false},
     {FaultInjection::Kind::kHang, "hang", false},
+    {FaultInjection::Kind::kDelay, "delay", true},
 };
 
 }  // namespace
@@ -51,7 +52,7 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
   return absl::InvalidArgumentError(absl::StrCat(
       "--test-inject-fault: unknown fault '", std::string(text),
       "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, stuck-token:T, segv, "
-      "abort, hang)"));
+      "abort, hang, delay:S)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {

@@ -26,6 +26,8 @@ struct FaultInjection {
     kSegv,        // "segv"          SIGSEGV on the first forward
     kAbort,       // "abort"         abort() on the first forward
     kHang,        // "hang"          the first forward never returns
+    kDelay,       // "delay:S"       the config under test starts S seconds late (a slow trial
+                  //                 with correct output and unchanged figures; harness only)
   };
   Kind kind = Kind::kNone;
   double value = 0;

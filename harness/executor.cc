@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -109,6 +110,9 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     return finish(TrialStatus::kError, absl::StrCat("reference: ", reference.status().message()));
 
   say("config under test " + BackendConfigString(*config));
+  if (fault->kind == FaultInjection::Kind::kDelay && fault->value > 0)  // TEST ONLY: a slow trial
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int64_t>(fault->value * 1e3)));
   auto model = CreateModel(*host_, *config, *fault);
   if (!model.ok()) return finish(TrialStatus::kError, std::string(model.status().message()));
   // Host load plus the first upload (or on-device generation) of the weights, when there was one.

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -121,9 +122,14 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     std::vector<char*> argv;
     for (std::string& a : options_.worker_argv) argv.push_back(a.data());
     argv.push_back(nullptr);
+    const pid_t parent = getpid();
     const pid_t pid = fork();
     if (pid < 0) return fail(TrialStatus::kError, absl::StrCat("fork: ", strerror(errno)));
     if (pid == 0) {
+      // The worker dies with the thread that started it: an agent killed outright (SIGKILL,
+      // OOM) leaves no worker behind holding its GPU, or hanging forever.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the parent died before prctl
       dup2(in_pipe[0], 0);
       dup2(out_pipe[1], 1);
       dup2(err_pipe[1], 2);

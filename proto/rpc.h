@@ -17,6 +17,9 @@ namespace infersweep::rpc {
 inline constexpr int kMaxMessageBytes = 4 * 1024 * 1024;
 // Bumped when a message changes meaning; the coordinator rejects other versions.
 inline constexpr int kProtocolVersion = 1;
+// Most spooled results an agent lists in its Hello (Hello.spooled); an agent with more lists
+// none and leaves Hello.reports_spool false.
+inline constexpr int kMaxHelloSpooled = 10000;
 
 // Keepalive pings on idle connections: sent every kKeepaliveTimeMs, dead after no answer for
 // kKeepaliveTimeoutMs.

@@ -2,6 +2,9 @@
 
 #include <sqlite3.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 
 namespace infersweep {
@@ -94,11 +97,19 @@ CREATE TABLE agents (
   connected       INTEGER NOT NULL DEFAULT 0
 );
 )sql"},
+      {"trials: where each lease runs (lease_gpu_name, lease_sm)",
+       R"sql(
+ALTER TABLE trials ADD COLUMN lease_gpu_name TEXT NOT NULL DEFAULT '';
+ALTER TABLE trials ADD COLUMN lease_sm INTEGER NOT NULL DEFAULT 0;
+)sql"},
   };
   return migrations;
 }
 
 absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation) {
+  // The errno of the failed system call, before anything here can change it: SQLite 3.40's
+  // sqlite3_system_errno() stays 0 for a refused WAL write, but errno still says why.
+  const int call_errno = errno;
   const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
   const std::string detail = absl::StrCat(operation, ": ", msg, " (sqlite code ", rc, ")");
   switch (rc & 0xff) {
@@ -108,6 +119,16 @@ absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation) {
                                                  "lock; retry later) during ", detail));
     case SQLITE_FULL:
       return absl::ResourceExhaustedError(absl::StrCat("disk full during ", detail));
+    case SQLITE_IOERR: {
+      // A write the file system refused for lack of space or over a size limit or quota is a
+      // full disk too (SQLite reports only ENOSPC as SQLITE_FULL).
+      int err = db != nullptr ? sqlite3_system_errno(db) : 0;
+      if (err == 0) err = call_errno;
+      if (err == ENOSPC || err == EFBIG || err == EDQUOT)
+        return absl::ResourceExhaustedError(
+            absl::StrCat("disk full during ", detail, ": ", std::strerror(err)));
+      return absl::InternalError(detail);
+    }
     case SQLITE_NOMEM:
       return absl::ResourceExhaustedError(absl::StrCat("out of memory during ", detail));
     case SQLITE_CONSTRAINT:

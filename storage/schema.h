@@ -33,9 +33,10 @@ absl::Status Migrate(sqlite3* db);
 
 // Maps a SQLite result code to a Status naming the operation and carrying sqlite3_errmsg:
 // BUSY/LOCKED -> Unavailable ("database is busy ..."), FULL -> ResourceExhausted ("disk full
-// ..."), NOMEM -> ResourceExhausted, unique/primary-key violations -> AlreadyExists, other
-// constraints -> FailedPrecondition, CORRUPT/NOTADB -> DataLoss, READONLY/PERM/CANTOPEN ->
-// FailedPrecondition, anything else -> Internal.
+// ..."), IOERR from a write refused with ENOSPC, EFBIG (file size limit) or EDQUOT ->
+// ResourceExhausted ("disk full ..."), NOMEM -> ResourceExhausted, unique/primary-key violations ->
+// AlreadyExists, other constraints -> FailedPrecondition, CORRUPT/NOTADB -> DataLoss,
+// READONLY/PERM/CANTOPEN -> FailedPrecondition, anything else -> Internal.
 absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation);
 
 // Runs statements without results or bound values (schema text, BEGIN/COMMIT); errors as above.

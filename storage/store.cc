@@ -172,7 +172,7 @@ const BatchFigures* FindBatch(const TrialResult& r, int batch) {
 
 constexpr char kTrialCols[] =
     "trial_id, sweep_id, model, layers, seed, config_json, workload_json, selector_json, "
-    "priority, state, attempt, leased_to, lease_expires_ms";
+    "priority, state, attempt, leased_to, lease_expires_ms, lease_gpu_name, lease_sm";
 constexpr char kSweepCols[] =
     "sweep_id, name, spec_yaml, model, priority, state, created_ms, trials_total, trials_done";
 // The same columns as kResultCols in schema.cc, which the Best queries select.
@@ -370,8 +370,10 @@ class SqliteStore final : public Store {
     return GetTrialLocked(trial_id);
   }
 
+  using Store::LeaseTrial;
   absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id, const std::string& agent_id,
-                                         int64_t expires_unix_ms) override {
+                                         int64_t expires_unix_ms,
+                                         const LeasePlace& place) override {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("leasing trial '", trial_id, "' to agent '", agent_id, "'");
     if (agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty agent id"));
@@ -380,10 +382,10 @@ class SqliteStore final : public Store {
     {
       STORE_ASSIGN_OR_RETURN(
           Stmt u, Prepare("UPDATE trials SET state = 'leased', leased_to = ?, "
-                          "lease_expires_ms = ?, attempt = attempt + 1 "
-                          "WHERE trial_id = ? AND state = 'queued'",
+                          "lease_expires_ms = ?, attempt = attempt + 1, lease_gpu_name = ?, "
+                          "lease_sm = ? WHERE trial_id = ? AND state = 'queued'",
                           op));
-      u.Bind(agent_id).Bind(expires_unix_ms).Bind(trial_id);
+      u.Bind(agent_id).Bind(expires_unix_ms).Bind(place.gpu_name).Bind(place.sm).Bind(trial_id);
       STORE_RETURN_IF_ERROR(u.Run());
     }
     if (sqlite3_changes(db_) == 0) {
@@ -411,28 +413,48 @@ class SqliteStore final : public Store {
     return u.Run();
   }
 
-  absl::StatusOr<std::vector<std::string>> RequeueExpired(int64_t now_unix_ms) override {
+  absl::StatusOr<std::vector<LostLease>> RequeueExpired(int64_t now_unix_ms,
+                                                        int max_attempts) override {
     absl::MutexLock lock(&mu_);
     const std::string op = "requeueing trials with expired leases";
     Txn txn(db_);
     STORE_RETURN_IF_ERROR(txn.Begin(op));
-    std::vector<std::string> ids;
+    std::vector<std::pair<std::string, std::string>> expired;  // trial id, agent id
     {
       STORE_ASSIGN_OR_RETURN(
-          Stmt u, Prepare("UPDATE trials SET state = 'queued', leased_to = NULL, "
-                          "lease_expires_ms = NULL "
-                          "WHERE state = 'leased' AND lease_expires_ms < ? RETURNING trial_id",
+          Stmt q, Prepare("SELECT trial_id, leased_to FROM trials "
+                          "WHERE state = 'leased' AND lease_expires_ms < ? ORDER BY trial_id",
                           op));
-      u.Bind(now_unix_ms);
+      q.Bind(now_unix_ms);
       for (;;) {
-        STORE_ASSIGN_OR_RETURN(bool row, u.Step());
+        STORE_ASSIGN_OR_RETURN(bool row, q.Step());
         if (!row) break;
-        ids.push_back(u.Text(0));
+        expired.emplace_back(q.Text(0), q.Text(1));
       }
     }
+    std::vector<LostLease> out;
+    for (const auto& [trial_id, agent_id] : expired) {
+      STORE_ASSIGN_OR_RETURN(LostLease lost,
+                             LoseLeaseLocked(trial_id, agent_id, /*attempt=*/-1, max_attempts,
+                                             "lease expired without a heartbeat", op));
+      out.push_back(std::move(lost));
+    }
     STORE_RETURN_IF_ERROR(txn.Commit(op));
-    std::sort(ids.begin(), ids.end());
-    return ids;
+    return out;
+  }
+
+  absl::StatusOr<LostLease> ReleaseLease(const std::string& trial_id, const std::string& agent_id,
+                                         int attempt, int max_attempts,
+                                         const std::string& why) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("releasing the lease of trial '", trial_id, "' attempt ",
+                                        attempt, " held by agent '", agent_id, "'");
+    Txn txn(db_);
+    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    STORE_ASSIGN_OR_RETURN(LostLease lost,
+                           LoseLeaseLocked(trial_id, agent_id, attempt, max_attempts, why, op));
+    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    return lost;
   }
 
   // --------------------------------------------------------------------------------- results
@@ -641,6 +663,8 @@ class SqliteStore final : public Store {
     t.attempt = static_cast<int>(q.Int(10));
     t.leased_to = q.Text(11);
     t.lease_expires_unix_ms = q.IsNull(12) ? 0 : q.Int(12);
+    t.lease_place.gpu_name = q.Text(13);
+    t.lease_place.sm = static_cast<int>(q.Int(14));
     return t;
   }
 
@@ -669,6 +693,53 @@ class SqliteStore final : public Store {
     STORE_ASSIGN_OR_RETURN(bool row, q.Step());
     if (!row) return absl::NotFoundError(absl::StrCat("trial '", trial_id, "' not found"));
     return ReadTrial(q);
+  }
+
+  // One lost lease inside the caller's transaction: requeue it, or finish it with an ERROR when
+  // it has had max_attempts attempts. `attempt` < 0 accepts the current attempt.
+  absl::StatusOr<LostLease> LoseLeaseLocked(const std::string& trial_id,
+                                            const std::string& agent_id, int attempt,
+                                            int max_attempts, const std::string& why,
+                                            const std::string& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));
+    if (t.state != TrialState::kLeased || t.leased_to != agent_id ||
+        (attempt >= 0 && t.attempt != attempt))
+      return absl::FailedPreconditionError(absl::StrCat(
+          op, ": the trial is ", kStateNames[static_cast<int>(t.state)], ", attempt ", t.attempt,
+          t.leased_to.empty() ? "" : absl::StrCat(" held by agent '", t.leased_to, "'")));
+    LostLease lost;
+    lost.trial_id = trial_id;
+    lost.agent_id = agent_id;
+    lost.attempt = t.attempt;
+    if (max_attempts <= 0 || t.attempt < max_attempts) {
+      STORE_ASSIGN_OR_RETURN(Stmt u,
+                             Prepare("UPDATE trials SET state = 'queued', leased_to = NULL, "
+                                     "lease_expires_ms = NULL WHERE trial_id = ?",
+                                     op));
+      u.Bind(trial_id);
+      STORE_RETURN_IF_ERROR(u.Run());
+      lost.requeued = true;
+      return lost;
+    }
+    // The last allowed attempt is gone too: the trial ends as an ERROR made by the coordinator
+    // (agent id ''), filed under the GPU it was last leased for.
+    lost.reason = absl::StrCat("lease lost ", t.attempt, " times (attempt cap ", max_attempts,
+                               "); the last: agent '", agent_id, "', ", why);
+    ResultSubmission sub;
+    sub.gpu_name = t.lease_place.gpu_name;
+    sub.sm = t.lease_place.sm;
+    sub.result.trial_id = trial_id;
+    sub.result.attempt = t.attempt;
+    sub.result.status = TrialStatus::kError;
+    sub.result.reason = lost.reason;
+    sub.result.device = ConfigDevice(t.config) == "cpu" || t.lease_place.gpu_name.empty()
+                            ? "cpu"
+                            : t.lease_place.gpu_name;
+    sub.result.sm = t.lease_place.sm;
+    sub.result.started_unix_ms = sub.result.finished_unix_ms = NowMs();
+    STORE_RETURN_IF_ERROR(RecordOneLocked(sub));
+    return lost;
   }
 
   // One result inside the caller's transaction.
@@ -701,10 +772,21 @@ class SqliteStore final : public Store {
     }
     {
       STORE_ASSIGN_OR_RETURN(
-          Stmt q, Prepare("SELECT 1 FROM results WHERE trial_id = ? AND attempt = ?", op));
+          Stmt q,
+          Prepare("SELECT agent_id, status FROM results WHERE trial_id = ? AND attempt = ?", op));
       q.Bind(result.trial_id).Bind(result.attempt);
       STORE_ASSIGN_OR_RETURN(bool row, q.Step());
-      if (row) return absl::OkStatus();  // already stored: idempotent
+      if (row) {
+        // Already stored: idempotent. Unless the coordinator stored that attempt itself (its
+        // lease was lost for the last time): then the agent's late result is refused, not
+        // acknowledged and dropped.
+        if (sub.agent_id.empty() || q.Text(0) == sub.agent_id) return absl::OkStatus();
+        return absl::PermissionDeniedError(
+            absl::StrCat(op, " from agent '", sub.agent_id,
+                         "' rejected: that attempt is already recorded as ", q.Text(1),
+                         q.Text(0).empty() ? " by the coordinator"
+                                           : absl::StrCat(" by agent '", q.Text(0), "'")));
+      }
     }
     if (!sub.agent_id.empty() && (leased_to != sub.agent_id || attempt != result.attempt)) {
       std::string holder;

@@ -39,6 +39,14 @@ struct Selector {
   std::string device = "cuda";      // "cpu" trials run on CPU agents
 };
 
+// Where a leased trial runs: the GPU name and SM of the agent slot it was leased for ("cpu" and 0
+// for a CPU slot). A result the store makes for the trial without the agent (a lease lost for
+// the last time) is filed under it.
+struct LeasePlace {
+  std::string gpu_name;
+  int sm = 0;
+};
+
 struct TrialRecord {
   std::string trial_id;             // "<sweep>-<index>", stable
   int64_t sweep_id = 0;
@@ -53,6 +61,18 @@ struct TrialRecord {
   int attempt = 0;                  // attempts started so far
   std::string leased_to;            // agent id while leased
   int64_t lease_expires_unix_ms = 0;
+  LeasePlace lease_place;  // of the current (or last) lease
+};
+
+// A lease that ended without a result: it expired, or its agent came back without the trial.
+struct LostLease {
+  std::string trial_id;
+  std::string agent_id;  // the agent that held it
+  int attempt = 0;       // the attempt that was lost (= leases of the trial so far)
+  // true: the trial is queued again and its next lease is attempt + 1. false: it had reached
+  // the attempt cap and is done, with an ERROR result whose reason is `reason`.
+  bool requeued = false;
+  std::string reason;
 };
 
 // How many trials are in each state (every sweep).
@@ -126,13 +146,32 @@ class Store {
   // a second).
   virtual absl::StatusOr<TrialCounts> CountTrials() = 0;
   virtual absl::StatusOr<TrialRecord> GetTrial(const std::string& trial_id) = 0;
-  // Queued -> leased, attempt += 1; fails (FailedPrecondition) if the trial is not queued.
+  // Queued -> leased, attempt += 1, for a slot described by `place`; fails
+  // (FailedPrecondition) if the trial is not queued.
   virtual absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id,
                                                  const std::string& agent_id,
-                                                 int64_t expires_unix_ms) = 0;
+                                                 int64_t expires_unix_ms,
+                                                 const LeasePlace& place) = 0;
+  absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id, const std::string& agent_id,
+                                         int64_t expires_unix_ms) {
+    return LeaseTrial(trial_id, agent_id, expires_unix_ms, LeasePlace{});
+  }
   virtual absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) = 0;
-  // Leased trials whose lease expired go back to queued; returns their ids.
-  virtual absl::StatusOr<std::vector<std::string>> RequeueExpired(int64_t now_unix_ms) = 0;
+
+  // Lost leases, in one transaction each call. A trial that has had fewer than `max_attempts`
+  // attempts goes back to the queue (its next lease is a new attempt); one that has had
+  // `max_attempts` is done, with an ERROR result filed under the lost agent and its lease place,
+  // reason "lease lost N times (...)". max_attempts <= 0: no cap.
+  //
+  // RequeueExpired: every leased trial whose lease expired before `now_unix_ms`, sorted by id.
+  virtual absl::StatusOr<std::vector<LostLease>> RequeueExpired(int64_t now_unix_ms,
+                                                                int max_attempts) = 0;
+  // ReleaseLease: the one lease of `trial_id` held by `agent_id` under `attempt`, which the agent
+  // no longer has (`why` says what happened; it ends up in the ERROR reason). FailedPrecondition
+  // when the trial is not leased to that agent under that attempt (any more): nothing changes.
+  virtual absl::StatusOr<LostLease> ReleaseLease(const std::string& trial_id,
+                                                 const std::string& agent_id, int attempt,
+                                                 int max_attempts, const std::string& why) = 0;
 
   // Stores a result and marks the trial done. Idempotent by (trial_id, attempt): storing the same
   // attempt twice is OK and changes nothing. A result for a trial not leased to `agent_id` under

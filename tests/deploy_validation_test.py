@@ -10,7 +10,9 @@ has volumeClaimTemplates that are mounted, every Service selector matches some p
 its target ports exist, ServiceMonitors select a Service port; compose services reference files
 and volumes that exist; the metrics ports agree between prometheus.yml, compose, Kubernetes,
 systemd and the Dockerfiles; alert rules and dashboards name metrics that docs/OBSERVABILITY.md
-documents and data sources that provisioning defines. When installed, `systemd-analyze verify`
+documents and data sources that provisioning defines; every coordinator and agent deploy/ starts
+has TLS and its tokens on (docs/SECURITY.md), from secrets that exist where they are referenced
+and are not world-readable. When installed, `systemd-analyze verify`
 checks the units and `kubectl kustomize` renders deploy/k8s (both offline).
 
 --self-test breaks the loaded files in memory, one way at a time, and fails unless the checks
@@ -513,6 +515,90 @@ def check_units(b, err):
                 err(f"{path}: systemd-analyze verify: " + "; ".join(lines or [r.stderr.strip()]))
 
 
+# The flags that turn TLS and the tokens on (docs/SECURITY.md): every coordinator and agent that
+# deploy/ starts must pass them.
+COORDINATOR_SECURITY = (("--tls-cert",), ("--tls-key",), ("--agent-token-file", "--auth-token-env"),
+                        ("--user-token-file",))
+AGENT_SECURITY = (("--tls-ca",), ("--token-file", "--auth-token-env"))
+
+
+def unit_exec_start(text):
+    """The ExecStart= command line of a unit, continuation lines joined, split into words."""
+    m = re.search(r"^ExecStart=((?:.*\\\n)*.*)$", text, re.M)
+    return m.group(1).replace("\\\n", " ").split() if m else []
+
+
+def dockerfile_cmd(text):
+    """The JSON-array CMD of a Dockerfile, as a list ([] when there is none)."""
+    m = re.search(r"^CMD\s+(\[(?:.|\n)*?\])\s*$", text.replace("\\\n", " "), re.M)
+    try:
+        return json.loads(m.group(1)) if m else []
+    except ValueError:
+        return []
+
+
+def has_flag(args, flag):
+    return any(str(a) == flag or str(a).startswith(flag + "=") for a in args or [])
+
+
+def invocations(b):
+    """(where, role, argv) of every coordinator and agent deploy/ starts."""
+    out = []
+    for path, text in b["units"].items():
+        role = "coordinator" if "coordinator" in os.path.basename(path) else "agent"
+        out.append((f"{path} ExecStart", role, unit_exec_start(text)))
+    for path, text in b["dockerfiles"].items():
+        role = "coordinator" if path.endswith("coordinator") else "agent"
+        out.append((f"{path} CMD", role, dockerfile_cmd(text)))
+    for name, svc in ((b["compose"] or {}).get("services") or {}).items():
+        if name == "coordinator":
+            out.append((f"compose service {name} command", "coordinator", svc.get("command")))
+    for path, d in b["k8s"]:
+        if d.get("kind") in WORKLOAD_KINDS:
+            role = "agent" if d.get("kind") == "DaemonSet" else "coordinator"
+            for c in containers_of(d):
+                out.append((f"{path}: {d['kind']}/{d['metadata'].get('name')} container "
+                            f"{c.get('name')} args", role, c.get("args")))
+    return out
+
+
+def check_security(b, err):
+    """TLS and both tokens on everywhere; secrets present where they are referenced, and not
+    world-readable."""
+    for where, role, argv in invocations(b):
+        for alternatives in COORDINATOR_SECURITY if role == "coordinator" else AGENT_SECURITY:
+            if not any(has_flag(argv, f) for f in alternatives):
+                err(f"{where}: the {role} runs without {' or '.join(alternatives)} "
+                    f"(docs/SECURITY.md: TLS and tokens on by default)")
+    for path, text in b["units"].items():
+        creds = set(re.findall(r"^LoadCredential=([^:\s]+):", text, re.M))
+        for name in re.findall(r"%d/([\w.-]+)", " ".join(unit_exec_start(text))):
+            if name not in creds:
+                err(f"{path}: ExecStart uses %d/{name} but no LoadCredential={name}: provides it")
+    compose = b["compose"] or {}
+    declared = set((compose.get("secrets") or {}).keys())
+    for name, svc in (compose.get("services") or {}).items():
+        mounted = {x if isinstance(x, str) else x.get("source") for x in svc.get("secrets") or []}
+        for m in mounted - declared:
+            err(f"compose service {name}: secret '{m}' is not declared under secrets:")
+        for arg in svc.get("command") or []:
+            if str(arg).startswith("/run/secrets/") and str(arg)[len("/run/secrets/"):] not in mounted:
+                err(f"compose service {name}: {arg} is not one of its secrets")
+    for path, d in b["k8s"]:
+        if d.get("kind") not in WORKLOAD_KINDS:
+            continue
+        where = f"{path}: {d['kind']}/{d['metadata'].get('name')}"
+        for v in (pod_template(d).get("spec") or {}).get("volumes") or []:
+            secret = v.get("secret")
+            if not secret:
+                continue
+            if secret.get("secretName") not in b["docs"]["DEPLOYMENT.md"]:
+                err(f"{where}: Secret '{secret.get('secretName')}' is not explained in "
+                    f"docs/DEPLOYMENT.md")
+            if int(secret.get("defaultMode", 0o644)) & 0o007:
+                err(f"{where}: Secret volume '{v.get('name')}' is world-readable (defaultMode)")
+
+
 def run_checks(b):
     errors = list(b["errors_parse"])
     err = errors.append
@@ -521,6 +607,7 @@ def run_checks(b):
     check_prometheus_and_ports(b, err)
     check_grafana(b, err)
     check_units(b, err)
+    check_security(b, err)
     return errors
 
 
@@ -577,6 +664,30 @@ def mutations():
     def undocumented_metric(b):
         b["alerts"]["groups"][0]["rules"][0]["expr"] = "infersweep_no_such_metric > 0"
 
+    def unit_no_tls(b):
+        k = "deploy/systemd/infersweep-coordinator.service"
+        b["units"][k] = b["units"][k].replace("--tls-cert %d/tls-cert", "")
+
+    def k8s_no_user_token(b):
+        for c in containers_of(find(b, "StatefulSet", "infersweep-coordinator")):
+            c["args"] = [a for a in c["args"] if not a.startswith("--user-token-file")]
+
+    def k8s_agent_plaintext(b):
+        for c in containers_of(find(b, "DaemonSet", "infersweep-agent")):
+            c["args"] = [a for a in c["args"] if not a.startswith("--tls-ca")]
+
+    def compose_undeclared_secret(b):
+        del b["compose"]["secrets"]["user.token"]
+
+    def unit_missing_credential(b):
+        k = "deploy/systemd/infersweep-agent.service"
+        b["units"][k] = b["units"][k].replace("LoadCredential=tls-ca:", "LoadCredential=tls-cax:")
+
+    def k8s_world_readable(b):
+        for v in pod_template(find(b, "StatefulSet", "infersweep-coordinator"))["spec"]["volumes"]:
+            if v.get("secret"):
+                v["secret"]["defaultMode"] = 0o444
+
     def unit_hardening(b):
         k = "deploy/systemd/infersweep-coordinator.service"
         b["units"][k] = b["units"][k].replace("ProtectSystem=strict", "ProtectSystem=full")
@@ -593,7 +704,13 @@ def mutations():
             ("an alert selecting a job Prometheus does not scrape", alert_job),
             ("a file that does not parse", bad_yaml),
             ("an alert on an undocumented metric", undocumented_metric),
-            ("a unit without ProtectSystem=strict", unit_hardening)]
+            ("a unit without ProtectSystem=strict", unit_hardening),
+            ("a coordinator unit without TLS", unit_no_tls),
+            ("a Kubernetes coordinator without the user token", k8s_no_user_token),
+            ("a Kubernetes agent without --tls-ca", k8s_agent_plaintext),
+            ("compose mounting an undeclared secret", compose_undeclared_secret),
+            ("a unit using %d/NAME without LoadCredential=NAME", unit_missing_credential),
+            ("a world-readable Secret volume", k8s_world_readable)]
 
 
 def main():

@@ -19,6 +19,7 @@
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 #include "storage/store.h"
+#include "tests/raw_agent.h"
 
 namespace infersweep {
 namespace {
@@ -44,61 +45,6 @@ struct Counts {
 
 std::ostream& operator<<(std::ostream& os, const Counts& c) {
   return os << "{sweeps " << c.sweeps << ", trials " << c.trials << ", results " << c.results << "}";
-}
-
-using AgentStream = grpc::ClientReaderWriter<v1::AgentMessage, v1::CoordinatorMessage>;
-
-// A hand-driven agent stream, to send what a real agent never would.
-struct RawAgent {
-  explicit RawAgent(const std::string& address)
-      : stub(v1::AgentService::NewStub(rpc::MakeChannel(address))) {
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    stream = stub->Connect(&context);
-  }
-  bool Send(const v1::AgentMessage& m) { return stream->Write(m); }
-  bool Hello(const std::string& id, const std::string& token = "") {
-    v1::AgentMessage m;
-    m.mutable_hello()->set_agent_id(id);
-    if (!token.empty()) m.mutable_hello()->set_auth_token(token);
-    m.mutable_hello()->set_host("test");
-    m.mutable_hello()->set_cpu_only(true);
-    m.mutable_hello()->set_protocol_version(rpc::kProtocolVersion);
-    return Send(m);
-  }
-  bool Result(const std::string& trial_id, int attempt, const std::string& json) {
-    v1::AgentMessage m;
-    m.mutable_result()->set_trial_id(trial_id);
-    m.mutable_result()->set_attempt(attempt);
-    m.mutable_result()->set_result_json(json);
-    return Send(m);
-  }
-  v1::CoordinatorMessage Next() {
-    v1::CoordinatorMessage m;
-    if (!stream->Read(&m)) m.Clear();
-    return m;
-  }
-  grpc::Status End() {
-    stream->WritesDone();
-    v1::CoordinatorMessage m;
-    while (stream->Read(&m)) {
-    }
-    return stream->Finish();
-  }
-
-  std::unique_ptr<v1::AgentService::Stub> stub;
-  grpc::ClientContext context;
-  std::unique_ptr<AgentStream> stream;
-};
-
-std::string ValidResultJson(const std::string& trial_id, int attempt) {
-  TrialResult r;
-  r.trial_id = trial_id;
-  r.attempt = attempt;
-  r.status = TrialStatus::kOk;
-  r.model = "preset:tiny-moe";
-  r.config = {{"device", "cpu"}, {"matmul", "naive"}};
-  r.device = "cpu";
-  return ToJson(r).dump();
 }
 
 class BadInput : public ::testing::Test {

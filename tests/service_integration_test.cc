@@ -370,8 +370,9 @@ TEST_F(Fleet, CancelledSweepIsNotDispatched) {
 }
 
 // An agent that restarts while a trial runs comes back without it; after a grace period the
-// coordinator records the trial as lost instead of renewing its lease forever.
-TEST_F(Fleet, TrialLostByARestartedAgentIsRecorded) {
+// coordinator releases the lease (instead of renewing it forever) and the trial runs again, as
+// attempt 2, on the restarted agent.
+TEST_F(Fleet, TrialLostByARestartedAgentIsRequeuedAndRunsAgain) {
   CoordinatorOptions options = QuietOptions();
   options.lost_trial_grace_ms = 300;
   StartCoordinator(options);
@@ -389,23 +390,24 @@ TEST_F(Fleet, TrialLostByARestartedAgentIsRecorded) {
   first->Stop();  // the running trial ends unreported
   agents_.clear();
   StartAgent("phoenix", "NVIDIA RTX PRO 6000:120:96");
-  ResultQuery q;
-  q.sweep_id = submitted->sweep_id();
-  std::vector<StoredResult> rows;
   ASSERT_TRUE(WaitFor(
       [&] {
-        auto r = server_->store()->QueryResults(q);
-        if (!r.ok() || r->empty()) return false;
-        rows = *r;
-        return true;
+        auto s = client.GetSweep(submitted->sweep_id());
+        return s.ok() && s->state() == "done";
       },
-      10))
+      20))
       << Log();
-  ASSERT_EQ(rows.size(), 1u);
-  EXPECT_EQ(rows[0].result.status, TrialStatus::kError);
-  EXPECT_THAT(rows[0].result.reason, ::testing::HasSubstr("lost"));
-  EXPECT_EQ(rows[0].agent_id, "phoenix");
-  EXPECT_TRUE(WaitFor([&] { return server_->stats().lost == 1; }, 2));
+  ResultQuery q;
+  q.sweep_id = submitted->sweep_id();
+  auto rows = server_->store()->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].result.status, TrialStatus::kOk) << (*rows)[0].result.reason;
+  EXPECT_EQ((*rows)[0].result.attempt, 2);
+  EXPECT_EQ((*rows)[0].agent_id, "phoenix");
+  EXPECT_EQ(server_->stats().lost, 1);
+  EXPECT_EQ(server_->stats().requeued, 1);
+  EXPECT_EQ(server_->stats().attempts_exhausted, 0);
 }
 
 TEST_F(Fleet, OnlyAnAgentWithTheAgentTokenRunsTrials) {

@@ -5,6 +5,7 @@
 #include <sqlite3.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include <cerrno>
 
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "storage/schema.h"
+#include "tests/raw_db.h"
 
 namespace infersweep {
 namespace {
@@ -39,48 +41,6 @@ class TempDir {
 
  private:
   std::filesystem::path path_;
-};
-
-// A second, raw connection to the same file, as another process would have.
-class RawDb {
- public:
-  explicit RawDb(const std::string& path) {
-    EXPECT_EQ(sqlite3_open(path.c_str(), &db_), SQLITE_OK);
-    sqlite3_busy_timeout(db_, 2000);
-  }
-  ~RawDb() { sqlite3_close(db_); }
-  int Exec(const std::string& sql) { return sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr); }
-  // The first column of the first row, as text ("" if none).
-  std::string Query(const std::string& sql) {
-    sqlite3_stmt* stmt = nullptr;
-    std::string out;
-    if (sqlite3_prepare_v2(db_, sql.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
-      ADD_FAILURE() << sql << ": " << sqlite3_errmsg(db_);
-      return out;
-    }
-    if (sqlite3_step(stmt) == SQLITE_ROW && sqlite3_column_text(stmt, 0) != nullptr)
-      out = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
-    sqlite3_finalize(stmt);
-    return out;
-  }
-  // Every row of EXPLAIN QUERY PLAN, joined.
-  std::string Plan(const std::string& sql) {
-    sqlite3_stmt* stmt = nullptr;
-    std::string out;
-    const std::string explain = "EXPLAIN QUERY PLAN " + sql;
-    if (sqlite3_prepare_v2(db_, explain.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
-      ADD_FAILURE() << explain << ": " << sqlite3_errmsg(db_);
-      return out;
-    }
-    while (sqlite3_step(stmt) == SQLITE_ROW)
-      out += std::string(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 3))) + "\n";
-    sqlite3_finalize(stmt);
-    return out;
-  }
-  int64_t Count(const std::string& table) { return std::stoll(Query("SELECT COUNT(*) FROM " + table)); }
-
- private:
-  sqlite3* db_ = nullptr;
 };
 
 std::unique_ptr<Store> OpenOrDie(const std::string& path, StoreOptions options = {}) {
@@ -262,9 +222,13 @@ TEST_F(StoreTest, LeaseRenewAndRequeueExpired) {
   ASSERT_TRUE(store_->RenewLeases("agent-1", 5000).ok());
   EXPECT_EQ(store_->GetTrial(a)->lease_expires_unix_ms, 5000);
 
-  absl::StatusOr<std::vector<std::string>> requeued = store_->RequeueExpired(2000);
+  absl::StatusOr<std::vector<LostLease>> requeued = store_->RequeueExpired(2000, 0);
   ASSERT_TRUE(requeued.ok()) << requeued.status();
-  EXPECT_THAT(*requeued, ElementsAre(b));
+  ASSERT_EQ(requeued->size(), 1u);
+  EXPECT_EQ((*requeued)[0].trial_id, b);
+  EXPECT_EQ((*requeued)[0].agent_id, "agent-2");
+  EXPECT_EQ((*requeued)[0].attempt, 1);
+  EXPECT_TRUE((*requeued)[0].requeued);
   absl::StatusOr<TrialRecord> tb = store_->GetTrial(b);
   EXPECT_EQ(tb->state, TrialState::kQueued);
   EXPECT_TRUE(tb->leased_to.empty());
@@ -275,7 +239,83 @@ TEST_F(StoreTest, LeaseRenewAndRequeueExpired) {
   absl::StatusOr<TrialRecord> re = store_->LeaseTrial(b, "agent-3", 9000);
   ASSERT_TRUE(re.ok());
   EXPECT_EQ(re->attempt, 2);
-  EXPECT_THAT(*store_->RequeueExpired(6000), ElementsAre(a));
+  requeued = store_->RequeueExpired(6000, 0);
+  ASSERT_TRUE(requeued.ok()) << requeued.status();
+  ASSERT_EQ(requeued->size(), 1u);
+  EXPECT_EQ((*requeued)[0].trial_id, a);
+}
+
+// A lost lease requeues the trial as a new attempt until the cap; the last one ends it as an
+// ERROR filed under the GPU it was leased for, and the late holder cannot report that attempt.
+TEST_F(StoreTest, LostLeasesRequeueUntilTheAttemptCapThenEndAsError) {
+  const int64_t id = CreateSweep(2);
+  const std::string t = absl::StrCat(id, "-0"), other = absl::StrCat(id, "-1");
+  const LeasePlace h200{"NVIDIA H200", 90};
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000, h200).ok());
+  ASSERT_TRUE(store_->LeaseTrial(other, "agent-1", 99'000, h200).ok());
+  EXPECT_EQ(store_->GetTrial(t)->lease_place.gpu_name, "NVIDIA H200");
+  EXPECT_EQ(store_->GetTrial(t)->lease_place.sm, 90);
+
+  // Attempt 1 expires: requeued. Only expired leases are touched.
+  absl::StatusOr<std::vector<LostLease>> lost = store_->RequeueExpired(2000, 3);
+  ASSERT_TRUE(lost.ok()) << lost.status();
+  ASSERT_EQ(lost->size(), 1u);
+  EXPECT_TRUE((*lost)[0].requeued);
+  EXPECT_EQ((*lost)[0].attempt, 1);
+  EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kQueued);
+  EXPECT_EQ(store_->GetTrial(other)->state, TrialState::kLeased);
+
+  // Attempt 2 is released by its agent: requeued. Releasing a lease the agent does not hold
+  // (wrong agent, wrong attempt, not leased) changes nothing.
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-2", 5000, h200).ok());
+  EXPECT_EQ(store_->ReleaseLease(t, "agent-1", 2, 3, "gone").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_->ReleaseLease(t, "agent-2", 1, 3, "gone").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<LostLease> released = store_->ReleaseLease(t, "agent-2", 2, 3, "restarted");
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_TRUE(released->requeued);
+  EXPECT_EQ(store_->ReleaseLease(t, "agent-2", 2, 3, "again").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  // Attempt 3 expires: the cap. The trial is done with one ERROR result, nothing requeued.
+  ASSERT_TRUE(store_->LeaseTrial(t, "agent-3", 7000, {"NVIDIA RTX PRO 6000", 120}).ok());
+  lost = store_->RequeueExpired(8000, 3);
+  ASSERT_TRUE(lost.ok()) << lost.status();
+  ASSERT_EQ(lost->size(), 1u);
+  EXPECT_FALSE((*lost)[0].requeued);
+  EXPECT_EQ((*lost)[0].agent_id, "agent-3");
+  EXPECT_THAT((*lost)[0].reason, HasSubstr("lease lost 3 times"));
+  EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
+  EXPECT_EQ(store_->GetTrial(t)->attempt, 3);
+  EXPECT_EQ(store_->GetSweep(id)->trials_done, 1);
+  ResultQuery q;
+  q.sweep_id = id;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].result.status, TrialStatus::kError);
+  EXPECT_THAT((*rows)[0].result.reason, HasSubstr("lease lost 3 times"));
+  EXPECT_THAT((*rows)[0].result.reason, HasSubstr("agent-3"));
+  EXPECT_EQ((*rows)[0].result.attempt, 3);
+  EXPECT_EQ((*rows)[0].agent_id, "");
+  EXPECT_EQ((*rows)[0].gpu_name, "NVIDIA RTX PRO 6000");
+  EXPECT_EQ((*rows)[0].sm, 120);
+  EXPECT_EQ((*rows)[0].result.config, kFlash);
+
+  // The last holder's late result for that attempt is refused, not silently acknowledged.
+  absl::Status late = store_->RecordResult("agent-3", "NVIDIA RTX PRO 6000", 120,
+                                           MakeResult(t, 3, TrialStatus::kOk, 1, 9000, kFlash));
+  EXPECT_EQ(late.code(), absl::StatusCode::kPermissionDenied) << late;
+  EXPECT_EQ(store_->QueryResults(q)->size(), 1u);
+  // Nothing expired is left; without a cap a lease is requeued forever.
+  EXPECT_TRUE(store_->RequeueExpired(8000, 3)->empty());
+  lost = store_->RequeueExpired(200'000, 0);
+  ASSERT_EQ(lost->size(), 1u);
+  EXPECT_EQ((*lost)[0].trial_id, other);
+  EXPECT_TRUE((*lost)[0].requeued);
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("PRAGMA integrity_check"), "ok");
 }
 
 TEST_F(StoreTest, RecordResultIsIdempotentPerAttempt) {
@@ -322,7 +362,7 @@ TEST_F(StoreTest, ResultFromTheWrongAgentOrAttemptIsRejectedAndChangesNothing) {
   EXPECT_EQ(store_->GetSweep(id)->trials_done, 0);
 
   // After the lease expires and is requeued, the old holder cannot report either.
-  ASSERT_TRUE(store_->RequeueExpired(2000).ok());
+  ASSERT_TRUE(store_->RequeueExpired(2000, 0).ok());
   s = store_->RecordResult("agent-1", "NVIDIA H200", 90,
                            MakeResult(t, 1, TrialStatus::kOk, 100, 5000, kFlash));
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
@@ -713,6 +753,16 @@ TEST(SqliteErrorTest, MapsResultCodes) {
   EXPECT_THAT(full.message(), HasSubstr("disk full"));
   EXPECT_THAT(full.message(), HasSubstr("inserting a result"));
   EXPECT_EQ(SqliteError(nullptr, SQLITE_CORRUPT, "op").code(), absl::StatusCode::kDataLoss);
+  // A write refused for space (ENOSPC), a file size limit (EFBIG) or a quota is a full disk;
+  // other I/O errors are not.
+  for (int err : {ENOSPC, EFBIG, EDQUOT}) {
+    errno = err;
+    absl::Status s = SqliteError(nullptr, SQLITE_IOERR_WRITE, "appending to the WAL");
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_THAT(s.message(), HasSubstr("disk full"));
+  }
+  errno = EIO;
+  EXPECT_EQ(SqliteError(nullptr, SQLITE_IOERR_WRITE, "op").code(), absl::StatusCode::kInternal);
   EXPECT_EQ(SqliteError(nullptr, SQLITE_CONSTRAINT_UNIQUE, "op").code(),
             absl::StatusCode::kAlreadyExists);
 }

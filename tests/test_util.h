@@ -3,6 +3,7 @@
 // them where tests run from another tree (the GPU machine, scripts/gpu.sh).
 #pragma once
 
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -38,6 +39,13 @@ inline std::vector<std::string> FixtureNames(const std::string& root) {
       names.push_back(entry.path().filename());
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// A new, empty directory under the system's temporary folder, named PREFIX-XXXXXX ("" when it
+// cannot be made). The caller removes it.
+inline std::string MakeTempDir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  return mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
 }
 
 // Polls `done` every 20 ms until it holds or `seconds` pass.
