@@ -70,11 +70,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,
                "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
                "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
-  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 89, 0, true, {"fp8"}, {}, kFp8,
-               "cuBLASLt FP8 tensor cores, activations quantized to E4M3 per tensor"});
   r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats, {}, kFp4,
                "block-scaled FP4 tensor cores (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0), activations "
-               "quantized to FP4: sm_100 / sm_120 only"});
+               "quantized to FP4: sm_100 / sm_120 only (not implemented yet: there it gives ERROR; "
+               "on sm_90 preflight answers UNSUPPORTED)"});
   return r;
 }
 

@@ -76,12 +76,6 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
   }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
-    // The qgemm axis and the quantized kernels (kernels/cuda/quant.h) are not wired into the CUDA
-    // model yet: refuse rather than upload codes the dense kernels would misread.
-    if (host.quant_format != QuantFormat::kNone)
-      return absl::UnimplementedError(absl::StrCat(
-          "device=cuda: the GPU forward does not take quantized weights yet (",
-          QuantFormatName(host.quant_format), "); the CPU reference does"));
     CudaModelOptions options;
     const std::string& gemm = config.at("gemm");
     options.gemm_cublaslt = gemm == "cublaslt" || gemm == "fused" || gemm == "tma";
@@ -91,6 +85,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     options.moe_fused = config.at("moe") == "fused";
     options.moe_grouped = config.at("moe") == "grouped";
     options.graphs = config.at("graphs") == "on";
+    options.qgemm = config.at("qgemm");
     options.fault = fault;
     return MakeCudaModel(host, options);
   }

@@ -79,11 +79,7 @@ absl::Status CorruptFirstQuantScale(ModelWeights& weights, double factor,
                                     std::vector<uint8_t>* storage) {
   MatrixRef* target = nullptr;
   for (LayerWeights& l : weights.layers) {
-    std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
-    for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});
-    linears.insert(linears.end(),
-                   {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
-    for (MatrixRef* m : linears)
+    for (MatrixRef* m : LayerLinears(l))
       if (target == nullptr && m->quantized()) target = m;
     if (target != nullptr) break;
   }

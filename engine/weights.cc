@@ -112,6 +112,13 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
 
 }  // namespace
 
+std::vector<MatrixRef*> LayerLinears(LayerWeights& l) {
+  std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
+  for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});
+  linears.insert(linears.end(), {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
+  return linears;
+}
+
 absl::Status MaterializeHostWeights(HostModel& model) {
   if (model.host_materialized) return absl::OkStatus();
   model.synthetic.resize(model.specs.size());

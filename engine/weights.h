@@ -65,6 +65,10 @@ struct HostModel {
   std::shared_ptr<void> device_weights;
 };
 
+// Every linear of a layer that may be quantized, in a fixed order: q, k, v, o, the dense MLP,
+// each expert's gate/up/down, the shared expert (empty ones included).
+std::vector<MatrixRef*> LayerLinears(LayerWeights& layer);
+
 // Generates a synthetic model's host copy if it was loaded without one (GPU-only runs skip it).
 absl::Status MaterializeHostWeights(HostModel& model);
 

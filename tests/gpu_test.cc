@@ -175,6 +175,40 @@ TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
               r.load_seconds);
 }
 
+// Quantized weights on the GPU: the GPU reference (exact dequantization, fp32) equals the CPU
+// reference; every implemented qgemm is OK against it; a corrupted scale is INCORRECT.
+TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
+  REQUIRE_GPU();
+  const std::vector<int32_t> prompt = {3, 17, 101, 5, 88, 42, 7, 250, 9, 64, 11, 300};
+  TrialExecutor executor;
+  for (const char* format : {"fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4", "mxfp4"}) {
+    const std::string model = std::string("preset:tiny-moe@") + format;
+    auto host = LoadHostModel(model, {2, 1, true});
+    ASSERT_TRUE(host.ok()) << host.status();
+    const double vs_cpu = RelMaxError(AllLogits(**host, {{"device", "cuda"}}, prompt),
+                                      AllLogits(**host, {{"device", "cpu"}}, prompt));
+    EXPECT_LE(vs_cpu, 1e-4) << format;
+    const bool fp4 = std::string(format) == "nvfp4" || std::string(format) == "mxfp4";
+    std::vector<std::string> configs = {"device=cuda,gemm=cublaslt,qgemm=dequant_bf16",
+                                        "device=cuda,attention=flash,qgemm=reference"};
+    if (fp4) configs.push_back("device=cuda,gemm=cublaslt,attention=flash,qgemm=w4a16");
+    for (const std::string& config : configs) {
+      const TrialResult ok = executor.Execute(GpuRequest(model, config));
+      EXPECT_EQ(ok.status, TrialStatus::kOk) << format << " " << config << ": " << ok.reason;
+      const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:0.0625"));
+      // One corrupted group (16 or 32 weights for FP4) can hide inside the bf16-class tolerance;
+      // the fp32-class config must catch it.
+      if (ok.verdict.precision_class == "fp32")
+        EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << " " << config << ": " << bad.reason;
+      std::printf("# %s %-55s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n", format,
+                  config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
+                  ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
+                  std::string(TrialStatusName(bad.status)).c_str());
+    }
+    std::printf("# %s: GPU reference vs CPU reference %.3g\n", format, vs_cpu);
+  }
+}
+
 TEST(Gpu, NumericFaultsAreIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;

@@ -53,15 +53,6 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_THAT(Preflight(Cuda("w4a16"), {true, 90, 1, "bf16"}).reason,
               HasSubstr("does not take bf16 weights"));
 
-  // fp8_cublaslt: FP8 weights, sm_89 (Ada) and newer.
-  r = Preflight(Cuda("fp8_cublaslt"), {true, 90, 1, "fp8"});
-  EXPECT_TRUE(r.supported) << r.reason;
-  EXPECT_EQ(r.precision, PrecisionClass::kFp8);
-  EXPECT_EQ(Preflight(Cuda("fp8_cublaslt"), {true, 80, 1, "fp8"}).reason,
-            "qgemm=fp8_cublaslt needs sm_89 or newer; the GPU is sm_80");
-  EXPECT_THAT(Preflight(Cuda("fp8_cublaslt"), h200_nvfp4).reason,
-              HasSubstr("does not take nvfp4 weights"));
-
   // dequant_bf16 takes every quantized format; the reference takes anything, exactly.
   EXPECT_EQ(Preflight(Cuda("dequant_bf16"), {true, 90, 1, "mxfp4"}).precision,
             PrecisionClass::kBf16);
@@ -104,11 +95,11 @@ TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
   // The weight format too comes from the description ("@nvfp4"), before any weight loads.
-  const TrialResult fp8 =
-      executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,qgemm=fp8_cublaslt"));
-  EXPECT_EQ(fp8.status, TrialStatus::kUnsupported) << fp8.reason;
-  EXPECT_EQ(fp8.reason, "qgemm=fp8_cublaslt does not take nvfp4 weights (takes fp8)");
-  EXPECT_EQ(fp8.load_seconds, 0) << "judged from the model description alone";
+  const TrialResult fused =
+      executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,moe=fused"));
+  EXPECT_EQ(fused.status, TrialStatus::kUnsupported) << fused.reason;
+  EXPECT_EQ(fused.reason, "moe=fused does not take nvfp4 weights (takes bf16)");
+  EXPECT_EQ(fused.load_seconds, 0) << "judged from the model description alone";
 }
 
 TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsIncorrect) {

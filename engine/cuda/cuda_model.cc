@@ -13,6 +13,7 @@
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/gemm_grouped.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemv_tma.h"
 
 namespace infersweep {
@@ -64,6 +65,10 @@ struct DeviceWeights {
 absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   if (host.device_weights) return std::static_pointer_cast<DeviceWeights>(host.device_weights);
   const auto start = std::chrono::steady_clock::now();
+  // Quantized models are quantized on the host (or read so): upload what the host holds.
+  const bool quantized = host.quant_format != QuantFormat::kNone;
+  if (quantized)
+    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
   auto dw = std::make_shared<DeviceWeights>();
   dw->tensors = host.tensors;
   for (size_t i = 0; i < host.specs.size(); ++i) {
@@ -74,7 +79,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     if (!buffer.ok()) return buffer.status();
     dw->buffers.push_back(*buffer);
     dw->tensors[i].data = *buffer;
-    if (host.is_synthetic) {  // generated in place: bit-identical to the CPU generator
+    if (host.is_synthetic && !quantized) {  // generated in place: bit-identical to the CPU's
       TensorSpec source = spec;
       const bool tied = host.config.tie_word_embeddings && spec.name == "lm_head.weight";
       if (tied) source.kind = WeightKind::kEmbedding;
@@ -114,12 +119,71 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   return dw;
 }
 
+// A model's own view of quantized weights (qgemm=reference: fp32 copies; dequant_bf16: bf16
+// copies; w4a16: the codes as uploaded), with the TEST ONLY bad-quant-scale fault applied to it
+// alone, so the shared weights (and the reference built on them) stay intact.
+struct QuantView {
+  ModelWeights weights;
+  std::vector<void*> buffers;
+  ~QuantView() {
+    for (void* b : buffers) cudaFree(b);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
+                                                          const std::string& qgemm,
+                                                          const FaultInjection& fault) {
+  auto view = std::make_unique<QuantView>();
+  view->weights = dw.weights;
+  if (fault.kind == FaultInjection::Kind::kBadQuantScale) {
+    // Corrupt a host copy the CPU's way, find which linear it hit, upload that scale alone.
+    ModelWeights host_copy = host.weights;
+    std::vector<uint8_t> corrupted;
+    if (auto s = CorruptFirstQuantScale(host_copy, fault.value, &corrupted); !s.ok()) return s;
+    for (size_t l = 0; l < host_copy.layers.size(); ++l) {
+      const std::vector<MatrixRef*> host_linears = LayerLinears(host_copy.layers[l]);
+      const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
+      for (size_t i = 0; i < host_linears.size(); ++i) {
+        if (host_linears[i]->quant.scale != corrupted.data()) continue;
+        auto scale = DeviceAlloc<uint8_t>(corrupted.size());
+        if (!scale.ok()) return scale.status();
+        view->buffers.push_back(*scale);
+        CUDA_OR_DIE(cudaMemcpy(*scale, corrupted.data(), corrupted.size(), cudaMemcpyHostToDevice));
+        view_linears[i]->quant.scale = *scale;
+      }
+    }
+  }
+  if (qgemm == "w4a16") return view;
+  const bool to_f32 = qgemm == "reference";
+  if (!to_f32 && qgemm != "dequant_bf16")
+    return absl::UnimplementedError(absl::StrCat(
+        "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
+        "dequant_bf16, w4a16)"));
+  for (LayerWeights& layer : view->weights.layers)
+    for (MatrixRef* m : LayerLinears(layer)) {
+      if (!m->quantized()) continue;
+      const size_t count = static_cast<size_t>(m->rows * m->cols);
+      auto buffer = DeviceAlloc<uint8_t>(count * (to_f32 ? sizeof(float) : sizeof(uint16_t)));
+      if (!buffer.ok()) return buffer.status();
+      view->buffers.push_back(*buffer);
+      if (to_f32)
+        cuda::DequantizeToF32(*m, reinterpret_cast<float*>(*buffer), nullptr);
+      else
+        cuda::DequantizeToBf16(*m, reinterpret_cast<uint16_t*>(*buffer), nullptr);
+      CHECK_LAUNCH();
+      *m = MatrixRef{*buffer, to_f32 ? DType::kF32 : DType::kBF16, m->rows, m->cols};
+    }
+  CUDA_OR_DIE(cudaDeviceSynchronize());
+  return view;
+}
+
 class CudaModel final : public Model {
  public:
   CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
             CudaModelOptions options, std::unique_ptr<cuda::CublasLtGemm> gemm,
-            std::unique_ptr<cuda::CublasGroupedGemm> grouped)
-      : config_(config), dw_(std::move(weights)), w_(dw_->weights), options_(options),
+            std::unique_ptr<cuda::CublasGroupedGemm> grouped, std::unique_ptr<QuantView> view)
+      : config_(config), dw_(std::move(weights)), view_(std::move(view)),
+        w_(view_ ? view_->weights : dw_->weights), options_(options),
         gemm_(std::move(gemm)), grouped_(std::move(grouped)) {
     CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
@@ -231,7 +295,13 @@ class CudaModel final : public Model {
   // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
   absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
                     const MatrixRef& bias, float* y) {
-    if (gemm_) {
+    if (w.quantized()) {  // qgemm=w4a16: the other modes replaced the codes at build
+      if (!cuda::W4A16Supports(w))
+        return absl::UnimplementedError(absl::StrCat(
+            "qgemm=w4a16 needs FP4 weights with K % 32 == 0 (", w.rows, " x ", w.cols, ")"));
+      cuda::GemvW4A16(x, rows, w, y, stream_);
+      if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+    } else if (gemm_ && w.dtype == DType::kBF16) {
       if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
     } else {
@@ -635,6 +705,7 @@ class CudaModel final : public Model {
 
   const ModelConfig config_;
   std::shared_ptr<DeviceWeights> dw_;
+  std::unique_ptr<QuantView> view_;  // quantized models only
   const ModelWeights& w_;
   CudaModelOptions options_;
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
@@ -686,6 +757,12 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     if (!made.ok()) return made.status();
     gemm = std::move(*made);
   }
+  std::unique_ptr<QuantView> view;
+  if (host.quant_format != QuantFormat::kNone) {
+    auto made = BuildQuantView(host, **weights, options.qgemm, options.fault);
+    if (!made.ok()) return made.status();
+    view = std::move(*made);
+  }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;
   if (options.moe_grouped) {
     if (!options.gemm_cublaslt)
@@ -695,7 +772,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     grouped = std::move(*made);
   }
   return std::unique_ptr<Model>(new CudaModel(host.config, std::move(*weights), options,
-                                              std::move(gemm), std::move(grouped)));
+                                              std::move(gemm), std::move(grouped), std::move(view)));
 }
 
 absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -21,6 +22,10 @@ struct CudaModelOptions {
   bool moe_fused = false;      // else the per-expert loop with a host sync
   bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)
   bool graphs = false;         // capture the decode step (needs moe_fused)
+  // How quantized linears run (the qgemm axis; dense models ignore it): "reference" (dequantized
+  // exactly to fp32 at build, reference GEMM), "dequant_bf16" (dequantized to bf16, then the gemm
+  // axis's GEMM), "w4a16" (FP4 codes read by the fused dequant GEMV).
+  std::string qgemm = "reference";
   FaultInjection fault;        // TEST ONLY
 };
 
