@@ -92,16 +92,6 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
   }
 }
 
-int SmCount() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return std::max(sms, 1);
-  }();
-  return count;
-}
-
 }  // namespace
 
 bool GemvSupports(int rows, int k) {
@@ -125,9 +115,9 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
   // (q+k+v: 2560 warps, all resident at once); small matrices get small blocks so that they
   // still spread over every SM (the 128-row router: 64 blocks of 2 warps).
-  const int rows_per_warp = total > 24 * SmCount() ? 2 : 1;
+  const int rows_per_warp = total > 24 * MultiprocessorCount() ? 2 : 1;
   const int warps_needed = CeilDiv(total, rows_per_warp);
-  const int warps_per_block = warps_needed >= 8 * SmCount() ? 8 : 2;
+  const int warps_per_block = warps_needed >= 8 * MultiprocessorCount() ? 8 : 2;
   const int blocks = CeilDiv(warps_needed, warps_per_block);
   const dim3 grid(blocks), block(warps_per_block * 32);
   if (args.rows == 1) {

@@ -124,16 +124,6 @@ __global__ void __launch_bounds__(kThreads) GemvTmaKernel(GemvArgs a, TmaPlan pl
 #endif
 }
 
-int SmCount() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return std::max(sms, 1);
-  }();
-  return count;
-}
-
 }  // namespace
 
 bool GemvTmaSupports(int rows, int k) {
@@ -158,7 +148,7 @@ void GemvTma(const GemvArgs& args, cudaStream_t stream) {
   for (int s = 0; s < args.segments; ++s) total += args.seg[s].n;
   // About one block per SM, each a whole number of tiles.
   const int rows_per_block =
-      std::max(kTileRows, CeilDiv(CeilDiv(total, SmCount()), kTileRows) * kTileRows);
+      std::max(kTileRows, CeilDiv(CeilDiv(total, MultiprocessorCount()), kTileRows) * kTileRows);
   int blocks = 0;
   for (int s = 0; s < args.segments; ++s) {
     plan.rows_per_block[s] = rows_per_block;
