@@ -198,8 +198,9 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:0.0625"));
       // One corrupted group (16 or 32 weights for FP4) can hide inside the bf16-class tolerance;
       // the fp32-class config must catch it.
-      if (ok.verdict.precision_class == "fp32")
+      if (ok.verdict.precision_class == "fp32") {
         EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << " " << config << ": " << bad.reason;
+      }
       std::printf("# %s %-55s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n", format,
                   config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
                   ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
