@@ -190,12 +190,24 @@ def main():
         }
         with open(os.path.join(tmp, "prometheus.yml"), "w") as f:
             yaml.safe_dump(config, f)
+        # A port free_port() saw free can be taken before Prometheus binds it (an outgoing
+        # connection's ephemeral port, seen in CI): if Prometheus exits, retry on another port.
+        for attempt in range(5):
+            if attempt:
+                prom_port = free_port()
+            prom = start("prometheus", [prometheus, f"--config.file={tmp}/prometheus.yml",
+                                        f"--storage.tsdb.path={tmp}/tsdb",
+                                        f"--web.listen-address=127.0.0.1:{prom_port}"])
+            ready = deadline.wait_for(
+                "Prometheus to be ready or to exit",
+                lambda: prom.poll() is not None or
+                http_get(f"http://127.0.0.1:{prom_port}/-/ready")[0] == 200)
+            if prom.poll() is None and ready:
+                break
+            print(f"# Prometheus exited (code {prom.returncode}) on port {prom_port}; retrying")
+        else:
+            raise TimeoutError("Prometheus did not start in 5 attempts")
         api = f"http://127.0.0.1:{prom_port}/api/v1"
-        start("prometheus", [prometheus, f"--config.file={tmp}/prometheus.yml",
-                             f"--storage.tsdb.path={tmp}/tsdb",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"])
-        deadline.wait_for("Prometheus to be ready",
-                          lambda: http_get(f"http://127.0.0.1:{prom_port}/-/ready")[0] == 200)
 
         def query(expr):
             status, body = http_get(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))
