@@ -256,6 +256,11 @@ class CudaModel final : public Model {
     for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
 
     const bool use_graph = options_.graphs && n == 1 && mode == LogitsMode::kLast;
+    // The fast GEMV configs chain their kernels with programmatic dependent launch.
+    cuda::SetProgrammaticLaunch(options_.gemm_fused || options_.gemm_tma);
+    struct ResetLaunchMode {
+      ~ResetLaunchMode() { cuda::SetProgrammaticLaunch(false); }
+    } reset_launch_mode;
     if (use_graph) {
       auto it = graphs_.find(batch_);
       if (it == graphs_.end()) {

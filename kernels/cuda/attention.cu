@@ -25,6 +25,8 @@ __global__ void QkNormRopeAppendKernel(float* q, float* k, const float* v, int n
                                        const float2* rope, const int* position, int capacity,
                                        float* k_cache, float* v_cache) {
   __shared__ float scratch[32];
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
   const int row = blockIdx.x, head = blockIdx.y;
   const int batch = row / n, pos = *position + row % n;
   const int half = head_dim / 2;
@@ -116,9 +118,9 @@ void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q
                       float eps, const float2* rope, const int* position, int capacity,
                       float* k_cache, float* v_cache, cudaStream_t stream) {
   const int threads = std::min(128, std::max(32, (head_dim / 2 + 31) / 32 * 32));
-  QkNormRopeAppendKernel<<<dim3(rows, q_heads + kv_heads), threads, 0, stream>>>(
-      q, k, v, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope,
-      position, capacity, k_cache, v_cache);
+  Launch(QkNormRopeAppendKernel, dim3(rows, q_heads + kv_heads), dim3(threads), 0, stream, q, k, v,
+         n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope,
+         position, capacity, k_cache, v_cache);
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

@@ -25,6 +25,8 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
                                    const int* position, int capacity, int splits,
                                    float* partial_acc, float* partial_max, float* partial_sum) {
   extern __shared__ float smem[];
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
   const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = q_heads / kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -100,6 +102,8 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
 // One block per (row, q head): merges the splits' partial softmaxes.
 __global__ void FlashCombineKernel(const float* partial_acc, const float* partial_max,
                                    const float* partial_sum, int splits, int head_dim, float* out) {
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
   const int64_t rh = blockIdx.x;  // row * q_heads + head
   float m = -INFINITY;
   for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_max[rh * splits + s]);
@@ -142,11 +146,11 @@ void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, 
   float* partial_max = partial + slots * head_dim;
   float* partial_sum = partial_max + slots;
   const size_t shared = (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
-  FlashPartialKernel<<<dim3(rows, kv_heads, splits), 32 * group, shared, stream>>>(
-      q, k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, splits, partial_acc,
-      partial_max, partial_sum);
-  FlashCombineKernel<<<rows * q_heads, 128, 0, stream>>>(partial_acc, partial_max, partial_sum,
-                                                          splits, head_dim, out);
+  Launch(FlashPartialKernel, dim3(rows, kv_heads, splits), dim3(32 * group), shared, stream, q,
+         k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, splits, partial_acc,
+         partial_max, partial_sum);
+  Launch(FlashCombineKernel, dim3(rows * q_heads), dim3(128), 0, stream, partial_acc, partial_max,
+         partial_sum, splits, head_dim, out);
 }
 
 }  // namespace infersweep::cuda

@@ -1,6 +1,8 @@
 // Shared device helpers for the CUDA kernels.
 #pragma once
 
+#include <utility>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -67,6 +69,43 @@ __device__ __forceinline__ float Dot8Bf16(const uint4 packed, const float* x) {
     acc += f.x * x[2 * i] + f.y * x[2 * i + 1];
   }
   return acc;
+}
+
+// ---- Programmatic dependent launch (sm_90). With it on, a kernel's blocks may start while the
+// previous kernel in the stream is still running; they must call WaitForPrerequisites() before
+// touching anything that kernel writes (and before any global write), and may read before it only
+// data from earlier kernels and the weights. A kernel calls AllowDependentsToLaunch() right after
+// its own wait, so when the next kernel starts, every kernel but the one before it has finished.
+// Both are no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void WaitForPrerequisites() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void AllowDependentsToLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Whether this thread's launches use programmatic dependent launch (SetProgrammaticLaunch).
+inline bool& ProgrammaticLaunchFlag() {
+  static thread_local bool on = false;
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when the
+// thread's flag is on.
+template <typename... KernelArgs, typename... Args>
+void Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = ProgrammaticLaunchFlag() ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 inline int CeilDiv(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }

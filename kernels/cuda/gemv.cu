@@ -53,6 +53,8 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
     for (int u = 0; u < kGemvUnroll; ++u)
       if (active && lane + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + lane + 32 * u);
 
+  WaitForPrerequisites();  // x is the previous kernel's output; the weights were not
+  AllowDependentsToLaunch();
   float inv[kMaxRows];
   StageGemvInput<kMaxRows>(a, xs, scratch, inv);
   if (!active) return;
@@ -94,6 +96,8 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
 
 }  // namespace
 
+void SetProgrammaticLaunch(bool on) { ProgrammaticLaunchFlag() = on; }
+
 bool GemvSupports(int rows, int k) {
   return rows >= 1 && rows <= kGemvMaxRows && k % 8 == 0 &&
          static_cast<int64_t>(rows) * k * sizeof(float) <= kGemvMaxSharedBytes;
@@ -122,13 +126,13 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   const dim3 grid(blocks), block(warps_per_block * 32);
   if (args.rows == 1) {
     if (rows_per_warp == 2)
-      GemvKernel<2, 1><<<grid, block, smem, stream>>>(args);
+      Launch(GemvKernel<2, 1>, grid, block, smem, stream, args);
     else
-      GemvKernel<1, 1><<<grid, block, smem, stream>>>(args);
+      Launch(GemvKernel<1, 1>, grid, block, smem, stream, args);
   } else if (rows_per_warp == 2) {
-    GemvKernel<2, kGemvMaxRows><<<grid, block, smem, stream>>>(args);
+    Launch(GemvKernel<2, kGemvMaxRows>, grid, block, smem, stream, args);
   } else {
-    GemvKernel<1, kGemvMaxRows><<<grid, block, smem, stream>>>(args);
+    Launch(GemvKernel<1, kGemvMaxRows>, grid, block, smem, stream, args);
   }
 }
 

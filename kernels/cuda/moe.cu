@@ -13,6 +13,8 @@ namespace {
 template <int kPerLane>
 __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts, int k,
                                  bool renormalize, int* expert_ids, float* expert_weights) {
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -85,6 +87,8 @@ __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
                                 int inter, float* h) {
   extern __shared__ float xs[];
   constexpr int kUnroll = 8;
+  WaitForPrerequisites();  // the expert ids are the previous kernel's output
+  AllowDependentsToLaunch();
   const int pair = blockIdx.y, row = pair / k;
   const int out = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x & 31;
   const bool active = out < inter;
@@ -154,23 +158,30 @@ __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, cons
   }
   const float* hr = h + static_cast<int64_t>(row) * k * inter;
   float total = 0.f;
-  // The loop bound is warp-uniform: every lane must reach the shuffles (items < 32 at small
-  // shapes left lanes out of the loop, and their shuffles undefined: an illegal address).
-  for (int base = 0; base < items; base += 32 * kUnroll) {
-    const int i0 = base + lane;
-    uint4 w[kUnroll];
-    float slot_weight[kUnroll];
-    int slot_of[kUnroll];
+  uint4 w[kUnroll];
+  float slot_weight[kUnroll];
+  int slot_of[kUnroll];
+  // Issues batch `base`'s weight loads (row addresses shuffled from lane `slot`).
+  auto load = [&](int base) {
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      const int item = min(i0 + 32 * i, items - 1);
+      const int item = min(base + lane + 32 * i, items - 1);
       const int slot = item / chunks;
       const auto slot_row = reinterpret_cast<const uint4*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), slot));
       slot_weight[i] = __shfl_sync(0xffffffffu, my_weight, slot);
       slot_of[i] = slot;
-      if (i0 + 32 * i < items) w[i] = __ldcs(slot_row + (item - slot * chunks));
+      if (base + lane + 32 * i < items) w[i] = __ldcs(slot_row + (item - slot * chunks));
     }
+  };
+  load(0);  // the routing is two kernels back (top-k): readable before the wait
+  WaitForPrerequisites();  // h is the previous kernel's output
+  AllowDependentsToLaunch();
+  // The loop bound is warp-uniform: every lane must reach the shuffles (items < 32 at small
+  // shapes left lanes out of the loop, and their shuffles undefined: an illegal address).
+  for (int base = 0; base < items; base += 32 * kUnroll) {
+    if (base > 0) load(base);
+    const int i0 = base + lane;
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       const int item = i0 + 32 * i;
@@ -243,29 +254,29 @@ void RouterTopK(const float* logits, int rows, int num_experts, int k, bool reno
                 int* expert_ids, float* expert_weights, cudaStream_t stream) {
   const dim3 grid(CeilDiv(rows, 4)), block(128);
   if (num_experts <= 128)
-    RouterTopKKernel<4><<<grid, block, 0, stream>>>(logits, rows, num_experts, k, renormalize,
+    Launch(RouterTopKKernel<4>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
                                                     expert_ids, expert_weights);
   else if (num_experts <= 256)
-    RouterTopKKernel<8><<<grid, block, 0, stream>>>(logits, rows, num_experts, k, renormalize,
+    Launch(RouterTopKKernel<8>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
                                                     expert_ids, expert_weights);
   else
-    RouterTopKKernel<32><<<grid, block, 0, stream>>>(logits, rows, num_experts, k, renormalize,
+    Launch(RouterTopKKernel<32>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
                                                      expert_ids, expert_weights);
 }
 
 void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
                const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream) {
   ConfigureMoeSharedMemory();
-  MoeGateUpKernel<<<dim3(CeilDiv(inter, 8), rows * k), 256, hidden * sizeof(float), stream>>>(
-      x, k, expert_ids, gate, up, hidden, inter, h);
+  Launch(MoeGateUpKernel, dim3(CeilDiv(inter, 8), rows * k), dim3(256), hidden * sizeof(float),
+         stream, x, k, expert_ids, gate, up, hidden, inter, h);
 }
 
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
                     int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
                     cudaStream_t stream) {
   ConfigureMoeSharedMemory();
-  MoeDownCombineKernel<<<dim3(CeilDiv(hidden, 8), rows), 256, 0, stream>>>(
-      h, expert_ids, weights, skip_expert, k, down, hidden, inter, y);
+  Launch(MoeDownCombineKernel, dim3(CeilDiv(hidden, 8), rows), dim3(256), 0, stream, h, expert_ids,
+         weights, skip_expert, k, down, hidden, inter, y);
 }
 
 void CombinePairsBf16(const uint16_t* src, const int* position, const float* weights, int rows,

@@ -11,6 +11,11 @@
 
 namespace infersweep::cuda {
 
+// Programmatic dependent launch for this thread's launches of the decode-chain kernels (GEMV,
+// q/k-norm+RoPE, flash attention, top-k, fused MoE): each kernel's weight prefetch overlaps the
+// previous kernel's tail. sm_90+.
+void SetProgrammaticLaunch(bool on);
+
 // ---- synthetic weights (engine/synthetic.h): bit-identical to the CPU generator.
 // Writes n bf16 values of a tensor, elements [0, n). 2 bytes/element: 61 GB (qwen3-30b-a3b) in
 // ~20 ms of write bandwidth; the hash makes it ~2x that.
