@@ -1,9 +1,12 @@
 #include "proto/rpc.h"
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace infersweep::rpc {
 
@@ -114,6 +117,14 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  // Like ssh with its keys: a secret other users can read (or swap) is refused, not used. Group
+  // access stays allowed (Kubernetes mounts secrets 0440 for the pod's fsGroup).
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && (st.st_mode & (S_IROTH | S_IWOTH)) != 0)
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "token file %s is readable or writable by other users (mode %04o): chmod o-rwx it "
+        "(docs/SECURITY.md)",
+        path, st.st_mode & 07777));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
   std::stringstream text;

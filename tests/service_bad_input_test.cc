@@ -374,6 +374,9 @@ TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
   { std::ofstream(good) << "s3cret token\n \t\r\n"; }
   { std::ofstream(empty) << ""; }
   { std::ofstream(blank) << "  \n\n"; }
+  std::filesystem::permissions(good, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::owner_write |
+                                         std::filesystem::perms::group_read);
   auto t = rpc::ReadTokenFile(good);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(*t, "s3cret token");
@@ -382,6 +385,14 @@ TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
     ASSERT_FALSE(r.ok()) << path;
     EXPECT_THAT(std::string(r.status().message()), HasSubstr(path));
   }
+  // A token other users can read is refused, naming the file and its mode.
+  std::filesystem::permissions(good, std::filesystem::perms::others_read,
+                               std::filesystem::perm_options::add);
+  auto exposed = rpc::ReadTokenFile(good);
+  ASSERT_FALSE(exposed.ok());
+  EXPECT_EQ(exposed.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(exposed.status().message()), HasSubstr(good));
+  EXPECT_THAT(std::string(exposed.status().message()), HasSubstr("mode 0644"));
   std::filesystem::remove_all(tmpl);
 }
 
