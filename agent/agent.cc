@@ -146,8 +146,13 @@ void Agent::Stop() {
   cv_.notify_all();
   if (link) link->context.TryCancel();
   if (connection_thread_.joinable()) connection_thread_.join();
-  // A running trial is allowed to end (TrialRunner::Kill may not be called while Run() blocks
-  // in another thread); it is not reported: its lease expires and it runs again.
+  // A running trial is cut short (its worker killed) and not reported: its lease expires and it
+  // runs again.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& slot : slots_)
+      if (slot->current) slot->runner->Cancel();
+  }
   for (auto& slot : slots_) {
     if (slot->thread.joinable()) slot->thread.join();
   }
@@ -519,12 +524,13 @@ void Agent::HandleCancel(const std::string& trial_id) {
       }
       if (slot->current && slot->current->trial_id == trial_id) {
         slot->current->cancelled = true;
+        slot->runner->Cancel();  // kills its worker; Run() returns ERROR "cancelled"
         running = true;
       }
     }
   }
   // A queued trial never starts; it is answered so the coordinator frees the slot. A running one
-  // ends on its own (bounded by its workload timeout) and is reported as it ends.
+  // has its worker killed and is reported as ERROR "cancelled while running".
   for (const Job& job : dropped) {
     TrialResult result;
     result.status = TrialStatus::kError;
@@ -532,7 +538,7 @@ void Agent::HandleCancel(const std::string& trial_id) {
     Finish(job, std::move(result));
   }
   if (running || !dropped.empty())
-    Log(absl::StrCat("cancelled ", trial_id, running ? " (already running: it finishes)" : ""));
+    Log(absl::StrCat("cancelled ", trial_id, running ? " (running: its worker is killed)" : ""));
 }
 
 void Agent::SlotLoop(Slot* slot) {
@@ -544,6 +550,7 @@ void Agent::SlotLoop(Slot* slot) {
       if (stopping_) return;
       job = slot->queue.front();
       slot->queue.pop_front();
+      slot->runner->ClearCancel();  // a cancellation that came after the previous trial ended
       slot->current = job;
     }
     TrialResult result;

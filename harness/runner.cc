@@ -95,6 +95,15 @@ TrialRunner::~TrialRunner() = default;
 
 void TrialRunner::Kill() { worker_.reset(); }
 
+void TrialRunner::Cancel() {
+  cancel_requested_ = true;
+  // Run() publishes the pid before it checks the flag; this sets the flag before it reads the
+  // pid: one of the two always sees the other.
+  if (const pid_t pid = running_pid_.load(); pid > 0) kill(pid, SIGKILL);
+}
+
+void TrialRunner::ClearCancel() { cancel_requested_ = false; }
+
 TrialResult TrialRunner::Run(const TrialRequest& request) {
   TrialResult result;
   result.trial_id = request.trial_id;
@@ -104,6 +113,11 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   result.started_unix_ms = NowUnixMs();
   result.engine_version = EngineVersion();
   auto fail = [&](TrialStatus status, std::string reason) {
+    running_pid_ = -1;
+    if (cancel_requested_ && reason.rfind("cancelled", 0) != 0) {  // the death was the cancel
+      status = TrialStatus::kError;
+      reason = "cancelled while running; worker killed";
+    }
     result.status = status;
     result.reason = std::move(reason);
     if (worker_) result.stderr_tail = absl::StrJoin(worker_->stderr_tail, "\n");
@@ -111,6 +125,7 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     worker_.reset();  // restarted after any failure
     return result;
   };
+  if (cancel_requested_) return fail(TrialStatus::kError, "cancelled before it started");
 
   const std::string key = TrialExecutor::ModelKey(request);
   if (worker_ && key != worker_model_key_) worker_.reset();
@@ -148,6 +163,13 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   }
   Worker& w = *worker_;
   w.stderr_tail.clear();
+  running_pid_ = w.pid;
+  if (cancel_requested_) {  // a Cancel() that read no pid yet
+    kill(w.pid, SIGKILL);
+    waitpid(w.pid, nullptr, 0);
+    w.pid = -1;
+    return fail(TrialStatus::kError, "cancelled before it started");
+  }
 
   if (!WriteAll(w.in, ToJson(request).dump() + "\n")) {
     // It died before reading the request (an exec failure exits 127 that fast).
@@ -187,6 +209,10 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
       take_stderr_lines();
       if (worker_result->status != TrialStatus::kOk)
         worker_result->stderr_tail = absl::StrJoin(w.stderr_tail, "\n");
+      running_pid_ = -1;
+      // A Cancel() racing the result may have killed the worker after it answered: start a
+      // fresh one next time rather than write to a dead one.
+      if (cancel_requested_) worker_.reset();
       return *worker_result;
     }
     if (!w.out_open) break;  // EOF without a result: the worker died

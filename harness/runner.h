@@ -6,6 +6,9 @@
 // after any failure or when the model changes.
 #pragma once
 
+#include <sys/types.h>
+
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -33,14 +36,23 @@ class TrialRunner {
 
   // Never fails: every outcome, including the worker's death, is a TrialResult.
   TrialResult Run(const TrialRequest& request);
-  // Kills the current worker, if any (used on cancel).
+  // Kills the current worker, if any. Not while Run() is running on another thread: use Cancel.
   void Kill();
+
+  // Thread-safe: ends the trial Run() is running (or the next one it starts, if it has not
+  // started yet) by killing its worker; Run() then returns ERROR "cancelled while running".
+  // ClearCancel() withdraws a request that came too late to matter (the caller's own ordering
+  // decides which trial a cancellation belongs to).
+  void Cancel();
+  void ClearCancel();
 
  private:
   struct Worker;
   RunnerOptions options_;
   std::unique_ptr<Worker> worker_;
   std::string worker_model_key_;
+  std::atomic<bool> cancel_requested_{false};
+  std::atomic<pid_t> running_pid_{-1};  // the worker Run() is waiting on, else -1
 };
 
 // The worker side: serves TrialRequests from stdin until EOF. Returns the process exit code.

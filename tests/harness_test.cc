@@ -239,6 +239,33 @@ TEST(Runner, CrashesAndHangsAreClassifiedAndTheParentCarriesOn) {
   EXPECT_EQ(ok_again.status, TrialStatus::kOk) << ok_again.reason;
 }
 
+// Cancel() from another thread ends a running trial at once (its worker killed): ERROR
+// "cancelled", long before the trial's own deadline; the runner then serves the next trial.
+TEST(Runner, CancelFromAnotherThreadEndsTheRunningTrial) {
+  TrialRunner runner(WorkerOptions());
+  TrialRequest hang = TinyRequest("device=cpu", "hang");
+  hang.workload.timeout_s = 60;
+  const auto start = std::chrono::steady_clock::now();
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    runner.Cancel();
+  });
+  const TrialResult cancelled = runner.Run(hang);
+  canceller.join();
+  EXPECT_EQ(cancelled.status, TrialStatus::kError);
+  EXPECT_THAT(cancelled.reason, HasSubstr("cancelled while running"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+
+  // A cancellation still pending before the next trial starts ends it too...
+  const TrialResult early = runner.Run(TinyRequest("device=cpu"));
+  EXPECT_EQ(early.status, TrialStatus::kError);
+  EXPECT_THAT(early.reason, HasSubstr("cancelled before it started"));
+  // ...until it is withdrawn; then trials run normally.
+  runner.ClearCancel();
+  const TrialResult ok = runner.Run(TinyRequest("device=cpu"));
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason << "\n" << ok.stderr_tail;
+}
+
 TEST(Runner, WorkerThatCannotStartIsCrashed) {
   RunnerOptions options;
   options.worker_argv = {"/nonexistent/worker"};

@@ -31,6 +31,7 @@
 namespace infersweep {
 namespace {
 
+using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAreArray;
 
 constexpr char kSweep[] = R"(name: fleet-smoke
@@ -367,6 +368,51 @@ TEST_F(Fleet, CancelledSweepIsNotDispatched) {
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->state(), "cancelled");
   EXPECT_EQ(s->trials_done(), 0);
+}
+
+// Cancelling a sweep kills its running trial's worker at once: the agent reports ERROR
+// "cancelled while running" within seconds, not after the trial's 120 s deadline.
+TEST_F(Fleet, CancellingASweepKillsItsRunningTrial) {
+  StartCoordinator(QuietOptions());
+  AgentOptions o;
+  o.coordinator = address_;
+  o.agent_id = "hung";
+  o.spool_path = absl::StrCat(dir_, "/hung.spool.db");
+  o.test_fake_gpus = {"NVIDIA RTX PRO 6000:120:96"};
+  o.worker_argv = {INFERSWEEP_BINARY, "worker"};
+  o.test_inject_fault = "hang";
+  o.log = [this](const std::string& line) { Remember("hung", line); };
+  agents_.push_back(std::make_unique<Agent>(o));
+  ASSERT_TRUE(agents_.back()->Start().ok());
+  Agent* hung = agents_.back().get();
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[naive]");
+  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
+  one.replace(one.find("warmup: 0}"), 10, "warmup: 0, timeout: 120}");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitFor([&] { return hung->stats().assignments == 1; }, 10)) << Log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // the worker is up and hanging
+  const auto cancelled_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(client.CancelSweep(submitted->sweep_id()).ok());
+  ResultQuery q;
+  q.sweep_id = submitted->sweep_id();
+  std::vector<StoredResult> rows;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto r = server_->store()->QueryResults(q);
+        if (!r.ok() || r->empty()) return false;
+        rows = *r;
+        return true;
+      },
+      20))
+      << Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - cancelled_at, std::chrono::seconds(20));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].result.status, TrialStatus::kError);
+  EXPECT_THAT(rows[0].result.reason, HasSubstr("cancelled while running")) << Log();
 }
 
 // An agent that restarts while a trial runs comes back without it; after a grace period the
