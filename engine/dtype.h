@@ -37,17 +37,24 @@ constexpr int DTypeSize(DType t) {
 std::string_view DTypeName(DType t);
 std::optional<DType> DTypeFromSafetensorsName(std::string_view name);
 
-INFERSWEEP_HD float Bf16ToFloat(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
+// The bits of a float and back (memcpy: no aliasing rules broken, compiled to a move).
+INFERSWEEP_HD float FloatFromBits(uint32_t u) {
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
 }
 
-// Round to nearest even, NaN stays NaN (quiet).
-INFERSWEEP_HD uint16_t FloatToBf16(float f) {
+INFERSWEEP_HD uint32_t BitsFromFloat(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+INFERSWEEP_HD float Bf16ToFloat(uint16_t bits) { return FloatFromBits(static_cast<uint32_t>(bits) << 16); }
+
+// Round to nearest even, NaN stays NaN (quiet).
+INFERSWEEP_HD uint16_t FloatToBf16(float f) {
+  uint32_t u = BitsFromFloat(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);

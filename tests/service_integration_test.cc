@@ -47,6 +47,14 @@ selector: {sm: [120]}
 
 
 
+// kSweep cut down to a single trial (matmul=naive, threads=1).
+std::string OneTrialSweep() {
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[naive]");
+  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
+  return one;
+}
+
 class Fleet : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -79,8 +87,9 @@ class Fleet : public ::testing::Test {
 
   Agent* StartAgent(const std::string& id, const std::string& fake_gpu,
                     std::vector<std::string> worker_argv = {INFERSWEEP_BINARY, "worker"},
-                    const std::string& auth_token = "") {
+                    const std::string& auth_token = "", const std::string& inject_fault = "") {
     AgentOptions o;
+    o.test_inject_fault = inject_fault;
     o.auth_token = auth_token;
     o.coordinator = address_;
     o.agent_id = id;
@@ -374,21 +383,10 @@ TEST_F(Fleet, CancelledSweepIsNotDispatched) {
 // "cancelled while running" within seconds, not after the trial's 120 s deadline.
 TEST_F(Fleet, CancellingASweepKillsItsRunningTrial) {
   StartCoordinator(QuietOptions());
-  AgentOptions o;
-  o.coordinator = address_;
-  o.agent_id = "hung";
-  o.spool_path = absl::StrCat(dir_, "/hung.spool.db");
-  o.test_fake_gpus = {"NVIDIA RTX PRO 6000:120:96"};
-  o.worker_argv = {INFERSWEEP_BINARY, "worker"};
-  o.test_inject_fault = "hang";
-  o.log = [this](const std::string& line) { Remember("hung", line); };
-  agents_.push_back(std::make_unique<Agent>(o));
-  ASSERT_TRUE(agents_.back()->Start().ok());
-  Agent* hung = agents_.back().get();
+  Agent* hung = StartAgent("hung", "NVIDIA RTX PRO 6000:120:96", {INFERSWEEP_BINARY, "worker"}, "",
+                           "hang");
   ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
-  std::string one = kSweep;
-  one.replace(one.find("[naive, blocked]"), 16, "[naive]");
-  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
+  std::string one = OneTrialSweep();
   one.replace(one.find("warmup: 0}"), 10, "warmup: 0, timeout: 120}");
   ServiceClient client(address_);
   auto submitted = client.SubmitSweep(one, "one.yaml");
@@ -426,11 +424,8 @@ TEST_F(Fleet, TrialLostByARestartedAgentIsRequeuedAndRunsAgain) {
       "/bin/sh", "-c", absl::StrCat("sleep 1; exec '", INFERSWEEP_BINARY, "' worker")};
   Agent* first = StartAgent("phoenix", "NVIDIA RTX PRO 6000:120:96", slow);
   ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
-  std::string one = kSweep;
-  one.replace(one.find("[naive, blocked]"), 16, "[naive]");
-  one.replace(one.find("[\"1\", \"2\"]"), 10, "[\"1\"]");
   ServiceClient client(address_);
-  auto submitted = client.SubmitSweep(one, "one.yaml");
+  auto submitted = client.SubmitSweep(OneTrialSweep(), "one.yaml");
   ASSERT_TRUE(submitted.ok()) << submitted.status();
   ASSERT_TRUE(WaitFor([&] { return first->stats().assignments == 1; }, 10)) << Log();
   first->Stop();  // the running trial ends unreported

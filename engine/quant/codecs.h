@@ -17,17 +17,6 @@
 
 namespace infersweep {
 
-INFERSWEEP_HD float FloatFromBits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-INFERSWEEP_HD uint32_t BitsFromFloat(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 // One 4-bit code (the low nibble of `code`).
 INFERSWEEP_HD float E2M1ToFloat(uint8_t code) {
