@@ -106,6 +106,16 @@ class Fleet : public ::testing::Test {
     return agents_.back().get();
   }
 
+  // Polls the sweep until it is done (false after `seconds`).
+  bool WaitForSweepDone(ServiceClient& client, int64_t sweep, double seconds) {
+    return WaitFor(
+        [&] {
+          auto s = client.GetSweep(sweep);
+          return s.ok() && s->state() == "done";
+        },
+        seconds);
+  }
+
   void Remember(const std::string& who, const std::string& line) { log_.Add(who, line); }
   std::string Log() { return log_.Text(); }
 
@@ -317,13 +327,7 @@ TEST_F(Fleet, SweepSubmittedBeforeTheAgentConnectsCompletes) {
   ASSERT_TRUE(submitted.ok()) << submitted.status();
   const int64_t sweep = submitted->sweep_id();
   Agent* agent = StartAgent("late", "NVIDIA RTX PRO 6000:120:96");
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        auto s = client.GetSweep(sweep);
-        return s.ok() && s->state() == "done";
-      },
-      30))
-      << Log();
+  ASSERT_TRUE(WaitForSweepDone(client, sweep, 30)) << Log();
   EXPECT_EQ(agent->stats().connects, 1) << "the agent had to reconnect: " << Log();
 }
 
@@ -341,13 +345,7 @@ selector: {sm: [90]}
 )",
                                       "impossible.yaml");
   ASSERT_TRUE(submitted.ok()) << submitted.status();
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        auto s = client.GetSweep(submitted->sweep_id());
-        return s.ok() && s->state() == "done";
-      },
-      10))
-      << Log();
+  ASSERT_TRUE(WaitForSweepDone(client, submitted->sweep_id(), 10)) << Log();
   ResultQuery q;
   q.sweep_id = submitted->sweep_id();
   auto rows = server_->store()->QueryResults(q);
@@ -431,13 +429,7 @@ TEST_F(Fleet, TrialLostByARestartedAgentIsRequeuedAndRunsAgain) {
   first->Stop();  // the running trial ends unreported
   agents_.clear();
   StartAgent("phoenix", "NVIDIA RTX PRO 6000:120:96");
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        auto s = client.GetSweep(submitted->sweep_id());
-        return s.ok() && s->state() == "done";
-      },
-      20))
-      << Log();
+  ASSERT_TRUE(WaitForSweepDone(client, submitted->sweep_id(), 20)) << Log();
   ResultQuery q;
   q.sweep_id = submitted->sweep_id();
   auto rows = server_->store()->QueryResults(q);
@@ -473,13 +465,7 @@ TEST_F(Fleet, OnlyAnAgentWithTheAgentTokenRunsTrials) {
   const int64_t sweep = submitted->sweep_id();
 
   Agent* good = StartAgent("good", "NVIDIA RTX PRO 6000:120:96", worker, agent_token);
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        auto s = client.GetSweep(sweep);
-        return s.ok() && s->state() == "done";
-      },
-      30))
-      << Log();
+  ASSERT_TRUE(WaitForSweepDone(client, sweep, 30)) << Log();
   EXPECT_GE(good->stats().connects, 1);
   EXPECT_EQ(server_->stats().agents_connected, 1);
 
