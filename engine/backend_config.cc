@@ -54,8 +54,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
-  r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kFp32,
-               "decode: device-side routing and device-indexed expert GEMVs, no host sync (capturable); prefill: grouped by expert"});
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
+               "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
+               "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
+               "expert on the device and run as bf16 tensor-core MMAs, each expert read once"});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});

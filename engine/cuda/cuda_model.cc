@@ -506,7 +506,33 @@ class CudaModel final : public Model {
     }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);
-    if (options_.moe_fused && n == 1) {
+    // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
+    // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
+    const bool grouped_mma = options_.moe_fused && rows >= cuda::kMoeGroupedMinRows &&
+                             cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+    if (grouped_mma) {
+      cuda::ToBf16(xn_, elems, bf16_, stream_);
+      cuda::MoeGroupedArgs a;
+      a.x_bf16 = bf16_;
+      a.rows = rows;
+      a.k = k;
+      a.num_experts = config_.num_experts;
+      a.hidden = hidden;
+      a.inter = inter;
+      a.expert_ids = expert_ids_;
+      a.expert_weights = expert_weights_;
+      a.skip_expert = skip;
+      a.gate = dw_->gate_table[l];
+      a.up = dw_->up_table[l];
+      a.down = dw_->down_table[l];
+      a.offsets = expert_offsets_;
+      a.sorted_pairs = route_index_;
+      a.h = moe_bf16_;
+      a.out = moe_out_;
+      a.y = x_;
+      cuda::MoeGrouped(a, stream_);
+      CHECK_LAUNCH();
+    } else if (options_.moe_fused && n == 1) {
       cuda::MoeGateUp(xn_, rows, k, expert_ids_, dw_->gate_table[l], dw_->up_table[l], hidden,
                       inter, moe_h_, stream_);
       cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
@@ -566,19 +592,30 @@ class CudaModel final : public Model {
     HostRouting r;
     r.pair_position.assign(ids.size(), -1);
     r.spans.assign(config_.num_experts, {0, 0});
-    for (int e = 0; e < config_.num_experts; ++e) {
-      r.spans[e].first = static_cast<int>(r.index.size());
-      for (size_t p = 0; p < ids.size(); ++p)
-        if (ids[p] == e && e != skip) {
-          r.pair_position[p] = static_cast<int>(r.index.size());
-          r.index.push_back(static_cast<int>(p / k));
-          r.index_weight.push_back(weights[p]);
-        }
-      r.spans[e].second = static_cast<int>(r.index.size()) - r.spans[e].first;
+    // Counting sort by expert, pairs in order within an expert: O(pairs + experts). (Scanning
+    // every pair once per expert was 2M steps a layer at prefill 2048.)
+    for (size_t p = 0; p < ids.size(); ++p)
+      if (ids[p] != skip) ++r.spans[ids[p]].second;
+    int next = 0;
+    for (auto& [first, count] : r.spans) {
+      first = next;
+      next += count;
+    }
+    r.index.resize(next);
+    r.index_weight.resize(next);
+    std::vector<int> fill(config_.num_experts, 0);
+    for (size_t p = 0; p < ids.size(); ++p) {
+      const int e = ids[p];
+      if (e == skip) continue;
+      const int position = r.spans[e].first + fill[e]++;
+      r.pair_position[p] = position;
+      r.index[position] = static_cast<int>(p / k);
+      r.index_weight[position] = weights[p];
     }
     CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
+    if (options_.moe_grouped)  // only the grouped runner's combine reads it
+      CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     return r;
   }
 
@@ -668,6 +705,9 @@ class CudaModel final : public Model {
     auto pair_position = DeviceAlloc<int>(r * k);
     if (!pair_position.ok()) return pair_position.status();
     pair_position_ = *pair_position;
+    auto offsets = DeviceAlloc<int>(std::max(config_.num_experts, 0) + 1);
+    if (!offsets.ok()) return offsets.status();
+    expert_offsets_ = *offsets;
     for (const auto* s : {&ids.status(), &index.status(), &tokens.status(), &last.status(), &pos.status(), &bf16.status()})
       if (!s->ok()) return *s;
     expert_ids_ = *ids;
@@ -690,7 +730,7 @@ class CudaModel final : public Model {
     for (float* p : {x_, xn_, q_, k_, v_, attn_, o_, y_, gate_, up_, router_, expert_weights_, moe_h_,
                      moe_out_, moe_in_, route_weight_, scores_, logits_})
       if (p) cudaFree(p);
-    for (int* p : {expert_ids_, route_index_, pair_position_, d_tokens_, d_last_rows_, d_position_})
+    for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
     if (moe_bf16_) cudaFree(moe_bf16_);
@@ -699,7 +739,7 @@ class CudaModel final : public Model {
       if (p) cudaFreeHost(p);
     x_ = xn_ = q_ = k_ = v_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
         moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
-    expert_ids_ = route_index_ = pair_position_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
+    expert_ids_ = route_index_ = pair_position_ = expert_offsets_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     bf16_ = moe_bf16_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
@@ -724,7 +764,8 @@ class CudaModel final : public Model {
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
         *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
         *route_weight_ = nullptr, *scores_ = nullptr, *logits_ = nullptr;
-  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr, *d_tokens_ = nullptr,
+  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr,
+      *expert_offsets_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
   uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
