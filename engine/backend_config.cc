@@ -46,8 +46,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
   r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
                "materialised scores, fp32"});
-  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kFp32,
-               "tiled online softmax, K/V tiles shared across a GQA group, split-KV + combine"});
+  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kBf16,
+               "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
+               "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
+               "cores (mma.sync), fp32 accumulate"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
   r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"}, {"graphs=on", "gemm=reference"},

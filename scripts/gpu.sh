@@ -57,7 +57,7 @@ for stage in $STAGES; do
       --launch-count "${PROFILE_LAUNCHES:-120}" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
       $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens "$(seq -s, 1 "${PROFILE_PROMPT:-1}")" \
-      --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --backend cuda \
+      --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --batch "${PROFILE_BATCH:-1}" --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
   peer)

@@ -2,6 +2,7 @@
 // failed) on machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -185,6 +186,80 @@ TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
   all.skip_expert = -1;
   CheckMoeGrouped(*this, all, &with_all);
   EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
+}
+
+// Causal GQA attention over a KV cache, in double: query i of batch row b at position pos0 + i
+// sees keys [0, pos0 + i].
+std::vector<double> HostAttention(const std::vector<float>& q, const std::vector<float>& kc,
+                                  const std::vector<float>& vc, int batch, int n, int q_heads,
+                                  int kv_heads, int d, int pos0, int capacity) {
+  const int kv_dim = kv_heads * d, group = q_heads / kv_heads;
+  std::vector<double> out(static_cast<size_t>(batch) * n * q_heads * d);
+  for (int b = 0; b < batch; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < q_heads; ++h) {
+        const float* qv = &q[((static_cast<size_t>(b) * n + i) * q_heads + h) * d];
+        const int keys = pos0 + i + 1;
+        std::vector<double> score(keys);
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < keys; ++j) {
+          const float* kv = &kc[(static_cast<size_t>(b) * capacity + j) * kv_dim + (h / group) * d];
+          double dot = 0;
+          for (int x = 0; x < d; ++x) dot += static_cast<double>(qv[x]) * kv[x];
+          score[j] = dot / std::sqrt(static_cast<double>(d));
+          mx = std::max(mx, score[j]);
+        }
+        for (double& v : score) sum += (v = std::exp(v - mx));
+        double* o = &out[((static_cast<size_t>(b) * n + i) * q_heads + h) * d];
+        for (int j = 0; j < keys; ++j) {
+          const float* vv = &vc[(static_cast<size_t>(b) * capacity + j) * kv_dim + (h / group) * d];
+          for (int x = 0; x < d; ++x) o[x] += score[j] / sum * vv[x];
+        }
+      }
+  return out;
+}
+
+// attention=flash: prefill chunks (tensor cores) and decode-sized chunks (split-KV, fp32) against
+// the host, for chunk lengths that are not multiples of the 64-query tile and a chunk that starts
+// after earlier tokens (pos0 > 0).
+TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  struct Case {
+    int batch, n, q_heads, kv_heads, d, pos0;
+    double tolerance;  // of max |ref|: bf16 Q, K, V and P (2^-9 relative each) on tensor cores
+  };
+  for (const Case& c : {Case{2, 100, 8, 2, 128, 5, 2e-2}, Case{1, 130, 4, 2, 64, 0, 2e-2},
+                        Case{3, 16, 4, 2, 32, 40, 2e-2}, Case{2, 8, 8, 2, 128, 5, 1e-4}}) {
+    const int capacity = c.pos0 + c.n + 3, kv_dim = c.kv_heads * c.d;
+    std::vector<float> q(static_cast<size_t>(c.batch) * c.n * c.q_heads * c.d);
+    std::vector<float> kc(static_cast<size_t>(c.batch) * capacity * kv_dim), vc(kc.size());
+    for (float& v : q) v = uni(rng);
+    for (float& v : kc) v = uni(rng);
+    for (float& v : vc) v = uni(rng);
+    const std::vector<double> ref =
+        HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
+    const int rows = c.batch * c.n;
+    const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
+    float* partial = Upload(std::vector<float>(
+        cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
+    float* out = Upload(std::vector<float>(q.size(), NAN));
+    cuda::AttentionFlash(Upload(q), Upload(kc), Upload(vc), rows, c.n, c.q_heads, c.kv_heads,
+                         c.d, Upload(std::vector<int>{c.pos0}), capacity, splits, partial, out,
+                         nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = Download(out, q.size());
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
+      worst = std::max(worst, std::fabs(got[i] - ref[i]));
+      scale = std::max(scale, std::fabs(ref[i]));
+    }
+    EXPECT_LT(worst / scale, c.tolerance) << "n " << c.n << " d " << c.d << " pos0 " << c.pos0;
+    std::printf("# flash n %d d %d pos0 %d: max error %.3g of max |out| %.3g\n", c.n, c.d,
+                c.pos0, worst, scale);
+  }
 }
 
 #else

@@ -140,6 +140,11 @@ bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
 void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
                     int splits, float* partial, float* out, cudaStream_t stream) {
+  if (n >= kFlashPrefillMinTokens && FlashPrefillSupports(head_dim)) {
+    AttentionFlashPrefill(q, k_cache, v_cache, rows, n, q_heads, kv_heads, head_dim, position,
+                          capacity, out, stream);
+    return;
+  }
   const int group = q_heads / kv_heads;
   const int64_t slots = static_cast<int64_t>(rows) * q_heads * splits;
   float* partial_acc = partial;

@@ -66,6 +66,14 @@ inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_
 }
 int FlashSplits(int rows, int kv_heads, int capacity);
 bool FlashSupports(int q_heads, int kv_heads, int head_dim);
+// Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core kernel
+// (attention_prefill.cu; bf16 Q, K, V and P, fp32 accumulate) when FlashPrefillSupports(head_dim);
+// AttentionFlash dispatches to it by itself (`splits` and `partial` are then unused).
+constexpr int kFlashPrefillMinTokens = 16;
+bool FlashPrefillSupports(int head_dim);
+void AttentionFlashPrefill(const float* q, const float* k_cache, const float* v_cache, int rows,
+                           int n, int q_heads, int kv_heads, int head_dim, const int* position,
+                           int capacity, float* out, cudaStream_t stream);
 void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
                     int splits, float* partial, float* out, cudaStream_t stream);
