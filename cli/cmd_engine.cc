@@ -151,14 +151,16 @@ int RunLogits(const ModelArgs& args, const std::string& tokens_text, const std::
   return 0;
 }
 
-// The same prompt in every row of a batch, greedy: for profiling batched steps (ncu, nsys).
+// The prompt in every row of a batch (shifted per row), greedy: for profiling batched steps (ncu, nsys).
 // Prints the first row's tokens.
 int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch,
                      int max_new_tokens) {
   const int n = static_cast<int>(prompt.size()), vocab = model.config().vocab_size;
   if (auto s = model.StartBatch(batch, n + max_new_tokens); !s.ok()) return Fail(s);
   std::vector<int32_t> input;
-  for (int b = 0; b < batch; ++b) input.insert(input.end(), prompt.begin(), prompt.end());
+  // Row b's prompt is shifted by b token ids, so rows route to different experts like a real batch.
+  for (int b = 0; b < batch; ++b)
+    for (int32_t t : prompt) input.push_back((t + 7 * b) % vocab);
   std::vector<float> logits;
   std::vector<int32_t> first_row;
   auto start = std::chrono::steady_clock::now();

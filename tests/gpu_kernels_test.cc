@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -259,6 +260,34 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
     EXPECT_LT(worst / scale, c.tolerance) << "n " << c.n << " d " << c.d << " pos0 " << c.pos0;
     std::printf("# flash n %d d %d pos0 %d: max error %.3g of max |out| %.3g\n", c.n, c.d,
                 c.pos0, worst, scale);
+  }
+}
+
+// The router GEMM stays fp32 (fp32 input, fp32 accumulate): it must match double math to fp32
+// rounding, at shapes that are not multiples of its 8-row, 128-expert and 32-k tiles.
+TEST_F(GpuKernels, RouterGemmIsFp32Exact) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  for (auto [m, n, k] : {std::tuple{37, 150, 96}, std::tuple{64, 128, 2048}, std::tuple{1, 8, 40}}) {
+    std::vector<float> x(static_cast<size_t>(m) * k);
+    std::vector<uint16_t> w(static_cast<size_t>(n) * k);
+    for (float& v : x) v = uni(rng);
+    for (uint16_t& v : w) v = FloatToBf16(uni(rng));
+    float* y = Upload(std::vector<float>(static_cast<size_t>(m) * n, NAN));
+    cuda::RouterGemm(Upload(x), m, MatrixRef{Upload(w), DType::kBF16, n, k}, y, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = Download(y, static_cast<size_t>(m) * n);
+    for (int r = 0; r < m; ++r)
+      for (int e = 0; e < n; ++e) {
+        double ref = 0, magnitude = 0;
+        for (int i = 0; i < k; ++i) {
+          const double term = static_cast<double>(x[static_cast<size_t>(r) * k + i]) * Bf16ToFloat(w[static_cast<size_t>(e) * k + i]);
+          ref += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got[static_cast<size_t>(r) * n + e], ref, 1e-6 * magnitude + 1e-30)
+            << "m " << m << " n " << n << " k " << k << " at (" << r << ", " << e << ")";
+      }
   }
 }
 

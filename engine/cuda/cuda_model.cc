@@ -502,7 +502,10 @@ class CudaModel final : public Model {
       cuda::Gemv(a, stream_);
     } else {
       cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
-      cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
+      if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
+        cuda::RouterGemm(xn_, rows, lw.router, router_, stream_);
+      else
+        cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
     }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);

@@ -84,6 +84,10 @@ void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, 
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
                    cudaStream_t stream);
 
+// MoE router logits y[M, N] = x . W^T for many rows (router.cu): fp32 x, fp32 accumulate in k
+// order, W bf16/f16/f32 upcast; tiles of 8 rows x 128 experts. Batch 64 on qwen3-30b-a3b: ~10 us.
+void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_t stream);
+
 // ---- decode GEMV (gemv.cu), the gemm=fused path for a few rows:
 //   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
 // for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
