@@ -787,7 +787,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
                                                      const CudaModelOptions& options) {
   if (options.attention_flash &&
       !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
-    return absl::UnimplementedError("attention=flash supports head_dim <= 128 and <= 16 q heads per kv head");
+    return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 4) and <= 16 q heads per kv head");
   const ModelConfig& c = host.config;
   if (options.moe_fused && c.is_moe() &&
       (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
