@@ -32,16 +32,16 @@ __device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, ui
 
 // grid (ceil(n / 64), q_heads, batch), 128 threads. Warp w owns queries 64 x + 16 w + [0, 16)
 // of one head; lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of every fragment.
-// K is staged as [key][d] and V as V^T [d][key] in bf16, rows padded by 8 elements so the
-// fragment loads (8 rows x 4 words) hit 32 distinct banks. Query i of batch row b sits at
+// K and V are staged as [key][d] in bf16, rows padded by 8 elements so the fragment loads
+// (8 rows x 4 words, or ldmatrix's 8 rows x 16 bytes) hit 32 distinct banks. Query i of batch row b sits at
 // position *position + i and sees keys [0, that position].
 template <int D>
 __global__ void __launch_bounds__(128)
     FlashPrefillKernel(const float* q, const float* k_cache, const float* v_cache, int n,
                        int q_heads, int kv_heads, const int* position, int capacity, float* out) {
-  constexpr int kKStride = D + 8, kVStride = kKeys + 8;
+  constexpr int kKStride = D + 8;  // bf16 per K and V row: 16-byte aligned, conflict-free
   __shared__ __align__(16) __nv_bfloat16 k_s[kKeys * kKStride];
-  __shared__ __align__(16) __nv_bfloat16 vt_s[D * kVStride];
+  __shared__ __align__(16) __nv_bfloat16 v_s[kKeys * kKStride];
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int head = blockIdx.y, batch = blockIdx.z;
@@ -75,23 +75,22 @@ __global__ void __launch_bounds__(128)
 
   for (int k0 = 0; k0 <= last_key; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed
-    // K rows: consecutive threads take consecutive d (coalesced reads, contiguous stores).
+    // K and V rows alike, [key][d] in bf16: consecutive threads take consecutive d (coalesced
+    // 16-byte reads, contiguous 8-byte stores), unrolled so a thread's loads are in flight together.
+    // (V used to be stored transposed, 2 bytes at a time: the PV fragments now come from
+    // ldmatrix.trans instead.)
+#pragma unroll 8
     for (int idx = threadIdx.x; idx < kKeys * D / 4; idx += blockDim.x) {
       const int key = idx / (D / 4), d = (idx % (D / 4)) * 4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (k0 + key <= last_key) v = __ldg(reinterpret_cast<const float4*>(kb + static_cast<int64_t>(k0 + key) * kv_dim + d));
-      uint2 packed = make_uint2(PackBf16x2(v.x, v.y), PackBf16x2(v.z, v.w));
-      *reinterpret_cast<uint2*>(k_s + key * kKStride + d) = packed;
-    }
-    // V transposed: consecutive threads take consecutive keys (conflict-free 2-byte stores).
-    for (int idx = threadIdx.x; idx < kKeys * D / 4; idx += blockDim.x) {
-      const int key = idx % kKeys, d = (idx / kKeys) * 4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (k0 + key <= last_key) v = __ldg(reinterpret_cast<const float4*>(vb + static_cast<int64_t>(k0 + key) * kv_dim + d));
-      vt_s[(d + 0) * kVStride + key] = __float2bfloat16_rn(v.x);
-      vt_s[(d + 1) * kVStride + key] = __float2bfloat16_rn(v.y);
-      vt_s[(d + 2) * kVStride + key] = __float2bfloat16_rn(v.z);
-      vt_s[(d + 3) * kVStride + key] = __float2bfloat16_rn(v.w);
+      float4 kq = make_float4(0.f, 0.f, 0.f, 0.f), vq = kq;
+      if (k0 + key <= last_key) {
+        kq = __ldg(reinterpret_cast<const float4*>(kb + static_cast<int64_t>(k0 + key) * kv_dim + d));
+        vq = __ldg(reinterpret_cast<const float4*>(vb + static_cast<int64_t>(k0 + key) * kv_dim + d));
+      }
+      *reinterpret_cast<uint2*>(k_s + key * kKStride + d) =
+          make_uint2(PackBf16x2(kq.x, kq.y), PackBf16x2(kq.z, kq.w));
+      *reinterpret_cast<uint2*>(v_s + key * kKStride + d) =
+          make_uint2(PackBf16x2(vq.x, vq.y), PackBf16x2(vq.z, vq.w));
     }
     __syncthreads();
 
@@ -155,10 +154,19 @@ __global__ void __launch_bounds__(128)
                               PackBf16x2(s[2 * ks][2], s[2 * ks][3]),
                               PackBf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                               PackBf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+      // ldmatrix.x4.trans: lanes 0-15 address keys 16 ks + (lane & 15) at d 8 j, lanes 16-31 the
+      // same keys at d 8 j + 8; transposed, lane (g, t) receives V[16 ks + 2t (+1)][8 j + g] and
+      // V[16 ks + 8 + 2t (+1)][8 j + g]: the B fragments of d tiles j and j + 1.
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t* vr = reinterpret_cast<const uint32_t*>(vt_s + (8 * j + g) * kVStride + 16 * ks + 2 * t);
-        Mma(o[j], pa, vr[0], vr[4]);
+      for (int j = 0; j < D / 8; j += 2) {
+        const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(
+            v_s + (16 * ks + (lane & 15)) * kKStride + 8 * j + (lane >> 4) * 8));
+        uint32_t b[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                     : "r"(address));
+        Mma(o[j], pa, b[0], b[1]);
+        Mma(o[j + 1], pa, b[2], b[3]);
       }
     }
   }
