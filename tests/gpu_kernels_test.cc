@@ -268,7 +268,7 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
 TEST_F(GpuKernels, RouterGemmIsFp32Exact) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
-  for (auto [m, n, k] : {std::tuple{37, 150, 96}, std::tuple{64, 128, 2048}, std::tuple{1, 8, 40}}) {
+  for (auto [m, n, k] : {std::tuple{37, 150, 96}, std::tuple{64, 128, 2048}, std::tuple{1, 8, 40}, std::tuple{300, 40, 160}}) {
     std::vector<float> x(static_cast<size_t>(m) * k);
     std::vector<uint16_t> w(static_cast<size_t>(n) * k);
     for (float& v : x) v = uni(rng);

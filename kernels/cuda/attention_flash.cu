@@ -133,8 +133,8 @@ __global__ void FlashCombineKernel(const float* partial_acc, const float* partia
 }  // namespace
 
 int FlashSplits(int rows, int kv_heads, int capacity) {
-  // Enough blocks for ~2 waves on 132 SMs, but at least a tile of keys per split.
-  // rows * splits <= rows + 264 / kv_heads + 1: the bound the caller sizes `partial` with.
+  // Enough blocks for ~8 per SM on 132 SMs, but at least a tile of keys per split.
+  // rows * splits <= rows + kFlashBlockTarget / kv_heads + 1: the bound `partial` is sized by.
   const int blocks = rows * kv_heads;
   const int want = CeilDiv(kFlashBlockTarget, blocks);
   const int splits = std::min(std::min(want, CeilDiv(capacity, kTile)), kMaxFlashSplits);
