@@ -8,44 +8,69 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kRows = 8;      // per block: one warp per row
-constexpr int kExperts = 32;  // per block: one per lane
-constexpr int kChunk = 128;   // k per shared-memory tile
+constexpr int kRows = 8;  // rows per warp in the GEMV
 
-// grid (ceil(M / 8), ceil(N / 32)), 256 threads. Each k tile of x (8 x 128) and of Wr (32 x 128,
-// upcast to fp32, stored k-major with a padded row so the transposing stores spread over banks)
-// is staged once; lane l of warp r accumulates y[r, e0 + l] over k in order (deterministic).
-// Few, long k tiles: the first version (32-wide tiles, 128 experts a block: 8 blocks at batch
-// 64) waited out 64 load round trips per block, 194 us a layer. Batch 64, qwen3-30b-a3b
-// (N 128, K 2048): 32 blocks, 16 tiles each, 2,048 FMA a thread; Wr 0.5 MB from L2: ~10 us.
+// Many rows (prefill): tiles of 32 rows x 64 experts, 256 threads, each thread 2 rows x 4
+// experts (8 accumulators; a float2 of x and a float4 of Wr from shared memory per 8 FMAs).
+// k tiles of 32 are staged k-major; the next tile's global loads are issued into registers
+// before the current tile is consumed, so load latency overlaps the FMAs. Each output is summed
+// over k in order by one thread (deterministic). Prefill 2048, qwen3-30b-a3b (N 128, K 2048):
+// 128 blocks x 2 M FMA; the warp-per-expert version took 226 us.
+constexpr int kTileRows = 32, kTileExperts = 64, kTileK = 32;
+
 template <typename W>
 __global__ void __launch_bounds__(256)
     RouterGemmKernel(const float* x, int M, int K, const W* w, int N, float* y) {
-  __shared__ float xs[kRows][kChunk];
-  __shared__ float ws[kChunk][kExperts + 1];
-  const int row0 = blockIdx.x * kRows, e0 = blockIdx.y * kExperts;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float acc = 0.f;
-  for (int k0 = 0; k0 < K; k0 += kChunk) {
-    __syncthreads();
-    {  // x: 4 consecutive k of one row per thread
-      const int r = threadIdx.x / 32, c = (threadIdx.x % 32) * 4;
-      const float* xr = x + static_cast<int64_t>(row0 + r) * K + k0 + c;
+  __shared__ __align__(16) float xs[kTileK][kTileRows + 4];
+  __shared__ __align__(16) float ws[kTileK][kTileExperts + 4];
+  const int row0 = blockIdx.x * kTileRows, e0 = blockIdx.y * kTileExperts;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;  // experts 4 tx.., rows 2 ty..
+  // Staging: thread t loads k = t % 32 of rows (t / 32) + 8 i (4 values) and of experts
+  // (t / 32) + 8 i (8 values): 32 consecutive k per warp (coalesced).
+  const int kk = threadIdx.x % kTileK, lead = threadIdx.x / kTileK;
+  float x_next[kTileRows / 8], w_next[kTileExperts / 8];
+  auto load = [&](int k0) {
+    const int k = k0 + kk;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) xs[r][c + i] = row0 + r < M && k0 + c + i < K ? xr[i] : 0.f;
+    for (int i = 0; i < kTileRows / 8; ++i) {
+      const int r = row0 + lead + 8 * i;
+      x_next[i] = r < M && k < K ? x[static_cast<int64_t>(r) * K + k] : 0.f;
     }
-    {  // Wr: 16 consecutive k of one expert per thread
-      const int e = threadIdx.x / 8, c = (threadIdx.x % 8) * 16;
-      const W* wr = w + static_cast<int64_t>(e0 + e) * K + k0 + c;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) ws[c + i][e] = e0 + e < N && k0 + c + i < K ? ToFloat(wr[i]) : 0.f;
+    for (int i = 0; i < kTileExperts / 8; ++i) {
+      const int e = e0 + lead + 8 * i;
+      w_next[i] = e < N && k < K ? ToFloat(w[static_cast<int64_t>(e) * K + k]) : 0.f;
     }
+  };
+  float acc[2][4] = {};
+  load(0);
+  for (int k0 = 0; k0 < K; k0 += kTileK) {
+    __syncthreads();  // the previous tile is consumed
+#pragma unroll
+    for (int i = 0; i < kTileRows / 8; ++i) xs[kk][lead + 8 * i] = x_next[i];
+#pragma unroll
+    for (int i = 0; i < kTileExperts / 8; ++i) ws[kk][lead + 8 * i] = w_next[i];
     __syncthreads();
-#pragma unroll 16
-    for (int c = 0; c < kChunk; ++c) acc += xs[warp][c] * ws[c][lane];
+    if (k0 + kTileK < K) load(k0 + kTileK);
+#pragma unroll 8
+    for (int k = 0; k < kTileK; ++k) {
+      const float2 xv = *reinterpret_cast<const float2*>(&xs[k][2 * ty]);
+      const float4 wv = *reinterpret_cast<const float4*>(&ws[k][4 * tx]);
+      const float xr[2] = {xv.x, xv.y}, wr[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] += xr[r] * wr[e];
+    }
   }
-  const int m = row0 + warp, e = e0 + lane;
-  if (m < M && e < N) y[static_cast<int64_t>(m) * N + e] = acc;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = row0 + 2 * ty + r;
+    if (m >= M) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e0 + 4 * tx + e < N) y[static_cast<int64_t>(m) * N + e0 + 4 * tx + e] = acc[r][e];
+  }
 }
 
 // Few rows (decode batches): grid (ceil(N / 8), ceil(M / 8)), 256 threads. Warp w computes
@@ -77,11 +102,11 @@ __global__ void __launch_bounds__(256)
 
 template <typename W>
 void LaunchRouter(const float* x, int M, int K, const W* w, int N, float* y, cudaStream_t stream) {
-  // The tiled kernel's 32-expert blocks need many rows to fill the GPU; below that, the GEMV.
+  // The tiled kernel needs many rows to fill the GPU; below that, the GEMV.
   if (M <= 256)
     RouterGemvKernel<<<dim3(CeilDiv(N, 8), CeilDiv(M, kRows)), 256, 0, stream>>>(x, M, K, w, N, y);
   else
-    RouterGemmKernel<<<dim3(CeilDiv(M, kRows), CeilDiv(N, kExperts)), 256, 0, stream>>>(x, M, K, w, N, y);
+    RouterGemmKernel<<<dim3(CeilDiv(M, kTileRows), CeilDiv(N, kTileExperts)), 256, 0, stream>>>(x, M, K, w, N, y);
 }
 
 }  // namespace
