@@ -74,10 +74,21 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,
                "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
                "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
-  r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats, {}, kFp4,
-               "block-scaled FP4 tensor cores (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0), activations "
-               "quantized to FP4: sm_100 / sm_120 only (not implemented yet: there it gives ERROR; "
-               "on sm_90 preflight answers UNSUPPORTED)"});
+  // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
+  // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
+  // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
+  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 90, 0, true, {"fp8"}, {"moe=fused", "moe=grouped"},
+               kFp8,
+               "FP8 E4M3 tensor cores through cuBLASLt: weights as loaded, activations quantized "
+               "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
+               "weights), scales applied by cuBLASLt or an epilogue, fp32 accumulate and output; "
+               "128-block scales need sm_90's cuBLASLt modes"});
+  r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats,
+               {"moe=fused", "moe=grouped"}, kFp4,
+               "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "
+               "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
+               "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
+               "such a GPU"});
   return r;
 }
 

@@ -19,7 +19,9 @@ for stage in $STAGES; do
   test)
     .carry/gpu_kernels_test 2>&1 | tee "$OUT/gpu_kernels_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
     .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
-    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error' ;;
+    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
+    .carry/gpu_scaled_gemm_test 2>&1 | tee "$OUT/gpu_scaled_gemm_test.log" |
+      grep -E '^#|OK \]|FAILED|Failure|error' ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.

@@ -12,6 +12,7 @@
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/gemm_grouped.h"
+#include "kernels/cuda/gemm_scaled.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemv_tma.h"
@@ -120,11 +121,13 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
 }
 
 // A model's own view of quantized weights (qgemm=reference: fp32 copies; dequant_bf16: bf16
-// copies; w4a16: the codes as uploaded), with the TEST ONLY bad-quant-scale fault applied to it
-// alone, so the shared weights (and the reference built on them) stay intact.
+// copies; w4a16, fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY
+// bad-quant-scale fault applied to it alone, so the shared weights (and the reference built on
+// them) stay intact.
 struct QuantView {
   ModelWeights weights;
   std::vector<void*> buffers;
+  std::unique_ptr<cuda::ScaledGemm> scaled;  // fp8_cublaslt, native_fp4: scales in its layouts
   ~QuantView() {
     for (void* b : buffers) cudaFree(b);
   }
@@ -154,11 +157,23 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     }
   }
   if (qgemm == "w4a16") return view;
+  if (qgemm == "fp8_cublaslt" || qgemm == "native_fp4") {  // codes as uploaded, scales rearranged
+    auto scaled = cuda::ScaledGemm::Create(qgemm == "fp8_cublaslt" ? cuda::ScaledGemmKind::kFp8
+                                                                   : cuda::ScaledGemmKind::kFp4);
+    if (!scaled.ok()) return scaled.status();
+    view->scaled = std::move(*scaled);
+    for (LayerWeights& layer : view->weights.layers)
+      for (MatrixRef* m : LayerLinears(layer))
+        if (m->quantized())
+          if (auto s = view->scaled->Prepare(*m); !s.ok()) return s;
+    CUDA_OR_DIE(cudaDeviceSynchronize());
+    return view;
+  }
   const bool to_f32 = qgemm == "reference";
   if (!to_f32 && qgemm != "dequant_bf16")
     return absl::UnimplementedError(absl::StrCat(
         "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
-        "dequant_bf16, w4a16)"));
+        "dequant_bf16, w4a16, fp8_cublaslt, native_fp4)"));
   for (LayerWeights& layer : view->weights.layers)
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
@@ -300,7 +315,10 @@ class CudaModel final : public Model {
   // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
   absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
                     const MatrixRef& bias, float* y) {
-    if (w.quantized()) {  // qgemm=w4a16: the other modes replaced the codes at build
+    if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
+      if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
+      if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+    } else if (w.quantized()) {  // qgemm=w4a16: the other modes replaced the codes at build
       if (!cuda::W4A16Supports(w))
         return absl::UnimplementedError(absl::StrCat(
             "qgemm=w4a16 needs FP4 weights with K % 32 == 0 (", w.rows, " x ", w.cols, ")"));
