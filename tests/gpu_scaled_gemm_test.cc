@@ -324,9 +324,7 @@ void RunScaledGemm(cuda::ScaledGemmKind kind, QuantFormat format, GemmShape s,
     }
     // The activation recipe of each weight format (kernels/cuda/gemm_scaled.h).
     HostQuantized xq;
-    if (format == QuantFormat::kFp8Tensor) {
-      xq = HostQuantizeFp8(x.data(), rows, s.k, 0);
-    } else if (format == QuantFormat::kFp8Channel ||
+    if (format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
                (format == QuantFormat::kFp8Block128 && s.k <= 128)) {
       xq = HostQuantizeFp8(x.data(), rows, s.k, s.k);
     } else if (format == QuantFormat::kFp8Block128) {

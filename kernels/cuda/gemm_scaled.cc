@@ -52,7 +52,7 @@ ScaledGemm::~ScaledGemm() {
     cublasLtMatmulDescDestroy(plan.desc);
   }
   for (auto& [data, weight] : weights_) cudaFree(weight.scales);
-  for (void* p : {codes_, scales_, workspace_, static_cast<void*>(slots_)})
+  for (void* p : {codes_, scales_, pad_x_, pad_y_, workspace_, static_cast<void*>(slots_)})
     if (p) cudaFree(p);
   if (handle_) cublasLtDestroy(handle_);
 }
@@ -72,9 +72,12 @@ absl::Status ScaledGemm::Prepare(const MatrixRef& w) {
       return absl::UnimplementedError(absl::StrCat(
           "qgemm=fp8_cublaslt needs K % 16 == 0 and N % 4 == 0 (16-byte aligned rows); weight ",
           Shape(w)));
-    if (format == QuantFormat::kFp8Tensor) {
-      weight.mode = Mode::kFp8Tensor;
-    } else if (format == QuantFormat::kFp8Channel || w.cols <= kFp8BlockSize) {
+    // fp8_tensor runs as per-row scales with the one scale broadcast: on the H200 (cuBLASLt
+    // 13.1), SCALAR_32F-scaled FP8 with fp32 output passed the heuristic and then failed every
+    // matmul with NOT_SUPPORTED, while OUTER_VEC_32F ran. Per-token activation scales are also
+    // the more accurate recipe.
+    if (format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
+        w.cols <= kFp8BlockSize) {
       weight.mode = Mode::kFp8Rows;  // one block along K: its scales are per-row ones
       layout = Fp8ScaleLayout::kPerRow;
     } else {
@@ -248,6 +251,22 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
   if (rows <= 0) return absl::OkStatus();
   const Weight& weight = it->second;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
+  if (weight.mode == Mode::kFp8Blocks && rows < kMinBlockRows) {
+    // cuBLASLt has no 128-block FP8 algorithm for fewer than 4 rows on sm_90 (decode at batch
+    // 1-3): pad x to 4 rows with copies of its last row, run, keep the real rows.
+    const size_t x_bytes = sizeof(float) * kMinBlockRows * K, y_bytes = sizeof(float) * kMinBlockRows * N;
+    if (auto s = Grow(&pad_x_, &pad_x_bytes_, x_bytes, stream); !s.ok()) return s;
+    if (auto s = Grow(&pad_y_, &pad_y_bytes_, y_bytes, stream); !s.ok()) return s;
+    float* px = static_cast<float*>(pad_x_);
+    cudaMemcpyAsync(px, x, sizeof(float) * rows * K, cudaMemcpyDeviceToDevice, stream);
+    for (int r = rows; r < kMinBlockRows; ++r)
+      cudaMemcpyAsync(px + static_cast<int64_t>(r) * K, x + static_cast<int64_t>(rows - 1) * K,
+                      sizeof(float) * K, cudaMemcpyDeviceToDevice, stream);
+    float* py = static_cast<float*>(pad_y_);
+    if (auto s = Run(px, kMinBlockRows, w, py, stream); !s.ok()) return s;
+    cudaMemcpyAsync(y, py, sizeof(float) * rows * N, cudaMemcpyDeviceToDevice, stream);
+    return absl::OkStatus();
+  }
   const bool fp4 = weight.mode == Mode::kNvfp4 || weight.mode == Mode::kMxfp4;
   size_t scale_bytes = 0;
   switch (weight.mode) {

@@ -6,12 +6,15 @@
 //   column-major A (K x N, transposed) and the quantized x as B (K x M): FP8's required "TN".
 //
 // weight format          activations (dynamic)              cuBLASLt A (weight) / B (x) scales
-// fp8_tensor             E4M3, one scale for the tensor     SCALAR_32F / SCALAR_32F
+// fp8_tensor             E4M3, one scale per row (token)    OUTER_VEC_32F / OUTER_VEC_32F, the
+//                                                           weight's one scale broadcast (SCALAR
+//                                                           failed every matmul on the H200)
 // fp8_channel            E4M3, one scale per row (token)    OUTER_VEC_32F / OUTER_VEC_32F (sm_90
 //                                                           only); where cuBLASLt has no
 //                                                           algorithm: none, and ScaleOutput
 //                                                           applies both
-// fp8_block128, K > 128  E4M3, one scale per 1 x 128        BLK128x128_32F / VEC128_32F (sm_90)
+// fp8_block128, K > 128  E4M3, one scale per 1 x 128        BLK128x128_32F / VEC128_32F (sm_90;
+//                                                           < 4 rows padded to 4)
 // fp8_block128, K <= 128 as fp8_channel: one block along K, so the block scales are per-row ones
 // nvfp4                  E2M1, E4M3 per 16 + fp32 global    VEC16_UE4M3 / VEC16_UE4M3; both
 //                                                           globals by ScaleOutput
@@ -95,6 +98,12 @@ class ScaledGemm {
   size_t codes_bytes_ = 0;
   void* scales_ = nullptr;
   size_t scales_bytes_ = 0;
+  // fp8_block128 below kMinBlockRows rows: x padded with copies of its last row, and the output.
+  static constexpr int kMinBlockRows = 4;
+  void* pad_x_ = nullptr;
+  size_t pad_x_bytes_ = 0;
+  void* pad_y_ = nullptr;
+  size_t pad_y_bytes_ = 0;
   uint32_t* slots_ = nullptr;
 };
 
