@@ -127,15 +127,17 @@ __global__ void __launch_bounds__(kWarps * 32)
                        reinterpret_cast<const uint4*>(gate[e] + hi_row * hidden) + t,
                        reinterpret_cast<const uint4*>(up[e] + lo_row * hidden) + t,
                        reinterpret_cast<const uint4*>(up[e] + hi_row * hidden) + t};
-  uint4 a[kUnroll][4];
-  auto load = [&](int c0) {
+  // Two register stages of kUnroll chunks: one stage's loads are in flight while the other's
+  // MMAs run (single-buffered, each batch of loads was waited out before any math).
+  uint4 a[kUnroll][4], b_stage[kUnroll][4];
+  auto load = [&](uint4 (&buf)[kUnroll][4], int c0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (c0 + u < chunks)
 #pragma unroll
-        for (int m = 0; m < 4; ++m) a[u][m] = __ldcs(w[m] + 4 * (c0 + u));
+        for (int m = 0; m < 4; ++m) buf[u][m] = __ldcs(w[m] + 4 * (c0 + u));
   };
-  load(0);  // the weights do not depend on the routing: first loads before the wait
+  load(a, 0);  // the weights do not depend on the routing: first loads before the wait
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
@@ -143,8 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, x, hidden, k, g, t, rows);
     float cg[kTiles][4] = {}, cu[kTiles][4] = {};
-    for (int c0 = 0; c0 < chunks; c0 += kUnroll) {
-      if (c0 > 0 || base > 0) load(c0);
+    auto compute = [&](const uint4 (&buf)[kUnroll][4], int c0) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (c0 + u >= chunks) break;
@@ -152,10 +153,17 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int j = 0; j < kTiles; ++j) {
           if (base + 8 * j >= count) break;  // warp-uniform
           const uint4 b = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
-          MmaChunk(cg[j], a[u][0], a[u][1], b);
-          MmaChunk(cu[j], a[u][2], a[u][3], b);
+          MmaChunk(cg[j], buf[u][0], buf[u][1], b);
+          MmaChunk(cu[j], buf[u][2], buf[u][3], b);
         }
       }
+    };
+    if (base > 0) load(a, 0);
+    for (int c0 = 0; c0 < chunks; c0 += 2 * kUnroll) {
+      load(b_stage, c0 + kUnroll);
+      compute(a, c0);
+      load(a, c0 + 2 * kUnroll);
+      compute(b_stage, c0 + kUnroll);
     }
     // C fragment: c[0], c[1] are feature f0 + g, pairs 2t and 2t + 1 of the tile; c[2], c[3] the
     // same pairs at feature f0 + g + 8.
@@ -186,16 +194,16 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t lo_row = min(f0 + g, hidden - 1), hi_row = min(f0 + g + 8, hidden - 1);
   const uint4* w[2] = {reinterpret_cast<const uint4*>(down[e] + lo_row * inter) + t,
                        reinterpret_cast<const uint4*>(down[e] + hi_row * inter) + t};
-  uint4 a[kUnroll][2];
-  auto load = [&](int c0) {
+  uint4 a[kUnroll][2], b_stage[kUnroll][2];  // two register stages, as in the gate/up kernel
+  auto load = [&](uint4 (&buf)[kUnroll][2], int c0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (c0 + u < chunks) {
-        a[u][0] = __ldcs(w[0] + 4 * (c0 + u));
-        a[u][1] = __ldcs(w[1] + 4 * (c0 + u));
+        buf[u][0] = __ldcs(w[0] + 4 * (c0 + u));
+        buf[u][1] = __ldcs(w[1] + 4 * (c0 + u));
       }
   };
-  load(0);
+  load(a, 0);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
@@ -203,8 +211,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, t, rows);
     float c[kTiles][4] = {};
-    for (int c0 = 0; c0 < chunks; c0 += kUnroll) {
-      if (c0 > 0 || base > 0) load(c0);
+    auto compute = [&](const uint4 (&buf)[kUnroll][2], int c0) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (c0 + u >= chunks) break;
@@ -212,9 +219,16 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int j = 0; j < kTiles; ++j) {
           if (base + 8 * j >= count) break;
           const uint4 b = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
-          MmaChunk(c[j], a[u][0], a[u][1], b);
+          MmaChunk(c[j], buf[u][0], buf[u][1], b);
         }
       }
+    };
+    if (base > 0) load(a, 0);
+    for (int c0 = 0; c0 < chunks; c0 += 2 * kUnroll) {
+      load(b_stage, c0 + kUnroll);
+      compute(a, c0);
+      load(a, c0 + 2 * kUnroll);
+      compute(b_stage, c0 + kUnroll);
     }
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
@@ -256,10 +270,10 @@ __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_i
 
 template <int kTiles>
 void LaunchExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
-  Launch(GroupedGateUpKernel<kTiles, 4>, dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts),
+  Launch(GroupedGateUpKernel<kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, a.offsets, a.sorted_pairs, a.gate, a.up,
          a.hidden, a.inter, a.h);
-  Launch(GroupedDownKernel<kTiles, 8>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
+  Launch(GroupedDownKernel<kTiles, 4>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, static_cast<const uint16_t*>(a.h), a.offsets,
          static_cast<const int*>(a.sorted_pairs), a.down, a.hidden, a.inter, a.out);
 }
