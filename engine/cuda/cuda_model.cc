@@ -529,7 +529,14 @@ class CudaModel final : public Model {
                      expert_weights_, stream_);
     // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
     // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
-    const bool grouped_mma = options_.moe_fused && rows >= cuda::kMoeGroupedMinRows &&
+    // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) go to
+    // cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA kernels
+    // re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512 tokens).
+    constexpr int kMoeMmaMaxPairsPerExpert = 16;
+    const bool long_prefill = n > 1 && grouped_ &&
+                              rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
+    const bool grouped_mma = options_.moe_fused && !long_prefill &&
+                             rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
     if (grouped_mma) {
       cuda::ToBf16(xn_, elems, bf16_, stream_);
@@ -563,7 +570,7 @@ class CudaModel final : public Model {
       // Read the routing on the host (a sync), then either one grouped GEMM per projection over
       // every expert, or (the loop) one gather + MLP + scatter per expert.
       const HostRouting routing = RouteOnHost(rows, skip);
-      if (options_.moe_grouped) {
+      if (options_.moe_grouped || long_prefill) {
         if (auto s = GroupedExperts(lw, rows, routing); !s.ok()) return s;
       } else {
         CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(elems) * sizeof(float), stream_));
@@ -635,7 +642,7 @@ class CudaModel final : public Model {
     }
     CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    if (options_.moe_grouped)  // only the grouped runner's combine reads it
+    if (grouped_)  // only the grouped runner's combine reads it
       CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     return r;
   }
@@ -831,9 +838,10 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     view = std::move(*made);
   }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;
-  if (options.moe_grouped) {
-    if (!options.gemm_cublaslt)
-      return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
+  if (options.moe_grouped && !options.gemm_cublaslt)
+    return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
+  // moe=fused also takes long prefill chunks to the grouped GEMMs (bf16 experts, cuBLAS configs).
+  if (c.is_moe() && (options.moe_grouped || (options.moe_fused && options.gemm_cublaslt))) {
     auto made = cuda::CublasGroupedGemm::Create();
     if (!made.ok()) return made.status();
     grouped = std::move(*made);

@@ -72,11 +72,19 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
     // Lane j scores key t0 + j (kTile == 32: one key per lane).
     float score = -INFINITY;
     if (lane < count) {
-      float dot = 0.f;
+      // Four partial sums: one chain of head_dim dependent FMAs kept each warp ~18 cycles per
+      // instruction (ncu, batch 64).
+      float dot[4] = {0.f, 0.f, 0.f, 0.f};
       const float* kj = k_tile + lane * stride;
       const float* qw = q_all + warp * head_dim;
-      for (int d = 0; d < head_dim; ++d) dot += qw[d] * kj[d];
-      score = dot;
+#pragma unroll 4
+      for (int d = 0; d < head_dim; d += 4) {
+        dot[0] += qw[d] * kj[d];
+        dot[1] += qw[d + 1] * kj[d + 1];
+        dot[2] += qw[d + 2] * kj[d + 2];
+        dot[3] += qw[d + 3] * kj[d + 3];
+      }
+      score = (dot[0] + dot[1]) + (dot[2] + dot[3]);
     }
     const float tile_max = WarpMax(score);
     const float new_max = fmaxf(running_max, tile_max);
