@@ -21,6 +21,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> quantized_formats = {"fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> fp4_formats = {"nvfp4", "mxfp4"};
+  const std::vector<std::string> quantized_or_bf16 = {"bf16", "fp8", "nvfp4", "mxfp4"};
   std::vector<BackendDescriptor> r;
   // ---- CPU: the reference device; its axes run everywhere, CI included.
   r.push_back({"device", "cpu", "cpu", 0, 0, false, {}, {}, kFp32, "host CPU, fp32 arithmetic"});
@@ -38,9 +39,12 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "simple fp32-accumulate kernels: the GPU reference"});
   r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
                "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
-  r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
-               "decode (<= 4 rows): our bf16 GEMV with RMSNorm, bias and residual fused in, "
-               "fp32 activations; more rows: cuBLASLt"});
+  // In a quantized model gemm=fused keeps the fused GEMV for the bf16 linears and runs the
+  // quantized ones through qgemm's fused kernel (w4a16, w8a16) or its copies.
+  r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
+               "decode (<= 4 rows): our GEMV with RMSNorm, bias and residual fused in, fp32 "
+               "activations (bf16 weights, or qgemm's in-register dequantization); more rows: "
+               "cuBLASLt"});
   r.push_back({"gemm", "tma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
                "as gemm=fused, with the q/k/v and o GEMVs streaming weight tiles through the "
                "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
@@ -54,8 +58,12 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
-  r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kFp32,
-               "decode: device-side routing and device-indexed expert GEMVs, no host sync (capturable); prefill: grouped by expert"});
+  // Quantized experts: read in place by w4a16/w8a16's expert kernels, or as dequant_bf16's bf16
+  // copies; qgemm=reference's fp32 copies have no fused runner.
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, quantized_or_bf16, {}, kFp32,
+               "decode: device-side routing and device-indexed expert GEMVs, no host sync "
+               "(capturable); prefill: grouped by expert",
+               {"qgemm=reference"}});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
@@ -70,6 +78,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,
                "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
                "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
+  r.push_back({"qgemm", "w8a16", "cuda", 80, 0, true, {"fp8"}, {}, kBf16,
+               "FP8 E4M3 weights dequantized in registers inside the GEMV (tensor, channel and "
+               "block-128 scales), fp32 activations and accumulate"});
   r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats, {}, kFp4,
                "block-scaled FP4 tensor cores (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0), activations "
                "quantized to FP4: sm_100 / sm_120 only (not implemented yet: there it gives ERROR; "
@@ -203,6 +214,16 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
       auto it = config.find(kv.first);
       if (it != config.end() && it->second == kv.second)
         return unsupported(absl::StrCat(name, " cannot be combined with ", conflict));
+    }
+    const bool quantized = target.weight_format == "fp8" || target.weight_format == "nvfp4" ||
+                           target.weight_format == "mxfp4";
+    for (const std::string& conflict : quantized ? d->quantized_conflicts
+                                                 : std::vector<std::string>{}) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(conflict, absl::MaxSplits('=', 1));
+      auto it = config.find(kv.first);
+      if (it != config.end() && it->second == kv.second)
+        return unsupported(absl::StrCat(name, " cannot be combined with ", conflict, " on ",
+                                        target.weight_format, " weights"));
     }
     result.precision = std::max(result.precision, d->precision);
   }

@@ -53,6 +53,15 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_THAT(Preflight(Cuda("w4a16"), {true, 90, 1, "bf16"}).reason,
               HasSubstr("does not take bf16 weights"));
 
+  // w8a16: FP8 weights only (every scale layout); bf16 class like w4a16.
+  r = Preflight(Cuda("w8a16"), {true, 90, 1, "fp8"});
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.precision, PrecisionClass::kBf16);
+  EXPECT_EQ(Preflight(Cuda("w8a16"), h200_nvfp4).reason,
+            "qgemm=w8a16 does not take nvfp4 weights (takes fp8)");
+  EXPECT_THAT(Preflight(Cuda("w8a16"), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("does not take bf16 weights"));
+
   // dequant_bf16 takes every quantized format; the reference takes anything, exactly.
   EXPECT_EQ(Preflight(Cuda("dequant_bf16"), {true, 90, 1, "mxfp4"}).precision,
             PrecisionClass::kBf16);
@@ -66,6 +75,39 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_EQ(Preflight(*cpu, {false, 0, 0, "mxfp4"}).precision, PrecisionClass::kFp32);
   // The GPU reference's defaults include the axis.
   EXPECT_EQ(DefaultAxes("cuda").at("qgemm"), "reference");
+}
+
+// The fast decode configs on quantized weights: gemm=fused takes every format (quantized
+// linears through qgemm); moe=fused reads quantized experts with w4a16 / w8a16 or dequant_bf16's
+// copies, never qgemm=reference's fp32 copies (UNSUPPORTED on quantized weights only).
+TEST(QuantPreflight, FusedDecodeConfigsOnQuantizedWeights) {
+  auto config = [](const std::string& qgemm) {
+    auto c = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "fused"}, {"attention", "flash"},
+                                     {"moe", "fused"}, {"graphs", "on"}, {"qgemm", qgemm}});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  };
+  for (const char* format : {"nvfp4", "mxfp4"}) {
+    const PreflightResult r = Preflight(config("w4a16"), {true, 90, 1, format});
+    EXPECT_TRUE(r.supported) << format << ": " << r.reason;
+    EXPECT_EQ(r.precision, PrecisionClass::kBf16);
+    EXPECT_TRUE(Preflight(config("dequant_bf16"), {true, 90, 1, format}).supported);
+    EXPECT_EQ(Preflight(config("reference"), {true, 90, 1, format}).reason,
+              std::string("moe=fused cannot be combined with qgemm=reference on ") + format +
+                  " weights");
+  }
+  EXPECT_TRUE(Preflight(config("w8a16"), {true, 90, 1, "fp8"}).supported);
+  EXPECT_FALSE(Preflight(config("reference"), {true, 90, 1, "fp8"}).supported);
+  // Dense weights: the fused runner is unchanged; qgemm stays at its reference.
+  EXPECT_TRUE(Preflight(config("reference"), {true, 90, 1, "bf16"}).supported);
+  EXPECT_FALSE(Preflight(config("w8a16"), {true, 90, 1, "bf16"}).supported);
+  // gemm=fused without moe=fused takes qgemm=reference (the quantized linears' fp32 copies go
+  // through the reference GEMM); an unknown format (a checkpoint without a declaration) is
+  // judged at load.
+  auto loop = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "fused"}});
+  ASSERT_TRUE(loop.ok());
+  EXPECT_TRUE(Preflight(*loop, {true, 90, 1, "nvfp4"}).supported);
+  EXPECT_TRUE(Preflight(config("reference"), {true, 90, 1, ""}).supported);
 }
 
 // A two-layer trial with a short single-repeat workload, as a worker receives it (JSON).
@@ -95,11 +137,16 @@ TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
   // The weight format too comes from the description ("@nvfp4"), before any weight loads.
+  // moe=fused with the default qgemm=reference (fp32 expert copies: no fused runner).
   const TrialResult fused =
       executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,moe=fused"));
   EXPECT_EQ(fused.status, TrialStatus::kUnsupported) << fused.reason;
-  EXPECT_EQ(fused.reason, "moe=fused does not take nvfp4 weights (takes bf16)");
+  EXPECT_EQ(fused.reason, "moe=fused cannot be combined with qgemm=reference on nvfp4 weights");
   EXPECT_EQ(fused.load_seconds, 0) << "judged from the model description alone";
+  const TrialResult tma =
+      executor.Execute(QuantRequest("preset:tiny-moe@fp8_block128", "device=cuda,gemm=tma"));
+  EXPECT_EQ(tma.status, TrialStatus::kUnsupported) << tma.reason;
+  EXPECT_EQ(tma.reason, "gemm=tma does not take fp8 weights (takes bf16)");
 }
 
 TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsIncorrect) {
