@@ -59,7 +59,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
   // Quantized experts: read in place by w4a16/w8a16's expert kernels, or as dequant_bf16's bf16
-  // copies; qgemm=reference's fp32 copies have no fused runner.
+  // copies; qgemm=reference (exact dequantization in the reference GEMM) has no fused runner.
   r.push_back({"moe", "fused", "cuda", 80, 0, true, quantized_or_bf16, {}, kFp32,
                "decode: device-side routing and device-indexed expert GEMVs, no host sync "
                "(capturable); prefill: grouped by expert",
@@ -71,8 +71,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
   r.push_back({"qgemm", "reference", "cuda", 80, 0, true, {}, {}, kFp32,
-               "exact dequantization to fp32 (the CPU's formula), fp32 accumulate: the GPU "
-               "reference for quantized weights"});
+               "exact dequantization to fp32 as the reference GEMM reads each weight (the CPU's "
+               "formula), fp32 accumulate: the GPU reference for quantized weights"});
   r.push_back({"qgemm", "dequant_bf16", "cuda", 80, 0, true, quantized_formats, {}, kBf16,
                "weights dequantized to bf16 once at upload, then the gemm axis's GEMM"});
   r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,

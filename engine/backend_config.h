@@ -38,7 +38,7 @@ struct BackendDescriptor {
   PrecisionClass precision = PrecisionClass::kFp32;
   std::string description;
   // "axis=value" entries it cannot be combined with on quantized weights (fp8, nvfp4, mxfp4)
-  // only, e.g. moe=fused with qgemm=reference, whose experts are fp32 copies.
+  // only, e.g. moe=fused with qgemm=reference, which has no fused expert runner.
   std::vector<std::string> quantized_conflicts = {};
 };
 

@@ -246,8 +246,9 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                     ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
                     std::string(TrialStatusName(bad.status)).c_str());
       }
-      // qgemm=reference keeps fp32 expert copies: moe=fused cannot read them. Preflight says
-      // so; a model built past preflight gets a clear error, not a wrong answer.
+      // qgemm=reference has no fused expert runner (its experts run exactly, through the
+      // reference GEMM). Preflight says so; a model built past preflight gets a clear error,
+      // not a wrong answer.
       const TrialResult reference = executor.Execute(
           GpuRequest(model, "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=reference"));
       EXPECT_EQ(reference.status, TrialStatus::kUnsupported) << reference.reason;
@@ -257,7 +258,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       ASSERT_TRUE(config.ok());
       auto made = CreateModel(**host, *config);
       EXPECT_FALSE(made.ok());
-      EXPECT_THAT(std::string(made.status().message()), testing::HasSubstr("fp32 expert copies"));
+      EXPECT_THAT(std::string(made.status().message()),
+                  testing::HasSubstr("moe=fused has no exact-reference expert runner"));
     }
   }
 }

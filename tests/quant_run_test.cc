@@ -14,7 +14,9 @@
 
 #include "engine/backends.h"
 #include "engine/npy.h"
+#include "engine/model_config.h"
 #include "engine/quant/layout.h"
+#include "engine/roofline.h"
 #include "harness/executor.h"
 #include "harness/verdict.h"
 
@@ -229,6 +231,31 @@ TEST(QuantExecutor, ModelDescriptions) {
   EXPECT_THAT(
       LoadHostModel("preset:tiny-moe@nvfp4", {2, 1, true, QuantFormat::kMxfp4}).status().message(),
       HasSubstr("names format nvfp4"));
+}
+
+// The decode roofline of a quantized qwen3-30b-a3b counts its linears' stored bytes (codes and
+// scales), with the router and lm_head in bf16 and the fp32 KV cache, as the engine runs them:
+// batch 1 at context 544 (prompt 512 + half of 64 outputs), the H200's 4.46 TB/s. Issue #6's
+// estimates (~2,600 tok/s NVFP4, ~1,470 FP8) count every active parameter quantized and no KV:
+// the bf16 lm_head alone is 0.62 GB a step.
+TEST(QuantRoofline, CountsTheStoredBytesOfQuantizedLinears) {
+  auto config = PresetConfig("qwen3-30b-a3b");
+  ASSERT_TRUE(config.ok());
+  auto roofline = [&](QuantFormat f) {
+    const double q = f == QuantFormat::kNone
+                         ? 0
+                         : QuantBytesPerElement(f, config->hidden_size, config->hidden_size);
+    const DecodeTraffic t = DecodeBytesPerStep(*config, 1, 544, 2, 4, q);
+    std::printf("# %-12s %.3f GB a step -> %.0f tok/s\n",
+                f == QuantFormat::kNone ? "bf16" : QuantFormatName(f).c_str(), t.total() / 1e9,
+                4460e9 / t.total());
+    return 4460e9 / t.total();
+  };
+  EXPECT_NEAR(roofline(QuantFormat::kNone), 720, 5);  // docs/PERFORMANCE.md: 6.19 GB, 720 tok/s
+  EXPECT_NEAR(roofline(QuantFormat::kNvfp4), 1953, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kMxfp4), 2029, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kFp8Block128), 1284, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kFp8Channel), 1283, 10);
 }
 
 // FNV-1a over every tensor's name, dtype and bytes, in table order.

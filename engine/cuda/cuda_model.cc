@@ -120,9 +120,9 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   return dw;
 }
 
-// A model's own view of quantized weights (qgemm=reference: fp32 copies; dequant_bf16: bf16
-// copies; w4a16, w8a16: the codes as uploaded), with the TEST ONLY bad-quant-scale fault applied
-// to it alone, so the shared weights (and the reference built on them) stay intact.
+// A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16:
+// the codes as uploaded), with the TEST ONLY bad-quant-scale fault applied to it alone, so the
+// shared weights (and the reference built on them) stay intact.
 struct QuantView {
   ModelWeights weights;
   std::vector<void*> buffers;
@@ -199,9 +199,7 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
         quant[p] = *t;
       }
     } else if (!experts.empty() && experts.front().gate.dtype != DType::kBF16) {
-      return absl::UnimplementedError(
-          "moe=fused cannot run qgemm=reference's fp32 expert copies: use qgemm=w4a16 (FP4), "
-          "w8a16 (FP8) or dequant_bf16");
+      return absl::UnimplementedError("moe=fused takes bf16 or quantized experts");
     } else {
       for (const ExpertWeights& e : experts) {
         lists[0].push_back(e.gate.data);
@@ -245,12 +243,17 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       }
     }
   }
-  const bool to_f32 = qgemm == "reference";
-  const bool keep_codes = qgemm == "w4a16" || qgemm == "w8a16";
-  if (!keep_codes && !to_f32 && qgemm != "dequant_bf16")
+  // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
+  const bool keep_codes = qgemm == "reference" || qgemm == "w4a16" || qgemm == "w8a16";
+  if (!keep_codes && qgemm != "dequant_bf16")
     return absl::UnimplementedError(absl::StrCat(
         "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
         "dequant_bf16, w4a16, w8a16)"));
+  if (qgemm == "reference" && options.moe_fused && host.config.is_moe())
+    return absl::UnimplementedError(
+        "moe=fused has no exact-reference expert runner: with qgemm=reference the experts run "
+        "through the reference GEMM (moe=loop); use qgemm=w4a16 (FP4), w8a16 (FP8) or "
+        "dequant_bf16 with moe=fused");
   if (keep_codes) {
     if (options.moe_fused && host.config.is_moe())
       if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
@@ -260,15 +263,12 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
       const size_t count = static_cast<size_t>(m->rows * m->cols);
-      auto buffer = DeviceAlloc<uint8_t>(count * (to_f32 ? sizeof(float) : sizeof(uint16_t)));
+      auto buffer = DeviceAlloc<uint16_t>(count);
       if (!buffer.ok()) return buffer.status();
       view->buffers.push_back(*buffer);
-      if (to_f32)
-        cuda::DequantizeToF32(*m, reinterpret_cast<float*>(*buffer), nullptr);
-      else
-        cuda::DequantizeToBf16(*m, reinterpret_cast<uint16_t*>(*buffer), nullptr);
+      cuda::DequantizeToBf16(*m, *buffer, nullptr);
       CHECK_LAUNCH();
-      *m = MatrixRef{*buffer, to_f32 ? DType::kF32 : DType::kBF16, m->rows, m->cols};
+      *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};
     }
   CUDA_OR_DIE(cudaDeviceSynchronize());
   if (options.moe_fused && host.config.is_moe())
@@ -399,7 +399,9 @@ class CudaModel final : public Model {
   // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
   absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
                     const MatrixRef& bias, float* y) {
-    if (w.quantized()) {  // qgemm=w4a16|w8a16: the other modes replaced the codes at build
+    if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization as it reads
+      cuda::GemmReference(x, rows, w, bias, y, stream_);
+    } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
       const bool fp4 =
           w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
       if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))
@@ -534,14 +536,16 @@ class CudaModel final : public Model {
     MatrixRef bias[3];
   };
   // bf16 weights: our GEMV (TMA-streamed for the projections with gemm=tma). Quantized codes
-  // (qgemm=w4a16|w8a16): the quantized GEMV with the same fusions. Anything else (qgemm=
-  // reference's fp32 copies, a shape the quantized GEMV does not take): RMSNorm into xn_ (the
-  // only normed_out in use), Gemm per segment, then the epilogue. Segments of different kinds
-  // (a checkpoint that left some projections dense) run one launch each.
+  // with qgemm=w4a16|w8a16: the quantized GEMV with the same fusions. Anything else (qgemm=
+  // reference, a shape the quantized GEMV does not take): RMSNorm into xn_ (the only normed_out
+  // in use), Gemm per segment, then the epilogue. Segments of different kinds (a checkpoint
+  // that left some projections dense) run one launch each.
   absl::Status RunGemv(const FusedGemv& g, bool projection = false) {
     enum class Kind { kBf16, kQuant, kOther };
-    auto kind = [](const MatrixRef& w) {
-      if (w.quantized()) return cuda::QuantGemvSupports(w) ? Kind::kQuant : Kind::kOther;
+    const bool in_registers = options_.qgemm == "w4a16" || options_.qgemm == "w8a16";
+    auto kind = [in_registers](const MatrixRef& w) {
+      if (w.quantized())
+        return in_registers && cuda::QuantGemvSupports(w) ? Kind::kQuant : Kind::kOther;
       return w.dtype == DType::kBF16 ? Kind::kBf16 : Kind::kOther;
     };
     const Kind k0 = kind(g.w[0]);
