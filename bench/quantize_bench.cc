@@ -34,10 +34,14 @@ int main(int argc, char** argv) {
   int threads = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--preset") preset = value;
-    else if (flag == "--layers") layers_arg = value;
-    else if (flag == "--formats") formats_arg = value;
-    else if (flag == "--threads") threads = std::stoi(value);
+    if (flag == "--preset")
+      preset = value;
+    else if (flag == "--layers")
+      layers_arg = value;
+    else if (flag == "--formats")
+      formats_arg = value;
+    else if (flag == "--threads")
+      threads = std::stoi(value);
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;

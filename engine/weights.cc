@@ -264,8 +264,8 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
       const TensorSpec& spec = model.specs[i];
       if (!IsQuantizable(spec)) {
         if (stream)
-          GenerateSyntheticBf16(model.seed, spec, model.config.tie_word_embeddings, 0,
-                                spec.numel(), model.synthetic[i].data());
+          GenerateSyntheticBf16(model.seed, spec, model.config.tie_word_embeddings, 0, spec.numel(),
+                                model.synthetic[i].data());
         continue;
       }
       HostTensor tensor = model.tensors[i];

@@ -1,13 +1,13 @@
 // The CUDA quantized-weight kernels (kernels/cuda/quant.h) against the CPU's exact dequantization
 // at several shapes, including ones that are not multiples of any tile. Skipped (not failed) on
 // machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "engine/quant/dequantize.h"
 #include "engine/quant/layout.h"
@@ -287,8 +287,8 @@ TEST_F(GpuQuant, FusedQuantGemvMatchesTheExactDequantReference) {
               double want = scale * dot * inv + (s == 0 ? bias[n] : 0);
               if (accumulate) want += y0[m * c.n[0] + n];
               const double tol = 4e-6 * (magnitude * inv + std::fabs(want)) + 1e-30;
-              ASSERT_NEAR(y[m * c.n[s] + n], want, tol) << "segment " << s << " [" << m << ", "
-                                                        << n << "]";
+              ASSERT_NEAR(y[m * c.n[s] + n], want, tol)
+                  << "segment " << s << " [" << m << ", " << n << "]";
             }
           }
         }
@@ -339,9 +339,9 @@ struct DeviceExperts {
       t.scale_dtype = m.quant.scale_dtype;
     }
     EXPECT_EQ(cudaMalloc(&table, pointers.size() * sizeof(void*)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(table, pointers.data(), pointers.size() * sizeof(void*),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(table, pointers.data(), pointers.size() * sizeof(void*), cudaMemcpyHostToDevice),
+        cudaSuccess);
     const auto* d = static_cast<const void* const*>(table);
     t.codes = d;
     t.scales = d + count;
@@ -361,8 +361,11 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
   struct Case {
     int hidden, inter, experts, k, rows;
   };
-  const Case cases[] = {{2048, 768, 16, 8, 1}, {128, 64, 8, 2, 3}, {96, 160, 5, 1, 2},
-                        {1056, 96, 4, 3, 1}, {48, 80, 3, 2, 2}};  // the last: FP8 only
+  const Case cases[] = {{2048, 768, 16, 8, 1},
+                        {128, 64, 8, 2, 3},
+                        {96, 160, 5, 1, 2},
+                        {1056, 96, 4, 3, 1},
+                        {48, 80, 3, 2, 2}};  // the last: FP8 only
   for (QuantFormat format : kAllFormats) {
     for (Case c : cases) {
       if (IsFp4Format(format) && (c.hidden % 32 != 0 || c.inter % 32 != 0)) continue;
@@ -396,8 +399,8 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
       CUDA_EXPECT_OK(cudaDeviceSynchronize());
       const std::vector<float> h = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
       const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
-      for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute),
-                      static_cast<void*>(dx), static_cast<void*>(dy), static_cast<void*>(dh)})
+      for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+                      static_cast<void*>(dy), static_cast<void*>(dh)})
         cudaFree(p);
 
       for (int p = 0; p < pairs; ++p) {
@@ -407,8 +410,8 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
           auto [u, um] = ExactDot(xr, up.dequantized[ids[p]], i, c.hidden);
           const double want = g / (1 + std::exp(-g)) * u;
           // silu(g) * u with g and u each within fp32 rounding of their sums.
-          const double tol = 4e-6 * (gm * std::fabs(u) + um * std::fabs(g) + std::fabs(want)) +
-                             1e-30;
+          const double tol =
+              4e-6 * (gm * std::fabs(u) + um * std::fabs(g) + std::fabs(want)) + 1e-30;
           ASSERT_NEAR(h[static_cast<size_t>(p) * c.inter + i], want, tol)
               << "h pair " << p << " out " << i;
         }

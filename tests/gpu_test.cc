@@ -238,8 +238,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
         const bool caught_at_bf16 =
             std::string(format) == "nvfp4" || std::string(format) == "fp8_channel";
         if (ok.verdict.precision_class == "fp32" || caught_at_bf16) {
-          EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << model << " " << config << ": "
-                                                         << bad.reason;
+          EXPECT_EQ(bad.status, TrialStatus::kIncorrect)
+              << model << " " << config << ": " << bad.reason;
         }
         std::printf("# %s %-75s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n",
                     model.c_str(), config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
@@ -277,7 +277,8 @@ TEST(Gpu, NumericFaultsAreIncorrect) {
   }
   // The quantized fast path: the fault skips an expert in the quantized down + combine kernel.
   for (const char* model : {"preset:tiny-moe@nvfp4", "preset:tiny-moe@fp8_block128"}) {
-    const std::string qgemm = std::string(model).find("fp8") != std::string::npos ? "w8a16" : "w4a16";
+    const std::string qgemm =
+        std::string(model).find("fp8") != std::string::npos ? "w8a16" : "w4a16";
     for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2"}) {
       const TrialResult r = executor.Execute(GpuRequest(
           model, "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=" + qgemm,

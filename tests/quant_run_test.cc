@@ -1,24 +1,23 @@
 // Quantized models through the harness and the CLI: the qgemm axis's preflight judgements,
 // `--quantize` end to end (a CPU config judged OK against the quantized model's exact-dequant
 // reference), and the bad-quant-scale fault judged INCORRECT.
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <string>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/test_util.h"
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "engine/backends.h"
-#include "engine/npy.h"
 #include "engine/model_config.h"
+#include "engine/npy.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
 #include "harness/executor.h"
 #include "harness/verdict.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -84,8 +83,12 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
 // copies, never qgemm=reference's fp32 copies (UNSUPPORTED on quantized weights only).
 TEST(QuantPreflight, FusedDecodeConfigsOnQuantizedWeights) {
   auto config = [](const std::string& qgemm) {
-    auto c = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "fused"}, {"attention", "flash"},
-                                     {"moe", "fused"}, {"graphs", "on"}, {"qgemm", qgemm}});
+    auto c = NormalizeBackendConfig({{"device", "cuda"},
+                                     {"gemm", "fused"},
+                                     {"attention", "flash"},
+                                     {"moe", "fused"},
+                                     {"graphs", "on"},
+                                     {"qgemm", qgemm}});
     EXPECT_TRUE(c.ok()) << c.status();
     return *c;
   };
@@ -94,9 +97,9 @@ TEST(QuantPreflight, FusedDecodeConfigsOnQuantizedWeights) {
     EXPECT_TRUE(r.supported) << format << ": " << r.reason;
     EXPECT_EQ(r.precision, PrecisionClass::kBf16);
     EXPECT_TRUE(Preflight(config("dequant_bf16"), {true, 90, 1, format}).supported);
-    EXPECT_EQ(Preflight(config("reference"), {true, 90, 1, format}).reason,
-              std::string("moe=fused cannot be combined with qgemm=reference on ") + format +
-                  " weights");
+    EXPECT_EQ(
+        Preflight(config("reference"), {true, 90, 1, format}).reason,
+        std::string("moe=fused cannot be combined with qgemm=reference on ") + format + " weights");
   }
   EXPECT_TRUE(Preflight(config("w8a16"), {true, 90, 1, "fp8"}).supported);
   EXPECT_FALSE(Preflight(config("reference"), {true, 90, 1, "fp8"}).supported);
@@ -262,7 +265,8 @@ TEST(QuantRoofline, CountsTheStoredBytesOfQuantizedLinears) {
 uint64_t ModelHash(const HostModel& m) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&h](const void* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
+    for (size_t i = 0; i < n; ++i)
+      h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
   };
   for (size_t i = 0; i < m.specs.size(); ++i) {
     mix(m.specs[i].name.data(), m.specs[i].name.size());
@@ -277,10 +281,11 @@ uint64_t ModelHash(const HostModel& m) {
 // bytes equal quantizing the materialised dense model, and equal what the quantizer wrote
 // before it was streamed and made branch-free (the hashes below were taken from that version).
 TEST(QuantizePreset, StreamedQuantizationIsBitIdenticalToTheMaterialisedModel) {
-  const std::map<std::string, uint64_t> golden = {
-      {"fp8_tensor", 0xed17f1b7c24ebbafull},   {"fp8_channel", 0x54cab98badab6a4full},
-      {"fp8_block128", 0xee6b436cd45a0fe3ull}, {"nvfp4", 0x5090aabf9a765f98ull},
-      {"mxfp4", 0x3b1e484ca7b3d1a8ull}};
+  const std::map<std::string, uint64_t> golden = {{"fp8_tensor", 0xed17f1b7c24ebbafull},
+                                                  {"fp8_channel", 0x54cab98badab6a4full},
+                                                  {"fp8_block128", 0xee6b436cd45a0fe3ull},
+                                                  {"nvfp4", 0x5090aabf9a765f98ull},
+                                                  {"mxfp4", 0x3b1e484ca7b3d1a8ull}};
   for (const char* format : kFormatNames) {
     auto streamed = LoadHostModel(std::string("preset:tiny-moe@") + format, {2, 7, true});
     ASSERT_TRUE(streamed.ok()) << streamed.status();

@@ -63,9 +63,9 @@ INFERSWEEP_HD uint8_t FloatToE2M1(float x) {
   // The code is the number of midpoints between neighbours that a lies above: <= rounds a tie
   // down onto an even code, < rounds it up; written as negations so that NaN counts all 7.
   // Branch-free: the quantizer calls it once per weight (tens of billions for a large preset).
-  const uint8_t code = static_cast<uint8_t>(!(a <= 0.25f) + !(a < 0.75f) + !(a <= 1.25f) +
-                                            !(a < 1.75f) + !(a <= 2.5f) + !(a < 3.5f) +
-                                            !(a <= 5.0f));
+  const uint8_t code =
+      static_cast<uint8_t>(!(a <= 0.25f) + !(a < 0.75f) + !(a <= 1.25f) + !(a < 1.75f) +
+                           !(a <= 2.5f) + !(a < 3.5f) + !(a <= 5.0f));
   return static_cast<uint8_t>(sign | code);
 }
 

@@ -119,10 +119,12 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
   const int64_t n = rows * cols;
   switch (dense.dtype) {  // one loop per dtype: no per-element dispatch
     case DType::kBF16:
-      for (int64_t i = 0; i < n; ++i) w[i] = Bf16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
+      for (int64_t i = 0; i < n; ++i)
+        w[i] = Bf16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
       break;
     case DType::kF16:
-      for (int64_t i = 0; i < n; ++i) w[i] = F16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
+      for (int64_t i = 0; i < n; ++i)
+        w[i] = F16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
       break;
     default:
       std::memcpy(w.data(), dense.data, static_cast<size_t>(n) * sizeof(float));
@@ -132,8 +134,8 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
   if (!finite)
     for (int64_t i = 0; i < n; ++i)
       if (!std::isfinite(w[i]))
-        return absl::InvalidArgumentError(
-            absl::StrCat("cannot quantize a non-finite weight at [", i / cols, ", ", i % cols, "]"));
+        return absl::InvalidArgumentError(absl::StrCat("cannot quantize a non-finite weight at [",
+                                                       i / cols, ", ", i % cols, "]"));
 
   QuantizedMatrix q;
   q.format = format;

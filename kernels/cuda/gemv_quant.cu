@@ -21,8 +21,8 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kRowsPerWarp = 2;   // output rows per warp: they share each activation read
-constexpr int kUnroll = 4;        // 16-byte code loads per lane per output row in flight
+constexpr int kRowsPerWarp = 2;  // output rows per warp: they share each activation read
+constexpr int kUnroll = 4;       // 16-byte code loads per lane per output row in flight
 constexpr int kWarpsPerBlock = 8;
 constexpr int kMaxBlockRows = 4;  // activation rows staged per block; grid.y covers the rest
 constexpr int kMaxSharedBytes = 200 * 1024;
@@ -80,10 +80,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   WaitForPrerequisites();  // x is the previous kernel's output; the weights were not
   AllowDependentsToLaunch();
   float inv[kBlockRows];
-  StagePaddedInput<kBlockRows>(a.x + static_cast<int64_t>(m0) * k, rows, k, a.norm_gain,
-                               a.norm_dtype, a.norm_eps,
-                               a.normed_out ? a.normed_out + static_cast<int64_t>(m0) * k : nullptr,
-                               xs, scratch, inv);
+  StagePaddedInput<kBlockRows>(
+      a.x + static_cast<int64_t>(m0) * k, rows, k, a.norm_gain, a.norm_dtype, a.norm_eps,
+      a.normed_out ? a.normed_out + static_cast<int64_t>(m0) * k : nullptr, xs, scratch, inv);
   if (!active) return;
 
   const int ld = PaddedFloats(k);
@@ -97,10 +96,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       const float* x = xs + PaddedIndex(c * kChunk);
 #pragma unroll
       for (int rr = 0; rr < kRowsPerWarp; ++rr)
-        ChunkDot<F, kBlockRows>(packed[rr][u],
-                                DecodeChunkScale<F>(scale_bits[rr][u],
-                                                    qw.w[seg_of[rr]].quant.scale_dtype),
-                                x, ld, rows, acc[rr]);
+        ChunkDot<F, kBlockRows>(
+            packed[rr][u],
+            DecodeChunkScale<F>(scale_bits[rr][u], qw.w[seg_of[rr]].quant.scale_dtype), x, ld, rows,
+            acc[rr]);
     }
   }
 #pragma unroll
@@ -146,8 +145,7 @@ void LaunchGemvQuant(const GemvArgs& a, const QuantGemvWeights& qw, cudaStream_t
   if (block_rows == 1)
     Launch(GemvQuantKernel<F, 1>, grid, dim3(kWarpsPerBlock * 32), smem, stream, a, qw);
   else
-    Launch(GemvQuantKernel<F, kMaxBlockRows>, grid, dim3(kWarpsPerBlock * 32), smem, stream, a,
-           qw);
+    Launch(GemvQuantKernel<F, kMaxBlockRows>, grid, dim3(kWarpsPerBlock * 32), smem, stream, a, qw);
 }
 
 }  // namespace

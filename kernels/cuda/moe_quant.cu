@@ -43,9 +43,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ float xs[];  // [PaddedFloats(hidden)]
   __shared__ float scratch[32];
   constexpr int kChunk = ChunkElements<F>();
-  constexpr int kUnroll = IsFp4(F) ? 2 : 4;  // a 2048-wide row in one pass either way
+  constexpr int kUnroll = IsFp4(F) ? 2 : 4;     // a 2048-wide row in one pass either way
   constexpr int kRowBytes2 = IsFp4(F) ? 1 : 2;  // bytes of codes per 2 weights
-  WaitForPrerequisites();  // the expert ids are the previous kernel's output
+  WaitForPrerequisites();                       // the expert ids are the previous kernel's output
   AllowDependentsToLaunch();
   const int pair = blockIdx.y, row = pair / k;
   const int hidden = gate.cols, inter = gate.rows;
@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kWarps * 32)
             const uint4* w = reinterpret_cast<const uint4*>(
                 codes[p] + static_cast<int64_t>(out[rr]) * hidden * kRowBytes2 / 2);
             packed[p][rr][u] = __ldcs(w + c0 + 32 * u);
-            scale_bits[p][rr][u] = LoadChunkScaleBits<F>(scales[p], tables[p]->scale_dtype,
-                                                         out[rr], c0 + 32 * u, hidden);
+            scale_bits[p][rr][u] = LoadChunkScaleBits<F>(scales[p], tables[p]->scale_dtype, out[rr],
+                                                         c0 + 32 * u, hidden);
           }
   };
   load(lane);
@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       row_bits[p][rr] =
           LoadRowFactorBits<F>(ExpertScales(*tables[p], scales[p], globals[p]), out[rr]);
   float inv[1];
-  StagePaddedInput<1>(x + static_cast<int64_t>(row) * hidden, 1, hidden, nullptr, DType::kBF16,
-                      0.f, nullptr, xs, scratch, inv);
+  StagePaddedInput<1>(x + static_cast<int64_t>(row) * hidden, 1, hidden, nullptr, DType::kBF16, 0.f,
+                      nullptr, xs, scratch, inv);
   if (!active) return;
 
   float acc[2][kRowsPerWarp] = {};
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
         for (int rr = 0; rr < kRowsPerWarp; ++rr)
           ChunkDot<F, 1>(packed[p][rr][u],
-                         DecodeChunkScale<F>(scale_bits[p][rr][u], tables[p]->scale_dtype), xc,
-                         0, 1, &acc[p][rr]);
+                         DecodeChunkScale<F>(scale_bits[p][rr][u], tables[p]->scale_dtype), xc, 0,
+                         1, &acc[p][rr]);
     }
   }
 #pragma unroll
@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int rr = 0; rr < kRowsPerWarp; ++rr) {
         float part = 0.f;
-        ChunkDot<F, 1>(packed[rr][i], DecodeChunkScale<F>(scale_bits[rr][i], down.scale_dtype),
-                       hc, 0, 1, &part);
+        ChunkDot<F, 1>(packed[rr][i], DecodeChunkScale<F>(scale_bits[rr][i], down.scale_dtype), hc,
+                       0, 1, &part);
         total[rr] += factor[rr] * part;
       }
     }
@@ -238,8 +238,8 @@ void ConfigureShared() {
   static const bool configured = [] {
     cudaFuncSetAttribute(MoeGateUpQuantKernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kMoeMaxSharedBytes);
-    cudaFuncSetAttribute(MoeDownCombineQuantKernel<F>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, kMoeMaxSharedBytes);
+    cudaFuncSetAttribute(MoeDownCombineQuantKernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kMoeMaxSharedBytes);
     return true;
   }();
   (void)configured;
@@ -301,14 +301,14 @@ void MoeDownCombineQuant(const float* h, int rows, int k, const int* expert_ids,
   if (rows <= 0 || k <= 0) return;
   switch (down.format) {
     case QuantFormat::kNvfp4:
-      return LaunchDown<QuantFormat::kNvfp4>(h, rows, k, expert_ids, weights, skip_expert, down,
-                                             y, stream);
+      return LaunchDown<QuantFormat::kNvfp4>(h, rows, k, expert_ids, weights, skip_expert, down, y,
+                                             stream);
     case QuantFormat::kMxfp4:
-      return LaunchDown<QuantFormat::kMxfp4>(h, rows, k, expert_ids, weights, skip_expert, down,
-                                             y, stream);
+      return LaunchDown<QuantFormat::kMxfp4>(h, rows, k, expert_ids, weights, skip_expert, down, y,
+                                             stream);
     case QuantFormat::kFp8Tensor:
-      return LaunchDown<QuantFormat::kFp8Tensor>(h, rows, k, expert_ids, weights, skip_expert,
-                                                 down, y, stream);
+      return LaunchDown<QuantFormat::kFp8Tensor>(h, rows, k, expert_ids, weights, skip_expert, down,
+                                                 y, stream);
     case QuantFormat::kFp8Channel:
       return LaunchDown<QuantFormat::kFp8Channel>(h, rows, k, expert_ids, weights, skip_expert,
                                                   down, y, stream);

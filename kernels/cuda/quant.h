@@ -8,9 +8,9 @@
 // gate/up [768, 2048] and down [2048, 768], 1.57M weights each.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "engine/tensor_ref.h"
 #include "kernels/cuda/ops.h"

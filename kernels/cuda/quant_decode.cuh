@@ -9,7 +9,7 @@
 // fp8 tensor and channel scales). That is the same real number as the reference's sum of
 // x * w; only the fp32 rounding of the sums differs, so results match the exact-dequant
 // reference to a few ulps of sum |x * w|, not bit for bit. It keeps the work per weight at one
-// decode step plus one fp32 FMA: at batch 1 an H200 streams ~9 G FP4 weights a second, and
+// decode step plus one fp32 FMA: at batch 1 an H200 streams ~8 T FP4 weights a second, and
 // a multiply per weight more would make these kernels ALU-bound.
 #pragma once
 
@@ -48,7 +48,8 @@ __device__ __forceinline__ uint32_t LoadChunkScaleBits(const void* scales, DType
     return __ldg(static_cast<const uint8_t*>(scales) + row * (k / 32) + chunk);
   } else if constexpr (F == QuantFormat::kFp8Block128) {
     const int64_t i = (row / kFp8BlockSize) * CeilDiv64(k, kFp8BlockSize) + chunk / 8;
-    if (scale_dtype == DType::kF32) return __float_as_uint(__ldg(static_cast<const float*>(scales) + i));
+    if (scale_dtype == DType::kF32)
+      return __float_as_uint(__ldg(static_cast<const float*>(scales) + i));
     return __ldg(static_cast<const uint16_t*>(scales) + i);
   } else {
     return 0;
@@ -70,7 +71,7 @@ __device__ __forceinline__ ChunkScale DecodeChunkScale(uint32_t bits, DType scal
   } else if constexpr (F == QuantFormat::kMxfp4) {
     s.lo = s.hi = E8M0ToFloat(static_cast<uint8_t>(bits));
   } else if constexpr (F == QuantFormat::kFp8Block128) {
-    s.lo = s.hi = scale_dtype == DType::kF32   ? __uint_as_float(bits)
+    s.lo = s.hi = scale_dtype == DType::kF32    ? __uint_as_float(bits)
                   : scale_dtype == DType::kBF16 ? Bf16ToFloat(static_cast<uint16_t>(bits))
                                                 : F16ToFloat(static_cast<uint16_t>(bits));
   }
@@ -157,8 +158,10 @@ __device__ __forceinline__ void ChunkDot(const uint4& codes, const ChunkScale& s
           static_cast<__nv_fp8x2_storage_t>(words[i] & 0xffffu), __NV_E4M3);
       const __half2_raw hi =
           __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[i] >> 16), __NV_E4M3);
-      const float2 w01 = HalfBitsToFloat2(static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16));
-      const float2 w23 = HalfBitsToFloat2(static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16));
+      const float2 w01 =
+          HalfBitsToFloat2(static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16));
+      const float2 w23 =
+          HalfBitsToFloat2(static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16));
 #pragma unroll
       for (int m = 0; m < kRows; ++m) {
         if (m >= rows) break;
