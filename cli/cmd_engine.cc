@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "engine/backends.h"
@@ -150,12 +151,47 @@ int RunLogits(const ModelArgs& args, const std::string& tokens_text, const std::
   return 0;
 }
 
-int RunGenerate(const ModelArgs& args, const std::string& tokens_text, int max_new_tokens) {
+// The prompt in every row of a batch (shifted per row), greedy: for profiling batched steps (ncu, nsys).
+// Prints the first row's tokens.
+int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch,
+                     int max_new_tokens) {
+  const int n = static_cast<int>(prompt.size()), vocab = model.config().vocab_size;
+  if (auto s = model.StartBatch(batch, n + max_new_tokens); !s.ok()) return Fail(s);
+  std::vector<int32_t> input;
+  // Row b's prompt is shifted by b token ids, so rows route to different experts like a real batch.
+  for (int b = 0; b < batch; ++b)
+    for (int32_t t : prompt) input.push_back((t + 7 * b) % vocab);
+  std::vector<float> logits;
+  std::vector<int32_t> first_row;
+  auto start = std::chrono::steady_clock::now();
+  if (auto s = model.Forward(input, n, LogitsMode::kLast, &logits); !s.ok()) return Fail(s);
+  const double prefill = Seconds(start);
+  start = std::chrono::steady_clock::now();
+  for (int step = 0; step < max_new_tokens; ++step) {
+    input.assign(batch, 0);
+    for (int b = 0; b < batch; ++b)
+      input[b] = Greedy(std::span<const float>(logits).subspan(static_cast<size_t>(b) * vocab, vocab));
+    first_row.push_back(input[0]);
+    if (step + 1 < max_new_tokens)
+      if (auto s = model.Forward(input, 1, LogitsMode::kLast, &logits); !s.ok()) return Fail(s);
+  }
+  const double decode = Seconds(start);
+  std::printf("{\"tokens\":[%s]}\n", absl::StrJoin(first_row, ",").c_str());
+  std::fprintf(stderr, "# batch %d: prefill %d tokens a row: %.1f tok/s; decode: %.1f tok/s\n", batch,
+               n, static_cast<double>(batch) * n / prefill,
+               static_cast<double>(batch) * std::max(1, max_new_tokens - 1) / std::max(decode, 1e-9));
+  return 0;
+}
+
+int RunGenerate(const ModelArgs& args, const std::string& tokens_text, int max_new_tokens,
+                int batch) {
   auto tokens = ParseTokens(tokens_text);
   if (!tokens.ok()) return Fail(tokens.status());
   if (max_new_tokens <= 0) return Fail(absl::InvalidArgumentError("--max-new-tokens must be > 0"));
+  if (batch <= 0) return Fail(absl::InvalidArgumentError("--batch must be > 0"));
   auto loaded = Load(args);
   if (!loaded.ok()) return Fail(loaded.status());
+  if (batch > 1) return RunGenerateBatch(*loaded->model, *tokens, batch, max_new_tokens);
   auto gen = GenerateGreedy(*loaded->model, *tokens, max_new_tokens);
   if (!gen.ok()) return Fail(gen.status());
   std::string json = "{\"tokens\":[";
@@ -215,6 +251,7 @@ void AddEngineCommands(CLI::App& app) {
   static ModelArgs args;
   static std::string tokens, out;
   static int max_new_tokens = 16;
+  static int batch = 1;
 
   CLI::App* logits = app.add_subcommand("logits", "write float32 [T, vocab] logits to a .npy");
   AddModelOptions(logits, args);
@@ -227,7 +264,9 @@ void AddEngineCommands(CLI::App& app) {
   generate->add_option("--tokens", tokens, "comma-separated prompt token ids")->required();
   generate->add_option("--max-new-tokens", max_new_tokens, "tokens to generate")
       ->capture_default_str();
-  generate->callback([] { std::exit(RunGenerate(args, tokens, max_new_tokens)); });
+  generate->add_option("--batch", batch, "rows, each the same prompt (for profiling batched steps)")
+      ->capture_default_str();
+  generate->callback([] { std::exit(RunGenerate(args, tokens, max_new_tokens, batch)); });
 
   CLI::App* demo = app.add_subcommand("demo", "tiny synthetic model: generate, summarise, time");
   AddModelOptions(demo, args);

@@ -50,19 +50,24 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
   r.push_back({"attention", "naive", "cuda", 80, 0, true, {}, {}, kFp32,
                "materialised scores, fp32"});
-  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kFp32,
-               "tiled online softmax, K/V tiles shared across a GQA group, split-KV + combine"});
+  r.push_back({"attention", "flash", "cuda", 80, 0, true, {}, {}, kBf16,
+               "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
+               "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
+               "cores (mma.sync), fp32 accumulate"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
   r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"}, {"graphs=on", "gemm=reference"},
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
-  // Quantized experts: read in place by w4a16/w8a16's expert kernels, or as dequant_bf16's bf16
-  // copies; qgemm=reference (exact dequantization in the reference GEMM) has no fused runner.
-  r.push_back({"moe", "fused", "cuda", 80, 0, true, quantized_or_bf16, {}, kFp32,
-               "decode: device-side routing and device-indexed expert GEMVs, no host sync "
-               "(capturable); prefill: grouped by expert",
+  // Quantized experts: read in place by w4a16/w8a16's per-pair expert kernels at every decode
+  // batch, or as dequant_bf16's bf16 copies; qgemm=reference (exact dequantization in the
+  // reference GEMM) has no fused runner.
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, quantized_or_bf16, {}, kBf16,
+               "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
+               "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
+               "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
+               "quantized experts (w4a16, w8a16): per-pair GEMVs at decode, the loop in prefill",
                {"qgemm=reference"}});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
@@ -81,10 +86,21 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"qgemm", "w8a16", "cuda", 80, 0, true, {"fp8"}, {}, kBf16,
                "FP8 E4M3 weights dequantized in registers inside the GEMV (tensor, channel and "
                "block-128 scales), fp32 activations and accumulate"});
-  r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats, {}, kFp4,
-               "block-scaled FP4 tensor cores (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0), activations "
-               "quantized to FP4: sm_100 / sm_120 only (not implemented yet: there it gives ERROR; "
-               "on sm_90 preflight answers UNSUPPORTED)"});
+  // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
+  // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
+  // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
+  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 90, 0, true, {"fp8"}, {"moe=fused", "moe=grouped"},
+               kFp8,
+               "FP8 E4M3 tensor cores through cuBLASLt: weights as loaded, activations quantized "
+               "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
+               "weights), scales applied by cuBLASLt or an epilogue, fp32 accumulate and output; "
+               "128-block scales need sm_90's cuBLASLt modes"});
+  r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats,
+               {"moe=fused", "moe=grouped"}, kFp4,
+               "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "
+               "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
+               "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
+               "such a GPU"});
   return r;
 }
 

@@ -17,8 +17,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 for stage in $STAGES; do
   case $stage in
   test)
+    .carry/gpu_kernels_test 2>&1 | tee "$OUT/gpu_kernels_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
     .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
-    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error' ;;
+    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
+    .carry/gpu_scaled_gemm_test 2>&1 | tee "$OUT/gpu_scaled_gemm_test.log" |
+      grep -E '^#|OK \]|FAILED|Failure|error' ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
@@ -65,9 +68,12 @@ for stage in $STAGES; do
       tee "$OUT/quantize_bench.log" ;;
   profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
     # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
-    ncu --clock-control none --cache-control none --target-processes all --launch-skip 1183 --launch-count 120 \
+    # PROFILE_PROMPT=2048 PROFILE_NEW_TOKENS=1 profiles a prefill of 2048 tokens instead.
+    ncu --clock-control none --cache-control none --target-processes all --launch-skip 1183 \
+      --launch-count "${PROFILE_LAUNCHES:-120}" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
-      $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens 1 --max-new-tokens 3 --backend cuda \
+      $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens "$(seq -s, 1 "${PROFILE_PROMPT:-1}")" \
+      --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --batch "${PROFILE_BATCH:-1}" --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
   peer)

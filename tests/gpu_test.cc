@@ -189,8 +189,11 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                                       AllLogits(**host, {{"device", "cpu"}}, prompt));
     EXPECT_LE(vs_cpu, 1e-4) << format;
     const bool fp4 = std::string(format) == "nvfp4" || std::string(format) == "mxfp4";
+    // device=cuda alone is the reference's own axes; its faulted copy must still be caught.
     std::vector<std::string> configs = {"device=cuda,gemm=cublaslt,qgemm=dequant_bf16",
-                                        "device=cuda,attention=flash,qgemm=reference"};
+                                        "device=cuda,attention=flash,qgemm=reference",
+                                        "device=cuda,qgemm=reference"};
+    int fp32_configs = 0;
     if (fp4) configs.push_back("device=cuda,gemm=cublaslt,attention=flash,qgemm=w4a16");
     for (const std::string& config : configs) {
       const TrialResult ok = executor.Execute(GpuRequest(model, config));
@@ -199,6 +202,7 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       // One corrupted group (16 or 32 weights for FP4) can hide inside the bf16-class tolerance;
       // the fp32-class config must catch it.
       if (ok.verdict.precision_class == "fp32") {
+        ++fp32_configs;
         EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << " " << config << ": " << bad.reason;
       }
       std::printf("# %s %-55s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n", format,
@@ -206,6 +210,7 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                   ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
                   std::string(TrialStatusName(bad.status)).c_str());
     }
+    EXPECT_GE(fp32_configs, 1) << format << ": no fp32-class config left to catch the bad scale";
     std::printf("# %s: GPU reference vs CPU reference %.3g\n", format, vs_cpu);
   }
 }

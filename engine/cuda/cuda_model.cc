@@ -13,6 +13,7 @@
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/gemm_grouped.h"
+#include "kernels/cuda/gemm_scaled.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemv_tma.h"
@@ -120,12 +121,13 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   return dw;
 }
 
-// A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16:
-// the codes as uploaded), with the TEST ONLY bad-quant-scale fault applied to it alone, so the
-// shared weights (and the reference built on them) stay intact.
+// A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16,
+// fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY bad-quant-scale fault
+// applied to it alone, so the shared weights (and the reference built on them) stay intact.
 struct QuantView {
   ModelWeights weights;
   std::vector<void*> buffers;
+  std::unique_ptr<cuda::ScaledGemm> scaled;  // fp8_cublaslt, native_fp4: scales in its layouts
   // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
   // there too: device pointer tables of dequant_bf16's bf16 copies of the experts, or the
   // quantized experts' tables (gate, up, down) for w4a16 / w8a16.
@@ -243,12 +245,24 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       }
     }
   }
+  if (qgemm == "fp8_cublaslt" || qgemm == "native_fp4") {  // codes as uploaded, scales rearranged
+    auto scaled = cuda::ScaledGemm::Create(qgemm == "fp8_cublaslt" ? cuda::ScaledGemmKind::kFp8
+                                                                   : cuda::ScaledGemmKind::kFp4);
+    if (!scaled.ok()) return scaled.status();
+    view->scaled = std::move(*scaled);
+    for (LayerWeights& layer : view->weights.layers)
+      for (MatrixRef* m : LayerLinears(layer))
+        if (m->quantized())
+          if (auto s = view->scaled->Prepare(*m); !s.ok()) return s;
+    CUDA_OR_DIE(cudaDeviceSynchronize());
+    return view;
+  }
   // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
   const bool keep_codes = qgemm == "reference" || qgemm == "w4a16" || qgemm == "w8a16";
   if (!keep_codes && qgemm != "dequant_bf16")
     return absl::UnimplementedError(absl::StrCat(
         "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
-        "dequant_bf16, w4a16, w8a16)"));
+        "dequant_bf16, w4a16, w8a16, fp8_cublaslt, native_fp4)"));
   if (qgemm == "reference" && options.moe_fused && host.config.is_moe())
     return absl::UnimplementedError(
         "moe=fused has no exact-reference expert runner: with qgemm=reference the experts run "
@@ -399,7 +413,10 @@ class CudaModel final : public Model {
   // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
   absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
                     const MatrixRef& bias, float* y) {
-    if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization as it reads
+    if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
+      if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
+      if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+    } else if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization
       cuda::GemmReference(x, rows, w, bias, y, stream_);
     } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
       const bool fp4 =
@@ -680,20 +697,52 @@ class CudaModel final : public Model {
       if (auto s = RunGemv(a); !s.ok()) return s;
     } else {
       cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
-      cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
+      if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
+        cuda::RouterGemm(xn_, rows, lw.router, router_, stream_);
+      else
+        cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
     }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);
-    if (options_.moe_fused && n == 1 && view_ && !view_->quant_tables.empty() &&
-        view_->quant_tables[l][0].format != QuantFormat::kNone) {  // w4a16, w8a16
+    // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
+    // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
+    // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
+    const bool quant_experts = options_.moe_fused && view_ && !view_->quant_tables.empty() &&
+                               view_->quant_tables[l][0].format != QuantFormat::kNone;
+    // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
+    const bool own = view_ && !view_->gate_table.empty();
+    const bool grouped_mma = options_.moe_fused && !quant_experts &&
+                             rows >= cuda::kMoeGroupedMinRows &&
+                             cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+    if (grouped_mma) {
+      cuda::ToBf16(xn_, elems, bf16_, stream_);
+      cuda::MoeGroupedArgs a;
+      a.x_bf16 = bf16_;
+      a.rows = rows;
+      a.k = k;
+      a.num_experts = config_.num_experts;
+      a.hidden = hidden;
+      a.inter = inter;
+      a.expert_ids = expert_ids_;
+      a.expert_weights = expert_weights_;
+      a.skip_expert = skip;
+      a.gate = own ? view_->gate_table[l] : dw_->gate_table[l];
+      a.up = own ? view_->up_table[l] : dw_->up_table[l];
+      a.down = own ? view_->down_table[l] : dw_->down_table[l];
+      a.offsets = expert_offsets_;
+      a.sorted_pairs = route_index_;
+      a.h = moe_bf16_;
+      a.out = moe_out_;
+      a.y = x_;
+      cuda::MoeGrouped(a, stream_);
+      CHECK_LAUNCH();
+    } else if (quant_experts && n == 1) {
       const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
       cuda::MoeGateUpQuant(xn_, rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
       cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], x_,
                                 stream_);
       CHECK_LAUNCH();
     } else if (options_.moe_fused && n == 1) {
-      // A quantized model's view holds its own tables (dequant_bf16's bf16 copies).
-      const bool own = view_ && !view_->gate_table.empty();
       cuda::MoeGateUp(xn_, rows, k, expert_ids_, own ? view_->gate_table[l] : dw_->gate_table[l],
                       own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
       cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
@@ -754,19 +803,30 @@ class CudaModel final : public Model {
     HostRouting r;
     r.pair_position.assign(ids.size(), -1);
     r.spans.assign(config_.num_experts, {0, 0});
-    for (int e = 0; e < config_.num_experts; ++e) {
-      r.spans[e].first = static_cast<int>(r.index.size());
-      for (size_t p = 0; p < ids.size(); ++p)
-        if (ids[p] == e && e != skip) {
-          r.pair_position[p] = static_cast<int>(r.index.size());
-          r.index.push_back(static_cast<int>(p / k));
-          r.index_weight.push_back(weights[p]);
-        }
-      r.spans[e].second = static_cast<int>(r.index.size()) - r.spans[e].first;
+    // Counting sort by expert, pairs in order within an expert: O(pairs + experts). (Scanning
+    // every pair once per expert was 2M steps a layer at prefill 2048.)
+    for (size_t p = 0; p < ids.size(); ++p)
+      if (ids[p] != skip) ++r.spans[ids[p]].second;
+    int next = 0;
+    for (auto& [first, count] : r.spans) {
+      first = next;
+      next += count;
+    }
+    r.index.resize(next);
+    r.index_weight.resize(next);
+    std::vector<int> fill(config_.num_experts, 0);
+    for (size_t p = 0; p < ids.size(); ++p) {
+      const int e = ids[p];
+      if (e == skip) continue;
+      const int position = r.spans[e].first + fill[e]++;
+      r.pair_position[p] = position;
+      r.index[position] = static_cast<int>(p / k);
+      r.index_weight[position] = weights[p];
     }
     CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
+    if (options_.moe_grouped)  // only the grouped runner's combine reads it
+      CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(), r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice, stream_));
     return r;
   }
 
@@ -856,6 +916,9 @@ class CudaModel final : public Model {
     auto pair_position = DeviceAlloc<int>(r * k);
     if (!pair_position.ok()) return pair_position.status();
     pair_position_ = *pair_position;
+    auto offsets = DeviceAlloc<int>(std::max(config_.num_experts, 0) + 1);
+    if (!offsets.ok()) return offsets.status();
+    expert_offsets_ = *offsets;
     for (const auto* s : {&ids.status(), &index.status(), &tokens.status(), &last.status(), &pos.status(), &bf16.status()})
       if (!s->ok()) return *s;
     expert_ids_ = *ids;
@@ -878,7 +941,7 @@ class CudaModel final : public Model {
     for (float* p : {x_, xn_, q_, k_, v_, attn_, o_, y_, gate_, up_, router_, expert_weights_, moe_h_,
                      moe_out_, moe_in_, route_weight_, scores_, logits_})
       if (p) cudaFree(p);
-    for (int* p : {expert_ids_, route_index_, pair_position_, d_tokens_, d_last_rows_, d_position_})
+    for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
     if (moe_bf16_) cudaFree(moe_bf16_);
@@ -887,7 +950,7 @@ class CudaModel final : public Model {
       if (p) cudaFreeHost(p);
     x_ = xn_ = q_ = k_ = v_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
         moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
-    expert_ids_ = route_index_ = pair_position_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
+    expert_ids_ = route_index_ = pair_position_ = expert_offsets_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     bf16_ = moe_bf16_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
@@ -912,7 +975,8 @@ class CudaModel final : public Model {
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
         *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
         *route_weight_ = nullptr, *scores_ = nullptr, *logits_ = nullptr;
-  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr, *d_tokens_ = nullptr,
+  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr,
+      *expert_offsets_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
   uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
@@ -931,7 +995,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
                                                      const CudaModelOptions& options) {
   if (options.attention_flash &&
       !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
-    return absl::UnimplementedError("attention=flash supports head_dim <= 128 and <= 16 q heads per kv head");
+    return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 4) and <= 16 q heads per kv head");
   const ModelConfig& c = host.config;
   if (options.moe_fused && c.is_moe() &&
       (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||

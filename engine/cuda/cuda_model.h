@@ -24,7 +24,9 @@ struct CudaModelOptions {
   bool graphs = false;         // capture the decode step (needs moe_fused)
   // How quantized linears run (the qgemm axis; dense models ignore it): "reference" (dequantized
   // exactly to fp32 at build, reference GEMM), "dequant_bf16" (dequantized to bf16, then the gemm
-  // axis's GEMM), "w4a16" (FP4 codes read by the fused dequant GEMV).
+  // axis's GEMM), "w4a16" (FP4 codes read by the fused dequant GEMV), "fp8_cublaslt" and
+  // "native_fp4" (codes as loaded, activations quantized per call, cuBLASLt scaled GEMMs:
+  // kernels/cuda/gemm_scaled.h).
   std::string qgemm = "reference";
   FaultInjection fault;        // TEST ONLY
 };

@@ -10,6 +10,7 @@
 // and saturate to the largest finite magnitude (E2M1: 6, E4M3: 448).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -92,6 +93,19 @@ INFERSWEEP_HD uint8_t FloatToE4M3(float x) {
   const uint32_t dropped = mantissa & 0xfffffu, half = 0x80000u;
   if (dropped > half || (dropped == half && (code & 1u))) ++code;
   return static_cast<uint8_t>(sign | code);  // a < 448 keeps code <= 0x7e
+}
+
+// The MX scale exponent of a group whose largest magnitude is `amax`: the smallest e in
+// [-127, 127] with 6 * 2^e >= amax, so no element saturates in E2M1 (largest magnitude 6);
+// -127 for an all-zero or NaN group. In double: 6 * 2^127 overflows fp32. The global-namespace
+// math functions are the ones both the host libm and CUDA's device library declare.
+INFERSWEEP_HD int MxScaleExponent(float amax) {
+  if (!(amax > 0)) return -127;
+  int e = ::ilogbf(amax) - 2;
+  e = e < -127 ? -127 : (e > 127 ? 127 : e);
+  while (e < 127 && ::ldexp(6.0, e) < amax) ++e;
+  while (e > -127 && ::ldexp(6.0, e - 1) >= amax) --e;
+  return e;
 }
 
 }  // namespace infersweep

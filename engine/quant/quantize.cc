@@ -69,15 +69,6 @@ std::vector<uint8_t> PackE2M1(const std::vector<float>& w, int64_t rows, int64_t
   return packed;
 }
 
-// The smallest e in [-127, 127] with 6 * 2^e >= amax (double: 6 * 2^127 overflows fp32).
-int MxScaleExponent(float amax) {
-  if (!(amax > 0)) return -127;
-  int e = std::clamp(std::ilogb(amax) - 2, -127, 127);
-  while (e < 127 && std::ldexp(6.0, e) < amax) ++e;
-  while (e > -127 && std::ldexp(6.0, e - 1) >= amax) --e;
-  return e;
-}
-
 }  // namespace
 
 MatrixRef QuantizedMatrix::View() const {

@@ -1,0 +1,299 @@
+// CUDA kernels checked one by one against host math written independently here. Skipped (not
+// failed) on machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine/dtype.h"
+#ifdef INFERSWEEP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/ops.h"
+#endif
+
+namespace infersweep {
+namespace {
+
+#ifdef INFERSWEEP_HAVE_CUDA
+
+class GpuKernels : public testing::Test {
+ public:
+  void SetUp() override {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      cudaGetLastError();
+      GTEST_SKIP() << "no GPU on this machine";
+    }
+  }
+  void TearDown() override {
+    for (void* p : buffers_) cudaFree(p);
+  }
+  template <typename T>
+  T* Upload(const std::vector<T>& host) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(1, host.size()) * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    buffers_.push_back(d);
+    return static_cast<T*>(d);
+  }
+  template <typename T>
+  std::vector<T> Download(const T* device, size_t count) {
+    std::vector<T> host(count);
+    EXPECT_EQ(cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  std::vector<void*> buffers_;
+};
+
+struct MoeCase {
+  int rows, k, experts, hidden, inter;
+  int crowded_expert;  // routed from every row (more pairs than one pass holds); -1: none
+  int idle_expert;     // routed from no row
+  int skip_expert;     // TEST ONLY zero-expert fault; -1: none
+};
+
+float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
+
+// The grouped MoE against a host computation in double over the same bf16 roundings
+// (x and h rounded to bf16, as the kernels document): y = y0 + sum_slot w * Wd (silu(Wg x) * Wu x).
+void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out) {
+  std::mt19937 rng(1234 + c.rows);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  const int pairs = c.rows * c.k;
+  std::vector<float> x(static_cast<size_t>(c.rows) * c.hidden), y0(x.size());
+  for (float& v : x) v = uni(rng);
+  for (float& v : y0) v = uni(rng);
+  std::vector<uint16_t> x_bf16(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x_bf16[i] = FloatToBf16(x[i]);
+  // Distinct experts per row; the crowded one in every row, the idle one in none.
+  std::vector<int> ids(pairs);
+  std::vector<float> weights(pairs);
+  for (int r = 0; r < c.rows; ++r) {
+    std::vector<int> pool;
+    for (int e = 0; e < c.experts; ++e)
+      if (e != c.idle_expert && e != c.crowded_expert) pool.push_back(e);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int s = 0; s < c.k; ++s) {
+      ids[r * c.k + s] = (s == c.k / 2 && c.crowded_expert >= 0) ? c.crowded_expert : pool[s];
+      weights[r * c.k + s] = 0.5f + 0.5f * uni(rng);
+    }
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.hidden));
+  auto random_bf16 = [&](size_t n, float s) {
+    std::vector<uint16_t> w(n);
+    for (uint16_t& v : w) v = FloatToBf16(s * uni(rng));
+    return w;
+  };
+  std::vector<std::vector<uint16_t>> gate, up, down;
+  std::vector<const uint16_t*> gate_ptr, up_ptr, down_ptr;
+  for (int e = 0; e < c.experts; ++e) {
+    gate.push_back(random_bf16(static_cast<size_t>(c.inter) * c.hidden, scale));
+    up.push_back(random_bf16(static_cast<size_t>(c.inter) * c.hidden, scale));
+    down.push_back(random_bf16(static_cast<size_t>(c.hidden) * c.inter, 1.f / std::sqrt(static_cast<float>(c.inter))));
+    gate_ptr.push_back(t.Upload(gate.back()));
+    up_ptr.push_back(t.Upload(up.back()));
+    down_ptr.push_back(t.Upload(down.back()));
+  }
+  // Host reference.
+  std::vector<double> y_ref(y0.begin(), y0.end());
+  for (int p = 0; p < pairs; ++p) {
+    const int r = p / c.k, e = ids[p];
+    if (e == c.skip_expert) continue;
+    std::vector<float> h(c.inter);
+    for (int f = 0; f < c.inter; ++f) {
+      double g = 0, u = 0;
+      for (int i = 0; i < c.hidden; ++i) {
+        const double xi = Bf16ToFloat(x_bf16[static_cast<size_t>(r) * c.hidden + i]);
+        g += Bf16ToFloat(gate[e][static_cast<size_t>(f) * c.hidden + i]) * xi;
+        u += Bf16ToFloat(up[e][static_cast<size_t>(f) * c.hidden + i]) * xi;
+      }
+      h[f] = RoundBf16(static_cast<float>(g / (1 + std::exp(-g)) * u));
+    }
+    for (int j = 0; j < c.hidden; ++j) {
+      double o = 0;
+      for (int f = 0; f < c.inter; ++f) o += Bf16ToFloat(down[e][static_cast<size_t>(j) * c.inter + f]) * h[f];
+      y_ref[static_cast<size_t>(r) * c.hidden + j] += weights[p] * o;
+    }
+  }
+  cuda::MoeGroupedArgs a;
+  a.x_bf16 = t.Upload(x_bf16);
+  a.rows = c.rows;
+  a.k = c.k;
+  a.num_experts = c.experts;
+  a.hidden = c.hidden;
+  a.inter = c.inter;
+  a.expert_ids = t.Upload(ids);
+  a.expert_weights = t.Upload(weights);
+  a.skip_expert = c.skip_expert;
+  a.gate = t.Upload(gate_ptr);
+  a.up = t.Upload(up_ptr);
+  a.down = t.Upload(down_ptr);
+  a.offsets = t.Upload(std::vector<int>(c.experts + 1, -7));
+  a.sorted_pairs = t.Upload(std::vector<int>(pairs, -7));
+  a.h = t.Upload(std::vector<uint16_t>(static_cast<size_t>(pairs) * c.inter, 0));
+  a.out = t.Upload(std::vector<float>(static_cast<size_t>(pairs) * c.hidden, NAN));
+  a.y = t.Upload(y0);
+  cuda::MoeGrouped(a, nullptr);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> y = t.Download(a.y, y0.size());
+  // Offsets: counts per expert in expert order.
+  const std::vector<int> offsets = t.Download(a.offsets, c.experts + 1);
+  int expected_first = 0;
+  for (int e = 0; e < c.experts; ++e) {
+    int count = 0;
+    for (int id : ids) count += id == e && e != c.skip_expert;
+    EXPECT_EQ(offsets[e], expected_first) << "expert " << e;
+    expected_first += count;
+  }
+  EXPECT_EQ(offsets[c.experts], expected_first);
+  double worst = 0, scale_ref = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(y[i])) << "y[" << i << "]";
+    worst = std::max(worst, std::fabs(y[i] - y_ref[i]));
+    scale_ref = std::max(scale_ref, std::fabs(y_ref[i] - y0[i]));
+  }
+  // fp32 accumulation in another order, and h rounding to bf16 that may land one ulp (2^-8)
+  // apart where the sums differ in the last bits: far below 1e-2 of the MoE output's size.
+  EXPECT_LT(worst / scale_ref, 1e-2) << "rows " << c.rows << " max abs error " << worst;
+  *y_out = y;
+}
+
+TEST_F(GpuKernels, MoeGroupedMatchesHostMath) {
+  std::vector<float> y;
+  // Decode batch (kernels with 32 pairs a pass): a crowded expert needs 2 passes, one is idle,
+  // inter not a multiple of the 64-feature block.
+  CheckMoeGrouped(*this, {64, 4, 16, 256, 96, 3, 7, -1}, &y);
+  // Many pairs per expert (prefill kernels, 64 pairs a pass), a crowded expert of 320 pairs.
+  CheckMoeGrouped(*this, {320, 8, 32, 128, 64, 5, 0, -1}, &y);
+  // Fewer rows than a tile.
+  CheckMoeGrouped(*this, {4, 2, 8, 64, 32, -1, 1, -1}, &y);
+}
+
+TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
+  std::vector<float> first, second, with_all;
+  const MoeCase c{64, 4, 16, 256, 96, 3, 7, 3};
+  CheckMoeGrouped(*this, c, &first);
+  CheckMoeGrouped(*this, c, &second);
+  EXPECT_EQ(first, second) << "same inputs, different bits";
+  MoeCase all = c;
+  all.skip_expert = -1;
+  CheckMoeGrouped(*this, all, &with_all);
+  EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
+}
+
+// Causal GQA attention over a KV cache, in double: query i of batch row b at position pos0 + i
+// sees keys [0, pos0 + i].
+std::vector<double> HostAttention(const std::vector<float>& q, const std::vector<float>& kc,
+                                  const std::vector<float>& vc, int batch, int n, int q_heads,
+                                  int kv_heads, int d, int pos0, int capacity) {
+  const int kv_dim = kv_heads * d, group = q_heads / kv_heads;
+  std::vector<double> out(static_cast<size_t>(batch) * n * q_heads * d);
+  for (int b = 0; b < batch; ++b)
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < q_heads; ++h) {
+        const float* qv = &q[((static_cast<size_t>(b) * n + i) * q_heads + h) * d];
+        const int keys = pos0 + i + 1;
+        std::vector<double> score(keys);
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < keys; ++j) {
+          const float* kv = &kc[(static_cast<size_t>(b) * capacity + j) * kv_dim + (h / group) * d];
+          double dot = 0;
+          for (int x = 0; x < d; ++x) dot += static_cast<double>(qv[x]) * kv[x];
+          score[j] = dot / std::sqrt(static_cast<double>(d));
+          mx = std::max(mx, score[j]);
+        }
+        for (double& v : score) sum += (v = std::exp(v - mx));
+        double* o = &out[((static_cast<size_t>(b) * n + i) * q_heads + h) * d];
+        for (int j = 0; j < keys; ++j) {
+          const float* vv = &vc[(static_cast<size_t>(b) * capacity + j) * kv_dim + (h / group) * d];
+          for (int x = 0; x < d; ++x) o[x] += score[j] / sum * vv[x];
+        }
+      }
+  return out;
+}
+
+// attention=flash: prefill chunks (tensor cores) and decode-sized chunks (split-KV, fp32) against
+// the host, for chunk lengths that are not multiples of the 64-query tile and a chunk that starts
+// after earlier tokens (pos0 > 0).
+TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  struct Case {
+    int batch, n, q_heads, kv_heads, d, pos0;
+    double tolerance;  // of max |ref|: bf16 Q, K, V and P (2^-9 relative each) on tensor cores
+  };
+  for (const Case& c : {Case{2, 100, 8, 2, 128, 5, 2e-2}, Case{1, 130, 4, 2, 64, 0, 2e-2},
+                        Case{3, 16, 4, 2, 32, 40, 2e-2}, Case{2, 8, 8, 2, 128, 5, 1e-4}}) {
+    const int capacity = c.pos0 + c.n + 3, kv_dim = c.kv_heads * c.d;
+    std::vector<float> q(static_cast<size_t>(c.batch) * c.n * c.q_heads * c.d);
+    std::vector<float> kc(static_cast<size_t>(c.batch) * capacity * kv_dim), vc(kc.size());
+    for (float& v : q) v = uni(rng);
+    for (float& v : kc) v = uni(rng);
+    for (float& v : vc) v = uni(rng);
+    const std::vector<double> ref =
+        HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
+    const int rows = c.batch * c.n;
+    const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
+    float* partial = Upload(std::vector<float>(
+        cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
+    float* out = Upload(std::vector<float>(q.size(), NAN));
+    cuda::AttentionFlash(Upload(q), Upload(kc), Upload(vc), rows, c.n, c.q_heads, c.kv_heads,
+                         c.d, Upload(std::vector<int>{c.pos0}), capacity, splits, partial, out,
+                         nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = Download(out, q.size());
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
+      worst = std::max(worst, std::fabs(got[i] - ref[i]));
+      scale = std::max(scale, std::fabs(ref[i]));
+    }
+    EXPECT_LT(worst / scale, c.tolerance) << "n " << c.n << " d " << c.d << " pos0 " << c.pos0;
+    std::printf("# flash n %d d %d pos0 %d: max error %.3g of max |out| %.3g\n", c.n, c.d,
+                c.pos0, worst, scale);
+  }
+}
+
+// The router GEMM stays fp32 (fp32 input, fp32 accumulate): it must match double math to fp32
+// rounding, at shapes that are not multiples of its 8-row, 128-expert and 32-k tiles.
+TEST_F(GpuKernels, RouterGemmIsFp32Exact) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  for (auto [m, n, k] : {std::tuple{37, 150, 96}, std::tuple{64, 128, 2048}, std::tuple{1, 8, 40}, std::tuple{300, 40, 160}}) {
+    std::vector<float> x(static_cast<size_t>(m) * k);
+    std::vector<uint16_t> w(static_cast<size_t>(n) * k);
+    for (float& v : x) v = uni(rng);
+    for (uint16_t& v : w) v = FloatToBf16(uni(rng));
+    float* y = Upload(std::vector<float>(static_cast<size_t>(m) * n, NAN));
+    cuda::RouterGemm(Upload(x), m, MatrixRef{Upload(w), DType::kBF16, n, k}, y, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = Download(y, static_cast<size_t>(m) * n);
+    for (int r = 0; r < m; ++r)
+      for (int e = 0; e < n; ++e) {
+        double ref = 0, magnitude = 0;
+        for (int i = 0; i < k; ++i) {
+          const double term = static_cast<double>(x[static_cast<size_t>(r) * k + i]) * Bf16ToFloat(w[static_cast<size_t>(e) * k + i]);
+          ref += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got[static_cast<size_t>(r) * n + e], ref, 1e-6 * magnitude + 1e-30)
+            << "m " << m << " n " << n << " k " << k << " at (" << r << ", " << e << ")";
+      }
+  }
+}
+
+#else
+TEST(GpuKernels, NeedsACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+#endif
+
+}  // namespace
+}  // namespace infersweep
