@@ -21,6 +21,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> quantized_formats = {"fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> fp4_formats = {"nvfp4", "mxfp4"};
+  const std::vector<std::string> quantized_or_bf16 = {"bf16", "fp8", "nvfp4", "mxfp4"};
   std::vector<BackendDescriptor> r;
   // ---- CPU: the reference device; its axes run everywhere, CI included.
   r.push_back({"device", "cpu", "cpu", 0, 0, false, {}, {}, kFp32, "host CPU, fp32 arithmetic"});
@@ -38,9 +39,12 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "simple fp32-accumulate kernels: the GPU reference"});
   r.push_back({"gemm", "cublaslt", "cuda", 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
                "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
-  r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
-               "decode (<= 4 rows): our bf16 GEMV with RMSNorm, bias and residual fused in, "
-               "fp32 activations; more rows: cuBLASLt"});
+  // In a quantized model gemm=fused keeps the fused GEMV for the bf16 linears and runs the
+  // quantized ones through qgemm's fused kernel (w4a16, w8a16) or its copies.
+  r.push_back({"gemm", "fused", "cuda", 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
+               "decode (<= 4 rows): our GEMV with RMSNorm, bias and residual fused in, fp32 "
+               "activations (bf16 weights, or qgemm's in-register dequantization); more rows: "
+               "cuBLASLt"});
   r.push_back({"gemm", "tma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
                "as gemm=fused, with the q/k/v and o GEMVs streaming weight tiles through the "
                "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
@@ -56,10 +60,15 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
-  r.push_back({"moe", "fused", "cuda", 80, 0, true, {"bf16"}, {}, kBf16,
+  // Quantized experts: read in place by w4a16/w8a16's per-pair expert kernels at every decode
+  // batch, or as dequant_bf16's bf16 copies; qgemm=reference (exact dequantization in the
+  // reference GEMM) has no fused runner.
+  r.push_back({"moe", "fused", "cuda", 80, 0, true, quantized_or_bf16, {}, kBf16,
                "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
                "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
-               "expert on the device and run as bf16 tensor-core MMAs, each expert read once"});
+               "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
+               "quantized experts (w4a16, w8a16): per-pair GEMVs at decode, the loop in prefill",
+               {"qgemm=reference"}});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
@@ -67,13 +76,16 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
   r.push_back({"qgemm", "reference", "cuda", 80, 0, true, {}, {}, kFp32,
-               "exact dequantization to fp32 (the CPU's formula), fp32 accumulate: the GPU "
-               "reference for quantized weights"});
+               "exact dequantization to fp32 as the reference GEMM reads each weight (the CPU's "
+               "formula), fp32 accumulate: the GPU reference for quantized weights"});
   r.push_back({"qgemm", "dequant_bf16", "cuda", 80, 0, true, quantized_formats, {}, kBf16,
                "weights dequantized to bf16 once at upload, then the gemm axis's GEMM"});
   r.push_back({"qgemm", "w4a16", "cuda", 80, 0, true, fp4_formats, {}, kBf16,
                "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
                "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
+  r.push_back({"qgemm", "w8a16", "cuda", 80, 0, true, {"fp8"}, {}, kBf16,
+               "FP8 E4M3 weights dequantized in registers inside the GEMV (tensor, channel and "
+               "block-128 scales), fp32 activations and accumulate"});
   // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
   // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
   // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
@@ -218,6 +230,16 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
       auto it = config.find(kv.first);
       if (it != config.end() && it->second == kv.second)
         return unsupported(absl::StrCat(name, " cannot be combined with ", conflict));
+    }
+    const bool quantized = target.weight_format == "fp8" || target.weight_format == "nvfp4" ||
+                           target.weight_format == "mxfp4";
+    for (const std::string& conflict : quantized ? d->quantized_conflicts
+                                                 : std::vector<std::string>{}) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(conflict, absl::MaxSplits('=', 1));
+      auto it = config.find(kv.first);
+      if (it != config.end() && it->second == kv.second)
+        return unsupported(absl::StrCat(name, " cannot be combined with ", conflict, " on ",
+                                        target.weight_format, " weights"));
     }
     result.precision = std::max(result.precision, d->precision);
   }

@@ -37,6 +37,9 @@ struct BackendDescriptor {
   std::vector<std::string> conflicts;       // "axis=value" entries it cannot be combined with
   PrecisionClass precision = PrecisionClass::kFp32;
   std::string description;
+  // "axis=value" entries it cannot be combined with on quantized weights (fp8, nvfp4, mxfp4)
+  // only, e.g. moe=fused with qgemm=reference, which has no fused expert runner.
+  std::vector<std::string> quantized_conflicts = {};
 };
 
 // Every registered backend value, for every axis and device: the one table.

@@ -1,5 +1,7 @@
 #include "engine/weights.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <optional>
 
@@ -229,16 +231,54 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
     return absl::InvalidArgumentError(absl::StrCat(
         model.source, " is already quantized (", QuantFormatName(model.quant_format),
         "); quantizing takes dense bf16, f16 or f32 weights"));
-  if (auto s = MaterializeHostWeights(model); !s.ok()) return s;
-  // Tensors quantize independently (the largest dominate, as in MaterializeHostWeights); the
-  // model changes only once all of them succeeded.
+  // A synthetic model not yet on the host is streamed: each quantizable tensor is generated in
+  // bf16 into a per-thread buffer, quantized and dropped, so the dense copy (61 GB for
+  // qwen3-30b-a3b) never exists; the tensors that stay dense are generated as usual. The bytes
+  // are the same as quantizing the materialised model (the generator is a pure function).
+  const bool stream = model.is_synthetic && !model.host_materialized;
   const int64_t count = static_cast<int64_t>(model.specs.size());
-  std::vector<std::optional<absl::StatusOr<QuantizedMatrix>>> quantized(count);
-  cpu::ParallelFor(count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      if (IsQuantizable(model.specs[i]))
-        quantized[i] = QuantizeMatrix(format, ToRef(model.specs[i], model.tensors[i]));
+  if (stream) {
+    model.synthetic.assign(model.specs.size(), {});
+    for (int64_t i = 0; i < count; ++i) {
+      if (IsQuantizable(model.specs[i])) continue;
+      model.synthetic[i].resize(model.specs[i].numel());
+      model.tensors[i].data = model.synthetic[i].data();
+    }
+  } else if (auto s = MaterializeHostWeights(model); !s.ok()) {
+    return s;
+  }
+  // Tensors quantize independently; threads take them largest first from a shared cursor, so
+  // one big tensor never ends up last on one thread. The model changes only once all of them
+  // succeeded.
+  std::vector<int64_t> order(count);
+  for (int64_t i = 0; i < count; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return model.specs[a].numel() > model.specs[b].numel();
   });
+  std::vector<std::optional<absl::StatusOr<QuantizedMatrix>>> quantized(count);
+  std::atomic<int64_t> next{0};
+  cpu::ParallelFor(cpu::NumThreads(), 1, [&](int64_t, int64_t) {
+    std::vector<uint16_t> scratch;  // this thread's bf16 copy of the tensor being quantized
+    for (int64_t at = next++; at < count; at = next++) {
+      const int64_t i = order[at];
+      const TensorSpec& spec = model.specs[i];
+      if (!IsQuantizable(spec)) {
+        if (stream)
+          GenerateSyntheticBf16(model.seed, spec, model.config.tie_word_embeddings, 0, spec.numel(),
+                                model.synthetic[i].data());
+        continue;
+      }
+      HostTensor tensor = model.tensors[i];
+      if (stream) {
+        scratch.resize(spec.numel());
+        GenerateSyntheticBf16(model.seed, spec, model.config.tie_word_embeddings, 0, spec.numel(),
+                              scratch.data());
+        tensor.data = scratch.data();
+      }
+      quantized[i] = QuantizeMatrix(format, ToRef(spec, tensor));
+    }
+  });
+  if (stream) model.host_materialized = true;
   std::vector<TensorSpec> specs;
   std::vector<HostTensor> tensors;
   std::vector<std::vector<uint8_t>> storage;
@@ -295,7 +335,10 @@ absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& mode
   const std::string& path = description->model;
   std::unique_ptr<HostModel> model;
   if (absl::StartsWith(path, "preset:")) {
-    auto made = MakeSynthetic(path.substr(7), options);
+    LoadOptions synthetic = options;
+    // Quantized presets are generated tensor by tensor as they are quantized (QuantizeHostModel).
+    if (description->quantize != QuantFormat::kNone) synthetic.materialize_host = false;
+    auto made = MakeSynthetic(path.substr(7), synthetic);
     if (!made.ok()) return made.status();
     model = std::move(*made);
   } else {

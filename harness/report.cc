@@ -53,6 +53,10 @@ std::string FormatResultRows(const TrialResult& r) {
       timing += absl::StrFormat("; power %.0f W, %.3g J/output token", *b.avg_power_w,
                                 *b.joules_per_output_token);
     out += timing + "\n";
+    if (b.roofline_tok_s)  // quantized models count their linears' stored bytes (METRICS.md)
+      out += absl::StrFormat("#   roofline %.1f tok/s: %.3f GB read a step at %.0f GB/s\n",
+                             *b.roofline_tok_s, b.decode_bytes_per_step / 1e9,
+                             *b.roofline_tok_s * b.decode_bytes_per_step / b.batch / 1e9);
   }
   out += absl::StrFormat("#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)\n",
                          r.load_seconds, r.graph_capture_seconds,

@@ -52,6 +52,20 @@ for stage in $STAGES; do
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=fused|grouped,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
+  quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
+    # (FP4: qgemm=w4a16, FP8: qgemm=w8a16). Each format quantizes the 48 layers on the host
+    # first (tens of seconds on 16 cores; STAGES=quant_host measures it) and fits one device
+    # call; QUANT_FORMATS picks a subset, e.g. QUANT_FORMATS="nvfp4 fp8_block128".
+    for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
+      case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
+      $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+        --config "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=$q" \
+        --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
+        --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
+    done ;;
+  quant_host)  # host quantization of qwen3-30b-a3b: seconds per layer (no GPU work)
+    .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |
+      tee "$OUT/quantize_bench.log" ;;
   profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
     # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
     # PROFILE_PROMPT=2048 PROFILE_NEW_TOKENS=1 profiles a prefill of 2048 tokens instead.

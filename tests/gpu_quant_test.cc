@@ -1,12 +1,13 @@
 // The CUDA quantized-weight kernels (kernels/cuda/quant.h) against the CPU's exact dequantization
 // at several shapes, including ones that are not multiples of any tile. Skipped (not failed) on
 // machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
+#include <gtest/gtest.h>
+
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "engine/quant/dequantize.h"
 #include "engine/quant/layout.h"
@@ -179,6 +180,257 @@ TEST_F(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
           }
         }
       }
+    }
+  }
+}
+
+constexpr QuantFormat kAllFormats[] = {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel,
+                                       QuantFormat::kFp8Block128, QuantFormat::kNvfp4,
+                                       QuantFormat::kMxfp4};
+
+bool IsFp4Format(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
+
+// sum_k x[k] * w[n, k] in double, and sum_k |x[k] * w[n, k]| (the scale of fp32 rounding).
+std::pair<double, double> ExactDot(const float* x, const std::vector<float>& w, int64_t n,
+                                   int64_t cols) {
+  double dot = 0, magnitude = 0;
+  for (int64_t k = 0; k < cols; ++k) {
+    dot += static_cast<double>(x[k]) * w[n * cols + k];
+    magnitude += std::fabs(static_cast<double>(x[k]) * w[n * cols + k]);
+  }
+  return {dot, magnitude};
+}
+
+// The fused quantized GEMV (gemm=fused's kernel for w4a16 / w8a16) with every fusion on: three
+// segments of different heights, the RMSNorm of x, a bias, a residual add with a scale; and
+// GemvW8A16 alone. Against double sums over the CPU's exact dequantization, at shapes whose
+// rows and chunks do not fill a warp, a block or a pass, and at 1, 3 and 9 activation rows
+// (9: two row blocks of 4 and one of 1 in grid.y).
+TEST_F(GpuQuant, FusedQuantGemvMatchesTheExactDequantReference) {
+  struct Case {
+    int64_t k;
+    int64_t n[3];
+  };
+  const Case cases[] = {{2048, {2048, 512, 512}}, {96, {37, 5, 1}},   {1056, {129, 64, 3}},
+                        {32, {1, 2, 3}},          {4096, {33, 0, 0}}, {768, {2048, 0, 0}},
+                        {48, {17, 3, 2}}};  // FP8 only: K = 3 chunks of 16
+  for (QuantFormat format : kAllFormats) {
+    for (const Case& c : cases) {
+      if (IsFp4Format(format) && c.k % 32 != 0) continue;
+      for (int rows : {1, 3, 9}) {
+        const int segments = c.n[1] == 0 ? 1 : 3;
+        SCOPED_TRACE(QuantFormatName(format) + " k " + std::to_string(c.k) + " n0 " +
+                     std::to_string(c.n[0]) + " rows " + std::to_string(rows));
+        std::vector<QuantizedMatrix> q;
+        std::vector<std::vector<float>> dq;
+        for (int s = 0; s < segments; ++s) {
+          const std::vector<float> w = RandomValues(c.n[s] * c.k, 30 + s);
+          auto made = QuantizeMatrix(format, {w.data(), DType::kF32, c.n[s], c.k});
+          ASSERT_TRUE(made.ok()) << made.status();
+          q.push_back(std::move(*made));
+          dq.push_back(DequantizeMatrix(q.back().View()));
+        }
+        const std::vector<float> x = RandomValues(rows * c.k, 41);
+        std::vector<float> gain = RandomValues(c.k, 43);
+        std::vector<uint16_t> gain_bf16(c.k);
+        for (int64_t i = 0; i < c.k; ++i) gain_bf16[i] = FloatToBf16(gain[i]);
+        std::vector<float> bias = RandomValues(c.n[0], 47), y0 = RandomValues(rows * c.n[0], 53);
+        const bool norm = segments == 3, accumulate = segments == 1 && rows != 3;
+        const float scale = accumulate ? 0.75f : 1.f;
+
+        std::vector<std::unique_ptr<DeviceMatrix>> dm;
+        cuda::QuantGemvWeights qw;
+        cuda::GemvArgs a;
+        float* dx = ToDevice(x);
+        uint16_t* dgain = ToDevice(gain_bf16);
+        float* dbias = ToDevice(bias);
+        std::vector<float*> dy;
+        a.x = dx;
+        a.rows = rows;
+        a.k = static_cast<int>(c.k);
+        if (norm) {
+          a.norm_gain = dgain;
+          a.norm_dtype = DType::kBF16;
+          a.norm_eps = 1e-6f;
+        }
+        a.accumulate = accumulate;
+        a.scale = scale;
+        a.segments = segments;
+        for (int s = 0; s < segments; ++s) {
+          dm.push_back(std::make_unique<DeviceMatrix>(q[s]));
+          ASSERT_TRUE(cuda::QuantGemvSupports(dm.back()->ref));
+          qw.w[s] = dm.back()->ref;
+          dy.push_back(ToDevice(s == 0 ? y0 : std::vector<float>(rows * c.n[s], 0.f)));
+          a.seg[s].y = dy.back();
+          a.seg[s].n = static_cast<int>(c.n[s]);
+          a.seg[s].ld = static_cast<int>(c.n[s]);
+        }
+        a.seg[0].bias = dbias;
+        a.seg[0].bias_dtype = DType::kF32;
+        cuda::GemvQuant(a, qw, nullptr);
+        CUDA_EXPECT_OK(cudaGetLastError());
+        CUDA_EXPECT_OK(cudaDeviceSynchronize());
+
+        for (int s = 0; s < segments; ++s) {
+          const std::vector<float> y = ToHost(dy[s], rows * c.n[s]);
+          for (int m = 0; m < rows; ++m) {
+            std::vector<float> xin(x.begin() + m * c.k, x.begin() + (m + 1) * c.k);
+            double inv = 1;
+            if (norm) {
+              double sum_sq = 0;
+              for (float v : xin) sum_sq += static_cast<double>(v) * v;
+              inv = 1 / std::sqrt(sum_sq / c.k + 1e-6);
+              for (int64_t i = 0; i < c.k; ++i) xin[i] *= Bf16ToFloat(gain_bf16[i]);
+            }
+            for (int64_t n = 0; n < c.n[s]; ++n) {
+              auto [dot, magnitude] = ExactDot(xin.data(), dq[s], n, c.k);
+              double want = scale * dot * inv + (s == 0 ? bias[n] : 0);
+              if (accumulate) want += y0[m * c.n[0] + n];
+              const double tol = 4e-6 * (magnitude * inv + std::fabs(want)) + 1e-30;
+              ASSERT_NEAR(y[m * c.n[s] + n], want, tol)
+                  << "segment " << s << " [" << m << ", " << n << "]";
+            }
+          }
+        }
+        // GemvW8A16 is the same kernel without fusions (FP8 only).
+        if (!IsFp4Format(format) && segments == 1) {
+          float* dy_plain = nullptr;
+          CUDA_EXPECT_OK(cudaMalloc(&dy_plain, rows * c.n[0] * sizeof(float)));
+          cuda::GemvW8A16(dx, rows, dm[0]->ref, dy_plain, nullptr);
+          CUDA_EXPECT_OK(cudaGetLastError());
+          CUDA_EXPECT_OK(cudaDeviceSynchronize());
+          const std::vector<float> y = ToHost(dy_plain, rows * c.n[0]);
+          cudaFree(dy_plain);
+          for (int m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < c.n[0]; ++n) {
+              auto [dot, magnitude] = ExactDot(x.data() + m * c.k, dq[0], n, c.k);
+              ASSERT_NEAR(y[m * c.n[0] + n], dot, 4e-6 * magnitude + 1e-30)
+                  << "GemvW8A16 [" << m << ", " << n << "]";
+            }
+        }
+        for (float* p : dy) cudaFree(p);
+        cudaFree(dx);
+        cudaFree(dgain);
+        cudaFree(dbias);
+      }
+    }
+  }
+}
+
+// Device tables for one projection of `experts` quantized matrices (MoE kernels).
+struct DeviceExperts {
+  std::vector<std::unique_ptr<DeviceMatrix>> matrices;
+  std::vector<std::vector<float>> dequantized;
+  void* table = nullptr;
+  cuda::QuantExpertTable t;
+
+  DeviceExperts(QuantFormat format, int count, int64_t rows, int64_t cols, uint32_t seed) {
+    std::vector<const void*> pointers(3 * count, nullptr);
+    for (int e = 0; e < count; ++e) {
+      const std::vector<float> w = RandomValues(rows * cols, seed + e);
+      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, rows, cols});
+      EXPECT_TRUE(q.ok()) << q.status();
+      dequantized.push_back(DequantizeMatrix(q->View()));
+      matrices.push_back(std::make_unique<DeviceMatrix>(*q));
+      const MatrixRef& m = matrices.back()->ref;
+      pointers[e] = m.data;
+      pointers[count + e] = m.quant.scale;
+      pointers[2 * count + e] = m.quant.global_scale;
+      t.scale_dtype = m.quant.scale_dtype;
+    }
+    EXPECT_EQ(cudaMalloc(&table, pointers.size() * sizeof(void*)), cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(table, pointers.data(), pointers.size() * sizeof(void*), cudaMemcpyHostToDevice),
+        cudaSuccess);
+    const auto* d = static_cast<const void* const*>(table);
+    t.codes = d;
+    t.scales = d + count;
+    if (format == QuantFormat::kNvfp4) t.global_scales = d + 2 * count;
+    t.format = format;
+    t.rows = static_cast<int>(rows);
+    t.cols = static_cast<int>(cols);
+  }
+  ~DeviceExperts() { cudaFree(table); }
+};
+
+// moe=fused's quantized expert kernels: gate/up + SiLU, then down + weighted combine into the
+// residual (with one expert skipped, as the zero-expert fault does), against double sums over
+// the CPU's exact dequantization. Shapes: qwen3-30b-a3b's, tiny ones whose rows do not fill a
+// pass, and FP8 ones with K not a multiple of 32.
+TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
+  struct Case {
+    int hidden, inter, experts, k, rows;
+  };
+  const Case cases[] = {{2048, 768, 16, 8, 1},
+                        {128, 64, 8, 2, 3},
+                        {96, 160, 5, 1, 2},
+                        {1056, 96, 4, 3, 1},
+                        {48, 80, 3, 2, 2}};  // the last: FP8 only
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      if (IsFp4Format(format) && (c.hidden % 32 != 0 || c.inter % 32 != 0)) continue;
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " k " + std::to_string(c.k));
+      DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);
+      DeviceExperts up(format, c.experts, c.inter, c.hidden, 200);
+      DeviceExperts down(format, c.experts, c.hidden, c.inter, 300);
+      ASSERT_TRUE(cuda::MoeQuantSupports(gate.t, 1));
+      ASSERT_TRUE(cuda::MoeQuantSupports(down.t, c.k));
+      const int pairs = c.rows * c.k;
+      std::vector<int> ids(pairs);
+      std::vector<float> route(pairs);
+      std::mt19937 rng(7);
+      for (int p = 0; p < pairs; ++p) {
+        ids[p] = (p * 7 + 3 + static_cast<int>(rng() % 2)) % c.experts;
+        route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
+      }
+      const int skip = ids[0];
+      const std::vector<float> x = RandomValues(c.rows * c.hidden, 61);
+      const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
+      int* dids = ToDevice(ids);
+      float* droute = ToDevice(route);
+      float* dx = ToDevice(x);
+      float* dy = ToDevice(y0);
+      float* dh = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(float)));
+      cuda::MoeGateUpQuant(dx, c.rows, c.k, dids, gate.t, up.t, dh, nullptr);
+      cuda::MoeDownCombineQuant(dh, c.rows, c.k, dids, droute, skip, down.t, dy, nullptr);
+      CUDA_EXPECT_OK(cudaGetLastError());
+      CUDA_EXPECT_OK(cudaDeviceSynchronize());
+      const std::vector<float> h = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
+      const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
+      for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+                      static_cast<void*>(dy), static_cast<void*>(dh)})
+        cudaFree(p);
+
+      for (int p = 0; p < pairs; ++p) {
+        const float* xr = x.data() + (p / c.k) * c.hidden;
+        for (int i = 0; i < c.inter; ++i) {
+          auto [g, gm] = ExactDot(xr, gate.dequantized[ids[p]], i, c.hidden);
+          auto [u, um] = ExactDot(xr, up.dequantized[ids[p]], i, c.hidden);
+          const double want = g / (1 + std::exp(-g)) * u;
+          // silu(g) * u with g and u each within fp32 rounding of their sums.
+          const double tol =
+              4e-6 * (gm * std::fabs(u) + um * std::fabs(g) + std::fabs(want)) + 1e-30;
+          ASSERT_NEAR(h[static_cast<size_t>(p) * c.inter + i], want, tol)
+              << "h pair " << p << " out " << i;
+        }
+      }
+      // The combine against the kernel's own h: it isolates the down projection.
+      for (int r = 0; r < c.rows; ++r)
+        for (int j = 0; j < c.hidden; ++j) {
+          double want = y0[r * c.hidden + j], magnitude = std::fabs(want);
+          for (int slot = 0; slot < c.k; ++slot) {
+            const int p = r * c.k + slot;
+            if (ids[p] == skip) continue;
+            auto [d, dm] = ExactDot(h.data() + static_cast<size_t>(p) * c.inter,
+                                    down.dequantized[ids[p]], j, c.inter);
+            want += route[p] * d;
+            magnitude += route[p] * dm;
+          }
+          ASSERT_NEAR(y[r * c.hidden + j], want, 4e-6 * magnitude + 1e-30)
+              << "y row " << r << " out " << j;
+        }
     }
   }
 }

@@ -215,6 +215,60 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
   }
 }
 
+// The fast decode path on quantized weights: gemm=fused (the quantized GEMV with the norm, bias
+// and residual fused) and moe=fused (the quantized expert kernels), with and without graphs,
+// for w4a16 (FP4) and w8a16 (FP8), and dequant_bf16's copies through the bf16 kernels; on
+// tiny-moe and tiny-qwen2-moe (q/k/v bias, a dense MLP layer, a shared expert). Each is OK
+// against the GPU reference; bad-quant-scale (layer 0's q_proj, read by the quantized GEMV) is
+// INCORRECT where one corrupted group shows at the bf16 class (nvfp4 and fp8_channel, as with
+// the unfused configs), printed for the other formats.
+TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
+  REQUIRE_GPU();
+  TrialExecutor executor;
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-qwen2-moe"}) {
+    for (const char* format : {"fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4", "mxfp4"}) {
+      const std::string model = std::string(preset) + "@" + format;
+      const bool fp4 = std::string(format) == "nvfp4" || std::string(format) == "mxfp4";
+      const std::string fast = "device=cuda,gemm=fused,attention=flash,moe=fused";
+      const std::string qgemm = fp4 ? ",qgemm=w4a16" : ",qgemm=w8a16";
+      const std::vector<std::string> configs = {
+          fast + ",graphs=on" + qgemm, fast + ",graphs=off" + qgemm,
+          fast + ",graphs=on,qgemm=dequant_bf16",
+          "device=cuda,gemm=fused,attention=flash,graphs=off,qgemm=reference"};
+      for (const std::string& config : configs) {
+        const TrialResult ok = executor.Execute(GpuRequest(model, config));
+        EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
+        const TrialResult bad =
+            executor.Execute(GpuRequest(model, config, "bad-quant-scale:0.0625"));
+        const bool caught_at_bf16 =
+            std::string(format) == "nvfp4" || std::string(format) == "fp8_channel";
+        if (ok.verdict.precision_class == "fp32" || caught_at_bf16) {
+          EXPECT_EQ(bad.status, TrialStatus::kIncorrect)
+              << model << " " << config << ": " << bad.reason;
+        }
+        std::printf("# %s %-75s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n",
+                    model.c_str(), config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
+                    ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
+                    std::string(TrialStatusName(bad.status)).c_str());
+      }
+      // qgemm=reference has no fused expert runner (its experts run exactly, through the
+      // reference GEMM). Preflight says so; a model built past preflight gets a clear error,
+      // not a wrong answer.
+      const TrialResult reference = executor.Execute(
+          GpuRequest(model, "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=reference"));
+      EXPECT_EQ(reference.status, TrialStatus::kUnsupported) << reference.reason;
+      auto host = LoadHostModel(model, {2, 1, true});
+      ASSERT_TRUE(host.ok()) << host.status();
+      auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda,moe=fused"));
+      ASSERT_TRUE(config.ok());
+      auto made = CreateModel(**host, *config);
+      EXPECT_FALSE(made.ok());
+      EXPECT_THAT(std::string(made.status().message()),
+                  testing::HasSubstr("moe=fused has no exact-reference expert runner"));
+    }
+  }
+}
+
 TEST(Gpu, NumericFaultsAreIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -224,6 +278,17 @@ TEST(Gpu, NumericFaultsAreIncorrect) {
     for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2", "stuck-token:7"}) {
       const TrialResult r = executor.Execute(GpuRequest("preset:tiny-moe", config, fault));
       EXPECT_EQ(r.status, TrialStatus::kIncorrect) << config << " " << fault << ": " << r.reason;
+    }
+  }
+  // The quantized fast path: the fault skips an expert in the quantized down + combine kernel.
+  for (const char* model : {"preset:tiny-moe@nvfp4", "preset:tiny-moe@fp8_block128"}) {
+    const std::string qgemm =
+        std::string(model).find("fp8") != std::string::npos ? "w8a16" : "w4a16";
+    for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2"}) {
+      const TrialResult r = executor.Execute(GpuRequest(
+          model, "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=" + qgemm,
+          fault));
+      EXPECT_EQ(r.status, TrialStatus::kIncorrect) << model << " " << fault << ": " << r.reason;
     }
   }
 }

@@ -42,6 +42,26 @@ TEST(QuantCodecs, E2M1AllSixteenCodes) {
   EXPECT_EQ(E2M1ToFloat(0xf7), 6.0f);
 }
 
+// The CUDA kernels' two-at-a-time decode (fp16 bit patterns, 2^-14 of each value): every pair of
+// codes, in every nibble position of a word, against the scalar decoder.
+TEST(QuantCodecs, E2M1PairsToF16x2MatchTheScalarDecoder) {
+  for (uint32_t lo = 0; lo < 16; ++lo)
+    for (uint32_t hi = 0; hi < 16; ++hi)
+      for (int s = 0; s < 4; ++s) {
+        // Codes lo and hi in nibbles s and s + 4 of a word whose other nibbles are all ones.
+        uint32_t word = 0xffffffffu;
+        word &= ~(0xfu << (4 * s)) & ~(0xfu << (4 * (s + 4)));
+        word |= (lo << (4 * s)) | (hi << (4 * (s + 4)));
+        const uint32_t bits = E2M1PairToF16x2Bits(word >> (4 * s));
+        const float got_lo = F16ToFloat(static_cast<uint16_t>(bits & 0xffffu)) * kE2M1F16Scale;
+        const float got_hi = F16ToFloat(static_cast<uint16_t>(bits >> 16)) * kE2M1F16Scale;
+        ASSERT_TRUE(SameBits(got_lo, E2M1ToFloat(static_cast<uint8_t>(lo))))
+            << "lo " << lo << " hi " << hi << " nibble " << s;
+        ASSERT_TRUE(SameBits(got_hi, E2M1ToFloat(static_cast<uint8_t>(hi))))
+            << "lo " << lo << " hi " << hi << " nibble " << s;
+      }
+}
+
 TEST(QuantCodecs, E4M3All256Codes) {
   int nans = 0;
   for (int code = 0; code < 256; ++code) {

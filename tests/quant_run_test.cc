@@ -1,22 +1,23 @@
 // Quantized models through the harness and the CLI: the qgemm axis's preflight judgements,
 // `--quantize` end to end (a CPU config judged OK against the quantized model's exact-dequant
 // reference), and the bad-quant-scale fault judged INCORRECT.
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <string>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/test_util.h"
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "engine/backends.h"
+#include "engine/model_config.h"
 #include "engine/npy.h"
 #include "engine/quant/layout.h"
+#include "engine/roofline.h"
 #include "harness/executor.h"
 #include "harness/verdict.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -53,6 +54,15 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_THAT(Preflight(Cuda("w4a16"), {true, 90, 1, "bf16"}).reason,
               HasSubstr("does not take bf16 weights"));
 
+  // w8a16: FP8 weights only (every scale layout); bf16 class like w4a16.
+  r = Preflight(Cuda("w8a16"), {true, 90, 1, "fp8"});
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.precision, PrecisionClass::kBf16);
+  EXPECT_EQ(Preflight(Cuda("w8a16"), h200_nvfp4).reason,
+            "qgemm=w8a16 does not take nvfp4 weights (takes fp8)");
+  EXPECT_THAT(Preflight(Cuda("w8a16"), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("does not take bf16 weights"));
+
   // dequant_bf16 takes every quantized format; the reference takes anything, exactly.
   EXPECT_EQ(Preflight(Cuda("dequant_bf16"), {true, 90, 1, "mxfp4"}).precision,
             PrecisionClass::kBf16);
@@ -66,6 +76,43 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   EXPECT_EQ(Preflight(*cpu, {false, 0, 0, "mxfp4"}).precision, PrecisionClass::kFp32);
   // The GPU reference's defaults include the axis.
   EXPECT_EQ(DefaultAxes("cuda").at("qgemm"), "reference");
+}
+
+// The fast decode configs on quantized weights: gemm=fused takes every format (quantized
+// linears through qgemm); moe=fused reads quantized experts with w4a16 / w8a16 or dequant_bf16's
+// copies, never qgemm=reference's fp32 copies (UNSUPPORTED on quantized weights only).
+TEST(QuantPreflight, FusedDecodeConfigsOnQuantizedWeights) {
+  auto config = [](const std::string& qgemm) {
+    auto c = NormalizeBackendConfig({{"device", "cuda"},
+                                     {"gemm", "fused"},
+                                     {"attention", "flash"},
+                                     {"moe", "fused"},
+                                     {"graphs", "on"},
+                                     {"qgemm", qgemm}});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  };
+  for (const char* format : {"nvfp4", "mxfp4"}) {
+    const PreflightResult r = Preflight(config("w4a16"), {true, 90, 1, format});
+    EXPECT_TRUE(r.supported) << format << ": " << r.reason;
+    EXPECT_EQ(r.precision, PrecisionClass::kBf16);
+    EXPECT_TRUE(Preflight(config("dequant_bf16"), {true, 90, 1, format}).supported);
+    EXPECT_EQ(
+        Preflight(config("reference"), {true, 90, 1, format}).reason,
+        std::string("moe=fused cannot be combined with qgemm=reference on ") + format + " weights");
+  }
+  EXPECT_TRUE(Preflight(config("w8a16"), {true, 90, 1, "fp8"}).supported);
+  EXPECT_FALSE(Preflight(config("reference"), {true, 90, 1, "fp8"}).supported);
+  // Dense weights: the fused runner is unchanged; qgemm stays at its reference.
+  EXPECT_TRUE(Preflight(config("reference"), {true, 90, 1, "bf16"}).supported);
+  EXPECT_FALSE(Preflight(config("w8a16"), {true, 90, 1, "bf16"}).supported);
+  // gemm=fused without moe=fused takes qgemm=reference (the quantized linears' fp32 copies go
+  // through the reference GEMM); an unknown format (a checkpoint without a declaration) is
+  // judged at load.
+  auto loop = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "fused"}});
+  ASSERT_TRUE(loop.ok());
+  EXPECT_TRUE(Preflight(*loop, {true, 90, 1, "nvfp4"}).supported);
+  EXPECT_TRUE(Preflight(config("reference"), {true, 90, 1, ""}).supported);
 }
 
 // A two-layer trial with a short single-repeat workload, as a worker receives it (JSON).
@@ -95,11 +142,16 @@ TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_EQ(r.reason, "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90");
   // The weight format too comes from the description ("@nvfp4"), before any weight loads.
+  // moe=fused with the default qgemm=reference (fp32 expert copies: no fused runner).
   const TrialResult fused =
       executor.Execute(QuantRequest("preset:tiny-moe@nvfp4", "device=cuda,moe=fused"));
   EXPECT_EQ(fused.status, TrialStatus::kUnsupported) << fused.reason;
-  EXPECT_EQ(fused.reason, "moe=fused does not take nvfp4 weights (takes bf16)");
+  EXPECT_EQ(fused.reason, "moe=fused cannot be combined with qgemm=reference on nvfp4 weights");
   EXPECT_EQ(fused.load_seconds, 0) << "judged from the model description alone";
+  const TrialResult tma =
+      executor.Execute(QuantRequest("preset:tiny-moe@fp8_block128", "device=cuda,gemm=tma"));
+  EXPECT_EQ(tma.status, TrialStatus::kUnsupported) << tma.reason;
+  EXPECT_EQ(tma.reason, "gemm=tma does not take fp8 weights (takes bf16)");
 }
 
 TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsIncorrect) {
@@ -182,6 +234,70 @@ TEST(QuantExecutor, ModelDescriptions) {
   EXPECT_THAT(
       LoadHostModel("preset:tiny-moe@nvfp4", {2, 1, true, QuantFormat::kMxfp4}).status().message(),
       HasSubstr("names format nvfp4"));
+}
+
+// The decode roofline of a quantized qwen3-30b-a3b counts its linears' stored bytes (codes and
+// scales), with the router and lm_head in bf16 and the fp32 KV cache, as the engine runs them:
+// batch 1 at context 544 (prompt 512 + half of 64 outputs), the H200's 4.46 TB/s. Issue #6's
+// estimates (~2,600 tok/s NVFP4, ~1,470 FP8) count every active parameter quantized and no KV:
+// the bf16 lm_head alone is 0.62 GB a step.
+TEST(QuantRoofline, CountsTheStoredBytesOfQuantizedLinears) {
+  auto config = PresetConfig("qwen3-30b-a3b");
+  ASSERT_TRUE(config.ok());
+  auto roofline = [&](QuantFormat f) {
+    const double q = f == QuantFormat::kNone
+                         ? 0
+                         : QuantBytesPerElement(f, config->hidden_size, config->hidden_size);
+    const DecodeTraffic t = DecodeBytesPerStep(*config, 1, 544, 2, 4, q);
+    std::printf("# %-12s %.3f GB a step -> %.0f tok/s\n",
+                f == QuantFormat::kNone ? "bf16" : QuantFormatName(f).c_str(), t.total() / 1e9,
+                4460e9 / t.total());
+    return 4460e9 / t.total();
+  };
+  EXPECT_NEAR(roofline(QuantFormat::kNone), 720, 5);  // docs/PERFORMANCE.md: 6.19 GB, 720 tok/s
+  EXPECT_NEAR(roofline(QuantFormat::kNvfp4), 1953, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kMxfp4), 2029, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kFp8Block128), 1284, 10);
+  EXPECT_NEAR(roofline(QuantFormat::kFp8Channel), 1283, 10);
+}
+
+// FNV-1a over every tensor's name, dtype and bytes, in table order.
+uint64_t ModelHash(const HostModel& m) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* data, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
+  };
+  for (size_t i = 0; i < m.specs.size(); ++i) {
+    mix(m.specs[i].name.data(), m.specs[i].name.size());
+    const DType dtype = m.tensors[i].dtype;
+    mix(&dtype, sizeof dtype);
+    mix(m.tensors[i].data, static_cast<size_t>(m.specs[i].numel()) * DTypeSize(dtype));
+  }
+  return h;
+}
+
+// A quantized preset is generated and quantized tensor by tensor (threads, no dense copy): the
+// bytes equal quantizing the materialised dense model, and equal what the quantizer wrote
+// before it was streamed and made branch-free (the hashes below were taken from that version).
+TEST(QuantizePreset, StreamedQuantizationIsBitIdenticalToTheMaterialisedModel) {
+  const std::map<std::string, uint64_t> golden = {{"fp8_tensor", 0xed17f1b7c24ebbafull},
+                                                  {"fp8_channel", 0x54cab98badab6a4full},
+                                                  {"fp8_block128", 0xee6b436cd45a0fe3ull},
+                                                  {"nvfp4", 0x5090aabf9a765f98ull},
+                                                  {"mxfp4", 0x3b1e484ca7b3d1a8ull}};
+  for (const char* format : kFormatNames) {
+    auto streamed = LoadHostModel(std::string("preset:tiny-moe@") + format, {2, 7, true});
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    EXPECT_TRUE((*streamed)->host_materialized);
+    auto dense = LoadHostModel("preset:tiny-moe", {2, 7, true});
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    ASSERT_TRUE(QuantizeHostModel(**dense, *QuantFormatFromName(format)).ok());
+    const uint64_t hash = ModelHash(**streamed);
+    EXPECT_EQ(hash, ModelHash(**dense)) << format;
+    std::printf("# %s: %016llx\n", format, static_cast<unsigned long long>(hash));
+    EXPECT_EQ(hash, golden.at(format)) << format;
+  }
 }
 
 // ---- the CLI: infersweep run / logits / generate --quantize

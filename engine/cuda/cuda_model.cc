@@ -1,5 +1,6 @@
 #include "engine/cuda/cuda_model.h"
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -120,22 +121,110 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   return dw;
 }
 
-// A model's own view of quantized weights (qgemm=reference: fp32 copies; dequant_bf16: bf16
-// copies; w4a16, fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY
-// bad-quant-scale fault applied to it alone, so the shared weights (and the reference built on
-// them) stay intact.
+// A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16,
+// fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY bad-quant-scale fault
+// applied to it alone, so the shared weights (and the reference built on them) stay intact.
 struct QuantView {
   ModelWeights weights;
   std::vector<void*> buffers;
   std::unique_ptr<cuda::ScaledGemm> scaled;  // fp8_cublaslt, native_fp4: scales in its layouts
+  // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
+  // there too: device pointer tables of dequant_bf16's bf16 copies of the experts, or the
+  // quantized experts' tables (gate, up, down) for w4a16 / w8a16.
+  std::vector<const uint16_t**> gate_table, up_table, down_table;
+  std::vector<std::array<cuda::QuantExpertTable, 3>> quant_tables;
   ~QuantView() {
     for (void* b : buffers) cudaFree(b);
   }
 };
 
+// Copies a list of device pointers into a device array owned by `buffers`.
+absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list,
+                                            std::vector<void*>& buffers) {
+  auto d = DeviceAlloc<const void*>(list.size());
+  if (!d.ok()) return d.status();
+  buffers.push_back(*d);
+  CUDA_OR_DIE(cudaMemcpy(*d, list.data(), list.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  return *d;
+}
+
+// The device table of one projection of a layer's quantized experts.
+absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
+    const std::vector<ExpertWeights>& experts, MatrixRef ExpertWeights::*projection,
+    std::vector<void*>& buffers) {
+  const MatrixRef& first = experts.front().*projection;
+  cuda::QuantExpertTable t;
+  t.format = first.quant.format;
+  t.scale_dtype = first.quant.scale_dtype;
+  t.rows = static_cast<int>(first.rows);
+  t.cols = static_cast<int>(first.cols);
+  const size_t e_count = experts.size();
+  std::vector<const void*> list(3 * e_count, nullptr);  // codes | scales | scale_2
+  for (size_t e = 0; e < e_count; ++e) {
+    const MatrixRef& m = experts[e].*projection;
+    if (m.quant.format != t.format || m.quant.scale_dtype != t.scale_dtype || m.rows != t.rows ||
+        m.cols != t.cols || reinterpret_cast<uintptr_t>(m.data) % 16 != 0)
+      return absl::UnimplementedError(
+          "moe=fused needs every expert in one format, scale dtype and shape, with 16-byte "
+          "aligned codes");
+    list[e] = m.data;
+    list[e_count + e] = m.quant.scale;
+    list[2 * e_count + e] = m.quant.global_scale;
+  }
+  auto d = UploadPointers(list, buffers);
+  if (!d.ok()) return d.status();
+  t.codes = *d;
+  t.scales = *d + e_count;
+  if (t.format == QuantFormat::kNvfp4) t.global_scales = *d + 2 * e_count;
+  return t;
+}
+
+// moe=fused's expert tables from the view's weights: the quantized experts' (w4a16, w8a16) or
+// pointer tables of bf16 experts (dequant_bf16's copies, or experts a checkpoint left dense).
+absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
+  for (size_t l = 0; l < view.weights.layers.size(); ++l) {
+    const std::vector<ExpertWeights>& experts = view.weights.layers[l].experts;
+    std::array<cuda::QuantExpertTable, 3> quant{};
+    std::vector<const void*> lists[3];
+    if (!experts.empty() && experts.front().gate.quantized()) {
+      const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
+          {&ExpertWeights::gate, 1}, {&ExpertWeights::up, 1},
+          {&ExpertWeights::down, config.num_experts_per_tok}};
+      for (int p = 0; p < 3; ++p) {
+        auto t = MakeQuantExpertTable(experts, parts[p].first, view.buffers);
+        if (!t.ok()) return t.status();
+        if (!cuda::MoeQuantSupports(*t, parts[p].second))
+          return absl::UnimplementedError(absl::StrCat(
+              "moe=fused on quantized experts needs K % 32 (FP4) or % 16 (FP8) and top-k x K x 4 "
+              "bytes of staged activations <= ", cuda::kMoeMaxSharedBytes, " (expert [", t->rows,
+              ", ", t->cols, "])"));
+        quant[p] = *t;
+      }
+    } else if (!experts.empty() && experts.front().gate.dtype != DType::kBF16) {
+      return absl::UnimplementedError("moe=fused takes bf16 or quantized experts");
+    } else {
+      for (const ExpertWeights& e : experts) {
+        lists[0].push_back(e.gate.data);
+        lists[1].push_back(e.up.data);
+        lists[2].push_back(e.down.data);
+      }
+    }
+    view.quant_tables.push_back(quant);
+    for (auto [list, table] : {std::pair{&lists[0], &view.gate_table},
+                               std::pair{&lists[1], &view.up_table},
+                               std::pair{&lists[2], &view.down_table}}) {
+      auto d = UploadPointers(*list, view.buffers);
+      if (!d.ok()) return d.status();
+      table->push_back(reinterpret_cast<const uint16_t**>(*d));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
-                                                          const std::string& qgemm,
-                                                          const FaultInjection& fault) {
+                                                          const CudaModelOptions& options) {
+  const std::string& qgemm = options.qgemm;
+  const FaultInjection& fault = options.fault;
   auto view = std::make_unique<QuantView>();
   view->weights = dw.weights;
   if (fault.kind == FaultInjection::Kind::kBadQuantScale) {
@@ -156,7 +245,6 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       }
     }
   }
-  if (qgemm == "w4a16") return view;
   if (qgemm == "fp8_cublaslt" || qgemm == "native_fp4") {  // codes as uploaded, scales rearranged
     auto scaled = cuda::ScaledGemm::Create(qgemm == "fp8_cublaslt" ? cuda::ScaledGemmKind::kFp8
                                                                    : cuda::ScaledGemmKind::kFp4);
@@ -169,26 +257,36 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     CUDA_OR_DIE(cudaDeviceSynchronize());
     return view;
   }
-  const bool to_f32 = qgemm == "reference";
-  if (!to_f32 && qgemm != "dequant_bf16")
+  // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
+  const bool keep_codes = qgemm == "reference" || qgemm == "w4a16" || qgemm == "w8a16";
+  if (!keep_codes && qgemm != "dequant_bf16")
     return absl::UnimplementedError(absl::StrCat(
         "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
-        "dequant_bf16, w4a16, fp8_cublaslt, native_fp4)"));
+        "dequant_bf16, w4a16, w8a16, fp8_cublaslt, native_fp4)"));
+  if (qgemm == "reference" && options.moe_fused && host.config.is_moe())
+    return absl::UnimplementedError(
+        "moe=fused has no exact-reference expert runner: with qgemm=reference the experts run "
+        "through the reference GEMM (moe=loop); use qgemm=w4a16 (FP4), w8a16 (FP8) or "
+        "dequant_bf16 with moe=fused");
+  if (keep_codes) {
+    if (options.moe_fused && host.config.is_moe())
+      if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
+    return view;
+  }
   for (LayerWeights& layer : view->weights.layers)
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
       const size_t count = static_cast<size_t>(m->rows * m->cols);
-      auto buffer = DeviceAlloc<uint8_t>(count * (to_f32 ? sizeof(float) : sizeof(uint16_t)));
+      auto buffer = DeviceAlloc<uint16_t>(count);
       if (!buffer.ok()) return buffer.status();
       view->buffers.push_back(*buffer);
-      if (to_f32)
-        cuda::DequantizeToF32(*m, reinterpret_cast<float*>(*buffer), nullptr);
-      else
-        cuda::DequantizeToBf16(*m, reinterpret_cast<uint16_t*>(*buffer), nullptr);
+      cuda::DequantizeToBf16(*m, *buffer, nullptr);
       CHECK_LAUNCH();
-      *m = MatrixRef{*buffer, to_f32 ? DType::kF32 : DType::kBF16, m->rows, m->cols};
+      *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};
     }
   CUDA_OR_DIE(cudaDeviceSynchronize());
+  if (options.moe_fused && host.config.is_moe())
+    if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
   return view;
 }
 
@@ -318,11 +416,19 @@ class CudaModel final : public Model {
     if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
       if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-    } else if (w.quantized()) {  // qgemm=w4a16: the other modes replaced the codes at build
-      if (!cuda::W4A16Supports(w))
+    } else if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization
+      cuda::GemmReference(x, rows, w, bias, y, stream_);
+    } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
+      const bool fp4 =
+          w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
+      if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))
         return absl::UnimplementedError(absl::StrCat(
-            "qgemm=w4a16 needs FP4 weights with K % 32 == 0 (", w.rows, " x ", w.cols, ")"));
-      cuda::GemvW4A16(x, rows, w, y, stream_);
+            "qgemm=", options_.qgemm, " needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (", w.rows,
+            " x ", w.cols, ")"));
+      if (fp4)
+        cuda::GemvW4A16(x, rows, w, y, stream_);
+      else
+        cuda::GemvW8A16(x, rows, w, y, stream_);
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
     } else if (gemm_ && w.dtype == DType::kBF16) {
       if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
@@ -356,11 +462,11 @@ class CudaModel final : public Model {
     for (int l = 0; l < config_.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       if (gemv) {  // input RMSNorm, q, k, v (+ biases): one launch
-        cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.input_norm, eps);
+        FusedGemv a = GemvInput(x_, rows, hidden, lw.input_norm, eps);
         AddSegment(a, lw.q, lw.q_bias, q_);
         AddSegment(a, lw.k, lw.k_bias, k_);
         AddSegment(a, lw.v, lw.v_bias, v_);
-        ProjectionGemv(a);
+        if (auto s = RunGemv(a, /*projection=*/true); !s.ok()) return s;
       } else {
         cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
         const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
@@ -387,11 +493,11 @@ class CudaModel final : public Model {
       const bool bad_scale = options_.fault.kind == FaultInjection::Kind::kBadScale && l == 0;
       const float o_scale = bad_scale ? static_cast<float>(options_.fault.value) : 1.f;
       if (gemv) {  // o projection added straight into the residual stream
-        cuda::GemvArgs a = GemvInput(attn_, rows, q_dim, {});
+        FusedGemv a = GemvInput(attn_, rows, q_dim, {});
         AddSegment(a, lw.o, lw.o_bias, x_);
         a.accumulate = true;
         a.scale = o_scale;
-        ProjectionGemv(a);
+        if (auto s = RunGemv(a, /*projection=*/true); !s.ok()) return s;
       } else {
         const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
         if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
@@ -440,10 +546,79 @@ class CudaModel final : public Model {
     return std::max({config_.intermediate_size, config_.moe_intermediate_size,
                      config_.shared_expert_intermediate_size, 1});
   }
+  // A fused GEMV launch (gemm=fused|tma, decode rows): the kernel's args plus each segment's
+  // weights and bias, whose kind picks the kernel (RunGemv).
+  struct FusedGemv : cuda::GemvArgs {
+    MatrixRef w[3];
+    MatrixRef bias[3];
+  };
+  // bf16 weights: our GEMV (TMA-streamed for the projections with gemm=tma). Quantized codes
+  // with qgemm=w4a16|w8a16: the quantized GEMV with the same fusions. Anything else (qgemm=
+  // reference, a shape the quantized GEMV does not take): RMSNorm into xn_ (the only normed_out
+  // in use), Gemm per segment, then the epilogue. Segments of different kinds (a checkpoint
+  // that left some projections dense) run one launch each.
+  absl::Status RunGemv(const FusedGemv& g, bool projection = false) {
+    enum class Kind { kBf16, kQuant, kOther };
+    const bool in_registers = options_.qgemm == "w4a16" || options_.qgemm == "w8a16";
+    auto kind = [in_registers](const MatrixRef& w) {
+      if (w.quantized())
+        return in_registers && cuda::QuantGemvSupports(w) ? Kind::kQuant : Kind::kOther;
+      return w.dtype == DType::kBF16 ? Kind::kBf16 : Kind::kOther;
+    };
+    const Kind k0 = kind(g.w[0]);
+    bool uniform = true;
+    for (int s = 1; s < g.segments; ++s)
+      uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
+    if (!uniform) {
+      for (int s = 0; s < g.segments; ++s) {
+        FusedGemv one = g;
+        one.segments = 1;
+        one.seg[0] = g.seg[s];
+        one.w[0] = g.w[s];
+        one.bias[0] = g.bias[s];
+        if (auto st = RunGemv(one, projection); !st.ok()) return st;
+      }
+      return absl::OkStatus();
+    }
+    if (k0 == Kind::kBf16) {
+      if (projection)
+        ProjectionGemv(g);
+      else
+        cuda::Gemv(g, stream_);
+    } else if (k0 == Kind::kQuant) {
+      cuda::QuantGemvWeights qw;
+      for (int s = 0; s < g.segments; ++s) qw.w[s] = g.w[s];
+      cuda::GemvQuant(g, qw, stream_);
+    } else {
+      const float* in = g.x;
+      if (g.norm_gain) {
+        cuda::RmsNorm(g.x, g.rows, g.k, MatrixRef{g.norm_gain, g.norm_dtype, 1, g.k}, g.norm_eps,
+                      xn_, stream_);
+        in = xn_;
+      }
+      const uint16_t* in_bf16 = PrepareInput(in, static_cast<int64_t>(g.rows) * g.k);
+      for (int s = 0; s < g.segments; ++s) {
+        const cuda::GemvSegment& seg = g.seg[s];
+        if (!g.accumulate && g.scale == 1.f) {
+          if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], seg.y); !st.ok()) return st;
+          continue;
+        }
+        // y_ is free on the GEMV path; accumulating segments (o, down) are [rows, hidden].
+        if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_); !st.ok()) return st;
+        const int64_t count = static_cast<int64_t>(g.rows) * seg.n;
+        if (!g.accumulate)
+          CUDA_OR_DIE(cudaMemsetAsync(seg.y, 0, count * sizeof(float), stream_));
+        cuda::AddScaled(seg.y, y_, g.scale, count, stream_);
+      }
+    }
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+
   // A GEMV over `rows` rows of x [rows, k], RMS-normalised by `norm` first when it is given.
-  static cuda::GemvArgs GemvInput(const float* x, int rows, int k, const MatrixRef& norm,
-                                  float eps = 0.f) {
-    cuda::GemvArgs a;
+  static FusedGemv GemvInput(const float* x, int rows, int k, const MatrixRef& norm,
+                             float eps = 0.f) {
+    FusedGemv a;
     a.x = x;
     a.rows = rows;
     a.k = k;
@@ -452,7 +627,9 @@ class CudaModel final : public Model {
     a.norm_eps = eps;
     return a;
   }
-  static void AddSegment(cuda::GemvArgs& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+  static void AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+    a.w[a.segments] = w;
+    a.bias[a.segments] = bias;
     cuda::GemvSegment& s = a.seg[a.segments++];
     s.w = static_cast<const uint16_t*>(w.data);
     s.bias = bias.data;
@@ -468,15 +645,15 @@ class CudaModel final : public Model {
     const int64_t elems = static_cast<int64_t>(rows) * hidden;
     if (gemv) {
       const int inter = static_cast<int>(lw.mlp.gate.rows);
-      cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      FusedGemv a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       AddSegment(a, lw.mlp.gate, {}, gate_);
       AddSegment(a, lw.mlp.up, {}, up_);
-      cuda::Gemv(a, stream_);
+      if (auto s = RunGemv(a); !s.ok()) return s;
       cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
-      cuda::GemvArgs d = GemvInput(gate_, rows, inter, {});
+      FusedGemv d = GemvInput(gate_, rows, inter, {});
       AddSegment(d, lw.mlp.down, {}, x_);
       d.accumulate = true;
-      cuda::Gemv(d, stream_);
+      if (auto s = RunGemv(d); !s.ok()) return s;
       CHECK_LAUNCH();
       return absl::OkStatus();
     }
@@ -514,10 +691,10 @@ class CudaModel final : public Model {
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
     if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
-      cuda::GemvArgs a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      FusedGemv a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       a.normed_out = xn_;
       AddSegment(a, lw.router, {}, router_);
-      cuda::Gemv(a, stream_);
+      if (auto s = RunGemv(a); !s.ok()) return s;
     } else {
       cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
       if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
@@ -529,13 +706,21 @@ class CudaModel final : public Model {
                      expert_weights_, stream_);
     // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
     // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
-    // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) go to
-    // cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA kernels
-    // re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512 tokens).
+    // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
+    const bool quant_experts = options_.moe_fused && view_ && !view_->quant_tables.empty() &&
+                               view_->quant_tables[l][0].format != QuantFormat::kNone;
+    // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
+    const bool own = view_ && !view_->gate_table.empty();
+    // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) of bf16
+    // experts go to cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA
+    // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
+    // tokens).
     constexpr int kMoeMmaMaxPairsPerExpert = 16;
-    const bool long_prefill = n > 1 && grouped_ &&
+    const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
+                              lw.experts[0].gate.dtype == DType::kBF16 &&
+                              !lw.experts[0].gate.quantized() &&
                               rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
-    const bool grouped_mma = options_.moe_fused && !long_prefill &&
+    const bool grouped_mma = options_.moe_fused && !quant_experts && !long_prefill &&
                              rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
     if (grouped_mma) {
@@ -550,9 +735,9 @@ class CudaModel final : public Model {
       a.expert_ids = expert_ids_;
       a.expert_weights = expert_weights_;
       a.skip_expert = skip;
-      a.gate = dw_->gate_table[l];
-      a.up = dw_->up_table[l];
-      a.down = dw_->down_table[l];
+      a.gate = own ? view_->gate_table[l] : dw_->gate_table[l];
+      a.up = own ? view_->up_table[l] : dw_->up_table[l];
+      a.down = own ? view_->down_table[l] : dw_->down_table[l];
       a.offsets = expert_offsets_;
       a.sorted_pairs = route_index_;
       a.h = moe_bf16_;
@@ -560,11 +745,18 @@ class CudaModel final : public Model {
       a.y = x_;
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
+    } else if (quant_experts && n == 1) {
+      const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
+      cuda::MoeGateUpQuant(xn_, rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
+      cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], x_,
+                                stream_);
+      CHECK_LAUNCH();
     } else if (options_.moe_fused && n == 1) {
-      cuda::MoeGateUp(xn_, rows, k, expert_ids_, dw_->gate_table[l], dw_->up_table[l], hidden,
-                      inter, moe_h_, stream_);
+      cuda::MoeGateUp(xn_, rows, k, expert_ids_, own ? view_->gate_table[l] : dw_->gate_table[l],
+                      own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
       cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
-                           dw_->down_table[l], hidden, inter, x_, stream_);
+                           own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, x_,
+                           stream_);
       CHECK_LAUNCH();
     } else {
       // Read the routing on the host (a sync), then either one grouped GEMM per projection over
@@ -833,7 +1025,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
   }
   std::unique_ptr<QuantView> view;
   if (host.quant_format != QuantFormat::kNone) {
-    auto made = BuildQuantView(host, **weights, options.qgemm, options.fault);
+    auto made = BuildQuantView(host, **weights, options);
     if (!made.ok()) return made.status();
     view = std::move(*made);
   }

@@ -45,30 +45,28 @@ INFERSWEEP_HD float E8M0ToFloat(uint8_t code) {
   return FloatFromBits(static_cast<uint32_t>(code) << 23);
 }
 
+// Two E2M1 codes at once, as fp16 bit patterns, for in-register dequantization: the codes in
+// bits [0, 4) and [16, 20) of `t` become the low and high halves of an f16x2 whose values are
+// the codes' values times 2^-14 (exactly: the sign goes to bit 15, exponent and mantissa to
+// bits [9, 12), where E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15). Other bits of `t`
+// are ignored. Four of these (t = w >> 0, 4, 8, 12) decode the 8 codes of a 32-bit word w:
+// elements s and s + 4 from w >> 4s.
+inline constexpr float kE2M1F16Scale = 16384.0f;  // 2^14: the f16 values times this are exact
+INFERSWEEP_HD uint32_t E2M1PairToF16x2Bits(uint32_t t) {
+  return ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+}
+
 // Nearest E2M1 code, ties to the even code (even mantissa); |x| > 6 saturates; NaN gives +-6
 // (callers reject non-finite weights before encoding).
 INFERSWEEP_HD uint8_t FloatToE2M1(float x) {
   const uint8_t sign = (BitsFromFloat(x) >> 28) & 8u;
   const float a = x < 0 ? -x : x;
-  uint8_t code;
-  // Midpoints between neighbours; <= rounds a tie down onto an even code, < rounds it up.
-  if (a <= 0.25f) {
-    code = 0;
-  } else if (a < 0.75f) {
-    code = 1;
-  } else if (a <= 1.25f) {
-    code = 2;
-  } else if (a < 1.75f) {
-    code = 3;
-  } else if (a <= 2.5f) {
-    code = 4;
-  } else if (a < 3.5f) {
-    code = 5;
-  } else if (a <= 5.0f) {
-    code = 6;
-  } else {
-    code = 7;  // (5, inf) and NaN
-  }
+  // The code is the number of midpoints between neighbours that a lies above: <= rounds a tie
+  // down onto an even code, < rounds it up; written as negations so that NaN counts all 7.
+  // Branch-free: the quantizer calls it once per weight (tens of billions for a large preset).
+  const uint8_t code =
+      static_cast<uint8_t>(!(a <= 0.25f) + !(a < 0.75f) + !(a <= 1.25f) + !(a < 1.75f) +
+                           !(a <= 2.5f) + !(a < 3.5f) + !(a <= 5.0f));
   return static_cast<uint8_t>(sign | code);
 }
 

@@ -32,26 +32,39 @@ float Amax(const std::vector<float>& w, int64_t cols, int64_t r0, int64_t r1, in
   return amax;
 }
 
-// E4M3 codes of w / scale(r, k) with one fp32 scale per element's tensor, row or block.
+// E4M3 codes of w / scale(r, k) with one fp32 scale per element's tensor, row or block. The
+// scale is looked up once per run of elements that share it (a row's 128-wide block at most).
 std::vector<uint8_t> Fp8Codes(const std::vector<float>& w, int64_t rows, int64_t cols,
                               QuantFormat format, const std::vector<float>& scales) {
   std::vector<uint8_t> codes(w.size());
+  const int64_t run = format == QuantFormat::kFp8Block128 ? kFp8BlockSize : cols;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < cols; ++k)
-      codes[r * cols + k] =
-          FloatToE4M3(w[r * cols + k] / scales[QuantScaleIndex(format, cols, r, k)]);
+    for (int64_t k0 = 0; k0 < cols; k0 += run) {
+      const float scale = scales[QuantScaleIndex(format, cols, r, k0)];
+      const int64_t k1 = std::min(cols, k0 + run);
+      for (int64_t k = k0; k < k1; ++k) codes[r * cols + k] = FloatToE4M3(w[r * cols + k] / scale);
+    }
   return codes;
 }
 
-// Packs E2M1 codes of w[r, k] / group_scale(r, k), two per byte, low nibble = even k.
+// Packs E2M1 codes of w[r, k] / group_scale(r, k), two per byte, low nibble = even k. Groups
+// (16 or 32) are even, so a byte's two elements share a scale.
 std::vector<uint8_t> PackE2M1(const std::vector<float>& w, int64_t rows, int64_t cols,
                               QuantFormat format, const std::vector<float>& group_scales) {
   std::vector<uint8_t> packed(static_cast<size_t>(rows * cols / 2));
+  const int64_t group = format == QuantFormat::kNvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < cols; ++k) {
-      const float scale = group_scales[QuantScaleIndex(format, cols, r, k)];
-      const uint8_t code = scale > 0 ? FloatToE2M1(w[r * cols + k] / scale) : 0;
-      packed[(r * cols + k) / 2] |= static_cast<uint8_t>(code << (4 * (k & 1)));
+    for (int64_t k0 = 0; k0 < cols; k0 += group) {
+      const float scale = group_scales[QuantScaleIndex(format, cols, r, k0)];
+      const float* in = w.data() + r * cols + k0;
+      uint8_t* out = packed.data() + (r * cols + k0) / 2;
+      if (!(scale > 0)) {
+        std::fill(out, out + group / 2, uint8_t{0});
+        continue;
+      }
+      for (int64_t k = 0; k < group; k += 2)
+        out[k / 2] = static_cast<uint8_t>(FloatToE2M1(in[k] / scale) |
+                                          (FloatToE2M1(in[k + 1] / scale) << 4));
     }
   return packed;
 }
@@ -94,12 +107,26 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
   if (!layout.ok()) return layout.status();
   const int64_t rows = dense.rows, cols = dense.cols;
   std::vector<float> w(static_cast<size_t>(rows * cols));
-  for (int64_t i = 0; i < rows * cols; ++i) {
-    w[i] = LoadAsFloat(dense.data, dense.dtype, i);
-    if (!std::isfinite(w[i]))
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot quantize a non-finite weight at [", i / cols, ", ", i % cols, "]"));
+  const int64_t n = rows * cols;
+  switch (dense.dtype) {  // one loop per dtype: no per-element dispatch
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i)
+        w[i] = Bf16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
+      break;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i)
+        w[i] = F16ToFloat(static_cast<const uint16_t*>(dense.data)[i]);
+      break;
+    default:
+      std::memcpy(w.data(), dense.data, static_cast<size_t>(n) * sizeof(float));
   }
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(w[i]);
+  if (!finite)
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(w[i]))
+        return absl::InvalidArgumentError(absl::StrCat("cannot quantize a non-finite weight at [",
+                                                       i / cols, ", ", i % cols, "]"));
 
   QuantizedMatrix q;
   q.format = format;

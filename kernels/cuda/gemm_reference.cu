@@ -1,3 +1,4 @@
+#include "engine/quant/dequantize.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -26,12 +27,37 @@ __global__ void GemmReferenceKernel(const float* x, int M, int K, const W* w, in
   }
 }
 
+// Quantized weights (qgemm=reference): each element is dequantized exactly as it is read
+// (DequantizeElement, the CPU's formula), in the order above, so the result is bit-identical to
+// this kernel on DequantizeToF32's copy, without the copy (4 bytes a weight: 122 GB for
+// qwen3-30b-a3b, more than an H200 holds next to the codes).
+__global__ void GemmReferenceQuantKernel(const float* x, int M, MatrixRef w, float* y) {
+  const int warps_per_block = blockDim.x / 32;
+  const int n = blockIdx.x * warps_per_block + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
+  if (n >= N) return;
+  const int m_end = min(M, static_cast<int>(blockIdx.y + 1) * kRowsPerBlock);
+  for (int m = blockIdx.y * kRowsPerBlock; m < m_end; ++m) {
+    const float* xr = x + static_cast<int64_t>(m) * K;
+    float acc = 0.f;
+    for (int k = lane; k < K; k += 32) acc += xr[k] * DequantizeElement(w, n, k);
+    acc = WarpSum(acc);
+    if (lane == 0) y[static_cast<int64_t>(m) * N + n] = acc;
+  }
+}
+
 }  // namespace
 
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
                    cudaStream_t stream) {
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
   const dim3 blocks(CeilDiv(N, 8), CeilDiv(M, kRowsPerBlock));
+  if (w.quantized()) {
+    GemmReferenceQuantKernel<<<blocks, 256, 0, stream>>>(x, M, w, y);
+    if (!bias.empty()) AddBias(y, M, bias, stream);
+    return;
+  }
   switch (w.dtype) {
     case DType::kBF16:
       GemmReferenceKernel<<<blocks, 256, 0, stream>>>(x, M, K, static_cast<const __nv_bfloat16*>(w.data), N, y);

@@ -81,6 +81,7 @@ void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, 
 // ---- GEMM: y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 accumulate.
 // Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read
 // from L1/L2. Simple on purpose: it is the GPU link of the trust chain, not a fast path.
+// Quantized W (qgemm=reference) is dequantized exactly element by element as it is read.
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
                    cudaStream_t stream);
 

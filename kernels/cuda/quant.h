@@ -8,11 +8,12 @@
 // gate/up [768, 2048] and down [2048, 768], 1.57M weights each.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "engine/tensor_ref.h"
+#include "kernels/cuda/ops.h"
 
 namespace infersweep::cuda {
 
@@ -45,5 +46,58 @@ void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream);
 bool W4A16Supports(const MatrixRef& w);
 void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
+
+// ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemv_quant.cu): gemv.cu's
+// GemvArgs contract (up to 3 segments, optional RMSNorm of x, bias, residual add, scale) with
+// quantized weights: segment s reads weights.w[s] (its rows are seg[s].n; GemvSegment::w is
+// unused). Every segment has the same format, nvfp4, mxfp4 or any fp8 layout. Dequantized in
+// registers, fp32 activations and accumulate (quant_decode.cuh: matches the exact-dequant
+// reference to fp32 rounding of the sums). Any rows (4 per block, grid.y over the rest).
+// Napkin math for qwen3-30b-a3b in gemv_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46 TB/s.
+struct QuantGemvWeights {
+  MatrixRef w[3];
+};
+// cols % 32 (FP4) or % 16 (FP8), 16-byte aligned codes, one padded row of x in shared memory.
+bool QuantGemvSupports(const MatrixRef& w);
+void GemvQuant(const GemvArgs& args, const QuantGemvWeights& weights, cudaStream_t stream);
+
+// ---- w8a16 GEMV (qgemm=w8a16): y[m, n] = sum_k x[m, k] * w[n, k], w any fp8 layout, x fp32
+// [rows, K], y fp32 [rows, N] (overwritten); GemvQuant with one segment.
+// Napkin math: an FP8 expert [768, 2048] is 1.57 MB (+ 6 KB of channel or 0.4 KB of block
+// scales): 0.35 us at 4.46 TB/s; [2048, 768] the same. 3.1 MFLOP each.
+void GemvW8A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
+
+// ---- quantized experts for moe=fused (moe_quant.cu): the twins of MoeGateUp / MoeDownCombine
+// (ops.h) reading each expert's codes and scales through device pointer tables.
+// One projection's experts: codes[e], scales[e] and (nvfp4) global_scales[e] are device
+// pointers (the tables themselves live on the device); every expert is [rows, cols] in one
+// format with one scale dtype.
+struct QuantExpertTable {
+  const void* const* codes = nullptr;
+  const void* const* scales = nullptr;
+  const void* const* global_scales = nullptr;  // nvfp4 scale_2 (fp32 [1]); null otherwise
+  QuantFormat format = QuantFormat::kNone;
+  DType scale_dtype = DType::kF32;
+  int rows = 0;
+  int cols = 0;
+};
+// The format is quantized, cols % 32 (FP4) or % 16 (FP8), and `slots` rows of staged
+// activations ([slots, cols] floats, padded) fit in shared memory.
+bool MoeQuantSupports(const QuantExpertTable& t, int slots);
+// h[p] = silu(Wg[e] . x[p / k]) * (Wu[e] . x[p / k]) for pairs p < rows * k, e = expert_ids[p];
+// gate and up [inter, hidden]. grid (ceil(inter / 16), pairs), 8 warps of 2 outputs each.
+// Batch-1 decode of qwen3-30b-a3b: 8 pairs x 2 x 0.88 MB = 14 MB nvfp4 -> 3.2 us (fp8 25 MB ->
+// 5.6 us; bf16 50 MB -> 11 us).
+void MoeGateUpQuant(const float* x, int rows, int k, const int* expert_ids,
+                    const QuantExpertTable& gate, const QuantExpertTable& up, float* h,
+                    cudaStream_t stream);
+// y[r] += sum_slot weights[r, slot] * Wd[e] . h[r, slot] in a fixed order (deterministic), into
+// the residual stream; Wd [hidden, inter]; pairs whose expert is `skip_expert` are left out
+// (TEST ONLY zero-expert fault; -1 in production). Each block stages its row's k slots of h in
+// shared memory (k * inter * 4 bytes, padded: 27 KB for qwen3-30b-a3b).
+// Batch 1, qwen3-30b-a3b: 8 x 0.88 MB = 7 MB nvfp4 -> 1.6 us (fp8 12.6 MB -> 2.8 us).
+void MoeDownCombineQuant(const float* h, int rows, int k, const int* expert_ids,
+                         const float* weights, int skip_expert, const QuantExpertTable& down,
+                         float* y, cudaStream_t stream);
 
 }  // namespace infersweep::cuda

@@ -1,0 +1,229 @@
+// In-register dequantization shared by the quantized GEMV (gemv_quant.cu) and the quantized MoE
+// expert kernels (moe_quant.cu). A lane reads its weights 16 bytes at a time (one "chunk": 32
+// FP4 codes or 16 FP8 codes) and dots them with activations staged in shared memory.
+//
+// Exactness: every decoded weight is the exact value of its code (E2M1 via fp16 bit patterns,
+// E4M3 via the sm_89+ cvt to f16x2, both exact), and the scales of DequantizeElement
+// (engine/quant/dequantize.h) multiply partial sums instead of single weights: per group of 16
+// (nvfp4) or 32 (mxfp4) or per chunk (fp8 block-128), and per row at the end (nvfp4's scale_2,
+// fp8 tensor and channel scales). That is the same real number as the reference's sum of
+// x * w; only the fp32 rounding of the sums differs, so results match the exact-dequant
+// reference to a few ulps of sum |x * w|, not bit for bit. It keeps the work per weight at one
+// decode step plus one fp32 FMA: at batch 1 an H200 streams ~8 T FP4 weights a second, and
+// a multiply per weight more would make these kernels ALU-bound.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "engine/quant/codecs.h"
+#include "engine/tensor_ref.h"
+#include "kernels/cuda/common.cuh"
+
+namespace infersweep::cuda {
+
+constexpr bool IsFp4(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
+
+// Weights per 16-byte chunk of codes.
+template <QuantFormat F>
+constexpr int ChunkElements() {
+  return IsFp4(F) ? 32 : 16;
+}
+
+// Staged activations are padded with 4 floats after every 32, so that the 32 lanes of a warp,
+// each reading its own chunk's activations with 16-byte loads (lanes 128 or 64 bytes apart),
+// hit distinct banks: without it 8 lanes of a quarter-warp land on the same 4 banks.
+__host__ __device__ constexpr int PaddedIndex(int e) { return e + 4 * (e >> 5); }
+__host__ __device__ constexpr int PaddedFloats(int k) { return k + 4 * ((k + 31) >> 5); }
+
+// The raw scale bits of one chunk, loaded with the codes (before the PDL wait) and decoded once
+// the loads are in flight: nvfp4 two E4M3 bytes, mxfp4 one E8M0 byte, fp8 block-128 the
+// block's scale (f32 / bf16 / f16 bits); fp8 tensor and channel have none per chunk.
+template <QuantFormat F>
+__device__ __forceinline__ uint32_t LoadChunkScaleBits(const void* scales, DType scale_dtype,
+                                                       int64_t row, int64_t chunk, int64_t k) {
+  if constexpr (F == QuantFormat::kNvfp4) {  // groups 2c and 2c + 1: one aligned 16-bit load
+    return __ldg(static_cast<const uint16_t*>(scales) + (row * (k / 16) + 2 * chunk) / 2);
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    return __ldg(static_cast<const uint8_t*>(scales) + row * (k / 32) + chunk);
+  } else if constexpr (F == QuantFormat::kFp8Block128) {
+    const int64_t i = (row / kFp8BlockSize) * CeilDiv64(k, kFp8BlockSize) + chunk / 8;
+    if (scale_dtype == DType::kF32)
+      return __float_as_uint(__ldg(static_cast<const float*>(scales) + i));
+    return __ldg(static_cast<const uint16_t*>(scales) + i);
+  } else {
+    return 0;
+  }
+}
+
+// A chunk's scales as floats: lo for its first 16 weights, hi for the next 16 (nvfp4); one
+// scale for the chunk otherwise (fp8 tensor / channel: 1, applied per row).
+struct ChunkScale {
+  float lo = 1.f, hi = 1.f;
+};
+
+template <QuantFormat F>
+__device__ __forceinline__ ChunkScale DecodeChunkScale(uint32_t bits, DType scale_dtype) {
+  ChunkScale s;
+  if constexpr (F == QuantFormat::kNvfp4) {
+    s.lo = E4M3ToFloat(static_cast<uint8_t>(bits & 0xffu));
+    s.hi = E4M3ToFloat(static_cast<uint8_t>(bits >> 8));
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    s.lo = s.hi = E8M0ToFloat(static_cast<uint8_t>(bits));
+  } else if constexpr (F == QuantFormat::kFp8Block128) {
+    s.lo = s.hi = scale_dtype == DType::kF32    ? __uint_as_float(bits)
+                  : scale_dtype == DType::kBF16 ? Bf16ToFloat(static_cast<uint16_t>(bits))
+                                                : F16ToFloat(static_cast<uint16_t>(bits));
+  }
+  return s;
+}
+
+// What multiplies a whole row's sum: nvfp4 scale_2 (and the 2^14 of the fp16 decode), mxfp4 the
+// 2^14, fp8 tensor / channel their scale; fp8 block-128 has it all per chunk. Loaded as bits
+// early (a weight, readable before the PDL wait) and decoded at the end, so that the load's
+// latency hides under the row's work.
+template <QuantFormat F>
+__device__ __forceinline__ uint32_t LoadRowFactorBits(const MatrixRef& w, int64_t row) {
+  if constexpr (F == QuantFormat::kNvfp4) {
+    return __float_as_uint(__ldg(static_cast<const float*>(w.quant.global_scale)));
+  } else if constexpr (F == QuantFormat::kFp8Tensor || F == QuantFormat::kFp8Channel) {
+    const int64_t i = F == QuantFormat::kFp8Tensor ? 0 : row;
+    if (w.quant.scale_dtype == DType::kF32)
+      return __float_as_uint(__ldg(static_cast<const float*>(w.quant.scale) + i));
+    return __ldg(static_cast<const uint16_t*>(w.quant.scale) + i);
+  } else {
+    return 0;
+  }
+}
+
+template <QuantFormat F>
+__device__ __forceinline__ float DecodeRowFactor(uint32_t bits, DType scale_dtype) {
+  if constexpr (F == QuantFormat::kNvfp4) {
+    return __uint_as_float(bits) * kE2M1F16Scale;
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    return kE2M1F16Scale;
+  } else if constexpr (F == QuantFormat::kFp8Tensor || F == QuantFormat::kFp8Channel) {
+    return scale_dtype == DType::kF32    ? __uint_as_float(bits)
+           : scale_dtype == DType::kBF16 ? Bf16ToFloat(static_cast<uint16_t>(bits))
+                                         : F16ToFloat(static_cast<uint16_t>(bits));
+  } else {
+    return 1.f;
+  }
+}
+
+__device__ __forceinline__ float2 HalfBitsToFloat2(uint32_t bits) {
+  __half2 h;
+  memcpy(&h, &bits, sizeof h);
+  return __half22float2(h);
+}
+
+// acc[m] += scales * sum over the chunk's weights w[i] * x[m * x_stride + i] for m < rows, where
+// x points at the chunk's first activation (a chunk never straddles a padding gap: 32 and 16
+// divide 32). One decode serves every row.
+template <QuantFormat F, int kRows>
+__device__ __forceinline__ void ChunkDot(const uint4& codes, const ChunkScale& scale,
+                                         const float* x, int x_stride, int rows, float* acc) {
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  if constexpr (IsFp4(F)) {
+    float part[kRows][2] = {};  // nvfp4: per group of 16 (words 0-1, 2-3)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 w[4];  // w[s] = elements 8i + s (.x) and 8i + s + 4 (.y), times 2^-14
+#pragma unroll
+      for (int s = 0; s < 4; ++s) w[s] = HalfBitsToFloat2(E2M1PairToF16x2Bits(words[i] >> (4 * s)));
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        if (m >= rows) break;
+        const float4 a = *reinterpret_cast<const float4*>(x + m * x_stride + 8 * i);
+        const float4 b = *reinterpret_cast<const float4*>(x + m * x_stride + 8 * i + 4);
+        float p = part[m][i / 2];
+        p += w[0].x * a.x + w[1].x * a.y + w[2].x * a.z + w[3].x * a.w;
+        p += w[0].y * b.x + w[1].y * b.y + w[2].y * b.z + w[3].y * b.w;
+        part[m][i / 2] = p;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      if (m >= rows) break;
+      if constexpr (F == QuantFormat::kNvfp4)
+        acc[m] += part[m][0] * scale.lo + part[m][1] * scale.hi;
+      else
+        acc[m] += (part[m][0] + part[m][1]) * scale.lo;
+    }
+  } else {
+    float part[kRows] = {};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: elements 4i .. 4i + 3, one per byte
+      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(words[i] & 0xffffu), __NV_E4M3);
+      const __half2_raw hi =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[i] >> 16), __NV_E4M3);
+      const float2 w01 =
+          HalfBitsToFloat2(static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16));
+      const float2 w23 =
+          HalfBitsToFloat2(static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16));
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        if (m >= rows) break;
+        const float4 a = *reinterpret_cast<const float4*>(x + m * x_stride + 4 * i);
+        part[m] += w01.x * a.x + w01.y * a.y + w23.x * a.z + w23.y * a.w;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      if (m >= rows) break;
+      if constexpr (F == QuantFormat::kFp8Block128)
+        acc[m] += part[m] * scale.lo;
+      else
+        acc[m] += part[m];
+    }
+  }
+}
+
+// Stages rows x k floats of x (times the norm gain when there is one) into padded shared memory
+// (16-byte loads, all in flight), computes each row's RMSNorm factor 1/rms(x) into inv (1
+// without a norm), and writes the normalised input to normed_out (the same rows) from the
+// blocks with blockIdx.x == 0 when asked. Ends with a barrier. k % 4 == 0.
+template <int kMaxRows>
+__device__ __forceinline__ void StagePaddedInput(const float* x, int rows, int k,
+                                                 const void* norm_gain, DType norm_dtype,
+                                                 float norm_eps, float* normed_out, float* xs,
+                                                 float* scratch, float* inv) {
+  const int quads = rows * (k / 4), ld = PaddedFloats(k);
+#pragma unroll 4
+  for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+    const int r = q / (k / 4), i = (q % (k / 4)) * 4;
+    float4 v = __ldg(reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * k + i));
+    if (norm_gain) {
+      v.x *= LoadAsFloat(norm_gain, norm_dtype, i);
+      v.y *= LoadAsFloat(norm_gain, norm_dtype, i + 1);
+      v.z *= LoadAsFloat(norm_gain, norm_dtype, i + 2);
+      v.w *= LoadAsFloat(norm_gain, norm_dtype, i + 3);
+    }
+    *reinterpret_cast<float4*>(xs + r * ld + PaddedIndex(i)) = v;
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxRows; ++r) inv[r] = 1.f;
+  if (norm_gain) {  // the sum of squares of x itself (re-read: L1-hot)
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r >= rows) break;
+      float sum_sq = 0.f;
+      const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * k);
+#pragma unroll 4
+      for (int q = threadIdx.x; q < k / 4; q += blockDim.x) {
+        const float4 v = __ldg(x4 + q);
+        sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+      inv[r] = rsqrtf(BlockSum(sum_sq, scratch) / k + norm_eps);  // BlockSum has barriers
+    }
+  }
+  __syncthreads();
+  if (normed_out && blockIdx.x == 0) {
+    for (int r = 0; r < rows; ++r)
+      for (int i = threadIdx.x; i < k; i += blockDim.x)
+        normed_out[static_cast<int64_t>(r) * k + i] = xs[r * ld + PaddedIndex(i)] * inv[r];
+  }
+}
+
+}  // namespace infersweep::cuda
