@@ -219,9 +219,9 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
 // and residual fused) and moe=fused (the quantized expert kernels), with and without graphs,
 // for w4a16 (FP4) and w8a16 (FP8), and dequant_bf16's copies through the bf16 kernels; on
 // tiny-moe and tiny-qwen2-moe (q/k/v bias, a dense MLP layer, a shared expert). Each is OK
-// against the GPU reference; bad-quant-scale (layer 0's q_proj, read by the quantized GEMV) is
-// INCORRECT where one corrupted group shows at the bf16 class (nvfp4 and fp8_channel, as with
-// the unfused configs), printed for the other formats.
+// against the GPU reference; bad-quant-scale:16 (one group scale of layer 0's q_proj x16, read
+// by the quantized GEMV) is INCORRECT on tiny-qwen2-moe in every format (printed for tiny-moe,
+// whose q_norm can absorb it).
 TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -238,10 +238,11 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       for (const std::string& config : configs) {
         const TrialResult ok = executor.Execute(GpuRequest(model, config));
         EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
-        const TrialResult bad =
-            executor.Execute(GpuRequest(model, config, "bad-quant-scale:0.0625"));
-        const bool caught_at_bf16 =
-            std::string(format) == "nvfp4" || std::string(format) == "fp8_channel";
+        const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:16"));
+        // tiny-moe's per-head q_norm cancels much of a q_proj scale error, and one group x16 can
+        // hide in the bf16 class there (seen on the H200 at x1/16); tiny-qwen2-moe has no
+        // q_norm, and there the bf16 class must catch it in every format.
+        const bool caught_at_bf16 = std::string(preset) == "preset:tiny-qwen2-moe";
         if (ok.verdict.precision_class == "fp32" || caught_at_bf16) {
           EXPECT_EQ(bad.status, TrialStatus::kIncorrect)
               << model << " " << config << ": " << bad.reason;
