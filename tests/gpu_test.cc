@@ -220,8 +220,8 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
 // for w4a16 (FP4) and w8a16 (FP8), and dequant_bf16's copies through the bf16 kernels; on
 // tiny-moe and tiny-qwen2-moe (q/k/v bias, a dense MLP layer, a shared expert). Each is OK
 // against the GPU reference; bad-quant-scale:16 (one group scale of layer 0's q_proj x16, read
-// by the quantized GEMV) is INCORRECT on tiny-qwen2-moe in every format (printed for tiny-moe,
-// whose q_norm can absorb it).
+// by the quantized GEMV) is INCORRECT on tiny-qwen2-moe in every format but nvfp4 (printed for
+// tiny-moe, whose q_norm can absorb it, and for nvfp4, whose saturating E4M3 scale can).
 TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -240,9 +240,12 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
         EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
         const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:16"));
         // tiny-moe's per-head q_norm cancels much of a q_proj scale error, and one group x16 can
-        // hide in the bf16 class there (seen on the H200 at x1/16); tiny-qwen2-moe has no
-        // q_norm, and there the bf16 class must catch it in every format.
-        const bool caught_at_bf16 = std::string(preset) == "preset:tiny-qwen2-moe";
+        // hide in the bf16 class there; tiny-qwen2-moe has no q_norm, and there the bf16 class
+        // must catch it, except in nvfp4: its E4M3 group scales sit near the top of their range,
+        // so x16 saturates at 448 (seen on the H200: OK in all four configs). The fp32-class
+        // test above catches nvfp4's corrupted scale.
+        const bool caught_at_bf16 =
+            std::string(preset) == "preset:tiny-qwen2-moe" && std::string(format) != "nvfp4";
         if (ok.verdict.precision_class == "fp32" || caught_at_bf16) {
           EXPECT_EQ(bad.status, TrialStatus::kIncorrect)
               << model << " " << config << ": " << bad.reason;
