@@ -5,16 +5,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
 cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/dev/null
-cmake --build "$BUILD" -j"$(nproc)" --target infersweep gpu_test hf_fixtures_test harness_test \
-  gpu_quant_test quant_fixtures_test gpu_kernels_test gpu_scaled_gemm_test quantize_bench
+# The device tool carries at most 64 MiB (working tree included), less than every binary
+# together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer use,
+# PACK=fixtures what STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
+case ${PACK:-gpu} in
+  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test" ;;
+  fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;
+  *) echo "PACK must be gpu or fixtures" >&2; exit 2 ;;
+esac
+cmake --build "$BUILD" -j"$(nproc)" --target $(for b in $BINARIES; do basename "$b"; done)
 rm -rf .carry && mkdir -p .carry/lib
-for b in cli/infersweep tests/gpu_test tests/hf_fixtures_test tests/harness_test \
-         tests/gpu_quant_test tests/quant_fixtures_test tests/gpu_kernels_test \
-         tests/gpu_scaled_gemm_test bench/quantize_bench; do
+for b in $BINARIES; do
   strip -o ".carry/$(basename "$b")" "$BUILD/$b"
 done
 # Every non-system, non-CUDA shared library the binaries load (Abseil, protobuf, ...).
-for b in .carry/infersweep .carry/gpu_test; do
+for b in .carry/*; do
+  [ -f "$b" ] || continue
   ldd "$b" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux)[.-]|cuda|cublas' || true
 done | sort -u | xargs -r -I{} cp -L {} .carry/lib/
 du -sh .carry
