@@ -19,6 +19,7 @@
 #include "engine/quant/quantize.h"
 #include "harness/executor.h"
 #include "kernels/cuda/scaled_layout.h"
+#include "tests/gpu_trial.h"
 #include "tests/scaled_reference.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -397,21 +398,6 @@ TEST_F(GpuScaled, NativeFp4GemmOrUnimplemented) {
 
 // ---- as trials
 
-TrialRequest Request(const std::string& model, const std::string& config,
-                     const std::string& fault = "") {
-  TrialRequest r;
-  r.trial_id = "scaled";
-  r.model = model;
-  r.layers = 2;
-  r.config = *ParseBackendConfig(config);
-  r.workload.prompt_len = 16;
-  r.workload.output_len = 8;
-  r.workload.repeats = 2;
-  r.workload.warmup = 1;
-  r.workload.batch_sizes = {1, 4};
-  r.inject_fault = fault;
-  return r;
-}
 
 // qgemm=fp8_cublaslt is OK against the GPU reference on the same FP8 weights, in the fp8 class,
 // and a corrupted weight scale is INCORRECT. The fault multiplies layer 0's first q_proj scale
@@ -426,7 +412,7 @@ TEST_F(GpuScaled, Fp8CublasLtConfigsAreOkAndBadScaleIsIncorrect) {
       const std::string model = std::string(preset) + "@" + format;
       for (const char* config : {"device=cuda,gemm=cublaslt,qgemm=fp8_cublaslt",
                                  "device=cuda,attention=flash,qgemm=fp8_cublaslt"}) {
-        const TrialResult ok = executor.Execute(Request(model, config));
+        const TrialResult ok = executor.Execute(GpuRequest(model, config));
         EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
         EXPECT_EQ(ok.verdict.precision_class, "fp8");
         std::printf("# %-32s %-48s %s (top1 %.3f, kl_mean %.2g, kl_max %.2g)\n", model.c_str(),
@@ -435,7 +421,7 @@ TEST_F(GpuScaled, Fp8CublasLtConfigsAreOkAndBadScaleIsIncorrect) {
       }
       if (std::string(preset) != "preset:tiny-qwen2-moe") continue;
       const char* config = "device=cuda,gemm=cublaslt,qgemm=fp8_cublaslt";
-      const TrialResult bad = executor.Execute(Request(model, config, "bad-quant-scale:16"));
+      const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:16"));
       EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << model << ": " << bad.reason;
       std::printf("# %-32s bad-quant-scale:16 %s (top1 %.3f, kl_mean %.2g)\n", model.c_str(),
                   std::string(TrialStatusName(bad.status)).c_str(), bad.verdict.top1_agreement,
@@ -449,7 +435,7 @@ TEST_F(GpuScaled, NativeFp4IsUnsupportedOnHopper) {
   for (const char* format : {"nvfp4", "mxfp4"}) {
     const std::string model = std::string("preset:tiny-moe@") + format;
     const TrialResult r =
-        executor.Execute(Request(model, "device=cuda,gemm=cublaslt,qgemm=native_fp4"));
+        executor.Execute(GpuRequest(model, "device=cuda,gemm=cublaslt,qgemm=native_fp4"));
     std::printf("# %s qgemm=native_fp4 on sm_%d: %s %s\n", format, sm_,
                 std::string(TrialStatusName(r.status)).c_str(), r.reason.c_str());
     if (sm_ < 100) {

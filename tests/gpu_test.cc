@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 #include <nlohmann/json.hpp>
 
@@ -90,21 +91,6 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
   }
 }
 
-TrialRequest GpuRequest(const std::string& model, const std::string& config,
-                        const std::string& fault = "") {
-  TrialRequest r;
-  r.trial_id = "gpu";
-  r.model = model;
-  r.layers = 2;
-  r.config = *ParseBackendConfig(config);
-  r.workload.prompt_len = 16;
-  r.workload.output_len = 8;
-  r.workload.repeats = 2;
-  r.workload.warmup = 1;
-  r.workload.batch_sizes = {1, 4};
-  r.inject_fault = fault;
-  return r;
-}
 
 // Every registered GPU config is OK against the GPU reference (or UNSUPPORTED by preflight).
 TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {

@@ -15,6 +15,8 @@ namespace {
 constexpr int kWarps = 4;                // per block; a warp owns 16 output features
 constexpr int kBlockFeatures = 16 * kWarps;
 
+__device__ __forceinline__ int CeilDivDevice(int a, int b) { return (a + b - 1) / b; }
+
 __device__ __forceinline__ uint16_t Bf16Bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
@@ -108,6 +110,62 @@ __device__ __forceinline__ void PairRows(const int* sorted, int first, int count
   }
 }
 
+// kUnroll 32-wide k chunks of kMats weight matrices, from chunk c0: w[2m], w[2m + 1] are the
+// lane's rows g and g + 8 of matrix m (offset by t).
+template <int kMats, int kUnroll>
+__device__ __forceinline__ void LoadStage(const uint4* const (&w)[2 * kMats], int c0, int chunks,
+                                          uint4 (&stage)[kUnroll][2 * kMats]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (c0 + u < chunks)
+#pragma unroll
+      for (int m = 0; m < 2 * kMats; ++m) stage[u][m] = __ldcs(w[m] + 4 * (c0 + u));
+}
+
+// One pass of an expert's pairs: acc[m][j] += W_m (16 rows) . the inputs of pair tile j, over all
+// `chunks` k chunks, for the first `tiles` tiles (rows[j]: the lane's pair row, null past the
+// expert's last pair). Two register stages of kUnroll chunks, so one stage's loads are in flight
+// while the other's MMAs run; `a` holds chunks [0, kUnroll) on entry.
+template <int kMats, int kTiles, int kUnroll>
+__device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
+                                             const uint4* const (&rows)[kTiles], int tiles,
+                                             int chunks, uint4 (&a)[kUnroll][2 * kMats],
+                                             float (&acc)[kMats][kTiles][4]) {
+  uint4 b[kUnroll][2 * kMats];
+  auto compute = [&](const uint4 (&stage)[kUnroll][2 * kMats], int c0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c0 + u >= chunks) break;
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        if (j >= tiles) break;  // warp-uniform
+        const uint4 x = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int m = 0; m < kMats; ++m) MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+      }
+    }
+  };
+  for (int c0 = 0; c0 < chunks; c0 += 2 * kUnroll) {
+    LoadStage<kMats, kUnroll>(w, c0 + kUnroll, chunks, b);
+    compute(a, c0);
+    LoadStage<kMats, kUnroll>(w, c0 + 2 * kUnroll, chunks, a);
+    compute(b, c0 + kUnroll);
+  }
+}
+
+// The C fragment of pair tile j: c[0], c[1] are feature f0 + g at the tile's pairs 2t and 2t + 1,
+// c[2], c[3] the same pairs at feature f0 + g + 8. Calls put(pair, feature, c0, c1) for the
+// lane's in-range pairs; (c0, c1) are the two features' values.
+template <typename Put>
+__device__ __forceinline__ void ForEachOutput(const int* sorted, int first, int count, int base,
+                                              int j, int t, const float* c, Put put) {
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int s = base + 8 * j + 2 * t + q;
+    if (s < count) put(sorted[first + s], c[q], c[2 + q]);
+  }
+}
+
 // grid (ceil(inter / 64), experts), 128 threads. Warp w of block (b, e) computes features
 // f = 64 b + 16 w + [0, 16) of expert e's gate and up projections for every pair routed to e,
 // kTiles x 8 pairs a pass, and writes h = silu(gate) * up in bf16 at [pair, f] (the down
@@ -123,61 +181,33 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int chunks = hidden / 32;
   const int64_t lo_row = min(f0 + g, inter - 1), hi_row = min(f0 + g + 8, inter - 1);
-  const uint4* w[4] = {reinterpret_cast<const uint4*>(gate[e] + lo_row * hidden) + t,
-                       reinterpret_cast<const uint4*>(gate[e] + hi_row * hidden) + t,
-                       reinterpret_cast<const uint4*>(up[e] + lo_row * hidden) + t,
-                       reinterpret_cast<const uint4*>(up[e] + hi_row * hidden) + t};
-  // Two register stages of kUnroll chunks: one stage's loads are in flight while the other's
-  // MMAs run (single-buffered, each batch of loads was waited out before any math).
-  uint4 a[kUnroll][4], b_stage[kUnroll][4];
-  auto load = [&](uint4 (&buf)[kUnroll][4], int c0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (c0 + u < chunks)
-#pragma unroll
-        for (int m = 0; m < 4; ++m) buf[u][m] = __ldcs(w[m] + 4 * (c0 + u));
-  };
-  load(a, 0);  // the weights do not depend on the routing: first loads before the wait
+  const uint4* const w[4] = {reinterpret_cast<const uint4*>(gate[e] + lo_row * hidden) + t,
+                             reinterpret_cast<const uint4*>(gate[e] + hi_row * hidden) + t,
+                             reinterpret_cast<const uint4*>(up[e] + lo_row * hidden) + t,
+                             reinterpret_cast<const uint4*>(up[e] + hi_row * hidden) + t};
+  uint4 a[kUnroll][4];
+  LoadStage<2, kUnroll>(w, 0, chunks, a);  // the weights do not depend on the routing: before the wait
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, x, hidden, k, g, t, rows);
-    float cg[kTiles][4] = {}, cu[kTiles][4] = {};
-    auto compute = [&](const uint4 (&buf)[kUnroll][4], int c0) {
+    float acc[2][kTiles][4] = {};
+    if (base > 0) LoadStage<2, kUnroll>(w, 0, chunks, a);
+    StreamExpert<2, kTiles, kUnroll>(w, rows, CeilDivDevice(count - base, 8), chunks, a, acc);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + u >= chunks) break;
+    for (int j = 0; j < kTiles; ++j) {
+      float silu_mul[4];
 #pragma unroll
-        for (int j = 0; j < kTiles; ++j) {
-          if (base + 8 * j >= count) break;  // warp-uniform
-          const uint4 b = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
-          MmaChunk(cg[j], buf[u][0], buf[u][1], b);
-          MmaChunk(cu[j], buf[u][2], buf[u][3], b);
-        }
-      }
-    };
-    if (base > 0) load(a, 0);
-    for (int c0 = 0; c0 < chunks; c0 += 2 * kUnroll) {
-      load(b_stage, c0 + kUnroll);
-      compute(a, c0);
-      load(a, c0 + 2 * kUnroll);
-      compute(b_stage, c0 + kUnroll);
+      for (int i = 0; i < 4; ++i)
+        silu_mul[i] = acc[0][j][i] / (1.f + expf(-acc[0][j][i])) * acc[1][j][i];
+      ForEachOutput(sorted, first, count, base, j, t, silu_mul, [&](int pair, float lo, float hi) {
+        uint16_t* out = h + static_cast<int64_t>(pair) * inter;
+        if (f0 + g < inter) out[f0 + g] = Bf16Bits(lo);
+        if (f0 + g + 8 < inter) out[f0 + g + 8] = Bf16Bits(hi);
+      });
     }
-    // C fragment: c[0], c[1] are feature f0 + g, pairs 2t and 2t + 1 of the tile; c[2], c[3] the
-    // same pairs at feature f0 + g + 8.
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int s = base + 8 * j + 2 * t + q;
-        if (s >= count) continue;
-        uint16_t* out = h + static_cast<int64_t>(sorted[first + s]) * inter;
-        if (f0 + g < inter) out[f0 + g] = Bf16Bits(cg[j][q] / (1.f + expf(-cg[j][q])) * cu[j][q]);
-        if (f0 + g + 8 < inter)
-          out[f0 + g + 8] = Bf16Bits(cg[j][2 + q] / (1.f + expf(-cg[j][2 + q])) * cu[j][2 + q]);
-      }
   }
 }
 
@@ -192,54 +222,26 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int chunks = inter / 32;
   const int64_t lo_row = min(f0 + g, hidden - 1), hi_row = min(f0 + g + 8, hidden - 1);
-  const uint4* w[2] = {reinterpret_cast<const uint4*>(down[e] + lo_row * inter) + t,
-                       reinterpret_cast<const uint4*>(down[e] + hi_row * inter) + t};
-  uint4 a[kUnroll][2], b_stage[kUnroll][2];  // two register stages, as in the gate/up kernel
-  auto load = [&](uint4 (&buf)[kUnroll][2], int c0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (c0 + u < chunks) {
-        buf[u][0] = __ldcs(w[0] + 4 * (c0 + u));
-        buf[u][1] = __ldcs(w[1] + 4 * (c0 + u));
-      }
-  };
-  load(a, 0);
+  const uint4* const w[2] = {reinterpret_cast<const uint4*>(down[e] + lo_row * inter) + t,
+                             reinterpret_cast<const uint4*>(down[e] + hi_row * inter) + t};
+  uint4 a[kUnroll][2];
+  LoadStage<1, kUnroll>(w, 0, chunks, a);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, t, rows);
-    float c[kTiles][4] = {};
-    auto compute = [&](const uint4 (&buf)[kUnroll][2], int c0) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + u >= chunks) break;
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j) {
-          if (base + 8 * j >= count) break;
-          const uint4 b = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
-          MmaChunk(c[j], buf[u][0], buf[u][1], b);
-        }
-      }
-    };
-    if (base > 0) load(a, 0);
-    for (int c0 = 0; c0 < chunks; c0 += 2 * kUnroll) {
-      load(b_stage, c0 + kUnroll);
-      compute(a, c0);
-      load(a, c0 + 2 * kUnroll);
-      compute(b_stage, c0 + kUnroll);
-    }
+    float acc[1][kTiles][4] = {};
+    if (base > 0) LoadStage<1, kUnroll>(w, 0, chunks, a);
+    StreamExpert<1, kTiles, kUnroll>(w, rows, CeilDivDevice(count - base, 8), chunks, a, acc);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int s = base + 8 * j + 2 * t + q;
-        if (s >= count) continue;
-        float* o = out + static_cast<int64_t>(sorted[first + s]) * hidden;
-        if (f0 + g < hidden) o[f0 + g] = c[j][q];
-        if (f0 + g + 8 < hidden) o[f0 + g + 8] = c[j][2 + q];
-      }
+      ForEachOutput(sorted, first, count, base, j, t, acc[0][j], [&](int pair, float lo, float hi) {
+        float* o = out + static_cast<int64_t>(pair) * hidden;
+        if (f0 + g < hidden) o[f0 + g] = lo;
+        if (f0 + g + 8 < hidden) o[f0 + g + 8] = hi;
+      });
   }
 }
 
@@ -273,7 +275,7 @@ void LaunchExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
   Launch(GroupedGateUpKernel<kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, a.offsets, a.sorted_pairs, a.gate, a.up,
          a.hidden, a.inter, a.h);
-  Launch(GroupedDownKernel<kTiles, 4>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
+  Launch(GroupedDownKernel<kTiles, 8>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, static_cast<const uint16_t*>(a.h), a.offsets,
          static_cast<const int*>(a.sorted_pairs), a.down, a.hidden, a.inter, a.out);
 }

@@ -1,0 +1,28 @@
+// The trial request the GPU tests judge configs with: a 2-layer model, a short prompt, batch 1
+// and 4 (4 rows take the batched decode kernels), 2 timed repeats after a warm-up.
+#pragma once
+
+#include <string>
+
+#include "engine/backend_config.h"
+#include "harness/trial.h"
+
+namespace infersweep {
+
+inline TrialRequest GpuRequest(const std::string& model, const std::string& config,
+                               const std::string& fault = "") {
+  TrialRequest r;
+  r.trial_id = "gpu";
+  r.model = model;
+  r.layers = 2;
+  r.config = *ParseBackendConfig(config);
+  r.workload.prompt_len = 16;
+  r.workload.output_len = 8;
+  r.workload.repeats = 2;
+  r.workload.warmup = 1;
+  r.workload.batch_sizes = {1, 4};
+  r.inject_fault = fault;
+  return r;
+}
+
+}  // namespace infersweep
