@@ -291,56 +291,6 @@ TEST_F(GpuKernels, RouterGemmIsFp32Exact) {
   }
 }
 
-// The router GEMV that ends with the top-k in its last block gives the same expert ids and
-// weights, bit for bit, as the GEMV followed by the top-k kernel; twice in a row (the ticket
-// counter must be back at 0 after each launch), with RMSNorm fused, for 1 and 3 rows.
-TEST_F(GpuKernels, RouterGemvWithTopKMatchesTheTopKKernel) {
-  std::mt19937 rng(5);
-  std::uniform_real_distribution<float> uni(-1.f, 1.f);
-  for (auto [rows, experts, k] : {std::tuple{1, 128, 8}, std::tuple{3, 200, 6}, std::tuple{1, 60, 4}}) {
-    const int hidden = 512;
-    std::vector<float> x(static_cast<size_t>(rows) * hidden);
-    std::vector<uint16_t> w(static_cast<size_t>(experts) * hidden), gain(hidden);
-    for (float& v : x) v = uni(rng);
-    for (uint16_t& v : w) v = FloatToBf16(uni(rng));
-    for (uint16_t& v : gain) v = FloatToBf16(1.f + 0.5f * uni(rng));
-    cuda::GemvArgs a;
-    a.x = Upload(x);
-    a.rows = rows;
-    a.k = hidden;
-    a.norm_gain = Upload(gain);
-    a.norm_eps = 1e-6f;
-    a.normed_out = Upload(std::vector<float>(x.size(), 0.f));
-    a.seg[0].w = Upload(w);
-    a.seg[0].y = Upload(std::vector<float>(static_cast<size_t>(rows) * experts, NAN));
-    a.seg[0].n = experts;
-    a.seg[0].ld = experts;
-    a.segments = 1;
-    const size_t pairs = static_cast<size_t>(rows) * k;
-    int* ref_ids = Upload(std::vector<int>(pairs, -1));
-    float* ref_weights = Upload(std::vector<float>(pairs, NAN));
-    cuda::Gemv(a, nullptr);
-    cuda::RouterTopK(a.seg[0].y, rows, experts, k, true, ref_ids, ref_weights, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_TRUE(cuda::GemvTopKSupports(experts, k));
-    a.topk_k = k;
-    a.topk_renormalize = true;
-    a.topk_counter = Upload(std::vector<unsigned>{0u});
-    for (int launch = 0; launch < 2; ++launch) {
-      a.topk_ids = Upload(std::vector<int>(pairs, -1));
-      a.topk_weights = Upload(std::vector<float>(pairs, NAN));
-      cuda::Gemv(a, nullptr);
-      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(Download(a.topk_ids, pairs), Download(ref_ids, pairs))
-          << "rows " << rows << " experts " << experts << " launch " << launch;
-      EXPECT_EQ(Download(a.topk_weights, pairs), Download(ref_weights, pairs))
-          << "rows " << rows << " experts " << experts << " launch " << launch;
-      EXPECT_EQ(Download(a.topk_counter, 1)[0], 0u) << "the ticket counter was not reset";
-    }
-  }
-}
-
 #else
 TEST(GpuKernels, NeedsACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
 #endif

@@ -691,21 +691,10 @@ class CudaModel final : public Model {
                          : -1;
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
-    // With the GEMV, a bf16 router also finishes with the top-k in its last block (one launch
-    // fewer per layer).
-    const bool fused_topk = gemv && lw.router.dtype == DType::kBF16 && !lw.router.quantized() &&
-                            cuda::GemvTopKSupports(config_.num_experts, k);
     if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
       FusedGemv a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       a.normed_out = xn_;
       AddSegment(a, lw.router, {}, router_);
-      if (fused_topk) {
-        a.topk_k = k;
-        a.topk_renormalize = config_.norm_topk_prob;
-        a.topk_ids = expert_ids_;
-        a.topk_weights = expert_weights_;
-        a.topk_counter = topk_counter_;
-      }
       if (auto s = RunGemv(a); !s.ok()) return s;
     } else {
       cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
@@ -714,9 +703,8 @@ class CudaModel final : public Model {
       else
         cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
     }
-    if (!fused_topk)
-      cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
-                       expert_weights_, stream_);
+    cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
+                     expert_weights_, stream_);
     // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
     // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
     // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
@@ -941,10 +929,6 @@ class CudaModel final : public Model {
     auto offsets = DeviceAlloc<int>(std::max(config_.num_experts, 0) + 1);
     if (!offsets.ok()) return offsets.status();
     expert_offsets_ = *offsets;
-    auto counter = DeviceAlloc<unsigned>(1);
-    if (!counter.ok()) return counter.status();
-    topk_counter_ = *counter;
-    CUDA_OR_DIE(cudaMemset(topk_counter_, 0, sizeof(unsigned)));  // the fused top-k's ticket
     for (const auto* s : {&ids.status(), &index.status(), &tokens.status(), &last.status(), &pos.status(), &bf16.status()})
       if (!s->ok()) return *s;
     expert_ids_ = *ids;
@@ -970,8 +954,6 @@ class CudaModel final : public Model {
     for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
-    if (topk_counter_) cudaFree(topk_counter_);
-    topk_counter_ = nullptr;
     if (moe_bf16_) cudaFree(moe_bf16_);
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
                     static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
@@ -1007,7 +989,6 @@ class CudaModel final : public Model {
       *expert_offsets_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
-  unsigned* topk_counter_ = nullptr;  // the router GEMV's last-block ticket (0 between launches)
   uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;

@@ -14,22 +14,51 @@
 #include <algorithm>
 
 #include "kernels/cuda/gemv_common.cuh"
-#include "kernels/cuda/topk.cuh"
 
 namespace infersweep::cuda {
 namespace {
 
 constexpr int kGemvUnroll = 8;  // 16-byte weight loads per lane per row in flight: 4 KB a row
 
-// The dot products of one warp's outputs and the fused epilogue (GemvKernel, after staging).
+// Warp w owns outputs [w * kRowsPerWarp, +kRowsPerWarp) across the segments. The warp's weight
+// loads are issued first; x (times the gain) is staged in shared memory under their latency, and
+// the RMSNorm factor 1/rms(x) is applied to the finished dot product.
+// kMaxRows: activation rows compiled for (1 for batch-1 decode keeps registers low).
 template <int kRowsPerWarp, int kMaxRows>
-__device__ __forceinline__ void GemvWarp(const GemvArgs& a, const float* xs, const float* inv,
-                                         const uint4* const (&wrow)[kRowsPerWarp],
-                                         uint4 (&packed)[kRowsPerWarp][kGemvUnroll],
-                                         const int (&seg_of)[kRowsPerWarp],
-                                         const int (&local)[kRowsPerWarp], int first, int total) {
+__global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
+  extern __shared__ float xs[];  // [rows][k]: x * gain
+  __shared__ float scratch[32];
   const int lane = threadIdx.x & 31;
   const int k = a.k, chunks = k / 8;
+  int total = 0;
+  for (int s = 0; s < a.segments; ++s) total += a.seg[s].n;
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int first = warp * kRowsPerWarp;
+  const bool active = first < total;
+
+  int seg_of[kRowsPerWarp], local[kRowsPerWarp];
+  const uint4* wrow[kRowsPerWarp];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    int s = 0, l = min(first + rr, total - 1);
+    while (s + 1 < a.segments && l >= a.seg[s].n) l -= a.seg[s++].n;
+    seg_of[rr] = s;
+    local[rr] = l;
+    wrow[rr] = reinterpret_cast<const uint4*>(a.seg[s].w + static_cast<int64_t>(l) * k);
+  }
+  uint4 packed[kRowsPerWarp][kGemvUnroll];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr)
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u)
+      if (active && lane + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + lane + 32 * u);
+
+  WaitForPrerequisites();  // x is the previous kernel's output; the weights were not
+  AllowDependentsToLaunch();
+  float inv[kMaxRows];
+  StageGemvInput<kMaxRows>(a, xs, scratch, inv);
+  if (!active) return;
+
   float acc[kRowsPerWarp][kMaxRows] = {};
   for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
     if (c0 != lane) {
@@ -65,67 +94,6 @@ __device__ __forceinline__ void GemvWarp(const GemvArgs& a, const float* xs, con
   }
 }
 
-// Warp w owns outputs [w * kRowsPerWarp, +kRowsPerWarp) across the segments. The warp's weight
-// loads are issued first; x (times the gain) is staged in shared memory under their latency, and
-// the RMSNorm factor 1/rms(x) is applied to the finished dot product.
-// kMaxRows: activation rows compiled for (1 for batch-1 decode keeps registers low).
-// kTopKPerLane > 0: the router variant, which ends with the softmax top-k (GemvArgs::topk_*) in
-// the last block to finish: one launch fewer per MoE layer (the top-k kernel cost 4.7 us at
-// batch 1, most of it launch and DRAM latency). Its own template, so the projections' GEMVs
-// keep their registers.
-template <int kRowsPerWarp, int kMaxRows, int kTopKPerLane = 0>
-__global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
-  extern __shared__ float xs[];  // [rows][k]: x * gain
-  __shared__ float scratch[32];
-  const int lane = threadIdx.x & 31;
-  const int k = a.k, chunks = k / 8;
-  int total = 0;
-  for (int s = 0; s < a.segments; ++s) total += a.seg[s].n;
-  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int first = warp * kRowsPerWarp;
-  const bool active = first < total;
-
-  int seg_of[kRowsPerWarp], local[kRowsPerWarp];
-  const uint4* wrow[kRowsPerWarp];
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    int s = 0, l = min(first + rr, total - 1);
-    while (s + 1 < a.segments && l >= a.seg[s].n) l -= a.seg[s++].n;
-    seg_of[rr] = s;
-    local[rr] = l;
-    wrow[rr] = reinterpret_cast<const uint4*>(a.seg[s].w + static_cast<int64_t>(l) * k);
-  }
-  uint4 packed[kRowsPerWarp][kGemvUnroll];
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr)
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u)
-      if (active && lane + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + lane + 32 * u);
-
-  WaitForPrerequisites();  // x is the previous kernel's output; the weights were not
-  AllowDependentsToLaunch();
-  float inv[kMaxRows];
-  StageGemvInput<kMaxRows>(a, xs, scratch, inv);
-  if (active) GemvWarp<kRowsPerWarp, kMaxRows>(a, xs, inv, wrow, packed, seg_of, local, first, total);
-  if constexpr (kTopKPerLane > 0) {
-    __shared__ bool last;
-    __syncthreads();  // this block's outputs are stored
-    if (threadIdx.x == 0) {
-      __threadfence();  // ... and visible to the block that finishes last
-      last = atomicAdd(a.topk_counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const GemvSegment& seg = a.seg[0];
-    for (int r = threadIdx.x / 32; r < a.rows; r += blockDim.x / 32)
-      RouterTopKRow<kTopKPerLane>(seg.y + static_cast<int64_t>(r) * seg.ld, seg.n, a.topk_k,
-                                  a.topk_renormalize, a.topk_ids + static_cast<int64_t>(r) * a.topk_k,
-                                  a.topk_weights + static_cast<int64_t>(r) * a.topk_k);
-    if (threadIdx.x == 0) *a.topk_counter = 0;  // ready for the next launch (and graph replay)
-  }
-}
-
 }  // namespace
 
 void SetProgrammaticLaunch(bool on) { ProgrammaticLaunchFlag() = on; }
@@ -135,22 +103,12 @@ bool GemvSupports(int rows, int k) {
          static_cast<int64_t>(rows) * k * sizeof(float) <= kGemvMaxSharedBytes;
 }
 
-bool GemvTopKSupports(int num_experts, int k) {
-  return num_experts >= 1 && num_experts <= 1024 && k >= 1 && k <= 32 && k <= num_experts;
-}
-
 void Gemv(const GemvArgs& args, cudaStream_t stream) {
   static const bool configured = [] {
     for (const void* kernel : {reinterpret_cast<const void*>(GemvKernel<1, 1>),
                                reinterpret_cast<const void*>(GemvKernel<2, 1>),
                                reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows>),
-                               reinterpret_cast<const void*>(GemvKernel<2, kGemvMaxRows>),
-                               reinterpret_cast<const void*>(GemvKernel<1, 1, 4>),
-                               reinterpret_cast<const void*>(GemvKernel<1, 1, 8>),
-                               reinterpret_cast<const void*>(GemvKernel<1, 1, 32>),
-                               reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows, 4>),
-                               reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows, 8>),
-                               reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows, 32>)})
+                               reinterpret_cast<const void*>(GemvKernel<2, kGemvMaxRows>)})
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxSharedBytes);
     return true;
   }();
@@ -166,17 +124,7 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   const int warps_per_block = warps_needed >= 8 * MultiprocessorCount() ? 8 : 2;
   const int blocks = CeilDiv(warps_needed, warps_per_block);
   const dim3 grid(blocks), block(warps_per_block * 32);
-  if (args.topk_k > 0) {  // the router: one segment of <= 1024 outputs, one output a warp
-    const int e = args.seg[0].n;
-    const bool one = args.rows == 1;
-    auto pick = [&](auto k1, auto kmax) { return one ? k1 : kmax; };
-    if (e <= 128)
-      Launch(pick(GemvKernel<1, 1, 4>, GemvKernel<1, kGemvMaxRows, 4>), grid, block, smem, stream, args);
-    else if (e <= 256)
-      Launch(pick(GemvKernel<1, 1, 8>, GemvKernel<1, kGemvMaxRows, 8>), grid, block, smem, stream, args);
-    else
-      Launch(pick(GemvKernel<1, 1, 32>, GemvKernel<1, kGemvMaxRows, 32>), grid, block, smem, stream, args);
-  } else if (args.rows == 1) {
+  if (args.rows == 1) {
     if (rows_per_warp == 2)
       Launch(GemvKernel<2, 1>, grid, block, smem, stream, args);
     else

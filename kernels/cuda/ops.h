@@ -117,19 +117,8 @@ struct GemvArgs {
   int segments = 0;
   bool accumulate = false;
   float scale = 1.f;
-  // Router + top-k in one launch (MoE decode, one bf16 segment of E <= 1024 outputs, k <= 32):
-  // with topk_k > 0 the last block to finish runs RouterTopK's softmax top-k over each row of
-  // seg[0].y into topk_ids / topk_weights [rows, k]. topk_counter: a device word that is 0
-  // between launches (the last block resets it), one per stream.
-  int topk_k = 0;
-  bool topk_renormalize = false;
-  int* topk_ids = nullptr;
-  float* topk_weights = nullptr;
-  unsigned* topk_counter = nullptr;
 };
 bool GemvSupports(int rows, int k);
-// Whether Gemv can finish with the top-k (above) for `num_experts` outputs and top-`k`.
-bool GemvTopKSupports(int num_experts, int k);
 void Gemv(const GemvArgs& args, cudaStream_t stream);
 
 // ---- MoE
