@@ -241,7 +241,7 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
     const std::vector<double> ref =
         HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
     const int rows = c.batch * c.n;
-    const int splits = cuda::FlashSplits(rows, c.q_heads, c.kv_heads, c.d, capacity);
+    const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
     float* partial = Upload(std::vector<float>(
         cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
     float* out = Upload(std::vector<float>(q.size(), NAN));

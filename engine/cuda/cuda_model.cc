@@ -483,8 +483,7 @@ class CudaModel final : public Model {
       if (options_.attention_flash) {
         cuda::AttentionFlash(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
                              config_.head_dim, d_position_, capacity_,
-                             cuda::FlashSplits(rows, config_.num_q_heads, config_.num_kv_heads,
-                                               config_.head_dim, capacity_), scores_,
+                             cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
                              attn_, stream_);
       } else {
         cuda::AttentionNaive(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,

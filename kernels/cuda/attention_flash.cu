@@ -140,28 +140,12 @@ __global__ void FlashCombineKernel(const float* partial_acc, const float* partia
 
 }  // namespace
 
-int FlashSplits(int rows, int q_heads, int kv_heads, int head_dim, int capacity) {
-  // One wave: as many blocks as fit on the GPU at once (FlashPartialKernel's shared memory and
-  // threads), but at least a tile of keys per split. Each block walks its keys tile by tile, so
-  // a partial second wave costs a whole block's time: at batch 64 (256 row x kv-head pairs) 5
-  // splits made 1,280 blocks, 1.6 waves, 100 us a layer (ncu); 3 splits make 768.
-  static int resident = [] {
-    int device = 0, sms = 132;
-    if (cudaGetDevice(&device) == cudaSuccess)
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return sms;
-  }();
-  const int group = q_heads / kv_heads;
-  const size_t shared = (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&per_sm, FlashPartialKernel,
-                                                             32 * group, shared, 0) != cudaSuccess)
-    per_sm = 1;
-  cudaGetLastError();
-  // rows * splits <= rows + kFlashBlockTarget / kv_heads: the bound `partial` is sized by.
-  const int wave = std::min(std::max(1, per_sm) * resident, kFlashBlockTarget);
-  const int splits = std::min(std::min(wave / std::max(1, rows * kv_heads), CeilDiv(capacity, kTile)),
-                              kMaxFlashSplits);
+int FlashSplits(int rows, int kv_heads, int capacity) {
+  // Enough blocks for ~8 per SM on 132 SMs, but at least a tile of keys per split.
+  // rows * splits <= rows + kFlashBlockTarget / kv_heads + 1: the bound `partial` is sized by.
+  const int blocks = rows * kv_heads;
+  const int want = CeilDiv(kFlashBlockTarget, blocks);
+  const int splits = std::min(std::min(want, CeilDiv(capacity, kTile)), kMaxFlashSplits);
   return std::max(1, splits);
 }
 

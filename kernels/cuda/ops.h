@@ -59,12 +59,12 @@ void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, 
 // K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks and merged.
 // `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
 constexpr int kMaxFlashSplits = 64;
-constexpr int kFlashBlockTarget = 1056;  // the most split-KV blocks FlashSplits makes (8 a SM)
+constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially, tile by tile
 // Floats `partial` needs for `rows` rows (any split count FlashSplits picks).
 inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
   return (static_cast<int64_t>(rows) + kFlashBlockTarget / kv_heads + 1) * q_heads * (head_dim + 2);
 }
-int FlashSplits(int rows, int q_heads, int kv_heads, int head_dim, int capacity);
+int FlashSplits(int rows, int kv_heads, int capacity);
 bool FlashSupports(int q_heads, int kv_heads, int head_dim);
 // Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core kernel
 // (attention_prefill.cu; bf16 Q, K, V and P, fp32 accumulate) when FlashPrefillSupports(head_dim);
