@@ -275,7 +275,7 @@ void LaunchExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
   Launch(GroupedGateUpKernel<kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, a.offsets, a.sorted_pairs, a.gate, a.up,
          a.hidden, a.inter, a.h);
-  Launch(GroupedDownKernel<kTiles, 8>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
+  Launch(GroupedDownKernel<kTiles, 4>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
          dim3(kWarps * 32), 0, stream, static_cast<const uint16_t*>(a.h), a.offsets,
          static_cast<const int*>(a.sorted_pairs), a.down, a.hidden, a.inter, a.out);
 }
