@@ -23,6 +23,16 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::stri
   return pem;
 }
 
+absl::Status CheckSecretFileMode(const std::string& path, const std::string& what) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && (st.st_mode & (S_IROTH | S_IWOTH)) != 0)
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s file %s is readable or writable by other users (mode %04o): chmod o-rwx it "
+        "(docs/SECURITY.md)",
+        what, path, st.st_mode & 07777));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsOptions& tls) {
   if (!tls.server_enabled()) {
@@ -36,6 +46,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
         "TLS needs both a server certificate and its private key (--tls-cert, --tls-key)");
   absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
   if (!cert.ok()) return cert.status();
+  if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
   absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
   if (!key.ok()) return key.status();
   grpc::SslServerCredentialsOptions options;
@@ -69,6 +80,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.cert_file.empty()) {
     absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
     if (!cert.ok()) return cert.status();
+    if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
     absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
     if (!key.ok()) return key.status();
     options.pem_cert_chain = *std::move(cert);
@@ -117,14 +129,7 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
-  // Like ssh with its keys: a secret other users can read (or swap) is refused, not used. Group
-  // access stays allowed (Kubernetes mounts secrets 0440 for the pod's fsGroup).
-  struct stat st {};
-  if (stat(path.c_str(), &st) == 0 && (st.st_mode & (S_IROTH | S_IWOTH)) != 0)
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "token file %s is readable or writable by other users (mode %04o): chmod o-rwx it "
-        "(docs/SECURITY.md)",
-        path, st.st_mode & 07777));
+  if (auto s = CheckSecretFileMode(path, "token"); !s.ok()) return s;
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
   std::stringstream text;

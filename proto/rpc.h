@@ -51,8 +51,14 @@ struct TlsOptions {
 // Reads a PEM file whole. A missing, unreadable or empty file is an error naming the path and
 // `what` ("TLS certificate", ...).
 absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::string& what);
+// A secret (token, TLS private key) that other users can read or write is refused, like ssh
+// does with its keys: PermissionDenied naming `what`, the file and its mode. Group access stays
+// allowed (Kubernetes mounts secrets 0440 for the pod's fsGroup). A file that cannot be
+// stat'ed passes here; reading it reports the error.
+absl::Status CheckSecretFileMode(const std::string& path, const std::string& what);
 // Server credentials: insecure when no certificate is given; TLS with cert/key; mutual TLS
-// (client certificate required and verified) when client_ca_file is set too.
+// (client certificate required and verified) when client_ca_file is set too. Both credential
+// makers refuse a private key file others can read (CheckSecretFileMode).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsOptions& tls);
 // Channel credentials: insecure unless tls.client_enabled(); TLS verified against ca_file (the
@@ -76,7 +82,7 @@ inline constexpr char kBearerPrefix[] = "Bearer ";
 // Equal strings, in time that depends on the lengths only, not on where they differ.
 bool ConstantTimeEquals(std::string_view a, std::string_view b);
 // Reads a token file: its content less trailing whitespace. A missing, unreadable or empty file
-// is an error naming the path (never the content).
+// is an error naming the path (never the content); so is one others can read (CheckSecretFileMode).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 grpc::Status ToGrpcStatus(const absl::Status& status);

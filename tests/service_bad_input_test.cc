@@ -396,5 +396,33 @@ TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
   std::filesystem::remove_all(tmpl);
 }
 
+// A TLS private key other users can read is refused by both credential makers before it is
+// read, naming the file and its mode; owner- and group-only keys get past that check.
+TEST(AuthHelpers, TlsPrivateKeyReadableByOthersIsRefused) {
+  std::string dir = (std::filesystem::temp_directory_path() / "tls-key-XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+  { std::ofstream(cert) << "-----BEGIN CERTIFICATE-----\nnot really\n-----END CERTIFICATE-----\n"; }
+  { std::ofstream(key) << "-----BEGIN PRIVATE KEY-----\nnot really\n-----END PRIVATE KEY-----\n"; }
+  namespace fs = std::filesystem;
+  rpc::TlsOptions tls;
+  tls.cert_file = cert;
+  tls.key_file = key;
+  fs::permissions(key, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                           fs::perms::others_read);
+  auto server = rpc::MakeServerCredentials(tls);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied) << server.status();
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr(key));
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("mode 0644"));
+  auto client = rpc::MakeChannelCredentials(tls);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kPermissionDenied) << client.status();
+  fs::permissions(key, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  EXPECT_NE(rpc::MakeServerCredentials(tls).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(rpc::MakeChannelCredentials(tls).status().code(), absl::StatusCode::kPermissionDenied);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace infersweep

@@ -80,7 +80,8 @@ Pki MakePki() {
       "-extfile server.ext -out server.pem; ",
       "openssl req ", ec, " -keyout client.key -out client.csr -subj '/CN=test-agent'; ",
       "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
-      "-extfile client.ext -out client.pem; ");
+      "-extfile client.ext -out client.pem; ",
+      "chmod 600 *.key; ");  // private keys others can read are refused (CheckSecretFileMode)
   int rc = 0;
   const std::string out = RunCommand(absl::StrCat("(", script, ") 2>&1"), &rc);
   if (rc != 0) {
