@@ -809,6 +809,18 @@ int RunAgents(const std::string& coordinator) {
   return 0;
 }
 
+// --metrics-listen HOST:PORT, or an empty value (--metrics-listen= or --metrics-listen "") for no
+// endpoint. The option takes 0 or 1 values so that CLI11 reads "--metrics-listen=" as empty
+// rather than as a missing value (it then took the next word); no capture_default_str, which
+// would turn an empty value back into the default: the default is in the help text instead.
+void AddMetricsListenOption(CLI::App* cmd, std::string* listen) {
+  cmd->add_option("--metrics-listen", *listen,
+                  absl::StrCat("host:port of the Prometheus /metrics endpoint "
+                               "(docs/OBSERVABILITY.md; default ", *listen,
+                               "); empty (--metrics-listen=) for none"))
+      ->expected(0, 1);
+}
+
 }  // namespace
 
 void AddServiceCommands(CLI::App& app) {
@@ -854,10 +866,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--tls-key", args.tls_key, "PEM private key of --tls-cert");
     cmd->add_option("--tls-client-ca", args.tls_client_ca,
                     "PEM CA whose client certificates are required (mutual TLS)");
-    cmd->add_option("--metrics-listen", args.metrics_listen,
-                    "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
-                    "\"\" for none")
-        ->capture_default_str();
+    AddMetricsListenOption(cmd, &args.metrics_listen);
     cmd->callback([] { std::exit(RunCoordinator(args)); });
   }
   {
@@ -887,10 +896,7 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--tls-cert", args.tls_cert,
                     "PEM client certificate, for a coordinator that requires mutual TLS");
     cmd->add_option("--tls-key", args.tls_key, "PEM private key of --tls-cert");
-    cmd->add_option("--metrics-listen", args.metrics_listen,
-                    "host:port of the Prometheus /metrics endpoint (docs/OBSERVABILITY.md); "
-                    "\"\" for none")
-        ->capture_default_str();
+    AddMetricsListenOption(cmd, &args.metrics_listen);
     cmd->callback([] { std::exit(RunAgent(args)); });
   }
   {

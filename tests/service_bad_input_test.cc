@@ -20,11 +20,13 @@
 #include "proto/rpc.h"
 #include "storage/store.h"
 #include "tests/raw_agent.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kValidSweep[] = R"(name: waits
 model: preset:tiny-moe
@@ -394,6 +396,31 @@ TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
   EXPECT_THAT(std::string(exposed.status().message()), HasSubstr(good));
   EXPECT_THAT(std::string(exposed.status().message()), HasSubstr("mode 0644"));
   std::filesystem::remove_all(tmpl);
+}
+
+// "--metrics-listen=" (empty) turns the /metrics endpoint off, for the coordinator and the
+// agent; CLI11 used to read it as a missing value and take the next word instead.
+TEST(ServiceCli, EmptyMetricsListenTurnsTheEndpointOff) {
+  const std::string dir = MakeTempDir("metrics-off");
+  int rc = 0;
+  const std::string coordinator = RunCommand(
+      absl::StrCat("timeout 3 '", WorkerBinary(), "' coordinator --metrics-listen= --listen ",
+                   "127.0.0.1:0 --db '", dir, "/c.db' 2>&1"),
+      &rc);
+  EXPECT_THAT(coordinator, HasSubstr("listening on"));
+  EXPECT_THAT(coordinator, Not(HasSubstr("metrics on")));
+  const std::string agent = RunCommand(
+      absl::StrCat("timeout 3 '", WorkerBinary(), "' agent --metrics-listen= --coordinator ",
+                   "127.0.0.1:1 --spool '", dir, "/a.db' 2>&1"),
+      &rc);
+  EXPECT_THAT(agent, Not(HasSubstr("metrics on")));
+  EXPECT_THAT(agent, Not(HasSubstr("not expected")));
+  const std::string with = RunCommand(
+      absl::StrCat("timeout 3 '", WorkerBinary(), "' coordinator --metrics-listen=127.0.0.1:0 ",
+                   "--listen 127.0.0.1:0 --db '", dir, "/d.db' 2>&1"),
+      &rc);
+  EXPECT_THAT(with, HasSubstr("metrics on"));
+  std::filesystem::remove_all(dir);
 }
 
 // A TLS private key other users can read is refused by both credential makers before it is
