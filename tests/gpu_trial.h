@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/backend_config.h"
+#include "engine/backends.h"
 #include "harness/trial.h"
 
 namespace infersweep {
@@ -23,6 +24,17 @@ inline TrialRequest GpuRequest(const std::string& model, const std::string& conf
   r.workload.batch_sizes = {1, 4};
   r.inject_fault = fault;
   return r;
+}
+
+// A CUDA build on one H200 (sm_90), as preflight sees it: for judging configs UNSUPPORTED
+// before any weight loads, on machines without a GPU.
+inline LocalDevices SimulatedH200() {
+  LocalDevices h200;
+  h200.has_cuda_build = true;
+  h200.gpu_count = 1;
+  h200.sm = 90;
+  h200.gpu_name = "NVIDIA H200";
+  return h200;
 }
 
 }  // namespace infersweep

@@ -17,6 +17,7 @@
 #include "engine/roofline.h"
 #include "harness/executor.h"
 #include "harness/verdict.h"
+#include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 
 namespace infersweep {
@@ -131,12 +132,7 @@ TrialRequest QuantRequest(const std::string& model, const std::string& config,
 }
 
 TEST(QuantExecutor, UnsupportedIsJudgedBeforeAnyWeightLoads) {
-  LocalDevices h200;
-  h200.has_cuda_build = true;
-  h200.gpu_count = 1;
-  h200.sm = 90;
-  h200.gpu_name = "NVIDIA H200";
-  TrialExecutor executor(h200);
+  TrialExecutor executor(SimulatedH200());
   const TrialResult r =
       executor.Execute(QuantRequest("preset:qwen3-30b-a3b@nvfp4", "device=cuda,qgemm=native_fp4"));
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;

@@ -23,6 +23,7 @@
 #include "harness/executor.h"
 #include "harness/verdict.h"
 #include "kernels/cuda/scaled_layout.h"
+#include "tests/gpu_trial.h"
 #include "tests/scaled_reference.h"
 
 namespace infersweep {
@@ -105,12 +106,7 @@ TrialRequest Request(const std::string& model, const std::string& config) {
 
 // The executor judges from the model description ("@nvfp4") before any weight loads.
 TEST(ScaledGemmPreflight, ExecutorJudgesBeforeLoading) {
-  LocalDevices h200;
-  h200.has_cuda_build = true;
-  h200.gpu_count = 1;
-  h200.sm = 90;
-  h200.gpu_name = "NVIDIA H200";
-  TrialExecutor executor(h200);
+  TrialExecutor executor(SimulatedH200());
   for (const auto& [model, config, reason] : std::vector<std::array<std::string, 3>>{
            {"preset:tiny-moe@nvfp4", "device=cuda,qgemm=native_fp4",
             "qgemm=native_fp4 needs sm_100 or newer; the GPU is sm_90"},

@@ -141,11 +141,9 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
   cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof transa);
   cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof transb);
-  int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, b_mode = a_mode;
-  const char* modes = "SCALAR_32F";
+  int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, b_mode = a_mode;
+  const char* modes = "OUTER_VEC_32F";
   switch (mode) {
-    case Mode::kFp8Tensor:
-      break;
     case Mode::kFp8Rows:
       a_mode = b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       modes = "OUTER_VEC_32F";
@@ -270,8 +268,6 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
   const bool fp4 = weight.mode == Mode::kNvfp4 || weight.mode == Mode::kMxfp4;
   size_t scale_bytes = 0;
   switch (weight.mode) {
-    case Mode::kFp8Tensor:
-      break;  // the slot
     case Mode::kFp8Rows:
       scale_bytes = sizeof(float) * rows;
       break;
@@ -290,13 +286,9 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
   if (auto s = Grow(&scales_, &scales_bytes_, scale_bytes, stream); !s.ok()) return s;
 
   uint8_t* codes = static_cast<uint8_t*>(codes_);
-  float* slot = reinterpret_cast<float*>(slots_ + 1);  // x's scale (fp8_tensor) or global (nvfp4)
+  float* slot = reinterpret_cast<float*>(slots_ + 1);  // nvfp4: x's global scale
   const void* x_scales = scales_;
   switch (weight.mode) {
-    case Mode::kFp8Tensor:
-      QuantizeFp8PerTensor(x, rows, K, codes, slot, slots_, stream);
-      x_scales = slot;
-      break;
     case Mode::kFp8Rows:
       QuantizeFp8RowGroups(x, rows, K, K, codes, static_cast<float*>(scales_), stream);
       break;

@@ -66,7 +66,8 @@ class ScaledGemm {
   absl::Status Run(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
  private:
-  enum class Mode { kFp8Tensor, kFp8Rows, kFp8Blocks, kNvfp4, kMxfp4 };
+  // fp8_tensor weights run as kFp8Rows (their one scale broadcast; see Prepare).
+  enum class Mode { kFp8Rows, kFp8Blocks, kNvfp4, kMxfp4 };
   struct Weight {
     Mode mode;
     void* scales = nullptr;  // device, in the layout of `mode`
