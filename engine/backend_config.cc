@@ -54,6 +54,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
                "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
                "cores (mma.sync), fp32 accumulate"});
+  r.push_back({"kv_cache", "fp32", "cuda", 80, 0, true, {}, {}, kFp32,
+               "K and V cached in fp32"});
+  r.push_back({"kv_cache", "bf16", "cuda", 80, 0, true, {}, {"attention=naive"}, kBf16,
+               "K and V rounded to bf16 as they are appended: half the bytes decode attention "
+               "reads; attention=flash only (the naive kernel is the fp32 reference)"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
   r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"}, {"graphs=on", "gemm=reference"},
@@ -156,8 +161,8 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 
 std::map<std::string, std::string> DefaultAxes(std::string_view device) {
   if (device == "cuda")  // the GPU reference: every axis at its most conservative value
-    return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"}, {"moe", "loop"},
-            {"graphs", "off"}, {"qgemm", "reference"}};
+    return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"},
+            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"}};
   return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
 }
 

@@ -132,7 +132,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     measure.quantized_bytes_per_weight =
         QuantBytesPerElement(host_->quant_format, host_->config.hidden_size,
                              host_->config.hidden_size);
-  measure.bytes_per_kv_element = 4;  // both devices keep an fp32 KV cache today
+  measure.bytes_per_kv_element = (*model)->kv_cache_bytes_per_element();
   if (ConfigDevice(*config) == "cuda") {
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
     measure.energy = energy_meter_.get();

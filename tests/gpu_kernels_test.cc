@@ -230,36 +230,134 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
     int batch, n, q_heads, kv_heads, d, pos0;
     double tolerance;  // of max |ref|: bf16 Q, K, V and P (2^-9 relative each) on tensor cores
   };
+  // Decode chunks (n < 16) of head sizes 32/64/128 run the tensor-core split-KV kernel (GQA
+  // groups of 8 and 16 as MMA rows, several splits and 64-key tiles, a split's last tile
+  // partial); head size 96 keeps the fp32 CUDA-core kernel (tighter tolerance).
   for (const Case& c : {Case{2, 100, 8, 2, 128, 5, 2e-2}, Case{1, 130, 4, 2, 64, 0, 2e-2},
-                        Case{3, 16, 4, 2, 32, 40, 2e-2}, Case{2, 8, 8, 2, 128, 5, 1e-4}}) {
+                        Case{3, 16, 4, 2, 32, 40, 2e-2}, Case{2, 8, 8, 2, 128, 5, 2e-2},
+                        Case{3, 1, 16, 1, 128, 300, 2e-2}, Case{4, 1, 8, 2, 64, 130, 2e-2},
+                        Case{2, 2, 4, 2, 32, 70, 2e-2}, Case{2, 3, 6, 2, 96, 50, 1e-4},
+                        Case{64, 1, 8, 1, 128, 543, 2e-2}}) {
     const int capacity = c.pos0 + c.n + 3, kv_dim = c.kv_heads * c.d;
     std::vector<float> q(static_cast<size_t>(c.batch) * c.n * c.q_heads * c.d);
     std::vector<float> kc(static_cast<size_t>(c.batch) * capacity * kv_dim), vc(kc.size());
+    // The flash cache is bf16: the host sees the same rounded values.
+    std::vector<uint16_t> kc_bf16(kc.size()), vc_bf16(vc.size());
     for (float& v : q) v = uni(rng);
-    for (float& v : kc) v = uni(rng);
-    for (float& v : vc) v = uni(rng);
+    for (size_t i = 0; i < kc.size(); ++i) {
+      kc_bf16[i] = FloatToBf16(uni(rng));
+      vc_bf16[i] = FloatToBf16(uni(rng));
+      kc[i] = Bf16ToFloat(kc_bf16[i]);
+      vc[i] = Bf16ToFloat(vc_bf16[i]);
+    }
     const std::vector<double> ref =
         HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
     const int rows = c.batch * c.n;
     const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
     float* partial = Upload(std::vector<float>(
         cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
-    float* out = Upload(std::vector<float>(q.size(), NAN));
-    cuda::AttentionFlash(Upload(q), Upload(kc), Upload(vc), rows, c.n, c.q_heads, c.kv_heads,
-                         c.d, Upload(std::vector<int>{c.pos0}), capacity, splits, partial, out,
-                         nullptr);
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<float> got = Download(out, q.size());
-    double worst = 0, scale = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
-      worst = std::max(worst, std::fabs(got[i] - ref[i]));
-      scale = std::max(scale, std::fabs(ref[i]));
+    // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values).
+    for (const bool bf16 : {true, false}) {
+      const cuda::KvCache cache = bf16 ? cuda::KvCache{Upload(kc_bf16), Upload(vc_bf16), true, capacity}
+                                       : cuda::KvCache{Upload(kc), Upload(vc), false, capacity};
+      float* out = Upload(std::vector<float>(q.size(), NAN));
+      cuda::AttentionFlash(Upload(q), cache, rows, c.n, c.q_heads, c.kv_heads, c.d,
+                           Upload(std::vector<int>{c.pos0}), splits, partial, out, nullptr);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = Download(out, q.size());
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
+        worst = std::max(worst, std::fabs(got[i] - ref[i]));
+        scale = std::max(scale, std::fabs(ref[i]));
+      }
+      EXPECT_LT(worst / scale, c.tolerance)
+          << "n " << c.n << " d " << c.d << " pos0 " << c.pos0 << " bf16 cache " << bf16;
+      std::printf("# flash n %d d %d pos0 %d, %s cache: max error %.3g of max |out| %.3g\n", c.n,
+                  c.d, c.pos0, bf16 ? "bf16" : "fp32", worst, scale);
     }
-    EXPECT_LT(worst / scale, c.tolerance) << "n " << c.n << " d " << c.d << " pos0 " << c.pos0;
-    std::printf("# flash n %d d %d pos0 %d: max error %.3g of max |out| %.3g\n", c.n, c.d,
-                c.pos0, worst, scale);
+  }
+}
+
+// q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache (attention=naive) and a
+// bf16 one (attention=flash: the same values rounded once), for head sizes below, at and above
+// a warp's width and rows that land at position + row % n of their sequence.
+TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uni(-2.f, 2.f);
+  struct Case {
+    int batch, n, q_heads, kv_heads, d, pos0;
+  };
+  for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9}}) {
+    for (const bool bf16 : {false, true}) {
+      const int rows = c.batch * c.n, half = c.d / 2, capacity = c.pos0 + c.n + 2;
+      const int kv_dim = c.kv_heads * c.d;
+      const float eps = 1e-6f;
+      std::vector<float> q(static_cast<size_t>(rows) * c.q_heads * c.d), k(static_cast<size_t>(rows) * kv_dim), v(k.size());
+      std::vector<uint16_t> q_gain(c.d), k_gain(c.d);
+      for (float& x : q) x = uni(rng);
+      for (float& x : k) x = uni(rng);
+      for (float& x : v) x = uni(rng);
+      for (uint16_t& g : q_gain) g = FloatToBf16(uni(rng));
+      for (uint16_t& g : k_gain) g = FloatToBf16(uni(rng));
+      std::vector<float2> rope(static_cast<size_t>(capacity) * half);
+      for (int p = 0; p < capacity; ++p)
+        for (int i = 0; i < half; ++i) {
+          const double angle = p * std::pow(1e6, -2.0 * i / c.d);
+          rope[static_cast<size_t>(p) * half + i] = {static_cast<float>(std::cos(angle)), static_cast<float>(std::sin(angle))};
+        }
+      // Host: normalise, rotate; expected q in place and the cache rows.
+      auto rotate = [&](const float* in, const std::vector<uint16_t>& gain, int pos, double* out) {
+        double sum_sq = 0;
+        for (int i = 0; i < c.d; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
+        const double inv = 1.0 / std::sqrt(sum_sq / c.d + eps);
+        for (int i = 0; i < half; ++i) {
+          const double x1 = in[i] * inv * Bf16ToFloat(gain[i]), x2 = in[i + half] * inv * Bf16ToFloat(gain[i + half]);
+          const float2 cs = rope[static_cast<size_t>(pos) * half + i];
+          out[i] = x1 * cs.x - x2 * cs.y;
+          out[i + half] = x2 * cs.x + x1 * cs.y;
+        }
+      };
+      const size_t cache_elems = static_cast<size_t>(c.batch) * capacity * kv_dim;
+      std::vector<double> want_q(q.size()), want_k(cache_elems, 0.0), want_v(cache_elems, 0.0);
+      for (int r = 0; r < rows; ++r) {
+        const int b = r / c.n, pos = c.pos0 + r % c.n;
+        for (int h = 0; h < c.q_heads; ++h) {
+          const size_t at = (static_cast<size_t>(r) * c.q_heads + h) * c.d;
+          rotate(&q[at], q_gain, pos, &want_q[at]);
+        }
+        for (int h = 0; h < c.kv_heads; ++h) {
+          const size_t slot = (static_cast<size_t>(b) * capacity + pos) * kv_dim + h * c.d;
+          rotate(&k[static_cast<size_t>(r) * kv_dim + h * c.d], k_gain, pos, &want_k[slot]);
+          for (int i = 0; i < c.d; ++i) want_v[slot + i] = v[static_cast<size_t>(r) * kv_dim + h * c.d + i];
+        }
+      }
+      float* dq = Upload(q);
+      const size_t bytes = cache_elems * (bf16 ? 2 : 4);
+      void* kc = Upload(std::vector<char>(bytes, 0));
+      void* vc = Upload(std::vector<char>(bytes, 0));
+      cuda::QkNormRopeAppend(dq, Upload(k), Upload(v), rows, c.n, c.q_heads, c.kv_heads, c.d,
+                             MatrixRef{Upload(q_gain), DType::kBF16, 1, c.d},
+                             MatrixRef{Upload(k_gain), DType::kBF16, 1, c.d}, eps, Upload(rope),
+                             Upload(std::vector<int>{c.pos0}), cuda::KvCache{kc, vc, bf16, capacity},
+                             nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got_q = Download(dq, q.size());
+      for (size_t i = 0; i < q.size(); ++i)
+        ASSERT_NEAR(got_q[i], want_q[i], 1e-4 * (1 + std::fabs(want_q[i]))) << "q[" << i << "] d " << c.d;
+      auto cache_value = [&](const std::vector<char>& raw, size_t i) {
+        if (!bf16) return static_cast<double>(reinterpret_cast<const float*>(raw.data())[i]);
+        return static_cast<double>(Bf16ToFloat(reinterpret_cast<const uint16_t*>(raw.data())[i]));
+      };
+      const std::vector<char> got_k = Download(static_cast<char*>(kc), bytes);
+      const std::vector<char> got_v = Download(static_cast<char*>(vc), bytes);
+      const double rel = bf16 ? 1.0 / 256 : 1e-4;  // one bf16 rounding: 2^-9 relative
+      for (size_t i = 0; i < cache_elems; ++i) {
+        ASSERT_NEAR(cache_value(got_k, i), want_k[i], rel * (1 + std::fabs(want_k[i]))) << "k cache[" << i << "] bf16 " << bf16;
+        ASSERT_NEAR(cache_value(got_v, i), want_v[i], rel * (1 + std::fabs(want_v[i]))) << "v cache[" << i << "] bf16 " << bf16;
+      }
+    }
   }
 }
 

@@ -62,6 +62,26 @@ TEST(Preflight, GatesOnBuildAndConflicts) {
   EXPECT_EQ(Preflight(*cpu, no_build).precision, PrecisionClass::kFp32);
 }
 
+// The KV cache dtype is an axis: fp32 by default (the GPU reference), bf16 a bf16-class value
+// that only the flash kernels read.
+TEST(Preflight, KvCacheAxisDefaultsToFp32AndBf16NeedsFlash) {
+  auto plain = NormalizeBackendConfig({{"device", "cuda"}, {"attention", "flash"}});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->at("kv_cache"), "fp32");
+  PreflightTarget hopper{true, 90, 1, "bf16"};
+  auto naive = NormalizeBackendConfig({{"device", "cuda"}, {"kv_cache", "bf16"}});
+  ASSERT_TRUE(naive.ok()) << naive.status();
+  EXPECT_THAT(Preflight(*naive, hopper).reason,
+              HasSubstr("kv_cache=bf16 cannot be combined with attention=naive"));
+  auto flash = NormalizeBackendConfig(
+      {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "flash"}, {"kv_cache", "bf16"}});
+  ASSERT_TRUE(flash.ok()) << flash.status();
+  EXPECT_TRUE(Preflight(*flash, hopper).supported) << Preflight(*flash, hopper).reason;
+  EXPECT_EQ(Preflight(*flash, hopper).precision, PrecisionClass::kBf16);
+  EXPECT_THAT(NormalizeBackendConfig({{"device", "cuda"}, {"kv_cache", "fp8"}}).status().message(),
+              HasSubstr("known: fp32, bf16"));
+}
+
 // SM ranges, judged against a registry of the test's own (an sm_90a-only kernel).
 TEST(Preflight, GatesOnSmRange) {
   std::vector<BackendDescriptor> registry = {

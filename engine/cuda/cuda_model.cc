@@ -309,6 +309,8 @@ class CudaModel final : public Model {
     if (k_cache_) cudaFree(k_cache_);
     if (v_cache_) cudaFree(v_cache_);
     if (rope_) cudaFree(rope_);
+    for (float* p : router_f32_)
+      if (p) cudaFree(p);
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
@@ -319,6 +321,7 @@ class CudaModel final : public Model {
   int position() const override { return position_; }
   double graph_capture_seconds() const override { return capture_seconds_; }
   std::optional<double> last_forward_device_ms() const override { return last_step_ms_; }
+  int kv_cache_bytes_per_element() const override { return options_.kv_cache_bf16 ? 2 : 4; }
   std::optional<int64_t> device_memory_used_bytes() const override {
     size_t free = 0, total = 0;
     if (cudaMemGetInfo(&free, &total) != cudaSuccess) return std::nullopt;
@@ -342,16 +345,39 @@ class CudaModel final : public Model {
       cuda::BuildRopeTable(max_tokens, config_.head_dim, config_.rope_theta, rope_, stream_);
       CHECK_LAUNCH();
       const size_t elems = static_cast<size_t>(config_.num_layers) * batch * max_tokens * config_.kv_dim();
-      auto k = DeviceAlloc<float>(elems);
+      auto k = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
       if (!k.ok()) return k.status();
       k_cache_ = *k;
-      auto v = DeviceAlloc<float>(elems);
+      auto v = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
       if (!v.ok()) return v.status();
       v_cache_ = *v;
     }
+    if (auto s = MakeRouterCopies(); !s.ok()) return s;
     batch_ = batch;
     capacity_ = max_tokens;
     position_ = 0;
+    return absl::OkStatus();
+  }
+
+  // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
+  // graph capture: 1 MB a layer on qwen3-30b-a3b.
+  absl::Status MakeRouterCopies() {
+    if (!gemm_ || !config_.is_moe() || !router_f32_.empty()) return absl::OkStatus();
+    std::vector<float*> copies(config_.num_layers, nullptr);
+    for (int l = 0; l < config_.num_layers; ++l) {
+      const MatrixRef& wr = w_.layers[l].router;
+      if (wr.empty() || wr.quantized()) continue;  // the reference GEMM dequantizes those
+      auto copy = DeviceAlloc<float>(static_cast<size_t>(wr.rows * wr.cols));
+      if (!copy.ok()) {
+        for (float* p : copies)
+          if (p) cudaFree(p);
+        return copy.status();
+      }
+      copies[l] = *copy;
+      cuda::UpcastToF32(wr, copies[l], stream_);
+      CHECK_LAUNCH();
+    }
+    router_f32_ = std::move(copies);
     return absl::OkStatus();
   }
 
@@ -439,11 +465,32 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
+  // y += scale * (x . W^T + bias): cuBLASLt adds into y itself (beta = 1) for bf16 W without a
+  // bias, one launch fewer than the product into o_ and a separate add.
+  absl::Status GemmAccumulate(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
+                              const MatrixRef& bias, float scale, float* y) {
+    if (gemm_ && w.dtype == DType::kBF16 && !w.quantized() && bias.empty()) {
+      if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_, scale, 1.f); !s.ok()) return s;
+      CHECK_LAUNCH();
+      return absl::OkStatus();
+    }
+    if (auto s = Gemm(x, x_bf16, rows, w, bias, o_); !s.ok()) return s;
+    cuda::AddScaled(y, o_, scale, static_cast<int64_t>(rows) * w.rows, stream_);
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
   const uint16_t* PrepareInput(const float* x, int64_t count) {
     if (!gemm_) return nullptr;
     cuda::ToBf16(x, count, bf16_, stream_);
     CHECK_LAUNCH();
     return bf16_;
+  }
+  // xn_ = RMSNorm(x) * gain, and its bf16 copy for cuBLASLt in the same launch (PrepareInput's
+  // result: null without cuBLASLt).
+  const uint16_t* NormAndPrepare(const float* x, int rows, int n, const MatrixRef& gain, float eps) {
+    cuda::RmsNorm(x, rows, n, gain, eps, xn_, stream_, gemm_ ? bf16_ : nullptr);
+    CHECK_LAUNCH();
+    return gemm_ ? bf16_ : nullptr;
   }
 
   // One forward pass: embeddings, every layer, final norm, lm_head, logits to pinned memory.
@@ -468,26 +515,28 @@ class CudaModel final : public Model {
         AddSegment(a, lw.v, lw.v_bias, v_);
         if (auto s = RunGemv(a, /*projection=*/true); !s.ok()) return s;
       } else {
-        cuda::RmsNorm(x_, rows, hidden, lw.input_norm, eps, xn_, stream_);
-        const uint16_t* xb = PrepareInput(xn_, static_cast<int64_t>(rows) * hidden);
+        const uint16_t* xb = NormAndPrepare(x_, rows, hidden, lw.input_norm, eps);
         if (auto s = Gemm(xn_, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
         if (auto s = Gemm(xn_, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
         if (auto s = Gemm(xn_, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
       }
-      float* kc = k_cache_ + l * layer_kv;
-      float* vc = v_cache_ + l * layer_kv;
+      const size_t layer_offset = l * layer_kv * kv_cache_bytes_per_element();
+      const cuda::KvCache cache{k_cache_ + layer_offset, v_cache_ + layer_offset,
+                                options_.kv_cache_bf16, capacity_};
       cuda::QkNormRopeAppend(q_, k_, v_, rows, n, config_.num_q_heads, config_.num_kv_heads,
                              config_.head_dim, config_.qk_norm ? lw.q_norm : MatrixRef{},
                              config_.qk_norm ? lw.k_norm : MatrixRef{}, eps, rope_, d_position_,
-                             capacity_, kc, vc, stream_);
+                             cache, stream_);
       if (options_.attention_flash) {
-        cuda::AttentionFlash(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                             config_.head_dim, d_position_, capacity_,
+        cuda::AttentionFlash(q_, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                             config_.head_dim, d_position_,
                              cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
                              attn_, stream_);
       } else {
-        cuda::AttentionNaive(q_, kc, vc, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                             config_.head_dim, d_position_, capacity_, scores_, attn_, stream_);
+        cuda::AttentionNaive(q_, static_cast<const float*>(cache.k),
+                             static_cast<const float*>(cache.v), rows, n, config_.num_q_heads,
+                             config_.num_kv_heads, config_.head_dim, d_position_, capacity_,
+                             scores_, attn_, stream_);
       }
       CHECK_LAUNCH();
       const bool bad_scale = options_.fault.kind == FaultInjection::Kind::kBadScale && l == 0;
@@ -500,8 +549,8 @@ class CudaModel final : public Model {
         if (auto s = RunGemv(a, /*projection=*/true); !s.ok()) return s;
       } else {
         const uint16_t* ab = PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
-        if (auto s = Gemm(attn_, ab, rows, lw.o, lw.o_bias, o_); !s.ok()) return s;
-        cuda::AddScaled(x_, o_, o_scale, static_cast<int64_t>(rows) * hidden, stream_);
+        if (auto s = GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, x_); !s.ok())
+          return s;
       }
       CHECK_LAUNCH();
       // The MLP or MoE block adds its output into x_ (the residual stream).
@@ -521,8 +570,7 @@ class CudaModel final : public Model {
       cuda::GatherRows(x_, d_last_rows_, batch_, hidden, o_, stream_);
       final_in = o_;
     }
-    cuda::RmsNorm(final_in, out_rows, hidden, w_.final_norm, eps, xn_, stream_);
-    const uint16_t* fb = PrepareInput(xn_, static_cast<int64_t>(out_rows) * hidden);
+    const uint16_t* fb = NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
     if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
     if (options_.fault.kind == FaultInjection::Kind::kStuckToken)
       cuda::ForceToken(logits_, out_rows, config_.vocab_size,
@@ -688,22 +736,6 @@ class CudaModel final : public Model {
     const int skip = options_.fault.kind == FaultInjection::Kind::kZeroExpert
                          ? static_cast<int>(options_.fault.value)
                          : -1;
-    // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
-    // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
-    if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
-      FusedGemv a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
-      a.normed_out = xn_;
-      AddSegment(a, lw.router, {}, router_);
-      if (auto s = RunGemv(a); !s.ok()) return s;
-    } else {
-      cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
-      if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
-        cuda::RouterGemm(xn_, rows, lw.router, router_, stream_);
-      else
-        cuda::GemmReference(xn_, rows, lw.router, {}, router_, stream_);
-    }
-    cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
-                     expert_weights_, stream_);
     // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
     // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
     // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
@@ -723,8 +755,23 @@ class CudaModel final : public Model {
     const bool grouped_mma = options_.moe_fused && !quant_experts && !long_prefill &&
                              rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+    // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
+    // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
+    if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
+      FusedGemv a = GemvInput(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      a.normed_out = xn_;
+      AddSegment(a, lw.router, {}, router_);
+      if (auto s = RunGemv(a); !s.ok()) return s;
+      if (grouped_mma) cuda::ToBf16(xn_, elems, bf16_, stream_);  // 4 rows: GEMV and MMA meet
+    } else {
+      // The grouped MMA kernels take the normalised input in bf16: written by the norm itself.
+      cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_,
+                    grouped_mma ? bf16_ : nullptr);
+      if (auto s = Router(l, rows); !s.ok()) return s;
+    }
+    cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
+                     expert_weights_, stream_);
     if (grouped_mma) {
-      cuda::ToBf16(xn_, elems, bf16_, stream_);
       cuda::MoeGroupedArgs a;
       a.x_bf16 = bf16_;
       a.rows = rows;
@@ -790,6 +837,24 @@ class CudaModel final : public Model {
       cuda::AddSigmoidGated(x_, o_, router_, rows, hidden, stream_);
       CHECK_LAUNCH();
     }
+    return absl::OkStatus();
+  }
+
+  // router_ = xn_ . Wr^T in fp32 (fp32 input, fp32 accumulate) for the non-GEMV paths. From
+  // kRouterCublasMinRows rows on, cuBLASLt's fp32 GEMM runs it on fp32 copies of the router
+  // weights (MakeRouterCopies): our kernels measured 22 us a layer at batch 64 (warp per expert)
+  // and 163 us at prefill 2048 (128 register-tiled blocks).
+  static constexpr int kRouterCublasMinRows = 16;
+  absl::Status Router(int l, int rows) {
+    const MatrixRef& wr = w_.layers[l].router;
+    if (gemm_ && rows >= kRouterCublasMinRows && !router_f32_.empty() && router_f32_[l])
+      return gemm_->RunF32(xn_, rows, router_f32_[l], static_cast<int>(wr.rows),
+                           static_cast<int>(wr.cols), router_, stream_);
+    if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
+      cuda::RouterGemm(xn_, rows, wr, router_, stream_);
+    else
+      cuda::GemmReference(xn_, rows, wr, {}, router_, stream_);
+    CHECK_LAUNCH();
     return absl::OkStatus();
   }
 
@@ -978,8 +1043,9 @@ class CudaModel final : public Model {
   cudaStream_t stream_ = nullptr;
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
       logit_rows_ = 0;
-  float *k_cache_ = nullptr, *v_cache_ = nullptr;
+  char *k_cache_ = nullptr, *v_cache_ = nullptr;  // fp32, or bf16 with kv_cache=bf16
   float2* rope_ = nullptr;  // [capacity, head_dim / 2] cos/sin
+  std::vector<float*> router_f32_;  // per layer (MakeRouterCopies); null for dense layers
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *attn_ = nullptr,
         *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *router_ = nullptr,
         *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr, *moe_in_ = nullptr,
@@ -1004,7 +1070,9 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
                                                      const CudaModelOptions& options) {
   if (options.attention_flash &&
       !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
-    return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 4) and <= 16 q heads per kv head");
+    return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv head");
+  if (options.kv_cache_bf16 && !options.attention_flash)
+    return absl::InvalidArgumentError("kv_cache=bf16 needs attention=flash (the naive kernel reads fp32)");
   const ModelConfig& c = host.config;
   if (options.moe_fused && c.is_moe() &&
       (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||

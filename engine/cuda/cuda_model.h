@@ -19,6 +19,7 @@ struct CudaModelOptions {
   bool gemm_fused = false;     // decode rows: our GEMV with norm/bias/residual fused (needs cublaslt)
   bool gemm_tma = false;       // as gemm_fused, q/k/v and o streamed by the TMA engine (sm_90a)
   bool attention_flash = false;  // else the naive (materialised scores) kernel
+  bool kv_cache_bf16 = false;    // kv_cache=bf16: K and V rounded to bf16 (attention=flash only)
   bool moe_fused = false;      // else the per-expert loop with a host sync
   bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)
   bool graphs = false;         // capture the decode step (needs moe_fused)

@@ -17,17 +17,25 @@ __global__ void RopeTableKernel(int capacity, int half, int head_dim, double the
   table[i] = make_float2(static_cast<float>(cos(angle)), static_cast<float>(sin(angle)));
 }
 
-// grid (rows, q_heads + kv_heads): one block per head vector. Optional RMSNorm over the head
-// (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with their v head.
-__global__ void QkNormRopeAppendKernel(float* q, float* k, const float* v, int n, int q_heads,
-                                       int kv_heads, int head_dim, const void* q_norm,
-                                       const void* k_norm, DType norm_dtype, float eps,
-                                       const float2* rope, const int* position, int capacity,
-                                       float* k_cache, float* v_cache) {
-  __shared__ float scratch[32];
+__device__ __forceinline__ void StoreKv(float* p, float v) { *p = v; }
+__device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// grid (rows, ceil((q_heads + kv_heads) / kWarps)), one warp per head vector. Optional RMSNorm
+// over the head (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with
+// their v head. (A block per head vector with a block-wide sum cost 4.1 us at batch 1 and 91 us
+// at prefill 2048 a layer: 73,728 blocks of two barriers each.)
+constexpr int kRopeWarps = 4;
+template <typename CacheT>
+__global__ void __launch_bounds__(kRopeWarps * 32)
+    QkNormRopeAppendKernel(float* q, float* k, const float* v, int n, int q_heads, int kv_heads,
+                           int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
+                           float eps, const float2* rope, const int* position, int capacity,
+                           CacheT* k_cache, CacheT* v_cache) {
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  const int row = blockIdx.x, head = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + threadIdx.x / 32;
+  if (head >= q_heads + kv_heads) return;
   const int batch = row / n, pos = *position + row % n;
   const int half = head_dim / 2;
   const bool is_q = head < q_heads;
@@ -39,11 +47,11 @@ __global__ void QkNormRopeAppendKernel(float* q, float* k, const float* v, int n
   float inv = 1.f;
   if (gain) {
     float sum_sq = 0.f;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) sum_sq += vec[d] * vec[d];
-    inv = rsqrtf(BlockSum(sum_sq, scratch) / head_dim + eps);
+    for (int d = lane; d < head_dim; d += 32) sum_sq += vec[d] * vec[d];
+    inv = rsqrtf(WarpSum(sum_sq) / head_dim + eps);  // every lane's reads are done past here
   }
   const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+  for (int i = lane; i < half; i += 32) {
     float x1 = vec[i], x2 = vec[i + half];
     if (gain) {
       x1 = x1 * inv * LoadAsFloat(gain, norm_dtype, i);
@@ -55,13 +63,13 @@ __global__ void QkNormRopeAppendKernel(float* q, float* k, const float* v, int n
       vec[i] = r1;
       vec[i + half] = r2;
     } else {
-      k_cache[slot + i] = r1;
-      k_cache[slot + i + half] = r2;
+      StoreKv(k_cache + slot + i, r1);
+      StoreKv(k_cache + slot + i + half, r2);
     }
   }
   if (!is_q) {
     const float* vh = v + static_cast<int64_t>(row) * kv_dim + kv_head * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) v_cache[slot + d] = vh[d];
+    for (int d = lane; d < head_dim; d += 32) StoreKv(v_cache + slot + d, vh[d]);
   }
 }
 
@@ -115,12 +123,18 @@ void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cud
 
 void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q_heads,
                       int kv_heads, int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm,
-                      float eps, const float2* rope, const int* position, int capacity,
-                      float* k_cache, float* v_cache, cudaStream_t stream) {
-  const int threads = std::min(128, std::max(32, (head_dim / 2 + 31) / 32 * 32));
-  Launch(QkNormRopeAppendKernel, dim3(rows, q_heads + kv_heads), dim3(threads), 0, stream, q, k, v,
-         n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope,
-         position, capacity, k_cache, v_cache);
+                      float eps, const float2* rope, const int* position, const KvCache& cache,
+                      cudaStream_t stream) {
+  const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
+  if (cache.bf16)
+    Launch(QkNormRopeAppendKernel<__nv_bfloat16>, grid, block, 0, stream, q, k, v, n, q_heads,
+           kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
+           cache.capacity, static_cast<__nv_bfloat16*>(cache.k),
+           static_cast<__nv_bfloat16*>(cache.v));
+  else
+    Launch(QkNormRopeAppendKernel<float>, grid, block, 0, stream, q, k, v, n, q_heads, kv_heads,
+           head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, cache.capacity,
+           static_cast<float*>(cache.k), static_cast<float*>(cache.v));
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

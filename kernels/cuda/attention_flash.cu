@@ -1,9 +1,14 @@
 // Flash attention: tiled online softmax over the KV cache, split across blocks along the keys
-// (split-KV) so that batch-1 decode still fills the GPU, then a small combine kernel.
+// (split-KV) so that batch-1 decode still fills the GPU, then a small combine kernel. Head sizes
+// 32, 64 and 128 take the tensor-core kernels (attention_decode.cu, attention_prefill.cu); this
+// file's CUDA-core partial kernel serves the others.
+//
+// The cache is fp32 or bf16 (KvCache, kv_cache=); tiles are fp32 in shared memory.
 //
 // Napkin math, qwen3-30b-a3b decode at batch 1, context 576: K and V of one layer are
-// 2 x 576 x 512 floats = 2.4 MB; 48 layers = 113 MB -> 25 us at 4.46 TB/s. The naive kernel
-// re-read them once per q head (x8) with uncoalesced per-thread strides: ~5 ms per token.
+// 2 x 576 x 512 bf16 = 1.2 MB (2.4 MB in fp32); 48 layers = 57 MB -> 13 us at 4.46 TB/s. Batch
+// 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache measured 100 us for 142 MB). The naive kernel re-read K and V
+// once per q head (x8) with uncoalesced per-thread strides: ~5 ms per token.
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
@@ -16,11 +21,25 @@ constexpr int kTile = 32;          // keys per shared-memory tile
 constexpr int kMaxHeadDim = 128;  // keeps shared memory under the 48 KB default
 constexpr int kMaxGroup = 16;      // q heads per kv head
 
+// Eight cache elements from a 16-byte-aligned address to eight floats.
+__device__ __forceinline__ void Load8AsFloat(const __nv_bfloat16* p, float* out) {
+  const uint4 packed = __ldg(reinterpret_cast<const uint4*>(p));
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void Load8AsFloat(const float* p, float* out) { LoadFloat8(p, out); }
+
 // grid (rows, kv_heads, splits); block = group warps (one warp per q head of this kv head).
 // Each block walks its slice of keys [begin, end) in tiles: K and V tiles are loaded once into
 // shared memory and used by every q head of the group (GQA sharing). Lane i owns head dims
 // i, i+32, ... of the accumulator. Writes partial (max, sum, acc) per (row, q head, split).
-__global__ void FlashPartialKernel(const float* q, const float* k_cache, const float* v_cache,
+template <typename CacheT>
+__global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache,
                                    int n, int q_heads, int kv_heads, int head_dim,
                                    const int* position, int capacity, int splits,
                                    float* partial_acc, float* partial_max, float* partial_sum) {
@@ -44,8 +63,8 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
   const float scale = rsqrtf(static_cast<float>(head_dim));
   const float* qh = q + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   for (int d = lane; d < head_dim; d += 32) q_all[warp * head_dim + d] = qh[d] * scale;
-  const float* keys_base = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
-  const float* values_base = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const CacheT* keys_base = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const CacheT* values_base = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
 
   float acc[kMaxHeadDim / 32];
 #pragma unroll
@@ -55,18 +74,22 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
   for (int t0 = begin; t0 < end; t0 += kTile) {
     const int count = min(kTile, end - t0);
     __syncthreads();  // previous tile fully consumed (and q_all written, first time)
-    // 16-byte loads, unrolled so a thread's share of the tile is in flight at once: scalar loads
-    // in a rolled loop waited out ~16 round trips per tile (120 us a layer at batch 64, 1.1 TB/s).
-    const int quads = head_dim / 4;
+    // 16-byte loads (8 elements), unrolled so a thread's share of the tile is in flight at once:
+    // scalar loads in a rolled loop waited out ~16 round trips per tile (120 us a layer at batch
+    // 64, 1.1 TB/s).
+    const int octs = head_dim / 8;
 #pragma unroll 4
-    for (int i = threadIdx.x; i < count * quads; i += blockDim.x) {
-      const int j = i / quads, d = (i % quads) * 4;
-      const float4 kq = __ldg(reinterpret_cast<const float4*>(keys_base + static_cast<int64_t>(t0 + j) * kv_dim + d));
-      const float4 vq = __ldg(reinterpret_cast<const float4*>(values_base + static_cast<int64_t>(t0 + j) * kv_dim + d));
-      float* kd = k_tile + j * stride + d;
-      float* vd = v_tile + j * stride + d;
-      kd[0] = kq.x, kd[1] = kq.y, kd[2] = kq.z, kd[3] = kq.w;
-      vd[0] = vq.x, vd[1] = vq.y, vd[2] = vq.z, vd[3] = vq.w;
+    for (int i = threadIdx.x; i < count * octs; i += blockDim.x) {
+      const int j = i / octs, d = (i % octs) * 8;
+      const int64_t at = static_cast<int64_t>(t0 + j) * kv_dim + d;
+      float kv[2][8];
+      Load8AsFloat(keys_base + at, kv[0]);
+      Load8AsFloat(values_base + at, kv[1]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        k_tile[j * stride + d + e] = kv[0][e];
+        v_tile[j * stride + d + e] = kv[1][e];
+      }
     }
     __syncthreads();
     // Lane j scores key t0 + j (kTile == 32: one key per lane).
@@ -115,26 +138,30 @@ __global__ void FlashPartialKernel(const float* q, const float* k_cache, const f
   }
 }
 
-// One block per (row, q head): merges the splits' partial softmaxes.
-__global__ void FlashCombineKernel(const float* partial_acc, const float* partial_max,
-                                   const float* partial_sum, int splits, int head_dim, float* out) {
+// One block per (row, q head), 128 threads (>= kMaxFlashSplits): merges the splits' partial
+// softmaxes. Each split's weight exp(max_s - max) / denom is computed once, in parallel, so the
+// per-dimension sums are independent loads (a loop that re-read each split's max per step was
+// 7.3 us at batch 1 over 18 splits).
+__global__ void __launch_bounds__(128)
+    FlashCombineKernel(const float* partial_acc, const float* partial_max,
+                       const float* partial_sum, int splits, int head_dim, float* out) {
+  __shared__ float weight[kMaxFlashSplits];
+  __shared__ float scratch[32];
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int64_t rh = blockIdx.x;  // row * q_heads + head
-  float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_max[rh * splits + s]);
-  float denom = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float pm = partial_max[rh * splits + s];
-    if (pm != -INFINITY) denom += partial_sum[rh * splits + s] * expf(pm - m);
-  }
+  const int s = threadIdx.x;
+  const float pm = s < splits ? partial_max[rh * splits + s] : -INFINITY;
+  const float m = BlockMax(pm, scratch);  // finite: every row has a key, so some split does
+  const float w = pm != -INFINITY ? expf(pm - m) : 0.f;  // an empty split weighs nothing
+  const float denom = BlockSum(s < splits ? w * partial_sum[rh * splits + s] : 0.f, scratch);
+  if (s < splits) weight[s] = w / denom;
+  __syncthreads();
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float pm = partial_max[rh * splits + s];
-      if (pm != -INFINITY) acc += partial_acc[(rh * splits + s) * head_dim + d] * expf(pm - m);
-    }
-    out[rh * head_dim + d] = acc / denom;
+#pragma unroll 8
+    for (int i = 0; i < splits; ++i) acc += weight[i] * partial_acc[(rh * splits + i) * head_dim + d];
+    out[rh * head_dim + d] = acc;
   }
 }
 
@@ -150,15 +177,14 @@ int FlashSplits(int rows, int kv_heads, int capacity) {
 }
 
 bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
-  return head_dim <= kMaxHeadDim && head_dim % 4 == 0 && q_heads % kv_heads == 0 && q_heads / kv_heads <= kMaxGroup;
+  return head_dim <= kMaxHeadDim && head_dim % 8 == 0 && q_heads % kv_heads == 0 && q_heads / kv_heads <= kMaxGroup;
 }
 
-void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
-                    int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
-                    int splits, float* partial, float* out, cudaStream_t stream) {
+void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                    int kv_heads, int head_dim, const int* position, int splits, float* partial,
+                    float* out, cudaStream_t stream) {
   if (n >= kFlashPrefillMinTokens && FlashPrefillSupports(head_dim)) {
-    AttentionFlashPrefill(q, k_cache, v_cache, rows, n, q_heads, kv_heads, head_dim, position,
-                          capacity, out, stream);
+    AttentionFlashPrefill(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out, stream);
     return;
   }
   const int group = q_heads / kv_heads;
@@ -167,9 +193,20 @@ void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, 
   float* partial_max = partial + slots * head_dim;
   float* partial_sum = partial_max + slots;
   const size_t shared = (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
-  Launch(FlashPartialKernel, dim3(rows, kv_heads, splits), dim3(32 * group), shared, stream, q,
-         k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, splits, partial_acc,
-         partial_max, partial_sum);
+  const dim3 grid(rows, kv_heads, splits), block(32 * group);
+  if (FlashDecodeMmaSupports(head_dim))  // tensor cores (attention_decode.cu)
+    AttentionFlashDecodeMma(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
+                            partial_acc, partial_max, partial_sum, stream);
+  else if (cache.bf16)
+    Launch(FlashPartialKernel<__nv_bfloat16>, grid, block, shared, stream, q,
+           static_cast<const __nv_bfloat16*>(cache.k), static_cast<const __nv_bfloat16*>(cache.v),
+           n, q_heads, kv_heads, head_dim, position, cache.capacity, splits, partial_acc,
+           partial_max, partial_sum);
+  else
+    Launch(FlashPartialKernel<float>, grid, block, shared, stream, q,
+           static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), n, q_heads,
+           kv_heads, head_dim, position, cache.capacity, splits, partial_acc, partial_max,
+           partial_sum);
   Launch(FlashCombineKernel, dim3(rows * q_heads), dim3(128), 0, stream, partial_acc, partial_max,
          partial_sum, splits, head_dim, out);
 }

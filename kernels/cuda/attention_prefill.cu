@@ -2,13 +2,14 @@
 // FlashAttention-2 style, bf16 mma.sync m16n8k16 with fp32 accumulators and an online softmax
 // in exp2. The split-KV kernel (attention_flash.cu) gives each query row its own block and
 // re-reads every key per row on CUDA cores: 5.1 ms a layer at prefill 2048 on qwen3-30b-a3b
-// (ncu); this kernel measured 534 us there (64 TFLOP/s: K/V conversion and staging dominate).
+// (ncu); this kernel measured 534 us there on the fp32 cache (64 TFLOP/s: K/V conversion and
+// staging dominated). With kv_cache=bf16 (KvCache) tiles are plain 16-byte copies.
 //
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens, one layer: QK^T and PV over the causal
 // half, 32 heads x 2048^2 / 2 x 128 x 2 x 2 = 34 GFLOP -> ~0.1 ms at 400 TFLOP/s of mma.sync;
-// the K/V tiles (fp32 in the cache) are re-read from L2 by each of the 8 q heads of a kv head
-// and each 64-query tile: ~1.1 GB of L2 reads, ~0.15 ms.
-#include "kernels/cuda/common.cuh"
+// the K/V tiles are re-read from L2 by each of the 8 q heads of a kv head and each 64-query
+// tile: ~0.55 GB of L2 reads with a bf16 cache (~0.08 ms), twice that with fp32.
+#include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep::cuda {
@@ -17,27 +18,14 @@ namespace {
 constexpr int kQueries = 64;  // per block: 4 warps x 16
 constexpr int kKeys = 64;     // per shared-memory tile
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // grid (ceil(n / 64), q_heads, batch), 128 threads. Warp w owns queries 64 x + 16 w + [0, 16)
 // of one head; lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of every fragment.
 // K and V are staged as [key][d] in bf16, rows padded by 8 elements so the fragment loads
 // (8 rows x 4 words, or ldmatrix's 8 rows x 16 bytes) hit 32 distinct banks. Query i of batch row b sits at
 // position *position + i and sees keys [0, that position].
-template <int D>
+template <int D, typename CacheT>
 __global__ void __launch_bounds__(128)
-    FlashPrefillKernel(const float* q, const float* k_cache, const float* v_cache, int n,
+    FlashPrefillKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
                        int q_heads, int kv_heads, const int* position, int capacity, float* out) {
   constexpr int kKStride = D + 8;  // bf16 per K and V row: 16-byte aligned, conflict-free
   __shared__ __align__(16) __nv_bfloat16 k_s[kKeys * kKStride];
@@ -70,28 +58,14 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // l: this lane's part
-  const float* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  const float* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
 
   for (int k0 = 0; k0 <= last_key; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed
-    // K and V rows alike, [key][d] in bf16: consecutive threads take consecutive d (coalesced
-    // 16-byte reads, contiguous 8-byte stores), unrolled so a thread's loads are in flight together.
-    // (V used to be stored transposed, 2 bytes at a time: the PV fragments now come from
-    // ldmatrix.trans instead.)
-#pragma unroll 8
-    for (int idx = threadIdx.x; idx < kKeys * D / 4; idx += blockDim.x) {
-      const int key = idx / (D / 4), d = (idx % (D / 4)) * 4;
-      float4 kq = make_float4(0.f, 0.f, 0.f, 0.f), vq = kq;
-      if (k0 + key <= last_key) {
-        kq = __ldg(reinterpret_cast<const float4*>(kb + static_cast<int64_t>(k0 + key) * kv_dim + d));
-        vq = __ldg(reinterpret_cast<const float4*>(vb + static_cast<int64_t>(k0 + key) * kv_dim + d));
-      }
-      *reinterpret_cast<uint2*>(k_s + key * kKStride + d) =
-          make_uint2(PackBf16x2(kq.x, kq.y), PackBf16x2(kq.z, kq.w));
-      *reinterpret_cast<uint2*>(v_s + key * kKStride + d) =
-          make_uint2(PackBf16x2(vq.x, vq.y), PackBf16x2(vq.z, vq.w));
-    }
+    // K and V rows alike, [key][d] in bf16. (V used to be stored transposed, 2 bytes at a
+    // time: the PV fragments now come from ldmatrix.trans instead.)
+    StageKvTile<D, kKeys, kKStride>(kb, vb, kv_dim, k0, last_key, k_s, v_s);
     __syncthreads();
 
     // S = Q K^T (16 x 64 per warp): B fragment (k = d, n = key) from K rows.
@@ -103,7 +77,7 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int j = 0; j < kKeys / 8; ++j) {
         const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_s + (8 * j + g) * kKStride + 16 * ks + 2 * t);
-        Mma(s[j], qf[ks], kr[0], kr[4]);
+        MmaBf16(s[j], qf[ks], kr[0], kr[4]);
       }
     // Causal mask, then the online softmax update for rows g (lo) and g + 8 (hi).
     float mx_lo = -INFINITY, mx_hi = -INFINITY;
@@ -154,19 +128,12 @@ __global__ void __launch_bounds__(128)
                               PackBf16x2(s[2 * ks][2], s[2 * ks][3]),
                               PackBf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                               PackBf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-      // ldmatrix.x4.trans: lanes 0-15 address keys 16 ks + (lane & 15) at d 8 j, lanes 16-31 the
-      // same keys at d 8 j + 8; transposed, lane (g, t) receives V[16 ks + 2t (+1)][8 j + g] and
-      // V[16 ks + 8 + 2t (+1)][8 j + g]: the B fragments of d tiles j and j + 1.
 #pragma unroll
       for (int j = 0; j < D / 8; j += 2) {
-        const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(
-            v_s + (16 * ks + (lane & 15)) * kKStride + 8 * j + (lane >> 4) * 8));
         uint32_t b[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                     : "r"(address));
-        Mma(o[j], pa, b[0], b[1]);
-        Mma(o[j + 1], pa, b[2], b[3]);
+        LoadVFragments<kKStride>(v_s, 16 * ks, j, lane, b);
+        MmaBf16(o[j], pa, b[0], b[1]);
+        MmaBf16(o[j + 1], pa, b[2], b[3]);
       }
     }
   }
@@ -186,27 +153,41 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+template <typename CacheT>
+void LaunchFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                        int kv_heads, int head_dim, const int* position, float* out,
+                        cudaStream_t stream) {
+  const dim3 grid(CeilDiv(n, kQueries), q_heads, rows / n), block(128);
+  const auto* k = static_cast<const CacheT*>(cache.k);
+  const auto* v = static_cast<const CacheT*>(cache.v);
+  switch (head_dim) {
+    case 32:
+      Launch(FlashPrefillKernel<32, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, out);
+      break;
+    case 64:
+      Launch(FlashPrefillKernel<64, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, out);
+      break;
+    default:
+      Launch(FlashPrefillKernel<128, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, out);
+  }
+}
+
 }  // namespace
 
 bool FlashPrefillSupports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 32; }
 
-void AttentionFlashPrefill(const float* q, const float* k_cache, const float* v_cache, int rows,
-                           int n, int q_heads, int kv_heads, int head_dim, const int* position,
-                           int capacity, float* out, cudaStream_t stream) {
-  const dim3 grid(CeilDiv(n, kQueries), q_heads, rows / n), block(128);
-  switch (head_dim) {
-    case 32:
-      Launch(FlashPrefillKernel<32>, grid, block, 0, stream, q, k_cache, v_cache, n, q_heads,
-             kv_heads, position, capacity, out);
-      break;
-    case 64:
-      Launch(FlashPrefillKernel<64>, grid, block, 0, stream, q, k_cache, v_cache, n, q_heads,
-             kv_heads, position, capacity, out);
-      break;
-    default:
-      Launch(FlashPrefillKernel<128>, grid, block, 0, stream, q, k_cache, v_cache, n, q_heads,
-             kv_heads, position, capacity, out);
-  }
+void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                           int kv_heads, int head_dim, const int* position, float* out,
+                           cudaStream_t stream) {
+  if (cache.bf16)
+    LaunchFlashPrefill<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
+                                      out, stream);
+  else
+    LaunchFlashPrefill<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out,
+                              stream);
 }
 
 }  // namespace infersweep::cuda

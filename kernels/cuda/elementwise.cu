@@ -11,8 +11,10 @@ __global__ void EmbeddingKernel(const int32_t* tokens, const void* table, DType 
     out[static_cast<int64_t>(blockIdx.x) * hidden + i] = LoadAsFloat(table, dtype, base + i);
 }
 
+// out_bf16 (optional): the same values rounded to bf16, the cuBLASLt GEMMs' input (one launch
+// fewer than a separate conversion).
 __global__ void RmsNormKernel(const float* x, int n, const void* gain, DType gain_dtype, float eps,
-                              float* out) {
+                              float* out, __nv_bfloat16* out_bf16) {
   __shared__ float scratch[32];
   const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
   float sum_sq = 0.f;
@@ -20,7 +22,18 @@ __global__ void RmsNormKernel(const float* x, int n, const void* gain, DType gai
   sum_sq = BlockSum(sum_sq, scratch);
   const float inv = rsqrtf(sum_sq / n + eps);
   float* o = out + static_cast<int64_t>(blockIdx.x) * n;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * inv * LoadAsFloat(gain, gain_dtype, i);
+  __nv_bfloat16* ob = out_bf16 ? out_bf16 + static_cast<int64_t>(blockIdx.x) * n : nullptr;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = xr[i] * inv * LoadAsFloat(gain, gain_dtype, i);
+    o[i] = v;
+    if (ob) ob[i] = __float2bfloat16_rn(v);
+  }
+}
+
+__global__ void UpcastKernel(const void* src, DType dtype, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = LoadAsFloat(src, dtype, i);
 }
 
 __global__ void AddScaledKernel(float* x, const float* y, float scale, int64_t n) {
@@ -71,8 +84,14 @@ void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, fl
 }
 
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
-             cudaStream_t stream) {
-  RmsNormKernel<<<rows, n >= 1024 ? 512 : 128, 0, stream>>>(x, n, gain.data, gain.dtype, eps, out);
+             cudaStream_t stream, uint16_t* out_bf16) {
+  RmsNormKernel<<<rows, n >= 1024 ? 512 : 128, 0, stream>>>(
+      x, n, gain.data, gain.dtype, eps, out, reinterpret_cast<__nv_bfloat16*>(out_bf16));
+}
+
+void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream) {
+  const int64_t n = m.rows * m.cols;
+  UpcastKernel<<<GridFor(n), 256, 0, stream>>>(m.data, m.dtype, n, out);
 }
 
 void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream) {

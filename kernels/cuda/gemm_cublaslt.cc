@@ -34,8 +34,9 @@ CublasLtGemm::~CublasLtGemm() {
 
 // Column-major view: y^T [N, M] = W [N, K] (stored as K x N column-major, transposed) . x^T
 // (x row-major [M, K] is K x M column-major).
-absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K) {
-  const auto key = std::make_tuple(M, N, K);
+absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K,
+                                                          cudaDataType input_type) {
+  const auto key = std::make_tuple(M, N, K, static_cast<int>(input_type));
   if (auto it = plans_.find(key); it != plans_.end()) return &it->second;
   Plan plan;
   if (auto s = Check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
@@ -44,8 +45,8 @@ absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K) {
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
   cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof transa);
   cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof transb);
-  cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, K, N, K);
-  cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, K, M, K);
+  cublasLtMatrixLayoutCreate(&plan.a, input_type, K, N, K);
+  cublasLtMatrixLayoutCreate(&plan.b, input_type, K, M, K);
   cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N);
   cublasLtMatmulPreference_t pref;
   cublasLtMatmulPreferenceCreate(&pref);
@@ -58,21 +59,32 @@ absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K) {
   cublasLtMatmulPreferenceDestroy(pref);
   if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
     return absl::UnimplementedError(
-        absl::StrCat("cuBLASLt has no bf16 algorithm for M=", M, " N=", N, " K=", K));
+        absl::StrCat("cuBLASLt has no ", input_type == CUDA_R_32F ? "fp32" : "bf16",
+                     " algorithm for M=", M, " N=", N, " K=", K));
   plan.algo = result.algo;
   return &(plans_[key] = plan);
 }
 
 absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w, float* y,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, float alpha, float beta) {
   if (w.dtype != DType::kBF16) return absl::InvalidArgumentError("cuBLASLt path takes bf16 weights");
-  auto plan = GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols));
+  auto plan = GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF);
   if (!plan.ok()) return plan.status();
-  const float alpha = 1.f, beta = 0.f;
   return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, x_bf16,
                               (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
                               workspace_, workspace_bytes_, stream),
                "matmul");
+}
+
+absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, int K, float* y,
+                                  cudaStream_t stream) {
+  auto plan = GetPlan(M, N, K, CUDA_R_32F);
+  if (!plan.ok()) return plan.status();
+  const float alpha = 1.f, beta = 0.f;
+  return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b, &beta,
+                              y, (*plan)->c, y, (*plan)->c, &(*plan)->algo, workspace_,
+                              workspace_bytes_, stream),
+               "fp32 matmul");
 }
 
 }  // namespace infersweep::cuda

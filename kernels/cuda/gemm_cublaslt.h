@@ -20,7 +20,13 @@ class CublasLtGemm {
   static absl::StatusOr<std::unique_ptr<CublasLtGemm>> Create(size_t workspace_bytes = 32 << 20);
   ~CublasLtGemm();
 
-  absl::Status Run(const uint16_t* x_bf16, int M, const MatrixRef& w, float* y, cudaStream_t stream);
+  // y = alpha * x . W^T + beta * y: beta = 1 adds the product into y (the residual stream).
+  absl::Status Run(const uint16_t* x_bf16, int M, const MatrixRef& w, float* y, cudaStream_t stream,
+                   float alpha = 1.f, float beta = 0.f);
+  // All fp32, fp32 math (no TF32): y[M, N] = x[M, K] . W[N, K]^T. The MoE router of long prefill
+  // chunks, which stays fp32 on every config (router.cu's kernel: 163 us at 2048 x 128 x 2048).
+  absl::Status RunF32(const float* x, int M, const float* w, int N, int K, float* y,
+                      cudaStream_t stream);
 
  private:
   struct Plan {
@@ -28,12 +34,12 @@ class CublasLtGemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  absl::StatusOr<Plan*> GetPlan(int M, int N, int K);
+  absl::StatusOr<Plan*> GetPlan(int M, int N, int K, cudaDataType input_type);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int, int, int>, Plan> plans_;
+  std::map<std::tuple<int, int, int, int>, Plan> plans_;
 };
 
 }  // namespace infersweep::cuda

@@ -26,9 +26,12 @@ void GenerateSyntheticBf16(uint64_t stream_key, float scale, float offset, int64
 // out[r, :] = table[tokens[r], :] upcast. rows x hidden.
 void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, float* out,
                      cudaStream_t stream);
-// RMSNorm over rows of n; in place allowed. One block per row.
+// RMSNorm over rows of n; in place allowed. One block per row. With out_bf16, the result is
+// also written rounded to bf16 (the cuBLASLt GEMMs' input).
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
-             cudaStream_t stream);
+             cudaStream_t stream, uint16_t* out_bf16 = nullptr);
+// out[i] = m[i] as fp32, for every element of m (bf16, f16 or f32).
+void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream);
 // x += scale * y (n elements).
 void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream);
 // y[r, n] += bias[n].
@@ -41,23 +44,32 @@ void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream);
 // ---- attention
 // RoPE cos/sin for positions [0, capacity): table[p * head_dim/2 + i], angles in double.
 void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cudaStream_t stream);
+// One layer's KV cache: K and V, each [batch, capacity, kv_dim], fp32 or (kv_cache=bf16) bf16.
+// bf16 halves the bytes decode attention reads (142 -> 71 MB a layer at batch 64, context 544, on
+// qwen3-30b-a3b) and is what the prefill kernel's tensor cores take anyway.
+struct KvCache {
+  void* k = nullptr;
+  void* v = nullptr;
+  bool bf16 = false;
+  int capacity = 0;
+};
 // On q [rows, q_heads*d] and k [rows, kv_heads*d]: per-head RMSNorm when the gains are given
 // (qwen3 q_norm/k_norm), RoPE (HF rotate_half) from the table; q is rotated in place, rotated k
-// and v rows are appended to the caches [batch, capacity, kv_dim] at *position + (row % n).
-// One block per head vector: 36 blocks at batch 1 on qwen3-30b-a3b, ~80 KB touched.
+// and v rows are appended to the cache at *position + (row % n), rounded to bf16 for a bf16 cache.
+// One warp per head vector: 36 warps at batch 1 on qwen3-30b-a3b, ~80 KB touched.
 void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q_heads,
                       int kv_heads, int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm,
-                      float eps, const float2* rope, const int* position, int capacity,
-                      float* k_cache, float* v_cache, cudaStream_t stream);
-// Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`.
-// One block per (row, head): reads position+1 keys and values of kv_dim floats.
+                      float eps, const float2* rope, const int* position, const KvCache& cache,
+                      cudaStream_t stream);
+// Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`, on an
+// fp32 cache. One block per (row, head): reads position+1 keys and values of kv_dim floats.
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
                     float* scores, float* out, cudaStream_t stream);
 
-// Flash attention (attention_flash.cu): same function as AttentionNaive, tiled online softmax,
-// K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks and merged.
-// `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
+// Flash attention (attention_flash.cu): same function as AttentionNaive on either cache, tiled
+// online softmax, K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks
+// and merged. `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
 constexpr int kMaxFlashSplits = 64;
 constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially, tile by tile
 // Floats `partial` needs for `rows` rows (any split count FlashSplits picks).
@@ -71,12 +83,20 @@ bool FlashSupports(int q_heads, int kv_heads, int head_dim);
 // AttentionFlash dispatches to it by itself (`splits` and `partial` are then unused).
 constexpr int kFlashPrefillMinTokens = 16;
 bool FlashPrefillSupports(int head_dim);
-void AttentionFlashPrefill(const float* q, const float* k_cache, const float* v_cache, int rows,
-                           int n, int q_heads, int kv_heads, int head_dim, const int* position,
-                           int capacity, float* out, cudaStream_t stream);
-void AttentionFlash(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
-                    int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
-                    int splits, float* partial, float* out, cudaStream_t stream);
+void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                           int kv_heads, int head_dim, const int* position, float* out,
+                           cudaStream_t stream);
+// Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128 take the
+// tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, fp32 accumulate); it
+// writes the same partials as the CUDA-core kernel, merged by the same combine.
+bool FlashDecodeMmaSupports(int head_dim);
+void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                             int kv_heads, int head_dim, const int* position, int splits,
+                             float* partial_acc, float* partial_max, float* partial_sum,
+                             cudaStream_t stream);
+void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                    int kv_heads, int head_dim, const int* position, int splits, float* partial,
+                    float* out, cudaStream_t stream);
 
 // ---- GEMM: y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 accumulate.
 // Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read

@@ -1,0 +1,306 @@
+// Split-KV decode attention on tensor cores (attention=flash, chunks of fewer than
+// kFlashPrefillMinTokens tokens, head_dim 32/64/128): the q heads of one kv head are the rows of
+// an m16n8k16 MMA (a GQA group of up to 16), so each K/V tile is read from shared memory once
+// per block, not once per q head. The CUDA-core kernel (attention_flash.cu) gave each q head a
+// warp that re-read the whole tile from shared memory: 8x the tile's bytes, and at batch 64 it
+// was bound by that (~80 us a layer for 71 MB of bf16 K/V on qwen3-30b-a3b).
+//
+// Napkin math, qwen3-30b-a3b, batch 64, context 544, one layer: K and V are 64 x 544 x 512 x 2 x
+// 2 B = 71 MB (bf16 cache; 142 MB fp32) -> 16 us at 4.46 TB/s; 2 x 64 x 32 x 544 x 128 x 2 FLOP
+// = 0.57 GFLOP, nothing for tensor cores. Batch 1 is latency: ~4 kv heads x 18 splits = 72 blocks.
+#include "kernels/cuda/attention_mma.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep::cuda {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeKeys = 16 * kDecodeWarps;  // keys per staged tile; warp w takes 16 w + [0, 16)
+constexpr float kLn2 = 0.6931471805599453f;
+
+// grid (rows, kv_heads, splits), 128 threads. Block (row, kv head, split) walks the split's keys
+// [begin, end) in tiles of 64 staged in shared memory as bf16; warp w scores its 16 keys of each
+// tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the group, zero
+// past it) and keeps its own online softmax (exp2, log2-scaled). The four warps are merged through
+// shared memory at the end, in warp order (deterministic), into the partial (max in natural log
+// units, sum, unnormalised acc) of every q head of the group that FlashCombineKernel reads.
+// Issues the copies of keys k0 + [0, kDecodeKeys) that lie in [from, to] into one stage (bf16
+// [key][d] rows), and zeros for keys past last_key when zero_tail. bf16 caches go through
+// cp.async (the copy lands while the warps compute the other stage); fp32 caches are rounded on
+// the way, synchronously.
+template <int D, int kStride>
+__device__ __forceinline__ void IssueKvRows(const __nv_bfloat16* kb, const __nv_bfloat16* vb,
+                                            int kv_dim, int k0, int from, int to, int last_key,
+                                            bool zero_tail, __nv_bfloat16* k_s,
+                                            __nv_bfloat16* v_s) {
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < kDecodeKeys * D / 8; idx += blockDim.x) {
+    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
+    const bool copy = at >= from && at <= to && at <= last_key;
+    if (!copy && !(zero_tail && at > last_key)) continue;
+    const int64_t offset = copy ? static_cast<int64_t>(at) * kv_dim + d : 0;
+    const uint32_t bytes = copy ? 16 : 0;  // 0: cp.async fills the 16 bytes with zeros
+    const uint32_t k_dst = static_cast<uint32_t>(__cvta_generic_to_shared(k_s + key * kStride + d));
+    const uint32_t v_dst = static_cast<uint32_t>(__cvta_generic_to_shared(v_s + key * kStride + d));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(k_dst), "l"(kb + offset),
+                 "r"(bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_dst), "l"(vb + offset),
+                 "r"(bytes));
+  }
+}
+template <int D, int kStride>
+__device__ __forceinline__ void IssueKvRows(const float* kb, const float* vb, int kv_dim, int k0,
+                                            int from, int to, int last_key, bool zero_tail,
+                                            __nv_bfloat16* k_s, __nv_bfloat16* v_s) {
+  for (int idx = threadIdx.x; idx < kDecodeKeys * D / 8; idx += blockDim.x) {
+    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
+    const bool copy = at >= from && at <= to && at <= last_key;
+    if (!copy && !(zero_tail && at > last_key)) continue;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(k_s + key * kStride + d) =
+        copy ? LoadBf16x8(kb + static_cast<int64_t>(at) * kv_dim + d) : z;
+    *reinterpret_cast<uint4*>(v_s + key * kStride + d) =
+        copy ? LoadBf16x8(vb + static_cast<int64_t>(at) * kv_dim + d) : z;
+  }
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// grid (rows, kv_heads, splits), 128 threads. Block (row, kv head, split) walks the split's keys
+// [begin, end) in tiles of 64 staged in shared memory as bf16, two stages deep (the next tile's
+// copies are in flight while the current one is computed); warp w scores its 16 keys of each
+// tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the group, zero
+// past it) and keeps its own online softmax (exp2, log2-scaled). The four warps are merged through
+// shared memory at the end, in warp order (deterministic), into the partial (max in natural log
+// units, sum, unnormalised acc) of every q head of the group that FlashCombineKernel reads.
+// Keys before the chunk's first position were appended by earlier steps, so the first tile's
+// copies of those are issued before waiting for the kernel that appended this chunk's keys.
+template <int D, typename CacheT>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    FlashDecodeKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
+                      int q_heads, int kv_heads, const int* position, int capacity, int splits,
+                      float* partial_acc, float* partial_max, float* partial_sum) {
+  constexpr int kStride = D + 8;  // bf16 per staged row: 16-byte aligned, conflict-free fragments
+  constexpr int kStage = 2 * kDecodeKeys * kStride;  // K then V
+  // Two stages; after the loop, the warps' scaled accumulators [warp][16][D] fp32 (it fits:
+  // 4 x 16 x D x 4 <= 2 x 2 x 64 x (D + 8) x 2 bytes).
+  extern __shared__ __align__(16) __nv_bfloat16 kv_s[];
+  __shared__ float m_s[kDecodeWarps][16], l_s[kDecodeWarps][16];
+  const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = q_heads / kv_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int batch = row / n, first_new = *position, keys = first_new + row % n + 1;
+  const int per_split = (keys + splits - 1) / splits;
+  const int begin = split * per_split, end = min(keys, begin + per_split);
+  const int kv_dim = kv_heads * D;
+  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  auto k_stage = [&](int i) { return kv_s + (i & 1) * kStage; };
+  auto v_stage = [&](int i) { return kv_s + (i & 1) * kStage + kDecodeKeys * kStride; };
+  if (begin < end)  // keys appended by earlier steps: not written by the kernel before this one
+    IssueKvRows<D, kStride>(kb, vb, kv_dim, begin, begin, first_new - 1, end - 1, true, k_stage(0),
+                            v_stage(0));
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  if (begin < end)  // this chunk's own keys
+    IssueKvRows<D, kStride>(kb, vb, kv_dim, begin, first_new, end - 1, end - 1, false, k_stage(0),
+                            v_stage(0));
+  CommitCopies();
+
+  // Q as A fragments, scaled by log2(e) / sqrt(D) so the softmax runs on exp2.
+  const float qscale = 1.4426950408889634f * rsqrtf(static_cast<float>(D));
+  const float* q_group = q + (static_cast<int64_t>(row) * q_heads + kv_head * group) * D;
+  const float* q_lo = g < group ? q_group + g * D : nullptr;
+  const float* q_hi = g + 8 < group ? q_group + (g + 8) * D : nullptr;
+  auto q_pair = [qscale](const float* h, int d) {
+    return h ? PackBf16x2(h[d] * qscale, h[d + 1] * qscale) : 0u;
+  };
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const int d = 16 * s + 2 * t;
+    qf[s][0] = q_pair(q_lo, d);
+    qf[s][1] = q_pair(q_hi, d);
+    qf[s][2] = q_pair(q_lo, d + 8);
+    qf[s][3] = q_pair(q_hi, d + 8);
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // l: this lane's part
+  const int key0 = 16 * warp;  // this warp's keys within a tile
+
+  int tile = 0;
+  for (int k0 = begin; k0 < end; k0 += kDecodeKeys, ++tile) {
+    const bool more = k0 + kDecodeKeys < end;
+    if (more) {  // the next tile into the other stage (consumed two iterations ago)
+      IssueKvRows<D, kStride>(kb, vb, kv_dim, k0 + kDecodeKeys, k0 + kDecodeKeys, end - 1, end - 1,
+                              true, k_stage(tile + 1), v_stage(tile + 1));
+      CommitCopies();
+      WaitCopies<1>();
+    } else {
+      WaitCopies<0>();
+    }
+    __syncthreads();  // this tile's copies, from every thread, have landed
+    const __nv_bfloat16* k_s = k_stage(tile);
+    const __nv_bfloat16* v_s = v_stage(tile);
+    if (k0 + key0 < end) {  // warp-uniform: some key of this warp is in the tile
+      // S = Q K^T (16 heads x 16 keys): B fragment (k = d, n = key) from K rows.
+      float s[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t* kr = reinterpret_cast<const uint32_t*>(
+              k_s + (key0 + 8 * j + g) * kStride + 16 * ks + 2 * t);
+          MmaBf16(s[j], qf[ks], kr[0], kr[4]);
+        }
+      // Keys past the split's end are masked; this warp has at least one valid key, so the new
+      // running max is finite and exp2 of a masked score is 0.
+      float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (k0 + key0 + 8 * j + 2 * t + c >= end) s[j][c] = s[j][2 + c] = -INFINITY;
+          mx_lo = fmaxf(mx_lo, s[j][c]);
+          mx_hi = fmaxf(mx_hi, s[j][2 + c]);
+        }
+#pragma unroll
+      for (int offset = 1; offset <= 2; offset <<= 1) {  // the 4 lanes of a row
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, offset));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, offset));
+      }
+      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+      const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);  // 0 at first
+      m_lo = new_lo;
+      m_hi = new_hi;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          s[j][c] = exp2f(s[j][c] - new_lo);
+          s[j][2 + c] = exp2f(s[j][2 + c] - new_hi);
+        }
+      l_lo = l_lo * corr_lo + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+      l_hi = l_hi * corr_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+      // O = O * corr + P V: the two S tiles are exactly the A fragment of the warp's 16 keys.
+      const uint32_t pa[4] = {PackBf16x2(s[0][0], s[0][1]), PackBf16x2(s[0][2], s[0][3]),
+                              PackBf16x2(s[1][0], s[1][1]), PackBf16x2(s[1][2], s[1][3])};
+#pragma unroll
+      for (int j = 0; j < D / 8; j += 2) {
+        o[j][0] *= corr_lo, o[j][1] *= corr_lo, o[j][2] *= corr_hi, o[j][3] *= corr_hi;
+        o[j + 1][0] *= corr_lo, o[j + 1][1] *= corr_lo, o[j + 1][2] *= corr_hi,
+            o[j + 1][3] *= corr_hi;
+        uint32_t b[4];
+        LoadVFragments<kStride>(v_s, key0, j, lane, b);
+        MmaBf16(o[j], pa, b[0], b[1]);
+        MmaBf16(o[j + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+  }
+#pragma unroll
+  for (int offset = 1; offset <= 2; offset <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
+  }
+  // Merge the warps: each scales its accumulators to the block's running max per head (the
+  // stages are free: the loop ends on a barrier).
+  if (t == 0) {
+    m_s[warp][g] = m_lo, m_s[warp][g + 8] = m_hi;
+    l_s[warp][g] = l_lo, l_s[warp][g + 8] = l_hi;
+  }
+  __syncthreads();
+  float block_lo = -INFINITY, block_hi = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kDecodeWarps; ++w) {
+    block_lo = fmaxf(block_lo, m_s[w][g]);
+    block_hi = fmaxf(block_hi, m_s[w][g + 8]);
+  }
+  const float f_lo = m_lo == -INFINITY ? 0.f : exp2f(m_lo - block_lo);
+  const float f_hi = m_hi == -INFINITY ? 0.f : exp2f(m_hi - block_hi);
+  float* o_s = reinterpret_cast<float*>(kv_s);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const int d = 8 * j + 2 * t;
+    *reinterpret_cast<float2*>(o_s + (warp * 16 + g) * D + d) =
+        make_float2(o[j][0] * f_lo, o[j][1] * f_lo);
+    *reinterpret_cast<float2*>(o_s + (warp * 16 + g + 8) * D + d) =
+        make_float2(o[j][2] * f_hi, o[j][3] * f_hi);
+  }
+  __syncthreads();
+  const int64_t first_slot =
+      (static_cast<int64_t>(row) * q_heads + kv_head * group) * splits + split;
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) acc += o_s[(w * 16 + h) * D + d];
+    partial_acc[(first_slot + static_cast<int64_t>(h) * splits) * D + d] = acc;
+  }
+  if (threadIdx.x < group) {
+    const int h = threadIdx.x;
+    float block_max = -INFINITY, sum = 0.f;
+    for (int w = 0; w < kDecodeWarps; ++w) block_max = fmaxf(block_max, m_s[w][h]);
+    for (int w = 0; w < kDecodeWarps; ++w)
+      if (m_s[w][h] != -INFINITY) sum += l_s[w][h] * exp2f(m_s[w][h] - block_max);
+    const int64_t slot = first_slot + static_cast<int64_t>(h) * splits;
+    partial_max[slot] = block_max == -INFINITY ? -INFINITY : block_max * kLn2;  // an empty split
+    partial_sum[slot] = sum;
+  }
+}
+
+template <typename CacheT>
+void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                       int kv_heads, int head_dim, const int* position, int splits,
+                       float* partial_acc, float* partial_max, float* partial_sum,
+                       cudaStream_t stream) {
+  const dim3 grid(rows, kv_heads, splits), block(kDecodeWarps * 32);
+  const size_t smem = 2 * 2 * kDecodeKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
+  static const bool configured = [] {  // two stages exceed the 48 KB default at head_dim 128
+    cudaFuncSetAttribute(FlashDecodeKernel<128, CacheT>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         2 * 2 * kDecodeKeys * (128 + 8) * sizeof(__nv_bfloat16));
+    return true;
+  }();
+  (void)configured;
+  const auto* k = static_cast<const CacheT*>(cache.k);
+  const auto* v = static_cast<const CacheT*>(cache.v);
+  switch (head_dim) {
+    case 32:
+      Launch(FlashDecodeKernel<32, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
+      break;
+    case 64:
+      Launch(FlashDecodeKernel<64, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
+      break;
+    default:
+      Launch(FlashDecodeKernel<128, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
+             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
+  }
+}
+
+}  // namespace
+
+bool FlashDecodeMmaSupports(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
+                             int kv_heads, int head_dim, const int* position, int splits,
+                             float* partial_acc, float* partial_max, float* partial_sum,
+                             cudaStream_t stream) {
+  if (cache.bf16)
+    LaunchFlashDecode<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
+                                     splits, partial_acc, partial_max, partial_sum, stream);
+  else
+    LaunchFlashDecode<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
+                             partial_acc, partial_max, partial_sum, stream);
+}
+
+}  // namespace infersweep::cuda
