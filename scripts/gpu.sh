@@ -38,18 +38,18 @@ for stage in $STAGES; do
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   matrix)  # every registered GPU config on the full 48 layers: the verdict (light timing)
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,moe=loop|grouped|fused,graphs=off|on' \
+      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused,graphs=off|on' \
       --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=900 \
       --json "$OUT/matrix.json" 2>&1 | tee "$OUT/matrix.log" | grep -vE "spread|timed by|load " ;;
   best)  # the fast configs: batch 1 and 64, prefill 2048
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=fused|tma,attention=flash,moe=fused,graphs=on' \
+      --config 'device=cuda,gemm=fused|tma,attention=flash,kv_cache=bf16|fp32,moe=fused,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=grouped,graphs=off' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_grouped.json" 2>&1 | tee "$OUT/bench_grouped.log"
-    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=fused|grouped,graphs=off' \
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused|grouped,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
@@ -59,7 +59,7 @@ for stage in $STAGES; do
     for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
       case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
       $B run --model preset:qwen3-30b-a3b --quantize "$f" \
-        --config "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=$q" \
+        --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,qgemm=$q" \
         --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
     done ;;
@@ -67,14 +67,15 @@ for stage in $STAGES; do
     .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |
       tee "$OUT/quantize_bench.log" ;;
   profile)  # per-kernel times of batch-1 decode steps (3 layers; graphs off so ncu sees kernels)
-    # The first 1,182 launches generate the synthetic weights; then prefill of 1 token + decode.
+    # The first 1,182 launches generate the synthetic weights (then 3 router upcasts at the first
+    # batch); then prefill of PROFILE_PROMPT tokens + decode.
     # PROFILE_PROMPT=2048 PROFILE_NEW_TOKENS=1 profiles a prefill of 2048 tokens instead.
     ncu --clock-control none --cache-control none --target-processes all --launch-skip 1183 \
       --launch-count "${PROFILE_LAUNCHES:-120}" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
       $B generate --model preset:qwen3-30b-a3b --layers 3 --tokens "$(seq -s, 1 "${PROFILE_PROMPT:-1}")" \
       --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --batch "${PROFILE_BATCH:-1}" --backend cuda \
-      --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
+      --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
   peer)
     timeout 420 python3 scripts/hf_peer_bench.py 2>&1 ;;
