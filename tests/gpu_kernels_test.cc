@@ -280,9 +280,10 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
   }
 }
 
-// q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache (attention=naive) and a
-// bf16 one (attention=flash: the same values rounded once), for head sizes below, at and above
-// a warp's width and rows that land at position + row % n of their sequence.
+// q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache and a bf16 one (the same
+// values rounded once), from separate q/k/v buffers and from the fused GEMM's [rows, q | k | v]
+// rows, for head sizes below, at and above a warp's width and rows that land at position +
+// row % n of their sequence.
 TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> uni(-2.f, 2.f);
@@ -333,11 +334,27 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
           for (int i = 0; i < c.d; ++i) want_v[slot + i] = v[static_cast<size_t>(r) * kv_dim + h * c.d + i];
         }
       }
+      // Separate q, k, v buffers (q rotated in place) or, with the fused q/k/v GEMM, one
+      // [rows, q | k | v] buffer and q rotated into its own.
+      const bool fused = c.q_heads % 2 == 0 && bf16;
+      const int q_dim = c.q_heads * c.d, width = q_dim + 2 * kv_dim;
       float* dq = Upload(q);
+      cuda::QkvRows in{dq, q_dim, Upload(k), Upload(v), kv_dim};
+      if (fused) {
+        std::vector<float> joint(static_cast<size_t>(rows) * width, NAN);
+        for (int r = 0; r < rows; ++r) {
+          std::copy_n(&q[static_cast<size_t>(r) * q_dim], q_dim, &joint[static_cast<size_t>(r) * width]);
+          std::copy_n(&k[static_cast<size_t>(r) * kv_dim], kv_dim, &joint[static_cast<size_t>(r) * width + q_dim]);
+          std::copy_n(&v[static_cast<size_t>(r) * kv_dim], kv_dim, &joint[static_cast<size_t>(r) * width + q_dim + kv_dim]);
+        }
+        const float* d_joint = Upload(joint);
+        in = {d_joint, width, d_joint + q_dim, d_joint + q_dim + kv_dim, width};
+        dq = Upload(std::vector<float>(q.size(), NAN));
+      }
       const size_t bytes = cache_elems * (bf16 ? 2 : 4);
       void* kc = Upload(std::vector<char>(bytes, 0));
       void* vc = Upload(std::vector<char>(bytes, 0));
-      cuda::QkNormRopeAppend(dq, Upload(k), Upload(v), rows, c.n, c.q_heads, c.kv_heads, c.d,
+      cuda::QkNormRopeAppend(in, dq, rows, c.n, c.q_heads, c.kv_heads, c.d,
                              MatrixRef{Upload(q_gain), DType::kBF16, 1, c.d},
                              MatrixRef{Upload(k_gain), DType::kBF16, 1, c.d}, eps, Upload(rope),
                              Upload(std::vector<int>{c.pos0}), cuda::KvCache{kc, vc, bf16, capacity},

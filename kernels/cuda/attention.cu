@@ -27,7 +27,8 @@ __device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __floa
 constexpr int kRopeWarps = 4;
 template <typename CacheT>
 __global__ void __launch_bounds__(kRopeWarps * 32)
-    QkNormRopeAppendKernel(float* q, float* k, const float* v, int n, int q_heads, int kv_heads,
+    QkNormRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
+                           int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
                            int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
                            float eps, const float2* rope, const int* position, int capacity,
                            CacheT* k_cache, CacheT* v_cache) {
@@ -41,8 +42,9 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   const bool is_q = head < q_heads;
   const int kv_head = head - q_heads;
   const int kv_dim = kv_heads * head_dim;
-  float* vec = is_q ? q + (static_cast<int64_t>(row) * q_heads + head) * head_dim
-                    : k + static_cast<int64_t>(row) * kv_dim + kv_head * head_dim;
+  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * head_dim
+                          : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
+  float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   const void* gain = is_q ? q_norm : k_norm;
   float inv = 1.f;
   if (gain) {
@@ -59,16 +61,16 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
     }
     const float2 cs = rope[static_cast<int64_t>(pos) * half + i];
     const float r1 = x1 * cs.x - x2 * cs.y, r2 = x2 * cs.x + x1 * cs.y;
-    if (is_q) {
-      vec[i] = r1;
-      vec[i + half] = r2;
+    if (is_q) {  // in place when q_out is q: each lane rewrites only what it just read
+      rotated_q[i] = r1;
+      rotated_q[i + half] = r2;
     } else {
       StoreKv(k_cache + slot + i, r1);
       StoreKv(k_cache + slot + i + half, r2);
     }
   }
   if (!is_q) {
-    const float* vh = v + static_cast<int64_t>(row) * kv_dim + kv_head * head_dim;
+    const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
     for (int d = lane; d < head_dim; d += 32) StoreKv(v_cache + slot + d, vh[d]);
   }
 }
@@ -121,20 +123,21 @@ void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cud
                                                            table);
 }
 
-void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q_heads,
-                      int kv_heads, int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm,
-                      float eps, const float2* rope, const int* position, const KvCache& cache,
+void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
+                      int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
+                      const float2* rope, const int* position, const KvCache& cache,
                       cudaStream_t stream) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   if (cache.bf16)
-    Launch(QkNormRopeAppendKernel<__nv_bfloat16>, grid, block, 0, stream, q, k, v, n, q_heads,
-           kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
-           cache.capacity, static_cast<__nv_bfloat16*>(cache.k),
-           static_cast<__nv_bfloat16*>(cache.v));
+    Launch(QkNormRopeAppendKernel<__nv_bfloat16>, grid, block, 0, stream, in.q, in.q_stride, in.k,
+           in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
+           q_norm.dtype, eps, rope, position, cache.capacity,
+           static_cast<__nv_bfloat16*>(cache.k), static_cast<__nv_bfloat16*>(cache.v));
   else
-    Launch(QkNormRopeAppendKernel<float>, grid, block, 0, stream, q, k, v, n, q_heads, kv_heads,
-           head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, cache.capacity,
-           static_cast<float*>(cache.k), static_cast<float*>(cache.v));
+    Launch(QkNormRopeAppendKernel<float>, grid, block, 0, stream, in.q, in.q_stride, in.k, in.v,
+           in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
+           q_norm.dtype, eps, rope, position, cache.capacity, static_cast<float*>(cache.k),
+           static_cast<float*>(cache.v));
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

@@ -53,13 +53,24 @@ struct KvCache {
   bool bf16 = false;
   int capacity = 0;
 };
-// On q [rows, q_heads*d] and k [rows, kv_heads*d]: per-head RMSNorm when the gains are given
-// (qwen3 q_norm/k_norm), RoPE (HF rotate_half) from the table; q is rotated in place, rotated k
-// and v rows are appended to the cache at *position + (row % n), rounded to bf16 for a bf16 cache.
-// One warp per head vector: 36 warps at batch 1 on qwen3-30b-a3b, ~80 KB touched.
-void QkNormRopeAppend(float* q, float* k, const float* v, int rows, int n, int q_heads,
-                      int kv_heads, int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm,
-                      float eps, const float2* rope, const int* position, const KvCache& cache,
+// The projections' outputs for one layer: q rows (q_heads * d wide) q_stride floats apart, k and
+// v rows (kv_heads * d wide) kv_stride apart: three buffers, or one [rows, q | k | v] buffer
+// from the fused q/k/v GEMM (strides q_dim + 2 kv_dim).
+struct QkvRows {
+  const float* q = nullptr;
+  int q_stride = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int kv_stride = 0;
+};
+// Per-head RMSNorm of q and k when the gains are given (qwen3 q_norm/k_norm), RoPE (HF
+// rotate_half) from the table; rotated q goes to q_out [rows, q_heads * d] (in.q itself allowed
+// when its stride is q_heads * d), rotated k and v rows are appended to the cache at
+// *position + (row % n), rounded to bf16 for a bf16 cache. One warp per head vector: 36 warps at
+// batch 1 on qwen3-30b-a3b, ~80 KB touched.
+void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
+                      int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
+                      const float2* rope, const int* position, const KvCache& cache,
                       cudaStream_t stream);
 // Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`, on an
 // fp32 cache. One block per (row, head): reads position+1 keys and values of kv_dim floats.
