@@ -808,6 +808,9 @@ class CudaModel final : public Model {
     const bool grouped_mma = options_.moe_fused && !quant_experts && !long_prefill &&
                              rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+    // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
+    // (xn_bf16_): the norm writes it (the GEMV path converts its xn_).
+    const bool bf16_input = grouped_mma || options_.moe_grouped || long_prefill;
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
     if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
@@ -815,18 +818,17 @@ class CudaModel final : public Model {
       a.normed_out = xn_;
       AddSegment(a, lw.router, {}, router_);
       if (auto s = RunGemv(a); !s.ok()) return s;
-      if (grouped_mma) cuda::ToBf16(xn_, elems, bf16_, stream_);  // 4 rows: GEMV and MMA meet
+      if (bf16_input) cuda::ToBf16(xn_, elems, xn_bf16_, stream_);
     } else {
-      // The grouped MMA kernels take the normalised input in bf16: written by the norm itself.
       cuda::RmsNorm(x_, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_,
-                    grouped_mma ? bf16_ : nullptr);
+                    bf16_input ? xn_bf16_ : nullptr);
       if (auto s = Router(l, rows); !s.ok()) return s;
     }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);
     if (grouped_mma) {
       cuda::MoeGroupedArgs a;
-      a.x_bf16 = bf16_;
+      a.x_bf16 = xn_bf16_;
       a.rows = rows;
       a.k = k;
       a.num_experts = config_.num_experts;
@@ -965,8 +967,10 @@ class CudaModel final : public Model {
     const int hidden = config_.hidden_size, inter = config_.moe_intermediate_size;
     const int pairs = static_cast<int>(routing.index.size());
     if (pairs == 0) return absl::OkStatus();
-    cuda::GatherRows(xn_, route_index_, pairs, hidden, moe_in_, stream_);
-    const uint16_t* xb = PrepareInput(moe_in_, static_cast<int64_t>(pairs) * hidden);
+    // The norm wrote xn_ in bf16 too (Moe): gather those rows, half the bytes of fp32 rows and no
+    // conversion after.
+    cuda::GatherRowsBf16(xn_bf16_, route_index_, pairs, hidden, bf16_, stream_);
+    const uint16_t* xb = bf16_;
     const int64_t h_elems = static_cast<int64_t>(pairs) * inter;
     uint16_t* gate = moe_bf16_;
     uint16_t* up = gate + h_elems;
@@ -1038,6 +1042,9 @@ class CudaModel final : public Model {
     auto last = DeviceAlloc<int>(r);
     auto pos = DeviceAlloc<int>(1);
     auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
+    auto xn_bf16 = DeviceAlloc<uint16_t>(r * hidden);
+    if (!xn_bf16.ok()) return xn_bf16.status();
+    xn_bf16_ = *xn_bf16;
     auto moe_bf16 = DeviceAlloc<uint16_t>(r * k * (2 * moe_inter + hidden));
     if (!moe_bf16.ok()) return moe_bf16.status();
     moe_bf16_ = *moe_bf16;
@@ -1072,6 +1079,7 @@ class CudaModel final : public Model {
     for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_, d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
     if (bf16_) cudaFree(bf16_);
+    if (xn_bf16_) cudaFree(xn_bf16_);
     if (moe_bf16_) cudaFree(moe_bf16_);
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
                     static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
@@ -1079,7 +1087,7 @@ class CudaModel final : public Model {
     x_ = xn_ = q_ = k_ = v_ = qkv_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
         moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
     expert_ids_ = route_index_ = pair_position_ = expert_offsets_ = d_tokens_ = d_last_rows_ = d_position_ = nullptr;
-    bf16_ = moe_bf16_ = nullptr;
+    bf16_ = moe_bf16_ = xn_bf16_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
     h_logits_ = nullptr;
@@ -1110,6 +1118,7 @@ class CudaModel final : public Model {
       *expert_offsets_ = nullptr, *d_tokens_ = nullptr,
       *d_last_rows_ = nullptr, *d_position_ = nullptr;
   uint16_t* bf16_ = nullptr;
+  uint16_t* xn_bf16_ = nullptr;  // the MoE block's normalised input in bf16 (cuBLASLt configs)
   uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;

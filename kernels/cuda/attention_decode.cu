@@ -19,57 +19,6 @@ constexpr int kDecodeKeys = 16 * kDecodeWarps;  // keys per staged tile; warp w 
 constexpr float kLn2 = 0.6931471805599453f;
 
 // grid (rows, kv_heads, splits), 128 threads. Block (row, kv head, split) walks the split's keys
-// [begin, end) in tiles of 64 staged in shared memory as bf16; warp w scores its 16 keys of each
-// tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the group, zero
-// past it) and keeps its own online softmax (exp2, log2-scaled). The four warps are merged through
-// shared memory at the end, in warp order (deterministic), into the partial (max in natural log
-// units, sum, unnormalised acc) of every q head of the group that FlashCombineKernel reads.
-// Issues the copies of keys k0 + [0, kDecodeKeys) that lie in [from, to] into one stage (bf16
-// [key][d] rows), and zeros for keys past last_key when zero_tail. bf16 caches go through
-// cp.async (the copy lands while the warps compute the other stage); fp32 caches are rounded on
-// the way, synchronously.
-template <int D, int kStride>
-__device__ __forceinline__ void IssueKvRows(const __nv_bfloat16* kb, const __nv_bfloat16* vb,
-                                            int kv_dim, int k0, int from, int to, int last_key,
-                                            bool zero_tail, __nv_bfloat16* k_s,
-                                            __nv_bfloat16* v_s) {
-#pragma unroll 4
-  for (int idx = threadIdx.x; idx < kDecodeKeys * D / 8; idx += blockDim.x) {
-    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
-    const bool copy = at >= from && at <= to && at <= last_key;
-    if (!copy && !(zero_tail && at > last_key)) continue;
-    const int64_t offset = copy ? static_cast<int64_t>(at) * kv_dim + d : 0;
-    const uint32_t bytes = copy ? 16 : 0;  // 0: cp.async fills the 16 bytes with zeros
-    const uint32_t k_dst = static_cast<uint32_t>(__cvta_generic_to_shared(k_s + key * kStride + d));
-    const uint32_t v_dst = static_cast<uint32_t>(__cvta_generic_to_shared(v_s + key * kStride + d));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(k_dst), "l"(kb + offset),
-                 "r"(bytes));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_dst), "l"(vb + offset),
-                 "r"(bytes));
-  }
-}
-template <int D, int kStride>
-__device__ __forceinline__ void IssueKvRows(const float* kb, const float* vb, int kv_dim, int k0,
-                                            int from, int to, int last_key, bool zero_tail,
-                                            __nv_bfloat16* k_s, __nv_bfloat16* v_s) {
-  for (int idx = threadIdx.x; idx < kDecodeKeys * D / 8; idx += blockDim.x) {
-    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
-    const bool copy = at >= from && at <= to && at <= last_key;
-    if (!copy && !(zero_tail && at > last_key)) continue;
-    const uint4 z = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(k_s + key * kStride + d) =
-        copy ? LoadBf16x8(kb + static_cast<int64_t>(at) * kv_dim + d) : z;
-    *reinterpret_cast<uint4*>(v_s + key * kStride + d) =
-        copy ? LoadBf16x8(vb + static_cast<int64_t>(at) * kv_dim + d) : z;
-  }
-}
-__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void WaitCopies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// grid (rows, kv_heads, splits), 128 threads. Block (row, kv head, split) walks the split's keys
 // [begin, end) in tiles of 64 staged in shared memory as bf16, two stages deep (the next tile's
 // copies are in flight while the current one is computed); warp w scores its 16 keys of each
 // tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the group, zero
@@ -101,13 +50,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   auto k_stage = [&](int i) { return kv_s + (i & 1) * kStage; };
   auto v_stage = [&](int i) { return kv_s + (i & 1) * kStage + kDecodeKeys * kStride; };
   if (begin < end)  // keys appended by earlier steps: not written by the kernel before this one
-    IssueKvRows<D, kStride>(kb, vb, kv_dim, begin, begin, first_new - 1, end - 1, true, k_stage(0),
-                            v_stage(0));
+    IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, begin, begin, first_new - 1, end - 1, true,
+                                         k_stage(0), v_stage(0));
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   if (begin < end)  // this chunk's own keys
-    IssueKvRows<D, kStride>(kb, vb, kv_dim, begin, first_new, end - 1, end - 1, false, k_stage(0),
-                            v_stage(0));
+    IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, begin, first_new, end - 1, end - 1, false,
+                                         k_stage(0), v_stage(0));
   CommitCopies();
 
   // Q as A fragments, scaled by log2(e) / sqrt(D) so the softmax runs on exp2.
@@ -137,8 +86,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   for (int k0 = begin; k0 < end; k0 += kDecodeKeys, ++tile) {
     const bool more = k0 + kDecodeKeys < end;
     if (more) {  // the next tile into the other stage (consumed two iterations ago)
-      IssueKvRows<D, kStride>(kb, vb, kv_dim, k0 + kDecodeKeys, k0 + kDecodeKeys, end - 1, end - 1,
-                              true, k_stage(tile + 1), v_stage(tile + 1));
+      IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, k0 + kDecodeKeys, k0 + kDecodeKeys,
+                                           end - 1, end - 1, true, k_stage(tile + 1),
+                                           v_stage(tile + 1));
       CommitCopies();
       WaitCopies<1>();
     } else {

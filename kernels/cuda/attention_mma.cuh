@@ -35,24 +35,49 @@ __device__ __forceinline__ uint4 LoadBf16x8(const float* p) {
                     PackBf16x2(hi.z, hi.w));
 }
 
-// Keys [k0, k0 + kKeys) of one kv head into shared memory as bf16 [key][d] rows of stride
-// kStride (zeros past last_key), K and V alike; kb/vb point at key 0 of the head, kv_dim apart.
-// Consecutive threads take consecutive 8-element pieces (coalesced), unrolled so a thread's
-// loads are in flight together. No barrier: the caller syncs before and after.
-template <int D, int kKeys, int kStride, typename CacheT>
-__device__ __forceinline__ void StageKvTile(const CacheT* kb, const CacheT* vb, int kv_dim, int k0,
-                                            int last_key, __nv_bfloat16* k_s, __nv_bfloat16* v_s) {
-#pragma unroll 8
+// Issues the copies of keys k0 + [0, kKeys) that lie in [from, to] into one stage (bf16
+// [key][d] rows), and zeros for keys past last_key when zero_tail. bf16 caches go through
+// cp.async (the copy lands while the warps compute the other stage); fp32 caches are rounded on
+// the way, synchronously.
+template <int D, int kKeys, int kStride>
+__device__ __forceinline__ void IssueKvRows(const __nv_bfloat16* kb, const __nv_bfloat16* vb,
+                                            int kv_dim, int k0, int from, int to, int last_key,
+                                            bool zero_tail, __nv_bfloat16* k_s,
+                                            __nv_bfloat16* v_s) {
+#pragma unroll 4
   for (int idx = threadIdx.x; idx < kKeys * D / 8; idx += blockDim.x) {
-    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8;
-    uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
-    if (k0 + key <= last_key) {
-      kq = LoadBf16x8(kb + static_cast<int64_t>(k0 + key) * kv_dim + d);
-      vq = LoadBf16x8(vb + static_cast<int64_t>(k0 + key) * kv_dim + d);
-    }
-    *reinterpret_cast<uint4*>(k_s + key * kStride + d) = kq;
-    *reinterpret_cast<uint4*>(v_s + key * kStride + d) = vq;
+    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
+    const bool copy = at >= from && at <= to && at <= last_key;
+    if (!copy && !(zero_tail && at > last_key)) continue;
+    const int64_t offset = copy ? static_cast<int64_t>(at) * kv_dim + d : 0;
+    const uint32_t bytes = copy ? 16 : 0;  // 0: cp.async fills the 16 bytes with zeros
+    const uint32_t k_dst = static_cast<uint32_t>(__cvta_generic_to_shared(k_s + key * kStride + d));
+    const uint32_t v_dst = static_cast<uint32_t>(__cvta_generic_to_shared(v_s + key * kStride + d));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(k_dst), "l"(kb + offset),
+                 "r"(bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_dst), "l"(vb + offset),
+                 "r"(bytes));
   }
+}
+template <int D, int kKeys, int kStride>
+__device__ __forceinline__ void IssueKvRows(const float* kb, const float* vb, int kv_dim, int k0,
+                                            int from, int to, int last_key, bool zero_tail,
+                                            __nv_bfloat16* k_s, __nv_bfloat16* v_s) {
+  for (int idx = threadIdx.x; idx < kKeys * D / 8; idx += blockDim.x) {
+    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
+    const bool copy = at >= from && at <= to && at <= last_key;
+    if (!copy && !(zero_tail && at > last_key)) continue;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(k_s + key * kStride + d) =
+        copy ? LoadBf16x8(kb + static_cast<int64_t>(at) * kv_dim + d) : z;
+    *reinterpret_cast<uint4*>(v_s + key * kStride + d) =
+        copy ? LoadBf16x8(vb + static_cast<int64_t>(at) * kv_dim + d) : z;
+  }
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // B fragments of P V for 16 keys starting at row `key0` of the staged V tile and d tiles j, j + 1

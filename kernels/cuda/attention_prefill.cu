@@ -18,33 +18,45 @@ namespace {
 constexpr int kQueries = 64;  // per block: 4 warps x 16
 constexpr int kKeys = 64;     // per shared-memory tile
 
-// grid (ceil(n / 64), q_heads, batch), 128 threads. Warp w owns queries 64 x + 16 w + [0, 16)
-// of one head; lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of every fragment.
-// K and V are staged as [key][d] in bf16, rows padded by 8 elements so the fragment loads
-// (8 rows x 4 words, or ldmatrix's 8 rows x 16 bytes) hit 32 distinct banks. Query i of batch row b sits at
-// position *position + i and sees keys [0, that position].
+// grid (q_heads, ceil(n / 64), batch), 128 threads; query tiles run last first (the causal
+// mask makes them the longest, so the short ones fill the tail). Warp w owns queries
+// 64 x + 16 w + [0, 16) of one head; lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of
+// every fragment. K and V are staged as [key][d] in bf16, two stages deep (the next tile's
+// copies land while this one is computed), rows padded by 8 elements so the fragment loads (8
+// rows x 4 words, or ldmatrix's 8 rows x 16 bytes) hit 32 distinct banks. Query i of batch row b
+// sits at position *position + i and sees keys [0, that position].
 template <int D, typename CacheT>
 __global__ void __launch_bounds__(128)
     FlashPrefillKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
                        int q_heads, int kv_heads, const int* position, int capacity, float* out) {
   constexpr int kKStride = D + 8;  // bf16 per K and V row: 16-byte aligned, conflict-free
-  __shared__ __align__(16) __nv_bfloat16 k_s[kKeys * kKStride];
-  __shared__ __align__(16) __nv_bfloat16 v_s[kKeys * kKStride];
+  constexpr int kStage = 2 * kKeys * kKStride;  // K then V
+  extern __shared__ __align__(16) __nv_bfloat16 kv_stages[];
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.x, batch = blockIdx.z;
+  const int tile = gridDim.y - 1 - blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int kv_head = head / (q_heads / kv_heads), kv_dim = kv_heads * D;
   const int pos0 = *position;
   // Rows past the chunk's end compute as copies of its last row and are not written.
-  const int i_lo = blockIdx.x * kQueries + warp * 16 + g, i_hi = i_lo + 8;
+  const int i_lo = tile * kQueries + warp * 16 + g, i_hi = i_lo + 8;
   const int qpos_lo = pos0 + min(i_lo, n - 1), qpos_hi = pos0 + min(i_hi, n - 1);
-  const int last_key = pos0 + min(static_cast<int>(blockIdx.x) * kQueries + kQueries - 1, n - 1);
+  const int last_key = pos0 + min(tile * kQueries + kQueries - 1, n - 1);
+  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
+  auto k_stage = [&](int i) { return kv_stages + (i & 1) * kStage; };
+  auto v_stage = [&](int i) { return kv_stages + (i & 1) * kStage + kKeys * kKStride; };
+  IssueKvRows<D, kKeys, kKStride>(kb, vb, kv_dim, 0, 0, last_key, last_key, true, k_stage(0),
+                                  v_stage(0));
+  CommitCopies();
 
   // Q as A fragments, scaled by log2(e) / sqrt(D) so the softmax runs on exp2.
   const float qscale = 1.4426950408889634f * rsqrtf(static_cast<float>(D));
-  const float* q_lo = q + (static_cast<int64_t>(batch) * n + min(i_lo, n - 1)) * q_heads * D + head * D;
-  const float* q_hi = q + (static_cast<int64_t>(batch) * n + min(i_hi, n - 1)) * q_heads * D + head * D;
+  const float* q_lo =
+      q + (static_cast<int64_t>(batch) * n + min(i_lo, n - 1)) * q_heads * D + head * D;
+  const float* q_hi =
+      q + (static_cast<int64_t>(batch) * n + min(i_hi, n - 1)) * q_heads * D + head * D;
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
@@ -58,15 +70,21 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // l: this lane's part
-  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
 
-  for (int k0 = 0; k0 <= last_key; k0 += kKeys) {
-    __syncthreads();  // the previous tile is consumed
+  for (int k0 = 0, step = 0; k0 <= last_key; k0 += kKeys, ++step) {
+    if (k0 + kKeys <= last_key) {  // the next tile into the other stage (consumed a step ago)
+      IssueKvRows<D, kKeys, kKStride>(kb, vb, kv_dim, k0 + kKeys, k0 + kKeys, last_key, last_key,
+                                      true, k_stage(step + 1), v_stage(step + 1));
+      CommitCopies();
+      WaitCopies<1>();
+    } else {
+      WaitCopies<0>();
+    }
+    __syncthreads();  // this tile's copies, from every thread, have landed
     // K and V rows alike, [key][d] in bf16. (V used to be stored transposed, 2 bytes at a
     // time: the PV fragments now come from ldmatrix.trans instead.)
-    StageKvTile<D, kKeys, kKStride>(kb, vb, kv_dim, k0, last_key, k_s, v_s);
-    __syncthreads();
+    const __nv_bfloat16* k_s = k_stage(step);
+    const __nv_bfloat16* v_s = v_stage(step);
 
     // S = Q K^T (16 x 64 per warp): B fragment (k = d, n = key) from K rows.
     float s[kKeys / 8][4];
@@ -76,7 +94,8 @@ __global__ void __launch_bounds__(128)
     for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
       for (int j = 0; j < kKeys / 8; ++j) {
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_s + (8 * j + g) * kKStride + 16 * ks + 2 * t);
+        const uint32_t* kr =
+            reinterpret_cast<const uint32_t*>(k_s + (8 * j + g) * kKStride + 16 * ks + 2 * t);
         MmaBf16(s[j], qf[ks], kr[0], kr[4]);
       }
     // Causal mask, then the online softmax update for rows g (lo) and g + 8 (hi).
@@ -136,6 +155,7 @@ __global__ void __launch_bounds__(128)
         MmaBf16(o[j + 1], pa, b[2], b[3]);
       }
     }
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
 #pragma unroll
   for (int offset = 1; offset <= 2; offset <<= 1) {
@@ -148,8 +168,10 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const int d = 8 * j + 2 * t;
-    if (i_lo < n) *reinterpret_cast<float2*>(out_lo + d) = make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
-    if (i_hi < n) *reinterpret_cast<float2*>(out_hi + d) = make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
+    if (i_lo < n)
+      *reinterpret_cast<float2*>(out_lo + d) = make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
+    if (i_hi < n)
+      *reinterpret_cast<float2*>(out_hi + d) = make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
   }
 }
 
@@ -157,34 +179,44 @@ template <typename CacheT>
 void LaunchFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                         int kv_heads, int head_dim, const int* position, float* out,
                         cudaStream_t stream) {
-  const dim3 grid(CeilDiv(n, kQueries), q_heads, rows / n), block(128);
+  const dim3 grid(q_heads, CeilDiv(n, kQueries), rows / n), block(128);
+  const size_t smem = 2 * 2 * kKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
+  static const bool configured = [] {  // two stages exceed the 48 KB default at head_dim 128
+    cudaFuncSetAttribute(FlashPrefillKernel<128, CacheT>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         2 * 2 * kKeys * (128 + 8) * sizeof(__nv_bfloat16));
+    return true;
+  }();
+  (void)configured;
   const auto* k = static_cast<const CacheT*>(cache.k);
   const auto* v = static_cast<const CacheT*>(cache.v);
   switch (head_dim) {
     case 32:
-      Launch(FlashPrefillKernel<32, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+      Launch(FlashPrefillKernel<32, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
              kv_heads, position, cache.capacity, out);
       break;
     case 64:
-      Launch(FlashPrefillKernel<64, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+      Launch(FlashPrefillKernel<64, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
              kv_heads, position, cache.capacity, out);
       break;
     default:
-      Launch(FlashPrefillKernel<128, CacheT>, grid, block, 0, stream, q, k, v, n, q_heads,
+      Launch(FlashPrefillKernel<128, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
              kv_heads, position, cache.capacity, out);
   }
 }
 
 }  // namespace
 
-bool FlashPrefillSupports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 32; }
+bool FlashPrefillSupports(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 32;
+}
 
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream) {
   if (cache.bf16)
-    LaunchFlashPrefill<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
-                                      out, stream);
+    LaunchFlashPrefill<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out,
+                                      stream);
   else
     LaunchFlashPrefill<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out,
                               stream);

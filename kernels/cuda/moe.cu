@@ -233,6 +233,16 @@ __global__ void GatherRowsKernel(const float* x, const int* index, int hidden, f
     out[static_cast<int64_t>(i) * hidden + j] = x[static_cast<int64_t>(index[i]) * hidden + j];
 }
 
+// bf16 rows, 16 bytes per thread (hidden % 8 == 0). Prefill 2048 on qwen3-30b-a3b: 16,384 rows
+// of 4 KB. (Gathering fp32 rows and converting them after measured 62 + 78 us a layer.)
+__global__ void GatherRowsBf16Kernel(const uint16_t* x, const int* index, int hidden,
+                                     uint16_t* out) {
+  const int i = blockIdx.x, chunks = hidden / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(index[i]) * hidden);
+  uint4* dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(i) * hidden);
+  for (int j = threadIdx.x; j < chunks; j += blockDim.x) dst[j] = __ldg(src + j);
+}
+
 __global__ void ScatterAddRowsKernel(const float* src, const int* index, const float* weights,
                                      int hidden, float* y) {
   const int i = blockIdx.x;
@@ -301,6 +311,11 @@ void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int
 void GatherRows(const float* x, const int* index, int count, int hidden, float* out,
                 cudaStream_t stream) {
   if (count > 0) GatherRowsKernel<<<count, 256, 0, stream>>>(x, index, hidden, out);
+}
+
+void GatherRowsBf16(const uint16_t* x, const int* index, int count, int hidden, uint16_t* out,
+                    cudaStream_t stream) {
+  if (count > 0) GatherRowsBf16Kernel<<<count, 256, 0, stream>>>(x, index, hidden, out);
 }
 
 void ScatterAddRows(const float* src, const int* index, const float* weights, int count, int hidden,

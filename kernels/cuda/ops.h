@@ -212,6 +212,9 @@ void GatherRows(const float* x, const int* index, int count, int hidden, float* 
                 cudaStream_t stream);
 void ScatterAddRows(const float* src, const int* index, const float* weights, int count, int hidden,
                     float* y, cudaStream_t stream);
+// out[i] = x[rows_index[i]] for bf16 rows (hidden % 8 == 0, 16-byte aligned rows).
+void GatherRowsBf16(const uint16_t* x, const int* index, int count, int hidden, uint16_t* out,
+                    cudaStream_t stream);
 
 // ---- TEST ONLY fault helpers
 void SetNan(float* x, cudaStream_t stream);
