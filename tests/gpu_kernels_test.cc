@@ -189,6 +189,52 @@ TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
   EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
 }
 
+// The bucketing alone, exactly against a host counting sort: offsets, and every expert's pairs in
+// pair order (later kernels sum in that order); slots past the placed pairs stay untouched.
+TEST_F(GpuKernels, BucketPairsMatchesACountingSort) {
+  struct Case {
+    int pairs, experts, skip_expert;
+    int only_expert;  // every pair routed to it; -1: random ids
+  };
+  const Case cases[] = {
+      {512, 128, -1, -1},   // batch 64, top-8: one chunk
+      {2048, 128, -1, -1},  // two chunks (16 pairs per expert, the caller's limit)
+      {300, 1000, -1, -1},  // many experts, pairs not a multiple of 32
+      {512, 128, 5, -1},    // a skipped expert (every 7th pair and some random ones)
+      {1000, 16, -1, 3},    // one expert takes every pair
+      {3000, 8, -1, 7},     // ... across three chunks, the last one partial
+      {3000, 8, 7, 7},      // every pair skipped
+      {5000, 1024, 0, -1},  // the most experts, five chunks
+      {0, 4, -1, -1},       // no pairs
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "pairs " << c.pairs << " experts " << c.experts << " skip "
+                                    << c.skip_expert << " only " << c.only_expert);
+    std::mt19937 rng(77 + c.pairs + c.experts);
+    std::uniform_int_distribution<int> pick(0, c.experts - 1);
+    std::vector<int> ids(c.pairs);
+    for (int p = 0; p < c.pairs; ++p) {
+      ids[p] = c.only_expert >= 0 ? c.only_expert : pick(rng);
+      if (c.skip_expert >= 0 && p % 7 == 0) ids[p] = c.skip_expert;
+    }
+    std::vector<int> want_offsets(c.experts + 1), want_sorted;
+    for (int e = 0; e < c.experts; ++e) {
+      want_offsets[e] = static_cast<int>(want_sorted.size());
+      for (int p = 0; p < c.pairs; ++p)
+        if (ids[p] == e && e != c.skip_expert) want_sorted.push_back(p);
+    }
+    want_offsets[c.experts] = static_cast<int>(want_sorted.size());
+    want_sorted.resize(c.pairs, -7);
+    int* offsets = Upload(std::vector<int>(c.experts + 1, -7));
+    int* sorted = Upload(std::vector<int>(c.pairs, -7));
+    cuda::BucketPairs(Upload(ids), c.pairs, c.experts, c.skip_expert, offsets, sorted, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(Download(offsets, c.experts + 1), want_offsets);
+    EXPECT_EQ(Download(sorted, c.pairs), want_sorted);
+  }
+}
+
 // Causal GQA attention over a KV cache, in double: query i of batch row b at position pos0 + i
 // sees keys [0, pos0 + i].
 std::vector<double> HostAttention(const std::vector<float>& q, const std::vector<float>& kc,

@@ -42,60 +42,165 @@ __device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4&
   Mma16816(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
-// One block of 1024 threads. Warp w counts, then places, the pairs of experts w, w + 32, ...:
-// 32 ids per ballot, ids staged in shared memory by chunks. Pairs land in pair order within each
-// expert, so the bucketing (and every sum after it) is deterministic without sorting. Pairs routed
-// to skip_expert are left out (TEST ONLY zero-expert fault; -1 in production).
-// Batch 64 (512 pairs, 128 experts): 4 experts x 16 ballots x 2 passes per warp; measured 12 us
-// (ncu). Prefill 2048 (16,384 pairs): ~2,000 ballots per warp per pass, measured 248 us: one block
-// is latency-bound there (long prefill chunks now take the grouped GEMMs instead).
-__global__ void __launch_bounds__(1024)
+// Buckets the pairs by expert: offsets[e] = the pairs of experts before e, and
+// sorted_pairs[offsets[e] + i] = the i-th pair (in pair order) routed to e. Pairs routed to
+// skip_expert (TEST ONLY zero-expert fault; -1 in production), or to an id outside
+// [0, num_experts), are left out. One block; the pairs go in parts of kBucketPart, warp w taking
+// the w-th run of 32 x rounds pairs of a part, 32 a round. Every id is read once, all of a
+// thread's loads in flight together. __match_any_sync groups a round's lanes by expert; the
+// lowest lane of each group adds the group to the warp's row of a count table (and remembers
+// what the warp's earlier rounds held), a scan down each expert's column gives the pairs of that
+// expert in earlier warps, and a block scan of the totals gives the offsets. A pair's slot is
+// then next[e] + earlier warps + earlier rounds + lower lanes of its group: pair order within
+// each expert, so the bucketing (and every sum after it) is deterministic without sorting.
+// Four barriers for one part (up to 8,192 pairs), four more a further part.
+// Measured alone (ncu, H200, top-8 routing, old kernel -> this one): 512 pairs / 128 experts
+// (batch 64) 12.2 -> 4.5 us, 2,048 / 128 7.5 us (was 35), 16,384 / 128 38 us (was 251),
+// 16,384 / 1024 50 us (was 1,880). An empty 1024-thread kernel takes 1.5 us and one that only
+// copies the 512 ids 2.2 us, so batch 64 is near the floor of a one-block kernel. The previous
+// kernel (a ballot per 32 pairs and expert, a 1024-entry Hillis-Steele scan) measured 11.9 us
+// at batch 64 in the decode step; this one is not yet measured there.
+constexpr int kBucketThreads = 1024;
+constexpr int kBucketWarps = kBucketThreads / 32;
+constexpr int kBucketRounds = 8;                             // 32-pair rounds per warp and part
+constexpr int kBucketPart = kBucketThreads * kBucketRounds;  // pairs counted and placed at once
+constexpr int kBucketMaxExperts = 1024;
+
+// The count table's rows (one per warp) in 16-bit entries: an odd number of 32-bit words, so one
+// expert's column lies in 32 different banks.
+__host__ __device__ constexpr int BucketTablePitch(int num_experts) {
+  return 2 * (((num_experts + 1) / 2) | 1);
+}
+constexpr size_t BucketTableBytes(int num_experts) {
+  return sizeof(uint16_t) * kBucketWarps * BucketTablePitch(num_experts);
+}
+
+__device__ __forceinline__ int WarpInclusiveScan(int v) {
+  const int lane = threadIdx.x & 31;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
+__global__ void __launch_bounds__(kBucketThreads)
     BucketPairsKernel(const int* expert_ids, int pairs, int num_experts, int skip_expert,
                       int* offsets, int* sorted_pairs) {
-  constexpr int kChunk = 4096;
-  __shared__ int ids[kChunk];
-  __shared__ int start[1024];  // per expert: count, then its next write position
-  __shared__ int scan[1024];
+  __shared__ int total[kBucketMaxExperts];       // per expert: its pairs in all parts
+  __shared__ int next[kBucketMaxExperts];        // per expert: the first slot of this part's pairs
+  __shared__ int part_count[kBucketMaxExperts];  // per expert: its pairs in this part
+  __shared__ int warp_totals[kBucketWarps];
+  // table[w * pitch + e]: warp w's pairs of expert e in this part; after the column scan, those
+  // of the warps before w. At most kBucketPart: 16 bits.
+  extern __shared__ uint16_t table[];
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  start[threadIdx.x] = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int base = 0; base < pairs; base += kChunk) {
-      const int n = min(kChunk, pairs - base);
-      __syncthreads();
-      for (int i = threadIdx.x; i < n; i += blockDim.x) ids[i] = expert_ids[base + i];
-      __syncthreads();
-      for (int e = warp; e < num_experts; e += warps) {
-        if (e == skip_expert) continue;
-        int position = start[e];
-        for (int i0 = 0; i0 < n; i0 += 32) {  // warp-uniform: every lane reaches the ballot
-          const int i = i0 + lane;
-          const bool hit = i < n && ids[i] == e;
-          const unsigned mask = __ballot_sync(0xffffffffu, hit);
-          if (pass == 1 && hit) sorted_pairs[position + __popc(mask & ((1u << lane) - 1u))] = base + i;
-          position += __popc(mask);
-        }
-        __syncwarp();
-        if (lane == 0) start[e] = position;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned lower_lanes = (1u << lane) - 1u;
+  const int pitch = BucketTablePitch(num_experts);
+  uint16_t* const row = table + warp * pitch;
+
+  // The thread's pairs in the current part: first_pair + 32 r for r < rounds (block-uniform).
+  int ids[kBucketRounds], earlier[kBucketRounds], rounds = 0, first_pair = 0;
+  unsigned peers[kBucketRounds];
+  auto load = [&](int base) {
+    rounds = (min(kBucketPart, pairs - base) + kBucketThreads - 1) / kBucketThreads;
+    first_pair = base + warp * 32 * rounds + lane;
+#pragma unroll
+    for (int r = 0; r < kBucketRounds; ++r) {  // no use until all are issued: one round trip
+      ids[r] = -1;
+      if (r < rounds) ids[r] = expert_ids[min(first_pair + 32 * r, pairs - 1)];
+    }
+  };
+  auto zero_table = [&] {
+    for (int i = threadIdx.x; i < kBucketWarps * pitch / 2; i += kBucketThreads)
+      reinterpret_cast<uint32_t*>(table)[i] = 0;
+  };
+  // Counts the loaded pairs into the warp's row; earlier[r]: the warp's pairs of the same expert
+  // in rounds before r. A group's lowest lane updates the row, so no atomics there.
+  auto count = [&](bool add_to_totals) {
+#pragma unroll
+    for (int r = 0; r < kBucketRounds; ++r) {
+      if (r >= rounds) break;
+      const int e = ids[r];
+      const bool kept =
+          first_pair + 32 * r < pairs && e >= 0 && e < num_experts && e != skip_expert;
+      ids[r] = kept ? e : -1;
+      peers[r] = __match_any_sync(0xffffffffu, ids[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < kBucketRounds; ++r) {
+      if (r >= rounds) break;
+      const int e = ids[r], group = __popc(peers[r]);
+      int before = 0;
+      if (e >= 0 && (peers[r] & lower_lanes) == 0) {
+        before = row[e];
+        row[e] = before + group;
+        if (add_to_totals) atomicAdd(&total[e], group);
       }
+      earlier[r] = __shfl_sync(0xffffffffu, before, __ffs(peers[r]) - 1);
+      __syncwarp();  // the next round's lowest lane for e may be another lane
     }
-    if (pass == 1) break;
-    // counts -> exclusive offsets (Hillis-Steele scan over 1024 entries)
-    __syncthreads();
-    const int count = start[threadIdx.x];
-    scan[threadIdx.x] = count;
-    __syncthreads();
-    for (int offset = 1; offset < 1024; offset <<= 1) {
-      const int v = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
-      __syncthreads();
-      scan[threadIdx.x] += v;
-      __syncthreads();
+  };
+  // Each expert's column -> exclusive prefix over the warps (a warp per expert, a lane per row;
+  // unrolled so that a warp's experts overlap their shuffle latencies).
+  auto scan_columns = [&] {
+#pragma unroll 4
+    for (int e = warp; e < num_experts; e += kBucketWarps) {
+      const int c = table[lane * pitch + e], inclusive = WarpInclusiveScan(c);
+      table[lane * pitch + e] = inclusive - c;
+      if (lane == 31) part_count[e] = inclusive;
     }
-    const int first = scan[threadIdx.x] - count;
-    start[threadIdx.x] = first;
-    if (threadIdx.x < num_experts) offsets[threadIdx.x] = first;
-    if (threadIdx.x == num_experts - 1) offsets[num_experts] = scan[threadIdx.x];
+  };
+  auto place = [&] {
+#pragma unroll
+    for (int r = 0; r < kBucketRounds; ++r) {
+      if (r >= rounds) break;
+      const int e = ids[r];
+      if (e >= 0)
+        sorted_pairs[next[e] + row[e] + earlier[r] + __popc(peers[r] & lower_lanes)] =
+            first_pair + 32 * r;
+    }
+  };
+
+  if (pairs > 0) load(0);  // in flight while the shared memory is zeroed
+  for (int e = threadIdx.x; e < num_experts; e += kBucketThreads) total[e] = 0;
+  zero_table();
+  __syncthreads();
+  count(true);
+  for (int pair = kBucketPart + threadIdx.x; pair < pairs; pair += kBucketThreads) {
+    const int e = expert_ids[pair];  // later parts: only their totals for now
+    if (e >= 0 && e < num_experts && e != skip_expert) atomicAdd(&total[e], 1);
+  }
+  __syncthreads();
+  scan_columns();
+  // Totals -> offsets: a scan within each warp, then every warp scans the 32 warp totals itself.
+  const int expert_total = threadIdx.x < num_experts ? total[threadIdx.x] : 0;
+  const int inclusive = WarpInclusiveScan(expert_total);
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  const int warp_total = warp_totals[lane], warps_inclusive = WarpInclusiveScan(warp_total);
+  const int before_warp = __shfl_sync(0xffffffffu, warps_inclusive - warp_total, warp);
+  const int placed = __shfl_sync(0xffffffffu, warps_inclusive, 31);
+  if (threadIdx.x < num_experts) {
+    offsets[threadIdx.x] = next[threadIdx.x] = before_warp + inclusive - expert_total;
+  }
+  if (threadIdx.x == 0) offsets[num_experts] = placed;
+  __syncthreads();
+  for (int base = 0; base < pairs;) {
+    place();
+    base += kBucketPart;
+    if (base >= pairs) break;
+    __syncthreads();  // every read of next and the table for this part is done
+    for (int e = threadIdx.x; e < num_experts; e += kBucketThreads) next[e] += part_count[e];
+    zero_table();
+    load(base);
+    __syncthreads();
+    count(false);
+    __syncthreads();
+    scan_columns();
+    __syncthreads();
   }
 }
 
@@ -289,10 +394,21 @@ bool MoeGroupedSupports(int num_experts, int hidden, int inter) {
   return num_experts >= 1 && num_experts <= 1024 && hidden % 32 == 0 && inter % 32 == 0;
 }
 
+void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert, int* offsets,
+                 int* sorted_pairs, cudaStream_t stream) {
+  static const bool configured = [] {  // up to 64 KB of count table for 1024 experts
+    cudaFuncSetAttribute(BucketPairsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         BucketTableBytes(kBucketMaxExperts));
+    return true;
+  }();
+  (void)configured;
+  Launch(BucketPairsKernel, dim3(1), dim3(kBucketThreads), BucketTableBytes(num_experts), stream,
+         expert_ids, pairs, num_experts, skip_expert, offsets, sorted_pairs);
+}
+
 void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
   const int pairs = a.rows * a.k;
-  Launch(BucketPairsKernel, dim3(1), dim3(1024), 0, stream, a.expert_ids, pairs, a.num_experts,
-         a.skip_expert, a.offsets, a.sorted_pairs);
+  BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.offsets, a.sorted_pairs, stream);
   // Many pairs per expert (prefill): 64 pairs a pass, so the weights are re-read less often;
   // decode batches average a few pairs per expert and keep the lighter 32-pair kernel.
   if (pairs > 24 * a.num_experts)
