@@ -108,56 +108,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
               k_s + (key0 + 8 * j + g) * kStride + 16 * ks + 2 * t);
           MmaBf16(s[j], qf[ks], kr[0], kr[4]);
         }
-      // Keys past the split's end are masked; this warp has at least one valid key, so the new
-      // running max is finite and exp2 of a masked score is 0.
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
+        // Keys past the split's end are masked; this warp has at least one valid key, so the new
+        // running max is finite.
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < 2; ++c)
           if (k0 + key0 + 8 * j + 2 * t + c >= end) s[j][c] = s[j][2 + c] = -INFINITY;
-          mx_lo = fmaxf(mx_lo, s[j][c]);
-          mx_hi = fmaxf(mx_hi, s[j][2 + c]);
-        }
-#pragma unroll
-      for (int offset = 1; offset <= 2; offset <<= 1) {  // the 4 lanes of a row
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, offset));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, offset));
-      }
-      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-      const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);  // 0 at first
-      m_lo = new_lo;
-      m_hi = new_hi;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          s[j][c] = exp2f(s[j][c] - new_lo);
-          s[j][2 + c] = exp2f(s[j][2 + c] - new_hi);
-        }
-      l_lo = l_lo * corr_lo + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
-      l_hi = l_hi * corr_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
-      // O = O * corr + P V: the two S tiles are exactly the A fragment of the warp's 16 keys.
-      const uint32_t pa[4] = {PackBf16x2(s[0][0], s[0][1]), PackBf16x2(s[0][2], s[0][3]),
-                              PackBf16x2(s[1][0], s[1][1]), PackBf16x2(s[1][2], s[1][3])};
-#pragma unroll
-      for (int j = 0; j < D / 8; j += 2) {
-        o[j][0] *= corr_lo, o[j][1] *= corr_lo, o[j][2] *= corr_hi, o[j][3] *= corr_hi;
-        o[j + 1][0] *= corr_lo, o[j + 1][1] *= corr_lo, o[j + 1][2] *= corr_hi,
-            o[j + 1][3] *= corr_hi;
-        uint32_t b[4];
-        LoadVFragments<kStride>(v_s, key0, j, lane, b);
-        MmaBf16(o[j], pa, b[0], b[1]);
-        MmaBf16(o[j + 1], pa, b[2], b[3]);
-      }
+      SoftmaxAccumulate<D, 2, kStride>(s, v_s, key0, lane, m_lo, m_hi, l_lo, l_hi, o);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
-#pragma unroll
-  for (int offset = 1; offset <= 2; offset <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
-  }
+  l_lo = QuadSum(l_lo);
+  l_hi = QuadSum(l_hi);
   // Merge the warps: each scales its accumulators to the block's running max per head (the
   // stages are free: the loop ends on a barrier).
   if (t == 0) {
@@ -210,29 +173,10 @@ void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, in
                        float* partial_acc, float* partial_max, float* partial_sum,
                        cudaStream_t stream) {
   const dim3 grid(rows, kv_heads, splits), block(kDecodeWarps * 32);
-  const size_t smem = 2 * 2 * kDecodeKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
-  static const bool configured = [] {  // two stages exceed the 48 KB default at head_dim 128
-    cudaFuncSetAttribute(FlashDecodeKernel<128, CacheT>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         2 * 2 * kDecodeKeys * (128 + 8) * sizeof(__nv_bfloat16));
-    return true;
-  }();
-  (void)configured;
-  const auto* k = static_cast<const CacheT*>(cache.k);
-  const auto* v = static_cast<const CacheT*>(cache.v);
-  switch (head_dim) {
-    case 32:
-      Launch(FlashDecodeKernel<32, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
-      break;
-    case 64:
-      Launch(FlashDecodeKernel<64, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
-      break;
-    default:
-      Launch(FlashDecodeKernel<128, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
-  }
+  LaunchForHeadDim<kDecodeKeys>(
+      [](auto d) { return FlashDecodeKernel<decltype(d)::value, CacheT>; }, head_dim, grid, block,
+      stream, q, static_cast<const CacheT*>(cache.k), static_cast<const CacheT*>(cache.v), n,
+      q_heads, kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 
@@ -91,6 +92,102 @@ __device__ __forceinline__ void LoadVFragments(const __nv_bfloat16* v_s, int key
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                : "r"(address));
+}
+
+// Sum over the 4 lanes (t) that hold one row of a fragment.
+__device__ __forceinline__ float QuadSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// One step of the online softmax over kTiles x 8 keys, on fragments: s[j] holds the masked,
+// log2-scaled scores of rows g and g + 8 at keys key0 + 8 j + 2t (+1) of the staged tile. Updates
+// the rows' running max m (which must be finite after this step: the callers guarantee a valid
+// key per row) and this lane's part of their sums l, rescales o and adds P V, V rows from key0.
+// The S accumulators of key tiles 2i and 2i + 1 are exactly the A fragment of 16 keys.
+template <int D, int kTiles, int kStride>
+__device__ __forceinline__ void SoftmaxAccumulate(float (&s)[kTiles][4], const __nv_bfloat16* v_s,
+                                                  int key0, int lane, float& m_lo, float& m_hi,
+                                                  float& l_lo, float& l_hi, float (&o)[D / 8][4]) {
+  float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+  }
+#pragma unroll
+  for (int offset = 1; offset <= 2; offset <<= 1) {  // the 4 lanes of a row
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, offset));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, offset));
+  }
+  const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+  const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);  // 0 at first
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      s[j][c] = exp2f(s[j][c] - new_lo);  // a masked score (-inf) gives 0
+      s[j][2 + c] = exp2f(s[j][2 + c] - new_hi);
+      sum_lo += s[j][c];
+      sum_hi += s[j][2 + c];
+    }
+  l_lo = l_lo * corr_lo + sum_lo;
+  l_hi = l_hi * corr_hi + sum_hi;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    o[j][0] *= corr_lo;
+    o[j][1] *= corr_lo;
+    o[j][2] *= corr_hi;
+    o[j][3] *= corr_hi;
+  }
+#pragma unroll
+  for (int ks = 0; ks < kTiles / 2; ++ks) {
+    const uint32_t pa[4] = {PackBf16x2(s[2 * ks][0], s[2 * ks][1]),
+                            PackBf16x2(s[2 * ks][2], s[2 * ks][3]),
+                            PackBf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                            PackBf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+    for (int j = 0; j < D / 8; j += 2) {
+      uint32_t b[4];
+      LoadVFragments<kStride>(v_s, key0 + 16 * ks, j, lane, b);
+      MmaBf16(o[j], pa, b[0], b[1]);
+      MmaBf16(o[j + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+// Shared memory of two K/V stages of kKeys keys at head size head_dim (bf16, padded rows).
+template <int kKeys>
+constexpr size_t KvStagesBytes(int head_dim) {
+  return 2 * 2 * kKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
+}
+
+// Launches kernel_of(D) for head_dim D = 32, 64 or 128 (the callers' Supports functions) with
+// two K/V stages of dynamic shared memory; D = 128 needs more than the 48 KB default, raised once
+// per kernel.
+template <int kKeys, typename KernelOf, typename... Args>
+void LaunchForHeadDim(KernelOf kernel_of, int head_dim, dim3 grid, dim3 block, cudaStream_t stream,
+                      Args... args) {
+  static const bool configured = [&] {
+    cudaFuncSetAttribute(kernel_of(std::integral_constant<int, 128>{}),
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, KvStagesBytes<kKeys>(128));
+    return true;
+  }();
+  (void)configured;
+  const size_t smem = KvStagesBytes<kKeys>(head_dim);
+  switch (head_dim) {
+    case 32:
+      Launch(kernel_of(std::integral_constant<int, 32>{}), grid, block, smem, stream, args...);
+      break;
+    case 64:
+      Launch(kernel_of(std::integral_constant<int, 64>{}), grid, block, smem, stream, args...);
+      break;
+    default:
+      Launch(kernel_of(std::integral_constant<int, 128>{}), grid, block, smem, stream, args...);
+  }
 }
 
 }  // namespace infersweep::cuda

@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(128)
             reinterpret_cast<const uint32_t*>(k_s + (8 * j + g) * kKStride + 16 * ks + 2 * t);
         MmaBf16(s[j], qf[ks], kr[0], kr[4]);
       }
-    // Causal mask, then the online softmax update for rows g (lo) and g + 8 (hi).
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+      // Causal mask, then the online softmax update for rows g (lo) and g + 8 (hi). Key 0 is in
+      // every row's first tile, so the running max is finite from then on.
 #pragma unroll
     for (int j = 0; j < kKeys / 8; ++j)
 #pragma unroll
@@ -107,62 +107,11 @@ __global__ void __launch_bounds__(128)
         const int key = k0 + 8 * j + 2 * t + c;
         if (key > qpos_lo) s[j][c] = -INFINITY;
         if (key > qpos_hi) s[j][2 + c] = -INFINITY;
-        mx_lo = fmaxf(mx_lo, s[j][c]);
-        mx_hi = fmaxf(mx_hi, s[j][2 + c]);
       }
-#pragma unroll
-    for (int offset = 1; offset <= 2; offset <<= 1) {  // the 4 lanes of a row
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, offset));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, offset));
-    }
-    // Key 0 is in every row's first tile, so the running max is finite from then on.
-    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-    const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);
-    m_lo = new_lo;
-    m_hi = new_hi;
-    float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        s[j][c] = exp2f(s[j][c] - new_lo);
-        s[j][2 + c] = exp2f(s[j][2 + c] - new_hi);
-        sum_lo += s[j][c];
-        sum_hi += s[j][2 + c];
-      }
-    l_lo = l_lo * corr_lo + sum_lo;
-    l_hi = l_hi * corr_hi + sum_hi;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      o[j][0] *= corr_lo;
-      o[j][1] *= corr_lo;
-      o[j][2] *= corr_hi;
-      o[j][3] *= corr_hi;
-    }
-    // O += P V: the S accumulators of key tiles 2ks and 2ks + 1 are exactly the A fragment of
-    // keys [16 ks, 16 ks + 16); B (k = key, n = d) from V^T rows.
-#pragma unroll
-    for (int ks = 0; ks < kKeys / 16; ++ks) {
-      const uint32_t pa[4] = {PackBf16x2(s[2 * ks][0], s[2 * ks][1]),
-                              PackBf16x2(s[2 * ks][2], s[2 * ks][3]),
-                              PackBf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                              PackBf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-#pragma unroll
-      for (int j = 0; j < D / 8; j += 2) {
-        uint32_t b[4];
-        LoadVFragments<kKStride>(v_s, 16 * ks, j, lane, b);
-        MmaBf16(o[j], pa, b[0], b[1]);
-        MmaBf16(o[j + 1], pa, b[2], b[3]);
-      }
-    }
+    SoftmaxAccumulate<D, kKeys / 8, kKStride>(s, v_s, 0, lane, m_lo, m_hi, l_lo, l_hi, o);
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
-#pragma unroll
-  for (int offset = 1; offset <= 2; offset <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, offset);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, offset);
-  }
-  const float inv_lo = 1.f / l_lo, inv_hi = 1.f / l_hi;
+  const float inv_lo = 1.f / QuadSum(l_lo), inv_hi = 1.f / QuadSum(l_hi);
   float* out_lo = out + (static_cast<int64_t>(batch) * n + i_lo) * q_heads * D + head * D;
   float* out_hi = out + (static_cast<int64_t>(batch) * n + i_hi) * q_heads * D + head * D;
 #pragma unroll
@@ -180,29 +129,10 @@ void LaunchFlashPrefill(const float* q, const KvCache& cache, int rows, int n, i
                         int kv_heads, int head_dim, const int* position, float* out,
                         cudaStream_t stream) {
   const dim3 grid(q_heads, CeilDiv(n, kQueries), rows / n), block(128);
-  const size_t smem = 2 * 2 * kKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
-  static const bool configured = [] {  // two stages exceed the 48 KB default at head_dim 128
-    cudaFuncSetAttribute(FlashPrefillKernel<128, CacheT>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         2 * 2 * kKeys * (128 + 8) * sizeof(__nv_bfloat16));
-    return true;
-  }();
-  (void)configured;
-  const auto* k = static_cast<const CacheT*>(cache.k);
-  const auto* v = static_cast<const CacheT*>(cache.v);
-  switch (head_dim) {
-    case 32:
-      Launch(FlashPrefillKernel<32, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, out);
-      break;
-    case 64:
-      Launch(FlashPrefillKernel<64, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, out);
-      break;
-    default:
-      Launch(FlashPrefillKernel<128, CacheT>, grid, block, smem, stream, q, k, v, n, q_heads,
-             kv_heads, position, cache.capacity, out);
-  }
+  LaunchForHeadDim<kKeys>([](auto d) { return FlashPrefillKernel<decltype(d)::value, CacheT>; },
+                          head_dim, grid, block, stream, q, static_cast<const CacheT*>(cache.k),
+                          static_cast<const CacheT*>(cache.v), n, q_heads, kv_heads, position,
+                          cache.capacity, out);
 }
 
 }  // namespace
