@@ -123,14 +123,15 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
 }
 
 // A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
-// time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 128 tokens) that the
-// energy counter moves between readings.
+// time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 512 tokens) that the
+// energy counter moves between readings (128 tokens stopped being enough once a 2-layer batch-1
+// step took 0.34 ms).
 TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
   REQUIRE_GPU();
   TrialRequest request =
       GpuRequest("preset:qwen3-30b-a3b", "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on");
   request.workload.prompt_len = 512;
-  request.workload.output_len = 128;
+  request.workload.output_len = 512;  // batch-1 repeats of ~0.2 s: NVML's counter moves in steps
   request.workload.batch_sizes = {1, 8};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);

@@ -7,7 +7,10 @@
 #include "tests/test_util.h"
 
 #include "engine/backends.h"
+#include "engine/cpu_model.h"
+#include "engine/weights.h"
 #include "harness/executor.h"
+#include "harness/gpu_sampler.h"
 #include "harness/measure.h"
 #include "harness/runner.h"
 #include "harness/verdict.h"
@@ -131,6 +134,45 @@ TEST(Measure, PercentileIsNearestRank) {
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 50), 3);
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 99), 5);
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 0), 1);
+}
+
+// Power and J/token come from the energy counter's change over each repeat. A counter that did
+// not move (NVML's steps are tens of ms apart; a short repeat can fall between two) is no
+// reading: the figures stay unset instead of reading 0 W.
+TEST(Measure, EnergyCounterThatDidNotMoveGivesNoPowerFigure) {
+  class FrozenMeter : public GpuEnergyMeter {
+   public:
+    std::optional<double> ReadJoules() override { return 1000.0; }
+  };
+  class TickingMeter : public GpuEnergyMeter {
+   public:
+    std::optional<double> ReadJoules() override { return joules += 2.0; }
+    double joules = 1000.0;
+  };
+  auto host = LoadHostModel("preset:tiny-dense", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(MaterializeHostWeights(**host).ok());
+  std::unique_ptr<Model> model = MakeCpuModel(**host);
+  Workload w;
+  w.prompt_len = 4;
+  w.output_len = 3;
+  w.repeats = 2;
+  w.warmup = 0;
+  FrozenMeter frozen;
+  TickingMeter ticking;
+  MeasureOptions options;
+  options.energy = &frozen;
+  auto still = MeasureBatch(*model, w, 1, options);
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_FALSE(still->avg_power_w.has_value());
+  EXPECT_FALSE(still->joules_per_output_token.has_value());
+  options.energy = &ticking;
+  auto moving = MeasureBatch(*model, w, 1, options);
+  ASSERT_TRUE(moving.ok()) << moving.status();
+  ASSERT_TRUE(moving->avg_power_w.has_value());
+  EXPECT_GT(*moving->avg_power_w, 0);
+  ASSERT_TRUE(moving->joules_per_output_token.has_value());
+  EXPECT_DOUBLE_EQ(*moving->joules_per_output_token, 2.0 / 3);  // 2 J per repeat, 3 tokens
 }
 
 TrialRequest TinyRequest(const std::string& config, const std::string& fault = "") {
