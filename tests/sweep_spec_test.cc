@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -438,6 +439,19 @@ TEST(SweepSpecRealRegistryTest, UnknownValueNamesAxisValueAndLine) {
   ASSERT_FALSE(spec.ok());
   EXPECT_THAT(spec.status().message(),
               AllOf(HasSubstr("cpu.yaml:4"), HasSubstr("'matmull'"), HasSubstr("naive")));
+}
+
+// The specs shipped in sweeps/ (the README demo's defaults) stay valid against the real registry
+// as axes are added: each parses and expands to at least one trial per combination.
+TEST(SweepSpecRealRegistryTest, ShippedSpecsParseAndExpand) {
+  for (const char* name : {"demo-cpu.yaml", "demo-gpu.yaml"}) {
+    const std::string path = SourceDir() + "/sweeps/" + name;
+    absl::StatusOr<SweepSpec> spec = LoadSweepSpecFile(path);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    absl::StatusOr<std::vector<TrialRecord>> trials = ExpandSweep(*spec, 1);
+    ASSERT_TRUE(trials.ok()) << trials.status();
+    EXPECT_FALSE(trials->empty()) << name;
+  }
 }
 
 }  // namespace
