@@ -102,6 +102,33 @@ CREATE TABLE agents (
 ALTER TABLE trials ADD COLUMN lease_gpu_name TEXT NOT NULL DEFAULT '';
 ALTER TABLE trials ADD COLUMN lease_sm INTEGER NOT NULL DEFAULT 0;
 )sql"},
+      {"result_batches: one row of figures per measured batch size, filled from result_json",
+       R"sql(
+CREATE TABLE result_batches (
+  result_id      INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
+  batch          INTEGER NOT NULL,
+  model          TEXT    NOT NULL,   -- the result's, so Best filters without a join
+  sm             INTEGER NOT NULL,
+  ok             INTEGER NOT NULL,   -- status = 'OK'
+  output_tok_s   REAL,               -- medians over repeats; NULL when not measured
+  ttft_ms        REAL,
+  tpot_ms        REAL,
+  prefill_tok_s  REAL,
+  -- Clustered by what Best filters on: the rows of one model, sm and batch are contiguous, so a
+  -- latency metric is a range scan with no lookups; (result_id, batch) stays unique.
+  PRIMARY KEY (model, sm, batch, result_id)
+) WITHOUT ROWID;
+CREATE INDEX result_batches_best ON result_batches(model, sm, batch, ok, output_tok_s);
+-- The first entry of a batch size wins, as the json_each query this replaces read it.
+INSERT OR IGNORE INTO result_batches
+  (result_id, batch, model, sm, ok, output_tok_s, ttft_ms, tpot_ms, prefill_tok_s)
+SELECT r.result_id, json_extract(b.value, '$.batch'), r.model, r.sm, r.status = 'OK',
+       json_extract(b.value, '$.output_tok_s.median'), json_extract(b.value, '$.ttft_ms.median'),
+       json_extract(b.value, '$.tpot_ms.median'), json_extract(b.value, '$.prefill_tok_s.median')
+FROM results AS r, json_each(r.result_json, '$.batches') AS b
+WHERE json_valid(r.result_json) AND json_extract(b.value, '$.batch') IS NOT NULL
+ORDER BY r.result_id, b.key;
+)sql"},
   };
   return migrations;
 }
@@ -200,15 +227,13 @@ std::string BestByColumnSql(absl::string_view column, bool higher_is_better) {
                       " IS NOT NULL ORDER BY ", column, " ", dir, ", result_id DESC LIMIT 1");
 }
 
-std::string BestByJsonSql(bool higher_is_better) {
+std::string BestByBatchSql(absl::string_view column, bool higher_is_better) {
   const char* dir = higher_is_better ? "DESC" : "ASC";
-  return absl::StrCat(
-      "SELECT ", kResultCols, " FROM (SELECT ", kResultCols,
-      ", (SELECT json_extract(b.value, ?1) FROM json_each(results.result_json, '$.batches') AS b"
-      " WHERE json_extract(b.value, '$.batch') = ?2 LIMIT 1) AS metric"
-      " FROM results WHERE model = ?3 AND sm = ?4 AND status = 'OK')"
-      " WHERE metric IS NOT NULL ORDER BY metric ",
-      dir, ", result_id DESC LIMIT 1");
+  return absl::StrCat("SELECT ", kResultCols,
+                      " FROM results WHERE result_id = (SELECT result_id FROM result_batches"
+                      " WHERE model = ? AND sm = ? AND batch = ? AND ok = 1 AND ",
+                      column, " IS NOT NULL ORDER BY ", column, " ", dir,
+                      ", result_id DESC LIMIT 1)");
 }
 
 }  // namespace infersweep

@@ -46,8 +46,9 @@ absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation);
 // Best() on a metric with a dedicated batch-1 column: binds (model, sm); `column` and `order`
 // come from a fixed table in store.cc, never from callers.
 std::string BestByColumnSql(absl::string_view column, bool higher_is_better);
-// Best() on any metric at any batch through json_each over result_json: binds
-// (json path, batch, model, sm).
-std::string BestByJsonSql(bool higher_is_better);
+// Best() on any metric at any batch through result_batches (index result_batches_best on
+// model, sm, batch, ok, output_tok_s): binds (model, sm, batch); `column` is a result_batches
+// metric column.
+std::string BestByBatchSql(absl::string_view column, bool higher_is_better);
 
 }  // namespace infersweep

@@ -180,15 +180,14 @@ constexpr char kResultCols[] = "sweep_id, agent_id, gpu_name, sm, result_json, r
 
 struct MetricInfo {
   const char* name;
-  const char* json_path;  // inside one element of result_json's "batches"
-  const char* column;     // the batch-1 column of results, or nullptr
+  const char* batch_column;  // its result_batches column
   bool higher_is_better;
 };
 constexpr MetricInfo kMetrics[] = {
-    {"output_tok_s", "$.output_tok_s.median", "output_tok_s", true},
-    {"ttft_ms", "$.ttft_ms.median", "ttft_ms_p50", false},
-    {"tpot_ms", "$.tpot_ms.median", "tpot_ms", false},
-    {"prefill_tok_s", "$.prefill_tok_s.median", nullptr, true},
+    {"output_tok_s", "output_tok_s", true},
+    {"ttft_ms", "ttft_ms", false},
+    {"tpot_ms", "tpot_ms", false},
+    {"prefill_tok_s", "prefill_tok_s", true},
 };
 
 // Cached statements: at most this many distinct SQL texts (QueryResults makes a few variants).
@@ -532,13 +531,14 @@ class SqliteStore final : public Store {
     const std::string op =
         absl::StrCat("finding the best ", metric, " at batch ", batch, " for ", model, " on sm_", sm);
     std::optional<Stmt> s;
-    if (batch == 1 && info->column != nullptr) {
-      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByColumnSql(info->column, info->higher_is_better), op));
+    if (batch == 1 && metric == "output_tok_s") {  // the results_best index
+      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByColumnSql("output_tok_s", true), op));
       p.Bind(model).Bind(sm);
       s.emplace(std::move(p));
     } else {
-      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByJsonSql(info->higher_is_better), op));
-      p.Bind(info->json_path).Bind(batch).Bind(model).Bind(sm);
+      STORE_ASSIGN_OR_RETURN(
+          Stmt p, Prepare(BestByBatchSql(info->batch_column, info->higher_is_better), op));
+      p.Bind(model).Bind(sm).Bind(batch);
       s.emplace(std::move(p));
     }
     STORE_ASSIGN_OR_RETURN(bool row, s->Step());
@@ -855,6 +855,21 @@ class SqliteStore final : public Store {
       for (const auto& [axis, value] : stored.config) {
         ins.Reset();
         ins.Bind(result_id).Bind(axis).Bind(value);
+        STORE_RETURN_IF_ERROR(ins.Run());
+      }
+    }
+    {  // one row per batch size (the first entry of a size wins), for Best at any batch
+      STORE_ASSIGN_OR_RETURN(
+          Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (result_id, batch, model, sm, "
+                            "ok, output_tok_s, ttft_ms, tpot_ms, prefill_tok_s) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            op + ": batches"));
+      for (const BatchFigures& b : stored.batches) {
+        ins.Reset();
+        ins.Bind(result_id).Bind(b.batch).Bind(model).Bind(sub.sm)
+            .Bind(stored.status == TrialStatus::kOk ? 1 : 0)
+            .Bind(b.output_tok_s.median).Bind(b.ttft_ms.median).Bind(b.tpot_ms.median)
+            .Bind(b.prefill_tok_s.median);
         STORE_RETURN_IF_ERROR(ins.Run());
       }
     }
