@@ -12,9 +12,6 @@
 // all in flight) hides under them. A version that staged x first with scalar loads paid an L2
 // round trip per 512 floats in front of every block: 14-17 us for q+k+v on the H200.
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "kernels/cuda/gemv_common.cuh"
 
@@ -106,22 +103,6 @@ bool GemvSupports(int rows, int k) {
          static_cast<int64_t>(rows) * k * sizeof(float) <= kGemvMaxSharedBytes;
 }
 
-// Warps per block for `blocks_of(warps)` blocks of `kernel`: the most (of 8, 4, 2) whose grid is
-// resident at once, else 8. A second, partial wave waits out a whole DRAM latency behind the first: q+k+v
-// as 320 blocks of 8 warps (2 resident per SM, 264 at once) paid one.
-template <typename BlocksOf>
-int OneWaveWarpsPerBlock(const void* kernel, size_t smem, BlocksOf blocks_of) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, size_t>, int> resident;  // per SM
-  std::lock_guard<std::mutex> lock(mutex);
-  for (int warps : {8, 4, 2}) {
-    auto [it, added] = resident.try_emplace(std::make_tuple(kernel, warps, smem), 0);
-    if (added) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&it->second, kernel, warps * 32, smem);
-    if (blocks_of(warps) <= it->second * MultiprocessorCount()) return warps;
-  }
-  return 8;  // several waves whatever the size: the fewest blocks (x is staged once per block)
-}
-
 void Gemv(const GemvArgs& args, cudaStream_t stream) {
   static const bool configured = [] {
     for (const void* kernel : {reinterpret_cast<const void*>(GemvKernel<1, 1>),
@@ -136,20 +117,23 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   int total = 0;
   for (int s = 0; s < args.segments; ++s) total += args.seg[s].n;
   // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
-  // (q+k+v: 2560 warps); small matrices get small blocks so that they still spread over every SM
-  // (the 128-row router: 64 blocks of 2 warps).
+  // (q+k+v: 2560 warps, all resident at once); small matrices get small blocks so that they
+  // still spread over every SM (the 128-row router: 64 blocks of 2 warps).
   const int rows_per_warp = total > 24 * MultiprocessorCount() ? 2 : 1;
   const int warps_needed = CeilDiv(total, rows_per_warp);
-  void (*kernel)(GemvArgs) =
-      args.rows == 1 ? (rows_per_warp == 2 ? GemvKernel<2, 1> : GemvKernel<1, 1>)
-                     : (rows_per_warp == 2 ? GemvKernel<2, kGemvMaxRows> : GemvKernel<1, kGemvMaxRows>);
-  const int warps_per_block =
-      warps_needed >= 8 * MultiprocessorCount()
-          ? OneWaveWarpsPerBlock(reinterpret_cast<const void*>(kernel), smem,
-                                 [&](int warps) { return CeilDiv(warps_needed, warps); })
-          : 2;
-  Launch(kernel, dim3(CeilDiv(warps_needed, warps_per_block)), dim3(warps_per_block * 32), smem,
-         stream, args);
+  const int warps_per_block = warps_needed >= 8 * MultiprocessorCount() ? 8 : 2;
+  const int blocks = CeilDiv(warps_needed, warps_per_block);
+  const dim3 grid(blocks), block(warps_per_block * 32);
+  if (args.rows == 1) {
+    if (rows_per_warp == 2)
+      Launch(GemvKernel<2, 1>, grid, block, smem, stream, args);
+    else
+      Launch(GemvKernel<1, 1>, grid, block, smem, stream, args);
+  } else if (rows_per_warp == 2) {
+    Launch(GemvKernel<2, kGemvMaxRows>, grid, block, smem, stream, args);
+  } else {
+    Launch(GemvKernel<1, kGemvMaxRows>, grid, block, smem, stream, args);
+  }
 }
 
 }  // namespace infersweep::cuda
