@@ -74,6 +74,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
                "quantized experts (w4a16, w8a16): per-pair GEMVs at decode, the loop in prefill",
                {"qgemm=reference"}});
+  r.push_back({"moe", "wgmma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
+               "as moe=fused, with the expert-grouped GEMMs (4+ rows: batched decode and "
+               "prefill of any length) on Hopper warpgroup MMAs (wgmma) from a cp.async ring of "
+               "swizzled shared-memory tiles, device-side group sizes, SiLU fused: no host sync "
+               "even for long prefill chunks; machine code for sm_90a only"});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});

@@ -83,7 +83,8 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     options.gemm_tma = gemm == "tma";
     options.attention_flash = config.at("attention") == "flash";
     options.kv_cache_bf16 = config.at("kv_cache") == "bf16";
-    options.moe_fused = config.at("moe") == "fused";
+    options.moe_fused = config.at("moe") == "fused" || config.at("moe") == "wgmma";
+    options.moe_wgmma = config.at("moe") == "wgmma";
     options.moe_grouped = config.at("moe") == "grouped";
     options.graphs = config.at("graphs") == "on";
     options.qgemm = config.at("qgemm");

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sm90a/moe_wgmma.h"
 #endif
 
 namespace infersweep {
@@ -57,6 +58,7 @@ struct MoeCase {
   int crowded_expert;  // routed from every row (more pairs than one pass holds); -1: none
   int idle_expert;     // routed from no row
   int skip_expert;     // TEST ONLY zero-expert fault; -1: none
+  bool wgmma = false;  // moe=wgmma's sm_90a expert GEMMs
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -140,6 +142,7 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
   a.h = t.Upload(std::vector<uint16_t>(static_cast<size_t>(pairs) * c.inter, 0));
   a.out = t.Upload(std::vector<float>(static_cast<size_t>(pairs) * c.hidden, NAN));
   a.y = t.Upload(y0);
+  a.wgmma = c.wgmma;
   cuda::MoeGrouped(a, nullptr);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -187,6 +190,26 @@ TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
   all.skip_expert = -1;
   CheckMoeGrouped(*this, all, &with_all);
   EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
+}
+
+// moe=wgmma's kernels (sm_90a machine code: Hopper only). Experts of more than 256 pairs take
+// several work items, the last one partial; experts of up to 128 pairs leave the second
+// warpgroup idle; a decode-sized batch gives every expert a few pairs.
+TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (prop.major != 9 || prop.minor != 0) GTEST_SKIP() << "sm_90a kernels; this GPU is sm_" << prop.major << prop.minor;
+  ASSERT_TRUE(cuda::MoeWgmmaSupports(256, 128));
+  ASSERT_FALSE(cuda::MoeWgmmaSupports(256, 96));
+  std::vector<float> y, again, skipped;
+  // 600 pairs on expert 3: tiles of 256, 256 and 88; ~129 pairs on each of the others.
+  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &y);
+  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &again);
+  EXPECT_EQ(y, again) << "same inputs, different bits";
+  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, 3, true}, &skipped);
+  EXPECT_NE(y, skipped) << "skipping the crowded expert changed nothing";
+  CheckMoeGrouped(*this, {64, 8, 128, 512, 192, -1, 5, -1, true}, &y);
+  CheckMoeGrouped(*this, {4, 2, 8, 128, 64, -1, 1, -1, true}, &y);
 }
 
 // The bucketing alone, exactly against a host counting sort: offsets, and every expert's pairs in

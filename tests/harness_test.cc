@@ -1,5 +1,7 @@
 // The trial harness: configs, preflight, workloads, verdicts, and isolation under injected faults.
 #include <fstream>
+#include <string>
+#include <utility>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -101,15 +103,23 @@ TEST(Preflight, GatesOnSmRange) {
               HasSubstr("not registered"));
 }
 
-// The real registry's sm_90a-only backend: OK on Hopper, UNSUPPORTED (not a crash) elsewhere.
-TEST(Preflight, TmaGemvIsExactlySm90) {
-  auto config = NormalizeBackendConfig({{"device", "cuda"}, {"gemm", "tma"}});
-  ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_TRUE(Preflight(*config, {true, 90, 1, "bf16"}).supported);
-  for (int sm : {80, 89, 100, 120}) {
-    const PreflightResult r = Preflight(*config, {true, sm, 1, "bf16"});
-    EXPECT_FALSE(r.supported) << sm;
-    EXPECT_THAT(r.reason, HasSubstr("gemm=tma")) << sm;
+// The real registry's sm_90a-only backends: OK on Hopper, UNSUPPORTED (not a crash) elsewhere.
+TEST(Preflight, Sm90aBackendsAreExactlySm90) {
+  for (const auto& [axis, value] : {std::pair<std::string, std::string>{"gemm", "tma"},
+                                    std::pair<std::string, std::string>{"moe", "wgmma"}}) {
+    const std::string name = axis + "=" + value;
+    auto config = NormalizeBackendConfig({{"device", "cuda"}, {axis, value}});
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_TRUE(Preflight(*config, {true, 90, 1, "bf16"}).supported) << name;
+    for (int sm : {80, 89, 100, 120}) {
+      const PreflightResult r = Preflight(*config, {true, sm, 1, "bf16"});
+      EXPECT_FALSE(r.supported) << name << " on sm_" << sm;
+      EXPECT_THAT(r.reason, HasSubstr(name)) << sm;
+    }
+    // bf16 weights only: quantized experts keep moe=fused's per-pair kernels.
+    const PreflightResult fp4 = Preflight(*config, {true, 90, 1, "nvfp4"});
+    EXPECT_FALSE(fp4.supported) << name;
+    EXPECT_THAT(fp4.reason, HasSubstr(name)) << name;
   }
 }
 

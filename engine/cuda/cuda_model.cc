@@ -801,7 +801,8 @@ class CudaModel final : public Model {
     // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
     // tokens).
     constexpr int kMoeMmaMaxPairsPerExpert = 16;
-    const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
+    // moe=wgmma's kernels read each expert once per 256 pairs: every chunk stays on the device.
+    const bool long_prefill = n > 1 && grouped_ && !options_.moe_wgmma && !quant_experts &&
                               lw.experts[0].gate.dtype == DType::kBF16 &&
                               !lw.experts[0].gate.quantized() &&
                               rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
@@ -845,6 +846,7 @@ class CudaModel final : public Model {
       a.h = moe_bf16_;
       a.out = moe_out_;
       a.y = x_;
+      a.wgmma = options_.moe_wgmma;
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
     } else if (quant_experts && n == 1) {
@@ -1166,7 +1168,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
   if (options.moe_grouped && !options.gemm_cublaslt)
     return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
   // moe=fused also takes long prefill chunks to the grouped GEMMs (bf16 experts, cuBLAS configs).
-  if (c.is_moe() && (options.moe_grouped || (options.moe_fused && options.gemm_cublaslt))) {
+  if (c.is_moe() && (options.moe_grouped ||
+                     (options.moe_fused && !options.moe_wgmma && options.gemm_cublaslt))) {
     auto made = cuda::CublasGroupedGemm::Create();
     if (!made.ok()) return made.status();
     grouped = std::move(*made);

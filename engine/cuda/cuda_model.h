@@ -21,6 +21,7 @@ struct CudaModelOptions {
   bool attention_flash = false;  // else the naive (materialised scores) kernel
   bool kv_cache_bf16 = false;    // kv_cache=bf16: K and V rounded to bf16 (attention=flash only)
   bool moe_fused = false;      // else the per-expert loop with a host sync
+  bool moe_wgmma = false;      // with moe_fused: the grouped expert GEMMs on sm_90a wgmma
   bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)
   bool graphs = false;         // capture the decode step (needs moe_fused)
   // How quantized linears run (the qgemm axis; dense models ignore it): "reference" (dequantized

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep::cuda {
 namespace {
@@ -411,7 +412,9 @@ void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
   BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.offsets, a.sorted_pairs, stream);
   // Many pairs per expert (prefill): 64 pairs a pass, so the weights are re-read less often;
   // decode batches average a few pairs per expert and keep the lighter 32-pair kernel.
-  if (pairs > 24 * a.num_experts)
+  if (a.wgmma && MoeWgmmaSupports(a.hidden, a.inter))
+    MoeWgmmaExperts(a, stream);
+  else if (pairs > 24 * a.num_experts)
     LaunchExperts<8>(a, stream);
   else
     LaunchExperts<4>(a, stream);

@@ -194,6 +194,9 @@ struct MoeGroupedArgs {
   uint16_t* h = nullptr;                  // scratch [rows * k, inter] bf16
   float* out = nullptr;                   // scratch [rows * k, hidden]
   float* y = nullptr;                     // [rows, hidden], accumulated into
+  // moe=wgmma: the expert GEMMs on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h), where
+  // MoeWgmmaSupports(hidden, inter); h then holds the pairs in bucketed order.
+  bool wgmma = false;
 };
 bool MoeGroupedSupports(int num_experts, int hidden, int inter);
 // MoeGrouped's first step, exposed for its test: offsets[num_experts + 1] = exclusive prefix sums

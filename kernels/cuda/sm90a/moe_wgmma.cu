@@ -1,0 +1,323 @@
+// The expert GEMMs of the grouped MoE on Hopper warpgroup MMAs (moe=wgmma). Machine code for
+// sm_90a only (this folder's target): the registry gives moe=wgmma the SM range [90, 90].
+//
+// moe=fused's mma.sync kernels (moe_grouped.cu) stream an expert's weights through registers
+// and re-read them for every 64 of its pairs, so long prefill chunks went to cuBLAS's grouped
+// GEMMs instead: ~220 TFLOP/s, SiLU and a gather as separate kernels, and a host sync per layer
+// to learn the group sizes. These kernels keep MoeGrouped's device-side bucketing and compute
+//   D[features, pairs] = W_e[features, K] . X[pairs, K]^T
+// ("swap AB": the variable pair count of an expert is wgmma's N, so an expert's 1..256 pairs
+// cost one pass over its weights). A block owns 128 weight rows (gate 64 + up 64 features of one
+// expert, or 128 rows of down) and up to 256 of the expert's pairs, 128 per warpgroup. K goes
+// in 64-wide chunks through a 4-stage cp.async ring of 128B-swizzled tiles (48 KB a stage) that
+// wgmma reads through shared-memory descriptors. Work items (expert, 256-pair tile) are found
+// from the offsets on the device: nothing reaches the host, and the launch is capturable.
+//
+// Napkin math, qwen3-30b-a3b prefill of 2048 tokens (16,384 pairs, ~128 an expert): gate/up is
+// 103 GFLOP over 805 MB of weights, down 52 GFLOP over 403 MB. 1.2 GB a layer is 270 us at
+// 4.46 TB/s; 155 GFLOP is 157 us at 989 TFLOP/s: at ~128 pairs an expert the bound is bandwidth
+// (a 128-pair warpgroup's 8 MMAs per K chunk take ~0.3 us on the SM's tensor cores, the chunk's
+// 16 KB of weights ~0.55 us of the SM's share of DRAM bandwidth). cuBLAS's grouped GEMMs plus
+// SiLU took 750 us a layer.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/sm90a/moe_wgmma.h"
+
+namespace infersweep::cuda {
+namespace {
+
+constexpr int kThreads = 256;                      // two warpgroups
+constexpr int kRowsPerTile = 128;                  // weight rows a block owns (wgmma's A)
+constexpr int kPairsPerGroup = 128;                // wgmma's N: the pairs a warpgroup owns
+constexpr int kPairsPerTile = 2 * kPairsPerGroup;  // the pairs a block owns (wgmma's B)
+constexpr int kChunk = 64;                         // K elements a stage: one 128-byte row
+constexpr int kStages = 4;
+constexpr int kRowBytes = kChunk * 2;
+constexpr int kATileBytes = kRowsPerTile * kRowBytes;   // 16 KB
+constexpr int kBTileBytes = kPairsPerTile * kRowBytes;  // 32 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
+
+__device__ __forceinline__ int CeilDivDevice(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled tile: the swizzle XORs the
+// chunk index with the row's place in its 8-row (1 KB) group, as wgmma reads it back.
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+// wgmma's descriptor of a K-major, 128B-swizzled bf16 tile at shared `address` (its 8-row groups
+// 1 KB apart; 1 KB aligned, plus 32 bytes per 16-wide K step inside the swizzle atom). The leading
+// byte offset is unused by this layout (1 by convention).
+__device__ __forceinline__ uint64_t TileDescriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CommitCopies() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// cp.async writes through the generic proxy and wgmma reads through the async proxy.
+__device__ __forceinline__ void FenceSharedForAsyncProxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Keeps the compiler from moving accumulator reads and writes across the asynchronous MMAs.
+__device__ __forceinline__ void PinAccumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[64 x 128] += A[64 x 16] . B[128 x 16]^T: A and B K-major bf16 in shared memory (descriptors),
+// fp32 accumulate. Thread (warp w of the group, lane g * 4 + t) holds d[4j + 2h + q] = row
+// 16w + g + 8h, column 8j + 2t + q.
+__device__ __forceinline__ void Wgmma64x128x16(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred accumulate;\n"
+      "setp.ne.b32 accumulate, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, accumulate, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+struct WorkItem {
+  int expert;  // -1: past the last item
+  int first;   // bucketed position of the tile's first pair
+  int count;   // the tile's pairs, 1..kPairsPerTile
+};
+
+// Warp 0 finds work item `item`: the item-th (expert, 256-pair tile) in expert order. Each lane
+// counts the tiles of its run of experts, a warp scan places the runs.
+__device__ __forceinline__ void FindWorkItem(const int* offsets, int num_experts, int item,
+                                             WorkItem* out) {
+  const int lane = threadIdx.x & 31;
+  const int per_lane = CeilDivDevice(num_experts, 32), e0 = lane * per_lane;
+  int mine = 0;
+  for (int i = 0; i < per_lane && e0 + i < num_experts; ++i)
+    mine += CeilDivDevice(offsets[e0 + i + 1] - offsets[e0 + i], kPairsPerTile);
+  int inclusive = mine;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += u;
+  }
+  if (lane == 31 && item >= inclusive) out->expert = -1;
+  int before = inclusive - mine;
+  if (item < before || item >= inclusive) return;
+  for (int i = 0; i < per_lane && e0 + i < num_experts; ++i) {
+    const int e = e0 + i, first = offsets[e], pairs = offsets[e + 1] - first;
+    const int tiles = CeilDivDevice(pairs, kPairsPerTile);
+    if (item < before + tiles) {
+      const int tile = item - before;
+      *out = {e, first + tile * kPairsPerTile, min(kPairsPerTile, pairs - tile * kPairsPerTile)};
+      return;
+    }
+    before += tiles;
+  }
+}
+
+// One of the two GEMMs. Gate/up: input is the normalised x [rows, K] (pair p reads row p / k),
+// w0/w1 gate/up [features = inter, K], result h [bucketed position, inter] in bf16. Down: input
+// is that h, w0 down [features = hidden, K = inter], result out [pair index, hidden] in fp32.
+struct ExpertGemm {
+  const uint16_t* input = nullptr;
+  int k = 1;
+  const int* offsets = nullptr;
+  const int* sorted_pairs = nullptr;
+  int num_experts = 0;
+  const uint16_t* const* w0 = nullptr;
+  const uint16_t* const* w1 = nullptr;
+  int features = 0, depth = 0;
+  uint16_t* h = nullptr;
+  float* out = nullptr;
+};
+
+// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, kSharedBytes of ring.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
+  extern __shared__ uint8_t shared_raw[];
+  __shared__ WorkItem item;
+  WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
+  AllowDependentsToLaunch();
+  if (threadIdx.x < 32) FindWorkItem(a.offsets, a.num_experts, blockIdx.y, &item);
+  __syncthreads();
+  if (item.expert < 0) return;
+  const int e = item.expert, first = item.first, count = item.count;
+  const int f0 = blockIdx.x * (kGateUp ? kRowsPerTile / 2 : kRowsPerTile);
+  const uint32_t ring = (SharedAddress(shared_raw) + 1023) & ~1023u;
+
+  // This thread copies 16-byte chunk `chunk` of tile rows r0 + 32 i: 4 rows of A, 8 of B.
+  const int chunk = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+  const uint16_t* a_src[kRowsPerTile / 32];
+#pragma unroll
+  for (int i = 0; i < kRowsPerTile / 32; ++i) {
+    const int r = r0 + 32 * i;
+    const uint16_t* w = kGateUp && r >= kRowsPerTile / 2
+                            ? a.w1[e] + static_cast<int64_t>(f0 + r - kRowsPerTile / 2) * a.depth
+                            : a.w0[e] + static_cast<int64_t>(f0 + r) * a.depth;
+    a_src[i] = w + chunk * 8;
+  }
+  const uint16_t* b_src[kPairsPerTile / 32];
+#pragma unroll
+  for (int j = 0; j < kPairsPerTile / 32; ++j) {
+    const int r = r0 + 32 * j;
+    const int64_t row = r >= count ? -1 : kGateUp ? a.sorted_pairs[first + r] / a.k : first + r;
+    b_src[j] = row < 0 ? nullptr : a.input + row * a.depth + chunk * 8;
+  }
+  auto issue = [&](int step) {  // K chunk `step` into its stage; B rows past the tile stay stale
+    const uint32_t stage = ring + (step % kStages) * kStageBytes;
+    const int k0 = step * kChunk;
+#pragma unroll
+    for (int i = 0; i < kRowsPerTile / 32; ++i)
+      CopyAsync16(stage + SwizzledOffset(r0 + 32 * i, chunk), a_src[i] + k0);
+#pragma unroll
+    for (int j = 0; j < kPairsPerTile / 32; ++j)
+      if (b_src[j])
+        CopyAsync16(stage + kATileBytes + SwizzledOffset(r0 + 32 * j, chunk), b_src[j] + k0);
+  };
+
+  const int steps = a.depth / kChunk, group = threadIdx.x >> 7;
+  // A warpgroup without pairs skips its MMAs (stale B columns would only feed unwritten outputs).
+  const bool group_active = count > group * kPairsPerGroup;
+  float acc0[64], acc1[64];  // rows [0, 64) and [64, 128) of the tile: gate and up, or down
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) issue(s);
+    CommitCopies();  // empty groups too: the wait below counts groups
+  }
+  for (int step = 0; step < steps; ++step) {
+    WaitCopies<kStages - 2>();  // this thread's copies of chunk `step` have landed
+    FenceSharedForAsyncProxy();
+    __syncthreads();  // everyone's have; and every MMA on the stage refilled next is done
+    if (step + kStages - 1 < steps) issue(step + kStages - 1);
+    CommitCopies();
+    if (group_active) {
+      const uint32_t stage = ring + (step % kStages) * kStageBytes;
+      const uint32_t b_tile = stage + kATileBytes + group * kPairsPerGroup * kRowBytes;
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        const uint64_t b = TileDescriptor(b_tile + 32 * ks);
+        Wgmma64x128x16(acc0, TileDescriptor(stage + 32 * ks), b);
+        Wgmma64x128x16(acc1, TileDescriptor(stage + 64 * kRowBytes + 32 * ks), b);
+      }
+      WgmmaCommit();
+      WgmmaWaitAll();
+      PinAccumulators(acc0);
+      PinAccumulators(acc1);
+    }
+  }
+  WaitCopies<0>();
+  if (!group_active) return;
+
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int pair_in_tile = group * kPairsPerGroup + 8 * j + 2 * t + q;
+      if (pair_in_tile >= count) continue;
+      if constexpr (kGateUp) {
+        uint16_t* h = a.h + static_cast<int64_t>(first + pair_in_tile) * a.features + f0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float gate = acc0[4 * j + 2 * half + q], up = acc1[4 * j + 2 * half + q];
+          h[16 * w + g + 8 * half] =
+              __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
+        }
+      } else {
+        float* out =
+            a.out + static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          out[16 * w + g + 8 * half] = acc0[4 * j + 2 * half + q];
+          out[64 + 16 * w + g + 8 * half] = acc1[4 * j + 2 * half + q];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool MoeWgmmaSupports(int hidden, int inter) {
+  return hidden >= kRowsPerTile && hidden % kRowsPerTile == 0 && inter >= kChunk &&
+         inter % kChunk == 0;
+}
+
+void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
+  static const bool configured = [] {
+    for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<true>),
+                               reinterpret_cast<const void*>(ExpertGemmKernel<false>)})
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    return true;
+  }();
+  (void)configured;
+  const int pairs = m.rows * m.k;
+  if (pairs == 0) return;
+  // Items: sum over experts of ceil(pairs_e / 256) <= pairs / 256 + (experts with pairs); blocks
+  // past the real count exit after the lookup.
+  const int items = CeilDiv(pairs, kPairsPerTile) + std::min(m.num_experts, pairs);
+  ExpertGemm gate_up;
+  gate_up.input = m.x_bf16;
+  gate_up.k = m.k;
+  gate_up.offsets = m.offsets;
+  gate_up.sorted_pairs = m.sorted_pairs;
+  gate_up.num_experts = m.num_experts;
+  gate_up.w0 = m.gate;
+  gate_up.w1 = m.up;
+  gate_up.features = m.inter;
+  gate_up.depth = m.hidden;
+  gate_up.h = m.h;
+  Launch(ExpertGemmKernel<true>, dim3(m.inter / (kRowsPerTile / 2), items), dim3(kThreads),
+         kSharedBytes, stream, gate_up);
+  ExpertGemm down = gate_up;
+  down.input = m.h;
+  down.w0 = m.down;
+  down.w1 = nullptr;
+  down.features = m.hidden;
+  down.depth = m.inter;
+  down.h = nullptr;
+  down.out = m.out;
+  Launch(ExpertGemmKernel<false>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads),
+         kSharedBytes, stream, down);
+}
+
+}  // namespace infersweep::cuda

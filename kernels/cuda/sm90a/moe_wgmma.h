@@ -1,0 +1,17 @@
+// The expert GEMMs of the grouped MoE on Hopper warpgroup MMAs (moe=wgmma): sm_90a only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/ops.h"
+
+namespace infersweep::cuda {
+
+// hidden a multiple of 128 and inter of 64 (the kernels' tiles; no ragged edges).
+bool MoeWgmmaSupports(int hidden, int inter);
+// MoeGrouped's expert step after BucketPairs (offsets and sorted pairs written): args.h gets
+// silu(gate) * up in bf16 in bucketed order ([offsets[e] + i, inter]), args.out every pair's down
+// projection in fp32 at its pair index ([row * k + slot, hidden]), as MoeGrouped's combine reads.
+void MoeWgmmaExperts(const MoeGroupedArgs& args, cudaStream_t stream);
+
+}  // namespace infersweep::cuda
