@@ -194,7 +194,8 @@ TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
 
 // moe=wgmma's kernels (sm_90a machine code: Hopper only). Experts of more than 256 pairs take
 // several work items, the last one partial; experts of up to 128 pairs leave the second
-// warpgroup idle; a decode-sized batch gives every expert a few pairs.
+// warpgroup idle; every wgmma N (32, 64, 96, 128) is used; a decode-sized batch gives every
+// expert a few pairs.
 TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
   cudaDeviceProp prop{};
   ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
@@ -208,6 +209,8 @@ TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
   EXPECT_EQ(y, again) << "same inputs, different bits";
   CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, 3, true}, &skipped);
   EXPECT_NE(y, skipped) << "skipping the crowded expert changed nothing";
+  // ~53 pairs an expert: wgmma N of 64 for most, 32 or 96 for some.
+  CheckMoeGrouped(*this, {200, 4, 16, 128, 64, -1, 7, -1, true}, &y);
   CheckMoeGrouped(*this, {64, 8, 128, 512, 192, -1, 5, -1, true}, &y);
   CheckMoeGrouped(*this, {4, 2, 8, 128, 64, -1, 1, -1, true}, &y);
 }

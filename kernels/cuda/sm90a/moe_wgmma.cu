@@ -8,10 +8,13 @@
 //   D[features, pairs] = W_e[features, K] . X[pairs, K]^T
 // ("swap AB": the variable pair count of an expert is wgmma's N, so an expert's 1..256 pairs
 // cost one pass over its weights). A block owns 128 weight rows (gate 64 + up 64 features of one
-// expert, or 128 rows of down) and up to 256 of the expert's pairs, 128 per warpgroup. K goes
-// in 64-wide chunks through a 4-stage cp.async ring of 128B-swizzled tiles (48 KB a stage) that
-// wgmma reads through shared-memory descriptors. Work items (expert, 256-pair tile) are found
-// from the offsets on the device: nothing reaches the host, and the launch is capturable.
+// expert, or 128 rows of down) and up to 256 of the expert's pairs, 128 per warpgroup, each
+// group's N its pair count rounded up to 32. K goes in 64-wide chunks through a 4-stage cp.async
+// ring of 128B-swizzled tiles (48 KB a stage) that wgmma reads through shared-memory
+// descriptors: two chunks are in flight ahead of the one being multiplied, and each chunk's
+// MMAs overlap the next chunk's barrier and copies (wgmma.wait_group 1). Work items (expert,
+// 256-pair tile) are found from the offsets on the device: nothing reaches the host, and the
+// launch is capturable.
 //
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens (16,384 pairs, ~128 an expert): gate/up is
 // 103 GFLOP over 805 MB of weights, down 52 GFLOP over 403 MB. 1.2 GB a layer is 270 us at
@@ -80,8 +83,9 @@ __device__ __forceinline__ void WgmmaFence() {
 __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 // Keeps the compiler from moving accumulator reads and writes across the asynchronous MMAs.
 __device__ __forceinline__ void PinAccumulators(float (&d)[64]) {
@@ -89,20 +93,62 @@ __device__ __forceinline__ void PinAccumulators(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x 128] += A[64 x 16] . B[128 x 16]^T: A and B K-major bf16 in shared memory (descriptors),
-// fp32 accumulate. Thread (warp w of the group, lane g * 4 + t) holds d[4j + 2h + q] = row
-// 16w + g + 8h, column 8j + 2t + q.
-__device__ __forceinline__ void Wgmma64x128x16(float (&d)[64], uint64_t a, uint64_t b) {
+// d[64 x N] += A[64 x 16] . B[N x 16]^T: A and B K-major bf16 in shared memory (descriptors),
+// fp32 accumulate, N in {32, 64, 96, 128}. Thread (warp w of the group, lane g * 4 + t) holds
+// d[4j + 2h + q] = row 16w + g + 8h, column 8j + 2t + q (j < N / 8; the rest untouched).
+template <int kN>
+__device__ __forceinline__ void Wgmma64xNx16(float (&d)[64], uint64_t a, uint64_t b);
+template <>
+__device__ __forceinline__ void Wgmma64xNx16<32>(float (&d)[64], uint64_t a, uint64_t b) {
   asm volatile(
-      "{\n"
-      ".reg .pred accumulate;\n"
-      "setp.ne.b32 accumulate, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, accumulate, 1, 1, 0, 0;\n"
-      "}\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(1));
+}
+template <>
+__device__ __forceinline__ void Wgmma64xNx16<64>(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
+}
+template <>
+__device__ __forceinline__ void Wgmma64xNx16<96>(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+      "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(a), "l"(b), "r"(1));
+}
+template <>
+__device__ __forceinline__ void Wgmma64xNx16<128>(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+      "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+      "%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -114,6 +160,18 @@ __device__ __forceinline__ void Wgmma64x128x16(float (&d)[64], uint64_t a, uint6
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
       : "l"(a), "l"(b), "r"(1));
+}
+
+// One K chunk (4 steps of 16) of both accumulators against the group's kN pairs of the B tile.
+template <int kN>
+__device__ __forceinline__ void MmaChunk(float (&acc0)[64], float (&acc1)[64], uint32_t stage,
+                                         uint32_t b_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    const uint64_t b = TileDescriptor(b_tile + 32 * ks);
+    Wgmma64xNx16<kN>(acc0, TileDescriptor(stage + 32 * ks), b);
+    Wgmma64xNx16<kN>(acc1, TileDescriptor(stage + 64 * kRowBytes + 32 * ks), b);
+  }
 }
 
 struct WorkItem {
@@ -167,39 +225,15 @@ struct ExpertGemm {
   float* out = nullptr;
 };
 
-// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, kSharedBytes of ring.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
-  extern __shared__ uint8_t shared_raw[];
-  __shared__ WorkItem item;
-  WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
-  AllowDependentsToLaunch();
-  if (threadIdx.x < 32) FindWorkItem(a.offsets, a.num_experts, blockIdx.y, &item);
-  __syncthreads();
-  if (item.expert < 0) return;
-  const int e = item.expert, first = item.first, count = item.count;
-  const int f0 = blockIdx.x * (kGateUp ? kRowsPerTile / 2 : kRowsPerTile);
-  const uint32_t ring = (SharedAddress(shared_raw) + 1023) & ~1023u;
-
-  // This thread copies 16-byte chunk `chunk` of tile rows r0 + 32 i: 4 rows of A, 8 of B.
-  const int chunk = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+// The cp.async copies of one thread: 16-byte chunk `chunk` of tile rows r0 + 32 i, 4 rows of A
+// (weights) and up to 8 of B (pairs; null past the tile's pairs, whose rows then stay stale).
+struct TileCopies {
   const uint16_t* a_src[kRowsPerTile / 32];
-#pragma unroll
-  for (int i = 0; i < kRowsPerTile / 32; ++i) {
-    const int r = r0 + 32 * i;
-    const uint16_t* w = kGateUp && r >= kRowsPerTile / 2
-                            ? a.w1[e] + static_cast<int64_t>(f0 + r - kRowsPerTile / 2) * a.depth
-                            : a.w0[e] + static_cast<int64_t>(f0 + r) * a.depth;
-    a_src[i] = w + chunk * 8;
-  }
   const uint16_t* b_src[kPairsPerTile / 32];
-#pragma unroll
-  for (int j = 0; j < kPairsPerTile / 32; ++j) {
-    const int r = r0 + 32 * j;
-    const int64_t row = r >= count ? -1 : kGateUp ? a.sorted_pairs[first + r] / a.k : first + r;
-    b_src[j] = row < 0 ? nullptr : a.input + row * a.depth + chunk * 8;
-  }
-  auto issue = [&](int step) {  // K chunk `step` into its stage; B rows past the tile stay stale
+  uint32_t ring;  // the stage ring in shared memory, 1 KB aligned
+  int chunk, r0;
+
+  __device__ __forceinline__ void Issue(int step) const {  // K chunk `step` into its stage
     const uint32_t stage = ring + (step % kStages) * kStageBytes;
     const int k0 = step * kChunk;
 #pragma unroll
@@ -209,47 +243,49 @@ __global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
     for (int j = 0; j < kPairsPerTile / 32; ++j)
       if (b_src[j])
         CopyAsync16(stage + kATileBytes + SwizzledOffset(r0 + 32 * j, chunk), b_src[j] + k0);
-  };
+  }
+};
 
+// The K loop and epilogue of one warpgroup whose pairs fit wgmma's N = kN (0: no pairs; the
+// group still copies its share of every stage and meets every barrier).
+template <bool kGateUp, int kN>
+__device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies& copies,
+                                            int first, int count, int f0) {
   const int steps = a.depth / kChunk, group = threadIdx.x >> 7;
-  // A warpgroup without pairs skips its MMAs (stale B columns would only feed unwritten outputs).
-  const bool group_active = count > group * kPairsPerGroup;
   float acc0[64], acc1[64];  // rows [0, 64) and [64, 128) of the tile: gate and up, or down
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+  // kAhead chunks are in flight while one is computed; one chunk's MMAs stay in flight across
+  // the next chunk's barrier, so the stage refilled at `step` is that of chunk step - 2.
+  constexpr int kAhead = kStages - 2;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) issue(s);
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < steps) copies.Issue(s);
     CommitCopies();  // empty groups too: the wait below counts groups
   }
   for (int step = 0; step < steps; ++step) {
-    WaitCopies<kStages - 2>();  // this thread's copies of chunk `step` have landed
+    WaitCopies<kAhead - 1>();  // this thread's copies of chunk `step` have landed
     FenceSharedForAsyncProxy();
-    __syncthreads();  // everyone's have; and every MMA on the stage refilled next is done
-    if (step + kStages - 1 < steps) issue(step + kStages - 1);
+    __syncthreads();  // everyone's have; every group's MMAs on chunk step - 2 are done
+    if (step + kAhead < steps) copies.Issue(step + kAhead);
     CommitCopies();
-    if (group_active) {
-      const uint32_t stage = ring + (step % kStages) * kStageBytes;
-      const uint32_t b_tile = stage + kATileBytes + group * kPairsPerGroup * kRowBytes;
+    if constexpr (kN > 0) {
+      const uint32_t stage = copies.ring + (step % kStages) * kStageBytes;
       WgmmaFence();
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        const uint64_t b = TileDescriptor(b_tile + 32 * ks);
-        Wgmma64x128x16(acc0, TileDescriptor(stage + 32 * ks), b);
-        Wgmma64x128x16(acc1, TileDescriptor(stage + 64 * kRowBytes + 32 * ks), b);
-      }
+      MmaChunk<kN>(acc0, acc1, stage, stage + kATileBytes + group * kPairsPerGroup * kRowBytes);
       WgmmaCommit();
-      WgmmaWaitAll();
-      PinAccumulators(acc0);
-      PinAccumulators(acc1);
+      WgmmaWait<1>();
     }
   }
   WaitCopies<0>();
-  if (!group_active) return;
+  if constexpr (kN == 0) return;
+  WgmmaWait<0>();
+  PinAccumulators(acc0);
+  PinAccumulators(acc1);
 
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int pair_in_tile = group * kPairsPerGroup + 8 * j + 2 * t + q;
@@ -272,6 +308,56 @@ __global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
         }
       }
     }
+  }
+}
+
+// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, kSharedBytes of ring.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
+  extern __shared__ uint8_t shared_raw[];
+  __shared__ WorkItem item;
+  WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
+  AllowDependentsToLaunch();
+  if (threadIdx.x < 32) FindWorkItem(a.offsets, a.num_experts, blockIdx.y, &item);
+  __syncthreads();
+  if (item.expert < 0) return;
+  const int e = item.expert, first = item.first, count = item.count;
+  const int f0 = blockIdx.x * (kGateUp ? kRowsPerTile / 2 : kRowsPerTile);
+
+  TileCopies copies;
+  copies.ring = (SharedAddress(shared_raw) + 1023) & ~1023u;
+  copies.chunk = threadIdx.x & 7;
+  copies.r0 = threadIdx.x >> 3;
+#pragma unroll
+  for (int i = 0; i < kRowsPerTile / 32; ++i) {
+    const int r = copies.r0 + 32 * i;
+    const uint16_t* w = kGateUp && r >= kRowsPerTile / 2
+                            ? a.w1[e] + static_cast<int64_t>(f0 + r - kRowsPerTile / 2) * a.depth
+                            : a.w0[e] + static_cast<int64_t>(f0 + r) * a.depth;
+    copies.a_src[i] = w + copies.chunk * 8;
+  }
+#pragma unroll
+  for (int j = 0; j < kPairsPerTile / 32; ++j) {
+    const int r = copies.r0 + 32 * j;
+    const int64_t row = r >= count ? -1 : kGateUp ? a.sorted_pairs[first + r] / a.k : first + r;
+    copies.b_src[j] = row < 0 ? nullptr : a.input + row * a.depth + copies.chunk * 8;
+  }
+  // The group's pairs, rounded up to wgmma's N in steps of 32; 0: the group has none, and only
+  // copies (stale B columns past `count` feed only outputs that are never written). One
+  // instantiation per N keeps every wgmma of a loop the same shape (mixed shapes on the same
+  // accumulators make ptxas serialize them).
+  const int group = threadIdx.x >> 7;
+  switch (max(0, min(4, CeilDivDevice(count - group * kPairsPerGroup, 32)))) {
+    case 0:
+      return ComputeTile<kGateUp, 0>(a, copies, first, count, f0);
+    case 1:
+      return ComputeTile<kGateUp, 32>(a, copies, first, count, f0);
+    case 2:
+      return ComputeTile<kGateUp, 64>(a, copies, first, count, f0);
+    case 3:
+      return ComputeTile<kGateUp, 96>(a, copies, first, count, f0);
+    default:
+      return ComputeTile<kGateUp, 128>(a, copies, first, count, f0);
   }
 }
 
