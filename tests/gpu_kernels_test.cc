@@ -192,10 +192,9 @@ TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
   EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
 }
 
-// moe=wgmma's kernels (sm_90a machine code: Hopper only). Experts of more than 256 pairs take
-// several work items, the last one partial; experts of up to 128 pairs leave the second
-// warpgroup idle; every wgmma N (32, 64, 96, 128) is used; a decode-sized batch gives every
-// expert a few pairs.
+// moe=wgmma's kernels (sm_90a machine code: Hopper only). Experts of more than 128 pairs take
+// several work items, the last one partial; every wgmma N (32, 64, 96, 128) is used; a
+// decode-sized batch gives every expert a few pairs.
 TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
   cudaDeviceProp prop{};
   ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
@@ -203,7 +202,8 @@ TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
   ASSERT_TRUE(cuda::MoeWgmmaSupports(256, 128));
   ASSERT_FALSE(cuda::MoeWgmmaSupports(256, 96));
   std::vector<float> y, again, skipped;
-  // 600 pairs on expert 3: tiles of 256, 256 and 88; ~129 pairs on each of the others.
+  // 600 pairs on expert 3: four tiles of 128 and one of 88; ~129 pairs on each of the others
+  // (a full tile and a tile of a few).
   CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &y);
   CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &again);
   EXPECT_EQ(y, again) << "same inputs, different bits";

@@ -6,15 +6,18 @@
 // GEMMs instead: ~220 TFLOP/s, SiLU and a gather as separate kernels, and a host sync per layer
 // to learn the group sizes. These kernels keep MoeGrouped's device-side bucketing and compute
 //   D[features, pairs] = W_e[features, K] . X[pairs, K]^T
-// ("swap AB": the variable pair count of an expert is wgmma's N, so an expert's 1..256 pairs
-// cost one pass over its weights). A block owns 128 weight rows (gate 64 + up 64 features of one
-// expert, or 128 rows of down) and up to 256 of the expert's pairs, 128 per warpgroup, each
-// group's N its pair count rounded up to 32. K goes in 64-wide chunks through a 4-stage cp.async
-// ring of 128B-swizzled tiles (48 KB a stage) that wgmma reads through shared-memory
-// descriptors: two chunks are in flight ahead of the one being multiplied, and each chunk's
-// MMAs overlap the next chunk's barrier and copies (wgmma.wait_group 1). Work items (expert,
-// 256-pair tile) are found from the offsets on the device: nothing reaches the host, and the
-// launch is capturable.
+// ("swap AB": the variable pair count of an expert is wgmma's N, 32 to 128 a tile, so an expert
+// of up to 128 pairs costs one pass over its weights). A block owns 128 weight rows and up to 128
+// of the expert's pairs; each warpgroup multiplies 64 of the rows. Gate and up rows interleave 8
+// by 8, so a thread holds the gate and the up of the same feature and applies SiLU in registers.
+// K goes in 64-wide chunks through a 3-stage cp.async ring of 128B-swizzled tiles (32 KB a stage)
+// that wgmma reads through shared-memory descriptors, two chunks in flight ahead of the one being
+// multiplied. 64 accumulator registers a thread and 97 KB of ring let two blocks share an SM, so
+// one block's barriers, MMA waits, work-item lookup and epilogue hide under the other's
+// streaming. (The first version, 1 block an SM of 256 pairs x 128 rows with 128 accumulators a
+// thread and a 4-stage ring, was latency-bound: ncu DRAM 48 %, L2 65 %, SM 32 % of peak.) Work
+// items (expert, 128-pair tile) are found from the offsets on the device: nothing reaches the
+// host, and the launch is capturable.
 //
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens (16,384 pairs, ~128 an expert): gate/up is
 // 103 GFLOP over 805 MB of weights, down 52 GFLOP over 403 MB. 1.2 GB a layer is 270 us at
@@ -30,17 +33,17 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kThreads = 256;                      // two warpgroups
-constexpr int kRowsPerTile = 128;                  // weight rows a block owns (wgmma's A)
-constexpr int kPairsPerGroup = 128;                // wgmma's N: the pairs a warpgroup owns
-constexpr int kPairsPerTile = 2 * kPairsPerGroup;  // the pairs a block owns (wgmma's B)
-constexpr int kChunk = 64;                         // K elements a stage: one 128-byte row
-constexpr int kStages = 4;
+constexpr int kThreads = 256;       // two warpgroups, 64 weight rows each
+constexpr int kRowsPerTile = 128;   // weight rows a block owns (wgmma's A)
+constexpr int kPairsPerTile = 128;  // pairs a block owns: wgmma's N (both groups)
+constexpr int kChunk = 64;          // K elements a stage: one 128-byte row
+constexpr int kStages = 3;
 constexpr int kRowBytes = kChunk * 2;
 constexpr int kATileBytes = kRowsPerTile * kRowBytes;   // 16 KB
-constexpr int kBTileBytes = kPairsPerTile * kRowBytes;  // 32 KB
+constexpr int kBTileBytes = kPairsPerTile * kRowBytes;  // 16 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + slack to align the ring to 1 KB
+// + slack to align the ring to 1 KB; two blocks an SM (2 x 97 KB of the 227 KB).
+constexpr int kSharedBytes = kStages * kStageBytes + 1024;
 
 __device__ __forceinline__ int CeilDivDevice(int a, int b) { return (a + b - 1) / b; }
 
@@ -162,16 +165,12 @@ __device__ __forceinline__ void Wgmma64xNx16<128>(float (&d)[64], uint64_t a, ui
       : "l"(a), "l"(b), "r"(1));
 }
 
-// One K chunk (4 steps of 16) of both accumulators against the group's kN pairs of the B tile.
+// One K chunk (4 steps of 16): acc += the group's 64 rows of the A tile . kN pairs of the B tile.
 template <int kN>
-__device__ __forceinline__ void MmaChunk(float (&acc0)[64], float (&acc1)[64], uint32_t stage,
-                                         uint32_t b_tile) {
+__device__ __forceinline__ void MmaChunk(float (&acc)[64], uint32_t a_rows, uint32_t b_tile) {
 #pragma unroll
-  for (int ks = 0; ks < kChunk / 16; ++ks) {
-    const uint64_t b = TileDescriptor(b_tile + 32 * ks);
-    Wgmma64xNx16<kN>(acc0, TileDescriptor(stage + 32 * ks), b);
-    Wgmma64xNx16<kN>(acc1, TileDescriptor(stage + 64 * kRowBytes + 32 * ks), b);
-  }
+  for (int ks = 0; ks < kChunk / 16; ++ks)
+    Wgmma64xNx16<kN>(acc, TileDescriptor(a_rows + 32 * ks), TileDescriptor(b_tile + 32 * ks));
 }
 
 struct WorkItem {
@@ -180,7 +179,7 @@ struct WorkItem {
   int count;   // the tile's pairs, 1..kPairsPerTile
 };
 
-// Warp 0 finds work item `item`: the item-th (expert, 256-pair tile) in expert order. Each lane
+// Warp 0 finds work item `item`: the item-th (expert, 128-pair tile) in expert order. Each lane
 // counts the tiles of its run of experts, a warp scan places the runs.
 __device__ __forceinline__ void FindWorkItem(const int* offsets, int num_experts, int item,
                                              WorkItem* out) {
@@ -226,7 +225,7 @@ struct ExpertGemm {
 };
 
 // The cp.async copies of one thread: 16-byte chunk `chunk` of tile rows r0 + 32 i, 4 rows of A
-// (weights) and up to 8 of B (pairs; null past the tile's pairs, whose rows then stay stale).
+// (weights) and up to 4 of B (pairs; null past the tile's pairs, whose rows then stay stale).
 struct TileCopies {
   const uint16_t* a_src[kRowsPerTile / 32];
   const uint16_t* b_src[kPairsPerTile / 32];
@@ -246,18 +245,20 @@ struct TileCopies {
   }
 };
 
-// The K loop and epilogue of one warpgroup whose pairs fit wgmma's N = kN (0: no pairs; the
-// group still copies its share of every stage and meets every barrier).
+// The K loop and epilogue of the block's tile, wgmma N = kN >= count. Warpgroup w multiplies A
+// rows [64w, 64w + 64): for gate/up those interleave 8 gate and 8 up rows of the same features
+// (TileCopies), so a thread's accumulator rows 16q + g and 16q + g + 8 are the gate and the up
+// of one feature, and SiLU(gate) * up happens in registers.
 template <bool kGateUp, int kN>
 __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies& copies,
                                             int first, int count, int f0) {
   const int steps = a.depth / kChunk, group = threadIdx.x >> 7;
-  float acc0[64], acc1[64];  // rows [0, 64) and [64, 128) of the tile: gate and up, or down
+  float acc[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
-  // kAhead chunks are in flight while one is computed; one chunk's MMAs stay in flight across
-  // the next chunk's barrier, so the stage refilled at `step` is that of chunk step - 2.
-  constexpr int kAhead = kStages - 2;
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  // kAhead chunks are in flight while one is multiplied; the other block on the SM covers this
+  // block's barriers and MMA waits.
+  constexpr int kAhead = kStages - 1;
 #pragma unroll
   for (int s = 0; s < kAhead; ++s) {
     if (s < steps) copies.Issue(s);
@@ -266,46 +267,35 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
   for (int step = 0; step < steps; ++step) {
     WaitCopies<kAhead - 1>();  // this thread's copies of chunk `step` have landed
     FenceSharedForAsyncProxy();
-    __syncthreads();  // everyone's have; every group's MMAs on chunk step - 2 are done
+    __syncthreads();  // everyone's have; every MMA on chunk step - 1 is done
     if (step + kAhead < steps) copies.Issue(step + kAhead);
     CommitCopies();
-    if constexpr (kN > 0) {
-      const uint32_t stage = copies.ring + (step % kStages) * kStageBytes;
-      WgmmaFence();
-      MmaChunk<kN>(acc0, acc1, stage, stage + kATileBytes + group * kPairsPerGroup * kRowBytes);
-      WgmmaCommit();
-      WgmmaWait<1>();
-    }
+    const uint32_t stage = copies.ring + (step % kStages) * kStageBytes;
+    WgmmaFence();
+    MmaChunk<kN>(acc, stage + group * 64 * kRowBytes, stage + kATileBytes);
+    WgmmaCommit();
+    WgmmaWait<0>();
   }
   WaitCopies<0>();
-  if constexpr (kN == 0) return;
-  WgmmaWait<0>();
-  PinAccumulators(acc0);
-  PinAccumulators(acc1);
+  PinAccumulators(acc);
 
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const int pair_in_tile = group * kPairsPerGroup + 8 * j + 2 * t + q;
+      const int pair_in_tile = 8 * j + 2 * t + q;
       if (pair_in_tile >= count) continue;
       if constexpr (kGateUp) {
-        uint16_t* h = a.h + static_cast<int64_t>(first + pair_in_tile) * a.features + f0;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float gate = acc0[4 * j + 2 * half + q], up = acc1[4 * j + 2 * half + q];
-          h[16 * w + g + 8 * half] =
-              __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
-        }
+        const float gate = acc[4 * j + q], up = acc[4 * j + 2 + q];
+        a.h[static_cast<int64_t>(first + pair_in_tile) * a.features + f0 + 32 * group + 8 * w + g] =
+            __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
       } else {
-        float* out =
-            a.out + static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          out[16 * w + g + 8 * half] = acc0[4 * j + 2 * half + q];
-          out[64 + 16 * w + g + 8 * half] = acc1[4 * j + 2 * half + q];
-        }
+        float* out = a.out +
+                     static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0 +
+                     64 * group + 16 * w + g;
+        out[0] = acc[4 * j + q];
+        out[8] = acc[4 * j + 2 + q];
       }
     }
   }
@@ -313,7 +303,7 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
 
 // grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, kSharedBytes of ring.
 template <bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
+__global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   extern __shared__ uint8_t shared_raw[];
   __shared__ WorkItem item;
   WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
@@ -330,11 +320,12 @@ __global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
   copies.r0 = threadIdx.x >> 3;
 #pragma unroll
   for (int i = 0; i < kRowsPerTile / 32; ++i) {
+    // Gate/up: row r of the tile is gate (r % 16 < 8) or up of feature f0 + 32 (r / 64) +
+    // 8 ((r % 64) / 16) + r % 8; down: row r is feature f0 + r.
     const int r = copies.r0 + 32 * i;
-    const uint16_t* w = kGateUp && r >= kRowsPerTile / 2
-                            ? a.w1[e] + static_cast<int64_t>(f0 + r - kRowsPerTile / 2) * a.depth
-                            : a.w0[e] + static_cast<int64_t>(f0 + r) * a.depth;
-    copies.a_src[i] = w + copies.chunk * 8;
+    const int feature = kGateUp ? f0 + 32 * (r / 64) + 8 * ((r % 64) / 16) + r % 8 : f0 + r;
+    const uint16_t* const* table = kGateUp && r % 16 >= 8 ? a.w1 : a.w0;
+    copies.a_src[i] = table[e] + static_cast<int64_t>(feature) * a.depth + copies.chunk * 8;
   }
 #pragma unroll
   for (int j = 0; j < kPairsPerTile / 32; ++j) {
@@ -342,14 +333,10 @@ __global__ void __launch_bounds__(kThreads, 1) ExpertGemmKernel(ExpertGemm a) {
     const int64_t row = r >= count ? -1 : kGateUp ? a.sorted_pairs[first + r] / a.k : first + r;
     copies.b_src[j] = row < 0 ? nullptr : a.input + row * a.depth + copies.chunk * 8;
   }
-  // The group's pairs, rounded up to wgmma's N in steps of 32; 0: the group has none, and only
-  // copies (stale B columns past `count` feed only outputs that are never written). One
-  // instantiation per N keeps every wgmma of a loop the same shape (mixed shapes on the same
-  // accumulators make ptxas serialize them).
-  const int group = threadIdx.x >> 7;
-  switch (max(0, min(4, CeilDivDevice(count - group * kPairsPerGroup, 32)))) {
-    case 0:
-      return ComputeTile<kGateUp, 0>(a, copies, first, count, f0);
+  // The tile's pairs rounded up to wgmma's N in steps of 32 (stale B columns past `count` feed
+  // only outputs that are never written). One instantiation per N keeps every wgmma of a loop
+  // the same shape (mixed shapes on the same accumulators make ptxas serialize them).
+  switch (CeilDivDevice(count, 32)) {
     case 1:
       return ComputeTile<kGateUp, 32>(a, copies, first, count, f0);
     case 2:
