@@ -38,18 +38,18 @@ for stage in $STAGES; do
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   matrix)  # every registered GPU config on the full 48 layers: the verdict (light timing)
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused,graphs=off|on' \
+      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused|wgmma,graphs=off|on' \
       --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=900 \
       --json "$OUT/matrix.json" 2>&1 | tee "$OUT/matrix.log" | grep -vE "spread|timed by|load " ;;
   best)  # the fast configs: batch 1 and 64, prefill 2048
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=fused|tma,attention=flash,kv_cache=bf16|fp32,moe=fused,graphs=on' \
+      --config 'device=cuda,gemm=fused|tma,attention=flash,kv_cache=bf16|fp32,moe=fused|wgmma,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_best.json" 2>&1 | tee "$OUT/bench_best.log"
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,moe=grouped,graphs=off' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_grouped.json" 2>&1 | tee "$OUT/bench_grouped.log"
-    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused|grouped,graphs=off' \
+    $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused|grouped|wgmma,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
