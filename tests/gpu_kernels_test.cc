@@ -217,12 +217,40 @@ TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
 
 // The bucketing alone, exactly against a host counting sort: offsets, and every expert's pairs in
 // pair order (later kernels sum in that order); slots past the placed pairs stay untouched.
+struct BucketCase {
+  int pairs, experts, skip_expert;
+  int only_expert;  // every pair routed to it; -1: random ids
+};
+
+void CheckBucketPairs(GpuKernels& t, const BucketCase& c) {
+  SCOPED_TRACE(testing::Message() << "pairs " << c.pairs << " experts " << c.experts << " skip "
+                                  << c.skip_expert << " only " << c.only_expert);
+  std::mt19937 rng(77 + c.pairs + c.experts);
+  std::uniform_int_distribution<int> pick(0, c.experts - 1);
+  std::vector<int> ids(c.pairs);
+  for (int p = 0; p < c.pairs; ++p) {
+    ids[p] = c.only_expert >= 0 ? c.only_expert : pick(rng);
+    if (c.skip_expert >= 0 && p % 7 == 0) ids[p] = c.skip_expert;
+  }
+  std::vector<int> want_offsets(c.experts + 1), want_sorted;
+  for (int e = 0; e < c.experts; ++e) {
+    want_offsets[e] = static_cast<int>(want_sorted.size());
+    for (int p = 0; p < c.pairs; ++p)
+      if (ids[p] == e && e != c.skip_expert) want_sorted.push_back(p);
+  }
+  want_offsets[c.experts] = static_cast<int>(want_sorted.size());
+  want_sorted.resize(c.pairs, -7);
+  int* offsets = t.Upload(std::vector<int>(c.experts + 1, -7));
+  int* sorted = t.Upload(std::vector<int>(c.pairs, -7));
+  cuda::BucketPairs(t.Upload(ids), c.pairs, c.experts, c.skip_expert, offsets, sorted, nullptr);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(t.Download(offsets, c.experts + 1), want_offsets);
+  EXPECT_EQ(t.Download(sorted, c.pairs), want_sorted);
+}
+
 TEST_F(GpuKernels, BucketPairsMatchesACountingSort) {
-  struct Case {
-    int pairs, experts, skip_expert;
-    int only_expert;  // every pair routed to it; -1: random ids
-  };
-  const Case cases[] = {
+  const BucketCase cases[] = {
       {512, 128, -1, -1},   // batch 64, top-8: one chunk
       {2048, 128, -1, -1},  // two chunks (16 pairs per expert, the caller's limit)
       {300, 1000, -1, -1},  // many experts, pairs not a multiple of 32
@@ -233,32 +261,7 @@ TEST_F(GpuKernels, BucketPairsMatchesACountingSort) {
       {5000, 1024, 0, -1},  // the most experts, five chunks
       {0, 4, -1, -1},       // no pairs
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(testing::Message() << "pairs " << c.pairs << " experts " << c.experts << " skip "
-                                    << c.skip_expert << " only " << c.only_expert);
-    std::mt19937 rng(77 + c.pairs + c.experts);
-    std::uniform_int_distribution<int> pick(0, c.experts - 1);
-    std::vector<int> ids(c.pairs);
-    for (int p = 0; p < c.pairs; ++p) {
-      ids[p] = c.only_expert >= 0 ? c.only_expert : pick(rng);
-      if (c.skip_expert >= 0 && p % 7 == 0) ids[p] = c.skip_expert;
-    }
-    std::vector<int> want_offsets(c.experts + 1), want_sorted;
-    for (int e = 0; e < c.experts; ++e) {
-      want_offsets[e] = static_cast<int>(want_sorted.size());
-      for (int p = 0; p < c.pairs; ++p)
-        if (ids[p] == e && e != c.skip_expert) want_sorted.push_back(p);
-    }
-    want_offsets[c.experts] = static_cast<int>(want_sorted.size());
-    want_sorted.resize(c.pairs, -7);
-    int* offsets = Upload(std::vector<int>(c.experts + 1, -7));
-    int* sorted = Upload(std::vector<int>(c.pairs, -7));
-    cuda::BucketPairs(Upload(ids), c.pairs, c.experts, c.skip_expert, offsets, sorted, nullptr);
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(Download(offsets, c.experts + 1), want_offsets);
-    EXPECT_EQ(Download(sorted, c.pairs), want_sorted);
-  }
+  for (const BucketCase& c : cases) CheckBucketPairs(*this, c);
 }
 
 // Causal GQA attention over a KV cache, in double: query i of batch row b at position pos0 + i
@@ -295,61 +298,125 @@ std::vector<double> HostAttention(const std::vector<float>& q, const std::vector
 // attention=flash: prefill chunks (tensor cores) and decode-sized chunks (split-KV, fp32) against
 // the host, for chunk lengths that are not multiples of the 64-query tile and a chunk that starts
 // after earlier tokens (pos0 > 0).
+struct FlashCase {
+  int batch, n, q_heads, kv_heads, d, pos0;
+  double tolerance;  // of max |ref|: bf16 Q, K, V and P (2^-9 relative each) on tensor cores
+};
+
+void CheckFlashAttention(GpuKernels& t, const FlashCase& c, std::mt19937& rng) {
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  const int capacity = c.pos0 + c.n + 3, kv_dim = c.kv_heads * c.d;
+  std::vector<float> q(static_cast<size_t>(c.batch) * c.n * c.q_heads * c.d);
+  std::vector<float> kc(static_cast<size_t>(c.batch) * capacity * kv_dim), vc(kc.size());
+  // The flash cache is bf16: the host sees the same rounded values.
+  std::vector<uint16_t> kc_bf16(kc.size()), vc_bf16(vc.size());
+  for (float& v : q) v = uni(rng);
+  for (size_t i = 0; i < kc.size(); ++i) {
+    kc_bf16[i] = FloatToBf16(uni(rng));
+    vc_bf16[i] = FloatToBf16(uni(rng));
+    kc[i] = Bf16ToFloat(kc_bf16[i]);
+    vc[i] = Bf16ToFloat(vc_bf16[i]);
+  }
+  const std::vector<double> ref =
+      HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
+  const int rows = c.batch * c.n;
+  const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
+  float* partial = t.Upload(
+      std::vector<float>(cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
+  // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values).
+  for (const bool bf16 : {true, false}) {
+    const cuda::KvCache cache =
+        bf16 ? cuda::KvCache{t.Upload(kc_bf16), t.Upload(vc_bf16), true, capacity}
+             : cuda::KvCache{t.Upload(kc), t.Upload(vc), false, capacity};
+    float* out = t.Upload(std::vector<float>(q.size(), NAN));
+    cuda::AttentionFlash(t.Upload(q), cache, rows, c.n, c.q_heads, c.kv_heads, c.d,
+                         t.Upload(std::vector<int>{c.pos0}), splits, partial, out, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = t.Download(out, q.size());
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
+      worst = std::max(worst, std::fabs(got[i] - ref[i]));
+      scale = std::max(scale, std::fabs(ref[i]));
+    }
+    EXPECT_LT(worst / scale, c.tolerance)
+        << "n " << c.n << " d " << c.d << " pos0 " << c.pos0 << " bf16 cache " << bf16;
+    std::printf("# flash n %d d %d pos0 %d, %s cache: max error %.3g of max |out| %.3g\n", c.n,
+                c.d, c.pos0, bf16 ? "bf16" : "fp32", worst, scale);
+  }
+}
+
 TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
   std::mt19937 rng(99);
-  std::uniform_real_distribution<float> uni(-1.f, 1.f);
-  struct Case {
-    int batch, n, q_heads, kv_heads, d, pos0;
-    double tolerance;  // of max |ref|: bf16 Q, K, V and P (2^-9 relative each) on tensor cores
-  };
   // Decode chunks (n < 16) of head sizes 32/64/128 run the tensor-core split-KV kernel (GQA
   // groups of 8 and 16 as MMA rows, several splits and 64-key tiles, a split's last tile
   // partial); head size 96 keeps the fp32 CUDA-core kernel (tighter tolerance).
-  for (const Case& c : {Case{2, 100, 8, 2, 128, 5, 2e-2}, Case{1, 130, 4, 2, 64, 0, 2e-2},
-                        Case{3, 16, 4, 2, 32, 40, 2e-2}, Case{2, 8, 8, 2, 128, 5, 2e-2},
-                        Case{3, 1, 16, 1, 128, 300, 2e-2}, Case{4, 1, 8, 2, 64, 130, 2e-2},
-                        Case{2, 2, 4, 2, 32, 70, 2e-2}, Case{2, 3, 6, 2, 96, 50, 1e-4},
-                        Case{64, 1, 8, 1, 128, 543, 2e-2}}) {
-    const int capacity = c.pos0 + c.n + 3, kv_dim = c.kv_heads * c.d;
-    std::vector<float> q(static_cast<size_t>(c.batch) * c.n * c.q_heads * c.d);
-    std::vector<float> kc(static_cast<size_t>(c.batch) * capacity * kv_dim), vc(kc.size());
-    // The flash cache is bf16: the host sees the same rounded values.
-    std::vector<uint16_t> kc_bf16(kc.size()), vc_bf16(vc.size());
-    for (float& v : q) v = uni(rng);
-    for (size_t i = 0; i < kc.size(); ++i) {
-      kc_bf16[i] = FloatToBf16(uni(rng));
-      vc_bf16[i] = FloatToBf16(uni(rng));
-      kc[i] = Bf16ToFloat(kc_bf16[i]);
-      vc[i] = Bf16ToFloat(vc_bf16[i]);
+  for (const FlashCase& c :
+       {FlashCase{2, 100, 8, 2, 128, 5, 2e-2}, FlashCase{1, 130, 4, 2, 64, 0, 2e-2},
+        FlashCase{3, 16, 4, 2, 32, 40, 2e-2}, FlashCase{2, 8, 8, 2, 128, 5, 2e-2},
+        FlashCase{3, 1, 16, 1, 128, 300, 2e-2}, FlashCase{4, 1, 8, 2, 64, 130, 2e-2},
+        FlashCase{2, 2, 4, 2, 32, 70, 2e-2}, FlashCase{2, 3, 6, 2, 96, 50, 1e-4},
+        FlashCase{64, 1, 8, 1, 128, 543, 2e-2}})
+    CheckFlashAttention(*this, c, rng);
+}
+
+// The decode GEMV (one segment, no norm) against host math in double: y = x . W^T.
+void CheckGemv(GpuKernels& t, int rows, int k, int n) {
+  std::mt19937 rng(5 + rows + k + n);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  std::vector<float> x(static_cast<size_t>(rows) * k);
+  std::vector<uint16_t> w(static_cast<size_t>(n) * k);
+  for (float& v : x) v = uni(rng);
+  for (uint16_t& v : w) v = FloatToBf16(uni(rng));
+  ASSERT_TRUE(cuda::GemvSupports(rows, k));
+  cuda::GemvArgs a;
+  a.x = t.Upload(x);
+  a.rows = rows;
+  a.k = k;
+  a.seg[0].w = t.Upload(w);
+  a.seg[0].y = t.Upload(std::vector<float>(static_cast<size_t>(rows) * n, NAN));
+  a.seg[0].n = n;
+  a.seg[0].ld = n;
+  a.segments = 1;
+  cuda::Gemv(a, nullptr);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> y = t.Download(a.seg[0].y, static_cast<size_t>(rows) * n);
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < n; ++j) {
+      double want = 0;
+      for (int i = 0; i < k; ++i)
+        want += static_cast<double>(x[static_cast<size_t>(r) * k + i]) *
+                Bf16ToFloat(w[static_cast<size_t>(j) * k + i]);
+      ASSERT_NEAR(y[static_cast<size_t>(r) * n + j], want, 1e-3 * std::sqrt(static_cast<double>(k)))
+          << "row " << r << " output " << j;
     }
-    const std::vector<double> ref =
-        HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
-    const int rows = c.batch * c.n;
-    const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
-    float* partial = Upload(std::vector<float>(
-        cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
-    // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values).
-    for (const bool bf16 : {true, false}) {
-      const cuda::KvCache cache = bf16 ? cuda::KvCache{Upload(kc_bf16), Upload(vc_bf16), true, capacity}
-                                       : cuda::KvCache{Upload(kc), Upload(vc), false, capacity};
-      float* out = Upload(std::vector<float>(q.size(), NAN));
-      cuda::AttentionFlash(Upload(q), cache, rows, c.n, c.q_heads, c.kv_heads, c.d,
-                           Upload(std::vector<int>{c.pos0}), splits, partial, out, nullptr);
-      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> got = Download(out, q.size());
-      double worst = 0, scale = 0;
-      for (size_t i = 0; i < got.size(); ++i) {
-        ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
-        worst = std::max(worst, std::fabs(got[i] - ref[i]));
-        scale = std::max(scale, std::fabs(ref[i]));
-      }
-      EXPECT_LT(worst / scale, c.tolerance)
-          << "n " << c.n << " d " << c.d << " pos0 " << c.pos0 << " bf16 cache " << bf16;
-      std::printf("# flash n %d d %d pos0 %d, %s cache: max error %.3g of max |out| %.3g\n", c.n,
-                  c.d, c.pos0, bf16 ? "bf16" : "fp32", worst, scale);
+}
+
+// Kernels whose dynamic shared memory is over the 48 KB default set their limit once per device
+// (PerDeviceOnce): a once-per-process flag would leave every GPU but the first with the default
+// and its launches failing, as tensor parallelism would find out. Each runs on every GPU of the
+// machine in turn, checked against host math. Skipped with one GPU.
+TEST_F(GpuKernels, LargeSharedMemoryKernelsRunOnEveryDevice) {
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  if (devices < 2) GTEST_SKIP() << "one GPU";
+  std::mt19937 rng(3);
+  for (int d = 0; d < devices; ++d) {
+    SCOPED_TRACE(testing::Message() << "device " << d);
+    ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+    CheckGemv(*this, 4, 4096, 64);                                  // 64 KB of staged input
+    CheckBucketPairs(*this, {5000, 1024, 0, -1});                   // 65 KB of count table
+    CheckFlashAttention(*this, {2, 100, 8, 2, 128, 5, 2e-2}, rng);  // 64 KB of K/V stages
+    cudaDeviceProp prop{};
+    ASSERT_EQ(cudaGetDeviceProperties(&prop, d), cudaSuccess);
+    if (prop.major == 9 && prop.minor == 0) {  // moe=wgmma's 97 KB ring
+      std::vector<float> y;
+      CheckMoeGrouped(*this, {64, 8, 128, 256, 128, -1, 5, -1, true}, &y);
     }
   }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 // q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache and a bf16 one (the same

@@ -171,12 +171,11 @@ constexpr size_t KvStagesBytes(int head_dim) {
 template <int kKeys, typename KernelOf, typename... Args>
 void LaunchForHeadDim(KernelOf kernel_of, int head_dim, dim3 grid, dim3 block, cudaStream_t stream,
                       Args... args) {
-  static const bool configured = [&] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([&] {
     cudaFuncSetAttribute(kernel_of(std::integral_constant<int, 128>{}),
                          cudaFuncAttributeMaxDynamicSharedMemorySize, KvStagesBytes<kKeys>(128));
-    return true;
-  }();
-  (void)configured;
+  });
   const size_t smem = KvStagesBytes<kKeys>(head_dim);
   switch (head_dim) {
     case 32:

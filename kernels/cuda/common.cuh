@@ -1,6 +1,9 @@
 // Shared device helpers for the CUDA kernels.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+#include <mutex>
 #include <utility>
 
 #include <cuda_bf16.h>
@@ -107,6 +110,30 @@ void Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, c
   config.numAttrs = ProgrammaticLaunchFlag() ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
+
+// Runs a setup step once per device. cudaFuncSetAttribute (a kernel's dynamic shared memory
+// limit) applies to the current device only, so a process that launches on several GPUs (tensor
+// parallelism) has to repeat it on each; a once-per-process flag left every GPU but the first
+// with the 48 KB default and its launches failing. After the first call on a device a call costs
+// a cudaGetDevice and an atomic load. Devices 0-63.
+class PerDeviceOnce {
+ public:
+  template <typename Setup>
+  void operator()(Setup&& setup) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) device = 0;
+    const uint64_t bit = uint64_t{1} << (device & 63);
+    if (done_.load(std::memory_order_acquire) & bit) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_.load(std::memory_order_relaxed) & bit) return;
+    setup();
+    done_.fetch_or(bit, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<uint64_t> done_{0};
+  std::mutex mutex_;
+};
 
 inline int CeilDiv(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
 

@@ -104,15 +104,14 @@ bool GemvSupports(int rows, int k) {
 }
 
 void Gemv(const GemvArgs& args, cudaStream_t stream) {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     for (const void* kernel : {reinterpret_cast<const void*>(GemvKernel<1, 1>),
                                reinterpret_cast<const void*>(GemvKernel<2, 1>),
                                reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows>),
                                reinterpret_cast<const void*>(GemvKernel<2, kGemvMaxRows>)})
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  });
   const size_t smem = static_cast<size_t>(args.rows) * args.k * sizeof(float);
   int total = 0;
   for (int s = 0; s < args.segments; ++s) total += args.seg[s].n;

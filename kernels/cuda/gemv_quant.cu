@@ -118,14 +118,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 
 template <QuantFormat F>
 void ConfigureShared() {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     cudaFuncSetAttribute(GemvQuantKernel<F, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kMaxSharedBytes);
     cudaFuncSetAttribute(GemvQuantKernel<F, kMaxBlockRows>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  });
 }
 
 // Activation rows a block stages: 4 when they fit in shared memory, else 1.

@@ -251,11 +251,10 @@ __global__ void ScatterAddRowsKernel(const float* src, const int* index, const f
 }
 
 void ConfigureMoeSharedMemory() {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     cudaFuncSetAttribute(MoeGateUpKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoeMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  });
 }
 
 }  // namespace

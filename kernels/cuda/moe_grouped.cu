@@ -397,12 +397,11 @@ bool MoeGroupedSupports(int num_experts, int hidden, int inter) {
 
 void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert, int* offsets,
                  int* sorted_pairs, cudaStream_t stream) {
-  static const bool configured = [] {  // up to 64 KB of count table for 1024 experts
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {  // up to 64 KB of count table for 1024 experts
     cudaFuncSetAttribute(BucketPairsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          BucketTableBytes(kBucketMaxExperts));
-    return true;
-  }();
-  (void)configured;
+  });
   Launch(BucketPairsKernel, dim3(1), dim3(kBucketThreads), BucketTableBytes(num_experts), stream,
          expert_ids, pairs, num_experts, skip_expert, offsets, sorted_pairs);
 }

@@ -235,14 +235,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <QuantFormat F>
 void ConfigureShared() {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     cudaFuncSetAttribute(MoeGateUpQuantKernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kMoeMaxSharedBytes);
     cudaFuncSetAttribute(MoeDownCombineQuantKernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kMoeMaxSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  });
 }
 
 template <QuantFormat F>

@@ -133,13 +133,12 @@ bool GemvTmaSupports(int rows, int k) {
 }
 
 void GemvTma(const GemvArgs& args, cudaStream_t stream) {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     cudaFuncSetAttribute(GemvTmaKernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBudget);
     cudaFuncSetAttribute(GemvTmaKernel<kGemvMaxRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          kSharedBudget);
-    return true;
-  }();
-  (void)configured;
+  });
   const size_t tile_bytes = static_cast<size_t>(kTileRows) * args.k * sizeof(uint16_t);
   const size_t x_bytes = static_cast<size_t>(args.rows) * args.k * sizeof(float);
   TmaPlan plan{};

@@ -356,13 +356,12 @@ bool MoeWgmmaSupports(int hidden, int inter) {
 }
 
 void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
-  static const bool configured = [] {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {
     for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<true>),
                                reinterpret_cast<const void*>(ExpertGemmKernel<false>)})
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-    return true;
-  }();
-  (void)configured;
+  });
   const int pairs = m.rows * m.k;
   if (pairs == 0) return;
   // Items: sum over experts of ceil(pairs_e / 256) <= pairs / 256 + (experts with pairs); blocks
