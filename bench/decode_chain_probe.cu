@@ -14,6 +14,8 @@
 //   persistent  one cooperative kernel: the 5 GEMVs a layer as phases separated by grid-wide
 //               barriers; each warp double-buffers 4 KB weight batches in registers and issues the
 //               next phase's first batch before it waits at the barrier
+//   barriers    the persistent kernel with no rows: what staging the input and a grid barrier
+//               cost a phase
 // Usage: decode_chain_probe [--layers N]
 #include <cuda_runtime.h>
 
@@ -244,6 +246,31 @@ int main(int argc, char** argv) {
     std::printf("persistent  %7.2f us a layer (%d blocks of 8 warps, 5 grid barriers a layer): "
                 "%.1f %% of the roofline\n",
                 us, blocks, 100.0 * layer_bytes / 4.46e6 / us);
+  }
+  // The same launch with no rows: each phase only stages its input and meets the barrier.
+  {
+    std::vector<Phase> idle = phases;
+    for (Phase& ph : idle) ph.rows = 0;
+    CHECK(cudaMemcpy(d_phases, idle.data(), idle.size() * sizeof(Phase), cudaMemcpyHostToDevice));
+    int count = static_cast<int>(idle.size());
+    const int blocks = std::min(per_sm, 2) * prop.multiProcessorCount;
+    std::vector<float> ms;
+    for (int run = 0; run < 6; ++run) {
+      CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
+      void* args[] = {&d_phases, &count, &counter};
+      CHECK(cudaEventRecord(start, stream));
+      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(PersistentChain), dim3(blocks),
+                                        dim3(256), args, 0, stream));
+      CHECK(cudaEventRecord(stop, stream));
+      CHECK(cudaEventSynchronize(stop));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, start, stop));
+      if (run > 0) ms.push_back(t);
+    }
+    const float us = Median(ms) * 1000.f / layers;
+    std::printf("barriers    %7.2f us a layer (%d blocks; no rows: input staging + 5 grid barriers, "
+                "%.2f us each)\n",
+                us, blocks, us / kPhasesPerLayer);
   }
   for (void* b : buffers) cudaFree(b);
   return 0;
