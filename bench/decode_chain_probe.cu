@@ -14,8 +14,8 @@
 //   persistent  one cooperative kernel: the 5 GEMVs a layer as phases separated by grid-wide
 //               barriers; each warp double-buffers 4 KB weight batches in registers and issues the
 //               next phase's first batch before it waits at the barrier
-//   barriers    the persistent kernel with no rows: what staging the input and a grid barrier
-//               cost a phase
+//               (1 or 2 blocks of 8 warps an SM, or 1 of 16; a flat or two-level barrier), and the
+//               same launch with no rows: what staging the input and a grid barrier cost a phase
 // Usage: decode_chain_probe [--layers N]
 #include <cuda_runtime.h>
 
@@ -79,21 +79,36 @@ __device__ __forceinline__ int WarpBatches(const Phase& ph, int warp, int warps)
   return rows * (ph.k / kBatch);
 }
 
-// Grid-wide barrier number `index` (0, 1, ...) on a counter zeroed before the launch.
-__device__ __forceinline__ void GridBarrier(unsigned* counter, unsigned index) {
+// Grid-wide barrier number `index` (0, 1, ...) on counters zeroed before the launch. Flat: every
+// block adds to counters[0] and polls it. Two-level: blocks add to one of 8 group counters (each
+// on its own 128-byte line), the last of a group adds to counters[0], every block polls that:
+// 8 atomics on the polled line instead of one per block.
+constexpr int kGroups = 8;
+constexpr int kCounterWords = 1 + kGroups * 32;
+template <bool kTwoLevel>
+__device__ __forceinline__ void GridBarrier(unsigned* counters, unsigned index) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    atomicAdd(counter, 1u);
-    const unsigned target = (index + 1) * gridDim.x;
-    while (*reinterpret_cast<volatile unsigned*>(counter) < target) {
+    unsigned target = (index + 1) * gridDim.x;
+    if constexpr (kTwoLevel) {
+      const unsigned group = blockIdx.x % kGroups;
+      const unsigned group_size = (gridDim.x - group + kGroups - 1) / kGroups;
+      if (atomicAdd(&counters[1 + group * 32], 1u) + 1 == (index + 1) * group_size)
+        atomicAdd(&counters[0], 1u);
+      target = (index + 1) * kGroups;
+    } else {
+      atomicAdd(&counters[0], 1u);
+    }
+    while (*reinterpret_cast<volatile unsigned*>(&counters[0]) < target) {
     }
     __threadfence();
   }
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(256) PersistentChain(const Phase* phases, int count,
+template <bool kTwoLevel>
+__global__ void __launch_bounds__(512) PersistentChain(const Phase* phases, int count,
                                                        unsigned* counter) {
   __shared__ __align__(16) float xs[kMaxK];
   const int lane = threadIdx.x & 31;
@@ -123,7 +138,7 @@ __global__ void __launch_bounds__(256) PersistentChain(const Phase* phases, int 
     // The next phase's first weights do not depend on this phase: in flight across the barrier.
     if (p + 1 < count && WarpBatches(phases[p + 1], warp, warps) > 0)
       LoadBatch(phases[p + 1], 0, warp, warps, lane, cur);
-    GridBarrier(counter, p);
+    GridBarrier<kTwoLevel>(counter, p);
   }
 }
 
@@ -221,57 +236,42 @@ int main(int argc, char** argv) {
 
   Phase* d_phases = nullptr;
   CHECK(cudaMalloc(&d_phases, phases.size() * sizeof(Phase)));
-  CHECK(cudaMemcpy(d_phases, phases.data(), phases.size() * sizeof(Phase), cudaMemcpyHostToDevice));
-  unsigned* counter = nullptr;
-  CHECK(cudaMalloc(&counter, sizeof(unsigned)));
-  int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PersistentChain, 256, 0));
-  for (int blocks_per_sm = 1; blocks_per_sm <= std::min(per_sm, 4); blocks_per_sm *= 2) {
-    const int blocks = blocks_per_sm * prop.multiProcessorCount;
-    int count = static_cast<int>(phases.size());
+  unsigned* counters = nullptr;
+  CHECK(cudaMalloc(&counters, kCounterWords * sizeof(unsigned)));
+  std::vector<Phase> idle = phases;  // no rows: each phase only stages its input and meets the barrier
+  for (Phase& ph : idle) ph.rows = 0;
+  auto run_persistent = [&](const std::vector<Phase>& list, bool two_level, int blocks, int threads) {
+    CHECK(cudaMemcpy(d_phases, list.data(), list.size() * sizeof(Phase), cudaMemcpyHostToDevice));
+    int count = static_cast<int>(list.size());
+    void* kernel = two_level ? reinterpret_cast<void*>(PersistentChain<true>)
+                             : reinterpret_cast<void*>(PersistentChain<false>);
     std::vector<float> ms;
     for (int run = 0; run < 6; ++run) {
-      CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
-      void* args[] = {&d_phases, &count, &counter};
+      CHECK(cudaMemsetAsync(counters, 0, kCounterWords * sizeof(unsigned), stream));
+      void* args[] = {&d_phases, &count, &counters};
       CHECK(cudaEventRecord(start, stream));
-      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(PersistentChain), dim3(blocks),
-                                        dim3(256), args, 0, stream));
+      CHECK(cudaLaunchCooperativeKernel(kernel, dim3(blocks), dim3(threads), args, 0, stream));
       CHECK(cudaEventRecord(stop, stream));
       CHECK(cudaEventSynchronize(stop));
       float t = 0;
       CHECK(cudaEventElapsedTime(&t, start, stop));
       if (run > 0) ms.push_back(t);
     }
-    const float us = Median(ms) * 1000.f / layers;
-    std::printf("persistent  %7.2f us a layer (%d blocks of 8 warps, 5 grid barriers a layer): "
-                "%.1f %% of the roofline\n",
-                us, blocks, 100.0 * layer_bytes / 4.46e6 / us);
-  }
-  // The same launch with no rows: each phase only stages its input and meets the barrier.
-  {
-    std::vector<Phase> idle = phases;
-    for (Phase& ph : idle) ph.rows = 0;
-    CHECK(cudaMemcpy(d_phases, idle.data(), idle.size() * sizeof(Phase), cudaMemcpyHostToDevice));
-    int count = static_cast<int>(idle.size());
-    const int blocks = std::min(per_sm, 2) * prop.multiProcessorCount;
-    std::vector<float> ms;
-    for (int run = 0; run < 6; ++run) {
-      CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), stream));
-      void* args[] = {&d_phases, &count, &counter};
-      CHECK(cudaEventRecord(start, stream));
-      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(PersistentChain), dim3(blocks),
-                                        dim3(256), args, 0, stream));
-      CHECK(cudaEventRecord(stop, stream));
-      CHECK(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, start, stop));
-      if (run > 0) ms.push_back(t);
+    return Median(ms) * 1000.f / layers;
+  };
+  const int sms = prop.multiProcessorCount;
+  struct Shape2 {
+    int blocks, threads;
+  };
+  for (const Shape2 g : {Shape2{sms, 256}, Shape2{2 * sms, 256}, Shape2{sms, 512}})
+    for (const bool two_level : {false, true}) {
+      const float us = run_persistent(phases, two_level, g.blocks, g.threads);
+      const float idle_us = run_persistent(idle, two_level, g.blocks, g.threads);
+      std::printf("persistent  %7.2f us a layer (%d blocks of %d warps, %s barrier): %.1f %% of the "
+                  "roofline; with no rows %.2f us (%.2f us a phase)\n",
+                  us, g.blocks, g.threads / 32, two_level ? "two-level" : "flat",
+                  100.0 * layer_bytes / 4.46e6 / us, idle_us, idle_us / kPhasesPerLayer);
     }
-    const float us = Median(ms) * 1000.f / layers;
-    std::printf("barriers    %7.2f us a layer (%d blocks; no rows: input staging + 5 grid barriers, "
-                "%.2f us each)\n",
-                us, blocks, us / kPhasesPerLayer);
-  }
   for (void* b : buffers) cudaFree(b);
   return 0;
 }
