@@ -37,6 +37,34 @@ DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t contex
   return t;
 }
 
+double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len) {
+  const double h = c.hidden_size, p = static_cast<double>(prompt_len);
+  const double attention = h * c.q_dim() * 2 + h * c.kv_dim() * 2;  // q, o and k, v
+  double weights_per_token = 0;  // summed over layers
+  for (int l = 0; l < c.num_layers; ++l) {
+    weights_per_token += attention;
+    if (c.IsMoeLayer(l)) {
+      weights_per_token += static_cast<double>(c.num_experts) * h +
+                           c.num_experts_per_tok * 3.0 * h * c.moe_intermediate_size;
+      if (c.shared_expert_intermediate_size > 0)
+        weights_per_token += 3.0 * h * c.shared_expert_intermediate_size + h;
+    } else {
+      weights_per_token += 3.0 * h * c.intermediate_size;
+    }
+  }
+  const double linears = 2.0 * weights_per_token * p;
+  const double attention_products =
+      4.0 * c.num_q_heads * c.head_dim * (p * (p + 1) / 2) * c.num_layers;
+  const double lm_head = 2.0 * static_cast<double>(c.vocab_size) * h;
+  return batch * (linears + attention_products + lm_head);
+}
+
+std::optional<double> KnownBf16Tflops(std::string_view device_name) {
+  // Measured on the lent H200: a large cuBLASLt bf16 GEMM (../shared/BRIEF.md).
+  if (device_name.find("H200") != std::string_view::npos) return 794.0;
+  return std::nullopt;
+}
+
 std::optional<double> KnownReadBandwidthGbs(std::string_view device_name) {
   // Measured on the lent H200 (device-to-device read, docs/PERFORMANCE.md).
   if (device_name.find("H200") != std::string_view::npos) return 4460.0;

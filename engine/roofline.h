@@ -28,4 +28,16 @@ DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t contex
 // nullopt when unknown (the CPU, unlisted GPUs).
 std::optional<double> KnownReadBandwidthGbs(std::string_view device_name);
 
+// Compute-bound prefill roofline (docs/METRICS.md): the FLOPs of prefilling `prompt_len` tokens
+// of each of `batch` sequences. 2 per weight per token for the linears a token uses (attention
+// projections, router, its k experts, the shared expert and its gate, dense MLPs); the causal
+// attention products, QK^T and PV, 4 * q_heads * head_dim per (query, key) pair with
+// prompt_len (prompt_len + 1) / 2 pairs a sequence and layer; lm_head for the last position of
+// each sequence only (what prefill computes logits for).
+double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len);
+
+// Measured dense bf16 tensor-core GEMM rate of known devices in TFLOP/s, by GPU name substring;
+// nullopt when unknown.
+std::optional<double> KnownBf16Tflops(std::string_view device_name);
+
 }  // namespace infersweep

@@ -127,6 +127,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   MeasureOptions measure;
   measure.progress = progress;
   measure.bandwidth_gb_s = KnownReadBandwidthGbs(result.device);
+  measure.bf16_tflops = KnownBf16Tflops(result.device);
   measure.bytes_per_weight = WeightFormat(*host_) == "f32" ? 4 : 2;
   if (host_->quant_format != QuantFormat::kNone)
     measure.quantized_bytes_per_weight =

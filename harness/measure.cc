@@ -146,6 +146,12 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
     f.roofline_tok_s = batch * *options.bandwidth_gb_s * 1e9 / traffic.total();
     f.roofline_fraction = f.achieved_gb_s / *options.bandwidth_gb_s;
   }
+  f.prefill_flops = PrefillFlops(model.config(), batch, w.prompt_len);
+  if (options.bf16_tflops) {
+    f.prefill_roofline_tok_s =
+        static_cast<double>(batch) * w.prompt_len * *options.bf16_tflops * 1e12 / f.prefill_flops;
+    f.prefill_roofline_fraction = f.prefill_tok_s.median / *f.prefill_roofline_tok_s;
+  }
   return f;
 }
 

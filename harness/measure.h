@@ -14,6 +14,7 @@ namespace infersweep {
 
 struct MeasureOptions {
   std::optional<double> bandwidth_gb_s;  // for % of roofline; nullopt when unknown
+  std::optional<double> bf16_tflops;     // for % of the prefill (compute) roofline
   double bytes_per_weight = 2;           // bf16
   double quantized_bytes_per_weight = 0; // quantized linears, scales included; 0: not quantized
   double bytes_per_kv_element = 4;       // fp32 KV on the CPU

@@ -57,6 +57,11 @@ std::string FormatResultRows(const TrialResult& r) {
       out += absl::StrFormat("#   roofline %.1f tok/s: %.3f GB read a step at %.0f GB/s\n",
                              *b.roofline_tok_s, b.decode_bytes_per_step / 1e9,
                              *b.roofline_tok_s * b.decode_bytes_per_step / b.batch / 1e9);
+    if (b.prefill_roofline_tok_s && b.prefill_roofline_fraction)
+      out += absl::StrFormat(
+          "#   prefill roofline %.0f tok/s: %.4g TFLOP a prefill at the device's bf16 tensor rate; "
+          "reached %.1f %%\n",
+          *b.prefill_roofline_tok_s, b.prefill_flops / 1e12, 100 * *b.prefill_roofline_fraction);
   }
   out += absl::StrFormat("#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)\n",
                          r.load_seconds, r.graph_capture_seconds,

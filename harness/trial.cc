@@ -178,6 +178,9 @@ json ToJson(const TrialResult& r) {
                        {"achieved_gb_s", b.achieved_gb_s},
                        {"roofline_tok_s", OptJson(b.roofline_tok_s)},
                        {"roofline_fraction", OptJson(b.roofline_fraction)},
+                       {"prefill_flops", b.prefill_flops},
+                       {"prefill_roofline_tok_s", OptJson(b.prefill_roofline_tok_s)},
+                       {"prefill_roofline_fraction", OptJson(b.prefill_roofline_fraction)},
                        {"avg_power_w", OptJson(b.avg_power_w)},
                        {"joules_per_output_token", OptJson(b.joules_per_output_token)},
                        {"timer", b.timer},
@@ -269,6 +272,10 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
       RETURN_IF_ERROR(Read(bj, "achieved_gb_s", &b.achieved_gb_s, w));
       RETURN_IF_ERROR(ReadOpt(bj, "roofline_tok_s", &b.roofline_tok_s, w));
       RETURN_IF_ERROR(ReadOpt(bj, "roofline_fraction", &b.roofline_fraction, w));
+      // Results stored before the prefill roofline existed have none of these three.
+      RETURN_IF_ERROR(Read(bj, "prefill_flops", &b.prefill_flops, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "prefill_roofline_tok_s", &b.prefill_roofline_tok_s, w));
+      RETURN_IF_ERROR(ReadOpt(bj, "prefill_roofline_fraction", &b.prefill_roofline_fraction, w));
       RETURN_IF_ERROR(ReadOpt(bj, "avg_power_w", &b.avg_power_w, w));
       RETURN_IF_ERROR(ReadOpt(bj, "joules_per_output_token", &b.joules_per_output_token, w));
       // Results stored before these fields existed lack them: wall clock, no comparison.

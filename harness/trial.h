@@ -69,6 +69,11 @@ struct BatchFigures {
   double achieved_gb_s = 0;
   std::optional<double> roofline_tok_s;
   std::optional<double> roofline_fraction;
+  // Prefill (compute) roofline: the FLOPs of the prefill (docs/METRICS.md) and, when the device's
+  // bf16 tensor rate is known, the prefill rate at that rate and the fraction of it reached.
+  double prefill_flops = 0;
+  std::optional<double> prefill_roofline_tok_s;
+  std::optional<double> prefill_roofline_fraction;
   // Energy from the GPU's NVML energy counter over each repeat (prefill + decode), median of
   // repeats; absent on the CPU or without NVML. J/token = energy / (batch * output_len).
   std::optional<double> avg_power_w;

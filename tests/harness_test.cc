@@ -10,6 +10,8 @@
 
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
+#include "engine/model_config.h"
+#include "engine/roofline.h"
 #include "engine/weights.h"
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
@@ -183,6 +185,59 @@ TEST(Measure, EnergyCounterThatDidNotMoveGivesNoPowerFigure) {
   EXPECT_GT(*moving->avg_power_w, 0);
   ASSERT_TRUE(moving->joules_per_output_token.has_value());
   EXPECT_DOUBLE_EQ(*moving->joules_per_output_token, 2.0 / 3);  // 2 J per repeat, 3 tokens
+}
+
+// The prefill FLOPs: METRICS.md's worked example, and a hand count on a small MoE model with a
+// shared expert and a dense layer.
+TEST(Roofline, PrefillFlops) {
+  auto qwen3 = PresetConfig("qwen3-30b-a3b");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  // 48 x (attention 18,874,368 + router 262,144 + 8 experts x 4,718,592) weights a token, x 2 x
+  // 2048 tokens; attention products 4 x 32 x 128 x 2048 x 2049 / 2 x 48; lm_head 2 x 151936 x 2048.
+  EXPECT_DOUBLE_EQ(PrefillFlops(*qwen3, 1, 2048), 12834789916672.0);
+  EXPECT_DOUBLE_EQ(PrefillFlops(*qwen3, 3, 2048), 3 * PrefillFlops(*qwen3, 1, 2048));
+  auto small = PresetConfig("tiny-qwen2-moe", 2);  // layer 0 MoE + shared expert, layer 1 dense
+  ASSERT_TRUE(small.ok()) << small.status();
+  ASSERT_TRUE(small->IsMoeLayer(0));
+  ASSERT_FALSE(small->IsMoeLayer(1));
+  const double attention = 128.0 * 128 * 2 + 128.0 * 64 * 2;                 // q, o; k, v
+  const double moe = 8.0 * 128 + 2 * 3.0 * 128 * 64 + (3.0 * 128 * 128 + 128);  // + shared
+  const double dense = 3.0 * 128 * 256;
+  const double prompt = 5;
+  const double want = 2 * (2 * attention + moe + dense) * prompt  // the linears
+                      + 4.0 * 4 * 32 * (prompt * (prompt + 1) / 2) * 2  // QK^T and PV, 2 layers
+                      + 2.0 * 512 * 128;                                  // lm_head, last token
+  EXPECT_DOUBLE_EQ(PrefillFlops(*small, 1, 5), want);
+  EXPECT_EQ(KnownBf16Tflops("NVIDIA H200"), 794.0);
+  EXPECT_FALSE(KnownBf16Tflops("cpu").has_value());
+}
+
+// The prefill roofline appears only with a known tensor rate, and is the prompt tokens at that
+// rate over the prefill FLOPs.
+TEST(Measure, PrefillRooflineAtAKnownTensorRate) {
+  auto host = LoadHostModel("preset:tiny-dense", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(MaterializeHostWeights(**host).ok());
+  std::unique_ptr<Model> model = MakeCpuModel(**host);
+  Workload w;
+  w.prompt_len = 4;
+  w.output_len = 3;
+  w.repeats = 2;
+  w.warmup = 0;
+  MeasureOptions options;
+  auto unknown = MeasureBatch(*model, w, 2, options);
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_DOUBLE_EQ(unknown->prefill_flops, PrefillFlops((*host)->config, 2, 4));
+  EXPECT_FALSE(unknown->prefill_roofline_tok_s.has_value());
+  EXPECT_FALSE(unknown->prefill_roofline_fraction.has_value());
+  options.bf16_tflops = 1e-3;  // 1 GFLOP/s
+  auto known = MeasureBatch(*model, w, 2, options);
+  ASSERT_TRUE(known.ok()) << known.status();
+  ASSERT_TRUE(known->prefill_roofline_tok_s.has_value());
+  EXPECT_DOUBLE_EQ(*known->prefill_roofline_tok_s, 2 * 4 * 1e9 / known->prefill_flops);
+  ASSERT_TRUE(known->prefill_roofline_fraction.has_value());
+  EXPECT_DOUBLE_EQ(*known->prefill_roofline_fraction,
+                   known->prefill_tok_s.median / *known->prefill_roofline_tok_s);
 }
 
 TrialRequest TinyRequest(const std::string& config, const std::string& fault = "") {
@@ -360,12 +415,25 @@ TEST(TrialJson, RoundTrips) {
   gpu.batches[0].wall_ttft_ms = Spread{9, 8, 10};
   gpu.batches[0].avg_power_w = 412.5;
   gpu.batches[0].joules_per_output_token = 0.75;
+  gpu.batches[0].prefill_roofline_tok_s = 126695.6;
+  gpu.batches[0].prefill_roofline_fraction = 0.385;
   auto gpu_back = TrialResultFromJson(nlohmann::json::parse(ToJson(gpu).dump()));
   ASSERT_TRUE(gpu_back.ok()) << gpu_back.status();
   EXPECT_EQ(ToJson(*gpu_back), ToJson(gpu));
   EXPECT_EQ(gpu_back->batches[0].timer, "cuda_events");
   ASSERT_TRUE(gpu_back->batches[0].wall_tpot_ms.has_value());
   EXPECT_EQ(gpu_back->batches[0].wall_tpot_ms->min, 1.25);
+  EXPECT_EQ(gpu_back->batches[0].prefill_roofline_fraction, 0.385);
+  EXPECT_GT(gpu_back->batches[0].prefill_flops, 0);
+  // A result stored before the prefill roofline existed still reads, without one.
+  nlohmann::json old = ToJson(gpu);
+  for (auto& b : old.at("batches"))
+    for (const char* key : {"prefill_flops", "prefill_roofline_tok_s", "prefill_roofline_fraction"})
+      b.erase(key);
+  auto old_back = TrialResultFromJson(old);
+  ASSERT_TRUE(old_back.ok()) << old_back.status();
+  EXPECT_EQ(old_back->batches[0].prefill_flops, 0);
+  EXPECT_FALSE(old_back->batches[0].prefill_roofline_tok_s.has_value());
   EXPECT_FALSE(TrialResultFromJson(nlohmann::json{{"status", "MAYBE"}}).ok());
   EXPECT_THAT(TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}})
                   .status()
