@@ -148,6 +148,23 @@ TEST(Measure, PercentileIsNearestRank) {
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 0), 1);
 }
 
+// The measurement tests' model (2 layers of tiny-dense on the CPU) and workload.
+void TinyDenseOnCpu(std::unique_ptr<HostModel>* host, std::unique_ptr<Model>* model) {
+  auto loaded = LoadHostModel("preset:tiny-dense", {2});
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_TRUE(MaterializeHostWeights(**loaded).ok());
+  *host = std::move(*loaded);
+  *model = MakeCpuModel(**host);
+}
+Workload ShortWorkload() {
+  Workload w;
+  w.prompt_len = 4;
+  w.output_len = 3;
+  w.repeats = 2;
+  w.warmup = 0;
+  return w;
+}
+
 // Power and J/token come from the energy counter's change over each repeat. A counter that did
 // not move (NVML's steps are tens of ms apart; a short repeat can fall between two) is no
 // reading: the figures stay unset instead of reading 0 W.
@@ -161,15 +178,10 @@ TEST(Measure, EnergyCounterThatDidNotMoveGivesNoPowerFigure) {
     std::optional<double> ReadJoules() override { return joules += 2.0; }
     double joules = 1000.0;
   };
-  auto host = LoadHostModel("preset:tiny-dense", {2});
-  ASSERT_TRUE(host.ok()) << host.status();
-  ASSERT_TRUE(MaterializeHostWeights(**host).ok());
-  std::unique_ptr<Model> model = MakeCpuModel(**host);
-  Workload w;
-  w.prompt_len = 4;
-  w.output_len = 3;
-  w.repeats = 2;
-  w.warmup = 0;
+  std::unique_ptr<HostModel> host;
+  std::unique_ptr<Model> model;
+  ASSERT_NO_FATAL_FAILURE(TinyDenseOnCpu(&host, &model));
+  const Workload w = ShortWorkload();
   FrozenMeter frozen;
   TickingMeter ticking;
   MeasureOptions options;
@@ -215,19 +227,14 @@ TEST(Roofline, PrefillFlops) {
 // The prefill roofline appears only with a known tensor rate, and is the prompt tokens at that
 // rate over the prefill FLOPs.
 TEST(Measure, PrefillRooflineAtAKnownTensorRate) {
-  auto host = LoadHostModel("preset:tiny-dense", {2});
-  ASSERT_TRUE(host.ok()) << host.status();
-  ASSERT_TRUE(MaterializeHostWeights(**host).ok());
-  std::unique_ptr<Model> model = MakeCpuModel(**host);
-  Workload w;
-  w.prompt_len = 4;
-  w.output_len = 3;
-  w.repeats = 2;
-  w.warmup = 0;
+  std::unique_ptr<HostModel> host;
+  std::unique_ptr<Model> model;
+  ASSERT_NO_FATAL_FAILURE(TinyDenseOnCpu(&host, &model));
+  const Workload w = ShortWorkload();
   MeasureOptions options;
   auto unknown = MeasureBatch(*model, w, 2, options);
   ASSERT_TRUE(unknown.ok()) << unknown.status();
-  EXPECT_DOUBLE_EQ(unknown->prefill_flops, PrefillFlops((*host)->config, 2, 4));
+  EXPECT_DOUBLE_EQ(unknown->prefill_flops, PrefillFlops(host->config, 2, 4));
   EXPECT_FALSE(unknown->prefill_roofline_tok_s.has_value());
   EXPECT_FALSE(unknown->prefill_roofline_fraction.has_value());
   options.bf16_tflops = 1e-3;  // 1 GFLOP/s
