@@ -50,6 +50,14 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                .Help("Time per output token after the first, latest result of a config at one "
                      "batch size (median over repeats), seconds")
                .Register(r);
+  roofline_ = &BuildGauge()
+                   .Name("infersweep_roofline_ratio")
+                   .Help("Fraction of its roofline the latest result of a config at one batch "
+                         "size reached (median over repeats): kind=decode, the memory roofline "
+                         "of a decode step; kind=prefill, the compute roofline of the prefill "
+                         "(docs/METRICS.md). Absent where the device's read bandwidth or tensor "
+                         "rate is not known")
+                   .Register(r);
   trials_ = &BuildCounter()
                  .Name("infersweep_trials_total")
                  .Help("Trial results stored by the coordinator, by verdict status")
@@ -186,6 +194,13 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
     output_tok_s_->Add(labels).Set(b.output_tok_s.median);
     ttft_->Add(labels).Set(b.ttft_ms.median / 1000.0);
     tpot_->Add(labels).Set(b.tpot_ms.median / 1000.0);
+    for (const auto& [kind, fraction] :
+         {std::pair{"decode", b.roofline_fraction}, std::pair{"prefill", b.prefill_roofline_fraction}}) {
+      if (!fraction) continue;
+      prometheus::Labels with_kind = labels;
+      with_kind["kind"] = kind;
+      roofline_->Add(with_kind).Set(*fraction);
+    }
   }
   series_->Set(static_cast<double>(series_keys_.size()));
 }

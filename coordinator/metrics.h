@@ -92,6 +92,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>* output_tok_s_ = nullptr;
   prometheus::Family<prometheus::Gauge>* ttft_ = nullptr;
   prometheus::Family<prometheus::Gauge>* tpot_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* roofline_ = nullptr;
   prometheus::Family<prometheus::Counter>* trials_ = nullptr;
   prometheus::Family<prometheus::Gauge>* config_status_ = nullptr;
   prometheus::Gauge* agents_connected_ = nullptr;

@@ -139,6 +139,9 @@ TrialResult Result(TrialStatus status, double tok_s_b1, double ttft_ms, double t
   BatchFigures b8 = b1;
   b8.batch = 8;
   b8.output_tok_s.median = 4 * tok_s_b1;
+  b1.roofline_fraction = 0.397;  // a GPU with known figures: batch 1 has both rooflines
+  b1.prefill_roofline_fraction = 0.39;
+  b8.roofline_fraction = 0.55;   // batch 8: the decode one only
   r.batches = {b1, b8};
   return r;
 }
@@ -176,6 +179,14 @@ TEST(CoordinatorMetricsTest, ServesEveryMetricOverHttp) {
   std::map<std::string, std::string> b8 = b1;
   b8["batch"] = "8";
   EXPECT_EQ(Find(s, "infersweep_output_tokens_per_second", b8), 1000);
+  auto roofline = [&](std::map<std::string, std::string> labels, const char* kind) {
+    labels["kind"] = kind;
+    return Find(s, "infersweep_roofline_ratio", labels);
+  };
+  EXPECT_EQ(roofline(b1, "decode"), 0.397);
+  EXPECT_EQ(roofline(b1, "prefill"), 0.39);
+  EXPECT_EQ(roofline(b8, "decode"), 0.55);
+  EXPECT_FALSE(roofline(b8, "prefill").has_value()) << "no figure, no series";
   EXPECT_EQ(Find(s, "infersweep_trials_total",
                  {{"status", "OK"}, {"sm_arch", "sm_90"}, {"model", "preset:tiny-moe"}}),
             1);
