@@ -608,13 +608,19 @@ void PrintFigures(const Row& row, int batch) {
               r.attempt, static_cast<long long>(row.sweep_id), row.agent_id.c_str(),
               row.gpu_name.c_str(), row.sm);
   if (b == nullptr) return;
-  std::printf("#%-16s %9s %9s %10s %10s %9s %6s\n", " batch", "ttft", "tpot", "out", "prefill",
-              "itl_p99", "top1");
-  std::printf("#%-16s %9s %9s %10s %10s %9s %6s\n", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)",
-              "(ms)", "(%)");
-  std::printf(" %-16d %9.2f %9.3f %10.1f %10.1f %9.3f %6.1f\n", b->batch, b->ttft_ms.median,
-              b->tpot_ms.median, b->output_tok_s.median, b->prefill_tok_s.median, b->itl_ms.p99,
-              100 * r.verdict.top1_agreement);
+  // roof: the decode step's share of the memory roofline; p_roof: the prefill's share of the
+  // compute roofline (docs/METRICS.md); "-" where the device has no measured figures.
+  auto percent = [](const std::optional<double>& f) {
+    return f ? absl::StrFormat("%.1f", 100 * *f) : std::string("-");
+  };
+  std::printf("#%-16s %9s %9s %10s %10s %9s %6s %6s %6s\n", " batch", "ttft", "tpot", "out",
+              "prefill", "itl_p99", "top1", "roof", "p_roof");
+  std::printf("#%-16s %9s %9s %10s %10s %9s %6s %6s %6s\n", "", "(ms)", "(ms)", "(tok/s)",
+              "(tok/s)", "(ms)", "(%)", "(%)", "(%)");
+  std::printf(" %-16d %9.2f %9.3f %10.1f %10.1f %9.3f %6.1f %6s %6s\n", b->batch,
+              b->ttft_ms.median, b->tpot_ms.median, b->output_tok_s.median,
+              b->prefill_tok_s.median, b->itl_ms.p99, 100 * r.verdict.top1_agreement,
+              percent(b->roofline_fraction).c_str(), percent(b->prefill_roofline_fraction).c_str());
 }
 
 int RunBest(const std::string& coordinator, const std::string& model, const std::string& sm_arch,

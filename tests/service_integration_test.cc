@@ -261,6 +261,9 @@ TEST_F(Fleet, SweepRunsOnlyOnSelectedArchAndQueriesAgree) {
       &code);
   EXPECT_EQ(code, 0) << best_out;
   EXPECT_NE(best_out.find(fastest), std::string::npos) << best_out;
+  // The roofline shares: none for a device without measured figures (these agents' results).
+  EXPECT_NE(best_out.find("roof p_roof"), std::string::npos) << best_out;
+  EXPECT_NE(best_out.find("      -      -\n"), std::string::npos) << best_out;
   const std::string none_out = RunCommand(
       absl::StrCat(INFERSWEEP_BINARY, " results --coordinator ", address_, " --sm-arch 90 2>&1"),
       &code);
