@@ -187,6 +187,22 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
+  // 1 warm-up and 5 timed runs of `launch` (all layers each), `prepare` before each outside the
+  // timed span: the median, in us a layer.
+  auto time_runs = [&](auto prepare, auto launch) {
+    std::vector<float> ms;
+    for (int run = 0; run < 6; ++run) {
+      prepare();
+      CHECK(cudaEventRecord(start, stream));
+      launch();
+      CHECK(cudaEventRecord(stop, stream));
+      CHECK(cudaEventSynchronize(stop));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, start, stop));
+      if (run > 0) ms.push_back(t);
+    }
+    return Median(ms) * 1000.f / layers;
+  };
   auto time_graph = [&](auto record) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -194,19 +210,10 @@ int main(int argc, char** argv) {
     record();
     CHECK(cudaStreamEndCapture(stream, &graph));
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    std::vector<float> ms;
-    for (int run = 0; run < 6; ++run) {
-      CHECK(cudaEventRecord(start, stream));
-      CHECK(cudaGraphLaunch(exec, stream));
-      CHECK(cudaEventRecord(stop, stream));
-      CHECK(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, start, stop));
-      if (run > 0) ms.push_back(t);
-    }
+    const float us = time_runs([] {}, [&] { CHECK(cudaGraphLaunch(exec, stream)); });
     CHECK(cudaGraphExecDestroy(exec));
     CHECK(cudaGraphDestroy(graph));
-    return Median(ms) * 1000.f / layers;  // us a layer
+    return us;
   };
   infersweep::cuda::SetProgrammaticLaunch(true);
 
@@ -245,19 +252,12 @@ int main(int argc, char** argv) {
     int count = static_cast<int>(list.size());
     void* kernel = two_level ? reinterpret_cast<void*>(PersistentChain<true>)
                              : reinterpret_cast<void*>(PersistentChain<false>);
-    std::vector<float> ms;
-    for (int run = 0; run < 6; ++run) {
-      CHECK(cudaMemsetAsync(counters, 0, kCounterWords * sizeof(unsigned), stream));
-      void* args[] = {&d_phases, &count, &counters};
-      CHECK(cudaEventRecord(start, stream));
-      CHECK(cudaLaunchCooperativeKernel(kernel, dim3(blocks), dim3(threads), args, 0, stream));
-      CHECK(cudaEventRecord(stop, stream));
-      CHECK(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, start, stop));
-      if (run > 0) ms.push_back(t);
-    }
-    return Median(ms) * 1000.f / layers;
+    void* args[] = {&d_phases, &count, &counters};
+    return time_runs(
+        [&] { CHECK(cudaMemsetAsync(counters, 0, kCounterWords * sizeof(unsigned), stream)); },
+        [&] {
+          CHECK(cudaLaunchCooperativeKernel(kernel, dim3(blocks), dim3(threads), args, 0, stream));
+        });
   };
   const int sms = prop.multiProcessorCount;
   struct Shape2 {

@@ -801,11 +801,12 @@ class CudaModel final : public Model {
     // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
     // tokens).
     constexpr int kMoeMmaMaxPairsPerExpert = 16;
-    // moe=wgmma's kernels read each expert once per 256 pairs: every chunk stays on the device.
-    const bool long_prefill = n > 1 && grouped_ && !options_.moe_wgmma && !quant_experts &&
+    const bool many_pairs = rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
+    // moe=wgmma configs have no grouped_ runner: its kernels read each expert once per 128
+    // pairs, so every chunk stays on the device.
+    const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
                               lw.experts[0].gate.dtype == DType::kBF16 &&
-                              !lw.experts[0].gate.quantized() &&
-                              rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
+                              !lw.experts[0].gate.quantized() && many_pairs;
     const bool grouped_mma = options_.moe_fused && !quant_experts && !long_prefill &&
                              rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
@@ -848,8 +849,9 @@ class CudaModel final : public Model {
       a.y = x_;
       // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill). Decode
       // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
-      // ms a step against 23.8 for wgmma, whose smallest N (32) is mostly padding there.
-      a.wgmma = options_.moe_wgmma && rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
+      // ms a step against 23.8 for the second wgmma version, whose smallest N (32) is mostly
+      // padding there.
+      a.wgmma = options_.moe_wgmma && many_pairs;
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
     } else if (quant_experts && n == 1) {

@@ -349,7 +349,7 @@ void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   });
   const int pairs = m.rows * m.k;
   if (pairs == 0) return;
-  // Items: sum over experts of ceil(pairs_e / 256) <= pairs / 256 + (experts with pairs); blocks
+  // Items: sum over experts of ceil(pairs_e / 128) <= pairs / 128 + (experts with pairs); blocks
   // past the real count exit after the lookup.
   const int items = CeilDiv(pairs, kPairsPerTile) + std::min(m.num_experts, pairs);
   ExpertGemm gate_up;
