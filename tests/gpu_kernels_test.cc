@@ -357,7 +357,8 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
         FlashCase{3, 16, 4, 2, 32, 40, 2e-2}, FlashCase{2, 8, 8, 2, 128, 5, 2e-2},
         FlashCase{3, 1, 16, 1, 128, 300, 2e-2}, FlashCase{4, 1, 8, 2, 64, 130, 2e-2},
         FlashCase{2, 2, 4, 2, 32, 70, 2e-2}, FlashCase{2, 3, 6, 2, 96, 50, 1e-4},
-        FlashCase{64, 1, 8, 1, 128, 543, 2e-2}})
+        FlashCase{64, 1, 8, 1, 128, 543, 2e-2},
+        FlashCase{1, 1, 8, 1, 128, 1500, 2e-2}})  // 47 splits, a long context at batch 1
     CheckFlashAttention(*this, c, rng);
 }
 
@@ -429,7 +430,9 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   struct Case {
     int batch, n, q_heads, kv_heads, d, pos0;
   };
-  for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9}}) {
+  // d = 512: pairs past the 128 a warp holds in registers take the kernel's late-read path.
+  for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9},
+                        Case{1, 2, 2, 1, 512, 3}}) {
     for (const bool bf16 : {false, true}) {
       const int rows = c.batch * c.n, half = c.d / 2, capacity = c.pos0 + c.n + 2;
       const int kv_dim = c.kv_heads * c.d;
@@ -512,6 +515,60 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
       for (size_t i = 0; i < cache_elems; ++i) {
         ASSERT_NEAR(cache_value(got_k, i), want_k[i], rel * (1 + std::fabs(want_k[i]))) << "k cache[" << i << "] bf16 " << bf16;
         ASSERT_NEAR(cache_value(got_v, i), want_v[i], rel * (1 + std::fabs(want_v[i]))) << "v cache[" << i << "] bf16 " << bf16;
+      }
+    }
+  }
+}
+
+// Softmax + top-k against double math: ids exactly (ties to the lower index), weights to fp32
+// rounding, renormalised or not; an all-NaN row (a NaN fault upstream) still yields k distinct,
+// valid ids so that the expert kernels after it read nothing out of range.
+TEST_F(GpuKernels, RouterTopKMatchesHostMath) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uni(-4.f, 4.f);
+  for (auto [rows, experts, k] : {std::tuple{1, 128, 8}, std::tuple{5, 60, 4}, std::tuple{3, 256, 8},
+                                  std::tuple{2, 1024, 32}, std::tuple{4, 8, 2}}) {
+    for (const bool renormalize : {true, false}) {
+      std::vector<float> logits(static_cast<size_t>(rows) * experts);
+      for (float& v : logits) v = uni(rng);
+      // Row 0: exact ties between its two largest logits and a tied block further down.
+      float* r0 = logits.data();
+      const int top = static_cast<int>(std::max_element(r0, r0 + experts) - r0);
+      r0[(top + 3) % experts] = r0[top];
+      if (experts > 20) r0[10] = r0[11] = r0[12] = r0[top] - 0.5f;
+      if (rows > 2)  // the last row NaN throughout
+        std::fill(logits.end() - experts, logits.end(), NAN);
+      int* ids = Upload(std::vector<int>(static_cast<size_t>(rows) * k, -1));
+      float* weights = Upload(std::vector<float>(static_cast<size_t>(rows) * k, NAN));
+      cuda::RouterTopK(Upload(logits), rows, experts, k, renormalize, ids, weights, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<int> got_ids = Download(ids, static_cast<size_t>(rows) * k);
+      const std::vector<float> got_w = Download(weights, static_cast<size_t>(rows) * k);
+      for (int r = 0; r < rows; ++r) {
+        const float* l = &logits[static_cast<size_t>(r) * experts];
+        const int* got = &got_ids[static_cast<size_t>(r) * k];
+        if (std::isnan(l[0])) {
+          std::vector<int> sorted(got, got + k);
+          std::sort(sorted.begin(), sorted.end());
+          EXPECT_TRUE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) << "NaN row: repeated id";
+          EXPECT_TRUE(sorted.front() >= 0 && sorted.back() < experts) << "NaN row: id out of range";
+          continue;
+        }
+        const double m = *std::max_element(l, l + experts);
+        std::vector<double> p(experts);
+        double sum = 0;
+        for (int e = 0; e < experts; ++e) sum += p[e] = std::exp(l[e] - m);
+        std::vector<int> order(experts);
+        for (int e = 0; e < experts; ++e) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+        double chosen = 0;
+        for (int s = 0; s < k; ++s) chosen += p[order[s]] / sum;
+        for (int s = 0; s < k; ++s) {
+          ASSERT_EQ(got[s], order[s]) << "row " << r << " slot " << s << " of E " << experts << " k " << k;
+          const double want = p[order[s]] / sum / (renormalize ? chosen : 1.0);
+          ASSERT_NEAR(got_w[static_cast<size_t>(r) * k + s], want, 1e-6 * want + 1e-9)
+              << "row " << r << " slot " << s;
+        }
       }
     }
   }

@@ -24,7 +24,12 @@ __device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __floa
 // over the head (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with
 // their v head. (A block per head vector with a block-wide sum cost 4.1 us at batch 1 and 91 us
 // at prefill 2048 a layer: 73,728 blocks of two barriers each.)
+// At batch 1 the kernel is pure latency (4.3 us a layer in the decode graph before this change),
+// so everything not produced by the previous kernel (the position, copied at the step's start;
+// the norm gains; the RoPE table) is read before the wait, and after it one round of loads brings
+// the head's q or k and v into registers: one dependent L2 round trip, not four.
 constexpr int kRopeWarps = 4;
+constexpr int kRopePerLane = 4;  // pairs (i, i + half) a lane holds: head_dim <= 256
 template <typename CacheT>
 __global__ void __launch_bounds__(kRopeWarps * 32)
     QkNormRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
@@ -32,46 +37,83 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
                            int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
                            float eps, const float2* rope, const int* position, int capacity,
                            CacheT* k_cache, CacheT* v_cache) {
-  WaitForPrerequisites();
-  AllowDependentsToLaunch();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + threadIdx.x / 32;
-  if (head >= q_heads + kv_heads) return;
+  const bool active = head < q_heads + kv_heads;
   const int batch = row / n, pos = *position + row % n;
   const int half = head_dim / 2;
   const bool is_q = head < q_heads;
+  const void* gain = is_q ? q_norm : k_norm;
+  float gain1[kRopePerLane], gain2[kRopePerLane];
+  float2 cs[kRopePerLane];
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    gain1[j] = gain2[j] = 1.f;
+    if (!active || i >= half) continue;
+    cs[j] = rope[static_cast<int64_t>(pos) * half + i];
+    if (gain) {
+      gain1[j] = LoadAsFloat(gain, norm_dtype, i);
+      gain2[j] = LoadAsFloat(gain, norm_dtype, i + half);
+    }
+  }
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  if (!active) return;
   const int kv_head = head - q_heads;
   const int kv_dim = kv_heads * head_dim;
   const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * head_dim
                           : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
-  float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
-  const void* gain = is_q ? q_norm : k_norm;
-  float inv = 1.f;
-  if (gain) {
-    float sum_sq = 0.f;
-    for (int d = lane; d < head_dim; d += 32) sum_sq += vec[d] * vec[d];
-    inv = rsqrtf(WarpSum(sum_sq) / head_dim + eps);  // every lane's reads are done past here
+  const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
+  float x1[kRopePerLane], x2[kRopePerLane], v1[kRopePerLane], v2[kRopePerLane];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    x1[j] = x2[j] = v1[j] = v2[j] = 0.f;
+    if (i >= half) continue;
+    x1[j] = vec[i];
+    x2[j] = vec[i + half];
+    if (!is_q) v1[j] = vh[i], v2[j] = vh[i + half];
+    sum_sq += x1[j] * x1[j] + x2[j] * x2[j];
   }
+  constexpr int kHeld = 32 * kRopePerLane;  // pairs past it (head_dim > 256) are read late
+  for (int i = kHeld + lane; i < half; i += 32) sum_sq += vec[i] * vec[i] + vec[i + half] * vec[i + half];
+  const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
+  // In place when q_out is q: each lane rewrites only the elements it read.
+  float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
-  for (int i = lane; i < half; i += 32) {
-    float x1 = vec[i], x2 = vec[i + half];
-    if (gain) {
-      x1 = x1 * inv * LoadAsFloat(gain, norm_dtype, i);
-      x2 = x2 * inv * LoadAsFloat(gain, norm_dtype, i + half);
-    }
-    const float2 cs = rope[static_cast<int64_t>(pos) * half + i];
-    const float r1 = x1 * cs.x - x2 * cs.y, r2 = x2 * cs.x + x1 * cs.y;
-    if (is_q) {  // in place when q_out is q: each lane rewrites only what it just read
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= half) continue;
+    const float a = x1[j] * inv * gain1[j], b = x2[j] * inv * gain2[j];
+    const float r1 = a * cs[j].x - b * cs[j].y, r2 = b * cs[j].x + a * cs[j].y;
+    if (is_q) {
       rotated_q[i] = r1;
       rotated_q[i + half] = r2;
     } else {
       StoreKv(k_cache + slot + i, r1);
       StoreKv(k_cache + slot + i + half, r2);
+      StoreKv(v_cache + slot + i, v1[j]);
+      StoreKv(v_cache + slot + i + half, v2[j]);
     }
   }
-  if (!is_q) {
-    const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
-    for (int d = lane; d < head_dim; d += 32) StoreKv(v_cache + slot + d, vh[d]);
+  for (int i = kHeld + lane; i < half; i += 32) {
+    const float g1 = gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f;
+    const float g2 = gain ? LoadAsFloat(gain, norm_dtype, i + half) : 1.f;
+    const float a = vec[i] * inv * g1, b = vec[i + half] * inv * g2;
+    const float2 c = rope[static_cast<int64_t>(pos) * half + i];
+    const float r1 = a * c.x - b * c.y, r2 = b * c.x + a * c.y;
+    if (is_q) {
+      rotated_q[i] = r1;
+      rotated_q[i + half] = r2;
+    } else {
+      StoreKv(k_cache + slot + i, r1);
+      StoreKv(k_cache + slot + i + half, r2);
+      StoreKv(v_cache + slot + i, vh[i]);
+      StoreKv(v_cache + slot + i + half, vh[i + half]);
+    }
   }
 }
 
