@@ -156,8 +156,8 @@ void Gemv(const GemvArgs& args, cudaStream_t stream);
 // Shared memory the fused gate/up kernel may use for its staged input (hidden * 4 bytes).
 constexpr int kMoeMaxSharedBytes = 200 * 1024;
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
-// One block of 128 threads per row; E <= 1024, k <= 32. The k ids are distinct and in range
-// even when the logits are NaN.
+// One warp per row; E <= 1024, k <= 32. The k ids are distinct and in range even when the
+// logits are NaN.
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
                 int* expert_ids, float* expert_weights, cudaStream_t stream);
 // Device-indexed expert MLP for pairs p = (row, slot): h[p] = silu(Wg[e]·x) * (Wu[e]·x),
