@@ -116,17 +116,34 @@ TEST_F(GpuQuant, DequantizeMatchesTheCpuExactly) {
       uint16_t* bf16 = nullptr;
       CUDA_EXPECT_OK(cudaMalloc(&f32, cpu.size() * sizeof(float)));
       CUDA_EXPECT_OK(cudaMalloc(&bf16, cpu.size() * sizeof(uint16_t)));
+      // Also: two copies in one DequantizeManyToBf16 launch (the quantized prefill's), and an
+      // output 2 bytes off 16-byte alignment (the kernels' element-wise path).
+      uint16_t *many = nullptr, *unaligned = nullptr;
+      MatrixRef* refs = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&many, 2 * cpu.size() * sizeof(uint16_t)));
+      CUDA_EXPECT_OK(cudaMalloc(&unaligned, (cpu.size() + 1) * sizeof(uint16_t)));
+      CUDA_EXPECT_OK(cudaMalloc(&refs, 2 * sizeof(MatrixRef)));
+      const MatrixRef pair[2] = {dm.ref, dm.ref};
+      CUDA_EXPECT_OK(cudaMemcpy(refs, pair, sizeof(pair), cudaMemcpyHostToDevice));
       cuda::DequantizeToF32(dm.ref, f32, nullptr);
       cuda::DequantizeToBf16(dm.ref, bf16, nullptr);
+      cuda::DequantizeManyToBf16(refs, 2, s.rows, s.cols, many, nullptr);
+      cuda::DequantizeToBf16(dm.ref, unaligned + 1, nullptr);
       CUDA_EXPECT_OK(cudaGetLastError());
       CUDA_EXPECT_OK(cudaDeviceSynchronize());
       const std::vector<float> got = ToHost(f32, cpu.size());
       const std::vector<uint16_t> got_bf16 = ToHost(bf16, cpu.size());
-      cudaFree(f32);
-      cudaFree(bf16);
+      const std::vector<uint16_t> got_many = ToHost(many, 2 * cpu.size());
+      const std::vector<uint16_t> got_unaligned = ToHost(unaligned, cpu.size() + 1);
+      for (void* p : {static_cast<void*>(f32), static_cast<void*>(bf16), static_cast<void*>(many),
+                      static_cast<void*>(unaligned), static_cast<void*>(refs)})
+        cudaFree(p);
       for (size_t i = 0; i < cpu.size(); ++i) {
         ASSERT_EQ(got[i], cpu[i]) << "element " << i;
         ASSERT_EQ(got_bf16[i], FloatToBf16(cpu[i])) << "element " << i;
+        ASSERT_EQ(got_many[i], FloatToBf16(cpu[i])) << "many, first copy, element " << i;
+        ASSERT_EQ(got_many[cpu.size() + i], FloatToBf16(cpu[i])) << "many, second copy, element " << i;
+        ASSERT_EQ(got_unaligned[i + 1], FloatToBf16(cpu[i])) << "unaligned, element " << i;
       }
     }
   }

@@ -342,6 +342,11 @@ class CudaModel final : public Model {
     if (k_cache_) cudaFree(k_cache_);
     if (v_cache_) cudaFree(v_cache_);
     if (rope_) cudaFree(rope_);
+    for (void* p : {static_cast<void*>(prefill_dense_), static_cast<void*>(prefill_experts_),
+                    static_cast<void*>(prefill_expert_tables_)})
+      if (p) cudaFree(p);
+    for (MatrixRef* p : prefill_expert_refs_)
+      if (p) cudaFree(p);
     for (float* p : router_f32_)
       if (p) cudaFree(p);
     cudaEventDestroy(step_start_);
@@ -477,6 +482,12 @@ class CudaModel final : public Model {
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
     } else if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization
       cuda::GemmReference(x, rows, w, bias, y, stream_);
+    } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
+      // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
+      auto copy = PrefillBf16Copy(w);
+      if (!copy.ok()) return copy.status();
+      if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
+      if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
     } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
       const bool fp4 =
           w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
@@ -524,6 +535,72 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
+  // qgemm=w4a16|w8a16 prefill. The register-dequantizing GEMV and expert kernels are built for
+  // decode's few rows: a 512-token prompt through them re-read every weight once per 4 rows, and
+  // the experts took the host-synced per-expert loop (TTFT 1.55 s for NVFP4 qwen3-30b-a3b, 0.50 s
+  // for FP8). A prefill chunk instead dequantizes each quantized matrix, as it comes, into a bf16
+  // scratch (the same exact dequantization as dequant_bf16, then one bf16 rounding) and runs the
+  // bf16 tensor-core paths: cuBLASLt for the dense projections, the grouped expert kernels for
+  // the MoE. The scratch (one dense matrix, and one layer's experts: 1.2 GB for qwen3-30b-a3b) is
+  // allocated at the first quantized prefill. Decode steps keep the quantized kernels.
+  absl::StatusOr<MatrixRef> PrefillBf16Copy(const MatrixRef& w) {
+    const size_t count = static_cast<size_t>(w.numel());
+    if (count > prefill_dense_count_) {
+      if (prefill_dense_) cudaFree(prefill_dense_);  // synchronises: nothing still reads it
+      prefill_dense_ = nullptr;
+      auto buffer = DeviceAlloc<uint16_t>(count);
+      if (!buffer.ok()) return buffer.status();
+      prefill_dense_ = *buffer;
+      prefill_dense_count_ = count;
+    }
+    cuda::DequantizeToBf16(w, prefill_dense_, stream_);
+    CHECK_LAUNCH();
+    return MatrixRef{prefill_dense_, DType::kBF16, w.rows, w.cols};
+  }
+  // Layer l's experts dequantized into the expert scratch; its gate, up and down tables.
+  absl::StatusOr<std::array<const uint16_t* const*, 3>> PrefillExpertCopies(int l) {
+    const int experts = config_.num_experts;
+    const size_t per_matrix = static_cast<size_t>(config_.moe_intermediate_size) * config_.hidden_size;
+    if (!prefill_experts_) {
+      auto buffer = DeviceAlloc<uint16_t>(3 * experts * per_matrix);
+      if (!buffer.ok()) return buffer.status();
+      prefill_experts_ = *buffer;
+      std::vector<const uint16_t*> list(3 * experts);
+      for (size_t i = 0; i < list.size(); ++i) list[i] = prefill_experts_ + i * per_matrix;
+      auto tables = DeviceAlloc<const uint16_t*>(list.size());
+      if (!tables.ok()) return tables.status();
+      prefill_expert_tables_ = *tables;
+      CUDA_OR_DIE(cudaMemcpy(prefill_expert_tables_, list.data(), list.size() * sizeof(list[0]),
+                             cudaMemcpyHostToDevice));
+    }
+    // The layer's 3E quantized experts as one device array (made at the layer's first prefill),
+    // dequantized in one launch: 384 launches a layer cost more than the bytes.
+    if (prefill_expert_refs_.empty()) prefill_expert_refs_.assign(config_.num_layers, nullptr);
+    if (!prefill_expert_refs_[l]) {
+      const LayerWeights& lw = w_.layers[l];
+      std::vector<MatrixRef> refs;
+      for (int m = 0; m < 3; ++m)
+        for (int e = 0; e < experts; ++e) {
+          const ExpertWeights& x = lw.experts[e];
+          const MatrixRef& w = m == 0 ? x.gate : m == 1 ? x.up : x.down;
+          if (!w.quantized() || static_cast<size_t>(w.numel()) != per_matrix)
+            return absl::UnimplementedError(absl::StrCat(
+                "layer ", l, " expert ", e, ": a dense or differently shaped matrix among "
+                "quantized experts (the quantized prefill path dequantizes them all alike)"));
+          refs.push_back(w);
+        }
+      auto d = DeviceAlloc<MatrixRef>(refs.size());
+      if (!d.ok()) return d.status();
+      CUDA_OR_DIE(cudaMemcpy(*d, refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
+      prefill_expert_refs_[l] = *d;
+    }
+    const MatrixRef& shape = w_.layers[l].experts[0].gate;
+    cuda::DequantizeManyToBf16(prefill_expert_refs_[l], 3 * experts, shape.rows, shape.cols,
+                               prefill_experts_, stream_);
+    CHECK_LAUNCH();
+    return std::array<const uint16_t* const*, 3>{prefill_expert_tables_, prefill_expert_tables_ + experts,
+                                                 prefill_expert_tables_ + 2 * experts};
+  }
   const uint16_t* PrepareInput(const float* x, int64_t count) {
     if (!gemm_) return nullptr;
     cuda::ToBf16(x, count, bf16_, stream_);
@@ -548,6 +625,7 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
+    prefill_ = n > 1;
     const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
                       cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
@@ -812,7 +890,11 @@ class CudaModel final : public Model {
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
     // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
     // (xn_bf16_): the norm writes it (the GEMV path converts its xn_).
-    const bool bf16_input = grouped_mma || options_.moe_grouped || long_prefill;
+    // qgemm=w4a16|w8a16 prefill chunks: the experts dequantized into bf16 (PrefillExpertCopies)
+    // take the grouped MMA kernels.
+    const bool quant_prefill = quant_experts && n > 1 && rows >= cuda::kMoeGroupedMinRows &&
+                               cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+    const bool bf16_input = grouped_mma || quant_prefill || options_.moe_grouped || long_prefill;
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
     if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
@@ -828,7 +910,17 @@ class CudaModel final : public Model {
     }
     cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                      expert_weights_, stream_);
-    if (grouped_mma) {
+    if (grouped_mma || quant_prefill) {
+      std::array<const uint16_t* const*, 3> tables{};
+      if (quant_prefill) {
+        auto copies = PrefillExpertCopies(l);
+        if (!copies.ok()) return copies.status();
+        tables = *copies;
+      } else if (own) {
+        tables = {view_->gate_table[l], view_->up_table[l], view_->down_table[l]};
+      } else {
+        tables = {dw_->gate_table[l], dw_->up_table[l], dw_->down_table[l]};
+      }
       cuda::MoeGroupedArgs a;
       a.x_bf16 = xn_bf16_;
       a.rows = rows;
@@ -839,9 +931,9 @@ class CudaModel final : public Model {
       a.expert_ids = expert_ids_;
       a.expert_weights = expert_weights_;
       a.skip_expert = skip;
-      a.gate = own ? view_->gate_table[l] : dw_->gate_table[l];
-      a.up = own ? view_->up_table[l] : dw_->up_table[l];
-      a.down = own ? view_->down_table[l] : dw_->down_table[l];
+      a.gate = tables[0];
+      a.up = tables[1];
+      a.down = tables[2];
       a.offsets = expert_offsets_;
       a.sorted_pairs = route_index_;
       a.h = moe_bf16_;
@@ -1127,6 +1219,12 @@ class CudaModel final : public Model {
   uint16_t* bf16_ = nullptr;
   uint16_t* xn_bf16_ = nullptr;  // the MoE block's normalised input in bf16 (cuBLASLt configs)
   uint16_t* moe_bf16_ = nullptr;  // moe=grouped: gate | up | pair outputs, bf16
+  bool prefill_ = false;           // the step being enqueued is a prefill chunk (n > 1)
+  uint16_t* prefill_dense_ = nullptr;  // PrefillBf16Copy
+  size_t prefill_dense_count_ = 0;
+  uint16_t* prefill_experts_ = nullptr;  // PrefillExpertCopies: [gate | up | down][expert]
+  const uint16_t** prefill_expert_tables_ = nullptr;
+  std::vector<MatrixRef*> prefill_expert_refs_;  // per layer: its experts' refs on the device
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;
   float* h_logits_ = nullptr;

@@ -9,22 +9,57 @@ namespace {
 
 __device__ __forceinline__ void Put(float* out, int64_t i, float v) { out[i] = v; }
 __device__ __forceinline__ void Put(uint16_t* out, int64_t i, float v) { out[i] = FloatToBf16(v); }
+// Eight values at out + 8 g, 16-byte aligned: vector stores.
+__device__ __forceinline__ void PutEight(float* out, int64_t g, const float (&v)[8]) {
+  reinterpret_cast<float4*>(out)[2 * g] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(out)[2 * g + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void PutEight(uint16_t* out, int64_t g, const float (&v)[8]) {
+  uint4 packed;
+  uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) h[j] = FloatToBf16(v[j]);
+  reinterpret_cast<uint4*>(out)[g] = packed;
+}
 
-// Grid-stride over every element; the formula is the CPU's (DequantizeElement), so the fp32
-// output is bit-identical to the CPU reference's weights.
+// Grid-stride; the formula is the CPU's (DequantizeElement), so the fp32 output is bit-identical
+// to the CPU reference's weights. With cols % 8 == 0 a thread takes 8 consecutive elements of a
+// row (out 16-byte aligned): one 64-bit index division per 8 elements instead of one per
+// element, and 16-byte stores instead of 2-byte ones.
+template <typename Out>
+__device__ __forceinline__ void DequantizeSpan(const MatrixRef& w, Out* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w.cols % 8 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    for (int64_t i = first; i < w.rows * w.cols; i += stride)
+      Put(out, i, DequantizeElement(w, i / w.cols, i % w.cols));
+    return;
+  }
+  const int64_t per_row = w.cols / 8;
+  for (int64_t g = first; g < w.rows * per_row; g += stride) {
+    const int64_t r = g / per_row, k0 = (g - r * per_row) * 8;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = DequantizeElement(w, r, k0 + j);
+    PutEight(out, g, v);
+  }
+}
+
 template <typename Out>
 __global__ void DequantizeKernel(MatrixRef w, Out* out) {
-  const int64_t total = w.rows * w.cols;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += stride)
-    Put(out, i, DequantizeElement(w, i / w.cols, i % w.cols));
+  DequantizeSpan(w, out);
+}
+
+// Matrix blockIdx.y of `matrices` (all [rows, cols]) into out + blockIdx.y * rows * cols.
+__global__ void DequantizeManyKernel(const MatrixRef* matrices, uint16_t* out) {
+  const MatrixRef w = matrices[blockIdx.y];
+  DequantizeSpan(w, out + blockIdx.y * w.rows * w.cols);
 }
 
 template <typename Out>
 void LaunchDequantize(const MatrixRef& w, Out* out, cudaStream_t stream) {
   constexpr int kThreads = 256;
-  const int blocks = std::max(1, std::min(CeilDiv(w.rows * w.cols, kThreads), 132 * 16));
+  const int blocks = std::max(1, std::min(CeilDiv(w.rows * w.cols / 8, kThreads), 132 * 16));
   DequantizeKernel<<<blocks, kThreads, 0, stream>>>(w, out);
 }
 
@@ -137,6 +172,14 @@ void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
 
 void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream) {
   LaunchDequantize(w, out, stream);
+}
+
+void DequantizeManyToBf16(const MatrixRef* matrices, int count, int64_t rows, int64_t cols,
+                          uint16_t* out, cudaStream_t stream) {
+  if (count <= 0 || rows * cols <= 0) return;
+  constexpr int kThreads = 256;
+  const int blocks = std::max(1, std::min(CeilDiv(rows * cols / 8, kThreads), 64));
+  DequantizeManyKernel<<<dim3(blocks, count), kThreads, 0, stream>>>(matrices, out);
 }
 
 bool W4A16Supports(const MatrixRef& w) {

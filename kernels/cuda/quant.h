@@ -19,10 +19,15 @@ namespace infersweep::cuda {
 
 // ---- dequantization (qgemm=dequant_bf16 at upload; qgemm=reference; tests)
 // out[n, k] = the exact fp32 weight (engine/quant/dequantize.h, the CPU's formula), rounded to
-// bf16 (nearest even) for the bf16 variant. One thread per element, grid-stride.
+// bf16 (nearest even) for the bf16 variant. Eight elements a thread (cols % 8 == 0), grid-stride.
 // Expert [768, 2048] nvfp4 -> bf16: reads 0.88 MB, writes 3.1 MB: ~0.9 us of bandwidth (+ launch).
 void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream);
 void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream);
+// `count` matrices of one shape [rows, cols] in one launch, matrix i into out + i * rows * cols
+// (bf16); `matrices` is a device array. A layer's 384 experts for a quantized prefill chunk:
+// 384 launches of DequantizeToBf16 cost more in launch overhead than in bandwidth.
+void DequantizeManyToBf16(const MatrixRef* matrices, int count, int64_t rows, int64_t cols,
+                          uint16_t* out, cudaStream_t stream);
 
 // ---- w4a16 GEMV (qgemm=w4a16): y[m, n] = sum_k x[m, k] * w[n, k] for m < rows, w nvfp4 or
 // mxfp4, fp32 accumulate. Dequantizes in registers: one warp per output row n, each lane loads
