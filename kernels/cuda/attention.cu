@@ -83,27 +83,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   // In place when q_out is q: each lane rewrites only the elements it read.
   float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
-#pragma unroll
-  for (int j = 0; j < kRopePerLane; ++j) {
-    const int i = lane + 32 * j;
-    if (i >= half) continue;
-    const float a = x1[j] * inv * gain1[j], b = x2[j] * inv * gain2[j];
-    const float r1 = a * cs[j].x - b * cs[j].y, r2 = b * cs[j].x + a * cs[j].y;
-    if (is_q) {
-      rotated_q[i] = r1;
-      rotated_q[i + half] = r2;
-    } else {
-      StoreKv(k_cache + slot + i, r1);
-      StoreKv(k_cache + slot + i + half, r2);
-      StoreKv(v_cache + slot + i, v1[j]);
-      StoreKv(v_cache + slot + i + half, v2[j]);
-    }
-  }
-  for (int i = kHeld + lane; i < half; i += 32) {
-    const float g1 = gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f;
-    const float g2 = gain ? LoadAsFloat(gain, norm_dtype, i + half) : 1.f;
-    const float a = vec[i] * inv * g1, b = vec[i + half] * inv * g2;
-    const float2 c = rope[static_cast<int64_t>(pos) * half + i];
+  // Pair (i, i + half), normalised: rotated into q, or into the cache beside its v pair.
+  auto emit = [&](int i, float a, float b, float2 c, float v_lo, float v_hi) {
     const float r1 = a * c.x - b * c.y, r2 = b * c.x + a * c.y;
     if (is_q) {
       rotated_q[i] = r1;
@@ -111,9 +92,20 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
     } else {
       StoreKv(k_cache + slot + i, r1);
       StoreKv(k_cache + slot + i + half, r2);
-      StoreKv(v_cache + slot + i, vh[i]);
-      StoreKv(v_cache + slot + i + half, vh[i + half]);
+      StoreKv(v_cache + slot + i, v_lo);
+      StoreKv(v_cache + slot + i + half, v_hi);
     }
+  };
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    if (i < half) emit(i, x1[j] * inv * gain1[j], x2[j] * inv * gain2[j], cs[j], v1[j], v2[j]);
+  }
+  for (int i = kHeld + lane; i < half; i += 32) {
+    const float g1 = gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f;
+    const float g2 = gain ? LoadAsFloat(gain, norm_dtype, i + half) : 1.f;
+    emit(i, vec[i] * inv * g1, vec[i + half] * inv * g2, rope[static_cast<int64_t>(pos) * half + i],
+         is_q ? 0.f : vh[i], is_q ? 0.f : vh[i + half]);
   }
 }
 
