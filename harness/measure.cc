@@ -49,7 +49,9 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
     for (int b = 0; b < batch; ++b)
       next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
   };
-  const std::optional<double> energy_start = energy ? energy->ReadJoules() : std::nullopt;
+  // NaN: no reading. (A std::optional<double> here drew GCC 12's maybe-uninitialized false
+  // positive at -O2.)
+  const double energy_start = energy ? energy->ReadJoules().value_or(NAN) : NAN;
   const auto start = Clock::now();
   if (auto s = model.Forward(prompt, w.prompt_len, LogitsMode::kLast, &logits); !s.ok()) return s;
   sample();
@@ -71,9 +73,9 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   t.wall_latency_ms = Ms(start, last);
   // NVML's energy counter moves in steps (tens of ms apart): a repeat shorter than a step can read
   // no change, which is no reading, not 0 W (2 layers at batch 1 on the H200: 45 ms repeats).
-  if (energy_start) {
-    if (const std::optional<double> end = energy->ReadJoules(); end && *end > *energy_start)
-      t.energy_j = *end - *energy_start;
+  if (!std::isnan(energy_start)) {
+    if (const std::optional<double> end = energy->ReadJoules(); end && *end > energy_start)
+      t.energy_j = *end - energy_start;
   }
   return t;
 }
