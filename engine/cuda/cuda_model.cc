@@ -557,6 +557,18 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     return MatrixRef{prefill_dense_, DType::kBF16, w.rows, w.cols};
   }
+  // Whether every expert matrix of layer l is quantized, gate and up [inter, hidden] and down
+  // [hidden, inter]: what PrefillExpertCopies takes. A checkpoint that left some experts dense
+  // keeps the per-expert loop.
+  bool ExpertsQuantizedAlike(int l) const {
+    const int64_t inter = config_.moe_intermediate_size, hidden = config_.hidden_size;
+    for (const ExpertWeights& x : w_.layers[l].experts)
+      for (const MatrixRef* w : {&x.gate, &x.up, &x.down})
+        if (!w->quantized() || w->rows * w->cols != inter * hidden ||
+            w->cols != (w == &x.down ? inter : hidden))
+          return false;
+    return true;
+  }
   // Layer l's experts dequantized into the expert scratch; its gate, up and down tables.
   absl::StatusOr<std::array<const uint16_t* const*, 3>> PrefillExpertCopies(int l) {
     const int experts = config_.num_experts;
@@ -580,15 +592,8 @@ class CudaModel final : public Model {
       const LayerWeights& lw = w_.layers[l];
       std::vector<MatrixRef> refs;
       for (int m = 0; m < 3; ++m)
-        for (int e = 0; e < experts; ++e) {
-          const ExpertWeights& x = lw.experts[e];
-          const MatrixRef& w = m == 0 ? x.gate : m == 1 ? x.up : x.down;
-          if (!w.quantized() || static_cast<size_t>(w.numel()) != per_matrix)
-            return absl::UnimplementedError(absl::StrCat(
-                "layer ", l, " expert ", e, ": a dense or differently shaped matrix among "
-                "quantized experts (the quantized prefill path dequantizes them all alike)"));
-          refs.push_back(w);
-        }
+        for (int e = 0; e < experts; ++e)
+          refs.push_back(m == 0 ? lw.experts[e].gate : m == 1 ? lw.experts[e].up : lw.experts[e].down);
       auto d = DeviceAlloc<MatrixRef>(refs.size());
       if (!d.ok()) return d.status();
       CUDA_OR_DIE(cudaMemcpy(*d, refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
@@ -893,7 +898,8 @@ class CudaModel final : public Model {
     // qgemm=w4a16|w8a16 prefill chunks: the experts dequantized into bf16 (PrefillExpertCopies)
     // take the grouped MMA kernels.
     const bool quant_prefill = quant_experts && n > 1 && rows >= cuda::kMoeGroupedMinRows &&
-                               cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+                               cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
+                               ExpertsQuantizedAlike(l);
     const bool bf16_input = grouped_mma || quant_prefill || options_.moe_grouped || long_prefill;
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
