@@ -59,9 +59,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"kv_cache", "bf16", "cuda", 80, 0, true, {}, {"attention=naive"}, kBf16,
                "K and V rounded to bf16 as they are appended: half the bytes decode attention "
                "reads; attention=flash only (the naive kernel is the fp32 reference)"});
-  r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on"}, kFp32,
+  r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on", "graphs=persistent"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
-  r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"}, {"graphs=on", "gemm=reference"},
+  r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"},
+               {"graphs=on", "graphs=persistent", "gemm=reference"},
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
                "to read the routing"});
@@ -82,6 +83,14 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
+  // The model's side (bf16 linears without biases or shared experts, shapes) is checked when the
+  // model is built: UNSUPPORTED with the reason (CudaModel::PreparePersistentDecode).
+  r.push_back({"graphs", "persistent", "cuda", 90, 90, true, {"bf16"}, {"kv_cache=fp32"}, kBf16,
+               "batch-1 decode steps as one cooperative kernel over every layer: each warp "
+               "streams its share of every phase's weights through its own TMA ring "
+               "(cp.async.bulk + mbarriers), running ahead across phases and layers; grid "
+               "barriers between phases; fp32 activations; captured like graphs=on. Other steps "
+               "as graphs=on. sm_90a machine code only"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.

@@ -86,7 +86,8 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     options.moe_fused = config.at("moe") == "fused" || config.at("moe") == "wgmma";
     options.moe_wgmma = config.at("moe") == "wgmma";
     options.moe_grouped = config.at("moe") == "grouped";
-    options.graphs = config.at("graphs") == "on";
+    options.graphs = config.at("graphs") == "on" || config.at("graphs") == "persistent";
+    options.persistent_decode = config.at("graphs") == "persistent";
     options.qgemm = config.at("qgemm");
     options.fault = fault;
     return MakeCudaModel(host, options);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/quant/layout.h"
@@ -114,7 +115,12 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     std::this_thread::sleep_for(
         std::chrono::milliseconds(static_cast<int64_t>(fault->value * 1e3)));
   auto model = CreateModel(*host_, *config, *fault);
-  if (!model.ok()) return finish(TrialStatus::kError, std::string(model.status().message()));
+  // Unimplemented: the config cannot run this model's shapes or weights (a backend's model-side
+  // requirements, checked as the model is built), not a failure.
+  if (!model.ok())
+    return finish(absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported
+                                                         : TrialStatus::kError,
+                  std::string(model.status().message()));
   // Host load plus the first upload (or on-device generation) of the weights, when there was one.
   result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
   auto outputs = RunEval(**model, eval_);

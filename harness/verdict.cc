@@ -27,15 +27,45 @@ void LogSoftmax(const float* row, int n, std::vector<double>& out) {
   for (int i = 0; i < n; ++i) out[i] = row[i] - log_sum;
 }
 
+// Teacher-forced logits of `batch` prompts of spec.prompt_len tokens (tokens[b * prompt_len + i]):
+// a prefill chunk of all but the last spec.decode_steps tokens, then one decode step per token.
+// Appends [batch, prompt_len, vocab] to *out.
+absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector<int32_t>& tokens,
+                           int batch, std::vector<float>* out) {
+  const int vocab = model.config().vocab_size, len = spec.prompt_len;
+  const int steps = std::clamp(spec.decode_steps, 0, len - 1), prefix = len - steps;
+  if (auto s = model.StartBatch(batch, len); !s.ok()) return s;
+  std::vector<int32_t> chunk(static_cast<size_t>(batch) * prefix);
+  for (int b = 0; b < batch; ++b)
+    std::copy_n(tokens.begin() + static_cast<size_t>(b) * len, prefix,
+                chunk.begin() + static_cast<size_t>(b) * prefix);
+  std::vector<float> prefill, step;
+  if (auto s = model.Forward(chunk, prefix, LogitsMode::kAll, &prefill); !s.ok()) return s;
+  std::vector<float> all(static_cast<size_t>(batch) * len * vocab);
+  for (int b = 0; b < batch; ++b)
+    std::copy_n(prefill.begin() + static_cast<size_t>(b) * prefix * vocab,
+                static_cast<size_t>(prefix) * vocab, all.begin() + static_cast<size_t>(b) * len * vocab);
+  std::vector<int32_t> next(batch);
+  for (int i = prefix; i < len; ++i) {
+    for (int b = 0; b < batch; ++b) next[b] = tokens[static_cast<size_t>(b) * len + i];
+    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &step); !s.ok()) return s;
+    for (int b = 0; b < batch; ++b)
+      std::copy_n(step.begin() + static_cast<size_t>(b) * vocab, vocab,
+                  all.begin() + (static_cast<size_t>(b) * len + i) * vocab);
+  }
+  out->insert(out->end(), all.begin(), all.end());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
   const int vocab = model.config().vocab_size;
   EvalOutputs out;
   const std::vector<int32_t> prompts = EvalTokens(spec, vocab, spec.prompts * spec.prompt_len, 1);
-  if (auto s = model.StartBatch(spec.prompts, spec.prompt_len); !s.ok()) return s;
-  if (auto s = model.Forward(prompts, spec.prompt_len, LogitsMode::kAll, &out.logits); !s.ok())
-    return s;
+  if (auto s = TeacherForced(model, spec, prompts, spec.prompts, &out.logits); !s.ok()) return s;
+  if (spec.prompts > 1)  // batch 1 has decode kernels of its own
+    if (auto s = TeacherForced(model, spec, prompts, 1, &out.logits); !s.ok()) return s;
 
   const std::vector<int32_t> starts =
       EvalTokens(spec, vocab, spec.prompts * spec.free_run_prompt_len, 1u << 20);

@@ -17,12 +17,20 @@ struct EvalSpec {
   int prompt_len = 32;
   int free_run_prompt_len = 8;
   int free_run_len = 24;
+  // Teacher-forced decode steps judged like the prefill's logits: the last decode_steps tokens of
+  // each prompt go one step at a time (n = 1), at batch `prompts` and again at batch 1 (prompt
+  // 0 alone), so the decode kernels of every batch shape meet the logit thresholds, not only the
+  // free run's degeneracy check (batch-1 decode has kernels of its own: the GEMV's one-row path,
+  // graphs=persistent).
+  int decode_steps = 8;
   uint64_t seed = 0x5eed;
 };
 
 // What a model produced on the eval inputs.
 struct EvalOutputs {
-  std::vector<float> logits;               // [prompts, prompt_len, vocab], teacher-forced
+  // Teacher-forced: [prompts, prompt_len, vocab] at batch `prompts` (the last decode_steps
+  // positions of each as decode steps), then [prompt_len, vocab] of prompt 0 at batch 1.
+  std::vector<float> logits;
   std::vector<std::vector<int32_t>> free;  // [prompts][free_run_len] greedy tokens
 };
 

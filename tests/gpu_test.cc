@@ -107,7 +107,12 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       // Host-syncing MoE runners cannot be captured; moe=grouped needs bf16 GEMMs.
       const bool host_sync = config.at("moe") == "loop" || config.at("moe") == "grouped";
       // kv_cache=bf16 is read by the flash kernels only.
-      const bool conflict = (host_sync && config.at("graphs") == "on") ||
+      const bool captured = config.at("graphs") == "on" || config.at("graphs") == "persistent";
+      // graphs=persistent: bf16 K/V, and (at build) no biases or shared experts (qwen2-moe).
+      const bool persistent_unfit =
+          config.at("graphs") == "persistent" &&
+          (config.at("kv_cache") == "fp32" || std::string(preset) == "preset:tiny-qwen2-moe");
+      const bool conflict = (host_sync && captured) || persistent_unfit ||
                             (config.at("moe") == "grouped" && config.at("gemm") == "reference") ||
                             (config.at("kv_cache") == "bf16" && config.at("attention") == "naive");
       // qgemm values other than the reference take quantized weights only (dense presets here).
@@ -267,6 +272,8 @@ TEST(Gpu, NumericFaultsAreIncorrect) {
   TrialExecutor executor;
   for (const char* config : {"device=cuda,gemm=cublaslt,moe=fused,graphs=on",
                              "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on",
+                             "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,"
+                             "graphs=persistent",
                              "device=cuda"}) {
     for (const char* fault : {"nan-layer:1", "zero-expert:3", "bad-scale:2", "stuck-token:7"}) {
       const TrialResult r = executor.Execute(GpuRequest("preset:tiny-moe", config, fault));
@@ -285,6 +292,72 @@ TEST(Gpu, NumericFaultsAreIncorrect) {
     }
   }
 }
+
+#ifdef INFERSWEEP_HAVE_CUDA
+// graphs=persistent's batch-1 decode steps against the chain of kernels of graphs=on, step by
+// step on the same tokens: the same cache contents (prefill is shared), then each decode step's
+// logits. Contexts past 512 keys take the attention's chunk loop; tiny-dense the dense-MLP path;
+// qwen3-30b-a3b's shapes (2 layers) the multi-unit rows (o: 4096 wide) and 128 experts.
+TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
+  REQUIRE_GPU();
+  const std::string fast = "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=";
+  struct Case {
+    const char* model;
+    int prompt;
+  };
+  for (const Case& c : {Case{"preset:tiny-moe", 600}, Case{"preset:tiny-dense", 40},
+                        Case{"preset:qwen3-30b-a3b", 520}}) {
+    auto host = LoadHostModel(c.model, {2, 11, false});
+    ASSERT_TRUE(host.ok()) << host.status();
+    const int vocab = (*host)->config.vocab_size;
+    std::vector<std::unique_ptr<Model>> models;
+    for (const char* graphs : {"on", "persistent"}) {
+      auto config = NormalizeBackendConfig(*ParseBackendConfig(fast + graphs));
+      ASSERT_TRUE(config.ok());
+      auto model = CreateModel(**host, *config);
+      ASSERT_TRUE(model.ok()) << c.model << " graphs=" << graphs << ": " << model.status();
+      models.push_back(std::move(*model));
+    }
+    std::vector<int32_t> prompt(c.prompt);
+    for (int i = 0; i < c.prompt; ++i) prompt[i] = (i * 7919 + 13) % vocab;
+    std::vector<float> chain, persistent;
+    for (auto& m : models) ASSERT_TRUE(m->StartBatch(1, c.prompt + 12).ok());
+    ASSERT_TRUE(models[0]->Forward(prompt, c.prompt, LogitsMode::kLast, &chain).ok());
+    ASSERT_TRUE(models[1]->Forward(prompt, c.prompt, LogitsMode::kLast, &persistent).ok());
+    // A near-tied routing decision may flip on fp32 rounding differences (an expert more or
+    // less in one step, ~0.15 of the logits' range on qwen3-30b-a3b's flat synthetic router):
+    // most steps must agree closely, and none may be garbage.
+    int close = 0;
+    double worst = 0;
+    for (int step = 0; step < 10; ++step) {
+      const std::vector<int32_t> token = {Greedy({chain.data(), static_cast<size_t>(vocab)})};
+      ASSERT_TRUE(models[0]->Forward(token, 1, LogitsMode::kLast, &chain).ok());
+      ASSERT_TRUE(models[1]->Forward(token, 1, LogitsMode::kLast, &persistent).ok());
+      // The chain's decode attention rounds q to bf16 for its MMAs; this kernel keeps it fp32.
+      const double error = RelMaxError(persistent, chain);
+      close += error <= 1e-2;
+      worst = std::max(worst, error);
+    }
+    EXPECT_GE(close, 8) << c.model;
+    EXPECT_LE(worst, 0.3) << c.model;
+    std::printf("# %s, contexts %d-%d: persistent vs kernel chain, %d of 10 steps within 1e-2, "
+                "worst max rel error %.3g\n",
+                c.model, c.prompt + 1, c.prompt + 10, close, worst);
+  }
+}
+
+// The model-side requirements are UNSUPPORTED with the reason, not an error: attention biases and
+// a shared expert (qwen2-moe).
+TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
+  REQUIRE_GPU();
+  TrialExecutor executor;
+  const TrialResult r = executor.Execute(GpuRequest(
+      "preset:tiny-qwen2-moe",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"));
+  EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
+  EXPECT_THAT(r.reason, testing::HasSubstr("graphs=persistent: layer 0: attention biases"));
+}
+#endif
 
 TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
   REQUIRE_GPU();

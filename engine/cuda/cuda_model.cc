@@ -17,6 +17,7 @@
 #include "kernels/cuda/gemm_scaled.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
+#include "kernels/cuda/sm90a/decode_persistent.h"
 #include "kernels/cuda/sm90a/gemv_tma.h"
 
 namespace infersweep {
@@ -323,6 +324,53 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
   return view;
 }
 
+// TEST ONLY (profiling, INFERSWEEP_PERSISTENT_TIMELINE=<file>): one persistent decode step's
+// stamps (cuda::PersistentDecodeArgs::timeline) as a table of where a layer's time goes, per
+// phase, averaged over the layers that have it: the phase's time (departure from its barrier
+// minus departure from the previous one, mean over blocks), the blocks' mean and slowest work
+// before arriving at the barrier, and what the barrier added after the slowest block arrived.
+void WritePersistentTimeline(const std::string& path, const std::vector<unsigned long long>& t,
+                             int blocks, int layers) {
+  const int events = cuda::PersistentTimelineEvents(layers);
+  static const char* kNames[] = {"q/k/v", "attention", "o", "router", "gate/up", "down"};
+  double time[6] = {}, work_mean[6] = {}, work_max[6] = {}, count[6] = {};
+  auto at = [&](int b, int e) { return static_cast<double>(t[static_cast<size_t>(b) * events + e]); };
+  int previous = 0;  // event of the previous departure (the kernel's start first)
+  for (int l = 0; l < layers; ++l)
+    for (int p = 0; p < 6; ++p) {
+      const int arrive = 1 + (l * 6 + p) * 2;
+      if (at(0, arrive) == 0) continue;  // a dense layer's router
+      const bool last = l == layers - 1 && p == 5;
+      double sum_time = 0, sum_work = 0, max_work = 0;
+      for (int b = 0; b < blocks; ++b) {
+        const double work = at(b, arrive) - at(b, previous);
+        sum_work += work;
+        max_work = std::max(max_work, work);
+        sum_time += (last ? at(b, arrive) : at(b, arrive + 1)) - at(b, previous);
+      }
+      time[p] += sum_time / blocks;
+      work_mean[p] += sum_work / blocks;
+      work_max[p] += max_work;
+      count[p] += 1;
+      previous = arrive + 1;
+    }
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) return;
+  std::fprintf(f, "# persistent decode step, %d layers, %d blocks: us a layer, mean over layers\n",
+               layers, blocks);
+  std::fprintf(f, "%-10s %8s %10s %10s %10s\n", "phase", "time", "work_mean", "work_max", "barrier");
+  double total = 0;
+  for (int p = 0; p < 6; ++p) {
+    if (count[p] == 0) continue;
+    const double n = count[p] * 1e3;  // ns -> us
+    total += time[p] / n * count[p] / layers;
+    std::fprintf(f, "%-10s %8.2f %10.2f %10.2f %10.2f\n", kNames[p], time[p] / n,
+                 work_mean[p] / n, work_max[p] / n, (time[p] - work_max[p]) / n);
+  }
+  std::fprintf(f, "%-10s %8.2f\n", "layer", total);
+  std::fclose(f);
+}
+
 class CudaModel final : public Model {
  public:
   CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
@@ -349,6 +397,7 @@ class CudaModel final : public Model {
       if (p) cudaFree(p);
     for (float* p : router_f32_)
       if (p) cudaFree(p);
+    for (void* p : persistent_buffers_) cudaFree(p);
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
@@ -419,6 +468,124 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  // graphs=persistent: checks that the model's decode step fits the persistent kernel and builds
+  // its per-layer table on the device. Unimplemented (UNSUPPORTED to the harness) with the reason
+  // when it does not: quantized or non-bf16 weights, biases, shared experts, shapes.
+  absl::Status PreparePersistentDecode() {
+    const ModelConfig& c = config_;
+    auto unsupported = [](const std::string& why) {
+      return absl::UnimplementedError(absl::StrCat("graphs=persistent: ", why));
+    };
+    if (view_) return unsupported("quantized weights are not streamed by the persistent kernel");
+    if (!options_.kv_cache_bf16) return unsupported("needs kv_cache=bf16");
+    cuda::PersistentDecodeShape shape;
+    shape.hidden = c.hidden_size;
+    shape.q_heads = c.num_q_heads;
+    shape.kv_heads = c.num_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.num_experts = c.is_moe() ? c.num_experts : 0;
+    const DType norm_dtype = w_.layers.empty() ? DType::kBF16 : w_.layers[0].input_norm.dtype;
+    std::vector<cuda::PersistentLayer> layers(c.num_layers);
+    std::vector<const void*> dense_tables;  // gate, up, down of each dense layer
+    for (int l = 0; l < c.num_layers; ++l) {
+      const LayerWeights& lw = w_.layers[l];
+      const std::string where = absl::StrCat("layer ", l, ": ");
+      if (!lw.q_bias.empty() || !lw.k_bias.empty() || !lw.v_bias.empty() || !lw.o_bias.empty())
+        return unsupported(where + "attention biases");
+      if (!lw.shared_expert.gate.empty()) return unsupported(where + "a shared expert");
+      std::vector<const MatrixRef*> linears = {&lw.q, &lw.k, &lw.v, &lw.o};
+      const bool moe = c.IsMoeLayer(l);
+      if (moe) {
+        linears.push_back(&lw.router);
+        for (const ExpertWeights& e : lw.experts)
+          for (const MatrixRef* m : {&e.gate, &e.up, &e.down}) linears.push_back(m);
+      } else {
+        for (const MatrixRef* m : {&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down}) linears.push_back(m);
+      }
+      for (const MatrixRef* m : linears)
+        if (m->dtype != DType::kBF16 || m->quantized() ||
+            reinterpret_cast<uintptr_t>(m->data) % 16 != 0)
+          return unsupported(where + "every linear must be bf16 with 16-byte aligned rows");
+      for (const MatrixRef* m : {&lw.input_norm, &lw.post_attention_norm, &lw.q_norm, &lw.k_norm})
+        if (!m->empty() && m->dtype != norm_dtype)
+          return unsupported(where + "the norm gains must share one dtype");
+      cuda::PersistentLayer& p = layers[l];
+      p.q = static_cast<const uint16_t*>(lw.q.data);
+      p.k = static_cast<const uint16_t*>(lw.k.data);
+      p.v = static_cast<const uint16_t*>(lw.v.data);
+      p.o = static_cast<const uint16_t*>(lw.o.data);
+      p.input_norm = lw.input_norm.data;
+      p.post_norm = lw.post_attention_norm.data;
+      if (c.qk_norm) {
+        p.q_norm = lw.q_norm.data;
+        p.k_norm = lw.k_norm.data;
+      }
+      if (moe) {
+        p.router = static_cast<const uint16_t*>(lw.router.data);
+        p.gate = dw_->gate_table[l];
+        p.up = dw_->up_table[l];
+        p.down = dw_->down_table[l];
+        p.inter = c.moe_intermediate_size;
+        p.top_k = c.num_experts_per_tok;
+      } else {
+        dense_tables.insert(dense_tables.end(), {lw.mlp.gate.data, lw.mlp.up.data, lw.mlp.down.data});
+        p.inter = static_cast<int>(lw.mlp.gate.rows);
+        p.top_k = 1;
+      }
+      shape.max_top_k = std::max(shape.max_top_k, p.top_k);
+      shape.max_inter = std::max(shape.max_inter, p.inter);
+      const FaultInjection& fault = options_.fault;
+      if (fault.kind == FaultInjection::Kind::kBadScale && l == 0)
+        p.o_scale = static_cast<float>(fault.value);
+      if (fault.kind == FaultInjection::Kind::kZeroExpert) p.skip_expert = static_cast<int>(fault.value);
+      p.nan_after = fault.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault.value);
+    }
+    if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
+      return unsupported(why);
+    // One device buffer: the layer table, the dense layers' pointer tables, h, the barrier.
+    const size_t layers_bytes = layers.size() * sizeof(cuda::PersistentLayer);
+    const size_t tables_bytes = dense_tables.size() * sizeof(void*);
+    const size_t h_bytes = static_cast<size_t>(shape.max_top_k) * shape.max_inter * sizeof(float);
+    const char* timeline_path = std::getenv("INFERSWEEP_PERSISTENT_TIMELINE");  // TEST ONLY
+    const size_t timeline_bytes =
+        timeline_path ? static_cast<size_t>(cuda::PersistentDecodeBlocks()) *
+                            cuda::PersistentTimelineEvents(c.num_layers) * 8
+                      : 0;
+    const size_t total = layers_bytes + tables_bytes + h_bytes + 256 + timeline_bytes;
+    auto buffer = DeviceAlloc<char>(total);
+    if (!buffer.ok()) return buffer.status();
+    persistent_buffers_.push_back(*buffer);
+    char* base = *buffer;
+    const auto** tables = reinterpret_cast<const uint16_t**>(base + layers_bytes);
+    for (int l = 0, dense = 0; l < c.num_layers; ++l) {
+      if (c.IsMoeLayer(l)) continue;
+      layers[l].gate = tables + 3 * dense;
+      layers[l].up = tables + 3 * dense + 1;
+      layers[l].down = tables + 3 * dense + 2;
+      ++dense;
+    }
+    CUDA_OR_DIE(cudaMemcpy(base, layers.data(), layers_bytes, cudaMemcpyHostToDevice));
+    if (tables_bytes)
+      CUDA_OR_DIE(cudaMemcpy(tables, dense_tables.data(), tables_bytes, cudaMemcpyHostToDevice));
+    persistent_.shape = shape;
+    persistent_.layers = reinterpret_cast<const cuda::PersistentLayer*>(base);
+    persistent_.num_layers = c.num_layers;
+    persistent_.renormalize = c.norm_topk_prob;
+    persistent_.eps = c.rms_norm_eps;
+    persistent_.norm_dtype = norm_dtype;
+    // h after the tables, 16-byte aligned; the barrier counter after h.
+    const size_t h_offset = (layers_bytes + tables_bytes + 15) / 16 * 16;
+    persistent_.h = reinterpret_cast<float*>(base + h_offset);
+    persistent_.barrier = reinterpret_cast<unsigned*>(base + (h_offset + h_bytes + 15) / 16 * 16);
+    if (timeline_path) {
+      persistent_timeline_path_ = timeline_path;
+      persistent_.timeline =
+          reinterpret_cast<unsigned long long*>(base + (h_offset + h_bytes + 16 + 255) / 256 * 256);
+      CUDA_OR_DIE(cudaMemset(persistent_.timeline, 0, timeline_bytes));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
                        std::vector<float>* logits) override {
     if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
@@ -467,6 +634,14 @@ class CudaModel final : public Model {
     float step_ms = 0;
     CUDA_OR_DIE(cudaEventElapsedTime(&step_ms, step_start_, step_end_));
     last_step_ms_ = step_ms;
+    if (persistent_.timeline && n == 1 && batch_ == 1) {  // TEST ONLY
+      const int blocks = cuda::PersistentDecodeBlocks();
+      std::vector<unsigned long long> stamps(static_cast<size_t>(blocks) *
+                                             cuda::PersistentTimelineEvents(config_.num_layers));
+      CUDA_OR_DIE(cudaMemcpy(stamps.data(), persistent_.timeline, stamps.size() * 8,
+                             cudaMemcpyDeviceToHost));
+      WritePersistentTimeline(persistent_timeline_path_, stamps, blocks, config_.num_layers);
+    }
     logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;
     return absl::OkStatus();
@@ -634,7 +809,24 @@ class CudaModel final : public Model {
     const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
                       cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
-    for (int l = 0; l < config_.num_layers; ++l) {
+    // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
+    // for prefill chunks and larger batches) a chain of kernels per layer.
+    const bool persistent = persistent_.layers && rows == 1 && n == 1;
+    if (persistent) {
+      cuda::PersistentDecodeArgs a = persistent_;
+      a.x = x_;
+      a.k_cache = reinterpret_cast<uint16_t*>(k_cache_);
+      a.v_cache = reinterpret_cast<uint16_t*>(v_cache_);
+      a.capacity = capacity_;
+      a.rope = rope_;
+      a.position = d_position_;
+      a.qkv = qkv_;
+      a.attn = attn_;
+      a.logits = router_;
+      cuda::PersistentDecode(a, stream_);
+      CHECK_LAUNCH();
+    }
+    for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
       const LayerWeights& lw = w_.layers[l];
       cuda::QkvRows projected{q_, q_dim, k_, v_, kv_dim};
       if (gemv) {  // input RMSNorm, q, k, v (+ biases): one launch
@@ -1238,6 +1430,11 @@ class CudaModel final : public Model {
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;
+  // graphs=persistent (PreparePersistentDecode): the kernel's arguments that do not change per
+  // step (layers null: not in use), and the device buffers behind them.
+  cuda::PersistentDecodeArgs persistent_;
+  std::vector<void*> persistent_buffers_;
+  std::string persistent_timeline_path_;  // TEST ONLY
 };
 
 }  // namespace
@@ -1283,8 +1480,11 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
     if (!made.ok()) return made.status();
     grouped = std::move(*made);
   }
-  return std::unique_ptr<Model>(new CudaModel(host.config, std::move(*weights), options,
-                                              std::move(gemm), std::move(grouped), std::move(view)));
+  auto model = std::make_unique<CudaModel>(host.config, std::move(*weights), options,
+                                           std::move(gemm), std::move(grouped), std::move(view));
+  if (options.persistent_decode)
+    if (auto s = model->PreparePersistentDecode(); !s.ok()) return s;
+  return std::unique_ptr<Model>(std::move(model));
 }
 
 absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {

@@ -24,6 +24,9 @@ struct CudaModelOptions {
   bool moe_wgmma = false;      // with moe_fused: the grouped expert GEMMs on sm_90a wgmma
   bool moe_grouped = false;    // cuBLAS grouped GEMMs over the experts (host sync; needs cublaslt)
   bool graphs = false;         // capture the decode step (needs moe_fused)
+  // graphs=persistent: batch-1 decode steps as one cooperative kernel over every layer
+  // (kernels/cuda/sm90a/decode_persistent.h), captured like graphs=on; bf16 weights only.
+  bool persistent_decode = false;
   // How quantized linears run (the qgemm axis; dense models ignore it): "reference" (dequantized
   // exactly to fp32 at build, reference GEMM), "dequant_bf16" (dequantized to bf16, then the gemm
   // axis's GEMM), "w4a16" (FP4 codes read by the fused dequant GEMV), "fp8_cublaslt" and

@@ -2,14 +2,13 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/routing.cuh"
 
 namespace infersweep::cuda {
 namespace {
 
-// One warp per row; lane l holds the probabilities of experts l, l+32, ... in registers
-// (kPerLane of them, E <= 32 * kPerLane), so softmax is one pass and each of the k rounds is a
-// register scan plus a 5-step shuffle. The first version re-read the logits and recomputed expf
-// every round: 9.5 us a layer at batch 1.
+// One warp per row (WarpTopK, routing.cuh). The first version re-read the logits and recomputed
+// expf every round: 9.5 us a layer at batch 1.
 template <int kPerLane>
 __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts, int k,
                                  bool renormalize, int* expert_ids, float* expert_weights) {
@@ -18,69 +17,13 @@ __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts,
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
-  const float* l = logits + static_cast<int64_t>(row) * num_experts;
-  float p[kPerLane];
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < num_experts ? l[e] : -INFINITY;
-    m = fmaxf(m, p[i]);
-  }
-  m = WarpMax(m);
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    p[i] = lane + 32 * i < num_experts ? expf(p[i] - m) : 0.f;
-    sum += p[i];
-  }
-  sum = WarpSum(sum);
-  // Selection keys: the probabilities, NaN (a NaN upstream) below every one of them, so the k
-  // rounds always compare and pick k distinct experts below num_experts. (Comparing NaN directly
-  // left lanes disagreeing on each round's winner: repeated ids, or 0x7fffffff past E.)
-  float key[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    p[i] /= sum;
-    key[i] = p[i] == p[i] ? p[i] : -1.f;
-  }
-  unsigned chosen = 0;  // bit i: expert lane + 32 i already taken
-  float chosen_sum = 0.f;
-  int my_id = 0;
-  float my_weight = 0.f;
-  for (int slot = 0; slot < k; ++slot) {
-    float best = -INFINITY;
-    int best_id = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= num_experts || ((chosen >> i) & 1u)) continue;
-      if (best_id == 0x7fffffff || key[i] > best) {  // e rises with i: ties keep the lower index
-        best = key[i];
-        best_id = e;
-      }
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-      if (other_id != 0x7fffffff &&
-          (best_id == 0x7fffffff || other > best || (other == best && other_id < best_id))) {
-        best = other;
-        best_id = other_id;
-      }
-    }
-    if (best_id != 0x7fffffff && (best_id & 31) == lane) chosen |= 1u << (best_id >> 5);
-    const float weight = best < 0.f ? NAN : best;  // a NaN probability keeps its NaN weight
-    if (lane == slot) {
-      my_id = best_id;
-      my_weight = weight;
-    }
-    chosen_sum += weight;
-  }
+  int id;
+  float weight;
+  WarpTopK<kPerLane>(logits + static_cast<int64_t>(row) * num_experts, num_experts, k,
+                     renormalize, &id, &weight);
   if (lane < k) {
-    expert_ids[static_cast<int64_t>(row) * k + lane] = my_id;
-    expert_weights[static_cast<int64_t>(row) * k + lane] =
-        renormalize ? my_weight / chosen_sum : my_weight;
+    expert_ids[static_cast<int64_t>(row) * k + lane] = id;
+    expert_weights[static_cast<int64_t>(row) * k + lane] = weight;
   }
 }
 

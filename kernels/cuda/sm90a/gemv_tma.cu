@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/gemv_common.cuh"
+#include "kernels/cuda/sm90a/bulk_copy.cuh"
 #include "kernels/cuda/sm90a/gemv_tma.h"
 
 namespace infersweep::cuda {
@@ -22,38 +23,6 @@ constexpr int kTileRows = 8;  // one row per warp
 constexpr int kThreads = kTileRows * 32;
 constexpr int kMaxStages = 4;
 constexpr int kSharedBudget = 200 * 1024;
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-#if defined(__CUDA_ARCH__)
-__device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(count));
-}
-// Arms the barrier for `bytes` of transaction and starts one bulk copy that completes them.
-__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          SharedAddress(dst)),
-      "l"(src), "r"(bytes), "r"(SharedAddress(bar))
-      : "memory");
-}
-__device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SharedAddress(bar)), "r"(parity)
-        : "memory");
-  }
-}
-#endif
 
 struct TmaPlan {
   int rows_per_block[3];
@@ -86,8 +55,7 @@ __global__ void __launch_bounds__(kThreads) GemvTmaKernel(GemvArgs a, TmaPlan pl
   };
   if (threadIdx.x == 0) {
     for (int i = 0; i < plan.stages; ++i) BarrierInit(&full[i], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    FenceBarrierInit();
   }
   __syncthreads();
   if (threadIdx.x == 0)

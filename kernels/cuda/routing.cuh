@@ -1,0 +1,82 @@
+// MoE routing math on the device, shared by the top-k kernel (moe.cu) and the persistent decode
+// kernel (sm90a/decode_persistent.cu), so both pick the same experts with the same weights.
+#pragma once
+
+#include "kernels/cuda/common.cuh"
+
+namespace infersweep::cuda {
+
+// Softmax over one row of router logits, then the k largest probabilities, for one warp: lane l
+// holds experts l, l + 32, ... in registers (kPerLane of them, num_experts <= 32 * kPerLane), so
+// the softmax is one pass and each of the k rounds a register scan plus a 5-step shuffle.
+// Lane s < k ends with slot s: *my_id and *my_weight (renormalised over the k when asked).
+// Ties keep the lower expert index. NaN probabilities (a NaN upstream) rank below every number,
+// so the k rounds always pick k distinct experts below num_experts; their weights stay NaN.
+// The logits are read through L2 (__ldcg): the persistent kernel reads them in the launch that
+// wrote them, from another SM.
+template <int kPerLane>
+__device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, int k,
+                                         bool renormalize, int* my_id, float* my_weight) {
+  const int lane = threadIdx.x & 31;
+  float p[kPerLane];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < num_experts ? __ldcg(logits + e) : -INFINITY;
+    m = fmaxf(m, p[i]);
+  }
+  m = WarpMax(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    p[i] = lane + 32 * i < num_experts ? expf(p[i] - m) : 0.f;
+    sum += p[i];
+  }
+  sum = WarpSum(sum);
+  // Selection keys: the probabilities, NaN below every one of them. (Comparing NaN directly left
+  // lanes disagreeing on each round's winner: repeated ids, or 0x7fffffff past E.)
+  float key[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    p[i] /= sum;
+    key[i] = p[i] == p[i] ? p[i] : -1.f;
+  }
+  unsigned chosen = 0;  // bit i: expert lane + 32 i already taken
+  float chosen_sum = 0.f;
+  int id = 0;
+  float weight_of_slot = 0.f;
+  for (int slot = 0; slot < k; ++slot) {
+    float best = -INFINITY;
+    int best_id = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= num_experts || ((chosen >> i) & 1u)) continue;
+      if (best_id == 0x7fffffff || key[i] > best) {  // e rises with i: ties keep the lower index
+        best = key[i];
+        best_id = e;
+      }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+      if (other_id != 0x7fffffff &&
+          (best_id == 0x7fffffff || other > best || (other == best && other_id < best_id))) {
+        best = other;
+        best_id = other_id;
+      }
+    }
+    if (best_id != 0x7fffffff && (best_id & 31) == lane) chosen |= 1u << (best_id >> 5);
+    const float weight = best < 0.f ? NAN : best;  // a NaN probability keeps its NaN weight
+    if (lane == slot) {
+      id = best_id;
+      weight_of_slot = weight;
+    }
+    chosen_sum += weight;
+  }
+  *my_id = id;
+  *my_weight = renormalize ? weight_of_slot / chosen_sum : weight_of_slot;
+}
+
+}  // namespace infersweep::cuda

@@ -1,0 +1,85 @@
+// The persistent decode step (graphs=persistent): every layer of a batch-1 decode step in one
+// cooperative kernel, weights streamed through per-warp TMA rings that run ahead across phases.
+// sm_90a only, like the rest of this folder.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "engine/dtype.h"
+
+namespace infersweep::cuda {
+
+// One decoder layer as the kernel reads it. Device pointers; bf16 weights, row-major, every row
+// 16-byte aligned.
+struct PersistentLayer {
+  const uint16_t* q = nullptr;  // [q_dim, hidden]
+  const uint16_t* k = nullptr;  // [kv_dim, hidden]
+  const uint16_t* v = nullptr;  // [kv_dim, hidden]
+  const uint16_t* o = nullptr;  // [hidden, q_dim]
+  const void* input_norm = nullptr;  // [hidden]
+  const void* post_norm = nullptr;   // [hidden]
+  const void* q_norm = nullptr;      // [head_dim] or null (no q/k norm)
+  const void* k_norm = nullptr;
+  const uint16_t* router = nullptr;  // [num_experts, hidden]; null: a dense MLP layer
+  // Tables of device pointers, one entry per expert (one for a dense layer's MLP).
+  const uint16_t* const* gate = nullptr;  // [inter, hidden] each
+  const uint16_t* const* up = nullptr;    // [inter, hidden] each
+  const uint16_t* const* down = nullptr;  // [hidden, inter] each
+  int inter = 0;
+  int top_k = 1;           // experts a token takes (1 for a dense layer)
+  float o_scale = 1.f;     // fault injection (bad-scale): the o projection's output scale
+  int skip_expert = -1;    // fault injection (zero-expert): an expert whose output is dropped
+  int nan_after = 0;       // fault injection (nan-layer): x[0] = NaN after this layer
+};
+
+// The shapes the kernel is compiled around, checked before any launch.
+struct PersistentDecodeShape {
+  int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  int num_experts = 0;  // router rows (0: no MoE layer)
+  int max_top_k = 1;    // over the layers
+  int max_inter = 0;    // over the layers
+};
+
+struct PersistentDecodeArgs {
+  PersistentDecodeShape shape;
+  const PersistentLayer* layers = nullptr;  // device array of num_layers
+  int num_layers = 0;
+  bool renormalize = false;  // norm_topk_prob
+  float eps = 0.f;
+  DType norm_dtype = DType::kBF16;
+  float* x = nullptr;  // [hidden]: the residual stream, in and out
+  uint16_t* k_cache = nullptr;  // bf16 [num_layers][capacity][kv_dim] (batch 1)
+  uint16_t* v_cache = nullptr;
+  int capacity = 0;
+  const float2* rope = nullptr;  // [capacity][head_dim / 2] (cos, sin)
+  const int* position = nullptr;  // the new token's position
+  // Scratch written and read inside the launch.
+  float* qkv = nullptr;     // [q_dim + 2 kv_dim]
+  float* attn = nullptr;    // [q_dim]
+  float* logits = nullptr;  // [num_experts]
+  float* h = nullptr;       // [max_top_k * max_inter]
+  unsigned* barrier = nullptr;  // one counter; the launcher zeroes it
+  // TEST ONLY (profiling): null, or [gridDim][PersistentTimelineEvents(num_layers)] globaltimer
+  // stamps (ns) by each block: the kernel's start, then per layer and phase (q/k/v, attention,
+  // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
+  // departure (the last layer's down: its end). A dense layer's router slots stay 0.
+  unsigned long long* timeline = nullptr;
+};
+
+constexpr int kPersistentPhases = 6;
+INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) { return 1 + num_layers * kPersistentPhases * 2; }
+// The grid size PersistentDecode launches (one block per SM of the current device).
+int PersistentDecodeBlocks();
+
+// Empty when the kernel takes these shapes on the current device, else the reason it does not.
+std::string PersistentDecodeUnsupported(const PersistentDecodeShape& shape);
+
+// One batch-1 decode step through every layer: x (the embedded token) in, x (before the final
+// norm) out, this step's K and V appended to the cache. A cooperative launch of one block per
+// SM, preceded by a memset of the barrier counter; capturable in a graph.
+void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream);
+
+}  // namespace infersweep::cuda
