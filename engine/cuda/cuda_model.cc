@@ -479,6 +479,7 @@ class CudaModel final : public Model {
     if (view_) return unsupported("quantized weights are not streamed by the persistent kernel");
     if (!options_.kv_cache_bf16) return unsupported("needs kv_cache=bf16");
     cuda::PersistentDecodeShape shape;
+    shape.num_layers = c.num_layers;
     shape.hidden = c.hidden_size;
     shape.q_heads = c.num_q_heads;
     shape.kv_heads = c.num_kv_heads;
@@ -551,7 +552,10 @@ class CudaModel final : public Model {
         timeline_path ? static_cast<size_t>(cuda::PersistentDecodeBlocks()) *
                             cuda::PersistentTimelineEvents(c.num_layers) * 8
                       : 0;
-    const size_t total = layers_bytes + tables_bytes + h_bytes + 256 + timeline_bytes;
+    const size_t partial_bytes = cuda::PersistentDecodePartialFloats(shape) * sizeof(float);
+    const size_t counter_bytes = cuda::PersistentDecodeCounters(shape) * sizeof(unsigned);
+    const size_t total = layers_bytes + tables_bytes + h_bytes + partial_bytes + counter_bytes +
+                         4 * 256 + timeline_bytes;
     auto buffer = DeviceAlloc<char>(total);
     if (!buffer.ok()) return buffer.status();
     persistent_buffers_.push_back(*buffer);
@@ -569,18 +573,24 @@ class CudaModel final : public Model {
       CUDA_OR_DIE(cudaMemcpy(tables, dense_tables.data(), tables_bytes, cudaMemcpyHostToDevice));
     persistent_.shape = shape;
     persistent_.layers = reinterpret_cast<const cuda::PersistentLayer*>(base);
-    persistent_.num_layers = c.num_layers;
     persistent_.renormalize = c.norm_topk_prob;
     persistent_.eps = c.rms_norm_eps;
     persistent_.norm_dtype = norm_dtype;
-    // h after the tables, 16-byte aligned; the barrier counter after h.
-    const size_t h_offset = (layers_bytes + tables_bytes + 15) / 16 * 16;
-    persistent_.h = reinterpret_cast<float*>(base + h_offset);
-    persistent_.barrier = reinterpret_cast<unsigned*>(base + (h_offset + h_bytes + 15) / 16 * 16);
+    // After the tables, each 256-byte aligned: h, the attention partials, the counters, the
+    // timeline.
+    size_t offset = layers_bytes + tables_bytes;
+    auto take = [&](size_t bytes) {
+      offset = (offset + 255) / 256 * 256;
+      char* p = base + offset;
+      offset += bytes;
+      return p;
+    };
+    persistent_.h = reinterpret_cast<float*>(take(h_bytes));
+    persistent_.partials = reinterpret_cast<float*>(take(partial_bytes));
+    persistent_.barrier = reinterpret_cast<unsigned*>(take(counter_bytes));
     if (timeline_path) {
       persistent_timeline_path_ = timeline_path;
-      persistent_.timeline =
-          reinterpret_cast<unsigned long long*>(base + (h_offset + h_bytes + 16 + 255) / 256 * 256);
+      persistent_.timeline = reinterpret_cast<unsigned long long*>(take(timeline_bytes));
       CUDA_OR_DIE(cudaMemset(persistent_.timeline, 0, timeline_bytes));
     }
     return absl::OkStatus();

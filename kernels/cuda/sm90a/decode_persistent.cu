@@ -25,6 +25,7 @@
 // kernel rounds q to bf16 for its MMAs): results agree to fp32 rounding, not bit for bit.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "engine/tensor_ref.h"
@@ -38,14 +39,17 @@ namespace {
 
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnitElems = 2048;  // a weight unit: up to 2048 bf16 (4 KB) of one row
+constexpr int kUnitShift = 11;
+constexpr int kUnitElems = 1 << kUnitShift;  // a weight unit: up to 2048 bf16 (4 KB) of one row
 constexpr int kInFlight = 8;      // units in flight per warp: its mbarriers
 constexpr int kMaxTopK = 32;
 constexpr int kMaxExperts = 128;  // WarpTopK<4>
 constexpr int kMinRingBytes = 2 * kUnitElems * 2;
+constexpr int kMaxHeadDim = 256;
 
 enum Phase : int { kQkv, kAttention, kO, kRouter, kGateUp, kDown, kPhaseCount };
 static_assert(kPhaseCount == kPersistentPhases);
+static_assert(sizeof(PersistentLayer) % 4 == 0);
 
 struct Dims {
   int hidden, q_dim, kv_dim, head_dim;
@@ -55,7 +59,7 @@ struct Dims {
 __device__ __forceinline__ int TasksOf(int items, const Dims& d) {
   return items > d.gw ? (items - 1 - d.gw) / d.warps + 1 : 0;
 }
-__device__ __forceinline__ int UnitsOfRow(int k) { return (k + kUnitElems - 1) / kUnitElems; }
+__device__ __forceinline__ int UnitsOfRow(int k) { return (k + kUnitElems - 1) >> kUnitShift; }
 __device__ __forceinline__ int UnitElems(int k, int unit) {
   return min(kUnitElems, k - unit * kUnitElems);
 }
@@ -97,11 +101,24 @@ struct Routing {
   const uint16_t* down[kMaxTopK];
   float weight[kMaxTopK];
   int layer;  // the layer these are for; -1 before the first
+  int attended;  // the last layer whose attention this block is past
 };
 
-// Where a warp's producer is in the sequence of units it will consume.
+// Where a warp's producer is in the sequence of units it will consume. Kept without integer
+// divisions in the steps (the producer runs once per unit, on the consumer's critical path).
 struct Cursor {
-  int layer, phase, task, unit;
+  int layer, phase;
+  int item;   // the phase's work item: a row, or a gate/up (slot, row) pair
+  int unit;   // the unit within the item
+  int units;  // units of the item
+  int slot;   // gate/up: the item's expert slot; down: the current unit's slot
+  int j;      // gate/up: the item's row; down: the unit within the slot's row
+};
+
+// A place in a warp's ring: a monotonic byte position and its offset in the ring.
+struct RingPlace {
+  unsigned pos = 0;
+  int off = 0;
 };
 
 // The producer side of a warp's ring: lane 0 issues, every lane keeps the same (uniform) state.
@@ -111,28 +128,44 @@ struct Ring {
   int bytes;       // ring size, a multiple of 16
   Cursor next;     // the next unit to issue
   int issued = 0, consumed = 0;
-  unsigned issue_pos = 0, free_pos = 0;  // byte positions, monotonic; [free_pos, issue_pos) busy
+  RingPlace issue, free;  // [free, issue) is busy
+  bool lsu = false;  // copies by the warp's lanes (cp.async) instead of the bulk copy engine
+  int max_in_flight = kInFlight;
+  bool skip_math = false, lane0_wait = false, hold_o = false;  // TEST ONLY knobs
 };
 
-// Byte offset of a unit of `size` bytes starting at monotonic position *pos; a unit never wraps
-// (the tail is skipped). Advances *pos past it. The producer and the consumer call it in the
-// same order with the same sizes, so they agree on every unit's place.
-__device__ __forceinline__ int Place(unsigned* pos, int size, int ring_bytes) {
-  int off = static_cast<int>(*pos % ring_bytes);
-  if (off + size > ring_bytes) {
-    *pos += ring_bytes - off;
-    off = 0;
+// The ring offset of the next unit of `size` bytes at *p; a unit never wraps (the ring's tail is
+// skipped). Advances *p past it. The producer and the consumer call it in the same order with the
+// same sizes, so they agree on every unit's place.
+__device__ __forceinline__ int Place(RingPlace* p, int size, int ring_bytes) {
+  if (p->off + size > ring_bytes) {
+    p->pos += ring_bytes - p->off;
+    p->off = 0;
   }
-  *pos += size;
+  const int off = p->off;
+  p->pos += size;
+  p->off += size;
   return off;
 }
 
-// Moves c past phases (and layers) in which this warp has no task left.
+// Moves c to the first phase (from c.phase of c.layer on) in which this warp has an item at or
+// after c.item, and sets up that item's fields.
 __device__ __forceinline__ void Settle(Cursor& c, const PersistentLayer* layers, int num_layers,
                                        const Dims& d, int num_experts) {
-  while (c.layer < num_layers &&
-         c.task >= TasksOf(PhaseItems(layers[c.layer], c.phase, d, num_experts), d)) {
-    c.task = 0;
+  while (c.layer < num_layers) {
+    const PersistentLayer& L = layers[c.layer];
+    if (c.item < PhaseItems(L, c.phase, d, num_experts)) {
+      c.unit = 0;
+      c.units = TaskUnits(L, c.phase, d);
+      if (c.phase == kGateUp) {
+        c.slot = c.item / L.inter;
+        c.j = c.item - c.slot * L.inter;
+      } else {
+        c.slot = c.j = 0;
+      }
+      return;
+    }
+    c.item = d.gw;
     if (++c.phase == kPhaseCount) {
       c.phase = 0;
       ++c.layer;
@@ -142,17 +175,28 @@ __device__ __forceinline__ void Settle(Cursor& c, const PersistentLayer* layers,
 
 __device__ __forceinline__ void Advance(Cursor& c, const PersistentLayer* layers, int num_layers,
                                         const Dims& d, int num_experts) {
-  if (++c.unit < TaskUnits(layers[c.layer], c.phase, d)) return;
+  const PersistentLayer& L = layers[c.layer];
+  if (c.phase == kDown && ++c.j == UnitsOfRow(L.inter)) {
+    c.j = 0;
+    ++c.slot;
+  }
+  if (++c.unit < c.units) return;
   c.unit = 0;
-  ++c.task;
-  Settle(c, layers, num_layers, d, num_experts);
+  c.item += d.warps;
+  if (c.phase == kGateUp) {
+    c.j += d.warps;
+    while (c.j >= L.inter) c.j -= L.inter, ++c.slot;
+  } else {
+    c.slot = c.j = 0;
+  }
+  if (c.item >= PhaseItems(L, c.phase, d, num_experts)) Settle(c, layers, num_layers, d, num_experts);
 }
 
 // The global source and length (bf16 elements) of the unit at cursor c.
 __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const PersistentLayer& L,
                                                       const Dims& d, const Routing& routing,
                                                       int* elems) {
-  const int item = d.gw + c.task * d.warps;
+  const int item = c.item;
   const int64_t H = d.hidden;
   const uint16_t* row;
   int k = d.hidden, unit = c.unit;
@@ -170,18 +214,17 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Per
       row = L.router + item * H;
       break;
     case kGateUp: {
-      const int slot = item / L.inter, j = item % L.inter, per_row = UnitsOfRow(d.hidden);
-      row = (unit < per_row ? routing.gate[slot] : routing.up[slot]) + j * H;
-      unit %= per_row;
+      const int per_row = UnitsOfRow(d.hidden);
+      const bool up = unit >= per_row;
+      row = (up ? routing.up[c.slot] : routing.gate[c.slot]) + c.j * H;
+      unit -= up ? per_row : 0;
       break;
     }
-    default: {  // kDown
-      const int per_row = UnitsOfRow(L.inter);
+    default:  // kDown
       k = L.inter;
-      row = routing.down[unit / per_row] + static_cast<int64_t>(item) * L.inter;
-      unit %= per_row;
+      row = routing.down[c.slot] + static_cast<int64_t>(item) * L.inter;
+      unit = c.j;
       break;
-    }
   }
   *elems = UnitElems(k, unit);
   return row + static_cast<int64_t>(unit) * kUnitElems;
@@ -193,30 +236,55 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Per
 __device__ __forceinline__ void Pump(Ring& r, const PersistentLayer* layers, int num_layers,
                                      const Dims& d, int num_experts, const Routing& routing) {
   const int lane = threadIdx.x & 31;
-  while (r.next.layer < num_layers && r.issued - r.consumed < kInFlight) {
+  while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
     if (r.next.phase >= kGateUp && *reinterpret_cast<const volatile int*>(&routing.layer) != r.next.layer)
+      break;
+    // TEST ONLY knob: no o-projection weights in flight during the layer's attention.
+    if (r.hold_o && r.next.phase == kO &&
+        *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
     int elems;
     const uint16_t* src = UnitSource(r.next, layers[r.next.layer], d, routing, &elems);
     const int size = elems * 2;
-    unsigned pos = r.issue_pos;
-    const int off = Place(&pos, size, r.bytes);
-    if (pos - r.free_pos > static_cast<unsigned>(r.bytes)) break;
-    if (lane == 0) BulkCopy(r.base + off, src, size, &r.full[r.issued % kInFlight]);
-    r.issue_pos = pos;
+    RingPlace place = r.issue;
+    const int off = Place(&place, size, r.bytes);
+    if (place.pos - r.free.pos > static_cast<unsigned>(r.bytes)) break;
+    uint64_t* bar = &r.full[r.issued % kInFlight];
+    if (r.lsu) {  // every lane copies 16-byte pieces (cp.async), then arrives when they land
+      const uint32_t dst = SharedAddress(r.base + off);
+      for (int c = lane; c < size / 16; c += 32)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * c),
+                     "l"(reinterpret_cast<const char*>(src) + 16 * c)
+                     : "memory");
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar))
+                   : "memory");
+    } else if (lane == 0) {
+      BulkCopy(r.base + off, src, size, bar);
+    }
+    r.issue = place;
     ++r.issued;
     Advance(r.next, layers, num_layers, d, num_experts);
   }
 }
 
+// Staged activations in shared memory, split so that the lanes' reads are conflict-free: for
+// each 8-element chunk c of the vector, lo[c] holds elements 8c..8c+3 and hi[c] 8c+4..8c+7.
+struct Staged {
+  const float4* lo;
+  const float4* hi;
+};
+__device__ __forceinline__ Staged StagedAt(const float* xs, int n, int first) {
+  const float4* lo = reinterpret_cast<const float4*>(xs);
+  return {lo + first / 8, lo + n / 8 + first / 8};
+}
+
 // The warp's share of a dot product over one unit: w (the unit in shared memory) . x[0, elems).
-__device__ __forceinline__ float UnitDot(const uint4* w, const float* x, int elems) {
+__device__ __forceinline__ float UnitDot(const uint4* w, Staged x, int elems) {
   const int lane = threadIdx.x & 31;
   float acc = 0.f;
 #pragma unroll 4
   for (int c = lane; c < elems / 8; c += 32) {
-    const float4 lo = *reinterpret_cast<const float4*>(x + c * 8);
-    const float4 hi = *reinterpret_cast<const float4*>(x + c * 8 + 4);
+    const float4 lo = x.lo[c], hi = x.hi[c];
     const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     acc += Dot8Bf16(w[c], xv);
   }
@@ -226,14 +294,15 @@ __device__ __forceinline__ float UnitDot(const uint4* w, const float* x, int ele
 // Waits for the warp's oldest unit (issuing more first), returns its dot with x, frees it.
 __device__ __forceinline__ float ConsumeUnit(Ring& r, const PersistentLayer* layers,
                                              int num_layers, const Dims& d, int num_experts,
-                                             const Routing& routing, int elems, const float* x) {
+                                             const Routing& routing, int elems, Staged x) {
   Pump(r, layers, num_layers, d, num_experts, routing);
-  BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
-  unsigned pos = r.free_pos;
-  const int off = Place(&pos, elems * 2, r.bytes);
-  const float acc = UnitDot(reinterpret_cast<const uint4*>(r.base + off), x, elems);
-  __syncwarp();  // every lane has read the unit before lane 0 may overwrite it
-  r.free_pos = pos;
+  if (!r.lane0_wait || (threadIdx.x & 31) == 0)
+    BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
+  if (r.lane0_wait) __syncwarp();
+  const int off = Place(&r.free, elems * 2, r.bytes);
+  const float acc =
+      r.skip_math ? 0.f : UnitDot(reinterpret_cast<const uint4*>(r.base + off), x, elems);
+  __syncwarp();  // every lane has read the unit before its place is refilled
   ++r.consumed;
   return acc;
 }
@@ -255,7 +324,7 @@ __device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count) {
   __syncthreads();
 }
 
-// xs[i] = x[i] * gain[i] for i < n; returns 1 / rms(x). Reads x through L2 (other SMs wrote it in
+// xs = x * gain over [0, n) in the Staged layout; returns 1 / rms(x). Reads x through L2 (other SMs wrote it in
 // this launch). Ends with every thread past a block barrier.
 __device__ __forceinline__ float StageNormed(const float* x, const void* gain, DType gain_dtype,
                                              int n, float eps, float* xs, float* scratch) {
@@ -267,14 +336,16 @@ __device__ __forceinline__ float StageNormed(const float* x, const void* gain, D
     v.y *= LoadAsFloat(gain, gain_dtype, 4 * q + 1);
     v.z *= LoadAsFloat(gain, gain_dtype, 4 * q + 2);
     v.w *= LoadAsFloat(gain, gain_dtype, 4 * q + 3);
-    reinterpret_cast<float4*>(xs)[q] = v;
+    reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] = v;  // the Staged layout
   }
   return rsqrtf(BlockSum(sum_sq, scratch) / n + eps);  // BlockSum's barriers publish xs
 }
 
+// xs = src[0, n) in the Staged layout.
 __device__ __forceinline__ void Stage(const float* src, int n, float* xs) {
   for (int q = threadIdx.x; q < n / 4; q += kThreads)
-    reinterpret_cast<float4*>(xs)[q] = __ldcg(reinterpret_cast<const float4*>(src) + q);
+    reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] =
+        __ldcg(reinterpret_cast<const float4*>(src) + q);
   __syncthreads();
 }
 
@@ -282,142 +353,234 @@ __device__ __forceinline__ float RoundBf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-// One q head's attention for the new token, by the whole block: q/k RMSNorm and RoPE (the same
-// formulas as QkNormRopeAppendKernel), the new K and V appended to the cache by the first head
-// of each GQA group, then softmax(q K^T / sqrt(d)) V over positions [0, pos] in chunks of
-// kThreads keys: a thread per key for the scores, 16-byte V loads spread over (key group, 8 dims)
-// for the weighted sum. The new key and value are used as rounded for the cache. Shared memory:
-// xs (3 d + 9 kThreads floats).
-__device__ void AttendHead(const PersistentDecodeArgs& a, const PersistentLayer& L, int layer,
-                           int head, int pos, float* xs, float* scratch) {
-  const int hd = a.shape.head_dim, half = hd / 2;
-  const int group = a.shape.q_heads / a.shape.kv_heads, kv_head = head / group;
-  const int q_dim = a.shape.q_heads * hd, kv_dim = a.shape.kv_heads * hd;
-  const int t = threadIdx.x, warp = t / 32, lane = t & 31;
-  float* qs = xs;
-  float* kn = xs + hd;
-  float* vn = xs + 2 * hd;
-  float* weights = xs + 3 * hd;        // [kThreads]
-  float* partial = weights + kThreads;  // [kThreads * 8]
-  // Threads [0, hd) read q, [hd, 2 hd) the new k (whole warps: hd % 32 == 0).
-  float raw = 0.f;
-  if (t < hd)
-    raw = __ldcg(a.qkv + head * hd + t);
-  else if (t < 2 * hd)
-    raw = __ldcg(a.qkv + q_dim + kv_head * hd + (t - hd));
-  const float sum_sq = WarpSum(raw * raw);
-  if (lane == 0) scratch[warp] = sum_sq;
-  if (t < hd) {
-    qs[t] = raw;
-    vn[t] = RoundBf16(__ldcg(a.qkv + q_dim + kv_dim + kv_head * hd + t));
-  } else if (t < 2 * hd) {
-    kn[t - hd] = raw;
-  }
-  __syncthreads();
-  float q_ss = 0.f, k_ss = 0.f;
-  for (int w = 0; w < hd / 32; ++w) q_ss += scratch[w], k_ss += scratch[hd / 32 + w];
-  const float q_inv = L.q_norm ? rsqrtf(q_ss / hd + a.eps) : 1.f;
-  const float k_inv = L.k_norm ? rsqrtf(k_ss / hd + a.eps) : 1.f;
-  if (t < hd) {  // threads [0, half): q's pairs (i, i + half); [half, hd): k's
-    const bool is_q = t < half;
-    const int i = is_q ? t : t - half;
-    float* vec = is_q ? qs : kn;
-    const void* gain = is_q ? L.q_norm : L.k_norm;
-    const float inv = is_q ? q_inv : k_inv;
-    const float g1 = gain ? LoadAsFloat(gain, a.norm_dtype, i) : 1.f;
-    const float g2 = gain ? LoadAsFloat(gain, a.norm_dtype, i + half) : 1.f;
+// Attention of the new token, split over the grid: block item (kv head h, split s) of
+// kv_heads x S items (S = gridDim / kv_heads) takes the split's keys for the GQA group's G q
+// heads, so every K/V row is read once per step. It q/k-normalises and ropes the group's q heads
+// and the new k (the formulas of QkNormRopeAppendKernel; the new K and V rounded as the cache
+// holds them, and appended by the split that holds the position), then walks its keys in chunks
+// of C = 16 x 32 / (d / 8) rows (each lane 8 dims of one key: one 16-byte K and one V load),
+// with an online softmax per head. Its partial (max, sum, unnormalised output) per head goes to
+// global memory; the split that arrives last for h (a counter per layer and kv head) combines
+// the S partials into attn. Before this, one block per q head walked all keys in chunks of 512:
+// ~12 dependent DRAM round trips, 27 us a layer on qwen3-30b-a3b (timeline, H200).
+struct AttentionShape {
+  int hd, half, group, splits, q_dim, kv_dim;
+  int lanes_per_row, rows_per_pass, chunk;
+};
+
+__device__ __forceinline__ AttentionShape MakeAttentionShape(const PersistentDecodeArgs& a) {
+  AttentionShape s;
+  s.hd = a.shape.head_dim;
+  s.half = s.hd / 2;
+  s.group = a.shape.q_heads / a.shape.kv_heads;
+  s.splits = max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
+  s.q_dim = a.shape.q_heads * s.hd;
+  s.kv_dim = a.shape.kv_heads * s.hd;
+  s.lanes_per_row = s.hd / 8;
+  s.rows_per_pass = 32 / s.lanes_per_row;
+  s.chunk = kWarps * s.rows_per_pass;
+  return s;
+}
+
+// RMSNorm (when gain) and RoPE of one head vector by one warp, in place in shared memory;
+// rounded to bf16 when it is a key for the cache.
+__device__ __forceinline__ void NormRope(float* vec, const float* gain, float eps,
+                                         const float2* rope_row, int hd, bool round) {
+  const int lane = threadIdx.x & 31, half = hd / 2;
+  float sum_sq = 0.f;
+  for (int i = lane; i < hd; i += 32) sum_sq += vec[i] * vec[i];
+  const float inv = gain ? rsqrtf(WarpSum(sum_sq) / hd + eps) : 1.f;
+  for (int i = lane; i < half; i += 32) {
+    const float g1 = gain ? gain[i] : 1.f;
+    const float g2 = gain ? gain[i + half] : 1.f;
     const float x1 = vec[i] * inv * g1, x2 = vec[i + half] * inv * g2;
-    const float2 c = a.rope[static_cast<int64_t>(pos) * half + i];
+    const float2 c = rope_row[i];
     const float r1 = x1 * c.x - x2 * c.y, r2 = x2 * c.x + x1 * c.y;
-    vec[i] = is_q ? r1 : RoundBf16(r1);
-    vec[i + half] = is_q ? r2 : RoundBf16(r2);
+    vec[i] = round ? RoundBf16(r1) : r1;
+    vec[i + half] = round ? RoundBf16(r2) : r2;
   }
+}
+
+__device__ __forceinline__ void Unpack8(const uint4 raw, float* out) {
+  const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(v2[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// The q/k norm gains and the position's RoPE row, staged in shared memory during the q/k/v phase
+// (they do not depend on it), so that attention starts on one round trip (q, k, v) only.
+struct AttentionConstants {
+  float q_gain[kMaxHeadDim], k_gain[kMaxHeadDim];
+  float2 rope[kMaxHeadDim / 2];
+};
+
+__device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer& L, int layer,
+                            int item, int pos, float* xs, const AttentionConstants& constants) {
+  const AttentionShape sh = MakeAttentionShape(a);
+  const int hd = sh.hd, G = sh.group, C = sh.chunk, S = sh.splits;
+  const int kv_head = item % a.shape.kv_heads, split = item / a.shape.kv_heads;
+  const int t = threadIdx.x, warp = t / 32, lane = t & 31;
+  const int count = pos + 1, per_split = (count + S - 1) / S;
+  const int begin = min(count, split * per_split), end = min(count, begin + per_split);
+  // Shared memory (floats): q [G][d] | new k [d] | new v [d] | scores [G][C] | V [C][d] |
+  // running max, sum and rescale [3][G] | the combine's weights [G][S].
+  float* qs = xs;
+  float* kn = qs + G * hd;
+  float* vn = kn + hd;
+  float* scores = vn + hd;
+  float* vs = scores + G * C;
+  float* run_max = vs + C * hd;
+  float* run_sum = run_max + G;
+  float* rescale = run_sum + G;
+  float* combine = rescale + G;     // [G][S]
+  float* accum = combine + G * S;    // [G][d]: the unnormalised outputs
+  __shared__ int last_split;
+  const int first_q = kv_head * G;
+  for (int i = t; i < G * hd; i += kThreads) qs[i] = __ldcg(a.qkv + first_q * hd + i);
+  for (int i = t; i < hd; i += kThreads) {
+    kn[i] = __ldcg(a.qkv + sh.q_dim + kv_head * hd + i);
+    vn[i] = RoundBf16(__ldcg(a.qkv + sh.q_dim + sh.kv_dim + kv_head * hd + i));
+  }
+  for (int g = t; g < G; g += kThreads) run_max[g] = -INFINITY, run_sum[g] = 0.f;
+  for (int o = t; o < G * hd; o += kThreads) accum[o] = 0.f;
   __syncthreads();
-  const int64_t layer_offset = static_cast<int64_t>(layer) * a.capacity * kv_dim + kv_head * hd;
+  for (int v = warp; v <= G; v += kWarps)  // G q heads, then the new key
+    NormRope(v < G ? qs + v * hd : kn,
+             v < G ? (L.q_norm ? constants.q_gain : nullptr) : (L.k_norm ? constants.k_gain : nullptr),
+             a.eps, constants.rope, hd, v == G);
+  __syncthreads();
+  const int64_t layer_offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim + kv_head * hd;
   const __nv_bfloat16* keys = reinterpret_cast<const __nv_bfloat16*>(a.k_cache) + layer_offset;
   const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(a.v_cache) + layer_offset;
-  if (head % group == 0 && t < hd) {  // the group's first head appends this step's K and V
-    const int64_t slot = static_cast<int64_t>(pos) * kv_dim + t;
-    reinterpret_cast<__nv_bfloat16*>(a.k_cache)[layer_offset + slot] = __float2bfloat16_rn(kn[t]);
-    reinterpret_cast<__nv_bfloat16*>(a.v_cache)[layer_offset + slot] = __float2bfloat16_rn(vn[t]);
-  }
+  if (begin <= pos && pos < end)  // the split holding the new position appends it
+    for (int i = t; i < hd; i += kThreads) {
+      const int64_t slot = layer_offset + static_cast<int64_t>(pos) * sh.kv_dim + i;
+      reinterpret_cast<__nv_bfloat16*>(a.k_cache)[slot] = __float2bfloat16_rn(kn[i]);
+      reinterpret_cast<__nv_bfloat16*>(a.v_cache)[slot] = __float2bfloat16_rn(vn[i]);
+    }
   const float scale = rsqrtf(static_cast<float>(hd));
-  const int count = pos + 1;
-  const int lanes_per_row = hd / 8, key_groups = kThreads / lanes_per_row;
-  const int d0 = 8 * (t % lanes_per_row), key_group = t / lanes_per_row;
-  float run_max = -INFINITY, run_sum = 0.f, acc[8] = {};
-  for (int c0 = 0; c0 < count; c0 += kThreads) {
-    const int p = c0 + t;
-    float s = -INFINITY;
-    if (p < count) {
+  const int row_in_pass = lane / sh.lanes_per_row, d0 = 8 * (lane % sh.lanes_per_row);
+  const int outputs = G * hd;
+  for (int c0 = begin; c0 < end; c0 += C) {
+    // Each lane: 8 dims of one key, K and V loaded together (the new key from shared memory).
+    const int local = warp * sh.rows_per_pass + row_in_pass, p = c0 + local;
+    float k8[8], v8[8];
+    if (p < end && p != pos) {
+      const uint4 kr = __ldcg(reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(p) * sh.kv_dim + d0));
+      const uint4 vr = __ldcg(reinterpret_cast<const uint4*>(values + static_cast<int64_t>(p) * sh.kv_dim + d0));
+      Unpack8(kr, k8);
+      Unpack8(vr, v8);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        k8[i] = p == pos ? kn[d0 + i] : 0.f;
+        v8[i] = p == pos ? vn[d0 + i] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vs[local * hd + d0 + i] = v8[i];
+    for (int g = 0; g < G; ++g) {
       float dot = 0.f;
-      if (p == pos) {
-        for (int i = 0; i < hd; ++i) dot += qs[i] * kn[i];
-      } else {
-        const uint4* kr = reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(p) * kv_dim);
-#pragma unroll 4
-        for (int c = 0; c < hd / 8; ++c) {
-          const float4 lo = *reinterpret_cast<const float4*>(qs + 8 * c);
-          const float4 hi = *reinterpret_cast<const float4*>(qs + 8 * c + 4);
-          const float qv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          dot += Dot8Bf16(__ldcg(kr + c), qv);
-        }
-      }
-      s = dot * scale;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += qs[g * hd + d0 + i] * k8[i];
+      for (int offset = sh.lanes_per_row / 2; offset > 0; offset >>= 1)
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      if (lane % sh.lanes_per_row == 0) scores[g * C + local] = p < end ? dot * scale : -INFINITY;
     }
-    const float new_max = fmaxf(run_max, BlockMax(s, scratch));
-    const float e = p < count ? expf(s - new_max) : 0.f;
-    weights[t] = e;
-    const float chunk_sum = BlockSum(e, scratch);  // its barriers publish weights[]
-    const float rescale = run_max == -INFINITY ? 0.f : expf(run_max - new_max);
-    run_sum = run_sum * rescale + chunk_sum;
-    run_max = new_max;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] *= rescale;
-    const int in_chunk = min(kThreads, count - c0);
-#pragma unroll 4
-    for (int j = key_group; j < in_chunk; j += key_groups) {
-      const int pp = c0 + j;
-      const float w = weights[j];
-      if (pp == pos) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += w * vn[d0 + i];
-      } else {
-        const uint4 raw_v = __ldcg(reinterpret_cast<const uint4*>(values + static_cast<int64_t>(pp) * kv_dim + d0));
-        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&raw_v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(v2[i]);
-          acc[2 * i] += w * f.x;
-          acc[2 * i + 1] += w * f.y;
-        }
+    __syncthreads();
+    for (int g = warp; g < G; g += kWarps) {  // online softmax of head g over the chunk
+      float m = -INFINITY;
+      for (int j = lane; j < C; j += 32) m = fmaxf(m, scores[g * C + j]);
+      const float new_max = fmaxf(run_max[g], WarpMax(m));
+      float sum = 0.f;
+      for (int j = lane; j < C; j += 32) {
+        const float e = scores[g * C + j] == -INFINITY ? 0.f : expf(scores[g * C + j] - new_max);
+        scores[g * C + j] = e;
+        sum += e;
+      }
+      sum = WarpSum(sum);
+      if (lane == 0) {
+        const float r = run_max[g] == -INFINITY ? 0.f : expf(run_max[g] - new_max);
+        rescale[g] = r;
+        run_sum[g] = run_sum[g] * r + sum;
+        run_max[g] = new_max;
       }
     }
-    __syncthreads();  // weights[] is rewritten by the next chunk
+    __syncthreads();
+    const int rows = min(C, end - c0);
+    for (int o = t; o < outputs; o += kThreads) {  // each thread owns its outputs in accum
+      const int g = o / hd, d = o % hd;
+      float sum = accum[o] * rescale[g];
+      for (int j = 0; j < rows; ++j) sum += scores[g * C + j] * vs[j * hd + d];
+      accum[o] = sum;
+    }
+    __syncthreads();  // scores and vs are rewritten by the next chunk
   }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) partial[key_group * hd + d0 + i] = acc[i];
+  // This split's partial per head: [q head][split] (max, sum) and [q head][split][d].
+  float* part_ml = a.partials;
+  float* part_acc = a.partials + 2 * a.shape.q_heads * S;
+  for (int o = t; o < outputs; o += kThreads)
+    part_acc[(static_cast<int64_t>(first_q + o / hd) * S + split) * hd + o % hd] = accum[o];
+  for (int g = t; g < G; g += kThreads) {
+    part_ml[((first_q + g) * S + split) * 2] = run_max[g];
+    part_ml[((first_q + g) * S + split) * 2 + 1] = run_sum[g];
+  }
+  __threadfence();
   __syncthreads();
-  if (t < hd) {
-    float out = 0.f;
-    for (int g = 0; g < key_groups; ++g) out += partial[g * hd + t];
-    a.attn[head * hd + t] = out / run_sum;
+  if (t == 0)
+    last_split = atomicAdd(a.barrier + 1 + layer * a.shape.kv_heads + kv_head, 1u) == S - 1;
+  __syncthreads();
+  if (!last_split) return;
+  __threadfence();
+  for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output
+    float m = -INFINITY;
+    for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(part_ml + ((first_q + g) * S + s) * 2));
+    m = WarpMax(m);
+    float total = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float ms = __ldcg(part_ml + ((first_q + g) * S + s) * 2);
+      const float w = ms == -INFINITY ? 0.f : expf(ms - m);
+      combine[g * S + s] = w;
+      total += w * __ldcg(part_ml + ((first_q + g) * S + s) * 2 + 1);
+    }
+    total = WarpSum(total);
+    for (int s = lane; s < S; s += 32) combine[g * S + s] /= total;
   }
-  __syncthreads();  // xs is reused by the block's next head
+  __syncthreads();
+  for (int o = t; o < outputs; o += kThreads) {
+    const int g = o / hd, d = o % hd;
+    const float* src = part_acc + static_cast<int64_t>(first_q + g) * S * hd + d;
+    float out = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) out += combine[g * S + s] * __ldcg(src + static_cast<int64_t>(s) * hd);
+    a.attn[(first_q + g) * hd + o % hd] = out;
+  }
+  __syncthreads();  // xs is reused
 }
+
 #endif
 
 // Shared memory: [staged activations][16 warp rings]; the mbarriers and the routing are static.
 __global__ void __launch_bounds__(kThreads, 1)
-    PersistentDecodeKernel(PersistentDecodeArgs a, int stage_floats, int ring_bytes) {
+    PersistentDecodeKernel(PersistentDecodeArgs a, int table_bytes, int stage_floats,
+                           int ring_bytes, int copy_mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kWarps][kInFlight];
   __shared__ Routing routing;
+  __shared__ AttentionConstants constants;
   __shared__ float scratch[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const PersistentLayer* layers = a.layers;
-  const int num_layers = a.num_layers, num_experts = a.shape.num_experts;
+  // The layer table in shared memory: the producers read it for every unit they issue (from
+  // global memory, those dependent loads cost more than the streaming itself).
+  PersistentLayer* layers = reinterpret_cast<PersistentLayer*>(smem);
+  const int num_layers = a.shape.num_layers, num_experts = a.shape.num_experts;
+  for (int i = threadIdx.x; i < num_layers * static_cast<int>(sizeof(PersistentLayer) / 4); i += kThreads)
+    reinterpret_cast<int*>(layers)[i] = reinterpret_cast<const int*>(a.layers)[i];
   Dims d;
   d.hidden = a.shape.hidden;
   d.head_dim = a.shape.head_dim;
@@ -425,21 +588,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   d.kv_dim = a.shape.kv_heads * d.head_dim;
   d.gw = blockIdx.x * kWarps + warp;
   d.warps = gridDim.x * kWarps;
-  float* xs = reinterpret_cast<float*>(smem);
+  float* xs = reinterpret_cast<float*>(smem + table_bytes);
   Ring r;
-  r.base = smem + static_cast<size_t>(stage_floats) * sizeof(float) + static_cast<size_t>(warp) * ring_bytes;
+  r.base = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float) +
+           static_cast<size_t>(warp) * ring_bytes;
   r.full = full[warp];
   r.bytes = ring_bytes;
-  r.next = {0, kQkv, 0, 0};
+  r.next = {0, kQkv, d.gw, 0, 0, 0, 0};
+  r.lsu = (copy_mode & 1) != 0;
+  if ((copy_mode >> 1) & 15) r.max_in_flight = (copy_mode >> 1) & 15;
+  r.skip_math = (copy_mode >> 5) & 1;
+  r.lane0_wait = (copy_mode >> 6) & 1;
+  r.hold_o = (copy_mode >> 7) & 1;
   if (lane == 0) {
-    for (int i = 0; i < kInFlight; ++i) BarrierInit(&full[warp][i], 1);
+    // Bulk copies: lane 0's expect_tx is the one arrival. cp.async: each lane's arrive.noinc.
+    for (int i = 0; i < kInFlight; ++i) BarrierInit(&full[warp][i], r.lsu ? 32 : 1);
     FenceBarrierInit();
   }
-  if (threadIdx.x == 0) routing.layer = -1;
+  if (threadIdx.x == 0) routing.layer = routing.attended = -1;
   __syncthreads();
   Settle(r.next, layers, num_layers, d, num_experts);  // a warp with no q/k/v row starts later
   Pump(r, layers, num_layers, d, num_experts, routing);
-  auto consume = [&](int elems, const float* x) {
+  auto consume = [&](int elems, Staged x) {
     return ConsumeUnit(r, layers, num_layers, d, num_experts, routing, elems, x);
   };
   auto stamp = [&](int event) {  // TEST ONLY timeline
@@ -464,23 +634,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (l > 0) sync(&barriers, l - 1, kDown);  // the previous layer's down projection is in x
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
     float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
-    for (int t = 0, n = TasksOf(d.q_dim + 2 * d.kv_dim, d); t < n; ++t) {
+    // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
+    const int t = threadIdx.x, half = d.head_dim / 2;
+    const float q_gain = t < d.head_dim && L.q_norm ? LoadAsFloat(L.q_norm, a.norm_dtype, t) : 1.f;
+    const float k_gain = t < d.head_dim && L.k_norm ? LoadAsFloat(L.k_norm, a.norm_dtype, t) : 1.f;
+    const float2 rope = t < half ? a.rope[static_cast<int64_t>(pos) * half + t] : float2{};
+    for (int task = 0, n = TasksOf(d.q_dim + 2 * d.kv_dim, d); task < n; ++task) {
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
-        acc += consume(UnitElems(d.hidden, u), xs + u * kUnitElems);
+        acc += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       acc = WarpSum(acc) * inv;
-      if (lane == 0) a.qkv[d.gw + t * d.warps] = acc;
+      if (lane == 0) a.qkv[d.gw + task * d.warps] = acc;
     }
+    if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
+    if (t < half) constants.rope[t] = rope;
     sync(&barriers, l, kQkv);
-    for (int head = blockIdx.x; head < a.shape.q_heads; head += gridDim.x)
-      AttendHead(a, L, l, head, pos, xs, scratch);
+    for (int item = blockIdx.x, items = a.shape.kv_heads * max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
+         item < items; item += gridDim.x)
+      AttendSplit(a, L, l, item, pos, xs, constants);
     sync(&barriers, l, kAttention);
+    if (threadIdx.x == 0) routing.attended = l;
+    __syncthreads();
     // x += o_scale * attn . Wo^T
     Stage(a.attn, d.q_dim, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.q_dim); ++u)
-        acc += consume(UnitElems(d.q_dim, u), xs + u * kUnitElems);
+        acc += consume(UnitElems(d.q_dim, u), StagedAt(xs, d.q_dim, u * kUnitElems));
       acc = WarpSum(acc);
       const int row = d.gw + t * d.warps;
       if (lane == 0) a.x[row] = __ldcg(a.x + row) + L.o_scale * acc;
@@ -491,7 +671,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = 0, n = TasksOf(num_experts, d); t < n; ++t) {
         float acc = 0.f;
         for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
-          acc += consume(UnitElems(d.hidden, u), xs + u * kUnitElems);
+          acc += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
         acc = WarpSum(acc) * inv;
         if (lane == 0) a.logits[d.gw + t * d.warps] = acc;
       }
@@ -520,8 +700,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int per_row = UnitsOfRow(d.hidden);
     for (int t = 0, n = TasksOf(L.top_k * L.inter, d); t < n; ++t) {
       float gate = 0.f, up = 0.f;
-      for (int u = 0; u < per_row; ++u) gate += consume(UnitElems(d.hidden, u), xs + u * kUnitElems);
-      for (int u = 0; u < per_row; ++u) up += consume(UnitElems(d.hidden, u), xs + u * kUnitElems);
+      for (int u = 0; u < per_row; ++u) gate += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
+      for (int u = 0; u < per_row; ++u) up += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       gate = WarpSum(gate) * inv;
       up = WarpSum(up) * inv;
       if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
@@ -534,7 +714,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int slot = 0; slot < L.top_k; ++slot) {
         float part = 0.f;
         for (int u = 0; u < UnitsOfRow(L.inter); ++u)
-          part += consume(UnitElems(L.inter, u), xs + slot * L.inter + u * kUnitElems);
+          part += consume(UnitElems(L.inter, u),
+                          StagedAt(xs, L.top_k * L.inter, slot * L.inter + u * kUnitElems));
         acc += routing.weight[slot] * part;
       }
       acc = WarpSum(acc);
@@ -547,19 +728,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-int StageFloats(const PersistentDecodeShape& s) {
-  const int q_dim = s.q_heads * s.head_dim;
-  return std::max({s.hidden, q_dim, s.max_top_k * s.max_inter, 3 * s.head_dim + 9 * kThreads});
+// Floats of shared memory AttendSplit uses.
+int AttentionFloats(const PersistentDecodeShape& s, int blocks) {
+  const int group = s.q_heads / std::max(1, s.kv_heads), hd = s.head_dim;
+  const int chunk = kWarps * (32 / std::max(1, hd / 8));
+  const int splits = std::max(1, blocks / std::max(1, s.kv_heads));
+  return group * hd + 2 * hd + group * chunk + chunk * hd + 3 * group + group * splits + group * hd;
 }
 
-// Per-warp ring bytes left by the staged activations and the static shared memory.
-int RingBytes(const PersistentDecodeShape& s) {
+// Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
+int StageFloats(const PersistentDecodeShape& s) {
+  const int q_dim = s.q_heads * s.head_dim;
+  const int floats = std::max({s.hidden, q_dim, s.max_top_k * s.max_inter,
+                               AttentionFloats(s, PersistentDecodeBlocks())});
+  return (floats + 31) / 32 * 32;
+}
+
+// The layer table's bytes at the front of dynamic shared memory (128-byte aligned).
+int TableBytes(int num_layers) {
+  return (num_layers * static_cast<int>(sizeof(PersistentLayer)) + 127) / 128 * 128;
+}
+
+// Per-warp ring bytes left by the layer table, the staged activations and the static shared
+// memory.
+int RingBytes(const PersistentDecodeShape& s, int num_layers) {
   int device = 0, optin = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   cudaFuncAttributes attributes{};
   cudaFuncGetAttributes(&attributes, PersistentDecodeKernel);
-  const int dynamic = optin - static_cast<int>(attributes.sharedSizeBytes) -
+  const int dynamic = optin - static_cast<int>(attributes.sharedSizeBytes) - TableBytes(num_layers) -
                       StageFloats(s) * static_cast<int>(sizeof(float));
   return dynamic / kWarps / 128 * 128;
 }
@@ -579,11 +777,16 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
     return absl::StrCat(s.num_experts, " experts: the in-kernel top-k takes up to ", kMaxExperts);
   if (s.max_top_k > kMaxTopK)
     return absl::StrCat("top-k ", s.max_top_k, ": up to ", kMaxTopK);
-  const int ring = RingBytes(s);
+  const int ring = RingBytes(s, s.num_layers);
   if (ring < kMinRingBytes)
     return absl::StrCat("shared memory: ", ring, " bytes a warp ring after staging ",
                         StageFloats(s), " activations; needs ", kMinRingBytes);
   return "";
+}
+
+size_t PersistentDecodePartialFloats(const PersistentDecodeShape& s) {
+  const int splits = std::max(1, PersistentDecodeBlocks() / std::max(1, s.kv_heads));
+  return static_cast<size_t>(s.q_heads) * splits * (s.head_dim + 2);
 }
 
 int PersistentDecodeBlocks() {
@@ -594,14 +797,16 @@ int PersistentDecodeBlocks() {
 }
 
 void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
-  const int stage_floats = StageFloats(args.shape), ring_bytes = RingBytes(args.shape);
-  const size_t smem = static_cast<size_t>(stage_floats) * sizeof(float) +
+  const int table_bytes = TableBytes(args.shape.num_layers);
+  const int stage_floats = StageFloats(args.shape);
+  const int ring_bytes = RingBytes(args.shape, args.shape.num_layers);
+  const size_t smem = table_bytes + static_cast<size_t>(stage_floats) * sizeof(float) +
                       static_cast<size_t>(kWarps) * ring_bytes;
   // Per call, not once: the size depends on the model (and the attribute is per device).
   cudaFuncSetAttribute(PersistentDecodeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
   const int sms = PersistentDecodeBlocks();
-  cudaMemsetAsync(args.barrier, 0, sizeof(unsigned), stream);
+  cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned), stream);
   // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(sms);
@@ -613,7 +818,18 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   attribute[0].val.cooperative = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, PersistentDecodeKernel, args, stage_floats, ring_bytes);
+  // TEST ONLY: INFERSWEEP_PERSISTENT_COPY=lsu streams the weights with cp.async by every lane
+  // instead of the bulk copy engine (a comparison).
+  // INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per warp.
+  static const int copy_mode = [] {
+    const char* mode = std::getenv("INFERSWEEP_PERSISTENT_COPY");
+    const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
+    const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");  // 32 no math, 64 lane-0 wait
+    return (mode && std::string(mode) == "lsu" ? 1 : 0) | (cap ? std::atoi(cap) << 1 : 0) |
+           (knobs ? std::atoi(knobs) : 0);
+  }();
+  cudaLaunchKernelEx(&config, PersistentDecodeKernel, args, table_bytes, stage_floats, ring_bytes,
+                     copy_mode);
 }
 
 }  // namespace infersweep::cuda

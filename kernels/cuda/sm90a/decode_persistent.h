@@ -37,6 +37,7 @@ struct PersistentLayer {
 
 // The shapes the kernel is compiled around, checked before any launch.
 struct PersistentDecodeShape {
+  int num_layers = 0;
   int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int num_experts = 0;  // router rows (0: no MoE layer)
   int max_top_k = 1;    // over the layers
@@ -45,8 +46,7 @@ struct PersistentDecodeShape {
 
 struct PersistentDecodeArgs {
   PersistentDecodeShape shape;
-  const PersistentLayer* layers = nullptr;  // device array of num_layers
-  int num_layers = 0;
+  const PersistentLayer* layers = nullptr;  // device array of shape.num_layers
   bool renormalize = false;  // norm_topk_prob
   float eps = 0.f;
   DType norm_dtype = DType::kBF16;
@@ -61,7 +61,10 @@ struct PersistentDecodeArgs {
   float* attn = nullptr;    // [q_dim]
   float* logits = nullptr;  // [num_experts]
   float* h = nullptr;       // [max_top_k * max_inter]
-  unsigned* barrier = nullptr;  // one counter; the launcher zeroes it
+  float* partials = nullptr;  // [PersistentDecodePartialFloats(shape)]: attention's splits
+  // [PersistentDecodeCounters(shape)]: the grid barrier's counter, then one per layer and kv
+  // head (attention's last split combines); the launcher zeroes them.
+  unsigned* barrier = nullptr;
   // TEST ONLY (profiling): null, or [gridDim][PersistentTimelineEvents(num_layers)] globaltimer
   // stamps (ns) by each block: the kernel's start, then per layer and phase (q/k/v, attention,
   // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
@@ -73,6 +76,11 @@ constexpr int kPersistentPhases = 6;
 INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) { return 1 + num_layers * kPersistentPhases * 2; }
 // The grid size PersistentDecode launches (one block per SM of the current device).
 int PersistentDecodeBlocks();
+// Sizes of the scratch PersistentDecodeArgs points at, on the current device.
+size_t PersistentDecodePartialFloats(const PersistentDecodeShape& shape);
+inline int PersistentDecodeCounters(const PersistentDecodeShape& shape) {
+  return 1 + shape.num_layers * shape.kv_heads;
+}
 
 // Empty when the kernel takes these shapes on the current device, else the reason it does not.
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& shape);
