@@ -38,7 +38,8 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kWarps = 16;
-constexpr int kThreads = kWarps * 32;
+constexpr int kThreads = kWarps * 32;  // the consumer warps
+constexpr int kBlockThreads = kThreads + 32;  // and one producer warp
 constexpr int kUnitShift = 11;
 constexpr int kUnitElems = 1 << kUnitShift;  // a weight unit: up to 2048 bf16 (4 KB) of one row
 constexpr int kInFlight = 8;      // units in flight per warp: its mbarriers
@@ -129,9 +130,15 @@ struct Ring {
   Cursor next;     // the next unit to issue
   int issued = 0, consumed = 0;
   RingPlace issue, free;  // [free, issue) is busy
-  bool lsu = false;  // copies by the warp's lanes (cp.async) instead of the bulk copy engine
   int max_in_flight = kInFlight;
-  bool skip_math = false, lane0_wait = false, hold_o = false;  // TEST ONLY knobs
+  bool skip_math = false, hold_o = false;  // TEST ONLY knobs
+};
+
+// A consumer warp's progress, published in shared memory for the producer lane that fills its
+// ring: units consumed, and the ring position up to which they are free.
+struct Progress {
+  int consumed;
+  unsigned free_pos;
 };
 
 // The ring offset of the next unit of `size` bytes at *p; a unit never wraps (the ring's tail is
@@ -233,9 +240,11 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Per
 #if defined(__CUDA_ARCH__)
 // Issues units into the ring until it is full, kInFlight are in flight, the sequence ends, or the
 // next unit is an expert's whose routing this block has not computed yet.
-__device__ __forceinline__ void Pump(Ring& r, const PersistentLayer* layers, int num_layers,
-                                     const Dims& d, int num_experts, const Routing& routing) {
-  const int lane = threadIdx.x & 31;
+// Runs on one lane of the producer warp per ring (each with its own state): the copies never
+// wait on the consumer's critical path.
+__device__ __forceinline__ int Pump(Ring& r, const PersistentLayer* layers, int num_layers,
+                                    const Dims& d, int num_experts, const Routing& routing) {
+  int issued = 0;
   while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
     if (r.next.phase >= kGateUp && *reinterpret_cast<const volatile int*>(&routing.layer) != r.next.layer)
       break;
@@ -249,22 +258,13 @@ __device__ __forceinline__ void Pump(Ring& r, const PersistentLayer* layers, int
     RingPlace place = r.issue;
     const int off = Place(&place, size, r.bytes);
     if (place.pos - r.free.pos > static_cast<unsigned>(r.bytes)) break;
-    uint64_t* bar = &r.full[r.issued % kInFlight];
-    if (r.lsu) {  // every lane copies 16-byte pieces (cp.async), then arrives when they land
-      const uint32_t dst = SharedAddress(r.base + off);
-      for (int c = lane; c < size / 16; c += 32)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * c),
-                     "l"(reinterpret_cast<const char*>(src) + 16 * c)
-                     : "memory");
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar))
-                   : "memory");
-    } else if (lane == 0) {
-      BulkCopy(r.base + off, src, size, bar);
-    }
+    BulkCopy(r.base + off, src, size, &r.full[r.issued % kInFlight]);
     r.issue = place;
     ++r.issued;
+    ++issued;
     Advance(r.next, layers, num_layers, d, num_experts);
   }
+  return issued;
 }
 
 // Staged activations in shared memory, split so that the lanes' reads are conflict-free: for
@@ -291,25 +291,39 @@ __device__ __forceinline__ float UnitDot(const uint4* w, Staged x, int elems) {
   return acc;
 }
 
-// Waits for the warp's oldest unit (issuing more first), returns its dot with x, frees it.
-__device__ __forceinline__ float ConsumeUnit(Ring& r, const PersistentLayer* layers,
-                                             int num_layers, const Dims& d, int num_experts,
-                                             const Routing& routing, int elems, Staged x) {
-  Pump(r, layers, num_layers, d, num_experts, routing);
-  if (!r.lane0_wait || (threadIdx.x & 31) == 0)
-    BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
-  if (r.lane0_wait) __syncwarp();
+// Waits for the warp's oldest unit, returns its dot with x, and hands its place back to the
+// producer.
+__device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int elems, Staged x) {
+  BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
   const int off = Place(&r.free, elems * 2, r.bytes);
   const float acc =
       r.skip_math ? 0.f : UnitDot(reinterpret_cast<const uint4*>(r.base + off), x, elems);
   __syncwarp();  // every lane has read the unit before its place is refilled
   ++r.consumed;
+  if ((threadIdx.x & 31) == 0) {
+    volatile Progress* p = progress;
+    p->free_pos = r.free.pos;
+    __threadfence_block();
+    p->consumed = r.consumed;
+  }
   return acc;
+}
+
+// A barrier of the consumer warps only (the producer warp never waits on them).
+__device__ __forceinline__ void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
+
+__device__ __forceinline__ float ConsumerSum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = WarpSum(v);
+  ConsumerSync();
+  if (lane == 0) scratch[warp] = v;
+  ConsumerSync();
+  return WarpSum(lane < kWarps ? scratch[lane] : 0.f);
 }
 
 // Grid-wide barrier number *count (counted from 1) on a counter zeroed before the launch.
 __device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count) {
-  __syncthreads();
+  ConsumerSync();
   ++*count;
   if (threadIdx.x == 0) {
     __threadfence();
@@ -321,7 +335,7 @@ __device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count) {
     } while (seen < target);
     __threadfence();
   }
-  __syncthreads();
+  ConsumerSync();
 }
 
 // xs = x * gain over [0, n) in the Staged layout; returns 1 / rms(x). Reads x through L2 (other SMs wrote it in
@@ -338,7 +352,7 @@ __device__ __forceinline__ float StageNormed(const float* x, const void* gain, D
     v.w *= LoadAsFloat(gain, gain_dtype, 4 * q + 3);
     reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] = v;  // the Staged layout
   }
-  return rsqrtf(BlockSum(sum_sq, scratch) / n + eps);  // BlockSum's barriers publish xs
+  return rsqrtf(ConsumerSum(sum_sq, scratch) / n + eps);  // its barriers publish xs
 }
 
 // xs = src[0, n) in the Staged layout.
@@ -346,7 +360,7 @@ __device__ __forceinline__ void Stage(const float* src, int n, float* xs) {
   for (int q = threadIdx.x; q < n / 4; q += kThreads)
     reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] =
         __ldcg(reinterpret_cast<const float4*>(src) + q);
-  __syncthreads();
+  ConsumerSync();
 }
 
 __device__ __forceinline__ float RoundBf16(float v) {
@@ -447,12 +461,12 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
   }
   for (int g = t; g < G; g += kThreads) run_max[g] = -INFINITY, run_sum[g] = 0.f;
   for (int o = t; o < G * hd; o += kThreads) accum[o] = 0.f;
-  __syncthreads();
+  ConsumerSync();
   for (int v = warp; v <= G; v += kWarps)  // G q heads, then the new key
     NormRope(v < G ? qs + v * hd : kn,
              v < G ? (L.q_norm ? constants.q_gain : nullptr) : (L.k_norm ? constants.k_gain : nullptr),
              a.eps, constants.rope, hd, v == G);
-  __syncthreads();
+  ConsumerSync();
   const int64_t layer_offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim + kv_head * hd;
   const __nv_bfloat16* keys = reinterpret_cast<const __nv_bfloat16*>(a.k_cache) + layer_offset;
   const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(a.v_cache) + layer_offset;
@@ -491,7 +505,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
         dot += __shfl_xor_sync(0xffffffffu, dot, offset);
       if (lane % sh.lanes_per_row == 0) scores[g * C + local] = p < end ? dot * scale : -INFINITY;
     }
-    __syncthreads();
+    ConsumerSync();
     for (int g = warp; g < G; g += kWarps) {  // online softmax of head g over the chunk
       float m = -INFINITY;
       for (int j = lane; j < C; j += 32) m = fmaxf(m, scores[g * C + j]);
@@ -510,7 +524,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
         run_max[g] = new_max;
       }
     }
-    __syncthreads();
+    ConsumerSync();
     const int rows = min(C, end - c0);
     for (int o = t; o < outputs; o += kThreads) {  // each thread owns its outputs in accum
       const int g = o / hd, d = o % hd;
@@ -518,7 +532,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
       for (int j = 0; j < rows; ++j) sum += scores[g * C + j] * vs[j * hd + d];
       accum[o] = sum;
     }
-    __syncthreads();  // scores and vs are rewritten by the next chunk
+    ConsumerSync();  // scores and vs are rewritten by the next chunk
   }
   // This split's partial per head: [q head][split] (max, sum) and [q head][split][d].
   float* part_ml = a.partials;
@@ -530,10 +544,10 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
     part_ml[((first_q + g) * S + split) * 2 + 1] = run_sum[g];
   }
   __threadfence();
-  __syncthreads();
+  ConsumerSync();
   if (t == 0)
     last_split = atomicAdd(a.barrier + 1 + layer * a.shape.kv_heads + kv_head, 1u) == S - 1;
-  __syncthreads();
+  ConsumerSync();
   if (!last_split) return;
   __threadfence();
   for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output
@@ -550,7 +564,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
     total = WarpSum(total);
     for (int s = lane; s < S; s += 32) combine[g * S + s] /= total;
   }
-  __syncthreads();
+  ConsumerSync();
   for (int o = t; o < outputs; o += kThreads) {
     const int g = o / hd, d = o % hd;
     const float* src = part_acc + static_cast<int64_t>(first_q + g) * S * hd + d;
@@ -559,13 +573,13 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
     for (int s = 0; s < S; ++s) out += combine[g * S + s] * __ldcg(src + static_cast<int64_t>(s) * hd);
     a.attn[(first_q + g) * hd + o % hd] = out;
   }
-  __syncthreads();  // xs is reused
+  ConsumerSync();  // xs is reused
 }
 
 #endif
 
 // Shared memory: [staged activations][16 warp rings]; the mbarriers and the routing are static.
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 1)
     PersistentDecodeKernel(PersistentDecodeArgs a, int table_bytes, int stage_floats,
                            int ring_bytes, int copy_mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -579,39 +593,49 @@ __global__ void __launch_bounds__(kThreads, 1)
   // global memory, those dependent loads cost more than the streaming itself).
   PersistentLayer* layers = reinterpret_cast<PersistentLayer*>(smem);
   const int num_layers = a.shape.num_layers, num_experts = a.shape.num_experts;
-  for (int i = threadIdx.x; i < num_layers * static_cast<int>(sizeof(PersistentLayer) / 4); i += kThreads)
+  for (int i = threadIdx.x; i < num_layers * static_cast<int>(sizeof(PersistentLayer) / 4); i += kBlockThreads)
     reinterpret_cast<int*>(layers)[i] = reinterpret_cast<const int*>(a.layers)[i];
   Dims d;
   d.hidden = a.shape.hidden;
   d.head_dim = a.shape.head_dim;
   d.q_dim = a.shape.q_heads * d.head_dim;
   d.kv_dim = a.shape.kv_heads * d.head_dim;
-  d.gw = blockIdx.x * kWarps + warp;
   d.warps = gridDim.x * kWarps;
   float* xs = reinterpret_cast<float*>(smem + table_bytes);
-  Ring r;
-  r.base = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float) +
-           static_cast<size_t>(warp) * ring_bytes;
-  r.full = full[warp];
-  r.bytes = ring_bytes;
-  r.next = {0, kQkv, d.gw, 0, 0, 0, 0};
-  r.lsu = (copy_mode & 1) != 0;
-  if ((copy_mode >> 1) & 15) r.max_in_flight = (copy_mode >> 1) & 15;
-  r.skip_math = (copy_mode >> 5) & 1;
-  r.lane0_wait = (copy_mode >> 6) & 1;
-  r.hold_o = (copy_mode >> 7) & 1;
-  if (lane == 0) {
-    // Bulk copies: lane 0's expect_tx is the one arrival. cp.async: each lane's arrive.noinc.
-    for (int i = 0; i < kInFlight; ++i) BarrierInit(&full[warp][i], r.lsu ? 32 : 1);
+  unsigned char* rings = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float);
+  __shared__ Progress progress[kWarps];
+  if (threadIdx.x < kWarps) {
+    for (int i = 0; i < kInFlight; ++i) BarrierInit(&full[threadIdx.x][i], 1);  // expect_tx
+    progress[threadIdx.x] = {0, 0u};
     FenceBarrierInit();
   }
   if (threadIdx.x == 0) routing.layer = routing.attended = -1;
-  __syncthreads();
-  Settle(r.next, layers, num_layers, d, num_experts);  // a warp with no q/k/v row starts later
-  Pump(r, layers, num_layers, d, num_experts, routing);
-  auto consume = [&](int elems, Staged x) {
-    return ConsumeUnit(r, layers, num_layers, d, num_experts, routing, elems, x);
-  };
+  __syncthreads();  // the last barrier of all 17 warps: from here the producer runs on its own
+  // Warp ring i (the consumer warp i's) has its state in the producer's lane i.
+  const int ring = warp == kWarps ? lane : warp;
+  d.gw = blockIdx.x * kWarps + ring;
+  Ring r;
+  r.base = rings + static_cast<size_t>(ring) * ring_bytes;
+  r.full = full[ring];
+  r.bytes = ring_bytes;
+  r.next = {0, kQkv, d.gw, 0, 0, 0, 0};
+  if ((copy_mode >> 1) & 15) r.max_in_flight = (copy_mode >> 1) & 15;
+  r.skip_math = (copy_mode >> 5) & 1;
+  r.hold_o = (copy_mode >> 7) & 1;
+  if (warp == kWarps) {  // the producer: lane i keeps ring i filled
+    if (lane >= kWarps) return;
+    Settle(r.next, layers, num_layers, d, num_experts);  // a ring with no q/k/v row starts later
+    const volatile Progress* p = &progress[lane];
+    while (r.next.layer < num_layers) {
+      r.consumed = p->consumed;
+      __threadfence_block();
+      r.free.pos = p->free_pos;
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before refills
+      if (Pump(r, layers, num_layers, d, num_experts, routing) == 0) __nanosleep(32);
+    }
+    return;
+  }
+  auto consume = [&](int elems, Staged x) { return ConsumeUnit(r, &progress[warp], elems, x); };
   auto stamp = [&](int event) {  // TEST ONLY timeline
     if (a.timeline && threadIdx.x == 0) {
       unsigned long long now;
@@ -622,7 +646,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   stamp(0);
   // The barrier ending phase `phase` of layer `layer`, stamped on both sides.
   auto sync = [&](unsigned* count, int layer, int phase) {
-    Pump(r, layers, num_layers, d, num_experts, routing);
     stamp(1 + (layer * kPhaseCount + phase) * 2);
     GridSync(a.barrier, count);
     stamp(2 + (layer * kPhaseCount + phase) * 2);
@@ -654,7 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       AttendSplit(a, L, l, item, pos, xs, constants);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
-    __syncthreads();
+    ConsumerSync();
     // x += o_scale * attn . Wo^T
     Stage(a.attn, d.q_dim, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
@@ -693,9 +716,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       routing.down[0] = L.down[0];
       routing.weight[0] = 1.f;
     }
-    __syncthreads();
+    ConsumerSync();
     if (threadIdx.x == 0) routing.layer = l;
-    __syncthreads();
+    ConsumerSync();
     // h[slot, j] = silu(gate_slot[j] . xn) * (up_slot[j] . xn)
     const int per_row = UnitsOfRow(d.hidden);
     for (int t = 0, n = TasksOf(L.top_k * L.inter, d); t < n; ++t) {
@@ -810,7 +833,7 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(sms);
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(kBlockThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -818,15 +841,13 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   attribute[0].val.cooperative = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  // TEST ONLY: INFERSWEEP_PERSISTENT_COPY=lsu streams the weights with cp.async by every lane
-  // instead of the bulk copy engine (a comparison).
-  // INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per warp.
+  // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
+  // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
+  // holds the o projection's weights back until the layer's attention is done.
   static const int copy_mode = [] {
-    const char* mode = std::getenv("INFERSWEEP_PERSISTENT_COPY");
     const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
-    const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");  // 32 no math, 64 lane-0 wait
-    return (mode && std::string(mode) == "lsu" ? 1 : 0) | (cap ? std::atoi(cap) << 1 : 0) |
-           (knobs ? std::atoi(knobs) : 0);
+    const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
+    return (cap ? std::atoi(cap) << 1 : 0) | (knobs ? std::atoi(knobs) : 0);
   }();
   cudaLaunchKernelEx(&config, PersistentDecodeKernel, args, table_bytes, stage_floats, ring_bytes,
                      copy_mode);
