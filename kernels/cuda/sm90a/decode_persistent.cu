@@ -432,14 +432,48 @@ struct AttentionConstants {
   float2 rope[kMaxHeadDim / 2];
 };
 
+// The keys [begin, end) of attention item `item` (kv head item % kv_heads, split item / kv_heads).
+__device__ __forceinline__ void SplitKeys(const AttentionShape& sh, int item, int kv_heads, int pos,
+                                          int* begin, int* end) {
+  const int split = item / kv_heads, count = pos + 1, per_split = (count + sh.splits - 1) / sh.splits;
+  *begin = min(count, split * per_split);
+  *end = min(count, *begin + per_split);
+}
+
+// This thread's K and V piece of the first chunk of an item (keys from earlier steps only), loaded
+// before the barrier that precedes attention: they do not depend on this step.
+struct KvPrefetch {
+  uint4 k, v;
+  bool valid;
+};
+__device__ __forceinline__ KvPrefetch PrefetchFirstChunk(const PersistentDecodeArgs& a, int layer,
+                                                         int item, int pos) {
+  const AttentionShape sh = MakeAttentionShape(a);
+  const int kv_head = item % a.shape.kv_heads, lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int begin, end;
+  SplitKeys(sh, item, a.shape.kv_heads, pos, &begin, &end);
+  const int p = begin + warp * sh.rows_per_pass + lane / sh.lanes_per_row;
+  const int d0 = 8 * (lane % sh.lanes_per_row);
+  KvPrefetch pre{};
+  pre.valid = p < end && p < pos;
+  if (pre.valid) {
+    const int64_t offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim +
+                           static_cast<int64_t>(p) * sh.kv_dim + kv_head * sh.hd + d0;
+    pre.k = __ldcg(reinterpret_cast<const uint4*>(a.k_cache + offset));
+    pre.v = __ldcg(reinterpret_cast<const uint4*>(a.v_cache + offset));
+  }
+  return pre;
+}
+
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer& L, int layer,
-                            int item, int pos, float* xs, const AttentionConstants& constants) {
+                            int item, int pos, float* xs, const AttentionConstants& constants,
+                            const KvPrefetch& pre) {
   const AttentionShape sh = MakeAttentionShape(a);
   const int hd = sh.hd, G = sh.group, C = sh.chunk, S = sh.splits;
   const int kv_head = item % a.shape.kv_heads, split = item / a.shape.kv_heads;
   const int t = threadIdx.x, warp = t / 32, lane = t & 31;
-  const int count = pos + 1, per_split = (count + S - 1) / S;
-  const int begin = min(count, split * per_split), end = min(count, begin + per_split);
+  int begin, end;
+  SplitKeys(sh, item, a.shape.kv_heads, pos, &begin, &end);
   // Shared memory (floats): q [G][d] | new k [d] | new v [d] | scores [G][C] | V [C][d] |
   // running max, sum and rescale [3][G] | the combine's weights [G][S].
   float* qs = xs;
@@ -484,8 +518,9 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
     const int local = warp * sh.rows_per_pass + row_in_pass, p = c0 + local;
     float k8[8], v8[8];
     if (p < end && p != pos) {
-      const uint4 kr = __ldcg(reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(p) * sh.kv_dim + d0));
-      const uint4 vr = __ldcg(reinterpret_cast<const uint4*>(values + static_cast<int64_t>(p) * sh.kv_dim + d0));
+      const bool early = c0 == begin && pre.valid;  // loaded before the barrier
+      const uint4 kr = early ? pre.k : __ldcg(reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(p) * sh.kv_dim + d0));
+      const uint4 vr = early ? pre.v : __ldcg(reinterpret_cast<const uint4*>(values + static_cast<int64_t>(p) * sh.kv_dim + d0));
       Unpack8(kr, k8);
       Unpack8(vr, v8);
     } else {
@@ -587,6 +622,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ uint64_t full[kWarps][kInFlight];
   __shared__ Routing routing;
   __shared__ AttentionConstants constants;
+  __shared__ const uint16_t* expert_ptr[3][kMaxExperts];
   __shared__ float scratch[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   // The layer table in shared memory: the producers read it for every unit they issue (from
@@ -671,10 +707,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
     if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
     if (t < half) constants.rope[t] = rope;
+    const int attention_items =
+        a.shape.kv_heads * max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
+    const KvPrefetch pre = static_cast<int>(blockIdx.x) < attention_items
+                               ? PrefetchFirstChunk(a, l, blockIdx.x, pos)
+                               : KvPrefetch{};
     sync(&barriers, l, kQkv);
-    for (int item = blockIdx.x, items = a.shape.kv_heads * max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
-         item < items; item += gridDim.x)
-      AttendSplit(a, L, l, item, pos, xs, constants);
+    for (int item = blockIdx.x; item < attention_items; item += gridDim.x)
+      AttendSplit(a, L, l, item, pos, xs, constants,
+                  item == static_cast<int>(blockIdx.x) ? pre : KvPrefetch{});
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
     ConsumerSync();
@@ -691,6 +732,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     sync(&barriers, l, kO);
     inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     if (L.router) {  // logits = RMSNorm(x) . Wr^T, then every block picks the same top-k
+      // Every expert's weight pointers, read now so that the top-k's picks cost no round trip.
+      for (int e = threadIdx.x; e < num_experts; e += kThreads)
+        expert_ptr[0][e] = L.gate[e], expert_ptr[1][e] = L.up[e], expert_ptr[2][e] = L.down[e];
       for (int t = 0, n = TasksOf(num_experts, d); t < n; ++t) {
         float acc = 0.f;
         for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
@@ -704,9 +748,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         float weight;
         WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight);
         if (lane < L.top_k) {
-          routing.gate[lane] = L.gate[id];
-          routing.up[lane] = L.up[id];
-          routing.down[lane] = L.down[id];
+          routing.gate[lane] = expert_ptr[0][id];
+          routing.up[lane] = expert_ptr[1][id];
+          routing.down[lane] = expert_ptr[2][id];
           routing.weight[lane] = id == L.skip_expert ? 0.f : weight;
         }
       }
