@@ -52,6 +52,13 @@ for stage in $STAGES; do
     $B run --model preset:qwen3-30b-a3b --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused|grouped|wgmma,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
+  persistent)  # graphs=persistent against graphs=on at batch 1 (batch 64: both the kernel chain),
+    # with where a persistent step's layer spends its time (TEST ONLY timeline, last step)
+    INFERSWEEP_PERSISTENT_TIMELINE="$OUT/persistent_timeline.txt" $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent|on' \
+      --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+      --json "$OUT/bench_persistent.json" 2>&1 | tee "$OUT/bench_persistent.log"
+    cat "$OUT/persistent_timeline.txt" ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
     # (FP4: qgemm=w4a16, FP8: qgemm=w8a16). Each format quantizes the 48 layers on the host
     # first (tens of seconds on 16 cores; STAGES=quant_host measures it) and fits one device

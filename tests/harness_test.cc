@@ -1,4 +1,5 @@
 // The trial harness: configs, preflight, workloads, verdicts, and isolation under injected faults.
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -123,6 +124,65 @@ TEST(Preflight, Sm90aBackendsAreExactlySm90) {
     EXPECT_FALSE(fp4.supported) << name;
     EXPECT_THAT(fp4.reason, HasSubstr(name)) << name;
   }
+}
+
+// graphs=persistent: Hopper machine code, bf16 weights, a bf16 KV cache, and no host-syncing MoE
+// runner (batch > 1 steps take graphs=on's captured chain).
+TEST(Preflight, PersistentDecodeNeedsHopperBf16WeightsAndCache) {
+  const BackendConfig base = {{"device", "cuda"},  {"gemm", "fused"},  {"attention", "flash"},
+                              {"kv_cache", "bf16"}, {"moe", "fused"}, {"graphs", "persistent"}};
+  auto config = NormalizeBackendConfig(base);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const PreflightResult hopper = Preflight(*config, {true, 90, 1, "bf16"});
+  EXPECT_TRUE(hopper.supported) << hopper.reason;
+  EXPECT_EQ(hopper.precision, PrecisionClass::kBf16);
+  for (int sm : {80, 89, 100, 120})
+    EXPECT_THAT(Preflight(*config, {true, sm, 1, "bf16"}).reason, HasSubstr("graphs=persistent"))
+        << sm;
+  EXPECT_THAT(Preflight(*config, {true, 90, 1, "nvfp4"}).reason,
+              HasSubstr("graphs=persistent does not take nvfp4 weights"));
+  BackendConfig fp32_cache = base;
+  fp32_cache["kv_cache"] = "fp32";
+  EXPECT_THAT(Preflight(*NormalizeBackendConfig(fp32_cache), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("graphs=persistent cannot be combined with kv_cache=fp32"));
+  BackendConfig loop = base;
+  loop["moe"] = "loop";
+  EXPECT_THAT(Preflight(*NormalizeBackendConfig(loop), {true, 90, 1, "bf16"}).reason,
+              HasSubstr("moe=loop cannot be combined with graphs=persistent"));
+}
+
+// The eval judges decode steps too: each prompt's last decode_steps tokens go one step at a time
+// at the eval batch, then prompt 0 again alone (batch 1 has decode kernels of its own). On the
+// CPU reference every way of computing a position gives the same logits, so the blocks agree.
+TEST(Verdict, EvalTeacherForcesDecodeStepsAtTheBatchAndAtBatchOne) {
+  auto host = LoadHostModel("preset:tiny-moe", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto model = CreateModel(**host, *NormalizeBackendConfig({{"device", "cpu"}}));
+  ASSERT_TRUE(model.ok()) << model.status();
+  EvalSpec spec;
+  auto out = RunEval(**model, spec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const size_t vocab = (*host)->config.vocab_size, len = spec.prompt_len;
+  ASSERT_EQ(out->logits.size(), (spec.prompts + 1) * len * vocab);
+  // Prompt 0 at batch 1 (the last block) against prompt 0 at the eval batch (the first).
+  const float* batched = out->logits.data();
+  const float* alone = out->logits.data() + spec.prompts * len * vocab;
+  double worst = 0;
+  for (size_t i = 0; i < len * vocab; ++i) worst = std::max(worst, std::fabs(double{batched[i]} - alone[i]));
+  EXPECT_LE(worst, 1e-4);
+  // A decode step's logits differ from the prefill position before it (the test can see them).
+  const size_t last_prefill = len - spec.decode_steps - 1;
+  EXPECT_NE(alone[last_prefill * vocab], alone[(last_prefill + 1) * vocab]);
+  // And a wrong batch-1 decode step is judged: the same outputs with one decode position of the
+  // batch-1 block corrupted are INCORRECT.
+  EvalOutputs corrupted = *out;
+  float* step = corrupted.logits.data() + (spec.prompts * len + len - 1) * vocab;
+  for (size_t i = 0; i < vocab; ++i) step[i] = (i % 7) * 3.f;
+  VerdictMetrics metrics;
+  EXPECT_EQ(JudgeOutputs(*out, *out, static_cast<int>(vocab), PrecisionClass::kFp32, &metrics),
+            TrialStatus::kOk);
+  EXPECT_EQ(JudgeOutputs(*out, corrupted, static_cast<int>(vocab), PrecisionClass::kFp32, &metrics),
+            TrialStatus::kIncorrect);
 }
 
 TEST(Workload, ParsesAndRejectsBadValues) {
