@@ -32,6 +32,25 @@ __device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
 }
+// An L2 policy that evicts what it covers first: for weights streamed once per step, so that they
+// do not push out the activations other SMs are about to read (the streaming loads' __ldcs).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+// BulkCopy with an L2 cache policy (EvictFirstPolicy) for the source's lines.
+__device__ __forceinline__ void BulkCopyWithPolicy(void* dst, const void* src, uint32_t bytes,
+                                                   uint64_t* bar, uint64_t policy) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
+      "%2, [%3], %4;" ::"r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
+      : "memory");
+}
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {

@@ -132,6 +132,11 @@ struct Ring {
   RingPlace issue, free;  // [free, issue) is busy
   int max_in_flight = kInFlight;
   bool skip_math = false, hold_o = false;  // TEST ONLY knobs
+  // Weights are streamed evict-first: each is read once a step, while the activations (x, q/k/v,
+  // attention's partials, the logits, h), written by one SM and read by others microseconds
+  // later, should stay in L2. (TEST ONLY knob 256 turns it off.)
+  bool evict_first = true;
+  uint64_t policy = 0;
 };
 
 // A consumer warp's progress, published in shared memory for the producer lane that fills its
@@ -258,7 +263,10 @@ __device__ __forceinline__ int Pump(Ring& r, const PersistentLayer* layers, int 
     RingPlace place = r.issue;
     const int off = Place(&place, size, r.bytes);
     if (place.pos - r.free.pos > static_cast<unsigned>(r.bytes)) break;
-    BulkCopy(r.base + off, src, size, &r.full[r.issued % kInFlight]);
+    if (r.evict_first)
+      BulkCopyWithPolicy(r.base + off, src, size, &r.full[r.issued % kInFlight], r.policy);
+    else
+      BulkCopy(r.base + off, src, size, &r.full[r.issued % kInFlight]);
     r.issue = place;
     ++r.issued;
     ++issued;
@@ -658,8 +666,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if ((copy_mode >> 1) & 15) r.max_in_flight = (copy_mode >> 1) & 15;
   r.skip_math = (copy_mode >> 5) & 1;
   r.hold_o = (copy_mode >> 7) & 1;
+  r.evict_first = !((copy_mode >> 8) & 1);
   if (warp == kWarps) {  // the producer: lane i keeps ring i filled
     if (lane >= kWarps) return;
+    r.policy = EvictFirstPolicy();
     Settle(r.next, layers, num_layers, d, num_experts);  // a ring with no q/k/v row starts later
     const volatile Progress* p = &progress[lane];
     while (r.next.layer < num_layers) {
@@ -887,7 +897,8 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   config.numAttrs = 1;
   // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
-  // holds the o projection's weights back until the layer's attention is done.
+  // holds the o projection's weights back until the layer's attention is done, 256 streams the
+  // weights with the default L2 policy instead of evict-first.
   static const int copy_mode = [] {
     const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
     const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
