@@ -26,14 +26,23 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
-// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds 32 floats.
-__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+// The default barrier of the block reductions: the whole block.
+struct WholeBlock {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+  __device__ __forceinline__ int warps() const { return blockDim.x >> 5; }
+};
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds 32 floats. `group`
+// names the warps taking part and their barrier (warps 0..group.warps() - 1; the persistent
+// decode kernel's consumer warps use a named barrier that its producer warp never joins).
+template <typename Group = WholeBlock>
+__device__ __forceinline__ float BlockSum(float v, float* scratch, Group group = {}) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = WarpSum(v);
-  __syncthreads();
+  group();
   if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < (blockDim.x >> 5) ? scratch[lane] : 0.f;  // every warp sums all partials: a broadcast
+  group();
+  v = lane < group.warps() ? scratch[lane] : 0.f;  // every warp sums all partials: a broadcast
   return WarpSum(v);
 }
 
@@ -93,22 +102,31 @@ inline bool& ProgrammaticLaunchFlag() {
   return on;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when the
-// thread's flag is on.
+// kernel<<<grid, block, smem, stream>>>(args...) with launch attributes (attrs[0, count)).
 template <typename... KernelArgs, typename... Args>
-void Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            Args&&... args) {
+void LaunchWithAttributes(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, cudaLaunchAttribute* attrs, int count,
+                          Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = count;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when the
+// thread's flag is on.
+template <typename... KernelArgs, typename... Args>
+void Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = ProgrammaticLaunchFlag() ? 1 : 0;
-  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  LaunchWithAttributes(kernel, grid, block, smem, stream, attribute,
+                       ProgrammaticLaunchFlag() ? 1 : 0, std::forward<Args>(args)...);
 }
 
 // Runs a setup step once per device. cudaFuncSetAttribute (a kernel's dynamic shared memory

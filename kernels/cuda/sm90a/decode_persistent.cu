@@ -320,15 +320,11 @@ __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int el
 // A barrier of the consumer warps only (the producer warp never waits on them).
 __device__ __forceinline__ void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
-__device__ __forceinline__ float ConsumerSum(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = WarpSum(v);
-  ConsumerSync();
-  if (lane == 0) scratch[warp] = v;
-  ConsumerSync();
-  return WarpSum(lane < kWarps ? scratch[lane] : 0.f);
-}
-
+// The consumer warps as a group for the block reductions.
+struct Consumers {
+  __device__ __forceinline__ void operator()() const { ConsumerSync(); }
+  __device__ __forceinline__ int warps() const { return kWarps; }
+};
 // Grid-wide barrier number *count (counted from 1) on a counter zeroed before the launch.
 __device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count) {
   ConsumerSync();
@@ -360,7 +356,7 @@ __device__ __forceinline__ float StageNormed(const float* x, const void* gain, D
     v.w *= LoadAsFloat(gain, gain_dtype, 4 * q + 3);
     reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] = v;  // the Staged layout
   }
-  return rsqrtf(ConsumerSum(sum_sq, scratch) / n + eps);  // its barriers publish xs
+  return rsqrtf(BlockSum(sum_sq, scratch, Consumers{}) / n + eps);  // its barriers publish xs
 }
 
 // xs = src[0, n) in the Staged layout.
@@ -884,17 +880,6 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
                        static_cast<int>(smem));
   const int sms = PersistentDecodeBlocks();
   cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned), stream);
-  // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(sms);
-  config.blockDim = dim3(kBlockThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeCooperative;
-  attribute[0].val.cooperative = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
   // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
   // holds the o projection's weights back until the layer's attention is done, 256 streams the
@@ -904,8 +889,12 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
     const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
     return (cap ? std::atoi(cap) << 1 : 0) | (knobs ? std::atoi(knobs) : 0);
   }();
-  cudaLaunchKernelEx(&config, PersistentDecodeKernel, args, table_bytes, stage_floats, ring_bytes,
-                     copy_mode);
+  // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
+  cudaLaunchAttribute cooperative[1];
+  cooperative[0].id = cudaLaunchAttributeCooperative;
+  cooperative[0].val.cooperative = 1;
+  LaunchWithAttributes(PersistentDecodeKernel, dim3(sms), dim3(kBlockThreads), smem, stream,
+                       cooperative, 1, args, table_bytes, stage_floats, ring_bytes, copy_mode);
 }
 
 }  // namespace infersweep::cuda
