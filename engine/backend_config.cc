@@ -86,11 +86,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // The model's side (bf16 linears without biases or shared experts, shapes) is checked when the
   // model is built: UNSUPPORTED with the reason (CudaModel::PreparePersistentDecode).
   r.push_back({"graphs", "persistent", "cuda", 90, 90, true, {"bf16"}, {"kv_cache=fp32"}, kBf16,
-               "batch-1 decode steps as one cooperative kernel over every layer: each warp "
-               "streams its share of every phase's weights through its own TMA ring "
-               "(cp.async.bulk + mbarriers), running ahead across phases and layers; grid "
-               "barriers between phases; fp32 activations; captured like graphs=on. Other steps "
-               "as graphs=on. sm_90a machine code only"});
+               "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
+               "warp's share of every phase's weights streamed into its own shared-memory ring "
+               "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
+               "layers; grid barriers between phases; fp32 activations; captured like graphs=on. "
+               "Other steps as graphs=on. sm_90a machine code only"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.

@@ -397,7 +397,7 @@ class CudaModel final : public Model {
       if (p) cudaFree(p);
     for (float* p : router_f32_)
       if (p) cudaFree(p);
-    for (void* p : persistent_buffers_) cudaFree(p);
+    if (persistent_buffer_) cudaFree(persistent_buffer_);
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
@@ -543,7 +543,8 @@ class CudaModel final : public Model {
     }
     if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
       return unsupported(why);
-    // One device buffer: the layer table, the dense layers' pointer tables, h, the barrier.
+    // One device buffer: the layer table, the dense layers' pointer tables, h, attention's
+    // partials, the counters (and the TEST ONLY timeline).
     const size_t layers_bytes = layers.size() * sizeof(cuda::PersistentLayer);
     const size_t tables_bytes = dense_tables.size() * sizeof(void*);
     const size_t h_bytes = static_cast<size_t>(shape.max_top_k) * shape.max_inter * sizeof(float);
@@ -558,7 +559,7 @@ class CudaModel final : public Model {
                          4 * 256 + timeline_bytes;
     auto buffer = DeviceAlloc<char>(total);
     if (!buffer.ok()) return buffer.status();
-    persistent_buffers_.push_back(*buffer);
+    persistent_buffer_ = *buffer;
     char* base = *buffer;
     const auto** tables = reinterpret_cast<const uint16_t**>(base + layers_bytes);
     for (int l = 0, dense = 0; l < c.num_layers; ++l) {
@@ -1441,9 +1442,9 @@ class CudaModel final : public Model {
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;
   // graphs=persistent (PreparePersistentDecode): the kernel's arguments that do not change per
-  // step (layers null: not in use), and the device buffers behind them.
+  // step (layers null: not in use), and the device buffer behind them.
   cuda::PersistentDecodeArgs persistent_;
-  std::vector<void*> persistent_buffers_;
+  void* persistent_buffer_ = nullptr;
   std::string persistent_timeline_path_;  // TEST ONLY
 };
 

@@ -6,17 +6,17 @@
 // streamed by 9 kernels, each paying its own ramp and tail, and the latency-bound kernels in
 // between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
 //
-// How: every warp owns a fixed share of every phase's weight rows, and a private ring in shared
-// memory that its lane 0 keeps filled with bulk asynchronous copies (cp.async.bulk, mbarrier
-// completion) of its next units of weights, in the order the warp will consume them, across phase
-// and layer boundaries: while a few blocks run attention, the others' rings already hold their
+// How: each of a block's 16 consumer warps owns a fixed share of every phase's weight rows and a
+// private ring in shared memory; lane i of a 17th, producer warp keeps ring i filled with bulk
+// asynchronous copies (cp.async.bulk, mbarrier completion) of warp i's next units of weights, in
+// the order the warp will consume them, across phase and layer boundaries: while a few blocks run attention, the others' rings already hold their
 // o rows; while the barrier after the down projection is pending, the next layer's q/k/v rows are
 // in flight. Only the experts wait for the routing (their rows are unknown until top-k).
 // The activations a phase reads (x, RMS-normalised; attention's output; the experts' h) are
 // staged in shared memory once per block after each barrier.
 //
 // Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s; 132 SMs x 16
-// warps x ~12.5 KB rings = 26 MB in flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at
+// warps x ~11.8 KB rings = 25 MB in flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at
 // context 512; 6 grid barriers at ~1 us. FLOPs are 2 per weight: bandwidth-bound.
 //
 // Numerics follow gemm=fused + attention=flash + moe=fused: fp32 activations and accumulation,
@@ -122,7 +122,8 @@ struct RingPlace {
   int off = 0;
 };
 
-// The producer side of a warp's ring: lane 0 issues, every lane keeps the same (uniform) state.
+// A warp's ring: the producer lane that fills it keeps the issue side (next, issued, issue), the
+// consumer warp the free side (consumed, free), each in its own copy of this struct.
 struct Ring {
   unsigned char* base;
   uint64_t* full;  // kInFlight mbarriers
@@ -382,14 +383,13 @@ __device__ __forceinline__ float RoundBf16(float v) {
 // the S partials into attn. Before this, one block per q head walked all keys in chunks of 512:
 // ~12 dependent DRAM round trips, 27 us a layer on qwen3-30b-a3b (timeline, H200).
 struct AttentionShape {
-  int hd, half, group, splits, q_dim, kv_dim;
+  int hd, group, splits, q_dim, kv_dim;
   int lanes_per_row, rows_per_pass, chunk;
 };
 
 __device__ __forceinline__ AttentionShape MakeAttentionShape(const PersistentDecodeArgs& a) {
   AttentionShape s;
   s.hd = a.shape.head_dim;
-  s.half = s.hd / 2;
   s.group = a.shape.q_heads / a.shape.kv_heads;
   s.splits = max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
   s.q_dim = a.shape.q_heads * s.hd;
@@ -620,7 +620,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer
 // Shared memory: [staged activations][16 warp rings]; the mbarriers and the routing are static.
 __global__ void __launch_bounds__(kBlockThreads, 1)
     PersistentDecodeKernel(PersistentDecodeArgs a, int table_bytes, int stage_floats,
-                           int ring_bytes, int copy_mode) {
+                           int ring_bytes, int knobs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kWarps][kInFlight];
@@ -659,10 +659,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   r.full = full[ring];
   r.bytes = ring_bytes;
   r.next = {0, kQkv, d.gw, 0, 0, 0, 0};
-  if ((copy_mode >> 1) & 15) r.max_in_flight = (copy_mode >> 1) & 15;
-  r.skip_math = (copy_mode >> 5) & 1;
-  r.hold_o = (copy_mode >> 7) & 1;
-  r.evict_first = !((copy_mode >> 8) & 1);
+  if ((knobs >> 1) & 15) r.max_in_flight = (knobs >> 1) & 15;
+  r.skip_math = (knobs >> 5) & 1;
+  r.hold_o = (knobs >> 7) & 1;
+  r.evict_first = !((knobs >> 8) & 1);
   if (warp == kWarps) {  // the producer: lane i keeps ring i filled
     if (lane >= kWarps) return;
     r.policy = EvictFirstPolicy();
@@ -884,17 +884,17 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
   // holds the o projection's weights back until the layer's attention is done, 256 streams the
   // weights with the default L2 policy instead of evict-first.
-  static const int copy_mode = [] {
+  static const int knobs = [] {
     const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
-    const char* knobs = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
-    return (cap ? std::atoi(cap) << 1 : 0) | (knobs ? std::atoi(knobs) : 0);
+    const char* bits = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
+    return (cap ? std::atoi(cap) << 1 : 0) | (bits ? std::atoi(bits) : 0);
   }();
   // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
   cudaLaunchAttribute cooperative[1];
   cooperative[0].id = cudaLaunchAttributeCooperative;
   cooperative[0].val.cooperative = 1;
   LaunchWithAttributes(PersistentDecodeKernel, dim3(sms), dim3(kBlockThreads), smem, stream,
-                       cooperative, 1, args, table_bytes, stage_floats, ring_bytes, copy_mode);
+                       cooperative, 1, args, table_bytes, stage_floats, ring_bytes, knobs);
 }
 
 }  // namespace infersweep::cuda
