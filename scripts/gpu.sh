@@ -59,6 +59,18 @@ for stage in $STAGES; do
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/bench_persistent.json" 2>&1 | tee "$OUT/bench_persistent.log"
     cat "$OUT/persistent_timeline.txt" ;;
+  knobs)  # graphs=persistent at batch 1 under each TEST ONLY knob set of KNOB_SETS (bits: see
+    # PersistentDecode in kernels/cuda/sm90a/decode_persistent.cu), then its spills in SASS
+    for k in ${KNOB_SETS:-0}; do
+      echo "# knobs $k"
+      INFERSWEEP_PERSISTENT_KNOBS=$k INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$k.txt" $B run --model preset:qwen3-30b-a3b \
+        --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+        --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
+        --json "$OUT/bench_knobs_$k.json" >"$OUT/bench_knobs_$k.log" 2>&1
+      grep -E "^ +[0-9]+ +[0-9]|OK|INCORRECT|ERROR|UNSUPPORTED|spread" "$OUT/bench_knobs_$k.log" | head -6
+      grep -E "layer|attention|q/k/v|gate|down|router|^ *o" "$OUT/timeline_$k.txt" | tail -8
+    done
+    cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
     # (FP4: qgemm=w4a16, FP8: qgemm=w8a16). Each format quantizes the 48 layers on the host
     # first (tens of seconds on 16 cores; STAGES=quant_host measures it) and fits one device

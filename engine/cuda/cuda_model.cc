@@ -368,6 +368,25 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
                  work_mean[p] / n, work_max[p] / n, (time[p] - work_max[p]) / n);
   }
   std::fprintf(f, "%-10s %8.2f\n", "layer", total);
+  // Inside attention, from the block's departure from the q/k/v barrier: mean over the splits
+  // (and the combining splits) and layers.
+  double step[4] = {}, steps[4] = {};
+  for (int l = 0; l < layers; ++l)
+    for (int b = 0; b < blocks; ++b) {
+      const int s0 = cuda::PersistentAttentionStamp(layers, l);
+      double previous_stamp = at(b, 2 + l * 12);  // departure from the q/k/v barrier
+      for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k) {
+        if (at(b, s0 + k) == 0) break;  // no split in this block, or not the combining one
+        step[k] += at(b, s0 + k) - previous_stamp;
+        steps[k] += 1;
+        previous_stamp = at(b, s0 + k);
+      }
+    }
+  static const char* kSteps[] = {"loads+norm", "keys", "publish", "combine"};
+  std::fprintf(f, "# attention steps (us, mean over splits):");
+  for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k)
+    std::fprintf(f, " %s %.2f", kSteps[k], steps[k] ? step[k] / steps[k] / 1e3 : 0.0);
+  std::fprintf(f, "\n");
   std::fclose(f);
 }
 
@@ -652,6 +671,9 @@ class CudaModel final : public Model {
       CUDA_OR_DIE(cudaMemcpy(stamps.data(), persistent_.timeline, stamps.size() * 8,
                              cudaMemcpyDeviceToHost));
       WritePersistentTimeline(persistent_timeline_path_, stamps, blocks, config_.num_layers);
+      // Zeroed for the next step: a stamp left unwritten (a block that is not the combining split
+      // this time) must not keep an older step's time.
+      CUDA_OR_DIE(cudaMemset(persistent_.timeline, 0, stamps.size() * 8));
     }
     logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;

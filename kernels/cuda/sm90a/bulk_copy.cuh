@@ -51,6 +51,10 @@ __device__ __forceinline__ void BulkCopyWithPolicy(void* dst, const void* src, u
       "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
       : "memory");
 }
+// Asks L2 for the line holding p, to be kept past streamed (evict-first) lines.
+__device__ __forceinline__ void PrefetchLineL2EvictLast(const void* p) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {

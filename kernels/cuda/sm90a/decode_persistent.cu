@@ -47,10 +47,32 @@ constexpr int kMaxTopK = 32;
 constexpr int kMaxExperts = 128;  // WarpTopK<4>
 constexpr int kMinRingBytes = 2 * kUnitElems * 2;
 constexpr int kMaxHeadDim = 256;
+constexpr int kMaxSplits = 32;  // attention splits a kv head: a warp combines their weights
 
 enum Phase : int { kQkv, kAttention, kO, kRouter, kGateUp, kDown, kPhaseCount };
 static_assert(kPhaseCount == kPersistentPhases);
 static_assert(sizeof(PersistentLayer) % 4 == 0);
+
+// Where the partial outputs start in PersistentDecodeArgs::partials, after the (max, sum) pairs:
+// 16-byte aligned for the combine's float4 loads.
+INFERSWEEP_HD int PartialAccOffset(int q_heads, int splits) { return (2 * q_heads * splits + 3) / 4 * 4; }
+
+constexpr int kAttentionChunk = 32;  // attention's keys a chunk: one a lane
+
+// Where attention keeps what it works on in the staged-activation area (xs). The K and V chunk
+// sits past the first `hidden` floats, which hold the q/k/v phase's staged x while it lands.
+// K rows are padded by 16 bytes: the lanes (one key each) of a quarter warp read the same
+// column of different rows, and a stride of hd * 2 + 16 bytes spreads them over the banks.
+INFERSWEEP_HD int AttentionKRowBytes(int hd) { return hd * 2 + 16; }
+INFERSWEEP_HD int AttentionKvOffsetFloats(int hidden, int group, int hd) {
+  const int front = group * hd /* q */ + 2 * hd /* new k, v */ + group * kMaxSplits /* combine */ +
+                    group * hd /* out */ + 2 * group /* running max, sum */;
+  return ((hidden > front ? hidden : front) + 3) / 4 * 4;
+}
+INFERSWEEP_HD int AttentionStageFloats(int hidden, int group, int hd) {
+  return AttentionKvOffsetFloats(hidden, group, hd) +
+         kAttentionChunk * (AttentionKRowBytes(hd) + hd * 2) / 4;
+}
 
 struct Dims {
   int hidden, q_dim, kv_dim, head_dim;
@@ -205,6 +227,14 @@ __device__ __forceinline__ void Advance(Cursor& c, const PersistentLayer* layers
   if (c.item >= PhaseItems(L, c.phase, d, num_experts)) Settle(c, layers, num_layers, d, num_experts);
 }
 
+// Row `item` of the stacked [Wq; Wk; Wv].
+__device__ __forceinline__ const uint16_t* QkvRow(const PersistentLayer& L, const Dims& d, int item) {
+  const int64_t H = d.hidden;
+  return item < d.q_dim             ? L.q + item * H
+         : item < d.q_dim + d.kv_dim ? L.k + (item - d.q_dim) * H
+                                     : L.v + (item - d.q_dim - d.kv_dim) * H;
+}
+
 // The global source and length (bf16 elements) of the unit at cursor c.
 __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const PersistentLayer& L,
                                                       const Dims& d, const Routing& routing,
@@ -215,9 +245,7 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Per
   int k = d.hidden, unit = c.unit;
   switch (c.phase) {
     case kQkv:
-      row = item < d.q_dim             ? L.q + item * H
-            : item < d.q_dim + d.kv_dim ? L.k + (item - d.q_dim) * H
-                                        : L.v + (item - d.q_dim - d.kv_dim) * H;
+      row = QkvRow(L, d, item);
       break;
     case kO:
       k = d.q_dim;
@@ -326,25 +354,39 @@ struct Consumers {
   __device__ __forceinline__ void operator()() const { ConsumerSync(); }
   __device__ __forceinline__ int warps() const { return kWarps; }
 };
-// Grid-wide barrier number *count (counted from 1) on a counter zeroed before the launch.
-__device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count) {
+// Grid-wide barrier number *count (counted from 1) on a counter zeroed before the launch. The
+// arrival is a release reduction (no fence, no returned value to wait for) and the polling an
+// acquire load: one round trip after the last block arrives. (TEST ONLY knob 512: the fence +
+// atomicAdd + fence barrier it replaced.)
+__device__ __forceinline__ void GridSync(unsigned* counter, unsigned* count, bool fenced) {
   ConsumerSync();
   ++*count;
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
+    if (fenced) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    } else {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    }
     const unsigned target = *count * gridDim.x;
     unsigned seen = 0;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
     } while (seen < target);
-    __threadfence();
+    if (fenced) __threadfence();
   }
   ConsumerSync();
 }
 
-// xs = x * gain over [0, n) in the Staged layout; returns 1 / rms(x). Reads x through L2 (other SMs wrote it in
-// this launch). Ends with every thread past a block barrier.
+// Asks L2 for a norm's gains a phase ahead: StageNormed runs right after a grid barrier, and a
+// DRAM load there queues behind the rings' traffic.
+__device__ __forceinline__ void GainsAhead(const void* gain, DType gain_dtype, int n) {
+  const int line = threadIdx.x, lines = (n * (gain_dtype == DType::kF32 ? 4 : 2) + 127) / 128;
+  if (line < lines) PrefetchLineL2EvictLast(static_cast<const char*>(gain) + line * 128);
+}
+
+// xs = x * gain over [0, n) in the Staged layout; returns 1 / rms(x). Reads x through L2 (other SMs
+// wrote it in this launch). Ends with every thread past a block barrier.
 __device__ __forceinline__ float StageNormed(const float* x, const void* gain, DType gain_dtype,
                                              int n, float eps, float* xs, float* scratch) {
   float sum_sq = 0.f;
@@ -373,31 +415,56 @@ __device__ __forceinline__ float RoundBf16(float v) {
 }
 
 // Attention of the new token, split over the grid: block item (kv head h, split s) of
-// kv_heads x S items (S = gridDim / kv_heads) takes the split's keys for the GQA group's G q
-// heads, so every K/V row is read once per step. It q/k-normalises and ropes the group's q heads
-// and the new k (the formulas of QkNormRopeAppendKernel; the new K and V rounded as the cache
-// holds them, and appended by the split that holds the position), then walks its keys in chunks
-// of C = 16 x 32 / (d / 8) rows (each lane 8 dims of one key: one 16-byte K and one V load),
-// with an online softmax per head. Its partial (max, sum, unnormalised output) per head goes to
-// global memory; the split that arrives last for h (a counter per layer and kv head) combines
-// the S partials into attn. Before this, one block per q head walked all keys in chunks of 512:
-// ~12 dependent DRAM round trips, 27 us a layer on qwen3-30b-a3b (timeline, H200).
+// kv_heads x S items takes the split's keys (at most kAttentionChunk a chunk) for the GQA group's
+// G q heads, so every K/V row is read once per step. The split's K and V rows of earlier steps
+// are copied into shared memory (cp.async) while the block still streams its q/k/v rows; after
+// the barrier the block loads the group's q heads and the new k and v, q/k-normalises and ropes
+// them (the formulas of QkNormRopeAppendKernel; the new K and V rounded as the cache holds them,
+// and appended by the split that holds the position), and one warp per q head scores the chunk
+// with one key a lane (no shuffles in the dot products), takes its softmax with two warp
+// reductions and sums the V rows with the lanes' weights broadcast. Its partial (max, sum,
+// unnormalised output) per head goes to global memory; the split that arrives last for h (a
+// counter per layer and kv head) combines the S partials into attn.
+// History (timeline, H200, qwen3-30b-a3b): one block per q head walking all keys in chunks of 512,
+// ~12 dependent DRAM round trips, 27 us a layer; then 16 lanes a key with shuffled dot products
+// and three block barriers a chunk, 14.4 us (6.4 of them scoring ~32 keys).
+
 struct AttentionShape {
   int hd, group, splits, q_dim, kv_dim;
-  int lanes_per_row, rows_per_pass, chunk;
 };
 
-__device__ __forceinline__ AttentionShape MakeAttentionShape(const PersistentDecodeArgs& a) {
+// Splits a kv head: as many as make each split one chunk of keys (one round of K/V loads, and
+// the fewest partials to combine), up to the grid's blocks over the kv heads. (TEST ONLY knob
+// 2048: always the most.)
+__device__ __forceinline__ AttentionShape MakeAttentionShape(const PersistentDecodeArgs& a, int pos,
+                                                             bool most_splits = false) {
   AttentionShape s;
   s.hd = a.shape.head_dim;
   s.group = a.shape.q_heads / a.shape.kv_heads;
-  s.splits = max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
   s.q_dim = a.shape.q_heads * s.hd;
   s.kv_dim = a.shape.kv_heads * s.hd;
-  s.lanes_per_row = s.hd / 8;
-  s.rows_per_pass = 32 / s.lanes_per_row;
-  s.chunk = kWarps * s.rows_per_pass;
+  const int most = min(kMaxSplits, max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads));
+  s.splits = most_splits ? most : min(most, (pos + kAttentionChunk) / kAttentionChunk);  // ceil((pos+1)/C)
   return s;
+}
+
+struct AttentionSmem {
+  float *q, *kn, *vn, *combine, *out, *run_max, *run_sum;  // [G][hd], [hd], [hd], [G][S], [G][hd], [G], [G]
+  unsigned char *k, *v;  // [C][hd * 2 + 16] and [C][hd * 2] bf16
+};
+__device__ __forceinline__ AttentionSmem AttentionLayout(const AttentionShape& sh, float* xs,
+                                                         int hidden) {
+  AttentionSmem m;
+  m.q = xs;
+  m.kn = m.q + sh.group * sh.hd;
+  m.vn = m.kn + sh.hd;
+  m.combine = m.vn + sh.hd;
+  m.out = m.combine + sh.group * kMaxSplits;
+  m.run_max = m.out + sh.group * sh.hd;
+  m.run_sum = m.run_max + sh.group;
+  m.k = reinterpret_cast<unsigned char*>(xs + AttentionKvOffsetFloats(hidden, sh.group, sh.hd));
+  m.v = m.k + kAttentionChunk * AttentionKRowBytes(sh.hd);
+  return m;
 }
 
 // RMSNorm (when gain) and RoPE of one head vector by one warp, in place in shared memory;
@@ -419,16 +486,6 @@ __device__ __forceinline__ void NormRope(float* vec, const float* gain, float ep
   }
 }
 
-__device__ __forceinline__ void Unpack8(const uint4 raw, float* out) {
-  const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(v2[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
 // The q/k norm gains and the position's RoPE row, staged in shared memory during the q/k/v phase
 // (they do not depend on it), so that attention starts on one round trip (q, k, v) only.
 struct AttentionConstants {
@@ -444,174 +501,179 @@ __device__ __forceinline__ void SplitKeys(const AttentionShape& sh, int item, in
   *end = min(count, *begin + per_split);
 }
 
-// This thread's K and V piece of the first chunk of an item (keys from earlier steps only), loaded
-// before the barrier that precedes attention: they do not depend on this step.
-struct KvPrefetch {
-  uint4 k, v;
-  bool valid;
-};
-__device__ __forceinline__ KvPrefetch PrefetchFirstChunk(const PersistentDecodeArgs& a, int layer,
-                                                         int item, int pos) {
-  const AttentionShape sh = MakeAttentionShape(a);
-  const int kv_head = item % a.shape.kv_heads, lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  int begin, end;
-  SplitKeys(sh, item, a.shape.kv_heads, pos, &begin, &end);
-  const int p = begin + warp * sh.rows_per_pass + lane / sh.lanes_per_row;
-  const int d0 = 8 * (lane % sh.lanes_per_row);
-  KvPrefetch pre{};
-  pre.valid = p < end && p < pos;
-  if (pre.valid) {
-    const int64_t offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim +
-                           static_cast<int64_t>(p) * sh.kv_dim + kv_head * sh.hd + d0;
-    pre.k = __ldcg(reinterpret_cast<const uint4*>(a.k_cache + offset));
-    pre.v = __ldcg(reinterpret_cast<const uint4*>(a.v_cache + offset));
+// Starts copying the cached K and V rows [c0, min(c0 + C, end, pos)) of item's kv head into the
+// chunk area (cp.async, one commit group): the keys of earlier steps. The block waits with
+// cp.async.wait_all and a barrier.
+__device__ __forceinline__ void LoadKeyChunk(const PersistentDecodeArgs& a, const AttentionShape& sh,
+                                             const AttentionSmem& m, int layer, int item, int c0,
+                                             int end, int pos) {
+  const int pieces = sh.hd / 8;  // 16-byte pieces of a row
+  const int rows = max(0, min(min(end, pos), c0 + kAttentionChunk) - c0);
+  const int64_t base = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim +
+                       (item % a.shape.kv_heads) * sh.hd + static_cast<int64_t>(c0) * sh.kv_dim;
+  for (int i = threadIdx.x; i < 2 * rows * pieces; i += kThreads) {
+    const bool value = i >= rows * pieces;
+    const int r = (value ? i - rows * pieces : i) / pieces, c = i % pieces;
+    const uint16_t* src = (value ? a.v_cache : a.k_cache) + base + static_cast<int64_t>(r) * sh.kv_dim + c * 8;
+    unsigned char* dst = value ? m.v + r * sh.hd * 2 + c * 16 : m.k + r * AttentionKRowBytes(sh.hd) + c * 16;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
   }
-  return pre;
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-__device__ void AttendSplit(const PersistentDecodeArgs& a, const PersistentLayer& L, int layer,
-                            int item, int pos, float* xs, const AttentionConstants& constants,
-                            const KvPrefetch& pre) {
-  const AttentionShape sh = MakeAttentionShape(a);
-  const int hd = sh.hd, G = sh.group, C = sh.chunk, S = sh.splits;
+// TEST ONLY timeline: thread 0 writes %globaltimer to *at (when there is a timeline).
+__device__ __forceinline__ void StampAt(unsigned long long* at) {
+  if (at && threadIdx.x == 0) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    *at = now;
+  }
+}
+
+// stamps: null, or this block's kPersistentAttentionStamps slots of the timeline for the layer.
+// first_chunk_loading: LoadKeyChunk was issued for the item's first chunk.
+__device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
+                            const PersistentLayer& L, int layer, int item, int pos, float* xs,
+                            int hidden, const AttentionConstants& constants,
+                            bool first_chunk_loading, unsigned long long* stamps) {
+  const int hd = sh.hd, G = sh.group, S = sh.splits;
   const int kv_head = item % a.shape.kv_heads, split = item / a.shape.kv_heads;
   const int t = threadIdx.x, warp = t / 32, lane = t & 31;
+  const int dims = hd / 32;  // output dims a lane owns: [dims * lane, dims * (lane + 1))
   int begin, end;
   SplitKeys(sh, item, a.shape.kv_heads, pos, &begin, &end);
-  // Shared memory (floats): q [G][d] | new k [d] | new v [d] | scores [G][C] | V [C][d] |
-  // running max, sum and rescale [3][G] | the combine's weights [G][S].
-  float* qs = xs;
-  float* kn = qs + G * hd;
-  float* vn = kn + hd;
-  float* scores = vn + hd;
-  float* vs = scores + G * C;
-  float* run_max = vs + C * hd;
-  float* run_sum = run_max + G;
-  float* rescale = run_sum + G;
-  float* combine = rescale + G;     // [G][S]
-  float* accum = combine + G * S;    // [G][d]: the unnormalised outputs
+  const AttentionSmem m = AttentionLayout(sh, xs, hidden);
   __shared__ int last_split;
   const int first_q = kv_head * G;
-  for (int i = t; i < G * hd; i += kThreads) qs[i] = __ldcg(a.qkv + first_q * hd + i);
+  for (int i = t; i < G * hd; i += kThreads) m.q[i] = __ldcg(a.qkv + first_q * hd + i);
   for (int i = t; i < hd; i += kThreads) {
-    kn[i] = __ldcg(a.qkv + sh.q_dim + kv_head * hd + i);
-    vn[i] = RoundBf16(__ldcg(a.qkv + sh.q_dim + sh.kv_dim + kv_head * hd + i));
+    m.kn[i] = __ldcg(a.qkv + sh.q_dim + kv_head * hd + i);
+    m.vn[i] = RoundBf16(__ldcg(a.qkv + sh.q_dim + sh.kv_dim + kv_head * hd + i));
   }
-  for (int g = t; g < G; g += kThreads) run_max[g] = -INFINITY, run_sum[g] = 0.f;
-  for (int o = t; o < G * hd; o += kThreads) accum[o] = 0.f;
+  for (int g = t; g < G; g += kThreads) m.run_max[g] = -INFINITY, m.run_sum[g] = 0.f;
+  for (int o = t; o < G * hd; o += kThreads) m.out[o] = 0.f;
   ConsumerSync();
   for (int v = warp; v <= G; v += kWarps)  // G q heads, then the new key
-    NormRope(v < G ? qs + v * hd : kn,
+    NormRope(v < G ? m.q + v * hd : m.kn,
              v < G ? (L.q_norm ? constants.q_gain : nullptr) : (L.k_norm ? constants.k_gain : nullptr),
              a.eps, constants.rope, hd, v == G);
   ConsumerSync();
+  StampAt(stamps);
   const int64_t layer_offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim + kv_head * hd;
-  const __nv_bfloat16* keys = reinterpret_cast<const __nv_bfloat16*>(a.k_cache) + layer_offset;
-  const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(a.v_cache) + layer_offset;
   if (begin <= pos && pos < end)  // the split holding the new position appends it
     for (int i = t; i < hd; i += kThreads) {
       const int64_t slot = layer_offset + static_cast<int64_t>(pos) * sh.kv_dim + i;
-      reinterpret_cast<__nv_bfloat16*>(a.k_cache)[slot] = __float2bfloat16_rn(kn[i]);
-      reinterpret_cast<__nv_bfloat16*>(a.v_cache)[slot] = __float2bfloat16_rn(vn[i]);
+      reinterpret_cast<__nv_bfloat16*>(a.k_cache)[slot] = __float2bfloat16_rn(m.kn[i]);
+      reinterpret_cast<__nv_bfloat16*>(a.v_cache)[slot] = __float2bfloat16_rn(m.vn[i]);
     }
   const float scale = rsqrtf(static_cast<float>(hd));
-  const int row_in_pass = lane / sh.lanes_per_row, d0 = 8 * (lane % sh.lanes_per_row);
-  const int outputs = G * hd;
-  for (int c0 = begin; c0 < end; c0 += C) {
-    // Each lane: 8 dims of one key, K and V loaded together (the new key from shared memory).
-    const int local = warp * sh.rows_per_pass + row_in_pass, p = c0 + local;
-    float k8[8], v8[8];
-    if (p < end && p != pos) {
-      const bool early = c0 == begin && pre.valid;  // loaded before the barrier
-      const uint4 kr = early ? pre.k : __ldcg(reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(p) * sh.kv_dim + d0));
-      const uint4 vr = early ? pre.v : __ldcg(reinterpret_cast<const uint4*>(values + static_cast<int64_t>(p) * sh.kv_dim + d0));
-      Unpack8(kr, k8);
-      Unpack8(vr, v8);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        k8[i] = p == pos ? kn[d0 + i] : 0.f;
-        v8[i] = p == pos ? vn[d0 + i] : 0.f;
-      }
+  for (int c0 = begin; c0 < end; c0 += kAttentionChunk) {
+    if (c0 != begin || !first_chunk_loading) {
+      ConsumerSync();  // every warp is done with the previous chunk
+      LoadKeyChunk(a, sh, m, layer, item, c0, end, pos);
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) vs[local * hd + d0 + i] = v8[i];
-    for (int g = 0; g < G; ++g) {
-      float dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) dot += qs[g * hd + d0 + i] * k8[i];
-      for (int offset = sh.lanes_per_row / 2; offset > 0; offset >>= 1)
-        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-      if (lane % sh.lanes_per_row == 0) scores[g * C + local] = p < end ? dot * scale : -INFINITY;
-    }
-    ConsumerSync();
-    for (int g = warp; g < G; g += kWarps) {  // online softmax of head g over the chunk
-      float m = -INFINITY;
-      for (int j = lane; j < C; j += 32) m = fmaxf(m, scores[g * C + j]);
-      const float new_max = fmaxf(run_max[g], WarpMax(m));
-      float sum = 0.f;
-      for (int j = lane; j < C; j += 32) {
-        const float e = scores[g * C + j] == -INFINITY ? 0.f : expf(scores[g * C + j] - new_max);
-        scores[g * C + j] = e;
-        sum += e;
+    if (c0 <= pos && pos < c0 + kAttentionChunk && pos < end)  // the new key and value, as cached
+      for (int i = t; i < hd; i += kThreads) {
+        reinterpret_cast<__nv_bfloat16*>(m.k + (pos - c0) * AttentionKRowBytes(hd))[i] = __float2bfloat16_rn(m.kn[i]);
+        reinterpret_cast<__nv_bfloat16*>(m.v + (pos - c0) * hd * 2)[i] = __float2bfloat16_rn(m.vn[i]);
       }
-      sum = WarpSum(sum);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    ConsumerSync();  // every thread's copies landed
+    const int rows = min(kAttentionChunk, end - c0);
+    for (int g = warp; g < G; g += kWarps) {
+      const float4* q4 = reinterpret_cast<const float4*>(m.q + g * hd);
+      float score = -INFINITY;
+      if (lane < rows) {  // lane = key c0 + lane
+        const uint4* krow = reinterpret_cast<const uint4*>(m.k + lane * AttentionKRowBytes(hd));
+        float dot = 0.f;
+#pragma unroll 4
+        for (int c = 0; c < hd / 8; ++c) {
+          const float4 lo = q4[2 * c], hi = q4[2 * c + 1];
+          const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          dot += Dot8Bf16(krow[c], xv);
+        }
+        score = dot * scale;
+      }
+      const float old_max = m.run_max[g];
+      const float new_max = fmaxf(old_max, WarpMax(score));
+      const float weight = lane < rows ? expf(score - new_max) : 0.f;
+      const float rescale = old_max == -INFINITY ? 0.f : expf(old_max - new_max);
+      const float sum = WarpSum(weight);
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = i < dims ? m.out[g * hd + dims * lane + i] * rescale : 0.f;
+      const __nv_bfloat16* vcol = reinterpret_cast<const __nv_bfloat16*>(m.v) + dims * lane;
+      for (int j = 0; j < rows; ++j) {
+        const float w = __shfl_sync(0xffffffffu, weight, j);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (i < dims) acc[i] += w * __bfloat162float(vcol[j * hd + i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < dims) m.out[g * hd + dims * lane + i] = acc[i];
+      __syncwarp();
       if (lane == 0) {
-        const float r = run_max[g] == -INFINITY ? 0.f : expf(run_max[g] - new_max);
-        rescale[g] = r;
-        run_sum[g] = run_sum[g] * r + sum;
-        run_max[g] = new_max;
+        m.run_max[g] = new_max;
+        m.run_sum[g] = m.run_sum[g] * rescale + sum;
       }
+      __syncwarp();
     }
-    ConsumerSync();
-    const int rows = min(C, end - c0);
-    for (int o = t; o < outputs; o += kThreads) {  // each thread owns its outputs in accum
-      const int g = o / hd, d = o % hd;
-      float sum = accum[o] * rescale[g];
-      for (int j = 0; j < rows; ++j) sum += scores[g * C + j] * vs[j * hd + d];
-      accum[o] = sum;
-    }
-    ConsumerSync();  // scores and vs are rewritten by the next chunk
   }
+  ConsumerSync();
+  StampAt(stamps ? stamps + 1 : nullptr);
   // This split's partial per head: [q head][split] (max, sum) and [q head][split][d].
   float* part_ml = a.partials;
-  float* part_acc = a.partials + 2 * a.shape.q_heads * S;
+  float* part_acc = a.partials + PartialAccOffset(a.shape.q_heads, S);
+  const int outputs = G * hd;
   for (int o = t; o < outputs; o += kThreads)
-    part_acc[(static_cast<int64_t>(first_q + o / hd) * S + split) * hd + o % hd] = accum[o];
+    part_acc[(static_cast<int64_t>(first_q + o / hd) * S + split) * hd + o % hd] = m.out[o];
   for (int g = t; g < G; g += kThreads) {
-    part_ml[((first_q + g) * S + split) * 2] = run_max[g];
-    part_ml[((first_q + g) * S + split) * 2 + 1] = run_sum[g];
+    part_ml[((first_q + g) * S + split) * 2] = m.run_max[g];
+    part_ml[((first_q + g) * S + split) * 2 + 1] = m.run_sum[g];
   }
   __threadfence();
   ConsumerSync();
   if (t == 0)
     last_split = atomicAdd(a.barrier + 1 + layer * a.shape.kv_heads + kv_head, 1u) == S - 1;
   ConsumerSync();
+  StampAt(stamps ? stamps + 2 : nullptr);
   if (!last_split) return;
   __threadfence();
-  for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output
-    float m = -INFINITY;
-    for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(part_ml + ((first_q + g) * S + s) * 2));
-    m = WarpMax(m);
-    float total = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float ms = __ldcg(part_ml + ((first_q + g) * S + s) * 2);
-      const float w = ms == -INFINITY ? 0.f : expf(ms - m);
-      combine[g * S + s] = w;
-      total += w * __ldcg(part_ml + ((first_q + g) * S + s) * 2 + 1);
-    }
-    total = WarpSum(total);
-    for (int s = lane; s < S; s += 32) combine[g * S + s] /= total;
+  // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
+  // loads issued together (one round trip for S up to 2 x 8).
+  const int quads = outputs / 4, half = t & 1;
+  const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
+  for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
+    const float* ml = part_ml + (first_q + g) * S * 2;
+    const float ms = lane < S ? __ldcg(ml + lane * 2) : -INFINITY;
+    const float ls = lane < S ? __ldcg(ml + lane * 2 + 1) : 0.f;
+    const float max_s = WarpMax(ms);
+    const float w = ms == -INFINITY ? 0.f : expf(ms - max_s);
+    const float total = WarpSum(w * ls);
+    if (lane < S) m.combine[g * S + lane] = w / total;
   }
   ConsumerSync();
-  for (int o = t; o < outputs; o += kThreads) {
-    const int g = o / hd, d = o % hd;
-    const float* src = part_acc + static_cast<int64_t>(first_q + g) * S * hd + d;
-    float out = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) out += combine[g * S + s] * __ldcg(src + static_cast<int64_t>(s) * hd);
-    a.attn[(first_q + g) * hd + o % hd] = out;
+  for (int q0 = 0; q0 < quads; q0 += kThreads / 2) {  // uniform trip count: the pairs shuffle
+    const int q = q0 + t / 2, g = 4 * q / hd;
+    float4 out{};
+    if (q < quads) {
+      const float4* src = acc4 + (static_cast<int64_t>(first_q + g) * S * hd + 4 * q % hd) / 4;
+#pragma unroll 4
+      for (int split_i = half; split_i < S; split_i += 2) {
+        const float4 v = __ldcg(src + static_cast<int64_t>(split_i) * hd / 4);
+        const float w = m.combine[g * S + split_i];
+        out.x += w * v.x, out.y += w * v.y, out.z += w * v.z, out.w += w * v.w;
+      }
+    }
+    out.x += __shfl_xor_sync(0xffffffffu, out.x, 1);
+    out.y += __shfl_xor_sync(0xffffffffu, out.y, 1);
+    out.z += __shfl_xor_sync(0xffffffffu, out.z, 1);
+    out.w += __shfl_xor_sync(0xffffffffu, out.w, 1);
+    if (q < quads && half == 0)
+      reinterpret_cast<float4*>(a.attn)[(first_q * hd) / 4 + q] = out;
   }
+  StampAt(stamps ? stamps + 3 : nullptr);
   ConsumerSync();  // xs is reused
 }
 
@@ -649,7 +711,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     progress[threadIdx.x] = {0, 0u};
     FenceBarrierInit();
   }
-  if (threadIdx.x == 0) routing.layer = routing.attended = -1;
+  // The position and the knobs, read from shared memory where used (volatile): values derived
+  // from them would otherwise be hoisted out of the layer loop into registers the kernel lacks.
+  __shared__ int step_position, step_knobs;
+  if (threadIdx.x == 0) {
+    routing.layer = routing.attended = -1;
+    step_position = *a.position;
+    step_knobs = knobs;
+  }
   __syncthreads();  // the last barrier of all 17 warps: from here the producer runs on its own
   // Warp ring i (the consumer warp i's) has its state in the producer's lane i.
   const int ring = warp == kWarps ? lane : warp;
@@ -668,15 +737,25 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     r.policy = EvictFirstPolicy();
     Settle(r.next, layers, num_layers, d, num_experts);  // a ring with no q/k/v row starts later
     const volatile Progress* p = &progress[lane];
+    // TEST ONLY knobs: 32768 fences on every poll; 65536 / 131072 sleep 256 / 1000 ns when idle.
+    const bool always_fence = (knobs >> 15) & 1;
+    const unsigned idle_ns = (knobs >> 17) & 1 ? 1000 : (knobs >> 16) & 1 ? 256 : 32;
+    int fenced = 0;  // consumed units whose reads are ordered before the refills
     while (r.next.layer < num_layers) {
       r.consumed = p->consumed;
       __threadfence_block();
       r.free.pos = p->free_pos;
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before refills
-      if (Pump(r, layers, num_layers, d, num_experts, routing) == 0) __nanosleep(32);
+      // The consumer's reads of freed places before the copies that refill them. Only when
+      // places were freed: the proxy fence is not free, and the lanes poll it continuously.
+      if (r.consumed != fenced || always_fence) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fenced = r.consumed;
+      }
+      if (Pump(r, layers, num_layers, d, num_experts, routing) == 0) __nanosleep(idle_ns);
     }
     return;
   }
+  auto knob = [&](int bit) { return (*reinterpret_cast<volatile int*>(&step_knobs) >> bit) & 1; };
   auto consume = [&](int elems, Staged x) { return ConsumeUnit(r, &progress[warp], elems, x); };
   auto stamp = [&](int event) {  // TEST ONLY timeline
     if (a.timeline && threadIdx.x == 0) {
@@ -689,21 +768,35 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // The barrier ending phase `phase` of layer `layer`, stamped on both sides.
   auto sync = [&](unsigned* count, int layer, int phase) {
     stamp(1 + (layer * kPhaseCount + phase) * 2);
-    GridSync(a.barrier, count);
+    GridSync(a.barrier, count, knob(9));
     stamp(2 + (layer * kPhaseCount + phase) * 2);
   };
-  const int pos = *a.position;
+  auto position = [&] { return *reinterpret_cast<volatile int*>(&step_position); };
+  auto attention = [&] { return MakeAttentionShape(a, position(), knob(11)); };
+  auto attention_items = [&] { return a.shape.kv_heads * attention().splits; };
+  // This warp's residual row (o and down add to it; the warp owns the same rows in both), held
+  // here: no dependent read of it after the dot products.
+  float x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
+  GainsAhead(layers[0].input_norm, a.norm_dtype, d.hidden);
   unsigned barriers = 0;
   for (int l = 0; l < num_layers; ++l) {
     const PersistentLayer& L = layers[l];
     if (l > 0) sync(&barriers, l - 1, kDown);  // the previous layer's down projection is in x
+    // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
+    // staged x; the previous phase's h, which they overwrite, is consumed).
+    if (static_cast<int>(blockIdx.x) < attention_items()) {
+      int begin, end;
+      SplitKeys(attention(), blockIdx.x, a.shape.kv_heads, position(), &begin, &end);
+      LoadKeyChunk(a, attention(), AttentionLayout(attention(), xs, d.hidden), l, blockIdx.x, begin,
+                   end, position());
+    }
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
     float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
     const int t = threadIdx.x, half = d.head_dim / 2;
     const float q_gain = t < d.head_dim && L.q_norm ? LoadAsFloat(L.q_norm, a.norm_dtype, t) : 1.f;
     const float k_gain = t < d.head_dim && L.k_norm ? LoadAsFloat(L.k_norm, a.norm_dtype, t) : 1.f;
-    const float2 rope = t < half ? a.rope[static_cast<int64_t>(pos) * half + t] : float2{};
+    const float2 rope = t < half ? a.rope[static_cast<int64_t>(position()) * half + t] : float2{};
     for (int task = 0, n = TasksOf(d.q_dim + 2 * d.kv_dim, d); task < n; ++task) {
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
@@ -713,18 +806,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
     if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
     if (t < half) constants.rope[t] = rope;
-    const int attention_items =
-        a.shape.kv_heads * max(1, static_cast<int>(gridDim.x) / a.shape.kv_heads);
-    const KvPrefetch pre = static_cast<int>(blockIdx.x) < attention_items
-                               ? PrefetchFirstChunk(a, l, blockIdx.x, pos)
-                               : KvPrefetch{};
     sync(&barriers, l, kQkv);
-    for (int item = blockIdx.x; item < attention_items; item += gridDim.x)
-      AttendSplit(a, L, l, item, pos, xs, constants,
-                  item == static_cast<int>(blockIdx.x) ? pre : KvPrefetch{});
+    for (int item = blockIdx.x; item < attention_items(); item += gridDim.x)
+      AttendSplit(a, attention(), L, l, item, position(), xs, d.hidden, constants,
+                  item == static_cast<int>(blockIdx.x),
+                  a.timeline ? a.timeline + static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +
+                                   PersistentAttentionStamp(num_layers, l)
+                             : nullptr);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
     ConsumerSync();
+    GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     // x += o_scale * attn . Wo^T
     Stage(a.attn, d.q_dim, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
@@ -733,7 +825,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         acc += consume(UnitElems(d.q_dim, u), StagedAt(xs, d.q_dim, u * kUnitElems));
       acc = WarpSum(acc);
       const int row = d.gw + t * d.warps;
-      if (lane == 0) a.x[row] = __ldcg(a.x + row) + L.o_scale * acc;
+      if (lane == 0) {
+        const float x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
+        a.x[row] = x;
+        if (t == 0) x_own = x;
+      }
     }
     sync(&barriers, l, kO);
     inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
@@ -780,6 +876,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
     }
     sync(&barriers, l, kGateUp);
+    if (l + 1 < num_layers) GainsAhead(layers[l + 1].input_norm, a.norm_dtype, d.hidden);
     // x += sum_slot weight_slot * (Wd_slot . h_slot)
     Stage(a.h, L.top_k * L.inter, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
@@ -793,27 +890,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       acc = WarpSum(acc);
       const int row = d.gw + t * d.warps;
-      if (lane == 0)
-        a.x[row] = L.nan_after && row == 0 ? __int_as_float(0x7fc00000) : __ldcg(a.x + row) + acc;
+      if (lane == 0) {
+        const float x = L.nan_after && row == 0 ? __int_as_float(0x7fc00000)
+                                                : (t == 0 ? x_own : __ldcg(a.x + row)) + acc;
+        a.x[row] = x;
+        if (t == 0) x_own = x;
+      }
     }
   }
   stamp(1 + ((num_layers - 1) * kPhaseCount + kDown) * 2);
 #endif
 }
 
-// Floats of shared memory AttendSplit uses.
-int AttentionFloats(const PersistentDecodeShape& s, int blocks) {
-  const int group = s.q_heads / std::max(1, s.kv_heads), hd = s.head_dim;
-  const int chunk = kWarps * (32 / std::max(1, hd / 8));
-  const int splits = std::max(1, blocks / std::max(1, s.kv_heads));
-  return group * hd + 2 * hd + group * chunk + chunk * hd + 3 * group + group * splits + group * hd;
-}
-
 // Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
 int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
   const int floats = std::max({s.hidden, q_dim, s.max_top_k * s.max_inter,
-                               AttentionFloats(s, PersistentDecodeBlocks())});
+                               AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 
@@ -858,8 +951,8 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
 }
 
 size_t PersistentDecodePartialFloats(const PersistentDecodeShape& s) {
-  const int splits = std::max(1, PersistentDecodeBlocks() / std::max(1, s.kv_heads));
-  return static_cast<size_t>(s.q_heads) * splits * (s.head_dim + 2);
+  const int splits = std::min(kMaxSplits, std::max(1, PersistentDecodeBlocks() / std::max(1, s.kv_heads)));
+  return PartialAccOffset(s.q_heads, splits) + static_cast<size_t>(s.q_heads) * splits * s.head_dim;
 }
 
 int PersistentDecodeBlocks() {
@@ -883,7 +976,8 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
   // holds the o projection's weights back until the layer's attention is done, 256 streams the
-  // weights with the default L2 policy instead of evict-first.
+  // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
+  // barrier, 2048 splits each kv head's keys over the most blocks.
   static const int knobs = [] {
     const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
     const char* bits = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");

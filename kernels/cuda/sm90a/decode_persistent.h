@@ -68,12 +68,21 @@ struct PersistentDecodeArgs {
   // TEST ONLY (profiling): null, or [gridDim][PersistentTimelineEvents(num_layers)] globaltimer
   // stamps (ns) by each block: the kernel's start, then per layer and phase (q/k/v, attention,
   // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
-  // departure (the last layer's down: its end). A dense layer's router slots stay 0.
+  // departure (the last layer's down: its end). A dense layer's router slots stay 0. Then per
+  // layer kPersistentAttentionStamps inside the block's attention split: q/k/v loaded and
+  // normalised; keys done; partial published and counted; combined (the combining split only).
   unsigned long long* timeline = nullptr;
 };
 
 constexpr int kPersistentPhases = 6;
-INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) { return 1 + num_layers * kPersistentPhases * 2; }
+constexpr int kPersistentAttentionStamps = 4;
+INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) {
+  return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps);
+}
+// Where layer l's attention stamps start in a block's row of the timeline.
+INFERSWEEP_HD int PersistentAttentionStamp(int num_layers, int layer) {
+  return 1 + num_layers * kPersistentPhases * 2 + layer * kPersistentAttentionStamps;
+}
 // The grid size PersistentDecode launches (one block per SM of the current device).
 int PersistentDecodeBlocks();
 // Sizes of the scratch PersistentDecodeArgs points at, on the current device.
