@@ -374,7 +374,8 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
   for (int l = 0; l < layers; ++l)
     for (int b = 0; b < blocks; ++b) {
       const int s0 = cuda::PersistentAttentionStamp(layers, l);
-      double previous_stamp = at(b, 2 + l * 12);  // departure from the q/k/v barrier
+      // Departure from the barrier ending the q/k/v phase (phase 0 of the layer).
+      double previous_stamp = at(b, 2 + l * cuda::kPersistentPhases * 2);
       for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k) {
         if (at(b, s0 + k) == 0) break;  // no split in this block, or not the combining one
         step[k] += at(b, s0 + k) - previous_stamp;

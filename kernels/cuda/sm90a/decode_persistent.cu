@@ -641,7 +641,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
   if (!last_split) return;
   __threadfence();
   // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
-  // loads issued together (one round trip for S up to 2 x 8).
+  // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
   const int quads = outputs / 4, half = t & 1;
   const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
   for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
