@@ -22,6 +22,9 @@ for stage in $STAGES; do
     .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
     .carry/gpu_scaled_gemm_test 2>&1 | tee "$OUT/gpu_scaled_gemm_test.log" |
       grep -E '^#|OK \]|FAILED|Failure|error' ;;
+  ptest)  # the persistent kernel's GPU tests only
+    .carry/gpu_test --gtest_filter='*Persistent*' 2>&1 | tee "$OUT/gpu_ptest.log" |
+      grep -E '^#|OK \]|FAILED|Failure|error|worst|steps' ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
@@ -68,7 +71,7 @@ for stage in $STAGES; do
         --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/bench_knobs_$k.json" >"$OUT/bench_knobs_$k.log" 2>&1
       grep -E "^ +[0-9]+ +[0-9]|OK|INCORRECT|ERROR|UNSUPPORTED|spread" "$OUT/bench_knobs_$k.log" | head -6
-      grep -E "layer|attention|q/k/v|gate|down|router|^ *o" "$OUT/timeline_$k.txt" | tail -8
+      grep -E "layer|attention|q/k/v|gate|down|router|^ *o" "$OUT/timeline_$k.txt" | tail -9
     done
     cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config

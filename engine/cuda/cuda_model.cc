@@ -330,7 +330,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
 // minus departure from the previous one, mean over blocks), the blocks' mean and slowest work
 // before arriving at the barrier, and what the barrier added after the slowest block arrived.
 void WritePersistentTimeline(const std::string& path, const std::vector<unsigned long long>& t,
-                             int blocks, int layers) {
+                             int blocks, int layers, int ring_bytes) {
   const int events = cuda::PersistentTimelineEvents(layers);
   static const char* kNames[] = {"q/k/v", "attention", "o", "router", "gate/up", "down"};
   double time[6] = {}, work_mean[6] = {}, work_max[6] = {}, count[6] = {};
@@ -356,8 +356,10 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
     }
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) return;
-  std::fprintf(f, "# persistent decode step, %d layers, %d blocks: us a layer, mean over layers\n",
-               layers, blocks);
+  std::fprintf(f,
+               "# persistent decode step, %d layers, %d blocks, %d-byte warp rings: us a layer, "
+               "mean over layers\n",
+               layers, blocks, ring_bytes);
   std::fprintf(f, "%-10s %8s %10s %10s %10s\n", "phase", "time", "work_mean", "work_max", "barrier");
   double total = 0;
   for (int p = 0; p < 6; ++p) {
@@ -671,7 +673,8 @@ class CudaModel final : public Model {
                                              cuda::PersistentTimelineEvents(config_.num_layers));
       CUDA_OR_DIE(cudaMemcpy(stamps.data(), persistent_.timeline, stamps.size() * 8,
                              cudaMemcpyDeviceToHost));
-      WritePersistentTimeline(persistent_timeline_path_, stamps, blocks, config_.num_layers);
+      WritePersistentTimeline(persistent_timeline_path_, stamps, blocks, config_.num_layers,
+                              cuda::PersistentDecodeRingBytes(persistent_.shape));
       // Zeroed for the next step: a stamp left unwritten (a block that is not the combining split
       // this time) must not keep an older step's time.
       CUDA_OR_DIE(cudaMemset(persistent_.timeline, 0, stamps.size() * 8));

@@ -51,7 +51,17 @@ constexpr int kMaxSplits = 32;  // attention splits a kv head: a warp combines t
 
 enum Phase : int { kQkv, kAttention, kO, kRouter, kGateUp, kDown, kPhaseCount };
 static_assert(kPhaseCount == kPersistentPhases);
-static_assert(sizeof(PersistentLayer) % 4 == 0);
+static_assert(sizeof(PersistentLayer) % 8 == 0);  // copied in 8-byte pieces
+
+// What the producer reads of a layer for every unit it issues, every layer of it in shared memory
+// (from global memory those dependent loads would cost more than the streaming itself), and the
+// input norm's gains, asked into L2 a layer ahead: 56 bytes a layer where the whole
+// PersistentLayer is 120, so that the rings get a third 4 KB unit.
+struct StreamLayer {
+  const uint16_t *q, *k, *v, *o, *router;
+  const void* input_norm;
+  int inter, top_k;
+};
 
 // Where the partial outputs start in PersistentDecodeArgs::partials, after the (max, sum) pairs:
 // 16-byte aligned for the combine's float4 loads.
@@ -88,7 +98,7 @@ __device__ __forceinline__ int UnitElems(int k, int unit) {
 }
 
 // Work items of a phase (rows, or gate/up pairs), spread over the grid's warps round robin.
-__device__ __forceinline__ int PhaseItems(const PersistentLayer& L, int phase, const Dims& d,
+__device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const Dims& d,
                                           int num_experts) {
   switch (phase) {
     case kQkv:
@@ -104,7 +114,7 @@ __device__ __forceinline__ int PhaseItems(const PersistentLayer& L, int phase, c
       return 0;
   }
 }
-__device__ __forceinline__ int TaskUnits(const PersistentLayer& L, int phase, const Dims& d) {
+__device__ __forceinline__ int TaskUnits(const StreamLayer& L, int phase, const Dims& d) {
   switch (phase) {
     case kO:
       return UnitsOfRow(d.q_dim);
@@ -185,10 +195,10 @@ __device__ __forceinline__ int Place(RingPlace* p, int size, int ring_bytes) {
 
 // Moves c to the first phase (from c.phase of c.layer on) in which this warp has an item at or
 // after c.item, and sets up that item's fields.
-__device__ __forceinline__ void Settle(Cursor& c, const PersistentLayer* layers, int num_layers,
+__device__ __forceinline__ void Settle(Cursor& c, const StreamLayer* layers, int num_layers,
                                        const Dims& d, int num_experts) {
   while (c.layer < num_layers) {
-    const PersistentLayer& L = layers[c.layer];
+    const StreamLayer& L = layers[c.layer];
     if (c.item < PhaseItems(L, c.phase, d, num_experts)) {
       c.unit = 0;
       c.units = TaskUnits(L, c.phase, d);
@@ -208,9 +218,9 @@ __device__ __forceinline__ void Settle(Cursor& c, const PersistentLayer* layers,
   }
 }
 
-__device__ __forceinline__ void Advance(Cursor& c, const PersistentLayer* layers, int num_layers,
+__device__ __forceinline__ void Advance(Cursor& c, const StreamLayer* layers, int num_layers,
                                         const Dims& d, int num_experts) {
-  const PersistentLayer& L = layers[c.layer];
+  const StreamLayer& L = layers[c.layer];
   if (c.phase == kDown && ++c.j == UnitsOfRow(L.inter)) {
     c.j = 0;
     ++c.slot;
@@ -228,7 +238,7 @@ __device__ __forceinline__ void Advance(Cursor& c, const PersistentLayer* layers
 }
 
 // Row `item` of the stacked [Wq; Wk; Wv].
-__device__ __forceinline__ const uint16_t* QkvRow(const PersistentLayer& L, const Dims& d, int item) {
+__device__ __forceinline__ const uint16_t* QkvRow(const StreamLayer& L, const Dims& d, int item) {
   const int64_t H = d.hidden;
   return item < d.q_dim             ? L.q + item * H
          : item < d.q_dim + d.kv_dim ? L.k + (item - d.q_dim) * H
@@ -236,7 +246,7 @@ __device__ __forceinline__ const uint16_t* QkvRow(const PersistentLayer& L, cons
 }
 
 // The global source and length (bf16 elements) of the unit at cursor c.
-__device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const PersistentLayer& L,
+__device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const StreamLayer& L,
                                                       const Dims& d, const Routing& routing,
                                                       int* elems) {
   const int item = c.item;
@@ -276,7 +286,7 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Per
 // next unit is an expert's whose routing this block has not computed yet.
 // Runs on one lane of the producer warp per ring (each with its own state): the copies never
 // wait on the consumer's critical path.
-__device__ __forceinline__ int Pump(Ring& r, const PersistentLayer* layers, int num_layers,
+__device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, int num_layers,
                                     const Dims& d, int num_experts, const Routing& routing) {
   int issued = 0;
   while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
@@ -688,15 +698,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ uint64_t full[kWarps][kInFlight];
   __shared__ Routing routing;
   __shared__ AttentionConstants constants;
-  __shared__ const uint16_t* expert_ptr[3][kMaxExperts];
   __shared__ float scratch[32];
+  // The consumers' copy of the layer they compute, and of the next one (copied in a layer ahead).
+  __shared__ PersistentLayer layer_entry[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  // The layer table in shared memory: the producers read it for every unit they issue (from
-  // global memory, those dependent loads cost more than the streaming itself).
-  PersistentLayer* layers = reinterpret_cast<PersistentLayer*>(smem);
   const int num_layers = a.shape.num_layers, num_experts = a.shape.num_experts;
-  for (int i = threadIdx.x; i < num_layers * static_cast<int>(sizeof(PersistentLayer) / 4); i += kBlockThreads)
-    reinterpret_cast<int*>(layers)[i] = reinterpret_cast<const int*>(a.layers)[i];
+  StreamLayer* layers = reinterpret_cast<StreamLayer*>(smem);  // the producer's table
+  for (int l = threadIdx.x; l < num_layers; l += kBlockThreads) {
+    const PersistentLayer& L = a.layers[l];
+    layers[l] = {L.q, L.k, L.v, L.o, L.router, L.input_norm, L.inter, L.top_k};
+  }
+  if (threadIdx.x == 0) layer_entry[0] = a.layers[0];
   Dims d;
   d.hidden = a.shape.hidden;
   d.head_dim = a.shape.head_dim;
@@ -704,6 +716,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   d.kv_dim = a.shape.kv_heads * d.head_dim;
   d.warps = gridDim.x * kWarps;
   float* xs = reinterpret_cast<float*>(smem + table_bytes);
+  // Every expert's weight pointers, staged in the router phase past its staged x (the attention
+  // chunk there is consumed; the down projection's h overwrites them after the top-k).
+  const uint16_t** expert_ptr = reinterpret_cast<const uint16_t**>(xs + d.hidden);
   unsigned char* rings = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float);
   __shared__ Progress progress[kWarps];
   if (threadIdx.x < kWarps) {
@@ -777,10 +792,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // This warp's residual row (o and down add to it; the warp owns the same rows in both), held
   // here: no dependent read of it after the dot products.
   float x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
-  GainsAhead(layers[0].input_norm, a.norm_dtype, d.hidden);
+  GainsAhead(layer_entry[0].input_norm, a.norm_dtype, d.hidden);
   unsigned barriers = 0;
   for (int l = 0; l < num_layers; ++l) {
-    const PersistentLayer& L = layers[l];
+    const PersistentLayer& L = layer_entry[l & 1];
     if (l > 0) sync(&barriers, l - 1, kDown);  // the previous layer's down projection is in x
     // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
     // staged x; the previous phase's h, which they overwrite, is consumed).
@@ -836,7 +851,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     if (L.router) {  // logits = RMSNorm(x) . Wr^T, then every block picks the same top-k
       // Every expert's weight pointers, read now so that the top-k's picks cost no round trip.
       for (int e = threadIdx.x; e < num_experts; e += kThreads)
-        expert_ptr[0][e] = L.gate[e], expert_ptr[1][e] = L.up[e], expert_ptr[2][e] = L.down[e];
+        expert_ptr[e] = L.gate[e], expert_ptr[num_experts + e] = L.up[e],
+        expert_ptr[2 * num_experts + e] = L.down[e];
       for (int t = 0, n = TasksOf(num_experts, d); t < n; ++t) {
         float acc = 0.f;
         for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
@@ -850,9 +866,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         float weight;
         WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight);
         if (lane < L.top_k) {
-          routing.gate[lane] = expert_ptr[0][id];
-          routing.up[lane] = expert_ptr[1][id];
-          routing.down[lane] = expert_ptr[2][id];
+          routing.gate[lane] = expert_ptr[id];
+          routing.up[lane] = expert_ptr[num_experts + id];
+          routing.down[lane] = expert_ptr[2 * num_experts + id];
           routing.weight[lane] = id == L.skip_expert ? 0.f : weight;
         }
       }
@@ -876,7 +892,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
     }
     sync(&barriers, l, kGateUp);
-    if (l + 1 < num_layers) GainsAhead(layers[l + 1].input_norm, a.norm_dtype, d.hidden);
+    if (l + 1 < num_layers) {
+      // The next layer's entry, copied in while the down projection streams (its slot's layer,
+      // l - 1, is done); landed before the barrier ending this layer (cp.async.wait_all below).
+      constexpr int kPieces = sizeof(PersistentLayer) / 8;
+      if (threadIdx.x < kPieces)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(
+                         reinterpret_cast<uint64_t*>(&layer_entry[(l + 1) & 1]) + threadIdx.x)),
+                     "l"(reinterpret_cast<const uint64_t*>(a.layers + l + 1) + threadIdx.x)
+                     : "memory");
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      GainsAhead(layers[l + 1].input_norm, a.norm_dtype, d.hidden);
+    }
     // x += sum_slot weight_slot * (Wd_slot . h_slot)
     Stage(a.h, L.top_k * L.inter, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
@@ -897,6 +924,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         if (t == 0) x_own = x;
       }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the next layer's entry (long landed)
   }
   stamp(1 + ((num_layers - 1) * kPhaseCount + kDown) * 2);
 #endif
@@ -905,14 +933,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
 int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
-  const int floats = std::max({s.hidden, q_dim, s.max_top_k * s.max_inter,
+  const int expert_pointers = 3 * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  const int floats = std::max({s.hidden + expert_pointers, q_dim, s.max_top_k * s.max_inter,
                                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 
 // The layer table's bytes at the front of dynamic shared memory (128-byte aligned).
 int TableBytes(int num_layers) {
-  return (num_layers * static_cast<int>(sizeof(PersistentLayer)) + 127) / 128 * 128;
+  return (num_layers * static_cast<int>(sizeof(StreamLayer)) + 127) / 128 * 128;
 }
 
 // Per-warp ring bytes left by the layer table, the staged activations and the static shared
@@ -950,6 +979,8 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
   return "";
 }
 
+int PersistentDecodeRingBytes(const PersistentDecodeShape& s) { return RingBytes(s, s.num_layers); }
+
 size_t PersistentDecodePartialFloats(const PersistentDecodeShape& s) {
   const int splits = std::min(kMaxSplits, std::max(1, PersistentDecodeBlocks() / std::max(1, s.kv_heads)));
   return PartialAccOffset(s.q_heads, splits) + static_cast<size_t>(s.q_heads) * splits * s.head_dim;
@@ -965,7 +996,19 @@ int PersistentDecodeBlocks() {
 void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   const int table_bytes = TableBytes(args.shape.num_layers);
   const int stage_floats = StageFloats(args.shape);
-  const int ring_bytes = RingBytes(args.shape, args.shape.num_layers);
+  int ring_bytes = RingBytes(args.shape, args.shape.num_layers);
+  // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
+  // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
+  // holds the o projection's weights back until the layer's attention is done, 256 streams the
+  // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
+  // barrier, 2048 splits each kv head's keys over the most blocks, 262144 caps the rings at the
+  // eighth session's 11,904 bytes (two 4 KB units).
+  static const int knobs = [] {
+    const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
+    const char* bits = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
+    return (cap ? std::atoi(cap) << 1 : 0) | (bits ? std::atoi(bits) : 0);
+  }();
+  if ((knobs >> 18) & 1) ring_bytes = std::min(ring_bytes, 11904);
   const size_t smem = table_bytes + static_cast<size_t>(stage_floats) * sizeof(float) +
                       static_cast<size_t>(kWarps) * ring_bytes;
   // Per call, not once: the size depends on the model (and the attribute is per device).
@@ -973,16 +1016,6 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
                        static_cast<int>(smem));
   const int sms = PersistentDecodeBlocks();
   cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned), stream);
-  // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
-  // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
-  // holds the o projection's weights back until the layer's attention is done, 256 streams the
-  // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
-  // barrier, 2048 splits each kv head's keys over the most blocks.
-  static const int knobs = [] {
-    const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
-    const char* bits = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");
-    return (cap ? std::atoi(cap) << 1 : 0) | (bits ? std::atoi(bits) : 0);
-  }();
   // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
   cudaLaunchAttribute cooperative[1];
   cooperative[0].id = cudaLaunchAttributeCooperative;

@@ -87,6 +87,8 @@ INFERSWEEP_HD int PersistentAttentionStamp(int num_layers, int layer) {
 int PersistentDecodeBlocks();
 // Sizes of the scratch PersistentDecodeArgs points at, on the current device.
 size_t PersistentDecodePartialFloats(const PersistentDecodeShape& shape);
+// Bytes of each consumer warp's ring of weight units (shared memory left after the rest).
+int PersistentDecodeRingBytes(const PersistentDecodeShape& shape);
 inline int PersistentDecodeCounters(const PersistentDecodeShape& shape) {
   return 1 + shape.num_layers * shape.kv_heads;
 }
