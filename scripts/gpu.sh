@@ -74,6 +74,32 @@ for stage in $STAGES; do
       grep -E "layer|attention|q/k/v|gate|down|router|^ *o" "$OUT/timeline_$k.txt" | tail -9
     done
     cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
+  ab)  # graphs=persistent at batch 1: the builds AB_BINARIES in .carry (default infersweep_base, a
+    # baseline build copied there, then infersweep) in turn, AB_ROUNDS times, each with its
+    # timeline: machines differ by ~1 % between calls, so a change is judged against its baseline
+    # within one call
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+        echo "# $b"
+        INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+          --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
+          grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
+        tail -9 "$OUT/timeline_$b.txt"
+      done
+    done ;;
+  pprofile)  # where graphs=persistent's warps stall: ncu's sampled source counters (per SASS
+    # instruction) and its warp-state and memory sections, one decode step at context 512
+    ncu --clock-control none --kernel-name regex:PersistentDecodeKernel --launch-skip 2 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section SpeedOfLight -f -o "$OUT/pk" $B generate --model preset:qwen3-30b-a3b --backend cuda \
+      --tokens "$(seq -s, 1 512)" --max-new-tokens 4 \
+      --config gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent >"$OUT/pprofile.log" 2>&1
+    tail -3 "$OUT/pprofile.log"
+    ncu --import "$OUT/pk.ncu-rep" --page details >"$OUT/pk_details.txt" 2>&1
+    ncu --import "$OUT/pk.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/pk_source.csv.gz"
+    rm -f "$OUT/pk.ncu-rep"
+    grep -iE "duration|throughput|stall|warp cycles|issued" "$OUT/pk_details.txt" | head -40 ;;
   quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
     # (FP4: qgemm=w4a16, FP8: qgemm=w8a16). Each format quantizes the 48 layers on the host
     # first (tens of seconds on 16 cores; STAGES=quant_host measures it) and fits one device
