@@ -683,14 +683,21 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
     part_ml[((first_q + g) * S + split) * 2] = m.run_max[g];
     part_ml[((first_q + g) * S + split) * 2 + 1] = m.run_sum[g];
   }
-  __threadfence();
+  // Counted by thread 0 with an acq_rel atomic after the block barrier: its release covers the
+  // whole block's partials (cumulative through the barrier), its acquire the other splits' for
+  // the combining one; where every thread fenced (fence.sc) before and after.
   ConsumerSync();
-  if (t == 0)
-    last_split = atomicAdd(a.barrier + 1 + layer * a.shape.kv_heads + kv_head, 1u) == S - 1;
+  if (t == 0) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(a.barrier + 1 + layer * a.shape.kv_heads + kv_head)
+                 : "memory");
+    last_split = before == static_cast<unsigned>(S - 1);
+  }
   ConsumerSync();
   StampAt(stamps ? stamps + 2 : nullptr);
   if (!last_split) return;
-  __threadfence();
   // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
   // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
   const int quads = outputs / 4, half = t & 1;
