@@ -16,8 +16,11 @@
 // staged in shared memory once per block after each barrier.
 //
 // Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s; 132 SMs x 16
-// warps x ~11.8 KB rings = 25 MB in flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at
-// context 512; 6 grid barriers at ~1 us. FLOPs are 2 per weight: bandwidth-bound.
+// warps x 12 KB rings (three 4 KB units) = 26 MB in flight (the bandwidth-latency product is
+// ~9 MB); K/V 1 MB at context 512; 6 grid barriers at ~1 us. FLOPs are 2 per weight:
+// bandwidth-bound. Measured: 61.4 us a layer (docs/PERFORMANCE.md, ninth session).
+// Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
+// sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
 // Numerics follow gemm=fused + attention=flash + moe=fused: fp32 activations and accumulation,
 // bf16 weights, K and V rounded to bf16 as they are cached; the router and top-k are fp32 and the
