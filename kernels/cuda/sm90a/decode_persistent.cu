@@ -7,11 +7,12 @@
 // between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
 //
 // How: each of a block's 16 consumer warps owns a fixed share of every phase's weight rows and a
-// private ring in shared memory; lane i of a 17th, producer warp keeps ring i filled with bulk
-// asynchronous copies (cp.async.bulk, mbarrier completion) of warp i's next units of weights, in
-// the order the warp will consume them, across phase and layer boundaries: while a few blocks run attention, the others' rings already hold their
-// o rows; while the barrier after the down projection is pending, the next layer's q/k/v rows are
-// in flight. Only the experts wait for the routing (their rows are unknown until top-k).
+// private ring in shared memory; a lane of one of two producer warps keeps each ring filled
+// with bulk asynchronous copies (cp.async.bulk, mbarrier completion) of its warp's next units of
+// weights, in the order the warp will consume them, across phase and layer boundaries: while a
+// few blocks run attention, the others' rings already hold their o rows; while the barrier
+// after the down projection is pending, the next layer's q/k/v rows are in flight. Only the
+// experts wait for the routing (their rows are unknown until top-k).
 // The activations a phase reads (x, RMS-normalised; attention's output; the experts' h) are
 // staged in shared memory once per block after each barrier.
 //
@@ -43,7 +44,15 @@ namespace {
 
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;  // the consumer warps
-constexpr int kBlockThreads = kThreads + 32;  // and one producer warp
+// And the producer warps, each keeping kRingsPerProducer rings filled (one lane a ring). One
+// producer warp for all 16 rings was busy ~95 % of the time (ncu: its branchy, divergent issue
+// path serialised over the lanes), so the copies' issue rate bounded the streaming: two cut the
+// H200 batch-1 step 3.134 -> 3.029 ms (down 11.3 -> 9.9 us a layer), four 3.058. More warps cost
+// no registers up to 20: 17 to 20 all put 5 on one SM sub-partition (96 registers a thread).
+constexpr int kProducerWarps = 2;
+constexpr int kRingsPerProducer = kWarps / kProducerWarps;
+static_assert(kWarps % kProducerWarps == 0);
+constexpr int kBlockThreads = kThreads + 32 * kProducerWarps;
 constexpr int kUnitShift = 11;
 constexpr int kUnitElems = 1 << kUnitShift;  // a weight unit: up to 2048 bf16 (4 KB) of one row
 constexpr int kInFlight = 8;      // units in flight per warp: its mbarriers
@@ -288,7 +297,7 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Str
 #if defined(__CUDA_ARCH__)
 // Issues units into the ring until it is full, kInFlight are in flight, the sequence ends, or the
 // next unit is an expert's whose routing this block has not computed yet.
-// Runs on one lane of the producer warp per ring (each with its own state): the copies never
+// Runs on one lane of a producer warp per ring (each with its own state): the copies never
 // wait on the consumer's critical path.
 __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, int num_layers,
                                     const Dims& d, int num_experts, const Routing& routing) {
@@ -360,7 +369,7 @@ __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int el
   return acc;
 }
 
-// A barrier of the consumer warps only (the producer warp never waits on them).
+// A barrier of the consumer warps only (the producer warps never wait on them).
 __device__ __forceinline__ void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 // The consumer warps as a group for the block reductions.
@@ -785,9 +794,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     step_position = *a.position;
     step_knobs = knobs;
   }
-  __syncthreads();  // the last barrier of all 17 warps: from here the producer runs on its own
-  // Warp ring i (the consumer warp i's) has its state in the producer's lane i.
-  const int ring = warp == kWarps ? lane : warp;
+  __syncthreads();  // the last barrier of every warp: from here the producers run on their own
+  // Ring i (the consumer warp i's) has its state in lane i % kRingsPerProducer of producer warp
+  // i / kRingsPerProducer.
+  const int ring = warp >= kWarps ? (warp - kWarps) * kRingsPerProducer + lane : warp;
   d.gw = blockIdx.x * kWarps + ring;
   Ring r;
   r.base = rings + static_cast<size_t>(ring) * ring_bytes;
@@ -798,11 +808,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   r.skip_math = (knobs >> 5) & 1;
   r.hold_o = (knobs >> 7) & 1;
   r.evict_first = !((knobs >> 8) & 1);
-  if (warp == kWarps) {  // the producer: lane i keeps ring i filled
-    if (lane >= kWarps) return;
+  if (warp >= kWarps) {  // a producer: lane i of producer warp p fills ring p * kRingsPerProducer + i
+    if (lane >= kRingsPerProducer) return;
     r.policy = EvictFirstPolicy();
     Settle(r.next, layers, num_layers, d, num_experts);  // a ring with no q/k/v row starts later
-    const volatile Progress* p = &progress[lane];
+    const volatile Progress* p = &progress[ring];
     // TEST ONLY knobs: 32768 fences on every poll; 65536 / 131072 sleep 256 / 1000 ns when idle.
     const bool always_fence = (knobs >> 15) & 1;
     const unsigned idle_ns = (knobs >> 17) & 1 ? 1000 : (knobs >> 16) & 1 ? 256 : 32;
