@@ -19,7 +19,7 @@
 // Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s; 132 SMs x 16
 // warps x 12 KB rings (three 4 KB units) = 26 MB in flight (the bandwidth-latency product is
 // ~9 MB); K/V 1 MB at context 512; 6 grid barriers at ~1 us. FLOPs are 2 per weight:
-// bandwidth-bound. Measured: 61.4 us a layer (docs/PERFORMANCE.md, ninth session).
+// bandwidth-bound. Measured: 59.6 us a layer (docs/PERFORMANCE.md, ninth session).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
