@@ -95,6 +95,12 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
                                                          const LoadOptions& options) {
   auto config = PresetConfig(preset, options.num_layers_override);
   if (!config.ok()) return config.status();
+  if (options.head_dim_override != 0) {
+    config->head_dim = options.head_dim_override;
+    const std::string source =
+        absl::StrCat("preset '", preset, "' with head_dim ", options.head_dim_override);
+    if (auto valid = ValidateModelConfig(*config, source); !valid.ok()) return valid;
+  }
   auto model = std::make_unique<HostModel>();
   model->config = *config;
   model->source = "preset:" + preset;

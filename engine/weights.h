@@ -83,6 +83,9 @@ struct LoadOptions {
   bool materialize_host = true; // presets: generate the host copy now (else on first CPU use)
   // Quantize the dense linears (IsQuantizable) on load; the same as a "@<format>" suffix.
   QuantFormat quantize = QuantFormat::kNone;
+  // Presets only: another head_dim, for tests of kernels on attention shapes the presets lack.
+  // Last, so that the brace initialisations of the fields above keep their meaning.
+  int head_dim_override = 0;
 };
 
 // A model description: "<checkpoint folder | preset:NAME>[@<format>]", e.g.

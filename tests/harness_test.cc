@@ -1,4 +1,5 @@
 // The trial harness: configs, preflight, workloads, verdicts, and isolation under injected faults.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -149,6 +150,37 @@ TEST(Preflight, PersistentDecodeNeedsHopperBf16WeightsAndCache) {
   loop["moe"] = "loop";
   EXPECT_THAT(Preflight(*NormalizeBackendConfig(loop), {true, 90, 1, "bf16"}).reason,
               HasSubstr("moe=loop cannot be combined with graphs=persistent"));
+}
+
+// A preset's head_dim can be overridden (the persistent kernel's GPU test takes head_dims the
+// presets lack): the attention weights take the new shape and the CPU reference runs on it; an
+// override the model cannot take is refused naming the preset and the value.
+TEST(Presets, HeadDimOverrideReshapesAttentionOrSaysWhy) {
+  LoadOptions options{2};
+  options.head_dim_override = 64;
+  auto host = LoadHostModel("preset:tiny-moe", options);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ((*host)->config.head_dim, 64);
+  bool saw_q = false;
+  for (const TensorSpec& spec : (*host)->specs)
+    if (spec.name == "model.layers.0.self_attn.q_proj.weight") {
+      saw_q = true;
+      EXPECT_EQ(spec.shape, (std::vector<int64_t>{(*host)->config.num_q_heads * 64,
+                                                  (*host)->config.hidden_size}));
+    }
+  EXPECT_TRUE(saw_q);
+  auto model = CreateModel(**host, *NormalizeBackendConfig({{"device", "cpu"}}));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->StartBatch(1, 8).ok());
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  std::vector<float> logits;
+  ASSERT_TRUE((*model)->Forward(prompt, 3, LogitsMode::kLast, &logits).ok());
+  EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
+
+  options.head_dim_override = 33;  // RoPE rotates pairs
+  auto odd = LoadHostModel("preset:tiny-moe", options);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_THAT(std::string(odd.status().message()), HasSubstr("preset 'tiny-moe' with head_dim 33"));
 }
 
 // The eval judges decode steps too: each prompt's last decode_steps tokens go one step at a time
