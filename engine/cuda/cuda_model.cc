@@ -332,15 +332,16 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
 void WritePersistentTimeline(const std::string& path, const std::vector<unsigned long long>& t,
                              int blocks, int layers, int ring_bytes) {
   const int events = cuda::PersistentTimelineEvents(layers);
-  static const char* kNames[] = {"q/k/v", "attention", "o", "router", "gate/up", "down"};
-  double time[6] = {}, work_mean[6] = {}, work_max[6] = {}, count[6] = {};
+  constexpr int kPhases = cuda::kPersistentPhases;
+  static const char* kNames[kPhases] = {"q/k/v", "attention", "o", "router", "gate/up", "down"};
+  double time[kPhases] = {}, work_mean[kPhases] = {}, work_max[kPhases] = {}, count[kPhases] = {};
   auto at = [&](int b, int e) { return static_cast<double>(t[static_cast<size_t>(b) * events + e]); };
   int previous = 0;  // event of the previous departure (the kernel's start first)
   for (int l = 0; l < layers; ++l)
-    for (int p = 0; p < 6; ++p) {
-      const int arrive = 1 + (l * 6 + p) * 2;
+    for (int p = 0; p < kPhases; ++p) {
+      const int arrive = 1 + (l * kPhases + p) * 2;
       if (at(0, arrive) == 0) continue;  // a dense layer's router
-      const bool last = l == layers - 1 && p == 5;
+      const bool last = l == layers - 1 && p == kPhases - 1;
       double sum_time = 0, sum_work = 0, max_work = 0;
       for (int b = 0; b < blocks; ++b) {
         const double work = at(b, arrive) - at(b, previous);
@@ -362,7 +363,7 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
                layers, blocks, ring_bytes);
   std::fprintf(f, "%-10s %8s %10s %10s %10s\n", "phase", "time", "work_mean", "work_max", "barrier");
   double total = 0;
-  for (int p = 0; p < 6; ++p) {
+  for (int p = 0; p < kPhases; ++p) {
     if (count[p] == 0) continue;
     const double n = count[p] * 1e3;  // ns -> us
     total += time[p] / n * count[p] / layers;
@@ -377,7 +378,7 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
     for (int b = 0; b < blocks; ++b) {
       const int s0 = cuda::PersistentAttentionStamp(layers, l);
       // Departure from the barrier ending the q/k/v phase (phase 0 of the layer).
-      double previous_stamp = at(b, 2 + l * cuda::kPersistentPhases * 2);
+      double previous_stamp = at(b, 2 + l * kPhases * 2);
       for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k) {
         if (at(b, s0 + k) == 0) break;  // no split in this block, or not the combining one
         step[k] += at(b, s0 + k) - previous_stamp;
