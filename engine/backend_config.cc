@@ -83,14 +83,19 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
-  // The model's side (bf16 linears without biases or shared experts, shapes) is checked when the
-  // model is built: UNSUPPORTED with the reason (CudaModel::PreparePersistentDecode).
-  r.push_back({"graphs", "persistent", "cuda", 90, 90, true, {"bf16"}, {"kv_cache=fp32"}, kBf16,
+  // The model's side (linears bf16, or fp8_tensor / fp8_channel / nvfp4 codes, without biases or
+  // shared experts, shapes) is checked when the model is built: UNSUPPORTED with the reason
+  // (CudaModel::PreparePersistentDecode). Quantized weights stream as qgemm=w8a16 / w4a16 read
+  // them (the codes, dequantized in registers) or as dequant_bf16's copies.
+  r.push_back({"graphs", "persistent", "cuda", 90, 90, true, {"bf16", "fp8", "nvfp4"},
+               {"kv_cache=fp32"}, kBf16,
                "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
                "warp's share of every phase's weights streamed into its own shared-memory ring "
                "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
-               "layers; grid barriers between phases; fp32 activations; captured like graphs=on. "
-               "Other steps as graphs=on. sm_90a machine code only"});
+               "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
+               "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
+               "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
+               {"qgemm=reference", "qgemm=fp8_cublaslt", "qgemm=native_fp4"}});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.

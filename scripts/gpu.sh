@@ -22,9 +22,9 @@ for stage in $STAGES; do
     .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
     .carry/gpu_scaled_gemm_test 2>&1 | tee "$OUT/gpu_scaled_gemm_test.log" |
       grep -E '^#|OK \]|FAILED|Failure|error' ;;
-  ptest)  # the persistent kernel's GPU tests only
-    .carry/gpu_test --gtest_filter='*Persistent*' 2>&1 | tee "$OUT/gpu_ptest.log" |
-      grep -E '^#|OK \]|FAILED|Failure|error|worst|steps' ;;
+  ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
+    .carry/gpu_test --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" 2>&1 |
+      tee "$OUT/gpu_ptest.log" | grep -E '^#|OK \]|FAILED|Failure|error|worst|steps' ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
@@ -100,16 +100,18 @@ for stage in $STAGES; do
     ncu --import "$OUT/pk.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/pk_source.csv.gz"
     rm -f "$OUT/pk.ncu-rep"
     grep -iE "duration|throughput|stall|warp cycles|issued" "$OUT/pk_details.txt" | head -40 ;;
-  quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest config
-    # (FP4: qgemm=w4a16, FP8: qgemm=w8a16). Each format quantizes the 48 layers on the host
-    # first (tens of seconds on 16 cores; STAGES=quant_host measures it) and fits one device
-    # call; QUANT_FORMATS picks a subset, e.g. QUANT_FORMATS="nvfp4 fp8_block128".
+  quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest configs
+    # (FP4: qgemm=w4a16, FP8: qgemm=w8a16; QUANT_GRAPHS, default "persistent|on": the persistent
+    # kernel, which streams fp8_tensor, fp8_channel and nvfp4, and the kernel chain). Each format
+    # quantizes the 48 layers on the host first (tens of seconds on 16 cores; STAGES=quant_host
+    # measures it); QUANT_FORMATS picks a subset, e.g. QUANT_FORMATS="nvfp4 fp8_block128".
     for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
       case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
-      $B run --model preset:qwen3-30b-a3b --quantize "$f" \
-        --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,qgemm=$q" \
+      INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$f.txt" $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+        --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=${QUANT_GRAPHS:-persistent|on},qgemm=$q" \
         --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
+      [ -f "$OUT/timeline_$f.txt" ] && tail -9 "$OUT/timeline_$f.txt"
     done ;;
   quant_host)  # host quantization of qwen3-30b-a3b: seconds per layer (no GPU work)
     .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |

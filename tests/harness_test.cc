@@ -127,9 +127,10 @@ TEST(Preflight, Sm90aBackendsAreExactlySm90) {
   }
 }
 
-// graphs=persistent: Hopper machine code, bf16 weights, a bf16 KV cache, and no host-syncing MoE
+// graphs=persistent: Hopper machine code, bf16 weights or fp8 / nvfp4 codes read in registers
+// (qgemm=w8a16 / w4a16, or dequant_bf16's copies), a bf16 KV cache, and no host-syncing MoE
 // runner (batch > 1 steps take graphs=on's captured chain).
-TEST(Preflight, PersistentDecodeNeedsHopperBf16WeightsAndCache) {
+TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
   const BackendConfig base = {{"device", "cuda"},  {"gemm", "fused"},  {"attention", "flash"},
                               {"kv_cache", "bf16"}, {"moe", "fused"}, {"graphs", "persistent"}};
   auto config = NormalizeBackendConfig(base);
@@ -140,8 +141,23 @@ TEST(Preflight, PersistentDecodeNeedsHopperBf16WeightsAndCache) {
   for (int sm : {80, 89, 100, 120})
     EXPECT_THAT(Preflight(*config, {true, sm, 1, "bf16"}).reason, HasSubstr("graphs=persistent"))
         << sm;
-  EXPECT_THAT(Preflight(*config, {true, 90, 1, "nvfp4"}).reason,
-              HasSubstr("graphs=persistent does not take nvfp4 weights"));
+  EXPECT_THAT(Preflight(*config, {true, 90, 1, "mxfp4"}).reason,
+              HasSubstr("graphs=persistent does not take mxfp4 weights"));
+  for (const char* qgemm : {"w4a16", "dequant_bf16"}) {
+    BackendConfig fp4 = base;
+    fp4["qgemm"] = qgemm;
+    const PreflightResult streamed = Preflight(*NormalizeBackendConfig(fp4), {true, 90, 1, "nvfp4"});
+    EXPECT_TRUE(streamed.supported) << qgemm << ": " << streamed.reason;
+  }
+  BackendConfig fp8 = base;
+  fp8["qgemm"] = "w8a16";
+  EXPECT_TRUE(Preflight(*NormalizeBackendConfig(fp8), {true, 90, 1, "fp8"}).supported);
+  for (const char* qgemm : {"reference", "fp8_cublaslt"}) {  // nothing the kernel can stream
+    fp8["qgemm"] = qgemm;
+    EXPECT_THAT(Preflight(*NormalizeBackendConfig(fp8), {true, 90, 1, "fp8"}).reason,
+                HasSubstr(std::string("graphs=persistent cannot be combined with qgemm=") + qgemm))
+        << qgemm;
+  }
   BackendConfig fp32_cache = base;
   fp32_cache["kv_cache"] = "fp32";
   EXPECT_THAT(Preflight(*NormalizeBackendConfig(fp32_cache), {true, 90, 1, "bf16"}).reason,

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine/quant/layout.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/gemm_grouped.h"
@@ -421,6 +422,7 @@ class CudaModel final : public Model {
     for (float* p : router_f32_)
       if (p) cudaFree(p);
     if (persistent_buffer_) cudaFree(persistent_buffer_);
+    for (void* p : persistent_scales_) cudaFree(p);
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
@@ -492,16 +494,30 @@ class CudaModel final : public Model {
   }
 
   // graphs=persistent: checks that the model's decode step fits the persistent kernel and builds
-  // its per-layer table on the device. Unimplemented (UNSUPPORTED to the harness) with the reason
-  // when it does not: quantized or non-bf16 weights, biases, shared experts, shapes.
+  // its per-layer tables on the device. Unimplemented (UNSUPPORTED to the harness) with the
+  // reason when it does not: weights neither bf16 nor one of the streamed quantized formats,
+  // biases, shared experts, shapes. A quantized model streams its view: dequant_bf16's bf16
+  // copies, or (w8a16, w4a16) the codes, fp8_tensor / fp8_channel / nvfp4, with their scales.
   absl::Status PreparePersistentDecode() {
     const ModelConfig& c = config_;
     auto unsupported = [](const std::string& why) {
       return absl::UnimplementedError(absl::StrCat("graphs=persistent: ", why));
     };
-    if (view_) return unsupported("quantized weights are not streamed by the persistent kernel");
+    QuantFormat format = QuantFormat::kNone;
+    DType scale_dtype = DType::kF32;
+    if (view_) {
+      const std::string& qgemm = options_.qgemm;
+      if (qgemm != "dequant_bf16" && qgemm != "w8a16" && qgemm != "w4a16")
+        return unsupported(absl::StrCat(
+            "streams qgemm=dequant_bf16's copies or qgemm=w8a16 / w4a16's codes, not qgemm=", qgemm));
+      if (qgemm != "dequant_bf16" && !w_.layers.empty()) {
+        format = w_.layers[0].q.quant.format;
+        scale_dtype = w_.layers[0].q.quant.scale_dtype;
+      }
+    }
     if (!options_.kv_cache_bf16) return unsupported("needs kv_cache=bf16");
     cuda::PersistentDecodeShape shape;
+    shape.format = format;
     shape.num_layers = c.num_layers;
     shape.hidden = c.hidden_size;
     shape.q_heads = c.num_q_heads;
@@ -510,7 +526,27 @@ class CudaModel final : public Model {
     shape.num_experts = c.is_moe() ? c.num_experts : 0;
     const DType norm_dtype = w_.layers.empty() ? DType::kBF16 : w_.layers[0].input_norm.dtype;
     std::vector<cuda::PersistentLayer> layers(c.num_layers);
-    std::vector<const void*> dense_tables;  // gate, up, down of each dense layer
+    std::vector<cuda::PersistentQuant> quant(c.num_layers);
+    // Per layer and projection (gate, up, down), one entry per expert (or the dense MLP): the
+    // codes, then (quantized) the factor sources, then (nvfp4) the group scales. Uploaded below;
+    // the layers point into them.
+    std::vector<std::array<std::array<std::vector<const void*>, 3>, 3>> tables(c.num_layers);
+    // nvfp4 group scales whose rows are not a multiple of 16 bytes are copied into padded rows
+    // (the kernel's bulk copies take 16-byte pieces); the rest are read in place.
+    auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
+      const int64_t row_bytes = m.cols / 16, padded = (row_bytes + 15) / 16 * 16;
+      if (row_bytes == padded) return m.quant.scale;
+      auto copy = DeviceAlloc<uint8_t>(static_cast<size_t>(m.rows * padded));
+      if (!copy.ok()) return copy.status();
+      persistent_scales_.push_back(*copy);
+      CUDA_OR_DIE(cudaMemset(*copy, 0, m.rows * padded));
+      CUDA_OR_DIE(cudaMemcpy2D(*copy, padded, m.quant.scale, row_bytes, row_bytes, m.rows,
+                               cudaMemcpyDeviceToDevice));
+      return *copy;
+    };
+    auto factor_of = [&](const MatrixRef& m) {
+      return format == QuantFormat::kNvfp4 ? m.quant.global_scale : m.quant.scale;
+    };
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       const std::string where = absl::StrCat("layer ", l, ": ");
@@ -520,24 +556,59 @@ class CudaModel final : public Model {
       std::vector<const MatrixRef*> linears = {&lw.q, &lw.k, &lw.v, &lw.o};
       const bool moe = c.IsMoeLayer(l);
       if (moe) {
-        linears.push_back(&lw.router);
         for (const ExpertWeights& e : lw.experts)
           for (const MatrixRef* m : {&e.gate, &e.up, &e.down}) linears.push_back(m);
       } else {
         for (const MatrixRef* m : {&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down}) linears.push_back(m);
       }
-      for (const MatrixRef* m : linears)
-        if (m->dtype != DType::kBF16 || m->quantized() ||
-            reinterpret_cast<uintptr_t>(m->data) % 16 != 0)
+      for (const MatrixRef* m : linears) {
+        const bool aligned = reinterpret_cast<uintptr_t>(m->data) % 16 == 0;
+        if (format == QuantFormat::kNone &&
+            (m->dtype != DType::kBF16 || m->quantized() || !aligned))
           return unsupported(where + "every linear must be bf16 with 16-byte aligned rows");
+        if (format != QuantFormat::kNone &&
+            (m->quant.format != format || m->quant.scale_dtype != scale_dtype || !aligned))
+          return unsupported(absl::StrCat(
+              where, "every linear but the router must be ", QuantFormatName(format),
+              " with one scale dtype and 16-byte aligned codes (a checkpoint's excluded "
+              "modules stay dense)"));
+      }
+      if (moe && (lw.router.dtype != DType::kBF16 || lw.router.quantized() ||
+                  reinterpret_cast<uintptr_t>(lw.router.data) % 16 != 0))
+        return unsupported(where + "the router must be bf16 with 16-byte aligned rows");
       for (const MatrixRef* m : {&lw.input_norm, &lw.post_attention_norm, &lw.q_norm, &lw.k_norm})
         if (!m->empty() && m->dtype != norm_dtype)
           return unsupported(where + "the norm gains must share one dtype");
       cuda::PersistentLayer& p = layers[l];
-      p.q = static_cast<const uint16_t*>(lw.q.data);
-      p.k = static_cast<const uint16_t*>(lw.k.data);
-      p.v = static_cast<const uint16_t*>(lw.v.data);
-      p.o = static_cast<const uint16_t*>(lw.o.data);
+      p.q = lw.q.data;
+      p.k = lw.k.data;
+      p.v = lw.v.data;
+      p.o = lw.o.data;
+      if (format != QuantFormat::kNone) {
+        const MatrixRef* attention[4] = {&lw.q, &lw.k, &lw.v, &lw.o};
+        for (int i = 0; i < 4; ++i) {
+          quant[l].factor[i] = factor_of(*attention[i]);
+          if (format != QuantFormat::kNvfp4) continue;
+          auto groups = groups_of(*attention[i]);
+          if (!groups.ok()) return groups.status();
+          quant[l].groups[i] = *groups;
+        }
+      }
+      std::vector<std::array<const MatrixRef*, 3>> mlps;  // each expert's, or the dense MLP
+      if (moe)
+        for (const ExpertWeights& e : lw.experts) mlps.push_back({&e.gate, &e.up, &e.down});
+      else
+        mlps.push_back({&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down});
+      for (const auto& mlp : mlps)
+        for (int proj = 0; proj < 3; ++proj) {
+          tables[l][proj][0].push_back(mlp[proj]->data);
+          if (format == QuantFormat::kNone) continue;
+          tables[l][proj][1].push_back(factor_of(*mlp[proj]));
+          if (format != QuantFormat::kNvfp4) continue;
+          auto groups = groups_of(*mlp[proj]);
+          if (!groups.ok()) return groups.status();
+          tables[l][proj][2].push_back(*groups);
+        }
       p.input_norm = lw.input_norm.data;
       p.post_norm = lw.post_attention_norm.data;
       if (c.qk_norm) {
@@ -546,16 +617,16 @@ class CudaModel final : public Model {
       }
       if (moe) {
         p.router = static_cast<const uint16_t*>(lw.router.data);
-        p.gate = dw_->gate_table[l];
-        p.up = dw_->up_table[l];
-        p.down = dw_->down_table[l];
         p.inter = c.moe_intermediate_size;
         p.top_k = c.num_experts_per_tok;
       } else {
-        dense_tables.insert(dense_tables.end(), {lw.mlp.gate.data, lw.mlp.up.data, lw.mlp.down.data});
         p.inter = static_cast<int>(lw.mlp.gate.rows);
         p.top_k = 1;
       }
+      const int row_align = format == QuantFormat::kNone ? 8 : format == QuantFormat::kNvfp4 ? 32 : 16;
+      if (p.inter % row_align)
+        return unsupported(absl::StrCat(where, "MLP width ", p.inter, " is not a multiple of ",
+                                        row_align, " (16-byte rows)"));
       shape.max_top_k = std::max(shape.max_top_k, p.top_k);
       shape.max_inter = std::max(shape.max_inter, p.inter);
       const FaultInjection& fault = options_.fault;
@@ -566,10 +637,15 @@ class CudaModel final : public Model {
     }
     if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
       return unsupported(why);
-    // One device buffer: the layer table, the dense layers' pointer tables, h, attention's
-    // partials, the counters (and the TEST ONLY timeline).
+    // One device buffer: the layer tables, the experts' pointer tables, h, attention's partials,
+    // the counters (and the TEST ONLY timeline).
+    std::vector<const void*> pointers;  // every table, in order
+    for (const auto& layer : tables)
+      for (const auto& projection : layer)
+        for (const auto& table : projection) pointers.insert(pointers.end(), table.begin(), table.end());
     const size_t layers_bytes = layers.size() * sizeof(cuda::PersistentLayer);
-    const size_t tables_bytes = dense_tables.size() * sizeof(void*);
+    const size_t quant_bytes = format == QuantFormat::kNone ? 0 : quant.size() * sizeof(cuda::PersistentQuant);
+    const size_t tables_bytes = pointers.size() * sizeof(void*);
     const size_t h_bytes = static_cast<size_t>(shape.max_top_k) * shape.max_inter * sizeof(float);
     const char* timeline_path = std::getenv("INFERSWEEP_PERSISTENT_TIMELINE");  // TEST ONLY
     const size_t timeline_bytes =
@@ -578,31 +654,38 @@ class CudaModel final : public Model {
                       : 0;
     const size_t partial_bytes = cuda::PersistentDecodePartialFloats(shape) * sizeof(float);
     const size_t counter_bytes = cuda::PersistentDecodeCounters(shape) * sizeof(unsigned);
-    const size_t total = layers_bytes + tables_bytes + h_bytes + partial_bytes + counter_bytes +
-                         4 * 256 + timeline_bytes;
+    const size_t total = layers_bytes + quant_bytes + tables_bytes + h_bytes + partial_bytes +
+                         counter_bytes + 4 * 256 + timeline_bytes;
     auto buffer = DeviceAlloc<char>(total);
     if (!buffer.ok()) return buffer.status();
     persistent_buffer_ = *buffer;
     char* base = *buffer;
-    const auto** tables = reinterpret_cast<const uint16_t**>(base + layers_bytes);
-    for (int l = 0, dense = 0; l < c.num_layers; ++l) {
-      if (c.IsMoeLayer(l)) continue;
-      layers[l].gate = tables + 3 * dense;
-      layers[l].up = tables + 3 * dense + 1;
-      layers[l].down = tables + 3 * dense + 2;
-      ++dense;
-    }
+    const void** device_tables = reinterpret_cast<const void**>(base + layers_bytes + quant_bytes);
+    for (int l = 0, at = 0; l < c.num_layers; ++l)
+      for (int proj = 0; proj < 3; ++proj)
+        for (int kind = 0; kind < 3; ++kind) {
+          const void* const* table = device_tables + at;
+          at += static_cast<int>(tables[l][proj][kind].size());
+          if (kind == 0) (proj == 0 ? layers[l].gate : proj == 1 ? layers[l].up : layers[l].down) = table;
+          if (kind == 1) quant[l].expert_factor[proj] = table;
+          if (kind == 2) quant[l].expert_groups[proj] = table;
+        }
     CUDA_OR_DIE(cudaMemcpy(base, layers.data(), layers_bytes, cudaMemcpyHostToDevice));
+    if (quant_bytes)
+      CUDA_OR_DIE(cudaMemcpy(base + layers_bytes, quant.data(), quant_bytes, cudaMemcpyHostToDevice));
     if (tables_bytes)
-      CUDA_OR_DIE(cudaMemcpy(tables, dense_tables.data(), tables_bytes, cudaMemcpyHostToDevice));
+      CUDA_OR_DIE(cudaMemcpy(device_tables, pointers.data(), tables_bytes, cudaMemcpyHostToDevice));
     persistent_.shape = shape;
+    persistent_.quant =
+        quant_bytes ? reinterpret_cast<const cuda::PersistentQuant*>(base + layers_bytes) : nullptr;
+    persistent_.scale_dtype = scale_dtype;
     persistent_.layers = reinterpret_cast<const cuda::PersistentLayer*>(base);
     persistent_.renormalize = c.norm_topk_prob;
     persistent_.eps = c.rms_norm_eps;
     persistent_.norm_dtype = norm_dtype;
     // After the tables, each 256-byte aligned: h, the attention partials, the counters, the
     // timeline.
-    size_t offset = layers_bytes + tables_bytes;
+    size_t offset = layers_bytes + quant_bytes + tables_bytes;
     auto take = [&](size_t bytes) {
       offset = (offset + 255) / 256 * 256;
       char* p = base + offset;
@@ -1472,6 +1555,7 @@ class CudaModel final : public Model {
   // step (layers null: not in use), and the device buffer behind them.
   cuda::PersistentDecodeArgs persistent_;
   void* persistent_buffer_ = nullptr;
+  std::vector<void*> persistent_scales_;  // nvfp4 group scales copied into padded rows
   std::string persistent_timeline_path_;  // TEST ONLY
 };
 

@@ -20,17 +20,35 @@ __device__ __forceinline__ void FenceBarrierInit() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Arms the barrier for `bytes` of transaction and starts one bulk copy that completes them.
-// dst and src 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// Arms the barrier for `bytes` of transaction: the bulk copies that complete them follow
+// (BulkCopyTx), one or several onto the same barrier.
+__device__ __forceinline__ void ArmBarrier(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
                "r"(bytes)
                : "memory");
+}
+// One bulk copy completing `bytes` of an armed barrier's transaction. dst and src 16-byte
+// aligned, bytes a multiple of 16.
+__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           SharedAddress(dst)),
       "l"(src), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
+}
+// BulkCopyTx with an L2 cache policy (EvictFirstPolicy) for the source's lines.
+__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                           uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
+      "%2, [%3], %4;" ::"r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
+      : "memory");
+}
+// Arms the barrier for `bytes` and starts the one bulk copy that completes them.
+__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  ArmBarrier(bar, bytes);
+  BulkCopyTx(dst, src, bytes, bar);
 }
 // An L2 policy that evicts what it covers first: for weights streamed once per step, so that they
 // do not push out the activations other SMs are about to read (the streaming loads' __ldcs).
@@ -38,18 +56,6 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
-}
-// BulkCopy with an L2 cache policy (EvictFirstPolicy) for the source's lines.
-__device__ __forceinline__ void BulkCopyWithPolicy(void* dst, const void* src, uint32_t bytes,
-                                                   uint64_t* bar, uint64_t policy) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
-      "%2, [%3], %4;" ::"r"(SharedAddress(dst)),
-      "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
-      : "memory");
 }
 // Asks L2 for the line holding p, to be kept past streamed (evict-first) lines.
 __device__ __forceinline__ void PrefetchLineL2EvictLast(const void* p) {

@@ -33,8 +33,10 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "engine/quant/layout.h"
 #include "engine/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/routing.cuh"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
 #include "kernels/cuda/sm90a/decode_persistent.h"
@@ -71,9 +73,35 @@ static_assert(sizeof(PersistentLayer) % 8 == 0);  // copied in 8-byte pieces
 // input norm's gains, asked into L2 a layer ahead: 56 bytes a layer where the whole
 // PersistentLayer is 120, so that the rings get a third 4 KB unit.
 struct StreamLayer {
-  const uint16_t *q, *k, *v, *o, *router;
+  const unsigned char *q, *k, *v, *o;
+  const uint16_t* router;
   const void* input_norm;
   int inter, top_k;
+};
+
+// Quantized builds (F other than kNone): bytes of `elems` weights of a row as streamed. fp8: one
+// code a weight; nvfp4: two codes a byte, then the unit's group scales (one E4M3 byte per 16
+// weights) in rows padded to 16 bytes (the bulk copies' granule), streamed into the same ring
+// unit. bf16: the router in every build, and every weight in the kNone build.
+template <QuantFormat F>
+INFERSWEEP_HD int CodeBytes(int elems) {
+  return F == QuantFormat::kNone ? 2 * elems : F == QuantFormat::kNvfp4 ? elems / 2 : elems;
+}
+template <QuantFormat F>
+INFERSWEEP_HD int GroupBytes(int elems) {
+  return F == QuantFormat::kNvfp4 ? (elems / 16 + 15) / 16 * 16 : 0;
+}
+template <QuantFormat F>
+INFERSWEEP_HD int UnitBytes(int elems) {
+  return CodeBytes<F>(elems) + GroupBytes<F>(elems);
+}
+
+// The experts a quantized build's top-k picked, past Routing's codes: each slot's factor source
+// and (nvfp4) group scales, per projection (gate, up, down). In dynamic shared memory, so that
+// the bf16 build keeps its static size (its rings are exactly three 4 KB units).
+struct RoutingQuant {
+  const void* factor[3][kMaxTopK];
+  const unsigned char* groups[3][kMaxTopK];
 };
 
 // Where the partial outputs start in PersistentDecodeArgs::partials, after the (max, sum) pairs:
@@ -142,9 +170,9 @@ __device__ __forceinline__ int TaskUnits(const StreamLayer& L, int phase, const 
 
 // The experts chosen for the layer being computed, set by each block after its top-k.
 struct Routing {
-  const uint16_t* gate[kMaxTopK];
-  const uint16_t* up[kMaxTopK];
-  const uint16_t* down[kMaxTopK];
+  const unsigned char* gate[kMaxTopK];  // bf16 weights or codes
+  const unsigned char* up[kMaxTopK];
+  const unsigned char* down[kMaxTopK];
   float weight[kMaxTopK];
   int layer;  // the layer these are for; -1 before the first
   int attended;  // the last layer whose attention this block is past
@@ -250,48 +278,69 @@ __device__ __forceinline__ void Advance(Cursor& c, const StreamLayer* layers, in
   if (c.item >= PhaseItems(L, c.phase, d, num_experts)) Settle(c, layers, num_layers, d, num_experts);
 }
 
-// Row `item` of the stacked [Wq; Wk; Wv].
-__device__ __forceinline__ const uint16_t* QkvRow(const StreamLayer& L, const Dims& d, int item) {
-  const int64_t H = d.hidden;
-  return item < d.q_dim             ? L.q + item * H
-         : item < d.q_dim + d.kv_dim ? L.k + (item - d.q_dim) * H
-                                     : L.v + (item - d.q_dim - d.kv_dim) * H;
+// Which of q, k, v row `item` of the stacked [Wq; Wk; Wv] is in, and its row there.
+__device__ __forceinline__ int QkvMatrix(const Dims& d, int item, int* row) {
+  const int m = item < d.q_dim ? 0 : item < d.q_dim + d.kv_dim ? 1 : 2;
+  *row = item - (m == 0 ? 0 : m == 1 ? d.q_dim : d.q_dim + d.kv_dim);
+  return m;
 }
 
-// The global source and length (bf16 elements) of the unit at cursor c.
-__device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const StreamLayer& L,
-                                                      const Dims& d, const Routing& routing,
-                                                      int* elems) {
+// A unit's bulk copies: its codes (or bf16 weights) and, nvfp4, its group scales.
+struct UnitCopy {
+  const unsigned char* codes;
+  const unsigned char* groups;
+  int code_bytes, group_bytes;
+};
+
+// The unit at cursor c. quant: this build's layer table (null in the kNone build).
+template <QuantFormat F>
+__device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLayer& L,
+                                               const PersistentQuant* quant, const Dims& d,
+                                               const Routing& routing, const RoutingQuant* rq) {
   const int item = c.item;
-  const int64_t H = d.hidden;
-  const uint16_t* row;
+  const unsigned char *row, *groups = nullptr;
   int k = d.hidden, unit = c.unit;
   switch (c.phase) {
-    case kQkv:
-      row = QkvRow(L, d, item);
+    case kQkv: {
+      int r;
+      const int m = QkvMatrix(d, item, &r);
+      row = (m == 0 ? L.q : m == 1 ? L.k : L.v) + static_cast<int64_t>(r) * CodeBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4)
+        groups = static_cast<const unsigned char*>(quant[c.layer].groups[m]) + r * GroupBytes<F>(k);
       break;
+    }
     case kO:
       k = d.q_dim;
-      row = L.o + static_cast<int64_t>(item) * d.q_dim;
+      row = L.o + static_cast<int64_t>(item) * CodeBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4)
+        groups = static_cast<const unsigned char*>(quant[c.layer].groups[3]) + item * GroupBytes<F>(k);
       break;
-    case kRouter:
-      row = L.router + item * H;
+    case kRouter:  // bf16 in every build
+      row = reinterpret_cast<const unsigned char*>(L.router) +
+            static_cast<int64_t>(item) * CodeBytes<QuantFormat::kNone>(k);
       break;
     case kGateUp: {
       const int per_row = UnitsOfRow(d.hidden);
-      const bool up = unit >= per_row;
-      row = (up ? routing.up[c.slot] : routing.gate[c.slot]) + c.j * H;
-      unit -= up ? per_row : 0;
+      const int p = unit >= per_row;  // 0: gate, 1: up
+      row = (p ? routing.up[c.slot] : routing.gate[c.slot]) + static_cast<int64_t>(c.j) * CodeBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4) groups = rq->groups[p][c.slot] + c.j * GroupBytes<F>(k);
+      unit -= p ? per_row : 0;
       break;
     }
     default:  // kDown
       k = L.inter;
-      row = routing.down[c.slot] + static_cast<int64_t>(item) * L.inter;
+      row = routing.down[c.slot] + static_cast<int64_t>(item) * CodeBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4) groups = rq->groups[2][c.slot] + item * GroupBytes<F>(k);
       unit = c.j;
       break;
   }
-  *elems = UnitElems(k, unit);
-  return row + static_cast<int64_t>(unit) * kUnitElems;
+  const int elems = UnitElems(k, unit);
+  if (F != QuantFormat::kNone && c.phase == kRouter)
+    return {row + unit * CodeBytes<QuantFormat::kNone>(kUnitElems), nullptr,
+            CodeBytes<QuantFormat::kNone>(elems), 0};
+  return {row + static_cast<int64_t>(unit) * CodeBytes<F>(kUnitElems),
+          groups ? groups + unit * GroupBytes<F>(kUnitElems) : nullptr, CodeBytes<F>(elems),
+          GroupBytes<F>(elems)};
 }
 
 #if defined(__CUDA_ARCH__)
@@ -299,8 +348,10 @@ __device__ __forceinline__ const uint16_t* UnitSource(const Cursor& c, const Str
 // next unit is an expert's whose routing this block has not computed yet.
 // Runs on one lane of a producer warp per ring (each with its own state): the copies never
 // wait on the consumer's critical path.
-__device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, int num_layers,
-                                    const Dims& d, int num_experts, const Routing& routing) {
+template <QuantFormat F>
+__device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, const PersistentQuant* quant,
+                                    int num_layers, const Dims& d, int num_experts,
+                                    const Routing& routing, const RoutingQuant* rq) {
   int issued = 0;
   while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
     if (r.next.phase >= kGateUp && *reinterpret_cast<const volatile int*>(&routing.layer) != r.next.layer)
@@ -309,16 +360,19 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, int num_
     if (r.hold_o && r.next.phase == kO &&
         *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
-    int elems;
-    const uint16_t* src = UnitSource(r.next, layers[r.next.layer], d, routing, &elems);
-    const int size = elems * 2;
+    const UnitCopy u = UnitSource<F>(r.next, layers[r.next.layer], quant, d, routing, rq);
+    const int size = u.code_bytes + u.group_bytes;
     RingPlace place = r.issue;
     const int off = Place(&place, size, r.bytes);
     if (place.pos - r.free.pos > static_cast<unsigned>(r.bytes)) break;
+    uint64_t* bar = &r.full[r.issued % kInFlight];
+    ArmBarrier(bar, size);
     if (r.evict_first)
-      BulkCopyWithPolicy(r.base + off, src, size, &r.full[r.issued % kInFlight], r.policy);
+      BulkCopyTx(r.base + off, u.codes, u.code_bytes, bar, r.policy);
     else
-      BulkCopy(r.base + off, src, size, &r.full[r.issued % kInFlight]);
+      BulkCopyTx(r.base + off, u.codes, u.code_bytes, bar);
+    if constexpr (F == QuantFormat::kNvfp4)
+      if (u.group_bytes) BulkCopyTx(r.base + off + u.code_bytes, u.groups, u.group_bytes, bar);
     r.issue = place;
     ++r.issued;
     ++issued;
@@ -338,26 +392,71 @@ __device__ __forceinline__ Staged StagedAt(const float* xs, int n, int first) {
   return {lo + first / 8, lo + n / 8 + first / 8};
 }
 
-// The warp's share of a dot product over one unit: w (the unit in shared memory) . x[0, elems).
-__device__ __forceinline__ float UnitDot(const uint4* w, Staged x, int elems) {
+// Eight fp8 E4M3 codes (elements 0-3 in .x, 4-7 in .y) dotted with lo (0-3) and hi (4-7):
+// exact decodes (the sm_89+ cvt to f16x2).
+__device__ __forceinline__ float Dot8Fp8(uint2 codes, float4 lo, float4 hi) {
+  float2 f[4];
+  const uint32_t words[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i & 1))), __NV_E4M3);
+    f[i] = HalfBitsToFloat2(static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16));
+  }
+  return f[0].x * lo.x + f[0].y * lo.y + f[1].x * lo.z + f[1].y * lo.w + f[2].x * hi.x +
+         f[2].y * hi.y + f[3].x * hi.z + f[3].y * hi.w;
+}
+// Eight E2M1 codes (element i in bits 4i of the word) dotted with lo and hi, times 2^-14 (the
+// fp16 decode's: DecodeRowFactor's kE2M1F16Scale puts it back per row).
+__device__ __forceinline__ float Dot8E2M1(uint32_t word, float4 lo, float4 hi) {
+  float2 w[4];  // w[s]: elements s (.x) and s + 4 (.y)
+#pragma unroll
+  for (int s = 0; s < 4; ++s) w[s] = HalfBitsToFloat2(E2M1PairToF16x2Bits(word >> (4 * s)));
+  return w[0].x * lo.x + w[1].x * lo.y + w[2].x * lo.z + w[3].x * lo.w + w[0].y * hi.x +
+         w[1].y * hi.y + w[2].y * hi.z + w[3].y * hi.w;
+}
+
+// The warp's share of a dot product over one unit (in shared memory) with x[0, elems): lane l
+// takes the 8-weight chunks l, l + 32, ..., whose staged activations are bank-conflict free.
+// Quantized builds leave out what multiplies whole rows (the factor: RowFactor); nvfp4's group
+// scales (the unit's tail) multiply each chunk's sum.
+template <QuantFormat F>
+__device__ __forceinline__ float UnitDot(const unsigned char* unit, Staged x, int elems) {
   const int lane = threadIdx.x & 31;
   float acc = 0.f;
 #pragma unroll 4
   for (int c = lane; c < elems / 8; c += 32) {
     const float4 lo = x.lo[c], hi = x.hi[c];
-    const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    acc += Dot8Bf16(w[c], xv);
+    if constexpr (F == QuantFormat::kNone) {
+      const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      acc += Dot8Bf16(reinterpret_cast<const uint4*>(unit)[c], xv);
+    } else if constexpr (F == QuantFormat::kNvfp4) {
+      const __half_raw scale = __nv_cvt_fp8_to_halfraw(unit[CodeBytes<F>(elems) + c / 2], __NV_E4M3);
+      acc += Dot8E2M1(reinterpret_cast<const uint32_t*>(unit)[c], lo, hi) * __half2float(scale);
+    } else {
+      acc += Dot8Fp8(reinterpret_cast<const uint2*>(unit)[c], lo, hi);
+    }
   }
   return acc;
 }
 
+// What multiplies row `row`'s dot product in a quantized build (1 in the bf16 one): the fp8
+// tensor or channel scale, or nvfp4's scale_2 times the 2^14 its decode leaves out.
+template <QuantFormat F>
+__device__ __forceinline__ float RowFactor(const void* factor, int row, DType scale_dtype) {
+  if constexpr (F == QuantFormat::kFp8Tensor) return LoadAsFloat(factor, scale_dtype, 0);
+  if constexpr (F == QuantFormat::kFp8Channel) return LoadAsFloat(factor, scale_dtype, row);
+  if constexpr (F == QuantFormat::kNvfp4) return *static_cast<const float*>(factor) * kE2M1F16Scale;
+  return 1.f;
+}
+
 // Waits for the warp's oldest unit, returns its dot with x, and hands its place back to the
 // producer.
+template <QuantFormat F>
 __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int elems, Staged x) {
   BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
-  const int off = Place(&r.free, elems * 2, r.bytes);
-  const float acc =
-      r.skip_math ? 0.f : UnitDot(reinterpret_cast<const uint4*>(r.base + off), x, elems);
+  const int off = Place(&r.free, UnitBytes<F>(elems), r.bytes);
+  const float acc = r.skip_math ? 0.f : UnitDot<F>(r.base + off, x, elems);
   __syncwarp();  // every lane has read the unit before its place is refilled
   ++r.consumed;
   if ((threadIdx.x & 31) == 0) {
@@ -749,7 +848,15 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
 
 #endif
 
-// Shared memory: [staged activations][16 warp rings]; the mbarriers and the routing are static.
+// Where a quantized build's tables start in dynamic shared memory, after the producer's.
+INFERSWEEP_HD int StreamTableBytes(int num_layers) {
+  return (num_layers * static_cast<int>(sizeof(StreamLayer)) + 127) / 128 * 128;
+}
+
+// Shared memory: [layer tables][staged activations][16 warp rings]; the mbarriers and the
+// routing are static. The layer tables: the producer's StreamLayer per layer, then in quantized
+// builds every layer's PersistentQuant and the RoutingQuant.
+template <QuantFormat F>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     PersistentDecodeKernel(PersistentDecodeArgs a, int table_bytes, int stage_floats,
                            int ring_bytes, int knobs) {
@@ -766,7 +873,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   StreamLayer* layers = reinterpret_cast<StreamLayer*>(smem);  // the producer's table
   for (int l = threadIdx.x; l < num_layers; l += kBlockThreads) {
     const PersistentLayer& L = a.layers[l];
-    layers[l] = {L.q, L.k, L.v, L.o, L.router, L.input_norm, L.inter, L.top_k};
+    layers[l] = {static_cast<const unsigned char*>(L.q), static_cast<const unsigned char*>(L.k),
+                 static_cast<const unsigned char*>(L.v), static_cast<const unsigned char*>(L.o),
+                 L.router, L.input_norm, L.inter, L.top_k};
+  }
+  // Quantized builds: every layer's scales, read by the producers (nvfp4's group scales) and
+  // the consumers (the row factors).
+  PersistentQuant* quant = nullptr;
+  RoutingQuant* rq = nullptr;
+  if constexpr (F != QuantFormat::kNone) {
+    quant = reinterpret_cast<PersistentQuant*>(smem + StreamTableBytes(num_layers));
+    rq = reinterpret_cast<RoutingQuant*>(quant + num_layers);
+    for (int l = threadIdx.x; l < num_layers; l += kBlockThreads) quant[l] = a.quant[l];
   }
   if (threadIdx.x == 0) layer_entry[0] = a.layers[0];
   Dims d;
@@ -776,9 +894,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   d.kv_dim = a.shape.kv_heads * d.head_dim;
   d.warps = gridDim.x * kWarps;
   float* xs = reinterpret_cast<float*>(smem + table_bytes);
-  // Every expert's weight pointers, staged in the router phase past its staged x (the attention
-  // chunk there is consumed; the down projection's h overwrites them after the top-k).
-  const uint16_t** expert_ptr = reinterpret_cast<const uint16_t**>(xs + d.hidden);
+  // Every expert's weight pointers (quantized builds: then their factor sources and nvfp4 group
+  // scales), staged in the router phase past its staged x (the attention chunk there is
+  // consumed; the down projection's h overwrites them after the top-k).
+  const void** expert_ptr = reinterpret_cast<const void**>(xs + d.hidden);
   unsigned char* rings = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float);
   __shared__ Progress progress[kWarps];
   if (threadIdx.x < kWarps) {
@@ -827,12 +946,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         fenced = r.consumed;
       }
-      if (Pump(r, layers, num_layers, d, num_experts, routing) == 0) __nanosleep(idle_ns);
+      if (Pump<F>(r, layers, quant, num_layers, d, num_experts, routing, rq) == 0)
+        __nanosleep(idle_ns);
     }
     return;
   }
   auto knob = [&](int bit) { return (*reinterpret_cast<volatile int*>(&step_knobs) >> bit) & 1; };
-  auto consume = [&](int elems, Staged x) { return ConsumeUnit(r, &progress[warp], elems, x); };
+  auto consume = [&](int elems, Staged x) { return ConsumeUnit<F>(r, &progress[warp], elems, x); };
+  auto consume_bf16 = [&](int elems, Staged x) {  // the router's units
+    return ConsumeUnit<QuantFormat::kNone>(r, &progress[warp], elems, x);
+  };
   auto stamp = [&](int event) {  // TEST ONLY timeline
     if (a.timeline && threadIdx.x == 0) {
       unsigned long long now;
@@ -874,11 +997,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     const float k_gain = t < d.head_dim && L.k_norm ? LoadAsFloat(L.k_norm, a.norm_dtype, t) : 1.f;
     const float2 rope = t < half ? a.rope[static_cast<int64_t>(position()) * half + t] : float2{};
     for (int task = 0, n = TasksOf(d.q_dim + 2 * d.kv_dim, d); task < n; ++task) {
+      float factor = 1.f;  // loaded first: its latency hides under the row's units
+      if constexpr (F != QuantFormat::kNone) {
+        int row;
+        const int m = QkvMatrix(d, d.gw + task * d.warps, &row);
+        if (lane == 0) factor = RowFactor<F>(quant[l].factor[m], row, a.scale_dtype);
+      }
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
         acc += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       acc = WarpSum(acc) * inv;
-      if (lane == 0) a.qkv[d.gw + task * d.warps] = acc;
+      if (lane == 0) a.qkv[d.gw + task * d.warps] = acc * factor;
     }
     if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
     if (t < half) constants.rope[t] = rope;
@@ -896,11 +1025,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // x += o_scale * attn . Wo^T
     Stage(a.attn, d.q_dim, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
+      const int row = d.gw + t * d.warps;
+      float factor = 1.f;
+      if constexpr (F != QuantFormat::kNone)
+        if (lane == 0) factor = RowFactor<F>(quant[l].factor[3], row, a.scale_dtype);
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.q_dim); ++u)
         acc += consume(UnitElems(d.q_dim, u), StagedAt(xs, d.q_dim, u * kUnitElems));
-      acc = WarpSum(acc);
-      const int row = d.gw + t * d.warps;
+      acc = WarpSum(acc) * factor;
       if (lane == 0) {
         const float x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
         a.x[row] = x;
@@ -911,13 +1043,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     if (L.router) {  // logits = RMSNorm(x) . Wr^T, then every block picks the same top-k
       // Every expert's weight pointers, read now so that the top-k's picks cost no round trip.
-      for (int e = threadIdx.x; e < num_experts; e += kThreads)
+      for (int e = threadIdx.x; e < num_experts; e += kThreads) {
         expert_ptr[e] = L.gate[e], expert_ptr[num_experts + e] = L.up[e],
         expert_ptr[2 * num_experts + e] = L.down[e];
+        if constexpr (F != QuantFormat::kNone)
+          for (int p = 0; p < 3; ++p) {
+            expert_ptr[(3 + p) * num_experts + e] = quant[l].expert_factor[p][e];
+            if constexpr (F == QuantFormat::kNvfp4)
+              expert_ptr[(6 + p) * num_experts + e] = quant[l].expert_groups[p][e];
+          }
+      }
       for (int t = 0, n = TasksOf(num_experts, d); t < n; ++t) {
         float acc = 0.f;
         for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
-          acc += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
+          acc += consume_bf16(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
         acc = WarpSum(acc) * inv;
         if (lane == 0) a.logits[d.gw + t * d.warps] = acc;
       }
@@ -927,17 +1066,30 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         float weight;
         WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight);
         if (lane < L.top_k) {
-          routing.gate[lane] = expert_ptr[id];
-          routing.up[lane] = expert_ptr[num_experts + id];
-          routing.down[lane] = expert_ptr[2 * num_experts + id];
+          routing.gate[lane] = static_cast<const unsigned char*>(expert_ptr[id]);
+          routing.up[lane] = static_cast<const unsigned char*>(expert_ptr[num_experts + id]);
+          routing.down[lane] = static_cast<const unsigned char*>(expert_ptr[2 * num_experts + id]);
           routing.weight[lane] = id == L.skip_expert ? 0.f : weight;
+          if constexpr (F != QuantFormat::kNone)
+            for (int p = 0; p < 3; ++p) {
+              rq->factor[p][lane] = expert_ptr[(3 + p) * num_experts + id];
+              if constexpr (F == QuantFormat::kNvfp4)
+                rq->groups[p][lane] =
+                    static_cast<const unsigned char*>(expert_ptr[(6 + p) * num_experts + id]);
+            }
         }
       }
     } else if (threadIdx.x == 0) {  // a dense MLP: one "expert" of weight 1
-      routing.gate[0] = L.gate[0];
-      routing.up[0] = L.up[0];
-      routing.down[0] = L.down[0];
+      routing.gate[0] = static_cast<const unsigned char*>(L.gate[0]);
+      routing.up[0] = static_cast<const unsigned char*>(L.up[0]);
+      routing.down[0] = static_cast<const unsigned char*>(L.down[0]);
       routing.weight[0] = 1.f;
+      if constexpr (F != QuantFormat::kNone)
+        for (int p = 0; p < 3; ++p) {
+          rq->factor[p][0] = quant[l].expert_factor[p][0];
+          if constexpr (F == QuantFormat::kNvfp4)
+            rq->groups[p][0] = static_cast<const unsigned char*>(quant[l].expert_groups[p][0]);
+        }
     }
     ConsumerSync();
     if (threadIdx.x == 0) routing.layer = l;
@@ -945,11 +1097,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // h[slot, j] = silu(gate_slot[j] . xn) * (up_slot[j] . xn)
     const int per_row = UnitsOfRow(d.hidden);
     for (int t = 0, n = TasksOf(L.top_k * L.inter, d); t < n; ++t) {
+      float gate_factor = 1.f, up_factor = 1.f;
+      if constexpr (F != QuantFormat::kNone) {
+        const int item = d.gw + t * d.warps, slot = item / L.inter, j = item - slot * L.inter;
+        if (lane == 0) {
+          gate_factor = RowFactor<F>(rq->factor[0][slot], j, a.scale_dtype);
+          up_factor = RowFactor<F>(rq->factor[1][slot], j, a.scale_dtype);
+        }
+      }
       float gate = 0.f, up = 0.f;
       for (int u = 0; u < per_row; ++u) gate += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       for (int u = 0; u < per_row; ++u) up += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
-      gate = WarpSum(gate) * inv;
-      up = WarpSum(up) * inv;
+      gate = WarpSum(gate) * inv * gate_factor;
+      up = WarpSum(up) * inv * up_factor;
       if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
     }
     sync(&barriers, l, kGateUp);
@@ -970,11 +1130,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
       float acc = 0.f;
       for (int slot = 0; slot < L.top_k; ++slot) {
+        float factor = 1.f;  // a lane's part is scaled before the warp sum
+        if constexpr (F != QuantFormat::kNone)
+          factor = RowFactor<F>(rq->factor[2][slot], d.gw + t * d.warps, a.scale_dtype);
         float part = 0.f;
         for (int u = 0; u < UnitsOfRow(L.inter); ++u)
           part += consume(UnitElems(L.inter, u),
                           StagedAt(xs, L.top_k * L.inter, slot * L.inter + u * kUnitElems));
-        acc += routing.weight[slot] * part;
+        acc += routing.weight[slot] * factor * part;
       }
       acc = WarpSum(acc);
       const int row = d.gw + t * d.warps;
@@ -994,26 +1157,48 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
 int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
-  const int expert_pointers = 3 * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  // The experts' codes; quantized: their factor sources; nvfp4: their group scales.
+  const int tables = s.format == QuantFormat::kNone ? 3 : s.format == QuantFormat::kNvfp4 ? 9 : 6;
+  const int expert_pointers = tables * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
   const int floats = std::max({s.hidden + expert_pointers, q_dim, s.max_top_k * s.max_inter,
                                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 
-// The layer table's bytes at the front of dynamic shared memory (128-byte aligned).
-int TableBytes(int num_layers) {
-  return (num_layers * static_cast<int>(sizeof(StreamLayer)) + 127) / 128 * 128;
+// The layer tables' bytes at the front of dynamic shared memory (128-byte aligned).
+int TableBytes(const PersistentDecodeShape& s) {
+  const int quant = s.format == QuantFormat::kNone
+                        ? 0
+                        : s.num_layers * static_cast<int>(sizeof(PersistentQuant)) +
+                              static_cast<int>(sizeof(RoutingQuant));
+  return StreamTableBytes(s.num_layers) + (quant + 127) / 128 * 128;
 }
 
-// Per-warp ring bytes left by the layer table, the staged activations and the static shared
+// The kernel's build for the weights' format; null for a format it has none for.
+const void* KernelFor(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::kNone:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kNone>);
+    case QuantFormat::kFp8Tensor:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Tensor>);
+    case QuantFormat::kFp8Channel:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
+    case QuantFormat::kNvfp4:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+    default:
+      return nullptr;
+  }
+}
+
+// Per-warp ring bytes left by the layer tables, the staged activations and the static shared
 // memory.
-int RingBytes(const PersistentDecodeShape& s, int num_layers) {
+int RingBytes(const PersistentDecodeShape& s) {
   int device = 0, optin = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   cudaFuncAttributes attributes{};
-  cudaFuncGetAttributes(&attributes, PersistentDecodeKernel);
-  const int dynamic = optin - static_cast<int>(attributes.sharedSizeBytes) - TableBytes(num_layers) -
+  cudaFuncGetAttributes(&attributes, KernelFor(s.format));
+  const int dynamic = optin - static_cast<int>(attributes.sharedSizeBytes) - TableBytes(s) -
                       StageFloats(s) * static_cast<int>(sizeof(float));
   return dynamic / kWarps / 128 * 128;
 }
@@ -1022,6 +1207,15 @@ int RingBytes(const PersistentDecodeShape& s, int num_layers) {
 
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
+  if (!KernelFor(s.format))
+    return absl::StrCat("streams bf16, fp8_tensor, fp8_channel and nvfp4 weights, not ",
+                        QuantFormatName(s.format));
+  // Quantized rows of codes must stay 16-byte aligned: fp8 one byte a weight, nvfp4 half.
+  const int align = s.format == QuantFormat::kNone ? 8 : s.format == QuantFormat::kNvfp4 ? 32 : 16;
+  if (s.hidden % align || q_dim % align || s.max_inter % align)
+    return absl::StrCat(QuantFormatName(s.format), " weights: hidden (", s.hidden, "), q_dim (",
+                        q_dim, ") and the MLP widths (", s.max_inter, ") must be multiples of ",
+                        align, " (16-byte rows of codes)");
   if (s.hidden <= 0 || s.hidden % 8 || q_dim % 8 || s.max_inter % 8)
     return absl::StrCat("hidden (", s.hidden, "), q_dim (", q_dim, ") and the MLP widths (",
                         s.max_inter, ") must be multiples of 8 (16-byte rows)");
@@ -1033,14 +1227,14 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
     return absl::StrCat(s.num_experts, " experts: the in-kernel top-k takes up to ", kMaxExperts);
   if (s.max_top_k > kMaxTopK)
     return absl::StrCat("top-k ", s.max_top_k, ": up to ", kMaxTopK);
-  const int ring = RingBytes(s, s.num_layers);
+  const int ring = RingBytes(s);
   if (ring < kMinRingBytes)
     return absl::StrCat("shared memory: ", ring, " bytes a warp ring after staging ",
                         StageFloats(s), " activations; needs ", kMinRingBytes);
   return "";
 }
 
-int PersistentDecodeRingBytes(const PersistentDecodeShape& s) { return RingBytes(s, s.num_layers); }
+int PersistentDecodeRingBytes(const PersistentDecodeShape& s) { return RingBytes(s); }
 
 size_t PersistentDecodePartialFloats(const PersistentDecodeShape& s) {
   const int splits = std::min(kMaxSplits, std::max(1, PersistentDecodeBlocks() / std::max(1, s.kv_heads)));
@@ -1055,9 +1249,9 @@ int PersistentDecodeBlocks() {
 }
 
 void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
-  const int table_bytes = TableBytes(args.shape.num_layers);
+  const int table_bytes = TableBytes(args.shape);
   const int stage_floats = StageFloats(args.shape);
-  int ring_bytes = RingBytes(args.shape, args.shape.num_layers);
+  int ring_bytes = RingBytes(args.shape);
   // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
   // holds the o projection's weights back until the layer's attention is done, 256 streams the
@@ -1073,7 +1267,7 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   const size_t smem = table_bytes + static_cast<size_t>(stage_floats) * sizeof(float) +
                       static_cast<size_t>(kWarps) * ring_bytes;
   // Per call, not once: the size depends on the model (and the attribute is per device).
-  cudaFuncSetAttribute(PersistentDecodeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaFuncSetAttribute(KernelFor(args.shape.format), cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
   const int sms = PersistentDecodeBlocks();
   cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned), stream);
@@ -1081,8 +1275,23 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   cudaLaunchAttribute cooperative[1];
   cooperative[0].id = cudaLaunchAttributeCooperative;
   cooperative[0].val.cooperative = 1;
-  LaunchWithAttributes(PersistentDecodeKernel, dim3(sms), dim3(kBlockThreads), smem, stream,
-                       cooperative, 1, args, table_bytes, stage_floats, ring_bytes, knobs);
+  auto launch = [&](auto kernel) {
+    LaunchWithAttributes(kernel, dim3(sms), dim3(kBlockThreads), smem, stream, cooperative, 1, args,
+                         table_bytes, stage_floats, ring_bytes, knobs);
+  };
+  switch (args.shape.format) {  // PersistentDecodeUnsupported refused the others
+    case QuantFormat::kFp8Tensor:
+      launch(PersistentDecodeKernel<QuantFormat::kFp8Tensor>);
+      break;
+    case QuantFormat::kFp8Channel:
+      launch(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
+      break;
+    case QuantFormat::kNvfp4:
+      launch(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+      break;
+    default:
+      launch(PersistentDecodeKernel<QuantFormat::kNone>);
+  }
 }
 
 }  // namespace infersweep::cuda

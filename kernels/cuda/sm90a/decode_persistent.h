@@ -9,25 +9,28 @@
 #include <cuda_runtime.h>
 
 #include "engine/dtype.h"
+#include "engine/quant/format.h"
 
 namespace infersweep::cuda {
 
-// One decoder layer as the kernel reads it. Device pointers; bf16 weights, row-major, every row
-// 16-byte aligned.
+// One decoder layer as the kernel reads it. Device pointers; row-major weights, every row
+// 16-byte aligned: bf16, or (PersistentDecodeShape::format) the codes of quantized ones, fp8
+// E4M3 [rows, cols] or nvfp4 [rows, cols / 2] (low nibble first), their scales in
+// PersistentQuant. The router stays bf16 (it is never quantized).
 struct PersistentLayer {
-  const uint16_t* q = nullptr;  // [q_dim, hidden]
-  const uint16_t* k = nullptr;  // [kv_dim, hidden]
-  const uint16_t* v = nullptr;  // [kv_dim, hidden]
-  const uint16_t* o = nullptr;  // [hidden, q_dim]
+  const void* q = nullptr;  // [q_dim, hidden]
+  const void* k = nullptr;  // [kv_dim, hidden]
+  const void* v = nullptr;  // [kv_dim, hidden]
+  const void* o = nullptr;  // [hidden, q_dim]
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]
   const void* q_norm = nullptr;      // [head_dim] or null (no q/k norm)
   const void* k_norm = nullptr;
   const uint16_t* router = nullptr;  // [num_experts, hidden]; null: a dense MLP layer
   // Tables of device pointers, one entry per expert (one for a dense layer's MLP).
-  const uint16_t* const* gate = nullptr;  // [inter, hidden] each
-  const uint16_t* const* up = nullptr;    // [inter, hidden] each
-  const uint16_t* const* down = nullptr;  // [hidden, inter] each
+  const void* const* gate = nullptr;  // [inter, hidden] each
+  const void* const* up = nullptr;    // [inter, hidden] each
+  const void* const* down = nullptr;  // [hidden, inter] each
   int inter = 0;
   int top_k = 1;           // experts a token takes (1 for a dense layer)
   float o_scale = 1.f;     // fault injection (bad-scale): the o projection's output scale
@@ -35,8 +38,23 @@ struct PersistentLayer {
   int nan_after = 0;       // fault injection (nan-layer): x[0] = NaN after this layer
 };
 
+// A quantized layer's scales (PersistentDecodeShape::format fp8_tensor, fp8_channel or nvfp4),
+// per projection; device pointers. What multiplies a row's dot product, its "factor": the fp8
+// tensor scale ([1]) or channel scale ([rows]), in PersistentDecodeArgs::scale_dtype, or nvfp4's
+// scale_2 (fp32 [1]). nvfp4's group scales (E4M3 [rows, cols / 16]) are streamed with the codes.
+struct PersistentQuant {
+  const void* factor[4] = {};  // q, k, v, o
+  const void* groups[4] = {};  // q, k, v, o: nvfp4 only
+  // gate, up, down: device tables, one entry per expert (one for a dense layer's MLP).
+  const void* const* expert_factor[3] = {};
+  const void* const* expert_groups[3] = {};  // nvfp4 only
+};
+
 // The shapes the kernel is compiled around, checked before any launch.
 struct PersistentDecodeShape {
+  // The weights' format: kNone (bf16), kFp8Tensor, kFp8Channel or kNvfp4; each has its own
+  // build of the kernel.
+  QuantFormat format = QuantFormat::kNone;
   int num_layers = 0;
   int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int num_experts = 0;  // router rows (0: no MoE layer)
@@ -47,6 +65,9 @@ struct PersistentDecodeShape {
 struct PersistentDecodeArgs {
   PersistentDecodeShape shape;
   const PersistentLayer* layers = nullptr;  // device array of shape.num_layers
+  // Quantized weights: a device array of shape.num_layers, and the fp8 scales' dtype.
+  const PersistentQuant* quant = nullptr;
+  DType scale_dtype = DType::kF32;
   bool renormalize = false;  // norm_topk_prob
   float eps = 0.f;
   DType norm_dtype = DType::kBF16;
