@@ -422,7 +422,7 @@ class CudaModel final : public Model {
     for (float* p : router_f32_)
       if (p) cudaFree(p);
     if (persistent_buffer_) cudaFree(persistent_buffer_);
-    for (void* p : persistent_scales_) cudaFree(p);
+    for (void* p : persistent_copies_) cudaFree(p);
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
     cudaStreamDestroy(stream_);
@@ -538,10 +538,22 @@ class CudaModel final : public Model {
       if (row_bytes == padded) return m.quant.scale;
       auto copy = DeviceAlloc<uint8_t>(static_cast<size_t>(m.rows * padded));
       if (!copy.ok()) return copy.status();
-      persistent_scales_.push_back(*copy);
+      persistent_copies_.push_back(*copy);
       CUDA_OR_DIE(cudaMemset(*copy, 0, m.rows * padded));
       CUDA_OR_DIE(cudaMemcpy2D(*copy, padded, m.quant.scale, row_bytes, row_bytes, m.rows,
                                cudaMemcpyDeviceToDevice));
+      return *copy;
+    };
+    // The kernel streams the router's column i with o's row i (PersistentLayer::router).
+    auto transposed = [&](const MatrixRef& m) -> absl::StatusOr<const uint16_t*> {
+      std::vector<uint16_t> rows(static_cast<size_t>(m.numel())), columns(rows.size());
+      CUDA_OR_DIE(cudaMemcpy(rows.data(), m.data, rows.size() * 2, cudaMemcpyDeviceToHost));
+      for (int64_t e = 0; e < m.rows; ++e)
+        for (int64_t i = 0; i < m.cols; ++i) columns[i * m.rows + e] = rows[e * m.cols + i];
+      auto copy = DeviceAlloc<uint16_t>(columns.size());
+      if (!copy.ok()) return copy.status();
+      persistent_copies_.push_back(*copy);
+      CUDA_OR_DIE(cudaMemcpy(*copy, columns.data(), columns.size() * 2, cudaMemcpyHostToDevice));
       return *copy;
     };
     auto factor_of = [&](const MatrixRef& m) {
@@ -616,7 +628,9 @@ class CudaModel final : public Model {
         p.k_norm = lw.k_norm.data;
       }
       if (moe) {
-        p.router = static_cast<const uint16_t*>(lw.router.data);
+        auto router = transposed(lw.router);
+        if (!router.ok()) return router.status();
+        p.router = *router;
         p.inter = c.moe_intermediate_size;
         p.top_k = c.num_experts_per_tok;
       } else {
@@ -1555,7 +1569,8 @@ class CudaModel final : public Model {
   // step (layers null: not in use), and the device buffer behind them.
   cuda::PersistentDecodeArgs persistent_;
   void* persistent_buffer_ = nullptr;
-  std::vector<void*> persistent_scales_;  // nvfp4 group scales copied into padded rows
+  // The routers transposed, and nvfp4 group scales copied into padded rows.
+  std::vector<void*> persistent_copies_;
   std::string persistent_timeline_path_;  // TEST ONLY
 };
 

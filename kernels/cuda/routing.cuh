@@ -14,16 +14,19 @@ namespace infersweep::cuda {
 // so the k rounds always pick k distinct experts below num_experts; their weights stay NaN.
 // The logits are read through L2 (__ldcg): the persistent kernel reads them in the launch that
 // wrote them, from another SM.
+// `scale` multiplies every logit as it is read (the persistent kernel's logits are sums of the
+// unnormalised input; its 1 / rms comes after).
 template <int kPerLane>
 __device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, int k,
-                                         bool renormalize, int* my_id, float* my_weight) {
+                                         bool renormalize, int* my_id, float* my_weight,
+                                         float scale = 1.f) {
   const int lane = threadIdx.x & 31;
   float p[kPerLane];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
-    p[i] = e < num_experts ? __ldcg(logits + e) : -INFINITY;
+    p[i] = e < num_experts ? __ldcg(logits + e) * scale : -INFINITY;
     m = fmaxf(m, p[i]);
   }
   m = WarpMax(m);

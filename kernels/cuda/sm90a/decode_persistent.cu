@@ -64,6 +64,8 @@ constexpr int kMinRingBytes = 2 * kUnitElems * 2;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxSplits = 32;  // attention splits a kv head: a warp combines their weights
 
+// kRouter streams nothing and has no barrier: each o row carries its column of the router (the
+// logits are sums over x's rows, formed where each row is made); its timeline slots stay 0.
 enum Phase : int { kQkv, kAttention, kO, kRouter, kGateUp, kDown, kPhaseCount };
 static_assert(kPhaseCount == kPersistentPhases);
 static_assert(sizeof(PersistentLayer) % 8 == 0);  // copied in 8-byte pieces
@@ -147,8 +149,6 @@ __device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const
     case kO:
     case kDown:
       return d.hidden;
-    case kRouter:
-      return L.router ? num_experts : 0;
     case kGateUp:
       return L.top_k * L.inter;
     default:  // attention streams no weights
@@ -157,8 +157,8 @@ __device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const
 }
 __device__ __forceinline__ int TaskUnits(const StreamLayer& L, int phase, const Dims& d) {
   switch (phase) {
-    case kO:
-      return UnitsOfRow(d.q_dim);
+    case kO:  // and the router's column for the row's x
+      return UnitsOfRow(d.q_dim) + (L.router ? 1 : 0);
     case kGateUp:
       return 2 * UnitsOfRow(d.hidden);
     case kDown:
@@ -296,7 +296,8 @@ struct UnitCopy {
 template <QuantFormat F>
 __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLayer& L,
                                                const PersistentQuant* quant, const Dims& d,
-                                               const Routing& routing, const RoutingQuant* rq) {
+                                               int num_experts, const Routing& routing,
+                                               const RoutingQuant* rq) {
   const int item = c.item;
   const unsigned char *row, *groups = nullptr;
   int k = d.hidden, unit = c.unit;
@@ -311,13 +312,12 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
     }
     case kO:
       k = d.q_dim;
+      if (unit == UnitsOfRow(k))  // the router's column (bf16 in every build)
+        return {reinterpret_cast<const unsigned char*>(L.router + static_cast<int64_t>(item) * num_experts),
+                nullptr, CodeBytes<QuantFormat::kNone>(num_experts), 0};
       row = L.o + static_cast<int64_t>(item) * CodeBytes<F>(k);
       if constexpr (F == QuantFormat::kNvfp4)
         groups = static_cast<const unsigned char*>(quant[c.layer].groups[3]) + item * GroupBytes<F>(k);
-      break;
-    case kRouter:  // bf16 in every build
-      row = reinterpret_cast<const unsigned char*>(L.router) +
-            static_cast<int64_t>(item) * CodeBytes<QuantFormat::kNone>(k);
       break;
     case kGateUp: {
       const int per_row = UnitsOfRow(d.hidden);
@@ -335,9 +335,6 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       break;
   }
   const int elems = UnitElems(k, unit);
-  if (F != QuantFormat::kNone && c.phase == kRouter)
-    return {row + unit * CodeBytes<QuantFormat::kNone>(kUnitElems), nullptr,
-            CodeBytes<QuantFormat::kNone>(elems), 0};
   return {row + static_cast<int64_t>(unit) * CodeBytes<F>(kUnitElems),
           groups ? groups + unit * GroupBytes<F>(kUnitElems) : nullptr, CodeBytes<F>(elems),
           GroupBytes<F>(elems)};
@@ -360,7 +357,7 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, const Pe
     if (r.hold_o && r.next.phase == kO &&
         *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
-    const UnitCopy u = UnitSource<F>(r.next, layers[r.next.layer], quant, d, routing, rq);
+    const UnitCopy u = UnitSource<F>(r.next, layers[r.next.layer], quant, d, num_experts, routing, rq);
     const int size = u.code_bytes + u.group_bytes;
     RingPlace place = r.issue;
     const int off = Place(&place, size, r.bytes);
@@ -452,11 +449,13 @@ __device__ __forceinline__ float RowFactor(const void* factor, int row, DType sc
 
 // Waits for the warp's oldest unit, returns its dot with x, and hands its place back to the
 // producer.
-template <QuantFormat F>
-__device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int elems, Staged x) {
+// The warp's oldest unit, of `bytes`, once it has landed.
+__device__ __forceinline__ const unsigned char* WaitUnit(Ring& r, int bytes) {
   BarrierWait(&r.full[r.consumed % kInFlight], (r.consumed / kInFlight) & 1);
-  const int off = Place(&r.free, UnitBytes<F>(elems), r.bytes);
-  const float acc = r.skip_math ? 0.f : UnitDot<F>(r.base + off, x, elems);
+  return r.base + Place(&r.free, bytes, r.bytes);
+}
+// Hands the oldest unit's place back to the producer.
+__device__ __forceinline__ void ReleaseUnit(Ring& r, Progress* progress) {
   __syncwarp();  // every lane has read the unit before its place is refilled
   ++r.consumed;
   if ((threadIdx.x & 31) == 0) {
@@ -465,7 +464,22 @@ __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int el
     __threadfence_block();
     p->consumed = r.consumed;
   }
+}
+template <QuantFormat F>
+__device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int elems, Staged x) {
+  const unsigned char* unit = WaitUnit(r, UnitBytes<F>(elems));
+  const float acc = r.skip_math ? 0.f : UnitDot<F>(unit, x, elems);
+  ReleaseUnit(r, progress);
   return acc;
+}
+// The router's column for row i of x (num_experts bf16): block_logits[e] += xg * Wr[e, i], xg
+// = x[i] * gain[i] on every lane.
+__device__ __forceinline__ void ConsumeRouterColumn(Ring& r, Progress* progress, int num_experts,
+                                                    float xg, float* block_logits) {
+  const uint16_t* column = reinterpret_cast<const uint16_t*>(WaitUnit(r, 2 * num_experts));
+  for (int e = threadIdx.x & 31; e < num_experts; e += 32)
+    atomicAdd(block_logits + e, xg * Bf16ToFloat(column[e]));
+  ReleaseUnit(r, progress);
 }
 
 // A barrier of the consumer warps only (the producer warps never wait on them).
@@ -895,9 +909,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   d.warps = gridDim.x * kWarps;
   float* xs = reinterpret_cast<float*>(smem + table_bytes);
   // Every expert's weight pointers (quantized builds: then their factor sources and nvfp4 group
-  // scales), staged in the router phase past its staged x (the attention chunk there is
-  // consumed; the down projection's h overwrites them after the top-k).
-  const void** expert_ptr = reinterpret_cast<const void**>(xs + d.hidden);
+  // scales), staged in the o phase past its staged attention output (and past the gate/up
+  // phase's x; the down projection's h overwrites them after the top-k).
+  const void** expert_ptr = reinterpret_cast<const void**>(xs + max(d.hidden, d.q_dim));
+  // The logits' sums over this block's rows of x, in the o phase: in attention's constants, dead
+  // from the attention barrier to the next q/k/v phase (a static array of its own took the
+  // bf16 build's rings below three 4 KB units).
+  static_assert(kMaxHeadDim >= kMaxExperts);
+  float* block_logits = constants.q_gain;
   unsigned char* rings = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float);
   __shared__ Progress progress[kWarps];
   if (threadIdx.x < kWarps) {
@@ -953,9 +972,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   }
   auto knob = [&](int bit) { return (*reinterpret_cast<volatile int*>(&step_knobs) >> bit) & 1; };
   auto consume = [&](int elems, Staged x) { return ConsumeUnit<F>(r, &progress[warp], elems, x); };
-  auto consume_bf16 = [&](int elems, Staged x) {  // the router's units
-    return ConsumeUnit<QuantFormat::kNone>(r, &progress[warp], elems, x);
-  };
   auto stamp = [&](int event) {  // TEST ONLY timeline
     if (a.timeline && threadIdx.x == 0) {
       unsigned long long now;
@@ -991,6 +1007,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
     float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+    if (L.router && blockIdx.x == 0)  // the o phase's sums start from zero (the last top-k read
+      for (int e = threadIdx.x; e < num_experts; e += kThreads) a.logits[e] = 0.f;  // them)
     // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
     const int t = threadIdx.x, half = d.head_dim / 2;
     const float q_gain = t < d.head_dim && L.q_norm ? LoadAsFloat(L.q_norm, a.norm_dtype, t) : 1.f;
@@ -1020,51 +1038,64 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                              : nullptr);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
+    if (L.router && threadIdx.x < num_experts) block_logits[threadIdx.x] = 0.f;
     ConsumerSync();
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
-    // x += o_scale * attn . Wo^T
+    // x += o_scale * attn . Wo^T; with a router, each new x[i] times the post-attention norm's
+    // gain[i] times the router's column i summed into this block's logits: after the barrier
+    // logits = RMSNorm(x) . Wr^T is those sums over the blocks times 1 / rms(x), and the top-k
+    // needs no phase (and no barrier) of its own.
     Stage(a.attn, d.q_dim, xs);
+    if (L.router) {  // every expert's weight pointers, so that the top-k's picks cost no round
+      // trip: copied asynchronously (landed before the barrier), no thread waits on them here
+      constexpr int kTables = F == QuantFormat::kNone ? 3 : F == QuantFormat::kNvfp4 ? 9 : 6;
+      for (int i = threadIdx.x; i < kTables * num_experts; i += kThreads) {
+        const int table = i / num_experts;
+        const void* const* src = table == 0 ? L.gate : table == 1 ? L.up : L.down;
+        if constexpr (F != QuantFormat::kNone)
+          if (table >= 3) src = table < 6 ? quant[l].expert_factor[table - 3] : quant[l].expert_groups[table - 6];
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(expert_ptr + i)),
+                     "l"(src + (i - table * num_experts))
+                     : "memory");
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
       const int row = d.gw + t * d.warps;
       float factor = 1.f;
       if constexpr (F != QuantFormat::kNone)
         if (lane == 0) factor = RowFactor<F>(quant[l].factor[3], row, a.scale_dtype);
+      const float gain = L.router && lane == 0 ? LoadAsFloat(L.post_norm, a.norm_dtype, row) : 0.f;
       float acc = 0.f;
       for (int u = 0; u < UnitsOfRow(d.q_dim); ++u)
         acc += consume(UnitElems(d.q_dim, u), StagedAt(xs, d.q_dim, u * kUnitElems));
       acc = WarpSum(acc) * factor;
+      float x = 0.f;
       if (lane == 0) {
-        const float x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
+        x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
         a.x[row] = x;
         if (t == 0) x_own = x;
       }
+      if (L.router)
+        ConsumeRouterColumn(r, &progress[warp], num_experts, __shfl_sync(0xffffffffu, x * gain, 0),
+                            block_logits);
     }
-    sync(&barriers, l, kO);
-    inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
-    if (L.router) {  // logits = RMSNorm(x) . Wr^T, then every block picks the same top-k
-      // Every expert's weight pointers, read now so that the top-k's picks cost no round trip.
+    if (L.router) {  // this block's sums into the grid's (zeroed in this layer's q/k/v phase)
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the expert pointers
+      ConsumerSync();
       for (int e = threadIdx.x; e < num_experts; e += kThreads) {
-        expert_ptr[e] = L.gate[e], expert_ptr[num_experts + e] = L.up[e],
-        expert_ptr[2 * num_experts + e] = L.down[e];
-        if constexpr (F != QuantFormat::kNone)
-          for (int p = 0; p < 3; ++p) {
-            expert_ptr[(3 + p) * num_experts + e] = quant[l].expert_factor[p][e];
-            if constexpr (F == QuantFormat::kNvfp4)
-              expert_ptr[(6 + p) * num_experts + e] = quant[l].expert_groups[p][e];
-          }
+        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e), "f"(block_logits[e])
+                     : "memory");
+        block_logits[e] = 0.f;
       }
-      for (int t = 0, n = TasksOf(num_experts, d); t < n; ++t) {
-        float acc = 0.f;
-        for (int u = 0; u < UnitsOfRow(d.hidden); ++u)
-          acc += consume_bf16(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
-        acc = WarpSum(acc) * inv;
-        if (lane == 0) a.logits[d.gw + t * d.warps] = acc;
-      }
-      sync(&barriers, l, kRouter);
+    }
+    sync(&barriers, l, kO);  // its release covers the block's reductions (through the block barrier)
+    inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+    if (L.router) {  // every block picks the same top-k
       if (warp == 0) {
         int id;
         float weight;
-        WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight);
+        WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight, inv);
         if (lane < L.top_k) {
           routing.gate[lane] = static_cast<const unsigned char*>(expert_ptr[id]);
           routing.up[lane] = static_cast<const unsigned char*>(expert_ptr[num_experts + id]);
@@ -1160,7 +1191,7 @@ int StageFloats(const PersistentDecodeShape& s) {
   // The experts' codes; quantized: their factor sources; nvfp4: their group scales.
   const int tables = s.format == QuantFormat::kNone ? 3 : s.format == QuantFormat::kNvfp4 ? 9 : 6;
   const int expert_pointers = tables * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
-  const int floats = std::max({s.hidden + expert_pointers, q_dim, s.max_top_k * s.max_inter,
+  const int floats = std::max({std::max(s.hidden, q_dim) + expert_pointers, s.max_top_k * s.max_inter,
                                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
@@ -1223,8 +1254,9 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
     return absl::StrCat("head_dim ", s.head_dim, ": needs a multiple of 32 up to 256");
   if (s.kv_heads <= 0 || s.q_heads % s.kv_heads)
     return absl::StrCat("q_heads ", s.q_heads, " is not a multiple of kv_heads ", s.kv_heads);
-  if (s.num_experts > kMaxExperts)
-    return absl::StrCat(s.num_experts, " experts: the in-kernel top-k takes up to ", kMaxExperts);
+  if (s.num_experts > kMaxExperts || s.num_experts % 8)
+    return absl::StrCat(s.num_experts, " experts: the in-kernel top-k takes up to ", kMaxExperts,
+                        ", a multiple of 8 (16-byte router columns)");
   if (s.max_top_k > kMaxTopK)
     return absl::StrCat("top-k ", s.max_top_k, ": up to ", kMaxTopK);
   const int ring = RingBytes(s);

@@ -26,7 +26,9 @@ struct PersistentLayer {
   const void* post_norm = nullptr;   // [hidden]
   const void* q_norm = nullptr;      // [head_dim] or null (no q/k norm)
   const void* k_norm = nullptr;
-  const uint16_t* router = nullptr;  // [num_experts, hidden]; null: a dense MLP layer
+  // The router transposed, [hidden, num_experts] (row i: what x[i] adds to each logit, streamed
+  // with o's row i); null: a dense MLP layer.
+  const uint16_t* router = nullptr;
   // Tables of device pointers, one entry per expert (one for a dense layer's MLP).
   const void* const* gate = nullptr;  // [inter, hidden] each
   const void* const* up = nullptr;    // [inter, hidden] each
@@ -80,7 +82,7 @@ struct PersistentDecodeArgs {
   // Scratch written and read inside the launch.
   float* qkv = nullptr;     // [q_dim + 2 kv_dim]
   float* attn = nullptr;    // [q_dim]
-  float* logits = nullptr;  // [num_experts]
+  float* logits = nullptr;  // [num_experts]: sum_i x[i] gain[i] Wr[e, i], summed by atomics
   float* h = nullptr;       // [max_top_k * max_inter]
   float* partials = nullptr;  // [PersistentDecodePartialFloats(shape)]: attention's splits
   // [PersistentDecodeCounters(shape)]: the grid barrier's counter, then one per layer and kv
