@@ -1453,7 +1453,8 @@ class CudaModel final : public Model {
         {&qkv_, r * (config_.q_dim() + 2 * config_.kv_dim())},
         {&v_, r * config_.kv_dim()}, {&attn_, r * config_.q_dim()}, {&o_, r * hidden},
         {&y_, r * hidden}, {&gate_, r * inter}, {&up_, r * inter},
-        {&router_, r * std::max(config_.num_experts, 1)}, {&expert_weights_, r * k},
+        // + 1: graphs=persistent's sum of squares of x, after the logits' sums
+        {&router_, r * std::max(config_.num_experts, 1) + 1}, {&expert_weights_, r * k},
         {&moe_h_, r * k * moe_inter}, {&moe_out_, r * k * hidden}, {&moe_in_, r * k * hidden},
         {&route_weight_, r * k},
         // naive: materialised scores; flash: the splits' partial softmaxes

@@ -521,10 +521,10 @@ __device__ __forceinline__ void GainsAhead(const void* gain, DType gain_dtype, i
   if (line < lines) PrefetchLineL2EvictLast(static_cast<const char*>(gain) + line * 128);
 }
 
-// xs = x * gain over [0, n) in the Staged layout; returns 1 / rms(x). Reads x through L2 (other SMs
-// wrote it in this launch). Ends with every thread past a block barrier.
-__device__ __forceinline__ float StageNormed(const float* x, const void* gain, DType gain_dtype,
-                                             int n, float eps, float* xs, float* scratch) {
+// xs = x * gain over [0, n) in the Staged layout; returns the thread's share of sum x^2. Reads x
+// through L2 (other SMs wrote it in this launch). No barrier.
+__device__ __forceinline__ float StageScaled(const float* x, const void* gain, DType gain_dtype,
+                                             int n, float* xs) {
   float sum_sq = 0.f;
   for (int q = threadIdx.x; q < n / 4; q += kThreads) {
     float4 v = __ldcg(reinterpret_cast<const float4*>(x) + q);
@@ -535,6 +535,12 @@ __device__ __forceinline__ float StageNormed(const float* x, const void* gain, D
     v.w *= LoadAsFloat(gain, gain_dtype, 4 * q + 3);
     reinterpret_cast<float4*>(xs)[(q & 1) * (n / 8) + (q >> 1)] = v;  // the Staged layout
   }
+  return sum_sq;
+}
+// StageScaled, then 1 / rms(x). Ends with every thread past a block barrier.
+__device__ __forceinline__ float StageNormed(const float* x, const void* gain, DType gain_dtype,
+                                             int n, float eps, float* xs, float* scratch) {
+  const float sum_sq = StageScaled(x, gain, gain_dtype, n, xs);
   return rsqrtf(BlockSum(sum_sq, scratch, Consumers{}) / n + eps);  // its barriers publish xs
 }
 
@@ -1008,7 +1014,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
     float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     if (L.router && blockIdx.x == 0)  // the o phase's sums start from zero (the last top-k read
-      for (int e = threadIdx.x; e < num_experts; e += kThreads) a.logits[e] = 0.f;  // them)
+      for (int e = threadIdx.x; e <= num_experts; e += kThreads) a.logits[e] = 0.f;  // them)
     // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
     const int t = threadIdx.x, half = d.head_dim / 2;
     const float q_gain = t < d.head_dim && L.q_norm ? LoadAsFloat(L.q_norm, a.norm_dtype, t) : 1.f;
@@ -1038,7 +1044,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                              : nullptr);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
-    if (L.router && threadIdx.x < num_experts) block_logits[threadIdx.x] = 0.f;
+    if (L.router && threadIdx.x <= num_experts) block_logits[threadIdx.x] = 0.f;
     ConsumerSync();
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     // x += o_scale * attn . Wo^T; with a router, each new x[i] times the post-attention norm's
@@ -1076,22 +1082,24 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         a.x[row] = x;
         if (t == 0) x_own = x;
       }
-      if (L.router)
+      if (L.router) {
+        if (lane == 0) atomicAdd(block_logits + num_experts, x * x);  // the norm's sum of squares
         ConsumeRouterColumn(r, &progress[warp], num_experts, __shfl_sync(0xffffffffu, x * gain, 0),
                             block_logits);
+      }
     }
     if (L.router) {  // this block's sums into the grid's (zeroed in this layer's q/k/v phase)
       asm volatile("cp.async.wait_all;" ::: "memory");  // the expert pointers
       ConsumerSync();
-      for (int e = threadIdx.x; e < num_experts; e += kThreads) {
+      for (int e = threadIdx.x; e <= num_experts; e += kThreads)
         asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e), "f"(block_logits[e])
                      : "memory");
-        block_logits[e] = 0.f;
-      }
     }
     sync(&barriers, l, kO);  // its release covers the block's reductions (through the block barrier)
-    inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     if (L.router) {  // every block picks the same top-k
+      // The logits and the sum of squares are complete: the top-k starts at once, its loads in
+      // flight with x's staging (no block reduction before it).
+      inv = rsqrtf(__ldcg(a.logits + num_experts) / d.hidden + a.eps);
       if (warp == 0) {
         int id;
         float weight;
@@ -1110,7 +1118,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
             }
         }
       }
-    } else if (threadIdx.x == 0) {  // a dense MLP: one "expert" of weight 1
+      StageScaled(a.x, L.post_norm, a.norm_dtype, d.hidden, xs);  // published by the barriers below
+    } else {  // a dense MLP: one "expert" of weight 1
+      inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+    }
+    if (!L.router && threadIdx.x == 0) {
       routing.gate[0] = static_cast<const unsigned char*>(L.gate[0]);
       routing.up[0] = static_cast<const unsigned char*>(L.up[0]);
       routing.down[0] = static_cast<const unsigned char*>(L.down[0]);

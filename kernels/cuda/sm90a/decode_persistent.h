@@ -82,7 +82,9 @@ struct PersistentDecodeArgs {
   // Scratch written and read inside the launch.
   float* qkv = nullptr;     // [q_dim + 2 kv_dim]
   float* attn = nullptr;    // [q_dim]
-  float* logits = nullptr;  // [num_experts]: sum_i x[i] gain[i] Wr[e, i], summed by atomics
+  // [num_experts + 1]: sum_i x[i] gain[i] Wr[e, i], then sum_i x[i]^2 (the post-attention norm's
+  // rms), summed by atomics in the o phase.
+  float* logits = nullptr;
   float* h = nullptr;       // [max_top_k * max_inter]
   float* partials = nullptr;  // [PersistentDecodePartialFloats(shape)]: attention's splits
   // [PersistentDecodeCounters(shape)]: the grid barrier's counter, then one per layer and kv
