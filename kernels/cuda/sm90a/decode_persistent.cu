@@ -1,7 +1,8 @@
 // The persistent decode step (graphs=persistent): one cooperative kernel runs every layer of a
 // batch-1 decode step, phase after phase, with grid-wide barriers between phases:
-//   q/k/v GEMV (input RMSNorm) | attention (q/k norm, RoPE, KV append) | o GEMV + residual |
-//   router GEMV (post-attention RMSNorm) | top-k | expert gate/up + SiLU | expert down + combine
+//   q/k/v GEMV (input RMSNorm) | attention (q/k norm, RoPE, KV append) |
+//   o GEMV + residual, with the router's logits summed as x's rows are made |
+//   top-k, expert gate/up + SiLU | expert down + combine
 // Why: at batch 1 a layer's weights (113.8 MB on qwen3-30b-a3b, 25.5 us at 4.46 TB/s) were
 // streamed by 9 kernels, each paying its own ramp and tail, and the latency-bound kernels in
 // between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
@@ -15,18 +16,31 @@
 // experts wait for the routing (their rows are unknown until top-k).
 // The activations a phase reads (x, RMS-normalised; attention's output; the experts' h) are
 // staged in shared memory once per block after each barrier.
+// The router has no phase of its own: RMSNorm(x) . Wr^T = (sum_i x[i] gain[i] Wr[:, i]) / rms(x),
+// so each o row i carries column i of the router (a transposed copy), and the warp that makes
+// x[i] adds x[i] gain[i] Wr[:, i] and x[i]^2 to its block's sums, which reach the grid's by
+// red.add before the o barrier; after it every block scales them by 1 / rms(x) in its top-k.
 //
-// Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s; 132 SMs x 16
-// warps x 12 KB rings (three 4 KB units) = 26 MB in flight (the bandwidth-latency product is
-// ~9 MB); K/V 1 MB at context 512; 6 grid barriers at ~1 us. FLOPs are 2 per weight:
-// bandwidth-bound. Measured: 59.6 us a layer (docs/PERFORMANCE.md, ninth session).
+// Weights: bf16, or in their own builds of the kernel (the template's QuantFormat) the codes of
+// fp8_tensor, fp8_channel or nvfp4 weights as qgemm=w8a16 / w4a16 read them: each ring unit is
+// a row's codes (nvfp4: then their E4M3 group scales), decoded in registers (quant_decode.cuh's
+// exact decodes), the row's scale or scale_2 applied to its sum. The router stays bf16.
+//
+// Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s (fp8 58.4 MB,
+// 13.1 us; nvfp4 33.5 MB, 7.5 us); 132 SMs x 16 warps x 12 KB rings (three 4 KB units) = 26 MB in
+// flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
+// ~1 us. FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized builds' gate/up is
+// bounded by the staged x's shared-memory reads (4 bytes a weight). Measured: 57.0 us a layer
+// bf16, 48.3 fp8_channel, 51.1 nvfp4 (docs/PERFORMANCE.md, tenth session).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
 // Numerics follow gemm=fused + attention=flash + moe=fused: fp32 activations and accumulation,
-// bf16 weights, K and V rounded to bf16 as they are cached; the router and top-k are fp32 and the
-// same top-k code (routing.cuh). Attention here runs on CUDA cores in fp32 (the flash decode
-// kernel rounds q to bf16 for its MMAs): results agree to fp32 rounding, not bit for bit.
+// bf16 weights (or exactly decoded codes), K and V rounded to bf16 as they are cached; the router
+// and top-k are fp32 and the same top-k code (routing.cuh), the logits' sums formed in another
+// order (and, across blocks, in the order the atomics land). Attention here runs on CUDA cores
+// in fp32 (the flash decode kernel rounds q to bf16 for its MMAs): results agree to fp32
+// rounding, not bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
