@@ -255,22 +255,26 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       {
         const std::string persistent = fast + ",kv_cache=bf16,graphs=persistent" + qgemm;
         const bool streamed = std::string(preset) == "preset:tiny-moe" &&
-                              std::string(format) != "fp8_block128" && std::string(format) != "mxfp4";
+                              std::string(format) != "fp8_block128" &&
+                              std::string(format) != "mxfp4";
         const TrialResult ok = executor.Execute(GpuRequest(model, persistent));
-        const TrialResult bad = executor.Execute(GpuRequest(model, persistent, "bad-quant-scale:16"));
+        const TrialResult bad =
+            executor.Execute(GpuRequest(model, persistent, "bad-quant-scale:16"));
         if (streamed) {
           EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << persistent << ": " << ok.reason;
           // As in the configs above: tiny-moe's q_norm absorbs fp8_tensor's corrupted scale (the
           // whole q_proj's) and nvfp4's saturates; fp8_channel's one row x16 must be caught.
-          if (std::string(format) == "fp8_channel")
+          if (std::string(format) == "fp8_channel") {
             EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << model << " " << persistent;
+          }
         } else {
           EXPECT_EQ(ok.status, TrialStatus::kUnsupported) << model << ": " << ok.reason;
           EXPECT_THAT(ok.reason, testing::HasSubstr("graphs=persistent")) << model;
         }
         std::printf("# %s %-75s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s; %s\n",
-                    model.c_str(), persistent.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
-                    ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
+                    model.c_str(), persistent.c_str(),
+                    std::string(TrialStatusName(ok.status)).c_str(), ok.verdict.top1_agreement,
+                    ok.verdict.kl_mean, ok.verdict.max_rel_error,
                     std::string(TrialStatusName(bad.status)).c_str(), ok.reason.c_str());
       }
       // qgemm=reference has no fused expert runner (its experts run exactly, through the
@@ -338,19 +342,19 @@ TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
   // splits at most) walk two chunks, the second copied in after the barrier, the new key in it.
   // Attention sums V per lane in vectors of head_dim / 32 (2, 4, 8) or one at a time (any other):
   // head_dim 64 and 96 take the two kinds the presets do not.
-  for (const Case& c : {Case{"preset:tiny-moe", 1100}, Case{"preset:tiny-dense", 40},
-                        Case{"preset:tiny-moe", 70, 64}, Case{"preset:tiny-dense", 70, 96},
-                        Case{"preset:qwen3-30b-a3b", 520}, Case{"preset:tiny-moe@fp8_channel", 70},
-                        Case{"preset:tiny-moe@nvfp4", 70}, Case{"preset:tiny-dense@fp8_tensor", 40},
-                        Case{"preset:qwen3-30b-a3b@fp8_channel", 520},
-                        Case{"preset:qwen3-30b-a3b@nvfp4", 520}}) {
+  for (const Case& c :
+       {Case{"preset:tiny-moe", 1100}, Case{"preset:tiny-dense", 40},
+        Case{"preset:tiny-moe", 70, 64}, Case{"preset:tiny-dense", 70, 96},
+        Case{"preset:qwen3-30b-a3b", 520}, Case{"preset:tiny-moe@fp8_channel", 70},
+        Case{"preset:tiny-moe@nvfp4", 70}, Case{"preset:tiny-dense@fp8_tensor", 40},
+        Case{"preset:qwen3-30b-a3b@fp8_channel", 520}, Case{"preset:qwen3-30b-a3b@nvfp4", 520}}) {
     LoadOptions options{2, 11, false};
     options.head_dim_override = c.head_dim;
     auto host = LoadHostModel(c.model, options);
     ASSERT_TRUE(host.ok()) << host.status();
     const int vocab = (*host)->config.vocab_size;
     const std::string name = c.model;
-    const std::string qgemm = name.find('@') == std::string::npos ? ""
+    const std::string qgemm = name.find('@') == std::string::npos     ? ""
                               : name.find("fp4") != std::string::npos ? ",qgemm=w4a16"
                                                                       : ",qgemm=w8a16";
     std::vector<std::unique_ptr<Model>> models;

@@ -146,7 +146,8 @@ TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
   for (const char* qgemm : {"w4a16", "dequant_bf16"}) {
     BackendConfig fp4 = base;
     fp4["qgemm"] = qgemm;
-    const PreflightResult streamed = Preflight(*NormalizeBackendConfig(fp4), {true, 90, 1, "nvfp4"});
+    const PreflightResult streamed =
+        Preflight(*NormalizeBackendConfig(fp4), {true, 90, 1, "nvfp4"});
     EXPECT_TRUE(streamed.supported) << qgemm << ": " << streamed.reason;
   }
   BackendConfig fp8 = base;

@@ -341,7 +341,7 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
   for (int l = 0; l < layers; ++l)
     for (int p = 0; p < kPhases; ++p) {
       const int arrive = 1 + (l * kPhases + p) * 2;
-      if (at(0, arrive) == 0) continue;  // a dense layer's router
+      if (at(0, arrive) == 0) continue;  // the router (no phase of its own)
       const bool last = l == layers - 1 && p == kPhases - 1;
       double sum_time = 0, sum_work = 0, max_work = 0;
       for (int b = 0; b < blocks; ++b) {
@@ -509,7 +509,8 @@ class CudaModel final : public Model {
       const std::string& qgemm = options_.qgemm;
       if (qgemm != "dequant_bf16" && qgemm != "w8a16" && qgemm != "w4a16")
         return unsupported(absl::StrCat(
-            "streams qgemm=dequant_bf16's copies or qgemm=w8a16 / w4a16's codes, not qgemm=", qgemm));
+            "streams qgemm=dequant_bf16's copies or qgemm=w8a16 / w4a16's codes, not qgemm=",
+            qgemm));
       if (qgemm != "dequant_bf16" && !w_.layers.empty()) {
         format = w_.layers[0].q.quant.format;
         scale_dtype = w_.layers[0].q.quant.scale_dtype;
@@ -637,7 +638,9 @@ class CudaModel final : public Model {
         p.inter = static_cast<int>(lw.mlp.gate.rows);
         p.top_k = 1;
       }
-      const int row_align = format == QuantFormat::kNone ? 8 : format == QuantFormat::kNvfp4 ? 32 : 16;
+      const int row_align = format == QuantFormat::kNone    ? 8
+                            : format == QuantFormat::kNvfp4 ? 32
+                                                            : 16;
       if (p.inter % row_align)
         return unsupported(absl::StrCat(where, "MLP width ", p.inter, " is not a multiple of ",
                                         row_align, " (16-byte rows)"));
@@ -656,9 +659,11 @@ class CudaModel final : public Model {
     std::vector<const void*> pointers;  // every table, in order
     for (const auto& layer : tables)
       for (const auto& projection : layer)
-        for (const auto& table : projection) pointers.insert(pointers.end(), table.begin(), table.end());
+        for (const auto& table : projection)
+          pointers.insert(pointers.end(), table.begin(), table.end());
     const size_t layers_bytes = layers.size() * sizeof(cuda::PersistentLayer);
-    const size_t quant_bytes = format == QuantFormat::kNone ? 0 : quant.size() * sizeof(cuda::PersistentQuant);
+    const size_t quant_bytes =
+        format == QuantFormat::kNone ? 0 : quant.size() * sizeof(cuda::PersistentQuant);
     const size_t tables_bytes = pointers.size() * sizeof(void*);
     const size_t h_bytes = static_cast<size_t>(shape.max_top_k) * shape.max_inter * sizeof(float);
     const char* timeline_path = std::getenv("INFERSWEEP_PERSISTENT_TIMELINE");  // TEST ONLY
@@ -680,13 +685,15 @@ class CudaModel final : public Model {
         for (int kind = 0; kind < 3; ++kind) {
           const void* const* table = device_tables + at;
           at += static_cast<int>(tables[l][proj][kind].size());
-          if (kind == 0) (proj == 0 ? layers[l].gate : proj == 1 ? layers[l].up : layers[l].down) = table;
+          if (kind == 0)
+            (proj == 0 ? layers[l].gate : proj == 1 ? layers[l].up : layers[l].down) = table;
           if (kind == 1) quant[l].expert_factor[proj] = table;
           if (kind == 2) quant[l].expert_groups[proj] = table;
         }
     CUDA_OR_DIE(cudaMemcpy(base, layers.data(), layers_bytes, cudaMemcpyHostToDevice));
     if (quant_bytes)
-      CUDA_OR_DIE(cudaMemcpy(base + layers_bytes, quant.data(), quant_bytes, cudaMemcpyHostToDevice));
+      CUDA_OR_DIE(
+          cudaMemcpy(base + layers_bytes, quant.data(), quant_bytes, cudaMemcpyHostToDevice));
     if (tables_bytes)
       CUDA_OR_DIE(cudaMemcpy(device_tables, pointers.data(), tables_bytes, cudaMemcpyHostToDevice));
     persistent_.shape = shape;

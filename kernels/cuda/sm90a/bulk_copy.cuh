@@ -29,7 +29,8 @@ __device__ __forceinline__ void ArmBarrier(uint64_t* bar, uint32_t bytes) {
 }
 // One bulk copy completing `bytes` of an armed barrier's transaction. dst and src 16-byte
 // aligned, bytes a multiple of 16.
-__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes,
+                                           uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           SharedAddress(dst)),
@@ -37,16 +38,17 @@ __device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t 
       : "memory");
 }
 // BulkCopyTx with an L2 cache policy (EvictFirstPolicy) for the source's lines.
-__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                           uint64_t policy) {
+__device__ __forceinline__ void BulkCopyTx(void* dst, const void* src, uint32_t bytes,
+                                           uint64_t* bar, uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], "
-      "%2, [%3], %4;" ::"r"(SharedAddress(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1], %2, [%3], %4;" ::"r"(SharedAddress(dst)),
       "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
       : "memory");
 }
 // Arms the barrier for `bytes` and starts the one bulk copy that completes them.
-__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
   ArmBarrier(bar, bytes);
   BulkCopyTx(dst, src, bytes, bar);
 }

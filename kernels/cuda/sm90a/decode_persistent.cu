@@ -98,7 +98,7 @@ struct StreamLayer {
 // Quantized builds (F other than kNone): bytes of `elems` weights of a row as streamed. fp8: one
 // code a weight; nvfp4: two codes a byte, then the unit's group scales (one E4M3 byte per 16
 // weights) in rows padded to 16 bytes (the bulk copies' granule), streamed into the same ring
-// unit. bf16: the router in every build, and every weight in the kNone build.
+// unit. bf16: the router's columns in every build, and every weight in the kNone build.
 template <QuantFormat F>
 INFERSWEEP_HD int CodeBytes(int elems) {
   return F == QuantFormat::kNone ? 2 * elems : F == QuantFormat::kNvfp4 ? elems / 2 : elems;
@@ -327,26 +327,31 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
     case kO:
       k = d.q_dim;
       if (unit == UnitsOfRow(k))  // the router's column (bf16 in every build)
-        return {reinterpret_cast<const unsigned char*>(L.router + static_cast<int64_t>(item) * num_experts),
+        return {reinterpret_cast<const unsigned char*>(L.router +
+                                                       static_cast<int64_t>(item) * num_experts),
                 nullptr, CodeBytes<QuantFormat::kNone>(num_experts), 0};
       row = L.o + static_cast<int64_t>(item) * CodeBytes<F>(k);
       if constexpr (F == QuantFormat::kNvfp4)
-        groups = static_cast<const unsigned char*>(quant[c.layer].groups[3]) + item * GroupBytes<F>(k);
+        groups =
+            static_cast<const unsigned char*>(quant[c.layer].groups[3]) + item * GroupBytes<F>(k);
       break;
     case kGateUp: {
       // Quantized builds: gate and up units alternate, the consumer dots each pair with one read
       // of x. bf16: the row's gate units, then its up units (pairs measured 2.4 % slower there).
       const int per_row = UnitsOfRow(d.hidden);
       const int p = F == QuantFormat::kNone ? unit >= per_row : unit & 1;  // 0: gate, 1: up
-      row = (p ? routing.up[c.slot] : routing.gate[c.slot]) + static_cast<int64_t>(c.j) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4) groups = rq->groups[p][c.slot] + c.j * GroupBytes<F>(k);
+      row = (p ? routing.up[c.slot] : routing.gate[c.slot]) +
+            static_cast<int64_t>(c.j) * CodeBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4)
+        groups = rq->groups[p][c.slot] + c.j * GroupBytes<F>(k);
       unit = F == QuantFormat::kNone ? unit - (p ? per_row : 0) : unit >> 1;
       break;
     }
     default:  // kDown
       k = L.inter;
       row = routing.down[c.slot] + static_cast<int64_t>(item) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4) groups = rq->groups[2][c.slot] + item * GroupBytes<F>(k);
+      if constexpr (F == QuantFormat::kNvfp4)
+        groups = rq->groups[2][c.slot] + item * GroupBytes<F>(k);
       unit = c.j;
       break;
   }
@@ -362,9 +367,10 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
 // Runs on one lane of a producer warp per ring (each with its own state): the copies never
 // wait on the consumer's critical path.
 template <QuantFormat F>
-__device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, const PersistentQuant* quant,
-                                    int num_layers, const Dims& d, int num_experts,
-                                    const Routing& routing, const RoutingQuant* rq) {
+__device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers,
+                                    const PersistentQuant* quant, int num_layers, const Dims& d,
+                                    int num_experts, const Routing& routing,
+                                    const RoutingQuant* rq) {
   int issued = 0;
   while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
     if (r.next.phase >= kGateUp && *reinterpret_cast<const volatile int*>(&routing.layer) != r.next.layer)
@@ -373,7 +379,8 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers, const Pe
     if (r.hold_o && r.next.phase == kO &&
         *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
-    const UnitCopy u = UnitSource<F>(r.next, layers[r.next.layer], quant, d, num_experts, routing, rq);
+    const UnitCopy u =
+        UnitSource<F>(r.next, layers[r.next.layer], quant, d, num_experts, routing, rq);
     const int size = u.code_bytes + u.group_bytes;
     RingPlace place = r.issue;
     const int off = Place(&place, size, r.bytes);
@@ -450,7 +457,8 @@ template <QuantFormat F>
 __device__ __forceinline__ float UnitDot(const unsigned char* unit, Staged x, int elems) {
   float acc = 0.f;
 #pragma unroll 4
-  for (int c = threadIdx.x & 31; c < elems / 8; c += 32) acc += ChunkDot<F>(unit, c, elems, x.lo[c], x.hi[c]);
+  for (int c = threadIdx.x & 31; c < elems / 8; c += 32)
+    acc += ChunkDot<F>(unit, c, elems, x.lo[c], x.hi[c]);
   return acc;
 }
 // Two units of the same shape against one read of x (gate and up rows of quantized builds).
@@ -923,9 +931,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   StreamLayer* layers = reinterpret_cast<StreamLayer*>(smem);  // the producer's table
   for (int l = threadIdx.x; l < num_layers; l += kBlockThreads) {
     const PersistentLayer& L = a.layers[l];
-    layers[l] = {static_cast<const unsigned char*>(L.q), static_cast<const unsigned char*>(L.k),
-                 static_cast<const unsigned char*>(L.v), static_cast<const unsigned char*>(L.o),
-                 L.router, L.input_norm, L.inter, L.top_k};
+    layers[l] = {static_cast<const unsigned char*>(L.q),
+                 static_cast<const unsigned char*>(L.k),
+                 static_cast<const unsigned char*>(L.v),
+                 static_cast<const unsigned char*>(L.o),
+                 L.router,
+                 L.input_norm,
+                 L.inter,
+                 L.top_k};
   }
   // Quantized builds: every layer's scales, read by the producers (nvfp4's group scales) and
   // the consumers (the row factors).
@@ -1089,10 +1102,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         const int table = i / num_experts;
         const void* const* src = table == 0 ? L.gate : table == 1 ? L.up : L.down;
         if constexpr (F != QuantFormat::kNone)
-          if (table >= 3) src = table < 6 ? quant[l].expert_factor[table - 3] : quant[l].expert_groups[table - 6];
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(expert_ptr + i)),
-                     "l"(src + (i - table * num_experts))
-                     : "memory");
+          if (table >= 3)
+            src = table < 6 ? quant[l].expert_factor[table - 3] : quant[l].expert_groups[table - 6];
+        asm volatile(
+            "cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(expert_ptr + i)),
+            "l"(src + (i - table * num_experts))
+            : "memory");
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -1122,10 +1137,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       asm volatile("cp.async.wait_all;" ::: "memory");  // the expert pointers
       ConsumerSync();
       for (int e = threadIdx.x; e <= num_experts; e += kThreads)
-        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e), "f"(block_logits[e])
+        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e),
+                     "f"(block_logits[e])
                      : "memory");
     }
-    sync(&barriers, l, kO);  // its release covers the block's reductions (through the block barrier)
+    // The barrier's release covers the block's reductions (through the block barrier).
+    sync(&barriers, l, kO);
     if (L.router) {  // every block picks the same top-k
       // The logits and the sum of squares are complete: the top-k starts at once, its loads in
       // flight with x's staging (no block reduction before it).
@@ -1133,7 +1150,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (warp == 0) {
         int id;
         float weight;
-        WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight, inv);
+        WarpTopK<kMaxExperts / 32>(a.logits, num_experts, L.top_k, a.renormalize, &id, &weight,
+                                   inv);
         if (lane < L.top_k) {
           routing.gate[lane] = static_cast<const unsigned char*>(expert_ptr[id]);
           routing.up[lane] = static_cast<const unsigned char*>(expert_ptr[num_experts + id]);
@@ -1180,8 +1198,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       float gate = 0.f, up = 0.f;
       if constexpr (F == QuantFormat::kNone) {
-        for (int u = 0; u < per_row; ++u) gate += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
-        for (int u = 0; u < per_row; ++u) up += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
+        for (int u = 0; u < per_row; ++u)
+          gate += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
+        for (int u = 0; u < per_row; ++u)
+          up += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       } else {
         // The staged x's shared-memory reads (4 bytes a weight) bounded these builds' gate/up:
         // each pair of units is dotted with one read of it. H200 batch 1: fp8_channel 2.551 ->
@@ -1191,7 +1211,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
           const unsigned char* gate_unit = WaitUnit(r, UnitBytes<F>(elems));
           const unsigned char* up_unit = WaitUnit(r, UnitBytes<F>(elems), 1);
           if (!r.skip_math)
-            UnitDot2<F>(gate_unit, up_unit, StagedAt(xs, d.hidden, u * kUnitElems), elems, &gate, &up);
+            UnitDot2<F>(gate_unit, up_unit, StagedAt(xs, d.hidden, u * kUnitElems), elems, &gate,
+                        &up);
           ReleaseUnit(r, &progress[warp], 2);
         }
       }
@@ -1246,9 +1267,11 @@ int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
   // The experts' codes; quantized: their factor sources; nvfp4: their group scales.
   const int tables = s.format == QuantFormat::kNone ? 3 : s.format == QuantFormat::kNvfp4 ? 9 : 6;
-  const int expert_pointers = tables * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
-  const int floats = std::max({std::max(s.hidden, q_dim) + expert_pointers, s.max_top_k * s.max_inter,
-                               AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
+  const int expert_pointers =
+      tables * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  const int floats =
+      std::max({std::max(s.hidden, q_dim) + expert_pointers, s.max_top_k * s.max_inter,
+                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 

@@ -18,10 +18,10 @@ namespace infersweep::cuda {
 // E4M3 [rows, cols] or nvfp4 [rows, cols / 2] (low nibble first), their scales in
 // PersistentQuant. The router stays bf16 (it is never quantized).
 struct PersistentLayer {
-  const void* q = nullptr;  // [q_dim, hidden]
-  const void* k = nullptr;  // [kv_dim, hidden]
-  const void* v = nullptr;  // [kv_dim, hidden]
-  const void* o = nullptr;  // [hidden, q_dim]
+  const void* q = nullptr;           // [q_dim, hidden]
+  const void* k = nullptr;           // [kv_dim, hidden]
+  const void* v = nullptr;           // [kv_dim, hidden]
+  const void* o = nullptr;           // [hidden, q_dim]
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]
   const void* q_norm = nullptr;      // [head_dim] or null (no q/k norm)
@@ -93,7 +93,7 @@ struct PersistentDecodeArgs {
   // TEST ONLY (profiling): null, or [gridDim][PersistentTimelineEvents(num_layers)] globaltimer
   // stamps (ns) by each block: the kernel's start, then per layer and phase (q/k/v, attention,
   // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
-  // departure (the last layer's down: its end). A dense layer's router slots stay 0. Then per
+  // departure (the last layer's down: its end). The router slots stay 0 (no phase). Then per
   // layer kPersistentAttentionStamps inside the block's attention split: q/k/v loaded and
   // normalised; keys done; partial published and counted; combined (the combining split only).
   unsigned long long* timeline = nullptr;
