@@ -117,6 +117,14 @@ __device__ __forceinline__ float2 HalfBitsToFloat2(uint32_t bits) {
   return __half22float2(h);
 }
 
+// Two E4M3 codes (bits [0, 8) and [8, 16) of `codes`; higher bits ignored) as exact floats: the
+// sm_89+ cvt to f16x2, NaN included.
+__device__ __forceinline__ float2 E4M3PairToFloat2(uint32_t codes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xffffu), __NV_E4M3);
+  return HalfBitsToFloat2(static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16));
+}
+
 // acc[m] += scales * sum over the chunk's weights w[i] * x[m * x_stride + i] for m < rows, where
 // x points at the chunk's first activation (a chunk never straddles a padding gap: 32 and 16
 // divide 32). One decode serves every row.
@@ -154,14 +162,7 @@ __device__ __forceinline__ void ChunkDot(const uint4& codes, const ChunkScale& s
     float part[kRows] = {};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // word i: elements 4i .. 4i + 3, one per byte
-      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>(words[i] & 0xffffu), __NV_E4M3);
-      const __half2_raw hi =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[i] >> 16), __NV_E4M3);
-      const float2 w01 =
-          HalfBitsToFloat2(static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16));
-      const float2 w23 =
-          HalfBitsToFloat2(static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16));
+      const float2 w01 = E4M3PairToFloat2(words[i]), w23 = E4M3PairToFloat2(words[i] >> 16);
 #pragma unroll
       for (int m = 0; m < kRows; ++m) {
         if (m >= rows) break;

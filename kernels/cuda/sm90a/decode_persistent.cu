@@ -111,6 +111,11 @@ template <QuantFormat F>
 INFERSWEEP_HD int UnitBytes(int elems) {
   return CodeBytes<F>(elems) + GroupBytes<F>(elems);
 }
+// Device pointer tables a layer's experts have, staged per expert for the top-k: the codes (or
+// bf16 weights) of gate, up, down; quantized, their factor sources; nvfp4, their group scales.
+INFERSWEEP_HD constexpr int ExpertTables(QuantFormat f) {
+  return f == QuantFormat::kNone ? 3 : f == QuantFormat::kNvfp4 ? 9 : 6;
+}
 
 // The experts a quantized build's top-k picked, past Routing's codes: each slot's factor source
 // and (nvfp4) group scales, per projection (gate, up, down). In dynamic shared memory, so that
@@ -412,17 +417,10 @@ __device__ __forceinline__ Staged StagedAt(const float* xs, int n, int first) {
   return {lo + first / 8, lo + n / 8 + first / 8};
 }
 
-// Eight fp8 E4M3 codes (elements 0-3 in .x, 4-7 in .y) dotted with lo (0-3) and hi (4-7):
-// exact decodes (the sm_89+ cvt to f16x2).
+// Eight fp8 E4M3 codes (elements 0-3 in .x, 4-7 in .y) dotted with lo (0-3) and hi (4-7).
 __device__ __forceinline__ float Dot8Fp8(uint2 codes, float4 lo, float4 hi) {
-  float2 f[4];
-  const uint32_t words[2] = {codes.x, codes.y};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i & 1))), __NV_E4M3);
-    f[i] = HalfBitsToFloat2(static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16));
-  }
+  const float2 f[4] = {E4M3PairToFloat2(codes.x), E4M3PairToFloat2(codes.x >> 16),
+                       E4M3PairToFloat2(codes.y), E4M3PairToFloat2(codes.y >> 16)};
   return f[0].x * lo.x + f[0].y * lo.y + f[1].x * lo.z + f[1].y * lo.w + f[2].x * hi.x +
          f[2].y * hi.y + f[3].x * hi.z + f[3].y * hi.w;
 }
@@ -436,13 +434,12 @@ __device__ __forceinline__ float Dot8E2M1(uint32_t word, float4 lo, float4 hi) {
          w[1].y * hi.y + w[2].y * hi.z + w[3].y * hi.w;
 }
 
-// The warp's share of a dot product over one unit (in shared memory) with x[0, elems): lane l
-// takes the 8-weight chunks l, l + 32, ..., whose staged activations are bank-conflict free.
-// Quantized builds leave out what multiplies whole rows (the factor: RowFactor); nvfp4's group
-// scales (the unit's tail) multiply each chunk's sum.
+// 8-weight chunk c of a unit (in shared memory, `elems` weights) dotted with its staged
+// activations lo and hi. Quantized builds leave out what multiplies whole rows (the factor:
+// RowFactor); nvfp4's group scales (the unit's tail) multiply each chunk's sum.
 template <QuantFormat F>
-__device__ __forceinline__ float ChunkDot(const unsigned char* unit, int c, int elems, float4 lo,
-                                          float4 hi) {
+__device__ __forceinline__ float Dot8(const unsigned char* unit, int c, int elems, float4 lo,
+                                      float4 hi) {
   if constexpr (F == QuantFormat::kNone) {
     const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     return Dot8Bf16(reinterpret_cast<const uint4*>(unit)[c], xv);
@@ -453,12 +450,14 @@ __device__ __forceinline__ float ChunkDot(const unsigned char* unit, int c, int 
     return Dot8Fp8(reinterpret_cast<const uint2*>(unit)[c], lo, hi);
   }
 }
+// The warp's share of a dot product over one unit with x[0, elems): lane l takes the chunks l,
+// l + 32, ..., whose staged activations are bank-conflict free.
 template <QuantFormat F>
 __device__ __forceinline__ float UnitDot(const unsigned char* unit, Staged x, int elems) {
   float acc = 0.f;
 #pragma unroll 4
   for (int c = threadIdx.x & 31; c < elems / 8; c += 32)
-    acc += ChunkDot<F>(unit, c, elems, x.lo[c], x.hi[c]);
+    acc += Dot8<F>(unit, c, elems, x.lo[c], x.hi[c]);
   return acc;
 }
 // Two units of the same shape against one read of x (gate and up rows of quantized builds).
@@ -468,8 +467,8 @@ __device__ __forceinline__ void UnitDot2(const unsigned char* a, const unsigned 
 #pragma unroll 2
   for (int c = threadIdx.x & 31; c < elems / 8; c += 32) {
     const float4 lo = x.lo[c], hi = x.hi[c];
-    *acc_a += ChunkDot<F>(a, c, elems, lo, hi);
-    *acc_b += ChunkDot<F>(b, c, elems, lo, hi);
+    *acc_a += Dot8<F>(a, c, elems, lo, hi);
+    *acc_b += Dot8<F>(b, c, elems, lo, hi);
   }
 }
 
@@ -1097,8 +1096,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     Stage(a.attn, d.q_dim, xs);
     if (L.router) {  // every expert's weight pointers, so that the top-k's picks cost no round
       // trip: copied asynchronously (landed before the barrier), no thread waits on them here
-      constexpr int kTables = F == QuantFormat::kNone ? 3 : F == QuantFormat::kNvfp4 ? 9 : 6;
-      for (int i = threadIdx.x; i < kTables * num_experts; i += kThreads) {
+      for (int i = threadIdx.x; i < ExpertTables(F) * num_experts; i += kThreads) {
         const int table = i / num_experts;
         const void* const* src = table == 0 ? L.gate : table == 1 ? L.up : L.down;
         if constexpr (F != QuantFormat::kNone)
@@ -1265,10 +1263,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
 int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
-  // The experts' codes; quantized: their factor sources; nvfp4: their group scales.
-  const int tables = s.format == QuantFormat::kNone ? 3 : s.format == QuantFormat::kNvfp4 ? 9 : 6;
   const int expert_pointers =
-      tables * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+      ExpertTables(s.format) * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
   const int floats =
       std::max({std::max(s.hidden, q_dim) + expert_pointers, s.max_top_k * s.max_inter,
                 AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
