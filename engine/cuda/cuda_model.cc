@@ -557,6 +557,28 @@ class CudaModel final : public Model {
       CUDA_OR_DIE(cudaMemcpy(*copy, columns.data(), columns.size() * 2, cudaMemcpyHostToDevice));
       return *copy;
     };
+    // The bf16 build's down projections, tiled for the gate/up phase that folds them in
+    // (cuda::PersistentDownTiles): one copy a layer, every expert's (or the dense MLP's) in turn.
+    auto down_tiles = [&](const std::vector<std::array<const MatrixRef*, 3>>& mlps)
+        -> absl::StatusOr<std::vector<const void*>> {
+      const MatrixRef& first = *mlps[0][2];
+      auto copy = DeviceAlloc<uint16_t>(static_cast<size_t>(first.numel()) * mlps.size());
+      if (!copy.ok()) return copy.status();
+      persistent_copies_.push_back(*copy);
+      std::vector<const void*> tiles;
+      for (const auto& mlp : mlps) {
+        const MatrixRef& down = *mlp[2];
+        if (down.rows != first.rows || down.cols != first.cols)
+          return absl::InternalError("experts of one layer with different down shapes");
+        uint16_t* dst = *copy + first.numel() * static_cast<int64_t>(tiles.size());
+        cuda::PersistentDownTiles(static_cast<const uint16_t*>(down.data), dst,
+                                  static_cast<int>(down.rows), static_cast<int>(down.cols),
+                                  stream_);
+        tiles.push_back(dst);
+      }
+      CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+      return tiles;
+    };
     auto factor_of = [&](const MatrixRef& m) {
       return format == QuantFormat::kNvfp4 ? m.quant.global_scale : m.quant.scale;
     };
@@ -612,9 +634,22 @@ class CudaModel final : public Model {
         for (const ExpertWeights& e : lw.experts) mlps.push_back({&e.gate, &e.up, &e.down});
       else
         mlps.push_back({&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down});
-      for (const auto& mlp : mlps)
+      const int inter = static_cast<int>(mlps[0][0]->rows);
+      if (format == QuantFormat::kNone && (inter % 16 || c.hidden_size % 128))
+        return unsupported(absl::StrCat(where, "bf16: MLP width ", inter, " and hidden ",
+                                        c.hidden_size,
+                                        " must be multiples of 16 and 128 (the fused down "
+                                        "projection's tiles)"));
+      std::vector<const void*> tiled;
+      if (format == QuantFormat::kNone) {
+        auto tiles = down_tiles(mlps);
+        if (!tiles.ok()) return tiles.status();
+        tiled = *std::move(tiles);
+      }
+      for (size_t e = 0; e < mlps.size(); ++e)
         for (int proj = 0; proj < 3; ++proj) {
-          tables[l][proj][0].push_back(mlp[proj]->data);
+          const auto& mlp = mlps[e];
+          tables[l][proj][0].push_back(proj == 2 && !tiled.empty() ? tiled[e] : mlp[proj]->data);
           if (format == QuantFormat::kNone) continue;
           tables[l][proj][1].push_back(factor_of(*mlp[proj]));
           if (format != QuantFormat::kNvfp4) continue;
@@ -654,7 +689,7 @@ class CudaModel final : public Model {
     }
     if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
       return unsupported(why);
-    // One device buffer: the layer tables, the experts' pointer tables, h, attention's partials,
+    // One device buffer: the layer tables, the experts' pointer tables, h, x_mlp, attention's partials,
     // the counters (and the TEST ONLY timeline).
     std::vector<const void*> pointers;  // every table, in order
     for (const auto& layer : tables)
@@ -666,6 +701,7 @@ class CudaModel final : public Model {
         format == QuantFormat::kNone ? 0 : quant.size() * sizeof(cuda::PersistentQuant);
     const size_t tables_bytes = pointers.size() * sizeof(void*);
     const size_t h_bytes = static_cast<size_t>(shape.max_top_k) * shape.max_inter * sizeof(float);
+    const size_t x_mlp_bytes = static_cast<size_t>(c.hidden_size) * sizeof(float);
     const char* timeline_path = std::getenv("INFERSWEEP_PERSISTENT_TIMELINE");  // TEST ONLY
     const size_t timeline_bytes =
         timeline_path ? static_cast<size_t>(cuda::PersistentDecodeBlocks()) *
@@ -673,8 +709,8 @@ class CudaModel final : public Model {
                       : 0;
     const size_t partial_bytes = cuda::PersistentDecodePartialFloats(shape) * sizeof(float);
     const size_t counter_bytes = cuda::PersistentDecodeCounters(shape) * sizeof(unsigned);
-    const size_t total = layers_bytes + quant_bytes + tables_bytes + h_bytes + partial_bytes +
-                         counter_bytes + 4 * 256 + timeline_bytes;
+    const size_t total = layers_bytes + quant_bytes + tables_bytes + h_bytes + x_mlp_bytes +
+                         partial_bytes + counter_bytes + 5 * 256 + timeline_bytes;
     auto buffer = DeviceAlloc<char>(total);
     if (!buffer.ok()) return buffer.status();
     persistent_buffer_ = *buffer;
@@ -704,8 +740,8 @@ class CudaModel final : public Model {
     persistent_.renormalize = c.norm_topk_prob;
     persistent_.eps = c.rms_norm_eps;
     persistent_.norm_dtype = norm_dtype;
-    // After the tables, each 256-byte aligned: h, the attention partials, the counters, the
-    // timeline.
+    // After the tables, each 256-byte aligned: h, x_mlp, the attention partials, the counters,
+    // the timeline.
     size_t offset = layers_bytes + quant_bytes + tables_bytes;
     auto take = [&](size_t bytes) {
       offset = (offset + 255) / 256 * 256;
@@ -714,6 +750,7 @@ class CudaModel final : public Model {
       return p;
     };
     persistent_.h = reinterpret_cast<float*>(take(h_bytes));
+    persistent_.x_mlp = reinterpret_cast<float*>(take(x_mlp_bytes));
     persistent_.partials = reinterpret_cast<float*>(take(partial_bytes));
     persistent_.barrier = reinterpret_cast<unsigned*>(take(counter_bytes));
     if (timeline_path) {

@@ -78,6 +78,15 @@ constexpr int kMinRingBytes = 2 * kUnitElems * 2;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxSplits = 32;  // attention splits a kv head: a warp combines their weights
 
+// The bf16 build folds the down projection into the gate/up phase: the down weights are streamed
+// in tiles (PersistentDownTiles' layout) right behind the gate/up rows, and each warp sums one
+// column range of x's update over its block's pairs (DownTile below). The quantized builds keep a
+// down phase of their own (their row factors and group scales run along down's rows).
+template <QuantFormat F>
+constexpr bool kFusedDown = F == QuantFormat::kNone;
+// A down tile: the kWarps rows j of a block's round of pairs, times hidden / kWarps columns.
+constexpr int kTileRows = kWarps;
+
 // kRouter streams nothing and has no barrier: each o row carries its column of the router (the
 // logits are sums over x's rows, formed where each row is made); its timeline slots stay 0.
 enum Phase : int { kQkv, kAttention, kO, kRouter, kGateUp, kDown, kPhaseCount };
@@ -159,29 +168,32 @@ __device__ __forceinline__ int UnitElems(int k, int unit) {
   return min(kUnitElems, k - unit * kUnitElems);
 }
 
-// Work items of a phase (rows, or gate/up pairs), spread over the grid's warps round robin.
-__device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const Dims& d,
-                                          int num_experts) {
+// Work items of a phase (rows, or gate/up pairs; fused: a pair's down tile), spread over the
+// grid's warps round robin.
+template <bool kFused>
+__device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const Dims& d) {
   switch (phase) {
     case kQkv:
       return d.q_dim + 2 * d.kv_dim;
     case kO:
-    case kDown:
       return d.hidden;
+    case kDown:
+      return kFused ? L.top_k * L.inter : d.hidden;
     case kGateUp:
       return L.top_k * L.inter;
     default:  // attention streams no weights
       return 0;
   }
 }
+template <bool kFused>
 __device__ __forceinline__ int TaskUnits(const StreamLayer& L, int phase, const Dims& d) {
   switch (phase) {
     case kO:  // and the router's column for the row's x
       return UnitsOfRow(d.q_dim) + (L.router ? 1 : 0);
     case kGateUp:
       return 2 * UnitsOfRow(d.hidden);
-    case kDown:
-      return L.top_k * UnitsOfRow(L.inter);
+    case kDown:  // fused: a tile of hidden weights
+      return kFused ? UnitsOfRow(d.hidden) : L.top_k * UnitsOfRow(L.inter);
     default:
       return UnitsOfRow(d.hidden);
   }
@@ -204,8 +216,8 @@ struct Cursor {
   int item;   // the phase's work item: a row, or a gate/up (slot, row) pair
   int unit;   // the unit within the item
   int units;  // units of the item
-  int slot;   // gate/up: the item's expert slot; down: the current unit's slot
-  int j;      // gate/up: the item's row; down: the unit within the slot's row
+  int slot;   // gate/up (and fused down): the item's expert slot; down: the current unit's slot
+  int j;      // gate/up (and fused down): the item's row; down: the unit within the slot's row
 };
 
 // A place in a warp's ring: a monotonic byte position and its offset in the ring.
@@ -255,14 +267,15 @@ __device__ __forceinline__ int Place(RingPlace* p, int size, int ring_bytes) {
 
 // Moves c to the first phase (from c.phase of c.layer on) in which this warp has an item at or
 // after c.item, and sets up that item's fields.
+template <bool kFused>
 __device__ __forceinline__ void Settle(Cursor& c, const StreamLayer* layers, int num_layers,
-                                       const Dims& d, int num_experts) {
+                                       const Dims& d) {
   while (c.layer < num_layers) {
     const StreamLayer& L = layers[c.layer];
-    if (c.item < PhaseItems(L, c.phase, d, num_experts)) {
+    if (c.item < PhaseItems<kFused>(L, c.phase, d)) {
       c.unit = 0;
-      c.units = TaskUnits(L, c.phase, d);
-      if (c.phase == kGateUp) {
+      c.units = TaskUnits<kFused>(L, c.phase, d);
+      if (c.phase == kGateUp || (kFused && c.phase == kDown)) {
         c.slot = c.item / L.inter;
         c.j = c.item - c.slot * L.inter;
       } else {
@@ -278,23 +291,24 @@ __device__ __forceinline__ void Settle(Cursor& c, const StreamLayer* layers, int
   }
 }
 
+template <bool kFused>
 __device__ __forceinline__ void Advance(Cursor& c, const StreamLayer* layers, int num_layers,
-                                        const Dims& d, int num_experts) {
+                                        const Dims& d) {
   const StreamLayer& L = layers[c.layer];
-  if (c.phase == kDown && ++c.j == UnitsOfRow(L.inter)) {
+  if (!kFused && c.phase == kDown && ++c.j == UnitsOfRow(L.inter)) {
     c.j = 0;
     ++c.slot;
   }
   if (++c.unit < c.units) return;
   c.unit = 0;
   c.item += d.warps;
-  if (c.phase == kGateUp) {
+  if (c.phase == kGateUp || (kFused && c.phase == kDown)) {
     c.j += d.warps;
     while (c.j >= L.inter) c.j -= L.inter, ++c.slot;
   } else {
     c.slot = c.j = 0;
   }
-  if (c.item >= PhaseItems(L, c.phase, d, num_experts)) Settle(c, layers, num_layers, d, num_experts);
+  if (c.item >= PhaseItems<kFused>(L, c.phase, d)) Settle<kFused>(c, layers, num_layers, d);
 }
 
 // Which of q, k, v row `item` of the stacked [Wq; Wk; Wv] is in, and its row there.
@@ -353,6 +367,10 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       break;
     }
     default:  // kDown
+      if constexpr (kFusedDown<F>) {  // the item's tile: row j of the slot's tiled copy
+        row = routing.down[c.slot] + static_cast<int64_t>(c.j) * CodeBytes<F>(k);
+        break;
+      }
       k = L.inter;
       row = routing.down[c.slot] + static_cast<int64_t>(item) * CodeBytes<F>(k);
       if constexpr (F == QuantFormat::kNvfp4)
@@ -401,7 +419,7 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers,
     r.issue = place;
     ++r.issued;
     ++issued;
-    Advance(r.next, layers, num_layers, d, num_experts);
+    Advance<kFusedDown<F>>(r.next, layers, num_layers, d);
   }
   return issued;
 }
@@ -517,6 +535,54 @@ __device__ __forceinline__ void ConsumeRouterColumn(Ring& r, Progress* progress,
   for (int e = threadIdx.x & 31; e < num_experts; e += 32)
     atomicAdd(block_logits + e, xg * Bf16ToFloat(column[e]));
   ReleaseUnit(r, progress);
+}
+
+// The bf16 build's down projection (kFusedDown): x[cols] += sum_rounds sum_r round_h[round][r] *
+// tile[r][cols], cols this warp's hidden / kWarps columns, one tile (PersistentDownTiles) a round
+// of its block's pairs. Lane l sums the 8 columns of chunk l % groups (groups = the 8-column
+// chunks a tile row has, a power of two up to 32) over the rows of its chunks; the lanes with
+// the same columns are then summed by shuffles, and those of the first `groups` lanes reach x by
+// red.add (the grid's blocks each add theirs; the barrier after publishes them). In registers: 8
+// sums a lane, where a warp-private copy of its columns' sums would not fit in shared memory and
+// shared-memory atomics on floats are compare-and-swap loops on sm_90.
+__device__ __forceinline__ void DownTiles(Ring& r, Progress* progress, int hidden, int rounds,
+                                          const float* round_h, float* x_cols, bool nan_fault) {
+  const int lane = threadIdx.x & 31, cols = hidden / kWarps, groups = cols / 8;
+  const int group_shift = 31 - __clz(groups), unit_rows = kUnitElems / cols;
+  float acc[8] = {};
+  for (int t = 0; t < rounds; ++t)
+    for (int u = 0; u < UnitsOfRow(hidden); ++u) {
+      const int elems = UnitElems(hidden, u);
+      const uint4* unit = reinterpret_cast<const uint4*>(WaitUnit(r, 2 * elems));
+      const float* h = round_h + t * kTileRows + u * unit_rows;
+      if (!r.skip_math)
+#pragma unroll 4
+        for (int c = lane; c < elems / 8; c += 32) {
+          const float w = h[c >> group_shift];
+          const uint4 raw = unit[c];
+          const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(pairs[i]);
+            acc[2 * i] += w * f.x;
+            acc[2 * i + 1] += w * f.y;
+          }
+        }
+      ReleaseUnit(r, progress);
+    }
+  for (int s = groups; s < 32; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], s);
+  if (lane < groups) {
+    if (nan_fault && lane == 0) acc[0] = __int_as_float(0x7fc00000);  // fault injection: x[0]
+    float* dst = x_cols + 8 * lane;
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst),
+                 "f"(acc[0]), "f"(acc[1]), "f"(acc[2]), "f"(acc[3])
+                 : "memory");
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst + 4),
+                 "f"(acc[4]), "f"(acc[5]), "f"(acc[6]), "f"(acc[7])
+                 : "memory");
+  }
 }
 
 // A barrier of the consumer warps only (the producer warps never wait on them).
@@ -997,7 +1063,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (warp >= kWarps) {  // a producer: lane i of producer warp p fills ring p * kRingsPerProducer + i
     if (lane >= kRingsPerProducer) return;
     r.policy = EvictFirstPolicy();
-    Settle(r.next, layers, num_layers, d, num_experts);  // a ring with no q/k/v row starts later
+    Settle<kFusedDown<F>>(r.next, layers, num_layers, d);  // a ring with no q/k/v row starts later
     const volatile Progress* p = &progress[ring];
     // TEST ONLY knobs: 32768 fences on every poll; 65536 / 131072 sleep 256 / 1000 ns when idle.
     const bool always_fence = (knobs >> 15) & 1;
@@ -1041,10 +1107,28 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // here: no dependent read of it after the dot products.
   float x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
   GainsAhead(layer_entry[0].input_norm, a.norm_dtype, d.hidden);
+  // Fused down: each round's kWarps values weight * h of the block's pairs, where the expert
+  // pointers were (dead after the top-k).
+  float* round_h = xs + max(d.hidden, d.q_dim);
+  // The next layer's entry, copied in while the down projection streams (its slot's layer, l - 1,
+  // is done); landed before the barrier ending this layer (cp.async.wait_all).
+  auto NextLayerAhead = [&](int l) {
+    if (l + 1 >= num_layers) return;
+    constexpr int kPieces = sizeof(PersistentLayer) / 8;
+    if (threadIdx.x < kPieces)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(
+                       reinterpret_cast<uint64_t*>(&layer_entry[(l + 1) & 1]) + threadIdx.x)),
+                   "l"(reinterpret_cast<const uint64_t*>(a.layers + l + 1) + threadIdx.x)
+                   : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    GainsAhead(layers[l + 1].input_norm, a.norm_dtype, d.hidden);
+  };
   unsigned barriers = 0;
   for (int l = 0; l < num_layers; ++l) {
     const PersistentLayer& L = layer_entry[l & 1];
     if (l > 0) sync(&barriers, l - 1, kDown);  // the previous layer's down projection is in x
+    // Fused: the blocks' down sums reached x by red.add; read the own row once they all have.
+    if (kFusedDown<F> && l > 0) x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
     // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
     // staged x; the previous phase's h, which they overwrite, is consumed).
     if (static_cast<int>(blockIdx.x) < attention_items()) {
@@ -1123,6 +1207,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (lane == 0) {
         x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
         a.x[row] = x;
+        a.x_mlp[row] = x;
         if (t == 0) x_own = x;
       }
       if (L.router) {
@@ -1164,9 +1249,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
             }
         }
       }
-      StageScaled(a.x, L.post_norm, a.norm_dtype, d.hidden, xs);  // published by the barriers below
+      StageScaled(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, xs);  // published by the barriers below
     } else {  // a dense MLP: one "expert" of weight 1
-      inv = StageNormed(a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+      inv = StageNormed(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     }
     if (!L.router && threadIdx.x == 0) {
       routing.gate[0] = static_cast<const unsigned char*>(L.gate[0]);
@@ -1216,21 +1301,26 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       gate = WarpSum(gate) * inv * gate_factor;
       up = WarpSum(up) * inv * up_factor;
-      if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
+      const float h = gate / (1.f + expf(-gate)) * up;
+      if (lane == 0) {
+        if constexpr (kFusedDown<F>)  // the pair's weight in x, for its block's down tiles
+          round_h[t * kWarps + warp] = h * routing.weight[(d.gw + t * d.warps) / L.inter];
+        else
+          a.h[d.gw + t * d.warps] = h;
+      }
+    }
+    if constexpr (kFusedDown<F>) {
+      ConsumerSync();  // the block's h of every round
+      NextLayerAhead(l);
+      // x[cols] += sum over the block's pairs of weight * h * down[cols, j]: this warp's
+      // columns, a tile a round (its block's kWarps rows j), summed over the grid by red.add.
+      DownTiles(r, &progress[warp], d.hidden, TasksOf(L.top_k * L.inter, d), round_h,
+                a.x + warp * (d.hidden / kWarps), L.nan_after && blockIdx.x == 0 && warp == 0);
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the next layer's entry
+      continue;  // the layer's last phase: the barrier at the next layer's start ends it
     }
     sync(&barriers, l, kGateUp);
-    if (l + 1 < num_layers) {
-      // The next layer's entry, copied in while the down projection streams (its slot's layer,
-      // l - 1, is done); landed before the barrier ending this layer (cp.async.wait_all below).
-      constexpr int kPieces = sizeof(PersistentLayer) / 8;
-      if (threadIdx.x < kPieces)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SharedAddress(
-                         reinterpret_cast<uint64_t*>(&layer_entry[(l + 1) & 1]) + threadIdx.x)),
-                     "l"(reinterpret_cast<const uint64_t*>(a.layers + l + 1) + threadIdx.x)
-                     : "memory");
-      asm volatile("cp.async.commit_group;" ::: "memory");
-      GainsAhead(layers[l + 1].input_norm, a.norm_dtype, d.hidden);
-    }
+    NextLayerAhead(l);
     // x += sum_slot weight_slot * (Wd_slot . h_slot)
     Stage(a.h, L.top_k * L.inter, xs);
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
@@ -1265,8 +1355,14 @@ int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
   const int expert_pointers =
       ExpertTables(s.format) * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  // The bf16 build's fused down projection: kTileRows weights * h a round of the block's pairs.
+  const int warps = PersistentDecodeBlocks() * kWarps;
+  const int round_h = s.format == QuantFormat::kNone
+                          ? (s.max_top_k * s.max_inter + warps - 1) / warps * kTileRows
+                          : 0;
   const int floats =
-      std::max({std::max(s.hidden, q_dim) + expert_pointers, s.max_top_k * s.max_inter,
+      std::max({std::max(s.hidden, q_dim) + std::max(expert_pointers, round_h),
+                s.max_top_k * s.max_inter,
                 AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
@@ -1309,7 +1405,29 @@ int RingBytes(const PersistentDecodeShape& s) {
   return dynamic / kWarps / 128 * 128;
 }
 
+// One thread per (column i, tile group g): the kTileRows weights down[i, g * kTileRows + r]
+// (32 contiguous bytes) into row g * kTileRows + i / cols of the tiles, column r * cols + i % cols.
+__global__ void DownTilesKernel(const uint16_t* down, uint16_t* tiles, int hidden, int inter) {
+  const int cols = hidden / kWarps;
+  const int64_t n = static_cast<int64_t>(hidden) * (inter / kTileRows);
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < n;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(x % hidden), g = static_cast<int>(x / hidden);
+    const uint16_t* src = down + static_cast<int64_t>(i) * inter + g * kTileRows;
+    uint16_t* dst = tiles + static_cast<int64_t>(g * kTileRows + i / cols) * hidden + i % cols;
+    for (int r = 0; r < kTileRows; ++r) dst[r * cols] = src[r];
+  }
+}
+
 }  // namespace
+
+void PersistentDownTiles(const uint16_t* down, uint16_t* tiles, int hidden, int inter,
+                         cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(hidden) * (inter / kTileRows);
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 65536));
+  DownTilesKernel<<<blocks, threads, 0, stream>>>(down, tiles, hidden, inter);
+}
 
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
@@ -1334,6 +1452,15 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
                         ", a multiple of 8 (16-byte router columns)");
   if (s.max_top_k > kMaxTopK)
     return absl::StrCat("top-k ", s.max_top_k, ": up to ", kMaxTopK);
+  if (s.format == QuantFormat::kNone) {  // the fused down projection's tiles (DownTiles)
+    const int groups = s.hidden / (8 * kWarps);
+    if (s.hidden % (8 * kWarps) || groups > 32 || (groups & (groups - 1)))
+      return absl::StrCat("bf16 weights: hidden (", s.hidden, ") must be ", 8 * kWarps,
+                          " times a power of two up to 32 (the down projection's tiles)");
+    if (s.max_inter % kTileRows)
+      return absl::StrCat("bf16 weights: the MLP widths (", s.max_inter, ") must be multiples of ",
+                          kTileRows, " (the down projection's tiles)");
+  }
   const int ring = RingBytes(s);
   if (ring < kMinRingBytes)
     return absl::StrCat("shared memory: ", ring, " bytes a warp ring after staging ",

@@ -32,7 +32,8 @@ struct PersistentLayer {
   // Tables of device pointers, one entry per expert (one for a dense layer's MLP).
   const void* const* gate = nullptr;  // [inter, hidden] each
   const void* const* up = nullptr;    // [inter, hidden] each
-  const void* const* down = nullptr;  // [hidden, inter] each
+  // [hidden, inter] each; in the bf16 build (format kNone) the copies PersistentDownTiles makes.
+  const void* const* down = nullptr;
   int inter = 0;
   int top_k = 1;           // experts a token takes (1 for a dense layer)
   float o_scale = 1.f;     // fault injection (bad-scale): the o projection's output scale
@@ -74,6 +75,7 @@ struct PersistentDecodeArgs {
   float eps = 0.f;
   DType norm_dtype = DType::kBF16;
   float* x = nullptr;  // [hidden]: the residual stream, in and out
+  float* x_mlp = nullptr;  // [hidden]: x after the o projection, what the MLP reads
   uint16_t* k_cache = nullptr;  // bf16 [num_layers][capacity][kv_dim] (batch 1)
   uint16_t* v_cache = nullptr;
   int capacity = 0;
@@ -117,6 +119,14 @@ int PersistentDecodeRingBytes(const PersistentDecodeShape& shape);
 inline int PersistentDecodeCounters(const PersistentDecodeShape& shape) {
   return 1 + shape.num_layers * shape.kv_heads;
 }
+
+// The bf16 build's down weights (the down projection fused into the gate/up phase): down
+// [hidden, inter] bf16 as tiles [inter][hidden], row g * 16 + w holding down[w * c .. (w + 1) * c,
+// g * 16 .. g * 16 + 16) transposed, [16][c] with c = hidden / 16: the rows j of a block's round of
+// gate/up pairs times the columns its warp w sums. inter must be a multiple of 16 and hidden of
+// 128. Asynchronous on `stream`.
+void PersistentDownTiles(const uint16_t* down, uint16_t* tiles, int hidden, int inter,
+                         cudaStream_t stream);
 
 // Empty when the kernel takes these shapes on the current device, else the reason it does not.
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& shape);
