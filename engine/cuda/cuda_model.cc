@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "engine/quant/layout.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
@@ -387,11 +388,32 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
         previous_stamp = at(b, s0 + k);
       }
     }
+  // Per block (and the SM it ran on), the mean work of each phase that has a barrier: which
+  // blocks hold the barriers up (on the H200 the slowest block differs from layer to layer).
+  std::vector<std::string> per_block;
+  for (int b = 0; b < blocks; ++b) {
+    double work[kPhases] = {}, n[kPhases] = {};
+    int from = 0;
+    for (int l = 0; l < layers; ++l)
+      for (int p = 0; p < kPhases; ++p) {
+        const int arrive = 1 + (l * kPhases + p) * 2;
+        if (at(b, arrive) == 0) continue;
+        work[p] += at(b, arrive) - at(b, from);
+        n[p] += 1;
+        from = arrive + 1;
+      }
+    std::string line = absl::StrFormat("# block %3d sm %3llu:", b,
+                                       t[static_cast<size_t>(b + 1) * events - 1]);
+    for (int p = 0; p < kPhases; ++p)
+      if (n[p]) absl::StrAppendFormat(&line, " %s %.2f", kNames[p], work[p] / n[p] / 1e3);
+    per_block.push_back(line);
+  }
   static const char* kSteps[] = {"loads+norm", "keys", "publish", "combine"};
   std::fprintf(f, "# attention steps (us, mean over splits):");
   for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k)
     std::fprintf(f, " %s %.2f", kSteps[k], steps[k] ? step[k] / steps[k] / 1e3 : 0.0);
   std::fprintf(f, "\n");
+  for (const std::string& line : per_block) std::fprintf(f, "%s\n", line.c_str());
   std::fclose(f);
 }
 

@@ -3,6 +3,8 @@
 //   q/k/v GEMV (input RMSNorm) | attention (q/k norm, RoPE, KV append) |
 //   o GEMV + residual, with the router's logits summed as x's rows are made |
 //   top-k, expert gate/up + SiLU | expert down + combine
+// (the bf16 build has no down phase: each block's gate/up pairs are followed by their down
+// weights, tiled so that each warp sums a fixed column range of x's update, added by red.add).
 // Why: at batch 1 a layer's weights (113.8 MB on qwen3-30b-a3b, 25.5 us at 4.46 TB/s) were
 // streamed by 9 kernels, each paying its own ramp and tail, and the latency-bound kernels in
 // between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
@@ -29,9 +31,10 @@
 // Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s (fp8 58.4 MB,
 // 13.1 us; nvfp4 33.5 MB, 7.5 us); 132 SMs x 16 warps x 12 KB rings (three 4 KB units) = 26 MB in
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
-// ~1 us. FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized builds' gate/up is
-// bounded by the staged x's shared-memory reads (4 bytes a weight). Measured: 57.0 us a layer
-// bf16, 48.3 fp8_channel, 51.1 nvfp4 (docs/PERFORMANCE.md, tenth session).
+// ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
+// builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
+// 54.2 us a layer bf16 (eleventh session), 48.3 fp8_channel, 51.1 nvfp4 (tenth session; see
+// docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
@@ -1094,6 +1097,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
   };
   stamp(0);
+  if (a.timeline && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    a.timeline[static_cast<int64_t>(blockIdx.x + 1) * PersistentTimelineEvents(num_layers) - 1] = sm;
+  }
   // The barrier ending phase `phase` of layer `layer`, stamped on both sides.
   auto sync = [&](unsigned* count, int layer, int phase) {
     stamp(1 + (layer * kPhaseCount + phase) * 2);

@@ -98,13 +98,14 @@ struct PersistentDecodeArgs {
   // departure (the last layer's down: its end). The router slots stay 0 (no phase). Then per
   // layer kPersistentAttentionStamps inside the block's attention split: q/k/v loaded and
   // normalised; keys done; partial published and counted; combined (the combining split only).
+  // Last, the SM the block ran on (%smid).
   unsigned long long* timeline = nullptr;
 };
 
 constexpr int kPersistentPhases = 6;
 constexpr int kPersistentAttentionStamps = 4;
 INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) {
-  return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps);
+  return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps) + 1;  // + %smid
 }
 // Where layer l's attention stamps start in a block's row of the timeline.
 INFERSWEEP_HD int PersistentAttentionStamp(int num_layers, int layer) {
