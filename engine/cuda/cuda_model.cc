@@ -402,8 +402,8 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
         n[p] += 1;
         from = arrive + 1;
       }
-    std::string line = absl::StrFormat("# block %3d sm %3llu:", b,
-                                       t[static_cast<size_t>(b + 1) * events - 1]);
+    std::string line =
+        absl::StrFormat("# block %3d sm %3llu:", b, t[static_cast<size_t>(b + 1) * events - 1]);
     for (int p = 0; p < kPhases; ++p)
       if (n[p]) absl::StrAppendFormat(&line, " %s %.2f", kNames[p], work[p] / n[p] / 1e3);
     per_block.push_back(line);
@@ -711,8 +711,8 @@ class CudaModel final : public Model {
     }
     if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
       return unsupported(why);
-    // One device buffer: the layer tables, the experts' pointer tables, h, x_mlp, attention's partials,
-    // the counters (and the TEST ONLY timeline).
+    // One device buffer: the layer tables, the experts' pointer tables, h, x_mlp, attention's
+    // partials, the counters (and the TEST ONLY timeline).
     std::vector<const void*> pointers;  // every table, in order
     for (const auto& layer : tables)
       for (const auto& projection : layer)

@@ -1100,7 +1100,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (a.timeline && threadIdx.x == 0) {
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    a.timeline[static_cast<int64_t>(blockIdx.x + 1) * PersistentTimelineEvents(num_layers) - 1] = sm;
+    a.timeline[static_cast<int64_t>(blockIdx.x + 1) * PersistentTimelineEvents(num_layers) - 1] =
+        sm;
   }
   // The barrier ending phase `phase` of layer `layer`, stamped on both sides.
   auto sync = [&](unsigned* count, int layer, int phase) {
@@ -1257,7 +1258,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
             }
         }
       }
-      StageScaled(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, xs);  // published by the barriers below
+      // Published by the barriers below.
+      StageScaled(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, xs);
     } else {  // a dense MLP: one "expert" of weight 1
       inv = StageNormed(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
     }
@@ -1368,10 +1370,9 @@ int StageFloats(const PersistentDecodeShape& s) {
   const int round_h = s.format == QuantFormat::kNone
                           ? (s.max_top_k * s.max_inter + warps - 1) / warps * kTileRows
                           : 0;
-  const int floats =
-      std::max({std::max(s.hidden, q_dim) + std::max(expert_pointers, round_h),
-                s.max_top_k * s.max_inter,
-                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
+  const int floats = std::max(
+      {std::max(s.hidden, q_dim) + std::max(expert_pointers, round_h), s.max_top_k * s.max_inter,
+       AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 

@@ -75,7 +75,7 @@ struct PersistentDecodeArgs {
   float eps = 0.f;
   DType norm_dtype = DType::kBF16;
   float* x = nullptr;  // [hidden]: the residual stream, in and out
-  float* x_mlp = nullptr;  // [hidden]: x after the o projection, what the MLP reads
+  float* x_mlp = nullptr;       // [hidden]: x after the o projection, what the MLP reads
   uint16_t* k_cache = nullptr;  // bf16 [num_layers][capacity][kv_dim] (batch 1)
   uint16_t* v_cache = nullptr;
   int capacity = 0;
