@@ -1216,7 +1216,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (lane == 0) {
         x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
         a.x[row] = x;
-        a.x_mlp[row] = x;
+        if constexpr (kFusedDown<F>) a.x_mlp[row] = x;  // x itself takes the blocks' down sums
         if (t == 0) x_own = x;
       }
       if (L.router) {
@@ -1259,9 +1259,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         }
       }
       // Published by the barriers below.
-      StageScaled(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, xs);
+      StageScaled(kFusedDown<F> ? a.x_mlp : a.x, L.post_norm, a.norm_dtype, d.hidden, xs);
     } else {  // a dense MLP: one "expert" of weight 1
-      inv = StageNormed(a.x_mlp, L.post_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+      inv = StageNormed(kFusedDown<F> ? a.x_mlp : a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps,
+                        xs, scratch);
     }
     if (!L.router && threadIdx.x == 0) {
       routing.gate[0] = static_cast<const unsigned char*>(L.gate[0]);

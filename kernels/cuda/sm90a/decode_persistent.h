@@ -75,7 +75,9 @@ struct PersistentDecodeArgs {
   float eps = 0.f;
   DType norm_dtype = DType::kBF16;
   float* x = nullptr;  // [hidden]: the residual stream, in and out
-  float* x_mlp = nullptr;       // [hidden]: x after the o projection, what the MLP reads
+  // [hidden]: x after the o projection, what the bf16 build's MLP reads (x itself takes the
+  // blocks' down sums by red.add while slower blocks may still be staging it).
+  float* x_mlp = nullptr;
   uint16_t* k_cache = nullptr;  // bf16 [num_layers][capacity][kv_dim] (batch 1)
   uint16_t* v_cache = nullptr;
   int capacity = 0;
