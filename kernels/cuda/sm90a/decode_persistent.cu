@@ -178,10 +178,11 @@ __device__ __forceinline__ int PhaseItems(const StreamLayer& L, int phase, const
   switch (phase) {
     case kQkv:
       return d.q_dim + 2 * d.kv_dim;
+    case kDown:  // fused: a pair's tile; else a row of x
+      if (kFused) return L.top_k * L.inter;
+      [[fallthrough]];
     case kO:
       return d.hidden;
-    case kDown:
-      return kFused ? L.top_k * L.inter : d.hidden;
     case kGateUp:
       return L.top_k * L.inter;
     default:  // attention streams no weights
@@ -1312,12 +1313,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       gate = WarpSum(gate) * inv * gate_factor;
       up = WarpSum(up) * inv * up_factor;
-      const float h = gate / (1.f + expf(-gate)) * up;
-      if (lane == 0) {
-        if constexpr (kFusedDown<F>)  // the pair's weight in x, for its block's down tiles
-          round_h[t * kWarps + warp] = h * routing.weight[(d.gw + t * d.warps) / L.inter];
-        else
-          a.h[d.gw + t * d.warps] = h;
+      if constexpr (kFusedDown<F>) {  // the pair's weight in x, for its block's down tiles
+        if (lane == 0)
+          round_h[t * kWarps + warp] =
+              gate / (1.f + expf(-gate)) * up * routing.weight[(d.gw + t * d.warps) / L.inter];
+      } else {
+        if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
       }
     }
     if constexpr (kFusedDown<F>) {
