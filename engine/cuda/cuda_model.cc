@@ -675,13 +675,11 @@ class CudaModel final : public Model {
       else
         mlps.push_back({&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down});
       const int inter = static_cast<int>(mlps[0][0]->rows);
-      if (format == QuantFormat::kNone && (inter % 16 || c.hidden_size % 128))
-        return unsupported(absl::StrCat(where, "bf16: MLP width ", inter, " and hidden ",
-                                        c.hidden_size,
-                                        " must be multiples of 16 and 128 (the fused down "
-                                        "projection's tiles)"));
       std::vector<const void*> tiled;
       if (format == QuantFormat::kNone) {
+        if (const std::string why = cuda::PersistentDownTilesUnsupported(c.hidden_size, inter);
+            !why.empty())
+          return unsupported(where + why);
         auto tiles = down_tiles(mlps);
         if (!tiles.ok()) return tiles.status();
         tiled = *std::move(tiles);

@@ -83,7 +83,7 @@ constexpr int kMaxSplits = 32;  // attention splits a kv head: a warp combines t
 
 // The bf16 build folds the down projection into the gate/up phase: the down weights are streamed
 // in tiles (PersistentDownTiles' layout) right behind the gate/up rows, and each warp sums one
-// column range of x's update over its block's pairs (DownTile below). The quantized builds keep a
+// column range of x's update over its block's pairs (DownTiles below). The quantized builds keep a
 // down phase of their own (their row factors and group scales run along down's rows).
 template <QuantFormat F>
 constexpr bool kFusedDown = F == QuantFormat::kNone;
@@ -1440,6 +1440,17 @@ void PersistentDownTiles(const uint16_t* down, uint16_t* tiles, int hidden, int 
   DownTilesKernel<<<blocks, threads, 0, stream>>>(down, tiles, hidden, inter);
 }
 
+std::string PersistentDownTilesUnsupported(int hidden, int inter) {
+  const int groups = hidden / (8 * kWarps);  // DownTiles: 8-column chunks of a tile row
+  if (hidden % (8 * kWarps) || groups > 32 || (groups & (groups - 1)))
+    return absl::StrCat("bf16 weights: hidden (", hidden, ") must be ", 8 * kWarps,
+                        " times a power of two up to 32 (the down projection's tiles)");
+  if (inter % kTileRows)
+    return absl::StrCat("bf16 weights: the MLP width (", inter, ") must be a multiple of ",
+                        kTileRows, " (the down projection's tiles)");
+  return "";
+}
+
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
   if (!KernelFor(s.format))
@@ -1463,15 +1474,9 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
                         ", a multiple of 8 (16-byte router columns)");
   if (s.max_top_k > kMaxTopK)
     return absl::StrCat("top-k ", s.max_top_k, ": up to ", kMaxTopK);
-  if (s.format == QuantFormat::kNone) {  // the fused down projection's tiles (DownTiles)
-    const int groups = s.hidden / (8 * kWarps);
-    if (s.hidden % (8 * kWarps) || groups > 32 || (groups & (groups - 1)))
-      return absl::StrCat("bf16 weights: hidden (", s.hidden, ") must be ", 8 * kWarps,
-                          " times a power of two up to 32 (the down projection's tiles)");
-    if (s.max_inter % kTileRows)
-      return absl::StrCat("bf16 weights: the MLP widths (", s.max_inter, ") must be multiples of ",
-                          kTileRows, " (the down projection's tiles)");
-  }
+  if (s.format == QuantFormat::kNone)
+    if (const std::string why = PersistentDownTilesUnsupported(s.hidden, s.max_inter); !why.empty())
+      return why;
   const int ring = RingBytes(s);
   if (ring < kMinRingBytes)
     return absl::StrCat("shared memory: ", ring, " bytes a warp ring after staging ",

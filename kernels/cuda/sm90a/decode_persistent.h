@@ -130,6 +130,8 @@ inline int PersistentDecodeCounters(const PersistentDecodeShape& shape) {
 // 128. Asynchronous on `stream`.
 void PersistentDownTiles(const uint16_t* down, uint16_t* tiles, int hidden, int inter,
                          cudaStream_t stream);
+// Empty when PersistentDownTiles (and the kernel's tiles) take these shapes, else the reason.
+std::string PersistentDownTilesUnsupported(int hidden, int inter);
 
 // Empty when the kernel takes these shapes on the current device, else the reason it does not.
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& shape);
