@@ -71,21 +71,23 @@ for stage in $STAGES; do
         --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/bench_knobs_$k.json" >"$OUT/bench_knobs_$k.log" 2>&1
       grep -E "^ +[0-9]+ +[0-9]|OK|INCORRECT|ERROR|UNSUPPORTED|spread" "$OUT/bench_knobs_$k.log" | head -6
-      grep -E "layer|attention|q/k/v|gate|down|router|^ *o" "$OUT/timeline_$k.txt" | tail -9
+      grep -v "^# block" "$OUT/timeline_$k.txt" | grep -E "layer|attention|q/k/v|gate|down|router|^ *o" | tail -9
     done
     cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
   ab)  # graphs=persistent at batch 1: the builds AB_BINARIES in .carry (default infersweep_base, a
     # baseline build copied there, then infersweep) in turn, AB_ROUNDS times, each with its
     # timeline: machines differ by ~1 % between calls, so a change is judged against its baseline
-    # within one call
+    # within one call. An entry binary:n runs that build with TEST ONLY knobs n.
     for round in $(seq "${AB_ROUNDS:-2}"); do
-      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
-        echo "# $b"
-        INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b \
+      for entry in ${AB_BINARIES:-infersweep_base infersweep}; do
+        b=${entry%%:*} k=0
+        [ "$b" != "$entry" ] && k=${entry#*:}
+        echo "# $entry"
+        INFERSWEEP_PERSISTENT_KNOBS=$k INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
           --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
           grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
-        tail -9 "$OUT/timeline_$b.txt"
+        grep -v "^# block" "$OUT/timeline_$b.txt" | tail -8
       done
     done ;;
   pprofile)  # where graphs=persistent's warps stall: ncu's sampled source counters (per SASS

@@ -211,6 +211,7 @@ struct Routing {
   float weight[kMaxTopK];
   int layer;  // the layer these are for; -1 before the first
   int attended;  // the last layer whose attention this block is past
+  int started;   // the last layer whose q/k/v phase this block has begun
 };
 
 // Where a warp's producer is in the sequence of units it will consume. Kept without integer
@@ -241,6 +242,15 @@ struct Ring {
   RingPlace issue, free;  // [free, issue) is busy
   int max_in_flight = kInFlight;
   bool skip_math = false, hold_o = false;  // TEST ONLY knobs
+  bool skip_adds = false;  // TEST ONLY: the fused down's sums never reach x (timing only)
+  // With n > 0, at most n - 1 units in flight while the next is a q/k/v unit of a layer this
+  // block has not begun: the next layer's rows, issued while the MLP's slowest blocks still
+  // stream their experts. The bf16 build takes 3 (2 in flight; the ring holds 3): H200
+  // qwen3-30b-a3b batch 1, one call, 2.791 -> 2.770 ms, the MLP phase 29.0 -> 28.2 us a layer
+  // (q/k/v 8.4 -> 9.1); the quantized builds lost with it (fp8_channel 2.543 -> 2.563, nvfp4
+  // 2.655 -> 2.720) and have no cap: their code is left as it was (any change there moves their
+  // register allocation: nvfp4 2.656 against 2.627 ms with a runtime cap of 0).
+  int qkv_cap = 0;
   // Weights are streamed evict-first: each is read once a step, while the activations (x, q/k/v,
   // attention's partials, the logits, h), written by one SM and read by others microseconds
   // later, should stay in L2. (TEST ONLY knob 256 turns it off.)
@@ -406,6 +416,9 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers,
     if (r.hold_o && r.next.phase == kO &&
         *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
+    if (kFusedDown<F> && r.qkv_cap && r.next.phase == kQkv && r.issued - r.consumed >= r.qkv_cap - 1 &&
+        *reinterpret_cast<const volatile int*>(&routing.started) < r.next.layer)
+      break;
     const UnitCopy u =
         UnitSource<F>(r.next, layers[r.next.layer], quant, d, num_experts, routing, rq);
     const int size = u.code_bytes + u.group_bytes;
@@ -545,12 +558,14 @@ __device__ __forceinline__ void ConsumeRouterColumn(Ring& r, Progress* progress,
 // tile[r][cols], cols this warp's hidden / kWarps columns, one tile (PersistentDownTiles) a round
 // of its block's pairs. Lane l sums the 8 columns of chunk l % groups (groups = the 8-column
 // chunks a tile row has, a power of two up to 32) over the rows of its chunks; the lanes with
-// the same columns are then summed by shuffles, and those of the first `groups` lanes reach x by
-// red.add (the grid's blocks each add theirs; the barrier after publishes them). In registers: 8
+// the same columns are then summed by shuffles, and those of the first `groups` lanes reach x (or,
+// with adds, the spread-out down sums: PersistentAddIndex) by red.add (the grid's blocks each
+// add theirs; the barrier after publishes them). In registers: 8
 // sums a lane, where a warp-private copy of its columns' sums would not fit in shared memory and
 // shared-memory atomics on floats are compare-and-swap loops on sm_90.
 __device__ __forceinline__ void DownTiles(Ring& r, Progress* progress, int hidden, int rounds,
-                                          const float* round_h, float* x_cols, bool nan_fault) {
+                                          const float* round_h, float* x, float* adds,
+                                          bool nan_fault) {
   const int lane = threadIdx.x & 31, cols = hidden / kWarps, groups = cols / 8;
   const int group_shift = 31 - __clz(groups), unit_rows = kUnitElems / cols;
   float acc[8] = {};
@@ -577,9 +592,10 @@ __device__ __forceinline__ void DownTiles(Ring& r, Progress* progress, int hidde
   for (int s = groups; s < 32; s <<= 1)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], s);
-  if (lane < groups) {
+  if (lane < groups && !r.skip_adds) {
     if (nan_fault && lane == 0) acc[0] = __int_as_float(0x7fc00000);  // fault injection: x[0]
-    float* dst = x_cols + 8 * lane;
+    const int col = threadIdx.x / 32 * cols + 8 * lane;               // 8 columns of this warp's
+    float* dst = adds ? adds + PersistentAddIndex(col) : x + col;
     asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst),
                  "f"(acc[0]), "f"(acc[1]), "f"(acc[2]), "f"(acc[3])
                  : "memory");
@@ -587,6 +603,13 @@ __device__ __forceinline__ void DownTiles(Ring& r, Progress* progress, int hidde
                  "f"(acc[4]), "f"(acc[5]), "f"(acc[6]), "f"(acc[7])
                  : "memory");
   }
+}
+
+// Row `row` of the residual stream x: x itself plus, with `adds`, the previous layer's down sums
+// (the bf16 build: PersistentDecodeArgs::x_adds).
+__device__ __forceinline__ float ResidualAt(const PersistentDecodeArgs& a, int row, bool adds) {
+  const float x = __ldcg(a.x + row);
+  return adds ? x + __ldcg(a.x_adds + PersistentAddIndex(row)) : x;
 }
 
 // A barrier of the consumer warps only (the producer warps never wait on them).
@@ -628,13 +651,18 @@ __device__ __forceinline__ void GainsAhead(const void* gain, DType gain_dtype, i
   if (line < lines) PrefetchLineL2EvictLast(static_cast<const char*>(gain) + line * 128);
 }
 
-// xs = x * gain over [0, n) in the Staged layout; returns the thread's share of sum x^2. Reads x
+// xs = x * gain over [0, n) in the Staged layout, x plus, with adds, the previous layer's
+// spread-out down sums (PersistentAddIndex); returns the thread's share of sum x^2. Reads x
 // through L2 (other SMs wrote it in this launch). No barrier.
 __device__ __forceinline__ float StageScaled(const float* x, const void* gain, DType gain_dtype,
-                                             int n, float* xs) {
+                                             int n, float* xs, const float* adds = nullptr) {
   float sum_sq = 0.f;
   for (int q = threadIdx.x; q < n / 4; q += kThreads) {
     float4 v = __ldcg(reinterpret_cast<const float4*>(x) + q);
+    if (adds) {
+      const float4 add = __ldcg(reinterpret_cast<const float4*>(adds + PersistentAddIndex(4 * q)));
+      v.x += add.x, v.y += add.y, v.z += add.z, v.w += add.w;
+    }
     sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     v.x *= LoadAsFloat(gain, gain_dtype, 4 * q);
     v.y *= LoadAsFloat(gain, gain_dtype, 4 * q + 1);
@@ -646,8 +674,9 @@ __device__ __forceinline__ float StageScaled(const float* x, const void* gain, D
 }
 // StageScaled, then 1 / rms(x). Ends with every thread past a block barrier.
 __device__ __forceinline__ float StageNormed(const float* x, const void* gain, DType gain_dtype,
-                                             int n, float eps, float* xs, float* scratch) {
-  const float sum_sq = StageScaled(x, gain, gain_dtype, n, xs);
+                                             int n, float eps, float* xs, float* scratch,
+                                             const float* adds = nullptr) {
+  const float sum_sq = StageScaled(x, gain, gain_dtype, n, xs, adds);
   return rsqrtf(BlockSum(sum_sq, scratch, Consumers{}) / n + eps);  // its barriers publish xs
 }
 
@@ -1047,6 +1076,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ int step_position, step_knobs;
   if (threadIdx.x == 0) {
     routing.layer = routing.attended = -1;
+    if (kFusedDown<F>) routing.started = -1;
     step_position = *a.position;
     step_knobs = knobs;
   }
@@ -1064,6 +1094,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   r.skip_math = (knobs >> 5) & 1;
   r.hold_o = (knobs >> 7) & 1;
   r.evict_first = !((knobs >> 8) & 1);
+  if constexpr (kFusedDown<F>) {  // (the quantized builds' code stays as it was: see qkv_cap)
+    r.qkv_cap = (knobs >> 19) & 3;
+    if (!r.qkv_cap) r.qkv_cap = 3;
+    r.skip_adds = (knobs >> 21) & 1;
+  }
   if (warp >= kWarps) {  // a producer: lane i of producer warp p fills ring p * kRingsPerProducer + i
     if (lane >= kRingsPerProducer) return;
     r.policy = EvictFirstPolicy();
@@ -1113,6 +1148,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   auto position = [&] { return *reinterpret_cast<volatile int*>(&step_position); };
   auto attention = [&] { return MakeAttentionShape(a, position(), knob(11)); };
   auto attention_items = [&] { return a.shape.kv_heads * attention().splits; };
+  // Whether the bf16 build's down sums of layer l go to x_adds (zeroed by layer l's o phase)
+  // rather than to x: every layer's but the last's (x is what the lm_head reads).
+  auto has_adds = [&](int l) { return kFusedDown<F> && l >= 0 && l < num_layers - 1; };
   // This warp's residual row (o and down add to it; the warp owns the same rows in both), held
   // here: no dependent read of it after the dot products.
   float x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
@@ -1138,7 +1176,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     const PersistentLayer& L = layer_entry[l & 1];
     if (l > 0) sync(&barriers, l - 1, kDown);  // the previous layer's down projection is in x
     // Fused: the blocks' down sums reached x by red.add; read the own row once they all have.
-    if (kFusedDown<F> && l > 0) x_own = d.gw < d.hidden && lane == 0 ? __ldcg(a.x + d.gw) : 0.f;
+    if (kFusedDown<F> && l > 0)
+      x_own = d.gw < d.hidden && lane == 0 ? ResidualAt(a, d.gw, has_adds(l - 1)) : 0.f;
+    if (kFusedDown<F> && threadIdx.x == 0) routing.started = l;
     // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
     // staged x; the previous phase's h, which they overwrite, is consumed).
     if (static_cast<int>(blockIdx.x) < attention_items()) {
@@ -1148,7 +1188,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                    end, position());
     }
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
-    float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch);
+    float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch,
+                            has_adds(l - 1) ? a.x_adds : nullptr);
     if (L.router && blockIdx.x == 0)  // the o phase's sums start from zero (the last top-k read
       for (int e = threadIdx.x; e <= num_experts; e += kThreads) a.logits[e] = 0.f;  // them)
     // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
@@ -1215,9 +1256,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       acc = WarpSum(acc) * factor;
       float x = 0.f;
       if (lane == 0) {
-        x = (t == 0 ? x_own : __ldcg(a.x + row)) + L.o_scale * acc;
+        x = (t == 0 ? x_own : ResidualAt(a, row, has_adds(l - 1))) + L.o_scale * acc;
         a.x[row] = x;
-        if constexpr (kFusedDown<F>) a.x_mlp[row] = x;  // x itself takes the blocks' down sums
+        if constexpr (kFusedDown<F>) {
+          a.x_mlp[row] = x;  // x itself (or its copies) takes the blocks' down sums
+          if (has_adds(l)) a.x_adds[PersistentAddIndex(row)] = 0.f;
+        }
         if (t == 0) x_own = x;
       }
       if (L.router) {
@@ -1326,8 +1370,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       NextLayerAhead(l);
       // x[cols] += sum over the block's pairs of weight * h * down[cols, j]: this warp's
       // columns, a tile a round (its block's kWarps rows j), summed over the grid by red.add.
-      DownTiles(r, &progress[warp], d.hidden, TasksOf(L.top_k * L.inter, d), round_h,
-                a.x + warp * (d.hidden / kWarps), L.nan_after && blockIdx.x == 0 && warp == 0);
+      DownTiles(r, &progress[warp], d.hidden, TasksOf(L.top_k * L.inter, d), round_h, a.x,
+                has_adds(l) ? a.x_adds : nullptr, L.nan_after && blockIdx.x == 0 && warp == 0);
       asm volatile("cp.async.wait_all;" ::: "memory");  // the next layer's entry
       continue;  // the layer's last phase: the barrier at the next layer's start ends it
     }
@@ -1507,7 +1551,10 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   // holds the o projection's weights back until the layer's attention is done, 256 streams the
   // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
   // barrier, 2048 splits each kv head's keys over the most blocks, 262144 caps the rings at the
-  // eighth session's 11,904 bytes (two 4 KB units).
+  // eighth session's 11,904 bytes (two 4 KB units); 524288 times n (1-3) lets at most n - 1
+  // units be in flight while a ring's next is a q/k/v unit of a layer its block has not begun
+  // (Ring::qkv_cap; the bf16 build's default is 3); 2097152 keeps the bf16 build's down sums out of
+  // x (wrong results: timing only).
   static const int knobs = [] {
     const char* cap = std::getenv("INFERSWEEP_PERSISTENT_IN_FLIGHT");
     const char* bits = std::getenv("INFERSWEEP_PERSISTENT_KNOBS");

@@ -102,9 +102,21 @@ struct PersistentDecodeArgs {
   // normalised; keys done; partial published and counted; combined (the combining split only).
   // Last, the SM the block ran on (%smid).
   unsigned long long* timeline = nullptr;
+  // [PersistentAddFloats(hidden)]: the bf16 build's down sums of every layer but the last, x's
+  // element i at PersistentAddIndex(i) (x at the next layer's start is x plus these). Last, so
+  // that the quantized builds' parameter offsets stay as they were (their register allocation
+  // moves with anything).
+  float* x_adds = nullptr;
 };
 
 constexpr int kPersistentPhases = 6;
+// The bf16 build's down sums (x_adds) are spread out: each 8 floats (the 32 bytes a lane adds by
+// two red.add.v4) at the start of a 128-byte line of their own. Every block adds to every element
+// of x: on x's own 64 lines the red.adds queued (H200, qwen3-30b-a3b: the MLP phase's slowest
+// block 27.4 -> 26.0 us a layer with them spread; four dense copies of x, block b's into copy
+// b % 4, measured the same, at four loads an element for the readers instead of one).
+INFERSWEEP_HD int PersistentAddIndex(int i) { return (i & ~7) * 4 | (i & 7); }
+inline size_t PersistentAddFloats(int hidden) { return static_cast<size_t>(hidden) * 4; }
 constexpr int kPersistentAttentionStamps = 4;
 INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) {
   return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps) + 1;  // + %smid
