@@ -4,7 +4,8 @@
 //   o GEMV + residual, with the router's logits summed as x's rows are made |
 //   top-k, expert gate/up + SiLU | expert down + combine
 // (the bf16 build has no down phase: each block's gate/up pairs are followed by their down
-// weights, tiled so that each warp sums a fixed column range of x's update, added by red.add).
+// weights, tiled so that each warp sums a fixed column range of x's update, added by red.add
+// to a copy of x spread over L2 lines, x_adds, which the next layer reads with x).
 // Why: at batch 1 a layer's weights (113.8 MB on qwen3-30b-a3b, 25.5 us at 4.46 TB/s) were
 // streamed by 9 kernels, each paying its own ramp and tail, and the latency-bound kernels in
 // between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
@@ -33,7 +34,7 @@
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
 // builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 54.2 us a layer bf16 (eleventh session), 48.3 fp8_channel, 51.1 nvfp4 (tenth session; see
+// 53.3 us a layer bf16 (twelfth session), 48.3 fp8_channel, 51.1 nvfp4 (tenth session; see
 // docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
