@@ -249,8 +249,8 @@ struct Ring {
   // stream their experts. The bf16 build takes 3 (2 in flight; the ring holds 3): H200
   // qwen3-30b-a3b batch 1, one call, 2.791 -> 2.770 ms, the MLP phase 29.0 -> 28.2 us a layer
   // (q/k/v 8.4 -> 9.1); the quantized builds lost with it (fp8_channel 2.543 -> 2.563, nvfp4
-  // 2.655 -> 2.720) and have no cap: their code is left as it was (any change there moves their
-  // register allocation: nvfp4 2.656 against 2.627 ms with a runtime cap of 0).
+  // 2.655 -> 2.720) and have no cap: the check is compiled out of them, so that their code stays
+  // the previous commit's (their register allocation moves with any change).
   int qkv_cap = 0;
   // Weights are streamed evict-first: each is read once a step, while the activations (x, q/k/v,
   // attention's partials, the logits, h), written by one SM and read by others microseconds
@@ -1260,7 +1260,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         x = (t == 0 ? x_own : ResidualAt(a, row, has_adds(l - 1))) + L.o_scale * acc;
         a.x[row] = x;
         if constexpr (kFusedDown<F>) {
-          a.x_mlp[row] = x;  // x itself (or its copies) takes the blocks' down sums
+          a.x_mlp[row] = x;  // x (or x_adds) takes the blocks' down sums
           if (has_adds(l)) a.x_adds[PersistentAddIndex(row)] = 0.f;
         }
         if (t == 0) x_own = x;
