@@ -34,7 +34,7 @@
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
 // builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 53.3 us a layer bf16 (twelfth session), 48.3 fp8_channel, 51.1 nvfp4 (tenth session; see
+// 52.0 us a layer bf16, 46.4 fp8_channel, 49.4 nvfp4 (thirteenth session; see
 // docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
@@ -843,11 +843,11 @@ __device__ __forceinline__ void StampAt(unsigned long long* at) {
 }
 
 // stamps: null, or this block's kPersistentAttentionStamps slots of the timeline for the layer.
-// first_chunk_loading: LoadKeyChunk was issued for the item's first chunk.
+// The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v.
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
                             const PersistentLayer& L, int layer, int item, int pos, float* xs,
                             int hidden, const AttentionConstants& constants,
-                            bool first_chunk_loading, unsigned long long* stamps) {
+                            unsigned long long* stamps) {
   const int hd = sh.hd, G = sh.group, S = sh.splits;
   const int kv_head = item % a.shape.kv_heads, split = item / a.shape.kv_heads;
   const int t = threadIdx.x, warp = t / 32, lane = t & 31;
@@ -857,14 +857,25 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
   const AttentionSmem m = AttentionLayout(sh, xs, hidden);
   __shared__ int last_split;
   const int first_q = kv_head * G;
-  for (int i = t; i < G * hd; i += kThreads) m.q[i] = __ldcg(a.qkv + first_q * hd + i);
-  for (int i = t; i < hd; i += kThreads) {
-    m.kn[i] = __ldcg(a.qkv + sh.q_dim + kv_head * hd + i);
-    m.vn[i] = RoundBf16(__ldcg(a.qkv + sh.q_dim + sh.kv_dim + kv_head * hd + i));
+  // The group's q heads, then k and v (m.q, m.kn, m.vn are contiguous), copied in 16-byte pieces
+  // by cp.async: every piece in flight at once, one round trip (plain loads in a loop with a
+  // run-time count were issued one iteration after another: this step 2.24 -> 1.62 us on the
+  // H200, qwen3-30b-a3b). head_dim is a multiple of 32.
+  for (int i = t; i < (G + 2) * hd / 4; i += kThreads) {
+    const int head = i / (hd / 4);  // < G: q head first_q + head; G: k; G + 1: v
+    const float* src = a.qkv + (head < G ? (first_q + head) * hd
+                                         : sh.q_dim + (head - G) * sh.kv_dim + kv_head * hd) +
+                       (i - head * (hd / 4)) * 4;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(m.q + 4 * i)),
+                 "l"(src)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
   for (int g = t; g < G; g += kThreads) m.run_max[g] = -INFINITY, m.run_sum[g] = 0.f;
   for (int o = t; o < G * hd; o += kThreads) m.out[o] = 0.f;
-  ConsumerSync();
+  // Also waits for the key chunk's copies (issued during q/k/v: long landed).
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  ConsumerSync();  // every thread's copies landed (v is rounded to bf16 where it is used)
   for (int v = warp; v <= G; v += kWarps)  // G q heads, then the new key
     NormRope(v < G ? m.q + v * hd : m.kn,
              v < G ? (L.q_norm ? constants.q_gain : nullptr) : (L.k_norm ? constants.k_gain : nullptr),
@@ -880,7 +891,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
     }
   const float scale = rsqrtf(static_cast<float>(hd));
   for (int c0 = begin; c0 < end; c0 += kAttentionChunk) {
-    if (c0 != begin || !first_chunk_loading) {
+    if (c0 != begin) {
       ConsumerSync();  // every warp is done with the previous chunk
       LoadKeyChunk(a, sh, m, layer, item, c0, end, pos);
     }
@@ -968,6 +979,9 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
   if (!last_split) return;
   // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
   // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
+  // Measured slower on the H200 (qwen3-30b-a3b, context ~576): merging the splits online, each
+  // split's max loaded with its output (no round trip for the weights first), 2.2 -> 3.1 us (the
+  // merge's chain of exps); a thread's first four loads issued before the weights, 2.4 -> 2.7.
   const int quads = outputs / 4, half = t & 1;
   const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
   for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
@@ -1149,6 +1163,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   auto position = [&] { return *reinterpret_cast<volatile int*>(&step_position); };
   auto attention = [&] { return MakeAttentionShape(a, position(), knob(11)); };
   auto attention_items = [&] { return a.shape.kv_heads * attention().splits; };
+  // This block's attention item: the items go to the grid's last blocks, which have the fewest
+  // q/k/v rows (round robin gives the first warps the extra ones), so that the blocks that also
+  // copy in their keys during q/k/v are not the ones with a third row. H200 qwen3-30b-a3b batch 1
+  // (timeline): q/k/v work 7.25 us a layer for the 56 blocks with both, against 5.9 with keys
+  // and two rows, 4.9 with two rows alone; now q/k/v 8.9 -> 8.2 us. (At most gridDim.x items:
+  // MakeAttentionShape.)
+  auto attention_item = [] { return static_cast<int>(gridDim.x - 1 - blockIdx.x); };
   // Whether the bf16 build's down sums of layer l go to x_adds (zeroed by layer l's o phase)
   // rather than to x: every layer's but the last's (x is what the lm_head reads).
   auto has_adds = [&](int l) { return kFusedDown<F> && l >= 0 && l < num_layers - 1; };
@@ -1182,10 +1203,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     if (kFusedDown<F> && threadIdx.x == 0) routing.started = l;
     // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
     // staged x; the previous phase's h, which they overwrite, is consumed).
-    if (static_cast<int>(blockIdx.x) < attention_items()) {
+    if (attention_item() < attention_items()) {
       int begin, end;
-      SplitKeys(attention(), blockIdx.x, a.shape.kv_heads, position(), &begin, &end);
-      LoadKeyChunk(a, attention(), AttentionLayout(attention(), xs, d.hidden), l, blockIdx.x, begin,
+      SplitKeys(attention(), attention_item(), a.shape.kv_heads, position(), &begin, &end);
+      LoadKeyChunk(a, attention(), AttentionLayout(attention(), xs, d.hidden), l, attention_item(), begin,
                    end, position());
     }
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
@@ -1214,9 +1235,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
     if (t < half) constants.rope[t] = rope;
     sync(&barriers, l, kQkv);
-    for (int item = blockIdx.x; item < attention_items(); item += gridDim.x)
-      AttendSplit(a, attention(), L, l, item, position(), xs, d.hidden, constants,
-                  item == static_cast<int>(blockIdx.x),
+    if (attention_item() < attention_items())
+      AttendSplit(a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
                   a.timeline ? a.timeline + static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +
                                    PersistentAttentionStamp(num_layers, l)
                              : nullptr);
