@@ -211,6 +211,8 @@ json ToJson(const TrialResult& r) {
             {"degenerate", v.degenerate},
             {"reference_degenerate", v.reference_degenerate},
             {"free_run_agreement", v.free_run_agreement},
+            {"worst_pass", v.worst_pass},
+            {"worst_pass_kl_mean", v.worst_pass_kl_mean},
             {"failures", v.failures}}},
           {"batches", batches},
           {"started_unix_ms", r.started_unix_ms},
@@ -249,6 +251,8 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
     RETURN_IF_ERROR(Read(*it, "degenerate", &v.degenerate, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "reference_degenerate", &v.reference_degenerate, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "free_run_agreement", &v.free_run_agreement, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "worst_pass", &v.worst_pass, "result.verdict"));
+    RETURN_IF_ERROR(Read(*it, "worst_pass_kl_mean", &v.worst_pass_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "failures", &v.failures, "result.verdict"));
   }
   if (auto it = j.find("batches"); it != j.end()) {

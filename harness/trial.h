@@ -96,6 +96,8 @@ struct VerdictMetrics {
   bool degenerate = false;      // free-running generation of the test config is degenerate
   bool reference_degenerate = false;
   double free_run_agreement = 0;  // fraction of greedy tokens equal to the reference's
+  std::string worst_pass;         // the forward pass with the largest kl_mean of its own
+  double worst_pass_kl_mean = 0;  // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable
 };
 

@@ -29,11 +29,20 @@ void LogSoftmax(const float* row, int n, std::vector<double>& out) {
 
 // Teacher-forced logits of `batch` prompts of spec.prompt_len tokens (tokens[b * prompt_len + i]):
 // a prefill chunk of all but the last spec.decode_steps tokens, then one decode step per token.
-// Appends [batch, prompt_len, vocab] to *out.
+// Appends [batch, prompt_len, vocab] to out->logits, and the two passes that made them.
 absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector<int32_t>& tokens,
-                           int batch, std::vector<float>* out) {
+                           int batch, EvalOutputs* eval) {
+  std::vector<float>* out = &eval->logits;
   const int vocab = model.config().vocab_size, len = spec.prompt_len;
   const int steps = std::clamp(spec.decode_steps, 0, len - 1), prefix = len - steps;
+  const int64_t base = static_cast<int64_t>(out->size()) / vocab;
+  EvalPass prefill_pass{absl::StrFormat("prefill at batch %d", batch), {}};
+  EvalPass decode_pass{absl::StrFormat("decode at batch %d", batch), {}};
+  for (int b = 0; b < batch; ++b) {
+    const int64_t first = base + static_cast<int64_t>(b) * len;
+    prefill_pass.ranges.push_back({first, first + prefix});
+    if (steps > 0) decode_pass.ranges.push_back({first + prefix, first + len});
+  }
   if (auto s = model.StartBatch(batch, len); !s.ok()) return s;
   std::vector<int32_t> chunk(static_cast<size_t>(batch) * prefix);
   for (int b = 0; b < batch; ++b)
@@ -54,6 +63,8 @@ absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector
                   all.begin() + (static_cast<size_t>(b) * len + i) * vocab);
   }
   out->insert(out->end(), all.begin(), all.end());
+  eval->passes.push_back(std::move(prefill_pass));
+  if (steps > 0) eval->passes.push_back(std::move(decode_pass));
   return absl::OkStatus();
 }
 
@@ -63,9 +74,9 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
   const int vocab = model.config().vocab_size;
   EvalOutputs out;
   const std::vector<int32_t> prompts = EvalTokens(spec, vocab, spec.prompts * spec.prompt_len, 1);
-  if (auto s = TeacherForced(model, spec, prompts, spec.prompts, &out.logits); !s.ok()) return s;
+  if (auto s = TeacherForced(model, spec, prompts, spec.prompts, &out); !s.ok()) return s;
   if (spec.prompts > 1)  // batch 1 has decode kernels of its own
-    if (auto s = TeacherForced(model, spec, prompts, 1, &out.logits); !s.ok()) return s;
+    if (auto s = TeacherForced(model, spec, prompts, 1, &out); !s.ok()) return s;
 
   const std::vector<int32_t> starts =
       EvalTokens(spec, vocab, spec.prompts * spec.free_run_prompt_len, 1u << 20);
@@ -135,6 +146,14 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   double max_diff = 0, max_ref = 0, kl_sum = 0;
   int64_t agree = 0;
   std::vector<double> lr(vocab), lt(vocab);
+  // Each position's pass (the reference's split; positions outside every range: none).
+  std::vector<int> pass_of(positions, -1);
+  for (size_t k = 0; k < ref.passes.size(); ++k)
+    for (const auto& [begin, end] : ref.passes[k].ranges)
+      for (int64_t p = std::max<int64_t>(begin, 0); p < std::min<int64_t>(end, positions); ++p)
+        pass_of[p] = static_cast<int>(k);
+  std::vector<double> pass_kl(ref.passes.size(), 0.0);
+  std::vector<int64_t> pass_positions(ref.passes.size(), 0);
   for (size_t p = 0; p < positions; ++p) {
     const float* r = ref.logits.data() + p * vocab;
     const float* t = test.logits.data() + p * vocab;
@@ -158,6 +177,7 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
     }
     kl_sum += kl;
     m->kl_max = std::max(m->kl_max, kl);
+    if (pass_of[p] >= 0) pass_kl[pass_of[p]] += kl, ++pass_positions[pass_of[p]];
   }
   m->max_rel_error = m->non_finite > 0 ? INFINITY : max_diff / std::max(max_ref, 1e-30);
   m->top1_agreement = static_cast<double>(agree) / positions;
@@ -190,6 +210,20 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
     m->failures.push_back(absl::StrFormat("kl_mean %.3g > %.3g", m->kl_mean, th.max_kl_mean));
   if (!(m->kl_max <= th.max_kl))
     m->failures.push_back(absl::StrFormat("kl_max %.3g > %.3g", m->kl_max, th.max_kl));
+  // Every pass on its own: the eval's batch-1 decode makes 8 of 160 positions, so a wrong
+  // batch-1 decode path moved the overall kl_mean by a twentieth of its own.
+  for (size_t k = 0; k < ref.passes.size(); ++k) {
+    if (pass_positions[k] == 0) continue;
+    const double pass_mean = pass_kl[k] / pass_positions[k];
+    if (m->worst_pass.empty() || !(pass_mean <= m->worst_pass_kl_mean)) {
+      m->worst_pass = ref.passes[k].name;
+      m->worst_pass_kl_mean = pass_mean;
+    }
+    if (!(pass_mean <= th.max_kl_mean))
+      m->failures.push_back(absl::StrFormat("kl_mean over the %s positions (%d) %.3g > %.3g",
+                                            ref.passes[k].name, pass_positions[k], pass_mean,
+                                            th.max_kl_mean));
+  }
   if (m->degenerate)
     m->failures.push_back(absl::StrFormat(
         "free-running generation is degenerate in %d of %d sequences (reference: %d)", test_loops,
@@ -198,6 +232,7 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   if (!std::isfinite(m->max_rel_error)) m->max_rel_error = 1e30;
   if (!std::isfinite(m->kl_mean)) m->kl_mean = 1e30;
   if (!std::isfinite(m->kl_max)) m->kl_max = 1e30;
+  if (!std::isfinite(m->worst_pass_kl_mean)) m->worst_pass_kl_mean = 1e30;
   return m->failures.empty() ? TrialStatus::kOk : TrialStatus::kIncorrect;
 }
 

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,11 +28,21 @@ struct EvalSpec {
   uint64_t seed = 0x5eed;
 };
 
+// The teacher-forced positions one kind of forward pass produced (prefill or decode, at the eval
+// batch or at batch 1): ranges [begin, end) of positions (rows of EvalOutputs::logits). Each pass
+// is judged on its own as well as in the whole, so that a kernel path that makes few of the
+// positions (batch-1 decode: 8 of 160) cannot hide a wrong answer in the average.
+struct EvalPass {
+  std::string name;  // e.g. "decode at batch 1"
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+};
+
 // What a model produced on the eval inputs.
 struct EvalOutputs {
   // Teacher-forced: [prompts, prompt_len, vocab] at batch `prompts` (the last decode_steps
   // positions of each as decode steps), then [prompt_len, vocab] of prompt 0 at batch 1.
   std::vector<float> logits;
+  std::vector<EvalPass> passes;            // which pass made which positions (empty: one pass, all)
   std::vector<std::vector<int32_t>> free;  // [prompts][free_run_len] greedy tokens
 };
 
@@ -48,7 +60,8 @@ Thresholds ThresholdsFor(PrecisionClass precision);
 // A sequence is degenerate when its last half repeats with period 1 or 2 ("!!!!", "ab ab").
 bool IsDegenerate(const std::vector<int32_t>& tokens);
 
-// Fills the metrics and returns OK or INCORRECT.
+// Fills the metrics and returns OK or INCORRECT. The reference's passes split the positions:
+// besides the thresholds over all of them, every pass's own kl_mean must meet the class's.
 TrialStatus JudgeOutputs(const EvalOutputs& reference, const EvalOutputs& test, int vocab,
                          PrecisionClass precision, VerdictMetrics* metrics);
 
