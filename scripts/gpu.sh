@@ -90,6 +90,21 @@ for stage in $STAGES; do
         grep -v "^# block" "$OUT/timeline_$b.txt" | tail -8
       done
     done ;;
+  quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format
+    # (default "nvfp4 fp8_channel") with each AB_BINARIES build in turn, AB_ROUNDS times
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+      for f in ${QUANT_FORMATS:-nvfp4 fp8_channel}; do
+        case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
+        for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+          echo "# $f $b"
+          INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_${f}_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b --quantize "$f" \
+            --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent,qgemm=$q" \
+            --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
+            grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
+          grep -v "^# block" "$OUT/timeline_${f}_$b.txt" | tail -8
+        done
+      done
+    done ;;
   pprofile)  # where graphs=persistent's warps stall: ncu's sampled source counters (per SASS
     # instruction) and its warp-state and memory sections, one decode step at context 512
     ncu --clock-control none --kernel-name regex:PersistentDecodeKernel --launch-skip 2 --launch-count 1 \
