@@ -1534,6 +1534,10 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
     return absl::StrCat("head_dim ", s.head_dim, ": needs a multiple of 32 up to 256");
   if (s.kv_heads <= 0 || s.q_heads % s.kv_heads)
     return absl::StrCat("q_heads ", s.q_heads, " is not a multiple of kv_heads ", s.kv_heads);
+  // Attention runs one (kv head, split) item a block, at least one split a kv head.
+  if (const int blocks = PersistentDecodeBlocks(); s.kv_heads > blocks)
+    return absl::StrCat(s.kv_heads, " kv heads: attention takes one a block, and the grid has ",
+                        blocks, " blocks (one an SM)");
   if (s.num_experts > kMaxExperts || s.num_experts % 8)
     return absl::StrCat(s.num_experts, " experts: the in-kernel top-k takes up to ", kMaxExperts,
                         ", a multiple of 8 (16-byte router columns)");
