@@ -12,6 +12,18 @@ export LD_LIBRARY_PATH="$PWD/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:
 export INFERSWEEP_SOURCE_DIR="$PWD" INFERSWEEP_BINARY="$PWD/.carry/infersweep"
 B=.carry/infersweep
 STAGES=${STAGES:-"test bench peer fixtures"}
+
+# Batch-1 decode of qwen3-30b-a3b quantized on the host to format $2 (FP4: qgemm=w4a16, FP8:
+# qgemm=w8a16), fastest configs, graphs=$3, by binary $1, its persistent timeline to $4; more
+# arguments go to `run`.
+quant_run() {
+  local binary=$1 format=$2 graphs=$3 timeline=$4 q=w8a16
+  shift 4
+  case $format in nvfp4|mxfp4) q=w4a16 ;; esac
+  INFERSWEEP_PERSISTENT_TIMELINE="$timeline" "$binary" run --model preset:qwen3-30b-a3b --quantize "$format" \
+    --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=$graphs,qgemm=$q" \
+    --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 "$@"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 
 for stage in $STAGES; do
@@ -94,12 +106,9 @@ for stage in $STAGES; do
     # (default "nvfp4 fp8_channel") with each AB_BINARIES build in turn, AB_ROUNDS times
     for round in $(seq "${AB_ROUNDS:-1}"); do
       for f in ${QUANT_FORMATS:-nvfp4 fp8_channel}; do
-        case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
         for b in ${AB_BINARIES:-infersweep_base infersweep}; do
           echo "# $f $b"
-          INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_${f}_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b --quantize "$f" \
-            --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent,qgemm=$q" \
-            --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
+          quant_run ".carry/$b" "$f" persistent "$OUT/timeline_${f}_$b.txt" 2>&1 |
             grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
           grep -v "^# block" "$OUT/timeline_${f}_$b.txt" | tail -8
         done
@@ -123,10 +132,7 @@ for stage in $STAGES; do
     # quantizes the 48 layers on the host first (tens of seconds on 16 cores; STAGES=quant_host
     # measures it); QUANT_FORMATS picks a subset, e.g. QUANT_FORMATS="nvfp4 fp8_block128".
     for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
-      case $f in nvfp4|mxfp4) q=w4a16 ;; *) q=w8a16 ;; esac
-      INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$f.txt" $B run --model preset:qwen3-30b-a3b --quantize "$f" \
-        --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=${QUANT_GRAPHS:-persistent|on},qgemm=$q" \
-        --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
+      quant_run "$B" "$f" "${QUANT_GRAPHS:-persistent|on}" "$OUT/timeline_$f.txt" \
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && tail -9 "$OUT/timeline_$f.txt"
     done ;;
