@@ -103,22 +103,25 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
 Thresholds ThresholdsFor(PrecisionClass precision) {
   switch (precision) {
     case PrecisionClass::kFp32:
-      return {1e-4, 0.99, 1e-6, 1e-5, true};
+      return {1e-4, 0.99, 1e-6, 1e-5, 2.5e-6, 0.75};
     // Below fp32, one logit's worst error says little (a near-tied routing decision can move a
     // token); the distributions (KL) and the argmax carry the judgement. top-1 floors are low
     // because synthetic models have near-flat logits, where argmax flips on tiny noise.
+    // A pass: correct bf16-class backends on tiny-moe's quantized weights measured kl_mean up to
+    // 0.0187 over one pass (H200); a batch-1 decode path that dropped every MLP output, 0.031
+    // over its pass of 8 positions, with 5 of its 8 argmaxes flipped (qwen3-30b-a3b).
     case PrecisionClass::kBf16:
-      return {INFINITY, 0.7, 1e-2, 1.0, true};
+      return {INFINITY, 0.7, 1e-2, 1.0, 2.5e-2, 0.5};
     // fp8 and fp4 quantize activations. Emulated on the CPU over the tiny presets (docs/
     // VERDICTS.md), E4M3 activations cost up to KL 0.039 and top-1 down to 0.64, E2M1 ones KL
     // 0.16 and top-1 down to 0.29; unrelated weights score KL 1 and top-1 0. KL carries the
     // judgement: top-1 floors sit below the noise seen, KL ceilings between noise and garbage.
     case PrecisionClass::kFp8:
-      return {INFINITY, 0.5, 5e-2, 2.0, false};
+      return {INFINITY, 0.5, 5e-2, 2.0, INFINITY, 0.0};
     case PrecisionClass::kFp4:
-      return {INFINITY, 0.2, 0.3, 4.0, false};
+      return {INFINITY, 0.2, 0.3, 4.0, INFINITY, 0.0};
   }
-  return {0, 1, 0, 0, true};
+  return {0, 1, 0, 0, 0, 1};
 }
 
 bool IsDegenerate(const std::vector<int32_t>& tokens) {
@@ -153,7 +156,7 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
       for (int64_t p = std::max<int64_t>(begin, 0); p < std::min<int64_t>(end, positions); ++p)
         pass_of[p] = static_cast<int>(k);
   std::vector<double> pass_kl(ref.passes.size(), 0.0);
-  std::vector<int64_t> pass_positions(ref.passes.size(), 0);
+  std::vector<int64_t> pass_positions(ref.passes.size(), 0), pass_agree(ref.passes.size(), 0);
   for (size_t p = 0; p < positions; ++p) {
     const float* r = ref.logits.data() + p * vocab;
     const float* t = test.logits.data() + p * vocab;
@@ -166,7 +169,9 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
       max_diff = std::max(max_diff, std::fabs(static_cast<double>(t[i]) - r[i]));
       max_ref = std::max(max_ref, std::fabs(static_cast<double>(r[i])));
     }
-    if (Greedy({r, static_cast<size_t>(vocab)}) == Greedy({t, static_cast<size_t>(vocab)})) ++agree;
+    const bool same_argmax =
+        Greedy({r, static_cast<size_t>(vocab)}) == Greedy({t, static_cast<size_t>(vocab)});
+    agree += same_argmax;
     double kl = INFINITY;
     if (finite) {
       LogSoftmax(r, vocab, lr);
@@ -177,7 +182,11 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
     }
     kl_sum += kl;
     m->kl_max = std::max(m->kl_max, kl);
-    if (pass_of[p] >= 0) pass_kl[pass_of[p]] += kl, ++pass_positions[pass_of[p]];
+    if (pass_of[p] >= 0) {
+      pass_kl[pass_of[p]] += kl;
+      pass_agree[pass_of[p]] += same_argmax;
+      ++pass_positions[pass_of[p]];
+    }
   }
   m->max_rel_error = m->non_finite > 0 ? INFINITY : max_diff / std::max(max_ref, 1e-30);
   m->top1_agreement = static_cast<double>(agree) / positions;
@@ -219,10 +228,15 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
       m->worst_pass = ref.passes[k].name;
       m->worst_pass_kl_mean = pass_mean;
     }
-    if (th.judge_each_pass && !(pass_mean <= th.max_kl_mean))
+    if (!(pass_mean <= th.pass_max_kl_mean))
       m->failures.push_back(absl::StrFormat("kl_mean over the %s positions (%d) %.3g > %.3g",
                                             ref.passes[k].name, pass_positions[k], pass_mean,
-                                            th.max_kl_mean));
+                                            th.pass_max_kl_mean));
+    const double pass_top1 = static_cast<double>(pass_agree[k]) / pass_positions[k];
+    if (!(pass_top1 >= th.pass_min_top1))
+      m->failures.push_back(absl::StrFormat("top1_agreement over the %s positions (%d) %.3f < %.3f",
+                                            ref.passes[k].name, pass_positions[k], pass_top1,
+                                            th.pass_min_top1));
   }
   if (m->degenerate)
     m->failures.push_back(absl::StrFormat(

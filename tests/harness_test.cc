@@ -250,10 +250,12 @@ TEST(Verdict, EvalTeacherForcesDecodeStepsAtTheBatchAndAtBatchOne) {
 // Each forward pass is judged on its own: batch-1 decode makes 8 of the 160 teacher-forced
 // positions, so a batch-1 decode path wrong by KL ~0.05 a position (graphs=persistent with every
 // layer's MLP output dropped, on qwen3-30b-a3b's synthetic weights, H200) moved the overall
-// kl_mean by ~0.0025 and top-1 by at most 5 %: OK at the bf16 class until each pass had to meet
-// its kl_mean too. A quarter of that noise on every position (a correct bf16 path's kind)
-// stays OK.
-TEST(Verdict, EachForwardPassMeetsTheKlThresholdOnItsOwn) {
+// kl_mean by ~0.0025 and top-1 by at most 5 %: OK at the bf16 class until each pass was judged
+// too. A pass's ceilings are looser than the overall ones (8 positions are noisier than 160):
+// KL 0.018 on one pass (correct backends on tiny-moe's quantized weights measured up to 0.0187)
+// and a quarter of the wrong path's noise on every position stay OK; a pass with its argmaxes
+// flipped at small KL is INCORRECT by its top-1 agreement.
+TEST(Verdict, EachForwardPassMeetsThePassThresholdsOnItsOwn) {
   EvalSpec spec;
   auto eval = TinyMoeReferenceEval(spec);
   ASSERT_TRUE(eval.ok()) << eval.status();
@@ -290,9 +292,34 @@ TEST(Verdict, EachForwardPassMeetsTheKlThresholdOnItsOwn) {
   EXPECT_LE(m.kl_mean, ThresholdsFor(PrecisionClass::kBf16).max_kl_mean);
   EXPECT_GE(m.top1_agreement, ThresholdsFor(PrecisionClass::kBf16).min_top1);
   EXPECT_EQ(m.worst_pass, "decode at batch 1");
-  EXPECT_GT(m.worst_pass_kl_mean, ThresholdsFor(PrecisionClass::kBf16).max_kl_mean);
-  ASSERT_EQ(m.failures.size(), 1u);
+  const Thresholds bf16 = ThresholdsFor(PrecisionClass::kBf16);
+  EXPECT_GT(m.worst_pass_kl_mean, bf16.pass_max_kl_mean);
+  ASSERT_GE(m.failures.size(), 1u);
   EXPECT_THAT(m.failures[0], HasSubstr("kl_mean over the decode at batch 1 positions (8)"));
+
+  // Above the overall ceiling on one pass, below the pass's: OK.
+  const EvalOutputs noisy_decode = perturbed(0.33, spec.prompts * len + prefix, positions);
+  EXPECT_EQ(JudgeOutputs(*ref, noisy_decode, vocab, PrecisionClass::kBf16, &m), TrialStatus::kOk)
+      << absl::StrJoin(m.failures, "; ");
+  EXPECT_GT(m.worst_pass_kl_mean, bf16.max_kl_mean);
+  EXPECT_LT(m.worst_pass_kl_mean, bf16.pass_max_kl_mean);
+
+  // Every batch-1 decode position's two largest logits swapped: the argmax moves, the KL stays
+  // small where they are close.
+  EvalOutputs swapped = *ref;
+  for (int64_t p = spec.prompts * len + prefix; p < positions; ++p) {
+    float* row = swapped.logits.data() + p * vocab;
+    const int first = static_cast<int>(std::max_element(row, row + vocab) - row);
+    int second = first == 0 ? 1 : 0;
+    for (int i = 0; i < vocab; ++i)
+      if (i != first && row[i] > row[second]) second = i;
+    std::swap(row[first], row[second]);
+  }
+  EXPECT_EQ(JudgeOutputs(*ref, swapped, vocab, PrecisionClass::kBf16, &m), TrialStatus::kIncorrect);
+  EXPECT_GE(m.top1_agreement, bf16.min_top1);
+  EXPECT_LE(m.kl_mean, bf16.max_kl_mean);
+  EXPECT_THAT(absl::StrJoin(m.failures, "; "),
+              HasSubstr("top1_agreement over the decode at batch 1 positions (8) 0.000 < 0.500"));
 
   // The fp8 class does not judge passes (its ceiling sits close above its noise): reported only.
   EXPECT_EQ(JudgeOutputs(*ref, wrong_decode, vocab, PrecisionClass::kFp8, &m), TrialStatus::kOk)
@@ -303,7 +330,7 @@ TEST(Verdict, EachForwardPassMeetsTheKlThresholdOnItsOwn) {
   EXPECT_EQ(JudgeOutputs(*ref, noisy, vocab, PrecisionClass::kBf16, &m), TrialStatus::kOk)
       << absl::StrJoin(m.failures, "; ");
   EXPECT_GT(m.worst_pass_kl_mean, 0.0);
-  EXPECT_LE(m.worst_pass_kl_mean, ThresholdsFor(PrecisionClass::kBf16).max_kl_mean);
+  EXPECT_LE(m.worst_pass_kl_mean, bf16.max_kl_mean);
 }
 
 TEST(Workload, ParsesAndRejectsBadValues) {
