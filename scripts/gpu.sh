@@ -53,7 +53,7 @@ for stage in $STAGES; do
       --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" ;;
   matrix)  # every registered GPU config on the full 48 layers: the verdict (light timing)
     $B run --model preset:qwen3-30b-a3b \
-      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused|wgmma,graphs=off|on' \
+      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused|wgmma,graphs=off|on|persistent' \
       --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=900 \
       --json "$OUT/matrix.json" 2>&1 | tee "$OUT/matrix.log" | grep -vE "spread|timed by|load " ;;
   best)  # the fast configs: batch 1 and 64, prefill 2048
@@ -83,7 +83,7 @@ for stage in $STAGES; do
         --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/bench_knobs_$k.json" >"$OUT/bench_knobs_$k.log" 2>&1
       grep -E "^ +[0-9]+ +[0-9]|OK|INCORRECT|ERROR|UNSUPPORTED|spread" "$OUT/bench_knobs_$k.log" | head -6
-      grep -v "^# block" "$OUT/timeline_$k.txt" | grep -E "layer|attention|q/k/v|gate|down|router|^ *o" | tail -9
+      grep -v "^# block" "$OUT/timeline_$k.txt" | grep -E "layer|attention|q/k/v|gate|down|router|^ *o|steps" | tail -12
     done
     cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
   ab)  # graphs=persistent at batch 1: the builds AB_BINARIES in .carry (default infersweep_base, a
@@ -99,7 +99,7 @@ for stage in $STAGES; do
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
           --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
           grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
-        grep -v "^# block" "$OUT/timeline_$b.txt" | tail -8
+        grep -v "^# block" "$OUT/timeline_$b.txt" | tail -11
       done
     done ;;
   quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format
@@ -110,7 +110,7 @@ for stage in $STAGES; do
           echo "# $f $b"
           quant_run ".carry/$b" "$f" persistent "$OUT/timeline_${f}_$b.txt" 2>&1 |
             grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
-          grep -v "^# block" "$OUT/timeline_${f}_$b.txt" | tail -8
+          grep -v "^# block" "$OUT/timeline_${f}_$b.txt" | tail -11
         done
       done
     done ;;

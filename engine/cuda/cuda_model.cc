@@ -388,6 +388,42 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
         previous_stamp = at(b, s0 + k);
       }
     }
+  // Inside q/k/v, o and the MLP (PersistentStep), from the block's departure from the previous
+  // barrier to its arrival at the phase's own: mean over blocks and layers.
+  struct StepRow {
+    const char* name;
+    std::vector<std::pair<const char*, int>> steps;  // (name, PersistentStep; -1 the barrier)
+    double sum[4] = {};
+    double n[4] = {};
+  };
+  StepRow rows[] = {
+      {"q/k/v", {{"staged", cuda::kQkvStaged}, {"rows", cuda::kQkvRows}, {"to barrier", -1}}},
+      {"o", {{"staged", cuda::kOStaged}, {"rows", cuda::kORows}, {"to barrier", -1}}},
+      {"MLP",
+       {{"routed", cuda::kMlpRouted},
+        {"first pair", cuda::kMlpFirstPair},
+        {"pairs", cuda::kMlpPairs},
+        {"to barrier", -1}}},
+  };
+  auto departure = [&](int l, int p) { return 2 + (l * kPhases + p) * 2; };
+  for (int l = 0; l < layers; ++l)
+    for (int b = 0; b < blocks; ++b)
+      for (int r = 0; r < 3; ++r) {
+        const int from = r == 0   ? (l == 0 ? 0 : departure(l - 1, 5))  // the previous down
+                         : r == 1 ? departure(l, 1)                     // attention
+                                  : departure(l, 2);                    // o
+        const int phase_end = r == 0 ? 0 : r == 1 ? 2 : (at(b, departure(l, 4) - 1) ? 4 : 5);
+        double previous_stamp = at(b, from);
+        for (size_t k = 0; k < rows[r].steps.size(); ++k) {
+          const int step = rows[r].steps[k].second;
+          const double now = step < 0 ? at(b, departure(l, phase_end) - 1)
+                                      : at(b, cuda::PersistentStepStamp(layers, l) + step);
+          if (now == 0 || previous_stamp == 0) break;
+          rows[r].sum[k] += now - previous_stamp;
+          rows[r].n[k] += 1;
+          previous_stamp = now;
+        }
+      }
   // Per block (and the SM it ran on), the mean work of each phase that has a barrier: which
   // blocks hold the barriers up (on the H200 the slowest block differs from layer to layer).
   std::vector<std::string> per_block;
@@ -413,6 +449,12 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
   for (int k = 0; k < cuda::kPersistentAttentionStamps; ++k)
     std::fprintf(f, " %s %.2f", kSteps[k], steps[k] ? step[k] / steps[k] / 1e3 : 0.0);
   std::fprintf(f, "\n");
+  for (const StepRow& row : rows) {
+    std::fprintf(f, "# %s steps (us, mean over blocks):", row.name);
+    for (size_t k = 0; k < row.steps.size(); ++k)
+      std::fprintf(f, " %s %.2f", row.steps[k].first, row.n[k] ? row.sum[k] / row.n[k] / 1e3 : 0.0);
+    std::fprintf(f, "\n");
+  }
   for (const std::string& line : per_block) std::fprintf(f, "%s\n", line.c_str());
   std::fclose(f);
 }

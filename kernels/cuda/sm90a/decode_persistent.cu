@@ -130,6 +130,17 @@ INFERSWEEP_HD constexpr int ExpertTables(QuantFormat f) {
   return f == QuantFormat::kNone ? 3 : f == QuantFormat::kNvfp4 ? 9 : 6;
 }
 
+// Where in the staged area the o phase's warps leave their router sums ([kWarps][experts + 1],
+// the last the sum of x^2): over the staged attention output (dead once every warp is past its
+// rows) where they fit below the expert pointers, else past those.
+INFERSWEEP_HD int RouterSumsAt(int hidden, int q_dim, int num_experts, QuantFormat f) {
+  const int front = hidden > q_dim ? hidden : q_dim;
+  return kWarps * (num_experts + 1) <= front
+             ? 0
+             : front +
+                   ExpertTables(f) * num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+}
+
 // The experts a quantized build's top-k picked, past Routing's codes: each slot's factor source
 // and (nvfp4) group scales, per projection (gate, up, down). In dynamic shared memory, so that
 // the bf16 build keeps its static size (its rings are exactly three 4 KB units).
@@ -214,6 +225,13 @@ struct Routing {
   int attended;  // the last layer whose attention this block is past
   int started;   // the last layer whose q/k/v phase this block has begun
 };
+
+// Hands layer l's routing (written by this thread, or ordered before it by __syncwarp) to the
+// producers, which read `layer` first.
+__device__ __forceinline__ void PublishRouting(Routing* routing, int l) {
+  __threadfence_block();
+  *reinterpret_cast<volatile int*>(&routing->layer) = l;
+}
 
 // Where a warp's producer is in the sequence of units it will consume. Kept without integer
 // divisions in the steps (the producer runs once per unit, on the consumer's critical path).
@@ -545,13 +563,17 @@ __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int el
   ReleaseUnit(r, progress);
   return acc;
 }
-// The router's column for row i of x (num_experts bf16): block_logits[e] += xg * Wr[e, i], xg
-// = x[i] * gain[i] on every lane.
+// The router's column for row i of x (num_experts bf16): sums[k] += xg * Wr[e, i] for the
+// lane's experts e = lane + 32 k, xg = x[i] * gain[i] on every lane. In registers: the warps'
+// sums meet once, after their rows (RouterSumsAt); shared-memory atomics on floats are
+// compare-and-swap loops on sm_90, and 16 warps adding to the same 128 words took ~3 us.
 __device__ __forceinline__ void ConsumeRouterColumn(Ring& r, Progress* progress, int num_experts,
-                                                    float xg, float* block_logits) {
+                                                    float xg, float (&sums)[kMaxExperts / 32]) {
   const uint16_t* column = reinterpret_cast<const uint16_t*>(WaitUnit(r, 2 * num_experts));
-  for (int e = threadIdx.x & 31; e < num_experts; e += 32)
-    atomicAdd(block_logits + e, xg * Bf16ToFloat(column[e]));
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < kMaxExperts / 32; ++k)
+    if (lane + 32 * k < num_experts) sums[k] += xg * Bf16ToFloat(column[lane + 32 * k]);
   ReleaseUnit(r, progress);
 }
 
@@ -1074,11 +1096,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // scales), staged in the o phase past its staged attention output (and past the gate/up
   // phase's x; the down projection's h overwrites them after the top-k).
   const void** expert_ptr = reinterpret_cast<const void**>(xs + max(d.hidden, d.q_dim));
-  // The logits' sums over this block's rows of x, in the o phase: in attention's constants, dead
-  // from the attention barrier to the next q/k/v phase (a static array of its own took the
-  // bf16 build's rings below three 4 KB units).
-  static_assert(kMaxHeadDim >= kMaxExperts);
-  float* block_logits = constants.q_gain;
   unsigned char* rings = smem + table_bytes + static_cast<size_t>(stage_floats) * sizeof(float);
   __shared__ Progress progress[kWarps];
   if (threadIdx.x < kWarps) {
@@ -1154,6 +1171,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     a.timeline[static_cast<int64_t>(blockIdx.x + 1) * PersistentTimelineEvents(num_layers) - 1] =
         sm;
   }
+  auto step = [&](int layer, PersistentStep k) {
+    stamp(PersistentStepStamp(num_layers, layer) + k);
+  };
   // The barrier ending phase `phase` of layer `layer`, stamped on both sides.
   auto sync = [&](unsigned* count, int layer, int phase) {
     stamp(1 + (layer * kPhaseCount + phase) * 2);
@@ -1212,6 +1232,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // q, k, v = RMSNorm(x) . [Wq | Wk | Wv]^T
     float inv = StageNormed(a.x, L.input_norm, a.norm_dtype, d.hidden, a.eps, xs, scratch,
                             has_adds(l - 1) ? a.x_adds : nullptr);
+    step(l, kQkvStaged);
     if (L.router && blockIdx.x == 0)  // the o phase's sums start from zero (the last top-k read
       for (int e = threadIdx.x; e <= num_experts; e += kThreads) a.logits[e] = 0.f;  // them)
     // Attention's constants, loaded now and stored after the q/k/v rows (their latency hides).
@@ -1232,9 +1253,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       acc = WarpSum(acc) * inv;
       if (lane == 0) a.qkv[d.gw + task * d.warps] = acc * factor;
     }
+    step(l, kQkvRows);
     if (t < d.head_dim) constants.q_gain[t] = q_gain, constants.k_gain[t] = k_gain;
     if (t < half) constants.rope[t] = rope;
     sync(&barriers, l, kQkv);
+    // The o phase's gains (each row's x times its gain feeds the router), asked into L2 a phase
+    // ahead. (Asked after the attention barrier instead, the step measured the same.)
+    GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     if (attention_item() < attention_items())
       AttendSplit(a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
                   a.timeline ? a.timeline + static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +
@@ -1242,14 +1267,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                              : nullptr);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
-    if (L.router && threadIdx.x <= num_experts) block_logits[threadIdx.x] = 0.f;
-    ConsumerSync();
-    GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     // x += o_scale * attn . Wo^T; with a router, each new x[i] times the post-attention norm's
     // gain[i] times the router's column i summed into this block's logits: after the barrier
     // logits = RMSNorm(x) . Wr^T is those sums over the blocks times 1 / rms(x), and the top-k
     // needs no phase (and no barrier) of its own.
     Stage(a.attn, d.q_dim, xs);
+    step(l, kOStaged);
     if (L.router) {  // every expert's weight pointers, so that the top-k's picks cost no round
       // trip: copied asynchronously (landed before the barrier), no thread waits on them here
       for (int i = threadIdx.x; i < ExpertTables(F) * num_experts; i += kThreads) {
@@ -1265,6 +1288,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
+    float router_sums[kMaxExperts / 32] = {}, sum_sq = 0.f;  // this warp's rows' (lane 0: x^2)
     for (int t = 0, n = TasksOf(d.hidden, d); t < n; ++t) {
       const int row = d.gw + t * d.warps;
       float factor = 1.f;
@@ -1286,18 +1310,29 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         if (t == 0) x_own = x;
       }
       if (L.router) {
-        if (lane == 0) atomicAdd(block_logits + num_experts, x * x);  // the norm's sum of squares
+        sum_sq += x * x;  // the norm's sum of squares (lane 0's)
         ConsumeRouterColumn(r, &progress[warp], num_experts, __shfl_sync(0xffffffffu, x * gain, 0),
-                            block_logits);
+                            router_sums);
       }
     }
+    step(l, kORows);
     if (L.router) {  // this block's sums into the grid's (zeroed in this layer's q/k/v phase)
+      float* warp_sums = xs + RouterSumsAt(d.hidden, d.q_dim, num_experts, F);
+      ConsumerSync();  // every warp is past its rows: the staged attention output is dead
+#pragma unroll
+      for (int k = 0; k < kMaxExperts / 32; ++k)
+        if (lane + 32 * k < num_experts)
+          warp_sums[warp * (num_experts + 1) + lane + 32 * k] = router_sums[k];
+      if (lane == 0) warp_sums[warp * (num_experts + 1) + num_experts] = sum_sq;
       asm volatile("cp.async.wait_all;" ::: "memory");  // the expert pointers
       ConsumerSync();
-      for (int e = threadIdx.x; e <= num_experts; e += kThreads)
-        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e),
-                     "f"(block_logits[e])
+      for (int e = threadIdx.x; e <= num_experts; e += kThreads) {
+        float sum = 0.f;
+#pragma unroll 4
+        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w * (num_experts + 1) + e];
+        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" ::"l"(a.logits + e), "f"(sum)
                      : "memory");
+      }
     }
     // The barrier's release covers the block's reductions (through the block barrier).
     sync(&barriers, l, kO);
@@ -1323,8 +1358,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                     static_cast<const unsigned char*>(expert_ptr[(6 + p) * num_experts + id]);
             }
         }
+        // To the producers at once: the experts' first units are in flight while x is staged
+        // (published after the block barrier, they waited for warp 0's staging loads; H200
+        // qwen3-30b-a3b batch 1, one call: 2.731 -> 2.718 ms, warp 0's first pair 4.9 -> 4.5 us).
+        __syncwarp();
+        if (lane == 0) PublishRouting(&routing, l);
       }
-      // Published by the barriers below.
+      // x staged; the consumers see it and the routing after the barrier below.
       StageScaled(kFusedDown<F> ? a.x_mlp : a.x, L.post_norm, a.norm_dtype, d.hidden, xs);
     } else {  // a dense MLP: one "expert" of weight 1
       inv = StageNormed(kFusedDown<F> ? a.x_mlp : a.x, L.post_norm, a.norm_dtype, d.hidden, a.eps,
@@ -1341,10 +1381,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
           if constexpr (F == QuantFormat::kNvfp4)
             rq->groups[p][0] = static_cast<const unsigned char*>(quant[l].expert_groups[p][0]);
         }
+      PublishRouting(&routing, l);
     }
     ConsumerSync();
-    if (threadIdx.x == 0) routing.layer = l;
-    ConsumerSync();
+    step(l, kMlpRouted);
     // h[slot, j] = silu(gate_slot[j] . xn) * (up_slot[j] . xn)
     const int per_row = UnitsOfRow(d.hidden);
     for (int t = 0, n = TasksOf(L.top_k * L.inter, d); t < n; ++t) {
@@ -1385,7 +1425,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       } else {
         if (lane == 0) a.h[d.gw + t * d.warps] = gate / (1.f + expf(-gate)) * up;
       }
+      if (t == 0) step(l, kMlpFirstPair);
     }
+    step(l, kMlpPairs);
     if constexpr (kFusedDown<F>) {
       ConsumerSync();  // the block's h of every round
       NextLayerAhead(l);
@@ -1437,9 +1479,12 @@ int StageFloats(const PersistentDecodeShape& s) {
   const int round_h = s.format == QuantFormat::kNone
                           ? (s.max_top_k * s.max_inter + warps - 1) / warps * kTileRows
                           : 0;
-  const int floats = std::max(
-      {std::max(s.hidden, q_dim) + std::max(expert_pointers, round_h), s.max_top_k * s.max_inter,
-       AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
+  const int router_sums =
+      RouterSumsAt(s.hidden, q_dim, s.num_experts, s.format) + kWarps * (s.num_experts + 1);
+  const int floats =
+      std::max({std::max(s.hidden, q_dim) + std::max(expert_pointers, round_h),
+                s.max_top_k * s.max_inter, router_sums,
+                AttentionStageFloats(s.hidden, s.q_heads / std::max(1, s.kv_heads), s.head_dim)});
   return (floats + 31) / 32 * 32;
 }
 

@@ -99,7 +99,8 @@ struct PersistentDecodeArgs {
   // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
   // departure (the last layer's down: its end). The router slots stay 0 (no phase). Then per
   // layer kPersistentAttentionStamps inside the block's attention split: q/k/v loaded and
-  // normalised; keys done; partial published and counted; combined (the combining split only).
+  // normalised; keys done; partial published and counted; combined (the combining split only);
+  // then the layer's kPersistentStepStamps inside the other phases (PersistentStep).
   // Last, the SM the block ran on (%smid).
   unsigned long long* timeline = nullptr;
   // [PersistentAddFloats(hidden)]: the bf16 build's down sums of every layer but the last, x's
@@ -118,12 +119,32 @@ constexpr int kPersistentPhases = 6;
 INFERSWEEP_HD int PersistentAddIndex(int i) { return (i & ~7) * 4 | (i & 7); }
 inline size_t PersistentAddFloats(int hidden) { return static_cast<size_t>(hidden) * 4; }
 constexpr int kPersistentAttentionStamps = 4;
+// TEST ONLY timeline: steps inside the phases, stamped by each block's thread 0 (warp 0's view
+// for the rows): after the block staged x (q/k/v) or attention's output (o), after warp 0's rows;
+// in the MLP phase after the top-k's routing is published, warp 0's first pair, its last pair.
+enum PersistentStep : int {
+  kQkvStaged,
+  kQkvRows,
+  kOStaged,
+  kORows,
+  kMlpRouted,
+  kMlpFirstPair,
+  kMlpPairs,
+  kPersistentStepStamps
+};
 INFERSWEEP_HD int PersistentTimelineEvents(int num_layers) {
-  return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps) + 1;  // + %smid
+  return 1 +
+         num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps + kPersistentStepStamps) +
+         1;  // + %smid
 }
 // Where layer l's attention stamps start in a block's row of the timeline.
 INFERSWEEP_HD int PersistentAttentionStamp(int num_layers, int layer) {
   return 1 + num_layers * kPersistentPhases * 2 + layer * kPersistentAttentionStamps;
+}
+// Where layer l's step stamps start in a block's row of the timeline.
+INFERSWEEP_HD int PersistentStepStamp(int num_layers, int layer) {
+  return 1 + num_layers * (kPersistentPhases * 2 + kPersistentAttentionStamps) +
+         layer * kPersistentStepStamps;
 }
 // The grid size PersistentDecode launches (one block per SM of the current device).
 int PersistentDecodeBlocks();
