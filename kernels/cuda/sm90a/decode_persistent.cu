@@ -21,8 +21,9 @@
 // staged in shared memory once per block after each barrier.
 // The router has no phase of its own: RMSNorm(x) . Wr^T = (sum_i x[i] gain[i] Wr[:, i]) / rms(x),
 // so each o row i carries column i of the router (a transposed copy), and the warp that makes
-// x[i] adds x[i] gain[i] Wr[:, i] and x[i]^2 to its block's sums, which reach the grid's by
-// red.add before the o barrier; after it every block scales them by 1 / rms(x) in its top-k.
+// x[i] adds x[i] gain[i] Wr[:, i] and x[i]^2 to its sums (in registers), which are summed over
+// the block's warps and reach the grid's by red.add before the o barrier; after it every block
+// scales them by 1 / rms(x) in its top-k, and hands the routing to its producers at once.
 //
 // Weights: bf16, or in their own builds of the kernel (the template's QuantFormat) the codes of
 // fp8_tensor, fp8_channel or nvfp4 weights as qgemm=w8a16 / w4a16 read them: each ring unit is
@@ -34,7 +35,7 @@
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
 // builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 52.0 us a layer bf16, 46.4 fp8_channel, 49.4 nvfp4 (thirteenth session; see
+// 50.4 us a layer bf16, 43.9 fp8_channel, 47.1 nvfp4 (fourteenth session; see
 // docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
