@@ -134,7 +134,7 @@ for stage in $STAGES; do
     for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
       quant_run "$B" "$f" "${QUANT_GRAPHS:-persistent|on}" "$OUT/timeline_$f.txt" \
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
-      [ -f "$OUT/timeline_$f.txt" ] && tail -9 "$OUT/timeline_$f.txt"
+      [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
     done ;;
   quant_host)  # host quantization of qwen3-30b-a3b: seconds per layer (no GPU work)
     .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |

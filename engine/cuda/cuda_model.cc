@@ -405,14 +405,19 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
         {"pairs", cuda::kMlpPairs},
         {"to barrier", -1}}},
   };
+  // The phases' indices (kNames): the MLP ends at gate/up's barrier in the quantized builds,
+  // at down's in the bf16 one (gate/up's slots stay 0 there).
+  constexpr int kQkv = 0, kAttention = 1, kO = 2, kGateUp = 4, kDown = 5;
   auto departure = [&](int l, int p) { return 2 + (l * kPhases + p) * 2; };
   for (int l = 0; l < layers; ++l)
     for (int b = 0; b < blocks; ++b)
       for (int r = 0; r < 3; ++r) {
-        const int from = r == 0   ? (l == 0 ? 0 : departure(l - 1, 5))  // the previous down
-                         : r == 1 ? departure(l, 1)                     // attention
-                                  : departure(l, 2);                    // o
-        const int phase_end = r == 0 ? 0 : r == 1 ? 2 : (at(b, departure(l, 4) - 1) ? 4 : 5);
+        const int from = r == 0   ? (l == 0 ? 0 : departure(l - 1, kDown))
+                         : r == 1 ? departure(l, kAttention)
+                                  : departure(l, kO);
+        const int phase_end = r == 0   ? kQkv
+                              : r == 1 ? kO
+                                       : (at(b, departure(l, kGateUp) - 1) ? kGateUp : kDown);
         double previous_stamp = at(b, from);
         for (size_t k = 0; k < rows[r].steps.size(); ++k) {
           const int step = rows[r].steps[k].second;
@@ -784,8 +789,8 @@ class CudaModel final : public Model {
     const size_t x_mlp_bytes = static_cast<size_t>(c.hidden_size) * sizeof(float);
     // The bf16 build's spread-out down sums; none in the quantized builds, whose buffer layout
     // stays as it was (with it there, ahead of the partials and counters, nvfp4 measured 2.655
-    // against 2.625 ms, its kernel's PTX the same but for the argument struct's size; without
-    // it: not measured yet).
+    // against 2.625 ms once, its kernel's PTX the same but for the argument struct's size; the
+    // next session's alternating runs found no difference: 2.659 / 2.666 against 2.660 / 2.666).
     const size_t x_adds_bytes =
         format == QuantFormat::kNone
             ? cuda::PersistentAddFloats(c.hidden_size) * sizeof(float)

@@ -131,15 +131,16 @@ INFERSWEEP_HD constexpr int ExpertTables(QuantFormat f) {
   return f == QuantFormat::kNone ? 3 : f == QuantFormat::kNvfp4 ? 9 : 6;
 }
 
+// The floats the o phase's staged expert pointers take (ExpertTables of them an expert).
+INFERSWEEP_HD int ExpertPointerFloats(QuantFormat f, int num_experts) {
+  return ExpertTables(f) * num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+}
 // Where in the staged area the o phase's warps leave their router sums ([kWarps][experts + 1],
 // the last the sum of x^2): over the staged attention output (dead once every warp is past its
 // rows) where they fit below the expert pointers, else past those.
 INFERSWEEP_HD int RouterSumsAt(int hidden, int q_dim, int num_experts, QuantFormat f) {
   const int front = hidden > q_dim ? hidden : q_dim;
-  return kWarps * (num_experts + 1) <= front
-             ? 0
-             : front +
-                   ExpertTables(f) * num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  return kWarps * (num_experts + 1) <= front ? 0 : front + ExpertPointerFloats(f, num_experts);
 }
 
 // The experts a quantized build's top-k picked, past Routing's codes: each slot's factor source
@@ -1269,7 +1270,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
     // x += o_scale * attn . Wo^T; with a router, each new x[i] times the post-attention norm's
-    // gain[i] times the router's column i summed into this block's logits: after the barrier
+    // gain[i] times the router's column i summed into the warp's logits (then the block's and
+    // the grid's): after the barrier
     // logits = RMSNorm(x) . Wr^T is those sums over the blocks times 1 / rms(x), and the top-k
     // needs no phase (and no barrier) of its own.
     Stage(a.attn, d.q_dim, xs);
@@ -1473,8 +1475,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Rounded to 128 bytes: the rings after it take 16-byte aligned bulk copies.
 int StageFloats(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
-  const int expert_pointers =
-      ExpertTables(s.format) * s.num_experts * static_cast<int>(sizeof(void*) / sizeof(float));
+  const int expert_pointers = ExpertPointerFloats(s.format, s.num_experts);
   // The bf16 build's fused down projection: kTileRows weights * h a round of the block's pairs.
   const int warps = PersistentDecodeBlocks() * kWarps;
   const int round_h = s.format == QuantFormat::kNone

@@ -121,7 +121,8 @@ inline size_t PersistentAddFloats(int hidden) { return static_cast<size_t>(hidde
 constexpr int kPersistentAttentionStamps = 4;
 // TEST ONLY timeline: steps inside the phases, stamped by each block's thread 0 (warp 0's view
 // for the rows): after the block staged x (q/k/v) or attention's output (o), after warp 0's rows;
-// in the MLP phase after the top-k's routing is published, warp 0's first pair, its last pair.
+// in the MLP phase after the block barrier that follows the top-k and x's staging (the routing
+// reaches the producers at or before it), warp 0's first pair, its last pair.
 enum PersistentStep : int {
   kQkvStaged,
   kQkvRows,
