@@ -95,11 +95,13 @@ for stage in $STAGES; do
         b=${entry%%:*} k=0
         [ "$b" != "$entry" ] && k=${entry#*:}
         echo "# $entry"
-        INFERSWEEP_PERSISTENT_KNOBS=$k INFERSWEEP_PERSISTENT_TIMELINE="$OUT/timeline_$b.txt" .carry/$b run --model preset:qwen3-30b-a3b \
+        t="$OUT/timeline_$b.txt"  # with knobs: timeline_<binary>_<knobs>.txt
+        [ "$k" != 0 ] && t="$OUT/timeline_${b}_$k.txt"
+        INFERSWEEP_PERSISTENT_KNOBS=$k INFERSWEEP_PERSISTENT_TIMELINE="$t" .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
           --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=900 2>&1 |
           grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
-        grep -v "^# block" "$OUT/timeline_$b.txt" | tail -11
+        grep -v "^# block" "$t" | tail -11
       done
     done ;;
   quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format

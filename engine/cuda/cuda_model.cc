@@ -409,6 +409,8 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
   // at down's in the bf16 one (gate/up's slots stay 0 there).
   constexpr int kQkv = 0, kAttention = 1, kO = 2, kGateUp = 4, kDown = 5;
   auto departure = [&](int l, int p) { return 2 + (l * kPhases + p) * 2; };
+  // The MLP's steps per block too: whether a slow block starts late or streams slowly.
+  std::vector<std::array<double, 4>> mlp_sum(blocks), mlp_n(blocks);
   for (int l = 0; l < layers; ++l)
     for (int b = 0; b < blocks; ++b)
       for (int r = 0; r < 3; ++r) {
@@ -426,6 +428,7 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
           if (now == 0 || previous_stamp == 0) break;
           rows[r].sum[k] += now - previous_stamp;
           rows[r].n[k] += 1;
+          if (r == 2) mlp_sum[b][k] += now - previous_stamp, mlp_n[b][k] += 1;
           previous_stamp = now;
         }
       }
@@ -447,6 +450,9 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
         absl::StrFormat("# block %3d sm %3llu:", b, t[static_cast<size_t>(b + 1) * events - 1]);
     for (int p = 0; p < kPhases; ++p)
       if (n[p]) absl::StrAppendFormat(&line, " %s %.2f", kNames[p], work[p] / n[p] / 1e3);
+    absl::StrAppend(&line, " | MLP steps");
+    for (int k = 0; k < 4; ++k)
+      absl::StrAppendFormat(&line, " %.2f", mlp_n[b][k] ? mlp_sum[b][k] / mlp_n[b][k] / 1e3 : 0.0);
     per_block.push_back(line);
   }
   static const char* kSteps[] = {"loads+norm", "keys", "publish", "combine"};

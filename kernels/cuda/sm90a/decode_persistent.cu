@@ -224,7 +224,9 @@ struct Routing {
   const unsigned char* down[kMaxTopK];
   float weight[kMaxTopK];
   int layer;  // the layer these are for; -1 before the first
-  int attended;  // the last layer whose attention this block is past
+  // The last layer whose attention this block is past, or (an attention block) whose
+  // attention's inputs have landed: the producers hold the layer's o weights until then.
+  int attended;
   int started;   // the last layer whose q/k/v phase this block has begun
 };
 
@@ -262,7 +264,10 @@ struct Ring {
   int issued = 0, consumed = 0;
   RingPlace issue, free;  // [free, issue) is busy
   int max_in_flight = kInFlight;
-  bool skip_math = false, hold_o = false;  // TEST ONLY knobs
+  bool skip_math = false;  // TEST ONLY knob
+  // The o weights wait for `attended`: an attention block's always, every block's under the TEST
+  // ONLY knob 128 (held until the attention barrier).
+  bool hold_o = false;
   bool skip_adds = false;  // TEST ONLY: the fused down's sums never reach x (timing only)
   // With n > 0, at most n - 1 units in flight while the next is a q/k/v unit of a layer this
   // block has not begun: the next layer's rows, issued while the MLP's slowest blocks still
@@ -433,7 +438,8 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers,
   while (r.next.layer < num_layers && r.issued - r.consumed < r.max_in_flight) {
     if (r.next.phase >= kGateUp && *reinterpret_cast<const volatile int*>(&routing.layer) != r.next.layer)
       break;
-    // TEST ONLY knob: no o-projection weights in flight during the layer's attention.
+    // An attention block's o weights once its attention's inputs landed (TEST ONLY knob 128:
+    // every block's once the attention barrier is passed).
     if (r.hold_o && r.next.phase == kO &&
         *reinterpret_cast<const volatile int*>(&routing.attended) < r.next.layer)
       break;
@@ -867,11 +873,12 @@ __device__ __forceinline__ void StampAt(unsigned long long* at) {
 }
 
 // stamps: null, or this block's kPersistentAttentionStamps slots of the timeline for the layer.
-// The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v.
+// The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v. *loaded = layer once
+// the inputs have landed (the block's producers hold its o weights until then).
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
                             const PersistentLayer& L, int layer, int item, int pos, float* xs,
                             int hidden, const AttentionConstants& constants,
-                            unsigned long long* stamps) {
+                            unsigned long long* stamps, int* loaded) {
   const int hd = sh.hd, G = sh.group, S = sh.splits;
   const int kv_head = item % a.shape.kv_heads, split = item / a.shape.kv_heads;
   const int t = threadIdx.x, warp = t / 32, lane = t & 31;
@@ -906,6 +913,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
              a.eps, constants.rope, hd, v == G);
   ConsumerSync();
   StampAt(stamps);
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(loaded) = layer;  // the o weights may come
   const int64_t layer_offset = static_cast<int64_t>(layer) * a.capacity * sh.kv_dim + kv_head * hd;
   if (begin <= pos && pos < end)  // the split holding the new position appends it
     for (int i = t; i < hd; i += kThreads) {
@@ -1126,7 +1134,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   r.next = {0, kQkv, d.gw, 0, 0, 0, 0};
   if ((knobs >> 1) & 15) r.max_in_flight = max(2, (knobs >> 1) & 15);  // gate/up waits for pairs
   r.skip_math = (knobs >> 5) & 1;
-  r.hold_o = (knobs >> 7) & 1;
+  // An attention block's o weights wait for its attention's inputs to land (AttendSplit's
+  // `loaded`): arriving while those loads are in flight, they delayed them. H200 qwen3-30b-a3b
+  // batch 1, one call: 2.622 / 2.626 -> 2.579 / 2.577 ms, the MLP phase 26.6 -> 25.6 us a layer
+  // (the starved blocks' first experts sooner: see docs/PERFORMANCE.md); held until the keys
+  // are scored instead, 2.657 (the partials' publication 1.2 -> 2.9 us).
+  r.hold_o = ((knobs >> 7) & 1) ||
+             static_cast<int>(gridDim.x - 1 - blockIdx.x) <
+                 a.shape.kv_heads * MakeAttentionShape(a, step_position, (knobs >> 11) & 1).splits;
   r.evict_first = !((knobs >> 8) & 1);
   if constexpr (kFusedDown<F>) {  // (the quantized builds' code stays as it was: see qkv_cap)
     r.qkv_cap = (knobs >> 19) & 3;
@@ -1263,10 +1278,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // ahead. (Asked after the attention barrier instead, the step measured the same.)
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     if (attention_item() < attention_items())
-      AttendSplit(a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
-                  a.timeline ? a.timeline + static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +
-                                   PersistentAttentionStamp(num_layers, l)
-                             : nullptr);
+      AttendSplit(
+          a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
+          a.timeline ? a.timeline +
+                           static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +
+                           PersistentAttentionStamp(num_layers, l)
+                     : nullptr,
+          &routing.attended);
     sync(&barriers, l, kAttention);
     if (threadIdx.x == 0) routing.attended = l;
     // x += o_scale * attn . Wo^T; with a router, each new x[i] times the post-attention norm's
@@ -1620,7 +1638,8 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   int ring_bytes = RingBytes(args.shape);
   // TEST ONLY knobs: INFERSWEEP_PERSISTENT_IN_FLIGHT=n caps the units in flight per ring;
   // INFERSWEEP_PERSISTENT_KNOBS: 32 skips the dot products (wrong results: timing only), 128
-  // holds the o projection's weights back until the layer's attention is done, 256 streams the
+  // holds every block's o projection weights back until the layer's attention is done (an
+  // attention block's wait for its attention's inputs in any case), 256 streams the
   // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
   // barrier, 2048 splits each kv head's keys over the most blocks, 262144 caps the rings at the
   // eighth session's 11,904 bytes (two 4 KB units); 524288 times n (1-3) lets at most n - 1
