@@ -16,6 +16,11 @@ constexpr PrecisionClass kBf16 = PrecisionClass::kBf16;
 constexpr PrecisionClass kFp8 = PrecisionClass::kFp8;
 constexpr PrecisionClass kFp4 = PrecisionClass::kFp4;
 
+// Why graphs=persistent takes gemm=fused only (a conflict's reason: after ": ").
+constexpr char kPersistentGemm[] =
+    ": its batch-1 decode step runs the persistent kernel's own GEMVs (gemm=fused's numerics), "
+    "so that gemm would not be what decode ran; take gemm=fused";
+
 std::vector<BackendDescriptor> MakeRegistry() {
   // The CPU dequantizes quantized weights exactly (engine/quant/dequantize.h): still fp32.
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
@@ -87,15 +92,27 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // shared experts, shapes) is checked when the model is built: UNSUPPORTED with the reason
   // (CudaModel::PreparePersistentDecode). Quantized weights stream as qgemm=w8a16 / w4a16 read
   // them (the codes, dequantized in registers) or as dequant_bf16's copies.
-  r.push_back({"graphs", "persistent", "cuda", 90, 90, true, {"bf16", "fp8", "nvfp4"},
-               {"kv_cache=fp32"}, kBf16,
-               "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
-               "warp's share of every phase's weights streamed into its own shared-memory ring "
-               "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
-               "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
-               "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
-               "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
-               {"qgemm=reference", "qgemm=fp8_cublaslt", "qgemm=native_fp4"}});
+  // Its batch-1 decode step is the kernel's own GEMVs, whatever the gemm axis says (they follow
+  // gemm=fused): with gemm=reference, cublaslt or tma, a result's batch-1 decode figures would
+  // name a GEMM that never ran there (moe=wgmma differs from moe=fused only at 4+ rows).
+  r.push_back(
+      {"graphs",
+       "persistent",
+       "cuda",
+       90,
+       90,
+       true,
+       {"bf16", "fp8", "nvfp4"},
+       {"kv_cache=fp32", absl::StrCat("gemm=reference", kPersistentGemm),
+        absl::StrCat("gemm=cublaslt", kPersistentGemm), absl::StrCat("gemm=tma", kPersistentGemm)},
+       kBf16,
+       "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
+       "warp's share of every phase's weights streamed into its own shared-memory ring "
+       "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
+       "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
+       "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
+       "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
+       {"qgemm=reference", "qgemm=fp8_cublaslt", "qgemm=native_fp4"}});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
@@ -250,10 +267,14 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
                                       " weights (takes ", absl::StrJoin(d->weight_formats, ", "),
                                       ")"));
     for (const std::string& conflict : d->conflicts) {
-      std::pair<std::string, std::string> kv = absl::StrSplit(conflict, absl::MaxSplits('=', 1));
+      // "axis=value", or "axis=value: why".
+      std::pair<std::string, std::string> entry =
+          absl::StrSplit(conflict, absl::MaxSplits(": ", 1));
+      std::pair<std::string, std::string> kv = absl::StrSplit(entry.first, absl::MaxSplits('=', 1));
       auto it = config.find(kv.first);
       if (it != config.end() && it->second == kv.second)
-        return unsupported(absl::StrCat(name, " cannot be combined with ", conflict));
+        return unsupported(absl::StrCat(name, " cannot be combined with ", entry.first,
+                                        entry.second.empty() ? "" : ": ", entry.second));
     }
     const bool quantized = target.weight_format == "fp8" || target.weight_format == "nvfp4" ||
                            target.weight_format == "mxfp4";

@@ -34,7 +34,9 @@ struct BackendDescriptor {
   int max_sm = 0;
   bool needs_cuda_build = false;
   std::vector<std::string> weight_formats;  // empty = any; else e.g. {"bf16","f16","f32"}
-  std::vector<std::string> conflicts;       // "axis=value" entries it cannot be combined with
+  // "axis=value" entries it cannot be combined with, each optionally followed by ": " and why
+  // (the reason preflight gives).
+  std::vector<std::string> conflicts;
   PrecisionClass precision = PrecisionClass::kFp32;
   std::string description;
   // "axis=value" entries it cannot be combined with on quantized weights (fp8, nvfp4, mxfp4)

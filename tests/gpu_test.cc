@@ -108,10 +108,12 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       const bool host_sync = config.at("moe") == "loop" || config.at("moe") == "grouped";
       // kv_cache=bf16 is read by the flash kernels only.
       const bool captured = config.at("graphs") == "on" || config.at("graphs") == "persistent";
-      // graphs=persistent: bf16 K/V, and (at build) no biases or shared experts (qwen2-moe).
+      // graphs=persistent: bf16 K/V, gemm=fused, and (at build) no biases or shared experts
+      // (qwen2-moe).
       const bool persistent_unfit =
           config.at("graphs") == "persistent" &&
-          (config.at("kv_cache") == "fp32" || std::string(preset) == "preset:tiny-qwen2-moe");
+          (config.at("kv_cache") == "fp32" || config.at("gemm") != "fused" ||
+           std::string(preset) == "preset:tiny-qwen2-moe");
       const bool conflict = (host_sync && captured) || persistent_unfit ||
                             (config.at("moe") == "grouped" && config.at("gemm") == "reference") ||
                             (config.at("kv_cache") == "bf16" && config.at("attention") == "naive");

@@ -129,8 +129,8 @@ TEST(Preflight, Sm90aBackendsAreExactlySm90) {
 }
 
 // graphs=persistent: Hopper machine code, bf16 weights or fp8 / nvfp4 codes read in registers
-// (qgemm=w8a16 / w4a16, or dequant_bf16's copies), a bf16 KV cache, and no host-syncing MoE
-// runner (batch > 1 steps take graphs=on's captured chain).
+// (qgemm=w8a16 / w4a16, or dequant_bf16's copies), a bf16 KV cache, gemm=fused, and no
+// host-syncing MoE runner (batch > 1 steps take graphs=on's captured chain).
 TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
   const BackendConfig base = {{"device", "cuda"},  {"gemm", "fused"},  {"attention", "flash"},
                               {"kv_cache", "bf16"}, {"moe", "fused"}, {"graphs", "persistent"}};
@@ -168,6 +168,22 @@ TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
   loop["moe"] = "loop";
   EXPECT_THAT(Preflight(*NormalizeBackendConfig(loop), {true, 90, 1, "bf16"}).reason,
               HasSubstr("moe=loop cannot be combined with graphs=persistent"));
+  // Its batch-1 decode is its own kernel's GEMVs: another gemm value would name a GEMM that
+  // decode never ran. moe=wgmma differs from moe=fused only at 4+ rows, which graphs=on runs.
+  for (const char* gemm : {"reference", "cublaslt", "tma"}) {
+    BackendConfig other = base;
+    other["gemm"] = gemm;
+    const PreflightResult r = Preflight(*NormalizeBackendConfig(other), {true, 90, 1, "bf16"});
+    EXPECT_FALSE(r.supported) << gemm;
+    EXPECT_THAT(r.reason,
+                HasSubstr(std::string("graphs=persistent cannot be combined with gemm=") + gemm +
+                          ": its batch-1 decode step runs the persistent kernel's "
+                          "own GEMVs"))
+        << gemm;
+  }
+  BackendConfig wgmma = base;
+  wgmma["moe"] = "wgmma";
+  EXPECT_TRUE(Preflight(*NormalizeBackendConfig(wgmma), {true, 90, 1, "bf16"}).supported);
 }
 
 // A preset's head_dim can be overridden (the persistent kernel's GPU test takes head_dims the

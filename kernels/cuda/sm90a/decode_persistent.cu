@@ -35,7 +35,7 @@
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
 // builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 50.4 us a layer bf16, 43.9 fp8_channel, 47.1 nvfp4 (fourteenth session; see
+// 49.1 us a layer bf16, 43.7 fp8_channel, 47.2 nvfp4 (fifteenth session; see
 // docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
