@@ -1,13 +1,14 @@
 #include "engine/cuda/cuda_model.h"
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -465,6 +466,25 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
     for (size_t k = 0; k < row.steps.size(); ++k)
       std::fprintf(f, " %s %.2f", row.steps[k].first, row.n[k] ? row.sum[k] / row.n[k] / 1e3 : 0.0);
     std::fprintf(f, "\n");
+  }
+  // The blocks whose first expert pair comes last (on the H200 the same ones in every layer of
+  // a launch, one TPC a GPC): their share of the MLP's slowest block.
+  std::vector<std::pair<double, int>> first_pair;
+  for (int b = 0; b < blocks; ++b)
+    if (mlp_n[b][1]) first_pair.push_back({mlp_sum[b][1] / mlp_n[b][1] / 1e3, b});
+  if (!first_pair.empty()) {
+    std::sort(first_pair.begin(), first_pair.end());
+    const size_t late = std::max<size_t>(1, first_pair.size() / 8);
+    double late_mean = 0;
+    std::string late_blocks;
+    for (size_t i = first_pair.size() - late; i < first_pair.size(); ++i) {
+      late_mean += first_pair[i].first / late;
+      absl::StrAppend(&late_blocks, late_blocks.empty() ? "" : " ", first_pair[i].second);
+    }
+    std::fprintf(f,
+                 "# MLP first pair (us, per block): median %.2f; the latest eighth %.2f (blocks "
+                 "%s)\n",
+                 first_pair[first_pair.size() / 2].first, late_mean, late_blocks.c_str());
   }
   for (const std::string& line : per_block) std::fprintf(f, "%s\n", line.c_str());
   std::fclose(f);
