@@ -757,6 +757,14 @@ __device__ __forceinline__ AttentionShape MakeAttentionShape(const PersistentDec
   return s;
 }
 
+// Whether this block runs an attention item (kv head, split) of the step at position `pos`: the
+// items go to the grid's last blocks (attention_item in the kernel says why).
+__device__ __forceinline__ bool RunsAttention(const PersistentDecodeArgs& a, int pos,
+                                              bool most_splits) {
+  return static_cast<int>(gridDim.x - 1 - blockIdx.x) <
+         a.shape.kv_heads * MakeAttentionShape(a, pos, most_splits).splits;
+}
+
 struct AttentionSmem {
   float *q, *kn, *vn, *combine, *out, *run_max, *run_sum;  // [G][hd], [hd], [hd], [G][S], [G][hd], [G], [G]
   unsigned char *k, *v;  // [C][hd * 2 + 16] and [C][hd * 2] bf16
@@ -1139,9 +1147,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // batch 1, one call: 2.622 / 2.626 -> 2.579 / 2.577 ms, the MLP phase 26.6 -> 25.6 us a layer
   // (the starved blocks' first experts sooner: see docs/PERFORMANCE.md); held until the keys
   // are scored instead, 2.657 (the partials' publication 1.2 -> 2.9 us).
-  r.hold_o = ((knobs >> 7) & 1) ||
-             static_cast<int>(gridDim.x - 1 - blockIdx.x) <
-                 a.shape.kv_heads * MakeAttentionShape(a, step_position, (knobs >> 11) & 1).splits;
+  r.hold_o = ((knobs >> 7) & 1) || RunsAttention(a, step_position, (knobs >> 11) & 1);
   r.evict_first = !((knobs >> 8) & 1);
   if constexpr (kFusedDown<F>) {  // (the quantized builds' code stays as it was: see qkv_cap)
     r.qkv_cap = (knobs >> 19) & 3;
@@ -1199,7 +1205,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   };
   auto position = [&] { return *reinterpret_cast<volatile int*>(&step_position); };
   auto attention = [&] { return MakeAttentionShape(a, position(), knob(11)); };
-  auto attention_items = [&] { return a.shape.kv_heads * attention().splits; };
   // This block's attention item: the items go to the grid's last blocks, which have the fewest
   // q/k/v rows (round robin gives the first warps the extra ones), so that the blocks that also
   // copy in their keys during q/k/v are not the ones with a third row. H200 qwen3-30b-a3b batch 1
@@ -1240,7 +1245,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     if (kFusedDown<F> && threadIdx.x == 0) routing.started = l;
     // This block's attention keys of earlier steps, copied in during the q/k/v phase (past the
     // staged x; the previous phase's h, which they overwrite, is consumed).
-    if (attention_item() < attention_items()) {
+    if (RunsAttention(a, position(), knob(11))) {
       int begin, end;
       SplitKeys(attention(), attention_item(), a.shape.kv_heads, position(), &begin, &end);
       LoadKeyChunk(a, attention(), AttentionLayout(attention(), xs, d.hidden), l, attention_item(), begin,
@@ -1277,7 +1282,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // The o phase's gains (each row's x times its gain feeds the router), asked into L2 a phase
     // ahead. (Asked after the attention barrier instead, the step measured the same.)
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
-    if (attention_item() < attention_items())
+    if (RunsAttention(a, position(), knob(11)))
       AttendSplit(
           a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
           a.timeline ? a.timeline +
