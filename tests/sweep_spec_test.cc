@@ -454,5 +454,33 @@ TEST(SweepSpecRealRegistryTest, ShippedSpecsParseAndExpand) {
   }
 }
 
+// The GPU demo carries the fastest batch-1 config (graphs=persistent, one kernel a decode step),
+// which preflight lets through on an sm_90 GPU, and judges its other graphs=persistent
+// combinations UNSUPPORTED with the reason, before anything loads.
+TEST(SweepSpecRealRegistryTest, GpuDemoCarriesThePersistentKernel) {
+  absl::StatusOr<SweepSpec> spec = LoadSweepSpecFile(SourceDir() + "/sweeps/demo-gpu.yaml");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  absl::StatusOr<std::vector<TrialRecord>> trials = ExpandSweep(*spec, 1);
+  ASSERT_TRUE(trials.ok()) << trials.status();
+  const PreflightTarget h200{
+      .has_cuda_build = true, .sm = 90, .gpu_count = 1, .weight_format = "bf16"};
+  int runnable = 0, refused = 0;
+  for (const TrialRecord& trial : *trials) {
+    if (trial.config.at("graphs") != "persistent") continue;
+    absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
+    ASSERT_TRUE(config.ok()) << config.status();
+    const PreflightResult verdict = Preflight(*config, h200);
+    if (verdict.supported) {
+      ++runnable;
+      EXPECT_EQ(trial.config.at("gemm"), "fused") << BackendConfigString(trial.config);
+    } else {
+      ++refused;
+      EXPECT_FALSE(verdict.reason.empty()) << BackendConfigString(trial.config);
+    }
+  }
+  EXPECT_GT(runnable, 0);
+  EXPECT_GT(refused, 0);
+}
+
 }  // namespace
 }  // namespace infersweep
