@@ -116,6 +116,9 @@ for stage in $STAGES; do
         done
       done
     done ;;
+  icache)  # cycles per FMA of straight-line code bodies of 8-192 KB: one warp per SM sub-partition,
+    # a block of 16 warps, and 132 blocks of 16 (the instruction caches' sizes and their sharing)
+    for shape in "1 4" "1 16" "132 16"; do .carry/icache_probe $shape; done 2>&1 | tee "$OUT/icache_probe.log" ;;
   pprofile)  # where graphs=persistent's warps stall: ncu's sampled source counters (per SASS
     # instruction) and its warp-state and memory sections, one decode step at context 512
     ncu --clock-control none --kernel-name regex:PersistentDecodeKernel --launch-skip 2 --launch-count 1 \
