@@ -883,6 +883,12 @@ __device__ __forceinline__ void StampAt(unsigned long long* at) {
 // stamps: null, or this block's kPersistentAttentionStamps slots of the timeline for the layer.
 // The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v. *loaded = layer once
 // the inputs have landed (the block's producers hold its o weights until then).
+// kSlicedCombine: every split combines a slice of its kv head's outputs once all have published
+// (the quantized builds: H200 qwen3-30b-a3b batch 1, one call, nvfp4 2.462 -> 2.395 ms,
+// fp8_channel 2.311 -> 2.265, attention 10.3 -> 8.7 and 9.6 -> 8.5 us a layer); else the last
+// split to publish combines them all (the bf16 build: with the sliced combine its register
+// allocation moved, the key step 3.1 -> 3.8 us and the MLP +0.4, 2.576 -> 2.593 ms).
+template <bool kSlicedCombine>
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
                             const PersistentLayer& L, int layer, int item, int pos, float* xs,
                             int hidden, const AttentionConstants& constants,
@@ -894,7 +900,6 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
   int begin, end;
   SplitKeys(sh, item, a.shape.kv_heads, pos, &begin, &end);
   const AttentionSmem m = AttentionLayout(sh, xs, hidden);
-  __shared__ int last_split;
   const int first_q = kv_head * G;
   // The group's q heads, then k and v (m.q, m.kn, m.vn are contiguous), copied in 16-byte pieces
   // by cp.async: every piece in flight at once, one round trip (plain loads in a loop with a
@@ -1002,56 +1007,98 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
     part_ml[((first_q + g) * S + split) * 2] = m.run_max[g];
     part_ml[((first_q + g) * S + split) * 2 + 1] = m.run_sum[g];
   }
-  // Counted by thread 0 with an acq_rel atomic after the block barrier: its release covers the
-  // whole block's partials (cumulative through the barrier), its acquire the other splits' for
-  // the combining one; where every thread fenced (fence.sc) before and after.
-  ConsumerSync();
-  if (t == 0) {
-    unsigned before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                 : "=r"(before)
-                 : "l"(a.barrier + 1 + layer * a.shape.kv_heads + kv_head)
-                 : "memory");
-    last_split = before == static_cast<unsigned>(S - 1);
-  }
-  ConsumerSync();
-  StampAt(stamps ? stamps + 2 : nullptr);
-  if (!last_split) return;
-  // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
-  // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
-  // Measured slower on the H200 (qwen3-30b-a3b, context ~576): merging the splits online, each
-  // split's max loaded with its output (no round trip for the weights first), 2.2 -> 3.1 us (the
-  // merge's chain of exps); a thread's first four loads issued before the weights, 2.4 -> 2.7.
-  const int quads = outputs / 4, half = t & 1;
-  const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
-  for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
-    const float* ml = part_ml + (first_q + g) * S * 2;
-    const float ms = lane < S ? __ldcg(ml + lane * 2) : -INFINITY;
-    const float ls = lane < S ? __ldcg(ml + lane * 2 + 1) : 0.f;
-    const float max_s = WarpMax(ms);
-    const float w = ms == -INFINITY ? 0.f : expf(ms - max_s);
-    const float total = WarpSum(w * ls);
-    if (lane < S) m.combine[g * S + lane] = w / total;
-  }
-  ConsumerSync();
-  for (int q0 = 0; q0 < quads; q0 += kThreads / 2) {  // uniform trip count: the pairs shuffle
-    const int q = q0 + t / 2, g = 4 * q / hd;
-    float4 out{};
-    if (q < quads) {
-      const float4* src = acc4 + (static_cast<int64_t>(first_q + g) * S * hd + 4 * q % hd) / 4;
-#pragma unroll 4
-      for (int split_i = half; split_i < S; split_i += 2) {
-        const float4 v = __ldcg(src + static_cast<int64_t>(split_i) * hd / 4);
-        const float w = m.combine[g * S + split_i];
-        out.x += w * v.x, out.y += w * v.y, out.z += w * v.z, out.w += w * v.w;
-      }
+  if constexpr (kSlicedCombine) {
+    // Counted by thread 0 with an acq_rel atomic after the block barrier: its release covers the
+    // whole block's partials (cumulative through the barrier), its acquire (or, for the splits that
+    // count before the last, the acquire load that sees the last count) the other splits'.
+    ConsumerSync();
+    if (t == 0) {
+      const unsigned* counter = a.barrier + 1 + layer * a.shape.kv_heads + kv_head;
+      unsigned before;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                   : "=r"(before)
+                   : "l"(counter)
+                   : "memory");
+      StampAt(stamps ? stamps + 2 : nullptr);
+      for (unsigned count = before + 1; count < static_cast<unsigned>(S);)
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(count) : "l"(counter) : "memory");
     }
-    out.x += __shfl_xor_sync(0xffffffffu, out.x, 1);
-    out.y += __shfl_xor_sync(0xffffffffu, out.y, 1);
-    out.z += __shfl_xor_sync(0xffffffffu, out.z, 1);
-    out.w += __shfl_xor_sync(0xffffffffu, out.w, 1);
-    if (q < quads && half == 0)
-      reinterpret_cast<float4*>(a.attn)[(first_q * hd) / 4 + q] = out;
+    ConsumerSync();
+    // The combine, spread over the kv head's splits: each takes a slice of the group's G x hd
+    // outputs, a warp a float4 of them, lane s the split s's partial and its (max, sum), all
+    // loaded in one round trip. (One split combining everything took ~2.3 us a layer on the H200,
+    // qwen3-30b-a3b: the weights' round trip, then S / 2 loads a thread in batches of four.)
+    const int quads = G * hd / 4, per_split = (quads + S - 1) / S;
+    const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
+    for (int q = split * per_split + warp; q < min(quads, (split + 1) * per_split); q += kWarps) {
+      const int head = first_q + 4 * q / hd;
+      float max_s = -INFINITY, sum_s = 0.f;
+      float4 v{};
+      if (lane < S) {
+        max_s = __ldcg(part_ml + (head * S + lane) * 2);
+        sum_s = __ldcg(part_ml + (head * S + lane) * 2 + 1);
+        v = __ldcg(acc4 + (static_cast<int64_t>(head * S + lane) * hd + 4 * q % hd) / 4);
+      }
+      const float top = WarpMax(max_s);
+      const float w = max_s == -INFINITY ? 0.f : expf(max_s - top);  // an empty split weighs 0
+      const float total = WarpSum(w * sum_s);
+      const float4 out{WarpSum(w * v.x), WarpSum(w * v.y), WarpSum(w * v.z), WarpSum(w * v.w)};
+      if (lane == 0)
+        reinterpret_cast<float4*>(a.attn)[(first_q * hd) / 4 + q] =
+            make_float4(out.x / total, out.y / total, out.z / total, out.w / total);
+    }
+  } else {
+    __shared__ int last_split;  // (declared here: the sliced combine has none)
+    // Counted by thread 0 with an acq_rel atomic after the block barrier: its release covers the
+    // whole block's partials (cumulative through the barrier), its acquire the other splits' for
+    // the combining one; where every thread fenced (fence.sc) before and after.
+    ConsumerSync();
+    if (t == 0) {
+      unsigned before;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                   : "=r"(before)
+                   : "l"(a.barrier + 1 + layer * a.shape.kv_heads + kv_head)
+                   : "memory");
+      last_split = before == static_cast<unsigned>(S - 1);
+    }
+    ConsumerSync();
+    StampAt(stamps ? stamps + 2 : nullptr);
+    if (!last_split) return;
+    // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
+    // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
+    // Measured slower on the H200 (qwen3-30b-a3b, context ~576): merging the splits online, each
+    // split's max loaded with its output (no round trip for the weights first), 2.2 -> 3.1 us (the
+    // merge's chain of exps); a thread's first four loads issued before the weights, 2.4 -> 2.7.
+    const int quads = outputs / 4, half = t & 1;
+    const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
+    for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
+      const float* ml = part_ml + (first_q + g) * S * 2;
+      const float ms = lane < S ? __ldcg(ml + lane * 2) : -INFINITY;
+      const float ls = lane < S ? __ldcg(ml + lane * 2 + 1) : 0.f;
+      const float max_s = WarpMax(ms);
+      const float w = ms == -INFINITY ? 0.f : expf(ms - max_s);
+      const float total = WarpSum(w * ls);
+      if (lane < S) m.combine[g * S + lane] = w / total;
+    }
+    ConsumerSync();
+    for (int q0 = 0; q0 < quads; q0 += kThreads / 2) {  // uniform trip count: the pairs shuffle
+      const int q = q0 + t / 2, g = 4 * q / hd;
+      float4 out{};
+      if (q < quads) {
+        const float4* src = acc4 + (static_cast<int64_t>(first_q + g) * S * hd + 4 * q % hd) / 4;
+#pragma unroll 4
+        for (int split_i = half; split_i < S; split_i += 2) {
+          const float4 v = __ldcg(src + static_cast<int64_t>(split_i) * hd / 4);
+          const float w = m.combine[g * S + split_i];
+          out.x += w * v.x, out.y += w * v.y, out.z += w * v.z, out.w += w * v.w;
+        }
+      }
+      out.x += __shfl_xor_sync(0xffffffffu, out.x, 1);
+      out.y += __shfl_xor_sync(0xffffffffu, out.y, 1);
+      out.z += __shfl_xor_sync(0xffffffffu, out.z, 1);
+      out.w += __shfl_xor_sync(0xffffffffu, out.w, 1);
+      if (q < quads && half == 0) reinterpret_cast<float4*>(a.attn)[(first_q * hd) / 4 + q] = out;
+    }
   }
   StampAt(stamps ? stamps + 3 : nullptr);
   ConsumerSync();  // xs is reused
@@ -1283,7 +1330,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // ahead. (Asked after the attention barrier instead, the step measured the same.)
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     if (RunsAttention(a, position(), knob(11)))
-      AttendSplit(
+      AttendSplit<F != QuantFormat::kNone>(
           a, attention(), L, l, attention_item(), position(), xs, d.hidden, constants,
           a.timeline ? a.timeline +
                            static_cast<int64_t>(blockIdx.x) * PersistentTimelineEvents(num_layers) +

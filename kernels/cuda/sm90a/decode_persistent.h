@@ -99,9 +99,9 @@ struct PersistentDecodeArgs {
   // o, router, gate/up, down) the block's arrival at the barrier that ends the phase and its
   // departure (the last layer's down: its end). The router slots stay 0 (no phase). Then per
   // layer kPersistentAttentionStamps inside the block's attention split: q/k/v loaded and
-  // normalised; keys done; partial published and counted; combined (the combining split only);
-  // then the layer's kPersistentStepStamps inside the other phases (PersistentStep).
-  // Last, the SM the block ran on (%smid).
+  // normalised; keys done; partial published and counted; its slice combined (the wait for the
+  // other splits included); then the layer's kPersistentStepStamps inside the other phases
+  // (PersistentStep). Last, the SM the block ran on (%smid).
   unsigned long long* timeline = nullptr;
   // [PersistentAddFloats(hidden)]: the bf16 build's down sums of every layer but the last, x's
   // element i at PersistentAddIndex(i) (x at the next layer's start is x plus these). Last, so
