@@ -108,12 +108,37 @@ for stage in $STAGES; do
     # (default "nvfp4 fp8_channel") with each AB_BINARIES build in turn, AB_ROUNDS times
     for round in $(seq "${AB_ROUNDS:-1}"); do
       for f in ${QUANT_FORMATS:-nvfp4 fp8_channel}; do
-        for b in ${AB_BINARIES:-infersweep_base infersweep}; do
-          echo "# $f $b"
-          quant_run ".carry/$b" "$f" persistent "$OUT/timeline_${f}_$b.txt" 2>&1 |
+        for entry in ${AB_BINARIES:-infersweep_base infersweep}; do  # binary[:knobs], as in ab
+          b=${entry%%:*} k=0
+          [ "$b" != "$entry" ] && k=${entry#*:}
+          echo "# $f $entry"
+          t="$OUT/timeline_${f}_$b.txt"
+          [ "$k" != 0 ] && t="$OUT/timeline_${f}_${b}_$k.txt"
+          INFERSWEEP_PERSISTENT_KNOBS=$k quant_run ".carry/$b" "$f" persistent "$t" 2>&1 |
             grep -E "OK|INCORRECT|ERROR|UNSUPPORTED|spread"
-          grep -v "^# block" "$OUT/timeline_${f}_$b.txt" | tail -11
+          grep -v "^# block" "$t" | tail -11
         done
+      done
+    done ;;
+  tail)  # the batch-1 step outside the persistent kernel, for each AB_BINARIES build: the lm_head
+    # kernel (the streamed GEMV, or cuBLASLt's GEMM in builds before it) timed by ncu over three
+    # decode steps with the bytes it read, then TPOT at 1 and 2 layers (the step's fixed part is
+    # TPOT(1) minus a layer)
+    for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+      echo "# $b"
+      ncu --clock-control none --kernel-name regex:'GemvStream|nvjet_sm90_tss_384x8' --launch-count 3 \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum --print-units base --csv .carry/$b generate \
+        --model preset:qwen3-30b-a3b --backend cuda --tokens 1,2,3,4 --max-new-tokens 4 \
+        --config gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent 2>/dev/null |
+        python3 -c '
+import csv, sys
+for r in csv.reader(sys.stdin):
+    if len(r) > 14 and r[12] in ("gpu__time_duration.sum", "dram__bytes_read.sum"):
+        print(r[4][:60], r[12], r[14])'
+      for layers in 1 2; do
+        .carry/$b run --model preset:qwen3-30b-a3b --layers $layers \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+          --workload prompt=512,output=64,batch=1,repeats=3,warmup=1 2>&1 | grep -E "OK|INCORRECT|ERROR"
       done
     done ;;
   icache)  # cycles per FMA of straight-line code bodies of 8-192 KB: one warp per SM sub-partition,

@@ -395,6 +395,58 @@ void CheckGemv(GpuKernels& t, int rows, int k, int n) {
     }
 }
 
+// A vocabulary-sized matrix is streamed (GemvStreams: a few blocks an SM walking the rows) with
+// the final norm folded in, as the lm_head runs at decode: y = (x / rms(x) * gain) . W^T against
+// host math in double, at 1 and 3 activation rows, a row count that leaves the last warps' rows
+// short of a full pass, and k of 2048 (one 4 KB batch a row) and 3072 (two, the second partial).
+TEST_F(GpuKernels, GemvStreamsVocabularySizedMatricesWithTheNorm) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const auto& [rows, k] : {std::pair{1, 2048}, std::pair{3, 3072}}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows, k " << k);
+    const int n = cuda::kGemvStreamRowsPerSm * sms + 1237;
+    std::mt19937 rng(11 + rows);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    std::vector<float> x(static_cast<size_t>(rows) * k), gain(k);
+    std::vector<uint16_t> w(static_cast<size_t>(n) * k);
+    for (float& v : x) v = 3.f * uni(rng);
+    for (float& v : gain) v = 1.f + 0.5f * uni(rng);
+    for (uint16_t& v : w) v = FloatToBf16(uni(rng));
+    ASSERT_TRUE(cuda::GemvSupports(rows, k));
+    cuda::GemvArgs a;
+    a.x = Upload(x);
+    a.rows = rows;
+    a.k = k;
+    a.norm_gain = Upload(gain);
+    a.norm_dtype = DType::kF32;
+    a.norm_eps = 1e-6f;
+    a.seg[0].w = Upload(w);
+    a.seg[0].y = Upload(std::vector<float>(static_cast<size_t>(rows) * n, NAN));
+    a.seg[0].n = n;
+    a.seg[0].ld = n;
+    a.segments = 1;
+    ASSERT_TRUE(cuda::GemvStreams(a));
+    cuda::Gemv(a, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> y = Download(a.seg[0].y, static_cast<size_t>(rows) * n);
+    for (int r = 0; r < rows; ++r) {
+      double sum_sq = 0;
+      for (int i = 0; i < k; ++i) sum_sq += static_cast<double>(x[r * k + i]) * x[r * k + i];
+      const double inv = 1.0 / std::sqrt(sum_sq / k + 1e-6);
+      for (int j = 0; j < n; ++j) {
+        double want = 0;
+        for (int i = 0; i < k; ++i)
+          want += x[static_cast<size_t>(r) * k + i] * inv * gain[i] *
+                  Bf16ToFloat(w[static_cast<size_t>(j) * k + i]);
+        ASSERT_NEAR(y[static_cast<size_t>(r) * n + j], want,
+                    1e-3 * std::sqrt(static_cast<double>(k)))
+            << "row " << r << " output " << j;
+      }
+    }
+  }
+}
+
 // Kernels whose dynamic shared memory is over the 48 KB default set their limit once per device
 // (PerDeviceOnce): a once-per-process flag would leave every GPU but the first with the default
 // and its launches failing, as tensor parallelism would find out. Each runs on every GPU of the

@@ -1195,13 +1195,24 @@ class CudaModel final : public Model {
     }
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
     const float* final_in = x_;
-    if (mode == LogitsMode::kLast) {
+    if (mode == LogitsMode::kLast && n > 1) {  // (one token a sequence: x's rows are the last)
       CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_, h_last_rows_, batch_ * sizeof(int), cudaMemcpyHostToDevice, stream_));
       cuda::GatherRows(x_, d_last_rows_, batch_, hidden, o_, stream_);
       final_in = o_;
     }
-    const uint16_t* fb = NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
-    if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
+    // gemm=fused|tma: the final norm and the lm_head in one GEMV launch (a vocabulary-sized
+    // matrix is streamed: cuda::GemvStreams), for the decode rows and a prefill's last rows,
+    // where a norm kernel and cuBLASLt's GEMM ran. H200, qwen3-30b-a3b batch 1 (ncu): the
+    // lm_head's 622 MB in 146.7 us (4.24 TB/s) against cuBLASLt's 148.6, and with the norm and
+    // row-gather kernels gone the graphs=persistent step 2.576 -> 2.558 ms (docs/PERFORMANCE.md).
+    if ((options_.gemm_fused || options_.gemm_tma) && cuda::GemvSupports(out_rows, hidden)) {
+      FusedGemv g = GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);
+      AddSegment(g, w_.lm_head, {}, logits_);
+      if (auto s = RunGemv(g); !s.ok()) return s;
+    } else {
+      const uint16_t* fb = NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
+      if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
+    }
     if (options_.fault.kind == FaultInjection::Kind::kStuckToken)
       cuda::ForceToken(logits_, out_rows, config_.vocab_size,
                        static_cast<int>(options_.fault.value) % config_.vocab_size, stream_);

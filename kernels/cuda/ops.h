@@ -151,6 +151,10 @@ struct GemvArgs {
 };
 bool GemvSupports(int rows, int k);
 void Gemv(const GemvArgs& args, cudaStream_t stream);
+// Above this many rows (all segments) an SM, Gemv streams the matrix with a grid of a few blocks
+// an SM walking its rows (the lm_head) instead of one wave of short-lived blocks.
+constexpr int kGemvStreamRowsPerSm = 512;
+bool GemvStreams(const GemvArgs& args);
 
 // ---- MoE
 // Shared memory the fused gate/up kernel may use for its staged input (hidden * 4 bytes).
