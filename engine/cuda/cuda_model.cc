@@ -1204,7 +1204,8 @@ class CudaModel final : public Model {
     // matrix is streamed: cuda::GemvStreams), for the decode rows and a prefill's last rows,
     // where a norm kernel and cuBLASLt's GEMM ran. H200, qwen3-30b-a3b batch 1 (ncu): the
     // lm_head's 622 MB in 146.7 us (4.24 TB/s) against cuBLASLt's 148.6, and with the norm and
-    // row-gather kernels gone the graphs=persistent step 2.576 -> 2.558 ms (docs/PERFORMANCE.md).
+    // row-gather kernels gone the graphs=persistent step 2.574 / 2.578 -> 2.559 / 2.556 ms (two
+    // rounds, one call; docs/PERFORMANCE.md).
     if ((options_.gemm_fused || options_.gemm_tma) && cuda::GemvSupports(out_rows, hidden)) {
       FusedGemv g = GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);
       AddSegment(g, w_.lm_head, {}, logits_);
