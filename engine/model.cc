@@ -1,6 +1,7 @@
 #include "engine/model.h"
 
 #include "absl/strings/str_cat.h"
+#include "engine/sampler.h"
 
 namespace infersweep {
 
@@ -19,6 +20,16 @@ absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capac
       return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " at index ", i,
                                                      " outside vocabulary [0, ", config.vocab_size,
                                                      ")"));
+  return absl::OkStatus();
+}
+
+absl::Status Model::ForwardGreedy(std::span<const int32_t> tokens, int n,
+                                  std::vector<int32_t>* next) {
+  std::vector<float> logits;
+  if (auto s = Forward(tokens, n, LogitsMode::kLast, &logits); !s.ok()) return s;
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  next->resize(logits.size() / vocab);
+  for (size_t b = 0; b < next->size(); ++b) (*next)[b] = Greedy({logits.data() + b * vocab, vocab});
   return absl::OkStatus();
 }
 

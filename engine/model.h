@@ -33,12 +33,20 @@ class Model {
   // cache, and returns float32 logits on the host.
   virtual absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
                                std::vector<float>* logits) = 0;
+  // Feeds `n` tokens to every sequence as Forward does, and returns each sequence's greedy next
+  // token ([batch]: Greedy of its last row's logits) instead of the logits. Timed decode loops use
+  // it: an engine picks the token where the logits are and hands back ids, not a vocabulary of
+  // floats a sequence. The default runs Forward and picks on the host. `next` may alias `tokens`'
+  // storage: the tokens are consumed first.
+  virtual absl::Status ForwardGreedy(std::span<const int32_t> tokens, int n,
+                                     std::vector<int32_t>* next);
   // Tokens already fed to each sequence of the current batch.
   virtual int position() const = 0;
   // Seconds spent capturing CUDA graphs so far (0 where there are none).
   virtual double graph_capture_seconds() const { return 0; }
-  // Device time of the last Forward, from events recorded on its stream around the whole step
-  // (input copies, kernels or graph replay, logits copy); nullopt on devices without events.
+  // Device time of the last Forward or ForwardGreedy, from events recorded on its stream around
+  // the whole step (inputs, kernels or graph replay, the logits' or the tokens' way to the host);
+  // nullopt on devices without events.
   virtual std::optional<double> last_forward_device_ms() const { return std::nullopt; }
   // Device memory in use now (total - free, whole device); nullopt on the CPU.
   virtual std::optional<int64_t> device_memory_used_bytes() const { return std::nullopt; }

@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_format.h"
 #include "engine/roofline.h"
-#include "engine/sampler.h"
 #include "engine/synthetic.h"
 
 namespace infersweep {
@@ -43,18 +42,14 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
     prompt[i] = static_cast<int32_t>(Mix64(0xbe7c4 + i + 7919ull * repeat) % vocab);
   if (auto s = model.StartBatch(batch, w.prompt_len + w.output_len); !s.ok()) return s;
   RepeatTiming t;
-  std::vector<float> logits;
+  // Greedy decoding, the token picked where the logits are (Model::ForwardGreedy): what a step
+  // costs a serving engine, which hands back token ids, not logits.
   std::vector<int32_t> next(batch);
-  auto sample = [&] {
-    for (int b = 0; b < batch; ++b)
-      next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
-  };
   // NaN: no reading. (A std::optional<double> here drew GCC 12's maybe-uninitialized false
   // positive at -O2.)
   const double energy_start = energy ? energy->ReadJoules().value_or(NAN) : NAN;
   const auto start = Clock::now();
-  if (auto s = model.Forward(prompt, w.prompt_len, LogitsMode::kLast, &logits); !s.ok()) return s;
-  sample();
+  if (auto s = model.ForwardGreedy(prompt, w.prompt_len, &next); !s.ok()) return s;
   auto last = Clock::now();
   const std::optional<double> prefill_device_ms = model.last_forward_device_ms();
   t.device_timed = prefill_device_ms.has_value();
@@ -62,8 +57,7 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   t.ttft_ms = t.device_timed ? *prefill_device_ms : t.wall_ttft_ms;
   t.latency_ms = t.ttft_ms;
   for (int step = 1; step < w.output_len; ++step) {
-    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
-    sample();
+    if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
     const auto now = Clock::now();
     const double step_ms = t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);
     t.itl_ms.push_back(step_ms);

@@ -141,6 +141,21 @@ for r in csv.reader(sys.stdin):
           --workload prompt=512,output=64,batch=1,repeats=3,warmup=1 2>&1 | grep -E "OK|INCORRECT|ERROR"
       done
     done ;;
+  fixed)  # the step's parts outside the layers, for each AB_BINARIES build: graphs=persistent
+    # TPOT at 1 and 2 layers (the fixed part is TPOT(1) minus a layer), then the 48-layer kernel
+    # chain (graphs=on) at batch 1 and 64, where the logits' copy grows with the batch
+    for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+      echo "# $b"
+      for layers in 1 2; do
+        .carry/$b run --model preset:qwen3-30b-a3b --layers $layers \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+          --workload prompt=512,output=64,batch=1,repeats=3,warmup=1 2>&1 | grep -E "OK|INCORRECT|ERROR"
+      done
+      .carry/$b run --model preset:qwen3-30b-a3b \
+        --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on' \
+        --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 2>&1 |
+        grep -E "OK|INCORRECT|ERROR|spread"
+    done ;;
   icache)  # cycles per FMA of straight-line code bodies of 8-192 KB: one warp per SM sub-partition,
     # a block of 16 warps, and 132 blocks of 16 (the instruction caches' sizes and their sharing)
     for shape in "1 4" "1 16" "132 16"; do .carry/icache_probe $shape; done 2>&1 | tee "$OUT/icache_probe.log" ;;

@@ -1,5 +1,7 @@
 // CUDA kernels checked one by one against host math written independently here. Skipped (not
 // failed) on machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -7,9 +9,8 @@
 #include <tuple>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "engine/dtype.h"
+#include "engine/sampler.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -445,6 +446,102 @@ TEST_F(GpuKernels, GemvStreamsVocabularySizedMatricesWithTheNorm) {
       }
     }
   }
+}
+
+// The greedy pick on the device is the host's Greedy, row by row: the lowest index among equal
+// maxima (here in different blocks of the row), NaN and -inf never winning, a row with nothing
+// else picking 0, -0 tying +0, and negative logits ranked right. Three launches on the same
+// scratch, the maxima moved lower each time: a key or ticket left over from the previous launch
+// would keep the old pick.
+TEST_F(GpuKernels, GreedyTokensPickWhatTheHostPicks) {
+  const int vocab = 100003, rows = 8;  // blocks of 2048: 49 a row, the last one partial
+  std::vector<unsigned long long> zero_keys(rows, 0ull);
+  cuda::GreedyScratch scratch{Upload(zero_keys), Upload(std::vector<unsigned>(rows, 0u))};
+  int32_t* out = nullptr;
+  ASSERT_EQ(cudaMallocHost(&out, rows * sizeof(int32_t)), cudaSuccess);
+  for (int launch = 0; launch < 3; ++launch) {
+    SCOPED_TRACE(testing::Message() << "launch " << launch);
+    std::mt19937 rng(101 + launch);
+    std::uniform_real_distribution<float> uni(-4.f, 4.f);
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+    for (float& v : logits) v = uni(rng);
+    auto row = [&](int r) { return logits.data() + static_cast<size_t>(r) * vocab; };
+    const float top = 10.f - launch;  // lower each launch
+    row(0)[70001 - launch] = top;     // a tie across blocks: the lower index must win
+    row(0)[5000 + launch] = top;
+    std::fill(row(1), row(1) + vocab, NAN);  // nothing to pick: 0
+    std::fill(row(2), row(2) + vocab, -INFINITY);
+    row(2)[0] = NAN;
+    row(2)[vocab - 1] = -1e30f;  // the only finite logit, in the last, partial block
+    std::fill(row(3), row(3) + vocab, NAN);
+    row(3)[77777 - launch] = INFINITY;
+    std::fill(row(4), row(4) + vocab, -INFINITY);  // nothing above -inf: 0
+    for (int i = 0; i < vocab; ++i) row(5)[i] = -1.f - std::fabs(uni(rng));  // all negative
+    row(5)[33333 + launch] = -0.75f;
+    std::fill(row(6), row(6) + vocab, -3.f);  // -0 before +0: equal, so the lower index
+    row(6)[40000] = -0.f;
+    row(6)[40001 + launch] = 0.f;
+    for (int i = 0; i < vocab; ++i) row(7)[i] = static_cast<float>(i % 977);  // 976 many times
+    const float* device_logits = Upload(logits);
+    std::fill(out, out + rows, -7);
+    cuda::GreedyTokens(device_logits, rows, vocab, scratch, out, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> want_named = {5000 + launch,  0,     vocab - 1, 77777 - launch, 0,
+                                             33333 + launch, 40000, 976};
+    for (int r = 0; r < rows; ++r) {
+      const int32_t want = Greedy({row(r), static_cast<size_t>(vocab)});
+      EXPECT_EQ(want, want_named[r]) << "row " << r << ": the host's Greedy";
+      EXPECT_EQ(out[r], want) << "row " << r;
+    }
+  }
+  cudaFreeHost(out);
+}
+
+// The step's input kernel reads the token ids and the position from pinned host memory when it
+// runs, writes their device copies, gathers the bf16 embedding rows into fp32 x and zeroes the
+// counters it is given.
+TEST_F(GpuKernels, StepInputsReadTheHostsTokensAndZeroTheCounters) {
+  const int vocab = 300, hidden = 264, rows = 3;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  std::vector<uint16_t> table(static_cast<size_t>(vocab) * hidden);
+  for (uint16_t& v : table) v = FloatToBf16(uni(rng));
+  int32_t* host_tokens = nullptr;
+  int* host_position = nullptr;
+  ASSERT_EQ(cudaMallocHost(&host_tokens, rows * sizeof(int32_t)), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&host_position, sizeof(int)), cudaSuccess);
+  cuda::StepInputArgs a;
+  a.host_tokens = host_tokens;
+  a.host_position = host_position;
+  a.rows = rows;
+  a.tokens = Upload(std::vector<int32_t>(rows, -1));
+  a.position = Upload(std::vector<int>{-1});
+  a.embed = MatrixRef{Upload(table), DType::kBF16, vocab, hidden};
+  a.x = Upload(std::vector<float>(static_cast<size_t>(rows) * hidden, NAN));
+  a.zero = Upload(std::vector<unsigned>(1000, 7u));
+  a.zero_count = 999;  // the last one stays
+  for (const auto& [tokens, position] : {std::pair{std::vector<int32_t>{299, 0, 17}, 41},
+                                         std::pair{std::vector<int32_t>{5, 5, 123}, 42}}) {
+    std::copy(tokens.begin(), tokens.end(), host_tokens);
+    *host_position = position;
+    cuda::StepInputs(a, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(Download(a.tokens, rows), tokens);
+    EXPECT_EQ(Download(a.position, 1)[0], position);
+    const std::vector<float> x = Download(a.x, static_cast<size_t>(rows) * hidden);
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < hidden; ++i)
+        ASSERT_EQ(x[static_cast<size_t>(r) * hidden + i],
+                  Bf16ToFloat(table[static_cast<size_t>(tokens[r]) * hidden + i]))
+            << "row " << r << " column " << i;
+    const std::vector<unsigned> counters = Download(a.zero, 1000);
+    EXPECT_EQ(std::count(counters.begin(), counters.end(), 0u), 999);
+    EXPECT_EQ(counters[999], 7u);
+  }
+  cudaFreeHost(host_tokens);
+  cudaFreeHost(host_position);
 }
 
 // Kernels whose dynamic shared memory is over the 48 KB default set their limit once per device

@@ -396,6 +396,68 @@ TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
   }
 }
 
+// ForwardGreedy picks on the device what Greedy picks from Forward's logits: two models of one
+// config in lockstep, one returning logits, the other tokens, fed the same tokens, through the
+// prefill and 6 decode steps, on the kernel chain (graphs off and on) and the persistent kernel,
+// at batch 1 and 3. Where the two runs' logits differ by rounding (the persistent kernel's sums
+// land by atomics in any order) a pick may differ only between near-equal logits.
+TEST(Gpu, ForwardGreedyPicksOnTheDeviceWhatGreedyPicksFromTheLogits) {
+  REQUIRE_GPU();
+  for (const char* name : {"preset:tiny-moe", "preset:qwen3-30b-a3b"}) {
+    auto host = LoadHostModel(name, LoadOptions{2, 7, false});
+    ASSERT_TRUE(host.ok()) << host.status();
+    const int vocab = (*host)->config.vocab_size;
+    for (const char* graphs : {"off", "on", "persistent"}) {
+      const std::string text =
+          std::string("device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=") +
+          graphs;
+      auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
+      ASSERT_TRUE(config.ok()) << config.status();
+      for (int batch : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << name << " " << text << " batch " << batch);
+        auto logits_model = CreateModel(**host, *config);
+        auto token_model = CreateModel(**host, *config);
+        ASSERT_TRUE(logits_model.ok()) << logits_model.status();
+        ASSERT_TRUE(token_model.ok()) << token_model.status();
+        const int prompt_len = 9;
+        ASSERT_TRUE((*logits_model)->StartBatch(batch, prompt_len + 8).ok());
+        ASSERT_TRUE((*token_model)->StartBatch(batch, prompt_len + 8).ok());
+        std::vector<int32_t> feed(static_cast<size_t>(batch) * prompt_len);
+        for (size_t i = 0; i < feed.size(); ++i)
+          feed[i] = static_cast<int32_t>((i * 7919 + 3) % vocab);
+        int n = prompt_len, exact = 0;
+        for (int step = 0; step < 7; ++step) {
+          std::vector<float> logits;
+          std::vector<int32_t> picked;
+          ASSERT_TRUE((*logits_model)->Forward(feed, n, LogitsMode::kLast, &logits).ok());
+          ASSERT_TRUE((*token_model)->ForwardGreedy(feed, n, &picked).ok());
+          ASSERT_EQ(picked.size(), static_cast<size_t>(batch));
+          std::vector<int32_t> want(batch);
+          for (int b = 0; b < batch; ++b) {
+            const float* row = logits.data() + static_cast<size_t>(b) * vocab;
+            want[b] = Greedy({row, static_cast<size_t>(vocab)});
+            ASSERT_GE(picked[b], 0);
+            ASSERT_LT(picked[b], vocab);
+            float scale = 0.f;
+            for (int i = 0; i < vocab; ++i) scale = std::max(scale, std::fabs(row[i]));
+            exact += picked[b] == want[b];
+            EXPECT_LE(row[want[b]] - row[picked[b]], 1e-3f * scale)
+                << "step " << step << " sequence " << b << ": picked " << picked[b] << ", Greedy "
+                << want[b];
+          }
+          feed = want;  // both models go on with the logits model's picks
+          n = 1;
+        }
+        std::printf("# %s %s batch %d: %d of %d device picks equal Greedy's exactly\n", name,
+                    graphs, batch, exact, 7 * batch);
+        if (std::string(graphs) != "persistent") {
+          EXPECT_EQ(exact, 7 * batch);
+        }
+      }
+    }
+  }
+}
+
 // The model-side requirements are UNSUPPORTED with the reason, not an error: attention biases and
 // a shared expert (qwen2-moe).
 TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -13,6 +14,7 @@
 #include "engine/cpu_model.h"
 #include "engine/model_config.h"
 #include "engine/roofline.h"
+#include "engine/sampler.h"
 #include "engine/synthetic.h"
 #include "engine/weights.h"
 #include "harness/executor.h"
@@ -387,6 +389,78 @@ Workload ShortWorkload() {
   w.repeats = 2;
   w.warmup = 0;
   return w;
+}
+
+// The default ForwardGreedy (the CPU engine's) picks what Greedy picks from Forward's logits, for
+// every sequence of a batch, through a prefill and decode steps, with `next` aliasing the tokens
+// it is fed.
+TEST(Model, ForwardGreedyPicksWhatGreedyPicksFromTheLogits) {
+  std::unique_ptr<HostModel> host;
+  std::unique_ptr<Model> logits_model;
+  ASSERT_NO_FATAL_FAILURE(TinyDenseOnCpu(&host, &logits_model));
+  std::unique_ptr<Model> token_model = MakeCpuModel(*host);
+  const int batch = 2, vocab = host->config.vocab_size;
+  ASSERT_TRUE(logits_model->StartBatch(batch, 8).ok());
+  ASSERT_TRUE(token_model->StartBatch(batch, 8).ok());
+  std::vector<int32_t> feed = {3, 14, 15, 92, 65, 35};  // [2, 3]
+  std::vector<int32_t> tokens = feed;
+  int n = 3;
+  std::set<int32_t> seen;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<float> logits;
+    ASSERT_TRUE(logits_model->Forward(feed, n, LogitsMode::kLast, &logits).ok());
+    ASSERT_TRUE(token_model->ForwardGreedy(tokens, n, &tokens).ok());
+    ASSERT_EQ(tokens.size(), static_cast<size_t>(batch));
+    feed.assign(batch, 0);
+    for (int b = 0; b < batch; ++b) {
+      feed[b] =
+          Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
+      seen.insert(feed[b]);
+    }
+    EXPECT_EQ(tokens, feed) << "step " << step;
+    n = 1;
+  }
+  EXPECT_GT(seen.size(), 1u);  // the picks are not all one token
+}
+
+// A model that counts the calls it passes on to a real one.
+class CountingModel : public Model {
+ public:
+  explicit CountingModel(Model& inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  std::string device() const override { return inner_.device(); }
+  absl::Status StartBatch(int batch, int max_tokens) override {
+    return inner_.StartBatch(batch, max_tokens);
+  }
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    ++forward_calls;
+    return inner_.Forward(tokens, n, mode, logits);
+  }
+  absl::Status ForwardGreedy(std::span<const int32_t> tokens, int n,
+                             std::vector<int32_t>* next) override {
+    ++greedy_calls;
+    return inner_.ForwardGreedy(tokens, n, next);
+  }
+  int position() const override { return inner_.position(); }
+  int forward_calls = 0, greedy_calls = 0;
+
+ private:
+  Model& inner_;
+};
+
+// The timed loop takes its tokens from ForwardGreedy (the device's pick on GPUs), one call a
+// step, and never asks for logits.
+TEST(Measure, TimedStepsPickTheirTokensThroughForwardGreedy) {
+  std::unique_ptr<HostModel> host;
+  std::unique_ptr<Model> model;
+  ASSERT_NO_FATAL_FAILURE(TinyDenseOnCpu(&host, &model));
+  CountingModel counting(*model);
+  const Workload w = ShortWorkload();
+  auto figures = MeasureBatch(counting, w, 2, MeasureOptions{});
+  ASSERT_TRUE(figures.ok()) << figures.status();
+  EXPECT_EQ(counting.greedy_calls, (w.warmup + w.repeats) * w.output_len);
+  EXPECT_EQ(counting.forward_calls, 0);
 }
 
 // Power and J/token come from the energy counter's change over each repeat. A counter that did

@@ -886,8 +886,22 @@ class CudaModel final : public Model {
 
   absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
                        std::vector<float>* logits) override {
+    return Step(tokens, n, mode, logits, nullptr);
+  }
+  // The greedy pick runs on the device after the lm_head (cuda::GreedyTokens), and the host reads
+  // one token a sequence instead of the logits.
+  absl::Status ForwardGreedy(std::span<const int32_t> tokens, int n,
+                             std::vector<int32_t>* next) override {
+    return Step(tokens, n, LogitsMode::kLast, nullptr, next);
+  }
+
+ private:
+  // One step: the logits to *logits, or (next non-null) each sequence's greedy token to *next.
+  absl::Status Step(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                    std::vector<float>* logits, std::vector<int32_t>* next) {
     if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
       return s;
+    const bool greedy = next != nullptr;
     MaybeCommitProcessFault(options_.fault);
     const int rows = batch_ * n;
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
@@ -898,18 +912,19 @@ class CudaModel final : public Model {
     for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
 
     const bool use_graph = options_.graphs && n == 1 && mode == LogitsMode::kLast;
+    const int graph_key = 2 * batch_ + (greedy ? 1 : 0);
     // The fast GEMV configs chain their kernels with programmatic dependent launch.
     cuda::SetProgrammaticLaunch(options_.gemm_fused || options_.gemm_tma);
     struct ResetLaunchMode {
       ~ResetLaunchMode() { cuda::SetProgrammaticLaunch(false); }
     } reset_launch_mode;
     if (use_graph) {
-      auto it = graphs_.find(batch_);
+      auto it = graphs_.find(graph_key);
       if (it == graphs_.end()) {
         const auto start = std::chrono::steady_clock::now();
         cudaGraph_t graph;
         CUDA_OR_DIE(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-        if (auto s = EnqueueStep(rows, n, mode); !s.ok()) {
+        if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) {
           cudaStreamEndCapture(stream_, &graph);
           return s;
         }
@@ -917,7 +932,7 @@ class CudaModel final : public Model {
         cudaGraphExec_t exec;
         CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
         cudaGraphDestroy(graph);
-        it = graphs_.emplace(batch_, exec).first;
+        it = graphs_.emplace(graph_key, exec).first;
         capture_seconds_ +=
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       }
@@ -925,7 +940,7 @@ class CudaModel final : public Model {
       CUDA_OR_DIE(cudaGraphLaunch(it->second, stream_));
     } else {
       CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
-      if (auto s = EnqueueStep(rows, n, mode); !s.ok()) return s;
+      if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) return s;
     }
     CUDA_OR_DIE(cudaEventRecord(step_end_, stream_));
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
@@ -944,12 +959,14 @@ class CudaModel final : public Model {
       // this time) must not keep an older step's time.
       CUDA_OR_DIE(cudaMemset(persistent_.timeline, 0, stamps.size() * 8));
     }
-    logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
+    if (greedy)
+      next->assign(h_next_, h_next_ + out_rows);
+    else
+      logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;
     return absl::OkStatus();
   }
 
- private:
   // y = x . W^T (+ bias) through the configured GEMM. `x_bf16` is x already rounded to bf16
   // (cuBLASLt path), so one conversion serves several GEMMs on the same input.
   absl::Status Gemm(const float* x, const uint16_t* x_bf16, int rows, const MatrixRef& w,
@@ -1097,13 +1114,25 @@ class CudaModel final : public Model {
     return gemm_ ? bf16_ : nullptr;
   }
 
-  // One forward pass: embeddings, every layer, final norm, lm_head, logits to pinned memory.
-  absl::Status EnqueueStep(int rows, int n, LogitsMode mode) {
+  // One forward pass: embeddings, every layer, final norm, lm_head, then the logits to pinned
+  // memory or (greedy) each sequence's greedy token.
+  absl::Status EnqueueStep(int rows, int n, LogitsMode mode, bool greedy) {
     const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
     const float eps = config_.rms_norm_eps;
-    CUDA_OR_DIE(cudaMemcpyAsync(d_tokens_, h_tokens_, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-    CUDA_OR_DIE(cudaMemcpyAsync(d_position_, h_position_, sizeof(int), cudaMemcpyHostToDevice, stream_));
-    cuda::EmbeddingGather(d_tokens_, rows, w_.embed, x_, stream_);
+    // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
+    // for prefill chunks and larger batches) a chain of kernels per layer.
+    const bool persistent = persistent_.layers && rows == 1 && n == 1;
+    // The token ids and position, read from pinned host memory by the step's first kernel, which
+    // gathers the embedding rows and zeroes the persistent kernel's barrier counters, where two
+    // copy nodes, the embedding kernel and a memset node ran. With the greedy pick on the device
+    // (no logits copy), H200 qwen3-30b-a3b batch 1, graphs=persistent, same call: 2.555 / 2.553
+    // -> 2.531 / 2.530 ms; the kernel chain at batch 64 21.574 -> 20.881 (docs/PERFORMANCE.md).
+    cuda::StepInputArgs in{h_tokens_, h_position_, rows, d_tokens_, d_position_, w_.embed, x_};
+    if (persistent) {
+      in.zero = persistent_.barrier;
+      in.zero_count = cuda::PersistentDecodeCounters(persistent_.shape);
+    }
+    cuda::StepInputs(in, stream_);
     CHECK_LAUNCH();
     const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
@@ -1111,9 +1140,6 @@ class CudaModel final : public Model {
     const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
                       cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
-    // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
-    // for prefill chunks and larger batches) a chain of kernels per layer.
-    const bool persistent = persistent_.layers && rows == 1 && n == 1;
     if (persistent) {
       cuda::PersistentDecodeArgs a = persistent_;
       a.x = x_;
@@ -1125,7 +1151,7 @@ class CudaModel final : public Model {
       a.qkv = qkv_;
       a.attn = attn_;
       a.logits = router_;
-      cuda::PersistentDecode(a, stream_);
+      cuda::PersistentDecode(a, stream_, /*counters_zeroed=*/true);
       CHECK_LAUNCH();
     }
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
@@ -1218,9 +1244,14 @@ class CudaModel final : public Model {
       cuda::ForceToken(logits_, out_rows, config_.vocab_size,
                        static_cast<int>(options_.fault.value) % config_.vocab_size, stream_);
     CHECK_LAUNCH();
-    CUDA_OR_DIE(cudaMemcpyAsync(h_logits_, logits_,
-                                static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream_));
+    if (greedy) {
+      cuda::GreedyTokens(logits_, out_rows, config_.vocab_size, greedy_scratch_, h_next_, stream_);
+      CHECK_LAUNCH();
+    } else {
+      CUDA_OR_DIE(cudaMemcpyAsync(
+          h_logits_, logits_, static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
+          cudaMemcpyDeviceToHost, stream_));
+    }
     return absl::OkStatus();
   }
 
@@ -1678,6 +1709,25 @@ class CudaModel final : public Model {
     CUDA_OR_DIE(cudaMallocHost(&h_last_rows_, r * sizeof(int)));
     CUDA_OR_DIE(cudaMallocHost(&h_position_, sizeof(int)));
     CUDA_OR_DIE(cudaMallocHost(&h_logits_, static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float)));
+    CUDA_OR_DIE(cudaMallocHost(&h_next_, static_cast<size_t>(out_rows) * sizeof(int32_t)));
+    // The kernels read and write these host buffers through their device mappings.
+    for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_position_),
+                    static_cast<void*>(h_next_)}) {
+      void* mapped = nullptr;
+      CUDA_OR_DIE(cudaHostGetDevicePointer(&mapped, p, 0));
+      if (mapped != p)
+        return absl::InternalError(
+            "pinned host memory is not mapped at its own address (no unified addressing?): the "
+            "step kernels cannot read it");
+    }
+    auto keys = DeviceAlloc<unsigned long long>(out_rows);
+    if (!keys.ok()) return keys.status();
+    greedy_scratch_.keys = *keys;
+    auto tickets = DeviceAlloc<unsigned>(out_rows);
+    if (!tickets.ok()) return tickets.status();
+    greedy_scratch_.tickets = *tickets;
+    CUDA_OR_DIE(cudaMemset(greedy_scratch_.keys, 0, out_rows * sizeof(unsigned long long)));
+    CUDA_OR_DIE(cudaMemset(greedy_scratch_.tickets, 0, out_rows * sizeof(unsigned)));
     scratch_rows_ = rows;
     logit_rows_ = out_rows;
     scratch_capacity_ = capacity_;
@@ -1693,8 +1743,13 @@ class CudaModel final : public Model {
     if (bf16_) cudaFree(bf16_);
     if (xn_bf16_) cudaFree(xn_bf16_);
     if (moe_bf16_) cudaFree(moe_bf16_);
+    for (void* p :
+         {static_cast<void*>(greedy_scratch_.keys), static_cast<void*>(greedy_scratch_.tickets)})
+      if (p) cudaFree(p);
+    greedy_scratch_ = {};
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
-                    static_cast<void*>(h_position_), static_cast<void*>(h_logits_)})
+                    static_cast<void*>(h_position_), static_cast<void*>(h_logits_),
+                    static_cast<void*>(h_next_)})
       if (p) cudaFreeHost(p);
     x_ = xn_ = q_ = k_ = v_ = qkv_ = attn_ = o_ = y_ = gate_ = up_ = router_ = expert_weights_ = moe_h_ =
         moe_out_ = moe_in_ = route_weight_ = scores_ = logits_ = nullptr;
@@ -1703,6 +1758,7 @@ class CudaModel final : public Model {
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
     h_logits_ = nullptr;
+    h_next_ = nullptr;
     scratch_rows_ = 0;
     logit_rows_ = 0;
   }
@@ -1741,7 +1797,9 @@ class CudaModel final : public Model {
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;
   float* h_logits_ = nullptr;
-  std::map<int, cudaGraphExec_t> graphs_;
+  int32_t* h_next_ = nullptr;  // ForwardGreedy's tokens, written by cuda::GreedyTokens
+  cuda::GreedyScratch greedy_scratch_{};
+  std::map<int, cudaGraphExec_t> graphs_;  // by 2 * batch + (greedy step)
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;

@@ -231,6 +231,38 @@ void ScatterAddRows(const float* src, const int* index, const float* weights, in
 void GatherRowsBf16(const uint16_t* x, const int* index, int count, int hidden, uint16_t* out,
                     cudaStream_t stream);
 
+// ---- a step's inputs and outputs (step_io.cu)
+struct StepInputArgs {
+  // Pinned host memory (cudaMallocHost: mapped, the same pointer on the device), read when the
+  // kernel runs, so a captured graph replays with whatever the host wrote before its launch.
+  const int32_t* host_tokens;  // [rows]
+  const int* host_position;
+  int rows;
+  int32_t* tokens;  // device copies of both, for the step's other kernels
+  int* position;
+  MatrixRef embed;           // [vocab, hidden]
+  float* x;                  // [rows, hidden]: the embedding rows, upcast
+  unsigned* zero = nullptr;  // counters the step's kernels need zeroed (graphs=persistent's)
+  int zero_count = 0;
+};
+// One kernel a step starts with: tokens and position from the host, the embedding gather, the
+// counters zeroed. rows blocks; bf16 hidden 2048: 4 KB read and 8 KB written a row, and one PCIe
+// read (~1-2 us) of the token: latency-bound, ~3 us.
+void StepInputs(const StepInputArgs& args, cudaStream_t stream);
+
+// Device scratch of GreedyTokens, per row: a rank key and a block ticket, zeroed once at
+// allocation; every launch leaves them zeroed again.
+struct GreedyScratch {
+  unsigned long long* keys;
+  unsigned* tickets;
+};
+// out[r] = the greedy pick of logits row r (engine/sampler.h's Greedy: the lowest index among
+// equal maxima; NaN and -inf never win, a row with nothing else picks 0). `out` may be pinned host
+// memory. Blocks of 2048 logits, a 64-bit atomicMax each: qwen3's 151,936 logits (608 KB, from
+// L2 after the lm_head) in 75 blocks a row, ~2 us.
+void GreedyTokens(const float* logits, int rows, int vocab, const GreedyScratch& scratch,
+                  int32_t* out, cudaStream_t stream);
+
 // ---- TEST ONLY fault helpers
 void SetNan(float* x, cudaStream_t stream);
 // row[stuck] = max(row) + 1 for every row of `vocab`.

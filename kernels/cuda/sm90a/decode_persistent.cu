@@ -1684,7 +1684,7 @@ int PersistentDecodeBlocks() {
   return sms;
 }
 
-void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
+void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream, bool counters_zeroed) {
   const int table_bytes = TableBytes(args.shape);
   const int stage_floats = StageFloats(args.shape);
   int ring_bytes = RingBytes(args.shape);
@@ -1710,7 +1710,9 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream) {
   cudaFuncSetAttribute(KernelFor(args.shape.format), cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
   const int sms = PersistentDecodeBlocks();
-  cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned), stream);
+  if (!counters_zeroed)
+    cudaMemsetAsync(args.barrier, 0, PersistentDecodeCounters(args.shape) * sizeof(unsigned),
+                    stream);
   // Cooperative: every block resident at once, or the launch fails (the grid barriers need it).
   cudaLaunchAttribute cooperative[1];
   cooperative[0].id = cudaLaunchAttributeCooperative;

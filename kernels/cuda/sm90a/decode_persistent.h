@@ -92,7 +92,8 @@ struct PersistentDecodeArgs {
   float* h = nullptr;       // [max_top_k * max_inter]
   float* partials = nullptr;  // [PersistentDecodePartialFloats(shape)]: attention's splits
   // [PersistentDecodeCounters(shape)]: the grid barrier's counter, then one per layer and kv
-  // head (attention's last split combines); the launcher zeroes them.
+  // head (attention's last split combines); zero at launch (the launcher's memset, unless the
+  // caller zeroed them: PersistentDecode's counters_zeroed).
   unsigned* barrier = nullptr;
   // TEST ONLY (profiling): null, or [gridDim][PersistentTimelineEvents(num_layers)] globaltimer
   // stamps (ns) by each block: the kernel's start, then per layer and phase (q/k/v, attention,
@@ -172,7 +173,10 @@ std::string PersistentDecodeUnsupported(const PersistentDecodeShape& shape);
 
 // One batch-1 decode step through every layer: x (the embedded token) in, x (before the final
 // norm) out, this step's K and V appended to the cache. A cooperative launch of one block per
-// SM, preceded by a memset of the barrier counter; capturable in a graph.
-void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream);
+// SM, preceded by a memset of the barrier counters unless an earlier kernel on `stream` zeroed
+// them (counters_zeroed: the engine's step-input kernel does, a graph node fewer); capturable in
+// a graph.
+void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream,
+                      bool counters_zeroed = false);
 
 }  // namespace infersweep::cuda
