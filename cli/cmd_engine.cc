@@ -121,11 +121,12 @@ absl::StatusOr<Generation> GenerateGreedy(Model& model, const std::vector<int32_
   gen.prefill_seconds = Seconds(start);
   gen.prompt_last_logits = logits;
   start = std::chrono::steady_clock::now();
+  // The decode steps need only the tokens: picked on the device where the engine has one.
+  std::vector<int32_t> next = {Greedy(logits)};
   for (int step = 0; step < max_new_tokens; ++step) {
-    const int32_t next = Greedy(logits);
-    gen.tokens.push_back(next);
+    gen.tokens.push_back(next[0]);
     if (step + 1 == max_new_tokens) break;
-    if (auto s = model.Forward({&next, 1}, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
+    if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
   }
   gen.decode_seconds = Seconds(start);
   return gen;
