@@ -902,6 +902,9 @@ class CudaModel final : public Model {
     if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
       return s;
     const bool greedy = next != nullptr;
+    if (greedy && batch_ > 65535)  // cuda::GreedyTokens runs a grid row a sequence
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardGreedy: batch ", batch_, " exceeds 65535 sequences"));
     MaybeCommitProcessFault(options_.fault);
     const int rows = batch_ * n;
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;

@@ -4,13 +4,6 @@
 namespace infersweep::cuda {
 namespace {
 
-__global__ void EmbeddingKernel(const int32_t* tokens, const void* table, DType dtype, int hidden,
-                                float* out) {
-  const int64_t base = static_cast<int64_t>(tokens[blockIdx.x]) * hidden;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-    out[static_cast<int64_t>(blockIdx.x) * hidden + i] = LoadAsFloat(table, dtype, base + i);
-}
-
 // out_bf16 (optional): the same values rounded to bf16, the cuBLASLt GEMMs' input (one launch
 // fewer than a separate conversion).
 __global__ void RmsNormKernel(const float* x, int n, const void* gain, DType gain_dtype, float eps,
@@ -76,12 +69,6 @@ __global__ void ForceTokenKernel(float* logits, int vocab, int stuck) {
 int GridFor(int64_t n) { return static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 132 * 16)); }
 
 }  // namespace
-
-void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, float* out,
-                     cudaStream_t stream) {
-  EmbeddingKernel<<<rows, 256, 0, stream>>>(tokens, table.data, table.dtype,
-                                            static_cast<int>(table.cols), out);
-}
 
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
              cudaStream_t stream, uint16_t* out_bf16) {

@@ -23,9 +23,8 @@ void GenerateSyntheticBf16(uint64_t stream_key, float scale, float offset, int64
                            cudaStream_t stream);
 
 // ---- elementwise
-// out[r, :] = table[tokens[r], :] upcast. rows x hidden.
-void EmbeddingGather(const int32_t* tokens, int rows, const MatrixRef& table, float* out,
-                     cudaStream_t stream);
+// (The embedding gather is part of StepInputs, below.)
+
 // RMSNorm over rows of n; in place allowed. One block per row. With out_bf16, the result is
 // also written rounded to bf16 (the cuBLASLt GEMMs' input).
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
