@@ -467,8 +467,9 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
       std::fprintf(f, " %s %.2f", row.steps[k].first, row.n[k] ? row.sum[k] / row.n[k] / 1e3 : 0.0);
     std::fprintf(f, "\n");
   }
-  // The blocks whose first expert pair comes last (on the H200 the same ones in every layer of
-  // a launch, one TPC a GPC): their share of the MLP's slowest block.
+  // The blocks whose first expert pair comes last, with their SMs (on the H200 the same ones in
+  // every layer of a launch, and on one machine the same SMs from launch to launch: whole TPCs,
+  // e.g. SMs 12-13, 28-29, ..., 120-121): their share of the MLP's slowest block.
   std::vector<std::pair<double, int>> first_pair;
   for (int b = 0; b < blocks; ++b)
     if (mlp_n[b][1]) first_pair.push_back({mlp_sum[b][1] / mlp_n[b][1] / 1e3, b});
@@ -479,11 +480,13 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
     std::string late_blocks;
     for (size_t i = first_pair.size() - late; i < first_pair.size(); ++i) {
       late_mean += first_pair[i].first / late;
-      absl::StrAppend(&late_blocks, late_blocks.empty() ? "" : " ", first_pair[i].second);
+      const int b = first_pair[i].second;
+      absl::StrAppendFormat(&late_blocks, "%s%d/sm%llu", late_blocks.empty() ? "" : " ", b,
+                            t[static_cast<size_t>(b + 1) * events - 1]);
     }
     std::fprintf(f,
-                 "# MLP first pair (us, per block): median %.2f; the latest eighth %.2f (blocks "
-                 "%s)\n",
+                 "# MLP first pair (us, per block): median %.2f; the latest eighth %.2f "
+                 "(block/SM %s)\n",
                  first_pair[first_pair.size() / 2].first, late_mean, late_blocks.c_str());
   }
   for (const std::string& line : per_block) std::fprintf(f, "%s\n", line.c_str());
