@@ -159,6 +159,15 @@ for r in csv.reader(sys.stdin):
   icache)  # cycles per FMA of straight-line code bodies of 8-192 KB: one warp per SM sub-partition,
     # a block of 16 warps, and 132 blocks of 16 (the instruction caches' sizes and their sharing)
     for shape in "1 4" "1 16" "132 16"; do .carry/icache_probe $shape; done 2>&1 | tee "$OUT/icache_probe.log" ;;
+  smstream)  # every SM streaming at once from one instant: when each SM's first copy lands and
+    # its bandwidth; 4 KB copies 48 (the decode kernel's MLP burst), 16 and 3 in flight an SM, the
+    # same ~192 KB in flight as larger copies, from 1-8 issuing warps, and plain loads
+    for a in "--in-flight 48" "--in-flight 16" "--in-flight 3" "--unit 8192 --in-flight 24" \
+      "--unit 16384 --in-flight 12" "--unit 32768 --in-flight 6" "--in-flight 48 --issuers 2" \
+      "--in-flight 48 --issuers 4" "--in-flight 48 --issuers 8" "--unit 8192 --in-flight 24 --issuers 2" \
+      "--mode loads"; do
+      .carry/sm_stream_probe $a
+    done 2>&1 | tee "$OUT/sm_stream_probe.log" | grep -E "^# (sm_|aggregate|first)" ;;
   pprofile)  # where graphs=persistent's warps stall: ncu's sampled source counters (per SASS
     # instruction) and its warp-state and memory sections, one decode step at context 512
     ncu --clock-control none --kernel-name regex:PersistentDecodeKernel --launch-skip 2 --launch-count 1 \

@@ -9,7 +9,7 @@ cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer use,
 # PACK=fixtures what STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
 case ${PACK:-gpu} in
-  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test bench/decode_chain_probe bench/icache_probe" ;;
+  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
   fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;
   *) echo "PACK must be gpu or fixtures" >&2; exit 2 ;;
 esac
