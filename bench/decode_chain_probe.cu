@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -32,15 +33,6 @@ namespace {
 
 using infersweep::cuda::Dot8Bf16;
 using infersweep::cuda::WarpSum;
-
-#define CHECK(call)                                                                         \
-  do {                                                                                      \
-    const cudaError_t e = (call);                                                           \
-    if (e != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Shape {
   int rows, k;

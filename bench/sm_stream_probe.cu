@@ -24,18 +24,10 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
 
 namespace {
-
-#define CHECK(call)                                                                         \
-  do {                                                                                      \
-    const cudaError_t e = (call);                                                           \
-    if (e != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 constexpr int kMaxInFlight = 48;
 constexpr int kMaxIssuers = 8;
@@ -48,6 +40,20 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
 }
 
 __global__ void ReadTimer(unsigned long long* out) { *out = GlobalTimer(); }
+
+// The block's kFields at its end: its SM, when it started after start_at, when its first copy
+// landed after that (loads: 0), and when it ended.
+__device__ void Record(unsigned long long* out, unsigned long long start_at,
+                       unsigned long long started, unsigned long long first_landed) {
+  const unsigned long long end = GlobalTimer();
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned long long* o = out + blockIdx.x * kFields;
+  o[0] = sm;
+  o[1] = started - start_at;
+  o[2] = first_landed - started;
+  o[3] = end - started;
+}
 
 // The block's slice [blockIdx.x * bytes, +bytes) of src, streamed into rings that nothing reads
 // (only the arrival times matter): lane 0 of each of the block's `issuers` warps keeps
@@ -86,15 +92,7 @@ __global__ void __launch_bounds__(32 * kMaxIssuers, 1)
     }
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  const unsigned long long end = GlobalTimer();
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  unsigned long long* o = out + blockIdx.x * kFields;
-  o[0] = sm;
-  o[1] = started - start_at;
-  o[2] = first_landed - started;
-  o[3] = end - started;
+  if (threadIdx.x == 0) Record(out, start_at, started, first_landed);
 #endif
 }
 
@@ -118,15 +116,7 @@ __global__ void __launch_bounds__(512, 1)
   }
   __syncthreads();
   if (acc == 1.2345f) *sink = acc;  // keeps the loads
-  if (threadIdx.x != 0) return;
-  const unsigned long long end = GlobalTimer();
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  unsigned long long* o = out + blockIdx.x * kFields;
-  o[0] = sm;
-  o[1] = t0 - start_at;
-  o[2] = 0;
-  o[3] = end - t0;
+  if (threadIdx.x == 0) Record(out, start_at, t0, t0);
 }
 
 double Median(std::vector<double> v) {
