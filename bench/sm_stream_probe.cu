@@ -31,7 +31,7 @@ namespace {
 
 constexpr int kMaxInFlight = 48;
 constexpr int kMaxIssuers = 8;
-constexpr int kFields = 4;   // per block: SM, start skew, first copy landed, slice done (ns)
+constexpr int kFields = 4;  // per block: SM, start skew, first copy landed, slice done (ns)
 
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long now;
@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(32 * kMaxIssuers, 1)
     if (issuer == 0) started = GlobalTimer();
     int issued = 0;
     for (; issued < slots && issued < units; ++issued)
-      BulkCopy(ring + issued * unit, mine + static_cast<size_t>(issued) * unit, unit, &bars[issued]);
+      BulkCopy(ring + issued * unit, mine + static_cast<size_t>(issued) * unit, unit,
+               &bars[issued]);
     for (int u = 0; u < units; ++u) {
       const int slot = u % slots;
       BarrierWait(&bars[slot], (u / slots) & 1);
@@ -110,7 +111,8 @@ __global__ void __launch_bounds__(512, 1)
   for (size_t i = threadIdx.x; i < n; i += 4 * blockDim.x) {
     float4 v[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = i + k * blockDim.x < n ? __ldcs(mine + i + k * blockDim.x) : float4{};
+    for (int k = 0; k < 4; ++k)
+      v[k] = i + k * blockDim.x < n ? __ldcs(mine + i + k * blockDim.x) : float4{};
 #pragma unroll
     for (int k = 0; k < 4; ++k) acc += v[k].x + v[k].y + v[k].z + v[k].w;
   }
@@ -130,12 +132,18 @@ int main(int argc, char** argv) {
   int mb_per_sm = 64, in_flight = kMaxInFlight, runs = 5, unit = 4096, issuers = 1;
   bool loads = false;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--mb-per-sm")) mb_per_sm = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--in-flight")) in_flight = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--runs")) runs = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--unit")) unit = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--issuers")) issuers = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--mode")) loads = !std::strcmp(argv[i + 1], "loads");
+    if (!std::strcmp(argv[i], "--mb-per-sm"))
+      mb_per_sm = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--in-flight"))
+      in_flight = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--runs"))
+      runs = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--unit"))
+      unit = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--issuers"))
+      issuers = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--mode"))
+      loads = !std::strcmp(argv[i + 1], "loads");
     else {
       std::fprintf(stderr, "unknown flag %s\n", argv[i]);
       return 2;
@@ -214,23 +222,29 @@ int main(int argc, char** argv) {
     rows.push_back({b, sm_of[b], Median(skew[b]), Median(first[b]), Median(bandwidth[b])});
     total_gbps += rows.back().gbps;
   }
-  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.first_us < b.first_us; });
+  std::sort(rows.begin(), rows.end(),
+            [](const Row& a, const Row& b) { return a.first_us < b.first_us; });
   if (loads)
-    std::printf("# sm_stream_probe: %d SMs, %d MB an SM, 16-byte loads by 16 warps (4 a thread in "
-                "flight), median of %d runs\n",
-                sms, mb_per_sm, runs);
+    std::printf(
+        "# sm_stream_probe: %d SMs, %d MB an SM, 16-byte loads by 16 warps (4 a thread in "
+        "flight), median of %d runs\n",
+        sms, mb_per_sm, runs);
   else
-    std::printf("# sm_stream_probe: %d SMs, %d MB an SM, %d x %d B copies in flight an SM from %d "
-                "issuing thread(s), median of %d runs\n",
-                sms, mb_per_sm, in_flight, unit, issuers, runs);
-  std::printf("# aggregate (all the bytes over the last SM's time): %.0f GB/s; sum of the SMs' "
-              "bandwidths: %.0f GB/s\n",
-              Median(aggregate), total_gbps);
+    std::printf(
+        "# sm_stream_probe: %d SMs, %d MB an SM, %d x %d B copies in flight an SM from %d "
+        "issuing thread(s), median of %d runs\n",
+        sms, mb_per_sm, in_flight, unit, issuers, runs);
+  std::printf(
+      "# aggregate (all the bytes over the last SM's time): %.0f GB/s; sum of the SMs' "
+      "bandwidths: %.0f GB/s\n",
+      Median(aggregate), total_gbps);
   std::vector<double> firsts, rates;
   for (const Row& r : rows) firsts.push_back(r.first_us), rates.push_back(r.gbps);
   std::sort(rates.begin(), rates.end());
-  std::printf("# first copy landed (us): min %.2f median %.2f max %.2f; bandwidth (GB/s an SM): min %.1f median %.1f max %.1f\n",
-              firsts.front(), Median(firsts), firsts.back(), rates.front(), Median(rates), rates.back());
+  std::printf(
+      "# first copy landed (us): min %.2f median %.2f max %.2f; bandwidth (GB/s an SM): min %.1f "
+      "median %.1f max %.1f\n",
+      firsts.front(), Median(firsts), firsts.back(), rates.front(), Median(rates), rates.back());
   std::printf("# the latest eighth by first copy (block/SM first-us GB/s):");
   for (size_t i = rows.size() - std::max<size_t>(1, rows.size() / 8); i < rows.size(); ++i)
     std::printf(" %d/%d %.2f %.1f", rows[i].block, rows[i].sm, rows[i].first_us, rows[i].gbps);
