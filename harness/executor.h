@@ -34,6 +34,9 @@ class TrialExecutor {
  private:
   absl::Status EnsureModel(const TrialRequest& request);
   absl::StatusOr<const EvalOutputs*> Reference(const BackendConfig& reference_config);
+  // The reference's picks on a test config's free runs (ReferencePicksOnFreeRuns).
+  absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicks(
+      const BackendConfig& reference_config, const std::vector<std::vector<int32_t>>& free);
 
   LocalDevices devices_;
   EvalSpec eval_;

@@ -96,6 +96,10 @@ struct VerdictMetrics {
   bool degenerate = false;      // free-running generation of the test config is degenerate
   bool reference_degenerate = false;
   double free_run_agreement = 0;  // fraction of greedy tokens equal to the reference's
+  // Measured only when the test's free runs loop where the reference's do not: the fraction of
+  // the looping runs' tokens that the reference picks too, fed the same runs (a loop the
+  // reference walks too is the model's, not the config's: docs/VERDICTS.md).
+  std::optional<double> loop_reference_agreement;
   std::string worst_pass;         // the forward pass with the largest kl_mean of its own
   double worst_pass_kl_mean = 0;  // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable

@@ -17,6 +17,11 @@ std::vector<int32_t> EvalTokens(const EvalSpec& spec, int vocab, int count, uint
   return tokens;
 }
 
+// The free runs' starts: [prompts, free_run_prompt_len] tokens.
+std::vector<int32_t> FreeRunStarts(const EvalSpec& spec, int vocab) {
+  return EvalTokens(spec, vocab, spec.prompts * spec.free_run_prompt_len, 1u << 20);
+}
+
 // log-softmax of one row in double; NaN/Inf propagate.
 void LogSoftmax(const float* row, int n, std::vector<double>& out) {
   double max_v = -INFINITY;
@@ -78,8 +83,7 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
   if (spec.prompts > 1)  // batch 1 has decode kernels of its own
     if (auto s = TeacherForced(model, spec, prompts, 1, &out); !s.ok()) return s;
 
-  const std::vector<int32_t> starts =
-      EvalTokens(spec, vocab, spec.prompts * spec.free_run_prompt_len, 1u << 20);
+  const std::vector<int32_t> starts = FreeRunStarts(spec, vocab);
   if (auto s = model.StartBatch(spec.prompts, spec.free_run_prompt_len + spec.free_run_len);
       !s.ok())
     return s;
@@ -124,6 +128,41 @@ Thresholds ThresholdsFor(PrecisionClass precision) {
   return {0, 1, 0, 0, 0, 1};
 }
 
+absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicksOnFreeRuns(
+    Model& reference, const EvalSpec& spec, const std::vector<std::vector<int32_t>>& free) {
+  const int vocab = reference.config().vocab_size;
+  const int start_len = spec.free_run_prompt_len, run_len = spec.free_run_len;
+  if (free.size() != static_cast<size_t>(spec.prompts))
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "reference picks: %d free runs where the eval has %d", free.size(), spec.prompts));
+  for (size_t s = 0; s < free.size(); ++s)
+    if (free[s].size() != static_cast<size_t>(run_len))
+      return absl::InvalidArgumentError(
+          absl::StrFormat("reference picks: free run %d has %d tokens where the eval makes %d", s,
+                          free[s].size(), run_len));
+  if (run_len == 0) return std::vector<std::vector<int32_t>>(free.size());
+  // Each row: the start, then every token of the run but the last (the last is nobody's input).
+  const int len = start_len + run_len - 1;
+  const std::vector<int32_t> starts = FreeRunStarts(spec, vocab);
+  std::vector<int32_t> rows(static_cast<size_t>(spec.prompts) * len);
+  for (int s = 0; s < spec.prompts; ++s) {
+    std::copy_n(starts.begin() + static_cast<size_t>(s) * start_len, start_len,
+                rows.begin() + static_cast<size_t>(s) * len);
+    std::copy_n(free[s].begin(), run_len - 1,
+                rows.begin() + static_cast<size_t>(s) * len + start_len);
+  }
+  if (auto st = reference.StartBatch(spec.prompts, len); !st.ok()) return st;
+  std::vector<float> logits;
+  if (auto st = reference.Forward(rows, len, LogitsMode::kAll, &logits); !st.ok()) return st;
+  std::vector<std::vector<int32_t>> picks(spec.prompts, std::vector<int32_t>(run_len));
+  for (int s = 0; s < spec.prompts; ++s)
+    for (int i = 0; i < run_len; ++i) {  // token i follows position start_len - 1 + i
+      const size_t row = static_cast<size_t>(s) * len + start_len - 1 + i;
+      picks[s][i] = Greedy({logits.data() + row * vocab, static_cast<size_t>(vocab)});
+    }
+  return picks;
+}
+
 bool IsDegenerate(const std::vector<int32_t>& tokens) {
   const size_t n = tokens.size();
   if (n < 8) return false;
@@ -137,7 +176,8 @@ bool IsDegenerate(const std::vector<int32_t>& tokens) {
 }
 
 TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vocab,
-                         PrecisionClass precision, VerdictMetrics* m) {
+                         PrecisionClass precision, VerdictMetrics* m,
+                         const std::vector<std::vector<int32_t>>* reference_picks) {
   *m = VerdictMetrics{};
   m->precision_class = std::string(PrecisionClassName(precision));
   const Thresholds th = ThresholdsFor(precision);
@@ -194,18 +234,33 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
 
   // Garbage ("!!!!") repeats in most sequences; one sequence of a near-flat synthetic model
   // falling into a loop is chaos, not garbage. Flag degeneracy in at least half the sequences,
-  // and in more of them than the reference's.
-  int64_t same = 0, total = 0, test_loops = 0, ref_loops = 0;
+  // and in more of them than the reference's. With the reference's picks on the test's own runs,
+  // a looping run counts only if the test's tokens are not the reference's picks there: a loop
+  // the reference walks too, given the same tokens, is the model's.
+  int64_t same = 0, total = 0, test_loops = 0, ref_loops = 0, loop_tokens = 0, loop_agree = 0;
   const size_t sequences = std::min(ref.free.size(), test.free.size());
+  const bool have_picks = reference_picks != nullptr && reference_picks->size() >= sequences;
   for (size_t s = 0; s < sequences; ++s) {
-    test_loops += IsDegenerate(test.free[s]);
     ref_loops += IsDegenerate(ref.free[s]);
     for (size_t i = 0; i < ref.free[s].size() && i < test.free[s].size(); ++i, ++total)
       same += ref.free[s][i] == test.free[s][i];
+    if (!IsDegenerate(test.free[s])) continue;
+    if (!have_picks) {
+      ++test_loops;
+      continue;
+    }
+    const std::vector<int32_t>& picks = (*reference_picks)[s];
+    int64_t agree = 0;
+    for (size_t i = 0; i < test.free[s].size(); ++i)
+      agree += i < picks.size() && picks[i] == test.free[s][i];
+    loop_agree += agree;
+    loop_tokens += static_cast<int64_t>(test.free[s].size());
+    test_loops += !(static_cast<double>(agree) >= th.min_top1 * test.free[s].size());
   }
   m->reference_degenerate = ref_loops > 0;
   m->degenerate = test_loops > ref_loops && 2 * test_loops >= static_cast<int64_t>(sequences);
   m->free_run_agreement = total ? static_cast<double>(same) / total : 0;
+  if (loop_tokens > 0) m->loop_reference_agreement = static_cast<double>(loop_agree) / loop_tokens;
 
   if (m->non_finite > 0)
     m->failures.push_back(absl::StrFormat("%d non-finite logits", m->non_finite));
@@ -239,9 +294,15 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
                                             th.pass_min_top1));
   }
   if (m->degenerate)
-    m->failures.push_back(absl::StrFormat(
-        "free-running generation is degenerate in %d of %d sequences (reference: %d)", test_loops,
-        sequences, ref_loops));
+    m->failures.push_back(
+        m->loop_reference_agreement
+            ? absl::StrFormat(
+                  "free-running generation is degenerate in %d of %d sequences (reference: %d; "
+                  "the reference picks %.3f of the looping runs' tokens on their own path, < %.2f)",
+                  test_loops, sequences, ref_loops, *m->loop_reference_agreement, th.min_top1)
+            : absl::StrFormat(
+                  "free-running generation is degenerate in %d of %d sequences (reference: %d)",
+                  test_loops, sequences, ref_loops));
   // JSON cannot carry Inf: store a large finite sentinel instead.
   if (!std::isfinite(m->max_rel_error)) m->max_rel_error = 1e30;
   if (!std::isfinite(m->kl_mean)) m->kl_mean = 1e30;

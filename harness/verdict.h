@@ -66,9 +66,24 @@ Thresholds ThresholdsFor(PrecisionClass precision);
 // A sequence is degenerate when its last half repeats with period 1 or 2 ("!!!!", "ab ab").
 bool IsDegenerate(const std::vector<int32_t>& tokens);
 
+// The reference's greedy pick at every token of the test config's free runs, on the test's own
+// path: picks[s][i] is the reference's argmax after free run s's start and free[s][0..i). One
+// prefill of the starts plus all but the last token of each run (LogitsMode::kAll). A config
+// that computes what the reference computes picks the same tokens on its own path, up to
+// near-ties, wherever that path goes; garbage does not. `free` must have the eval's shape
+// ([spec.prompts][spec.free_run_len]).
+absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicksOnFreeRuns(
+    Model& reference, const EvalSpec& spec, const std::vector<std::vector<int32_t>>& free);
+
 // Fills the metrics and returns OK or INCORRECT. The reference's passes split the positions:
 // besides the thresholds over all of them, every pass must meet the class's pass thresholds.
+// `reference_picks` (ReferencePicksOnFreeRuns on test.free, or null): with it, a test run that
+// falls into a loop counts as degenerate only when the test's tokens agree with the reference's
+// picks on that run less often than the class's top-1 floor, i.e. when the loop is the config's
+// and not the model's (a random-weight model loops easily once a near-tie sends a correct
+// config off the reference's path). Without it every loop counts.
 TrialStatus JudgeOutputs(const EvalOutputs& reference, const EvalOutputs& test, int vocab,
-                         PrecisionClass precision, VerdictMetrics* metrics);
+                         PrecisionClass precision, VerdictMetrics* metrics,
+                         const std::vector<std::vector<int32_t>>* reference_picks = nullptr);
 
 }  // namespace infersweep

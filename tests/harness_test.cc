@@ -368,6 +368,103 @@ TEST(Verdict, DegenerateRepetition) {
   EXPECT_FALSE(IsDegenerate({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
 }
 
+// The reference's picks on a test's free runs: pick i is the reference's argmax after the start
+// and the run's tokens before i, whatever those tokens are. On the reference's own runs the
+// picks are the runs themselves (a greedy run is its own argmax at every step); on a run with
+// one token changed, the picks up to that token stay the reference's and the other runs' picks
+// are untouched (each row is its own sequence).
+TEST(Verdict, ReferencePicksFollowTheTestsOwnPath) {
+  EvalSpec spec;
+  auto host = LoadHostModel("preset:tiny-moe", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto model = CreateModel(**host, *NormalizeBackendConfig({{"device", "cpu"}}));
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto eval = RunEval(**model, spec);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  auto own = ReferencePicksOnFreeRuns(**model, spec, eval->free);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(*own, eval->free);
+
+  const int vocab = (*host)->config.vocab_size, changed = 5;
+  std::vector<std::vector<int32_t>> detour = eval->free;
+  detour[0][changed] = (detour[0][changed] + 1) % vocab;
+  auto picks = ReferencePicksOnFreeRuns(**model, spec, detour);
+  ASSERT_TRUE(picks.ok()) << picks.status();
+  for (int i = 0; i <= changed; ++i) EXPECT_EQ((*picks)[0][i], eval->free[0][i]) << "token " << i;
+  for (int s = 1; s < spec.prompts; ++s) EXPECT_EQ((*picks)[s], eval->free[s]) << "run " << s;
+  // After the changed token the reference walks the detour: its picks are not the old run's.
+  EXPECT_NE(std::vector<int32_t>((*picks)[0].begin() + changed + 1, (*picks)[0].end()),
+            std::vector<int32_t>(eval->free[0].begin() + changed + 1, eval->free[0].end()));
+
+  std::vector<std::vector<int32_t>> short_run = eval->free;
+  short_run[2].pop_back();
+  EXPECT_THAT(ReferencePicksOnFreeRuns(**model, spec, short_run).status().message(),
+              HasSubstr("free run 2 has 23 tokens where the eval makes 24"));
+  EXPECT_THAT(ReferencePicksOnFreeRuns(**model, spec, {eval->free[0]}).status().message(),
+              HasSubstr("1 free runs where the eval has 4"));
+}
+
+// A test whose free runs loop where the reference's do not is INCORRECT, unless the reference,
+// fed those runs, picks the same tokens (then the loop is the model's: a correct bf16 config
+// that a near-tie sent off the reference's path, as seen once on the H200 in the fourth
+// session). The bar is the class's top-1 floor over the looping runs' tokens.
+TEST(Verdict, ALoopTheReferenceWalksTooIsTheModelsNotTheConfigs) {
+  EvalSpec spec;
+  auto eval = TinyMoeReferenceEval(spec);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  const EvalOutputs& ref = eval->outputs;
+  for (const auto& run : ref.free) ASSERT_FALSE(IsDegenerate(run));
+  const double floor = ThresholdsFor(PrecisionClass::kBf16).min_top1;  // 0.7
+  const int run_len = spec.free_run_len;
+  // Runs 0 and 1 leave the reference's path at token 4 and settle into "x x x ...".
+  EvalOutputs test = ref;
+  for (int s = 0; s < 2; ++s)
+    for (int i = 4; i < run_len; ++i) test.free[s][i] = 17 + s;
+  VerdictMetrics m;
+  EXPECT_EQ(JudgeOutputs(ref, test, eval->vocab, PrecisionClass::kBf16, &m),
+            TrialStatus::kIncorrect);
+  EXPECT_TRUE(m.degenerate);
+  EXPECT_FALSE(m.loop_reference_agreement.has_value());
+  EXPECT_THAT(absl::StrJoin(m.failures, "; "), HasSubstr("degenerate in 2 of 4 sequences"));
+
+  // The reference picks every token of the test's runs: the model's loop.
+  std::vector<std::vector<int32_t>> picks = test.free;
+  EXPECT_EQ(JudgeOutputs(ref, test, eval->vocab, PrecisionClass::kBf16, &m, &picks),
+            TrialStatus::kOk)
+      << absl::StrJoin(m.failures, "; ");
+  EXPECT_FALSE(m.degenerate);
+  ASSERT_TRUE(m.loop_reference_agreement.has_value());
+  EXPECT_EQ(*m.loop_reference_agreement, 1.0);
+
+  // It picks 17 of 24 tokens of each looping run (0.708 >= 0.7): still the model's. 16 of 24
+  // (0.667): the config's.
+  auto disagree = [&](int tokens) {
+    std::vector<std::vector<int32_t>> p = test.free;
+    for (int s = 0; s < 2; ++s)
+      for (int i = 0; i < tokens; ++i) p[s][run_len - 1 - i] = 100 + i;
+    return p;
+  };
+  picks = disagree(run_len - 17);
+  EXPECT_EQ(JudgeOutputs(ref, test, eval->vocab, PrecisionClass::kBf16, &m, &picks),
+            TrialStatus::kOk)
+      << absl::StrJoin(m.failures, "; ");
+  EXPECT_NEAR(*m.loop_reference_agreement, 17.0 / 24, 1e-12);
+  EXPECT_GE(*m.loop_reference_agreement, floor);
+  picks = disagree(run_len - 16);
+  EXPECT_EQ(JudgeOutputs(ref, test, eval->vocab, PrecisionClass::kBf16, &m, &picks),
+            TrialStatus::kIncorrect);
+  EXPECT_TRUE(m.degenerate);
+  EXPECT_THAT(absl::StrJoin(m.failures, "; "),
+              HasSubstr("degenerate in 2 of 4 sequences (reference: 0; the reference picks 0.667 "
+                        "of the looping runs' tokens on their own path, < 0.70)"));
+  // One disowned loop of 4 runs is chaos, not garbage (at least half must loop), as before.
+  picks = disagree(run_len - 16);
+  picks[1] = test.free[1];
+  EXPECT_EQ(JudgeOutputs(ref, test, eval->vocab, PrecisionClass::kBf16, &m, &picks),
+            TrialStatus::kOk)
+      << absl::StrJoin(m.failures, "; ");
+}
+
 TEST(Measure, PercentileIsNearestRank) {
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 50), 3);
   EXPECT_EQ(Percentile({5, 1, 4, 2, 3}, 99), 5);
@@ -614,10 +711,15 @@ TEST(Executor, NanFaultIsCountedAsNonFinite) {
   EXPECT_THAT(result.reason, HasSubstr("non-finite"));
 }
 
+// Garbage loops stay degenerate: the reference, fed "7 7 7 ...", does not pick 7.
 TEST(Executor, StuckTokenIsDegenerate) {
   TrialExecutor executor(LocalDevices{});
   const TrialResult result = executor.Execute(TinyRequest("device=cpu", "stuck-token:7"));
   EXPECT_TRUE(result.verdict.degenerate);
+  ASSERT_TRUE(result.verdict.loop_reference_agreement.has_value());
+  EXPECT_LT(*result.verdict.loop_reference_agreement,
+            ThresholdsFor(PrecisionClass::kFp32).min_top1);
+  EXPECT_THAT(result.reason, HasSubstr("the reference picks"));
 }
 
 TEST(Executor, BadRequestsAreErrorsAndCudaIsUnsupportedWithoutBuild) {
@@ -730,6 +832,13 @@ TEST(TrialJson, RoundTrips) {
   EXPECT_EQ(gpu_back->batches[0].wall_tpot_ms->min, 1.25);
   EXPECT_EQ(gpu_back->batches[0].prefill_roofline_fraction, 0.385);
   EXPECT_GT(gpu_back->batches[0].prefill_flops, 0);
+  // The loop's agreement with the reference: null unless measured, and it round-trips.
+  EXPECT_TRUE(ToJson(result).at("verdict").at("loop_reference_agreement").is_null());
+  TrialResult looped = result;
+  looped.verdict.loop_reference_agreement = 0.625;
+  auto looped_back = TrialResultFromJson(nlohmann::json::parse(ToJson(looped).dump()));
+  ASSERT_TRUE(looped_back.ok()) << looped_back.status();
+  EXPECT_EQ(looped_back->verdict.loop_reference_agreement, 0.625);
   // A result stored before the prefill roofline existed still reads, without one.
   nlohmann::json old = ToJson(gpu);
   for (auto& b : old.at("batches"))
