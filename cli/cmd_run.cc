@@ -150,7 +150,7 @@ void AddRunCommands(CLI::App& app) {
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
   run->add_option("--test-inject-fault", args.inject_fault,
-                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, "
+                  "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
                   "stuck-token:T, segv, abort, hang, delay:S");
   run->callback([] { std::exit(RunTrials(args)); });
 

@@ -60,10 +60,12 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?
       ModelWeights probe = host.weights;
       std::vector<uint8_t> scratch;
-      if (auto s = CorruptFirstQuantScale(probe, fault.value, &scratch); !s.ok())
-        return absl::InvalidArgumentError(absl::StrCat(
-            s.message(), " (bad-quant-scale needs quantized weights: a quantized checkpoint or "
-                         "--quantize)"));
+      if (auto s = CorruptQuantScale(probe, host, fault.value, fault.target, &scratch); !s.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat(s.message(),
+                         " (bad-quant-scale needs quantized weights: a quantized checkpoint or "
+                         "--quantize",
+                         fault.target.empty() ? "" : ", and a target they have", ")"));
     }
     CpuModelOptions options;
     options.fault = fault;

@@ -223,7 +223,8 @@ std::unique_ptr<Model> MakeCpuModel(const HostModel& host, const CpuModelOptions
   if (options.fault.kind == FaultInjection::Kind::kBadQuantScale) {
     faulty_weights = host.weights;
     // CreateModel checked that the weights take this fault; failing here is a broken invariant.
-    if (auto s = CorruptFirstQuantScale(faulty_weights, options.fault.value, &faulty_scale);
+    if (auto s = CorruptQuantScale(faulty_weights, host, options.fault.value, options.fault.target,
+                                   &faulty_scale);
         !s.ok()) {
       std::fprintf(stderr, "MakeCpuModel: %s\n", std::string(s.message()).c_str());
       std::abort();

@@ -44,20 +44,36 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
   for (const KindName& k : kKinds) {
     if (k.name != kv.first) continue;
     fault.kind = k.kind;
-    if (k.takes_value && !absl::SimpleAtod(kv.second, &fault.value))
+    std::string value = kv.second;
+    if (k.kind == FaultInjection::Kind::kBadQuantScale) {  // F[@L.NAME]
+      std::pair<std::string, std::string> at = absl::StrSplit(value, absl::MaxSplits('@', 1));
+      if (value.find('@') != std::string::npos) {
+        if (at.second.empty())
+          return absl::InvalidArgumentError(absl::StrCat(
+              "--test-inject-fault ", std::string(text),
+              ": the target after '@' is a weight's "
+              "name, as bad-quant-scale:16@model.layers.1.mlp.experts.3.down_proj.weight"));
+        fault.target = at.second;
+      }
+      value = at.first;
+    }
+    if (k.takes_value && !absl::SimpleAtod(value, &fault.value))
       return absl::InvalidArgumentError(absl::StrCat("--test-inject-fault ", std::string(text), ": ",
                                                      k.name, " needs a number, as ", k.name, ":1"));
     return fault;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--test-inject-fault: unknown fault '", std::string(text),
-      "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F, stuck-token:T, segv, "
-      "abort, hang, delay:S)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
+                   "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
+                   "stuck-token:T, segv, abort, hang, delay:S)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {
   for (const KindName& k : kKinds)
-    if (k.kind == fault.kind) return k.takes_value ? absl::StrCat(k.name, ":", fault.value) : std::string(k.name);
+    if (k.kind == fault.kind)
+      return k.takes_value ? absl::StrCat(k.name, ":", fault.value, fault.target.empty() ? "" : "@",
+                                          fault.target)
+                           : std::string(k.name);
   return "none";
 }
 
@@ -75,9 +91,19 @@ void MaybeCommitProcessFault(const FaultInjection& fault) {
   }
 }
 
-absl::Status CorruptFirstQuantScale(ModelWeights& weights, double factor,
-                                    std::vector<uint8_t>* storage) {
+absl::Status CorruptQuantScale(ModelWeights& weights, const HostModel& host, double factor,
+                               const std::string& name, std::vector<uint8_t>* storage) {
   MatrixRef* target = nullptr;
+  if (!name.empty()) {
+    auto named = WeightSlot(weights, host, name);
+    if (!named.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad-quant-scale: ", named.status().message()));
+    if (!(*named)->quantized())
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad-quant-scale: ", name, " is not quantized"));
+    target = *named;
+  }
   for (LayerWeights& l : weights.layers) {
     for (MatrixRef* m : LayerLinears(l))
       if (target == nullptr && m->quantized()) target = m;

@@ -21,16 +21,19 @@ struct FaultInjection {
     kZeroExpert,  // "zero-expert:E" routed expert E contributes zeros (every MoE layer)
     kBadScale,    // "bad-scale:F"   layer 0's attention output scaled by F (a wrong dequant scale)
     kBadQuantScale,  // "bad-quant-scale:F" one group's stored scale of the first quantized
-                     //                     linear (layer 0) multiplied by F (quantized weights)
-    kStuckToken,  // "stuck-token:T" token T always wins the logits ("!!!!!!")
-    kSegv,        // "segv"          SIGSEGV on the first forward
-    kAbort,       // "abort"         abort() on the first forward
-    kHang,        // "hang"          the first forward never returns
-    kDelay,       // "delay:S"       the config under test starts S seconds late (a slow trial
-                  //                 with correct output and unchanged figures; harness only)
+                     //                     linear (layer 0) multiplied by F (quantized weights);
+                     // "bad-quant-scale:F@WEIGHT" that of the linear WEIGHT instead, by its
+                     // canonical name (model.layers.1.mlp.experts.3.down_proj.weight)
+    kStuckToken,     // "stuck-token:T" token T always wins the logits ("!!!!!!")
+    kSegv,           // "segv"          SIGSEGV on the first forward
+    kAbort,          // "abort"         abort() on the first forward
+    kHang,           // "hang"          the first forward never returns
+    kDelay,          // "delay:S"       the config under test starts S seconds late (a slow trial
+                     //                 with correct output and unchanged figures; harness only)
   };
   Kind kind = Kind::kNone;
   double value = 0;
+  std::string target;  // bad-quant-scale: a canonical weight name, or empty (the first linear)
 
   bool active() const { return kind != Kind::kNone; }
 };
@@ -41,11 +44,14 @@ std::string FaultInjectionString(const FaultInjection& fault);
 // Process-level faults (segv, abort, hang): called at the start of every Forward.
 void MaybeCommitProcessFault(const FaultInjection& fault);
 
-// bad-quant-scale: re-points the first quantized linear of `weights` (layer order: q, k, v, o,
-// MLP, experts) at a copy of its scales, held in `storage`, whose first scale (one group; the
-// whole tensor for fp8_tensor) is multiplied by `factor` and rounded back into its stored type
-// (E8M0 scales move by the nearest power of two). Host weights only.
-absl::Status CorruptFirstQuantScale(ModelWeights& weights, double factor,
-                                    std::vector<uint8_t>* storage);
+// bad-quant-scale: re-points one quantized linear of `weights` at a copy of its scales, held in
+// `storage`, whose first scale (one group; the whole tensor for fp8_tensor) is multiplied by
+// `factor` and rounded back into its stored type (E8M0 scales move by the nearest power of two).
+// The linear is `target` (a canonical weight name of `host`, FaultInjection::target), or with an
+// empty target the first quantized one (layer order: q, k, v, o, MLP, experts). A target that
+// `host` lacks, or one that is not quantized, is an InvalidArgument error that says which.
+// `weights` is a copy of host.weights (host weights only).
+absl::Status CorruptQuantScale(ModelWeights& weights, const HostModel& host, double factor,
+                               const std::string& target, std::vector<uint8_t>* storage);
 
 }  // namespace infersweep

@@ -221,15 +221,22 @@ std::string DeclaredWeightFormat(const std::string& model) {
   return QuantFormatFamily(scheme->format);
 }
 
-absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical) {
+absl::StatusOr<MatrixRef*> WeightSlot(ModelWeights& weights, const HostModel& model,
+                                      const std::string& canonical) {
   for (const TensorSpec& spec : model.specs) {
     const bool dense = spec.quant == QuantFormat::kNone && spec.name == canonical;
     const bool codes = spec.part == QuantPart::kData && spec.linear == canonical;
     if (!dense && !codes) continue;
-    // Slot only navigates; the weights are not modified.
-    if (const MatrixRef* slot = Slot(const_cast<ModelWeights&>(model.weights), spec)) return *slot;
+    if (MatrixRef* slot = Slot(weights, spec)) return slot;
   }
   return absl::NotFoundError(absl::StrCat(model.source, " has no weight '", canonical, "'"));
+}
+
+absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical) {
+  // WeightSlot only navigates; the weights are not modified.
+  auto slot = WeightSlot(const_cast<ModelWeights&>(model.weights), model, canonical);
+  if (!slot.ok()) return slot.status();
+  return **slot;
 }
 
 absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {

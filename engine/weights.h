@@ -114,6 +114,9 @@ absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& mode
 // The bound view of a canonical weight name ("model.layers.0.self_attn.q_proj.weight"): the
 // dense matrix, or the quantized linear with its scales. NotFound for a name the model lacks.
 absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical);
+// The same weight's field in `weights`, a copy of model.weights (or model.weights itself).
+absl::StatusOr<MatrixRef*> WeightSlot(ModelWeights& weights, const HostModel& model,
+                                      const std::string& canonical);
 
 // Replaces every dense quantizable linear of a materialized host model by its quantized parts.
 absl::Status QuantizeHostModel(HostModel& model, QuantFormat format);

@@ -171,6 +171,11 @@ TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
               r.load_seconds);
 }
 
+// One group scale of layer 0's expert 2's down_proj x1/16 (layer 0 is MoE in every tiny MoE
+// preset).
+constexpr char kBadExpertScale[] =
+    "bad-quant-scale:0.0625@model.layers.0.mlp.experts.2.down_proj.weight";
+
 // Quantized weights on the GPU: the GPU reference (exact dequantization, fp32) equals the CPU
 // reference; every implemented qgemm is OK against it; a corrupted scale is INCORRECT.
 TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
@@ -195,16 +200,22 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       const TrialResult ok = executor.Execute(GpuRequest(model, config));
       EXPECT_EQ(ok.status, TrialStatus::kOk) << format << " " << config << ": " << ok.reason;
       const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:0.0625"));
+      // The same on an expert's down_proj (the MoE runner's weights), named.
+      const TrialResult bad_expert = executor.Execute(GpuRequest(model, config, kBadExpertScale));
       // One corrupted group (16 or 32 weights for FP4) can hide inside the bf16-class tolerance;
       // the fp32-class config must catch it.
       if (ok.verdict.precision_class == "fp32") {
         ++fp32_configs;
         EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << " " << config << ": " << bad.reason;
+        EXPECT_EQ(bad_expert.status, TrialStatus::kIncorrect)
+            << format << " " << config << ": " << bad_expert.reason;
       }
-      std::printf("# %s %-55s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s\n", format,
-                  config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
-                  ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
-                  std::string(TrialStatusName(bad.status)).c_str());
+      std::printf(
+          "# %s %-55s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s, an expert's: %s\n",
+          format, config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
+          ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
+          std::string(TrialStatusName(bad.status)).c_str(),
+          std::string(TrialStatusName(bad_expert.status)).c_str());
     }
     EXPECT_GE(fp32_configs, 1) << format << ": no fp32-class config left to catch the bad scale";
     std::printf("# %s: GPU reference vs CPU reference %.3g\n", format, vs_cpu);
@@ -250,6 +261,16 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                     model.c_str(), config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
                     ok.verdict.top1_agreement, ok.verdict.kl_mean, ok.verdict.max_rel_error,
                     std::string(TrialStatusName(bad.status)).c_str());
+      }
+      // The fused expert runner with one expert's scale corrupted: reported (a group of one
+      // expert can hide in the bf16 class; the fp32-class test above must catch it).
+      {
+        const std::string runner = fast + ",graphs=off" + qgemm;
+        const TrialResult bad = executor.Execute(GpuRequest(model, runner, kBadExpertScale));
+        std::printf("# %s %-75s an expert's bad scale: %s (top1 %.3f, kl %.2g, max_rel %.2g)\n",
+                    model.c_str(), runner.c_str(), std::string(TrialStatusName(bad.status)).c_str(),
+                    bad.verdict.top1_agreement, bad.verdict.kl_mean, bad.verdict.max_rel_error);
+        EXPECT_NE(bad.status, TrialStatus::kError) << model << " " << runner << ": " << bad.reason;
       }
       // graphs=persistent streams fp8_tensor, fp8_channel and nvfp4 codes (w8a16 / w4a16) and
       // says why not for the rest: fp8_block128 when the model is built, mxfp4 at preflight,

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "engine/backends.h"
+#include "engine/fault_injection.h"
 #include "engine/model_config.h"
 #include "engine/npy.h"
 #include "engine/quant/layout.h"
@@ -168,6 +169,50 @@ TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsInco
       executor.Execute(QuantRequest("preset:tiny-moe", "matmul=naive", "bad-quant-scale:0.0625"));
   EXPECT_EQ(dense.status, TrialStatus::kError);
   EXPECT_THAT(dense.reason, HasSubstr("needs quantized weights"));
+}
+
+// bad-quant-scale@WEIGHT corrupts the named linear's first scale, not the first linear's: an
+// expert's (the MoE runner's weights, where the motivating NVFP4 failure was) is INCORRECT too,
+// and a name the model lacks, or one that is not quantized, is the request's error.
+TEST(QuantExecutor, ACorruptedScaleOfANamedExpertIsIncorrect) {
+  const std::string expert = "model.layers.1.mlp.experts.2.down_proj.weight";
+  auto host = LoadHostModel("preset:tiny-moe@nvfp4", {2});
+  ASSERT_TRUE(host.ok()) << host.status();
+  ModelWeights copy = (*host)->weights;
+  std::vector<uint8_t> corrupted;
+  ASSERT_TRUE(CorruptQuantScale(copy, **host, 0.0625, expert, &corrupted).ok());
+  EXPECT_EQ(copy.layers[1].experts[2].down.quant.scale, corrupted.data());
+  EXPECT_EQ(copy.layers[0].q.quant.scale, (*host)->weights.layers[0].q.quant.scale);
+  EXPECT_NE(corrupted[0],
+            static_cast<const uint8_t*>((*host)->weights.layers[1].experts[2].down.quant.scale)[0]);
+
+  TrialExecutor executor(LocalDevices{});
+  for (const char* format : kFormatNames) {
+    const std::string model = std::string("preset:tiny-moe@") + format;
+    const TrialResult bad =
+        executor.Execute(QuantRequest(model, "matmul=blocked", "bad-quant-scale:0.0625@" + expert));
+    EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << ": " << bad.reason;
+    EXPECT_THAT(bad.reason, HasSubstr("max_rel_error")) << format;
+  }
+  const std::string model = "preset:tiny-moe@nvfp4";
+  const TrialResult missing = executor.Execute(QuantRequest(
+      model, "matmul=naive", "bad-quant-scale:16@model.layers.1.mlp.experts.8.up_proj.weight"));
+  EXPECT_EQ(missing.status, TrialStatus::kError);
+  EXPECT_THAT(missing.reason,
+              HasSubstr("has no weight 'model.layers.1.mlp.experts.8.up_proj.weight'"));
+  const TrialResult dense_part = executor.Execute(QuantRequest(
+      model, "matmul=naive", "bad-quant-scale:16@model.layers.0.input_layernorm.weight"));
+  EXPECT_EQ(dense_part.status, TrialStatus::kError);
+  EXPECT_THAT(dense_part.reason,
+              HasSubstr("model.layers.0.input_layernorm.weight is not quantized"));
+  const TrialResult no_target =
+      executor.Execute(QuantRequest(model, "matmul=naive", "bad-quant-scale:16@"));
+  EXPECT_EQ(no_target.status, TrialStatus::kError);
+  EXPECT_THAT(no_target.reason, HasSubstr("the target after '@' is a weight's name"));
+  auto parsed = ParseFaultInjection("bad-quant-scale:16@" + expert);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->target, expert);
+  EXPECT_EQ(FaultInjectionString(*parsed), "bad-quant-scale:16@" + expert);
 }
 
 // The exact-dequant reference of a quantized model stays close to the dense model it came from:

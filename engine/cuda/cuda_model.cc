@@ -268,7 +268,8 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     // Corrupt a host copy the CPU's way, find which linear it hit, upload that scale alone.
     ModelWeights host_copy = host.weights;
     std::vector<uint8_t> corrupted;
-    if (auto s = CorruptFirstQuantScale(host_copy, fault.value, &corrupted); !s.ok()) return s;
+    if (auto s = CorruptQuantScale(host_copy, host, fault.value, fault.target, &corrupted); !s.ok())
+      return s;
     for (size_t l = 0; l < host_copy.layers.size(); ++l) {
       const std::vector<MatrixRef*> host_linears = LayerLinears(host_copy.layers[l]);
       const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
