@@ -26,17 +26,27 @@ quant_run() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 
+# A GPU test binary under a time limit (TEST_TIMEOUT_S, default $2 s), its log to $OUT/$3, the
+# interesting lines on stdout: a hang ends the binary, not the device call (a hung persistent
+# test once spent a call's whole 600 s), and the stages after it still run.
+gpu_tests() {
+  local binary=$1 limit=${TEST_TIMEOUT_S:-$2} log=$3 pattern=$4
+  shift 4
+  timeout -k 5 "$limit" "$binary" "$@" 2>&1 | tee "$OUT/$log" | grep -E "$pattern"
+  local rc=${PIPESTATUS[0]}
+  if ((rc == 124 || rc == 137)); then echo "# $binary: killed after $limit s (TEST_TIMEOUT_S)"; fi
+  return 0
+}
+
 for stage in $STAGES; do
   case $stage in
   test)
-    .carry/gpu_kernels_test 2>&1 | tee "$OUT/gpu_kernels_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
-    .carry/gpu_test 2>&1 | tee "$OUT/gpu_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
-    .carry/gpu_quant_test 2>&1 | tee "$OUT/gpu_quant_test.log" | grep -E '^#|OK \]|FAILED|Failure|error'
-    .carry/gpu_scaled_gemm_test 2>&1 | tee "$OUT/gpu_scaled_gemm_test.log" |
-      grep -E '^#|OK \]|FAILED|Failure|error' ;;
+    for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test; do
+      gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
+    done ;;
   ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
-    .carry/gpu_test --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" 2>&1 |
-      tee "$OUT/gpu_ptest.log" | grep -E '^#|OK \]|FAILED|Failure|error|worst|steps' ;;
+    gpu_tests .carry/gpu_test 240 gpu_ptest.log '^#|OK \]|FAILED|Failure|error|worst|steps' \
+      --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" ;;
   bench)
     # qwen3-30b-a3b shapes, all 48 layers, bf16 synthetic weights generated on the GPU.
     # Every config at batch 1 (the reference ones are slow by design), the fast ones at 64 too.
