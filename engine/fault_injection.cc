@@ -45,7 +45,7 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
     if (k.name != kv.first) continue;
     fault.kind = k.kind;
     std::string value = kv.second;
-    if (k.kind == FaultInjection::Kind::kBadQuantScale) {  // F[@L.NAME]
+    if (k.kind == FaultInjection::Kind::kBadQuantScale) {  // F[@WEIGHT]
       std::pair<std::string, std::string> at = absl::StrSplit(value, absl::MaxSplits('@', 1));
       if (value.find('@') != std::string::npos) {
         if (at.second.empty())
