@@ -238,6 +238,7 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   // a looping run counts only if the test's tokens are not the reference's picks there: a loop
   // the reference walks too, given the same tokens, is the model's.
   int64_t same = 0, total = 0, test_loops = 0, ref_loops = 0, loop_tokens = 0, loop_agree = 0;
+  int64_t counted_tokens = 0, counted_agree = 0;  // the looping runs that count against the test
   const size_t sequences = std::min(ref.free.size(), test.free.size());
   const bool have_picks = reference_picks != nullptr && reference_picks->size() >= sequences;
   for (size_t s = 0; s < sequences; ++s) {
@@ -255,7 +256,10 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
       agree += i < picks.size() && picks[i] == test.free[s][i];
     loop_agree += agree;
     loop_tokens += static_cast<int64_t>(test.free[s].size());
-    test_loops += !(static_cast<double>(agree) >= th.min_top1 * test.free[s].size());
+    if (static_cast<double>(agree) >= th.min_top1 * test.free[s].size()) continue;
+    ++test_loops;
+    counted_agree += agree;
+    counted_tokens += static_cast<int64_t>(test.free[s].size());
   }
   m->reference_degenerate = ref_loops > 0;
   m->degenerate = test_loops > ref_loops && 2 * test_loops >= static_cast<int64_t>(sequences);
@@ -295,11 +299,12 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   }
   if (m->degenerate)
     m->failures.push_back(
-        m->loop_reference_agreement
+        counted_tokens > 0
             ? absl::StrFormat(
                   "free-running generation is degenerate in %d of %d sequences (reference: %d; "
                   "the reference picks %.3f of the looping runs' tokens on their own path, < %.2f)",
-                  test_loops, sequences, ref_loops, *m->loop_reference_agreement, th.min_top1)
+                  test_loops, sequences, ref_loops,
+                  static_cast<double>(counted_agree) / counted_tokens, th.min_top1)
             : absl::StrFormat(
                   "free-running generation is degenerate in %d of %d sequences (reference: %d)",
                   test_loops, sequences, ref_loops));

@@ -457,6 +457,17 @@ TEST(Verdict, ALoopTheReferenceWalksTooIsTheModelsNotTheConfigs) {
   EXPECT_THAT(absl::StrJoin(m.failures, "; "),
               HasSubstr("degenerate in 2 of 4 sequences (reference: 0; the reference picks 0.667 "
                         "of the looping runs' tokens on their own path, < 0.70)"));
+  // Three looping runs, one the reference walks too: the failure quotes the two that count
+  // (0.667), not the three together (0.778, above the floor).
+  EvalOutputs three = test;
+  for (int i = 4; i < run_len; ++i) three.free[2][i] = 19;
+  picks = disagree(run_len - 16);
+  picks[2] = three.free[2];
+  EXPECT_EQ(JudgeOutputs(ref, three, eval->vocab, PrecisionClass::kBf16, &m, &picks),
+            TrialStatus::kIncorrect);
+  EXPECT_NEAR(*m.loop_reference_agreement, (16.0 + 16 + 24) / 72, 1e-12);
+  EXPECT_THAT(absl::StrJoin(m.failures, "; "),
+              HasSubstr("degenerate in 2 of 4 sequences (reference: 0; the reference picks 0.667"));
   // One disowned loop of 4 runs is chaos, not garbage (at least half must loop), as before.
   picks = disagree(run_len - 16);
   picks[1] = test.free[1];
