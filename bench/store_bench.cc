@@ -3,13 +3,16 @@
 //   store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]
 //
 // Creates sweeps of 10,000 trials each, records N results through RecordResults in
-// transactions of B results (coordinator-made results, so no leases are needed), then times
-// QueryResults and Best, each the median of R runs. Lines starting with '#' are metadata.
+// transactions of B results (coordinator-made results, so no leases are needed), then times the
+// coordinator's read paths over R runs each (median and p99): QueryResultRows (what the
+// coordinator serves: the stored JSON, not parsed), QueryResults (parsed), Best. Results carry
+// identities and the size of a real GPU result's JSON. Lines starting with '#' are metadata.
 #include <sqlite3.h>
 #include <sys/utsname.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "storage/store.h"
 
 namespace infersweep {
@@ -77,8 +81,12 @@ Options ParseArgs(int argc, char** argv) {
   return o;
 }
 
-// Median wall time of `runs` calls, in ms.
-double MedianMs(int runs, const std::function<void()>& fn) {
+struct Timing {
+  double median_ms = 0, p99_ms = 0;
+};
+
+// Wall time of `runs` calls: the median and the nearest-rank 99th percentile, in ms.
+Timing TimeRuns(int runs, const std::function<void()>& fn) {
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
     const auto start = Clock::now();
@@ -86,11 +94,26 @@ double MedianMs(int runs, const std::function<void()>& fn) {
     ms.push_back(Ms(Clock::now() - start));
   }
   std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  const size_t p99 = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(ms.size()))) - 1;
+  return {ms[ms.size() / 2], ms[std::min(p99, ms.size() - 1)]};
+}
+
+void PrintTiming(const char* name, const Timing& t, int runs, const std::string& note) {
+  std::printf("%-26s %9.2f ms median %9.2f ms p99  (%d runs; %s)\n", name, t.median_ms, t.p99_ms,
+              runs, note.c_str());
 }
 
 const std::vector<std::string> kModels = {"preset:qwen3-30b-a3b", "preset:qwen3-8b",
                                           "preset:llama3-8b", "preset:tiny"};
+// Each model at two layer counts and each result at one of two workloads: four (identity,
+// workload) groups per model, as a fleet that varies them keeps.
+const std::vector<int> kLayers = {48, 2};
+const std::vector<std::string> kWorkloads = {"prompt=128,output=32,warmup=1",
+                                             "prompt=1024,output=128,warmup=1"};
+
+std::string ModelKey(const std::string& model, int layers) {
+  return absl::StrCat(model, " layers=", layers, " seed=1 weights=bf16");
+}
 // sm 90 gets about 40% of the rows; the rest spread over four other architectures.
 const std::vector<int> kSms = {90, 90, 90, 90, 80, 89, 100, 120, 120, 86};
 const std::vector<BackendConfig> kConfigs = {
@@ -147,6 +170,10 @@ int Main(int argc, char** argv) {
       trials[i].model = kModels[((done + i) / 7) % kModels.size()];
       trials[i].config = kConfigs[(done + i) % kConfigs.size()];
       trials[i].workload.batch_sizes = {1, 8};
+      if ((done + i) % 2 == 1) {
+        trials[i].workload.prompt_len = 1024;
+        trials[i].workload.output_len = 128;
+      }
     }
     SweepRecord sweep;
     sweep.name = absl::StrCat("bench-", done / kTrialsPerSweep);
@@ -180,9 +207,15 @@ int Main(int argc, char** argv) {
                              : TrialStatus::kCrashed;
       r.model = kModels[(k / 7) % kModels.size()];
       r.config = kConfigs[k % kConfigs.size()];
+      r.model_identity.source = "preset";
+      r.model_identity.name = r.model.substr(7);
+      r.model_identity.layers = kLayers[(k / 3) % kLayers.size()];
+      r.model_identity.seed = 1;
+      r.model_identity.weights = "bf16";
+      r.software = {"580.65.06", "13.0", "13.0", "13.0.0", "13.0.0", "", ""};
       r.device = s.gpu_name;
       r.sm = s.sm;
-      r.engine_version = "0.1.0";
+      r.engine_version = "infersweep v0.1.0-123-gabcdef012345";
       r.load_seconds = 3.2;
       r.peak_memory_bytes = 40'000'000'000;
       r.verdict.precision_class = "bf16";
@@ -211,83 +244,86 @@ int Main(int argc, char** argv) {
               std::filesystem::file_size(o.db, ec) / 1048576.0,
               std::filesystem::exists(o.db + "-wal") ? std::filesystem::file_size(o.db + "-wal", ec) / 1048576.0 : 0.0);
 
-  size_t rows_seen = 0;
+  // The database as it stays on disk: the WAL folded in (what a checkpoint leaves).
+  opened->reset();
+  {
+    sqlite3* raw = nullptr;
+    sqlite3_open_v2(o.db.c_str(), &raw, SQLITE_OPEN_READWRITE, nullptr);
+    sqlite3_exec(raw, "PRAGMA wal_checkpoint(TRUNCATE)", nullptr, nullptr, nullptr);
+    sqlite3_close(raw);
+  }
+  std::printf("db_size                   %9.0f MiB        (%.0f bytes/result, WAL checkpointed)\n",
+              std::filesystem::file_size(o.db, ec) / 1048576.0,
+              static_cast<double>(std::filesystem::file_size(o.db, ec)) / o.rows);
+  opened = Store::Open(o.db);
+  Check(opened.status(), "reopen");
+  Store& reopened = **opened;
+
+  size_t rows_seen = 0, bytes_seen = 0;
   ResultQuery by_sm;
   by_sm.sm = 90;
   by_sm.limit = 1000;
-  const double q_sm = MedianMs(o.runs, [&] {
-    absl::StatusOr<std::vector<StoredResult>> r = store.QueryResults(by_sm);
+  // Warm the page cache once, as a running coordinator's is.
+  Check(reopened.QueryResultRows(by_sm).status(), "QueryResultRows");
+  Timing t = TimeRuns(o.runs, [&] {
+    absl::StatusOr<std::vector<StoredResult>> r = reopened.QueryResultRows(by_sm);
+    Check(r.status(), "QueryResultRows");
+    rows_seen = r->size();
+    bytes_seen = 0;
+    for (const StoredResult& row : *r) bytes_seen += row.result_json.size();
+  });
+  PrintTiming("query_sm90_limit1000", t, o.runs,
+              absl::StrCat(rows_seen, " rows, ", bytes_seen / 1024,
+                           " KiB of JSON decompressed, not parsed: what the coordinator serves"));
+
+  const int parse_runs = std::min(o.runs, 20);
+  t = TimeRuns(parse_runs, [&] {
+    absl::StatusOr<std::vector<StoredResult>> r = reopened.QueryResults(by_sm);
     Check(r.status(), "QueryResults");
     rows_seen = r->size();
   });
-  std::printf("query_sm90_limit1000   %10.2f ms  (median of %d, %zu rows, JSON parsed)\n", q_sm,
-              o.runs, rows_seen);
-
-  // The same query through a raw read-only connection, without parsing result_json: what the
-  // SQL itself costs.
-  {
-    sqlite3* raw = nullptr;
-    if (sqlite3_open_v2(o.db.c_str(), &raw, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
-      std::fprintf(stderr, "store_bench: raw open: %s\n", sqlite3_errmsg(raw));
-      return 1;
-    }
-    const char* sql =
-        "SELECT sweep_id, agent_id, gpu_name, sm, result_json, result_id FROM results WHERE 1 "
-        "AND sm = ? ORDER BY finished_ms DESC, result_id DESC LIMIT ?";
-    sqlite3_stmt* stmt = nullptr;
-    if (sqlite3_prepare_v2(raw, sql, -1, &stmt, nullptr) != SQLITE_OK) {
-      std::fprintf(stderr, "store_bench: prepare: %s\n", sqlite3_errmsg(raw));
-      return 1;
-    }
-    size_t bytes = 0;
-    const double q_raw = MedianMs(o.runs, [&] {
-      sqlite3_reset(stmt);
-      sqlite3_bind_int(stmt, 1, 90);
-      sqlite3_bind_int(stmt, 2, 1000);
-      bytes = 0;
-      while (sqlite3_step(stmt) == SQLITE_ROW) bytes += sqlite3_column_bytes(stmt, 4);
-    });
-    std::printf("query_sm90_sql_only    %10.2f ms  (median of %d, same SQL, %zu bytes of JSON not parsed)\n",
-                q_raw, o.runs, bytes);
-    sqlite3_finalize(stmt);
-    sqlite3_close(raw);
-  }
+  PrintTiming("query_sm90_parsed", t, parse_runs,
+              absl::StrCat(rows_seen, " rows parsed into TrialResults (the client's cost)"));
 
   ResultQuery by_all = by_sm;
   by_all.model = kModels[1];
   by_all.status = TrialStatus::kOk;
   by_all.axis_values = {{"attention", "flash"}};
-  const double q_all = MedianMs(o.runs, [&] {
-    absl::StatusOr<std::vector<StoredResult>> r = store.QueryResults(by_all);
-    Check(r.status(), "QueryResults");
+  t = TimeRuns(o.runs, [&] {
+    absl::StatusOr<std::vector<StoredResult>> r = reopened.QueryResultRows(by_all);
+    Check(r.status(), "QueryResultRows");
     rows_seen = r->size();
   });
-  std::printf("query_sm_model_ok_axis %10.2f ms  (median of %d, %zu rows)\n", q_all, o.runs,
-              rows_seen);
+  PrintTiming("query_sm_model_ok_axis", t, o.runs, absl::StrCat(rows_seen, " rows"));
 
+  BestQuery best;
+  best.model = kModels[0];
+  best.sm = 90;
+  size_t groups = 0;
+  t = TimeRuns(o.runs, [&] {
+    absl::StatusOr<BestAnswer> b = reopened.Best(best);
+    Check(b.status(), "Best");
+    groups = b->groups.size();
+  });
+  PrintTiming("best_groups_b1", t, o.runs,
+              absl::StrCat(groups, " (model identity, workload) groups: listed, none ranked"));
+  best.model_key = ModelKey(kModels[0], kLayers[0]);
+  best.workload = kWorkloads[0];
   double best_value = 0;
-  const double best1 = MedianMs(o.runs, [&] {
-    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "output_tok_s", 1);
+  t = TimeRuns(o.runs, [&] {
+    absl::StatusOr<BestAnswer> b = reopened.Best(best);
     Check(b.status(), "Best");
-    best_value = b->has_value() ? (*b)->result.batches[0].output_tok_s.median : 0;
+    best_value = b->best ? b->best->result.batches[0].output_tok_s.median : 0;
   });
-  std::printf("best_output_tok_s_b1   %10.2f ms  (median of %d; best %.1f tok/s; index)\n", best1,
-              o.runs, best_value);
-
-  const double best_ttft = MedianMs(o.runs, [&] {
-    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "ttft_ms", 1);
-    Check(b.status(), "Best");
-  });
-  std::printf("best_ttft_ms_b1        %10.2f ms  (median of %d; result_batches key range + sort)\n",
-              best_ttft, o.runs);
-
-  const int json_runs = std::min(o.runs, 5);
-  const double best8 = MedianMs(json_runs, [&] {
-    absl::StatusOr<std::optional<StoredResult>> b = store.Best(kModels[0], 90, "output_tok_s", 8);
-    Check(b.status(), "Best");
-  });
-  std::printf("best_output_tok_s_b8   %10.2f ms  (median of %d; result_batches index)\n",
-              best8, json_runs);
+  PrintTiming("best_output_tok_s_b1", t, o.runs,
+              absl::StrFormat("one group; best %.1f tok/s", best_value));
+  best.metric = "ttft_ms";
+  t = TimeRuns(o.runs, [&] { Check(reopened.Best(best).status(), "Best"); });
+  PrintTiming("best_ttft_ms_b1", t, o.runs, "one group: a key range and a sort");
+  best.metric = "output_tok_s";
+  best.batch = 8;
+  t = TimeRuns(o.runs, [&] { Check(reopened.Best(best).status(), "Best"); });
+  PrintTiming("best_output_tok_s_b8", t, o.runs, "one group, batch 8");
 
   opened->reset();
   if (!o.keep)

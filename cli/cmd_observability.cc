@@ -11,7 +11,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "agent/inventory.h"
+#include "cli/client_flags.h"
 #include "cli/commands.h"
+#include "coordinator/client.h"
 #include "coordinator/regressions.h"
 #include "storage/store.h"
 
@@ -22,7 +24,8 @@ constexpr int kUsageError = 2;
 constexpr int kRegressionsFound = 3;
 
 struct RegressionsArgs {
-  std::string db = "data/infersweep.db";
+  std::string coordinator;
+  std::string db;
   int window = 10;
   int min_history = 5;
   std::string metric = "output_tok_s";
@@ -32,6 +35,10 @@ struct RegressionsArgs {
   double min_change_pct = 2;
   std::string model;
   std::string sm_arch;
+  int64_t sweep = 0;
+  std::string workload;
+  std::string model_key;
+  int layers = 0;
   int limit = 100000;
   bool flagged_only = false;
   bool fail_on_regression = false;
@@ -40,6 +47,34 @@ struct RegressionsArgs {
 int Usage(const std::string& message) {
   std::fprintf(stderr, "error: %s\n", message.c_str());
   return kUsageError;
+}
+
+// The same judgement made by the coordinator over its database (SweepService.Regressions).
+absl::StatusOr<std::vector<RegressionRow>> RemoteRegressions(const std::string& coordinator,
+                                                             const RegressionQuery& q) {
+  v1::RegressionsRequest req;
+  req.set_metric(q.metric);
+  if (q.model) req.set_model(*q.model);
+  if (q.sm) req.set_sm(*q.sm);
+  if (q.sweep_id) req.set_sweep_id(*q.sweep_id);
+  if (q.model_key) req.set_model_key(*q.model_key);
+  if (q.workload) req.set_workload(*q.workload);
+  if (q.layers) req.set_layers(*q.layers);
+  req.set_window(q.options.window);
+  req.set_min_history(q.options.min_history);
+  req.set_test(q.options.test == RegressionTest::kIqr ? "iqr" : "z");
+  req.set_z_threshold(q.options.z_threshold);
+  req.set_iqr_k(q.options.iqr_k);
+  req.set_min_change(q.options.min_change);
+  req.set_limit(q.limit);
+  absl::StatusOr<std::string> token = UserToken();
+  if (!token.ok()) return token.status();
+  ServiceClient client(coordinator, 120'000, *token, ClientTls());
+  absl::StatusOr<v1::RegressionsResponse> resp = client.Regressions(req);
+  if (!resp.ok()) return resp.status();
+  std::vector<RegressionRow> rows;
+  for (const v1::RegressionSeries& s : resp->series()) rows.push_back(FromProto(s));
+  return rows;
 }
 
 int RunRegressions(const RegressionsArgs& args) {
@@ -68,16 +103,32 @@ int RunRegressions(const RegressionsArgs& args) {
       q.sm = *sm;
     }
   }
-  // Store::Open would create an empty database: a typo in --db must be an error instead.
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(args.db, ec))
-    return Usage(absl::StrCat("--db ", args.db, ": no such database file"));
-  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(args.db);
-  if (!store.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(store.status().message()).c_str());
-    return 1;
+  if (args.sweep < 0 || args.layers < 0) return Usage("--sweep and --layers must be >= 1");
+  if (args.sweep > 0) q.sweep_id = args.sweep;
+  if (args.layers > 0) q.layers = args.layers;
+  if (!args.model_key.empty()) q.model_key = args.model_key == "unknown" ? "" : args.model_key;
+  if (!args.workload.empty()) {
+    absl::StatusOr<std::string> key = CanonicalWorkloadKey(args.workload);
+    if (!key.ok()) return Usage(absl::StrCat("--workload: ", key.status().message()));
+    q.workload = *key;
   }
-  absl::StatusOr<std::vector<RegressionRow>> rows = FindRegressions(**store, q);
+  if (!args.db.empty() && !args.coordinator.empty())
+    return Usage("--db and --coordinator are alternatives; give one");
+  absl::StatusOr<std::vector<RegressionRow>> rows;
+  if (!args.db.empty()) {
+    // Store::Open would create an empty database: a typo in --db must be an error instead.
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(args.db, ec))
+      return Usage(absl::StrCat("--db ", args.db, ": no such database file"));
+    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(args.db);
+    if (!store.ok()) {
+      std::fprintf(stderr, "error: %s\n", std::string(store.status().message()).c_str());
+      return 1;
+    }
+    rows = FindRegressions(**store, q);
+  } else {
+    rows = RemoteRegressions(args.coordinator.empty() ? DefaultCoordinator() : args.coordinator, q);
+  }
   if (!rows.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(rows.status().message()).c_str());
     return rows.status().code() == absl::StatusCode::kInvalidArgument ? kUsageError : 1;
@@ -101,9 +152,13 @@ void AddObservabilityCommands(CLI::App& app) {
   static RegressionsArgs args;
   CLI::App* cmd = app.add_subcommand(
       "regressions",
-      "judge the latest result of each (model, sm, gpu, config, batch) against its history");
-  cmd->add_option("--db", args.db, "the coordinator's SQLite database (read)")
-      ->capture_default_str();
+      "judge the latest result of each (model identity, workload, sm, gpu, config, batch) "
+      "against its history");
+  cmd->add_option("--coordinator", args.coordinator,
+                  "coordinator host:port (default: $INFERSWEEP_COORDINATOR or 127.0.0.1:7070)");
+  cmd->add_option("--db", args.db,
+                  "read this SQLite database directly instead of asking a coordinator");
+  AddUserClientFlags(cmd);
   cmd->add_option("--window", args.window, "history: the previous N OK results of each series")
       ->capture_default_str();
   cmd->add_option("--min-history", args.min_history,
@@ -124,6 +179,11 @@ void AddObservabilityCommands(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--model", args.model, "only this model");
   cmd->add_option("--sm-arch", args.sm_arch, "only this SM architecture (sm_90, 90, cpu)");
+  cmd->add_option("--sweep", args.sweep, "only this sweep's results");
+  cmd->add_option("--workload", args.workload, "only this workload: prompt=N,output=N[,warmup=N]");
+  cmd->add_option("--layers", args.layers, "only models run with this many layers");
+  cmd->add_option("--model-key", args.model_key,
+                  "only this model identity (\"unknown\": results stored without one)");
   cmd->add_option("--limit", args.limit, "read at most this many newest OK results")
       ->capture_default_str();
   cmd->add_flag("--flagged-only", args.flagged_only, "print only regressions and improvements");

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "agent/agent.h"
 #include "agent/inventory.h"
+#include "cli/client_flags.h"
 #include "cli/commands.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
@@ -39,11 +40,6 @@ namespace {
 
 constexpr int kUsageError = 2;
 
-std::string DefaultCoordinator() {
-  const char* env = std::getenv("INFERSWEEP_COORDINATOR");
-  return env && *env ? env : "127.0.0.1:7070";
-}
-
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
   return status.code() == absl::StatusCode::kInvalidArgument ? kUsageError : 1;
@@ -52,30 +48,6 @@ int Fail(const absl::Status& status) {
 int Usage(const std::string& message) {
   std::fprintf(stderr, "error: %s\n", message.c_str());
   return kUsageError;
-}
-
-// --token-file of the service commands (only one command runs per process).
-std::string g_token_file;
-
-// The user token the service commands send: --token-file, else $INFERSWEEP_USER_TOKEN (trailing
-// whitespace stripped), else none.
-absl::StatusOr<std::string> UserToken() {
-  if (!g_token_file.empty()) return rpc::ReadTokenFile(g_token_file);
-  const char* env = std::getenv("INFERSWEEP_USER_TOKEN");
-  std::string token = env ? env : "";
-  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
-  return token;
-}
-
-// TLS of the service commands (--tls-ca, --tls-cert, --tls-key; docs/SERVICE.md "TLS").
-rpc::TlsOptions g_client_tls;
-
-void AddClientTlsFlags(CLI::App* cmd) {
-  cmd->add_option("--tls-ca", g_client_tls.ca_file,
-                  "PEM CA that verifies the coordinator's certificate (turns TLS on)");
-  cmd->add_option("--tls-cert", g_client_tls.cert_file,
-                  "PEM client certificate, for a coordinator that requires mutual TLS");
-  cmd->add_option("--tls-key", g_client_tls.key_file, "PEM private key of --tls-cert");
 }
 
 std::string S(std::string_view v) { return std::string(v); }
@@ -345,7 +317,7 @@ int WatchSweep(ServiceClient& client, int64_t id) {
 int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(coordinator, 30'000, *user_token, ClientTls());
   if (sweep_id > 0) {
     absl::StatusOr<v1::SweepInfo> s = client.GetSweep(sweep_id);
     if (!s.ok()) return Fail(s.status());
@@ -384,7 +356,7 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
   text << in.rdbuf();
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
@@ -397,7 +369,7 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
 int RunCancel(const std::string& coordinator, int64_t sweep_id) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::CancelSweepResponse> r = client.CancelSweep(sweep_id);
   if (!r.ok()) return Fail(r.status());
   std::printf("sweep %lld cancelled; %lld running trial(s) told to stop\n",
@@ -411,8 +383,61 @@ struct Row {
   int64_t sweep_id = 0;
   std::string agent_id, gpu_name;
   int sm = 0;
+  // The stored identity (docs/RESULTS.md "Identity"); "" where unknown.
+  std::string model_key, workload, engine_version, software;
+  bool software_known = false;
   TrialResult result;
 };
+
+std::string Unknown(const std::string& s) { return s.empty() ? "unknown" : s; }
+
+// --sweep, --workload, --layers, --model-key: which results a query reads, by identity.
+struct IdentityArgs {
+  int64_t sweep = 0;
+  std::string workload;   // as given; canonical after CheckIdentityArgs
+  std::string model_key;  // "unknown" selects results whose identity is unknown
+  int layers = 0;
+};
+
+void AddIdentityFlags(CLI::App* cmd, IdentityArgs* a) {
+  cmd->add_option("--sweep", a->sweep, "only this sweep's results");
+  cmd->add_option("--workload", a->workload,
+                  "only this workload: prompt=N,output=N[,warmup=N] (docs/RESULTS.md "
+                  "\"Identity\"; other workload fields are ignored)");
+  cmd->add_option("--layers", a->layers, "only models run with this many layers");
+  cmd->add_option("--model-key", a->model_key,
+                  "only this model identity, exactly as listed (\"unknown\": results stored "
+                  "without one)");
+}
+
+absl::Status CheckIdentityArgs(IdentityArgs* a) {
+  if (a->sweep < 0) return absl::InvalidArgumentError("--sweep must be >= 1");
+  if (a->layers < 0) return absl::InvalidArgumentError("--layers must be >= 1");
+  if (!a->workload.empty()) {
+    absl::StatusOr<std::string> key = CanonicalWorkloadKey(a->workload);
+    if (!key.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--workload: ", key.status().message()));
+    a->workload = *key;
+  }
+  return absl::OkStatus();
+}
+
+template <typename Request>
+void ApplyIdentity(const IdentityArgs& a, Request* req) {
+  if (a.sweep > 0) req->set_sweep_id(a.sweep);
+  if (!a.workload.empty()) req->set_workload(a.workload);
+  if (a.layers > 0) req->set_layers(a.layers);
+  if (!a.model_key.empty()) req->set_model_key(a.model_key == "unknown" ? "" : a.model_key);
+}
+
+std::vector<std::string> IdentityContext(const IdentityArgs& a) {
+  std::vector<std::string> out;
+  if (a.sweep > 0) out.push_back(absl::StrCat("sweep ", a.sweep));
+  if (!a.workload.empty()) out.push_back(absl::StrCat("workload ", a.workload));
+  if (a.layers > 0) out.push_back(absl::StrCat("layers ", a.layers));
+  if (!a.model_key.empty()) out.push_back(absl::StrCat("model ", a.model_key));
+  return out;
+}
 
 absl::StatusOr<Row> ParseRow(const v1::ResultRow& r) {
   auto j = nlohmann::json::parse(r.result_json(), nullptr, false);
@@ -424,9 +449,62 @@ absl::StatusOr<Row> ParseRow(const v1::ResultRow& r) {
   row.agent_id = r.agent_id();
   row.gpu_name = r.gpu_name();
   row.sm = r.sm();
+  row.model_key = r.has_model_key() ? r.model_key() : ModelIdentityKey(result->model_identity);
+  row.workload = r.has_workload() ? r.workload() : result->workload;
+  row.engine_version = r.has_engine_version() ? r.engine_version() : result->engine_version;
+  row.software_known = r.has_software();
+  row.software = r.software();
   row.result = *std::move(result);
   return row;
 }
+
+nlohmann::json OrNull(const std::string& s) {
+  return s.empty() ? nlohmann::json() : nlohmann::json(s);
+}
+
+nlohmann::json RowJson(const Row& row) {
+  return {{"sweep_id", row.sweep_id},
+          {"agent_id", row.agent_id},
+          {"gpu_name", row.gpu_name},
+          {"sm", row.sm},
+          {"model_key", OrNull(row.model_key)},
+          {"workload", OrNull(row.workload)},
+          {"engine_version", OrNull(row.engine_version)},
+          {"software", row.software_known ? nlohmann::json(row.software) : nlohmann::json()},
+          {"result", ToJson(row.result)}};
+}
+
+// Short names for the identities and workloads of a table's rows ("M1", "W1"), listed under it.
+class Legend {
+ public:
+  std::string Model(const std::string& key) { return Name(models_, "M", key); }
+  std::string Workload(const std::string& key) { return Name(workloads_, "W", key); }
+  void Print() const {
+    for (const auto& [name, key] : Sorted(models_))
+      std::printf("# %s = %s\n", name.c_str(), key.c_str());
+    for (const auto& [name, key] : Sorted(workloads_))
+      std::printf("# %s = %s\n", name.c_str(), key.c_str());
+  }
+
+ private:
+  static std::string Name(std::map<std::string, std::string>& names, const char* prefix,
+                          const std::string& key) {
+    if (key.empty()) return "?";
+    auto [it, fresh] = names.try_emplace(key);
+    if (fresh) it->second = absl::StrCat(prefix, names.size());
+    return it->second;
+  }
+  static std::vector<std::pair<std::string, std::string>> Sorted(
+      const std::map<std::string, std::string>& names) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& [key, name] : names) out.emplace_back(name, key);
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      return a.first.size() != b.first.size() ? a.first.size() < b.first.size() : a.first < b.first;
+    });
+    return out;
+  }
+  std::map<std::string, std::string> models_, workloads_;
+};
 
 const BatchFigures* FindBatch(const TrialResult& r, int batch) {
   for (const BatchFigures& b : r.batches)
@@ -458,55 +536,67 @@ absl::StatusOr<int64_t> ParseTimeArg(const std::string& text, const char* flag) 
 
 struct ResultsArgs {
   std::string coordinator = DefaultCoordinator();
-  int64_t sweep = 0;
+  IdentityArgs identity;
   std::string sm_arch, gpu, model, status, since, until, format = "table";
   std::vector<std::string> axes;
   int limit = 1000;
+  bool show_kernels = false;
 };
 
+std::string SmText(int sm) { return sm > 0 ? absl::StrCat("sm_", sm) : std::string("cpu"); }
+
 void PrintResultsTable(const std::vector<Row>& rows, const std::string& context) {
+  Legend legend;
   std::printf("# infersweep results: %s\n", context.c_str());
-  std::printf("#%6s %-10s %-14s %-22s %4s %-38s %5s %-11s %9s %9s %10s %10s %6s\n", "sweep",
-              " trial", " agent", " gpu", "sm", " config", "batch", " status", "ttft", "tpot", "out",
-              "prefill", "top1");
-  std::printf("#%6s %-10s %-14s %-22s %4s %-38s %5s %-11s %9s %9s %10s %10s %6s\n", "", "", "", "",
-              "", "", "", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)", "(%)");
+  std::printf("#%6s %-10s %-14s %-22s %6s %-5s %-5s %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
+              "sweep", " trial", " agent", " gpu", "sm", " model", " load", " config", "batch",
+              " status", "ttft", "tpot", "out", "prefill", "top1");
+  std::printf("#%6s %-10s %-14s %-22s %6s %-5s %-5s %-38s %5s %-11s %9s %9s %10s %10s %6s\n", "",
+              "", "", "", "", " (M#)", " (W#)", "", "", "", "(ms)", "(ms)", "(tok/s)", "(tok/s)",
+              "(%)");
   for (const Row& row : rows) {
     const TrialResult& r = row.result;
     const std::string config = BackendConfigString(r.config);
     const std::string status = S(TrialStatusName(r.status));
     const std::string agent = row.agent_id.empty() ? "(coordinator)" : row.agent_id;
+    const std::string model = legend.Model(row.model_key);
+    const std::string workload = legend.Workload(row.workload);
     if (r.batches.empty()) {
-      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
+      std::printf(" %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
                   static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-                  row.gpu_name.c_str(), row.sm, config.c_str(), "-", status.c_str(), "-", "-", "-",
-                  "-", "-");
+                  row.gpu_name.c_str(), SmText(row.sm).c_str(), model.c_str(), workload.c_str(),
+                  config.c_str(), "-", status.c_str(), "-", "-", "-", "-", "-");
       if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
       continue;
     }
     for (const BatchFigures& b : r.batches)
-      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f %6.1f\n",
-                  static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-                  row.gpu_name.c_str(), row.sm, config.c_str(), b.batch, status.c_str(),
-                  b.ttft_ms.median, b.tpot_ms.median, b.output_tok_s.median,
-                  b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
+      std::printf(
+          " %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f "
+          "%6.1f\n",
+          static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
+          row.gpu_name.c_str(), SmText(row.sm).c_str(), model.c_str(), workload.c_str(),
+          config.c_str(), b.batch, status.c_str(), b.ttft_ms.median, b.tpot_ms.median,
+          b.output_tok_s.median, b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
     if (r.status != TrialStatus::kOk && !r.reason.empty())
       std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
   }
-  std::printf("# %zu result(s)\n", rows.size());
+  std::printf("# %zu result(s); model identities (M#) and workloads (W#), ? where unknown:\n",
+              rows.size());
+  legend.Print();
 }
 
 void PrintResultsCsv(const std::vector<Row>& rows) {
   std::printf(
-      "sweep_id,trial_id,attempt,agent_id,gpu_name,sm,model,config,status,batch,ttft_ms,tpot_ms,"
-      "output_tok_s,prefill_tok_s,top1_agreement,kl_mean,peak_memory_bytes,finished_unix_ms,"
-      "reason\n");
+      "sweep_id,trial_id,attempt,agent_id,gpu_name,sm,model,model_key,workload,engine_version,"
+      "software,config,status,batch,ttft_ms,tpot_ms,output_tok_s,prefill_tok_s,top1_agreement,"
+      "kl_mean,peak_memory_bytes,finished_unix_ms,reason\n");
   for (const Row& row : rows) {
     const TrialResult& r = row.result;
     const std::string prefix = absl::StrCat(
         row.sweep_id, ",", CsvField(r.trial_id), ",", r.attempt, ",", CsvField(row.agent_id), ",",
-        CsvField(row.gpu_name), ",", row.sm, ",", CsvField(r.model), ",",
-        CsvField(BackendConfigString(r.config)), ",", S(TrialStatusName(r.status)));
+        CsvField(row.gpu_name), ",", row.sm, ",", CsvField(r.model), ",", CsvField(row.model_key),
+        ",", CsvField(row.workload), ",", CsvField(row.engine_version), ",", CsvField(row.software),
+        ",", CsvField(BackendConfigString(r.config)), ",", S(TrialStatusName(r.status)));
     const std::string suffix =
         absl::StrCat(absl::StrFormat("%.6g", r.verdict.top1_agreement), ",",
                      absl::StrFormat("%.6g", r.verdict.kl_mean), ",", r.peak_memory_bytes, ",",
@@ -523,11 +613,10 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
 
 int RunResults(const ResultsArgs& args) {
   v1::QueryResultsRequest req;
-  std::vector<std::string> context;
-  if (args.sweep > 0) {
-    req.set_sweep_id(args.sweep);
-    context.push_back(absl::StrCat("sweep ", args.sweep));
-  }
+  IdentityArgs identity = args.identity;
+  if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
+  ApplyIdentity(identity, &req);
+  std::vector<std::string> context = IdentityContext(identity);
   if (!args.sm_arch.empty()) {
     absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
     if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
@@ -570,7 +659,7 @@ int RunResults(const ResultsArgs& args) {
   req.set_limit(args.limit);
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(args.coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(args.coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
   if (!resp.ok()) return Fail(resp.status());
   std::vector<Row> rows;
@@ -581,12 +670,7 @@ int RunResults(const ResultsArgs& args) {
   }
   if (args.format == "json") {
     nlohmann::json out = nlohmann::json::array();
-    for (const Row& row : rows)
-      out.push_back({{"sweep_id", row.sweep_id},
-                     {"agent_id", row.agent_id},
-                     {"gpu_name", row.gpu_name},
-                     {"sm", row.sm},
-                     {"result", ToJson(row.result)}});
+    for (const Row& row : rows) out.push_back(RowJson(row));
     std::printf("%s\n", out.dump(1).c_str());
   } else if (args.format == "csv") {
     PrintResultsCsv(rows);
@@ -623,45 +707,90 @@ void PrintFigures(const Row& row, int batch) {
               percent(b->roofline_fraction).c_str(), percent(b->prefill_roofline_fraction).c_str());
 }
 
-int RunBest(const std::string& coordinator, const std::string& model, const std::string& sm_arch,
-            const std::string& metric, int batch, const std::string& format) {
-  absl::StatusOr<int> sm = ParseSmArch(sm_arch);
-  if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
-  if (format != "table" && format != "json")
-    return Usage(absl::StrCat("--format '", format, "': expected table or json"));
+// A (model identity, workload) group, as `best` and `compare` list them.
+struct Group {
+  std::string model_key, workload;
+  int64_t ok_results = 0;
+  int64_t first_sweep = 0, last_sweep = 0;
+};
+
+// Lists the groups a query could mean, with the flags that pick each, and returns the usage
+// exit code: the tool never ranks across them.
+int AskForGroup(const std::string& what, const std::vector<Group>& groups) {
+  std::fprintf(stderr,
+               "error: %s spans %zu (model identity, workload) groups, which are never ranked "
+               "together; choose one with --model-key (or --layers) and --workload, or --sweep:\n",
+               what.c_str(), groups.size());
+  std::fprintf(stderr, "#  %-60s %-30s %10s %s\n", "model identity (--model-key)",
+               "workload (--workload)", "OK results", "sweeps");
+  for (const Group& g : groups)
+    std::fprintf(stderr, "   %-60s %-30s %10lld %s\n", Unknown(g.model_key).c_str(),
+                 Unknown(g.workload).c_str(), static_cast<long long>(g.ok_results),
+                 g.first_sweep == g.last_sweep
+                     ? absl::StrCat(g.first_sweep).c_str()
+                     : absl::StrCat(g.first_sweep, "-", g.last_sweep).c_str());
+  return kUsageError;
+}
+
+struct BestArgs {
+  std::string coordinator = DefaultCoordinator();
+  std::string model, sm_arch, metric = "output_tok_s", format = "table";
+  int batch = 1;
+  IdentityArgs identity;
+};
+
+int RunBest(const BestArgs& args) {
+  absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
+  if (!sm.ok())
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+  if (args.format != "table" && args.format != "json")
+    return Usage(absl::StrCat("--format '", args.format, "': expected table or json"));
+  if (args.model.empty() && args.identity.sweep <= 0)
+    return Usage("best needs --model, or --sweep (whose model it ranks)");
+  IdentityArgs identity = args.identity;
+  if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
   v1::BestRequest req;
-  req.set_model(model);
+  req.set_model(args.model);
   req.set_sm(*sm);
-  req.set_metric(metric);
-  req.set_batch(batch);
+  req.set_metric(args.metric);
+  req.set_batch(args.batch);
+  ApplyIdentity(identity, &req);
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(args.coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::BestResponse> resp = client.Best(req);
   if (!resp.ok()) return Fail(resp.status());
+  const std::string scope =
+      absl::StrCat(resp->model(), " on ", SmText(*sm), " at batch ", args.batch);
+  if (resp->groups_size() > 1) {
+    std::vector<Group> groups;
+    for (const v1::ResultGroup& g : resp->groups())
+      groups.push_back(
+          {g.model_key(), g.workload(), g.ok_results(), g.first_sweep(), g.last_sweep()});
+    return AskForGroup(absl::StrCat("best ", args.metric, " for ", scope), groups);
+  }
   if (!resp->found()) {
-    if (format == "json") {
+    if (args.format == "json") {
       std::printf("null\n");
     } else {
-      std::printf("# no OK result for %s on sm_%d with %s at batch %d\n", model.c_str(), *sm,
-                  metric.c_str(), batch);
+      std::printf("# no OK result for %s with %s\n", scope.c_str(), args.metric.c_str());
     }
     return 1;
   }
   absl::StatusOr<Row> row = ParseRow(resp->row());
   if (!row.ok()) return Fail(row.status());
-  if (format == "json") {
-    std::printf("%s\n", nlohmann::json{{"sweep_id", row->sweep_id},
-                                       {"agent_id", row->agent_id},
-                                       {"gpu_name", row->gpu_name},
-                                       {"sm", row->sm},
-                                       {"result", ToJson(row->result)}}
-                            .dump(1)
-                            .c_str());
+  if (args.format == "json") {
+    std::printf("%s\n", RowJson(*row).dump(1).c_str());
     return 0;
   }
-  std::printf("# best %s for %s on sm_%d at batch %d\n", metric.c_str(), model.c_str(), *sm, batch);
-  PrintFigures(*row, batch);
+  const v1::ResultGroup& group = resp->groups(0);
+  std::printf("# best %s for %s\n", args.metric.c_str(), scope.c_str());
+  std::printf("# ranked within: model %s, workload %s (%lld OK results, sweeps %lld-%lld)\n",
+              Unknown(group.model_key()).c_str(), Unknown(group.workload()).c_str(),
+              static_cast<long long>(group.ok_results()),
+              static_cast<long long>(group.first_sweep()),
+              static_cast<long long>(group.last_sweep()));
+  PrintFigures(*row, args.batch);
   std::printf("%s\n", BackendConfigString(row->result.config).c_str());
   return 0;
 }
@@ -672,29 +801,44 @@ struct CompareArgs {
   std::vector<std::string> configs;
   std::vector<std::string> sm_archs;
   int batch = 1;
+  IdentityArgs identity;
 };
 
-// The fastest OK result (output tok/s at `batch`) matching a partial config on one arch.
-absl::StatusOr<std::optional<Row>> FastestMatching(ServiceClient& client, const std::string& model,
-                                                   const BackendConfig& config, int sm, int batch) {
+// The OK results with figures at `batch` matching a partial config on one arch, grouped by
+// (model identity, workload).
+using GroupKey = std::pair<std::string, std::string>;
+absl::StatusOr<std::map<GroupKey, std::vector<Row>>> MatchingByGroup(ServiceClient& client,
+                                                                     const std::string& model,
+                                                                     const BackendConfig& config,
+                                                                     int sm, int batch,
+                                                                     const IdentityArgs& identity) {
   v1::QueryResultsRequest req;
   req.set_model(model);
   req.set_sm(sm);
   req.set_status("OK");
   req.set_limit(10000);
+  ApplyIdentity(identity, &req);
   for (const auto& [axis, value] : config) (*req.mutable_axis_values())[axis] = value;
   absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);
   if (!resp.ok()) return resp.status();
-  std::optional<Row> best;
-  double best_tok_s = -1;
+  std::map<GroupKey, std::vector<Row>> out;
   for (const v1::ResultRow& r : resp->rows()) {
     absl::StatusOr<Row> row = ParseRow(r);
     if (!row.ok()) return row.status();
-    const BatchFigures* b = FindBatch(row->result, batch);
-    if (b == nullptr) continue;
-    if (b->output_tok_s.median > best_tok_s) {
+    if (FindBatch(row->result, batch) == nullptr) continue;
+    out[{row->model_key, row->workload}].push_back(*std::move(row));
+  }
+  return out;
+}
+
+std::optional<Row> Fastest(const std::vector<Row>& rows, int batch) {
+  std::optional<Row> best;
+  double best_tok_s = -1;
+  for (const Row& row : rows) {
+    const BatchFigures* b = FindBatch(row.result, batch);
+    if (b != nullptr && b->output_tok_s.median > best_tok_s) {
       best_tok_s = b->output_tok_s.median;
-      best = *std::move(row);
+      best = row;
     }
   }
   return best;
@@ -702,6 +846,8 @@ absl::StatusOr<std::optional<Row>> FastestMatching(ServiceClient& client, const 
 
 int RunCompare(const CompareArgs& args) {
   if (args.model.empty()) return Usage("--model is required");
+  IdentityArgs identity = args.identity;
+  if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
   std::vector<std::pair<std::string, int>> sides;  // config text, sm
   std::vector<int> sms;
   for (const std::string& a : args.sm_archs) {
@@ -719,22 +865,69 @@ int RunCompare(const CompareArgs& args) {
   }
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(args.coordinator, 30'000, *user_token, g_client_tls);
-  std::vector<std::optional<Row>> found;
+  ServiceClient client(args.coordinator, 30'000, *user_token, ClientTls());
+  std::vector<std::map<GroupKey, std::vector<Row>>> by_side;
   for (const auto& [text, sm] : sides) {
     absl::StatusOr<BackendConfig> config = ParseBackendConfig(text);
     if (!config.ok())
       return Fail(absl::InvalidArgumentError(absl::StrCat("--config '", text, "': ", config.status().message())));
-    absl::StatusOr<std::optional<Row>> row = FastestMatching(client, args.model, *config, sm, args.batch);
-    if (!row.ok()) return Fail(row.status());
-    found.push_back(*std::move(row));
+    auto rows = MatchingByGroup(client, args.model, *config, sm, args.batch, identity);
+    if (!rows.ok()) return Fail(rows.status());
+    by_side.push_back(*std::move(rows));
+  }
+  // The two sides are compared within one (model identity, workload) both measured.
+  std::vector<GroupKey> common;
+  for (const auto& [key, rows] : by_side[0])
+    if (by_side[1].count(key)) common.push_back(key);
+  auto side_text = [&](size_t i) {
+    return absl::StrCat(sides[i].first, " on ", SmText(sides[i].second));
+  };
+  auto groups_of = [&](const std::vector<GroupKey>& keys) {
+    std::vector<Group> out;
+    for (const GroupKey& k : keys) {
+      Group g{k.first, k.second, 0, 0, 0};
+      for (const auto& side : by_side) {
+        auto it = side.find(k);
+        if (it == side.end()) continue;
+        for (const Row& r : it->second) {
+          ++g.ok_results;
+          g.first_sweep = g.first_sweep == 0 ? r.sweep_id : std::min(g.first_sweep, r.sweep_id);
+          g.last_sweep = std::max(g.last_sweep, r.sweep_id);
+        }
+      }
+      out.push_back(g);
+    }
+    return out;
+  };
+  if (common.size() > 1)
+    return AskForGroup(absl::StrCat("compare of ", args.model, " at batch ", args.batch),
+                       groups_of(common));
+  std::vector<std::optional<Row>> found(2);
+  if (common.size() == 1) {
+    for (size_t i = 0; i < 2; ++i) found[i] = Fastest(by_side[i][common[0]], args.batch);
+  } else if (!by_side[0].empty() && !by_side[1].empty()) {
+    std::fprintf(stderr,
+                 "error: A (%s) and B (%s) have OK results at batch %d, but never of the same "
+                 "(model identity, workload); they measured different things:\n",
+                 side_text(0).c_str(), side_text(1).c_str(), args.batch);
+    for (size_t i = 0; i < 2; ++i)
+      for (const auto& [key, rows] : by_side[i])
+        std::fprintf(stderr, "  %c: %s | %s (%zu results)\n", static_cast<char>('A' + i),
+                     Unknown(key.first).c_str(), Unknown(key.second).c_str(), rows.size());
+    return 1;
+  } else {
+    for (size_t i = 0; i < 2; ++i)
+      if (by_side[i].size() == 1) found[i] = Fastest(by_side[i].begin()->second, args.batch);
   }
   std::printf("# infersweep compare: %s, batch %d; each side is its fastest OK result (output "
               "tok/s)\n",
               args.model.c_str(), args.batch);
+  if (common.size() == 1)
+    std::printf("# within: model %s, workload %s\n", Unknown(common[0].first).c_str(),
+                Unknown(common[0].second).c_str());
   for (size_t i = 0; i < sides.size(); ++i)
-    std::printf("# %c: %s on sm_%d%s\n", static_cast<char>('A' + i), sides[i].first.c_str(),
-                sides[i].second, found[i] ? "" : "  -- no OK result");
+    std::printf("# %c: %s%s\n", static_cast<char>('A' + i), side_text(i).c_str(),
+                found[i] ? "" : "  -- no OK result");
   auto cell = [&](size_t i, auto get) -> std::string {
     if (!found[i]) return "-";
     const BatchFigures* b = FindBatch(found[i]->result, args.batch);
@@ -785,7 +978,7 @@ int RunCompare(const CompareArgs& args) {
 int RunAgents(const std::string& coordinator) {
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
-  ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
+  ServiceClient client(coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::ListAgentsResponse> resp = client.ListAgents();
   if (!resp.ok()) return Fail(resp.status());
   std::printf("# infersweep agents at %s\n", coordinator.c_str());
@@ -911,9 +1104,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("submit", "submit a sweep spec (YAML); prints its id");
     cmd->add_option("spec", path, "sweep spec file")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
+    AddUserClientFlags(cmd);
     cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
     cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait)); });
   }
@@ -924,9 +1115,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("status", "sweeps, or one sweep's live progress");
     cmd->add_option("sweep_id", sweep, "sweep id (default: list every sweep)");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
+    AddUserClientFlags(cmd);
     cmd->add_flag("--once", once, "print one snapshot instead of a live bar");
     cmd->callback([] { std::exit(RunStatus(coordinator, sweep, once)); });
   }
@@ -936,19 +1125,15 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("cancel", "cancel a sweep's remaining trials");
     cmd->add_option("sweep_id", sweep, "sweep id")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
+    AddUserClientFlags(cmd);
     cmd->callback([] { std::exit(RunCancel(coordinator, sweep)); });
   }
   {
     static ResultsArgs args;
     CLI::App* cmd = app.add_subcommand("results", "query stored results");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
-    cmd->add_option("--sweep", args.sweep, "sweep id");
+    AddUserClientFlags(cmd);
+    AddIdentityFlags(cmd, &args.identity);
     cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
     cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
     cmd->add_option("--model", args.model, "model (checkpoint folder or preset:NAME)");
@@ -962,44 +1147,43 @@ void AddServiceCommands(CLI::App& app) {
     cmd->callback([] { std::exit(RunResults(args)); });
   }
   {
-    static std::string coordinator = DefaultCoordinator(), model, sm_arch, metric = "output_tok_s",
-                       format = "table";
-    static int batch = 1;
-    CLI::App* cmd = app.add_subcommand("best", "the fastest OK config for a model on an arch");
-    cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
-    cmd->add_option("--model", model, "model")->required();
-    cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
-    cmd->add_option("--metric", metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
+    static BestArgs args;
+    CLI::App* cmd = app.add_subcommand(
+        "best",
+        "the fastest OK config for a model on an arch, within one model identity and "
+        "workload");
+    cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")
         ->capture_default_str();
-    cmd->add_option("--batch", batch, "batch size the metric is read at")->capture_default_str();
-    cmd->add_option("--format", format, "table or json")->capture_default_str();
-    cmd->callback([] { std::exit(RunBest(coordinator, model, sm_arch, metric, batch, format)); });
+    AddUserClientFlags(cmd);
+    cmd->add_option("--model", args.model, "model (default with --sweep: the sweep's)");
+    cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
+    cmd->add_option("--metric", args.metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
+        ->capture_default_str();
+    cmd->add_option("--batch", args.batch, "batch size the metric is read at")
+        ->capture_default_str();
+    AddIdentityFlags(cmd, &args.identity);
+    cmd->add_option("--format", args.format, "table or json")->capture_default_str();
+    cmd->callback([] { std::exit(RunBest(args)); });
   }
   {
     static CompareArgs args;
     CLI::App* cmd = app.add_subcommand(
         "compare", "two configs on one arch, or one config on two archs, side by side");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
+    AddUserClientFlags(cmd);
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
                                               "the axes they leave out)");
     cmd->add_option("--sm-arch", args.sm_archs, "SM architecture(s)");
     cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
+    AddIdentityFlags(cmd, &args.identity);
     cmd->callback([] { std::exit(RunCompare(args)); });
   }
   {
     static std::string coordinator = DefaultCoordinator();
     CLI::App* cmd = app.add_subcommand("agents", "agents known to the coordinator");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
-    AddClientTlsFlags(cmd);
+    AddUserClientFlags(cmd);
     cmd->callback([] { std::exit(RunAgents(coordinator)); });
   }
 }

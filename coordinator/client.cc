@@ -79,4 +79,10 @@ absl::StatusOr<v1::BestResponse> ServiceClient::Best(const v1::BestRequest& requ
   return Call<v1::BestRequest, v1::BestResponse>(request, &v1::SweepService::Stub::Best);
 }
 
+absl::StatusOr<v1::RegressionsResponse> ServiceClient::Regressions(
+    const v1::RegressionsRequest& request) {
+  return Call<v1::RegressionsRequest, v1::RegressionsResponse>(
+      request, &v1::SweepService::Stub::Regressions);
+}
+
 }  // namespace infersweep

@@ -32,6 +32,7 @@ class ServiceClient {
   absl::StatusOr<v1::ListAgentsResponse> ListAgents();
   absl::StatusOr<v1::QueryResultsResponse> QueryResults(const v1::QueryResultsRequest& request);
   absl::StatusOr<v1::BestResponse> Best(const v1::BestRequest& request);
+  absl::StatusOr<v1::RegressionsResponse> Regressions(const v1::RegressionsRequest& request);
 
   const std::string& address() const { return address_; }
   // Not OK when the TLS options could not be turned into credentials (unreadable file, ...).

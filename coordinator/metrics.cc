@@ -82,7 +82,7 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                  .Help("Trials leased to an agent (running or about to run)")
                  .Register(r)
                  .Add({});
-  // 0.5 ms .. ~8 s: a result is one SQLite transaction, normally a few milliseconds.
+  // 0.5 ms .. ~8 s: a result waits for its group's SQLite commit, normally a few milliseconds.
   prometheus::Histogram::BucketBoundaries buckets;
   for (double b = 0.0005; b < 10; b *= 2) buckets.push_back(b);
   ingest_ = &BuildHistogram()
@@ -90,6 +90,14 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                  .Help("Time from receiving an agent's result to having stored it, seconds")
                  .Register(r)
                  .Add({}, buckets);
+  // 1 .. 512: how many results one group commit stored.
+  prometheus::Histogram::BucketBoundaries group_buckets;
+  for (double b = 1; b <= 512; b *= 2) group_buckets.push_back(b);
+  commit_group_ = &BuildHistogram()
+                       .Name("infersweep_commit_group_results")
+                       .Help("Results stored by one group commit (one SQLite transaction)")
+                       .Register(r)
+                       .Add({}, group_buckets);
   dropped_ = &BuildCounter()
                   .Name("infersweep_metrics_series_dropped_total")
                   .Help("New label sets not exported because of the cardinality cap (one per "
@@ -209,6 +217,7 @@ void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); 
 void CoordinatorMetrics::SetQueueDepth(int64_t n) { queue_depth_->Set(static_cast<double>(n)); }
 void CoordinatorMetrics::SetLeasedTrials(int64_t n) { leased_->Set(static_cast<double>(n)); }
 void CoordinatorMetrics::ObserveIngestSeconds(double seconds) { ingest_->Observe(seconds); }
+void CoordinatorMetrics::ObserveCommitGroup(double results) { commit_group_->Observe(results); }
 void CoordinatorMetrics::CountRateLimited(const std::string& api) {
   rate_limited_->Add({{"api", api}}).Increment();
 }

@@ -69,6 +69,7 @@ class CoordinatorMetrics {
   void SetQueueDepth(int64_t n);
   void SetLeasedTrials(int64_t n);
   void ObserveIngestSeconds(double seconds);
+  void ObserveCommitGroup(double results);
   // A call, stream or agent message refused by a rate limit; `api` is "user", "connect" or
   // "agent" (docs/SECURITY.md "Limits").
   void CountRateLimited(const std::string& api);
@@ -99,6 +100,7 @@ class CoordinatorMetrics {
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* leased_ = nullptr;
   prometheus::Histogram* ingest_ = nullptr;
+  prometheus::Histogram* commit_group_ = nullptr;
   prometheus::Counter* dropped_ = nullptr;
   prometheus::Family<prometheus::Counter>* rate_limited_ = nullptr;
   prometheus::Counter* lease_requeued_ = nullptr;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 
 namespace infersweep {
 
@@ -141,12 +142,46 @@ std::optional<double> MetricValue(const BatchFigures& b, std::string_view metric
   return std::nullopt;
 }
 
+namespace {
+
+// What ran a result, beyond what its series key fixes; "" where unknown.
+struct Environment {
+  std::string engine_version;
+  std::string software;
+};
+
+Environment EnvironmentOf(const StoredResult& s) {
+  Environment e;
+  e.engine_version = s.engine_version.value_or(s.result.engine_version);
+  e.software = s.software.value_or("");
+  return e;
+}
+
+// "engine A -> B" / "software A -> B" for what the latest ran on that no history point did.
+std::string LikelyCause(const std::vector<Environment>& history, const Environment& latest) {
+  std::vector<std::string> causes;
+  auto changed = [&](auto field, const char* what) {
+    const std::string& now = latest.*field;
+    if (now.empty() || history.empty()) return;
+    for (const Environment& h : history)
+      if (h.*field == now) return;  // some history ran on it too: not the change
+    const std::string& before = history.back().*field;
+    causes.push_back(absl::StrCat(what, " ", before.empty() ? "(unknown)" : before, " -> ", now));
+  };
+  changed(&Environment::engine_version, "engine");
+  changed(&Environment::software, "software");
+  return absl::StrJoin(causes, "; ");
+}
+
+}  // namespace
+
 std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& results,
                                           std::string_view metric,
                                           const RegressionOptions& options) {
   absl::StatusOr<Direction> direction = MetricDirection(metric);
   if (!direction.ok()) return {};
-  using Key = std::tuple<std::string, int, std::string, std::string, int>;
+  // model, model identity, workload, sm, gpu, config, batch
+  using Key = std::tuple<std::string, std::string, std::string, int, std::string, std::string, int>;
   struct Point {
     int64_t finished_ms;
     size_t order;  // position in `results`, to break ties deterministically
@@ -158,10 +193,12 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
     const StoredResult& s = results[i];
     if (s.result.status != TrialStatus::kOk) continue;
     const std::string config = BackendConfigString(s.result.config);
+    const std::string model_key = s.model_key.value_or(ModelIdentityKey(s.result.model_identity));
+    const std::string workload = s.workload.value_or(s.result.workload);
     for (const BatchFigures& b : s.result.batches) {
       std::optional<double> v = MetricValue(b, metric);
       if (!v || !std::isfinite(*v)) continue;
-      series[Key{s.result.model, s.sm, s.gpu_name, config, b.batch}].push_back(
+      series[Key{s.result.model, model_key, workload, s.sm, s.gpu_name, config, b.batch}].push_back(
           Point{s.result.finished_unix_ms, i, *v, &s});
     }
   }
@@ -175,10 +212,18 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
     values.reserve(points.size());
     for (const Point& p : points) values.push_back(p.value);
     RegressionRow row;
-    std::tie(row.model, row.sm, row.gpu, row.config, row.batch) = key;
+    std::tie(row.model, row.model_key, row.workload, row.sm, row.gpu, row.config, row.batch) = key;
     row.latest_trial_id = points.back().from->result.trial_id;
     row.latest_unix_ms = points.back().finished_ms;
     row.judgement = JudgeLatest(values, *direction, options);
+    if (row.judgement.verdict == RegressionVerdict::kRegression ||
+        row.judgement.verdict == RegressionVerdict::kImprovement) {
+      const size_t take = std::min(points.size() - 1, static_cast<size_t>(options.window));
+      std::vector<Environment> history;
+      for (size_t i = points.size() - 1 - take; i + 1 < points.size(); ++i)
+        history.push_back(EnvironmentOf(*points[i].from));
+      row.likely_cause = LikelyCause(history, EnvironmentOf(*points.back().from));
+    }
     rows.push_back(std::move(row));
   }
   return rows;
@@ -192,6 +237,10 @@ absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const R
   rq.status = TrialStatus::kOk;
   rq.model = q.model;
   rq.sm = q.sm;
+  rq.sweep_id = q.sweep_id;
+  rq.model_key = q.model_key;
+  rq.workload = q.workload;
+  rq.layers = q.layers;
   rq.limit = q.limit;
   absl::StatusOr<std::vector<StoredResult>> results = store.QueryResults(rq);
   if (!results.ok()) return results.status();
@@ -229,21 +278,24 @@ std::string FormatRegressionTable(const std::vector<RegressionRow>& rows,
   absl::StrAppend(&out, " and |change| >= ", FormatNumber(100 * o.min_change),
                   "%; a series needs ", o.min_history, " history points to be judged\n");
 
-  const std::vector<std::string> header = {"model", "sm_arch", "gpu",    "batch",   "config",
-                                           "n",     "latest",  "median", "change%", "z",
-                                           "verdict"};
+  const std::vector<std::string> header = {
+      "model", "identity", "workload", "sm_arch", "gpu", "batch",   "config",
+      "n",     "latest",   "median",   "change%", "z",   "verdict", "likely_cause"};
   std::vector<std::vector<std::string>> table;
   int counts[4] = {};
   for (const RegressionRow& r : rows) {
     const SeriesJudgement& j = r.judgement;
     ++counts[static_cast<int>(j.verdict)];
     const bool judged = j.history_points > 0;
-    table.push_back({r.model, r.sm > 0 ? absl::StrCat("sm_", r.sm) : std::string("cpu"), r.gpu,
+    table.push_back({r.model, r.model_key.empty() ? "unknown" : r.model_key,
+                     r.workload.empty() ? "unknown" : r.workload,
+                     r.sm > 0 ? absl::StrCat("sm_", r.sm) : std::string("cpu"), r.gpu,
                      absl::StrCat(r.batch), r.config, absl::StrCat(j.history_points),
                      FormatNumber(j.latest), judged ? FormatNumber(j.history_median) : "-",
                      judged ? absl::StrFormat("%+.1f", j.change_pct) : "-",
                      judged ? FormatNumber(j.robust_z) : "-",
-                     std::string(RegressionVerdictName(j.verdict))});
+                     std::string(RegressionVerdictName(j.verdict)),
+                     r.likely_cause.empty() ? "-" : r.likely_cause});
   }
   std::vector<size_t> width(header.size());
   for (size_t c = 0; c < header.size(); ++c) {
@@ -269,6 +321,58 @@ std::string FormatRegressionTable(const std::vector<RegressionRow>& rows,
                   counts[static_cast<int>(RegressionVerdict::kTooFewPoints)],
                   " with too few points\n");
   return out;
+}
+
+v1::RegressionSeries ToProto(const RegressionRow& r) {
+  v1::RegressionSeries p;
+  p.set_model(r.model);
+  p.set_model_key(r.model_key);
+  p.set_workload(r.workload);
+  p.set_sm(r.sm);
+  p.set_gpu(r.gpu);
+  p.set_config(r.config);
+  p.set_batch(r.batch);
+  p.set_latest_trial_id(r.latest_trial_id);
+  p.set_latest_unix_ms(r.latest_unix_ms);
+  const SeriesJudgement& j = r.judgement;
+  p.set_latest(j.latest);
+  p.set_history_points(j.history_points);
+  p.set_history_median(j.history_median);
+  p.set_mad(j.mad);
+  p.set_q1(j.q1);
+  p.set_q3(j.q3);
+  p.set_robust_z(j.robust_z);
+  p.set_change_pct(j.change_pct);
+  p.set_verdict(std::string(RegressionVerdictName(j.verdict)));
+  p.set_likely_cause(r.likely_cause);
+  return p;
+}
+
+RegressionRow FromProto(const v1::RegressionSeries& p) {
+  RegressionRow r;
+  r.model = p.model();
+  r.model_key = p.model_key();
+  r.workload = p.workload();
+  r.sm = p.sm();
+  r.gpu = p.gpu();
+  r.config = p.config();
+  r.batch = p.batch();
+  r.latest_trial_id = p.latest_trial_id();
+  r.latest_unix_ms = p.latest_unix_ms();
+  SeriesJudgement& j = r.judgement;
+  j.latest = p.latest();
+  j.history_points = p.history_points();
+  j.history_median = p.history_median();
+  j.mad = p.mad();
+  j.q1 = p.q1();
+  j.q3 = p.q3();
+  j.robust_z = p.robust_z();
+  j.change_pct = p.change_pct();
+  for (RegressionVerdict v : {RegressionVerdict::kOk, RegressionVerdict::kRegression,
+                              RegressionVerdict::kImprovement, RegressionVerdict::kTooFewPoints})
+    if (RegressionVerdictName(v) == p.verdict()) j.verdict = v;
+  r.likely_cause = p.likely_cause();
+  return r;
 }
 
 }  // namespace infersweep

@@ -1,6 +1,7 @@
 // Performance regressions across the stored history (`infersweep regressions`): for each series
-// (model, sm, gpu, config, batch) of OK results ordered by finish time, the latest value is judged
-// against the previous N values with a noise-aware test:
+// (model identity, workload, sm, gpu, config, batch) of OK results ordered by finish time, the
+// latest value is judged against the previous N values of the same series with a noise-aware
+// test:
 //
 //  - robust z (default): modified z-score 0.6745 * (latest - median) / MAD over the history
 //    (Iglewicz & Hoaglin); flagged when |z| > z_threshold (3.5);
@@ -10,6 +11,11 @@
 // Either way a change smaller than min_change (relative to the history's median) is never
 // flagged, so a perfectly flat history (MAD or IQR of 0) does not flag every tiny wobble, and a
 // series needs at least min_history previous points to be judged at all.
+//
+// A series never mixes model identities or workloads (a 2-layer and a 48-layer run of one preset
+// are two series). The engine version and the software stack are not part of the key: a change
+// the test flags is attributed to them ("likely cause") when the latest result ran on a version
+// or stack that no point of its history ran on.
 //
 // The statistics are pure functions (tests/regressions_test.cc); FindRegressions reads the
 // results through Store::QueryResults.
@@ -23,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "harness/trial.h"
+#include "proto/infersweep.pb.h"
 #include "storage/store.h"
 
 namespace infersweep {
@@ -76,6 +83,8 @@ std::optional<double> MetricValue(const BatchFigures& b, std::string_view metric
 
 struct RegressionRow {
   std::string model;
+  std::string model_key;  // "" when unknown
+  std::string workload;   // "" when unknown
   int sm = 0;
   std::string gpu;
   std::string config;  // canonical string
@@ -83,6 +92,10 @@ struct RegressionRow {
   std::string latest_trial_id;
   int64_t latest_unix_ms = 0;
   SeriesJudgement judgement;
+  // For a regression or an improvement: "engine infersweep v1 -> infersweep v2" and/or
+  // "software driver=... -> driver=..." when the latest result's differs from every history
+  // point's; "" otherwise (or when unknown).
+  std::string likely_cause;
 };
 
 // Groups OK results into series, orders each by finish time and judges its latest value. Rows
@@ -95,6 +108,10 @@ struct RegressionQuery {
   std::string metric = "output_tok_s";
   std::optional<std::string> model;
   std::optional<int> sm;
+  std::optional<int64_t> sweep_id;
+  std::optional<std::string> model_key;  // as ResultQuery's
+  std::optional<std::string> workload;
+  std::optional<int> layers;
   int limit = 100000;  // newest OK results read from the store
   RegressionOptions options;
 };
@@ -102,5 +119,9 @@ absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const R
 
 // The CLI's table: a '#' header naming the metric and the test, then one row per series.
 std::string FormatRegressionTable(const std::vector<RegressionRow>& rows, const RegressionQuery& q);
+
+// The wire form (SweepService.Regressions), both ways.
+v1::RegressionSeries ToProto(const RegressionRow& row);
+RegressionRow FromProto(const v1::RegressionSeries& series);
 
 }  // namespace infersweep

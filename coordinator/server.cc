@@ -1,5 +1,8 @@
 #include "coordinator/server.h"
 
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,13 +17,13 @@
 #include <tuple>
 #include <vector>
 
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
-
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/metrics.h"
+#include "coordinator/regressions.h"
 #include "coordinator/sweep_spec.h"
 #include "engine/backend_config.h"
+#include "engine/weights.h"
 #include "harness/executor.h"
 #include "harness/trial.h"
 #include "proto/infersweep.grpc.pb.h"
@@ -220,6 +223,7 @@ class CoordinatorServer::Impl {
   grpc::Status ListAgents(v1::ListAgentsResponse* resp);
   grpc::Status QueryResults(const v1::QueryResultsRequest& req, v1::QueryResultsResponse* resp);
   grpc::Status Best(const v1::BestRequest& req, v1::BestResponse* resp);
+  grpc::Status Regressions(const v1::RegressionsRequest& req, v1::RegressionsResponse* resp);
 
  private:
   class AgentServiceImpl final : public v1::AgentService::Service {
@@ -271,6 +275,11 @@ class CoordinatorServer::Impl {
       if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
       return impl_->Best(*req, resp);
     }
+    grpc::Status Regressions(grpc::ServerContext* context, const v1::RegressionsRequest* req,
+                             v1::RegressionsResponse* resp) override {
+      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
+      return impl_->Regressions(*req, resp);
+    }
 
    private:
     Impl* impl_;
@@ -306,7 +315,17 @@ class CoordinatorServer::Impl {
   void ReconcileHeldLocked(Conn& conn, int64_t now);
   void OnHeartbeat(Conn& conn, const v1::Heartbeat& hb);
   void OnProgress(Conn& conn, const v1::Progress& p);
-  void OnResult(Conn& conn, const v1::Result& r);
+  void OnResult(const std::shared_ptr<Conn>& conn, const v1::Result& r);
+  // Group commit: results wait in commit_queue_ for the committer thread, which stores all that
+  // wait in one transaction (Store::RecordResultsEach) and then answers each agent (Ack, or an
+  // Error). One durable commit serves many results, and each Ack still follows its own commit.
+  struct PendingResult {
+    std::shared_ptr<Conn> conn;
+    ResultSubmission submission;
+    std::chrono::steady_clock::time_point received;
+  };
+  void CommitLoop();
+  void Answer(PendingResult& pending, const absl::Status& stored);
   // Sends a permanent Error (the agent drops that result) and counts a bad message.
   void Reject(Conn& conn, const std::string& message, const std::string& trial_id, int attempt,
               absl::StatusCode code = absl::StatusCode::kInvalidArgument);
@@ -334,6 +353,11 @@ class CoordinatorServer::Impl {
 
   CoordinatorOptions options_;
   std::unique_ptr<Store> store_;
+  std::mutex commit_mu_;
+  std::condition_variable commit_cv_;
+  std::deque<PendingResult> commit_queue_;  // guarded by commit_mu_
+  bool commit_stopping_ = false;            // guarded by commit_mu_
+  std::thread committer_;
   std::unique_ptr<AgentServiceImpl> agent_service_;
   std::unique_ptr<SweepServiceImpl> sweep_service_;
   std::unique_ptr<grpc::Server> server_;
@@ -410,6 +434,7 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
                                                " (address in use or not a host:port?)"));
   }
   scheduler_ = std::thread([this] { SchedulerLoop(); });
+  committer_ = std::thread([this] { CommitLoop(); });
   const char* transport = !options_.tls.server_enabled()        ? "plaintext"
                           : options_.tls.client_ca_file.empty() ? "TLS"
                                                                 : "mutual TLS";
@@ -436,6 +461,13 @@ void CoordinatorServer::Impl::Stop() {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     server_->Wait();
   }
+  // No stream is left to add results: store what waits, then stop.
+  {
+    std::lock_guard<std::mutex> lock(commit_mu_);
+    commit_stopping_ = true;
+  }
+  commit_cv_.notify_all();
+  if (committer_.joinable()) committer_.join();
 }
 
 void CoordinatorServer::Impl::RecoverHeld() {
@@ -646,7 +678,7 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
         OnProgress(*conn, msg.progress());
         break;
       case v1::AgentMessage::kResult:
-        OnResult(*conn, msg.result());
+        OnResult(conn, msg.result());
         break;
       default:
         Reject(*conn, "empty message: no field of AgentMessage is set", "", 0);
@@ -765,7 +797,8 @@ void CoordinatorServer::Impl::OnProgress(Conn& conn, const v1::Progress& p) {
     it->second.last_progress = p.text().substr(0, kMaxProgressText);
 }
 
-void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
+void CoordinatorServer::Impl::OnResult(const std::shared_ptr<Conn>& conn_ptr, const v1::Result& r) {
+  Conn& conn = *conn_ptr;
   const auto received = std::chrono::steady_clock::now();
   const std::string& tid = r.trial_id();
   if (tid.empty()) return Reject(conn, "Result without trial_id", "", r.attempt());
@@ -802,27 +835,70 @@ void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
   }
   if (slot < 0 || slot >= static_cast<int>(conn.slots.size())) slot = 0;
   const SlotInfo& info = conn.slots[slot];
+  PendingResult pending{conn_ptr,
+                        ResultSubmission{conn.agent_id, info.gpu_name, info.sm, *std::move(result)},
+                        received};
+  {
+    std::lock_guard<std::mutex> lock(commit_mu_);
+    if (!commit_stopping_) {
+      commit_queue_.push_back(std::move(pending));
+      commit_cv_.notify_one();
+      return;
+    }
+  }
+  // Stopping: nothing more is stored; the agent keeps the result spooled and sends it again.
+  conn.Enqueue(ErrorMessage("the coordinator is stopping; send the result again later", tid,
+                            r.attempt(), /*permanent=*/false, absl::StatusCode::kUnavailable));
+}
 
-  const absl::Status s = store_->RecordResult(conn.agent_id, info.gpu_name, info.sm, *result);
+void CoordinatorServer::Impl::CommitLoop() {
+  // At most this many results a transaction: a commit stays short (a few ms) while the queue
+  // behind it fills for the next one.
+  constexpr size_t kMaxGroup = 512;
+  for (;;) {
+    std::vector<PendingResult> group;
+    {
+      std::unique_lock<std::mutex> lock(commit_mu_);
+      commit_cv_.wait(lock, [&] { return commit_stopping_ || !commit_queue_.empty(); });
+      if (commit_queue_.empty()) return;  // stopping, and everything is stored
+      while (!commit_queue_.empty() && group.size() < kMaxGroup) {
+        group.push_back(std::move(commit_queue_.front()));
+        commit_queue_.pop_front();
+      }
+    }
+    std::vector<ResultSubmission> submissions;
+    submissions.reserve(group.size());
+    for (const PendingResult& p : group) submissions.push_back(p.submission);
+    const std::vector<absl::Status> stored = store_->RecordResultsEach(submissions);
+    metrics_->ObserveCommitGroup(static_cast<double>(group.size()));
+    for (size_t i = 0; i < group.size(); ++i) Answer(group[i], stored[i]);
+    Wake();
+  }
+}
+
+void CoordinatorServer::Impl::Answer(PendingResult& pending, const absl::Status& s) {
+  Conn& conn = *pending.conn;
+  const TrialResult& result = pending.submission.result;
+  const std::string& tid = result.trial_id;
+  const int attempt = result.attempt;
   bool fresh = false;  // the attempt was held: not a replay of a result stored before
   {
     // Whatever the store says, the agent is done with this attempt.
     std::lock_guard<std::mutex> lock(mu_);
     auto& held = held_[conn.agent_id];
-    if (auto it = held.find(tid); it != held.end() && it->second.attempt == r.attempt()) {
+    if (auto it = held.find(tid); it != held.end() && it->second.attempt == attempt) {
       fresh = true;
       held.erase(it);
     }
     if (s.ok()) ++stats_.results_stored;
   }
-  Wake();
   if (s.ok()) {
     metrics_->ObserveIngestSeconds(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - received).count());
-    if (fresh) ExportResult(*result, info.gpu_name, info.sm);
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - pending.received).count());
+    if (fresh) ExportResult(result, pending.submission.gpu_name, pending.submission.sm);
     v1::CoordinatorMessage ack;
     ack.mutable_ack()->set_trial_id(tid);
-    ack.mutable_ack()->set_attempt(r.attempt());
+    ack.mutable_ack()->set_attempt(attempt);
     conn.Enqueue(std::move(ack));
     return;
   }
@@ -831,19 +907,18 @@ void CoordinatorServer::Impl::OnResult(Conn& conn, const v1::Result& r) {
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
-      return Reject(conn, std::string(s.message()), tid, r.attempt(), s.code());
+      return Reject(conn, std::string(s.message()), tid, attempt, s.code());
     default: {
       // Storage trouble (busy, full): nothing was stored; the agent keeps the result spooled
       // and sends it again after a backoff.
-      Log(absl::StrCat("storing the result of ", tid, " attempt ", r.attempt(),
-                       " failed (the agent ", conn.agent_id,
-                       " keeps it and retries): ", s.message()));
+      Log(absl::StrCat("storing the result of ", tid, " attempt ", attempt, " failed (the agent ",
+                       conn.agent_id, " keeps it and retries): ", s.message()));
       {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.store_errors;
       }
       conn.Enqueue(ErrorMessage(absl::StrCat("could not store the result: ", s.message()), tid,
-                                r.attempt(), /*permanent=*/false, s.code()));
+                                attempt, /*permanent=*/false, s.code()));
     }
   }
 }
@@ -1203,6 +1278,20 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
   absl::StatusOr<std::vector<TrialRecord>> trials =
       ExpandSweep(*spec, 0, options_.max_trials_per_sweep);
   if (!trials.ok()) return rpc::ToGrpcStatus(trials.status());
+  // A preset's identity is known here (a pure function of name, layers, seed and format), so
+  // every result of its trials is filed under it, also those made without an agent. A
+  // checkpoint's needs its files: the agent that runs it says.
+  std::map<std::tuple<std::string, int, uint64_t>, std::string> preset_keys;
+  for (TrialRecord& t : *trials) {
+    if (!absl::StartsWith(t.model, "preset:")) continue;
+    auto [it, fresh] = preset_keys.try_emplace({t.model, t.layers, t.seed});
+    if (fresh) {
+      if (absl::StatusOr<ModelIdentity> id = DescribeModel(t.model, {t.layers, t.seed, false});
+          id.ok())
+        it->second = ModelIdentityKey(*id);
+    }
+    t.model_key = it->second;
+  }
   absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweepRecord(*spec), *trials);
   if (!id.ok()) return rpc::ToGrpcStatus(id.status());
   resp->set_sweep_id(*id);
@@ -1231,13 +1320,8 @@ void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_coun
   }
   out->set_trials_running(running);
   if (!with_counts) return;
-  ResultQuery q;
-  q.sweep_id = s.id;
-  q.limit = static_cast<int>(std::clamp<int64_t>(s.trials_total * 2 + 16, 16, 1'000'000));
-  if (auto rows = store_->QueryResults(q); rows.ok()) {
-    auto& counts = *out->mutable_status_counts();
-    for (const StoredResult& r : *rows) ++counts[std::string(TrialStatusName(r.result.status))];
-  }
+  if (auto counts = store_->CountResults(s.id); counts.ok())
+    for (const auto& [status, n] : *counts) (*out->mutable_status_counts())[status] = n;
 }
 
 grpc::Status CoordinatorServer::Impl::GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp) {
@@ -1310,12 +1394,31 @@ grpc::Status CoordinatorServer::Impl::ListAgents(v1::ListAgentsResponse* resp) {
   return grpc::Status::OK;
 }
 
+namespace {
+
+void FillRow(const StoredResult& r, std::string json, v1::ResultRow* row) {
+  row->set_sweep_id(r.sweep_id);
+  row->set_agent_id(r.agent_id);
+  row->set_gpu_name(r.gpu_name);
+  row->set_sm(r.sm);
+  row->set_result_json(std::move(json));
+  if (r.model_key) row->set_model_key(*r.model_key);
+  if (r.workload) row->set_workload(*r.workload);
+  if (r.engine_version) row->set_engine_version(*r.engine_version);
+  if (r.software) row->set_software(*r.software);
+}
+
+}  // namespace
+
 grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest& req,
                                                    v1::QueryResultsResponse* resp) {
   ResultQuery q;
   if (req.has_sm()) q.sm = req.sm();
   if (req.has_gpu_name()) q.gpu_name = req.gpu_name();
   if (req.has_model()) q.model = req.model();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
   if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
   if (req.has_status()) {
     std::optional<TrialStatus> st = TrialStatusFromName(req.status());
@@ -1332,43 +1435,84 @@ grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest
     return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
                      absl::StrCat("limit must be >= 0, got ", req.limit()));
   q.limit = req.limit() == 0 ? 1000 : std::min(req.limit(), kMaxQueryRows);
-  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  // The stored JSON goes out as it is: the client parses it (the store's parse and a second
+  // serialisation here would be most of a query's time).
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResultRows(q);
   if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
   size_t bytes = 0;
-  for (const StoredResult& r : *rows) {
-    std::string json = ToJson(r.result).dump();
-    bytes += json.size() + r.agent_id.size() + r.gpu_name.size() + 32;
+  for (StoredResult& r : *rows) {
+    bytes += r.result_json.size() + r.agent_id.size() + r.gpu_name.size() + 256;
     if (bytes > kMaxResultPageBytes) {
       resp->set_truncated(true);
       break;
     }
-    v1::ResultRow* row = resp->add_rows();
-    row->set_sweep_id(r.sweep_id);
-    row->set_agent_id(r.agent_id);
-    row->set_gpu_name(r.gpu_name);
-    row->set_sm(r.sm);
-    row->set_result_json(std::move(json));
+    FillRow(r, std::move(r.result_json), resp->add_rows());
   }
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestResponse* resp) {
-  if (req.model().empty())
-    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, "best: model is required");
-  const std::string metric = req.metric().empty() ? "output_tok_s" : req.metric();
-  const int batch = req.batch() == 0 ? 1 : req.batch();
-  absl::StatusOr<std::optional<StoredResult>> best =
-      store_->Best(req.model(), req.sm(), metric, batch);
+  BestQuery q;
+  q.model = req.model();
+  if (req.has_sweep_id()) {
+    q.sweep_id = req.sweep_id();
+    absl::StatusOr<SweepRecord> sweep = store_->GetSweep(req.sweep_id());
+    if (!sweep.ok()) return rpc::ToGrpcStatus(sweep.status());
+    if (q.model.empty()) q.model = sweep->model;
+  }
+  if (q.model.empty())
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, "best: model (or sweep_id) is required");
+  q.sm = req.sm();
+  q.metric = req.metric().empty() ? "output_tok_s" : req.metric();
+  q.batch = req.batch() == 0 ? 1 : req.batch();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
+  absl::StatusOr<BestAnswer> best = store_->Best(q);
   if (!best.ok()) return rpc::ToGrpcStatus(best.status());
-  if (!*best) return grpc::Status::OK;
-  const StoredResult& r = **best;
+  resp->set_model(q.model);
+  for (const ResultGroup& g : best->groups) {
+    v1::ResultGroup* out = resp->add_groups();
+    out->set_model_key(g.model_key);
+    out->set_workload(g.workload);
+    out->set_ok_results(g.ok_results);
+    out->set_first_sweep(g.first_sweep);
+    out->set_last_sweep(g.last_sweep);
+    out->set_last_finished_unix_ms(g.last_finished_unix_ms);
+  }
+  if (!best->best) return grpc::Status::OK;
   resp->set_found(true);
-  v1::ResultRow* row = resp->mutable_row();
-  row->set_sweep_id(r.sweep_id);
-  row->set_agent_id(r.agent_id);
-  row->set_gpu_name(r.gpu_name);
-  row->set_sm(r.sm);
-  row->set_result_json(ToJson(r.result).dump());
+  FillRow(*best->best, std::move(best->best->result_json), resp->mutable_row());
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::Regressions(const v1::RegressionsRequest& req,
+                                                  v1::RegressionsResponse* resp) {
+  RegressionQuery q;
+  if (!req.metric().empty()) q.metric = req.metric();
+  if (req.has_model()) q.model = req.model();
+  if (req.has_sm()) q.sm = req.sm();
+  if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
+  if (req.window() != 0) q.options.window = req.window();
+  if (req.min_history() != 0) q.options.min_history = req.min_history();
+  if (!req.test().empty()) {
+    absl::StatusOr<RegressionTest> test = ParseRegressionTest(req.test());
+    if (!test.ok()) return rpc::ToGrpcStatus(test.status());
+    q.options.test = *test;
+  }
+  if (req.z_threshold() != 0) q.options.z_threshold = req.z_threshold();
+  if (req.iqr_k() != 0) q.options.iqr_k = req.iqr_k();
+  if (req.has_min_change()) q.options.min_change = req.min_change();
+  if (req.limit() < 0)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("limit must be >= 0, got ", req.limit()));
+  if (req.limit() != 0) q.limit = req.limit();
+  absl::StatusOr<std::vector<RegressionRow>> rows = FindRegressions(*store_, q);
+  if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
+  for (const RegressionRow& r : *rows) *resp->add_series() = ToProto(r);
   return grpc::Status::OK;
 }
 

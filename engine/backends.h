@@ -22,6 +22,12 @@ struct LocalDevices {
   std::string gpu_name;
   int64_t gpu_memory_bytes = 0;
   std::string gpu_pci_bus_id;  // of CUDA device 0, e.g. "0000:3b:00.0" (finds it in NVML)
+  // The libraries this build runs on, as they report their versions ("13.0", "13.0.0"); empty
+  // without CUDA. The NVIDIA driver's own version comes from NVML (harness/gpu_sampler.h).
+  std::string cuda_driver_version;  // the CUDA version the driver supports
+  std::string cuda_runtime_version;
+  std::string cublas_version;
+  std::string cublaslt_version;
 };
 LocalDevices ProbeLocalDevices();
 

@@ -207,6 +207,32 @@ std::string ForCanonical(const std::string& disk, const std::string& canonical) 
 
 }  // namespace
 
+std::string Checkpoint::Fingerprint() const {
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a 64: offset basis, then the prime per byte
+  auto mix = [&hash](std::string_view bytes) {
+    for (unsigned char c : bytes) {
+      hash ^= c;
+      hash *= 0x100000001b3ull;
+    }
+    hash ^= 0xff;  // a separator, so that ("ab", "c") and ("a", "bc") differ
+    hash *= 0x100000001b3ull;
+  };
+  absl::StatusOr<std::string> config_text = ReadTextFile(JoinPath(dir_, "config.json"));
+  mix(config_text.ok() ? *config_text : std::string());
+  std::vector<const SafetensorsFile*> files;
+  for (const auto& f : files_) files.push_back(f.get());
+  std::sort(files.begin(), files.end(), [](const SafetensorsFile* a, const SafetensorsFile* b) {
+    return Basename(a->path()) < Basename(b->path());
+  });
+  for (const SafetensorsFile* f : files) {
+    mix(Basename(f->path()));
+    mix(f->HeaderBytes());
+  }
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(hash));
+  return text;
+}
+
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();

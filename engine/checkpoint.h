@@ -37,6 +37,11 @@ class Checkpoint {
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
   const QuantScheme& quant_scheme() const { return quant_; }
+  // A content fingerprint, 16 hex digits: FNV-1a 64 over config.json and every safetensors
+  // file's name and header, in name order. It changes when the architecture, a tensor's name,
+  // dtype, shape or layout changes, without reading the weights (a file with the same header
+  // and other bytes keeps it: it is an identity of the layout, not a checksum of the data).
+  std::string Fingerprint() const;
 
   // The format the declaration gives a quantizable linear (a dense spec), under any of its
   // on-disk module names; kNone when the checkpoint is dense or the module is excluded.

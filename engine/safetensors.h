@@ -74,6 +74,11 @@ class SafetensorsFile {
   const std::string& path() const { return file_->path(); }
   // nullptr when the file has no tensor of that name.
   const SafetensorsEntry* Find(std::string_view name) const;
+  // The file's header as stored: the 8-byte length and the JSON text (the checkpoint's
+  // fingerprint hashes it: names, dtypes, shapes and offsets, without reading any tensor).
+  std::string_view HeaderBytes() const {
+    return {reinterpret_cast<const char*>(file_->data()), header_.data_offset};
+  }
   // Start of the tensor's bytes inside the map (validated at Open).
   const uint8_t* Data(const SafetensorsEntry& entry) const {
     return file_->data() + header_.data_offset + entry.data_begin;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <optional>
 
 #include "absl/strings/match.h"
@@ -330,6 +331,60 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
   // seed: devices must copy them rather than generate weights in place.
   model.is_synthetic = false;
   return absl::OkStatus();
+}
+
+absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model_arg,
+                                            const LoadOptions& options) {
+  auto description = ParseModelDescription(model_arg);
+  if (!description.ok()) return description.status();
+  const QuantFormat quantize =
+      options.quantize != QuantFormat::kNone ? options.quantize : description->quantize;
+  const std::string& path = description->model;
+  ModelIdentity id;
+  if (absl::StartsWith(path, "preset:")) {
+    auto config = PresetConfig(path.substr(7), options.num_layers_override);
+    if (!config.ok()) return config.status();
+    id.source = "preset";
+    id.name = path.substr(7);
+    id.layers = config->num_layers;
+    id.seed = options.seed;
+    id.weights = quantize != QuantFormat::kNone ? QuantFormatName(quantize) : "bf16";
+    return id;
+  }
+  auto checkpoint = Checkpoint::Open(path);
+  if (!checkpoint.ok()) return checkpoint.status();
+  const Checkpoint& ckpt = **checkpoint;
+  std::error_code ec;
+  const std::filesystem::path absolute = std::filesystem::weakly_canonical(path, ec);
+  id.source = "checkpoint";
+  id.name = ec ? path : absolute.string();
+  id.layers = ckpt.config().num_layers;
+  id.fingerprint = ckpt.Fingerprint();
+  if (quantize != QuantFormat::kNone) {
+    id.weights = QuantFormatName(quantize);
+    return id;
+  }
+  // The declared format of the linears, else the stored dtype of the first tensor in the table
+  // (WeightFormat's reading, after loading).
+  for (const TensorSpec& spec : ModelTensorSpecs(ckpt.config())) {
+    if (const QuantFormat f = ckpt.LinearFormat(spec); f != QuantFormat::kNone) {
+      id.weights = QuantFormatName(f);
+      return id;
+    }
+  }
+  auto first = ckpt.Resolve({ModelTensorSpecs(ckpt.config()).front()});
+  if (!first.ok()) return first.status();
+  switch ((*first)[0].dtype) {
+    case DType::kF16:
+      id.weights = "f16";
+      break;
+    case DType::kF32:
+      id.weights = "f32";
+      break;
+    default:
+      id.weights = "bf16";
+  }
+  return id;
 }
 
 absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& model_arg,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/identity.h"
 #include "engine/checkpoint.h"
 #include "engine/model_config.h"
 #include "engine/tensor_ref.h"
@@ -106,6 +107,13 @@ absl::StatusOr<std::string> WithQuantization(const std::string& model, const std
 // The weight format preflight judges by, known without loading weights: a "@<format>" suffix, a
 // checkpoint's quantization declaration, "bf16" for presets; "" when it takes loading to know.
 std::string DeclaredWeightFormat(const std::string& model);
+
+// The identity of a model description's weights (core/identity.h), known without loading them:
+// a preset's layers, seed and format; a checkpoint's absolute folder, layers, format (the
+// quantization it declares or is given, else the stored dtype) and fingerprint, from its
+// config.json and safetensors headers. Errors as LoadHostModel's for a model it cannot open.
+absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model,
+                                            const LoadOptions& options = {});
 
 // `model` is a model description (above).
 absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& model,

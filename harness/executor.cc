@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/quant/layout.h"
@@ -28,10 +29,32 @@ int64_t PeakRssBytes() {
 
 }  // namespace
 
-std::string EngineVersion() { return "infersweep-0.1.0"; }
-
 TrialExecutor::TrialExecutor(LocalDevices devices, EvalSpec eval)
-    : devices_(std::move(devices)), eval_(eval) {}
+    : devices_(std::move(devices)), eval_(eval) {
+  software_.cuda_driver = devices_.cuda_driver_version;
+  software_.cuda_runtime = devices_.cuda_runtime_version;
+  software_.cublas = devices_.cublas_version;
+  software_.cublaslt = devices_.cublaslt_version;
+  if (devices_.gpu_count > 0) software_.driver = NvidiaDriverVersion();
+}
+
+ModelIdentity TrialExecutor::Identity(const TrialRequest& request) {
+  const std::string key = ModelKey(request);
+  if (auto it = identities_.find(key); it != identities_.end()) return it->second;
+  absl::StatusOr<ModelIdentity> described =
+      DescribeModel(request.model, {request.layers, request.seed, false});
+  if (!described.ok()) {
+    // The load fails too and says why; the result carries what the request names.
+    ModelIdentity partial;
+    const bool preset = absl::StartsWith(request.model, "preset:");
+    partial.source = preset ? "preset" : "checkpoint";
+    partial.name = preset ? request.model.substr(7) : request.model;
+    partial.layers = request.layers;
+    partial.seed = preset ? request.seed : 0;
+    return partial;
+  }
+  return identities_[key] = *described;
+}
 
 std::string TrialExecutor::ModelKey(const TrialRequest& r) {
   return absl::StrCat(r.model, "|", r.layers, "|", r.seed);
@@ -77,6 +100,8 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   result.started_unix_ms = NowUnixMs();
   result.device = devices_.gpu_count > 0 ? devices_.gpu_name : "cpu";
   result.sm = devices_.sm;
+  result.workload = WorkloadKey(request.workload);
+  result.model_identity = Identity(request);
   std::optional<int64_t> peak_device_bytes;  // GPU configs, once a model exists
   auto finish = [&](TrialStatus status, std::string reason) {
     result.status = status;
@@ -92,7 +117,11 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   auto config = NormalizeBackendConfig(request.config);
   if (!config.ok()) return finish(TrialStatus::kError, std::string(config.status().message()));
   result.config = *config;
-  if (ConfigDevice(*config) == "cpu") result.device = "cpu";
+  if (ConfigDevice(*config) == "cpu") {
+    result.device = "cpu";
+  } else {
+    result.software = software_;
+  }
   auto fault = ParseFaultInjection(request.inject_fault);
   if (!fault.ok()) return finish(TrialStatus::kError, std::string(fault.status().message()));
   if (auto s = ValidateWorkload(request.workload); !s.ok())

@@ -33,6 +33,8 @@ class TrialExecutor {
 
  private:
   absl::Status EnsureModel(const TrialRequest& request);
+  // The model's identity (DescribeModel), cached per ModelKey.
+  ModelIdentity Identity(const TrialRequest& request);
   absl::StatusOr<const EvalOutputs*> Reference(const BackendConfig& reference_config);
   // The reference's picks on a test config's free runs (ReferencePicksOnFreeRuns).
   absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicks(
@@ -44,6 +46,8 @@ class TrialExecutor {
   std::unique_ptr<HostModel> host_;
   std::map<std::string, EvalOutputs> reference_cache_;  // by reference config string
   std::unique_ptr<GpuEnergyMeter> energy_meter_;         // opened by the first GPU trial
+  std::map<std::string, ModelIdentity> identities_;      // by ModelKey
+  SoftwareStack software_;                               // what GPU trials run on
 };
 
 }  // namespace infersweep

@@ -22,6 +22,7 @@ struct Memory {  // nvmlMemory_t
 };
 constexpr int kTemperatureGpu = 0;     // NVML_TEMPERATURE_GPU
 constexpr unsigned kNameBufferSize = 96;  // NVML_DEVICE_NAME_V2_BUFFER_SIZE
+constexpr unsigned kSystemDriverVersionBufferSize = 80;  // NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
 }  // namespace nvml
 
 // libnvidia-ml.so.1 through dlopen: only the functions below, resolved once, initialised for the
@@ -52,6 +53,8 @@ class NvmlLibrary {
   nvml::Return (*get_util)(nvml::Device, nvml::Utilization*) = nullptr;
   nvml::Return (*get_memory)(nvml::Device, nvml::Memory*) = nullptr;
   nvml::Return (*get_temp)(nvml::Device, int, unsigned int*) = nullptr;
+  // Optional: resolved when present, not required to open.
+  nvml::Return (*get_driver_version)(char*, unsigned int) = nullptr;
 
  private:
   explicit NvmlLibrary(void* handle) : handle_(handle) {}
@@ -61,6 +64,7 @@ class NvmlLibrary {
     return fn != nullptr;
   }
   bool Resolve() {
+    Load(get_driver_version, "nvmlSystemGetDriverVersion");
     return Load(init, "nvmlInit_v2") && Load(shutdown, "nvmlShutdown") &&
            Load(get_count, "nvmlDeviceGetCount_v2") &&
            Load(get_handle, "nvmlDeviceGetHandleByIndex_v2") &&
@@ -75,6 +79,18 @@ class NvmlLibrary {
   void* handle_;
   bool initialised_ = false;
 };
+
+}  // namespace
+
+std::string NvidiaDriverVersion() {
+  std::unique_ptr<NvmlLibrary> lib = NvmlLibrary::Open();
+  if (!lib || lib->get_driver_version == nullptr) return "";
+  char version[nvml::kSystemDriverVersionBufferSize] = {};
+  if (lib->get_driver_version(version, sizeof(version)) != nvml::kSuccess) return "";
+  return version;
+}
+
+namespace {
 
 class NoGpuSampler final : public GpuSampler {
  public:

@@ -45,6 +45,9 @@ class GpuEnergyMeter {
   virtual std::optional<double> ReadJoules() = 0;
 };
 
+// The NVIDIA driver's version ("580.65.06"); "" without NVML.
+std::string NvidiaDriverVersion();
+
 // Null when NVML is missing or the device has no energy counter (pre-Volta).
 std::unique_ptr<GpuEnergyMeter> OpenGpuEnergyMeter(const std::string& pci_bus_id);
 

@@ -112,8 +112,14 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   result.config = request.config;
   result.started_unix_ms = NowUnixMs();
   result.engine_version = EngineVersion();
+  result.workload = WorkloadKey(request.workload);
   auto fail = [&](TrialStatus status, std::string reason) {
     running_pid_ = -1;
+    // What the request names; the worker did not say (it died, hung or never ran).
+    if (absl::StatusOr<ModelIdentity> id =
+            DescribeModel(request.model, {request.layers, request.seed, false});
+        id.ok())
+      result.model_identity = *std::move(id);
     if (cancel_requested_ && reason.rfind("cancelled", 0) != 0) {  // the death was the cancel
       status = TrialStatus::kError;
       reason = "cancelled while running; worker killed";

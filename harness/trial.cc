@@ -121,6 +121,16 @@ absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
   return w;
 }
 
+std::string WorkloadKey(const Workload& w) {
+  return absl::StrCat("prompt=", w.prompt_len, ",output=", w.output_len, ",warmup=", w.warmup);
+}
+
+absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text) {
+  absl::StatusOr<Workload> w = ParseWorkload(text);
+  if (!w.ok()) return w.status();
+  return WorkloadKey(*w);
+}
+
 json ToJson(const Workload& w) {
   return {{"prompt_len", w.prompt_len}, {"output_len", w.output_len},
           {"batch_sizes", w.batch_sizes}, {"repeats", w.repeats},
@@ -198,6 +208,23 @@ json ToJson(const TrialResult& r) {
           {"device", r.device},
           {"sm", r.sm},
           {"engine_version", r.engine_version},
+          {"model_identity",
+           {{"source", r.model_identity.source},
+            {"name", r.model_identity.name},
+            {"layers", r.model_identity.layers},
+            {"seed", r.model_identity.seed},
+            {"weights", r.model_identity.weights},
+            {"fingerprint", r.model_identity.fingerprint},
+            {"key", ModelIdentityKey(r.model_identity)}}},
+          {"workload", r.workload},
+          {"software",
+           {{"driver", r.software.driver},
+            {"cuda_driver", r.software.cuda_driver},
+            {"cuda_runtime", r.software.cuda_runtime},
+            {"cublas", r.software.cublas},
+            {"cublaslt", r.software.cublaslt},
+            {"nccl", r.software.nccl},
+            {"cudnn", r.software.cudnn}}},
           {"load_seconds", r.load_seconds},
           {"graph_capture_seconds", r.graph_capture_seconds},
           {"peak_memory_bytes", r.peak_memory_bytes},
@@ -236,6 +263,33 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
   RETURN_IF_ERROR(Read(j, "device", &r.device, "result"));
   RETURN_IF_ERROR(Read(j, "sm", &r.sm, "result"));
   RETURN_IF_ERROR(Read(j, "engine_version", &r.engine_version, "result"));
+  // Results stored before identities existed have none of these three.
+  if (auto it = j.find("model_identity"); it != j.end() && !it->is_null()) {
+    ModelIdentity& m = r.model_identity;
+    const char* w = "result.model_identity";
+    RETURN_IF_ERROR(Read(*it, "source", &m.source, w));
+    RETURN_IF_ERROR(Read(*it, "name", &m.name, w));
+    RETURN_IF_ERROR(Read(*it, "layers", &m.layers, w));
+    RETURN_IF_ERROR(Read(*it, "seed", &m.seed, w));
+    RETURN_IF_ERROR(Read(*it, "weights", &m.weights, w));
+    RETURN_IF_ERROR(Read(*it, "fingerprint", &m.fingerprint, w));
+    if (!m.source.empty() && m.source != "preset" && m.source != "checkpoint")
+      return absl::InvalidArgumentError(
+          absl::StrCat(w, ".source: unknown '", m.source, "' (known: preset, checkpoint)"));
+    if (m.layers < 0) return absl::InvalidArgumentError(absl::StrCat(w, ".layers: negative"));
+  }
+  RETURN_IF_ERROR(Read(j, "workload", &r.workload, "result"));
+  if (auto it = j.find("software"); it != j.end() && !it->is_null()) {
+    SoftwareStack& s = r.software;
+    const char* w = "result.software";
+    RETURN_IF_ERROR(Read(*it, "driver", &s.driver, w));
+    RETURN_IF_ERROR(Read(*it, "cuda_driver", &s.cuda_driver, w));
+    RETURN_IF_ERROR(Read(*it, "cuda_runtime", &s.cuda_runtime, w));
+    RETURN_IF_ERROR(Read(*it, "cublas", &s.cublas, w));
+    RETURN_IF_ERROR(Read(*it, "cublaslt", &s.cublaslt, w));
+    RETURN_IF_ERROR(Read(*it, "nccl", &s.nccl, w));
+    RETURN_IF_ERROR(Read(*it, "cudnn", &s.cudnn, w));
+  }
   RETURN_IF_ERROR(Read(j, "load_seconds", &r.load_seconds, "result"));
   RETURN_IF_ERROR(Read(j, "graph_capture_seconds", &r.graph_capture_seconds, "result"));
   RETURN_IF_ERROR(Read(j, "peak_memory_bytes", &r.peak_memory_bytes, "result"));

@@ -4,14 +4,14 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "absl/status/statusor.h"
+#include "core/identity.h"
 #include "engine/backend_config.h"
 
 namespace infersweep {
@@ -34,6 +34,14 @@ struct Workload {
 absl::Status ValidateWorkload(const Workload& w);
 // "prompt=128,output=32,batch=1:8:64,repeats=3,warmup=1,timeout=600" (every key optional).
 absl::StatusOr<Workload> ParseWorkload(std::string_view text);
+
+// The workload's part of a result's identity: what changes its figures (the prompt and output
+// lengths, and whether a warm-up ran), not the procedure (repeats, timeout) or the batch list
+// (each figure is keyed by its own batch): "prompt=128,output=32,warmup=1".
+std::string WorkloadKey(const Workload& w);
+// The same text back into its fields, for validating --workload arguments; also takes a
+// ParseWorkload string and keeps only the key's fields.
+absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text);
 
 struct TrialRequest {
   std::string trial_id;
@@ -115,7 +123,12 @@ struct TrialResult {
   BackendConfig config;
   std::string device;       // "cpu" or the GPU's name
   int sm = 0;
-  std::string engine_version;
+  std::string engine_version;  // the build: "infersweep <git describe>"
+  // Identity (docs/RESULTS.md "Identity"): with model, config, device and sm, what the figures
+  // depend on. Results made without loading the model carry what the request says.
+  ModelIdentity model_identity;
+  std::string workload;  // WorkloadKey of the trial's workload
+  SoftwareStack software;
   double load_seconds = 0;
   double graph_capture_seconds = 0;
   // GPU configs: device memory in use at its highest reading (total - free, after each repeat);

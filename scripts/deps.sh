@@ -8,6 +8,7 @@ packages=(
   libsqlite3-dev sqlite3
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev prometheus
+  zlib1g-dev
   python3 python3-yaml curl openssl
 )
 missing=()

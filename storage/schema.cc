@@ -12,7 +12,9 @@ namespace infersweep {
 // Columns every query returning a StoredResult selects, in this order.
 // (Kept in sync with kResultCols in store.cc.)
 namespace {
-constexpr char kResultCols[] = "sweep_id, agent_id, gpu_name, sm, result_json, result_id";
+constexpr char kResultCols[] =
+    "sweep_id, agent_id, gpu_name, sm, result_json, result_id, result_blob, model_key, workload, "
+    "engine_version, software";
 }  // namespace
 
 const std::vector<Migration>& Migrations() {
@@ -129,6 +131,107 @@ FROM results AS r, json_each(r.result_json, '$.batches') AS b
 WHERE json_valid(r.result_json) AND json_extract(b.value, '$.batch') IS NOT NULL
 ORDER BY r.result_id, b.key;
 )sql"},
+      {"results keyed by identity: model_key, workload, engine version, software stack; "
+       "interned configs (configs, config_axes) instead of result_axes; compressed result JSON; "
+       "result_batches and result_groups by identity",
+       R"sql(
+-- Each distinct config once; a result points at it. An axis filter is a lookup in config_axes
+-- (a few thousand rows) instead of one result_axes row per axis per result.
+CREATE TABLE configs (
+  config_id      INTEGER PRIMARY KEY,
+  config_string  TEXT    NOT NULL UNIQUE
+);
+CREATE TABLE config_axes (
+  axis       TEXT    NOT NULL,
+  value      TEXT    NOT NULL,
+  config_id  INTEGER NOT NULL REFERENCES configs(config_id),
+  PRIMARY KEY (axis, value, config_id)
+) WITHOUT ROWID;
+INSERT INTO configs (config_string) SELECT DISTINCT config_string FROM results ORDER BY 1;
+INSERT OR IGNORE INTO config_axes (axis, value, config_id)
+  SELECT a.axis, a.value, c.config_id
+  FROM result_axes AS a JOIN results AS r USING (result_id)
+       JOIN configs AS c ON c.config_string = r.config_string;
+
+-- What a preset trial's model identity is, where the trial names its layers (a layer count of 0
+-- means the preset's own, which SQL cannot look up: those stay unknown).
+ALTER TABLE trials ADD COLUMN model_key TEXT;  -- ModelIdentityKey; NULL: unknown
+UPDATE trials SET model_key =
+  'preset:' || CASE WHEN instr(model, '@') > 0 THEN substr(model, 8, instr(model, '@') - 8)
+                    ELSE substr(model, 8) END ||
+  ' layers=' || layers || ' seed=' || seed || ' weights=' ||
+  CASE WHEN instr(model, '@') > 0 THEN substr(model, instr(model, '@') + 1) ELSE 'bf16' END
+WHERE model LIKE 'preset:%' AND layers > 0 AND seed >= 0;
+
+ALTER TABLE results ADD COLUMN config_id INTEGER REFERENCES configs(config_id);
+ALTER TABLE results ADD COLUMN model_key TEXT;       -- ModelIdentityKey; NULL: unknown
+ALTER TABLE results ADD COLUMN model_layers INTEGER; -- NULL: unknown
+ALTER TABLE results ADD COLUMN workload TEXT;        -- WorkloadKey; NULL: unknown
+ALTER TABLE results ADD COLUMN engine_version TEXT;  -- NULL: unknown
+ALTER TABLE results ADD COLUMN software TEXT;        -- SoftwareStackKey ('' on the CPU); NULL: unknown
+ALTER TABLE results ADD COLUMN result_blob BLOB;     -- CompressResultJson; result_json is '' then
+UPDATE results SET
+  config_id = (SELECT config_id FROM configs AS c WHERE c.config_string = results.config_string),
+  model_key = (SELECT model_key FROM trials AS t WHERE t.trial_id = results.trial_id),
+  model_layers = (SELECT CASE WHEN t.model_key IS NOT NULL THEN t.layers END
+                  FROM trials AS t WHERE t.trial_id = results.trial_id),
+  workload = (SELECT 'prompt=' || COALESCE(json_extract(t.workload_json, '$.prompt_len'), 128) ||
+                     ',output=' || COALESCE(json_extract(t.workload_json, '$.output_len'), 32) ||
+                     ',warmup=' || COALESCE(json_extract(t.workload_json, '$.warmup'), 1)
+              FROM trials AS t WHERE t.trial_id = results.trial_id AND json_valid(t.workload_json)),
+  engine_version = CASE WHEN json_valid(result_json)
+                        THEN json_extract(result_json, '$.engine_version') END;
+DROP INDEX results_best;  -- result_batches ranks every metric at every batch
+DROP TABLE result_axes;
+CREATE INDEX results_config ON results(config_id, finished_ms);
+
+-- One row per measured batch size, clustered by what Best filters on: (model, sm, batch) and
+-- then the identity, so one group's rows are one key range.
+CREATE TABLE result_batches_v4 (
+  model          TEXT    NOT NULL,
+  sm             INTEGER NOT NULL,
+  batch          INTEGER NOT NULL,
+  model_key      TEXT    NOT NULL,   -- '' when unknown
+  workload       TEXT    NOT NULL,   -- '' when unknown
+  result_id      INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
+  sweep_id       INTEGER NOT NULL,
+  ok             INTEGER NOT NULL,   -- status = 'OK'
+  output_tok_s   REAL,               -- medians over repeats; NULL when not measured
+  ttft_ms        REAL,
+  tpot_ms        REAL,
+  prefill_tok_s  REAL,
+  PRIMARY KEY (model, sm, batch, model_key, workload, result_id)
+) WITHOUT ROWID;
+INSERT INTO result_batches_v4
+  SELECT b.model, b.sm, b.batch, COALESCE(r.model_key, ''), COALESCE(r.workload, ''),
+         b.result_id, r.sweep_id, b.ok, b.output_tok_s, b.ttft_ms, b.tpot_ms, b.prefill_tok_s
+  FROM result_batches AS b JOIN results AS r USING (result_id);
+DROP TABLE result_batches;
+ALTER TABLE result_batches_v4 RENAME TO result_batches;
+CREATE INDEX result_batches_best
+  ON result_batches(model, sm, batch, model_key, workload, ok, output_tok_s);
+
+-- The (model identity, workload) groups with OK figures per (model, sm, batch): what Best
+-- chooses between, kept as results arrive.
+CREATE TABLE result_groups (
+  model             TEXT    NOT NULL,
+  sm                INTEGER NOT NULL,
+  batch             INTEGER NOT NULL,
+  model_key         TEXT    NOT NULL,
+  workload          TEXT    NOT NULL,
+  ok_results        INTEGER NOT NULL,
+  first_sweep       INTEGER NOT NULL,
+  last_sweep        INTEGER NOT NULL,
+  last_finished_ms  INTEGER NOT NULL,
+  PRIMARY KEY (model, sm, batch, model_key, workload)
+) WITHOUT ROWID;
+INSERT INTO result_groups
+  SELECT b.model, b.sm, b.batch, b.model_key, b.workload, COUNT(*), MIN(b.sweep_id),
+         MAX(b.sweep_id), MAX(r.finished_ms)
+  FROM result_batches AS b JOIN results AS r USING (result_id)
+  WHERE b.ok = 1
+  GROUP BY b.model, b.sm, b.batch, b.model_key, b.workload;
+)sql"},
   };
   return migrations;
 }
@@ -220,20 +323,14 @@ absl::Status Migrate(sqlite3* db) {
   return absl::OkStatus();
 }
 
-std::string BestByColumnSql(absl::string_view column, bool higher_is_better) {
-  const char* dir = higher_is_better ? "DESC" : "ASC";
-  return absl::StrCat("SELECT ", kResultCols,
-                      " FROM results WHERE model = ? AND sm = ? AND status = 'OK' AND ", column,
-                      " IS NOT NULL ORDER BY ", column, " ", dir, ", result_id DESC LIMIT 1");
-}
-
-std::string BestByBatchSql(absl::string_view column, bool higher_is_better) {
+std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep) {
   const char* dir = higher_is_better ? "DESC" : "ASC";
   return absl::StrCat("SELECT ", kResultCols,
                       " FROM results WHERE result_id = (SELECT result_id FROM result_batches"
-                      " WHERE model = ? AND sm = ? AND batch = ? AND ok = 1 AND ",
-                      column, " IS NOT NULL ORDER BY ", column, " ", dir,
-                      ", result_id DESC LIMIT 1)");
+                      " WHERE model = ? AND sm = ? AND batch = ? AND model_key = ? AND "
+                      "workload = ? AND ok = 1 AND ",
+                      in_sweep ? "sweep_id = ? AND " : "", column, " IS NOT NULL ORDER BY ", column,
+                      " ", dir, ", result_id DESC LIMIT 1)");
 }
 
 }  // namespace infersweep

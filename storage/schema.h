@@ -42,13 +42,10 @@ absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation);
 // Runs statements without results or bound values (schema text, BEGIN/COMMIT); errors as above.
 absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation);
 
-// The text of the hot queries, so tests can check their plans with EXPLAIN QUERY PLAN.
-// Best() on a metric with a dedicated batch-1 column: binds (model, sm); `column` and `order`
-// come from a fixed table in store.cc, never from callers.
-std::string BestByColumnSql(absl::string_view column, bool higher_is_better);
-// Best() on any metric at any batch through result_batches (index result_batches_best on
-// model, sm, batch, ok, output_tok_s): binds (model, sm, batch); `column` is a result_batches
-// metric column.
-std::string BestByBatchSql(absl::string_view column, bool higher_is_better);
+// The text of the hot query, so tests can check its plan with EXPLAIN QUERY PLAN: the best
+// result by a result_batches metric `column` (from a fixed table in store.cc, never from
+// callers) within one (model, sm, batch, model_key, workload) group, optionally one sweep's.
+// Binds (model, sm, batch, model_key, workload[, sweep_id]).
+std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep);
 
 }  // namespace infersweep

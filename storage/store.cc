@@ -8,6 +8,8 @@
 #include <sqlite3.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -15,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "storage/codec.h"
 #include "storage/schema.h"
 
 namespace infersweep {
@@ -85,6 +88,11 @@ class Stmt {
   Stmt& Bind(const char* v) { return Bind(absl::string_view(v)); }
   Stmt& BindNull() { return Check(sqlite3_bind_null(stmt_, ++next_)); }
   Stmt& Bind(const std::optional<double>& v) { return v ? Bind(*v) : BindNull(); }
+  Stmt& Bind(const std::optional<std::string>& v) { return v ? Bind(*v) : BindNull(); }
+  Stmt& Bind(const std::optional<int64_t>& v) { return v ? Bind(*v) : BindNull(); }
+  Stmt& BindBlob(std::string_view v) {
+    return Check(sqlite3_bind_blob64(stmt_, ++next_, v.data(), v.size(), SQLITE_TRANSIENT));
+  }
 
   // true: a row is ready; false: done.
   absl::StatusOr<bool> Step() {
@@ -105,6 +113,11 @@ class Stmt {
 
   bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
   int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  std::string_view Blob(int col) const {
+    const void* p = sqlite3_column_blob(stmt_, col);
+    if (p == nullptr) return {};
+    return {static_cast<const char*>(p), static_cast<size_t>(sqlite3_column_bytes(stmt_, col))};
+  }
   std::string Text(int col) const {
     const unsigned char* p = sqlite3_column_text(stmt_, col);
     if (p == nullptr) return {};
@@ -164,6 +177,13 @@ absl::StatusOr<json> ParseStoredJson(const std::string& text, absl::string_view 
   return j;
 }
 
+// The N of " layers=N" in a ModelIdentityKey; 0 when it names none.
+int ModelKeyLayers(const std::string& key) {
+  const size_t at = key.find(" layers=");
+  if (at == std::string::npos) return 0;
+  return std::atoi(key.c_str() + at + 8);
+}
+
 const BatchFigures* FindBatch(const TrialResult& r, int batch) {
   for (const BatchFigures& b : r.batches)
     if (b.batch == batch) return &b;
@@ -172,11 +192,13 @@ const BatchFigures* FindBatch(const TrialResult& r, int batch) {
 
 constexpr char kTrialCols[] =
     "trial_id, sweep_id, model, layers, seed, config_json, workload_json, selector_json, "
-    "priority, state, attempt, leased_to, lease_expires_ms, lease_gpu_name, lease_sm";
+    "priority, state, attempt, leased_to, lease_expires_ms, lease_gpu_name, lease_sm, model_key";
 constexpr char kSweepCols[] =
     "sweep_id, name, spec_yaml, model, priority, state, created_ms, trials_total, trials_done";
 // The same columns as kResultCols in schema.cc, which the Best queries select.
-constexpr char kResultCols[] = "sweep_id, agent_id, gpu_name, sm, result_json, result_id";
+constexpr char kResultCols[] =
+    "sweep_id, agent_id, gpu_name, sm, result_json, result_id, result_blob, model_key, workload, "
+    "engine_version, software";
 
 struct MetricInfo {
   const char* name;
@@ -235,8 +257,8 @@ class SqliteStore final : public Store {
         Stmt insert,
         Prepare("INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_json, "
                 "config_string, workload_json, selector_json, priority, state, attempt, "
-                "leased_to, lease_expires_ms, created_ms) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, NULL, NULL, ?)",
+                "leased_to, lease_expires_ms, created_ms, model_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, NULL, NULL, ?, ?)",
                 absl::StrCat(op, ": inserting a trial")));
     for (size_t i = 0; i < trials.size(); ++i) {
       const TrialRecord& t = trials[i];
@@ -252,6 +274,11 @@ class SqliteStore final : public Store {
           .Bind(static_cast<int64_t>(t.seed)).Bind(json(t.config).dump())
           .Bind(BackendConfigString(t.config)).Bind(ToJson(t.workload).dump())
           .Bind(SelectorJson(t.selector).dump()).Bind(t.priority).Bind(created);
+      if (t.model_key.empty()) {
+        insert.BindNull();
+      } else {
+        insert.Bind(t.model_key);
+      }
       absl::Status s = insert.Run();
       if (absl::IsAlreadyExists(s))
         return absl::AlreadyExistsError(
@@ -476,75 +503,121 @@ class SqliteStore final : public Store {
     return txn.Commit(op);
   }
 
-  absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) override {
+  std::vector<absl::Status> RecordResultsEach(
+      const std::vector<ResultSubmission>& results) override {
     absl::MutexLock lock(&mu_);
-    if (q.limit < 1)
-      return absl::InvalidArgumentError(
-          absl::StrCat("QueryResults: limit must be >= 1, got ", q.limit));
-    std::string sql = absl::StrCat("SELECT ", kResultCols, " FROM results WHERE 1");
-    if (q.sm) absl::StrAppend(&sql, " AND sm = ?");
-    if (q.gpu_name) absl::StrAppend(&sql, " AND gpu_name = ?");
-    if (q.model) absl::StrAppend(&sql, " AND model = ?");
-    if (q.sweep_id) absl::StrAppend(&sql, " AND sweep_id = ?");
-    if (q.status) absl::StrAppend(&sql, " AND status = ?");
-    for (size_t i = 0; i < q.axis_values.size(); ++i)
-      absl::StrAppend(&sql,
-                      " AND EXISTS (SELECT 1 FROM result_axes AS a WHERE a.result_id = "
-                      "results.result_id AND a.axis = ? AND a.value = ?)");
-    if (q.since_unix_ms) absl::StrAppend(&sql, " AND finished_ms >= ?");
-    if (q.until_unix_ms) absl::StrAppend(&sql, " AND finished_ms < ?");
-    absl::StrAppend(&sql, " ORDER BY finished_ms DESC, result_id DESC LIMIT ?");
+    const std::string op = absl::StrCat("recording ", results.size(), " results (group commit)");
+    std::vector<absl::Status> out(results.size());
+    Txn txn(db_);
+    if (absl::Status s = txn.Begin(op); !s.ok()) {
+      std::fill(out.begin(), out.end(), s);
+      return out;
+    }
+    for (size_t i = 0; i < results.size(); ++i) {
+      // A savepoint per result: a refused one (wrong agent, unknown trial) rolls back alone.
+      if (absl::Status s = ExecSql(db_, "SAVEPOINT one_result", op); !s.ok()) {
+        std::fill(out.begin(), out.end(), s);
+        return out;
+      }
+      out[i] = RecordOneLocked(results[i]);
+      const char* end =
+          out[i].ok() ? "RELEASE one_result" : "ROLLBACK TO one_result; RELEASE one_result";
+      if (absl::Status s = ExecSql(db_, end, op); !s.ok()) {
+        std::fill(out.begin(), out.end(), s);
+        return out;
+      }
+    }
+    if (absl::Status s = txn.Commit(op); !s.ok()) std::fill(out.begin(), out.end(), s);
+    return out;
+  }
 
-    STORE_ASSIGN_OR_RETURN(Stmt s, Prepare(sql, "querying results"));
-    if (q.sm) s.Bind(*q.sm);
-    if (q.gpu_name) s.Bind(*q.gpu_name);
-    if (q.model) s.Bind(*q.model);
-    if (q.sweep_id) s.Bind(*q.sweep_id);
-    if (q.status) s.Bind(TrialStatusName(*q.status));
-    for (const auto& [axis, value] : q.axis_values) s.Bind(axis).Bind(value);
-    if (q.since_unix_ms) s.Bind(*q.since_unix_ms);
-    if (q.until_unix_ms) s.Bind(*q.until_unix_ms);
-    s.Bind(q.limit);
-    std::vector<StoredResult> out;
+  absl::StatusOr<std::map<std::string, int64_t>> CountResults(int64_t sweep_id) override {
+    absl::MutexLock lock(&mu_);
+    STORE_ASSIGN_OR_RETURN(
+        Stmt q, Prepare("SELECT status, COUNT(*) FROM results WHERE sweep_id = ? GROUP BY status",
+                        absl::StrCat("counting the results of sweep ", sweep_id)));
+    q.Bind(sweep_id);
+    std::map<std::string, int64_t> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, s.Step());
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
-      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s));
-      out.push_back(std::move(r));
+      out[q.Text(0)] = q.Int(1);
     }
     return out;
   }
 
-  absl::StatusOr<std::optional<StoredResult>> Best(const std::string& model, int sm,
-                                                   const std::string& metric,
-                                                   int batch) override {
+  absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) override {
+    return Query(q, /*parse=*/true);
+  }
+
+  absl::StatusOr<std::vector<StoredResult>> QueryResultRows(const ResultQuery& q) override {
+    return Query(q, /*parse=*/false);
+  }
+
+  absl::StatusOr<BestAnswer> Best(const BestQuery& q) override {
     absl::MutexLock lock(&mu_);
     const MetricInfo* info = nullptr;
     for (const MetricInfo& m : kMetrics)
-      if (metric == m.name) info = &m;
+      if (q.metric == m.name) info = &m;
     if (info == nullptr)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Best: unknown metric '", metric, "' (known: output_tok_s, ttft_ms, tpot_ms, "
-          "prefill_tok_s)"));
-    if (batch < 1)
-      return absl::InvalidArgumentError(absl::StrCat("Best: batch must be >= 1, got ", batch));
-    const std::string op =
-        absl::StrCat("finding the best ", metric, " at batch ", batch, " for ", model, " on sm_", sm);
-    std::optional<Stmt> s;
-    if (batch == 1 && metric == "output_tok_s") {  // the results_best index
-      STORE_ASSIGN_OR_RETURN(Stmt p, Prepare(BestByColumnSql("output_tok_s", true), op));
-      p.Bind(model).Bind(sm);
-      s.emplace(std::move(p));
-    } else {
-      STORE_ASSIGN_OR_RETURN(
-          Stmt p, Prepare(BestByBatchSql(info->batch_column, info->higher_is_better), op));
-      p.Bind(model).Bind(sm).Bind(batch);
-      s.emplace(std::move(p));
+      return absl::InvalidArgumentError(absl::StrCat("Best: unknown metric '", q.metric,
+                                                     "' (known: output_tok_s, ttft_ms, tpot_ms, "
+                                                     "prefill_tok_s)"));
+    if (q.batch < 1)
+      return absl::InvalidArgumentError(absl::StrCat("Best: batch must be >= 1, got ", q.batch));
+    const std::string op = absl::StrCat("finding the best ", q.metric, " at batch ", q.batch,
+                                        " for ", q.model, " on sm ", q.sm);
+    BestAnswer answer;
+    {
+      // The groups: the kept summary, or (within one sweep) the sweep's own OK rows.
+      std::string sql =
+          q.sweep_id
+              ? "SELECT b.model_key, b.workload, COUNT(*), MIN(b.sweep_id), MAX(b.sweep_id), "
+                "MAX(r.finished_ms) FROM result_batches AS b JOIN results AS r USING (result_id) "
+                "WHERE b.model = ? AND b.sm = ? AND b.batch = ? AND b.ok = 1 AND b.sweep_id = ?"
+              : "SELECT model_key, workload, ok_results, first_sweep, last_sweep, "
+                "last_finished_ms FROM result_groups AS b "
+                "WHERE b.model = ? AND b.sm = ? AND b.batch = ?";
+      if (q.model_key) absl::StrAppend(&sql, " AND b.model_key = ?");
+      if (q.workload) absl::StrAppend(&sql, " AND b.workload = ?");
+      if (q.sweep_id) absl::StrAppend(&sql, " GROUP BY b.model_key, b.workload");
+      STORE_ASSIGN_OR_RETURN(Stmt g, Prepare(sql, op));
+      g.Bind(q.model).Bind(q.sm).Bind(q.batch);
+      if (q.sweep_id) g.Bind(*q.sweep_id);
+      if (q.model_key) g.Bind(*q.model_key);
+      if (q.workload) g.Bind(*q.workload);
+      for (;;) {
+        STORE_ASSIGN_OR_RETURN(bool row, g.Step());
+        if (!row) break;
+        ResultGroup group;
+        group.model_key = g.Text(0);
+        group.workload = g.Text(1);
+        group.ok_results = g.Int(2);
+        group.first_sweep = g.Int(3);
+        group.last_sweep = g.Int(4);
+        group.last_finished_unix_ms = g.Int(5);
+        if (q.layers && ModelKeyLayers(group.model_key) != *q.layers) continue;
+        answer.groups.push_back(std::move(group));
+      }
     }
-    STORE_ASSIGN_OR_RETURN(bool row, s->Step());
-    if (!row) return std::optional<StoredResult>();
-    STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(*s));
-    return std::optional<StoredResult>(std::move(r));
+    std::sort(answer.groups.begin(), answer.groups.end(),
+              [](const ResultGroup& a, const ResultGroup& b) {
+                return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload) <
+                       std::tie(a.last_sweep, a.last_finished_unix_ms, b.model_key, b.workload);
+              });
+    if (answer.groups.size() != 1) return answer;
+    const ResultGroup& group = answer.groups[0];
+    STORE_ASSIGN_OR_RETURN(
+        Stmt p,
+        Prepare(BestInGroupSql(info->batch_column, info->higher_is_better, q.sweep_id.has_value()),
+                op));
+    p.Bind(q.model).Bind(q.sm).Bind(q.batch).Bind(group.model_key).Bind(group.workload);
+    if (q.sweep_id) p.Bind(*q.sweep_id);
+    STORE_ASSIGN_OR_RETURN(bool row, p.Step());
+    if (!row) return answer;
+    STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(p, /*parse=*/true));
+    answer.best = std::move(r);
+    return answer;
   }
 
   // ---------------------------------------------------------------------------------- agents
@@ -665,22 +738,90 @@ class SqliteStore final : public Store {
     t.lease_expires_unix_ms = q.IsNull(12) ? 0 : q.Int(12);
     t.lease_place.gpu_name = q.Text(13);
     t.lease_place.sm = static_cast<int>(q.Int(14));
+    t.model_key = q.Text(15);
     return t;
   }
 
-  // Columns as kResultCols.
-  static absl::StatusOr<StoredResult> ReadResult(const Stmt& q) {
+  absl::StatusOr<std::vector<StoredResult>> Query(const ResultQuery& q, bool parse) {
+    absl::MutexLock lock(&mu_);
+    if (q.limit < 1)
+      return absl::InvalidArgumentError(
+          absl::StrCat("QueryResults: limit must be >= 1, got ", q.limit));
+    std::string sql = absl::StrCat("SELECT ", kResultCols, " FROM results WHERE 1");
+    if (q.sm) absl::StrAppend(&sql, " AND sm = ?");
+    if (q.gpu_name) absl::StrAppend(&sql, " AND gpu_name = ?");
+    if (q.model) absl::StrAppend(&sql, " AND model = ?");
+    if (q.model_key)
+      absl::StrAppend(&sql, q.model_key->empty() ? " AND model_key IS NULL" : " AND model_key = ?");
+    if (q.workload) absl::StrAppend(&sql, " AND workload = ?");
+    if (q.layers) absl::StrAppend(&sql, " AND model_layers = ?");
+    if (q.sweep_id) absl::StrAppend(&sql, " AND sweep_id = ?");
+    if (q.status) absl::StrAppend(&sql, " AND status = ?");
+    // Each axis narrows the configs (a few thousand rows at most), not the results.
+    for (size_t i = 0; i < q.axis_values.size(); ++i)
+      absl::StrAppend(&sql,
+                      " AND config_id IN (SELECT config_id FROM config_axes "
+                      "WHERE axis = ? AND value = ?)");
+    if (q.since_unix_ms) absl::StrAppend(&sql, " AND finished_ms >= ?");
+    if (q.until_unix_ms) absl::StrAppend(&sql, " AND finished_ms < ?");
+    absl::StrAppend(&sql, " ORDER BY finished_ms DESC, result_id DESC LIMIT ?");
+
+    STORE_ASSIGN_OR_RETURN(Stmt s, Prepare(sql, "querying results"));
+    if (q.sm) s.Bind(*q.sm);
+    if (q.gpu_name) s.Bind(*q.gpu_name);
+    if (q.model) s.Bind(*q.model);
+    if (q.model_key && !q.model_key->empty()) s.Bind(*q.model_key);
+    if (q.workload) s.Bind(*q.workload);
+    if (q.layers) s.Bind(*q.layers);
+    if (q.sweep_id) s.Bind(*q.sweep_id);
+    if (q.status) s.Bind(TrialStatusName(*q.status));
+    for (const auto& [axis, value] : q.axis_values) s.Bind(axis).Bind(value);
+    if (q.since_unix_ms) s.Bind(*q.since_unix_ms);
+    if (q.until_unix_ms) s.Bind(*q.until_unix_ms);
+    s.Bind(q.limit);
+    std::vector<StoredResult> out;
+    for (;;) {
+      STORE_ASSIGN_OR_RETURN(bool row, s.Step());
+      if (!row) break;
+      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s, parse));
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+  // Columns as kResultCols; `parse` fills StoredResult::result from the JSON.
+  static absl::StatusOr<StoredResult> ReadResult(const Stmt& q, bool parse) {
     StoredResult r;
     r.sweep_id = q.Int(0);
     r.agent_id = q.Text(1);
     r.gpu_name = q.Text(2);
     r.sm = static_cast<int>(q.Int(3));
-    const std::string where = absl::StrCat("result row ", q.Int(5));
-    STORE_ASSIGN_OR_RETURN(json j, ParseStoredJson(q.Text(4), where));
+    r.result_id = q.Int(5);
+    const std::string where = absl::StrCat("result row ", r.result_id);
+    if (q.IsNull(6)) {
+      r.result_json = q.Text(4);  // stored before results were compressed
+    } else {
+      absl::StatusOr<std::string> text = DecompressResultJson(q.Blob(6));
+      if (!text.ok())
+        return absl::DataLossError(absl::StrCat(where, ": ", text.status().message()));
+      r.result_json = *std::move(text);
+    }
+    auto optional_text = [&q](int col) -> std::optional<std::string> {
+      if (q.IsNull(col)) return std::nullopt;
+      return q.Text(col);
+    };
+    r.model_key = optional_text(7);
+    r.workload = optional_text(8);
+    r.engine_version = optional_text(9);
+    r.software = optional_text(10);
+    if (!parse) return r;
+    STORE_ASSIGN_OR_RETURN(json j, ParseStoredJson(r.result_json, where));
     absl::StatusOr<TrialResult> result = TrialResultFromJson(j);
     if (!result.ok())
       return absl::DataLossError(absl::StrCat(where, ": ", result.status().message()));
     r.result = std::move(*result);
+    // The columns are the identity of record: old results' JSON lacks what the migration derived.
+    if (r.result.workload.empty() && r.workload) r.result.workload = *r.workload;
     return r;
   }
 
@@ -751,12 +892,12 @@ class SqliteStore final : public Store {
       return absl::InvalidArgumentError("recording a result: empty trial id");
 
     int64_t sweep_id = 0;
-    std::string model, config_json, state, leased_to;
-    int64_t attempt = 0;
+    std::string model, config_json, state, leased_to, workload_json, trial_model_key;
+    int64_t attempt = 0, trial_layers = 0;
     {
       STORE_ASSIGN_OR_RETURN(
-          Stmt q, Prepare("SELECT sweep_id, model, config_json, state, attempt, leased_to "
-                          "FROM trials WHERE trial_id = ?",
+          Stmt q, Prepare("SELECT sweep_id, model, config_json, state, attempt, leased_to, "
+                          "workload_json, model_key, layers FROM trials WHERE trial_id = ?",
                           op));
       q.Bind(result.trial_id);
       STORE_ASSIGN_OR_RETURN(bool row, q.Step());
@@ -769,6 +910,9 @@ class SqliteStore final : public Store {
       state = q.Text(3);
       attempt = q.Int(4);
       leased_to = q.Text(5);
+      workload_json = q.Text(6);
+      trial_model_key = q.Text(7);
+      trial_layers = q.Int(8);
     }
     {
       STORE_ASSIGN_OR_RETURN(
@@ -811,6 +955,34 @@ class SqliteStore final : public Store {
         return absl::DataLossError(absl::StrCat(op, ": stored trial config: ", e.what()));
       }
     }
+    // The identity (docs/STORAGE.md "Identity"). The workload is the trial's: what was asked
+    // for is what ran. The model's is the result's own, else what the trial knew at submit.
+    {
+      STORE_ASSIGN_OR_RETURN(json w, ParseStoredJson(workload_json, op + ": trial workload"));
+      absl::StatusOr<Workload> workload = WorkloadFromJson(w);
+      if (!workload.ok())
+        return absl::DataLossError(
+            absl::StrCat(op, ": stored trial workload: ", workload.status().message()));
+      stored.workload = WorkloadKey(*workload);
+    }
+    std::optional<std::string> model_key;
+    std::optional<int64_t> model_layers;
+    if (std::string key = ModelIdentityKey(stored.model_identity); !key.empty()) {
+      model_key = std::move(key);
+      if (stored.model_identity.layers > 0) model_layers = stored.model_identity.layers;
+    } else if (!trial_model_key.empty()) {
+      model_key = trial_model_key;
+      if (trial_layers > 0) model_layers = trial_layers;
+    }
+    std::optional<std::string> engine_version;
+    if (!stored.engine_version.empty()) engine_version = stored.engine_version;
+    // A result that says nothing of its model was made by a build that did not record the stack
+    // either: unknown, not "none".
+    std::optional<std::string> software;
+    if (!stored.model_identity.source.empty()) software = SoftwareStackKey(stored.software);
+    const std::string config_string = BackendConfigString(stored.config);
+    STORE_ASSIGN_OR_RETURN(int64_t config_id, ConfigIdLocked(stored.config, config_string, op));
+
     const int64_t finished = stored.finished_unix_ms != 0 ? stored.finished_unix_ms : NowMs();
     std::optional<double> tok_s_b1, ttft_b1, tpot_b1, tok_s_max;
     std::optional<int64_t> max_batch;
@@ -826,51 +998,87 @@ class SqliteStore final : public Store {
       tok_s_max = largest->output_tok_s.median;
       max_batch = largest->batch;
     }
+    const std::string blob = CompressResultJson(ToJson(stored).dump());
+    if (blob.empty()) return absl::InternalError(absl::StrCat(op, ": compressing the result"));
     int64_t result_id = 0;
     {
       STORE_ASSIGN_OR_RETURN(
           Stmt ins,
           Prepare("INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
                   "model, status, config_string, result_json, output_tok_s, "
-                  "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms, "
+                  "config_id, model_key, model_layers, workload, engine_version, software, "
+                  "result_blob) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                   op));
-      ins.Bind(stored.trial_id).Bind(stored.attempt).Bind(sweep_id).Bind(sub.agent_id)
-          .Bind(sub.gpu_name).Bind(sub.sm).Bind(model).Bind(TrialStatusName(stored.status))
-          .Bind(BackendConfigString(stored.config)).Bind(ToJson(stored).dump())
-          .Bind(tok_s_b1).Bind(tok_s_max);
-      if (max_batch) {
-        ins.Bind(*max_batch);
-      } else {
-        ins.BindNull();
-      }
-      ins.Bind(ttft_b1).Bind(tpot_b1).Bind(finished);
+      ins.Bind(stored.trial_id)
+          .Bind(stored.attempt)
+          .Bind(sweep_id)
+          .Bind(sub.agent_id)
+          .Bind(sub.gpu_name)
+          .Bind(sub.sm)
+          .Bind(model)
+          .Bind(TrialStatusName(stored.status))
+          .Bind(config_string)
+          .Bind(tok_s_b1)
+          .Bind(tok_s_max)
+          .Bind(max_batch)
+          .Bind(ttft_b1)
+          .Bind(tpot_b1)
+          .Bind(finished)
+          .Bind(config_id)
+          .Bind(model_key)
+          .Bind(model_layers)
+          .Bind(stored.workload)
+          .Bind(engine_version)
+          .Bind(software)
+          .BindBlob(blob);
       STORE_RETURN_IF_ERROR(ins.Run());
       result_id = sqlite3_last_insert_rowid(db_);
     }
-    {
-      STORE_ASSIGN_OR_RETURN(
-          Stmt ins, Prepare("INSERT INTO result_axes (result_id, axis, value) VALUES (?, ?, ?)",
-                            op + ": axes"));
-      for (const auto& [axis, value] : stored.config) {
-        ins.Reset();
-        ins.Bind(result_id).Bind(axis).Bind(value);
-        STORE_RETURN_IF_ERROR(ins.Run());
-      }
-    }
+    const bool ok = stored.status == TrialStatus::kOk;
+    const std::string group_key = model_key.value_or("");
     {  // one row per batch size (the first entry of a size wins), for Best at any batch
       STORE_ASSIGN_OR_RETURN(
-          Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (result_id, batch, model, sm, "
-                            "ok, output_tok_s, ttft_ms, tpot_ms, prefill_tok_s) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+          Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (model, sm, batch, model_key, "
+                            "workload, result_id, sweep_id, ok, output_tok_s, ttft_ms, tpot_ms, "
+                            "prefill_tok_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             op + ": batches"));
+      STORE_ASSIGN_OR_RETURN(
+          Stmt group,
+          Prepare("INSERT INTO result_groups (model, sm, batch, model_key, workload, ok_results, "
+                  "first_sweep, last_sweep, last_finished_ms) VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) "
+                  "ON CONFLICT DO UPDATE SET ok_results = ok_results + 1, "
+                  "first_sweep = MIN(first_sweep, excluded.first_sweep), "
+                  "last_sweep = MAX(last_sweep, excluded.last_sweep), "
+                  "last_finished_ms = MAX(last_finished_ms, excluded.last_finished_ms)",
+                  op + ": groups"));
       for (const BatchFigures& b : stored.batches) {
         ins.Reset();
-        ins.Bind(result_id).Bind(b.batch).Bind(model).Bind(sub.sm)
-            .Bind(stored.status == TrialStatus::kOk ? 1 : 0)
-            .Bind(b.output_tok_s.median).Bind(b.ttft_ms.median).Bind(b.tpot_ms.median)
+        ins.Bind(model)
+            .Bind(sub.sm)
+            .Bind(b.batch)
+            .Bind(group_key)
+            .Bind(stored.workload)
+            .Bind(result_id)
+            .Bind(sweep_id)
+            .Bind(ok ? 1 : 0)
+            .Bind(b.output_tok_s.median)
+            .Bind(b.ttft_ms.median)
+            .Bind(b.tpot_ms.median)
             .Bind(b.prefill_tok_s.median);
         STORE_RETURN_IF_ERROR(ins.Run());
+        if (!ok || sqlite3_changes(db_) == 0) continue;
+        group.Reset();
+        group.Bind(model)
+            .Bind(sub.sm)
+            .Bind(b.batch)
+            .Bind(group_key)
+            .Bind(stored.workload)
+            .Bind(sweep_id)
+            .Bind(sweep_id)
+            .Bind(finished);
+        STORE_RETURN_IF_ERROR(group.Run());
       }
     }
     if (state != "done") {
@@ -891,6 +1099,37 @@ class SqliteStore final : public Store {
       STORE_RETURN_IF_ERROR(u.Run());
     }
     return absl::OkStatus();
+  }
+
+  // The id of a config in `configs`, added with its axes the first time it is seen.
+  absl::StatusOr<int64_t> ConfigIdLocked(const BackendConfig& config,
+                                         const std::string& config_string, const std::string& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    {
+      STORE_ASSIGN_OR_RETURN(Stmt q,
+                             Prepare("SELECT config_id FROM configs WHERE config_string = ?", op));
+      q.Bind(config_string);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (row) return q.Int(0);
+    }
+    int64_t id = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(Stmt ins,
+                             Prepare("INSERT INTO configs (config_string) VALUES (?)", op));
+      ins.Bind(config_string);
+      STORE_RETURN_IF_ERROR(ins.Run());
+      id = sqlite3_last_insert_rowid(db_);
+    }
+    STORE_ASSIGN_OR_RETURN(
+        Stmt axes,
+        Prepare("INSERT OR IGNORE INTO config_axes (axis, value, config_id) VALUES (?, ?, ?)",
+                op + ": config axes"));
+    for (const auto& [axis, value] : config) {
+      axes.Reset();
+      axes.Bind(axis).Bind(value).Bind(id);
+      STORE_RETURN_IF_ERROR(axes.Run());
+    }
+    return id;
   }
 
   sqlite3* const db_;

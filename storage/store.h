@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,9 @@ struct TrialRecord {
   std::string leased_to;            // agent id while leased
   int64_t lease_expires_unix_ms = 0;
   LeasePlace lease_place;  // of the current (or last) lease
+  // ModelIdentityKey of the model, when known without loading it (presets, filled at submit);
+  // a result that carries no identity of its own is filed under it. Empty: unknown.
+  std::string model_key;
 };
 
 // A lease that ended without a result: it expired, or its agent came back without the trial.
@@ -92,6 +96,11 @@ struct ResultQuery {
   std::optional<int> sm;
   std::optional<std::string> gpu_name;
   std::optional<std::string> model;
+  // Identity filters (docs/STORAGE.md "Identity"): exact ModelIdentityKey ("" matches results
+  // whose identity is unknown), exact WorkloadKey, the model's layer count.
+  std::optional<std::string> model_key;
+  std::optional<std::string> workload;
+  std::optional<int> layers;
   std::optional<int64_t> sweep_id;
   std::optional<TrialStatus> status;
   std::map<std::string, std::string> axis_values;  // every listed axis must match
@@ -113,11 +122,49 @@ struct StoreOptions {
 };
 
 struct StoredResult {
+  int64_t result_id = 0;
   int64_t sweep_id = 0;
   std::string agent_id;
   std::string gpu_name;
   int sm = 0;
-  TrialResult result;
+  // The identity columns (docs/STORAGE.md "Identity"); nullopt where unknown (results stored
+  // before identities existed keep what the migration could derive).
+  std::optional<std::string> model_key;
+  std::optional<std::string> workload;
+  std::optional<std::string> engine_version;
+  std::optional<std::string> software;  // "" for CPU results
+  std::string result_json;              // ToJson(TrialResult) as stored
+  TrialResult result;                   // parsed from result_json (QueryResults, Best); empty from
+                                        // QueryResultRows
+};
+
+// One (model identity, workload) group of OK results at one (model, sm, batch): what Best ranks
+// within, never across.
+struct ResultGroup {
+  std::string model_key;  // "" when unknown
+  std::string workload;   // "" when unknown
+  int64_t ok_results = 0;
+  int64_t first_sweep = 0, last_sweep = 0;
+  int64_t last_finished_unix_ms = 0;
+};
+
+struct BestQuery {
+  std::string model;
+  int sm = 0;
+  // output_tok_s, ttft_ms, tpot_ms or prefill_tok_s, higher- or lower-is-better as it implies.
+  std::string metric = "output_tok_s";
+  int batch = 1;  // >= 1
+  std::optional<int64_t> sweep_id;
+  std::optional<std::string> model_key;  // as ResultQuery's
+  std::optional<std::string> workload;
+  std::optional<int> layers;
+};
+
+struct BestAnswer {
+  // The groups with OK figures that match the query, newest first. Best ranks only when exactly
+  // one matches; with several, `best` is empty and the caller names the choice.
+  std::vector<ResultGroup> groups;
+  std::optional<StoredResult> best;
 };
 
 class Store {
@@ -182,13 +229,23 @@ class Store {
   // RecordResult for each submission, in order, all in one transaction: all or nothing (the
   // first error is returned and nothing is stored).
   virtual absl::Status RecordResults(const std::vector<ResultSubmission>& results) = 0;
+  // RecordResult for each submission, in order, in one transaction, each under its own
+  // savepoint: one that fails leaves the others stored (group commit: one durable commit for
+  // many results). One status per submission; when the commit itself fails, every submission
+  // gets that error and nothing is stored.
+  virtual std::vector<absl::Status> RecordResultsEach(
+      const std::vector<ResultSubmission>& results) = 0;
 
+  // Stored results of one sweep by status name ("OK": 12, ...).
+  virtual absl::StatusOr<std::map<std::string, int64_t>> CountResults(int64_t sweep_id) = 0;
+
+  // Newest first, parsed (StoredResult::result filled).
   virtual absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) = 0;
-  // Fastest OK result per (model, sm) by `metric` ("output_tok_s" at batch `batch`, "ttft_ms",
-  // "tpot_ms", "prefill_tok_s"), higher-is-better or lower-is-better as the metric implies.
-  virtual absl::StatusOr<std::optional<StoredResult>> Best(const std::string& model, int sm,
-                                                           const std::string& metric,
-                                                           int batch) = 0;
+  // The same rows with the JSON as stored and not parsed: what the coordinator passes on.
+  virtual absl::StatusOr<std::vector<StoredResult>> QueryResultRows(const ResultQuery& q) = 0;
+  // The fastest OK figure by `metric` at `batch` within one (model identity, workload) group of
+  // (model, sm): see BestAnswer. InvalidArgument for an unknown metric or a batch < 1.
+  virtual absl::StatusOr<BestAnswer> Best(const BestQuery& q) = 0;
 
   virtual absl::Status UpsertAgent(const AgentRecord& agent) = 0;
   virtual absl::Status SetAgentConnected(const std::string& agent_id, bool connected,

@@ -3,23 +3,24 @@
 // fault test ends with (tests/service_fault_test.cc, tests/service_limits_test.cc).
 #pragma once
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/client.h"
+#include "storage/codec.h"
 #include "tests/process_util.h"
 #include "tests/raw_db.h"
 #include "tests/test_util.h"
@@ -177,7 +178,7 @@ class FleetProcesses : public ::testing::Test {
                   "SELECT COUNT(*) FROM trials WHERE state = 'done' AND sweep_id = ", sweep_id))),
               total);
     for (const auto& row :
-         db.Rows(absl::StrCat("SELECT trial_id, attempt, agent_id, status, result_json FROM "
+         db.Rows(absl::StrCat("SELECT trial_id, attempt, agent_id, status, hex(result_blob) FROM "
                               "results WHERE sweep_id = ",
                               sweep_id))) {
       EXPECT_EQ(stored.count(row[0]), 0u) << "two results for trial " << row[0];
@@ -185,7 +186,9 @@ class FleetProcesses : public ::testing::Test {
       s.attempt = std::stoi(row[1]);
       s.agent_id = row[2];
       s.status = row[3];
-      s.result = nlohmann::json::parse(row[4], nullptr, false);
+      absl::StatusOr<std::string> text = DecompressResultJson(absl::HexStringToBytes(row[4]));
+      EXPECT_TRUE(text.ok()) << row[0] << ": " << text.status();
+      s.result = nlohmann::json::parse(text.value_or(""), nullptr, false);
     }
     EXPECT_EQ(static_cast<int64_t>(stored.size()), total);
     std::set<std::pair<std::string, int>> logged;

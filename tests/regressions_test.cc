@@ -213,6 +213,86 @@ TEST(AnalyzeResultsTest, GroupsSeriesAndOrdersByFinishTime) {
   EXPECT_THAT(table, HasSubstr("# 3 series: 1 regression, 0 improvement, 1 ok, 1 with too few"));
 }
 
+// A layer change is not a regression: two model identities of one preset are two series, and
+// so are two workloads. The old key (model, sm, gpu, config, batch) scored a 2-layer run after
+// 8-layer history as a +70 % "improvement".
+TEST(AnalyzeResultsTest, IdentitiesAndWorkloadsAreSeparateSeries) {
+  std::vector<StoredResult> in;
+  for (int i = 1; i <= 6; ++i) {
+    StoredResult s = Make(absl::StrCat("l8-", i), i * 1000, 100 + i % 2);
+    s.model_key = "preset:tiny-moe layers=8 seed=1 weights=bf16";
+    s.workload = "prompt=64,output=16,warmup=1";
+    in.push_back(s);
+  }
+  StoredResult two = Make("l2", 7000, 170);
+  two.model_key = "preset:tiny-moe layers=2 seed=1 weights=bf16";
+  two.workload = "prompt=64,output=16,warmup=1";
+  in.push_back(two);
+  StoredResult longer = Make("w2", 8000, 40);
+  longer.model_key = "preset:tiny-moe layers=8 seed=1 weights=bf16";
+  longer.workload = "prompt=1024,output=16,warmup=1";
+  in.push_back(longer);
+  const std::vector<RegressionRow> rows = AnalyzeResults(in, "output_tok_s", {});
+  ASSERT_EQ(rows.size(), 3u);
+  for (const RegressionRow& r : rows) {
+    EXPECT_NE(r.judgement.verdict, RegressionVerdict::kRegression) << r.model_key;
+    EXPECT_NE(r.judgement.verdict, RegressionVerdict::kImprovement) << r.model_key;
+  }
+  EXPECT_EQ(rows[0].model_key, "preset:tiny-moe layers=2 seed=1 weights=bf16");
+  EXPECT_EQ(rows[0].judgement.verdict, RegressionVerdict::kTooFewPoints);
+  EXPECT_EQ(rows[1].workload, "prompt=1024,output=16,warmup=1");
+  EXPECT_EQ(rows[2].judgement.history_points, 5);
+  EXPECT_EQ(rows[2].judgement.verdict, RegressionVerdict::kOk);
+  const std::string table = FormatRegressionTable(rows, RegressionQuery{});
+  EXPECT_THAT(table, HasSubstr("preset:tiny-moe layers=2 seed=1 weights=bf16"));
+  EXPECT_THAT(table, HasSubstr("prompt=1024,output=16,warmup=1"));
+}
+
+// A change the test flags is put down to the engine version or the software stack when the
+// latest result ran on one that no history point ran on; a change on the same build has none.
+TEST(AnalyzeResultsTest, NamesAChangedEngineOrStackAsTheLikelyCause) {
+  auto history = [](std::vector<StoredResult>* in, const std::string& prefix) {
+    for (int i = 1; i <= 6; ++i) {
+      StoredResult s = Make(absl::StrCat(prefix, i), i * 1000, 100 + i % 2);
+      s.engine_version = "infersweep v1";
+      s.software = "driver=570.1 cuda=12.8/12.8";
+      in->push_back(s);
+    }
+  };
+  std::vector<StoredResult> in;
+  history(&in, "a");
+  StoredResult latest = Make("a7", 7000, 60);
+  latest.engine_version = "infersweep v2";
+  latest.software = "driver=570.1 cuda=12.8/12.8";
+  in.push_back(latest);
+  std::vector<RegressionRow> rows = AnalyzeResults(in, "output_tok_s", {});
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].judgement.verdict, RegressionVerdict::kRegression);
+  EXPECT_EQ(rows[0].likely_cause, "engine infersweep v1 -> infersweep v2");
+  EXPECT_THAT(FormatRegressionTable(rows, RegressionQuery{}),
+              HasSubstr("engine infersweep v1 -> infersweep v2"));
+
+  in.back().engine_version = "infersweep v1";
+  in.back().software = "driver=580.2 cuda=13.0/13.0";
+  rows = AnalyzeResults(in, "output_tok_s", {});
+  EXPECT_EQ(rows[0].likely_cause,
+            "software driver=570.1 cuda=12.8/12.8 -> driver=580.2 cuda=13.0/13.0");
+
+  in.back().software = "driver=570.1 cuda=12.8/12.8";
+  rows = AnalyzeResults(in, "output_tok_s", {});
+  EXPECT_EQ(rows[0].judgement.verdict, RegressionVerdict::kRegression);
+  EXPECT_EQ(rows[0].likely_cause, "");
+
+  // The wire form carries every field.
+  in.back().engine_version = "infersweep v2";
+  rows = AnalyzeResults(in, "output_tok_s", {});
+  const RegressionRow back = FromProto(ToProto(rows[0]));
+  EXPECT_EQ(back.likely_cause, rows[0].likely_cause);
+  EXPECT_EQ(back.judgement.verdict, RegressionVerdict::kRegression);
+  EXPECT_EQ(back.judgement.history_points, 6);
+  EXPECT_DOUBLE_EQ(back.judgement.latest, 60);
+}
+
 TEST(FindRegressionsTest, ReadsTheStore) {
   std::string dir_template =
       (std::filesystem::temp_directory_path() / "regressions_test.XXXXXX").string();

@@ -5,8 +5,8 @@
 #include <sqlite3.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include <cerrno>
 
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "storage/schema.h"
 #include "tests/raw_db.h"
 
@@ -328,7 +329,8 @@ TEST_F(StoreTest, RecordResultIsIdempotentPerAttempt) {
 
   RawDb raw(path_);
   EXPECT_EQ(raw.Count("results"), 1);
-  EXPECT_EQ(raw.Count("result_axes"), 3);
+  EXPECT_EQ(raw.Count("configs"), 1);
+  EXPECT_EQ(raw.Count("config_axes"), 3);
   EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
   absl::StatusOr<SweepRecord> sweep = store_->GetSweep(id);
   EXPECT_EQ(sweep->trials_done, 1);
@@ -344,7 +346,7 @@ TEST_F(StoreTest, ResultFromTheWrongAgentOrAttemptIsRejectedAndChangesNothing) {
   const std::string t = absl::StrCat(id, "-0");
   ASSERT_TRUE(store_->LeaseTrial(t, "agent-1", 1000).ok());
   RawDb raw(path_);
-  const int64_t results = raw.Count("results"), axes = raw.Count("result_axes");
+  const int64_t results = raw.Count("results"), axes = raw.Count("config_axes");
 
   absl::Status s = store_->RecordResult("agent-2", "NVIDIA H200", 90,
                                         MakeResult(t, 1, TrialStatus::kOk, 100, 5000, kFlash));
@@ -355,7 +357,7 @@ TEST_F(StoreTest, ResultFromTheWrongAgentOrAttemptIsRejectedAndChangesNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
 
   EXPECT_EQ(raw.Count("results"), results);
-  EXPECT_EQ(raw.Count("result_axes"), axes);
+  EXPECT_EQ(raw.Count("config_axes"), axes);
   absl::StatusOr<TrialRecord> trial = store_->GetTrial(t);
   EXPECT_EQ(trial->state, TrialState::kLeased);
   EXPECT_EQ(trial->leased_to, "agent-1");
@@ -562,87 +564,322 @@ TEST_F(QueryTest, QueryReturnsTheStoredResultAndWhereItRan) {
   EXPECT_DOUBLE_EQ(r.result.batches[0].output_tok_s.median, 400);
 }
 
+// The best result of one (model, sm, batch) by `metric`, when it has one group of results.
+absl::StatusOr<std::optional<StoredResult>> BestOf(Store& store, const std::string& model, int sm,
+                                                   const std::string& metric, int batch) {
+  BestQuery q;
+  q.model = model;
+  q.sm = sm;
+  q.metric = metric;
+  q.batch = batch;
+  absl::StatusOr<BestAnswer> answer = store.Best(q);
+  if (!answer.ok()) return answer.status();
+  EXPECT_LE(answer->groups.size(), 1u);
+  return answer->best;
+}
+
 TEST_F(QueryTest, BestPicksTheFastestOkResult) {
-  absl::StatusOr<std::optional<StoredResult>> best = store_->Best("preset:tiny", 90, "output_tok_s", 1);
+  absl::StatusOr<std::optional<StoredResult>> best =
+      BestOf(*store_, "preset:tiny", 90, "output_tok_s", 1);
   ASSERT_TRUE(best.ok()) << best.status();
   ASSERT_TRUE(best->has_value());
   EXPECT_EQ((*best)->result.trial_id, T(1));  // not T(2): faster, but INCORRECT
   EXPECT_EQ((*best)->result.status, TrialStatus::kOk);
 
-  best = store_->Best("preset:tiny", 120, "output_tok_s", 1);
+  best = BestOf(*store_, "preset:tiny", 120, "output_tok_s", 1);
   ASSERT_TRUE(best.ok() && best->has_value());
   EXPECT_EQ((*best)->result.trial_id, T(4));
 
   // Lower is better for latencies: T(3) has the lowest batch-1 ttft among the OK sm-90 rows.
-  best = store_->Best("preset:tiny", 90, "ttft_ms", 1);
+  best = BestOf(*store_, "preset:tiny", 90, "ttft_ms", 1);
   ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
   EXPECT_EQ((*best)->result.trial_id, T(3));
 
-  // Other batch sizes come from the JSON: row 0 is the fastest OK one at batch 8.
-  best = store_->Best("preset:tiny", 90, "output_tok_s", 8);
+  // Other batch sizes rank on their own figures: row 0 is the fastest OK one at batch 8.
+  best = BestOf(*store_, "preset:tiny", 90, "output_tok_s", 8);
   ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
   EXPECT_EQ((*best)->result.trial_id, T(0));
-  best = store_->Best("preset:tiny", 90, "prefill_tok_s", 1);
+  best = BestOf(*store_, "preset:tiny", 90, "prefill_tok_s", 1);
   ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
   EXPECT_EQ((*best)->result.status, TrialStatus::kOk);
 
-  best = store_->Best("preset:tiny", 90, "output_tok_s", 64);  // never measured
+  best = BestOf(*store_, "preset:tiny", 90, "output_tok_s", 64);  // never measured
   ASSERT_TRUE(best.ok());
   EXPECT_FALSE(best->has_value());
-  best = store_->Best("preset:other", 90, "output_tok_s", 1);
+  best = BestOf(*store_, "preset:other", 90, "output_tok_s", 1);
   ASSERT_TRUE(best.ok());
   EXPECT_FALSE(best->has_value());
 
-  EXPECT_EQ(store_->Best("preset:tiny", 90, "joules", 1).status().code(),
+  EXPECT_EQ(BestOf(*store_, "preset:tiny", 90, "joules", 1).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store_->Best("preset:tiny", 90, "output_tok_s", 0).status().code(),
+  EXPECT_EQ(BestOf(*store_, "preset:tiny", 90, "output_tok_s", 0).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(StoreTest, BestAtBatchOneIsIndexAssisted) {
+// Every metric at every batch ranks within one group through result_batches: ordered by its
+// index for output_tok_s, a range of its clustered key for the others; no scan of the results.
+TEST_F(StoreTest, BestRanksWithinAGroupThroughTheBatchTable) {
   RawDb raw(path_);
-  const std::string plan = raw.Plan(BestByColumnSql("output_tok_s", true));
-  EXPECT_THAT(plan, HasSubstr("results_best")) << plan;
-  EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
-}
-
-// Every other metric and batch goes through result_batches: ordered by its index for
-// output_tok_s, a range of its clustered key for the others; no scan of the results' JSON (that took 2.1 s at batch 8 on 1,000,000
-// results, docs/STORAGE.md).
-TEST_F(StoreTest, BestAtOtherBatchesUsesTheBatchTable) {
-  RawDb raw(path_);
-  std::string plan = raw.Plan(BestByBatchSql("output_tok_s", true));
-  EXPECT_THAT(plan, HasSubstr("result_batches_best")) << plan;
-  EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
-  // Latency metrics: a range of the clustered key (one model, sm and batch), then a sort.
-  plan = raw.Plan(BestByBatchSql("ttft_ms", false));
-  EXPECT_THAT(plan, HasSubstr("result_batches USING PRIMARY KEY (model=? AND sm=? AND batch=?)"))
-      << plan;
-  EXPECT_THAT(plan, ::testing::Not(HasSubstr("SCAN"))) << plan;
-}
-
-// A database written before result_batches existed (schema version 2) gets the table filled
-// from the stored JSON when a newer build opens it, and Best answers as before.
-TEST_F(QueryTest, MigrationFillsTheBatchTableFromStoredResults) {
-  store_.reset();
-  {
-    RawDb raw(path_);
-    ASSERT_EQ(raw.Query("SELECT COUNT(*) FROM result_batches"), "10");  // 5 results x {1, 8}
-    ASSERT_EQ(raw.Exec("DROP TABLE result_batches; PRAGMA user_version = 2;"), SQLITE_OK);
+  for (bool in_sweep : {false, true}) {
+    std::string plan = raw.Plan(BestInGroupSql("output_tok_s", true, in_sweep));
+    EXPECT_THAT(plan, HasSubstr("result_batches_best")) << plan;
+    EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
+    plan = raw.Plan(BestInGroupSql("ttft_ms", false, in_sweep));
+    EXPECT_THAT(plan, HasSubstr("(model=? AND sm=? AND batch=? AND model_key=? AND workload=?"))
+        << plan;
+    EXPECT_THAT(plan, ::testing::Not(HasSubstr("SCAN"))) << plan;
   }
-  store_ = OpenOrDie(path_);
-  ASSERT_NE(store_, nullptr);
+}
+
+// Results of one preset that measured different things: 2 and 8 layers, two workloads. Best
+// never ranks them together; it lists the four groups, and ranks within the one a query picks.
+class IdentityTest : public StoreTest {
+ protected:
+  void SetUp() override {
+    StoreTest::SetUp();
+    std::vector<TrialRecord> trials;
+    // Trial i: layers 2 or 8 (i % 2), prompt 64 or 512 (i / 2 % 2), a config per i / 4.
+    for (int i = 0; i < 8; ++i) {
+      TrialRecord t = MakeTrial(i / 4 ? kNaive : kFlash);
+      t.layers = i % 2 ? 8 : 2;
+      t.workload.prompt_len = (i / 2) % 2 ? 512 : 64;
+      trials.push_back(t);
+    }
+    absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweep("identity"), trials);
+    ASSERT_TRUE(id.ok()) << id.status();
+    sweep_ = *id;
+    for (int i = 0; i < 8; ++i) {
+      // The 2-layer runs are the fastest, as they always are: the trap a mixed ranking falls in.
+      const double tok_s = (i % 2 ? 100 : 1000) + 10 * i;
+      TrialResult r =
+          MakeResult(T(i), 1, TrialStatus::kOk, tok_s, 1000 + i, i / 4 ? kNaive : kFlash);
+      r.model_identity = {"preset", "tiny", i % 2 ? 8 : 2, 1, "bf16", ""};
+      r.engine_version = "infersweep test";
+      ASSERT_TRUE(store_->RecordResult("", "NVIDIA H200", 90, r).ok());
+    }
+  }
+  std::string T(int i) const { return absl::StrCat(sweep_, "-", i); }
+  int64_t sweep_ = 0;
+};
+
+TEST_F(IdentityTest, BestListsTheGroupsInsteadOfRankingAcrossThem) {
+  BestQuery q;
+  q.model = "preset:tiny";
+  q.sm = 90;
+  absl::StatusOr<BestAnswer> answer = store_->Best(q);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_FALSE(answer->best.has_value());
+  std::vector<std::string> groups;
+  for (const ResultGroup& g : answer->groups) {
+    groups.push_back(absl::StrCat(g.model_key, " | ", g.workload));
+    EXPECT_EQ(g.ok_results, 2);
+    EXPECT_EQ(g.first_sweep, sweep_);
+  }
+  EXPECT_THAT(groups,
+              UnorderedElementsAre(
+                  "preset:tiny layers=2 seed=1 weights=bf16 | prompt=64,output=32,warmup=1",
+                  "preset:tiny layers=2 seed=1 weights=bf16 | prompt=512,output=32,warmup=1",
+                  "preset:tiny layers=8 seed=1 weights=bf16 | prompt=64,output=32,warmup=1",
+                  "preset:tiny layers=8 seed=1 weights=bf16 | prompt=512,output=32,warmup=1"));
+
+  // Picking the model narrows to its two workloads: still no ranking.
+  q.layers = 8;
+  answer = store_->Best(q);
+  ASSERT_TRUE(answer.ok());
+  EXPECT_EQ(answer->groups.size(), 2u);
+  EXPECT_FALSE(answer->best.has_value());
+  // Model and workload: one group, ranked within it (the 8-layer, prompt-512 trials 3 and 7).
+  q.workload = "prompt=512,output=32,warmup=1";
+  answer = store_->Best(q);
+  ASSERT_TRUE(answer.ok());
+  ASSERT_EQ(answer->groups.size(), 1u);
+  ASSERT_TRUE(answer->best.has_value());
+  EXPECT_EQ(answer->best->result.trial_id, T(7));
+  EXPECT_EQ(answer->best->model_key, "preset:tiny layers=8 seed=1 weights=bf16");
+  EXPECT_EQ(answer->best->workload, "prompt=512,output=32,warmup=1");
+  // The same by exact key; and within the sweep.
+  q.layers.reset();
+  q.model_key = "preset:tiny layers=8 seed=1 weights=bf16";
+  q.sweep_id = sweep_;
+  answer = store_->Best(q);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  ASSERT_EQ(answer->groups.size(), 1u);
+  ASSERT_TRUE(answer->best.has_value());
+  EXPECT_EQ(answer->best->result.trial_id, T(7));
+  q.sweep_id = sweep_ + 1;
+  answer = store_->Best(q);
+  ASSERT_TRUE(answer.ok());
+  EXPECT_TRUE(answer->groups.empty());
+}
+
+TEST_F(IdentityTest, QueriesFilterByIdentityAndRowsCarryIt) {
+  ResultQuery q;
+  q.layers = 2;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 4u);
+  for (const StoredResult& r : *rows) {
+    EXPECT_EQ(r.model_key, "preset:tiny layers=2 seed=1 weights=bf16");
+    EXPECT_EQ(r.result.model_identity.layers, 2);
+    EXPECT_EQ(r.engine_version, "infersweep test");
+    EXPECT_EQ(r.software, "");  // known: none (the result has an identity, no GPU stack)
+  }
+  q.workload = "prompt=64,output=32,warmup=1";
+  rows = store_->QueryResultRows(q);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  for (const StoredResult& r : *rows) {
+    EXPECT_EQ(r.workload, "prompt=64,output=32,warmup=1");
+    EXPECT_THAT(r.result_json, HasSubstr("\"workload\":\"prompt=64,output=32,warmup=1\""));
+    EXPECT_TRUE(r.result.trial_id.empty());  // QueryResultRows does not parse
+  }
+  q = ResultQuery();
+  q.model_key = "preset:tiny layers=8 seed=1 weights=bf16";
+  EXPECT_EQ(store_->QueryResults(q)->size(), 4u);
+  q.model_key = "";  // unknown identity: none here
+  EXPECT_TRUE(store_->QueryResults(q)->empty());
+  absl::StatusOr<std::map<std::string, int64_t>> counts = store_->CountResults(sweep_);
+  ASSERT_TRUE(counts.ok());
+  EXPECT_EQ(counts->at("OK"), 8);
+}
+
+// Results are stored deflated: result_json is empty, result_blob holds the JSON, and a damaged
+// blob is a DataLoss error that names the row, not a crash or a wrong answer.
+TEST_F(IdentityTest, ResultsAreStoredCompressedAndADamagedOneIsNamed) {
   RawDb raw(path_);
+  EXPECT_EQ(raw.Query("SELECT COUNT(*) FROM results WHERE result_json = '' AND "
+                      "length(result_blob) > 0"),
+            "8");
+  const int64_t json_bytes = std::stoll(raw.Query("SELECT SUM(length(result_blob)) FROM results"));
+  ResultQuery all;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResultRows(all);
+  ASSERT_TRUE(rows.ok());
+  int64_t text_bytes = 0;
+  for (const StoredResult& r : *rows) text_bytes += static_cast<int64_t>(r.result_json.size());
+  EXPECT_LT(json_bytes * 3, text_bytes) << "compressed " << json_bytes << " of " << text_bytes;
+  const std::string victim = raw.Query("SELECT result_id FROM results ORDER BY result_id LIMIT 1");
+  ASSERT_EQ(raw.Exec("UPDATE results SET result_blob = substr(result_blob, 1, 20) WHERE "
+                     "result_id = " +
+                     victim),
+            SQLITE_OK);
+  absl::StatusOr<std::vector<StoredResult>> broken = store_->QueryResults(all);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(broken.status().message(), HasSubstr("result row " + victim));
+}
+
+// Group commit: one transaction, and a refused result leaves the others stored.
+TEST_F(StoreTest, RecordResultsEachStoresTheGoodOnesOfAGroup) {
+  const int64_t id = CreateSweep(3);
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(store_->LeaseTrial(absl::StrCat(id, "-", i), "agent-1", 1000).ok());
+  std::vector<ResultSubmission> group;
+  for (int i = 0; i < 3; ++i)
+    group.push_back({"agent-1", "NVIDIA H200", 90,
+                     MakeResult(absl::StrCat(id, "-", i), 1, TrialStatus::kOk, 10, 10, kFlash)});
+  group[1].agent_id = "agent-2";  // not its lease: refused alone
+  std::vector<absl::Status> stored = store_->RecordResultsEach(group);
+  ASSERT_EQ(stored.size(), 3u);
+  EXPECT_TRUE(stored[0].ok()) << stored[0];
+  EXPECT_EQ(stored[1].code(), absl::StatusCode::kPermissionDenied) << stored[1];
+  EXPECT_TRUE(stored[2].ok()) << stored[2];
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("results"), 2);
+  EXPECT_EQ(raw.Count("result_batches"), 4);
+  EXPECT_EQ(store_->GetTrial(absl::StrCat(id, "-1"))->state, TrialState::kLeased);
+  EXPECT_EQ(store_->GetSweep(id)->trials_done, 2);
+}
+
+// A database at schema version 3, as the build before identities wrote it (result_json as
+// text, result_axes), opened by this build: the migration keeps every result readable, derives
+// what it can (workload, engine version, a preset's identity where the trial named its layers),
+// leaves the rest unknown, and Best groups the old results by what was derived.
+TEST(StoreMigrationTest, AVersion3DatabaseIsMigratedAndStaysReadable) {
+  TempDir dir;
+  const std::string path = dir.File("v3.db");
+  {
+    RawDb raw(path);
+    for (int v = 0; v < 3; ++v) ASSERT_EQ(raw.Exec(Migrations()[v].sql), SQLITE_OK) << v;
+    ASSERT_EQ(raw.Exec("PRAGMA user_version = 3"), SQLITE_OK);
+    ASSERT_EQ(raw.Exec("INSERT INTO sweeps (sweep_id, name, spec_yaml, model, created_ms, "
+                       "trials_total) VALUES (1, 'old', '', 'preset:tiny', 1, 2)"),
+              SQLITE_OK);
+    // Trial 1-0 names its layers (2); trial 1-1 leaves the preset's own (0): unknown here.
+    for (int i = 0; i < 2; ++i) {
+      const std::string trial = absl::StrCat("1-", i);
+      TrialResult r = MakeResult(trial, 1, TrialStatus::kOk, 100 + i, 1000 + i, kFlash);
+      r.engine_version = "infersweep-0.1.0";
+      nlohmann::json j = ToJson(r);
+      j.erase("model_identity");  // what the old build wrote
+      j.erase("workload");
+      j.erase("software");
+      Workload w;
+      w.prompt_len = 64;
+      ASSERT_EQ(raw.Exec(absl::StrCat(
+                    "INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_json, "
+                    "config_string, workload_json, selector_json, priority, state, attempt, "
+                    "created_ms) VALUES ('",
+                    trial, "', 1, 'preset:tiny', ", i == 0 ? 2 : 0, ", 1, '",
+                    nlohmann::json(kFlash).dump(), "', '", BackendConfigString(kFlash), "', '",
+                    ToJson(w).dump(), "', '{}', 0, 'done', 1, 1)")),
+                SQLITE_OK);
+      ASSERT_EQ(
+          raw.Exec(absl::StrCat(
+              "INSERT INTO results (result_id, trial_id, attempt, sweep_id, agent_id, "
+              "gpu_name, sm, model, status, config_string, result_json, output_tok_s, "
+              "finished_ms) VALUES (",
+              i + 1, ", '", trial,
+              "', 1, 1, 'a', 'NVIDIA H200', "
+              "90, 'preset:tiny', 'OK', '",
+              BackendConfigString(kFlash), "', '", j.dump(), "', ", 100 + i, ", ", 1000 + i, ")")),
+          SQLITE_OK);
+      for (const auto& [axis, value] : kFlash)
+        ASSERT_EQ(raw.Exec(absl::StrCat("INSERT INTO result_axes VALUES (", i + 1, ", '", axis,
+                                        "', '", value, "')")),
+                  SQLITE_OK);
+      ASSERT_EQ(raw.Exec(absl::StrCat("INSERT INTO result_batches (result_id, batch, model, sm, "
+                                      "ok, output_tok_s) VALUES (",
+                                      i + 1, ", 1, 'preset:tiny', 90, 1, ", 100 + i, ")")),
+                SQLITE_OK);
+    }
+  }
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  RawDb raw(path);
   EXPECT_EQ(raw.Query("PRAGMA user_version"), std::to_string(LatestSchemaVersion()));
-  EXPECT_EQ(raw.Query("SELECT COUNT(*) FROM result_batches"), "10");
-  EXPECT_EQ(raw.Query("SELECT COUNT(*) FROM result_batches WHERE ok = 1"), "8");
-  absl::StatusOr<std::optional<StoredResult>> best =
-      store_->Best("preset:tiny", 90, "output_tok_s", 8);
-  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
-  EXPECT_EQ((*best)->result.trial_id, T(0));
-  best = store_->Best("preset:tiny", 90, "ttft_ms", 1);
-  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
-  EXPECT_EQ((*best)->result.trial_id, T(3));
+  EXPECT_EQ(raw.Query("PRAGMA integrity_check"), "ok");
+
+  ResultQuery q;
+  q.axis_values = {{"attention", "flash"}};
+  absl::StatusOr<std::vector<StoredResult>> rows = store->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 2u);
+  const StoredResult& unknown = (*rows)[0];  // 1-1, newest
+  const StoredResult& known = (*rows)[1];
+  EXPECT_EQ(known.result.trial_id, "1-0");
+  EXPECT_EQ(known.model_key, "preset:tiny layers=2 seed=1 weights=bf16");
+  EXPECT_EQ(unknown.model_key, std::nullopt);
+  for (const StoredResult* r : {&known, &unknown}) {
+    EXPECT_EQ(r->workload, "prompt=64,output=32,warmup=1");
+    EXPECT_EQ(r->result.workload, "prompt=64,output=32,warmup=1");
+    EXPECT_EQ(r->engine_version, "infersweep-0.1.0");
+    EXPECT_EQ(r->software, std::nullopt);
+    EXPECT_DOUBLE_EQ(r->result.batches[0].output_tok_s.median, r == &known ? 100 : 101);
+  }
+  // Two groups, one of them of unknown identity: listed, not ranked together.
+  BestQuery best;
+  best.model = "preset:tiny";
+  best.sm = 90;
+  absl::StatusOr<BestAnswer> answer = store->Best(best);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->groups.size(), 2u);
+  EXPECT_FALSE(answer->best.has_value());
+  best.layers = 2;
+  answer = store->Best(best);
+  ASSERT_TRUE(answer.ok() && answer->best.has_value());
+  EXPECT_EQ(answer->best->result.trial_id, "1-0");
+  EXPECT_EQ(raw.Count("configs"), 1);
+  EXPECT_EQ(raw.Query("SELECT COUNT(*) FROM sqlite_master WHERE name = 'result_axes'"), "0");
 }
 
 TEST_F(StoreTest, DataPersistsAcrossReopen) {
@@ -661,7 +898,8 @@ TEST_F(StoreTest, DataPersistsAcrossReopen) {
   EXPECT_EQ(store_->GetSweep(id)->trials_done, 1);
   EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
   EXPECT_EQ(store_->GetTrial(absl::StrCat(id, "-1"))->state, TrialState::kQueued);
-  absl::StatusOr<std::optional<StoredResult>> best = store_->Best("preset:tiny", 90, "output_tok_s", 1);
+  absl::StatusOr<std::optional<StoredResult>> best =
+      BestOf(*store_, "preset:tiny", 90, "output_tok_s", 1);
   ASSERT_TRUE(best.ok() && best->has_value());
   EXPECT_DOUBLE_EQ((*best)->result.batches[0].output_tok_s.median, 42);
   absl::StatusOr<std::vector<AgentRecord>> agents = store_->ListAgents();
@@ -698,13 +936,14 @@ TEST(StoreOpenTest, MigratesAnEmptyFile) {
   RawDb raw(path);
   EXPECT_EQ(raw.Query("PRAGMA user_version"), std::to_string(LatestSchemaVersion()));
   EXPECT_EQ(raw.Query("PRAGMA journal_mode"), "wal");
-  for (const char* table : {"sweeps", "trials", "results", "result_axes", "agents"})
+  for (const char* table : {"sweeps", "trials", "results", "configs", "config_axes",
+                            "result_batches", "result_groups", "agents"})
     EXPECT_EQ(raw.Query(std::string("SELECT COUNT(*) FROM sqlite_master WHERE name = '") + table +
                         "'"),
               "1")
         << table;
   for (const char* index : {"trials_queue", "results_sm_model_status", "results_finished",
-                            "results_best", "result_axes_lookup"})
+                            "results_config", "result_batches_best"})
     EXPECT_EQ(raw.Query(std::string("SELECT COUNT(*) FROM sqlite_master WHERE name = '") + index +
                         "'"),
               "1")
