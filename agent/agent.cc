@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <deque>
 #include <fstream>
 #include <optional>
@@ -13,6 +12,7 @@
 #include "engine/fault_injection.h"
 #include "harness/runner.h"
 #include "proto/infersweep.grpc.pb.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep {
@@ -67,7 +67,7 @@ void Agent::Log(const std::string& line) {
   if (options_.log) {
     options_.log(line);
   } else {
-    std::fprintf(stderr, "[agent %s] %s\n", options_.agent_id.c_str(), line.c_str());
+    WriteLogLine(absl::StrCat("agent ", options_.agent_id), line);
   }
 }
 

@@ -59,7 +59,8 @@ struct AgentOptions {
   // Where to serve Prometheus /metrics (agent/metrics.h), e.g. "127.0.0.1:9465"; port 0 picks a
   // free one; empty serves none.
   std::string metrics_listen;
-  // Log sink; default: stderr lines prefixed "[agent <id>]".
+  // Log sink, given each line's text; default: stderr, as LogLine("agent <id>", text)
+  // (proto/log_line.h: an RFC 3339 UTC timestamp, then "[agent <id>]").
   std::function<void(const std::string&)> log;
 };
 

@@ -32,6 +32,7 @@
 #include "coordinator/client.h"
 #include "coordinator/server.h"
 #include "harness/trial.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep::cli {
@@ -202,7 +203,7 @@ int RunCoordinator(const CoordinatorArgs& args) {
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), server.metrics_port());
   std::fflush(stdout);
   const int sig = WaitForSignal();
-  std::fprintf(stderr, "[coordinator] %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  WriteLogLine("coordinator", absl::StrCat(sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopping"));
   server.Stop();
   return 0;
 }
@@ -274,8 +275,8 @@ int RunAgent(const AgentArgs& args) {
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), agent.metrics_port());
   std::fflush(stdout);
   WaitForSignal();
-  std::fprintf(stderr, "[agent %s] stopping (running trials finish first; Ctrl-C again to quit now)\n",
-               agent.agent_id().c_str());
+  WriteLogLine(absl::StrCat("agent ", agent.agent_id()),
+               "stopping (running trials finish first; Ctrl-C again to quit now)");
   std::thread second([] {
     WaitForSignal();
     std::_Exit(130);

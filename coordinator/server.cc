@@ -4,7 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -24,6 +23,7 @@
 #include "harness/executor.h"
 #include "harness/trial.h"
 #include "proto/infersweep.grpc.pb.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep {
@@ -280,7 +280,7 @@ class CoordinatorServer::Impl {
     if (options_.log) {
       options_.log(line);
     } else {
-      std::fprintf(stderr, "[coordinator] %s\n", line.c_str());
+      WriteLogLine("coordinator", line);
     }
   }
   // True (and counted, by `api` in the metrics) when `key` is over `limiter`'s rate.

@@ -1,0 +1,103 @@
+// The service commands as a user runs them: `infersweep` processes (submit, status, results,
+// best, compare, the coordinator and the agent) against a real coordinator process on loopback
+// with a SQLite file (tests/fleet_process.h). What each test holds is in its comment.
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "coordinator/sweep_spec.h"
+#include "tests/fleet_process.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class Cli : public FleetProcesses {
+ protected:
+  // Writes `text` to dir_/name and returns the path.
+  std::string WriteFile(const std::string& name, const std::string& text) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+  // Runs `infersweep ARGS` to the end; returns stdout and stderr together.
+  static std::string Run(const std::string& args, int* rc) {
+    return RunCommand(absl::StrCat("'", WorkerBinary(), "' ", args, " 2>&1"), rc);
+  }
+  int64_t ConnectedAgents() { return DbCount("SELECT COUNT(*) FROM agents WHERE connected = 1"); }
+  int64_t Results() { return DbCount("SELECT COUNT(*) FROM results"); }
+  // `infersweep submit SPEC --wait` against address_, with `flags`, as a child process; returns
+  // once it printed the sweep id.
+  std::unique_ptr<ChildProcess> StartSubmitWait(const std::string& spec,
+                                                const std::vector<std::string>& flags = {}) {
+    std::vector<std::string> argv = {WorkerBinary(), "submit",        spec,
+                                     "--wait",       "--coordinator", address_};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto submit = ChildProcess::Start(argv);
+    EXPECT_NE(submit, nullptr);
+    if (submit == nullptr) return nullptr;
+    EXPECT_TRUE(
+        WaitFor([&] { return submit->Output().find("trial(s) queued") != std::string::npos; }, 20))
+        << submit->Output();
+    return submit;
+  }
+  static bool ExitedWith(int status, int code) {
+    return WIFEXITED(status) && WEXITSTATUS(status) == code;
+  }
+};
+
+// Every log line of the coordinator and of the agent starts with an RFC 3339 UTC timestamp with
+// milliseconds, then the process's tag; the only other lines are the '#' banners on stdout.
+TEST_F(Cli, LogLinesStartWithAnRfc3339UtcTimestamp) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({}));
+  ChildProcess* agent = StartAgent("cpu1");
+  ASSERT_TRUE(WaitFor([&] { return ConnectedAgents() == 1; }, 20)) << Logs();
+  const int64_t sweep = Submit(CpuSweep(1, "[naive]"));
+  ASSERT_TRUE(WaitSweepDone(sweep, 60)) << Logs();
+  agent->Signal(SIGTERM);
+  ASSERT_TRUE(agent->WaitExit(20)) << agent->Output();
+  coordinator_->Signal(SIGTERM);
+  ASSERT_TRUE(coordinator_->WaitExit(20)) << coordinator_->Output();
+
+  const std::regex stamped(R"(^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) \[([a-z]+[^\]]*)\] .+)");
+  auto check = [&](const std::string& output, const std::string& tag, int min_lines) {
+    int stamped_lines = 0;
+    for (absl::string_view line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
+      const std::string text(line);
+      if (text.rfind("# ", 0) == 0) continue;  // the banner on stdout
+      std::smatch m;
+      if (!std::regex_match(text, m, stamped)) {
+        ADD_FAILURE() << tag << " line without a timestamp: " << text;
+        continue;
+      }
+      EXPECT_EQ(m[2].str(), tag) << text;
+      absl::Time t;
+      std::string err;
+      ASSERT_TRUE(absl::ParseTime(absl::RFC3339_full, m[1].str(), &t, &err)) << text << ": " << err;
+      // UTC: within a few minutes of now whatever the machine's time zone.
+      EXPECT_LT(absl::AbsDuration(absl::Now() - t), absl::Minutes(5)) << text;
+      ++stamped_lines;
+    }
+    EXPECT_GE(stamped_lines, min_lines) << output;
+  };
+  check(coordinator_->Output(), "coordinator", 4);  // listening, connected, submitted, stopping
+  check(agent->Output(), "agent cpu1", 4);           // connected, running, result, stopping
+}
+
+}  // namespace
+}  // namespace infersweep
