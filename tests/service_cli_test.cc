@@ -61,6 +61,74 @@ class Cli : public FleetProcesses {
   }
 };
 
+// `submit --wait` keeps waiting while the coordinator restarts: it says once that the
+// connection is lost and once that it is back, and exits 0 when the sweep is done. The
+// coordinator is killed outright mid-sweep and restarted on the same port and database; a CPU
+// agent finishes the sweep.
+TEST_F(Cli, SubmitWaitSurvivesACoordinatorRestart) {
+  const std::vector<std::string> flags = {"--lease-s", "20"};
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator(flags));
+  StartAgent("cpu1", {"--test-inject-fault", "delay:0.5"});
+  ASSERT_TRUE(WaitFor([&] { return ConnectedAgents() == 1; }, 20)) << Logs();
+  auto submit = StartSubmitWait(WriteFile("wait.yaml", CpuSweep(3)));  // 6 trials
+  ASSERT_NE(submit, nullptr);
+  ASSERT_TRUE(WaitFor([&] { return Results() >= 1; }, 60)) << Logs();
+  ASSERT_LT(Results(), 6) << "the sweep ended before the restart";
+
+  coordinator_->KillGroup(SIGKILL);
+  ASSERT_TRUE(coordinator_->WaitExit(10));
+  // The watcher polls every 500 ms: this is long enough for it to have failed a few times.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  ASSERT_TRUE(submit->running()) << "submit --wait gave up while the coordinator was down:\n"
+                                 << submit->Output();
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator(flags, port_));
+
+  int status = 0;
+  ASSERT_TRUE(submit->WaitExit(90, &status)) << submit->Output() << Logs();
+  const std::string out = submit->Output();
+  EXPECT_TRUE(ExitedWith(status, 0)) << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("lost the connection to the coordinator at ", address_)));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("connection to the coordinator at ", address_, " is back")));
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n') < 40, true) << "one line per retry?\n" << out;
+  EXPECT_THAT(out, HasSubstr("6/6 done"));
+  ASSERT_TRUE(WaitSweepDone(1, 10));
+}
+
+// A coordinator that stays away: after --wait-retry-s the watcher gives up with a message
+// naming the coordinator and the sweep, and exits 1.
+TEST_F(Cli, SubmitWaitGivesUpAfterItsRetryBudget) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({}));
+  auto submit = StartSubmitWait(WriteFile("wait.yaml", CpuSweep(1)), {"--wait-retry-s", "2"});
+  ASSERT_NE(submit, nullptr);
+  coordinator_->KillGroup(SIGKILL);
+  ASSERT_TRUE(coordinator_->WaitExit(10));
+  int status = 0;
+  ASSERT_TRUE(submit->WaitExit(20, &status)) << submit->Output();
+  const std::string out = submit->Output();
+  EXPECT_TRUE(ExitedWith(status, 1)) << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("the coordinator at ", address_)));
+  EXPECT_THAT(out, HasSubstr("sweep 1"));
+  EXPECT_THAT(out, HasSubstr("2 s"));
+}
+
+// An error that retrying cannot fix ends the wait at once: the coordinator comes back requiring
+// a user token this client does not have (UNAUTHENTICATED).
+TEST_F(Cli, SubmitWaitFailsAtOnceOnANonTransientError) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({}));
+  auto submit = StartSubmitWait(WriteFile("wait.yaml", CpuSweep(1)));
+  ASSERT_NE(submit, nullptr);
+  coordinator_->KillGroup(SIGKILL);
+  ASSERT_TRUE(coordinator_->WaitExit(10));
+  const std::string token = WriteFile("user.token", "a-user-token\n");
+  ASSERT_EQ(chmod(token.c_str(), 0600), 0);
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({"--user-token-file", token}, port_));
+  int status = 0;
+  // Well inside the default 120 s retry budget.
+  ASSERT_TRUE(submit->WaitExit(20, &status)) << submit->Output();
+  EXPECT_TRUE(ExitedWith(status, 1)) << submit->Output();
+  EXPECT_THAT(submit->Output(), HasSubstr("missing or invalid credentials"));
+}
+
 // Every log line of the coordinator and of the agent starts with an RFC 3339 UTC timestamp with
 // milliseconds, then the process's tag; the only other lines are the '#' banners on stdout.
 TEST_F(Cli, LogLinesStartWithAnRfc3339UtcTimestamp) {
