@@ -1222,12 +1222,16 @@ void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_coun
   out->set_trials_total(s.trials_total);
   out->set_trials_done(s.trials_done);
   out->set_priority(s.priority);
+  // Running = leased: every lease the coordinator holds for the sweep, including those
+  // recovered from the database after a restart (no slots until their agent's Hello confirms
+  // them) and those of an agent that came back without the trial (released after a grace
+  // period), so that queued = total - done - running counts only trials waiting for a slot.
   int64_t running = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [agent, held] : held_)
       for (const auto& [tid, h] : held)
-        if (h.sweep_id == s.id && !h.foreign && !h.slots.empty()) ++running;
+        if (h.sweep_id == s.id && !h.foreign) ++running;
   }
   out->set_trials_running(running);
   if (!with_counts) return;
