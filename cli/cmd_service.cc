@@ -30,7 +30,9 @@
 #include "agent/inventory.h"
 #include "cli/commands.h"
 #include "coordinator/client.h"
+#include "coordinator/metrics.h"
 #include "coordinator/server.h"
+#include "coordinator/sweep_spec.h"
 #include "harness/trial.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
@@ -461,6 +463,11 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
   if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot read ", path)));
   std::stringstream text;
   text << in.rdbuf();
+  // The coordinator refuses a bigger spec, and one over the gRPC message cap could not even be
+  // sent: the same refusal, in the coordinator's words, without a round trip.
+  if (const size_t size = text.str().size(); size > kMaxSweepSpecBytes)
+    return Usage(
+        absl::StrCat(path, ": spec is ", size, " bytes; the limit is ", kMaxSweepSpecBytes));
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
   ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);

@@ -499,8 +499,8 @@ absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml_text, std::string
   const absl::string_view yaml(yaml_text.data(), yaml_text.size());
   const Parser p(absl::string_view(source_name.data(), source_name.size()));
   if (yaml.size() > kMaxSweepSpecBytes)
-    return p.Error(0, "", absl::StrCat("the spec is ", yaml.size(), " bytes; the limit is ",
-                                       kMaxSweepSpecBytes));
+    return p.Error(
+        0, "", absl::StrCat("spec is ", yaml.size(), " bytes; the limit is ", kMaxSweepSpecBytes));
   try {
     return ParseSpecUnsafe(yaml, p, OrDefault(normalize));
   } catch (const YAML::Exception& e) {

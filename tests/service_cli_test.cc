@@ -167,5 +167,31 @@ TEST_F(Cli, LogLinesStartWithAnRfc3339UtcTimestamp) {
   check(agent->Output(), "agent cpu1", 4);           // connected, running, result, stopping
 }
 
+// A spec over the size limit is refused by `submit` itself, before anything is sent (no
+// coordinator listens here), with the documented message and the usage exit code 2.
+TEST_F(Cli, SpecOverTheSizeLimitIsRefusedBeforeSending) {
+  for (const size_t size : {kMaxSweepSpecBytes + 1, size_t{4} * 1024 * 1024 + 1}) {
+    std::string yaml = CpuSweep(1) + "# ";
+    yaml.resize(size - 1, 'x');
+    yaml += '\n';
+    ASSERT_EQ(yaml.size(), size);
+    const std::string path = WriteFile(absl::StrCat("big-", size, ".yaml"), yaml);
+    int rc = 0;
+    const std::string out = Run(absl::StrCat("submit '", path, "' --coordinator 127.0.0.1:1"), &rc);
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat(path, ": spec is ", size, " bytes; the limit is ",
+                                            kMaxSweepSpecBytes)));
+  }
+  // At the limit it is sent (and here fails to connect, which is not a usage error).
+  std::string yaml = CpuSweep(1) + "# ";
+  yaml.resize(kMaxSweepSpecBytes - 1, 'x');
+  yaml += '\n';
+  int rc = 0;
+  const std::string out = Run(
+      absl::StrCat("submit '", WriteFile("edge.yaml", yaml), "' --coordinator 127.0.0.1:1"), &rc);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, Not(HasSubstr("the limit is")));
+}
+
 }  // namespace
 }  // namespace infersweep
