@@ -473,6 +473,7 @@ int RunSubmit(const std::string& coordinator, const std::string& path, bool wait
   ServiceClient client(coordinator, 30'000, *user_token, g_client_tls);
   absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
   if (!r.ok()) return Fail(r.status());
+  for (const std::string& w : r->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
   std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
               static_cast<long long>(r->trial_count()));
   std::fflush(stdout);

@@ -17,6 +17,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "coordinator/metrics.h"
 #include "coordinator/sweep_spec.h"
 #include "engine/backend_config.h"
@@ -1200,6 +1201,8 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
                                   " bytes; the limit is ", kMaxSweepSpecBytes));
   absl::StatusOr<SweepSpec> spec = ParseSweepSpec(req.spec_yaml(), source);
   if (!spec.ok()) return rpc::ToGrpcStatus(spec.status());
+  absl::StatusOr<std::vector<std::string>> warnings = CheckSweepModel(*spec);
+  if (!warnings.ok()) return rpc::ToGrpcStatus(warnings.status());
   absl::StatusOr<std::vector<TrialRecord>> trials =
       ExpandSweep(*spec, 0, options_.max_trials_per_sweep);
   if (!trials.ok()) return rpc::ToGrpcStatus(trials.status());
@@ -1207,7 +1210,9 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
   if (!id.ok()) return rpc::ToGrpcStatus(id.status());
   resp->set_sweep_id(*id);
   resp->set_trial_count(static_cast<int64_t>(trials->size()));
-  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)"));
+  for (const std::string& w : *warnings) resp->add_warnings(w);
+  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)",
+                   warnings->empty() ? "" : "; warning: ", absl::StrJoin(*warnings, "; ")));
   Wake();
   return grpc::Status::OK;
 }
