@@ -60,6 +60,10 @@ int Usage(const std::string& message) {
 // --token-file of the service commands (only one command runs per process).
 std::string g_token_file;
 
+// --token-file's help on the user commands: the variable holds the token itself (UserToken).
+constexpr char kUserTokenFileHelp[] =
+    "file holding the user token (default: the token in $INFERSWEEP_USER_TOKEN, if set)";
+
 // The user token the service commands send: --token-file, else $INFERSWEEP_USER_TOKEN (trailing
 // whitespace stripped), else none.
 absl::StatusOr<std::string> UserToken() {
@@ -999,8 +1003,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("submit", "submit a sweep spec (YAML); prints its id");
     cmd->add_option("spec", path, "sweep spec file")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
     cmd->add_option("--wait-retry-s", wait_retry_s,
@@ -1016,8 +1019,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("status", "sweeps, or one sweep's live progress");
     cmd->add_option("sweep_id", sweep, "sweep id (default: list every sweep)");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_flag("--once", once, "print one snapshot instead of a live bar");
     cmd->callback([] { std::exit(RunStatus(coordinator, sweep, once)); });
@@ -1028,8 +1030,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("cancel", "cancel a sweep's remaining trials");
     cmd->add_option("sweep_id", sweep, "sweep id")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->callback([] { std::exit(RunCancel(coordinator, sweep)); });
   }
@@ -1037,8 +1038,7 @@ void AddServiceCommands(CLI::App& app) {
     static ResultsArgs args;
     CLI::App* cmd = app.add_subcommand("results", "query stored results");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_option("--sweep", args.sweep, "sweep id");
     cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
@@ -1059,8 +1059,7 @@ void AddServiceCommands(CLI::App& app) {
     static int batch = 1;
     CLI::App* cmd = app.add_subcommand("best", "the fastest OK config for a model on an arch");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_option("--model", model, "model")->required();
     cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
@@ -1075,8 +1074,7 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand(
         "compare", "two configs on one arch, or one config on two archs, side by side");
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
@@ -1089,8 +1087,7 @@ void AddServiceCommands(CLI::App& app) {
     static std::string coordinator = DefaultCoordinator();
     CLI::App* cmd = app.add_subcommand("agents", "agents known to the coordinator");
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
-    cmd->add_option("--token-file", g_token_file,
-                    "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+    cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->callback([] { std::exit(RunAgents(coordinator)); });
   }

@@ -193,5 +193,17 @@ TEST_F(Cli, SpecOverTheSizeLimitIsRefusedBeforeSending) {
   EXPECT_THAT(out, Not(HasSubstr("the limit is")));
 }
 
+// Every user command's --token-file help says that $INFERSWEEP_USER_TOKEN holds the token
+// itself, not a path.
+TEST_F(Cli, TokenFileHelpSaysTheVariableHoldsTheToken) {
+  for (const char* command :
+       {"submit", "status", "cancel", "results", "best", "compare", "agents"}) {
+    int rc = 0;
+    const std::string out = Run(absl::StrCat(command, " --help"), &rc);
+    EXPECT_EQ(rc, 0) << command;
+    EXPECT_THAT(out, HasSubstr("default: the token in $INFERSWEEP_USER_TOKEN")) << command;
+  }
+}
+
 }  // namespace
 }  // namespace infersweep
