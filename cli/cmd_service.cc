@@ -613,6 +613,9 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
 }
 
 int RunResults(const ResultsArgs& args) {
+  if (args.limit < 1)
+    return Usage(absl::StrCat("--limit must be at least 1, got ", args.limit,
+                              " (the coordinator returns at most 10000)"));
   v1::QueryResultsRequest req;
   std::vector<std::string> context;
   if (args.sweep > 0) {
@@ -1048,7 +1051,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--status", args.status, "OK, INCORRECT, CRASHED, UNSUPPORTED, TIMEOUT, ERROR");
     cmd->add_option("--since", args.since, "finished at or after: 24h (ago), 2025-01-31, RFC 3339");
     cmd->add_option("--until", args.until, "finished before (same forms as --since)");
-    cmd->add_option("--limit", args.limit, "at most this many results (newest first)")
+    cmd->add_option("--limit", args.limit,
+                    "at most this many results, newest first: 1 to 10000 (the coordinator's cap)")
         ->capture_default_str();
     cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
     cmd->callback([] { std::exit(RunResults(args)); });

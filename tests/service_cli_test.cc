@@ -193,6 +193,19 @@ TEST_F(Cli, SpecOverTheSizeLimitIsRefusedBeforeSending) {
   EXPECT_THAT(out, Not(HasSubstr("the limit is")));
 }
 
+// `results --limit` below 1 is a usage error, not "everything"; the help gives the range.
+TEST_F(Cli, ResultsLimitBelowOneIsAUsageError) {
+  for (const char* limit : {"0", "-5"}) {
+    int rc = 0;
+    const std::string out =
+        Run(absl::StrCat("results --limit ", limit, " --coordinator 127.0.0.1:1"), &rc);
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_THAT(out, HasSubstr("--limit must be at least 1")) << out;
+  }
+  int rc = 0;
+  EXPECT_THAT(Run("results --help", &rc), HasSubstr("10000"));
+}
+
 // Every user command's --token-file help says that $INFERSWEEP_USER_TOKEN holds the token
 // itself, not a path.
 TEST_F(Cli, TokenFileHelpSaysTheVariableHoldsTheToken) {
