@@ -97,6 +97,16 @@ std::string FormatBytes(int64_t bytes) {
   return absl::StrFormat("%.0f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
 }
 
+// An SM as the tables' sm column shows it: "90", or "cpu" for SM 0 (CPU results are stored under
+// SM 0). In words elsewhere: SmArchLabel ("sm_90", "cpu").
+std::string SmColumn(int sm) { return sm <= 0 ? std::string("cpu") : absl::StrCat(sm); }
+
+// A result's device in words: "NVIDIA H200 sm_90", or "cpu" for a CPU slot's result.
+std::string DeviceText(const std::string& gpu_name, int sm) {
+  if (sm <= 0 && (gpu_name.empty() || gpu_name == "cpu")) return "cpu";
+  return absl::StrCat(gpu_name.empty() ? "?" : gpu_name, " ", SmArchLabel(sm));
+}
+
 // Blocks SIGINT and SIGTERM in this thread (and every thread it starts later), so that
 // WaitForSignal() can take them synchronously.
 void BlockStopSignals() {
@@ -272,7 +282,8 @@ int RunAgent(const AgentArgs& args) {
   } else {
     std::vector<std::string> names;
     for (const GpuInfo& g : inv.gpus)
-      names.push_back(absl::StrCat(g.name, " sm_", g.sm, g.test_fake ? " [TEST-FAKE LABEL]" : ""));
+      names.push_back(
+          absl::StrCat(g.name, " ", SmArchLabel(g.sm), g.test_fake ? " [TEST-FAKE LABEL]" : ""));
     slots = absl::StrJoin(names, ", ");
   }
   std::printf("# infersweep agent %s on %s -> coordinator %s; slots: %s\n",
@@ -568,18 +579,18 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context)
     const std::string status = S(TrialStatusName(r.status));
     const std::string agent = row.agent_id.empty() ? "(coordinator)" : row.agent_id;
     if (r.batches.empty()) {
-      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
+      std::printf(" %6lld %-10s %-14s %-22s %4s %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
                   static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-                  row.gpu_name.c_str(), row.sm, config.c_str(), "-", status.c_str(), "-", "-", "-",
-                  "-", "-");
+                  row.gpu_name.c_str(), SmColumn(row.sm).c_str(), config.c_str(), "-",
+                  status.c_str(), "-", "-", "-", "-", "-");
       if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
       continue;
     }
     for (const BatchFigures& b : r.batches)
-      std::printf(" %6lld %-10s %-14s %-22s %4d %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f %6.1f\n",
+      std::printf(" %6lld %-10s %-14s %-22s %4s %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f %6.1f\n",
                   static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-                  row.gpu_name.c_str(), row.sm, config.c_str(), b.batch, status.c_str(),
-                  b.ttft_ms.median, b.tpot_ms.median, b.output_tok_s.median,
+                  row.gpu_name.c_str(), SmColumn(row.sm).c_str(), config.c_str(), b.batch,
+                  status.c_str(), b.ttft_ms.median, b.tpot_ms.median, b.output_tok_s.median,
                   b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
     if (r.status != TrialStatus::kOk && !r.reason.empty())
       std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
@@ -626,7 +637,7 @@ int RunResults(const ResultsArgs& args) {
     absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
     if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
     req.set_sm(*sm);
-    context.push_back(absl::StrCat("sm_", *sm));
+    context.push_back(SmArchLabel(*sm));
   }
   if (!args.gpu.empty()) {
     req.set_gpu_name(args.gpu);
@@ -698,9 +709,9 @@ void PrintFigures(const Row& row, int batch) {
   const TrialResult& r = row.result;
   const BatchFigures* b = FindBatch(r, batch);
   std::printf("# config        %s\n", BackendConfigString(r.config).c_str());
-  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s sm_%d\n", r.trial_id.c_str(),
+  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s\n", r.trial_id.c_str(),
               r.attempt, static_cast<long long>(row.sweep_id), row.agent_id.c_str(),
-              row.gpu_name.c_str(), row.sm);
+              DeviceText(row.gpu_name, row.sm).c_str());
   if (b == nullptr) return;
   // roof: the decode step's share of the memory roofline; p_roof: the prefill's share of the
   // compute roofline (docs/METRICS.md); "-" where the device has no measured figures.
@@ -737,8 +748,8 @@ int RunBest(const std::string& coordinator, const std::string& model, const std:
     if (format == "json") {
       std::printf("null\n");
     } else {
-      std::printf("# no OK result for %s on sm_%d with %s at batch %d\n", model.c_str(), *sm,
-                  metric.c_str(), batch);
+      std::printf("# no OK result for %s on %s with %s at batch %d\n", model.c_str(),
+                  SmArchLabel(*sm).c_str(), metric.c_str(), batch);
     }
     return 1;
   }
@@ -754,7 +765,8 @@ int RunBest(const std::string& coordinator, const std::string& model, const std:
                             .c_str());
     return 0;
   }
-  std::printf("# best %s for %s on sm_%d at batch %d\n", metric.c_str(), model.c_str(), *sm, batch);
+  std::printf("# best %s for %s on %s at batch %d\n", metric.c_str(), model.c_str(),
+              SmArchLabel(*sm).c_str(), batch);
   PrintFigures(*row, batch);
   std::printf("%s\n", BackendConfigString(row->result.config).c_str());
   return 0;
@@ -827,8 +839,8 @@ int RunCompare(const CompareArgs& args) {
               "tok/s)\n",
               args.model.c_str(), args.batch);
   for (size_t i = 0; i < sides.size(); ++i)
-    std::printf("# %c: %s on sm_%d%s\n", static_cast<char>('A' + i), sides[i].first.c_str(),
-                sides[i].second, found[i] ? "" : "  -- no OK result");
+    std::printf("# %c: %s on %s%s\n", static_cast<char>('A' + i), sides[i].first.c_str(),
+                SmArchLabel(sides[i].second).c_str(), found[i] ? "" : "  -- no OK result");
   auto cell = [&](size_t i, auto get) -> std::string {
     if (!found[i]) return "-";
     const BatchFigures* b = FindBatch(found[i]->result, args.batch);
@@ -847,7 +859,7 @@ int RunCompare(const CompareArgs& args) {
                 found[1] ? get(*found[1]).c_str() : "-", "");
   };
   text_row("config", [](const Row& r) { return BackendConfigString(r.result.config); });
-  text_row("gpu", [](const Row& r) { return absl::StrCat(r.gpu_name, " sm_", r.sm); });
+  text_row("gpu", [](const Row& r) { return DeviceText(r.gpu_name, r.sm); });
   text_row("agent", [](const Row& r) { return r.agent_id; });
   text_row("trial", [](const Row& r) { return absl::StrCat(r.result.trial_id, " (sweep ", r.sweep_id, ")"); });
   auto num_row = [&](const char* name, auto get) {
@@ -894,7 +906,8 @@ int RunAgents(const std::string& coordinator) {
     } else {
       std::vector<std::string> parts;
       for (const v1::Gpu& g : a.gpus())
-        parts.push_back(absl::StrCat(g.name(), " sm_", g.sm(), " ", FormatBytes(g.memory_bytes())));
+        parts.push_back(
+            absl::StrCat(g.name(), " ", SmArchLabel(g.sm()), " ", FormatBytes(g.memory_bytes())));
       devices = absl::StrJoin(parts, "; ");
     }
     const std::string free =
@@ -1044,7 +1057,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_option("--sweep", args.sweep, "sweep id");
-    cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
+    cmd->add_option("--sm-arch", args.sm_arch,
+                    "SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)");
     cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
     cmd->add_option("--model", args.model, "model (checkpoint folder or preset:NAME)");
     cmd->add_option("--axis", args.axes, "axis=value the config must have (repeatable)");
@@ -1066,7 +1080,9 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--token-file", g_token_file, kUserTokenFileHelp);
     AddClientTlsFlags(cmd);
     cmd->add_option("--model", model, "model")->required();
-    cmd->add_option("--sm-arch", sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
+    cmd->add_option("--sm-arch", sm_arch,
+                    "SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)")
+        ->required();
     cmd->add_option("--metric", metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
         ->capture_default_str();
     cmd->add_option("--batch", batch, "batch size the metric is read at")->capture_default_str();
@@ -1083,7 +1099,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
                                               "the axes they leave out)");
-    cmd->add_option("--sm-arch", args.sm_archs, "SM architecture(s)");
+    cmd->add_option("--sm-arch", args.sm_archs,
+                    "SM architecture(s): sm_90, 90, sm_90a, or cpu (CPU results)");
     cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
     cmd->callback([] { std::exit(RunCompare(args)); });
   }

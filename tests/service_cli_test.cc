@@ -218,5 +218,37 @@ TEST_F(Cli, TokenFileHelpSaysTheVariableHoldsTheToken) {
   }
 }
 
+// Results of CPU slots (SM 0) read "cpu" wherever an SM is shown, and --sm-arch cpu selects
+// them: the results table, best's and compare's headers.
+TEST_F(Cli, CpuResultsAreShownAsCpu) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator({}));
+  StartAgent("cpu1");
+  ASSERT_TRUE(WaitFor([&] { return ConnectedAgents() == 1; }, 20)) << Logs();
+  const int64_t sweep = Submit(CpuSweep(1, "[naive]"));
+  ASSERT_TRUE(WaitSweepDone(sweep, 60)) << Logs();
+  const std::string at = absl::StrCat(" --coordinator ", address_);
+  int rc = 0;
+  const std::string results = Run("results --sm-arch cpu" + at, &rc);
+  EXPECT_EQ(rc, 0) << results;
+  EXPECT_THAT(results, HasSubstr("# infersweep results: cpu\n"));
+  EXPECT_THAT(results, HasSubstr(" cpu1 "));
+  EXPECT_TRUE(std::regex_search(results, std::regex(R"(\n +1 1-0 +cpu1 +cpu +cpu +device=cpu)")))
+      << results;
+  EXPECT_THAT(results, HasSubstr("# 1 result(s)"));
+  const std::string best = Run("best --model preset:tiny-moe --sm-arch cpu" + at, &rc);
+  EXPECT_EQ(rc, 0) << best;
+  EXPECT_THAT(best, HasSubstr("for preset:tiny-moe on cpu at batch 1"));
+  const std::string compare = Run(
+      "compare --model preset:tiny-moe --config matmul=naive --config device=cpu --sm-arch cpu" +
+          at,
+      &rc);
+  EXPECT_EQ(rc, 0) << compare;
+  EXPECT_THAT(compare, HasSubstr("# A: matmul=naive on cpu"));
+  for (const std::string& out : {results, best, compare}) EXPECT_THAT(out, Not(HasSubstr("sm_0")));
+  const std::string none = Run("best --model preset:tiny-moe --sm-arch sm_90" + at, &rc);
+  EXPECT_EQ(rc, 1) << none;
+  EXPECT_THAT(none, HasSubstr("on sm_90"));
+}
+
 }  // namespace
 }  // namespace infersweep
