@@ -484,6 +484,7 @@ grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.auth_failures;
   }
+  metrics_->CountAuthFailure("user");
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid credentials");
 }
 
@@ -549,6 +550,7 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.auth_failures;
     }
+    metrics_->CountAuthFailure("agent");
     return reject(grpc::StatusCode::UNAUTHENTICATED, "Hello: missing or invalid credentials");
   }
   if (absl::Status s = ValidateHello(msg.hello()); !s.ok())

@@ -365,6 +365,10 @@ TEST_F(Auth, UserApiNeedsTheUserToken) {
   EXPECT_TRUE(user.QueryResults(v1::QueryResultsRequest()).ok());
   EXPECT_TRUE(user.CancelSweep(ok->sweep_id()).ok());
   EXPECT_EQ(server_->stats().auth_failures, 12);
+  // Refusals are counted in /metrics too, by API.
+  const std::string metrics = server_->MetricsText();
+  EXPECT_THAT(metrics, HasSubstr("infersweep_auth_failures_total{api=\"user\"} 12"));
+  EXPECT_THAT(metrics, HasSubstr("infersweep_auth_failures_total{api=\"agent\"} 0"));
 }
 
 TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
@@ -387,6 +391,7 @@ TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
     EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("secret")));
   }
   EXPECT_EQ(server_->stats().auth_failures, 4);
+  EXPECT_THAT(server_->MetricsText(), HasSubstr("infersweep_auth_failures_total{api=\"agent\"} 4"));
   EXPECT_EQ(server_->stats().agents_connected, 0);
   EXPECT_EQ(Count(), before);
   auto agents = user.ListAgents();
