@@ -138,6 +138,9 @@ class Agent {
   AgentStats stats_;
   std::atomic<bool> connected_{false};
   int failures_ = 0;  // connection attempts without a Welcome since the last one (loop thread)
+  // The last stream was refused for a reason that does not clear by itself (loop thread): the
+  // next attempt waits the longest backoff.
+  bool refused_permanently_ = false;
   // Results to send again after a transient Error, when, and the backoff after that (mu_).
   std::set<std::pair<std::string, int>> retry_keys_;
   std::optional<std::chrono::steady_clock::time_point> retry_at_;

@@ -530,13 +530,21 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
                      RateLimitMessage("agent streams", connect_limiter_.limit(), peer));
   v1::AgentMessage msg;
   if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
+  // The agent id the stream claims, for the log ("" when its Hello has none that is valid).
+  const std::string claimed =
+      msg.has_hello() && ValidAgentId(msg.hello().agent_id()) ? msg.hello().agent_id() : "";
+  // Closes the stream with `code`: the agent reads `text` and the code in an Error, then the
+  // same in the stream's status.
   auto reject = [&](grpc::StatusCode code, const std::string& text) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.streams_rejected;
     }
-    Log(absl::StrCat("stream rejected: ", text));
-    stream->Write(ErrorMessage(text));
+    Log(absl::StrCat("stream rejected from ", context->peer(),
+                     claimed.empty() ? "" : absl::StrCat(" (agent '", claimed, "')"), ": ",
+                     absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), ": ", text));
+    stream->Write(
+        ErrorMessage(text, "", 0, /*permanent=*/false, static_cast<absl::StatusCode>(code)));
     return GrpcError(code, text);
   };
   if (!msg.has_hello())
@@ -632,7 +640,8 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     }
     if (msg.has_hello()) {
       const std::string text = "protocol error: a second Hello on the same stream";
-      conn->Enqueue(ErrorMessage(text));
+      conn->Enqueue(
+          ErrorMessage(text, "", 0, /*permanent=*/false, absl::StatusCode::kFailedPrecondition));
       {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.streams_rejected;

@@ -541,5 +541,25 @@ TEST_F(Fleet, RecoveredLeasesCountAsRunningAfterARestart) {
   EXPECT_EQ(server_->stats().requeued, 1) << Log();
 }
 
+// An agent the coordinator refuses logs why: the status code and the coordinator's reason, that
+// the refusal does not clear by itself, and the backoff it keeps retrying at (its longest). The
+// coordinator's line names the peer and the agent id it claimed.
+TEST_F(Fleet, RefusedAgentLogsTheCodeAndTheReason) {
+  CoordinatorOptions options = QuietOptions();
+  options.agent_token = "the-agent-token";
+  StartCoordinator(options);
+  StartAgent("stranger", "", {INFERSWEEP_BINARY, "worker"}, "not-the-token");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().auth_failures >= 3; }, 10)) << Log();
+  const std::string log = Log();
+  EXPECT_THAT(log, HasSubstr("[stranger] coordinator refused the stream: UNAUTHENTICATED: "
+                             "Hello: missing or invalid credentials"));
+  EXPECT_THAT(log, HasSubstr("retrying every 300 ms"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("Cancelled")));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("CANCELLED")));
+  EXPECT_THAT(log, HasSubstr("[coordinator] stream rejected from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("agent 'stranger'"));
+  EXPECT_EQ(log.find("not-the-token"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace infersweep
