@@ -250,5 +250,37 @@ TEST_F(Cli, CpuResultsAreShownAsCpu) {
   EXPECT_THAT(none, HasSubstr("on sm_90"));
 }
 
+// The benchmarks explain their flags: --help prints each with its meaning and default and exits
+// 0; an unknown flag prints the usage and exits 2. Skipped where the bench targets are not built.
+TEST_F(Cli, BenchmarksExplainTheirFlags) {
+  const std::filesystem::path bench =
+      std::filesystem::path(WorkerBinary()).parent_path().parent_path() / "bench";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> benches = {
+      {"fleet_bench",
+       {"--agents", "--trials-per-agent", "--channels", "--trial-ms", "--binary", "--db",
+        "--keep"}},
+      {"store_bench", {"--rows", "--db", "--batch", "--runs", "--keep"}}};
+  int found = 0;
+  for (const auto& [name, flags] : benches) {
+    const std::string path = (bench / name).string();
+    if (!std::filesystem::exists(path)) continue;
+    ++found;
+    int rc = 0;
+    const std::string help = RunCommand(absl::StrCat("'", path, "' --help 2>&1"), &rc);
+    EXPECT_EQ(rc, 0) << help;
+    for (const std::string& flag : flags) {
+      // The flag's line has a meaning after it, and the default where it has one.
+      std::regex line(absl::StrCat(R"((^|\n) +)", flag, R"([ =][^\n]*[a-z]{3,}[^\n]*)"));
+      EXPECT_TRUE(std::regex_search(help, line)) << name << " " << flag << ":\n" << help;
+    }
+    EXPECT_THAT(help, HasSubstr("default"));
+    const std::string bad = RunCommand(absl::StrCat("'", path, "' --bogus 2>&1"), &rc);
+    EXPECT_EQ(rc, 2) << bad;
+    EXPECT_THAT(bad, HasSubstr("usage"));
+    EXPECT_THAT(bad, HasSubstr("--bogus"));
+  }
+  if (found == 0) GTEST_SKIP() << "no bench binaries next to " << WorkerBinary();
+}
+
 }  // namespace
 }  // namespace infersweep
