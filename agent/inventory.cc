@@ -23,13 +23,13 @@ absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
   absl::string_view v = t;
   if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
   if (!v.empty() && (v.back() == 'a' || v.back() == 'f')) v.remove_suffix(1);
-  const bool digits =
-      !v.empty() && v.size() <= 4 && v.front() != '0' &&
-      std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const bool digits = !v.empty() && v.size() <= 4 && v.front() != '0' &&
+                      std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
   int sm = 0;
   if (!digits || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
     return absl::InvalidArgumentError(absl::StrCat(
-        "'", text, "' is not an SM architecture (expected sm_NN, NN or sm_NNa with NN in 10..1000, "
+        "'", text,
+        "' is not an SM architecture (expected sm_NN, NN or sm_NNa with NN in 10..1000, "
         "e.g. sm_90, 90, sm_90a; or cpu)"));
   return sm;
 }

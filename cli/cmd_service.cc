@@ -366,8 +366,8 @@ int WatchSweep(ServiceClient& client, int64_t id, double retry_s) {
   const bool tty = isatty(STDOUT_FILENO);
   std::string last;
   auto last_print = Clock::now() - std::chrono::hours(1);
-  bool lost = false;          // the last call failed
-  Clock::time_point lost_at;  // the first failure of the current run of them
+  bool lost = false;                 // the last call failed
+  Clock::time_point lost_at;         // the first failure of the current run of them
   milliseconds retry = kFirstRetry;  // the next retry's interval
   milliseconds interval(0);          // this call's, when it is a retry
   while (true) {
@@ -424,8 +424,7 @@ int WatchSweep(ServiceClient& client, int64_t id, double retry_s) {
     if (tty) {
       std::printf("\r%s\033[K", line.c_str());
       if (!active) std::printf("\n");
-    } else if (line != last &&
-               (!active || Clock::now() - last_print > std::chrono::seconds(5))) {
+    } else if (line != last && (!active || Clock::now() - last_print > std::chrono::seconds(5))) {
       std::printf("%s\n", line.c_str());
       last = line;
       last_print = Clock::now();

@@ -136,9 +136,9 @@ TEST(InventoryTest, SmArchIsTheWholeWord) {
   EXPECT_EQ(*ParseSmArch("sm90"), 90);
   EXPECT_EQ(*ParseSmArch("cpu"), 0);
   EXPECT_EQ(*ParseSmArch("CPU"), 0);
-  for (const char* bad : {"+90", "90x", "sm_90zzz", "120abc", "sm90a1", "sm_90af", "90 a", "9 0",
-                          "sm_-90", "sm_+90", "0x5a", "1001", "99999999999", "sm_", "a", "cpu0",
-                          "sm_cpu", "0090", "sm_9"}) {
+  for (const char* bad :
+       {"+90", "90x", "sm_90zzz", "120abc", "sm90a1", "sm_90af", "90 a", "9 0", "sm_-90", "sm_+90",
+        "0x5a", "1001", "99999999999", "sm_", "a", "cpu0", "sm_cpu", "0090", "sm_9"}) {
     absl::StatusOr<int> sm = ParseSmArch(bad);
     EXPECT_FALSE(sm.ok()) << "'" << bad << "' read as " << *sm;
     if (!sm.ok()) {

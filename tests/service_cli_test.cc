@@ -88,7 +88,8 @@ TEST_F(Cli, SubmitWaitSurvivesACoordinatorRestart) {
   const std::string out = submit->Output();
   EXPECT_TRUE(ExitedWith(status, 0)) << out;
   EXPECT_THAT(out, HasSubstr(absl::StrCat("lost the connection to the coordinator at ", address_)));
-  EXPECT_THAT(out, HasSubstr(absl::StrCat("connection to the coordinator at ", address_, " is back")));
+  EXPECT_THAT(out,
+              HasSubstr(absl::StrCat("connection to the coordinator at ", address_, " is back")));
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n') < 40, true) << "one line per retry?\n" << out;
   EXPECT_THAT(out, HasSubstr("6/6 done"));
   ASSERT_TRUE(WaitSweepDone(1, 10));
@@ -164,7 +165,7 @@ TEST_F(Cli, LogLinesStartWithAnRfc3339UtcTimestamp) {
     EXPECT_GE(stamped_lines, min_lines) << output;
   };
   check(coordinator_->Output(), "coordinator", 4);  // listening, connected, submitted, stopping
-  check(agent->Output(), "agent cpu1", 4);           // connected, running, result, stopping
+  check(agent->Output(), "agent cpu1", 4);          // connected, running, result, stopping
 }
 
 // A spec over the size limit is refused by `submit` itself, before anything is sent (no
