@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <deque>
 #include <fstream>
 #include <optional>
@@ -13,6 +12,7 @@
 #include "engine/fault_injection.h"
 #include "harness/runner.h"
 #include "proto/infersweep.grpc.pb.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep {
@@ -50,6 +50,16 @@ int64_t NowUnixMs() {
       .count();
 }
 
+// Whether the coordinator's refusal of a stream stays the same until someone changes the agent
+// or the coordinator: a wrong or missing token, a forbidden agent, another protocol version, a
+// Hello it does not accept (an invalid id, too many GPUs).
+bool PermanentRefusal(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnauthenticated ||
+         code == absl::StatusCode::kPermissionDenied ||
+         code == absl::StatusCode::kFailedPrecondition ||
+         code == absl::StatusCode::kInvalidArgument;
+}
+
 }  // namespace
 
 Agent::Agent(AgentOptions options) : options_(std::move(options)) {
@@ -67,7 +77,7 @@ void Agent::Log(const std::string& line) {
   if (options_.log) {
     options_.log(line);
   } else {
-    std::fprintf(stderr, "[agent %s] %s\n", options_.agent_id.c_str(), line.c_str());
+    WriteLogLine(absl::StrCat("agent ", options_.agent_id), line);
   }
 }
 
@@ -236,6 +246,8 @@ void Agent::ConnectionLoop() {
     }
     cv_.notify_all();
     if (welcomed) backoff_ms = options_.initial_backoff_ms;
+    // A refusal that will not clear by itself: no point in retrying sooner than the cap.
+    if (refused_permanently_) backoff_ms = options_.max_backoff_ms;
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::milliseconds(backoff_ms), [&] { return stopping_; });
     if (stopping_) break;
@@ -283,18 +295,24 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
   }
 
   bool welcomed = false;
+  bool refused = false;      // the coordinator answered the Hello with an Error
+  bool other_first = false;  // ... or with something else than Welcome
   bool ok;
   {
     std::lock_guard<std::mutex> lock(link->write_mu);
     ok = link->write_ok = link->stream->Write(hello_msg);
   }
   v1::CoordinatorMessage msg;
+  absl::Status refusal;  // the Error's code and message when refused
   if (ok && link->stream->Read(&msg)) {
     if (msg.has_welcome()) {
       welcomed = true;
     } else if (msg.has_error()) {
-      Log(absl::StrCat("coordinator refused the connection: ", msg.error().message()));
+      refused = true;
+      refusal =
+          absl::Status(static_cast<absl::StatusCode>(msg.error().code()), msg.error().message());
     } else {
+      other_first = true;
       Log("coordinator sent something other than Welcome first; reconnecting");
     }
   }
@@ -392,28 +410,45 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
     std::lock_guard<std::mutex> lock(link->write_mu);
     link->write_ok = false;
   }
-  // A stream we gave up on (no Welcome) stays open on the server's side: cancel it, or the drain
-  // below would block forever. Then drain so Finish() may run, and learn why the stream ended.
-  if (!welcomed) link->context.TryCancel();
+  // A stream whose first message was neither Welcome nor Error stays open on the server's side:
+  // cancel it, or the drain below would block forever. A coordinator that refuses a stream ends
+  // it after its Error, with the same code and reason as the stream's status: cancelling it
+  // here would only leave CANCELLED to report. Then drain so Finish() may run, and learn why
+  // the stream ended.
+  if (other_first) link->context.TryCancel();
   while (link->stream->Read(&msg)) {
   }
-  const grpc::Status status = link->stream->Finish();
+  const absl::Status status = rpc::FromGrpcStatus(link->stream->Finish());
+  if (refused && !status.ok()) refusal = status;
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping = stopping_;
   }
+  refused_permanently_ = refused && PermanentRefusal(refusal.code());
   if (!stopping) {
-    // A coordinator that stays down is reported on the first failure and then every 10th.
+    // A coordinator that stays down, or keeps refusing, is reported on the first failure and
+    // then every 10th.
     if (welcomed) {
       failures_ = 0;
     } else {
       ++failures_;
     }
-    if (welcomed || failures_ == 1 || failures_ % 10 == 0)
-      Log(absl::StrCat(welcomed ? "disconnected" : "could not connect",
-                       failures_ > 1 ? absl::StrCat(" (", failures_, " attempts)") : "", ": ",
-                       status.ok() ? "stream closed" : status.error_message()));
+    const std::string attempts = failures_ > 1 ? absl::StrCat(" (", failures_, " attempts)") : "";
+    if (welcomed || failures_ == 1 || failures_ % 10 == 0) {
+      if (refused) {
+        Log(absl::StrCat("coordinator refused the stream", attempts, ": ",
+                         absl::StatusCodeToString(refusal.code()), ": ", refusal.message(),
+                         refused_permanently_
+                             ? absl::StrCat("; this does not clear by itself (check the agent's "
+                                            "token, id and version); retrying every ",
+                                            options_.max_backoff_ms, " ms")
+                             : ""));
+      } else {
+        Log(absl::StrCat(welcomed ? "disconnected" : "could not connect", attempts, ": ",
+                         status.ok() ? std::string("stream closed") : status.ToString()));
+      }
+    }
   }
   return welcomed;
 }

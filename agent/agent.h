@@ -59,7 +59,8 @@ struct AgentOptions {
   // Where to serve Prometheus /metrics (agent/metrics.h), e.g. "127.0.0.1:9465"; port 0 picks a
   // free one; empty serves none.
   std::string metrics_listen;
-  // Log sink; default: stderr lines prefixed "[agent <id>]".
+  // Log sink, given each line's text; default: stderr, as LogLine("agent <id>", text)
+  // (proto/log_line.h: an RFC 3339 UTC timestamp, then "[agent <id>]").
   std::function<void(const std::string&)> log;
 };
 
@@ -137,6 +138,9 @@ class Agent {
   AgentStats stats_;
   std::atomic<bool> connected_{false};
   int failures_ = 0;  // connection attempts without a Welcome since the last one (loop thread)
+  // The last stream was refused for a reason that does not clear by itself (loop thread): the
+  // next attempt waits the longest backoff.
+  bool refused_permanently_ = false;
   // Results to send again after a transient Error, when, and the backoff after that (mu_).
   std::set<std::pair<std::string, int>> retry_keys_;
   std::optional<std::chrono::steady_clock::time_point> retry_at_;

@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <cctype>
+#include <algorithm>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -16,16 +16,21 @@ namespace infersweep {
 
 absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
   const absl::string_view text(text_in.data(), text_in.size());
-  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
   if (t == "cpu") return 0;  // CPU-only hosts store their results under SM 0
+  // The whole word: an optional "sm_" or "sm", the SM number (no sign, no leading zero), and at
+  // most one architecture-specific suffix letter (sm_90a, sm_100f), which names the same SM.
   absl::string_view v = t;
   if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
-  // Architecture-specific suffixes (sm_90a, sm_100f) name the same SM number.
-  while (!v.empty() && std::isalpha(static_cast<unsigned char>(v.back()))) v.remove_suffix(1);
+  if (!v.empty() && (v.back() == 'a' || v.back() == 'f')) v.remove_suffix(1);
+  const bool digits = !v.empty() && v.size() <= 4 && v.front() != '0' &&
+                      std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
   int sm = 0;
-  if (v.empty() || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", text, "' is not an SM architecture (e.g. sm_90, 90, sm_90a, or cpu)"));
+  if (!digits || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text,
+        "' is not an SM architecture (expected sm_NN, NN or sm_NNa with NN in 10..1000, "
+        "e.g. sm_90, 90, sm_90a; or cpu)"));
   return sm;
 }
 

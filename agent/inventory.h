@@ -28,7 +28,8 @@ struct Inventory {
   std::vector<std::string> backends;  // "axis=value" this build can run
 };
 
-// "sm_90", "90", "sm_90a", "SM90" -> 90. Errors name the text.
+// "sm_90", "90", "sm_90a", "SM90" -> 90; "cpu" -> 0 (the SM CPU results are stored under). The
+// whole word must be an arch: "90x", "+90" or "sm_90zzz" is an error naming the text.
 absl::StatusOr<int> ParseSmArch(std::string_view text);
 
 // TEST ONLY. "NAME:SM:MEMORY_GIB", e.g. "NVIDIA H200:90:141" or "NVIDIA RTX PRO 6000:sm_120:96";

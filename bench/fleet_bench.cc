@@ -2,7 +2,7 @@
 // ingests, how long an agent waits for the Ack, and how much memory the coordinator needs.
 //
 //   fleet_bench [--agents 1000] [--trials-per-agent 10] [--channels 8] [--trial-ms 0]
-//               [--binary PATH] [--db PATH] [--keep]
+//               [--binary PATH] [--db PATH] [--keep]    (--help: every flag and its default)
 //
 // Starts `infersweep coordinator` as a child process on a fresh SQLite file (rate limits off:
 // every simulated agent comes from 127.0.0.1), submits sweeps of agents x trials-per-agent CPU
@@ -75,6 +75,35 @@ struct Options {
   bool keep = false;
 };
 
+// What --help prints: every flag with its meaning and default (from Options).
+std::string Usage() {
+  const Options d;
+  std::string out =
+      "usage: fleet_bench [--agents N] [--trials-per-agent T] [--channels C] [--trial-ms MS]\n"
+      "                   [--binary PATH] [--db PATH] [--keep]\n"
+      "One infersweep coordinator process and N simulated agents: results ingested per second,\n"
+      "Result-to-Ack latency, the coordinator's memory.\n";
+  auto flag = [&out](std::string name, const std::string& meaning) {
+    name.resize(std::max<size_t>(name.size() + 1, 22), ' ');
+    absl::StrAppend(&out, "  ", name, meaning, "\n");
+  };
+  flag("--agents N", absl::StrCat("simulated agents, one CPU slot each (default ", d.agents, ")"));
+  flag("--trials-per-agent T",
+       absl::StrCat("trials submitted per agent (default ", d.trials_per_agent, ")"));
+  flag("--channels C",
+       absl::StrCat("TCP connections the agents' streams share (default ", d.channels, ")"));
+  flag("--trial-ms MS",
+       absl::StrCat("an agent answers an Assignment after about MS ms (uniform in [0.5, 1.5) x "
+                    "MS); 0 answers at once and saturates the coordinator (default ",
+                    d.trial_ms, ")"));
+  flag("--binary PATH",
+       absl::StrCat("the infersweep binary that runs the coordinator (default ", d.binary, ")"));
+  flag("--db PATH", absl::StrCat("the coordinator's database, made fresh (default ", d.db, ")"));
+  flag("--keep", "keep the database afterwards (default: removed)");
+  flag("--help", "print this and exit");
+  return out;
+}
+
 Options ParseArgs(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -97,10 +126,11 @@ Options ParseArgs(int argc, char** argv) {
       o.db = value("--db");
     } else if (a == "--keep") {
       o.keep = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf("%s", Usage().c_str());
+      std::exit(0);
     } else {
-      std::fprintf(stderr,
-                   "usage: fleet_bench [--agents N] [--trials-per-agent T] [--channels C] "
-                   "[--trial-ms MS] [--binary PATH] [--db PATH] [--keep]\n");
+      std::fprintf(stderr, "fleet_bench: unknown flag '%s'\n%s", a.c_str(), Usage().c_str());
       std::exit(2);
     }
   }

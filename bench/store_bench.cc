@@ -1,6 +1,6 @@
 // store_bench: fills a Store with N results, then times the coordinator's read paths.
 //
-//   store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]
+//   store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]   (--help: every flag)
 //
 // Creates sweeps of 10,000 trials each, records N results through RecordResults in
 // transactions of B results (coordinator-made results, so no leases are needed), then times the
@@ -49,6 +49,26 @@ struct Options {
   bool keep = false;
 };
 
+// What --help prints: every flag with its meaning and default (from Options).
+std::string Usage() {
+  const Options d;
+  std::string out =
+      "usage: store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]\n"
+      "Fills a Store with N results, then times QueryResults and Best.\n";
+  auto flag = [&out](std::string name, const std::string& meaning) {
+    name.resize(std::max<size_t>(name.size() + 1, 13), ' ');
+    absl::StrAppend(&out, "  ", name, meaning, "\n");
+  };
+  flag("--rows N", absl::StrCat("results to record (default ", d.rows, ")"));
+  flag("--db PATH", absl::StrCat("the database, made fresh (default ", d.db, ")"));
+  flag("--batch B", absl::StrCat("results per write transaction (default ", d.batch, ")"));
+  flag("--runs R",
+       absl::StrCat("timed runs of each query; the median is printed (default ", d.runs, ")"));
+  flag("--keep", "keep the database afterwards (default: removed)");
+  flag("--help", "print this and exit");
+  return out;
+}
+
 Options ParseArgs(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -69,8 +89,11 @@ Options ParseArgs(int argc, char** argv) {
       o.runs = std::atoi(value("--runs"));
     } else if (!std::strcmp(argv[i], "--keep")) {
       o.keep = true;
+    } else if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::printf("%s", Usage().c_str());
+      std::exit(0);
     } else {
-      std::fprintf(stderr, "usage: store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]\n");
+      std::fprintf(stderr, "store_bench: unknown flag '%s'\n%s", argv[i], Usage().c_str());
       std::exit(2);
     }
   }

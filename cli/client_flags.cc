@@ -28,7 +28,8 @@ const rpc::TlsOptions& ClientTls() { return g_client_tls; }
 
 void AddUserClientFlags(CLI::App* cmd) {
   cmd->add_option("--token-file", g_token_file,
-                  "file holding the user token (default: $INFERSWEEP_USER_TOKEN)");
+                  "file holding the user token (default: the token in $INFERSWEEP_USER_TOKEN, "
+                  "if set)");
   cmd->add_option("--tls-ca", g_client_tls.ca_file,
                   "PEM CA that verifies the coordinator's certificate (turns TLS on)");
   cmd->add_option("--tls-cert", g_client_tls.cert_file,

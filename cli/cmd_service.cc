@@ -31,8 +31,11 @@
 #include "cli/client_flags.h"
 #include "cli/commands.h"
 #include "coordinator/client.h"
+#include "coordinator/metrics.h"
 #include "coordinator/server.h"
+#include "coordinator/sweep_spec.h"
 #include "harness/trial.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep::cli {
@@ -60,6 +63,16 @@ std::string FormatUnixMs(int64_t ms) {
 std::string FormatBytes(int64_t bytes) {
   if (bytes <= 0) return "-";
   return absl::StrFormat("%.0f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
+
+// An SM as the tables' sm column shows it: "90", or "cpu" for SM 0 (CPU results are stored under
+// SM 0). In words elsewhere: SmArchLabel ("sm_90", "cpu").
+std::string SmColumn(int sm) { return sm <= 0 ? std::string("cpu") : absl::StrCat(sm); }
+
+// A result's device in words: "NVIDIA H200 sm_90", or "cpu" for a CPU slot's result.
+std::string DeviceText(const std::string& gpu_name, int sm) {
+  if (sm <= 0 && (gpu_name.empty() || gpu_name == "cpu")) return "cpu";
+  return absl::StrCat(gpu_name.empty() ? "?" : gpu_name, " ", SmArchLabel(sm));
 }
 
 // Blocks SIGINT and SIGTERM in this thread (and every thread it starts later), so that
@@ -174,7 +187,7 @@ int RunCoordinator(const CoordinatorArgs& args) {
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), server.metrics_port());
   std::fflush(stdout);
   const int sig = WaitForSignal();
-  std::fprintf(stderr, "[coordinator] %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  WriteLogLine("coordinator", absl::StrCat(sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopping"));
   server.Stop();
   return 0;
 }
@@ -237,7 +250,8 @@ int RunAgent(const AgentArgs& args) {
   } else {
     std::vector<std::string> names;
     for (const GpuInfo& g : inv.gpus)
-      names.push_back(absl::StrCat(g.name, " sm_", g.sm, g.test_fake ? " [TEST-FAKE LABEL]" : ""));
+      names.push_back(
+          absl::StrCat(g.name, " ", SmArchLabel(g.sm), g.test_fake ? " [TEST-FAKE LABEL]" : ""));
     slots = absl::StrJoin(names, ", ");
   }
   std::printf("# infersweep agent %s on %s -> coordinator %s; slots: %s\n",
@@ -246,8 +260,8 @@ int RunAgent(const AgentArgs& args) {
     std::printf("# metrics on %s (port %d)\n", args.metrics_listen.c_str(), agent.metrics_port());
   std::fflush(stdout);
   WaitForSignal();
-  std::fprintf(stderr, "[agent %s] stopping (running trials finish first; Ctrl-C again to quit now)\n",
-               agent.agent_id().c_str());
+  WriteLogLine(absl::StrCat("agent ", agent.agent_id()),
+               "stopping (running trials finish first; Ctrl-C again to quit now)");
   std::thread second([] {
     WaitForSignal();
     std::_Exit(130);
@@ -286,31 +300,106 @@ std::string ProgressLine(const v1::SweepInfo& s) {
                          queued, StatusCounts(s), s.state());
 }
 
-// Polls the sweep until it is no longer active; redraws one line on a terminal.
-int WatchSweep(ServiceClient& client, int64_t id) {
+// Whether a failed call may succeed when it is made again: the coordinator is restarting or
+// out of reach (UNAVAILABLE), slow (DEADLINE_EXCEEDED) or busy (ABORTED; RESOURCE_EXHAUSTED: a
+// rate limit or a full disk). Anything else (NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED,
+// INVALID_ARGUMENT, ...) is answered the same however often it is asked.
+bool IsTransient(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kResourceExhausted:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// How long a watch keeps retrying a coordinator that does not answer, seconds (--wait-retry-s).
+constexpr double kDefaultWaitRetryS = 120;
+
+// Polls the sweep until it is no longer active; redraws one line on a terminal. A transient
+// failure (IsTransient) is retried, 250 ms apart doubling to 5 s, for up to `retry_s` seconds
+// from the first failure in a row; stderr gets one line when the coordinator stops answering and
+// one when it answers again. After `retry_s`, or at once on any other error, it exits 1.
+int WatchSweep(ServiceClient& client, int64_t id, double retry_s) {
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  constexpr milliseconds kPollInterval(500);
+  constexpr milliseconds kFirstRetry(250);
+  constexpr milliseconds kMaxRetry(5000);
+  constexpr int64_t kCallTimeoutMs = 30'000;
+  const milliseconds budget(static_cast<int64_t>(retry_s * 1000));
   const bool tty = isatty(STDOUT_FILENO);
   std::string last;
-  auto last_print = std::chrono::steady_clock::now() - std::chrono::hours(1);
+  auto last_print = Clock::now() - std::chrono::hours(1);
+  bool lost = false;                 // the last call failed
+  Clock::time_point lost_at;         // the first failure of the current run of them
+  milliseconds retry = kFirstRetry;  // the next retry's interval
+  milliseconds interval(0);          // this call's, when it is a retry
   while (true) {
+    const Clock::time_point called = Clock::now();
     absl::StatusOr<v1::SweepInfo> s = client.GetSweep(id);
     if (!s.ok()) {
-      if (tty) std::printf("\n");
-      return Fail(s.status());
+      if (tty && !lost) std::printf("\n");  // ends the progress line
+      std::fflush(stdout);
+      if (!IsTransient(s.status())) return Fail(s.status());
+      if (!lost) {
+        lost = true;
+        lost_at = called;
+        std::fprintf(stderr,
+                     "lost the connection to the coordinator at %s (%s: %s); retrying for up to "
+                     "%g s\n",
+                     client.address().c_str(), absl::StatusCodeToString(s.status().code()).c_str(),
+                     std::string(s.status().message()).c_str(), retry_s);
+      }
+      // A retry waits (gRPC's wait_for_ready) up to its interval for the channel to connect, so
+      // it returns as soon as the coordinator is back: a call that fails at once leaves the
+      // reconnection to gRPC's idle background polling, seconds late. One that failed sooner
+      // (the coordinator answered with an error) is spaced out to its interval here.
+      if (Clock::now() - called < interval) std::this_thread::sleep_until(called + interval);
+      const Clock::duration left = budget - (Clock::now() - lost_at);
+      if (left <= Clock::duration::zero()) {
+        std::fprintf(stderr,
+                     "error: the coordinator at %s has not answered for %g s; stopped waiting for "
+                     "sweep %lld, which carries on there (infersweep status %lld --coordinator "
+                     "%s)\n",
+                     client.address().c_str(), retry_s, static_cast<long long>(id),
+                     static_cast<long long>(id), client.address().c_str());
+        return 1;
+      }
+      interval = std::min(
+          retry, std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(left)));
+      client.set_wait_for_ready(true);
+      client.set_timeout_ms(interval.count());
+      retry = std::min(retry * 2, kMaxRetry);
+      continue;
+    }
+    if (lost) {
+      std::fprintf(stderr, "the connection to the coordinator at %s is back after %.1f s\n",
+                   client.address().c_str(),
+                   std::chrono::duration<double>(Clock::now() - lost_at).count());
+      lost = false;
+      retry = kFirstRetry;
+      interval = milliseconds(0);
+      client.set_wait_for_ready(false);
+      client.set_timeout_ms(kCallTimeoutMs);
+      last.clear();  // show the progress at once
     }
     const std::string line = ProgressLine(*s);
     const bool active = s->state() == "active";
     if (tty) {
       std::printf("\r%s\033[K", line.c_str());
       if (!active) std::printf("\n");
-    } else if (line != last &&
-               (!active || std::chrono::steady_clock::now() - last_print > std::chrono::seconds(5))) {
+    } else if (line != last && (!active || Clock::now() - last_print > std::chrono::seconds(5))) {
       std::printf("%s\n", line.c_str());
       last = line;
-      last_print = std::chrono::steady_clock::now();
+      last_print = Clock::now();
     }
     std::fflush(stdout);
     if (!active) return s->state() == "done" ? 0 : 1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::this_thread::sleep_for(kPollInterval);
   }
 }
 
@@ -328,7 +417,7 @@ int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
       std::printf("%s\n", ProgressLine(*s).c_str());
       return 0;
     }
-    return WatchSweep(client, sweep_id);
+    return WatchSweep(client, sweep_id, kDefaultWaitRetryS);
   }
   absl::StatusOr<v1::ListSweepsResponse> list = client.ListSweeps();
   if (!list.ok()) return Fail(list.status());
@@ -349,21 +438,29 @@ int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
 
 // ------------------------------------------------------------------------------ submit, cancel
 
-int RunSubmit(const std::string& coordinator, const std::string& path, bool wait) {
+int RunSubmit(const std::string& coordinator, const std::string& path, bool wait,
+              double wait_retry_s) {
+  if (!(wait_retry_s >= 0)) return Usage("--wait-retry-s must be >= 0");
   std::ifstream in(path);
   if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot read ", path)));
   std::stringstream text;
   text << in.rdbuf();
+  // The coordinator refuses a bigger spec, and one over the gRPC message cap could not even be
+  // sent: the same refusal, in the coordinator's words, without a round trip.
+  if (const size_t size = text.str().size(); size > kMaxSweepSpecBytes)
+    return Usage(
+        absl::StrCat(path, ": spec is ", size, " bytes; the limit is ", kMaxSweepSpecBytes));
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
   ServiceClient client(coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::SubmitSweepResponse> r = client.SubmitSweep(text.str(), path);
   if (!r.ok()) return Fail(r.status());
+  for (const std::string& w : r->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
   std::printf("sweep %lld: %lld trial(s) queued\n", static_cast<long long>(r->sweep_id()),
               static_cast<long long>(r->trial_count()));
   std::fflush(stdout);
   if (!wait) return 0;
-  return WatchSweep(client, r->sweep_id());
+  return WatchSweep(client, r->sweep_id(), wait_retry_s);
 }
 
 int RunCancel(const std::string& coordinator, int64_t sweep_id) {
@@ -543,8 +640,6 @@ struct ResultsArgs {
   bool show_kernels = false;
 };
 
-std::string SmText(int sm) { return sm > 0 ? absl::StrCat("sm_", sm) : std::string("cpu"); }
-
 void PrintResultsTable(const std::vector<Row>& rows, const std::string& context) {
   Legend legend;
   std::printf("# infersweep results: %s\n", context.c_str());
@@ -564,7 +659,7 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context)
     if (r.batches.empty()) {
       std::printf(" %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
                   static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-                  row.gpu_name.c_str(), SmText(row.sm).c_str(), model.c_str(), workload.c_str(),
+                  row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
                   config.c_str(), "-", status.c_str(), "-", "-", "-", "-", "-");
       if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
       continue;
@@ -574,7 +669,7 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context)
           " %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f "
           "%6.1f\n",
           static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
-          row.gpu_name.c_str(), SmText(row.sm).c_str(), model.c_str(), workload.c_str(),
+          row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
           config.c_str(), b.batch, status.c_str(), b.ttft_ms.median, b.tpot_ms.median,
           b.output_tok_s.median, b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
     if (r.status != TrialStatus::kOk && !r.reason.empty())
@@ -612,6 +707,9 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
 }
 
 int RunResults(const ResultsArgs& args) {
+  if (args.limit < 1)
+    return Usage(absl::StrCat("--limit must be at least 1, got ", args.limit,
+                              " (the coordinator returns at most 10000)"));
   v1::QueryResultsRequest req;
   IdentityArgs identity = args.identity;
   if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
@@ -621,7 +719,7 @@ int RunResults(const ResultsArgs& args) {
     absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
     if (!sm.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
     req.set_sm(*sm);
-    context.push_back(absl::StrCat("sm_", *sm));
+    context.push_back(SmArchLabel(*sm));
   }
   if (!args.gpu.empty()) {
     req.set_gpu_name(args.gpu);
@@ -688,9 +786,9 @@ void PrintFigures(const Row& row, int batch) {
   const TrialResult& r = row.result;
   const BatchFigures* b = FindBatch(r, batch);
   std::printf("# config        %s\n", BackendConfigString(r.config).c_str());
-  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s sm_%d\n", r.trial_id.c_str(),
+  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s\n", r.trial_id.c_str(),
               r.attempt, static_cast<long long>(row.sweep_id), row.agent_id.c_str(),
-              row.gpu_name.c_str(), row.sm);
+              DeviceText(row.gpu_name, row.sm).c_str());
   if (b == nullptr) return;
   // roof: the decode step's share of the memory roofline; p_roof: the prefill's share of the
   // compute roofline (docs/METRICS.md); "-" where the device has no measured figures.
@@ -761,7 +859,7 @@ int RunBest(const BestArgs& args) {
   absl::StatusOr<v1::BestResponse> resp = client.Best(req);
   if (!resp.ok()) return Fail(resp.status());
   const std::string scope =
-      absl::StrCat(resp->model(), " on ", SmText(*sm), " at batch ", args.batch);
+      absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " at batch ", args.batch);
   if (resp->groups_size() > 1) {
     std::vector<Group> groups;
     for (const v1::ResultGroup& g : resp->groups())
@@ -880,7 +978,7 @@ int RunCompare(const CompareArgs& args) {
   for (const auto& [key, rows] : by_side[0])
     if (by_side[1].count(key)) common.push_back(key);
   auto side_text = [&](size_t i) {
-    return absl::StrCat(sides[i].first, " on ", SmText(sides[i].second));
+    return absl::StrCat(sides[i].first, " on ", SmArchLabel(sides[i].second));
   };
   auto groups_of = [&](const std::vector<GroupKey>& keys) {
     std::vector<Group> out;
@@ -946,7 +1044,7 @@ int RunCompare(const CompareArgs& args) {
                 found[1] ? get(*found[1]).c_str() : "-", "");
   };
   text_row("config", [](const Row& r) { return BackendConfigString(r.result.config); });
-  text_row("gpu", [](const Row& r) { return absl::StrCat(r.gpu_name, " sm_", r.sm); });
+  text_row("gpu", [](const Row& r) { return DeviceText(r.gpu_name, r.sm); });
   text_row("agent", [](const Row& r) { return r.agent_id; });
   text_row("trial", [](const Row& r) { return absl::StrCat(r.result.trial_id, " (sweep ", r.sweep_id, ")"); });
   auto num_row = [&](const char* name, auto get) {
@@ -993,7 +1091,8 @@ int RunAgents(const std::string& coordinator) {
     } else {
       std::vector<std::string> parts;
       for (const v1::Gpu& g : a.gpus())
-        parts.push_back(absl::StrCat(g.name(), " sm_", g.sm(), " ", FormatBytes(g.memory_bytes())));
+        parts.push_back(
+            absl::StrCat(g.name(), " ", SmArchLabel(g.sm()), " ", FormatBytes(g.memory_bytes())));
       devices = absl::StrJoin(parts, "; ");
     }
     const std::string free =
@@ -1101,12 +1200,17 @@ void AddServiceCommands(CLI::App& app) {
   {
     static std::string coordinator = DefaultCoordinator(), path;
     static bool wait = false;
+    static double wait_retry_s = kDefaultWaitRetryS;
     CLI::App* cmd = app.add_subcommand("submit", "submit a sweep spec (YAML); prints its id");
     cmd->add_option("spec", path, "sweep spec file")->required();
     cmd->add_option("--coordinator", coordinator, "coordinator host:port")->capture_default_str();
     AddUserClientFlags(cmd);
     cmd->add_flag("--wait", wait, "wait for the sweep to finish, showing progress");
-    cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait)); });
+    cmd->add_option("--wait-retry-s", wait_retry_s,
+                    "with --wait: how long to keep retrying a coordinator that does not answer "
+                    "(restart, network), seconds")
+        ->capture_default_str();
+    cmd->callback([] { std::exit(RunSubmit(coordinator, path, wait, wait_retry_s)); });
   }
   {
     static std::string coordinator = DefaultCoordinator();
@@ -1134,14 +1238,16 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--coordinator", args.coordinator, "coordinator host:port")->capture_default_str();
     AddUserClientFlags(cmd);
     AddIdentityFlags(cmd, &args.identity);
-    cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a");
+    cmd->add_option("--sm-arch", args.sm_arch,
+                    "SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)");
     cmd->add_option("--gpu", args.gpu, "GPU name, exactly as the agent reports it");
     cmd->add_option("--model", args.model, "model (checkpoint folder or preset:NAME)");
     cmd->add_option("--axis", args.axes, "axis=value the config must have (repeatable)");
     cmd->add_option("--status", args.status, "OK, INCORRECT, CRASHED, UNSUPPORTED, TIMEOUT, ERROR");
     cmd->add_option("--since", args.since, "finished at or after: 24h (ago), 2025-01-31, RFC 3339");
     cmd->add_option("--until", args.until, "finished before (same forms as --since)");
-    cmd->add_option("--limit", args.limit, "at most this many results (newest first)")
+    cmd->add_option("--limit", args.limit,
+                    "at most this many results, newest first: 1 to 10000 (the coordinator's cap)")
         ->capture_default_str();
     cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
     cmd->callback([] { std::exit(RunResults(args)); });
@@ -1156,7 +1262,9 @@ void AddServiceCommands(CLI::App& app) {
         ->capture_default_str();
     AddUserClientFlags(cmd);
     cmd->add_option("--model", args.model, "model (default with --sweep: the sweep's)");
-    cmd->add_option("--sm-arch", args.sm_arch, "SM architecture: sm_90, 90 or sm_90a")->required();
+    cmd->add_option("--sm-arch", args.sm_arch,
+                    "SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)")
+        ->required();
     cmd->add_option("--metric", args.metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
         ->capture_default_str();
     cmd->add_option("--batch", args.batch, "batch size the metric is read at")
@@ -1174,7 +1282,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--model", args.model, "model")->required();
     cmd->add_option("--config", args.configs, "axis=value,... (partial configs match any value of "
                                               "the axes they leave out)");
-    cmd->add_option("--sm-arch", args.sm_archs, "SM architecture(s)");
+    cmd->add_option("--sm-arch", args.sm_archs,
+                    "SM architecture(s): sm_90, 90, sm_90a, or cpu (CPU results)");
     cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
     AddIdentityFlags(cmd, &args.identity);
     cmd->callback([] { std::exit(RunCompare(args)); });

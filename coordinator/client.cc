@@ -26,6 +26,7 @@ absl::StatusOr<Resp> ServiceClient::Call(const Req& request, Method method) {
   if (!tls_status_.ok()) return tls_status_;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
+  context.set_wait_for_ready(wait_for_ready_);
   if (!token_.empty()) context.AddMetadata(rpc::kAuthMetadataKey, absl::StrCat(rpc::kBearerPrefix, token_));
   Resp response;
   const grpc::Status status = ((*stub_).*method)(&context, request, &response);

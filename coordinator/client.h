@@ -23,6 +23,12 @@ class ServiceClient {
                          std::string token = "", const rpc::TlsOptions& tls = {});
 
   void set_token(std::string token) { token_ = std::move(token); }
+  // For the calls that follow: the deadline of each, and whether a call made while the
+  // coordinator cannot be reached waits for the channel to connect (up to that deadline: gRPC's
+  // wait_for_ready) instead of failing at once with UNAVAILABLE. A waiting call drives the
+  // reconnection, so it succeeds as soon as the coordinator is back.
+  void set_timeout_ms(int64_t timeout_ms) { timeout_ms_ = timeout_ms; }
+  void set_wait_for_ready(bool wait) { wait_for_ready_ = wait; }
 
   absl::StatusOr<v1::SubmitSweepResponse> SubmitSweep(const std::string& yaml,
                                                       const std::string& source);
@@ -44,6 +50,7 @@ class ServiceClient {
 
   std::string address_;
   int64_t timeout_ms_;
+  bool wait_for_ready_ = false;
   std::string token_;
   absl::Status tls_status_;
   std::unique_ptr<v1::SweepService::Stub> stub_;

@@ -112,6 +112,14 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                            "messages on an agent stream)")
                        .Register(r);
   for (const char* api : {"user", "connect", "agent"}) rate_limited_->Add({{"api", api}});
+  auth_failures_ = &BuildCounter()
+                        .Name("infersweep_auth_failures_total")
+                        .Help(
+                            "Calls and streams refused for missing or invalid credentials "
+                            "(UNAUTHENTICATED), by api (user: SweepService calls; agent: agent "
+                            "streams)")
+                        .Register(r);
+  for (const char* api : {"user", "agent"}) auth_failures_->Add({{"api", api}});
   auto& lease_lost = BuildCounter()
                          .Name("infersweep_leases_lost_total")
                          .Help(
@@ -220,6 +228,9 @@ void CoordinatorMetrics::ObserveIngestSeconds(double seconds) { ingest_->Observe
 void CoordinatorMetrics::ObserveCommitGroup(double results) { commit_group_->Observe(results); }
 void CoordinatorMetrics::CountRateLimited(const std::string& api) {
   rate_limited_->Add({{"api", api}}).Increment();
+}
+void CoordinatorMetrics::CountAuthFailure(const std::string& api) {
+  auth_failures_->Add({{"api", api}}).Increment();
 }
 void CoordinatorMetrics::CountLeaseLost(bool requeued) {
   (requeued ? lease_requeued_ : lease_exhausted_)->Increment();

@@ -73,6 +73,9 @@ class CoordinatorMetrics {
   // A call, stream or agent message refused by a rate limit; `api` is "user", "connect" or
   // "agent" (docs/SECURITY.md "Limits").
   void CountRateLimited(const std::string& api);
+  // A call or agent stream refused for missing or invalid credentials (UNAUTHENTICATED); `api`
+  // is "user" (SweepService calls) or "agent" (AgentService streams).
+  void CountAuthFailure(const std::string& api);
   // A lost lease: requeued, or the trial ended as ERROR at the attempt cap.
   void CountLeaseLost(bool requeued);
 
@@ -103,6 +106,7 @@ class CoordinatorMetrics {
   prometheus::Histogram* commit_group_ = nullptr;
   prometheus::Counter* dropped_ = nullptr;
   prometheus::Family<prometheus::Counter>* rate_limited_ = nullptr;
+  prometheus::Family<prometheus::Counter>* auth_failures_ = nullptr;
   prometheus::Counter* lease_requeued_ = nullptr;
   prometheus::Counter* lease_exhausted_ = nullptr;
   prometheus::Gauge* series_ = nullptr;

@@ -7,7 +7,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -19,6 +18,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "coordinator/metrics.h"
 #include "coordinator/regressions.h"
 #include "coordinator/sweep_spec.h"
@@ -27,6 +27,7 @@
 #include "harness/executor.h"
 #include "harness/trial.h"
 #include "proto/infersweep.grpc.pb.h"
+#include "proto/log_line.h"
 #include "proto/rpc.h"
 
 namespace infersweep {
@@ -289,7 +290,7 @@ class CoordinatorServer::Impl {
     if (options_.log) {
       options_.log(line);
     } else {
-      std::fprintf(stderr, "[coordinator] %s\n", line.c_str());
+      WriteLogLine("coordinator", line);
     }
   }
   // True (and counted, by `api` in the metrics) when `key` is over `limiter`'s rate.
@@ -515,6 +516,7 @@ grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.auth_failures;
   }
+  metrics_->CountAuthFailure("user");
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid credentials");
 }
 
@@ -560,13 +562,21 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
                      RateLimitMessage("agent streams", connect_limiter_.limit(), peer));
   v1::AgentMessage msg;
   if (!stream->Read(&msg)) return grpc::Status::OK;  // gone before saying anything
+  // The agent id the stream claims, for the log ("" when its Hello has none that is valid).
+  const std::string claimed =
+      msg.has_hello() && ValidAgentId(msg.hello().agent_id()) ? msg.hello().agent_id() : "";
+  // Closes the stream with `code`: the agent reads `text` and the code in an Error, then the
+  // same in the stream's status.
   auto reject = [&](grpc::StatusCode code, const std::string& text) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.streams_rejected;
     }
-    Log(absl::StrCat("stream rejected: ", text));
-    stream->Write(ErrorMessage(text));
+    Log(absl::StrCat("stream rejected from ", context->peer(),
+                     claimed.empty() ? "" : absl::StrCat(" (agent '", claimed, "')"), ": ",
+                     absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), ": ", text));
+    stream->Write(
+        ErrorMessage(text, "", 0, /*permanent=*/false, static_cast<absl::StatusCode>(code)));
     return GrpcError(code, text);
   };
   if (!msg.has_hello())
@@ -580,6 +590,7 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.auth_failures;
     }
+    metrics_->CountAuthFailure("agent");
     return reject(grpc::StatusCode::UNAUTHENTICATED, "Hello: missing or invalid credentials");
   }
   if (absl::Status s = ValidateHello(msg.hello()); !s.ok())
@@ -661,7 +672,8 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     }
     if (msg.has_hello()) {
       const std::string text = "protocol error: a second Hello on the same stream";
-      conn->Enqueue(ErrorMessage(text));
+      conn->Enqueue(
+          ErrorMessage(text, "", 0, /*permanent=*/false, absl::StatusCode::kFailedPrecondition));
       {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.streams_rejected;
@@ -1275,6 +1287,8 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
                                   " bytes; the limit is ", kMaxSweepSpecBytes));
   absl::StatusOr<SweepSpec> spec = ParseSweepSpec(req.spec_yaml(), source);
   if (!spec.ok()) return rpc::ToGrpcStatus(spec.status());
+  absl::StatusOr<std::vector<std::string>> warnings = CheckSweepModel(*spec);
+  if (!warnings.ok()) return rpc::ToGrpcStatus(warnings.status());
   absl::StatusOr<std::vector<TrialRecord>> trials =
       ExpandSweep(*spec, 0, options_.max_trials_per_sweep);
   if (!trials.ok()) return rpc::ToGrpcStatus(trials.status());
@@ -1296,7 +1310,9 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
   if (!id.ok()) return rpc::ToGrpcStatus(id.status());
   resp->set_sweep_id(*id);
   resp->set_trial_count(static_cast<int64_t>(trials->size()));
-  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)"));
+  for (const std::string& w : *warnings) resp->add_warnings(w);
+  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)",
+                   warnings->empty() ? "" : "; warning: ", absl::StrJoin(*warnings, "; ")));
   Wake();
   return grpc::Status::OK;
 }
@@ -1311,12 +1327,16 @@ void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_coun
   out->set_trials_total(s.trials_total);
   out->set_trials_done(s.trials_done);
   out->set_priority(s.priority);
+  // Running = leased: every lease the coordinator holds for the sweep, including those
+  // recovered from the database after a restart (no slots until their agent's Hello confirms
+  // them) and those of an agent that came back without the trial (released after a grace
+  // period), so that queued = total - done - running counts only trials waiting for a slot.
   int64_t running = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [agent, held] : held_)
       for (const auto& [tid, h] : held)
-        if (h.sweep_id == s.id && !h.foreign && !h.slots.empty()) ++running;
+        if (h.sweep_id == s.id && !h.foreign) ++running;
   }
   out->set_trials_running(running);
   if (!with_counts) return;

@@ -63,7 +63,8 @@ struct CoordinatorOptions {
   std::string metrics_listen;
   // Cardinality cap of the per-config metric families (docs/OBSERVABILITY.md).
   size_t metrics_max_config_series = 5000;
-  // Log sink; default: stderr lines prefixed "[coordinator]".
+  // Log sink, given each line's text; default: stderr, as LogLine("coordinator", text)
+  // (proto/log_line.h: an RFC 3339 UTC timestamp, then "[coordinator]").
   std::function<void(const std::string&)> log;
 };
 

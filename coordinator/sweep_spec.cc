@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <regex>
@@ -15,6 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "engine/model_config.h"
+#include "engine/weights.h"
 
 namespace infersweep {
 namespace {
@@ -447,6 +451,7 @@ absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& 
       SPEC_ASSIGN_OR_RETURN(spec.name, p.Text(e.value, key));
     } else if (key == "model") {
       SPEC_ASSIGN_OR_RETURN(spec.model, p.Text(e.value, key));
+      spec.model_line = LineOf(e.value);
     } else if (key == "layers") {
       SPEC_ASSIGN_OR_RETURN(spec.layers, p.Int(e.value, key, 0, 4096));
     } else if (key == "seed") {
@@ -499,8 +504,8 @@ absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml_text, std::string
   const absl::string_view yaml(yaml_text.data(), yaml_text.size());
   const Parser p(absl::string_view(source_name.data(), source_name.size()));
   if (yaml.size() > kMaxSweepSpecBytes)
-    return p.Error(0, "", absl::StrCat("the spec is ", yaml.size(), " bytes; the limit is ",
-                                       kMaxSweepSpecBytes));
+    return p.Error(
+        0, "", absl::StrCat("spec is ", yaml.size(), " bytes; the limit is ", kMaxSweepSpecBytes));
   try {
     return ParseSpecUnsafe(yaml, p, OrDefault(normalize));
   } catch (const YAML::Exception& e) {
@@ -640,6 +645,28 @@ absl::StatusOr<std::vector<TrialRecord>> ExpandSweep(const SweepSpec& spec, int6
     }
   }
   return trials;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckSweepModel(const SweepSpec& spec) {
+  const Parser p(spec.source);
+  absl::StatusOr<ModelDescription> description = ParseModelDescription(spec.model);
+  if (!description.ok()) return p.Error(spec.model_line, "model", description.status().message());
+  std::vector<std::string> warnings;
+  absl::string_view preset = description->model;
+  if (absl::ConsumePrefix(&preset, "preset:")) {
+    const std::vector<std::string> known = PresetNames();
+    if (std::find(known.begin(), known.end(), preset) == known.end())
+      return p.Error(spec.model_line, "model",
+                     absl::StrCat("unknown preset '", preset, "' in '", spec.model,
+                                  "' (known presets: ", absl::StrJoin(known, ", "),
+                                  "; a '@<format>' suffix quantizes one)"));
+    return warnings;
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_directory(description->model, ec))
+    warnings.push_back(absl::StrCat("model '", spec.model,
+                                    "': not a folder on the coordinator; agents must have it"));
+  return warnings;
 }
 
 SweepRecord MakeSweepRecord(const SweepSpec& spec) {

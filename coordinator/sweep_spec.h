@@ -49,7 +49,8 @@ struct SweepSpec {
   std::string source;  // where the text came from, for messages: a file name or "<request>"
   std::string yaml;    // the text, verbatim
   std::string name;    // defaults to the model
-  std::string model;   // checkpoint folder or preset:NAME
+  std::string model;   // checkpoint folder or preset:NAME, with an optional "@<format>"
+  int model_line = 0;  // 1-based YAML line of `model:` (0: unknown)
   int layers = 0;      // preset layer override; 0 = the preset's own
   uint64_t seed = 1;
   // Top-level `device:`: the device of every combination when the matrix has no device axis.
@@ -74,6 +75,14 @@ using ConfigNormalizer = std::function<absl::StatusOr<BackendConfig>(const Backe
 // `normalize` on each device of the sweep. Never throws.
 absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml, std::string_view source,
                                          const ConfigNormalizer& normalize = NormalizeBackendConfig);
+
+// Checks the spec's model as far as the coordinator can, before anything is stored: a
+// "preset:NAME" must name a known preset (engine/model_config.h PresetNames) and a "@<format>"
+// suffix a known format, else INVALID_ARGUMENT naming the spec's line, the model and the known
+// presets. A checkpoint folder the coordinator cannot see is no error (the agents load it, and
+// may have it): it comes back as a warning, "model '/x/y': not a folder on the coordinator;
+// agents must have it".
+absl::StatusOr<std::vector<std::string>> CheckSweepModel(const SweepSpec& spec);
 
 // Reads and parses a spec file; `path` is the source in messages.
 absl::StatusOr<SweepSpec> LoadSweepSpecFile(

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "agent/inventory.h"
 
 namespace infersweep {
@@ -124,6 +125,27 @@ TEST(InventoryTest, SmArchForms) {
   EXPECT_FALSE(ParseSmArch("sm_").ok());
   EXPECT_FALSE(ParseSmArch("hopper").ok());
   EXPECT_FALSE(ParseSmArch("-90").ok());
+}
+
+// The whole word is the arch: a prefix (sm_ or sm), the SM number, at most one suffix letter
+// (a or f). Anything else is refused with an error naming the text, never read as its digits.
+TEST(InventoryTest, SmArchIsTheWholeWord) {
+  EXPECT_EQ(*ParseSmArch("sm_120"), 120);
+  EXPECT_EQ(*ParseSmArch("sm_120a"), 120);
+  EXPECT_EQ(*ParseSmArch("SM_90"), 90);
+  EXPECT_EQ(*ParseSmArch("sm90"), 90);
+  EXPECT_EQ(*ParseSmArch("cpu"), 0);
+  EXPECT_EQ(*ParseSmArch("CPU"), 0);
+  for (const char* bad :
+       {"+90", "90x", "sm_90zzz", "120abc", "sm90a1", "sm_90af", "90 a", "9 0", "sm_-90", "sm_+90",
+        "0x5a", "1001", "99999999999", "sm_", "a", "cpu0", "sm_cpu", "0090", "sm_9"}) {
+    absl::StatusOr<int> sm = ParseSmArch(bad);
+    EXPECT_FALSE(sm.ok()) << "'" << bad << "' read as " << *sm;
+    if (!sm.ok()) {
+      EXPECT_NE(sm.status().message().find(absl::StrCat("'", bad, "'")), std::string::npos)
+          << sm.status();
+    }
+  }
 }
 
 TEST(InventoryTest, FakeGpuLabel) {

@@ -132,6 +132,59 @@ TEST_F(BadInput, MatrixOverTheCapIsInvalidArgument) {
       "big.yaml", 3, "cap of 8 trials");
 }
 
+// An unknown preset fails at submit (before, every agent failed it), naming the model, the
+// spec's line and field, and the known presets; a "@format" suffix on a known one is fine.
+TEST_F(BadInput, UnknownPresetIsInvalidArgumentNamingTheKnownPresets) {
+  const std::string spec = "name: p\nmodel: preset:tiny-mo\nmatrix: {device: [cpu]}\n";
+  ExpectRejected(spec, "preset.yaml", 2, "model: unknown preset 'tiny-mo'");
+  ExpectRejected(spec, "preset.yaml", 2, "known presets: qwen3-30b-a3b, ");
+  ExpectRejected(spec, "preset.yaml", 2, "tiny-moe");
+  ExpectRejected("name: p\nmodel: preset:tiny-mo@nvfp4\nmatrix: {device: [cpu]}\n", "at.yaml", 2,
+                 "unknown preset 'tiny-mo'");
+  ExpectRejected("name: p\nmodel: preset:tiny-moe@nvfp5\nmatrix: {device: [cpu]}\n", "fmt.yaml", 2,
+                 "nvfp5");
+  for (const char* model : {"preset:tiny-moe", "preset:tiny-moe@nvfp4", "preset:qwen3-30b-a3b"}) {
+    auto ok = client_->SubmitSweep(
+        absl::StrCat("name: p\nmodel: ", model, "\nmatrix: {device: [cpu]}\n"), "ok.yaml");
+    EXPECT_TRUE(ok.ok()) << model << ": " << ok.status();
+  }
+}
+
+// A checkpoint folder the coordinator cannot see is accepted (agents may have it), with a
+// warning that `submit` prints on stderr; a folder the coordinator sees gets none.
+TEST_F(BadInput, CheckpointTheCoordinatorCannotSeeIsAcceptedWithAWarning) {
+  const std::string missing = dir_ + "/no-such-checkpoint";
+  auto submit = [&](const std::string& model, int* rc) {
+    const std::string path = dir_ + "/ckpt.yaml";
+    std::ofstream(path) << "name: c\nmodel: " << model << "\nmatrix: {device: [cpu]}\n"
+                        << "selector: {sm: [75]}\n";
+    return RunCommand(absl::StrCat("'", WorkerBinary(), "' submit '", path, "' --coordinator ",
+                                   address_, " 2>&1"),
+                      rc);
+  };
+  int rc = 0;
+  const std::string out = submit(missing, &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("trial(s) queued"));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("warning: model '", missing,
+                                          "': not a folder on the coordinator; agents must have "
+                                          "it")));
+  const std::string seen = submit(dir_, &rc);
+  EXPECT_EQ(rc, 0) << seen;
+  EXPECT_THAT(seen, Not(HasSubstr("warning")));
+  // The warning travels in SubmitSweepResponse.warnings; a format suffix names the same folder.
+  auto r = client_->SubmitSweep(
+      absl::StrCat("name: c\nmodel: ", missing, "@nvfp4\nmatrix: {device: [cpu]}\n"), "w.yaml");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->warnings_size(), 1);
+  EXPECT_EQ(r->warnings(0), absl::StrCat("model '", missing,
+                                         "@nvfp4': not a folder on the coordinator; agents must "
+                                         "have it"));
+  auto preset = client_->SubmitSweep(kValidSweep, "v.yaml");
+  ASSERT_TRUE(preset.ok()) << preset.status();
+  EXPECT_EQ(preset->warnings_size(), 0);
+}
+
 TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) {
   auto submitted = client_->SubmitSweep(kValidSweep, "waits.yaml");  // sm 75: nobody runs it
   ASSERT_TRUE(submitted.ok()) << submitted.status();
@@ -312,6 +365,10 @@ TEST_F(Auth, UserApiNeedsTheUserToken) {
   EXPECT_TRUE(user.QueryResults(v1::QueryResultsRequest()).ok());
   EXPECT_TRUE(user.CancelSweep(ok->sweep_id()).ok());
   EXPECT_EQ(server_->stats().auth_failures, 12);
+  // Refusals are counted in /metrics too, by API.
+  const std::string metrics = server_->MetricsText();
+  EXPECT_THAT(metrics, HasSubstr("infersweep_auth_failures_total{api=\"user\"} 12"));
+  EXPECT_THAT(metrics, HasSubstr("infersweep_auth_failures_total{api=\"agent\"} 0"));
 }
 
 TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
@@ -334,6 +391,7 @@ TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
     EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr("secret")));
   }
   EXPECT_EQ(server_->stats().auth_failures, 4);
+  EXPECT_THAT(server_->MetricsText(), HasSubstr("infersweep_auth_failures_total{api=\"agent\"} 4"));
   EXPECT_EQ(server_->stats().agents_connected, 0);
   EXPECT_EQ(Count(), before);
   auto agents = user.ListAgents();

@@ -489,5 +489,77 @@ TEST_F(Fleet, OnlyAnAgentWithTheAgentTokenRunsTrials) {
   EXPECT_EQ(log.find(user_token), std::string::npos);
 }
 
+// Leases recovered from the database after a coordinator restart count as running (leased)
+// until they are requeued or finished: `status` right after the restart does not show them as
+// queued. Here the agent is gone too, so the lease is recovered but never confirmed by a Hello;
+// once it expires the trial is queued again.
+TEST_F(Fleet, RecoveredLeasesCountAsRunningAfterARestart) {
+  CoordinatorOptions options = QuietOptions();
+  options.lease_ms = 5000;
+  StartCoordinator(options);
+  // The "worker" never answers: the trial stays running until the agent stops.
+  Agent* agent = StartAgent("holder", "NVIDIA RTX PRO 6000:120:96", {"/bin/sleep", "60"});
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(OneTrialSweep(), "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const int64_t sweep = submitted->sweep_id();
+  ASSERT_TRUE(WaitFor([&] { return agent->stats().assignments == 1; }, 10)) << Log();
+  // The agent stops without reporting its trial (the lease stays in the database), then the
+  // coordinator restarts on the same database and port.
+  agents_.clear();
+  server_->Stop();
+  server_.reset();
+  StartCoordinator(options, address_);
+
+  auto status = [&] {
+    int rc = 0;
+    const std::string out = RunCommand(absl::StrCat("'", INFERSWEEP_BINARY, "' status ", sweep,
+                                                    " --once --coordinator ", address_, " 2>&1"),
+                                       &rc);
+    EXPECT_EQ(rc, 0) << out;
+    return out;
+  };
+  auto info = client.GetSweep(sweep);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->trials_running(), 1) << Log();
+  EXPECT_THAT(status(), HasSubstr("0/1 done, 1 running, 0 queued"));
+  auto list = client.ListSweeps();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->sweeps_size(), 1);
+  EXPECT_EQ(list->sweeps(0).trials_running(), 1);
+
+  // Nobody renews the lease: it expires and the trial is queued again.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto s = client.GetSweep(sweep);
+        return s.ok() && s->trials_running() == 0;
+      },
+      20))
+      << Log();
+  EXPECT_THAT(status(), HasSubstr("0/1 done, 0 running, 1 queued"));
+  EXPECT_EQ(server_->stats().requeued, 1) << Log();
+}
+
+// An agent the coordinator refuses logs why: the status code and the coordinator's reason, that
+// the refusal does not clear by itself, and the backoff it keeps retrying at (its longest). The
+// coordinator's line names the peer and the agent id it claimed.
+TEST_F(Fleet, RefusedAgentLogsTheCodeAndTheReason) {
+  CoordinatorOptions options = QuietOptions();
+  options.agent_token = "the-agent-token";
+  StartCoordinator(options);
+  StartAgent("stranger", "", {INFERSWEEP_BINARY, "worker"}, "not-the-token");
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().auth_failures >= 3; }, 10)) << Log();
+  const std::string log = Log();
+  EXPECT_THAT(log, HasSubstr("[stranger] coordinator refused the stream: UNAUTHENTICATED: "
+                             "Hello: missing or invalid credentials"));
+  EXPECT_THAT(log, HasSubstr("retrying every 300 ms"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("Cancelled")));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("CANCELLED")));
+  EXPECT_THAT(log, HasSubstr("[coordinator] stream rejected from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("agent 'stranger'"));
+  EXPECT_EQ(log.find("not-the-token"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace infersweep
