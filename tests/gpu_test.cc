@@ -22,6 +22,10 @@
 #endif
 
 namespace infersweep {
+
+// Launch counts in test failures as "name x count" (found by argument-dependent lookup).
+void PrintTo(const KernelCount& k, std::ostream* os) { *os << k.name << " x" << k.count; }
+
 namespace {
 
 bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }

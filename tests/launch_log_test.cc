@@ -4,9 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <thread>
 
 namespace infersweep {
+
+// Launch counts in test failures as "name x count" (found by argument-dependent lookup).
+void PrintTo(const KernelCount& k, std::ostream* os) { *os << k.name << " x" << k.count; }
+
 namespace {
 
 using ::testing::ElementsAre;

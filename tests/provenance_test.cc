@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,10 @@
 #include "kernels/cpu/parallel.h"
 
 namespace infersweep {
+
+// Launch counts in test failures as "name x count" (found by argument-dependent lookup).
+void PrintTo(const KernelCount& k, std::ostream* os) { *os << k.name << " x" << k.count; }
+
 namespace {
 
 using testing::ElementsAre;
@@ -176,8 +181,10 @@ TEST(Provenance, StepsAreRecordedOutsideTheTimedRepeatsWithTheirFallbacks) {
     result.status = TrialStatus::kOk;
     result.batches.push_back(*figures);
     const nlohmann::json j = ToJson(result);
-    EXPECT_EQ(j.at("batches")[0].at("kernels").at("decode").at("fallbacks")[0],
-              "test: a fallback in every decode step");
+    const nlohmann::json& fallbacks =
+        j.at("batches").at(0).at("kernels").at("decode").at("fallbacks");
+    ASSERT_EQ(fallbacks.size(), 1u) << j.dump();
+    EXPECT_EQ(fallbacks.at(0), "test: a fallback in every decode step");
     auto back = TrialResultFromJson(nlohmann::json::parse(j.dump()));
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(back->batches[0].decode_kernels->fallbacks, figures->decode_kernels->fallbacks);
