@@ -48,6 +48,7 @@ struct RunArgs {
   std::string json_out;
   std::string inject_fault;
   std::string quantize;
+  bool show_kernels = false;
 };
 
 int RunTrials(const RunArgs& args) {
@@ -109,6 +110,8 @@ int RunTrials(const RunArgs& args) {
     request.inject_fault = args.inject_fault;
     const TrialResult result = runner.Run(request);
     std::fputs(FormatResultRows(result).c_str(), stdout);
+    if (args.show_kernels)
+      for (const BatchFigures& b : result.batches) std::fputs(FormatKernels(b).c_str(), stdout);
     if (!result.stderr_tail.empty() && result.status != TrialStatus::kOk) {
       std::string tail = result.stderr_tail;
       if (tail.size() > 600) tail = "..." + tail.substr(tail.size() - 600);
@@ -149,6 +152,9 @@ void AddRunCommands(CLI::App& app) {
                   "prompt=N,output=N,batch=B1:B2,repeats=N,warmup=N,timeout=S")
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
+  run->add_flag("--show-kernels", args.show_kernels,
+                "after each result, the kernels (CPU: ops) one prefill and one decode step ran at "
+                "each batch size, and the fallbacks taken");
   run->add_option("--test-inject-fault", args.inject_fault,
                   "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
                   "stuck-token:T, segv, abort, hang, delay:S");

@@ -4,8 +4,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/parallel.h"
@@ -34,6 +37,9 @@ class CpuModel final : public Model {
   absl::Status StartBatch(int batch, int max_tokens) override {
     if (batch <= 0 || max_tokens <= 0)
       return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
+    // The thread pool is the process's: another model built since this one (the reference, in
+    // a trial) may have resized it. Each batch runs on this model's own count.
+    cpu::SetNumThreads(options_.threads);
     batch_ = batch;
     capacity_ = max_tokens;
     position_ = 0;
@@ -48,9 +54,13 @@ class CpuModel final : public Model {
     if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
       return s;
     MaybeCommitProcessFault(options_.fault);
+    if (LaunchRecording()) RecordThreadsFallback();
     const int64_t rows = static_cast<int64_t>(batch_) * n;
     const int64_t hidden = config_.hidden_size;
     std::vector<float> x(rows * hidden);
+    // The launch log (core/launch_log.h) counts each op once per call over all rows; the
+    // matmuls record their variant themselves (cpu::Matmul).
+    RecordLaunch("embedding");
     for (int64_t r = 0; r < rows; ++r) cpu::DecodeRow(w_.embed, tokens[r], x.data() + r * hidden);
 
     for (int l = 0; l < config_.num_layers; ++l) {
@@ -72,6 +82,7 @@ class CpuModel final : public Model {
         std::copy_n(x.data() + (static_cast<int64_t>(b) * n + n - 1) * hidden, hidden,
                     picked.data() + b * hidden);
     }
+    RecordLaunch("rmsnorm");
     cpu::RmsNorm(picked.data(), out_rows, hidden, w_.final_norm, config_.rms_norm_eps,
                  picked.data());
     logits->resize(out_rows * config_.vocab_size);
@@ -95,6 +106,7 @@ class CpuModel final : public Model {
     const int64_t q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
     const int head_dim = config_.head_dim;
     std::vector<float> xn(rows * hidden), q(rows * q_dim), k(rows * kv_dim), v(rows * kv_dim);
+    RecordLaunch("rmsnorm");
     cpu::RmsNorm(x.data(), rows, hidden, lw.input_norm, config_.rms_norm_eps, xn.data());
     cpu::Matmul(options_.matmul, xn.data(), rows, lw.q, lw.q_bias, q.data());
     cpu::Matmul(options_.matmul, xn.data(), rows, lw.k, lw.k_bias, k.data());
@@ -102,6 +114,7 @@ class CpuModel final : public Model {
 
     float* k_cache = k_cache_[l].data();
     float* v_cache = v_cache_[l].data();
+    RecordLaunch(config_.qk_norm ? "qk_norm_rope_append" : "rope_append");
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r / n, pos = position_ + r % n;
       float* qr = q.data() + r * q_dim;
@@ -120,6 +133,7 @@ class CpuModel final : public Model {
     }
 
     std::vector<float> attn(rows * q_dim);
+    RecordLaunch("attention");
     cpu::ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(capacity_);
       for (int64_t r = begin; r < end; ++r) {
@@ -144,6 +158,7 @@ class CpuModel final : public Model {
     std::vector<float> g(rows * inter), u(rows * inter);
     cpu::Matmul(options_.matmul, in, rows, e.gate, {}, g.data());
     cpu::Matmul(options_.matmul, in, rows, e.up, {}, u.data());
+    RecordLaunch("silu_mul");
     cpu::SiluMul(g.data(), u.data(), rows * inter, g.data());
     cpu::Matmul(options_.matmul, g.data(), rows, e.down, {}, y);
   }
@@ -153,6 +168,7 @@ class CpuModel final : public Model {
     const LayerWeights& lw = w_.layers[l];
     const int64_t hidden = config_.hidden_size;
     std::vector<float> xn(rows * hidden), y(rows * hidden, 0.f);
+    RecordLaunch("rmsnorm");
     cpu::RmsNorm(x.data(), rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn.data());
     if (!config_.IsMoeLayer(l)) {
       GatedMlp(lw.mlp, xn.data(), rows, y.data());
@@ -172,11 +188,13 @@ class CpuModel final : public Model {
     std::vector<std::vector<std::pair<int64_t, float>>> assigned(num_experts);
     std::vector<int> chosen(top_k);
     std::vector<float> weights(top_k);
+    RecordLaunch("router_topk");
     for (int64_t r = 0; r < rows; ++r) {
       cpu::TopKRouting(router_logits.data() + r * num_experts, num_experts, top_k,
                        config_.norm_topk_prob, chosen.data(), weights.data());
       for (int i = 0; i < top_k; ++i) assigned[chosen[i]].push_back({r, weights[i]});
     }
+    RecordLaunch("moe_experts");  // the experts' own matmuls and silu_mul are counted too
     for (int e = 0; e < num_experts; ++e) {
       const auto& routed = assigned[e];
       if (routed.empty()) continue;
@@ -201,6 +219,19 @@ class CpuModel final : public Model {
         for (int64_t j = 0; j < hidden; ++j) y[r * hidden + j] += s * shared[r * hidden + j];
       }
     }
+  }
+
+  // The launch log's one CPU fallback: the process-wide pool running another thread count than
+  // this model's `threads` (resized by a model built since its StartBatch).
+  void RecordThreadsFallback() const {
+    const int wanted = options_.threads > 0
+                           ? options_.threads
+                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (cpu::NumThreads() == wanted) return;
+    RecordFallback(
+        absl::StrCat("threads=", options_.threads > 0 ? absl::StrCat(options_.threads) : "all",
+                     ": ran on ", cpu::NumThreads(), " threads (", wanted,
+                     " configured; the shared pool was resized by another model)"));
   }
 
   const ModelConfig& config_;

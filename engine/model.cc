@@ -1,6 +1,7 @@
 #include "engine/model.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
 #include "engine/sampler.h"
 
 namespace infersweep {
@@ -29,6 +30,7 @@ absl::Status Model::ForwardGreedy(std::span<const int32_t> tokens, int n,
   if (auto s = Forward(tokens, n, LogitsMode::kLast, &logits); !s.ok()) return s;
   const size_t vocab = static_cast<size_t>(config().vocab_size);
   next->resize(logits.size() / vocab);
+  RecordLaunch("greedy_pick");  // the launch log (core/launch_log.h): the host's pick
   for (size_t b = 0; b < next->size(); ++b) (*next)[b] = Greedy({logits.data() + b * vocab, vocab});
   return absl::OkStatus();
 }

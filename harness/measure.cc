@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "absl/strings/str_format.h"
+#include "core/launch_log.h"
 #include "engine/roofline.h"
 #include "engine/synthetic.h"
 
@@ -34,8 +35,21 @@ struct RepeatTiming {
   std::optional<double> energy_j;  // GPU energy counter over the repeat
 };
 
+// The launch logs of an untimed repeat (core/launch_log.h): its prefill and its last decode step.
+struct StepLogs {
+  LaunchRecorder prefill, decode;
+};
+
+PhaseKernels PhaseOf(const LaunchRecorder& log) {
+  return {log.graph_replayed(), log.kernels(), log.fallbacks()};
+}
+
+// `logs`, when given, records the repeat's prefill and its last decode step; `decode_steps`, when
+// not negative, ends the repeat after that many decode steps (the batch keeps its capacity for
+// the whole output, so nothing is reallocated or recaptured).
 absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch, int repeat,
-                                     GpuEnergyMeter* energy) {
+                                     GpuEnergyMeter* energy, StepLogs* logs = nullptr,
+                                     int decode_steps = -1) {
   const int vocab = model.config().vocab_size;
   std::vector<int32_t> prompt(static_cast<size_t>(batch) * w.prompt_len);
   for (size_t i = 0; i < prompt.size(); ++i)
@@ -48,16 +62,26 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   // NaN: no reading. (A std::optional<double> here drew GCC 12's maybe-uninitialized false
   // positive at -O2.)
   const double energy_start = energy ? energy->ReadJoules().value_or(NAN) : NAN;
+  const int last_step =
+      decode_steps < 0 ? w.output_len - 1 : std::min(decode_steps, w.output_len - 1);
   const auto start = Clock::now();
-  if (auto s = model.ForwardGreedy(prompt, w.prompt_len, &next); !s.ok()) return s;
+  {
+    std::optional<ScopedLaunchRecording> record;
+    if (logs) record.emplace(&logs->prefill);
+    if (auto s = model.ForwardGreedy(prompt, w.prompt_len, &next); !s.ok()) return s;
+  }
   auto last = Clock::now();
   const std::optional<double> prefill_device_ms = model.last_forward_device_ms();
   t.device_timed = prefill_device_ms.has_value();
   t.wall_ttft_ms = Ms(start, last);
   t.ttft_ms = t.device_timed ? *prefill_device_ms : t.wall_ttft_ms;
   t.latency_ms = t.ttft_ms;
-  for (int step = 1; step < w.output_len; ++step) {
-    if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
+  for (int step = 1; step <= last_step; ++step) {
+    {
+      std::optional<ScopedLaunchRecording> record;
+      if (logs && step == last_step) record.emplace(&logs->decode);
+      if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
+    }
     const auto now = Clock::now();
     const double step_ms = t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);
     t.itl_ms.push_back(step_ms);
@@ -86,8 +110,14 @@ double Percentile(std::vector<double> values, double p) {
 
 absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int batch,
                                           const MeasureOptions& options) {
+  // What ran is recorded in the last warm-up repeat (its prefill and its last decode step), never
+  // in a timed one: recording costs host time.
+  StepLogs logs;
   for (int i = 0; i < w.warmup; ++i)
-    if (auto t = RunOnce(model, w, batch, -1 - i, options.energy); !t.ok()) return t.status();
+    if (auto t =
+            RunOnce(model, w, batch, -1 - i, options.energy, i == w.warmup - 1 ? &logs : nullptr);
+        !t.ok())
+      return t.status();
   std::vector<double> ttft, tpot, latency, prefill, output, per_seq, itl;
   std::vector<double> wall_ttft, wall_tpot, power, joules_per_token;
   bool device_timed = false;
@@ -112,8 +142,17 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
       options.progress(absl::StrFormat("batch %d repeat %d/%d: ttft %.2f ms, tpot %.3f ms", batch,
                                        r + 1, w.repeats, t->ttft_ms, tpot.back()));
   }
+  if (w.warmup == 0) {
+    // No warm-up to record in: one more untimed prefill and decode step after the timed repeats,
+    // on the model they warmed (the decode step's graph already captured). Recording in the
+    // first timed repeat instead would add its host time to that repeat's figures.
+    if (auto t = RunOnce(model, w, batch, w.repeats, nullptr, &logs, /*decode_steps=*/1); !t.ok())
+      return t.status();
+  }
   BatchFigures f;
   f.batch = batch;
+  f.prefill_kernels = PhaseOf(logs.prefill);
+  f.decode_kernels = PhaseOf(logs.decode);
   f.ttft_ms = SpreadOf(ttft);
   f.tpot_ms = SpreadOf(tpot);
   f.latency_ms = SpreadOf(latency);

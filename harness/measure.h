@@ -25,7 +25,10 @@ struct MeasureOptions {
 // Runs warmup + repeats of [prefill prompt_len tokens, then output_len - 1 decode steps] for
 // `batch` sequences. Every sequence gets a distinct deterministic prompt. Timing: the model's
 // device timer (CUDA events around each step) when it has one, else the wall clock around each
-// Forward, which returns host logits (so GPU work is complete when it returns).
+// Forward, which returns host logits (so GPU work is complete when it returns). What the engine
+// ran (BatchFigures::prefill_kernels, decode_kernels) is recorded in untimed steps only: the last
+// warm-up repeat's prefill and last decode step, or with no warm-up one more prefill and decode
+// step after the timed repeats.
 absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& workload, int batch,
                                           const MeasureOptions& options);
 

@@ -1,9 +1,72 @@
 #include "harness/report.h"
 
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
 namespace infersweep {
+namespace {
+
+int64_t TotalLaunches(const PhaseKernels& p) {
+  int64_t total = 0;
+  for (const KernelCount& k : p.kernels) total += k.count;
+  return total;
+}
+
+void AppendPhase(const char* phase, const std::optional<PhaseKernels>& p, int batch,
+                 std::string* out) {
+  if (!p) {
+    absl::StrAppendFormat(out, "#   %s at batch %d: not recorded\n", phase, batch);
+    return;
+  }
+  absl::StrAppendFormat(out, "#   %s at batch %d: one step, %s%d launches\n", phase, batch,
+                        p->graph ? "a CUDA graph replay, " : "", TotalLaunches(*p));
+  for (const KernelCount& k : p->kernels)
+    absl::StrAppendFormat(out, "#     %6d  %s\n", k.count, k.name);
+  for (const std::string& f : p->fallbacks) absl::StrAppend(out, "#     fallback: ", f, "\n");
+}
+
+// The differences of one phase (KernelDifferences).
+void PhaseDifferences(const char* phase, const std::optional<PhaseKernels>& a,
+                      const std::optional<PhaseKernels>& b, const std::string& a_name,
+                      const std::string& b_name, std::vector<std::string>* out) {
+  if (!a || !b) {
+    if (a || b) out->push_back(absl::StrCat(phase, ": recorded in ", a ? a_name : b_name, " only"));
+    return;
+  }
+  if (a->graph != b->graph)
+    out->push_back(
+        absl::StrCat(phase, ": a CUDA graph replay in ", a->graph ? a_name : b_name, " only"));
+  std::map<std::string, int64_t> in_a, in_b;
+  for (const KernelCount& k : a->kernels) in_a[k.name] += k.count;
+  for (const KernelCount& k : b->kernels) in_b[k.name] += k.count;
+  auto only = [&](const std::vector<KernelCount>& side, const std::map<std::string, int64_t>& other,
+                  const std::string& name) {
+    std::vector<std::string> names;
+    for (const KernelCount& k : side)
+      if (!other.count(k.name)) names.push_back(absl::StrCat(k.name, " x", k.count));
+    if (!names.empty())
+      out->push_back(absl::StrCat(phase, ": only in ", name, ": ", absl::StrJoin(names, ", ")));
+  };
+  only(a->kernels, in_b, a_name);
+  only(b->kernels, in_a, b_name);
+  for (const KernelCount& k : a->kernels)
+    if (auto it = in_b.find(k.name); it != in_b.end() && it->second != in_a[k.name])
+      out->push_back(absl::StrCat(phase, ": ", k.name, " x", in_a[k.name], " in ", a_name, ", x",
+                                  it->second, " in ", b_name));
+  for (const auto& [side, other, name] : {std::tuple{&a->fallbacks, &b->fallbacks, &a_name},
+                                          std::tuple{&b->fallbacks, &a->fallbacks, &b_name}})
+    for (const std::string& f : *side)
+      if (std::find(other->begin(), other->end(), f) == other->end())
+        out->push_back(absl::StrCat(phase, ": fallback in ", *name, " only: ", f));
+}
+
+}  // namespace
 
 std::string FormatReportHeader(const std::vector<std::string>& lines) {
   std::string out;
@@ -68,6 +131,26 @@ std::string FormatResultRows(const TrialResult& r) {
                          r.peak_memory_bytes / (1024.0 * 1024.0 * 1024.0),
                          r.device == "cpu" ? "host RSS" : "device");
   return out;
+}
+
+std::string FormatKernels(const BatchFigures& b) {
+  std::string out;
+  AppendPhase("prefill", b.prefill_kernels, b.batch, &out);
+  AppendPhase("decode", b.decode_kernels, b.batch, &out);
+  return out;
+}
+
+std::vector<std::string> KernelDifferences(const BatchFigures& a, const BatchFigures& b,
+                                           const std::string& a_name, const std::string& b_name) {
+  std::vector<std::string> out;
+  PhaseDifferences("prefill", a.prefill_kernels, b.prefill_kernels, a_name, b_name, &out);
+  PhaseDifferences("decode", a.decode_kernels, b.decode_kernels, a_name, b_name, &out);
+  return out;
+}
+
+bool SameKernels(const BatchFigures& a, const BatchFigures& b) {
+  return a.prefill_kernels && a.decode_kernels && b.prefill_kernels && b.decode_kernels &&
+         KernelDifferences(a, b).empty();
 }
 
 }  // namespace infersweep

@@ -53,6 +53,43 @@ absl::Status ReadOpt(const json& j, const char* key, std::optional<double>* v,
   return absl::OkStatus();
 }
 
+json PhaseJson(const std::optional<PhaseKernels>& p) {
+  if (!p) return nullptr;
+  json launches = json::array();
+  for (const KernelCount& k : p->kernels)
+    launches.push_back({{"name", k.name}, {"count", k.count}});
+  return {{"graph", p->graph}, {"launches", launches}, {"fallbacks", p->fallbacks}};
+}
+
+// "kernels": {"prefill": PHASE, "decode": PHASE}, each optional or null.
+absl::Status ReadPhase(const json& kernels, const char* phase, std::optional<PhaseKernels>* out,
+                       absl::string_view where) {
+  auto it = kernels.find(phase);
+  if (it == kernels.end() || it->is_null()) return absl::OkStatus();
+  const std::string w = absl::StrCat(where, ".", phase);
+  if (!it->is_object()) return absl::InvalidArgumentError(absl::StrCat(w, ": not an object"));
+  PhaseKernels p;
+  RETURN_IF_ERROR(Read(*it, "graph", &p.graph, w));
+  if (auto launches = it->find("launches"); launches != it->end() && !launches->is_null()) {
+    if (!launches->is_array())
+      return absl::InvalidArgumentError(absl::StrCat(w, ".launches: not an array"));
+    const std::string lw = absl::StrCat(w, ".launches[]");
+    for (const json& entry : *launches) {
+      KernelCount k;
+      RETURN_IF_ERROR(Read(entry, "name", &k.name, lw));
+      RETURN_IF_ERROR(Read(entry, "count", &k.count, lw));
+      if (k.name.empty()) return absl::InvalidArgumentError(absl::StrCat(lw, ".name: missing"));
+      if (k.count < 1)
+        return absl::InvalidArgumentError(
+            absl::StrCat(lw, ".count: ", k.count, " for '", k.name, "' (a launch count is >= 1)"));
+      p.kernels.push_back(std::move(k));
+    }
+  }
+  RETURN_IF_ERROR(Read(*it, "fallbacks", &p.fallbacks, w));
+  *out = std::move(p);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string_view TrialStatusName(TrialStatus s) { return kStatusNames[static_cast<int>(s)]; }
@@ -196,6 +233,9 @@ json ToJson(const TrialResult& r) {
                        {"timer", b.timer},
                        {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
                        {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
+    if (b.prefill_kernels || b.decode_kernels)
+      batches.back()["kernels"] = {{"prefill", PhaseJson(b.prefill_kernels)},
+                                   {"decode", PhaseJson(b.decode_kernels)}};
   }
   const VerdictMetrics& v = r.verdict;
   return {{"trial_id", r.trial_id},
@@ -347,6 +387,14 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
         Spread spread;
         RETURN_IF_ERROR(ReadSpread(bj, name, &spread, w));
         *field = spread;
+      }
+      // What ran (the launch log); results written before it existed have none.
+      if (auto kernels = bj.find("kernels"); kernels != bj.end() && !kernels->is_null()) {
+        const std::string kw = w + ".kernels";
+        if (!kernels->is_object())
+          return absl::InvalidArgumentError(absl::StrCat(kw, ": not an object"));
+        RETURN_IF_ERROR(ReadPhase(*kernels, "prefill", &b.prefill_kernels, kw));
+        RETURN_IF_ERROR(ReadPhase(*kernels, "decode", &b.decode_kernels, kw));
       }
       r.batches.push_back(b);
     }

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/identity.h"
+#include "core/launch_log.h"
 #include "engine/backend_config.h"
 
 namespace infersweep {
@@ -61,6 +62,17 @@ struct Percentiles {
   double p50 = 0, p90 = 0, p99 = 0;
 };
 
+// What the engine ran in one untimed step of a phase, from its launch log (core/launch_log.h):
+// the kernels (GPU) or op implementations (CPU) launched in that one step with their counts, in
+// the order each was first launched; whether the step was a replayed CUDA graph (then the
+// kernels are the ones its capture launched); and every fallback taken, where something other
+// than what the config's axis value names ran (docs/RESULTS.md).
+struct PhaseKernels {
+  bool graph = false;
+  std::vector<KernelCount> kernels;
+  std::vector<std::string> fallbacks;
+};
+
 // Figures for one batch size; each Spread is over repeats (median, min, max).
 struct BatchFigures {
   int batch = 1;
@@ -92,6 +104,10 @@ struct BatchFigures {
   // With cuda_events: the same two figures by the host's wall clock, for comparison.
   std::optional<Spread> wall_ttft_ms;
   std::optional<Spread> wall_tpot_ms;
+  // One prefill step and one steady-state decode step, recorded outside the timed repeats
+  // (MeasureBatch); absent in results written before the launch log existed.
+  std::optional<PhaseKernels> prefill_kernels;
+  std::optional<PhaseKernels> decode_kernels;
 };
 
 struct VerdictMetrics {

@@ -1,14 +1,11 @@
 // The GPU link of the trust chain and the GPU backends, on a real GPU. Skipped (not failed) on
 // machines without one: CI compiles it, the GPU machine runs it (scripts/gpu.sh).
-#include <cstring>
-#include <filesystem>
-#include <fstream>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/gpu_trial.h"
-#include "tests/test_util.h"
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/backends.h"
@@ -16,12 +13,19 @@
 #include "engine/sampler.h"
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
+#include "harness/report.h"
 #include "harness/runner.h"
+#include "tests/gpu_trial.h"
+#include "tests/test_util.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
 #endif
 
 namespace infersweep {
+
+// Launch counts in test failures as "name x count" (found by argument-dependent lookup).
+void PrintTo(const KernelCount& k, std::ostream* os) { *os << k.name << " x" << k.count; }
+
 namespace {
 
 bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }
@@ -489,6 +493,137 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"));
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_THAT(r.reason, testing::HasSubstr("graphs=persistent: layer 0: attention biases"));
+}
+
+// ---- What ran (the launch log, core/launch_log.h): kernels, CUDA graphs, fallbacks.
+
+constexpr char kFastConfig[] =
+    "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=";
+
+int64_t Launches(const PhaseKernels& p, const std::string& name) {
+  int64_t total = 0;
+  for (const KernelCount& k : p.kernels)
+    if (k.name == name) total += k.count;
+  return total;
+}
+// Launches of every kernel whose name starts with `prefix` (a template's variants).
+int64_t LaunchesOf(const PhaseKernels& p, const std::string& prefix) {
+  int64_t total = 0;
+  for (const KernelCount& k : p.kernels)
+    if (k.name.rfind(prefix, 0) == 0) total += k.count;
+  return total;
+}
+std::string Listing(const BatchFigures& b) { return FormatKernels(b); }
+
+// gemm=fused's GEMV takes up to kGemvMaxRows (4) rows: at batch 64 the decode step's linears go
+// to cuBLASLt and the router to cuBLASLt's fp32 GEMM, and the result says so; at batch 1 the
+// fused GEMVs run and nothing falls back. Kernel names are the kernels' own (demangled).
+TEST(GpuProvenance, GemmFusedAtBatch64RecordsTheCublasLtFallback) {
+  REQUIRE_GPU();
+  TrialRequest request = GpuRequest("preset:tiny-moe", std::string(kFastConfig) + "on");
+  request.workload.batch_sizes = {1, 64};
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r = executor.Execute(request);
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  const int layers = 2;
+  for (const BatchFigures& b : r.batches) {
+    ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+    std::printf("%s", Listing(b).c_str());
+    const PhaseKernels& d = *b.decode_kernels;
+    EXPECT_EQ(Launches(d, "StepInputsKernel"), 1) << Listing(b);
+    EXPECT_EQ(Launches(d, "GreedyTokensKernel"), 1) << Listing(b);
+    // Prefill chunks are always past the GEMV's rows: cuBLASLt, and recorded as such.
+    EXPECT_GT(Launches(*b.prefill_kernels, "cublasLt:bf16 gemm"), 0) << Listing(b);
+    EXPECT_THAT(b.prefill_kernels->fallbacks,
+                testing::Contains(testing::HasSubstr("gemm=fused: prefill chunk, ")));
+    if (b.batch == 1) {
+      EXPECT_EQ(Launches(d, "cublasLt:bf16 gemm"), 0) << Listing(b);
+      EXPECT_EQ(Launches(d, "cublasLt:fp32 gemm"), 0) << Listing(b);
+      EXPECT_GT(LaunchesOf(d, "GemvKernel<") + LaunchesOf(d, "GemvStreamKernel<"), 0) << Listing(b);
+      EXPECT_EQ(LaunchesOf(d, "MoeGateUpKernel"), layers) << Listing(b);
+      EXPECT_TRUE(d.fallbacks.empty()) << Listing(b);
+    } else {
+      // Per layer one q/k/v GEMM (contiguous bf16 q, k, v) and the o GEMM adding into the
+      // residual; the final norm's lm_head once; the router in fp32 per layer.
+      EXPECT_EQ(Launches(d, "cublasLt:bf16 gemm"), 2 * layers + 1) << Listing(b);
+      EXPECT_EQ(Launches(d, "cublasLt:fp32 gemm"), layers) << Listing(b);
+      EXPECT_EQ(LaunchesOf(d, "GemvKernel<"), 0) << Listing(b);
+      EXPECT_THAT(d.fallbacks,
+                  testing::Contains("gemm=fused: decode, 64 rows (> 4): the layers' linears "
+                                    "unfused (cuBLASLt for bf16 weights), not the fused GEMV"));
+      EXPECT_THAT(d.fallbacks, testing::Contains(testing::HasSubstr(
+                                   "gemm=fused: router of 64 rows (>= 16): cuBLASLt's fp32 GEMM")));
+      EXPECT_THAT(d.fallbacks,
+                  testing::Contains(testing::HasSubstr("gemm=fused: lm_head, 64 rows")));
+    }
+  }
+  // What ran survives the trip through JSON (worker -> parent -> coordinator).
+  auto back = TrialResultFromJson(nlohmann::json::parse(ToJson(r).dump()));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->batches[1].decode_kernels->fallbacks, r.batches[1].decode_kernels->fallbacks);
+  EXPECT_EQ(back->batches[1].decode_kernels->kernels, r.batches[1].decode_kernels->kernels);
+}
+
+// graphs=on: the decode step is a replayed CUDA graph, recorded with the kernels its capture
+// launched, which are the kernels graphs=off launches one by one. Prefill is never captured.
+TEST(GpuProvenance, GraphsOnDecodeIsAReplayOfTheCapturedKernels) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  std::map<std::string, TrialResult> results;
+  for (const char* graphs : {"on", "off"}) {
+    const TrialResult r =
+        executor.Execute(GpuRequest("preset:tiny-moe", std::string(kFastConfig) + graphs));
+    ASSERT_EQ(r.status, TrialStatus::kOk) << graphs << ": " << r.reason;
+    ASSERT_EQ(r.batches.size(), 2u);
+    for (const BatchFigures& b : r.batches) {
+      ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+      EXPECT_EQ(b.decode_kernels->graph, std::string(graphs) == "on") << graphs << Listing(b);
+      EXPECT_FALSE(b.prefill_kernels->graph) << graphs << Listing(b);
+      // A replay records the captured kernels: the step's whole chain, not one graph launch.
+      EXPECT_EQ(Launches(*b.decode_kernels, "StepInputsKernel"), 1) << graphs << Listing(b);
+      EXPECT_GT(b.decode_kernels->kernels.size(), 4u) << graphs << Listing(b);
+    }
+    results[graphs] = r;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const BatchFigures& on = results["on"].batches[i];
+    const BatchFigures& off = results["off"].batches[i];
+    EXPECT_THAT(KernelDifferences(on, off, "graphs=on", "graphs=off"),
+                testing::ElementsAre("decode: a CUDA graph replay in graphs=on only"))
+        << Listing(on) << Listing(off);
+    EXPECT_FALSE(SameKernels(on, off));
+  }
+}
+
+// graphs=persistent: the batch-1 decode step is the persistent kernel (in a graph) instead of
+// the per-layer chain; at batch 4 the chain runs, recorded as the fallback it is.
+TEST(GpuProvenance, PersistentDecodeShowsThePersistentKernel) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r =
+      executor.Execute(GpuRequest("preset:tiny-moe", std::string(kFastConfig) + "persistent"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  const BatchFigures& one = r.batches[0];
+  const BatchFigures& four = r.batches[1];
+  ASSERT_TRUE(one.decode_kernels.has_value() && four.decode_kernels.has_value());
+  std::printf("%s%s", Listing(one).c_str(), Listing(four).c_str());
+  const PhaseKernels& d1 = *one.decode_kernels;
+  EXPECT_TRUE(d1.graph) << Listing(one);
+  EXPECT_EQ(LaunchesOf(d1, "PersistentDecodeKernel<"), 1) << Listing(one);
+  // Inputs, the persistent kernel, the final norm + lm_head GEMV, the greedy pick.
+  EXPECT_LE(d1.kernels.size(), 4u) << Listing(one);
+  EXPECT_EQ(LaunchesOf(d1, "MoeGateUpKernel"), 0) << Listing(one);
+  EXPECT_EQ(LaunchesOf(d1, "QkNormRopeAppendKernel"), 0) << Listing(one);
+  EXPECT_TRUE(d1.fallbacks.empty()) << Listing(one);
+  const PhaseKernels& d4 = *four.decode_kernels;
+  EXPECT_TRUE(d4.graph) << Listing(four);
+  EXPECT_EQ(LaunchesOf(d4, "PersistentDecodeKernel<"), 0) << Listing(four);
+  EXPECT_EQ(LaunchesOf(d4, "QkNormRopeAppendKernel"), 2) << Listing(four);
+  EXPECT_THAT(d4.fallbacks,
+              testing::Contains("graphs=persistent: decode of 4 rows: the graphs=on kernel chain "
+                                "(the persistent kernel takes batch 1)"));
 }
 #endif
 

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/launch_log.h"
 #include "engine/quant/layout.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
@@ -545,6 +546,7 @@ class CudaModel final : public Model {
     if (batch != batch_ || max_tokens != capacity_) {
       for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);
       graphs_.clear();
+      graph_launches_.clear();
       if (k_cache_) cudaFree(k_cache_);
       if (v_cache_) cudaFree(v_cache_);
       k_cache_ = v_cache_ = nullptr;
@@ -930,6 +932,11 @@ class CudaModel final : public Model {
       if (it == graphs_.end()) {
         const auto start = std::chrono::steady_clock::now();
         cudaGraph_t graph;
+        // The launch log of the capture (core/launch_log.h), recorded whether or not anything
+        // records now: every replay runs exactly these kernels and records them as it runs.
+        LaunchRecorder& captured = graph_launches_[graph_key];
+        captured.Clear();
+        ScopedLaunchRecording record_capture(&captured);
         CUDA_OR_DIE(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
         if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) {
           cudaStreamEndCapture(stream_, &graph);
@@ -945,6 +952,7 @@ class CudaModel final : public Model {
       }
       CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
       CUDA_OR_DIE(cudaGraphLaunch(it->second, stream_));
+      RecordGraphReplay(graph_launches_[graph_key]);
     } else {
       CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
       if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) return s;
@@ -985,6 +993,9 @@ class CudaModel final : public Model {
       cuda::GemmReference(x, rows, w, bias, y, stream_);
     } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
       // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
+      if (LaunchRecording())
+        RecordFallback(absl::StrCat("qgemm=", options_.qgemm, ": prefill chunk of ", rows,
+                                    " rows: quantized linears dequantized to bf16, then cuBLASLt"));
       auto copy = PrefillBf16Copy(w);
       if (!copy.ok()) return copy.status();
       if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
@@ -1005,6 +1016,10 @@ class CudaModel final : public Model {
       if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
     } else {
+      if (gemm_ && !w.quantized() && LaunchRecording())
+        RecordFallback(absl::StrCat("gemm=", GemmValue(), ": ", std::string(DTypeName(w.dtype)),
+                                    " weight [", w.rows, ", ", w.cols,
+                                    "]: the reference GEMM (cuBLASLt takes bf16 weights)"));
       cuda::GemmReference(x, rows, w, bias, y, stream_);
     }
     CHECK_LAUNCH();
@@ -1147,6 +1162,17 @@ class CudaModel final : public Model {
     const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
                       cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
+    if (LaunchRecording()) {  // the launch log's fallbacks (core/launch_log.h)
+      if ((options_.gemm_fused || options_.gemm_tma) && !gemv && !persistent)
+        RecordFallback(absl::StrCat(
+            "gemm=", GemmValue(), ": ", n > 1 ? "prefill chunk, " : "decode, ",
+            GemvRefusal(rows, std::max({hidden, q_dim, MaxIntermediate()})),
+            ": the layers' linears unfused (cuBLASLt for bf16 weights), not the fused GEMV"));
+      if (persistent_.layers && n == 1 && rows > 1)
+        RecordFallback(absl::StrCat("graphs=persistent: decode of ", rows,
+                                    " rows: the graphs=on kernel chain (the persistent kernel "
+                                    "takes batch 1)"));
+    }
     if (persistent) {
       cuda::PersistentDecodeArgs a = persistent_;
       a.x = x_;
@@ -1244,6 +1270,11 @@ class CudaModel final : public Model {
       AddSegment(g, w_.lm_head, {}, logits_);
       if (auto s = RunGemv(g); !s.ok()) return s;
     } else {
+      if ((options_.gemm_fused || options_.gemm_tma) && LaunchRecording())
+        RecordFallback(absl::StrCat("gemm=", GemmValue(), ": lm_head, ",
+                                    GemvRefusal(out_rows, hidden),
+                                    ": final norm and lm_head unfused (cuBLASLt for bf16 "
+                                    "weights), not the fused GEMV"));
       const uint16_t* fb = NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
       if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
     }
@@ -1264,10 +1295,30 @@ class CudaModel final : public Model {
 
   // The attention projections' GEMV: TMA-streamed with gemm=tma (sm_90a), else register-streamed.
   void ProjectionGemv(const cuda::GemvArgs& a) {
-    if (options_.gemm_tma && cuda::GemvTmaSupports(a.rows, a.k))
+    if (options_.gemm_tma && cuda::GemvTmaSupports(a.rows, a.k)) {
       cuda::GemvTma(a, stream_);
-    else
-      cuda::Gemv(a, stream_);
+      return;
+    }
+    if (options_.gemm_tma && LaunchRecording())
+      RecordFallback(absl::StrCat("gemm=tma: projection of ", a.rows, " rows, K=", a.k,
+                                  ": the register-streamed GEMV (GemvTmaSupports is false)"));
+    cuda::Gemv(a, stream_);
+  }
+
+  // The gemm axis's value, for the launch log's fallback lines.
+  const char* GemmValue() const {
+    return options_.gemm_tma        ? "tma"
+           : options_.gemm_fused    ? "fused"
+           : options_.gemm_cublaslt ? "cublaslt"
+                                    : "reference";
+  }
+  // Why the fused GEMV does not take `rows` rows of width up to `k` (GemvSupports is false).
+  static std::string GemvRefusal(int rows, int k) {
+    if (rows > cuda::kGemvMaxRows) return absl::StrCat(rows, " rows (> ", cuda::kGemvMaxRows, ")");
+    return absl::StrCat(rows, " rows of K up to ", k,
+                        " (the GEMV takes K % 8 == 0 and rows x K x 4 bytes of shared memory up "
+                        "to ",
+                        cuda::kGemvMaxSharedBytes, ")");
   }
 
   int MaxIntermediate() const {
@@ -1318,6 +1369,13 @@ class CudaModel final : public Model {
       for (int s = 0; s < g.segments; ++s) qw.w[s] = g.w[s];
       cuda::GemvQuant(g, qw, stream_);
     } else {
+      if (in_registers && LaunchRecording())
+        for (int s = 0; s < g.segments; ++s)
+          if (g.w[s].quantized())
+            RecordFallback(absl::StrCat(
+                "qgemm=", options_.qgemm, ": weight [", g.w[s].rows, ", ", g.w[s].cols,
+                "]: unfused (norm, unfused quantized GEMV, epilogue), not the fused quantized "
+                "GEMV (QuantGemvSupports is false)"));
       const float* in = g.x;
       if (g.norm_gain) {
         cuda::RmsNorm(g.x, g.rows, g.k, MatrixRef{g.norm_gain, g.norm_dtype, 1, g.k}, g.norm_eps,
@@ -1445,6 +1503,8 @@ class CudaModel final : public Model {
                                cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
                                ExpertsQuantizedAlike(l);
     const bool bf16_input = grouped_mma || quant_prefill || options_.moe_grouped || long_prefill;
+    if (LaunchRecording())
+      RecordMoeFallbacks(l, rows, n, gemv, grouped_mma, quant_prefill, long_prefill, many_pairs);
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
     // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
     if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn_
@@ -1544,6 +1604,45 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  // The launch log's fallbacks of one MoE block (core/launch_log.h): where the experts or the
+  // shared expert run on something other than what the moe and gemm values name, from Moe's
+  // dispatch decisions (the router's are recorded by Router).
+  void RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma, bool quant_prefill,
+                          bool long_prefill, bool many_pairs) {
+    const char* moe = options_.moe_wgmma ? "wgmma" : "fused";
+    const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
+                                           " rows (", rows * config_.num_experts_per_tok,
+                                           " pairs over ", config_.num_experts, " experts)");
+    if (long_prefill && options_.moe_fused)  // (moe=grouped runs every chunk that way)
+      RecordFallback(absl::StrCat("moe=", moe, ": ", chunk,
+                                  ", more than 16 pairs an expert: the experts on cuBLAS grouped "
+                                  "GEMMs, with a host sync"));
+    if (quant_prefill)
+      RecordFallback(absl::StrCat("qgemm=", options_.qgemm, ": ", chunk,
+                                  ": the layer's experts dequantized to bf16, then the bf16 "
+                                  "grouped mma.sync kernels"));
+    // Moe's else branch: the routing read on the host.
+    if (options_.moe_fused && !grouped_mma && !quant_prefill && n > 1 && !long_prefill)
+      RecordFallback(absl::StrCat(
+          "moe=", moe, ": ", chunk, ": the per-expert loop with a host sync (moe=loop's path): ",
+          rows < cuda::kMoeGroupedMinRows
+              ? "fewer rows than the grouped expert kernels take"
+              : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
+                "quantized experts not all alike)"));
+    // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
+    if (options_.moe_wgmma && grouped_mma && !many_pairs)
+      RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
+                                  ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
+                                  "not wgmma"));
+    if (options_.moe_wgmma && !grouped_mma && n == 1)
+      RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
+                                  ": the per-pair expert GEMVs (moe=fused's), not wgmma"));
+    if (gemv && !w_.layers[l].shared_expert.gate.empty())
+      RecordFallback(absl::StrCat("gemm=", GemmValue(),
+                                  ": the shared expert and its gate unfused (cuBLASLt for bf16 "
+                                  "weights), not the fused GEMV"));
+  }
+
   // router_ = xn_ . Wr^T in fp32 (fp32 input, fp32 accumulate) for the non-GEMV paths. From
   // kRouterCublasMinRows rows on, cuBLASLt's fp32 GEMM runs it on fp32 copies of the router
   // weights (MakeRouterCopies): our kernels measured 22 us a layer at batch 64 (warp per expert)
@@ -1551,9 +1650,21 @@ class CudaModel final : public Model {
   static constexpr int kRouterCublasMinRows = 16;
   absl::Status Router(int l, int rows) {
     const MatrixRef& wr = w_.layers[l].router;
-    if (gemm_ && rows >= kRouterCublasMinRows && !router_f32_.empty() && router_f32_[l])
+    const bool fused = options_.gemm_fused || options_.gemm_tma;
+    if (gemm_ && rows >= kRouterCublasMinRows && !router_f32_.empty() && router_f32_[l]) {
+      if (fused && LaunchRecording())
+        RecordFallback(absl::StrCat("gemm=", GemmValue(), ": router of ", rows,
+                                    " rows (>= ", kRouterCublasMinRows,
+                                    "): cuBLASLt's fp32 GEMM, not the fused GEMV"));
       return gemm_->RunF32(xn_, rows, router_f32_[l], static_cast<int>(wr.rows),
                            static_cast<int>(wr.cols), router_, stream_);
+    }
+    if (gemm_ && !fused && LaunchRecording())
+      RecordFallback(absl::StrCat("gemm=", GemmValue(), ": router of ", rows, " rows",
+                                  rows < kRouterCublasMinRows
+                                      ? absl::StrCat(" (< ", kRouterCublasMinRows, ")")
+                                      : std::string(" (no fp32 copy of a quantized router)"),
+                                  ": our fp32 router kernel, not cuBLASLt"));
     if (gemm_)  // the GPU reference (gemm=reference) keeps the reference GEMM
       cuda::RouterGemm(xn_, rows, wr, router_, stream_);
     else
@@ -1655,6 +1766,7 @@ class CudaModel final : public Model {
     out_rows = std::max(out_rows, logit_rows_);
     for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);  // they point at old buffers
     graphs_.clear();
+    graph_launches_.clear();
     FreeScratch();
     const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
     const size_t inter = std::max({config_.intermediate_size, config_.moe_intermediate_size,
@@ -1807,6 +1919,7 @@ class CudaModel final : public Model {
   int32_t* h_next_ = nullptr;  // ForwardGreedy's tokens, written by cuda::GreedyTokens
   cuda::GreedyScratch greedy_scratch_{};
   std::map<int, cudaGraphExec_t> graphs_;  // by 2 * batch + (greedy step)
+  std::map<int, LaunchRecorder> graph_launches_;  // what each graph's capture launched
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/launch_log.h"
 #include "engine/quant/dequantize.h"
 #include "kernels/cpu/parallel.h"
 
@@ -94,9 +95,12 @@ void MatmulBlocked(const float* x, int64_t rows, const MatrixRef& w, const Matri
 
 void Matmul(MatmulVariant variant, const float* x, int64_t rows, const MatrixRef& w,
             const MatrixRef& bias, float* y) {
+  // The launch log (core/launch_log.h) names the variant that runs, recorded where it is picked.
   if (variant == MatmulVariant::kBlocked) {
+    RecordLaunch("matmul_blocked");
     MatmulBlocked(x, rows, w, bias, y);
   } else {
+    RecordLaunch("matmul_naive");
     MatmulNaive(x, rows, w, bias, y);
   }
 }

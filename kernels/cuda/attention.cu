@@ -153,8 +153,8 @@ __global__ void AttentionNaiveKernel(const float* q, const float* k_cache, const
 
 void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cudaStream_t stream) {
   const int64_t count = static_cast<int64_t>(capacity) * (head_dim / 2);
-  RopeTableKernel<<<CeilDiv(count, 256), 256, 0, stream>>>(capacity, head_dim / 2, head_dim, theta,
-                                                           table);
+  LaunchPlain(RopeTableKernel, CeilDiv(count, 256), 256, 0, stream, capacity, head_dim / 2,
+              head_dim, theta, table);
 }
 
 void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
@@ -177,8 +177,8 @@ void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_he
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
                     float* scores, float* out, cudaStream_t stream) {
-  AttentionNaiveKernel<<<dim3(rows, q_heads), 128, head_dim * sizeof(float), stream>>>(
-      q, k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, scores, out);
+  LaunchPlain(AttentionNaiveKernel, dim3(rows, q_heads), 128, head_dim * sizeof(float), stream, q,
+              k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, scores, out);
 }
 
 }  // namespace infersweep::cuda

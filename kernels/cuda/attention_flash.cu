@@ -10,6 +10,7 @@
 // 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache measured 100 us for 142 MB). The naive kernel re-read K and V
 // once per q head (x8) with uncoalesced per-thread strides: ~5 ms per token.
 #include <algorithm>
+#include <string>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -194,6 +195,10 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
   float* partial_sum = partial_max + slots;
   const size_t shared = (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
   const dim3 grid(rows, kv_heads, splits), block(32 * group);
+  if (!FlashDecodeMmaSupports(head_dim) && LaunchRecording())  // the launch log's fallbacks
+    RecordFallback("attention=flash: head_dim " + std::to_string(head_dim) +
+                   ": the fp32 CUDA-core split-KV kernel, not the tensor-core kernels (head_dim "
+                   "32, 64 or 128)");
   if (FlashDecodeMmaSupports(head_dim))  // tensor cores (attention_decode.cu)
     AttentionFlashDecodeMma(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
                             partial_acc, partial_max, partial_sum, stream);

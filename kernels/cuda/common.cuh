@@ -10,6 +10,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/kernel_name.h"
+
 namespace infersweep::cuda {
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
@@ -103,10 +105,13 @@ inline bool& ProgrammaticLaunchFlag() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with launch attributes (attrs[0, count)).
+// Every launch through here is recorded in the launch log when something records
+// (core/launch_log.h), under the kernel's demangled name.
 template <typename... KernelArgs, typename... Args>
 void LaunchWithAttributes(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t stream, cudaLaunchAttribute* attrs, int count,
                           Args&&... args) {
+  RecordKernelLaunch(kernel);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -127,6 +132,14 @@ void Launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, c
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   LaunchWithAttributes(kernel, grid, block, smem, stream, attribute,
                        ProgrammaticLaunchFlag() ? 1 : 0, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) exactly, recorded: no launch attributes, so
+// never a programmatic dependent launch (for kernels that do not wait for their prerequisites).
+template <typename... KernelArgs, typename... Args>
+void LaunchPlain(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                 cudaStream_t stream, Args&&... args) {
+  LaunchWithAttributes(kernel, grid, block, smem, stream, nullptr, 0, std::forward<Args>(args)...);
 }
 
 // Runs a setup step once per device. cudaFuncSetAttribute (a kernel's dynamic shared memory

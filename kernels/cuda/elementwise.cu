@@ -72,37 +72,38 @@ int GridFor(int64_t n) { return static_cast<int>(std::min<int64_t>(CeilDiv(n, 25
 
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
              cudaStream_t stream, uint16_t* out_bf16) {
-  RmsNormKernel<<<rows, n >= 1024 ? 512 : 128, 0, stream>>>(
-      x, n, gain.data, gain.dtype, eps, out, reinterpret_cast<__nv_bfloat16*>(out_bf16));
+  LaunchPlain(RmsNormKernel, rows, n >= 1024 ? 512 : 128, 0, stream, x, n, gain.data, gain.dtype,
+              eps, out, reinterpret_cast<__nv_bfloat16*>(out_bf16));
 }
 
 void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream) {
   const int64_t n = m.rows * m.cols;
-  UpcastKernel<<<GridFor(n), 256, 0, stream>>>(m.data, m.dtype, n, out);
+  LaunchPlain(UpcastKernel, GridFor(n), 256, 0, stream, m.data, m.dtype, n, out);
 }
 
 void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream) {
-  AddScaledKernel<<<GridFor(n), 256, 0, stream>>>(x, y, scale, n);
+  LaunchPlain(AddScaledKernel, GridFor(n), 256, 0, stream, x, y, scale, n);
 }
 
 void AddBias(float* y, int rows, const MatrixRef& bias, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(rows) * bias.cols;
-  AddBiasKernel<<<GridFor(total), 256, 0, stream>>>(y, total, static_cast<int>(bias.cols),
-                                                    bias.data, bias.dtype);
+  LaunchPlain(AddBiasKernel, GridFor(total), 256, 0, stream, y, total, static_cast<int>(bias.cols),
+              bias.data, bias.dtype);
 }
 
 void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStream_t stream) {
-  SiluMulKernel<<<GridFor(n), 256, 0, stream>>>(gate, up, n, out);
+  LaunchPlain(SiluMulKernel, GridFor(n), 256, 0, stream, gate, up, n, out);
 }
 
 void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream) {
-  ToBf16Kernel<<<GridFor(n), 256, 0, stream>>>(x, n, reinterpret_cast<__nv_bfloat16*>(out));
+  LaunchPlain(ToBf16Kernel, GridFor(n), 256, 0, stream, x, n,
+              reinterpret_cast<__nv_bfloat16*>(out));
 }
 
-void SetNan(float* x, cudaStream_t stream) { SetNanKernel<<<1, 1, 0, stream>>>(x); }
+void SetNan(float* x, cudaStream_t stream) { LaunchPlain(SetNanKernel, 1, 1, 0, stream, x); }
 
 void ForceToken(float* logits, int rows, int vocab, int stuck, cudaStream_t stream) {
-  ForceTokenKernel<<<rows, 256, 0, stream>>>(logits, vocab, stuck);
+  LaunchPlain(ForceTokenKernel, rows, 256, 0, stream, logits, vocab, stuck);
 }
 
 }  // namespace infersweep::cuda

@@ -1,6 +1,7 @@
 #include "kernels/cuda/gemm_cublaslt.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
 
 namespace infersweep::cuda {
 namespace {
@@ -70,6 +71,7 @@ absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w
   if (w.dtype != DType::kBF16) return absl::InvalidArgumentError("cuBLASLt path takes bf16 weights");
   auto plan = GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF);
   if (!plan.ok()) return plan.status();
+  RecordLaunch("cublasLt:bf16 gemm");  // the launch log (core/launch_log.h): one per matmul call
   return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, x_bf16,
                               (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
                               workspace_, workspace_bytes_, stream),
@@ -81,6 +83,7 @@ absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, 
   auto plan = GetPlan(M, N, K, CUDA_R_32F);
   if (!plan.ok()) return plan.status();
   const float alpha = 1.f, beta = 0.f;
+  RecordLaunch("cublasLt:fp32 gemm");
   return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b, &beta,
                               y, (*plan)->c, y, (*plan)->c, &(*plan)->algo, workspace_,
                               workspace_bytes_, stream),

@@ -1,6 +1,7 @@
 #include "kernels/cuda/gemm_grouped.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
 
 namespace infersweep::cuda {
 
@@ -66,6 +67,7 @@ absl::Status CublasGroupedGemm::Run(const std::vector<GroupedProblem>& problems,
   const void* const* b_dev = a_dev + groups;
   void* const* c_dev = device_pointers_ + 2 * groups;
   cublasSetStream(handle_, stream);
+  RecordLaunch("cublas:grouped bf16 gemm");  // the launch log: one per grouped call
   const cublasStatus_t s = cublasGemmGroupedBatchedEx(
       handle_, transa.data(), transb.data(), m_array.data(), n_array.data(), k_array.data(),
       alpha.data(), a_dev, CUDA_R_16BF, lda.data(), b_dev, CUDA_R_16BF, ldb.data(), beta.data(),

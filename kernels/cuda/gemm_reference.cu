@@ -54,19 +54,22 @@ void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& b
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
   const dim3 blocks(CeilDiv(N, 8), CeilDiv(M, kRowsPerBlock));
   if (w.quantized()) {
-    GemmReferenceQuantKernel<<<blocks, 256, 0, stream>>>(x, M, w, y);
+    LaunchPlain(GemmReferenceQuantKernel, blocks, 256, 0, stream, x, M, w, y);
     if (!bias.empty()) AddBias(y, M, bias, stream);
     return;
   }
   switch (w.dtype) {
     case DType::kBF16:
-      GemmReferenceKernel<<<blocks, 256, 0, stream>>>(x, M, K, static_cast<const __nv_bfloat16*>(w.data), N, y);
+      LaunchPlain(GemmReferenceKernel<__nv_bfloat16>, blocks, 256, 0, stream, x, M, K,
+                  static_cast<const __nv_bfloat16*>(w.data), N, y);
       break;
     case DType::kF16:
-      GemmReferenceKernel<<<blocks, 256, 0, stream>>>(x, M, K, static_cast<const __half*>(w.data), N, y);
+      LaunchPlain(GemmReferenceKernel<__half>, blocks, 256, 0, stream, x, M, K,
+                  static_cast<const __half*>(w.data), N, y);
       break;
     default:
-      GemmReferenceKernel<<<blocks, 256, 0, stream>>>(x, M, K, static_cast<const float*>(w.data), N, y);
+      LaunchPlain(GemmReferenceKernel<float>, blocks, 256, 0, stream, x, M, K,
+                  static_cast<const float*>(w.data), N, y);
   }
   if (!bias.empty()) AddBias(y, M, bias, stream);
 }

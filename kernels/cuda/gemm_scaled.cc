@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
 #include "kernels/cuda/scaled_layout.h"
 #include "kernels/cuda/scaled_quant.h"
 
@@ -252,6 +253,10 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
   if (weight.mode == Mode::kFp8Blocks && rows < kMinBlockRows) {
     // cuBLASLt has no 128-block FP8 algorithm for fewer than 4 rows on sm_90 (decode at batch
     // 1-3): pad x to 4 rows with copies of its last row, run, keep the real rows.
+    if (LaunchRecording())
+      RecordFallback(absl::StrCat(KindName(kind_), ": fp8_block128 weight ", Shape(w), " at ", rows,
+                                  " rows: x padded to ", kMinBlockRows,
+                                  " rows (no 128-block FP8 algorithm for fewer)"));
     const size_t x_bytes = sizeof(float) * kMinBlockRows * K, y_bytes = sizeof(float) * kMinBlockRows * N;
     if (auto s = Grow(&pad_x_, &pad_x_bytes_, x_bytes, stream); !s.ok()) return s;
     if (auto s = Grow(&pad_y_, &pad_y_bytes_, y_bytes, stream); !s.ok()) return s;
@@ -315,6 +320,19 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
                                    sizeof x_scales);
   }
   const float alpha = 1.f, beta = 0.f;
+  if (LaunchRecording()) {  // the launch log (core/launch_log.h): one per matmul call
+    static const char* const kNames[] = {"cublasLt:fp8 gemm (row scales)",
+                                         "cublasLt:fp8 gemm (128-block scales)",
+                                         "cublasLt:nvfp4 gemm", "cublasLt:mxfp4 gemm"};
+    if ((*plan)->scales_in_epilogue) {
+      RecordLaunch("cublasLt:fp8 gemm (unscaled)");
+      RecordFallback(absl::StrCat(KindName(kind_), ": weight ", Shape(w), " at ", rows,
+                                  " rows: no outer-vector-scaled FP8 algorithm; an unscaled FP8 "
+                                  "GEMM, the scales applied by ScaleOutput"));
+    } else {
+      RecordLaunch(kNames[static_cast<int>(weight.mode)]);
+    }
+  }
   if (auto s = Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, codes,
                                     (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
                                     workspace_, workspace_bytes_, stream),

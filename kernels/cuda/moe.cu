@@ -239,36 +239,37 @@ void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, cons
 
 void CombinePairsBf16(const uint16_t* src, const int* position, const float* weights, int rows,
                       int k, int hidden, float* y, cudaStream_t stream) {
-  CombinePairsKernel<<<rows, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(src),
-                                               position, weights, k, hidden, y);
+  LaunchPlain(CombinePairsKernel, rows, 256, 0, stream, reinterpret_cast<const __nv_bfloat16*>(src),
+              position, weights, k, hidden, y);
 }
 
 void SiluMulBf16(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
                  cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 4096));
-  SiluMulBf16Kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(gate),
-                                                reinterpret_cast<const __nv_bfloat16*>(up), n,
-                                                reinterpret_cast<__nv_bfloat16*>(out));
+  LaunchPlain(SiluMulBf16Kernel, blocks, 256, 0, stream,
+              reinterpret_cast<const __nv_bfloat16*>(gate),
+              reinterpret_cast<const __nv_bfloat16*>(up), n, reinterpret_cast<__nv_bfloat16*>(out));
 }
 
 void AddSigmoidGated(float* y, const float* shared, const float* gate_logit, int rows, int hidden,
                      cudaStream_t stream) {
-  SigmoidGatedKernel<<<rows, 256, 0, stream>>>(y, shared, gate_logit, hidden);
+  LaunchPlain(SigmoidGatedKernel, rows, 256, 0, stream, y, shared, gate_logit, hidden);
 }
 
 void GatherRows(const float* x, const int* index, int count, int hidden, float* out,
                 cudaStream_t stream) {
-  if (count > 0) GatherRowsKernel<<<count, 256, 0, stream>>>(x, index, hidden, out);
+  if (count > 0) LaunchPlain(GatherRowsKernel, count, 256, 0, stream, x, index, hidden, out);
 }
 
 void GatherRowsBf16(const uint16_t* x, const int* index, int count, int hidden, uint16_t* out,
                     cudaStream_t stream) {
-  if (count > 0) GatherRowsBf16Kernel<<<count, 256, 0, stream>>>(x, index, hidden, out);
+  if (count > 0) LaunchPlain(GatherRowsBf16Kernel, count, 256, 0, stream, x, index, hidden, out);
 }
 
 void ScatterAddRows(const float* src, const int* index, const float* weights, int count, int hidden,
                     float* y, cudaStream_t stream) {
-  if (count > 0) ScatterAddRowsKernel<<<count, 256, 0, stream>>>(src, index, weights, hidden, y);
+  if (count > 0)
+    LaunchPlain(ScatterAddRowsKernel, count, 256, 0, stream, src, index, weights, hidden, y);
 }
 
 }  // namespace infersweep::cuda

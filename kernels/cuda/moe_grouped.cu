@@ -7,6 +7,7 @@
 // Weights are re-read for every 64 pairs of an expert, so long prefill chunks (more than 16 pairs
 // per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/cuda_model.cc).
 #include <algorithm>
+#include <string>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -411,6 +412,11 @@ void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
   BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.offsets, a.sorted_pairs, stream);
   // Many pairs per expert (prefill): 64 pairs a pass, so the weights are re-read less often;
   // decode batches average a few pairs per expert and keep the lighter 32-pair kernel.
+  if (a.wgmma && !MoeWgmmaSupports(a.hidden, a.inter) && LaunchRecording())
+    RecordFallback("moe=wgmma: hidden " + std::to_string(a.hidden) + ", inter " +
+                   std::to_string(a.inter) +
+                   " (the wgmma tiles take hidden % 128 == 0, inter % 64 == 0): the mma.sync "
+                   "grouped kernels");
   if (a.wgmma && MoeWgmmaSupports(a.hidden, a.inter))
     MoeWgmmaExperts(a, stream);
   else if (pairs > 24 * a.num_experts)

@@ -60,7 +60,7 @@ template <typename Out>
 void LaunchDequantize(const MatrixRef& w, Out* out, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int blocks = std::max(1, std::min(CeilDiv(w.rows * w.cols / 8, kThreads), 132 * 16));
-  DequantizeKernel<<<blocks, kThreads, 0, stream>>>(w, out);
+  LaunchPlain(DequantizeKernel<Out>, blocks, kThreads, 0, stream, w, out);
 }
 
 constexpr int kWarpsPerBlock = 4;  // one output row per warp
@@ -158,9 +158,11 @@ void LaunchGemvW4A16(const X* x, int rows, const MatrixRef& w, float* y, cudaStr
   if (rows <= 0 || w.rows <= 0) return;  // an empty grid is a launch error
   const dim3 grid(CeilDiv(w.rows, kWarpsPerBlock), CeilDiv(rows, kRowsPerPass));
   if (w.quant.format == QuantFormat::kNvfp4) {
-    GemvW4A16Kernel<QuantFormat::kNvfp4><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, rows, w, y);
+    LaunchPlain(GemvW4A16Kernel<QuantFormat::kNvfp4, X>, grid, kWarpsPerBlock * 32, 0, stream, x,
+                rows, w, y);
   } else {
-    GemvW4A16Kernel<QuantFormat::kMxfp4><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, rows, w, y);
+    LaunchPlain(GemvW4A16Kernel<QuantFormat::kMxfp4, X>, grid, kWarpsPerBlock * 32, 0, stream, x,
+                rows, w, y);
   }
 }
 
@@ -179,7 +181,7 @@ void DequantizeManyToBf16(const MatrixRef* matrices, int count, int64_t rows, in
   if (count <= 0 || rows * cols <= 0) return;
   constexpr int kThreads = 256;
   const int blocks = std::max(1, std::min(CeilDiv(rows * cols / 8, kThreads), 64));
-  DequantizeManyKernel<<<dim3(blocks, count), kThreads, 0, stream>>>(matrices, out);
+  LaunchPlain(DequantizeManyKernel, dim3(blocks, count), kThreads, 0, stream, matrices, out);
 }
 
 bool W4A16Supports(const MatrixRef& w) {

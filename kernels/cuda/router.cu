@@ -104,9 +104,11 @@ template <typename W>
 void LaunchRouter(const float* x, int M, int K, const W* w, int N, float* y, cudaStream_t stream) {
   // The tiled kernel needs many rows to fill the GPU; below that, the GEMV.
   if (M <= 256)
-    RouterGemvKernel<<<dim3(CeilDiv(N, 8), CeilDiv(M, kRows)), 256, 0, stream>>>(x, M, K, w, N, y);
+    LaunchPlain(RouterGemvKernel<W>, dim3(CeilDiv(N, 8), CeilDiv(M, kRows)), 256, 0, stream, x, M,
+                K, w, N, y);
   else
-    RouterGemmKernel<<<dim3(CeilDiv(M, kTileRows), CeilDiv(N, kTileExperts)), 256, 0, stream>>>(x, M, K, w, N, y);
+    LaunchPlain(RouterGemmKernel<W>, dim3(CeilDiv(M, kTileRows), CeilDiv(N, kTileExperts)), 256, 0,
+                stream, x, M, K, w, N, y);
 }
 
 }  // namespace

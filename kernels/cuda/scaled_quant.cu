@@ -184,16 +184,17 @@ void QuantizeFp8PerTensor(const float* x, int rows, int cols, uint8_t* codes, fl
   const int64_t n = static_cast<int64_t>(rows) * cols;
   if (n <= 0) return;
   cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), stream);
-  AmaxKernel<<<GridFor(n), kThreads, 0, stream>>>(x, n, amax_bits);
-  QuantizeFp8TensorKernel<<<GridFor(n), kThreads, 0, stream>>>(x, n, amax_bits, codes, scale);
+  LaunchPlain(AmaxKernel, GridFor(n), kThreads, 0, stream, x, n, amax_bits);
+  LaunchPlain(QuantizeFp8TensorKernel, GridFor(n), kThreads, 0, stream, x, n, amax_bits, codes,
+              scale);
 }
 
 void QuantizeFp8RowGroups(const float* x, int rows, int cols, int group, uint8_t* codes,
                           float* scales, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0 || group <= 0) return;
   const dim3 grid(rows, CeilDiv(cols, group));
-  QuantizeFp8RowGroupsKernel<<<grid, kGroupThreads, 0, stream>>>(x, rows, cols, group, codes,
-                                                                 scales);
+  LaunchPlain(QuantizeFp8RowGroupsKernel, grid, kGroupThreads, 0, stream, x, rows, cols, group,
+              codes, scales);
 }
 
 void QuantizeNvfp4(const float* x, int rows, int cols, uint8_t* codes, uint8_t* tiled_scales,
@@ -204,9 +205,9 @@ void QuantizeNvfp4(const float* x, int rows, int cols, uint8_t* codes, uint8_t* 
   if (groups == 0) return;
   cudaMemsetAsync(amax_bits, 0, sizeof(uint32_t), stream);
   cudaMemsetAsync(tiled_scales, 0, TiledScaleCount(rows, groups), stream);
-  AmaxKernel<<<GridFor(n), kThreads, 0, stream>>>(x, n, amax_bits);
-  QuantizeNvfp4Kernel<<<CeilDiv(rows * groups, kThreads), kThreads, 0, stream>>>(
-      x, rows, cols, amax_bits, codes, tiled_scales, global_scale);
+  LaunchPlain(AmaxKernel, GridFor(n), kThreads, 0, stream, x, n, amax_bits);
+  LaunchPlain(QuantizeNvfp4Kernel, CeilDiv(rows * groups, kThreads), kThreads, 0, stream, x, rows,
+              cols, amax_bits, codes, tiled_scales, global_scale);
 }
 
 void QuantizeMxfp4(const float* x, int rows, int cols, uint8_t* codes, uint8_t* tiled_scales,
@@ -215,8 +216,8 @@ void QuantizeMxfp4(const float* x, int rows, int cols, uint8_t* codes, uint8_t* 
   const int64_t groups = cols / kMxfp4GroupSize;
   if (groups == 0) return;
   cudaMemsetAsync(tiled_scales, 0, TiledScaleCount(rows, groups), stream);
-  QuantizeMxfp4Kernel<<<CeilDiv(rows * groups, kThreads), kThreads, 0, stream>>>(
-      x, rows, cols, codes, tiled_scales);
+  LaunchPlain(QuantizeMxfp4Kernel, CeilDiv(rows * groups, kThreads), kThreads, 0, stream, x, rows,
+              cols, codes, tiled_scales);
 }
 
 void PrepareFp8WeightScales(const MatrixRef& w, Fp8ScaleLayout layout, float* out,
@@ -224,7 +225,7 @@ void PrepareFp8WeightScales(const MatrixRef& w, Fp8ScaleLayout layout, float* ou
   const int64_t count = layout == Fp8ScaleLayout::kScalar   ? 1
                         : layout == Fp8ScaleLayout::kPerRow ? w.rows
                                                             : Fp8BlockScaleCount(w.rows, w.cols);
-  PrepareFp8ScalesKernel<<<GridFor(count), kThreads, 0, stream>>>(w, layout, out, count);
+  LaunchPlain(PrepareFp8ScalesKernel, GridFor(count), kThreads, 0, stream, w, layout, out, count);
 }
 
 void TileFp4WeightScales(const MatrixRef& w, uint8_t* out, cudaStream_t stream) {
@@ -232,16 +233,16 @@ void TileFp4WeightScales(const MatrixRef& w, uint8_t* out, cudaStream_t stream) 
   const int64_t groups = w.cols / group;
   cudaMemsetAsync(out, 0, TiledScaleCount(w.rows, groups), stream);
   if (w.rows * groups <= 0) return;
-  TileFp4ScalesKernel<<<GridFor(w.rows * groups), kThreads, 0, stream>>>(
-      static_cast<const uint8_t*>(w.quant.scale), w.rows, groups, out);
+  LaunchPlain(TileFp4ScalesKernel, GridFor(w.rows * groups), kThreads, 0, stream,
+              static_cast<const uint8_t*>(w.quant.scale), w.rows, groups, out);
 }
 
 void ScaleOutput(float* y, int rows, int cols, const float* row_scale, const float* col_scale,
                  const float* scalar, float factor, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(rows) * cols;
   if (n <= 0) return;
-  ScaleOutputKernel<<<GridFor(n), kThreads, 0, stream>>>(y, rows, cols, row_scale, col_scale,
-                                                         scalar, factor);
+  LaunchPlain(ScaleOutputKernel, GridFor(n), kThreads, 0, stream, y, rows, cols, row_scale,
+              col_scale, scalar, factor);
 }
 
 }  // namespace infersweep::cuda

@@ -97,9 +97,9 @@ __global__ void GreedyTokensKernel(const float* logits, int vocab, unsigned long
 }  // namespace
 
 void StepInputs(const StepInputArgs& a, cudaStream_t stream) {
-  StepInputsKernel<<<a.rows, kInputThreads, 0, stream>>>(
-      a.host_tokens, a.host_position, a.tokens, a.position, a.embed.data, a.embed.dtype,
-      static_cast<int>(a.embed.cols), a.x, a.zero, a.zero_count);
+  LaunchPlain(StepInputsKernel, a.rows, kInputThreads, 0, stream, a.host_tokens, a.host_position,
+              a.tokens, a.position, a.embed.data, a.embed.dtype, static_cast<int>(a.embed.cols),
+              a.x, a.zero, a.zero_count);
 }
 
 void GreedyTokens(const float* logits, int rows, int vocab, const GreedyScratch& scratch,

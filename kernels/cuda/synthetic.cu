@@ -21,7 +21,7 @@ __global__ void SyntheticKernel(uint64_t stream_key, float scale, float offset, 
 void GenerateSyntheticBf16(uint64_t stream_key, float scale, float offset, int64_t n,
                            uint16_t* out, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 132 * 32));
-  SyntheticKernel<<<blocks, 256, 0, stream>>>(stream_key, scale, offset, n, out);
+  LaunchPlain(SyntheticKernel, blocks, 256, 0, stream, stream_key, scale, offset, n, out);
 }
 
 }  // namespace infersweep::cuda

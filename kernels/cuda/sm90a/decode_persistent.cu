@@ -1619,7 +1619,7 @@ void PersistentDownTiles(const uint16_t* down, uint16_t* tiles, int hidden, int 
   const int64_t n = static_cast<int64_t>(hidden) * (inter / kTileRows);
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 65536));
-  DownTilesKernel<<<blocks, threads, 0, stream>>>(down, tiles, hidden, inter);
+  LaunchPlain(DownTilesKernel, blocks, threads, 0, stream, down, tiles, hidden, inter);
 }
 
 std::string PersistentDownTilesUnsupported(int hidden, int inter) {

@@ -125,9 +125,9 @@ void GemvTma(const GemvArgs& args, cudaStream_t stream) {
   plan.first_block[args.segments] = blocks;
   const size_t smem = plan.stages * tile_bytes + x_bytes;
   if (args.rows == 1)
-    GemvTmaKernel<1><<<blocks, kThreads, smem, stream>>>(args, plan);
+    LaunchPlain(GemvTmaKernel<1>, blocks, kThreads, smem, stream, args, plan);
   else
-    GemvTmaKernel<kGemvMaxRows><<<blocks, kThreads, smem, stream>>>(args, plan);
+    LaunchPlain(GemvTmaKernel<kGemvMaxRows>, blocks, kThreads, smem, stream, args, plan);
 }
 
 }  // namespace infersweep::cuda
