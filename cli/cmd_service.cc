@@ -34,6 +34,7 @@
 #include "coordinator/metrics.h"
 #include "coordinator/server.h"
 #include "coordinator/sweep_spec.h"
+#include "harness/report.h"
 #include "harness/trial.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
@@ -640,7 +641,8 @@ struct ResultsArgs {
   bool show_kernels = false;
 };
 
-void PrintResultsTable(const std::vector<Row>& rows, const std::string& context) {
+void PrintResultsTable(const std::vector<Row>& rows, const std::string& context,
+                       bool show_kernels) {
   Legend legend;
   std::printf("# infersweep results: %s\n", context.c_str());
   std::printf("#%6s %-10s %-14s %-22s %6s %-5s %-5s %-38s %5s %-11s %9s %9s %10s %10s %6s\n",
@@ -672,6 +674,11 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context)
           row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
           config.c_str(), b.batch, status.c_str(), b.ttft_ms.median, b.tpot_ms.median,
           b.output_tok_s.median, b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
+    if (show_kernels)
+      for (const BatchFigures& b : r.batches) {
+        std::printf("#   %s batch %d: what ran\n", r.trial_id.c_str(), b.batch);
+        std::fputs(FormatKernels(b).c_str(), stdout);
+      }
     if (r.status != TrialStatus::kOk && !r.reason.empty())
       std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
   }
@@ -773,7 +780,8 @@ int RunResults(const ResultsArgs& args) {
   } else if (args.format == "csv") {
     PrintResultsCsv(rows);
   } else {
-    PrintResultsTable(rows, context.empty() ? "all" : absl::StrJoin(context, ", "));
+    PrintResultsTable(rows, context.empty() ? "all" : absl::StrJoin(context, ", "),
+                      args.show_kernels);
   }
   if (resp->truncated())
     std::fprintf(stderr, "warning: more results matched than fit into one reply; narrow the query\n");
@@ -1068,6 +1076,27 @@ int RunCompare(const CompareArgs& args) {
   num_row("top1 agreement (%)",
           [](const TrialResult& r, const BatchFigures&) { return 100 * r.verdict.top1_agreement; });
   num_row("kl mean (nats)", [](const TrialResult& r, const BatchFigures&) { return r.verdict.kl_mean; });
+  // What each side launched: a config string names axis values, not the kernels that ran (a
+  // fused path can hand rows to a library, a graph can be skipped).
+  if (found[0] && found[1]) {
+    const BatchFigures* a = FindBatch(found[0]->result, args.batch);
+    const BatchFigures* b = FindBatch(found[1]->result, args.batch);
+    const bool same_config = BackendConfigString(found[0]->result.config) ==
+                             BackendConfigString(found[1]->result.config);
+    if (a != nullptr && b != nullptr) {
+      if (!a->decode_kernels || !b->decode_kernels) {
+        std::printf("# kernels: not compared (%s recorded no launch log)\n",
+                    !a->decode_kernels ? "A" : "B");
+      } else if (const std::vector<std::string> diff = KernelDifferences(*a, *b); diff.empty()) {
+        std::printf("# kernels: A and B ran the same kernels\n");
+      } else {
+        std::printf("# kernels: %s\n",
+                    same_config ? "A and B have the same config string but ran different kernels"
+                                : "A and B ran different kernels");
+        for (const std::string& line : diff) std::printf("#   %s\n", line.c_str());
+      }
+    }
+  }
   return found[0] && found[1] ? 0 : 1;
 }
 
@@ -1250,6 +1279,9 @@ void AddServiceCommands(CLI::App& app) {
                     "at most this many results, newest first: 1 to 10000 (the coordinator's cap)")
         ->capture_default_str();
     cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
+    cmd->add_flag("--show-kernels", args.show_kernels,
+                  "table: under each result, the kernels each phase launched at each batch, "
+                  "graph replays and fallbacks (docs/RESULTS.md; the JSON always has them)");
     cmd->callback([] { std::exit(RunResults(args)); });
   }
   {

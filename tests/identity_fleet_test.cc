@@ -210,5 +210,61 @@ TEST_F(IdentityFleet, RegressionsJudgeEachIdentityAndWorkloadApart) {
   EXPECT_THAT(out, HasSubstr("# 8 series"));
 }
 
+// What ran is visible: `results --show-kernels` lists each phase's launches, and `compare` says
+// when two results with the same config string ran different kernels.
+TEST_F(IdentityFleet, ResultsShowTheKernelsAndCompareNamesADifference) {
+  int code = -1;
+  std::string out = Cli(absl::StrCat("results --sweep ", sweeps_[0], " --show-kernels"), &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("matmul_naive"));
+  EXPECT_THAT(out, HasSubstr("matmul_blocked"));
+  EXPECT_THAT(out, HasSubstr("decode"));
+
+  // Two stored results of one config on two arches, one of which fell back to another kernel.
+  Store* store = server_->store();
+  SweepRecord sweep;
+  sweep.name = "same-config";
+  sweep.model = "preset:tiny-moe";
+  std::vector<TrialRecord> trials(2);
+  for (TrialRecord& t : trials) {
+    t.model = "preset:tiny-moe";
+    t.layers = 7;
+    t.config = *ParseBackendConfig("device=cpu,matmul=naive,threads=1");
+    t.selector.device = "cpu";
+  }
+  absl::StatusOr<int64_t> id = store->CreateSweep(sweep, trials);
+  ASSERT_TRUE(id.ok()) << id.status();
+  for (int i = 0; i < 2; ++i) {
+    TrialResult r;
+    r.trial_id = absl::StrCat(*id, "-", i);
+    r.attempt = 1;
+    r.status = TrialStatus::kOk;
+    r.model = "preset:tiny-moe";
+    r.config = trials[i].config;
+    r.model_identity = {"preset", "tiny-moe", 7, 1, "bf16", ""};
+    BatchFigures b;
+    b.output_tok_s = {100, 100, 100};
+    PhaseKernels decode;
+    decode.kernels = {{"matmul_naive", 21}, {"attention", 7}};
+    if (i == 1) {
+      decode.kernels[0] = {"matmul_blocked", 21};
+      decode.fallbacks = {"matmul=naive: handed to matmul_blocked (test)"};
+    }
+    b.decode_kernels = decode;
+    b.prefill_kernels = PhaseKernels{};
+    r.batches = {b};
+    ASSERT_TRUE(store->RecordResult("", "NVIDIA H200", i == 0 ? 90 : 120, r).ok());
+  }
+  out =
+      Cli("compare --model preset:tiny-moe --layers 7 --config matmul=naive --sm-arch 90 "
+          "--sm-arch 120",
+          &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("A and B have the same config string but ran different kernels"));
+  EXPECT_THAT(out, HasSubstr("matmul_naive"));
+  EXPECT_THAT(out, HasSubstr("matmul_blocked"));
+  EXPECT_THAT(out, HasSubstr("handed to matmul_blocked"));
+}
+
 }  // namespace
 }  // namespace infersweep
