@@ -21,6 +21,7 @@
 //   results_per_s   acknowledged results / (last Ack - first Result written)
 //   ingest_p50/p99  Result written by the agent -> its Ack read by the agent, ms
 //   rss/hwm         the coordinator's VmRSS at the end and VmHWM (peak), from /proc/PID/status
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/utsname.h>
 
@@ -43,14 +44,13 @@
 #include <thread>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/client.h"
 #include "harness/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
+#include "tests/http_get.h"
 #include "tests/process_util.h"
 
 namespace infersweep {
@@ -433,10 +433,10 @@ int Main(int argc, char** argv) {
   std::printf("# coordinator: %s, database %s (fresh)\n", o.binary.c_str(), o.db.c_str());
   std::fflush(stdout);
 
-  auto coordinator =
-      ChildProcess::Start({o.binary, "coordinator", "--listen", "127.0.0.1:0", "--db", o.db,
-                           "--metrics-listen", "", "--lease-s", "600", "--max-trials", "10000",
-                           "--agent-rate", "0", "--user-rate", "0", "--connect-rate", "0"});
+  auto coordinator = ChildProcess::Start(
+      {o.binary, "coordinator", "--listen", "127.0.0.1:0", "--db", o.db, "--metrics-listen",
+       "127.0.0.1:0", "--lease-s", "600", "--max-trials", "10000", "--agent-rate", "0",
+       "--user-rate", "0", "--connect-rate", "0"});
   if (!coordinator) Die("cannot start the coordinator");
   int port = 0;
   for (int i = 0; i < 500 && port == 0; ++i) {
@@ -448,6 +448,15 @@ int Main(int argc, char** argv) {
     if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (port == 0) Die("the coordinator did not start:\n" + coordinator->Output());
+  int metrics_port = 0;
+  {
+    const std::string out = coordinator->Output();
+    const size_t line = out.find("# metrics on ");
+    const size_t at = line == std::string::npos ? line : out.find("(port ", line);
+    const size_t end = at == std::string::npos ? at : out.find(')', at);
+    if (end != std::string::npos)
+      (void)absl::SimpleAtoi(out.substr(at + 6, end - at - 6), &metrics_port);
+  }
   const std::string address = absl::StrCat("127.0.0.1:", port);
   const auto [rss_start, hwm_start] = Memory(coordinator->pid());
   std::printf("# coordinator started: VmRSS %.1f MiB, VmHWM %.1f MiB (no agent yet)\n", rss_start,
@@ -548,6 +557,20 @@ int Main(int argc, char** argv) {
               static_cast<long long>(bench.acked.load()),
               static_cast<double>(bench.acked) / ingest_s, p50, p99, rss, hwm,
               static_cast<long long>(bench.errors.load()));
+  // How many results one group commit stored, on average (the coordinator's histogram).
+  if (std::optional<HttpResponse> metrics = HttpGet(metrics_port, "/metrics")) {
+    auto value = [&](const std::string& name) {
+      const size_t at = metrics->body.find("\n" + name + " ");
+      double v = 0;
+      if (at != std::string::npos)
+        (void)absl::SimpleAtod(metrics->body.substr(at + name.size() + 2, 32), &v);
+      return v;
+    };
+    const double groups = value("infersweep_commit_group_results_count");
+    if (groups > 0)
+      std::printf("# group commits: %.0f, %.1f results each on average\n", groups,
+                  value("infersweep_commit_group_results_sum") / groups);
+  }
   std::fflush(stdout);
 
   for (auto& a : agents) a->Cancel();

@@ -146,6 +146,49 @@ const std::vector<BackendConfig> kConfigs = {
     {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "flash"}, {"moe", "grouped"}, {"graphs", "on"}},
 };
 
+// What a GPU step launches, as the engine's launch log records it (one per config and batch:
+// a fleet's results repeat these).
+PhaseKernels DecodeKernels(size_t config, int batch) {
+  PhaseKernels p;
+  p.graph = config % 2 == 1;
+  p.kernels = {{"StepInputsKernel", 1},
+               {"RmsNormKernel", 97},
+               {batch > 4 ? "cublasLt:bf16 gemm" : "GemvKernel<2, 1>", 96},
+               {"QkNormRopeAppendKernel<__nv_bfloat16>", 48},
+               {"FlashDecodeKernel<128, __nv_bfloat16>", 48},
+               {"FlashDecodeCombineKernel<128>", 48},
+               {"GemvKernel<1, 1>", 48},
+               {batch >= 16 ? "cublasLt:fp32 gemm" : "RouterGemvKernel<8>", 48},
+               {"TopKSoftmaxKernel<8>", 48},
+               {batch > 4 ? "BucketPairsKernel" : "MoeGateUpKernel<2>", 48},
+               {batch > 4 ? "GroupedGateUpKernel<8, 2>" : "MoeDownCombineKernel<2>", 48},
+               {"GemvStreamKernel<1>", 1},
+               {"GreedyTokensKernel", 1}};
+  if (batch > 4)
+    p.fallbacks = {absl::StrCat("gemm=fused: decode, ", batch,
+                                " rows (> 4): the layers' linears unfused (cuBLASLt for bf16 "
+                                "weights), not the fused GEMV")};
+  return p;
+}
+
+PhaseKernels PrefillKernels(size_t config) {
+  PhaseKernels p;
+  p.kernels = {{"StepInputsKernel", 1},
+               {"RmsNormKernel", 97},
+               {"cublasLt:bf16 gemm", 96},
+               {"QkNormRopeAppendKernel<__nv_bfloat16>", 48},
+               {config % 2 ? "FlashPrefillKernel<64, __nv_bfloat16>" : "AttentionKernel", 48},
+               {"cublasLt:fp32 gemm", 48},
+               {"TopKSoftmaxKernel<8>", 48},
+               {"BucketPairsKernel", 48},
+               {"GroupedGateUpWgmmaKernel<128>", 48},
+               {"GroupedDownWgmmaKernel<128>", 48},
+               {"CombineExpertOutputsKernel", 48},
+               {"GemvStreamKernel<1>", 1},
+               {"GreedyTokensKernel", 1}};
+  return p;
+}
+
 BatchFigures Figures(int batch, double tok_s, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> jitter(0.9, 1.1);
   BatchFigures b;
@@ -248,6 +291,10 @@ int Main(int argc, char** argv) {
       if (r.status == TrialStatus::kOk || r.status == TrialStatus::kIncorrect) {
         const double base = 100 + 50 * static_cast<double>(k % kConfigs.size());
         r.batches = {Figures(1, base, rng), Figures(8, base * 6, rng)};
+        for (BatchFigures& b : r.batches) {
+          b.decode_kernels = DecodeKernels(k % kConfigs.size(), b.batch);
+          b.prefill_kernels = PrefillKernels(k % kConfigs.size());
+        }
       } else {
         r.reason = "needs sm_90a";
       }

@@ -762,6 +762,7 @@ int RunResults(const ResultsArgs& args) {
   if (args.format != "table" && args.format != "csv" && args.format != "json")
     return Usage(absl::StrCat("--format '", args.format, "': expected table, csv or json"));
   req.set_limit(args.limit);
+  req.set_with_kernels(args.show_kernels || args.format == "json");
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
   ServiceClient client(args.coordinator, 30'000, *user_token, ClientTls());
@@ -923,6 +924,7 @@ absl::StatusOr<std::map<GroupKey, std::vector<Row>>> MatchingByGroup(ServiceClie
   req.set_sm(sm);
   req.set_status("OK");
   req.set_limit(10000);
+  req.set_with_kernels(true);  // compare says what each side ran
   ApplyIdentity(identity, &req);
   for (const auto& [axis, value] : config) (*req.mutable_axis_values())[axis] = value;
   absl::StatusOr<v1::QueryResultsResponse> resp = client.QueryResults(req);

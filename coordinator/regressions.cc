@@ -241,6 +241,7 @@ absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const R
   rq.model_key = q.model_key;
   rq.workload = q.workload;
   rq.layers = q.layers;
+  rq.with_kernels = false;  // the figures are all a series needs
   rq.limit = q.limit;
   absl::StatusOr<std::vector<StoredResult>> results = store.QueryResults(rq);
   if (!results.ok()) return results.status();

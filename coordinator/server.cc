@@ -338,10 +338,21 @@ class CoordinatorServer::Impl {
   // Free slots per connected agent (agent id -> slot indices), for one scheduling pass.
   using FreeSlots = std::map<std::string, std::vector<int>>;
   FreeSlots FreeSlotsLocked() const;
+  // A trial placed on an agent's free slots, to be leased with the rest of its pass.
+  struct Placement {
+    const TrialRecord* trial;
+    Conn* conn;
+    BackendConfig config;  // normalized
+    std::vector<int> slots;
+  };
   // Places or judges one queued trial on the agents in `order`, taking the slots it uses out of
-  // `free`; returns true when it left the queue.
-  bool TryPlaceLocked(const TrialRecord& trial, int64_t now, const std::vector<Conn*>& order,
-                      FreeSlots& free);
+  // `free` (a placement is added to `placements`, an UNSUPPORTED or ERROR result is stored);
+  // returns true when it is no longer the queue's.
+  bool TryPlaceLocked(const TrialRecord& trial, const std::vector<Conn*>& order, FreeSlots& free,
+                      std::vector<Placement>* placements);
+  // Leases a pass's placements in one transaction and sends each its Assignment; returns how
+  // many were leased.
+  int LeaseAndAssignLocked(const std::vector<Placement>& placements, int64_t now);
   bool SlotBusyLocked(const std::string& agent_id, int slot) const;
   bool MatchesLocked(const Selector& selector, const SlotInfo& slot);
   void RecordCoordinatorResult(const TrialRecord& trial, TrialStatus status,
@@ -1147,10 +1158,14 @@ void CoordinatorServer::Impl::ScheduleOnce(bool event) {
     if (!order.empty())
       std::rotate(order.begin(), order.begin() + static_cast<long>(rr_ % order.size()),
                   order.end());
+    std::vector<Placement> placements;
     for (const TrialRecord& trial : *queued) {
       if (stopping_ || free.empty()) break;
-      if (TryPlaceLocked(trial, now, order, free)) ++changed;
+      const size_t placed = placements.size();
+      // Judged (UNSUPPORTED, ERROR) rather than placed: it left the queue already.
+      if (TryPlaceLocked(trial, order, free, &placements) && placements.size() == placed) ++changed;
     }
+    changed += LeaseAndAssignLocked(placements, now);
     ++rr_;
   }
   if (changed > 0) {
@@ -1162,22 +1177,72 @@ void CoordinatorServer::Impl::ScheduleOnce(bool event) {
   }
 }
 
+int CoordinatorServer::Impl::LeaseAndAssignLocked(const std::vector<Placement>& placements,
+                                                  int64_t now) {
+  if (placements.empty()) return 0;
+  const int64_t expires = now + options_.lease_ms;
+  std::vector<LeaseRequest> leases;
+  leases.reserve(placements.size());
+  for (const Placement& p : placements) {
+    const SlotInfo& first = p.conn->slots[static_cast<size_t>(p.slots[0])];
+    leases.push_back(
+        {p.trial->trial_id, p.conn->agent_id, expires, LeasePlace{first.gpu_name, first.sm}});
+  }
+  std::vector<absl::StatusOr<TrialRecord>> leased = store_->LeaseTrials(leases);
+  int assigned = 0;
+  for (size_t i = 0; i < placements.size(); ++i) {
+    const Placement& p = placements[i];
+    if (!leased[i].ok()) {
+      Log(absl::StrCat("leasing ", p.trial->trial_id, ": ", leased[i].status().message()));
+      continue;
+    }
+    TrialRequest req;
+    req.trial_id = leased[i]->trial_id;
+    req.attempt = leased[i]->attempt;
+    req.model = leased[i]->model;
+    req.layers = leased[i]->layers;
+    req.seed = leased[i]->seed;
+    req.config = p.config;
+    req.workload = leased[i]->workload;
+    v1::CoordinatorMessage m;
+    v1::Assignment* a = m.mutable_assignment();
+    a->set_trial_id(req.trial_id);
+    a->set_attempt(req.attempt);
+    a->set_request_json(ToJson(req).dump());
+    a->set_lease_expires_ms(expires);
+    for (int s : p.slots) a->add_slots(s);
+    Held h;
+    h.attempt = req.attempt;
+    h.sweep_id = leased[i]->sweep_id;
+    h.slots = p.slots;
+    held_[p.conn->agent_id][req.trial_id] = std::move(h);
+    ++stats_.assignments;
+    p.conn->Enqueue(std::move(m));
+    ++assigned;
+  }
+  return assigned;
+}
+
 CoordinatorServer::Impl::FreeSlots CoordinatorServer::Impl::FreeSlotsLocked() const {
   FreeSlots free;
+  std::vector<bool> busy;
   for (const auto& [id, conn] : conns_) {
-    std::set<int> busy;
+    busy.assign(conn->slots.size(), false);
     if (auto h = held_.find(id); h != held_.end())
-      for (const auto& [tid, held] : h->second) busy.insert(held.slots.begin(), held.slots.end());
+      for (const auto& [tid, held] : h->second)
+        for (int slot : held.slots)
+          if (slot >= 0 && static_cast<size_t>(slot) < busy.size()) busy[slot] = true;
     std::vector<int> slots;
     for (const SlotInfo& slot : conn->slots)
-      if (!busy.count(slot.index)) slots.push_back(slot.index);
-    if (!slots.empty()) free.emplace(id, std::move(slots));
+      if (!busy[static_cast<size_t>(slot.index)]) slots.push_back(slot.index);
+    if (!slots.empty()) free.emplace_hint(free.end(), id, std::move(slots));
   }
   return free;
 }
 
-bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t now,
-                                             const std::vector<Conn*>& order, FreeSlots& free) {
+bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial,
+                                             const std::vector<Conn*>& order, FreeSlots& free,
+                                             std::vector<Placement>* placements) {
   absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
   if (!config.ok()) {
     RecordCoordinatorResult(trial, TrialStatus::kError,
@@ -1212,36 +1277,7 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial, int64_t n
     }
     if (static_cast<int>(free_supported.size()) < needed) continue;
 
-    const int64_t expires = now + options_.lease_ms;
-    const SlotInfo& first = conn->slots[static_cast<size_t>(free_supported[0])];
-    absl::StatusOr<TrialRecord> leased = store_->LeaseTrial(trial.trial_id, conn->agent_id, expires,
-                                                            LeasePlace{first.gpu_name, first.sm});
-    if (!leased.ok()) {
-      Log(absl::StrCat("leasing ", trial.trial_id, ": ", leased.status().message()));
-      return false;
-    }
-    TrialRequest req;
-    req.trial_id = leased->trial_id;
-    req.attempt = leased->attempt;
-    req.model = leased->model;
-    req.layers = leased->layers;
-    req.seed = leased->seed;
-    req.config = *config;
-    req.workload = leased->workload;
-    v1::CoordinatorMessage m;
-    v1::Assignment* a = m.mutable_assignment();
-    a->set_trial_id(req.trial_id);
-    a->set_attempt(req.attempt);
-    a->set_request_json(ToJson(req).dump());
-    a->set_lease_expires_ms(expires);
-    for (int s : free_supported) a->add_slots(s);
-    Held h;
-    h.attempt = req.attempt;
-    h.sweep_id = leased->sweep_id;
-    h.slots = free_supported;
-    held_[conn->agent_id][req.trial_id] = std::move(h);
-    ++stats_.assignments;
-    conn->Enqueue(std::move(m));
+    placements->push_back(Placement{&trial, conn, *config, free_supported});
     for (int used : free_supported) std::erase(f->second, used);
     if (f->second.empty()) free.erase(f);
     return true;
@@ -1440,6 +1476,7 @@ grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest
   if (req.has_workload()) q.workload = req.workload();
   if (req.has_layers()) q.layers = req.layers();
   if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
+  q.with_kernels = req.with_kernels();
   if (req.has_status()) {
     std::optional<TrialStatus> st = TrialStatusFromName(req.status());
     if (!st)

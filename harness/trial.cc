@@ -168,6 +168,10 @@ absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text) {
   return WorkloadKey(*w);
 }
 
+json KernelsJson(const BatchFigures& b) {
+  return {{"prefill", PhaseJson(b.prefill_kernels)}, {"decode", PhaseJson(b.decode_kernels)}};
+}
+
 json ToJson(const Workload& w) {
   return {{"prompt_len", w.prompt_len}, {"output_len", w.output_len},
           {"batch_sizes", w.batch_sizes}, {"repeats", w.repeats},
@@ -233,9 +237,7 @@ json ToJson(const TrialResult& r) {
                        {"timer", b.timer},
                        {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
                        {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
-    if (b.prefill_kernels || b.decode_kernels)
-      batches.back()["kernels"] = {{"prefill", PhaseJson(b.prefill_kernels)},
-                                   {"decode", PhaseJson(b.decode_kernels)}};
+    if (b.prefill_kernels || b.decode_kernels) batches.back()["kernels"] = KernelsJson(b);
   }
   const VerdictMetrics& v = r.verdict;
   return {{"trial_id", r.trial_id},

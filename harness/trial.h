@@ -159,6 +159,8 @@ struct TrialResult {
 nlohmann::json ToJson(const Workload& w);
 nlohmann::json ToJson(const TrialRequest& r);
 nlohmann::json ToJson(const TrialResult& r);
+// A batch's "kernels" object as ToJson writes it: {"prefill": PHASE, "decode": PHASE}.
+nlohmann::json KernelsJson(const BatchFigures& b);
 // Parsers validate types and ranges; errors name the field.
 absl::StatusOr<Workload> WorkloadFromJson(const nlohmann::json& j);
 absl::StatusOr<TrialRequest> TrialRequestFromJson(const nlohmann::json& j);

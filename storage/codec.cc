@@ -43,26 +43,95 @@ const Bytef* DictionaryBytes() {
   return reinterpret_cast<const Bytef*>(kResultDictionaryV1.data());
 }
 
+// One deflate state per thread, reset for each result: deflateInit allocates ~270 KB, which
+// cost more than compressing a result.
+class Deflater {
+ public:
+  Deflater() { ok_ = deflateInit(&z_, 6) == Z_OK; }
+  ~Deflater() {
+    if (ok_) deflateEnd(&z_);
+  }
+  // Level 6 (zlib's default): 10-20 us for a 2-4 KB result; level 1 saves little time and ~20 %
+  // of the ratio.
+  std::string Compress(std::string_view json) {
+    if (!ok_ || deflateReset(&z_) != Z_OK) return "";
+    deflateSetDictionary(&z_, DictionaryBytes(), static_cast<uInt>(kResultDictionaryV1.size()));
+    std::string out(1 + deflateBound(&z_, static_cast<uLong>(json.size())), '\0');
+    out[0] = static_cast<char>(kTagDeflateV1);
+    z_.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(json.data()));
+    z_.avail_in = static_cast<uInt>(json.size());
+    z_.next_out = reinterpret_cast<Bytef*>(out.data() + 1);
+    z_.avail_out = static_cast<uInt>(out.size() - 1);
+    // deflateBound guarantees room: Z_FINISH completes in one call.
+    if (deflate(&z_, Z_FINISH) != Z_STREAM_END) return "";
+    out.resize(1 + z_.total_out);
+    return out;
+  }
+
+ private:
+  z_stream z_{};
+  bool ok_ = false;
+};
+
 }  // namespace
 
 std::string CompressResultJson(std::string_view json) {
-  z_stream z{};
-  // Level 6 (zlib's default): 10-20 us for a 2-4 KB result; level 1 saves little time and ~15 %
-  // of the ratio.
-  if (deflateInit(&z, 6) != Z_OK) return "";
-  deflateSetDictionary(&z, DictionaryBytes(), static_cast<uInt>(kResultDictionaryV1.size()));
-  std::string out(1 + deflateBound(&z, static_cast<uLong>(json.size())), '\0');
-  out[0] = static_cast<char>(kTagDeflateV1);
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(json.data()));
-  z.avail_in = static_cast<uInt>(json.size());
-  z.next_out = reinterpret_cast<Bytef*>(out.data() + 1);
-  z.avail_out = static_cast<uInt>(out.size() - 1);
-  const int rc = deflate(&z, Z_FINISH);
-  out.resize(1 + z.total_out);
-  deflateEnd(&z);
-  // deflateBound guarantees room: Z_FINISH completes in one call.
-  return rc == Z_STREAM_END ? out : std::string();
+  thread_local Deflater deflater;
+  return deflater.Compress(json);
 }
+
+namespace {
+
+// One inflate state per thread, reset for each result (inflateInit allocates its window).
+class Inflater {
+ public:
+  Inflater() { ok_ = inflateInit(&z_) == Z_OK; }
+  ~Inflater() {
+    if (ok_) inflateEnd(&z_);
+  }
+  absl::StatusOr<std::string> Inflate(std::string_view stream) {
+    if (!ok_ || inflateReset(&z_) != Z_OK)
+      return absl::ResourceExhaustedError("zlib: inflateInit failed");
+    z_.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(stream.data()));
+    z_.avail_in = static_cast<uInt>(stream.size());
+    std::string out;
+    out.resize(stream.size() * 8 + 1024);
+    int rc = Z_OK;
+    for (;;) {
+      z_.next_out = reinterpret_cast<Bytef*>(out.data() + z_.total_out);
+      z_.avail_out = static_cast<uInt>(out.size() - z_.total_out);
+      rc = inflate(&z_, Z_NO_FLUSH);
+      if (rc == Z_NEED_DICT) {
+        rc = inflateSetDictionary(&z_, DictionaryBytes(),
+                                  static_cast<uInt>(kResultDictionaryV1.size()));
+        if (rc != Z_OK) break;
+        continue;
+      }
+      if (rc == Z_STREAM_END) break;
+      if (rc != Z_OK && rc != Z_BUF_ERROR) break;
+      if (z_.avail_out == 0) {
+        out.resize(out.size() * 2);
+        continue;
+      }
+      if (z_.avail_in == 0) {  // input ends before the stream does
+        rc = Z_DATA_ERROR;
+        break;
+      }
+    }
+    if (rc != Z_STREAM_END)
+      return absl::DataLossError(absl::StrCat("stored result: damaged compressed JSON (zlib: ",
+                                              z_.msg != nullptr ? z_.msg : "truncated stream",
+                                              ")"));
+    out.resize(z_.total_out);
+    return out;
+  }
+
+ private:
+  z_stream z_{};
+  bool ok_ = false;
+};
+
+}  // namespace
 
 absl::StatusOr<std::string> DecompressResultJson(std::string_view blob) {
   if (blob.empty()) return absl::DataLossError("stored result: empty blob");
@@ -70,41 +139,57 @@ absl::StatusOr<std::string> DecompressResultJson(std::string_view blob) {
     return absl::DataLossError(absl::StrCat("stored result: unknown codec tag ",
                                             static_cast<int>(static_cast<unsigned char>(blob[0])),
                                             " (a newer infersweep wrote it?)"));
-  z_stream z{};
-  if (inflateInit(&z) != Z_OK) return absl::ResourceExhaustedError("zlib: inflateInit failed");
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(blob.data() + 1));
-  z.avail_in = static_cast<uInt>(blob.size() - 1);
+  thread_local Inflater inflater;
+  return inflater.Inflate(blob.substr(1));
+}
+
+namespace {
+constexpr std::string_view kKernelsRef = "\"kernels_ref\":";
+}  // namespace
+
+std::string StripKernelLogRefs(std::string text) {
+  size_t at = text.find(kKernelsRef);
+  if (at == std::string::npos) return text;
   std::string out;
-  out.resize(blob.size() * 8 + 1024);
-  int rc = Z_OK;
-  for (;;) {
-    z.next_out = reinterpret_cast<Bytef*>(out.data() + z.total_out);
-    z.avail_out = static_cast<uInt>(out.size() - z.total_out);
-    rc = inflate(&z, Z_NO_FLUSH);
-    if (rc == Z_NEED_DICT) {
-      rc = inflateSetDictionary(&z, DictionaryBytes(),
-                                static_cast<uInt>(kResultDictionaryV1.size()));
-      if (rc != Z_OK) break;
-      continue;
+  out.reserve(text.size());
+  size_t from = 0;
+  for (; at != std::string::npos; at = text.find(kKernelsRef, from)) {
+    size_t end = at + kKernelsRef.size();
+    while (end < text.size() && text[end] >= '0' && text[end] <= '9') ++end;
+    size_t begin = at;
+    if (end < text.size() && text[end] == ',') {
+      ++end;  // "kernels_ref":3,"latency_ms":... -> "latency_ms":...
+    } else if (begin > from && text[begin - 1] == ',') {
+      --begin;  // ...,"kernels_ref":3} -> ...}
     }
-    if (rc == Z_STREAM_END) break;
-    if (rc != Z_OK && rc != Z_BUF_ERROR) break;
-    if (z.avail_out == 0) {
-      out.resize(out.size() * 2);
-      continue;
-    }
-    if (z.avail_in == 0) {  // input ends before the stream does
-      rc = Z_DATA_ERROR;
-      break;
-    }
+    out.append(text, from, begin - from);
+    from = end;
   }
-  const size_t produced = z.total_out;
-  const std::string msg = z.msg != nullptr ? z.msg : "truncated stream";
-  inflateEnd(&z);
-  if (rc != Z_STREAM_END)
-    return absl::DataLossError(
-        absl::StrCat("stored result: damaged compressed JSON (zlib: ", msg, ")"));
-  out.resize(produced);
+  out.append(text, from, std::string::npos);
+  return out;
+}
+
+absl::StatusOr<std::string> ExpandKernelLogRefs(
+    std::string text, const std::function<absl::StatusOr<std::string>(int64_t)>& log) {
+  constexpr std::string_view kRef = kKernelsRef;
+  size_t at = text.find(kRef);
+  if (at == std::string::npos) return text;
+  std::string out;
+  out.reserve(text.size() * 2);
+  size_t from = 0;
+  for (; at != std::string::npos; at = text.find(kRef, from)) {
+    size_t end = at + kRef.size();
+    int64_t id = 0;
+    while (end < text.size() && text[end] >= '0' && text[end] <= '9')
+      id = id * 10 + (text[end++] - '0');
+    absl::StatusOr<std::string> body = log(id);
+    if (!body.ok()) return body.status();
+    out.append(text, from, at - from);
+    out.append("\"kernels\":");
+    out.append(*body);
+    from = end;
+  }
+  out.append(text, from, std::string::npos);
   return out;
 }
 

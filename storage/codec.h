@@ -3,6 +3,8 @@
 // A stored result shrinks about 6x; reading one costs a few microseconds.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -14,5 +16,16 @@ namespace infersweep {
 std::string CompressResultJson(std::string_view json);
 // The JSON text back; DataLoss for an unknown tag or a damaged stream (what is wrong is said).
 absl::StatusOr<std::string> DecompressResultJson(std::string_view blob);
+
+// A stored result's JSON keeps each batch's kernel log by reference, "kernels_ref":ID (the logs
+// are interned in the kernel_logs table); this puts "kernels":LOG back for each, with `log`
+// giving a log's JSON text by id (DataLoss naming `where` and the id when it has none). The
+// token can only be a key: inside a JSON string its quotes would be escaped.
+absl::StatusOr<std::string> ExpandKernelLogRefs(
+    std::string text, const std::function<absl::StatusOr<std::string>(int64_t)>& log);
+
+// The same JSON with every "kernels_ref":ID member removed, for readers that do not want the
+// kernel logs (they are most of a GPU result's bytes).
+std::string StripKernelLogRefs(std::string text);
 
 }  // namespace infersweep

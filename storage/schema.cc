@@ -131,12 +131,12 @@ FROM results AS r, json_each(r.result_json, '$.batches') AS b
 WHERE json_valid(r.result_json) AND json_extract(b.value, '$.batch') IS NOT NULL
 ORDER BY r.result_id, b.key;
 )sql"},
-      {"results keyed by identity: model_key, workload, engine version, software stack; "
-       "interned configs (configs, config_axes) instead of result_axes; compressed result JSON; "
-       "result_batches and result_groups by identity",
+      {"results keyed by identity (model_key, workload, engine version, software stack); "
+       "configs interned (configs, config_axes; trials and results point at them); kernel logs "
+       "interned; compressed result JSON; result_batches and result_groups by identity",
        R"sql(
--- Each distinct config once; a result points at it. An axis filter is a lookup in config_axes
--- (a few thousand rows) instead of one result_axes row per axis per result.
+-- Each distinct config once; trials and results point at it. An axis filter is a lookup in
+-- config_axes (a few thousand rows) instead of one result_axes row per axis per result.
 CREATE TABLE configs (
   config_id      INTEGER PRIMARY KEY,
   config_string  TEXT    NOT NULL UNIQUE
@@ -147,21 +147,73 @@ CREATE TABLE config_axes (
   config_id  INTEGER NOT NULL REFERENCES configs(config_id),
   PRIMARY KEY (axis, value, config_id)
 ) WITHOUT ROWID;
-INSERT INTO configs (config_string) SELECT DISTINCT config_string FROM results ORDER BY 1;
+INSERT INTO configs (config_string)
+  SELECT config_string FROM results UNION SELECT config_string FROM trials ORDER BY 1;
 INSERT OR IGNORE INTO config_axes (axis, value, config_id)
   SELECT a.axis, a.value, c.config_id
   FROM result_axes AS a JOIN results AS r USING (result_id)
        JOIN configs AS c ON c.config_string = r.config_string;
+INSERT OR IGNORE INTO config_axes (axis, value, config_id)
+  SELECT j.key, j.value, c.config_id
+  FROM trials AS t JOIN configs AS c ON c.config_string = t.config_string,
+       json_each(t.config_json) AS j
+  WHERE json_valid(t.config_json);
 
--- What a preset trial's model identity is, where the trial names its layers (a layer count of 0
--- means the preset's own, which SQL cannot look up: those stay unknown).
-ALTER TABLE trials ADD COLUMN model_key TEXT;  -- ModelIdentityKey; NULL: unknown
-UPDATE trials SET model_key =
-  'preset:' || CASE WHEN instr(model, '@') > 0 THEN substr(model, 8, instr(model, '@') - 8)
-                    ELSE substr(model, 8) END ||
-  ' layers=' || layers || ' seed=' || seed || ' weights=' ||
-  CASE WHEN instr(model, '@') > 0 THEN substr(model, instr(model, '@') + 1) ELSE 'bf16' END
-WHERE model LIKE 'preset:%' AND layers > 0 AND seed >= 0;
+-- One batch's kernel log ({"prefill": ..., "decode": ...}) once: a fleet's results repeat them.
+-- A result's JSON is stored with "kernels_ref": id in its place (docs/STORAGE.md).
+CREATE TABLE kernel_logs (
+  kernel_log_id  INTEGER PRIMARY KEY,
+  log            TEXT    NOT NULL UNIQUE
+);
+
+-- trials, rebuilt: the config by id, and the model's identity where it is known at submit. A
+-- preset trial that names its layers gets its identity here; a layer count of 0 (the preset's
+-- own) is not something SQL can look up: those stay unknown. (Migrate runs steps with foreign
+-- keys off and checks them before each COMMIT, as SQLite's table-rebuild procedure asks.)
+CREATE TABLE trials_v4 (
+  trial_id          TEXT    PRIMARY KEY,
+  sweep_id          INTEGER NOT NULL REFERENCES sweeps(sweep_id),
+  model             TEXT    NOT NULL,
+  layers            INTEGER NOT NULL,
+  seed              INTEGER NOT NULL,      -- uint64 stored as its int64 bit pattern
+  config_id         INTEGER NOT NULL REFERENCES configs(config_id),
+  workload_json     TEXT    NOT NULL,
+  selector_json     TEXT    NOT NULL,
+  priority          INTEGER NOT NULL,
+  state             TEXT    NOT NULL
+                    CHECK (state IN ('queued', 'leased', 'done', 'cancelled')),
+  attempt           INTEGER NOT NULL DEFAULT 0,
+  leased_to         TEXT,
+  lease_expires_ms  INTEGER,
+  created_ms        INTEGER NOT NULL,
+  lease_gpu_name    TEXT    NOT NULL DEFAULT '',
+  lease_sm          INTEGER NOT NULL DEFAULT 0,
+  model_key         TEXT,                  -- ModelIdentityKey; NULL: unknown
+  workload_key      TEXT    NOT NULL       -- WorkloadKey of workload_json
+);
+INSERT INTO trials_v4
+  SELECT t.trial_id, t.sweep_id, t.model, t.layers, t.seed, c.config_id, t.workload_json,
+         t.selector_json, t.priority, t.state, t.attempt, t.leased_to, t.lease_expires_ms,
+         t.created_ms, t.lease_gpu_name, t.lease_sm,
+         CASE WHEN t.model LIKE 'preset:%' AND t.layers > 0 AND t.seed >= 0 THEN
+           'preset:' || CASE WHEN instr(t.model, '@') > 0
+                             THEN substr(t.model, 8, instr(t.model, '@') - 8)
+                             ELSE substr(t.model, 8) END ||
+           ' layers=' || t.layers || ' seed=' || t.seed || ' weights=' ||
+           CASE WHEN instr(t.model, '@') > 0 THEN substr(t.model, instr(t.model, '@') + 1)
+                ELSE 'bf16' END
+         END,
+         CASE WHEN json_valid(t.workload_json) THEN
+           'prompt=' || COALESCE(json_extract(t.workload_json, '$.prompt_len'), 128) ||
+           ',output=' || COALESCE(json_extract(t.workload_json, '$.output_len'), 32) ||
+           ',warmup=' || COALESCE(json_extract(t.workload_json, '$.warmup'), 1)
+         ELSE '' END
+  FROM trials AS t JOIN configs AS c ON c.config_string = t.config_string;
+DROP TABLE trials;
+ALTER TABLE trials_v4 RENAME TO trials;
+CREATE INDEX trials_queue ON trials(state, priority DESC, created_ms);
+CREATE INDEX trials_sweep ON trials(sweep_id);
+CREATE INDEX trials_leases ON trials(leased_to) WHERE state = 'leased';
 
 ALTER TABLE results ADD COLUMN config_id INTEGER REFERENCES configs(config_id);
 ALTER TABLE results ADD COLUMN model_key TEXT;       -- ModelIdentityKey; NULL: unknown
@@ -175,62 +227,66 @@ UPDATE results SET
   model_key = (SELECT model_key FROM trials AS t WHERE t.trial_id = results.trial_id),
   model_layers = (SELECT CASE WHEN t.model_key IS NOT NULL THEN t.layers END
                   FROM trials AS t WHERE t.trial_id = results.trial_id),
-  workload = (SELECT 'prompt=' || COALESCE(json_extract(t.workload_json, '$.prompt_len'), 128) ||
-                     ',output=' || COALESCE(json_extract(t.workload_json, '$.output_len'), 32) ||
-                     ',warmup=' || COALESCE(json_extract(t.workload_json, '$.warmup'), 1)
-              FROM trials AS t WHERE t.trial_id = results.trial_id AND json_valid(t.workload_json)),
+  workload = (SELECT NULLIF(t.workload_key, '') FROM trials AS t
+              WHERE t.trial_id = results.trial_id),
   engine_version = CASE WHEN json_valid(result_json)
                         THEN json_extract(result_json, '$.engine_version') END;
 DROP INDEX results_best;  -- result_batches ranks every metric at every batch
 DROP TABLE result_axes;
 CREATE INDEX results_config ON results(config_id, finished_ms);
 
--- One row per measured batch size, clustered by what Best filters on: (model, sm, batch) and
--- then the identity, so one group's rows are one key range.
+-- The (model, sm, batch, model identity, workload) groups: what Best chooses between and
+-- ranks within. ok_results counts the OK rows, kept as results arrive.
+CREATE TABLE result_groups (
+  group_id          INTEGER PRIMARY KEY,
+  model             TEXT    NOT NULL,
+  sm                INTEGER NOT NULL,
+  batch             INTEGER NOT NULL,
+  model_key         TEXT    NOT NULL,   -- '' when unknown
+  workload          TEXT    NOT NULL,   -- '' when unknown
+  ok_results        INTEGER NOT NULL DEFAULT 0,
+  first_sweep       INTEGER,            -- of the OK results; NULL while there are none
+  last_sweep        INTEGER,
+  last_finished_ms  INTEGER,
+  UNIQUE (model, sm, batch, model_key, workload)
+);
+INSERT INTO result_groups (model, sm, batch, model_key, workload)
+  SELECT DISTINCT b.model, b.sm, b.batch, COALESCE(r.model_key, ''), COALESCE(r.workload, '')
+  FROM result_batches AS b JOIN results AS r USING (result_id);
+
+-- One row per measured batch size, clustered by group (and sweep): one group's rows, or one
+-- sweep's rows of a group, are one key range.
 CREATE TABLE result_batches_v4 (
-  model          TEXT    NOT NULL,
-  sm             INTEGER NOT NULL,
-  batch          INTEGER NOT NULL,
-  model_key      TEXT    NOT NULL,   -- '' when unknown
-  workload       TEXT    NOT NULL,   -- '' when unknown
-  result_id      INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
+  group_id       INTEGER NOT NULL REFERENCES result_groups(group_id),
   sweep_id       INTEGER NOT NULL,
+  result_id      INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
   ok             INTEGER NOT NULL,   -- status = 'OK'
   output_tok_s   REAL,               -- medians over repeats; NULL when not measured
   ttft_ms        REAL,
   tpot_ms        REAL,
   prefill_tok_s  REAL,
-  PRIMARY KEY (model, sm, batch, model_key, workload, result_id)
+  PRIMARY KEY (group_id, sweep_id, result_id)
 ) WITHOUT ROWID;
 INSERT INTO result_batches_v4
-  SELECT b.model, b.sm, b.batch, COALESCE(r.model_key, ''), COALESCE(r.workload, ''),
-         b.result_id, r.sweep_id, b.ok, b.output_tok_s, b.ttft_ms, b.tpot_ms, b.prefill_tok_s
-  FROM result_batches AS b JOIN results AS r USING (result_id);
+  SELECT g.group_id, r.sweep_id, b.result_id, b.ok, b.output_tok_s, b.ttft_ms, b.tpot_ms,
+         b.prefill_tok_s
+  FROM result_batches AS b JOIN results AS r USING (result_id)
+       JOIN result_groups AS g ON g.model = b.model AND g.sm = b.sm AND g.batch = b.batch AND
+                                  g.model_key = COALESCE(r.model_key, '') AND
+                                  g.workload = COALESCE(r.workload, '');
 DROP TABLE result_batches;
 ALTER TABLE result_batches_v4 RENAME TO result_batches;
-CREATE INDEX result_batches_best
-  ON result_batches(model, sm, batch, model_key, workload, ok, output_tok_s);
-
--- The (model identity, workload) groups with OK figures per (model, sm, batch): what Best
--- chooses between, kept as results arrive.
-CREATE TABLE result_groups (
-  model             TEXT    NOT NULL,
-  sm                INTEGER NOT NULL,
-  batch             INTEGER NOT NULL,
-  model_key         TEXT    NOT NULL,
-  workload          TEXT    NOT NULL,
-  ok_results        INTEGER NOT NULL,
-  first_sweep       INTEGER NOT NULL,
-  last_sweep        INTEGER NOT NULL,
-  last_finished_ms  INTEGER NOT NULL,
-  PRIMARY KEY (model, sm, batch, model_key, workload)
-) WITHOUT ROWID;
-INSERT INTO result_groups
-  SELECT b.model, b.sm, b.batch, b.model_key, b.workload, COUNT(*), MIN(b.sweep_id),
-         MAX(b.sweep_id), MAX(r.finished_ms)
-  FROM result_batches AS b JOIN results AS r USING (result_id)
-  WHERE b.ok = 1
-  GROUP BY b.model, b.sm, b.batch, b.model_key, b.workload;
+CREATE INDEX result_batches_best ON result_batches(group_id, ok, output_tok_s);
+UPDATE result_groups SET
+  ok_results = (SELECT COUNT(*) FROM result_batches AS b
+                WHERE b.group_id = result_groups.group_id AND b.ok = 1),
+  first_sweep = (SELECT MIN(sweep_id) FROM result_batches AS b
+                 WHERE b.group_id = result_groups.group_id AND b.ok = 1),
+  last_sweep = (SELECT MAX(sweep_id) FROM result_batches AS b
+                WHERE b.group_id = result_groups.group_id AND b.ok = 1),
+  last_finished_ms = (SELECT MAX(r.finished_ms) FROM result_batches AS b
+                      JOIN results AS r USING (result_id)
+                      WHERE b.group_id = result_groups.group_id AND b.ok = 1);
 )sql"},
   };
   return migrations;
@@ -298,6 +354,31 @@ absl::StatusOr<int> SchemaVersion(sqlite3* db) {
   return version;
 }
 
+namespace {
+
+// FailedPrecondition naming the first row that breaks a foreign key, if any.
+absl::Status CheckForeignKeys(sqlite3* db, const std::string& op) {
+  sqlite3_stmt* stmt = nullptr;
+  int rc = sqlite3_prepare_v2(db, "PRAGMA foreign_key_check", -1, &stmt, nullptr);
+  if (rc != SQLITE_OK) return SqliteError(db, rc, op);
+  rc = sqlite3_step(stmt);
+  absl::Status s = absl::OkStatus();
+  if (rc == SQLITE_ROW) {
+    auto text = [stmt](int col) {
+      const unsigned char* t = sqlite3_column_text(stmt, col);
+      return t != nullptr ? std::string(reinterpret_cast<const char*>(t)) : std::string("?");
+    };
+    s = absl::FailedPreconditionError(absl::StrCat(op, ": a row of ", text(0), " (rowid ", text(1),
+                                                   ") references a missing row of ", text(2)));
+  } else if (rc != SQLITE_DONE) {
+    s = SqliteError(db, rc, op);
+  }
+  sqlite3_finalize(stmt);
+  return s;
+}
+
+}  // namespace
+
 absl::Status Migrate(sqlite3* db) {
   absl::StatusOr<int> version = SchemaVersion(db);
   if (!version.ok()) return version.status();
@@ -306,31 +387,44 @@ absl::Status Migrate(sqlite3* db) {
     return absl::FailedPreconditionError(absl::StrCat(
         "database schema version ", *version, " is newer than this build supports (", latest,
         "); use a newer infersweep or another database file"));
-  for (int v = *version; v < latest; ++v) {
+  if (*version == latest) return absl::OkStatus();
+  // A step may rebuild a table that others reference (CREATE, copy, DROP, RENAME): SQLite asks
+  // for foreign keys off meanwhile (the pragma is a no-op inside a transaction) and a
+  // foreign_key_check before the commit.
+  if (absl::Status s = ExecSql(db, "PRAGMA foreign_keys = OFF", "migrating the schema"); !s.ok())
+    return s;
+  absl::Status result = absl::OkStatus();
+  for (int v = *version; v < latest && result.ok(); ++v) {
     const std::string op = absl::StrCat("migrating the schema from version ", v, " to ", v + 1,
                                         " (", Migrations()[v].description, ")");
-    if (absl::Status s = ExecSql(db, "BEGIN IMMEDIATE", op); !s.ok()) return s;
+    if (absl::Status s = ExecSql(db, "BEGIN IMMEDIATE", op); !s.ok()) {
+      result = s;
+      break;
+    }
     // PRAGMA takes no bound parameters; the version is this build's own constant.
     const std::string sql =
         absl::StrCat(Migrations()[v].sql, "\nPRAGMA user_version = ", v + 1, ";");
     absl::Status s = ExecSql(db, sql.c_str(), op);
+    if (s.ok()) s = CheckForeignKeys(db, op);
     if (s.ok()) s = ExecSql(db, "COMMIT", op);
     if (!s.ok()) {
       if (!sqlite3_get_autocommit(db)) sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
-      return s;
+      result = s;
     }
   }
-  return absl::OkStatus();
+  if (absl::Status s = ExecSql(db, "PRAGMA foreign_keys = ON", "migrating the schema");
+      result.ok() && !s.ok())
+    result = s;
+  return result;
 }
 
 std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep) {
   const char* dir = higher_is_better ? "DESC" : "ASC";
   return absl::StrCat("SELECT ", kResultCols,
                       " FROM results WHERE result_id = (SELECT result_id FROM result_batches"
-                      " WHERE model = ? AND sm = ? AND batch = ? AND model_key = ? AND "
-                      "workload = ? AND ok = 1 AND ",
+                      " WHERE group_id = ? AND ok = 1 AND ",
                       in_sweep ? "sweep_id = ? AND " : "", column, " IS NOT NULL ORDER BY ", column,
-                      " ", dir, ", result_id DESC LIMIT 1)");
+                      " ", dir, ", sweep_id DESC, result_id DESC LIMIT 1)");
 }
 
 }  // namespace infersweep

@@ -44,8 +44,8 @@ absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation);
 
 // The text of the hot query, so tests can check its plan with EXPLAIN QUERY PLAN: the best
 // result by a result_batches metric `column` (from a fixed table in store.cc, never from
-// callers) within one (model, sm, batch, model_key, workload) group, optionally one sweep's.
-// Binds (model, sm, batch, model_key, workload[, sweep_id]).
+// callers) within one result group, optionally one sweep's rows of it. Binds (group_id[,
+// sweep_id]).
 std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep);
 
 }  // namespace infersweep

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -145,11 +146,16 @@ class Stmt {
 // before anything is written. Rolls back unless committed, on every path out.
 class Txn {
  public:
-  explicit Txn(sqlite3* db) : db_(db) {}
+  // `on_rollback` runs when the transaction is rolled back (the store forgets cached ids of rows
+  // the transaction may have added).
+  Txn(sqlite3* db, std::function<void()> on_rollback)
+      : db_(db), on_rollback_(std::move(on_rollback)) {}
   Txn(const Txn&) = delete;
   Txn& operator=(const Txn&) = delete;
   ~Txn() {
-    if (!sqlite3_get_autocommit(db_)) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    if (sqlite3_get_autocommit(db_)) return;
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    if (on_rollback_) on_rollback_();
   }
   absl::Status Begin(absl::string_view op) {
     return ExecSql(db_, "BEGIN IMMEDIATE", absl::StrCat(op, " (BEGIN)"));
@@ -160,6 +166,7 @@ class Txn {
 
  private:
   sqlite3* db_;
+  std::function<void()> on_rollback_;
 };
 
 json SelectorJson(const Selector& s) {
@@ -191,7 +198,9 @@ const BatchFigures* FindBatch(const TrialResult& r, int batch) {
 }
 
 constexpr char kTrialCols[] =
-    "trial_id, sweep_id, model, layers, seed, config_json, workload_json, selector_json, "
+    "trial_id, sweep_id, model, layers, seed, "
+    "(SELECT config_string FROM configs AS c WHERE c.config_id = trials.config_id), "
+    "workload_json, selector_json, "
     "priority, state, attempt, leased_to, lease_expires_ms, lease_gpu_name, lease_sm, model_key";
 constexpr char kSweepCols[] =
     "sweep_id, name, spec_yaml, model, priority, state, created_ms, trials_total, trials_done";
@@ -229,7 +238,7 @@ class SqliteStore final : public Store {
                                       const std::vector<TrialRecord>& trials) override {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("creating sweep '", sweep.name, "'");
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     STORE_RETURN_IF_ERROR(txn.Begin(op));
     const int64_t created = sweep.created_unix_ms != 0 ? sweep.created_unix_ms : NowMs();
     int64_t id = 0;
@@ -255,10 +264,10 @@ class SqliteStore final : public Store {
     }
     STORE_ASSIGN_OR_RETURN(
         Stmt insert,
-        Prepare("INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_json, "
-                "config_string, workload_json, selector_json, priority, state, attempt, "
-                "leased_to, lease_expires_ms, created_ms, model_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, NULL, NULL, ?, ?)",
+        Prepare("INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_id, "
+                "workload_json, selector_json, priority, state, attempt, leased_to, "
+                "lease_expires_ms, created_ms, model_key, workload_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, NULL, NULL, ?, ?, ?)",
                 absl::StrCat(op, ": inserting a trial")));
     for (size_t i = 0; i < trials.size(); ++i) {
       const TrialRecord& t = trials[i];
@@ -269,16 +278,25 @@ class SqliteStore final : public Store {
       if (absl::Status w = ValidateWorkload(t.workload); !w.ok())
         return absl::InvalidArgumentError(
             absl::StrCat(op, ": trial '", trial_id, "': ", w.message()));
+      STORE_ASSIGN_OR_RETURN(int64_t config_id,
+                             ConfigIdLocked(t.config, BackendConfigString(t.config), op));
       insert.Reset();
-      insert.Bind(trial_id).Bind(id).Bind(t.model).Bind(t.layers)
-          .Bind(static_cast<int64_t>(t.seed)).Bind(json(t.config).dump())
-          .Bind(BackendConfigString(t.config)).Bind(ToJson(t.workload).dump())
-          .Bind(SelectorJson(t.selector).dump()).Bind(t.priority).Bind(created);
+      insert.Bind(trial_id)
+          .Bind(id)
+          .Bind(t.model)
+          .Bind(t.layers)
+          .Bind(static_cast<int64_t>(t.seed))
+          .Bind(config_id)
+          .Bind(ToJson(t.workload).dump())
+          .Bind(SelectorJson(t.selector).dump())
+          .Bind(t.priority)
+          .Bind(created);
       if (t.model_key.empty()) {
         insert.BindNull();
       } else {
         insert.Bind(t.model_key);
       }
+      insert.Bind(WorkloadKey(t.workload));
       absl::Status s = insert.Run();
       if (absl::IsAlreadyExists(s))
         return absl::AlreadyExistsError(
@@ -317,7 +335,7 @@ class SqliteStore final : public Store {
   absl::Status CancelSweep(int64_t id) override {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("cancelling sweep ", id);
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     STORE_RETURN_IF_ERROR(txn.Begin(op));
     std::string state;
     {
@@ -400,32 +418,27 @@ class SqliteStore final : public Store {
   absl::StatusOr<TrialRecord> LeaseTrial(const std::string& trial_id, const std::string& agent_id,
                                          int64_t expires_unix_ms,
                                          const LeasePlace& place) override {
+    std::vector<absl::StatusOr<TrialRecord>> leased =
+        LeaseTrials({LeaseRequest{trial_id, agent_id, expires_unix_ms, place}});
+    return std::move(leased[0]);
+  }
+
+  std::vector<absl::StatusOr<TrialRecord>> LeaseTrials(
+      const std::vector<LeaseRequest>& leases) override {
     absl::MutexLock lock(&mu_);
-    const std::string op = absl::StrCat("leasing trial '", trial_id, "' to agent '", agent_id, "'");
-    if (agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty agent id"));
-    Txn txn(db_);
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
-    {
-      STORE_ASSIGN_OR_RETURN(
-          Stmt u, Prepare("UPDATE trials SET state = 'leased', leased_to = ?, "
-                          "lease_expires_ms = ?, attempt = attempt + 1, lease_gpu_name = ?, "
-                          "lease_sm = ? WHERE trial_id = ? AND state = 'queued'",
-                          op));
-      u.Bind(agent_id).Bind(expires_unix_ms).Bind(place.gpu_name).Bind(place.sm).Bind(trial_id);
-      STORE_RETURN_IF_ERROR(u.Run());
-    }
-    if (sqlite3_changes(db_) == 0) {
-      STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));  // NotFound if absent
-      std::string holder = t.state == TrialState::kLeased
-                               ? absl::StrCat(" (leased to agent '", t.leased_to, "')")
-                               : "";
-      return absl::FailedPreconditionError(
-          absl::StrCat(op, ": the trial is ", kStateNames[static_cast<int>(t.state)], holder,
-                       ", not queued"));
-    }
-    STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));
-    STORE_RETURN_IF_ERROR(txn.Commit(op));
-    return t;
+    std::vector<absl::StatusOr<TrialRecord>> out;
+    out.reserve(leases.size());
+    const std::string op = leases.size() == 1
+                               ? absl::StrCat("leasing trial '", leases[0].trial_id, "' to agent '",
+                                              leases[0].agent_id, "'")
+                               : absl::StrCat("leasing ", leases.size(), " trials");
+    Txn txn(db_, [this] { id_cache_.Clear(); });
+    if (absl::Status s = txn.Begin(op); !s.ok())
+      return std::vector<absl::StatusOr<TrialRecord>>(leases.size(), s);
+    for (const LeaseRequest& l : leases) out.push_back(LeaseOneLocked(l));
+    if (absl::Status s = txn.Commit(op); !s.ok())
+      return std::vector<absl::StatusOr<TrialRecord>>(leases.size(), s);
+    return out;
   }
 
   absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) override {
@@ -443,7 +456,7 @@ class SqliteStore final : public Store {
                                                         int max_attempts) override {
     absl::MutexLock lock(&mu_);
     const std::string op = "requeueing trials with expired leases";
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     STORE_RETURN_IF_ERROR(txn.Begin(op));
     std::vector<std::pair<std::string, std::string>> expired;  // trial id, agent id
     {
@@ -475,7 +488,7 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("releasing the lease of trial '", trial_id, "' attempt ",
                                         attempt, " held by agent '", agent_id, "'");
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     STORE_RETURN_IF_ERROR(txn.Begin(op));
     STORE_ASSIGN_OR_RETURN(LostLease lost,
                            LoseLeaseLocked(trial_id, agent_id, attempt, max_attempts, why, op));
@@ -497,7 +510,7 @@ class SqliteStore final : public Store {
                                               results[0].result.trial_id, "' attempt ",
                                               results[0].result.attempt)
                                : absl::StrCat("recording ", results.size(), " results");
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     STORE_RETURN_IF_ERROR(txn.Begin(op));
     for (const ResultSubmission& r : results) STORE_RETURN_IF_ERROR(RecordOneLocked(r));
     return txn.Commit(op);
@@ -508,7 +521,7 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("recording ", results.size(), " results (group commit)");
     std::vector<absl::Status> out(results.size());
-    Txn txn(db_);
+    Txn txn(db_, [this] { id_cache_.Clear(); });
     if (absl::Status s = txn.Begin(op); !s.ok()) {
       std::fill(out.begin(), out.end(), s);
       return out;
@@ -520,6 +533,7 @@ class SqliteStore final : public Store {
         return out;
       }
       out[i] = RecordOneLocked(results[i]);
+      if (!out[i].ok()) id_cache_.Clear();  // the rollback below may take rows it added
       const char* end =
           out[i].ok() ? "RELEASE one_result" : "ROLLBACK TO one_result; RELEASE one_result";
       if (absl::Status s = ExecSql(db_, end, op); !s.ok()) {
@@ -568,50 +582,59 @@ class SqliteStore final : public Store {
     const std::string op = absl::StrCat("finding the best ", q.metric, " at batch ", q.batch,
                                         " for ", q.model, " on sm ", q.sm);
     BestAnswer answer;
+    std::vector<int64_t> group_ids;  // parallel to answer.groups
     {
-      // The groups: the kept summary, or (within one sweep) the sweep's own OK rows.
+      // The groups with OK figures: the kept counts, or (within one sweep) the sweep's own rows
+      // of each group, one key range each.
       std::string sql =
-          q.sweep_id
-              ? "SELECT b.model_key, b.workload, COUNT(*), MIN(b.sweep_id), MAX(b.sweep_id), "
-                "MAX(r.finished_ms) FROM result_batches AS b JOIN results AS r USING (result_id) "
-                "WHERE b.model = ? AND b.sm = ? AND b.batch = ? AND b.ok = 1 AND b.sweep_id = ?"
-              : "SELECT model_key, workload, ok_results, first_sweep, last_sweep, "
-                "last_finished_ms FROM result_groups AS b "
-                "WHERE b.model = ? AND b.sm = ? AND b.batch = ?";
-      if (q.model_key) absl::StrAppend(&sql, " AND b.model_key = ?");
-      if (q.workload) absl::StrAppend(&sql, " AND b.workload = ?");
-      if (q.sweep_id) absl::StrAppend(&sql, " GROUP BY b.model_key, b.workload");
+          q.sweep_id ? "SELECT g.group_id, g.model_key, g.workload, COUNT(*), MIN(b.sweep_id), "
+                       "MAX(b.sweep_id), MAX(r.finished_ms) FROM result_groups AS g "
+                       "JOIN result_batches AS b ON b.group_id = g.group_id AND b.sweep_id = ? "
+                       "JOIN results AS r ON r.result_id = b.result_id "
+                       "WHERE g.model = ? AND g.sm = ? AND g.batch = ? AND b.ok = 1"
+                     : "SELECT g.group_id, g.model_key, g.workload, g.ok_results, g.first_sweep, "
+                       "g.last_sweep, g.last_finished_ms FROM result_groups AS g "
+                       "WHERE g.model = ? AND g.sm = ? AND g.batch = ? AND g.ok_results > 0";
+      if (q.model_key) absl::StrAppend(&sql, " AND g.model_key = ?");
+      if (q.workload) absl::StrAppend(&sql, " AND g.workload = ?");
+      if (q.sweep_id) absl::StrAppend(&sql, " GROUP BY g.group_id");
       STORE_ASSIGN_OR_RETURN(Stmt g, Prepare(sql, op));
-      g.Bind(q.model).Bind(q.sm).Bind(q.batch);
       if (q.sweep_id) g.Bind(*q.sweep_id);
+      g.Bind(q.model).Bind(q.sm).Bind(q.batch);
       if (q.model_key) g.Bind(*q.model_key);
       if (q.workload) g.Bind(*q.workload);
+      std::vector<std::pair<ResultGroup, int64_t>> found;
       for (;;) {
         STORE_ASSIGN_OR_RETURN(bool row, g.Step());
         if (!row) break;
         ResultGroup group;
-        group.model_key = g.Text(0);
-        group.workload = g.Text(1);
-        group.ok_results = g.Int(2);
-        group.first_sweep = g.Int(3);
-        group.last_sweep = g.Int(4);
-        group.last_finished_unix_ms = g.Int(5);
+        group.model_key = g.Text(1);
+        group.workload = g.Text(2);
+        group.ok_results = g.Int(3);
+        group.first_sweep = g.Int(4);
+        group.last_sweep = g.Int(5);
+        group.last_finished_unix_ms = g.Int(6);
         if (q.layers && ModelKeyLayers(group.model_key) != *q.layers) continue;
+        found.emplace_back(std::move(group), g.Int(0));
+      }
+      // Newest first: the group a fleet measured last leads the list a user chooses from.
+      std::sort(found.begin(), found.end(), [](const auto& x, const auto& y) {
+        const ResultGroup& a = x.first;
+        const ResultGroup& b = y.first;
+        return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload) <
+               std::tie(a.last_sweep, a.last_finished_unix_ms, b.model_key, b.workload);
+      });
+      for (auto& [group, id] : found) {
         answer.groups.push_back(std::move(group));
+        group_ids.push_back(id);
       }
     }
-    std::sort(answer.groups.begin(), answer.groups.end(),
-              [](const ResultGroup& a, const ResultGroup& b) {
-                return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload) <
-                       std::tie(a.last_sweep, a.last_finished_unix_ms, b.model_key, b.workload);
-              });
     if (answer.groups.size() != 1) return answer;
-    const ResultGroup& group = answer.groups[0];
     STORE_ASSIGN_OR_RETURN(
         Stmt p,
         Prepare(BestInGroupSql(info->batch_column, info->higher_is_better, q.sweep_id.has_value()),
                 op));
-    p.Bind(q.model).Bind(q.sm).Bind(q.batch).Bind(group.model_key).Bind(group.workload);
+    p.Bind(group_ids[0]);
     if (q.sweep_id) p.Bind(*q.sweep_id);
     STORE_ASSIGN_OR_RETURN(bool row, p.Step());
     if (!row) return answer;
@@ -712,11 +735,14 @@ class SqliteStore final : public Store {
     t.model = q.Text(2);
     t.layers = static_cast<int>(q.Int(3));
     t.seed = static_cast<uint64_t>(q.Int(4));
-    STORE_ASSIGN_OR_RETURN(json config, ParseStoredJson(q.Text(5), where + " config"));
+    absl::StatusOr<BackendConfig> config = ParseBackendConfig(q.Text(5));
+    if (!config.ok())
+      return absl::DataLossError(
+          absl::StrCat(where, ": stored config '", q.Text(5), "': ", config.status().message()));
+    t.config = *std::move(config);
     STORE_ASSIGN_OR_RETURN(json workload, ParseStoredJson(q.Text(6), where + " workload"));
     STORE_ASSIGN_OR_RETURN(json selector, ParseStoredJson(q.Text(7), where + " selector"));
     try {
-      t.config = config.get<BackendConfig>();
       t.selector.sm_archs = selector.value("sm", std::vector<int>{});
       t.selector.gpu_name_regex = selector.value("gpu_name", std::string());
       t.selector.min_memory_bytes = selector.value("min_memory_bytes", int64_t{0});
@@ -783,14 +809,15 @@ class SqliteStore final : public Store {
     for (;;) {
       STORE_ASSIGN_OR_RETURN(bool row, s.Step());
       if (!row) break;
-      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s, parse));
+      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s, parse, q.with_kernels));
       out.push_back(std::move(r));
     }
     return out;
   }
 
   // Columns as kResultCols; `parse` fills StoredResult::result from the JSON.
-  static absl::StatusOr<StoredResult> ReadResult(const Stmt& q, bool parse) {
+  absl::StatusOr<StoredResult> ReadResult(const Stmt& q, bool parse, bool with_kernels = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     StoredResult r;
     r.sweep_id = q.Int(0);
     r.agent_id = q.Text(1);
@@ -804,7 +831,16 @@ class SqliteStore final : public Store {
       absl::StatusOr<std::string> text = DecompressResultJson(q.Blob(6));
       if (!text.ok())
         return absl::DataLossError(absl::StrCat(where, ": ", text.status().message()));
-      r.result_json = *std::move(text);
+      if (!with_kernels) {
+        r.result_json = StripKernelLogRefs(*std::move(text));
+      } else {
+        STORE_ASSIGN_OR_RETURN(
+            r.result_json,
+            ExpandKernelLogRefs(*std::move(text), [&](int64_t id) -> absl::StatusOr<std::string> {
+              STORE_ASSIGN_OR_RETURN(const std::string* log, KernelLogLocked(id, where));
+              return *log;
+            }));
+      }
     }
     auto optional_text = [&q](int col) -> std::optional<std::string> {
       if (q.IsNull(col)) return std::nullopt;
@@ -823,6 +859,36 @@ class SqliteStore final : public Store {
     // The columns are the identity of record: old results' JSON lacks what the migration derived.
     if (r.result.workload.empty() && r.workload) r.result.workload = *r.workload;
     return r;
+  }
+
+  // One lease inside the caller's transaction: queued -> leased, attempt + 1.
+  absl::StatusOr<TrialRecord> LeaseOneLocked(const LeaseRequest& l)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::string op =
+        absl::StrCat("leasing trial '", l.trial_id, "' to agent '", l.agent_id, "'");
+    if (l.agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty agent id"));
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt u, Prepare("UPDATE trials SET state = 'leased', leased_to = ?, "
+                          "lease_expires_ms = ?, attempt = attempt + 1, lease_gpu_name = ?, "
+                          "lease_sm = ? WHERE trial_id = ? AND state = 'queued'",
+                          op));
+      u.Bind(l.agent_id)
+          .Bind(l.expires_unix_ms)
+          .Bind(l.place.gpu_name)
+          .Bind(l.place.sm)
+          .Bind(l.trial_id);
+      STORE_RETURN_IF_ERROR(u.Run());
+    }
+    if (sqlite3_changes(db_) == 0) {
+      STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(l.trial_id));  // NotFound if absent
+      std::string holder = t.state == TrialState::kLeased
+                               ? absl::StrCat(" (leased to agent '", t.leased_to, "')")
+                               : "";
+      return absl::FailedPreconditionError(absl::StrCat(
+          op, ": the trial is ", kStateNames[static_cast<int>(t.state)], holder, ", not queued"));
+    }
+    return GetTrialLocked(l.trial_id);
   }
 
   absl::StatusOr<TrialRecord> GetTrialLocked(const std::string& trial_id)
@@ -892,12 +958,13 @@ class SqliteStore final : public Store {
       return absl::InvalidArgumentError("recording a result: empty trial id");
 
     int64_t sweep_id = 0;
-    std::string model, config_json, state, leased_to, workload_json, trial_model_key;
+    std::string model, config_string, state, leased_to, workload_key, trial_model_key;
     int64_t attempt = 0, trial_layers = 0;
     {
       STORE_ASSIGN_OR_RETURN(
-          Stmt q, Prepare("SELECT sweep_id, model, config_json, state, attempt, leased_to, "
-                          "workload_json, model_key, layers FROM trials WHERE trial_id = ?",
+          Stmt q, Prepare("SELECT sweep_id, model, (SELECT config_string FROM configs AS c "
+                          "WHERE c.config_id = trials.config_id), state, attempt, leased_to, "
+                          "workload_key, model_key, layers FROM trials WHERE trial_id = ?",
                           op));
       q.Bind(result.trial_id);
       STORE_ASSIGN_OR_RETURN(bool row, q.Step());
@@ -906,11 +973,11 @@ class SqliteStore final : public Store {
             absl::StrCat(op, ": no trial '", result.trial_id, "' in this database"));
       sweep_id = q.Int(0);
       model = q.Text(1);
-      config_json = q.Text(2);
+      config_string = q.Text(2);
       state = q.Text(3);
       attempt = q.Int(4);
       leased_to = q.Text(5);
-      workload_json = q.Text(6);
+      workload_key = q.Text(6);
       trial_model_key = q.Text(7);
       trial_layers = q.Int(8);
     }
@@ -948,23 +1015,15 @@ class SqliteStore final : public Store {
     TrialResult stored = result;
     if (stored.model.empty()) stored.model = model;
     if (stored.config.empty()) {
-      STORE_ASSIGN_OR_RETURN(json config, ParseStoredJson(config_json, op + ": trial config"));
-      try {
-        stored.config = config.get<BackendConfig>();
-      } catch (const json::exception& e) {
-        return absl::DataLossError(absl::StrCat(op, ": stored trial config: ", e.what()));
-      }
+      absl::StatusOr<BackendConfig> config = ParseBackendConfig(config_string);
+      if (!config.ok())
+        return absl::DataLossError(
+            absl::StrCat(op, ": stored trial config: ", config.status().message()));
+      stored.config = *std::move(config);
     }
     // The identity (docs/STORAGE.md "Identity"). The workload is the trial's: what was asked
     // for is what ran. The model's is the result's own, else what the trial knew at submit.
-    {
-      STORE_ASSIGN_OR_RETURN(json w, ParseStoredJson(workload_json, op + ": trial workload"));
-      absl::StatusOr<Workload> workload = WorkloadFromJson(w);
-      if (!workload.ok())
-        return absl::DataLossError(
-            absl::StrCat(op, ": stored trial workload: ", workload.status().message()));
-      stored.workload = WorkloadKey(*workload);
-    }
+    stored.workload = workload_key;
     std::optional<std::string> model_key;
     std::optional<int64_t> model_layers;
     if (std::string key = ModelIdentityKey(stored.model_identity); !key.empty()) {
@@ -980,8 +1039,8 @@ class SqliteStore final : public Store {
     // either: unknown, not "none".
     std::optional<std::string> software;
     if (!stored.model_identity.source.empty()) software = SoftwareStackKey(stored.software);
-    const std::string config_string = BackendConfigString(stored.config);
-    STORE_ASSIGN_OR_RETURN(int64_t config_id, ConfigIdLocked(stored.config, config_string, op));
+    const std::string result_config = BackendConfigString(stored.config);
+    STORE_ASSIGN_OR_RETURN(int64_t config_id, ConfigIdLocked(stored.config, result_config, op));
 
     const int64_t finished = stored.finished_unix_ms != 0 ? stored.finished_unix_ms : NowMs();
     std::optional<double> tok_s_b1, ttft_b1, tpot_b1, tok_s_max;
@@ -998,7 +1057,21 @@ class SqliteStore final : public Store {
       tok_s_max = largest->output_tok_s.median;
       max_batch = largest->batch;
     }
-    const std::string blob = CompressResultJson(ToJson(stored).dump());
+    // Each batch's kernel log is stored once for the whole database (kernel_logs): results of
+    // one config repeat it. The result keeps its id ("kernels_ref"); reads put the log back.
+    std::vector<std::optional<int64_t>> log_ids;
+    TrialResult slim = stored;
+    for (BatchFigures& b : slim.batches) {
+      log_ids.emplace_back();
+      if (!b.prefill_kernels && !b.decode_kernels) continue;
+      STORE_ASSIGN_OR_RETURN(log_ids.back(), KernelLogIdLocked(b, op));
+      b.prefill_kernels.reset();
+      b.decode_kernels.reset();
+    }
+    json stored_json = ToJson(slim);
+    for (size_t i = 0; i < log_ids.size(); ++i)
+      if (log_ids[i]) stored_json["batches"][i]["kernels_ref"] = *log_ids[i];
+    const std::string blob = CompressResultJson(stored_json.dump());
     if (blob.empty()) return absl::InternalError(absl::StrCat(op, ": compressing the result"));
     int64_t result_id = 0;
     {
@@ -1019,7 +1092,7 @@ class SqliteStore final : public Store {
           .Bind(sub.sm)
           .Bind(model)
           .Bind(TrialStatusName(stored.status))
-          .Bind(config_string)
+          .Bind(result_config)
           .Bind(tok_s_b1)
           .Bind(tok_s_max)
           .Bind(max_batch)
@@ -1040,28 +1113,24 @@ class SqliteStore final : public Store {
     const std::string group_key = model_key.value_or("");
     {  // one row per batch size (the first entry of a size wins), for Best at any batch
       STORE_ASSIGN_OR_RETURN(
-          Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (model, sm, batch, model_key, "
-                            "workload, result_id, sweep_id, ok, output_tok_s, ttft_ms, tpot_ms, "
-                            "prefill_tok_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+          Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (group_id, sweep_id, result_id, "
+                            "ok, output_tok_s, ttft_ms, tpot_ms, prefill_tok_s) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             op + ": batches"));
-      STORE_ASSIGN_OR_RETURN(
-          Stmt group,
-          Prepare("INSERT INTO result_groups (model, sm, batch, model_key, workload, ok_results, "
-                  "first_sweep, last_sweep, last_finished_ms) VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) "
-                  "ON CONFLICT DO UPDATE SET ok_results = ok_results + 1, "
-                  "first_sweep = MIN(first_sweep, excluded.first_sweep), "
-                  "last_sweep = MAX(last_sweep, excluded.last_sweep), "
-                  "last_finished_ms = MAX(last_finished_ms, excluded.last_finished_ms)",
-                  op + ": groups"));
+      STORE_ASSIGN_OR_RETURN(Stmt count,
+                             Prepare("UPDATE result_groups SET ok_results = ok_results + 1, "
+                                     "first_sweep = MIN(COALESCE(first_sweep, ?1), ?1), "
+                                     "last_sweep = MAX(COALESCE(last_sweep, ?1), ?1), "
+                                     "last_finished_ms = MAX(COALESCE(last_finished_ms, ?2), ?2) "
+                                     "WHERE group_id = ?3",
+                                     op + ": groups"));
       for (const BatchFigures& b : stored.batches) {
+        STORE_ASSIGN_OR_RETURN(int64_t group_id, GroupIdLocked(model, sub.sm, b.batch, group_key,
+                                                               stored.workload, op));
         ins.Reset();
-        ins.Bind(model)
-            .Bind(sub.sm)
-            .Bind(b.batch)
-            .Bind(group_key)
-            .Bind(stored.workload)
-            .Bind(result_id)
+        ins.Bind(group_id)
             .Bind(sweep_id)
+            .Bind(result_id)
             .Bind(ok ? 1 : 0)
             .Bind(b.output_tok_s.median)
             .Bind(b.ttft_ms.median)
@@ -1069,16 +1138,9 @@ class SqliteStore final : public Store {
             .Bind(b.prefill_tok_s.median);
         STORE_RETURN_IF_ERROR(ins.Run());
         if (!ok || sqlite3_changes(db_) == 0) continue;
-        group.Reset();
-        group.Bind(model)
-            .Bind(sub.sm)
-            .Bind(b.batch)
-            .Bind(group_key)
-            .Bind(stored.workload)
-            .Bind(sweep_id)
-            .Bind(sweep_id)
-            .Bind(finished);
-        STORE_RETURN_IF_ERROR(group.Run());
+        count.Reset();
+        count.Bind(sweep_id).Bind(finished).Bind(group_id);
+        STORE_RETURN_IF_ERROR(count.Run());
       }
     }
     if (state != "done") {
@@ -1101,9 +1163,105 @@ class SqliteStore final : public Store {
     return absl::OkStatus();
   }
 
+  // The id of a (model, sm, batch, model identity, workload) group, added the first time.
+  absl::StatusOr<int64_t> GroupIdLocked(const std::string& model, int sm, int batch,
+                                        const std::string& model_key, const std::string& workload,
+                                        const std::string& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::string key = absl::StrCat(model.size(), ":", model, sm, ":", batch, ":", model_key.size(),
+                                   ":", model_key, workload);
+    if (auto it = id_cache_.groups.find(key); it != id_cache_.groups.end()) return it->second;
+    int64_t id = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(
+          Stmt q, Prepare("SELECT group_id FROM result_groups WHERE model = ? AND sm = ? AND "
+                          "batch = ? AND model_key = ? AND workload = ?",
+                          op));
+      q.Bind(model).Bind(sm).Bind(batch).Bind(model_key).Bind(workload);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (row) id = q.Int(0);
+    }
+    if (id == 0) {
+      STORE_ASSIGN_OR_RETURN(Stmt ins,
+                             Prepare("INSERT INTO result_groups (model, sm, batch, model_key, "
+                                     "workload) VALUES (?, ?, ?, ?, ?)",
+                                     op));
+      ins.Bind(model).Bind(sm).Bind(batch).Bind(model_key).Bind(workload);
+      STORE_RETURN_IF_ERROR(ins.Run());
+      id = sqlite3_last_insert_rowid(db_);
+    }
+    id_cache_.groups.emplace(std::move(key), id);
+    return id;
+  }
+
+  // The id of a batch's kernel log (KernelsJson's text) in `kernel_logs`, added the first time
+  // it is seen. Known logs are found by a key made from the figures themselves, without
+  // building their JSON.
+  absl::StatusOr<int64_t> KernelLogIdLocked(const BatchFigures& b, const std::string& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::string key;
+    for (const std::optional<PhaseKernels>* phase : {&b.prefill_kernels, &b.decode_kernels}) {
+      // Length-prefixed, so no two logs share a key whatever their names hold.
+      auto add = [&key](const std::string& text) { absl::StrAppend(&key, text.size(), ":", text); };
+      if (!*phase) {
+        key += '-';
+        continue;
+      }
+      key += (*phase)->graph ? 'G' : 'g';
+      absl::StrAppend(&key, (*phase)->kernels.size(), "k");
+      for (const KernelCount& k : (*phase)->kernels) {
+        add(k.name);
+        absl::StrAppend(&key, k.count, ";");
+      }
+      absl::StrAppend(&key, (*phase)->fallbacks.size(), "f");
+      for (const std::string& f : (*phase)->fallbacks) add(f);
+    }
+    if (auto it = id_cache_.kernel_logs.find(key); it != id_cache_.kernel_logs.end())
+      return it->second;
+    const std::string log = KernelsJson(b).dump();
+    int64_t id = 0;
+    {
+      STORE_ASSIGN_OR_RETURN(Stmt q,
+                             Prepare("SELECT kernel_log_id FROM kernel_logs WHERE log = ?", op));
+      q.Bind(log);
+      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      if (row) id = q.Int(0);
+    }
+    if (id == 0) {
+      STORE_ASSIGN_OR_RETURN(Stmt ins, Prepare("INSERT INTO kernel_logs (log) VALUES (?)", op));
+      ins.Bind(log);
+      STORE_RETURN_IF_ERROR(ins.Run());
+      id = sqlite3_last_insert_rowid(db_);
+    }
+    id_cache_.kernel_logs.emplace(std::move(key), id);
+    return id;
+  }
+
+  // A kernel log by id; committed logs never change, so they are cached once read.
+  absl::StatusOr<const std::string*> KernelLogLocked(int64_t id, const std::string& where)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (auto it = kernel_logs_.find(id); it != kernel_logs_.end()) return &it->second;
+    STORE_ASSIGN_OR_RETURN(Stmt q,
+                           Prepare("SELECT log FROM kernel_logs WHERE kernel_log_id = ?", where));
+    q.Bind(id);
+    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    if (!row) return absl::DataLossError(absl::StrCat(where, ": kernel log ", id, " is missing"));
+    return &(kernel_logs_[id] = q.Text(0));
+  }
+
   // The id of a config in `configs`, added with its axes the first time it is seen.
   absl::StatusOr<int64_t> ConfigIdLocked(const BackendConfig& config,
                                          const std::string& config_string, const std::string& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (auto it = id_cache_.configs.find(config_string); it != id_cache_.configs.end())
+      return it->second;
+    STORE_ASSIGN_OR_RETURN(int64_t id, FindOrAddConfigLocked(config, config_string, op));
+    id_cache_.configs.emplace(config_string, id);
+    return id;
+  }
+
+  absl::StatusOr<int64_t> FindOrAddConfigLocked(const BackendConfig& config,
+                                                const std::string& config_string,
+                                                const std::string& op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     {
       STORE_ASSIGN_OR_RETURN(Stmt q,
@@ -1135,6 +1293,19 @@ class SqliteStore final : public Store {
   sqlite3* const db_;
   absl::Mutex mu_;
   std::unordered_map<std::string, sqlite3_stmt*> cache_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<int64_t, std::string> kernel_logs_ ABSL_GUARDED_BY(mu_);
+  // Ids of rows that are only ever added (configs, result groups, kernel logs), by their keys:
+  // the write path's lookups. A rolled-back transaction can take rows it added with it, so every
+  // rollback clears the cache (Txn's and RecordResultsEach's).
+  struct IdCache {
+    std::unordered_map<std::string, int64_t> configs, groups, kernel_logs;
+    void Clear() {
+      configs.clear();
+      groups.clear();
+      kernel_logs.clear();
+    }
+  };
+  IdCache id_cache_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status Pragma(sqlite3* db, const char* sql, absl::string_view what) {

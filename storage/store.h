@@ -48,6 +48,13 @@ struct LeasePlace {
   int sm = 0;
 };
 
+struct LeaseRequest {
+  std::string trial_id;
+  std::string agent_id;
+  int64_t expires_unix_ms = 0;
+  LeasePlace place;
+};
+
 struct TrialRecord {
   std::string trial_id;             // "<sweep>-<index>", stable
   int64_t sweep_id = 0;
@@ -103,6 +110,9 @@ struct ResultQuery {
   std::optional<int> layers;
   std::optional<int64_t> sweep_id;
   std::optional<TrialStatus> status;
+  // With each batch's kernel log (BatchFigures' prefill_kernels / decode_kernels), which is
+  // most of a GPU result's JSON; false leaves them out.
+  bool with_kernels = true;
   std::map<std::string, std::string> axis_values;  // every listed axis must match
   std::optional<int64_t> since_unix_ms, until_unix_ms;  // since <= finished_unix_ms < until
   int limit = 1000;  // newest first; must be >= 1
@@ -203,6 +213,11 @@ class Store {
                                          int64_t expires_unix_ms) {
     return LeaseTrial(trial_id, agent_id, expires_unix_ms, LeasePlace{});
   }
+  // LeaseTrial for many trials in one transaction (the scheduler places a pass's trials at
+  // once): each lease's own result, in order; when the transaction itself fails, every lease
+  // gets that error and none is made.
+  virtual std::vector<absl::StatusOr<TrialRecord>> LeaseTrials(
+      const std::vector<LeaseRequest>& leases) = 0;
   virtual absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) = 0;
 
   // Lost leases, in one transaction each call. A trial that has had fewer than `max_attempts`

@@ -187,6 +187,10 @@ class FleetProcesses : public ::testing::Test {
       s.agent_id = row[2];
       s.status = row[3];
       absl::StatusOr<std::string> text = DecompressResultJson(absl::HexStringToBytes(row[4]));
+      if (text.ok())
+        text = ExpandKernelLogRefs(*std::move(text), [&](int64_t id) {
+          return db.Query(absl::StrCat("SELECT log FROM kernel_logs WHERE kernel_log_id = ", id));
+        });
       EXPECT_TRUE(text.ok()) << row[0] << ": " << text.status();
       s.result = nlohmann::json::parse(text.value_or(""), nullptr, false);
     }

@@ -154,9 +154,11 @@ TEST_F(StoreTest, CreateSweepStoresTrialsWithAssignedIds) {
   EXPECT_TRUE(t->leased_to.empty());
 
   RawDb raw(path_);
-  EXPECT_EQ(raw.Query("SELECT config_string FROM trials WHERE trial_id = '" +
-                      absl::StrCat(id, "-1") + "'"),
-            "attention=naive,device=cuda,graphs=off");
+  EXPECT_EQ(
+      raw.Query(
+          "SELECT config_string FROM trials JOIN configs USING (config_id) WHERE trial_id = '" +
+          absl::StrCat(id, "-1") + "'"),
+      "attention=naive,device=cuda,graphs=off");
 
   EXPECT_EQ(store_->GetSweep(id + 100).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store_->GetTrial("nope").status().code(), absl::StatusCode::kNotFound);
@@ -329,8 +331,8 @@ TEST_F(StoreTest, RecordResultIsIdempotentPerAttempt) {
 
   RawDb raw(path_);
   EXPECT_EQ(raw.Count("results"), 1);
-  EXPECT_EQ(raw.Count("configs"), 1);
-  EXPECT_EQ(raw.Count("config_axes"), 3);
+  EXPECT_EQ(raw.Count("configs"), 2);  // the sweep's two configs, each once
+  EXPECT_EQ(raw.Count("config_axes"), 6);
   EXPECT_EQ(store_->GetTrial(t)->state, TrialState::kDone);
   absl::StatusOr<SweepRecord> sweep = store_->GetSweep(id);
   EXPECT_EQ(sweep->trials_done, 1);
@@ -620,15 +622,17 @@ TEST_F(QueryTest, BestPicksTheFastestOkResult) {
 // index for output_tok_s, a range of its clustered key for the others; no scan of the results.
 TEST_F(StoreTest, BestRanksWithinAGroupThroughTheBatchTable) {
   RawDb raw(path_);
-  for (bool in_sweep : {false, true}) {
-    std::string plan = raw.Plan(BestInGroupSql("output_tok_s", true, in_sweep));
-    EXPECT_THAT(plan, HasSubstr("result_batches_best")) << plan;
-    EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
-    plan = raw.Plan(BestInGroupSql("ttft_ms", false, in_sweep));
-    EXPECT_THAT(plan, HasSubstr("(model=? AND sm=? AND batch=? AND model_key=? AND workload=?"))
-        << plan;
-    EXPECT_THAT(plan, ::testing::Not(HasSubstr("SCAN"))) << plan;
-  }
+  std::string plan = raw.Plan(BestInGroupSql("output_tok_s", true, false));
+  EXPECT_THAT(plan, HasSubstr("result_batches_best (group_id=? AND ok=? AND output_tok_s>?)"))
+      << plan;
+  EXPECT_THAT(plan, ::testing::Not(HasSubstr("TEMP B-TREE"))) << plan;
+  plan = raw.Plan(BestInGroupSql("ttft_ms", false, false));
+  EXPECT_THAT(plan, HasSubstr("(group_id=?")) << plan;
+  EXPECT_THAT(plan, ::testing::Not(HasSubstr("SCAN"))) << plan;
+  // Within a sweep: one sweep's rows of the group, a key range of the primary key.
+  plan = raw.Plan(BestInGroupSql("ttft_ms", false, true));
+  EXPECT_THAT(plan, HasSubstr("PRIMARY KEY (group_id=? AND sweep_id=?)")) << plan;
+  EXPECT_THAT(plan, ::testing::Not(HasSubstr("SCAN"))) << plan;
 }
 
 // Results of one preset that measured different things: 2 and 8 layers, two workloads. Best
@@ -766,6 +770,51 @@ TEST_F(IdentityTest, ResultsAreStoredCompressedAndADamagedOneIsNamed) {
   ASSERT_FALSE(broken.ok());
   EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(broken.status().message(), HasSubstr("result row " + victim));
+}
+
+// A kernel log is stored once for every result that ran the same kernels, and reads give each
+// result its own log back, whole.
+TEST_F(StoreTest, KernelLogsAreStoredOnceAndReadBackWhole) {
+  const int64_t id = CreateSweep(3);
+  PhaseKernels decode;
+  decode.graph = true;
+  decode.kernels = {{"GemvKernel<2, 1>", 96}, {"FlashDecodeKernel<128>", 48}};
+  PhaseKernels other = decode;
+  other.fallbacks = {"gemm=fused: decode, 64 rows (> 4): cuBLASLt"};
+  for (int i = 0; i < 3; ++i) {
+    TrialResult r = MakeResult(absl::StrCat(id, "-", i), 1, TrialStatus::kOk, 10, 10, kFlash);
+    for (BatchFigures& b : r.batches) {
+      b.decode_kernels = i == 2 && b.batch == 8 ? other : decode;
+      b.prefill_kernels = PhaseKernels{};
+    }
+    ASSERT_TRUE(store_->RecordResult("", "NVIDIA H200", 90, r).ok());
+  }
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("kernel_logs"), 2);  // six batches, two distinct logs
+  ResultQuery q;
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 3u);
+  for (const StoredResult& r : *rows) {
+    EXPECT_THAT(r.result_json, ::testing::Not(HasSubstr("kernels_ref")));
+    ASSERT_EQ(r.result.batches.size(), 2u);
+    const bool fell_back = r.result.trial_id == absl::StrCat(id, "-2");
+    for (const BatchFigures& b : r.result.batches) {
+      ASSERT_TRUE(b.decode_kernels.has_value());
+      EXPECT_TRUE(b.decode_kernels->graph);
+      EXPECT_EQ(b.decode_kernels->kernels, decode.kernels);
+      EXPECT_EQ(b.decode_kernels->fallbacks.size(), fell_back && b.batch == 8 ? 1u : 0u);
+      EXPECT_TRUE(b.prefill_kernels.has_value());
+    }
+  }
+  // A reference to a log that is gone is named, not read as a result without kernels.
+  ASSERT_EQ(raw.Exec("DELETE FROM kernel_logs WHERE kernel_log_id = 1"), SQLITE_OK);
+  store_.reset();
+  store_ = OpenOrDie(path_);
+  rows = store_->QueryResults(q);
+  ASSERT_FALSE(rows.ok());
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(rows.status().message(), HasSubstr("kernel log 1 is missing"));
 }
 
 // Group commit: one transaction, and a refused result leaves the others stored.
