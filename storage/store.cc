@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -226,8 +227,22 @@ constexpr size_t kMaxCachedStatements = 128;
 
 class SqliteStore final : public Store {
  public:
-  explicit SqliteStore(sqlite3* db) : db_(db) {}
+  // `checkpointer`: a second connection to the same file that folds the WAL into the database
+  // in the background (null for in-memory databases).
+  SqliteStore(sqlite3* db, sqlite3* checkpointer) : db_(db), checkpointer_(checkpointer) {
+    if (checkpointer_ != nullptr) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+  }
   ~SqliteStore() override {
+    {
+      absl::MutexLock lock(&checkpoint_mu_);
+      stopping_ = true;
+    }
+    if (checkpoint_thread_.joinable()) checkpoint_thread_.join();
+    if (checkpointer_ != nullptr) {
+      sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr,
+                                nullptr);
+      sqlite3_close_v2(checkpointer_);
+    }
     for (auto& [sql, stmt] : cache_) sqlite3_finalize(stmt);
     sqlite3_close_v2(db_);
   }
@@ -1290,7 +1305,26 @@ class SqliteStore final : public Store {
     return id;
   }
 
+  // The WAL is checkpointed here, every kCheckpointIntervalMs, not by the commit that crosses
+  // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE:
+  // it never waits for a writer or blocks one.
+  static constexpr int kCheckpointIntervalMs = 250;
+  void CheckpointLoop() {
+    absl::MutexLock lock(&checkpoint_mu_);
+    for (;;) {
+      checkpoint_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
+                                      absl::Milliseconds(kCheckpointIntervalMs));
+      if (stopping_) return;
+      sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr,
+                                nullptr);
+    }
+  }
+
   sqlite3* const db_;
+  sqlite3* const checkpointer_;
+  absl::Mutex checkpoint_mu_;
+  bool stopping_ ABSL_GUARDED_BY(checkpoint_mu_) = false;
+  std::thread checkpoint_thread_;
   absl::Mutex mu_;
   std::unordered_map<std::string, sqlite3_stmt*> cache_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<int64_t, std::string> kernel_logs_ ABSL_GUARDED_BY(mu_);
@@ -1364,7 +1398,30 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
   if (absl::Status s = Pragma(db, "PRAGMA synchronous = NORMAL", "synchronous"); !s.ok())
     return fail(s);
   if (absl::Status s = Migrate(db); !s.ok()) return fail(s);
-  return std::unique_ptr<Store>(new SqliteStore(db));
+  // A WAL database gets its checkpoints from a connection of its own (SqliteStore); the
+  // connection that commits results never stops to copy the WAL.
+  sqlite3* checkpointer = nullptr;
+  if (sqlite3_db_filename(db, "main") != nullptr && *sqlite3_db_filename(db, "main") != '\0') {
+    if (absl::Status s = Pragma(db, "PRAGMA wal_autocheckpoint = 0", "wal_autocheckpoint"); !s.ok())
+      return fail(s);
+    if (sqlite3_open_v2(path.c_str(), &checkpointer, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX,
+                        nullptr) != SQLITE_OK) {
+      absl::Status s = SqliteError(checkpointer, SQLITE_CANTOPEN,
+                                   "opening the database's checkpoint connection");
+      sqlite3_close_v2(checkpointer);
+      return fail(s);
+    }
+    sqlite3_busy_timeout(checkpointer, 1000);
+    // A connection learns that the file is in WAL mode when it first reads it; until then a
+    // checkpoint is a silent no-op.
+    if (absl::Status s =
+            Pragma(checkpointer, "PRAGMA journal_mode = WAL", "the checkpointer's WAL");
+        !s.ok()) {
+      sqlite3_close_v2(checkpointer);
+      return fail(s);
+    }
+  }
+  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer));
 }
 
 }  // namespace infersweep

@@ -18,6 +18,7 @@
 #include "nlohmann/json.hpp"
 #include "storage/schema.h"
 #include "tests/raw_db.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -815,6 +816,27 @@ TEST_F(StoreTest, KernelLogsAreStoredOnceAndReadBackWhole) {
   ASSERT_FALSE(rows.ok());
   EXPECT_EQ(rows.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(rows.status().message(), HasSubstr("kernel log 1 is missing"));
+}
+
+// Commits never copy the WAL into the database (SQLite's auto-checkpoint is off): a connection
+// of the store's own does it in the background, so the WAL stays bounded.
+TEST_F(StoreTest, TheWalIsCheckpointedInTheBackground) {
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("PRAGMA wal_autocheckpoint"), "1000");  // another connection: the default
+  const int64_t id = CreateSweep(200);
+  std::vector<ResultSubmission> results;
+  for (int i = 0; i < 200; ++i)
+    results.push_back({"", "NVIDIA H200", 90,
+                       MakeResult(absl::StrCat(id, "-", i), 1, TrialStatus::kOk, 10, 10, kFlash)});
+  ASSERT_TRUE(store_->RecordResults(results).ok());
+  // Every page the results touched reaches the database file without another commit.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return raw.Query("SELECT COUNT(*) FROM results") == "200" &&
+               std::filesystem::file_size(path_) >= 200 * 1024;
+      },
+      5))
+      << std::filesystem::file_size(path_) << " bytes in the database file";
 }
 
 // Group commit: one transaction, and a refused result leaves the others stored.
