@@ -214,6 +214,12 @@ for r in csv.reader(sys.stdin):
       --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --batch "${PROFILE_BATCH:-1}" --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
+  provenance)  # what ran: the fast config at batch 1 (a graph replay) and 64 (cuBLASLt rows),
+    # and graphs=off; each result's kernel log printed and kept in its JSON
+    $B run --model preset:qwen3-30b-a3b --show-kernels \
+      --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on|off' \
+      --workload prompt=512,output=16,batch=1:64,repeats=1,warmup=1,timeout=900 \
+      --json "$OUT/provenance.json" 2>&1 | tee "$OUT/provenance.log" | grep -vE "spread|timed by" ;;
   peer)
     timeout 420 python3 scripts/hf_peer_bench.py 2>&1 ;;
   fixtures)
