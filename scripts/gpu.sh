@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, in one device call: GPU tests, then the benchmarks, then the peer.
 #   here:   bash scripts/gpu_bundle.sh
-#   device: bash scripts/gpu.sh        (carry .carry; results and logs land in $OUT)
+#   device: bash scripts/gpu.sh        (carry .carry.tar.xz; results and logs land in $OUT)
 # STAGES (default "test bench peer fixtures") picks what runs; quant_fixtures regenerates the
 # quantized fixtures (scripts/gen_quant_fixtures.py) and checks the loader against them there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+if [ -f .carry.tar.xz ] && [ ! -x .carry/infersweep ]; then
+  mkdir -p .carry && tar xJf .carry.tar.xz -C .carry
+fi
 export LD_LIBRARY_PATH="$PWD/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export INFERSWEEP_SOURCE_DIR="$PWD" INFERSWEEP_BINARY="$PWD/.carry/infersweep"
 B=.carry/infersweep

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries here (the GPU machine has no Abseil/gRPC) and packs them, stripped,
-# with the shared libraries they need, into .carry/ for the device tool (`carry: [".carry"]`).
+# with the shared libraries they need, into .carry/, and that folder into .carry.tar.xz (~12 MB:
+# the device tool carries 64 MiB with the working tree, less than .carry itself). Carry
+# `.carry.tar.xz`; scripts/gpu.sh unpacks it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
@@ -9,9 +11,10 @@ cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer use,
 # PACK=fixtures what STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
 case ${PACK:-gpu} in
-  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
+  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test" ;;
+  probes) BINARIES="cli/infersweep bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
   fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;
-  *) echo "PACK must be gpu or fixtures" >&2; exit 2 ;;
+  *) echo "PACK must be gpu, probes or fixtures" >&2; exit 2 ;;
 esac
 cmake --build "$BUILD" -j"$(nproc)" --target $(for b in $BINARIES; do basename "$b"; done)
 rm -rf .carry && mkdir -p .carry/lib
@@ -23,4 +26,9 @@ for b in .carry/*; do
   [ -f "$b" ] || continue
   ldd "$b" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux)[.-]|cuda|cublas' || true
 done | sort -u | xargs -r -I{} cp -L {} .carry/lib/
-du -sh .carry
+# Extra binaries (EXTRA_CARRY="path:name ..."), e.g. a build of the previous main for an A/B.
+for extra in ${EXTRA_CARRY:-}; do
+  strip -o ".carry/${extra#*:}" "${extra%%:*}"
+done
+tar cJf .carry.tar.xz -C .carry .
+du -sh .carry .carry.tar.xz
