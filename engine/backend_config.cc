@@ -22,7 +22,7 @@ constexpr char kPersistentGemm[] =
     "so that gemm would not be what decode ran; take gemm=fused";
 
 std::vector<BackendDescriptor> MakeRegistry() {
-  // The CPU dequantizes quantized weights exactly (engine/quant/dequantize.h): still fp32.
+  // The CPU dequantizes quantized weights exactly (core/quant/dequantize.h): still fp32.
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> quantized_formats = {"fp8", "nvfp4", "mxfp4"};
   const std::vector<std::string> fp4_formats = {"nvfp4", "mxfp4"};

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/dtype.h"
+#include "core/dtype.h"
 #include "engine/model_config.h"
 #include "engine/quant/scheme.h"
 #include "engine/safetensors.h"

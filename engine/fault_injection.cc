@@ -10,7 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "engine/quant/codecs.h"
+#include "core/quant/codecs.h"
 #include "engine/quant/layout.h"
 
 namespace infersweep {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/dtype.h"
+#include "core/dtype.h"
 
 namespace infersweep {
 

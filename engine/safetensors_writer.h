@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/dtype.h"
+#include "core/dtype.h"
 
 namespace infersweep {
 

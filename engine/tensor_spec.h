@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/dtype.h"
+#include "core/dtype.h"
 #include "engine/model_config.h"
-#include "engine/quant/format.h"
+#include "core/quant/format.h"
 
 namespace infersweep {
 

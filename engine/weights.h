@@ -10,7 +10,7 @@
 #include "core/identity.h"
 #include "engine/checkpoint.h"
 #include "engine/model_config.h"
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 #include "engine/tensor_spec.h"
 
 namespace infersweep {

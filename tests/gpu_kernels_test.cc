@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/dtype.h"
+#include "core/dtype.h"
 #include "engine/sampler.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #ifdef INFERSWEEP_HAVE_CUDA

@@ -14,7 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/backends.h"
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #include "harness/executor.h"
@@ -245,7 +245,7 @@ struct GemmCheck {
 //    sums fp32; Hopper's FP8 MMA keeps ~14 bits in its accumulator between the promotions
 //    cuBLASLt makes to fp32 (DeepSeek-V3, sec. 3.3.2), 2^-14 of the sum of |products|. Bound:
 //    2^-10 of that sum, 16x headroom, while a wrong scale or layout is off by the whole sum.
-//  - the exact reference: fp32 x times the exact-dequant W (engine/quant/dequantize.h), in
+//  - the exact reference: fp32 x times the exact-dequant W (core/quant/dequantize.h), in
 //    double, which the quantized activations miss by their rounding. E4M3 keeps 3 mantissa bits:
 //    a normal value rounds to within half an ulp, 2^-4 of itself at worst (the bottom of a
 //    binade); below 2^-6 (subnormal) the step is 2^-9, so within 2^-10 absolute, both in units

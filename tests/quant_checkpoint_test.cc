@@ -19,7 +19,7 @@
 #include "absl/strings/str_replace.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #include "engine/safetensors_writer.h"

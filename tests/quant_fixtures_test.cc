@@ -19,7 +19,7 @@
 
 #include "engine/cpu_model.h"
 #include "engine/npy.h"
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/safetensors.h"
 #include "engine/weights.h"

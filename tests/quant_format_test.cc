@@ -11,9 +11,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "engine/dtype.h"
-#include "engine/quant/codecs.h"
-#include "engine/quant/dequantize.h"
+#include "core/dtype.h"
+#include "core/quant/codecs.h"
+#include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #include "engine/quant/scheme.h"

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/quant/codecs.h"
+#include "core/quant/codecs.h"
 #include "kernels/cuda/scaled_layout.h"
 
 namespace infersweep {

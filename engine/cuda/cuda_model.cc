@@ -17,12 +17,12 @@
 #include "engine/quant/layout.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
-#include "kernels/cuda/gemm_grouped.h"
+#include "kernels/cuda/moe_grouped.h"
 #include "kernels/cuda/gemm_scaled.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/decode_persistent.h"
-#include "kernels/cuda/sm90a/gemv_tma.h"
+#include "kernels/cuda/sm90a/gemm_tma.h"
 
 namespace infersweep {
 namespace {

@@ -6,18 +6,15 @@
 namespace infersweep {
 namespace {
 
-struct FormatName {
+// Every format with its preflight family (the names are core/quant/format.h's).
+struct FormatFamily {
   QuantFormat format;
-  std::string_view name;
   std::string_view family;
 };
-constexpr FormatName kFormats[] = {
-    {QuantFormat::kNone, "none", ""},
-    {QuantFormat::kFp8Tensor, "fp8_tensor", "fp8"},
-    {QuantFormat::kFp8Channel, "fp8_channel", "fp8"},
-    {QuantFormat::kFp8Block128, "fp8_block128", "fp8"},
-    {QuantFormat::kNvfp4, "nvfp4", "nvfp4"},
-    {QuantFormat::kMxfp4, "mxfp4", "mxfp4"},
+constexpr FormatFamily kFormats[] = {
+    {QuantFormat::kNone, ""},           {QuantFormat::kFp8Tensor, "fp8"},
+    {QuantFormat::kFp8Channel, "fp8"},  {QuantFormat::kFp8Block128, "fp8"},
+    {QuantFormat::kNvfp4, "nvfp4"},     {QuantFormat::kMxfp4, "mxfp4"},
 };
 
 // fp8 scales are fp32 in ModelOpt and DeepSeek-style checkpoints, bf16 in some others.
@@ -25,27 +22,21 @@ const std::vector<DType> kFloatScale = {DType::kF32, DType::kBF16, DType::kF16};
 
 }  // namespace
 
-std::string QuantFormatName(QuantFormat format) {
-  for (const FormatName& f : kFormats)
-    if (f.format == format) return std::string(f.name);
-  return "?";
-}
-
 std::optional<QuantFormat> QuantFormatFromName(std::string_view name) {
-  for (const FormatName& f : kFormats)
-    if (f.name == name) return f.format;
+  for (const FormatFamily& f : kFormats)
+    if (QuantFormatName(f.format) == name) return f.format;
   return std::nullopt;
 }
 
 std::string QuantFormatNames() {
   std::vector<std::string> names;
-  for (const FormatName& f : kFormats)
-    if (f.format != QuantFormat::kNone) names.emplace_back(f.name);
+  for (const FormatFamily& f : kFormats)
+    if (f.format != QuantFormat::kNone) names.push_back(QuantFormatName(f.format));
   return absl::StrJoin(names, ", ");
 }
 
 std::string QuantFormatFamily(QuantFormat format) {
-  for (const FormatName& f : kFormats)
+  for (const FormatFamily& f : kFormats)
     if (f.format == format) return std::string(f.family);
   return "";
 }

@@ -10,13 +10,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/dtype.h"
-#include "engine/quant/format.h"
+#include "core/dtype.h"
+#include "core/quant/format.h"
 
 namespace infersweep {
 
-// "none", "fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4", "mxfp4".
-std::string QuantFormatName(QuantFormat format);
+// QuantFormatName (core/quant/format.h) read back.
 std::optional<QuantFormat> QuantFormatFromName(std::string_view name);
 // The formats --quantize takes, for messages: "fp8_tensor, fp8_channel, ...".
 std::string QuantFormatNames();

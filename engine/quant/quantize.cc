@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "engine/quant/codecs.h"
+#include "core/quant/codecs.h"
 
 namespace infersweep {
 namespace {

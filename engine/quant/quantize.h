@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/quant/layout.h"
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep {
 

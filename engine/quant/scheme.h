@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/quant/format.h"
+#include "core/quant/format.h"
 
 namespace infersweep {
 

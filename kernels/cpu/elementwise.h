@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep::cpu {
 

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "core/launch_log.h"
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "kernels/cpu/parallel.h"
 
 namespace infersweep::cpu {

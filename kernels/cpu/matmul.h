@@ -1,10 +1,10 @@
 // y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) in fp32, with W upcast exactly from its dtype
-// (quantized W dequantized exactly: engine/quant/dequantize.h).
+// (quantized W dequantized exactly: core/quant/dequantize.h).
 #pragma once
 
 #include <cstdint>
 
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep::cpu {
 

@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep::cuda {
 

@@ -1,4 +1,4 @@
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 

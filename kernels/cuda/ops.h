@@ -7,7 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep::cuda {
 
@@ -120,7 +120,7 @@ void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& b
 // 32 x 64 tiles above. Measured (ncu, qwen3-30b-a3b): 23 us at batch 64, 163 us at prefill 2048.
 void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_t stream);
 
-// ---- decode GEMV (gemv.cu), the gemm=fused path for a few rows:
+// ---- decode GEMV (gemm_fused.cu), the gemm=fused path for a few rows:
 //   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
 // for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
 // with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k],
@@ -175,7 +175,7 @@ void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uin
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
                     int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
                     cudaStream_t stream);
-// Expert-grouped MoE on tensor cores (moe_grouped.cu), for many rows (moe=fused with
+// Expert-grouped MoE on tensor cores (moe_fused_mma.cu), for many rows (moe=fused with
 // rows >= kMoeGroupedMinRows, decode and prefill): pairs bucketed by expert on the device
 // (deterministic order), gate/up and down as bf16 mma.sync over each expert's pairs with each
 // expert's weights streamed once, then y[r] += sum_slot w[r, slot] * out[r * k + slot] in slot

@@ -1,6 +1,6 @@
 #include <algorithm>
 
-#include "engine/quant/dequantize.h"
+#include "core/quant/dequantize.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/quant.h"
 

@@ -12,13 +12,13 @@
 
 #include <cstdint>
 
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep::cuda {
 
 // ---- dequantization (qgemm=dequant_bf16 at upload; qgemm=reference; tests)
-// out[n, k] = the exact fp32 weight (engine/quant/dequantize.h, the CPU's formula), rounded to
+// out[n, k] = the exact fp32 weight (core/quant/dequantize.h, the CPU's formula), rounded to
 // bf16 (nearest even) for the bf16 variant. Eight elements a thread (cols % 8 == 0), grid-stride.
 // Expert [768, 2048] nvfp4 -> bf16: reads 0.88 MB, writes 3.1 MB: ~0.9 us of bandwidth (+ launch).
 void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream);
@@ -52,13 +52,13 @@ bool W4A16Supports(const MatrixRef& w);
 void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
-// ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemv_quant.cu): gemv.cu's
+// ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemm_fused_quant.cu): gemm_fused.cu's
 // GemvArgs contract (up to 3 segments, optional RMSNorm of x, bias, residual add, scale) with
 // quantized weights: segment s reads weights.w[s] (its rows are seg[s].n; GemvSegment::w is
 // unused). Every segment has the same format, nvfp4, mxfp4 or any fp8 layout. Dequantized in
 // registers, fp32 activations and accumulate (quant_decode.cuh: matches the exact-dequant
 // reference to fp32 rounding of the sums). Any rows (4 per block, grid.y over the rest).
-// Napkin math for qwen3-30b-a3b in gemv_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46 TB/s.
+// Napkin math for qwen3-30b-a3b in gemm_fused_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46 TB/s.
 struct QuantGemvWeights {
   MatrixRef w[3];
 };
@@ -72,7 +72,7 @@ void GemvQuant(const GemvArgs& args, const QuantGemvWeights& weights, cudaStream
 // scales): 0.35 us at 4.46 TB/s; [2048, 768] the same. 3.1 MFLOP each.
 void GemvW8A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
-// ---- quantized experts for moe=fused (moe_quant.cu): the twins of MoeGateUp / MoeDownCombine
+// ---- quantized experts for moe=fused (moe_fused_quant.cu): the twins of MoeGateUp / MoeDownCombine
 // (ops.h) reading each expert's codes and scales through device pointer tables.
 // One projection's experts: codes[e], scales[e] and (nvfp4) global_scales[e] are device
 // pointers (the tables themselves live on the device); every expert is [rows, cols] in one

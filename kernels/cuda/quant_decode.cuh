@@ -1,10 +1,10 @@
-// In-register dequantization shared by the quantized GEMV (gemv_quant.cu) and the quantized MoE
-// expert kernels (moe_quant.cu). A lane reads its weights 16 bytes at a time (one "chunk": 32
+// In-register dequantization shared by the quantized GEMV (gemm_fused_quant.cu) and the quantized MoE
+// expert kernels (moe_fused_quant.cu). A lane reads its weights 16 bytes at a time (one "chunk": 32
 // FP4 codes or 16 FP8 codes) and dots them with activations staged in shared memory.
 //
 // Exactness: every decoded weight is the exact value of its code (E2M1 via fp16 bit patterns,
 // E4M3 via the sm_89+ cvt to f16x2, both exact), and the scales of DequantizeElement
-// (engine/quant/dequantize.h) multiply partial sums instead of single weights: per group of 16
+// (core/quant/dequantize.h) multiply partial sums instead of single weights: per group of 16
 // (nvfp4) or 32 (mxfp4) or per chunk (fp8 block-128), and per row at the end (nvfp4's scale_2,
 // fp8 tensor and channel scales). That is the same real number as the reference's sum of
 // x * w; only the fp32 rounding of the sums differs, so results match the exact-dequant
@@ -16,8 +16,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "engine/quant/codecs.h"
-#include "engine/tensor_ref.h"
+#include "core/quant/codecs.h"
+#include "core/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
 
 namespace infersweep::cuda {

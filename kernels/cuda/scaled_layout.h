@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-#include "engine/dtype.h"
-#include "engine/quant/codecs.h"
-#include "engine/quant/format.h"
+#include "core/dtype.h"
+#include "core/quant/codecs.h"
+#include "core/quant/format.h"
 
 namespace infersweep::cuda {
 

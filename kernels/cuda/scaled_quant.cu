@@ -1,6 +1,6 @@
 #include <algorithm>
 
-#include "engine/quant/codecs.h"
+#include "core/quant/codecs.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/scaled_layout.h"
 #include "kernels/cuda/scaled_quant.h"

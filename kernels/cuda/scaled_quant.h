@@ -19,7 +19,7 @@
 
 #include <cuda_runtime.h>
 
-#include "engine/tensor_ref.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep::cuda {
 

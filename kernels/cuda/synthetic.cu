@@ -1,4 +1,4 @@
-#include "engine/synthetic.h"
+#include "core/synthetic.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 

@@ -52,8 +52,8 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "engine/quant/layout.h"
-#include "engine/tensor_ref.h"
+#include "core/quant/format.h"
+#include "core/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/routing.cuh"

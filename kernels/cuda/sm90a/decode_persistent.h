@@ -8,8 +8,8 @@
 
 #include <cuda_runtime.h>
 
-#include "engine/dtype.h"
-#include "engine/quant/format.h"
+#include "core/dtype.h"
+#include "core/quant/format.h"
 
 namespace infersweep::cuda {
 

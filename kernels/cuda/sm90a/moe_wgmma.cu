@@ -1,7 +1,7 @@
 // The expert GEMMs of the grouped MoE on Hopper warpgroup MMAs (moe=wgmma). Machine code for
 // sm_90a only (this folder's target): the registry gives moe=wgmma the SM range [90, 90].
 //
-// moe=fused's mma.sync kernels (moe_grouped.cu) stream an expert's weights through registers
+// moe=fused's mma.sync kernels (moe_fused_mma.cu) stream an expert's weights through registers
 // and re-read them for every 64 of its pairs, so long prefill chunks went to cuBLAS's grouped
 // GEMMs instead: ~220 TFLOP/s, SiLU and a gather as separate kernels, and a host sync per layer
 // to learn the group sizes. These kernels keep MoeGrouped's device-side bucketing and compute

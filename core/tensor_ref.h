@@ -3,8 +3,8 @@
 
 #include <cstdint>
 
-#include "engine/dtype.h"
-#include "engine/quant/format.h"
+#include "core/dtype.h"
+#include "core/quant/format.h"
 
 namespace infersweep {
 

@@ -1,4 +1,4 @@
-#include "kernels/cuda/gemm_grouped.h"
+#include "kernels/cuda/moe_grouped.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"

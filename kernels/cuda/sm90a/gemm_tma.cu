@@ -1,7 +1,7 @@
 // Decode GEMV with the weights streamed by the Hopper TMA engine (gemm=tma): bulk asynchronous
 // copies (cp.async.bulk) of whole weight tiles into shared memory, completion tracked by
 // mbarriers, a ring of stages so that several tiles are in flight per SM while the warps compute
-// on the oldest. Same function and fused epilogue as gemv.cu (norm, bias, residual).
+// on the oldest. Same function and fused epilogue as gemm_fused.cu (norm, bias, residual).
 //
 // Compiled for sm_90a only (this folder's target in kernels/CMakeLists.txt): the fatbin holds
 // no code for other archs, so the registry gives gemm=tma the SM range [90, 90] and preflight
@@ -12,9 +12,9 @@
 // bandwidth x latency product; 21 MB at 4.46 TB/s = 4.7 us. o: 16.8 MB, 64 KB tiles -> 3.8 us.
 #include <algorithm>
 
-#include "kernels/cuda/gemv_common.cuh"
+#include "kernels/cuda/gemm_fused_common.cuh"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
-#include "kernels/cuda/sm90a/gemv_tma.h"
+#include "kernels/cuda/sm90a/gemm_tma.h"
 
 namespace infersweep::cuda {
 namespace {

@@ -13,7 +13,7 @@
 // round trip per 512 floats in front of every block: 14-17 us for q+k+v on the H200.
 #include <algorithm>
 
-#include "kernels/cuda/gemv_common.cuh"
+#include "kernels/cuda/gemm_fused_common.cuh"
 
 namespace infersweep::cuda {
 namespace {

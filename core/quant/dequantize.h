@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/quant/codecs.h"
-#include "engine/tensor_ref.h"
+#include "core/quant/codecs.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep {
 
@@ -43,6 +43,10 @@ inline void DequantizeRow(const MatrixRef& w, int64_t r, float* out) {
 }
 
 // The whole matrix, row-major [rows, cols] (host memory only).
-std::vector<float> DequantizeMatrix(const MatrixRef& w);
+inline std::vector<float> DequantizeMatrix(const MatrixRef& w) {
+  std::vector<float> out(static_cast<size_t>(w.numel()));
+  for (int64_t r = 0; r < w.rows; ++r) DequantizeRow(w, r, out.data() + r * w.cols);
+  return out;
+}
 
 }  // namespace infersweep

@@ -1,4 +1,4 @@
-// Pieces shared by the decode GEMV kernels (gemv.cu: register-streamed; sm90a/gemv_tma.cu:
+// Pieces shared by the decode GEMV kernels (gemm_fused.cu: register-streamed; sm90a/gemm_tma.cu:
 // TMA-streamed): the staged, optionally RMS-normalised input and the fused epilogue.
 #pragma once
 

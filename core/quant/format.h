@@ -1,15 +1,16 @@
 // Quantized weight formats and the view of a quantized matrix's scales (docs/QUANTIZATION.md).
-// Kept free of Abseil so CUDA sources can include it through engine/tensor_ref.h.
+// Header-only and free of Abseil, so CUDA sources include it.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
-#include "engine/dtype.h"
+#include "core/dtype.h"
 
 namespace infersweep {
 
 // How a linear layer's weight [N, K] is stored. Every format dequantizes exactly to fp32
-// (engine/quant/dequantize.h); the element codes and scale layouts are:
+// (core/quant/dequantize.h); the element codes and scale layouts are:
 enum class QuantFormat : uint8_t {
   kNone,         // dense bf16 / f16 / f32
   kFp8Tensor,    // E4M3 [N, K] x one scale for the tensor
@@ -18,6 +19,25 @@ enum class QuantFormat : uint8_t {
   kNvfp4,        // E2M1 pairs [N, K/2] x E4M3 scale per 16 along K [N, K/16] x fp32 scale_2
   kMxfp4,        // E2M1 pairs [N, K/32, 16] x E8M0 scale per 32 along K [N, K/32]
 };
+
+// "none", "fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4", "mxfp4".
+inline std::string QuantFormatName(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::kNone:
+      return "none";
+    case QuantFormat::kFp8Tensor:
+      return "fp8_tensor";
+    case QuantFormat::kFp8Channel:
+      return "fp8_channel";
+    case QuantFormat::kFp8Block128:
+      return "fp8_block128";
+    case QuantFormat::kNvfp4:
+      return "nvfp4";
+    case QuantFormat::kMxfp4:
+      return "mxfp4";
+  }
+  return "?";
+}
 
 inline constexpr int64_t kNvfp4GroupSize = 16;
 inline constexpr int64_t kMxfp4GroupSize = 32;

@@ -1,5 +1,5 @@
 // Decode GEMV on quantized weights (qgemm=w4a16 / w8a16 under gemm=fused): the quantized twin
-// of gemv.cu's kernel, with the same fused RMSNorm, bias, residual add and segments, reading
+// of gemm_fused.cu's kernel, with the same fused RMSNorm, bias, residual add and segments, reading
 // FP4 or FP8 codes and their scales and dequantizing them in registers (quant_decode.cuh).
 //
 // Napkin math, qwen3-30b-a3b batch-1 decode, per layer (H200, 4.46 TB/s):
@@ -10,11 +10,11 @@
 //   computes two output rows: they share each activation read, halving the shared-memory
 //   traffic (FP4 at full DRAM speed would otherwise need 36 TB/s of it, more than an H200's
 //   ~30 TB/s).
-// As in gemv.cu, every warp issues its first weight and scale loads before the PDL wait and the
+// As in gemm_fused.cu, every warp issues its first weight and scale loads before the PDL wait and the
 // staging of x, so the staging hides under their DRAM latency.
 #include <algorithm>
 
-#include "kernels/cuda/gemv_common.cuh"
+#include "kernels/cuda/gemm_fused_common.cuh"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/quant_decode.cuh"
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "engine/dtype.h"
+#include "core/dtype.h"
 
 namespace infersweep {
 
