@@ -1,8 +1,8 @@
 #include "engine/backends.h"
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_model.h"
+#include "engine/options.h"
 #include "engine/quant/layout.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
@@ -67,32 +67,20 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                          "--quantize",
                          fault.target.empty() ? "" : ", and a target they have", ")"));
     }
+    auto parsed = ParseCpuOptions(config);
+    if (!parsed.ok()) return parsed.status();
     CpuModelOptions options;
     options.fault = fault;
-    options.matmul =
-        config.at("matmul") == "blocked" ? cpu::MatmulVariant::kBlocked : cpu::MatmulVariant::kNaive;
-    const std::string& threads = config.at("threads");
-    if (threads != "all" && !absl::SimpleAtoi(threads, &options.threads))
-      return absl::InvalidArgumentError(absl::StrCat("threads=", threads, " is not a number"));
+    options.matmul = parsed->matmul == Matmul::kBlocked ? cpu::MatmulVariant::kBlocked
+                                                        : cpu::MatmulVariant::kNaive;
+    options.threads = parsed->threads;
     return MakeCpuModel(host, options);
   }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
-    CudaModelOptions options;
-    const std::string& gemm = config.at("gemm");
-    options.gemm_cublaslt = gemm == "cublaslt" || gemm == "fused" || gemm == "tma";
-    options.gemm_fused = gemm == "fused";
-    options.gemm_tma = gemm == "tma";
-    options.attention_flash = config.at("attention") == "flash";
-    options.kv_cache_bf16 = config.at("kv_cache") == "bf16";
-    options.moe_fused = config.at("moe") == "fused" || config.at("moe") == "wgmma";
-    options.moe_wgmma = config.at("moe") == "wgmma";
-    options.moe_grouped = config.at("moe") == "grouped";
-    options.graphs = config.at("graphs") == "on" || config.at("graphs") == "persistent";
-    options.persistent_decode = config.at("graphs") == "persistent";
-    options.qgemm = config.at("qgemm");
-    options.fault = fault;
-    return MakeCudaModel(host, options);
+    auto options = ParseCudaOptions(config);
+    if (!options.ok()) return options.status();
+    return MakeCudaModel(host, *options, fault);
   }
 #endif
   return absl::UnimplementedError(

@@ -260,9 +260,9 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
 }
 
 absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
-                                                          const CudaModelOptions& options) {
-  const std::string& qgemm = options.qgemm;
-  const FaultInjection& fault = options.fault;
+                                                          const CudaOptions& options,
+                                                          const FaultInjection& fault) {
+  const QGemm qgemm = options.qgemm;
   auto view = std::make_unique<QuantView>();
   view->weights = dw.weights;
   if (fault.kind == FaultInjection::Kind::kBadQuantScale) {
@@ -284,8 +284,8 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       }
     }
   }
-  if (qgemm == "fp8_cublaslt" || qgemm == "native_fp4") {  // codes as uploaded, scales rearranged
-    auto scaled = cuda::ScaledGemm::Create(qgemm == "fp8_cublaslt" ? cuda::ScaledGemmKind::kFp8
+  if (UsesScaledGemm(qgemm)) {  // codes as uploaded, scales rearranged
+    auto scaled = cuda::ScaledGemm::Create(qgemm == QGemm::kFp8CublasLt ? cuda::ScaledGemmKind::kFp8
                                                                    : cuda::ScaledGemmKind::kFp4);
     if (!scaled.ok()) return scaled.status();
     view->scaled = std::move(*scaled);
@@ -297,18 +297,14 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     return view;
   }
   // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
-  const bool keep_codes = qgemm == "reference" || qgemm == "w4a16" || qgemm == "w8a16";
-  if (!keep_codes && qgemm != "dequant_bf16")
-    return absl::UnimplementedError(absl::StrCat(
-        "qgemm=", qgemm, " is not implemented on this GPU build (implemented: reference, "
-        "dequant_bf16, w4a16, w8a16, fp8_cublaslt, native_fp4)"));
-  if (qgemm == "reference" && options.moe_fused && host.config.is_moe())
+  const bool keep_codes = KeepsQuantCodes(qgemm);
+  if (qgemm == QGemm::kReference && RoutesOnDevice(options.moe) && host.config.is_moe())
     return absl::UnimplementedError(
         "moe=fused has no exact-reference expert runner: with qgemm=reference the experts run "
         "through the reference GEMM (moe=loop); use qgemm=w4a16 (FP4), w8a16 (FP8) or "
         "dequant_bf16 with moe=fused");
   if (keep_codes) {
-    if (options.moe_fused && host.config.is_moe())
+    if (RoutesOnDevice(options.moe) && host.config.is_moe())
       if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
     return view;
   }
@@ -324,7 +320,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};
     }
   CUDA_OR_DIE(cudaDeviceSynchronize());
-  if (options.moe_fused && host.config.is_moe())
+  if (RoutesOnDevice(options.moe) && host.config.is_moe())
     if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
   return view;
 }
@@ -498,10 +494,10 @@ void WritePersistentTimeline(const std::string& path, const std::vector<unsigned
 class CudaModel final : public Model {
  public:
   CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
-            CudaModelOptions options, std::unique_ptr<cuda::CublasLtGemm> gemm,
+            const CudaOptions& options, const FaultInjection& fault, std::unique_ptr<cuda::CublasLtGemm> gemm,
             std::unique_ptr<cuda::CublasGroupedGemm> grouped, std::unique_ptr<QuantView> view)
       : config_(config), dw_(std::move(weights)), view_(std::move(view)),
-        w_(view_ ? view_->weights : dw_->weights), options_(options),
+        w_(view_ ? view_->weights : dw_->weights), options_(options), fault_(fault),
         gemm_(std::move(gemm)), grouped_(std::move(grouped)) {
     CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
@@ -533,7 +529,7 @@ class CudaModel final : public Model {
   int position() const override { return position_; }
   double graph_capture_seconds() const override { return capture_seconds_; }
   std::optional<double> last_forward_device_ms() const override { return last_step_ms_; }
-  int kv_cache_bytes_per_element() const override { return options_.kv_cache_bf16 ? 2 : 4; }
+  int kv_cache_bytes_per_element() const override { return options_.kv_cache == KvCache::kBf16 ? 2 : 4; }
   std::optional<int64_t> device_memory_used_bytes() const override {
     size_t free = 0, total = 0;
     if (cudaMemGetInfo(&free, &total) != cudaSuccess) return std::nullopt;
@@ -607,17 +603,17 @@ class CudaModel final : public Model {
     QuantFormat format = QuantFormat::kNone;
     DType scale_dtype = DType::kF32;
     if (view_) {
-      const std::string& qgemm = options_.qgemm;
-      if (qgemm != "dequant_bf16" && qgemm != "w8a16" && qgemm != "w4a16")
+      const QGemm qgemm = options_.qgemm;
+      if (qgemm != QGemm::kDequantBf16 && !DequantizesInRegisters(qgemm))
         return unsupported(absl::StrCat(
             "streams qgemm=dequant_bf16's copies or qgemm=w8a16 / w4a16's codes, not qgemm=",
-            qgemm));
-      if (qgemm != "dequant_bf16" && !w_.layers.empty()) {
+            AxisValueName(qgemm)));
+      if (qgemm != QGemm::kDequantBf16 && !w_.layers.empty()) {
         format = w_.layers[0].q.quant.format;
         scale_dtype = w_.layers[0].q.quant.scale_dtype;
       }
     }
-    if (!options_.kv_cache_bf16) return unsupported("needs kv_cache=bf16");
+    if (options_.kv_cache != KvCache::kBf16) return unsupported("needs kv_cache=bf16");
     cuda::PersistentDecodeShape shape;
     shape.format = format;
     shape.num_layers = c.num_layers;
@@ -798,7 +794,7 @@ class CudaModel final : public Model {
                                         row_align, " (16-byte rows)"));
       shape.max_top_k = std::max(shape.max_top_k, p.top_k);
       shape.max_inter = std::max(shape.max_inter, p.inter);
-      const FaultInjection& fault = options_.fault;
+      const FaultInjection& fault = fault_;
       if (fault.kind == FaultInjection::Kind::kBadScale && l == 0)
         p.o_scale = static_cast<float>(fault.value);
       if (fault.kind == FaultInjection::Kind::kZeroExpert) p.skip_expert = static_cast<int>(fault.value);
@@ -911,7 +907,7 @@ class CudaModel final : public Model {
     if (greedy && batch_ > 65535)  // cuda::GreedyTokens runs a grid row a sequence
       return absl::InvalidArgumentError(
           absl::StrCat("ForwardGreedy: batch ", batch_, " exceeds 65535 sequences"));
-    MaybeCommitProcessFault(options_.fault);
+    MaybeCommitProcessFault(fault_);
     const int rows = batch_ * n;
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
     if (auto s = EnsureScratch(rows, out_rows); !s.ok()) return s;
@@ -920,10 +916,10 @@ class CudaModel final : public Model {
     *h_position_ = position_;
     for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
 
-    const bool use_graph = options_.graphs && n == 1 && mode == LogitsMode::kLast;
+    const bool use_graph = CapturesDecode(options_.graphs) && n == 1 && mode == LogitsMode::kLast;
     const int graph_key = 2 * batch_ + (greedy ? 1 : 0);
     // The fast GEMV configs chain their kernels with programmatic dependent launch.
-    cuda::SetProgrammaticLaunch(options_.gemm_fused || options_.gemm_tma);
+    cuda::SetProgrammaticLaunch(UsesFusedGemv(options_.gemm));
     struct ResetLaunchMode {
       ~ResetLaunchMode() { cuda::SetProgrammaticLaunch(false); }
     } reset_launch_mode;
@@ -989,12 +985,12 @@ class CudaModel final : public Model {
     if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
       if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
       if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-    } else if (w.quantized() && options_.qgemm == "reference") {  // exact dequantization
+    } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
       cuda::GemmReference(x, rows, w, bias, y, stream_);
     } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
       // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
       if (LaunchRecording())
-        RecordFallback(absl::StrCat("qgemm=", options_.qgemm, ": prefill chunk of ", rows,
+        RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": prefill chunk of ", rows,
                                     " rows: quantized linears dequantized to bf16, then cuBLASLt"));
       auto copy = PrefillBf16Copy(w);
       if (!copy.ok()) return copy.status();
@@ -1005,7 +1001,7 @@ class CudaModel final : public Model {
           w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
       if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))
         return absl::UnimplementedError(absl::StrCat(
-            "qgemm=", options_.qgemm, " needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (", w.rows,
+            "qgemm=", AxisValueName(options_.qgemm), " needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (", w.rows,
             " x ", w.cols, ")"));
       if (fp4)
         cuda::GemvW4A16(x, rows, w, y, stream_);
@@ -1159,11 +1155,11 @@ class CudaModel final : public Model {
     const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
     prefill_ = n > 1;
-    const bool gemv = (options_.gemm_fused || options_.gemm_tma) &&
+    const bool gemv = UsesFusedGemv(options_.gemm) &&
                       cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
                       cuda::GemvSupports(rows, MaxIntermediate());
     if (LaunchRecording()) {  // the launch log's fallbacks (core/launch_log.h)
-      if ((options_.gemm_fused || options_.gemm_tma) && !gemv && !persistent)
+      if (UsesFusedGemv(options_.gemm) && !gemv && !persistent)
         RecordFallback(absl::StrCat(
             "gemm=", GemmValue(), ": ", n > 1 ? "prefill chunk, " : "decode, ",
             GemvRefusal(rows, std::max({hidden, q_dim, MaxIntermediate()})),
@@ -1211,12 +1207,12 @@ class CudaModel final : public Model {
       }
       const size_t layer_offset = l * layer_kv * kv_cache_bytes_per_element();
       const cuda::KvCache cache{k_cache_ + layer_offset, v_cache_ + layer_offset,
-                                options_.kv_cache_bf16, capacity_};
+                                options_.kv_cache == KvCache::kBf16, capacity_};
       cuda::QkNormRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
                              config_.head_dim, config_.qk_norm ? lw.q_norm : MatrixRef{},
                              config_.qk_norm ? lw.k_norm : MatrixRef{}, eps, rope_, d_position_,
                              cache, stream_);
-      if (options_.attention_flash) {
+      if (options_.attention == Attention::kFlash) {
         cuda::AttentionFlash(q_, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
                              config_.head_dim, d_position_,
                              cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
@@ -1228,8 +1224,8 @@ class CudaModel final : public Model {
                              scores_, attn_, stream_);
       }
       CHECK_LAUNCH();
-      const bool bad_scale = options_.fault.kind == FaultInjection::Kind::kBadScale && l == 0;
-      const float o_scale = bad_scale ? static_cast<float>(options_.fault.value) : 1.f;
+      const bool bad_scale = fault_.kind == FaultInjection::Kind::kBadScale && l == 0;
+      const float o_scale = bad_scale ? static_cast<float>(fault_.value) : 1.f;
       if (gemv) {  // o projection added straight into the residual stream
         FusedGemv a = GemvInput(attn_, rows, q_dim, {});
         AddSegment(a, lw.o, lw.o_bias, x_);
@@ -1248,7 +1244,7 @@ class CudaModel final : public Model {
       } else if (auto s = DenseMlp(lw, rows, gemv); !s.ok()) {
         return s;
       }
-      if (options_.fault.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(options_.fault.value))
+      if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
         cuda::SetNan(x_, stream_);
       CHECK_LAUNCH();
     }
@@ -1265,12 +1261,12 @@ class CudaModel final : public Model {
     // lm_head's 622 MB in 146.7 us (4.24 TB/s) against cuBLASLt's 148.6, and with the norm and
     // row-gather kernels gone the graphs=persistent step 2.574 / 2.578 -> 2.559 / 2.556 ms (two
     // rounds, one call; docs/PERFORMANCE.md).
-    if ((options_.gemm_fused || options_.gemm_tma) && cuda::GemvSupports(out_rows, hidden)) {
+    if (UsesFusedGemv(options_.gemm) && cuda::GemvSupports(out_rows, hidden)) {
       FusedGemv g = GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);
       AddSegment(g, w_.lm_head, {}, logits_);
       if (auto s = RunGemv(g); !s.ok()) return s;
     } else {
-      if ((options_.gemm_fused || options_.gemm_tma) && LaunchRecording())
+      if (UsesFusedGemv(options_.gemm) && LaunchRecording())
         RecordFallback(absl::StrCat("gemm=", GemmValue(), ": lm_head, ",
                                     GemvRefusal(out_rows, hidden),
                                     ": final norm and lm_head unfused (cuBLASLt for bf16 "
@@ -1278,9 +1274,9 @@ class CudaModel final : public Model {
       const uint16_t* fb = NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
       if (auto s = Gemm(xn_, fb, out_rows, w_.lm_head, {}, logits_); !s.ok()) return s;
     }
-    if (options_.fault.kind == FaultInjection::Kind::kStuckToken)
+    if (fault_.kind == FaultInjection::Kind::kStuckToken)
       cuda::ForceToken(logits_, out_rows, config_.vocab_size,
-                       static_cast<int>(options_.fault.value) % config_.vocab_size, stream_);
+                       static_cast<int>(fault_.value) % config_.vocab_size, stream_);
     CHECK_LAUNCH();
     if (greedy) {
       cuda::GreedyTokens(logits_, out_rows, config_.vocab_size, greedy_scratch_, h_next_, stream_);
@@ -1295,11 +1291,11 @@ class CudaModel final : public Model {
 
   // The attention projections' GEMV: TMA-streamed with gemm=tma (sm_90a), else register-streamed.
   void ProjectionGemv(const cuda::GemvArgs& a) {
-    if (options_.gemm_tma && cuda::GemvTmaSupports(a.rows, a.k)) {
+    if (UsesTma(options_.gemm) && cuda::GemvTmaSupports(a.rows, a.k)) {
       cuda::GemvTma(a, stream_);
       return;
     }
-    if (options_.gemm_tma && LaunchRecording())
+    if (UsesTma(options_.gemm) && LaunchRecording())
       RecordFallback(absl::StrCat("gemm=tma: projection of ", a.rows, " rows, K=", a.k,
                                   ": the register-streamed GEMV (GemvTmaSupports is false)"));
     cuda::Gemv(a, stream_);
@@ -1307,10 +1303,7 @@ class CudaModel final : public Model {
 
   // The gemm axis's value, for the launch log's fallback lines.
   const char* GemmValue() const {
-    return options_.gemm_tma        ? "tma"
-           : options_.gemm_fused    ? "fused"
-           : options_.gemm_cublaslt ? "cublaslt"
-                                    : "reference";
+    return AxisValueName(options_.gemm);
   }
   // Why the fused GEMV does not take `rows` rows of width up to `k` (GemvSupports is false).
   static std::string GemvRefusal(int rows, int k) {
@@ -1338,7 +1331,7 @@ class CudaModel final : public Model {
   // that left some projections dense) run one launch each.
   absl::Status RunGemv(const FusedGemv& g, bool projection = false) {
     enum class Kind { kBf16, kQuant, kOther };
-    const bool in_registers = options_.qgemm == "w4a16" || options_.qgemm == "w8a16";
+    const bool in_registers = DequantizesInRegisters(options_.qgemm);
     auto kind = [in_registers](const MatrixRef& w) {
       if (w.quantized())
         return in_registers && cuda::QuantGemvSupports(w) ? Kind::kQuant : Kind::kOther;
@@ -1373,7 +1366,7 @@ class CudaModel final : public Model {
         for (int s = 0; s < g.segments; ++s)
           if (g.w[s].quantized())
             RecordFallback(absl::StrCat(
-                "qgemm=", options_.qgemm, ": weight [", g.w[s].rows, ", ", g.w[s].cols,
+                "qgemm=", AxisValueName(options_.qgemm), ": weight [", g.w[s].rows, ", ", g.w[s].cols,
                 "]: unfused (norm, unfused quantized GEMV, epilogue), not the fused quantized "
                 "GEMV (QuantGemvSupports is false)"));
       const float* in = g.x;
@@ -1471,13 +1464,13 @@ class CudaModel final : public Model {
     const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
     const int inter = config_.moe_intermediate_size;
     const int64_t elems = static_cast<int64_t>(rows) * hidden;
-    const int skip = options_.fault.kind == FaultInjection::Kind::kZeroExpert
-                         ? static_cast<int>(options_.fault.value)
+    const int skip = fault_.kind == FaultInjection::Kind::kZeroExpert
+                         ? static_cast<int>(fault_.value)
                          : -1;
     // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
     // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
     // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
-    const bool quant_experts = options_.moe_fused && view_ && !view_->quant_tables.empty() &&
+    const bool quant_experts = RoutesOnDevice(options_.moe) && view_ && !view_->quant_tables.empty() &&
                                view_->quant_tables[l][0].format != QuantFormat::kNone;
     // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
     const bool own = view_ && !view_->gate_table.empty();
@@ -1492,7 +1485,7 @@ class CudaModel final : public Model {
     const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
                               lw.experts[0].gate.dtype == DType::kBF16 &&
                               !lw.experts[0].gate.quantized() && many_pairs;
-    const bool grouped_mma = options_.moe_fused && !quant_experts && !long_prefill &&
+    const bool grouped_mma = RoutesOnDevice(options_.moe) && !quant_experts && !long_prefill &&
                              rows >= cuda::kMoeGroupedMinRows &&
                              cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
     // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
@@ -1502,7 +1495,7 @@ class CudaModel final : public Model {
     const bool quant_prefill = quant_experts && n > 1 && rows >= cuda::kMoeGroupedMinRows &&
                                cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
                                ExpertsQuantizedAlike(l);
-    const bool bf16_input = grouped_mma || quant_prefill || options_.moe_grouped || long_prefill;
+    const bool bf16_input = grouped_mma || quant_prefill || options_.moe == Moe::kGrouped || long_prefill;
     if (LaunchRecording())
       RecordMoeFallbacks(l, rows, n, gemv, grouped_mma, quant_prefill, long_prefill, many_pairs);
     // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
@@ -1553,7 +1546,7 @@ class CudaModel final : public Model {
       // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
       // ms a step against 23.8 for the second wgmma version, whose smallest N (32) is mostly
       // padding there.
-      a.wgmma = options_.moe_wgmma && many_pairs;
+      a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
     } else if (quant_experts && n == 1) {
@@ -1562,7 +1555,7 @@ class CudaModel final : public Model {
       cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], x_,
                                 stream_);
       CHECK_LAUNCH();
-    } else if (options_.moe_fused && n == 1) {
+    } else if (RoutesOnDevice(options_.moe) && n == 1) {
       cuda::MoeGateUp(xn_, rows, k, expert_ids_, own ? view_->gate_table[l] : dw_->gate_table[l],
                       own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
       cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
@@ -1573,7 +1566,7 @@ class CudaModel final : public Model {
       // Read the routing on the host (a sync), then either one grouped GEMM per projection over
       // every expert, or (the loop) one gather + MLP + scatter per expert.
       const HostRouting routing = RouteOnHost(rows, skip);
-      if (options_.moe_grouped || long_prefill) {
+      if (options_.moe == Moe::kGrouped || long_prefill) {
         if (auto s = GroupedExperts(lw, rows, routing); !s.ok()) return s;
       } else {
         CUDA_OR_DIE(cudaMemsetAsync(y_, 0, static_cast<size_t>(elems) * sizeof(float), stream_));
@@ -1609,20 +1602,20 @@ class CudaModel final : public Model {
   // dispatch decisions (the router's are recorded by Router).
   void RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma, bool quant_prefill,
                           bool long_prefill, bool many_pairs) {
-    const char* moe = options_.moe_wgmma ? "wgmma" : "fused";
+    const char* moe = options_.moe == Moe::kWgmma ? "wgmma" : "fused";
     const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
                                            " rows (", rows * config_.num_experts_per_tok,
                                            " pairs over ", config_.num_experts, " experts)");
-    if (long_prefill && options_.moe_fused)  // (moe=grouped runs every chunk that way)
+    if (long_prefill && RoutesOnDevice(options_.moe))  // (moe=grouped runs every chunk that way)
       RecordFallback(absl::StrCat("moe=", moe, ": ", chunk,
                                   ", more than 16 pairs an expert: the experts on cuBLAS grouped "
                                   "GEMMs, with a host sync"));
     if (quant_prefill)
-      RecordFallback(absl::StrCat("qgemm=", options_.qgemm, ": ", chunk,
+      RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ", chunk,
                                   ": the layer's experts dequantized to bf16, then the bf16 "
                                   "grouped mma.sync kernels"));
     // Moe's else branch: the routing read on the host.
-    if (options_.moe_fused && !grouped_mma && !quant_prefill && n > 1 && !long_prefill)
+    if (RoutesOnDevice(options_.moe) && !grouped_mma && !quant_prefill && n > 1 && !long_prefill)
       RecordFallback(absl::StrCat(
           "moe=", moe, ": ", chunk, ": the per-expert loop with a host sync (moe=loop's path): ",
           rows < cuda::kMoeGroupedMinRows
@@ -1630,11 +1623,11 @@ class CudaModel final : public Model {
               : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
                 "quantized experts not all alike)"));
     // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
-    if (options_.moe_wgmma && grouped_mma && !many_pairs)
+    if (options_.moe == Moe::kWgmma && grouped_mma && !many_pairs)
       RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
                                   ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
                                   "not wgmma"));
-    if (options_.moe_wgmma && !grouped_mma && n == 1)
+    if (options_.moe == Moe::kWgmma && !grouped_mma && n == 1)
       RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
                                   ": the per-pair expert GEMVs (moe=fused's), not wgmma"));
     if (gemv && !w_.layers[l].shared_expert.gate.empty())
@@ -1650,7 +1643,7 @@ class CudaModel final : public Model {
   static constexpr int kRouterCublasMinRows = 16;
   absl::Status Router(int l, int rows) {
     const MatrixRef& wr = w_.layers[l].router;
-    const bool fused = options_.gemm_fused || options_.gemm_tma;
+    const bool fused = UsesFusedGemv(options_.gemm);
     if (gemm_ && rows >= kRouterCublasMinRows && !router_f32_.empty() && router_f32_[l]) {
       if (fused && LaunchRecording())
         RecordFallback(absl::StrCat("gemm=", GemmValue(), ": router of ", rows,
@@ -1787,7 +1780,7 @@ class CudaModel final : public Model {
         {&moe_h_, r * k * moe_inter}, {&moe_out_, r * k * hidden}, {&moe_in_, r * k * hidden},
         {&route_weight_, r * k},
         // naive: materialised scores; flash: the splits' partial softmaxes
-        {&scores_, options_.attention_flash
+        {&scores_, options_.attention == Attention::kFlash
                        ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
                                                                       config_.num_kv_heads,
                                                                       config_.head_dim))
@@ -1886,7 +1879,8 @@ class CudaModel final : public Model {
   std::shared_ptr<DeviceWeights> dw_;
   std::unique_ptr<QuantView> view_;  // quantized models only
   const ModelWeights& w_;
-  CudaModelOptions options_;
+  const CudaOptions options_;
+  const FaultInjection fault_;  // TEST ONLY
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
   std::unique_ptr<cuda::CublasGroupedGemm> grouped_;  // moe=grouped
   cudaStream_t stream_ = nullptr;
@@ -1934,50 +1928,50 @@ class CudaModel final : public Model {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host,
-                                                     const CudaModelOptions& options) {
-  if (options.attention_flash &&
+absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaOptions& options,
+                                                     const FaultInjection& fault) {
+  if (options.attention == Attention::kFlash &&
       !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
     return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv head");
-  if (options.kv_cache_bf16 && !options.attention_flash)
+  if (options.kv_cache == KvCache::kBf16 && options.attention != Attention::kFlash)
     return absl::InvalidArgumentError("kv_cache=bf16 needs attention=flash (the naive kernel reads fp32)");
   const ModelConfig& c = host.config;
-  if (options.moe_fused && c.is_moe() &&
+  if (RoutesOnDevice(options.moe) && c.is_moe() &&
       (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
        c.moe_intermediate_size % 8 != 0 ||
        int64_t{4} * c.hidden_size > cuda::kMoeMaxSharedBytes))
     return absl::UnimplementedError(
         "moe=fused supports <= 1024 experts, top-k <= 32, hidden and moe_intermediate sizes that "
         "are multiples of 8 (16-byte weight loads), and hidden x 4 bytes <= 200 KB (staged x)");
-  if (options.graphs && !options.moe_fused && host.config.is_moe())
+  if (CapturesDecode(options.graphs) && !RoutesOnDevice(options.moe) && host.config.is_moe())
     return absl::InvalidArgumentError("graphs=on needs a MoE runner without host syncs (moe=fused)");
   auto weights = UploadWeights(host);
   if (!weights.ok()) return weights.status();
   std::unique_ptr<cuda::CublasLtGemm> gemm;
-  if (options.gemm_cublaslt) {
+  if (UsesCublasLt(options.gemm)) {
     auto made = cuda::CublasLtGemm::Create();
     if (!made.ok()) return made.status();
     gemm = std::move(*made);
   }
   std::unique_ptr<QuantView> view;
   if (host.quant_format != QuantFormat::kNone) {
-    auto made = BuildQuantView(host, **weights, options);
+    auto made = BuildQuantView(host, **weights, options, fault);
     if (!made.ok()) return made.status();
     view = std::move(*made);
   }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;
-  if (options.moe_grouped && !options.gemm_cublaslt)
+  if (options.moe == Moe::kGrouped && !UsesCublasLt(options.gemm))
     return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
   // moe=fused also takes long prefill chunks to the grouped GEMMs (bf16 experts, cuBLAS configs).
-  if (c.is_moe() && (options.moe_grouped ||
-                     (options.moe_fused && !options.moe_wgmma && options.gemm_cublaslt))) {
+  if (c.is_moe() && (options.moe == Moe::kGrouped ||
+                     (options.moe == Moe::kFused && UsesCublasLt(options.gemm)))) {
     auto made = cuda::CublasGroupedGemm::Create();
     if (!made.ok()) return made.status();
     grouped = std::move(*made);
   }
-  auto model = std::make_unique<CudaModel>(host.config, std::move(*weights), options,
+  auto model = std::make_unique<CudaModel>(host.config, std::move(*weights), options, fault,
                                            std::move(gemm), std::move(grouped), std::move(view));
-  if (options.persistent_decode)
+  if (IsPersistent(options.graphs))
     if (auto s = model->PreparePersistentDecode(); !s.ok()) return s;
   return std::unique_ptr<Model>(std::move(model));
 }
