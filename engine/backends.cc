@@ -55,6 +55,10 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                                                    const BackendConfig& config,
                                                    const FaultInjection& fault) {
   const std::string device = ConfigDevice(config);
+  // Conflicts between axis values are the registry's alone; a model built without a preflight
+  // (the CLI's logits and generate) still refuses them, with the registry's reason.
+  if (const std::string why = RegistryConflict(config, WeightFormat(host)); !why.empty())
+    return absl::UnimplementedError(why);
   if (device == "cpu") {
     if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?

@@ -6,8 +6,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "engine/backend_config.h"
 
@@ -128,6 +130,42 @@ TEST(Options, UnregisteredValuesAreErrorsNamingTheAxis) {
   // Each device's parser takes its own configs only.
   EXPECT_FALSE(ParseCudaOptions(DefaultAxes("cpu")).ok());
   EXPECT_FALSE(ParseCpuOptions(DefaultAxes("cuda")).ok());
+}
+
+// RegistryConflict is Preflight's conflict judgement: on every pair of CUDA values, for dense and
+// quantized weights, it names a conflict exactly when Preflight (on a target that takes
+// everything else) refuses with that same reason.
+TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
+  std::map<std::string, std::vector<std::string>> axes;
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.device == "cuda") axes[d.axis].push_back(d.value);
+  // A registry without sm bounds or weight formats: only conflicts can refuse.
+  std::vector<BackendDescriptor> open = BackendRegistry();
+  for (BackendDescriptor& d : open) {
+    d.min_sm = d.max_sm = 0;
+    d.weight_formats.clear();
+  }
+  int conflicts = 0;
+  for (const char* format : {"bf16", "nvfp4"}) {
+    PreflightTarget target;
+    target.has_cuda_build = true;
+    target.gpu_count = 1;
+    target.sm = 90;
+    target.weight_format = format;
+    for (const BackendConfig& config : ExpandMatrix(axes)) {
+      const std::string why = RegistryConflict(config, format, open);
+      const PreflightResult preflight = Preflight(config, target, open);
+      EXPECT_EQ(why, preflight.reason) << format << " " << BackendConfigString(config);
+      EXPECT_EQ(why.empty(), preflight.supported) << format << " " << BackendConfigString(config);
+      conflicts += !why.empty();
+    }
+  }
+  EXPECT_GT(conflicts, 0);
+  EXPECT_EQ(RegistryConflict(*NormalizeBackendConfig({{"device", "cuda"}}), "nvfp4"), "");
+  EXPECT_EQ(RegistryConflict(*NormalizeBackendConfig(
+                                 {{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}}),
+                             "bf16"),
+            "moe=loop cannot be combined with graphs=on");
 }
 
 }  // namespace

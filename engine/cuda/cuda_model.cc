@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/launch_log.h"
+#include "engine/cuda/persistent_decode.h"
 #include "engine/quant/layout.h"
 #include "engine/synthetic.h"
 #include "kernels/cuda/gemm_cublaslt.h"
@@ -298,11 +299,6 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
   }
   // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
   const bool keep_codes = KeepsQuantCodes(qgemm);
-  if (qgemm == QGemm::kReference && RoutesOnDevice(options.moe) && host.config.is_moe())
-    return absl::UnimplementedError(
-        "moe=fused has no exact-reference expert runner: with qgemm=reference the experts run "
-        "through the reference GEMM (moe=loop); use qgemm=w4a16 (FP4), w8a16 (FP8) or "
-        "dequant_bf16 with moe=fused");
   if (keep_codes) {
     if (RoutesOnDevice(options.moe) && host.config.is_moe())
       if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
@@ -590,38 +586,25 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
-  // graphs=persistent: checks that the model's decode step fits the persistent kernel and builds
-  // its per-layer tables on the device. Unimplemented (UNSUPPORTED to the harness) with the
-  // reason when it does not: weights neither bf16 nor one of the streamed quantized formats,
-  // biases, shared experts, shapes. A quantized model streams its view: dequant_bf16's bf16
-  // copies, or (w8a16, w4a16) the codes, fp8_tensor / fp8_channel / nvfp4, with their scales.
+  // graphs=persistent: builds the kernel's per-layer tables on the device, for a model that
+  // CudaModelRefusal let through (layer kinds and shapes). Unimplemented (UNSUPPORTED to the
+  // harness) with the reason for what only the weights tell: linears not all bf16 or not all in
+  // the streamed format, misaligned rows, no GPU memory for the tiled copies. A quantized model
+  // streams its view: dequant_bf16's bf16 copies, or (w8a16, w4a16) the codes, fp8_tensor /
+  // fp8_channel / nvfp4, with their scales.
   absl::Status PreparePersistentDecode() {
     const ModelConfig& c = config_;
     auto unsupported = [](const std::string& why) {
       return absl::UnimplementedError(absl::StrCat("graphs=persistent: ", why));
     };
+    // The registry leaves qgemm=dequant_bf16 (bf16 copies), w8a16 and w4a16 (the codes).
     QuantFormat format = QuantFormat::kNone;
     DType scale_dtype = DType::kF32;
-    if (view_) {
-      const QGemm qgemm = options_.qgemm;
-      if (qgemm != QGemm::kDequantBf16 && !DequantizesInRegisters(qgemm))
-        return unsupported(absl::StrCat(
-            "streams qgemm=dequant_bf16's copies or qgemm=w8a16 / w4a16's codes, not qgemm=",
-            AxisValueName(qgemm)));
-      if (qgemm != QGemm::kDequantBf16 && !w_.layers.empty()) {
-        format = w_.layers[0].q.quant.format;
-        scale_dtype = w_.layers[0].q.quant.scale_dtype;
-      }
+    if (view_ && options_.qgemm != QGemm::kDequantBf16 && !w_.layers.empty()) {
+      format = w_.layers[0].q.quant.format;
+      scale_dtype = w_.layers[0].q.quant.scale_dtype;
     }
-    if (options_.kv_cache != KvCache::kBf16) return unsupported("needs kv_cache=bf16");
-    cuda::PersistentDecodeShape shape;
-    shape.format = format;
-    shape.num_layers = c.num_layers;
-    shape.hidden = c.hidden_size;
-    shape.q_heads = c.num_q_heads;
-    shape.kv_heads = c.num_kv_heads;
-    shape.head_dim = c.head_dim;
-    shape.num_experts = c.is_moe() ? c.num_experts : 0;
+    const cuda::PersistentDecodeShape shape = PersistentDecodeShapeFor(c, format);
     const DType norm_dtype = w_.layers.empty() ? DType::kBF16 : w_.layers[0].input_norm.dtype;
     std::vector<cuda::PersistentLayer> layers(c.num_layers);
     std::vector<cuda::PersistentQuant> quant(c.num_layers);
@@ -700,9 +683,6 @@ class CudaModel final : public Model {
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       const std::string where = absl::StrCat("layer ", l, ": ");
-      if (!lw.q_bias.empty() || !lw.k_bias.empty() || !lw.v_bias.empty() || !lw.o_bias.empty())
-        return unsupported(where + "attention biases");
-      if (!lw.shared_expert.gate.empty()) return unsupported(where + "a shared expert");
       std::vector<const MatrixRef*> linears = {&lw.q, &lw.k, &lw.v, &lw.o};
       const bool moe = c.IsMoeLayer(l);
       if (moe) {
@@ -749,12 +729,8 @@ class CudaModel final : public Model {
         for (const ExpertWeights& e : lw.experts) mlps.push_back({&e.gate, &e.up, &e.down});
       else
         mlps.push_back({&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down});
-      const int inter = static_cast<int>(mlps[0][0]->rows);
       std::vector<const void*> tiled;
       if (format == QuantFormat::kNone) {
-        if (const std::string why = cuda::PersistentDownTilesUnsupported(c.hidden_size, inter);
-            !why.empty())
-          return unsupported(where + why);
         auto tiles = down_tiles(mlps);
         if (!tiles.ok()) return tiles.status();
         tiled = *std::move(tiles);
@@ -786,22 +762,12 @@ class CudaModel final : public Model {
         p.inter = static_cast<int>(lw.mlp.gate.rows);
         p.top_k = 1;
       }
-      const int row_align = format == QuantFormat::kNone    ? 8
-                            : format == QuantFormat::kNvfp4 ? 32
-                                                            : 16;
-      if (p.inter % row_align)
-        return unsupported(absl::StrCat(where, "MLP width ", p.inter, " is not a multiple of ",
-                                        row_align, " (16-byte rows)"));
-      shape.max_top_k = std::max(shape.max_top_k, p.top_k);
-      shape.max_inter = std::max(shape.max_inter, p.inter);
       const FaultInjection& fault = fault_;
       if (fault.kind == FaultInjection::Kind::kBadScale && l == 0)
         p.o_scale = static_cast<float>(fault.value);
       if (fault.kind == FaultInjection::Kind::kZeroExpert) p.skip_expert = static_cast<int>(fault.value);
       p.nan_after = fault.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault.value);
     }
-    if (const std::string why = cuda::PersistentDecodeUnsupported(shape); !why.empty())
-      return unsupported(why);
     // One device buffer: the layer tables, the experts' pointer tables, h, x_mlp, x_adds,
     // attention's partials, the counters (and the TEST ONLY timeline).
     std::vector<const void*> pointers;  // every table, in order
@@ -1930,21 +1896,10 @@ class CudaModel final : public Model {
 
 absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaOptions& options,
                                                      const FaultInjection& fault) {
-  if (options.attention == Attention::kFlash &&
-      !cuda::FlashSupports(host.config.num_q_heads, host.config.num_kv_heads, host.config.head_dim))
-    return absl::UnimplementedError("attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv head");
-  if (options.kv_cache == KvCache::kBf16 && options.attention != Attention::kFlash)
-    return absl::InvalidArgumentError("kv_cache=bf16 needs attention=flash (the naive kernel reads fp32)");
+  if (const std::string why = CudaModelRefusal(host.config, host.quant_format, options);
+      !why.empty())
+    return absl::UnimplementedError(why);
   const ModelConfig& c = host.config;
-  if (RoutesOnDevice(options.moe) && c.is_moe() &&
-      (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
-       c.moe_intermediate_size % 8 != 0 ||
-       int64_t{4} * c.hidden_size > cuda::kMoeMaxSharedBytes))
-    return absl::UnimplementedError(
-        "moe=fused supports <= 1024 experts, top-k <= 32, hidden and moe_intermediate sizes that "
-        "are multiples of 8 (16-byte weight loads), and hidden x 4 bytes <= 200 KB (staged x)");
-  if (CapturesDecode(options.graphs) && !RoutesOnDevice(options.moe) && host.config.is_moe())
-    return absl::InvalidArgumentError("graphs=on needs a MoE runner without host syncs (moe=fused)");
   auto weights = UploadWeights(host);
   if (!weights.ok()) return weights.status();
   std::unique_ptr<cuda::CublasLtGemm> gemm;
@@ -1960,8 +1915,6 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
     view = std::move(*made);
   }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;
-  if (options.moe == Moe::kGrouped && !UsesCublasLt(options.gemm))
-    return absl::InvalidArgumentError("moe=grouped runs bf16 GEMMs: it needs gemm=cublaslt or gemm=fused");
   // moe=fused also takes long prefill chunks to the grouped GEMMs (bf16 experts, cuBLAS configs).
   if (c.is_moe() && (options.moe == Moe::kGrouped ||
                      (options.moe == Moe::kFused && UsesCublasLt(options.gemm)))) {

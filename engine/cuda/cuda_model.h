@@ -16,6 +16,14 @@
 
 namespace infersweep {
 
+// Why `config` with `weights`-format weights cannot run under `options` on this GPU: what the
+// kernels need of the model's shapes and layer kinds (flash's head_dim, the device-routed MoE
+// runners' sizes, graphs=persistent's layers and shapes); empty when they can. MakeCudaModel
+// answers Unimplemented (UNSUPPORTED to the harness) with it. Conflicts between axis values are
+// the registry's (RegistryConflict), not repeated here.
+std::string CudaModelRefusal(const ModelConfig& config, QuantFormat weights,
+                             const CudaOptions& options);
+
 // Uploads (or generates) `host`'s weights once per HostModel; every model built on the same host
 // model shares them. `host` must outlive the model.
 // `fault` is TEST ONLY.
