@@ -66,8 +66,8 @@ absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
 
 absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
   if (ConfigDevice(config) == device) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("device=", ConfigDevice(config),
-                                                 ": not a device=", device, " config"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("device=", ConfigDevice(config), ": not a device=", device, " config"));
 }
 
 }  // namespace
@@ -100,8 +100,8 @@ absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
   if (auto s = ParseAxis(normalized, "cpu", "matmul", kMatmul, &o.matmul); !s.ok()) return s;
   const std::string threads = ValueOf(normalized, "cpu", "threads");
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
-    return absl::InvalidArgumentError(
-        absl::StrCat("config axis 'threads': '", threads, "' is neither a positive number nor all"));
+    return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
+                                                   "' is neither a positive number nor all"));
   return o;
 }
 

@@ -162,10 +162,10 @@ TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
   }
   EXPECT_GT(conflicts, 0);
   EXPECT_EQ(RegistryConflict(*NormalizeBackendConfig({{"device", "cuda"}}), "nvfp4"), "");
-  EXPECT_EQ(RegistryConflict(*NormalizeBackendConfig(
-                                 {{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}}),
-                             "bf16"),
-            "moe=loop cannot be combined with graphs=on");
+  EXPECT_EQ(
+      RegistryConflict(
+          *NormalizeBackendConfig({{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}}), "bf16"),
+      "moe=loop cannot be combined with graphs=on");
 }
 
 }  // namespace
