@@ -55,14 +55,18 @@ std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
   return logits;
 }
 
-// What a trial of the normalized `config` on `host` must come to on this machine: the reason it
-// is UNSUPPORTED (preflight's, on this GPU and the model's weight format, else the CUDA model's
-// refusal of the model's shapes and layer kinds), or empty for OK. Derived from the registry and
+// What a trial of the normalized `config` on `model` (loaded as `host`) must come to on
+// `devices`: the reason it is UNSUPPORTED (preflight's, as the executor judges it, on the
+// declared weight format and then on the loaded one, else the CUDA model's refusal of the
+// model's shapes and layer kinds), or empty for OK. Derived from the registry and
 // CudaModelRefusal, so that no rule is restated here.
-std::string ExpectedRefusal(const HostModel& host, const BackendConfig& config) {
-  const PreflightResult preflight =
-      Preflight(config, MakePreflightTarget(ProbeLocalDevices(), &host));
-  if (!preflight.supported) return preflight.reason;
+std::string ExpectedRefusal(const LocalDevices& devices, const std::string& model,
+                            const HostModel& host, const BackendConfig& config) {
+  for (const PreflightTarget& target :
+       {MakePreflightTarget(devices, model), MakePreflightTarget(devices, &host)}) {
+    const PreflightResult preflight = Preflight(config, target);
+    if (!preflight.supported) return preflight.reason;
+  }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (ConfigDevice(config) == "cuda") {
     auto options = ParseCudaOptions(config);
@@ -128,7 +132,8 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
       "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"};
-  TrialExecutor executor;
+  const LocalDevices devices = ProbeLocalDevices();
+  TrialExecutor executor(devices);
   for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe"}) {
     auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
     ASSERT_TRUE(host.ok()) << host.status();
@@ -137,7 +142,7 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       TrialRequest request = GpuRequest(preset, "device=cuda");
       request.config = config;
       const TrialResult r = executor.Execute(request);
-      const std::string refusal = ExpectedRefusal(**host, config);
+      const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
       const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
       EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
       if (!refusal.empty()) {
@@ -155,12 +160,12 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       if (std::string(preset) == "preset:tiny-qwen2-moe" &&
           text.find("persistent") != std::string::npos)
         continue;
-      if (ProbeLocalDevices().sm != 90 && (text.find("tma") != std::string::npos ||
+      if (devices.sm != 90 && (text.find("tma") != std::string::npos ||
                                            text.find("persistent") != std::string::npos))
         continue;
       auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
       ASSERT_TRUE(config.ok()) << config.status();
-      EXPECT_EQ(ExpectedRefusal(**host, *config), "") << preset << " " << text;
+      EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
     }
   }
 }
@@ -318,7 +323,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
         const std::string persistent = fast + ",kv_cache=bf16,graphs=persistent" + qgemm;
         auto normalized = NormalizeBackendConfig(*ParseBackendConfig(persistent));
         ASSERT_TRUE(normalized.ok()) << normalized.status();
-        const std::string refusal = ExpectedRefusal(**host, *normalized);
+        const std::string refusal =
+            ExpectedRefusal(ProbeLocalDevices(), model, **host, *normalized);
         const bool streamed = refusal.empty();
         if (std::string(preset) == "preset:tiny-moe" &&
             (std::string(format) == "fp8_tensor" || std::string(format) == "fp8_channel" ||
@@ -539,7 +545,8 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
   // CudaModelRefusal says so before any weight is uploaded.
   auto host = LoadHostModel("preset:tiny-qwen2-moe", LoadOptions{2, 1, false});
   ASSERT_TRUE(host.ok()) << host.status();
-  EXPECT_EQ(ExpectedRefusal(**host, r.config), r.reason);
+  EXPECT_EQ(ExpectedRefusal(ProbeLocalDevices(), "preset:tiny-qwen2-moe", **host, r.config),
+            r.reason);
 }
 
 // ---- What ran (the launch log, core/launch_log.h): kernels, CUDA graphs, fallbacks.

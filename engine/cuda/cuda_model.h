@@ -25,7 +25,8 @@ std::string CudaModelRefusal(const ModelConfig& config, QuantFormat weights,
                              const CudaOptions& options);
 
 // Uploads (or generates) `host`'s weights once per HostModel; every model built on the same host
-// model shares them. `host` must outlive the model.
+// model shares them. `host` must outlive the model. `options` must hold no registry conflict
+// (CreateModel refuses those first); the model's own refusals come back as Unimplemented.
 // `fault` is TEST ONLY.
 absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaOptions& options,
                                                      const FaultInjection& fault = {});
