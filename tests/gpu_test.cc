@@ -362,7 +362,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda,moe=fused"));
       ASSERT_TRUE(config.ok());
       const std::string conflict = RegistryConflict(*config, WeightFormat(**host));
-      EXPECT_THAT(conflict, testing::HasSubstr("moe=fused cannot be combined with qgemm=reference"));
+      EXPECT_THAT(conflict,
+                  testing::HasSubstr("moe=fused cannot be combined with qgemm=reference"));
       auto made = CreateModel(**host, *config);
       ASSERT_FALSE(made.ok());
       EXPECT_TRUE(absl::IsUnimplemented(made.status())) << made.status();
