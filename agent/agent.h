@@ -24,7 +24,7 @@
 #include "agent/inventory.h"
 #include "agent/metrics.h"
 #include "agent/spool.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/infersweep.pb.h"
 #include "proto/rpc.h"
 

@@ -8,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 #include "engine/backends.h"
 #include "harness/executor.h"
 

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "harness/gpu_sampler.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace prometheus {
 class Counter;

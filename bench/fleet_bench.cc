@@ -47,7 +47,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/client.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 #include "tests/http_get.h"

@@ -35,7 +35,7 @@
 #include "coordinator/server.h"
 #include "coordinator/sweep_spec.h"
 #include "harness/report.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
 

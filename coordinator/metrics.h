@@ -21,8 +21,8 @@
 #include <tuple>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
-#include "harness/trial.h"
+#include "api/backend_config.h"
+#include "api/trial.h"
 
 namespace prometheus {
 class Counter;

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/infersweep.pb.h"
 #include "storage/store.h"
 

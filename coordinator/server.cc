@@ -22,10 +22,10 @@
 #include "coordinator/metrics.h"
 #include "coordinator/regressions.h"
 #include "coordinator/sweep_spec.h"
-#include "engine/backend_config.h"
-#include "engine/weights.h"
-#include "harness/executor.h"
-#include "harness/trial.h"
+#include "api/backend_config.h"
+#include "api/model_description.h"
+#include "api/version.h"
+#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
@@ -1336,9 +1336,10 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
     if (!absl::StartsWith(t.model, "preset:")) continue;
     auto [it, fresh] = preset_keys.try_emplace({t.model, t.layers, t.seed});
     if (fresh) {
-      if (absl::StatusOr<ModelIdentity> id = DescribeModel(t.model, {t.layers, t.seed, false});
-          id.ok())
-        it->second = ModelIdentityKey(*id);
+      absl::StatusOr<ModelDescription> d = ParseModelDescription(t.model);
+      absl::StatusOr<ModelIdentity> id =
+          d.ok() ? DescribePreset(d->model.substr(7), t.layers, t.seed, d->quantize) : d.status();
+      if (id.ok()) it->second = ModelIdentityKey(*id);
     }
     t.model_key = it->second;
   }

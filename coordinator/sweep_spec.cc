@@ -12,29 +12,18 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "api/status_macros.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "engine/model_config.h"
-#include "engine/weights.h"
+#include "api/model_config.h"
+#include "api/model_description.h"
 
 namespace infersweep {
 namespace {
 
-#define SPEC_RETURN_IF_ERROR(expr)                        \
-  do {                                                    \
-    if (absl::Status _st = (expr); !_st.ok()) return _st; \
-  } while (0)
-
-#define SPEC_CONCAT_INNER(a, b) a##b
-#define SPEC_CONCAT(a, b) SPEC_CONCAT_INNER(a, b)
-#define SPEC_ASSIGN_OR_RETURN(lhs, expr)                     \
-  auto SPEC_CONCAT(_sor_, __LINE__) = (expr);                \
-  if (!SPEC_CONCAT(_sor_, __LINE__).ok())                    \
-    return std::move(SPEC_CONCAT(_sor_, __LINE__)).status(); \
-  lhs = std::move(*SPEC_CONCAT(_sor_, __LINE__))
 
 constexpr const char* kTopLevelKeys[] = {"name",     "model",   "layers",   "seed",
                                          "device",   "matrix",  "include",  "exclude",
@@ -123,7 +112,7 @@ class Parser {
 
   // A config word (axis name or value): it ends up in "a=b,c=d" strings.
   absl::StatusOr<std::string> Word(const YAML::Node& n, absl::string_view field) const {
-    SPEC_ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    ASSIGN_OR_RETURN(std::string s, Text(n, field));
     if (s.find_first_of(",= \t\r\n") != std::string::npos)
       return Error(n, field, absl::StrCat("'", s, "' contains ',', '=' or whitespace"));
     return s;
@@ -131,7 +120,7 @@ class Parser {
 
   absl::StatusOr<int64_t> Int(const YAML::Node& n, absl::string_view field, int64_t lo,
                               int64_t hi) const {
-    SPEC_ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    ASSIGN_OR_RETURN(std::string s, Text(n, field));
     int64_t v = 0;
     if (!absl::SimpleAtoi(s, &v)) return Error(n, field, absl::StrCat("'", s, "' is not an integer"));
     if (v < lo || v > hi)
@@ -141,7 +130,7 @@ class Parser {
 
   absl::StatusOr<double> Number(const YAML::Node& n, absl::string_view field, double lo,
                                 double hi) const {
-    SPEC_ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    ASSIGN_OR_RETURN(std::string s, Text(n, field));
     double v = 0;
     if (!absl::SimpleAtod(s, &v) || !std::isfinite(v))
       return Error(n, field, absl::StrCat("'", s, "' is not a number"));
@@ -158,12 +147,12 @@ class Parser {
       if (n.size() > max_count)
         return Error(n, field, absl::StrCat(n.size(), " values; at most ", max_count));
       for (const YAML::Node& item : n) {
-        SPEC_ASSIGN_OR_RETURN(int64_t v, Int(item, field, lo, hi));
+        ASSIGN_OR_RETURN(int64_t v, Int(item, field, lo, hi));
         out.push_back(v);
       }
       return out;
     }
-    SPEC_ASSIGN_OR_RETURN(int64_t v, Int(n, field, lo, hi));
+    ASSIGN_OR_RETURN(int64_t v, Int(n, field, lo, hi));
     out.push_back(v);
     return out;
   }
@@ -181,10 +170,10 @@ absl::Status ParseMatrix(const Parser& p, const Entry& e, SweepSpec* spec) {
   if (!e.value.IsMap())
     return p.Error(e.key_node, "matrix",
                    absl::StrCat("must be a map of axis -> list of values, got ", KindOf(e.value)));
-  SPEC_ASSIGN_OR_RETURN(std::vector<Entry> axes, p.MapEntries(e.value, "matrix"));
+  ASSIGN_OR_RETURN(std::vector<Entry> axes, p.MapEntries(e.value, "matrix"));
   if (axes.empty()) return p.Error(e.key_node, "matrix", "no axes");
   for (const Entry& a : axes) {
-    SPEC_ASSIGN_OR_RETURN(std::string axis, p.Word(a.key_node, "matrix"));
+    ASSIGN_OR_RETURN(std::string axis, p.Word(a.key_node, "matrix"));
     const std::string field = absl::StrCat("matrix.", axis);
     if (!a.value.IsSequence())
       return p.Error(a.key_node, field,
@@ -193,7 +182,7 @@ absl::Status ParseMatrix(const Parser& p, const Entry& e, SweepSpec* spec) {
     SweepAxis& out = spec->matrix[axis];
     out.line = LineOf(a.key_node);
     for (const YAML::Node& v : a.value) {
-      SPEC_ASSIGN_OR_RETURN(std::string value, p.Word(v, field));
+      ASSIGN_OR_RETURN(std::string value, p.Word(v, field));
       for (size_t i = 0; i < out.values.size(); ++i)
         if (out.values[i] == value)
           return p.Error(v, field, absl::StrCat("duplicate value '", value, "' (first at line ",
@@ -214,7 +203,7 @@ absl::Status ParseCombinations(const Parser& p, const Entry& e,
   int index = 0;
   for (const YAML::Node& item : e.value) {
     const std::string field = absl::StrCat(e.key, "[", index++, "]");
-    SPEC_ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(item, field));
+    ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(item, field));
     if (kv.empty())
       return p.Error(item, field,
                      e.key == "exclude" ? "empty entry (it would drop every combination)"
@@ -222,8 +211,8 @@ absl::Status ParseCombinations(const Parser& p, const Entry& e,
     SweepCombination c;
     c.line = LineOf(item);
     for (const Entry& a : kv) {
-      SPEC_ASSIGN_OR_RETURN(std::string axis, p.Word(a.key_node, field));
-      SPEC_ASSIGN_OR_RETURN(std::string value, p.Word(a.value, absl::StrCat(field, ".", axis)));
+      ASSIGN_OR_RETURN(std::string axis, p.Word(a.key_node, field));
+      ASSIGN_OR_RETURN(std::string value, p.Word(a.value, absl::StrCat(field, ".", axis)));
       c.values[axis] = value;
       c.lines[axis] = LineOf(a.value);
     }
@@ -233,24 +222,24 @@ absl::Status ParseCombinations(const Parser& p, const Entry& e,
 }
 
 absl::Status ParseWorkloadNode(const Parser& p, const Entry& e, Workload* w) {
-  SPEC_ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(e.value, "workload"));
+  ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(e.value, "workload"));
   std::map<std::string, int> lines;
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   for (const Entry& f : kv) {
     const std::string field = absl::StrCat("workload.", f.key);
     lines[f.key] = LineOf(f.key_node);
     if (f.key == "prompt") {
-      SPEC_ASSIGN_OR_RETURN(w->prompt_len, p.Int(f.value, field, -kIntMax, kIntMax));
+      ASSIGN_OR_RETURN(w->prompt_len, p.Int(f.value, field, -kIntMax, kIntMax));
     } else if (f.key == "output") {
-      SPEC_ASSIGN_OR_RETURN(w->output_len, p.Int(f.value, field, -kIntMax, kIntMax));
+      ASSIGN_OR_RETURN(w->output_len, p.Int(f.value, field, -kIntMax, kIntMax));
     } else if (f.key == "repeats") {
-      SPEC_ASSIGN_OR_RETURN(w->repeats, p.Int(f.value, field, -kIntMax, kIntMax));
+      ASSIGN_OR_RETURN(w->repeats, p.Int(f.value, field, -kIntMax, kIntMax));
     } else if (f.key == "warmup") {
-      SPEC_ASSIGN_OR_RETURN(w->warmup, p.Int(f.value, field, -kIntMax, kIntMax));
+      ASSIGN_OR_RETURN(w->warmup, p.Int(f.value, field, -kIntMax, kIntMax));
     } else if (f.key == "timeout") {
-      SPEC_ASSIGN_OR_RETURN(w->timeout_s, p.Number(f.value, field, -1e12, 1e12));
+      ASSIGN_OR_RETURN(w->timeout_s, p.Number(f.value, field, -1e12, 1e12));
     } else if (f.key == "batch") {
-      SPEC_ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
+      ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
                             p.IntList(f.value, field, -kIntMax, kIntMax, 16));
       w->batch_sizes.assign(sizes.begin(), sizes.end());
     } else {
@@ -277,14 +266,14 @@ absl::Status ParseWorkloadNode(const Parser& p, const Entry& e, Workload* w) {
 }
 
 absl::Status ParseSelectorNode(const Parser& p, const Entry& e, Selector* s) {
-  SPEC_ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(e.value, "selector"));
+  ASSIGN_OR_RETURN(std::vector<Entry> kv, p.MapEntries(e.value, "selector"));
   for (const Entry& f : kv) {
     const std::string field = absl::StrCat("selector.", f.key);
     if (f.key == "sm") {
-      SPEC_ASSIGN_OR_RETURN(std::vector<int64_t> sms, p.IntList(f.value, field, 1, 1000, 64));
+      ASSIGN_OR_RETURN(std::vector<int64_t> sms, p.IntList(f.value, field, 1, 1000, 64));
       s->sm_archs.assign(sms.begin(), sms.end());
     } else if (f.key == "gpu_name") {
-      SPEC_ASSIGN_OR_RETURN(s->gpu_name_regex, p.Text(f.value, field));
+      ASSIGN_OR_RETURN(s->gpu_name_regex, p.Text(f.value, field));
       try {
         std::regex re(s->gpu_name_regex, std::regex::ECMAScript);
       } catch (const std::regex_error& err) {
@@ -293,10 +282,10 @@ absl::Status ParseSelectorNode(const Parser& p, const Entry& e, Selector* s) {
                                     err.what()));
       }
     } else if (f.key == "min_memory_gb") {
-      SPEC_ASSIGN_OR_RETURN(double gb, p.Number(f.value, field, 0, 1e6));
+      ASSIGN_OR_RETURN(double gb, p.Number(f.value, field, 0, 1e6));
       s->min_memory_bytes = static_cast<int64_t>(std::llround(gb * 1e9));
     } else if (f.key == "gpus") {
-      SPEC_ASSIGN_OR_RETURN(s->gpus_needed, p.Int(f.value, field, 1, 64));
+      ASSIGN_OR_RETURN(s->gpus_needed, p.Int(f.value, field, 1, 64));
     } else if (f.key == "device") {
       return p.Error(f.key_node, field,
                      "not a selector key: each trial's device follows its config (matrix axis "
@@ -399,7 +388,7 @@ absl::Status ValidateAgainstRegistry(const Parser& p, const ConfigNormalizer& no
       c.values["device"] = spec.device;
       c.lines["device"] = spec.device_line;
     }
-    SPEC_RETURN_IF_ERROR(CheckCombination(p, normalize, c.values, c.lines, c.line, field));
+    RETURN_IF_ERROR(CheckCombination(p, normalize, c.values, c.lines, c.line, field));
   }
   for (size_t i = 0; i < spec.exclude.size(); ++i) {
     const SweepCombination& c = spec.exclude[i];
@@ -443,39 +432,39 @@ absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& 
     return p.Error(root, "",
                    absl::StrCat("the spec must be a map (name:, model:, matrix:, ...), got ",
                                 KindOf(root)));
-  SPEC_ASSIGN_OR_RETURN(std::vector<Entry> entries, p.MapEntries(root, "top level"));
+  ASSIGN_OR_RETURN(std::vector<Entry> entries, p.MapEntries(root, "top level"));
   bool have_matrix = false;
   for (const Entry& e : entries) {
     const std::string& key = e.key;
     if (key == "name") {
-      SPEC_ASSIGN_OR_RETURN(spec.name, p.Text(e.value, key));
+      ASSIGN_OR_RETURN(spec.name, p.Text(e.value, key));
     } else if (key == "model") {
-      SPEC_ASSIGN_OR_RETURN(spec.model, p.Text(e.value, key));
+      ASSIGN_OR_RETURN(spec.model, p.Text(e.value, key));
       spec.model_line = LineOf(e.value);
     } else if (key == "layers") {
-      SPEC_ASSIGN_OR_RETURN(spec.layers, p.Int(e.value, key, 0, 4096));
+      ASSIGN_OR_RETURN(spec.layers, p.Int(e.value, key, 0, 4096));
     } else if (key == "seed") {
-      SPEC_ASSIGN_OR_RETURN(std::string s, p.Text(e.value, key));
+      ASSIGN_OR_RETURN(std::string s, p.Text(e.value, key));
       if (!absl::SimpleAtoi(s, &spec.seed))
         return p.Error(e.value, key, absl::StrCat("'", s, "' is not an unsigned 64-bit integer"));
     } else if (key == "device") {
-      SPEC_ASSIGN_OR_RETURN(spec.device, p.Word(e.value, key));
+      ASSIGN_OR_RETURN(spec.device, p.Word(e.value, key));
       spec.device_line = LineOf(e.value);
     } else if (key == "matrix") {
-      SPEC_RETURN_IF_ERROR(ParseMatrix(p, e, &spec));
+      RETURN_IF_ERROR(ParseMatrix(p, e, &spec));
       have_matrix = true;
     } else if (key == "include") {
-      SPEC_RETURN_IF_ERROR(ParseCombinations(p, e, &spec.include));
+      RETURN_IF_ERROR(ParseCombinations(p, e, &spec.include));
     } else if (key == "exclude") {
-      SPEC_RETURN_IF_ERROR(ParseCombinations(p, e, &spec.exclude));
+      RETURN_IF_ERROR(ParseCombinations(p, e, &spec.exclude));
     } else if (key == "workload") {
-      SPEC_RETURN_IF_ERROR(ParseWorkloadNode(p, e, &spec.workload));
+      RETURN_IF_ERROR(ParseWorkloadNode(p, e, &spec.workload));
     } else if (key == "selector") {
-      SPEC_RETURN_IF_ERROR(ParseSelectorNode(p, e, &spec.selector));
+      RETURN_IF_ERROR(ParseSelectorNode(p, e, &spec.selector));
     } else if (key == "repeats") {
-      SPEC_ASSIGN_OR_RETURN(spec.repeats, p.Int(e.value, key, 1, 1000));
+      ASSIGN_OR_RETURN(spec.repeats, p.Int(e.value, key, 1, 1000));
     } else if (key == "priority") {
-      SPEC_ASSIGN_OR_RETURN(spec.priority, p.Int(e.value, key, -1000000, 1000000));
+      ASSIGN_OR_RETURN(spec.priority, p.Int(e.value, key, -1000000, 1000000));
     } else {
       return p.Error(e.key_node, "",
                      absl::StrCat("unknown top-level key '", key, "' (known: ",
@@ -488,7 +477,7 @@ absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& 
     return p.Error(root_line, "matrix",
                    "missing (a map of axis -> list of values, e.g. matrix: {device: [cpu]})");
   if (spec.name.empty()) spec.name = spec.model;
-  SPEC_RETURN_IF_ERROR(ValidateAgainstRegistry(p, normalize, spec));
+  RETURN_IF_ERROR(ValidateAgainstRegistry(p, normalize, spec));
   return spec;
 }
 

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
-#include "harness/trial.h"
+#include "api/backend_config.h"
+#include "api/trial.h"
 #include "storage/store.h"
 
 namespace infersweep {
@@ -77,7 +77,7 @@ absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml, std::string_view
                                          const ConfigNormalizer& normalize = NormalizeBackendConfig);
 
 // Checks the spec's model as far as the coordinator can, before anything is stored: a
-// "preset:NAME" must name a known preset (engine/model_config.h PresetNames) and a "@<format>"
+// "preset:NAME" must name a known preset (api/model_config.h PresetNames) and a "@<format>"
 // suffix a known format, else INVALID_ARGUMENT naming the spec's line, the model and the known
 // presets. A checkpoint folder the coordinator cannot see is no error (the agents load it, and
 // may have it): it comes back as a warning, "model '/x/y': not a folder on the coordinator;

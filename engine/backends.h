@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 #include "engine/fault_injection.h"
 #include "engine/model.h"
 #include "engine/weights.h"

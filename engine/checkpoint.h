@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "engine/quant/scheme.h"
 #include "engine/safetensors.h"
 #include "engine/tensor_spec.h"

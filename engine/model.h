@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 
 namespace infersweep {
 

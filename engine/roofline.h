@@ -5,7 +5,7 @@
 #include <optional>
 #include <string_view>
 
-#include "engine/model_config.h"
+#include "api/model_config.h"
 
 namespace infersweep {
 

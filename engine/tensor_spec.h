@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "core/quant/format.h"
 
 namespace infersweep {

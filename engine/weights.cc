@@ -175,43 +175,6 @@ absl::StatusOr<ModelWeights> BindWeights(const ModelConfig& config,
   return w;
 }
 
-absl::StatusOr<ModelDescription> ParseModelDescription(const std::string& text) {
-  ModelDescription d{text, QuantFormat::kNone};
-  const size_t at = text.rfind('@');
-  if (at == std::string::npos) return d;
-  const std::string suffix = text.substr(at + 1);
-  if (const std::optional<QuantFormat> format = QuantFormatFromName(suffix)) {
-    d.model = text.substr(0, at);
-    d.quantize = *format;
-    return d;
-  }
-  if (absl::StartsWith(text, "preset:"))
-    return absl::InvalidArgumentError(absl::StrCat("model '", text, "': '@", suffix,
-                                                   "' is not a quantization format (known: ",
-                                                   QuantFormatNames(), ")"));
-  return d;  // a folder whose name holds an '@'
-}
-
-std::string ModelDescriptionString(const ModelDescription& d) {
-  if (d.quantize == QuantFormat::kNone) return d.model;
-  return absl::StrCat(d.model, "@", QuantFormatName(d.quantize));
-}
-
-absl::StatusOr<std::string> WithQuantization(const std::string& model, const std::string& format) {
-  if (format.empty() || format == "none") return model;
-  const std::optional<QuantFormat> q = QuantFormatFromName(format);
-  if (!q)
-    return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, ": unknown format (known: ",
-                                                   QuantFormatNames(), ")"));
-  auto d = ParseModelDescription(model);
-  if (!d.ok()) return d.status();
-  if (d->quantize != QuantFormat::kNone && d->quantize != *q)
-    return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, " conflicts with '",
-                                                   model, "', which names another format"));
-  d->quantize = *q;
-  return ModelDescriptionString(*d);
-}
-
 std::string DeclaredWeightFormat(const std::string& model) {
   auto d = ParseModelDescription(model);
   if (!d.ok()) return "";
@@ -341,16 +304,8 @@ absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model_arg,
       options.quantize != QuantFormat::kNone ? options.quantize : description->quantize;
   const std::string& path = description->model;
   ModelIdentity id;
-  if (absl::StartsWith(path, "preset:")) {
-    auto config = PresetConfig(path.substr(7), options.num_layers_override);
-    if (!config.ok()) return config.status();
-    id.source = "preset";
-    id.name = path.substr(7);
-    id.layers = config->num_layers;
-    id.seed = options.seed;
-    id.weights = quantize != QuantFormat::kNone ? QuantFormatName(quantize) : "bf16";
-    return id;
-  }
+  if (absl::StartsWith(path, "preset:"))
+    return DescribePreset(path.substr(7), options.num_layers_override, options.seed, quantize);
   auto checkpoint = Checkpoint::Open(path);
   if (!checkpoint.ok()) return checkpoint.status();
   const Checkpoint& ckpt = **checkpoint;

@@ -7,9 +7,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/model_description.h"
 #include "core/identity.h"
 #include "engine/checkpoint.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "core/tensor_ref.h"
 #include "engine/tensor_spec.h"
 
@@ -88,21 +89,6 @@ struct LoadOptions {
   // Last, so that the brace initialisations of the fields above keep their meaning.
   int head_dim_override = 0;
 };
-
-// A model description: "<checkpoint folder | preset:NAME>[@<format>]", e.g.
-// "preset:qwen3-30b-a3b@nvfp4": the weights, quantized into <format> on load. It is the model
-// string trials, sweeps and stored results carry, so each quantization is its own model there.
-struct ModelDescription {
-  std::string model;  // folder or preset:NAME
-  QuantFormat quantize = QuantFormat::kNone;
-};
-// A suffix after the last '@' that names a format is split off; any other '@' stays part of a
-// folder name. "preset:NAME@<not a format>" is an error naming the known formats.
-absl::StatusOr<ModelDescription> ParseModelDescription(const std::string& text);
-std::string ModelDescriptionString(const ModelDescription& description);
-// `model` with `--quantize <format>` applied ("" or "none": unchanged); an error when the
-// description already names another format.
-absl::StatusOr<std::string> WithQuantization(const std::string& model, const std::string& format);
 
 // The weight format preflight judges by, known without loading weights: a "@<format>" suffix, a
 // checkpoint's quantization declaration, "bf16" for presets; "" when it takes loading to know.

@@ -12,13 +12,11 @@
 #include "engine/weights.h"
 #include "harness/measure.h"
 #include "harness/gpu_sampler.h"
-#include "harness/trial.h"
+#include "api/trial.h"
+#include "api/version.h"
 #include "harness/verdict.h"
 
 namespace infersweep {
-
-// The version string stored with every result.
-std::string EngineVersion();
 
 class TrialExecutor {
  public:

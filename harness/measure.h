@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "engine/model.h"
 #include "harness/gpu_sampler.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace infersweep {
 

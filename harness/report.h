@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace infersweep {
 

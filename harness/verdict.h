@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 #include "engine/model.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace infersweep {
 

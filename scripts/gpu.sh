@@ -117,6 +117,22 @@ for stage in $STAGES; do
         grep -v "^# block" "$t" | tail -11
       done
     done ;;
+  ab_figures)  # the landed figures for each AB_BINARIES build in turn, AB_ROUNDS times, in one
+    # call: graphs=persistent at batch 1 and 64 (64 runs the kernel chain), prefill 2048 with
+    # moe=wgmma. A refactor is judged against the previous main's build within one call.
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+        echo "# round $round: $b"
+        .carry/$b run --model preset:qwen3-30b-a3b \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/ab_decode_${b}_$round.json" 2>&1 | grep -E "^ device=|spread|INCORRECT|ERROR|UNSUPPORTED"
+        .carry/$b run --model preset:qwen3-30b-a3b \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off' \
+          --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/ab_prefill_${b}_$round.json" 2>&1 | grep -E "^ device=|spread|INCORRECT|ERROR|UNSUPPORTED"
+      done
+    done ;;
   quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format
     # (default "nvfp4 fp8_channel") with each AB_BINARIES build in turn, AB_ROUNDS times
     for round in $(seq "${AB_ROUNDS:-1}"); do

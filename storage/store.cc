@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "api/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -27,18 +28,6 @@ namespace {
 
 using nlohmann::json;
 
-#define STORE_RETURN_IF_ERROR(expr)                       \
-  do {                                                    \
-    if (absl::Status _st = (expr); !_st.ok()) return _st; \
-  } while (0)
-
-#define STORE_CONCAT_INNER(a, b) a##b
-#define STORE_CONCAT(a, b) STORE_CONCAT_INNER(a, b)
-#define STORE_ASSIGN_OR_RETURN(lhs, expr)                     \
-  auto STORE_CONCAT(_sor_, __LINE__) = (expr);                \
-  if (!STORE_CONCAT(_sor_, __LINE__).ok())                    \
-    return std::move(STORE_CONCAT(_sor_, __LINE__)).status(); \
-  lhs = std::move(*STORE_CONCAT(_sor_, __LINE__))
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
@@ -254,11 +243,11 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("creating sweep '", sweep.name, "'");
     Txn txn(db_, [this] { id_cache_.Clear(); });
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    RETURN_IF_ERROR(txn.Begin(op));
     const int64_t created = sweep.created_unix_ms != 0 ? sweep.created_unix_ms : NowMs();
     int64_t id = 0;
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt insert,
           Prepare("INSERT INTO sweeps (sweep_id, name, spec_yaml, model, priority, state, "
                   "created_ms, trials_total, trials_done) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
@@ -274,10 +263,10 @@ class SqliteStore final : public Store {
       absl::Status s = insert.Run();
       if (absl::IsAlreadyExists(s))
         return absl::AlreadyExistsError(absl::StrCat(op, ": sweep id ", sweep.id, " is taken"));
-      STORE_RETURN_IF_ERROR(s);
+      RETURN_IF_ERROR(s);
       id = sqlite3_last_insert_rowid(db_);
     }
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt insert,
         Prepare("INSERT INTO trials (trial_id, sweep_id, model, layers, seed, config_id, "
                 "workload_json, selector_json, priority, state, attempt, leased_to, "
@@ -293,7 +282,7 @@ class SqliteStore final : public Store {
       if (absl::Status w = ValidateWorkload(t.workload); !w.ok())
         return absl::InvalidArgumentError(
             absl::StrCat(op, ": trial '", trial_id, "': ", w.message()));
-      STORE_ASSIGN_OR_RETURN(int64_t config_id,
+      ASSIGN_OR_RETURN(int64_t config_id,
                              ConfigIdLocked(t.config, BackendConfigString(t.config), op));
       insert.Reset();
       insert.Bind(trial_id)
@@ -316,31 +305,31 @@ class SqliteStore final : public Store {
       if (absl::IsAlreadyExists(s))
         return absl::AlreadyExistsError(
             absl::StrCat(op, ": trial id '", trial_id, "' already exists"));
-      STORE_RETURN_IF_ERROR(s);
+      RETURN_IF_ERROR(s);
     }
-    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    RETURN_IF_ERROR(txn.Commit(op));
     return id;
   }
 
   absl::StatusOr<SweepRecord> GetSweep(int64_t id) override {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("reading sweep ", id);
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare(absl::StrCat("SELECT ", kSweepCols, " FROM sweeps WHERE sweep_id = ?"), op));
     q.Bind(id);
-    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    ASSIGN_OR_RETURN(bool row, q.Step());
     if (!row) return absl::NotFoundError(absl::StrCat("sweep ", id, " not found"));
     return ReadSweep(q);
   }
 
   absl::StatusOr<std::vector<SweepRecord>> ListSweeps() override {
     absl::MutexLock lock(&mu_);
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare(absl::StrCat("SELECT ", kSweepCols, " FROM sweeps ORDER BY sweep_id"),
                         "listing sweeps"));
     std::vector<SweepRecord> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
       out.push_back(ReadSweep(q));
     }
@@ -351,12 +340,12 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("cancelling sweep ", id);
     Txn txn(db_, [this] { id_cache_.Clear(); });
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    RETURN_IF_ERROR(txn.Begin(op));
     std::string state;
     {
-      STORE_ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT state FROM sweeps WHERE sweep_id = ?", op));
+      ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT state FROM sweeps WHERE sweep_id = ?", op));
       q.Bind(id);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) return absl::NotFoundError(absl::StrCat("sweep ", id, " not found"));
       state = q.Text(0);
     }
@@ -365,19 +354,19 @@ class SqliteStore final : public Store {
       return absl::FailedPreconditionError(
           absl::StrCat("sweep ", id, " is already done; nothing to cancel"));
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt u, Prepare("UPDATE sweeps SET state = 'cancelled' WHERE sweep_id = ?", op));
       u.Bind(id);
-      STORE_RETURN_IF_ERROR(u.Run());
+      RETURN_IF_ERROR(u.Run());
     }
     {
       // Leased trials keep leased_to and attempt, so the agent's result is still accepted.
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt u, Prepare("UPDATE trials SET state = 'cancelled', lease_expires_ms = NULL "
                           "WHERE sweep_id = ? AND state IN ('queued', 'leased')",
                           op));
       u.Bind(id);
-      STORE_RETURN_IF_ERROR(u.Run());
+      RETURN_IF_ERROR(u.Run());
     }
     return txn.Commit(op);
   }
@@ -388,7 +377,7 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     if (limit < 0)
       return absl::InvalidArgumentError(absl::StrCat("QueuedTrials: negative limit ", limit));
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare(absl::StrCat("SELECT ", kTrialCols,
                                      " FROM trials WHERE state = 'queued' "
                                      "ORDER BY priority DESC, created_ms, rowid LIMIT ?"),
@@ -396,9 +385,9 @@ class SqliteStore final : public Store {
     q.Bind(limit);
     std::vector<TrialRecord> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
-      STORE_ASSIGN_OR_RETURN(TrialRecord t, ReadTrial(q));
+      ASSIGN_OR_RETURN(TrialRecord t, ReadTrial(q));
       out.push_back(std::move(t));
     }
     return out;
@@ -406,11 +395,11 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<TrialCounts> CountTrials() override {
     absl::MutexLock lock(&mu_);
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare("SELECT state, COUNT(*) FROM trials GROUP BY state", "counting trials"));
     TrialCounts counts;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
       const std::optional<TrialState> state = StateFromName(q.Text(0));
       if (!state) continue;
@@ -459,7 +448,7 @@ class SqliteStore final : public Store {
   absl::Status RenewLeases(const std::string& agent_id, int64_t expires_unix_ms) override {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("renewing the leases of agent '", agent_id, "'");
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt u, Prepare("UPDATE trials SET lease_expires_ms = ? "
                         "WHERE state = 'leased' AND leased_to = ?",
                         op));
@@ -472,28 +461,28 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = "requeueing trials with expired leases";
     Txn txn(db_, [this] { id_cache_.Clear(); });
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
+    RETURN_IF_ERROR(txn.Begin(op));
     std::vector<std::pair<std::string, std::string>> expired;  // trial id, agent id
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt q, Prepare("SELECT trial_id, leased_to FROM trials "
                           "WHERE state = 'leased' AND lease_expires_ms < ? ORDER BY trial_id",
                           op));
       q.Bind(now_unix_ms);
       for (;;) {
-        STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+        ASSIGN_OR_RETURN(bool row, q.Step());
         if (!row) break;
         expired.emplace_back(q.Text(0), q.Text(1));
       }
     }
     std::vector<LostLease> out;
     for (const auto& [trial_id, agent_id] : expired) {
-      STORE_ASSIGN_OR_RETURN(LostLease lost,
+      ASSIGN_OR_RETURN(LostLease lost,
                              LoseLeaseLocked(trial_id, agent_id, /*attempt=*/-1, max_attempts,
                                              "lease expired without a heartbeat", op));
       out.push_back(std::move(lost));
     }
-    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    RETURN_IF_ERROR(txn.Commit(op));
     return out;
   }
 
@@ -504,10 +493,10 @@ class SqliteStore final : public Store {
     const std::string op = absl::StrCat("releasing the lease of trial '", trial_id, "' attempt ",
                                         attempt, " held by agent '", agent_id, "'");
     Txn txn(db_, [this] { id_cache_.Clear(); });
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
-    STORE_ASSIGN_OR_RETURN(LostLease lost,
+    RETURN_IF_ERROR(txn.Begin(op));
+    ASSIGN_OR_RETURN(LostLease lost,
                            LoseLeaseLocked(trial_id, agent_id, attempt, max_attempts, why, op));
-    STORE_RETURN_IF_ERROR(txn.Commit(op));
+    RETURN_IF_ERROR(txn.Commit(op));
     return lost;
   }
 
@@ -526,8 +515,8 @@ class SqliteStore final : public Store {
                                               results[0].result.attempt)
                                : absl::StrCat("recording ", results.size(), " results");
     Txn txn(db_, [this] { id_cache_.Clear(); });
-    STORE_RETURN_IF_ERROR(txn.Begin(op));
-    for (const ResultSubmission& r : results) STORE_RETURN_IF_ERROR(RecordOneLocked(r));
+    RETURN_IF_ERROR(txn.Begin(op));
+    for (const ResultSubmission& r : results) RETURN_IF_ERROR(RecordOneLocked(r));
     return txn.Commit(op);
   }
 
@@ -562,13 +551,13 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<std::map<std::string, int64_t>> CountResults(int64_t sweep_id) override {
     absl::MutexLock lock(&mu_);
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare("SELECT status, COUNT(*) FROM results WHERE sweep_id = ? GROUP BY status",
                         absl::StrCat("counting the results of sweep ", sweep_id)));
     q.Bind(sweep_id);
     std::map<std::string, int64_t> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
       out[q.Text(0)] = q.Int(1);
     }
@@ -613,14 +602,14 @@ class SqliteStore final : public Store {
       if (q.model_key) absl::StrAppend(&sql, " AND g.model_key = ?");
       if (q.workload) absl::StrAppend(&sql, " AND g.workload = ?");
       if (q.sweep_id) absl::StrAppend(&sql, " GROUP BY g.group_id");
-      STORE_ASSIGN_OR_RETURN(Stmt g, Prepare(sql, op));
+      ASSIGN_OR_RETURN(Stmt g, Prepare(sql, op));
       if (q.sweep_id) g.Bind(*q.sweep_id);
       g.Bind(q.model).Bind(q.sm).Bind(q.batch);
       if (q.model_key) g.Bind(*q.model_key);
       if (q.workload) g.Bind(*q.workload);
       std::vector<std::pair<ResultGroup, int64_t>> found;
       for (;;) {
-        STORE_ASSIGN_OR_RETURN(bool row, g.Step());
+        ASSIGN_OR_RETURN(bool row, g.Step());
         if (!row) break;
         ResultGroup group;
         group.model_key = g.Text(1);
@@ -645,15 +634,15 @@ class SqliteStore final : public Store {
       }
     }
     if (answer.groups.size() != 1) return answer;
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt p,
         Prepare(BestInGroupSql(info->batch_column, info->higher_is_better, q.sweep_id.has_value()),
                 op));
     p.Bind(group_ids[0]);
     if (q.sweep_id) p.Bind(*q.sweep_id);
-    STORE_ASSIGN_OR_RETURN(bool row, p.Step());
+    ASSIGN_OR_RETURN(bool row, p.Step());
     if (!row) return answer;
-    STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(p, /*parse=*/true));
+    ASSIGN_OR_RETURN(StoredResult r, ReadResult(p, /*parse=*/true));
     answer.best = std::move(r);
     return answer;
   }
@@ -664,7 +653,7 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("storing agent '", agent.agent_id, "'");
     if (agent.agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty id"));
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt u, Prepare("INSERT INTO agents (agent_id, host, inventory_json, last_seen_ms, "
                         "connected) VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent_id) DO UPDATE SET "
                         "host = excluded.host, inventory_json = excluded.inventory_json, "
@@ -680,10 +669,10 @@ class SqliteStore final : public Store {
     absl::MutexLock lock(&mu_);
     const std::string op = absl::StrCat("marking agent '", agent_id, "' ",
                                         connected ? "connected" : "disconnected");
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt u, Prepare("UPDATE agents SET connected = ?, last_seen_ms = ? WHERE agent_id = ?", op));
     u.Bind(connected ? 1 : 0).Bind(now_unix_ms).Bind(agent_id);
-    STORE_RETURN_IF_ERROR(u.Run());
+    RETURN_IF_ERROR(u.Run());
     if (sqlite3_changes(db_) == 0)
       return absl::NotFoundError(absl::StrCat("agent '", agent_id, "' not found"));
     return absl::OkStatus();
@@ -691,13 +680,13 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<std::vector<AgentRecord>> ListAgents() override {
     absl::MutexLock lock(&mu_);
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare("SELECT agent_id, host, inventory_json, last_seen_ms, connected "
                         "FROM agents ORDER BY agent_id",
                         "listing agents"));
     std::vector<AgentRecord> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
       AgentRecord a;
       a.agent_id = q.Text(0);
@@ -755,8 +744,8 @@ class SqliteStore final : public Store {
       return absl::DataLossError(
           absl::StrCat(where, ": stored config '", q.Text(5), "': ", config.status().message()));
     t.config = *std::move(config);
-    STORE_ASSIGN_OR_RETURN(json workload, ParseStoredJson(q.Text(6), where + " workload"));
-    STORE_ASSIGN_OR_RETURN(json selector, ParseStoredJson(q.Text(7), where + " selector"));
+    ASSIGN_OR_RETURN(json workload, ParseStoredJson(q.Text(6), where + " workload"));
+    ASSIGN_OR_RETURN(json selector, ParseStoredJson(q.Text(7), where + " selector"));
     try {
       t.selector.sm_archs = selector.value("sm", std::vector<int>{});
       t.selector.gpu_name_regex = selector.value("gpu_name", std::string());
@@ -807,7 +796,7 @@ class SqliteStore final : public Store {
     if (q.until_unix_ms) absl::StrAppend(&sql, " AND finished_ms < ?");
     absl::StrAppend(&sql, " ORDER BY finished_ms DESC, result_id DESC LIMIT ?");
 
-    STORE_ASSIGN_OR_RETURN(Stmt s, Prepare(sql, "querying results"));
+    ASSIGN_OR_RETURN(Stmt s, Prepare(sql, "querying results"));
     if (q.sm) s.Bind(*q.sm);
     if (q.gpu_name) s.Bind(*q.gpu_name);
     if (q.model) s.Bind(*q.model);
@@ -822,9 +811,9 @@ class SqliteStore final : public Store {
     s.Bind(q.limit);
     std::vector<StoredResult> out;
     for (;;) {
-      STORE_ASSIGN_OR_RETURN(bool row, s.Step());
+      ASSIGN_OR_RETURN(bool row, s.Step());
       if (!row) break;
-      STORE_ASSIGN_OR_RETURN(StoredResult r, ReadResult(s, parse, q.with_kernels));
+      ASSIGN_OR_RETURN(StoredResult r, ReadResult(s, parse, q.with_kernels));
       out.push_back(std::move(r));
     }
     return out;
@@ -849,10 +838,10 @@ class SqliteStore final : public Store {
       if (!with_kernels) {
         r.result_json = StripKernelLogRefs(*std::move(text));
       } else {
-        STORE_ASSIGN_OR_RETURN(
+        ASSIGN_OR_RETURN(
             r.result_json,
             ExpandKernelLogRefs(*std::move(text), [&](int64_t id) -> absl::StatusOr<std::string> {
-              STORE_ASSIGN_OR_RETURN(const std::string* log, KernelLogLocked(id, where));
+              ASSIGN_OR_RETURN(const std::string* log, KernelLogLocked(id, where));
               return *log;
             }));
       }
@@ -866,7 +855,7 @@ class SqliteStore final : public Store {
     r.engine_version = optional_text(9);
     r.software = optional_text(10);
     if (!parse) return r;
-    STORE_ASSIGN_OR_RETURN(json j, ParseStoredJson(r.result_json, where));
+    ASSIGN_OR_RETURN(json j, ParseStoredJson(r.result_json, where));
     absl::StatusOr<TrialResult> result = TrialResultFromJson(j);
     if (!result.ok())
       return absl::DataLossError(absl::StrCat(where, ": ", result.status().message()));
@@ -883,7 +872,7 @@ class SqliteStore final : public Store {
         absl::StrCat("leasing trial '", l.trial_id, "' to agent '", l.agent_id, "'");
     if (l.agent_id.empty()) return absl::InvalidArgumentError(absl::StrCat(op, ": empty agent id"));
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt u, Prepare("UPDATE trials SET state = 'leased', leased_to = ?, "
                           "lease_expires_ms = ?, attempt = attempt + 1, lease_gpu_name = ?, "
                           "lease_sm = ? WHERE trial_id = ? AND state = 'queued'",
@@ -893,10 +882,10 @@ class SqliteStore final : public Store {
           .Bind(l.place.gpu_name)
           .Bind(l.place.sm)
           .Bind(l.trial_id);
-      STORE_RETURN_IF_ERROR(u.Run());
+      RETURN_IF_ERROR(u.Run());
     }
     if (sqlite3_changes(db_) == 0) {
-      STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(l.trial_id));  // NotFound if absent
+      ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(l.trial_id));  // NotFound if absent
       std::string holder = t.state == TrialState::kLeased
                                ? absl::StrCat(" (leased to agent '", t.leased_to, "')")
                                : "";
@@ -908,11 +897,11 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<TrialRecord> GetTrialLocked(const std::string& trial_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt q, Prepare(absl::StrCat("SELECT ", kTrialCols, " FROM trials WHERE trial_id = ?"),
                         absl::StrCat("reading trial '", trial_id, "'")));
     q.Bind(trial_id);
-    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    ASSIGN_OR_RETURN(bool row, q.Step());
     if (!row) return absl::NotFoundError(absl::StrCat("trial '", trial_id, "' not found"));
     return ReadTrial(q);
   }
@@ -924,7 +913,7 @@ class SqliteStore final : public Store {
                                             int max_attempts, const std::string& why,
                                             const std::string& op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    STORE_ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));
+    ASSIGN_OR_RETURN(TrialRecord t, GetTrialLocked(trial_id));
     if (t.state != TrialState::kLeased || t.leased_to != agent_id ||
         (attempt >= 0 && t.attempt != attempt))
       return absl::FailedPreconditionError(absl::StrCat(
@@ -935,12 +924,12 @@ class SqliteStore final : public Store {
     lost.agent_id = agent_id;
     lost.attempt = t.attempt;
     if (max_attempts <= 0 || t.attempt < max_attempts) {
-      STORE_ASSIGN_OR_RETURN(Stmt u,
+      ASSIGN_OR_RETURN(Stmt u,
                              Prepare("UPDATE trials SET state = 'queued', leased_to = NULL, "
                                      "lease_expires_ms = NULL WHERE trial_id = ?",
                                      op));
       u.Bind(trial_id);
-      STORE_RETURN_IF_ERROR(u.Run());
+      RETURN_IF_ERROR(u.Run());
       lost.requeued = true;
       return lost;
     }
@@ -960,7 +949,7 @@ class SqliteStore final : public Store {
                             : t.lease_place.gpu_name;
     sub.result.sm = t.lease_place.sm;
     sub.result.started_unix_ms = sub.result.finished_unix_ms = NowMs();
-    STORE_RETURN_IF_ERROR(RecordOneLocked(sub));
+    RETURN_IF_ERROR(RecordOneLocked(sub));
     return lost;
   }
 
@@ -976,13 +965,13 @@ class SqliteStore final : public Store {
     std::string model, config_string, state, leased_to, workload_key, trial_model_key;
     int64_t attempt = 0, trial_layers = 0;
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt q, Prepare("SELECT sweep_id, model, (SELECT config_string FROM configs AS c "
                           "WHERE c.config_id = trials.config_id), state, attempt, leased_to, "
                           "workload_key, model_key, layers FROM trials WHERE trial_id = ?",
                           op));
       q.Bind(result.trial_id);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row)
         return absl::NotFoundError(
             absl::StrCat(op, ": no trial '", result.trial_id, "' in this database"));
@@ -997,11 +986,11 @@ class SqliteStore final : public Store {
       trial_layers = q.Int(8);
     }
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt q,
           Prepare("SELECT agent_id, status FROM results WHERE trial_id = ? AND attempt = ?", op));
       q.Bind(result.trial_id).Bind(result.attempt);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) {
         // Already stored: idempotent. Unless the coordinator stored that attempt itself (its
         // lease was lost for the last time): then the agent's late result is refused, not
@@ -1055,7 +1044,7 @@ class SqliteStore final : public Store {
     std::optional<std::string> software;
     if (!stored.model_identity.source.empty()) software = SoftwareStackKey(stored.software);
     const std::string result_config = BackendConfigString(stored.config);
-    STORE_ASSIGN_OR_RETURN(int64_t config_id, ConfigIdLocked(stored.config, result_config, op));
+    ASSIGN_OR_RETURN(int64_t config_id, ConfigIdLocked(stored.config, result_config, op));
 
     const int64_t finished = stored.finished_unix_ms != 0 ? stored.finished_unix_ms : NowMs();
     std::optional<double> tok_s_b1, ttft_b1, tpot_b1, tok_s_max;
@@ -1079,7 +1068,7 @@ class SqliteStore final : public Store {
     for (BatchFigures& b : slim.batches) {
       log_ids.emplace_back();
       if (!b.prefill_kernels && !b.decode_kernels) continue;
-      STORE_ASSIGN_OR_RETURN(log_ids.back(), KernelLogIdLocked(b, op));
+      ASSIGN_OR_RETURN(log_ids.back(), KernelLogIdLocked(b, op));
       b.prefill_kernels.reset();
       b.decode_kernels.reset();
     }
@@ -1090,7 +1079,7 @@ class SqliteStore final : public Store {
     if (blob.empty()) return absl::InternalError(absl::StrCat(op, ": compressing the result"));
     int64_t result_id = 0;
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt ins,
           Prepare("INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
                   "model, status, config_string, result_json, output_tok_s, "
@@ -1121,18 +1110,18 @@ class SqliteStore final : public Store {
           .Bind(engine_version)
           .Bind(software)
           .BindBlob(blob);
-      STORE_RETURN_IF_ERROR(ins.Run());
+      RETURN_IF_ERROR(ins.Run());
       result_id = sqlite3_last_insert_rowid(db_);
     }
     const bool ok = stored.status == TrialStatus::kOk;
     const std::string group_key = model_key.value_or("");
     {  // one row per batch size (the first entry of a size wins), for Best at any batch
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt ins, Prepare("INSERT OR IGNORE INTO result_batches (group_id, sweep_id, result_id, "
                             "ok, output_tok_s, ttft_ms, tpot_ms, prefill_tok_s) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             op + ": batches"));
-      STORE_ASSIGN_OR_RETURN(Stmt count,
+      ASSIGN_OR_RETURN(Stmt count,
                              Prepare("UPDATE result_groups SET ok_results = ok_results + 1, "
                                      "first_sweep = MIN(COALESCE(first_sweep, ?1), ?1), "
                                      "last_sweep = MAX(COALESCE(last_sweep, ?1), ?1), "
@@ -1140,7 +1129,7 @@ class SqliteStore final : public Store {
                                      "WHERE group_id = ?3",
                                      op + ": groups"));
       for (const BatchFigures& b : stored.batches) {
-        STORE_ASSIGN_OR_RETURN(int64_t group_id, GroupIdLocked(model, sub.sm, b.batch, group_key,
+        ASSIGN_OR_RETURN(int64_t group_id, GroupIdLocked(model, sub.sm, b.batch, group_key,
                                                                stored.workload, op));
         ins.Reset();
         ins.Bind(group_id)
@@ -1151,29 +1140,29 @@ class SqliteStore final : public Store {
             .Bind(b.ttft_ms.median)
             .Bind(b.tpot_ms.median)
             .Bind(b.prefill_tok_s.median);
-        STORE_RETURN_IF_ERROR(ins.Run());
+        RETURN_IF_ERROR(ins.Run());
         if (!ok || sqlite3_changes(db_) == 0) continue;
         count.Reset();
         count.Bind(sweep_id).Bind(finished).Bind(group_id);
-        STORE_RETURN_IF_ERROR(count.Run());
+        RETURN_IF_ERROR(count.Run());
       }
     }
     if (state != "done") {
       {
-        STORE_ASSIGN_OR_RETURN(
+        ASSIGN_OR_RETURN(
             Stmt u, Prepare("UPDATE trials SET state = 'done', lease_expires_ms = NULL "
                             "WHERE trial_id = ?",
                             op));
         u.Bind(stored.trial_id);
-        STORE_RETURN_IF_ERROR(u.Run());
+        RETURN_IF_ERROR(u.Run());
       }
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt u, Prepare("UPDATE sweeps SET trials_done = trials_done + 1, "
                           "state = CASE WHEN state = 'active' AND trials_done + 1 >= trials_total "
                           "THEN 'done' ELSE state END WHERE sweep_id = ?",
                           op));
       u.Bind(sweep_id);
-      STORE_RETURN_IF_ERROR(u.Run());
+      RETURN_IF_ERROR(u.Run());
     }
     return absl::OkStatus();
   }
@@ -1187,21 +1176,21 @@ class SqliteStore final : public Store {
     if (auto it = id_cache_.groups.find(key); it != id_cache_.groups.end()) return it->second;
     int64_t id = 0;
     {
-      STORE_ASSIGN_OR_RETURN(
+      ASSIGN_OR_RETURN(
           Stmt q, Prepare("SELECT group_id FROM result_groups WHERE model = ? AND sm = ? AND "
                           "batch = ? AND model_key = ? AND workload = ?",
                           op));
       q.Bind(model).Bind(sm).Bind(batch).Bind(model_key).Bind(workload);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) id = q.Int(0);
     }
     if (id == 0) {
-      STORE_ASSIGN_OR_RETURN(Stmt ins,
+      ASSIGN_OR_RETURN(Stmt ins,
                              Prepare("INSERT INTO result_groups (model, sm, batch, model_key, "
                                      "workload) VALUES (?, ?, ?, ?, ?)",
                                      op));
       ins.Bind(model).Bind(sm).Bind(batch).Bind(model_key).Bind(workload);
-      STORE_RETURN_IF_ERROR(ins.Run());
+      RETURN_IF_ERROR(ins.Run());
       id = sqlite3_last_insert_rowid(db_);
     }
     id_cache_.groups.emplace(std::move(key), id);
@@ -1235,16 +1224,16 @@ class SqliteStore final : public Store {
     const std::string log = KernelsJson(b).dump();
     int64_t id = 0;
     {
-      STORE_ASSIGN_OR_RETURN(Stmt q,
+      ASSIGN_OR_RETURN(Stmt q,
                              Prepare("SELECT kernel_log_id FROM kernel_logs WHERE log = ?", op));
       q.Bind(log);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) id = q.Int(0);
     }
     if (id == 0) {
-      STORE_ASSIGN_OR_RETURN(Stmt ins, Prepare("INSERT INTO kernel_logs (log) VALUES (?)", op));
+      ASSIGN_OR_RETURN(Stmt ins, Prepare("INSERT INTO kernel_logs (log) VALUES (?)", op));
       ins.Bind(log);
-      STORE_RETURN_IF_ERROR(ins.Run());
+      RETURN_IF_ERROR(ins.Run());
       id = sqlite3_last_insert_rowid(db_);
     }
     id_cache_.kernel_logs.emplace(std::move(key), id);
@@ -1255,10 +1244,10 @@ class SqliteStore final : public Store {
   absl::StatusOr<const std::string*> KernelLogLocked(int64_t id, const std::string& where)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (auto it = kernel_logs_.find(id); it != kernel_logs_.end()) return &it->second;
-    STORE_ASSIGN_OR_RETURN(Stmt q,
+    ASSIGN_OR_RETURN(Stmt q,
                            Prepare("SELECT log FROM kernel_logs WHERE kernel_log_id = ?", where));
     q.Bind(id);
-    STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+    ASSIGN_OR_RETURN(bool row, q.Step());
     if (!row) return absl::DataLossError(absl::StrCat(where, ": kernel log ", id, " is missing"));
     return &(kernel_logs_[id] = q.Text(0));
   }
@@ -1269,7 +1258,7 @@ class SqliteStore final : public Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (auto it = id_cache_.configs.find(config_string); it != id_cache_.configs.end())
       return it->second;
-    STORE_ASSIGN_OR_RETURN(int64_t id, FindOrAddConfigLocked(config, config_string, op));
+    ASSIGN_OR_RETURN(int64_t id, FindOrAddConfigLocked(config, config_string, op));
     id_cache_.configs.emplace(config_string, id);
     return id;
   }
@@ -1279,28 +1268,28 @@ class SqliteStore final : public Store {
                                                 const std::string& op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     {
-      STORE_ASSIGN_OR_RETURN(Stmt q,
+      ASSIGN_OR_RETURN(Stmt q,
                              Prepare("SELECT config_id FROM configs WHERE config_string = ?", op));
       q.Bind(config_string);
-      STORE_ASSIGN_OR_RETURN(bool row, q.Step());
+      ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) return q.Int(0);
     }
     int64_t id = 0;
     {
-      STORE_ASSIGN_OR_RETURN(Stmt ins,
+      ASSIGN_OR_RETURN(Stmt ins,
                              Prepare("INSERT INTO configs (config_string) VALUES (?)", op));
       ins.Bind(config_string);
-      STORE_RETURN_IF_ERROR(ins.Run());
+      RETURN_IF_ERROR(ins.Run());
       id = sqlite3_last_insert_rowid(db_);
     }
-    STORE_ASSIGN_OR_RETURN(
+    ASSIGN_OR_RETURN(
         Stmt axes,
         Prepare("INSERT OR IGNORE INTO config_axes (axis, value, config_id) VALUES (?, ?, ?)",
                 op + ": config axes"));
     for (const auto& [axis, value] : config) {
       axes.Reset();
       axes.Bind(axis).Bind(value).Bind(id);
-      STORE_RETURN_IF_ERROR(axes.Run());
+      RETURN_IF_ERROR(axes.Run());
     }
     return id;
   }

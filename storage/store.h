@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
-#include "harness/trial.h"
+#include "api/backend_config.h"
+#include "api/trial.h"
 
 namespace infersweep {
 

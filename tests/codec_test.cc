@@ -7,7 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace infersweep {
 namespace {

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 #include "engine/backends.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 
 namespace infersweep {
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "engine/roofline.h"
 #include "engine/sampler.h"
 #include "engine/synthetic.h"

@@ -18,7 +18,7 @@
 #include "agent/agent.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "storage/store.h"
 #include "tests/test_util.h"
 

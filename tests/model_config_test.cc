@@ -1,4 +1,4 @@
-#include "engine/model_config.h"
+#include "api/model_config.h"
 
 #include <cstdint>
 #include <cstdio>

@@ -13,11 +13,11 @@
 #include "core/launch_log.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "harness/executor.h"
 #include "harness/measure.h"
 #include "harness/report.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "kernels/cpu/parallel.h"
 
 namespace infersweep {

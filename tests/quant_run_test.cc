@@ -12,7 +12,7 @@
 
 #include "engine/backends.h"
 #include "engine/fault_injection.h"
-#include "engine/model_config.h"
+#include "api/model_config.h"
 #include "engine/npy.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"

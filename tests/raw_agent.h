@@ -8,7 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 

@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 #include "engine/backends.h"
 #include "engine/quant/quantize.h"
 #include "harness/executor.h"

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
-#include "harness/trial.h"
+#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 #include "storage/store.h"

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "core/dtype.h"
 
@@ -37,6 +39,43 @@ inline std::string QuantFormatName(QuantFormat format) {
       return "mxfp4";
   }
   return "?";
+}
+
+inline constexpr QuantFormat kQuantFormats[] = {
+    QuantFormat::kNone,        QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel,
+    QuantFormat::kFp8Block128, QuantFormat::kNvfp4,     QuantFormat::kMxfp4};
+
+// QuantFormatName read back.
+inline std::optional<QuantFormat> QuantFormatFromName(std::string_view name) {
+  for (QuantFormat f : kQuantFormats)
+    if (QuantFormatName(f) == name) return f;
+  return std::nullopt;
+}
+
+// The formats --quantize takes, for messages: "fp8_tensor, fp8_channel, ...".
+inline std::string QuantFormatNames() {
+  std::string names;
+  for (QuantFormat f : kQuantFormats) {
+    if (f == QuantFormat::kNone) continue;
+    if (!names.empty()) names += ", ";
+    names += QuantFormatName(f);
+  }
+  return names;
+}
+
+// The weight format preflight judges by (PreflightTarget::weight_format): "fp8" for the three FP8
+// layouts, "nvfp4", "mxfp4"; empty for kNone.
+inline std::string QuantFormatFamily(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::kNone:
+      return "";
+    case QuantFormat::kFp8Tensor:
+    case QuantFormat::kFp8Channel:
+    case QuantFormat::kFp8Block128:
+      return "fp8";
+    default:
+      return QuantFormatName(format);
+  }
 }
 
 inline constexpr int64_t kNvfp4GroupSize = 16;

@@ -6,40 +6,10 @@
 namespace infersweep {
 namespace {
 
-// Every format with its preflight family (the names are core/quant/format.h's).
-struct FormatFamily {
-  QuantFormat format;
-  std::string_view family;
-};
-constexpr FormatFamily kFormats[] = {
-    {QuantFormat::kNone, ""},           {QuantFormat::kFp8Tensor, "fp8"},
-    {QuantFormat::kFp8Channel, "fp8"},  {QuantFormat::kFp8Block128, "fp8"},
-    {QuantFormat::kNvfp4, "nvfp4"},     {QuantFormat::kMxfp4, "mxfp4"},
-};
-
 // fp8 scales are fp32 in ModelOpt and DeepSeek-style checkpoints, bf16 in some others.
 const std::vector<DType> kFloatScale = {DType::kF32, DType::kBF16, DType::kF16};
 
 }  // namespace
-
-std::optional<QuantFormat> QuantFormatFromName(std::string_view name) {
-  for (const FormatFamily& f : kFormats)
-    if (QuantFormatName(f.format) == name) return f.format;
-  return std::nullopt;
-}
-
-std::string QuantFormatNames() {
-  std::vector<std::string> names;
-  for (const FormatFamily& f : kFormats)
-    if (f.format != QuantFormat::kNone) names.push_back(QuantFormatName(f.format));
-  return absl::StrJoin(names, ", ");
-}
-
-std::string QuantFormatFamily(QuantFormat format) {
-  for (const FormatFamily& f : kFormats)
-    if (f.format == format) return std::string(f.family);
-  return "";
-}
 
 double QuantBytesPerElement(QuantFormat format, int64_t rows, int64_t cols) {
   const double elements = static_cast<double>(rows) * cols;

@@ -1,4 +1,4 @@
-// Names of the quantized formats and the one table of what a quantized linear stores on disk:
+// The one table of what a quantized linear stores on disk:
 // which tensors, their names, shapes and dtypes (docs/QUANTIZATION.md). The tensor table
 // (engine/tensor_spec.h), the checkpoint loader and the quantizer all read it from here.
 #pragma once
@@ -14,15 +14,6 @@
 #include "core/quant/format.h"
 
 namespace infersweep {
-
-// QuantFormatName (core/quant/format.h) read back.
-std::optional<QuantFormat> QuantFormatFromName(std::string_view name);
-// The formats --quantize takes, for messages: "fp8_tensor, fp8_channel, ...".
-std::string QuantFormatNames();
-
-// The weight format preflight judges by (PreflightTarget::weight_format): "fp8" for the three FP8
-// layouts, "nvfp4", "mxfp4"; empty for kNone.
-std::string QuantFormatFamily(QuantFormat format);
 
 // Bytes per weight element including scales, for the roofline (e.g. nvfp4: 0.5 + 1/16).
 double QuantBytesPerElement(QuantFormat format, int64_t rows, int64_t cols);

@@ -7,8 +7,8 @@ namespace infersweep::cuda {
 namespace {
 
 // table[p * half + i] = (cos, sin)(p * theta^(-2i/d)), angles in double as the CPU reference
-// computes them. Built once per batch shape: the per-step kernel then does no transcendental math
-// (doing it per step in double cost 29 us a layer at batch 1).
+// computes them. Built once per batch shape, so the per-step kernel does no transcendental math
+// (double-precision sin/cos per step would cost tens of us a layer at batch 1).
 __global__ void RopeTableKernel(int capacity, int half, int head_dim, double theta, float2* table) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= static_cast<int64_t>(capacity) * half) return;
@@ -22,10 +22,9 @@ __device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __floa
 
 // grid (rows, ceil((q_heads + kv_heads) / kWarps)), one warp per head vector. Optional RMSNorm
 // over the head (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with
-// their v head. (A block per head vector with a block-wide sum cost 4.1 us at batch 1 and 91 us
-// at prefill 2048 a layer: 73,728 blocks of two barriers each.)
-// At batch 1 the kernel is pure latency (4.3 us a layer in the decode graph before this change),
-// so everything not produced by the previous kernel (the position, copied at the step's start;
+// their v head: a warp, not a block, per head vector, so the sums need no block barriers
+// (prefill 2048 has 73,728 head vectors a layer).
+// At batch 1 the kernel is pure latency, so everything not produced by the previous kernel (the position, copied at the step's start;
 // the norm gains; the RoPE table) is read before the wait, and after it one round of loads brings
 // the head's q or k and v into registers: one dependent L2 round trip, not four.
 constexpr int kRopeWarps = 4;

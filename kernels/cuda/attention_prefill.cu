@@ -1,9 +1,9 @@
 // Prefill attention on tensor cores (attention=flash, chunks of kFlashPrefillMinTokens+ tokens):
 // FlashAttention-2 style, bf16 mma.sync m16n8k16 with fp32 accumulators and an online softmax
 // in exp2. The split-KV kernel (attention_flash.cu) gives each query row its own block and
-// re-reads every key per row on CUDA cores: 5.1 ms a layer at prefill 2048 on qwen3-30b-a3b
-// (ncu); this kernel measured 534 us there on the fp32 cache (64 TFLOP/s: K/V conversion and
-// staging dominated). With kv_cache=bf16 (KvCache) tiles are plain 16-byte copies.
+// re-reads every key per row on CUDA cores (5.1 ms a layer at prefill 2048 on qwen3-30b-a3b,
+// ncu); this kernel stages each K/V tile once per 64 queries. On the fp32 cache the K/V
+// conversion and staging dominate; with kv_cache=bf16 (KvCache) tiles are plain 16-byte copies.
 //
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens, one layer: QK^T and PV over the causal
 // half, 32 heads x 2048^2 / 2 x 128 x 2 x 2 = 34 GFLOP -> ~0.1 ms at 400 TFLOP/s of mma.sync;
@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(128)
       WaitCopies<0>();
     }
     __syncthreads();  // this tile's copies, from every thread, have landed
-    // K and V rows alike, [key][d] in bf16. (V used to be stored transposed, 2 bytes at a
-    // time: the PV fragments now come from ldmatrix.trans instead.)
+    // K and V rows alike, [key][d] in bf16: the PV fragments come from ldmatrix.trans, so V
+    // needs no transposed copy.
     const __nv_bfloat16* k_s = k_stage(step);
     const __nv_bfloat16* v_s = v_stage(step);
 

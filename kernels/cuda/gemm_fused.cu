@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(256, kStreamBlocksPerSm) GemvStreamKernel(Gemv
       next_w = next_row < total ? row_weights(next_row) : nullptr;
     }
     if (next_w) load(next_w, next_c0, next);
-    // GemvKernel's batch loop, written out again on purpose: with both in one helper the
-    // one-wave kernel's code moved and the bf16 graphs=on step lost 3.071 -> 3.167 ms (H200).
+    // GemvKernel's batch loop, written out again on purpose: sharing one helper moves the
+    // one-wave kernel's code, and the bf16 graphs=on step is ~3 % slower on the H200.
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int c = c0 + 32 * u;
@@ -225,8 +225,7 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
   // (q+k+v: 2560 warps). Blocks are 8 warps even for small matrices: staging x (and its norm)
   // after the wait is the kernel's critical path, and 8 warps share it four times finer than 2.
-  // The 128-row router in 64 blocks of 2 warps cost 8 us a layer in the batch-1 decode graph;
-  // in 16 blocks of 8, 4 us less (H200, TPOT 3.345 -> 3.147 ms).
+  // The 128-row router runs as 16 blocks of 8 warps: 64 blocks of 2 take ~4 us a layer longer.
   const int rows_per_warp = total > 24 * MultiprocessorCount() ? 2 : 1;
   const int warps_needed = CeilDiv(total, rows_per_warp);
   constexpr int kWarpsPerBlock = 8;

@@ -1,9 +1,8 @@
 // Expert-grouped MoE on tensor cores (moe=fused, rows >= kMoeGroupedMinRows): the routed pairs
 // are bucketed by expert on the device, then every expert's weights are streamed once and
-// applied to all of its pairs with bf16 mma.sync (m16n8k16, fp32 accumulate). The per-pair
-// kernels of moe.cu read an expert once per pair routed to it: at batch 64 that was 512 expert
-// reads a layer instead of ~126 (826 decode tok/s; 2,375-2,440 with these kernels, ncu: gate/up
-// 208 us + down 109 us a layer at 3.0 TB/s). No host sync, so decode steps stay capturable.
+// applied to all of its pairs with bf16 mma.sync (m16n8k16, fp32 accumulate): at batch 64, ~126
+// expert reads a layer where moe.cu's per-pair kernels make 512 (ncu: gate/up 208 us + down
+// 109 us a layer at 3.0 TB/s). No host sync, so decode steps stay capturable.
 // Weights are re-read for every 64 pairs of an expert, so long prefill chunks (more than 16 pairs
 // per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/cuda_model.cc).
 #include <algorithm>
@@ -56,12 +55,10 @@ __device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4&
 // then next[e] + earlier warps + earlier rounds + lower lanes of its group: pair order within
 // each expert, so the bucketing (and every sum after it) is deterministic without sorting.
 // Four barriers for one part (up to 8,192 pairs), four more a further part.
-// Measured alone (ncu, H200, top-8 routing, old kernel -> this one): 512 pairs / 128 experts
-// (batch 64) 12.2 -> 4.5 us, 2,048 / 128 7.5 us (was 35), 16,384 / 128 38 us (was 251),
-// 16,384 / 1024 50 us (was 1,880). An empty 1024-thread kernel takes 1.5 us and one that only
-// copies the 512 ids 2.2 us, so batch 64 is near the floor of a one-block kernel. The previous
-// kernel (a ballot per 32 pairs and expert, a 1024-entry Hillis-Steele scan) measured 11.9 us
-// at batch 64 in the decode step; this one is not yet measured there.
+// Measured alone (ncu, H200, top-8 routing): 512 pairs / 128 experts (batch 64) 4.5 us, 2,048 /
+// 128 7.5 us, 16,384 / 128 38 us, 16,384 / 1024 50 us. An empty 1024-thread kernel takes 1.5 us
+// and one that only copies the 512 ids 2.2 us, so batch 64 is near the floor of a one-block
+// kernel.
 constexpr int kBucketThreads = 1024;
 constexpr int kBucketWarps = kBucketThreads / 32;
 constexpr int kBucketRounds = 8;                             // 32-pair rounds per warp and part

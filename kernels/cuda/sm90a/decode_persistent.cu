@@ -35,8 +35,7 @@
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
 // builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 49.1 us a layer bf16, 43.7 fp8_channel, 47.2 nvfp4 (fifteenth session; see
-// docs/PERFORMANCE.md).
+// 49.1 us a layer bf16, 43.7 fp8_channel, 47.2 nvfp4 (docs/PERFORMANCE.md).
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
@@ -67,9 +66,8 @@ constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;  // the consumer warps
 // And the producer warps, each keeping kRingsPerProducer rings filled (one lane a ring). One
 // producer warp for all 16 rings was busy ~95 % of the time (ncu: its branchy, divergent issue
-// path serialised over the lanes), so the copies' issue rate bounded the streaming: two cut the
-// H200 batch-1 step 3.134 -> 3.029 ms (down 11.3 -> 9.9 us a layer), four 3.058. More warps cost
-// no registers up to 20: 17 to 20 all put 5 on one SM sub-partition (96 registers a thread).
+// path serialised over the lanes), so the copies' issue rate bounds the streaming; two are
+// fastest on the H200 (four are slower again). More warps cost no registers up to 20: 17 to 20 all put 5 on one SM sub-partition (96 registers a thread).
 constexpr int kProducerWarps = 2;
 constexpr int kRingsPerProducer = kWarps / kProducerWarps;
 static_assert(kWarps % kProducerWarps == 0);
@@ -271,11 +269,9 @@ struct Ring {
   bool skip_adds = false;  // TEST ONLY: the fused down's sums never reach x (timing only)
   // With n > 0, at most n - 1 units in flight while the next is a q/k/v unit of a layer this
   // block has not begun: the next layer's rows, issued while the MLP's slowest blocks still
-  // stream their experts. The bf16 build takes 3 (2 in flight; the ring holds 3): H200
-  // qwen3-30b-a3b batch 1, one call, 2.791 -> 2.770 ms, the MLP phase 29.0 -> 28.2 us a layer
-  // (q/k/v 8.4 -> 9.1); the quantized builds lost with it (fp8_channel 2.543 -> 2.563, nvfp4
-  // 2.655 -> 2.720) and have no cap: the check is compiled out of them, so that their code stays
-  // the previous commit's (their register allocation moves with any change).
+  // stream their experts. The bf16 build takes 3 (2 in flight; the ring holds 3: its MLP phase
+  // gains more than q/k/v loses); the quantized builds are slower with a cap and have none: the
+  // check is compiled out of them (their register allocation moves with any change).
   int qkv_cap = 0;
   // Weights are streamed evict-first: each is read once a step, while the activations (x, q/k/v,
   // attention's partials, the logits, h), written by one SM and read by others microseconds
@@ -811,9 +807,8 @@ struct AttentionConstants {
 };
 
 // acc[i] += sum_j w_j V[j][kDims * lane + i] over the chunk's rows, w_j the softmax weight lane j
-// holds: one load of the lane's kDims bf16 a key (2, 4 or 8; head_dim 64, 128, 256). With scalar
-// loads and a runtime count, builds short of registers issued them one at a time through one
-// register: the key step took 6.5 us instead of 3.9.
+// holds: one load of the lane's kDims bf16 a key (2, 4 or 8; head_dim 64, 128, 256), a
+// compile-time count, so that builds short of registers still issue it as one vector load.
 template <int kDims>
 __device__ __forceinline__ void SumValues(float (&acc)[8], const __nv_bfloat16* vcol, int hd, int rows,
                                           float weight) {
@@ -884,10 +879,8 @@ __device__ __forceinline__ void StampAt(unsigned long long* at) {
 // The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v. *loaded = layer once
 // the inputs have landed (the block's producers hold its o weights until then).
 // kSlicedCombine: every split combines a slice of its kv head's outputs once all have published
-// (the quantized builds: H200 qwen3-30b-a3b batch 1, one call, nvfp4 2.462 -> 2.395 ms,
-// fp8_channel 2.311 -> 2.265, attention 10.3 -> 8.7 and 9.6 -> 8.5 us a layer); else the last
-// split to publish combines them all (the bf16 build: with the sliced combine its register
-// allocation moved, the key step 3.1 -> 3.8 us and the MLP +0.4, 2.576 -> 2.593 ms).
+// (the quantized builds, where it shortens attention by ~15 %); else the last split to publish
+// combines them all (the bf16 build, whose register allocation the sliced combine upsets).
 template <bool kSlicedCombine>
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
                             const PersistentLayer& L, int layer, int item, int pos, float* xs,
@@ -903,8 +896,7 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
   const int first_q = kv_head * G;
   // The group's q heads, then k and v (m.q, m.kn, m.vn are contiguous), copied in 16-byte pieces
   // by cp.async: every piece in flight at once, one round trip (plain loads in a loop with a
-  // run-time count were issued one iteration after another: this step 2.24 -> 1.62 us on the
-  // H200, qwen3-30b-a3b). head_dim is a multiple of 32.
+  // run-time count issue one iteration after another). head_dim is a multiple of 32.
   for (int i = t; i < (G + 2) * hd / 4; i += kThreads) {
     const int head = i / (hd / 4);  // < G: q head first_q + head; G: k; G + 1: v
     const float* src = a.qkv + (head < G ? (first_q + head) * hd
@@ -1066,9 +1058,8 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
     if (!last_split) return;
     // The combine: two threads own 4 outputs of a head (one float4), each half of the splits, their
     // loads issued four at a time (one round trip for S up to 8; three at context 576, S = 19).
-    // Measured slower on the H200 (qwen3-30b-a3b, context ~576): merging the splits online, each
-    // split's max loaded with its output (no round trip for the weights first), 2.2 -> 3.1 us (the
-    // merge's chain of exps); a thread's first four loads issued before the weights, 2.4 -> 2.7.
+    // Slower on the H200 (qwen3-30b-a3b, context ~576): merging the splits online (the merge's
+    // chain of exps), or issuing a thread's first four loads before the weights.
     const int quads = outputs / 4, half = t & 1;
     const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
     for (int g = warp; g < G; g += kWarps) {  // each split's weight in head g's output (S <= 32)
@@ -1190,10 +1181,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if ((knobs >> 1) & 15) r.max_in_flight = max(2, (knobs >> 1) & 15);  // gate/up waits for pairs
   r.skip_math = (knobs >> 5) & 1;
   // An attention block's o weights wait for its attention's inputs to land (AttendSplit's
-  // `loaded`): arriving while those loads are in flight, they delayed them. H200 qwen3-30b-a3b
-  // batch 1, one call: 2.622 / 2.626 -> 2.579 / 2.577 ms, the MLP phase 26.6 -> 25.6 us a layer
-  // (the starved blocks' first experts sooner: see docs/PERFORMANCE.md); held until the keys
-  // are scored instead, 2.657 (the partials' publication 1.2 -> 2.9 us).
+  // `loaded`): arriving while those loads are in flight, they delay them (and the starved
+  // blocks' first experts). Held until the keys are scored instead, the partials' publication
+  // waits longer and the step is slower.
   r.hold_o = ((knobs >> 7) & 1) || RunsAttention(a, step_position, (knobs >> 11) & 1);
   r.evict_first = !((knobs >> 8) & 1);
   if constexpr (kFusedDown<F>) {  // (the quantized builds' code stays as it was: see qkv_cap)
@@ -1255,9 +1245,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // This block's attention item: the items go to the grid's last blocks, which have the fewest
   // q/k/v rows (round robin gives the first warps the extra ones), so that the blocks that also
   // copy in their keys during q/k/v are not the ones with a third row. H200 qwen3-30b-a3b batch 1
-  // (timeline): q/k/v work 7.25 us a layer for the 56 blocks with both, against 5.9 with keys
-  // and two rows, 4.9 with two rows alone; now q/k/v 8.9 -> 8.2 us. (At most gridDim.x items:
-  // MakeAttentionShape.)
+  // (timeline): a block with keys and a third row is the q/k/v phase's slowest. (At most
+  // gridDim.x items: MakeAttentionShape.)
   auto attention_item = [] { return static_cast<int>(gridDim.x - 1 - blockIdx.x); };
   // Whether the bf16 build's down sums of layer l go to x_adds (zeroed by layer l's o phase)
   // rather than to x: every layer's but the last's (x is what the lm_head reads).
@@ -1432,8 +1421,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
             }
         }
         // To the producers at once: the experts' first units are in flight while x is staged
-        // (published after the block barrier, they waited for warp 0's staging loads; H200
-        // qwen3-30b-a3b batch 1, one call: 2.731 -> 2.718 ms, warp 0's first pair 4.9 -> 4.5 us).
+        // (published after the block barrier, they would wait for warp 0's staging loads).
         __syncwarp();
         if (lane == 0) PublishRouting(&routing, l);
       }
@@ -1477,8 +1465,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
           up += consume(UnitElems(d.hidden, u), StagedAt(xs, d.hidden, u * kUnitElems));
       } else {
         // The staged x's shared-memory reads (4 bytes a weight) bounded these builds' gate/up:
-        // each pair of units is dotted with one read of it. H200 batch 1: fp8_channel 2.551 ->
-        // 2.531 ms (gate/up 16.1 -> 15.1 us a layer).
+        // each pair of units is dotted with one read of it.
         for (int u = 0; u < per_row; ++u) {  // the row's gate and up units alternate in the ring
           const int elems = UnitElems(d.hidden, u);
           const unsigned char* gate_unit = WaitUnit(r, UnitBytes<F>(elems));
@@ -1693,8 +1680,8 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream, boo
   // holds every block's o projection weights back until the layer's attention is done (an
   // attention block's wait for its attention's inputs in any case), 256 streams the
   // weights with the default L2 policy instead of evict-first, 512 takes the fenced grid
-  // barrier, 2048 splits each kv head's keys over the most blocks, 262144 caps the rings at the
-  // eighth session's 11,904 bytes (two 4 KB units); 524288 times n (1-3) lets at most n - 1
+  // barrier, 2048 splits each kv head's keys over the most blocks, 262144 caps the rings at
+  // 11,904 bytes (two 4 KB units); 524288 times n (1-3) lets at most n - 1
   // units be in flight while a ring's next is a q/k/v unit of a layer its block has not begun
   // (Ring::qkv_cap; the bf16 build's default is 3); 2097152 keeps the bf16 build's down sums out of
   // x (wrong results: timing only).

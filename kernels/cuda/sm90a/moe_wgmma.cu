@@ -14,8 +14,7 @@
 // that wgmma reads through shared-memory descriptors, two chunks in flight ahead of the one being
 // multiplied. 64 accumulator registers a thread and 97 KB of ring let two blocks share an SM, so
 // one block's barriers, MMA waits, work-item lookup and epilogue hide under the other's
-// streaming. (The first version, 1 block an SM of 256 pairs x 128 rows with 128 accumulators a
-// thread and a 4-stage ring, was latency-bound: ncu DRAM 48 %, L2 65 %, SM 32 % of peak.) Work
+// streaming (one block an SM with 128 accumulators a thread is latency-bound: ncu DRAM 48 %). Work
 // items (expert, 128-pair tile) are found from the offsets on the device: nothing reaches the
 // host, and the launch is capturable.
 //
@@ -23,8 +22,7 @@
 // 103 GFLOP over 805 MB of weights, down 52 GFLOP over 403 MB. 1.2 GB a layer is 270 us at
 // 4.46 TB/s; 155 GFLOP is 157 us at 989 TFLOP/s: at ~128 pairs an expert the bound is bandwidth
 // (a 128-pair warpgroup's 8 MMAs per K chunk take ~0.3 us on the SM's tensor cores, the chunk's
-// 16 KB of weights ~0.55 us of the SM's share of DRAM bandwidth). cuBLAS's grouped GEMMs plus
-// SiLU took 750 us a layer.
+// 16 KB of weights ~0.55 us of the SM's share of DRAM bandwidth).
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"

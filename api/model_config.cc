@@ -1,4 +1,4 @@
-#include "engine/model_config.h"
+#include "api/model_config.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace infersweep {
@@ -241,20 +242,6 @@ class FieldReader {
   std::string_view source_;
   std::string prefix_;
 };
-
-#define IS_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
-  auto tmp = (expr);                             \
-  if (!tmp.ok()) return tmp.status();            \
-  lhs = std::move(*tmp)
-#define IS_CONCAT_INNER(a, b) a##b
-#define IS_CONCAT(a, b) IS_CONCAT_INNER(a, b)
-#define ASSIGN_OR_RETURN(lhs, expr) \
-  IS_ASSIGN_OR_RETURN_IMPL(IS_CONCAT(status_or_, __LINE__), lhs, expr)
-#define RETURN_IF_ERROR(expr)             \
-  do {                                    \
-    absl::Status status_ = (expr);        \
-    if (!status_.ok()) return status_;    \
-  } while (0)
 
 absl::Status Unsupported(std::string_view source, std::string_view field, std::string_view what) {
   return absl::UnimplementedError(
@@ -874,11 +861,5 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   }
   return ParseModelConfig(text, path);
 }
-
-#undef RETURN_IF_ERROR
-#undef ASSIGN_OR_RETURN
-#undef IS_CONCAT
-#undef IS_CONCAT_INNER
-#undef IS_ASSIGN_OR_RETURN_IMPL
 
 }  // namespace infersweep

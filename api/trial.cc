@@ -1,6 +1,7 @@
-#include "harness/trial.h"
+#include "api/trial.h"
 
 #include "absl/strings/numbers.h"
+#include "api/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
@@ -26,11 +27,6 @@ absl::Status Read(const json& j, const char* key, T* out, absl::string_view wher
   }
   return absl::OkStatus();
 }
-
-#define RETURN_IF_ERROR(expr)            \
-  do {                                   \
-    if (absl::Status _s = (expr); !_s.ok()) return _s; \
-  } while (0)
 
 json SpreadJson(const Spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
 json OptJson(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }

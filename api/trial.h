@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "core/identity.h"
 #include "core/launch_log.h"
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 
 namespace infersweep {
 

@@ -1,4 +1,4 @@
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 
 #include <algorithm>
 #include <set>
