@@ -93,8 +93,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "decode step captured once per batch size and replayed"});
   // The model's side (linears bf16, or fp8_tensor / fp8_channel / nvfp4 codes, without biases or
   // shared experts, shapes) is checked when the model is built: UNSUPPORTED with the reason
-  // (CudaModelRefusal, engine/cuda/cuda_model.h). Quantized weights stream as qgemm=w8a16 / w4a16 read
-  // them (the codes, dequantized in registers) or as dequant_bf16's copies.
+  // (CudaModelRefusal, engine/cuda/cuda_model.h). Quantized weights stream as qgemm=w8a16 /
+  // w4a16 read them (the codes, dequantized in registers) or as dequant_bf16's copies.
   // Its batch-1 decode step is the kernel's own GEMVs, whatever the gemm axis says (they follow
   // gemm=fused): with gemm=reference, cublaslt or tma, a result's batch-1 decode figures would
   // name a GEMM that never ran there (moe=wgmma differs from moe=fused only at 4+ rows).

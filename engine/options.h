@@ -5,7 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 
 namespace infersweep {
 

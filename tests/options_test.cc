@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend_config.h"
+#include "api/backend_config.h"
 
 namespace infersweep {
 namespace {

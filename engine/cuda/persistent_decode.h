@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "api/model_config.h"
 #include "core/quant/format.h"
 #include "engine/cuda/runner_context.h"
-#include "engine/model_config.h"
 #include "engine/options.h"
 #include "kernels/cuda/sm90a/decode_persistent.h"
 

@@ -5,8 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include "api/model_config.h"
 #include "engine/fault_injection.h"
-#include "engine/model_config.h"
 #include "engine/options.h"
 #include "engine/weights.h"
 
