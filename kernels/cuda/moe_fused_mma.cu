@@ -4,7 +4,7 @@
 // expert reads a layer where moe.cu's per-pair kernels make 512 (ncu: gate/up 208 us + down
 // 109 us a layer at 3.0 TB/s). No host sync, so decode steps stay capturable.
 // Weights are re-read for every 64 pairs of an expert, so long prefill chunks (more than 16 pairs
-// per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/cuda_model.cc).
+// per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/moe_runner.cc).
 #include <algorithm>
 #include <string>
 
