@@ -915,6 +915,13 @@ TEST(Presets, TinyHybridHasBothLayerKindsAndSharedExperts) {
   EXPECT_GT(c.linear_num_value_heads, c.linear_num_key_heads);  // K<->V pairing matters
   for (int l = 0; l < c.num_layers; ++l) EXPECT_TRUE(c.IsMoeLayer(l));
   EXPECT_LT(c.rotary_dim(), c.head_dim);
+  // Exact counts (docs/MODELS.md).
+  EXPECT_EQ(c.TotalParams(), 1'288'016);
+  EXPECT_EQ(c.ActiveParams(), 698'192);
+  EXPECT_EQ(MustPreset("qwen3-next-80b-a3b").TotalParams(), 79'674'391'296);
+  EXPECT_EQ(MustPreset("qwen3-next-80b-a3b").ActiveParams(), 3'874'929'408);
+  EXPECT_EQ(MustPreset("qwen3.5-397b-a17b").TotalParams(), 396'346'350'336);
+  EXPECT_EQ(MustPreset("qwen3.5-397b-a17b").ActiveParams(), 17'349'040'896);
   // A layer override keeps the pattern.
   const ModelConfig six = MustPreset("tiny-hybrid", 6);
   EXPECT_EQ(six.layer_attention.size(), 6u);
