@@ -22,6 +22,12 @@ namespace {
 // Tokens per chunk of the chunked gated delta rule (prefill).
 constexpr int kGatedDeltaChunk = 64;
 
+int FirstLinearLayer(const ModelConfig& config) {
+  for (int l = 0; l < config.num_layers; ++l)
+    if (config.AttentionKind(l) == LayerAttention::kLinear) return l;
+  return -1;
+}
+
 class CpuModel final : public Model {
  public:
   CpuModel(const HostModel& host, const CpuModelOptions& options, ModelWeights faulty_weights,
@@ -253,6 +259,10 @@ class CpuModel final : public Model {
 
     float* states = recurrent_state_[l].data();
     const int64_t state_size = static_cast<int64_t>(dk) * dv;
+    if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_) {
+      const float factor = static_cast<float>(fault_.value);
+      for (float& s : recurrent_state_[l]) s *= factor;
+    }
     // Value head h reads key head h / (value_heads / key_heads).
     const int per_key = value_heads / key_heads;
     std::vector<float> o(rows * value_dim);
@@ -387,6 +397,7 @@ class CpuModel final : public Model {
   // Linear-attention layers: [layer][batch, K-1, conv_dim] and [layer][batch, Hv, dk, dv], fp32;
   // empty for full-attention layers.
   std::vector<std::vector<float>> conv_state_, recurrent_state_;
+  const int first_linear_layer_ = FirstLinearLayer(config_);
 };
 
 }  // namespace

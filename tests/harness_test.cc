@@ -717,6 +717,21 @@ INSTANTIATE_TEST_SUITE_P(Injected, NumericFaults,
                            return name;
                          });
 
+// A hybrid model's recurrent state carried wrongly between steps (here dropped at every
+// forward) is INCORRECT; the same trial without the fault is OK.
+TEST(Executor, HybridRecurrentStateFaultIsIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  TrialRequest clean = TinyRequest("matmul=blocked");
+  clean.model = "preset:tiny-hybrid";
+  const TrialResult ok = executor.Execute(clean);
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+  TrialRequest faulty = TinyRequest("matmul=blocked", "bad-state:0");
+  faulty.model = "preset:tiny-hybrid";
+  const TrialResult result = executor.Execute(faulty);
+  EXPECT_EQ(result.status, TrialStatus::kIncorrect) << result.reason;
+  EXPECT_FALSE(result.verdict.failures.empty());
+}
+
 TEST(Executor, NanFaultIsCountedAsNonFinite) {
   TrialExecutor executor(LocalDevices{});
   const TrialResult result = executor.Execute(TinyRequest("device=cpu", "nan-layer:0"));
