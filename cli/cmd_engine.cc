@@ -1,4 +1,5 @@
-// `infersweep logits`, `generate` and `demo`: run the engine once, in process.
+// `infersweep logits`, `generate` and `demo`: run the engine once, in process; `backends`: the
+// backend registry, as text or as docs/BACKENDS.md.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "cli/backends_markdown.h"
 #include "cli/commands.h"
 #include "engine/backends.h"
 #include "engine/npy.h"
@@ -273,6 +275,15 @@ void AddEngineCommands(CLI::App& app) {
   AddModelOptions(demo, args);
   demo->add_option("--max-new-tokens", max_new_tokens, "tokens to generate")->capture_default_str();
   demo->callback([] { std::exit(RunDemo(args, max_new_tokens)); });
+
+  static bool markdown = false;
+  CLI::App* backends =
+      app.add_subcommand("backends", "list the backend registry: every axis=value");
+  backends->add_flag("--markdown", markdown, "print docs/BACKENDS.md, generated from the registry");
+  backends->callback([] {
+    std::cout << (markdown ? BackendsMarkdown() : BackendsText());
+    std::exit(std::cout.good() ? 0 : 1);
+  });
 }
 
 }  // namespace infersweep::cli

@@ -1140,8 +1140,8 @@ int RunAgents(const std::string& coordinator) {
 
 // --metrics-listen HOST:PORT, or an empty value (--metrics-listen= or --metrics-listen "") for no
 // endpoint. The option takes 0 or 1 values so that CLI11 reads "--metrics-listen=" as empty
-// rather than as a missing value (it then took the next word); no capture_default_str, which
-// would turn an empty value back into the default: the default is in the help text instead.
+// rather than as a missing value that takes the next word; no capture_default_str, which would
+// turn an empty value back into the default: the default is in the help text instead.
 void AddMetricsListenOption(CLI::App* cmd, std::string* listen) {
   cmd->add_option("--metrics-listen", *listen,
                   absl::StrCat("host:port of the Prometheus /metrics endpoint "

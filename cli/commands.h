@@ -5,7 +5,8 @@
 
 namespace infersweep::cli {
 
-// logits, generate, demo: the engine's command-line contract (docs/CLI.md).
+// logits, generate, demo: the engine's command-line contract (docs/CLI.md); backends: the
+// registry, and with --markdown docs/BACKENDS.md.
 void AddEngineCommands(CLI::App& app);
 // run (trials in isolated workers) and the hidden worker.
 void AddRunCommands(CLI::App& app);

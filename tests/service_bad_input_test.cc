@@ -457,7 +457,7 @@ TEST(AuthHelpers, ConstantTimeEqualsAndTokenFiles) {
 }
 
 // "--metrics-listen=" (empty) turns the /metrics endpoint off, for the coordinator and the
-// agent; CLI11 used to read it as a missing value and take the next word instead.
+// agent, and is not read as a missing value that takes the next word.
 TEST(ServiceCli, EmptyMetricsListenTurnsTheEndpointOff) {
   const std::string dir = MakeTempDir("metrics-off");
   int rc = 0;

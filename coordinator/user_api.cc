@@ -1,0 +1,327 @@
+// SweepService, the user API: every call passes CheckUser (rate limit, then the bearer token),
+// then submits, reads or cancels sweeps, lists agents, and answers result, best and regression
+// queries from the store.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/regressions.h"
+#include "coordinator/server_impl.h"
+#include "coordinator/sweep_spec.h"
+#include "api/model_description.h"
+
+namespace infersweep {
+
+namespace {
+
+using coordinator_internal::GrpcError;
+using coordinator_internal::RateLimitMessage;
+
+constexpr int kMaxQueryRows = 10000;
+// A page of results stays below the message limit with room for the envelope.
+constexpr size_t kMaxResultPageBytes = rpc::kMaxMessageBytes - 256 * 1024;
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ authentication
+
+grpc::Status CoordinatorServer::Impl::CheckUser(grpc::ServerContext* context) {
+  // The rate limit comes first, so that guessing tokens is limited too.
+  if (const std::string peer = PeerHost(context->peer());
+      OverRateLimit(user_limiter_, peer, "user"))
+    return GrpcError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     RateLimitMessage("user-API calls", user_limiter_.limit(), peer));
+  if (options_.user_token.empty()) return grpc::Status::OK;
+  bool ok = false;
+  const auto& md = context->client_metadata();
+  auto it = md.find(rpc::kAuthMetadataKey);
+  if (it != md.end()) {
+    const std::string_view value(it->second.data(), it->second.size());
+    const std::string_view prefix(rpc::kBearerPrefix);
+    if (value.size() > prefix.size() && value.substr(0, prefix.size()) == prefix)
+      ok = rpc::ConstantTimeEquals(value.substr(prefix.size()), options_.user_token);
+  }
+  if (ok) return grpc::Status::OK;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.auth_failures;
+  }
+  metrics_->CountAuthFailure("user");
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid credentials");
+}
+
+// ------------------------------------------------------------------------------ user API
+
+grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& req,
+                                                  v1::SubmitSweepResponse* resp) {
+  const std::string source = req.source().empty() ? "<request>" : req.source().substr(0, 256);
+  if (req.spec_yaml().size() > kMaxSweepSpecBytes)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat(source, ": spec is ", req.spec_yaml().size(),
+                                  " bytes; the limit is ", kMaxSweepSpecBytes));
+  absl::StatusOr<SweepSpec> spec = ParseSweepSpec(req.spec_yaml(), source);
+  if (!spec.ok()) return rpc::ToGrpcStatus(spec.status());
+  absl::StatusOr<std::vector<std::string>> warnings = CheckSweepModel(*spec);
+  if (!warnings.ok()) return rpc::ToGrpcStatus(warnings.status());
+  absl::StatusOr<std::vector<TrialRecord>> trials =
+      ExpandSweep(*spec, 0, options_.max_trials_per_sweep);
+  if (!trials.ok()) return rpc::ToGrpcStatus(trials.status());
+  // A preset's identity is known here (a pure function of name, layers, seed and format), so
+  // every result of its trials is filed under it, also those made without an agent. A
+  // checkpoint's needs its files: the agent that runs it says.
+  std::map<std::tuple<std::string, int, uint64_t>, std::string> preset_keys;
+  for (TrialRecord& t : *trials) {
+    if (!absl::StartsWith(t.model, "preset:")) continue;
+    auto [it, fresh] = preset_keys.try_emplace({t.model, t.layers, t.seed});
+    if (fresh) {
+      absl::StatusOr<ModelDescription> d = ParseModelDescription(t.model);
+      absl::StatusOr<ModelIdentity> id =
+          d.ok() ? DescribePreset(d->model.substr(7), t.layers, t.seed, d->quantize) : d.status();
+      if (id.ok()) it->second = ModelIdentityKey(*id);
+    }
+    t.model_key = it->second;
+  }
+  absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweepRecord(*spec), *trials);
+  if (!id.ok()) return rpc::ToGrpcStatus(id.status());
+  resp->set_sweep_id(*id);
+  resp->set_trial_count(static_cast<int64_t>(trials->size()));
+  for (const std::string& w : *warnings) resp->add_warnings(w);
+  Log(absl::StrCat("sweep ", *id, " '", spec->name, "' submitted: ", trials->size(), " trial(s)",
+                   warnings->empty() ? "" : "; warning: ", absl::StrJoin(*warnings, "; ")));
+  Wake();
+  return grpc::Status::OK;
+}
+
+void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_counts,
+                                            v1::SweepInfo* out) {
+  out->set_sweep_id(s.id);
+  out->set_name(s.name);
+  out->set_model(s.model);
+  out->set_state(s.state);
+  out->set_created_unix_ms(s.created_unix_ms);
+  out->set_trials_total(s.trials_total);
+  out->set_trials_done(s.trials_done);
+  out->set_priority(s.priority);
+  // Running = leased: every lease the coordinator holds for the sweep, including those
+  // recovered from the database after a restart (no slots until their agent's Hello confirms
+  // them) and those of an agent that came back without the trial (released after a grace
+  // period), so that queued = total - done - running counts only trials waiting for a slot.
+  int64_t running = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [agent, held] : held_)
+      for (const auto& [tid, h] : held)
+        if (h.sweep_id == s.id && !h.foreign) ++running;
+  }
+  out->set_trials_running(running);
+  if (!with_counts) return;
+  if (auto counts = store_->CountResults(s.id); counts.ok())
+    for (const auto& [status, n] : *counts) (*out->mutable_status_counts())[status] = n;
+}
+
+grpc::Status CoordinatorServer::Impl::GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp) {
+  absl::StatusOr<SweepRecord> s = store_->GetSweep(req.sweep_id());
+  if (!s.ok()) return rpc::ToGrpcStatus(s.status());
+  FillSweepInfo(*s, /*with_counts=*/true, resp);
+  resp->set_spec_yaml(s->spec_yaml);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::ListSweeps(v1::ListSweepsResponse* resp) {
+  absl::StatusOr<std::vector<SweepRecord>> sweeps = store_->ListSweeps();
+  if (!sweeps.ok()) return rpc::ToGrpcStatus(sweeps.status());
+  for (const SweepRecord& s : *sweeps) FillSweepInfo(s, /*with_counts=*/false, resp->add_sweeps());
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::CancelSweep(const v1::CancelSweepRequest& req,
+                                                  v1::CancelSweepResponse* resp) {
+  if (absl::Status s = store_->CancelSweep(req.sweep_id()); !s.ok()) return rpc::ToGrpcStatus(s);
+  int64_t sent = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [agent, held] : held_) {
+    auto c = conns_.find(agent);
+    if (c == conns_.end()) continue;
+    for (const auto& [tid, h] : held) {
+      if (h.sweep_id != req.sweep_id() || h.foreign) continue;
+      v1::CoordinatorMessage m;
+      m.mutable_cancel()->set_trial_id(tid);
+      c->second->Enqueue(std::move(m));
+      ++sent;
+    }
+  }
+  resp->set_trials_cancelled_running(sent);
+  Log(absl::StrCat("sweep ", req.sweep_id(), " cancelled (", sent, " running trial(s) told)"));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::ListAgents(v1::ListAgentsResponse* resp) {
+  absl::StatusOr<std::vector<AgentRecord>> agents = store_->ListAgents();
+  if (!agents.ok()) return rpc::ToGrpcStatus(agents.status());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const AgentRecord& a : *agents) {
+    v1::AgentInfo* info = resp->add_agents();
+    info->set_agent_id(a.agent_id);
+    info->set_host(a.host);
+    info->set_last_seen_unix_ms(a.last_seen_unix_ms);
+    v1::Hello hello;
+    google::protobuf::util::JsonParseOptions opts;
+    opts.ignore_unknown_fields = true;
+    if (google::protobuf::util::JsonStringToMessage(a.inventory_json, &hello, opts).ok()) {
+      *info->mutable_gpus() = hello.gpus();
+      info->set_cpu_only(hello.gpus_size() == 0);
+      info->set_engine_version(hello.engine_version());
+    }
+    auto c = conns_.find(a.agent_id);
+    info->set_connected(c != conns_.end());
+    if (c == conns_.end()) continue;
+    const Conn& conn = *c->second;
+    info->set_slots(static_cast<int32_t>(conn.slots.size()));
+    int free = 0;
+    for (const SlotInfo& s : conn.slots)
+      if (!SlotBusyLocked(a.agent_id, s.index)) ++free;
+    info->set_free_slots(free);
+    info->set_bad_messages(conn.bad_messages.load());
+    if (auto h = held_.find(a.agent_id); h != held_.end())
+      for (const auto& [tid, held] : h->second)
+        if (!held.slots.empty()) info->add_running_trial_ids(tid);
+  }
+  return grpc::Status::OK;
+}
+
+namespace {
+
+void FillRow(const StoredResult& r, std::string json, v1::ResultRow* row) {
+  row->set_sweep_id(r.sweep_id);
+  row->set_agent_id(r.agent_id);
+  row->set_gpu_name(r.gpu_name);
+  row->set_sm(r.sm);
+  row->set_result_json(std::move(json));
+  if (r.model_key) row->set_model_key(*r.model_key);
+  if (r.workload) row->set_workload(*r.workload);
+  if (r.engine_version) row->set_engine_version(*r.engine_version);
+  if (r.software) row->set_software(*r.software);
+}
+
+}  // namespace
+
+grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest& req,
+                                                   v1::QueryResultsResponse* resp) {
+  ResultQuery q;
+  if (req.has_sm()) q.sm = req.sm();
+  if (req.has_gpu_name()) q.gpu_name = req.gpu_name();
+  if (req.has_model()) q.model = req.model();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
+  if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
+  q.with_kernels = req.with_kernels();
+  if (req.has_status()) {
+    std::optional<TrialStatus> st = TrialStatusFromName(req.status());
+    if (!st)
+      return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                       absl::StrCat("unknown status '", req.status(),
+                                    "' (known: OK, INCORRECT, CRASHED, UNSUPPORTED, TIMEOUT, ERROR)"));
+    q.status = *st;
+  }
+  for (const auto& [axis, value] : req.axis_values()) q.axis_values[axis] = value;
+  if (req.has_since_unix_ms()) q.since_unix_ms = req.since_unix_ms();
+  if (req.has_until_unix_ms()) q.until_unix_ms = req.until_unix_ms();
+  if (req.limit() < 0)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("limit must be >= 0, got ", req.limit()));
+  q.limit = req.limit() == 0 ? 1000 : std::min(req.limit(), kMaxQueryRows);
+  // The stored JSON goes out as it is: the client parses it (the store's parse and a second
+  // serialisation here would be most of a query's time).
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResultRows(q);
+  if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
+  size_t bytes = 0;
+  for (StoredResult& r : *rows) {
+    bytes += r.result_json.size() + r.agent_id.size() + r.gpu_name.size() + 256;
+    if (bytes > kMaxResultPageBytes) {
+      resp->set_truncated(true);
+      break;
+    }
+    FillRow(r, std::move(r.result_json), resp->add_rows());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestResponse* resp) {
+  BestQuery q;
+  q.model = req.model();
+  if (req.has_sweep_id()) {
+    q.sweep_id = req.sweep_id();
+    absl::StatusOr<SweepRecord> sweep = store_->GetSweep(req.sweep_id());
+    if (!sweep.ok()) return rpc::ToGrpcStatus(sweep.status());
+    if (q.model.empty()) q.model = sweep->model;
+  }
+  if (q.model.empty())
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, "best: model (or sweep_id) is required");
+  q.sm = req.sm();
+  q.metric = req.metric().empty() ? "output_tok_s" : req.metric();
+  q.batch = req.batch() == 0 ? 1 : req.batch();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
+  absl::StatusOr<BestAnswer> best = store_->Best(q);
+  if (!best.ok()) return rpc::ToGrpcStatus(best.status());
+  resp->set_model(q.model);
+  for (const ResultGroup& g : best->groups) {
+    v1::ResultGroup* out = resp->add_groups();
+    out->set_model_key(g.model_key);
+    out->set_workload(g.workload);
+    out->set_ok_results(g.ok_results);
+    out->set_first_sweep(g.first_sweep);
+    out->set_last_sweep(g.last_sweep);
+    out->set_last_finished_unix_ms(g.last_finished_unix_ms);
+  }
+  if (!best->best) return grpc::Status::OK;
+  resp->set_found(true);
+  FillRow(*best->best, std::move(best->best->result_json), resp->mutable_row());
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServer::Impl::Regressions(const v1::RegressionsRequest& req,
+                                                  v1::RegressionsResponse* resp) {
+  RegressionQuery q;
+  if (!req.metric().empty()) q.metric = req.metric();
+  if (req.has_model()) q.model = req.model();
+  if (req.has_sm()) q.sm = req.sm();
+  if (req.has_sweep_id()) q.sweep_id = req.sweep_id();
+  if (req.has_model_key()) q.model_key = req.model_key();
+  if (req.has_workload()) q.workload = req.workload();
+  if (req.has_layers()) q.layers = req.layers();
+  if (req.window() != 0) q.options.window = req.window();
+  if (req.min_history() != 0) q.options.min_history = req.min_history();
+  if (!req.test().empty()) {
+    absl::StatusOr<RegressionTest> test = ParseRegressionTest(req.test());
+    if (!test.ok()) return rpc::ToGrpcStatus(test.status());
+    q.options.test = *test;
+  }
+  if (req.z_threshold() != 0) q.options.z_threshold = req.z_threshold();
+  if (req.iqr_k() != 0) q.options.iqr_k = req.iqr_k();
+  if (req.has_min_change()) q.options.min_change = req.min_change();
+  if (req.limit() < 0)
+    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("limit must be >= 0, got ", req.limit()));
+  if (req.limit() != 0) q.limit = req.limit();
+  absl::StatusOr<std::vector<RegressionRow>> rows = FindRegressions(*store_, q);
+  if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
+  for (const RegressionRow& r : *rows) *resp->add_series() = ToProto(r);
+  return grpc::Status::OK;
+}
+
+}  // namespace infersweep
