@@ -49,11 +49,11 @@ struct ArchEntry {
   std::string_view name;
 };
 constexpr ArchEntry kArchs[] = {
-    {ModelArch::kLlama, "llama"},         {ModelArch::kQwen3, "qwen3"},
-    {ModelArch::kQwen2Moe, "qwen2_moe"},  {ModelArch::kQwen3Moe, "qwen3_moe"},
-    {ModelArch::kMixtral, "mixtral"},     {ModelArch::kQwen3Next, "qwen3_next"},
+    {ModelArch::kLlama, "llama"},           {ModelArch::kQwen3, "qwen3"},
+    {ModelArch::kQwen2Moe, "qwen2_moe"},    {ModelArch::kQwen3Moe, "qwen3_moe"},
+    {ModelArch::kMixtral, "mixtral"},       {ModelArch::kQwen3Next, "qwen3_next"},
     {ModelArch::kQwen35Moe, "qwen3_5_moe"}, {ModelArch::kQwen35Moe, "qwen3_5_moe_text"},
-    {ModelArch::kQwen35, "qwen3_5"},      {ModelArch::kQwen35, "qwen3_5_text"},
+    {ModelArch::kQwen35, "qwen3_5"},        {ModelArch::kQwen35, "qwen3_5_text"},
 };
 
 // The Qwen3.5 multimodal wrappers hold the language model's config in `text_config`.
@@ -277,11 +277,10 @@ absl::Status FieldError(std::string_view source, std::string_view field, std::st
   return absl::InvalidArgumentError(absl::StrFormat("%s: field '%s': %s", source, field, what));
 }
 
-absl::Status CheckRange(std::string_view source, std::string_view field, int64_t value,
-                        int64_t lo, int64_t hi) {
+absl::Status CheckRange(std::string_view source, std::string_view field, int64_t value, int64_t lo,
+                        int64_t hi) {
   if (value < lo || value > hi) {
-    return FieldError(source, field,
-                      absl::StrFormat("%d is out of range [%d, %d]", value, lo, hi));
+    return FieldError(source, field, absl::StrFormat("%d is out of range [%d, %d]", value, lo, hi));
   }
   return absl::OkStatus();
 }
@@ -346,10 +345,10 @@ absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
     ASSIGN_OR_RETURN(nested_partial, pr.OptionalPositiveNumber("partial_rotary_factor"));
     if (nested_partial.has_value()) {
       if (partial.has_value() && *partial != *nested_partial) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: field '%s' (%g) disagrees with '%s' (%g)", source,
-            r.FieldName("partial_rotary_factor"), *partial,
-            pr.FieldName("partial_rotary_factor"), *nested_partial));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: field '%s' (%g) disagrees with '%s' (%g)", source,
+                            r.FieldName("partial_rotary_factor"), *partial,
+                            pr.FieldName("partial_rotary_factor"), *nested_partial));
       }
       partial = nested_partial;
     }
@@ -510,8 +509,7 @@ absl::Status ParseHybrid(const FieldReader& r, ModelConfig& c) {
     }
   } else {
     int interval = 0;
-    ASSIGN_OR_RETURN(interval,
-                     r.IntOr("full_attention_interval", kDefaultFullAttentionInterval));
+    ASSIGN_OR_RETURN(interval, r.IntOr("full_attention_interval", kDefaultFullAttentionInterval));
     c.layer_attention = LayersFromInterval(c.num_layers, interval);
   }
 
@@ -675,9 +673,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     std::optional<std::string> act;
     ASSIGN_OR_RETURN(act, r.OptionalString("hidden_act"));
     if (act.has_value() && *act != "silu") {
-      return Unsupported(source, r.FieldName("hidden_act"),
-                         absl::StrFormat("activation \"%s\" is not supported (only \"silu\")",
-                                         *act));
+      return Unsupported(
+          source, r.FieldName("hidden_act"),
+          absl::StrFormat("activation \"%s\" is not supported (only \"silu\")", *act));
     }
 
     ASSIGN_OR_RETURN(c.hidden_size, r.RequiredInt("hidden_size"));
@@ -689,10 +687,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     if (head_dim.has_value()) {
       c.head_dim = *head_dim;
     } else if (c.hidden_size % c.num_q_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: field '%shead_dim' is absent and hidden_size %d is not divisible by "
-          "num_attention_heads %d",
-          source, prefix, c.hidden_size, c.num_q_heads));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: field '%shead_dim' is absent and hidden_size %d is not divisible by "
+                          "num_attention_heads %d",
+                          source, prefix, c.hidden_size, c.num_q_heads));
     } else {
       c.head_dim = c.hidden_size / c.num_q_heads;
     }
@@ -715,8 +713,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     }
     ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", false));
     if (body != &root) {  // a wrapper's own tie_word_embeddings, when it has one, decides
-      ASSIGN_OR_RETURN(c.tie_word_embeddings, top.BoolOr("tie_word_embeddings",
-                                                         c.tie_word_embeddings));
+      ASSIGN_OR_RETURN(c.tie_word_embeddings,
+                       top.BoolOr("tie_word_embeddings", c.tie_word_embeddings));
     }
 
     RETURN_IF_ERROR(ParseRope(r, c));
@@ -865,9 +863,9 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
 
   if (IsHybridArch(c.arch)) {
     if (static_cast<int64_t>(c.layer_attention.size()) != c.num_layers) {
-      return FieldError(source, "layer_types",
-                        absl::StrFormat("%d layer kinds for %d layers", c.layer_attention.size(),
-                                        c.num_layers));
+      return FieldError(
+          source, "layer_types",
+          absl::StrFormat("%d layer kinds for %d layers", c.layer_attention.size(), c.num_layers));
     }
     RETURN_IF_ERROR(
         CheckRange(source, "linear_num_key_heads", c.linear_num_key_heads, 1, kMaxHeads));
@@ -882,18 +880,18 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
         CheckRange(source, "linear_key_head_dim", c.linear_key_head_dim, 1, kMaxHeadDim));
     RETURN_IF_ERROR(
         CheckRange(source, "linear_value_head_dim", c.linear_value_head_dim, 1, kMaxHeadDim));
-    RETURN_IF_ERROR(CheckRange(source, "linear_conv_kernel_dim", c.linear_conv_kernel_dim, 1,
-                               kMaxConvKernel));
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_conv_kernel_dim", c.linear_conv_kernel_dim, 1, kMaxConvKernel));
     const int64_t conv_dim =
         2 * static_cast<int64_t>(c.linear_num_key_heads) * c.linear_key_head_dim +
         static_cast<int64_t>(c.linear_num_value_heads) * c.linear_value_head_dim;
     if (conv_dim > kMaxProjDim) {
       return FieldError(source, "linear_num_value_heads",
-                        absl::StrFormat("the linear-attention width %d is larger than %d",
-                                        conv_dim, kMaxProjDim));
+                        absl::StrFormat("the linear-attention width %d is larger than %d", conv_dim,
+                                        kMaxProjDim));
     }
-    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) ||
-        c.rotary_dim() < 2 || c.rotary_dim() % 2 != 0) {
+    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.rotary_dim() < 2 ||
+        c.rotary_dim() % 2 != 0) {
       return FieldError(source, "partial_rotary_factor",
                         absl::StrFormat("%g of head_dim %d rotates %d dims; it must be an even "
                                         "number of at least 2",
@@ -901,9 +899,9 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
     }
   } else {
     if (!c.layer_attention.empty()) {
-      return FieldError(source, "layer_types",
-                        absl::StrFormat("architecture %s has no linear-attention layers",
-                                        ModelArchName(c.arch)));
+      return FieldError(
+          source, "layer_types",
+          absl::StrFormat("architecture %s has no linear-attention layers", ModelArchName(c.arch)));
     }
     if (c.partial_rotary_factor != 1.0 || c.attn_output_gate || c.zero_centered_norm) {
       return FieldError(source, "model_type",
@@ -923,9 +921,9 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
 }
 
 std::vector<std::string> PresetNames() {
-  return {"qwen3-30b-a3b",      "qwen3-235b-a22b",   "mixtral-8x7b", "qwen3-next-80b-a3b",
-          "qwen3.5-397b-a17b", "tiny-moe",          "tiny-dense",   "tiny-qwen2-moe",
-          "tiny-hybrid"};
+  return {"qwen3-30b-a3b",      "qwen3-235b-a22b",   "mixtral-8x7b",
+          "qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-moe",
+          "tiny-dense",         "tiny-qwen2-moe",    "tiny-hybrid"};
 }
 
 absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override) {
@@ -943,7 +941,7 @@ absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_o
   // Hybrid presets: the linear-attention dims and the full-attention interval.
   int full_attention_interval = 0;
   auto set_linear = [&c, &full_attention_interval](int key_heads, int value_heads, int key_dim,
-                                                    int value_dim, int interval) {
+                                                   int value_dim, int interval) {
     c.linear_num_key_heads = key_heads;
     c.linear_num_value_heads = value_heads;
     c.linear_key_head_dim = key_dim;

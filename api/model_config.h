@@ -11,7 +11,16 @@ namespace infersweep {
 
 // kQwen3Next, kQwen35Moe and kQwen35 are hybrids: Gated DeltaNet linear-attention layers
 // between gated full-attention layers (docs/MODELS.md).
-enum class ModelArch { kLlama, kQwen3, kQwen2Moe, kQwen3Moe, kMixtral, kQwen3Next, kQwen35Moe, kQwen35 };
+enum class ModelArch {
+  kLlama,
+  kQwen3,
+  kQwen2Moe,
+  kQwen3Moe,
+  kMixtral,
+  kQwen3Next,
+  kQwen35Moe,
+  kQwen35
+};
 
 // HF `model_type` spelling of an architecture (the text model's: qwen3_5_moe_text for kQwen35Moe
 // is an alias, as is the multimodal wrapper's qwen3_5_moe).

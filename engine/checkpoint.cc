@@ -372,7 +372,7 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
   const int64_t rows = spec.shape[0], cols = spec.shape[1];
   auto disk_row = [&](int64_t i) -> int64_t {
     if (which == "in_proj_qkv.weight") {
-      if (i < key_dim) return (i / dk) * group + i % dk;                     // q
+      if (i < key_dim) return (i / dk) * group + i % dk;                       // q
       if (i < 2 * key_dim) return ((i - key_dim) / dk) * group + dk + i % dk;  // k
       const int64_t j = i - 2 * key_dim;                                       // v
       return (j / (r * dv)) * group + 2 * dk + j % (r * dv);
@@ -390,8 +390,8 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
     if (it == tensor_file_.end()) continue;
     const SafetensorsFile& file = *files_[it->second];
     const SafetensorsEntry* entry = file.Find(name);
-    const std::string what = absl::StrCat(Basename(file.path()), ": tensor '", name, "' (for '",
-                                          spec.name, "')");
+    const std::string what =
+        absl::StrCat(Basename(file.path()), ": tensor '", name, "' (for '", spec.name, "')");
     if (!SupportedDType(entry->dtype))
       return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", Sv(DTypeName(entry->dtype)),
                                                      ", expected F32, F16 or BF16"));
@@ -493,8 +493,8 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       if (config_.arch == ModelArch::kMixtral)
         parents.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts."));
       if (config_.is_hybrid())
-        parents.push_back(absl::StrCat("model.language_model.", mlp->layer_prefix.substr(6),
-                                       "mlp.experts."));
+        parents.push_back(
+            absl::StrCat("model.language_model.", mlp->layer_prefix.substr(6), "mlp.experts."));
       for (const std::string& p : parents) {
         fused.push_back(absl::StrCat(p, which));
         fused.push_back(absl::StrCat(p, which, ".weight"));

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/dtype.h"
 #include "api/model_config.h"
+#include "core/dtype.h"
 #include "engine/quant/scheme.h"
 #include "engine/safetensors.h"
 #include "engine/tensor_spec.h"

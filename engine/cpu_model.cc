@@ -219,7 +219,8 @@ class CpuModel final : public Model {
   void LinearAttention(int l, int n, std::vector<float>& x) {
     const LinearAttentionWeights& la = w_.layers[l].linear_attn;
     const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
-    const int key_heads = config_.linear_num_key_heads, value_heads = config_.linear_num_value_heads;
+    const int key_heads = config_.linear_num_key_heads,
+              value_heads = config_.linear_num_value_heads;
     const int dk = config_.linear_key_head_dim, dv = config_.linear_value_head_dim;
     const int64_t key_dim = config_.linear_key_dim(), value_dim = config_.linear_value_dim();
     const int64_t conv_dim = config_.linear_conv_dim();
@@ -267,32 +268,33 @@ class CpuModel final : public Model {
     const int per_key = value_heads / key_heads;
     std::vector<float> o(rows * value_dim);
     RecordLaunch("gated_delta_rule");
-    cpu::ParallelFor(static_cast<int64_t>(batch_) * value_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qh(n * dk), kh(n * dk), vh(n * dv), gh(n), bh(n), oh(n * dv);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / value_heads;
-        const int h = static_cast<int>(task % value_heads), kv_head = h / per_key;
-        for (int t = 0; t < n; ++t) {
-          const int64_t r = s * n + t;
-          const float* row = mixed.data() + r * conv_dim;
-          std::copy_n(row + kv_head * dk, dk, qh.data() + t * dk);
-          std::copy_n(row + key_dim + kv_head * dk, dk, kh.data() + t * dk);
-          std::copy_n(row + 2 * key_dim + h * dv, dv, vh.data() + t * dv);
-          gh[t] = g[r * value_heads + h];
-          bh[t] = beta[r * value_heads + h];
-        }
-        float* state = states + task * state_size;
-        if (n == 1) {
-          cpu::GatedDeltaRecurrent(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
-                                   dv, state, oh.data());
-        } else {
-          cpu::GatedDeltaChunked(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk, dv,
-                                 kGatedDeltaChunk, state, oh.data());
-        }
-        for (int t = 0; t < n; ++t)
-          std::copy_n(oh.data() + t * dv, dv, o.data() + (s * n + t) * value_dim + h * dv);
-      }
-    });
+    cpu::ParallelFor(
+        static_cast<int64_t>(batch_) * value_heads, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> qh(n * dk), kh(n * dk), vh(n * dv), gh(n), bh(n), oh(n * dv);
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t s = task / value_heads;
+            const int h = static_cast<int>(task % value_heads), kv_head = h / per_key;
+            for (int t = 0; t < n; ++t) {
+              const int64_t r = s * n + t;
+              const float* row = mixed.data() + r * conv_dim;
+              std::copy_n(row + kv_head * dk, dk, qh.data() + t * dk);
+              std::copy_n(row + key_dim + kv_head * dk, dk, kh.data() + t * dk);
+              std::copy_n(row + 2 * key_dim + h * dv, dv, vh.data() + t * dv);
+              gh[t] = g[r * value_heads + h];
+              bh[t] = beta[r * value_heads + h];
+            }
+            float* state = states + task * state_size;
+            if (n == 1) {
+              cpu::GatedDeltaRecurrent(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
+                                       dv, state, oh.data());
+            } else {
+              cpu::GatedDeltaChunked(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
+                                     dv, kGatedDeltaChunk, state, oh.data());
+            }
+            for (int t = 0; t < n; ++t)
+              std::copy_n(oh.data() + t * dv, dv, o.data() + (s * n + t) * value_dim + h * dv);
+          }
+        });
     RecordLaunch("gated_rmsnorm");
     cpu::RmsNormGated(o.data(), z.data(), rows * value_heads, dv, la.norm, config_.rms_norm_eps,
                       o.data());

@@ -54,8 +54,8 @@ DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t contex
   t.distinct_experts_per_layer = distinct;
   t.weight_bytes = linear_sum * linear_bytes +
                    (dense_sum + static_cast<double>(c.vocab_size) * h) * bytes_per_weight;
-  t.kv_bytes = 2.0 * full_layers * c.kv_dim() * static_cast<double>(context) * batch *
-               bytes_per_kv_element;
+  t.kv_bytes =
+      2.0 * full_layers * c.kv_dim() * static_cast<double>(context) * batch * bytes_per_kv_element;
   const double state_elements =
       static_cast<double>(c.linear_num_value_heads) * c.linear_key_head_dim *
           c.linear_value_head_dim +
@@ -73,8 +73,8 @@ double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len) {
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.AttentionKind(l) == LayerAttention::kLinear) {
       weights_per_token += LinearAttentionWeights(c);
-      rule_flops_per_token += 8.0 * c.linear_num_value_heads * c.linear_key_head_dim *
-                              c.linear_value_head_dim;
+      rule_flops_per_token +=
+          8.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
     } else {
       weights_per_token += attention;
       ++full_layers;

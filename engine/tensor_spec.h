@@ -19,11 +19,11 @@
 namespace infersweep {
 
 enum class WeightKind {
-  kEmbedding,   // [vocab, hidden]
-  kNorm,        // RMSNorm gain
-  kLinear,      // [out, in] projection
-  kBias,        // projection bias
-  kRouter,      // [experts, hidden]
+  kEmbedding,     // [vocab, hidden]
+  kNorm,          // RMSNorm gain
+  kLinear,        // [out, in] projection
+  kBias,          // projection bias
+  kRouter,        // [experts, hidden]
   kCenteredNorm,  // RMSNorm gain applied as (1 + w) (hybrid decoder norms)
   kConv,          // depthwise conv [channels, 1, kernel] (fan_in = kernel)
   kDtBias,        // linear-attention dt_bias [value heads]

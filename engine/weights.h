@@ -25,14 +25,14 @@ struct ExpertWeights {
 
 // A Gated DeltaNet layer, in the flat layout (value head j pairs with key head j / (Hv / Hk)).
 struct LinearAttentionWeights {
-  MatrixRef in_proj_qkv;       // [2 * key_dim + value_dim, hidden]: q | k | v
-  MatrixRef in_proj_z;         // [value_dim, hidden]
-  MatrixRef in_proj_b;         // [value_heads, hidden]
-  MatrixRef in_proj_a;         // [value_heads, hidden]
-  MatrixRef conv;              // [2 * key_dim + value_dim, kernel] (stored [.., 1, kernel])
-  MatrixRef dt_bias, a_log;    // [value_heads]
-  MatrixRef norm;              // [value_head_dim], a plain gain
-  MatrixRef out_proj;          // [hidden, value_dim]
+  MatrixRef in_proj_qkv;     // [2 * key_dim + value_dim, hidden]: q | k | v
+  MatrixRef in_proj_z;       // [value_dim, hidden]
+  MatrixRef in_proj_b;       // [value_heads, hidden]
+  MatrixRef in_proj_a;       // [value_heads, hidden]
+  MatrixRef conv;            // [2 * key_dim + value_dim, kernel] (stored [.., 1, kernel])
+  MatrixRef dt_bias, a_log;  // [value_heads]
+  MatrixRef norm;            // [value_head_dim], a plain gain
+  MatrixRef out_proj;        // [hidden, value_dim]
 };
 
 struct LayerWeights {

@@ -641,18 +641,18 @@ TEST(Roofline, Hybrid) {
   ASSERT_EQ(c->AttentionKind(0), LayerAttention::kLinear);
   ASSERT_EQ(c->AttentionKind(1), LayerAttention::kFull);
   const double gated = 128.0 * 128 * 3 + 128.0 * 64 * 2;  // q with its gate, o; k, v
-  const double conv_dim = 2 * 64 + 128;                     // q | k | v
+  const double conv_dim = 2 * 64 + 128;                   // q | k | v
   const double linear = 128.0 * (conv_dim + 2 * 128 + 2 * 4) + conv_dim * 4;  // + z, b, a, out
   const double moe = 8.0 * 128 + 2 * 3.0 * 128 * 64 + (3.0 * 128 * 64 + 128);
   const double prompt = 70;
-  const double want = 2 * (gated + linear + 2 * moe) * prompt  // the linears
-                      + 8.0 * 4 * 32 * 32 * prompt              // the delta rule, 4 value heads
+  const double want = 2 * (gated + linear + 2 * moe) * prompt       // the linears
+                      + 8.0 * 4 * 32 * 32 * prompt                  // the delta rule, 4 value heads
                       + 4.0 * 4 * 32 * (prompt * (prompt + 1) / 2)  // QK^T and PV, 1 layer
-                      + 2.0 * 512 * 128;                             // lm_head
+                      + 2.0 * 512 * 128;                            // lm_head
   EXPECT_DOUBLE_EQ(PrefillFlops(*c, 1, 70), want);
 
   const DecodeTraffic t = DecodeBytesPerStep(*c, 3, 100, 2, 4);
-  EXPECT_DOUBLE_EQ(t.kv_bytes, 2.0 * 64 * 100 * 3 * 4);                // the full layer only
+  EXPECT_DOUBLE_EQ(t.kv_bytes, 2.0 * 64 * 100 * 3 * 4);                     // the full layer only
   EXPECT_DOUBLE_EQ(t.state_bytes, (4.0 * 32 * 32 + 3 * conv_dim) * 3 * 4);  // fp32 state
   EXPECT_DOUBLE_EQ(t.total(), t.weight_bytes + t.kv_bytes + t.state_bytes);
 }

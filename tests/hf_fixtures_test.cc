@@ -1,18 +1,16 @@
 // The first link of the trust chain: the CPU reference against HF transformers (fp32, eager) on
 // tiny checkpoints that transformers itself saved (scripts/gen_hf_fixtures.py).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
-#include "tests/test_util.h"
-#include <nlohmann/json.hpp>
 
 #include "engine/cpu_model.h"
 #include "engine/npy.h"
@@ -20,6 +18,7 @@
 #include "engine/safetensors_writer.h"
 #include "engine/sampler.h"
 #include "engine/weights.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -56,8 +55,7 @@ const std::vector<std::string> kHybridFixtures = {"qwen3_next", "qwen3_5_moe"};
 std::vector<std::string> NonHybridFixtureNames() {
   std::vector<std::string> names = FixtureNames(kFixtures);
   std::erase_if(names, [](const std::string& name) {
-    return std::find(kHybridFixtures.begin(), kHybridFixtures.end(), name) !=
-           kHybridFixtures.end();
+    return std::find(kHybridFixtures.begin(), kHybridFixtures.end(), name) != kHybridFixtures.end();
   });
   return names;
 }

@@ -276,7 +276,7 @@ json TextConfig(const ModelConfig& c, const std::string& model_type) {
   json types = json::array();
   for (int l = 0; l < c.num_layers; ++l)
     types.push_back(c.AttentionKind(l) == LayerAttention::kFull ? "full_attention"
-                                                                 : "linear_attention");
+                                                                : "linear_attention");
   return {{"model_type", model_type},
           {"hidden_size", c.hidden_size},
           {"num_hidden_layers", c.num_layers},
@@ -309,7 +309,9 @@ void WriteFolder(const std::string& dir, const json& config, const std::vector<T
   std::ofstream(dir + "/config.json") << config.dump(1);
   std::vector<SafetensorsTensorToWrite> out;
   for (const Tensor& t : tensors)
-    out.push_back({t.name, DType::kBF16, t.shape,
+    out.push_back({t.name,
+                   DType::kBF16,
+                   t.shape,
                    {reinterpret_cast<const uint8_t*>(t.bf16.data()), t.bf16.size() * 2}});
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", out).ok());
 }
@@ -337,9 +339,11 @@ std::vector<Tensor> FlatLayout(const ModelConfig& c, const std::map<std::string,
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".mlp.experts.");
     Tensor gate_up{absl::StrCat("model.language_model.layers.", l, ".mlp.experts.gate_up_proj"),
-                   {c.num_experts, 2 * inter, hidden}, {}};
+                   {c.num_experts, 2 * inter, hidden},
+                   {}};
     Tensor down{absl::StrCat("model.language_model.layers.", l, ".mlp.experts.down_proj"),
-                {c.num_experts, hidden, inter}, {}};
+                {c.num_experts, hidden, inter},
+                {}};
     for (int e = 0; e < c.num_experts; ++e) {
       Append(gate_up.bf16, w.at(absl::StrCat(p, e, ".gate_proj.weight")).bf16);
       Append(gate_up.bf16, w.at(absl::StrCat(p, e, ".up_proj.weight")).bf16);
@@ -374,8 +378,7 @@ std::vector<Tensor> GroupedLayout(const ModelConfig& c, const std::map<std::stri
     const Tensor& z = w.at(p + "in_proj_z.weight");
     const Tensor& b = w.at(p + "in_proj_b.weight");
     const Tensor& a = w.at(p + "in_proj_a.weight");
-    Tensor qkvz{p + "in_proj_qkvz.weight",
-                {2 * key_dim + 2 * c.linear_value_dim(), hidden}, {}};
+    Tensor qkvz{p + "in_proj_qkvz.weight", {2 * key_dim + 2 * c.linear_value_dim(), hidden}, {}};
     Tensor ba{p + "in_proj_ba.weight", {2 * c.linear_num_value_heads, hidden}, {}};
     for (int64_t g = 0; g < key_heads; ++g) {
       Append(qkvz.bf16, Rows(qkv, g * dk, (g + 1) * dk));

@@ -707,35 +707,34 @@ std::string Qwen35Wrapper(int layers = 8) {
   json layer_types = json::array();
   for (int i = 0; i < layers; ++i)
     layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
-  json text = {
-      {"model_type", "qwen3_5_moe_text"},
-      {"hidden_size", 4096},
-      {"num_hidden_layers", layers},
-      {"num_attention_heads", 32},
-      {"num_key_value_heads", 2},
-      {"head_dim", 256},
-      {"hidden_act", "silu"},
-      {"linear_num_key_heads", 16},
-      {"linear_num_value_heads", 64},
-      {"linear_key_head_dim", 128},
-      {"linear_value_head_dim", 128},
-      {"linear_conv_kernel_dim", 4},
-      {"num_experts", 512},
-      {"num_experts_per_tok", 10},
-      {"moe_intermediate_size", 1024},
-      {"shared_expert_intermediate_size", 1024},
-      {"vocab_size", 248320},
-      {"rms_norm_eps", 1e-6},
-      {"max_position_embeddings", 262144},
-      {"layer_types", layer_types},
-      {"attn_output_gate", true},
-      {"dtype", "bfloat16"},
-      {"rope_parameters",
-       {{"rope_type", "default"},
-        {"rope_theta", 10000000},
-        {"partial_rotary_factor", 0.25},
-        {"mrope_section", {11, 11, 10}},
-        {"mrope_interleaved", true}}}};
+  json text = {{"model_type", "qwen3_5_moe_text"},
+               {"hidden_size", 4096},
+               {"num_hidden_layers", layers},
+               {"num_attention_heads", 32},
+               {"num_key_value_heads", 2},
+               {"head_dim", 256},
+               {"hidden_act", "silu"},
+               {"linear_num_key_heads", 16},
+               {"linear_num_value_heads", 64},
+               {"linear_key_head_dim", 128},
+               {"linear_value_head_dim", 128},
+               {"linear_conv_kernel_dim", 4},
+               {"num_experts", 512},
+               {"num_experts_per_tok", 10},
+               {"moe_intermediate_size", 1024},
+               {"shared_expert_intermediate_size", 1024},
+               {"vocab_size", 248320},
+               {"rms_norm_eps", 1e-6},
+               {"max_position_embeddings", 262144},
+               {"layer_types", layer_types},
+               {"attn_output_gate", true},
+               {"dtype", "bfloat16"},
+               {"rope_parameters",
+                {{"rope_type", "default"},
+                 {"rope_theta", 10000000},
+                 {"partial_rotary_factor", 0.25},
+                 {"mrope_section", {11, 11, 10}},
+                 {"mrope_interleaved", true}}}};
   json root = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
                {"model_type", "qwen3_5_moe"},
                {"tie_word_embeddings", false},
@@ -806,11 +805,9 @@ TEST(ParseModelConfig, Qwen3NextLayerTypesOverrideInterval) {
   EXPECT_EQ(every2.AttentionKind(1), LayerAttention::kFull);
   EXPECT_EQ(CountFull(every2), 24);
   // The RoPE fraction nested in rope_parameters (transformers 5.x).
-  const ModelConfig nested = MustParse(With(Without(kQwen3Next, "partial_rotary_factor"),
-                                            "rope_parameters",
-                                            {{"rope_type", "default"},
-                                             {"rope_theta", 10000000},
-                                             {"partial_rotary_factor", 0.5}}));
+  const ModelConfig nested = MustParse(
+      With(Without(kQwen3Next, "partial_rotary_factor"), "rope_parameters",
+           {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.5}}));
   EXPECT_EQ(nested.rotary_dim(), 128);
   // Dense layers of a Qwen3-Next model use intermediate_size.
   const ModelConfig dense_first = MustParse(With(kQwen3Next, "mlp_only_layers", {0}));

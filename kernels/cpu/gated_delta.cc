@@ -17,7 +17,8 @@ void CausalConvSilu(const float* in, int64_t n, int64_t channels, const MatrixRe
   std::copy_n(in, n * channels, window.data() + history * channels);
   std::vector<float> w(kernel);
   for (int64_t c = 0; c < channels; ++c) {
-    for (int64_t j = 0; j < kernel; ++j) w[j] = LoadAsFloat(weight.data, weight.dtype, c * kernel + j);
+    for (int64_t j = 0; j < kernel; ++j)
+      w[j] = LoadAsFloat(weight.data, weight.dtype, c * kernel + j);
     for (int64_t t = 0; t < n; ++t) {
       float acc = 0.f;
       for (int64_t j = 0; j < kernel; ++j) acc += w[j] * window[(t + j) * channels + c];
@@ -67,8 +68,8 @@ void GatedDeltaRecurrent(const float* q, const float* k, const float* v, const f
 void GatedDeltaChunked(const float* q, const float* k, const float* v, const float* g,
                        const float* beta, int64_t n, int dk, int dv, int chunk, float* state,
                        float* out) {
-  std::vector<float> cum(chunk), decay(chunk), inv(chunk * chunk), qk(chunk * chunk),
-      w(chunk * dk), u(chunk * dv), d(chunk * dv);
+  std::vector<float> cum(chunk), decay(chunk), inv(chunk * chunk), qk(chunk * chunk), w(chunk * dk),
+      u(chunk * dv), d(chunk * dv);
   for (int64_t t0 = 0; t0 < n; t0 += chunk) {
     const int c = static_cast<int>(std::min<int64_t>(chunk, n - t0));
     const float* qc = q + t0 * dk;
@@ -120,7 +121,8 @@ void GatedDeltaChunked(const float* q, const float* k, const float* v, const flo
     }
     // O = exp(G) Q S0 + (M o Q K^T) D.
     for (int t = 0; t < c; ++t)
-      for (int s = 0; s <= t; ++s) qk[t * chunk + s] = std::exp(cum[t] - cum[s]) * dot_k(qc + t * dk, s);
+      for (int s = 0; s <= t; ++s)
+        qk[t * chunk + s] = std::exp(cum[t] - cum[s]) * dot_k(qc + t * dk, s);
     for (int t = 0; t < c; ++t) {
       float* ot = oc + t * dv;
       for (int j = 0; j < dv; ++j) ot[j] = 0.f;
