@@ -80,18 +80,21 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
                "quantized experts (w4a16, w8a16): per-pair GEMVs at decode, the loop in prefill",
                {"qgemm=reference"}});
+  // Preflight takes it on bf16 weights only; the quantized conflict refuses a model built on
+  // quantized weights without a preflight (CreateModel) as moe=fused's does.
   r.push_back({"moe", "wgmma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
                "as moe=fused, with the expert-grouped GEMMs (4+ rows: batched decode and "
                "prefill of any length) on Hopper warpgroup MMAs (wgmma) from a cp.async ring of "
                "swizzled shared-memory tiles, device-side group sizes, SiLU fused: no host sync "
-               "even for long prefill chunks; machine code for sm_90a only"});
+               "even for long prefill chunks; machine code for sm_90a only",
+               {"qgemm=reference"}});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
                "decode step captured once per batch size and replayed"});
   // The model's side (linears bf16, or fp8_tensor / fp8_channel / nvfp4 codes, without biases or
   // shared experts, shapes) is checked when the model is built: UNSUPPORTED with the reason
-  // (CudaModel::PreparePersistentDecode). Quantized weights stream as qgemm=w8a16 / w4a16 read
-  // them (the codes, dequantized in registers) or as dequant_bf16's copies.
+  // (CudaModelRefusal, engine/cuda/cuda_model.h). Quantized weights stream as qgemm=w8a16 /
+  // w4a16 read them (the codes, dequantized in registers) or as dequant_bf16's copies.
   // Its batch-1 decode step is the kernel's own GEMVs, whatever the gemm axis says (they follow
   // gemm=fused): with gemm=reference, cublaslt or tma, a result's batch-1 decode figures would
   // name a GEMM that never ran there (moe=wgmma differs from moe=fused only at 4+ rows).
@@ -153,6 +156,40 @@ const BackendDescriptor* Find(const std::vector<BackendDescriptor>& registry,
 }
 
 std::string SmName(int sm) { return absl::StrCat("sm_", sm); }
+
+bool IsQuantizedFormat(std::string_view weight_format) {
+  return weight_format == "fp8" || weight_format == "nvfp4" || weight_format == "mxfp4";
+}
+
+// Whether `config` holds the conflict entry "axis=value" (or "axis=value: why"); its name and
+// reason, split.
+bool Holds(const BackendConfig& config, const std::string& conflict, std::string* name,
+           std::string* why) {
+  std::pair<std::string, std::string> entry = absl::StrSplit(conflict, absl::MaxSplits(": ", 1));
+  std::pair<std::string, std::string> kv = absl::StrSplit(entry.first, absl::MaxSplits('=', 1));
+  auto it = config.find(kv.first);
+  if (it == config.end() || it->second != kv.second) return false;
+  *name = entry.first;
+  *why = entry.second;
+  return true;
+}
+
+// The first of d's conflict rows (and, on quantized weights, quantized conflict rows) that
+// `config` holds, as preflight states it; empty when none.
+std::string ConflictOf(const BackendDescriptor& d, const BackendConfig& config,
+                       std::string_view weight_format) {
+  const std::string name = absl::StrCat(d.axis, "=", d.value);
+  std::string other, why;
+  for (const std::string& conflict : d.conflicts)
+    if (Holds(config, conflict, &other, &why))
+      return absl::StrCat(name, " cannot be combined with ", other, why.empty() ? "" : ": ", why);
+  if (!IsQuantizedFormat(weight_format)) return "";
+  for (const std::string& conflict : d.quantized_conflicts)
+    if (Holds(config, conflict, &other, &why))
+      return absl::StrCat(name, " cannot be combined with ", other, " on ",
+                          std::string(weight_format), " weights", why.empty() ? "" : ": ", why);
+  return "";
+}
 
 }  // namespace
 
@@ -266,29 +303,19 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
       return unsupported(absl::StrCat(name, " does not take ", target.weight_format,
                                       " weights (takes ", absl::StrJoin(d->weight_formats, ", "),
                                       ")"));
-    for (const std::string& conflict : d->conflicts) {
-      // "axis=value", or "axis=value: why".
-      std::pair<std::string, std::string> entry =
-          absl::StrSplit(conflict, absl::MaxSplits(": ", 1));
-      std::pair<std::string, std::string> kv = absl::StrSplit(entry.first, absl::MaxSplits('=', 1));
-      auto it = config.find(kv.first);
-      if (it != config.end() && it->second == kv.second)
-        return unsupported(absl::StrCat(name, " cannot be combined with ", entry.first,
-                                        entry.second.empty() ? "" : ": ", entry.second));
-    }
-    const bool quantized = target.weight_format == "fp8" || target.weight_format == "nvfp4" ||
-                           target.weight_format == "mxfp4";
-    for (const std::string& conflict : quantized ? d->quantized_conflicts
-                                                 : std::vector<std::string>{}) {
-      std::pair<std::string, std::string> kv = absl::StrSplit(conflict, absl::MaxSplits('=', 1));
-      auto it = config.find(kv.first);
-      if (it != config.end() && it->second == kv.second)
-        return unsupported(absl::StrCat(name, " cannot be combined with ", conflict, " on ",
-                                        target.weight_format, " weights"));
-    }
+    if (std::string why = ConflictOf(*d, config, target.weight_format); !why.empty())
+      return unsupported(std::move(why));
     result.precision = std::max(result.precision, d->precision);
   }
   return result;
+}
+
+std::string RegistryConflict(const BackendConfig& config, std::string_view weight_format,
+                             const std::vector<BackendDescriptor>& registry) {
+  for (const auto& [axis, value] : config)
+    if (const BackendDescriptor* d = Find(registry, axis, value))
+      if (std::string why = ConflictOf(*d, config, weight_format); !why.empty()) return why;
+  return "";
 }
 
 std::vector<BackendConfig> ExpandMatrix(

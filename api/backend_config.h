@@ -40,7 +40,8 @@ struct BackendDescriptor {
   PrecisionClass precision = PrecisionClass::kFp32;
   std::string description;
   // "axis=value" entries it cannot be combined with on quantized weights (fp8, nvfp4, mxfp4)
-  // only, e.g. moe=fused with qgemm=reference, which has no fused expert runner.
+  // only, each optionally followed by ": " and why, e.g. moe=fused with qgemm=reference, which
+  // has no fused expert runner.
   std::vector<std::string> quantized_conflicts = {};
 };
 
@@ -75,6 +76,13 @@ struct PreflightResult {
 // parameter so tests can judge against a table of their own.
 PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget& target,
                           const std::vector<BackendDescriptor>& registry = BackendRegistry());
+
+// The first conflict row of the registry that a normalized config holds (with quantized
+// conflicts when `weight_format` is fp8, nvfp4 or mxfp4), stated as Preflight states it; empty
+// when none. Preflight's own conflict judgement, for building a model without a preflight
+// (CreateModel): every conflict is stated once, in the registry.
+std::string RegistryConflict(const BackendConfig& normalized, std::string_view weight_format,
+                             const std::vector<BackendDescriptor>& registry = BackendRegistry());
 
 // The cartesian product of per-axis value lists (each list non-empty), in a stable order.
 std::vector<BackendConfig> ExpandMatrix(const std::map<std::string, std::vector<std::string>>& axes);

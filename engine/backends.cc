@@ -1,8 +1,8 @@
 #include "engine/backends.h"
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_model.h"
+#include "engine/options.h"
 #include "engine/quant/layout.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
@@ -55,6 +55,10 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                                                    const BackendConfig& config,
                                                    const FaultInjection& fault) {
   const std::string device = ConfigDevice(config);
+  // Conflicts between axis values are the registry's alone; a model built without a preflight
+  // (the CLI's logits and generate) still refuses them, with the registry's reason.
+  if (const std::string why = RegistryConflict(config, WeightFormat(host)); !why.empty())
+    return absl::UnimplementedError(why);
   if (device == "cpu") {
     if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?
@@ -67,32 +71,20 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
                          "--quantize",
                          fault.target.empty() ? "" : ", and a target they have", ")"));
     }
+    auto parsed = ParseCpuOptions(config);
+    if (!parsed.ok()) return parsed.status();
     CpuModelOptions options;
     options.fault = fault;
-    options.matmul =
-        config.at("matmul") == "blocked" ? cpu::MatmulVariant::kBlocked : cpu::MatmulVariant::kNaive;
-    const std::string& threads = config.at("threads");
-    if (threads != "all" && !absl::SimpleAtoi(threads, &options.threads))
-      return absl::InvalidArgumentError(absl::StrCat("threads=", threads, " is not a number"));
+    options.matmul = parsed->matmul == Matmul::kBlocked ? cpu::MatmulVariant::kBlocked
+                                                        : cpu::MatmulVariant::kNaive;
+    options.threads = parsed->threads;
     return MakeCpuModel(host, options);
   }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == "cuda") {
-    CudaModelOptions options;
-    const std::string& gemm = config.at("gemm");
-    options.gemm_cublaslt = gemm == "cublaslt" || gemm == "fused" || gemm == "tma";
-    options.gemm_fused = gemm == "fused";
-    options.gemm_tma = gemm == "tma";
-    options.attention_flash = config.at("attention") == "flash";
-    options.kv_cache_bf16 = config.at("kv_cache") == "bf16";
-    options.moe_fused = config.at("moe") == "fused" || config.at("moe") == "wgmma";
-    options.moe_wgmma = config.at("moe") == "wgmma";
-    options.moe_grouped = config.at("moe") == "grouped";
-    options.graphs = config.at("graphs") == "on" || config.at("graphs") == "persistent";
-    options.persistent_decode = config.at("graphs") == "persistent";
-    options.qgemm = config.at("qgemm");
-    options.fault = fault;
-    return MakeCudaModel(host, options);
+    auto options = ParseCudaOptions(config);
+    if (!options.ok()) return options.status();
+    return MakeCudaModel(host, *options, fault);
   }
 #endif
   return absl::UnimplementedError(

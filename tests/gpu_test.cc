@@ -55,6 +55,28 @@ std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
   return logits;
 }
 
+// What a trial of the normalized `config` on `model` (loaded as `host`) must come to on
+// `devices`: the reason it is UNSUPPORTED (preflight's, as the executor judges it, on the
+// declared weight format and then on the loaded one, else the CUDA model's refusal of the
+// model's shapes and layer kinds), or empty for OK. Derived from the registry and
+// CudaModelRefusal, so that no rule is restated here.
+std::string ExpectedRefusal(const LocalDevices& devices, const std::string& model,
+                            const HostModel& host, const BackendConfig& config) {
+  for (const PreflightTarget& target :
+       {MakePreflightTarget(devices, model), MakePreflightTarget(devices, &host)}) {
+    const PreflightResult preflight = Preflight(config, target);
+    if (!preflight.supported) return preflight.reason;
+  }
+#ifdef INFERSWEEP_HAVE_CUDA
+  if (ConfigDevice(config) == "cuda") {
+    auto options = ParseCudaOptions(config);
+    EXPECT_TRUE(options.ok()) << options.status();
+    if (options.ok()) return CudaModelRefusal(host.config, host.quant_format, *options);
+  }
+#endif
+  return "";
+}
+
 #ifdef INFERSWEEP_HAVE_CUDA
 // Synthetic weights generated on the GPU equal the CPU's, bit for bit, for every tensor.
 TEST(Gpu, SyntheticWeightsAreBitIdentical) {
@@ -96,39 +118,54 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
 }
 
 
-// Every registered GPU config is OK against the GPU reference (or UNSUPPORTED by preflight).
+// Every registered GPU config is OK against the GPU reference, or UNSUPPORTED with the reason
+// ExpectedRefusal derives from the registry and the model. The fast configs the presets exist
+// for must be among the OK ones, so a registry that refused too much fails here too.
 TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   REQUIRE_GPU();
   std::map<std::string, std::vector<std::string>> axes;
   for (const BackendDescriptor& d : BackendRegistry())
     if (d.device == "cuda") axes[d.axis].push_back(d.value);
-  TrialExecutor executor;
+  const std::vector<std::string> must_run = {
+      "device=cuda",
+      "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
+      "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"};
+  const LocalDevices devices = ProbeLocalDevices();
+  TrialExecutor executor(devices);
   for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe"}) {
+    auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
+    ASSERT_TRUE(host.ok()) << host.status();
+    int ok = 0;
     for (const BackendConfig& config : ExpandMatrix(axes)) {
       TrialRequest request = GpuRequest(preset, "device=cuda");
       request.config = config;
       const TrialResult r = executor.Execute(request);
-      // Host-syncing MoE runners cannot be captured; moe=grouped needs bf16 GEMMs.
-      const bool host_sync = config.at("moe") == "loop" || config.at("moe") == "grouped";
-      // kv_cache=bf16 is read by the flash kernels only.
-      const bool captured = config.at("graphs") == "on" || config.at("graphs") == "persistent";
-      // graphs=persistent: bf16 K/V, gemm=fused, and (at build) no biases or shared experts
-      // (qwen2-moe).
-      const bool persistent_unfit =
-          config.at("graphs") == "persistent" &&
-          (config.at("kv_cache") == "fp32" || config.at("gemm") != "fused" ||
-           std::string(preset) == "preset:tiny-qwen2-moe");
-      const bool conflict = (host_sync && captured) || persistent_unfit ||
-                            (config.at("moe") == "grouped" && config.at("gemm") == "reference") ||
-                            (config.at("kv_cache") == "bf16" && config.at("attention") == "naive");
-      // qgemm values other than the reference take quantized weights only (dense presets here).
-      const bool quantized_only = config.at("qgemm") != "reference";
-      const TrialStatus want =
-          conflict || quantized_only ? TrialStatus::kUnsupported : TrialStatus::kOk;
+      const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
+      const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
       EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
+      if (!refusal.empty()) {
+        EXPECT_EQ(r.reason, refusal) << preset << " " << BackendConfigString(config);
+      }
+      ok += r.status == TrialStatus::kOk;
       std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
                   BackendConfigString(r.config).c_str(), std::string(TrialStatusName(r.status)).c_str(),
                   r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
+    }
+    EXPECT_GT(ok, 0) << preset;
+    for (const std::string& text : must_run) {
+      // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
+      // tma, wgmma and persistent are sm_90a machine code.
+      if (std::string(preset) == "preset:tiny-qwen2-moe" &&
+          text.find("persistent") != std::string::npos)
+        continue;
+      if (devices.sm != 90 && (text.find("tma") != std::string::npos ||
+                                           text.find("persistent") != std::string::npos))
+        continue;
+      auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
+      ASSERT_TRUE(config.ok()) << config.status();
+      EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
     }
   }
 }
@@ -239,6 +276,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
   for (const char* preset : {"preset:tiny-moe", "preset:tiny-qwen2-moe"}) {
     for (const char* format : {"fp8_tensor", "fp8_channel", "fp8_block128", "nvfp4", "mxfp4"}) {
       const std::string model = std::string(preset) + "@" + format;
+      auto host = LoadHostModel(model, {2, 1, true});
+      ASSERT_TRUE(host.ok()) << host.status();
       const bool fp4 = std::string(format) == "nvfp4" || std::string(format) == "mxfp4";
       const std::string fast = "device=cuda,gemm=fused,attention=flash,moe=fused";
       const std::string qgemm = fp4 ? ",qgemm=w4a16" : ",qgemm=w8a16";
@@ -277,13 +316,21 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
         EXPECT_NE(bad.status, TrialStatus::kError) << model << " " << runner << ": " << bad.reason;
       }
       // graphs=persistent streams fp8_tensor, fp8_channel and nvfp4 codes (w8a16 / w4a16) and
-      // says why not for the rest: fp8_block128 when the model is built, mxfp4 at preflight,
-      // tiny-qwen2-moe for its attention biases.
+      // says why not for the rest (ExpectedRefusal: fp8_block128 when the model is built, mxfp4
+      // at preflight, tiny-qwen2-moe for its attention biases); tiny-moe's fp8_tensor,
+      // fp8_channel and nvfp4 must stream.
       {
         const std::string persistent = fast + ",kv_cache=bf16,graphs=persistent" + qgemm;
-        const bool streamed = std::string(preset) == "preset:tiny-moe" &&
-                              std::string(format) != "fp8_block128" &&
-                              std::string(format) != "mxfp4";
+        auto normalized = NormalizeBackendConfig(*ParseBackendConfig(persistent));
+        ASSERT_TRUE(normalized.ok()) << normalized.status();
+        const std::string refusal =
+            ExpectedRefusal(ProbeLocalDevices(), model, **host, *normalized);
+        const bool streamed = refusal.empty();
+        if (std::string(preset) == "preset:tiny-moe" &&
+            (std::string(format) == "fp8_tensor" || std::string(format) == "fp8_channel" ||
+             std::string(format) == "nvfp4")) {
+          EXPECT_TRUE(streamed) << model << " " << persistent << ": " << refusal;
+        }
         const TrialResult ok = executor.Execute(GpuRequest(model, persistent));
         const TrialResult bad =
             executor.Execute(GpuRequest(model, persistent, "bad-quant-scale:16"));
@@ -296,6 +343,7 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
           }
         } else {
           EXPECT_EQ(ok.status, TrialStatus::kUnsupported) << model << ": " << ok.reason;
+          EXPECT_EQ(ok.reason, refusal) << model;
           EXPECT_THAT(ok.reason, testing::HasSubstr("graphs=persistent")) << model;
         }
         std::printf("# %s %-75s %s (top1 %.3f, kl %.2g, max_rel %.2g); bad scale: %s; %s\n",
@@ -305,19 +353,21 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                     std::string(TrialStatusName(bad.status)).c_str(), ok.reason.c_str());
       }
       // qgemm=reference has no fused expert runner (its experts run exactly, through the
-      // reference GEMM). Preflight says so; a model built past preflight gets a clear error,
-      // not a wrong answer.
+      // reference GEMM): a registry conflict on quantized weights. Preflight says so, and a
+      // model built without a preflight (CreateModel) refuses with the registry's reason, not a
+      // wrong answer.
       const TrialResult reference = executor.Execute(
           GpuRequest(model, "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=reference"));
       EXPECT_EQ(reference.status, TrialStatus::kUnsupported) << reference.reason;
-      auto host = LoadHostModel(model, {2, 1, true});
-      ASSERT_TRUE(host.ok()) << host.status();
       auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda,moe=fused"));
       ASSERT_TRUE(config.ok());
+      const std::string conflict = RegistryConflict(*config, WeightFormat(**host));
+      EXPECT_THAT(conflict,
+                  testing::HasSubstr("moe=fused cannot be combined with qgemm=reference"));
       auto made = CreateModel(**host, *config);
-      EXPECT_FALSE(made.ok());
-      EXPECT_THAT(std::string(made.status().message()),
-                  testing::HasSubstr("moe=fused has no exact-reference expert runner"));
+      ASSERT_FALSE(made.ok());
+      EXPECT_TRUE(absl::IsUnimplemented(made.status())) << made.status();
+      EXPECT_EQ(std::string(made.status().message()), conflict);
     }
   }
 }
@@ -493,6 +543,11 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"));
   EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
   EXPECT_THAT(r.reason, testing::HasSubstr("graphs=persistent: layer 0: attention biases"));
+  // CudaModelRefusal says so before any weight is uploaded.
+  auto host = LoadHostModel("preset:tiny-qwen2-moe", LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(ExpectedRefusal(ProbeLocalDevices(), "preset:tiny-qwen2-moe", **host, r.config),
+            r.reason);
 }
 
 // ---- What ran (the launch log, core/launch_log.h): kernels, CUDA graphs, fallbacks.

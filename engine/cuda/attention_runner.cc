@@ -1,0 +1,132 @@
+#include "engine/cuda/attention_runner.h"
+
+#include "engine/cuda/device_util.h"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep {
+
+AttentionRunner::AttentionRunner(const RunnerContext& context, LinearRunner& linear)
+    : config_(context.config),
+      w_(context.weights),
+      options_(context.options),
+      fault_(context.fault),
+      stream_(context.stream),
+      linear_(linear) {}
+
+AttentionRunner::~AttentionRunner() {
+  FreeScratch();
+  if (k_cache_) cudaFree(k_cache_);
+  if (v_cache_) cudaFree(v_cache_);
+  if (rope_) cudaFree(rope_);
+}
+
+absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
+  if (k_cache_) cudaFree(k_cache_);
+  if (v_cache_) cudaFree(v_cache_);
+  k_cache_ = v_cache_ = nullptr;
+  if (rope_) cudaFree(rope_);
+  rope_ = nullptr;
+  batch_ = capacity_ = 0;
+  auto rope = DeviceAlloc<float2>(static_cast<size_t>(max_tokens) * (config_.head_dim / 2));
+  if (!rope.ok()) return rope.status();
+  rope_ = *rope;
+  cuda::BuildRopeTable(max_tokens, config_.head_dim, config_.rope_theta, rope_, stream_);
+  CHECK_LAUNCH();
+  const size_t elems =
+      static_cast<size_t>(config_.num_layers) * batch * max_tokens * config_.kv_dim();
+  auto k = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
+  if (!k.ok()) return k.status();
+  k_cache_ = *k;
+  auto v = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
+  if (!v.ok()) return v.status();
+  v_cache_ = *v;
+  batch_ = batch;
+  capacity_ = max_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
+  const size_t r = rows, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
+  const size_t scores =
+      options_.attention == Attention::kFlash
+          ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
+                                                         config_.num_kv_heads, config_.head_dim))
+          : r * config_.num_q_heads * static_cast<size_t>(capacity);
+  for (auto [ptr, count] : {std::pair{&q_, r * q_dim}, std::pair{&k_, r * kv_dim},
+                            std::pair{&qkv_, r * (q_dim + 2 * kv_dim)}, std::pair{&v_, r * kv_dim},
+                            std::pair{&attn_, r * q_dim}, std::pair{&scores_, scores}}) {
+    auto p = DeviceAlloc<float>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  return absl::OkStatus();
+}
+
+void AttentionRunner::FreeScratch() {
+  for (float* p : {q_, k_, v_, qkv_, attn_, scores_})
+    if (p) cudaFree(p);
+  q_ = k_ = v_ = qkv_ = attn_ = scores_ = nullptr;
+}
+
+absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
+                                  const int* d_position) {
+  const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
+  const float eps = config_.rms_norm_eps;
+  const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
+  float* const xn = linear_.xn();
+  const LayerWeights& lw = w_.layers[l];
+  cuda::QkvRows projected{q_, q_dim, k_, v_, kv_dim};
+  if (gemv) {  // input RMSNorm, q, k, v (+ biases): one launch
+    LinearRunner::FusedGemv a = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
+    LinearRunner::AddSegment(a, lw.q, lw.q_bias, q_);
+    LinearRunner::AddSegment(a, lw.k, lw.k_bias, k_);
+    LinearRunner::AddSegment(a, lw.v, lw.v_bias, v_);
+    if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
+  } else {
+    const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
+    if (linear_.QkvContiguous(lw)) {  // one GEMM into [rows, q | k | v]
+      const int width = q_dim + 2 * kv_dim;
+      const MatrixRef qkv{lw.q.data, DType::kBF16, width, lw.q.cols};
+      if (auto s = linear_.cublaslt()->Run(xb, rows, qkv, qkv_, stream_); !s.ok()) return s;
+      projected = {qkv_, width, qkv_ + q_dim, qkv_ + q_dim + kv_dim, width};
+    } else {
+      if (auto s = linear_.Gemm(xn, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
+      if (auto s = linear_.Gemm(xn, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
+      if (auto s = linear_.Gemm(xn, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
+    }
+  }
+  const size_t layer_offset = l * layer_kv * kv_cache_bytes_per_element();
+  const cuda::KvCache cache{k_cache_ + layer_offset, v_cache_ + layer_offset,
+                            options_.kv_cache == KvCache::kBf16, capacity_};
+  cuda::QkNormRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                         config_.head_dim, config_.qk_norm ? lw.q_norm : MatrixRef{},
+                         config_.qk_norm ? lw.k_norm : MatrixRef{}, eps, rope_, d_position, cache,
+                         stream_);
+  if (options_.attention == Attention::kFlash) {
+    cuda::AttentionFlash(
+        q_, cache, rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim, d_position,
+        cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_, attn_, stream_);
+  } else {
+    cuda::AttentionNaive(q_, static_cast<const float*>(cache.k), static_cast<const float*>(cache.v),
+                         rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim,
+                         d_position, capacity_, scores_, attn_, stream_);
+  }
+  CHECK_LAUNCH();
+  const bool bad_scale = fault_.kind == FaultInjection::Kind::kBadScale && l == 0;
+  const float o_scale = bad_scale ? static_cast<float>(fault_.value) : 1.f;
+  if (gemv) {  // o projection added straight into the residual stream
+    LinearRunner::FusedGemv a = LinearRunner::GemvInput(attn_, rows, q_dim, {});
+    LinearRunner::AddSegment(a, lw.o, lw.o_bias, x);
+    a.accumulate = true;
+    a.scale = o_scale;
+    if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
+  } else {
+    const uint16_t* ab = linear_.PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
+    if (auto s = linear_.GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, x); !s.ok())
+      return s;
+  }
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+}  // namespace infersweep

@@ -1,0 +1,57 @@
+// The attention block of a CUDA model's step: input RMSNorm and the q/k/v projections (through
+// the linear runner), q/k norm + RoPE + KV-cache append, the naive or flash attention kernel,
+// and the o projection added into the residual stream. Owns the KV cache, the RoPE table and
+// the attention activations.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "engine/cuda/linear_runner.h"
+#include "engine/cuda/runner_context.h"
+
+namespace infersweep {
+
+class AttentionRunner {
+ public:
+  AttentionRunner(const RunnerContext& context, LinearRunner& linear);
+  ~AttentionRunner();
+  AttentionRunner(const AttentionRunner&) = delete;
+  AttentionRunner& operator=(const AttentionRunner&) = delete;
+
+  // A KV cache of `batch` sequences of `max_tokens` and its RoPE table, in place of the last.
+  absl::Status AllocateCache(int batch, int max_tokens);
+  // Scratch for `rows` rows over a cache of `capacity` tokens (freed first by FreeScratch).
+  absl::Status AllocateScratch(int rows, int capacity);
+  void FreeScratch();
+
+  // Layer l's attention over `rows` rows (`n` tokens a sequence) of the residual stream x, its
+  // output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
+  // `d_position`: the sequences' position on the device.
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, const int* d_position);
+
+  // Bytes per element of the KV cache: 4 for fp32, 2 for bf16.
+  int kv_cache_bytes_per_element() const { return options_.kv_cache == KvCache::kBf16 ? 2 : 4; }
+  char* k_cache() const { return k_cache_; }
+  char* v_cache() const { return v_cache_; }
+  const float2* rope() const { return rope_; }
+  float* qkv() const { return qkv_; }
+  float* attn() const { return attn_; }
+
+ private:
+  const ModelConfig& config_;
+  const ModelWeights& w_;
+  const CudaOptions& options_;
+  const FaultInjection& fault_;
+  cudaStream_t stream_;
+  LinearRunner& linear_;
+  int batch_ = 0, capacity_ = 0;
+  char *k_cache_ = nullptr, *v_cache_ = nullptr;  // fp32, or bf16 with kv_cache=bf16
+  float2* rope_ = nullptr;                        // [capacity, head_dim / 2] cos/sin
+  float *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
+        *qkv_ = nullptr,  // [rows, q | k | v]: the fused q/k/v GEMM's output
+            *attn_ = nullptr,
+        *scores_ = nullptr;  // naive: materialised scores; flash: the splits' partial softmaxes
+};
+
+}  // namespace infersweep

@@ -1,0 +1,312 @@
+#include "engine/cuda/linear_runner.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
+#include "engine/cuda/device_util.h"
+#include "kernels/cuda/quant.h"
+#include "kernels/cuda/sm90a/gemm_tma.h"
+
+namespace infersweep {
+
+LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::CublasLtGemm> gemm,
+                           const QuantView* view)
+    : config_(context.config),
+      options_(context.options),
+      stream_(context.stream),
+      gemm_(std::move(gemm)),
+      view_(view) {}
+
+LinearRunner::~LinearRunner() {
+  FreeScratch();
+  if (prefill_dense_) cudaFree(prefill_dense_);
+}
+
+absl::Status LinearRunner::AllocateScratch(int rows) {
+  const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
+  const size_t inter = MaxIntermediate();
+  const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter});
+  for (auto [ptr, count] :
+       {std::pair{&xn_, r * hidden}, std::pair{&o_, r * hidden}, std::pair{&y_, r * hidden},
+        std::pair{&gate_, r * inter}, std::pair{&up_, r * inter}}) {
+    auto p = DeviceAlloc<float>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  // The bf16 staging holds a GEMM's input, or the MoE pairs' gathered rows (moe=grouped).
+  auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
+  if (!bf16.ok()) return bf16.status();
+  bf16_ = *bf16;
+  return absl::OkStatus();
+}
+
+void LinearRunner::FreeScratch() {
+  for (float* p : {xn_, o_, y_, gate_, up_})
+    if (p) cudaFree(p);
+  if (bf16_) cudaFree(bf16_);
+  xn_ = o_ = y_ = gate_ = up_ = nullptr;
+  bf16_ = nullptr;
+}
+
+absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows,
+                                const MatrixRef& w, const MatrixRef& bias, float* y) {
+  if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
+    if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
+    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+  } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
+    cuda::GemmReference(x, rows, w, bias, y, stream_);
+  } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
+    // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
+    if (LaunchRecording())
+      RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": prefill chunk of ",
+                                  rows,
+                                  " rows: quantized linears dequantized to bf16, then cuBLASLt"));
+    auto copy = PrefillBf16Copy(w);
+    if (!copy.ok()) return copy.status();
+    if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
+    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+  } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
+    const bool fp4 = w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
+    if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))
+      return absl::UnimplementedError(absl::StrCat("qgemm=", AxisValueName(options_.qgemm),
+                                                   " needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (",
+                                                   w.rows, " x ", w.cols, ")"));
+    if (fp4)
+      cuda::GemvW4A16(x, rows, w, y, stream_);
+    else
+      cuda::GemvW8A16(x, rows, w, y, stream_);
+    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+  } else if (gemm_ && w.dtype == DType::kBF16) {
+    if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
+    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+  } else {
+    if (gemm_ && !w.quantized() && LaunchRecording())
+      RecordFallback(absl::StrCat("gemm=", GemmValue(), ": ", std::string(DTypeName(w.dtype)),
+                                  " weight [", w.rows, ", ", w.cols,
+                                  "]: the reference GEMM (cuBLASLt takes bf16 weights)"));
+    cuda::GemmReference(x, rows, w, bias, y, stream_);
+  }
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+// y += scale * (x . W^T + bias): cuBLASLt adds into y itself (beta = 1) for bf16 W without a
+// bias, one launch fewer than the product into o_ and a separate add.
+absl::Status LinearRunner::GemmAccumulate(const float* x, const uint16_t* x_bf16, int rows,
+                                          const MatrixRef& w, const MatrixRef& bias, float scale,
+                                          float* y) {
+  if (gemm_ && w.dtype == DType::kBF16 && !w.quantized() && bias.empty()) {
+    if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_, scale, 1.f); !s.ok()) return s;
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+  if (auto s = Gemm(x, x_bf16, rows, w, bias, o_); !s.ok()) return s;
+  cuda::AddScaled(y, o_, scale, static_cast<int64_t>(rows) * w.rows, stream_);
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+// q, k and v stored back to back (UploadWeights), dense bf16 without biases, under cuBLASLt:
+// one GEMM for the three (at batch 64 three GEMMs measured 8.2 + 6.6 + 6.4 us).
+bool LinearRunner::QkvContiguous(const LayerWeights& lw) const {
+  const MatrixRef* parts[3] = {&lw.q, &lw.k, &lw.v};
+  for (const MatrixRef* m : parts)
+    if (m->dtype != DType::kBF16 || m->quantized() || m->cols != lw.q.cols) return false;
+  const auto* q = static_cast<const uint16_t*>(lw.q.data);
+  return gemm_ && lw.q_bias.empty() && lw.k_bias.empty() && lw.v_bias.empty() &&
+         q + lw.q.rows * lw.q.cols == lw.k.data &&
+         static_cast<const uint16_t*>(lw.k.data) + lw.k.rows * lw.k.cols == lw.v.data;
+}
+
+// qgemm=w4a16|w8a16 prefill. The register-dequantizing GEMV and expert kernels are built for
+// decode's few rows: through them a 512-token prompt would re-read every weight once per 4 rows,
+// and the experts would take the host-synced per-expert loop (TTFT 1.55 s for NVFP4 qwen3-30b-a3b,
+// 0.50 s for FP8). A prefill chunk instead dequantizes each quantized matrix, as it comes, into a
+// bf16 scratch (the same exact dequantization as dequant_bf16, then one bf16 rounding) and runs the
+// bf16 tensor-core paths: cuBLASLt for the dense projections, the grouped expert kernels for the
+// MoE. The scratch (one dense matrix, and one layer's experts: 1.2 GB for qwen3-30b-a3b) is
+// allocated at the first quantized prefill. Decode steps keep the quantized kernels.
+absl::StatusOr<MatrixRef> LinearRunner::PrefillBf16Copy(const MatrixRef& w) {
+  const size_t count = static_cast<size_t>(w.numel());
+  if (count > prefill_dense_count_) {
+    if (prefill_dense_) cudaFree(prefill_dense_);  // synchronises: nothing still reads it
+    prefill_dense_ = nullptr;
+    auto buffer = DeviceAlloc<uint16_t>(count);
+    if (!buffer.ok()) return buffer.status();
+    prefill_dense_ = *buffer;
+    prefill_dense_count_ = count;
+  }
+  cuda::DequantizeToBf16(w, prefill_dense_, stream_);
+  CHECK_LAUNCH();
+  return MatrixRef{prefill_dense_, DType::kBF16, w.rows, w.cols};
+}
+
+const uint16_t* LinearRunner::PrepareInput(const float* x, int64_t count) {
+  if (!gemm_) return nullptr;
+  cuda::ToBf16(x, count, bf16_, stream_);
+  CHECK_LAUNCH();
+  return bf16_;
+}
+
+const uint16_t* LinearRunner::NormAndPrepare(const float* x, int rows, int n, const MatrixRef& gain,
+                                             float eps) {
+  cuda::RmsNorm(x, rows, n, gain, eps, xn_, stream_, gemm_ ? bf16_ : nullptr);
+  CHECK_LAUNCH();
+  return gemm_ ? bf16_ : nullptr;
+}
+
+// The attention projections' GEMV: TMA-streamed with gemm=tma (sm_90a), else register-streamed.
+void LinearRunner::ProjectionGemv(const cuda::GemvArgs& a) {
+  if (UsesTma(options_.gemm) && cuda::GemvTmaSupports(a.rows, a.k)) {
+    cuda::GemvTma(a, stream_);
+    return;
+  }
+  if (UsesTma(options_.gemm) && LaunchRecording())
+    RecordFallback(absl::StrCat("gemm=tma: projection of ", a.rows, " rows, K=", a.k,
+                                ": the register-streamed GEMV (GemvTmaSupports is false)"));
+  cuda::Gemv(a, stream_);
+}
+
+std::string LinearRunner::GemvRefusal(int rows, int k) {
+  if (rows > cuda::kGemvMaxRows) return absl::StrCat(rows, " rows (> ", cuda::kGemvMaxRows, ")");
+  return absl::StrCat(rows, " rows of K up to ", k,
+                      " (the GEMV takes K % 8 == 0 and rows x K x 4 bytes of shared memory up "
+                      "to ",
+                      cuda::kGemvMaxSharedBytes, ")");
+}
+
+int LinearRunner::MaxIntermediate() const {
+  return std::max({config_.intermediate_size, config_.moe_intermediate_size,
+                   config_.shared_expert_intermediate_size, 1});
+}
+
+// bf16 weights: our GEMV (TMA-streamed for the projections with gemm=tma). Quantized codes
+// with qgemm=w4a16|w8a16: the quantized GEMV with the same fusions. Anything else (qgemm=
+// reference, a shape the quantized GEMV does not take): RMSNorm into xn_ (the only normed_out
+// in use), Gemm per segment, then the epilogue. Segments of different kinds (a checkpoint
+// that left some projections dense) run one launch each.
+absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
+  enum class Kind { kBf16, kQuant, kOther };
+  const bool in_registers = DequantizesInRegisters(options_.qgemm);
+  auto kind = [in_registers](const MatrixRef& w) {
+    if (w.quantized())
+      return in_registers && cuda::QuantGemvSupports(w) ? Kind::kQuant : Kind::kOther;
+    return w.dtype == DType::kBF16 ? Kind::kBf16 : Kind::kOther;
+  };
+  const Kind k0 = kind(g.w[0]);
+  bool uniform = true;
+  for (int s = 1; s < g.segments; ++s)
+    uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
+  if (!uniform) {
+    for (int s = 0; s < g.segments; ++s) {
+      FusedGemv one = g;
+      one.segments = 1;
+      one.seg[0] = g.seg[s];
+      one.w[0] = g.w[s];
+      one.bias[0] = g.bias[s];
+      if (auto st = RunGemv(one, projection); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  if (k0 == Kind::kBf16) {
+    if (projection)
+      ProjectionGemv(g);
+    else
+      cuda::Gemv(g, stream_);
+  } else if (k0 == Kind::kQuant) {
+    cuda::QuantGemvWeights qw;
+    for (int s = 0; s < g.segments; ++s) qw.w[s] = g.w[s];
+    cuda::GemvQuant(g, qw, stream_);
+  } else {
+    if (in_registers && LaunchRecording())
+      for (int s = 0; s < g.segments; ++s)
+        if (g.w[s].quantized())
+          RecordFallback(absl::StrCat(
+              "qgemm=", AxisValueName(options_.qgemm), ": weight [", g.w[s].rows, ", ", g.w[s].cols,
+              "]: unfused (norm, unfused quantized GEMV, epilogue), not the fused quantized "
+              "GEMV (QuantGemvSupports is false)"));
+    const float* in = g.x;
+    if (g.norm_gain) {
+      cuda::RmsNorm(g.x, g.rows, g.k, MatrixRef{g.norm_gain, g.norm_dtype, 1, g.k}, g.norm_eps, xn_,
+                    stream_);
+      in = xn_;
+    }
+    const uint16_t* in_bf16 = PrepareInput(in, static_cast<int64_t>(g.rows) * g.k);
+    for (int s = 0; s < g.segments; ++s) {
+      const cuda::GemvSegment& seg = g.seg[s];
+      if (!g.accumulate && g.scale == 1.f) {
+        if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], seg.y); !st.ok()) return st;
+        continue;
+      }
+      // y_ is free on the GEMV path; accumulating segments (o, down) are [rows, hidden].
+      if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_); !st.ok()) return st;
+      const int64_t count = static_cast<int64_t>(g.rows) * seg.n;
+      if (!g.accumulate) CUDA_OR_DIE(cudaMemsetAsync(seg.y, 0, count * sizeof(float), stream_));
+      cuda::AddScaled(seg.y, y_, g.scale, count, stream_);
+    }
+  }
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+LinearRunner::FusedGemv LinearRunner::GemvInput(const float* x, int rows, int k,
+                                                const MatrixRef& norm, float eps) {
+  FusedGemv a;
+  a.x = x;
+  a.rows = rows;
+  a.k = k;
+  a.norm_gain = norm.data;
+  a.norm_dtype = norm.dtype;
+  a.norm_eps = eps;
+  return a;
+}
+
+void LinearRunner::AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+  a.w[a.segments] = w;
+  a.bias[a.segments] = bias;
+  cuda::GemvSegment& s = a.seg[a.segments++];
+  s.w = static_cast<const uint16_t*>(w.data);
+  s.bias = bias.data;
+  s.bias_dtype = bias.dtype;
+  s.y = y;
+  s.n = static_cast<int>(w.rows);
+  s.ld = s.n;
+}
+
+absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x) {
+  const int hidden = config_.hidden_size;
+  const int64_t elems = static_cast<int64_t>(rows) * hidden;
+  if (gemv) {
+    const int inter = static_cast<int>(lw.mlp.gate.rows);
+    FusedGemv a = GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+    AddSegment(a, lw.mlp.gate, {}, gate_);
+    AddSegment(a, lw.mlp.up, {}, up_);
+    if (auto s = RunGemv(a); !s.ok()) return s;
+    cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
+    FusedGemv d = GemvInput(gate_, rows, inter, {});
+    AddSegment(d, lw.mlp.down, {}, x);
+    d.accumulate = true;
+    if (auto s = RunGemv(d); !s.ok()) return s;
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+  cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
+  const uint16_t* mb = PrepareInput(xn_, elems);
+  if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
+  cuda::AddScaled(x, y_, 1.f, elems, stream_);
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+absl::Status LinearRunner::Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16,
+                               int rows, float* y) {
+  const int inter = static_cast<int>(e.gate.rows);
+  if (auto s = Gemm(in, in_bf16, rows, e.gate, {}, gate_); !s.ok()) return s;
+  if (auto s = Gemm(in, in_bf16, rows, e.up, {}, up_); !s.ok()) return s;
+  cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
+  const uint16_t* hb = PrepareInput(gate_, static_cast<int64_t>(rows) * inter);
+  return Gemm(gate_, hb, rows, e.down, {}, y);
+}
+
+}  // namespace infersweep

@@ -1,0 +1,30 @@
+// CudaModelRefusal: the model-side requirements of the CUDA backends, in one place.
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_model.h"
+#include "engine/cuda/persistent_decode.h"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep {
+
+std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
+                             const CudaOptions& options) {
+  if (options.attention == Attention::kFlash &&
+      !cuda::FlashSupports(c.num_q_heads, c.num_kv_heads, c.head_dim))
+    return "attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv "
+           "head";
+  if (RoutesOnDevice(options.moe) && c.is_moe() &&
+      (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
+       c.moe_intermediate_size % 8 != 0 || int64_t{4} * c.hidden_size > cuda::kMoeMaxSharedBytes))
+    return absl::StrCat("moe=", AxisValueName(options.moe),
+                        " supports <= 1024 experts, top-k <= 32, hidden and moe_intermediate "
+                        "sizes that are multiples of 8 (16-byte weight loads), and hidden x 4 "
+                        "bytes <= 200 KB (staged x)");
+  if (IsPersistent(options.graphs))
+    return PersistentDecodeRefusal(c, PersistentStreamFormat(weights, options.qgemm));
+  return "";
+}
+
+}  // namespace infersweep

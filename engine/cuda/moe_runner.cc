@@ -1,0 +1,459 @@
+#include "engine/cuda/moe_runner.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/launch_log.h"
+#include "engine/cuda/device_util.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
+
+namespace infersweep {
+namespace {
+
+// router = xn . Wr^T in fp32 (fp32 input, fp32 accumulate) for the non-GEMV paths. From
+// kRouterCublasMinRows rows on, cuBLASLt's fp32 GEMM runs it on fp32 copies of the router
+// weights (MakeRouterCopies): our kernels measured 22 us a layer at batch 64 (warp per expert)
+// and 163 us at prefill 2048 (128 register-tiled blocks).
+constexpr int kRouterCublasMinRows = 16;
+
+}  // namespace
+
+MoeRunner::MoeRunner(const RunnerContext& context, LinearRunner& linear, const DeviceWeights* dw,
+                     const QuantView* view, std::unique_ptr<cuda::CublasGroupedGemm> grouped)
+    : config_(context.config),
+      w_(context.weights),
+      options_(context.options),
+      fault_(context.fault),
+      stream_(context.stream),
+      linear_(linear),
+      dw_(dw),
+      view_(view),
+      grouped_(std::move(grouped)) {}
+
+MoeRunner::~MoeRunner() {
+  FreeScratch();
+  for (void* p : {static_cast<void*>(prefill_experts_), static_cast<void*>(prefill_expert_tables_)})
+    if (p) cudaFree(p);
+  for (MatrixRef* p : prefill_expert_refs_)
+    if (p) cudaFree(p);
+  for (float* p : router_f32_)
+    if (p) cudaFree(p);
+}
+
+absl::Status MoeRunner::AllocateScratch(int rows) {
+  const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
+  const size_t moe_inter = std::max(config_.moe_intermediate_size, 1);
+  for (auto [ptr, count] :
+       {std::pair{&router_, r * std::max(config_.num_experts, 1) + 1},
+        std::pair{&expert_weights_, r * k}, std::pair{&moe_h_, r * k * moe_inter},
+        std::pair{&moe_out_, r * k * hidden}, std::pair{&moe_in_, r * k * hidden},
+        std::pair{&route_weight_, r * k}}) {
+    auto p = DeviceAlloc<float>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  for (auto [ptr, count] :
+       {std::pair{&expert_ids_, r * k}, std::pair{&route_index_, r * k},
+        std::pair{&pair_position_, r * k},
+        std::pair{&expert_offsets_, static_cast<size_t>(std::max(config_.num_experts, 0) + 1)}}) {
+    auto p = DeviceAlloc<int>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  auto xn_bf16 = DeviceAlloc<uint16_t>(r * hidden);
+  if (!xn_bf16.ok()) return xn_bf16.status();
+  xn_bf16_ = *xn_bf16;
+  auto moe_bf16 = DeviceAlloc<uint16_t>(r * k * (2 * moe_inter + hidden));
+  if (!moe_bf16.ok()) return moe_bf16.status();
+  moe_bf16_ = *moe_bf16;
+  return absl::OkStatus();
+}
+
+void MoeRunner::FreeScratch() {
+  for (float* p : {router_, expert_weights_, moe_h_, moe_out_, moe_in_, route_weight_})
+    if (p) cudaFree(p);
+  for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_})
+    if (p) cudaFree(p);
+  if (xn_bf16_) cudaFree(xn_bf16_);
+  if (moe_bf16_) cudaFree(moe_bf16_);
+  router_ = expert_weights_ = moe_h_ = moe_out_ = moe_in_ = route_weight_ = nullptr;
+  expert_ids_ = route_index_ = pair_position_ = expert_offsets_ = nullptr;
+  xn_bf16_ = moe_bf16_ = nullptr;
+}
+
+// fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
+// graph capture: 1 MB a layer on qwen3-30b-a3b.
+absl::Status MoeRunner::MakeRouterCopies() {
+  if (!linear_.cublaslt() || !config_.is_moe() || !router_f32_.empty()) return absl::OkStatus();
+  std::vector<float*> copies(config_.num_layers, nullptr);
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const MatrixRef& wr = w_.layers[l].router;
+    if (wr.empty() || wr.quantized()) continue;  // the reference GEMM dequantizes those
+    auto copy = DeviceAlloc<float>(static_cast<size_t>(wr.rows * wr.cols));
+    if (!copy.ok()) {
+      for (float* p : copies)
+        if (p) cudaFree(p);
+      return copy.status();
+    }
+    copies[l] = *copy;
+    cuda::UpcastToF32(wr, copies[l], stream_);
+    CHECK_LAUNCH();
+  }
+  router_f32_ = std::move(copies);
+  return absl::OkStatus();
+}
+
+// Decode steps (n == 1) use the device-indexed kernels when moe=fused (capturable, no host
+// sync); prefill chunks group rows by expert so each expert's weights are read once, not once
+// per token (a 32k-row prefill would otherwise re-read 2.4 TB per layer).
+absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
+  const LayerWeights& lw = w_.layers[l];
+  const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
+  const int inter = config_.moe_intermediate_size;
+  const int64_t elems = static_cast<int64_t>(rows) * hidden;
+  const int skip =
+      fault_.kind == FaultInjection::Kind::kZeroExpert ? static_cast<int>(fault_.value) : -1;
+  // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
+  // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
+  // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
+  const bool quant_experts = RoutesOnDevice(options_.moe) && view_ &&
+                             !view_->quant_tables.empty() &&
+                             view_->quant_tables[l][0].format != QuantFormat::kNone;
+  // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
+  const bool own = view_ && !view_->gate_table.empty();
+  // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) of bf16
+  // experts go to cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA
+  // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
+  // tokens).
+  constexpr int kMoeMmaMaxPairsPerExpert = 16;
+  const bool many_pairs = rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
+  // moe=wgmma configs have no grouped_ runner: its kernels read each expert once per 128
+  // pairs, so every chunk stays on the device.
+  const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
+                            lw.experts[0].gate.dtype == DType::kBF16 &&
+                            !lw.experts[0].gate.quantized() && many_pairs;
+  const bool grouped_mma = RoutesOnDevice(options_.moe) && !quant_experts && !long_prefill &&
+                           rows >= cuda::kMoeGroupedMinRows &&
+                           cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
+  // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
+  // (xn_bf16_): the norm writes it (the GEMV path converts its xn).
+  // qgemm=w4a16|w8a16 prefill chunks: the experts dequantized into bf16 (PrefillExpertCopies)
+  // take the grouped MMA kernels.
+  const bool quant_prefill = quant_experts && n > 1 && rows >= cuda::kMoeGroupedMinRows &&
+                             cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
+                             ExpertsQuantizedAlike(l);
+  const bool bf16_input =
+      grouped_mma || quant_prefill || options_.moe == Moe::kGrouped || long_prefill;
+  if (LaunchRecording())
+    RecordMoeFallbacks(l, rows, n, gemv, grouped_mma, quant_prefill, long_prefill, many_pairs);
+  // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
+  // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
+  if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn
+    LinearRunner::FusedGemv a =
+        LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+    a.normed_out = linear_.xn();
+    LinearRunner::AddSegment(a, lw.router, {}, router_);
+    if (auto s = linear_.RunGemv(a); !s.ok()) return s;
+    if (bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_, stream_);
+  } else {
+    cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, linear_.xn(),
+                  stream_, bf16_input ? xn_bf16_ : nullptr);
+    if (auto s = Router(l, rows); !s.ok()) return s;
+  }
+  cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
+                   expert_weights_, stream_);
+  if (grouped_mma || quant_prefill) {
+    std::array<const uint16_t* const*, 3> tables{};
+    if (quant_prefill) {
+      auto copies = PrefillExpertCopies(l);
+      if (!copies.ok()) return copies.status();
+      tables = *copies;
+    } else if (own) {
+      tables = {view_->gate_table[l], view_->up_table[l], view_->down_table[l]};
+    } else {
+      tables = {dw_->gate_table[l], dw_->up_table[l], dw_->down_table[l]};
+    }
+    cuda::MoeGroupedArgs a;
+    a.x_bf16 = xn_bf16_;
+    a.rows = rows;
+    a.k = k;
+    a.num_experts = config_.num_experts;
+    a.hidden = hidden;
+    a.inter = inter;
+    a.expert_ids = expert_ids_;
+    a.expert_weights = expert_weights_;
+    a.skip_expert = skip;
+    a.gate = tables[0];
+    a.up = tables[1];
+    a.down = tables[2];
+    a.offsets = expert_offsets_;
+    a.sorted_pairs = route_index_;
+    a.h = moe_bf16_;
+    a.out = moe_out_;
+    a.y = x;
+    // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill). Decode
+    // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
+    // ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding there.
+    a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
+    cuda::MoeGrouped(a, stream_);
+    CHECK_LAUNCH();
+  } else if (quant_experts && n == 1) {
+    const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
+    cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
+    cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], x,
+                              stream_);
+    CHECK_LAUNCH();
+  } else if (RoutesOnDevice(options_.moe) && n == 1) {
+    cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_,
+                    own ? view_->gate_table[l] : dw_->gate_table[l],
+                    own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
+    cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
+                         own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, x,
+                         stream_);
+    CHECK_LAUNCH();
+  } else {
+    // Read the routing on the host (a sync), then either one grouped GEMM per projection over
+    // every expert, or (the loop) one gather + MLP + scatter per expert.
+    const HostRouting routing = RouteOnHost(rows, skip);
+    if (options_.moe == Moe::kGrouped || long_prefill) {
+      if (auto s = GroupedExperts(lw, rows, routing, x); !s.ok()) return s;
+    } else {
+      CUDA_OR_DIE(
+          cudaMemsetAsync(linear_.y(), 0, static_cast<size_t>(elems) * sizeof(float), stream_));
+      for (int e = 0; e < config_.num_experts; ++e) {
+        const auto [first, count] = routing.spans[e];
+        if (count == 0) continue;
+        cuda::GatherRows(linear_.xn(), route_index_ + first, count, hidden, moe_in_, stream_);
+        const uint16_t* gb = linear_.PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
+        if (auto s = linear_.Mlp(lw.experts[e], moe_in_, gb, count, moe_out_); !s.ok()) return s;
+        cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
+                             linear_.y(), stream_);
+        CHECK_LAUNCH();
+      }
+      cuda::AddScaled(x, linear_.y(), 1.f, elems, stream_);
+    }
+    // The routing's host vectors must outlive the async copies from them.
+    CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+  }
+  if (!lw.shared_expert.gate.empty()) {
+    const uint16_t* sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
+    if (auto s = linear_.Mlp(lw.shared_expert, linear_.xn(), sb, rows, linear_.o()); !s.ok())
+      return s;
+    // Mlp reused the bf16 staging buffer: convert the input again for the gate.
+    sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
+    if (auto s = linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_); !s.ok())
+      return s;
+    cuda::AddSigmoidGated(x, linear_.o(), router_, rows, hidden, stream_);
+    CHECK_LAUNCH();
+  }
+  return absl::OkStatus();
+}
+
+// The launch log's fallbacks of one MoE block (core/launch_log.h): where the experts or the
+// shared expert run on something other than what the moe and gemm values name, from Moe's
+// dispatch decisions (the router's are recorded by Router).
+void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma,
+                                   bool quant_prefill, bool long_prefill, bool many_pairs) {
+  const char* moe = options_.moe == Moe::kWgmma ? "wgmma" : "fused";
+  const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
+                                         " rows (", rows * config_.num_experts_per_tok,
+                                         " pairs over ", config_.num_experts, " experts)");
+  if (long_prefill && RoutesOnDevice(options_.moe))  // (moe=grouped runs every chunk that way)
+    RecordFallback(absl::StrCat("moe=", moe, ": ", chunk,
+                                ", more than 16 pairs an expert: the experts on cuBLAS grouped "
+                                "GEMMs, with a host sync"));
+  if (quant_prefill)
+    RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ", chunk,
+                                ": the layer's experts dequantized to bf16, then the bf16 "
+                                "grouped mma.sync kernels"));
+  // Moe's else branch: the routing read on the host.
+  if (RoutesOnDevice(options_.moe) && !grouped_mma && !quant_prefill && n > 1 && !long_prefill)
+    RecordFallback(absl::StrCat(
+        "moe=", moe, ": ", chunk, ": the per-expert loop with a host sync (moe=loop's path): ",
+        rows < cuda::kMoeGroupedMinRows
+            ? "fewer rows than the grouped expert kernels take"
+            : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
+              "quantized experts not all alike)"));
+  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
+  if (options_.moe == Moe::kWgmma && grouped_mma && !many_pairs)
+    RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
+                                ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
+                                "not wgmma"));
+  if (options_.moe == Moe::kWgmma && !grouped_mma && n == 1)
+    RecordFallback(
+        absl::StrCat("moe=wgmma: ", chunk, ": the per-pair expert GEMVs (moe=fused's), not wgmma"));
+  if (gemv && !w_.layers[l].shared_expert.gate.empty())
+    RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(),
+                                ": the shared expert and its gate unfused (cuBLASLt for bf16 "
+                                "weights), not the fused GEMV"));
+}
+
+absl::Status MoeRunner::Router(int l, int rows) {
+  const MatrixRef& wr = w_.layers[l].router;
+  const bool fused = UsesFusedGemv(options_.gemm);
+  if (linear_.cublaslt() && rows >= kRouterCublasMinRows && !router_f32_.empty() &&
+      router_f32_[l]) {
+    if (fused && LaunchRecording())
+      RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": router of ", rows,
+                                  " rows (>= ", kRouterCublasMinRows,
+                                  "): cuBLASLt's fp32 GEMM, not the fused GEMV"));
+    return linear_.cublaslt()->RunF32(linear_.xn(), rows, router_f32_[l], static_cast<int>(wr.rows),
+                                      static_cast<int>(wr.cols), router_, stream_);
+  }
+  if (linear_.cublaslt() && !fused && LaunchRecording())
+    RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": router of ", rows, " rows",
+                                rows < kRouterCublasMinRows
+                                    ? absl::StrCat(" (< ", kRouterCublasMinRows, ")")
+                                    : std::string(" (no fp32 copy of a quantized router)"),
+                                ": our fp32 router kernel, not cuBLASLt"));
+  if (linear_.cublaslt())  // the GPU reference (gemm=reference) keeps the reference GEMM
+    cuda::RouterGemm(linear_.xn(), rows, wr, router_, stream_);
+  else
+    cuda::GemmReference(linear_.xn(), rows, wr, {}, router_, stream_);
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
+  const int k = config_.num_experts_per_tok;
+  std::vector<int> ids(static_cast<size_t>(rows) * k);
+  std::vector<float> weights(ids.size());
+  CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_, ids.size() * sizeof(int),
+                              cudaMemcpyDeviceToHost, stream_));
+  CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_, ids.size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, stream_));
+  CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+  HostRouting r;
+  r.pair_position.assign(ids.size(), -1);
+  r.spans.assign(config_.num_experts, {0, 0});
+  // Counting sort by expert, pairs in order within an expert: O(pairs + experts). (Scanning
+  // every pair once per expert would take 2M steps a layer at prefill 2048.)
+  for (size_t p = 0; p < ids.size(); ++p)
+    if (ids[p] != skip) ++r.spans[ids[p]].second;
+  int next = 0;
+  for (auto& [first, count] : r.spans) {
+    first = next;
+    next += count;
+  }
+  r.index.resize(next);
+  r.index_weight.resize(next);
+  std::vector<int> fill(config_.num_experts, 0);
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const int e = ids[p];
+    if (e == skip) continue;
+    const int position = r.spans[e].first + fill[e]++;
+    r.pair_position[p] = position;
+    r.index[position] = static_cast<int>(p / k);
+    r.index_weight[position] = weights[p];
+  }
+  CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int),
+                              cudaMemcpyHostToDevice, stream_));
+  CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream_));
+  if (grouped_)  // only the grouped runner's combine reads it
+    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(),
+                                r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice,
+                                stream_));
+  return r;
+}
+
+// moe=grouped: every routed pair's row gathered in expert order, then gate, up and down each as
+// one cuBLAS grouped GEMM over the experts (bf16 in and out), then x += the weighted sum of each
+// row's pairs. bf16 buffers: the gathered input in the bf16 staging, gate | up | h in moe_bf16_,
+// the pairs' outputs after it.
+absl::Status MoeRunner::GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing,
+                                       float* x) {
+  const int hidden = config_.hidden_size, inter = config_.moe_intermediate_size;
+  const int pairs = static_cast<int>(routing.index.size());
+  if (pairs == 0) return absl::OkStatus();
+  // The norm wrote xn in bf16 too (Moe): gather those rows, half the bytes of fp32 rows and no
+  // conversion after.
+  cuda::GatherRowsBf16(xn_bf16_, route_index_, pairs, hidden, linear_.bf16(), stream_);
+  const uint16_t* xb = linear_.bf16();
+  const int64_t h_elems = static_cast<int64_t>(pairs) * inter;
+  uint16_t* gate = moe_bf16_;
+  uint16_t* up = gate + h_elems;
+  uint16_t* out = up + h_elems;  // [pairs, hidden]
+  std::vector<cuda::GroupedProblem> gate_problems, up_problems, down_problems;
+  for (int e = 0; e < config_.num_experts; ++e) {
+    const auto [first, count] = routing.spans[e];
+    if (count == 0) continue;
+    const ExpertWeights& w = lw.experts[e];
+    const int64_t in_row = static_cast<int64_t>(first) * hidden,
+                  h_row = static_cast<int64_t>(first) * inter;
+    gate_problems.push_back(
+        {xb + in_row, static_cast<const uint16_t*>(w.gate.data), gate + h_row, count});
+    up_problems.push_back(
+        {xb + in_row, static_cast<const uint16_t*>(w.up.data), up + h_row, count});
+    // silu(gate) * up is written over gate: the down projection's input.
+    down_problems.push_back(
+        {gate + h_row, static_cast<const uint16_t*>(w.down.data), out + in_row, count});
+  }
+  if (auto s = grouped_->Run(gate_problems, inter, hidden, stream_); !s.ok()) return s;
+  if (auto s = grouped_->Run(up_problems, inter, hidden, stream_); !s.ok()) return s;
+  cuda::SiluMulBf16(gate, up, h_elems, gate, stream_);
+  if (auto s = grouped_->Run(down_problems, hidden, inter, stream_); !s.ok()) return s;
+  cuda::CombinePairsBf16(out, pair_position_, expert_weights_, rows, config_.num_experts_per_tok,
+                         hidden, x, stream_);
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+// Whether every expert matrix of layer l is quantized, gate and up [inter, hidden] and down
+// [hidden, inter]: what PrefillExpertCopies takes. A checkpoint that left some experts dense
+// keeps the per-expert loop.
+bool MoeRunner::ExpertsQuantizedAlike(int l) const {
+  const int64_t inter = config_.moe_intermediate_size, hidden = config_.hidden_size;
+  for (const ExpertWeights& x : w_.layers[l].experts)
+    for (const MatrixRef* w : {&x.gate, &x.up, &x.down})
+      if (!w->quantized() || w->rows * w->cols != inter * hidden ||
+          w->cols != (w == &x.down ? inter : hidden))
+        return false;
+  return true;
+}
+
+// Layer l's experts dequantized into the expert scratch; its gate, up and down tables.
+absl::StatusOr<std::array<const uint16_t* const*, 3>> MoeRunner::PrefillExpertCopies(int l) {
+  const int experts = config_.num_experts;
+  const size_t per_matrix =
+      static_cast<size_t>(config_.moe_intermediate_size) * config_.hidden_size;
+  if (!prefill_experts_) {
+    auto buffer = DeviceAlloc<uint16_t>(3 * experts * per_matrix);
+    if (!buffer.ok()) return buffer.status();
+    prefill_experts_ = *buffer;
+    std::vector<const uint16_t*> list(3 * experts);
+    for (size_t i = 0; i < list.size(); ++i) list[i] = prefill_experts_ + i * per_matrix;
+    auto tables = DeviceAlloc<const uint16_t*>(list.size());
+    if (!tables.ok()) return tables.status();
+    prefill_expert_tables_ = *tables;
+    CUDA_OR_DIE(cudaMemcpy(prefill_expert_tables_, list.data(), list.size() * sizeof(list[0]),
+                           cudaMemcpyHostToDevice));
+  }
+  // The layer's 3E quantized experts as one device array (made at the layer's first prefill),
+  // dequantized in one launch: 384 launches a layer cost more than the bytes.
+  if (prefill_expert_refs_.empty()) prefill_expert_refs_.assign(config_.num_layers, nullptr);
+  if (!prefill_expert_refs_[l]) {
+    const LayerWeights& lw = w_.layers[l];
+    std::vector<MatrixRef> refs;
+    for (int m = 0; m < 3; ++m)
+      for (int e = 0; e < experts; ++e)
+        refs.push_back(m == 0   ? lw.experts[e].gate
+                       : m == 1 ? lw.experts[e].up
+                                : lw.experts[e].down);
+    auto d = DeviceAlloc<MatrixRef>(refs.size());
+    if (!d.ok()) return d.status();
+    CUDA_OR_DIE(
+        cudaMemcpy(*d, refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
+    prefill_expert_refs_[l] = *d;
+  }
+  const MatrixRef& shape = w_.layers[l].experts[0].gate;
+  cuda::DequantizeManyToBf16(prefill_expert_refs_[l], 3 * experts, shape.rows, shape.cols,
+                             prefill_experts_, stream_);
+  CHECK_LAUNCH();
+  return std::array<const uint16_t* const*, 3>{prefill_expert_tables_,
+                                               prefill_expert_tables_ + experts,
+                                               prefill_expert_tables_ + 2 * experts};
+}
+
+}  // namespace infersweep

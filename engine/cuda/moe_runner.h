@@ -1,0 +1,87 @@
+// The MoE block of a CUDA model's step: the router (fp32 on every config), top-k routing, and
+// the experts by the moe axis: the per-expert loop with a host sync (loop), cuBLAS grouped GEMMs
+// (grouped, and long bf16 prefill chunks of fused), per-pair GEMVs and expert-grouped MMAs on
+// device-side routing (fused, wgmma), quantized experts in registers (w4a16, w8a16); then the
+// shared expert. Owns the routing and expert scratch and the router's fp32 copies.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/cuda/linear_runner.h"
+#include "engine/cuda/runner_context.h"
+#include "engine/cuda/weight_upload.h"
+#include "kernels/cuda/moe_grouped.h"
+
+namespace infersweep {
+
+class MoeRunner {
+ public:
+  // `dw`: the shared upload (its bf16 expert tables); `view`: a quantized model's view (its own
+  // tables), else null; `grouped`: cuBLAS grouped GEMMs (moe=grouped, and moe=fused on cuBLASLt
+  // configs for long prefill chunks), else null.
+  MoeRunner(const RunnerContext& context, LinearRunner& linear, const DeviceWeights* dw,
+            const QuantView* view, std::unique_ptr<cuda::CublasGroupedGemm> grouped);
+  ~MoeRunner();
+  MoeRunner(const MoeRunner&) = delete;
+  MoeRunner& operator=(const MoeRunner&) = delete;
+
+  // Scratch for `rows` rows (freed first by FreeScratch). Dense models have it too: the
+  // persistent kernel's router logits live in router().
+  absl::Status AllocateScratch(int rows);
+  void FreeScratch();
+  // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM, made once, outside any capture.
+  absl::Status MakeRouterCopies();
+
+  // Layer l's MoE block over `rows` rows (`n` tokens a sequence) of the residual stream x, its
+  // output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x);
+
+  // [rows, experts] router logits, + 1 float (graphs=persistent's sum of squares of x).
+  float* router() const { return router_; }
+
+ private:
+  // The routing of `rows` rows read back to the host: pairs (row, slot) grouped by expert, with
+  // the row index and routing weight of each uploaded to route_index_ / route_weight_, and the
+  // position of every pair in that order uploaded to pair_position_ (-1: left out).
+  struct HostRouting {
+    std::vector<int> index;
+    std::vector<float> index_weight;
+    std::vector<int> pair_position;
+    std::vector<std::pair<int, int>> spans;  // per expert: first pair, count
+  };
+  void RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma, bool quant_prefill,
+                          bool long_prefill, bool many_pairs);
+  absl::Status Router(int l, int rows);
+  HostRouting RouteOnHost(int rows, int skip);
+  absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing,
+                              float* x);
+  bool ExpertsQuantizedAlike(int l) const;
+  absl::StatusOr<std::array<const uint16_t* const*, 3>> PrefillExpertCopies(int l);
+
+  const ModelConfig& config_;
+  const ModelWeights& w_;
+  const CudaOptions& options_;
+  const FaultInjection& fault_;
+  cudaStream_t stream_;
+  LinearRunner& linear_;
+  const DeviceWeights* dw_;
+  const QuantView* view_;
+  std::unique_ptr<cuda::CublasGroupedGemm> grouped_;
+  std::vector<float*> router_f32_;  // per layer (MakeRouterCopies); null for dense layers
+  float *router_ = nullptr, *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr,
+        *moe_in_ = nullptr, *route_weight_ = nullptr;
+  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr,
+      *expert_offsets_ = nullptr;
+  uint16_t* xn_bf16_ = nullptr;          // the block's normalised input in bf16
+  uint16_t* moe_bf16_ = nullptr;         // moe=grouped: gate | up | pair outputs, bf16
+  uint16_t* prefill_experts_ = nullptr;  // PrefillExpertCopies: [gate | up | down][expert]
+  const uint16_t** prefill_expert_tables_ = nullptr;
+  std::vector<MatrixRef*> prefill_expert_refs_;  // per layer: its experts' refs on the device
+};
+
+}  // namespace infersweep

@@ -1,0 +1,256 @@
+#include "engine/cuda/weight_upload.h"
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <map>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/device_util.h"
+#include "engine/quant/layout.h"
+#include "engine/synthetic.h"
+#include "kernels/cuda/ops.h"
+
+namespace infersweep {
+namespace {
+
+// Copies a list of device pointers into a device array owned by `buffers`.
+absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list,
+                                            std::vector<void*>& buffers) {
+  auto d = DeviceAlloc<const void*>(list.size());
+  if (!d.ok()) return d.status();
+  buffers.push_back(*d);
+  CUDA_OR_DIE(cudaMemcpy(*d, list.data(), list.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  return *d;
+}
+
+// The device table of one projection of a layer's quantized experts.
+absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
+    const std::vector<ExpertWeights>& experts, MatrixRef ExpertWeights::*projection,
+    std::vector<void*>& buffers) {
+  const MatrixRef& first = experts.front().*projection;
+  cuda::QuantExpertTable t;
+  t.format = first.quant.format;
+  t.scale_dtype = first.quant.scale_dtype;
+  t.rows = static_cast<int>(first.rows);
+  t.cols = static_cast<int>(first.cols);
+  const size_t e_count = experts.size();
+  std::vector<const void*> list(3 * e_count, nullptr);  // codes | scales | scale_2
+  for (size_t e = 0; e < e_count; ++e) {
+    const MatrixRef& m = experts[e].*projection;
+    if (m.quant.format != t.format || m.quant.scale_dtype != t.scale_dtype || m.rows != t.rows ||
+        m.cols != t.cols || reinterpret_cast<uintptr_t>(m.data) % 16 != 0)
+      return absl::UnimplementedError(
+          "moe=fused needs every expert in one format, scale dtype and shape, with 16-byte "
+          "aligned codes");
+    list[e] = m.data;
+    list[e_count + e] = m.quant.scale;
+    list[2 * e_count + e] = m.quant.global_scale;
+  }
+  auto d = UploadPointers(list, buffers);
+  if (!d.ok()) return d.status();
+  t.codes = *d;
+  t.scales = *d + e_count;
+  if (t.format == QuantFormat::kNvfp4) t.global_scales = *d + 2 * e_count;
+  return t;
+}
+
+// moe=fused's expert tables from the view's weights: the quantized experts' (w4a16, w8a16) or
+// pointer tables of bf16 experts (dequant_bf16's copies, or experts a checkpoint left dense).
+absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
+  for (size_t l = 0; l < view.weights.layers.size(); ++l) {
+    const std::vector<ExpertWeights>& experts = view.weights.layers[l].experts;
+    std::array<cuda::QuantExpertTable, 3> quant{};
+    std::vector<const void*> lists[3];
+    if (!experts.empty() && experts.front().gate.quantized()) {
+      const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
+          {&ExpertWeights::gate, 1},
+          {&ExpertWeights::up, 1},
+          {&ExpertWeights::down, config.num_experts_per_tok}};
+      for (int p = 0; p < 3; ++p) {
+        auto t = MakeQuantExpertTable(experts, parts[p].first, view.buffers);
+        if (!t.ok()) return t.status();
+        if (!cuda::MoeQuantSupports(*t, parts[p].second))
+          return absl::UnimplementedError(absl::StrCat(
+              "moe=fused on quantized experts needs K % 32 (FP4) or % 16 (FP8) and top-k x K x 4 "
+              "bytes of staged activations <= ",
+              cuda::kMoeMaxSharedBytes, " (expert [", t->rows, ", ", t->cols, "])"));
+        quant[p] = *t;
+      }
+    } else if (!experts.empty() && experts.front().gate.dtype != DType::kBF16) {
+      return absl::UnimplementedError("moe=fused takes bf16 or quantized experts");
+    } else {
+      for (const ExpertWeights& e : experts) {
+        lists[0].push_back(e.gate.data);
+        lists[1].push_back(e.up.data);
+        lists[2].push_back(e.down.data);
+      }
+    }
+    view.quant_tables.push_back(quant);
+    for (auto [list, table] :
+         {std::pair{&lists[0], &view.gate_table}, std::pair{&lists[1], &view.up_table},
+          std::pair{&lists[2], &view.down_table}}) {
+      auto d = UploadPointers(*list, view.buffers);
+      if (!d.ok()) return d.status();
+      table->push_back(reinterpret_cast<const uint16_t**>(*d));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
+  if (host.device_weights) return std::static_pointer_cast<DeviceWeights>(host.device_weights);
+  const auto start = std::chrono::steady_clock::now();
+  // Quantized models are quantized on the host (or read so): upload what the host holds.
+  const bool quantized = host.quant_format != QuantFormat::kNone;
+  if (quantized)
+    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+  auto dw = std::make_shared<DeviceWeights>();
+  dw->tensors = host.tensors;
+  // A layer's q, k and v weights share one allocation, back to back, when all three are dense
+  // bf16: the cuBLASLt configs then run them as one GEMM (CudaModel::QkvContiguous).
+  std::vector<uint8_t*> placed(host.specs.size(), nullptr);
+  std::map<int, std::array<int, 3>> qkv;  // layer -> spec indices of q, k, v
+  for (size_t i = 0; i < host.specs.size(); ++i) {
+    const TensorSpec& spec = host.specs[i];
+    const char* suffixes[3] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                               "self_attn.v_proj.weight"};
+    for (int j = 0; j < 3; ++j)
+      if (spec.layer >= 0 && spec.quant == QuantFormat::kNone &&
+          host.tensors[i].dtype == DType::kBF16 && absl::EndsWith(spec.name, suffixes[j])) {
+        auto [it, added] = qkv.try_emplace(spec.layer, std::array<int, 3>{-1, -1, -1});
+        it->second[j] = static_cast<int>(i);
+      }
+  }
+  for (const auto& [layer, index] : qkv) {
+    if (index[0] < 0 || index[1] < 0 || index[2] < 0) continue;
+    size_t total = 0;
+    for (int i : index) total += static_cast<size_t>(host.specs[i].numel()) * 2;
+    auto buffer = DeviceAlloc<uint8_t>(total);
+    if (!buffer.ok()) return buffer.status();
+    dw->buffers.push_back(*buffer);
+    size_t offset = 0;
+    for (int i : index) {
+      placed[i] = *buffer + offset;
+      offset += static_cast<size_t>(host.specs[i].numel()) * 2;
+    }
+  }
+  for (size_t i = 0; i < host.specs.size(); ++i) {
+    const TensorSpec& spec = host.specs[i];
+    const HostTensor& t = host.tensors[i];
+    const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(t.dtype);
+    if (!placed[i]) {
+      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      if (!buffer.ok()) return buffer.status();
+      dw->buffers.push_back(*buffer);
+      placed[i] = *buffer;
+    }
+    uint8_t* const buffer = placed[i];
+    dw->tensors[i].data = buffer;
+    if (host.is_synthetic && !quantized) {  // generated in place: bit-identical to the CPU's
+      TensorSpec source = spec;
+      const bool tied = host.config.tie_word_embeddings && spec.name == "lm_head.weight";
+      if (tied) source.kind = WeightKind::kEmbedding;
+      const SyntheticInit init = SyntheticInitFor(source);
+      const uint64_t key = SyntheticStream(
+          host.seed, HashTensorName(SyntheticSourceName(spec, host.config.tie_word_embeddings)));
+      cuda::GenerateSyntheticBf16(key, init.scale, init.offset, spec.numel(),
+                                  reinterpret_cast<uint16_t*>(buffer), nullptr);
+      CHECK_LAUNCH();
+    } else {
+      CUDA_OR_DIE(cudaMemcpy(buffer, t.data, bytes, cudaMemcpyHostToDevice));
+    }
+  }
+  auto bound = BindWeights(host.config, host.specs, dw->tensors);
+  if (!bound.ok()) return bound.status();
+  dw->weights = std::move(*bound);
+  for (const LayerWeights& layer : dw->weights.layers) {
+    std::vector<const uint16_t*> gate, up, down;
+    for (const ExpertWeights& e : layer.experts) {
+      gate.push_back(static_cast<const uint16_t*>(e.gate.data));
+      up.push_back(static_cast<const uint16_t*>(e.up.data));
+      down.push_back(static_cast<const uint16_t*>(e.down.data));
+    }
+    for (auto [list, table] : {std::pair{&gate, &dw->gate_table}, std::pair{&up, &dw->up_table},
+                               std::pair{&down, &dw->down_table}}) {
+      auto d = DeviceAlloc<const uint16_t*>(list->size());
+      if (!d.ok()) return d.status();
+      CUDA_OR_DIE(
+          cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
+      table->push_back(*d);
+    }
+  }
+  CUDA_OR_DIE(cudaDeviceSynchronize());
+  dw->load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  host.device_upload_seconds = dw->load_seconds;
+  host.device_weights = dw;
+  return dw;
+}
+
+absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
+                                                          const CudaOptions& options,
+                                                          const FaultInjection& fault) {
+  const QGemm qgemm = options.qgemm;
+  auto view = std::make_unique<QuantView>();
+  view->weights = dw.weights;
+  if (fault.kind == FaultInjection::Kind::kBadQuantScale) {
+    // Corrupt a host copy the CPU's way, find which linear it hit, upload that scale alone.
+    ModelWeights host_copy = host.weights;
+    std::vector<uint8_t> corrupted;
+    if (auto s = CorruptQuantScale(host_copy, host, fault.value, fault.target, &corrupted); !s.ok())
+      return s;
+    for (size_t l = 0; l < host_copy.layers.size(); ++l) {
+      const std::vector<MatrixRef*> host_linears = LayerLinears(host_copy.layers[l]);
+      const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
+      for (size_t i = 0; i < host_linears.size(); ++i) {
+        if (host_linears[i]->quant.scale != corrupted.data()) continue;
+        auto scale = DeviceAlloc<uint8_t>(corrupted.size());
+        if (!scale.ok()) return scale.status();
+        view->buffers.push_back(*scale);
+        CUDA_OR_DIE(cudaMemcpy(*scale, corrupted.data(), corrupted.size(), cudaMemcpyHostToDevice));
+        view_linears[i]->quant.scale = *scale;
+      }
+    }
+  }
+  if (UsesScaledGemm(qgemm)) {  // codes as uploaded, scales rearranged
+    auto scaled = cuda::ScaledGemm::Create(
+        qgemm == QGemm::kFp8CublasLt ? cuda::ScaledGemmKind::kFp8 : cuda::ScaledGemmKind::kFp4);
+    if (!scaled.ok()) return scaled.status();
+    view->scaled = std::move(*scaled);
+    for (LayerWeights& layer : view->weights.layers)
+      for (MatrixRef* m : LayerLinears(layer))
+        if (m->quantized())
+          if (auto s = view->scaled->Prepare(*m); !s.ok()) return s;
+    CUDA_OR_DIE(cudaDeviceSynchronize());
+    return view;
+  }
+  // The reference dequantizes as it reads (GemmReference), so it keeps the codes too.
+  const bool keep_codes = KeepsQuantCodes(qgemm);
+  if (keep_codes) {
+    if (RoutesOnDevice(options.moe) && host.config.is_moe())
+      if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
+    return view;
+  }
+  for (LayerWeights& layer : view->weights.layers)
+    for (MatrixRef* m : LayerLinears(layer)) {
+      if (!m->quantized()) continue;
+      const size_t count = static_cast<size_t>(m->rows * m->cols);
+      auto buffer = DeviceAlloc<uint16_t>(count);
+      if (!buffer.ok()) return buffer.status();
+      view->buffers.push_back(*buffer);
+      cuda::DequantizeToBf16(*m, *buffer, nullptr);
+      CHECK_LAUNCH();
+      *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};
+    }
+  CUDA_OR_DIE(cudaDeviceSynchronize());
+  if (RoutesOnDevice(options.moe) && host.config.is_moe())
+    if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
+  return view;
+}
+
+}  // namespace infersweep

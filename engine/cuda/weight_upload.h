@@ -1,0 +1,67 @@
+// The model's weights on the device: uploaded (or generated) once per HostModel and shared by
+// every CudaModel built on it, and each model's own view of quantized weights (the qgemm axis's
+// form of them, with the expert tables the device-routed MoE runners index).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/fault_injection.h"
+#include "engine/options.h"
+#include "engine/weights.h"
+#include "kernels/cuda/gemm_scaled.h"
+#include "kernels/cuda/quant.h"
+
+namespace infersweep {
+
+// The model's weights on the device, shared by every CudaModel of one HostModel.
+struct DeviceWeights {
+  std::vector<void*> buffers;
+  std::vector<HostTensor> tensors;  // device pointers, parallel to the specs
+  ModelWeights weights;
+  // Per MoE layer: device tables of expert weight pointers for the device-indexed kernels.
+  std::vector<const uint16_t**> gate_table, up_table, down_table;
+  double load_seconds = 0;
+
+  ~DeviceWeights() {
+    for (void* b : buffers) cudaFree(b);
+    for (auto* t : gate_table) cudaFree(t);
+    for (auto* t : up_table) cudaFree(t);
+    for (auto* t : down_table) cudaFree(t);
+  }
+};
+
+// `host`'s weights on the device, uploaded (or generated in place) at the first call and kept in
+// host.device_weights for the next.
+absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host);
+
+// A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16,
+// fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY bad-quant-scale fault
+// applied to it alone, so the shared weights (and the reference built on them) stay intact.
+struct QuantView {
+  ModelWeights weights;
+  std::vector<void*> buffers;
+  std::unique_ptr<cuda::ScaledGemm> scaled;  // fp8_cublaslt, native_fp4: scales in its layouts
+  // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
+  // there too: device pointer tables of dequant_bf16's bf16 copies of the experts, or the
+  // quantized experts' tables (gate, up, down) for w4a16 / w8a16.
+  std::vector<const uint16_t**> gate_table, up_table, down_table;
+  std::vector<std::array<cuda::QuantExpertTable, 3>> quant_tables;
+  ~QuantView() {
+    for (void* b : buffers) cudaFree(b);
+  }
+};
+
+// The view of a quantized model's weights for `options.qgemm` (and the TEST ONLY
+// bad-quant-scale `fault`): scaled-GEMM layouts, bf16 copies, or the codes as uploaded; with
+// the expert tables when a device-routed MoE runner reads them.
+absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
+                                                          const CudaOptions& options,
+                                                          const FaultInjection& fault);
+
+}  // namespace infersweep

@@ -1,0 +1,108 @@
+#include "engine/options.h"
+
+#include <array>
+#include <string>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace infersweep {
+namespace {
+
+template <typename E, size_t N>
+using Names = std::array<std::pair<E, const char*>, N>;
+
+constexpr Names<Gemm, 4> kGemm = {{{Gemm::kReference, "reference"},
+                                   {Gemm::kCublasLt, "cublaslt"},
+                                   {Gemm::kFused, "fused"},
+                                   {Gemm::kTma, "tma"}}};
+constexpr Names<Attention, 2> kAttention = {
+    {{Attention::kNaive, "naive"}, {Attention::kFlash, "flash"}}};
+constexpr Names<KvCache, 2> kKvCache = {{{KvCache::kFp32, "fp32"}, {KvCache::kBf16, "bf16"}}};
+constexpr Names<Moe, 4> kMoe = {{{Moe::kLoop, "loop"},
+                                 {Moe::kGrouped, "grouped"},
+                                 {Moe::kFused, "fused"},
+                                 {Moe::kWgmma, "wgmma"}}};
+constexpr Names<Graphs, 3> kGraphs = {
+    {{Graphs::kOff, "off"}, {Graphs::kOn, "on"}, {Graphs::kPersistent, "persistent"}}};
+constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
+                                     {QGemm::kDequantBf16, "dequant_bf16"},
+                                     {QGemm::kW4A16, "w4a16"},
+                                     {QGemm::kW8A16, "w8a16"},
+                                     {QGemm::kFp8CublasLt, "fp8_cublaslt"},
+                                     {QGemm::kNativeFp4, "native_fp4"}}};
+constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
+
+template <typename E, size_t N>
+const char* NameOf(const Names<E, N>& names, E value) {
+  for (const auto& [v, name] : names)
+    if (v == value) return name;
+  return "?";
+}
+
+// The axis's value in `config`, or the device's default when the axis is absent.
+std::string ValueOf(const BackendConfig& config, const std::string& device,
+                    const std::string& axis) {
+  auto it = config.find(axis);
+  return it != config.end() ? it->second : DefaultAxes(device).at(axis);
+}
+
+template <typename E, size_t N>
+absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
+                       const std::string& axis, const Names<E, N>& names, E* out) {
+  const std::string value = ValueOf(config, device, axis);
+  for (const auto& [v, name] : names)
+    if (name == value) {
+      *out = v;
+      return absl::OkStatus();
+    }
+  std::vector<std::string> known;
+  for (const auto& [v, name] : names) known.emplace_back(name);
+  return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "': unknown value '", value,
+                                                 "' (known: ", absl::StrJoin(known, ", "), ")"));
+}
+
+absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
+  if (ConfigDevice(config) == device) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("device=", ConfigDevice(config), ": not a device=", device, " config"));
+}
+
+}  // namespace
+
+const char* AxisValueName(Gemm v) { return NameOf(kGemm, v); }
+const char* AxisValueName(Attention v) { return NameOf(kAttention, v); }
+const char* AxisValueName(KvCache v) { return NameOf(kKvCache, v); }
+const char* AxisValueName(Moe v) { return NameOf(kMoe, v); }
+const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
+const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
+const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
+
+absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
+  if (auto s = ExpectDevice(normalized, "cuda"); !s.ok()) return s;
+  const std::string device = "cuda";
+  CudaOptions o;
+  for (absl::Status s : {ParseAxis(normalized, device, "gemm", kGemm, &o.gemm),
+                         ParseAxis(normalized, device, "attention", kAttention, &o.attention),
+                         ParseAxis(normalized, device, "kv_cache", kKvCache, &o.kv_cache),
+                         ParseAxis(normalized, device, "moe", kMoe, &o.moe),
+                         ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
+                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm)})
+    if (!s.ok()) return s;
+  return o;
+}
+
+absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
+  if (auto s = ExpectDevice(normalized, "cpu"); !s.ok()) return s;
+  CpuOptions o;
+  if (auto s = ParseAxis(normalized, "cpu", "matmul", kMatmul, &o.matmul); !s.ok()) return s;
+  const std::string threads = ValueOf(normalized, "cpu", "threads");
+  if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
+    return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
+                                                   "' is neither a positive number nor all"));
+  return o;
+}
+
+}  // namespace infersweep

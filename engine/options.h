@@ -1,0 +1,78 @@
+// Typed backend options: the normalized config's axis values (engine/backend_config.h) parsed
+// once into one enum per axis, with named predicates for the behaviours several values share.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "api/backend_config.h"
+
+namespace infersweep {
+
+// ---- CUDA axes (docs/BACKENDS.md).
+enum class Gemm { kReference, kCublasLt, kFused, kTma };
+enum class Attention { kNaive, kFlash };
+enum class KvCache { kFp32, kBf16 };
+enum class Moe { kLoop, kGrouped, kFused, kWgmma };
+enum class Graphs { kOff, kOn, kPersistent };
+enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4 };
+// ---- CPU axes.
+enum class Matmul { kNaive, kBlocked };
+
+// The registry's spelling of each value ("cublaslt", "w4a16", ...); a C string, which this
+// absl's StrCat takes (it predates std::string_view).
+const char* AxisValueName(Gemm v);
+const char* AxisValueName(Attention v);
+const char* AxisValueName(KvCache v);
+const char* AxisValueName(Moe v);
+const char* AxisValueName(Graphs v);
+const char* AxisValueName(QGemm v);
+const char* AxisValueName(Matmul v);
+
+// gemm=cublaslt, fused and tma hold a cuBLASLt handle: the bf16 GEMMs of every row count the
+// fused GEMV does not take, the fp32 router GEMM, bf16 staging of activations.
+constexpr bool UsesCublasLt(Gemm g) { return g != Gemm::kReference; }
+// gemm=fused and tma: decode rows take our GEMV with the norm, bias and residual fused in.
+constexpr bool UsesFusedGemv(Gemm g) { return g == Gemm::kFused || g == Gemm::kTma; }
+// gemm=tma: the attention projections' GEMV streams weight tiles through the TMA engine.
+constexpr bool UsesTma(Gemm g) { return g == Gemm::kTma; }
+// moe=fused and wgmma route on the device (no host sync): the step can be captured.
+constexpr bool RoutesOnDevice(Moe m) { return m == Moe::kFused || m == Moe::kWgmma; }
+// graphs=on and persistent capture the decode step once per batch size and replay it.
+constexpr bool CapturesDecode(Graphs g) { return g != Graphs::kOff; }
+// graphs=persistent: batch-1 decode steps as one cooperative kernel over every layer.
+constexpr bool IsPersistent(Graphs g) { return g == Graphs::kPersistent; }
+// qgemm=w4a16 and w8a16 dequantize the codes in registers inside the GEMV and expert kernels.
+constexpr bool DequantizesInRegisters(QGemm q) { return q == QGemm::kW4A16 || q == QGemm::kW8A16; }
+// qgemm=fp8_cublaslt and native_fp4 run quantized linears as cuBLASLt scaled GEMMs.
+constexpr bool UsesScaledGemm(QGemm q) {
+  return q == QGemm::kFp8CublasLt || q == QGemm::kNativeFp4;
+}
+// The quantized codes stay resident as uploaded (the reference dequantizes as it reads them);
+// dequant_bf16 replaces them by bf16 copies, the scaled GEMMs by their own layouts.
+constexpr bool KeepsQuantCodes(QGemm q) {
+  return q == QGemm::kReference || DequantizesInRegisters(q);
+}
+
+struct CudaOptions {
+  Gemm gemm = Gemm::kReference;
+  Attention attention = Attention::kNaive;
+  KvCache kv_cache = KvCache::kFp32;
+  Moe moe = Moe::kLoop;
+  Graphs graphs = Graphs::kOff;
+  // How quantized linears run; dense models ignore it.
+  QGemm qgemm = QGemm::kReference;
+};
+
+struct CpuOptions {
+  Matmul matmul = Matmul::kNaive;
+  int threads = 0;  // 0: all cores (threads=all)
+};
+
+// From a normalized config (NormalizeBackendConfig): an absent axis takes its device's default.
+// InvalidArgument naming the axis for a value this build does not know, or another device's
+// config.
+absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized);
+absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized);
+
+}  // namespace infersweep

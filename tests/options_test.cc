@@ -1,0 +1,172 @@
+// The typed backend options (engine/options.h): every registered value of every axis parses to
+// its enum and back to its name, the shared-behaviour predicates hold for exactly the values
+// they name, and a value the registry does not know is an error naming the axis.
+#include "engine/options.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "api/backend_config.h"
+
+namespace infersweep {
+namespace {
+
+// A normalized config of `device` with one axis set.
+BackendConfig With(const std::string& device, const std::string& axis, const std::string& value) {
+  BackendConfig config = DefaultAxes(device);
+  config[axis] = value;
+  return config;
+}
+
+TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
+  int parsed = 0;
+  for (const BackendDescriptor& d : BackendRegistry()) {
+    if (d.axis == "device") continue;
+    const BackendConfig config = With(d.device, d.axis, d.value);
+    SCOPED_TRACE(BackendConfigString(config));
+    if (d.device == "cuda") {
+      auto o = ParseCudaOptions(config);
+      ASSERT_TRUE(o.ok()) << o.status();
+      std::string name;
+      if (d.axis == "gemm") name = AxisValueName(o->gemm);
+      if (d.axis == "attention") name = AxisValueName(o->attention);
+      if (d.axis == "kv_cache") name = AxisValueName(o->kv_cache);
+      if (d.axis == "moe") name = AxisValueName(o->moe);
+      if (d.axis == "graphs") name = AxisValueName(o->graphs);
+      if (d.axis == "qgemm") name = AxisValueName(o->qgemm);
+      EXPECT_EQ(name, d.value) << "axis " << d.axis << " has no typed option";
+    } else {
+      auto o = ParseCpuOptions(config);
+      ASSERT_TRUE(o.ok()) << o.status();
+      if (d.axis == "matmul") {
+        EXPECT_EQ(AxisValueName(o->matmul), d.value);
+      } else {
+        ASSERT_EQ(d.axis, "threads");
+        EXPECT_EQ(o->threads, d.value == "all" ? 0 : std::stoi(d.value));
+      }
+    }
+    ++parsed;
+  }
+  EXPECT_GT(parsed, 20);
+}
+
+TEST(Options, DefaultsAreTheReferenceValues) {
+  auto cuda = ParseCudaOptions(DefaultAxes("cuda"));
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ(cuda->gemm, Gemm::kReference);
+  EXPECT_EQ(cuda->attention, Attention::kNaive);
+  EXPECT_EQ(cuda->kv_cache, KvCache::kFp32);
+  EXPECT_EQ(cuda->moe, Moe::kLoop);
+  EXPECT_EQ(cuda->graphs, Graphs::kOff);
+  EXPECT_EQ(cuda->qgemm, QGemm::kReference);
+  // An absent axis is its default too.
+  auto bare = ParseCudaOptions({{"device", "cuda"}, {"gemm", "tma"}});
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ(bare->gemm, Gemm::kTma);
+  EXPECT_EQ(bare->moe, Moe::kLoop);
+  auto cpu = ParseCpuOptions({{"device", "cpu"}});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->matmul, Matmul::kNaive);
+  EXPECT_EQ(cpu->threads, 0);
+}
+
+TEST(Options, PredicatesNameTheirValues) {
+  auto values = [](const std::string& axis) {
+    std::set<std::string> out;
+    for (const BackendDescriptor& d : BackendRegistry())
+      if (d.axis == axis) out.insert(d.value);
+    return out;
+  };
+  // Each predicate's set of values, over every registered value of its axis.
+  auto holds = [&](const std::string& axis, auto predicate) {
+    std::set<std::string> out;
+    for (const std::string& v : values(axis)) {
+      auto o = ParseCudaOptions(With("cuda", axis, v));
+      EXPECT_TRUE(o.ok()) << o.status();
+      if (o.ok() && predicate(*o)) out.insert(v);
+    }
+    return out;
+  };
+  using S = std::set<std::string>;
+  EXPECT_EQ(holds("gemm", [](const CudaOptions& o) { return UsesCublasLt(o.gemm); }),
+            (S{"cublaslt", "fused", "tma"}));
+  EXPECT_EQ(holds("gemm", [](const CudaOptions& o) { return UsesFusedGemv(o.gemm); }),
+            (S{"fused", "tma"}));
+  EXPECT_EQ(holds("gemm", [](const CudaOptions& o) { return UsesTma(o.gemm); }), (S{"tma"}));
+  EXPECT_EQ(holds("moe", [](const CudaOptions& o) { return RoutesOnDevice(o.moe); }),
+            (S{"fused", "wgmma"}));
+  EXPECT_EQ(holds("graphs", [](const CudaOptions& o) { return CapturesDecode(o.graphs); }),
+            (S{"on", "persistent"}));
+  EXPECT_EQ(holds("graphs", [](const CudaOptions& o) { return IsPersistent(o.graphs); }),
+            (S{"persistent"}));
+  EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return DequantizesInRegisters(o.qgemm); }),
+            (S{"w4a16", "w8a16"}));
+  EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return UsesScaledGemm(o.qgemm); }),
+            (S{"fp8_cublaslt", "native_fp4"}));
+  EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return KeepsQuantCodes(o.qgemm); }),
+            (S{"reference", "w4a16", "w8a16"}));
+}
+
+TEST(Options, UnregisteredValuesAreErrorsNamingTheAxis) {
+  for (const char* axis : {"gemm", "attention", "kv_cache", "moe", "graphs", "qgemm"}) {
+    auto o = ParseCudaOptions(With("cuda", axis, "warp_drive"));
+    ASSERT_FALSE(o.ok()) << axis;
+    EXPECT_TRUE(absl::IsInvalidArgument(o.status())) << o.status();
+    EXPECT_THAT(std::string(o.status().message()),
+                testing::HasSubstr(std::string("'") + axis + "': unknown value 'warp_drive'"));
+  }
+  auto matmul = ParseCpuOptions(With("cpu", "matmul", "strassen"));
+  EXPECT_FALSE(matmul.ok());
+  EXPECT_THAT(std::string(matmul.status().message()), testing::HasSubstr("'matmul'"));
+  for (const char* threads : {"0", "-2", "many"}) {
+    auto t = ParseCpuOptions(With("cpu", "threads", threads));
+    EXPECT_FALSE(t.ok()) << threads;
+  }
+  // Each device's parser takes its own configs only.
+  EXPECT_FALSE(ParseCudaOptions(DefaultAxes("cpu")).ok());
+  EXPECT_FALSE(ParseCpuOptions(DefaultAxes("cuda")).ok());
+}
+
+// RegistryConflict is Preflight's conflict judgement: on every pair of CUDA values, for dense and
+// quantized weights, it names a conflict exactly when Preflight (on a target that takes
+// everything else) refuses with that same reason.
+TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
+  std::map<std::string, std::vector<std::string>> axes;
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.device == "cuda") axes[d.axis].push_back(d.value);
+  // A registry without sm bounds or weight formats: only conflicts can refuse.
+  std::vector<BackendDescriptor> open = BackendRegistry();
+  for (BackendDescriptor& d : open) {
+    d.min_sm = d.max_sm = 0;
+    d.weight_formats.clear();
+  }
+  int conflicts = 0;
+  for (const char* format : {"bf16", "nvfp4"}) {
+    PreflightTarget target;
+    target.has_cuda_build = true;
+    target.gpu_count = 1;
+    target.sm = 90;
+    target.weight_format = format;
+    for (const BackendConfig& config : ExpandMatrix(axes)) {
+      const std::string why = RegistryConflict(config, format, open);
+      const PreflightResult preflight = Preflight(config, target, open);
+      EXPECT_EQ(why, preflight.reason) << format << " " << BackendConfigString(config);
+      EXPECT_EQ(why.empty(), preflight.supported) << format << " " << BackendConfigString(config);
+      conflicts += !why.empty();
+    }
+  }
+  EXPECT_GT(conflicts, 0);
+  EXPECT_EQ(RegistryConflict(*NormalizeBackendConfig({{"device", "cuda"}}), "nvfp4"), "");
+  EXPECT_EQ(
+      RegistryConflict(
+          *NormalizeBackendConfig({{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}}), "bf16"),
+      "moe=loop cannot be combined with graphs=on");
+}
+
+}  // namespace
+}  // namespace infersweep
