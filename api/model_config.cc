@@ -49,10 +49,21 @@ struct ArchEntry {
   std::string_view name;
 };
 constexpr ArchEntry kArchs[] = {
-    {ModelArch::kLlama, "llama"},         {ModelArch::kQwen3, "qwen3"},
-    {ModelArch::kQwen2Moe, "qwen2_moe"},  {ModelArch::kQwen3Moe, "qwen3_moe"},
-    {ModelArch::kMixtral, "mixtral"},
+    {ModelArch::kLlama, "llama"},           {ModelArch::kQwen3, "qwen3"},
+    {ModelArch::kQwen2Moe, "qwen2_moe"},    {ModelArch::kQwen3Moe, "qwen3_moe"},
+    {ModelArch::kMixtral, "mixtral"},       {ModelArch::kQwen3Next, "qwen3_next"},
+    {ModelArch::kQwen35Moe, "qwen3_5_moe"}, {ModelArch::kQwen35Moe, "qwen3_5_moe_text"},
+    {ModelArch::kQwen35, "qwen3_5"},        {ModelArch::kQwen35, "qwen3_5_text"},
 };
+
+// The Qwen3.5 multimodal wrappers hold the language model's config in `text_config`.
+bool IsWrapperType(std::string_view model_type) {
+  return model_type == "qwen3_5_moe" || model_type == "qwen3_5";
+}
+
+constexpr int kMaxConvKernel = 64;
+constexpr int kDefaultFullAttentionInterval = 4;
+constexpr int kDefaultConvKernel = 4;
 
 // This abseil build's absl::string_view is not std::string_view; StrCat/StrJoin need the former.
 absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
@@ -65,7 +76,21 @@ std::string SupportedModelTypes() {
 
 bool IsMoeArch(ModelArch arch) {
   return arch == ModelArch::kQwen2Moe || arch == ModelArch::kQwen3Moe ||
-         arch == ModelArch::kMixtral;
+         arch == ModelArch::kMixtral || arch == ModelArch::kQwen3Next ||
+         arch == ModelArch::kQwen35Moe;
+}
+
+bool IsHybridArch(ModelArch arch) {
+  return arch == ModelArch::kQwen3Next || arch == ModelArch::kQwen35Moe ||
+         arch == ModelArch::kQwen35;
+}
+
+// Layer i is full attention when (i + 1) % interval == 0, linear attention otherwise.
+std::vector<LayerAttention> LayersFromInterval(int num_layers, int interval) {
+  std::vector<LayerAttention> kinds(num_layers, LayerAttention::kLinear);
+  for (int i = 0; i < num_layers; ++i)
+    if ((i + 1) % interval == 0) kinds[i] = LayerAttention::kFull;
+  return kinds;
 }
 
 // A JSON value for an error message: strings quoted, long values cut.
@@ -248,12 +273,25 @@ absl::Status Unsupported(std::string_view source, std::string_view field, std::s
       absl::StrFormat("%s: field '%s': %s", source, field, what));
 }
 
+absl::Status FieldError(std::string_view source, std::string_view field, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrFormat("%s: field '%s': %s", source, field, what));
+}
+
+absl::Status CheckRange(std::string_view source, std::string_view field, int64_t value, int64_t lo,
+                        int64_t hi) {
+  if (value < lo || value > hi) {
+    return FieldError(source, field, absl::StrFormat("%d is out of range [%d, %d]", value, lo, hi));
+  }
+  return absl::OkStatus();
+}
+
 // rope_theta from `rope_theta` (4.x) or `rope_parameters.rope_theta` (5.x); rejects any RoPE
 // variant other than the default one.
 absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
   std::string_view source = r.source();
-  std::optional<double> theta;
+  std::optional<double> theta, partial;
   ASSIGN_OR_RETURN(theta, r.OptionalPositiveNumber("rope_theta"));
+  ASSIGN_OR_RETURN(partial, r.OptionalPositiveNumber("partial_rotary_factor"));
 
   if (const json* scaling = r.FindSet("rope_scaling")) {
     if (!scaling->is_object()) return r.TypeError("rope_scaling", "an object or null", *scaling);
@@ -266,7 +304,7 @@ absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
       }
     }
     if (type != "default") {
-      return Unsupported(source, "rope_scaling",
+      return Unsupported(source, r.FieldName("rope_scaling"),
                          absl::StrFormat("RoPE scaling type \"%s\" is not supported (only "
                                          "default RoPE is implemented)",
                                          type));
@@ -277,7 +315,7 @@ absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
     if (!params->is_object()) {
       return r.TypeError("rope_parameters", "an object or null", *params);
     }
-    FieldReader pr(*params, source, "rope_parameters.");
+    FieldReader pr(*params, source, r.FieldName("rope_parameters."));
     // transformers 5 nests one parameter set per layer type for hybrid-attention models.
     for (auto it = params->begin(); it != params->end(); ++it) {
       if (it.value().is_object()) {
@@ -288,7 +326,7 @@ absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
     std::optional<std::string> type;
     ASSIGN_OR_RETURN(type, pr.OptionalString("rope_type"));
     if (type.has_value() && *type != "default") {
-      return Unsupported(source, "rope_parameters.rope_type",
+      return Unsupported(source, pr.FieldName("rope_type"),
                          absl::StrFormat("RoPE type \"%s\" is not supported (only default RoPE "
                                          "is implemented)",
                                          *type));
@@ -303,8 +341,47 @@ absl::Status ParseRope(const FieldReader& r, ModelConfig& c) {
       }
       theta = nested;
     }
+    std::optional<double> nested_partial;
+    ASSIGN_OR_RETURN(nested_partial, pr.OptionalPositiveNumber("partial_rotary_factor"));
+    if (nested_partial.has_value()) {
+      if (partial.has_value() && *partial != *nested_partial) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: field '%s' (%g) disagrees with '%s' (%g)", source,
+                            r.FieldName("partial_rotary_factor"), *partial,
+                            pr.FieldName("partial_rotary_factor"), *nested_partial));
+      }
+      partial = nested_partial;
+    }
+    // Multimodal RoPE splits the rotary frequencies into (temporal, height, width) sections; for
+    // text every position row is the same, so it is 1-D RoPE. Hybrids only.
+    if (const json* sections = pr.FindSet("mrope_section")) {
+      if (!IsHybridArch(c.arch)) {
+        return Unsupported(source, pr.FieldName("mrope_section"),
+                           "multimodal RoPE is supported for qwen3_5 models only");
+      }
+      if (!sections->is_array()) {
+        return pr.TypeError("mrope_section", "a list of integers", *sections);
+      }
+      for (size_t i = 0; i < sections->size(); ++i) {
+        RETURN_IF_ERROR(
+            pr.IntValue(absl::StrCat("mrope_section[", i, "]"), (*sections)[i], 0).status());
+      }
+    }
+    bool interleaved = false;
+    ASSIGN_OR_RETURN(interleaved, pr.BoolOr("mrope_interleaved", false));
+    (void)interleaved;  // any section layout reduces to 1-D RoPE for text
   }
   c.rope_theta = theta.value_or(kDefaultRopeTheta);
+  c.partial_rotary_factor = partial.value_or(1.0);
+  if (c.partial_rotary_factor > 1.0) {
+    return FieldError(source, r.FieldName("partial_rotary_factor"),
+                      absl::StrFormat("%g must be in (0, 1]", c.partial_rotary_factor));
+  }
+  if (c.partial_rotary_factor != 1.0 && !IsHybridArch(c.arch)) {
+    return Unsupported(source, r.FieldName("partial_rotary_factor"),
+                       absl::StrFormat("partial RoPE (%g) is supported for hybrid models only",
+                                       c.partial_rotary_factor));
+  }
   return absl::OkStatus();
 }
 
@@ -395,22 +472,68 @@ absl::Status ParseMoe(const FieldReader& r, ModelConfig& c) {
     c.mlp_only_layers.erase(std::unique(c.mlp_only_layers.begin(), c.mlp_only_layers.end()),
                             c.mlp_only_layers.end());
   }
-  if (c.arch == ModelArch::kQwen2Moe) {
+  if (c.arch == ModelArch::kQwen2Moe || c.arch == ModelArch::kQwen3Next ||
+      c.arch == ModelArch::kQwen35Moe) {
     ASSIGN_OR_RETURN(c.shared_expert_intermediate_size,
                      r.IntOr("shared_expert_intermediate_size", 0, 0));
   }
   return absl::OkStatus();
 }
 
-absl::Status FieldError(std::string_view source, std::string_view field, std::string_view what) {
-  return absl::InvalidArgumentError(absl::StrFormat("%s: field '%s': %s", source, field, what));
-}
+// The linear-attention dims, the layer pattern and the fixed traits of the hybrid architectures.
+absl::Status ParseHybrid(const FieldReader& r, ModelConfig& c) {
+  std::string_view source = r.source();
+  ASSIGN_OR_RETURN(c.linear_num_key_heads, r.RequiredInt("linear_num_key_heads"));
+  ASSIGN_OR_RETURN(c.linear_num_value_heads, r.RequiredInt("linear_num_value_heads"));
+  ASSIGN_OR_RETURN(c.linear_key_head_dim, r.RequiredInt("linear_key_head_dim"));
+  ASSIGN_OR_RETURN(c.linear_value_head_dim, r.RequiredInt("linear_value_head_dim"));
+  ASSIGN_OR_RETURN(c.linear_conv_kernel_dim, r.IntOr("linear_conv_kernel_dim", kDefaultConvKernel));
 
-absl::Status CheckRange(std::string_view source, std::string_view field, int64_t value,
-                        int64_t lo, int64_t hi) {
-  if (value < lo || value > hi) {
-    return FieldError(source, field,
-                      absl::StrFormat("%d is out of range [%d, %d]", value, lo, hi));
+  if (const json* types = r.FindSet("layer_types")) {
+    if (!types->is_array()) return r.TypeError("layer_types", "a list of strings", *types);
+    if (static_cast<int64_t>(types->size()) != c.num_layers) {
+      return FieldError(source, r.FieldName("layer_types"),
+                        absl::StrFormat("has %d entries, but num_hidden_layers is %d",
+                                        types->size(), c.num_layers));
+    }
+    for (size_t i = 0; i < types->size(); ++i) {
+      const json& t = (*types)[i];
+      const std::string field = absl::StrCat("layer_types[", i, "]");
+      if (t == "full_attention") {
+        c.layer_attention.push_back(LayerAttention::kFull);
+      } else if (t == "linear_attention") {
+        c.layer_attention.push_back(LayerAttention::kLinear);
+      } else {
+        return r.TypeError(field, "\"full_attention\" or \"linear_attention\"", t);
+      }
+    }
+  } else {
+    int interval = 0;
+    ASSIGN_OR_RETURN(interval, r.IntOr("full_attention_interval", kDefaultFullAttentionInterval));
+    c.layer_attention = LayersFromInterval(c.num_layers, interval);
+  }
+
+  ASSIGN_OR_RETURN(c.attn_output_gate, r.BoolOr("attn_output_gate", true));
+  bool bias = false;
+  ASSIGN_OR_RETURN(bias, r.BoolOr("attention_bias", false));
+  if (bias) {
+    return Unsupported(source, r.FieldName("attention_bias"),
+                       "attention biases are not supported for hybrid models");
+  }
+  bool use_sliding = false;
+  ASSIGN_OR_RETURN(use_sliding, r.BoolOr("use_sliding_window", false));
+  if (use_sliding) {
+    return Unsupported(source, r.FieldName("use_sliding_window"),
+                       "sliding-window attention is not supported");
+  }
+  c.attention_bias = false;
+  c.qk_norm = true;
+  c.zero_centered_norm = true;
+  if (c.arch == ModelArch::kQwen35Moe) {
+    // Every Qwen3.5 layer is sparse and renormalises its top-k weights.
+    c.norm_topk_prob = true;
+    c.decoder_sparse_step = 1;
+    c.mlp_only_layers.clear();
   }
   return absl::OkStatus();
 }
@@ -425,7 +548,8 @@ T CountParams(const ModelConfig& c, bool active_only) {
   const T kv_dim = static_cast<T>(c.num_kv_heads) * c.head_dim;
   const T vocab = c.vocab_size;
 
-  T attn = hidden * q_dim * 2 + hidden * kv_dim * 2;  // q, o, k, v
+  // q (with its gate half when gated), o, k, v
+  T attn = hidden * q_dim * (c.attn_output_gate ? 3 : 2) + hidden * kv_dim * 2;
   if (c.attention_bias) {
     attn += q_dim + 2 * kv_dim;
     // HF Qwen2(-MoE) biases only q/k/v; Llama and Qwen3 put config.attention_bias on o_proj too.
@@ -433,6 +557,15 @@ T CountParams(const ModelConfig& c, bool active_only) {
   }
   if (c.qk_norm) attn += 2 * static_cast<T>(c.head_dim);
   const T norms = 2 * hidden;
+  // Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, the conv, dt_bias and
+  // A_log, the gated norm and out_proj.
+  const T key_dim = static_cast<T>(c.linear_num_key_heads) * c.linear_key_head_dim;
+  const T value_dim = static_cast<T>(c.linear_num_value_heads) * c.linear_value_head_dim;
+  const T value_heads = c.linear_num_value_heads;
+  const T linear = hidden * (2 * key_dim + value_dim) + hidden * value_dim +
+                   2 * hidden * value_heads +
+                   (2 * key_dim + value_dim) * static_cast<T>(c.linear_conv_kernel_dim) +
+                   2 * value_heads + c.linear_value_head_dim + hidden * value_dim;
 
   const T dense_mlp = 3 * hidden * static_cast<T>(c.intermediate_size);
   const T experts_counted =
@@ -446,7 +579,8 @@ T CountParams(const ModelConfig& c, bool active_only) {
   T total = vocab * hidden + hidden;  // embeddings + final norm
   if (!c.tie_word_embeddings) total += vocab * hidden;
   for (int l = 0; l < c.num_layers; ++l) {
-    total += attn + norms + (c.IsMoeLayer(l) ? moe_mlp : dense_mlp);
+    total += (c.AttentionKind(l) == LayerAttention::kLinear ? linear : attn) + norms +
+             (c.IsMoeLayer(l) ? moe_mlp : dense_mlp);
   }
   return total;
 }
@@ -482,13 +616,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 
   // nlohmann's accessors can throw type_error on mismatches we did not foresee; keep them inside.
   try {
-    FieldReader r(root, source);
+    FieldReader top(root, source);
     ModelConfig c;
 
-    const json* model_type = r.FindSet("model_type");
+    const json* model_type = top.FindSet("model_type");
     if (model_type == nullptr) {
       std::string hint;
-      if (const json* archs = r.FindSet("architectures")) {
+      if (const json* archs = top.FindSet("architectures")) {
         hint = absl::StrFormat(" (field 'architectures' is %s, but the architecture is chosen by "
                                "'model_type')",
                                Show(*archs));
@@ -498,7 +632,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
                           "values: %s",
                           source, hint, SupportedModelTypes()));
     }
-    if (!model_type->is_string()) return r.TypeError("model_type", "a string", *model_type);
+    if (!model_type->is_string()) return top.TypeError("model_type", "a string", *model_type);
     c.model_type = model_type->get<std::string>();
     bool known = false;
     for (const ArchEntry& e : kArchs) {
@@ -513,12 +647,35 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
           Show(*model_type), SupportedModelTypes()));
     }
 
+    // A multimodal wrapper's language model is described by its `text_config`; the rest of the
+    // file (vision tower, token ids) does not concern a text engine.
+    const json* body = &root;
+    std::string prefix;
+    if (IsWrapperType(c.model_type)) {
+      body = top.FindSet("text_config");
+      if (body == nullptr) {
+        return top.Missing("text_config", "an object holding the language model's config");
+      }
+      if (!body->is_object()) return top.TypeError("text_config", "an object", *body);
+      prefix = "text_config.";
+      FieldReader text(*body, source, prefix);
+      std::optional<std::string> text_type;
+      ASSIGN_OR_RETURN(text_type, text.OptionalString("model_type"));
+      const std::string want = c.model_type + "_text";
+      if (text_type.has_value() && *text_type != want) {
+        return FieldError(source, "text_config.model_type",
+                          absl::StrFormat("\"%s\" does not belong in a %s config (expected \"%s\")",
+                                          *text_type, c.model_type, want));
+      }
+    }
+    FieldReader r(*body, source, prefix);
+
     std::optional<std::string> act;
     ASSIGN_OR_RETURN(act, r.OptionalString("hidden_act"));
     if (act.has_value() && *act != "silu") {
-      return Unsupported(source, "hidden_act",
-                         absl::StrFormat("activation \"%s\" is not supported (only \"silu\")",
-                                         *act));
+      return Unsupported(
+          source, r.FieldName("hidden_act"),
+          absl::StrFormat("activation \"%s\" is not supported (only \"silu\")", *act));
     }
 
     ASSIGN_OR_RETURN(c.hidden_size, r.RequiredInt("hidden_size"));
@@ -530,10 +687,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     if (head_dim.has_value()) {
       c.head_dim = *head_dim;
     } else if (c.hidden_size % c.num_q_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: field 'head_dim' is absent and hidden_size %d is not divisible by "
-          "num_attention_heads %d",
-          source, c.hidden_size, c.num_q_heads));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: field '%shead_dim' is absent and hidden_size %d is not divisible by "
+                          "num_attention_heads %d",
+                          source, prefix, c.hidden_size, c.num_q_heads));
     } else {
       c.head_dim = c.hidden_size / c.num_q_heads;
     }
@@ -555,6 +712,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
                          *r.FindSet("rms_norm_eps"));
     }
     ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", false));
+    if (body != &root) {  // a wrapper's own tie_word_embeddings, when it has one, decides
+      ASSIGN_OR_RETURN(c.tie_word_embeddings,
+                       top.BoolOr("tie_word_embeddings", c.tie_word_embeddings));
+    }
 
     RETURN_IF_ERROR(ParseRope(r, c));
 
@@ -568,7 +729,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     }
     c.torch_dtype = dtype.value_or(torch_dtype.value_or("bfloat16"));
 
-    RETURN_IF_ERROR(ParseSlidingWindow(r, c));
+    if (!IsHybridArch(c.arch)) RETURN_IF_ERROR(ParseSlidingWindow(r, c));
 
     switch (c.arch) {
       case ModelArch::kQwen2Moe: {
@@ -586,6 +747,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
         ASSIGN_OR_RETURN(c.attention_bias, r.BoolOr("attention_bias", false));
         break;
       }
+      case ModelArch::kQwen3Next:
+      case ModelArch::kQwen35Moe:
+      case ModelArch::kQwen35:
+        break;  // ParseHybrid
     }
     c.qk_norm = c.arch == ModelArch::kQwen3 || c.arch == ModelArch::kQwen3Moe;
 
@@ -597,6 +762,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     }
 
     if (IsMoeArch(c.arch)) RETURN_IF_ERROR(ParseMoe(r, c));
+    if (IsHybridArch(c.arch)) RETURN_IF_ERROR(ParseHybrid(r, c));
 
     RETURN_IF_ERROR(ValidateModelConfig(c, source));
     return c;
@@ -607,7 +773,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 }
 
 absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) {
-  if (!c.model_type.empty() && c.model_type != ModelArchName(c.arch)) {
+  bool type_matches = c.model_type.empty();
+  for (const ArchEntry& e : kArchs) type_matches |= e.arch == c.arch && e.name == c.model_type;
+  if (!type_matches) {
     return FieldError(source, "model_type",
                       absl::StrFormat("\"%s\" does not match architecture %s", c.model_type,
                                       ModelArchName(c.arch)));
@@ -693,6 +861,56 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
     }
   }
 
+  if (IsHybridArch(c.arch)) {
+    if (static_cast<int64_t>(c.layer_attention.size()) != c.num_layers) {
+      return FieldError(
+          source, "layer_types",
+          absl::StrFormat("%d layer kinds for %d layers", c.layer_attention.size(), c.num_layers));
+    }
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_num_key_heads", c.linear_num_key_heads, 1, kMaxHeads));
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_num_value_heads", c.linear_num_value_heads, 1, kMaxHeads));
+    if (c.linear_num_value_heads % c.linear_num_key_heads != 0) {
+      return FieldError(source, "linear_num_value_heads",
+                        absl::StrFormat("%d is not a multiple of linear_num_key_heads %d",
+                                        c.linear_num_value_heads, c.linear_num_key_heads));
+    }
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_key_head_dim", c.linear_key_head_dim, 1, kMaxHeadDim));
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_value_head_dim", c.linear_value_head_dim, 1, kMaxHeadDim));
+    RETURN_IF_ERROR(
+        CheckRange(source, "linear_conv_kernel_dim", c.linear_conv_kernel_dim, 1, kMaxConvKernel));
+    const int64_t conv_dim =
+        2 * static_cast<int64_t>(c.linear_num_key_heads) * c.linear_key_head_dim +
+        static_cast<int64_t>(c.linear_num_value_heads) * c.linear_value_head_dim;
+    if (conv_dim > kMaxProjDim) {
+      return FieldError(source, "linear_num_value_heads",
+                        absl::StrFormat("the linear-attention width %d is larger than %d", conv_dim,
+                                        kMaxProjDim));
+    }
+    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.rotary_dim() < 2 ||
+        c.rotary_dim() % 2 != 0) {
+      return FieldError(source, "partial_rotary_factor",
+                        absl::StrFormat("%g of head_dim %d rotates %d dims; it must be an even "
+                                        "number of at least 2",
+                                        c.partial_rotary_factor, c.head_dim, c.rotary_dim()));
+    }
+  } else {
+    if (!c.layer_attention.empty()) {
+      return FieldError(
+          source, "layer_types",
+          absl::StrFormat("architecture %s has no linear-attention layers", ModelArchName(c.arch)));
+    }
+    if (c.partial_rotary_factor != 1.0 || c.attn_output_gate || c.zero_centered_norm) {
+      return FieldError(source, "model_type",
+                        absl::StrFormat("partial RoPE, gated attention and zero-centred norms "
+                                        "belong to the hybrid architectures, not %s",
+                                        ModelArchName(c.arch)));
+    }
+  }
+
   const double total = CountParams<double>(c, false);
   if (total > kMaxTotalParams) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -703,8 +921,9 @@ absl::Status ValidateModelConfig(const ModelConfig& c, std::string_view source) 
 }
 
 std::vector<std::string> PresetNames() {
-  return {"qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
-          "tiny-moe",      "tiny-dense",      "tiny-qwen2-moe"};
+  return {"qwen3-30b-a3b",      "qwen3-235b-a22b",   "mixtral-8x7b",
+          "qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-moe",
+          "tiny-dense",         "tiny-qwen2-moe",    "tiny-hybrid"};
 }
 
 absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override) {
@@ -714,8 +933,22 @@ absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_o
   auto set_arch = [&c](ModelArch arch) {
     c.arch = arch;
     c.model_type = std::string(ModelArchName(arch));
-    c.qk_norm = arch == ModelArch::kQwen3 || arch == ModelArch::kQwen3Moe;
+    c.qk_norm = arch == ModelArch::kQwen3 || arch == ModelArch::kQwen3Moe || IsHybridArch(arch);
     c.attention_bias = arch == ModelArch::kQwen2Moe;
+    c.zero_centered_norm = IsHybridArch(arch);
+    c.attn_output_gate = IsHybridArch(arch);
+  };
+  // Hybrid presets: the linear-attention dims and the full-attention interval.
+  int full_attention_interval = 0;
+  auto set_linear = [&c, &full_attention_interval](int key_heads, int value_heads, int key_dim,
+                                                   int value_dim, int interval) {
+    c.linear_num_key_heads = key_heads;
+    c.linear_num_value_heads = value_heads;
+    c.linear_key_head_dim = key_dim;
+    c.linear_value_head_dim = value_dim;
+    c.linear_conv_kernel_dim = 4;
+    c.partial_rotary_factor = 0.25;
+    full_attention_interval = interval;
   };
   auto set_attention = [&c](int hidden, int layers, int q_heads, int kv_heads, int head_dim) {
     c.hidden_size = hidden;
@@ -787,6 +1020,38 @@ absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_o
     c.rope_theta = 1e6;
     c.rms_norm_eps = 1e-6f;
     c.max_position_embeddings = 4096;
+  } else if (name == "qwen3-next-80b-a3b") {
+    set_arch(ModelArch::kQwen3Next);
+    set_attention(2048, 48, 16, 2, 256);
+    set_linear(16, 32, 128, 128, 4);
+    c.intermediate_size = 5120;
+    set_moe(512, 10, 512, true);
+    c.shared_expert_intermediate_size = 512;
+    c.vocab_size = 151936;
+    c.rope_theta = 1e7;
+    c.rms_norm_eps = 1e-6f;
+    c.max_position_embeddings = 262144;
+  } else if (name == "qwen3.5-397b-a17b") {
+    set_arch(ModelArch::kQwen35Moe);
+    set_attention(4096, 60, 32, 2, 256);
+    set_linear(16, 64, 128, 128, 4);
+    set_moe(512, 10, 1024, true);
+    c.shared_expert_intermediate_size = 1024;
+    c.vocab_size = 248320;
+    c.rope_theta = 1e7;
+    c.rms_norm_eps = 1e-6f;
+    c.max_position_embeddings = 262144;
+  } else if (name == "tiny-hybrid") {
+    // Layers alternate linear and full attention; every layer is MoE with a shared expert.
+    set_arch(ModelArch::kQwen3Next);
+    set_attention(128, 4, 4, 2, 32);
+    set_linear(2, 4, 32, 32, 2);
+    set_moe(8, 2, 64, true);
+    c.shared_expert_intermediate_size = 64;
+    c.vocab_size = 512;
+    c.rope_theta = 1e6;
+    c.rms_norm_eps = 1e-6f;
+    c.max_position_embeddings = 4096;
   } else {
     return absl::NotFoundError(absl::StrFormat("unknown model preset \"%s\"; known presets: %s",
                                                name, absl::StrJoin(PresetNames(), ", ")));
@@ -801,6 +1066,8 @@ absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_o
     c.num_layers = num_layers_override;
     std::erase_if(c.mlp_only_layers, [&c](int l) { return l >= c.num_layers; });
   }
+  if (full_attention_interval > 0)
+    c.layer_attention = LayersFromInterval(c.num_layers, full_attention_interval);
   RETURN_IF_ERROR(ValidateModelConfig(c, source));
   return c;
 }

@@ -9,10 +9,25 @@
 
 namespace infersweep {
 
-enum class ModelArch { kLlama, kQwen3, kQwen2Moe, kQwen3Moe, kMixtral };
+// kQwen3Next, kQwen35Moe and kQwen35 are hybrids: Gated DeltaNet linear-attention layers
+// between gated full-attention layers (docs/MODELS.md).
+enum class ModelArch {
+  kLlama,
+  kQwen3,
+  kQwen2Moe,
+  kQwen3Moe,
+  kMixtral,
+  kQwen3Next,
+  kQwen35Moe,
+  kQwen35
+};
 
-// HF `model_type` spelling of an architecture.
+// HF `model_type` spelling of an architecture (the text model's: qwen3_5_moe_text for kQwen35Moe
+// is an alias, as is the multimodal wrapper's qwen3_5_moe).
 std::string_view ModelArchName(ModelArch arch);
+
+// The token mixer of one decoder layer.
+enum class LayerAttention { kFull, kLinear };
 
 struct ModelConfig {
   ModelArch arch = ModelArch::kLlama;
@@ -43,7 +58,33 @@ struct ModelConfig {
 
   std::string torch_dtype = "bfloat16";  // `torch_dtype` or `dtype`
 
+  // Hybrid models. layer_attention holds one entry per layer (empty: every layer is full
+  // attention). Linear-attention layers are Gated DeltaNet with linear_num_key_heads key heads of
+  // linear_key_head_dim and linear_num_value_heads value heads of linear_value_head_dim, after a
+  // causal depthwise conv of width linear_conv_kernel_dim.
+  std::vector<LayerAttention> layer_attention;
+  int linear_num_key_heads = 0;
+  int linear_num_value_heads = 0;
+  int linear_key_head_dim = 0;
+  int linear_value_head_dim = 0;
+  int linear_conv_kernel_dim = 0;
+  // RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head (NeoX halves).
+  double partial_rotary_factor = 1.0;
+  // q_proj yields [q_h | gate_h] per head; attention output is multiplied by sigmoid(gate).
+  bool attn_output_gate = false;
+  // Decoder RMSNorms (input, post-attention, final, q/k norm) scale by (1 + w) instead of w.
+  bool zero_centered_norm = false;
+
   bool is_moe() const { return num_experts > 0; }
+  bool is_hybrid() const { return !layer_attention.empty(); }
+  LayerAttention AttentionKind(int layer) const {
+    return layer_attention.empty() ? LayerAttention::kFull : layer_attention[layer];
+  }
+  int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
+  // Linear-attention widths: q and k each key_dim, v and z each value_dim; conv over q|k|v.
+  int linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
+  int linear_value_dim() const { return linear_num_value_heads * linear_value_head_dim; }
+  int linear_conv_dim() const { return 2 * linear_key_dim() + linear_value_dim(); }
   // True when layer `layer` uses the sparse MoE block rather than the dense MLP.
   bool IsMoeLayer(int layer) const;
   int q_dim() const { return num_q_heads * head_dim; }
@@ -61,8 +102,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 // Reads <dir>/config.json.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
 
-// Synthetic presets at real shapes: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, tiny-moe,
-// tiny-dense, tiny-qwen2-moe (docs/MODELS.md). num_layers_override > 0 truncates (or extends) the layer count.
+// Synthetic presets at real shapes: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b,
+// qwen3-next-80b-a3b, qwen3.5-397b-a17b, tiny-moe, tiny-dense, tiny-qwen2-moe, tiny-hybrid
+// (docs/MODELS.md). num_layers_override > 0 truncates (or extends) the layer count.
 absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override = 0);
 std::vector<std::string> PresetNames();
 

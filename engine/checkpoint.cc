@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <set>
 #include <system_error>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/quant/layout.h"
@@ -333,6 +335,13 @@ std::vector<std::string> Checkpoint::DirectNames(const std::string& canonical) c
   }
   if (canonical == "lm_head.weight" && config_.tie_word_embeddings)
     names.push_back("model.embed_tokens.weight");
+  // Qwen3.5's multimodal saves put the language model under model.language_model.
+  if (config_.is_hybrid()) {
+    const size_t direct = names.size();
+    for (size_t i = 0; i < direct; ++i)
+      if (absl::StartsWith(names[i], "model."))
+        names.push_back(absl::StrCat("model.language_model.", names[i].substr(6)));
+  }
   return names;
 }
 
@@ -341,6 +350,69 @@ QuantFormat Checkpoint::LinearFormat(const TensorSpec& dense) const {
   std::vector<std::string> modules;
   for (const std::string& name : DirectNames(dense.name)) modules.push_back(ModuleOf(name));
   return quant_.Quantizes(modules) ? quant_.format : QuantFormat::kNone;
+}
+
+absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
+    const TensorSpec& spec, std::vector<std::string>* tried) const {
+  constexpr std::string_view kLinear = ".linear_attn.";
+  const size_t at = spec.name.find(kLinear);
+  if (!config_.is_hybrid() || at == std::string::npos) return std::optional<HostTensor>();
+  const std::string module = spec.name.substr(0, at + kLinear.size());
+  const std::string which = spec.name.substr(at + kLinear.size());
+  const bool qkvz = which == "in_proj_qkv.weight" || which == "in_proj_z.weight";
+  const bool ba = which == "in_proj_b.weight" || which == "in_proj_a.weight";
+  if (!qkvz && !ba) return std::optional<HostTensor>();
+
+  // Per key head g the grouped rows are [q_g(dk) | k_g(dk) | v_g(r dv) | z_g(r dv)] and
+  // [b_g(r) | a_g(r)], r = value heads per key head.
+  const int64_t dk = config_.linear_key_head_dim, dv = config_.linear_value_head_dim;
+  const int64_t key_heads = config_.linear_num_key_heads;
+  const int64_t r = config_.linear_num_value_heads / key_heads;
+  const int64_t key_dim = key_heads * dk, group = qkvz ? 2 * dk + 2 * r * dv : 2 * r;
+  const int64_t rows = spec.shape[0], cols = spec.shape[1];
+  auto disk_row = [&](int64_t i) -> int64_t {
+    if (which == "in_proj_qkv.weight") {
+      if (i < key_dim) return (i / dk) * group + i % dk;                       // q
+      if (i < 2 * key_dim) return ((i - key_dim) / dk) * group + dk + i % dk;  // k
+      const int64_t j = i - 2 * key_dim;                                       // v
+      return (j / (r * dv)) * group + 2 * dk + j % (r * dv);
+    }
+    if (which == "in_proj_z.weight") return (i / (r * dv)) * group + 2 * dk + r * dv + i % (r * dv);
+    if (which == "in_proj_b.weight") return (i / r) * group + i % r;
+    return (i / r) * group + r + i % r;  // in_proj_a
+  };
+
+  const std::string source_name = qkvz ? "in_proj_qkvz.weight" : "in_proj_ba.weight";
+  const std::vector<int64_t> want = {key_heads * group, cols};
+  for (const std::string& name : DirectNames(module + source_name)) {
+    tried->push_back(name);
+    const auto it = tensor_file_.find(name);
+    if (it == tensor_file_.end()) continue;
+    const SafetensorsFile& file = *files_[it->second];
+    const SafetensorsEntry* entry = file.Find(name);
+    const std::string what =
+        absl::StrCat(Basename(file.path()), ": tensor '", name, "' (for '", spec.name, "')");
+    if (!SupportedDType(entry->dtype))
+      return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", Sv(DTypeName(entry->dtype)),
+                                                     ", expected F32, F16 or BF16"));
+    if (entry->shape != want)
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has shape ", FormatShape(entry->shape), ", expected ", FormatShape(want),
+          qkvz ? " [key_heads * (2 * key_head_dim + 2 * value_heads_per_key_head * "
+                 "value_head_dim), hidden]"
+               : " [2 * value_heads, hidden]"));
+    const size_t row_bytes = static_cast<size_t>(cols) * DTypeSize(entry->dtype);
+    auto copy = std::make_unique<std::vector<uint8_t>>(static_cast<size_t>(rows) * row_bytes);
+    const uint8_t* base = file.Data(*entry);
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(copy->data() + i * row_bytes, base + disk_row(i) * row_bytes, row_bytes);
+    HostTensor t{spec.name, absl::StrCat(Basename(file.path()), ":", name, " (un-grouped)"),
+                 entry->dtype, spec.shape, copy->data()};
+    std::lock_guard<std::mutex> lock(derived_mu_);
+    derived_.push_back(std::move(copy));
+    return std::optional<HostTensor>(std::move(t));
+  }
+  return std::optional<HostTensor>();
 }
 
 absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
@@ -420,6 +492,9 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       std::vector<std::string> parents = {absl::StrCat(mlp->layer_prefix, "mlp.experts.")};
       if (config_.arch == ModelArch::kMixtral)
         parents.push_back(absl::StrCat(mlp->layer_prefix, "block_sparse_moe.experts."));
+      if (config_.is_hybrid())
+        parents.push_back(
+            absl::StrCat("model.language_model.", mlp->layer_prefix.substr(6), "mlp.experts."));
       for (const std::string& p : parents) {
         fused.push_back(absl::StrCat(p, which));
         fused.push_back(absl::StrCat(p, which, ".weight"));
@@ -466,12 +541,22 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       resolved = true;
     }
     if (resolved) continue;
+    std::vector<std::string> grouped;
+    if (!is_part) {
+      absl::StatusOr<std::optional<HostTensor>> ungrouped = Ungroup(spec, &grouped);
+      if (!ungrouped.ok()) return ungrouped.status();
+      if (ungrouped->has_value()) {
+        out.push_back(**std::move(ungrouped));
+        continue;
+      }
+    }
     if (is_part && spec.optional) {
       out.push_back({spec.name, "", DType::kF32, spec.shape, nullptr});
       continue;
     }
     std::vector<std::string> tried = direct;
     tried.insert(tried.end(), fused.begin(), fused.end());
+    tried.insert(tried.end(), grouped.begin(), grouped.end());
     std::string why;
     if (is_part) {
       why = absl::StrCat("; ", quant_.Describe(), " quantizes '", ModuleOf(spec.linear),

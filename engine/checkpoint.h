@@ -2,13 +2,17 @@
 // model.safetensors.index.json, memory-mapped, with every tensor checked before use.
 #pragma once
 
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/dtype.h"
 #include "api/model_config.h"
+#include "core/dtype.h"
 #include "engine/quant/scheme.h"
 #include "engine/safetensors.h"
 #include "engine/tensor_spec.h"
@@ -49,8 +53,10 @@ class Checkpoint {
 
   // Finds each spec's tensor under the architecture's on-disk names (per-expert Hub layout,
   // Mixtral w1/w2/w3, transformers 5 fused `experts.gate_up_proj`/`experts.down_proj`, tied
-  // lm_head), and checks dtype (dense: F32, F16 or BF16; quantized parts: their layout's) and
-  // shape. Returns views in spec order; an absent optional part is a view with no data.
+  // lm_head, Qwen3.5's `model.language_model.` prefix), and checks dtype (dense: F32, F16 or BF16;
+  // quantized parts: their layout's) and shape. Qwen3-Next's grouped linear-attention
+  // projections (in_proj_qkvz, in_proj_ba) are un-grouped into copies the checkpoint owns.
+  // Returns views in spec order; an absent optional part is a view with no data.
   // Errors name the file and the tensor.
   absl::StatusOr<std::vector<HostTensor>> Resolve(const std::vector<TensorSpec>& specs) const;
 
@@ -58,12 +64,21 @@ class Checkpoint {
   // On-disk names of a canonical linear or tensor, most canonical first (no fused names).
   std::vector<std::string> DirectNames(const std::string& canonical) const;
 
+  // A flat linear-attention projection (in_proj_qkv, _z, _b, _a) gathered row by row from the
+  // grouped tensor that holds it; nullopt when the spec is not one or no grouped tensor exists.
+  // `tried` receives the names looked up.
+  absl::StatusOr<std::optional<HostTensor>> Ungroup(const TensorSpec& spec,
+                                                    std::vector<std::string>* tried) const;
+
   std::string dir_;
   ModelConfig config_;
   QuantScheme quant_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   // on-disk tensor name -> index into files_
   std::map<std::string, size_t, std::less<>> tensor_file_;
+  // Un-grouped copies Resolve made; HostTensor views point into them.
+  mutable std::mutex derived_mu_;
+  mutable std::vector<std::unique_ptr<std::vector<uint8_t>>> derived_;
 };
 
 }  // namespace infersweep

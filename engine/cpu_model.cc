@@ -1,6 +1,7 @@
 #include "engine/cpu_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -11,11 +12,21 @@
 #include "core/launch_log.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/gated_delta.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/routing.h"
 
 namespace infersweep {
 namespace {
+
+// Tokens per chunk of the chunked gated delta rule (prefill).
+constexpr int kGatedDeltaChunk = 64;
+
+int FirstLinearLayer(const ModelConfig& config) {
+  for (int l = 0; l < config.num_layers; ++l)
+    if (config.AttentionKind(l) == LayerAttention::kLinear) return l;
+  return -1;
+}
 
 class CpuModel final : public Model {
  public:
@@ -43,9 +54,27 @@ class CpuModel final : public Model {
     batch_ = batch;
     capacity_ = max_tokens;
     position_ = 0;
+    // Full-attention layers keep a KV cache; linear-attention layers a conv state (the last K-1
+    // inputs) and a recurrent state per sequence, all zero at the start.
     const size_t per_layer = static_cast<size_t>(batch) * max_tokens * config_.kv_dim();
-    k_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
-    v_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
+    const size_t conv_per_layer = static_cast<size_t>(batch) *
+                                  std::max(config_.linear_conv_kernel_dim - 1, 0) *
+                                  config_.linear_conv_dim();
+    const size_t state_per_layer = static_cast<size_t>(batch) * config_.linear_num_value_heads *
+                                   config_.linear_key_head_dim * config_.linear_value_head_dim;
+    k_cache_.assign(config_.num_layers, {});
+    v_cache_.assign(config_.num_layers, {});
+    conv_state_.assign(config_.num_layers, {});
+    recurrent_state_.assign(config_.num_layers, {});
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (config_.AttentionKind(l) == LayerAttention::kLinear) {
+        conv_state_[l].assign(conv_per_layer, 0.f);
+        recurrent_state_[l].assign(state_per_layer, 0.f);
+      } else {
+        k_cache_[l].assign(per_layer, 0.f);
+        v_cache_[l].assign(per_layer, 0.f);
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -64,7 +93,11 @@ class CpuModel final : public Model {
     for (int64_t r = 0; r < rows; ++r) cpu::DecodeRow(w_.embed, tokens[r], x.data() + r * hidden);
 
     for (int l = 0; l < config_.num_layers; ++l) {
-      Attention(l, n, x);
+      if (config_.AttentionKind(l) == LayerAttention::kLinear) {
+        LinearAttention(l, n, x);
+      } else {
+        Attention(l, n, x);
+      }
       FeedForward(l, rows, x);
       if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
         x[0] = std::numeric_limits<float>::quiet_NaN();
@@ -83,8 +116,7 @@ class CpuModel final : public Model {
                     picked.data() + b * hidden);
     }
     RecordLaunch("rmsnorm");
-    cpu::RmsNorm(picked.data(), out_rows, hidden, w_.final_norm, config_.rms_norm_eps,
-                 picked.data());
+    Norm(picked.data(), out_rows, hidden, w_.final_norm, picked.data());
     logits->resize(out_rows * config_.vocab_size);
     cpu::Matmul(options_.matmul, picked.data(), out_rows, w_.lm_head, {}, logits->data());
     if (fault_.kind == FaultInjection::Kind::kStuckToken) {
@@ -99,16 +131,40 @@ class CpuModel final : public Model {
   }
 
  private:
+  // A decoder RMSNorm: gain w, or (1 + w) for zero-centred models.
+  void Norm(const float* in, int64_t rows, int64_t n, const MatrixRef& gain, float* out) const {
+    if (config_.zero_centered_norm) {
+      cpu::RmsNormZeroCentered(in, rows, n, gain, config_.rms_norm_eps, out);
+    } else {
+      cpu::RmsNorm(in, rows, n, gain, config_.rms_norm_eps, out);
+    }
+  }
+
   // x += o_proj(attention(q, k, v)) for every row; appends this step's k and v to the cache.
+  // Gated attention multiplies the attention output by sigmoid(gate) before o_proj.
   void Attention(int l, int n, std::vector<float>& x) {
     const LayerWeights& lw = w_.layers[l];
     const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
     const int64_t q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
-    const int head_dim = config_.head_dim;
+    const int head_dim = config_.head_dim, rotary_dim = config_.rotary_dim();
     std::vector<float> xn(rows * hidden), q(rows * q_dim), k(rows * kv_dim), v(rows * kv_dim);
+    std::vector<float> gate;
     RecordLaunch("rmsnorm");
-    cpu::RmsNorm(x.data(), rows, hidden, lw.input_norm, config_.rms_norm_eps, xn.data());
-    cpu::Matmul(options_.matmul, xn.data(), rows, lw.q, lw.q_bias, q.data());
+    Norm(x.data(), rows, hidden, lw.input_norm, xn.data());
+    if (config_.attn_output_gate) {
+      // q_proj rows are [q_h | gate_h] per head.
+      std::vector<float> q_gate(rows * 2 * q_dim);
+      cpu::Matmul(options_.matmul, xn.data(), rows, lw.q, lw.q_bias, q_gate.data());
+      gate.resize(rows * q_dim);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < config_.num_q_heads; ++h) {
+          const float* src = q_gate.data() + r * 2 * q_dim + h * 2 * head_dim;
+          std::copy_n(src, head_dim, q.data() + r * q_dim + h * head_dim);
+          std::copy_n(src + head_dim, head_dim, gate.data() + r * q_dim + h * head_dim);
+        }
+    } else {
+      cpu::Matmul(options_.matmul, xn.data(), rows, lw.q, lw.q_bias, q.data());
+    }
     cpu::Matmul(options_.matmul, xn.data(), rows, lw.k, lw.k_bias, k.data());
     cpu::Matmul(options_.matmul, xn.data(), rows, lw.v, lw.v_bias, v.data());
 
@@ -120,13 +176,14 @@ class CpuModel final : public Model {
       float* qr = q.data() + r * q_dim;
       float* kr = k.data() + r * kv_dim;
       if (config_.qk_norm) {
-        cpu::RmsNorm(qr, config_.num_q_heads, head_dim, lw.q_norm, config_.rms_norm_eps, qr);
-        cpu::RmsNorm(kr, config_.num_kv_heads, head_dim, lw.k_norm, config_.rms_norm_eps, kr);
+        Norm(qr, config_.num_q_heads, head_dim, lw.q_norm, qr);
+        Norm(kr, config_.num_kv_heads, head_dim, lw.k_norm, kr);
       }
+      // Partial RoPE rotates the first rotary_dim dims of each head as a head of that size.
       for (int h = 0; h < config_.num_q_heads; ++h)
-        cpu::ApplyRope(qr + h * head_dim, head_dim, pos, config_.rope_theta);
+        cpu::ApplyRope(qr + h * head_dim, rotary_dim, pos, config_.rope_theta);
       for (int h = 0; h < config_.num_kv_heads; ++h)
-        cpu::ApplyRope(kr + h * head_dim, head_dim, pos, config_.rope_theta);
+        cpu::ApplyRope(kr + h * head_dim, rotary_dim, pos, config_.rope_theta);
       const int64_t slot = (b * capacity_ + pos) * kv_dim;
       std::copy_n(kr, kv_dim, k_cache + slot);
       std::copy_n(v.data() + r * kv_dim, kv_dim, v_cache + slot);
@@ -144,12 +201,106 @@ class CpuModel final : public Model {
                           attn.data() + r * q_dim);
       }
     });
+    if (config_.attn_output_gate) {
+      RecordLaunch("attention_gate");
+      for (int64_t i = 0; i < rows * q_dim; ++i) attn[i] *= cpu::Sigmoid(gate[i]);
+    }
     std::vector<float> o(rows * hidden);
     cpu::Matmul(options_.matmul, attn.data(), rows, lw.o, lw.o_bias, o.data());
     const float scale = (fault_.kind == FaultInjection::Kind::kBadScale && l == 0)
                             ? static_cast<float>(fault_.value)
                             : 1.f;
     for (int64_t i = 0; i < rows * hidden; ++i) x[i] += scale * o[i];
+  }
+
+  // x += out_proj(gated_norm(gated_delta_rule(conv(q, k, v)), z)) for every row: a Gated
+  // DeltaNet layer. Advances each sequence's conv and recurrent state by its n tokens; a prefill
+  // (n > 1) runs the chunked form of the rule, a decode step the recurrent one.
+  void LinearAttention(int l, int n, std::vector<float>& x) {
+    const LinearAttentionWeights& la = w_.layers[l].linear_attn;
+    const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
+    const int key_heads = config_.linear_num_key_heads,
+              value_heads = config_.linear_num_value_heads;
+    const int dk = config_.linear_key_head_dim, dv = config_.linear_value_head_dim;
+    const int64_t key_dim = config_.linear_key_dim(), value_dim = config_.linear_value_dim();
+    const int64_t conv_dim = config_.linear_conv_dim();
+    const int64_t history = config_.linear_conv_kernel_dim - 1;
+    std::vector<float> xn(rows * hidden), qkv(rows * conv_dim), z(rows * value_dim),
+        b(rows * value_heads), a(rows * value_heads);
+    RecordLaunch("rmsnorm");
+    Norm(x.data(), rows, hidden, w_.layers[l].input_norm, xn.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, la.in_proj_qkv, {}, qkv.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, la.in_proj_z, {}, z.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, la.in_proj_b, {}, b.data());
+    cpu::Matmul(options_.matmul, xn.data(), rows, la.in_proj_a, {}, a.data());
+
+    RecordLaunch("causal_conv");
+    std::vector<float> mixed(rows * conv_dim);
+    for (int s = 0; s < batch_; ++s)
+      cpu::CausalConvSilu(qkv.data() + s * n * conv_dim, n, conv_dim, la.conv,
+                          conv_state_[l].data() + s * history * conv_dim,
+                          mixed.data() + s * n * conv_dim);
+    // q and k: L2-normalised per key head; q scaled by dk^-0.5.
+    const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+    for (int64_t r = 0; r < rows; ++r) {
+      float* qr = mixed.data() + r * conv_dim;
+      cpu::L2NormalizeRows(qr, 2 * key_heads, dk);
+      for (int64_t i = 0; i < key_dim; ++i) qr[i] *= q_scale;
+    }
+    // beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), per row and value head.
+    std::vector<float> beta(rows * value_heads), g(rows * value_heads);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int h = 0; h < value_heads; ++h) {
+        const int64_t i = r * value_heads + h;
+        beta[i] = cpu::Sigmoid(b[i]);
+        const float a_log = LoadAsFloat(la.a_log.data, la.a_log.dtype, h);
+        const float dt_bias = LoadAsFloat(la.dt_bias.data, la.dt_bias.dtype, h);
+        g[i] = -std::exp(a_log) * cpu::Softplus(a[i] + dt_bias);
+      }
+
+    float* states = recurrent_state_[l].data();
+    const int64_t state_size = static_cast<int64_t>(dk) * dv;
+    if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_) {
+      const float factor = static_cast<float>(fault_.value);
+      for (float& s : recurrent_state_[l]) s *= factor;
+    }
+    // Value head h reads key head h / (value_heads / key_heads).
+    const int per_key = value_heads / key_heads;
+    std::vector<float> o(rows * value_dim);
+    RecordLaunch("gated_delta_rule");
+    cpu::ParallelFor(
+        static_cast<int64_t>(batch_) * value_heads, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> qh(n * dk), kh(n * dk), vh(n * dv), gh(n), bh(n), oh(n * dv);
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t s = task / value_heads;
+            const int h = static_cast<int>(task % value_heads), kv_head = h / per_key;
+            for (int t = 0; t < n; ++t) {
+              const int64_t r = s * n + t;
+              const float* row = mixed.data() + r * conv_dim;
+              std::copy_n(row + kv_head * dk, dk, qh.data() + t * dk);
+              std::copy_n(row + key_dim + kv_head * dk, dk, kh.data() + t * dk);
+              std::copy_n(row + 2 * key_dim + h * dv, dv, vh.data() + t * dv);
+              gh[t] = g[r * value_heads + h];
+              bh[t] = beta[r * value_heads + h];
+            }
+            float* state = states + task * state_size;
+            if (n == 1) {
+              cpu::GatedDeltaRecurrent(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
+                                       dv, state, oh.data());
+            } else {
+              cpu::GatedDeltaChunked(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
+                                     dv, kGatedDeltaChunk, state, oh.data());
+            }
+            for (int t = 0; t < n; ++t)
+              std::copy_n(oh.data() + t * dv, dv, o.data() + (s * n + t) * value_dim + h * dv);
+          }
+        });
+    RecordLaunch("gated_rmsnorm");
+    cpu::RmsNormGated(o.data(), z.data(), rows * value_heads, dv, la.norm, config_.rms_norm_eps,
+                      o.data());
+    std::vector<float> y(rows * hidden);
+    cpu::Matmul(options_.matmul, o.data(), rows, la.out_proj, {}, y.data());
+    for (int64_t i = 0; i < rows * hidden; ++i) x[i] += y[i];
   }
 
   // y = down(silu(gate(x)) * up(x)) for `rows` rows of x.
@@ -169,7 +320,7 @@ class CpuModel final : public Model {
     const int64_t hidden = config_.hidden_size;
     std::vector<float> xn(rows * hidden), y(rows * hidden, 0.f);
     RecordLaunch("rmsnorm");
-    cpu::RmsNorm(x.data(), rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn.data());
+    Norm(x.data(), rows, hidden, lw.post_attention_norm, xn.data());
     if (!config_.IsMoeLayer(l)) {
       GatedMlp(lw.mlp, xn.data(), rows, y.data());
     } else {
@@ -243,7 +394,12 @@ class CpuModel final : public Model {
   CpuModelOptions options_;
   const FaultInjection fault_;
   int batch_ = 0, capacity_ = 0, position_ = 0;
-  std::vector<std::vector<float>> k_cache_, v_cache_;  // [layer][batch, capacity, kv_dim]
+  // Full-attention layers: [layer][batch, capacity, kv_dim]; empty for linear-attention layers.
+  std::vector<std::vector<float>> k_cache_, v_cache_;
+  // Linear-attention layers: [layer][batch, K-1, conv_dim] and [layer][batch, Hv, dk, dv], fp32;
+  // empty for full-attention layers.
+  std::vector<std::vector<float>> conv_state_, recurrent_state_;
+  const int first_linear_layer_ = FirstLinearLayer(config_);
 };
 
 }  // namespace

@@ -31,6 +31,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kAbort, "abort", false},
     {FaultInjection::Kind::kHang, "hang", false},
     {FaultInjection::Kind::kDelay, "delay", true},
+    {FaultInjection::Kind::kBadState, "bad-state", true},
 };
 
 }  // namespace
@@ -65,7 +66,7 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
   return absl::InvalidArgumentError(
       absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
                    "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                   "stuck-token:T, segv, abort, hang, delay:S)"));
+                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {

@@ -30,6 +30,9 @@ struct FaultInjection {
     kHang,           // "hang"          the first forward never returns
     kDelay,          // "delay:S"       the config under test starts S seconds late (a slow trial
                      //                 with correct output and unchanged figures; harness only)
+    kBadState,       // "bad-state:F"   the first linear-attention layer's recurrent state is
+                     //                 multiplied by F as each forward starts (a state carried
+                     //                 wrongly between steps; hybrid models, CPU)
   };
   Kind kind = Kind::kNone;
   double value = 0;

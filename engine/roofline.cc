@@ -3,16 +3,38 @@
 #include <cmath>
 
 namespace infersweep {
+namespace {
+
+// q (with its gate half when gated), o and k, v.
+double FullAttentionWeights(const ModelConfig& c) {
+  const double h = c.hidden_size;
+  return h * c.q_dim() * (c.attn_output_gate ? 3 : 2) + h * c.kv_dim() * 2;
+}
+
+// A Gated DeltaNet layer's projections (qkv, z, b, a, out) and conv.
+double LinearAttentionWeights(const ModelConfig& c) {
+  const double h = c.hidden_size, conv = c.linear_conv_dim();
+  return h * (conv + 2.0 * c.linear_value_dim() + 2.0 * c.linear_num_value_heads) +
+         conv * c.linear_conv_kernel_dim;
+}
+
+}  // namespace
 
 DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t context,
                                  double bytes_per_weight, double bytes_per_kv_element,
                                  double quantized_bytes_per_weight) {
   const double h = c.hidden_size;
-  const double attention = h * c.q_dim() * 2 + h * c.kv_dim() * 2;  // q, o and k, v
+  const double attention = FullAttentionWeights(c);
   // Per layer, summed: elements of quantizable linears and of the always-dense router/gates.
   double linear_sum = 0, dense_sum = 0, distinct = 0;
+  int full_layers = 0;
   for (int l = 0; l < c.num_layers; ++l) {
-    linear_sum += attention;
+    if (c.AttentionKind(l) == LayerAttention::kLinear) {
+      dense_sum += LinearAttentionWeights(c);
+    } else {
+      linear_sum += attention;
+      ++full_layers;
+    }
     if (c.IsMoeLayer(l)) {
       const double e = c.num_experts, k = c.num_experts_per_tok;
       distinct = e * (1.0 - std::pow(1.0 - k / e, batch));
@@ -32,17 +54,31 @@ DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t contex
   t.distinct_experts_per_layer = distinct;
   t.weight_bytes = linear_sum * linear_bytes +
                    (dense_sum + static_cast<double>(c.vocab_size) * h) * bytes_per_weight;
-  t.kv_bytes = 2.0 * c.num_layers * c.kv_dim() * static_cast<double>(context) * batch *
-               bytes_per_kv_element;
+  t.kv_bytes =
+      2.0 * full_layers * c.kv_dim() * static_cast<double>(context) * batch * bytes_per_kv_element;
+  const double state_elements =
+      static_cast<double>(c.linear_num_value_heads) * c.linear_key_head_dim *
+          c.linear_value_head_dim +
+      static_cast<double>(c.linear_conv_kernel_dim - 1) * c.linear_conv_dim();
+  t.state_bytes = (c.num_layers - full_layers) * state_elements * batch * 4.0;
   return t;
 }
 
 double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len) {
   const double h = c.hidden_size, p = static_cast<double>(prompt_len);
-  const double attention = h * c.q_dim() * 2 + h * c.kv_dim() * 2;  // q, o and k, v
+  const double attention = FullAttentionWeights(c);
   double weights_per_token = 0;  // summed over layers
+  double rule_flops_per_token = 0;
+  int full_layers = 0;
   for (int l = 0; l < c.num_layers; ++l) {
-    weights_per_token += attention;
+    if (c.AttentionKind(l) == LayerAttention::kLinear) {
+      weights_per_token += LinearAttentionWeights(c);
+      rule_flops_per_token +=
+          8.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+    } else {
+      weights_per_token += attention;
+      ++full_layers;
+    }
     if (c.IsMoeLayer(l)) {
       weights_per_token += static_cast<double>(c.num_experts) * h +
                            c.num_experts_per_tok * 3.0 * h * c.moe_intermediate_size;
@@ -52,9 +88,9 @@ double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len) {
       weights_per_token += 3.0 * h * c.intermediate_size;
     }
   }
-  const double linears = 2.0 * weights_per_token * p;
+  const double linears = 2.0 * weights_per_token * p + rule_flops_per_token * p;
   const double attention_products =
-      4.0 * c.num_q_heads * c.head_dim * (p * (p + 1) / 2) * c.num_layers;
+      4.0 * c.num_q_heads * c.head_dim * (p * (p + 1) / 2) * full_layers;
   const double lm_head = 2.0 * static_cast<double>(c.vocab_size) * h;
   return batch * (linears + attention_products + lm_head);
 }

@@ -8,12 +8,21 @@ SyntheticInit SyntheticInitFor(const TensorSpec& spec) {
   switch (spec.kind) {
     case WeightKind::kNorm:
       return {0.1f, 1.0f};
+    case WeightKind::kCenteredNorm:
+      return {0.1f, 0.f};
+    case WeightKind::kDtBias:
+      // softplus(a + dt_bias) of a few hundredths to a tenth, as trained models have
+      return {1.0f, -3.0f};
+    case WeightKind::kALog:
+      // A = exp(A_log) in about [0.6, 4.5]
+      return {1.0f, 0.5f};
     case WeightKind::kBias:
       return {0.1f, 0.f};
     case WeightKind::kEmbedding:
       return {0.05f, 0.f};
     case WeightKind::kLinear:
     case WeightKind::kRouter:
+    case WeightKind::kConv:
       // uniform(-a, a) has variance a^2 / 3, so a = sqrt(3 / fan_in) gives 1 / fan_in.
       return {static_cast<float>(std::sqrt(3.0 / static_cast<double>(spec.fan_in))), 0.f};
   }

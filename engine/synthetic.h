@@ -11,7 +11,8 @@
 namespace infersweep {
 
 // Linear weights get variance 1/fan_in (activations keep their scale through every layer),
-// norm gains 1 +- 0.1, biases +-0.1, embeddings +-0.05.
+// norm gains 1 +- 0.1 (zero-centred ones +-0.1), biases +-0.1, embeddings +-0.05; the conv like a
+// linear of fan_in kernel; dt_bias -3 +- 1 and A_log 0.5 +- 1, so decays stay in a trained range.
 SyntheticInit SyntheticInitFor(const TensorSpec& spec);
 
 // The canonical name whose values a tensor takes (a tied lm_head repeats the embeddings).

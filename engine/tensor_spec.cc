@@ -17,32 +17,58 @@ void AddVector(std::vector<TensorSpec>& specs, std::string name, int64_t n, Weig
   specs.push_back({std::move(name), {n}, kind, layer, -1, 0});
 }
 
+// Gated DeltaNet in the flat layout (Qwen3.5's names); the checkpoint loader un-groups
+// Qwen3-Next's in_proj_qkvz / in_proj_ba into it.
+void AddLinearAttention(std::vector<TensorSpec>& specs, const ModelConfig& c, const std::string& p,
+                        int l) {
+  const int64_t hidden = c.hidden_size, value_heads = c.linear_num_value_heads;
+  const int64_t conv_dim = c.linear_conv_dim(), kernel = c.linear_conv_kernel_dim;
+  const std::string la = p + "linear_attn.";
+  AddLinear(specs, la + "in_proj_qkv.weight", conv_dim, hidden, l);
+  AddLinear(specs, la + "in_proj_z.weight", c.linear_value_dim(), hidden, l);
+  AddLinear(specs, la + "in_proj_b.weight", value_heads, hidden, l);
+  AddLinear(specs, la + "in_proj_a.weight", value_heads, hidden, l);
+  specs.push_back({la + "conv1d.weight", {conv_dim, 1, kernel}, WeightKind::kConv, l, -1, kernel});
+  AddVector(specs, la + "dt_bias", value_heads, WeightKind::kDtBias, l);
+  AddVector(specs, la + "A_log", value_heads, WeightKind::kALog, l);
+  AddVector(specs, la + "norm.weight", c.linear_value_head_dim, WeightKind::kNorm, l);
+  AddLinear(specs, la + "out_proj.weight", hidden, c.linear_value_dim(), l);
+}
+
 }  // namespace
 
 std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& c) {
   std::vector<TensorSpec> specs;
   const int64_t hidden = c.hidden_size;
+  // Hybrid decoder norms scale by (1 + w): their synthetic values centre on 0, not 1.
+  const WeightKind norm = c.zero_centered_norm ? WeightKind::kCenteredNorm : WeightKind::kNorm;
   specs.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, WeightKind::kEmbedding,
                    -1, -1, hidden});
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    AddVector(specs, p + "input_layernorm.weight", hidden, WeightKind::kNorm, l);
-    AddLinear(specs, p + "self_attn.q_proj.weight", c.q_dim(), hidden, l);
-    AddLinear(specs, p + "self_attn.k_proj.weight", c.kv_dim(), hidden, l);
-    AddLinear(specs, p + "self_attn.v_proj.weight", c.kv_dim(), hidden, l);
-    if (c.attention_bias) {
-      AddVector(specs, p + "self_attn.q_proj.bias", c.q_dim(), WeightKind::kBias, l);
-      AddVector(specs, p + "self_attn.k_proj.bias", c.kv_dim(), WeightKind::kBias, l);
-      AddVector(specs, p + "self_attn.v_proj.bias", c.kv_dim(), WeightKind::kBias, l);
+    AddVector(specs, p + "input_layernorm.weight", hidden, norm, l);
+    if (c.AttentionKind(l) == LayerAttention::kLinear) {
+      AddLinearAttention(specs, c, p, l);
+    } else {
+      // A gated q_proj holds [q_h | gate_h] per head.
+      AddLinear(specs, p + "self_attn.q_proj.weight", c.q_dim() * (c.attn_output_gate ? 2 : 1),
+                hidden, l);
+      AddLinear(specs, p + "self_attn.k_proj.weight", c.kv_dim(), hidden, l);
+      AddLinear(specs, p + "self_attn.v_proj.weight", c.kv_dim(), hidden, l);
+      if (c.attention_bias) {
+        AddVector(specs, p + "self_attn.q_proj.bias", c.q_dim(), WeightKind::kBias, l);
+        AddVector(specs, p + "self_attn.k_proj.bias", c.kv_dim(), WeightKind::kBias, l);
+        AddVector(specs, p + "self_attn.v_proj.bias", c.kv_dim(), WeightKind::kBias, l);
+      }
+      if (c.qk_norm) {
+        AddVector(specs, p + "self_attn.q_norm.weight", c.head_dim, norm, l);
+        AddVector(specs, p + "self_attn.k_norm.weight", c.head_dim, norm, l);
+      }
+      AddLinear(specs, p + "self_attn.o_proj.weight", hidden, c.q_dim(), l);
+      if (c.attention_bias && c.arch != ModelArch::kQwen2Moe)  // Qwen2's o_proj has no bias
+        AddVector(specs, p + "self_attn.o_proj.bias", hidden, WeightKind::kBias, l);
     }
-    if (c.qk_norm) {
-      AddVector(specs, p + "self_attn.q_norm.weight", c.head_dim, WeightKind::kNorm, l);
-      AddVector(specs, p + "self_attn.k_norm.weight", c.head_dim, WeightKind::kNorm, l);
-    }
-    AddLinear(specs, p + "self_attn.o_proj.weight", hidden, c.q_dim(), l);
-    if (c.attention_bias && c.arch != ModelArch::kQwen2Moe)  // Qwen2's o_proj has no bias
-      AddVector(specs, p + "self_attn.o_proj.bias", hidden, WeightKind::kBias, l);
-    AddVector(specs, p + "post_attention_layernorm.weight", hidden, WeightKind::kNorm, l);
+    AddVector(specs, p + "post_attention_layernorm.weight", hidden, norm, l);
     if (c.IsMoeLayer(l)) {
       specs.push_back({p + "mlp.gate.weight", {c.num_experts, hidden}, WeightKind::kRouter, l, -1,
                        hidden});
@@ -65,14 +91,15 @@ std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& c) {
       AddLinear(specs, p + "mlp.down_proj.weight", hidden, c.intermediate_size, l);
     }
   }
-  AddVector(specs, "model.norm.weight", hidden, WeightKind::kNorm, -1);
+  AddVector(specs, "model.norm.weight", hidden, norm, -1);
   AddLinear(specs, "lm_head.weight", c.vocab_size, hidden, -1);
   return specs;
 }
 
 bool IsQuantizable(const TensorSpec& spec) {
   return spec.kind == WeightKind::kLinear && spec.name != "lm_head.weight" &&
-         !absl::EndsWith(spec.name, "mlp.shared_expert_gate.weight");
+         !absl::EndsWith(spec.name, "mlp.shared_expert_gate.weight") &&
+         !absl::StrContains(spec.name, ".linear_attn.");
 }
 
 absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(

@@ -19,11 +19,15 @@
 namespace infersweep {
 
 enum class WeightKind {
-  kEmbedding,   // [vocab, hidden]
-  kNorm,        // RMSNorm gain
-  kLinear,      // [out, in] projection
-  kBias,        // projection bias
-  kRouter,      // [experts, hidden]
+  kEmbedding,     // [vocab, hidden]
+  kNorm,          // RMSNorm gain
+  kLinear,        // [out, in] projection
+  kBias,          // projection bias
+  kRouter,        // [experts, hidden]
+  kCenteredNorm,  // RMSNorm gain applied as (1 + w) (hybrid decoder norms)
+  kConv,          // depthwise conv [channels, 1, kernel] (fan_in = kernel)
+  kDtBias,        // linear-attention dt_bias [value heads]
+  kALog,          // linear-attention A_log [value heads]
 };
 
 struct TensorSpec {
@@ -55,7 +59,8 @@ struct TensorSpec {
 std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& config);
 
 // Linears that may be quantized: attention q/k/v/o, dense MLPs, routed and shared experts. The
-// embeddings, norms, biases, router, shared-expert gate and lm_head always stay dense.
+// embeddings, norms, biases, router, shared-expert gate, lm_head and the linear-attention
+// (Gated DeltaNet) tensors always stay dense.
 bool IsQuantizable(const TensorSpec& spec);
 
 // The stored tensors when each quantizable linear takes `format_of(spec)` (kNone: stays dense):

@@ -17,8 +17,9 @@ namespace infersweep {
 namespace {
 
 MatrixRef ToRef(const TensorSpec& spec, const HostTensor& t) {
+  // Vectors are one row; a conv [channels, 1, kernel] is [channels, kernel].
   MatrixRef ref{t.data, t.dtype, 1, spec.shape.back()};
-  if (spec.shape.size() == 2) ref.rows = spec.shape[0];
+  if (spec.shape.size() >= 2) ref.rows = spec.numel() / spec.shape.back();
   return ref;
 }
 
@@ -67,6 +68,19 @@ MatrixRef* Slot(ModelWeights& w, const TensorSpec& spec) {
     if (ends(".gate_proj.weight")) return &e.gate;
     if (ends(".up_proj.weight")) return &e.up;
     if (ends(".down_proj.weight")) return &e.down;
+    return nullptr;
+  }
+  if (absl::StrContains(name, ".linear_attn.")) {
+    LinearAttentionWeights& la = l.linear_attn;
+    if (ends(".in_proj_qkv.weight")) return &la.in_proj_qkv;
+    if (ends(".in_proj_z.weight")) return &la.in_proj_z;
+    if (ends(".in_proj_b.weight")) return &la.in_proj_b;
+    if (ends(".in_proj_a.weight")) return &la.in_proj_a;
+    if (ends(".conv1d.weight")) return &la.conv;
+    if (ends(".dt_bias")) return &la.dt_bias;
+    if (ends(".A_log")) return &la.a_log;
+    if (ends(".norm.weight")) return &la.norm;
+    if (ends(".out_proj.weight")) return &la.out_proj;
     return nullptr;
   }
   if (ends("input_layernorm.weight")) return &l.input_norm;

@@ -23,9 +23,21 @@ struct ExpertWeights {
   MatrixRef down;  // [hidden, inter]
 };
 
+// A Gated DeltaNet layer, in the flat layout (value head j pairs with key head j / (Hv / Hk)).
+struct LinearAttentionWeights {
+  MatrixRef in_proj_qkv;     // [2 * key_dim + value_dim, hidden]: q | k | v
+  MatrixRef in_proj_z;       // [value_dim, hidden]
+  MatrixRef in_proj_b;       // [value_heads, hidden]
+  MatrixRef in_proj_a;       // [value_heads, hidden]
+  MatrixRef conv;            // [2 * key_dim + value_dim, kernel] (stored [.., 1, kernel])
+  MatrixRef dt_bias, a_log;  // [value_heads]
+  MatrixRef norm;            // [value_head_dim], a plain gain
+  MatrixRef out_proj;        // [hidden, value_dim]
+};
+
 struct LayerWeights {
   MatrixRef input_norm;           // [hidden]
-  MatrixRef q, k, v;              // [q_dim | kv_dim, hidden]
+  MatrixRef q, k, v;              // [q_dim (2 * q_dim gated) | kv_dim, hidden]
   MatrixRef q_bias, k_bias, v_bias;  // [q_dim | kv_dim] or empty
   MatrixRef q_norm, k_norm;       // [head_dim] or empty
   MatrixRef o;                    // [hidden, q_dim]
@@ -36,6 +48,7 @@ struct LayerWeights {
   std::vector<ExpertWeights> experts;
   ExpertWeights shared_expert;    // qwen2_moe, else empty
   MatrixRef shared_expert_gate;   // [1, hidden] or empty
+  LinearAttentionWeights linear_attn;  // linear-attention layers, else empty (and q..o empty)
 };
 
 struct ModelWeights {

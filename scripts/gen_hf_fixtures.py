@@ -10,7 +10,15 @@ Every checkpoint is bf16 safetensors with non-trivial norm gains and biases. For
 One MoE checkpoint is also rewritten in the Hub's per-expert layout, sharded with an index, to
 cover that loading path on the same weights (its logits are the same file's).
 
-Usage: python3 scripts/gen_hf_fixtures.py [--out tests/fixtures/hf]
+The hybrids (qwen3_next, qwen3_5_moe: Gated DeltaNet + gated attention + MoE with a shared
+expert) get zero-centred decoder norms of 0 +- 0.2, plain linear-attention norm gains of
+1 +- 0.2, A_log = log(uniform(1, 16)) and dt_bias ~ 0.5 N(0, 1), and prompts of HYBRID_PROMPT_LEN
+tokens so that the prefill crosses a chunk boundary of the chunked delta rule (64). A transformers
+without a hybrid's model class skips it with a message.
+
+Usage: python3 scripts/gen_hf_fixtures.py [--out tests/fixtures/hf] [--only qwen3_next,qwen3_5_moe]
+(--only regenerates the named fixtures and leaves the other folders as they are; each fixture's
+seed depends on its place in the full list, not on --only.)
 """
 import argparse
 import json
@@ -25,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 PROMPT_LEN = 40
+HYBRID_PROMPT_LEN = 80
 GREEDY_STEPS = 12
 VOCAB = 320
 
@@ -57,6 +66,74 @@ def tiny_configs():
                                               num_local_experts=4, num_experts_per_tok=2,
                                               tie_word_embeddings=False, sliding_window=None),
     }
+
+
+def hybrid_configs():
+    """Tiny hybrids; each is skipped (with a message) where transformers lacks its classes."""
+    out = {}
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=4,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, tie_word_embeddings=False)
+    # qwen3_next: grouped in_proj_qkvz / in_proj_ba, layers 1 and 3 full attention (interval
+    # 2), a dense layer via mlp_only_layers, partial RoPE 0.25 of head_dim 16
+    cls = getattr(transformers, "Qwen3NextConfig", None)
+    if cls is None:
+        print(f"qwen3_next: skipped: transformers {transformers.__version__} has no "
+              "Qwen3NextConfig (needs >= 4.57)")
+    else:
+        try:
+            out["qwen3_next"] = cls(**common, head_dim=16, intermediate_size=96,
+                                    full_attention_interval=2, norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[2],
+                                    partial_rotary_factor=0.25)
+        except (TypeError, ValueError) as e:
+            print(f"qwen3_next: skipped: Qwen3NextConfig rejects the tiny config: {e}")
+    # qwen3_5_moe (text model): flat in_proj_qkv / z / b / a, explicit layer_types, multimodal
+    # RoPE sections that text positions reduce to 1-D RoPE
+    cls = getattr(transformers, "Qwen3_5MoeTextConfig", None)
+    if cls is None:
+        print(f"qwen3_5_moe: skipped: transformers {transformers.__version__} has no "
+              "Qwen3_5MoeTextConfig (needs 5.x with qwen3_5_moe)")
+    else:
+        layer_types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+        try:
+            out["qwen3_5_moe"] = cls(**common, head_dim=32, layer_types=layer_types,
+                                     rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.25,
+                                                      "mrope_section": [2, 1, 1],
+                                                      "mrope_interleaved": True})
+        except (TypeError, ValueError) as e:
+            print(f"qwen3_5_moe: skipped: Qwen3_5MoeTextConfig rejects the tiny config: {e}")
+    return out
+
+
+def model_for(config):
+    """The causal-LM class of a config (text-only Qwen3.5 MoE is not in the Auto mapping
+    everywhere)."""
+    if config.model_type == "qwen3_5_moe_text":
+        cls = getattr(transformers, "Qwen3_5MoeForCausalLM", None)
+        if cls is not None:
+            return cls
+    return AutoModelForCausalLM
+
+
+def randomize_hybrid(model, gen):
+    """Hybrid-specific parameters; the rest as randomize() does."""
+    randomize(model, gen)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # plain gain of the gated norm
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight"):  # decoder norms scale by (1 + w)
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
 
 
 def randomize(model, gen):
@@ -135,25 +212,40 @@ def write_sharded(state, folder, shards=2):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures/hf")
+    ap.add_argument("--only", default="", help="comma-separated fixture names to regenerate")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
     torch.set_num_threads(8)
     torch.backends.cuda.matmul.allow_tf32 = False
-    shutil.rmtree(args.out, ignore_errors=True)
-    os.makedirs(args.out)
+    if not only:
+        shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
     summary = {}
-    for index, (arch, config) in enumerate(tiny_configs().items()):
+    hybrids = hybrid_configs()
+    configs = dict(tiny_configs(), **hybrids)
+    for index, (arch, config) in enumerate(configs.items()):
+        if only and arch not in only:
+            continue
         folder = os.path.join(args.out, arch)
+        for stale in (folder, folder + "_hub_sharded"):
+            shutil.rmtree(stale, ignore_errors=True)
         gen = torch.Generator().manual_seed(1000 + index)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        randomize(model, gen)
+        model_cls = model_for(config)
+        model = model_cls.from_config(config, dtype=torch.float32) \
+            if model_cls is AutoModelForCausalLM else model_cls(config).to(torch.float32)
+        if arch in hybrids:
+            randomize_hybrid(model, gen)
+        else:
+            randomize(model, gen)
         model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
         for extra in ("generation_config.json",):
             if os.path.exists(os.path.join(folder, extra)):
                 os.remove(os.path.join(folder, extra))
         # The reference run: the saved bf16 files, loaded in fp32, eager attention, on the CPU.
-        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                   attn_implementation="eager").eval()
-        prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=gen).tolist()
+        ref = model_cls.from_pretrained(folder, dtype=torch.float32,
+                                        attn_implementation="eager").eval()
+        prompt_len = HYBRID_PROMPT_LEN if arch in hybrids else PROMPT_LEN
+        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
         logits, greedy = hf_logits_and_greedy(ref, prompt)
         np.save(os.path.join(folder, "logits.npy"), logits.astype(np.float32))
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))

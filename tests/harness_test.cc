@@ -632,6 +632,31 @@ TEST(Roofline, PrefillFlops) {
   EXPECT_FALSE(KnownBf16Tflops("cpu").has_value());
 }
 
+// Hybrids by hand (tiny-hybrid, 2 layers: layer 0 Gated DeltaNet, layer 1 gated full attention;
+// both MoE with a shared expert): the linear layer reads its projections and each sequence's
+// state instead of a KV cache; only the full layer has attention products.
+TEST(Roofline, Hybrid) {
+  auto c = PresetConfig("tiny-hybrid", 2);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->AttentionKind(0), LayerAttention::kLinear);
+  ASSERT_EQ(c->AttentionKind(1), LayerAttention::kFull);
+  const double gated = 128.0 * 128 * 3 + 128.0 * 64 * 2;  // q with its gate, o; k, v
+  const double conv_dim = 2 * 64 + 128;                   // q | k | v
+  const double linear = 128.0 * (conv_dim + 2 * 128 + 2 * 4) + conv_dim * 4;  // + z, b, a, out
+  const double moe = 8.0 * 128 + 2 * 3.0 * 128 * 64 + (3.0 * 128 * 64 + 128);
+  const double prompt = 70;
+  const double want = 2 * (gated + linear + 2 * moe) * prompt       // the linears
+                      + 8.0 * 4 * 32 * 32 * prompt                  // the delta rule, 4 value heads
+                      + 4.0 * 4 * 32 * (prompt * (prompt + 1) / 2)  // QK^T and PV, 1 layer
+                      + 2.0 * 512 * 128;                            // lm_head
+  EXPECT_DOUBLE_EQ(PrefillFlops(*c, 1, 70), want);
+
+  const DecodeTraffic t = DecodeBytesPerStep(*c, 3, 100, 2, 4);
+  EXPECT_DOUBLE_EQ(t.kv_bytes, 2.0 * 64 * 100 * 3 * 4);                     // the full layer only
+  EXPECT_DOUBLE_EQ(t.state_bytes, (4.0 * 32 * 32 + 3 * conv_dim) * 3 * 4);  // fp32 state
+  EXPECT_DOUBLE_EQ(t.total(), t.weight_bytes + t.kv_bytes + t.state_bytes);
+}
+
 // The prefill roofline appears only with a known tensor rate, and is the prompt tokens at that
 // rate over the prefill FLOPs.
 TEST(Measure, PrefillRooflineAtAKnownTensorRate) {
@@ -716,6 +741,21 @@ INSTANTIATE_TEST_SUITE_P(Injected, NumericFaults,
                              if (!isalnum(static_cast<unsigned char>(c))) c = '_';
                            return name;
                          });
+
+// A hybrid model's recurrent state carried wrongly between steps (here dropped at every
+// forward) is INCORRECT; the same trial without the fault is OK.
+TEST(Executor, HybridRecurrentStateFaultIsIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  TrialRequest clean = TinyRequest("matmul=blocked");
+  clean.model = "preset:tiny-hybrid";
+  const TrialResult ok = executor.Execute(clean);
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+  TrialRequest faulty = TinyRequest("matmul=blocked", "bad-state:0");
+  faulty.model = "preset:tiny-hybrid";
+  const TrialResult result = executor.Execute(faulty);
+  EXPECT_EQ(result.status, TrialStatus::kIncorrect) << result.reason;
+  EXPECT_FALSE(result.verdict.failures.empty());
+}
 
 TEST(Executor, NanFaultIsCountedAsNonFinite) {
   TrialExecutor executor(LocalDevices{});

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -661,10 +662,290 @@ TEST(ValidateModelConfig, NamesSourceAndField) {
 // ---------------------------------------------------------------------------------------------
 // Presets
 
+// ---------------------------------------------------------------------------------------------
+// Hybrid models: Qwen3-Next and Qwen3.5
+
+// Qwen3-Next-80B-A3B as the Hub ships it (transformers 4.x spellings).
+constexpr char kQwen3Next[] = R"({
+  "architectures": ["Qwen3NextForCausalLM"],
+  "attention_bias": false,
+  "decoder_sparse_step": 1,
+  "full_attention_interval": 4,
+  "head_dim": 256,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "intermediate_size": 5120,
+  "linear_conv_kernel_dim": 4,
+  "linear_key_head_dim": 128,
+  "linear_num_key_heads": 16,
+  "linear_num_value_heads": 32,
+  "linear_value_head_dim": 128,
+  "max_position_embeddings": 262144,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_next",
+  "moe_intermediate_size": 512,
+  "norm_topk_prob": true,
+  "num_attention_heads": 16,
+  "num_experts": 512,
+  "num_experts_per_tok": 10,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 2,
+  "partial_rotary_factor": 0.25,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 10000000,
+  "shared_expert_intermediate_size": 512,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
+// A Qwen3.5 MoE multimodal save: the language model in text_config (transformers 5.x), RoPE in
+// rope_parameters with multimodal sections, the layer pattern spelled out.
+std::string Qwen35Wrapper(int layers = 8) {
+  json layer_types = json::array();
+  for (int i = 0; i < layers; ++i)
+    layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+  json text = {{"model_type", "qwen3_5_moe_text"},
+               {"hidden_size", 4096},
+               {"num_hidden_layers", layers},
+               {"num_attention_heads", 32},
+               {"num_key_value_heads", 2},
+               {"head_dim", 256},
+               {"hidden_act", "silu"},
+               {"linear_num_key_heads", 16},
+               {"linear_num_value_heads", 64},
+               {"linear_key_head_dim", 128},
+               {"linear_value_head_dim", 128},
+               {"linear_conv_kernel_dim", 4},
+               {"num_experts", 512},
+               {"num_experts_per_tok", 10},
+               {"moe_intermediate_size", 1024},
+               {"shared_expert_intermediate_size", 1024},
+               {"vocab_size", 248320},
+               {"rms_norm_eps", 1e-6},
+               {"max_position_embeddings", 262144},
+               {"layer_types", layer_types},
+               {"attn_output_gate", true},
+               {"dtype", "bfloat16"},
+               {"rope_parameters",
+                {{"rope_type", "default"},
+                 {"rope_theta", 10000000},
+                 {"partial_rotary_factor", 0.25},
+                 {"mrope_section", {11, 11, 10}},
+                 {"mrope_interleaved", true}}}};
+  json root = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
+               {"model_type", "qwen3_5_moe"},
+               {"tie_word_embeddings", false},
+               {"text_config", text},
+               {"vision_config", {{"depth", 27}, {"hidden_size", 1152}}}};
+  return root.dump();
+}
+
+// `text` with text_config.`key` set to `value`.
+std::string WithText(const std::string& text, const std::string& key, const json& value) {
+  json j = json::parse(text);
+  j["text_config"][key] = value;
+  return j.dump();
+}
+
+int CountFull(const ModelConfig& c) {
+  int n = 0;
+  for (int l = 0; l < c.num_layers; ++l) n += c.AttentionKind(l) == LayerAttention::kFull;
+  return n;
+}
+
+TEST(ParseModelConfig, Qwen3NextHub) {
+  const ModelConfig c = MustParse(kQwen3Next);
+  EXPECT_EQ(c.arch, ModelArch::kQwen3Next);
+  EXPECT_TRUE(c.is_hybrid());
+  ASSERT_EQ(c.layer_attention.size(), 48u);
+  EXPECT_EQ(c.AttentionKind(0), LayerAttention::kLinear);
+  EXPECT_EQ(c.AttentionKind(2), LayerAttention::kLinear);
+  EXPECT_EQ(c.AttentionKind(3), LayerAttention::kFull);
+  EXPECT_EQ(c.AttentionKind(47), LayerAttention::kFull);
+  EXPECT_EQ(CountFull(c), 12);
+  EXPECT_EQ(c.linear_num_key_heads, 16);
+  EXPECT_EQ(c.linear_num_value_heads, 32);
+  EXPECT_EQ(c.linear_key_head_dim, 128);
+  EXPECT_EQ(c.linear_value_head_dim, 128);
+  EXPECT_EQ(c.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(c.linear_conv_dim(), 2 * 16 * 128 + 32 * 128);
+  EXPECT_EQ(c.partial_rotary_factor, 0.25);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_TRUE(c.attn_output_gate);
+  EXPECT_TRUE(c.zero_centered_norm);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 512);
+  EXPECT_EQ(c.rope_theta, 1e7);
+  EXPECT_TRUE(c.IsMoeLayer(0));
+  // Published as 80B total, 3B active.
+  EXPECT_NEAR(static_cast<double>(c.TotalParams()), 80e9, 0.02 * 80e9);
+  EXPECT_NEAR(static_cast<double>(c.ActiveParams()), 3.9e9, 0.1 * 3.9e9);
+  EXPECT_EQ(SpecParams(c), c.TotalParams());
+  // The preset has the same shapes.
+  ExpectSameModel(c, MustPreset("qwen3-next-80b-a3b"));
+  EXPECT_EQ(MustPreset("qwen3-next-80b-a3b").layer_attention, c.layer_attention);
+}
+
+TEST(ParseModelConfig, Qwen3NextLayerTypesOverrideInterval) {
+  json types = json::array();
+  for (int i = 0; i < 48; ++i) types.push_back(i < 2 ? "full_attention" : "linear_attention");
+  const ModelConfig c = MustParse(With(kQwen3Next, "layer_types", types));
+  EXPECT_EQ(c.AttentionKind(0), LayerAttention::kFull);
+  EXPECT_EQ(c.AttentionKind(1), LayerAttention::kFull);
+  EXPECT_EQ(c.AttentionKind(3), LayerAttention::kLinear);
+  EXPECT_EQ(CountFull(c), 2);
+  // Interval 2: layers 1, 3, 5, ... are full attention.
+  const ModelConfig every2 = MustParse(With(kQwen3Next, "full_attention_interval", 2));
+  EXPECT_EQ(every2.AttentionKind(0), LayerAttention::kLinear);
+  EXPECT_EQ(every2.AttentionKind(1), LayerAttention::kFull);
+  EXPECT_EQ(CountFull(every2), 24);
+  // The RoPE fraction nested in rope_parameters (transformers 5.x).
+  const ModelConfig nested = MustParse(
+      With(Without(kQwen3Next, "partial_rotary_factor"), "rope_parameters",
+           {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.5}}));
+  EXPECT_EQ(nested.rotary_dim(), 128);
+  // Dense layers of a Qwen3-Next model use intermediate_size.
+  const ModelConfig dense_first = MustParse(With(kQwen3Next, "mlp_only_layers", {0}));
+  EXPECT_FALSE(dense_first.IsMoeLayer(0));
+  EXPECT_EQ(SpecParams(dense_first), dense_first.TotalParams());
+}
+
+TEST(ParseModelConfig, Qwen35MoeWrapperReadsTextConfig) {
+  const ModelConfig c = MustParse(Qwen35Wrapper());
+  EXPECT_EQ(c.arch, ModelArch::kQwen35Moe);
+  EXPECT_EQ(c.model_type, "qwen3_5_moe");
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.num_layers, 8);
+  EXPECT_EQ(CountFull(c), 2);
+  EXPECT_EQ(c.AttentionKind(3), LayerAttention::kFull);
+  EXPECT_EQ(c.linear_num_value_heads, 64);
+  EXPECT_EQ(c.rotary_dim(), 64);  // mrope_section is accepted: text positions make it 1-D
+  EXPECT_EQ(c.rope_theta, 1e7);
+  EXPECT_TRUE(c.norm_topk_prob);  // Qwen3.5 always renormalises
+  EXPECT_EQ(c.decoder_sparse_step, 1);
+  EXPECT_TRUE(c.zero_centered_norm);
+  EXPECT_TRUE(c.attn_output_gate);
+  for (int l = 0; l < c.num_layers; ++l) EXPECT_TRUE(c.IsMoeLayer(l)) << l;
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  // The wrapper's tie_word_embeddings decides.
+  json tied = json::parse(Qwen35Wrapper());
+  tied["tie_word_embeddings"] = true;
+  EXPECT_TRUE(MustParse(tied.dump()).tie_word_embeddings);
+  // The text-only save has the same config at the top level.
+  json text_only = json::parse(Qwen35Wrapper())["text_config"];
+  const ModelConfig t = MustParse(text_only.dump());
+  EXPECT_EQ(t.arch, ModelArch::kQwen35Moe);
+  EXPECT_EQ(t.model_type, "qwen3_5_moe_text");
+  ExpectSameModel(c, t);
+  // 60 layers are the published 397B-A17B.
+  const ModelConfig big = MustParse(Qwen35Wrapper(60));
+  EXPECT_EQ(CountFull(big), 15);
+  EXPECT_NEAR(static_cast<double>(big.TotalParams()), 397e9, 0.02 * 397e9);
+  EXPECT_NEAR(static_cast<double>(big.ActiveParams()), 17e9, 0.05 * 17e9);
+  ExpectSameModel(big, MustPreset("qwen3.5-397b-a17b"));
+  EXPECT_EQ(MustPreset("qwen3.5-397b-a17b").layer_attention, big.layer_attention);
+}
+
+TEST(ParseModelConfig, Qwen35Dense) {
+  json text = json::parse(Qwen35Wrapper())["text_config"];
+  for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size"})
+    text.erase(key);
+  text["model_type"] = "qwen3_5_text";
+  text["intermediate_size"] = 12288;
+  const ModelConfig c = MustParse(text.dump());
+  EXPECT_EQ(c.arch, ModelArch::kQwen35);
+  EXPECT_FALSE(c.is_moe());
+  EXPECT_TRUE(c.is_hybrid());
+  EXPECT_EQ(c.intermediate_size, 12288);
+  EXPECT_EQ(SpecParams(c), c.TotalParams());
+  json wrapper = {{"model_type", "qwen3_5"}, {"text_config", text}};
+  EXPECT_EQ(MustParse(wrapper.dump()).arch, ModelArch::kQwen35);
+  text.erase("intermediate_size");
+  EXPECT_THAT(ParseError(text.dump()).message(), HasSubstr("'intermediate_size'"));
+}
+
+TEST(ParseModelConfigErrors, HybridFieldsNamed) {
+  // Missing or wrong fields name the nested field of a wrapper.
+  json wrapper = json::parse(Qwen35Wrapper());
+  wrapper["text_config"].erase("linear_num_key_heads");
+  absl::Status s = ParseError(wrapper.dump(), "m/config.json");
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr("m/config.json"), HasSubstr("'text_config.linear_num_key_heads'")));
+  s = ParseError(WithText(Qwen35Wrapper(), "hidden_size", "big"));
+  EXPECT_THAT(s.message(), HasSubstr("'text_config.hidden_size'"));
+  s = ParseError(Without(Qwen35Wrapper(), "text_config"));
+  EXPECT_THAT(s.message(), HasSubstr("'text_config'"));
+  s = ParseError(WithText(Qwen35Wrapper(), "model_type", "qwen3_5_text"));
+  EXPECT_THAT(s.message(), HasSubstr("'text_config.model_type'"));
+  s = ParseError(WithText(Qwen35Wrapper(), "layer_types", {"full_attention"}));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("'text_config.layer_types'"), HasSubstr("1 entries")));
+  json types = json::array();
+  for (int i = 0; i < 8; ++i) types.push_back(i == 5 ? "sliding_attention" : "full_attention");
+  s = ParseError(WithText(Qwen35Wrapper(), "layer_types", types));
+  EXPECT_THAT(s.message(), HasSubstr("'text_config.layer_types[5]'"));
+  s = ParseError(With(kQwen3Next, "linear_num_value_heads", 24));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("'linear_num_value_heads'"), HasSubstr("multiple")));
+  s = ParseError(With(kQwen3Next, "partial_rotary_factor", 1.5));
+  EXPECT_THAT(s.message(), HasSubstr("'partial_rotary_factor'"));
+  s = ParseError(With(kQwen3Next, "attention_bias", true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  // Partial RoPE and multimodal sections belong to hybrids.
+  s = ParseError(With(kQwen3MoeHub4x, "partial_rotary_factor", 0.5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("'partial_rotary_factor'"));
+  s = ParseError(With(kQwen3MoeHub4x, "rope_parameters", {{"mrope_section", {16, 24, 24}}}));
+  EXPECT_THAT(s.message(), HasSubstr("'rope_parameters.mrope_section'"));
+}
+
+TEST(Presets, TinyHybridHasBothLayerKindsAndSharedExperts) {
+  const ModelConfig c = MustPreset("tiny-hybrid");
+  EXPECT_TRUE(c.is_hybrid());
+  EXPECT_THAT(c.layer_attention, ElementsAre(LayerAttention::kLinear, LayerAttention::kFull,
+                                             LayerAttention::kLinear, LayerAttention::kFull));
+  EXPECT_GT(c.shared_expert_intermediate_size, 0);
+  EXPECT_GT(c.linear_num_value_heads, c.linear_num_key_heads);  // K<->V pairing matters
+  for (int l = 0; l < c.num_layers; ++l) EXPECT_TRUE(c.IsMoeLayer(l));
+  EXPECT_LT(c.rotary_dim(), c.head_dim);
+  // Exact counts (docs/MODELS.md).
+  EXPECT_EQ(c.TotalParams(), 1'288'016);
+  EXPECT_EQ(c.ActiveParams(), 698'192);
+  EXPECT_EQ(MustPreset("qwen3-next-80b-a3b").TotalParams(), 79'674'391'296);
+  EXPECT_EQ(MustPreset("qwen3-next-80b-a3b").ActiveParams(), 3'874'929'408);
+  EXPECT_EQ(MustPreset("qwen3.5-397b-a17b").TotalParams(), 396'346'350'336);
+  EXPECT_EQ(MustPreset("qwen3.5-397b-a17b").ActiveParams(), 17'349'040'896);
+  // A layer override keeps the pattern.
+  const ModelConfig six = MustPreset("tiny-hybrid", 6);
+  EXPECT_EQ(six.layer_attention.size(), 6u);
+  EXPECT_EQ(six.AttentionKind(5), LayerAttention::kFull);
+  EXPECT_EQ(six.AttentionKind(4), LayerAttention::kLinear);
+  EXPECT_EQ(SpecParams(six), six.TotalParams());
+  // The linear-attention tensors of layer 0 and the gated q_proj of layer 1.
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const TensorSpec& spec : ModelTensorSpecs(c)) shapes[spec.name] = spec.shape;
+  EXPECT_EQ(shapes.at("model.layers.0.linear_attn.in_proj_qkv.weight"),
+            (std::vector<int64_t>{2 * 2 * 32 + 4 * 32, 128}));
+  EXPECT_EQ(shapes.at("model.layers.0.linear_attn.conv1d.weight"),
+            (std::vector<int64_t>{2 * 2 * 32 + 4 * 32, 1, 4}));
+  EXPECT_EQ(shapes.at("model.layers.0.linear_attn.A_log"), (std::vector<int64_t>{4}));
+  EXPECT_EQ(shapes.at("model.layers.0.linear_attn.norm.weight"), (std::vector<int64_t>{32}));
+  EXPECT_EQ(shapes.count("model.layers.0.self_attn.q_proj.weight"), 0u);
+  EXPECT_EQ(shapes.at("model.layers.1.self_attn.q_proj.weight"),
+            (std::vector<int64_t>{2 * 4 * 32, 128}));
+  EXPECT_EQ(shapes.at("model.layers.1.mlp.shared_expert_gate.weight"),
+            (std::vector<int64_t>{1, 128}));
+}
+
 TEST(Presets, AllNamesLoad) {
   const std::vector<std::string> names = PresetNames();
-  EXPECT_THAT(names, ElementsAre("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "tiny-moe",
-                                 "tiny-dense", "tiny-qwen2-moe"));
+  EXPECT_THAT(names, ElementsAre("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
+                                 "qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-moe",
+                                 "tiny-dense", "tiny-qwen2-moe", "tiny-hybrid"));
   for (const std::string& name : names) {
     absl::StatusOr<ModelConfig> c = PresetConfig(name);
     ASSERT_TRUE(c.ok()) << name << ": " << c.status();

@@ -15,6 +15,33 @@ void RmsNorm(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, flo
   }
 }
 
+void RmsNormZeroCentered(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, float eps,
+                         float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float sum_sq = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum_sq += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i)
+      o[i] = xr[i] * inv * (1.f + LoadAsFloat(gain.data, gain.dtype, i));
+  }
+}
+
+void RmsNormGated(const float* x, const float* z, int64_t rows, int64_t n, const MatrixRef& gain,
+                  float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    const float* zr = z + r * n;
+    float sum_sq = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum_sq += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i)
+      o[i] = xr[i] * inv * LoadAsFloat(gain.data, gain.dtype, i) * (zr[i] * Sigmoid(zr[i]));
+  }
+}
+
 void ApplyRope(float* head, int head_dim, int64_t position, double theta) {
   const int half = head_dim / 2;
   for (int i = 0; i < half; ++i) {
@@ -28,6 +55,8 @@ void ApplyRope(float* head, int head_dim, int64_t position, double theta) {
 }
 
 float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+float Softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] * Sigmoid(gate[i]) * up[i];
