@@ -80,6 +80,11 @@ struct ModelConfig {
   LayerAttention AttentionKind(int layer) const {
     return layer_attention.empty() ? LayerAttention::kFull : layer_attention[layer];
   }
+  bool has_linear_attention() const {
+    for (LayerAttention kind : layer_attention)
+      if (kind == LayerAttention::kLinear) return true;
+    return false;
+  }
   int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
   // Linear-attention widths: q and k each key_dim, v and z each value_dim; conv over q|k|v.
   int linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }

@@ -157,7 +157,7 @@ void AddRunCommands(CLI::App& app) {
                 "each batch size, and the fallbacks taken");
   run->add_option("--test-inject-fault", args.inject_fault,
                   "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                  "stuck-token:T, segv, abort, hang, delay:S");
+                  "stuck-token:T, segv, abort, hang, delay:S, bad-state:F");
   run->callback([] { std::exit(RunTrials(args)); });
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");

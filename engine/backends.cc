@@ -59,6 +59,10 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
   // (the CLI's logits and generate) still refuses them, with the registry's reason.
   if (const std::string why = RegistryConflict(config, WeightFormat(host)); !why.empty())
     return absl::UnimplementedError(why);
+  if (fault.kind == FaultInjection::Kind::kBadState && !host.config.has_linear_attention())
+    return absl::InvalidArgumentError(
+        "bad-state needs a model with linear-attention layers (qwen3_next, qwen3_5): this model "
+        "has no recurrent state to corrupt");
   if (device == "cpu") {
     if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?

@@ -143,8 +143,12 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   const BackendConfig reference_config = ReferenceConfigFor(*config);
   say("reference " + BackendConfigString(reference_config));
   auto reference = Reference(reference_config);
+  // A reference that cannot run this model (Unimplemented: e.g. the GPU reference on a hybrid)
+  // leaves nothing to judge against on this device: UNSUPPORTED, with its reason.
   if (!reference.ok())
-    return finish(TrialStatus::kError, absl::StrCat("reference: ", reference.status().message()));
+    return finish(absl::IsUnimplemented(reference.status()) ? TrialStatus::kUnsupported
+                                                             : TrialStatus::kError,
+                  absl::StrCat("reference: ", reference.status().message()));
 
   say("config under test " + BackendConfigString(*config));
   if (fault->kind == FaultInjection::Kind::kDelay && fault->value > 0)  // TEST ONLY: a slow trial

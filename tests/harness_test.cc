@@ -757,6 +757,15 @@ TEST(Executor, HybridRecurrentStateFaultIsIncorrect) {
   EXPECT_FALSE(result.verdict.failures.empty());
 }
 
+// bad-state on a model without linear attention would corrupt nothing: the request's ERROR, and
+// the error says what it needs.
+TEST(Executor, StateFaultOnAModelWithoutRecurrentStateIsAnError) {
+  TrialExecutor executor(LocalDevices{});
+  const TrialResult result = executor.Execute(TinyRequest("matmul=blocked", "bad-state:0"));
+  EXPECT_EQ(result.status, TrialStatus::kError) << result.reason;
+  EXPECT_THAT(result.reason, HasSubstr("bad-state needs a model with linear-attention layers"));
+}
+
 TEST(Executor, NanFaultIsCountedAsNonFinite) {
   TrialExecutor executor(LocalDevices{});
   const TrialResult result = executor.Execute(TinyRequest("device=cpu", "nan-layer:0"));

@@ -11,6 +11,15 @@ namespace infersweep {
 
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
+  // Hybrids (qwen3_next, qwen3_5) run on the CPU reference only.
+  for (int l = 0; l < c.num_layers; ++l)
+    if (c.AttentionKind(l) == LayerAttention::kLinear)
+      return absl::StrCat("device=cuda: layer ", l,
+                          " is Gated DeltaNet linear attention, which the CUDA engine does not "
+                          "run (the CPU reference does)");
+  if (c.attn_output_gate || c.zero_centered_norm || c.rotary_dim() != c.head_dim)
+    return "device=cuda: gated attention, zero-centred norms and partial rotary (qwen3_next, "
+           "qwen3_5) are the CPU reference's only";
   if (options.attention == Attention::kFlash &&
       !cuda::FlashSupports(c.num_q_heads, c.num_kv_heads, c.head_dim))
     return "attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv "
