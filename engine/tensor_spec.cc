@@ -97,9 +97,12 @@ std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& c) {
 }
 
 bool IsQuantizable(const TensorSpec& spec) {
+  // ModelOpt's default exclusions: the head, the one-row gates and the per-head decay and beta
+  // projections of Gated DeltaNet (the router and conv1d are not linears here).
   return spec.kind == WeightKind::kLinear && spec.name != "lm_head.weight" &&
          !absl::EndsWith(spec.name, "mlp.shared_expert_gate.weight") &&
-         !absl::StrContains(spec.name, ".linear_attn.");
+         !absl::EndsWith(spec.name, ".linear_attn.in_proj_a.weight") &&
+         !absl::EndsWith(spec.name, ".linear_attn.in_proj_b.weight");
 }
 
 absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(

@@ -58,9 +58,10 @@ struct TensorSpec {
 // Every weight the forward pass reads, in a stable order (all dense).
 std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& config);
 
-// Linears that may be quantized: attention q/k/v/o, dense MLPs, routed and shared experts. The
-// embeddings, norms, biases, router, shared-expert gate, lm_head and the linear-attention
-// (Gated DeltaNet) tensors always stay dense.
+// Linears that may be quantized: attention q/k/v/o (gated q_proj included), dense MLPs, routed
+// and shared experts, and Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj. The embeddings,
+// norms, biases, router, shared-expert gate, lm_head, and Gated DeltaNet's in_proj_a, in_proj_b,
+// conv1d, dt_bias and A_log always stay dense (ModelOpt's default exclusions).
 bool IsQuantizable(const TensorSpec& spec);
 
 // The stored tensors when each quantizable linear takes `format_of(spec)` (kNone: stays dense):

@@ -139,6 +139,8 @@ std::vector<MatrixRef*> LayerLinears(LayerWeights& l) {
   std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
   for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});
   linears.insert(linears.end(), {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
+  LinearAttentionWeights& la = l.linear_attn;
+  linears.insert(linears.end(), {&la.in_proj_qkv, &la.in_proj_z, &la.out_proj});
   return linears;
 }
 

@@ -81,7 +81,8 @@ struct HostModel {
 };
 
 // Every linear of a layer that may be quantized, in a fixed order: q, k, v, o, the dense MLP,
-// each expert's gate/up/down, the shared expert (empty ones included).
+// each expert's gate/up/down, the shared expert, Gated DeltaNet's in_proj_qkv, in_proj_z and
+// out_proj (empty ones included).
 std::vector<MatrixRef*> LayerLinears(LayerWeights& layer);
 
 // Generates a synthetic model's host copy if it was loaded without one (GPU-only runs skip it).

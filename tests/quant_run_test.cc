@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -169,6 +170,48 @@ TEST(QuantExecutor, CpuConfigsAreOkAgainstTheQuantizedReferenceAndBadScaleIsInco
       executor.Execute(QuantRequest("preset:tiny-moe", "matmul=naive", "bad-quant-scale:0.0625"));
   EXPECT_EQ(dense.status, TrialStatus::kError);
   EXPECT_THAT(dense.reason, HasSubstr("needs quantized weights"));
+}
+
+// Hybrids quantize Gated DeltaNet's wide projections and keep ModelOpt's default exclusions
+// dense; the CPU runs the quantized matrices through the exact dequantizing matmul, OK against
+// the quantized model's reference, and a corrupted scale (the first linear-attention one) is
+// INCORRECT.
+TEST(QuantExecutor, HybridQuantizesLinearAttentionAndKeepsTheExclusionsDense) {
+  TrialExecutor executor(LocalDevices{});
+  for (const char* format : {"nvfp4", "fp8_channel"}) {
+    const std::string model = std::string("preset:tiny-hybrid@") + format;
+    auto host = LoadHostModel(model, {2});
+    ASSERT_TRUE(host.ok()) << format << ": " << host.status();
+    std::set<std::string> quantized, dense;
+    for (const TensorSpec& spec : (*host)->specs)
+      (spec.quant == QuantFormat::kNone ? dense : quantized)
+          .insert(spec.quant == QuantFormat::kNone ? spec.name : spec.linear);
+    for (const char* name : {"model.layers.0.linear_attn.in_proj_qkv.weight",
+                             "model.layers.0.linear_attn.in_proj_z.weight",
+                             "model.layers.0.linear_attn.out_proj.weight",
+                             "model.layers.1.self_attn.q_proj.weight",
+                             "model.layers.1.mlp.shared_expert.down_proj.weight",
+                             "model.layers.0.mlp.experts.0.gate_proj.weight"})
+      EXPECT_TRUE(quantized.contains(name)) << format << ": " << name;
+    for (const char* name : {"model.layers.0.linear_attn.in_proj_a.weight",
+                             "model.layers.0.linear_attn.in_proj_b.weight",
+                             "model.layers.0.linear_attn.conv1d.weight",
+                             "model.layers.0.mlp.gate.weight",
+                             "model.layers.0.mlp.shared_expert_gate.weight", "lm_head.weight"}) {
+      EXPECT_TRUE(dense.contains(name)) << format << ": " << name;
+      EXPECT_FALSE(quantized.contains(name)) << format << ": " << name;
+    }
+    auto qkv = FindWeight(**host, "model.layers.0.linear_attn.in_proj_qkv.weight");
+    ASSERT_TRUE(qkv.ok()) << qkv.status();
+    EXPECT_TRUE(qkv->quantized()) << format;
+
+    const TrialResult ok = executor.Execute(QuantRequest(model, "matmul=blocked,threads=2"));
+    EXPECT_EQ(ok.status, TrialStatus::kOk) << format << ": " << ok.reason;
+    EXPECT_LE(ok.verdict.max_rel_error, 1e-4) << format;
+    const TrialResult bad = executor.Execute(QuantRequest(
+        model, "matmul=naive", "bad-quant-scale:0.0625@model.layers.0.linear_attn.out_proj.weight"));
+    EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << ": " << bad.reason;
+  }
 }
 
 // bad-quant-scale@WEIGHT corrupts the named linear's first scale, not the first linear's: an
