@@ -355,10 +355,14 @@ QuantFormat Checkpoint::LinearFormat(const TensorSpec& dense) const {
 absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
     const TensorSpec& spec, std::vector<std::string>* tried) const {
   constexpr std::string_view kLinear = ".linear_attn.";
-  const size_t at = spec.name.find(kLinear);
+  // A part of a quantized projection goes by its linear's name, with the part's suffix.
+  const bool is_part = spec.quant != QuantFormat::kNone;
+  const std::string& linear = is_part ? spec.linear : spec.name;
+  const size_t at = linear.find(kLinear);
   if (!config_.is_hybrid() || at == std::string::npos) return std::optional<HostTensor>();
-  const std::string module = spec.name.substr(0, at + kLinear.size());
-  const std::string which = spec.name.substr(at + kLinear.size());
+  const std::string module = linear.substr(0, at + kLinear.size());
+  const std::string which = linear.substr(at + kLinear.size());
+  const std::string suffix = is_part ? spec.name.substr(ModuleOf(linear).size()) : ".weight";
   const bool qkvz = which == "in_proj_qkv.weight" || which == "in_proj_z.weight";
   const bool ba = which == "in_proj_b.weight" || which == "in_proj_a.weight";
   if (!qkvz && !ba) return std::optional<HostTensor>();
@@ -369,7 +373,6 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
   const int64_t key_heads = config_.linear_num_key_heads;
   const int64_t r = config_.linear_num_value_heads / key_heads;
   const int64_t key_dim = key_heads * dk, group = qkvz ? 2 * dk + 2 * r * dv : 2 * r;
-  const int64_t rows = spec.shape[0], cols = spec.shape[1];
   auto disk_row = [&](int64_t i) -> int64_t {
     if (which == "in_proj_qkv.weight") {
       if (i < key_dim) return (i / dk) * group + i % dk;                       // q
@@ -382,8 +385,12 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
     return (i / r) * group + r + i % r;  // in_proj_a
   };
 
-  const std::string source_name = qkvz ? "in_proj_qkvz.weight" : "in_proj_ba.weight";
-  const std::vector<int64_t> want = {key_heads * group, cols};
+  const std::string source_name = (qkvz ? "in_proj_qkvz" : "in_proj_ba") + suffix;
+  // Row-wise parts (codes, per-row or per-group scales) are gathered like dense rows; a part of
+  // one value per tensor (scale_2, fp8_tensor's scale, input_scale) is shared by both halves.
+  const bool scalar = spec.shape.empty();
+  std::vector<int64_t> want = spec.shape;
+  if (!scalar) want[0] = key_heads * group;
   for (const std::string& name : DirectNames(module + source_name)) {
     tried->push_back(name);
     const auto it = tensor_file_.find(name);
@@ -392,22 +399,42 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
     const SafetensorsEntry* entry = file.Find(name);
     const std::string what =
         absl::StrCat(Basename(file.path()), ": tensor '", name, "' (for '", spec.name, "')");
-    if (!SupportedDType(entry->dtype))
-      return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", Sv(DTypeName(entry->dtype)),
-                                                     ", expected F32, F16 or BF16"));
-    if (entry->shape != want)
+    if (spec.quant == QuantFormat::kFp8Block128)
+      return absl::UnimplementedError(absl::StrCat(
+          what, ": fp8_block128 scales span 128 rows of the grouped [q|k|v|z] layout, which "
+          "cannot be un-grouped into in_proj_qkv and in_proj_z; formats with per-row scales "
+          "(nvfp4, mxfp4, fp8_channel, fp8_tensor) can"));
+    const bool dtype_ok = spec.dtypes.empty()
+                              ? SupportedDType(entry->dtype)
+                              : std::find(spec.dtypes.begin(), spec.dtypes.end(), entry->dtype) !=
+                                    spec.dtypes.end();
+    if (!dtype_ok)
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": dtype ", Sv(DTypeName(entry->dtype)), ", expected ",
+          spec.dtypes.empty() ? "F32, F16 or BF16" : DTypeList(spec.dtypes)));
+    const bool shape_ok = is_part && spec.part != QuantPart::kData
+                              ? SameIgnoringUnitDims(entry->shape, want)
+                              : entry->shape == want;
+    if (!shape_ok)
       return absl::InvalidArgumentError(absl::StrCat(
           what, " has shape ", FormatShape(entry->shape), ", expected ", FormatShape(want),
+          scalar ? "" :
           qkvz ? " [key_heads * (2 * key_head_dim + 2 * value_heads_per_key_head * "
-                 "value_head_dim), hidden]"
-               : " [2 * value_heads, hidden]"));
-    const size_t row_bytes = static_cast<size_t>(cols) * DTypeSize(entry->dtype);
-    auto copy = std::make_unique<std::vector<uint8_t>>(static_cast<size_t>(rows) * row_bytes);
+                 "value_head_dim), ...]"
+               : " [2 * value_heads, ...]"));
     const uint8_t* base = file.Data(*entry);
+    const std::string source = absl::StrCat(Basename(file.path()), ":", name);
+    if (scalar)
+      return std::optional<HostTensor>(
+          HostTensor{spec.name, source, entry->dtype, spec.shape, base});
+    const int64_t rows = spec.shape[0];
+    int64_t row_elements = 1;
+    for (size_t d = 1; d < spec.shape.size(); ++d) row_elements *= spec.shape[d];
+    const size_t row_bytes = static_cast<size_t>(row_elements) * DTypeSize(entry->dtype);
+    auto copy = std::make_unique<std::vector<uint8_t>>(static_cast<size_t>(rows) * row_bytes);
     for (int64_t i = 0; i < rows; ++i)
       std::memcpy(copy->data() + i * row_bytes, base + disk_row(i) * row_bytes, row_bytes);
-    HostTensor t{spec.name, absl::StrCat(Basename(file.path()), ":", name, " (un-grouped)"),
-                 entry->dtype, spec.shape, copy->data()};
+    HostTensor t{spec.name, source + " (un-grouped)", entry->dtype, spec.shape, copy->data()};
     std::lock_guard<std::mutex> lock(derived_mu_);
     derived_.push_back(std::move(copy));
     return std::optional<HostTensor>(std::move(t));
@@ -542,13 +569,11 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     }
     if (resolved) continue;
     std::vector<std::string> grouped;
-    if (!is_part) {
-      absl::StatusOr<std::optional<HostTensor>> ungrouped = Ungroup(spec, &grouped);
-      if (!ungrouped.ok()) return ungrouped.status();
-      if (ungrouped->has_value()) {
-        out.push_back(**std::move(ungrouped));
-        continue;
-      }
+    absl::StatusOr<std::optional<HostTensor>> ungrouped = Ungroup(spec, &grouped);
+    if (!ungrouped.ok()) return ungrouped.status();
+    if (ungrouped->has_value()) {
+      out.push_back(**std::move(ungrouped));
+      continue;
     }
     if (is_part && spec.optional) {
       out.push_back({spec.name, "", DType::kF32, spec.shape, nullptr});

@@ -64,9 +64,10 @@ class Checkpoint {
   // On-disk names of a canonical linear or tensor, most canonical first (no fused names).
   std::vector<std::string> DirectNames(const std::string& canonical) const;
 
-  // A flat linear-attention projection (in_proj_qkv, _z, _b, _a) gathered row by row from the
-  // grouped tensor that holds it; nullopt when the spec is not one or no grouped tensor exists.
-  // `tried` receives the names looked up.
+  // A flat linear-attention projection (in_proj_qkv, _z, _b, _a), or a part of a quantized one,
+  // gathered row by row from the grouped tensor that holds it (a part of one value per tensor is
+  // shared); nullopt when the spec is not one or no grouped tensor exists. Unimplemented for
+  // fp8_block128, whose scale blocks straddle the groups. `tried` receives the names looked up.
   absl::StatusOr<std::optional<HostTensor>> Ungroup(const TensorSpec& spec,
                                                     std::vector<std::string>* tried) const;
 

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/quant/dequantize.h"
 #include "engine/cpu_model.h"
+#include "engine/quant/quantize.h"
 #include "engine/safetensors_writer.h"
 #include "engine/weights.h"
 #include "gmock/gmock.h"
@@ -477,6 +479,98 @@ TEST_F(HybridCheckpoint, WrongShapeOrMissingTensorIsNamed) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(bad.status().message(), HasSubstr("'model.layers.0.linear_attn.A_log'"));
+}
+
+// A Qwen3-Next checkpoint whose grouped in_proj_qkvz is quantized (the other linears declared
+// excluded by pattern): the loader gathers the quantized rows of in_proj_qkv and in_proj_z, so
+// they dequantize to the grouped tensor's rows in the flat order, and the model runs.
+void WriteQuantizedGrouped(const std::string& dir, const json& config, const ModelConfig& c,
+                           const std::map<std::string, Tensor>& weights, QuantFormat format,
+                           std::map<std::string, QuantizedMatrix>* grouped_quantized) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << config.dump(1);
+  const char* algo = format == QuantFormat::kNvfp4 ? "NVFP4" : "FP8_PER_CHANNEL_PER_TOKEN";
+  const json hf = {{"quantization",
+                    {{"quant_algo", algo},
+                     {"exclude_modules", {"lm_head", "*self_attn*", "*mlp*", "*out_proj*"}}}}};
+  std::ofstream(dir + "/hf_quant_config.json") << hf.dump(1);
+  const std::vector<Tensor> tensors = GroupedLayout(c, weights);
+  std::vector<SafetensorsTensorToWrite> out;
+  for (const Tensor& t : tensors) {
+    const std::string kQkvz = "in_proj_qkvz.weight";
+    if (!t.name.ends_with(kQkvz)) {
+      out.push_back({t.name,
+                     DType::kBF16,
+                     t.shape,
+                     {reinterpret_cast<const uint8_t*>(t.bf16.data()), t.bf16.size() * 2}});
+      continue;
+    }
+    auto q = QuantizeMatrix(format, MatrixRef{t.bf16.data(), DType::kBF16, t.shape[0], t.shape[1]});
+    ASSERT_TRUE(q.ok()) << q.status();
+    QuantizedMatrix& stored = (*grouped_quantized)[t.name] = *std::move(q);
+    const std::string module = t.name.substr(0, t.name.size() - 7);
+    for (size_t i = 0; i < stored.parts.size(); ++i)
+      out.push_back({module + stored.layout[i].suffix, stored.layout[i].dtypes.front(),
+                     stored.layout[i].shape, stored.parts[i]});
+  }
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", out).ok());
+}
+
+TEST_F(HybridCheckpoint, QuantizedGroupedProjectionsAreUngroupedRowByRow) {
+  const ModelConfig& c = preset_->config;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, hidden = c.hidden_size;
+  const int64_t per_key = c.linear_num_value_heads / c.linear_num_key_heads;
+  for (QuantFormat format : {QuantFormat::kNvfp4, QuantFormat::kFp8Channel}) {
+    const std::string dir = dir_ + "/" + QuantFormatName(format);
+    std::map<std::string, QuantizedMatrix> grouped;
+    WriteQuantizedGrouped(dir, grouped_config_, c, weights_, format, &grouped);
+    auto host = LoadHostModel(dir);
+    ASSERT_TRUE(host.ok()) << QuantFormatName(format) << ": " << host.status();
+    const std::string p = "model.layers.0.linear_attn.";
+    auto qkv = FindWeight(**host, p + "in_proj_qkv.weight");
+    auto z = FindWeight(**host, p + "in_proj_z.weight");
+    ASSERT_TRUE(qkv.ok() && z.ok());
+    ASSERT_TRUE(qkv->quantized() && z->quantized());
+    EXPECT_FALSE(FindWeight(**host, p + "in_proj_b.weight")->quantized());
+    EXPECT_FALSE(FindWeight(**host, p + "out_proj.weight")->quantized());
+    // The grouped rows, dealt back to q, k, v and z per key head.
+    const std::vector<float> disk = DequantizeMatrix(grouped.at(p + "in_proj_qkvz.weight").View());
+    const std::vector<float> flat_qkv = DequantizeMatrix(*qkv), flat_z = DequantizeMatrix(*z);
+    const int64_t key_dim = c.linear_key_dim();
+    int64_t row = 0;
+    auto expect_rows = [&](const std::vector<float>& flat, int64_t first, int64_t count) {
+      for (int64_t i = 0; i < count; ++i, ++row)
+        for (int64_t k = 0; k < hidden; ++k)
+          ASSERT_EQ(flat[(first + i) * hidden + k], disk[row * hidden + k])
+              << QuantFormatName(format) << " flat row " << first + i << " disk row " << row;
+    };
+    for (int64_t g = 0; g < c.linear_num_key_heads; ++g) {
+      expect_rows(flat_qkv, g * dk, dk);
+      expect_rows(flat_qkv, key_dim + g * dk, dk);
+      expect_rows(flat_qkv, 2 * key_dim + g * per_key * dv, per_key * dv);
+      expect_rows(flat_z, g * per_key * dv, per_key * dv);
+    }
+    const std::vector<float> logits = PrefillLogits(**host, Prompt(16, c.vocab_size));
+    EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
+  }
+
+  // fp8_block128's scale blocks straddle the groups: the error names the tensor.
+  const std::string dir = dir_ + "/block";
+  std::map<std::string, QuantizedMatrix> grouped;
+  WriteQuantizedGrouped(dir, grouped_config_, c, weights_, QuantFormat::kFp8Block128, &grouped);
+  json config = grouped_config_;
+  config["quantization_config"] = {
+      {"quant_method", "fp8"},
+      {"weight_block_size", {128, 128}},
+      {"modules_to_not_convert", {"lm_head", "*self_attn*", "*mlp*", "*out_proj*"}}};
+  std::ofstream(dir + "/config.json") << config.dump(1);
+  std::filesystem::remove(dir + "/hf_quant_config.json");
+  auto block = LoadHostModel(dir);
+  ASSERT_FALSE(block.ok());
+  EXPECT_EQ(block.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(block.status().message(),
+              AllOf(HasSubstr("model.layers.0.linear_attn.in_proj_qkvz.weight"),
+                    HasSubstr("fp8_block128"), HasSubstr("cannot be un-grouped")));
 }
 
 }  // namespace
