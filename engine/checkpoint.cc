@@ -352,6 +352,64 @@ QuantFormat Checkpoint::LinearFormat(const TensorSpec& dense) const {
   return quant_.Quantizes(modules) ? quant_.format : QuantFormat::kNone;
 }
 
+QuantFormat Checkpoint::StoredLinearFormat(const TensorSpec& dense,
+                                           std::vector<std::string>* warnings) const {
+  const bool linear = dense.kind == WeightKind::kLinear || dense.kind == WeightKind::kRouter;
+  if (!quant_.quantized() || !linear || dense.shape.size() != 2) return QuantFormat::kNone;
+  std::vector<std::string> modules;
+  for (const std::string& name : DirectNames(dense.name)) modules.push_back(ModuleOf(name));
+  const bool by_pattern = quant_.Quantizes(modules);
+  const QuantFormat declared =
+      IsQuantizable(dense) && by_pattern ? quant_.format : QuantFormat::kNone;
+  // Qwen3-Next keeps the flat projections inside a grouped one.
+  constexpr std::string_view kLinear = ".linear_attn.";
+  if (const size_t at = dense.name.find(kLinear); config_.is_hybrid() && at != std::string::npos) {
+    const std::string which = dense.name.substr(at + kLinear.size());
+    const std::string prefix = dense.name.substr(0, at + kLinear.size());
+    const char* grouped =
+        which == "in_proj_qkv.weight" || which == "in_proj_z.weight" ? "in_proj_qkvz"
+        : which == "in_proj_a.weight" || which == "in_proj_b.weight" ? "in_proj_ba"
+                                                                     : nullptr;
+    if (grouped != nullptr)
+      for (const std::string& name : DirectNames(prefix + grouped + ".weight"))
+        modules.push_back(ModuleOf(name));
+  }
+  // Stored dense: a ".weight" of a dense dtype. Stored quantized: the format's first scale.
+  std::string dense_name, scale_name;
+  for (const std::string& module : modules) {
+    const auto it = tensor_file_.find(module + ".weight");
+    if (dense_name.empty() && it != tensor_file_.end() &&
+        SupportedDType(files_[it->second]->Find(module + ".weight")->dtype))
+      dense_name = module + ".weight";
+  }
+  auto layout = QuantLayout(quant_.format, dense.shape[0], dense.shape[1]);
+  if (layout.ok())
+    for (const QuantPartLayout& part : *layout) {
+      if (part.part == QuantPart::kData || part.optional) continue;
+      for (const std::string& module : modules)
+        if (scale_name.empty() && tensor_file_.contains(module + part.suffix))
+          scale_name = module + part.suffix;
+      break;
+    }
+  const bool tied_head = dense.name == "lm_head.weight" && config_.tie_word_embeddings;
+  if (by_pattern && scale_name.empty() && !dense_name.empty() &&
+      (declared != QuantFormat::kNone || dense.kind == WeightKind::kRouter)) {
+    warnings->push_back(absl::StrCat("'", dense.name, "': ", quant_.Describe(),
+                                     " does not exclude it, but '", dense_name,
+                                     "' is stored dense; loaded dense"));
+    return QuantFormat::kNone;
+  }
+  if (declared == QuantFormat::kNone && !scale_name.empty() && dense.kind == WeightKind::kLinear &&
+      !tied_head) {
+    warnings->push_back(absl::StrCat("'", dense.name, "': ", quant_.Describe(),
+                                     by_pattern ? " leaves it dense by default" : " excludes it",
+                                     ", but the checkpoint ships '", scale_name, "'; loaded as ",
+                                     QuantFormatName(quant_.format)));
+    return quant_.format;
+  }
+  return declared;
+}
+
 absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
     const TensorSpec& spec, std::vector<std::string>* tried) const {
   constexpr std::string_view kLinear = ".linear_attn.";
@@ -401,27 +459,27 @@ absl::StatusOr<std::optional<HostTensor>> Checkpoint::Ungroup(
         absl::StrCat(Basename(file.path()), ": tensor '", name, "' (for '", spec.name, "')");
     if (spec.quant == QuantFormat::kFp8Block128)
       return absl::UnimplementedError(absl::StrCat(
-          what, ": fp8_block128 scales span 128 rows of the grouped [q|k|v|z] layout, which "
+          what,
+          ": fp8_block128 scales span 128 rows of the grouped [q|k|v|z] layout, which "
           "cannot be un-grouped into in_proj_qkv and in_proj_z; formats with per-row scales "
           "(nvfp4, mxfp4, fp8_channel, fp8_tensor) can"));
-    const bool dtype_ok = spec.dtypes.empty()
-                              ? SupportedDType(entry->dtype)
-                              : std::find(spec.dtypes.begin(), spec.dtypes.end(), entry->dtype) !=
-                                    spec.dtypes.end();
+    const bool dtype_ok = spec.dtypes.empty() ? SupportedDType(entry->dtype)
+                                              : std::find(spec.dtypes.begin(), spec.dtypes.end(),
+                                                          entry->dtype) != spec.dtypes.end();
     if (!dtype_ok)
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": dtype ", Sv(DTypeName(entry->dtype)), ", expected ",
-          spec.dtypes.empty() ? "F32, F16 or BF16" : DTypeList(spec.dtypes)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": dtype ", Sv(DTypeName(entry->dtype)), ", expected ",
+                       spec.dtypes.empty() ? "F32, F16 or BF16" : DTypeList(spec.dtypes)));
     const bool shape_ok = is_part && spec.part != QuantPart::kData
                               ? SameIgnoringUnitDims(entry->shape, want)
                               : entry->shape == want;
     if (!shape_ok)
       return absl::InvalidArgumentError(absl::StrCat(
           what, " has shape ", FormatShape(entry->shape), ", expected ", FormatShape(want),
-          scalar ? "" :
-          qkvz ? " [key_heads * (2 * key_head_dim + 2 * value_heads_per_key_head * "
-                 "value_head_dim), ...]"
-               : " [2 * value_heads, ...]"));
+          scalar ? ""
+          : qkvz ? " [key_heads * (2 * key_head_dim + 2 * value_heads_per_key_head * "
+                   "value_head_dim), ...]"
+                 : " [2 * value_heads, ...]"));
     const uint8_t* base = file.Data(*entry);
     const std::string source = absl::StrCat(Basename(file.path()), ":", name);
     if (scalar)

@@ -51,6 +51,13 @@ class Checkpoint {
   // on-disk module names; kNone when the checkpoint is dense or the module is excluded.
   QuantFormat LinearFormat(const TensorSpec& dense) const;
 
+  // The format a linear or router (a dense spec) is loaded in: what its tensors are, which is
+  // the declaration unless they contradict it. A module declared excluded (or never quantized
+  // by default, e.g. lm_head) that ships the declared format's scales loads quantized; one
+  // declared quantized that is stored dense loads dense. Each contradiction appends a warning
+  // naming the tensor to `warnings`. A router or a tied lm_head always loads dense.
+  QuantFormat StoredLinearFormat(const TensorSpec& dense, std::vector<std::string>* warnings) const;
+
   // Finds each spec's tensor under the architecture's on-disk names (per-expert Hub layout,
   // Mixtral w1/w2/w3, transformers 5 fused `experts.gate_up_proj`/`experts.down_proj`, tied
   // lm_head, Qwen3.5's `model.language_model.` prefix), and checks dtype (dense: F32, F16 or BF16;

@@ -111,8 +111,10 @@ absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(
   std::vector<TensorSpec> out;
   out.reserve(dense.size());
   for (const TensorSpec& spec : dense) {
-    const QuantFormat format = IsQuantizable(spec) ? format_of(spec) : QuantFormat::kNone;
-    if (format == QuantFormat::kNone) {
+    // format_of sees every spec (a checkpoint reports its contradictions from it); only linears
+    // take a format.
+    const QuantFormat format = format_of(spec);
+    if (spec.kind != WeightKind::kLinear || format == QuantFormat::kNone) {
       out.push_back(spec);
       continue;
     }

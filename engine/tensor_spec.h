@@ -64,7 +64,8 @@ std::vector<TensorSpec> ModelTensorSpecs(const ModelConfig& config);
 // conv1d, dt_bias and A_log always stay dense (ModelOpt's default exclusions).
 bool IsQuantizable(const TensorSpec& spec);
 
-// The stored tensors when each quantizable linear takes `format_of(spec)` (kNone: stays dense):
+// The stored tensors when each linear takes `format_of(spec)` (kNone: stays dense; the caller
+// decides, e.g. IsQuantizable for --quantize, the stored tensors for a checkpoint):
 // such a linear's spec is replaced by its parts, in layout order. Errors name the tensor (e.g.
 // nvfp4 on an input width that is not a multiple of 16).
 absl::StatusOr<std::vector<TensorSpec>> QuantizedTensorSpecs(

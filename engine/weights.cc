@@ -387,9 +387,10 @@ absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& mode
     model = std::make_unique<HostModel>();
     model->config = ckpt.config();
     model->source = path;
-    auto specs = QuantizedTensorSpecs(ModelTensorSpecs(model->config), [&ckpt](const TensorSpec& s) {
-      return ckpt.LinearFormat(s);
-    });
+    std::vector<std::string>& warnings = model->warnings;
+    auto specs = QuantizedTensorSpecs(
+        ModelTensorSpecs(model->config),
+        [&ckpt, &warnings](const TensorSpec& s) { return ckpt.StoredLinearFormat(s, &warnings); });
     if (!specs.ok())
       return absl::Status(specs.status().code(),
                           absl::StrCat(path, ": ", specs.status().message()));

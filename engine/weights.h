@@ -69,6 +69,9 @@ struct HostModel {
   // The format of the quantized linears (declared by the checkpoint or made by --quantize);
   // kNone when every weight is dense.
   QuantFormat quant_format = QuantFormat::kNone;
+  // Where a checkpoint's tensors contradict its quantization declaration (they win), one line
+  // naming each such tensor.
+  std::vector<std::string> warnings;
   std::unique_ptr<Checkpoint> checkpoint;          // owns mapped files
   std::vector<std::vector<uint16_t>> synthetic;    // owns generated bf16 buffers
   std::vector<std::vector<uint8_t>> quantized;     // owns the parts --quantize made

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -551,7 +552,8 @@ TEST_F(HybridCheckpoint, QuantizedGroupedProjectionsAreUngroupedRowByRow) {
       expect_rows(flat_z, g * per_key * dv, per_key * dv);
     }
     const std::vector<float> logits = PrefillLogits(**host, Prompt(16, c.vocab_size));
-    EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_TRUE(
+        std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
   }
 
   // fp8_block128's scale blocks straddle the groups: the error names the tensor.
@@ -571,6 +573,94 @@ TEST_F(HybridCheckpoint, QuantizedGroupedProjectionsAreUngroupedRowByRow) {
   EXPECT_THAT(block.status().message(),
               AllOf(HasSubstr("model.layers.0.linear_attn.in_proj_qkvz.weight"),
                     HasSubstr("fp8_block128"), HasSubstr("cannot be un-grouped")));
+}
+
+// A ModelOpt NVFP4 checkpoint of the hybrid, written from the quantized preset with ModelOpt's
+// exclusions by pattern, except that it does not list mlp.gate (as Qwen3.5-397B's does not)
+// although the router is dense. `edit` changes the tensors before they are written.
+std::string WriteModelOptHybrid(
+    const std::string& dir, const json& config, const HostModel& q,
+    const std::function<void(std::vector<SafetensorsTensorToWrite>&)>& edit) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << config.dump(1);
+  const json hf = {{"quantization",
+                    {{"quant_algo", "NVFP4"},
+                     {"group_size", 16},
+                     {"exclude_modules",
+                      {"*linear_attn.conv1d*", "*linear_attn.in_proj_a*", "*linear_attn.in_proj_b*",
+                       "*lm_head*", "*mlp.shared_expert_gate.*", "mtp.*"}}}}};
+  std::ofstream(dir + "/hf_quant_config.json") << hf.dump(1);
+  std::vector<SafetensorsTensorToWrite> out;
+  for (size_t i = 0; i < q.specs.size(); ++i) {
+    const TensorSpec& spec = q.specs[i];
+    const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(q.tensors[i].dtype);
+    out.push_back({spec.name,
+                   q.tensors[i].dtype,
+                   spec.shape,
+                   {static_cast<const uint8_t*>(q.tensors[i].data), bytes}});
+  }
+  edit(out);
+  EXPECT_TRUE(WriteSafetensors(dir + "/model.safetensors", out).ok());
+  return dir;
+}
+
+TEST_F(HybridCheckpoint, ModelOptNvfp4LoadsWithItsExclusionsByPattern) {
+  auto q = LoadHostModel("preset:tiny-hybrid@nvfp4", {0, 1});
+  ASSERT_TRUE(q.ok()) << q.status();
+  const std::string dir =
+      WriteModelOptHybrid(dir_ + "/modelopt", grouped_config_, **q, [](auto&) {});
+  auto host = LoadHostModel(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ((*host)->quant_format, QuantFormat::kNvfp4);
+  EXPECT_TRUE(FindWeight(**host, "model.layers.0.linear_attn.out_proj.weight")->quantized());
+  EXPECT_FALSE(FindWeight(**host, "model.layers.0.linear_attn.in_proj_a.weight")->quantized());
+  const std::vector<int32_t> prompt = Prompt(24, preset_->config.vocab_size);
+  EXPECT_EQ(PrefillLogits(**host, prompt), PrefillLogits(**q, prompt));
+  // Every router is declared quantized and stored dense: named, loaded dense.
+  ASSERT_EQ((*host)->warnings.size(), static_cast<size_t>(preset_->config.num_layers));
+  EXPECT_THAT((*host)->warnings[0], AllOf(HasSubstr("'model.layers.0.mlp.gate.weight'"),
+                                          HasSubstr("is stored dense; loaded dense")));
+}
+
+// The tensors win over the declaration: lm_head declared excluded but shipped as nvfp4 loads
+// quantized; out_proj declared quantized but stored dense loads dense. Each is named.
+TEST_F(HybridCheckpoint, TensorsThatContradictTheDeclarationLoadAsStoredWithAWarning) {
+  auto q = LoadHostModel("preset:tiny-hybrid@nvfp4", {0, 1});
+  ASSERT_TRUE(q.ok()) << q.status();
+  const Tensor& head = weights_.at("lm_head.weight");
+  auto head_q = QuantizeMatrix(
+      QuantFormat::kNvfp4, MatrixRef{head.bf16.data(), DType::kBF16, head.shape[0], head.shape[1]});
+  ASSERT_TRUE(head_q.ok());
+  const Tensor& out_proj = weights_.at("model.layers.2.linear_attn.out_proj.weight");
+  const std::string dir = WriteModelOptHybrid(
+      dir_ + "/contradicting", grouped_config_, **q,
+      [&](std::vector<SafetensorsTensorToWrite>& out) {
+        std::erase_if(out, [](const SafetensorsTensorToWrite& t) {
+          return t.name == "lm_head.weight" ||
+                 t.name.starts_with("model.layers.2.linear_attn.out_proj.");
+        });
+        for (size_t i = 0; i < head_q->parts.size(); ++i)
+          out.push_back({"lm_head" + head_q->layout[i].suffix, head_q->layout[i].dtypes.front(),
+                         head_q->layout[i].shape, head_q->parts[i]});
+        out.push_back(
+            {out_proj.name,
+             DType::kBF16,
+             out_proj.shape,
+             {reinterpret_cast<const uint8_t*>(out_proj.bf16.data()), out_proj.bf16.size() * 2}});
+      });
+  auto host = LoadHostModel(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_TRUE(FindWeight(**host, "lm_head.weight")->quantized());
+  EXPECT_FALSE(FindWeight(**host, "model.layers.2.linear_attn.out_proj.weight")->quantized());
+  EXPECT_TRUE(FindWeight(**host, "model.layers.0.linear_attn.out_proj.weight")->quantized());
+  const std::vector<std::string>& w = (*host)->warnings;
+  EXPECT_THAT(w, testing::Contains(AllOf(HasSubstr("'lm_head.weight'"), HasSubstr("excludes it"),
+                                         HasSubstr("ships 'lm_head.weight_scale'"),
+                                         HasSubstr("loaded as nvfp4"))));
+  EXPECT_THAT(w, testing::Contains(AllOf(HasSubstr("'model.layers.2.linear_attn.out_proj.weight'"),
+                                         HasSubstr("is stored dense; loaded dense"))));
+  const std::vector<float> logits = PrefillLogits(**host, Prompt(16, preset_->config.vocab_size));
+  EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
 }
 
 }  // namespace

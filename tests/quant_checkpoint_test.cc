@@ -29,6 +29,7 @@
 namespace infersweep {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // qwen3_moe with a dense layer 0 and an MoE layer 1; every input width a multiple of 32.
@@ -305,7 +306,7 @@ TEST_F(MalformedCompanionTest, MissingScale2AndWrongCodesShape) {
                                      "[64, 6, 8], expected [64, 3, 16]"));
 }
 
-TEST_F(MalformedCompanionTest, DenseWeightWhereTheDeclarationQuantizes) {
+TEST_F(MalformedCompanionTest, DenseWeightWhereTheDeclarationQuantizesLoadsDenseWithAWarning) {
   const ModelConfig c = Config(kConfig);
   // The MXFP4 declaration excludes only lm_head, but q_proj is stored dense.
   absl::Status s = LoadEdited(QuantFormat::kMxfp4, [&c](std::vector<DiskTensor>& t) {
@@ -315,8 +316,26 @@ TEST_F(MalformedCompanionTest, DenseWeightWhereTheDeclarationQuantizes) {
     for (const DiskTensor& d : DenseTensors(c))
       if (d.name == "model.layers.0.self_attn.q_proj.weight") t.push_back(d);
   });
-  EXPECT_THAT(s.message(), HasSubstr("'model.layers.0.self_attn.q_proj.weight' is stored dense "
-                                     "(BF16): is the module missing from the exclusion list?"));
+  // The tensors win: q_proj loads dense, with a warning naming it.
+  EXPECT_TRUE(s.ok()) << s;
+  std::vector<DiskTensor> tensors = Quantized(c, QuantFormat::kMxfp4);
+  std::erase_if(tensors, [](const DiskTensor& d) {
+    return d.name.starts_with("model.layers.0.self_attn.q_proj.");
+  });
+  for (const DiskTensor& d : DenseTensors(c))
+    if (d.name == "model.layers.0.self_attn.q_proj.weight") tensors.push_back(d);
+  for (const Declaration& d : Declarations()) {
+    if (d.format != QuantFormat::kMxfp4) continue;
+    auto host = LoadHostModel(WriteDeclared(d, tensors));
+    ASSERT_TRUE(host.ok()) << host.status();
+    EXPECT_FALSE(FindWeight(**host, "model.layers.0.self_attn.q_proj.weight")->quantized());
+    EXPECT_TRUE(FindWeight(**host, "model.layers.0.self_attn.k_proj.weight")->quantized());
+    // (The declaration does not exclude the routers either: they are named too.)
+    EXPECT_THAT((*host)->warnings,
+                testing::Contains(AllOf(HasSubstr("'model.layers.0.self_attn.q_proj.weight'"),
+                                        HasSubstr("is stored dense; loaded dense"))));
+    EXPECT_THAT((*host)->warnings, testing::Not(testing::Contains(HasSubstr("self_attn.k_proj"))));
+  }
   // FP8: the codes tensor has the dense name, so the dtype check says it.
   s = LoadEdited(QuantFormat::kFp8Block128, [&c](std::vector<DiskTensor>& t) {
     for (DiskTensor& d : t)

@@ -7,13 +7,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
+#include "api/model_config.h"
 #include "engine/backends.h"
 #include "engine/fault_injection.h"
-#include "api/model_config.h"
 #include "engine/npy.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
@@ -186,18 +186,18 @@ TEST(QuantExecutor, HybridQuantizesLinearAttentionAndKeepsTheExclusionsDense) {
     for (const TensorSpec& spec : (*host)->specs)
       (spec.quant == QuantFormat::kNone ? dense : quantized)
           .insert(spec.quant == QuantFormat::kNone ? spec.name : spec.linear);
-    for (const char* name : {"model.layers.0.linear_attn.in_proj_qkv.weight",
-                             "model.layers.0.linear_attn.in_proj_z.weight",
-                             "model.layers.0.linear_attn.out_proj.weight",
-                             "model.layers.1.self_attn.q_proj.weight",
-                             "model.layers.1.mlp.shared_expert.down_proj.weight",
-                             "model.layers.0.mlp.experts.0.gate_proj.weight"})
+    for (const char* name :
+         {"model.layers.0.linear_attn.in_proj_qkv.weight",
+          "model.layers.0.linear_attn.in_proj_z.weight",
+          "model.layers.0.linear_attn.out_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+          "model.layers.1.mlp.shared_expert.down_proj.weight",
+          "model.layers.0.mlp.experts.0.gate_proj.weight"})
       EXPECT_TRUE(quantized.contains(name)) << format << ": " << name;
-    for (const char* name : {"model.layers.0.linear_attn.in_proj_a.weight",
-                             "model.layers.0.linear_attn.in_proj_b.weight",
-                             "model.layers.0.linear_attn.conv1d.weight",
-                             "model.layers.0.mlp.gate.weight",
-                             "model.layers.0.mlp.shared_expert_gate.weight", "lm_head.weight"}) {
+    for (const char* name :
+         {"model.layers.0.linear_attn.in_proj_a.weight",
+          "model.layers.0.linear_attn.in_proj_b.weight", "model.layers.0.linear_attn.conv1d.weight",
+          "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+          "lm_head.weight"}) {
       EXPECT_TRUE(dense.contains(name)) << format << ": " << name;
       EXPECT_FALSE(quantized.contains(name)) << format << ": " << name;
     }
@@ -208,8 +208,9 @@ TEST(QuantExecutor, HybridQuantizesLinearAttentionAndKeepsTheExclusionsDense) {
     const TrialResult ok = executor.Execute(QuantRequest(model, "matmul=blocked,threads=2"));
     EXPECT_EQ(ok.status, TrialStatus::kOk) << format << ": " << ok.reason;
     EXPECT_LE(ok.verdict.max_rel_error, 1e-4) << format;
-    const TrialResult bad = executor.Execute(QuantRequest(
-        model, "matmul=naive", "bad-quant-scale:0.0625@model.layers.0.linear_attn.out_proj.weight"));
+    const TrialResult bad = executor.Execute(
+        QuantRequest(model, "matmul=naive",
+                     "bad-quant-scale:0.0625@model.layers.0.linear_attn.out_proj.weight"));
     EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << ": " << bad.reason;
   }
 }
