@@ -529,9 +529,11 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
           spec.rule, " (", QuantFormatName(spec.quant), ")"));
     if (IsQuantizedDType(got))
       return absl::InvalidArgumentError(absl::StrCat(
-          what, ": dtype ", Sv(DTypeName(got)), " holds quantized codes, but this tensor is not "
-          "quantized here: ", quant_.Describe(),
-          "; only attention, MLP and expert linears are, unless excluded"));
+          what, ": dtype ", Sv(DTypeName(got)),
+          " holds quantized codes, but this tensor is not "
+          "quantized here: ",
+          quant_.Describe(),
+          "; only attention, MLP, expert and linear-attention projections are, unless excluded"));
     return absl::UnimplementedError(absl::StrCat(what, ": dtype ", Sv(DTypeName(got)),
                                                  " not supported yet (F32, F16 or BF16 only)"));
   };
