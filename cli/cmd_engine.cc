@@ -87,6 +87,8 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   Loaded loaded;
   auto host = LoadHostModel(*model_description, {args.layers, args.seed});
   if (!host.ok()) return host.status();
+  for (const std::string& warning : (*host)->warnings)
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
   loaded.host = std::move(*host);
   auto model = CreateModel(*loaded.host, *normalized);
   if (!model.ok()) return model.status();

@@ -88,6 +88,11 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
   if (device == "cuda") {
     auto options = ParseCudaOptions(config);
     if (!options.ok()) return options.status();
+    // A checkpoint may ship lm_head quantized against its declaration; the CUDA engine streams
+    // lm_head as bf16 only.
+    if (host.weights.lm_head.quantized())
+      return absl::UnimplementedError(
+          "device=cuda: lm_head is stored quantized, which only the CPU reference runs");
     return MakeCudaModel(host, *options, fault);
   }
 #endif

@@ -136,6 +136,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   say("loading " + request.model);
   if (auto s = EnsureModel(request); !s.ok())
     return finish(TrialStatus::kError, absl::StrCat("load: ", s.message()));
+  for (const std::string& warning : host_->warnings) say("warning: " + warning);
   result.load_seconds = host_->load_seconds;
   preflight = Preflight(*config, MakePreflightTarget(devices_, host_.get()));
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
