@@ -4,28 +4,34 @@
 
 namespace infersweep::cpu {
 
-void RmsNorm(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, float eps, float* out) {
+namespace {
+
+// y = x * rsqrt(mean(x^2) + eps) * g, where g is the gain (plain) or 1 + the gain (zero-centred).
+template <bool kZeroCentered>
+void RmsNormRows(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, float eps,
+                 float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float sum_sq = 0.f;
     for (int64_t i = 0; i < n; ++i) sum_sq += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
     float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * LoadAsFloat(gain.data, gain.dtype, i);
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = LoadAsFloat(gain.data, gain.dtype, i);
+      o[i] = xr[i] * inv * (kZeroCentered ? 1.f + g : g);
+    }
   }
+}
+
+}  // namespace
+
+void RmsNorm(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, float eps, float* out) {
+  RmsNormRows<false>(x, rows, n, gain, eps, out);
 }
 
 void RmsNormZeroCentered(const float* x, int64_t rows, int64_t n, const MatrixRef& gain, float eps,
                          float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float sum_sq = 0.f;
-    for (int64_t i = 0; i < n; ++i) sum_sq += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i)
-      o[i] = xr[i] * inv * (1.f + LoadAsFloat(gain.data, gain.dtype, i));
-  }
+  RmsNormRows<true>(x, rows, n, gain, eps, out);
 }
 
 void RmsNormGated(const float* x, const float* z, int64_t rows, int64_t n, const MatrixRef& gain,
