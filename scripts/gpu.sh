@@ -126,11 +126,11 @@ for stage in $STAGES; do
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
           --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
-          --json "$OUT/ab_decode_${b}_$round.json" 2>&1 | grep -E "^ device=|spread|INCORRECT|ERROR|UNSUPPORTED"
+          --json "$OUT/ab_decode_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off' \
           --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
-          --json "$OUT/ab_prefill_${b}_$round.json" 2>&1 | grep -E "^ device=|spread|INCORRECT|ERROR|UNSUPPORTED"
+          --json "$OUT/ab_prefill_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
       done
     done ;;
   quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format
