@@ -17,9 +17,9 @@ PATTERNS = [
     (re.compile(rf"\b(?:{ORDINALS}|next|previous|last|this|that|earlier|later) sessions?\b", re.I),
      "a session"),
     (re.compile(r"\bsessions? \d+\b", re.I), "a session number"),
-    # "3.071 -> 3.167 ms", "2.574 / 2.578 -> 2.559 / 2.556 ms", a line that starts "-> 2.531 ms":
-    # a figure and the figure it became. Napkin math ("14 MB -> 3.2 us") has other units on the
-    # left and is not matched, nor are bytes ("142 -> 71 MB").
+    # "A -> B ms", "A / A' -> B / B' ms", a line that starts "-> B ms" (A, B figures): a figure
+    # and the figure it became. Napkin math ("N MB -> T us") has other units on the left and is
+    # not matched, nor are bytes ("N -> M MB").
     (re.compile(rf"(?<![\w.]){FIGURE} ?(?:->|→) ?{FIGURE}(?![\d.])(?! ?[KMGT]?B\b)"),
      "a before->after figure"),
     (re.compile(rf"^// *(?:->|→) ?{FIGURE}"), "a before->after figure"),
