@@ -116,6 +116,16 @@ std::vector<BackendDescriptor> MakeRegistry() {
        "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
        "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
        {"qgemm=reference", "qgemm=fp8_cublaslt", "qgemm=native_fp4"}});
+  // linear_attn: how Gated DeltaNet layers (qwen3_next, qwen3_5) run; a value other than the
+  // reference on a model without them is UNSUPPORTED (CudaModelRefusal), as qgemm is on dense
+  // models.
+  r.push_back({"linear_attn", "reference", "cuda", 80, 0, true, {}, {}, kFp32,
+               "causal conv, then SiLU, then the gated delta rule a thread a state column, the "
+               "state in global memory, fp32: the GPU reference for linear attention"});
+  r.push_back({"linear_attn", "fused", "cuda", 80, 0, true, {}, {}, kFp32,
+               "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
+               "block held in registers through the step's tokens and written back once (decode "
+               "and prefill), fp32"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
@@ -235,7 +245,8 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 std::map<std::string, std::string> DefaultAxes(std::string_view device) {
   if (device == "cuda")  // the GPU reference: every axis at its most conservative value
     return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"},
-            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"}};
+            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"},
+            {"linear_attn", "reference"}};
   return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
 }
 

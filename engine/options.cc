@@ -33,6 +33,8 @@ constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
                                      {QGemm::kW8A16, "w8a16"},
                                      {QGemm::kFp8CublasLt, "fp8_cublaslt"},
                                      {QGemm::kNativeFp4, "native_fp4"}}};
+constexpr Names<LinearAttn, 2> kLinearAttn = {
+    {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
 constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
 
 template <typename E, size_t N>
@@ -78,6 +80,7 @@ const char* AxisValueName(KvCache v) { return NameOf(kKvCache, v); }
 const char* AxisValueName(Moe v) { return NameOf(kMoe, v); }
 const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
 const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
+const char* AxisValueName(LinearAttn v) { return NameOf(kLinearAttn, v); }
 const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
@@ -89,7 +92,8 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
                          ParseAxis(normalized, device, "kv_cache", kKvCache, &o.kv_cache),
                          ParseAxis(normalized, device, "moe", kMoe, &o.moe),
                          ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
-                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm)})
+                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm),
+                         ParseAxis(normalized, device, "linear_attn", kLinearAttn, &o.linear_attn)})
     if (!s.ok()) return s;
   return o;
 }

@@ -16,6 +16,7 @@ enum class KvCache { kFp32, kBf16 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
 enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4 };
+enum class LinearAttn { kReference, kFused };
 // ---- CPU axes.
 enum class Matmul { kNaive, kBlocked };
 
@@ -27,6 +28,7 @@ const char* AxisValueName(KvCache v);
 const char* AxisValueName(Moe v);
 const char* AxisValueName(Graphs v);
 const char* AxisValueName(QGemm v);
+const char* AxisValueName(LinearAttn v);
 const char* AxisValueName(Matmul v);
 
 // gemm=cublaslt, fused and tma hold a cuBLASLt handle: the bf16 GEMMs of every row count the
@@ -62,6 +64,8 @@ struct CudaOptions {
   Graphs graphs = Graphs::kOff;
   // How quantized linears run; dense models ignore it.
   QGemm qgemm = QGemm::kReference;
+  // How Gated DeltaNet layers run; models without them ignore it.
+  LinearAttn linear_attn = LinearAttn::kReference;
 };
 
 struct CpuOptions {

@@ -11,11 +11,14 @@ double FullAttentionWeights(const ModelConfig& c) {
   return h * c.q_dim() * (c.attn_output_gate ? 3 : 2) + h * c.kv_dim() * 2;
 }
 
-// A Gated DeltaNet layer's projections (qkv, z, b, a, out) and conv.
-double LinearAttentionWeights(const ModelConfig& c) {
-  const double h = c.hidden_size, conv = c.linear_conv_dim();
-  return h * (conv + 2.0 * c.linear_value_dim() + 2.0 * c.linear_num_value_heads) +
-         conv * c.linear_conv_kernel_dim;
+// A Gated DeltaNet layer's quantizable projections (in_proj_qkv, in_proj_z, out_proj).
+double LinearAttentionProjections(const ModelConfig& c) {
+  return static_cast<double>(c.hidden_size) * (c.linear_conv_dim() + 2.0 * c.linear_value_dim());
+}
+// Its always-dense weights: in_proj_b, in_proj_a and the conv.
+double LinearAttentionDenseWeights(const ModelConfig& c) {
+  return 2.0 * c.hidden_size * c.linear_num_value_heads +
+         static_cast<double>(c.linear_conv_dim()) * c.linear_conv_kernel_dim;
 }
 
 }  // namespace
@@ -30,7 +33,8 @@ DecodeTraffic DecodeBytesPerStep(const ModelConfig& c, int batch, int64_t contex
   int full_layers = 0;
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.AttentionKind(l) == LayerAttention::kLinear) {
-      dense_sum += LinearAttentionWeights(c);
+      linear_sum += LinearAttentionProjections(c);
+      dense_sum += LinearAttentionDenseWeights(c);
     } else {
       linear_sum += attention;
       ++full_layers;
@@ -72,7 +76,7 @@ double PrefillFlops(const ModelConfig& c, int batch, int64_t prompt_len) {
   int full_layers = 0;
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.AttentionKind(l) == LayerAttention::kLinear) {
-      weights_per_token += LinearAttentionWeights(c);
+      weights_per_token += LinearAttentionProjections(c) + LinearAttentionDenseWeights(c);
       rule_flops_per_token +=
           8.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
     } else {

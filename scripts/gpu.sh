@@ -233,6 +233,43 @@ for r in csv.reader(sys.stdin):
       --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" --batch "${PROFILE_BATCH:-1}" --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=off}" >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
     python3 scripts/ncu_table.py "$OUT/ncu.csv" ;;
+  hybrid_matrix)  # every registered config's verdict on qwen3-next-80b-a3b, 8 layers
+    $B run --model preset:qwen3-next-80b-a3b --layers 8 \
+      --config 'device=cuda,gemm=reference|cublaslt|fused|tma,attention=naive|flash,kv_cache=fp32|bf16,moe=loop|grouped|fused|wgmma,graphs=off|on|persistent,linear_attn=reference|fused' \
+      --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=600 \
+      --json "$OUT/hybrid_matrix.json" >"$OUT/hybrid_matrix.log" 2>&1
+    grep -E " OK | INCORRECT| ERROR| CRASHED| TIMEOUT" "$OUT/hybrid_matrix.log" | head -80
+    grep -cE " UNSUPPORTED" "$OUT/hybrid_matrix.log"
+    grep -E "configs|summary|verdicts" "$OUT/hybrid_matrix.log" | tail -5 ;;
+  hybrid_figures)  # qwen3-next-80b-a3b, 48 layers, quantized on the host: batch 1 and 64
+    # (prompt 512, 64 tokens), prefill 4096; the fastest registered config of each format
+    for f in ${HYBRID_FORMATS:-fp8_channel nvfp4}; do
+      q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
+      $B run --model preset:qwen3-next-80b-a3b --quantize "$f" \
+        --config "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,qgemm=$q,linear_attn=fused" \
+        --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+        --json "$OUT/hybrid_decode_$f.json" 2>&1 | tee "$OUT/hybrid_decode_$f.log" | grep -vE "timed by"
+      $B run --model preset:qwen3-next-80b-a3b --quantize "$f" \
+        --config "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=off,qgemm=$q,linear_attn=fused" \
+        --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+        --json "$OUT/hybrid_prefill_$f.json" 2>&1 | tee "$OUT/hybrid_prefill_$f.log" | grep -vE "timed by"
+    done ;;
+  hybrid_profile)  # per-kernel times of qwen3-next-80b-a3b batch-1 steps, 4 layers (3 linear, 1
+    # full), bf16, graphs off so ncu sees each kernel: every kernel but the weight generator's
+    ncu --clock-control none --cache-control none --target-processes all \
+      --kernel-name-base demangled --kernel-name "regex:^(?!.*Synthetic)" \
+      --launch-skip "${PROFILE_SKIP:-0}" --launch-count "${PROFILE_LAUNCHES:-200}" \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
+      $B generate --model preset:qwen3-next-80b-a3b --layers 4 --tokens 1,2,3,4,5,6,7,8 \
+      --max-new-tokens 3 --batch 1 --backend cuda \
+      --config "${PROFILE_CONFIG:-gemm=fused,attention=naive,moe=fused,graphs=off,linear_attn=fused}" >"$OUT/ncu_hybrid.csv" 2>"$OUT/ncu_hybrid.err"
+    python3 scripts/ncu_table.py "$OUT/ncu_hybrid.csv" ;;
+  hybrid_397b)  # qwen3.5-397b-a17b@nvfp4, 4 layers: every config judged, none CRASHED
+    $B run --model preset:qwen3.5-397b-a17b --layers 4 --quantize nvfp4 \
+      --config 'device=cuda,gemm=reference|fused,attention=naive,moe=loop|fused,graphs=off|on|persistent,qgemm=reference|dequant_bf16|w4a16,linear_attn=reference|fused' \
+      --workload prompt=128,output=8,batch=1,repeats=1,warmup=0,timeout=600 \
+      --json "$OUT/hybrid_397b.json" >"$OUT/hybrid_397b.log" 2>&1
+    grep -E " OK | INCORRECT| ERROR| CRASHED| TIMEOUT| UNSUPPORTED" "$OUT/hybrid_397b.log" | head -60 ;;
   provenance)  # what ran: the fast config at batch 1 (a graph replay) and 64 (cuBLASLt rows),
     # and graphs=off; each result's kernel log printed and kept in its JSON
     $B run --model preset:qwen3-30b-a3b --show-kernels \

@@ -56,6 +56,25 @@ std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
   return logits;
 }
 
+// The logits of every prompt position, the prompt fed one token a step (decode steps: a hybrid's
+// linear layers then take the recurrent form of the delta rule, as the GPU's kernels do in
+// prefill too).
+std::vector<float> StepwiseLogits(HostModel& host, const BackendConfig& config,
+                                  const std::vector<int32_t>& prompt) {
+  auto normalized = NormalizeBackendConfig(config);
+  EXPECT_TRUE(normalized.ok()) << normalized.status();
+  auto model = CreateModel(host, *normalized);
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<float> all, step;
+  if (!model.ok()) return all;
+  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
+  for (const int32_t token : prompt) {
+    EXPECT_TRUE((*model)->Forward({&token, 1}, 1, LogitsMode::kLast, &step).ok());
+    all.insert(all.end(), step.begin(), step.end());
+  }
+  return all;
+}
+
 // What a trial of the normalized `config` on `model` (loaded as `host`) must come to on
 // `devices`: the reason it is UNSUPPORTED (preflight's, as the executor judges it, on the
 // declared weight format and then on the loaded one, else the CUDA model's refusal of the
@@ -108,13 +127,6 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
     ASSERT_TRUE(ref.ok());
     auto host = LoadHostModel(dir);
     ASSERT_TRUE(host.ok()) << host.status();
-    if ((*host)->config.has_linear_attention()) {  // hybrids: the CPU reference only
-      auto refused = CreateModel(**host, *NormalizeBackendConfig({{"device", "cuda"}}));
-      EXPECT_TRUE(absl::IsUnimplemented(refused.status())) << dir << ": " << refused.status();
-      std::printf("# %s: hybrid, refused by the GPU reference: %s\n",
-                  entry.path().filename().c_str(), std::string(refused.status().message()).c_str());
-      continue;
-    }
     const auto cpu = AllLogits(**host, {{"device", "cpu"}}, prompt);
     const auto gpu = AllLogits(**host, {{"device", "cuda"}}, prompt);
     const double vs_cpu = RelMaxError(gpu, cpu), vs_hf = RelMaxError(gpu, ref->data);
@@ -122,6 +134,22 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
                 entry.path().filename().c_str(), vs_cpu, vs_hf);
     EXPECT_LE(vs_cpu, 1e-4) << dir;
     EXPECT_LE(vs_hf, 1e-4) << dir;
+    if ((*host)->config.has_linear_attention()) {
+      // Hybrids: the CPU prefill runs the chunked delta rule, the GPU's kernels the recurrent
+      // one; against the CPU fed a token a step (the recurrent rule) both GPU values of
+      // linear_attn are within 1e-5.
+      const auto cpu_recurrent = StepwiseLogits(**host, {{"device", "cpu"}}, prompt);
+      const auto fused = AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused"}}, prompt);
+      const double ref_vs_recurrent = RelMaxError(gpu, cpu_recurrent),
+                   fused_vs_recurrent = RelMaxError(fused, cpu_recurrent),
+                   cpu_chunked_vs_recurrent = RelMaxError(cpu, cpu_recurrent);
+      std::printf("# %s: vs the CPU fed a token a step: GPU reference %.3g, linear_attn=fused "
+                  "%.3g (the CPU's chunked prefill vs its recurrent steps: %.3g)\n",
+                  entry.path().filename().c_str(), ref_vs_recurrent, fused_vs_recurrent,
+                  cpu_chunked_vs_recurrent);
+      EXPECT_LE(ref_vs_recurrent, 1e-5) << dir;
+      EXPECT_LE(fused_vs_recurrent, 1e-5) << dir;
+    }
   }
 }
 
@@ -142,7 +170,8 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);
-  for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe"}) {
+  for (const char* preset :
+       {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe", "preset:tiny-hybrid"}) {
     auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
     ASSERT_TRUE(host.ok()) << host.status();
     int ok = 0;
@@ -165,7 +194,9 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
     for (const std::string& text : must_run) {
       // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
       // tma, wgmma and persistent are sm_90a machine code.
-      if (std::string(preset) == "preset:tiny-qwen2-moe" &&
+      // tiny-hybrid's Gated DeltaNet layers likewise.
+      if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
+           std::string(preset) == "preset:tiny-hybrid") &&
           text.find("persistent") != std::string::npos)
         continue;
       if (devices.sm != 90 && (text.find("tma") != std::string::npos ||
@@ -558,16 +589,28 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
             r.reason);
 }
 
-// Hybrid models (Gated DeltaNet layers) run on the CPU reference only: a CUDA config, and the GPU
-// reference itself, are UNSUPPORTED with the reason CudaModelRefusal gives.
-TEST(Gpu, HybridModelsAreUnsupportedWithTheReason) {
+// Hybrid models (Gated DeltaNet layers): graphs=persistent is UNSUPPORTED with the reason, and the
+// bad-state fault (the first linear-attention layer's recurrent state scaled) is INCORRECT under
+// both linear_attn values, eager and under graphs; the same configs without it are OK.
+TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
   REQUIRE_GPU();
   TrialExecutor executor;
-  for (const char* config : {"device=cuda", "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,"
-                                            "moe=fused,graphs=on"}) {
-    const TrialResult r = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
-    EXPECT_EQ(r.status, TrialStatus::kUnsupported) << config << ": " << r.reason;
-    EXPECT_THAT(r.reason, testing::HasSubstr("Gated DeltaNet linear attention")) << config;
+  const TrialResult persistent = executor.Execute(GpuRequest(
+      "preset:tiny-hybrid",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"));
+  EXPECT_EQ(persistent.status, TrialStatus::kUnsupported) << persistent.reason;
+  EXPECT_THAT(persistent.reason, testing::HasSubstr("Gated DeltaNet linear attention"));
+  for (const char* config :
+       {"device=cuda,linear_attn=fused",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn=fused",
+        "device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on,linear_attn=reference"}) {
+    const TrialResult ok = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
+    EXPECT_EQ(ok.status, TrialStatus::kOk) << config << ": " << ok.reason;
+    const TrialResult bad = executor.Execute(GpuRequest("preset:tiny-hybrid", config, "bad-state:0"));
+    EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << config << ": " << bad.reason;
+    std::printf("# tiny-hybrid %s: bad-state:0 %s (top1 %.3f, max_rel %.2g)\n", config,
+                std::string(TrialStatusName(bad.status)).c_str(), bad.verdict.top1_agreement,
+                bad.verdict.max_rel_error);
   }
 }
 

@@ -655,6 +655,15 @@ TEST(Roofline, Hybrid) {
   EXPECT_DOUBLE_EQ(t.kv_bytes, 2.0 * 64 * 100 * 3 * 4);                     // the full layer only
   EXPECT_DOUBLE_EQ(t.state_bytes, (4.0 * 32 * 32 + 3 * conv_dim) * 3 * 4);  // fp32 state
   EXPECT_DOUBLE_EQ(t.total(), t.weight_bytes + t.kv_bytes + t.state_bytes);
+
+  // Quantized: in_proj_qkv, in_proj_z and out_proj count at the quantized width, as the full
+  // layer's projections and the experts do; in_proj_b/a, the conv and the router stay bf16.
+  const DecodeTraffic dense = DecodeBytesPerStep(*c, 1, 100, 2, 4);
+  const DecodeTraffic quantized = DecodeBytesPerStep(*c, 1, 100, 2, 4, 0.5);
+  const double projections = 128.0 * (conv_dim + 2 * 128);
+  const double experts = 2 * (2 * 3.0 * 128 * 64 + 3.0 * 128 * 64);  // top-2 + shared, 2 layers
+  EXPECT_DOUBLE_EQ(dense.weight_bytes - quantized.weight_bytes,
+                   1.5 * (projections + gated + experts));
 }
 
 // The prefill roofline appears only with a known tensor rate, and is the prompt tokens at that

@@ -39,6 +39,7 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
       if (d.axis == "moe") name = AxisValueName(o->moe);
       if (d.axis == "graphs") name = AxisValueName(o->graphs);
       if (d.axis == "qgemm") name = AxisValueName(o->qgemm);
+      if (d.axis == "linear_attn") name = AxisValueName(o->linear_attn);
       EXPECT_EQ(name, d.value) << "axis " << d.axis << " has no typed option";
     } else {
       auto o = ParseCpuOptions(config);
@@ -64,6 +65,7 @@ TEST(Options, DefaultsAreTheReferenceValues) {
   EXPECT_EQ(cuda->moe, Moe::kLoop);
   EXPECT_EQ(cuda->graphs, Graphs::kOff);
   EXPECT_EQ(cuda->qgemm, QGemm::kReference);
+  EXPECT_EQ(cuda->linear_attn, LinearAttn::kReference);
   // An absent axis is its default too.
   auto bare = ParseCudaOptions({{"device", "cuda"}, {"gemm", "tma"}});
   ASSERT_TRUE(bare.ok()) << bare.status();

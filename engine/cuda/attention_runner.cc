@@ -1,6 +1,7 @@
 #include "engine/cuda/attention_runner.h"
 
 #include "engine/cuda/device_util.h"
+#include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep {
@@ -11,7 +12,12 @@ AttentionRunner::AttentionRunner(const RunnerContext& context, LinearRunner& lin
       options_(context.options),
       fault_(context.fault),
       stream_(context.stream),
-      linear_(linear) {}
+      linear_(linear) {
+  int slots = 0;
+  for (int l = 0; l < config_.num_layers; ++l)
+    cache_index_.push_back(config_.AttentionKind(l) == LayerAttention::kFull ? slots++ : -1);
+  cache_layers_ = slots;
+}
 
 AttentionRunner::~AttentionRunner() {
   FreeScratch();
@@ -27,13 +33,14 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   if (rope_) cudaFree(rope_);
   rope_ = nullptr;
   batch_ = capacity_ = 0;
-  auto rope = DeviceAlloc<float2>(static_cast<size_t>(max_tokens) * (config_.head_dim / 2));
+  // Partial RoPE rotates the first rotary_dim dims as a head of that size: its table.
+  const int rotary_dim = config_.rotary_dim();
+  auto rope = DeviceAlloc<float2>(static_cast<size_t>(max_tokens) * (rotary_dim / 2));
   if (!rope.ok()) return rope.status();
   rope_ = *rope;
-  cuda::BuildRopeTable(max_tokens, config_.head_dim, config_.rope_theta, rope_, stream_);
+  cuda::BuildRopeTable(max_tokens, rotary_dim, config_.rope_theta, rope_, stream_);
   CHECK_LAUNCH();
-  const size_t elems =
-      static_cast<size_t>(config_.num_layers) * batch * max_tokens * config_.kv_dim();
+  const size_t elems = static_cast<size_t>(cache_layers_) * batch * max_tokens * config_.kv_dim();
   auto k = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
   if (!k.ok()) return k.status();
   k_cache_ = *k;
@@ -52,9 +59,14 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
           ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
                                                          config_.num_kv_heads, config_.head_dim))
           : r * config_.num_q_heads * static_cast<size_t>(capacity);
+  // Gated attention: q_proj's output is [q_h | gate_h] per head, twice q_dim.
+  const size_t q_rows = config_.attn_output_gate ? 2 * q_dim : q_dim;
+  const size_t gated = config_.attn_output_gate ? r * q_dim : 0;
   for (auto [ptr, count] : {std::pair{&q_, r * q_dim}, std::pair{&k_, r * kv_dim},
-                            std::pair{&qkv_, r * (q_dim + 2 * kv_dim)}, std::pair{&v_, r * kv_dim},
-                            std::pair{&attn_, r * q_dim}, std::pair{&scores_, scores}}) {
+                            std::pair{&qkv_, r * (q_rows + 2 * kv_dim)}, std::pair{&v_, r * kv_dim},
+                            std::pair{&attn_, r * q_dim}, std::pair{&scores_, scores},
+                            std::pair{&q_gated_, 2 * gated}, std::pair{&gate_, gated}}) {
+    if (count == 0) continue;
     auto p = DeviceAlloc<float>(count);
     if (!p.ok()) return p.status();
     *ptr = *p;
@@ -63,9 +75,9 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
 }
 
 void AttentionRunner::FreeScratch() {
-  for (float* p : {q_, k_, v_, qkv_, attn_, scores_})
+  for (float* p : {q_, k_, v_, qkv_, attn_, scores_, q_gated_, gate_})
     if (p) cudaFree(p);
-  q_ = k_ = v_ = qkv_ = attn_ = scores_ = nullptr;
+  q_ = k_ = v_ = qkv_ = attn_ = scores_ = q_gated_ = gate_ = nullptr;
 }
 
 absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
@@ -75,33 +87,47 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
   const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
   float* const xn = linear_.xn();
   const LayerWeights& lw = w_.layers[l];
-  cuda::QkvRows projected{q_, q_dim, k_, v_, kv_dim};
+  const bool gated = config_.attn_output_gate;
+  float* const q_raw = gated ? q_gated_ : q_;  // q_proj's output
+  cuda::QkvRows projected{q_raw, static_cast<int>(lw.q.rows), k_, v_, kv_dim};
   if (gemv) {  // input RMSNorm, q, k, v (+ biases): one launch
     LinearRunner::FusedGemv a = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
-    LinearRunner::AddSegment(a, lw.q, lw.q_bias, q_);
+    LinearRunner::AddSegment(a, lw.q, lw.q_bias, q_raw);
     LinearRunner::AddSegment(a, lw.k, lw.k_bias, k_);
     LinearRunner::AddSegment(a, lw.v, lw.v_bias, v_);
     if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
   } else {
     const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
     if (linear_.QkvContiguous(lw)) {  // one GEMM into [rows, q | k | v]
-      const int width = q_dim + 2 * kv_dim;
+      const int q_rows = static_cast<int>(lw.q.rows), width = q_rows + 2 * kv_dim;
       const MatrixRef qkv{lw.q.data, DType::kBF16, width, lw.q.cols};
       if (auto s = linear_.cublaslt()->Run(xb, rows, qkv, qkv_, stream_); !s.ok()) return s;
-      projected = {qkv_, width, qkv_ + q_dim, qkv_ + q_dim + kv_dim, width};
+      projected = {qkv_, width, qkv_ + q_rows, qkv_ + q_rows + kv_dim, width};
     } else {
-      if (auto s = linear_.Gemm(xn, xb, rows, lw.q, lw.q_bias, q_); !s.ok()) return s;
+      if (auto s = linear_.Gemm(xn, xb, rows, lw.q, lw.q_bias, q_raw); !s.ok()) return s;
       if (auto s = linear_.Gemm(xn, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
       if (auto s = linear_.Gemm(xn, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
     }
   }
-  const size_t layer_offset = l * layer_kv * kv_cache_bytes_per_element();
+  if (gated) {  // [q_h | gate_h] per head -> q_ and gate_
+    cuda::SplitGatedQuery(projected.q, projected.q_stride, rows, config_.num_q_heads,
+                          config_.head_dim, q_, gate_, stream_);
+    projected.q = q_;
+    projected.q_stride = q_dim;
+  }
+  const size_t layer_offset = cache_index_[l] * layer_kv * kv_cache_bytes_per_element();
   const cuda::KvCache cache{k_cache_ + layer_offset, v_cache_ + layer_offset,
                             options_.kv_cache == KvCache::kBf16, capacity_};
-  cuda::QkNormRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                         config_.head_dim, config_.qk_norm ? lw.q_norm : MatrixRef{},
-                         config_.qk_norm ? lw.k_norm : MatrixRef{}, eps, rope_, d_position, cache,
-                         stream_);
+  const MatrixRef q_norm = config_.qk_norm ? lw.q_norm : MatrixRef{};
+  const MatrixRef k_norm = config_.qk_norm ? lw.k_norm : MatrixRef{};
+  if (config_.rotary_dim() != config_.head_dim)
+    cuda::QkNormPartialRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                                  config_.head_dim, config_.rotary_dim(), q_norm, k_norm, eps,
+                                  rope_, d_position, cache, stream_);
+  else
+    cuda::QkNormRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                           config_.head_dim, q_norm, k_norm, eps, rope_, d_position, cache,
+                           stream_);
   if (options_.attention == Attention::kFlash) {
     cuda::AttentionFlash(
         q_, cache, rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim, d_position,
@@ -111,6 +137,7 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
                          rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim,
                          d_position, capacity_, scores_, attn_, stream_);
   }
+  if (gated) cuda::SigmoidGate(attn_, gate_, static_cast<int64_t>(rows) * q_dim, stream_);
   CHECK_LAUNCH();
   const bool bad_scale = fault_.kind == FaultInjection::Kind::kBadScale && l == 0;
   const float o_scale = bad_scale ? static_cast<float>(fault_.value) : 1.f;

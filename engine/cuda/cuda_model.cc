@@ -11,6 +11,7 @@
 #include "core/launch_log.h"
 #include "engine/cuda/attention_runner.h"
 #include "engine/cuda/device_util.h"
+#include "engine/cuda/linear_attention_runner.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/moe_runner.h"
 #include "engine/cuda/persistent_decode.h"
@@ -49,6 +50,7 @@ class CudaModel final : public Model {
         context_{config_, w_, options_, fault_, stream_},
         linear_(context_, std::move(gemm), view_.get()),
         attention_(context_, linear_),
+        linear_attention_(context_, linear_),
         moe_(context_, linear_, dw_.get(), view_.get(), std::move(grouped)),
         persistent_(context_) {
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
@@ -86,7 +88,9 @@ class CudaModel final : public Model {
       graphs_.clear();
       graph_launches_.clear();
       if (auto s = attention_.AllocateCache(batch, max_tokens); !s.ok()) return s;
+      if (auto s = linear_attention_.AllocateState(batch); !s.ok()) return s;
     }
+    linear_attention_.ResetState();
     if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
     batch_ = batch;
     capacity_ = max_tokens;
@@ -199,9 +203,10 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
     linear_.set_prefill(n > 1);
-    const bool gemv = UsesFusedGemv(options_.gemm) &&
-                      cuda::GemvSupports(rows, std::max(hidden, q_dim)) &&
-                      cuda::GemvSupports(rows, linear_.MaxIntermediate());
+    const bool gemv =
+        UsesFusedGemv(options_.gemm) &&
+        cuda::GemvSupports(rows, std::max({hidden, q_dim, config_.linear_value_dim()})) &&
+        cuda::GemvSupports(rows, linear_.MaxIntermediate());
     if (LaunchRecording()) {  // the launch log's fallbacks (core/launch_log.h)
       if (UsesFusedGemv(options_.gemm) && !gemv && !persistent)
         RecordFallback(absl::StrCat(
@@ -218,7 +223,11 @@ class CudaModel final : public Model {
                          attention_.rope(), d_position_, attention_.qkv(), attention_.attn(),
                          moe_.router());
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
-      if (auto s = attention_.Run(l, rows, n, gemv, x_, d_position_); !s.ok()) return s;
+      if (config_.AttentionKind(l) == LayerAttention::kLinear) {
+        if (auto s = linear_attention_.Run(l, rows, n, gemv, x_); !s.ok()) return s;
+      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, d_position_); !s.ok()) {
+        return s;
+      }
       // The MLP or MoE block adds its output into x_ (the residual stream).
       if (config_.IsMoeLayer(l)) {
         if (auto s = moe_.Run(l, rows, n, gemv, x_); !s.ok()) return s;
@@ -292,6 +301,7 @@ class CudaModel final : public Model {
     logits_ = *logits;
     if (auto s = linear_.AllocateScratch(rows); !s.ok()) return s;
     if (auto s = attention_.AllocateScratch(rows, capacity_); !s.ok()) return s;
+    if (auto s = linear_attention_.AllocateScratch(rows); !s.ok()) return s;
     if (auto s = moe_.AllocateScratch(rows); !s.ok()) return s;
     auto tokens = DeviceAlloc<int32_t>(r);
     auto last = DeviceAlloc<int>(r);
@@ -334,6 +344,7 @@ class CudaModel final : public Model {
   void FreeScratch() {
     linear_.FreeScratch();
     attention_.FreeScratch();
+    linear_attention_.FreeScratch();
     moe_.FreeScratch();
     for (float* p : {x_, logits_})
       if (p) cudaFree(p);
@@ -367,6 +378,7 @@ class CudaModel final : public Model {
   const RunnerContext context_;
   LinearRunner linear_;
   AttentionRunner attention_;
+  LinearAttentionRunner linear_attention_;
   MoeRunner moe_;
   PersistentDecoder persistent_;  // graphs=persistent: ready() once prepared
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,

@@ -26,7 +26,8 @@ LinearRunner::~LinearRunner() {
 absl::Status LinearRunner::AllocateScratch(int rows) {
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
   const size_t inter = MaxIntermediate();
-  const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter});
+  const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter,
+                                  static_cast<size_t>(config_.linear_value_dim())});
   for (auto [ptr, count] :
        {std::pair{&xn_, r * hidden}, std::pair{&o_, r * hidden}, std::pair{&y_, r * hidden},
         std::pair{&gate_, r * inter}, std::pair{&up_, r * inter}}) {
@@ -297,6 +298,20 @@ absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv,
   cuda::AddScaled(x, y_, 1.f, elems, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
+}
+
+absl::Status LinearRunner::MlpGemv(const ExpertWeights& e, const float* in, int rows,
+                                   const MatrixRef& extra, float* extra_out, float* y) {
+  const int hidden = static_cast<int>(e.gate.cols), inter = static_cast<int>(e.gate.rows);
+  FusedGemv a = GemvInput(in, rows, hidden, {});
+  AddSegment(a, e.gate, {}, gate_);
+  AddSegment(a, e.up, {}, up_);
+  if (!extra.empty()) AddSegment(a, extra, {}, extra_out);
+  if (auto s = RunGemv(a); !s.ok()) return s;
+  cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
+  FusedGemv d = GemvInput(gate_, rows, inter, {});
+  AddSegment(d, e.down, {}, y);
+  return RunGemv(d);
 }
 
 absl::Status LinearRunner::Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16,

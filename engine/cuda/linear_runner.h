@@ -68,6 +68,11 @@ class LinearRunner {
 
   // x += MLP(RMSNorm(x)) for a dense (non-MoE) layer.
   absl::Status DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x);
+  // Mlp through the fused GEMV (decode rows, GemvSupports): gate and up in one launch, with
+  // `extra` (a [n, k] weight, e.g. the shared expert's gate) as a third segment into extra_out
+  // when given; down in a second. `in` is the normalised input.
+  absl::Status MlpGemv(const ExpertWeights& e, const float* in, int rows, const MatrixRef& extra,
+                       float* extra_out, float* y);
   // y = down(silu(gate(x)) * up(x)) over `rows` rows of x.
   absl::Status Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16, int rows,
                    float* y);

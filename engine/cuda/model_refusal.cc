@@ -5,21 +5,28 @@
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/cuda_model.h"
 #include "engine/cuda/persistent_decode.h"
+#include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep {
 
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
-  // Hybrids (qwen3_next, qwen3_5) run on the CPU reference only.
-  for (int l = 0; l < c.num_layers; ++l)
-    if (c.AttentionKind(l) == LayerAttention::kLinear)
-      return absl::StrCat("device=cuda: layer ", l,
-                          " is Gated DeltaNet linear attention, which the CUDA engine does not "
-                          "run (the CPU reference does)");
-  if (c.attn_output_gate || c.zero_centered_norm || c.rotary_dim() != c.head_dim)
-    return "device=cuda: gated attention, zero-centred norms and partial rotary (qwen3_next, "
-           "qwen3_5) are the CPU reference's only";
+  if (options.linear_attn != LinearAttn::kReference) {
+    if (!c.has_linear_attention())
+      return absl::StrCat("linear_attn=", AxisValueName(options.linear_attn),
+                          ": the model has no linear-attention layers (linear_attn=reference "
+                          "stands for every value)");
+    if (options.linear_attn == LinearAttn::kFused &&
+        !cuda::GatedDeltaFusedSupports(c.linear_key_head_dim))
+      return absl::StrCat(
+          "linear_attn=fused holds a state column in 8 lanes' registers: key "
+          "head dim ",
+          c.linear_key_head_dim, " must be a multiple of 8 and <= 256");
+  }
+  if (c.has_linear_attention() && c.linear_conv_kernel_dim > 8)
+    return absl::StrCat("device=cuda: the causal conv takes <= 8 taps, not ",
+                        c.linear_conv_kernel_dim);
   if (options.attention == Attention::kFlash &&
       !cuda::FlashSupports(c.num_q_heads, c.num_kv_heads, c.head_dim))
     return "attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv "

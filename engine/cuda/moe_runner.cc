@@ -236,7 +236,17 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
     // The routing's host vectors must outlive the async copies from them.
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
   }
-  if (!lw.shared_expert.gate.empty()) {
+  const bool shared_gemv =
+      gemv && cuda::GemvSupports(rows, static_cast<int>(lw.shared_expert.down.cols));
+  if (shared_gemv && !lw.shared_expert.gate.empty()) {
+    // gate, up and the shared gate in one GEMV over the normalised input; down into o.
+    if (auto s = linear_.MlpGemv(lw.shared_expert, linear_.xn(), rows, lw.shared_expert_gate,
+                                 router_, linear_.o());
+        !s.ok())
+      return s;
+    cuda::AddSigmoidGated(x, linear_.o(), router_, rows, hidden, stream_);
+    CHECK_LAUNCH();
+  } else if (!lw.shared_expert.gate.empty()) {
     const uint16_t* sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
     if (auto s = linear_.Mlp(lw.shared_expert, linear_.xn(), sb, rows, linear_.o()); !s.ok())
       return s;
@@ -283,7 +293,8 @@ void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool group
   if (options_.moe == Moe::kWgmma && !grouped_mma && n == 1)
     RecordFallback(
         absl::StrCat("moe=wgmma: ", chunk, ": the per-pair expert GEMVs (moe=fused's), not wgmma"));
-  if (gemv && !w_.layers[l].shared_expert.gate.empty())
+  const ExpertWeights& shared = w_.layers[l].shared_expert;
+  if (gemv && !shared.gate.empty() && !cuda::GemvSupports(rows, static_cast<int>(shared.down.cols)))
     RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(),
                                 ": the shared expert and its gate unfused (cuBLASLt for bf16 "
                                 "weights), not the fused GEMV"));

@@ -39,6 +39,10 @@ std::string PersistentDecodeRefusal(const ModelConfig& c, QuantFormat format) {
   const int row_align = format == QuantFormat::kNone ? 8 : format == QuantFormat::kNvfp4 ? 32 : 16;
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string where = absl::StrCat(prefix, "layer ", l, ": ");
+    if (c.AttentionKind(l) == LayerAttention::kLinear)
+      return where + "Gated DeltaNet linear attention, which the persistent kernel does not stream";
+    if (c.attn_output_gate) return where + "gated attention (a sigmoid gate on its output)";
+    if (c.rotary_dim() != c.head_dim) return where + "partial RoPE";
     if (c.attention_bias) return where + "attention biases";
     const bool moe = c.IsMoeLayer(l);
     if (moe && c.shared_expert_intermediate_size > 0) return where + "a shared expert";

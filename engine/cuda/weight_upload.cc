@@ -165,6 +165,21 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
       CUDA_OR_DIE(cudaMemcpy(buffer, t.data, bytes, cudaMemcpyHostToDevice));
     }
   }
+  // Zero-centred norms (qwen3_next, qwen3_5) scale by (1 + w): their gains go up as that sum in
+  // fp32, the same value the CPU reference forms, and every norm kernel applies them as plain
+  // gains.
+  for (size_t i = 0; i < host.specs.size(); ++i) {
+    if (host.specs[i].kind != WeightKind::kCenteredNorm) continue;
+    HostTensor& t = dw->tensors[i];
+    const int64_t n = host.specs[i].numel();
+    auto gain = DeviceAlloc<float>(n);
+    if (!gain.ok()) return gain.status();
+    dw->buffers.push_back(*gain);
+    cuda::UpcastToF32(MatrixRef{t.data, t.dtype, 1, n}, *gain, nullptr, 1.f);
+    CHECK_LAUNCH();
+    t.data = *gain;
+    t.dtype = DType::kF32;
+  }
   auto bound = BindWeights(host.config, host.specs, dw->tensors);
   if (!bound.ok()) return bound.status();
   dw->weights = std::move(*bound);

@@ -108,6 +108,58 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   }
 }
 
+// Partial RoPE (qwen3_next, qwen3_5): the same norm as QkNormRopeAppendKernel over the whole head,
+// then pairs (i, i + rotary_dim / 2) of the first rotary_dim dims rotated, the rest passed
+// through. A warp a head vector, staged in shared memory ([kRopeWarps][head_dim]) because a
+// lane's pair partner is not its own element.
+template <typename CacheT>
+__global__ void __launch_bounds__(kRopeWarps * 32)
+    QkNormPartialRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
+                                  int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
+                                  int head_dim, int rotary_dim, const void* q_norm,
+                                  const void* k_norm, DType norm_dtype, float eps,
+                                  const float2* rope, const int* position, int capacity,
+                                  CacheT* k_cache, CacheT* v_cache) {
+  extern __shared__ float staged[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + warp;
+  if (head >= q_heads + kv_heads) return;  // a whole warp; the kernel has no block barriers
+  const int batch = row / n, pos = *position + row % n;
+  const bool is_q = head < q_heads;
+  const void* gain = is_q ? q_norm : k_norm;
+  const int kv_head = head - q_heads;
+  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * head_dim
+                          : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
+  float* normed = staged + warp * head_dim;
+  float sum_sq = 0.f;
+  for (int i = lane; i < head_dim; i += 32) {
+    normed[i] = vec[i];
+    sum_sq += normed[i] * normed[i];
+  }
+  const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
+  for (int i = lane; i < head_dim; i += 32)
+    normed[i] = normed[i] * inv * (gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f);
+  __syncwarp();
+  const int half = rotary_dim / 2;
+  const int kv_dim = kv_heads * head_dim;
+  const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
+  const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
+  for (int i = lane; i < head_dim; i += 32) {
+    float out = normed[i];
+    if (i < rotary_dim) {
+      const float2 c = rope[static_cast<int64_t>(pos) * half + i % half];
+      out = i < half ? normed[i] * c.x - normed[i + half] * c.y
+                     : normed[i] * c.x + normed[i - half] * c.y;
+    }
+    if (is_q) {
+      q_out[(static_cast<int64_t>(row) * q_heads + head) * head_dim + i] = out;
+    } else {
+      StoreKv(k_cache + slot + i, out);
+      StoreKv(v_cache + slot + i, vh[i]);
+    }
+  }
+}
+
 // grid (rows, q_heads), 128 threads. Scores are written to global memory (materialised).
 __global__ void AttentionNaiveKernel(const float* q, const float* k_cache, const float* v_cache,
                                      int n, int q_heads, int kv_heads, int head_dim,
@@ -171,6 +223,25 @@ void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_he
            in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
            q_norm.dtype, eps, rope, position, cache.capacity, static_cast<float*>(cache.k),
            static_cast<float*>(cache.v));
+}
+
+void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads,
+                             int kv_heads, int head_dim, int rotary_dim, const MatrixRef& q_norm,
+                             const MatrixRef& k_norm, float eps, const float2* rope,
+                             const int* position, const KvCache& cache, cudaStream_t stream) {
+  const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
+  const size_t smem = sizeof(float) * kRopeWarps * head_dim;
+  if (cache.bf16)
+    LaunchPlain(QkNormPartialRopeAppendKernel<__nv_bfloat16>, grid, block, smem, stream, in.q,
+                in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
+                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
+                cache.capacity, static_cast<__nv_bfloat16*>(cache.k),
+                static_cast<__nv_bfloat16*>(cache.v));
+  else
+    LaunchPlain(QkNormPartialRopeAppendKernel<float>, grid, block, smem, stream, in.q,
+                in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
+                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
+                cache.capacity, static_cast<float*>(cache.k), static_cast<float*>(cache.v));
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

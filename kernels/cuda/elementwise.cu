@@ -23,10 +23,10 @@ __global__ void RmsNormKernel(const float* x, int n, const void* gain, DType gai
   }
 }
 
-__global__ void UpcastKernel(const void* src, DType dtype, int64_t n, float* out) {
+__global__ void UpcastKernel(const void* src, DType dtype, int64_t n, float offset, float* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = LoadAsFloat(src, dtype, i);
+    out[i] = offset + LoadAsFloat(src, dtype, i);
 }
 
 __global__ void AddScaledKernel(float* x, const float* y, float scale, int64_t n) {
@@ -76,9 +76,9 @@ void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, 
               eps, out, reinterpret_cast<__nv_bfloat16*>(out_bf16));
 }
 
-void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream) {
+void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream, float offset) {
   const int64_t n = m.rows * m.cols;
-  LaunchPlain(UpcastKernel, GridFor(n), 256, 0, stream, m.data, m.dtype, n, out);
+  LaunchPlain(UpcastKernel, GridFor(n), 256, 0, stream, m.data, m.dtype, n, offset, out);
 }
 
 void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream) {

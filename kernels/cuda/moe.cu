@@ -217,6 +217,9 @@ void RouterTopK(const float* logits, int rows, int num_experts, int k, bool reno
   else if (num_experts <= 256)
     Launch(RouterTopKKernel<8>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
                                                     expert_ids, expert_weights);
+  else if (num_experts <= 512)  // qwen3-next, qwen3.5: half the per-lane rounds of <32>
+    Launch(RouterTopKKernel<16>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
+                                                     expert_ids, expert_weights);
   else
     Launch(RouterTopKKernel<32>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
                                                      expert_ids, expert_weights);

@@ -29,8 +29,8 @@ void GenerateSyntheticBf16(uint64_t stream_key, float scale, float offset, int64
 // also written rounded to bf16 (the cuBLASLt GEMMs' input).
 void RmsNorm(const float* x, int rows, int n, const MatrixRef& gain, float eps, float* out,
              cudaStream_t stream, uint16_t* out_bf16 = nullptr);
-// out[i] = m[i] as fp32, for every element of m (bf16, f16 or f32).
-void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream);
+// out[i] = offset + m[i] as fp32, for every element of m (bf16, f16 or f32).
+void UpcastToF32(const MatrixRef& m, float* out, cudaStream_t stream, float offset = 0.f);
 // x += scale * y (n elements).
 void AddScaled(float* x, const float* y, float scale, int64_t n, cudaStream_t stream);
 // y[r, n] += bias[n].
@@ -71,6 +71,13 @@ void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_he
                       int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
                       const float2* rope, const int* position, const KvCache& cache,
                       cudaStream_t stream);
+// QkNormRopeAppend with partial RoPE (qwen3_next, qwen3_5): the norm over the whole head, then
+// RoPE over its first rotary_dim dims as a head of that size (the table built for rotary_dim);
+// the rest pass through. A warp a head vector, staged in shared memory.
+void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads,
+                             int kv_heads, int head_dim, int rotary_dim, const MatrixRef& q_norm,
+                             const MatrixRef& k_norm, float eps, const float2* rope,
+                             const int* position, const KvCache& cache, cudaStream_t stream);
 // Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`, on an
 // fp32 cache. One block per (row, head): reads position+1 keys and values of kv_dim floats.
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

@@ -1,0 +1,176 @@
+#include "engine/cuda/linear_attention_runner.h"
+
+#include <algorithm>
+
+#include "engine/cuda/device_util.h"
+#include "kernels/cuda/gated_delta.h"
+
+namespace infersweep {
+namespace {
+
+cuda::GatedDeltaShape ShapeOf(const ModelConfig& c, int batch, int n) {
+  cuda::GatedDeltaShape s;
+  s.batch = batch;
+  s.n = n;
+  s.key_heads = c.linear_num_key_heads;
+  s.value_heads = c.linear_num_value_heads;
+  s.key_dim = c.linear_key_head_dim;
+  s.value_dim = c.linear_value_head_dim;
+  s.kernel = c.linear_conv_kernel_dim;
+  return s;
+}
+
+}  // namespace
+
+LinearAttentionRunner::LinearAttentionRunner(const RunnerContext& context, LinearRunner& linear)
+    : config_(context.config),
+      w_(context.weights),
+      options_(context.options),
+      fault_(context.fault),
+      stream_(context.stream),
+      linear_(linear) {
+  int slots = 0;
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const bool linear_layer = config_.AttentionKind(l) == LayerAttention::kLinear;
+    state_index_.push_back(linear_layer ? slots++ : -1);
+    if (linear_layer && first_linear_layer_ < 0) first_linear_layer_ = l;
+  }
+}
+
+LinearAttentionRunner::~LinearAttentionRunner() {
+  FreeScratch();
+  for (float* p : {conv_state_, recurrent_state_})
+    if (p) cudaFree(p);
+}
+
+namespace {
+int64_t ConvStateFloats(const ModelConfig& c) {
+  return static_cast<int64_t>(std::max(c.linear_conv_kernel_dim - 1, 0)) * c.linear_conv_dim();
+}
+int64_t RecurrentStateFloats(const ModelConfig& c) {
+  return static_cast<int64_t>(c.linear_num_value_heads) * c.linear_key_head_dim *
+         c.linear_value_head_dim;
+}
+}  // namespace
+
+int64_t LinearAttentionRunner::state_bytes_per_sequence() const {
+  const int64_t layers =
+      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
+  return layers * (ConvStateFloats(config_) + RecurrentStateFloats(config_)) *
+         static_cast<int64_t>(sizeof(float));
+}
+
+absl::Status LinearAttentionRunner::AllocateState(int batch) {
+  for (float* p : {conv_state_, recurrent_state_})
+    if (p) cudaFree(p);
+  conv_state_ = recurrent_state_ = nullptr;
+  batch_ = 0;
+  const int64_t layers =
+      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
+  if (layers == 0) return absl::OkStatus();
+  const size_t conv = static_cast<size_t>(layers) * batch * ConvStateFloats(config_);
+  const size_t recurrent = static_cast<size_t>(layers) * batch * RecurrentStateFloats(config_);
+  if (conv > 0) {
+    auto c = DeviceAlloc<float>(conv);
+    if (!c.ok()) return c.status();
+    conv_state_ = *c;
+  }
+  auto r = DeviceAlloc<float>(recurrent);
+  if (!r.ok()) return r.status();
+  recurrent_state_ = *r;
+  batch_ = batch;
+  return absl::OkStatus();
+}
+
+void LinearAttentionRunner::ResetState() {
+  if (batch_ == 0) return;
+  const int64_t layers =
+      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
+  if (conv_state_)
+    CUDA_OR_DIE(cudaMemsetAsync(
+        conv_state_, 0, layers * batch_ * ConvStateFloats(config_) * sizeof(float), stream_));
+  CUDA_OR_DIE(cudaMemsetAsync(recurrent_state_, 0,
+                              layers * batch_ * RecurrentStateFloats(config_) * sizeof(float),
+                              stream_));
+}
+
+absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
+  if (!config_.has_linear_attention()) return absl::OkStatus();
+  const size_t r = rows, conv = config_.linear_conv_dim(), value = config_.linear_value_dim(),
+               heads = config_.linear_num_value_heads;
+  for (auto [ptr, count] :
+       {std::pair{&projected_, r * conv}, std::pair{&mixed_, r * conv}, std::pair{&z_, r * value},
+        std::pair{&a_, r * heads}, std::pair{&b_, r * heads}, std::pair{&g_, r * heads},
+        std::pair{&beta_, r * heads}, std::pair{&out_, r * value}}) {
+    auto p = DeviceAlloc<float>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  return absl::OkStatus();
+}
+
+void LinearAttentionRunner::FreeScratch() {
+  for (float* p : {projected_, mixed_, z_, a_, b_, g_, beta_, out_})
+    if (p) cudaFree(p);
+  projected_ = mixed_ = z_ = a_ = b_ = g_ = beta_ = out_ = nullptr;
+}
+
+absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x) {
+  const LayerWeights& lw = w_.layers[l];
+  const LinearAttentionWeights& la = lw.linear_attn;
+  const int hidden = config_.hidden_size, value_dim = config_.linear_value_dim();
+  const float eps = config_.rms_norm_eps;
+  const cuda::GatedDeltaShape shape = ShapeOf(config_, batch_, n);
+  // Input RMSNorm, then in_proj_qkv, z, b and a.
+  if (gemv) {
+    LinearRunner::FusedGemv g = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
+    LinearRunner::AddSegment(g, la.in_proj_qkv, {}, projected_);
+    LinearRunner::AddSegment(g, la.in_proj_z, {}, z_);
+    LinearRunner::AddSegment(g, la.in_proj_b, {}, b_);
+    if (auto s = linear_.RunGemv(g); !s.ok()) return s;
+    LinearRunner::FusedGemv ga = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
+    LinearRunner::AddSegment(ga, la.in_proj_a, {}, a_);
+    if (auto s = linear_.RunGemv(ga); !s.ok()) return s;
+  } else {
+    const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
+    const float* xn = linear_.xn();
+    for (auto [w, y] : {std::pair{&la.in_proj_qkv, projected_}, std::pair{&la.in_proj_z, z_},
+                        std::pair{&la.in_proj_b, b_}, std::pair{&la.in_proj_a, a_}})
+      if (auto s = linear_.Gemm(xn, xb, rows, *w, {}, y); !s.ok()) return s;
+  }
+  const int slot = state_index_[l];
+  const bool fused = options_.linear_attn == LinearAttn::kFused;
+  float* conv_state =
+      conv_state_ ? conv_state_ + static_cast<int64_t>(slot) * batch_ * ConvStateFloats(config_)
+                  : nullptr;
+  float* recurrent_state =
+      recurrent_state_ + static_cast<int64_t>(slot) * batch_ * RecurrentStateFloats(config_);
+  cuda::CausalConv(projected_, shape, la.conv, /*fuse_silu=*/fused, conv_state, mixed_, stream_);
+  if (!fused)
+    cuda::SiluInPlace(mixed_, static_cast<int64_t>(rows) * shape.conv_channels(), stream_);
+  cuda::GatedDeltaGates(mixed_, a_, b_, la.a_log, la.dt_bias, shape, g_, beta_, stream_);
+  if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_)
+    cuda::ScaleInPlace(recurrent_state, static_cast<float>(fault_.value),
+                       static_cast<int64_t>(batch_) * RecurrentStateFloats(config_), stream_);
+  if (fused)
+    cuda::GatedDeltaFused(mixed_, g_, beta_, shape, recurrent_state, out_, stream_);
+  else
+    cuda::GatedDeltaReference(mixed_, g_, beta_, shape, recurrent_state, out_, stream_);
+  cuda::RmsNormGated(out_, z_, static_cast<int64_t>(rows) * config_.linear_num_value_heads,
+                     config_.linear_value_head_dim, la.norm, eps, out_, stream_);
+  CHECK_LAUNCH();
+  // out_proj, added into the residual stream.
+  if (gemv) {
+    LinearRunner::FusedGemv g = LinearRunner::GemvInput(out_, rows, value_dim, {});
+    LinearRunner::AddSegment(g, la.out_proj, {}, x);
+    g.accumulate = true;
+    if (auto s = linear_.RunGemv(g); !s.ok()) return s;
+  } else {
+    const uint16_t* ob = linear_.PrepareInput(out_, static_cast<int64_t>(rows) * value_dim);
+    if (auto s = linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, x); !s.ok()) return s;
+  }
+  CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+}  // namespace infersweep

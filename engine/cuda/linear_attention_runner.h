@@ -1,0 +1,59 @@
+// The Gated DeltaNet block of a CUDA model's step (qwen3_next, qwen3_5 linear-attention layers):
+// input RMSNorm and the in_proj linears (through the linear runner), the causal conv, the gates,
+// the gated delta rule over each sequence's recurrent state, the gated RMSNorm and out_proj added
+// into the residual stream. Owns the per-sequence conv and recurrent states (fp32, beside the KV
+// cache of the full-attention layers) and the block's activations.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/cuda/linear_runner.h"
+#include "engine/cuda/runner_context.h"
+
+namespace infersweep {
+
+class LinearAttentionRunner {
+ public:
+  LinearAttentionRunner(const RunnerContext& context, LinearRunner& linear);
+  ~LinearAttentionRunner();
+  LinearAttentionRunner(const LinearAttentionRunner&) = delete;
+  LinearAttentionRunner& operator=(const LinearAttentionRunner&) = delete;
+
+  // States of `batch` sequences for every linear-attention layer (none for other models), in
+  // place of the last.
+  absl::Status AllocateState(int batch);
+  // Zeroes every state (a fresh batch), on the model's stream.
+  void ResetState();
+  // Scratch for `rows` rows (freed first by FreeScratch).
+  absl::Status AllocateScratch(int rows);
+  void FreeScratch();
+
+  // Layer l's linear attention over `rows` rows (`n` tokens a sequence) of the residual stream x,
+  // its output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x);
+
+  // Bytes of state a sequence (conv + recurrent, every linear-attention layer).
+  int64_t state_bytes_per_sequence() const;
+
+ private:
+  const ModelConfig& config_;
+  const ModelWeights& w_;
+  const CudaOptions& options_;
+  const FaultInjection& fault_;
+  cudaStream_t stream_;
+  LinearRunner& linear_;
+  std::vector<int> state_index_;  // layer -> its slot in the states, -1 for full attention
+  int first_linear_layer_ = -1;
+  int batch_ = 0;
+  float *conv_state_ = nullptr,     // [linear layers, batch, K - 1, conv channels]
+      *recurrent_state_ = nullptr;  // [linear layers, batch, Hv, dk, dv]
+  float *projected_ = nullptr,      // [rows, q | k | v]: in_proj_qkv's output
+      *mixed_ = nullptr,            // [rows, q | k | v]: after the conv (q, k then normalised)
+          *z_ = nullptr,            // [rows, Hv * dv]
+              *a_ = nullptr, *b_ = nullptr, *g_ = nullptr, *beta_ = nullptr,     // [rows, Hv]
+                                                               *out_ = nullptr;  // [rows, Hv * dv]
+};
+
+}  // namespace infersweep

@@ -1,0 +1,272 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gated_delta.h"
+
+namespace infersweep::cuda {
+namespace {
+
+constexpr int kMaxConvTaps = 8;
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// grid (ceil(channels / 256), batch), a thread a channel of one sequence.
+template <bool kSilu>
+__global__ void CausalConvKernel(const float* in, int n, int channels, int taps, const void* w,
+                                 DType w_dtype, float* state, float* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, seq = blockIdx.y;
+  if (c >= channels) return;
+  const int history = taps - 1;
+  float weights[kMaxConvTaps], past[kMaxConvTaps];
+  float* st = state + static_cast<int64_t>(seq) * history * channels + c;
+#pragma unroll
+  for (int j = 0; j < kMaxConvTaps; ++j) {
+    weights[j] = j < taps ? LoadAsFloat(w, w_dtype, static_cast<int64_t>(c) * taps + j) : 0.f;
+    past[j] = j < history ? st[static_cast<int64_t>(j) * channels] : 0.f;
+  }
+  for (int t = 0; t < n; ++t) {
+    const int64_t r = static_cast<int64_t>(seq) * n + t;
+    const float x = in[r * channels + c];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxConvTaps - 1; ++j)
+      if (j < history) acc += weights[j] * past[j];
+    acc += weights[history] * x;
+    out[r * channels + c] = kSilu ? acc * Sigmoid(acc) : acc;
+#pragma unroll
+    for (int j = 0; j < kMaxConvTaps - 1; ++j)
+      if (j + 1 < history) past[j] = past[j + 1];
+    if (history > 0) past[history - 1] = x;
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxConvTaps; ++j)
+    if (j < history) st[static_cast<int64_t>(j) * channels] = past[j];
+}
+
+__global__ void SiluKernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = x[i] * Sigmoid(x[i]);
+}
+
+// grid (rows, ceil(2 Hk / 4)), 128 threads: a warp a q or k head vector (decode: the 32 vectors
+// of qwen3-next over 8 blocks, one round each), then block y = 0's threads a value head's gates.
+constexpr int kGatesWarps = 4;
+__global__ void GatedDeltaGatesKernel(float* mixed, int channels, int key_heads, int dk,
+                                      int value_heads, const float* a, const float* b,
+                                      const void* a_log, DType a_log_dtype, const void* dt_bias,
+                                      DType dt_bias_dtype, float* g, float* beta) {
+  const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* r = mixed + static_cast<int64_t>(row) * channels;
+  const float q_scale = 1.f / sqrtf(static_cast<float>(dk));
+  if (const int vec = blockIdx.y * kGatesWarps + warp; vec < 2 * key_heads) {
+    float* x = r + static_cast<int64_t>(vec) * dk;
+    float sum_sq = 0.f;
+    for (int i = lane; i < dk; i += 32) sum_sq += x[i] * x[i];
+    const float inv = 1.f / sqrtf(WarpSum(sum_sq) + 1e-6f);
+    const bool is_q = vec < key_heads;
+    for (int i = lane; i < dk; i += 32) x[i] = is_q ? x[i] * inv * q_scale : x[i] * inv;
+  }
+  if (blockIdx.y != 0) return;
+  for (int h = threadIdx.x; h < value_heads; h += blockDim.x) {
+    const int64_t i = static_cast<int64_t>(row) * value_heads + h;
+    beta[i] = Sigmoid(b[i]);
+    const float x = a[i] + LoadAsFloat(dt_bias, dt_bias_dtype, h);
+    const float softplus = x > 20.f ? x : log1pf(expf(x));
+    g[i] = -expf(LoadAsFloat(a_log, a_log_dtype, h)) * softplus;
+  }
+}
+
+// grid batch * Hv, dv threads: thread j walks column j of its head's state through the tokens.
+__global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, const float* g,
+                                          const float* beta, int n, int key_heads, int dk,
+                                          int value_heads, int dv, float* state, float* out) {
+  const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads, j = threadIdx.x;
+  const int kh = h / (value_heads / key_heads);
+  const int key_width = key_heads * dk;
+  float* s = state + static_cast<int64_t>(blockIdx.x) * dk * dv + j;
+  for (int t = 0; t < n; ++t) {
+    const int64_t row = static_cast<int64_t>(seq) * n + t;
+    const float* q = mixed + row * channels + kh * dk;
+    const float* k = q + key_width;
+    const float v = mixed[row * channels + 2 * key_width + h * dv + j];
+    const float decay = expf(g[row * value_heads + h]);
+    float kv = 0.f;
+    for (int i = 0; i < dk; ++i) {
+      s[static_cast<int64_t>(i) * dv] *= decay;
+      kv += s[static_cast<int64_t>(i) * dv] * k[i];
+    }
+    const float d = beta[row * value_heads + h] * (v - kv);
+    float o = 0.f;
+    for (int i = 0; i < dk; ++i) {
+      s[static_cast<int64_t>(i) * dv] += k[i] * d;
+      o += s[static_cast<int64_t>(i) * dv] * q[i];
+    }
+    out[row * value_heads * dv + h * dv + j] = o;
+  }
+}
+
+constexpr int kFusedColumns = 32;         // state columns a block
+constexpr int kFusedLanesPerColumn = 8;   // threads a column
+constexpr int kFusedMaxRowsPerLane = 32;  // dk <= 256
+
+// grid (batch * Hv, ceil(dv / 32)), 256 threads: lane group c (8 lanes) owns column
+// blockIdx.y * 32 + c, lane p of it rows p, p + 8, ... of that column, in registers.
+__global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
+    GatedDeltaFusedKernel(const float* mixed, int channels, const float* g, const float* beta,
+                          int n, int key_heads, int dk, int value_heads, int dv, float* state,
+                          float* out) {
+  const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
+  const int part = threadIdx.x % kFusedLanesPerColumn;
+  const int j = blockIdx.y * kFusedColumns + threadIdx.x / kFusedLanesPerColumn;
+  const bool active = j < dv;  // inactive lanes still take part in the shuffles
+  const int kh = h / (value_heads / key_heads);
+  const int key_width = key_heads * dk, per_lane = dk / kFusedLanesPerColumn;
+  float* s = state + static_cast<int64_t>(blockIdx.x) * dk * dv + (active ? j : 0);
+  float col[kFusedMaxRowsPerLane];
+#pragma unroll
+  for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
+    col[m] = m < per_lane && active ? s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv]
+                                    : 0.f;
+  for (int t = 0; t < n; ++t) {
+    const int64_t row = static_cast<int64_t>(seq) * n + t;
+    const float* q = mixed + row * channels + kh * dk + part;
+    const float* k = q + key_width;
+    const float v = active ? mixed[row * channels + 2 * key_width + h * dv + j] : 0.f;
+    const float decay = expf(g[row * value_heads + h]);
+    const float b = beta[row * value_heads + h];
+    float kv = 0.f;
+#pragma unroll
+    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
+      if (m < per_lane) {
+        col[m] *= decay;
+        kv += col[m] * k[kFusedLanesPerColumn * m];
+      }
+#pragma unroll
+    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
+      kv += __shfl_xor_sync(0xffffffffu, kv, offset);
+    const float d = b * (v - kv);
+    float o = 0.f;
+#pragma unroll
+    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
+      if (m < per_lane) {
+        col[m] += k[kFusedLanesPerColumn * m] * d;
+        o += col[m] * q[kFusedLanesPerColumn * m];
+      }
+#pragma unroll
+    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
+      o += __shfl_xor_sync(0xffffffffu, o, offset);
+    if (active && part == 0) out[row * value_heads * dv + h * dv + j] = o;
+  }
+  if (!active) return;
+#pragma unroll
+  for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
+    if (m < per_lane) s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv] = col[m];
+}
+
+// grid vectors, 128 threads.
+__global__ void RmsNormGatedKernel(const float* x, const float* z, int dim, const void* gain,
+                                   DType gain_dtype, float eps, float* out) {
+  __shared__ float scratch[32];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * dim;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) sum_sq += x[base + i] * x[base + i];
+  const float inv = 1.f / sqrtf(BlockSum(sum_sq, scratch) / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float gate = z[base + i];
+    out[base + i] = x[base + i] * inv * LoadAsFloat(gain, gain_dtype, i) * (gate * Sigmoid(gate));
+  }
+}
+
+// grid rows: head h's q and gate from [q_h | gate_h] at src + h * 2d.
+__global__ void SplitGatedQueryKernel(const float* src, int src_stride, int heads, int head_dim,
+                                      float* q, float* gate) {
+  const int64_t row = blockIdx.x;
+  const int width = heads * head_dim;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    const int h = i / head_dim, d = i % head_dim;
+    const float* head = src + row * src_stride + static_cast<int64_t>(h) * 2 * head_dim;
+    q[row * width + i] = head[d];
+    gate[row * width + i] = head[head_dim + d];
+  }
+}
+
+__global__ void SigmoidGateKernel(float* x, const float* gate, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] *= Sigmoid(gate[i]);
+}
+
+__global__ void ScaleKernel(float* x, float factor, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] *= factor;
+}
+
+int ElementwiseBlocks(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 4096));
+}
+
+}  // namespace
+
+void CausalConv(const float* in, const GatedDeltaShape& s, const MatrixRef& weight, bool fuse_silu,
+                float* state, float* out, cudaStream_t stream) {
+  const int channels = s.conv_channels();
+  const dim3 grid(CeilDiv(channels, 256), s.batch);
+  auto* kernel = fuse_silu ? CausalConvKernel<true> : CausalConvKernel<false>;
+  LaunchPlain(kernel, grid, 256, 0, stream, in, s.n, channels, s.kernel, weight.data, weight.dtype,
+              state, out);
+}
+
+void SiluInPlace(float* x, int64_t n, cudaStream_t stream) {
+  LaunchPlain(SiluKernel, ElementwiseBlocks(n), 256, 0, stream, x, n);
+}
+
+void GatedDeltaGates(float* mixed, const float* a, const float* b, const MatrixRef& a_log,
+                     const MatrixRef& dt_bias, const GatedDeltaShape& s, float* g, float* beta,
+                     cudaStream_t stream) {
+  const dim3 grid(s.rows(), CeilDiv(2 * s.key_heads, kGatesWarps));
+  LaunchPlain(GatedDeltaGatesKernel, grid, kGatesWarps * 32, 0, stream, mixed, s.conv_channels(),
+              s.key_heads, s.key_dim, s.value_heads, a, b, a_log.data, a_log.dtype, dt_bias.data,
+              dt_bias.dtype, g, beta);
+}
+
+void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
+                         const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream) {
+  LaunchPlain(GatedDeltaReferenceKernel, s.batch * s.value_heads, s.value_dim, 0, stream, mixed,
+              s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
+              state, out);
+}
+
+bool GatedDeltaFusedSupports(int key_dim) {
+  return key_dim % kFusedLanesPerColumn == 0 &&
+         key_dim <= kFusedLanesPerColumn * kFusedMaxRowsPerLane;
+}
+
+void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
+                     const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream) {
+  const dim3 grid(s.batch * s.value_heads, CeilDiv(s.value_dim, kFusedColumns));
+  LaunchPlain(GatedDeltaFusedKernel, grid, kFusedColumns * kFusedLanesPerColumn, 0, stream, mixed,
+              s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
+              state, out);
+}
+
+void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
+                  float eps, float* out, cudaStream_t stream) {
+  LaunchPlain(RmsNormGatedKernel, static_cast<int>(vectors), 128, 0, stream, x, z, dim, gain.data,
+              gain.dtype, eps, out);
+}
+
+void SplitGatedQuery(const float* src, int src_stride, int rows, int heads, int head_dim, float* q,
+                     float* gate, cudaStream_t stream) {
+  LaunchPlain(SplitGatedQueryKernel, rows, 256, 0, stream, src, src_stride, heads, head_dim, q,
+              gate);
+}
+
+void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream) {
+  LaunchPlain(SigmoidGateKernel, ElementwiseBlocks(n), 256, 0, stream, x, gate, n);
+}
+
+void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream) {
+  LaunchPlain(ScaleKernel, ElementwiseBlocks(n), 256, 0, stream, x, factor, n);
+}
+
+}  // namespace infersweep::cuda

@@ -1,0 +1,77 @@
+// Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) on the GPU: the causal depthwise conv,
+// the per-token gates, the gated delta rule over a per-sequence recurrent state, and the gated
+// RMSNorm of its output; plus the gated full attention's q/gate split and sigmoid gate.
+// Activations are fp32 row-major, rows sequence-major (row = sequence * n + token); states are
+// fp32 and updated in place, so a captured decode graph replays them.
+//
+// Napkin math, qwen3-next-80b-a3b on an H200 (Hk 16, Hv 32, dk = dv = 128, conv 8192 x 4):
+// a sequence's recurrent state is 32 x 128 x 128 x 4 B = 2 MiB a layer, read and written once a
+// step: 36 linear layers move 151 MB a decode step (34 us at 4.4 TB/s) against 3 GB of fp8
+// weights; a token costs 4 dk dv = 64K FLOPs a head, 2.1 MFLOP a layer.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/tensor_ref.h"
+
+namespace infersweep::cuda {
+
+// A Gated DeltaNet layer's shapes.
+struct GatedDeltaShape {
+  int batch = 0;
+  int n = 0;                                                       // tokens a sequence this step
+  int key_heads = 0, value_heads = 0, key_dim = 0, value_dim = 0;  // head sizes dk, dv
+  int kernel = 0;                                                  // conv taps (<= 8)
+  int conv_channels() const { return 2 * key_heads * key_dim + value_heads * value_dim; }
+  int rows() const { return batch * n; }
+};
+
+// out[r, c] = (silu of) sum_j w[c, j] * in[r - (K-1) + j, c], per sequence, the K-1 inputs before
+// a sequence's first new row taken from `state` ([batch, K-1, channels], oldest first), which is
+// advanced to the last K-1 inputs. `weight` is [channels, K]. `fuse_silu` applies the SiLU in the
+// same pass; otherwise `out` holds the conv alone. One thread a (sequence, channel), serial over
+// the n tokens: 8192 channels x 4 taps, 64 KB in and out a decode row (~2 us).
+void CausalConv(const float* in, const GatedDeltaShape& s, const MatrixRef& weight, bool fuse_silu,
+                float* state, float* out, cudaStream_t stream);
+// x = silu(x), n elements.
+void SiluInPlace(float* x, int64_t n, cudaStream_t stream);
+
+// Per row of `mixed` ([rows, q | k | v], conv_channels wide): q and k L2-normalised in place per
+// key head (x / sqrt(sum x^2 + 1e-6)), q then scaled by dk^-0.5; and per value head
+// g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), from a and b ([rows, Hv]) into
+// g and beta ([rows, Hv]). One block a row.
+void GatedDeltaGates(float* mixed, const float* a, const float* b, const MatrixRef& a_log,
+                     const MatrixRef& dt_bias, const GatedDeltaShape& s, float* g, float* beta,
+                     cudaStream_t stream);
+
+// The gated delta rule over each sequence's n tokens, value head h reading key head
+// h / (Hv / Hk): per token S *= exp(g); d = beta (v - S^T k); S += k d^T; o = S^T q. `state` is
+// [batch, Hv, dk, dv], carried in and out; `out` is [rows, Hv * dv].
+// Reference: one thread a state column, the column in global memory; any dk, dv <= 1024.
+void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
+                         const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream);
+// Fast: a block of 256 threads holds a [dk, 32] slice of the state in registers (8 threads a
+// column, dk / 8 rows each) for the whole step and writes it back once; the column sums are
+// 3-step shuffles. dk % 8 == 0 and dk <= 256 (GatedDeltaFusedSupports). Decode at batch 1 on
+// qwen3-next: 128 blocks, 2 MiB of state in and out a layer.
+bool GatedDeltaFusedSupports(int key_dim);
+void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
+                     const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream);
+
+// out = x * rsqrt(mean(x^2) + eps) * gain * silu(z) over `vectors` vectors of `dim` (the plain
+// gain: Qwen3-Next's RMSNormGated). In place allowed (out == x).
+void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
+                  float eps, float* out, cudaStream_t stream);
+
+// Gated attention: q_proj's rows hold [q_h | gate_h] per head. From src ([rows, src_stride],
+// the heads at its start) to q [rows, heads * d] and gate [rows, heads * d].
+void SplitGatedQuery(const float* src, int src_stride, int rows, int heads, int head_dim, float* q,
+                     float* gate, cudaStream_t stream);
+// x *= sigmoid(gate), n elements.
+void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream);
+// x *= factor, n elements (TEST ONLY faults).
+void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream);
+
+}  // namespace infersweep::cuda
