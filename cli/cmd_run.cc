@@ -73,7 +73,8 @@ std::optional<std::vector<BackendConfig>> ExpandConfigArgs(const RunArgs& args) 
 }
 
 // `run --serve`: each config serves every load point in this process (the CPU reference needs no
-// isolation), judged request by request against lone runs; one line per load point.
+// isolation), judged request by request against lone runs; one line per load point. Exits 0
+// when every config ran, whatever its verdicts, as `run` does.
 int RunServing(const RunArgs& args) {
   auto fail = [](const std::string& what, const absl::Status& s) {
     std::fprintf(stderr, "error: %s%s\n", what.c_str(), std::string(s.message()).c_str());
@@ -122,7 +123,7 @@ int RunServing(const RunArgs& args) {
   if (!args.inject_fault.empty())
     header.push_back("TEST-ONLY fault injected into every config under test: " + args.inject_fault);
   std::fputs(FormatReportHeader(header).c_str(), stdout);
-  bool all_ok = true;
+  nlohmann::json all = nlohmann::json::array();
   for (const BackendConfig& config : *configs) {
     std::printf("# config %s\n", BackendConfigString(config).c_str());
     std::fflush(stdout);
@@ -130,22 +131,36 @@ int RunServing(const RunArgs& args) {
     if (trial.status != TrialStatus::kOk) {
       std::printf("%-28s %-9s %s\n", "-", std::string(TrialStatusName(trial.status)).c_str(),
                   trial.reason.c_str());
-      all_ok = false;
     }
     for (const LoadPointResult& point : trial.points) {
       std::fputs(FormatLoadPointLine(point, slo).c_str(), stdout);
-      all_ok = all_ok && point.verdict == TrialStatus::kOk;
     }
     if (trial.slo_search) {
       for (const LoadPointResult& probe : trial.slo_search->probes) {
         std::fputs(absl::StrCat("# probe ", FormatLoadPointLine(probe, slo)).c_str(), stdout);
-        all_ok = all_ok && probe.verdict == TrialStatus::kOk;
       }
       std::fputs(FormatSloSearchLine(*trial.slo_search, slo).c_str(), stdout);
     }
     std::fflush(stdout);
+    nlohmann::json result = ToJson(trial);
+    result["config"] = BackendConfigString(config);
+    all.push_back(std::move(result));
   }
-  return all_ok ? 0 : 1;
+  if (!args.json_out.empty()) {
+    std::ofstream out(args.json_out);
+    out << nlohmann::json{{"schema", "infersweep.serve/1"},
+                          {"model", *model},
+                          {"serve", args.serve},
+                          {"slo", args.slo},
+                          {"results", all}}
+               .dump(1)
+        << "\n";
+    if (!out) {
+      std::fprintf(stderr, "error: cannot write %s\n", args.json_out.c_str());
+      return 1;
+    }
+  }
+  return 0;
 }
 
 int RunTrials(const RunArgs& args) {

@@ -567,6 +567,67 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
   return trial;
 }
 
+namespace {
+
+nlohmann::json LoadPointJson(const LoadPointResult& r) {
+  const ServeMetrics& m = r.metrics;
+  nlohmann::json j = {
+      {"load_point", LoadPointName(r.point)},
+      {"mode", r.point.open_loop ? "poisson" : "closed_loop"},
+      {"verdict", std::string(TrialStatusName(r.verdict))},
+      {"requests_checked", r.requests_checked},
+      {"requests_matching", r.requests_matching},
+      {"steps", r.steps},
+      {"peak_running", r.peak_running},
+      {"completed", m.completed},
+      {"total_input_tokens", m.total_input_tokens},
+      {"total_output_tokens", m.total_output_tokens},
+      {"duration_s", m.duration_s},
+      {"request_throughput", m.request_throughput},
+      {"output_throughput", m.output_throughput},
+      {"total_token_throughput", m.total_token_throughput},
+      {"output_tok_s_per_user", m.output_tok_s_per_user},
+  };
+  if (r.point.open_loop) {
+    j["request_rate"] = r.point.rate;
+    if (r.point.concurrency > 0) j["max_concurrency"] = r.point.concurrency;
+  } else {
+    j["max_concurrency"] = r.point.concurrency;
+  }
+  auto add = [&](const std::string& name, const Distribution& d) {
+    j["mean_" + name] = d.mean;
+    j["median_" + name] = d.median;
+    j["p90_" + name] = d.p90;
+    j["p99_" + name] = d.p99;
+  };
+  add("ttft_ms", m.ttft_ms);
+  add("tpot_ms", m.tpot_ms);
+  add("itl_ms", m.itl_ms);
+  add("e2el_ms", m.e2el_ms);
+  if (m.request_goodput) j["request_goodput"] = *m.request_goodput;
+  if (m.energy_j_per_output_token) j["energy_j_per_output_token"] = *m.energy_j_per_output_token;
+  if (!r.mismatch.empty()) j["first_mismatch"] = r.mismatch;
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json ToJson(const ServeTrialResult& trial) {
+  nlohmann::json j = {{"status", std::string(TrialStatusName(trial.status))},
+                      {"reason", trial.reason},
+                      {"load_points", nlohmann::json::array()}};
+  for (const LoadPointResult& p : trial.points) j["load_points"].push_back(LoadPointJson(p));
+  if (trial.slo_search) {
+    nlohmann::json search = {{"found", trial.slo_search->found},
+                             {"probes", nlohmann::json::array()}};
+    for (const LoadPointResult& p : trial.slo_search->probes)
+      search["probes"].push_back(LoadPointJson(p));
+    if (trial.slo_search->found) search["best"] = LoadPointJson(trial.slo_search->best);
+    j["slo_search"] = std::move(search);
+  }
+  return j;
+}
+
 std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
   const ServeMetrics& m = r.metrics;
   std::string line = absl::StrFormat(

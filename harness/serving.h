@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -160,6 +161,11 @@ struct ServeTrialResult {
 };
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
                                const Slo& slo, const FaultInjection& fault = {});
+
+// A serving trial as JSON: its status and reason, and per load point (and SLO probe) the point,
+// the verdict, the counts and the figures under their `vllm bench serve` names
+// (docs/METRICS.md, "Serving load").
+nlohmann::json ToJson(const ServeTrialResult& trial);
 
 // One line per load point: the point, the verdict, the request counts and the figures.
 std::string FormatLoadPointLine(const LoadPointResult& result, const Slo& slo);
