@@ -173,15 +173,17 @@ class CpuModel final : public Model {
     }
   }
 
-  // kv-slot-swap (TEST ONLY): from step `value` on, the first step with two sequences swaps
-  // the caches and states of the two lowest occupied slots once, as a scheduler that loses track
-  // of which slot is whose would.
+  // kv-slot-swap (TEST ONLY): from step `value` on, the first step with two sequences that
+  // hold tokens swaps the caches and states of the two lowest such slots once, as a scheduler
+  // that loses track of which slot is whose would.
   void MaybeSwapSlots() {
     const int64_t step = steps_++;
     if (fault_.kind != FaultInjection::Kind::kKvSlotSwap || slots_swapped_ ||
         step < static_cast<int64_t>(fault_.value))
       return;
-    const std::vector<int> used = slots_.InUse();
+    std::vector<int> used;
+    for (int slot : slots_.InUse())
+      if (slots_.length(slot) > 0) used.push_back(slot);
     if (used.size() < 2) return;
     const int a = used[0], b = used[1];
     auto swap_slot_rows = [&](std::vector<float>& v, int64_t per_slot) {

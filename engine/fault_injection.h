@@ -34,9 +34,9 @@ struct FaultInjection {
                      //                 multiplied by F as each forward starts (a state carried
                      //                 wrongly between steps; hybrid models, CPU)
     kKvSlotSwap,     // "kv-slot-swap:S" from forward step S on (0: the first), the first step
-                     //                 with two sequences swaps the KV caches (and linear
-                     //                 states) of the two lowest occupied slots, once: a
-                     //                 scheduler that gives a sequence another's slot (CPU)
+                     //                 with two sequences holding tokens swaps the KV caches
+                     //                 (and linear states) of the two lowest such slots, once:
+                     //                 a scheduler that gives a sequence another's slot (CPU)
   };
   Kind kind = Kind::kNone;
   double value = 0;

@@ -16,6 +16,7 @@
 #include "engine/weights.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "harness/executor.h"
 #include "tests/test_util.h"
 
 namespace infersweep {
@@ -215,9 +216,9 @@ TEST(Serving, HybridModelKeepsStatePerSlot) {
 // A scheduling bug (a sequence reading another's KV slot) is INCORRECT; with one sequence at a
 // time there is nothing to swap.
 TEST(Serving, KvSlotSwapIsIncorrect) {
-  auto fault = ParseFaultInjection("kv-slot-swap:3");
+  auto fault = ParseFaultInjection("kv-slot-swap:0");
   ASSERT_TRUE(fault.ok());
-  EXPECT_EQ(FaultInjectionString(*fault), "kv-slot-swap:3");
+  EXPECT_EQ(FaultInjectionString(*fault), "kv-slot-swap:0");
   for (const std::string name : {"tiny-moe", "tiny-hybrid"}) {
     SCOPED_TRACE(name);
     auto host = LoadPreset(name);
@@ -231,6 +232,23 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
     EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
     EXPECT_THAT(trial.points[1].mismatch, HasSubstr("served"));
   }
+}
+
+// The same fault in a lockstep trial: the eval's batch of prompts shares the slots it swaps, so
+// the trial's own verdict is INCORRECT too.
+TEST(Serving, KvSlotSwapInALockstepTrialIsIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  TrialRequest request;
+  request.trial_id = "t";
+  request.model = "preset:tiny-moe";
+  request.config = {{"device", "cpu"}};
+  request.workload.prompt_len = 8;
+  request.workload.output_len = 4;
+  request.workload.repeats = 1;
+  request.workload.warmup = 0;
+  request.inject_fault = "kv-slot-swap:1";
+  const TrialResult result = executor.Execute(request);
+  EXPECT_EQ(result.status, TrialStatus::kIncorrect) << result.reason;
 }
 
 // ---------------------------------------------------------------------------------------------
