@@ -234,6 +234,17 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
   }
 }
 
+// Only the CPU reference commits kv-slot-swap: elsewhere the request is refused, not run clean.
+TEST(Serving, KvSlotSwapElsewhereThanTheCpuIsRefused) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto cuda = NormalizeBackendConfig({{"device", "cuda"}});
+  ASSERT_TRUE(cuda.ok());
+  auto model = CreateModel(*host, *cuda, *ParseFaultInjection("kv-slot-swap:1"));
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(model.status().message(), HasSubstr("kv-slot-swap is committed by the CPU"));
+}
+
 // The same fault in a lockstep trial: the eval's batch of prompts shares the slots it swaps, so
 // the trial's own verdict is INCORRECT too.
 TEST(Serving, KvSlotSwapInALockstepTrialIsIncorrect) {
