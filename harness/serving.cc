@@ -661,8 +661,9 @@ std::string FormatSloSearchLine(const SloSearch& search, const Slo& slo) {
   std::string bounds;
   if (slo.ttft_ms) absl::StrAppend(&bounds, " ttft_ms<=", *slo.ttft_ms);
   if (slo.tpot_ms) absl::StrAppend(&bounds, " tpot_ms<=", *slo.tpot_ms);
-  std::string line = absl::StrCat("# slo search (p", slo.percentile, bounds, ", ",
-                                  search.probes.size(), " probes): ");
+  std::string line =
+      absl::StrCat("# slo search (p", slo.percentile, bounds, ", ", search.probes.size(),
+                   search.probes.size() == 1 ? " probe): " : " probes): ");
   if (!search.found) return line + "no probed load meets the SLO\n";
   absl::StrAppendFormat(&line,
                         "highest load meeting it: %s, request_goodput=%.3f, "
