@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "harness/executor.h"
 #include "harness/report.h"
 #include "harness/runner.h"
+#include "harness/serving.h"
 
 namespace infersweep::cli {
 namespace {
@@ -49,9 +51,124 @@ struct RunArgs {
   std::string inject_fault;
   std::string quantize;
   bool show_kernels = false;
+  std::string serve;  // a ServeSpec: serve load points instead of timing lockstep batches
+  std::string slo;    // with serve: the SLO each load point's goodput and verdict use
 };
 
+// The configs of --config (device=cpu without one), expanded; prints the error and returns
+// nullopt on a bad one.
+std::optional<std::vector<BackendConfig>> ExpandConfigArgs(const RunArgs& args) {
+  std::vector<BackendConfig> configs;
+  for (const std::string& text :
+       args.configs.empty() ? std::vector<std::string>{"device=cpu"} : args.configs) {
+    auto expanded = ExpandConfigArg(text);
+    if (!expanded.ok()) {
+      std::fprintf(stderr, "error: --config %s: %s\n", text.c_str(),
+                   std::string(expanded.status().message()).c_str());
+      return std::nullopt;
+    }
+    configs.insert(configs.end(), expanded->begin(), expanded->end());
+  }
+  return configs;
+}
+
+// `run --serve`: each config serves every load point in this process (the CPU reference needs no
+// isolation), judged request by request against lone runs; one line per load point. Exits 0
+// when every config ran, whatever its verdicts, as `run` does.
+int RunServing(const RunArgs& args) {
+  auto fail = [](const std::string& what, const absl::Status& s) {
+    std::fprintf(stderr, "error: %s%s\n", what.c_str(), std::string(s.message()).c_str());
+    return 2;
+  };
+  auto spec = ParseServeSpec(args.serve);
+  if (!spec.ok()) return fail("", spec.status());
+  Slo slo;
+  if (!args.slo.empty()) {
+    auto parsed = ParseSlo(args.slo);
+    if (!parsed.ok()) return fail("", parsed.status());
+    slo = *parsed;
+  }
+  auto model = WithQuantization(args.model, args.quantize);
+  if (!model.ok()) return fail("", model.status());
+  auto fault = ParseFaultInjection(args.inject_fault);
+  if (!fault.ok()) return fail("", fault.status());
+  const std::optional<std::vector<BackendConfig>> configs = ExpandConfigArgs(args);
+  if (!configs) return 2;
+  auto host = LoadHostModel(*model, {args.layers, args.seed});
+  if (!host.ok()) return fail("load: ", host.status());
+
+  auto length = [](int lo, int hi) {
+    return lo == hi ? absl::StrCat(lo) : absl::StrCat(lo, "-", hi, " (uniform)");
+  };
+  std::vector<std::string> header = {
+      absl::StrCat("infersweep run --serve: model ", *model,
+                   args.layers ? absl::StrCat(" (layers ", args.layers, ")") : "", ", ",
+                   configs->size(), " config(s)"),
+      absl::StrCat("load: ",
+                   spec->requests > 0 ? absl::StrCat(spec->requests, " timed requests")
+                                      : absl::StrCat(spec->duration_s, " s of arrivals"),
+                   " per load point after ", spec->warmup, " warm-up, isl ",
+                   length(spec->isl_min, spec->isl_max), ", osl ",
+                   length(spec->osl_min, spec->osl_max), ", prefill chunk ",
+                   spec->chunk > 0 ? absl::StrCat(spec->chunk, " tokens") : "whole prompts",
+                   ", seed ", spec->seed),
+      "verdict: every served request's greedy tokens against the same request run alone "
+      "(lockstep batch 1); times are wall clock, ms",
+  };
+  if (!slo.empty())
+    header.push_back(absl::StrCat(
+        "slo: ", slo.ttft_ms ? absl::StrCat("ttft_ms <= ", *slo.ttft_ms, " ") : "",
+        slo.tpot_ms ? absl::StrCat("tpot_ms <= ", *slo.tpot_ms, " ") : "",
+        "(goodput: requests meeting each; a load point meets it at p", slo.percentile, ")"));
+  if (!args.inject_fault.empty())
+    header.push_back("TEST-ONLY fault injected into every config under test: " + args.inject_fault);
+  std::fputs(FormatReportHeader(header).c_str(), stdout);
+  nlohmann::json all = nlohmann::json::array();
+  for (const BackendConfig& config : *configs) {
+    std::printf("# config %s\n", BackendConfigString(config).c_str());
+    std::fflush(stdout);
+    const ServeTrialResult trial = RunServeTrial(**host, config, *spec, slo, *fault);
+    if (trial.status != TrialStatus::kOk) {
+      std::printf("%-28s %-9s %s\n", "-", std::string(TrialStatusName(trial.status)).c_str(),
+                  trial.reason.c_str());
+    }
+    for (const LoadPointResult& point : trial.points) {
+      std::fputs(FormatLoadPointLine(point, slo).c_str(), stdout);
+    }
+    if (trial.slo_search) {
+      for (const LoadPointResult& probe : trial.slo_search->probes) {
+        std::fputs(absl::StrCat("# probe ", FormatLoadPointLine(probe, slo)).c_str(), stdout);
+      }
+      std::fputs(FormatSloSearchLine(*trial.slo_search, slo).c_str(), stdout);
+    }
+    std::fflush(stdout);
+    nlohmann::json result = ToJson(trial);
+    result["config"] = BackendConfigString(config);
+    all.push_back(std::move(result));
+  }
+  if (!args.json_out.empty()) {
+    std::ofstream out(args.json_out);
+    out << nlohmann::json{{"schema", "infersweep.serve/1"},
+                          {"model", *model},
+                          {"serve", args.serve},
+                          {"slo", args.slo},
+                          {"results", all}}
+               .dump(1)
+        << "\n";
+    if (!out) {
+      std::fprintf(stderr, "error: cannot write %s\n", args.json_out.c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
 int RunTrials(const RunArgs& args) {
+  if (!args.serve.empty()) return RunServing(args);
+  if (!args.slo.empty()) {
+    std::fprintf(stderr, "error: --slo applies to serving load points: it needs --serve\n");
+    return 2;
+  }
   // Trials carry the model description: "--quantize nvfp4" is "<model>@nvfp4" from here on.
   auto model = WithQuantization(args.model, args.quantize);
   if (!model.ok()) {
@@ -67,17 +184,9 @@ int RunTrials(const RunArgs& args) {
     std::fprintf(stderr, "error: %s\n", std::string(fault.status().message()).c_str());
     return 2;
   }
-  std::vector<BackendConfig> configs;
-  for (const std::string& text : args.configs.empty() ? std::vector<std::string>{"device=cpu"}
-                                                      : args.configs) {
-    auto expanded = ExpandConfigArg(text);
-    if (!expanded.ok()) {
-      std::fprintf(stderr, "error: --config %s: %s\n", text.c_str(),
-                   std::string(expanded.status().message()).c_str());
-      return 2;
-    }
-    configs.insert(configs.end(), expanded->begin(), expanded->end());
-  }
+  const std::optional<std::vector<BackendConfig>> expanded = ExpandConfigArgs(args);
+  if (!expanded) return 2;
+  const std::vector<BackendConfig>& configs = *expanded;
   const LocalDevices devices = ProbeLocalDevices();
   std::vector<std::string> header = {
       absl::StrCat("infersweep run: model ", *model,
@@ -152,12 +261,20 @@ void AddRunCommands(CLI::App& app) {
                   "prompt=N,output=N,batch=B1:B2,repeats=N,warmup=N,timeout=S")
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
+  run->add_option("--serve", args.serve,
+                  "serve load points instead of lockstep batches: concurrency=1:4|rate=R1:R2 "
+                  "[,max_concurrency=N],isl=N|A-B,osl=N|A-B,requests=N|duration=S[,warmup=N]"
+                  "[,chunk=N][,seed=N]");
+  run->add_option(
+      "--slo", args.slo,
+      "with --serve: ttft_ms=...,tpot_ms=...[,percentile=99]: goodput per load point, and the "
+      "highest load meeting the SLO (bisection between the lowest and highest load)");
   run->add_flag("--show-kernels", args.show_kernels,
                 "after each result, the kernels (CPU: ops) one prefill and one decode step ran at "
                 "each batch size, and the fallbacks taken");
   run->add_option("--test-inject-fault", args.inject_fault,
                   "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                  "stuck-token:T, segv, abort, hang, delay:S, bad-state:F");
+                  "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S");
   run->callback([] { std::exit(RunTrials(args)); });
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");

@@ -63,6 +63,10 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     return absl::InvalidArgumentError(
         "bad-state needs a model with linear-attention layers (qwen3_next, qwen3_5): this model "
         "has no recurrent state to corrupt");
+  if (fault.kind == FaultInjection::Kind::kKvSlotSwap && device != "cpu")
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv-slot-swap is committed by the CPU reference only; device=", device,
+                     " would run the trial without the fault"));
   if (device == "cpu") {
     if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"
+#include "engine/kv_slots.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/gated_delta.h"
@@ -48,19 +49,114 @@ class CpuModel final : public Model {
   absl::Status StartBatch(int batch, int max_tokens) override {
     if (batch <= 0 || max_tokens <= 0)
       return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
+    AllocateState(batch, max_tokens);
+    serving_ = false;
+    batch_ = batch;
+    position_ = 0;
+    // A lockstep batch is its slots 0..batch-1, all occupied, all at position_.
+    for (int b = 0; b < batch; ++b) (void)slots_.Acquire();
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
+      return s;
+    std::vector<SequenceRows> seqs;
+    for (int b = 0; b < batch_; ++b) seqs.push_back({b, position_, static_cast<int64_t>(b) * n, n});
+    Step(seqs, tokens, mode == LogitsMode::kAll, logits);
+    for (int b = 0; b < batch_; ++b) slots_.Advance(b, n);
+    position_ += n;
+    return absl::OkStatus();
+  }
+
+  absl::Status StartServing(int slots, int max_tokens) override {
+    if (slots <= 0 || max_tokens <= 0)
+      return absl::InvalidArgumentError("StartServing: slots and max_tokens must be positive");
+    AllocateState(slots, max_tokens);
+    serving_ = true;
+    batch_ = 0;  // no lockstep batch: Forward refuses until the next StartBatch
+    position_ = 0;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int> AdmitSequence() override {
+    if (!serving_) return absl::FailedPreconditionError("AdmitSequence before StartServing");
+    auto slot = slots_.Acquire();
+    if (!slot.ok()) return slot.status();
+    // A linear-attention layer's state is the sequence's whole past: a new one starts at zero.
+    // The KV cache needs no clearing: attention reads a slot only up to its sequence's length.
+    const int64_t history = std::max(config_.linear_conv_kernel_dim - 1, 0);
+    const int64_t conv = history * config_.linear_conv_dim();
+    const int64_t state = static_cast<int64_t>(config_.linear_num_value_heads) *
+                          config_.linear_key_head_dim * config_.linear_value_head_dim;
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (config_.AttentionKind(l) != LayerAttention::kLinear) continue;
+      std::fill_n(conv_state_[l].data() + *slot * conv, conv, 0.f);
+      std::fill_n(recurrent_state_[l].data() + *slot * state, state, 0.f);
+    }
+    return *slot;
+  }
+
+  absl::Status RetireSequence(int slot) override {
+    if (!serving_) return absl::FailedPreconditionError("RetireSequence before StartServing");
+    return slots_.Release(slot);
+  }
+
+  absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
+                          std::vector<float>* last_logits) override {
+    if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
+    if (chunks.empty()) return absl::InvalidArgumentError("RaggedStep: no chunks");
+    std::vector<SequenceRows> seqs;
+    std::vector<int32_t> tokens;
+    std::vector<bool> seen(slots_.slots(), false);
+    for (const RaggedChunk& c : chunks) {
+      const int n = static_cast<int>(c.tokens.size());
+      if (auto s = slots_.CheckAppend(c.slot, n); !s.ok()) return s;
+      if (seen[c.slot])
+        return absl::InvalidArgumentError(
+            absl::StrCat("RaggedStep: KV slot ", c.slot, " appears twice in one step"));
+      seen[c.slot] = true;
+      for (int32_t t : c.tokens)
+        if (t < 0 || t >= config_.vocab_size)
+          return absl::InvalidArgumentError(absl::StrCat("RaggedStep: token id ", t, " of slot ",
+                                                         c.slot, " outside vocabulary [0, ",
+                                                         config_.vocab_size, ")"));
+      seqs.push_back({c.slot, slots_.length(c.slot), static_cast<int64_t>(tokens.size()), n});
+      tokens.insert(tokens.end(), c.tokens.begin(), c.tokens.end());
+    }
+    Step(seqs, tokens, /*all_rows=*/false, last_logits);
+    for (const RaggedChunk& c : chunks) slots_.Advance(c.slot, static_cast<int>(c.tokens.size()));
+    return absl::OkStatus();
+  }
+
+ private:
+  // The rows of one step, sequence by sequence: sequence `slot` takes rows [row_begin,
+  // row_begin + n) at positions start, start + 1, ... A lockstep batch is B sequences at one
+  // position; a ragged step mixes positions and lengths.
+  struct SequenceRows {
+    int slot;
+    int start;
+    int64_t row_begin;
+    int n;
+  };
+
+  // Room for `slots` sequences of `max_tokens` tokens. Full-attention layers keep a KV cache;
+  // linear-attention layers a conv state (the last K-1 inputs) and a recurrent state per slot,
+  // all zero at the start.
+  void AllocateState(int slots, int max_tokens) {
     // The thread pool is the process's: another model built since this one (the reference, in
     // a trial) may have resized it. Each batch runs on this model's own count.
     cpu::SetNumThreads(options_.threads);
-    batch_ = batch;
     capacity_ = max_tokens;
-    position_ = 0;
-    // Full-attention layers keep a KV cache; linear-attention layers a conv state (the last K-1
-    // inputs) and a recurrent state per sequence, all zero at the start.
-    const size_t per_layer = static_cast<size_t>(batch) * max_tokens * config_.kv_dim();
-    const size_t conv_per_layer = static_cast<size_t>(batch) *
+    slots_.Reset(slots, max_tokens);
+    steps_ = 0;
+    slots_swapped_ = false;
+    const size_t per_layer = static_cast<size_t>(slots) * max_tokens * config_.kv_dim();
+    const size_t conv_per_layer = static_cast<size_t>(slots) *
                                   std::max(config_.linear_conv_kernel_dim - 1, 0) *
                                   config_.linear_conv_dim();
-    const size_t state_per_layer = static_cast<size_t>(batch) * config_.linear_num_value_heads *
+    const size_t state_per_layer = static_cast<size_t>(slots) * config_.linear_num_value_heads *
                                    config_.linear_key_head_dim * config_.linear_value_head_dim;
     k_cache_.assign(config_.num_layers, {});
     v_cache_.assign(config_.num_layers, {});
@@ -75,28 +171,60 @@ class CpuModel final : public Model {
         v_cache_[l].assign(per_layer, 0.f);
       }
     }
-    return absl::OkStatus();
   }
 
-  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
-                       std::vector<float>* logits) override {
-    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
-      return s;
+  // kv-slot-swap (TEST ONLY): from step `value` on, the first step with two sequences that
+  // hold tokens swaps the caches and states of the two lowest such slots once, as a scheduler
+  // that loses track of which slot is whose would.
+  void MaybeSwapSlots() {
+    const int64_t step = steps_++;
+    if (fault_.kind != FaultInjection::Kind::kKvSlotSwap || slots_swapped_ ||
+        step < static_cast<int64_t>(fault_.value))
+      return;
+    std::vector<int> used;
+    for (int slot : slots_.InUse())
+      if (slots_.length(slot) > 0) used.push_back(slot);
+    if (used.size() < 2) return;
+    const int a = used[0], b = used[1];
+    auto swap_slot_rows = [&](std::vector<float>& v, int64_t per_slot) {
+      std::swap_ranges(v.begin() + a * per_slot, v.begin() + (a + 1) * per_slot,
+                       v.begin() + b * per_slot);
+    };
+    const int slots = slots_.slots();
+    for (int l = 0; l < config_.num_layers; ++l) {
+      for (auto* v : {&k_cache_[l], &v_cache_[l], &conv_state_[l], &recurrent_state_[l]})
+        if (!v->empty()) swap_slot_rows(*v, static_cast<int64_t>(v->size()) / slots);
+    }
+    slots_swapped_ = true;
+  }
+
+  // One forward pass over the rows of `seqs` (tokens in row order), appending to each
+  // sequence's slot; logits of every row (all_rows) or of each sequence's last row.
+  void Step(const std::vector<SequenceRows>& seqs, std::span<const int32_t> tokens, bool all_rows,
+            std::vector<float>* logits) {
     MaybeCommitProcessFault(options_.fault);
+    MaybeSwapSlots();
     if (LaunchRecording()) RecordThreadsFallback();
-    const int64_t rows = static_cast<int64_t>(batch_) * n;
+    const int64_t rows = static_cast<int64_t>(tokens.size());
     const int64_t hidden = config_.hidden_size;
     std::vector<float> x(rows * hidden);
     // The launch log (core/launch_log.h) counts each op once per call over all rows; the
     // matmuls record their variant themselves (cpu::Matmul).
     RecordLaunch("embedding");
     for (int64_t r = 0; r < rows; ++r) cpu::DecodeRow(w_.embed, tokens[r], x.data() + r * hidden);
+    // Each row's slot and position.
+    std::vector<int> row_slot(rows), row_pos(rows);
+    for (const SequenceRows& s : seqs)
+      for (int t = 0; t < s.n; ++t) {
+        row_slot[s.row_begin + t] = s.slot;
+        row_pos[s.row_begin + t] = s.start + t;
+      }
 
     for (int l = 0; l < config_.num_layers; ++l) {
       if (config_.AttentionKind(l) == LayerAttention::kLinear) {
-        LinearAttention(l, n, x);
+        LinearAttention(l, seqs, rows, x);
       } else {
-        Attention(l, n, x);
+        Attention(l, row_slot, row_pos, x);
       }
       FeedForward(l, rows, x);
       if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
@@ -106,14 +234,14 @@ class CpuModel final : public Model {
     // Final norm and lm_head on the rows whose logits were asked for.
     std::vector<float> picked;
     int64_t out_rows = rows;
-    if (mode == LogitsMode::kAll) {
+    if (all_rows) {
       picked = std::move(x);
     } else {
-      out_rows = batch_;
+      out_rows = static_cast<int64_t>(seqs.size());
       picked.resize(out_rows * hidden);
-      for (int b = 0; b < batch_; ++b)
-        std::copy_n(x.data() + (static_cast<int64_t>(b) * n + n - 1) * hidden, hidden,
-                    picked.data() + b * hidden);
+      for (size_t i = 0; i < seqs.size(); ++i)
+        std::copy_n(x.data() + (seqs[i].row_begin + seqs[i].n - 1) * hidden, hidden,
+                    picked.data() + i * hidden);
     }
     RecordLaunch("rmsnorm");
     Norm(picked.data(), out_rows, hidden, w_.final_norm, picked.data());
@@ -126,11 +254,8 @@ class CpuModel final : public Model {
         row[stuck] = *std::max_element(row, row + vocab) + 1.f;
       }
     }
-    position_ += n;
-    return absl::OkStatus();
   }
 
- private:
   // A decoder RMSNorm: gain w, or (1 + w) for zero-centred models.
   void Norm(const float* in, int64_t rows, int64_t n, const MatrixRef& gain, float* out) const {
     if (config_.zero_centered_norm) {
@@ -141,10 +266,13 @@ class CpuModel final : public Model {
   }
 
   // x += o_proj(attention(q, k, v)) for every row; appends this step's k and v to the cache.
-  // Gated attention multiplies the attention output by sigmoid(gate) before o_proj.
-  void Attention(int l, int n, std::vector<float>& x) {
+  // Row r belongs to the sequence in slot row_slot[r] at position row_pos[r], and attends to
+  // that slot's positions [0, row_pos[r]]. Gated attention multiplies the attention output by
+  // sigmoid(gate) before o_proj.
+  void Attention(int l, const std::vector<int>& row_slot, const std::vector<int>& row_pos,
+                 std::vector<float>& x) {
     const LayerWeights& lw = w_.layers[l];
-    const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
+    const int64_t rows = static_cast<int64_t>(row_slot.size()), hidden = config_.hidden_size;
     const int64_t q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
     const int head_dim = config_.head_dim, rotary_dim = config_.rotary_dim();
     std::vector<float> xn(rows * hidden), q(rows * q_dim), k(rows * kv_dim), v(rows * kv_dim);
@@ -172,7 +300,7 @@ class CpuModel final : public Model {
     float* v_cache = v_cache_[l].data();
     RecordLaunch(config_.qk_norm ? "qk_norm_rope_append" : "rope_append");
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t b = r / n, pos = position_ + r % n;
+      const int64_t b = row_slot[r], pos = row_pos[r];
       float* qr = q.data() + r * q_dim;
       float* kr = k.data() + r * kv_dim;
       if (config_.qk_norm) {
@@ -194,7 +322,7 @@ class CpuModel final : public Model {
     cpu::ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(capacity_);
       for (int64_t r = begin; r < end; ++r) {
-        const int64_t b = r / n, pos = position_ + r % n;
+        const int64_t b = row_slot[r], pos = row_pos[r];
         const int64_t base = b * capacity_ * kv_dim;
         cpu::AttendCausal(q.data() + r * q_dim, k_cache + base, v_cache + base, pos,
                           config_.num_q_heads, config_.num_kv_heads, head_dim, scores.data(),
@@ -214,11 +342,13 @@ class CpuModel final : public Model {
   }
 
   // x += out_proj(gated_norm(gated_delta_rule(conv(q, k, v)), z)) for every row: a Gated
-  // DeltaNet layer. Advances each sequence's conv and recurrent state by its n tokens; a prefill
-  // (n > 1) runs the chunked form of the rule, a decode step the recurrent one.
-  void LinearAttention(int l, int n, std::vector<float>& x) {
+  // DeltaNet layer. Advances each sequence's conv and recurrent state (those of its slot) by its
+  // n tokens; a sequence of several tokens runs the chunked form of the rule, one of a single
+  // token the recurrent one.
+  void LinearAttention(int l, const std::vector<SequenceRows>& seqs, int64_t rows,
+                       std::vector<float>& x) {
     const LinearAttentionWeights& la = w_.layers[l].linear_attn;
-    const int64_t rows = static_cast<int64_t>(batch_) * n, hidden = config_.hidden_size;
+    const int64_t hidden = config_.hidden_size;
     const int key_heads = config_.linear_num_key_heads,
               value_heads = config_.linear_num_value_heads;
     const int dk = config_.linear_key_head_dim, dv = config_.linear_value_head_dim;
@@ -236,10 +366,10 @@ class CpuModel final : public Model {
 
     RecordLaunch("causal_conv");
     std::vector<float> mixed(rows * conv_dim);
-    for (int s = 0; s < batch_; ++s)
-      cpu::CausalConvSilu(qkv.data() + s * n * conv_dim, n, conv_dim, la.conv,
-                          conv_state_[l].data() + s * history * conv_dim,
-                          mixed.data() + s * n * conv_dim);
+    for (const SequenceRows& s : seqs)
+      cpu::CausalConvSilu(qkv.data() + s.row_begin * conv_dim, s.n, conv_dim, la.conv,
+                          conv_state_[l].data() + s.slot * history * conv_dim,
+                          mixed.data() + s.row_begin * conv_dim);
     // q and k: L2-normalised per key head; q scaled by dk^-0.5.
     const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
     for (int64_t r = 0; r < rows; ++r) {
@@ -268,14 +398,18 @@ class CpuModel final : public Model {
     const int per_key = value_heads / key_heads;
     std::vector<float> o(rows * value_dim);
     RecordLaunch("gated_delta_rule");
+    int max_n = 0;
+    for (const SequenceRows& s : seqs) max_n = std::max(max_n, s.n);
     cpu::ParallelFor(
-        static_cast<int64_t>(batch_) * value_heads, 1, [&](int64_t begin, int64_t end) {
-          std::vector<float> qh(n * dk), kh(n * dk), vh(n * dv), gh(n), bh(n), oh(n * dv);
+        static_cast<int64_t>(seqs.size()) * value_heads, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> qh(max_n * dk), kh(max_n * dk), vh(max_n * dv), gh(max_n), bh(max_n),
+              oh(max_n * dv);
           for (int64_t task = begin; task < end; ++task) {
-            const int64_t s = task / value_heads;
+            const SequenceRows& seq = seqs[task / value_heads];
+            const int n = seq.n;
             const int h = static_cast<int>(task % value_heads), kv_head = h / per_key;
             for (int t = 0; t < n; ++t) {
-              const int64_t r = s * n + t;
+              const int64_t r = seq.row_begin + t;
               const float* row = mixed.data() + r * conv_dim;
               std::copy_n(row + kv_head * dk, dk, qh.data() + t * dk);
               std::copy_n(row + key_dim + kv_head * dk, dk, kh.data() + t * dk);
@@ -283,7 +417,7 @@ class CpuModel final : public Model {
               gh[t] = g[r * value_heads + h];
               bh[t] = beta[r * value_heads + h];
             }
-            float* state = states + task * state_size;
+            float* state = states + (static_cast<int64_t>(seq.slot) * value_heads + h) * state_size;
             if (n == 1) {
               cpu::GatedDeltaRecurrent(qh.data(), kh.data(), vh.data(), gh.data(), bh.data(), n, dk,
                                        dv, state, oh.data());
@@ -292,7 +426,8 @@ class CpuModel final : public Model {
                                      dv, kGatedDeltaChunk, state, oh.data());
             }
             for (int t = 0; t < n; ++t)
-              std::copy_n(oh.data() + t * dv, dv, o.data() + (s * n + t) * value_dim + h * dv);
+              std::copy_n(oh.data() + t * dv, dv,
+                          o.data() + (seq.row_begin + t) * value_dim + h * dv);
           }
         });
     RecordLaunch("gated_rmsnorm");
@@ -393,10 +528,15 @@ class CpuModel final : public Model {
   const ModelWeights& w_;
   CpuModelOptions options_;
   const FaultInjection fault_;
+  // A lockstep batch (batch_ > 0) or serving (serving_): both keep their sequences in slots_.
   int batch_ = 0, capacity_ = 0, position_ = 0;
-  // Full-attention layers: [layer][batch, capacity, kv_dim]; empty for linear-attention layers.
+  bool serving_ = false;
+  KvSlotAllocator slots_;
+  int64_t steps_ = 0;           // forward passes since StartBatch or StartServing
+  bool slots_swapped_ = false;  // kv-slot-swap has struck
+  // Full-attention layers: [layer][slots, capacity, kv_dim]; empty for linear-attention layers.
   std::vector<std::vector<float>> k_cache_, v_cache_;
-  // Linear-attention layers: [layer][batch, K-1, conv_dim] and [layer][batch, Hv, dk, dv], fp32;
+  // Linear-attention layers: [layer][slots, K-1, conv_dim] and [layer][slots, Hv, dk, dv], fp32;
   // empty for full-attention layers.
   std::vector<std::vector<float>> conv_state_, recurrent_state_;
   const int first_linear_layer_ = FirstLinearLayer(config_);

@@ -32,6 +32,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kHang, "hang", false},
     {FaultInjection::Kind::kDelay, "delay", true},
     {FaultInjection::Kind::kBadState, "bad-state", true},
+    {FaultInjection::Kind::kKvSlotSwap, "kv-slot-swap", true},
 };
 
 }  // namespace
@@ -66,7 +67,7 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
   return absl::InvalidArgumentError(
       absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
                    "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F)"));
+                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {

@@ -33,6 +33,10 @@ struct FaultInjection {
     kBadState,       // "bad-state:F"   the first linear-attention layer's recurrent state is
                      //                 multiplied by F as each forward starts (a state carried
                      //                 wrongly between steps; hybrid models, CPU)
+    kKvSlotSwap,     // "kv-slot-swap:S" from forward step S on (0: the first), the first step
+                     //                 with two sequences holding tokens swaps the KV caches
+                     //                 (and linear states) of the two lowest such slots, once:
+                     //                 a scheduler that gives a sequence another's slot (CPU)
   };
   Kind kind = Kind::kNone;
   double value = 0;

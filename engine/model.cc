@@ -35,4 +35,34 @@ absl::Status Model::ForwardGreedy(std::span<const int32_t> tokens, int n,
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status NoRaggedSteps(const Model& model) {
+  return absl::UnimplementedError(absl::StrCat(
+      "device=", model.device(),
+      ": this engine runs lockstep batches only; ragged steps (continuous batching: sequences at "
+      "different positions, admitted and retired between steps) are not implemented for it"));
+}
+
+}  // namespace
+
+absl::Status Model::StartServing(int, int) { return NoRaggedSteps(*this); }
+absl::StatusOr<int> Model::AdmitSequence() { return NoRaggedSteps(*this); }
+absl::Status Model::RetireSequence(int) { return NoRaggedSteps(*this); }
+absl::Status Model::RaggedStep(std::span<const RaggedChunk>, std::vector<float>*) {
+  return NoRaggedSteps(*this);
+}
+
+absl::Status Model::RaggedStepGreedy(std::span<const RaggedChunk> chunks,
+                                     std::vector<int32_t>* next) {
+  std::vector<float> logits;
+  if (auto s = RaggedStep(chunks, &logits); !s.ok()) return s;
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  next->resize(chunks.size());
+  RecordLaunch("greedy_pick");
+  for (size_t c = 0; c < chunks.size(); ++c)
+    (*next)[c] = Greedy({logits.data() + c * vocab, vocab});
+  return absl::OkStatus();
+}
+
 }  // namespace infersweep

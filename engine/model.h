@@ -1,4 +1,5 @@
-// The engine's device-independent interface: a batch of sequences advancing in lockstep.
+// The engine's device-independent interface: a batch of sequences advancing in lockstep, and
+// (where an engine implements it) serving: sequences in KV slots advancing through ragged steps.
 //
 // Every backend (the CPU reference, the GPU reference, the fast GPU configs) implements this, so
 // the harness can drive and compare them identically.
@@ -11,9 +12,17 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "api/model_config.h"
 
 namespace infersweep {
+
+// One sequence's share of a ragged step: `tokens` fed to the sequence in KV slot `slot`, from the
+// position that sequence has reached (a decode row is one token; a prefill chunk several).
+struct RaggedChunk {
+  int slot = 0;
+  std::span<const int32_t> tokens;
+};
 
 enum class LogitsMode {
   kLast,  // logits of each sequence's last fed token: [batch, vocab]
@@ -42,6 +51,23 @@ class Model {
                                      std::vector<int32_t>* next);
   // Tokens already fed to each sequence of the current batch.
   virtual int position() const = 0;
+
+  // Serving (continuous batching). StartServing reserves `slots` KV slots of room for
+  // `max_tokens` tokens each, all free, and ends any lockstep batch. AdmitSequence puts a new,
+  // empty sequence in a free slot and returns the slot; RetireSequence frees it. Between the two
+  // the sequence advances through RaggedSteps, whose chunks sit at different positions and KV
+  // lengths (decode rows beside a chunk of another sequence's prefill); a slot appears at most
+  // once a step. RaggedStep returns float32 logits of each chunk's last token ([chunks, vocab]);
+  // RaggedStepGreedy each chunk's greedy next token instead ([chunks]).
+  // The defaults refuse with the reason (Unimplemented): an engine that runs lockstep batches only.
+  virtual absl::Status StartServing(int slots, int max_tokens);
+  virtual absl::StatusOr<int> AdmitSequence();
+  virtual absl::Status RetireSequence(int slot);
+  virtual absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
+                                  std::vector<float>* last_logits);
+  // The default runs RaggedStep and picks on the host.
+  virtual absl::Status RaggedStepGreedy(std::span<const RaggedChunk> chunks,
+                                        std::vector<int32_t>* next);
   // Seconds spent capturing CUDA graphs so far (0 where there are none).
   virtual double graph_capture_seconds() const { return 0; }
   // Device time of the last Forward or ForwardGreedy, from events recorded on its stream around

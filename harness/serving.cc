@@ -1,0 +1,680 @@
+#include "harness/serving.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "api/status_macros.h"
+#include "engine/backends.h"
+#include "harness/measure.h"
+
+namespace infersweep {
+namespace {
+
+// Open loop without a cap: KV slots reserved when the spec gives no bound of its own.
+constexpr int kUncappedSlots = 256;
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A deterministic stream of 64-bit draws (splitmix64 of a counter), the same on every platform.
+class Draws {
+ public:
+  explicit Draws(uint64_t seed) : state_(seed) {}
+  uint64_t Next() { return SplitMix64(state_++); }
+  // Uniform in [lo, hi].
+  int Between(int lo, int hi) {
+    return lo + static_cast<int>(Next() % static_cast<uint64_t>(hi - lo + 1));
+  }
+  // Uniform in [0, 1).
+  double Unit() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+
+ private:
+  uint64_t state_;
+};
+
+absl::Status FieldError(absl::string_view field, absl::string_view value, absl::string_view want) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--serve field '", field, "': '", value, "' is not ", want));
+}
+
+// "N" or "A-B" (A <= B), each in [lo, hi].
+absl::Status ParseLength(absl::string_view field, absl::string_view value, int lo, int hi, int* min,
+                         int* max) {
+  std::pair<absl::string_view, absl::string_view> ab =
+      absl::StrSplit(value, absl::MaxSplits('-', 1));
+  if (!absl::SimpleAtoi(ab.first, min))
+    return FieldError(field, value, "a length N or a range A-B");
+  *max = *min;
+  if (value.find('-') != absl::string_view::npos && !absl::SimpleAtoi(ab.second, max))
+    return FieldError(field, value, "a length N or a range A-B");
+  if (*min < lo || *max > hi || *min > *max)
+    return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "': '", value,
+                                                   "' must lie in [", lo, ", ", hi,
+                                                   "] (a range as A-B with A <= B)"));
+  return absl::OkStatus();
+}
+
+Distribution Describe(const std::vector<double>& values) {
+  Distribution d;
+  if (values.empty()) return d;
+  double sum = 0;
+  for (double v : values) sum += v;
+  d.mean = sum / values.size();
+  d.median = Percentile(values, 50);
+  d.p90 = Percentile(values, 90);
+  d.p99 = Percentile(values, 99);
+  return d;
+}
+
+using Clock = std::chrono::steady_clock;
+
+// One phase of a load point: the warm-up or the timed requests.
+struct Phase {
+  bool warmup = false;
+  bool open_loop = false;
+  int limit = 0;        // requests in flight at most (0: none)
+  double rate = 0;      // open loop, requests/s
+  int first_index = 0;  // request indices first_index, first_index + 1, ...
+  int count = -1;       // requests to issue, or -1: issue for duration_s
+  double duration_s = 0;
+};
+
+struct Running {
+  size_t served = 0;  // index into the served list
+  int slot = 0;
+  int fed = 0;  // prompt tokens fed so far
+};
+
+// Serves one phase on a model that has started serving; appends its requests to `served`.
+absl::Status RunPhase(Model& model, const ServeSpec& spec, const Phase& phase,
+                      std::vector<ServedRequest>* served, int* steps, int* peak_running) {
+  const int vocab = model.config().vocab_size;
+  const Clock::time_point t0 = Clock::now();
+  auto now_s = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  // The arrival schedule is its own seeded stream: the same gaps at every run of the spec.
+  Draws arrivals(SplitMix64(spec.seed ^ 0xa771fa15ull) + static_cast<uint64_t>(phase.rate * 1e6));
+  auto gap = [&] { return -std::log1p(-arrivals.Unit()) / phase.rate; };
+  int issued = 0;
+  auto may_issue = [&](double at_s) {
+    return phase.count >= 0 ? issued < phase.count : at_s < phase.duration_s;
+  };
+  auto issue = [&](double start_s) {
+    ServedRequest r;
+    r.request = MakeServeRequest(spec, vocab, phase.first_index + issued++);
+    r.warmup = phase.warmup;
+    r.start_s = start_s;
+    served->push_back(std::move(r));
+    return served->size() - 1;
+  };
+
+  std::deque<size_t> waiting;  // arrived, not yet in a slot
+  std::vector<Running> running;
+  double next_arrival = phase.open_loop ? gap() : 0;
+  std::vector<RaggedChunk> chunks;
+  std::vector<size_t> owner;  // chunk -> running index
+  std::vector<int> prefill;   // chunk -> prompt tokens it feeds (0: a decode row)
+  std::vector<int32_t> next;
+  while (true) {
+    const double now = now_s();
+    if (phase.open_loop) {
+      while (may_issue(next_arrival) && next_arrival <= now) {
+        waiting.push_back(issue(next_arrival));
+        next_arrival += gap();
+      }
+    } else {
+      while (static_cast<int>(running.size() + waiting.size()) < phase.limit && may_issue(now))
+        waiting.push_back(issue(now));
+    }
+    while (!waiting.empty() &&
+           (phase.limit == 0 || static_cast<int>(running.size()) < phase.limit)) {
+      absl::StatusOr<int> slot = model.AdmitSequence();
+      if (absl::IsResourceExhausted(slot.status())) break;  // waits for a retirement
+      if (!slot.ok()) return slot.status();
+      running.push_back({waiting.front(), *slot, 0});
+      waiting.pop_front();
+    }
+    if (running.empty()) {
+      if (!waiting.empty())
+        return absl::InternalError("serving: requests wait while no sequence runs");
+      if (phase.open_loop && may_issue(next_arrival)) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(next_arrival - now));
+        continue;
+      }
+      return absl::OkStatus();
+    }
+
+    // Every decoding sequence gives one row; prefills take their whole prompts (chunk 0) or the
+    // oldest prefilling sequence takes the next `chunk` tokens of its prompt, so a prompt's
+    // pieces start at multiples of the chunk whatever else is running.
+    chunks.clear();
+    owner.clear();
+    prefill.clear();
+    bool chunk_taken = false;
+    for (size_t i = 0; i < running.size(); ++i) {
+      Running& r = running[i];
+      ServedRequest& s = (*served)[r.served];
+      const int isl = static_cast<int>(s.request.prompt.size());
+      if (r.fed < isl) {
+        if (spec.chunk > 0 && chunk_taken) continue;
+        const int take = spec.chunk > 0 ? std::min(spec.chunk, isl - r.fed) : isl;
+        chunks.push_back({r.slot, std::span<const int32_t>(s.request.prompt).subspan(r.fed, take)});
+        prefill.push_back(take);
+        chunk_taken = true;
+      } else {
+        chunks.push_back({r.slot, std::span<const int32_t>(&s.tokens.back(), 1)});
+        prefill.push_back(0);
+      }
+      owner.push_back(i);
+    }
+    RETURN_IF_ERROR(model.RaggedStepGreedy(chunks, &next));
+    const double done = now_s();
+    ++*steps;
+    *peak_running = std::max(*peak_running, static_cast<int>(chunks.size()));
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      Running& r = running[owner[c]];
+      ServedRequest& s = (*served)[r.served];
+      if (prefill[c] > 0) {
+        r.fed += prefill[c];
+        if (r.fed < static_cast<int>(s.request.prompt.size())) continue;  // more prompt to go
+      }
+      s.tokens.push_back(next[c]);
+      s.token_times_s.push_back(done);
+    }
+    for (size_t i = 0; i < running.size();) {
+      const ServedRequest& s = (*served)[running[i].served];
+      if (static_cast<int>(s.tokens.size()) < s.request.output_len) {
+        ++i;
+        continue;
+      }
+      RETURN_IF_ERROR(model.RetireSequence(running[i].slot));
+      running.erase(running.begin() + i);
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
+  ServeSpec spec;
+  for (absl::string_view item :
+       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
+    const absl::string_view field = kv.first, value = kv.second;
+    if (value.empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--serve item '", item, "' is not of the form field=value"));
+    auto as_int = [&](int* out, int lo, int hi) -> absl::Status {
+      if (!absl::SimpleAtoi(value, out)) return FieldError(field, value, "an integer");
+      if (*out < lo || *out > hi)
+        return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "': ", *out,
+                                                       " must lie in [", lo, ", ", hi, "]"));
+      return absl::OkStatus();
+    };
+    if (field == "concurrency") {
+      for (absl::string_view c : absl::StrSplit(value, ':')) {
+        int n;
+        if (!absl::SimpleAtoi(c, &n) || n < 1 || n > 4096)
+          return FieldError(field, c, "a concurrency in [1, 4096] (load points as 1:4:16)");
+        spec.concurrency.push_back(n);
+      }
+    } else if (field == "rate") {
+      for (absl::string_view r : absl::StrSplit(value, ':')) {
+        double rate;
+        if (!absl::SimpleAtod(r, &rate) || !(rate > 0) || !std::isfinite(rate))
+          return FieldError(field, r, "a positive request rate in requests/s (load points as 1:4)");
+        spec.rate.push_back(rate);
+      }
+    } else if (field == "max_concurrency") {
+      RETURN_IF_ERROR(as_int(&spec.max_concurrency, 0, 4096));
+    } else if (field == "isl") {
+      RETURN_IF_ERROR(ParseLength(field, value, 1, 65536, &spec.isl_min, &spec.isl_max));
+    } else if (field == "osl") {
+      RETURN_IF_ERROR(ParseLength(field, value, 1, 65536, &spec.osl_min, &spec.osl_max));
+    } else if (field == "requests") {
+      RETURN_IF_ERROR(as_int(&spec.requests, 1, 1000000));
+    } else if (field == "duration") {
+      if (!absl::SimpleAtod(value, &spec.duration_s) || !(spec.duration_s > 0) ||
+          !std::isfinite(spec.duration_s))
+        return FieldError(field, value, "a positive number of seconds");
+    } else if (field == "warmup") {
+      RETURN_IF_ERROR(as_int(&spec.warmup, 0, 100000));
+    } else if (field == "chunk") {
+      RETURN_IF_ERROR(as_int(&spec.chunk, 0, 65536));
+    } else if (field == "seed") {
+      if (!absl::SimpleAtoi(value, &spec.seed)) return FieldError(field, value, "an integer");
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown --serve field '", field,
+                       "' (known: concurrency, rate, max_concurrency, isl, osl, requests, "
+                       "duration, warmup, chunk, seed)"));
+    }
+  }
+  if (spec.concurrency.empty() && spec.rate.empty())
+    return absl::InvalidArgumentError(
+        "--serve needs a load: 'concurrency' (closed loop, e.g. concurrency=1:4) or 'rate' "
+        "(Poisson arrivals, requests/s, e.g. rate=2)");
+  if ((spec.requests > 0) == (spec.duration_s > 0))
+    return absl::InvalidArgumentError(
+        "--serve needs exactly one of 'requests' (timed requests per load point) and "
+        "'duration' (seconds of arrivals per load point)");
+  if (spec.max_concurrency > 0 && spec.rate.empty())
+    return absl::InvalidArgumentError(
+        "--serve field 'max_concurrency' caps an open loop: it needs 'rate'");
+  return spec;
+}
+
+absl::StatusOr<Slo> ParseSlo(std::string_view text) {
+  Slo slo;
+  for (absl::string_view item :
+       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
+    double value;
+    if (!absl::SimpleAtod(kv.second, &value) || !(value > 0) || !std::isfinite(value))
+      return absl::InvalidArgumentError(
+          absl::StrCat("--slo field '", kv.first, "': '", kv.second, "' is not a positive number"));
+    if (kv.first == "ttft_ms") {
+      slo.ttft_ms = value;
+    } else if (kv.first == "tpot_ms") {
+      slo.tpot_ms = value;
+    } else if (kv.first == "percentile") {
+      if (value > 100)
+        return absl::InvalidArgumentError("--slo field 'percentile': must lie in (0, 100]");
+      slo.percentile = value;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown --slo field '", kv.first,
+                                                     "' (known: ttft_ms, tpot_ms, percentile)"));
+    }
+  }
+  if (slo.empty())
+    return absl::InvalidArgumentError("--slo needs a bound: ttft_ms=..., tpot_ms=... or both");
+  return slo;
+}
+
+std::string LoadPointName(const LoadPoint& point) {
+  if (!point.open_loop) return absl::StrCat("concurrency=", point.concurrency);
+  return absl::StrCat(
+      "rate=", point.rate,
+      point.concurrency > 0 ? absl::StrCat(",max_concurrency=", point.concurrency) : "");
+}
+
+std::vector<LoadPoint> LoadPoints(const ServeSpec& spec) {
+  std::vector<LoadPoint> points;
+  for (int c : spec.concurrency) points.push_back({false, c, 0});
+  for (double r : spec.rate) points.push_back({true, spec.max_concurrency, r});
+  return points;
+}
+
+ServeRequest MakeServeRequest(const ServeSpec& spec, int vocab, int index) {
+  Draws draws(SplitMix64(spec.seed) ^ SplitMix64(static_cast<uint64_t>(index) + 1));
+  ServeRequest r;
+  r.index = index;
+  r.prompt.resize(draws.Between(spec.isl_min, spec.isl_max));
+  r.output_len = draws.Between(spec.osl_min, spec.osl_max);
+  for (int32_t& t : r.prompt) t = static_cast<int32_t>(draws.Next() % static_cast<uint64_t>(vocab));
+  return r;
+}
+
+ServeMetrics ComputeServeMetrics(const std::vector<ServedRequest>& served, double duration_s,
+                                 const Slo& slo) {
+  ServeMetrics m;
+  m.duration_s = duration_s;
+  std::vector<double> ttft, tpot, itl, e2el, per_user;
+  int good = 0;
+  for (const ServedRequest& s : served) {
+    if (s.warmup || s.tokens.empty()) continue;
+    ++m.completed;
+    m.total_input_tokens += static_cast<int64_t>(s.request.prompt.size());
+    m.total_output_tokens += static_cast<int64_t>(s.tokens.size());
+    const double first_ms = (s.token_times_s.front() - s.start_s) * 1e3;
+    const double latency_ms = (s.end_s() - s.start_s) * 1e3;
+    ttft.push_back(first_ms);
+    e2el.push_back(latency_ms);
+    std::optional<double> request_tpot;
+    if (s.tokens.size() > 1) {
+      request_tpot = (latency_ms - first_ms) / static_cast<double>(s.tokens.size() - 1);
+      tpot.push_back(*request_tpot);
+      if (*request_tpot > 0) per_user.push_back(1e3 / *request_tpot);
+    }
+    for (size_t i = 1; i < s.token_times_s.size(); ++i)
+      itl.push_back((s.token_times_s[i] - s.token_times_s[i - 1]) * 1e3);
+    if ((!slo.ttft_ms || first_ms <= *slo.ttft_ms) &&
+        (!slo.tpot_ms || !request_tpot || *request_tpot <= *slo.tpot_ms))
+      ++good;
+  }
+  m.ttft_ms = Describe(ttft);
+  m.tpot_ms = Describe(tpot);
+  m.itl_ms = Describe(itl);
+  m.e2el_ms = Describe(e2el);
+  m.ttft_values_ms = std::move(ttft);
+  m.tpot_values_ms = std::move(tpot);
+  if (!per_user.empty()) m.output_tok_s_per_user = Describe(per_user).mean;
+  if (duration_s > 0) {
+    m.request_throughput = m.completed / duration_s;
+    m.output_throughput = m.total_output_tokens / duration_s;
+    m.total_token_throughput = (m.total_input_tokens + m.total_output_tokens) / duration_s;
+    if (!slo.empty()) m.request_goodput = good / duration_s;
+  }
+  return m;
+}
+
+bool MeetsSlo(const ServeMetrics& metrics, const Slo& slo) {
+  if (metrics.completed == 0) return false;
+  if (slo.ttft_ms && Percentile(metrics.ttft_values_ms, slo.percentile) > *slo.ttft_ms)
+    return false;
+  if (slo.tpot_ms && !metrics.tpot_values_ms.empty() &&
+      Percentile(metrics.tpot_values_ms, slo.percentile) > *slo.tpot_ms)
+    return false;
+  return true;
+}
+
+absl::StatusOr<LoadPointResult> RunLoadPoint(Model& model, const ServeSpec& spec,
+                                             const LoadPoint& point, const Slo& slo,
+                                             GpuEnergyMeter* energy) {
+  LoadPointResult result;
+  result.point = point;
+  int slots = point.concurrency;
+  if (point.open_loop && slots == 0)
+    slots =
+        spec.requests > 0 ? std::min(spec.requests + spec.warmup, kUncappedSlots) : kUncappedSlots;
+  RETURN_IF_ERROR(model.StartServing(slots, spec.isl_max + spec.osl_max));
+
+  if (spec.warmup > 0) {
+    Phase warmup;
+    warmup.warmup = true;
+    warmup.limit = std::min(slots, spec.warmup);
+    warmup.count = spec.warmup;
+    RETURN_IF_ERROR(
+        RunPhase(model, spec, warmup, &result.served, &result.steps, &result.peak_running));
+  }
+  Phase timed;
+  timed.open_loop = point.open_loop;
+  timed.limit = point.concurrency;
+  timed.rate = point.rate;
+  timed.first_index = spec.warmup;
+  timed.count = spec.requests > 0 ? spec.requests : -1;
+  timed.duration_s = spec.duration_s;
+  const size_t first_timed = result.served.size();
+  const std::optional<double> joules_before = energy ? energy->ReadJoules() : std::nullopt;
+  RETURN_IF_ERROR(
+      RunPhase(model, spec, timed, &result.served, &result.steps, &result.peak_running));
+  const std::optional<double> joules_after = energy ? energy->ReadJoules() : std::nullopt;
+  double duration_s = 0;
+  for (size_t i = first_timed; i < result.served.size(); ++i)
+    duration_s = std::max(duration_s, result.served[i].end_s());
+  result.metrics = ComputeServeMetrics(result.served, duration_s, slo);
+  if (joules_before && joules_after && result.metrics.total_output_tokens > 0)
+    result.metrics.energy_j_per_output_token =
+        (*joules_after - *joules_before) / result.metrics.total_output_tokens;
+  return result;
+}
+
+absl::StatusOr<std::vector<int32_t>> RunAlone(Model& model, const ServeRequest& request,
+                                              int chunk) {
+  const int isl = static_cast<int>(request.prompt.size());
+  RETURN_IF_ERROR(model.StartBatch(1, isl + request.output_len));
+  std::vector<int32_t> next, tokens;
+  const int piece = chunk > 0 ? chunk : isl;
+  for (int fed = 0; fed < isl; fed += piece) {
+    const int take = std::min(piece, isl - fed);
+    RETURN_IF_ERROR(model.ForwardGreedy(std::span<const int32_t>(request.prompt).subspan(fed, take),
+                                        take, &next));
+  }
+  tokens.push_back(next[0]);
+  while (static_cast<int>(tokens.size()) < request.output_len) {
+    RETURN_IF_ERROR(model.ForwardGreedy(std::span<const int32_t>(&tokens.back(), 1), 1, &next));
+    tokens.push_back(next[0]);
+  }
+  return tokens;
+}
+
+absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
+                               std::map<int, std::vector<int32_t>>* cache) {
+  result->requests_checked = result->requests_matching = 0;
+  result->mismatch.clear();
+  for (const ServedRequest& s : result->served) {
+    auto it = cache->find(s.request.index);
+    if (it == cache->end()) {
+      ASSIGN_OR_RETURN(std::vector<int32_t> tokens, RunAlone(alone, s.request, chunk));
+      it = cache->emplace(s.request.index, std::move(tokens)).first;
+    }
+    ++result->requests_checked;
+    if (s.tokens == it->second) {
+      ++result->requests_matching;
+      continue;
+    }
+    if (!result->mismatch.empty()) continue;
+    size_t at = 0;
+    while (at < s.tokens.size() && at < it->second.size() && s.tokens[at] == it->second[at]) ++at;
+    result->mismatch =
+        absl::StrCat("request ", s.request.index, " (prompt ", s.request.prompt.size(),
+                     " tokens): output token ", at, " is ",
+                     at < s.tokens.size() ? absl::StrCat(s.tokens[at]) : "missing", " served, ",
+                     at < it->second.size() ? absl::StrCat(it->second[at]) : "missing", " alone");
+  }
+  result->verdict = result->requests_matching == result->requests_checked ? TrialStatus::kOk
+                                                                          : TrialStatus::kIncorrect;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
+                                        const Slo& slo,
+                                        std::map<int, std::vector<int32_t>>* lone_runs,
+                                        int rate_probes) {
+  SloSearch search;
+  const bool open_loop = spec.concurrency.empty();
+  // Serves one load and says whether it meets the SLO.
+  auto probe = [&](LoadPoint point) -> absl::StatusOr<bool> {
+    ASSIGN_OR_RETURN(LoadPointResult result, RunLoadPoint(model, spec, point, slo));
+    RETURN_IF_ERROR(CheckServedTokens(alone, spec.chunk, &result, lone_runs));
+    const bool meets = MeetsSlo(result.metrics, slo);
+    if (meets &&
+        (!search.found || (open_loop ? point.rate > search.best.point.rate
+                                     : point.concurrency > search.best.point.concurrency))) {
+      search.found = true;
+      search.best = result;
+    }
+    search.probes.push_back(std::move(result));
+    return meets;
+  };
+  if (!open_loop) {
+    int lo = *std::min_element(spec.concurrency.begin(), spec.concurrency.end());
+    int hi = *std::max_element(spec.concurrency.begin(), spec.concurrency.end());
+    ASSIGN_OR_RETURN(const bool top, probe({false, hi, 0}));
+    if (top || lo == hi) return search;
+    ASSIGN_OR_RETURN(const bool bottom, probe({false, lo, 0}));
+    if (!bottom) return search;
+    while (hi - lo > 1) {  // lo meets the SLO, hi does not
+      const int mid = lo + (hi - lo) / 2;
+      ASSIGN_OR_RETURN(const bool meets, probe({false, mid, 0}));
+      (meets ? lo : hi) = mid;
+    }
+    return search;
+  }
+  double lo = *std::min_element(spec.rate.begin(), spec.rate.end());
+  double hi = *std::max_element(spec.rate.begin(), spec.rate.end());
+  ASSIGN_OR_RETURN(const bool top, probe({true, spec.max_concurrency, hi}));
+  if (top || lo == hi) return search;
+  ASSIGN_OR_RETURN(const bool bottom, probe({true, spec.max_concurrency, lo}));
+  if (!bottom) return search;
+  for (int i = 0; i < rate_probes; ++i) {
+    const double mid = std::sqrt(lo * hi);
+    ASSIGN_OR_RETURN(const bool meets, probe({true, spec.max_concurrency, mid}));
+    (meets ? lo : hi) = mid;
+  }
+  return search;
+}
+
+ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
+                               const Slo& slo, const FaultInjection& fault) {
+  ServeTrialResult trial;
+  auto fail = [&](TrialStatus status, std::string reason) {
+    trial.status = status;
+    trial.reason = std::move(reason);
+    return trial;
+  };
+  auto normalized = NormalizeBackendConfig(config);
+  if (!normalized.ok())
+    return fail(TrialStatus::kError, std::string(normalized.status().message()));
+  const PreflightResult preflight =
+      Preflight(*normalized, MakePreflightTarget(ProbeLocalDevices(), &host));
+  if (!preflight.supported) return fail(TrialStatus::kUnsupported, preflight.reason);
+  // Served tokens are held to the lone run's exactly, which only fp32 arithmetic promises; other
+  // classes need the verdict's thresholds on teacher-forced logits of served requests.
+  if (preflight.precision != PrecisionClass::kFp32)
+    return fail(TrialStatus::kUnsupported,
+                absl::StrCat("serving: ", std::string(PrecisionClassName(preflight.precision)),
+                             " configs are judged by teacher-forced logits of served requests, "
+                             "which this harness does not run yet; fp32 configs only"));
+  auto model = CreateModel(host, *normalized, fault);
+  if (!model.ok())
+    return fail(
+        absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
+        std::string(model.status().message()));
+  auto alone = CreateModel(host, *normalized);
+  if (!alone.ok()) return fail(TrialStatus::kError, std::string(alone.status().message()));
+  std::map<int, std::vector<int32_t>> lone_runs;
+  for (const LoadPoint& point : LoadPoints(spec)) {
+    auto result = RunLoadPoint(**model, spec, point, slo);
+    if (!result.ok())
+      return fail(
+          absl::IsUnimplemented(result.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
+          absl::StrCat(LoadPointName(point), ": ", result.status().message()));
+    if (auto s = CheckServedTokens(**alone, spec.chunk, &*result, &lone_runs); !s.ok())
+      return fail(TrialStatus::kError, absl::StrCat("lone runs: ", s.message()));
+    trial.points.push_back(std::move(*result));
+  }
+  if (!slo.empty()) {
+    auto search = SearchSloLoad(**model, **alone, spec, slo, &lone_runs);
+    if (!search.ok())
+      return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
+    trial.slo_search = std::move(*search);
+  }
+  return trial;
+}
+
+namespace {
+
+nlohmann::json LoadPointJson(const LoadPointResult& r) {
+  const ServeMetrics& m = r.metrics;
+  nlohmann::json j = {
+      {"load_point", LoadPointName(r.point)},
+      {"mode", r.point.open_loop ? "poisson" : "closed_loop"},
+      {"verdict", std::string(TrialStatusName(r.verdict))},
+      {"requests_checked", r.requests_checked},
+      {"requests_matching", r.requests_matching},
+      {"steps", r.steps},
+      {"peak_running", r.peak_running},
+      {"completed", m.completed},
+      {"total_input_tokens", m.total_input_tokens},
+      {"total_output_tokens", m.total_output_tokens},
+      {"duration_s", m.duration_s},
+      {"request_throughput", m.request_throughput},
+      {"output_throughput", m.output_throughput},
+      {"total_token_throughput", m.total_token_throughput},
+      {"output_tok_s_per_user", m.output_tok_s_per_user},
+  };
+  if (r.point.open_loop) {
+    j["request_rate"] = r.point.rate;
+    if (r.point.concurrency > 0) j["max_concurrency"] = r.point.concurrency;
+  } else {
+    j["max_concurrency"] = r.point.concurrency;
+  }
+  auto add = [&](const std::string& name, const Distribution& d) {
+    j["mean_" + name] = d.mean;
+    j["median_" + name] = d.median;
+    j["p90_" + name] = d.p90;
+    j["p99_" + name] = d.p99;
+  };
+  add("ttft_ms", m.ttft_ms);
+  add("tpot_ms", m.tpot_ms);
+  add("itl_ms", m.itl_ms);
+  add("e2el_ms", m.e2el_ms);
+  if (m.request_goodput) j["request_goodput"] = *m.request_goodput;
+  if (m.energy_j_per_output_token) j["energy_j_per_output_token"] = *m.energy_j_per_output_token;
+  if (!r.mismatch.empty()) j["first_mismatch"] = r.mismatch;
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json ToJson(const ServeTrialResult& trial) {
+  nlohmann::json j = {{"status", std::string(TrialStatusName(trial.status))},
+                      {"reason", trial.reason},
+                      {"load_points", nlohmann::json::array()}};
+  for (const LoadPointResult& p : trial.points) j["load_points"].push_back(LoadPointJson(p));
+  if (trial.slo_search) {
+    nlohmann::json search = {{"found", trial.slo_search->found},
+                             {"probes", nlohmann::json::array()}};
+    for (const LoadPointResult& p : trial.slo_search->probes)
+      search["probes"].push_back(LoadPointJson(p));
+    if (trial.slo_search->found) search["best"] = LoadPointJson(trial.slo_search->best);
+    j["slo_search"] = std::move(search);
+  }
+  return j;
+}
+
+std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
+  const ServeMetrics& m = r.metrics;
+  std::string line = absl::StrFormat(
+      "%-28s %-9s completed=%d matching=%d/%d steps=%d peak_running=%d duration_s=%.3f",
+      LoadPointName(r.point), TrialStatusName(r.verdict), m.completed, r.requests_matching,
+      r.requests_checked, r.steps, r.peak_running, m.duration_s);
+  auto add = [&](const char* name, const Distribution& d) {
+    absl::StrAppendFormat(&line, " mean_%s=%.3f median_%s=%.3f p90_%s=%.3f p99_%s=%.3f", name,
+                          d.mean, name, d.median, name, d.p90, name, d.p99);
+  };
+  add("ttft_ms", m.ttft_ms);
+  add("tpot_ms", m.tpot_ms);
+  add("itl_ms", m.itl_ms);
+  add("e2el_ms", m.e2el_ms);
+  absl::StrAppendFormat(&line,
+                        " request_throughput=%.3f output_throughput=%.1f "
+                        "total_token_throughput=%.1f output_tok_s_per_user=%.1f",
+                        m.request_throughput, m.output_throughput, m.total_token_throughput,
+                        m.output_tok_s_per_user);
+  if (m.request_goodput) {
+    absl::StrAppendFormat(&line, " request_goodput=%.3f meets_slo_p%g=%s", *m.request_goodput,
+                          slo.percentile, MeetsSlo(m, slo) ? "yes" : "no");
+  }
+  if (m.energy_j_per_output_token)
+    absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *m.energy_j_per_output_token);
+  if (!r.mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", r.mismatch);
+  return line + "\n";
+}
+
+std::string FormatSloSearchLine(const SloSearch& search, const Slo& slo) {
+  std::string bounds;
+  if (slo.ttft_ms) absl::StrAppend(&bounds, " ttft_ms<=", *slo.ttft_ms);
+  if (slo.tpot_ms) absl::StrAppend(&bounds, " tpot_ms<=", *slo.tpot_ms);
+  std::string line =
+      absl::StrCat("# slo search (p", slo.percentile, bounds, ", ", search.probes.size(),
+                   search.probes.size() == 1 ? " probe): " : " probes): ");
+  if (!search.found) return line + "no probed load meets the SLO\n";
+  absl::StrAppendFormat(&line,
+                        "highest load meeting it: %s, request_goodput=%.3f, "
+                        "output_throughput=%.1f, p%g_ttft_ms=%.3f, p%g_tpot_ms=%.3f, verdict %s\n",
+                        LoadPointName(search.best.point), *search.best.metrics.request_goodput,
+                        search.best.metrics.output_throughput, slo.percentile,
+                        Percentile(search.best.metrics.ttft_values_ms, slo.percentile),
+                        slo.percentile,
+                        Percentile(search.best.metrics.tpot_values_ms, slo.percentile),
+                        TrialStatusName(search.best.verdict));
+  return line;
+}
+
+}  // namespace infersweep

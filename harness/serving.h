@@ -1,0 +1,175 @@
+// Serving load: an in-process load generator that drives a model through ragged steps
+// (continuous batching) at a fixed concurrency (closed loop) or a Poisson request rate (open
+// loop), measures each load point the way `vllm bench serve` does, and checks that every served
+// request's greedy tokens equal the same request run alone.
+//
+// Requests, their lengths and the arrival schedule are a pure function of the spec's seed;
+// timings are the wall clock.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "api/backend_config.h"
+#include "api/trial.h"
+#include "engine/fault_injection.h"
+#include "engine/model.h"
+#include "engine/weights.h"
+#include "harness/gpu_sampler.h"
+
+namespace infersweep {
+
+// What `run --serve` takes: "concurrency=1:4,isl=64,osl=16,requests=8" or
+// "rate=2:8,max_concurrency=16,isl=32-64,osl=16,duration=30". Lists separate load points with
+// ':'; a length "A-B" is drawn uniformly from [A, B] per request.
+struct ServeSpec {
+  std::vector<int> concurrency;    // closed-loop load points: requests in flight
+  std::vector<double> rate;        // open-loop load points: Poisson arrivals, requests/s
+  int max_concurrency = 0;         // open loop: cap on requests in flight (0: none)
+  int isl_min = 64, isl_max = 64;  // input (prompt) length, tokens
+  int osl_min = 16, osl_max = 16;  // output length, tokens
+  int requests = 0;                // timed requests per load point (or duration_s)
+  double duration_s = 0;           // issue timed requests for this long instead (or requests)
+  int warmup = 0;  // requests served first at each load point, left out of the figures
+  int chunk = 0;   // prefill tokens a step takes (chunked prefill); 0: a whole prompt
+  uint64_t seed = 1;
+};
+
+// Errors name the field.
+absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text);
+
+// The SLO a request or a load point meets: each bound given must hold.
+struct Slo {
+  std::optional<double> ttft_ms, tpot_ms;
+  double percentile = 99;  // a load point meets the SLO when this percentile of each does
+  bool empty() const { return !ttft_ms && !tpot_ms; }
+};
+// "ttft_ms=2000,tpot_ms=50[,percentile=99]"; errors name the field.
+absl::StatusOr<Slo> ParseSlo(std::string_view text);
+
+struct LoadPoint {
+  bool open_loop = false;
+  int concurrency = 0;  // closed loop: in flight; open loop: the cap (0: none)
+  double rate = 0;      // open loop, requests/s
+};
+std::string LoadPointName(const LoadPoint& point);  // "concurrency=4", "rate=2 (cap 8)"
+std::vector<LoadPoint> LoadPoints(const ServeSpec& spec);
+
+// One request: its prompt and wanted output length, from (seed, index) alone.
+struct ServeRequest {
+  int index = 0;
+  std::vector<int32_t> prompt;
+  int output_len = 0;
+};
+ServeRequest MakeServeRequest(const ServeSpec& spec, int vocab, int index);
+
+// A served request: what it produced and when (seconds since its phase started).
+struct ServedRequest {
+  ServeRequest request;
+  bool warmup = false;
+  std::vector<int32_t> tokens;        // greedy output tokens
+  double start_s = 0;                 // arrival (open loop) or issue (closed loop)
+  std::vector<double> token_times_s;  // when each output token came back
+  double end_s() const { return token_times_s.empty() ? start_s : token_times_s.back(); }
+};
+
+struct Distribution {
+  double mean = 0, median = 0, p90 = 0, p99 = 0;
+};
+
+// A load point's figures, named as `vllm bench serve` names them. TTFT: start to the first
+// token; TPOT: (e2el - ttft) / (output - 1) per request; ITL: every gap between tokens, pooled;
+// E2EL: start to the last token.
+struct ServeMetrics {
+  int completed = 0;
+  int64_t total_input_tokens = 0, total_output_tokens = 0;
+  double duration_s = 0;              // the timed phase: its start to its last token
+  double request_throughput = 0;      // requests/s
+  double output_throughput = 0;       // output tok/s
+  double total_token_throughput = 0;  // (input + output) tok/s
+  double output_tok_s_per_user = 0;   // mean over requests of 1000 / tpot_ms
+  Distribution ttft_ms, tpot_ms, itl_ms, e2el_ms;
+  std::vector<double> ttft_values_ms, tpot_values_ms;  // per request, for SLO percentiles
+  std::optional<double> request_goodput;  // requests/s meeting every SLO bound; with an SLO
+  std::optional<double> energy_j_per_output_token;  // with a GPU energy counter only
+};
+
+// The timed requests' figures (warm-up ones are skipped).
+ServeMetrics ComputeServeMetrics(const std::vector<ServedRequest>& served, double duration_s,
+                                 const Slo& slo);
+// Whether the load point's percentiles meet the SLO (every bound given).
+bool MeetsSlo(const ServeMetrics& metrics, const Slo& slo);
+
+struct LoadPointResult {
+  LoadPoint point;
+  std::vector<ServedRequest> served;  // warm-up first, then timed, in issue order
+  ServeMetrics metrics;
+  int steps = 0;         // ragged steps taken (warm-up included)
+  int peak_running = 0;  // most sequences in one step
+  // Correctness: every served request against the same request alone.
+  TrialStatus verdict = TrialStatus::kOk;
+  int requests_checked = 0, requests_matching = 0;
+  std::string mismatch;  // the first mismatch, described
+};
+
+// Serves one load point on `model` (StartServing, then admissions, ragged steps, retirements).
+// Unimplemented when the model runs no ragged steps.
+absl::StatusOr<LoadPointResult> RunLoadPoint(Model& model, const ServeSpec& spec,
+                                             const LoadPoint& point, const Slo& slo,
+                                             GpuEnergyMeter* energy = nullptr);
+
+// The request run alone: a lockstep batch of 1, its prompt fed as the server feeds a lone
+// request (pieces of `chunk` tokens; the whole prompt when 0), then greedy decode.
+absl::StatusOr<std::vector<int32_t>> RunAlone(Model& model, const ServeRequest& request, int chunk);
+
+// Sets the result's verdict: INCORRECT unless every served request's tokens equal those of the
+// request run alone on `alone` (a model of the same config, without faults). `cache` keeps the
+// lone runs by request index across load points of one spec.
+absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
+                               std::map<int, std::vector<int32_t>>* cache);
+
+// The highest load that meets the SLO at its percentile, by bisection between the lowest and the
+// highest load point of the spec: over integer concurrency (closed loop, when the spec has
+// concurrency points) or over the request rate (open loop; geometric midpoints, `rate_probes`
+// of them). Every probe is served and its tokens checked like a listed load point.
+struct SloSearch {
+  bool found = false;                   // some probed load meets the SLO
+  LoadPointResult best;                 // the highest load that met it (when found)
+  std::vector<LoadPointResult> probes;  // in the order they ran
+};
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
+                                        const Slo& slo,
+                                        std::map<int, std::vector<int32_t>>* lone_runs,
+                                        int rate_probes = 5);
+
+// A serving trial on host weights: the config under test (with `fault`, TEST ONLY) serves each
+// load point of the spec, and a fault-free model of the same config runs each request alone;
+// with an SLO, then the search for the highest load that meets it.
+// UNSUPPORTED (with the reason) where the config cannot serve: a device whose engine runs no
+// ragged steps, or a precision class whose served tokens may differ from its lone runs.
+struct ServeTrialResult {
+  TrialStatus status = TrialStatus::kOk;  // kOk once the load points ran; see each verdict
+  std::string reason;
+  std::vector<LoadPointResult> points;
+  std::optional<SloSearch> slo_search;  // with an SLO
+};
+ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
+                               const Slo& slo, const FaultInjection& fault = {});
+
+// A serving trial as JSON: its status and reason, and per load point (and SLO probe) the point,
+// the verdict, the counts and the figures under their `vllm bench serve` names
+// (docs/METRICS.md, "Serving load").
+nlohmann::json ToJson(const ServeTrialResult& trial);
+
+// One line per load point: the point, the verdict, the request counts and the figures.
+std::string FormatLoadPointLine(const LoadPointResult& result, const Slo& slo);
+// The search's answer, as a '#' line: the highest load meeting the SLO and its goodput.
+std::string FormatSloSearchLine(const SloSearch& search, const Slo& slo);
+
+}  // namespace infersweep

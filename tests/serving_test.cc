@@ -1,0 +1,528 @@
+// Serving load on the CPU reference: ragged steps and the KV slot allocator, the load generator
+// (closed loop, Poisson arrivals, chunked prefill), its figures, and the verdict that holds
+// every served request's greedy tokens to the same request run alone.
+#include "harness/serving.h"
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "engine/backends.h"
+#include "engine/cpu_model.h"
+#include "engine/sampler.h"
+#include "engine/weights.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "harness/executor.h"
+#include "tests/test_util.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<HostModel> LoadPreset(const std::string& name) {
+  auto host = LoadHostModel("preset:" + name);
+  EXPECT_TRUE(host.ok()) << host.status();
+  return host.ok() ? std::move(*host) : nullptr;
+}
+
+// The CPU reference's config, normalized (every axis at its default).
+const BackendConfig kCpu = *NormalizeBackendConfig({{"device", "cpu"}});
+
+ServeSpec Spec(const std::string& text) {
+  auto spec = ParseServeSpec(text);
+  EXPECT_TRUE(spec.ok()) << text << ": " << spec.status();
+  return spec.ok() ? *spec : ServeSpec{};
+}
+
+// Every load point ran to an OK verdict with every request (warm-up included) checked.
+void ExpectAllMatch(const ServeTrialResult& trial, const ServeSpec& spec) {
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  ASSERT_EQ(trial.points.size(), LoadPoints(spec).size());
+  for (const LoadPointResult& p : trial.points) {
+    SCOPED_TRACE(LoadPointName(p.point));
+    EXPECT_EQ(p.verdict, TrialStatus::kOk) << p.mismatch;
+    EXPECT_EQ(p.requests_checked, spec.requests + spec.warmup);
+    EXPECT_EQ(p.requests_matching, p.requests_checked);
+    EXPECT_EQ(p.metrics.completed, spec.requests);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine: ragged steps against lockstep runs, slot bookkeeping, refusal
+
+// Two sequences at different positions share steps (one prefilling in chunks while the other
+// decodes); each one's logits equal its lone lockstep run's bit for bit.
+TEST(RaggedStep, MixedPositionsMatchLockstepRunsExactly) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto served = CreateModel(*host, kCpu);
+  auto alone = CreateModel(*host, kCpu);
+  ASSERT_TRUE(served.ok() && alone.ok());
+  const int vocab = host->config.vocab_size;
+  const std::vector<int32_t> a = {5, 17, 300, 42, 7, 9, 11, 100, 3, 64};
+  const std::vector<int32_t> b = {400, 2, 77, 91, 13, 250};
+
+  // Lone runs: each prompt in one prefill; the last-token logits.
+  auto lone_logits = [&](const std::vector<int32_t>& prompt) {
+    std::vector<float> logits;
+    EXPECT_TRUE((*alone)->StartBatch(1, 32).ok());
+    EXPECT_TRUE((*alone)
+                    ->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kLast, &logits)
+                    .ok());
+    return logits;
+  };
+  const std::vector<float> want_a = lone_logits(a), want_b = lone_logits(b);
+
+  ASSERT_TRUE((*served)->StartServing(3, 32).ok());
+  auto slot_a = (*served)->AdmitSequence();
+  ASSERT_TRUE(slot_a.ok());
+  std::vector<float> logits;
+  // a's first 7 tokens alone, then b's prompt in pieces of 4 and 2 beside a's last 3 tokens.
+  const std::span<const int32_t> sa(a), sb(b);
+  std::vector<RaggedChunk> step = {{*slot_a, sa.subspan(0, 7)}};
+  ASSERT_TRUE((*served)->RaggedStep(step, &logits).ok());
+  auto slot_b = (*served)->AdmitSequence();
+  ASSERT_TRUE(slot_b.ok());
+  EXPECT_NE(*slot_a, *slot_b);
+  step = {{*slot_b, sb.subspan(0, 4)}, {*slot_a, sa.subspan(7, 1)}};
+  ASSERT_TRUE((*served)->RaggedStep(step, &logits).ok());
+  step = {{*slot_a, sa.subspan(8, 2)}, {*slot_b, sb.subspan(4, 2)}};
+  ASSERT_TRUE((*served)->RaggedStep(step, &logits).ok());
+  ASSERT_EQ(logits.size(), 2u * vocab);
+  EXPECT_EQ(std::vector<float>(logits.begin(), logits.begin() + vocab), want_a);
+  EXPECT_EQ(std::vector<float>(logits.begin() + vocab, logits.end()), want_b);
+}
+
+TEST(RaggedStep, SlotsAreAdmittedRetiredAndChecked) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto model = CreateModel(*host, kCpu);
+  ASSERT_TRUE(model.ok());
+  std::vector<float> logits;
+  const std::vector<int32_t> tokens = {1, 2, 3};
+  EXPECT_EQ((*model)->RaggedStep({}, &logits).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*model)->StartServing(2, 4).ok());
+  EXPECT_EQ(*(*model)->AdmitSequence(), 0);
+  EXPECT_EQ(*(*model)->AdmitSequence(), 1);
+  EXPECT_EQ((*model)->AdmitSequence().status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE((*model)->RetireSequence(0).ok());
+  EXPECT_THAT((*model)->RetireSequence(0).message(), HasSubstr("KV slot 0 holds no sequence"));
+  std::vector<RaggedChunk> free_slot = {{0, tokens}};
+  EXPECT_THAT((*model)->RaggedStep(free_slot, &logits).message(), HasSubstr("KV slot 0"));
+  std::vector<RaggedChunk> twice = {{1, std::span(tokens).subspan(0, 1)},
+                                    {1, std::span(tokens).subspan(1, 1)}};
+  EXPECT_THAT((*model)->RaggedStep(twice, &logits).message(), HasSubstr("appears twice"));
+  std::vector<RaggedChunk> fill = {{1, tokens}};
+  ASSERT_TRUE((*model)->RaggedStep(fill, &logits).ok());
+  std::vector<RaggedChunk> over = {{1, tokens}};
+  EXPECT_THAT((*model)->RaggedStep(over, &logits).message(), HasSubstr("exceed its max_tokens 4"));
+  // A retired slot's next sequence starts empty: admitted again, it takes the whole room.
+  ASSERT_TRUE((*model)->RetireSequence(1).ok());
+  EXPECT_EQ(*(*model)->AdmitSequence(), 0);
+  EXPECT_EQ(*(*model)->AdmitSequence(), 1);
+  EXPECT_TRUE((*model)->RaggedStep(fill, &logits).ok());
+  // A lockstep batch after serving, and Forward refused while serving.
+  ASSERT_TRUE((*model)->StartServing(1, 4).ok());
+  EXPECT_EQ((*model)->Forward(tokens, 3, LogitsMode::kLast, &logits).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// An engine that runs lockstep batches only (the CUDA engine's case) is refused with a reason,
+// by the model and by the load generator.
+class LockstepOnlyModel : public Model {
+ public:
+  explicit LockstepOnlyModel(Model& inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  std::string device() const override { return "cuda:0"; }
+  absl::Status StartBatch(int batch, int max_tokens) override {
+    return inner_.StartBatch(batch, max_tokens);
+  }
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    return inner_.Forward(tokens, n, mode, logits);
+  }
+  int position() const override { return inner_.position(); }
+
+ private:
+  Model& inner_;
+};
+
+TEST(RaggedStep, LockstepOnlyEngineIsRefusedWithItsReason) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto inner = CreateModel(*host, kCpu);
+  ASSERT_TRUE(inner.ok());
+  LockstepOnlyModel model(**inner);
+  const absl::Status s = model.StartServing(4, 64);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("device=cuda:0: this engine runs lockstep batches only"));
+  auto point = RunLoadPoint(model, Spec("concurrency=2,isl=8,osl=4,requests=2"), {false, 2, 0}, {});
+  EXPECT_EQ(point.status().code(), absl::StatusCode::kUnimplemented);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Served tokens against lone runs (issue 33's CPU acceptance)
+
+TEST(Serving, TinyMoeAtConcurrency1And4MatchesLoneRuns) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  // Ragged lengths, so sequences sit at different positions and retire at different steps.
+  const ServeSpec spec = Spec("concurrency=1:4,isl=8-40,osl=3-12,requests=10,warmup=2");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {});
+  ExpectAllMatch(trial, spec);
+  ASSERT_EQ(trial.points.size(), 2u);
+  EXPECT_EQ(trial.points[0].peak_running, 1);
+  EXPECT_EQ(trial.points[1].peak_running, 4);  // continuous batching did batch
+}
+
+TEST(Serving, ChunkedPrefillBesideDecodeRowsMatchesLoneRuns) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=6");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {});
+  ExpectAllMatch(trial, spec);
+}
+
+TEST(Serving, TinyMoeAtPoissonRateMatchesLoneRuns) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("rate=100:400,isl=8-32,osl=4-10,requests=10,seed=3");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {});
+  ExpectAllMatch(trial, spec);
+  const ServeSpec capped = Spec("rate=400,max_concurrency=2,isl=8-32,osl=4-10,requests=6,chunk=8");
+  const ServeTrialResult capped_trial = RunServeTrial(*host, kCpu, capped, {});
+  ExpectAllMatch(capped_trial, capped);
+  ASSERT_EQ(capped_trial.points.size(), 1u);
+  EXPECT_LE(capped_trial.points[0].peak_running, 2);
+}
+
+// Linear-attention layers keep their conv and recurrent state per slot.
+TEST(Serving, HybridModelKeepsStatePerSlot) {
+  auto host = LoadPreset("tiny-hybrid");
+  ASSERT_NE(host, nullptr);
+  for (const std::string text : {"concurrency=3,isl=6-20,osl=3-8,requests=6",
+                                 "concurrency=3,isl=6-20,osl=3-8,requests=6,chunk=4"}) {
+    SCOPED_TRACE(text);
+    const ServeSpec spec = Spec(text);
+    ExpectAllMatch(RunServeTrial(*host, kCpu, spec, {}), spec);
+  }
+}
+
+// A scheduling bug (a sequence reading another's KV slot) is INCORRECT; with one sequence at a
+// time there is nothing to swap.
+TEST(Serving, KvSlotSwapIsIncorrect) {
+  auto fault = ParseFaultInjection("kv-slot-swap:0");
+  ASSERT_TRUE(fault.ok());
+  EXPECT_EQ(FaultInjectionString(*fault), "kv-slot-swap:0");
+  for (const std::string name : {"tiny-moe", "tiny-hybrid"}) {
+    SCOPED_TRACE(name);
+    auto host = LoadPreset(name);
+    ASSERT_NE(host, nullptr);
+    const ServeSpec spec = Spec("concurrency=1:4,isl=12-24,osl=8,requests=6");
+    const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {}, *fault);
+    ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+    ASSERT_EQ(trial.points.size(), 2u);
+    EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk) << trial.points[0].mismatch;
+    EXPECT_EQ(trial.points[1].verdict, TrialStatus::kIncorrect);
+    EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
+    EXPECT_THAT(trial.points[1].mismatch, HasSubstr("served"));
+  }
+}
+
+// Only the CPU reference commits kv-slot-swap: elsewhere the request is refused, not run clean.
+TEST(Serving, KvSlotSwapElsewhereThanTheCpuIsRefused) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto cuda = NormalizeBackendConfig({{"device", "cuda"}});
+  ASSERT_TRUE(cuda.ok());
+  auto model = CreateModel(*host, *cuda, *ParseFaultInjection("kv-slot-swap:1"));
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(model.status().message(), HasSubstr("kv-slot-swap is committed by the CPU"));
+}
+
+// The same fault in a lockstep trial: the eval's batch of prompts shares the slots it swaps, so
+// the trial's own verdict is INCORRECT too.
+TEST(Serving, KvSlotSwapInALockstepTrialIsIncorrect) {
+  TrialExecutor executor(LocalDevices{});
+  TrialRequest request;
+  request.trial_id = "t";
+  request.model = "preset:tiny-moe";
+  request.config = {{"device", "cpu"}};
+  request.workload.prompt_len = 8;
+  request.workload.output_len = 4;
+  request.workload.repeats = 1;
+  request.workload.warmup = 0;
+  request.inject_fault = "kv-slot-swap:1";
+  const TrialResult result = executor.Execute(request);
+  EXPECT_EQ(result.status, TrialStatus::kIncorrect) << result.reason;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Figures
+
+void ExpectOrdered(const Distribution& d, const std::string& name) {
+  SCOPED_TRACE(name);
+  EXPECT_GT(d.median, 0);
+  EXPECT_LE(d.median, d.p90);
+  EXPECT_LE(d.p90, d.p99);
+}
+
+TEST(Serving, PercentilesAreOrderedAndCountsMatch) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec =
+      Spec("concurrency=3,rate=300,isl=8-40,osl=2-12,requests=12,warmup=2,seed=5");
+  Slo slo;
+  slo.ttft_ms = 1e6;  // every request meets it: goodput equals the request throughput
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, slo);
+  ExpectAllMatch(trial, spec);
+  for (const LoadPointResult& p : trial.points) {
+    SCOPED_TRACE(LoadPointName(p.point));
+    const ServeMetrics& m = p.metrics;
+    ExpectOrdered(m.ttft_ms, "ttft");
+    ExpectOrdered(m.tpot_ms, "tpot");
+    ExpectOrdered(m.itl_ms, "itl");
+    ExpectOrdered(m.e2el_ms, "e2el");
+    EXPECT_LE(m.ttft_ms.p99, m.e2el_ms.p99);
+    int64_t input = 0, output = 0;
+    for (int i = spec.warmup; i < spec.warmup + spec.requests; ++i) {
+      const ServeRequest r = MakeServeRequest(spec, host->config.vocab_size, i);
+      input += static_cast<int64_t>(r.prompt.size());
+      output += r.output_len;
+    }
+    EXPECT_EQ(m.total_input_tokens, input);
+    EXPECT_EQ(m.total_output_tokens, output);
+    EXPECT_EQ(static_cast<int64_t>(p.served.size()), spec.requests + spec.warmup);
+    int timed = 0;
+    for (const ServedRequest& s : p.served) {
+      timed += !s.warmup;
+      EXPECT_EQ(static_cast<int>(s.tokens.size()), s.request.output_len);
+      EXPECT_EQ(s.token_times_s.size(), s.tokens.size());
+    }
+    EXPECT_EQ(timed, spec.requests);
+    EXPECT_NEAR(m.request_throughput, spec.requests / m.duration_s, 1e-9);
+    EXPECT_NEAR(m.output_throughput, output / m.duration_s, 1e-6);
+    EXPECT_NEAR(m.total_token_throughput, (input + output) / m.duration_s, 1e-6);
+    ASSERT_TRUE(m.request_goodput.has_value());
+    EXPECT_NEAR(*m.request_goodput, m.request_throughput, 1e-9);
+    EXPECT_TRUE(MeetsSlo(m, slo));
+    EXPECT_FALSE(m.energy_j_per_output_token.has_value());  // no energy counter on the CPU
+    EXPECT_EQ(static_cast<int64_t>(m.tpot_values_ms.size()), spec.requests);
+  }
+}
+
+// The figures from hand-made timings: vLLM's definitions, warm-up requests skipped.
+TEST(Serving, MetricsFollowVllmDefinitions) {
+  std::vector<ServedRequest> served(3);
+  served[0].warmup = true;
+  served[0].request.prompt = {1};
+  served[0].tokens = {1};
+  served[0].token_times_s = {100};
+  served[1].request.prompt = {1, 2, 3, 4};
+  served[1].tokens = {7, 8, 9};
+  served[1].start_s = 0;
+  served[1].token_times_s = {0.010, 0.030, 0.050};  // ttft 10, tpot 20, itl 20 20, e2el 50
+  served[2].request.prompt = {1, 2};
+  served[2].tokens = {5, 6};
+  served[2].start_s = 0.020;
+  served[2].token_times_s = {0.060, 0.100};  // ttft 40, tpot 40, itl 40, e2el 80
+  Slo slo;
+  slo.ttft_ms = 20;
+  const ServeMetrics m = ComputeServeMetrics(served, 0.1, slo);
+  EXPECT_EQ(m.completed, 2);
+  EXPECT_EQ(m.total_input_tokens, 6);
+  EXPECT_EQ(m.total_output_tokens, 5);
+  EXPECT_NEAR(m.ttft_ms.mean, 25, 1e-9);
+  EXPECT_NEAR(m.ttft_ms.median, 10, 1e-9);
+  EXPECT_NEAR(m.ttft_ms.p99, 40, 1e-9);
+  EXPECT_NEAR(m.tpot_ms.mean, 30, 1e-9);
+  EXPECT_NEAR(m.itl_ms.mean, (20 + 20 + 40) / 3.0, 1e-9);
+  EXPECT_NEAR(m.e2el_ms.p99, 80, 1e-9);
+  EXPECT_NEAR(m.request_throughput, 20, 1e-9);
+  EXPECT_NEAR(m.output_throughput, 50, 1e-9);
+  EXPECT_NEAR(m.total_token_throughput, 110, 1e-9);
+  EXPECT_NEAR(m.output_tok_s_per_user, (50 + 25) / 2.0, 1e-9);
+  ASSERT_TRUE(m.request_goodput.has_value());
+  EXPECT_NEAR(*m.request_goodput, 10, 1e-9);  // one of two meets ttft <= 20 ms
+  EXPECT_FALSE(MeetsSlo(m, slo));             // p99 ttft is 40 ms
+  slo.percentile = 50;
+  EXPECT_TRUE(MeetsSlo(m, slo));
+}
+
+// Nearest-rank percentiles over 20 requests whose TTFTs are 1..20 ms.
+TEST(Serving, PercentilesAreNearestRank) {
+  std::vector<ServedRequest> served(20);
+  for (int i = 0; i < 20; ++i) {
+    served[i].request.prompt = {1};
+    served[i].tokens = {1, 2};
+    served[i].start_s = i;
+    served[i].token_times_s = {i + (20 - i) * 1e-3, i + 1.0};  // ttft 20 - i ms
+  }
+  const ServeMetrics m = ComputeServeMetrics(served, 40, {});
+  EXPECT_NEAR(m.ttft_ms.median, 10, 1e-6);
+  EXPECT_NEAR(m.ttft_ms.p90, 18, 1e-6);
+  EXPECT_NEAR(m.ttft_ms.p99, 20, 1e-6);
+  EXPECT_NEAR(m.ttft_ms.mean, 10.5, 1e-6);
+  EXPECT_FALSE(m.request_goodput.has_value());  // no SLO, no goodput
+}
+
+// The search answers with the highest load when every load meets the SLO and with none when
+// none does, checking every probe's tokens.
+TEST(Serving, SloSearchFindsTheHighestLoadMeetingTheSlo) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("concurrency=1:5,isl=8-16,osl=3-6,requests=6");
+  Slo generous;
+  generous.ttft_ms = 1e6;
+  generous.tpot_ms = 1e6;
+  ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, generous);
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  ASSERT_TRUE(trial.slo_search.has_value());
+  EXPECT_TRUE(trial.slo_search->found);
+  EXPECT_EQ(trial.slo_search->best.point.concurrency, 5);
+  EXPECT_EQ(trial.slo_search->best.verdict, TrialStatus::kOk);
+  EXPECT_THAT(FormatSloSearchLine(*trial.slo_search, generous),
+              HasSubstr("highest load meeting it: concurrency=5"));
+
+  Slo impossible;
+  impossible.ttft_ms = 1e-9;
+  trial = RunServeTrial(*host, kCpu, spec, impossible);
+  ASSERT_TRUE(trial.slo_search.has_value());
+  EXPECT_FALSE(trial.slo_search->found);
+  ASSERT_EQ(trial.slo_search->probes.size(), 2u);  // the highest load, then the lowest
+  EXPECT_EQ(trial.slo_search->probes[0].point.concurrency, 5);
+  EXPECT_EQ(trial.slo_search->probes[1].point.concurrency, 1);
+  for (const LoadPointResult& p : trial.slo_search->probes)
+    EXPECT_EQ(p.requests_matching, p.requests_checked);
+  EXPECT_THAT(FormatSloSearchLine(*trial.slo_search, impossible),
+              HasSubstr("no probed load meets the SLO"));
+}
+
+// duration=S issues requests for S seconds (closed loop: none starts after S); every one that
+// started completes and is counted.
+TEST(Serving, DurationBoundsTheIssuedRequests) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("concurrency=2,rate=100,isl=8-16,osl=3-6,duration=0.15");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {});
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  for (const LoadPointResult& p : trial.points) {
+    SCOPED_TRACE(LoadPointName(p.point));
+    EXPECT_EQ(p.verdict, TrialStatus::kOk) << p.mismatch;
+    EXPECT_GT(p.metrics.completed, 0);
+    EXPECT_EQ(p.metrics.completed, static_cast<int>(p.served.size()));
+    EXPECT_EQ(p.requests_matching, p.requests_checked);
+    for (const ServedRequest& s : p.served) {
+      EXPECT_LT(s.start_s, 0.15);
+      EXPECT_EQ(static_cast<int>(s.tokens.size()), s.request.output_len);
+    }
+  }
+}
+
+// The same spec draws the same requests; the seed changes them.
+TEST(Serving, RequestsAreSeeded) {
+  const ServeSpec spec = Spec("concurrency=1,isl=4-64,osl=2-9,requests=4,seed=9");
+  const ServeRequest a = MakeServeRequest(spec, 512, 3), b = MakeServeRequest(spec, 512, 3);
+  EXPECT_EQ(a.prompt, b.prompt);
+  EXPECT_EQ(a.output_len, b.output_len);
+  EXPECT_NE(
+      MakeServeRequest(Spec("concurrency=1,isl=4-64,osl=2-9,requests=4,seed=10"), 512, 3).prompt,
+      a.prompt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The spec and the CLI
+
+TEST(ServeSpec, ParsesLoadPointsAndRanges) {
+  const ServeSpec spec = Spec("concurrency=1:4:16,isl=32-64,osl=16,requests=8,warmup=2,chunk=16");
+  EXPECT_EQ(spec.concurrency, (std::vector<int>{1, 4, 16}));
+  EXPECT_EQ(spec.isl_min, 32);
+  EXPECT_EQ(spec.isl_max, 64);
+  EXPECT_EQ(spec.osl_min, 16);
+  EXPECT_EQ(spec.osl_max, 16);
+  EXPECT_EQ(spec.chunk, 16);
+  EXPECT_EQ(LoadPoints(Spec("rate=2:8,max_concurrency=4,requests=1")).size(), 2u);
+}
+
+TEST(ServeSpec, BadInputNamesTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"concurrency=0,requests=8", "'concurrency'"},
+      {"concurrency=1:x,requests=8", "'concurrency'"},
+      {"rate=-1,requests=8", "'rate'"},
+      {"concurrency=1,isl=abc,requests=8", "'isl'"},
+      {"concurrency=1,osl=9-3,requests=8", "'osl'"},
+      {"concurrency=1,requests=many", "'requests'"},
+      {"concurrency=1", "exactly one of 'requests'"},
+      {"concurrency=1,requests=2,duration=5", "exactly one of 'requests'"},
+      {"isl=8,requests=2", "needs a load"},
+      {"concurrency=1,requests=2,max_concurrency=4", "'max_concurrency'"},
+      {"concurrency=1,requests=2,speed=4", "unknown --serve field 'speed'"},
+      {"concurrency=1,requests", "field=value"},
+  };
+  for (const auto& [text, want] : cases) {
+    auto spec = ParseServeSpec(text);
+    EXPECT_FALSE(spec.ok()) << text;
+    EXPECT_THAT(spec.status().message(), HasSubstr(want)) << text;
+  }
+  EXPECT_THAT(ParseSlo("ttft_ms=fast").status().message(), HasSubstr("'ttft_ms'"));
+  EXPECT_THAT(ParseSlo("p99=3").status().message(), HasSubstr("unknown --slo field 'p99'"));
+}
+
+TEST(ServeCli, PrintsOneLinePerLoadPointWithItsVerdict) {
+  int code = -1;
+  const std::string out =
+      RunCommand(WorkerBinary() +
+                     " run --model preset:tiny-moe --serve concurrency=1:4,isl=16,osl=4,requests=4"
+                     " --slo ttft_ms=100000,tpot_ms=100000 2>&1",
+                 &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("concurrency=1 "));
+  EXPECT_THAT(out, HasSubstr("concurrency=4 "));
+  EXPECT_THAT(out, HasSubstr("matching=4/4"));
+  EXPECT_THAT(out, HasSubstr("median_tpot_ms="));
+  EXPECT_THAT(out, HasSubstr("request_goodput="));
+  EXPECT_THAT(out, HasSubstr("# slo search"));
+
+  // --json: the same load points under their vLLM names.
+  const std::string dir = MakeTempDir("serving-json");
+  ASSERT_FALSE(dir.empty());
+  const std::string json_path = dir + "/serve.json";
+  const std::string json_run = RunCommand(
+      WorkerBinary() + " run --model preset:tiny-moe --serve rate=200,isl=8,osl=3,requests=3" +
+          " --json " + json_path + " 2>&1",
+      &code);
+  EXPECT_EQ(code, 0) << json_run;
+  std::ifstream in(json_path);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << json_run;
+  EXPECT_EQ(j["schema"], "infersweep.serve/1");
+  const nlohmann::json& point = j["results"][0]["load_points"][0];
+  EXPECT_EQ(point["verdict"], "OK");
+  EXPECT_EQ(point["completed"], 3);
+  EXPECT_EQ(point["request_rate"], 200);
+  EXPECT_TRUE(point.contains("p99_itl_ms"));
+  EXPECT_FALSE(point.contains("energy_j_per_output_token"));
+  std::filesystem::remove_all(dir);
+
+  const std::string faulty =
+      RunCommand(WorkerBinary() +
+                     " run --model preset:tiny-moe --serve concurrency=4,isl=16,osl=6,requests=4"
+                     " --test-inject-fault kv-slot-swap:2 2>&1",
+                 &code);
+  EXPECT_EQ(code, 0) << faulty;  // the run ran; its verdict is the line's
+  EXPECT_THAT(faulty, HasSubstr("INCORRECT"));
+
+  const std::string bad = RunCommand(
+      WorkerBinary() + " run --model preset:tiny-moe --serve concurrency=1,isl=x,requests=2 2>&1",
+      &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(bad, HasSubstr("--serve field 'isl'"));
+}
+
+}  // namespace
+}  // namespace infersweep
