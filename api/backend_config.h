@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/model_config.h"
 
 namespace infersweep {
 
@@ -64,6 +65,9 @@ struct PreflightTarget {
   int sm = 0;                   // e.g. 90 for sm_90; 0 when there is no GPU
   int gpu_count = 0;
   std::string weight_format;    // "bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"
+  // The model's shapes, once known (after loading): tp and ep must shard them
+  // (TensorParallelRefusal).
+  std::optional<ModelConfig> model;
 };
 
 struct PreflightResult {
@@ -83,6 +87,17 @@ PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget
 // (CreateModel): every conflict is stated once, in the registry.
 std::string RegistryConflict(const BackendConfig& normalized, std::string_view weight_format,
                              const std::vector<BackendDescriptor>& registry = BackendRegistry());
+
+// Why `tp` ranks cannot shard `model` the way the tensor-parallel engines do (q/k/v heads, the
+// dense and expert intermediate sizes, or with `expert_parallel` whole experts per rank, and the
+// linear-attention heads), naming the dimension; empty when they can. KV heads fewer than the
+// ranks are replicated, so the ranks must be a multiple of them. The vocabulary needs no
+// divisibility: the lm_head's shards may differ by one row.
+std::string TensorParallelRefusal(const ModelConfig& model, int tp, bool expert_parallel);
+
+// The tensor-parallel axes of a normalized config: tp (1 when absent) and ep=on.
+int TensorParallelRanks(const BackendConfig& normalized);
+bool ExpertParallel(const BackendConfig& normalized);
 
 // The cartesian product of per-axis value lists (each list non-empty), in a stable order.
 std::vector<BackendConfig> ExpandMatrix(const std::map<std::string, std::vector<std::string>>& axes);

@@ -338,7 +338,9 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial,
                             absl::StrCat("invalid config: ", config.status().message()), nullptr);
     return true;
   }
-  const int needed = std::max(1, trial.selector.gpus_needed);
+  // A GPU config's tensor-parallel ranks take a GPU each, whatever the selector asks for.
+  const int needed = std::max({1, trial.selector.gpus_needed,
+                               ConfigDevice(*config) == "cuda" ? TensorParallelRanks(*config) : 1});
   // Preflight depends on the slot's SM and its agent's build and GPU count only: once per kind.
   std::map<std::tuple<int, bool, int>, PreflightResult> preflight;
   auto judge = [&](const Conn& conn, const SlotInfo& slot) -> const PreflightResult& {

@@ -34,6 +34,11 @@ constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
                                      {QGemm::kFp8CublasLt, "fp8_cublaslt"},
                                      {QGemm::kNativeFp4, "native_fp4"}}};
 constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
+constexpr Names<AllReduce, 4> kAllReduce = {{{AllReduce::kReference, "reference"},
+                                             {AllReduce::kNccl, "nccl"},
+                                             {AllReduce::kCustom, "custom"},
+                                             {AllReduce::kFused, "fused"}}};
+constexpr Names<bool, 2> kSwitch = {{{false, "off"}, {true, "on"}}};
 
 template <typename E, size_t N>
 const char* NameOf(const Names<E, N>& names, E value) {
@@ -70,6 +75,17 @@ absl::Status ExpectDevice(const BackendConfig& config, const std::string& device
       absl::StrCat("device=", ConfigDevice(config), ": not a device=", device, " config"));
 }
 
+// tp, ep and allreduce of either device.
+absl::Status ParseParallel(const BackendConfig& config, const std::string& device,
+                           ParallelOptions* out) {
+  const std::string tp = ValueOf(config, device, "tp");
+  if (!absl::SimpleAtoi(tp, &out->tp) || out->tp < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
+  if (auto s = ParseAxis(config, device, "ep", kSwitch, &out->expert_parallel); !s.ok()) return s;
+  return ParseAxis(config, device, "allreduce", kAllReduce, &out->allreduce);
+}
+
 }  // namespace
 
 const char* AxisValueName(Gemm v) { return NameOf(kGemm, v); }
@@ -79,6 +95,7 @@ const char* AxisValueName(Moe v) { return NameOf(kMoe, v); }
 const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
 const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
 const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
+const char* AxisValueName(AllReduce v) { return NameOf(kAllReduce, v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
   if (auto s = ExpectDevice(normalized, "cuda"); !s.ok()) return s;
@@ -89,7 +106,8 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
                          ParseAxis(normalized, device, "kv_cache", kKvCache, &o.kv_cache),
                          ParseAxis(normalized, device, "moe", kMoe, &o.moe),
                          ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
-                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm)})
+                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm),
+                         ParseParallel(normalized, device, &o.parallel)})
     if (!s.ok()) return s;
   return o;
 }
@@ -102,6 +120,7 @@ absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
     return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
                                                    "' is neither a positive number nor all"));
+  if (auto s = ParseParallel(normalized, "cpu", &o.parallel); !s.ok()) return s;
   return o;
 }
 

@@ -39,12 +39,21 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
       if (d.axis == "moe") name = AxisValueName(o->moe);
       if (d.axis == "graphs") name = AxisValueName(o->graphs);
       if (d.axis == "qgemm") name = AxisValueName(o->qgemm);
+      if (d.axis == "tp") name = std::to_string(o->parallel.tp);
+      if (d.axis == "ep") name = o->parallel.expert_parallel ? "on" : "off";
+      if (d.axis == "allreduce") name = AxisValueName(o->parallel.allreduce);
       EXPECT_EQ(name, d.value) << "axis " << d.axis << " has no typed option";
     } else {
       auto o = ParseCpuOptions(config);
       ASSERT_TRUE(o.ok()) << o.status();
       if (d.axis == "matmul") {
         EXPECT_EQ(AxisValueName(o->matmul), d.value);
+      } else if (d.axis == "tp") {
+        EXPECT_EQ(std::to_string(o->parallel.tp), d.value);
+      } else if (d.axis == "ep") {
+        EXPECT_EQ(o->parallel.expert_parallel ? "on" : "off", d.value);
+      } else if (d.axis == "allreduce") {
+        EXPECT_EQ(AxisValueName(o->parallel.allreduce), d.value);
       } else {
         ASSERT_EQ(d.axis, "threads");
         EXPECT_EQ(o->threads, d.value == "all" ? 0 : std::stoi(d.value));

@@ -11,6 +11,10 @@ namespace infersweep {
 
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
+  if (options.parallel.tp > 1)
+    return absl::StrCat("tp=", options.parallel.tp,
+                        ": the CUDA engine runs one GPU (tp=1); its tensor-parallel ranks are "
+                        "not built yet (the CPU reference runs tp > 1)");
   // Hybrids (qwen3_next, qwen3_5) run on the CPU reference only.
   for (int l = 0; l < c.num_layers; ++l)
     if (c.AttentionKind(l) == LayerAttention::kLinear)
