@@ -158,7 +158,7 @@ TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
   for (const char* format : {"bf16", "nvfp4"}) {
     PreflightTarget target;
     target.has_cuda_build = true;
-    target.gpu_count = 1;
+    target.gpu_count = 8;  // enough for every tp
     target.sm = 90;
     target.weight_format = format;
     for (const BackendConfig& config : ExpandMatrix(axes)) {
