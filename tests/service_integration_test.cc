@@ -138,8 +138,9 @@ TEST_F(Fleet, TwoGpuTrialsLeaseTwoGpusOfOneAgentAndShareAFourGpuAgent) {
   const std::vector<std::string> worker = {INFERSWEEP_BINARY, "worker"};
   Agent* one = StartAgent("one-gpu", h200, worker, "", "delay:2", 1);
   ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  // CPU trials with tp=2 (two ranks as threads), judged against tp=1.
   std::string sweep_text = kSweep;
-  sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]");
+  sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]\n  tp: [\"2\"]");
   sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21, "selector: {gpus: 2}");
   ServiceClient client(address_);
   auto submitted = client.SubmitSweep(sweep_text, "two-gpu.yaml");
@@ -166,11 +167,49 @@ TEST_F(Fleet, TwoGpuTrialsLeaseTwoGpusOfOneAgentAndShareAFourGpuAgent) {
   for (const StoredResult& r : *stored) {
     EXPECT_EQ(r.agent_id, "four-gpu");
     EXPECT_EQ(r.result.status, TrialStatus::kOk) << r.result.reason;
+    EXPECT_EQ(r.result.config.at("tp"), "2");
   }
   const TrialResult& a = (*stored)[0].result;
   const TrialResult& b = (*stored)[1].result;
   EXPECT_LT(a.started_unix_ms, b.finished_unix_ms) << "the two trials did not run at once";
   EXPECT_LT(b.started_unix_ms, a.finished_unix_ms) << "the two trials did not run at once";
+}
+
+// selector.p2p: the leased GPUs must reach each other by peer access. A 4-GPU agent on PCIe
+// without peer access never takes such a trial; a 2-GPU NVLink agent takes both, one at a time.
+// The agents' inventories reach the user API with their topology.
+TEST_F(Fleet, PeerAccessTrialsGoOnlyWhereTheGpusReachEachOther) {
+  StartCoordinator(QuietOptions());
+  const std::vector<std::string> worker = {INFERSWEEP_BINARY, "worker"};
+  Agent* pcie = StartAgent("pcie-four", "NVIDIA RTX PRO 6000:120:96:pcie", worker, "", "", 4);
+  Agent* nvlink = StartAgent("nvlink-two", "NVIDIA H200:90:141:nvlink", worker, "", "", 2);
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 2; }, 10)) << Log();
+  std::string sweep_text = kSweep;
+  sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]");
+  sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21, "selector: {gpus: 2, p2p: true}");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(sweep_text, "p2p.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitForSweepDone(client, submitted->sweep_id(), 60)) << Log();
+  EXPECT_EQ(pcie->stats().assignments, 0) << Log();
+  EXPECT_EQ(nvlink->stats().assignments, 2) << Log();
+
+  auto agents = client.ListAgents();
+  ASSERT_TRUE(agents.ok()) << agents.status();
+  int seen = 0;
+  for (const v1::AgentInfo& a : agents->agents()) {
+    if (a.agent_id() == "nvlink-two") {
+      ASSERT_EQ(a.gpus_size(), 2);
+      EXPECT_THAT(a.gpus(0).p2p_peers(), ::testing::ElementsAre(1));
+      EXPECT_THAT(a.gpus(1).nvlink_peers(), ::testing::ElementsAre(0));
+      ++seen;
+    } else if (a.agent_id() == "pcie-four") {
+      ASSERT_EQ(a.gpus_size(), 4);
+      for (const v1::Gpu& g : a.gpus()) EXPECT_EQ(g.p2p_peers_size(), 0);
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, 2);
 }
 
 TEST_F(Fleet, SweepRunsOnlyOnSelectedArchAndQueriesAgree) {
