@@ -92,7 +92,9 @@ std::vector<GpuInfo> DetectGpus() {
 }
 
 void FakeTopology(std::vector<GpuInfo>& gpus) {
-  auto peer = [](const GpuInfo& g) { return g.test_fake_link == "nvlink" || g.test_fake_link == "p2p"; };
+  auto peer = [](const GpuInfo& g) {
+    return g.test_fake_link == "nvlink" || g.test_fake_link == "p2p";
+  };
   for (GpuInfo& a : gpus)
     for (const GpuInfo& b : gpus) {
       if (a.index == b.index) continue;

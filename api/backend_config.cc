@@ -417,8 +417,9 @@ std::string TensorParallelRefusal(const ModelConfig& model, int tp, bool expert_
   if (expert_parallel && !any_moe)
     why.push_back("ep=on needs a mixture-of-experts model; this one has no MoE layer");
   if (any_moe) {
-    why.push_back(expert_parallel ? indivisible("num_experts (ep=on)", model.num_experts)
-                                  : indivisible("moe_intermediate_size", model.moe_intermediate_size));
+    why.push_back(expert_parallel
+                      ? indivisible("num_experts (ep=on)", model.num_experts)
+                      : indivisible("moe_intermediate_size", model.moe_intermediate_size));
     if (model.shared_expert_intermediate_size > 0)
       why.push_back(
           indivisible("shared_expert_intermediate_size", model.shared_expert_intermediate_size));

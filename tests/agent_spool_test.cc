@@ -175,8 +175,8 @@ TEST(InventoryTest, FakeGpuTopology) {
   EXPECT_EQ(nvlink->memory_bytes, int64_t{141} * 1024 * 1024 * 1024);
   EXPECT_EQ(nvlink->test_fake_link, "nvlink");
   EXPECT_FALSE(ParseFakeGpu("NVIDIA H200:90:nvlink").ok());
-  auto inventory = DetectInventory({"A:90:80:nvlink", "A:90:80:nvlink", "A:90:80:p2p",
-                                    "A:90:80:pcie", "A:90:80"});
+  auto inventory = DetectInventory(
+      {"A:90:80:nvlink", "A:90:80:nvlink", "A:90:80:p2p", "A:90:80:pcie", "A:90:80"});
   ASSERT_TRUE(inventory.ok()) << inventory.status();
   const std::vector<GpuInfo>& gpus = inventory->gpus;
   ASSERT_EQ(gpus.size(), 5u);

@@ -186,7 +186,8 @@ TEST_F(Fleet, PeerAccessTrialsGoOnlyWhereTheGpusReachEachOther) {
   ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 2; }, 10)) << Log();
   std::string sweep_text = kSweep;
   sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]");
-  sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21, "selector: {gpus: 2, p2p: true}");
+  sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21,
+                     "selector: {gpus: 2, p2p: true}");
   ServiceClient client(address_);
   auto submitted = client.SubmitSweep(sweep_text, "p2p.yaml");
   ASSERT_TRUE(submitted.ok()) << submitted.status();
