@@ -208,6 +208,13 @@ const BackendDescriptor* FindOn(const std::vector<BackendDescriptor>& registry,
 
 std::string SmName(int sm) { return absl::StrCat("sm_", sm); }
 
+// The tensor-parallel axes' defaults: one rank, sharded experts, the device's own all-reduce. A
+// normalized config leaves them out at these values, so every config string from before these
+// axes existed (stored results, their identities) still names the same run.
+std::map<std::string, std::string> ImplicitAxes(std::string_view device) {
+  return {{"tp", "1"}, {"ep", "off"}, {"allreduce", device == "cuda" ? "nccl" : "reference"}};
+}
+
 bool IsQuantizedFormat(std::string_view weight_format) {
   return weight_format == "fp8" || weight_format == "nvfp4" || weight_format == "mxfp4";
 }
@@ -219,7 +226,16 @@ bool Holds(const BackendConfig& config, const std::string& conflict, std::string
   std::pair<std::string, std::string> entry = absl::StrSplit(conflict, absl::MaxSplits(": ", 1));
   std::pair<std::string, std::string> kv = absl::StrSplit(entry.first, absl::MaxSplits('=', 1));
   auto it = config.find(kv.first);
-  if (it == config.end() || it->second != kv.second) return false;
+  std::string value;
+  if (it != config.end()) {
+    value = it->second;
+  } else {
+    const auto implicit = ImplicitAxes(ConfigDevice(config));
+    auto default_value = implicit.find(kv.first);
+    if (default_value == implicit.end()) return false;
+    value = default_value->second;
+  }
+  if (value != kv.second) return false;
   *name = entry.first;
   *why = entry.second;
   return true;
@@ -286,11 +302,8 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 std::map<std::string, std::string> DefaultAxes(std::string_view device) {
   if (device == "cuda")  // the GPU reference: every axis at its most conservative value
     return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"},
-            {"kv_cache", "fp32"}, {"moe", "loop"},        {"graphs", "off"},
-            {"qgemm", "reference"}, {"tp", "1"},          {"ep", "off"},
-            {"allreduce", "nccl"}};
-  return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"},
-          {"tp", "1"},       {"ep", "off"},       {"allreduce", "reference"}};
+            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"}};
+  return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
 }
 
 std::string ConfigDevice(const BackendConfig& config) {
@@ -326,6 +339,9 @@ absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config
                                                      absl::StrJoin(known_values, ", "), ")"));
     normalized[axis] = value;
   }
+  for (const auto& [axis, value] : ImplicitAxes(device))
+    if (auto it = normalized.find(axis); it != normalized.end() && it->second == value)
+      normalized.erase(it);
   return normalized;
 }
 

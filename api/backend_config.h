@@ -55,8 +55,8 @@ std::map<std::string, std::string> DefaultAxes(std::string_view device);
 // The device a config targets ("cpu" when no device axis is given).
 std::string ConfigDevice(const BackendConfig& config);
 
-// Fills in defaults and rejects unknown axes or values (InvalidArgument naming the axis, the
-// value and the known values). Not an UNSUPPORTED judgement: a typo is the user's error.
+// Fills in defaults, leaves out tp=1, ep=off and the device's default allreduce, and rejects
+// unknown axes or values (InvalidArgument naming them): a user's typo, not UNSUPPORTED.
 absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config);
 
 // What the machine and the model offer, for preflight.

@@ -54,10 +54,10 @@ std::string ValueOf(const BackendConfig& config, const std::string& device,
   return it != config.end() ? it->second : DefaultAxes(device).at(axis);
 }
 
+// `value` of `axis` as its enum; InvalidArgument naming the axis and the known values.
 template <typename E, size_t N>
-absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
-                       const std::string& axis, const Names<E, N>& names, E* out) {
-  const std::string value = ValueOf(config, device, axis);
+absl::Status ParseValue(const std::string& axis, const std::string& value,
+                        const Names<E, N>& names, E* out) {
   for (const auto& [v, name] : names)
     if (name == value) {
       *out = v;
@@ -69,6 +69,12 @@ absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
                                                  "' (known: ", absl::StrJoin(known, ", "), ")"));
 }
 
+template <typename E, size_t N>
+absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
+                       const std::string& axis, const Names<E, N>& names, E* out) {
+  return ParseValue(axis, ValueOf(config, device, axis), names, out);
+}
+
 absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
   if (ConfigDevice(config) == device) return absl::OkStatus();
   return absl::InvalidArgumentError(
@@ -76,14 +82,22 @@ absl::Status ExpectDevice(const BackendConfig& config, const std::string& device
 }
 
 // tp, ep and allreduce of either device.
+// tp, ep and allreduce, absent from a normalized config at their defaults (1, off, the device's
+// all-reduce), are parsed into `out` as it comes.
 absl::Status ParseParallel(const BackendConfig& config, const std::string& device,
                            ParallelOptions* out) {
-  const std::string tp = ValueOf(config, device, "tp");
+  auto value_or = [&](const char* axis, const char* default_value) {
+    auto it = config.find(axis);
+    return it != config.end() ? it->second : std::string(default_value);
+  };
+  const std::string tp = value_or("tp", "1");
   if (!absl::SimpleAtoi(tp, &out->tp) || out->tp < 1)
     return absl::InvalidArgumentError(
         absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
-  if (auto s = ParseAxis(config, device, "ep", kSwitch, &out->expert_parallel); !s.ok()) return s;
-  return ParseAxis(config, device, "allreduce", kAllReduce, &out->allreduce);
+  if (auto s = ParseValue("ep", value_or("ep", "off"), kSwitch, &out->expert_parallel); !s.ok())
+    return s;
+  return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "nccl" : "reference"),
+                    kAllReduce, &out->allreduce);
 }
 
 }  // namespace
