@@ -278,6 +278,8 @@ bool Agent::RunStream(const std::shared_ptr<Link>& link) {
     gpu->set_memory_bytes(g.memory_bytes);
     gpu->set_driver_version(g.driver_version);
     gpu->set_cuda_version(g.cuda_version);
+    for (int peer : g.p2p_peers) gpu->add_p2p_peers(peer);
+    for (int peer : g.nvlink_peers) gpu->add_nvlink_peers(peer);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

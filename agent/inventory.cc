@@ -1,10 +1,12 @@
 #include "agent/inventory.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -35,7 +37,15 @@ absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
 }
 
 absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
-  const absl::string_view text(text_in.data(), text_in.size());
+  absl::string_view text(text_in.data(), text_in.size());
+  // An optional last field names the link kind.
+  std::string link;
+  for (const char* kind : {"nvlink", "p2p", "pcie"})
+    if (absl::EndsWith(text, absl::StrCat(":", kind))) {
+      link = kind;
+      text.remove_suffix(link.size() + 1);
+      break;
+    }
   const auto last = text.rfind(':');
   const auto mid = last == absl::string_view::npos || last == 0 ? absl::string_view::npos
                                                                 : text.rfind(':', last - 1);
@@ -58,6 +68,7 @@ absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
   if (gpu.name.empty())
     return absl::InvalidArgumentError(absl::StrCat("--test-fake-gpu '", text, "': empty name"));
   gpu.test_fake = true;
+  gpu.test_fake_link = link;
   gpu.driver_version = "test-fake";
   gpu.cuda_version = "test-fake";
   return gpu;
@@ -80,6 +91,54 @@ std::vector<GpuInfo> DetectGpus() {
   return gpus;
 }
 
+void FakeTopology(std::vector<GpuInfo>& gpus) {
+  auto peer = [](const GpuInfo& g) {
+    return g.test_fake_link == "nvlink" || g.test_fake_link == "p2p";
+  };
+  for (GpuInfo& a : gpus)
+    for (const GpuInfo& b : gpus) {
+      if (a.index == b.index) continue;
+      if (peer(a) && peer(b)) a.p2p_peers.push_back(b.index);
+      if (a.test_fake_link == "nvlink" && b.test_fake_link == "nvlink")
+        a.nvlink_peers.push_back(b.index);
+    }
+}
+
+void DetectTopology(std::vector<GpuInfo>& gpus) {
+  if (gpus.size() < 2) return;
+  void* nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (nvml == nullptr) return;
+  // nvml.h's signatures, spelled with plain types: nvmlReturn_t is int (0 = success),
+  // nvmlDevice_t an opaque pointer, nvmlGpuP2PStatus_t an int (0 = OK).
+  using Init = int (*)();
+  using Shutdown = int (*)();
+  using GetHandle = int (*)(unsigned int, void**);
+  using GetP2PStatus = int (*)(void*, void*, int, int*);
+  constexpr int kP2PCapsRead = 0, kP2PCapsNvlink = 2, kP2PStatusOk = 0;
+  auto init = reinterpret_cast<Init>(dlsym(nvml, "nvmlInit_v2"));
+  auto shutdown = reinterpret_cast<Shutdown>(dlsym(nvml, "nvmlShutdown"));
+  auto get_handle = reinterpret_cast<GetHandle>(dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2"));
+  auto get_p2p = reinterpret_cast<GetP2PStatus>(dlsym(nvml, "nvmlDeviceGetP2PStatus"));
+  if (init != nullptr && shutdown != nullptr && get_handle != nullptr && get_p2p != nullptr &&
+      init() == 0) {
+    std::vector<void*> handles(gpus.size(), nullptr);
+    bool all = true;
+    for (size_t i = 0; i < gpus.size(); ++i)
+      all = all && get_handle(static_cast<unsigned int>(i), &handles[i]) == 0;
+    for (size_t i = 0; all && i < gpus.size(); ++i)
+      for (size_t j = 0; j < gpus.size(); ++j) {
+        if (i == j) continue;
+        int status = -1;
+        if (get_p2p(handles[i], handles[j], kP2PCapsRead, &status) == 0 && status == kP2PStatusOk)
+          gpus[i].p2p_peers.push_back(static_cast<int>(j));
+        if (get_p2p(handles[i], handles[j], kP2PCapsNvlink, &status) == 0 && status == kP2PStatusOk)
+          gpus[i].nvlink_peers.push_back(static_cast<int>(j));
+      }
+    shutdown();
+  }
+  dlclose(nvml);
+}
+
 std::string HostName() {
   char buf[256] = {};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
@@ -93,6 +152,7 @@ absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_g
   inv.cuda_build = ProbeLocalDevices().has_cuda_build;
   if (fake_gpus.empty()) {
     inv.gpus = DetectGpus();
+    DetectTopology(inv.gpus);
   } else {
     for (const std::string& text : fake_gpus) {
       auto gpu = ParseFakeGpu(text);
@@ -100,6 +160,7 @@ absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_g
       gpu->index = static_cast<int>(inv.gpus.size());
       inv.gpus.push_back(*std::move(gpu));
     }
+    FakeTopology(inv.gpus);
   }
   for (const BackendDescriptor& d : BackendRegistry()) {
     if (d.needs_cuda_build && !inv.cuda_build) continue;

@@ -18,6 +18,13 @@ struct GpuInfo {
   std::string driver_version;
   std::string cuda_version;
   bool test_fake = false;  // labelled with --test-fake-gpu: a CPU pretending, for tests only
+  // The indices of the GPUs this one reaches by peer access (P2P), and of those linked to it by
+  // NVLink; empty where unknown.
+  std::vector<int> p2p_peers;
+  std::vector<int> nvlink_peers;
+  // TEST ONLY: a fake GPU's link kind, "nvlink", "p2p" (peer access over PCIe) or "pcie" (no
+  // peer access); empty: unknown.
+  std::string test_fake_link;
 };
 
 struct Inventory {
@@ -32,8 +39,9 @@ struct Inventory {
 // whole word must be an arch: "90x", "+90" or "sm_90zzz" is an error naming the text.
 absl::StatusOr<int> ParseSmArch(std::string_view text);
 
-// TEST ONLY. "NAME:SM:MEMORY_GIB", e.g. "NVIDIA H200:90:141" or "NVIDIA RTX PRO 6000:sm_120:96";
-// the name may contain colons, the last two fields are the arch and the memory in GiB.
+// TEST ONLY. "NAME:SM:MEMORY_GIB[:LINK]", e.g. "NVIDIA H200:90:141" or "NVIDIA RTX PRO
+// 6000:sm_120:96:pcie"; the name may contain colons. LINK, when given, is nvlink, p2p or pcie:
+// fake GPUs with nvlink reach each other by NVLink, those with nvlink or p2p by peer access.
 absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text);
 
 // The GPUs of this machine, from the engine's device probe (engine/backends.h): none in a build
@@ -41,6 +49,14 @@ absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text);
 std::vector<GpuInfo> DetectGpus();
 
 std::string HostName();
+
+// Fills each GPU's p2p_peers and nvlink_peers from NVML (libnvidia-ml through dlopen), pairs
+// in NVML's device order, which is the PCI bus order the slots follow when CUDA_DEVICE_ORDER is
+// PCI_BUS_ID; leaves them empty where NVML is absent or does not answer.
+void DetectTopology(std::vector<GpuInfo>& gpus);
+
+// Fake GPUs' peers from their link kinds (TEST ONLY).
+void FakeTopology(std::vector<GpuInfo>& gpus);
 
 // The whole inventory. When `fake_gpus` is not empty (TEST ONLY), they replace the detected GPUs.
 absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_gpus);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -21,6 +22,11 @@ constexpr char kPersistentGemm[] =
     ": its batch-1 decode step runs the persistent kernel's own GEMVs (gemm=fused's numerics), "
     "so that gemm would not be what decode ran; take gemm=fused";
 
+// ep=on and the all-reduces other than the default need more than one rank; at tp=1 a sweep
+// would repeat ep=off's or allreduce=nccl's run.
+constexpr char kEpNeedsRanks[] = "tp=1: one rank holds every expert either way";
+constexpr char kAllReduceNeedsRanks[] = "tp=1: one rank has nothing to reduce";
+
 std::vector<BackendDescriptor> MakeRegistry() {
   // The CPU dequantizes quantized weights exactly (core/quant/dequantize.h): still fp32.
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
@@ -36,6 +42,23 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "weight rows decoded once per block, 4 accumulators"});
   for (const char* t : {"1", "2", "4", "8", "all"})
     r.push_back({"threads", t, "cpu", 0, 0, false, {}, {}, kFp32, "worker threads"});
+  // Tensor parallelism on the CPU reference: ranks as threads (engine/tp_model.h), each on its
+  // shard of the host's weights, so the sharded model is judged against tp=1 on one host.
+  r.push_back({"tp", "1", "cpu", 0, 0, false, {}, {}, kFp32, "one rank: the whole model"});
+  for (const char* t : {"2", "4", "8"})
+    r.push_back({"tp", t, "cpu", 0, 0, false, {}, {}, kFp32,
+                 absl::StrCat(t, " ranks as threads, weights sharded as vLLM and SGLang shard "
+                                 "them (q/k/v and gate/up by columns, o and down by rows, the "
+                                 "lm_head by vocabulary), each rank's kernels on its own thread; "
+                                 "the threads axis does not apply")});
+  r.push_back({"ep", "off", "cpu", 0, 0, false, {}, {}, kFp32,
+               "experts sharded on their intermediate dimension across the tp ranks"});
+  r.push_back({"ep", "on", "cpu", 0, 0, false, {}, {kEpNeedsRanks}, kFp32,
+               "whole experts per rank (experts / tp each), the router replicated"});
+  r.push_back({"allreduce", "reference", "cpu", 0, 0, false, {}, {}, kFp32,
+               "every rank sums its share of the elements over the ranks' partials in rank "
+               "order 0..tp-1, then every rank copies the whole sum: deterministic, and bitwise "
+               "the same on every rank"});
   // ---- CUDA (docs/BACKENDS.md). sm ranges are inclusive; 0 means unbounded.
   r.push_back({"device", "cuda", "cuda", 80, 0, true, {}, {}, kFp32, "one NVIDIA GPU"});
   // gemm runs the dense linears; in a quantized model those are the bf16 ones (lm_head,
@@ -126,6 +149,24 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
+  // Tensor and expert parallelism: the axes are registered; the CUDA engine refuses tp > 1
+  // (CudaModelRefusal) until its ranks run, so at tp=1 no all-reduce runs.
+  r.push_back({"tp", "1", "cuda", 80, 0, true, {}, {}, kFp32, "one GPU"});
+  for (const char* t : {"2", "4", "8"})
+    r.push_back({"tp", t, "cuda", 80, 0, true, {}, {}, kFp32,
+                 absl::StrCat(t, " GPUs of one agent, one rank each, sharded as on the CPU; "
+                                 "UNSUPPORTED by the CUDA engine for now")});
+  r.push_back({"ep", "off", "cuda", 80, 0, true, {}, {}, kFp32,
+               "experts sharded on their intermediate dimension across the tp ranks"});
+  r.push_back({"ep", "on", "cuda", 80, 0, true, {}, {kEpNeedsRanks}, kFp32,
+               "whole experts per rank (experts / tp each), the router replicated"});
+  r.push_back({"allreduce", "nccl", "cuda", 80, 0, true, {}, {}, kFp32,
+               "ncclAllReduce, capturable in a CUDA graph (at tp=1 nothing is reduced)"});
+  r.push_back({"allreduce", "custom", "cuda", 80, 0, true, {}, {kAllReduceNeedsRanks}, kFp32,
+               "one-shot and two-shot over peer memory, per-block flags, peers summed in a "
+               "fixed rank order"});
+  r.push_back({"allreduce", "fused", "cuda", 80, 0, true, {}, {kAllReduceNeedsRanks}, kFp32,
+               "the all-reduce, the residual add and the next RMSNorm in one kernel"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
@@ -165,6 +206,16 @@ const BackendDescriptor* Find(const std::vector<BackendDescriptor>& registry,
   return nullptr;
 }
 
+// The row of `device` for axis=value (axes such as tp have a row on each device), else the first
+// row of any device.
+const BackendDescriptor* FindOn(const std::vector<BackendDescriptor>& registry,
+                                std::string_view device, std::string_view axis,
+                                std::string_view value) {
+  for (const BackendDescriptor& d : registry)
+    if (d.device == device && d.axis == axis && d.value == value) return &d;
+  return Find(registry, axis, value);
+}
+
 std::string SmName(int sm) { return absl::StrCat("sm_", sm); }
 
 bool IsQuantizedFormat(std::string_view weight_format) {
@@ -178,7 +229,16 @@ bool Holds(const BackendConfig& config, const std::string& conflict, std::string
   std::pair<std::string, std::string> entry = absl::StrSplit(conflict, absl::MaxSplits(": ", 1));
   std::pair<std::string, std::string> kv = absl::StrSplit(entry.first, absl::MaxSplits('=', 1));
   auto it = config.find(kv.first);
-  if (it == config.end() || it->second != kv.second) return false;
+  std::string value;
+  if (it != config.end()) {
+    value = it->second;
+  } else {
+    const auto implicit = ImplicitAxes(ConfigDevice(config));
+    auto default_value = implicit.find(kv.first);
+    if (default_value == implicit.end()) return false;
+    value = default_value->second;
+  }
+  if (value != kv.second) return false;
   *name = entry.first;
   *why = entry.second;
   return true;
@@ -242,11 +302,17 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
   return config;
 }
 
+std::map<std::string, std::string> ImplicitAxes(std::string_view device) {
+  std::map<std::string, std::string> implicit = {
+      {"tp", "1"}, {"ep", "off"}, {"allreduce", device == "cuda" ? "nccl" : "reference"}};
+  if (device == "cuda") implicit["linear_attn"] = "reference";
+  return implicit;
+}
+
 std::map<std::string, std::string> DefaultAxes(std::string_view device) {
   if (device == "cuda")  // the GPU reference: every axis at its most conservative value
     return {{"device", "cuda"}, {"gemm", "reference"}, {"attention", "naive"},
-            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"},
-            {"linear_attn", "reference"}};
+            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"}};
   return {{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
 }
 
@@ -283,6 +349,9 @@ absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config
                                                      absl::StrJoin(known_values, ", "), ")"));
     normalized[axis] = value;
   }
+  for (const auto& [axis, value] : ImplicitAxes(device))
+    if (auto it = normalized.find(axis); it != normalized.end() && it->second == value)
+      normalized.erase(it);
   return normalized;
 }
 
@@ -294,8 +363,9 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
     result.reason = std::move(reason);
     return result;
   };
+  const std::string device = ConfigDevice(config);
   for (const auto& [axis, value] : config) {
-    const BackendDescriptor* d = Find(registry, axis, value);
+    const BackendDescriptor* d = FindOn(registry, device, axis, value);
     if (d == nullptr) return unsupported(absl::StrCat(axis, "=", value, " is not registered"));
     const std::string name = absl::StrCat(axis, "=", value);
     if (d->needs_cuda_build && !target.has_cuda_build)
@@ -318,13 +388,77 @@ PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& ta
       return unsupported(std::move(why));
     result.precision = std::max(result.precision, d->precision);
   }
+  const int tp = TensorParallelRanks(config);
+  if (device == "cuda" && tp > target.gpu_count)
+    return unsupported(absl::StrCat("tp=", tp, " needs ", tp, " GPUs of one host; this host has ",
+                                    target.gpu_count));
+  if (target.model)
+    if (std::string why = TensorParallelRefusal(*target.model, tp, ExpertParallel(config));
+        !why.empty())
+      return unsupported(std::move(why));
   return result;
+}
+
+int TensorParallelRanks(const BackendConfig& config) {
+  int tp = 1;
+  auto it = config.find("tp");
+  if (it != config.end() && (!absl::SimpleAtoi(it->second, &tp) || tp < 1)) tp = 1;
+  return tp;
+}
+
+bool ExpertParallel(const BackendConfig& config) {
+  auto it = config.find("ep");
+  return it != config.end() && it->second == "on";
+}
+
+std::string TensorParallelRefusal(const ModelConfig& model, int tp, bool expert_parallel) {
+  if (tp <= 1 && !expert_parallel) return "";
+  const std::string ranks = absl::StrCat("tp=", tp);
+  // "tp=4 does not divide num_q_heads=6": the first dimension the ranks cannot split.
+  auto indivisible = [&](const char* name, int value) -> std::string {
+    if (value % tp == 0) return "";
+    return absl::StrCat(ranks, " does not divide ", name, "=", value);
+  };
+  bool any_full = false, any_linear = false, any_dense = false, any_moe = false;
+  for (int l = 0; l < model.num_layers; ++l) {
+    (model.AttentionKind(l) == LayerAttention::kLinear ? any_linear : any_full) = true;
+    (model.IsMoeLayer(l) ? any_moe : any_dense) = true;
+  }
+  std::vector<std::string> why;
+  if (any_full) {
+    why.push_back(indivisible("num_q_heads", model.num_q_heads));
+    if (model.num_kv_heads >= tp) {
+      why.push_back(indivisible("num_kv_heads", model.num_kv_heads));
+    } else if (tp % model.num_kv_heads != 0) {
+      why.push_back(absl::StrCat(ranks, " is not a multiple of num_kv_heads=", model.num_kv_heads,
+                                 " (KV heads fewer than the ranks are replicated, each to tp / "
+                                 "num_kv_heads ranks)"));
+    }
+  }
+  if (any_linear) {
+    why.push_back(indivisible("linear_num_key_heads", model.linear_num_key_heads));
+    why.push_back(indivisible("linear_num_value_heads", model.linear_num_value_heads));
+  }
+  if (any_dense) why.push_back(indivisible("intermediate_size", model.intermediate_size));
+  if (expert_parallel && !any_moe)
+    why.push_back("ep=on needs a mixture-of-experts model; this one has no MoE layer");
+  if (any_moe) {
+    why.push_back(expert_parallel
+                      ? indivisible("num_experts (ep=on)", model.num_experts)
+                      : indivisible("moe_intermediate_size", model.moe_intermediate_size));
+    if (model.shared_expert_intermediate_size > 0)
+      why.push_back(
+          indivisible("shared_expert_intermediate_size", model.shared_expert_intermediate_size));
+  }
+  for (std::string& reason : why)
+    if (!reason.empty()) return reason;
+  return "";
 }
 
 std::string RegistryConflict(const BackendConfig& config, std::string_view weight_format,
                              const std::vector<BackendDescriptor>& registry) {
   for (const auto& [axis, value] : config)
-    if (const BackendDescriptor* d = Find(registry, axis, value))
+    if (const BackendDescriptor* d = FindOn(registry, ConfigDevice(config), axis, value))
       if (std::string why = ConflictOf(*d, config, weight_format); !why.empty()) return why;
   return "";
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/model_config.h"
 
 namespace infersweep {
 
@@ -50,12 +51,17 @@ const std::vector<BackendDescriptor>& BackendRegistry();
 
 // Axes of a device and their default values (what an absent axis means).
 std::map<std::string, std::string> DefaultAxes(std::string_view device);
+// Axes added after results were stored (tp, ep, allreduce; cuda's linear_attn) and the values
+// that mean what a config without them always meant: a normalized config leaves them out at
+// these values, so every earlier config string (stored results, their identities) still names
+// the same run.
+std::map<std::string, std::string> ImplicitAxes(std::string_view device);
 
 // The device a config targets ("cpu" when no device axis is given).
 std::string ConfigDevice(const BackendConfig& config);
 
-// Fills in defaults and rejects unknown axes or values (InvalidArgument naming the axis, the
-// value and the known values). Not an UNSUPPORTED judgement: a typo is the user's error.
+// Fills in defaults, leaves out tp=1, ep=off and the device's default allreduce, and rejects
+// unknown axes or values (InvalidArgument naming them): a user's typo, not UNSUPPORTED.
 absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config);
 
 // What the machine and the model offer, for preflight.
@@ -64,6 +70,9 @@ struct PreflightTarget {
   int sm = 0;                   // e.g. 90 for sm_90; 0 when there is no GPU
   int gpu_count = 0;
   std::string weight_format;    // "bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"
+  // The model's shapes, once known (after loading): tp and ep must shard them
+  // (TensorParallelRefusal).
+  std::optional<ModelConfig> model;
 };
 
 struct PreflightResult {
@@ -83,6 +92,17 @@ PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget
 // (CreateModel): every conflict is stated once, in the registry.
 std::string RegistryConflict(const BackendConfig& normalized, std::string_view weight_format,
                              const std::vector<BackendDescriptor>& registry = BackendRegistry());
+
+// Why `tp` ranks cannot shard `model` the way the tensor-parallel engines do (q/k/v heads, the
+// dense and expert intermediate sizes, or with `expert_parallel` whole experts per rank, and the
+// linear-attention heads), naming the dimension; empty when they can. KV heads fewer than the
+// ranks are replicated, so the ranks must be a multiple of them. The vocabulary needs no
+// divisibility: the lm_head's shards may differ by one row.
+std::string TensorParallelRefusal(const ModelConfig& model, int tp, bool expert_parallel);
+
+// The tensor-parallel axes of a normalized config: tp (1 when absent) and ep=on.
+int TensorParallelRanks(const BackendConfig& normalized);
+bool ExpertParallel(const BackendConfig& normalized);
 
 // The cartesian product of per-axis value lists (each list non-empty), in a stable order.
 std::vector<BackendConfig> ExpandMatrix(const std::map<std::string, std::vector<std::string>>& axes);

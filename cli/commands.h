@@ -12,6 +12,8 @@ void AddEngineCommands(CLI::App& app);
 void AddRunCommands(CLI::App& app);
 // coordinator, agent, submit, status, cancel, results, best, compare, agents (docs/SERVICE.md).
 void AddServiceCommands(CLI::App& app);
+// allreduce-bench: the CPU ranks' all-reduce, nccl-tests style.
+void AddParallelCommands(CLI::App& app);
 // regressions: the stored history judged with a noise-aware test (docs/OBSERVABILITY.md).
 void AddObservabilityCommands(CLI::App& app);
 

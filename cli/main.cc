@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   infersweep::cli::AddRunCommands(app);
   infersweep::cli::AddServiceCommands(app);
   infersweep::cli::AddObservabilityCommands(app);
+  infersweep::cli::AddParallelCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -94,6 +94,13 @@ absl::Status CoordinatorServer::Impl::ValidateHello(const v1::Hello& h) const {
       return absl::InvalidArgumentError(absl::StrCat("Hello: gpus[", i, "].name is empty or too long"));
     if (g.sm() < 0 || g.sm() > 1000 || g.memory_bytes() < 0)
       return absl::InvalidArgumentError(absl::StrCat("Hello: gpus[", i, "]: sm or memory out of range"));
+    for (const auto* peers : {&g.p2p_peers(), &g.nvlink_peers()})
+      for (int peer : *peers)
+        if (peer < 0 || peer >= h.gpus_size() || peer == i)
+          return absl::InvalidArgumentError(absl::StrCat(
+              "Hello: gpus[", i, "].", peers == &g.p2p_peers() ? "p2p_peers" : "nvlink_peers",
+              " names GPU ", peer, ", which is not another of the agent's ", h.gpus_size(),
+              " GPUs"));
   }
   if (h.backends_size() > 4096 || h.running_size() > 4096)
     return absl::InvalidArgumentError("Hello: too many backends or running trials");
@@ -153,7 +160,8 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     conn->slots.push_back(SlotInfo{0, false, "cpu", 0, 0});
   } else {
     for (const v1::Gpu& g : conn->hello.gpus())
-      conn->slots.push_back(SlotInfo{g.index(), true, g.name(), g.sm(), g.memory_bytes()});
+      conn->slots.push_back(SlotInfo{g.index(), true, g.name(), g.sm(), g.memory_bytes(),
+                                     {g.p2p_peers().begin(), g.p2p_peers().end()}});
     conn->gpu_count = conn->hello.gpus_size();
   }
   const std::string& id = conn->agent_id;

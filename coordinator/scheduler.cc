@@ -5,6 +5,7 @@
 // Assignments. Results stored here and by the agent stream are exported to the metrics.
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -23,6 +24,7 @@ namespace infersweep {
 namespace {
 
 using coordinator_internal::NowMs;
+using coordinator_internal::SlotInfo;
 
 // A scan reads 8 queued trials per free slot (at least 64), times a boost that grows 4x after
 // each scan that placed nothing while the queue was longer, up to the max: trials behind an
@@ -32,6 +34,37 @@ constexpr size_t kScanPerFreeSlot = 8;
 constexpr size_t kMaxScanLimit = 65536;
 // A scan that placed nothing is repeated on the next event, or after this long.
 constexpr int64_t kIdleScanIntervalMs = 2000;
+
+// Whether slots a and b reach each other by peer access, as both report it.
+bool PeerAccess(const std::vector<SlotInfo>& slots, int a, int b) {
+  auto reaches = [&](int from, int to) {
+    const std::vector<int>& peers = slots[static_cast<size_t>(from)].p2p_peers;
+    return std::find(peers.begin(), peers.end(), to) != peers.end();
+  };
+  return reaches(a, b) && reaches(b, a);
+}
+
+// `needed` of `candidates` (slot indices, in order) that reach each other pairwise by peer
+// access, the first such set in candidate order; empty when there is none. A backtracking search
+// over at most 64 slots and sets of at most 64.
+std::vector<int> PeerSet(const std::vector<SlotInfo>& slots, const std::vector<int>& candidates,
+                         int needed) {
+  std::vector<int> chosen;
+  std::function<bool(size_t)> extend = [&](size_t from) {
+    if (static_cast<int>(chosen.size()) == needed) return true;
+    for (size_t i = from; i < candidates.size(); ++i) {
+      const int slot = candidates[i];
+      if (!std::all_of(chosen.begin(), chosen.end(),
+                       [&](int other) { return PeerAccess(slots, slot, other); }))
+        continue;
+      chosen.push_back(slot);
+      if (extend(i + 1)) return true;
+      chosen.pop_back();
+    }
+    return false;
+  };
+  return extend(0) ? chosen : std::vector<int>{};
+}
 
 }  // namespace
 
@@ -338,7 +371,9 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial,
                             absl::StrCat("invalid config: ", config.status().message()), nullptr);
     return true;
   }
-  const int needed = std::max(1, trial.selector.gpus_needed);
+  // A GPU config's tensor-parallel ranks take a GPU each, whatever the selector asks for.
+  const int needed = std::max({1, trial.selector.gpus_needed,
+                               ConfigDevice(*config) == "cuda" ? TensorParallelRanks(*config) : 1});
   // Preflight depends on the slot's SM and its agent's build and GPU count only: once per kind.
   std::map<std::tuple<int, bool, int>, PreflightResult> preflight;
   auto judge = [&](const Conn& conn, const SlotInfo& slot) -> const PreflightResult& {
@@ -362,9 +397,14 @@ bool CoordinatorServer::Impl::TryPlaceLocked(const TrialRecord& trial,
       const SlotInfo& slot = conn->slots[static_cast<size_t>(index)];
       if (!MatchesLocked(trial.selector, slot) || !judge(*conn, slot).supported) continue;
       free_supported.push_back(index);
-      if (static_cast<int>(free_supported.size()) == needed) break;
     }
     if (static_cast<int>(free_supported.size()) < needed) continue;
+    if (trial.selector.needs_p2p && needed > 1) {
+      free_supported = PeerSet(conn->slots, free_supported, needed);
+      if (free_supported.empty()) continue;
+    } else {
+      free_supported.resize(static_cast<size_t>(needed));
+    }
 
     placements->push_back(Placement{&trial, conn, *config, free_supported});
     for (int used : free_supported) std::erase(f->second, used);

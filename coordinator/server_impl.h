@@ -69,6 +69,7 @@ struct SlotInfo {
   std::string gpu_name;  // "cpu" for the CPU slot
   int sm = 0;
   int64_t memory_bytes = 0;
+  std::vector<int> p2p_peers;  // the slots this GPU reaches by peer access
 };
 
 // One agent stream. Messages to the agent go through a queue drained by a writer thread, so the

@@ -29,7 +29,7 @@ constexpr const char* kTopLevelKeys[] = {"name",     "model",   "layers",   "see
                                          "device",   "matrix",  "include",  "exclude",
                                          "workload", "selector", "repeats", "priority"};
 constexpr const char* kWorkloadKeys[] = {"prompt", "output", "batch", "repeats", "warmup", "timeout"};
-constexpr const char* kSelectorKeys[] = {"sm", "gpu_name", "min_memory_gb", "gpus"};
+constexpr const char* kSelectorKeys[] = {"sm", "gpu_name", "min_memory_gb", "gpus", "p2p"};
 
 int LineOf(const YAML::Node& n) {
   const YAML::Mark m = n.Mark();
@@ -125,6 +125,15 @@ class Parser {
     if (!absl::SimpleAtoi(s, &v)) return Error(n, field, absl::StrCat("'", s, "' is not an integer"));
     if (v < lo || v > hi)
       return Error(n, field, absl::StrCat(v, " is outside [", lo, ", ", hi, "]"));
+    return v;
+  }
+
+  // true or false (YAML's spellings of them: true/false, yes/no, on/off).
+  absl::StatusOr<bool> Bool(const YAML::Node& n, absl::string_view field) const {
+    ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    bool v = false;
+    if (!YAML::convert<bool>::decode(n, v))
+      return Error(n, field, absl::StrCat("'", s, "' is not true or false"));
     return v;
   }
 
@@ -286,6 +295,8 @@ absl::Status ParseSelectorNode(const Parser& p, const Entry& e, Selector* s) {
       s->min_memory_bytes = static_cast<int64_t>(std::llround(gb * 1e9));
     } else if (f.key == "gpus") {
       ASSIGN_OR_RETURN(s->gpus_needed, p.Int(f.value, field, 1, 64));
+    } else if (f.key == "p2p") {
+      ASSIGN_OR_RETURN(s->needs_p2p, p.Bool(f.value, field));
     } else if (f.key == "device") {
       return p.Error(f.key_node, field,
                      "not a selector key: each trial's device follows its config (matrix axis "

@@ -4,6 +4,7 @@
 #include "engine/cpu_model.h"
 #include "engine/options.h"
 #include "engine/quant/layout.h"
+#include "engine/tp_model.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
 #endif
@@ -37,7 +38,10 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel
   target.has_cuda_build = devices.has_cuda_build;
   target.gpu_count = devices.gpu_count;
   target.sm = devices.sm;
-  if (model != nullptr) target.weight_format = WeightFormat(*model);
+  if (model != nullptr) {
+    target.weight_format = WeightFormat(*model);
+    target.model = model->config;
+  }
   return target;
 }
 
@@ -86,6 +90,14 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
     options.matmul = parsed->matmul == Matmul::kBlocked ? cpu::MatmulVariant::kBlocked
                                                         : cpu::MatmulVariant::kNaive;
     options.threads = parsed->threads;
+    if (parsed->parallel.tp > 1) {
+      TensorParallelOptions parallel;
+      parallel.tp = parsed->parallel.tp;
+      parallel.expert_parallel = parsed->parallel.expert_parallel;
+      parallel.matmul = options.matmul;
+      parallel.fault = fault;
+      return MakeTensorParallelCpuModel(host, parallel);
+    }
     return MakeCpuModel(host, options);
   }
 #ifdef INFERSWEEP_HAVE_CUDA

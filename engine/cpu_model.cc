@@ -245,7 +245,8 @@ class CpuModel final : public Model {
     }
     RecordLaunch("rmsnorm");
     Norm(picked.data(), out_rows, hidden, w_.final_norm, picked.data());
-    logits->resize(out_rows * config_.vocab_size);
+    // The vocabulary, or a tensor-parallel rank's shard of it.
+    logits->resize(out_rows * w_.lm_head.rows);
     cpu::Matmul(options_.matmul, picked.data(), out_rows, w_.lm_head, {}, logits->data());
     if (fault_.kind == FaultInjection::Kind::kStuckToken) {
       const int vocab = config_.vocab_size, stuck = static_cast<int>(fault_.value) % vocab;
@@ -335,6 +336,7 @@ class CpuModel final : public Model {
     }
     std::vector<float> o(rows * hidden);
     cpu::Matmul(options_.matmul, attn.data(), rows, lw.o, lw.o_bias, o.data());
+    AllReduce(o);
     const float scale = (fault_.kind == FaultInjection::Kind::kBadScale && l == 0)
                             ? static_cast<float>(fault_.value)
                             : 1.f;
@@ -435,6 +437,7 @@ class CpuModel final : public Model {
                       o.data());
     std::vector<float> y(rows * hidden);
     cpu::Matmul(options_.matmul, o.data(), rows, la.out_proj, {}, y.data());
+    AllReduce(y);
     for (int64_t i = 0; i < rows * hidden; ++i) x[i] += y[i];
   }
 
@@ -461,6 +464,7 @@ class CpuModel final : public Model {
     } else {
       MoeExperts(lw, xn, rows, y);
     }
+    AllReduce(y);
     for (int64_t i = 0; i < rows * hidden; ++i) x[i] += y[i];
   }
 
@@ -483,7 +487,8 @@ class CpuModel final : public Model {
     RecordLaunch("moe_experts");  // the experts' own matmuls and silu_mul are counted too
     for (int e = 0; e < num_experts; ++e) {
       const auto& routed = assigned[e];
-      if (routed.empty()) continue;
+      // Under expert parallelism another rank holds expert e (its weights are empty here).
+      if (routed.empty() || lw.experts[e].gate.empty()) continue;
       if (fault_.kind == FaultInjection::Kind::kZeroExpert && e == static_cast<int>(fault_.value))
         continue;
       const int64_t m = static_cast<int64_t>(routed.size());
@@ -505,6 +510,13 @@ class CpuModel final : public Model {
         for (int64_t j = 0; j < hidden; ++j) y[r * hidden + j] += s * shared[r * hidden + j];
       }
     }
+  }
+
+  // A tensor-parallel rank's partial sums become the ranks' total; one rank's are already.
+  void AllReduce(std::vector<float>& partial) {
+    if (options_.collective == nullptr) return;
+    RecordLaunch("allreduce");
+    options_.collective->AllReduceSum(partial.data(), static_cast<int64_t>(partial.size()));
   }
 
   // The launch log's one CPU fallback: the process-wide pool running another thread count than

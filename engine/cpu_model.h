@@ -12,10 +12,23 @@
 
 namespace infersweep {
 
+// The collective a tensor-parallel rank sums its partial results through (engine/tp_model.h).
+class RankCollective {
+ public:
+  virtual ~RankCollective() = default;
+  // Replaces data[0, n) by the sum over every rank of its data[0, n), the same on every rank.
+  virtual void AllReduceSum(float* data, int64_t n) = 0;
+};
+
 struct CpuModelOptions {
   cpu::MatmulVariant matmul = cpu::MatmulVariant::kNaive;
   int threads = 0;  // 0: all cores
   FaultInjection fault;  // TEST ONLY
+  // Set when the model is one rank of a tensor-parallel model: its weights are that rank's
+  // shard, and the attention output, the MLP or MoE output and (Gated DeltaNet) out_proj's
+  // output are partial sums, all-reduced here before they join the residual. Its logits are
+  // the rank's lm_head rows (a vocabulary shard). Not owned.
+  RankCollective* collective = nullptr;
 };
 
 // `weights` must outlive the model.

@@ -36,6 +36,11 @@ constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
 constexpr Names<LinearAttn, 2> kLinearAttn = {
     {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
 constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
+constexpr Names<AllReduce, 4> kAllReduce = {{{AllReduce::kReference, "reference"},
+                                             {AllReduce::kNccl, "nccl"},
+                                             {AllReduce::kCustom, "custom"},
+                                             {AllReduce::kFused, "fused"}}};
+constexpr Names<bool, 2> kSwitch = {{{false, "off"}, {true, "on"}}};
 
 template <typename E, size_t N>
 const char* NameOf(const Names<E, N>& names, E value) {
@@ -47,14 +52,16 @@ const char* NameOf(const Names<E, N>& names, E value) {
 // The axis's value in `config`, or the device's default when the axis is absent.
 std::string ValueOf(const BackendConfig& config, const std::string& device,
                     const std::string& axis) {
-  auto it = config.find(axis);
-  return it != config.end() ? it->second : DefaultAxes(device).at(axis);
+  if (auto it = config.find(axis); it != config.end()) return it->second;
+  const auto implicit = ImplicitAxes(device);
+  if (auto it = implicit.find(axis); it != implicit.end()) return it->second;
+  return DefaultAxes(device).at(axis);
 }
 
+// `value` of `axis` as its enum; InvalidArgument naming the axis and the known values.
 template <typename E, size_t N>
-absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
-                       const std::string& axis, const Names<E, N>& names, E* out) {
-  const std::string value = ValueOf(config, device, axis);
+absl::Status ParseValue(const std::string& axis, const std::string& value,
+                        const Names<E, N>& names, E* out) {
   for (const auto& [v, name] : names)
     if (name == value) {
       *out = v;
@@ -66,10 +73,35 @@ absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
                                                  "' (known: ", absl::StrJoin(known, ", "), ")"));
 }
 
+template <typename E, size_t N>
+absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
+                       const std::string& axis, const Names<E, N>& names, E* out) {
+  return ParseValue(axis, ValueOf(config, device, axis), names, out);
+}
+
 absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
   if (ConfigDevice(config) == device) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("device=", ConfigDevice(config), ": not a device=", device, " config"));
+}
+
+// tp, ep and allreduce of either device.
+// tp, ep and allreduce, absent from a normalized config at their defaults (1, off, the device's
+// all-reduce), are parsed into `out` as it comes.
+absl::Status ParseParallel(const BackendConfig& config, const std::string& device,
+                           ParallelOptions* out) {
+  auto value_or = [&](const char* axis, const char* default_value) {
+    auto it = config.find(axis);
+    return it != config.end() ? it->second : std::string(default_value);
+  };
+  const std::string tp = value_or("tp", "1");
+  if (!absl::SimpleAtoi(tp, &out->tp) || out->tp < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
+  if (auto s = ParseValue("ep", value_or("ep", "off"), kSwitch, &out->expert_parallel); !s.ok())
+    return s;
+  return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "nccl" : "reference"),
+                    kAllReduce, &out->allreduce);
 }
 
 }  // namespace
@@ -82,6 +114,7 @@ const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
 const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
 const char* AxisValueName(LinearAttn v) { return NameOf(kLinearAttn, v); }
 const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
+const char* AxisValueName(AllReduce v) { return NameOf(kAllReduce, v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
   if (auto s = ExpectDevice(normalized, "cuda"); !s.ok()) return s;
@@ -93,7 +126,8 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
                          ParseAxis(normalized, device, "moe", kMoe, &o.moe),
                          ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
                          ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm),
-                         ParseAxis(normalized, device, "linear_attn", kLinearAttn, &o.linear_attn)})
+                         ParseAxis(normalized, device, "linear_attn", kLinearAttn, &o.linear_attn),
+                         ParseParallel(normalized, device, &o.parallel)})
     if (!s.ok()) return s;
   return o;
 }
@@ -106,6 +140,7 @@ absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
     return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
                                                    "' is neither a positive number nor all"));
+  if (auto s = ParseParallel(normalized, "cpu", &o.parallel); !s.ok()) return s;
   return o;
 }
 

@@ -19,6 +19,9 @@ enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNati
 enum class LinearAttn { kReference, kFused };
 // ---- CPU axes.
 enum class Matmul { kNaive, kBlocked };
+// ---- Tensor-parallel axes (both devices): tp is a rank count, ep a switch.
+// The CPU's reference is its fixed-rank-order sum; the CUDA values are nccl, custom and fused.
+enum class AllReduce { kReference, kNccl, kCustom, kFused };
 
 // The registry's spelling of each value ("cublaslt", "w4a16", ...); a C string, which this
 // absl's StrCat takes (it predates std::string_view).
@@ -30,6 +33,7 @@ const char* AxisValueName(Graphs v);
 const char* AxisValueName(QGemm v);
 const char* AxisValueName(LinearAttn v);
 const char* AxisValueName(Matmul v);
+const char* AxisValueName(AllReduce v);
 
 // gemm=cublaslt, fused and tma hold a cuBLASLt handle: the bf16 GEMMs of every row count the
 // fused GEMV does not take, the fp32 router GEMM, bf16 staging of activations.
@@ -56,6 +60,13 @@ constexpr bool KeepsQuantCodes(QGemm q) {
   return q == QGemm::kReference || DequantizesInRegisters(q);
 }
 
+// tp ranks, whole experts per rank (ep=on), and how the ranks' partial sums are reduced.
+struct ParallelOptions {
+  int tp = 1;
+  bool expert_parallel = false;
+  AllReduce allreduce = AllReduce::kReference;
+};
+
 struct CudaOptions {
   Gemm gemm = Gemm::kReference;
   Attention attention = Attention::kNaive;
@@ -66,11 +77,13 @@ struct CudaOptions {
   QGemm qgemm = QGemm::kReference;
   // How Gated DeltaNet layers run; models without them ignore it.
   LinearAttn linear_attn = LinearAttn::kReference;
+  ParallelOptions parallel = {1, false, AllReduce::kNccl};
 };
 
 struct CpuOptions {
   Matmul matmul = Matmul::kNaive;
   int threads = 0;  // 0: all cores (threads=all)
+  ParallelOptions parallel;
 };
 
 // From a normalized config (NormalizeBackendConfig): an absent axis takes its device's default.

@@ -164,6 +164,7 @@ json SelectorJson(const Selector& s) {
           {"gpu_name", s.gpu_name_regex},
           {"min_memory_bytes", s.min_memory_bytes},
           {"gpus", s.gpus_needed},
+          {"p2p", s.needs_p2p},
           {"device", s.device}};
 }
 
@@ -751,6 +752,7 @@ class SqliteStore final : public Store {
       t.selector.gpu_name_regex = selector.value("gpu_name", std::string());
       t.selector.min_memory_bytes = selector.value("min_memory_bytes", int64_t{0});
       t.selector.gpus_needed = selector.value("gpus", 1);
+      t.selector.needs_p2p = selector.value("p2p", false);
       t.selector.device = selector.value("device", std::string("cuda"));
     } catch (const json::exception& e) {
       return absl::DataLossError(absl::StrCat(where, ": stored JSON is malformed: ", e.what()));

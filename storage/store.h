@@ -37,6 +37,9 @@ struct Selector {
   std::string gpu_name_regex;       // empty = any (RE2/std::regex ECMAScript)
   int64_t min_memory_bytes = 0;
   int gpus_needed = 1;
+  // The leased GPUs must reach each other by peer access (every pair), as the custom and fused
+  // all-reduces need.
+  bool needs_p2p = false;
   std::string device = "cuda";      // "cpu" trials run on CPU agents
 };
 

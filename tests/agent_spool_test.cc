@@ -166,5 +166,27 @@ TEST(InventoryTest, FakeGpuLabel) {
   EXPECT_FALSE(ParseFakeGpu("H200:90:-1").ok());
 }
 
+// A fake GPU's link kind sets its peers: nvlink pairs reach each other by NVLink and peer access,
+// p2p ones by peer access, pcie ones by neither; without a kind nothing is known.
+TEST(InventoryTest, FakeGpuTopology) {
+  auto nvlink = ParseFakeGpu("NVIDIA H200:90:141:nvlink");
+  ASSERT_TRUE(nvlink.ok()) << nvlink.status();
+  EXPECT_EQ(nvlink->name, "NVIDIA H200");
+  EXPECT_EQ(nvlink->memory_bytes, int64_t{141} * 1024 * 1024 * 1024);
+  EXPECT_EQ(nvlink->test_fake_link, "nvlink");
+  EXPECT_FALSE(ParseFakeGpu("NVIDIA H200:90:nvlink").ok());
+  auto inventory = DetectInventory(
+      {"A:90:80:nvlink", "A:90:80:nvlink", "A:90:80:p2p", "A:90:80:pcie", "A:90:80"});
+  ASSERT_TRUE(inventory.ok()) << inventory.status();
+  const std::vector<GpuInfo>& gpus = inventory->gpus;
+  ASSERT_EQ(gpus.size(), 5u);
+  EXPECT_EQ(gpus[0].p2p_peers, (std::vector<int>{1, 2}));
+  EXPECT_EQ(gpus[0].nvlink_peers, (std::vector<int>{1}));
+  EXPECT_EQ(gpus[2].p2p_peers, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(gpus[2].nvlink_peers.empty());
+  EXPECT_TRUE(gpus[3].p2p_peers.empty());
+  EXPECT_TRUE(gpus[4].p2p_peers.empty());
+}
+
 }  // namespace
 }  // namespace infersweep

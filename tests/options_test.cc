@@ -40,12 +40,21 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
       if (d.axis == "graphs") name = AxisValueName(o->graphs);
       if (d.axis == "qgemm") name = AxisValueName(o->qgemm);
       if (d.axis == "linear_attn") name = AxisValueName(o->linear_attn);
+      if (d.axis == "tp") name = std::to_string(o->parallel.tp);
+      if (d.axis == "ep") name = o->parallel.expert_parallel ? "on" : "off";
+      if (d.axis == "allreduce") name = AxisValueName(o->parallel.allreduce);
       EXPECT_EQ(name, d.value) << "axis " << d.axis << " has no typed option";
     } else {
       auto o = ParseCpuOptions(config);
       ASSERT_TRUE(o.ok()) << o.status();
       if (d.axis == "matmul") {
         EXPECT_EQ(AxisValueName(o->matmul), d.value);
+      } else if (d.axis == "tp") {
+        EXPECT_EQ(std::to_string(o->parallel.tp), d.value);
+      } else if (d.axis == "ep") {
+        EXPECT_EQ(o->parallel.expert_parallel ? "on" : "off", d.value);
+      } else if (d.axis == "allreduce") {
+        EXPECT_EQ(AxisValueName(o->parallel.allreduce), d.value);
       } else {
         ASSERT_EQ(d.axis, "threads");
         EXPECT_EQ(o->threads, d.value == "all" ? 0 : std::stoi(d.value));
@@ -54,6 +63,26 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
     ++parsed;
   }
   EXPECT_GT(parsed, 20);
+}
+
+// Axes added after results were stored leave a normalized config at their implicit values, so a
+// config string from before them still names the same run; any other value stays in it.
+TEST(Options, ImplicitAxesAreLeftOutAtTheirValues) {
+  for (const char* device : {"cpu", "cuda"}) {
+    BackendConfig config = {{"device", device}};
+    for (const auto& [axis, value] : ImplicitAxes(device)) config[axis] = value;
+    auto normalized = NormalizeBackendConfig(config);
+    ASSERT_TRUE(normalized.ok()) << normalized.status();
+    EXPECT_EQ(*normalized, DefaultAxes(device)) << device;
+  }
+  auto fused = NormalizeBackendConfig({{"device", "cuda"}, {"linear_attn", "fused"}});
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  EXPECT_EQ(fused->at("linear_attn"), "fused");
+  auto parsed = ParseCudaOptions(*fused);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->linear_attn, LinearAttn::kFused);
+  EXPECT_EQ(ImplicitAxes("cuda").at("linear_attn"), "reference");
+  EXPECT_EQ(ImplicitAxes("cpu").count("linear_attn"), 0u);
 }
 
 TEST(Options, DefaultsAreTheReferenceValues) {
@@ -151,7 +180,7 @@ TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
   for (const char* format : {"bf16", "nvfp4"}) {
     PreflightTarget target;
     target.has_cuda_build = true;
-    target.gpu_count = 1;
+    target.gpu_count = 8;  // enough for every tp
     target.sm = 90;
     target.weight_format = format;
     for (const BackendConfig& config : ExpandMatrix(axes)) {

@@ -85,16 +85,18 @@ class Fleet : public ::testing::Test {
     address_ = absl::StrCat("127.0.0.1:", port_);
   }
 
+  // An agent with `gpus` copies of `fake_gpu` (none when it is empty: a CPU-only agent).
   Agent* StartAgent(const std::string& id, const std::string& fake_gpu,
                     std::vector<std::string> worker_argv = {INFERSWEEP_BINARY, "worker"},
-                    const std::string& auth_token = "", const std::string& inject_fault = "") {
+                    const std::string& auth_token = "", const std::string& inject_fault = "",
+                    int gpus = 1) {
     AgentOptions o;
     o.test_inject_fault = inject_fault;
     o.auth_token = auth_token;
     o.coordinator = address_;
     o.agent_id = id;
     o.spool_path = absl::StrCat(dir_, "/", id, ".spool.db");
-    if (!fake_gpu.empty()) o.test_fake_gpus = {fake_gpu};
+    if (!fake_gpu.empty()) o.test_fake_gpus.assign(gpus, fake_gpu);
     o.worker_argv = std::move(worker_argv);
     o.initial_backoff_ms = 50;
     o.max_backoff_ms = 300;
@@ -126,6 +128,90 @@ class Fleet : public ::testing::Test {
   std::vector<std::unique_ptr<Agent>> agents_;
   LineLog log_;
 };
+
+// Trials with selector.gpus: 2 lease two GPUs of one agent: never a 1-GPU agent's, and two of
+// them at once on a 4-GPU agent (each delayed 2 s, so running one after the other could not
+// make their runs overlap).
+TEST_F(Fleet, TwoGpuTrialsLeaseTwoGpusOfOneAgentAndShareAFourGpuAgent) {
+  StartCoordinator(QuietOptions());
+  const std::string h200 = "NVIDIA H200:90:141";
+  const std::vector<std::string> worker = {INFERSWEEP_BINARY, "worker"};
+  Agent* one = StartAgent("one-gpu", h200, worker, "", "delay:2", 1);
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 1; }, 10)) << Log();
+  // CPU trials with tp=2 (two ranks as threads), judged against tp=1.
+  std::string sweep_text = kSweep;
+  sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]\n  tp: [\"2\"]");
+  sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21, "selector: {gpus: 2}");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(sweep_text, "two-gpu.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const int64_t sweep = submitted->sweep_id();
+  ASSERT_EQ(submitted->trial_count(), 2);
+  // Many scheduling ticks with only the 1-GPU agent: nothing placed, nothing judged.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(one->stats().assignments, 0) << Log();
+  auto waiting = client.GetSweep(sweep);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  EXPECT_EQ(waiting->state(), "active");
+  EXPECT_EQ(waiting->trials_done(), 0);
+
+  Agent* four = StartAgent("four-gpu", h200, worker, "", "delay:2", 4);
+  ASSERT_TRUE(WaitForSweepDone(client, sweep, 60)) << Log();
+  EXPECT_EQ(one->stats().assignments, 0) << Log();
+  EXPECT_EQ(four->stats().assignments, 2) << Log();
+  ResultQuery all;
+  all.sweep_id = sweep;
+  auto stored = server_->store()->QueryResults(all);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), 2u);
+  for (const StoredResult& r : *stored) {
+    EXPECT_EQ(r.agent_id, "four-gpu");
+    EXPECT_EQ(r.result.status, TrialStatus::kOk) << r.result.reason;
+    EXPECT_EQ(r.result.config.at("tp"), "2");
+  }
+  const TrialResult& a = (*stored)[0].result;
+  const TrialResult& b = (*stored)[1].result;
+  EXPECT_LT(a.started_unix_ms, b.finished_unix_ms) << "the two trials did not run at once";
+  EXPECT_LT(b.started_unix_ms, a.finished_unix_ms) << "the two trials did not run at once";
+}
+
+// selector.p2p: the leased GPUs must reach each other by peer access. A 4-GPU agent on PCIe
+// without peer access never takes such a trial; a 2-GPU NVLink agent takes both, one at a time.
+// The agents' inventories reach the user API with their topology.
+TEST_F(Fleet, PeerAccessTrialsGoOnlyWhereTheGpusReachEachOther) {
+  StartCoordinator(QuietOptions());
+  const std::vector<std::string> worker = {INFERSWEEP_BINARY, "worker"};
+  Agent* pcie = StartAgent("pcie-four", "NVIDIA RTX PRO 6000:120:96:pcie", worker, "", "", 4);
+  Agent* nvlink = StartAgent("nvlink-two", "NVIDIA H200:90:141:nvlink", worker, "", "", 2);
+  ASSERT_TRUE(WaitFor([&] { return server_->stats().agents_connected == 2; }, 10)) << Log();
+  std::string sweep_text = kSweep;
+  sweep_text.replace(sweep_text.find("[naive, blocked]"), 16, "[naive]");
+  sweep_text.replace(sweep_text.find("selector: {sm: [120]}"), 21,
+                     "selector: {gpus: 2, p2p: true}");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(sweep_text, "p2p.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitForSweepDone(client, submitted->sweep_id(), 60)) << Log();
+  EXPECT_EQ(pcie->stats().assignments, 0) << Log();
+  EXPECT_EQ(nvlink->stats().assignments, 2) << Log();
+
+  auto agents = client.ListAgents();
+  ASSERT_TRUE(agents.ok()) << agents.status();
+  int seen = 0;
+  for (const v1::AgentInfo& a : agents->agents()) {
+    if (a.agent_id() == "nvlink-two") {
+      ASSERT_EQ(a.gpus_size(), 2);
+      EXPECT_THAT(a.gpus(0).p2p_peers(), ::testing::ElementsAre(1));
+      EXPECT_THAT(a.gpus(1).nvlink_peers(), ::testing::ElementsAre(0));
+      ++seen;
+    } else if (a.agent_id() == "pcie-four") {
+      ASSERT_EQ(a.gpus_size(), 4);
+      for (const v1::Gpu& g : a.gpus()) EXPECT_EQ(g.p2p_peers_size(), 0);
+      ++seen;
+    }
+  }
+  EXPECT_EQ(seen, 2);
+}
 
 TEST_F(Fleet, SweepRunsOnlyOnSelectedArchAndQueriesAgree) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -127,6 +127,7 @@ TEST(SweepSpecTest, ParsesTheExample) {
   EXPECT_EQ(spec.selector.gpu_name_regex, "H200|H100");
   EXPECT_EQ(spec.selector.min_memory_bytes, 80'000'000'000);
   EXPECT_EQ(spec.selector.gpus_needed, 1);
+  EXPECT_FALSE(spec.selector.needs_p2p);
   EXPECT_EQ(spec.repeats, 1);
   EXPECT_EQ(spec.priority, 0);
 
@@ -134,6 +135,15 @@ TEST(SweepSpecTest, ParsesTheExample) {
   EXPECT_EQ(record.name, "moe-backends-h200");
   EXPECT_EQ(record.spec_yaml, kExample);
   EXPECT_EQ(record.model, "preset:qwen3-30b-a3b");
+}
+
+TEST(SweepSpecTest, SelectorP2pIsABoolean) {
+  absl::StatusOr<SweepSpec> spec =
+      Parse("name: t\nmodel: preset:tiny\nmatrix: {device: [cuda]}\n"
+            "selector: {gpus: 2, p2p: true}\n");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->selector.gpus_needed, 2);
+  EXPECT_TRUE(spec->selector.needs_p2p);
 }
 
 TEST(SweepSpecTest, ExampleExpandsToTenTrials) {
@@ -306,6 +316,8 @@ INSTANTIATE_TEST_SUITE_P(
                 {"spec.yaml:5", "unknown key 'tokens'"}},
         BadCase{"WorkloadNotAMap", kHead + "matrix: {device: [cpu]}\nworkload: 5\n",
                 {"spec.yaml:4", "workload", "expected a map"}},
+        BadCase{"SelectorP2pType", kHead + "matrix: {device: [cuda]}\nselector: {p2p: maybe}\n",
+                {"spec.yaml:4", "selector.p2p", "'maybe' is not true or false"}},
         BadCase{"SelectorSmType", kHead + "matrix: {device: [cuda]}\nselector: {sm: ninety}\n",
                 {"spec.yaml:4", "selector.sm", "'ninety' is not an integer"}},
         BadCase{"SelectorGpusList", kHead + "matrix: {device: [cuda]}\nselector:\n  gpus: [1]\n",

@@ -12,6 +12,10 @@ namespace infersweep {
 
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
+  if (options.parallel.tp > 1)
+    return absl::StrCat("tp=", options.parallel.tp,
+                        ": the CUDA engine runs one GPU (tp=1); its tensor-parallel ranks are "
+                        "not built yet (the CPU reference runs tp > 1)");
   if (options.linear_attn != LinearAttn::kReference) {
     if (!c.has_linear_attention())
       return absl::StrCat("linear_attn=", AxisValueName(options.linear_attn),

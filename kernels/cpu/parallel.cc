@@ -83,7 +83,14 @@ Pool& GetPool() {
   return *pool;
 }
 
+thread_local bool inline_parallel_for = false;
+
 }  // namespace
+
+ScopedInlineParallelFor::ScopedInlineParallelFor() : previous_(inline_parallel_for) {
+  inline_parallel_for = true;
+}
+ScopedInlineParallelFor::~ScopedInlineParallelFor() { inline_parallel_for = previous_; }
 
 void SetNumThreads(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -96,6 +103,10 @@ int NumThreads() { return GetPool().threads(); }
 
 void ParallelFor(int64_t n, int64_t min_chunk, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
+  if (inline_parallel_for) {
+    fn(0, n);
+    return;
+  }
   Pool& pool = GetPool();
   const int64_t max_chunks = std::max<int64_t>(1, n / std::max<int64_t>(1, min_chunk));
   const int64_t chunks = std::min<int64_t>(max_chunks, pool.threads() * 4);

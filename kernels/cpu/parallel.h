@@ -15,4 +15,17 @@ int NumThreads();
 // pool; returns when every chunk is done. Runs inline when one chunk suffices.
 void ParallelFor(int64_t n, int64_t min_chunk, const std::function<void(int64_t, int64_t)>& fn);
 
+// While one is alive, ParallelFor on the thread that made it runs inline. A tensor-parallel
+// rank's thread is its own worker: the pool serves one caller at a time, and ranks call at once.
+class ScopedInlineParallelFor {
+ public:
+  ScopedInlineParallelFor();
+  ~ScopedInlineParallelFor();
+  ScopedInlineParallelFor(const ScopedInlineParallelFor&) = delete;
+  ScopedInlineParallelFor& operator=(const ScopedInlineParallelFor&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace infersweep::cpu

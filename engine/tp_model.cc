@@ -1,0 +1,333 @@
+#include "engine/tp_model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "api/backend_config.h"
+#include "core/launch_log.h"
+#include "kernels/cpu/allreduce.h"
+#include "kernels/cpu/parallel.h"
+
+namespace infersweep {
+namespace {
+
+// A range of rows or columns: [begin, begin + count).
+struct Range {
+  int64_t begin = 0, count = 0;
+};
+
+// Slices of host weights for one rank, viewing them where the slice is contiguous in memory and
+// copying it into `owned` where it is not.
+class Slicer {
+ public:
+  explicit Slicer(std::vector<std::vector<uint8_t>>* owned) : owned_(owned) {}
+
+  // Rows [r.begin, r.end) of m: a view of dense weights; quantized ones decoded exactly to an
+  // fp32 copy (their scales are laid out per format, the decoded values are not).
+  MatrixRef Rows(const MatrixRef& m, Range r) {
+    if (m.empty()) return m;
+    if (m.quantized()) return StackRows(m, {r});
+    MatrixRef out = m;
+    out.data = static_cast<const uint8_t*>(m.data) + r.begin * m.cols * DTypeSize(m.dtype);
+    out.rows = r.count;
+    return out;
+  }
+
+  // Several row ranges of m, stacked in order, as a copy: the dtype's bytes for dense weights,
+  // exact fp32 for quantized ones.
+  MatrixRef StackRows(const MatrixRef& m, const std::vector<Range>& ranges) {
+    int64_t rows = 0;
+    for (const Range& r : ranges) rows += r.count;
+    if (m.quantized()) {
+      std::vector<float> decoded(m.cols);
+      float* out = NewF32(rows * m.cols);
+      int64_t row = 0;
+      for (const Range& r : ranges)
+        for (int64_t i = r.begin; i < r.begin + r.count; ++i, ++row) {
+          cpu::DecodeRow(m, i, decoded.data());
+          std::copy_n(decoded.data(), m.cols, out + row * m.cols);
+        }
+      return {out, DType::kF32, rows, m.cols, {}};
+    }
+    const int64_t row_bytes = m.cols * DTypeSize(m.dtype);
+    std::vector<uint8_t>& bytes = owned_->emplace_back(rows * row_bytes);
+    int64_t row = 0;
+    for (const Range& r : ranges) {
+      std::memcpy(bytes.data() + row * row_bytes,
+                  static_cast<const uint8_t*>(m.data) + r.begin * row_bytes, r.count * row_bytes);
+      row += r.count;
+    }
+    return {bytes.data(), m.dtype, rows, m.cols, {}};
+  }
+
+  // Columns [c.begin, c.end) of m: a view of a dense vector (one row), else a copy.
+  MatrixRef Cols(const MatrixRef& m, Range c) {
+    if (m.empty()) return m;
+    if (m.rows == 1 && !m.quantized()) {
+      MatrixRef out = m;
+      out.data = static_cast<const uint8_t*>(m.data) + c.begin * DTypeSize(m.dtype);
+      out.cols = c.count;
+      return out;
+    }
+    if (m.quantized()) {
+      std::vector<float> decoded(m.cols);
+      float* out = NewF32(m.rows * c.count);
+      for (int64_t i = 0; i < m.rows; ++i) {
+        cpu::DecodeRow(m, i, decoded.data());
+        std::copy_n(decoded.data() + c.begin, c.count, out + i * c.count);
+      }
+      return {out, DType::kF32, m.rows, c.count, {}};
+    }
+    const int64_t elem = DTypeSize(m.dtype);
+    std::vector<uint8_t>& bytes = owned_->emplace_back(m.rows * c.count * elem);
+    for (int64_t i = 0; i < m.rows; ++i)
+      std::memcpy(bytes.data() + i * c.count * elem,
+                  static_cast<const uint8_t*>(m.data) + (i * m.cols + c.begin) * elem,
+                  c.count * elem);
+    return {bytes.data(), m.dtype, m.rows, c.count, {}};
+  }
+
+  // A gated MLP (dense or one expert) sharded on its intermediate dimension: gate and up by
+  // rows, down by columns.
+  ExpertWeights Mlp(const ExpertWeights& e, int tp, int rank) {
+    if (e.gate.empty()) return e;
+    const int64_t share = e.gate.rows / tp;
+    const Range r{rank * share, share};
+    return {Rows(e.gate, r), Rows(e.up, r), Cols(e.down, r)};
+  }
+
+ private:
+  float* NewF32(int64_t n) {
+    std::vector<uint8_t>& bytes = owned_->emplace_back(n * sizeof(float));
+    return reinterpret_cast<float*>(bytes.data());
+  }
+
+  std::vector<std::vector<uint8_t>>* owned_;
+};
+
+// The rows of `heads` consecutive heads from `first_head` on, `dim` rows a head.
+Range HeadRows(int64_t first_head, int64_t heads, int64_t dim) {
+  return {first_head * dim, heads * dim};
+}
+
+// The adapter that lets one rank's CPU model reach the shared all-reduce.
+class RankAllReduce final : public RankCollective {
+ public:
+  RankAllReduce(cpu::ThreadAllReduce* allreduce, int rank) : allreduce_(allreduce), rank_(rank) {}
+  void AllReduceSum(float* data, int64_t n) override { allreduce_->Sum(rank_, data, n); }
+
+ private:
+  cpu::ThreadAllReduce* allreduce_;
+  const int rank_;
+};
+
+class TensorParallelCpuModel final : public Model {
+ public:
+  TensorParallelCpuModel(const HostModel& host, std::vector<std::unique_ptr<RankShard>> shards,
+                         const TensorParallelOptions& options)
+      : host_(host), shards_(std::move(shards)), allreduce_(options.tp) {
+    for (int r = 0; r < options.tp; ++r) {
+      collectives_.push_back(std::make_unique<RankAllReduce>(&allreduce_, r));
+      CpuModelOptions rank_options;
+      rank_options.matmul = options.matmul;
+      rank_options.threads = 0;
+      if (r == 0) rank_options.fault = options.fault;
+      rank_options.collective = collectives_.back().get();
+      ranks_.push_back(MakeCpuModel(*shards_[r]->host, rank_options));
+    }
+  }
+
+  const ModelConfig& config() const override { return host_.config; }
+  std::string device() const override { return "cpu"; }
+  int position() const override { return ranks_[0]->position(); }
+
+  absl::Status StartBatch(int batch, int max_tokens) override {
+    for (auto& rank : ranks_)
+      if (auto s = rank->StartBatch(batch, max_tokens); !s.ok()) return s;
+    batch_ = batch;
+    capacity_ = max_tokens;
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    // Checked here, before any rank starts: a rank that failed alone would leave the others
+    // waiting in the all-reduce.
+    if (auto s = ValidateForwardArgs(host_.config, batch_, capacity_, position(), tokens, n);
+        !s.ok())
+      return s;
+    const int tp = static_cast<int>(ranks_.size());
+    std::vector<std::vector<float>> partial(tp);
+    std::vector<absl::Status> status(tp);
+    auto run_rank = [&](int r) {
+      cpu::ScopedInlineParallelFor own_thread;
+      status[r] = ranks_[r]->Forward(tokens, n, mode, &partial[r]);
+    };
+    {
+      std::vector<std::jthread> threads;
+      for (int r = 1; r < tp; ++r) threads.emplace_back(run_rank, r);
+      run_rank(0);  // on the caller's thread, so an active launch log records rank 0's ops
+    }
+    for (const absl::Status& s : status)
+      if (!s.ok()) return s;
+    // Gather the lm_head's vocabulary shards into full rows.
+    RecordLaunch("gather_logits");
+    const int64_t vocab = host_.config.vocab_size;
+    const int64_t rows =
+        static_cast<int64_t>(partial[0].size()) / shards_[0]->host->weights.lm_head.rows;
+    logits->resize(rows * vocab);
+    for (int r = 0; r < tp; ++r) {
+      const int64_t width = shards_[r]->host->weights.lm_head.rows;
+      for (int64_t i = 0; i < rows; ++i)
+        std::copy_n(partial[r].data() + i * width, width,
+                    logits->data() + i * vocab + shards_[r]->vocab_begin);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const HostModel& host_;
+  std::vector<std::unique_ptr<RankShard>> shards_;
+  cpu::ThreadAllReduce allreduce_;
+  std::vector<std::unique_ptr<RankAllReduce>> collectives_;
+  std::vector<std::unique_ptr<Model>> ranks_;
+  int batch_ = 0, capacity_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RankShard>> ShardHostModel(const HostModel& host, int tp, int rank,
+                                                          bool expert_parallel) {
+  const ModelConfig& c = host.config;
+  if (tp < 1 || rank < 0 || rank >= tp)
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of tp=", tp, " is no rank"));
+  if (std::string why = TensorParallelRefusal(c, tp, expert_parallel); !why.empty())
+    return absl::InvalidArgumentError(why);
+  if (!host.host_materialized)
+    return absl::FailedPreconditionError("ShardHostModel: the host weights are not materialized");
+  auto shard = std::make_unique<RankShard>();
+  shard->rank = rank;
+  shard->host = std::make_unique<HostModel>();
+  HostModel& out = *shard->host;
+  out.source = host.source;
+  out.seed = host.seed;
+  out.quant_format = host.quant_format;
+  out.is_synthetic = host.is_synthetic;
+  Slicer slice(&shard->owned);
+
+  // The rank's shapes: its heads and intermediate sizes; KV heads fewer than the ranks are
+  // replicated, one per rank.
+  ModelConfig& rc = out.config;
+  rc = c;
+  const int q_heads = c.num_q_heads / tp;
+  const int kv_heads = c.num_kv_heads >= tp ? c.num_kv_heads / tp : 1;
+  const int first_q = rank * q_heads;
+  const int first_kv = c.num_kv_heads >= tp ? rank * kv_heads : rank * c.num_kv_heads / tp;
+  rc.num_q_heads = q_heads;
+  rc.num_kv_heads = kv_heads;
+  rc.intermediate_size = c.intermediate_size / tp;
+  rc.moe_intermediate_size =
+      expert_parallel ? c.moe_intermediate_size : c.moe_intermediate_size / tp;
+  rc.shared_expert_intermediate_size = c.shared_expert_intermediate_size / tp;
+  const int key_heads = c.linear_num_key_heads / tp, value_heads = c.linear_num_value_heads / tp;
+  rc.linear_num_key_heads = key_heads;
+  rc.linear_num_value_heads = value_heads;
+  const int experts_per_rank = c.num_experts / tp;
+
+  const ModelWeights& w = host.weights;
+  ModelWeights& rw = out.weights;
+  rw.embed = w.embed;
+  rw.final_norm = w.final_norm;
+  // The vocabulary split as evenly as it goes: the first (vocab % tp) ranks take one row more.
+  const int64_t vocab = w.lm_head.rows, base = vocab / tp, extra = vocab % tp;
+  shard->vocab_begin = rank * base + std::min<int64_t>(rank, extra);
+  rw.lm_head = slice.Rows(w.lm_head, {shard->vocab_begin, base + (rank < extra ? 1 : 0)});
+
+  const int64_t head_dim = c.head_dim;
+  // q_proj rows are [q_h | gate_h] per head with a gated attention output.
+  const int64_t q_rows_per_head = head_dim * (c.attn_output_gate ? 2 : 1);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& lw = w.layers[l];
+    LayerWeights& rl = rw.layers.emplace_back();
+    rl.input_norm = lw.input_norm;
+    rl.post_attention_norm = lw.post_attention_norm;
+    if (c.AttentionKind(l) == LayerAttention::kLinear) {
+      const LinearAttentionWeights& la = lw.linear_attn;
+      LinearAttentionWeights& ra = rl.linear_attn;
+      const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+      const int64_t key_dim = c.linear_key_dim();
+      const Range q = HeadRows(rank * key_heads, key_heads, dk);
+      const Range v = HeadRows(rank * value_heads, value_heads, dv);
+      // in_proj_qkv and the conv's channels are [q | k | v]: the rank's q, k and v heads.
+      const std::vector<Range> qkv = {
+          q, {key_dim + q.begin, q.count}, {2 * key_dim + v.begin, v.count}};
+      ra.in_proj_qkv = slice.StackRows(la.in_proj_qkv, qkv);
+      ra.conv = slice.StackRows(la.conv, qkv);
+      ra.in_proj_z = slice.Rows(la.in_proj_z, v);
+      const Range heads{rank * value_heads, value_heads};
+      ra.in_proj_b = slice.Rows(la.in_proj_b, heads);
+      ra.in_proj_a = slice.Rows(la.in_proj_a, heads);
+      ra.dt_bias = slice.Cols(la.dt_bias, heads);
+      ra.a_log = slice.Cols(la.a_log, heads);
+      ra.norm = la.norm;
+      ra.out_proj = slice.Cols(la.out_proj, v);
+    } else {
+      const Range q = HeadRows(first_q, q_heads, q_rows_per_head);
+      const Range kv = HeadRows(first_kv, kv_heads, head_dim);
+      rl.q = slice.Rows(lw.q, q);
+      rl.q_bias = slice.Cols(lw.q_bias, q);
+      rl.k = slice.Rows(lw.k, kv);
+      rl.k_bias = slice.Cols(lw.k_bias, kv);
+      rl.v = slice.Rows(lw.v, kv);
+      rl.v_bias = slice.Cols(lw.v_bias, kv);
+      rl.q_norm = lw.q_norm;
+      rl.k_norm = lw.k_norm;
+      rl.o = slice.Cols(lw.o, HeadRows(first_q, q_heads, head_dim));
+      // The bias joins the sum once: rank 0 adds it to its partial.
+      if (rank == 0) rl.o_bias = lw.o_bias;
+    }
+    if (!c.IsMoeLayer(l)) {
+      rl.mlp = slice.Mlp(lw.mlp, tp, rank);
+      continue;
+    }
+    rl.router = lw.router;
+    rl.experts.resize(lw.experts.size());
+    for (int e = 0; e < static_cast<int>(lw.experts.size()); ++e) {
+      if (!expert_parallel) {
+        rl.experts[e] = slice.Mlp(lw.experts[e], tp, rank);
+      } else if (e / experts_per_rank == rank) {
+        rl.experts[e] = lw.experts[e];  // whole; the other ranks' experts stay empty here
+      }
+    }
+    rl.shared_expert = slice.Mlp(lw.shared_expert, tp, rank);
+    rl.shared_expert_gate = lw.shared_expert_gate;
+  }
+  return shard;
+}
+
+absl::StatusOr<std::unique_ptr<Model>> MakeTensorParallelCpuModel(
+    const HostModel& host, const TensorParallelOptions& options) {
+  using Kind = FaultInjection::Kind;
+  const Kind fault = options.fault.kind;
+  if (fault != Kind::kNone && fault != Kind::kSegv && fault != Kind::kAbort &&
+      fault != Kind::kHang && fault != Kind::kDelay)
+    return absl::InvalidArgumentError(
+        absl::StrCat("tp=", options.tp,
+                     ": weight and numeric faults run on tp=1 models only (segv, abort, hang and "
+                     "delay run at any tp)"));
+  if (std::string why = TensorParallelRefusal(host.config, options.tp, options.expert_parallel);
+      !why.empty())
+    return absl::UnimplementedError(why);
+  std::vector<std::unique_ptr<RankShard>> shards;
+  for (int r = 0; r < options.tp; ++r) {
+    auto shard = ShardHostModel(host, options.tp, r, options.expert_parallel);
+    if (!shard.ok()) return shard.status();
+    shards.push_back(*std::move(shard));
+  }
+  return std::make_unique<TensorParallelCpuModel>(host, std::move(shards), options);
+}
+
+}  // namespace infersweep
