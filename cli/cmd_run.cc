@@ -75,6 +75,14 @@ std::optional<std::vector<BackendConfig>> ExpandConfigArgs(const RunArgs& args) 
 // `run --serve`: each config serves every load point in this process (the CPU reference needs no
 // isolation), judged request by request against lone runs; one line per load point. Exits 0
 // when every config ran, whatever its verdicts, as `run` does.
+// Writes `doc` to `path`, indented; false (and the error on stderr) when it cannot.
+bool WriteJson(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  out << doc.dump(1) << "\n";
+  if (!out) std::fprintf(stderr, "error: cannot write %s\n", path.c_str());
+  return static_cast<bool>(out);
+}
+
 int RunServing(const RunArgs& args) {
   auto fail = [](const std::string& what, const absl::Status& s) {
     std::fprintf(stderr, "error: %s%s\n", what.c_str(), std::string(s.message()).c_str());
@@ -147,18 +155,12 @@ int RunServing(const RunArgs& args) {
     all.push_back(std::move(result));
   }
   if (!args.json_out.empty()) {
-    std::ofstream out(args.json_out);
-    out << nlohmann::json{{"schema", "infersweep.serve/1"},
-                          {"model", *model},
-                          {"serve", args.serve},
-                          {"slo", args.slo},
-                          {"results", all}}
-               .dump(1)
-        << "\n";
-    if (!out) {
-      std::fprintf(stderr, "error: cannot write %s\n", args.json_out.c_str());
+    if (!WriteJson(args.json_out, {{"schema", "infersweep.serve/1"},
+                                   {"model", *model},
+                                   {"serve", args.serve},
+                                   {"slo", args.slo},
+                                   {"results", all}}))
       return 1;
-    }
   }
   return 0;
 }
@@ -177,7 +179,8 @@ int RunTrials(const RunArgs& args) {
   }
   auto workload = ParseWorkload(args.workload);
   if (!workload.ok()) {
-    std::fprintf(stderr, "error: --workload: %s\n", std::string(workload.status().message()).c_str());
+    std::fprintf(stderr, "error: --workload: %s\n",
+                 std::string(workload.status().message()).c_str());
     return 2;
   }
   if (auto fault = ParseFaultInjection(args.inject_fault); !fault.ok()) {
@@ -192,11 +195,14 @@ int RunTrials(const RunArgs& args) {
       absl::StrCat("infersweep run: model ", *model,
                    args.layers ? absl::StrCat(" (layers ", args.layers, ")") : "", ", ",
                    configs.size(), " config(s)"),
-      absl::StrCat("devices: cpu", devices.gpu_count ? absl::StrCat(", ", devices.gpu_name, " sm_", devices.sm) : "",
-                   devices.has_cuda_build ? " (CUDA build)" : " (no CUDA in this build)"),
-      absl::StrCat("workload: prompt ", workload->prompt_len, " tokens, output ", workload->output_len,
-                   " tokens, repeats ", workload->repeats, " (median; spread on # lines), warmup ",
-                   workload->warmup, ", timeout ", workload->timeout_s, " s"),
+      absl::StrCat(
+          "devices: cpu",
+          devices.gpu_count ? absl::StrCat(", ", devices.gpu_name, " sm_", devices.sm) : "",
+          devices.has_cuda_build ? " (CUDA build)" : " (no CUDA in this build)"),
+      absl::StrCat("workload: prompt ", workload->prompt_len, " tokens, output ",
+                   workload->output_len, " tokens, repeats ", workload->repeats,
+                   " (median; spread on # lines), warmup ", workload->warmup, ", timeout ",
+                   workload->timeout_s, " s"),
       "verdict: teacher-forced logits + free-running greedy vs the reference on the same weights",
   };
   if (!args.inject_fault.empty())
@@ -231,15 +237,11 @@ int RunTrials(const RunArgs& args) {
     all.push_back(ToJson(result));
   }
   if (!args.json_out.empty()) {
-    std::ofstream out(args.json_out);
-    out << nlohmann::json{{"schema", "infersweep.run/1"}, {"model", *model},
-                          {"workload", ToJson(*workload)}, {"results", all}}
-               .dump(1)
-        << "\n";
-    if (!out) {
-      std::fprintf(stderr, "error: cannot write %s\n", args.json_out.c_str());
+    if (!WriteJson(args.json_out, {{"schema", "infersweep.run/1"},
+                                   {"model", *model},
+                                   {"workload", ToJson(*workload)},
+                                   {"results", all}}))
       return 1;
-    }
   }
   return 0;
 }
@@ -248,7 +250,8 @@ int RunTrials(const RunArgs& args) {
 
 void AddRunCommands(CLI::App& app) {
   static RunArgs args;
-  CLI::App* run = app.add_subcommand("run", "run backend configs in isolated workers; judge and time them");
+  CLI::App* run =
+      app.add_subcommand("run", "run backend configs in isolated workers; judge and time them");
   run->add_option("--model", args.model, "checkpoint folder or preset:NAME")->capture_default_str();
   run->add_option("--layers", args.layers, "presets: override the layer count");
   run->add_option("--seed", args.seed, "presets: synthetic weight seed")->capture_default_str();

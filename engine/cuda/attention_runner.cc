@@ -62,22 +62,18 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
   // Gated attention: q_proj's output is [q_h | gate_h] per head, twice q_dim.
   const size_t q_rows = config_.attn_output_gate ? 2 * q_dim : q_dim;
   const size_t gated = config_.attn_output_gate ? r * q_dim : 0;
-  for (auto [ptr, count] : {std::pair{&q_, r * q_dim}, std::pair{&k_, r * kv_dim},
-                            std::pair{&qkv_, r * (q_rows + 2 * kv_dim)}, std::pair{&v_, r * kv_dim},
-                            std::pair{&attn_, r * q_dim}, std::pair{&scores_, scores},
-                            std::pair{&q_gated_, 2 * gated}, std::pair{&gate_, gated}}) {
-    if (count == 0) continue;
-    auto p = DeviceAlloc<float>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
-  }
-  return absl::OkStatus();
+  return AllocateFloatBuffers({{&q_, r * q_dim},
+                               {&k_, r * kv_dim},
+                               {&qkv_, r * (q_rows + 2 * kv_dim)},
+                               {&v_, r * kv_dim},
+                               {&attn_, r * q_dim},
+                               {&scores_, scores},
+                               {&q_gated_, 2 * gated},
+                               {&gate_, gated}});
 }
 
 void AttentionRunner::FreeScratch() {
-  for (float* p : {q_, k_, v_, qkv_, attn_, scores_, q_gated_, gate_})
-    if (p) cudaFree(p);
-  q_ = k_ = v_ = qkv_ = attn_ = scores_ = q_gated_ = gate_ = nullptr;
+  FreeFloatBuffers({&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &gate_});
 }
 
 absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,

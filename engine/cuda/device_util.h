@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -36,6 +38,26 @@ absl::StatusOr<T*> DeviceAlloc(size_t count) {
         absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes: ", cudaGetErrorString(e)));
   }
   return static_cast<T*>(p);
+}
+
+// A float buffer of each (pointer, count) pair, 0 counts skipped (the pointer left as it is).
+inline absl::Status AllocateFloatBuffers(
+    std::initializer_list<std::pair<float**, size_t>> buffers) {
+  for (auto [ptr, count] : buffers) {
+    if (count == 0) continue;
+    auto p = DeviceAlloc<float>(count);
+    if (!p.ok()) return p.status();
+    *ptr = *p;
+  }
+  return absl::OkStatus();
+}
+
+// Frees each buffer and nulls its pointer.
+inline void FreeFloatBuffers(std::initializer_list<float**> buffers) {
+  for (float** p : buffers) {
+    if (*p) cudaFree(*p);
+    *p = nullptr;
+  }
 }
 
 }  // namespace infersweep

@@ -98,21 +98,18 @@ absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
   if (!config_.has_linear_attention()) return absl::OkStatus();
   const size_t r = rows, conv = config_.linear_conv_dim(), value = config_.linear_value_dim(),
                heads = config_.linear_num_value_heads;
-  for (auto [ptr, count] :
-       {std::pair{&projected_, r * conv}, std::pair{&mixed_, r * conv}, std::pair{&z_, r * value},
-        std::pair{&a_, r * heads}, std::pair{&b_, r * heads}, std::pair{&g_, r * heads},
-        std::pair{&beta_, r * heads}, std::pair{&out_, r * value}}) {
-    auto p = DeviceAlloc<float>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
-  }
-  return absl::OkStatus();
+  return AllocateFloatBuffers({{&projected_, r * conv},
+                               {&mixed_, r * conv},
+                               {&z_, r * value},
+                               {&a_, r * heads},
+                               {&b_, r * heads},
+                               {&g_, r * heads},
+                               {&beta_, r * heads},
+                               {&out_, r * value}});
 }
 
 void LinearAttentionRunner::FreeScratch() {
-  for (float* p : {projected_, mixed_, z_, a_, b_, g_, beta_, out_})
-    if (p) cudaFree(p);
-  projected_ = mixed_ = z_ = a_ = b_ = g_ = beta_ = out_ = nullptr;
+  FreeFloatBuffers({&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_});
 }
 
 absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x) {
