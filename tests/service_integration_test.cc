@@ -582,6 +582,9 @@ TEST_F(Fleet, OnlyAnAgentWithTheAgentTokenRunsTrials) {
 TEST_F(Fleet, RecoveredLeasesCountAsRunningAfterARestart) {
   CoordinatorOptions options = QuietOptions();
   options.lease_ms = 5000;
+  // The lease's expiry is polled every 20 ms for over 5 s, faster than the default user-call
+  // limit refills: the limit is not what this test is about.
+  options.user_call_limit = {0, 0};
   StartCoordinator(options);
   // The "worker" never answers: the trial stays running until the agent stops.
   Agent* agent = StartAgent("holder", "NVIDIA RTX PRO 6000:120:96", {"/bin/sleep", "60"});
