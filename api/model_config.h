@@ -85,6 +85,14 @@ struct ModelConfig {
       if (kind == LayerAttention::kLinear) return true;
     return false;
   }
+  // Each layer's index among the layers of `kind` (its slot in that kind's KV cache or state), -1
+  // for the layers of the other kind.
+  std::vector<int> LayerSlots(LayerAttention kind) const {
+    std::vector<int> slots;
+    int next = 0;
+    for (int l = 0; l < num_layers; ++l) slots.push_back(AttentionKind(l) == kind ? next++ : -1);
+    return slots;
+  }
   int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
   // Linear-attention widths: q and k each key_dim, v and z each value_dim; conv over q|k|v.
   int linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }

@@ -766,6 +766,16 @@ TEST(ParseModelConfig, Qwen3NextHub) {
   EXPECT_EQ(c.AttentionKind(3), LayerAttention::kFull);
   EXPECT_EQ(c.AttentionKind(47), LayerAttention::kFull);
   EXPECT_EQ(CountFull(c), 12);
+  // Per-kind slots (the GPU's KV cache and linear states are laid out by them).
+  const std::vector<int> full = c.LayerSlots(LayerAttention::kFull);
+  const std::vector<int> linear = c.LayerSlots(LayerAttention::kLinear);
+  EXPECT_EQ(full[3], 0);
+  EXPECT_EQ(full[47], 11);
+  EXPECT_EQ(full[0], -1);
+  EXPECT_EQ(linear[0], 0);
+  EXPECT_EQ(linear[4], 3);
+  EXPECT_EQ(linear[46], 35);
+  EXPECT_EQ(linear[47], -1);
   EXPECT_EQ(c.linear_num_key_heads, 16);
   EXPECT_EQ(c.linear_num_value_heads, 32);
   EXPECT_EQ(c.linear_key_head_dim, 128);

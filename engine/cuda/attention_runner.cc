@@ -1,5 +1,7 @@
 #include "engine/cuda/attention_runner.h"
 
+#include <algorithm>
+
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/ops.h"
@@ -12,12 +14,9 @@ AttentionRunner::AttentionRunner(const RunnerContext& context, LinearRunner& lin
       options_(context.options),
       fault_(context.fault),
       stream_(context.stream),
-      linear_(linear) {
-  int slots = 0;
-  for (int l = 0; l < config_.num_layers; ++l)
-    cache_index_.push_back(config_.AttentionKind(l) == LayerAttention::kFull ? slots++ : -1);
-  cache_layers_ = slots;
-}
+      linear_(linear),
+      cache_index_(config_.LayerSlots(LayerAttention::kFull)),
+      cache_layers_(*std::max_element(cache_index_.begin(), cache_index_.end()) + 1) {}
 
 AttentionRunner::~AttentionRunner() {
   FreeScratch();

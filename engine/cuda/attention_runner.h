@@ -46,8 +46,9 @@ class AttentionRunner {
   const FaultInjection& fault_;
   cudaStream_t stream_;
   LinearRunner& linear_;
-  std::vector<int> cache_index_;  // layer -> its slot in the KV cache, -1 for linear attention
-  int cache_layers_ = 0;
+  const std::vector<int>
+      cache_index_;         // layer -> its slot in the KV cache, -1 for linear attention
+  const int cache_layers_;  // full-attention layers
   int batch_ = 0, capacity_ = 0;
   char *k_cache_ = nullptr, *v_cache_ = nullptr;  // fp32, or bf16 with kv_cache=bf16
   float2* rope_ = nullptr;                        // [capacity, rotary_dim / 2] cos/sin
@@ -55,8 +56,8 @@ class AttentionRunner {
         *qkv_ = nullptr,  // [rows, q | k | v]: the fused q/k/v GEMM's output
             *attn_ = nullptr,
         *scores_ = nullptr,  // naive: materialised scores; flash: the splits' partial softmaxes
-      *q_gated_ = nullptr,   // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
-      *gate_ = nullptr;      // gated attention: [rows, q_dim]
+            *q_gated_ = nullptr,   // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
+                *gate_ = nullptr;  // gated attention: [rows, q_dim]
 };
 
 }  // namespace infersweep

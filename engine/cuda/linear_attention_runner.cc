@@ -28,19 +28,15 @@ LinearAttentionRunner::LinearAttentionRunner(const RunnerContext& context, Linea
       options_(context.options),
       fault_(context.fault),
       stream_(context.stream),
-      linear_(linear) {
-  int slots = 0;
-  for (int l = 0; l < config_.num_layers; ++l) {
-    const bool linear_layer = config_.AttentionKind(l) == LayerAttention::kLinear;
-    state_index_.push_back(linear_layer ? slots++ : -1);
-    if (linear_layer && first_linear_layer_ < 0) first_linear_layer_ = l;
-  }
-}
+      linear_(linear),
+      state_index_(config_.LayerSlots(LayerAttention::kLinear)),
+      state_layers_(*std::max_element(state_index_.begin(), state_index_.end()) + 1),
+      first_linear_layer_(static_cast<int>(std::find(state_index_.begin(), state_index_.end(), 0) -
+                                           state_index_.begin())) {}
 
 LinearAttentionRunner::~LinearAttentionRunner() {
   FreeScratch();
-  for (float* p : {conv_state_, recurrent_state_})
-    if (p) cudaFree(p);
+  FreeFloatBuffers({&conv_state_, &recurrent_state_});
 }
 
 namespace {
@@ -53,45 +49,28 @@ int64_t RecurrentStateFloats(const ModelConfig& c) {
 }
 }  // namespace
 
-int64_t LinearAttentionRunner::state_bytes_per_sequence() const {
-  const int64_t layers =
-      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
-  return layers * (ConvStateFloats(config_) + RecurrentStateFloats(config_)) *
-         static_cast<int64_t>(sizeof(float));
-}
-
 absl::Status LinearAttentionRunner::AllocateState(int batch) {
-  for (float* p : {conv_state_, recurrent_state_})
-    if (p) cudaFree(p);
-  conv_state_ = recurrent_state_ = nullptr;
+  FreeFloatBuffers({&conv_state_, &recurrent_state_});
   batch_ = 0;
-  const int64_t layers =
-      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
-  if (layers == 0) return absl::OkStatus();
-  const size_t conv = static_cast<size_t>(layers) * batch * ConvStateFloats(config_);
-  const size_t recurrent = static_cast<size_t>(layers) * batch * RecurrentStateFloats(config_);
-  if (conv > 0) {
-    auto c = DeviceAlloc<float>(conv);
-    if (!c.ok()) return c.status();
-    conv_state_ = *c;
-  }
-  auto r = DeviceAlloc<float>(recurrent);
-  if (!r.ok()) return r.status();
-  recurrent_state_ = *r;
+  if (state_layers_ == 0) return absl::OkStatus();
+  const size_t sequences = static_cast<size_t>(state_layers_) * batch;
+  if (auto s =
+          AllocateFloatBuffers({{&conv_state_, sequences * ConvStateFloats(config_)},
+                                {&recurrent_state_, sequences * RecurrentStateFloats(config_)}});
+      !s.ok())
+    return s;
   batch_ = batch;
   return absl::OkStatus();
 }
 
 void LinearAttentionRunner::ResetState() {
   if (batch_ == 0) return;
-  const int64_t layers =
-      std::count_if(state_index_.begin(), state_index_.end(), [](int i) { return i >= 0; });
+  const int64_t sequences = static_cast<int64_t>(state_layers_) * batch_;
   if (conv_state_)
-    CUDA_OR_DIE(cudaMemsetAsync(
-        conv_state_, 0, layers * batch_ * ConvStateFloats(config_) * sizeof(float), stream_));
+    CUDA_OR_DIE(cudaMemsetAsync(conv_state_, 0,
+                                sequences * ConvStateFloats(config_) * sizeof(float), stream_));
   CUDA_OR_DIE(cudaMemsetAsync(recurrent_state_, 0,
-                              layers * batch_ * RecurrentStateFloats(config_) * sizeof(float),
-                              stream_));
+                              sequences * RecurrentStateFloats(config_) * sizeof(float), stream_));
 }
 
 absl::Status LinearAttentionRunner::AllocateScratch(int rows) {

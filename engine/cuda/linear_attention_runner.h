@@ -34,9 +34,6 @@ class LinearAttentionRunner {
   // its output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
   absl::Status Run(int l, int rows, int n, bool gemv, float* x);
 
-  // Bytes of state a sequence (conv + recurrent, every linear-attention layer).
-  int64_t state_bytes_per_sequence() const;
-
  private:
   const ModelConfig& config_;
   const ModelWeights& w_;
@@ -44,8 +41,9 @@ class LinearAttentionRunner {
   const FaultInjection& fault_;
   cudaStream_t stream_;
   LinearRunner& linear_;
-  std::vector<int> state_index_;  // layer -> its slot in the states, -1 for full attention
-  int first_linear_layer_ = -1;
+  const std::vector<int> state_index_;  // layer -> its slot in the states, -1 for full attention
+  const int state_layers_;              // linear-attention layers
+  const int first_linear_layer_;        // (num_layers when there is none)
   int batch_ = 0;
   float *conv_state_ = nullptr,     // [linear layers, batch, K - 1, conv channels]
       *recurrent_state_ = nullptr;  // [linear layers, batch, Hv, dk, dv]
