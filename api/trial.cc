@@ -1,9 +1,10 @@
 #include "api/trial.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "api/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 namespace {
@@ -110,7 +111,10 @@ absl::Status ValidateWorkload(const Workload& w) {
   if (w.repeats < 1 || w.repeats > 100) return bad("repeats", w.repeats, "[1, 100]");
   if (w.warmup < 0 || w.warmup > 100) return bad("warmup", w.warmup, "[0, 100]");
   if (!(w.timeout_s >= 1 && w.timeout_s <= 86400)) return bad("timeout", w.timeout_s, "[1, 86400] s");
-  return absl::OkStatus();
+  if (w.serve) RETURN_IF_ERROR(ValidateServeSpec(*w.serve, "workload"));
+  if (!w.slo.empty() && !w.serve)
+    return absl::InvalidArgumentError("workload field 'slo': an SLO applies to serving workloads");
+  return ValidateSlo(w.slo, "workload slo");
 }
 
 absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
@@ -155,10 +159,13 @@ absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
 }
 
 std::string WorkloadKey(const Workload& w) {
+  if (w.serve) return ServeWorkloadKey(*w.serve, w.slo);
   return absl::StrCat("prompt=", w.prompt_len, ",output=", w.output_len, ",warmup=", w.warmup);
 }
 
 absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text) {
+  if (absl::StartsWith(absl::string_view(text.data(), text.size()), kServeWorkloadKeyPrefix))
+    return CanonicalServeWorkloadKey(text);
   absl::StatusOr<Workload> w = ParseWorkload(text);
   if (!w.ok()) return w.status();
   return WorkloadKey(*w);
@@ -169,9 +176,12 @@ json KernelsJson(const BatchFigures& b) {
 }
 
 json ToJson(const Workload& w) {
-  return {{"prompt_len", w.prompt_len}, {"output_len", w.output_len},
-          {"batch_sizes", w.batch_sizes}, {"repeats", w.repeats},
-          {"warmup", w.warmup},           {"timeout_s", w.timeout_s}};
+  json j = {{"prompt_len", w.prompt_len},   {"output_len", w.output_len},
+            {"batch_sizes", w.batch_sizes}, {"repeats", w.repeats},
+            {"warmup", w.warmup},           {"timeout_s", w.timeout_s}};
+  if (w.serve) j["serve"] = ToJson(*w.serve);
+  if (!w.slo.empty()) j["slo"] = ToJson(w.slo);
+  return j;
 }
 
 absl::StatusOr<Workload> WorkloadFromJson(const json& j) {
@@ -182,6 +192,13 @@ absl::StatusOr<Workload> WorkloadFromJson(const json& j) {
   RETURN_IF_ERROR(Read(j, "repeats", &w.repeats, "workload"));
   RETURN_IF_ERROR(Read(j, "warmup", &w.warmup, "workload"));
   RETURN_IF_ERROR(Read(j, "timeout_s", &w.timeout_s, "workload"));
+  if (auto it = j.find("serve"); it != j.end() && !it->is_null()) {
+    ASSIGN_OR_RETURN(ServeSpec spec, ServeSpecFromJson(*it, "workload.serve"));
+    w.serve = std::move(spec);
+  }
+  if (auto it = j.find("slo"); it != j.end() && !it->is_null()) {
+    ASSIGN_OR_RETURN(w.slo, SloFromJson(*it, "workload.slo"));
+  }
   RETURN_IF_ERROR(ValidateWorkload(w));
   return w;
 }
@@ -236,53 +253,66 @@ json ToJson(const TrialResult& r) {
     if (b.prefill_kernels || b.decode_kernels) batches.back()["kernels"] = KernelsJson(b);
   }
   const VerdictMetrics& v = r.verdict;
-  return {{"trial_id", r.trial_id},
-          {"attempt", r.attempt},
-          {"status", TrialStatusName(r.status)},
-          {"reason", r.reason},
-          {"stderr_tail", r.stderr_tail},
-          {"model", r.model},
-          {"config", r.config},
-          {"device", r.device},
-          {"sm", r.sm},
-          {"engine_version", r.engine_version},
-          {"model_identity",
-           {{"source", r.model_identity.source},
-            {"name", r.model_identity.name},
-            {"layers", r.model_identity.layers},
-            {"seed", r.model_identity.seed},
-            {"weights", r.model_identity.weights},
-            {"fingerprint", r.model_identity.fingerprint},
-            {"key", ModelIdentityKey(r.model_identity)}}},
-          {"workload", r.workload},
-          {"software",
-           {{"driver", r.software.driver},
-            {"cuda_driver", r.software.cuda_driver},
-            {"cuda_runtime", r.software.cuda_runtime},
-            {"cublas", r.software.cublas},
-            {"cublaslt", r.software.cublaslt},
-            {"nccl", r.software.nccl},
-            {"cudnn", r.software.cudnn}}},
-          {"load_seconds", r.load_seconds},
-          {"graph_capture_seconds", r.graph_capture_seconds},
-          {"peak_memory_bytes", r.peak_memory_bytes},
-          {"verdict",
-           {{"precision_class", v.precision_class},
-            {"max_rel_error", v.max_rel_error},
-            {"top1_agreement", v.top1_agreement},
-            {"kl_mean", v.kl_mean},
-            {"kl_max", v.kl_max},
-            {"non_finite", v.non_finite},
-            {"degenerate", v.degenerate},
-            {"reference_degenerate", v.reference_degenerate},
-            {"free_run_agreement", v.free_run_agreement},
-            {"loop_reference_agreement", OptJson(v.loop_reference_agreement)},
-            {"worst_pass", v.worst_pass},
-            {"worst_pass_kl_mean", v.worst_pass_kl_mean},
-            {"failures", v.failures}}},
-          {"batches", batches},
-          {"started_unix_ms", r.started_unix_ms},
-          {"finished_unix_ms", r.finished_unix_ms}};
+  json out = {{"trial_id", r.trial_id},
+              {"attempt", r.attempt},
+              {"status", TrialStatusName(r.status)},
+              {"reason", r.reason},
+              {"stderr_tail", r.stderr_tail},
+              {"model", r.model},
+              {"config", r.config},
+              {"device", r.device},
+              {"sm", r.sm},
+              {"engine_version", r.engine_version},
+              {"model_identity",
+               {{"source", r.model_identity.source},
+                {"name", r.model_identity.name},
+                {"layers", r.model_identity.layers},
+                {"seed", r.model_identity.seed},
+                {"weights", r.model_identity.weights},
+                {"fingerprint", r.model_identity.fingerprint},
+                {"key", ModelIdentityKey(r.model_identity)}}},
+              {"workload", r.workload},
+              {"software",
+               {{"driver", r.software.driver},
+                {"cuda_driver", r.software.cuda_driver},
+                {"cuda_runtime", r.software.cuda_runtime},
+                {"cublas", r.software.cublas},
+                {"cublaslt", r.software.cublaslt},
+                {"nccl", r.software.nccl},
+                {"cudnn", r.software.cudnn}}},
+              {"load_seconds", r.load_seconds},
+              {"graph_capture_seconds", r.graph_capture_seconds},
+              {"peak_memory_bytes", r.peak_memory_bytes},
+              {"verdict",
+               {{"precision_class", v.precision_class},
+                {"max_rel_error", v.max_rel_error},
+                {"top1_agreement", v.top1_agreement},
+                {"kl_mean", v.kl_mean},
+                {"kl_max", v.kl_max},
+                {"non_finite", v.non_finite},
+                {"degenerate", v.degenerate},
+                {"reference_degenerate", v.reference_degenerate},
+                {"free_run_agreement", v.free_run_agreement},
+                {"loop_reference_agreement", OptJson(v.loop_reference_agreement)},
+                {"worst_pass", v.worst_pass},
+                {"worst_pass_kl_mean", v.worst_pass_kl_mean},
+                {"failures", v.failures}}},
+              {"batches", batches},
+              {"started_unix_ms", r.started_unix_ms},
+              {"finished_unix_ms", r.finished_unix_ms}};
+  // Lockstep results carry neither key, so their JSON reads as it did before serving existed.
+  if (!r.serving.empty()) {
+    json points = json::array();
+    for (const ServingPoint& p : r.serving) points.push_back(ToJson(p));
+    out["serving"] = std::move(points);
+  }
+  if (r.slo_search) {
+    json search = {{"found", r.slo_search->found}, {"probes", json::array()}};
+    for (const ServingPoint& p : r.slo_search->probes) search["probes"].push_back(ToJson(p));
+    if (r.slo_search->best) search["best"] = ToJson(*r.slo_search->best);
+    out["slo_search"] = std::move(search);
+  }
+  return out;
 }
 
 absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
@@ -397,7 +427,127 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
       r.batches.push_back(b);
     }
   }
+  if (auto it = j.find("serving"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return absl::InvalidArgumentError("result.serving: not an array");
+    for (const json& pj : *it) {
+      ASSIGN_OR_RETURN(ServingPoint p, ServingPointFromJson(pj, "result.serving[]"));
+      r.serving.push_back(std::move(p));
+    }
+  }
+  if (auto it = j.find("slo_search"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return absl::InvalidArgumentError("result.slo_search: not an object");
+    ServingSloSearch search;
+    RETURN_IF_ERROR(Read(*it, "found", &search.found, "result.slo_search"));
+    if (auto probes = it->find("probes"); probes != it->end() && !probes->is_null()) {
+      if (!probes->is_array())
+        return absl::InvalidArgumentError("result.slo_search.probes: not an array");
+      for (const json& pj : *probes) {
+        ASSIGN_OR_RETURN(ServingPoint p, ServingPointFromJson(pj, "result.slo_search.probes[]"));
+        search.probes.push_back(std::move(p));
+      }
+    }
+    if (auto best = it->find("best"); best != it->end() && !best->is_null()) {
+      ASSIGN_OR_RETURN(ServingPoint p, ServingPointFromJson(*best, "result.slo_search.best"));
+      search.best = std::move(p);
+    }
+    if (search.found != search.best.has_value())
+      return absl::InvalidArgumentError(
+          "result.slo_search: 'found' and 'best' disagree (a found load has its best point)");
+    r.slo_search = std::move(search);
+  }
   return r;
+}
+
+json ToJson(const ServingPoint& p) {
+  json j = {
+      {"load_point", LoadPointName(p.point)},
+      {"mode", p.point.open_loop ? "poisson" : "closed_loop"},
+      {"verdict", std::string(TrialStatusName(p.verdict))},
+      {"requests_checked", p.requests_checked},
+      {"requests_matching", p.requests_matching},
+      {"steps", p.steps},
+      {"peak_running", p.peak_running},
+      {"completed", p.completed},
+      {"total_input_tokens", p.total_input_tokens},
+      {"total_output_tokens", p.total_output_tokens},
+      {"duration_s", p.duration_s},
+      {"request_throughput", p.request_throughput},
+      {"output_throughput", p.output_throughput},
+      {"total_token_throughput", p.total_token_throughput},
+      {"output_tok_s_per_user", p.output_tok_s_per_user},
+  };
+  if (p.point.open_loop) {
+    j["request_rate"] = p.point.rate;
+    if (p.point.concurrency > 0) j["max_concurrency"] = p.point.concurrency;
+  } else {
+    j["max_concurrency"] = p.point.concurrency;
+  }
+  auto add = [&](const std::string& name, const ServingDistribution& d) {
+    j["mean_" + name] = d.mean;
+    j["median_" + name] = d.median;
+    j["p90_" + name] = d.p90;
+    j["p99_" + name] = d.p99;
+  };
+  add("ttft_ms", p.ttft_ms);
+  add("tpot_ms", p.tpot_ms);
+  add("itl_ms", p.itl_ms);
+  add("e2el_ms", p.e2el_ms);
+  if (p.request_goodput) j["request_goodput"] = *p.request_goodput;
+  if (p.meets_slo) j["meets_slo"] = *p.meets_slo;
+  if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
+  if (!p.first_mismatch.empty()) j["first_mismatch"] = p.first_mismatch;
+  return j;
+}
+
+absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_view where_view) {
+  const std::string where(where_view);
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not an object"));
+  ServingPoint p;
+  std::string mode, verdict;
+  RETURN_IF_ERROR(Read(j, "mode", &mode, where));
+  if (mode != "closed_loop" && mode != "poisson")
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".mode: unknown '", mode, "' (known: closed_loop, poisson)"));
+  p.point.open_loop = mode == "poisson";
+  RETURN_IF_ERROR(Read(j, "max_concurrency", &p.point.concurrency, where));
+  RETURN_IF_ERROR(Read(j, "request_rate", &p.point.rate, where));
+  if (p.point.open_loop ? !(p.point.rate > 0) : p.point.concurrency < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, p.point.open_loop ? ".request_rate: missing or not positive"
+                                              : ".max_concurrency: missing or below 1"));
+  RETURN_IF_ERROR(Read(j, "verdict", &verdict, where));
+  const std::optional<TrialStatus> status = TrialStatusFromName(verdict);
+  if (!status)
+    return absl::InvalidArgumentError(absl::StrCat(where, ".verdict: unknown '", verdict, "'"));
+  p.verdict = *status;
+  RETURN_IF_ERROR(Read(j, "requests_checked", &p.requests_checked, where));
+  RETURN_IF_ERROR(Read(j, "requests_matching", &p.requests_matching, where));
+  RETURN_IF_ERROR(Read(j, "first_mismatch", &p.first_mismatch, where));
+  RETURN_IF_ERROR(Read(j, "steps", &p.steps, where));
+  RETURN_IF_ERROR(Read(j, "peak_running", &p.peak_running, where));
+  RETURN_IF_ERROR(Read(j, "completed", &p.completed, where));
+  RETURN_IF_ERROR(Read(j, "total_input_tokens", &p.total_input_tokens, where));
+  RETURN_IF_ERROR(Read(j, "total_output_tokens", &p.total_output_tokens, where));
+  RETURN_IF_ERROR(Read(j, "duration_s", &p.duration_s, where));
+  RETURN_IF_ERROR(Read(j, "request_throughput", &p.request_throughput, where));
+  RETURN_IF_ERROR(Read(j, "output_throughput", &p.output_throughput, where));
+  RETURN_IF_ERROR(Read(j, "total_token_throughput", &p.total_token_throughput, where));
+  RETURN_IF_ERROR(Read(j, "output_tok_s_per_user", &p.output_tok_s_per_user, where));
+  for (auto [name, d] : {std::pair{"ttft_ms", &p.ttft_ms}, std::pair{"tpot_ms", &p.tpot_ms},
+                         std::pair{"itl_ms", &p.itl_ms}, std::pair{"e2el_ms", &p.e2el_ms}}) {
+    RETURN_IF_ERROR(Read(j, absl::StrCat("mean_", name).c_str(), &d->mean, where));
+    RETURN_IF_ERROR(Read(j, absl::StrCat("median_", name).c_str(), &d->median, where));
+    RETURN_IF_ERROR(Read(j, absl::StrCat("p90_", name).c_str(), &d->p90, where));
+    RETURN_IF_ERROR(Read(j, absl::StrCat("p99_", name).c_str(), &d->p99, where));
+  }
+  RETURN_IF_ERROR(ReadOpt(j, "request_goodput", &p.request_goodput, where));
+  if (auto it = j.find("meets_slo"); it != j.end() && !it->is_null()) {
+    if (!it->is_boolean())
+      return absl::InvalidArgumentError(absl::StrCat(where, ".meets_slo: not true or false"));
+    p.meets_slo = it->get<bool>();
+  }
+  RETURN_IF_ERROR(ReadOpt(j, "energy_j_per_output_token", &p.energy_j_per_output_token, where));
+  return p;
 }
 
 }  // namespace infersweep

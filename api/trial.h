@@ -11,9 +11,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/backend_config.h"
+#include "api/serve_spec.h"
 #include "core/identity.h"
 #include "core/launch_log.h"
-#include "api/backend_config.h"
 
 namespace infersweep {
 
@@ -21,6 +22,10 @@ enum class TrialStatus { kOk, kIncorrect, kCrashed, kUnsupported, kTimeout, kErr
 std::string_view TrialStatusName(TrialStatus s);  // "OK", "INCORRECT", ...
 std::optional<TrialStatus> TrialStatusFromName(std::string_view name);
 
+// A lockstep workload (B sequences start, advance and stop together, timed per batch size), or,
+// with `serve`, a serving one: requests arrive, join the running batch and leave when done, at
+// each load point of the spec (api/serve_spec.h); then the lockstep fields other than the
+// timeout are not used.
 struct Workload {
   int prompt_len = 128;
   int output_len = 32;
@@ -28,20 +33,25 @@ struct Workload {
   int repeats = 3;
   int warmup = 1;
   double timeout_s = 600;  // per trial, wall clock, enforced by the parent
+  std::optional<ServeSpec> serve;
+  Slo slo;  // serving only: the goodput's bounds and the SLO search's (empty: neither)
 };
 
 // Bounds: prompt 1..65536, output 2..65536, batch 1..1024 each (at most 16 sizes),
-// repeats 1..100, warmup 0..100, timeout 1..86400 s. Errors name the field.
+// repeats 1..100, warmup 0..100, timeout 1..86400 s; a serving workload's spec and SLO as
+// ValidateServeSpec and ValidateSlo check them. Errors name the field.
 absl::Status ValidateWorkload(const Workload& w);
 // "prompt=128,output=32,batch=1:8:64,repeats=3,warmup=1,timeout=600" (every key optional).
 absl::StatusOr<Workload> ParseWorkload(std::string_view text);
 
 // The workload's part of a result's identity: what changes its figures (the prompt and output
 // lengths, and whether a warm-up ran), not the procedure (repeats, timeout) or the batch list
-// (each figure is keyed by its own batch): "prompt=128,output=32,warmup=1".
+// (each figure is keyed by its own batch): "prompt=128,output=32,warmup=1". A serving
+// workload's is ServeWorkloadKey ("serve:isl=64,..."), without its load points (each figure
+// is keyed by its own), so no serving key equals a lockstep one.
 std::string WorkloadKey(const Workload& w);
 // The same text back into its fields, for validating --workload arguments; also takes a
-// ParseWorkload string and keeps only the key's fields.
+// ParseWorkload string and keeps only the key's fields, and serving keys.
 absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text);
 
 struct TrialRequest {
@@ -129,6 +139,37 @@ struct VerdictMetrics {
   std::vector<std::string> failures;  // which thresholds failed, human-readable
 };
 
+// One served load point's figures, named as `vllm bench serve` names them (docs/RESULTS.md
+// "serving"): TTFT, TPOT, ITL and end-to-end latency distributions, throughputs, goodput under
+// the workload's SLO, and its verdict (every served request's tokens against its lone run).
+struct ServingDistribution {
+  double mean = 0, median = 0, p90 = 0, p99 = 0;
+};
+struct ServingPoint {
+  LoadPoint point;
+  TrialStatus verdict = TrialStatus::kOk;
+  int requests_checked = 0, requests_matching = 0;
+  std::string first_mismatch;  // the first served request that parted from its lone run
+  int steps = 0, peak_running = 0;
+  int completed = 0;
+  int64_t total_input_tokens = 0, total_output_tokens = 0;
+  double duration_s = 0;
+  double request_throughput = 0;      // requests/s
+  double output_throughput = 0;       // output tok/s
+  double total_token_throughput = 0;  // (input + output) tok/s
+  double output_tok_s_per_user = 0;   // mean over requests of 1000 / tpot_ms
+  ServingDistribution ttft_ms, tpot_ms, itl_ms, e2el_ms;
+  std::optional<double> request_goodput;  // with an SLO
+  std::optional<bool> meets_slo;          // with an SLO: its percentiles meet the bounds
+  std::optional<double> energy_j_per_output_token;
+};
+// The SLO search's answer: the highest load whose percentiles meet the SLO, with every probe.
+struct ServingSloSearch {
+  bool found = false;
+  std::optional<ServingPoint> best;  // when found
+  std::vector<ServingPoint> probes;  // in the order they ran
+};
+
 struct TrialResult {
   std::string trial_id;
   int attempt = 1;
@@ -152,6 +193,10 @@ struct TrialResult {
   int64_t peak_memory_bytes = 0;
   VerdictMetrics verdict;
   std::vector<BatchFigures> batches;
+  // Serving workloads: one entry per load point of the spec, in its order (also when a point
+  // is INCORRECT), and the SLO search's answer when the workload has an SLO.
+  std::vector<ServingPoint> serving;
+  std::optional<ServingSloSearch> slo_search;
   int64_t started_unix_ms = 0;
   int64_t finished_unix_ms = 0;
 };
@@ -161,6 +206,10 @@ nlohmann::json ToJson(const TrialRequest& r);
 nlohmann::json ToJson(const TrialResult& r);
 // A batch's "kernels" object as ToJson writes it: {"prefill": PHASE, "decode": PHASE}.
 nlohmann::json KernelsJson(const BatchFigures& b);
+// A load point under its `vllm bench serve` names ("load_point", "mode", "max_concurrency",
+// "request_rate", "median_ttft_ms", "p99_tpot_ms", "output_throughput", ...).
+nlohmann::json ToJson(const ServingPoint& p);
+absl::StatusOr<ServingPoint> ServingPointFromJson(const nlohmann::json& j, std::string_view where);
 // Parsers validate types and ranges; errors name the field.
 absl::StatusOr<Workload> WorkloadFromJson(const nlohmann::json& j);
 absl::StatusOr<TrialRequest> TrialRequestFromJson(const nlohmann::json& j);

@@ -641,6 +641,19 @@ struct ResultsArgs {
   bool show_kernels = false;
 };
 
+// A serving load point on one line: its verdict and its headline figures (docs/METRICS.md).
+std::string ServingPointText(const ServingPoint& p) {
+  std::string text = absl::StrFormat(
+      "%s %s: output_tok_s=%.1f output_tok_s_per_user=%.1f median_ttft_ms=%.3f "
+      "p99_ttft_ms=%.3f median_tpot_ms=%.3f p99_tpot_ms=%.3f completed=%d matching=%d/%d",
+      LoadPointName(p.point), TrialStatusName(p.verdict), p.output_throughput,
+      p.output_tok_s_per_user, p.ttft_ms.median, p.ttft_ms.p99, p.tpot_ms.median, p.tpot_ms.p99,
+      p.completed, p.requests_matching, p.requests_checked);
+  if (p.request_goodput) absl::StrAppendFormat(&text, " goodput=%.3f", *p.request_goodput);
+  if (p.meets_slo) absl::StrAppend(&text, " meets_slo=", *p.meets_slo ? "yes" : "no");
+  return text;
+}
+
 void PrintResultsTable(const std::vector<Row>& rows, const std::string& context,
                        bool show_kernels) {
   Legend legend;
@@ -663,6 +676,14 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context,
                   static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
                   row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
                   config.c_str(), "-", status.c_str(), "-", "-", "-", "-", "-");
+      for (const ServingPoint& p : r.serving)
+        std::printf("#   %s %s\n", r.trial_id.c_str(), ServingPointText(p).c_str());
+      if (r.slo_search)
+        std::printf("#   %s slo search: %s\n", r.trial_id.c_str(),
+                    r.slo_search->best ? absl::StrCat("highest load meeting it ",
+                                                      ServingPointText(*r.slo_search->best))
+                                             .c_str()
+                                       : "no probed load meets it");
       if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
       continue;
     }
@@ -814,9 +835,10 @@ void PrintFigures(const Row& row, int batch) {
               percent(b->roofline_fraction).c_str(), percent(b->prefill_roofline_fraction).c_str());
 }
 
-// A (model identity, workload) group, as `best` and `compare` list them.
+// A (model identity, workload) group, as `best` and `compare` list them (and its load point,
+// for serving groups).
 struct Group {
-  std::string model_key, workload;
+  std::string model_key, workload, load_point;
   int64_t ok_results = 0;
   int64_t first_sweep = 0, last_sweep = 0;
 };
@@ -828,14 +850,19 @@ int AskForGroup(const std::string& what, const std::vector<Group>& groups) {
                "error: %s spans %zu (model identity, workload) groups, which are never ranked "
                "together; choose one with --model-key (or --layers) and --workload, or --sweep:\n",
                what.c_str(), groups.size());
-  std::fprintf(stderr, "#  %-60s %-30s %10s %s\n", "model identity (--model-key)",
-               "workload (--workload)", "OK results", "sweeps");
+  const bool serving = !groups.empty() && !groups[0].load_point.empty();
+  if (serving)
+    std::fprintf(stderr, "#  serving groups are keyed by their load point too (--load-point)\n");
+  std::fprintf(stderr, "#  %-60s %-30s %s%10s %s\n", "model identity (--model-key)",
+               "workload (--workload)", serving ? "load point (--load-point)   " : "", "OK results",
+               "sweeps");
   for (const Group& g : groups)
-    std::fprintf(stderr, "   %-60s %-30s %10lld %s\n", Unknown(g.model_key).c_str(),
-                 Unknown(g.workload).c_str(), static_cast<long long>(g.ok_results),
-                 g.first_sweep == g.last_sweep
-                     ? absl::StrCat(g.first_sweep).c_str()
-                     : absl::StrCat(g.first_sweep, "-", g.last_sweep).c_str());
+    std::fprintf(
+        stderr, "   %-60s %-30s %s%10lld %s\n", Unknown(g.model_key).c_str(),
+        Unknown(g.workload).c_str(), serving ? absl::StrFormat("%-28s", g.load_point).c_str() : "",
+        static_cast<long long>(g.ok_results),
+        g.first_sweep == g.last_sweep ? absl::StrCat(g.first_sweep).c_str()
+                                      : absl::StrCat(g.first_sweep, "-", g.last_sweep).c_str());
   return kUsageError;
 }
 
@@ -843,8 +870,22 @@ struct BestArgs {
   std::string coordinator = DefaultCoordinator();
   std::string model, sm_arch, metric = "output_tok_s", format = "table";
   int batch = 1;
+  bool serving = false;
+  std::string load_point;
   IdentityArgs identity;
 };
+
+// A serving best's figures: the winning result's row for its load point.
+void PrintServingFigures(const Row& row, const std::string& load_point) {
+  const TrialResult& r = row.result;
+  std::printf("# config        %s\n", BackendConfigString(r.config).c_str());
+  std::printf("# trial         %s attempt %d (sweep %lld), agent %s, %s\n", r.trial_id.c_str(),
+              r.attempt, static_cast<long long>(row.sweep_id), row.agent_id.c_str(),
+              DeviceText(row.gpu_name, row.sm).c_str());
+  for (const ServingPoint& p : r.serving)
+    if (LoadPointName(p.point) == load_point)
+      std::printf("# serving       %s\n", ServingPointText(p).c_str());
+}
 
 int RunBest(const BestArgs& args) {
   absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
@@ -861,19 +902,27 @@ int RunBest(const BestArgs& args) {
   req.set_sm(*sm);
   req.set_metric(args.metric);
   req.set_batch(args.batch);
+  req.set_serving(args.serving);
+  if (!args.load_point.empty()) req.set_load_point(args.load_point);
   ApplyIdentity(identity, &req);
   absl::StatusOr<std::string> user_token = UserToken();
   if (!user_token.ok()) return Fail(user_token.status());
   ServiceClient client(args.coordinator, 30'000, *user_token, ClientTls());
   absl::StatusOr<v1::BestResponse> resp = client.Best(req);
   if (!resp.ok()) return Fail(resp.status());
+  // The coordinator answers from serving load points when the request names one, asks for
+  // them, or names a metric only they have; its groups then carry their load point.
+  const bool serving = resp->groups_size() > 0 && !resp->groups(0).load_point().empty();
   const std::string scope =
-      absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " at batch ", args.batch);
+      serving ? absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " serving at ",
+                             resp->groups_size() == 1 ? resp->groups(0).load_point()
+                                                      : std::string("several load points"))
+              : absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " at batch ", args.batch);
   if (resp->groups_size() > 1) {
     std::vector<Group> groups;
     for (const v1::ResultGroup& g : resp->groups())
-      groups.push_back(
-          {g.model_key(), g.workload(), g.ok_results(), g.first_sweep(), g.last_sweep()});
+      groups.push_back({g.model_key(), g.workload(), g.load_point(), g.ok_results(),
+                        g.first_sweep(), g.last_sweep()});
     return AskForGroup(absl::StrCat("best ", args.metric, " for ", scope), groups);
   }
   if (!resp->found()) {
@@ -897,7 +946,11 @@ int RunBest(const BestArgs& args) {
               static_cast<long long>(group.ok_results()),
               static_cast<long long>(group.first_sweep()),
               static_cast<long long>(group.last_sweep()));
-  PrintFigures(*row, args.batch);
+  if (serving) {
+    PrintServingFigures(*row, group.load_point());
+  } else {
+    PrintFigures(*row, args.batch);
+  }
   std::printf("%s\n", BackendConfigString(row->result.config).c_str());
   return 0;
 }
@@ -993,7 +1046,7 @@ int RunCompare(const CompareArgs& args) {
   auto groups_of = [&](const std::vector<GroupKey>& keys) {
     std::vector<Group> out;
     for (const GroupKey& k : keys) {
-      Group g{k.first, k.second, 0, 0, 0};
+      Group g{k.first, k.second, "", 0, 0, 0};
       for (const auto& side : by_side) {
         auto it = side.find(k);
         if (it == side.end()) continue;
@@ -1299,10 +1352,18 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--sm-arch", args.sm_arch,
                     "SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)")
         ->required();
-    cmd->add_option("--metric", args.metric, "output_tok_s, ttft_ms, tpot_ms or prefill_tok_s")
+    cmd->add_option("--metric", args.metric,
+                    "lockstep batches: output_tok_s, ttft_ms, tpot_ms or prefill_tok_s; serving "
+                    "load points: goodput, output_tok_s, output_tok_s_per_user, p99_ttft_ms or "
+                    "p99_tpot_ms")
         ->capture_default_str();
-    cmd->add_option("--batch", args.batch, "batch size the metric is read at")
+    cmd->add_option("--batch", args.batch, "lockstep batch size the metric is read at")
         ->capture_default_str();
+    cmd->add_flag("--serving", args.serving,
+                  "rank serving load points, never lockstep batches (implied by --load-point "
+                  "and by a metric only serving points have)");
+    cmd->add_option("--load-point", args.load_point,
+                    "the serving load point: concurrency=4, rate=2 or rate=2,max_concurrency=8");
     AddIdentityFlags(cmd, &args.identity);
     cmd->add_option("--format", args.format, "table or json")->capture_default_str();
     cmd->callback([] { std::exit(RunBest(args)); });

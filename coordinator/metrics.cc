@@ -58,6 +58,46 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                          "(docs/METRICS.md). Absent where the device's read bandwidth or tensor "
                          "rate is not known")
                    .Register(r);
+  serving_load_ = &BuildGauge()
+                       .Name("infersweep_serving_load")
+                       .Help(
+                           "The load of a serving load point: requests in flight (mode "
+                           "closed_loop) or Poisson arrivals per second (mode poisson)")
+                       .Register(r);
+  serving_output_tok_s_ = &BuildGauge()
+                               .Name("infersweep_serving_output_tokens_per_second")
+                               .Help(
+                                   "Output token throughput of the latest OK serving result "
+                                   "of a config at one load point, tokens per second")
+                               .Register(r);
+  serving_tok_s_per_user_ =
+      &BuildGauge()
+           .Name("infersweep_serving_output_tokens_per_second_per_user")
+           .Help(
+               "Output tokens per second each request saw (mean over requests of 1 / TPOT) in "
+               "the latest OK serving result of a config at one load point")
+           .Register(r);
+  serving_ttft_p99_ = &BuildGauge()
+                           .Name("infersweep_serving_ttft_p99_seconds")
+                           .Help(
+                               "99th percentile time to first token over the requests of the "
+                               "latest OK serving result of a config at one load point, "
+                               "seconds")
+                           .Register(r);
+  serving_tpot_p99_ = &BuildGauge()
+                           .Name("infersweep_serving_tpot_p99_seconds")
+                           .Help(
+                               "99th percentile time per output token over the requests of "
+                               "the latest OK serving result of a config at one load point, "
+                               "seconds")
+                           .Register(r);
+  serving_goodput_ = &BuildGauge()
+                          .Name("infersweep_serving_goodput_requests_per_second")
+                          .Help(
+                              "Requests per second that met every bound of the workload's "
+                              "SLO, latest OK serving result of a config at one load point "
+                              "(absent without an SLO)")
+                          .Register(r);
   trials_ = &BuildCounter()
                  .Name("infersweep_trials_total")
                  .Help("Trial results stored by the coordinator, by verdict status")
@@ -219,6 +259,33 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
     }
   }
   series_->Set(static_cast<double>(series_keys_.size()));
+
+  // Latest figures per serving load point, of OK results (an INCORRECT point's figures are not
+  // a serving figure).
+  if (r.status != TrialStatus::kOk) return;
+  for (const ServingPoint& p : r.serving) {
+    const std::string load_point = LoadPointName(p.point);
+    const ServingKey key{model, arch, gpu, config_string, load_point};
+    if (serving_keys_.count(key) == 0) {
+      if (serving_keys_.size() >= cap) {
+        dropped_->Increment();
+        continue;
+      }
+      serving_keys_.insert(key);
+    }
+    const prometheus::Labels labels = {{"model", model},
+                                       {"sm_arch", arch},
+                                       {"gpu", gpu},
+                                       {"config", config_string},
+                                       {"load_point", load_point},
+                                       {"mode", p.point.open_loop ? "poisson" : "closed_loop"}};
+    serving_load_->Add(labels).Set(p.point.open_loop ? p.point.rate : p.point.concurrency);
+    serving_output_tok_s_->Add(labels).Set(p.output_throughput);
+    serving_tok_s_per_user_->Add(labels).Set(p.output_tok_s_per_user);
+    serving_ttft_p99_->Add(labels).Set(p.ttft_ms.p99 / 1000.0);
+    serving_tpot_p99_->Add(labels).Set(p.tpot_ms.p99 / 1000.0);
+    if (p.request_goodput) serving_goodput_->Add(labels).Set(*p.request_goodput);
+  }
 }
 
 void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); }

@@ -3,6 +3,9 @@
 // (model, sm_arch, gpu, config, batch) the fleet has measured, for the Grafana dashboards in
 // dashboards/ and the alerts in deploy/prometheus/alerts.yml.
 //
+// Serving results export the same per config and load point (model, sm_arch, gpu, config,
+// load_point): output tok/s, tok/s per user, p99 TTFT and TPOT, goodput, and the load itself.
+//
 // Cardinality: backend configs are label values, so the per-config series grow with the sweeps.
 // At most `max_config_series` distinct keys are exported per keyed family (see
 // CoordinatorMetricsOptions); a result whose key would be new beyond the cap is not exported and
@@ -38,7 +41,8 @@ namespace infersweep {
 class MetricsHttpServer;
 
 struct CoordinatorMetricsOptions {
-  // Cap on distinct (model, sm_arch, gpu, config, batch) keys of the figure gauges, and
+  // Cap on distinct (model, sm_arch, gpu, config, batch) keys of the figure gauges (and
+  // separately (model, sm_arch, gpu, config, load_point) keys of the serving gauges), and
   // separately on distinct (model, sm_arch, config) keys of infersweep_config_status and
   // (model, sm_arch) keys of infersweep_trials_total.
   size_t max_config_series = 5000;
@@ -88,6 +92,8 @@ class CoordinatorMetrics {
  private:
   using SeriesKey = std::tuple<std::string, std::string, std::string, std::string, int>;
   using ConfigKey = std::tuple<std::string, std::string, std::string>;
+  // (model, sm_arch, gpu, config, load point)
+  using ServingKey = std::tuple<std::string, std::string, std::string, std::string, std::string>;
 
   CoordinatorMetricsOptions options_;
   std::shared_ptr<prometheus::Registry> registry_;
@@ -97,6 +103,12 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>* ttft_ = nullptr;
   prometheus::Family<prometheus::Gauge>* tpot_ = nullptr;
   prometheus::Family<prometheus::Gauge>* roofline_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_load_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_output_tok_s_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_tok_s_per_user_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_ttft_p99_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_tpot_p99_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* serving_goodput_ = nullptr;
   prometheus::Family<prometheus::Counter>* trials_ = nullptr;
   prometheus::Family<prometheus::Gauge>* config_status_ = nullptr;
   prometheus::Gauge* agents_connected_ = nullptr;
@@ -114,6 +126,7 @@ class CoordinatorMetrics {
   mutable std::mutex mu_;  // guards the key sets and Listen
   std::set<SeriesKey> series_keys_;
   std::set<ConfigKey> config_keys_;
+  std::set<ServingKey> serving_keys_;
   std::set<std::pair<std::string, std::string>> trial_keys_;
 };
 

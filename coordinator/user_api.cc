@@ -276,6 +276,8 @@ grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestR
   if (req.has_model_key()) q.model_key = req.model_key();
   if (req.has_workload()) q.workload = req.workload();
   if (req.has_layers()) q.layers = req.layers();
+  q.serving = req.serving();
+  if (req.has_load_point()) q.load_point = req.load_point();
   absl::StatusOr<BestAnswer> best = store_->Best(q);
   if (!best.ok()) return rpc::ToGrpcStatus(best.status());
   resp->set_model(q.model);
@@ -283,6 +285,7 @@ grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestR
     v1::ResultGroup* out = resp->add_groups();
     out->set_model_key(g.model_key);
     out->set_workload(g.workload);
+    out->set_load_point(g.load_point);
     out->set_ok_results(g.ok_results);
     out->set_first_sweep(g.first_sweep);
     out->set_last_sweep(g.last_sweep);

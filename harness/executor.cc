@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
+#include "harness/serving.h"
 
 namespace infersweep {
 namespace {
@@ -90,6 +91,46 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> TrialExecutor::ReferencePicks(
   return ReferencePicksOnFreeRuns(**model, eval_, free);
 }
 
+void TrialExecutor::ExecuteServing(const TrialRequest& request, const BackendConfig& config,
+                                   const FaultInjection& fault, const PreflightResult& preflight,
+                                   TrialResult* result) {
+  const ServeSpec& spec = *request.workload.serve;
+  const Slo& slo = request.workload.slo;
+  if (fault.kind == FaultInjection::Kind::kDelay && fault.value > 0)  // TEST ONLY: a slow trial
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(fault.value * 1e3)));
+  const ServeTrialResult trial = RunServeTrial(*host_, config, spec, slo, fault);
+  result->verdict.precision_class = std::string(PrecisionClassName(preflight.precision));
+  for (const LoadPointResult& point : trial.points)
+    result->serving.push_back(ToServingPoint(point, slo));
+  if (trial.slo_search) {
+    ServingSloSearch search;
+    search.found = trial.slo_search->found;
+    if (search.found) search.best = ToServingPoint(trial.slo_search->best, slo);
+    for (const LoadPointResult& probe : trial.slo_search->probes)
+      search.probes.push_back(ToServingPoint(probe, slo));
+    result->slo_search = std::move(search);
+  }
+  if (trial.status != TrialStatus::kOk) {
+    result->status = trial.status;
+    result->reason = trial.reason;
+    return;
+  }
+  // The served tokens are the verdict: a load point (or SLO probe) whose requests part from
+  // their lone runs makes the trial INCORRECT, its figures kept for the record.
+  auto judge = [&](const ServingPoint& p, absl::string_view role) {
+    if (p.verdict == TrialStatus::kOk) return;
+    result->verdict.failures.push_back(
+        absl::StrCat(role, LoadPointName(p.point), ": ", p.requests_matching, "/",
+                     p.requests_checked, " served requests match their lone runs",
+                     p.first_mismatch.empty() ? "" : absl::StrCat(" (", p.first_mismatch, ")")));
+  };
+  for (const ServingPoint& p : result->serving) judge(p, "");
+  if (result->slo_search)
+    for (const ServingPoint& p : result->slo_search->probes) judge(p, "slo probe ");
+  result->status = result->verdict.failures.empty() ? TrialStatus::kOk : TrialStatus::kIncorrect;
+  result->reason = absl::StrJoin(result->verdict.failures, "; ");
+}
+
 TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& progress) {
   TrialResult result;
   result.trial_id = request.trial_id;
@@ -140,6 +181,11 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   result.load_seconds = host_->load_seconds;
   preflight = Preflight(*config, MakePreflightTarget(devices_, host_.get()));
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
+
+  if (request.workload.serve) {
+    ExecuteServing(request, *config, *fault, preflight, &result);
+    return finish(result.status, result.reason);
+  }
 
   const BackendConfig reference_config = ReferenceConfigFor(*config);
   say("reference " + BackendConfigString(reference_config));

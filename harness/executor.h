@@ -8,12 +8,13 @@
 #include <memory>
 #include <string>
 
-#include "engine/backends.h"
-#include "engine/weights.h"
-#include "harness/measure.h"
-#include "harness/gpu_sampler.h"
 #include "api/trial.h"
 #include "api/version.h"
+#include "engine/backends.h"
+#include "engine/fault_injection.h"
+#include "engine/weights.h"
+#include "harness/gpu_sampler.h"
+#include "harness/measure.h"
 #include "harness/verdict.h"
 
 namespace infersweep {
@@ -31,6 +32,11 @@ class TrialExecutor {
 
  private:
   absl::Status EnsureModel(const TrialRequest& request);
+  // A serving workload on the loaded model: each load point served (RunServeTrial), its
+  // figures and verdict put into `result`, whose status and reason it sets.
+  void ExecuteServing(const TrialRequest& request, const BackendConfig& config,
+                      const FaultInjection& fault, const PreflightResult& preflight,
+                      TrialResult* result);
   // The model's identity (DescribeModel), cached per ModelKey.
   ModelIdentity Identity(const TrialRequest& request);
   absl::StatusOr<const EvalOutputs*> Reference(const BackendConfig& reference_config);

@@ -45,28 +45,6 @@ class Draws {
   uint64_t state_;
 };
 
-absl::Status FieldError(absl::string_view field, absl::string_view value, absl::string_view want) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("--serve field '", field, "': '", value, "' is not ", want));
-}
-
-// "N" or "A-B" (A <= B), each in [lo, hi].
-absl::Status ParseLength(absl::string_view field, absl::string_view value, int lo, int hi, int* min,
-                         int* max) {
-  std::pair<absl::string_view, absl::string_view> ab =
-      absl::StrSplit(value, absl::MaxSplits('-', 1));
-  if (!absl::SimpleAtoi(ab.first, min))
-    return FieldError(field, value, "a length N or a range A-B");
-  *max = *min;
-  if (value.find('-') != absl::string_view::npos && !absl::SimpleAtoi(ab.second, max))
-    return FieldError(field, value, "a length N or a range A-B");
-  if (*min < lo || *max > hi || *min > *max)
-    return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "': '", value,
-                                                   "' must lie in [", lo, ", ", hi,
-                                                   "] (a range as A-B with A <= B)"));
-  return absl::OkStatus();
-}
-
 Distribution Describe(const std::vector<double>& values) {
   Distribution d;
   if (values.empty()) return d;
@@ -206,118 +184,6 @@ absl::Status RunPhase(Model& model, const ServeSpec& spec, const Phase& phase,
 }
 
 }  // namespace
-
-absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
-  ServeSpec spec;
-  for (absl::string_view item :
-       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
-    std::pair<absl::string_view, absl::string_view> kv =
-        absl::StrSplit(item, absl::MaxSplits('=', 1));
-    const absl::string_view field = kv.first, value = kv.second;
-    if (value.empty())
-      return absl::InvalidArgumentError(
-          absl::StrCat("--serve item '", item, "' is not of the form field=value"));
-    auto as_int = [&](int* out, int lo, int hi) -> absl::Status {
-      if (!absl::SimpleAtoi(value, out)) return FieldError(field, value, "an integer");
-      if (*out < lo || *out > hi)
-        return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "': ", *out,
-                                                       " must lie in [", lo, ", ", hi, "]"));
-      return absl::OkStatus();
-    };
-    if (field == "concurrency") {
-      for (absl::string_view c : absl::StrSplit(value, ':')) {
-        int n;
-        if (!absl::SimpleAtoi(c, &n) || n < 1 || n > 4096)
-          return FieldError(field, c, "a concurrency in [1, 4096] (load points as 1:4:16)");
-        spec.concurrency.push_back(n);
-      }
-    } else if (field == "rate") {
-      for (absl::string_view r : absl::StrSplit(value, ':')) {
-        double rate;
-        if (!absl::SimpleAtod(r, &rate) || !(rate > 0) || !std::isfinite(rate))
-          return FieldError(field, r, "a positive request rate in requests/s (load points as 1:4)");
-        spec.rate.push_back(rate);
-      }
-    } else if (field == "max_concurrency") {
-      RETURN_IF_ERROR(as_int(&spec.max_concurrency, 0, 4096));
-    } else if (field == "isl") {
-      RETURN_IF_ERROR(ParseLength(field, value, 1, 65536, &spec.isl_min, &spec.isl_max));
-    } else if (field == "osl") {
-      RETURN_IF_ERROR(ParseLength(field, value, 1, 65536, &spec.osl_min, &spec.osl_max));
-    } else if (field == "requests") {
-      RETURN_IF_ERROR(as_int(&spec.requests, 1, 1000000));
-    } else if (field == "duration") {
-      if (!absl::SimpleAtod(value, &spec.duration_s) || !(spec.duration_s > 0) ||
-          !std::isfinite(spec.duration_s))
-        return FieldError(field, value, "a positive number of seconds");
-    } else if (field == "warmup") {
-      RETURN_IF_ERROR(as_int(&spec.warmup, 0, 100000));
-    } else if (field == "chunk") {
-      RETURN_IF_ERROR(as_int(&spec.chunk, 0, 65536));
-    } else if (field == "seed") {
-      if (!absl::SimpleAtoi(value, &spec.seed)) return FieldError(field, value, "an integer");
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown --serve field '", field,
-                       "' (known: concurrency, rate, max_concurrency, isl, osl, requests, "
-                       "duration, warmup, chunk, seed)"));
-    }
-  }
-  if (spec.concurrency.empty() && spec.rate.empty())
-    return absl::InvalidArgumentError(
-        "--serve needs a load: 'concurrency' (closed loop, e.g. concurrency=1:4) or 'rate' "
-        "(Poisson arrivals, requests/s, e.g. rate=2)");
-  if ((spec.requests > 0) == (spec.duration_s > 0))
-    return absl::InvalidArgumentError(
-        "--serve needs exactly one of 'requests' (timed requests per load point) and "
-        "'duration' (seconds of arrivals per load point)");
-  if (spec.max_concurrency > 0 && spec.rate.empty())
-    return absl::InvalidArgumentError(
-        "--serve field 'max_concurrency' caps an open loop: it needs 'rate'");
-  return spec;
-}
-
-absl::StatusOr<Slo> ParseSlo(std::string_view text) {
-  Slo slo;
-  for (absl::string_view item :
-       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
-    std::pair<absl::string_view, absl::string_view> kv =
-        absl::StrSplit(item, absl::MaxSplits('=', 1));
-    double value;
-    if (!absl::SimpleAtod(kv.second, &value) || !(value > 0) || !std::isfinite(value))
-      return absl::InvalidArgumentError(
-          absl::StrCat("--slo field '", kv.first, "': '", kv.second, "' is not a positive number"));
-    if (kv.first == "ttft_ms") {
-      slo.ttft_ms = value;
-    } else if (kv.first == "tpot_ms") {
-      slo.tpot_ms = value;
-    } else if (kv.first == "percentile") {
-      if (value > 100)
-        return absl::InvalidArgumentError("--slo field 'percentile': must lie in (0, 100]");
-      slo.percentile = value;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown --slo field '", kv.first,
-                                                     "' (known: ttft_ms, tpot_ms, percentile)"));
-    }
-  }
-  if (slo.empty())
-    return absl::InvalidArgumentError("--slo needs a bound: ttft_ms=..., tpot_ms=... or both");
-  return slo;
-}
-
-std::string LoadPointName(const LoadPoint& point) {
-  if (!point.open_loop) return absl::StrCat("concurrency=", point.concurrency);
-  return absl::StrCat(
-      "rate=", point.rate,
-      point.concurrency > 0 ? absl::StrCat(",max_concurrency=", point.concurrency) : "");
-}
-
-std::vector<LoadPoint> LoadPoints(const ServeSpec& spec) {
-  std::vector<LoadPoint> points;
-  for (int c : spec.concurrency) points.push_back({false, c, 0});
-  for (double r : spec.rate) points.push_back({true, spec.max_concurrency, r});
-  return points;
-}
 
 ServeRequest MakeServeRequest(const ServeSpec& spec, int vocab, int index) {
   Draws draws(SplitMix64(spec.seed) ^ SplitMix64(static_cast<uint64_t>(index) + 1));
@@ -569,48 +435,40 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
 
 namespace {
 
-nlohmann::json LoadPointJson(const LoadPointResult& r) {
-  const ServeMetrics& m = r.metrics;
-  nlohmann::json j = {
-      {"load_point", LoadPointName(r.point)},
-      {"mode", r.point.open_loop ? "poisson" : "closed_loop"},
-      {"verdict", std::string(TrialStatusName(r.verdict))},
-      {"requests_checked", r.requests_checked},
-      {"requests_matching", r.requests_matching},
-      {"steps", r.steps},
-      {"peak_running", r.peak_running},
-      {"completed", m.completed},
-      {"total_input_tokens", m.total_input_tokens},
-      {"total_output_tokens", m.total_output_tokens},
-      {"duration_s", m.duration_s},
-      {"request_throughput", m.request_throughput},
-      {"output_throughput", m.output_throughput},
-      {"total_token_throughput", m.total_token_throughput},
-      {"output_tok_s_per_user", m.output_tok_s_per_user},
-  };
-  if (r.point.open_loop) {
-    j["request_rate"] = r.point.rate;
-    if (r.point.concurrency > 0) j["max_concurrency"] = r.point.concurrency;
-  } else {
-    j["max_concurrency"] = r.point.concurrency;
-  }
-  auto add = [&](const std::string& name, const Distribution& d) {
-    j["mean_" + name] = d.mean;
-    j["median_" + name] = d.median;
-    j["p90_" + name] = d.p90;
-    j["p99_" + name] = d.p99;
-  };
-  add("ttft_ms", m.ttft_ms);
-  add("tpot_ms", m.tpot_ms);
-  add("itl_ms", m.itl_ms);
-  add("e2el_ms", m.e2el_ms);
-  if (m.request_goodput) j["request_goodput"] = *m.request_goodput;
-  if (m.energy_j_per_output_token) j["energy_j_per_output_token"] = *m.energy_j_per_output_token;
-  if (!r.mismatch.empty()) j["first_mismatch"] = r.mismatch;
-  return j;
-}
+nlohmann::json LoadPointJson(const LoadPointResult& r) { return ToJson(ToServingPoint(r, Slo{})); }
 
 }  // namespace
+
+ServingPoint ToServingPoint(const LoadPointResult& r, const Slo& slo) {
+  const ServeMetrics& m = r.metrics;
+  ServingPoint p;
+  p.point = r.point;
+  p.verdict = r.verdict;
+  p.requests_checked = r.requests_checked;
+  p.requests_matching = r.requests_matching;
+  p.first_mismatch = r.mismatch;
+  p.steps = r.steps;
+  p.peak_running = r.peak_running;
+  p.completed = m.completed;
+  p.total_input_tokens = m.total_input_tokens;
+  p.total_output_tokens = m.total_output_tokens;
+  p.duration_s = m.duration_s;
+  p.request_throughput = m.request_throughput;
+  p.output_throughput = m.output_throughput;
+  p.total_token_throughput = m.total_token_throughput;
+  p.output_tok_s_per_user = m.output_tok_s_per_user;
+  auto copy = [](const Distribution& d) {
+    return ServingDistribution{d.mean, d.median, d.p90, d.p99};
+  };
+  p.ttft_ms = copy(m.ttft_ms);
+  p.tpot_ms = copy(m.tpot_ms);
+  p.itl_ms = copy(m.itl_ms);
+  p.e2el_ms = copy(m.e2el_ms);
+  p.request_goodput = m.request_goodput;
+  if (!slo.empty()) p.meets_slo = MeetsSlo(m, slo);
+  p.energy_j_per_output_token = m.energy_j_per_output_token;
+  return p;
+}
 
 nlohmann::json ToJson(const ServeTrialResult& trial) {
   nlohmann::json j = {{"status", std::string(TrialStatusName(trial.status))},

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "api/backend_config.h"
+#include "api/serve_spec.h"
 #include "api/trial.h"
 #include "engine/fault_injection.h"
 #include "engine/model.h"
@@ -24,42 +25,6 @@
 #include "harness/gpu_sampler.h"
 
 namespace infersweep {
-
-// What `run --serve` takes: "concurrency=1:4,isl=64,osl=16,requests=8" or
-// "rate=2:8,max_concurrency=16,isl=32-64,osl=16,duration=30". Lists separate load points with
-// ':'; a length "A-B" is drawn uniformly from [A, B] per request.
-struct ServeSpec {
-  std::vector<int> concurrency;    // closed-loop load points: requests in flight
-  std::vector<double> rate;        // open-loop load points: Poisson arrivals, requests/s
-  int max_concurrency = 0;         // open loop: cap on requests in flight (0: none)
-  int isl_min = 64, isl_max = 64;  // input (prompt) length, tokens
-  int osl_min = 16, osl_max = 16;  // output length, tokens
-  int requests = 0;                // timed requests per load point (or duration_s)
-  double duration_s = 0;           // issue timed requests for this long instead (or requests)
-  int warmup = 0;  // requests served first at each load point, left out of the figures
-  int chunk = 0;   // prefill tokens a step takes (chunked prefill); 0: a whole prompt
-  uint64_t seed = 1;
-};
-
-// Errors name the field.
-absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text);
-
-// The SLO a request or a load point meets: each bound given must hold.
-struct Slo {
-  std::optional<double> ttft_ms, tpot_ms;
-  double percentile = 99;  // a load point meets the SLO when this percentile of each does
-  bool empty() const { return !ttft_ms && !tpot_ms; }
-};
-// "ttft_ms=2000,tpot_ms=50[,percentile=99]"; errors name the field.
-absl::StatusOr<Slo> ParseSlo(std::string_view text);
-
-struct LoadPoint {
-  bool open_loop = false;
-  int concurrency = 0;  // closed loop: in flight; open loop: the cap (0: none)
-  double rate = 0;      // open loop, requests/s
-};
-std::string LoadPointName(const LoadPoint& point);  // "concurrency=4", "rate=2 (cap 8)"
-std::vector<LoadPoint> LoadPoints(const ServeSpec& spec);
 
 // One request: its prompt and wanted output length, from (seed, index) alone.
 struct ServeRequest {
@@ -161,6 +126,9 @@ struct ServeTrialResult {
 };
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
                                const Slo& slo, const FaultInjection& fault = {});
+
+// A load point as a result carries it (api/trial.h); with an SLO, whether its percentiles meet it.
+ServingPoint ToServingPoint(const LoadPointResult& result, const Slo& slo);
 
 // A serving trial as JSON: its status and reason, and per load point (and SLO probe) the point,
 // the verdict, the counts and the figures under their `vllm bench serve` names

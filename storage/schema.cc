@@ -288,6 +288,46 @@ UPDATE result_groups SET
                       JOIN results AS r USING (result_id)
                       WHERE b.group_id = result_groups.group_id AND b.ok = 1);
 )sql"},
+      {"serving_points: one row of figures per served load point, by identity and load point",
+       R"sql(
+-- A serving result's load points (TrialResult.serving; the SLO search's probes are not rows):
+-- what `best` ranks for a serving metric, within one (model, sm, model identity, workload,
+-- load point) and never against result_batches, whose lockstep rows no serving result has.
+CREATE TABLE serving_points (
+  result_id               INTEGER NOT NULL REFERENCES results(result_id) ON DELETE CASCADE,
+  point_index             INTEGER NOT NULL,  -- its place in the result's serving list
+  sweep_id                INTEGER NOT NULL,
+  model                   TEXT    NOT NULL,
+  sm                      INTEGER NOT NULL,
+  model_key               TEXT    NOT NULL,  -- '' when unknown
+  workload                TEXT    NOT NULL,  -- ServeWorkloadKey
+  load_point              TEXT    NOT NULL,  -- LoadPointName: 'concurrency=4', 'rate=2'
+  mode                    TEXT    NOT NULL CHECK (mode IN ('closed_loop', 'poisson')),
+  concurrency             INTEGER NOT NULL,  -- closed loop: in flight; poisson: the cap (0: none)
+  request_rate            REAL,              -- poisson: requests/s
+  verdict                 TEXT    NOT NULL,  -- the point's: OK or INCORRECT
+  ok                      INTEGER NOT NULL,  -- the result is OK (so is every one of its points)
+  completed               INTEGER NOT NULL,
+  duration_s              REAL    NOT NULL,
+  request_throughput      REAL    NOT NULL,
+  output_throughput       REAL    NOT NULL,  -- output tok/s
+  total_token_throughput  REAL    NOT NULL,
+  output_tok_s_per_user   REAL    NOT NULL,
+  median_ttft_ms          REAL    NOT NULL,
+  p99_ttft_ms             REAL    NOT NULL,
+  median_tpot_ms          REAL    NOT NULL,
+  p99_tpot_ms             REAL    NOT NULL,
+  p99_itl_ms              REAL    NOT NULL,
+  p99_e2el_ms             REAL    NOT NULL,
+  request_goodput         REAL,              -- with the workload's SLO
+  meets_slo               INTEGER,           -- with the workload's SLO
+  finished_ms             INTEGER NOT NULL,
+  PRIMARY KEY (result_id, point_index)
+);
+CREATE INDEX serving_points_best ON serving_points(model, sm, ok, load_point, model_key,
+                                                   workload);
+CREATE INDEX serving_points_sweep ON serving_points(sweep_id);
+)sql"},
   };
   return migrations;
 }
@@ -416,6 +456,17 @@ absl::Status Migrate(sqlite3* db) {
       result.ok() && !s.ok())
     result = s;
   return result;
+}
+
+std::string BestServingPointSql(absl::string_view column, bool higher_is_better, bool in_sweep) {
+  const char* dir = higher_is_better ? "DESC" : "ASC";
+  return absl::StrCat(
+      "SELECT ", kResultCols,
+      " FROM results WHERE result_id = (SELECT result_id "
+      "FROM serving_points WHERE model = ? AND sm = ? AND ok = 1 AND load_point = ? "
+      "AND model_key = ? AND workload = ? AND ",
+      in_sweep ? "sweep_id = ? AND " : "", column, " IS NOT NULL ORDER BY ", column, " ", dir,
+      ", sweep_id DESC, result_id DESC LIMIT 1)");
 }
 
 std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep) {

@@ -47,5 +47,9 @@ absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation);
 // callers) within one result group, optionally one sweep's rows of it. Binds (group_id[,
 // sweep_id]).
 std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep);
+// The same for a serving metric: the best serving_points row by `column` (a fixed table in
+// store.cc) of one (model, sm, load point, model identity, workload), optionally one sweep's.
+// Binds (model, sm, load_point, model_key, workload[, sweep_id]).
+std::string BestServingPointSql(absl::string_view column, bool higher_is_better, bool in_sweep);
 
 }  // namespace infersweep

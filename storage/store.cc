@@ -212,6 +212,22 @@ constexpr MetricInfo kMetrics[] = {
     {"prefill_tok_s", "prefill_tok_s", true},
 };
 
+// Serving metrics: their serving_points column. Goodput and the percentiles exist only for
+// serving points, so naming one ranks serving points.
+struct ServingMetricInfo {
+  const char* name;
+  const char* column;
+  bool higher_is_better;
+  bool serving_only;
+};
+constexpr ServingMetricInfo kServingMetrics[] = {
+    {"goodput", "request_goodput", true, true},
+    {"output_tok_s", "output_throughput", true, false},
+    {"output_tok_s_per_user", "output_tok_s_per_user", true, true},
+    {"p99_ttft_ms", "p99_ttft_ms", false, true},
+    {"p99_tpot_ms", "p99_tpot_ms", false, true},
+};
+
 // Cached statements: at most this many distinct SQL texts (QueryResults makes a few variants).
 constexpr size_t kMaxCachedStatements = 128;
 
@@ -575,6 +591,16 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<BestAnswer> Best(const BestQuery& q) override {
     absl::MutexLock lock(&mu_);
+    const ServingMetricInfo* serving = nullptr;
+    for (const ServingMetricInfo& m : kServingMetrics)
+      if (q.metric == m.name) serving = &m;
+    if (q.serving || q.load_point || (serving != nullptr && serving->serving_only)) {
+      if (serving == nullptr)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Best: unknown serving metric '", q.metric,
+            "' (known: goodput, output_tok_s, output_tok_s_per_user, p99_ttft_ms, p99_tpot_ms)"));
+      return BestServingLocked(q, *serving);
+    }
     const MetricInfo* info = nullptr;
     for (const MetricInfo& m : kMetrics)
       if (q.metric == m.name) info = &m;
@@ -640,6 +666,64 @@ class SqliteStore final : public Store {
         Prepare(BestInGroupSql(info->batch_column, info->higher_is_better, q.sweep_id.has_value()),
                 op));
     p.Bind(group_ids[0]);
+    if (q.sweep_id) p.Bind(*q.sweep_id);
+    ASSIGN_OR_RETURN(bool row, p.Step());
+    if (!row) return answer;
+    ASSIGN_OR_RETURN(StoredResult r, ReadResult(p, /*parse=*/true));
+    answer.best = std::move(r);
+    return answer;
+  }
+
+  // Best over serving load points: the groups are (model identity, workload, load point) of one
+  // model and sm; a lockstep batch is never among the rows (result_batches is not read).
+  absl::StatusOr<BestAnswer> BestServingLocked(const BestQuery& q, const ServingMetricInfo& info)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::string op = absl::StrCat("finding the best serving ", q.metric,
+                                        q.load_point ? absl::StrCat(" at ", *q.load_point) : "",
+                                        " for ", q.model, " on sm ", q.sm);
+    std::string sql =
+        "SELECT model_key, workload, load_point, COUNT(*), MIN(sweep_id), MAX(sweep_id), "
+        "MAX(finished_ms) FROM serving_points WHERE model = ? AND sm = ? AND ok = 1";
+    if (q.sweep_id) absl::StrAppend(&sql, " AND sweep_id = ?");
+    if (q.load_point) absl::StrAppend(&sql, " AND load_point = ?");
+    if (q.model_key) absl::StrAppend(&sql, " AND model_key = ?");
+    if (q.workload) absl::StrAppend(&sql, " AND workload = ?");
+    absl::StrAppend(&sql, " GROUP BY model_key, workload, load_point");
+    BestAnswer answer;
+    {
+      ASSIGN_OR_RETURN(Stmt g, Prepare(sql, op));
+      g.Bind(q.model).Bind(q.sm);
+      if (q.sweep_id) g.Bind(*q.sweep_id);
+      if (q.load_point) g.Bind(*q.load_point);
+      if (q.model_key) g.Bind(*q.model_key);
+      if (q.workload) g.Bind(*q.workload);
+      for (;;) {
+        ASSIGN_OR_RETURN(bool row, g.Step());
+        if (!row) break;
+        ResultGroup group;
+        group.model_key = g.Text(0);
+        group.workload = g.Text(1);
+        group.load_point = g.Text(2);
+        group.ok_results = g.Int(3);
+        group.first_sweep = g.Int(4);
+        group.last_sweep = g.Int(5);
+        group.last_finished_unix_ms = g.Int(6);
+        if (q.layers && ModelKeyLayers(group.model_key) != *q.layers) continue;
+        answer.groups.push_back(std::move(group));
+      }
+    }
+    std::sort(answer.groups.begin(), answer.groups.end(),
+              [](const ResultGroup& a, const ResultGroup& b) {
+                return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload,
+                                a.load_point) < std::tie(a.last_sweep, a.last_finished_unix_ms,
+                                                         b.model_key, b.workload, b.load_point);
+              });
+    if (answer.groups.size() != 1) return answer;
+    const ResultGroup& group = answer.groups[0];
+    ASSIGN_OR_RETURN(Stmt p, Prepare(BestServingPointSql(info.column, info.higher_is_better,
+                                                         q.sweep_id.has_value()),
+                                     op));
+    p.Bind(q.model).Bind(q.sm).Bind(group.load_point).Bind(group.model_key).Bind(group.workload);
     if (q.sweep_id) p.Bind(*q.sweep_id);
     ASSIGN_OR_RETURN(bool row, p.Step());
     if (!row) return answer;
@@ -1147,6 +1231,55 @@ class SqliteStore final : public Store {
         count.Reset();
         count.Bind(sweep_id).Bind(finished).Bind(group_id);
         RETURN_IF_ERROR(count.Run());
+      }
+    }
+    if (!stored.serving.empty()) {  // one row per load point, for Best over serving points
+      ASSIGN_OR_RETURN(
+          Stmt ins,
+          Prepare("INSERT INTO serving_points (result_id, point_index, sweep_id, model, sm, "
+                  "model_key, workload, load_point, mode, concurrency, request_rate, verdict, ok, "
+                  "completed, duration_s, request_throughput, output_throughput, "
+                  "total_token_throughput, output_tok_s_per_user, median_ttft_ms, p99_ttft_ms, "
+                  "median_tpot_ms, p99_tpot_ms, p99_itl_ms, p99_e2el_ms, request_goodput, "
+                  "meets_slo, finished_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                  "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  op + ": serving points"));
+      for (size_t i = 0; i < stored.serving.size(); ++i) {
+        const ServingPoint& point = stored.serving[i];
+        ins.Reset();
+        ins.Bind(result_id)
+            .Bind(static_cast<int64_t>(i))
+            .Bind(sweep_id)
+            .Bind(model)
+            .Bind(sub.sm)
+            .Bind(group_key)
+            .Bind(stored.workload)
+            .Bind(LoadPointName(point.point))
+            .Bind(point.point.open_loop ? "poisson" : "closed_loop")
+            .Bind(point.point.concurrency)
+            .Bind(point.point.open_loop ? std::optional<double>(point.point.rate) : std::nullopt)
+            .Bind(TrialStatusName(point.verdict))
+            .Bind(ok && point.verdict == TrialStatus::kOk ? 1 : 0)
+            .Bind(point.completed)
+            .Bind(point.duration_s)
+            .Bind(point.request_throughput)
+            .Bind(point.output_throughput)
+            .Bind(point.total_token_throughput)
+            .Bind(point.output_tok_s_per_user)
+            .Bind(point.ttft_ms.median)
+            .Bind(point.ttft_ms.p99)
+            .Bind(point.tpot_ms.median)
+            .Bind(point.tpot_ms.p99)
+            .Bind(point.itl_ms.p99)
+            .Bind(point.e2el_ms.p99)
+            .Bind(point.request_goodput);
+        if (point.meets_slo) {
+          ins.Bind(*point.meets_slo ? 1 : 0);
+        } else {
+          ins.BindNull();
+        }
+        ins.Bind(finished);
+        RETURN_IF_ERROR(ins.Run());
       }
     }
     if (state != "done") {

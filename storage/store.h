@@ -151,11 +151,12 @@ struct StoredResult {
                                         // QueryResultRows
 };
 
-// One (model identity, workload) group of OK results at one (model, sm, batch): what Best ranks
-// within, never across.
+// One (model identity, workload) group of OK results at one (model, sm, batch), or of OK
+// serving results at one (model, sm, load point): what Best ranks within, never across.
 struct ResultGroup {
   std::string model_key;  // "" when unknown
   std::string workload;   // "" when unknown
+  std::string load_point;  // serving groups: LoadPointName ("concurrency=4"); "" for lockstep
   int64_t ok_results = 0;
   int64_t first_sweep = 0, last_sweep = 0;
   int64_t last_finished_unix_ms = 0;
@@ -164,9 +165,15 @@ struct ResultGroup {
 struct BestQuery {
   std::string model;
   int sm = 0;
-  // output_tok_s, ttft_ms, tpot_ms or prefill_tok_s, higher- or lower-is-better as it implies.
+  // Lockstep batches: output_tok_s, ttft_ms, tpot_ms or prefill_tok_s. Serving load points:
+  // goodput (request_goodput), output_tok_s (output_throughput), output_tok_s_per_user,
+  // p99_ttft_ms or p99_tpot_ms. Higher- or lower-is-better as the name implies.
   std::string metric = "output_tok_s";
-  int batch = 1;  // >= 1
+  int batch = 1;  // >= 1; lockstep only
+  // Ranks serving load points (serving_points) instead of lockstep batches; implied by a
+  // load_point or a metric only serving points have. The two are never ranked together.
+  bool serving = false;
+  std::optional<std::string> load_point;  // LoadPointName, e.g. "concurrency=4"
   std::optional<int64_t> sweep_id;
   std::optional<std::string> model_key;  // as ResultQuery's
   std::optional<std::string> workload;

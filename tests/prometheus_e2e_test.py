@@ -22,8 +22,10 @@ and of the alert rules through Prometheus's HTTP API (/api/v1/query):
   (`up{job="infersweep-agent"}`, `infersweep_config_status{status="OK"}`, ...) is evaluated on
   its own and must return data: that proves every metric and label value the rule relies on
   exists under that name. Every rule must also report health "ok" in /api/v1/rules.
-- the SQLite queries of dashboards/history.json run against the coordinator's database (Grafana
-  macros substituted) and must return rows.
+- the SQLite queries of every dashboard run against the coordinator's database (Grafana macros
+  substituted, with history.json's variables) and must return rows.
+- a second sweep with a serving workload fills the serving gauges (dashboards/serving.json), and
+  `best --metric goodput` answers from its load points.
 
 Bounded: everything must finish within --budget seconds (default 90). Every process started is
 killed at the end. Exit 77 (ctest SKIP) when the prometheus binary is missing.
@@ -64,6 +66,25 @@ matrix:
   matmul: [naive, blocked]
   threads: [1, 2]
 workload: {prompt: 8, output: 4, batch: [1, 2], repeats: 1, warmup: 0, timeout: 60}
+"""
+
+# A serving workload through the same fleet: 2 configs x 2 load points fill the serving panels,
+# and the SLO gives every point a goodput for `best --metric goodput`.
+SERVING_SPEC = """\
+name: e2e-serving
+model: preset:tiny-moe
+layers: 1
+device: cpu
+matrix:
+  matmul: [naive, blocked]
+workload:
+  mode: serving
+  concurrency: [1, 4]
+  isl: 8
+  osl: 4
+  requests: 4
+  slo: {ttft_ms: 100000, tpot_ms: 100000}
+  timeout: 60
 """
 
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset",
@@ -240,35 +261,74 @@ def main():
             "#   " + l for l in (r.stdout + r.stderr).strip().splitlines()[-6:]))
         if r.returncode != 0:
             raise RuntimeError("the sweep failed")
+        serving_spec = os.path.join(tmp, "serving.yaml")
+        with open(serving_spec, "w") as f:
+            f.write(SERVING_SPEC)
+        r = subprocess.run([args.binary, "submit", serving_spec, "--coordinator", coord, "--wait"],
+                           capture_output=True, text=True, cwd=tmp,
+                           timeout=max(5, deadline.left() - 20))
+        print(f"# submit serving: rc={r.returncode}\n" + "\n".join(
+            "#   " + l for l in (r.stdout + r.stderr).strip().splitlines()[-6:]))
+        if r.returncode != 0:
+            raise RuntimeError("the serving sweep failed")
 
         # A few scrapes and rule evaluations after the last result.
         time.sleep(min(4, max(0, deadline.left() - 20)))
         deadline.wait_for("the results in Prometheus", lambda: has_data(
-            query("sum(infersweep_trials_total) >= 4")))
+            query("sum(infersweep_trials_total) >= 6")))
         deadline.wait_for("the agent's counters in Prometheus", lambda: has_data(
-            query("sum(infersweep_agent_trials_total) >= 4")))
+            query("sum(infersweep_agent_trials_total) >= 6")))
 
         checked = 0
-        # The values, not only their presence: 4 trials x 2 batch sizes, each counted once.
+        # The values, not only their presence: 4 lockstep trials x 2 batch sizes, each counted
+        # once, and 2 serving trials x 2 load points (their configs, threads at its default,
+        # are 2 more config statuses).
         def scalar(expr):
             result = query(expr)["data"]["result"]
             return float(result[0]["value"][1]) if result else None
         deadline.wait_for("the scheduler's gauges", lambda: scalar(
             "max(infersweep_queue_depth) + max(infersweep_leased_trials)") == 0)
-        for expr, want in (("sum(infersweep_trials_total)", 4),
-                           ('sum(infersweep_trials_total{status="OK"})', 4),
-                           ("sum(infersweep_agent_trials_total)", 4),
+        for expr, want in (("sum(infersweep_trials_total)", 6),
+                           ('sum(infersweep_trials_total{status="OK"})', 6),
+                           ("sum(infersweep_agent_trials_total)", 6),
                            ("max(infersweep_agents_connected)", 1),
                            ("max(infersweep_metrics_config_series)", 8),
                            ("count(infersweep_output_tokens_per_second > 0)", 8),
-                           ("count(infersweep_config_status == 1)", 4),
-                           ("sum(infersweep_ingest_latency_seconds_count)", 4),
+                           ("count(infersweep_serving_output_tokens_per_second > 0)", 4),
+                           ("count(infersweep_serving_goodput_requests_per_second > 0)", 4),
+                           ('count(infersweep_serving_load{mode="closed_loop"})', 4),
+                           ("count(infersweep_config_status == 1)", 6),
+                           ("sum(infersweep_ingest_latency_seconds_count)", 6),
                            ("max(infersweep_agent_spool_depth)", 0),
                            ("count(infersweep_agent_running_trial)", None)):
             got = scalar(expr)
             checked += 1
             if got != want:
                 fail(f"{expr} = {got}, expected {want}")
+
+        # `best` answers from the serving points, within one load point, and never from the
+        # lockstep batches of the first sweep.
+        for argv, want in ((["--metric", "goodput", "--load-point", "concurrency=4"],
+                            "# best goodput for preset:tiny-moe on cpu serving at concurrency=4"),
+                           (["--metric", "p99_tpot_ms", "--load-point", "concurrency=1"],
+                            "# serving       concurrency=1 OK"),
+                           (["--metric", "output_tok_s", "--serving", "--load-point",
+                             "concurrency=4"], "# serving       concurrency=4 OK")):
+            r = subprocess.run([args.binary, "best", "--coordinator", coord, "--model",
+                                "preset:tiny-moe", "--sm-arch", "cpu"] + argv,
+                               capture_output=True, text=True, cwd=tmp, timeout=10)
+            checked += 1
+            if r.returncode != 0 or want not in r.stdout:
+                fail(f"best {' '.join(argv)}: rc={r.returncode}, expected '{want}':\n"
+                     f"{r.stdout}{r.stderr}")
+        # Without a load point, the two load points are two groups: listed, never ranked.
+        r = subprocess.run([args.binary, "best", "--coordinator", coord, "--model",
+                            "preset:tiny-moe", "--sm-arch", "cpu", "--metric", "goodput"],
+                           capture_output=True, text=True, cwd=tmp, timeout=10)
+        checked += 1
+        if r.returncode != 2 or "concurrency=1" not in r.stderr or "concurrency=4" not in r.stderr:
+            fail(f"best --metric goodput over two load points: rc={r.returncode}, expected the "
+                 f"groups listed:\n{r.stdout}{r.stderr}")
 
         nvml = has_data(query("infersweep_agent_gpu_sampler_nvml == 1"))
 
@@ -349,17 +409,23 @@ def main():
             sql = sql.replace("$__from", "0")
             return sql.replace("$__to", str(int(time.time() * 1000) + 3_600_000))
 
-        for panel in dash["panels"]:
-            for t in panel.get("targets") or []:
-                sql = render(t["queryText"])
-                checked += 1
-                try:
-                    rows = db.execute(sql).fetchall()
-                except sqlite3.Error as e:
-                    fail(f"history.json: panel '{panel['title']}': {e}: {sql}")
-                    continue
-                if not rows:
-                    fail(f"history.json: panel '{panel['title']}': no rows: {sql}")
+        # Every dashboard's SQLite targets (history.json's variables feed its own panels).
+        for path in sorted(glob.glob(os.path.join(args.root, "dashboards", "*.json"))):
+            panels = json.load(open(path)).get("panels") or []
+            for panel in panels:
+                for t in panel.get("targets") or []:
+                    if (t.get("datasource") or {}).get("type") != "frser-sqlite-datasource":
+                        continue
+                    sql = render(t["queryText"])
+                    where = f"{os.path.basename(path)}: panel '{panel['title']}'"
+                    checked += 1
+                    try:
+                        rows = db.execute(sql).fetchall()
+                    except sqlite3.Error as e:
+                        fail(f"{where}: {e}: {sql}")
+                        continue
+                    if not rows:
+                        fail(f"{where}: no rows: {sql}")
         db.close()
         print(f"# {checked} expressions and queries checked"
               + ("" if nvml else " (no NVML on this agent: GPU panels only had to succeed)"))
