@@ -912,11 +912,15 @@ int RunBest(const BestArgs& args) {
   if (!resp.ok()) return Fail(resp.status());
   // The coordinator answers from serving load points when the request names one, asks for
   // them, or names a metric only they have; its groups then carry their load point.
-  const bool serving = resp->groups_size() > 0 && !resp->groups(0).load_point().empty();
+  const bool serving = args.serving || !args.load_point.empty() || args.metric == "goodput" ||
+                       args.metric == "output_tok_s_per_user" || args.metric == "p99_ttft_ms" ||
+                       args.metric == "p99_tpot_ms" ||
+                       (resp->groups_size() > 0 && !resp->groups(0).load_point().empty());
   const std::string scope =
       serving ? absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " serving at ",
-                             resp->groups_size() == 1 ? resp->groups(0).load_point()
-                                                      : std::string("several load points"))
+                             resp->groups_size() == 1  ? resp->groups(0).load_point()
+                             : args.load_point.empty() ? std::string("any load point")
+                                                       : args.load_point)
               : absl::StrCat(resp->model(), " on ", SmArchLabel(*sm), " at batch ", args.batch);
   if (resp->groups_size() > 1) {
     std::vector<Group> groups;
