@@ -325,9 +325,28 @@ TEST(ServingWorker, LoadPointsRunIsolatedAndFaultsAreClassified) {
   EXPECT_EQ(hung.status, TrialStatus::kTimeout);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 
-  // The runner carries on with a fresh worker.
-  const TrialResult again = runner.Run(ServingRequest());
-  EXPECT_EQ(again.status, TrialStatus::kOk) << again.reason;
+  // The runner carries on with a fresh worker: an open loop at a Poisson rate, without an SLO.
+  TrialRequest poisson = ServingRequest();
+  poisson.workload.serve =
+      *ParseServeSpec("rate=200,max_concurrency=3,isl=6-12,osl=3-6,requests=6");
+  poisson.workload.slo = Slo{};
+  const TrialResult open_loop = runner.Run(poisson);
+  ASSERT_EQ(open_loop.status, TrialStatus::kOk) << open_loop.reason << "\n"
+                                                << open_loop.stderr_tail;
+  ASSERT_EQ(open_loop.serving.size(), 1u);
+  EXPECT_EQ(LoadPointName(open_loop.serving[0].point), "rate=200,max_concurrency=3");
+  EXPECT_EQ(open_loop.serving[0].completed, 6);
+  EXPECT_EQ(open_loop.serving[0].requests_matching, 6);
+  EXPECT_LE(open_loop.serving[0].peak_running, 3);
+  EXPECT_FALSE(open_loop.serving[0].request_goodput.has_value());
+  EXPECT_FALSE(open_loop.slo_search.has_value());
+
+  // A device whose engine runs no ragged steps (or no such device here) is UNSUPPORTED.
+  TrialRequest cuda = ServingRequest();
+  cuda.config = *ParseBackendConfig("device=cuda");
+  const TrialResult unsupported = runner.Run(cuda);
+  EXPECT_EQ(unsupported.status, TrialStatus::kUnsupported) << unsupported.reason;
+  EXPECT_TRUE(unsupported.serving.empty());
 }
 
 // ---------------------------------------------------------------------------------------------
