@@ -494,6 +494,8 @@ json ToJson(const ServingPoint& p) {
   add("e2el_ms", p.e2el_ms);
   if (p.request_goodput) j["request_goodput"] = *p.request_goodput;
   if (p.meets_slo) j["meets_slo"] = *p.meets_slo;
+  if (p.ttft_ms_at_slo_percentile) j["ttft_ms_at_slo_percentile"] = *p.ttft_ms_at_slo_percentile;
+  if (p.tpot_ms_at_slo_percentile) j["tpot_ms_at_slo_percentile"] = *p.tpot_ms_at_slo_percentile;
   if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
   if (!p.first_mismatch.empty()) j["first_mismatch"] = p.first_mismatch;
   return j;
@@ -547,6 +549,8 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
     p.meets_slo = it->get<bool>();
   }
   RETURN_IF_ERROR(ReadOpt(j, "energy_j_per_output_token", &p.energy_j_per_output_token, where));
+  RETURN_IF_ERROR(ReadOpt(j, "ttft_ms_at_slo_percentile", &p.ttft_ms_at_slo_percentile, where));
+  RETURN_IF_ERROR(ReadOpt(j, "tpot_ms_at_slo_percentile", &p.tpot_ms_at_slo_percentile, where));
   return p;
 }
 

@@ -161,6 +161,9 @@ struct ServingPoint {
   ServingDistribution ttft_ms, tpot_ms, itl_ms, e2el_ms;
   std::optional<double> request_goodput;  // with an SLO
   std::optional<bool> meets_slo;          // with an SLO: its percentiles meet the bounds
+  // With an SLO: the SLO's percentile (99 unless it says) of TTFT and of TPOT, which
+  // meets_slo holds against the bounds.
+  std::optional<double> ttft_ms_at_slo_percentile, tpot_ms_at_slo_percentile;
   std::optional<double> energy_j_per_output_token;
 };
 // The SLO search's answer: the highest load whose percentiles meet the SLO, with every probe.

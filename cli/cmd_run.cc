@@ -72,9 +72,6 @@ std::optional<std::vector<BackendConfig>> ExpandConfigArgs(const RunArgs& args) 
   return configs;
 }
 
-// `run --serve`: each config serves every load point in this process (the CPU reference needs no
-// isolation), judged request by request against lone runs; one line per load point. Exits 0
-// when every config ran, whatever its verdicts, as `run` does.
 // Writes `doc` to `path`, indented; false (and the error on stderr) when it cannot.
 bool WriteJson(const std::string& path, const nlohmann::json& doc) {
   std::ofstream out(path);
@@ -83,6 +80,10 @@ bool WriteJson(const std::string& path, const nlohmann::json& doc) {
   return static_cast<bool>(out);
 }
 
+// `run --serve`: each config serves every load point in an isolated worker process, as a sweep's
+// serving trial does (a crash is CRASHED, a hang past --workload's timeout TIMEOUT), judged
+// request by request against lone runs; one line per load point. Exits 0 when every config ran,
+// whatever its verdicts, as `run` does.
 int RunServing(const RunArgs& args) {
   auto fail = [](const std::string& what, const absl::Status& s) {
     std::fprintf(stderr, "error: %s%s\n", what.c_str(), std::string(s.message()).c_str());
@@ -100,10 +101,11 @@ int RunServing(const RunArgs& args) {
   if (!model.ok()) return fail("", model.status());
   auto fault = ParseFaultInjection(args.inject_fault);
   if (!fault.ok()) return fail("", fault.status());
+  // Only its timeout applies: the serve spec replaces the lockstep fields.
+  auto workload = ParseWorkload(args.workload);
+  if (!workload.ok()) return fail("--workload: ", workload.status());
   const std::optional<std::vector<BackendConfig>> configs = ExpandConfigArgs(args);
   if (!configs) return 2;
-  auto host = LoadHostModel(*model, {args.layers, args.seed});
-  if (!host.ok()) return fail("load: ", host.status());
 
   auto length = [](int lo, int hi) {
     return lo == hi ? absl::StrCat(lo) : absl::StrCat(lo, "-", hi, " (uniform)");
@@ -111,7 +113,8 @@ int RunServing(const RunArgs& args) {
   std::vector<std::string> header = {
       absl::StrCat("infersweep run --serve: model ", *model,
                    args.layers ? absl::StrCat(" (layers ", args.layers, ")") : "", ", ",
-                   configs->size(), " config(s)"),
+                   configs->size(), " config(s), each in a worker process (timeout ",
+                   workload->timeout_s, " s)"),
       absl::StrCat("load: ",
                    spec->requests > 0 ? absl::StrCat(spec->requests, " timed requests")
                                       : absl::StrCat(spec->duration_s, " s of arrivals"),
@@ -131,28 +134,55 @@ int RunServing(const RunArgs& args) {
   if (!args.inject_fault.empty())
     header.push_back("TEST-ONLY fault injected into every config under test: " + args.inject_fault);
   std::fputs(FormatReportHeader(header).c_str(), stdout);
+  TrialRunner runner;
   nlohmann::json all = nlohmann::json::array();
+  int index = 0;
   for (const BackendConfig& config : *configs) {
     std::printf("# config %s\n", BackendConfigString(config).c_str());
     std::fflush(stdout);
-    const ServeTrialResult trial = RunServeTrial(**host, config, *spec, slo, *fault);
-    if (trial.status != TrialStatus::kOk) {
-      std::printf("%-28s %-9s %s\n", "-", std::string(TrialStatusName(trial.status)).c_str(),
-                  trial.reason.c_str());
+    TrialRequest request;
+    request.trial_id = absl::StrCat("local-serve-", index++);
+    request.model = *model;
+    request.layers = args.layers;
+    request.seed = args.seed;
+    request.config = config;
+    request.workload.serve = *spec;
+    request.workload.slo = slo;
+    request.workload.timeout_s = workload->timeout_s;
+    request.inject_fault = args.inject_fault;
+    const TrialResult result = runner.Run(request);
+    if (result.serving.empty() && result.status != TrialStatus::kOk) {
+      std::printf("%-28s %-9s %s\n", "-", std::string(TrialStatusName(result.status)).c_str(),
+                  result.reason.c_str());
     }
-    for (const LoadPointResult& point : trial.points) {
-      std::fputs(FormatLoadPointLine(point, slo).c_str(), stdout);
-    }
-    if (trial.slo_search) {
-      for (const LoadPointResult& probe : trial.slo_search->probes) {
-        std::fputs(absl::StrCat("# probe ", FormatLoadPointLine(probe, slo)).c_str(), stdout);
+    for (const ServingPoint& point : result.serving)
+      std::fputs(FormatServingPointLine(point, slo).c_str(), stdout);
+    nlohmann::json search = nullptr;
+    if (result.slo_search) {
+      search = {{"found", result.slo_search->found}, {"probes", nlohmann::json::array()}};
+      for (const ServingPoint& probe : result.slo_search->probes) {
+        std::fputs(absl::StrCat("# probe ", FormatServingPointLine(probe, slo)).c_str(), stdout);
+        search["probes"].push_back(ToJson(probe));
       }
-      std::fputs(FormatSloSearchLine(*trial.slo_search, slo).c_str(), stdout);
+      if (result.slo_search->best) search["best"] = ToJson(*result.slo_search->best);
+      std::fputs(FormatServingSloLine(*result.slo_search, slo).c_str(), stdout);
+    }
+    if (!result.stderr_tail.empty() && result.status != TrialStatus::kOk &&
+        result.status != TrialStatus::kIncorrect) {
+      std::string tail = result.stderr_tail;
+      if (tail.size() > 600) tail = "..." + tail.substr(tail.size() - 600);
+      for (absl::string_view line : absl::StrSplit(tail, '\n'))
+        std::printf("#   stderr: %s\n", std::string(line).c_str());
     }
     std::fflush(stdout);
-    nlohmann::json result = ToJson(trial);
-    result["config"] = BackendConfigString(config);
-    all.push_back(std::move(result));
+    nlohmann::json points = nlohmann::json::array();
+    for (const ServingPoint& point : result.serving) points.push_back(ToJson(point));
+    nlohmann::json entry = {{"config", BackendConfigString(config)},
+                            {"status", std::string(TrialStatusName(result.status))},
+                            {"reason", result.reason},
+                            {"load_points", std::move(points)}};
+    if (!search.is_null()) entry["slo_search"] = std::move(search);
+    all.push_back(std::move(entry));
   }
   if (!args.json_out.empty()) {
     if (!WriteJson(args.json_out, {{"schema", "infersweep.serve/1"},

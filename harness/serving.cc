@@ -465,7 +465,11 @@ ServingPoint ToServingPoint(const LoadPointResult& r, const Slo& slo) {
   p.itl_ms = copy(m.itl_ms);
   p.e2el_ms = copy(m.e2el_ms);
   p.request_goodput = m.request_goodput;
-  if (!slo.empty()) p.meets_slo = MeetsSlo(m, slo);
+  if (!slo.empty()) {
+    p.meets_slo = MeetsSlo(m, slo);
+    p.ttft_ms_at_slo_percentile = Percentile(m.ttft_values_ms, slo.percentile);
+    p.tpot_ms_at_slo_percentile = Percentile(m.tpot_values_ms, slo.percentile);
+  }
   p.energy_j_per_output_token = m.energy_j_per_output_token;
   return p;
 }
@@ -487,51 +491,61 @@ nlohmann::json ToJson(const ServeTrialResult& trial) {
 }
 
 std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
-  const ServeMetrics& m = r.metrics;
+  return FormatServingPointLine(ToServingPoint(r, slo), slo);
+}
+
+std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
   std::string line = absl::StrFormat(
       "%-28s %-9s completed=%d matching=%d/%d steps=%d peak_running=%d duration_s=%.3f",
-      LoadPointName(r.point), TrialStatusName(r.verdict), m.completed, r.requests_matching,
-      r.requests_checked, r.steps, r.peak_running, m.duration_s);
-  auto add = [&](const char* name, const Distribution& d) {
+      LoadPointName(p.point), TrialStatusName(p.verdict), p.completed, p.requests_matching,
+      p.requests_checked, p.steps, p.peak_running, p.duration_s);
+  auto add = [&](const char* name, const ServingDistribution& d) {
     absl::StrAppendFormat(&line, " mean_%s=%.3f median_%s=%.3f p90_%s=%.3f p99_%s=%.3f", name,
                           d.mean, name, d.median, name, d.p90, name, d.p99);
   };
-  add("ttft_ms", m.ttft_ms);
-  add("tpot_ms", m.tpot_ms);
-  add("itl_ms", m.itl_ms);
-  add("e2el_ms", m.e2el_ms);
+  add("ttft_ms", p.ttft_ms);
+  add("tpot_ms", p.tpot_ms);
+  add("itl_ms", p.itl_ms);
+  add("e2el_ms", p.e2el_ms);
   absl::StrAppendFormat(&line,
                         " request_throughput=%.3f output_throughput=%.1f "
                         "total_token_throughput=%.1f output_tok_s_per_user=%.1f",
-                        m.request_throughput, m.output_throughput, m.total_token_throughput,
-                        m.output_tok_s_per_user);
-  if (m.request_goodput) {
-    absl::StrAppendFormat(&line, " request_goodput=%.3f meets_slo_p%g=%s", *m.request_goodput,
-                          slo.percentile, MeetsSlo(m, slo) ? "yes" : "no");
+                        p.request_throughput, p.output_throughput, p.total_token_throughput,
+                        p.output_tok_s_per_user);
+  if (p.request_goodput) {
+    absl::StrAppendFormat(&line, " request_goodput=%.3f meets_slo_p%g=%s", *p.request_goodput,
+                          slo.percentile, p.meets_slo.value_or(false) ? "yes" : "no");
   }
-  if (m.energy_j_per_output_token)
-    absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *m.energy_j_per_output_token);
-  if (!r.mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", r.mismatch);
+  if (p.energy_j_per_output_token)
+    absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *p.energy_j_per_output_token);
+  if (!p.first_mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", p.first_mismatch);
   return line + "\n";
 }
 
 std::string FormatSloSearchLine(const SloSearch& search, const Slo& slo) {
+  ServingSloSearch s;
+  s.found = search.found;
+  if (search.found) s.best = ToServingPoint(search.best, slo);
+  for (const LoadPointResult& probe : search.probes) s.probes.push_back(ToServingPoint(probe, slo));
+  return FormatServingSloLine(s, slo);
+}
+
+std::string FormatServingSloLine(const ServingSloSearch& search, const Slo& slo) {
   std::string bounds;
   if (slo.ttft_ms) absl::StrAppend(&bounds, " ttft_ms<=", *slo.ttft_ms);
   if (slo.tpot_ms) absl::StrAppend(&bounds, " tpot_ms<=", *slo.tpot_ms);
   std::string line =
       absl::StrCat("# slo search (p", slo.percentile, bounds, ", ", search.probes.size(),
                    search.probes.size() == 1 ? " probe): " : " probes): ");
-  if (!search.found) return line + "no probed load meets the SLO\n";
+  if (!search.best) return line + "no probed load meets the SLO\n";
+  const ServingPoint& best = *search.best;
   absl::StrAppendFormat(&line,
                         "highest load meeting it: %s, request_goodput=%.3f, "
                         "output_throughput=%.1f, p%g_ttft_ms=%.3f, p%g_tpot_ms=%.3f, verdict %s\n",
-                        LoadPointName(search.best.point), *search.best.metrics.request_goodput,
-                        search.best.metrics.output_throughput, slo.percentile,
-                        Percentile(search.best.metrics.ttft_values_ms, slo.percentile),
-                        slo.percentile,
-                        Percentile(search.best.metrics.tpot_values_ms, slo.percentile),
-                        TrialStatusName(search.best.verdict));
+                        LoadPointName(best.point), best.request_goodput.value_or(0),
+                        best.output_throughput, slo.percentile,
+                        best.ttft_ms_at_slo_percentile.value_or(0), slo.percentile,
+                        best.tpot_ms_at_slo_percentile.value_or(0), TrialStatusName(best.verdict));
   return line;
 }
 

@@ -139,5 +139,9 @@ nlohmann::json ToJson(const ServeTrialResult& trial);
 std::string FormatLoadPointLine(const LoadPointResult& result, const Slo& slo);
 // The search's answer, as a '#' line: the highest load meeting the SLO and its goodput.
 std::string FormatSloSearchLine(const SloSearch& search, const Slo& slo);
+// The same two from a result's load points (api/trial.h), as `run --serve` prints a trial that
+// ran in a worker.
+std::string FormatServingPointLine(const ServingPoint& point, const Slo& slo);
+std::string FormatServingSloLine(const ServingSloSearch& search, const Slo& slo);
 
 }  // namespace infersweep

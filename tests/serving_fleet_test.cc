@@ -349,6 +349,24 @@ TEST(ServingWorker, LoadPointsRunIsolatedAndFaultsAreClassified) {
   EXPECT_TRUE(unsupported.serving.empty());
 }
 
+// `run --serve` runs each config's load points in a worker too: a crash there is CRASHED and
+// the command goes on to the next config.
+TEST(ServingWorker, RunServeIsolatesEachConfig) {
+  int code = -1;
+  const std::string out =
+      RunCommand(WorkerBinary() +
+                     " run --model preset:tiny-moe --layers 1 --config 'matmul=naive|blocked'"
+                     " --serve concurrency=2,isl=8,osl=3,requests=2 --test-inject-fault segv 2>&1",
+                 &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("each in a worker process"));
+  size_t crashed = 0;
+  for (size_t at = out.find("CRASHED"); at != std::string::npos; at = out.find("CRASHED", at + 1))
+    ++crashed;
+  EXPECT_EQ(crashed, 2u) << out;
+  EXPECT_THAT(out, HasSubstr("SIGSEGV"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Storage and best
 
