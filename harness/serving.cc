@@ -14,7 +14,9 @@
 #include "absl/strings/str_split.h"
 #include "api/status_macros.h"
 #include "engine/backends.h"
+#include "engine/sampler.h"
 #include "harness/measure.h"
+#include "harness/verdict.h"
 
 namespace infersweep {
 namespace {
@@ -471,16 +473,66 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
   return absl::OkStatus();
 }
 
-absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
-                                        const Slo& slo,
-                                        std::map<int, std::vector<int32_t>>* lone_runs,
-                                        int rate_probes) {
+absl::Status CheckServedAgainstReference(Model& reference, PrecisionClass precision, int sample,
+                                         LoadPointResult* result, ReferencePicks* picks) {
+  const double floor = ThresholdsFor(precision).min_top1;
+  const int vocab = reference.config().vocab_size;
+  result->requests_checked = result->requests_matching = 0;
+  result->mismatch.clear();
+  int64_t agree_total = 0, positions_total = 0;
+  for (const ServedRequest& s : result->served) {
+    if (s.warmup || s.tokens.empty()) continue;
+    if (result->requests_checked == sample) break;
+    // The reference's pick after the prompt and each served token but the last.
+    std::vector<int32_t> fed = s.request.prompt;
+    fed.insert(fed.end(), s.tokens.begin(), s.tokens.end() - 1);
+    ReferencePicks own;
+    if (!picks) picks = &own;
+    auto it = picks->find(fed);
+    if (it == picks->end()) {
+      const int len = static_cast<int>(fed.size());
+      RETURN_IF_ERROR(reference.StartBatch(1, len));
+      std::vector<float> logits;
+      RETURN_IF_ERROR(reference.Forward(fed, len, LogitsMode::kAll, &logits));
+      const int first = static_cast<int>(s.request.prompt.size()) - 1;
+      std::vector<int32_t> chosen(s.tokens.size());
+      for (size_t i = 0; i < s.tokens.size(); ++i)
+        chosen[i] = Greedy(
+            {logits.data() + static_cast<size_t>(first + i) * vocab, static_cast<size_t>(vocab)});
+      it = picks->emplace(fed, std::move(chosen)).first;
+    }
+    int agree = 0;
+    for (size_t i = 0; i < s.tokens.size(); ++i) agree += it->second[i] == s.tokens[i];
+    const int positions = static_cast<int>(s.tokens.size());
+    agree_total += agree;
+    positions_total += positions;
+    ++result->requests_checked;
+    if (agree >= floor * positions) {
+      ++result->requests_matching;
+    } else if (result->mismatch.empty()) {
+      result->mismatch = absl::StrFormat(
+          "request %d (prompt %d tokens): %d of %d served tokens are the reference's greedy "
+          "pick, under the %s class's floor of %.2f",
+          s.request.index, s.request.prompt.size(), agree, positions, PrecisionClassName(precision),
+          floor);
+    }
+  }
+  const bool sample_ok = positions_total > 0 && agree_total >= floor * positions_total;
+  result->verdict = sample_ok && result->requests_matching == result->requests_checked
+                        ? TrialStatus::kOk
+                        : TrialStatus::kIncorrect;
+  if (positions_total == 0) result->mismatch = "no timed request produced a token to judge";
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
+                                        const ServedJudge& judge, int rate_probes) {
   SloSearch search;
   const bool open_loop = spec.concurrency.empty();
   // Serves one load and says whether it meets the SLO.
   auto probe = [&](LoadPoint point) -> absl::StatusOr<bool> {
     ASSIGN_OR_RETURN(LoadPointResult result, RunLoadPoint(model, spec, point, slo));
-    RETURN_IF_ERROR(CheckServedTokens(alone, spec.chunk, &result, lone_runs));
+    RETURN_IF_ERROR(judge(&result));
     const bool meets = MeetsSlo(result.metrics, slo);
     if (meets &&
         (!search.found || (open_loop ? point.rate > search.best.point.rate
@@ -533,33 +585,37 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
   const PreflightResult preflight =
       Preflight(*normalized, MakePreflightTarget(ProbeLocalDevices(), &host));
   if (!preflight.supported) return fail(TrialStatus::kUnsupported, preflight.reason);
-  // Served tokens are held to the lone run's exactly, which only fp32 arithmetic promises; other
-  // classes need the verdict's thresholds on teacher-forced logits of served requests.
-  if (preflight.precision != PrecisionClass::kFp32)
-    return fail(TrialStatus::kUnsupported,
-                absl::StrCat("serving: ", std::string(PrecisionClassName(preflight.precision)),
-                             " configs are judged by teacher-forced logits of served requests, "
-                             "which this harness does not run yet; fp32 configs only"));
   auto model = CreateModel(host, *normalized, fault);
   if (!model.ok())
     return fail(
         absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
         std::string(model.status().message()));
-  auto alone = CreateModel(host, *normalized);
-  if (!alone.ok()) return fail(TrialStatus::kError, std::string(alone.status().message()));
+  // The judge: fp32 configs against their own lone runs, token for token (only fp32 arithmetic
+  // promises equal tokens whatever the batch); other classes against the reference's picks on a
+  // sample of served requests. Either model shares the weights on the device.
+  const bool exact = preflight.precision == PrecisionClass::kFp32;
+  auto judge_model = CreateModel(host, exact ? *normalized : ReferenceConfigFor(*normalized));
+  if (!judge_model.ok())
+    return fail(TrialStatus::kError, std::string(judge_model.status().message()));
   std::map<int, std::vector<int32_t>> lone_runs;
+  ReferencePicks picks;
+  const ServedJudge judge = [&](LoadPointResult* result) {
+    return exact ? CheckServedTokens(**judge_model, spec.chunk, result, &lone_runs)
+                 : CheckServedAgainstReference(**judge_model, preflight.precision,
+                                               kServedReferenceSample, result, &picks);
+  };
   for (const LoadPoint& point : LoadPoints(spec)) {
     auto result = RunLoadPoint(**model, spec, point, slo);
     if (!result.ok())
       return fail(
           absl::IsUnimplemented(result.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
           absl::StrCat(LoadPointName(point), ": ", result.status().message()));
-    if (auto s = CheckServedTokens(**alone, spec.chunk, &*result, &lone_runs); !s.ok())
-      return fail(TrialStatus::kError, absl::StrCat("lone runs: ", s.message()));
+    if (auto s = judge(&*result); !s.ok())
+      return fail(TrialStatus::kError, absl::StrCat("judging served tokens: ", s.message()));
     trial.points.push_back(std::move(*result));
   }
   if (!slo.empty()) {
-    auto search = SearchSloLoad(**model, **alone, spec, slo, &lone_runs);
+    auto search = SearchSloLoad(**model, spec, slo, judge);
     if (!search.ok())
       return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
     trial.slo_search = std::move(*search);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -134,6 +135,20 @@ absl::StatusOr<std::vector<int32_t>> RunAlone(Model& model, const ServeRequest& 
 absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
                                std::map<int, std::vector<int32_t>>* cache);
 
+// Sets the result's verdict for a config whose served tokens may legitimately differ from its lone
+// runs (bf16, fp8 and fp4 arithmetic: a near-tie flips with the batch): the first `sample` timed
+// requests, prompt and served output, are teacher-forced through `reference` (the fp32 reference
+// of the same weights), and at every output position the served token must be the reference's
+// greedy pick at least as often as the precision class's top-1 floor (harness/verdict.h), over
+// the sample and for each request. A scheduling bug (a wrong KV slot, a stale position) feeds a
+// request another sequence's past, and its tokens stop being the reference's picks.
+// requests_checked counts the sampled requests, requests_matching those at or above the floor.
+// `picks` (optional) keeps the reference's picks by fed sequence across load points.
+constexpr int kServedReferenceSample = 4;  // requests a load point's reference check takes
+using ReferencePicks = std::map<std::vector<int32_t>, std::vector<int32_t>>;
+absl::Status CheckServedAgainstReference(Model& reference, PrecisionClass precision, int sample,
+                                         LoadPointResult* result, ReferencePicks* picks = nullptr);
+
 // The highest load that meets the SLO at its percentile, by bisection between the lowest and the
 // highest load point of the spec: over integer concurrency (closed loop, when the spec has
 // concurrency points) or over the request rate (open loop; geometric midpoints, `rate_probes`
@@ -143,16 +158,17 @@ struct SloSearch {
   LoadPointResult best;                 // the highest load that met it (when found)
   std::vector<LoadPointResult> probes;  // in the order they ran
 };
-absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
-                                        const Slo& slo,
-                                        std::map<int, std::vector<int32_t>>* lone_runs,
-                                        int rate_probes = 5);
+// `judge` sets each probe's verdict (CheckServedTokens or CheckServedAgainstReference).
+using ServedJudge = std::function<absl::Status(LoadPointResult*)>;
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
+                                        const ServedJudge& judge, int rate_probes = 5);
 
 // A serving trial on host weights: the config under test (with `fault`, TEST ONLY) serves each
-// load point of the spec, and a fault-free model of the same config runs each request alone;
+// load point of the spec, judged by CheckServedTokens against a fault-free model of the same config
+// (fp32 configs) or by CheckServedAgainstReference against the reference config (the others);
 // with an SLO, then the search for the highest load that meets it.
 // UNSUPPORTED (with the reason) where the config cannot serve: a device whose engine runs no
-// ragged steps, or a precision class whose served tokens may differ from its lone runs.
+// ragged steps, or a model it cannot serve.
 struct ServeTrialResult {
   TrialStatus status = TrialStatus::kOk;  // kOk once the load points ran; see each verdict
   std::string reason;

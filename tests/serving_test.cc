@@ -234,6 +234,37 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
   }
 }
 
+// The judge of non-fp32 configs (their tokens may leave the lone run's at a near-tie): served
+// tokens against the reference's picks on a sample. Correct serving meets every class's floor
+// (here the served tokens are the reference's own, so all agree); a swapped KV slot feeds requests
+// another sequence's past, and their tokens fall under the bf16 floor.
+TEST(Serving, NonFp32ClassesAreJudgedByTheReferencesPicks) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto reference = CreateModel(*host, kCpu);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const ServeSpec spec = Spec("concurrency=4,isl=12-24,osl=12,requests=6,warmup=1");
+  auto served = CreateModel(*host, kCpu);
+  ASSERT_TRUE(served.ok()) << served.status();
+  auto clean = RunLoadPoint(**served, spec, {false, 4, 0}, {});
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  for (PrecisionClass precision :
+       {PrecisionClass::kBf16, PrecisionClass::kFp8, PrecisionClass::kFp4}) {
+    ASSERT_TRUE(CheckServedAgainstReference(**reference, precision, 4, &*clean).ok());
+    EXPECT_EQ(clean->verdict, TrialStatus::kOk) << clean->mismatch;
+    EXPECT_EQ(clean->requests_checked, 4);  // the sample, warm-up left out
+    EXPECT_EQ(clean->requests_matching, 4);
+  }
+  auto swapped = CreateModel(*host, kCpu, *ParseFaultInjection("kv-slot-swap:0"));
+  ASSERT_TRUE(swapped.ok()) << swapped.status();
+  auto bad = RunLoadPoint(**swapped, spec, {false, 4, 0}, {});
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  ASSERT_TRUE(CheckServedAgainstReference(**reference, PrecisionClass::kBf16, 4, &*bad).ok());
+  EXPECT_EQ(bad->verdict, TrialStatus::kIncorrect);
+  EXPECT_LT(bad->requests_matching, bad->requests_checked);
+  EXPECT_THAT(bad->mismatch, HasSubstr("reference's greedy pick"));
+}
+
 // Only the CPU reference commits kv-slot-swap: elsewhere the request is refused, not run clean.
 TEST(Serving, KvSlotSwapElsewhereThanTheCpuIsRefused) {
   auto host = LoadPreset("tiny-moe");
