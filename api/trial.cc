@@ -277,6 +277,7 @@ json ToJson(const TrialResult& r) {
             {"reference_degenerate", v.reference_degenerate},
             {"free_run_agreement", v.free_run_agreement},
             {"loop_reference_agreement", OptJson(v.loop_reference_agreement)},
+            {"yardstick_kl_mean", OptJson(v.yardstick_kl_mean)},
             {"worst_pass", v.worst_pass},
             {"worst_pass_kl_mean", v.worst_pass_kl_mean},
             {"failures", v.failures}}},
@@ -346,6 +347,7 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
     RETURN_IF_ERROR(Read(*it, "free_run_agreement", &v.free_run_agreement, "result.verdict"));
     RETURN_IF_ERROR(
         ReadOpt(*it, "loop_reference_agreement", &v.loop_reference_agreement, "result.verdict"));
+    RETURN_IF_ERROR(ReadOpt(*it, "yardstick_kl_mean", &v.yardstick_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass", &v.worst_pass, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass_kl_mean", &v.worst_pass_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "failures", &v.failures, "result.verdict"));

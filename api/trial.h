@@ -124,6 +124,9 @@ struct VerdictMetrics {
   // the looping runs' tokens that the reference picks too, fed the same runs (a loop the
   // reference walks too is the model's, not the config's: docs/VERDICTS.md).
   std::optional<double> loop_reference_agreement;
+  // Set when the thresholds were widened to the model's own bf16 drift: the bf16 yardstick's
+  // kl_mean against the reference (harness/verdict.h, WidenedToYardstick).
+  std::optional<double> yardstick_kl_mean;
   std::string worst_pass;         // the forward pass with the largest kl_mean of its own
   double worst_pass_kl_mean = 0;  // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable

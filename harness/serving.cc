@@ -473,55 +473,126 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
   return absl::OkStatus();
 }
 
-absl::Status CheckServedAgainstReference(Model& reference, PrecisionClass precision, int sample,
-                                         LoadPointResult* result, ReferencePicks* picks) {
-  const double floor = ThresholdsFor(precision).min_top1;
+namespace {
+
+// The reference's logits at every output position of a served request: [osl, vocab], the prompt
+// a chunk, then the served tokens but the last.
+absl::StatusOr<std::vector<float>> ReferenceOutputLogits(Model& reference,
+                                                         const ServedRequest& served) {
+  const std::vector<int32_t>& prompt = served.request.prompt;
+  const int outputs = static_cast<int>(served.tokens.size());
+  RETURN_IF_ERROR(
+      reference.StartBatch(1, static_cast<int>(prompt.size()) + std::max(outputs - 1, 0)));
+  std::vector<float> out, rest;
+  RETURN_IF_ERROR(
+      reference.Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kLast, &out));
+  if (outputs > 1) {
+    const std::span<const int32_t> fed(served.tokens.data(), outputs - 1);
+    RETURN_IF_ERROR(reference.Forward(fed, outputs - 1, LogitsMode::kAll, &rest));
+    out.insert(out.end(), rest.begin(), rest.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status CheckServedAgainstReference(Model& model, Model& reference, PrecisionClass precision,
+                                         int sample, LoadPointResult* result,
+                                         ReferenceLogits* cache) {
+  const Thresholds th = ThresholdsFor(precision);
   const int vocab = reference.config().vocab_size;
-  result->requests_checked = result->requests_matching = 0;
-  result->mismatch.clear();
-  int64_t agree_total = 0, positions_total = 0;
+  std::vector<const ServedRequest*> picked;
+  int longest = 0;
   for (const ServedRequest& s : result->served) {
     if (s.warmup || s.tokens.empty()) continue;
-    if (result->requests_checked == sample) break;
-    // The reference's pick after the prompt and each served token but the last.
-    std::vector<int32_t> fed = s.request.prompt;
-    fed.insert(fed.end(), s.tokens.begin(), s.tokens.end() - 1);
-    ReferencePicks own;
-    if (!picks) picks = &own;
-    auto it = picks->find(fed);
-    if (it == picks->end()) {
-      const int len = static_cast<int>(fed.size());
-      RETURN_IF_ERROR(reference.StartBatch(1, len));
-      std::vector<float> logits;
-      RETURN_IF_ERROR(reference.Forward(fed, len, LogitsMode::kAll, &logits));
-      const int first = static_cast<int>(s.request.prompt.size()) - 1;
-      std::vector<int32_t> chosen(s.tokens.size());
-      for (size_t i = 0; i < s.tokens.size(); ++i)
-        chosen[i] = Greedy(
-            {logits.data() + static_cast<size_t>(first + i) * vocab, static_cast<size_t>(vocab)});
-      it = picks->emplace(fed, std::move(chosen)).first;
+    if (static_cast<int>(picked.size()) == sample) break;
+    picked.push_back(&s);
+    longest = std::max(longest, static_cast<int>(s.request.prompt.size() + s.tokens.size()));
+  }
+  result->requests_checked = result->requests_matching = 0;
+  result->mismatch.clear();
+  if (picked.empty()) {
+    result->verdict = TrialStatus::kIncorrect;
+    result->mismatch = "no timed request produced a token to judge";
+    return absl::OkStatus();
+  }
+  ReferenceLogits own;
+  if (!cache) cache = &own;
+  std::vector<const std::vector<float>*> expected;
+  for (const ServedRequest* s : picked) {
+    std::vector<int32_t> key = s->request.prompt;
+    key.insert(key.end(), s->tokens.begin(), s->tokens.end());
+    auto it = cache->find(key);
+    if (it == cache->end()) {
+      ASSIGN_OR_RETURN(std::vector<float> logits, ReferenceOutputLogits(reference, *s));
+      it = cache->emplace(std::move(key), std::move(logits)).first;
     }
-    int agree = 0;
-    for (size_t i = 0; i < s.tokens.size(); ++i) agree += it->second[i] == s.tokens[i];
-    const int positions = static_cast<int>(s.tokens.size());
-    agree_total += agree;
-    positions_total += positions;
+    expected.push_back(&it->second);
+  }
+
+  // The replay: request k joins at step k with its prompt; each step then feeds every joined
+  // request its next served token until its outputs are all judged.
+  const int n = static_cast<int>(picked.size());
+  RETURN_IF_ERROR(model.StartServing(n, longest));
+  std::vector<int> slot(n, -1), judged(n, 0);
+  std::vector<double> kl_sum(n, 0), kl_worst(n, 0);
+  int64_t agree = 0, positions = 0;
+  std::vector<float> logits;
+  for (int step = 0;; ++step) {
+    std::vector<RaggedChunk> chunks;
+    std::vector<int> whose;
+    for (int k = 0; k < n; ++k) {
+      const ServedRequest& s = *picked[k];
+      if (k == step) {
+        ASSIGN_OR_RETURN(slot[k], model.AdmitSequence());
+        chunks.push_back({slot[k], s.request.prompt});
+      } else if (slot[k] >= 0 && judged[k] < static_cast<int>(s.tokens.size())) {
+        chunks.push_back({slot[k], std::span<const int32_t>(&s.tokens[judged[k] - 1], 1)});
+      } else {
+        continue;
+      }
+      whose.push_back(k);
+    }
+    if (chunks.empty()) break;
+    RETURN_IF_ERROR(model.RaggedStep(chunks, &logits));
+    for (size_t c = 0; c < whose.size(); ++c) {
+      const int k = whose[c];
+      const float* test = logits.data() + c * vocab;
+      const float* ref = expected[k]->data() + static_cast<size_t>(judged[k]) * vocab;
+      const double kl = LogitsKl(ref, test, vocab);
+      kl_sum[k] += kl;
+      kl_worst[k] = std::max(kl_worst[k], kl);
+      agree +=
+          Greedy({ref, static_cast<size_t>(vocab)}) == Greedy({test, static_cast<size_t>(vocab)});
+      ++positions;
+      if (++judged[k] == static_cast<int>(picked[k]->tokens.size())) {
+        RETURN_IF_ERROR(model.RetireSequence(slot[k]));
+      }
+    }
+  }
+  double total = 0, worst = 0;
+  for (int k = 0; k < n; ++k) {
+    const int outputs = static_cast<int>(picked[k]->tokens.size());
+    const double mean = kl_sum[k] / outputs;
+    total += kl_sum[k];
+    worst = std::max(worst, kl_worst[k]);
     ++result->requests_checked;
-    if (agree >= floor * positions) {
+    if (mean <= th.max_kl_mean && kl_worst[k] <= th.max_kl) {
       ++result->requests_matching;
     } else if (result->mismatch.empty()) {
       result->mismatch = absl::StrFormat(
-          "request %d (prompt %d tokens): %d of %d served tokens are the reference's greedy "
-          "pick, under the %s class's floor of %.2f",
-          s.request.index, s.request.prompt.size(), agree, positions, PrecisionClassName(precision),
-          floor);
+          "request %d (prompt %d tokens), teacher-forced through ragged steps: KL to the "
+          "reference mean %.3g (%s class ceiling %.3g), worst %.3g (ceiling %.3g) over its %d "
+          "outputs",
+          picked[k]->request.index, picked[k]->request.prompt.size(), mean,
+          PrecisionClassName(precision), th.max_kl_mean, kl_worst[k], th.max_kl, outputs);
     }
   }
-  const bool sample_ok = positions_total > 0 && agree_total >= floor * positions_total;
-  result->verdict = sample_ok && result->requests_matching == result->requests_checked
-                        ? TrialStatus::kOk
-                        : TrialStatus::kIncorrect;
-  if (positions_total == 0) result->mismatch = "no timed request produced a token to judge";
+  result->reference_kl_mean = total / positions;
+  result->reference_top1 = static_cast<double>(agree) / positions;
+  const bool ok = *result->reference_kl_mean <= th.max_kl_mean && worst <= th.max_kl &&
+                  result->requests_matching == result->requests_checked;
+  result->verdict = ok ? TrialStatus::kOk : TrialStatus::kIncorrect;
   return absl::OkStatus();
 }
 
@@ -598,11 +669,11 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
   if (!judge_model.ok())
     return fail(TrialStatus::kError, std::string(judge_model.status().message()));
   std::map<int, std::vector<int32_t>> lone_runs;
-  ReferencePicks picks;
+  ReferenceLogits reference_logits;
   const ServedJudge judge = [&](LoadPointResult* result) {
     return exact ? CheckServedTokens(**judge_model, spec.chunk, result, &lone_runs)
-                 : CheckServedAgainstReference(**judge_model, preflight.precision,
-                                               kServedReferenceSample, result, &picks);
+                 : CheckServedAgainstReference(**model, **judge_model, preflight.precision,
+                                               kServedReferenceSample, result, &reference_logits);
   };
   for (const LoadPoint& point : LoadPoints(spec)) {
     auto result = RunLoadPoint(**model, spec, point, slo);
@@ -662,6 +733,8 @@ nlohmann::json LoadPointJson(const LoadPointResult& r) {
   add("e2el_ms", m.e2el_ms);
   if (m.request_goodput) j["request_goodput"] = *m.request_goodput;
   if (m.energy_j_per_output_token) j["energy_j_per_output_token"] = *m.energy_j_per_output_token;
+  if (r.reference_kl_mean) j["reference_kl_mean"] = *r.reference_kl_mean;
+  if (r.reference_top1) j["reference_top1"] = *r.reference_top1;
   if (!r.mismatch.empty()) j["first_mismatch"] = r.mismatch;
   return j;
 }
@@ -709,6 +782,11 @@ std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
   }
   if (m.energy_j_per_output_token)
     absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *m.energy_j_per_output_token);
+  if (r.reference_kl_mean)
+    absl::StrAppend(&line,
+                    absl::StrFormat("\n#   judged against the reference on %d sampled requests "
+                                    "through ragged steps: kl_mean %.3g, top1 %.3f",
+                                    r.requests_checked, *r.reference_kl_mean, *r.reference_top1));
   if (!r.mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", r.mismatch);
   return line + "\n";
 }

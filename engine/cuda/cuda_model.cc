@@ -339,7 +339,7 @@ class CudaModel final : public Model {
         RecordFallback(absl::StrCat("graphs=persistent: ", ragged ? "ragged " : "", "decode of ",
                                     rows,
                                     " rows: the graphs=on kernel chain (the persistent kernel "
-                                    "takes lockstep batch 1)"));
+                                    "takes batch 1)"));
     }
     if (persistent)
       persistent_.Launch(x_, attention_.k_cache(), attention_.v_cache(), capacity_,

@@ -125,8 +125,9 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
 // Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read
 // from L1/L2. Simple on purpose: it is the GPU link of the trust chain, not a fast path.
 // Quantized W (qgemm=reference) is dequantized exactly element by element as it is read.
+// bf16_inputs: each x element rounded to bf16 as it is read (the bf16 yardstick, CudaOptions).
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
-                   cudaStream_t stream);
+                   cudaStream_t stream, bool bf16_inputs = false);
 
 // MoE router logits y[M, N] = x . W^T for many rows (router.cu): fp32 x, fp32 accumulate in k
 // order, W bf16/f16/f32 upcast: warp-per-expert GEMV over 8 rows up to 256 rows, register-tiled
