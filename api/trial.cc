@@ -294,6 +294,7 @@ json ToJson(const TrialResult& r) {
                 {"reference_degenerate", v.reference_degenerate},
                 {"free_run_agreement", v.free_run_agreement},
                 {"loop_reference_agreement", OptJson(v.loop_reference_agreement)},
+                {"yardstick_kl_mean", OptJson(v.yardstick_kl_mean)},
                 {"worst_pass", v.worst_pass},
                 {"worst_pass_kl_mean", v.worst_pass_kl_mean},
                 {"failures", v.failures}}},
@@ -376,6 +377,7 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
     RETURN_IF_ERROR(Read(*it, "free_run_agreement", &v.free_run_agreement, "result.verdict"));
     RETURN_IF_ERROR(
         ReadOpt(*it, "loop_reference_agreement", &v.loop_reference_agreement, "result.verdict"));
+    RETURN_IF_ERROR(ReadOpt(*it, "yardstick_kl_mean", &v.yardstick_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass", &v.worst_pass, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass_kl_mean", &v.worst_pass_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "failures", &v.failures, "result.verdict"));
@@ -494,6 +496,8 @@ json ToJson(const ServingPoint& p) {
   add("e2el_ms", p.e2el_ms);
   if (p.request_goodput) j["request_goodput"] = *p.request_goodput;
   if (p.meets_slo) j["meets_slo"] = *p.meets_slo;
+  if (p.reference_kl_mean) j["reference_kl_mean"] = *p.reference_kl_mean;
+  if (p.reference_top1) j["reference_top1"] = *p.reference_top1;
   if (p.ttft_ms_at_slo_percentile) j["ttft_ms_at_slo_percentile"] = *p.ttft_ms_at_slo_percentile;
   if (p.tpot_ms_at_slo_percentile) j["tpot_ms_at_slo_percentile"] = *p.tpot_ms_at_slo_percentile;
   if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
@@ -549,6 +553,8 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
     p.meets_slo = it->get<bool>();
   }
   RETURN_IF_ERROR(ReadOpt(j, "energy_j_per_output_token", &p.energy_j_per_output_token, where));
+  RETURN_IF_ERROR(ReadOpt(j, "reference_kl_mean", &p.reference_kl_mean, where));
+  RETURN_IF_ERROR(ReadOpt(j, "reference_top1", &p.reference_top1, where));
   RETURN_IF_ERROR(ReadOpt(j, "ttft_ms_at_slo_percentile", &p.ttft_ms_at_slo_percentile, where));
   RETURN_IF_ERROR(ReadOpt(j, "tpot_ms_at_slo_percentile", &p.tpot_ms_at_slo_percentile, where));
   return p;

@@ -134,6 +134,9 @@ struct VerdictMetrics {
   // the looping runs' tokens that the reference picks too, fed the same runs (a loop the
   // reference walks too is the model's, not the config's: docs/VERDICTS.md).
   std::optional<double> loop_reference_agreement;
+  // Set when the thresholds were widened to the model's own bf16 drift: the bf16 yardstick's
+  // kl_mean against the reference (harness/verdict.h, WidenedToYardstick).
+  std::optional<double> yardstick_kl_mean;
   std::string worst_pass;         // the forward pass with the largest kl_mean of its own
   double worst_pass_kl_mean = 0;  // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable
@@ -165,6 +168,9 @@ struct ServingPoint {
   // meets_slo holds against the bounds.
   std::optional<double> ttft_ms_at_slo_percentile, tpot_ms_at_slo_percentile;
   std::optional<double> energy_j_per_output_token;
+  // Configs below fp32, judged on a sample of served requests teacher-forced against the
+  // reference: the sample's KL to it (mean, nats) and top-1 agreement.
+  std::optional<double> reference_kl_mean, reference_top1;
 };
 // The SLO search's answer: the highest load whose percentiles meet the SLO, with every probe.
 struct ServingSloSearch {

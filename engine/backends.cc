@@ -16,8 +16,7 @@ LocalDevices ProbeLocalDevices() { return {}; }
 #endif
 
 std::string WeightFormat(const HostModel& model) {
-  if (model.quant_format != QuantFormat::kNone)
-    return QuantFormatFamily(model.quant_format);
+  if (model.quant_format != QuantFormat::kNone) return QuantFormatFamily(model.quant_format);
   for (const HostTensor& t : model.tensors) {
     switch (t.dtype) {
       case DType::kBF16:
@@ -55,8 +54,7 @@ BackendConfig ReferenceConfigFor(const BackendConfig& normalized) {
   return DefaultAxes(ConfigDevice(normalized));
 }
 
-absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
-                                                   const BackendConfig& config,
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const BackendConfig& config,
                                                    const FaultInjection& fault) {
   const std::string device = ConfigDevice(config);
   // Conflicts between axis values are the registry's alone; a model built without a preflight
@@ -114,6 +112,20 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
 #endif
   return absl::UnimplementedError(
       absl::StrCat("device=", device, ": this build has no implementation for it"));
+}
+
+absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
+                                                           const BackendConfig& reference) {
+#ifdef INFERSWEEP_HAVE_CUDA
+  if (ConfigDevice(reference) == "cuda") {
+    auto options = ParseCudaOptions(reference);
+    if (!options.ok()) return options.status();
+    options->bf16_gemm_inputs = true;
+    return MakeCudaModel(host, *options, {});
+  }
+#endif
+  return absl::UnimplementedError(absl::StrCat(
+      "device=", ConfigDevice(reference), ": no bf16 yardstick (its configs are all fp32-class)"));
 }
 
 }  // namespace infersweep

@@ -43,10 +43,16 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const std::stri
 // (gemm=reference, attention=naive, moe=loop, graphs=off) for cuda configs.
 BackendConfig ReferenceConfigFor(const BackendConfig& normalized);
 
+// The bf16 yardstick of a device's reference config: the reference with its GEMM inputs rounded
+// to bf16 (CudaOptions::bf16_gemm_inputs). Its distance from the reference is what bf16 rounding
+// alone costs on a model; the verdict widens the bf16 class's ceilings to it where a model is
+// more sensitive than they assume (harness/verdict.h). Unimplemented on the CPU.
+absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
+                                                           const BackendConfig& reference);
+
 // `host` must outlive the model; CPU models generate its host copy if it has none yet.
 // `fault` is TEST ONLY.
-absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host,
-                                                   const BackendConfig& normalized,
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const BackendConfig& normalized,
                                                    const FaultInjection& fault = {});
 
 }  // namespace infersweep

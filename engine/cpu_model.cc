@@ -106,22 +106,11 @@ class CpuModel final : public Model {
   absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
                           std::vector<float>* last_logits) override {
     if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
-    if (chunks.empty()) return absl::InvalidArgumentError("RaggedStep: no chunks");
+    if (auto s = ValidateRaggedChunks(config_, slots_, chunks); !s.ok()) return s;
     std::vector<SequenceRows> seqs;
     std::vector<int32_t> tokens;
-    std::vector<bool> seen(slots_.slots(), false);
     for (const RaggedChunk& c : chunks) {
       const int n = static_cast<int>(c.tokens.size());
-      if (auto s = slots_.CheckAppend(c.slot, n); !s.ok()) return s;
-      if (seen[c.slot])
-        return absl::InvalidArgumentError(
-            absl::StrCat("RaggedStep: KV slot ", c.slot, " appears twice in one step"));
-      seen[c.slot] = true;
-      for (int32_t t : c.tokens)
-        if (t < 0 || t >= config_.vocab_size)
-          return absl::InvalidArgumentError(absl::StrCat("RaggedStep: token id ", t, " of slot ",
-                                                         c.slot, " outside vocabulary [0, ",
-                                                         config_.vocab_size, ")"));
       seqs.push_back({c.slot, slots_.length(c.slot), static_cast<int64_t>(tokens.size()), n});
       tokens.insert(tokens.end(), c.tokens.begin(), c.tokens.end());
     }

@@ -11,8 +11,8 @@ absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capac
   if (batch <= 0) return absl::FailedPreconditionError("Forward before StartBatch");
   if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("Forward: n must be > 0, got ", n));
   if (tokens.size() != static_cast<size_t>(batch) * n)
-    return absl::InvalidArgumentError(absl::StrCat("Forward: got ", tokens.size(),
-                                                   " tokens, expected batch ", batch, " x ", n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Forward: got ", tokens.size(), " tokens, expected batch ", batch, " x ", n));
   if (position + n > capacity)
     return absl::OutOfRangeError(absl::StrCat("Forward: ", position, " + ", n,
                                               " tokens exceed the batch's max_tokens ", capacity));
@@ -21,6 +21,25 @@ absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capac
       return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " at index ", i,
                                                      " outside vocabulary [0, ", config.vocab_size,
                                                      ")"));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRaggedChunks(const ModelConfig& config, const KvSlotAllocator& slots,
+                                  std::span<const RaggedChunk> chunks) {
+  if (chunks.empty()) return absl::InvalidArgumentError("RaggedStep: no chunks");
+  std::vector<bool> seen(slots.slots(), false);
+  for (const RaggedChunk& c : chunks) {
+    if (auto s = slots.CheckAppend(c.slot, static_cast<int>(c.tokens.size())); !s.ok()) return s;
+    if (seen[c.slot])
+      return absl::InvalidArgumentError(
+          absl::StrCat("RaggedStep: KV slot ", c.slot, " appears twice in one step"));
+    seen[c.slot] = true;
+    for (int32_t t : c.tokens)
+      if (t < 0 || t >= config.vocab_size)
+        return absl::InvalidArgumentError(absl::StrCat("RaggedStep: token id ", t, " of slot ",
+                                                       c.slot, " outside vocabulary [0, ",
+                                                       config.vocab_size, ")"));
+  }
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "api/model_config.h"
+#include "engine/kv_slots.h"
 
 namespace infersweep {
 
@@ -84,5 +85,10 @@ class Model {
 // capacity). `capacity` is the max_tokens of the current batch.
 absl::Status ValidateForwardArgs(const ModelConfig& config, int batch, int capacity, int position,
                                  std::span<const int32_t> tokens, int n);
+
+// Checks a ragged step's chunks (engines that serve): at least one; each of an occupied slot with
+// room for its tokens, no slot twice, every token id in the vocabulary. The error names the slot.
+absl::Status ValidateRaggedChunks(const ModelConfig& config, const KvSlotAllocator& slots,
+                                  std::span<const RaggedChunk> chunks);
 
 }  // namespace infersweep

@@ -78,6 +78,10 @@ struct CudaOptions {
   // How Gated DeltaNet layers run; models without them ignore it.
   LinearAttn linear_attn = LinearAttn::kReference;
   ParallelOptions parallel = {1, false, AllReduce::kNccl};
+  // The bf16 yardstick (CreateBf16Yardstick): the reference GEMM rounds its inputs to bf16, as
+  // every bf16-class GEMM does, and computes the rest as the reference does. Not an axis value:
+  // the harness builds it to measure how far bf16 rounding alone moves a model's logits.
+  bool bf16_gemm_inputs = false;
 };
 
 struct CpuOptions {

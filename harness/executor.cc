@@ -74,10 +74,12 @@ absl::Status TrialExecutor::EnsureModel(const TrialRequest& request) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config) {
-  const std::string key = BackendConfigString(config);
+absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
+                                                             bool bf16_yardstick) {
+  const std::string key = absl::StrCat(BackendConfigString(config), bf16_yardstick ? " bf16" : "");
   if (auto it = reference_cache_.find(key); it != reference_cache_.end()) return &it->second;
-  auto model = CreateModel(*host_, config);
+  auto model =
+      bf16_yardstick ? CreateBf16Yardstick(*host_, config) : CreateModel(*host_, config);
   if (!model.ok()) return model.status();
   auto outputs = RunEval(**model, eval_);
   if (!outputs.ok()) return outputs.status();
@@ -115,13 +117,14 @@ void TrialExecutor::ExecuteServing(const TrialRequest& request, const BackendCon
     result->reason = trial.reason;
     return;
   }
-  // The served tokens are the verdict: a load point (or SLO probe) whose requests part from
-  // their lone runs makes the trial INCORRECT, its figures kept for the record.
+  // The served requests are the verdict: a load point (or SLO probe) whose checked requests
+  // fail (fp32: tokens parting from their lone runs; below fp32: a sample's logits beyond the
+  // class's ceilings against the reference) makes the trial INCORRECT, its figures kept.
   auto judge = [&](const ServingPoint& p, absl::string_view role) {
     if (p.verdict == TrialStatus::kOk) return;
     result->verdict.failures.push_back(
-        absl::StrCat(role, LoadPointName(p.point), ": ", p.requests_matching, "/",
-                     p.requests_checked, " served requests match their lone runs",
+        absl::StrCat(role, LoadPointName(p.point), ": ", p.requests_matching, " of ",
+                     p.requests_checked, " checked served requests pass",
                      p.first_mismatch.empty() ? "" : absl::StrCat(" (", p.first_mismatch, ")")));
   };
   for (const ServingPoint& p : result->serving) judge(p, "");
@@ -212,19 +215,41 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
   auto outputs = RunEval(**model, eval_);
   if (!outputs.ok()) return finish(TrialStatus::kError, std::string(outputs.status().message()));
-  TrialStatus verdict = JudgeOutputs(**reference, *outputs, host_->config.vocab_size,
-                                     preflight.precision, &result.verdict);
+  const int vocab = host_->config.vocab_size;
+  TrialStatus verdict =
+      JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict);
   // Free runs that loop where the reference's do not: whose loop is it? The reference, fed the
   // config's own runs, tells (a correct config sent off the reference's path by a near-tie
   // walks the model's own loops). Rare, so it costs nothing on the common path.
+  std::optional<std::vector<std::vector<int32_t>>> picks;
   if (result.verdict.degenerate) {
     say("reference on the config's free runs");
-    auto picks = ReferencePicks(reference_config, outputs->free);
-    if (!picks.ok())
+    auto made = ReferencePicks(reference_config, outputs->free);
+    if (!made.ok())
       return finish(TrialStatus::kError,
-                    absl::StrCat("reference on the free runs: ", picks.status().message()));
-    verdict = JudgeOutputs(**reference, *outputs, host_->config.vocab_size, preflight.precision,
-                           &result.verdict, &*picks);
+                    absl::StrCat("reference on the free runs: ", made.status().message()));
+    picks = std::move(*made);
+    verdict = JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict,
+                           &*picks);
+  }
+  // A finite config below fp32 that misses its class's ceilings: does bf16 rounding alone miss
+  // them on this model? The bf16 yardstick (the GPU reference with bf16 GEMM inputs) says; where
+  // it does, the ceilings widen to its drift (WidenedToYardstick). Only on failure, so it costs
+  // nothing on the common path.
+  if (verdict == TrialStatus::kIncorrect && preflight.precision != PrecisionClass::kFp32 &&
+      result.verdict.non_finite == 0 && ConfigDevice(reference_config) == "cuda") {
+    say("bf16 yardstick of " + BackendConfigString(reference_config));
+    auto yardstick = Reference(reference_config, /*bf16_yardstick=*/true);
+    if (!yardstick.ok())
+      return finish(TrialStatus::kError,
+                    absl::StrCat("bf16 yardstick: ", yardstick.status().message()));
+    VerdictMetrics drift;
+    JudgeOutputs(**reference, **yardstick, vocab, PrecisionClass::kBf16, &drift);
+    if (const std::optional<Thresholds> wide = WidenedToYardstick(preflight.precision, drift)) {
+      verdict = JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict,
+                             picks ? &*picks : nullptr, &*wide);
+      result.verdict.yardstick_kl_mean = drift.kl_mean;
+    }
   }
   if (verdict != TrialStatus::kOk)  // garbage is not worth timing
     return finish(verdict, absl::StrJoin(result.verdict.failures, "; "));

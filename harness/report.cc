@@ -83,6 +83,19 @@ std::string FormatColumnHeader() {
       "(GB/s)", "(%)", "(%)", "(nats)", "err");
 }
 
+namespace {
+
+// Where the verdict's ceilings were widened to the model's own bf16 drift (docs/VERDICTS.md).
+std::string YardstickLine(const VerdictMetrics& v) {
+  if (!v.yardstick_kl_mean) return "";
+  return absl::StrFormat(
+      "#   judged by ceilings widened to this model's bf16 drift: the bf16 yardstick's kl_mean "
+      "%.3g against the reference\n",
+      *v.yardstick_kl_mean);
+}
+
+}  // namespace
+
 std::string FormatResultRows(const TrialResult& r) {
   const std::string config = BackendConfigString(r.config);
   const VerdictMetrics& v = r.verdict;
@@ -90,11 +103,12 @@ std::string FormatResultRows(const TrialResult& r) {
   if (r.batches.empty()) {
     out = absl::StrFormat(" %-40s %5s %-11s", config, "-", TrialStatusName(r.status));
     if (r.status == TrialStatus::kIncorrect)
-      out += absl::StrFormat(" %10s %9s %10s %11s %9s %8s %6s %6.1f %9.3g %9.3g", "-", "-", "-",
-                             "-", "-", "-", "-", 100 * v.top1_agreement, v.kl_mean,
-                             v.max_rel_error);
+      out +=
+          absl::StrFormat(" %10s %9s %10s %11s %9s %8s %6s %6.1f %9.3g %9.3g", "-", "-", "-", "-",
+                          "-", "-", "-", 100 * v.top1_agreement, v.kl_mean, v.max_rel_error);
     out += "\n";
     if (!r.reason.empty()) out += "#   reason: " + r.reason + "\n";
+    out += YardstickLine(v);
     return out;
   }
   for (const BatchFigures& b : r.batches) {
@@ -126,6 +140,7 @@ std::string FormatResultRows(const TrialResult& r) {
           "reached %.1f %%\n",
           *b.prefill_roofline_tok_s, b.prefill_flops / 1e12, 100 * *b.prefill_roofline_fraction);
   }
+  out += YardstickLine(v);
   out += absl::StrFormat("#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)\n",
                          r.load_seconds, r.graph_capture_seconds,
                          r.peak_memory_bytes / (1024.0 * 1024.0 * 1024.0),

@@ -14,7 +14,9 @@
 #include "absl/strings/str_split.h"
 #include "api/status_macros.h"
 #include "engine/backends.h"
+#include "engine/sampler.h"
 #include "harness/measure.h"
+#include "harness/verdict.h"
 
 namespace infersweep {
 namespace {
@@ -337,16 +339,137 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
   return absl::OkStatus();
 }
 
-absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
-                                        const Slo& slo,
-                                        std::map<int, std::vector<int32_t>>* lone_runs,
-                                        int rate_probes) {
+namespace {
+
+// The reference's logits at every output position of a served request: [osl, vocab], the prompt
+// a chunk, then the served tokens but the last.
+absl::StatusOr<std::vector<float>> ReferenceOutputLogits(Model& reference,
+                                                         const ServedRequest& served) {
+  const std::vector<int32_t>& prompt = served.request.prompt;
+  const int outputs = static_cast<int>(served.tokens.size());
+  RETURN_IF_ERROR(
+      reference.StartBatch(1, static_cast<int>(prompt.size()) + std::max(outputs - 1, 0)));
+  std::vector<float> out, rest;
+  RETURN_IF_ERROR(
+      reference.Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kLast, &out));
+  if (outputs > 1) {
+    const std::span<const int32_t> fed(served.tokens.data(), outputs - 1);
+    RETURN_IF_ERROR(reference.Forward(fed, outputs - 1, LogitsMode::kAll, &rest));
+    out.insert(out.end(), rest.begin(), rest.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status CheckServedAgainstReference(Model& model, Model& reference, PrecisionClass precision,
+                                         int sample, LoadPointResult* result,
+                                         ReferenceLogits* cache) {
+  const Thresholds th = ThresholdsFor(precision);
+  const int vocab = reference.config().vocab_size;
+  std::vector<const ServedRequest*> picked;
+  int longest = 0;
+  for (const ServedRequest& s : result->served) {
+    if (s.warmup || s.tokens.empty()) continue;
+    if (static_cast<int>(picked.size()) == sample) break;
+    picked.push_back(&s);
+    longest = std::max(longest, static_cast<int>(s.request.prompt.size() + s.tokens.size()));
+  }
+  result->requests_checked = result->requests_matching = 0;
+  result->mismatch.clear();
+  if (picked.empty()) {
+    result->verdict = TrialStatus::kIncorrect;
+    result->mismatch = "no timed request produced a token to judge";
+    return absl::OkStatus();
+  }
+  ReferenceLogits own;
+  if (!cache) cache = &own;
+  std::vector<const std::vector<float>*> expected;
+  for (const ServedRequest* s : picked) {
+    std::vector<int32_t> key = s->request.prompt;
+    key.insert(key.end(), s->tokens.begin(), s->tokens.end());
+    auto it = cache->find(key);
+    if (it == cache->end()) {
+      ASSIGN_OR_RETURN(std::vector<float> logits, ReferenceOutputLogits(reference, *s));
+      it = cache->emplace(std::move(key), std::move(logits)).first;
+    }
+    expected.push_back(&it->second);
+  }
+
+  // The replay: request k joins at step k with its prompt; each step then feeds every joined
+  // request its next served token until its outputs are all judged.
+  const int n = static_cast<int>(picked.size());
+  RETURN_IF_ERROR(model.StartServing(n, longest));
+  std::vector<int> slot(n, -1), judged(n, 0);
+  std::vector<double> kl_sum(n, 0), kl_worst(n, 0);
+  int64_t agree = 0, positions = 0;
+  std::vector<float> logits;
+  for (int step = 0;; ++step) {
+    std::vector<RaggedChunk> chunks;
+    std::vector<int> whose;
+    for (int k = 0; k < n; ++k) {
+      const ServedRequest& s = *picked[k];
+      if (k == step) {
+        ASSIGN_OR_RETURN(slot[k], model.AdmitSequence());
+        chunks.push_back({slot[k], s.request.prompt});
+      } else if (slot[k] >= 0 && judged[k] < static_cast<int>(s.tokens.size())) {
+        chunks.push_back({slot[k], std::span<const int32_t>(&s.tokens[judged[k] - 1], 1)});
+      } else {
+        continue;
+      }
+      whose.push_back(k);
+    }
+    if (chunks.empty()) break;
+    RETURN_IF_ERROR(model.RaggedStep(chunks, &logits));
+    for (size_t c = 0; c < whose.size(); ++c) {
+      const int k = whose[c];
+      const float* test = logits.data() + c * vocab;
+      const float* ref = expected[k]->data() + static_cast<size_t>(judged[k]) * vocab;
+      const double kl = LogitsKl(ref, test, vocab);
+      kl_sum[k] += kl;
+      kl_worst[k] = std::max(kl_worst[k], kl);
+      agree +=
+          Greedy({ref, static_cast<size_t>(vocab)}) == Greedy({test, static_cast<size_t>(vocab)});
+      ++positions;
+      if (++judged[k] == static_cast<int>(picked[k]->tokens.size())) {
+        RETURN_IF_ERROR(model.RetireSequence(slot[k]));
+      }
+    }
+  }
+  double total = 0, worst = 0;
+  for (int k = 0; k < n; ++k) {
+    const int outputs = static_cast<int>(picked[k]->tokens.size());
+    const double mean = kl_sum[k] / outputs;
+    total += kl_sum[k];
+    worst = std::max(worst, kl_worst[k]);
+    ++result->requests_checked;
+    if (mean <= th.max_kl_mean && kl_worst[k] <= th.max_kl) {
+      ++result->requests_matching;
+    } else if (result->mismatch.empty()) {
+      result->mismatch = absl::StrFormat(
+          "request %d (prompt %d tokens), teacher-forced through ragged steps: KL to the "
+          "reference mean %.3g (%s class ceiling %.3g), worst %.3g (ceiling %.3g) over its %d "
+          "outputs",
+          picked[k]->request.index, picked[k]->request.prompt.size(), mean,
+          PrecisionClassName(precision), th.max_kl_mean, kl_worst[k], th.max_kl, outputs);
+    }
+  }
+  result->reference_kl_mean = total / positions;
+  result->reference_top1 = static_cast<double>(agree) / positions;
+  const bool ok = *result->reference_kl_mean <= th.max_kl_mean && worst <= th.max_kl &&
+                  result->requests_matching == result->requests_checked;
+  result->verdict = ok ? TrialStatus::kOk : TrialStatus::kIncorrect;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
+                                        const ServedJudge& judge, int rate_probes) {
   SloSearch search;
   const bool open_loop = spec.concurrency.empty();
   // Serves one load and says whether it meets the SLO.
   auto probe = [&](LoadPoint point) -> absl::StatusOr<bool> {
     ASSIGN_OR_RETURN(LoadPointResult result, RunLoadPoint(model, spec, point, slo));
-    RETURN_IF_ERROR(CheckServedTokens(alone, spec.chunk, &result, lone_runs));
+    RETURN_IF_ERROR(judge(&result));
     const bool meets = MeetsSlo(result.metrics, slo);
     if (meets &&
         (!search.found || (open_loop ? point.rate > search.best.point.rate
@@ -399,33 +522,37 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
   const PreflightResult preflight =
       Preflight(*normalized, MakePreflightTarget(ProbeLocalDevices(), &host));
   if (!preflight.supported) return fail(TrialStatus::kUnsupported, preflight.reason);
-  // Served tokens are held to the lone run's exactly, which only fp32 arithmetic promises; other
-  // classes need the verdict's thresholds on teacher-forced logits of served requests.
-  if (preflight.precision != PrecisionClass::kFp32)
-    return fail(TrialStatus::kUnsupported,
-                absl::StrCat("serving: ", std::string(PrecisionClassName(preflight.precision)),
-                             " configs are judged by teacher-forced logits of served requests, "
-                             "which this harness does not run yet; fp32 configs only"));
   auto model = CreateModel(host, *normalized, fault);
   if (!model.ok())
     return fail(
         absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
         std::string(model.status().message()));
-  auto alone = CreateModel(host, *normalized);
-  if (!alone.ok()) return fail(TrialStatus::kError, std::string(alone.status().message()));
+  // The judge: fp32 configs against their own lone runs, token for token (only fp32 arithmetic
+  // promises equal tokens whatever the batch); other classes against the reference's picks on a
+  // sample of served requests. Either model shares the weights on the device.
+  const bool exact = preflight.precision == PrecisionClass::kFp32;
+  auto judge_model = CreateModel(host, exact ? *normalized : ReferenceConfigFor(*normalized));
+  if (!judge_model.ok())
+    return fail(TrialStatus::kError, std::string(judge_model.status().message()));
   std::map<int, std::vector<int32_t>> lone_runs;
+  ReferenceLogits reference_logits;
+  const ServedJudge judge = [&](LoadPointResult* result) {
+    return exact ? CheckServedTokens(**judge_model, spec.chunk, result, &lone_runs)
+                 : CheckServedAgainstReference(**model, **judge_model, preflight.precision,
+                                               kServedReferenceSample, result, &reference_logits);
+  };
   for (const LoadPoint& point : LoadPoints(spec)) {
     auto result = RunLoadPoint(**model, spec, point, slo);
     if (!result.ok())
       return fail(
           absl::IsUnimplemented(result.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
           absl::StrCat(LoadPointName(point), ": ", result.status().message()));
-    if (auto s = CheckServedTokens(**alone, spec.chunk, &*result, &lone_runs); !s.ok())
-      return fail(TrialStatus::kError, absl::StrCat("lone runs: ", s.message()));
+    if (auto s = judge(&*result); !s.ok())
+      return fail(TrialStatus::kError, absl::StrCat("judging served tokens: ", s.message()));
     trial.points.push_back(std::move(*result));
   }
   if (!slo.empty()) {
-    auto search = SearchSloLoad(**model, **alone, spec, slo, &lone_runs);
+    auto search = SearchSloLoad(**model, spec, slo, judge);
     if (!search.ok())
       return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
     trial.slo_search = std::move(*search);
@@ -471,6 +598,8 @@ ServingPoint ToServingPoint(const LoadPointResult& r, const Slo& slo) {
     p.tpot_ms_at_slo_percentile = Percentile(m.tpot_values_ms, slo.percentile);
   }
   p.energy_j_per_output_token = m.energy_j_per_output_token;
+  p.reference_kl_mean = r.reference_kl_mean;
+  p.reference_top1 = r.reference_top1;
   return p;
 }
 
@@ -518,6 +647,12 @@ std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
   }
   if (p.energy_j_per_output_token)
     absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *p.energy_j_per_output_token);
+  if (p.reference_kl_mean)
+    absl::StrAppend(&line,
+                    absl::StrFormat("\n#   judged against the reference on %d sampled requests "
+                                    "through ragged steps: kl_mean %.3g, top1 %.3f",
+                                    p.requests_checked, *p.reference_kl_mean,
+                                    p.reference_top1.value_or(0)));
   if (!p.first_mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", p.first_mismatch);
   return line + "\n";
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -81,6 +82,8 @@ struct LoadPointResult {
   TrialStatus verdict = TrialStatus::kOk;
   int requests_checked = 0, requests_matching = 0;
   std::string mismatch;  // the first mismatch, described
+  // CheckServedAgainstReference: the sample's KL to the reference (mean, nats) and top-1 agreement.
+  std::optional<double> reference_kl_mean, reference_top1;
 };
 
 // Serves one load point on `model` (StartServing, then admissions, ragged steps, retirements).
@@ -99,6 +102,25 @@ absl::StatusOr<std::vector<int32_t>> RunAlone(Model& model, const ServeRequest& 
 absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
                                std::map<int, std::vector<int32_t>>* cache);
 
+// Sets the result's verdict for a config whose served tokens may legitimately differ from its lone
+// runs (bf16, fp8 and fp4 arithmetic: a near-tie flips with the batch). The first `sample` timed
+// requests are served again on `model`, teacher-forced with their served tokens through ragged
+// steps of their own (admitted one a step, so each prompt's prefill shares a step with the
+// others' decode rows), and the logits of every output position are held against `reference`'s
+// (the fp32 reference of the same weights) on the same tokens: KL mean and max within the
+// precision class's ceilings (harness/verdict.h), over the sample and for each request, and
+// finite. A scheduling bug (a wrong KV slot, a stale position) feeds a request another
+// sequence's past and moves its distributions. Top-1 agreement is reported, not judged: on
+// near-flat synthetic logits at long contexts a correct bf16 config's served tokens are the
+// reference's pick at as few as 0.69 of the positions (qwen3-30b-a3b, ISL 1024, OSL 256, H200).
+// requests_checked counts the sampled requests, requests_matching those within the ceilings.
+// `cache` (optional) keeps the reference's logits by fed sequence across load points.
+constexpr int kServedReferenceSample = 4;  // requests a load point's reference check takes
+using ReferenceLogits = std::map<std::vector<int32_t>, std::vector<float>>;
+absl::Status CheckServedAgainstReference(Model& model, Model& reference, PrecisionClass precision,
+                                         int sample, LoadPointResult* result,
+                                         ReferenceLogits* cache = nullptr);
+
 // The highest load that meets the SLO at its percentile, by bisection between the lowest and the
 // highest load point of the spec: over integer concurrency (closed loop, when the spec has
 // concurrency points) or over the request rate (open loop; geometric midpoints, `rate_probes`
@@ -108,16 +130,17 @@ struct SloSearch {
   LoadPointResult best;                 // the highest load that met it (when found)
   std::vector<LoadPointResult> probes;  // in the order they ran
 };
-absl::StatusOr<SloSearch> SearchSloLoad(Model& model, Model& alone, const ServeSpec& spec,
-                                        const Slo& slo,
-                                        std::map<int, std::vector<int32_t>>* lone_runs,
-                                        int rate_probes = 5);
+// `judge` sets each probe's verdict (CheckServedTokens or CheckServedAgainstReference).
+using ServedJudge = std::function<absl::Status(LoadPointResult*)>;
+absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
+                                        const ServedJudge& judge, int rate_probes = 5);
 
 // A serving trial on host weights: the config under test (with `fault`, TEST ONLY) serves each
-// load point of the spec, and a fault-free model of the same config runs each request alone;
+// load point of the spec, judged by CheckServedTokens against a fault-free model of the same config
+// (fp32 configs) or by CheckServedAgainstReference against the reference config (the others);
 // with an SLO, then the search for the highest load that meets it.
 // UNSUPPORTED (with the reason) where the config cannot serve: a device whose engine runs no
-// ragged steps, or a precision class whose served tokens may differ from its lone runs.
+// ragged steps, or a model it cannot serve.
 struct ServeTrialResult {
   TrialStatus status = TrialStatus::kOk;  // kOk once the load points ran; see each verdict
   std::string reason;

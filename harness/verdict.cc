@@ -58,7 +58,8 @@ absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector
   std::vector<float> all(static_cast<size_t>(batch) * len * vocab);
   for (int b = 0; b < batch; ++b)
     std::copy_n(prefill.begin() + static_cast<size_t>(b) * prefix * vocab,
-                static_cast<size_t>(prefix) * vocab, all.begin() + static_cast<size_t>(b) * len * vocab);
+                static_cast<size_t>(prefix) * vocab,
+                all.begin() + static_cast<size_t>(b) * len * vocab);
   std::vector<int32_t> next(batch);
   for (int i = prefix; i < len; ++i) {
     for (int b = 0; b < batch; ++b) next[b] = tokens[static_cast<size_t>(b) * len + i];
@@ -88,14 +89,14 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
       !s.ok())
     return s;
   std::vector<float> logits;
-  if (auto s = model.Forward(starts, spec.free_run_prompt_len, LogitsMode::kLast, &logits);
-      !s.ok())
+  if (auto s = model.Forward(starts, spec.free_run_prompt_len, LogitsMode::kLast, &logits); !s.ok())
     return s;
   out.free.assign(spec.prompts, {});
   std::vector<int32_t> next(spec.prompts);
   for (int step = 0; step < spec.free_run_len; ++step) {
     for (int b = 0; b < spec.prompts; ++b) {
-      next[b] = Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
+      next[b] =
+          Greedy({logits.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)});
       out.free[b].push_back(next[b]);
     }
     if (step + 1 == spec.free_run_len) break;
@@ -175,12 +176,44 @@ bool IsDegenerate(const std::vector<int32_t>& tokens) {
   return false;
 }
 
+double LogitsKl(const float* ref, const float* test, int vocab) {
+  for (int i = 0; i < vocab; ++i)
+    if (!std::isfinite(test[i])) return INFINITY;
+  std::vector<double> lr(vocab), lt(vocab);
+  LogSoftmax(ref, vocab, lr);
+  LogSoftmax(test, vocab, lt);
+  double kl = 0;
+  for (int i = 0; i < vocab; ++i) kl += std::exp(lr[i]) * (lr[i] - lt[i]);
+  return std::max(kl, 0.0);  // rounding can make a tiny KL negative
+}
+
+std::optional<Thresholds> WidenedToYardstick(PrecisionClass precision,
+                                             const VerdictMetrics& yardstick) {
+  const Thresholds th = ThresholdsFor(precision);
+  if (yardstick.non_finite > 0 || !std::isfinite(yardstick.kl_mean) ||
+      !std::isfinite(yardstick.kl_max))
+    return std::nullopt;
+  if (yardstick.kl_mean <= th.max_kl_mean && yardstick.kl_max <= th.max_kl &&
+      yardstick.top1_agreement >= th.min_top1)
+    return std::nullopt;
+  Thresholds wide = th;
+  wide.max_kl_mean = std::max(th.max_kl_mean, 2 * yardstick.kl_mean);
+  wide.max_kl = std::max(th.max_kl, 2 * yardstick.kl_max);
+  wide.min_top1 = std::min(th.min_top1, std::max(0.0, yardstick.top1_agreement - 0.15));
+  // A pass's ceiling keeps its ratio to the overall one; its floor drops as far.
+  if (std::isfinite(th.pass_max_kl_mean))
+    wide.pass_max_kl_mean = th.pass_max_kl_mean * wide.max_kl_mean / th.max_kl_mean;
+  wide.pass_min_top1 = std::max(0.0, th.pass_min_top1 - (th.min_top1 - wide.min_top1));
+  return wide;
+}
+
 TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vocab,
                          PrecisionClass precision, VerdictMetrics* m,
-                         const std::vector<std::vector<int32_t>>* reference_picks) {
+                         const std::vector<std::vector<int32_t>>* reference_picks,
+                         const Thresholds* thresholds) {
   *m = VerdictMetrics{};
   m->precision_class = std::string(PrecisionClassName(precision));
-  const Thresholds th = ThresholdsFor(precision);
+  const Thresholds th = thresholds ? *thresholds : ThresholdsFor(precision);
   const size_t positions = ref.logits.size() / vocab;
   if (test.logits.size() != ref.logits.size()) {
     m->failures.push_back("test logits have the wrong size");
@@ -188,7 +221,6 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
   }
   double max_diff = 0, max_ref = 0, kl_sum = 0;
   int64_t agree = 0;
-  std::vector<double> lr(vocab), lt(vocab);
   // Each position's pass (the reference's split; positions outside every range: none).
   std::vector<int> pass_of(positions, -1);
   for (size_t k = 0; k < ref.passes.size(); ++k)
@@ -212,14 +244,7 @@ TrialStatus JudgeOutputs(const EvalOutputs& ref, const EvalOutputs& test, int vo
     const bool same_argmax =
         Greedy({r, static_cast<size_t>(vocab)}) == Greedy({t, static_cast<size_t>(vocab)});
     agree += same_argmax;
-    double kl = INFINITY;
-    if (finite) {
-      LogSoftmax(r, vocab, lr);
-      LogSoftmax(t, vocab, lt);
-      kl = 0;
-      for (int i = 0; i < vocab; ++i) kl += std::exp(lr[i]) * (lr[i] - lt[i]);
-      kl = std::max(kl, 0.0);  // rounding can make a tiny KL negative
-    }
+    const double kl = finite ? LogitsKl(r, t, vocab) : INFINITY;
     kl_sum += kl;
     m->kl_max = std::max(m->kl_max, kl);
     if (pass_of[p] >= 0) {

@@ -15,6 +15,7 @@
 #include "harness/gpu_sampler.h"
 #include "harness/report.h"
 #include "harness/runner.h"
+#include "harness/serving.h"
 #include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 #ifdef INFERSWEEP_HAVE_CUDA
@@ -52,7 +53,8 @@ std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
   std::vector<float> logits;
   if (!model.ok()) return logits;
   EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
-  EXPECT_TRUE((*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
+  EXPECT_TRUE(
+      (*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
   return logits;
 }
 
@@ -107,7 +109,8 @@ TEST(Gpu, SyntheticWeightsAreBitIdentical) {
     for (size_t i = 0; i < (*host)->specs.size(); ++i) {
       auto device_bytes = CopyDeviceTensorToHost(**host, i);
       ASSERT_TRUE(device_bytes.ok()) << device_bytes.status();
-      ASSERT_EQ(0, std::memcmp(device_bytes->data(), (*host)->tensors[i].data, device_bytes->size()))
+      ASSERT_EQ(0,
+                std::memcmp(device_bytes->data(), (*host)->tensors[i].data, device_bytes->size()))
           << preset << " " << (*host)->specs[i].name;
     }
   }
@@ -143,16 +146,16 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
       const double ref_vs_recurrent = RelMaxError(gpu, cpu_recurrent),
                    fused_vs_recurrent = RelMaxError(fused, cpu_recurrent),
                    cpu_chunked_vs_recurrent = RelMaxError(cpu, cpu_recurrent);
-      std::printf("# %s: vs the CPU fed a token a step: GPU reference %.3g, linear_attn=fused "
-                  "%.3g (the CPU's chunked prefill vs its recurrent steps: %.3g)\n",
-                  entry.path().filename().c_str(), ref_vs_recurrent, fused_vs_recurrent,
-                  cpu_chunked_vs_recurrent);
+      std::printf(
+          "# %s: vs the CPU fed a token a step: GPU reference %.3g, linear_attn=fused "
+          "%.3g (the CPU's chunked prefill vs its recurrent steps: %.3g)\n",
+          entry.path().filename().c_str(), ref_vs_recurrent, fused_vs_recurrent,
+          cpu_chunked_vs_recurrent);
       EXPECT_LE(ref_vs_recurrent, 1e-5) << dir;
       EXPECT_LE(fused_vs_recurrent, 1e-5) << dir;
     }
   }
 }
-
 
 // Every registered GPU config is OK against the GPU reference, or UNSUPPORTED with the reason
 // ExpectedRefusal derives from the registry and the model. The fast configs the presets exist
@@ -163,8 +166,7 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   for (const BackendDescriptor& d : BackendRegistry())
     if (d.device == "cuda") axes[d.axis].push_back(d.value);
   const std::vector<std::string> must_run = {
-      "device=cuda",
-      "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
+      "device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
       "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"};
@@ -187,8 +189,9 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       }
       ok += r.status == TrialStatus::kOk;
       std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
-                  BackendConfigString(r.config).c_str(), std::string(TrialStatusName(r.status)).c_str(),
-                  r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
+                  BackendConfigString(r.config).c_str(),
+                  std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
+                  r.verdict.kl_mean, r.verdict.max_rel_error);
     }
     EXPECT_GT(ok, 0) << preset;
     for (const std::string& text : must_run) {
@@ -199,8 +202,8 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
            std::string(preset) == "preset:tiny-hybrid") &&
           text.find("persistent") != std::string::npos)
         continue;
-      if (devices.sm != 90 && (text.find("tma") != std::string::npos ||
-                                           text.find("persistent") != std::string::npos))
+      if (devices.sm != 90 &&
+          (text.find("tma") != std::string::npos || text.find("persistent") != std::string::npos))
         continue;
       auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
       ASSERT_TRUE(config.ok()) << config.status();
@@ -209,14 +212,51 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   }
 }
 
+// Serving on the GPU: ragged steps (decode rows at their own positions beside prefill chunks of
+// other sequences), each config judged as a serving trial judges it. The fp32 reference's served
+// tokens equal its lone runs' exactly; bf16-class configs (graphs=on replays a graph per bucket of
+// decode rows, the spare slot taking the padding rows) meet the reference's picks. Hybrids are
+// refused with the reason.
+TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
+  REQUIRE_GPU();
+  auto host = LoadHostModel("preset:tiny-moe", LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  for (const std::string text :
+       {"device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"}) {
+    for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
+                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=6"}) {
+      SCOPED_TRACE(text + " " + load);
+      auto spec = ParseServeSpec(load);
+      ASSERT_TRUE(spec.ok()) << spec.status();
+      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(text), *spec, {});
+      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+      for (const LoadPointResult& p : trial.points) {
+        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
+        EXPECT_EQ(p.metrics.completed, spec->requests);
+        EXPECT_GT(p.requests_checked, 0);
+      }
+      EXPECT_GT(trial.points.back().peak_running, 1);  // continuous batching did batch
+    }
+  }
+  auto hybrid = LoadHostModel("preset:tiny-hybrid", LoadOptions{2, 1, false});
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  auto spec = ParseServeSpec("concurrency=2,isl=8,osl=4,requests=2");
+  const ServeTrialResult refused =
+      RunServeTrial(**hybrid, *ParseBackendConfig("device=cuda"), *spec, {});
+  EXPECT_EQ(refused.status, TrialStatus::kUnsupported);
+  EXPECT_THAT(refused.reason, ::testing::HasSubstr("ragged steps of hybrid models"));
+}
+
 // A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
 // time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 512 tokens) that the
 // energy counter moves between readings (128 tokens stopped being enough once a 2-layer batch-1
 // step took 0.34 ms).
 TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
   REQUIRE_GPU();
-  TrialRequest request =
-      GpuRequest("preset:qwen3-30b-a3b", "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on");
+  TrialRequest request = GpuRequest("preset:qwen3-30b-a3b",
+                                    "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on");
   request.workload.prompt_len = 512;
   request.workload.output_len = 512;  // batch-1 repeats of ~0.2 s: NVML's counter moves in steps
   request.workload.batch_sizes = {1, 8};
@@ -286,7 +326,8 @@ TEST(Gpu, QuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       // the fp32-class config must catch it.
       if (ok.verdict.precision_class == "fp32") {
         ++fp32_configs;
-        EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << format << " " << config << ": " << bad.reason;
+        EXPECT_EQ(bad.status, TrialStatus::kIncorrect)
+            << format << " " << config << ": " << bad.reason;
         EXPECT_EQ(bad_expert.status, TrialStatus::kIncorrect)
             << format << " " << config << ": " << bad_expert.reason;
       }
@@ -440,8 +481,8 @@ TEST(Gpu, NumericFaultsAreIncorrect) {
 #ifdef INFERSWEEP_HAVE_CUDA
 // graphs=persistent's batch-1 decode steps against the chain of kernels of graphs=on, step by
 // step on the same tokens: the same cache contents (prefill is shared), then each decode step's
-// logits. Contexts past 1024 keys take more than one attention chunk; tiny-dense the dense-MLP path;
-// qwen3-30b-a3b's shapes (2 layers) the multi-unit rows (o: 4096 wide) and 128 experts.
+// logits. Contexts past 1024 keys take more than one attention chunk; tiny-dense the dense-MLP
+// path; qwen3-30b-a3b's shapes (2 layers) the multi-unit rows (o: 4096 wide) and 128 experts.
 TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
   REQUIRE_GPU();
   const std::string fast = "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=";
@@ -504,9 +545,10 @@ TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
     const int head_dim = (*host)->config.head_dim;
     EXPECT_GE(close, 8) << c.model << " head_dim " << head_dim;
     EXPECT_LE(worst, 0.3) << c.model << " head_dim " << head_dim;
-    std::printf("# %s (head_dim %d), contexts %d-%d: persistent vs kernel chain, %d of 10 steps "
-                "within 1e-2, worst max rel error %.3g\n",
-                c.model, head_dim, c.prompt + 1, c.prompt + 10, close, worst);
+    std::printf(
+        "# %s (head_dim %d), contexts %d-%d: persistent vs kernel chain, %d of 10 steps "
+        "within 1e-2, worst max rel error %.3g\n",
+        c.model, head_dim, c.prompt + 1, c.prompt + 10, close, worst);
   }
 }
 
@@ -602,11 +644,13 @@ TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
   EXPECT_THAT(persistent.reason, testing::HasSubstr("Gated DeltaNet linear attention"));
   for (const char* config :
        {"device=cuda,linear_attn=fused",
-        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn=fused",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
+        "fused",
         "device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on,linear_attn=reference"}) {
     const TrialResult ok = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
     EXPECT_EQ(ok.status, TrialStatus::kOk) << config << ": " << ok.reason;
-    const TrialResult bad = executor.Execute(GpuRequest("preset:tiny-hybrid", config, "bad-state:0"));
+    const TrialResult bad =
+        executor.Execute(GpuRequest("preset:tiny-hybrid", config, "bad-state:0"));
     EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << config << ": " << bad.reason;
     std::printf("# tiny-hybrid %s: bad-state:0 %s (top1 %.3f, max_rel %.2g)\n", config,
                 std::string(TrialStatusName(bad.status)).c_str(), bad.verdict.top1_agreement,
@@ -752,7 +796,8 @@ TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
   options.worker_argv = {WorkerBinary(), "worker"};
   TrialRunner runner(options);
   const char* config = "device=cuda,gemm=cublaslt,moe=fused,graphs=on";
-  EXPECT_EQ(runner.Run(GpuRequest("preset:tiny-moe", config, "segv")).status, TrialStatus::kCrashed);
+  EXPECT_EQ(runner.Run(GpuRequest("preset:tiny-moe", config, "segv")).status,
+            TrialStatus::kCrashed);
   TrialRequest hang = GpuRequest("preset:tiny-moe", config, "hang");
   hang.workload.timeout_s = 5;
   EXPECT_EQ(runner.Run(hang).status, TrialStatus::kTimeout);

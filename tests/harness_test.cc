@@ -10,9 +10,9 @@
 #include <utility>
 
 #include "absl/strings/str_join.h"
+#include "api/model_config.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
-#include "api/model_config.h"
 #include "engine/roofline.h"
 #include "engine/sampler.h"
 #include "engine/synthetic.h"
@@ -105,9 +105,9 @@ TEST(Preflight, GatesOnSmRange) {
               HasSubstr("gemm=hopper_only runs only up to sm_90"));
   EXPECT_THAT(Preflight(config, {true, 75, 1, "bf16"}, registry).reason,
               HasSubstr("device=cuda needs sm_80 or newer"));
-  EXPECT_THAT(Preflight({{"device", "cuda"}, {"gemm", "nope"}}, {true, 90, 1, "bf16"}, registry)
-                  .reason,
-              HasSubstr("not registered"));
+  EXPECT_THAT(
+      Preflight({{"device", "cuda"}, {"gemm", "nope"}}, {true, 90, 1, "bf16"}, registry).reason,
+      HasSubstr("not registered"));
 }
 
 // The real registry's sm_90a-only backends: OK on Hopper, UNSUPPORTED (not a crash) elsewhere.
@@ -134,8 +134,8 @@ TEST(Preflight, Sm90aBackendsAreExactlySm90) {
 // (qgemm=w8a16 / w4a16, or dequant_bf16's copies), a bf16 KV cache, gemm=fused, and no
 // host-syncing MoE runner (batch > 1 steps take graphs=on's captured chain).
 TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
-  const BackendConfig base = {{"device", "cuda"},  {"gemm", "fused"},  {"attention", "flash"},
-                              {"kv_cache", "bf16"}, {"moe", "fused"}, {"graphs", "persistent"}};
+  const BackendConfig base = {{"device", "cuda"},   {"gemm", "fused"}, {"attention", "flash"},
+                              {"kv_cache", "bf16"}, {"moe", "fused"},  {"graphs", "persistent"}};
   auto config = NormalizeBackendConfig(base);
   ASSERT_TRUE(config.ok()) << config.status();
   const PreflightResult hopper = Preflight(*config, {true, 90, 1, "bf16"});
@@ -248,7 +248,8 @@ TEST(Verdict, EvalTeacherForcesDecodeStepsAtTheBatchAndAtBatchOne) {
   const float* batched = out->logits.data();
   const float* alone = out->logits.data() + spec.prompts * len * vocab;
   double worst = 0;
-  for (size_t i = 0; i < len * vocab; ++i) worst = std::max(worst, std::fabs(double{batched[i]} - alone[i]));
+  for (size_t i = 0; i < len * vocab; ++i)
+    worst = std::max(worst, std::fabs(double{batched[i]} - alone[i]));
   EXPECT_LE(worst, 1e-4);
   // A decode step's logits differ from the prefill position before it (the test can see them).
   const size_t last_prefill = len - spec.decode_steps - 1;
@@ -273,6 +274,52 @@ TEST(Verdict, EvalTeacherForcesDecodeStepsAtTheBatchAndAtBatchOne) {
 // KL 0.018 on one pass (correct backends on tiny-moe's quantized weights measured up to 0.0187)
 // and a quarter of the wrong path's noise on every position stay OK; a pass with its argmaxes
 // flipped at small KL is INCORRECT by its top-1 agreement.
+// The bf16 yardstick's drift widens the ceilings only where it exceeds them, to twice its KL
+// and its top-1 less 0.15; a config as far from the reference as twice the yardstick's drift
+// passes under them, garbage does not; a yardstick within the class's ceilings widens nothing.
+TEST(Verdict, CeilingsWidenToTheBf16YardsticksDriftOnlyWhereItExceedsThem) {
+  EvalSpec spec;
+  auto eval = TinyMoeReferenceEval(spec);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  const EvalOutputs& ref = eval->outputs;
+  const int vocab = eval->vocab;
+  // Every logit plus eps times a fixed pattern in [-1, 1): KL ~ eps^2 / 6 a position.
+  auto perturbed = [&](double eps, uint64_t salt) {
+    EvalOutputs out = ref;
+    for (size_t i = 0; i < out.logits.size(); ++i)
+      out.logits[i] += static_cast<float>(eps * ((Mix64(i ^ salt) >> 11) * 0x1p-52 - 1.0));
+    return out;
+  };
+  const Thresholds bf16 = ThresholdsFor(PrecisionClass::kBf16);
+  VerdictMetrics drift, test;
+  JudgeOutputs(ref, perturbed(0.5, 1), vocab, PrecisionClass::kBf16, &drift);
+  ASSERT_GT(drift.kl_mean, bf16.max_kl_mean);  // a model more sensitive than the class assumes
+  const std::optional<Thresholds> wide = WidenedToYardstick(PrecisionClass::kBf16, drift);
+  ASSERT_TRUE(wide.has_value());
+  EXPECT_DOUBLE_EQ(wide->max_kl_mean, 2 * drift.kl_mean);
+  EXPECT_DOUBLE_EQ(wide->max_kl, std::max(bf16.max_kl, 2 * drift.kl_max));
+  EXPECT_DOUBLE_EQ(wide->min_top1,
+                   std::min(bf16.min_top1, std::max(0.0, drift.top1_agreement - 0.15)));
+  EXPECT_GT(wide->pass_max_kl_mean, bf16.pass_max_kl_mean);
+  // A config drifting like the yardstick (another pattern, the same size): INCORRECT by the
+  // class's ceilings, OK by the widened ones.
+  const EvalOutputs like = perturbed(0.5, 2);
+  EXPECT_EQ(JudgeOutputs(ref, like, vocab, PrecisionClass::kBf16, &test), TrialStatus::kIncorrect);
+  EXPECT_EQ(JudgeOutputs(ref, like, vocab, PrecisionClass::kBf16, &test, nullptr, &*wide),
+            TrialStatus::kOk)
+      << absl::StrJoin(test.failures, "; ");
+  // Garbage stays INCORRECT: three times the drift's size (nine times its KL).
+  EXPECT_EQ(
+      JudgeOutputs(ref, perturbed(1.5, 3), vocab, PrecisionClass::kBf16, &test, nullptr, &*wide),
+      TrialStatus::kIncorrect);
+  // A yardstick within the ceilings, or not finite, widens nothing.
+  JudgeOutputs(ref, perturbed(0.05, 4), vocab, PrecisionClass::kBf16, &drift);
+  ASSERT_LE(drift.kl_mean, bf16.max_kl_mean);
+  EXPECT_FALSE(WidenedToYardstick(PrecisionClass::kBf16, drift).has_value());
+  drift.kl_mean = INFINITY;
+  EXPECT_FALSE(WidenedToYardstick(PrecisionClass::kBf16, drift).has_value());
+}
+
 TEST(Verdict, EachForwardPassMeetsThePassThresholdsOnItsOwn) {
   EvalSpec spec;
   auto eval = TinyMoeReferenceEval(spec);
@@ -620,13 +667,13 @@ TEST(Roofline, PrefillFlops) {
   ASSERT_TRUE(small.ok()) << small.status();
   ASSERT_TRUE(small->IsMoeLayer(0));
   ASSERT_FALSE(small->IsMoeLayer(1));
-  const double attention = 128.0 * 128 * 2 + 128.0 * 64 * 2;                 // q, o; k, v
+  const double attention = 128.0 * 128 * 2 + 128.0 * 64 * 2;                    // q, o; k, v
   const double moe = 8.0 * 128 + 2 * 3.0 * 128 * 64 + (3.0 * 128 * 128 + 128);  // + shared
   const double dense = 3.0 * 128 * 256;
   const double prompt = 5;
-  const double want = 2 * (2 * attention + moe + dense) * prompt  // the linears
+  const double want = 2 * (2 * attention + moe + dense) * prompt        // the linears
                       + 4.0 * 4 * 32 * (prompt * (prompt + 1) / 2) * 2  // QK^T and PV, 2 layers
-                      + 2.0 * 512 * 128;                                  // lm_head, last token
+                      + 2.0 * 512 * 128;                                // lm_head, last token
   EXPECT_DOUBLE_EQ(PrefillFlops(*small, 1, 5), want);
   EXPECT_EQ(KnownBf16Tflops("NVIDIA H200"), 794.0);
   EXPECT_FALSE(KnownBf16Tflops("cpu").has_value());
@@ -940,10 +987,9 @@ TEST(TrialJson, RoundTrips) {
   EXPECT_EQ(old_back->batches[0].prefill_flops, 0);
   EXPECT_FALSE(old_back->batches[0].prefill_roofline_tok_s.has_value());
   EXPECT_FALSE(TrialResultFromJson(nlohmann::json{{"status", "MAYBE"}}).ok());
-  EXPECT_THAT(TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}})
-                  .status()
-                  .message(),
-              HasSubstr("result.sm"));
+  EXPECT_THAT(
+      TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}}).status().message(),
+      HasSubstr("result.sm"));
 }
 
 }  // namespace
@@ -959,7 +1005,8 @@ TEST(RunCommand, CpuMatrixEndToEnd) {
                               " run --model preset:tiny-moe --layers 1"
                               " --config 'matmul=naive|blocked,threads=1|2'"
                               " --workload prompt=8,output=4,batch=1:2,repeats=2,warmup=0"
-                              " --json " + json_path + " 2>&1";
+                              " --json " +
+                              json_path + " 2>&1";
   int exit_code = -1;
   const std::string table = RunCommand(command, &exit_code);
   ASSERT_EQ(exit_code, 0) << table;

@@ -234,6 +234,46 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
   }
 }
 
+// The judge of non-fp32 configs (their tokens may leave the lone run's at a near-tie): a sample of
+// served requests replayed teacher-forced through ragged steps, its logits against the
+// reference's. Correct serving is within every class's KL ceilings (here the model is the
+// reference's twin: KL 0, every argmax agrees); a swapped KV slot feeds requests another
+// sequence's past, and their distributions move past the bf16 ceiling.
+TEST(Serving, NonFp32ClassesAreJudgedByKlToTheReferenceOnServedRequests) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto reference = CreateModel(*host, kCpu);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const ServeSpec spec = Spec("concurrency=4,isl=12-24,osl=12,requests=6,warmup=1");
+  auto served = CreateModel(*host, kCpu);
+  ASSERT_TRUE(served.ok()) << served.status();
+  auto clean = RunLoadPoint(**served, spec, {false, 4, 0}, {});
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  ReferenceLogits cache;
+  for (PrecisionClass precision :
+       {PrecisionClass::kBf16, PrecisionClass::kFp8, PrecisionClass::kFp4}) {
+    ASSERT_TRUE(
+        CheckServedAgainstReference(**served, **reference, precision, 4, &*clean, &cache).ok());
+    EXPECT_EQ(clean->verdict, TrialStatus::kOk) << clean->mismatch;
+    EXPECT_EQ(clean->requests_checked, 4);  // the sample, warm-up left out
+    EXPECT_EQ(clean->requests_matching, 4);
+    ASSERT_TRUE(clean->reference_kl_mean.has_value());
+    EXPECT_LT(*clean->reference_kl_mean, 1e-9);
+    EXPECT_EQ(*clean->reference_top1, 1.0);
+  }
+  EXPECT_EQ(cache.size(), 4u);  // the reference ran each sampled request once
+  auto swapped = CreateModel(*host, kCpu, *ParseFaultInjection("kv-slot-swap:0"));
+  ASSERT_TRUE(swapped.ok()) << swapped.status();
+  auto bad = RunLoadPoint(**swapped, spec, {false, 4, 0}, {});
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  ASSERT_TRUE(
+      CheckServedAgainstReference(**swapped, **reference, PrecisionClass::kBf16, 4, &*bad).ok());
+  EXPECT_EQ(bad->verdict, TrialStatus::kIncorrect);
+  EXPECT_LT(bad->requests_matching, bad->requests_checked);
+  EXPECT_GT(*bad->reference_kl_mean, 0.01);
+  EXPECT_THAT(bad->mismatch, HasSubstr("KL to the reference"));
+}
+
 // Only the CPU reference commits kv-slot-swap: elsewhere the request is refused, not run clean.
 TEST(Serving, KvSlotSwapElsewhereThanTheCpuIsRefused) {
   auto host = LoadPreset("tiny-moe");

@@ -76,7 +76,7 @@ void AttentionRunner::FreeScratch() {
 }
 
 absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
-                                  const int* d_position) {
+                                  const int* d_position, const RaggedRows* ragged) {
   const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
   const float eps = config_.rms_norm_eps;
   const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
@@ -115,22 +115,31 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
                             options_.kv_cache == KvCache::kBf16, capacity_};
   const MatrixRef q_norm = config_.qk_norm ? lw.q_norm : MatrixRef{};
   const MatrixRef k_norm = config_.qk_norm ? lw.k_norm : MatrixRef{};
+  const int2* row_map = ragged ? ragged->rows : nullptr;
+  const int rope_n = ragged ? 1 : n;
   if (config_.rotary_dim() != config_.head_dim)
-    cuda::QkNormPartialRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                                  config_.head_dim, config_.rotary_dim(), q_norm, k_norm, eps,
-                                  rope_, d_position, cache, stream_);
+    cuda::QkNormPartialRopeAppend(projected, q_, rows, rope_n, config_.num_q_heads,
+                                  config_.num_kv_heads, config_.head_dim, config_.rotary_dim(),
+                                  q_norm, k_norm, eps, rope_, d_position, cache, stream_, row_map);
   else
-    cuda::QkNormRopeAppend(projected, q_, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                           config_.head_dim, q_norm, k_norm, eps, rope_, d_position, cache,
-                           stream_);
-  if (options_.attention == Attention::kFlash) {
-    cuda::AttentionFlash(
-        q_, cache, rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim, d_position,
-        cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_, attn_, stream_);
+    cuda::QkNormRopeAppend(projected, q_, rows, rope_n, config_.num_q_heads, config_.num_kv_heads,
+                           config_.head_dim, q_norm, k_norm, eps, rope_, d_position, cache, stream_,
+                           row_map);
+  if (!ragged) {
+    Attend(cache, 0, rows, n, d_position, nullptr);
   } else {
-    cuda::AttentionNaive(q_, static_cast<const float*>(cache.k), static_cast<const float*>(cache.v),
-                         rows, n, config_.num_q_heads, config_.num_kv_heads, config_.head_dim,
-                         d_position, capacity_, scores_, attn_, stream_);
+    if (ragged->decode_rows > 0) Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map);
+    // A prefill chunk is a lockstep chunk of one sequence: its slot's cache, its first row's
+    // position (the pair's .y) as the chunk's position.
+    const size_t slot_bytes =
+        static_cast<size_t>(capacity_) * kv_dim * kv_cache_bytes_per_element();
+    for (const RaggedRows::Chunk& c : ragged->chunks) {
+      const cuda::KvCache slot_cache{static_cast<char*>(cache.k) + c.slot * slot_bytes,
+                                     static_cast<char*>(cache.v) + c.slot * slot_bytes, cache.bf16,
+                                     capacity_};
+      Attend(slot_cache, c.first_row, c.tokens, c.tokens,
+             reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr);
+    }
   }
   if (gated) cuda::SigmoidGate(attn_, gate_, static_cast<int64_t>(rows) * q_dim, stream_);
   CHECK_LAUNCH();
@@ -149,6 +158,22 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
   }
   CHECK_LAUNCH();
   return absl::OkStatus();
+}
+
+void AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows, int n,
+                             const int* d_position, const int2* ragged) {
+  const size_t offset = static_cast<size_t>(first_row) * config_.q_dim();
+  if (options_.attention == Attention::kFlash) {
+    cuda::AttentionFlash(q_ + offset, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                         config_.head_dim, d_position,
+                         cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
+                         attn_ + offset, stream_, ragged);
+  } else {
+    cuda::AttentionNaive(q_ + offset, static_cast<const float*>(cache.k),
+                         static_cast<const float*>(cache.v), rows, n, config_.num_q_heads,
+                         config_.num_kv_heads, config_.head_dim, d_position, capacity_, scores_,
+                         attn_ + offset, stream_, ragged);
+  }
 }
 
 }  // namespace infersweep

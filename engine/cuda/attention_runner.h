@@ -10,8 +10,20 @@
 #include "absl/status/status.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
+#include "kernels/cuda/ops.h"
 
 namespace infersweep {
+
+// A ragged step's rows (serving: continuous batching). Rows [0, decode_rows) are one token of a
+// sequence each, at their own positions; each prefill chunk's rows follow, contiguous.
+struct RaggedRows {
+  const int2* rows = nullptr;  // device [rows]: each row's (KV slot, position)
+  int decode_rows = 0;
+  struct Chunk {
+    int first_row = 0, tokens = 0, slot = 0;
+  };
+  std::vector<Chunk> chunks;  // the prefill chunks (2+ tokens)
+};
 
 class AttentionRunner {
  public:
@@ -28,8 +40,11 @@ class AttentionRunner {
 
   // Layer l's attention over `rows` rows (`n` tokens a sequence) of the residual stream x, its
   // output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
-  // `d_position`: the sequences' position on the device.
-  absl::Status Run(int l, int rows, int n, bool gemv, float* x, const int* d_position);
+  // `d_position`: the sequences' position on the device. With `ragged` (serving), the rows sit
+  // where it says instead: the decode rows go to the attention kernels together, each prefill
+  // chunk on its own as a lockstep chunk of its slot.
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, const int* d_position,
+                   const RaggedRows* ragged = nullptr);
 
   // Bytes per element of the KV cache: 4 for fp32, 2 for bf16.
   int kv_cache_bytes_per_element() const { return options_.kv_cache == KvCache::kBf16 ? 2 : 4; }
@@ -40,6 +55,10 @@ class AttentionRunner {
   float* attn() const { return attn_; }
 
  private:
+  // The attention kernel over rows [first_row, first_row + rows) of q_ into attn_.
+  void Attend(const cuda::KvCache& cache, int first_row, int rows, int n, const int* d_position,
+              const int2* ragged);
+
   const ModelConfig& config_;
   const ModelWeights& w_;
   const CudaOptions& options_;

@@ -58,7 +58,7 @@ class CudaModel final : public Model {
   }
 
   ~CudaModel() override {
-    for (auto& [batch, exec] : graphs_) cudaGraphExecDestroy(exec);
+    DestroyGraphs();
     FreeScratch();
     cudaEventDestroy(step_start_);
     cudaEventDestroy(step_end_);
@@ -84,18 +84,54 @@ class CudaModel final : public Model {
     if (batch <= 0 || max_tokens <= 0)
       return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
     if (batch != batch_ || max_tokens != capacity_) {
-      for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);
-      graphs_.clear();
-      graph_launches_.clear();
+      DestroyGraphs();
       if (auto s = attention_.AllocateCache(batch, max_tokens); !s.ok()) return s;
       if (auto s = linear_attention_.AllocateState(batch); !s.ok()) return s;
     }
     linear_attention_.ResetState();
     if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
+    serving_ = false;
     batch_ = batch;
     capacity_ = max_tokens;
     position_ = 0;
     return absl::OkStatus();
+  }
+
+  // Serving: the KV cache holds `slots` sequences and one spare, where the padding rows of a
+  // graph bucket write.
+  absl::Status StartServing(int slots, int max_tokens) override {
+    if (slots <= 0 || max_tokens <= 0)
+      return absl::InvalidArgumentError("StartServing: slots and max_tokens must be positive");
+    for (int l = 0; l < config_.num_layers; ++l)
+      if (config_.AttentionKind(l) == LayerAttention::kLinear)
+        return absl::UnimplementedError(
+            "device=cuda: ragged steps of hybrid models are not built (the Gated DeltaNet "
+            "layers' conv and recurrent states are kept per lockstep sequence, not per KV slot)");
+    DestroyGraphs();
+    if (auto s = attention_.AllocateCache(slots + 1, max_tokens); !s.ok()) return s;
+    if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
+    slots_.Reset(slots, max_tokens);
+    serving_ = true;
+    batch_ = 0;  // no lockstep batch: Forward refuses until the next StartBatch
+    capacity_ = max_tokens;
+    position_ = 0;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int> AdmitSequence() override {
+    if (!serving_) return absl::FailedPreconditionError("AdmitSequence before StartServing");
+    return slots_.Acquire();  // the KV cache is read only up to the sequence's length
+  }
+  absl::Status RetireSequence(int slot) override {
+    if (!serving_) return absl::FailedPreconditionError("RetireSequence before StartServing");
+    return slots_.Release(slot);
+  }
+  absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
+                          std::vector<float>* last_logits) override {
+    return Ragged(chunks, last_logits, nullptr);
+  }
+  absl::Status RaggedStepGreedy(std::span<const RaggedChunk> chunks,
+                                std::vector<int32_t>* next) override {
+    return Ragged(chunks, nullptr, next);
   }
 
   // graphs=persistent: the kernel's tables, built once at model creation.
@@ -132,7 +168,23 @@ class CudaModel final : public Model {
     for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
 
     const bool use_graph = CapturesDecode(options_.graphs) && n == 1 && mode == LogitsMode::kLast;
-    const int graph_key = 2 * batch_ + (greedy ? 1 : 0);
+    if (auto s = RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0),
+                         [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); });
+        !s.ok())
+      return s;
+    if (persistent_.timeline() && n == 1 && batch_ == 1) persistent_.ReportTimeline();  // TEST ONLY
+    if (greedy)
+      next->assign(h_next_, h_next_ + out_rows);
+    else
+      logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
+    position_ += n;
+    return absl::OkStatus();
+  }
+
+  // Runs a step's kernels, `enqueue`, eagerly or (use_graph) as the CUDA graph kept under
+  // `graph_key`, captured on first use; waits for it and keeps its device time.
+  template <typename Enqueue>
+  absl::Status RunStep(bool use_graph, int graph_key, const Enqueue& enqueue) {
     // The fast GEMV configs chain their kernels with programmatic dependent launch.
     cuda::SetProgrammaticLaunch(UsesFusedGemv(options_.gemm));
     struct ResetLaunchMode {
@@ -149,7 +201,7 @@ class CudaModel final : public Model {
         captured.Clear();
         ScopedLaunchRecording record_capture(&captured);
         CUDA_OR_DIE(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-        if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) {
+        if (auto s = enqueue(); !s.ok()) {
           cudaStreamEndCapture(stream_, &graph);
           return s;
         }
@@ -166,30 +218,96 @@ class CudaModel final : public Model {
       RecordGraphReplay(graph_launches_[graph_key]);
     } else {
       CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
-      if (auto s = EnqueueStep(rows, n, mode, greedy); !s.ok()) return s;
+      if (auto s = enqueue(); !s.ok()) return s;
     }
     CUDA_OR_DIE(cudaEventRecord(step_end_, stream_));
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
     float step_ms = 0;
     CUDA_OR_DIE(cudaEventElapsedTime(&step_ms, step_start_, step_end_));
     last_step_ms_ = step_ms;
-    if (persistent_.timeline() && n == 1 && batch_ == 1) persistent_.ReportTimeline();  // TEST ONLY
-    if (greedy)
-      next->assign(h_next_, h_next_ + out_rows);
-    else
-      logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
-    position_ += n;
+    return absl::OkStatus();
+  }
+
+  // A ragged step: the logits of each chunk's last token to *logits ([chunks, vocab]), or (next
+  // non-null) its greedy token to *next. The rows go decode rows first, then the prefill chunks;
+  // a step of decode rows only replays the graph of its bucket (the next power of two of rows),
+  // the rows past the decodes padding rows of the spare slot.
+  absl::Status Ragged(std::span<const RaggedChunk> chunks, std::vector<float>* logits,
+                      std::vector<int32_t>* next) {
+    if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
+    if (auto s = ValidateRaggedChunks(config_, slots_, chunks); !s.ok()) return s;
+    MaybeCommitProcessFault(fault_);
+    std::vector<int> order;  // step order -> chunk index
+    for (size_t i = 0; i < chunks.size(); ++i)
+      if (chunks[i].tokens.size() == 1) order.push_back(static_cast<int>(i));
+    const int decodes = static_cast<int>(order.size());
+    int longest = 1, tokens = decodes;
+    for (size_t i = 0; i < chunks.size(); ++i)
+      if (chunks[i].tokens.size() > 1) {
+        order.push_back(static_cast<int>(i));
+        longest = std::max(longest, static_cast<int>(chunks[i].tokens.size()));
+        tokens += static_cast<int>(chunks[i].tokens.size());
+      }
+    const bool use_graph = CapturesDecode(options_.graphs) && longest == 1;
+    int rows = tokens, sequences = static_cast<int>(chunks.size());
+    if (use_graph) {
+      rows = 1;
+      while (rows < decodes) rows *= 2;
+      sequences = rows;
+    }
+    if (auto s = EnsureScratch(rows, sequences); !s.ok()) return s;
+    RaggedRows plan;
+    plan.rows = d_ragged_;
+    plan.decode_rows = use_graph ? rows : decodes;
+    int row = 0;
+    for (int k = 0; k < static_cast<int>(order.size()); ++k) {
+      const RaggedChunk& c = chunks[order[k]];
+      const int length = slots_.length(c.slot);
+      const int count = static_cast<int>(c.tokens.size());
+      if (count > 1) plan.chunks.push_back({row, count, c.slot});
+      for (int t = 0; t < count; ++t, ++row) {
+        h_tokens_[row] = c.tokens[t];
+        h_ragged_[row] = make_int2(c.slot, length + t);
+      }
+      h_last_rows_[k] = row - 1;
+    }
+    for (; row < rows; ++row) {  // padding rows: token 0 at position 0 of the spare slot
+      h_tokens_[row] = 0;
+      h_ragged_[row] = make_int2(slots_.slots(), 0);
+      h_last_rows_[row] = row;
+    }
+    const bool greedy = next != nullptr;
+    if (auto s = RunStep(use_graph, -(2 * rows + (greedy ? 1 : 0)) - 1,
+                         [&] {
+                           return EnqueueStep(rows, longest, sequences, LogitsMode::kLast, greedy,
+                                              &plan);
+                         });
+        !s.ok())
+      return s;
+    const size_t vocab = config_.vocab_size;
+    if (greedy) {
+      next->resize(chunks.size());
+      for (size_t k = 0; k < chunks.size(); ++k) (*next)[order[k]] = h_next_[k];
+    } else {
+      logits->resize(chunks.size() * vocab);
+      for (size_t k = 0; k < chunks.size(); ++k)
+        std::copy_n(h_logits_ + k * vocab, vocab, logits->data() + order[k] * vocab);
+    }
+    for (const RaggedChunk& c : chunks) slots_.Advance(c.slot, static_cast<int>(c.tokens.size()));
     return absl::OkStatus();
   }
 
   // One forward pass: embeddings, every layer, final norm, lm_head, then the logits to pinned
   // memory or (greedy) each sequence's greedy token.
-  absl::Status EnqueueStep(int rows, int n, LogitsMode mode, bool greedy) {
+  // `sequences`: the rows of logits (kLast), each the last row of its sequence; `ragged`: the
+  // rows' slots and positions of a ragged step (null: a lockstep batch, n rows a sequence).
+  absl::Status EnqueueStep(int rows, int n, int sequences, LogitsMode mode, bool greedy,
+                           const RaggedRows* ragged) {
     const int hidden = config_.hidden_size, q_dim = config_.q_dim();
     const float eps = config_.rms_norm_eps;
     // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
     // for prefill chunks and larger batches) a chain of kernels per layer.
-    const bool persistent = persistent_.ready() && rows == 1 && n == 1;
+    const bool persistent = persistent_.ready() && rows == 1 && n == 1 && !ragged;
     // The token ids and position, read from pinned host memory by the step's first kernel, which
     // also gathers the embedding rows and zeroes the persistent kernel's barrier counters: one
     // launch in place of two copies, an embedding kernel and a memset, measurably shorter steps
@@ -198,6 +316,10 @@ class CudaModel final : public Model {
     if (persistent) {
       in.zero = persistent_.barrier();
       in.zero_count = persistent_.counters();
+    }
+    if (ragged) {
+      in.host_ragged = h_ragged_;
+      in.ragged = d_ragged_;
     }
     cuda::StepInputs(in, stream_);
     CHECK_LAUNCH();
@@ -213,8 +335,9 @@ class CudaModel final : public Model {
             "gemm=", linear_.GemmValue(), ": ", n > 1 ? "prefill chunk, " : "decode, ",
             LinearRunner::GemvRefusal(rows, std::max({hidden, q_dim, linear_.MaxIntermediate()})),
             ": the layers' linears unfused (cuBLASLt for bf16 weights), not the fused GEMV"));
-      if (persistent_.ready() && n == 1 && rows > 1)
-        RecordFallback(absl::StrCat("graphs=persistent: decode of ", rows,
+      if (persistent_.ready() && n == 1 && (rows > 1 || ragged))
+        RecordFallback(absl::StrCat("graphs=persistent: ", ragged ? "ragged " : "", "decode of ",
+                                    rows,
                                     " rows: the graphs=on kernel chain (the persistent kernel "
                                     "takes batch 1)"));
     }
@@ -225,7 +348,7 @@ class CudaModel final : public Model {
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
       if (config_.AttentionKind(l) == LayerAttention::kLinear) {
         if (auto s = linear_attention_.Run(l, rows, n, gemv, x_); !s.ok()) return s;
-      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, d_position_); !s.ok()) {
+      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, d_position_, ragged); !s.ok()) {
         return s;
       }
       // The MLP or MoE block adds its output into x_ (the residual stream).
@@ -238,12 +361,12 @@ class CudaModel final : public Model {
         cuda::SetNan(x_, stream_);
       CHECK_LAUNCH();
     }
-    const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
+    const int out_rows = mode == LogitsMode::kAll ? rows : sequences;
     const float* final_in = x_;
-    if (mode == LogitsMode::kLast && n > 1) {  // (one token a sequence: x's rows are the last)
-      CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_, h_last_rows_, batch_ * sizeof(int),
+    if (mode == LogitsMode::kLast && rows != sequences) {  // (else x's rows are the last ones)
+      CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_, h_last_rows_, sequences * sizeof(int),
                                   cudaMemcpyHostToDevice, stream_));
-      cuda::GatherRows(x_, d_last_rows_, batch_, hidden, linear_.o(), stream_);
+      cuda::GatherRows(x_, d_last_rows_, sequences, hidden, linear_.o(), stream_);
       final_in = linear_.o();
     }
     // gemm=fused|tma: the final norm and the lm_head in one GEMV launch (a vocabulary-sized
@@ -288,9 +411,7 @@ class CudaModel final : public Model {
       return absl::OkStatus();
     rows = std::max(rows, scratch_rows_);
     out_rows = std::max(out_rows, logit_rows_);
-    for (auto& [b, exec] : graphs_) cudaGraphExecDestroy(exec);  // they point at old buffers
-    graphs_.clear();
-    graph_launches_.clear();
+    DestroyGraphs();  // they point at old buffers
     FreeScratch();
     const size_t r = rows;
     auto x = DeviceAlloc<float>(r * config_.hidden_size);
@@ -306,11 +427,14 @@ class CudaModel final : public Model {
     auto tokens = DeviceAlloc<int32_t>(r);
     auto last = DeviceAlloc<int>(r);
     auto pos = DeviceAlloc<int>(1);
-    for (const auto* s : {&tokens.status(), &last.status(), &pos.status()})
+    auto ragged = DeviceAlloc<int2>(r);
+    for (const auto* s : {&tokens.status(), &last.status(), &pos.status(), &ragged.status()})
       if (!s->ok()) return *s;
     d_tokens_ = *tokens;
     d_last_rows_ = *last;
     d_position_ = *pos;
+    d_ragged_ = *ragged;
+    CUDA_OR_DIE(cudaMallocHost(&h_ragged_, r * sizeof(int2)));
     CUDA_OR_DIE(cudaMallocHost(&h_tokens_, r * sizeof(int32_t)));
     CUDA_OR_DIE(cudaMallocHost(&h_last_rows_, r * sizeof(int)));
     CUDA_OR_DIE(cudaMallocHost(&h_position_, sizeof(int)));
@@ -319,7 +443,7 @@ class CudaModel final : public Model {
     CUDA_OR_DIE(cudaMallocHost(&h_next_, static_cast<size_t>(out_rows) * sizeof(int32_t)));
     // The kernels read and write these host buffers through their device mappings.
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_position_),
-                    static_cast<void*>(h_next_)}) {
+                    static_cast<void*>(h_next_), static_cast<void*>(h_ragged_)}) {
       void* mapped = nullptr;
       CUDA_OR_DIE(cudaHostGetDevicePointer(&mapped, p, 0));
       if (mapped != p)
@@ -341,6 +465,12 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  void DestroyGraphs() {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+    graph_launches_.clear();
+  }
+
   void FreeScratch() {
     linear_.FreeScratch();
     attention_.FreeScratch();
@@ -350,14 +480,16 @@ class CudaModel final : public Model {
       if (p) cudaFree(p);
     for (int* p : {d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
-    for (void* p :
-         {static_cast<void*>(greedy_scratch_.keys), static_cast<void*>(greedy_scratch_.tickets)})
+    for (void* p : {static_cast<void*>(greedy_scratch_.keys),
+                    static_cast<void*>(greedy_scratch_.tickets), static_cast<void*>(d_ragged_)})
       if (p) cudaFree(p);
     greedy_scratch_ = {};
     for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
                     static_cast<void*>(h_position_), static_cast<void*>(h_logits_),
-                    static_cast<void*>(h_next_)})
+                    static_cast<void*>(h_next_), static_cast<void*>(h_ragged_)})
       if (p) cudaFreeHost(p);
+    d_ragged_ = nullptr;
+    h_ragged_ = nullptr;
     x_ = logits_ = nullptr;
     d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     h_tokens_ = nullptr;
@@ -391,7 +523,13 @@ class CudaModel final : public Model {
   float* h_logits_ = nullptr;
   int32_t* h_next_ = nullptr;  // ForwardGreedy's tokens, written by cuda::GreedyTokens
   cuda::GreedyScratch greedy_scratch_{};
-  std::map<int, cudaGraphExec_t> graphs_;         // by 2 * batch + (greedy step)
+  int2* d_ragged_ = nullptr;  // ragged steps: each row's (KV slot, position)
+  int2* h_ragged_ = nullptr;  // its pinned staging copy, read by the step's first kernel
+  bool serving_ = false;
+  KvSlotAllocator slots_;  // serving: the sequences' slots and lengths
+  // Lockstep decode graphs by 2 * batch + (greedy step); ragged decode buckets by
+  // -(2 * rows + (greedy step)) - 1.
+  std::map<int, cudaGraphExec_t> graphs_;
   std::map<int, LaunchRecorder> graph_launches_;  // what each graph's capture launched
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;

@@ -56,7 +56,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
-    cuda::GemmReference(x, rows, w, bias, y, stream_);
+    cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
   } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
     // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
     if (LaunchRecording())
@@ -86,7 +86,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
       RecordFallback(absl::StrCat("gemm=", GemmValue(), ": ", std::string(DTypeName(w.dtype)),
                                   " weight [", w.rows, ", ", w.cols,
                                   "]: the reference GEMM (cuBLASLt takes bf16 weights)"));
-    cuda::GemmReference(x, rows, w, bias, y, stream_);
+    cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
   }
   CHECK_LAUNCH();
   return absl::OkStatus();

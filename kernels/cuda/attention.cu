@@ -24,9 +24,10 @@ __device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __floa
 // over the head (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with
 // their v head: a warp, not a block, per head vector, so the sums need no block barriers
 // (prefill 2048 has 73,728 head vectors a layer).
-// At batch 1 the kernel is pure latency, so everything not produced by the previous kernel (the position, copied at the step's start;
-// the norm gains; the RoPE table) is read before the wait, and after it one round of loads brings
-// the head's q or k and v into registers: one dependent L2 round trip, not four.
+// At batch 1 the kernel is pure latency, so everything not produced by the previous kernel (the
+// position, copied at the step's start; the norm gains; the RoPE table) is read before the wait,
+// and after it one round of loads brings the head's q or k and v into registers: one dependent L2
+// round trip, not four.
 constexpr int kRopeWarps = 4;
 constexpr int kRopePerLane = 4;  // pairs (i, i + half) a lane holds: head_dim <= 256
 template <typename CacheT>
@@ -34,12 +35,13 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
     QkNormRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
                            int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
                            int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
-                           float eps, const float2* rope, const int* position, int capacity,
-                           CacheT* k_cache, CacheT* v_cache) {
+                           float eps, const float2* rope, const int* position, const int2* ragged,
+                           int capacity, CacheT* k_cache, CacheT* v_cache) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + threadIdx.x / 32;
   const bool active = head < q_heads + kv_heads;
-  const int batch = row / n, pos = *position + row % n;
+  const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
+  const int batch = sequence_position.x, pos = sequence_position.y;
   const int half = head_dim / 2;
   const bool is_q = head < q_heads;
   const void* gain = is_q ? q_norm : k_norm;
@@ -77,7 +79,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
     sum_sq += x1[j] * x1[j] + x2[j] * x2[j];
   }
   constexpr int kHeld = 32 * kRopePerLane;  // pairs past it (head_dim > 256) are read late
-  for (int i = kHeld + lane; i < half; i += 32) sum_sq += vec[i] * vec[i] + vec[i + half] * vec[i + half];
+  for (int i = kHeld + lane; i < half; i += 32)
+    sum_sq += vec[i] * vec[i] + vec[i + half] * vec[i + half];
   const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
   // In place when q_out is q: each lane rewrites only the elements it read.
   float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
@@ -118,13 +121,14 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
                                   int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
                                   int head_dim, int rotary_dim, const void* q_norm,
                                   const void* k_norm, DType norm_dtype, float eps,
-                                  const float2* rope, const int* position, int capacity,
-                                  CacheT* k_cache, CacheT* v_cache) {
+                                  const float2* rope, const int* position, const int2* ragged,
+                                  int capacity, CacheT* k_cache, CacheT* v_cache) {
   extern __shared__ float staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + warp;
   if (head >= q_heads + kv_heads) return;  // a whole warp; the kernel has no block barriers
-  const int batch = row / n, pos = *position + row % n;
+  const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
+  const int batch = sequence_position.x, pos = sequence_position.y;
   const bool is_q = head < q_heads;
   const void* gain = is_q ? q_norm : k_norm;
   const int kv_head = head - q_heads;
@@ -163,24 +167,29 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
 // grid (rows, q_heads), 128 threads. Scores are written to global memory (materialised).
 __global__ void AttentionNaiveKernel(const float* q, const float* k_cache, const float* v_cache,
                                      int n, int q_heads, int kv_heads, int head_dim,
-                                     const int* position, int capacity, float* scores, float* out) {
+                                     const int* position, const int2* ragged, int capacity,
+                                     float* scores, float* out) {
   extern __shared__ float q_shared[];
   __shared__ float scratch[32];
   const int row = blockIdx.x, head = blockIdx.y;
-  const int batch = row / n, pos = *position + row % n;
+  const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
+  const int batch = sequence_position.x, pos = sequence_position.y;
   const int kv_head = head / (q_heads / kv_heads);
   const int kv_dim = kv_heads * head_dim;
   const float scale = rsqrtf(static_cast<float>(head_dim));
   const float* qh = q + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_shared[d] = qh[d];
   __syncthreads();
-  const float* keys = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
-  const float* values = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const float* keys =
+      k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const float* values =
+      v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
   float* s = scores + (static_cast<int64_t>(row) * q_heads + head) * capacity;
   float local_max = -INFINITY;
   for (int j = threadIdx.x; j <= pos; j += blockDim.x) {
     float dot = 0.f;
-    for (int d = 0; d < head_dim; ++d) dot += q_shared[d] * keys[static_cast<int64_t>(j) * kv_dim + d];
+    for (int d = 0; d < head_dim; ++d)
+      dot += q_shared[d] * keys[static_cast<int64_t>(j) * kv_dim + d];
     s[j] = dot * scale;
     local_max = fmaxf(local_max, s[j]);
   }
@@ -211,44 +220,46 @@ void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cud
 void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
                       int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
                       const float2* rope, const int* position, const KvCache& cache,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const int2* ragged) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   if (cache.bf16)
     Launch(QkNormRopeAppendKernel<__nv_bfloat16>, grid, block, 0, stream, in.q, in.q_stride, in.k,
            in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
-           q_norm.dtype, eps, rope, position, cache.capacity,
+           q_norm.dtype, eps, rope, position, ragged, cache.capacity,
            static_cast<__nv_bfloat16*>(cache.k), static_cast<__nv_bfloat16*>(cache.v));
   else
     Launch(QkNormRopeAppendKernel<float>, grid, block, 0, stream, in.q, in.q_stride, in.k, in.v,
            in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
-           q_norm.dtype, eps, rope, position, cache.capacity, static_cast<float*>(cache.k),
+           q_norm.dtype, eps, rope, position, ragged, cache.capacity, static_cast<float*>(cache.k),
            static_cast<float*>(cache.v));
 }
 
 void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, int rotary_dim, const MatrixRef& q_norm,
                              const MatrixRef& k_norm, float eps, const float2* rope,
-                             const int* position, const KvCache& cache, cudaStream_t stream) {
+                             const int* position, const KvCache& cache, cudaStream_t stream,
+                             const int2* ragged) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   const size_t smem = sizeof(float) * kRopeWarps * head_dim;
   if (cache.bf16)
     LaunchPlain(QkNormPartialRopeAppendKernel<__nv_bfloat16>, grid, block, smem, stream, in.q,
                 in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
-                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
+                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, ragged,
                 cache.capacity, static_cast<__nv_bfloat16*>(cache.k),
                 static_cast<__nv_bfloat16*>(cache.v));
   else
-    LaunchPlain(QkNormPartialRopeAppendKernel<float>, grid, block, smem, stream, in.q,
-                in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
-                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
-                cache.capacity, static_cast<float*>(cache.k), static_cast<float*>(cache.v));
+    LaunchPlain(QkNormPartialRopeAppendKernel<float>, grid, block, smem, stream, in.q, in.q_stride,
+                in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, rotary_dim,
+                q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, ragged, cache.capacity,
+                static_cast<float*>(cache.k), static_cast<float*>(cache.v));
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
-                    float* scores, float* out, cudaStream_t stream) {
+                    float* scores, float* out, cudaStream_t stream, const int2* ragged) {
   LaunchPlain(AttentionNaiveKernel, dim3(rows, q_heads), 128, head_dim * sizeof(float), stream, q,
-              k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, capacity, scores, out);
+              k_cache, v_cache, n, q_heads, kv_heads, head_dim, position, ragged, capacity, scores,
+              out);
 }
 
 }  // namespace infersweep::cuda

@@ -30,8 +30,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <int D, typename CacheT>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     FlashDecodeKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
-                      int q_heads, int kv_heads, const int* position, int capacity, int splits,
-                      float* partial_acc, float* partial_max, float* partial_sum) {
+                      int q_heads, int kv_heads, const int* position, const int2* ragged,
+                      int capacity, int splits, float* partial_acc, float* partial_max,
+                      float* partial_sum) {
   constexpr int kStride = D + 8;  // bf16 per staged row: 16-byte aligned, conflict-free fragments
   constexpr int kStage = 2 * kDecodeKeys * kStride;  // K then V
   // Two stages; after the loop, the warps' scaled accumulators [warp][16][D] fp32 (it fits:
@@ -41,7 +42,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = q_heads / kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int batch = row / n, first_new = *position, keys = first_new + row % n + 1;
+  // A lockstep chunk's first new key is its first row's; a ragged row's is its own.
+  const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
+  const int batch = sequence_position.x, keys = sequence_position.y + 1;
+  const int first_new = ragged ? sequence_position.y : *position;
   const int per_split = (keys + splits - 1) / splits;
   const int begin = split * per_split, end = min(keys, begin + per_split);
   const int kv_dim = kv_heads * D;
@@ -169,14 +173,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
 template <typename CacheT>
 void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, int q_heads,
-                       int kv_heads, int head_dim, const int* position, int splits,
-                       float* partial_acc, float* partial_max, float* partial_sum,
+                       int kv_heads, int head_dim, const int* position, const int2* ragged,
+                       int splits, float* partial_acc, float* partial_max, float* partial_sum,
                        cudaStream_t stream) {
   const dim3 grid(rows, kv_heads, splits), block(kDecodeWarps * 32);
   LaunchForHeadDim<kDecodeKeys>(
       [](auto d) { return FlashDecodeKernel<decltype(d)::value, CacheT>; }, head_dim, grid, block,
       stream, q, static_cast<const CacheT*>(cache.k), static_cast<const CacheT*>(cache.v), n,
-      q_heads, kv_heads, position, cache.capacity, splits, partial_acc, partial_max, partial_sum);
+      q_heads, kv_heads, position, ragged, cache.capacity, splits, partial_acc, partial_max,
+      partial_sum);
 }
 
 }  // namespace
@@ -188,13 +193,13 @@ bool FlashDecodeMmaSupports(int head_dim) {
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, const int* position, int splits,
                              float* partial_acc, float* partial_max, float* partial_sum,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const int2* ragged) {
   if (cache.bf16)
     LaunchFlashDecode<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
-                                     splits, partial_acc, partial_max, partial_sum, stream);
+                                     ragged, splits, partial_acc, partial_max, partial_sum, stream);
   else
-    LaunchFlashDecode<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
-                             partial_acc, partial_max, partial_sum, stream);
+    LaunchFlashDecode<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, ragged,
+                             splits, partial_acc, partial_max, partial_sum, stream);
 }
 
 }  // namespace infersweep::cuda

@@ -7,8 +7,9 @@
 //
 // Napkin math, qwen3-30b-a3b decode at batch 1, context 576: K and V of one layer are
 // 2 x 576 x 512 bf16 = 1.2 MB (2.4 MB in fp32); 48 layers = 57 MB -> 13 us at 4.46 TB/s. Batch
-// 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache measured 100 us for 142 MB). The naive kernel re-read K and V
-// once per q head (x8) with uncoalesced per-thread strides: ~5 ms per token.
+// 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache measured 100 us for 142 MB). The
+// naive kernel re-read K and V once per q head (x8) with uncoalesced per-thread strides: ~5 ms per
+// token.
 #include <algorithm>
 #include <string>
 
@@ -18,9 +19,9 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kTile = 32;          // keys per shared-memory tile
+constexpr int kTile = 32;         // keys per shared-memory tile
 constexpr int kMaxHeadDim = 128;  // keeps shared memory under the 48 KB default
-constexpr int kMaxGroup = 16;      // q heads per kv head
+constexpr int kMaxGroup = 16;     // q heads per kv head
 
 // Eight cache elements from a 16-byte-aligned address to eight floats.
 __device__ __forceinline__ void Load8AsFloat(const __nv_bfloat16* p, float* out) {
@@ -42,8 +43,9 @@ __device__ __forceinline__ void Load8AsFloat(const float* p, float* out) { LoadF
 template <typename CacheT>
 __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache,
                                    int n, int q_heads, int kv_heads, int head_dim,
-                                   const int* position, int capacity, int splits,
-                                   float* partial_acc, float* partial_max, float* partial_sum) {
+                                   const int* position, const int2* ragged, int capacity,
+                                   int splits, float* partial_acc, float* partial_max,
+                                   float* partial_sum) {
   extern __shared__ float smem[];
   WaitForPrerequisites();
   AllowDependentsToLaunch();
@@ -51,7 +53,8 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
   const int group = q_heads / kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int head = kv_head * group + warp;
-  const int batch = row / n, pos = *position + row % n;
+  const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
+  const int batch = sequence_position.x, pos = sequence_position.y;
   const int keys = pos + 1;
   const int per_split = (keys + splits - 1) / splits;
   const int begin = split * per_split, end = min(keys, begin + per_split);
@@ -64,8 +67,10 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
   const float scale = rsqrtf(static_cast<float>(head_dim));
   const float* qh = q + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
   for (int d = lane; d < head_dim; d += 32) q_all[warp * head_dim + d] = qh[d] * scale;
-  const CacheT* keys_base = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
-  const CacheT* values_base = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const CacheT* keys_base =
+      k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
+  const CacheT* values_base =
+      v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * head_dim;
 
   float acc[kMaxHeadDim / 32];
 #pragma unroll
@@ -144,8 +149,8 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
 // per-dimension sums are independent loads (a loop that re-read each split's max per step was
 // 7.3 us at batch 1 over 18 splits).
 __global__ void __launch_bounds__(128)
-    FlashCombineKernel(const float* partial_acc, const float* partial_max,
-                       const float* partial_sum, int splits, int head_dim, float* out) {
+    FlashCombineKernel(const float* partial_acc, const float* partial_max, const float* partial_sum,
+                       int splits, int head_dim, float* out) {
   __shared__ float weight[kMaxFlashSplits];
   __shared__ float scratch[32];
   WaitForPrerequisites();
@@ -161,7 +166,8 @@ __global__ void __launch_bounds__(128)
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.f;
 #pragma unroll 8
-    for (int i = 0; i < splits; ++i) acc += weight[i] * partial_acc[(rh * splits + i) * head_dim + d];
+    for (int i = 0; i < splits; ++i)
+      acc += weight[i] * partial_acc[(rh * splits + i) * head_dim + d];
     out[rh * head_dim + d] = acc;
   }
 }
@@ -178,13 +184,14 @@ int FlashSplits(int rows, int kv_heads, int capacity) {
 }
 
 bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
-  return head_dim <= kMaxHeadDim && head_dim % 8 == 0 && q_heads % kv_heads == 0 && q_heads / kv_heads <= kMaxGroup;
+  return head_dim <= kMaxHeadDim && head_dim % 8 == 0 && q_heads % kv_heads == 0 &&
+         q_heads / kv_heads <= kMaxGroup;
 }
 
 void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                     int kv_heads, int head_dim, const int* position, int splits, float* partial,
-                    float* out, cudaStream_t stream) {
-  if (n >= kFlashPrefillMinTokens && FlashPrefillSupports(head_dim)) {
+                    float* out, cudaStream_t stream, const int2* ragged) {
+  if (!ragged && n >= kFlashPrefillMinTokens && FlashPrefillSupports(head_dim)) {
     AttentionFlashPrefill(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out, stream);
     return;
   }
@@ -201,16 +208,16 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
                    "32, 64 or 128)");
   if (FlashDecodeMmaSupports(head_dim))  // tensor cores (attention_decode.cu)
     AttentionFlashDecodeMma(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
-                            partial_acc, partial_max, partial_sum, stream);
+                            partial_acc, partial_max, partial_sum, stream, ragged);
   else if (cache.bf16)
     Launch(FlashPartialKernel<__nv_bfloat16>, grid, block, shared, stream, q,
            static_cast<const __nv_bfloat16*>(cache.k), static_cast<const __nv_bfloat16*>(cache.v),
-           n, q_heads, kv_heads, head_dim, position, cache.capacity, splits, partial_acc,
+           n, q_heads, kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc,
            partial_max, partial_sum);
   else
     Launch(FlashPartialKernel<float>, grid, block, shared, stream, q,
            static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), n, q_heads,
-           kv_heads, head_dim, position, cache.capacity, splits, partial_acc, partial_max,
+           kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc, partial_max,
            partial_sum);
   Launch(FlashCombineKernel, dim3(rows * q_heads), dim3(128), 0, stream, partial_acc, partial_max,
          partial_sum, splits, head_dim, out);

@@ -1,14 +1,14 @@
 // Shared device helpers for the CUDA kernels.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
 #include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <utility>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include "kernels/cuda/kernel_name.h"
 
@@ -18,13 +18,22 @@ __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 
+// The KV-cache sequence and the position of a step's row: lockstep rows are n a sequence, from
+// *position; ragged rows (serving: decode rows of sequences at different positions) carry their
+// own (sequence, position) pair.
+__device__ __forceinline__ int2 RowSequencePosition(int row, int n, const int* position,
+                                                    const int2* ragged) {
+  return ragged ? ragged[row] : make_int2(row / n, *position + row % n);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 
 __device__ __forceinline__ float WarpMax(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -62,7 +71,8 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
 __device__ __forceinline__ void LoadFloat8(const float* p, float* v) {
   const float4 lo = __ldg(reinterpret_cast<const float4*>(p));
   const float4 hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z,
+  v[7] = hi.w;
 }
 
 // Copies n floats (n % 4 == 0, 16-byte aligned) into shared memory with 16-byte loads, unrolled

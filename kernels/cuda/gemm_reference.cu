@@ -10,8 +10,14 @@ constexpr int kRowsPerBlock = 16;
 // One warp per (output feature n, chunk of kRowsPerBlock rows); lanes stride over K (coalesced
 // weight loads); the chunk's rows re-read the weight row from L1. Chunking the rows keeps
 // prefill parallel (a 2048-row, N=128 router once ran as 16 blocks: ~20 ms per layer).
+// Each input element as the GEMM reads it: itself, or (the bf16 yardstick) rounded to bf16.
+__device__ __forceinline__ float Input(float v, bool bf16) {
+  return bf16 ? __bfloat162float(__float2bfloat16(v)) : v;
+}
+
 template <typename W>
-__global__ void GemmReferenceKernel(const float* x, int M, int K, const W* w, int N, float* y) {
+__global__ void GemmReferenceKernel(const float* x, int M, int K, const W* w, int N, float* y,
+                                    bool bf16_inputs) {
   const int warps_per_block = blockDim.x / 32;
   const int n = blockIdx.x * warps_per_block + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -21,7 +27,7 @@ __global__ void GemmReferenceKernel(const float* x, int M, int K, const W* w, in
   for (int m = blockIdx.y * kRowsPerBlock; m < m_end; ++m) {
     const float* xr = x + static_cast<int64_t>(m) * K;
     float acc = 0.f;
-    for (int k = lane; k < K; k += 32) acc += xr[k] * ToFloat(wr[k]);
+    for (int k = lane; k < K; k += 32) acc += Input(xr[k], bf16_inputs) * ToFloat(wr[k]);
     acc = WarpSum(acc);
     if (lane == 0) y[static_cast<int64_t>(m) * N + n] = acc;
   }
@@ -31,7 +37,8 @@ __global__ void GemmReferenceKernel(const float* x, int M, int K, const W* w, in
 // (DequantizeElement, the CPU's formula), in the order above, so the result is bit-identical to
 // this kernel on DequantizeToF32's copy, without the copy (4 bytes a weight: 122 GB for
 // qwen3-30b-a3b, more than an H200 holds next to the codes).
-__global__ void GemmReferenceQuantKernel(const float* x, int M, MatrixRef w, float* y) {
+__global__ void GemmReferenceQuantKernel(const float* x, int M, MatrixRef w, float* y,
+                                         bool bf16_inputs) {
   const int warps_per_block = blockDim.x / 32;
   const int n = blockIdx.x * warps_per_block + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -41,7 +48,8 @@ __global__ void GemmReferenceQuantKernel(const float* x, int M, MatrixRef w, flo
   for (int m = blockIdx.y * kRowsPerBlock; m < m_end; ++m) {
     const float* xr = x + static_cast<int64_t>(m) * K;
     float acc = 0.f;
-    for (int k = lane; k < K; k += 32) acc += xr[k] * DequantizeElement(w, n, k);
+    for (int k = lane; k < K; k += 32)
+      acc += Input(xr[k], bf16_inputs) * DequantizeElement(w, n, k);
     acc = WarpSum(acc);
     if (lane == 0) y[static_cast<int64_t>(m) * N + n] = acc;
   }
@@ -50,26 +58,26 @@ __global__ void GemmReferenceQuantKernel(const float* x, int M, MatrixRef w, flo
 }  // namespace
 
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool bf16_inputs) {
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols);
   const dim3 blocks(CeilDiv(N, 8), CeilDiv(M, kRowsPerBlock));
   if (w.quantized()) {
-    LaunchPlain(GemmReferenceQuantKernel, blocks, 256, 0, stream, x, M, w, y);
+    LaunchPlain(GemmReferenceQuantKernel, blocks, 256, 0, stream, x, M, w, y, bf16_inputs);
     if (!bias.empty()) AddBias(y, M, bias, stream);
     return;
   }
   switch (w.dtype) {
     case DType::kBF16:
       LaunchPlain(GemmReferenceKernel<__nv_bfloat16>, blocks, 256, 0, stream, x, M, K,
-                  static_cast<const __nv_bfloat16*>(w.data), N, y);
+                  static_cast<const __nv_bfloat16*>(w.data), N, y, bf16_inputs);
       break;
     case DType::kF16:
       LaunchPlain(GemmReferenceKernel<__half>, blocks, 256, 0, stream, x, M, K,
-                  static_cast<const __half*>(w.data), N, y);
+                  static_cast<const __half*>(w.data), N, y, bf16_inputs);
       break;
     default:
       LaunchPlain(GemmReferenceKernel<float>, blocks, 256, 0, stream, x, M, K,
-                  static_cast<const float*>(w.data), N, y);
+                  static_cast<const float*>(w.data), N, y, bf16_inputs);
   }
   if (!bias.empty()) AddBias(y, M, bias, stream);
 }

@@ -3,9 +3,9 @@
 // device pointers). Napkin math is for an H200 (4.46 TB/s read, measured).
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "core/tensor_ref.h"
 
@@ -67,28 +67,33 @@ struct QkvRows {
 // when its stride is q_heads * d), rotated k and v rows are appended to the cache at
 // *position + (row % n), rounded to bf16 for a bf16 cache. One warp per head vector: 36 warps at
 // batch 1 on qwen3-30b-a3b, ~80 KB touched.
+// Ragged rows (serving): with `ragged` ([rows] (sequence, position) pairs on the device), row r
+// belongs to sequence ragged[r].x at position ragged[r].y instead, for this and the attention
+// kernels below; `position` and `n` (then 1) are unused.
 void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
                       int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
                       const float2* rope, const int* position, const KvCache& cache,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const int2* ragged = nullptr);
 // QkNormRopeAppend with partial RoPE (qwen3_next, qwen3_5): the norm over the whole head, then
 // RoPE over its first rotary_dim dims as a head of that size (the table built for rotary_dim);
 // the rest pass through. A warp a head vector, staged in shared memory.
 void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, int rotary_dim, const MatrixRef& q_norm,
                              const MatrixRef& k_norm, float eps, const float2* rope,
-                             const int* position, const KvCache& cache, cudaStream_t stream);
+                             const int* position, const KvCache& cache, cudaStream_t stream,
+                             const int2* ragged = nullptr);
 // Causal GQA attention with materialised scores [rows, q_heads, capacity] in `scores`, on an
 // fp32 cache. One block per (row, head): reads position+1 keys and values of kv_dim floats.
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,
                     int q_heads, int kv_heads, int head_dim, const int* position, int capacity,
-                    float* scores, float* out, cudaStream_t stream);
+                    float* scores, float* out, cudaStream_t stream, const int2* ragged = nullptr);
 
 // Flash attention (attention_flash.cu): same function as AttentionNaive on either cache, tiled
 // online softmax, K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks
 // and merged. `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
 constexpr int kMaxFlashSplits = 64;
-constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially, tile by tile
+constexpr int kFlashBlockTarget =
+    1056;  // 8 blocks per SM: each walks its keys serially, tile by tile
 // Floats `partial` needs for `rows` rows (any split count FlashSplits picks).
 inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
   return (static_cast<int64_t>(rows) + kFlashBlockTarget / kv_heads + 1) * q_heads * (head_dim + 2);
@@ -110,17 +115,19 @@ bool FlashDecodeMmaSupports(int head_dim);
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, const int* position, int splits,
                              float* partial_acc, float* partial_max, float* partial_sum,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const int2* ragged = nullptr);
+// Ragged rows never take the prefill kernel (its tiles are rows of one sequence).
 void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                     int kv_heads, int head_dim, const int* position, int splits, float* partial,
-                    float* out, cudaStream_t stream);
+                    float* out, cudaStream_t stream, const int2* ragged = nullptr);
 
 // ---- GEMM: y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 accumulate.
 // Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read
 // from L1/L2. Simple on purpose: it is the GPU link of the trust chain, not a fast path.
 // Quantized W (qgemm=reference) is dequantized exactly element by element as it is read.
+// bf16_inputs: each x element rounded to bf16 as it is read (the bf16 yardstick, CudaOptions).
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
-                   cudaStream_t stream);
+                   cudaStream_t stream, bool bf16_inputs = false);
 
 // MoE router logits y[M, N] = x . W^T for many rows (router.cu): fp32 x, fp32 accumulate in k
 // order, W bf16/f16/f32 upcast: warp-per-expert GEMV over 8 rows up to 256 rows, register-tiled
@@ -178,7 +185,8 @@ void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uin
 // Down projection and combine in one launch: y[r] += sum_slot w[r, slot] * Wd[e]·h[r, slot] (fixed
 // slot order: deterministic), into the residual stream directly; Wd [hidden, inter] bf16. Pairs
 // whose expert is `skip_expert` are left out (TEST ONLY zero-expert fault; -1 in production).
-// Batch-1 decode of qwen3-30b-a3b: 25 MB/layer -> ~6 us. k * inter * 4 bytes of shared memory (24 KB for qwen3-30b-a3b).
+// Batch-1 decode of qwen3-30b-a3b: 25 MB/layer -> ~6 us. k * inter * 4 bytes of shared memory (24
+// KB for qwen3-30b-a3b).
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
                     int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
                     cudaStream_t stream);
@@ -250,6 +258,9 @@ struct StepInputArgs {
   float* x;                  // [rows, hidden]: the embedding rows, upcast
   unsigned* zero = nullptr;  // counters the step's kernels need zeroed (graphs=persistent's)
   int zero_count = 0;
+  // Ragged steps (serving): each row's (sequence, position), pinned host [rows] -> device.
+  const int2* host_ragged = nullptr;
+  int2* ragged = nullptr;
 };
 // One kernel a step starts with: tokens and position from the host, the embedding gather, the
 // counters zeroed. rows blocks; bf16 hidden 2048: 4 KB read and 8 KB written a row, and one PCIe

@@ -24,12 +24,17 @@ constexpr int kGreedyChunk = kGreedyThreads * kGreedyPerThread;  // logits a blo
 // embedding row upcast to fp32. Block 0 also zeroes `zero_count` counters.
 __global__ void StepInputsKernel(const int32_t* host_tokens, const int* host_position,
                                  int32_t* tokens, int* position, const void* table, DType dtype,
-                                 int hidden, float* x, unsigned* zero, int zero_count) {
+                                 int hidden, float* x, unsigned* zero, int zero_count,
+                                 const int2* host_ragged, int2* ragged) {
   __shared__ int32_t token;
   if (threadIdx.x == 0) {
     token = *reinterpret_cast<const volatile int32_t*>(host_tokens + blockIdx.x);
     tokens[blockIdx.x] = token;
     if (blockIdx.x == 0) *position = *reinterpret_cast<const volatile int*>(host_position);
+    if (ragged) {
+      const volatile int* pair = reinterpret_cast<const volatile int*>(host_ragged + blockIdx.x);
+      ragged[blockIdx.x] = make_int2(pair[0], pair[1]);
+    }
   }
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < zero_count; i += blockDim.x) zero[i] = 0u;
@@ -99,7 +104,7 @@ __global__ void GreedyTokensKernel(const float* logits, int vocab, unsigned long
 void StepInputs(const StepInputArgs& a, cudaStream_t stream) {
   LaunchPlain(StepInputsKernel, a.rows, kInputThreads, 0, stream, a.host_tokens, a.host_position,
               a.tokens, a.position, a.embed.data, a.embed.dtype, static_cast<int>(a.embed.cols),
-              a.x, a.zero, a.zero_count);
+              a.x, a.zero, a.zero_count, a.host_ragged, a.ragged);
 }
 
 void GreedyTokens(const float* logits, int rows, int vocab, const GreedyScratch& scratch,
