@@ -93,14 +93,20 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> TrialExecutor::ReferencePicks(
   return ReferencePicksOnFreeRuns(**model, eval_, free);
 }
 
-void TrialExecutor::ExecuteServing(const TrialRequest& request, const BackendConfig& config,
-                                   const FaultInjection& fault, const PreflightResult& preflight,
-                                   TrialResult* result) {
+std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request,
+                                                     const BackendConfig& config,
+                                                     const FaultInjection& fault,
+                                                     const PreflightResult& preflight,
+                                                     TrialResult* result) {
   const ServeSpec& spec = *request.workload.serve;
   const Slo& slo = request.workload.slo;
   if (fault.kind == FaultInjection::Kind::kDelay && fault.value > 0)  // TEST ONLY: a slow trial
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(fault.value * 1e3)));
-  const ServeTrialResult trial = RunServeTrial(*host_, config, spec, slo, fault);
+  if (ConfigDevice(config) == "cuda" && !energy_meter_)
+    energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
+  const ServeTrialResult trial =
+      RunServeTrial(*host_, config, spec, slo, fault,
+                    ConfigDevice(config) == "cuda" ? energy_meter_.get() : nullptr);
   result->verdict.precision_class = std::string(PrecisionClassName(preflight.precision));
   for (const LoadPointResult& point : trial.points)
     result->serving.push_back(ToServingPoint(point, slo));
@@ -115,7 +121,7 @@ void TrialExecutor::ExecuteServing(const TrialRequest& request, const BackendCon
   if (trial.status != TrialStatus::kOk) {
     result->status = trial.status;
     result->reason = trial.reason;
-    return;
+    return trial.device_memory_used_bytes;
   }
   // The served requests are the verdict: a load point (or SLO probe) whose checked requests
   // fail (fp32: tokens parting from their lone runs; below fp32: a sample's logits beyond the
@@ -132,6 +138,7 @@ void TrialExecutor::ExecuteServing(const TrialRequest& request, const BackendCon
     for (const ServingPoint& p : result->slo_search->probes) judge(p, "slo probe ");
   result->status = result->verdict.failures.empty() ? TrialStatus::kOk : TrialStatus::kIncorrect;
   result->reason = absl::StrJoin(result->verdict.failures, "; ");
+  return trial.device_memory_used_bytes;
 }
 
 TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& progress) {
@@ -186,7 +193,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
 
   if (request.workload.serve) {
-    ExecuteServing(request, *config, *fault, preflight, &result);
+    peak_device_bytes = ExecuteServing(request, *config, *fault, preflight, &result);
     return finish(result.status, result.reason);
   }
 

@@ -32,11 +32,13 @@ class TrialExecutor {
 
  private:
   absl::Status EnsureModel(const TrialRequest& request);
-  // A serving workload on the loaded model: each load point served (RunServeTrial), its
-  // figures and verdict put into `result`, whose status and reason it sets.
-  void ExecuteServing(const TrialRequest& request, const BackendConfig& config,
-                      const FaultInjection& fault, const PreflightResult& preflight,
-                      TrialResult* result);
+  // A serving workload on the loaded model: each load point served (RunServeTrial, with the
+  // GPU's energy meter on GPU configs), its figures and verdict put into `result`, whose status
+  // and reason it sets.
+  // Returns the device memory in use after serving (GPU configs).
+  std::optional<int64_t> ExecuteServing(const TrialRequest& request, const BackendConfig& config,
+                                        const FaultInjection& fault,
+                                        const PreflightResult& preflight, TrialResult* result);
   // The model's identity (DescribeModel), cached per ModelKey.
   ModelIdentity Identity(const TrialRequest& request);
   // The eval outputs of the reference (bf16_yardstick: of its bf16 yardstick), cached per model.

@@ -509,7 +509,8 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
 }
 
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
-                               const Slo& slo, const FaultInjection& fault) {
+                               const Slo& slo, const FaultInjection& fault,
+                               GpuEnergyMeter* energy) {
   ServeTrialResult trial;
   auto fail = [&](TrialStatus status, std::string reason) {
     trial.status = status;
@@ -542,7 +543,7 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
                                                kServedReferenceSample, result, &reference_logits);
   };
   for (const LoadPoint& point : LoadPoints(spec)) {
-    auto result = RunLoadPoint(**model, spec, point, slo);
+    auto result = RunLoadPoint(**model, spec, point, slo, energy);
     if (!result.ok())
       return fail(
           absl::IsUnimplemented(result.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
@@ -557,6 +558,7 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
       return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
     trial.slo_search = std::move(*search);
   }
+  trial.device_memory_used_bytes = (*model)->device_memory_used_bytes();
   return trial;
 }
 

@@ -146,9 +146,14 @@ struct ServeTrialResult {
   std::string reason;
   std::vector<LoadPointResult> points;
   std::optional<SloSearch> slo_search;  // with an SLO
+  // GPU configs: the device's memory in use after the last load point (nothing is freed while
+  // serving, so it is the peak reading).
+  std::optional<int64_t> device_memory_used_bytes;
 };
+// `energy` (GPU configs, optional): the listed load points' energy per output token.
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
-                               const Slo& slo, const FaultInjection& fault = {});
+                               const Slo& slo, const FaultInjection& fault = {},
+                               GpuEnergyMeter* energy = nullptr);
 
 // A load point as a result carries it (api/trial.h); with an SLO, whether its percentiles meet it.
 ServingPoint ToServingPoint(const LoadPointResult& result, const Slo& slo);
