@@ -15,11 +15,12 @@
 #include <unordered_map>
 #include <utility>
 
-#include "api/status_macros.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "api/status_macros.h"
 #include "storage/codec.h"
 #include "storage/schema.h"
 
@@ -1114,6 +1115,17 @@ class SqliteStore final : public Store {
     // The identity (docs/STORAGE.md "Identity"). The workload is the trial's: what was asked
     // for is what ran. The model's is the result's own, else what the trial knew at submit.
     stored.workload = workload_key;
+    // Serving figures belong to serving trials and batch figures to lockstep ones: a result
+    // that mixes them up is refused, so neither ranking ever holds the other's rows.
+    const bool serving_trial = absl::StartsWith(workload_key, kServeWorkloadKeyPrefix);
+    if (!stored.serving.empty() && !serving_trial)
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": result.serving: ", stored.serving.size(),
+                       " load point(s) for a lockstep trial (workload ", workload_key, ")"));
+    if (!stored.batches.empty() && serving_trial)
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": result.batches: ", stored.batches.size(),
+                       " lockstep batch(es) for a serving trial (workload ", workload_key, ")"));
     std::optional<std::string> model_key;
     std::optional<int64_t> model_layers;
     if (std::string key = ModelIdentityKey(stored.model_identity); !key.empty()) {

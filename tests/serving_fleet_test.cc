@@ -566,6 +566,34 @@ TEST_F(ServingStoreTest, BestNeverRanksAServingPointAgainstALockstepBatch) {
               HasSubstr("unknown serving metric 'prefill_tok_s'"));
 }
 
+// A result whose figures do not fit its trial's workload is refused whole: load points for a
+// lockstep trial, lockstep batches for a serving one.
+TEST_F(ServingStoreTest, AResultOfTheOtherKindIsRefusedAndNothingIsStored) {
+  Workload lockstep;
+  const std::vector<std::string> lockstep_ids = Sweep(lockstep, {kNaive});
+  const std::vector<std::string> serving_ids = Sweep(ServingWorkload(), {kNaive});
+  TrialResult r;
+  r.trial_id = lockstep_ids[0];
+  r.attempt = 1;
+  r.status = TrialStatus::kOk;
+  r.config = kNaive;
+  r.serving = {MakePoint(4, 1e9, 1e9, TrialStatus::kOk)};
+  absl::Status s = store_->RecordResult("", "cpu", 0, r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("result.serving: 1 load point(s) for a lockstep trial"));
+  r.trial_id = serving_ids[0];
+  r.serving.clear();
+  r.batches = {Batch(1, 1e9)};
+  s = store_->RecordResult("", "cpu", 0, r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("result.batches: 1 lockstep batch(es) for a serving trial"));
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Count("results"), 0);
+  EXPECT_EQ(raw.Count("serving_points"), 0);
+  EXPECT_EQ(raw.Count("result_batches"), 0);
+  EXPECT_EQ(store_->GetTrial(lockstep_ids[0])->state, TrialState::kQueued);
+}
+
 // A database from the build before serving points (no serving_points table, one version older)
 // opens, keeps its results and its ranking, and takes serving results from then on.
 TEST_F(ServingStoreTest, ADatabaseFromBeforeServingPointsIsMigrated) {
