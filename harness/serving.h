@@ -108,8 +108,8 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
 // steps of their own (admitted one a step, so each prompt's prefill shares a step with the
 // others' decode rows), and the logits of every output position are held against `reference`'s
 // (the fp32 reference of the same weights) on the same tokens: KL mean and max within the
-// precision class's ceilings (harness/verdict.h), over the sample and for each request, and
-// finite. A scheduling bug (a wrong KV slot, a stale position) feeds a request another
+// precision class's ceilings (harness/verdict.h) over the sample, each request's mean within the
+// class's pass ceiling (a request's few positions are as noisy as a pass's), and finite. A scheduling bug (a wrong KV slot, a stale position) feeds a request another
 // sequence's past and moves its distributions. Top-1 agreement is reported, not judged: on
 // near-flat synthetic logits at long contexts a correct bf16 config's served tokens are the
 // reference's pick at as few as 0.69 of the positions (qwen3-30b-a3b, ISL 1024, OSL 256, H200).

@@ -241,6 +241,15 @@ for r in csv.reader(sys.stdin):
     grep -E " OK | INCORRECT| ERROR| CRASHED| TIMEOUT" "$OUT/hybrid_matrix.log" | head -80
     grep -cE " UNSUPPORTED" "$OUT/hybrid_matrix.log"
     grep -E "configs|summary|verdicts" "$OUT/hybrid_matrix.log" | tail -5 ;;
+  yardstick)  # qwen3-next-80b-a3b at 16 layers, bf16: the fast config judged by the ceilings
+    # widened to the bf16 yardstick's drift; a wrong o_proj scale and a corrupted recurrent state
+    # stay INCORRECT under them
+    for fault in "" bad-scale:1.5 bad-state:0; do
+      $B run --model preset:qwen3-next-80b-a3b --layers 16 ${fault:+--test-inject-fault $fault} \
+        --config device=cuda,gemm=fused,attention=naive,moe=fused,linear_attn=fused,graphs=on \
+        --workload prompt=64,output=8,batch=1,repeats=1,warmup=0,timeout=600 2>&1 |
+        grep -E " OK | INCORRECT|judged by|reason" | cut -c1-60,170-400
+    done ;;
   hybrid_figures)  # qwen3-next-80b-a3b, 48 layers, quantized on the host: batch 1 and 64
     # (prompt 512, 64 tokens), prefill 4096; the fastest registered config of each format
     for f in ${HYBRID_FORMATS:-fp8_channel nvfp4}; do
@@ -265,14 +274,15 @@ for r in csv.reader(sys.stdin):
       --config "${PROFILE_CONFIG:-gemm=fused,attention=naive,moe=fused,graphs=off,linear_attn=fused}" >"$OUT/ncu_hybrid.csv" 2>"$OUT/ncu_hybrid.err"
     python3 scripts/ncu_table.py "$OUT/ncu_hybrid.csv" ;;
   serve)  # issue 33 on the H200: qwen3-30b-a3b bf16, 48 layers, ISL 1024 / OSL 256, the fast
-    # graphs=on config: lockstep batch 1 and 64, then served at concurrency 1, 8, 64 and 256 and
+    # graphs=on config: lockstep batch 1 and 64, then served at concurrency 1, 8, 10 (the vLLM
+    # anchor's), 64 and 256, one prompt prefilled a step (chunk 1024), and
     # the highest concurrency meeting TTFT p99 <= 2 s and TPOT p99 <= 50 ms
     c=${SERVE_CONFIG:-device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on}
     $B run --model preset:qwen3-30b-a3b --config "$c" \
-      --workload prompt=1024,output=256,batch=1:64,repeats=1,warmup=1,timeout=900 \
+      --workload prompt=1024,output=256,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/serve_lockstep.json" 2>&1 | tee "$OUT/serve_lockstep.log" | grep -vE "timed by"
     $B run --model preset:qwen3-30b-a3b --config "$c" \
-      --serve "${SERVE_LOAD:-concurrency=1:8:64:256,isl=1024,osl=256,duration=8,warmup=1}" \
+      --serve "${SERVE_LOAD:-concurrency=1:8:10:64:256,isl=1024,osl=256,duration=4,warmup=1,chunk=1024}" \
       --slo "${SERVE_SLO:-ttft_ms=2000,tpot_ms=50}" \
       --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" ;;
   hybrid_397b)  # qwen3.5-397b-a17b@nvfp4, 4 layers: every config judged, none CRASHED
