@@ -84,6 +84,19 @@ bool WriteJson(const std::string& path, const nlohmann::json& doc) {
 // serving trial does (a crash is CRASHED, a hang past --workload's timeout TIMEOUT), judged
 // request by request against lone runs; one line per load point. Exits 0 when every config ran,
 // whatever its verdicts, as `run` does.
+// A trial of `config` on the command's model, seed and fault, for the local runner.
+TrialRequest LocalTrialRequest(const RunArgs& args, const std::string& model,
+                               const BackendConfig& config, std::string trial_id) {
+  TrialRequest request;
+  request.trial_id = std::move(trial_id);
+  request.model = model;
+  request.layers = args.layers;
+  request.seed = args.seed;
+  request.config = config;
+  request.inject_fault = args.inject_fault;
+  return request;
+}
+
 int RunServing(const RunArgs& args) {
   auto fail = [](const std::string& what, const absl::Status& s) {
     std::fprintf(stderr, "error: %s%s\n", what.c_str(), std::string(s.message()).c_str());
@@ -140,16 +153,11 @@ int RunServing(const RunArgs& args) {
   for (const BackendConfig& config : *configs) {
     std::printf("# config %s\n", BackendConfigString(config).c_str());
     std::fflush(stdout);
-    TrialRequest request;
-    request.trial_id = absl::StrCat("local-serve-", index++);
-    request.model = *model;
-    request.layers = args.layers;
-    request.seed = args.seed;
-    request.config = config;
+    TrialRequest request =
+        LocalTrialRequest(args, *model, config, absl::StrCat("local-serve-", index++));
     request.workload.serve = *spec;
     request.workload.slo = slo;
     request.workload.timeout_s = workload->timeout_s;
-    request.inject_fault = args.inject_fault;
     const TrialResult result = runner.Run(request);
     if (result.serving.empty() && result.status != TrialStatus::kOk) {
       std::printf("%-28s %-9s %s\n", "-", std::string(TrialStatusName(result.status)).c_str(),
@@ -245,14 +253,8 @@ int RunTrials(const RunArgs& args) {
   nlohmann::json all = nlohmann::json::array();
   int index = 0;
   for (const BackendConfig& config : configs) {
-    TrialRequest request;
-    request.trial_id = absl::StrCat("local-", index++);
-    request.model = *model;
-    request.layers = args.layers;
-    request.seed = args.seed;
-    request.config = config;
+    TrialRequest request = LocalTrialRequest(args, *model, config, absl::StrCat("local-", index++));
     request.workload = *workload;
-    request.inject_fault = args.inject_fault;
     const TrialResult result = runner.Run(request);
     std::fputs(FormatResultRows(result).c_str(), stdout);
     if (args.show_kernels)
