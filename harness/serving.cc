@@ -369,11 +369,16 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
   const int vocab = reference.config().vocab_size;
   std::vector<const ServedRequest*> picked;
   int longest = 0;
+  int64_t fed = 0;
   for (const ServedRequest& s : result->served) {
     if (s.warmup || s.tokens.empty()) continue;
-    if (static_cast<int>(picked.size()) == sample) break;
+    const int64_t length = static_cast<int64_t>(s.request.prompt.size() + s.tokens.size());
+    if (static_cast<int>(picked.size()) == sample ||
+        (!picked.empty() && fed + length > kServedReferenceTokens))
+      break;
     picked.push_back(&s);
-    longest = std::max(longest, static_cast<int>(s.request.prompt.size() + s.tokens.size()));
+    fed += length;
+    longest = std::max(longest, static_cast<int>(length));
   }
   result->requests_checked = result->requests_matching = 0;
   result->mismatch.clear();
@@ -474,45 +479,54 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
   SloSearch search;
   const bool open_loop = spec.concurrency.empty();
   // Serves one load and says whether it meets the SLO.
+  size_t best_probe = 0;
   auto probe = [&](LoadPoint point) -> absl::StatusOr<bool> {
     ASSIGN_OR_RETURN(LoadPointResult result, RunLoadPoint(model, spec, point, slo));
-    RETURN_IF_ERROR(judge(&result));
+    result.requests_checked = result.requests_matching = 0;  // not judged (yet)
     const bool meets = MeetsSlo(result.metrics, slo);
     if (meets &&
         (!search.found || (open_loop ? point.rate > search.best.point.rate
                                      : point.concurrency > search.best.point.concurrency))) {
       search.found = true;
       search.best = result;
+      best_probe = search.probes.size();
     }
     search.probes.push_back(std::move(result));
     return meets;
+  };
+  // The answer is judged once the bisection ends; the probes it passed through only steer it.
+  auto judged = [&]() -> absl::StatusOr<SloSearch> {
+    if (!search.found) return search;
+    RETURN_IF_ERROR(judge(&search.best));
+    search.probes[best_probe] = search.best;
+    return search;
   };
   if (!open_loop) {
     int lo = *std::min_element(spec.concurrency.begin(), spec.concurrency.end());
     int hi = *std::max_element(spec.concurrency.begin(), spec.concurrency.end());
     ASSIGN_OR_RETURN(const bool top, probe({false, hi, 0}));
-    if (top || lo == hi) return search;
+    if (top || lo == hi) return judged();
     ASSIGN_OR_RETURN(const bool bottom, probe({false, lo, 0}));
-    if (!bottom) return search;
+    if (!bottom) return judged();
     while (hi - lo > 1) {  // lo meets the SLO, hi does not
       const int mid = lo + (hi - lo) / 2;
       ASSIGN_OR_RETURN(const bool meets, probe({false, mid, 0}));
       (meets ? lo : hi) = mid;
     }
-    return search;
+    return judged();
   }
   double lo = *std::min_element(spec.rate.begin(), spec.rate.end());
   double hi = *std::max_element(spec.rate.begin(), spec.rate.end());
   ASSIGN_OR_RETURN(const bool top, probe({true, spec.max_concurrency, hi}));
-  if (top || lo == hi) return search;
+  if (top || lo == hi) return judged();
   ASSIGN_OR_RETURN(const bool bottom, probe({true, spec.max_concurrency, lo}));
-  if (!bottom) return search;
+  if (!bottom) return judged();
   for (int i = 0; i < rate_probes; ++i) {
     const double mid = std::sqrt(lo * hi);
     ASSIGN_OR_RETURN(const bool meets, probe({true, spec.max_concurrency, mid}));
     (meets ? lo : hi) = mid;
   }
-  return search;
+  return judged();
 }
 
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
@@ -635,8 +649,10 @@ std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
 std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
   std::string line = absl::StrFormat(
       "%-28s %-9s completed=%d matching=%d/%d steps=%d peak_running=%d duration_s=%.3f",
-      LoadPointName(p.point), TrialStatusName(p.verdict), p.completed, p.requests_matching,
-      p.requests_checked, p.steps, p.peak_running, p.duration_s);
+      LoadPointName(p.point),
+      p.requests_checked == 0 && p.verdict == TrialStatus::kOk ? std::string_view("unjudged")
+                                                               : TrialStatusName(p.verdict),
+      p.completed, p.requests_matching, p.requests_checked, p.steps, p.peak_running, p.duration_s);
   auto add = [&](const char* name, const ServingDistribution& d) {
     absl::StrAppendFormat(&line, " mean_%s=%.3f median_%s=%.3f p90_%s=%.3f p99_%s=%.3f", name,
                           d.mean, name, d.median, name, d.p90, name, d.p99);

@@ -109,13 +109,18 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
 // others' decode rows), and the logits of every output position are held against `reference`'s
 // (the fp32 reference of the same weights) on the same tokens: KL mean and max within the
 // precision class's ceilings (harness/verdict.h) over the sample, each request's mean within the
-// class's pass ceiling (a request's few positions are as noisy as a pass's), and finite. A scheduling bug (a wrong KV slot, a stale position) feeds a request another
-// sequence's past and moves its distributions. Top-1 agreement is reported, not judged: on
-// near-flat synthetic logits at long contexts a correct bf16 config's served tokens are the
-// reference's pick at as few as 0.69 of the positions (qwen3-30b-a3b, ISL 1024, OSL 256, H200).
-// requests_checked counts the sampled requests, requests_matching those within the ceilings.
-// `cache` (optional) keeps the reference's logits by fed sequence across load points.
-constexpr int kServedReferenceSample = 4;  // requests a load point's reference check takes
+// class's pass ceiling (a request's few positions are as noisy as a pass's), and finite. A
+// scheduling bug (a wrong KV slot, a stale position) feeds a request another sequence's past and
+// moves its distributions. Top-1 agreement is reported, not judged: on near-flat synthetic logits
+// at long contexts a correct bf16 config's served tokens are the reference's pick at as few as 0.69
+// of the positions (qwen3-30b-a3b, ISL 1024, OSL 256, H200). requests_checked counts the sampled
+// requests, requests_matching those within the ceilings. The sample stops before a request that
+// would take the reference past kServedReferenceTokens (it keeps one at least): the reference is
+// the plain fp32 engine, ~20 s a 1,280-token request of qwen3-30b-a3b on an H200, so the budget
+// bounds a load point's judging. `cache` (optional) keeps the reference's logits by fed sequence
+// across load points.
+constexpr int kServedReferenceSample = 4;         // requests a load point's reference check takes
+constexpr int64_t kServedReferenceTokens = 2048;  // prompt and output tokens it feeds, at most
 using ReferenceLogits = std::map<std::vector<int32_t>, std::vector<float>>;
 absl::Status CheckServedAgainstReference(Model& model, Model& reference, PrecisionClass precision,
                                          int sample, LoadPointResult* result,
@@ -124,13 +129,14 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
 // The highest load that meets the SLO at its percentile, by bisection between the lowest and the
 // highest load point of the spec: over integer concurrency (closed loop, when the spec has
 // concurrency points) or over the request rate (open loop; geometric midpoints, `rate_probes`
-// of them). Every probe is served and its tokens checked like a listed load point.
+// of them). Every probe is served; the answer alone is judged, like a listed load point, once
+// the bisection ends (the other probes steer it and carry requests_checked 0).
 struct SloSearch {
   bool found = false;                   // some probed load meets the SLO
   LoadPointResult best;                 // the highest load that met it (when found)
   std::vector<LoadPointResult> probes;  // in the order they ran
 };
-// `judge` sets each probe's verdict (CheckServedTokens or CheckServedAgainstReference).
+// `judge` sets the answer's verdict (CheckServedTokens or CheckServedAgainstReference).
 using ServedJudge = std::function<absl::Status(LoadPointResult*)>;
 absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
                                         const ServedJudge& judge, int rate_probes = 5);

@@ -262,6 +262,17 @@ TEST(Serving, NonFp32ClassesAreJudgedByKlToTheReferenceOnServedRequests) {
     EXPECT_EQ(*clean->reference_top1, 1.0);
   }
   EXPECT_EQ(cache.size(), 4u);  // the reference ran each sampled request once
+
+  // The sample stops at the token budget, one request at least: three 1,100-token requests
+  // would feed the reference 3,300 tokens.
+  auto long_requests =
+      RunLoadPoint(**served, Spec("concurrency=2,isl=1096,osl=4,requests=3"), {false, 2, 0}, {});
+  ASSERT_TRUE(long_requests.ok()) << long_requests.status();
+  ASSERT_TRUE(
+      CheckServedAgainstReference(**served, **reference, PrecisionClass::kBf16, 4, &*long_requests)
+          .ok());
+  EXPECT_EQ(long_requests->requests_checked, 1);
+  EXPECT_EQ(long_requests->verdict, TrialStatus::kOk) << long_requests->mismatch;
   auto swapped = CreateModel(*host, kCpu, *ParseFaultInjection("kv-slot-swap:0"));
   ASSERT_TRUE(swapped.ok()) << swapped.status();
   auto bad = RunLoadPoint(**swapped, spec, {false, 4, 0}, {});
@@ -412,7 +423,7 @@ TEST(Serving, PercentilesAreNearestRank) {
 }
 
 // The search answers with the highest load when every load meets the SLO and with none when
-// none does, checking every probe's tokens.
+// none does; the answer's tokens are checked, the probes that only steer it are not.
 TEST(Serving, SloSearchFindsTheHighestLoadMeetingTheSlo) {
   auto host = LoadPreset("tiny-moe");
   ASSERT_NE(host, nullptr);
@@ -426,8 +437,16 @@ TEST(Serving, SloSearchFindsTheHighestLoadMeetingTheSlo) {
   EXPECT_TRUE(trial.slo_search->found);
   EXPECT_EQ(trial.slo_search->best.point.concurrency, 5);
   EXPECT_EQ(trial.slo_search->best.verdict, TrialStatus::kOk);
+  EXPECT_GT(trial.slo_search->best.requests_checked, 0);
+  EXPECT_EQ(trial.slo_search->best.requests_matching, trial.slo_search->best.requests_checked);
+  ASSERT_EQ(trial.slo_search->probes.size(), 1u);  // the highest load met it
+  EXPECT_EQ(trial.slo_search->probes[0].requests_checked, trial.slo_search->best.requests_checked);
   EXPECT_THAT(FormatSloSearchLine(*trial.slo_search, generous),
               HasSubstr("highest load meeting it: concurrency=5"));
+  // A fault the judge sees makes the answer INCORRECT.
+  trial = RunServeTrial(*host, kCpu, spec, generous, *ParseFaultInjection("kv-slot-swap:0"));
+  ASSERT_TRUE(trial.slo_search.has_value() && trial.slo_search->found) << trial.reason;
+  EXPECT_EQ(trial.slo_search->best.verdict, TrialStatus::kIncorrect);
 
   Slo impossible;
   impossible.ttft_ms = 1e-9;
@@ -437,8 +456,10 @@ TEST(Serving, SloSearchFindsTheHighestLoadMeetingTheSlo) {
   ASSERT_EQ(trial.slo_search->probes.size(), 2u);  // the highest load, then the lowest
   EXPECT_EQ(trial.slo_search->probes[0].point.concurrency, 5);
   EXPECT_EQ(trial.slo_search->probes[1].point.concurrency, 1);
-  for (const LoadPointResult& p : trial.slo_search->probes)
-    EXPECT_EQ(p.requests_matching, p.requests_checked);
+  for (const LoadPointResult& p : trial.slo_search->probes) {
+    EXPECT_EQ(p.requests_checked, 0);  // nothing answers, nothing is judged
+    EXPECT_THAT(FormatLoadPointLine(p, impossible), HasSubstr(" unjudged "));
+  }
   EXPECT_THAT(FormatSloSearchLine(*trial.slo_search, impossible),
               HasSubstr("no probed load meets the SLO"));
 }
