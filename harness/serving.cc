@@ -475,14 +475,23 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
 }
 
 absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
-                                        const ServedJudge& judge, int rate_probes) {
+                                        const ServedJudge& judge,
+                                        std::span<const LoadPointResult> served, int rate_probes) {
   SloSearch search;
   const bool open_loop = spec.concurrency.empty();
   // Serves one load and says whether it meets the SLO.
   size_t best_probe = 0;
   auto probe = [&](LoadPoint point) -> absl::StatusOr<bool> {
-    ASSIGN_OR_RETURN(LoadPointResult result, RunLoadPoint(model, spec, point, slo));
-    result.requests_checked = result.requests_matching = 0;  // not judged (yet)
+    LoadPointResult result;
+    auto same = [&](const LoadPointResult& r) {
+      return LoadPointName(r.point) == LoadPointName(point);
+    };
+    if (auto it = std::find_if(served.begin(), served.end(), same); it != served.end()) {
+      result = *it;  // a listed load point, served and judged already
+    } else {
+      ASSIGN_OR_RETURN(result, RunLoadPoint(model, spec, point, slo));
+      result.requests_checked = result.requests_matching = 0;  // not judged (yet)
+    }
     const bool meets = MeetsSlo(result.metrics, slo);
     if (meets &&
         (!search.found || (open_loop ? point.rate > search.best.point.rate
@@ -497,7 +506,7 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
   // The answer is judged once the bisection ends; the probes it passed through only steer it.
   auto judged = [&]() -> absl::StatusOr<SloSearch> {
     if (!search.found) return search;
-    RETURN_IF_ERROR(judge(&search.best));
+    if (search.best.requests_checked == 0) RETURN_IF_ERROR(judge(&search.best));
     search.probes[best_probe] = search.best;
     return search;
   };
@@ -574,7 +583,7 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
     trial.points.push_back(std::move(*result));
   }
   if (!slo.empty()) {
-    auto search = SearchSloLoad(**model, spec, slo, judge);
+    auto search = SearchSloLoad(**model, spec, slo, judge, trial.points);
     if (!search.ok())
       return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
     trial.slo_search = std::move(*search);

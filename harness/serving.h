@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -130,7 +131,8 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
 // highest load point of the spec: over integer concurrency (closed loop, when the spec has
 // concurrency points) or over the request rate (open loop; geometric midpoints, `rate_probes`
 // of them). Every probe is served; the answer alone is judged, like a listed load point, once
-// the bisection ends (the other probes steer it and carry requests_checked 0).
+// the bisection ends (the other probes steer it and carry requests_checked 0). A load already in
+// `served` (the listed points, served with the same SLO) is taken from there, not served again.
 struct SloSearch {
   bool found = false;                   // some probed load meets the SLO
   LoadPointResult best;                 // the highest load that met it (when found)
@@ -139,7 +141,9 @@ struct SloSearch {
 // `judge` sets the answer's verdict (CheckServedTokens or CheckServedAgainstReference).
 using ServedJudge = std::function<absl::Status(LoadPointResult*)>;
 absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
-                                        const ServedJudge& judge, int rate_probes = 5);
+                                        const ServedJudge& judge,
+                                        std::span<const LoadPointResult> served = {},
+                                        int rate_probes = 5);
 
 // A serving trial on host weights: the config under test (with `fault`, TEST ONLY) serves each
 // load point of the spec, judged by CheckServedTokens against a fault-free model of the same config

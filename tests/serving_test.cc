@@ -456,12 +456,63 @@ TEST(Serving, SloSearchFindsTheHighestLoadMeetingTheSlo) {
   ASSERT_EQ(trial.slo_search->probes.size(), 2u);  // the highest load, then the lowest
   EXPECT_EQ(trial.slo_search->probes[0].point.concurrency, 5);
   EXPECT_EQ(trial.slo_search->probes[1].point.concurrency, 1);
-  for (const LoadPointResult& p : trial.slo_search->probes) {
-    EXPECT_EQ(p.requests_checked, 0);  // nothing answers, nothing is judged
-    EXPECT_THAT(FormatLoadPointLine(p, impossible), HasSubstr(" unjudged "));
-  }
   EXPECT_THAT(FormatSloSearchLine(*trial.slo_search, impossible),
               HasSubstr("no probed load meets the SLO"));
+}
+
+// The search serves the loads it probes but judges only its answer, and takes a load the trial
+// listed (served and judged already) from the listed results.
+TEST(Serving, SloSearchJudgesItsAnswerAloneAndReusesListedLoads) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto model = CreateModel(*host, kCpu);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ServeSpec spec = Spec("concurrency=1:5,isl=8-16,osl=3-6,requests=6");
+  int judged = 0;
+  const ServedJudge judge = [&](LoadPointResult* r) {
+    ++judged;
+    r->requests_checked = r->requests_matching = 1;
+    return absl::OkStatus();
+  };
+  Slo generous;
+  generous.ttft_ms = generous.tpot_ms = 1e6;
+  auto found = SearchSloLoad(**model, spec, generous, judge);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_TRUE(found->found);
+  EXPECT_EQ(judged, 1);
+  EXPECT_EQ(found->best.requests_checked, 1);
+  ASSERT_EQ(found->probes.size(), 1u);
+  EXPECT_EQ(found->probes[0].requests_checked, 1);  // the answer, as judged
+
+  Slo impossible;
+  impossible.ttft_ms = 1e-9;
+  judged = 0;
+  auto none = SearchSloLoad(**model, spec, impossible, judge);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->found);
+  EXPECT_EQ(judged, 0);
+  ASSERT_EQ(none->probes.size(), 2u);
+  for (const LoadPointResult& p : none->probes) {
+    EXPECT_EQ(p.requests_checked, 0);
+    EXPECT_THAT(FormatLoadPointLine(p, impossible), HasSubstr(" unjudged "));
+  }
+
+  // Listed loads: marked, so a reused one is told from one served again.
+  std::vector<LoadPointResult> listed;
+  for (int concurrency : {1, 5}) {
+    auto r = RunLoadPoint(**model, spec, {false, concurrency, 0}, generous);
+    ASSERT_TRUE(r.ok()) << r.status();
+    r->steps = -concurrency;
+    r->requests_checked = r->requests_matching = 3;
+    listed.push_back(std::move(*r));
+  }
+  judged = 0;
+  auto reused = SearchSloLoad(**model, spec, generous, judge, listed);
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  ASSERT_EQ(reused->probes.size(), 1u);
+  EXPECT_EQ(reused->probes[0].steps, -5);
+  EXPECT_EQ(reused->best.requests_checked, 3);
+  EXPECT_EQ(judged, 0);  // judged when it was listed
 }
 
 // duration=S issues requests for S seconds (closed loop: none starts after S); every one that
