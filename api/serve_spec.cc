@@ -94,6 +94,12 @@ absl::Status ValidateServeSpec(const ServeSpec& spec, std::string_view what_view
     return outside("duration", Num(spec.duration_s), "(0, 86400] s");
   if (spec.warmup < 0 || spec.warmup > 100000) return outside("warmup", spec.warmup, "[0, 100000]");
   if (spec.chunk < 0 || spec.chunk > 65536) return outside("chunk", spec.chunk, "[0, 65536]");
+  if (spec.prefill_tokens < 0 || spec.prefill_tokens > 1048576)
+    return outside("prefill_tokens", spec.prefill_tokens, "[0, 1048576]");
+  if (spec.prefill_tokens > 0 && spec.prefill_tokens < spec.chunk)
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " field 'prefill_tokens': ", spec.prefill_tokens, " is less than the chunk (",
+        spec.chunk, "): a step feeds one chunk at least"));
   if (spec.concurrency.empty() && spec.rate.empty())
     return absl::InvalidArgumentError(
         absl::StrCat(what,
@@ -157,13 +163,15 @@ absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
       RETURN_IF_ERROR(as_int(&spec.warmup, 0, 100000));
     } else if (field == "chunk") {
       RETURN_IF_ERROR(as_int(&spec.chunk, 0, 65536));
+    } else if (field == "prefill_tokens") {
+      RETURN_IF_ERROR(as_int(&spec.prefill_tokens, 0, 1048576));
     } else if (field == "seed") {
       if (!absl::SimpleAtoi(value, &spec.seed)) return FieldError(field, value, "an integer");
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown --serve field '", field,
                        "' (known: concurrency, rate, max_concurrency, isl, osl, requests, "
-                       "duration, warmup, chunk, seed)"));
+                       "duration, warmup, chunk, prefill_tokens, seed)"));
     }
   }
   RETURN_IF_ERROR(ValidateServeSpec(spec));
@@ -187,6 +195,8 @@ std::string ServeSpecString(const ServeSpec& spec) {
   if (spec.duration_s > 0) items.push_back(absl::StrCat("duration=", Num(spec.duration_s)));
   items.push_back(absl::StrCat("warmup=", spec.warmup));
   items.push_back(absl::StrCat("chunk=", spec.chunk));
+  if (spec.prefill_tokens > 0)
+    items.push_back(absl::StrCat("prefill_tokens=", spec.prefill_tokens));
   items.push_back(absl::StrCat("seed=", spec.seed));
   return absl::StrJoin(items, ",");
 }
@@ -260,7 +270,9 @@ std::string ServeWorkloadKey(const ServeSpec& spec, const Slo& slo) {
                    ",osl=", Length(spec.osl_min, spec.osl_max));
   if (spec.requests > 0) absl::StrAppend(&key, ",requests=", spec.requests);
   if (spec.duration_s > 0) absl::StrAppend(&key, ",duration=", Num(spec.duration_s));
-  absl::StrAppend(&key, ",warmup=", spec.warmup, ",chunk=", spec.chunk, ",seed=", spec.seed);
+  absl::StrAppend(&key, ",warmup=", spec.warmup, ",chunk=", spec.chunk);
+  if (spec.prefill_tokens > 0) absl::StrAppend(&key, ",prefill_tokens=", spec.prefill_tokens);
+  absl::StrAppend(&key, ",seed=", spec.seed);
   if (!slo.empty()) absl::StrAppend(&key, ";slo:", SloString(slo));
   return key;
 }
@@ -298,6 +310,7 @@ json ToJson(const ServeSpec& spec) {
           {"duration_s", spec.duration_s},
           {"warmup", spec.warmup},
           {"chunk", spec.chunk},
+          {"prefill_tokens", spec.prefill_tokens},
           {"seed", spec.seed}};
 }
 
@@ -322,6 +335,7 @@ absl::StatusOr<ServeSpec> ServeSpecFromJson(const json& j, std::string_view wher
   RETURN_IF_ERROR(Read(j, "duration_s", &spec.duration_s, where));
   RETURN_IF_ERROR(Read(j, "warmup", &spec.warmup, where));
   RETURN_IF_ERROR(Read(j, "chunk", &spec.chunk, where));
+  RETURN_IF_ERROR(Read(j, "prefill_tokens", &spec.prefill_tokens, where));
   RETURN_IF_ERROR(Read(j, "seed", &spec.seed, where));
   RETURN_IF_ERROR(ValidateServeSpec(spec, where_view));
   return spec;

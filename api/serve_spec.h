@@ -28,6 +28,11 @@ struct ServeSpec {
   double duration_s = 0;           // issue timed requests for this long instead (or requests)
   int warmup = 0;  // requests served first at each load point, left out of the figures
   int chunk = 0;   // prefill tokens a step takes (chunked prefill); 0: a whole prompt
+  // Prompt tokens a step feeds over every prefilling sequence (vLLM's max_num_batched_tokens,
+  // less the decode rows): each takes its next chunk (or whole prompt) while the sum stays
+  // within it, the oldest first, one at least. 0: one chunk a step (chunk > 0) or every
+  // waiting prompt whole (chunk 0).
+  int prefill_tokens = 0;
   uint64_t seed = 1;
 };
 
@@ -65,6 +70,7 @@ std::vector<LoadPoint> LoadPoints(const ServeSpec& spec);
 
 // The spec's part of a serving result's identity: what changes its figures, less the load
 // points (each figure carries its own): "serve:isl=64,osl=16,requests=8,warmup=0,chunk=0,seed=1"
+// (",prefill_tokens=N" after the chunk when set)
 // with ";slo:ttft_ms=2000,tpot_ms=50,percentile=99" when an SLO gives the goodput.
 std::string ServeWorkloadKey(const ServeSpec& spec, const Slo& slo);
 // A ServeWorkloadKey text back into its canonical form (for validating --workload arguments).
@@ -72,7 +78,8 @@ absl::StatusOr<std::string> CanonicalServeWorkloadKey(std::string_view text);
 inline constexpr char kServeWorkloadKeyPrefix[] = "serve:";
 
 // As JSON objects: {"concurrency": [...], "rate": [...], "max_concurrency", "isl_min",
-// "isl_max", "osl_min", "osl_max", "requests", "duration_s", "warmup", "chunk", "seed"} and
+// "isl_max", "osl_min", "osl_max", "requests", "duration_s", "warmup", "chunk",
+// "prefill_tokens" (optional), "seed"} and
 // {"ttft_ms", "tpot_ms", "percentile"} (bounds null when absent). Parsers check types and
 // validate; errors name the field under `where`.
 nlohmann::json ToJson(const ServeSpec& spec);

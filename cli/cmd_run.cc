@@ -135,9 +135,15 @@ int RunServing(const RunArgs& args) {
                    length(spec->isl_min, spec->isl_max), ", osl ",
                    length(spec->osl_min, spec->osl_max), ", prefill chunk ",
                    spec->chunk > 0 ? absl::StrCat(spec->chunk, " tokens") : "whole prompts",
+                   spec->prefill_tokens > 0
+                       ? absl::StrCat(", up to ", spec->prefill_tokens, " prompt tokens a step")
+                       : "",
                    ", seed ", spec->seed),
-      "verdict: every served request's greedy tokens against the same request run alone "
-      "(lockstep batch 1); times are wall clock, ms",
+      absl::StrCat("verdict: fp32 configs: every served request's greedy tokens against the same "
+                   "request run alone; others: the verdict's KL/top-1 ceilings on teacher-forced "
+                   "logits of served requests (under ",
+                   kServedReferenceTokens,
+                   " tokens) against the reference; times are wall clock, ms"),
   };
   if (!slo.empty())
     header.push_back(absl::StrCat(

@@ -32,9 +32,8 @@ constexpr const char* kTopLevelKeys[] = {"name",     "model",   "layers",   "see
 constexpr const char* kWorkloadKeys[] = {"mode",    "prompt", "output", "batch",
                                          "repeats", "warmup", "timeout"};
 constexpr const char* kServingWorkloadKeys[] = {
-    "mode", "concurrency", "rate",     "max_concurrency", "isl",
-    "osl",  "requests",    "duration", "warmup",          "chunk",
-    "seed", "slo",         "timeout"};
+    "mode",     "concurrency", "rate",  "max_concurrency", "isl",  "osl", "requests",
+    "duration", "warmup",      "chunk", "prefill_tokens",  "seed", "slo", "timeout"};
 constexpr const char* kSloKeys[] = {"ttft_ms", "tpot_ms", "percentile"};
 constexpr const char* kSelectorKeys[] = {"sm", "gpu_name", "min_memory_gb", "gpus", "p2p"};
 
@@ -331,6 +330,8 @@ absl::Status ParseServingWorkload(const Parser& p, const Entry& e, const std::ve
       ASSIGN_OR_RETURN(spec.warmup, p.Int(f.value, field, 0, 100000));
     } else if (f.key == "chunk") {
       ASSIGN_OR_RETURN(spec.chunk, p.Int(f.value, field, 0, 65536));
+    } else if (f.key == "prefill_tokens") {
+      ASSIGN_OR_RETURN(spec.prefill_tokens, p.Int(f.value, field, 0, 1048576));
     } else if (f.key == "seed") {
       ASSIGN_OR_RETURN(std::string text, p.Text(f.value, field));
       if (!absl::SimpleAtoi(text, &spec.seed))

@@ -136,23 +136,27 @@ absl::Status RunPhase(Model& model, const ServeSpec& spec, const Phase& phase,
       return absl::OkStatus();
     }
 
-    // Every decoding sequence gives one row; prefills take their whole prompts (chunk 0) or the
-    // oldest prefilling sequence takes the next `chunk` tokens of its prompt, so a prompt's
-    // pieces start at multiples of the chunk whatever else is running.
+    // Every decoding sequence gives one row; prefilling sequences, oldest first, take their next
+    // `chunk` tokens (their whole prompts with chunk 0) while the step's prompt tokens stay
+    // within prefill_tokens (one sequence at least; with prefill_tokens 0, one sequence when
+    // chunking, else all). A prompt's pieces start at multiples of the chunk whatever else runs.
     chunks.clear();
     owner.clear();
     prefill.clear();
-    bool chunk_taken = false;
+    int prefilling = 0, prompt_tokens = 0;
     for (size_t i = 0; i < running.size(); ++i) {
       Running& r = running[i];
       ServedRequest& s = (*served)[r.served];
       const int isl = static_cast<int>(s.request.prompt.size());
       if (r.fed < isl) {
-        if (spec.chunk > 0 && chunk_taken) continue;
         const int take = spec.chunk > 0 ? std::min(spec.chunk, isl - r.fed) : isl;
+        const bool room =
+            spec.prefill_tokens > 0 ? prompt_tokens + take <= spec.prefill_tokens : spec.chunk == 0;
+        if (prefilling > 0 && !room) continue;
         chunks.push_back({r.slot, std::span<const int32_t>(s.request.prompt).subspan(r.fed, take)});
         prefill.push_back(take);
-        chunk_taken = true;
+        ++prefilling;
+        prompt_tokens += take;
       } else {
         chunks.push_back({r.slot, std::span<const int32_t>(&s.tokens.back(), 1)});
         prefill.push_back(0);

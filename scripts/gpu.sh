@@ -275,14 +275,14 @@ for r in csv.reader(sys.stdin):
     python3 scripts/ncu_table.py "$OUT/ncu_hybrid.csv" ;;
   serve)  # issue 33 on the H200: qwen3-30b-a3b bf16, 48 layers, ISL 1024 / OSL 256, the fast
     # graphs=on config: lockstep batch 1 and 64, then served at concurrency 1, 8, 10 (the vLLM
-    # anchor's), 64 and 256, one prompt prefilled a step (chunk 1024), and
+    # anchor's), 64 and 256, prompts prefilled in 1024-token chunks, up to 8,192 a step, and
     # the highest concurrency meeting TTFT p99 <= 2 s and TPOT p99 <= 50 ms
     c=${SERVE_CONFIG:-device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on}
     $B run --model preset:qwen3-30b-a3b --config "$c" \
       --workload prompt=1024,output=256,batch=1:64,repeats=3,warmup=1,timeout=900 \
       --json "$OUT/serve_lockstep.json" 2>&1 | tee "$OUT/serve_lockstep.log" | grep -vE "timed by"
     $B run --model preset:qwen3-30b-a3b --config "$c" \
-      --serve "${SERVE_LOAD:-concurrency=1:8:10:64:256,isl=1024,osl=256,duration=4,warmup=1,chunk=1024}" \
+      --serve "${SERVE_LOAD:-concurrency=1:8:10:64:256,isl=1024,osl=256,duration=4,warmup=1,chunk=1024,prefill_tokens=8192}" \
       --slo "${SERVE_SLO:-ttft_ms=2000,tpot_ms=50}" \
       --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" ;;
   hybrid_397b)  # qwen3.5-397b-a17b@nvfp4, 4 layers: every config judged, none CRASHED

@@ -188,6 +188,29 @@ TEST(Serving, ChunkedPrefillBesideDecodeRowsMatchesLoneRuns) {
   ExpectAllMatch(trial, spec);
 }
 
+// A prefill token budget feeds several prompts' chunks in one step (vLLM's
+// max_num_batched_tokens): tokens still equal the lone runs', and the prompts are in sooner.
+TEST(Serving, PrefillTokenBudgetFeedsSeveralChunksAStep) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto model = CreateModel(*host, kCpu);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ServeSpec one = Spec("concurrency=4,isl=24,osl=4,requests=4,chunk=6");
+  const ServeSpec budget = Spec("concurrency=4,isl=24,osl=4,requests=4,chunk=6,prefill_tokens=24");
+  auto one_a_step = RunLoadPoint(**model, one, {false, 4, 0}, {});
+  auto four_a_step = RunLoadPoint(**model, budget, {false, 4, 0}, {});
+  ASSERT_TRUE(one_a_step.ok() && four_a_step.ok());
+  // One chunk a step: 16 prefill steps for four 24-token prompts, then the last one's 3 decodes.
+  EXPECT_EQ(one_a_step->steps, 16 + 3);
+  // Four chunks a step: 4 steps feed every prompt, then 3 decode steps.
+  EXPECT_EQ(four_a_step->steps, 4 + 3);
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, budget, {});
+  ExpectAllMatch(trial, budget);
+  EXPECT_THAT(ServeWorkloadKey(budget, {}), HasSubstr(",chunk=6,prefill_tokens=24,seed="));
+  EXPECT_THAT(ServeWorkloadKey(one, {}), Not(HasSubstr("prefill_tokens")));
+  EXPECT_EQ(Spec(ServeSpecString(budget)).prefill_tokens, 24);
+}
+
 TEST(Serving, TinyMoeAtPoissonRateMatchesLoneRuns) {
   auto host = LoadPreset("tiny-moe");
   ASSERT_NE(host, nullptr);
@@ -575,6 +598,8 @@ TEST(ServeSpec, BadInputNamesTheField) {
       {"concurrency=1,requests=2,max_concurrency=4", "'max_concurrency'"},
       {"concurrency=1,requests=2,speed=4", "unknown --serve field 'speed'"},
       {"concurrency=1,requests", "field=value"},
+      {"concurrency=1,requests=2,chunk=8,prefill_tokens=4", "'prefill_tokens'"},
+      {"concurrency=1,requests=2,prefill_tokens=-1", "'prefill_tokens'"},
   };
   for (const auto& [text, want] : cases) {
     auto spec = ParseServeSpec(text);
