@@ -219,6 +219,27 @@ for r in csv.reader(sys.stdin):
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
     done ;;
+  quant_batch)  # issue 36: the quantized grouped MMA kernels' GPU tests, then qwen3-30b-a3b
+    # quantized on the host at batch 1 and 64 (graphs=on) and prefill 2048 (graphs=off),
+    # QUANT_FORMATS (default fp8_channel nvfp4), QUANT_SHAPES (graphs:workload, default both)
+    gpu_tests .carry/gpu_quant_test 300 gpu_quant_test.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='*Grouped*:*MoeExpert*:*DenseQuantMma*'
+    for f in ${QUANT_FORMATS:-fp8_channel nvfp4}; do
+      q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
+      for shape in ${QUANT_SHAPES:-"on:prompt=512,output=64,batch=1:64" "off:prompt=2048,output=2,batch=1"}; do
+        set -- ${shape/:/ }
+        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=$1,qgemm=$q" \
+          --workload "$2,repeats=3,warmup=1,timeout=900" --json "$OUT/quant_batch_${f}_$1.json" 2>&1 |
+          tee "$OUT/quant_batch_${f}_$1.log" | grep -vE "timed by"
+      done
+    done
+    # an expert's channel scale x1000 under the grouped kernels (batch 64): INCORRECT
+    $B run --model preset:qwen3-30b-a3b --layers 4 --quantize fp8_channel \
+      --test-inject-fault bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight \
+      --config device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,qgemm=w8a16 \
+      --workload prompt=128,output=8,batch=64,repeats=1,warmup=0,timeout=600 2>&1 |
+      grep -E " OK | INCORRECT|reason" | cut -c1-300 ;;
   quant_host)  # host quantization of qwen3-30b-a3b: seconds per layer (no GPU work)
     .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |
       tee "$OUT/quantize_bench.log" ;;

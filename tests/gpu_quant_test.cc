@@ -9,12 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #endif
 
@@ -142,7 +144,8 @@ TEST_F(GpuQuant, DequantizeMatchesTheCpuExactly) {
         ASSERT_EQ(got[i], cpu[i]) << "element " << i;
         ASSERT_EQ(got_bf16[i], FloatToBf16(cpu[i])) << "element " << i;
         ASSERT_EQ(got_many[i], FloatToBf16(cpu[i])) << "many, first copy, element " << i;
-        ASSERT_EQ(got_many[cpu.size() + i], FloatToBf16(cpu[i])) << "many, second copy, element " << i;
+        ASSERT_EQ(got_many[cpu.size() + i], FloatToBf16(cpu[i]))
+            << "many, second copy, element " << i;
         ASSERT_EQ(got_unaligned[i + 1], FloatToBf16(cpu[i])) << "unaligned, element " << i;
       }
     }
@@ -447,6 +450,168 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
           }
           ASSERT_NEAR(y[r * c.hidden + j], want, 4e-6 * magnitude + 1e-30)
               << "y row " << r << " out " << j;
+        }
+    }
+  }
+}
+
+// moe=fused's quantized grouped MMA kernels (MoeGrouped with quant tables, qgemm=w8a16 / w4a16 at
+// 4+ rows): h = silu(gate) * up rounded to bf16 and the weighted combine of down(h) into the
+// residual (one expert skipped), against double sums over the CPU's exact dequantization with
+// the bf16-rounded inputs the kernels read. Shapes: qwen3-30b-a3b's at batch 16 (the 4-tile
+// kernels), a batch whose tiles and features do not fill a pass, and more than 24 pairs an
+// expert (the 8-tile kernels). FP8 block-128 is refused.
+TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
+  struct Case {
+    int hidden, inter, experts, k, rows;
+  };
+  const Case cases[] = {{2048, 768, 128, 8, 16}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}};
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows));
+      DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);
+      DeviceExperts up(format, c.experts, c.inter, c.hidden, 200);
+      DeviceExperts down(format, c.experts, c.hidden, c.inter, 300);
+      const bool supported = cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t);
+      if (format == QuantFormat::kFp8Block128) {
+        EXPECT_FALSE(supported);
+        continue;
+      }
+      ASSERT_TRUE(supported);
+      const int pairs = c.rows * c.k;
+      std::vector<int> ids(pairs);
+      std::vector<float> route(pairs);
+      std::mt19937 rng(11);
+      for (int p = 0; p < pairs; ++p) {
+        ids[p] = static_cast<int>(rng() % c.experts);
+        route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
+      }
+      const int skip = ids[1];
+      const std::vector<float> x_raw = RandomValues(c.rows * c.hidden, 61);
+      std::vector<uint16_t> x_bf16(x_raw.size());
+      std::vector<float> x(x_raw.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        x_bf16[i] = FloatToBf16(x_raw[i]);
+        x[i] = Bf16ToFloat(x_bf16[i]);
+      }
+      const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
+      int* dids = ToDevice(ids);
+      float* droute = ToDevice(route);
+      uint16_t* dx = ToDevice(x_bf16);
+      float* dy = ToDevice(y0);
+      int *offsets = nullptr, *sorted = nullptr;
+      uint16_t* dh = nullptr;
+      float* dout = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&offsets, (c.experts + 1) * sizeof(int)));
+      CUDA_EXPECT_OK(cudaMalloc(&sorted, pairs * sizeof(int)));
+      CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
+      CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
+      const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
+      cuda::MoeGroupedArgs a;
+      a.x_bf16 = dx;
+      a.rows = c.rows;
+      a.k = c.k;
+      a.num_experts = c.experts;
+      a.hidden = c.hidden;
+      a.inter = c.inter;
+      a.expert_ids = dids;
+      a.expert_weights = droute;
+      a.skip_expert = skip;
+      a.offsets = offsets;
+      a.sorted_pairs = sorted;
+      a.h = dh;
+      a.out = dout;
+      a.y = dy;
+      a.quant = tables;
+      cuda::MoeGrouped(a, nullptr);
+      CUDA_EXPECT_OK(cudaGetLastError());
+      CUDA_EXPECT_OK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> h_bits = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
+      const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
+      for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+                      static_cast<void*>(dy), static_cast<void*>(offsets),
+                      static_cast<void*>(sorted), static_cast<void*>(dh), static_cast<void*>(dout)})
+        cudaFree(p);
+      std::vector<float> h(h_bits.size());
+      for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
+
+      for (int p = 0; p < pairs; ++p) {
+        if (ids[p] == skip) continue;  // the skipped expert's pairs are never bucketed
+        const float* xr = x.data() + (p / c.k) * c.hidden;
+        for (int i = 0; i < c.inter; ++i) {
+          auto [g, gm] = ExactDot(xr, gate.dequantized[ids[p]], i, c.hidden);
+          auto [u, um] = ExactDot(xr, up.dequantized[ids[p]], i, c.hidden);
+          const double want = g / (1 + std::exp(-g)) * u;
+          // the tensor cores' fp32 sums of exact products, then one bf16 rounding of h
+          const double tol = 1e-5 * (gm * std::fabs(u) + um * std::fabs(g)) +
+                             std::ldexp(std::fabs(want), -8) + 1e-30;
+          ASSERT_NEAR(h[static_cast<size_t>(p) * c.inter + i], want, tol)
+              << "h pair " << p << " out " << i;
+        }
+      }
+      for (int r = 0; r < c.rows; ++r)
+        for (int j = 0; j < c.hidden; ++j) {
+          double want = y0[r * c.hidden + j], magnitude = std::fabs(want);
+          for (int slot = 0; slot < c.k; ++slot) {
+            const int p = r * c.k + slot;
+            if (ids[p] == skip) continue;
+            auto [d, dm] = ExactDot(h.data() + static_cast<size_t>(p) * c.inter,
+                                    down.dequantized[ids[p]], j, c.inter);
+            want += route[p] * d;
+            magnitude += route[p] * dm;
+          }
+          ASSERT_NEAR(y[r * c.hidden + j], want, 1e-5 * magnitude + 1e-30)
+              << "y row " << r << " out " << j;
+        }
+    }
+  }
+}
+
+// GemmQuantMma (qgemm=w8a16 / w4a16 dense linears at 8+ rows): y = W . x with x rounded to bf16,
+// against double sums over the CPU's exact dequantization; out features that do not fill a
+// 16-row tile or a 64-feature block, 4- and 8-tile passes. FP8 block-128 is refused.
+TEST_F(GpuQuant, DenseQuantMmaMatchesTheExactDequantReference) {
+  struct Case {
+    int64_t n, k;
+    int rows;
+  };
+  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}};
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
+                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
+      const std::vector<float> w = RandomValues(c.n * c.k, 71);
+      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
+      ASSERT_TRUE(q.ok()) << q.status();
+      const std::vector<float> dq = DequantizeMatrix(q->View());
+      DeviceMatrix dm(*q);
+      if (format == QuantFormat::kFp8Block128) {
+        EXPECT_FALSE(cuda::GemmQuantMmaSupports(dm.ref));
+        continue;
+      }
+      ASSERT_TRUE(cuda::GemmQuantMmaSupports(dm.ref));
+      const std::vector<float> x_raw = RandomValues(c.rows * c.k, 73);
+      std::vector<uint16_t> x_bf16(x_raw.size());
+      std::vector<float> x(x_raw.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        x_bf16[i] = FloatToBf16(x_raw[i]);
+        x[i] = Bf16ToFloat(x_bf16[i]);
+      }
+      uint16_t* dx = ToDevice(x_bf16);
+      float* dy = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
+      cuda::GemmQuantMma(dx, c.rows, dm.ref, dy, nullptr);
+      CUDA_EXPECT_OK(cudaGetLastError());
+      CUDA_EXPECT_OK(cudaDeviceSynchronize());
+      const std::vector<float> y = ToHost(dy, c.rows * c.n);
+      cudaFree(dx);
+      cudaFree(dy);
+      for (int m = 0; m < c.rows; ++m)
+        for (int64_t n = 0; n < c.n; ++n) {
+          auto [want, magnitude] = ExactDot(x.data() + m * c.k, dq, n, c.k);
+          ASSERT_NEAR(y[m * c.n + n], want, 1e-5 * magnitude + 1e-30)
+              << "[" << m << ", " << n << "]";
         }
     }
   }

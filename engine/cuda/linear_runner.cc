@@ -67,6 +67,12 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     if (!copy.ok()) return copy.status();
     if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
+  } else if (w.quantized() && x_bf16 && rows >= cuda::kQuantMmaMinRows &&
+             cuda::GemmQuantMmaSupports(w)) {
+    // qgemm=w4a16|w8a16 on a decode batch: the codes decoded in registers onto tensor cores,
+    // every weight read once a pass of 32 or 64 rows (the GEMV below re-reads it every 4).
+    cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
+    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
     const bool fp4 = w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
     if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))

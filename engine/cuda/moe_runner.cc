@@ -138,15 +138,27 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
                            cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
   // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
   // (xn_bf16_): the norm writes it (the GEMV path converts its xn).
-  // qgemm=w4a16|w8a16 prefill chunks: the experts dequantized into bf16 (PrefillExpertCopies)
-  // take the grouped MMA kernels.
-  const bool quant_prefill = quant_experts && n > 1 && rows >= cuda::kMoeGroupedMinRows &&
-                             cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
-                             ExpertsQuantizedAlike(l);
-  const bool bf16_input =
-      grouped_mma || quant_prefill || options_.moe == Moe::kGrouped || long_prefill;
-  if (LaunchRecording())
-    RecordMoeFallbacks(l, rows, n, gemv, grouped_mma, quant_prefill, long_prefill, many_pairs);
+  // qgemm=w4a16|w8a16 at 4+ rows (decode batches and prefill chunks): the quantized grouped MMA
+  // kernels decode the codes in registers. Formats they do not take (fp8 block-128) keep the
+  // per-pair kernels at decode and, in prefill chunks, the experts dequantized into bf16
+  // (PrefillExpertCopies) through the bf16 grouped kernels.
+  const bool quant_grouped_shape = quant_experts && rows >= cuda::kMoeGroupedMinRows &&
+                                   cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
+                                   ExpertsQuantizedAlike(l);
+  const bool quant_grouped =
+      quant_grouped_shape &&
+      cuda::MoeGroupedQuantSupports(view_->quant_tables[l][0], view_->quant_tables[l][1],
+                                    view_->quant_tables[l][2]);
+  const bool quant_prefill = quant_grouped_shape && n > 1 && !quant_grouped;
+  const bool bf16_input = grouped_mma || quant_grouped || quant_prefill ||
+                          options_.moe == Moe::kGrouped || long_prefill;
+  if (LaunchRecording()) {
+    RecordMoeFallbacks(l, rows, n, gemv, grouped_mma || quant_grouped, quant_prefill, long_prefill,
+                       many_pairs);
+    if (quant_grouped && options_.moe == Moe::kWgmma && many_pairs)
+      RecordFallback(absl::StrCat("moe=wgmma: quantized experts, ", rows,
+                                  " rows: the quantized mma.sync grouped kernels, not wgmma"));
+  }
   // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
   // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
   if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn
@@ -163,9 +175,11 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
   }
   cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                    expert_weights_, stream_);
-  if (grouped_mma || quant_prefill) {
+  if (grouped_mma || quant_grouped || quant_prefill) {
     std::array<const uint16_t* const*, 3> tables{};
-    if (quant_prefill) {
+    if (quant_grouped) {
+      // the quantized tables below
+    } else if (quant_prefill) {
       auto copies = PrefillExpertCopies(l);
       if (!copies.ok()) return copies.status();
       tables = *copies;
@@ -196,6 +210,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
     // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
     // ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding there.
     a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
+    if (quant_grouped) a.quant = view_->quant_tables[l].data();
     cuda::MoeGrouped(a, stream_);
     CHECK_LAUNCH();
   } else if (quant_experts && n == 1) {

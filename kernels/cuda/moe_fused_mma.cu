@@ -10,12 +10,14 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
+#include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kWarps = 4;                // per block; a warp owns 16 output features
+constexpr int kWarps = 4;  // per block; a warp owns 16 output features
 constexpr int kBlockFeatures = 16 * kWarps;
 
 __device__ __forceinline__ int CeilDivDevice(int a, int b) { return (a + b - 1) / b; }
@@ -37,8 +39,10 @@ __device__ __forceinline__ void Mma16816(float* c, uint32_t a0, uint32_t a1, uin
 // [8t, 8t + 8) of weight rows g and g + 8 (lo, hi) and of input column g (b), one 16-byte load
 // each. m16n8k16 gives that lane logical k {2t, 2t+1, 2t+8, 2t+9} of A and B alike; the first MMA
 // maps them to physical [8t, 8t + 4), the second to [8t + 4, 8t + 8). The same permutation of k
-// on both operands leaves every dot product unchanged, and no lane needs a shuffle or a 4-byte load.
-__device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4& hi, const uint4& b) {
+// on both operands leaves every dot product unchanged, and no lane needs a shuffle or a 4-byte
+// load.
+__device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4& hi,
+                                         const uint4& b) {
   Mma16816(c, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
   Mma16816(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
@@ -212,7 +216,8 @@ __device__ __forceinline__ void PairRows(const int* sorted, int first, int count
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
     const int s = base + 8 * j + g;
-    out[j] = s < count ? reinterpret_cast<const uint4*>(rows + (sorted[first + s] / row_div) * row_stride) + t
+    const int pair = sorted ? sorted[first + s] : s;  // null: one dense matrix, rows in order
+    out[j] = s < count ? reinterpret_cast<const uint4*>(rows + (pair / row_div) * row_stride) + t
                        : nullptr;
   }
 }
@@ -239,7 +244,7 @@ __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
                                              int chunks, uint4 (&a)[kUnroll][2 * kMats],
                                              float (&acc)[kMats][kTiles][4]) {
   uint4 b[kUnroll][2 * kMats];
-  auto compute = [&](const uint4 (&stage)[kUnroll][2 * kMats], int c0) {
+  auto compute = [&](const uint4(&stage)[kUnroll][2 * kMats], int c0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (c0 + u >= chunks) break;
@@ -248,7 +253,8 @@ __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
         if (j >= tiles) break;  // warp-uniform
         const uint4 x = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int m = 0; m < kMats; ++m) MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+        for (int m = 0; m < kMats; ++m)
+          MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
       }
     }
   };
@@ -269,7 +275,7 @@ __device__ __forceinline__ void ForEachOutput(const int* sorted, int first, int 
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int s = base + 8 * j + 2 * t + q;
-    if (s < count) put(sorted[first + s], c[q], c[2 + q]);
+    if (s < count) put(sorted ? sorted[first + s] : s, c[q], c[2 + q]);
   }
 }
 
@@ -293,7 +299,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                              reinterpret_cast<const uint4*>(up[e] + lo_row * hidden) + t,
                              reinterpret_cast<const uint4*>(up[e] + hi_row * hidden) + t};
   uint4 a[kUnroll][4];
-  LoadStage<2, kUnroll>(w, 0, chunks, a);  // the weights do not depend on the routing: before the wait
+  LoadStage<2, kUnroll>(w, 0, chunks,
+                        a);  // the weights do not depend on the routing: before the wait
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
@@ -352,11 +359,279 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Quantized experts on the same tensor-core tiles (qgemm=w8a16 / w4a16 at 4+ rows, decode
+// batches and prefill chunks alike). A lane's 16-byte load of codes is one "unit" of kRuns runs
+// of 8 weights (FP8: 16 codes, 2 runs; FP4: 32 codes, 4 runs): run s of lane t covers k
+// [U0 + 8 kRuns t + 8s, +8) of the unit starting at U0 = 32 kRuns U. Each run is decoded into 8
+// exact bf16 weights and fed to MmaChunk with the activations of the same k (the order of k
+// within a unit is the same permutation for weights and inputs, so every dot product is
+// unchanged). What multiplies a whole row (FP8 tensor / channel scales, NVFP4's scale_2, and the
+// 2^8 of the FP8 decode below) scales the fp32 sums at the end; the FP4 group scales (times
+// 2^14, see the decode) multiply the decoded weights, exactly: E2M1 x E4M3 or x E8M0 products
+// have at most 6 significant bits, within bf16's 8.
+// Napkin math, batch 64 on qwen3-30b-a3b: 126 experts x 3 x 768 x 2048 weights a layer = 595 M
+// weights: 335 MB NVFP4 (75 us at 4.46 TB/s), 595 MB FP8 (133 us); the decode is ~6 integer and
+// conversion instructions per weight once per pass (~45 us of issue over 132 SMs), the MMAs the
+// same ~5 us as bf16's.
+template <QuantFormat F>
+constexpr int QuantRuns() {
+  return IsFp4(F) ? 4 : 2;
+}
+
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
+// The scale bits of one unit of a row: NVFP4 its two E4M3 group scales (one 16-bit load), MXFP4
+// its E8M0 scale; FP8 tensor / channel have none. `scales` points at the lane's first unit.
+template <QuantFormat F>
+__device__ __forceinline__ uint32_t LoadUnitScale(const void* scales, int unit) {
+  if constexpr (F == QuantFormat::kNvfp4)
+    return __ldg(static_cast<const uint16_t*>(scales) + 4 * unit);
+  else if constexpr (F == QuantFormat::kMxfp4)
+    return __ldg(static_cast<const uint8_t*>(scales) + 4 * unit);
+  else
+    return 0;
+}
+
+// Run s (0 <= s < QuantRuns<F>()) of a unit as 8 bf16 weights, element i in half i of the
+// result. FP8: codes to f16 bit patterns by shifts (the E4M3 sign, exponent and mantissa land
+// in f16's sign and low exponent and mantissa bits: the value times 2^-8, subnormals included;
+// the NaN code is not a weight a checkpoint holds), widened to fp32 and packed to bf16, exact.
+// FP4: E2M1PairToF16x2Bits (the value times 2^-14), times the group scale times 2^14.
+template <QuantFormat F>
+__device__ __forceinline__ uint4 DecodeRun(const uint4& codes, uint32_t scale_bits, int s) {
+  if constexpr (IsFp4(F)) {
+    const uint32_t word = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
+    float group;
+    if constexpr (F == QuantFormat::kNvfp4)
+      group = E4M3ToFloat(static_cast<uint8_t>(s < 2 ? scale_bits & 0xffu : scale_bits >> 8));
+    else
+      group = E8M0ToFloat(static_cast<uint8_t>(scale_bits));
+    group *= kE2M1F16Scale;
+    float2 p[4];  // p[j] = elements j and j + 4
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = HalfBitsToFloat2(E2M1PairToF16x2Bits(word >> (4 * j)));
+    return make_uint4(
+        PackBf16x2(p[0].x * group, p[1].x * group), PackBf16x2(p[2].x * group, p[3].x * group),
+        PackBf16x2(p[0].y * group, p[1].y * group), PackBf16x2(p[2].y * group, p[3].y * group));
+  } else {
+    uint32_t out[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // word h of the run: elements 4h .. 4h + 3, one per byte
+      const uint32_t w = h == 0 ? (s == 0 ? codes.x : codes.z) : (s == 0 ? codes.y : codes.w);
+      const float2 even = HalfBitsToFloat2(((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u));
+      const float2 odd = HalfBitsToFloat2((w & 0x80008000u) | ((w >> 1) & 0x3f803f80u));
+      out[2 * h] = PackBf16x2(even.x, odd.x);      // bytes 0, 1
+      out[2 * h + 1] = PackBf16x2(even.y, odd.y);  // bytes 2, 3
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+// Expert e's codes, scales and global scale (the one matrix when the table has no codes table).
+__device__ __forceinline__ const void* TableCodes(const QuantExpertTable& t, int e) {
+  return t.codes ? t.codes[e] : t.matrix_codes;
+}
+__device__ __forceinline__ const void* TableScales(const QuantExpertTable& t, int e) {
+  return t.codes ? t.scales[e] : t.matrix_scales;
+}
+__device__ __forceinline__ const void* TableGlobalScale(const QuantExpertTable& t, int e) {
+  return t.codes ? t.global_scales[e] : t.matrix_global_scale;
+}
+
+// What multiplies row `row` of expert e's sums: FP8 its tensor or channel scale times 2^8,
+// NVFP4 its scale_2, MXFP4 1.
+template <QuantFormat F>
+__device__ __forceinline__ float QuantRowFactor(const QuantExpertTable& t, int e, int64_t row) {
+  if constexpr (F == QuantFormat::kNvfp4) {
+    return __ldg(static_cast<const float*>(TableGlobalScale(t, e)));
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    return 1.f;
+  } else {
+    const int64_t i = F == QuantFormat::kFp8Tensor ? 0 : row;
+    const void* s = TableScales(t, e);
+    const float scale = t.scale_dtype == DType::kF32 ? __ldg(static_cast<const float*>(s) + i)
+                        : t.scale_dtype == DType::kBF16
+                            ? Bf16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i))
+                            : F16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i));
+    return scale * 256.f;
+  }
+}
+
+// The lane's row `row` of expert e: its codes from the lane's first unit (offset t), its unit
+// scales likewise (FP4; null for FP8).
+template <QuantFormat F>
+__device__ __forceinline__ void QuantRowPointers(const QuantExpertTable& t, int e, int64_t row,
+                                                 int lane_t, const uint4** codes,
+                                                 const void** scales) {
+  const int64_t row_bytes = IsFp4(F) ? t.cols / 2 : t.cols;
+  *codes = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(TableCodes(t, e)) +
+                                          row * row_bytes) +
+           lane_t;
+  *scales = nullptr;
+  if constexpr (F == QuantFormat::kNvfp4)  // [rows, cols / 16] E4M3, two a 16-bit word
+    *scales = static_cast<const uint16_t*>(TableScales(t, e)) + row * (t.cols / 32) + lane_t;
+  else if constexpr (F == QuantFormat::kMxfp4)  // [rows, cols / 32] E8M0
+    *scales = static_cast<const uint8_t*>(TableScales(t, e)) + row * (t.cols / 32) + lane_t;
+}
+
+template <int kMats, int kUnroll>
+struct QuantStage {
+  uint4 codes[kUnroll][2 * kMats];
+  uint32_t scales[kUnroll][2 * kMats];
+};
+
+template <QuantFormat F, int kMats, int kUnroll>
+__device__ __forceinline__ void LoadQuantStage(const uint4* const (&w)[2 * kMats],
+                                               const void* const (&s)[2 * kMats], int u0, int units,
+                                               QuantStage<kMats, kUnroll>& stage) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (u0 + u < units)
+#pragma unroll
+      for (int m = 0; m < 2 * kMats; ++m) {
+        stage.codes[u][m] = __ldcs(w[m] + 4 * (u0 + u));
+        stage.scales[u][m] = LoadUnitScale<F>(s[m], u0 + u);
+      }
+}
+
+// StreamExpert's twin over quantized units: each run is decoded once per pass and serves every
+// pair tile. rows[j] points at the lane's first run of pair tile j's input (offset kRuns t).
+template <QuantFormat F, int kMats, int kTiles, int kUnroll>
+__device__ __forceinline__ void StreamQuantExpert(const uint4* const (&w)[2 * kMats],
+                                                  const void* const (&s)[2 * kMats],
+                                                  const uint4* const (&rows)[kTiles], int tiles,
+                                                  int units, QuantStage<kMats, kUnroll>& a,
+                                                  float (&acc)[kMats][kTiles][4]) {
+  constexpr int kRuns = QuantRuns<F>();
+  QuantStage<kMats, kUnroll> b;
+  auto compute = [&](const QuantStage<kMats, kUnroll>& stage, int u0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (u0 + u >= units) break;
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+        uint4 wv[2 * kMats];
+#pragma unroll
+        for (int m = 0; m < 2 * kMats; ++m)
+          wv[m] = DecodeRun<F>(stage.codes[u][m], stage.scales[u][m], r);
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+          if (j >= tiles) break;  // warp-uniform
+          const uint4 x =
+              rows[j] ? __ldg(rows[j] + 4 * kRuns * (u0 + u) + r) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int m = 0; m < kMats; ++m) MmaChunk(acc[m][j], wv[2 * m], wv[2 * m + 1], x);
+        }
+      }
+    }
+  };
+  for (int u0 = 0; u0 < units; u0 += 2 * kUnroll) {
+    LoadQuantStage<F, kMats, kUnroll>(w, s, u0 + kUnroll, units, b);
+    compute(a, u0);
+    LoadQuantStage<F, kMats, kUnroll>(w, s, u0 + 2 * kUnroll, units, a);
+    compute(b, u0 + kUnroll);
+  }
+}
+
+// GroupedGateUpKernel over quantized gate and up tables (same grid, tiles and output).
+template <QuantFormat F, int kTiles, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32)
+    GroupedGateUpQuantKernel(const uint16_t* x, int k, const int* offsets, const int* sorted,
+                             QuantExpertTable gate, QuantExpertTable up, uint16_t* h) {
+  constexpr int kRuns = QuantRuns<F>();
+  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int hidden = gate.cols, inter = gate.rows;
+  const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
+  const int units = hidden / (32 * kRuns);
+  const int64_t lo_row = min(f0 + g, inter - 1), hi_row = min(f0 + g + 8, inter - 1);
+  const uint4* w[4];
+  const void* s[4];
+  QuantRowPointers<F>(gate, e, lo_row, t, &w[0], &s[0]);
+  QuantRowPointers<F>(gate, e, hi_row, t, &w[1], &s[1]);
+  QuantRowPointers<F>(up, e, lo_row, t, &w[2], &s[2]);
+  QuantRowPointers<F>(up, e, hi_row, t, &w[3], &s[3]);
+  QuantStage<2, kUnroll> a;
+  LoadQuantStage<F, 2, kUnroll>(w, s, 0, units, a);  // before the wait: weights only
+  const float factor[4] = {QuantRowFactor<F>(gate, e, lo_row), QuantRowFactor<F>(gate, e, hi_row),
+                           QuantRowFactor<F>(up, e, lo_row), QuantRowFactor<F>(up, e, hi_row)};
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  const int first = offsets[e], count = offsets[e + 1] - first;
+  for (int base = 0; base < count; base += 8 * kTiles) {
+    const uint4* rows[kTiles];
+    PairRows<kTiles>(sorted, first, count, base, x, hidden, k, g, kRuns * t, rows);
+    float acc[2][kTiles][4] = {};
+    if (base > 0) LoadQuantStage<F, 2, kUnroll>(w, s, 0, units, a);
+    StreamQuantExpert<F, 2, kTiles, kUnroll>(w, s, rows, CeilDivDevice(count - base, 8), units, a,
+                                             acc);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      float silu_mul[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float gv = acc[0][j][i] * factor[i < 2 ? 0 : 1];
+        const float uv = acc[1][j][i] * factor[i < 2 ? 2 : 3];
+        silu_mul[i] = gv / (1.f + expf(-gv)) * uv;
+      }
+      ForEachOutput(sorted, first, count, base, j, t, silu_mul, [&](int pair, float lo, float hi) {
+        uint16_t* out = h + static_cast<int64_t>(pair) * inter;
+        if (f0 + g < inter) out[f0 + g] = Bf16Bits(lo);
+        if (f0 + g + 8 < inter) out[f0 + g + 8] = Bf16Bits(hi);
+      });
+    }
+  }
+}
+
+// GroupedDownKernel over a quantized down table.
+template <QuantFormat F, int kTiles, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32)
+    GroupedDownQuantKernel(const uint16_t* h, const int* offsets, const int* sorted,
+                           QuantExpertTable down, int dense_rows, float* out) {
+  constexpr int kRuns = QuantRuns<F>();
+  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int hidden = down.rows, inter = down.cols;
+  const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
+  const int units = inter / (32 * kRuns);
+  const int64_t lo_row = min(f0 + g, hidden - 1), hi_row = min(f0 + g + 8, hidden - 1);
+  const uint4* w[2];
+  const void* s[2];
+  QuantRowPointers<F>(down, e, lo_row, t, &w[0], &s[0]);
+  QuantRowPointers<F>(down, e, hi_row, t, &w[1], &s[1]);
+  QuantStage<1, kUnroll> a;
+  LoadQuantStage<F, 1, kUnroll>(w, s, 0, units, a);
+  const float factor[2] = {QuantRowFactor<F>(down, e, lo_row), QuantRowFactor<F>(down, e, hi_row)};
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  // offsets null: one dense matrix (GemmQuantMma) over dense_rows input rows in order
+  const int first = offsets ? offsets[e] : 0;
+  const int count = offsets ? offsets[e + 1] - first : dense_rows;
+  for (int base = 0; base < count; base += 8 * kTiles) {
+    const uint4* rows[kTiles];
+    PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, kRuns * t, rows);
+    float acc[1][kTiles][4] = {};
+    if (base > 0) LoadQuantStage<F, 1, kUnroll>(w, s, 0, units, a);
+    StreamQuantExpert<F, 1, kTiles, kUnroll>(w, s, rows, CeilDivDevice(count - base, 8), units, a,
+                                             acc);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      ForEachOutput(sorted, first, count, base, j, t, acc[0][j], [&](int pair, float lo, float hi) {
+        float* o = out + static_cast<int64_t>(pair) * hidden;
+        if (f0 + g < hidden) o[f0 + g] = lo * factor[0];
+        if (f0 + g + 8 < hidden) o[f0 + g + 8] = hi * factor[1];
+      });
+  }
+}
+
 // One block per row: y[r] += sum over slots (in slot order: deterministic) of w[r, slot] *
 // out[r * k + slot], skipping pairs of skip_expert. Batch 64: 4 MB read, measured 5.4 us.
 __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_ids,
-                                           const float* weights, int skip_expert, int k,
-                                           int hidden, float* y) {
+                                           const float* weights, int skip_expert, int k, int hidden,
+                                           float* y) {
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int row = blockIdx.x, quads = hidden / 4;
@@ -367,7 +642,8 @@ __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_i
       const int pair = row * k + slot;
       if (expert_ids[pair] == skip_expert) continue;
       const float wt = weights[pair];
-      const float4 v = reinterpret_cast<const float4*>(out + static_cast<int64_t>(pair) * hidden)[j];
+      const float4 v =
+          reinterpret_cast<const float4*>(out + static_cast<int64_t>(pair) * hidden)[j];
       acc.x += wt * v.x;
       acc.y += wt * v.y;
       acc.z += wt * v.z;
@@ -387,7 +663,86 @@ void LaunchExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
          static_cast<const int*>(a.sorted_pairs), a.down, a.hidden, a.inter, a.out);
 }
 
+template <QuantFormat F, int kTiles>
+void LaunchQuantExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
+  const QuantExpertTable* t = a.quant;
+  Launch(GroupedGateUpQuantKernel<F, kTiles, 2>,
+         dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts), dim3(kWarps * 32), 0, stream,
+         a.x_bf16, a.k, static_cast<const int*>(a.offsets), static_cast<const int*>(a.sorted_pairs),
+         t[0], t[1], a.h);
+  Launch(GroupedDownQuantKernel<F, kTiles, 2>,
+         dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts), dim3(kWarps * 32), 0, stream,
+         static_cast<const uint16_t*>(a.h), static_cast<const int*>(a.offsets),
+         static_cast<const int*>(a.sorted_pairs), t[2], 0, a.out);
+}
+
+template <QuantFormat F>
+void LaunchQuantExperts(const MoeGroupedArgs& a, bool many_pairs, cudaStream_t stream) {
+  if (many_pairs)
+    LaunchQuantExperts<F, 8>(a, stream);
+  else
+    LaunchQuantExperts<F, 4>(a, stream);
+}
+
 }  // namespace
+
+bool MoeGroupedQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
+                             const QuantExpertTable& down) {
+  const QuantFormat f = gate.format;
+  if (f != up.format || f != down.format) return false;
+  if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && f != QuantFormat::kNvfp4 &&
+      f != QuantFormat::kMxfp4)
+    return false;
+  const int unit = IsFp4(f) ? 128 : 64;  // weights a lane's 16-byte load holds, times 4 lanes
+  return gate.cols % unit == 0 && down.cols % unit == 0 && gate.rows == up.rows &&
+         gate.cols == up.cols && down.rows == gate.cols && down.cols == gate.rows &&
+         gate.cols % 8 == 0 && down.cols % 8 == 0;
+}
+
+bool GemmQuantMmaSupports(const MatrixRef& w) {
+  const QuantFormat f = w.quant.format;
+  if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && f != QuantFormat::kNvfp4 &&
+      f != QuantFormat::kMxfp4)
+    return false;
+  const int unit = IsFp4(f) ? 128 : 64;
+  return w.rows >= 1 && w.cols % unit == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+}
+
+void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
+                  cudaStream_t stream) {
+  QuantExpertTable t;
+  t.matrix_codes = w.data;
+  t.matrix_scales = w.quant.scale;
+  t.matrix_global_scale = w.quant.global_scale;
+  t.format = w.quant.format;
+  t.scale_dtype = w.quant.scale_dtype;
+  t.rows = static_cast<int>(w.rows);
+  t.cols = static_cast<int>(w.cols);
+  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
+  auto launch = [&](auto kernel) {
+    Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),
+           static_cast<const int*>(nullptr), t, rows, y);
+  };
+  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
+  switch (t.format) {
+    case QuantFormat::kFp8Tensor:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 4, 2>);
+      break;
+    case QuantFormat::kFp8Channel:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 4, 2>);
+      break;
+    case QuantFormat::kNvfp4:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 4, 2>);
+      break;
+    default:  // GemmQuantMmaSupports admits no other format
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 4, 2>);
+      break;
+  }
+}
 
 bool MoeGroupedSupports(int num_experts, int hidden, int inter) {
   return num_experts >= 1 && num_experts <= 1024 && hidden % 32 == 0 && inter % 32 == 0;
@@ -396,7 +751,7 @@ bool MoeGroupedSupports(int num_experts, int hidden, int inter) {
 void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert, int* offsets,
                  int* sorted_pairs, cudaStream_t stream) {
   static PerDeviceOnce configure;  // the attribute is per device
-  configure([] {  // up to 64 KB of count table for 1024 experts
+  configure([] {                   // up to 64 KB of count table for 1024 experts
     cudaFuncSetAttribute(BucketPairsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          BucketTableBytes(kBucketMaxExperts));
   });
@@ -409,14 +764,30 @@ void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
   BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.offsets, a.sorted_pairs, stream);
   // Many pairs per expert (prefill): 64 pairs a pass, so the weights are re-read less often;
   // decode batches average a few pairs per expert and keep the lighter 32-pair kernel.
-  if (a.wgmma && !MoeWgmmaSupports(a.hidden, a.inter) && LaunchRecording())
+  if (a.wgmma && !a.quant && !MoeWgmmaSupports(a.hidden, a.inter) && LaunchRecording())
     RecordFallback("moe=wgmma: hidden " + std::to_string(a.hidden) + ", inter " +
                    std::to_string(a.inter) +
                    " (the wgmma tiles take hidden % 128 == 0, inter % 64 == 0): the mma.sync "
                    "grouped kernels");
-  if (a.wgmma && MoeWgmmaSupports(a.hidden, a.inter))
+  const bool many_pairs = pairs > 24 * a.num_experts;
+  if (a.quant) {
+    switch (a.quant[0].format) {
+      case QuantFormat::kFp8Tensor:
+        LaunchQuantExperts<QuantFormat::kFp8Tensor>(a, many_pairs, stream);
+        break;
+      case QuantFormat::kFp8Channel:
+        LaunchQuantExperts<QuantFormat::kFp8Channel>(a, many_pairs, stream);
+        break;
+      case QuantFormat::kNvfp4:
+        LaunchQuantExperts<QuantFormat::kNvfp4>(a, many_pairs, stream);
+        break;
+      default:  // MoeGroupedQuantSupports admits no other format
+        LaunchQuantExperts<QuantFormat::kMxfp4>(a, many_pairs, stream);
+        break;
+    }
+  } else if (a.wgmma && MoeWgmmaSupports(a.hidden, a.inter))
     MoeWgmmaExperts(a, stream);
-  else if (pairs > 24 * a.num_experts)
+  else if (many_pairs)
     LaunchExperts<8>(a, stream);
   else
     LaunchExperts<4>(a, stream);

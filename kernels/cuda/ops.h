@@ -11,6 +11,8 @@
 
 namespace infersweep::cuda {
 
+struct QuantExpertTable;  // kernels/cuda/quant.h
+
 // Programmatic dependent launch for this thread's launches of the decode-chain kernels (GEMV,
 // q/k-norm+RoPE, flash attention, top-k, fused MoE): each kernel's weight prefetch overlaps the
 // previous kernel's tail. sm_90+.
@@ -216,8 +218,26 @@ struct MoeGroupedArgs {
   // moe=wgmma: the expert GEMMs on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h), where
   // MoeWgmmaSupports(hidden, inter); h then holds the pairs in bucketed order.
   bool wgmma = false;
+  // Quantized experts (qgemm=w8a16 / w4a16): the gate, up and down tables, decoded to bf16 in
+  // registers on the same mma.sync tiles (gate/up/down above are then unused), where
+  // MoeGroupedQuantSupports; wgmma is ignored.
+  const QuantExpertTable* quant = nullptr;
 };
 bool MoeGroupedSupports(int num_experts, int hidden, int inter);
+// The quantized grouped kernels take FP8 tensor / channel, NVFP4 and MXFP4 experts of one format,
+// gate and up [inter, hidden], down [hidden, inter], hidden and inter multiples of 64 (FP8) or
+// 128 (FP4).
+bool MoeGroupedQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
+                             const QuantExpertTable& down);
+// y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
+// MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
+// in registers and fed to mma.sync, 32 or 64 rows a pass (qgemm=w8a16 / w4a16 from
+// kQuantMmaMinRows rows). Batch 64, q_proj of qwen3-30b-a3b NVFP4 [4096, 2048]: 4.7 MB, ~1 us
+// of bandwidth; 64 blocks of 64 features, so expect latency, a few us.
+constexpr int kQuantMmaMinRows = 8;
+bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
+void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
+                  cudaStream_t stream);
 // MoeGrouped's first step, exposed for its test: offsets[num_experts + 1] = exclusive prefix sums
 // of the per-expert pair counts, sorted_pairs[offsets[e] + i] = the i-th pair (in pair order)
 // routed to expert e; pairs of skip_expert are left out. num_experts <= 1024; one block, any

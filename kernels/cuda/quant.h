@@ -52,13 +52,14 @@ bool W4A16Supports(const MatrixRef& w);
 void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
-// ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemm_fused_quant.cu): gemm_fused.cu's
-// GemvArgs contract (up to 3 segments, optional RMSNorm of x, bias, residual add, scale) with
-// quantized weights: segment s reads weights.w[s] (its rows are seg[s].n; GemvSegment::w is
-// unused). Every segment has the same format, nvfp4, mxfp4 or any fp8 layout. Dequantized in
-// registers, fp32 activations and accumulate (quant_decode.cuh: matches the exact-dequant
-// reference to fp32 rounding of the sums). Any rows (4 per block, grid.y over the rest).
-// Napkin math for qwen3-30b-a3b in gemm_fused_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46 TB/s.
+// ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemm_fused_quant.cu):
+// gemm_fused.cu's GemvArgs contract (up to 3 segments, optional RMSNorm of x, bias, residual add,
+// scale) with quantized weights: segment s reads weights.w[s] (its rows are seg[s].n;
+// GemvSegment::w is unused). Every segment has the same format, nvfp4, mxfp4 or any fp8 layout.
+// Dequantized in registers, fp32 activations and accumulate (quant_decode.cuh: matches the
+// exact-dequant reference to fp32 rounding of the sums). Any rows (4 per block, grid.y over the
+// rest). Napkin math for qwen3-30b-a3b in gemm_fused_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46
+// TB/s.
 struct QuantGemvWeights {
   MatrixRef w[3];
 };
@@ -72,15 +73,19 @@ void GemvQuant(const GemvArgs& args, const QuantGemvWeights& weights, cudaStream
 // scales): 0.35 us at 4.46 TB/s; [2048, 768] the same. 3.1 MFLOP each.
 void GemvW8A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
-// ---- quantized experts for moe=fused (moe_fused_quant.cu): the twins of MoeGateUp / MoeDownCombine
-// (ops.h) reading each expert's codes and scales through device pointer tables.
-// One projection's experts: codes[e], scales[e] and (nvfp4) global_scales[e] are device
-// pointers (the tables themselves live on the device); every expert is [rows, cols] in one
-// format with one scale dtype.
+// ---- quantized experts for moe=fused (moe_fused_quant.cu): the twins of MoeGateUp /
+// MoeDownCombine (ops.h) reading each expert's codes and scales through device pointer tables. One
+// projection's experts: codes[e], scales[e] and (nvfp4) global_scales[e] are device pointers (the
+// tables themselves live on the device); every expert is [rows, cols] in one format with one scale
+// dtype. With codes null the table is one dense matrix, whose parts are the matrix_ pointers
+// (GemmQuantMma).
 struct QuantExpertTable {
   const void* const* codes = nullptr;
   const void* const* scales = nullptr;
   const void* const* global_scales = nullptr;  // nvfp4 scale_2 (fp32 [1]); null otherwise
+  const void* matrix_codes = nullptr;
+  const void* matrix_scales = nullptr;
+  const void* matrix_global_scale = nullptr;
   QuantFormat format = QuantFormat::kNone;
   DType scale_dtype = DType::kF32;
   int rows = 0;
