@@ -68,9 +68,13 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized() && x_bf16 && rows >= cuda::kQuantMmaMinRows &&
+             (w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4) &&
              cuda::GemmQuantMmaSupports(w)) {
-    // qgemm=w4a16|w8a16 on a decode batch: the codes decoded in registers onto tensor cores,
-    // every weight read once a pass of 32 or 64 rows (the GEMV below re-reads it every 4).
+    // qgemm=w4a16 on a decode batch: the codes decoded in registers onto tensor cores, every
+    // weight read once a pass of 32 or 64 rows (the GEMV below re-reads and re-decodes it every
+    // 4). FP8 keeps the GEMV, which measures faster at batch 64 on qwen3-30b-a3b: its decode
+    // is cheaper, and this kernel's one block per 64 output features leaves most SMs idle on
+    // the 512-feature k and v projections.
     cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
