@@ -133,6 +133,26 @@ class Stmt {
   absl::Status bind_error_;
 };
 
+// A best query's group row from column `first` on: model key, workload, its OK results, first
+// and last sweep, last finish time.
+ResultGroup ReadResultGroup(Stmt& g, int first) {
+  ResultGroup group;
+  group.model_key = g.Text(first);
+  group.workload = g.Text(first + 1);
+  group.ok_results = g.Int(first + 2);
+  group.first_sweep = g.Int(first + 3);
+  group.last_sweep = g.Int(first + 4);
+  group.last_finished_unix_ms = g.Int(first + 5);
+  return group;
+}
+
+// Newest first: the group a fleet measured last leads the list a user chooses from; ties in
+// name order.
+bool NewerGroupFirst(const ResultGroup& a, const ResultGroup& b) {
+  return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload, a.load_point) <
+         std::tie(a.last_sweep, a.last_finished_unix_ms, b.model_key, b.workload, b.load_point);
+}
+
 // A write transaction. BEGIN IMMEDIATE takes the write lock up front, so a busy database fails
 // before anything is written. Rolls back unless committed, on every path out.
 class Txn {
@@ -639,23 +659,12 @@ class SqliteStore final : public Store {
       for (;;) {
         ASSIGN_OR_RETURN(bool row, g.Step());
         if (!row) break;
-        ResultGroup group;
-        group.model_key = g.Text(1);
-        group.workload = g.Text(2);
-        group.ok_results = g.Int(3);
-        group.first_sweep = g.Int(4);
-        group.last_sweep = g.Int(5);
-        group.last_finished_unix_ms = g.Int(6);
+        ResultGroup group = ReadResultGroup(g, 1);
         if (q.layers && ModelKeyLayers(group.model_key) != *q.layers) continue;
         found.emplace_back(std::move(group), g.Int(0));
       }
-      // Newest first: the group a fleet measured last leads the list a user chooses from.
-      std::sort(found.begin(), found.end(), [](const auto& x, const auto& y) {
-        const ResultGroup& a = x.first;
-        const ResultGroup& b = y.first;
-        return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload) <
-               std::tie(a.last_sweep, a.last_finished_unix_ms, b.model_key, b.workload);
-      });
+      std::sort(found.begin(), found.end(),
+                [](const auto& x, const auto& y) { return NewerGroupFirst(x.first, y.first); });
       for (auto& [group, id] : found) {
         answer.groups.push_back(std::move(group));
         group_ids.push_back(id);
@@ -683,8 +692,8 @@ class SqliteStore final : public Store {
                                         q.load_point ? absl::StrCat(" at ", *q.load_point) : "",
                                         " for ", q.model, " on sm ", q.sm);
     std::string sql =
-        "SELECT model_key, workload, load_point, COUNT(*), MIN(sweep_id), MAX(sweep_id), "
-        "MAX(finished_ms) FROM serving_points WHERE model = ? AND sm = ? AND ok = 1";
+        "SELECT model_key, workload, COUNT(*), MIN(sweep_id), MAX(sweep_id), MAX(finished_ms), "
+        "load_point FROM serving_points WHERE model = ? AND sm = ? AND ok = 1";
     if (q.sweep_id) absl::StrAppend(&sql, " AND sweep_id = ?");
     if (q.load_point) absl::StrAppend(&sql, " AND load_point = ?");
     if (q.model_key) absl::StrAppend(&sql, " AND model_key = ?");
@@ -701,24 +710,13 @@ class SqliteStore final : public Store {
       for (;;) {
         ASSIGN_OR_RETURN(bool row, g.Step());
         if (!row) break;
-        ResultGroup group;
-        group.model_key = g.Text(0);
-        group.workload = g.Text(1);
-        group.load_point = g.Text(2);
-        group.ok_results = g.Int(3);
-        group.first_sweep = g.Int(4);
-        group.last_sweep = g.Int(5);
-        group.last_finished_unix_ms = g.Int(6);
+        ResultGroup group = ReadResultGroup(g, 0);
+        group.load_point = g.Text(6);
         if (q.layers && ModelKeyLayers(group.model_key) != *q.layers) continue;
         answer.groups.push_back(std::move(group));
       }
     }
-    std::sort(answer.groups.begin(), answer.groups.end(),
-              [](const ResultGroup& a, const ResultGroup& b) {
-                return std::tie(b.last_sweep, b.last_finished_unix_ms, a.model_key, a.workload,
-                                a.load_point) < std::tie(a.last_sweep, a.last_finished_unix_ms,
-                                                         b.model_key, b.workload, b.load_point);
-              });
+    std::sort(answer.groups.begin(), answer.groups.end(), NewerGroupFirst);
     if (answer.groups.size() != 1) return answer;
     const ResultGroup& group = answer.groups[0];
     ASSIGN_OR_RETURN(Stmt p, Prepare(BestServingPointSql(info.column, info.higher_is_better,
