@@ -5,6 +5,7 @@
 // machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh stage tp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -12,7 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "api/backend_config.h"
 #include "core/dtype.h"
+#include "engine/backends.h"
+#include "engine/weights.h"
+#include "harness/allreduce_bench.h"
+#include "harness/executor.h"
+#include "tests/gpu_trial.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -107,6 +114,9 @@ void CheckSum(AllReduce kind, int ranks, int64_t count, cuda::ReduceDType dtype,
     for (int k = 0; k < ranks; ++k)
       ASSERT_EQ(cudaMemcpy(r->data[k], inputs[k].data(), bytes, cudaMemcpyHostToDevice),
                 cudaSuccess);
+    // A copy from pageable memory may return before its last bytes land, and the ranks' streams
+    // are not ordered after the legacy stream's copies.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int k = 0; k < ranks; ++k) {
       if (graph) {
         ASSERT_EQ(cudaGraphLaunch(execs[k], r->streams[k]), cudaSuccess);
@@ -170,6 +180,7 @@ TEST_F(GpuAllReduce, NcclSingleRankCommunicatorLeavesTheBufferAsItIs) {
   float* d = nullptr;
   ASSERT_EQ(cudaMalloc(&d, count * 4), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d, host.data(), count * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_TRUE((*comm)->Sum(d, count, cuda::ReduceDType::kFp32, s).ok());
@@ -232,6 +243,7 @@ TEST_F(GpuAllReduce, FusedAddNormMatchesTheHost) {
     ASSERT_EQ(cudaMalloc(&out[k], count * 4), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(res[k], residual.data(), count * 4, cudaMemcpyHostToDevice), cudaSuccess);
   }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the uploads land before the ranks' streams
   for (int k = 0; k < ranks; ++k) {
     auto s = r->comms[k]->SumAddNorm(static_cast<float*>(r->data[k]), rows, n, res[k], g, 1e-6f,
                                      out[k], r->streams[k]);
@@ -271,6 +283,103 @@ TEST_F(GpuAllReduce, RefusesWhatTheSeamCannotTake) {
   EXPECT_EQ(nine.status().code(), absl::StatusCode::kInvalidArgument);
   auto reference = MakeLocalCommunicators(AllReduce::kReference, {0}, 4096);
   EXPECT_EQ(reference.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- The CUDA engine at tp=1 through the seam.
+
+int64_t LaunchesNamed(const PhaseKernels& p, const std::string& prefix) {
+  int64_t total = 0;
+  for (const KernelCount& k : p.kernels)
+    if (k.name.rfind(prefix, 0) == 0) total += k.count;
+  return total;
+}
+
+std::vector<float> AllLogits(HostModel& host, const std::string& text,
+                             const std::vector<int32_t>& prompt) {
+  auto normalized = NormalizeBackendConfig(*ParseBackendConfig(text));
+  EXPECT_TRUE(normalized.ok()) << normalized.status();
+  auto model = CreateModel(host, *normalized);
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<float> logits;
+  if (!model.ok()) return logits;
+  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
+  EXPECT_TRUE(
+      (*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
+  return logits;
+}
+
+// allreduce=nccl (a single-rank NCCL communicator) and custom (the kernels over one peer buffer)
+// take the o projection's and the MLP/MoE's outputs through the seam before the residual add:
+// the harness judges them OK, their logits are the default's (a one-rank sum is exact), their
+// steps launch the seam once a block, and the default (auto) launches no part of it.
+TEST_F(GpuAllReduce, EngineAtTp1ThroughTheSeamIsOk) {
+  const std::vector<std::string> bases = {
+      "device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on"};
+  const LocalDevices devices = ProbeLocalDevices();
+  TrialExecutor executor(devices);
+  const std::vector<int32_t> prompt = {1, 17, 33, 5, 9, 101, 7, 3};
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe"}) {
+    auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
+    ASSERT_TRUE(host.ok()) << host.status();
+    for (const std::string& base : bases) {
+      const std::vector<float> by_default = AllLogits(**host, base, prompt);
+      for (const char* value : {"auto", "nccl", "custom"}) {
+        const std::string text = base + ",allreduce=" + value;
+        SCOPED_TRACE(std::string(preset) + " " + text);
+        const TrialResult r = executor.Execute(GpuRequest(preset, text));
+        EXPECT_EQ(r.status, TrialStatus::kOk) << r.reason;
+        std::printf("# %s %-80s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset, text.c_str(),
+                    std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
+                    r.verdict.kl_mean, r.verdict.max_rel_error);
+        const std::vector<float> logits = AllLogits(**host, text, prompt);
+        ASSERT_EQ(logits.size(), by_default.size());
+        double worst = 0;
+        for (size_t i = 0; i < logits.size(); ++i)
+          worst = std::max(worst, std::fabs(static_cast<double>(logits[i]) - by_default[i]));
+        EXPECT_LE(worst, 1e-5) << "logits differ from the default's";
+        std::printf("#   max |logit - default's| %.3g%s\n", worst,
+                    worst == 0 ? " (bitwise the same)" : "");
+        for (const BatchFigures& b : r.batches) {
+          ASSERT_TRUE(b.decode_kernels.has_value());
+          const int64_t nccl = LaunchesNamed(*b.decode_kernels, "nccl:all-reduce");
+          int64_t custom = 0;
+          for (const KernelCount& k : b.decode_kernels->kernels)
+            custom += k.name.find("OneShotKernel") != std::string::npos ? k.count : 0;
+          const int64_t blocks = 2 * 2;  // 2 layers, attention and MLP/MoE blocks
+          EXPECT_EQ(nccl, std::string(value) == "nccl" ? blocks : 0);
+          EXPECT_EQ(custom, std::string(value) == "custom" ? blocks : 0);
+        }
+      }
+    }
+  }
+  // graphs=persistent has no seam between its blocks: refused with the reason.
+  const TrialResult persistent = executor.Execute(
+      GpuRequest("preset:tiny-moe",
+                 "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent,"
+                 "allreduce=nccl"));
+  EXPECT_EQ(persistent.status, TrialStatus::kUnsupported) << persistent.reason;
+  EXPECT_NE(persistent.reason.find("no seam"), std::string::npos) << persistent.reason;
+}
+
+// allreduce-bench --device cuda at one rank: every value's table, eager and graph, no wrong
+// element, busbw 0.
+TEST_F(GpuAllReduce, BenchAtOneRankChecksEveryElement) {
+  AllReduceBenchOptions o;
+  o.ranks = 1;
+  o.min_bytes = 4 << 10;
+  o.max_bytes = 1 << 20;
+  o.size_factor = 16;
+  o.iterations = 3;
+  auto rows = RunCudaAllReduceBench(o);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 3u * 2 * 3);  // 3 values x eager|graph x 4 KB, 64 KB, 1 MB
+  for (const AllReduceBenchRow& r : *rows) {
+    EXPECT_EQ(r.wrong, 0) << r.allreduce << " " << r.bytes;
+    EXPECT_EQ(r.busbw_gb_s, 0.0);
+    EXPECT_GT(r.time_us, 0.0);
+  }
+  std::printf("%s", FormatCudaAllReduceBench(o, *rows).c_str());
 }
 
 #endif  // INFERSWEEP_HAVE_CUDA
