@@ -50,9 +50,11 @@ struct SupervisedTrial {
 SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::string& handshake,
                              RankSupervisorOptions options = {});
 
-// How many rank processes a trial runs in: tp for a CUDA config with tp > 1 (one process a GPU),
-// or (TEST ONLY) tp for a trial asked to commit a rank fault (rank-kill:R, rank-hang:R), so
-// that the CPU proves the supervision; 0 otherwise (one worker runs the whole trial).
+// How many rank processes a trial runs in: (TEST ONLY) tp for a trial asked to commit a rank
+// fault (rank-kill:R, rank-hang:R), so that the CPU proves the supervision; 0 otherwise (one
+// worker runs the whole trial). CUDA configs with tp > 1 take one process a GPU here once the
+// engine runs their shards: while it refuses them, tp processes would each load the host model
+// only to report UNSUPPORTED, so one worker refuses them as before.
 int RankProcesses(const TrialRequest& request);
 
 // The rank side: reads one assignment, records its rank for the rank faults (SetProcessRank),

@@ -85,10 +85,10 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     return result;
   };
   if (cancel_requested_) return fail(TrialStatus::kError, "cancelled before it started");
-  // A trial over rank processes (CUDA tp > 1; rank faults on any device) runs under the rank
-  // supervisor, one fresh process a rank. The ncclUniqueId handshake is left empty: no CUDA rank
-  // joins NCCL yet (the engine refuses tp > 1), and an id would keep NCCL's bootstrap root
-  // waiting in this process for ranks that never connect.
+  // A trial over rank processes (RankProcesses) runs under the rank supervisor, one fresh process
+  // a rank. The ncclUniqueId handshake is left empty: no CUDA rank joins NCCL yet (the engine
+  // refuses tp > 1), and an id would keep NCCL's bootstrap root waiting in this process for
+  // ranks that never connect.
   if (const int ranks = RankProcesses(request); ranks > 0) {
     worker_.reset();
     RankSupervisorOptions supervised;
