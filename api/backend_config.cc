@@ -22,10 +22,14 @@ constexpr char kPersistentGemm[] =
     ": its batch-1 decode step runs the persistent kernel's own GEMVs (gemm=fused's numerics), "
     "so that gemm would not be what decode ran; take gemm=fused";
 
-// ep=on and the all-reduces other than the default need more than one rank; at tp=1 a sweep
-// would repeat ep=off's or allreduce=nccl's run.
+// ep=on needs more than one rank; at tp=1 a sweep would repeat ep=off's run.
 constexpr char kEpNeedsRanks[] = "tp=1: one rank holds every expert either way";
-constexpr char kAllReduceNeedsRanks[] = "tp=1: one rank has nothing to reduce";
+// The CUDA all-reduces run their seam at one rank (a single-rank NCCL communicator, the custom
+// kernels over one peer buffer), except fused.
+constexpr char kFusedNeedsRanks[] =
+    "tp=1: the engine's blocks apply their RMSNorm inside their own first kernel (norm + GEMV), "
+    "so at one rank the fused all-reduce + add + norm has no norm to take over; it runs in "
+    "allreduce-bench --device cuda";
 
 std::vector<BackendDescriptor> MakeRegistry() {
   // The CPU dequantizes quantized weights exactly (core/quant/dequantize.h): still fp32.
@@ -151,23 +155,31 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
-  // Tensor and expert parallelism: the axes are registered; the CUDA engine refuses tp > 1
-  // (CudaModelRefusal) until its ranks run, so at tp=1 no all-reduce runs.
+  // Tensor and expert parallelism: the CUDA engine refuses tp > 1 (CudaModelRefusal) until its
+  // ranks run sharded weights; at tp=1 allreduce=nccl and custom run the collective seam
+  // (engine/cuda/communicator.h) over one rank, and auto, the default, runs none.
   r.push_back({"tp", "1", "cuda", 80, 0, true, {}, {}, kFp32, "one GPU"});
   for (const char* t : {"2", "4", "8"})
     r.push_back({"tp", t, "cuda", 80, 0, true, {}, {}, kFp32,
                  absl::StrCat(t, " GPUs of one agent, one rank each, sharded as on the CPU; "
-                                 "UNSUPPORTED by the CUDA engine for now")});
+                                 "UNSUPPORTED by the CUDA engine for now (no sharded CUDA "
+                                 "weights, no rank processes)")});
   r.push_back({"ep", "off", "cuda", 80, 0, true, {}, {}, kFp32,
                "experts sharded on their intermediate dimension across the tp ranks"});
   r.push_back({"ep", "on", "cuda", 80, 0, true, {}, {kEpNeedsRanks}, kFp32,
                "whole experts per rank (experts / tp each), the router replicated"});
+  r.push_back({"allreduce", "auto", "cuda", 80, 0, true, {}, {}, kFp32,
+               "the default: nccl at tp > 1; at tp=1 no all-reduce runs (no communicator, no "
+               "launch)"});
   r.push_back({"allreduce", "nccl", "cuda", 80, 0, true, {}, {}, kFp32,
-               "ncclAllReduce, capturable in a CUDA graph (at tp=1 nothing is reduced)"});
-  r.push_back({"allreduce", "custom", "cuda", 80, 0, true, {}, {kAllReduceNeedsRanks}, kFp32,
-               "one-shot and two-shot over peer memory, per-block flags, peers summed in a "
-               "fixed rank order"});
-  r.push_back({"allreduce", "fused", "cuda", 80, 0, true, {}, {kAllReduceNeedsRanks}, kFp32,
+               "ncclAllReduce, capturable in a CUDA graph; at tp=1 a single-rank communicator: "
+               "the o projection's and the MLP/MoE's outputs pass through it before the "
+               "residual add"});
+  r.push_back({"allreduce", "custom", "cuda", 80, 0, true, {}, {}, kFp32,
+               "one-shot (<= 512 KB or 2 ranks) and two-shot kernels over the ranks' peer "
+               "buffers, per-block flags, peers summed in a fixed rank order; at tp=1 over one "
+               "peer buffer"});
+  r.push_back({"allreduce", "fused", "cuda", 80, 0, true, {}, {kFusedNeedsRanks}, kFp32,
                "the all-reduce, the residual add and the next RMSNorm in one kernel"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
@@ -306,7 +318,7 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 
 std::map<std::string, std::string> ImplicitAxes(std::string_view device) {
   std::map<std::string, std::string> implicit = {
-      {"tp", "1"}, {"ep", "off"}, {"allreduce", device == "cuda" ? "nccl" : "reference"}};
+      {"tp", "1"}, {"ep", "off"}, {"allreduce", device == "cuda" ? "auto" : "reference"}};
   if (device == "cuda") implicit["linear_attn"] = "reference";
   return implicit;
 }

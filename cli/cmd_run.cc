@@ -13,6 +13,7 @@
 #include "engine/backends.h"
 #include "engine/fault_injection.h"
 #include "harness/executor.h"
+#include "harness/rank_supervisor.h"
 #include "harness/report.h"
 #include "harness/runner.h"
 #include "harness/serving.h"
@@ -321,6 +322,10 @@ void AddRunCommands(CLI::App& app) {
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");
   worker->group("");  // hidden from --help
   worker->callback([] { std::exit(WorkerMain()); });
+  CLI::App* rank_worker = app.add_subcommand(
+      "rank-worker", "internal: run one rank of a supervised trial (harness/rank_supervisor.h)");
+  rank_worker->group("");  // hidden from --help
+  rank_worker->callback([] { std::exit(RankWorkerMain()); });
 }
 
 }  // namespace infersweep::cli

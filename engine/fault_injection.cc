@@ -1,6 +1,8 @@
 #include "engine/fault_injection.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -33,7 +35,11 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kDelay, "delay", true},
     {FaultInjection::Kind::kBadState, "bad-state", true},
     {FaultInjection::Kind::kKvSlotSwap, "kv-slot-swap", true},
+    {FaultInjection::Kind::kRankKill, "rank-kill", true},
+    {FaultInjection::Kind::kRankHang, "rank-hang", true},
 };
+
+std::atomic<int> process_rank{-1};
 
 }  // namespace
 
@@ -60,14 +66,16 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
       value = at.first;
     }
     if (k.takes_value && !absl::SimpleAtod(value, &fault.value))
-      return absl::InvalidArgumentError(absl::StrCat("--test-inject-fault ", std::string(text), ": ",
-                                                     k.name, " needs a number, as ", k.name, ":1"));
+      return absl::InvalidArgumentError(absl::StrCat("--test-inject-fault ", std::string(text),
+                                                     ": ", k.name, " needs a number, as ", k.name,
+                                                     ":1"));
     return fault;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
                    "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S)"));
+                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S, "
+                   "rank-kill:R, rank-hang:R)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {
@@ -88,10 +96,20 @@ void MaybeCommitProcessFault(const FaultInjection& fault) {
       std::abort();
     case FaultInjection::Kind::kHang:
       while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+    case FaultInjection::Kind::kRankKill:
+      if (ProcessRank() == static_cast<int>(fault.value)) std::raise(SIGKILL);
+      break;
+    case FaultInjection::Kind::kRankHang:
+      if (ProcessRank() == static_cast<int>(fault.value))
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+      break;
     default:
       break;
   }
 }
+
+void SetProcessRank(int rank) { process_rank = rank; }
+int ProcessRank() { return process_rank; }
 
 absl::Status CorruptQuantScale(ModelWeights& weights, const HostModel& host, double factor,
                                const std::string& name, std::vector<uint8_t>* storage) {
@@ -132,8 +150,8 @@ absl::Status CorruptQuantScale(ModelWeights& weights, const HostModel& host, dou
         FloatToBf16(LoadAsFloat(first, DType::kBF16, 0) * static_cast<float>(factor));
     std::memcpy(first, &value, sizeof value);
   } else {
-    return absl::UnimplementedError(absl::StrCat("bad-quant-scale: ", DTypeName(q.scale_dtype).data(),
-                                                 " scales are not corrupted"));
+    return absl::UnimplementedError(absl::StrCat(
+        "bad-quant-scale: ", DTypeName(q.scale_dtype).data(), " scales are not corrupted"));
   }
   target->quant.scale = storage->data();
   return absl::OkStatus();

@@ -37,6 +37,9 @@ struct FaultInjection {
                      //                 with two sequences holding tokens swaps the KV caches
                      //                 (and linear states) of the two lowest such slots, once:
                      //                 a scheduler that gives a sequence another's slot (CPU)
+    kRankKill,       // "rank-kill:R"   the rank process R of a supervised trial SIGKILLs itself
+                     //                 on its first forward (harness/rank_supervisor.h)
+    kRankHang,       // "rank-hang:R"   the rank process R never returns from its first forward
   };
   Kind kind = Kind::kNone;
   double value = 0;
@@ -48,8 +51,14 @@ struct FaultInjection {
 absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text);
 std::string FaultInjectionString(const FaultInjection& fault);
 
-// Process-level faults (segv, abort, hang): called at the start of every Forward.
+// Process-level faults (segv, abort, hang; rank-kill and rank-hang in the rank process they
+// name): called at the start of every Forward.
 void MaybeCommitProcessFault(const FaultInjection& fault);
+
+// The rank this process runs in a supervised trial (harness/rank_supervisor.h), set once by the
+// rank worker; -1 (the default) in every other process, where no rank fault fires.
+void SetProcessRank(int rank);
+int ProcessRank();
 
 // bad-quant-scale: re-points one quantized linear of `weights` at a copy of its scales, held in
 // `storage`, whose first scale (one group; the whole tensor for fp8_tensor) is multiplied by

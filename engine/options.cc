@@ -36,7 +36,8 @@ constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
 constexpr Names<LinearAttn, 2> kLinearAttn = {
     {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
 constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
-constexpr Names<AllReduce, 4> kAllReduce = {{{AllReduce::kReference, "reference"},
+constexpr Names<AllReduce, 5> kAllReduce = {{{AllReduce::kReference, "reference"},
+                                             {AllReduce::kAuto, "auto"},
                                              {AllReduce::kNccl, "nccl"},
                                              {AllReduce::kCustom, "custom"},
                                              {AllReduce::kFused, "fused"}}};
@@ -60,8 +61,8 @@ std::string ValueOf(const BackendConfig& config, const std::string& device,
 
 // `value` of `axis` as its enum; InvalidArgument naming the axis and the known values.
 template <typename E, size_t N>
-absl::Status ParseValue(const std::string& axis, const std::string& value,
-                        const Names<E, N>& names, E* out) {
+absl::Status ParseValue(const std::string& axis, const std::string& value, const Names<E, N>& names,
+                        E* out) {
   for (const auto& [v, name] : names)
     if (name == value) {
       *out = v;
@@ -100,7 +101,7 @@ absl::Status ParseParallel(const BackendConfig& config, const std::string& devic
         absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
   if (auto s = ParseValue("ep", value_or("ep", "off"), kSwitch, &out->expert_parallel); !s.ok())
     return s;
-  return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "nccl" : "reference"),
+  return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "auto" : "reference"),
                     kAllReduce, &out->allreduce);
 }
 

@@ -20,8 +20,9 @@ enum class LinearAttn { kReference, kFused };
 // ---- CPU axes.
 enum class Matmul { kNaive, kBlocked };
 // ---- Tensor-parallel axes (both devices): tp is a rank count, ep a switch.
-// The CPU's reference is its fixed-rank-order sum; the CUDA values are nccl, custom and fused.
-enum class AllReduce { kReference, kNccl, kCustom, kFused };
+// The CPU's reference is its fixed-rank-order sum; the CUDA values are auto (the default: nccl
+// at tp > 1, nothing at tp=1), nccl, custom and fused.
+enum class AllReduce { kReference, kAuto, kNccl, kCustom, kFused };
 
 // The registry's spelling of each value ("cublaslt", "w4a16", ...); a C string, which this
 // absl's StrCat takes (it predates std::string_view).
@@ -62,6 +63,10 @@ constexpr bool KeepsQuantCodes(QGemm q) {
 
 // tp ranks, whole experts per rank (ep=on), and how the ranks' partial sums are reduced.
 struct ParallelOptions {
+  // Whether the step passes the blocks' outputs through a communicator (engine/cuda/
+  // communicator.h): at tp > 1 always, at tp=1 only when an all-reduce is named (auto runs none,
+  // so the default config launches nothing more).
+  bool RunsCollective() const { return tp > 1 || allreduce != AllReduce::kAuto; }
   int tp = 1;
   bool expert_parallel = false;
   AllReduce allreduce = AllReduce::kReference;
@@ -77,7 +82,7 @@ struct CudaOptions {
   QGemm qgemm = QGemm::kReference;
   // How Gated DeltaNet layers run; models without them ignore it.
   LinearAttn linear_attn = LinearAttn::kReference;
-  ParallelOptions parallel = {1, false, AllReduce::kNccl};
+  ParallelOptions parallel = {1, false, AllReduce::kAuto};
   // The bf16 yardstick (CreateBf16Yardstick): the reference GEMM rounds its inputs to bf16, as
   // every bf16-class GEMM does, and computes the rest as the reference does. Not an axis value:
   // the harness builds it to measure how far bf16 rounding alone moves a model's logits.

@@ -313,11 +313,12 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTensorParallelCpuModel(
   using Kind = FaultInjection::Kind;
   const Kind fault = options.fault.kind;
   if (fault != Kind::kNone && fault != Kind::kSegv && fault != Kind::kAbort &&
-      fault != Kind::kHang && fault != Kind::kDelay)
+      fault != Kind::kHang && fault != Kind::kDelay && fault != Kind::kRankKill &&
+      fault != Kind::kRankHang)
     return absl::InvalidArgumentError(
         absl::StrCat("tp=", options.tp,
-                     ": weight and numeric faults run on tp=1 models only (segv, abort, hang and "
-                     "delay run at any tp)"));
+                     ": weight and numeric faults run on tp=1 models only (segv, abort, hang, "
+                     "delay, rank-kill and rank-hang run at any tp)"));
   if (std::string why = TensorParallelRefusal(host.config, options.tp, options.expert_parallel);
       !why.empty())
     return absl::UnimplementedError(why);

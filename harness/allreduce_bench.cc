@@ -20,8 +20,7 @@ float KnownSum(int ranks, int64_t i) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<AllReduceBenchRow>> RunCpuAllReduceBench(
-    const AllReduceBenchOptions& o) {
+absl::Status ValidateAllReduceBenchOptions(const AllReduceBenchOptions& o) {
   if (o.ranks < 1)
     return absl::InvalidArgumentError(absl::StrCat("--ranks: ", o.ranks, " is below 1"));
   if (o.min_bytes < 4 || o.max_bytes < o.min_bytes)
@@ -32,6 +31,12 @@ absl::StatusOr<std::vector<AllReduceBenchRow>> RunCpuAllReduceBench(
     return absl::InvalidArgumentError(absl::StrCat("--factor: ", o.size_factor, " is below 2"));
   if (o.iterations < 1)
     return absl::InvalidArgumentError(absl::StrCat("--iters: ", o.iterations, " is below 1"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<AllReduceBenchRow>> RunCpuAllReduceBench(
+    const AllReduceBenchOptions& o) {
+  if (auto s = ValidateAllReduceBenchOptions(o); !s.ok()) return s;
   std::vector<AllReduceBenchRow> rows;
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.size_factor) {
     AllReduceBenchRow row;

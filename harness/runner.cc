@@ -15,7 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "harness/child_process.h"
 #include "harness/executor.h"
+#include "harness/rank_supervisor.h"
 
 namespace infersweep {
 namespace {
@@ -28,63 +30,14 @@ int64_t NowUnixMs() {
       .count();
 }
 
-bool WriteAll(int fd, const std::string& data) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = write(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return true;
-}
-
-// Reads what is available; returns false at EOF or on error.
-bool ReadSome(int fd, std::string& buffer) {
-  char chunk[65536];
-  const ssize_t n = read(fd, chunk, sizeof chunk);
-  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-  if (n <= 0) return false;
-  buffer.append(chunk, static_cast<size_t>(n));
-  return true;
-}
-
-// Reaps `pid` and says how it ended: the signal that killed it, or its exit code.
-std::string ReapAndDescribe(pid_t pid) {
-  int wstatus = 0;
-  waitpid(pid, &wstatus, 0);
-  if (WIFSIGNALED(wstatus)) {
-    const int sig = WTERMSIG(wstatus);
-    const char* abbrev = sigabbrev_np(sig);
-    return absl::StrCat("worker killed by signal ", sig, " (SIG", abbrev ? abbrev : "?", ": ",
-                        strsignal(sig), ")");
-  }
-  return absl::StrCat("worker exited with code ", WEXITSTATUS(wstatus), " without a result");
+// How a worker that gave no result ended: "worker exited with code N" gains "without a result".
+std::string WithoutResult(const std::string& how) {
+  return how.find(" exited with code ") != std::string::npos ? how + " without a result" : how;
 }
 
 }  // namespace
 
-struct TrialRunner::Worker {
-  pid_t pid = -1;
-  int in = -1, out = -1, err = -1;
-  std::string out_buffer, err_buffer;
-  std::deque<std::string> stderr_tail;
-  bool out_open = true, err_open = true;
-
-  ~Worker() { Kill(); }
-
-  void Kill() {
-    if (in >= 0) close(in);
-    if (out >= 0) close(out);
-    if (err >= 0) close(err);
-    in = out = err = -1;
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      pid = -1;
-    }
-  }
-};
+struct TrialRunner::Worker : PipedChild {};
 
 TrialRunner::TrialRunner(RunnerOptions options) : options_(std::move(options)) {
   if (options_.worker_argv.empty()) options_.worker_argv = {"/proc/self/exe", "worker"};
@@ -132,38 +85,25 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     return result;
   };
   if (cancel_requested_) return fail(TrialStatus::kError, "cancelled before it started");
+  // A trial over rank processes (RankProcesses) runs under the rank supervisor, one fresh process
+  // a rank. The ncclUniqueId handshake is left empty: no CUDA rank joins NCCL yet (the engine
+  // refuses tp > 1), and an id would keep NCCL's bootstrap root waiting in this process for
+  // ranks that never connect.
+  if (const int ranks = RankProcesses(request); ranks > 0) {
+    worker_.reset();
+    RankSupervisorOptions supervised;
+    supervised.rank_argv = {options_.worker_argv[0], "rank-worker"};
+    supervised.stderr_tail_lines = options_.stderr_tail_lines;
+    supervised.on_progress = options_.on_progress;
+    return RunRankTrial(request, ranks, /*handshake=*/"", supervised).result;
+  }
 
   const std::string key = TrialExecutor::ModelKey(request);
   if (worker_ && key != worker_model_key_) worker_.reset();
   if (!worker_) {
     auto w = std::make_unique<Worker>();
-    int in_pipe[2], out_pipe[2], err_pipe[2];
-    if (pipe2(in_pipe, O_CLOEXEC) || pipe2(out_pipe, O_CLOEXEC) || pipe2(err_pipe, O_CLOEXEC))
-      return fail(TrialStatus::kError, absl::StrCat("pipe: ", strerror(errno)));
-    std::vector<char*> argv;
-    for (std::string& a : options_.worker_argv) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t parent = getpid();
-    const pid_t pid = fork();
-    if (pid < 0) return fail(TrialStatus::kError, absl::StrCat("fork: ", strerror(errno)));
-    if (pid == 0) {
-      // The worker dies with the thread that started it: an agent killed outright (SIGKILL,
-      // OOM) leaves no worker behind holding its GPU, or hanging forever.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);  // the parent died before prctl
-      dup2(in_pipe[0], 0);
-      dup2(out_pipe[1], 1);
-      dup2(err_pipe[1], 2);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(in_pipe[0]);
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-    w->pid = pid;
-    w->in = in_pipe[1];
-    w->out = out_pipe[0];
-    w->err = err_pipe[0];
+    if (absl::Status s = SpawnChild(options_.worker_argv, w.get()); !s.ok())
+      return fail(TrialStatus::kError, std::string(s.message()));
     worker_ = std::move(w);
     worker_model_key_ = key;
   }
@@ -179,26 +119,15 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
 
   if (!WriteAll(w.in, ToJson(request).dump() + "\n")) {
     // It died before reading the request (an exec failure exits 127 that fast).
-    const std::string how = ReapAndDescribe(w.pid);
+    const std::string how = ReapAndDescribe(w.pid, "worker");
     w.pid = -1;
-    return fail(TrialStatus::kCrashed, how + "; it died before reading the request");
+    return fail(TrialStatus::kCrashed, WithoutResult(how) + "; it died before reading the request");
   }
 
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(request.workload.timeout_s * 1e3));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(
+                                           static_cast<int64_t>(request.workload.timeout_s * 1e3));
   auto take_stderr_lines = [&] {
-    size_t pos;
-    while ((pos = w.err_buffer.find('\n')) != std::string::npos) {
-      std::string line = w.err_buffer.substr(0, pos);
-      w.err_buffer.erase(0, pos + 1);
-      if (line.rfind("#progress ", 0) == 0) {
-        if (options_.on_progress) options_.on_progress(line.substr(10));
-        continue;
-      }
-      w.stderr_tail.push_back(std::move(line));
-      while (static_cast<int>(w.stderr_tail.size()) > options_.stderr_tail_lines)
-        w.stderr_tail.pop_front();
-    }
+    w.TakeStderrLines(options_.stderr_tail_lines, options_.on_progress);
   };
 
   while (true) {
@@ -207,7 +136,8 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
       w.out_buffer.erase(0, nl + 1);
       auto parsed = nlohmann::json::parse(line, nullptr, false);
       if (parsed.is_discarded())
-        return fail(TrialStatus::kError, "worker wrote a line that is not JSON: " + line.substr(0, 200));
+        return fail(TrialStatus::kError,
+                    "worker wrote a line that is not JSON: " + line.substr(0, 200));
       auto worker_result = TrialResultFromJson(parsed);
       if (!worker_result.ok())
         return fail(TrialStatus::kError,
@@ -228,13 +158,13 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
       waitpid(w.pid, nullptr, 0);
       w.pid = -1;
       take_stderr_lines();
-      return fail(TrialStatus::kTimeout,
-                  absl::StrCat("no result within ", request.workload.timeout_s,
-                               " s; worker killed"));
+      return fail(
+          TrialStatus::kTimeout,
+          absl::StrCat("no result within ", request.workload.timeout_s, " s; worker killed"));
     }
     pollfd fds[2] = {{w.out, POLLIN, 0}, {w.err_open ? w.err : -1, POLLIN, 0}};
-    const int wait_ms = static_cast<int>(
-        std::min<int64_t>(1000, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1));
+    const int wait_ms = static_cast<int>(std::min<int64_t>(
+        1000, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1));
     if (poll(fds, 2, wait_ms) < 0 && errno != EINTR)
       return fail(TrialStatus::kError, absl::StrCat("poll: ", strerror(errno)));
     if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) w.out_open = ReadSome(w.out, w.out_buffer);
@@ -252,9 +182,9 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   }
   if (!w.err_buffer.empty()) w.err_buffer.push_back('\n');
   take_stderr_lines();
-  const std::string how = ReapAndDescribe(w.pid);
+  const std::string how = ReapAndDescribe(w.pid, "worker");
   w.pid = -1;
-  return fail(TrialStatus::kCrashed, how);
+  return fail(TrialStatus::kCrashed, WithoutResult(how));
 }
 
 int WorkerMain() {
@@ -264,16 +194,18 @@ int WorkerMain() {
     if (line.empty()) continue;
     TrialResult result;
     auto parsed = nlohmann::json::parse(line, nullptr, false);
-    auto request = parsed.is_discarded()
-                       ? absl::StatusOr<TrialRequest>(absl::InvalidArgumentError("request is not JSON"))
-                       : TrialRequestFromJson(parsed);
+    auto request =
+        parsed.is_discarded()
+            ? absl::StatusOr<TrialRequest>(absl::InvalidArgumentError("request is not JSON"))
+            : TrialRequestFromJson(parsed);
     if (!request.ok()) {
       result.status = TrialStatus::kError;
       result.reason = std::string(request.status().message());
     } else {
       const std::string trial_id = request->trial_id;
       result = executor.Execute(*request, [&](const std::string& message) {
-        std::cerr << "#progress " << nlohmann::json{{"trial_id", trial_id}, {"message", message}}.dump()
+        std::cerr << "#progress "
+                  << nlohmann::json{{"trial_id", trial_id}, {"message", message}}.dump()
                   << std::endl;
       });
     }

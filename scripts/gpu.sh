@@ -47,6 +47,16 @@ for stage in $STAGES; do
     for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
+  tp)  # the collective seam: its GPU tests (custom/fused ranks as streams of one GPU, NCCL's
+    # single-rank communicator, the engine at tp=1 through the seam judged OK), allreduce-bench
+    # --device cuda (4 KB to 256 MB, eager and graph), and batch 1 and 64 decode with the seam
+    # (allreduce=nccl|custom) against the default on 8 layers of qwen3-30b-a3b.
+    gpu_tests .carry/gpu_allreduce_test 150 gpu_allreduce_test.log '^#|OK \]|FAILED|Failure|error'
+    timeout -k 5 60 $B allreduce-bench --device cuda --iters 20 2>&1 | tee "$OUT/allreduce_bench.log"
+    timeout -k 5 120 $B run --model preset:qwen3-30b-a3b --layers 8 \
+      --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,allreduce=auto|nccl|custom' \
+      --workload prompt=128,output=32,batch=1:64,repeats=3,warmup=1,timeout=100 \
+      --json "$OUT/tp1_seam.json" 2>&1 | tee "$OUT/tp1_seam.log" | grep -vE "spread|load " ;;
   ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
     gpu_tests .carry/gpu_test 240 gpu_ptest.log '^#|OK \]|FAILED|Failure|error|worst|steps' \
       --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" ;;

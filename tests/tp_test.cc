@@ -20,6 +20,7 @@
 #include "api/backend_config.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
+#include "engine/options.h"
 #include "engine/sampler.h"
 #include "engine/tp_model.h"
 #include "engine/weights.h"
@@ -103,6 +104,34 @@ TEST(AllReduceBench, ChecksEveryElementAndNormalisesBandwidth) {
   EXPECT_THAT(table, HasSubstr("#wrong"));
   options.ranks = 0;
   EXPECT_THAT(RunCpuAllReduceBench(options).status().message(), HasSubstr("--ranks"));
+}
+
+// allreduce-bench --device cuda names a bad option or value before it looks for a GPU, and a
+// build without CUDA (or a machine with too few GPUs) says so; the table's header says that
+// busbw is 0 at one rank. (The timed rows run on the GPU: tests/gpu_allreduce_test.cc.)
+TEST(AllReduceBench, CudaRefusesBadOptionsAndSaysWhatIsMissing) {
+  AllReduceBenchOptions options;
+  options.ranks = 1;
+  options.allreduce = {"nccl", "reference"};
+  auto bad = RunCudaAllReduceBench(options);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("--allreduce: unknown value 'reference'"));
+  options.allreduce = {"custom"};
+  options.min_bytes = 4100;
+  EXPECT_THAT(RunCudaAllReduceBench(options).status().message(),
+              HasSubstr("--min-bytes: 4100 is not a multiple of 16"));
+  options.min_bytes = 4096;
+  options.ranks = 64;
+  auto missing = RunCudaAllReduceBench(options);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
+#ifdef INFERSWEEP_HAVE_CUDA
+  EXPECT_THAT(missing.status().message(), HasSubstr("--ranks 64 needs 64 GPUs"));
+#else
+  EXPECT_THAT(missing.status().message(), HasSubstr("this build has no CUDA"));
+#endif
+  options.ranks = 1;
+  EXPECT_THAT(FormatCudaAllReduceBench(options, {}),
+              HasSubstr("0 at one rank, where nothing crosses a link"));
 }
 
 // The prompt for a model of `vocab` tokens: `n` ids spread over the vocabulary.
@@ -332,8 +361,8 @@ TEST(TensorParallelPreflight, RegistryRowsAndDevices) {
   auto bad_tp = NormalizeBackendConfig({{"tp", "3"}});
   ASSERT_FALSE(bad_tp.ok());
   EXPECT_THAT(bad_tp.status().message(), HasSubstr("config axis 'tp'"));
-  // The GPU: tp needs that many GPUs of the host, and the custom and fused all-reduces more than
-  // one rank.
+  // The GPU: tp needs that many GPUs of the host; the custom all-reduce runs at one rank, the
+  // fused one needs more.
   PreflightTarget gpu;
   gpu.has_cuda_build = true;
   gpu.sm = 90;
@@ -345,8 +374,34 @@ TEST(TensorParallelPreflight, RegistryRowsAndDevices) {
   EXPECT_TRUE(Preflight(*cuda_tp, gpu).supported);
   auto custom = NormalizeBackendConfig({{"device", "cuda"}, {"allreduce", "custom"}});
   ASSERT_TRUE(custom.ok()) << custom.status();
-  EXPECT_THAT(Preflight(*custom, gpu).reason,
-              HasSubstr("allreduce=custom cannot be combined with tp=1"));
+  EXPECT_TRUE(Preflight(*custom, gpu).supported) << Preflight(*custom, gpu).reason;
+  auto fused = NormalizeBackendConfig({{"device", "cuda"}, {"allreduce", "fused"}});
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  EXPECT_THAT(Preflight(*fused, gpu).reason,
+              HasSubstr("allreduce=fused cannot be combined with tp=1"));
+}
+
+// The CUDA default all-reduce is auto, left out of a normalized config (so the default config
+// names the same run as before the axis, and launches nothing more at tp=1); a named nccl stays
+// in it, so that tp=1 through a single-rank NCCL communicator is its own run.
+TEST(TensorParallelPreflight, CudaAllReduceDefaultIsAutoAndNcclIsKept) {
+  auto with_auto = NormalizeBackendConfig({{"device", "cuda"}, {"allreduce", "auto"}});
+  ASSERT_TRUE(with_auto.ok()) << with_auto.status();
+  EXPECT_EQ(with_auto->count("allreduce"), 0u);
+  auto options = ParseCudaOptions(*with_auto);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->parallel.allreduce, AllReduce::kAuto);
+  EXPECT_FALSE(options->parallel.RunsCollective());
+  auto nccl = NormalizeBackendConfig({{"device", "cuda"}, {"allreduce", "nccl"}});
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  EXPECT_EQ(nccl->at("allreduce"), "nccl");
+  options = ParseCudaOptions(*nccl);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->parallel.allreduce, AllReduce::kNccl);
+  EXPECT_TRUE(options->parallel.RunsCollective());
+  options = ParseCudaOptions(*NormalizeBackendConfig({{"device", "cuda"}, {"tp", "2"}}));
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_TRUE(options->parallel.RunsCollective());
 }
 
 TEST(TensorParallel, CreateModelRefusesWhatCannotShard) {

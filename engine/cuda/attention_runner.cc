@@ -75,7 +75,7 @@ void AttentionRunner::FreeScratch() {
   FreeFloatBuffers({&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &gate_});
 }
 
-absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
+absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out,
                                   const int* d_position, const RaggedRows* ragged) {
   const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
   const float eps = config_.rms_norm_eps;
@@ -145,15 +145,15 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x,
   CHECK_LAUNCH();
   const bool bad_scale = fault_.kind == FaultInjection::Kind::kBadScale && l == 0;
   const float o_scale = bad_scale ? static_cast<float>(fault_.value) : 1.f;
-  if (gemv) {  // o projection added straight into the residual stream
+  if (gemv) {  // o projection added straight into `out` (the residual stream or its partial)
     LinearRunner::FusedGemv a = LinearRunner::GemvInput(attn_, rows, q_dim, {});
-    LinearRunner::AddSegment(a, lw.o, lw.o_bias, x);
+    LinearRunner::AddSegment(a, lw.o, lw.o_bias, out);
     a.accumulate = true;
     a.scale = o_scale;
     if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
   } else {
     const uint16_t* ab = linear_.PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
-    if (auto s = linear_.GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, x); !s.ok())
+    if (auto s = linear_.GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, out); !s.ok())
       return s;
   }
   CHECK_LAUNCH();

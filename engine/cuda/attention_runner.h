@@ -39,11 +39,12 @@ class AttentionRunner {
   void FreeScratch();
 
   // Layer l's attention over `rows` rows (`n` tokens a sequence) of the residual stream x, its
-  // output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
-  // `d_position`: the sequences' position on the device. With `ragged` (serving), the rows sit
-  // where it says instead: the decode rows go to the attention kernels together, each prefill
-  // chunk on its own as a lockstep chunk of its slot.
-  absl::Status Run(int l, int rows, int n, bool gemv, float* x, const int* d_position,
+  // output added into `out` (x itself, or a partial that the collective seam reduces first).
+  // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows). `d_position`: the sequences'
+  // position on the device. With `ragged` (serving), the rows sit where it says instead: the decode
+  // rows go to the attention kernels together, each prefill chunk on its own as a lockstep chunk of
+  // its slot.
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out, const int* d_position,
                    const RaggedRows* ragged = nullptr);
 
   // Bytes per element of the KV cache: 4 for fp32, 2 for bf16.

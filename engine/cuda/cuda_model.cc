@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"
 #include "engine/cuda/attention_runner.h"
+#include "engine/cuda/communicator.h"
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_attention_runner.h"
 #include "engine/cuda/linear_runner.h"
@@ -345,18 +346,25 @@ class CudaModel final : public Model {
       persistent_.Launch(x_, attention_.k_cache(), attention_.v_cache(), capacity_,
                          attention_.rope(), d_position_, attention_.qkv(), attention_.attn(),
                          moe_.router());
+    // The blocks add their outputs into x_ (the residual stream); with a communicator (tp > 1,
+    // or a named allreduce at tp=1) into partial_, which the seam sums over the ranks before
+    // the residual add, as row-parallel o and down projections need.
+    float* const out = comm_ ? partial_ : x_;
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
+      if (comm_) ClearPartial(rows);
       if (config_.AttentionKind(l) == LayerAttention::kLinear) {
-        if (auto s = linear_attention_.Run(l, rows, n, gemv, x_); !s.ok()) return s;
-      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, d_position_, ragged); !s.ok()) {
+        if (auto s = linear_attention_.Run(l, rows, n, gemv, x_, out); !s.ok()) return s;
+      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, out, d_position_, ragged); !s.ok()) {
         return s;
       }
-      // The MLP or MoE block adds its output into x_ (the residual stream).
+      if (auto s = ReduceIntoResidual(rows); !s.ok()) return s;
+      if (comm_) ClearPartial(rows);
       if (config_.IsMoeLayer(l)) {
-        if (auto s = moe_.Run(l, rows, n, gemv, x_); !s.ok()) return s;
-      } else if (auto s = linear_.DenseMlp(w_.layers[l], rows, gemv, x_); !s.ok()) {
+        if (auto s = moe_.Run(l, rows, n, gemv, x_, out); !s.ok()) return s;
+      } else if (auto s = linear_.DenseMlp(w_.layers[l], rows, gemv, x_, out); !s.ok()) {
         return s;
       }
+      if (auto s = ReduceIntoResidual(rows); !s.ok()) return s;
       if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
         cuda::SetNan(x_, stream_);
       CHECK_LAUNCH();
@@ -403,6 +411,47 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  void ClearPartial(int rows) {
+    CUDA_OR_DIE(cudaMemsetAsync(
+        partial_, 0, static_cast<size_t>(rows) * config_.hidden_size * sizeof(float), stream_));
+  }
+
+  // x_ += the ranks' sum of partial_ (no-op without a communicator).
+  absl::Status ReduceIntoResidual(int rows) {
+    if (!comm_) return absl::OkStatus();
+    const int64_t count = static_cast<int64_t>(rows) * config_.hidden_size;
+    if (auto s = comm_->Sum(partial_, count, cuda::ReduceDType::kFp32, stream_); !s.ok()) return s;
+    cuda::AddScaled(x_, partial_, 1.f, count, stream_);
+    CHECK_LAUNCH();
+    return absl::OkStatus();
+  }
+
+  // The communicator of a named all-reduce (options_.parallel.RunsCollective()): nccl's once, a
+  // single-rank communicator on this GPU; custom's peer buffer sized for `rows` rows, made again
+  // when the rows grow.
+  absl::Status EnsureCommunicator(int rows) {
+    if (!options_.parallel.RunsCollective()) return absl::OkStatus();
+    const int64_t bytes = static_cast<int64_t>(rows) * config_.hidden_size * sizeof(float);
+    if (comm_ && (comm_->kind() == AllReduce::kNccl || bytes <= comm_bytes_))
+      return absl::OkStatus();
+    comm_.reset();
+    if (options_.parallel.allreduce == AllReduce::kNccl) {
+      auto id = MakeNcclId();
+      if (!id.ok()) return id.status();
+      auto made = MakeNcclCommunicator(*id, 1, 0);
+      if (!made.ok()) return made.status();
+      comm_ = std::move(*made);
+    } else {
+      int device = 0;
+      CUDA_OR_DIE(cudaGetDevice(&device));
+      auto made = MakeLocalCommunicators(options_.parallel.allreduce, {device}, bytes);
+      if (!made.ok()) return made.status();
+      comm_ = std::move((*made)[0]);
+    }
+    comm_bytes_ = bytes;
+    return absl::OkStatus();
+  }
+
   // Scratch for `rows` rows and `out_rows` rows of logits, grown (never shrunk) on demand: the
   // model's own, then each runner's. Logits buffers are sized by the rows whose logits are
   // returned (prefill of 64 x 512 tokens returns 64 rows, not 32768).
@@ -420,6 +469,12 @@ class CudaModel final : public Model {
     auto logits = DeviceAlloc<float>(static_cast<size_t>(out_rows) * config_.vocab_size);
     if (!logits.ok()) return logits.status();
     logits_ = *logits;
+    if (options_.parallel.RunsCollective()) {
+      auto partial = DeviceAlloc<float>(r * config_.hidden_size);
+      if (!partial.ok()) return partial.status();
+      partial_ = *partial;
+      if (auto s = EnsureCommunicator(rows); !s.ok()) return s;
+    }
     if (auto s = linear_.AllocateScratch(rows); !s.ok()) return s;
     if (auto s = attention_.AllocateScratch(rows, capacity_); !s.ok()) return s;
     if (auto s = linear_attention_.AllocateScratch(rows); !s.ok()) return s;
@@ -476,7 +531,7 @@ class CudaModel final : public Model {
     attention_.FreeScratch();
     linear_attention_.FreeScratch();
     moe_.FreeScratch();
-    for (float* p : {x_, logits_})
+    for (float* p : {x_, logits_, partial_})
       if (p) cudaFree(p);
     for (int* p : {d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
@@ -490,7 +545,7 @@ class CudaModel final : public Model {
       if (p) cudaFreeHost(p);
     d_ragged_ = nullptr;
     h_ragged_ = nullptr;
-    x_ = logits_ = nullptr;
+    x_ = logits_ = partial_ = nullptr;
     d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
@@ -516,7 +571,12 @@ class CudaModel final : public Model {
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
       logit_rows_ = 0;
   float *x_ = nullptr,  // [rows, hidden]: the residual stream
-      *logits_ = nullptr;
+      *logits_ = nullptr,
+        *partial_ = nullptr;  // [rows, hidden]: a block's output before the all-reduce (comm_ only)
+  // The collective seam (engine/cuda/communicator.h): null unless the config names an
+  // all-reduce or runs tp > 1; comm_bytes_ is the message it was made for.
+  std::unique_ptr<Communicator> comm_;
+  int64_t comm_bytes_ = 0;
   int *d_tokens_ = nullptr, *d_last_rows_ = nullptr, *d_position_ = nullptr;
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;

@@ -91,7 +91,7 @@ void LinearAttentionRunner::FreeScratch() {
   FreeFloatBuffers({&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_});
 }
 
-absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x) {
+absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
   const LayerWeights& lw = w_.layers[l];
   const LinearAttentionWeights& la = lw.linear_attn;
   const int hidden = config_.hidden_size, value_dim = config_.linear_value_dim();
@@ -135,15 +135,16 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
   cuda::RmsNormGated(out_, z_, static_cast<int64_t>(rows) * config_.linear_num_value_heads,
                      config_.linear_value_head_dim, la.norm, eps, out_, stream_);
   CHECK_LAUNCH();
-  // out_proj, added into the residual stream.
+  // out_proj, added into `out` (the residual stream or its partial).
   if (gemv) {
     LinearRunner::FusedGemv g = LinearRunner::GemvInput(out_, rows, value_dim, {});
-    LinearRunner::AddSegment(g, la.out_proj, {}, x);
+    LinearRunner::AddSegment(g, la.out_proj, {}, out);
     g.accumulate = true;
     if (auto s = linear_.RunGemv(g); !s.ok()) return s;
   } else {
     const uint16_t* ob = linear_.PrepareInput(out_, static_cast<int64_t>(rows) * value_dim);
-    if (auto s = linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, x); !s.ok()) return s;
+    if (auto s = linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, out); !s.ok())
+      return s;
   }
   CHECK_LAUNCH();
   return absl::OkStatus();

@@ -31,8 +31,9 @@ class LinearAttentionRunner {
   void FreeScratch();
 
   // Layer l's linear attention over `rows` rows (`n` tokens a sequence) of the residual stream x,
-  // its output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
-  absl::Status Run(int l, int rows, int n, bool gemv, float* x);
+  // its output added into `out` (x itself, or a partial that the collective seam reduces first).
+  // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out);
 
  private:
   const ModelConfig& config_;

@@ -285,7 +285,8 @@ void LinearRunner::AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef&
   s.ld = s.n;
 }
 
-absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x) {
+absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x,
+                                    float* out) {
   const int hidden = config_.hidden_size;
   const int64_t elems = static_cast<int64_t>(rows) * hidden;
   if (gemv) {
@@ -296,7 +297,7 @@ absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv,
     if (auto s = RunGemv(a); !s.ok()) return s;
     cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
     FusedGemv d = GemvInput(gate_, rows, inter, {});
-    AddSegment(d, lw.mlp.down, {}, x);
+    AddSegment(d, lw.mlp.down, {}, out);
     d.accumulate = true;
     if (auto s = RunGemv(d); !s.ok()) return s;
     CHECK_LAUNCH();
@@ -305,7 +306,7 @@ absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv,
   cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
   const uint16_t* mb = PrepareInput(xn_, elems);
   if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
-  cuda::AddScaled(x, y_, 1.f, elems, stream_);
+  cuda::AddScaled(out, y_, 1.f, elems, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }

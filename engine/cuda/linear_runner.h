@@ -66,8 +66,9 @@ class LinearRunner {
   static void AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef& bias, float* y);
   absl::Status RunGemv(const FusedGemv& g, bool projection = false);
 
-  // x += MLP(RMSNorm(x)) for a dense (non-MoE) layer.
-  absl::Status DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x);
+  // out += MLP(RMSNorm(x)) for a dense (non-MoE) layer (out: x itself, or a partial that the
+  // collective seam reduces first).
+  absl::Status DenseMlp(const LayerWeights& lw, int rows, bool gemv, float* x, float* out);
   // Mlp through the fused GEMV (decode rows, GemvSupports): gate and up in one launch, with
   // `extra` (a [n, k] weight, e.g. the shared expert's gate) as a third segment into extra_out
   // when given; down in a second. `in` is the normalised input.

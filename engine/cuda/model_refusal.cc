@@ -13,9 +13,19 @@ namespace infersweep {
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
   if (options.parallel.tp > 1)
-    return absl::StrCat("tp=", options.parallel.tp,
-                        ": the CUDA engine runs one GPU (tp=1); its tensor-parallel ranks are "
-                        "not built yet (the CPU reference runs tp > 1)");
+    return absl::StrCat(
+        "tp=", options.parallel.tp,
+        ": the CUDA engine runs one GPU; tp > 1 needs sharded CUDA weights (column-parallel "
+        "q/k/v and gate/up, row-parallel o and down, the lm_head by vocabulary) and a rank "
+        "process a GPU joined through the collective seam, which are not built (the seam runs "
+        "at tp=1 with allreduce=nccl or custom; the CPU reference runs tp > 1)");
+  if (options.parallel.RunsCollective() && IsPersistent(options.graphs))
+    return absl::StrCat("allreduce=", AxisValueName(options.parallel.allreduce),
+                        ": graphs=persistent runs every layer in one kernel, with no seam "
+                        "between its blocks for an all-reduce");
+  if (options.parallel.allreduce == AllReduce::kCustom && c.hidden_size % 4 != 0)
+    return absl::StrCat("allreduce=custom moves 16-byte packs: hidden_size ", c.hidden_size,
+                        " must be a multiple of 4");
   if (options.linear_attn != LinearAttn::kReference) {
     if (!c.has_linear_attention())
       return absl::StrCat("linear_attn=", AxisValueName(options.linear_attn),

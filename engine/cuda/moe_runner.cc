@@ -107,7 +107,7 @@ absl::Status MoeRunner::MakeRouterCopies() {
 // Decode steps (n == 1) use the device-indexed kernels when moe=fused (capturable, no host
 // sync); prefill chunks group rows by expert so each expert's weights are read once, not once
 // per token (a 32k-row prefill would otherwise re-read 2.4 TB per layer).
-absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
+absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
   const LayerWeights& lw = w_.layers[l];
   const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
   const int inter = config_.moe_intermediate_size;
@@ -205,7 +205,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
     a.sorted_pairs = route_index_;
     a.h = moe_bf16_;
     a.out = moe_out_;
-    a.y = x;
+    a.y = out;
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill). Decode
     // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
     // ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding there.
@@ -216,7 +216,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
   } else if (quant_experts && n == 1) {
     const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
     cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
-    cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], x,
+    cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], out,
                               stream_);
     CHECK_LAUNCH();
   } else if (RoutesOnDevice(options_.moe) && n == 1) {
@@ -224,7 +224,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
                     own ? view_->gate_table[l] : dw_->gate_table[l],
                     own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
     cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
-                         own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, x,
+                         own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, out,
                          stream_);
     CHECK_LAUNCH();
   } else {
@@ -232,7 +232,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
     // every expert, or (the loop) one gather + MLP + scatter per expert.
     const HostRouting routing = RouteOnHost(rows, skip);
     if (options_.moe == Moe::kGrouped || long_prefill) {
-      if (auto s = GroupedExperts(lw, rows, routing, x); !s.ok()) return s;
+      if (auto s = GroupedExperts(lw, rows, routing, out); !s.ok()) return s;
     } else {
       CUDA_OR_DIE(
           cudaMemsetAsync(linear_.y(), 0, static_cast<size_t>(elems) * sizeof(float), stream_));
@@ -246,7 +246,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
                              linear_.y(), stream_);
         CHECK_LAUNCH();
       }
-      cuda::AddScaled(x, linear_.y(), 1.f, elems, stream_);
+      cuda::AddScaled(out, linear_.y(), 1.f, elems, stream_);
     }
     // The routing's host vectors must outlive the async copies from them.
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
@@ -259,7 +259,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
                                  router_, linear_.o());
         !s.ok())
       return s;
-    cuda::AddSigmoidGated(x, linear_.o(), router_, rows, hidden, stream_);
+    cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
     CHECK_LAUNCH();
   } else if (!lw.shared_expert.gate.empty()) {
     const uint16_t* sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
@@ -269,7 +269,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x) {
     sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
     if (auto s = linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_); !s.ok())
       return s;
-    cuda::AddSigmoidGated(x, linear_.o(), router_, rows, hidden, stream_);
+    cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
     CHECK_LAUNCH();
   }
   return absl::OkStatus();

@@ -38,8 +38,9 @@ class MoeRunner {
   absl::Status MakeRouterCopies();
 
   // Layer l's MoE block over `rows` rows (`n` tokens a sequence) of the residual stream x, its
-  // output added into x. `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
-  absl::Status Run(int l, int rows, int n, bool gemv, float* x);
+  // output added into `out` (x itself, or a partial that the collective seam reduces first).
+  // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out);
 
   // [rows, experts] router logits, + 1 float (graphs=persistent's sum of squares of x).
   float* router() const { return router_; }

@@ -1,0 +1,261 @@
+#include "harness/rank_supervisor.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "api/backend_config.h"
+#include "api/version.h"
+#include "engine/fault_injection.h"
+#include "engine/weights.h"
+#include "harness/child_process.h"
+#include "harness/executor.h"
+
+namespace infersweep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Closes the rank's stdin (its worker exits at EOF) and reaps it, SIGKILLing it after a grace of
+// two seconds.
+void CloseAndReap(PipedChild& child) {
+  if (child.in >= 0) {
+    close(child.in);
+    child.in = -1;
+  }
+  const auto give_up = Clock::now() + std::chrono::seconds(2);
+  while (child.pid > 0 && Clock::now() < give_up) {
+    if (waitpid(child.pid, nullptr, WNOHANG) == child.pid) {
+      child.pid = -1;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  child.Kill();
+}
+
+}  // namespace
+
+int RankProcesses(const TrialRequest& request) {
+  const int tp = TensorParallelRanks(request.config);
+  auto fault = ParseFaultInjection(request.inject_fault);
+  const bool rank_fault = fault.ok() && (fault->kind == FaultInjection::Kind::kRankKill ||
+                                         fault->kind == FaultInjection::Kind::kRankHang);
+  return rank_fault ? tp : 0;
+}
+
+SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::string& handshake,
+                             RankSupervisorOptions options) {
+  if (options.rank_argv.empty()) options.rank_argv = {"/proc/self/exe", "rank-worker"};
+  signal(SIGPIPE, SIG_IGN);  // a dead rank must surface as EPIPE, not kill the parent
+  SupervisedTrial out;
+  TrialResult& result = out.result;
+  result.trial_id = request.trial_id;
+  result.attempt = request.attempt;
+  result.model = request.model;
+  result.config = request.config;
+  result.started_unix_ms = NowUnixMs();
+  result.engine_version = EngineVersion();
+  result.workload = WorkloadKey(request.workload);
+  std::vector<std::unique_ptr<PipedChild>> children;
+  auto finish = [&](TrialStatus status, std::string reason,
+                    const std::string& stderr_tail) -> SupervisedTrial {
+    if (absl::StatusOr<ModelIdentity> id =
+            DescribeModel(request.model, {request.layers, request.seed, false});
+        id.ok())
+      result.model_identity = *std::move(id);
+    result.status = status;
+    result.reason = std::move(reason);
+    result.stderr_tail = stderr_tail;
+    result.finished_unix_ms = NowUnixMs();
+    for (size_t r = 0; r < children.size(); ++r) {
+      if (children[r]->pid > 0) {
+        children[r]->Kill();  // SIGKILL and reap
+        if (out.ranks[r].ended.empty()) out.ranks[r].ended = "killed by the supervisor";
+      }
+      out.ranks[r].stderr_tail = absl::StrJoin(children[r]->stderr_tail, "\n");
+    }
+    return std::move(out);
+  };
+  if (ranks < 1 || ranks > 8)
+    return finish(TrialStatus::kError, absl::StrCat("rank processes: ", ranks, " is outside 1..8"),
+                  "");
+
+  const nlohmann::json request_json = ToJson(request);
+  for (int r = 0; r < ranks; ++r) {
+    children.push_back(std::make_unique<PipedChild>());
+    out.ranks.push_back({r, -1, "", ""});
+    if (absl::Status s = SpawnChild(options.rank_argv, children.back().get()); !s.ok())
+      return finish(TrialStatus::kError, absl::StrCat("rank ", r, ": ", s.message()), "");
+    out.ranks[r].pid = children[r]->pid;
+  }
+  // A rank that died before reading its assignment shows as EOF on its stdout below.
+  for (int r = 0; r < ranks; ++r)
+    WriteAll(children[r]->in,
+             nlohmann::json{
+                 {"rank", r}, {"ranks", ranks}, {"handshake", handshake}, {"request", request_json}}
+                     .dump() +
+                 "\n");
+
+  std::vector<std::optional<TrialResult>> answers(ranks);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(
+                                           static_cast<int64_t>(request.workload.timeout_s * 1e3));
+  auto take_stderr = [&](PipedChild& c) {
+    c.TakeStderrLines(options.stderr_tail_lines, options.on_progress);
+  };
+  while (true) {
+    int answered = 0, dead = -1;
+    for (int r = 0; r < ranks; ++r) {
+      PipedChild& c = *children[r];
+      if (!answers[r]) {
+        if (const size_t nl = c.out_buffer.find('\n'); nl != std::string::npos) {
+          auto parsed = nlohmann::json::parse(c.out_buffer.substr(0, nl), nullptr, false);
+          c.out_buffer.erase(0, nl + 1);
+          auto rank_result = parsed.is_discarded()
+                                 ? absl::StatusOr<TrialResult>(
+                                       absl::InvalidArgumentError("a line that is not JSON"))
+                                 : TrialResultFromJson(parsed);
+          if (!rank_result.ok())
+            return finish(TrialStatus::kError,
+                          absl::StrCat("rank ", r, " wrote an invalid result: ",
+                                       rank_result.status().message()),
+                          absl::StrJoin(c.stderr_tail, "\n"));
+          answers[r] = *std::move(rank_result);
+          out.ranks[r].ended = "answered";
+        } else if (!c.out_open && dead < 0) {
+          dead = r;
+        }
+      }
+      answered += answers[r].has_value();
+    }
+    if (dead >= 0) {
+      // The first rank found dead: collect the rest of its stderr, then how it ended.
+      PipedChild& c = *children[dead];
+      while (c.err_open) {
+        pollfd fd = {c.err, POLLIN, 0};
+        if (poll(&fd, 1, 2000) <= 0) break;
+        c.err_open = ReadSome(c.err, c.err_buffer);
+      }
+      if (!c.err_buffer.empty()) c.err_buffer.push_back('\n');
+      take_stderr(c);
+      const std::string how = ReapAndDescribe(c.pid, absl::StrCat("rank ", dead));
+      c.pid = -1;
+      out.ranks[dead].ended = how;
+      std::vector<int> aborted;
+      for (int r = 0; r < ranks; ++r)
+        if (r != dead && children[r]->pid > 0 && !answers[r]) {
+          aborted.push_back(r);
+          out.ranks[r].ended = absl::StrCat("killed (SIGKILL) after rank ", dead, " died");
+        }
+      return finish(TrialStatus::kCrashed,
+                    absl::StrCat(how, aborted.empty() ? "" : "; ranks still running killed: ",
+                                 absl::StrJoin(aborted, ", ")),
+                    absl::StrJoin(c.stderr_tail, "\n"));
+    }
+    if (answered == ranks) break;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::vector<int> silent;
+      std::string tail;
+      for (int r = 0; r < ranks; ++r)
+        if (!answers[r]) {
+          silent.push_back(r);
+          take_stderr(*children[r]);
+          if (tail.empty()) tail = absl::StrJoin(children[r]->stderr_tail, "\n");
+          out.ranks[r].ended = "killed (SIGKILL) at the timeout";
+        }
+      return finish(TrialStatus::kTimeout,
+                    absl::StrCat("no result from rank ", absl::StrJoin(silent, ", "), " within ",
+                                 request.workload.timeout_s, " s; every rank killed"),
+                    tail);
+    }
+    std::vector<pollfd> fds;
+    for (int r = 0; r < ranks; ++r) {
+      fds.push_back({children[r]->out_open ? children[r]->out : -1, POLLIN, 0});
+      fds.push_back({children[r]->err_open ? children[r]->err : -1, POLLIN, 0});
+    }
+    const int wait_ms = static_cast<int>(std::min<int64_t>(
+        1000, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1));
+    if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR)
+      return finish(TrialStatus::kError, absl::StrCat("poll: ", strerror(errno)), "");
+    for (int r = 0; r < ranks; ++r) {
+      PipedChild& c = *children[r];
+      if (c.out_open && (fds[2 * r].revents & (POLLIN | POLLHUP | POLLERR)))
+        c.out_open = ReadSome(c.out, c.out_buffer);
+      if (c.err_open && (fds[2 * r + 1].revents & (POLLIN | POLLHUP | POLLERR))) {
+        c.err_open = ReadSome(c.err, c.err_buffer);
+        take_stderr(c);
+      }
+    }
+  }
+  // Every rank answered: they exit at the EOF of their stdin.
+  for (auto& c : children) {
+    take_stderr(*c);
+    CloseAndReap(*c);
+  }
+  int pick = 0;
+  for (int r = 1; r < ranks && answers[0]->status == TrialStatus::kOk; ++r)
+    if (answers[r]->status != TrialStatus::kOk) pick = r;
+  TrialResult picked = *std::move(answers[pick]);
+  if (pick != 0) picked.reason = absl::StrCat("rank ", pick, ": ", picked.reason);
+  out.result = std::move(picked);
+  for (size_t r = 0; r < children.size(); ++r)
+    out.ranks[r].stderr_tail = absl::StrJoin(children[r]->stderr_tail, "\n");
+  return out;
+}
+
+int RankWorkerMain() {
+  std::string line;
+  if (!std::getline(std::cin, line)) return 2;
+  auto parsed = nlohmann::json::parse(line, nullptr, false);
+  TrialResult result;
+  result.status = TrialStatus::kError;
+  if (parsed.is_discarded() || !parsed.is_object() || !parsed.contains("rank") ||
+      !parsed.contains("ranks") || !parsed.contains("request")) {
+    result.reason = "rank assignment: not a JSON object with rank, ranks and request";
+  } else {
+    const int rank = parsed["rank"].get<int>(), ranks = parsed["ranks"].get<int>();
+    const std::string handshake = parsed.value("handshake", "");
+    SetProcessRank(rank);
+    std::cerr << "rank " << rank << "/" << ranks << ": handshake '" << handshake << "'"
+              << std::endl;
+    auto request = TrialRequestFromJson(parsed["request"]);
+    if (!request.ok()) {
+      result.reason = std::string(request.status().message());
+    } else {
+      TrialExecutor executor;
+      const std::string trial_id = request->trial_id;
+      result = executor.Execute(*request, [&](const std::string& message) {
+        std::cerr << "#progress "
+                  << nlohmann::json{{"trial_id", trial_id},
+                                    {"message", absl::StrCat("rank ", rank, ": ", message)}}
+                         .dump()
+                  << std::endl;
+      });
+    }
+  }
+  std::cout << ToJson(result).dump() << std::endl;
+  // Waits for the supervisor to close stdin, so that it reaps a process that has answered.
+  while (std::getline(std::cin, line)) {
+  }
+  return 0;
+}
+
+}  // namespace infersweep
