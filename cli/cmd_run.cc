@@ -314,7 +314,10 @@ void AddRunCommands(CLI::App& app) {
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");
   worker->group("");  // hidden from --help
-  worker->callback([] { std::exit(WorkerMain()); });
+  static std::string probe_cache;
+  worker->add_option("--probe-cache", probe_cache,
+                     "file caching the capability probe's answers (the agent's state folder)");
+  worker->callback([] { std::exit(WorkerMain(probe_cache)); });
 }
 
 }  // namespace infersweep::cli

@@ -88,6 +88,10 @@ struct TrialRunner::Worker {
 
 TrialRunner::TrialRunner(RunnerOptions options) : options_(std::move(options)) {
   if (options_.worker_argv.empty()) options_.worker_argv = {"/proc/self/exe", "worker"};
+  if (!options_.probe_cache_path.empty()) {
+    options_.worker_argv.push_back("--probe-cache");
+    options_.worker_argv.push_back(options_.probe_cache_path);
+  }
   signal(SIGPIPE, SIG_IGN);  // a dead worker must surface as EPIPE, not kill the parent
 }
 
@@ -257,8 +261,10 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   return fail(TrialStatus::kCrashed, how);
 }
 
-int WorkerMain() {
-  TrialExecutor executor;
+int WorkerMain(const std::string& probe_cache_path) {
+  LocalDevices devices = ProbeLocalDevices();
+  std::shared_ptr<CapabilityProbe> probe = MakeCachedDeviceProbe(devices, probe_cache_path);
+  TrialExecutor executor(std::move(devices), {}, std::move(probe));
   std::string line;
   while (std::getline(std::cin, line)) {
     if (line.empty()) continue;

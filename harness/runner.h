@@ -23,6 +23,9 @@ struct RunnerOptions {
   // JSON line per request on stdout. Default: {"/proc/self/exe", "worker"}.
   std::vector<std::string> worker_argv;
   int stderr_tail_lines = 40;
+  // When set, the worker caches the capability probe's answers in this file
+  // ("--probe-cache PATH" after worker_argv), which every later worker reads.
+  std::string probe_cache_path;
   // Called with progress lines the worker prints on stderr as "#progress <json>".
   std::function<void(const std::string&)> on_progress;
 };
@@ -55,7 +58,8 @@ class TrialRunner {
   std::atomic<pid_t> running_pid_{-1};  // the worker Run() is waiting on, else -1
 };
 
-// The worker side: serves TrialRequests from stdin until EOF. Returns the process exit code.
-int WorkerMain();
+// The worker side: serves TrialRequests from stdin until EOF, the capability probe's answers
+// cached in `probe_cache_path` (empty: in memory). Returns the process exit code.
+int WorkerMain(const std::string& probe_cache_path = "");
 
 }  // namespace infersweep
