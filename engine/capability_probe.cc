@@ -53,22 +53,51 @@ CachedProbe::CachedProbe(std::unique_ptr<CapabilityProbe> inner, std::string env
   LoadFile();
 }
 
-// One JSON object a line: {"key": ..., "supported": bool, "reason": ...}. Lines that do not
-// parse (a torn write, another version's format) are skipped: the probe asks again.
-void CachedProbe::LoadFile() {
-  if (cache_path_.empty()) return;
-  std::ifstream in(cache_path_);
+namespace {
+
+// A cache file's answers by key. One JSON object a line: {"key": ..., "supported": bool,
+// "reason": ...}. Lines that do not parse (a torn write, another version's format) are skipped:
+// the probe asks again.
+std::map<std::string, std::pair<bool, std::string>> ReadCacheFile(const std::string& path) {
+  std::map<std::string, std::pair<bool, std::string>> answers;
+  std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!j.is_object() || !j.contains("key") || !j["key"].is_string() || !j.contains("supported") ||
         !j["supported"].is_boolean())
       continue;
-    Answer a;
-    a.supported = j["supported"].get<bool>();
-    if (j.contains("reason") && j["reason"].is_string()) a.reason = j["reason"].get<std::string>();
-    answers_[j["key"].get<std::string>()] = std::move(a);
+    std::string reason;
+    if (j.contains("reason") && j["reason"].is_string()) reason = j["reason"].get<std::string>();
+    answers[j["key"].get<std::string>()] = {j["supported"].get<bool>(), std::move(reason)};
   }
+  return answers;
+}
+
+}  // namespace
+
+std::string ProbeCacheKey(const std::string& environment, const BackendConfig& normalized,
+                          const ModelConfig& model, const std::string& weight_format) {
+  return absl::StrCat(environment, " | ", BackendConfigString(normalized), " | ",
+                      ProbeShapesKey(model, weight_format));
+}
+
+std::optional<absl::Status> CachedProbeAnswer(const std::string& cache_path,
+                                              const std::string& environment,
+                                              const BackendConfig& normalized,
+                                              const ModelConfig& model,
+                                              const std::string& weight_format) {
+  if (cache_path.empty()) return std::nullopt;
+  const auto answers = ReadCacheFile(cache_path);
+  auto it = answers.find(ProbeCacheKey(environment, normalized, model, weight_format));
+  if (it == answers.end()) return std::nullopt;
+  return it->second.first ? absl::OkStatus() : absl::UnimplementedError(it->second.second);
+}
+
+void CachedProbe::LoadFile() {
+  if (cache_path_.empty()) return;
+  for (auto& [key, answer] : ReadCacheFile(cache_path_))
+    answers_[key] = Answer{answer.first, std::move(answer.second)};
 }
 
 void CachedProbe::AppendFile(const std::string& key, const Answer& answer) {
@@ -81,8 +110,7 @@ void CachedProbe::AppendFile(const std::string& key, const Answer& answer) {
 
 absl::Status CachedProbe::Probe(const BackendConfig& normalized, const ModelConfig& model,
                                 const std::string& weight_format) {
-  const std::string key = absl::StrCat(environment_, " | ", BackendConfigString(normalized), " | ",
-                                       ProbeShapesKey(model, weight_format));
+  const std::string key = ProbeCacheKey(environment_, normalized, model, weight_format);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = answers_.find(key); it != answers_.end())
     return it->second.supported ? absl::OkStatus() : absl::UnimplementedError(it->second.reason);

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -36,6 +37,19 @@ class CapabilityProbe {
 std::string ProbeEnvironmentKey(const LocalDevices& devices);
 // The model's shapes a probe looks at (and the weight format), as one string.
 std::string ProbeShapesKey(const ModelConfig& model, const std::string& weight_format);
+
+// The cache's key of one question: environment, config and shapes.
+std::string ProbeCacheKey(const std::string& environment, const BackendConfig& normalized,
+                          const ModelConfig& model, const std::string& weight_format);
+
+// The answer a cache file at `cache_path` holds for the question (OK, or Unimplemented with the
+// probe's words); nullopt when it holds none, or there is no such file. The agent's side reads it
+// before it hands a trial to a worker, so a config refused once never reaches a worker again.
+std::optional<absl::Status> CachedProbeAnswer(const std::string& cache_path,
+                                              const std::string& environment,
+                                              const BackendConfig& normalized,
+                                              const ModelConfig& model,
+                                              const std::string& weight_format);
 
 // Caches an inner probe's answers (OK and Unimplemented) per (environment, config, shapes), in
 // memory and, with a `cache_path`, in a JSON-lines file that outlives the process (the agent

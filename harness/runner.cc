@@ -108,6 +108,20 @@ void TrialRunner::Cancel() {
 
 void TrialRunner::ClearCancel() { cancel_requested_ = false; }
 
+std::optional<std::string> TrialRunner::ProbeRefusal(const TrialRequest& request) {
+  if (options_.probe_cache_path.empty()) return std::nullopt;
+  absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(request.config);
+  if (!config.ok()) return std::nullopt;  // the worker says what is wrong with it
+  absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(request.model, request.layers);
+  if (!shapes.ok()) return std::nullopt;
+  if (probe_environment_.empty()) probe_environment_ = ProbeEnvironmentKey(ProbeLocalDevices());
+  std::optional<absl::Status> answer =
+      CachedProbeAnswer(options_.probe_cache_path, probe_environment_, *config, *shapes,
+                        DeclaredWeightFormat(request.model));
+  if (!answer || answer->ok()) return std::nullopt;
+  return absl::StrCat("capability probe: ", answer->message());
+}
+
 TrialResult TrialRunner::Run(const TrialRequest& request) {
   TrialResult result;
   result.trial_id = request.trial_id;
@@ -136,6 +150,18 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     return result;
   };
   if (cancel_requested_) return fail(TrialStatus::kError, "cancelled before it started");
+  if (std::optional<std::string> refused = ProbeRefusal(request)) {
+    result.status = TrialStatus::kUnsupported;
+    result.reason = *std::move(refused);
+    if (absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(request.config); config.ok())
+      result.config = *config;
+    if (absl::StatusOr<ModelIdentity> id =
+            DescribeModel(request.model, {request.layers, request.seed, false});
+        id.ok())
+      result.model_identity = *std::move(id);
+    result.finished_unix_ms = NowUnixMs();
+    return result;
+  }
 
   const std::string key = TrialExecutor::ModelKey(request);
   if (worker_ && key != worker_model_key_) worker_.reset();

@@ -14,6 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "harness/executor.h"
+#include "harness/runner.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
@@ -160,6 +162,56 @@ TEST(CapabilityProbe, RefusedConfigsAreUnsupportedAndNeverRun) {
   EXPECT_EQ(fake->calls, static_cast<int>(sweep.size()));
   for (int hidden : fake->hidden_sizes) EXPECT_EQ(hidden, Shapes().hidden_size);
   for (const std::string& format : fake->formats) EXPECT_EQ(format, "bf16");
+}
+
+// A cache file holding the probe's refusal (written by an earlier worker, as the agent's workers
+// write it) seeded for `refused` on the runner's model.
+std::string SeedCacheFile(const std::string& name, const std::string& refused) {
+  const std::string path = absl::StrCat(testing::TempDir(), "/", name, "-", getpid(), ".jsonl");
+  std::remove(path.c_str());
+  CachedProbe seed(std::make_unique<FakeProbe>(std::set<std::string>{refused}),
+                   ProbeEnvironmentKey(ProbeLocalDevices()), path);
+  const BackendConfig config = *NormalizeBackendConfig(*ParseBackendConfig(refused));
+  EXPECT_TRUE(absl::IsUnimplemented(seed.Probe(config, *PresetConfig("tiny-moe", 2), "bf16")));
+  return path;
+}
+
+// The runner answers a config the cache file refuses without a worker: its worker here is
+// /bin/false, which every trial that reaches it turns into a failure.
+TEST(CapabilityProbe, ACachedRefusalNeverReachesAWorker) {
+  const std::string path = SeedCacheFile("runner-probe", "matmul=blocked");
+  RunnerOptions options;
+  options.worker_argv = {"/bin/false"};
+  options.probe_cache_path = path;
+  TrialRunner runner(options);
+  const TrialResult refused = runner.Run(Request("matmul=blocked"));
+  EXPECT_EQ(refused.status, TrialStatus::kUnsupported) << refused.reason;
+  EXPECT_THAT(refused.reason, HasSubstr("capability probe: matmul=blocked: fakelib"));
+  EXPECT_TRUE(refused.stderr_tail.empty());
+  const TrialResult reached = runner.Run(Request("matmul=naive"));
+  EXPECT_NE(reached.status, TrialStatus::kUnsupported) << "a worker should have run it";
+  EXPECT_NE(reached.status, TrialStatus::kOk);
+  std::remove(path.c_str());
+}
+
+// A sweep through real workers sharing the cache file: the refused configs are UNSUPPORTED with
+// the probe's words, the others OK.
+TEST(CapabilityProbe, SweepThroughWorkersMixesRefusedAndRunnableConfigs) {
+  const std::string path = SeedCacheFile("sweep-probe", "threads=2");
+  RunnerOptions options;
+  options.worker_argv = {WorkerBinary(), "worker"};
+  options.probe_cache_path = path;
+  TrialRunner runner(options);
+  for (const char* config : {"threads=1", "threads=2", "matmul=blocked,threads=1"}) {
+    const TrialResult r = runner.Run(Request(config));
+    if (std::string(config) == "threads=2") {
+      EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
+      EXPECT_THAT(r.reason, HasSubstr("capability probe: threads=2: fakelib"));
+    } else {
+      EXPECT_EQ(r.status, TrialStatus::kOk) << config << ": " << r.reason << r.stderr_tail;
+    }
+  }
+  std::remove(path.c_str());
 }
 
 // A probe that cannot ask is the trial's ERROR, not a verdict on the config.
