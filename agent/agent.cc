@@ -129,6 +129,7 @@ absl::Status Agent::Start() {
     RunnerOptions ro;
     if (!options_.worker_argv.empty()) ro.worker_argv = options_.worker_argv;
     // The capability probe's answers outlive each worker, beside the spool (the agent's state).
+    // The infersweep worker takes the file's path; a test's stand-in worker is left its argv.
     if (options_.worker_argv.empty()) ro.probe_cache_path = ProbeCachePath(options_);
     Slot* raw = slot.get();
     ro.on_progress = [this, raw](const std::string& line) {
