@@ -49,7 +49,7 @@ gpu_tests() {
 for stage in $STAGES; do
   case $stage in
   test)
-    for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test; do
+    for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
   probe)  # the capability probe: test_kernel=sm100a UNSUPPORTED in the driver's words, never CRASHED
