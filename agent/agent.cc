@@ -60,6 +60,13 @@ bool PermanentRefusal(absl::StatusCode code) {
          code == absl::StatusCode::kInvalidArgument;
 }
 
+// The capability probe's cache file: in the spool's folder, named for the agent.
+std::string ProbeCachePath(const AgentOptions& options) {
+  const size_t slash = options.spool_path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "" : options.spool_path.substr(0, slash + 1);
+  return absl::StrCat(dir, "infersweep-probe-", options.agent_id, ".jsonl");
+}
+
 }  // namespace
 
 Agent::Agent(AgentOptions options) : options_(std::move(options)) {
@@ -121,6 +128,9 @@ absl::Status Agent::Start() {
     slot->index = static_cast<int>(i);
     RunnerOptions ro;
     if (!options_.worker_argv.empty()) ro.worker_argv = options_.worker_argv;
+    // The capability probe's answers outlive each worker, beside the spool (the agent's state).
+    // The infersweep worker takes the file's path; a test's stand-in worker is left its argv.
+    if (options_.worker_argv.empty()) ro.probe_cache_path = ProbeCachePath(options_);
     Slot* raw = slot.get();
     ro.on_progress = [this, raw](const std::string& line) {
       v1::AgentMessage m;

@@ -43,7 +43,9 @@ struct AgentOptions {
   // TEST ONLY: "NAME:SM:MEMORY_GIB" labels that replace the detected GPUs (see inventory.h).
   // Trials with device=cpu still run on the CPU.
   std::vector<std::string> test_fake_gpus;
-  // argv of the trial worker; default {"/proc/self/exe", "worker"} (the infersweep binary).
+  // argv of the trial worker; default {"/proc/self/exe", "worker"} (the infersweep binary), which
+  // is given "--probe-cache <spool folder>/infersweep-probe-<agent_id>.jsonl", the capability
+  // probe's answers, which the agent reads too (harness/runner.h).
   std::vector<std::string> worker_argv;
   // TEST ONLY: a fault (engine/fault_injection.h, e.g. "hang", "sleep:2") injected into every
   // trial this agent runs. Empty in production.

@@ -164,6 +164,7 @@ absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_g
   }
   for (const BackendDescriptor& d : BackendRegistry()) {
     if (d.needs_cuda_build && !inv.cuda_build) continue;
+    if (d.test_only) continue;
     inv.backends.push_back(absl::StrCat(d.axis, "=", d.value));
   }
   return inv;

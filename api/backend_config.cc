@@ -210,6 +210,34 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
                "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
                "such a GPU"});
+  // TEST ONLY: the sm100a kernel's row claims every arch from sm_80 on purpose (its image is
+  // sm_100a's alone): the static table lets it through, so the capability probe's refusal of a
+  // missing kernel image is what a test of it sees.
+  r.push_back({"test_kernel",
+               "none",
+               "cuda",
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "no test kernel",
+               {},
+               /*test_only=*/true});
+  r.push_back({"test_kernel",
+               "sm100a",
+               "cuda",
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "TEST ONLY: a kernel compiled for sm_100a alone, launched once as the model is "
+               "built; the capability probe refuses it on every other GPU",
+               {},
+               /*test_only=*/true});
   return r;
 }
 
@@ -319,7 +347,10 @@ absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
 std::map<std::string, std::string> ImplicitAxes(std::string_view device) {
   std::map<std::string, std::string> implicit = {
       {"tp", "1"}, {"ep", "off"}, {"allreduce", device == "cuda" ? "auto" : "reference"}};
-  if (device == "cuda") implicit["linear_attn"] = "reference";
+  if (device == "cuda") {
+    implicit["linear_attn"] = "reference";
+    implicit["test_kernel"] = "none";
+  }
   return implicit;
 }
 

@@ -44,6 +44,9 @@ struct BackendDescriptor {
   // only, each optionally followed by ": " and why, e.g. moe=fused with qgemm=reference, which
   // has no fused expert runner.
   std::vector<std::string> quantized_conflicts = {};
+  // TEST ONLY rows: selectable by name, left out of the generated docs and of the backends an
+  // agent advertises, so no sweep lists them unless a test names them.
+  bool test_only = false;
 };
 
 // Every registered backend value, for every axis and device: the one table.
@@ -51,7 +54,8 @@ const std::vector<BackendDescriptor>& BackendRegistry();
 
 // Axes of a device and their default values (what an absent axis means).
 std::map<std::string, std::string> DefaultAxes(std::string_view device);
-// Axes added after results were stored (tp, ep, allreduce; cuda's linear_attn) and the values
+// Axes added after results were stored (tp, ep, allreduce; cuda's linear_attn and the TEST ONLY
+// test_kernel) and the values
 // that mean what a config without them always meant: a normalized config leaves them out at
 // these values, so every earlier config string (stored results, their identities) still names
 // the same run.

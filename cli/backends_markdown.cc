@@ -82,6 +82,7 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "| axis | value | device | SM | weights | conflicts | precision | description |\n"
       "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const BackendDescriptor& d : registry) {
+    if (d.test_only) continue;
     absl::StrAppend(&md, "| ", d.axis, " | ", d.value, " | ", d.device, " | ", SmRange(d), " | ",
                     absl::StrJoin(d.weight_formats, " "), " | ", Conflicts(d), " | ",
                     std::string(PrecisionClassName(d.precision)), " | ", Cell(d.description),
@@ -106,6 +107,11 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "  without biases or shared experts, one streamed format, shapes) and answers\n"
       "  `UNSUPPORTED` with the reason where it does not fit.\n"
       "- The router GEMM runs in fp32 on every config.\n"
+      "- After this table, and before any weight loads, the capability probe asks the driver\n"
+      "  and the libraries about the config on this GPU for the model's shapes: a kernel with\n"
+      "  no image for the GPU (`cudaFuncGetAttributes`), a cuBLASLt heuristic with no algorithm,\n"
+      "  a library missing or too old. Each refusal is `UNSUPPORTED` with the library's words\n"
+      "  and the shape (`engine/capability_probe.h`).\n"
       "- CUDA kernels are built for sm_90 with PTX for newer archs, except `kernels/cuda/sm90a/`\n"
       "  (sm_90a machine code only: `gemm=tma`, `moe=wgmma`, `graphs=persistent`).\n"
       "- Measured figures per config: [PERFORMANCE.md](PERFORMANCE.md).\n");
@@ -115,6 +121,7 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
 std::string BackendsText(const std::vector<BackendDescriptor>& registry) {
   std::string out;
   for (const BackendDescriptor& d : registry) {
+    if (d.test_only) continue;
     const std::string sm = SmRange(d);
     absl::StrAppend(&out, d.axis, "=", d.value, "  ", d.device, "  ",
                     sm.empty() ? "any sm" : absl::StrCat("sm ", sm), "  ",

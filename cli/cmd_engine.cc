@@ -17,6 +17,7 @@
 #include "cli/backends_markdown.h"
 #include "cli/commands.h"
 #include "engine/backends.h"
+#include "engine/capability_probe.h"
 #include "engine/npy.h"
 #include "engine/sampler.h"
 #include "engine/weights.h"
@@ -84,6 +85,15 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   if (!preflight.supported)
     return absl::FailedPreconditionError(absl::StrCat(
         "UNSUPPORTED: ", BackendConfigString(*normalized), ": ", preflight.reason));
+  // The capability probe, as a trial asks it: before any weights load.
+  if (absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(*model_description, args.layers);
+      shapes.ok())
+    if (absl::Status probed = MakeDeviceProbe(devices)->Probe(
+            *normalized, *shapes, DeclaredWeightFormat(*model_description));
+        !probed.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat(absl::IsUnimplemented(probed) ? "UNSUPPORTED: " : "",
+                       BackendConfigString(*normalized), ": capability probe: ", probed.message()));
   Loaded loaded;
   auto host = LoadHostModel(*model_description, {args.layers, args.seed});
   if (!host.ok()) return host.status();

@@ -321,7 +321,10 @@ void AddRunCommands(CLI::App& app) {
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");
   worker->group("");  // hidden from --help
-  worker->callback([] { std::exit(WorkerMain()); });
+  static std::string probe_cache;
+  worker->add_option("--probe-cache", probe_cache,
+                     "file caching the capability probe's answers (the agent's state folder)");
+  worker->callback([] { std::exit(WorkerMain(probe_cache)); });
   CLI::App* rank_worker = app.add_subcommand(
       "rank-worker", "internal: run one rank of a supervised trial (harness/rank_supervisor.h)");
   rank_worker->group("");  // hidden from --help

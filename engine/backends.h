@@ -28,6 +28,9 @@ struct LocalDevices {
   std::string cuda_runtime_version;
   std::string cublas_version;
   std::string cublaslt_version;
+  // cuDNN as loaded at run time (engine/cuda/cudnn_loader.h), e.g. "9.10.2"; empty when no
+  // libcudnn.so.9 was found.
+  std::string cudnn_version;
 };
 LocalDevices ProbeLocalDevices();
 

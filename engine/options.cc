@@ -35,6 +35,8 @@ constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
                                      {QGemm::kNativeFp4, "native_fp4"}}};
 constexpr Names<LinearAttn, 2> kLinearAttn = {
     {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
+constexpr Names<TestKernel, 2> kTestKernel = {
+    {{TestKernel::kNone, "none"}, {TestKernel::kSm100a, "sm100a"}}};
 constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
 constexpr Names<AllReduce, 5> kAllReduce = {{{AllReduce::kReference, "reference"},
                                              {AllReduce::kAuto, "auto"},
@@ -114,6 +116,7 @@ const char* AxisValueName(Moe v) { return NameOf(kMoe, v); }
 const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
 const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
 const char* AxisValueName(LinearAttn v) { return NameOf(kLinearAttn, v); }
+const char* AxisValueName(TestKernel v) { return NameOf(kTestKernel, v); }
 const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
 const char* AxisValueName(AllReduce v) { return NameOf(kAllReduce, v); }
 
@@ -128,6 +131,7 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
                          ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
                          ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm),
                          ParseAxis(normalized, device, "linear_attn", kLinearAttn, &o.linear_attn),
+                         ParseAxis(normalized, device, "test_kernel", kTestKernel, &o.test_kernel),
                          ParseParallel(normalized, device, &o.parallel)})
     if (!s.ok()) return s;
   return o;

@@ -17,6 +17,9 @@ enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
 enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4 };
 enum class LinearAttn { kReference, kFused };
+// TEST ONLY: sm100a launches a kernel built for sm_100a alone as the model is built, so the
+// capability probe's refusal of a missing kernel image can be exercised on any GPU.
+enum class TestKernel { kNone, kSm100a };
 // ---- CPU axes.
 enum class Matmul { kNaive, kBlocked };
 // ---- Tensor-parallel axes (both devices): tp is a rank count, ep a switch.
@@ -33,6 +36,7 @@ const char* AxisValueName(Moe v);
 const char* AxisValueName(Graphs v);
 const char* AxisValueName(QGemm v);
 const char* AxisValueName(LinearAttn v);
+const char* AxisValueName(TestKernel v);
 const char* AxisValueName(Matmul v);
 const char* AxisValueName(AllReduce v);
 
@@ -82,6 +86,7 @@ struct CudaOptions {
   QGemm qgemm = QGemm::kReference;
   // How Gated DeltaNet layers run; models without them ignore it.
   LinearAttn linear_attn = LinearAttn::kReference;
+  TestKernel test_kernel = TestKernel::kNone;  // TEST ONLY
   ParallelOptions parallel = {1, false, AllReduce::kAuto};
   // The bf16 yardstick (CreateBf16Yardstick): the reference GEMM rounds its inputs to bf16, as
   // every bf16-class GEMM does, and computes the rest as the reference does. Not an axis value:

@@ -30,12 +30,15 @@ int64_t PeakRssBytes() {
 
 }  // namespace
 
-TrialExecutor::TrialExecutor(LocalDevices devices, EvalSpec eval)
-    : devices_(std::move(devices)), eval_(eval) {
+TrialExecutor::TrialExecutor(LocalDevices devices, EvalSpec eval,
+                             std::shared_ptr<CapabilityProbe> probe)
+    : devices_(std::move(devices)), eval_(eval), probe_(std::move(probe)) {
+  if (!probe_) probe_ = MakeCachedDeviceProbe(devices_, "");
   software_.cuda_driver = devices_.cuda_driver_version;
   software_.cuda_runtime = devices_.cuda_runtime_version;
   software_.cublas = devices_.cublas_version;
   software_.cublaslt = devices_.cublaslt_version;
+  software_.cudnn = devices_.cudnn_version;
   if (devices_.gpu_count > 0) software_.driver = NvidiaDriverVersion();
 }
 
@@ -72,6 +75,16 @@ absl::Status TrialExecutor::EnsureModel(const TrialRequest& request) {
   host_ = std::move(*host);
   model_key_ = key;
   return absl::OkStatus();
+}
+
+absl::Status TrialExecutor::ProbeCapabilities(const TrialRequest& request,
+                                              const BackendConfig& config) {
+  // A model whose shapes cannot be read fails to load too, and the load says why.
+  absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(request.model, request.layers);
+  if (!shapes.ok()) return absl::OkStatus();
+  absl::Status s = probe_->Probe(config, *shapes, DeclaredWeightFormat(request.model));
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("capability probe: ", s.message()));
 }
 
 absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
@@ -183,6 +196,11 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   // of dense weights after loading.
   PreflightResult preflight = Preflight(*config, MakePreflightTarget(devices_, request.model));
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
+  // Then the libraries and the driver, asked about this config on this GPU for the model's
+  // shapes: a refusal loads nothing and builds no model.
+  if (absl::Status probed = ProbeCapabilities(request, *config); !probed.ok())
+    return finish(absl::IsUnimplemented(probed) ? TrialStatus::kUnsupported : TrialStatus::kError,
+                  std::string(probed.message()));
 
   say("loading " + request.model);
   if (auto s = EnsureModel(request); !s.ok())

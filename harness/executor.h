@@ -11,6 +11,7 @@
 #include "api/trial.h"
 #include "api/version.h"
 #include "engine/backends.h"
+#include "engine/capability_probe.h"
 #include "engine/fault_injection.h"
 #include "engine/weights.h"
 #include "harness/gpu_sampler.h"
@@ -22,7 +23,10 @@ namespace infersweep {
 class TrialExecutor {
  public:
   using Progress = std::function<void(const std::string&)>;
-  explicit TrialExecutor(LocalDevices devices = ProbeLocalDevices(), EvalSpec eval = {});
+  // `probe` asks the driver and the libraries about each config before its weights load
+  // (engine/capability_probe.h); null: this build's device probe, cached in memory.
+  explicit TrialExecutor(LocalDevices devices = ProbeLocalDevices(), EvalSpec eval = {},
+                         std::shared_ptr<CapabilityProbe> probe = nullptr);
 
   // Always returns a result; status ERROR carries what went wrong (bad request, load failure).
   TrialResult Execute(const TrialRequest& request, const Progress& progress = {});
@@ -32,6 +36,9 @@ class TrialExecutor {
 
  private:
   absl::Status EnsureModel(const TrialRequest& request);
+  // The capability probe's answer for a config that passed the static preflight: OK,
+  // Unimplemented (UNSUPPORTED, "capability probe: " and the library's words) or another error.
+  absl::Status ProbeCapabilities(const TrialRequest& request, const BackendConfig& config);
   // A serving workload on the loaded model: each load point served (RunServeTrial, with the
   // GPU's energy meter on GPU configs), its figures and verdict put into `result`, whose status
   // and reason it sets.
@@ -50,6 +57,7 @@ class TrialExecutor {
 
   LocalDevices devices_;
   EvalSpec eval_;
+  std::shared_ptr<CapabilityProbe> probe_;
   std::string model_key_;
   std::unique_ptr<HostModel> host_;
   std::map<std::string, EvalOutputs> reference_cache_;  // by reference config string

@@ -41,6 +41,10 @@ struct TrialRunner::Worker : PipedChild {};
 
 TrialRunner::TrialRunner(RunnerOptions options) : options_(std::move(options)) {
   if (options_.worker_argv.empty()) options_.worker_argv = {"/proc/self/exe", "worker"};
+  if (!options_.probe_cache_path.empty()) {
+    options_.worker_argv.push_back("--probe-cache");
+    options_.worker_argv.push_back(options_.probe_cache_path);
+  }
   signal(SIGPIPE, SIG_IGN);  // a dead worker must surface as EPIPE, not kill the parent
 }
 
@@ -56,6 +60,20 @@ void TrialRunner::Cancel() {
 }
 
 void TrialRunner::ClearCancel() { cancel_requested_ = false; }
+
+std::optional<std::string> TrialRunner::ProbeRefusal(const TrialRequest& request) {
+  if (options_.probe_cache_path.empty()) return std::nullopt;
+  absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(request.config);
+  if (!config.ok()) return std::nullopt;  // the worker says what is wrong with it
+  absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(request.model, request.layers);
+  if (!shapes.ok()) return std::nullopt;
+  if (probe_environment_.empty()) probe_environment_ = ProbeEnvironmentKey(ProbeLocalDevices());
+  std::optional<absl::Status> answer =
+      CachedProbeAnswer(options_.probe_cache_path, probe_environment_, *config, *shapes,
+                        DeclaredWeightFormat(request.model));
+  if (!answer || answer->ok()) return std::nullopt;
+  return absl::StrCat("capability probe: ", answer->message());
+}
 
 TrialResult TrialRunner::Run(const TrialRequest& request) {
   TrialResult result;
@@ -85,6 +103,18 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     return result;
   };
   if (cancel_requested_) return fail(TrialStatus::kError, "cancelled before it started");
+  if (std::optional<std::string> refused = ProbeRefusal(request)) {
+    result.status = TrialStatus::kUnsupported;
+    result.reason = *std::move(refused);
+    if (absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(request.config); config.ok())
+      result.config = *config;
+    if (absl::StatusOr<ModelIdentity> id =
+            DescribeModel(request.model, {request.layers, request.seed, false});
+        id.ok())
+      result.model_identity = *std::move(id);
+    result.finished_unix_ms = NowUnixMs();
+    return result;
+  }
   // A trial over rank processes (RankProcesses) runs under the rank supervisor, one fresh process
   // a rank. The ncclUniqueId handshake is left empty: no CUDA rank joins NCCL yet (the engine
   // refuses tp > 1), and an id would keep NCCL's bootstrap root waiting in this process for
@@ -187,8 +217,10 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
   return fail(TrialStatus::kCrashed, WithoutResult(how));
 }
 
-int WorkerMain() {
-  TrialExecutor executor;
+int WorkerMain(const std::string& probe_cache_path) {
+  LocalDevices devices = ProbeLocalDevices();
+  std::shared_ptr<CapabilityProbe> probe = MakeCachedDeviceProbe(devices, probe_cache_path);
+  TrialExecutor executor(std::move(devices), {}, std::move(probe));
   std::string line;
   while (std::getline(std::cin, line)) {
     if (line.empty()) continue;

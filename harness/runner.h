@@ -11,6 +11,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@ struct RunnerOptions {
   // JSON line per request on stdout. Default: {"/proc/self/exe", "worker"}.
   std::vector<std::string> worker_argv;
   int stderr_tail_lines = 40;
+  // When set, the worker caches the capability probe's answers in this file
+  // ("--probe-cache PATH" after worker_argv), which every later worker reads; and a config the
+  // file says the probe refused is UNSUPPORTED at once, without a worker.
+  std::string probe_cache_path;
   // Called with progress lines the worker prints on stderr as "#progress <json>".
   std::function<void(const std::string&)> on_progress;
 };
@@ -48,14 +53,20 @@ class TrialRunner {
 
  private:
   struct Worker;
+  // The probe's refusal of `request` as the probe cache file holds it ("capability probe: ..."),
+  // or nullopt: no cache file, no answer there, or an answer that accepts.
+  std::optional<std::string> ProbeRefusal(const TrialRequest& request);
   RunnerOptions options_;
   std::unique_ptr<Worker> worker_;
   std::string worker_model_key_;
   std::atomic<bool> cancel_requested_{false};
   std::atomic<pid_t> running_pid_{-1};  // the worker Run() is waiting on, else -1
+  // ProbeEnvironmentKey of this machine, read once, for the probe cache's answers.
+  std::string probe_environment_;
 };
 
-// The worker side: serves TrialRequests from stdin until EOF. Returns the process exit code.
-int WorkerMain();
+// The worker side: serves TrialRequests from stdin until EOF, the capability probe's answers
+// cached in `probe_cache_path` (empty: in memory). Returns the process exit code.
+int WorkerMain(const std::string& probe_cache_path = "");
 
 }  // namespace infersweep

@@ -13,6 +13,11 @@ if [ -f .carry.tar.xz ] && [ ! -x .carry/infersweep ]; then
 fi
 export LD_LIBRARY_PATH="$PWD/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export INFERSWEEP_SOURCE_DIR="$PWD" INFERSWEEP_BINARY="$PWD/.carry/infersweep"
+# cuDNN is there only inside PyTorch's wheel: the engine dlopens it from INFERSWEEP_CUDNN_DIR.
+if [ -z "${INFERSWEEP_CUDNN_DIR:-}" ]; then
+  INFERSWEEP_CUDNN_DIR=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null || true)
+  export INFERSWEEP_CUDNN_DIR
+fi
 B=.carry/infersweep
 STAGES=${STAGES:-"test bench peer fixtures"}
 
@@ -44,7 +49,7 @@ gpu_tests() {
 for stage in $STAGES; do
   case $stage in
   test)
-    for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test; do
+    for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
   tp)  # the collective seam: its GPU tests (custom/fused ranks as streams of one GPU, NCCL's
@@ -57,6 +62,10 @@ for stage in $STAGES; do
       --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,allreduce=auto|nccl|custom' \
       --workload prompt=128,output=32,batch=1:64,repeats=3,warmup=1,timeout=100 \
       --json "$OUT/tp1_seam.json" 2>&1 | tee "$OUT/tp1_seam.log" | grep -vE "spread|load " ;;
+  probe)  # the capability probe: test_kernel=sm100a UNSUPPORTED in the driver's words, never CRASHED
+    gpu_tests .carry/gpu_probe_test 180 gpu_probe_test.log '^#|OK \]|FAILED|Failure|error'
+    timeout -k 5 120 $B run --model preset:tiny-moe --config 'device=cuda,attention=naive|flash,test_kernel=none|sm100a' \
+      --workload prompt=16,output=4,batch=1,repeats=1,warmup=0,timeout=60 2>&1 | tee "$OUT/probe_run.log" ;;
   ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
     gpu_tests .carry/gpu_test 240 gpu_ptest.log '^#|OK \]|FAILED|Failure|error|worst|steps' \
       --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" ;;

@@ -40,6 +40,7 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
       if (d.axis == "graphs") name = AxisValueName(o->graphs);
       if (d.axis == "qgemm") name = AxisValueName(o->qgemm);
       if (d.axis == "linear_attn") name = AxisValueName(o->linear_attn);
+      if (d.axis == "test_kernel") name = AxisValueName(o->test_kernel);
       if (d.axis == "tp") name = std::to_string(o->parallel.tp);
       if (d.axis == "ep") name = o->parallel.expert_parallel ? "on" : "off";
       if (d.axis == "allreduce") name = AxisValueName(o->parallel.allreduce);

@@ -21,6 +21,7 @@
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/moe_grouped.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sm100a/test_kernel.h"
 
 namespace infersweep {
 namespace {
@@ -596,6 +597,25 @@ class CudaModel final : public Model {
   std::optional<double> last_step_ms_;
 };
 
+// TEST ONLY (test_kernel=sm100a): the sm_100a-only kernel, launched once; where the binary has
+// no image for the GPU the launch's error comes back as Unimplemented, in the driver's words.
+absl::Status RunSm100aTestKernel() {
+  int* flag = nullptr;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess)
+    return absl::ResourceExhaustedError("test_kernel=sm100a: cudaMalloc failed");
+  cudaError_t e = cuda::LaunchSm100aTestKernel(flag, nullptr);
+  int value = 0;
+  if (e == cudaSuccess) e = cudaMemcpy(&value, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (e != cudaSuccess)
+    return absl::UnimplementedError(absl::StrCat("test_kernel=sm100a: launch failed (",
+                                                 cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+                                                 ")"));
+  if (value != 100)
+    return absl::InternalError(absl::StrCat("test_kernel=sm100a: the kernel wrote ", value));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaOptions& options,
@@ -603,6 +623,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
   if (const std::string why = CudaModelRefusal(host.config, host.quant_format, options);
       !why.empty())
     return absl::UnimplementedError(why);
+  if (options.test_kernel == TestKernel::kSm100a)
+    if (absl::Status s = RunSm100aTestKernel(); !s.ok()) return s;
   const ModelConfig& c = host.config;
   auto weights = UploadWeights(host);
   if (!weights.ok()) return weights.status();

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/backends.h"
+#include "engine/cudnn_loader.h"
 
 namespace infersweep {
 namespace {
@@ -34,6 +35,8 @@ void ProbeLibraryVersions(LocalDevices& devices) {
         std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
   if (const size_t lt = cublasLtGetVersion(); lt > 0)
     devices.cublaslt_version = CublasVersionText(lt);
+  if (absl::StatusOr<const CudnnLibrary*> cudnn = ProcessCudnn(); cudnn.ok())
+    devices.cudnn_version = CudnnVersionText((*cudnn)->version);
 }
 
 }  // namespace

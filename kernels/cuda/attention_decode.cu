@@ -10,6 +10,7 @@
 // = 0.57 GFLOP, nothing for tensor cores. Batch 1 is latency: ~4 kv heads x 18 splits = 72 blocks.
 #include "kernels/cuda/attention_mma.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/probe_kernels.h"
 
 namespace infersweep::cuda {
 namespace {
@@ -200,6 +201,11 @@ void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int
   else
     LaunchFlashDecode<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, ragged,
                              splits, partial_acc, partial_max, partial_sum, stream);
+}
+
+ProbeKernel FlashDecodeProbeKernel() {
+  return {"FlashDecodeKernel<128, bf16>",
+          reinterpret_cast<const void*>(FlashDecodeKernel<128, __nv_bfloat16>)};
 }
 
 }  // namespace infersweep::cuda

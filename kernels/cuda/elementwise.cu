@@ -1,5 +1,6 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/probe_kernels.h"
 
 namespace infersweep::cuda {
 namespace {
@@ -104,6 +105,10 @@ void SetNan(float* x, cudaStream_t stream) { LaunchPlain(SetNanKernel, 1, 1, 0, 
 
 void ForceToken(float* logits, int rows, int vocab, int stuck, cudaStream_t stream) {
   LaunchPlain(ForceTokenKernel, rows, 256, 0, stream, logits, vocab, stuck);
+}
+
+ProbeKernel RmsNormProbeKernel() {
+  return {"RmsNormKernel", reinterpret_cast<const void*>(RmsNormKernel)};
 }
 
 }  // namespace infersweep::cuda

@@ -59,11 +59,17 @@ absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K,
                                                             plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
-    return absl::UnimplementedError(
-        absl::StrCat("cuBLASLt has no ", input_type == CUDA_R_32F ? "fp32" : "bf16",
-                     " algorithm for M=", M, " N=", N, " K=", K));
+    return absl::UnimplementedError(absl::StrCat(
+        "cuBLASLt has no ", input_type == CUDA_R_32F ? "fp32" : "bf16", " algorithm for M=", M,
+        " N=", N, " K=", K, " (cublasLtMatmulAlgoGetHeuristic: ", cublasLtGetStatusName(hs), ", ",
+        found, " found)"));
   plan.algo = result.algo;
   return &(plans_[key] = plan);
+}
+
+absl::Status CublasLtGemm::Probe(int M, int N, int K, cudaDataType input_type) {
+  absl::StatusOr<Plan*> plan = GetPlan(M, N, K, input_type);
+  return plan.ok() ? absl::OkStatus() : plan.status();
 }
 
 absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w, float* y,

@@ -27,6 +27,10 @@ class CublasLtGemm {
   // chunks, which stays fp32 on every config (router.cu's kernel: 163 us at 2048 x 128 x 2048).
   absl::Status RunF32(const float* x, int M, const float* w, int N, int K, float* y,
                       cudaStream_t stream);
+  // The heuristic query alone (cublasLtMatmulAlgoGetHeuristic) for the plan Run (bf16) or
+  // RunF32 (fp32) would make for this shape; the plan is kept. Unimplemented naming the shape
+  // and cuBLASLt's status when it returns no algorithm (the capability probe's question).
+  absl::Status Probe(int M, int N, int K, cudaDataType input_type);
 
  private:
   struct Plan {

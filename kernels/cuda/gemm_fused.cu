@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/gemm_fused_common.cuh"
+#include "kernels/cuda/probe_kernels.h"
 
 namespace infersweep::cuda {
 namespace {
@@ -241,6 +242,10 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   } else {
     Launch(GemvKernel<1, kGemvMaxRows>, grid, block, smem, stream, args);
   }
+}
+
+ProbeKernel FusedGemvProbeKernel() {
+  return {"GemvKernel<1, 1>", reinterpret_cast<const void*>(GemvKernel<1, 1>)};
 }
 
 }  // namespace infersweep::cuda

@@ -54,6 +54,7 @@
 #include "core/quant/format.h"
 #include "core/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/probe_kernels.h"
 #include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/routing.cuh"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
@@ -1721,6 +1722,10 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream, boo
     default:
       launch(PersistentDecodeKernel<QuantFormat::kNone>);
   }
+}
+
+ProbeKernel PersistentDecodeProbeKernel() {
+  return {"PersistentDecodeKernel<bf16>", KernelFor(QuantFormat::kNone)};
 }
 
 }  // namespace infersweep::cuda

@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/gemm_fused_common.cuh"
+#include "kernels/cuda/probe_kernels.h"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
 #include "kernels/cuda/sm90a/gemm_tma.h"
 
@@ -128,6 +129,10 @@ void GemvTma(const GemvArgs& args, cudaStream_t stream) {
     LaunchPlain(GemvTmaKernel<1>, blocks, kThreads, smem, stream, args, plan);
   else
     LaunchPlain(GemvTmaKernel<kGemvMaxRows>, blocks, kThreads, smem, stream, args, plan);
+}
+
+ProbeKernel GemvTmaProbeKernel() {
+  return {"GemvTmaKernel<1>", reinterpret_cast<const void*>(GemvTmaKernel<1>)};
 }
 
 }  // namespace infersweep::cuda

@@ -26,6 +26,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/probe_kernels.h"
 #include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep::cuda {
@@ -373,6 +374,10 @@ void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   down.out = m.out;
   Launch(ExpertGemmKernel<false>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads),
          kSharedBytes, stream, down);
+}
+
+ProbeKernel ExpertWgmmaProbeKernel() {
+  return {"ExpertGemmKernel<gate_up>", reinterpret_cast<const void*>(ExpertGemmKernel<true>)};
 }
 
 }  // namespace infersweep::cuda

@@ -1,0 +1,121 @@
+// The capability probe on a GPU (engine/capability_probe.h): test_kernel=sm100a, whose image is
+// sm_100a's alone, is UNSUPPORTED on every other GPU in the driver's words, through the
+// executor and through an isolated worker, never CRASHED; the production configs pass it; and
+// cuDNN is found at run time. Skips without a GPU.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "engine/backends.h"
+#include "engine/capability_probe.h"
+#include "engine/cudnn_loader.h"
+#include "harness/executor.h"
+#include "harness/runner.h"
+#include "tests/gpu_trial.h"
+#include "tests/test_util.h"
+
+namespace infersweep {
+namespace {
+
+using testing::HasSubstr;
+
+#define REQUIRE_GPU_WITHOUT_SM100A(devices)                               \
+  if ((devices).gpu_count == 0) GTEST_SKIP() << "no GPU on this machine"; \
+  if ((devices).sm == 100) GTEST_SKIP() << "this GPU runs sm_100a code: nothing to refuse"
+
+std::string NoImage(const LocalDevices& d) {
+  return absl::StrCat("capability probe: test_kernel=sm100a: no kernel image for sm_", d.sm);
+}
+
+TEST(GpuProbe, Sm100aKernelIsUnsupportedByTheProbe) {
+  const LocalDevices devices = ProbeLocalDevices();
+  REQUIRE_GPU_WITHOUT_SM100A(devices);
+  TrialExecutor executor(devices);
+  std::vector<std::string> progress;
+  const TrialResult r =
+      executor.Execute(GpuRequest("preset:tiny-moe", "device=cuda,test_kernel=sm100a"),
+                       [&](const std::string& line) { progress.push_back(line); });
+  std::cout << "# executor: " << TrialStatusName(r.status) << ": " << r.reason << std::endl;
+  EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
+  EXPECT_THAT(r.reason, HasSubstr(NoImage(devices)));
+  EXPECT_THAT(r.reason, HasSubstr(" in this binary (cudaError"));  // the driver's words
+  EXPECT_TRUE(progress.empty()) << "ran past the probe: " << progress.front();
+}
+
+// In an isolated worker (the agent's path): UNSUPPORTED, not CRASHED; a runnable config after it
+// is OK on the same runner.
+TEST(GpuProbe, Sm100aKernelIsUnsupportedInAWorker) {
+  const LocalDevices devices = ProbeLocalDevices();
+  REQUIRE_GPU_WITHOUT_SM100A(devices);
+  RunnerOptions options;
+  options.worker_argv = {WorkerBinary(), "worker"};
+  TrialRunner runner(options);
+  const TrialResult r = runner.Run(GpuRequest("preset:tiny-moe", "device=cuda,test_kernel=sm100a"));
+  std::cout << "# worker: " << TrialStatusName(r.status) << ": " << r.reason << std::endl;
+  EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason << "\n" << r.stderr_tail;
+  EXPECT_THAT(r.reason, HasSubstr(NoImage(devices)));
+  const TrialResult ok = runner.Run(GpuRequest("preset:tiny-moe", "device=cuda,attention=flash"));
+  EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+}
+
+// Past the probe (a model built without a preflight, as `logits` builds one), the launch's
+// missing image is Unimplemented in the driver's words, and the context stays usable.
+TEST(GpuProbe, Sm100aKernelPastTheProbeIsRefusedNotCrashed) {
+  const LocalDevices devices = ProbeLocalDevices();
+  REQUIRE_GPU_WITHOUT_SM100A(devices);
+  auto host = LoadHostModel("preset:tiny-moe", {2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto config = NormalizeBackendConfig({{"device", "cuda"}, {"test_kernel", "sm100a"}});
+  ASSERT_TRUE(config.ok());
+  auto model = CreateModel(**host, *config);
+  ASSERT_FALSE(model.ok());
+  std::cout << "# past the probe: " << model.status() << std::endl;
+  EXPECT_TRUE(absl::IsUnimplemented(model.status())) << model.status();
+  EXPECT_THAT(model.status().message(), HasSubstr("test_kernel=sm100a: launch failed (cudaError"));
+  auto plain = CreateModel(**host, *NormalizeBackendConfig({{"device", "cuda"}}));
+  EXPECT_TRUE(plain.ok()) << plain.status();
+}
+
+// The fast configs pass the probe on this GPU (kernels present, cuBLASLt algorithms found for
+// qwen3-30b-a3b's shapes).
+TEST(GpuProbe, ProductionConfigsPassTheProbe) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::unique_ptr<CapabilityProbe> probe = MakeDeviceProbe(devices);
+  const ModelConfig shapes = *PresetConfig("qwen3-30b-a3b");
+  std::vector<std::string> configs = {"device=cuda",
+                                      "device=cuda,gemm=cublaslt,attention=flash,moe=fused"};
+  if (devices.sm == 90)
+    configs.push_back(
+        "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=persistent");
+  for (const std::string& text : configs) {
+    auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
+    ASSERT_TRUE(config.ok()) << config.status();
+    const absl::Status s = probe->Probe(*config, shapes, "bf16");
+    EXPECT_TRUE(s.ok()) << text << ": " << s;
+  }
+}
+
+// cuDNN is loaded at run time, from LD_LIBRARY_PATH, INFERSWEEP_CUDNN_DIR or PyTorch's wheel.
+TEST(GpuProbe, CudnnLoadsAtRunTime) {
+  const absl::StatusOr<const CudnnLibrary*> cudnn = ProcessCudnn();
+  if (!cudnn.ok()) {
+    std::cout << "# cudnn: " << cudnn.status() << std::endl;
+    const absl::Status s = RequireCudnn(cudnn, 90000, "attention=cudnn");
+    EXPECT_TRUE(absl::IsUnimplemented(s));
+    EXPECT_THAT(s.message(), HasSubstr("libcudnn.so.9 not found"));
+    return;
+  }
+  std::cout << "# cudnn " << CudnnVersionText((*cudnn)->version) << " from " << (*cudnn)->path
+            << std::endl;
+  EXPECT_GE((*cudnn)->version, 90000u);
+#ifdef INFERSWEEP_HAVE_CUDA  // the version a CUDA build's trials record (TrialResult.software)
+  EXPECT_EQ(ProbeLocalDevices().cudnn_version, CudnnVersionText((*cudnn)->version));
+#endif
+}
+
+}  // namespace
+}  // namespace infersweep
