@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/wall_clock.h"
 #include "engine/fault_injection.h"
 #include "harness/runner.h"
 #include "proto/infersweep.grpc.pb.h"
@@ -43,12 +44,6 @@ struct Agent::Link {
 };
 
 namespace {
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // Whether the coordinator's refusal of a stream stays the same until someone changes the agent
 // or the coordinator: a wrong or missing token, a forbidden agent, another protocol version, a

@@ -8,17 +8,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/wall_clock.h"
 
 namespace infersweep {
 namespace {
 
 constexpr int kSchemaVersion = 1;
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // A prepared statement that finalizes itself.
 class Stmt {

@@ -9,18 +9,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/wall_clock.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
 #include "harness/serving.h"
 
 namespace infersweep {
 namespace {
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 int64_t PeakRssBytes() {
   rusage usage{};

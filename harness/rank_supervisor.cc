@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "api/backend_config.h"
 #include "api/version.h"
+#include "core/wall_clock.h"
 #include "engine/fault_injection.h"
 #include "engine/weights.h"
 #include "harness/child_process.h"
@@ -26,12 +27,6 @@ namespace infersweep {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // Closes the rank's stdin (its worker exits at EOF) and reaps it, SIGKILLing it after a grace of
 // two seconds.

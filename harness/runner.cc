@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/wall_clock.h"
 #include "harness/child_process.h"
 #include "harness/executor.h"
 #include "harness/rank_supervisor.h"
@@ -23,12 +24,6 @@ namespace infersweep {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // How a worker that gave no result ended: "worker exited with code N" gains "without a result".
 std::string WithoutResult(const std::string& how) {
