@@ -149,7 +149,7 @@ std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request
   return trial.device_memory_used_bytes;
 }
 
-TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& progress) {
+TrialResult StartedResult(const TrialRequest& request) {
   TrialResult result;
   result.trial_id = request.trial_id;
   result.attempt = request.attempt;
@@ -157,9 +157,21 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   result.config = request.config;
   result.engine_version = EngineVersion();
   result.started_unix_ms = NowUnixMs();
+  result.workload = WorkloadKey(request.workload);
+  return result;
+}
+
+void NameRequestedModel(const TrialRequest& request, TrialResult* result) {
+  if (absl::StatusOr<ModelIdentity> id =
+          DescribeModel(request.model, {request.layers, request.seed, false});
+      id.ok())
+    result->model_identity = *std::move(id);
+}
+
+TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& progress) {
+  TrialResult result = StartedResult(request);
   result.device = devices_.gpu_count > 0 ? devices_.gpu_name : "cpu";
   result.sm = devices_.sm;
-  result.workload = WorkloadKey(request.workload);
   result.model_identity = Identity(request);
   std::optional<int64_t> peak_device_bytes;  // GPU configs, once a model exists
   auto finish = [&](TrialStatus status, std::string reason) {

@@ -20,6 +20,14 @@
 
 namespace infersweep {
 
+// A result of `request` before it runs: its trial, attempt, model, config and workload named,
+// the engine version, the start time. The executor, the worker runner and the rank supervisor
+// each start from it.
+TrialResult StartedResult(const TrialRequest& request);
+// Sets result->model_identity to the identity the request names (DescribeModel), where it can
+// be described: what a parent reports for a trial its worker did not answer.
+void NameRequestedModel(const TrialRequest& request, TrialResult* result);
+
 class TrialExecutor {
  public:
   using Progress = std::function<void(const std::string&)>;

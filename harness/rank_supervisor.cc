@@ -62,20 +62,11 @@ SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::
   signal(SIGPIPE, SIG_IGN);  // a dead rank must surface as EPIPE, not kill the parent
   SupervisedTrial out;
   TrialResult& result = out.result;
-  result.trial_id = request.trial_id;
-  result.attempt = request.attempt;
-  result.model = request.model;
-  result.config = request.config;
-  result.started_unix_ms = NowUnixMs();
-  result.engine_version = EngineVersion();
-  result.workload = WorkloadKey(request.workload);
+  result = StartedResult(request);
   std::vector<std::unique_ptr<PipedChild>> children;
   auto finish = [&](TrialStatus status, std::string reason,
                     const std::string& stderr_tail) -> SupervisedTrial {
-    if (absl::StatusOr<ModelIdentity> id =
-            DescribeModel(request.model, {request.layers, request.seed, false});
-        id.ok())
-      result.model_identity = *std::move(id);
+    NameRequestedModel(request, &result);
     result.status = status;
     result.reason = std::move(reason);
     result.stderr_tail = stderr_tail;

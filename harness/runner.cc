@@ -71,21 +71,11 @@ std::optional<std::string> TrialRunner::ProbeRefusal(const TrialRequest& request
 }
 
 TrialResult TrialRunner::Run(const TrialRequest& request) {
-  TrialResult result;
-  result.trial_id = request.trial_id;
-  result.attempt = request.attempt;
-  result.model = request.model;
-  result.config = request.config;
-  result.started_unix_ms = NowUnixMs();
-  result.engine_version = EngineVersion();
-  result.workload = WorkloadKey(request.workload);
+  TrialResult result = StartedResult(request);
   auto fail = [&](TrialStatus status, std::string reason) {
     running_pid_ = -1;
     // What the request names; the worker did not say (it died, hung or never ran).
-    if (absl::StatusOr<ModelIdentity> id =
-            DescribeModel(request.model, {request.layers, request.seed, false});
-        id.ok())
-      result.model_identity = *std::move(id);
+    NameRequestedModel(request, &result);
     if (cancel_requested_ && reason.rfind("cancelled", 0) != 0) {  // the death was the cancel
       status = TrialStatus::kError;
       reason = "cancelled while running; worker killed";
@@ -103,10 +93,7 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     result.reason = *std::move(refused);
     if (absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(request.config); config.ok())
       result.config = *config;
-    if (absl::StatusOr<ModelIdentity> id =
-            DescribeModel(request.model, {request.layers, request.seed, false});
-        id.ok())
-      result.model_identity = *std::move(id);
+    NameRequestedModel(request, &result);
     result.finished_unix_ms = NowUnixMs();
     return result;
   }

@@ -294,20 +294,6 @@ int64_t LaunchesNamed(const PhaseKernels& p, const std::string& prefix) {
   return total;
 }
 
-std::vector<float> AllLogits(HostModel& host, const std::string& text,
-                             const std::vector<int32_t>& prompt) {
-  auto normalized = NormalizeBackendConfig(*ParseBackendConfig(text));
-  EXPECT_TRUE(normalized.ok()) << normalized.status();
-  auto model = CreateModel(host, *normalized);
-  EXPECT_TRUE(model.ok()) << model.status();
-  std::vector<float> logits;
-  if (!model.ok()) return logits;
-  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
-  EXPECT_TRUE(
-      (*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
-  return logits;
-}
-
 // allreduce=nccl (a single-rank NCCL communicator) and custom (the kernels over one peer buffer)
 // take the o projection's and the MLP/MoE's outputs through the seam before the residual add:
 // the harness judges them OK, their logits are the default's (a one-rank sum is exact), their
@@ -323,7 +309,7 @@ TEST_F(GpuAllReduce, EngineAtTp1ThroughTheSeamIsOk) {
     auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
     ASSERT_TRUE(host.ok()) << host.status();
     for (const std::string& base : bases) {
-      const std::vector<float> by_default = AllLogits(**host, base, prompt);
+      const std::vector<float> by_default = AllLogits(**host, *ParseBackendConfig(base), prompt);
       for (const char* value : {"auto", "nccl", "custom"}) {
         const std::string text = base + ",allreduce=" + value;
         SCOPED_TRACE(std::string(preset) + " " + text);
@@ -332,7 +318,7 @@ TEST_F(GpuAllReduce, EngineAtTp1ThroughTheSeamIsOk) {
         std::printf("# %s %-80s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset, text.c_str(),
                     std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
                     r.verdict.kl_mean, r.verdict.max_rel_error);
-        const std::vector<float> logits = AllLogits(**host, text, prompt);
+        const std::vector<float> logits = AllLogits(**host, *ParseBackendConfig(text), prompt);
         ASSERT_EQ(logits.size(), by_default.size());
         double worst = 0;
         for (size_t i = 0; i < logits.size(); ++i)

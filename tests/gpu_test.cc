@@ -44,20 +44,6 @@ double RelMaxError(const std::vector<float>& a, const std::vector<float>& ref) {
   return diff / scale;
 }
 
-std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
-                             const std::vector<int32_t>& prompt) {
-  auto normalized = NormalizeBackendConfig(config);
-  EXPECT_TRUE(normalized.ok()) << normalized.status();
-  auto model = CreateModel(host, *normalized);
-  EXPECT_TRUE(model.ok()) << model.status();
-  std::vector<float> logits;
-  if (!model.ok()) return logits;
-  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
-  EXPECT_TRUE(
-      (*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
-  return logits;
-}
-
 // The logits of every prompt position, the prompt fed one token a step (decode steps: a hybrid's
 // linear layers then take the recurrent form of the delta rule, as the GPU's kernels do in
 // prefill too).

@@ -2,11 +2,16 @@
 // and 4 (4 rows take the batched decode kernels), 2 timed repeats after a warm-up.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "api/backend_config.h"
-#include "engine/backends.h"
 #include "api/trial.h"
+#include "engine/backends.h"
+#include "engine/model.h"
 
 namespace infersweep {
 
@@ -35,6 +40,23 @@ inline LocalDevices SimulatedH200() {
   h200.sm = 90;
   h200.gpu_name = "NVIDIA H200";
   return h200;
+}
+
+// Every position's logits of one prompt at batch 1 under `config` (normalized here); empty, with
+// a failure recorded, where the model cannot be built.
+inline std::vector<float> AllLogits(HostModel& host, const BackendConfig& config,
+                                    const std::vector<int32_t>& prompt) {
+  auto normalized = NormalizeBackendConfig(config);
+  EXPECT_TRUE(normalized.ok()) << normalized.status();
+  if (!normalized.ok()) return {};
+  auto model = CreateModel(host, *normalized);
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<float> logits;
+  if (!model.ok()) return logits;
+  EXPECT_TRUE((*model)->StartBatch(1, static_cast<int>(prompt.size())).ok());
+  EXPECT_TRUE(
+      (*model)->Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kAll, &logits).ok());
+  return logits;
 }
 
 }  // namespace infersweep
