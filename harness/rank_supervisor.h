@@ -54,7 +54,7 @@ SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::
 // fault (rank-kill:R, rank-hang:R), so that the CPU proves the supervision; 0 otherwise (one
 // worker runs the whole trial). CUDA configs with tp > 1 take one process a GPU here once the
 // engine runs their shards: while it refuses them, tp processes would each load the host model
-// only to report UNSUPPORTED, so one worker refuses them as before.
+// only to report UNSUPPORTED, so one worker refuses them.
 int RankProcesses(const TrialRequest& request);
 
 // The rank side: reads one assignment, records its rank for the rank faults (SetProcessRank),
