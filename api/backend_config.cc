@@ -86,6 +86,17 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
                "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
                "cores (mma.sync), fp32 accumulate"});
+  // cuDNN is dlopened at run time (engine/cudnn_loader.h): the capability probe refuses the
+  // value where cuDNN is missing, too old, or finalizes no plan for the model's shapes.
+  r.push_back({"attention", "cudnn", "cuda", 80, 0, true, {},
+               {"kv_cache=fp32: cuDNN's fused attention reads bf16 K and V",
+                "graphs=persistent: its batch-1 decode step runs the persistent kernel's own "
+                "attention, so cuDNN's would not be what decode ran"},
+               kBf16,
+               "cuDNN 9's fused flash attention (SDPA) through its graph API: Q.K^T, scale, "
+               "padding and bottom-right causal masks from device sequence lengths, softmax and "
+               "P.V as one cuDNN kernel over the bf16 KV cache in place (GQA broadcast); "
+               "lockstep batches (no serving)"});
   r.push_back({"kv_cache", "fp32", "cuda", 80, 0, true, {}, {}, kFp32,
                "K and V cached in fp32"});
   r.push_back({"kv_cache", "bf16", "cuda", 80, 0, true, {}, {"attention=naive"}, kBf16,

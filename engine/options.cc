@@ -18,8 +18,8 @@ constexpr Names<Gemm, 4> kGemm = {{{Gemm::kReference, "reference"},
                                    {Gemm::kCublasLt, "cublaslt"},
                                    {Gemm::kFused, "fused"},
                                    {Gemm::kTma, "tma"}}};
-constexpr Names<Attention, 2> kAttention = {
-    {{Attention::kNaive, "naive"}, {Attention::kFlash, "flash"}}};
+constexpr Names<Attention, 3> kAttention = {
+    {{Attention::kNaive, "naive"}, {Attention::kFlash, "flash"}, {Attention::kCudnn, "cudnn"}}};
 constexpr Names<KvCache, 2> kKvCache = {{{KvCache::kFp32, "fp32"}, {KvCache::kBf16, "bf16"}}};
 constexpr Names<Moe, 4> kMoe = {{{Moe::kLoop, "loop"},
                                  {Moe::kGrouped, "grouped"},

@@ -11,7 +11,7 @@ namespace infersweep {
 
 // ---- CUDA axes (docs/BACKENDS.md).
 enum class Gemm { kReference, kCublasLt, kFused, kTma };
-enum class Attention { kNaive, kFlash };
+enum class Attention { kNaive, kFlash, kCudnn };
 enum class KvCache { kFp32, kBf16 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };

@@ -66,6 +66,18 @@ for stage in $STAGES; do
     gpu_tests .carry/gpu_probe_test 180 gpu_probe_test.log '^#|OK \]|FAILED|Failure|error'
     timeout -k 5 120 $B run --model preset:tiny-moe --config 'device=cuda,attention=naive|flash,test_kernel=none|sm100a' \
       --workload prompt=16,output=4,batch=1,repeats=1,warmup=0,timeout=60 2>&1 | tee "$OUT/probe_run.log" ;;
+  cudnn)  # issue 37: attention=cudnn's GPU tests, then beside attention=flash on qwen3-30b-a3b
+    # (48 layers): batch 1 and 64 decode (graphs=on), prefill 2048 (graphs=off), one run each
+    gpu_tests .carry/gpu_probe_test 300 gpu_cudnn_test.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuCudnn*:GpuProbe.Production*'
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=fused,attention=flash|cudnn,kv_cache=bf16,moe=wgmma,graphs=on' \
+      --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=600 \
+      --json "$OUT/cudnn_decode.json" 2>&1 | tee "$OUT/cudnn_decode.log" | grep -vE "spread|load "
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=fused,attention=flash|cudnn,kv_cache=bf16,moe=wgmma,graphs=off' \
+      --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
+      --json "$OUT/cudnn_prefill.json" 2>&1 | tee "$OUT/cudnn_prefill.log" | grep -vE "spread|load " ;;
   ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
     gpu_tests .carry/gpu_test 240 gpu_ptest.log '^#|OK \]|FAILED|Failure|error|worst|steps' \
       --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" ;;

@@ -1,12 +1,18 @@
 // The capability probe on a GPU (engine/capability_probe.h): test_kernel=sm100a, whose image is
 // sm_100a's alone, is UNSUPPORTED on every other GPU in the driver's words, through the
 // executor and through an isolated worker, never CRASHED; the production configs pass it; and
-// cuDNN is found at run time. Skips without a GPU.
+// cuDNN is found at run time, and attention=cudnn (cuDNN's fused attention through its graph API)
+// is judged OK and agrees with attention=flash. Skips without a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <iostream>
+#include <numeric>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/backends.h"
@@ -115,6 +121,53 @@ TEST(GpuProbe, CudnnLoadsAtRunTime) {
 #ifdef INFERSWEEP_HAVE_CUDA  // the version a CUDA build's trials record (TrialResult.software)
   EXPECT_EQ(ProbeLocalDevices().cudnn_version, CudnnVersionText((*cudnn)->version));
 #endif
+}
+
+// attention=cudnn, judged by the harness against the reference: OK eagerly and with its decode
+// step captured in a CUDA graph, at batch 1 and 4, on the dense, MoE and hybrid tiny presets.
+TEST(GpuCudnn, AttentionIsOkByTheHarness) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  TrialExecutor executor(devices);
+  const std::vector<std::pair<const char*, const char*>> models = {
+      {"preset:tiny-moe", ",moe=fused"},
+      {"preset:tiny-dense", ""},
+      {"preset:tiny-hybrid", ",moe=fused,linear_attn=fused"}};
+  for (const auto& [model, axes] : models) {
+    for (const char* graphs : {"off", "on"}) {
+      const std::string config =
+          absl::StrCat("device=cuda,attention=cudnn,kv_cache=bf16,graphs=", graphs, axes);
+      const TrialResult r = executor.Execute(GpuRequest(model, config), nullptr);
+      std::cout << "# " << model << " " << config << ": " << TrialStatusName(r.status) << " "
+                << r.reason << std::endl;
+      EXPECT_EQ(r.status, TrialStatus::kOk) << model << " " << config << ": " << r.reason;
+    }
+  }
+}
+
+// Every position's logits of a 40-token prompt (prefill crosses no tile edge evenly) under
+// attention=cudnn against attention=flash on the same bf16 cache: equal to bf16 rounding. A
+// wrong causal shift or padding bound moves whole rows, far past the bound.
+TEST(GpuCudnn, AttentionMatchesFlash) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  auto host = LoadHostModel("preset:tiny-dense", {2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 37 + 11) % 200);
+  const std::vector<float> flash = AllLogits(
+      **host, *ParseBackendConfig("device=cuda,attention=flash,kv_cache=bf16"), prompt);
+  const std::vector<float> cudnn = AllLogits(
+      **host, *ParseBackendConfig("device=cuda,attention=cudnn,kv_cache=bf16"), prompt);
+  ASSERT_EQ(flash.size(), cudnn.size());
+  ASSERT_FALSE(flash.empty());
+  float peak = 0, worst = 0;
+  for (size_t i = 0; i < flash.size(); ++i) {
+    peak = std::max(peak, std::fabs(flash[i]));
+    worst = std::max(worst, std::fabs(flash[i] - cudnn[i]));
+  }
+  std::cout << "# cudnn vs flash: max |diff| " << worst << " of max |logit| " << peak << std::endl;
+  EXPECT_LT(worst, 2e-2f * peak);
 }
 
 }  // namespace

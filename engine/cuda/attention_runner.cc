@@ -23,6 +23,7 @@ AttentionRunner::~AttentionRunner() {
   if (k_cache_) cudaFree(k_cache_);
   if (v_cache_) cudaFree(v_cache_);
   if (rope_) cudaFree(rope_);
+  if (seq_lens_) cudaFree(seq_lens_);
 }
 
 absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
@@ -48,6 +49,20 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   v_cache_ = *v;
   batch_ = batch;
   capacity_ = max_tokens;
+  if (options_.attention == Attention::kCudnn) {
+    // The decode plan is made here, outside any graph capture; a prefill's on first use.
+    cudnn_.reset();
+    if (seq_lens_) cudaFree(seq_lens_);
+    seq_lens_ = nullptr;
+    auto lens = DeviceAlloc<int32_t>(2 * static_cast<size_t>(batch));
+    if (!lens.ok()) return lens.status();
+    seq_lens_ = *lens;
+    auto made = CudnnAttention::Create(
+        {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, max_tokens}, stream_);
+    if (!made.ok()) return made.status();
+    cudnn_ = std::move(*made);
+    if (auto s = cudnn_->Prepare(batch, 1); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 
@@ -57,10 +72,12 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
       options_.attention == Attention::kFlash
           ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
                                                          config_.num_kv_heads, config_.head_dim))
-          : r * config_.num_q_heads * static_cast<size_t>(capacity);
+      : options_.attention == Attention::kNaive ? r * config_.num_q_heads * static_cast<size_t>(capacity)
+                                                : 0;  // cudnn: the scores stay in its kernel
   // Gated attention: q_proj's output is [q_h | gate_h] per head, twice q_dim.
   const size_t q_rows = config_.attn_output_gate ? 2 * q_dim : q_dim;
   const size_t gated = config_.attn_output_gate ? r * q_dim : 0;
+  const size_t cudnn_io = options_.attention == Attention::kCudnn ? r * q_dim : 0;
   return AllocateFloatBuffers({{&q_, r * q_dim},
                                {&k_, r * kv_dim},
                                {&qkv_, r * (q_rows + 2 * kv_dim)},
@@ -68,11 +85,12 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
                                {&attn_, r * q_dim},
                                {&scores_, scores},
                                {&q_gated_, 2 * gated},
-                               {&gate_, gated}});
+                               {&gate_, gated},
+                               {&cudnn_io_, cudnn_io}});
 }
 
 void AttentionRunner::FreeScratch() {
-  FreeFloatBuffers({&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &gate_});
+  FreeFloatBuffers({&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &gate_, &cudnn_io_});
 }
 
 absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out,
@@ -126,9 +144,11 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
                            config_.head_dim, q_norm, k_norm, eps, rope_, d_position, cache, stream_,
                            row_map);
   if (!ragged) {
-    Attend(cache, 0, rows, n, d_position, nullptr);
+    if (auto s = Attend(cache, 0, rows, n, d_position, nullptr); !s.ok()) return s;
   } else {
-    if (ragged->decode_rows > 0) Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map);
+    if (ragged->decode_rows > 0)
+      if (auto s = Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map); !s.ok())
+        return s;
     // A prefill chunk is a lockstep chunk of one sequence: its slot's cache, its first row's
     // position (the pair's .y) as the chunk's position.
     const size_t slot_bytes =
@@ -137,8 +157,10 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
       const cuda::KvCache slot_cache{static_cast<char*>(cache.k) + c.slot * slot_bytes,
                                      static_cast<char*>(cache.v) + c.slot * slot_bytes, cache.bf16,
                                      capacity_};
-      Attend(slot_cache, c.first_row, c.tokens, c.tokens,
-             reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr);
+      if (auto s = Attend(slot_cache, c.first_row, c.tokens, c.tokens,
+                          reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr);
+          !s.ok())
+        return s;
     }
   }
   if (gated) cuda::SigmoidGate(attn_, gate_, static_cast<int64_t>(rows) * q_dim, stream_);
@@ -160,9 +182,27 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
   return absl::OkStatus();
 }
 
-void AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows, int n,
-                             const int* d_position, const int2* ragged) {
+absl::Status AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows, int n,
+                                     const int* d_position, const int2* ragged) {
   const size_t offset = static_cast<size_t>(first_row) * config_.q_dim();
+  if (options_.attention == Attention::kCudnn) {
+    // Lockstep rows only: `rows` is `batch` sequences of n tokens, sequence b in cache slot b.
+    if (ragged != nullptr)
+      return absl::UnimplementedError(
+          "attention=cudnn: ragged decode rows sit in any KV slot; its graph reads slot b for "
+          "sequence b");
+    const int batch = rows / n;
+    const int64_t count = static_cast<int64_t>(rows) * config_.q_dim();
+    uint16_t* q = reinterpret_cast<uint16_t*>(cudnn_io_);
+    uint16_t* o = q + count;
+    cuda::SequenceLengths(d_position, n, batch, seq_lens_, seq_lens_ + batch, stream_);
+    cuda::ToBf16(q_ + offset, count, q, stream_);
+    if (auto s = cudnn_->Run(q, cache.k, cache.v, seq_lens_, seq_lens_ + batch, batch, n, o);
+        !s.ok())
+      return s;
+    cuda::UpcastToF32({o, DType::kBF16, rows, config_.q_dim()}, attn_ + offset, stream_);
+    return absl::OkStatus();
+  }
   if (options_.attention == Attention::kFlash) {
     cuda::AttentionFlash(q_ + offset, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
                          config_.head_dim, d_position,
@@ -174,6 +214,7 @@ void AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows
                          config_.num_kv_heads, config_.head_dim, d_position, capacity_, scores_,
                          attn_ + offset, stream_, ragged);
   }
+  return absl::OkStatus();
 }
 
 }  // namespace infersweep

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/cuda/cudnn_attention.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
 #include "kernels/cuda/ops.h"
@@ -57,7 +58,7 @@ class AttentionRunner {
 
  private:
   // The attention kernel over rows [first_row, first_row + rows) of q_ into attn_.
-  void Attend(const cuda::KvCache& cache, int first_row, int rows, int n, const int* d_position,
+  absl::Status Attend(const cuda::KvCache& cache, int first_row, int rows, int n, const int* d_position,
               const int2* ragged);
 
   const ModelConfig& config_;
@@ -70,6 +71,8 @@ class AttentionRunner {
       cache_index_;         // layer -> its slot in the KV cache, -1 for linear attention
   const int cache_layers_;  // full-attention layers
   int batch_ = 0, capacity_ = 0;
+  std::unique_ptr<CudnnAttention> cudnn_;  // attention=cudnn: its plans, made with the cache
+  int32_t* seq_lens_ = nullptr;            // attention=cudnn: [2, batch] s_q and KV lengths
   char *k_cache_ = nullptr, *v_cache_ = nullptr;  // fp32, or bf16 with kv_cache=bf16
   float2* rope_ = nullptr;                        // [capacity, rotary_dim / 2] cos/sin
   float *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
@@ -77,7 +80,8 @@ class AttentionRunner {
             *attn_ = nullptr,
         *scores_ = nullptr,  // naive: materialised scores; flash: the splits' partial softmaxes
             *q_gated_ = nullptr,   // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
-                *gate_ = nullptr;  // gated attention: [rows, q_dim]
+                *gate_ = nullptr,  // gated attention: [rows, q_dim]
+                    *cudnn_io_ = nullptr;  // attention=cudnn: bf16 Q and O, [rows, q_dim] each
 };
 
 }  // namespace infersweep

@@ -1,7 +1,7 @@
 // The CUDA build's capability probe (engine/capability_probe.h): each backend declares the
-// kernels it launches (one representative entry point each) and whether it runs cuBLASLt; the
-// probe asks the driver for each kernel's image on this GPU and cuBLASLt's heuristic for each of
-// the model's GEMM shapes.
+// kernels it launches (one representative entry point each) and whether it runs cuBLASLt or
+// cuDNN; the probe asks the driver for each kernel's image on this GPU, cuBLASLt's heuristic for
+// each of the model's GEMM shapes, and cuDNN for a plan of attention=cudnn's graph.
 #include "engine/capability_probe.h"
 
 #include <cuda_runtime.h>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/cuda/cudnn_attention.h"
 #include "engine/options.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/probe_kernels.h"
@@ -80,6 +81,13 @@ class DeviceProbe final : public CapabilityProbe {
                                                      driver, ")"));
       return absl::InternalError(
           absl::StrCat("cudaFuncGetAttributes(", k.kernel.name, "): ", driver));
+    }
+    // attention=cudnn: cuDNN loads, is new enough, and finalizes a decode plan for the model's
+    // heads (the KV length is a device tensor; 4096 stands for any capacity).
+    if (options->attention == Attention::kCudnn && model.num_q_heads > 0) {
+      absl::StatusOr<std::unique_ptr<CudnnAttention>> attention = CudnnAttention::Create(
+          {model.num_q_heads, model.num_kv_heads, model.head_dim, 4096}, nullptr);
+      if (!attention.ok()) return attention.status();
     }
     if (UsesCublasLt(options->gemm)) {
       absl::StatusOr<std::unique_ptr<cuda::CublasLtGemm>> gemm = cuda::CublasLtGemm::Create();

@@ -56,6 +56,14 @@ __global__ void ToBf16Kernel(const float* x, int64_t n, __nv_bfloat16* out) {
     out[i] = __float2bfloat16_rn(x[i]);
 }
 
+__global__ void SequenceLengthsKernel(const int* position, int n, int batch, int32_t* seq_q,
+                                      int32_t* seq_kv) {
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    seq_q[b] = n;
+    seq_kv[b] = *position + n;
+  }
+}
+
 __global__ void SetNanKernel(float* x) { x[0] = __int_as_float(0x7fc00000); }
 
 __global__ void ForceTokenKernel(float* logits, int vocab, int stuck) {
@@ -99,6 +107,11 @@ void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStre
 void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream) {
   LaunchPlain(ToBf16Kernel, GridFor(n), 256, 0, stream, x, n,
               reinterpret_cast<__nv_bfloat16*>(out));
+}
+
+void SequenceLengths(const int* position, int n, int batch, int32_t* seq_q, int32_t* seq_kv,
+                     cudaStream_t stream) {
+  LaunchPlain(SequenceLengthsKernel, 1, 256, 0, stream, position, n, batch, seq_q, seq_kv);
 }
 
 void SetNan(float* x, cudaStream_t stream) { LaunchPlain(SetNanKernel, 1, 1, 0, stream, x); }

@@ -41,6 +41,11 @@ void AddBias(float* y, int rows, const MatrixRef& bias, cudaStream_t stream);
 void SiluMul(const float* gate, const float* up, int64_t n, float* out, cudaStream_t stream);
 // fp32 -> bf16.
 void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream);
+// A lockstep step's lengths for each of `batch` sequences: seq_q[b] = n new tokens, seq_kv[b] =
+// *position + n keys (attention=cudnn's graph reads them on the device, so a replay follows the
+// position).
+void SequenceLengths(const int* position, int n, int batch, int32_t* seq_q, int32_t* seq_kv,
+                     cudaStream_t stream);
 
 // ---- attention
 // RoPE cos/sin for positions [0, capacity): table[p * head_dim/2 + i], angles in double.
