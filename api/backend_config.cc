@@ -215,6 +215,14 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
                "weights), scales applied by cuBLASLt or an epilogue, fp32 accumulate and output; "
                "128-block scales need sm_90's cuBLASLt modes"});
+  // cuDNN is dlopened at run time; its answer for FP4 on GPUs without FP4 tensor cores is its
+  // own refusal, given by the capability probe (sm_90 is in range on purpose).
+  r.push_back({"qgemm", "cudnn", "cuda", 90, 0, true, quantized_formats,
+               {"moe=fused", "moe=grouped"}, kFp8,
+               "cuDNN's matmul graph: FP8 E4M3 x E4M3 (fp8_tensor, fp8_channel weights as "
+               "loaded, activations quantized per token on the device) with the row and column "
+               "scales fused into its epilogue, fp32 out; block-scaled FP4 (nvfp4, mxfp4) is "
+               "cuDNN's on sm_100+ and refused in cuDNN's words elsewhere"});
   r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats,
                {"moe=fused", "moe=grouped"}, kFp4,
                "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "

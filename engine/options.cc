@@ -27,12 +27,13 @@ constexpr Names<Moe, 4> kMoe = {{{Moe::kLoop, "loop"},
                                  {Moe::kWgmma, "wgmma"}}};
 constexpr Names<Graphs, 3> kGraphs = {
     {{Graphs::kOff, "off"}, {Graphs::kOn, "on"}, {Graphs::kPersistent, "persistent"}}};
-constexpr Names<QGemm, 6> kQGemm = {{{QGemm::kReference, "reference"},
+constexpr Names<QGemm, 7> kQGemm = {{{QGemm::kReference, "reference"},
                                      {QGemm::kDequantBf16, "dequant_bf16"},
                                      {QGemm::kW4A16, "w4a16"},
                                      {QGemm::kW8A16, "w8a16"},
                                      {QGemm::kFp8CublasLt, "fp8_cublaslt"},
-                                     {QGemm::kNativeFp4, "native_fp4"}}};
+                                     {QGemm::kNativeFp4, "native_fp4"},
+                                     {QGemm::kCudnn, "cudnn"}}};
 constexpr Names<LinearAttn, 2> kLinearAttn = {
     {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
 constexpr Names<TestKernel, 2> kTestKernel = {

@@ -15,7 +15,7 @@ enum class Attention { kNaive, kFlash, kCudnn };
 enum class KvCache { kFp32, kBf16 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
-enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4 };
+enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4, kCudnn };
 enum class LinearAttn { kReference, kFused };
 // TEST ONLY: sm100a launches a kernel built for sm_100a alone as the model is built, so the
 // capability probe's refusal of a missing kernel image can be exercised on any GPU.
@@ -55,9 +55,10 @@ constexpr bool CapturesDecode(Graphs g) { return g != Graphs::kOff; }
 constexpr bool IsPersistent(Graphs g) { return g == Graphs::kPersistent; }
 // qgemm=w4a16 and w8a16 dequantize the codes in registers inside the GEMV and expert kernels.
 constexpr bool DequantizesInRegisters(QGemm q) { return q == QGemm::kW4A16 || q == QGemm::kW8A16; }
-// qgemm=fp8_cublaslt and native_fp4 run quantized linears as cuBLASLt scaled GEMMs.
+// qgemm=fp8_cublaslt and native_fp4 run quantized linears as cuBLASLt scaled GEMMs, qgemm=cudnn
+// as cuDNN's matmul graphs: a library reads the codes in place.
 constexpr bool UsesScaledGemm(QGemm q) {
-  return q == QGemm::kFp8CublasLt || q == QGemm::kNativeFp4;
+  return q == QGemm::kFp8CublasLt || q == QGemm::kNativeFp4 || q == QGemm::kCudnn;
 }
 // The quantized codes stay resident as uploaded (the reference dequantizes as it reads them);
 // dequant_bf16 replaces them by bf16 copies, the scaled GEMMs by their own layouts.

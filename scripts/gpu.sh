@@ -69,7 +69,7 @@ for stage in $STAGES; do
   cudnn)  # issue 37: attention=cudnn's GPU tests, then beside attention=flash on qwen3-30b-a3b
     # (48 layers): batch 1 and 64 decode (graphs=on), prefill 2048 (graphs=off), one run each
     gpu_tests .carry/gpu_probe_test 300 gpu_cudnn_test.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='GpuCudnn*:GpuProbe.Production*'
+      --gtest_filter='GpuCudnn*:GpuProbe.*'
     $B run --model preset:qwen3-30b-a3b \
       --config 'device=cuda,gemm=fused,attention=flash|cudnn,kv_cache=bf16,moe=wgmma,graphs=on' \
       --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=600 \
@@ -78,6 +78,17 @@ for stage in $STAGES; do
       --config 'device=cuda,gemm=fused,attention=flash|cudnn,kv_cache=bf16,moe=wgmma,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_prefill.json" 2>&1 | tee "$OUT/cudnn_prefill.log" | grep -vE "spread|load " ;;
+  cudnn_fp8)  # issue 37: qgemm=cudnn beside qgemm=fp8_cublaslt (both moe=loop: the library GEMMs
+    # run the experts one by one) on qwen3-30b-a3b@fp8_channel quantized on the host, 48 layers:
+    # batch 1 and 64 decode, then prefill 2048, graphs off
+    $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
+      --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
+      --workload prompt=512,output=32,batch=1:64,repeats=3,warmup=1,timeout=600 \
+      --json "$OUT/cudnn_fp8_decode.json" 2>&1 | tee "$OUT/cudnn_fp8_decode.log" | grep -vE "spread|load "
+    $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
+      --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
+      --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
+      --json "$OUT/cudnn_fp8_prefill.json" 2>&1 | tee "$OUT/cudnn_fp8_prefill.log" | grep -vE "spread|load " ;;
   ptest)  # the persistent kernel's GPU tests only (PTEST_FILTER: more, e.g. '*FusedQuantized*')
     gpu_tests .carry/gpu_test 240 gpu_ptest.log '^#|OK \]|FAILED|Failure|error|worst|steps' \
       --gtest_filter="*Persistent*${PTEST_FILTER:+:$PTEST_FILTER}" ;;

@@ -170,5 +170,47 @@ TEST(GpuCudnn, AttentionMatchesFlash) {
   EXPECT_LT(worst, 2e-2f * peak);
 }
 
+// qgemm=cudnn on FP8 weights (cuDNN's E4M3 x E4M3 matmul graph, scales in its epilogue): OK by
+// the harness on a dense and an MoE tiny preset, eagerly and under graph replay, and a weight
+// scale x1000 on layer 0's q_proj (read through the graph's column scales) is INCORRECT.
+TEST(GpuCudnn, Fp8MatmulIsOkAndABadScaleIsIncorrect) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0 || devices.sm < 90) GTEST_SKIP() << "no sm_90+ GPU on this machine";
+  TrialExecutor executor(devices);
+  const std::vector<std::pair<std::string, std::string>> trials = {
+      {"preset:tiny-dense@fp8_channel", "device=cuda,gemm=cublaslt,qgemm=cudnn,graphs=off"},
+      {"preset:tiny-dense@fp8_tensor", "device=cuda,gemm=cublaslt,qgemm=cudnn,graphs=on"},
+      {"preset:tiny-moe@fp8_channel", "device=cuda,gemm=cublaslt,qgemm=cudnn,moe=loop"}};
+  for (const auto& [model, config] : trials) {
+    const TrialResult ok = executor.Execute(GpuRequest(model, config));
+    std::cout << "# " << model << " " << config << ": " << TrialStatusName(ok.status) << " "
+              << ok.reason << " (top1 " << ok.verdict.top1_agreement << ")" << std::endl;
+    EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
+    const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:1000"));
+    EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << model << " " << config << ": " << bad.reason;
+  }
+}
+
+// qgemm=cudnn on FP4 weights where the GPU has no FP4 tensor cores: UNSUPPORTED by the capability
+// probe, in cuDNN's own words (its status name and message), before any weight loads.
+TEST(GpuCudnn, Fp4MatmulIsUnsupportedInCudnnsWords) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0 || devices.sm >= 100 || devices.sm < 90)
+    GTEST_SKIP() << "needs an sm_90 GPU (sm_100+ has FP4 tensor cores)";
+  TrialExecutor executor(devices);
+  for (const char* model : {"preset:tiny-dense@nvfp4", "preset:tiny-dense@mxfp4"}) {
+    std::vector<std::string> progress;
+    const TrialResult r =
+        executor.Execute(GpuRequest(model, "device=cuda,gemm=cublaslt,qgemm=cudnn"),
+                         [&](const std::string& line) { progress.push_back(line); });
+    std::cout << "# " << model << ": " << TrialStatusName(r.status) << ": " << r.reason
+              << std::endl;
+    EXPECT_EQ(r.status, TrialStatus::kUnsupported) << r.reason;
+    EXPECT_THAT(r.reason, HasSubstr("qgemm=cudnn"));
+    EXPECT_THAT(r.reason, HasSubstr("CUDNN_STATUS_"));  // cuDNN's status, then its message
+    EXPECT_TRUE(progress.empty()) << "ran past the probe: " << progress.front();
+  }
+}
+
 }  // namespace
 }  // namespace infersweep

@@ -139,7 +139,7 @@ TEST(Options, PredicatesNameTheirValues) {
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return DequantizesInRegisters(o.qgemm); }),
             (S{"w4a16", "w8a16"}));
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return UsesScaledGemm(o.qgemm); }),
-            (S{"fp8_cublaslt", "native_fp4"}));
+            (S{"cudnn", "fp8_cublaslt", "native_fp4"}));
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return KeepsQuantCodes(o.qgemm); }),
             (S{"reference", "w4a16", "w8a16"}));
 }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/cudnn_attention.h"
+#include "engine/cuda/cudnn_matmul.h"
 #include "engine/options.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/probe_kernels.h"
@@ -64,7 +65,7 @@ class DeviceProbe final : public CapabilityProbe {
   explicit DeviceProbe(LocalDevices devices) : devices_(std::move(devices)) {}
 
   absl::Status Probe(const BackendConfig& config, const ModelConfig& model,
-                     const std::string&) override {
+                     const std::string& weight_format) override {
     // The static preflight refuses device=cuda without a GPU; the CPU has nothing to ask.
     if (ConfigDevice(config) != "cuda" || devices_.gpu_count == 0) return absl::OkStatus();
     absl::StatusOr<CudaOptions> options = ParseCudaOptions(config);
@@ -88,6 +89,15 @@ class DeviceProbe final : public CapabilityProbe {
       absl::StatusOr<std::unique_ptr<CudnnAttention>> attention = CudnnAttention::Create(
           {model.num_q_heads, model.num_kv_heads, model.head_dim, 4096}, nullptr);
       if (!attention.ok()) return attention.status();
+    }
+    // qgemm=cudnn on quantized weights: cuDNN's plan for the q projection's shape in the
+    // weights' format (fp8 stands for its three scale layouts).
+    if (options->qgemm == QGemm::kCudnn && weight_format != "bf16" && model.num_q_heads > 0) {
+      const QuantFormat format = weight_format == "nvfp4"   ? QuantFormat::kNvfp4
+                                 : weight_format == "mxfp4" ? QuantFormat::kMxfp4
+                                                            : QuantFormat::kFp8Channel;
+      if (absl::Status s = ProbeCudnnQuantGemm(format, model.q_dim(), model.hidden_size); !s.ok())
+        return s;
     }
     if (UsesCublasLt(options->gemm)) {
       absl::StatusOr<std::unique_ptr<cuda::CublasLtGemm>> gemm = cuda::CublasLtGemm::Create();

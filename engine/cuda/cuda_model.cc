@@ -89,6 +89,9 @@ class CudaModel final : public Model {
       DestroyGraphs();
       if (auto s = attention_.AllocateCache(batch, max_tokens); !s.ok()) return s;
       if (auto s = linear_attention_.AllocateState(batch); !s.ok()) return s;
+      // A library GEMM's plans for the decode batch's rows, before its graph is captured.
+      if (view_ && view_->scaled)
+        if (auto s = view_->scaled->PrepareRows(batch); !s.ok()) return s;
     }
     linear_attention_.ResetState();
     if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;

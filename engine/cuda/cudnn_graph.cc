@@ -96,6 +96,12 @@ absl::StatusOr<std::unique_ptr<Handle>> Handle::Create(const Api* api, cudaStrea
 
 Handle::~Handle() { api_->destroy(raw_); }
 
+absl::Status Handle::SetStream(cudaStream_t stream) const {
+  if (cudnnStatus_t s = api_->set_stream(raw_, stream); s != CUDNN_STATUS_SUCCESS)
+    return absl::InternalError(absl::StrCat("cudnnSetStream: ", api_->error_string(s)));
+  return absl::OkStatus();
+}
+
 std::vector<int64_t> PackedStrides(const std::vector<int64_t>& dims) {
   std::vector<int64_t> strides(dims.size(), 1);
   for (int i = static_cast<int>(dims.size()) - 2; i >= 0; --i)
@@ -145,6 +151,9 @@ absl::StatusOr<int> GraphBuilder::Tensor(const TensorSpec& spec) {
     const bool yes = true;
     s = set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &yes);
   }
+  if (s == CUDNN_STATUS_SUCCESS && spec.reordering != CUDNN_TENSOR_REORDERING_NONE)
+    s = set(CUDNN_ATTR_TENSOR_REORDERING_MODE, CUDNN_TYPE_TENSOR_REORDERING_MODE, 1,
+            &spec.reordering);
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(d->raw());
   const std::string step = absl::StrCat("tensor ", spec.uid);
   if (absl::Status st = Check(s, step.c_str()); !st.ok()) return st;
@@ -243,6 +252,32 @@ absl::Status GraphBuilder::Reduction(cudnnReduceTensorOp_t op_kind, int x, int y
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
   if (absl::Status st = Check(s, "reduction operation"); !st.ok()) return st;
   helpers_.push_back(std::move(*desc));
+  operations_.push_back(std::move(*op));
+  return absl::OkStatus();
+}
+
+absl::Status GraphBuilder::BlockScaleDequantize(int x, int scale, int y,
+                                                const std::vector<int32_t>& block) {
+  absl::StatusOr<Descriptor> op =
+      Make(CUDNN_BACKEND_OPERATION_BLOCK_SCALE_DEQUANTIZE_DESCRIPTOR, "block-scale dequantize");
+  if (!op.ok()) return op.status();
+  auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
+    return api_->set_attribute(op->raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+  };
+  const cudnnDataType_t math = CUDNN_DATA_FLOAT;
+  cudnnStatus_t s = bind(CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_XDESC, tensors_[x].raw());
+  if (s == CUDNN_STATUS_SUCCESS)
+    s = bind(CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_SCALE_DESC, tensors_[scale].raw());
+  if (s == CUDNN_STATUS_SUCCESS)
+    s = bind(CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_YDESC, tensors_[y].raw());
+  if (s == CUDNN_STATUS_SUCCESS)
+    s = api_->set_attribute(op->raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_MATH_PREC,
+                            CUDNN_TYPE_DATA_TYPE, 1, &math);
+  if (s == CUDNN_STATUS_SUCCESS)
+    s = api_->set_attribute(op->raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_BLOCK_SIZE,
+                            CUDNN_TYPE_INT32, static_cast<int64_t>(block.size()), block.data());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
+  if (absl::Status st = Check(s, "block-scale dequantize operation"); !st.ok()) return st;
   operations_.push_back(std::move(*op));
   return absl::OkStatus();
 }

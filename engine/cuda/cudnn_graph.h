@@ -47,6 +47,7 @@ class Handle {
   ~Handle();
   cudnnHandle_t raw() const { return raw_; }
   const Api* api() const { return api_; }
+  absl::Status SetStream(cudaStream_t stream) const;
 
  private:
   Handle(const Api* api, cudnnHandle_t raw) : api_(api), raw_(raw) {}
@@ -60,6 +61,8 @@ struct TensorSpec {
   std::vector<int64_t> dims, strides;
   bool is_virtual = false;
   bool by_value = false;  // a host scalar, passed in the variant pack by address
+  cudnnBackendTensorReordering_t reordering = CUDNN_TENSOR_REORDERING_NONE;  // F8_128x4: block
+                                                                           // scales' tiles
 };
 
 // Strides of a packed row-major tensor of `dims`.
@@ -89,6 +92,8 @@ class GraphBuilder {
                          int t = -1, int64_t axis = -1);
   // y = reduce(x) over the dims where y has size 1, fp32 math.
   absl::Status Reduction(cudnnReduceTensorOp_t op, int x, int y);
+  // y = x dequantized by `scale`, one scale a block of `block` elements (per dim), fp32 math.
+  absl::Status BlockScaleDequantize(int x, int scale, int y, const std::vector<int32_t>& block);
 
   // Finalizes the graph and the first engine config that heuristics mode A offers whose plan
   // finalizes. Unimplemented with cuDNN's words when none does (what the graph asks is not

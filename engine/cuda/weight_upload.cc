@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine/cuda/cudnn_matmul.h"
 #include "engine/cuda/device_util.h"
 #include "engine/quant/layout.h"
 #include "engine/synthetic.h"
@@ -233,10 +234,17 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     }
   }
   if (UsesScaledGemm(qgemm)) {  // codes as uploaded, scales rearranged
-    auto scaled = cuda::ScaledGemm::Create(
-        qgemm == QGemm::kFp8CublasLt ? cuda::ScaledGemmKind::kFp8 : cuda::ScaledGemmKind::kFp4);
-    if (!scaled.ok()) return scaled.status();
-    view->scaled = std::move(*scaled);
+    if (qgemm == QGemm::kCudnn) {
+      auto cudnn = CudnnQuantGemm::Create();
+      if (!cudnn.ok()) return cudnn.status();
+      view->scaled = std::move(*cudnn);
+    } else {
+      auto scaled = cuda::ScaledGemm::Create(qgemm == QGemm::kFp8CublasLt
+                                                 ? cuda::ScaledGemmKind::kFp8
+                                                 : cuda::ScaledGemmKind::kFp4);
+      if (!scaled.ok()) return scaled.status();
+      view->scaled = std::move(*scaled);
+    }
     for (LayerWeights& layer : view->weights.layers)
       for (MatrixRef* m : LayerLinears(layer))
         if (m->quantized())

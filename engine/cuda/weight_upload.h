@@ -46,7 +46,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host);
 struct QuantView {
   ModelWeights weights;
   std::vector<void*> buffers;
-  std::unique_ptr<cuda::ScaledGemm> scaled;  // fp8_cublaslt, native_fp4: scales in its layouts
+  // fp8_cublaslt, native_fp4, cudnn: the library GEMM, scales in its layouts
+  std::unique_ptr<cuda::QuantLinearGemm> scaled;
   // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
   // there too: device pointer tables of dequant_bf16's bf16 copies of the experts, or the
   // quantized experts' tables (gate, up, down) for w4a16 / w8a16.

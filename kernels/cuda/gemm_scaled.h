@@ -48,22 +48,38 @@ enum class ScaledGemmKind {
   kFp4,  // qgemm=native_fp4: nvfp4, mxfp4 weights
 };
 
-class ScaledGemm {
+// The seam of the quantized linears a library runs from their codes: cuBLASLt's scaled GEMMs
+// below, cuDNN's FP8 matmul graph (engine/cuda/cudnn_matmul.h).
+class QuantLinearGemm {
+ public:
+  virtual ~QuantLinearGemm() = default;
+  // Once per quantized linear, when a model is built.
+  virtual absl::Status Prepare(const MatrixRef& w) = 0;
+  // y[rows, w.rows] (fp32, overwritten) = x[rows, w.cols] (fp32) . w^T, w prepared.
+  virtual absl::Status Run(const float* x, int rows, const MatrixRef& w, float* y,
+                           cudaStream_t stream) = 0;
+  // Makes now, outside any graph capture, what runs of `rows` rows need (a decode batch's
+  // plans); nothing by default.
+  virtual absl::Status PrepareRows(int rows) { return absl::OkStatus(); }
+};
+
+class ScaledGemm final : public QuantLinearGemm {
  public:
   static absl::StatusOr<std::unique_ptr<ScaledGemm>> Create(ScaledGemmKind kind,
                                                             size_t workspace_bytes = 32 << 20);
-  ~ScaledGemm();
+  ~ScaledGemm() override;
 
   // Once per quantized linear, when a model is built (synchronous): its scales, rearranged into
   // buffers this object owns in the layouts cuBLASLt reads. w holds device pointers; its codes are
   // used in place and must outlive this object. Unimplemented, naming the shape, where this kind
   // cannot take the format or the shape.
-  absl::Status Prepare(const MatrixRef& w);
+  absl::Status Prepare(const MatrixRef& w) override;
 
   // y[rows, w.rows] (fp32, overwritten) = x[rows, w.cols] (fp32) . w^T, w prepared. Quantizes x
   // into scratch this object owns (grown on demand; growing while `stream` is being captured is
   // an error, not a crash).
-  absl::Status Run(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
+  absl::Status Run(const float* x, int rows, const MatrixRef& w, float* y,
+                   cudaStream_t stream) override;
 
  private:
   // fp8_tensor weights run as kFp8Rows (their one scale broadcast; see Prepare).
