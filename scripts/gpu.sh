@@ -66,7 +66,7 @@ for stage in $STAGES; do
     gpu_tests .carry/gpu_probe_test 180 gpu_probe_test.log '^#|OK \]|FAILED|Failure|error'
     timeout -k 5 120 $B run --model preset:tiny-moe --config 'device=cuda,attention=naive|flash,test_kernel=none|sm100a' \
       --workload prompt=16,output=4,batch=1,repeats=1,warmup=0,timeout=60 2>&1 | tee "$OUT/probe_run.log" ;;
-  cudnn)  # issue 37: attention=cudnn's GPU tests, then beside attention=flash on qwen3-30b-a3b
+  cudnn)  # issue 37: the cuDNN backends' GPU tests (GpuCudnn.*), then beside attention=flash on qwen3-30b-a3b
     # (48 layers): batch 1 and 64 decode (graphs=on), prefill 2048 (graphs=off), one run each
     gpu_tests .carry/gpu_probe_test 300 gpu_cudnn_test.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='GpuCudnn*:GpuProbe.*'
@@ -83,7 +83,7 @@ for stage in $STAGES; do
     # batch 1 and 64 decode, then prefill 2048, graphs off
     $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
       --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
-      --workload prompt=512,output=32,batch=1:64,repeats=3,warmup=1,timeout=600 \
+      --workload prompt=512,output=16,batch=1:64,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_fp8_decode.json" 2>&1 | tee "$OUT/cudnn_fp8_decode.log" | grep -vE "spread|load "
     $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
       --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \

@@ -50,6 +50,10 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   batch_ = batch;
   capacity_ = max_tokens;
   if (options_.attention == Attention::kCudnn) {
+    // cuDNN's kernel loads whole tiles of K and V past a sequence's KV length and multiplies
+    // their masked (zero) probabilities in: fresh memory's NaN bit patterns would make 0 x NaN.
+    CUDA_OR_DIE(cudaMemsetAsync(k_cache_, 0, elems * kv_cache_bytes_per_element(), stream_));
+    CUDA_OR_DIE(cudaMemsetAsync(v_cache_, 0, elems * kv_cache_bytes_per_element(), stream_));
     // The decode plan is made here, outside any graph capture; a prefill's on first use.
     cudnn_.reset();
     if (seq_lens_) cudaFree(seq_lens_);

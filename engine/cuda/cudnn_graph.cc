@@ -315,9 +315,6 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
   s = api_->get_attribute(heuristics->raw(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                           CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr);
   if (absl::Status st = Check(s, "heuristics' result count"); !st.ok()) return prefixed(st);
-  if (count == 0)
-    return absl::UnimplementedError(absl::StrCat(
-        what, ": cuDNN's heuristics offer no engine for the graph (", LastError(api_), ")"));
   std::vector<Descriptor> configs;
   std::vector<cudnnBackendDescriptor_t> raw_configs;
   for (int64_t i = 0; i < count; ++i) {
@@ -326,35 +323,76 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
     raw_configs.push_back(c->raw());
     configs.push_back(std::move(*c));
   }
-  s = api_->get_attribute(heuristics->raw(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                          CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &count, raw_configs.data());
-  if (absl::Status st = Check(s, "heuristics' results"); !st.ok()) return prefixed(st);
+  if (count > 0) {
+    s = api_->get_attribute(heuristics->raw(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                            CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &count, raw_configs.data());
+    if (absl::Status st = Check(s, "heuristics' results"); !st.ok()) return prefixed(st);
+  }
+  // A plan from `config`, or cuDNN's refusal.
+  auto plan_from = [&](cudnnBackendDescriptor_t config,
+                       const std::string& engine) -> absl::StatusOr<Plan> {
+    absl::StatusOr<Descriptor> plan = Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan");
+    if (!plan.ok()) return plan.status();
+    cudnnStatus_t st = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                                           CUDNN_TYPE_HANDLE, 1, &raw_handle);
+    if (st == CUDNN_STATUS_SUCCESS)
+      st = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
+    if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(plan->raw());
+    if (absl::Status c = Check(st, "execution plan"); !c.ok()) return c;
+    Plan out;
+    st = api_->get_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                             CUDNN_TYPE_INT64, 1, nullptr, &out.workspace_bytes);
+    if (absl::Status c = Check(st, "plan's workspace size"); !c.ok()) return c;
+    out.plan = std::make_shared<Descriptor>(std::move(*plan));
+    out.engine = engine;
+    return out;
+  };
   absl::Status last = absl::UnimplementedError("no engine config");
   for (int64_t i = 0; i < count; ++i) {
-    absl::StatusOr<Descriptor> plan = Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan");
-    if (!plan.ok()) return prefixed(plan.status());
-    cudnnBackendDescriptor_t config = raw_configs[i];
-    s = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1,
-                            &raw_handle);
-    if (s == CUDNN_STATUS_SUCCESS)
-      s = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                              CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
-    if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(plan->raw());
-    if (s != CUDNN_STATUS_SUCCESS) {
-      last = Check(s, "execution plan");
+    absl::StatusOr<Plan> plan =
+        plan_from(raw_configs[i], absl::StrCat("heuristics' engine config ", i, " of ", count));
+    if (plan.ok()) return plan;
+    last = plan.status();
+  }
+  // Heuristics offer nothing that finalizes (count 0 where the GPU lacks what the graph needs):
+  // each of cuDNN's engines is asked in turn, and the answer is the last one's own words.
+  int64_t engines = 0;
+  s = api_->get_attribute(graph->raw(), CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT,
+                          CUDNN_TYPE_INT64, 1, nullptr, &engines);
+  if (absl::Status st = Check(s, "engine count"); !st.ok()) return prefixed(st);
+  for (int64_t i = 0; i < engines; ++i) {
+    absl::StatusOr<Descriptor> engine = Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, "engine");
+    if (!engine.ok()) return prefixed(engine.status());
+    cudnnStatus_t st = api_->set_attribute(engine->raw(), CUDNN_ATTR_ENGINE_OPERATION_GRAPH,
+                                           CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw_graph);
+    if (st == CUDNN_STATUS_SUCCESS)
+      st = api_->set_attribute(engine->raw(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1,
+                               &i);
+    if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(engine->raw());
+    const std::string name = absl::StrCat("engine ", i, " of ", engines);
+    if (absl::Status c = Check(st, name.c_str()); !c.ok()) {
+      last = c;
       continue;
     }
-    Plan out;
-    s = api_->get_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                            CUDNN_TYPE_INT64, 1, nullptr, &out.workspace_bytes);
-    if (absl::Status st = Check(s, "plan's workspace size"); !st.ok()) return prefixed(st);
-    out.plan = std::make_shared<Descriptor>(std::move(*plan));
-    out.engine = absl::StrCat("engine config ", i, " of ", count);
-    return out;
+    absl::StatusOr<Descriptor> config = Make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine config");
+    if (!config.ok()) return prefixed(config.status());
+    cudnnBackendDescriptor_t raw_engine = engine->raw();
+    st = api_->set_attribute(config->raw(), CUDNN_ATTR_ENGINECFG_ENGINE,
+                             CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw_engine);
+    if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(config->raw());
+    if (absl::Status c = Check(st, absl::StrCat(name, "'s config").c_str()); !c.ok()) {
+      last = c;
+      continue;
+    }
+    absl::StatusOr<Plan> plan = plan_from(config->raw(), name);
+    if (plan.ok()) return plan;
+    last = plan.status();
   }
   return absl::Status(last.code(),
-                      absl::StrCat(what, ": no engine config of ", count,
-                                   " finalizes a plan; the last: ", last.message()));
+                      absl::StrCat(what, ": cuDNN takes the graph with none of its ", engines,
+                                   " engines (heuristics offered ", count,
+                                   "); the last answer: ", last.message()));
 }
 
 absl::Status Execute(const Handle& handle, const Plan& plan, const std::vector<int64_t>& uids,
