@@ -242,5 +242,42 @@ TEST(CapabilityProbe, TestKernelAxisIsHiddenButSelectable) {
   EXPECT_EQ(rows, 2);
 }
 
+// The cuDNN values' static side: attention=cudnn takes the bf16 KV cache only and not the
+// persistent step (its batch-1 attention is the kernel's own); qgemm=cudnn takes quantized
+// weights on sm_90+, FP4 included, so that on the H200 cuDNN's own refusal answers for FP4.
+TEST(CudnnPreflight, AttentionNeedsTheBf16CacheAndNoPersistentStep) {
+  const PreflightTarget h200 = {true, 90, 1, "bf16"};
+  auto preflight = [&](const BackendConfig& axes) {
+    BackendConfig config = axes;
+    config["device"] = "cuda";
+    auto normalized = NormalizeBackendConfig(config);
+    EXPECT_TRUE(normalized.ok()) << normalized.status();
+    return Preflight(*normalized, h200);
+  };
+  EXPECT_TRUE(preflight({{"attention", "cudnn"}, {"kv_cache", "bf16"}}).supported);
+  const PreflightResult fp32 = preflight({{"attention", "cudnn"}, {"kv_cache", "fp32"}});
+  EXPECT_FALSE(fp32.supported);
+  EXPECT_THAT(fp32.reason, HasSubstr("cuDNN's fused attention reads bf16 K and V"));
+  const PreflightResult persistent = preflight(
+      {{"attention", "cudnn"}, {"kv_cache", "bf16"}, {"gemm", "fused"}, {"moe", "fused"},
+       {"graphs", "persistent"}});
+  EXPECT_FALSE(persistent.supported);
+  EXPECT_THAT(persistent.reason, HasSubstr("persistent kernel's own attention"));
+}
+
+TEST(CudnnPreflight, QgemmTakesQuantizedWeightsOnSm90AndNewer) {
+  BackendConfig config = {{"device", "cuda"}, {"gemm", "cublaslt"}, {"qgemm", "cudnn"}};
+  auto normalized = NormalizeBackendConfig(config);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  for (const char* format : {"fp8", "nvfp4", "mxfp4"})
+    EXPECT_TRUE(Preflight(*normalized, {true, 90, 1, format}).supported) << format;
+  EXPECT_THAT(Preflight(*normalized, {true, 90, 1, "bf16"}).reason,
+              HasSubstr("does not take bf16 weights"));
+  EXPECT_EQ(Preflight(*normalized, {true, 89, 1, "fp8"}).reason,
+            "qgemm=cudnn needs sm_90 or newer; the GPU is sm_89");
+  config["moe"] = "fused";
+  EXPECT_FALSE(Preflight(*NormalizeBackendConfig(config), {true, 90, 1, "fp8"}).supported);
+}
+
 }  // namespace
 }  // namespace infersweep
