@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"
-#include "engine/cuda/device_util.h"
 
 namespace infersweep {
 namespace {
@@ -143,9 +142,7 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(const Sha
   return attention;
 }
 
-CudnnAttention::~CudnnAttention() {
-  if (workspace_ != nullptr) cudaFree(workspace_);
-}
+CudnnAttention::~CudnnAttention() = default;
 
 absl::StatusOr<const cudnn::Plan*> CudnnAttention::PlanFor(int batch, int s_q) {
   auto it = plans_.find({batch, s_q});
@@ -157,15 +154,7 @@ absl::StatusOr<const cudnn::Plan*> CudnnAttention::PlanFor(int batch, int s_q) {
                                             ", s_q ", s_q, " before the graph capture"));
   absl::StatusOr<cudnn::Plan> plan = BuildPlan(*handle_, shape_, batch, s_q);
   if (!plan.ok()) return plan.status();
-  if (plan->workspace_bytes > workspace_bytes_) {
-    if (workspace_ != nullptr) cudaFree(workspace_);
-    workspace_ = nullptr;
-    workspace_bytes_ = 0;
-    auto w = DeviceAlloc<char>(plan->workspace_bytes);
-    if (!w.ok()) return w.status();
-    workspace_ = *w;
-    workspace_bytes_ = plan->workspace_bytes;
-  }
+  if (absl::Status s = workspace_.Reserve(*plan); !s.ok()) return s;
   return &plans_.emplace(std::make_pair(batch, s_q), std::move(*plan)).first->second;
 }
 
@@ -185,7 +174,7 @@ absl::Status CudnnAttention::Run(const uint16_t* q, const void* k_cache, const v
                                        &scale, &negative_infinity};
   engine_ = (*plan)->engine;
   RecordLaunch("cudnn:sdpa fprop (bf16)");
-  return cudnn::Execute(*handle_, **plan, uids, pointers, workspace_);
+  return cudnn::Execute(*handle_, **plan, uids, pointers, workspace_.data());
 }
 
 }  // namespace infersweep

@@ -67,8 +67,7 @@ class CudnnAttention {
   cudaStream_t stream_;
   std::unique_ptr<cudnn::Handle> handle_;
   std::map<std::pair<int, int>, cudnn::Plan> plans_;
-  void* workspace_ = nullptr;
-  int64_t workspace_bytes_ = 0;
+  cudnn::Workspace workspace_;
   std::string engine_;
 };
 

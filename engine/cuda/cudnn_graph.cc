@@ -395,6 +395,24 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
                                    "); the last answer: ", last.message()));
 }
 
+Workspace::~Workspace() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+absl::Status Workspace::Reserve(const Plan& plan) {
+  if (plan.workspace_bytes <= bytes_) return absl::OkStatus();
+  if (data_ != nullptr) cudaFree(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+  if (cudaError_t e = cudaMalloc(&data_, plan.workspace_bytes); e != cudaSuccess) {
+    data_ = nullptr;
+    return absl::ResourceExhaustedError(absl::StrCat("cuDNN workspace of ", plan.workspace_bytes,
+                                                     " bytes: ", cudaGetErrorString(e)));
+  }
+  bytes_ = plan.workspace_bytes;
+  return absl::OkStatus();
+}
+
 absl::Status Execute(const Handle& handle, const Plan& plan, const std::vector<int64_t>& uids,
                      const std::vector<void*>& pointers, void* workspace) {
   const Api* api = handle.api();

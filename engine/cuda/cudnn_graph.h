@@ -109,6 +109,21 @@ class GraphBuilder {
   std::vector<Descriptor> tensors_, operations_, helpers_;
 };
 
+// Device scratch that plans share, grown (never shrunk) to the largest plan's need.
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace();
+  absl::Status Reserve(const Plan& plan);
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
 // Runs `plan` on the handle's stream with the device (or, for by-value tensors, host) pointers
 // bound by uid. Capturable when the engine is.
 absl::Status Execute(const Handle& handle, const Plan& plan, const std::vector<int64_t>& uids,

@@ -105,7 +105,7 @@ absl::StatusOr<std::unique_ptr<CudnnQuantGemm>> CudnnQuantGemm::Create() {
 
 CudnnQuantGemm::~CudnnQuantGemm() {
   for (auto& [code, weight] : weights_) cudaFree(weight.row_scales);
-  for (void* p : {workspace_, static_cast<void*>(codes_), static_cast<void*>(scales_)})
+  for (void* p : {static_cast<void*>(codes_), static_cast<void*>(scales_)})
     if (p != nullptr) cudaFree(p);
 }
 
@@ -127,15 +127,7 @@ absl::StatusOr<const cudnn::Plan*> CudnnQuantGemm::PlanFor(int m, int n, int k) 
   if (it != plans_.end()) return &it->second;
   absl::StatusOr<cudnn::Plan> plan = BuildFp8Plan(*handle_, m, n, k);
   if (!plan.ok()) return plan.status();
-  if (plan->workspace_bytes > workspace_bytes_) {
-    if (workspace_ != nullptr) cudaFree(workspace_);
-    workspace_ = nullptr;
-    workspace_bytes_ = 0;
-    auto w = DeviceAlloc<char>(plan->workspace_bytes);
-    if (!w.ok()) return w.status();
-    workspace_ = *w;
-    workspace_bytes_ = plan->workspace_bytes;
-  }
+  if (absl::Status s = workspace_.Reserve(*plan); !s.ok()) return s;
   return &plans_.emplace(std::make_tuple(m, n, k), std::move(*plan)).first->second;
 }
 
@@ -189,7 +181,7 @@ absl::Status CudnnQuantGemm::Run(const float* x, int rows, const MatrixRef& w, f
   RecordLaunch("cudnn:fp8 matmul (E4M3 x E4M3, row x column scales)");
   return cudnn::Execute(*handle_, **plan, {kA, kB, kAScale, kBScale, kY},
                         {codes_, const_cast<void*>(w.data), scales_, weight.row_scales, y},
-                        workspace_);
+                        workspace_.data());
 }
 
 absl::Status ProbeCudnnQuantGemm(QuantFormat format, int n, int k) {

@@ -67,8 +67,7 @@ class CudnnQuantGemm final : public cuda::QuantLinearGemm {
   std::unique_ptr<cudnn::Handle> handle_;
   std::map<const void*, Weight> weights_;  // by the weight's code pointer
   std::map<std::tuple<int, int, int>, cudnn::Plan> plans_;
-  void* workspace_ = nullptr;
-  int64_t workspace_bytes_ = 0;
+  cudnn::Workspace workspace_;
   uint8_t* codes_ = nullptr;  // the activations' E4M3 codes
   float* scales_ = nullptr;   // their per-token scales
   int64_t scratch_rows_ = 0, scratch_k_ = 0;
