@@ -33,6 +33,7 @@ TEST(RankContext, BootstrapBytesSurviveTheirHexLine) {
   EXPECT_EQ(back, handle);
 
   EXPECT_TRUE(absl::IsInvalidArgument(BytesFromHex(hex.substr(2), back.data(), back.size())));
+  EXPECT_TRUE(absl::IsInvalidArgument(BytesFromHex(hex + "00", back.data(), back.size())));
   std::string bad = hex;
   bad[7] = 'g';
   EXPECT_TRUE(absl::IsInvalidArgument(BytesFromHex(bad, back.data(), back.size())));
