@@ -1,9 +1,12 @@
 #include "engine/backends.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_model.h"
 #include "engine/options.h"
 #include "engine/quant/layout.h"
+#include "engine/rank_context.h"
 #include "engine/tp_model.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
@@ -13,6 +16,7 @@ namespace infersweep {
 
 #ifndef INFERSWEEP_HAVE_CUDA
 LocalDevices ProbeLocalDevices() { return {}; }
+absl::Status UseRankDevice(int, int) { return absl::OkStatus(); }
 #endif
 
 std::string WeightFormat(const HostModel& model) {
@@ -36,6 +40,8 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const HostModel
   PreflightTarget target;
   target.has_cuda_build = devices.has_cuda_build;
   target.gpu_count = devices.gpu_count;
+  // TEST ONLY: ranks INFERSWEEP_RANK_DEVICES places on this host's GPUs ("0,0") count as GPUs.
+  target.gpu_count = std::max(target.gpu_count, TestRankDeviceCount(devices.gpu_count));
   target.sm = devices.sm;
   if (model != nullptr) {
     target.weight_format = WeightFormat(*model);
@@ -107,6 +113,12 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
     if (host.weights.lm_head.quantized())
       return absl::UnimplementedError(
           "device=cuda: lm_head is stored quantized, which only the CPU reference runs");
+    // tp > 1: this rank process's shard, joined to the other ranks (engine/rank_context.h).
+    if (options->parallel.tp > 1) {
+      auto rank = JoinCudaRank(options->parallel);
+      if (!rank.ok()) return rank.status();
+      return MakeCudaModel(host, *options, fault, *rank);
+    }
     return MakeCudaModel(host, *options, fault);
   }
 #endif

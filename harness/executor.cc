@@ -218,6 +218,13 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
 
   if (request.workload.serve) {
+    // Rank processes call their collectives in the same order only where they run the same
+    // steps; a serving run's steps follow each process's own clock.
+    if (ConfigDevice(*config) == "cuda" && TensorParallelRanks(*config) > 1)
+      return finish(TrialStatus::kUnsupported,
+                    absl::StrCat("tp=", TensorParallelRanks(*config),
+                                 ": serving runs are not built over CUDA rank processes (each "
+                                 "rank would batch the arrivals by its own clock)"));
     peak_device_bytes = ExecuteServing(request, *config, *fault, preflight, &result);
     return finish(result.status, result.reason);
   }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include "api/version.h"
 #include "core/wall_clock.h"
 #include "engine/fault_injection.h"
+#include "engine/rank_context.h"
 #include "engine/weights.h"
 #include "harness/child_process.h"
 #include "harness/executor.h"
@@ -50,10 +52,33 @@ void CloseAndReap(PipedChild& child) {
 
 int RankProcesses(const TrialRequest& request) {
   const int tp = TensorParallelRanks(request.config);
+  auto config = NormalizeBackendConfig(request.config);
+  if (config.ok() && ConfigDevice(*config) == "cuda" && tp > 1) return tp;
   auto fault = ParseFaultInjection(request.inject_fault);
   const bool rank_fault = fault.ok() && (fault->kind == FaultInjection::Kind::kRankKill ||
                                          fault->kind == FaultInjection::Kind::kRankHang);
   return rank_fault ? tp : 0;
+}
+
+absl::StatusOr<std::vector<std::string>> ExchangeThroughParent(std::istream& in, std::ostream& out,
+                                                               int ranks, const std::string& mine) {
+  out << nlohmann::json{{"exchange", mine}}.dump() << std::endl;
+  std::string line;
+  if (!std::getline(in, line))
+    return absl::UnavailableError("rank exchange: the trial's parent closed the pipe");
+  auto parsed = nlohmann::json::parse(line, nullptr, false);
+  if (parsed.is_discarded() || !parsed.is_object() || !parsed.contains("exchange") ||
+      !parsed["exchange"].is_array() || static_cast<int>(parsed["exchange"].size()) != ranks)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank exchange: not {\"exchange\": [one string a rank, ", ranks, " ranks]}: ", line));
+  std::vector<std::string> lines;
+  for (const auto& entry : parsed["exchange"]) {
+    if (!entry.is_string())
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank exchange: an entry that is not a string: ", line));
+    lines.push_back(entry.get<std::string>());
+  }
+  return lines;
 }
 
 SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::string& handshake,
@@ -101,6 +126,8 @@ SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::
                  "\n");
 
   std::vector<std::optional<TrialResult>> answers(ranks);
+  // The exchange round in progress: each rank's line, sent on to every rank once all have one.
+  std::vector<std::optional<std::string>> exchange(ranks);
   const auto deadline = Clock::now() + std::chrono::milliseconds(
                                            static_cast<int64_t>(request.workload.timeout_s * 1e3));
   auto take_stderr = [&](PipedChild& c) {
@@ -110,26 +137,66 @@ SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::
     int answered = 0, dead = -1;
     for (int r = 0; r < ranks; ++r) {
       PipedChild& c = *children[r];
-      if (!answers[r]) {
-        if (const size_t nl = c.out_buffer.find('\n'); nl != std::string::npos) {
-          auto parsed = nlohmann::json::parse(c.out_buffer.substr(0, nl), nullptr, false);
-          c.out_buffer.erase(0, nl + 1);
-          auto rank_result = parsed.is_discarded()
-                                 ? absl::StatusOr<TrialResult>(
-                                       absl::InvalidArgumentError("a line that is not JSON"))
-                                 : TrialResultFromJson(parsed);
-          if (!rank_result.ok())
-            return finish(TrialStatus::kError,
-                          absl::StrCat("rank ", r, " wrote an invalid result: ",
-                                       rank_result.status().message()),
-                          absl::StrJoin(c.stderr_tail, "\n"));
-          answers[r] = *std::move(rank_result);
-          out.ranks[r].ended = "answered";
-        } else if (!c.out_open && dead < 0) {
-          dead = r;
+      while (!answers[r] && dead < 0) {
+        const size_t nl = c.out_buffer.find('\n');
+        if (nl == std::string::npos) {
+          if (!c.out_open) dead = r;
+          break;
         }
+        auto parsed = nlohmann::json::parse(c.out_buffer.substr(0, nl), nullptr, false);
+        c.out_buffer.erase(0, nl + 1);
+        if (!parsed.is_discarded() && parsed.is_object() && parsed.contains("exchange")) {
+          if (!parsed["exchange"].is_string() || exchange[r])
+            return finish(TrialStatus::kError,
+                          absl::StrCat("rank ", r,
+                                       exchange[r] ? " sent a second exchange line in one round"
+                                                   : " sent an exchange line that is not a string"),
+                          absl::StrJoin(c.stderr_tail, "\n"));
+          exchange[r] = parsed["exchange"].get<std::string>();
+          continue;
+        }
+        auto rank_result =
+            parsed.is_discarded()
+                ? absl::StatusOr<TrialResult>(absl::InvalidArgumentError("a line that is not JSON"))
+                : TrialResultFromJson(parsed);
+        if (!rank_result.ok())
+          return finish(TrialStatus::kError,
+                        absl::StrCat("rank ", r,
+                                     " wrote an invalid result: ", rank_result.status().message()),
+                        absl::StrJoin(c.stderr_tail, "\n"));
+        answers[r] = *std::move(rank_result);
+        out.ranks[r].ended = "answered";
       }
       answered += answers[r].has_value();
+    }
+    // Every rank sent its exchange line: each gets all of them, in rank order.
+    if (std::all_of(exchange.begin(), exchange.end(),
+                    [](const auto& e) { return e.has_value(); })) {
+      nlohmann::json all = nlohmann::json::array();
+      for (auto& e : exchange) {
+        all.push_back(*e);
+        e.reset();
+      }
+      const std::string line = nlohmann::json{{"exchange", all}}.dump() + "\n";
+      for (int r = 0; r < ranks; ++r) WriteAll(children[r]->in, line);  // a dead rank: EOF below
+    }
+    // A rank that answered other than OK ends the trial: the others may wait on it in a
+    // collective (or an exchange) that never completes.
+    for (int r = 0; r < ranks && answered < ranks; ++r) {
+      if (!answers[r] || answers[r]->status == TrialStatus::kOk) continue;
+      std::vector<int> stopped;
+      for (int q = 0; q < ranks; ++q)
+        if (!answers[q] && children[q]->pid > 0) {
+          stopped.push_back(q);
+          out.ranks[q].ended = absl::StrCat("killed (SIGKILL) after rank ", r, " answered ",
+                                            std::string(TrialStatusName(answers[r]->status)));
+        }
+      for (auto& c : children) take_stderr(*c);
+      TrialResult picked = *std::move(answers[r]);
+      if (r != 0) picked.reason = absl::StrCat("rank ", r, ": ", picked.reason);
+      SupervisedTrial ended = finish(picked.status, picked.reason, picked.stderr_tail);
+      ended.result = std::move(picked);
+      return ended;
     }
     if (dead >= 0) {
       // The first rank found dead: collect the rest of its stderr, then how it ended.
@@ -223,8 +290,21 @@ int RankWorkerMain() {
     std::cerr << "rank " << rank << "/" << ranks << ": handshake '" << handshake << "'"
               << std::endl;
     auto request = TrialRequestFromJson(parsed["request"]);
+    auto config = request.ok() ? NormalizeBackendConfig(request->config)
+                               : absl::StatusOr<BackendConfig>(request.status());
+    // A CUDA rank takes its GPU before any other CUDA call (the executor's, the reference's).
+    absl::Status device = config.ok() && ConfigDevice(*config) == "cuda"
+                              ? UseRankDevice(rank, ranks)
+                              : absl::OkStatus();
+    SetRankContext({rank, ranks, [ranks](const std::string& mine) {
+                      return ExchangeThroughParent(std::cin, std::cout, ranks, mine);
+                    }});
     if (!request.ok()) {
       result.reason = std::string(request.status().message());
+    } else if (!device.ok()) {
+      result = StartedResult(*request);
+      result.status = TrialStatus::kError;
+      result.reason = std::string(device.message());
     } else {
       TrialExecutor executor;
       const std::string trial_id = request->trial_id;

@@ -98,9 +98,9 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     return result;
   }
   // A trial over rank processes (RankProcesses) runs under the rank supervisor, one fresh process
-  // a rank. The ncclUniqueId handshake is left empty: no CUDA rank joins NCCL yet (the engine
-  // refuses tp > 1), and an id would keep NCCL's bootstrap root waiting in this process for
-  // ranks that never connect.
+  // a rank. The handshake is left empty: CUDA ranks bootstrap through the supervisor's exchange
+  // rounds (rank 0 makes the ncclUniqueId), so that no NCCL bootstrap root waits in this process
+  // for ranks that died before they connected.
   if (const int ranks = RankProcesses(request); ranks > 0) {
     worker_.reset();
     RankSupervisorOptions supervised;

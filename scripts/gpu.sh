@@ -61,7 +61,15 @@ for stage in $STAGES; do
     timeout -k 5 120 $B run --model preset:qwen3-30b-a3b --layers 8 \
       --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,allreduce=auto|nccl|custom' \
       --workload prompt=128,output=32,batch=1:64,repeats=3,warmup=1,timeout=100 \
-      --json "$OUT/tp1_seam.json" 2>&1 | tee "$OUT/tp1_seam.log" | grep -vE "spread|load " ;;
+      --json "$OUT/tp1_seam.json" 2>&1 | tee "$OUT/tp1_seam.log" | grep -vE "spread|load "
+    # tp=2 as two rank processes on this one GPU (TEST ONLY map INFERSWEEP_RANK_DEVICES=0,0;
+    # allreduce=custom over CUDA IPC, NCCL takes one rank a GPU): tiny presets against tp=1, a
+    # killed rank CRASHED, then 8 layers of qwen3-30b-a3b.
+    INFERSWEEP_RANK_DEVICES=0,0 gpu_tests .carry/gpu_tp_test 200 gpu_tp_test.log '^#|OK \]|FAILED|Failure|error'
+    INFERSWEEP_RANK_DEVICES=0,0 timeout -k 5 240 $B run --model preset:qwen3-30b-a3b --layers 8 \
+      --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=off,tp=2,allreduce=custom' \
+      --workload prompt=128,output=32,batch=1,repeats=3,warmup=1,timeout=200 \
+      --json "$OUT/tp2_custom.json" 2>&1 | tee "$OUT/tp2_custom.log" | grep -vE "spread|load " ;;
   probe)  # the capability probe: test_kernel=sm100a UNSUPPORTED in the driver's words, never CRASHED
     gpu_tests .carry/gpu_probe_test 180 gpu_probe_test.log '^#|OK \]|FAILED|Failure|error'
     timeout -k 5 120 $B run --model preset:tiny-moe --config 'device=cuda,attention=naive|flash,test_kernel=none|sm100a' \

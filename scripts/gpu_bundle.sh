@@ -12,8 +12,8 @@ cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_
 # use, PACK=tp and PACK=probe what STAGES=tp and STAGES=probe use alone, PACK=fixtures what
 # STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
 case ${PACK:-gpu} in
-  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test tests/gpu_allreduce_test tests/gpu_probe_test" ;;
-  tp) BINARIES="cli/infersweep tests/gpu_allreduce_test" ;;
+  gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test tests/gpu_allreduce_test tests/gpu_probe_test tests/gpu_tp_test" ;;
+  tp) BINARIES="cli/infersweep tests/gpu_allreduce_test tests/gpu_tp_test" ;;
   probe) BINARIES="cli/infersweep tests/gpu_probe_test" ;;
   probes) BINARIES="cli/infersweep bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
   fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;

@@ -10,7 +10,9 @@
 
 #include <cerrno>
 #include <chrono>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
@@ -94,7 +96,6 @@ TEST(RankSupervisor, AHungRankIsTimeoutNamingItAndNoRankIsLeft) {
 TEST(RankSupervisor, TheRunnerSupervisesRankFaults) {
   EXPECT_EQ(RankProcesses(Request("device=cpu,tp=2", "")), 0);
   EXPECT_EQ(RankProcesses(Request("device=cpu,tp=2", "rank-kill:1")), 2);
-  EXPECT_EQ(RankProcesses(Request("device=cuda,tp=4", "")), 0);  // refused by one worker
   EXPECT_EQ(RankProcesses(Request("device=cuda", "")), 0);
   RunnerOptions options;
   options.worker_argv = {WorkerBinary(), "worker"};
@@ -104,6 +105,81 @@ TEST(RankSupervisor, TheRunnerSupervisesRankFaults) {
   EXPECT_THAT(killed.reason, HasSubstr("rank 1 killed by signal 9"));
   const TrialResult ok = runner.Run(Request("device=cpu,tp=2", ""));
   EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+}
+
+// CUDA configs with tp > 1 run one rank process a GPU; tp=1 and the CPU's tp (threads of one
+// worker) run in one worker.
+TEST(RankSupervisor, CudaTensorParallelTrialsTakeOneProcessARank) {
+  EXPECT_EQ(RankProcesses(Request("device=cuda,tp=2", "")), 2);
+  EXPECT_EQ(RankProcesses(Request("device=cuda,tp=4,allreduce=custom", "")), 4);
+  EXPECT_EQ(RankProcesses(Request("device=cuda,tp=8,allreduce=nccl", "")), 8);
+  EXPECT_EQ(RankProcesses(Request("device=cuda,tp=1,allreduce=custom", "")), 0);
+  EXPECT_EQ(RankProcesses(Request("device=cpu,tp=4", "")), 0);
+}
+
+// Stand-in rank processes (sh): each reads its assignment and, per `script`, exchanges a line
+// through the supervisor or answers. $r is the rank.
+RankSupervisorOptions StandIns(const std::string& script) {
+  RankSupervisorOptions o;
+  o.rank_argv = {
+      "/bin/sh", "-c",
+      R"(read -r a; r=$(printf '%s' "$a" | sed 's/.*"rank":\([0-9]*\),"ranks".*/\1/'); )" + script};
+  return o;
+}
+
+// The two-phase exchange: every rank's line reaches every rank, in rank order, only once all
+// ranks have sent theirs; then the ranks answer.
+TEST(RankSupervisor, EveryRankGetsEveryRanksExchangeLineInRankOrder) {
+  const SupervisedTrial t =
+      RunRankTrial(Request("device=cpu", ""), 3, "",
+                   StandIns(R"(printf '{"exchange":"handle-%s"}\n' "$r"; read -r all; )"
+                            R"(printf '{"status":"OK","reason":"rank %s got %s"}\n' "$r" )"
+                            R"sh("$(printf '%s' "$all" | tr -d '"')"; read -r rest)sh"));
+  EXPECT_EQ(t.result.status, TrialStatus::kOk) << t.result.reason << "\n" << t.result.stderr_tail;
+  EXPECT_EQ(t.result.reason, "rank 0 got {exchange:[handle-0,handle-1,handle-2]}");
+  ASSERT_EQ(t.ranks.size(), 3u);
+  for (const RankRun& r : t.ranks) EXPECT_EQ(r.ended, "answered") << "rank " << r.rank;
+  ExpectNoRankLeft(t);
+}
+
+// A rank that fails instead of joining ends the trial with its answer at once: the rank waiting
+// in the exchange is killed, not left to the timeout.
+TEST(RankSupervisor, ARankThatFailsBeforeTheExchangeEndsTheTrialNamingIt) {
+  TrialRequest request = Request("device=cpu", "");
+  request.workload.timeout_s = 30;
+  const auto start = std::chrono::steady_clock::now();
+  const SupervisedTrial t = RunRankTrial(
+      request, 2, "",
+      StandIns(R"(if [ "$r" = 1 ]; then )"
+               R"(printf '{"status":"ERROR","reason":"no peer buffer"}\n'; read -r rest; )"
+               R"(else printf '{"exchange":"h"}\n'; read -r all; fi)"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_EQ(t.result.status, TrialStatus::kError) << t.result.reason;
+  EXPECT_EQ(t.result.reason, "rank 1: no peer buffer");
+  ASSERT_EQ(t.ranks.size(), 2u);
+  EXPECT_EQ(t.ranks[0].ended, "killed (SIGKILL) after rank 1 answered ERROR");
+  EXPECT_EQ(t.ranks[1].ended, "answered");
+  ExpectNoRankLeft(t);
+}
+
+std::string Line(const std::string& json) { return json + "\n"; }
+
+// The rank side of a round: its line out, every rank's back; a parent that hangs up or answers
+// with the wrong count is an error, not a short list.
+TEST(RankSupervisor, ARankReadsTheExchangeItsParentSends) {
+  std::istringstream in(Line(R"({"exchange":["00ff","a1"]})"));
+  std::ostringstream out;
+  auto lines = ExchangeThroughParent(in, out, 2, "a1");
+  ASSERT_TRUE(lines.ok()) << lines.status();
+  EXPECT_EQ(*lines, (std::vector<std::string>{"00ff", "a1"}));
+  EXPECT_EQ(out.str(), Line(R"({"exchange":"a1"})"));
+
+  std::istringstream three(Line(R"({"exchange":["a","b","c"]})"));
+  EXPECT_TRUE(absl::IsInvalidArgument(ExchangeThroughParent(three, out, 2, "a").status()));
+  std::istringstream number(Line(R"({"exchange":["a",7]})"));
+  EXPECT_TRUE(absl::IsInvalidArgument(ExchangeThroughParent(number, out, 2, "a").status()));
+  std::istringstream closed("");
+  EXPECT_TRUE(absl::IsUnavailable(ExchangeThroughParent(closed, out, 2, "a").status()));
 }
 
 }  // namespace

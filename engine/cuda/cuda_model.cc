@@ -18,6 +18,7 @@
 #include "engine/cuda/persistent_decode.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
+#include "engine/tp_model.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/moe_grouped.h"
 #include "kernels/cuda/ops.h"
@@ -35,13 +36,16 @@ cudaStream_t MakeStream() {
 // A CUDA model: the step's orchestration (inputs, the layers through the linear, attention and
 // MoE runners or the persistent kernel, final norm and lm_head, logits or greedy tokens) and
 // CUDA graphs of decode steps. The runners own their scratch; the model owns the residual
-// stream, the logits and the pinned staging buffers.
+// stream, the logits and the pinned staging buffers. A tensor-parallel rank's model runs its
+// shard (`config` holds the rank's head counts and sizes, the lm_head its vocabulary rows from
+// `vocab_begin` on) through the ranks' communicator.
 class CudaModel final : public Model {
  public:
   CudaModel(const ModelConfig& config, std::shared_ptr<DeviceWeights> weights,
             const CudaOptions& options, const FaultInjection& fault,
             std::unique_ptr<cuda::CublasLtGemm> gemm,
-            std::unique_ptr<cuda::CublasGroupedGemm> grouped, std::unique_ptr<QuantView> view)
+            std::unique_ptr<cuda::CublasGroupedGemm> grouped, std::unique_ptr<QuantView> view,
+            const CudaRank& rank = {}, int64_t vocab_begin = 0)
       : config_(config),
         dw_(std::move(weights)),
         view_(std::move(view)),
@@ -54,7 +58,12 @@ class CudaModel final : public Model {
         attention_(context_, linear_),
         linear_attention_(context_, linear_),
         moe_(context_, linear_, dw_.get(), view_.get(), std::move(grouped)),
-        persistent_(context_) {
+        persistent_(context_),
+        comm_(rank.comm),
+        rank_comm_(rank.comm != nullptr),
+        max_message_bytes_(rank.max_message_bytes),
+        vocab_begin_(vocab_begin),
+        lm_rows_(w_.lm_head.rows) {
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
     CUDA_OR_DIE(cudaEventCreate(&step_end_));
   }
@@ -386,6 +395,8 @@ class CudaModel final : public Model {
       cuda::GatherRows(x_, d_last_rows_, sequences, hidden, linear_.o(), stream_);
       final_in = linear_.o();
     }
+    // A rank's lm_head writes its vocabulary shard's logits, gathered below into full rows.
+    float* const lm_out = sharded_vocab() ? shard_logits_ : logits_;
     // gemm=fused|tma: the final norm and the lm_head in one GEMV launch (a vocabulary-sized
     // matrix is streamed: cuda::GemvStreams), for the decode rows and a prefill's last rows, in
     // place of a norm kernel and cuBLASLt's GEMM: on the H200 it streams qwen3-30b-a3b's 622 MB
@@ -393,7 +404,7 @@ class CudaModel final : public Model {
     if (UsesFusedGemv(options_.gemm) && cuda::GemvSupports(out_rows, hidden)) {
       LinearRunner::FusedGemv g =
           LinearRunner::GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);
-      LinearRunner::AddSegment(g, w_.lm_head, {}, logits_);
+      LinearRunner::AddSegment(g, w_.lm_head, {}, lm_out);
       if (auto s = linear_.RunGemv(g); !s.ok()) return s;
     } else {
       if (UsesFusedGemv(options_.gemm) && LaunchRecording())
@@ -402,9 +413,11 @@ class CudaModel final : public Model {
                                     ": final norm and lm_head unfused (cuBLASLt for bf16 "
                                     "weights), not the fused GEMV"));
       const uint16_t* fb = linear_.NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
-      if (auto s = linear_.Gemm(linear_.xn(), fb, out_rows, w_.lm_head, {}, logits_); !s.ok())
+      if (auto s = linear_.Gemm(linear_.xn(), fb, out_rows, w_.lm_head, {}, lm_out); !s.ok())
         return s;
     }
+    if (sharded_vocab())
+      if (auto s = GatherLogits(out_rows); !s.ok()) return s;
     if (fault_.kind == FaultInjection::Kind::kStuckToken)
       cuda::ForceToken(logits_, out_rows, config_.vocab_size,
                        static_cast<int>(fault_.value) % config_.vocab_size, stream_);
@@ -429,17 +442,50 @@ class CudaModel final : public Model {
   absl::Status ReduceIntoResidual(int rows) {
     if (!comm_) return absl::OkStatus();
     const int64_t count = static_cast<int64_t>(rows) * config_.hidden_size;
-    if (auto s = comm_->Sum(partial_, count, cuda::ReduceDType::kFp32, stream_); !s.ok()) return s;
+    if (auto s = SumOverRanks(partial_, count); !s.ok()) return s;
     cuda::AddScaled(x_, partial_, 1.f, count, stream_);
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
 
-  // The communicator of a named all-reduce (options_.parallel.RunsCollective()): nccl's once, a
-  // single-rank communicator on this GPU; custom's peer buffer sized for `rows` rows, made again
-  // when the rows grow.
+  // Whether this rank's lm_head holds a shard of the vocabulary (tp > 1: a rank's model).
+  bool sharded_vocab() const { return rank_comm_; }
+
+  // The full logits [out_rows, vocab] on every rank: zeros, this rank's shard written at its
+  // vocabulary columns, then summed over the ranks. Each logit is one rank's value plus exact
+  // zeros, so every rank holds the same bits. The message is padded to whole 16-byte packs.
+  absl::Status GatherLogits(int out_rows) {
+    const int64_t vocab = config_.vocab_size;
+    const int64_t count = LogitsCount(out_rows);
+    CUDA_OR_DIE(cudaMemsetAsync(logits_, 0, static_cast<size_t>(count) * sizeof(float), stream_));
+    CUDA_OR_DIE(cudaMemcpy2DAsync(logits_ + vocab_begin_, vocab * sizeof(float), shard_logits_,
+                                  lm_rows_ * sizeof(float), lm_rows_ * sizeof(float), out_rows,
+                                  cudaMemcpyDeviceToDevice, stream_));
+    return SumOverRanks(logits_, count);
+  }
+
+  // The elements of `out_rows` rows of logits, padded (tp > 1) to a multiple of 4 fp32 values.
+  int64_t LogitsCount(int out_rows) const {
+    const int64_t count = static_cast<int64_t>(out_rows) * config_.vocab_size;
+    return sharded_vocab() ? (count + 3) / 4 * 4 : count;
+  }
+
+  // data[count] (fp32) summed over the ranks, in calls of at most max_message_bytes_ each.
+  absl::Status SumOverRanks(float* data, int64_t count) {
+    const int64_t chunk = max_message_bytes_ > 0 ? max_message_bytes_ / 16 * 4 : count;
+    for (int64_t done = 0; done < count; done += chunk)
+      if (auto s = comm_->Sum(data + done, std::min(chunk, count - done), cuda::ReduceDType::kFp32,
+                              stream_);
+          !s.ok())
+        return s;
+    return absl::OkStatus();
+  }
+
+  // The communicator of a named all-reduce (options_.parallel.RunsCollective()): a rank's, as it
+  // was given; else nccl's once, a single-rank communicator on this GPU; custom's peer buffer
+  // sized for `rows` rows, made again when the rows grow.
   absl::Status EnsureCommunicator(int rows) {
-    if (!options_.parallel.RunsCollective()) return absl::OkStatus();
+    if (!options_.parallel.RunsCollective() || rank_comm_) return absl::OkStatus();
     const int64_t bytes = static_cast<int64_t>(rows) * config_.hidden_size * sizeof(float);
     if (comm_ && (comm_->kind() == AllReduce::kNccl || bytes <= comm_bytes_))
       return absl::OkStatus();
@@ -475,9 +521,14 @@ class CudaModel final : public Model {
     auto x = DeviceAlloc<float>(r * config_.hidden_size);
     if (!x.ok()) return x.status();
     x_ = *x;
-    auto logits = DeviceAlloc<float>(static_cast<size_t>(out_rows) * config_.vocab_size);
+    auto logits = DeviceAlloc<float>(LogitsCount(out_rows));
     if (!logits.ok()) return logits.status();
     logits_ = *logits;
+    if (sharded_vocab()) {
+      auto shard = DeviceAlloc<float>(static_cast<size_t>(out_rows) * lm_rows_);
+      if (!shard.ok()) return shard.status();
+      shard_logits_ = *shard;
+    }
     if (options_.parallel.RunsCollective()) {
       auto partial = DeviceAlloc<float>(r * config_.hidden_size);
       if (!partial.ok()) return partial.status();
@@ -540,7 +591,7 @@ class CudaModel final : public Model {
     attention_.FreeScratch();
     linear_attention_.FreeScratch();
     moe_.FreeScratch();
-    for (float* p : {x_, logits_, partial_})
+    for (float* p : {x_, logits_, partial_, shard_logits_})
       if (p) cudaFree(p);
     for (int* p : {d_tokens_, d_last_rows_, d_position_})
       if (p) cudaFree(p);
@@ -554,7 +605,7 @@ class CudaModel final : public Model {
       if (p) cudaFreeHost(p);
     d_ragged_ = nullptr;
     h_ragged_ = nullptr;
-    x_ = logits_ = partial_ = nullptr;
+    x_ = logits_ = partial_ = shard_logits_ = nullptr;
     d_tokens_ = d_last_rows_ = d_position_ = nullptr;
     h_tokens_ = nullptr;
     h_last_rows_ = h_position_ = nullptr;
@@ -582,10 +633,17 @@ class CudaModel final : public Model {
   float *x_ = nullptr,  // [rows, hidden]: the residual stream
       *logits_ = nullptr,
         *partial_ = nullptr;  // [rows, hidden]: a block's output before the all-reduce (comm_ only)
+  float* shard_logits_ = nullptr;  // [rows, lm_rows_]: a rank's vocabulary shard (tp > 1 only)
   // The collective seam (engine/cuda/communicator.h): null unless the config names an
-  // all-reduce or runs tp > 1; comm_bytes_ is the message it was made for.
-  std::unique_ptr<Communicator> comm_;
+  // all-reduce or runs tp > 1; comm_bytes_ is the message it was made for. A rank's (tp > 1,
+  // rank_comm_) is shared with the process's later models and takes messages of at most
+  // max_message_bytes_ (0: any).
+  std::shared_ptr<Communicator> comm_;
+  const bool rank_comm_;
+  const int64_t max_message_bytes_;
   int64_t comm_bytes_ = 0;
+  const int64_t vocab_begin_;  // the first vocabulary row of this rank's lm_head
+  const int64_t lm_rows_;      // its rows
   int *d_tokens_ = nullptr, *d_last_rows_ = nullptr, *d_position_ = nullptr;
   int32_t* h_tokens_ = nullptr;
   int *h_last_rows_ = nullptr, *h_position_ = nullptr;
@@ -627,14 +685,37 @@ absl::Status RunSm100aTestKernel() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const CudaOptions& options,
-                                                     const FaultInjection& fault) {
+                                                     const FaultInjection& fault,
+                                                     const CudaRank& rank) {
+  const int tp = options.parallel.tp;
   if (const std::string why = CudaModelRefusal(host.config, host.quant_format, options);
       !why.empty())
     return absl::UnimplementedError(why);
+  // tp > 1: this rank's shard of the host's weights, cut on the host as the CPU reference cuts
+  // it, then uploaded.
+  std::unique_ptr<RankShard> shard;
+  if (tp > 1) {
+    if (!rank.comm)
+      return absl::UnimplementedError(
+          absl::StrCat("tp=", tp,
+                       ": the CUDA engine runs tp > 1 in rank processes, each given its rank's "
+                       "communicator (JoinCudaRank); none was given"));
+    if (rank.comm->ranks() != tp)
+      return absl::InvalidArgumentError(absl::StrCat("tp=", tp, ": the rank's communicator joins ",
+                                                     rank.comm->ranks(), " ranks"));
+    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+    auto made = ShardHostModel(host, tp, rank.comm->rank(), options.parallel.expert_parallel);
+    if (!made.ok()) return absl::UnimplementedError(made.status().message());
+    shard = *std::move(made);
+    if (const std::string why =
+            CudaModelRefusal(shard->host->config, shard->host->quant_format, options);
+        !why.empty())
+      return absl::UnimplementedError(absl::StrCat("rank shard: ", why));
+  }
   if (options.test_kernel == TestKernel::kSm100a)
     if (absl::Status s = RunSm100aTestKernel(); !s.ok()) return s;
-  const ModelConfig& c = host.config;
-  auto weights = UploadWeights(host);
+  const ModelConfig& c = shard ? shard->host->config : host.config;
+  auto weights = shard ? UploadShardWeights(host, shard->host->weights) : UploadWeights(host);
   if (!weights.ok()) return weights.status();
   std::unique_ptr<cuda::CublasLtGemm> gemm;
   if (UsesCublasLt(options.gemm)) {
@@ -656,8 +737,9 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
     if (!made.ok()) return made.status();
     grouped = std::move(*made);
   }
-  auto model = std::make_unique<CudaModel>(host.config, std::move(*weights), options, fault,
-                                           std::move(gemm), std::move(grouped), std::move(view));
+  auto model = std::make_unique<CudaModel>(c, std::move(*weights), options, fault, std::move(gemm),
+                                           std::move(grouped), std::move(view), rank,
+                                           shard ? shard->vocab_begin : 0);
   if (IsPersistent(options.graphs))
     if (auto s = model->PreparePersistentDecode(); !s.ok()) return s;
   return std::unique_ptr<Model>(std::move(model));

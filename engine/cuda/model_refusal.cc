@@ -12,13 +12,16 @@ namespace infersweep {
 
 std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
                              const CudaOptions& options) {
-  if (options.parallel.tp > 1)
-    return absl::StrCat(
-        "tp=", options.parallel.tp,
-        ": the CUDA engine runs one GPU; tp > 1 needs sharded CUDA weights (column-parallel "
-        "q/k/v and gate/up, row-parallel o and down, the lm_head by vocabulary) and a rank "
-        "process a GPU joined through the collective seam, which are not built (the seam runs "
-        "at tp=1 with allreduce=nccl or custom; the CPU reference runs tp > 1)");
+  // tp > 1: `c` is a rank's shard (MakeCudaModel shards before it asks).
+  if (options.parallel.tp > 1 && options.parallel.expert_parallel)
+    return absl::StrCat("tp=", options.parallel.tp,
+                        ", ep=on: the CUDA ranks shard every expert on its intermediate "
+                        "dimension; whole experts per rank leave the others' experts empty, "
+                        "which the MoE runners do not skip");
+  if (options.parallel.tp > 1 && weights != QuantFormat::kNone)
+    return absl::StrCat("tp=", options.parallel.tp,
+                        ": quantized weights are not sharded for the CUDA engine (a rank's "
+                        "column slices decode to fp32; the CPU reference runs them)");
   if (options.parallel.RunsCollective() && IsPersistent(options.graphs))
     return absl::StrCat("allreduce=", AxisValueName(options.parallel.allreduce),
                         ": graphs=persistent runs every layer in one kernel, with no seam "

@@ -101,6 +101,28 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
   return absl::OkStatus();
 }
 
+// Per layer, device tables of its experts' gate, up and down pointers (empty for dense layers),
+// which the device-indexed MoE kernels read.
+absl::Status BuildExpertPointerTables(DeviceWeights& dw) {
+  for (const LayerWeights& layer : dw.weights.layers) {
+    std::vector<const uint16_t*> gate, up, down;
+    for (const ExpertWeights& e : layer.experts) {
+      gate.push_back(static_cast<const uint16_t*>(e.gate.data));
+      up.push_back(static_cast<const uint16_t*>(e.up.data));
+      down.push_back(static_cast<const uint16_t*>(e.down.data));
+    }
+    for (auto [list, table] : {std::pair{&gate, &dw.gate_table}, std::pair{&up, &dw.up_table},
+                               std::pair{&down, &dw.down_table}}) {
+      auto d = DeviceAlloc<const uint16_t*>(list->size());
+      if (!d.ok()) return d.status();
+      CUDA_OR_DIE(
+          cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
+      table->push_back(*d);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
@@ -184,27 +206,98 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   auto bound = BindWeights(host.config, host.specs, dw->tensors);
   if (!bound.ok()) return bound.status();
   dw->weights = std::move(*bound);
-  for (const LayerWeights& layer : dw->weights.layers) {
-    std::vector<const uint16_t*> gate, up, down;
-    for (const ExpertWeights& e : layer.experts) {
-      gate.push_back(static_cast<const uint16_t*>(e.gate.data));
-      up.push_back(static_cast<const uint16_t*>(e.up.data));
-      down.push_back(static_cast<const uint16_t*>(e.down.data));
-    }
-    for (auto [list, table] : {std::pair{&gate, &dw->gate_table}, std::pair{&up, &dw->up_table},
-                               std::pair{&down, &dw->down_table}}) {
-      auto d = DeviceAlloc<const uint16_t*>(list->size());
-      if (!d.ok()) return d.status();
-      CUDA_OR_DIE(
-          cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
-      table->push_back(*d);
-    }
-  }
+  if (auto s = BuildExpertPointerTables(*dw); !s.ok()) return s;
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   host.device_upload_seconds = dw->load_seconds;
   host.device_weights = dw;
+  return dw;
+}
+
+absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostModel& host,
+                                                                  const ModelWeights& shard) {
+  const auto start = std::chrono::steady_clock::now();
+  std::map<const void*, int64_t> centered;  // host pointer -> elements of a zero-centred norm
+  for (size_t i = 0; i < host.specs.size(); ++i)
+    if (host.specs[i].kind == WeightKind::kCenteredNorm)
+      centered[host.tensors[i].data] = host.specs[i].numel();
+  auto dw = std::make_shared<DeviceWeights>();
+  // Copies m to `at` (or a buffer of its own) and points m there.
+  auto upload = [&](MatrixRef& m, uint8_t* at = nullptr) -> absl::Status {
+    if (m.empty()) return absl::OkStatus();
+    if (m.quantized())
+      return absl::UnimplementedError(
+          "device=cuda, tp > 1: quantized weights are not sharded for the CUDA engine");
+    const size_t bytes = static_cast<size_t>(m.numel()) * DTypeSize(m.dtype);
+    if (!at) {
+      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      if (!buffer.ok()) return buffer.status();
+      dw->buffers.push_back(*buffer);
+      at = *buffer;
+    }
+    CUDA_OR_DIE(cudaMemcpy(at, m.data, bytes, cudaMemcpyHostToDevice));
+    const auto norm = centered.find(m.data);
+    m.data = at;
+    if (norm != centered.end() && norm->second == m.numel()) {
+      auto gain = DeviceAlloc<float>(m.numel());
+      if (!gain.ok()) return gain.status();
+      dw->buffers.push_back(*gain);
+      cuda::UpcastToF32(MatrixRef{m.data, m.dtype, 1, m.numel()}, *gain, nullptr, 1.f);
+      CHECK_LAUNCH();
+      m.data = *gain;
+      m.dtype = DType::kF32;
+    }
+    return absl::OkStatus();
+  };
+  auto upload_mlp = [&](ExpertWeights& e) -> absl::Status {
+    for (MatrixRef* m : {&e.gate, &e.up, &e.down})
+      if (auto s = upload(*m); !s.ok()) return s;
+    return absl::OkStatus();
+  };
+  ModelWeights& w = dw->weights;
+  w = shard;
+  for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head})
+    if (auto s = upload(*m); !s.ok()) return s;
+  for (LayerWeights& l : w.layers) {
+    const bool qkv_together = !l.q.empty() && !l.k.empty() && !l.v.empty() &&
+                              l.q.dtype == DType::kBF16 && l.k.dtype == DType::kBF16 &&
+                              l.v.dtype == DType::kBF16 && !l.q.quantized() && !l.k.quantized() &&
+                              !l.v.quantized();
+    if (qkv_together) {
+      const size_t bytes = static_cast<size_t>(l.q.numel() + l.k.numel() + l.v.numel()) * 2;
+      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      if (!buffer.ok()) return buffer.status();
+      dw->buffers.push_back(*buffer);
+      uint8_t* at = *buffer;
+      for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
+        const size_t part = static_cast<size_t>(m->numel()) * 2;
+        if (auto s = upload(*m, at); !s.ok()) return s;
+        at += part;
+      }
+    } else {
+      for (MatrixRef* m : {&l.q, &l.k, &l.v})
+        if (auto s = upload(*m); !s.ok()) return s;
+    }
+    LinearAttentionWeights& la = l.linear_attn;
+    for (auto list :
+         {std::vector<MatrixRef*>{&l.input_norm, &l.post_attention_norm, &l.router,
+                                  &l.shared_expert_gate},
+          std::vector<MatrixRef*>{&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm, &l.o,
+                                  &l.o_bias},
+          std::vector<MatrixRef*>{&la.in_proj_qkv, &la.in_proj_z, &la.in_proj_b, &la.in_proj_a,
+                                  &la.conv, &la.dt_bias, &la.a_log, &la.norm, &la.out_proj}})
+      for (MatrixRef* m : list)
+        if (auto s = upload(*m); !s.ok()) return s;
+    if (auto s = upload_mlp(l.mlp); !s.ok()) return s;
+    if (auto s = upload_mlp(l.shared_expert); !s.ok()) return s;
+    for (ExpertWeights& e : l.experts)
+      if (auto s = upload_mlp(e); !s.ok()) return s;
+  }
+  if (auto s = BuildExpertPointerTables(*dw); !s.ok()) return s;
+  CUDA_OR_DIE(cudaDeviceSynchronize());
+  dw->load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return dw;
 }
 

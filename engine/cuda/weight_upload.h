@@ -40,6 +40,14 @@ struct DeviceWeights {
 // host.device_weights for the next.
 absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host);
 
+// A tensor-parallel rank's shard (ShardHostModel's weights, dense, on the host) on the device:
+// every matrix copied as it is, a layer's q, k and v back to back when all three are bf16 (one
+// GEMM, as UploadWeights places them), zero-centred norms (known by their pointers into `host`'s
+// tensors) as UploadWeights makes them, and the expert pointer tables. Unimplemented for
+// quantized matrices.
+absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostModel& host,
+                                                                  const ModelWeights& shard);
+
 // A model's own view of quantized weights (dequant_bf16: bf16 copies; reference, w4a16, w8a16,
 // fp8_cublaslt, native_fp4: the codes as uploaded), with the TEST ONLY bad-quant-scale fault
 // applied to it alone, so the shared weights (and the reference built on them) stay intact.

@@ -1,0 +1,118 @@
+// A CUDA rank process's GPU and its place in the ranks' collective (engine/rank_context.h,
+// engine/cuda/cuda_model.h's CudaRank).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/cuda/communicator.h"
+#include "engine/cuda/cuda_model.h"
+#include "engine/rank_context.h"
+
+namespace infersweep {
+
+absl::Status UseRankDevice(int rank, int ranks) {
+  auto devices = RankDevices(ranks);
+  if (!devices.ok()) return devices.status();
+  if (rank < 0 || rank >= ranks)
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", ranks));
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    count = 0;
+  }
+  const int device = (*devices)[rank];
+  if (device >= count) return absl::OkStatus();  // the preflight refuses the trial
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, ": cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Rank 0 makes the ncclUniqueId, every rank reads it from rank 0's line, and all join.
+absl::StatusOr<std::shared_ptr<Communicator>> JoinNccl(const RankContext& context,
+                                                       const std::vector<int>& devices) {
+  std::set<int> distinct(devices.begin(), devices.end());
+  if (distinct.size() != devices.size())
+    return absl::UnimplementedError(absl::StrCat(
+        "allreduce=nccl takes one rank a GPU (NCCL refuses a duplicate GPU); the ranks' GPUs "
+        "are ",
+        absl::StrJoin(devices, ","),
+        " (INFERSWEEP_RANK_DEVICES): allreduce=custom and fused run "
+        "there"));
+  std::string mine;
+  if (context.rank == 0) {
+    auto id = MakeNcclId();
+    if (!id.ok()) return id.status();
+    mine = HexBytes(id->data(), id->size());
+  }
+  auto lines = context.exchange(mine);
+  if (!lines.ok()) return lines.status();
+  NcclId id;
+  if (auto s = BytesFromHex(lines->front(), id.data(), id.size()); !s.ok())
+    return absl::InvalidArgumentError(absl::StrCat("rank 0's ncclUniqueId: ", s.message()));
+  auto comm = MakeNcclCommunicator(id, context.ranks, context.rank);
+  if (!comm.ok()) return comm.status();
+  return std::shared_ptr<Communicator>(std::move(*comm));
+}
+
+// Every rank makes its peer buffer and sends its CUDA IPC handle; each opens the others'.
+absl::StatusOr<std::shared_ptr<Communicator>> JoinPeers(const RankContext& context,
+                                                        AllReduce kind) {
+  auto peer = PeerRank::Create(kind, context.ranks, context.rank, kCudaRankMessageBytes);
+  if (!peer.ok()) return peer.status();
+  const PeerHandle own = (*peer)->handle();
+  auto lines = context.exchange(HexBytes(own.data(), own.size()));
+  if (!lines.ok()) return lines.status();
+  std::vector<PeerHandle> handles(lines->size());
+  for (size_t r = 0; r < lines->size(); ++r)
+    if (auto s = BytesFromHex((*lines)[r], handles[r].data(), handles[r].size()); !s.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", r, "'s peer buffer handle: ", s.message()));
+  auto comm = (*peer)->Connect(handles);
+  if (!comm.ok()) return comm.status();
+  return std::shared_ptr<Communicator>(std::move(*comm));
+}
+
+}  // namespace
+
+absl::StatusOr<CudaRank> JoinCudaRank(const ParallelOptions& parallel) {
+  const RankContext& context = CurrentRankContext();
+  if (context.ranks != parallel.tp || !context.exchange)
+    return absl::UnimplementedError(absl::StrCat(
+        "tp=", parallel.tp, ": the CUDA engine runs tp > 1 as ", parallel.tp,
+        " rank processes, one a GPU, joined by the trial's parent (harness/rank_supervisor.h); "
+        "this process is not one of them (logits and generate run tp=1)"));
+  // One collective a process, kept for the process's life (never destroyed: NCCL's and the
+  // peer buffers' teardown after the CUDA runtime's at exit could hang; the driver frees them
+  // with the process).
+  static CudaRank& joined = *new CudaRank;
+  static AllReduce joined_kind = AllReduce::kAuto;
+  const AllReduce kind =
+      parallel.allreduce == AllReduce::kAuto ? AllReduce::kNccl : parallel.allreduce;
+  if (joined.comm) {
+    if (joined_kind == kind) return joined;
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", context.rank, " joined allreduce=", AxisValueName(joined_kind),
+                     " already; a second collective (", AxisValueName(kind), ") is not made"));
+  }
+  auto devices = RankDevices(context.ranks);
+  if (!devices.ok()) return devices.status();
+  absl::StatusOr<std::shared_ptr<Communicator>> comm =
+      kind == AllReduce::kNccl ? JoinNccl(context, *devices) : JoinPeers(context, kind);
+  if (!comm.ok()) return comm.status();
+  joined.comm = *std::move(comm);
+  joined.max_message_bytes = kind == AllReduce::kNccl ? 0 : kCudaRankMessageBytes;
+  joined_kind = kind;
+  return joined;
+}
+
+}  // namespace infersweep
