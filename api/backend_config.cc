@@ -24,12 +24,15 @@ constexpr char kPersistentGemm[] =
 
 // ep=on needs more than one rank; at tp=1 a sweep would repeat ep=off's run.
 constexpr char kEpNeedsRanks[] = "tp=1: one rank holds every expert either way";
-// The CUDA all-reduces run their seam at one rank (a single-rank NCCL communicator, the custom
-// kernels over one peer buffer), except fused.
-constexpr char kFusedNeedsRanks[] =
-    "tp=1: the engine's blocks apply their RMSNorm inside their own first kernel (norm + GEMV), "
-    "so at one rank the fused all-reduce + add + norm has no norm to take over; it runs in "
-    "allreduce-bench --device cuda";
+// Why the engine takes no allreduce=fused: its blocks apply their RMSNorm inside their own first
+// kernel (norm + GEMV), so the fused all-reduce + add + norm has no norm to take over at any rank
+// count. It runs in allreduce-bench --device cuda.
+std::string FusedNotInTheEngine(const char* tp) {
+  return absl::StrCat("tp=", tp,
+                      ": the engine's blocks apply their RMSNorm inside their own first kernel "
+                      "(norm + GEMV), so the fused all-reduce + add + norm has no norm to take "
+                      "over; it runs in allreduce-bench --device cuda");
+}
 
 std::vector<BackendDescriptor> MakeRegistry() {
   // The CPU dequantizes quantized weights exactly (core/quant/dequantize.h): still fp32.
@@ -166,15 +169,16 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
-  // Tensor and expert parallelism: the CUDA engine refuses tp > 1 (CudaModelRefusal) until its
-  // ranks run sharded weights; at tp=1 allreduce=nccl and custom run the collective seam
-  // (engine/cuda/communicator.h) over one rank, and auto, the default, runs none.
+  // Tensor and expert parallelism: tp > 1 runs one rank process a GPU (harness/rank_supervisor.h),
+  // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
+  // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.
   r.push_back({"tp", "1", "cuda", 80, 0, true, {}, {}, kFp32, "one GPU"});
   for (const char* t : {"2", "4", "8"})
     r.push_back({"tp", t, "cuda", 80, 0, true, {}, {}, kFp32,
-                 absl::StrCat(t, " GPUs of one agent, one rank each, sharded as on the CPU; "
-                                 "UNSUPPORTED by the CUDA engine for now (no sharded CUDA "
-                                 "weights, no rank processes)")});
+                 absl::StrCat(t, " GPUs of one agent, one rank process each on its shard "
+                                 "(sharded as on the CPU), joined through the trial's parent; "
+                                 "bf16 weights, lockstep batches, ep=off (the engine refuses "
+                                 "the rest with the reason)")});
   r.push_back({"ep", "off", "cuda", 80, 0, true, {}, {}, kFp32,
                "experts sharded on their intermediate dimension across the tp ranks"});
   r.push_back({"ep", "on", "cuda", 80, 0, true, {}, {kEpNeedsRanks}, kFp32,
@@ -190,7 +194,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "one-shot (<= 512 KB or 2 ranks) and two-shot kernels over the ranks' peer "
                "buffers, per-block flags, peers summed in a fixed rank order; at tp=1 over one "
                "peer buffer"});
-  r.push_back({"allreduce", "fused", "cuda", 80, 0, true, {}, {kFusedNeedsRanks}, kFp32,
+  r.push_back({"allreduce", "fused", "cuda", 80, 0, true, {},
+               {FusedNotInTheEngine("1"), FusedNotInTheEngine("2"), FusedNotInTheEngine("4"),
+                FusedNotInTheEngine("8")},
+               kFp32,
                "the all-reduce, the residual add and the next RMSNorm in one kernel"});
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
