@@ -172,7 +172,6 @@ absl::Status CudnnAttention::Run(const uint16_t* q, const void* k_cache, const v
                                        const_cast<void*>(v_cache), out,
                                        const_cast<int32_t*>(seq_q), const_cast<int32_t*>(seq_kv),
                                        &scale, &negative_infinity};
-  engine_ = (*plan)->engine;
   RecordLaunch("cudnn:sdpa fprop (bf16)");
   return cudnn::Execute(*handle_, **plan, uids, pointers, workspace_.data());
 }

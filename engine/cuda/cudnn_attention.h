@@ -54,9 +54,6 @@ class CudnnAttention {
                    const int32_t* seq_q, const int32_t* seq_kv, int batch, int s_q,
                    uint16_t* out);
 
-  // How the last plan was found (for the launch log).
-  const std::string& engine() const { return engine_; }
-
  private:
   CudnnAttention(const Shape& shape, cudaStream_t stream,
                  std::unique_ptr<cudnn::Handle> handle)
@@ -68,7 +65,6 @@ class CudnnAttention {
   std::unique_ptr<cudnn::Handle> handle_;
   std::map<std::pair<int, int>, cudnn::Plan> plans_;
   cudnn::Workspace workspace_;
-  std::string engine_;
 };
 
 }  // namespace infersweep
