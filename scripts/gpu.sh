@@ -87,13 +87,14 @@ for stage in $STAGES; do
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_prefill.json" 2>&1 | tee "$OUT/cudnn_prefill.log" | grep -vE "spread|load " ;;
   cudnn_fp8)  # issue 37: qgemm=cudnn beside qgemm=fp8_cublaslt (both moe=loop: the library GEMMs
-    # run the experts one by one) on qwen3-30b-a3b@fp8_channel quantized on the host, 48 layers:
-    # batch 1 and 64 decode, then prefill 2048, graphs off
-    $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
+    # run the experts one by one, a host sync each layer) on qwen3-30b-a3b@fp8_channel quantized
+    # on the host, CUDNN_FP8_LAYERS layers (default 8: at 48 the loop's batch 64 takes ~0.4 s a
+    # step): batch 1 and 64 decode, then prefill 2048, graphs off
+    $B run --model preset:qwen3-30b-a3b --layers "${CUDNN_FP8_LAYERS:-8}" --quantize fp8_channel \
       --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
       --workload prompt=512,output=16,batch=1:64,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_fp8_decode.json" 2>&1 | tee "$OUT/cudnn_fp8_decode.log" | grep -vE "spread|load "
-    $B run --model preset:qwen3-30b-a3b --quantize fp8_channel \
+    $B run --model preset:qwen3-30b-a3b --layers "${CUDNN_FP8_LAYERS:-8}" --quantize fp8_channel \
       --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_fp8_prefill.json" 2>&1 | tee "$OUT/cudnn_fp8_prefill.log" | grep -vE "spread|load " ;;
@@ -290,6 +291,27 @@ for r in csv.reader(sys.stdin):
       --config device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,qgemm=w8a16 \
       --workload prompt=128,output=8,batch=64,repeats=1,warmup=0,timeout=600 2>&1 |
       grep -E " OK | INCORRECT|reason" | cut -c1-300 ;;
+  quant_profile)  # issue 36: which kernel limits the quantized figures, from ncu: per-kernel time
+    # and DRAM bytes of qwen3-30b-a3b --layers 3 steps, graphs off, for each QUANT_FORMATS format
+    # (default bf16 fp8_channel nvfp4; bf16: the dense model, beside) and each
+    # QPROFILE_SHAPES (tokens:batch:new, default 1 prompt token x 64 rows x 2 decode steps, then a
+    # 2048-token prefill), QPROFILE_CONFIG (default the fast config's kernels at graphs=off).
+    for f in ${QUANT_FORMATS:-bf16 fp8_channel nvfp4}; do
+      q=w8a16 quantize="--quantize $f"
+      case $f in nvfp4|mxfp4) q=w4a16 ;; bf16) q=reference quantize= ;; esac
+      for shape in ${QPROFILE_SHAPES:-1:64:2 2048:1:1}; do
+        IFS=: read -r tokens batch new <<<"$shape"
+        ncu --clock-control none --cache-control none --launch-count "${PROFILE_LAUNCHES:-400}" \
+          --kernel-name regex:'^[^S]|^S[^y]' \
+          --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
+          $B generate --model preset:qwen3-30b-a3b --layers 3 $quantize --tokens "$(seq -s, 1 "$tokens")" \
+          --max-new-tokens "$new" --batch "$batch" --backend cuda \
+          --config "${QPROFILE_CONFIG:-gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=off},qgemm=$q" \
+          >"$OUT/qprofile_${f}_${shape//:/_}.csv" 2>"$OUT/qprofile_${f}_${shape//:/_}.err"
+        echo "## $f tokens=$tokens batch=$batch new=$new"
+        python3 scripts/ncu_table.py "$OUT/qprofile_${f}_${shape//:/_}.csv" --summary
+      done
+    done ;;
   quant_host)  # host quantization of qwen3-30b-a3b: seconds per layer (no GPU work)
     .carry/quantize_bench --layers 1,3 --formats "${QUANT_BENCH_FORMATS:-nvfp4,fp8_block128}" 2>&1 |
       tee "$OUT/quantize_bench.log" ;;
