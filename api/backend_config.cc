@@ -123,13 +123,13 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
                "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
                {"qgemm=reference"}});
-  // Preflight takes it on bf16 weights only; the quantized conflict refuses a model built on
-  // quantized weights without a preflight (CreateModel) as moe=fused's does.
-  r.push_back({"moe", "wgmma", "cuda", 90, 90, true, {"bf16"}, {}, kBf16,
-               "as moe=fused, with the expert-grouped GEMMs (4+ rows: batched decode and "
-               "prefill of any length) on Hopper warpgroup MMAs (wgmma) from a cp.async ring of "
-               "swizzled shared-memory tiles, device-side group sizes, SiLU fused: no host sync "
-               "even for long prefill chunks; machine code for sm_90a only",
+  r.push_back({"moe", "wgmma", "cuda", 90, 90, true, quantized_or_bf16, {}, kBf16,
+               "as moe=fused, with the expert-grouped GEMMs (bf16: prefill chunks; quantized "
+               "w4a16 / w8a16 experts: every 4+ rows) on Hopper warpgroup MMAs (wgmma) from a "
+               "cp.async ring of swizzled shared-memory tiles, device-side group sizes, SiLU "
+               "fused: no host sync even for long prefill chunks; FP8 / FP4 codes decoded to "
+               "bf16 in shared memory each K chunk (fp8 block-128: as moe=fused); machine code "
+               "for sm_90a only",
                {"qgemm=reference"}});
   r.push_back({"graphs", "off", "cuda", 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs", "on", "cuda", 80, 0, true, {}, {}, kFp32,
@@ -216,8 +216,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
   // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
   // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
-  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 90, 0, true, {"fp8"}, {"moe=fused", "moe=grouped"},
-               kFp8,
+  r.push_back({"qgemm", "fp8_cublaslt", "cuda", 90, 0, true, {"fp8"},
+               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp8,
                "FP8 E4M3 tensor cores through cuBLASLt: weights as loaded, activations quantized "
                "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
                "weights), scales applied by cuBLASLt or an epilogue, fp32 accumulate and output; "
@@ -225,13 +225,13 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // cuDNN is dlopened at run time; its answer for FP4 on GPUs without FP4 tensor cores is its
   // own refusal, given by the capability probe (sm_90 is in range on purpose).
   r.push_back({"qgemm", "cudnn", "cuda", 90, 0, true, quantized_formats,
-               {"moe=fused", "moe=grouped"}, kFp8,
+               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp8,
                "cuDNN's matmul graph: FP8 E4M3 x E4M3 (fp8_tensor, fp8_channel weights as "
                "loaded, activations quantized per token on the device) with the row and column "
                "scales fused into its epilogue, fp32 out; block-scaled FP4 (nvfp4, mxfp4) is "
                "cuDNN's on sm_100+ and refused in cuDNN's words elsewhere"});
   r.push_back({"qgemm", "native_fp4", "cuda", 100, 0, true, fp4_formats,
-               {"moe=fused", "moe=grouped"}, kFp4,
+               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp4,
                "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
                "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "

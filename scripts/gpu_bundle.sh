@@ -9,15 +9,17 @@ BUILD=${BUILD:-build-cuda}
 cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/dev/null
 # The device tool carries at most 64 MiB (working tree included), less than every binary
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer|tp|probe
-# use, PACK=tp and PACK=probe what STAGES=tp and STAGES=probe use alone, PACK=fixtures what
+# use, PACK=tp, PACK=probe and PACK=quant what STAGES=tp, STAGES=probe and
+# STAGES=quant_wgmma|quant_profile use alone, PACK=fixtures what
 # STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
 case ${PACK:-gpu} in
   gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test tests/gpu_allreduce_test tests/gpu_probe_test tests/gpu_tp_test" ;;
   tp) BINARIES="cli/infersweep tests/gpu_allreduce_test tests/gpu_tp_test" ;;
   probe) BINARIES="cli/infersweep tests/gpu_probe_test" ;;
+  quant) BINARIES="cli/infersweep tests/gpu_quant_test" ;;
   probes) BINARIES="cli/infersweep bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
   fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;
-  *) echo "PACK must be gpu, tp, probe, probes or fixtures" >&2; exit 2 ;;
+  *) echo "PACK must be gpu, tp, probe, quant, probes or fixtures" >&2; exit 2 ;;
 esac
 cmake --build "$BUILD" -j"$(nproc)" --target $(for b in $BINARIES; do basename "$b"; done)
 rm -rf .carry && mkdir -p .carry/lib

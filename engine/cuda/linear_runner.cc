@@ -23,7 +23,31 @@ LinearRunner::~LinearRunner() {
   if (prefill_dense_) cudaFree(prefill_dense_);
 }
 
+// The most elements of a quantized linear that Gemm dequantizes into the bf16 copy: the dense
+// projections and MLPs (experts run on their codes; the lm_head stays dense).
+size_t LinearRunner::LargestQuantizedDense() const {
+  if (!view_) return 0;
+  size_t most = 0;
+  auto consider = [&](const MatrixRef& m) {
+    if (m.quantized()) most = std::max(most, static_cast<size_t>(m.numel()));
+  };
+  for (const LayerWeights& lw : view_->weights.layers) {
+    for (const MatrixRef* m :
+         {&lw.q, &lw.k, &lw.v, &lw.o, &lw.mlp.gate, &lw.mlp.up, &lw.mlp.down,
+          &lw.shared_expert.gate, &lw.shared_expert.up, &lw.shared_expert.down,
+          &lw.linear_attn.in_proj_qkv, &lw.linear_attn.in_proj_z, &lw.linear_attn.out_proj})
+      consider(*m);
+  }
+  consider(view_->weights.lm_head);
+  return most;
+}
+
 absl::Status LinearRunner::AllocateScratch(int rows) {
+  // Decode batches of kQuantBf16CopyMinRows+ rows dequantize into the copy inside captured
+  // graphs, where it cannot grow: it is reserved here.
+  if (rows >= kQuantBf16CopyMinRows && gemm_ && options_.qgemm != QGemm::kReference) {
+    if (auto s = ReserveBf16Copy(LargestQuantizedDense()); !s.ok()) return s;
+  }
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
   const size_t inter = MaxIntermediate();
   const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter,
@@ -57,11 +81,12 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
     cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
-  } else if (w.quantized() && prefill_ && gemm_ && x_bf16) {
-    // qgemm=w4a16|w8a16 on a prefill chunk: tensor cores on a bf16 copy (PrefillBf16Copy).
+  } else if (w.quantized() && (prefill_ || rows >= kQuantBf16CopyMinRows) && gemm_ && x_bf16) {
+    // qgemm=w4a16|w8a16 on a prefill chunk or a wide decode batch: tensor cores on a bf16 copy
+    // (PrefillBf16Copy).
     if (LaunchRecording())
-      RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": prefill chunk of ",
-                                  rows,
+      RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ",
+                                  prefill_ ? "prefill chunk" : "decode batch", " of ", rows,
                                   " rows: quantized linears dequantized to bf16, then cuBLASLt"));
     auto copy = PrefillBf16Copy(w);
     if (!copy.ok()) return copy.status();
@@ -138,16 +163,25 @@ bool LinearRunner::QkvContiguous(const LayerWeights& lw) const {
 // bf16 tensor-core paths: cuBLASLt for the dense projections, the grouped expert kernels for the
 // MoE. The scratch (one dense matrix, and one layer's experts: 1.2 GB for qwen3-30b-a3b) is
 // allocated at the first quantized prefill. Decode steps keep the quantized kernels.
+absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
+  if (count <= prefill_dense_count_) return absl::OkStatus();
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream_, &capturing);
+  if (capturing != cudaStreamCaptureStatusNone)
+    return absl::InternalError(absl::StrCat("the bf16 copy of a quantized linear (", count,
+                                            " elements) was not reserved before the capture"));
+  if (prefill_dense_) cudaFree(prefill_dense_);  // synchronises: nothing still reads it
+  prefill_dense_ = nullptr;
+  prefill_dense_count_ = 0;
+  auto buffer = DeviceAlloc<uint16_t>(count);
+  if (!buffer.ok()) return buffer.status();
+  prefill_dense_ = *buffer;
+  prefill_dense_count_ = count;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<MatrixRef> LinearRunner::PrefillBf16Copy(const MatrixRef& w) {
-  const size_t count = static_cast<size_t>(w.numel());
-  if (count > prefill_dense_count_) {
-    if (prefill_dense_) cudaFree(prefill_dense_);  // synchronises: nothing still reads it
-    prefill_dense_ = nullptr;
-    auto buffer = DeviceAlloc<uint16_t>(count);
-    if (!buffer.ok()) return buffer.status();
-    prefill_dense_ = *buffer;
-    prefill_dense_count_ = count;
-  }
+  if (auto s = ReserveBf16Copy(static_cast<size_t>(w.numel())); !s.ok()) return s;
   cuda::DequantizeToBf16(w, prefill_dense_, stream_);
   CHECK_LAUNCH();
   return MatrixRef{prefill_dense_, DType::kBF16, w.rows, w.cols};

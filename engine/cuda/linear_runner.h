@@ -36,7 +36,7 @@ class LinearRunner {
   float* o() const { return o_; }           // [rows, hidden]
   float* y() const { return y_; }           // [rows, hidden]
   // Whether the step being enqueued is a prefill chunk (n > 1): quantized linears then run on
-  // tensor cores from a bf16 copy.
+  // tensor cores from a bf16 copy (as they do from kQuantBf16CopyMinRows decode rows).
   void set_prefill(bool prefill) { prefill_ = prefill; }
 
   // y = x . W^T (+ bias) through the configured GEMM. `x_bf16` is x already rounded to bf16
@@ -86,7 +86,16 @@ class LinearRunner {
   int MaxIntermediate() const;
 
  private:
+  // From this many rows a decode batch's quantized linears (qgemm=w4a16|w8a16, with cuBLASLt)
+  // take the bf16 copy too. Napkin math: the copy moves ~5 bytes a weight (FP8 codes read, bf16
+  // written and read back by cuBLASLt), the quantized GEMV one byte a weight every 4 rows, so
+  // from ~20 rows the copy moves fewer bytes; the FP4 MMA kernel (GemmQuantMma) reads the codes
+  // once but runs one block per 64 features, latency-bound on the 512-feature projections.
+  static constexpr int kQuantBf16CopyMinRows = 16;
   absl::StatusOr<MatrixRef> PrefillBf16Copy(const MatrixRef& w);
+  // Grows the bf16 copy to `count` elements (refused inside a stream capture).
+  absl::Status ReserveBf16Copy(size_t count);
+  size_t LargestQuantizedDense() const;
   void ProjectionGemv(const cuda::GemvArgs& a);
 
   const ModelConfig& config_;

@@ -154,10 +154,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
                           options_.moe == Moe::kGrouped || long_prefill;
   if (LaunchRecording()) {
     RecordMoeFallbacks(l, rows, n, gemv, grouped_mma || quant_grouped, quant_prefill, long_prefill,
-                       many_pairs);
-    if (quant_grouped && options_.moe == Moe::kWgmma && many_pairs)
-      RecordFallback(absl::StrCat("moe=wgmma: quantized experts, ", rows,
-                                  " rows: the quantized mma.sync grouped kernels, not wgmma"));
+                       /*wgmma_chunk=*/many_pairs || quant_grouped);
   }
   // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
   // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
@@ -206,10 +203,12 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     a.h = moe_bf16_;
     a.out = moe_out_;
     a.y = out;
-    // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill). Decode
-    // batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they measured 22.0
-    // ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding there.
-    a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
+    // moe=wgmma: bf16 chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill).
+    // Bf16 decode batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they
+    // measured 22.0 ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding
+    // there. Quantized experts take wgmma at every grouped chunk: the mma.sync kernels decode
+    // their codes in registers once per 32 or 64 pairs, wgmma's once per 128, in shared memory.
+    a.wgmma = options_.moe == Moe::kWgmma && (many_pairs || quant_grouped);
     if (quant_grouped) a.quant = view_->quant_tables[l].data();
     cuda::MoeGrouped(a, stream_);
     CHECK_LAUNCH();
@@ -279,7 +278,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
 // shared expert run on something other than what the moe and gemm values name, from Moe's
 // dispatch decisions (the router's are recorded by Router).
 void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma,
-                                   bool quant_prefill, bool long_prefill, bool many_pairs) {
+                                   bool quant_prefill, bool long_prefill, bool wgmma_chunk) {
   const char* moe = options_.moe == Moe::kWgmma ? "wgmma" : "fused";
   const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
                                          " rows (", rows * config_.num_experts_per_tok,
@@ -300,8 +299,9 @@ void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool group
             ? "fewer rows than the grouped expert kernels take"
             : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
               "quantized experts not all alike)"));
-  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
-  if (options_.moe == Moe::kWgmma && grouped_mma && !many_pairs)
+  // moe=wgmma runs wgmma on bf16 chunks of more than 16 pairs an expert and on every grouped
+  // chunk of quantized experts (Run's wgmma_chunk).
+  if (options_.moe == Moe::kWgmma && grouped_mma && !wgmma_chunk)
     RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
                                 ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
                                 "not wgmma"));

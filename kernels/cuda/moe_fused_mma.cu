@@ -378,13 +378,6 @@ constexpr int QuantRuns() {
   return IsFp4(F) ? 4 : 2;
 }
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-
 // The scale bits of one unit of a row: NVFP4 its two E4M3 group scales (one 16-bit load), MXFP4
 // its E8M0 scale; FP8 tensor / channel have none. `scales` points at the lane's first unit.
 template <QuantFormat F>
@@ -395,71 +388,6 @@ __device__ __forceinline__ uint32_t LoadUnitScale(const void* scales, int unit) 
     return __ldg(static_cast<const uint8_t*>(scales) + 4 * unit);
   else
     return 0;
-}
-
-// Run s (0 <= s < QuantRuns<F>()) of a unit as 8 bf16 weights, element i in half i of the
-// result. FP8: codes to f16 bit patterns by shifts (the E4M3 sign, exponent and mantissa land
-// in f16's sign and low exponent and mantissa bits: the value times 2^-8, subnormals included;
-// the NaN code is not a weight a checkpoint holds), widened to fp32 and packed to bf16, exact.
-// FP4: E2M1PairToF16x2Bits (the value times 2^-14), times the group scale times 2^14.
-template <QuantFormat F>
-__device__ __forceinline__ uint4 DecodeRun(const uint4& codes, uint32_t scale_bits, int s) {
-  if constexpr (IsFp4(F)) {
-    const uint32_t word = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
-    float group;
-    if constexpr (F == QuantFormat::kNvfp4)
-      group = E4M3ToFloat(static_cast<uint8_t>(s < 2 ? scale_bits & 0xffu : scale_bits >> 8));
-    else
-      group = E8M0ToFloat(static_cast<uint8_t>(scale_bits));
-    group *= kE2M1F16Scale;
-    float2 p[4];  // p[j] = elements j and j + 4
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = HalfBitsToFloat2(E2M1PairToF16x2Bits(word >> (4 * j)));
-    return make_uint4(
-        PackBf16x2(p[0].x * group, p[1].x * group), PackBf16x2(p[2].x * group, p[3].x * group),
-        PackBf16x2(p[0].y * group, p[1].y * group), PackBf16x2(p[2].y * group, p[3].y * group));
-  } else {
-    uint32_t out[4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // word h of the run: elements 4h .. 4h + 3, one per byte
-      const uint32_t w = h == 0 ? (s == 0 ? codes.x : codes.z) : (s == 0 ? codes.y : codes.w);
-      const float2 even = HalfBitsToFloat2(((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u));
-      const float2 odd = HalfBitsToFloat2((w & 0x80008000u) | ((w >> 1) & 0x3f803f80u));
-      out[2 * h] = PackBf16x2(even.x, odd.x);      // bytes 0, 1
-      out[2 * h + 1] = PackBf16x2(even.y, odd.y);  // bytes 2, 3
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
-  }
-}
-
-// Expert e's codes, scales and global scale (the one matrix when the table has no codes table).
-__device__ __forceinline__ const void* TableCodes(const QuantExpertTable& t, int e) {
-  return t.codes ? t.codes[e] : t.matrix_codes;
-}
-__device__ __forceinline__ const void* TableScales(const QuantExpertTable& t, int e) {
-  return t.codes ? t.scales[e] : t.matrix_scales;
-}
-__device__ __forceinline__ const void* TableGlobalScale(const QuantExpertTable& t, int e) {
-  return t.codes ? t.global_scales[e] : t.matrix_global_scale;
-}
-
-// What multiplies row `row` of expert e's sums: FP8 its tensor or channel scale times 2^8,
-// NVFP4 its scale_2, MXFP4 1.
-template <QuantFormat F>
-__device__ __forceinline__ float QuantRowFactor(const QuantExpertTable& t, int e, int64_t row) {
-  if constexpr (F == QuantFormat::kNvfp4) {
-    return __ldg(static_cast<const float*>(TableGlobalScale(t, e)));
-  } else if constexpr (F == QuantFormat::kMxfp4) {
-    return 1.f;
-  } else {
-    const int64_t i = F == QuantFormat::kFp8Tensor ? 0 : row;
-    const void* s = TableScales(t, e);
-    const float scale = t.scale_dtype == DType::kF32 ? __ldg(static_cast<const float*>(s) + i)
-                        : t.scale_dtype == DType::kBF16
-                            ? Bf16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i))
-                            : F16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i));
-    return scale * 256.f;
-  }
 }
 
 // The lane's row `row` of expert e: its codes from the lane's first unit (offset t), its unit
@@ -770,7 +698,16 @@ void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
                    " (the wgmma tiles take hidden % 128 == 0, inter % 64 == 0): the mma.sync "
                    "grouped kernels");
   const bool many_pairs = pairs > 24 * a.num_experts;
-  if (a.quant) {
+  const bool quant_wgmma =
+      a.quant && a.wgmma &&
+      MoeWgmmaQuantSupports(a.quant[0], a.quant[1], a.quant[2], a.hidden, a.inter);
+  if (a.quant && a.wgmma && !quant_wgmma && LaunchRecording())
+    RecordFallback(std::string("moe=wgmma: ") + QuantFormatName(a.quant[0].format) +
+                   " experts, hidden " + std::to_string(a.hidden) + ", inter " +
+                   std::to_string(a.inter) + ": the quantized mma.sync grouped kernels");
+  if (quant_wgmma) {
+    MoeWgmmaExperts(a, stream);
+  } else if (a.quant) {
     switch (a.quant[0].format) {
       case QuantFormat::kFp8Tensor:
         LaunchQuantExperts<QuantFormat::kFp8Tensor>(a, many_pairs, stream);

@@ -1,6 +1,6 @@
-// In-register dequantization shared by the quantized GEMV (gemm_fused_quant.cu) and the quantized MoE
-// expert kernels (moe_fused_quant.cu). A lane reads its weights 16 bytes at a time (one "chunk": 32
-// FP4 codes or 16 FP8 codes) and dots them with activations staged in shared memory.
+// In-register dequantization shared by the quantized GEMV (gemm_fused_quant.cu) and the quantized
+// MoE expert kernels (moe_fused_quant.cu). A lane reads its weights 16 bytes at a time (one
+// "chunk": 32 FP4 codes or 16 FP8 codes) and dots them with activations staged in shared memory.
 //
 // Exactness: every decoded weight is the exact value of its code (E2M1 via fp16 bit patterns,
 // E4M3 via the sm_89+ cvt to f16x2, both exact), and the scales of DequantizeElement
@@ -19,6 +19,7 @@
 #include "core/quant/codecs.h"
 #include "core/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/quant.h"
 
 namespace infersweep::cuda {
 
@@ -224,6 +225,81 @@ __device__ __forceinline__ void StagePaddedInput(const float* x, int rows, int k
     for (int r = 0; r < rows; ++r)
       for (int i = threadIdx.x; i < k; i += blockDim.x)
         normed_out[static_cast<int64_t>(r) * k + i] = xs[r * ld + PaddedIndex(i)] * inv[r];
+  }
+}
+
+// The tensor-core expert kernels' decode (moe_fused_mma.cu's mma.sync tiles, sm90a/moe_wgmma.cu's
+// shared-memory tiles): 8 codes at a time into 8 exact bf16 weights.
+
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
+// Run s (0 <= s < 2 for FP8, < 4 for FP4) of 16 bytes of codes as 8 bf16 weights, element i in half
+// i of the result. FP8: codes to f16 bit patterns by shifts (the E4M3 sign, exponent and mantissa
+// land in f16's sign and low exponent and mantissa bits: the value times 2^-8, subnormals included;
+// the NaN code is not a weight a checkpoint holds), widened to fp32 and packed to bf16, exact.
+// FP4: E2M1PairToF16x2Bits (the value times 2^-14), times the group scale times 2^14.
+template <QuantFormat F>
+__device__ __forceinline__ uint4 DecodeRun(const uint4& codes, uint32_t scale_bits, int s) {
+  if constexpr (IsFp4(F)) {
+    const uint32_t word = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
+    float group;
+    if constexpr (F == QuantFormat::kNvfp4)
+      group = E4M3ToFloat(static_cast<uint8_t>(s < 2 ? scale_bits & 0xffu : scale_bits >> 8));
+    else
+      group = E8M0ToFloat(static_cast<uint8_t>(scale_bits));
+    group *= kE2M1F16Scale;
+    float2 p[4];  // p[j] = elements j and j + 4
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = HalfBitsToFloat2(E2M1PairToF16x2Bits(word >> (4 * j)));
+    return make_uint4(
+        PackBf16x2(p[0].x * group, p[1].x * group), PackBf16x2(p[2].x * group, p[3].x * group),
+        PackBf16x2(p[0].y * group, p[1].y * group), PackBf16x2(p[2].y * group, p[3].y * group));
+  } else {
+    uint32_t out[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // word h of the run: elements 4h .. 4h + 3, one per byte
+      const uint32_t w = h == 0 ? (s == 0 ? codes.x : codes.z) : (s == 0 ? codes.y : codes.w);
+      const float2 even = HalfBitsToFloat2(((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u));
+      const float2 odd = HalfBitsToFloat2((w & 0x80008000u) | ((w >> 1) & 0x3f803f80u));
+      out[2 * h] = PackBf16x2(even.x, odd.x);      // bytes 0, 1
+      out[2 * h + 1] = PackBf16x2(even.y, odd.y);  // bytes 2, 3
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+// Expert e's codes, scales and global scale (the one matrix when the table has no codes table).
+__device__ __forceinline__ const void* TableCodes(const QuantExpertTable& t, int e) {
+  return t.codes ? t.codes[e] : t.matrix_codes;
+}
+__device__ __forceinline__ const void* TableScales(const QuantExpertTable& t, int e) {
+  return t.codes ? t.scales[e] : t.matrix_scales;
+}
+__device__ __forceinline__ const void* TableGlobalScale(const QuantExpertTable& t, int e) {
+  return t.codes ? t.global_scales[e] : t.matrix_global_scale;
+}
+
+// What multiplies row `row` of expert e's sums: FP8 its tensor or channel scale times 2^8,
+// NVFP4 its scale_2, MXFP4 1.
+template <QuantFormat F>
+__device__ __forceinline__ float QuantRowFactor(const QuantExpertTable& t, int e, int64_t row) {
+  if constexpr (F == QuantFormat::kNvfp4) {
+    return __ldg(static_cast<const float*>(TableGlobalScale(t, e)));
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    return 1.f;
+  } else {
+    const int64_t i = F == QuantFormat::kFp8Tensor ? 0 : row;
+    const void* s = TableScales(t, e);
+    const float scale = t.scale_dtype == DType::kF32 ? __ldg(static_cast<const float*>(s) + i)
+                        : t.scale_dtype == DType::kBF16
+                            ? Bf16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i))
+                            : F16ToFloat(__ldg(static_cast<const uint16_t*>(s) + i));
+    return scale * 256.f;
   }
 }
 

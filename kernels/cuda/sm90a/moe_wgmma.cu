@@ -18,6 +18,13 @@
 // items (expert, 128-pair tile) are found from the offsets on the device: nothing reaches the
 // host, and the launch is capturable.
 //
+// Quantized experts (qgemm=w8a16 / w4a16: FP8 tensor / channel, NVFP4, MXFP4) take the same
+// tiles with the weights' codes in the ring instead of bf16 (half or a quarter of the bytes),
+// their FP4 group scales beside them. Each K chunk the block decodes its codes into one bf16
+// A tile (quant_decode.cuh's DecodeRun: exact; FP4 group scales multiply the weights, exactly),
+// fences it for the async proxy, and multiplies it; what scales a whole row (FP8 tensor /
+// channel, NVFP4's scale_2) multiplies the fp32 sums in the epilogue.
+//
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens (16,384 pairs, ~128 an expert): gate/up is
 // 103 GFLOP over 805 MB of weights, down 52 GFLOP over 403 MB. 1.2 GB a layer is 270 us at
 // 4.46 TB/s; 155 GFLOP is 157 us at 989 TFLOP/s: at ~128 pairs an expert the bound is bandwidth
@@ -27,6 +34,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/probe_kernels.h"
+#include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep::cuda {
@@ -40,9 +48,24 @@ constexpr int kStages = 3;
 constexpr int kRowBytes = kChunk * 2;
 constexpr int kATileBytes = kRowsPerTile * kRowBytes;   // 16 KB
 constexpr int kBTileBytes = kPairsPerTile * kRowBytes;  // 16 KB
-constexpr int kStageBytes = kATileBytes + kBTileBytes;
-// + slack to align the ring to 1 KB; two blocks an SM (2 x 97 KB of the 227 KB).
-constexpr int kSharedBytes = kStages * kStageBytes + 1024;
+
+// The shared memory of format F's blocks. bf16 (kNone): stages of [A tile | B tile]. Quantized:
+// stages of [B tile | the chunk's codes, row-major | FP4: each row's group scales, 4 bytes],
+// then the one decoded bf16 A tile. Plus slack to align the ring to 1 KB; two blocks an SM
+// (bf16 2 x 97 KB of the 227 KB, FP8 89 KB, FP4 81 KB).
+template <QuantFormat F>
+struct Layout {
+  static constexpr bool kQuant = F != QuantFormat::kNone;
+  static constexpr int kCodeRowBytes = !kQuant ? 0 : IsFp4(F) ? kChunk / 2 : kChunk;
+  static constexpr int kCodeTileBytes = kRowsPerTile * kCodeRowBytes;
+  static constexpr int kScaleTileBytes = IsFp4(F) ? kRowsPerTile * 4 : 0;
+  static constexpr int kStageBytes =
+      kQuant ? (kBTileBytes + kCodeTileBytes + kScaleTileBytes + 1023) / 1024 * 1024
+             : kATileBytes + kBTileBytes;
+  static constexpr int kBOffset = kQuant ? 0 : kATileBytes;
+  static constexpr int kSharedBytes = kStages * kStageBytes + (kQuant ? kATileBytes : 0) + 1024;
+  static constexpr int DecodedOffset() { return kStages * kStageBytes; }  // quantized: the A tile
+};
 
 __device__ __forceinline__ int CeilDivDevice(int a, int b) { return (a + b - 1) / b; }
 
@@ -206,36 +229,93 @@ struct ExpertGemm {
   int features = 0, depth = 0;
   uint16_t* h = nullptr;
   float* out = nullptr;
+  // Quantized: the codes and scales of w0 / w1 (which are then unused).
+  QuantExpertTable q0, q1;
 };
 
-// The cp.async copies of one thread: 16-byte chunk `chunk` of tile rows r0 + 32 i, 4 rows of A
-// (weights) and up to 4 of B (pairs; null past the tile's pairs, whose rows then stay stale).
+__device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// The cp.async copies of one thread. bf16: 16-byte chunk `chunk` of tile rows r0 + 32 i, 4 rows
+// of A (weights) and up to 4 of B (pairs; null past the tile's pairs, whose rows then stay
+// stale). Quantized: B likewise, and 16-byte pieces of the codes (FP8 2 a thread, FP4 1), and
+// for FP4 threads < 128 their row's 4 bytes of group scales.
+template <QuantFormat F>
 struct TileCopies {
+  using L = Layout<F>;
+  static constexpr int kCodePiecesPerRow = L::kQuant ? L::kCodeRowBytes / 16 : 1;
+  static constexpr int kCodeCopies = L::kQuant ? kRowsPerTile * kCodePiecesPerRow / kThreads : 0;
   const uint16_t* a_src[kRowsPerTile / 32];
+  const uint8_t* code_src[kCodeCopies > 0 ? kCodeCopies : 1];
+  int code_dst[kCodeCopies > 0 ? kCodeCopies : 1];
+  const uint8_t* scale_src = nullptr;
   const uint16_t* b_src[kPairsPerTile / 32];
   uint32_t ring;  // the stage ring in shared memory, 1 KB aligned
+  uint8_t* ring_generic;
   int chunk, r0;
 
   __device__ __forceinline__ void Issue(int step) const {  // K chunk `step` into its stage
-    const uint32_t stage = ring + (step % kStages) * kStageBytes;
+    const uint32_t stage = ring + (step % kStages) * L::kStageBytes;
     const int k0 = step * kChunk;
+    if constexpr (L::kQuant) {
 #pragma unroll
-    for (int i = 0; i < kRowsPerTile / 32; ++i)
-      CopyAsync16(stage + SwizzledOffset(r0 + 32 * i, chunk), a_src[i] + k0);
+      for (int i = 0; i < kCodeCopies; ++i)
+        CopyAsync16(stage + code_dst[i], code_src[i] + step * L::kCodeRowBytes);
+      if constexpr (IsFp4(F)) {
+        // NVFP4: groups 4 step .. 4 step + 3; MXFP4: the aligned pair of chunks' 2 + 2 bytes.
+        if (scale_src)
+          CopyAsync4(stage + kBTileBytes + L::kCodeTileBytes + 4 * threadIdx.x,
+                     scale_src + (F == QuantFormat::kNvfp4 ? 4 * step : 2 * (step & ~1)));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerTile / 32; ++i)
+        CopyAsync16(stage + SwizzledOffset(r0 + 32 * i, chunk), a_src[i] + k0);
+    }
 #pragma unroll
     for (int j = 0; j < kPairsPerTile / 32; ++j)
       if (b_src[j])
-        CopyAsync16(stage + kATileBytes + SwizzledOffset(r0 + 32 * j, chunk), b_src[j] + k0);
+        CopyAsync16(stage + L::kBOffset + SwizzledOffset(r0 + 32 * j, chunk), b_src[j] + k0);
+  }
+
+  // Quantized: the codes of K chunk `step` (landed in its stage) as exact bf16 weights into the
+  // decoded A tile, 128B-swizzled as wgmma reads it; this thread's 8-weight pieces are chunk
+  // `chunk` of rows r0 + 32 i, as the bf16 copies place them.
+  __device__ __forceinline__ void Decode(int step) const {
+    const uint8_t* stage = ring_generic + (step % kStages) * L::kStageBytes;
+    const uint8_t* codes = stage + kBTileBytes;
+    uint8_t* decoded = ring_generic + L::DecodedOffset();
+#pragma unroll
+    for (int i = 0; i < kRowsPerTile / 32; ++i) {
+      const int row = r0 + 32 * i;
+      uint4 run = make_uint4(0, 0, 0, 0);
+      uint32_t scale_bits = 0;
+      if constexpr (IsFp4(F)) {
+        run.x = *reinterpret_cast<const uint32_t*>(codes + row * L::kCodeRowBytes + 4 * chunk);
+        const uint8_t* scales = codes + L::kCodeTileBytes + 4 * row;
+        scale_bits =
+            F == QuantFormat::kNvfp4 ? scales[chunk / 2] : scales[2 * (step & 1) + chunk / 4];
+      } else {
+        const uint2 bytes =
+            *reinterpret_cast<const uint2*>(codes + row * L::kCodeRowBytes + 8 * chunk);
+        run.x = bytes.x;
+        run.y = bytes.y;
+      }
+      *reinterpret_cast<uint4*>(decoded + SwizzledOffset(row, chunk)) =
+          DecodeRun<F>(run, scale_bits, 0);
+    }
   }
 };
 
 // The K loop and epilogue of the block's tile, wgmma N = kN >= count. Warpgroup w multiplies A
 // rows [64w, 64w + 64): for gate/up those interleave 8 gate and 8 up rows of the same features
-// (TileCopies), so a thread's accumulator rows 16q + g and 16q + g + 8 are the gate and the up
-// of one feature, and SiLU(gate) * up happens in registers.
-template <bool kGateUp, int kN>
-__device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies& copies,
+// (the copies' row map), so a thread's accumulator rows 16q + g and 16q + g + 8 are the gate and
+// the up of one feature, and SiLU(gate) * up happens in registers.
+template <QuantFormat F, bool kGateUp, int kN>
+__device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies<F>& copies, int e,
                                             int first, int count, int f0) {
+  using L = Layout<F>;
   const int steps = a.depth / kChunk, group = threadIdx.x >> 7;
   float acc[64];
 #pragma unroll
@@ -250,13 +330,20 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
   }
   for (int step = 0; step < steps; ++step) {
     WaitCopies<kAhead - 1>();  // this thread's copies of chunk `step` have landed
-    FenceSharedForAsyncProxy();
+    if constexpr (!L::kQuant) FenceSharedForAsyncProxy();
     __syncthreads();  // everyone's have; every MMA on chunk step - 1 is done
     if (step + kAhead < steps) copies.Issue(step + kAhead);
     CommitCopies();
-    const uint32_t stage = copies.ring + (step % kStages) * kStageBytes;
+    const uint32_t stage = copies.ring + (step % kStages) * L::kStageBytes;
+    uint32_t a_tile = stage;
+    if constexpr (L::kQuant) {
+      copies.Decode(step);  // into the decoded tile, free since the MMAs on step - 1 are done
+      FenceSharedForAsyncProxy();  // the decoded tile and the landed B tile, for wgmma
+      __syncthreads();
+      a_tile = copies.ring + L::DecodedOffset();
+    }
     WgmmaFence();
-    MmaChunk<kN>(acc, stage + group * 64 * kRowBytes, stage + kATileBytes);
+    MmaChunk<kN>(acc, a_tile + group * 64 * kRowBytes, stage + L::kBOffset);
     WgmmaCommit();
     WgmmaWait<0>();
   }
@@ -264,6 +351,20 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
   PinAccumulators(acc);
 
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
+  // What scales a whole weight row (quantized; 1 for bf16): gate/up this thread's feature's
+  // gate and up rows, down its two features.
+  float factor[2] = {1.f, 1.f};
+  if constexpr (L::kQuant) {
+    if constexpr (kGateUp) {
+      const int feature = f0 + 32 * group + 8 * w + g;
+      factor[0] = QuantRowFactor<F>(a.q0, e, feature);
+      factor[1] = QuantRowFactor<F>(a.q1, e, feature);
+    } else {
+      const int feature = f0 + 64 * group + 16 * w + g;
+      factor[0] = QuantRowFactor<F>(a.q0, e, feature);
+      factor[1] = QuantRowFactor<F>(a.q0, e, feature + 8);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
@@ -271,23 +372,24 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
       const int pair_in_tile = 8 * j + 2 * t + q;
       if (pair_in_tile >= count) continue;
       if constexpr (kGateUp) {
-        const float gate = acc[4 * j + q], up = acc[4 * j + 2 + q];
+        const float gate = acc[4 * j + q] * factor[0], up = acc[4 * j + 2 + q] * factor[1];
         a.h[static_cast<int64_t>(first + pair_in_tile) * a.features + f0 + 32 * group + 8 * w + g] =
             __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
       } else {
         float* out = a.out +
                      static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0 +
                      64 * group + 16 * w + g;
-        out[0] = acc[4 * j + q];
-        out[8] = acc[4 * j + 2 + q];
+        out[0] = acc[4 * j + q] * factor[0];
+        out[8] = acc[4 * j + 2 + q] * factor[1];
       }
     }
   }
 }
 
-// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, kSharedBytes of ring.
-template <bool kGateUp>
+// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, Layout<F>::kSharedBytes.
+template <QuantFormat F, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
+  using L = Layout<F>;
   extern __shared__ uint8_t shared_raw[];
   __shared__ WorkItem item;
   WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
@@ -298,18 +400,41 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   const int e = item.expert, first = item.first, count = item.count;
   const int f0 = blockIdx.x * (kGateUp ? kRowsPerTile / 2 : kRowsPerTile);
 
-  TileCopies copies;
+  TileCopies<F> copies;
   copies.ring = (SharedAddress(shared_raw) + 1023) & ~1023u;
+  copies.ring_generic = shared_raw + (copies.ring - SharedAddress(shared_raw));
   copies.chunk = threadIdx.x & 7;
   copies.r0 = threadIdx.x >> 3;
+  // Gate/up: row r of the tile is gate (r % 16 < 8) or up of feature f0 + 32 (r / 64) +
+  // 8 ((r % 64) / 16) + r % 8; down: row r is feature f0 + r.
+  auto feature_of = [&](int r) {
+    return kGateUp ? f0 + 32 * (r / 64) + 8 * ((r % 64) / 16) + r % 8 : f0 + r;
+  };
+  if constexpr (L::kQuant) {
+    constexpr int kPieces = TileCopies<F>::kCodePiecesPerRow;
+    const int64_t row_bytes = IsFp4(F) ? a.depth / 2 : a.depth;
 #pragma unroll
-  for (int i = 0; i < kRowsPerTile / 32; ++i) {
-    // Gate/up: row r of the tile is gate (r % 16 < 8) or up of feature f0 + 32 (r / 64) +
-    // 8 ((r % 64) / 16) + r % 8; down: row r is feature f0 + r.
-    const int r = copies.r0 + 32 * i;
-    const int feature = kGateUp ? f0 + 32 * (r / 64) + 8 * ((r % 64) / 16) + r % 8 : f0 + r;
-    const uint16_t* const* table = kGateUp && r % 16 >= 8 ? a.w1 : a.w0;
-    copies.a_src[i] = table[e] + static_cast<int64_t>(feature) * a.depth + copies.chunk * 8;
+    for (int i = 0; i < TileCopies<F>::kCodeCopies; ++i) {
+      const int r = threadIdx.x / kPieces + i * (kThreads / kPieces), piece = threadIdx.x % kPieces;
+      const QuantExpertTable& table = kGateUp && r % 16 >= 8 ? a.q1 : a.q0;
+      copies.code_src[i] = static_cast<const uint8_t*>(TableCodes(table, e)) +
+                           feature_of(r) * row_bytes + 16 * piece;
+      copies.code_dst[i] = kBTileBytes + r * L::kCodeRowBytes + 16 * piece;
+    }
+    if (IsFp4(F) && threadIdx.x < kRowsPerTile) {
+      const int r = threadIdx.x;
+      const QuantExpertTable& table = kGateUp && r % 16 >= 8 ? a.q1 : a.q0;
+      const int64_t scale_row_bytes = a.depth / (F == QuantFormat::kNvfp4 ? 16 : 32);
+      copies.scale_src =
+          static_cast<const uint8_t*>(TableScales(table, e)) + feature_of(r) * scale_row_bytes;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRowsPerTile / 32; ++i) {
+      const int r = copies.r0 + 32 * i;
+      const uint16_t* const* table = kGateUp && r % 16 >= 8 ? a.w1 : a.w0;
+      copies.a_src[i] = table[e] + static_cast<int64_t>(feature_of(r)) * a.depth + copies.chunk * 8;
+    }
   }
 #pragma unroll
   for (int j = 0; j < kPairsPerTile / 32; ++j) {
@@ -322,29 +447,24 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   // the same shape (mixed shapes on the same accumulators make ptxas serialize them).
   switch (CeilDivDevice(count, 32)) {
     case 1:
-      return ComputeTile<kGateUp, 32>(a, copies, first, count, f0);
+      return ComputeTile<F, kGateUp, 32>(a, copies, e, first, count, f0);
     case 2:
-      return ComputeTile<kGateUp, 64>(a, copies, first, count, f0);
+      return ComputeTile<F, kGateUp, 64>(a, copies, e, first, count, f0);
     case 3:
-      return ComputeTile<kGateUp, 96>(a, copies, first, count, f0);
+      return ComputeTile<F, kGateUp, 96>(a, copies, e, first, count, f0);
     default:
-      return ComputeTile<kGateUp, 128>(a, copies, first, count, f0);
+      return ComputeTile<F, kGateUp, 128>(a, copies, e, first, count, f0);
   }
 }
 
-}  // namespace
-
-bool MoeWgmmaSupports(int hidden, int inter) {
-  return hidden >= kRowsPerTile && hidden % kRowsPerTile == 0 && inter >= kChunk &&
-         inter % kChunk == 0;
-}
-
-void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
+template <QuantFormat F>
+void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
+  constexpr int kShared = Layout<F>::kSharedBytes;
   static PerDeviceOnce configure;  // the attribute is per device
   configure([] {
-    for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<true>),
-                               reinterpret_cast<const void*>(ExpertGemmKernel<false>)})
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<F, true>),
+                               reinterpret_cast<const void*>(ExpertGemmKernel<F, false>)})
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
   });
   const int pairs = m.rows * m.k;
   if (pairs == 0) return;
@@ -362,8 +482,12 @@ void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   gate_up.features = m.inter;
   gate_up.depth = m.hidden;
   gate_up.h = m.h;
-  Launch(ExpertGemmKernel<true>, dim3(m.inter / (kRowsPerTile / 2), items), dim3(kThreads),
-         kSharedBytes, stream, gate_up);
+  if (m.quant) {
+    gate_up.q0 = m.quant[0];
+    gate_up.q1 = m.quant[1];
+  }
+  Launch(ExpertGemmKernel<F, true>, dim3(m.inter / (kRowsPerTile / 2), items), dim3(kThreads),
+         kShared, stream, gate_up);
   ExpertGemm down = gate_up;
   down.input = m.h;
   down.w0 = m.down;
@@ -372,12 +496,45 @@ void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   down.depth = m.inter;
   down.h = nullptr;
   down.out = m.out;
-  Launch(ExpertGemmKernel<false>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads),
-         kSharedBytes, stream, down);
+  if (m.quant) down.q0 = m.quant[2];
+  Launch(ExpertGemmKernel<F, false>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads), kShared,
+         stream, down);
+}
+
+}  // namespace
+
+bool MoeWgmmaSupports(int hidden, int inter) {
+  return hidden >= kRowsPerTile && hidden % kRowsPerTile == 0 && inter >= kChunk &&
+         inter % kChunk == 0;
+}
+
+bool MoeWgmmaQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
+                           const QuantExpertTable& down, int hidden, int inter) {
+  const QuantFormat f = gate.format;
+  if (up.format != f || down.format != f || !MoeWgmmaSupports(hidden, inter)) return false;
+  // MXFP4's scale rows (K / 32 bytes) are read 4 bytes at a time: K % 128.
+  if (f == QuantFormat::kMxfp4) return inter % 128 == 0;
+  return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
+}
+
+void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
+  switch (m.quant ? m.quant[0].format : QuantFormat::kNone) {
+    case QuantFormat::kNone:
+      return LaunchExpertGemms<QuantFormat::kNone>(m, stream);
+    case QuantFormat::kFp8Tensor:
+      return LaunchExpertGemms<QuantFormat::kFp8Tensor>(m, stream);
+    case QuantFormat::kFp8Channel:
+      return LaunchExpertGemms<QuantFormat::kFp8Channel>(m, stream);
+    case QuantFormat::kNvfp4:
+      return LaunchExpertGemms<QuantFormat::kNvfp4>(m, stream);
+    default:  // MoeWgmmaQuantSupports admits no other format
+      return LaunchExpertGemms<QuantFormat::kMxfp4>(m, stream);
+  }
 }
 
 ProbeKernel ExpertWgmmaProbeKernel() {
-  return {"ExpertGemmKernel<gate_up>", reinterpret_cast<const void*>(ExpertGemmKernel<true>)};
+  return {"ExpertGemmKernel<gate_up>",
+          reinterpret_cast<const void*>(ExpertGemmKernel<QuantFormat::kNone, true>)};
 }
 
 }  // namespace infersweep::cuda
