@@ -124,8 +124,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
                {"qgemm=reference"}});
   r.push_back({"moe", "wgmma", "cuda", 90, 90, true, quantized_or_bf16, {}, kBf16,
-               "as moe=fused, with the expert-grouped GEMMs (bf16: prefill chunks; quantized "
-               "w4a16 / w8a16 experts: every 4+ rows) on Hopper warpgroup MMAs (wgmma) from a "
+               "as moe=fused, with the expert-grouped GEMMs of prefill chunks (more than 16 pairs "
+               "an expert; decode batches: moe=fused's) on Hopper warpgroup MMAs (wgmma) from a "
                "cp.async ring of swizzled shared-memory tiles, device-side group sizes, SiLU "
                "fused: no host sync even for long prefill chunks; FP8 / FP4 codes decoded to "
                "bf16 in shared memory each K chunk (fp8 block-128: as moe=fused); machine code "

@@ -154,7 +154,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
                           options_.moe == Moe::kGrouped || long_prefill;
   if (LaunchRecording()) {
     RecordMoeFallbacks(l, rows, n, gemv, grouped_mma || quant_grouped, quant_prefill, long_prefill,
-                       /*wgmma_chunk=*/many_pairs || quant_grouped);
+                       /*wgmma_chunk=*/many_pairs);
   }
   // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
   // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
@@ -203,12 +203,11 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     a.h = moe_bf16_;
     a.out = moe_out_;
     a.y = out;
-    // moe=wgmma: bf16 chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill).
-    // Bf16 decode batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert) they
-    // measured 22.0 ms a step against wgmma's 23.8, whose smallest N (32) is mostly padding
-    // there. Quantized experts take wgmma at every grouped chunk: the mma.sync kernels decode
-    // their codes in registers once per 32 or 64 pairs, wgmma's once per 128, in shared memory.
-    a.wgmma = options_.moe == Moe::kWgmma && (many_pairs || quant_grouped);
+    // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill), bf16
+    // or quantized. Decode batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert)
+    // they measured 22.0 ms a step against wgmma's 23.8 in bf16, 16.9 against 21.1 on FP8
+    // experts and 25.3 against 26.3 on NVFP4: wgmma's smallest N (32) is mostly padding there.
+    a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
     if (quant_grouped) a.quant = view_->quant_tables[l].data();
     cuda::MoeGrouped(a, stream_);
     CHECK_LAUNCH();
@@ -299,8 +298,7 @@ void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool group
             ? "fewer rows than the grouped expert kernels take"
             : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
               "quantized experts not all alike)"));
-  // moe=wgmma runs wgmma on bf16 chunks of more than 16 pairs an expert and on every grouped
-  // chunk of quantized experts (Run's wgmma_chunk).
+  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Run's many_pairs).
   if (options_.moe == Moe::kWgmma && grouped_mma && !wgmma_chunk)
     RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
                                 ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
