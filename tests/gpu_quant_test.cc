@@ -478,115 +478,137 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
   }
 }
 
-// moe=fused's quantized grouped MMA kernels (MoeGrouped with quant tables, qgemm=w8a16 / w4a16 at
-// 4+ rows): h = silu(gate) * up rounded to bf16 and the weighted combine of down(h) into the
-// residual (one expert skipped), against double sums over the CPU's exact dequantization with
-// the bf16-rounded inputs the kernels read. Shapes: qwen3-30b-a3b's at batch 8 (the 4-tile
-// kernels), a batch whose tiles and features do not fill a pass, and more than 24 pairs an
-// expert (the 8-tile kernels), and more than 128 pairs an expert (two wgmma tiles). FP8
-// block-128 is refused. On sm_90 each case runs twice: the mma.sync kernels, then moe=wgmma's
-// (codes decoded into shared memory), whose h is in bucketed order.
-TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
-  struct Case {
-    int hidden, inter, experts, k, rows;
-  };
-  const Case cases[] = {
-      {2048, 768, 128, 8, 8}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}, {256, 128, 2, 2, 160}};
-  cudaDeviceProp props{};
-  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
-  const bool sm90 = props.major == 9 && props.minor == 0;
-  for (QuantFormat format : kAllFormats) {
-    for (Case c : cases) {
-      for (bool wgmma : {false, true}) {
-        SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                     std::to_string(c.inter) + " rows " + std::to_string(c.rows) +
-                     (wgmma ? " wgmma" : " mma.sync"));
-        DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);
-        DeviceExperts up(format, c.experts, c.inter, c.hidden, 200);
-        DeviceExperts down(format, c.experts, c.hidden, c.inter, 300);
-        const bool supported = cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t);
-        if (format == QuantFormat::kFp8Block128) {
-          EXPECT_FALSE(supported);
-          continue;
-        }
-        ASSERT_TRUE(supported);
-        if (wgmma) {
-          if (!sm90) continue;
-          ASSERT_TRUE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, c.hidden, c.inter));
-        }
-        const int pairs = c.rows * c.k;
-        std::vector<int> ids(pairs);
-        std::vector<float> route(pairs);
-        std::mt19937 rng(11);
-        for (int p = 0; p < pairs; ++p) {
-          ids[p] = static_cast<int>(rng() % c.experts);
-          route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
-        }
-        const int skip = ids[1];
-        const std::vector<float> x_raw = RandomValues(c.rows * c.hidden, 61);
-        std::vector<uint16_t> x_bf16(x_raw.size());
-        std::vector<float> x(x_raw.size());
-        for (size_t i = 0; i < x.size(); ++i) {
-          x_bf16[i] = FloatToBf16(x_raw[i]);
-          x[i] = Bf16ToFloat(x_bf16[i]);
-        }
-        const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
-        int* dids = ToDevice(ids);
-        float* droute = ToDevice(route);
-        uint16_t* dx = ToDevice(x_bf16);
-        float* dy = ToDevice(y0);
-        int *offsets = nullptr, *sorted = nullptr;
-        uint16_t* dh = nullptr;
-        float* dout = nullptr;
-        CUDA_EXPECT_OK(cudaMalloc(&offsets, (c.experts + 1) * sizeof(int)));
-        CUDA_EXPECT_OK(cudaMalloc(&sorted, pairs * sizeof(int)));
-        CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
-        CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
-        const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
-        cuda::MoeGroupedArgs a;
-        a.x_bf16 = dx;
-        a.rows = c.rows;
-        a.k = c.k;
-        a.num_experts = c.experts;
-        a.hidden = c.hidden;
-        a.inter = c.inter;
-        a.expert_ids = dids;
-        a.expert_weights = droute;
-        a.skip_expert = skip;
-        a.offsets = offsets;
-        a.sorted_pairs = sorted;
-        a.h = dh;
-        a.out = dout;
-        a.y = dy;
-        a.quant = tables;
-        a.wgmma = wgmma;
-        cuda::MoeGrouped(a, nullptr);
-        CUDA_EXPECT_OK(cudaGetLastError());
-        CUDA_EXPECT_OK(cudaDeviceSynchronize());
-        std::vector<uint16_t> h_bits = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
-        if (wgmma) {  // bucketed position i holds pair sorted[i]: back to pair order
-          const std::vector<int> order = ToHost(sorted, static_cast<size_t>(pairs));
-          const int placed = ToHost(offsets, static_cast<size_t>(c.experts + 1))[c.experts];
-          std::vector<uint16_t> by_pair(h_bits.size(), 0);
-          for (int i = 0; i < placed; ++i)
-            std::copy_n(h_bits.begin() + static_cast<size_t>(i) * c.inter, c.inter,
-                        by_pair.begin() + static_cast<size_t>(order[i]) * c.inter);
-          h_bits = std::move(by_pair);
-        }
-        const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
-        for (void* p :
-             {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
-              static_cast<void*>(dy), static_cast<void*>(offsets), static_cast<void*>(sorted),
-              static_cast<void*>(dh), static_cast<void*>(dout)})
-          cudaFree(p);
-        std::vector<float> h(h_bits.size());
-        for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
+struct GroupedCase {
+  int hidden, inter, experts, k, rows;
+};
 
-        ExpectMoeMatchesExact({c.hidden, c.inter, c.k, c.rows, skip, x, ids, route, y0, h, y}, gate,
-                              up, down, 1e-5, /*h_in_bf16=*/true);
-      }
+// One case of the grouped quantized expert kernels (MoeGrouped with quant tables): h =
+// silu(gate) * up rounded to bf16 and the weighted combine of down(h) into the residual (one
+// expert skipped), against double sums over the CPU's exact dequantization with the
+// bf16-rounded inputs the kernels read. `wgmma`: moe=wgmma's kernels (codes decoded into shared
+// memory), whose h is in bucketed order; else moe=fused's mma.sync kernels. FP8 block-128 is
+// refused by both.
+void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma) {
+  DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);
+  DeviceExperts up(format, c.experts, c.inter, c.hidden, 200);
+  DeviceExperts down(format, c.experts, c.hidden, c.inter, 300);
+  const bool supported = cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t);
+  if (format == QuantFormat::kFp8Block128) {
+    EXPECT_FALSE(supported);
+    if (wgmma) {
+      EXPECT_FALSE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, c.hidden, c.inter));
+    }
+    return;
+  }
+  ASSERT_TRUE(supported);
+  if (wgmma) {
+    ASSERT_TRUE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, c.hidden, c.inter));
+  }
+  const int pairs = c.rows * c.k;
+  std::vector<int> ids(pairs);
+  std::vector<float> route(pairs);
+  std::mt19937 rng(11);
+  for (int p = 0; p < pairs; ++p) {
+    ids[p] = static_cast<int>(rng() % c.experts);
+    route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
+  }
+  const int skip = ids[1];
+  const std::vector<float> x_raw = RandomValues(c.rows * c.hidden, 61);
+  std::vector<uint16_t> x_bf16(x_raw.size());
+  std::vector<float> x(x_raw.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    x_bf16[i] = FloatToBf16(x_raw[i]);
+    x[i] = Bf16ToFloat(x_bf16[i]);
+  }
+  const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
+  int* dids = ToDevice(ids);
+  float* droute = ToDevice(route);
+  uint16_t* dx = ToDevice(x_bf16);
+  float* dy = ToDevice(y0);
+  int *offsets = nullptr, *sorted = nullptr;
+  uint16_t* dh = nullptr;
+  float* dout = nullptr;
+  CUDA_EXPECT_OK(cudaMalloc(&offsets, (c.experts + 1) * sizeof(int)));
+  CUDA_EXPECT_OK(cudaMalloc(&sorted, pairs * sizeof(int)));
+  CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
+  CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
+  const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
+  cuda::MoeGroupedArgs a;
+  a.x_bf16 = dx;
+  a.rows = c.rows;
+  a.k = c.k;
+  a.num_experts = c.experts;
+  a.hidden = c.hidden;
+  a.inter = c.inter;
+  a.expert_ids = dids;
+  a.expert_weights = droute;
+  a.skip_expert = skip;
+  a.offsets = offsets;
+  a.sorted_pairs = sorted;
+  a.h = dh;
+  a.out = dout;
+  a.y = dy;
+  a.quant = tables;
+  a.wgmma = wgmma;
+  cuda::MoeGrouped(a, nullptr);
+  CUDA_EXPECT_OK(cudaGetLastError());
+  CUDA_EXPECT_OK(cudaDeviceSynchronize());
+  std::vector<uint16_t> h_bits = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
+  if (wgmma) {  // bucketed position i holds pair sorted[i]: back to pair order
+    const std::vector<int> order = ToHost(sorted, static_cast<size_t>(pairs));
+    const int placed = ToHost(offsets, static_cast<size_t>(c.experts + 1))[c.experts];
+    std::vector<uint16_t> by_pair(h_bits.size(), 0);
+    for (int i = 0; i < placed; ++i)
+      std::copy_n(h_bits.begin() + static_cast<size_t>(i) * c.inter, c.inter,
+                  by_pair.begin() + static_cast<size_t>(order[i]) * c.inter);
+    h_bits = std::move(by_pair);
+  }
+  const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
+  for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+                  static_cast<void*>(dy), static_cast<void*>(offsets), static_cast<void*>(sorted),
+                  static_cast<void*>(dh), static_cast<void*>(dout)})
+    cudaFree(p);
+  std::vector<float> h(h_bits.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
+
+  ExpectMoeMatchesExact({c.hidden, c.inter, c.k, c.rows, skip, x, ids, route, y0, h, y}, gate, up,
+                        down, 1e-5, /*h_in_bf16=*/true);
+}
+
+// moe=fused's quantized grouped MMA kernels (qgemm=w8a16 / w4a16 at 4+ rows). Shapes:
+// qwen3-30b-a3b's at batch 8 (the 4-tile kernels), a batch whose tiles and features do not fill
+// a pass, and more than 24 pairs an expert (the 8-tile kernels).
+TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
+  const GroupedCase cases[] = {{2048, 768, 128, 8, 8}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}};
+  for (QuantFormat format : kAllFormats) {
+    for (const GroupedCase& c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows));
+      CheckGroupedQuantCase(format, c, /*wgmma=*/false);
     }
   }
+}
+
+// moe=wgmma's quantized expert kernels (sm_90a: prefill chunks' experts under moe=wgmma), the
+// same check. Shapes: one tile an expert with N 32 (a few pairs), features that fill one block
+// row, and more than 128 pairs an expert (two tiles, the second a partial N); MXFP4's scales
+// need inter % 128.
+TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
+  cudaDeviceProp props{};
+  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
+  if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
+  const GroupedCase cases[] = {{256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}, {256, 128, 2, 2, 160}};
+  for (QuantFormat format : kAllFormats) {
+    for (const GroupedCase& c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows));
+      CheckGroupedQuantCase(format, c, /*wgmma=*/true);
+    }
+  }
+  // MXFP4 with inter % 128 != 0 is refused (its scale rows are read 4 bytes at a time).
+  DeviceExperts gate(QuantFormat::kMxfp4, 2, 192, 256, 100),
+      up(QuantFormat::kMxfp4, 2, 192, 256, 200), down(QuantFormat::kMxfp4, 2, 256, 192, 300);
+  EXPECT_FALSE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, 256, 192));
 }
 
 // GemmQuantMma (qgemm=w8a16 / w4a16 dense linears at 8+ rows): y = W . x with x rounded to bf16,

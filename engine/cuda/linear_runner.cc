@@ -45,7 +45,8 @@ size_t LinearRunner::LargestQuantizedDense() const {
 absl::Status LinearRunner::AllocateScratch(int rows) {
   // Decode batches of kQuantBf16CopyMinRows+ rows dequantize into the copy inside captured
   // graphs, where it cannot grow: it is reserved here.
-  if (rows >= kQuantBf16CopyMinRows && gemm_ && options_.qgemm != QGemm::kReference) {
+  const bool register_dequant = options_.qgemm == QGemm::kW4A16 || options_.qgemm == QGemm::kW8A16;
+  if (rows >= kQuantBf16CopyMinRows && gemm_ && register_dequant) {
     if (auto s = ReserveBf16Copy(LargestQuantizedDense()); !s.ok()) return s;
   }
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
