@@ -270,48 +270,30 @@ for r in csv.reader(sys.stdin):
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
     done ;;
-  quant_batch)  # issue 36: the quantized grouped MMA kernels' GPU tests, then qwen3-30b-a3b
-    # quantized on the host at batch 1 and 64 (graphs=on) and prefill 2048 (graphs=off),
-    # QUANT_FORMATS (default fp8_channel nvfp4), QUANT_SHAPES (graphs:workload, default both)
+  quant_batch)  # issue 36: the quantized grouped MMA kernels' GPU tests (mma.sync and wgmma),
+    # a bad expert scale under each moe value, then qwen3-30b-a3b, 48 layers, quantized on the
+    # host: QUANT_FORMATS (default fp8_channel nvfp4) x QUANT_SHAPES (graphs:workload, default
+    # batch 1 and 64 at graphs=on, prefill 2048 at graphs=off), moe=QUANT_MOE (default
+    # fused|wgmma: moe=wgmma takes the prefill chunks' experts)
     gpu_tests .carry/gpu_quant_test 300 gpu_quant_test.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='*Grouped*:*MoeExpert*:*DenseQuantMma*'
+    # An expert's channel scale x1000 (batch 64, prefill 64 x 128 tokens): INCORRECT. fp8_channel
+    # scales a whole row; NVFP4's first group scale x1000 saturates at E4M3's 448 and stays OK.
+    for moe in fused wgmma; do
+      $B run --model preset:qwen3-30b-a3b --layers 4 --quantize fp8_channel \
+        --test-inject-fault bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight \
+        --config device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=$moe,graphs=on,qgemm=w8a16 \
+        --workload prompt=128,output=8,batch=64,repeats=1,warmup=0,timeout=600 2>&1 |
+        grep -E " OK | INCORRECT|reason" | cut -c1-300
+    done
     for f in ${QUANT_FORMATS:-fp8_channel nvfp4}; do
       q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
       for shape in ${QUANT_SHAPES:-"on:prompt=512,output=64,batch=1:64" "off:prompt=2048,output=2,batch=1"}; do
         set -- ${shape/:/ }
         $B run --model preset:qwen3-30b-a3b --quantize "$f" \
-          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=$1,qgemm=$q" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=${QUANT_MOE:-fused|wgmma},graphs=$1,qgemm=$q" \
           --workload "$2,repeats=3,warmup=1,timeout=900" --json "$OUT/quant_batch_${f}_$1.json" 2>&1 |
-          tee "$OUT/quant_batch_${f}_$1.log" | grep -vE "timed by"
-      done
-    done
-    # an expert's channel scale x1000 under the grouped kernels (batch 64): INCORRECT
-    $B run --model preset:qwen3-30b-a3b --layers 4 --quantize fp8_channel \
-      --test-inject-fault bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight \
-      --config device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,qgemm=w8a16 \
-      --workload prompt=128,output=8,batch=64,repeats=1,warmup=0,timeout=600 2>&1 |
-      grep -E " OK | INCORRECT|reason" | cut -c1-300 ;;
-  quant_wgmma)  # issue 36: moe=wgmma's quantized experts (codes decoded into shared memory)
-    # beside moe=fused's mma.sync kernels: the grouped kernels' GPU tests, then qwen3-30b-a3b,
-    # 48 layers, quantized on the host (QUANT_FORMATS, default fp8_channel nvfp4): batch 64
-    # decode (graphs=on) and prefill 2048 (graphs=off); first a bad expert scale under wgmma
-    gpu_tests .carry/gpu_quant_test 300 gpu_quant_test.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='*Grouped*'
-    # (fp8_channel: the row's whole scale; NVFP4's first group scale x1000 saturates at E4M3's
-    # 448 and stays OK under moe=fused's kernels too)
-    $B run --model preset:qwen3-30b-a3b --layers 4 --quantize fp8_channel \
-      --test-inject-fault bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight \
-      --config device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on,qgemm=w8a16 \
-      --workload prompt=128,output=8,batch=64,repeats=1,warmup=0,timeout=600 2>&1 |
-      grep -E " OK | INCORRECT|reason" | cut -c1-300
-    for f in ${QUANT_FORMATS:-fp8_channel nvfp4}; do
-      q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
-      for shape in "on:prompt=512,output=32,batch=64" "off:prompt=2048,output=2,batch=1"; do
-        set -- ${shape/:/ }
-        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
-          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused|wgmma,graphs=$1,qgemm=$q" \
-          --workload "$2,repeats=3,warmup=1,timeout=600" --json "$OUT/quant_wgmma_${f}_$1.json" 2>&1 |
-          tee "$OUT/quant_wgmma_${f}_$1.log" | grep -vE "timed by|spread"
+          tee "$OUT/quant_batch_${f}_$1.log" | grep -vE "timed by|spread"
       done
     done ;;
   quant_profile)  # issue 36: which kernel limits the quantized figures, from ncu: per-kernel time

@@ -10,7 +10,7 @@ cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_
 # The device tool carries at most 64 MiB (working tree included), less than every binary
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer|tp|probe
 # use, PACK=tp, PACK=probe and PACK=quant what STAGES=tp, STAGES=probe and
-# STAGES=quant_wgmma|quant_profile use alone, PACK=fixtures what
+# STAGES=quant_batch|quant_profile use alone, PACK=fixtures what
 # STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
 case ${PACK:-gpu} in
   gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test tests/gpu_allreduce_test tests/gpu_probe_test tests/gpu_tp_test" ;;
