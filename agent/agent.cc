@@ -583,6 +583,15 @@ void Agent::HandleCancel(const std::string& trial_id) {
     Log(absl::StrCat("cancelled ", trial_id, running ? " (running: its worker is killed)" : ""));
 }
 
+// The CUDA devices of a job's slots, in the job's order (its first slot is the worker's device
+// 0, a rank r's device r); none for a CPU-only agent's slot.
+std::vector<int> Agent::JobDevices(const Job& job) const {
+  std::vector<int> devices;
+  if (inventory_.gpus.empty()) return devices;
+  for (int s : job.slots) devices.push_back(inventory_.gpus[s].index);
+  return devices;
+}
+
 void Agent::SlotLoop(Slot* slot) {
   while (true) {
     Job job;
@@ -610,7 +619,7 @@ void Agent::SlotLoop(Slot* slot) {
       Log(absl::StrCat("running ", job.trial_id, " attempt ", job.attempt, " on slot ",
                        slot->index, ": ", BackendConfigString(request->config)));
       if (metrics_) metrics_->TrialStarted(job.trial_id, BackendConfigString(request->config));
-      result = slot->runner->Run(*request);
+      result = slot->runner->Run(*request, JobDevices(job));
     }
     bool cancelled;
     {
@@ -624,9 +633,8 @@ void Agent::SlotLoop(Slot* slot) {
       }
     }
     Log(absl::StrCat(job.trial_id, " attempt ", job.attempt, cancelled ? " (cancelled)" : "", ": ",
-                     std::string(TrialStatusName(result.status)),
-                     result.reason.empty() ? "" : " (", result.reason,
-                     result.reason.empty() ? "" : ")"));
+                     std::string(TrialStatusName(result.status)), result.reason.empty() ? "" : " (",
+                     result.reason, result.reason.empty() ? "" : ")"));
     Finish(job, std::move(result));
   }
 }

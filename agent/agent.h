@@ -3,7 +3,8 @@
 // streams progress and results back. Results go to the local spool before they are sent and
 // leave it only when the coordinator acks them; every (re)connect replays the spool.
 //
-// A slot is one GPU, or the single CPU slot of a CPU-only agent (index 0, sm 0).
+// A slot is one GPU, or the single CPU slot of a CPU-only agent (index 0, sm 0). A trial's
+// worker (or its rank processes) sees its slots' GPUs alone, through CUDA_VISIBLE_DEVICES.
 #pragma once
 
 #include <atomic>
@@ -106,6 +107,7 @@ class Agent {
   // One stream, from Hello to its end. Returns true when it got a Welcome.
   bool RunStream(const std::shared_ptr<Link>& link);
   void SlotLoop(Slot* slot);
+  std::vector<int> JobDevices(const Job& job) const;
   // Writes on the current stream once it is welcomed; false while disconnected.
   bool Send(const v1::AgentMessage& message);
   void HandleAssignment(const v1::Assignment& assignment);

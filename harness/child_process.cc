@@ -6,10 +6,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+extern char** environ;
 
 namespace infersweep {
 
@@ -41,13 +47,29 @@ void PipedChild::TakeStderrLines(int tail_lines,
   }
 }
 
-absl::Status SpawnChild(std::vector<std::string> argv_strings, PipedChild* child) {
+absl::Status SpawnChild(std::vector<std::string> argv_strings, PipedChild* child,
+                        const EnvOverrides& env) {
   int in_pipe[2], out_pipe[2], err_pipe[2];
   if (pipe2(in_pipe, O_CLOEXEC) || pipe2(out_pipe, O_CLOEXEC) || pipe2(err_pipe, O_CLOEXEC))
     return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
   std::vector<char*> argv;
   for (std::string& a : argv_strings) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // The child's environment is built here, before fork: between fork and exec a child of a
+  // threaded parent may only make async-signal-safe calls (no setenv, no malloc).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const bool replaced = std::any_of(env.begin(), env.end(), [&](const auto& kv) {
+      return entry.size() > kv.first.size() && entry.substr(0, kv.first.size()) == kv.first &&
+             entry[kv.first.size()] == '=';
+    });
+    if (!replaced) env_strings.emplace_back(entry);
+  }
+  for (const auto& [name, value] : env) env_strings.push_back(absl::StrCat(name, "=", value));
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) {
@@ -63,7 +85,7 @@ absl::Status SpawnChild(std::vector<std::string> argv_strings, PipedChild* child
     dup2(in_pipe[0], 0);
     dup2(out_pipe[1], 1);
     dup2(err_pipe[1], 2);
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   close(in_pipe[0]);
@@ -74,6 +96,26 @@ absl::Status SpawnChild(std::vector<std::string> argv_strings, PipedChild* child
   child->out = out_pipe[0];
   child->err = err_pipe[0];
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ChildVisibleDevices(const std::vector<int>& devices,
+                                                const char* inherited) {
+  std::vector<std::string> names;
+  if (inherited != nullptr && *inherited != '\0') names = absl::StrSplit(inherited, ',');
+  std::vector<std::string> out;
+  for (int d : devices) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("device index ", d, " is negative"));
+    if (names.empty()) {
+      out.push_back(absl::StrCat(d));
+    } else if (d < static_cast<int>(names.size())) {
+      out.push_back(names[d]);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device ", d, " is past this process's CUDA_VISIBLE_DEVICES=", inherited,
+                       " (", names.size(), " devices)"));
+    }
+  }
+  return absl::StrJoin(out, ",");
 }
 
 bool WriteAll(int fd, const std::string& data) {

@@ -9,9 +9,11 @@
 #include <deque>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace infersweep {
 
@@ -30,9 +32,21 @@ struct PipedChild {
   void TakeStderrLines(int tail_lines, const std::function<void(const std::string&)>& on_progress);
 };
 
-// fork + execv of argv[0] with its stdin, stdout and stderr on pipes (O_CLOEXEC elsewhere),
-// into `child` (a fresh one: no pid, no pipes).
-absl::Status SpawnChild(std::vector<std::string> argv, PipedChild* child);
+// Environment variables a child gets on top of (or in place of) the parent's, name and value.
+using EnvOverrides = std::vector<std::pair<std::string, std::string>>;
+
+// fork + execve of argv[0] with its stdin, stdout and stderr on pipes (O_CLOEXEC elsewhere),
+// into `child` (a fresh one: no pid, no pipes), in this process's environment with `env` set.
+absl::Status SpawnChild(std::vector<std::string> argv, PipedChild* child,
+                        const EnvOverrides& env = {});
+
+// CUDA_VISIBLE_DEVICES for a child that is to see this process's CUDA devices `devices` (its
+// device i is devices[i]): the indices themselves, or, where this process runs under
+// CUDA_VISIBLE_DEVICES (`inherited`, null when unset), the entries of that list they name, so
+// that the child's numbering is the physical one the parent's was mapped through. An index past
+// the inherited list is an error.
+absl::StatusOr<std::string> ChildVisibleDevices(const std::vector<int>& devices,
+                                                const char* inherited);
 
 // Writes all of `data` (EINTR retried); false once the reader is gone.
 bool WriteAll(int fd, const std::string& data);

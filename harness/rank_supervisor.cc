@@ -113,7 +113,7 @@ SupervisedTrial RunRankTrial(const TrialRequest& request, int ranks, const std::
   for (int r = 0; r < ranks; ++r) {
     children.push_back(std::make_unique<PipedChild>());
     out.ranks.push_back({r, -1, "", ""});
-    if (absl::Status s = SpawnChild(options.rank_argv, children.back().get()); !s.ok())
+    if (absl::Status s = SpawnChild(options.rank_argv, children.back().get(), options.env); !s.ok())
       return finish(TrialStatus::kError, absl::StrCat("rank ", r, ": ", s.message()), "");
     out.ranks[r].pid = children[r]->pid;
   }

@@ -35,6 +35,7 @@
 
 #include "absl/status/statusor.h"
 #include "api/trial.h"
+#include "harness/child_process.h"
 
 namespace infersweep {
 
@@ -46,6 +47,8 @@ struct RankSupervisorOptions {
   int stderr_tail_lines = 40;
   // Called with the progress lines ranks print on stderr as "#progress <json>".
   std::function<void(const std::string&)> on_progress;
+  // Set in every rank process's environment (the trial's CUDA_VISIBLE_DEVICES).
+  EnvOverrides env;
 };
 
 // What one rank process did.

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <iostream>
@@ -70,7 +71,7 @@ std::optional<std::string> TrialRunner::ProbeRefusal(const TrialRequest& request
   return absl::StrCat("capability probe: ", answer->message());
 }
 
-TrialResult TrialRunner::Run(const TrialRequest& request) {
+TrialResult TrialRunner::Run(const TrialRequest& request, const std::vector<int>& devices) {
   TrialResult result = StartedResult(request);
   auto fail = [&](TrialStatus status, std::string reason) {
     running_pid_ = -1;
@@ -97,6 +98,15 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     result.finished_unix_ms = NowUnixMs();
     return result;
   }
+  EnvOverrides env;
+  if (!devices.empty()) {
+    absl::StatusOr<std::string> visible =
+        ChildVisibleDevices(devices, std::getenv("CUDA_VISIBLE_DEVICES"));
+    if (!visible.ok())
+      return fail(TrialStatus::kError,
+                  absl::StrCat("the trial's GPUs: ", visible.status().message()));
+    env.emplace_back("CUDA_VISIBLE_DEVICES", *visible);
+  }
   // A trial over rank processes (RankProcesses) runs under the rank supervisor, one fresh process
   // a rank. The handshake is left empty: CUDA ranks bootstrap through the supervisor's exchange
   // rounds (rank 0 makes the ncclUniqueId), so that no NCCL bootstrap root waits in this process
@@ -107,14 +117,17 @@ TrialResult TrialRunner::Run(const TrialRequest& request) {
     supervised.rank_argv = {options_.worker_argv[0], "rank-worker"};
     supervised.stderr_tail_lines = options_.stderr_tail_lines;
     supervised.on_progress = options_.on_progress;
+    supervised.env = env;
     return RunRankTrial(request, ranks, /*handshake=*/"", supervised).result;
   }
 
-  const std::string key = TrialExecutor::ModelKey(request);
+  // The worker keeps its weights for the next trial of the same model on the same devices.
+  const std::string key = absl::StrCat(TrialExecutor::ModelKey(request),
+                                       "|devices=", env.empty() ? "inherited" : env[0].second);
   if (worker_ && key != worker_model_key_) worker_.reset();
   if (!worker_) {
     auto w = std::make_unique<Worker>();
-    if (absl::Status s = SpawnChild(options_.worker_argv, w.get()); !s.ok())
+    if (absl::Status s = SpawnChild(options_.worker_argv, w.get(), env); !s.ok())
       return fail(TrialStatus::kError, std::string(s.message()));
     worker_ = std::move(w);
     worker_model_key_ = key;

@@ -39,8 +39,11 @@ class TrialRunner {
   TrialRunner(const TrialRunner&) = delete;
   TrialRunner& operator=(const TrialRunner&) = delete;
 
-  // Never fails: every outcome, including the worker's death, is a TrialResult.
-  TrialResult Run(const TrialRequest& request);
+  // Never fails: every outcome, including the worker's death, is a TrialResult. `devices`: the
+  // CUDA devices (this process's numbering) the trial is given; its worker, or its rank
+  // processes, then see those alone, in that order (CUDA_VISIBLE_DEVICES, ChildVisibleDevices),
+  // and a worker that saw others is restarted. Empty: the environment as inherited.
+  TrialResult Run(const TrialRequest& request, const std::vector<int>& devices = {});
   // Kills the current worker, if any. Not while Run() is running on another thread: use Cancel.
   void Kill();
 

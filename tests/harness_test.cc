@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <string>
@@ -20,6 +22,7 @@
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
 #include "harness/measure.h"
+#include "harness/child_process.h"
 #include "harness/runner.h"
 #include "harness/verdict.h"
 #include "tests/test_util.h"
@@ -945,6 +948,67 @@ TEST(Runner, WorkerThatCannotStartIsCrashed) {
   const TrialResult result = runner.Run(TinyRequest("device=cpu"));
   EXPECT_EQ(result.status, TrialStatus::kCrashed);
   EXPECT_THAT(result.reason, HasSubstr("127"));
+}
+
+// The lines a wrapped worker wrote: its CUDA_VISIBLE_DEVICES ("unset" when it had none), one
+// line a worker start.
+std::vector<std::string> VisibleDevicesLog(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// A trial given devices runs in a worker that sees those alone (CUDA_VISIBLE_DEVICES, in the
+// given order), and a worker that saw other devices is not reused; without devices the worker
+// inherits this process's environment. The worker is wrapped in a shell that logs what it sees.
+TEST(Runner, WorkerSeesTheTrialsDevicesAlone) {
+  const char* saved = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string restore = saved ? saved : "";
+  unsetenv("CUDA_VISIBLE_DEVICES");
+  const std::string log = testing::TempDir() + "/visible_devices.log";
+  std::remove(log.c_str());
+  RunnerOptions options;
+  options.worker_argv = {"/bin/sh", "-c",
+                         "echo \"${CUDA_VISIBLE_DEVICES-unset}\" >> '" + log + "'; exec '" +
+                             WorkerBinary() + "' worker"};
+  {
+    TrialRunner runner(options);
+    for (const std::vector<int>& devices :
+         std::vector<std::vector<int>>{{1}, {1}, {2, 0}, {}, {3}}) {
+      const TrialResult result = runner.Run(TinyRequest("device=cpu"), devices);
+      EXPECT_EQ(result.status, TrialStatus::kOk) << result.reason << "\n" << result.stderr_tail;
+    }
+  }
+  // {1} twice: one worker; {2, 0}, inherited and {3}: a new worker each.
+  EXPECT_THAT(VisibleDevicesLog(log), ::testing::ElementsAre("1", "2,0", "unset", "3"));
+
+  // Under a CUDA_VISIBLE_DEVICES of its own, the worker gets the entries the indices name.
+  setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,5,7", 1);
+  std::remove(log.c_str());
+  {
+    TrialRunner runner(options);
+    const TrialResult ok = runner.Run(TinyRequest("device=cpu"), {2, 0});
+    EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+    const TrialResult past = runner.Run(TinyRequest("device=cpu"), {3});
+    EXPECT_EQ(past.status, TrialStatus::kError);
+    EXPECT_THAT(past.reason, HasSubstr("device 3 is past this process's CUDA_VISIBLE_DEVICES"));
+  }
+  EXPECT_THAT(VisibleDevicesLog(log), ::testing::ElementsAre("7,GPU-aaa"));
+  if (saved) {
+    setenv("CUDA_VISIBLE_DEVICES", restore.c_str(), 1);
+  } else {
+    unsetenv("CUDA_VISIBLE_DEVICES");
+  }
+}
+
+TEST(ChildVisibleDevices, MapsIndicesThroughTheInheritedList) {
+  EXPECT_EQ(*ChildVisibleDevices({}, nullptr), "");
+  EXPECT_EQ(*ChildVisibleDevices({0, 3}, nullptr), "0,3");
+  EXPECT_EQ(*ChildVisibleDevices({0, 3}, ""), "0,3");
+  EXPECT_EQ(*ChildVisibleDevices({1}, "4,6"), "6");
+  EXPECT_FALSE(ChildVisibleDevices({2}, "4,6").ok());
+  EXPECT_FALSE(ChildVisibleDevices({-1}, nullptr).ok());
 }
 
 TEST(TrialJson, RoundTrips) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -155,7 +156,13 @@ TEST_F(Fleet, TwoGpuTrialsLeaseTwoGpusOfOneAgentAndShareAFourGpuAgent) {
   EXPECT_EQ(waiting->state(), "active");
   EXPECT_EQ(waiting->trials_done(), 0);
 
-  Agent* four = StartAgent("four-gpu", h200, worker, "", "delay:2", 4);
+  // The 4-GPU agent's workers log the GPUs they are given (CUDA_VISIBLE_DEVICES).
+  const std::string visible_log = dir_ + "/visible_devices.log";
+  const std::vector<std::string> logging_worker = {
+      "/bin/sh", "-c",
+      "echo \"${CUDA_VISIBLE_DEVICES-unset}\" >> '" + visible_log + "'; exec '" +
+          std::string(INFERSWEEP_BINARY) + "' worker"};
+  Agent* four = StartAgent("four-gpu", h200, logging_worker, "", "delay:2", 4);
   ASSERT_TRUE(WaitForSweepDone(client, sweep, 60)) << Log();
   EXPECT_EQ(one->stats().assignments, 0) << Log();
   EXPECT_EQ(four->stats().assignments, 2) << Log();
@@ -173,6 +180,18 @@ TEST_F(Fleet, TwoGpuTrialsLeaseTwoGpusOfOneAgentAndShareAFourGpuAgent) {
   const TrialResult& b = (*stored)[1].result;
   EXPECT_LT(a.started_unix_ms, b.finished_unix_ms) << "the two trials did not run at once";
   EXPECT_LT(b.started_unix_ms, a.finished_unix_ms) << "the two trials did not run at once";
+  // Two workers, each on two GPUs of its own: together the agent's four, none shared.
+  std::ifstream in(visible_log);
+  std::vector<std::string> seen;
+  for (std::string line; std::getline(in, line);) seen.push_back(line);
+  ASSERT_EQ(seen.size(), 2u) << Log();
+  std::multiset<std::string> gpus;
+  for (const std::string& line : seen) {
+    const std::vector<std::string> pair = absl::StrSplit(line, ',');
+    EXPECT_EQ(pair.size(), 2u) << line;
+    gpus.insert(pair.begin(), pair.end());
+  }
+  EXPECT_EQ(gpus, (std::multiset<std::string>{"0", "1", "2", "3"}));
 }
 
 // selector.p2p: the leased GPUs must reach each other by peer access. A 4-GPU agent on PCIe
