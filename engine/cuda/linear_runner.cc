@@ -20,11 +20,11 @@ LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::C
 
 LinearRunner::~LinearRunner() {
   FreeScratch();
-  if (prefill_dense_) cudaFree(prefill_dense_);
+  if (bf16_copy_) cudaFree(bf16_copy_);
 }
 
 // The most elements of a quantized linear that Gemm dequantizes into the bf16 copy: the dense
-// projections and MLPs (experts run on their codes; the lm_head stays dense).
+// projections, MLPs and lm_head (the experts run on their codes).
 size_t LinearRunner::LargestQuantizedDense() const {
   if (!view_) return 0;
   size_t most = 0;
@@ -84,12 +84,12 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
   } else if (w.quantized() && (prefill_ || rows >= kQuantBf16CopyMinRows) && gemm_ && x_bf16) {
     // qgemm=w4a16|w8a16 on a prefill chunk or a wide decode batch: tensor cores on a bf16 copy
-    // (PrefillBf16Copy).
+    // (QuantBf16Copy).
     if (LaunchRecording())
       RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ",
                                   prefill_ ? "prefill chunk" : "decode batch", " of ", rows,
                                   " rows: quantized linears dequantized to bf16, then cuBLASLt"));
-    auto copy = PrefillBf16Copy(w);
+    auto copy = QuantBf16Copy(w);
     if (!copy.ok()) return copy.status();
     if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
@@ -156,6 +156,23 @@ bool LinearRunner::QkvContiguous(const LayerWeights& lw) const {
          static_cast<const uint16_t*>(lw.k.data) + lw.k.rows * lw.k.cols == lw.v.data;
 }
 
+absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
+  if (count <= bf16_copy_count_) return absl::OkStatus();
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream_, &capturing);
+  if (capturing != cudaStreamCaptureStatusNone)
+    return absl::InternalError(absl::StrCat("the bf16 copy of a quantized linear (", count,
+                                            " elements) was not reserved before the capture"));
+  if (bf16_copy_) cudaFree(bf16_copy_);  // synchronises: nothing still reads it
+  bf16_copy_ = nullptr;
+  bf16_copy_count_ = 0;
+  auto buffer = DeviceAlloc<uint16_t>(count);
+  if (!buffer.ok()) return buffer.status();
+  bf16_copy_ = *buffer;
+  bf16_copy_count_ = count;
+  return absl::OkStatus();
+}
+
 // qgemm=w4a16|w8a16 prefill. The register-dequantizing GEMV and expert kernels are built for
 // decode's few rows: through them a 512-token prompt would re-read every weight once per 4 rows,
 // and the experts would take the host-synced per-expert loop (TTFT 1.55 s for NVFP4 qwen3-30b-a3b,
@@ -163,29 +180,13 @@ bool LinearRunner::QkvContiguous(const LayerWeights& lw) const {
 // bf16 scratch (the same exact dequantization as dequant_bf16, then one bf16 rounding) and runs the
 // bf16 tensor-core paths: cuBLASLt for the dense projections, the grouped expert kernels for the
 // MoE. The scratch (one dense matrix, and one layer's experts: 1.2 GB for qwen3-30b-a3b) is
-// allocated at the first quantized prefill. Decode steps keep the quantized kernels.
-absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
-  if (count <= prefill_dense_count_) return absl::OkStatus();
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  cudaStreamIsCapturing(stream_, &capturing);
-  if (capturing != cudaStreamCaptureStatusNone)
-    return absl::InternalError(absl::StrCat("the bf16 copy of a quantized linear (", count,
-                                            " elements) was not reserved before the capture"));
-  if (prefill_dense_) cudaFree(prefill_dense_);  // synchronises: nothing still reads it
-  prefill_dense_ = nullptr;
-  prefill_dense_count_ = 0;
-  auto buffer = DeviceAlloc<uint16_t>(count);
-  if (!buffer.ok()) return buffer.status();
-  prefill_dense_ = *buffer;
-  prefill_dense_count_ = count;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<MatrixRef> LinearRunner::PrefillBf16Copy(const MatrixRef& w) {
+// allocated at the first quantized prefill. Decode batches of kQuantBf16CopyMinRows+ rows take
+// the dense copy too (reserved by AllocateScratch); smaller ones keep the quantized kernels.
+absl::StatusOr<MatrixRef> LinearRunner::QuantBf16Copy(const MatrixRef& w) {
   if (auto s = ReserveBf16Copy(static_cast<size_t>(w.numel())); !s.ok()) return s;
-  cuda::DequantizeToBf16(w, prefill_dense_, stream_);
+  cuda::DequantizeToBf16(w, bf16_copy_, stream_);
   CHECK_LAUNCH();
-  return MatrixRef{prefill_dense_, DType::kBF16, w.rows, w.cols};
+  return MatrixRef{bf16_copy_, DType::kBF16, w.rows, w.cols};
 }
 
 const uint16_t* LinearRunner::PrepareInput(const float* x, int64_t count) {

@@ -92,7 +92,7 @@ class LinearRunner {
   // from ~20 rows the copy moves fewer bytes; the FP4 MMA kernel (GemmQuantMma) reads the codes
   // once but runs one block per 64 features, latency-bound on the 512-feature projections.
   static constexpr int kQuantBf16CopyMinRows = 16;
-  absl::StatusOr<MatrixRef> PrefillBf16Copy(const MatrixRef& w);
+  absl::StatusOr<MatrixRef> QuantBf16Copy(const MatrixRef& w);
   // Grows the bf16 copy to `count` elements (refused inside a stream capture).
   absl::Status ReserveBf16Copy(size_t count);
   size_t LargestQuantizedDense() const;
@@ -106,8 +106,8 @@ class LinearRunner {
   bool prefill_ = false;
   float *xn_ = nullptr, *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr;
   uint16_t* bf16_ = nullptr;
-  uint16_t* prefill_dense_ = nullptr;  // PrefillBf16Copy
-  size_t prefill_dense_count_ = 0;
+  uint16_t* bf16_copy_ = nullptr;  // QuantBf16Copy
+  size_t bf16_copy_count_ = 0;
 };
 
 }  // namespace infersweep

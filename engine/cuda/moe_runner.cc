@@ -154,7 +154,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
                           options_.moe == Moe::kGrouped || long_prefill;
   if (LaunchRecording()) {
     RecordMoeFallbacks(l, rows, n, gemv, grouped_mma || quant_grouped, quant_prefill, long_prefill,
-                       /*wgmma_chunk=*/many_pairs);
+                       many_pairs);
   }
   // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
   // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
@@ -277,7 +277,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
 // shared expert run on something other than what the moe and gemm values name, from Moe's
 // dispatch decisions (the router's are recorded by Router).
 void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma,
-                                   bool quant_prefill, bool long_prefill, bool wgmma_chunk) {
+                                   bool quant_prefill, bool long_prefill, bool many_pairs) {
   const char* moe = options_.moe == Moe::kWgmma ? "wgmma" : "fused";
   const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
                                          " rows (", rows * config_.num_experts_per_tok,
@@ -298,8 +298,8 @@ void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool group
             ? "fewer rows than the grouped expert kernels take"
             : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
               "quantized experts not all alike)"));
-  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Run's many_pairs).
-  if (options_.moe == Moe::kWgmma && grouped_mma && !wgmma_chunk)
+  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
+  if (options_.moe == Moe::kWgmma && grouped_mma && !many_pairs)
     RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
                                 ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
                                 "not wgmma"));

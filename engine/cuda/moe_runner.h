@@ -56,7 +56,7 @@ class MoeRunner {
     std::vector<std::pair<int, int>> spans;  // per expert: first pair, count
   };
   void RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma, bool quant_prefill,
-                          bool long_prefill, bool wgmma_chunk);
+                          bool long_prefill, bool many_pairs);
   absl::Status Router(int l, int rows);
   HostRouting RouteOnHost(int rows, int skip);
   absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing,
