@@ -93,6 +93,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // value where cuDNN is missing, too old, or finalizes no plan for the model's shapes.
   r.push_back({"attention", "cudnn", "cuda", 80, 0, true, {},
                {"kv_cache=fp32: cuDNN's fused attention reads bf16 K and V",
+                "kv_cache=fp8: cuDNN's fused attention reads bf16 K and V",
                 "graphs=persistent: its batch-1 decode step runs the persistent kernel's own "
                 "attention, so cuDNN's would not be what decode ran"},
                kBf16,
@@ -105,6 +106,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"kv_cache", "bf16", "cuda", 80, 0, true, {}, {"attention=naive"}, kBf16,
                "K and V rounded to bf16 as they are appended: half the bytes decode attention "
                "reads; attention=flash only (the naive kernel is the fp32 reference)"});
+  r.push_back({"kv_cache", "fp8", "cuda", 80, 0, true, {}, {"attention=naive"}, kFp8,
+               "K and V as E4M3 codes with one fp32 scale per token and kv head each (amax / "
+               "448), set as they are appended: a quarter of fp32's bytes (+3 % for the scales "
+               "at head_dim 128); the flash tensor-core kernels convert them to bf16 as they "
+               "stage K/V tiles; head_dim 32, 64 or 128"});
   r.push_back({"moe", "loop", "cuda", 80, 0, true, {}, {"graphs=on", "graphs=persistent"}, kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
   r.push_back({"moe", "grouped", "cuda", 80, 0, true, {"bf16"},
@@ -149,7 +155,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
        90,
        true,
        {"bf16", "fp8", "nvfp4"},
-       {"kv_cache=fp32", absl::StrCat("gemm=reference", kPersistentGemm),
+       {"kv_cache=fp32", "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
+        absl::StrCat("gemm=reference", kPersistentGemm),
         absl::StrCat("gemm=cublaslt", kPersistentGemm), absl::StrCat("gemm=tma", kPersistentGemm)},
        kBf16,
        "batch-1 decode steps as one cooperative kernel over every layer: each consumer "

@@ -20,7 +20,8 @@ constexpr Names<Gemm, 4> kGemm = {{{Gemm::kReference, "reference"},
                                    {Gemm::kTma, "tma"}}};
 constexpr Names<Attention, 3> kAttention = {
     {{Attention::kNaive, "naive"}, {Attention::kFlash, "flash"}, {Attention::kCudnn, "cudnn"}}};
-constexpr Names<KvCache, 2> kKvCache = {{{KvCache::kFp32, "fp32"}, {KvCache::kBf16, "bf16"}}};
+constexpr Names<KvCache, 3> kKvCache = {
+    {{KvCache::kFp32, "fp32"}, {KvCache::kBf16, "bf16"}, {KvCache::kFp8, "fp8"}}};
 constexpr Names<Moe, 4> kMoe = {{{Moe::kLoop, "loop"},
                                  {Moe::kGrouped, "grouped"},
                                  {Moe::kFused, "fused"},

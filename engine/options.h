@@ -12,7 +12,7 @@ namespace infersweep {
 // ---- CUDA axes (docs/BACKENDS.md).
 enum class Gemm { kReference, kCublasLt, kFused, kTma };
 enum class Attention { kNaive, kFlash, kCudnn };
-enum class KvCache { kFp32, kBf16 };
+enum class KvCache { kFp32, kBf16, kFp8 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
 enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4, kCudnn };

@@ -296,6 +296,29 @@ for r in csv.reader(sys.stdin):
           tee "$OUT/quant_batch_${f}_$1.log" | grep -vE "timed by|spread"
       done
     done ;;
+  kv_fp8)  # issue 36: kv_cache=fp8 beside bf16: the KV kernels' GPU tests, then qwen3-30b-a3b
+    # (bf16 weights, 48 layers), the fast config at batch 64 and a 4k context (KV_WORKLOAD); the
+    # prompt's prefill runs as chunks of 512 tokens a sequence (32,768 rows a step)
+    gpu_tests .carry/gpu_kernels_test 120 gpu_kernels_kv.log '^#|OK \]|FAILED|Failure' \
+      --gtest_filter='*FlashAttention*:*QkNormRope*'
+    $B run --model preset:qwen3-30b-a3b \
+      --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16|fp8,moe=fused,graphs=on' \
+      --workload "${KV_WORKLOAD:-prompt=4032,output=64,batch=64},repeats=3,warmup=1,timeout=900" \
+      --json "$OUT/kv_fp8.json" 2>&1 | tee "$OUT/kv_fp8.log" | grep -vE "timed by|spread" ;;
+  kv_profile)  # issue 36: the decode attention kernels under kv_cache=bf16 and fp8 at batch 64 and a
+    # 4k context (qwen3-30b-a3b --layers 2, graphs off), from ncu: time, DRAM bytes and
+    # throughput, instructions per cycle, occupancy, registers
+    for kv in bf16 fp8; do
+      ncu --clock-control none --cache-control none --kernel-name regex:'FlashDecode|FlashCombine' \
+        --launch-count 8 --csv --print-units base \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.avg.per_cycle_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+        $B generate --model preset:qwen3-30b-a3b --layers 2 --tokens "$(seq -s, 1 4000)" \
+        --max-new-tokens 4 --batch 64 --backend cuda \
+        --config "gemm=fused,attention=flash,kv_cache=$kv,moe=fused,graphs=off" \
+        >"$OUT/kvprofile_$kv.csv" 2>"$OUT/kvprofile_$kv.err"
+      echo "## kv_cache=$kv"
+      python3 scripts/ncu_table.py "$OUT/kvprofile_$kv.csv" --metrics | tail -9
+    done ;;
   quant_profile)  # issue 36: which kernel limits the quantized figures, from ncu: per-kernel time
     # and DRAM bytes of qwen3-30b-a3b --layers 3 steps, graphs off, for each QUANT_FORMATS format
     # (default bf16 fp8_channel nvfp4; bf16: the dense model, beside) and each

@@ -2,7 +2,7 @@
 """Prints ncu --csv output (gpu__time_duration.sum, dram__bytes_read.sum) as a per-kernel table:
 time, DRAM bytes read and achieved read bandwidth, skipping the synthetic-weight kernels.
 --summary: one row per kernel name instead (launches, total time and its share, bytes, GB/s),
-slowest first."""
+slowest first. --metrics: each kernel's other metrics too, one line each after its row."""
 import collections
 import csv
 import sys
@@ -32,6 +32,9 @@ for i, k in kernels.items():
         entry[2] += b / 1e6
         continue
     print(f"{i:5d} {t_ns / 1e3:9.2f} us {b / 1e6:9.3f} MB {b / max(t_ns, 1):8.1f} GB/s  {k['name'][:80]}")
+    if '--metrics' in sys.argv[2:]:
+        print('        ' + '  '.join(f"{m} {v:g}" for m, v in k.items()
+                                      if m not in ('name', 'gpu__time_duration.sum', 'dram__bytes_read.sum')))
 for name, (n, us, mb) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
     print(f"{n:5d}x {us:10.1f} us {100 * us / max(total_us, 1e-9):5.1f} % {mb:10.1f} MB "
           f"{mb * 1e3 / max(us, 1e-9):8.1f} GB/s  {name}")

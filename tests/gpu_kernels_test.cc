@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/quant/codecs.h"
 #include "engine/sampler.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -268,6 +269,15 @@ TEST_F(GpuKernels, BucketPairsMatchesACountingSort) {
   for (const BucketCase& c : cases) CheckBucketPairs(*this, c);
 }
 
+// The fp8 cache's scale for a head vector of absolute maximum amax (kv_cache.cuh's HeadScale):
+// the power of two 2^e >= amax / 448, e in [-14, 15].
+float Fp8HeadScale(float amax) {
+  int e = 0;
+  const float m = std::frexp(amax / 448, &e);
+  if (m == 0.5f) --e;
+  return std::ldexp(1.f, std::clamp(e, -14, 15));
+}
+
 // Causal GQA attention over a KV cache, in double: query i of batch row b at position pos0 + i
 // sees keys [0, pos0 + i].
 std::vector<double> HostAttention(const std::vector<float>& q, const std::vector<float>& kc,
@@ -321,17 +331,47 @@ void CheckFlashAttention(GpuKernels& t, const FlashCase& c, std::mt19937& rng) {
     kc[i] = Bf16ToFloat(kc_bf16[i]);
     vc[i] = Bf16ToFloat(vc_bf16[i]);
   }
+  // The fp8 cache: each (token, kv head) row as E4M3 codes under its power-of-two scale; the
+  // host sees the decoded values.
+  const size_t head_rows = kc.size() / c.d;
+  std::vector<uint8_t> kc_fp8(kc.size()), vc_fp8(vc.size());
+  std::vector<float> k_scale(head_rows), v_scale(head_rows), kc8(kc.size()), vc8(vc.size());
+  auto encode = [&](const std::vector<float>& x, size_t row, std::vector<uint8_t>& codes,
+                    std::vector<float>& scales, std::vector<float>& decoded) {
+    float amax = 0;
+    for (int i = 0; i < c.d; ++i) amax = std::max(amax, std::fabs(x[row * c.d + i]));
+    scales[row] = Fp8HeadScale(amax);
+    for (int i = 0; i < c.d; ++i) {
+      codes[row * c.d + i] = FloatToE4M3(x[row * c.d + i] / scales[row]);
+      decoded[row * c.d + i] = E4M3ToFloat(codes[row * c.d + i]) * scales[row];
+    }
+  };
+  for (size_t r = 0; r < head_rows; ++r) {
+    encode(kc, r, kc_fp8, k_scale, kc8);
+    encode(vc, r, vc_fp8, v_scale, vc8);
+  }
   const std::vector<double> ref =
       HostAttention(q, kc, vc, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
+  const std::vector<double> ref8 =
+      HostAttention(q, kc8, vc8, c.batch, c.n, c.q_heads, c.kv_heads, c.d, c.pos0, capacity);
   const int rows = c.batch * c.n;
   const int splits = cuda::FlashSplits(rows, c.kv_heads, capacity);
   float* partial = t.Upload(
       std::vector<float>(cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
-  // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values).
-  for (const bool bf16 : {true, false}) {
+  // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values), and fp8 where
+  // the tensor-core kernels read it (head_dim 32, 64, 128).
+  for (const cuda::KvDtype dtype :
+       {cuda::KvDtype::kBf16, cuda::KvDtype::kFp32, cuda::KvDtype::kFp8}) {
+    const bool fp8 = dtype == cuda::KvDtype::kFp8;
+    if (fp8 && !cuda::FlashDecodeMmaSupports(c.d)) continue;
     const cuda::KvCache cache =
-        bf16 ? cuda::KvCache{t.Upload(kc_bf16), t.Upload(vc_bf16), true, capacity}
-             : cuda::KvCache{t.Upload(kc), t.Upload(vc), false, capacity};
+        dtype == cuda::KvDtype::kBf16
+            ? cuda::KvCache{t.Upload(kc_bf16), t.Upload(vc_bf16), dtype, capacity}
+        : fp8 ? cuda::KvCache{t.Upload(kc_fp8),   t.Upload(vc_fp8),   dtype,
+                              capacity,           t.Upload(k_scale), t.Upload(v_scale)}
+              : cuda::KvCache{t.Upload(kc), t.Upload(vc), dtype, capacity};
+    const std::vector<double>& want = fp8 ? ref8 : ref;
+    const char* name = fp8 ? "fp8" : dtype == cuda::KvDtype::kBf16 ? "bf16" : "fp32";
     float* out = t.Upload(std::vector<float>(q.size(), NAN));
     cuda::AttentionFlash(t.Upload(q), cache, rows, c.n, c.q_heads, c.kv_heads, c.d,
                          t.Upload(std::vector<int>{c.pos0}), splits, partial, out, nullptr);
@@ -341,13 +381,13 @@ void CheckFlashAttention(GpuKernels& t, const FlashCase& c, std::mt19937& rng) {
     double worst = 0, scale = 0;
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_TRUE(std::isfinite(got[i])) << "n " << c.n << " out[" << i << "]";
-      worst = std::max(worst, std::fabs(got[i] - ref[i]));
-      scale = std::max(scale, std::fabs(ref[i]));
+      worst = std::max(worst, std::fabs(got[i] - want[i]));
+      scale = std::max(scale, std::fabs(want[i]));
     }
     EXPECT_LT(worst / scale, c.tolerance)
-        << "n " << c.n << " d " << c.d << " pos0 " << c.pos0 << " bf16 cache " << bf16;
+        << "n " << c.n << " d " << c.d << " pos0 " << c.pos0 << " " << name << " cache";
     std::printf("# flash n %d d %d pos0 %d, %s cache: max error %.3g of max |out| %.3g\n", c.n,
-                c.d, c.pos0, bf16 ? "bf16" : "fp32", worst, scale);
+                c.d, c.pos0, name, worst, scale);
   }
 }
 
@@ -572,8 +612,8 @@ TEST_F(GpuKernels, LargeSharedMemoryKernelsRunOnEveryDevice) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
-// q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache and a bf16 one (the same
-// values rounded once), from separate q/k/v buffers and from the fused GEMM's [rows, q | k | v]
+// q/k RMSNorm + RoPE + KV append against host math, into an fp32 cache, a bf16 one (the same
+// values rounded once) and an fp8 one (E4M3 codes under each head's amax / 448), from separate q/k/v buffers and from the fused GEMM's [rows, q | k | v]
 // rows, for head sizes below, at and above a warp's width and rows that land at position +
 // row % n of their sequence.
 TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
@@ -585,7 +625,11 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   // d = 512: pairs past the 128 a warp holds in registers take the kernel's late-read path.
   for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9},
                         Case{1, 2, 2, 1, 512, 3}}) {
-    for (const bool bf16 : {false, true}) {
+    for (const cuda::KvDtype dtype : {cuda::KvDtype::kFp32, cuda::KvDtype::kBf16, cuda::KvDtype::kFp8}) {
+      // An fp8 cache holds a head's pairs in registers (kv_cache=fp8 is refused past 128).
+      if (dtype == cuda::KvDtype::kFp8 && c.d > 256) continue;
+      const bool bf16 = dtype == cuda::KvDtype::kBf16, fp8 = dtype == cuda::KvDtype::kFp8;
+      SCOPED_TRACE(testing::Message() << "d " << c.d << " cache " << (fp8 ? "fp8" : bf16 ? "bf16" : "fp32"));
       const int rows = c.batch * c.n, half = c.d / 2, capacity = c.pos0 + c.n + 2;
       const int kv_dim = c.kv_heads * c.d;
       const float eps = 1e-6f;
@@ -630,7 +674,7 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
       }
       // Separate q, k, v buffers (q rotated in place) or, with the fused q/k/v GEMM, one
       // [rows, q | k | v] buffer and q rotated into its own.
-      const bool fused = c.q_heads % 2 == 0 && bf16;
+      const bool fused = c.q_heads % 2 == 0 && dtype != cuda::KvDtype::kFp32;
       const int q_dim = c.q_heads * c.d, width = q_dim + 2 * kv_dim;
       float* dq = Upload(q);
       cuda::QkvRows in{dq, q_dim, Upload(k), Upload(v), kv_dim};
@@ -645,28 +689,56 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
         in = {d_joint, width, d_joint + q_dim, d_joint + q_dim + kv_dim, width};
         dq = Upload(std::vector<float>(q.size(), NAN));
       }
-      const size_t bytes = cache_elems * (bf16 ? 2 : 4);
+      const size_t bytes = cache_elems * cuda::KvBytesPerElement(dtype);
       void* kc = Upload(std::vector<char>(bytes, 0));
       void* vc = Upload(std::vector<char>(bytes, 0));
+      const size_t scale_count = static_cast<size_t>(c.batch) * capacity * c.kv_heads;
+      float* k_scale = fp8 ? Upload(std::vector<float>(scale_count, 0.f)) : nullptr;
+      float* v_scale = fp8 ? Upload(std::vector<float>(scale_count, 0.f)) : nullptr;
       cuda::QkNormRopeAppend(in, dq, rows, c.n, c.q_heads, c.kv_heads, c.d,
                              MatrixRef{Upload(q_gain), DType::kBF16, 1, c.d},
                              MatrixRef{Upload(k_gain), DType::kBF16, 1, c.d}, eps, Upload(rope),
-                             Upload(std::vector<int>{c.pos0}), cuda::KvCache{kc, vc, bf16, capacity},
+                             Upload(std::vector<int>{c.pos0}), cuda::KvCache{kc, vc, dtype, capacity, k_scale, v_scale},
                              nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> got_q = Download(dq, q.size());
       for (size_t i = 0; i < q.size(); ++i)
         ASSERT_NEAR(got_q[i], want_q[i], 1e-4 * (1 + std::fabs(want_q[i]))) << "q[" << i << "] d " << c.d;
-      auto cache_value = [&](const std::vector<char>& raw, size_t i) {
+      const std::vector<float> got_k_scale = fp8 ? Download(k_scale, scale_count) : std::vector<float>(scale_count, 1.f);
+      const std::vector<float> got_v_scale = fp8 ? Download(v_scale, scale_count) : std::vector<float>(scale_count, 1.f);
+      // Element i of the cache, decoded (fp8: code times its head's scale).
+      auto cache_value = [&](const std::vector<char>& raw, const std::vector<float>& scales, size_t i) {
+        if (fp8) return static_cast<double>(E4M3ToFloat(static_cast<uint8_t>(raw[i]))) * scales[i / c.d];
         if (!bf16) return static_cast<double>(reinterpret_cast<const float*>(raw.data())[i]);
         return static_cast<double>(Bf16ToFloat(reinterpret_cast<const uint16_t*>(raw.data())[i]));
       };
       const std::vector<char> got_k = Download(static_cast<char*>(kc), bytes);
       const std::vector<char> got_v = Download(static_cast<char*>(vc), bytes);
-      const double rel = bf16 ? 1.0 / 256 : 1e-4;  // one bf16 rounding: 2^-9 relative
+      // fp8: each written head's scale is the power of two at or above its amax / 448 (within
+      // rounding of the amax), and each element one E4M3 rounding under it: 2^-4 relative, or
+      // half the smallest subnormal (2^-10 x scale).
+      if (fp8)
+        for (size_t h = 0; h < scale_count; ++h) {
+          double k_amax = 0, v_amax = 0;
+          for (int i = 0; i < c.d; ++i) {
+            k_amax = std::max(k_amax, std::fabs(want_k[h * c.d + i]));
+            v_amax = std::max(v_amax, std::fabs(want_v[h * c.d + i]));
+          }
+          if (k_amax == 0) continue;  // a slot no row wrote
+          for (const auto& [got, amax, name] : {std::tuple{got_k_scale[h], k_amax, "k"},
+                                                std::tuple{got_v_scale[h], v_amax, "v"}}) {
+            int e = 0;
+            ASSERT_EQ(std::frexp(got, &e), 0.5f) << name << " scale " << h << " " << got;
+            EXPECT_GE(got * (1 + 1e-6), amax / 448) << name << " scale " << h;
+            EXPECT_LT(got, 2 * amax / 448 * (1 + 1e-6)) << name << " scale " << h;
+          }
+        }
+      const double rel = fp8 ? 1.0 / 16 : bf16 ? 1.0 / 256 : 1e-4;  // bf16: 2^-9 relative
       for (size_t i = 0; i < cache_elems; ++i) {
-        ASSERT_NEAR(cache_value(got_k, i), want_k[i], rel * (1 + std::fabs(want_k[i]))) << "k cache[" << i << "] bf16 " << bf16;
-        ASSERT_NEAR(cache_value(got_v, i), want_v[i], rel * (1 + std::fabs(want_v[i]))) << "v cache[" << i << "] bf16 " << bf16;
+        const double k_floor = fp8 ? got_k_scale[i / c.d] / 1024 : rel;
+        const double v_floor = fp8 ? got_v_scale[i / c.d] / 1024 : rel;
+        ASSERT_NEAR(cache_value(got_k, got_k_scale, i), want_k[i], rel * std::fabs(want_k[i]) + k_floor) << "k cache[" << i << "]";
+        ASSERT_NEAR(cache_value(got_v, got_v_scale, i), want_v[i], rel * std::fabs(want_v[i]) + v_floor) << "v cache[" << i << "]";
       }
     }
   }

@@ -164,7 +164,8 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
       "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on",
-      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"};
+      "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent",
+      "device=cuda,gemm=fused,attention=flash,kv_cache=fp8,moe=fused,graphs=on"};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);
   for (const char* preset :
@@ -209,7 +210,7 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
 
 // Serving on the GPU: ragged steps (decode rows at their own positions beside prefill chunks of
 // other sequences), each config judged as a serving trial judges it. The fp32 reference's served
-// tokens equal its lone runs' exactly; bf16-class configs (graphs=on replays a graph per bucket of
+// tokens equal its lone runs' exactly; bf16- and fp8-class configs (graphs=on replays a graph per bucket of
 // decode rows, the spare slot taking the padding rows) meet the reference's picks. Hybrids are
 // refused with the reason.
 TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
@@ -219,6 +220,7 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
   for (const std::string text :
        {"device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=fp8,moe=fused,graphs=on",
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=6"}) {
@@ -607,6 +609,46 @@ TEST(Gpu, ForwardGreedyPicksOnTheDeviceWhatGreedyPicksFromTheLogits) {
       }
     }
   }
+}
+
+// A lockstep prefill of more rows than a step holds (32,768) runs as chunks of whole tokens per
+// sequence: its last-token logits and greedy picks equal those of the same prompt fed by hand in
+// steps of 500 tokens, on the fp32 reference kernels (chunk boundaries move only the sums' order).
+TEST(Gpu, LongLockstepPrefillRunsAsChunksAndMatchesAHandChunkedOne) {
+  REQUIRE_GPU();
+  auto host = LoadHostModel("preset:tiny-moe", LoadOptions{2, 7, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  const int vocab = (*host)->config.vocab_size, batch = 64, prompt_len = 1100, by_hand = 500;
+  auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  std::vector<int32_t> prompt(static_cast<size_t>(batch) * prompt_len);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 3) % vocab);
+  auto whole = CreateModel(**host, *config);
+  auto chunked = CreateModel(**host, *config);
+  auto greedy = CreateModel(**host, *config);
+  for (auto* m : {&whole, &chunked, &greedy}) {
+    ASSERT_TRUE(m->ok()) << m->status();
+    ASSERT_TRUE((**m)->StartBatch(batch, prompt_len + 2).ok());
+  }
+  std::vector<float> got, want;
+  ASSERT_TRUE((*whole)->Forward(prompt, prompt_len, LogitsMode::kLast, &got).ok());
+  for (int start = 0; start < prompt_len; start += by_hand) {
+    const int len = std::min(by_hand, prompt_len - start);
+    std::vector<int32_t> piece;
+    for (int b = 0; b < batch; ++b)
+      piece.insert(piece.end(), prompt.begin() + static_cast<size_t>(b) * prompt_len + start,
+                   prompt.begin() + static_cast<size_t>(b) * prompt_len + start + len);
+    ASSERT_TRUE((*chunked)->Forward(piece, len, LogitsMode::kLast, &want).ok());
+  }
+  ASSERT_EQ(got.size(), static_cast<size_t>(batch) * vocab);
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_LT(RelMaxError(got, want), 1e-4);
+  std::vector<int32_t> picked;
+  ASSERT_TRUE((*greedy)->ForwardGreedy(prompt, prompt_len, &picked).ok());
+  ASSERT_EQ(picked.size(), static_cast<size_t>(batch));
+  for (int b = 0; b < batch; ++b)
+    EXPECT_EQ(picked[b], Greedy({want.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)}))
+        << "sequence " << b;
 }
 
 // The model-side requirements are UNSUPPORTED with the reason, not an error: attention biases and

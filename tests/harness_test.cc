@@ -93,8 +93,32 @@ TEST(Preflight, KvCacheAxisDefaultsToFp32AndBf16NeedsFlash) {
   ASSERT_TRUE(flash.ok()) << flash.status();
   EXPECT_TRUE(Preflight(*flash, hopper).supported) << Preflight(*flash, hopper).reason;
   EXPECT_EQ(Preflight(*flash, hopper).precision, PrecisionClass::kBf16);
-  EXPECT_THAT(NormalizeBackendConfig({{"device", "cuda"}, {"kv_cache", "fp8"}}).status().message(),
-              HasSubstr("known: fp32, bf16"));
+  EXPECT_THAT(NormalizeBackendConfig({{"device", "cuda"}, {"kv_cache", "fp16"}}).status().message(),
+              HasSubstr("known: fp32, bf16, fp8"));
+}
+
+// kv_cache=fp8 judges as fp8 (its E4M3 rounding is the config's coarsest), is read by the flash
+// kernels only, and is refused by the backends with their own bf16 attention.
+TEST(Preflight, KvCacheFp8IsAnFp8ClassValueForFlashOnly) {
+  PreflightTarget hopper{true, 90, 1, "bf16"};
+  auto flash = NormalizeBackendConfig(
+      {{"device", "cuda"}, {"gemm", "fused"}, {"attention", "flash"}, {"kv_cache", "fp8"}});
+  ASSERT_TRUE(flash.ok()) << flash.status();
+  EXPECT_TRUE(Preflight(*flash, hopper).supported) << Preflight(*flash, hopper).reason;
+  EXPECT_EQ(Preflight(*flash, hopper).precision, PrecisionClass::kFp8);
+  const std::vector<std::pair<BackendConfig, std::string>> refused = {
+      {{{"device", "cuda"}, {"kv_cache", "fp8"}},
+       "kv_cache=fp8 cannot be combined with attention=naive"},
+      {{{"device", "cuda"}, {"attention", "cudnn"}, {"kv_cache", "fp8"}},
+       "cuDNN's fused attention reads bf16 K and V"},
+      {{{"device", "cuda"}, {"gemm", "fused"}, {"attention", "flash"}, {"kv_cache", "fp8"},
+        {"graphs", "persistent"}},
+       "the persistent kernel's own attention reads a bf16 cache"}};
+  for (const auto& [axes, reason] : refused) {
+    auto config = NormalizeBackendConfig(axes);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_THAT(Preflight(*config, hopper).reason, HasSubstr(reason));
+  }
 }
 
 // SM ranges, judged against a registry of the test's own (an sm_90a-only kernel).

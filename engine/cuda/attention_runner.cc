@@ -20,16 +20,33 @@ AttentionRunner::AttentionRunner(const RunnerContext& context, LinearRunner& lin
 
 AttentionRunner::~AttentionRunner() {
   FreeScratch();
-  if (k_cache_) cudaFree(k_cache_);
-  if (v_cache_) cudaFree(v_cache_);
+  FreeCache();
   if (rope_) cudaFree(rope_);
   if (seq_lens_) cudaFree(seq_lens_);
 }
 
-absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
-  if (k_cache_) cudaFree(k_cache_);
-  if (v_cache_) cudaFree(v_cache_);
+void AttentionRunner::FreeCache() {
+  for (void* p : {static_cast<void*>(k_cache_), static_cast<void*>(v_cache_),
+                  static_cast<void*>(k_scale_), static_cast<void*>(v_scale_)})
+    if (p) cudaFree(p);
   k_cache_ = v_cache_ = nullptr;
+  k_scale_ = v_scale_ = nullptr;
+}
+
+cuda::KvDtype AttentionRunner::kv_dtype() const {
+  switch (options_.kv_cache) {
+    case KvCache::kBf16:
+      return cuda::KvDtype::kBf16;
+    case KvCache::kFp8:
+      return cuda::KvDtype::kFp8;
+    case KvCache::kFp32:
+      break;
+  }
+  return cuda::KvDtype::kFp32;
+}
+
+absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
+  FreeCache();
   if (rope_) cudaFree(rope_);
   rope_ = nullptr;
   batch_ = capacity_ = 0;
@@ -47,6 +64,16 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   auto v = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
   if (!v.ok()) return v.status();
   v_cache_ = *v;
+  if (kv_dtype() == cuda::KvDtype::kFp8) {
+    const size_t scales =
+        static_cast<size_t>(cache_layers_) * batch * max_tokens * config_.num_kv_heads;
+    auto k_scale = DeviceAlloc<float>(scales);
+    if (!k_scale.ok()) return k_scale.status();
+    k_scale_ = *k_scale;
+    auto v_scale = DeviceAlloc<float>(scales);
+    if (!v_scale.ok()) return v_scale.status();
+    v_scale_ = *v_scale;
+  }
   batch_ = batch;
   capacity_ = max_tokens;
   if (options_.attention == Attention::kCudnn) {
@@ -76,8 +103,9 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
       options_.attention == Attention::kFlash
           ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
                                                          config_.num_kv_heads, config_.head_dim))
-      : options_.attention == Attention::kNaive ? r * config_.num_q_heads * static_cast<size_t>(capacity)
-                                                : 0;  // cudnn: the scores stay in its kernel
+      : options_.attention == Attention::kNaive
+          ? r * config_.num_q_heads * static_cast<size_t>(capacity)
+          : 0;  // cudnn: the scores stay in its kernel
   // Gated attention: q_proj's output is [q_h | gate_h] per head, twice q_dim.
   const size_t q_rows = config_.attn_output_gate ? 2 * q_dim : q_dim;
   const size_t gated = config_.attn_output_gate ? r * q_dim : 0;
@@ -101,7 +129,6 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
                                   const int* d_position, const RaggedRows* ragged) {
   const int hidden = config_.hidden_size, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
   const float eps = config_.rms_norm_eps;
-  const size_t layer_kv = static_cast<size_t>(batch_) * capacity_ * kv_dim;
   float* const xn = linear_.xn();
   const LayerWeights& lw = w_.layers[l];
   const bool gated = config_.attn_output_gate;
@@ -132,9 +159,7 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     projected.q = q_;
     projected.q_stride = q_dim;
   }
-  const size_t layer_offset = cache_index_[l] * layer_kv * kv_cache_bytes_per_element();
-  const cuda::KvCache cache{k_cache_ + layer_offset, v_cache_ + layer_offset,
-                            options_.kv_cache == KvCache::kBf16, capacity_};
+  const cuda::KvCache cache = LayerCache(l);
   const MatrixRef q_norm = config_.qk_norm ? lw.q_norm : MatrixRef{};
   const MatrixRef k_norm = config_.qk_norm ? lw.k_norm : MatrixRef{};
   const int2* row_map = ragged ? ragged->rows : nullptr;
@@ -151,17 +176,11 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     if (auto s = Attend(cache, 0, rows, n, d_position, nullptr); !s.ok()) return s;
   } else {
     if (ragged->decode_rows > 0)
-      if (auto s = Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map); !s.ok())
-        return s;
+      if (auto s = Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map); !s.ok()) return s;
     // A prefill chunk is a lockstep chunk of one sequence: its slot's cache, its first row's
     // position (the pair's .y) as the chunk's position.
-    const size_t slot_bytes =
-        static_cast<size_t>(capacity_) * kv_dim * kv_cache_bytes_per_element();
     for (const RaggedRows::Chunk& c : ragged->chunks) {
-      const cuda::KvCache slot_cache{static_cast<char*>(cache.k) + c.slot * slot_bytes,
-                                     static_cast<char*>(cache.v) + c.slot * slot_bytes, cache.bf16,
-                                     capacity_};
-      if (auto s = Attend(slot_cache, c.first_row, c.tokens, c.tokens,
+      if (auto s = Attend(SlotCache(cache, c.slot), c.first_row, c.tokens, c.tokens,
                           reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr);
           !s.ok())
         return s;
@@ -184,6 +203,30 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
   }
   CHECK_LAUNCH();
   return absl::OkStatus();
+}
+
+cuda::KvCache AttentionRunner::LayerCache(int l) const {
+  const size_t layer_rows = static_cast<size_t>(cache_index_[l]) * batch_ * capacity_;
+  const size_t layer_bytes = layer_rows * config_.kv_dim() * kv_cache_bytes_per_element();
+  const size_t layer_scales = layer_rows * config_.num_kv_heads;
+  return {k_cache_ + layer_bytes,
+          v_cache_ + layer_bytes,
+          kv_dtype(),
+          capacity_,
+          k_scale_ ? k_scale_ + layer_scales : nullptr,
+          v_scale_ ? v_scale_ + layer_scales : nullptr};
+}
+
+cuda::KvCache AttentionRunner::SlotCache(const cuda::KvCache& layer, int slot) const {
+  const size_t slot_rows = static_cast<size_t>(slot) * capacity_;
+  const size_t slot_bytes = slot_rows * config_.kv_dim() * kv_cache_bytes_per_element();
+  const size_t slot_scales = slot_rows * config_.num_kv_heads;
+  return {static_cast<char*>(layer.k) + slot_bytes,
+          static_cast<char*>(layer.v) + slot_bytes,
+          layer.dtype,
+          capacity_,
+          layer.k_scale ? layer.k_scale + slot_scales : nullptr,
+          layer.v_scale ? layer.v_scale + slot_scales : nullptr};
 }
 
 absl::Status AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows, int n,

@@ -48,8 +48,10 @@ class AttentionRunner {
   absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out, const int* d_position,
                    const RaggedRows* ragged = nullptr);
 
-  // Bytes per element of the KV cache: 4 for fp32, 2 for bf16.
-  int kv_cache_bytes_per_element() const { return options_.kv_cache == KvCache::kBf16 ? 2 : 4; }
+  // The KV cache's element type, and its bytes per element: 4 for fp32, 2 for bf16, 1 for fp8
+  // (whose per-head scales add 8 bytes a token and kv head, K and V together).
+  cuda::KvDtype kv_dtype() const;
+  int kv_cache_bytes_per_element() const { return cuda::KvBytesPerElement(kv_dtype()); }
   char* k_cache() const { return k_cache_; }
   char* v_cache() const { return v_cache_; }
   const float2* rope() const { return rope_; }
@@ -57,9 +59,13 @@ class AttentionRunner {
   float* attn() const { return attn_; }
 
  private:
+  void FreeCache();
+  // Layer l's cache, or (serving) one KV slot of it.
+  cuda::KvCache LayerCache(int l) const;
+  cuda::KvCache SlotCache(const cuda::KvCache& layer, int slot) const;
   // The attention kernel over rows [first_row, first_row + rows) of q_ into attn_.
-  absl::Status Attend(const cuda::KvCache& cache, int first_row, int rows, int n, const int* d_position,
-              const int2* ragged);
+  absl::Status Attend(const cuda::KvCache& cache, int first_row, int rows, int n,
+                      const int* d_position, const int2* ragged);
 
   const ModelConfig& config_;
   const ModelWeights& w_;
@@ -71,10 +77,11 @@ class AttentionRunner {
       cache_index_;         // layer -> its slot in the KV cache, -1 for linear attention
   const int cache_layers_;  // full-attention layers
   int batch_ = 0, capacity_ = 0;
-  std::unique_ptr<CudnnAttention> cudnn_;  // attention=cudnn: its plans, made with the cache
-  int32_t* seq_lens_ = nullptr;            // attention=cudnn: [2, batch] s_q and KV lengths
-  char *k_cache_ = nullptr, *v_cache_ = nullptr;  // fp32, or bf16 with kv_cache=bf16
-  float2* rope_ = nullptr;                        // [capacity, rotary_dim / 2] cos/sin
+  std::unique_ptr<CudnnAttention> cudnn_;         // attention=cudnn: its plans, made with the cache
+  int32_t* seq_lens_ = nullptr;                   // attention=cudnn: [2, batch] s_q and KV lengths
+  char *k_cache_ = nullptr, *v_cache_ = nullptr;  // [cache layers, batch, capacity, kv_dim]
+  float *k_scale_ = nullptr, *v_scale_ = nullptr;  // kv_cache=fp8: [.., batch, capacity, kv_heads]
+  float2* rope_ = nullptr;                         // [capacity, rotary_dim / 2] cos/sin
   float *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
         *qkv_ = nullptr,  // [rows, q | k | v]: the fused q/k/v GEMM's output
             *attn_ = nullptr,

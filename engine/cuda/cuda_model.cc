@@ -177,6 +177,8 @@ class CudaModel final : public Model {
     if (greedy && batch_ > 65535)  // cuda::GreedyTokens runs a grid row a sequence
       return absl::InvalidArgumentError(
           absl::StrCat("ForwardGreedy: batch ", batch_, " exceeds 65535 sequences"));
+    if (mode == LogitsMode::kLast && n > 1 && static_cast<int64_t>(batch_) * n > kMaxStepRows)
+      return ChunkedPrefill(tokens, n, logits, next);
     MaybeCommitProcessFault(fault_);
     const int rows = batch_ * n;
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
@@ -197,6 +199,34 @@ class CudaModel final : public Model {
     else
       logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;
+    return absl::OkStatus();
+  }
+
+  // A lockstep prefill of more than kMaxStepRows rows, as steps of whole-token chunks per
+  // sequence (kMaxStepRows / batch tokens each), so a step's activations stay those of
+  // kMaxStepRows rows: at batch 64 and 4096-token prompts, one step would hold 262,144 rows
+  // (~45 GB of scratch on qwen3-30b-a3b). Each chunk attends to the ones before it through the
+  // cache, as a step after a prefill does; the last chunk's outputs are the step's, its device
+  // time the chunks' sum.
+  absl::Status ChunkedPrefill(std::span<const int32_t> tokens, int n, std::vector<float>* logits,
+                              std::vector<int32_t>* next) {
+    const int chunk = std::max(1, kMaxStepRows / batch_);
+    std::vector<int32_t> piece, discarded;
+    double device_ms = 0;
+    for (int start = 0; start < n; start += chunk) {
+      const int len = std::min(chunk, n - start);
+      piece.resize(static_cast<size_t>(batch_) * len);
+      for (int b = 0; b < batch_; ++b)
+        std::copy_n(tokens.begin() + static_cast<size_t>(b) * n + start, len,
+                    piece.begin() + static_cast<size_t>(b) * len);
+      const bool last = start + len == n;
+      if (auto s = Step(piece, len, LogitsMode::kLast, last ? logits : nullptr,
+                        last ? next : &discarded);
+          !s.ok())
+        return s;
+      device_ms += last_step_ms_.value_or(0);
+    }
+    last_step_ms_ = device_ms;
     return absl::OkStatus();
   }
 
@@ -661,6 +691,7 @@ class CudaModel final : public Model {
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;
+  static constexpr int kMaxStepRows = 32768;  // a lockstep step's rows (ChunkedPrefill)
 };
 
 // TEST ONLY (test_kernel=sm100a): the sm_100a-only kernel, launched once; where the binary has

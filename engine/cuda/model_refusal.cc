@@ -48,6 +48,9 @@ std::string CudaModelRefusal(const ModelConfig& c, QuantFormat weights,
       !cuda::FlashSupports(c.num_q_heads, c.num_kv_heads, c.head_dim))
     return "attention=flash supports head_dim <= 128 (a multiple of 8) and <= 16 q heads per kv "
            "head";
+  if (options.kv_cache == KvCache::kFp8 && !cuda::FlashDecodeMmaSupports(c.head_dim))
+    return absl::StrCat("kv_cache=fp8 is read by the tensor-core flash kernels only: head_dim ",
+                        c.head_dim, " must be 32, 64 or 128");
   if (RoutesOnDevice(options.moe) && c.is_moe() &&
       (c.num_experts_per_tok > 32 || c.num_experts > 1024 || c.hidden_size % 8 != 0 ||
        c.moe_intermediate_size % 8 != 0 || int64_t{4} * c.hidden_size > cuda::kMoeMaxSharedBytes))

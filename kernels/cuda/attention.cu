@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kv_cache.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep::cuda {
@@ -16,9 +17,6 @@ __global__ void RopeTableKernel(int capacity, int half, int head_dim, double the
   const double angle = static_cast<double>(pos) * pow(theta, -2.0 * pair / head_dim);
   table[i] = make_float2(static_cast<float>(cos(angle)), static_cast<float>(sin(angle)));
 }
-
-__device__ __forceinline__ void StoreKv(float* p, float v) { *p = v; }
-__device__ __forceinline__ void StoreKv(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // grid (rows, ceil((q_heads + kv_heads) / kWarps)), one warp per head vector. Optional RMSNorm
 // over the head (qwen3 q_norm/k_norm), RoPE (HF rotate_half), then k heads go to the cache with
@@ -36,7 +34,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
                            int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
                            int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
                            float eps, const float2* rope, const int* position, const int2* ragged,
-                           int capacity, CacheT* k_cache, CacheT* v_cache) {
+                           const KvCache cache) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + threadIdx.x / 32;
   const bool active = head < q_heads + kv_heads;
@@ -51,6 +49,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   for (int j = 0; j < kRopePerLane; ++j) {
     const int i = lane + 32 * j;
     gain1[j] = gain2[j] = 1.f;
+    cs[j] = make_float2(1.f, 0.f);
     if (!active || i >= half) continue;
     cs[j] = rope[static_cast<int64_t>(pos) * half + i];
     if (gain) {
@@ -82,32 +81,71 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   for (int i = kHeld + lane; i < half; i += 32)
     sum_sq += vec[i] * vec[i] + vec[i + half] * vec[i + half];
   const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
-  // In place when q_out is q: each lane rewrites only the elements it read.
-  float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
-  const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
-  // Pair (i, i + half), normalised: rotated into q, or into the cache beside its v pair.
-  auto emit = [&](int i, float a, float b, float2 c, float v_lo, float v_hi) {
-    const float r1 = a * c.x - b * c.y, r2 = b * c.x + a * c.y;
-    if (is_q) {
-      rotated_q[i] = r1;
-      rotated_q[i + half] = r2;
-    } else {
-      StoreKv(k_cache + slot + i, r1);
-      StoreKv(k_cache + slot + i + half, r2);
-      StoreKv(v_cache + slot + i, v_lo);
-      StoreKv(v_cache + slot + i + half, v_hi);
-    }
+  // Pair (i, i + half), normalised, rotated.
+  auto rotate = [](float a, float b, float2 c) {
+    return make_float2(a * c.x - b * c.y, b * c.x + a * c.y);
   };
+  float2 r[kRopePerLane];
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j)
+    r[j] = rotate(x1[j] * inv * gain1[j], x2[j] * inv * gain2[j], cs[j]);  // 0 past half
+  auto late_pair = [&](int i) {
+    const float g1 = gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f;
+    const float g2 = gain ? LoadAsFloat(gain, norm_dtype, i + half) : 1.f;
+    return rotate(vec[i] * inv * g1, vec[i + half] * inv * g2,
+                  rope[static_cast<int64_t>(pos) * half + i]);
+  };
+  if (is_q) {  // in place when q_out is q: each lane rewrites only the elements it read
+    float* rotated_q = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
+#pragma unroll
+    for (int j = 0; j < kRopePerLane; ++j) {
+      const int i = lane + 32 * j;
+      if (i < half) rotated_q[i] = r[j].x, rotated_q[i + half] = r[j].y;
+    }
+    for (int i = kHeld + lane; i < half; i += 32) {
+      const float2 p = late_pair(i);
+      rotated_q[i] = p.x, rotated_q[i + half] = p.y;
+    }
+    return;
+  }
+  CacheT* const k_cache = static_cast<CacheT*>(cache.k);
+  CacheT* const v_cache = static_cast<CacheT*>(cache.v);
+  const int64_t slot =
+      (static_cast<int64_t>(batch) * cache.capacity + pos) * kv_dim + kv_head * head_dim;
+  // An fp8 cache stores the head under its scales (the (scale, 1 / scale) pairs); CudaModelRefusal
+  // keeps its head_dim <= 128, so every pair is held and none is read late.
+  float2 k_scale = make_float2(1.f, 1.f), v_scale = k_scale;
+  if constexpr (kIsFp8Cache<CacheT>) {
+    float k_amax = 0.f, v_amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRopePerLane; ++j) {
+      k_amax = fmaxf(k_amax, fmaxf(fabsf(r[j].x), fabsf(r[j].y)));
+      v_amax = fmaxf(v_amax, fmaxf(fabsf(v1[j]), fabsf(v2[j])));
+    }
+    k_scale = HeadScale(WarpMax(k_amax));
+    v_scale = HeadScale(WarpMax(v_amax));
+    if (lane == 0) {
+      const int64_t scale_slot =
+          (static_cast<int64_t>(batch) * cache.capacity + pos) * kv_heads + kv_head;
+      cache.k_scale[scale_slot] = k_scale.x;
+      cache.v_scale[scale_slot] = v_scale.x;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kRopePerLane; ++j) {
     const int i = lane + 32 * j;
-    if (i < half) emit(i, x1[j] * inv * gain1[j], x2[j] * inv * gain2[j], cs[j], v1[j], v2[j]);
+    if (i >= half) continue;
+    StoreKv(k_cache + slot + i, r[j].x * k_scale.y);
+    StoreKv(k_cache + slot + i + half, r[j].y * k_scale.y);
+    StoreKv(v_cache + slot + i, v1[j] * v_scale.y);
+    StoreKv(v_cache + slot + i + half, v2[j] * v_scale.y);
   }
   for (int i = kHeld + lane; i < half; i += 32) {
-    const float g1 = gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f;
-    const float g2 = gain ? LoadAsFloat(gain, norm_dtype, i + half) : 1.f;
-    emit(i, vec[i] * inv * g1, vec[i + half] * inv * g2, rope[static_cast<int64_t>(pos) * half + i],
-         is_q ? 0.f : vh[i], is_q ? 0.f : vh[i + half]);
+    const float2 p = late_pair(i);
+    StoreKv(k_cache + slot + i, p.x);
+    StoreKv(k_cache + slot + i + half, p.y);
+    StoreKv(v_cache + slot + i, vh[i]);
+    StoreKv(v_cache + slot + i + half, vh[i + half]);
   }
 }
 
@@ -122,7 +160,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
                                   int head_dim, int rotary_dim, const void* q_norm,
                                   const void* k_norm, DType norm_dtype, float eps,
                                   const float2* rope, const int* position, const int2* ragged,
-                                  int capacity, CacheT* k_cache, CacheT* v_cache) {
+                                  const KvCache cache) {
   extern __shared__ float staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + warp;
@@ -146,21 +184,39 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   __syncwarp();
   const int half = rotary_dim / 2;
   const int kv_dim = kv_heads * head_dim;
-  const int64_t slot = (static_cast<int64_t>(batch) * capacity + pos) * kv_dim + kv_head * head_dim;
   const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
+  auto rotated = [&](int i) {
+    if (i >= rotary_dim) return normed[i];
+    const float2 c = rope[static_cast<int64_t>(pos) * half + i % half];
+    return i < half ? normed[i] * c.x - normed[i + half] * c.y
+                    : normed[i] * c.x + normed[i - half] * c.y;
+  };
+  if (is_q) {
+    for (int i = lane; i < head_dim; i += 32)
+      q_out[(static_cast<int64_t>(row) * q_heads + head) * head_dim + i] = rotated(i);
+    return;
+  }
+  const int64_t cache_row = static_cast<int64_t>(batch) * cache.capacity + pos;
+  // An fp8 cache stores the head under its scales (the (scale, 1 / scale) pairs).
+  float2 k_scale = make_float2(1.f, 1.f), v_scale = k_scale;
+  if constexpr (kIsFp8Cache<CacheT>) {
+    float k_amax = 0.f, v_amax = 0.f;
+    for (int i = lane; i < head_dim; i += 32) {
+      k_amax = fmaxf(k_amax, fabsf(rotated(i)));
+      v_amax = fmaxf(v_amax, fabsf(vh[i]));
+    }
+    k_scale = HeadScale(WarpMax(k_amax));
+    v_scale = HeadScale(WarpMax(v_amax));
+    if (lane == 0) {
+      cache.k_scale[cache_row * kv_heads + kv_head] = k_scale.x;
+      cache.v_scale[cache_row * kv_heads + kv_head] = v_scale.x;
+    }
+  }
+  CacheT* const k_row = static_cast<CacheT*>(cache.k) + cache_row * kv_dim + kv_head * head_dim;
+  CacheT* const v_row = static_cast<CacheT*>(cache.v) + cache_row * kv_dim + kv_head * head_dim;
   for (int i = lane; i < head_dim; i += 32) {
-    float out = normed[i];
-    if (i < rotary_dim) {
-      const float2 c = rope[static_cast<int64_t>(pos) * half + i % half];
-      out = i < half ? normed[i] * c.x - normed[i + half] * c.y
-                     : normed[i] * c.x + normed[i - half] * c.y;
-    }
-    if (is_q) {
-      q_out[(static_cast<int64_t>(row) * q_heads + head) * head_dim + i] = out;
-    } else {
-      StoreKv(k_cache + slot + i, out);
-      StoreKv(v_cache + slot + i, vh[i]);
-    }
+    StoreKv(k_row + i, rotated(i) * k_scale.y);
+    StoreKv(v_row + i, vh[i] * v_scale.y);
   }
 }
 
@@ -222,16 +278,11 @@ void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_he
                       const float2* rope, const int* position, const KvCache& cache,
                       cudaStream_t stream, const int2* ragged) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
-  if (cache.bf16)
-    Launch(QkNormRopeAppendKernel<__nv_bfloat16>, grid, block, 0, stream, in.q, in.q_stride, in.k,
+  WithCacheType(cache.dtype, [&](auto type) {
+    Launch(QkNormRopeAppendKernel<decltype(type)>, grid, block, 0, stream, in.q, in.q_stride, in.k,
            in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
-           q_norm.dtype, eps, rope, position, ragged, cache.capacity,
-           static_cast<__nv_bfloat16*>(cache.k), static_cast<__nv_bfloat16*>(cache.v));
-  else
-    Launch(QkNormRopeAppendKernel<float>, grid, block, 0, stream, in.q, in.q_stride, in.k, in.v,
-           in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
-           q_norm.dtype, eps, rope, position, ragged, cache.capacity, static_cast<float*>(cache.k),
-           static_cast<float*>(cache.v));
+           q_norm.dtype, eps, rope, position, ragged, cache);
+  });
 }
 
 void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads,
@@ -241,17 +292,12 @@ void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, i
                              const int2* ragged) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   const size_t smem = sizeof(float) * kRopeWarps * head_dim;
-  if (cache.bf16)
-    LaunchPlain(QkNormPartialRopeAppendKernel<__nv_bfloat16>, grid, block, smem, stream, in.q,
+  WithCacheType(cache.dtype, [&](auto type) {
+    LaunchPlain(QkNormPartialRopeAppendKernel<decltype(type)>, grid, block, smem, stream, in.q,
                 in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
                 rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, ragged,
-                cache.capacity, static_cast<__nv_bfloat16*>(cache.k),
-                static_cast<__nv_bfloat16*>(cache.v));
-  else
-    LaunchPlain(QkNormPartialRopeAppendKernel<float>, grid, block, smem, stream, in.q, in.q_stride,
-                in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, rotary_dim,
-                q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, ragged, cache.capacity,
-                static_cast<float*>(cache.k), static_cast<float*>(cache.v));
+                cache);
+  });
 }
 
 void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, int rows, int n,

@@ -20,25 +20,26 @@ constexpr int kDecodeKeys = 16 * kDecodeWarps;  // keys per staged tile; warp w 
 constexpr float kLn2 = 0.6931471805599453f;
 
 // grid (rows, kv_heads, splits), 128 threads. Block (row, kv head, split) walks the split's keys
-// [begin, end) in tiles of 64 staged in shared memory as bf16, two stages deep (the next tile's
-// copies are in flight while the current one is computed); warp w scores its 16 keys of each
-// tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the group, zero
-// past it) and keeps its own online softmax (exp2, log2-scaled). The four warps are merged through
-// shared memory at the end, in warp order (deterministic), into the partial (max in natural log
-// units, sum, unnormalised acc) of every q head of the group that FlashCombineKernel reads.
-// Keys before the chunk's first position were appended by earlier steps, so the first tile's
+// [begin, end) in tiles of 64 staged in shared memory as bf16 (from any cache type), two stages
+// deep (the next tile's copies are in flight while the current one is computed); warp w scores its
+// 16 keys of each tile against the group's q heads (A rows g and g + 8 are heads g and g + 8 of the
+// group, zero past it) and keeps its own online softmax (exp2, log2-scaled). The four warps are
+// merged through shared memory at the end, in warp order (deterministic), into the partial (max in
+// natural log units, sum, unnormalised acc) of every q head of the group that FlashCombineKernel
+// reads. Keys before the chunk's first position were appended by earlier steps, so the first tile's
 // copies of those are issued before waiting for the kernel that appended this chunk's keys.
 template <int D, typename CacheT>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    FlashDecodeKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
-                      int q_heads, int kv_heads, const int* position, const int2* ragged,
-                      int capacity, int splits, float* partial_acc, float* partial_max,
-                      float* partial_sum) {
-  constexpr int kStride = D + 8;  // bf16 per staged row: 16-byte aligned, conflict-free fragments
-  constexpr int kStage = 2 * kDecodeKeys * kStride;  // K then V
-  // Two stages; after the loop, the warps' scaled accumulators [warp][16][D] fp32 (it fits:
+    FlashDecodeKernel(const float* q, const KvCache cache, int n, int q_heads, int kv_heads,
+                      const int* position, const int2* ragged, int splits, float* partial_acc,
+                      float* partial_max, float* partial_sum) {
+  using Tiles = KvTiles<D, kDecodeKeys, CacheT>;
+  using TileT = typename Tiles::TileT;
+  constexpr int kStride = Tiles::kStride;
+  // The K/V tiles; after the loop, the warps' scaled accumulators [warp][16][D] fp32 (it fits:
   // 4 x 16 x D x 4 <= 2 x 2 x 64 x (D + 8) x 2 bytes).
-  extern __shared__ __align__(16) __nv_bfloat16 kv_s[];
+  extern __shared__ __align__(16) uint8_t kv_s[];
+  const Tiles tiles{kv_s};
   __shared__ float m_s[kDecodeWarps][16], l_s[kDecodeWarps][16];
   const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = q_heads / kv_heads;
@@ -49,19 +50,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int first_new = ragged ? sequence_position.y : *position;
   const int per_split = (keys + splits - 1) / splits;
   const int begin = split * per_split, end = min(keys, begin + per_split);
-  const int kv_dim = kv_heads * D;
-  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  auto k_stage = [&](int i) { return kv_s + (i & 1) * kStage; };
-  auto v_stage = [&](int i) { return kv_s + (i & 1) * kStage + kDecodeKeys * kStride; };
+  const KvHeadRows<CacheT> kv = HeadRows<CacheT>(cache, batch, kv_head, kv_heads, D);
   if (begin < end)  // keys appended by earlier steps: not written by the kernel before this one
-    IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, begin, begin, first_new - 1, end - 1, true,
-                                         k_stage(0), v_stage(0));
+    tiles.Issue(kv, 0, begin, begin, first_new - 1, end - 1, true);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   if (begin < end)  // this chunk's own keys
-    IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, begin, first_new, end - 1, end - 1, false,
-                                         k_stage(0), v_stage(0));
+    tiles.Issue(kv, 0, begin, first_new, end - 1, end - 1, false);
   CommitCopies();
 
   // Q as A fragments, scaled by log2(e) / sqrt(D) so the softmax runs on exp2.
@@ -70,7 +65,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const float* q_lo = g < group ? q_group + g * D : nullptr;
   const float* q_hi = g + 8 < group ? q_group + (g + 8) * D : nullptr;
   auto q_pair = [qscale](const float* h, int d) {
-    return h ? PackBf16x2(h[d] * qscale, h[d + 1] * qscale) : 0u;
+    return h ? Pack<TileT>(h[d] * qscale, h[d + 1] * qscale) : 0u;
   };
   uint32_t qf[D / 16][4];
 #pragma unroll
@@ -91,17 +86,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   for (int k0 = begin; k0 < end; k0 += kDecodeKeys, ++tile) {
     const bool more = k0 + kDecodeKeys < end;
     if (more) {  // the next tile into the other stage (consumed two iterations ago)
-      IssueKvRows<D, kDecodeKeys, kStride>(kb, vb, kv_dim, k0 + kDecodeKeys, k0 + kDecodeKeys,
-                                           end - 1, end - 1, true, k_stage(tile + 1),
-                                           v_stage(tile + 1));
+      tiles.Issue(kv, tile + 1, k0 + kDecodeKeys, k0 + kDecodeKeys, end - 1, end - 1, true);
       CommitCopies();
       WaitCopies<1>();
     } else {
       WaitCopies<0>();
     }
     __syncthreads();  // this tile's copies, from every thread, have landed
-    const __nv_bfloat16* k_s = k_stage(tile);
-    const __nv_bfloat16* v_s = v_stage(tile);
+    tiles.Ready(tile);
+    const TileT* k_s = tiles.K(tile);
+    const TileT* v_s = tiles.V(tile);
     if (k0 + key0 < end) {  // warp-uniform: some key of this warp is in the tile
       // S = Q K^T (16 heads x 16 keys): B fragment (k = d, n = key) from K rows.
       float s[2][4] = {};
@@ -111,7 +105,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         for (int j = 0; j < 2; ++j) {
           const uint32_t* kr = reinterpret_cast<const uint32_t*>(
               k_s + (key0 + 8 * j + g) * kStride + 16 * ks + 2 * t);
-          MmaBf16(s[j], qf[ks], kr[0], kr[4]);
+          Mma<TileT>(s[j], qf[ks], kr[0], kr[4]);
         }
         // Keys past the split's end are masked; this warp has at least one valid key, so the new
         // running max is finite.
@@ -120,7 +114,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
         for (int c = 0; c < 2; ++c)
           if (k0 + key0 + 8 * j + 2 * t + c >= end) s[j][c] = s[j][2 + c] = -INFINITY;
-      SoftmaxAccumulate<D, 2, kStride>(s, v_s, key0, lane, m_lo, m_hi, l_lo, l_hi, o);
+      SoftmaxAccumulate<D, 2, kStride, TileT>(s, v_s, key0, lane, m_lo, m_hi, l_lo, l_hi, o);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
@@ -180,8 +174,7 @@ void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, in
   const dim3 grid(rows, kv_heads, splits), block(kDecodeWarps * 32);
   LaunchForHeadDim<kDecodeKeys>(
       [](auto d) { return FlashDecodeKernel<decltype(d)::value, CacheT>; }, head_dim, grid, block,
-      stream, q, static_cast<const CacheT*>(cache.k), static_cast<const CacheT*>(cache.v), n,
-      q_heads, kv_heads, position, ragged, cache.capacity, splits, partial_acc, partial_max,
+      stream, q, cache, n, q_heads, kv_heads, position, ragged, splits, partial_acc, partial_max,
       partial_sum);
 }
 
@@ -195,12 +188,11 @@ void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int
                              int kv_heads, int head_dim, const int* position, int splits,
                              float* partial_acc, float* partial_max, float* partial_sum,
                              cudaStream_t stream, const int2* ragged) {
-  if (cache.bf16)
-    LaunchFlashDecode<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
-                                     ragged, splits, partial_acc, partial_max, partial_sum, stream);
-  else
-    LaunchFlashDecode<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, ragged,
-                             splits, partial_acc, partial_max, partial_sum, stream);
+  WithCacheType(cache.dtype, [&](auto type) {
+    LaunchFlashDecode<decltype(type)>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
+                                      ragged, splits, partial_acc, partial_max, partial_sum,
+                                      stream);
+  });
 }
 
 ProbeKernel FlashDecodeProbeKernel() {

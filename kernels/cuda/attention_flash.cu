@@ -3,7 +3,8 @@
 // 32, 64 and 128 take the tensor-core kernels (attention_decode.cu, attention_prefill.cu); this
 // file's CUDA-core partial kernel serves the others.
 //
-// The cache is fp32 or bf16 (KvCache, kv_cache=); tiles are fp32 in shared memory.
+// The cache is fp32 or bf16 (KvCache, kv_cache=; fp8 takes the tensor-core kernels only); tiles
+// are fp32 in shared memory.
 //
 // Napkin math, qwen3-30b-a3b decode at batch 1, context 576: K and V of one layer are
 // 2 x 576 x 512 bf16 = 1.2 MB (2.4 MB in fp32); 48 layers = 57 MB -> 13 us at 4.46 TB/s. Batch
@@ -11,6 +12,8 @@
 // naive kernel re-read K and V once per q head (x8) with uncoalesced per-thread strides: ~5 ms per
 // token.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -206,19 +209,25 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
     RecordFallback("attention=flash: head_dim " + std::to_string(head_dim) +
                    ": the fp32 CUDA-core split-KV kernel, not the tensor-core kernels (head_dim "
                    "32, 64 or 128)");
-  if (FlashDecodeMmaSupports(head_dim))  // tensor cores (attention_decode.cu)
+  if (FlashDecodeMmaSupports(head_dim)) {  // tensor cores (attention_decode.cu)
     AttentionFlashDecodeMma(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
                             partial_acc, partial_max, partial_sum, stream, ragged);
-  else if (cache.bf16)
+  } else if (cache.dtype == KvDtype::kFp8) {
+    // CudaModelRefusal refuses kv_cache=fp8 at these head sizes before anything loads.
+    std::fprintf(stderr, "AttentionFlash: an fp8 KV cache at head_dim %d has no kernel\n",
+                 head_dim);
+    std::abort();
+  } else if (cache.dtype == KvDtype::kBf16) {
     Launch(FlashPartialKernel<__nv_bfloat16>, grid, block, shared, stream, q,
            static_cast<const __nv_bfloat16*>(cache.k), static_cast<const __nv_bfloat16*>(cache.v),
            n, q_heads, kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc,
            partial_max, partial_sum);
-  else
+  } else {
     Launch(FlashPartialKernel<float>, grid, block, shared, stream, q,
            static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), n, q_heads,
            kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc, partial_max,
            partial_sum);
+  }
   Launch(FlashCombineKernel, dim3(rows * q_heads), dim3(128), 0, stream, partial_acc, partial_max,
          partial_sum, splits, head_dim, out);
 }

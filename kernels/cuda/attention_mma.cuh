@@ -1,5 +1,5 @@
 // Pieces shared by the tensor-core attention kernels (attention_prefill.cu, attention_decode.cu):
-// bf16 packing, the m16n8k16 MMA, K/V tile staging from either cache type, and the transposed
+// the m16n8k16 MMA, K/V tile staging from any cache type, and the transposed
 // V fragments. Fragment layouts are PTX's for mma.m16n8k16 (.row.col): lane (g, t) = (lane / 4,
 // lane % 4) holds rows g and g + 8 of A and C, and column g of B.
 #pragma once
@@ -8,84 +8,146 @@
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kv_cache.cuh"
 
 namespace infersweep::cuda {
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
-  return *reinterpret_cast<const uint32_t*>(&v);
+// c += a . b, fp32 accumulators, bf16 or (TileT __half) f16 inputs.
+template <typename TileT>
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<TileT, __half>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <typename TileT>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+  if constexpr (std::is_same_v<TileT, __half>)
+    return PackF16x2(lo, hi);
+  else
+    return PackBf16x2(lo, hi);
 }
 
-// c += a . b, bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Eight cache elements from a 16-byte-aligned address, as eight bf16 (one 16-byte word).
-__device__ __forceinline__ uint4 LoadBf16x8(const __nv_bfloat16* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-__device__ __forceinline__ uint4 LoadBf16x8(const float* p) {
-  const float4 lo = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  return make_uint4(PackBf16x2(lo.x, lo.y), PackBf16x2(lo.z, lo.w), PackBf16x2(hi.x, hi.y),
-                    PackBf16x2(hi.z, hi.w));
-}
-
-// Issues the copies of keys k0 + [0, kKeys) that lie in [from, to] into one stage (bf16
-// [key][d] rows), and zeros for keys past last_key when zero_tail. bf16 caches go through
-// cp.async (the copy lands while the warps compute the other stage); fp32 caches are rounded on
-// the way, synchronously.
-template <int D, int kKeys, int kStride>
-__device__ __forceinline__ void IssueKvRows(const __nv_bfloat16* kb, const __nv_bfloat16* vb,
-                                            int kv_dim, int k0, int from, int to, int last_key,
-                                            bool zero_tail, __nv_bfloat16* k_s,
-                                            __nv_bfloat16* v_s) {
-#pragma unroll 4
-  for (int idx = threadIdx.x; idx < kKeys * D / 8; idx += blockDim.x) {
-    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
-    const bool copy = at >= from && at <= to && at <= last_key;
-    if (!copy && !(zero_tail && at > last_key)) continue;
-    const int64_t offset = copy ? static_cast<int64_t>(at) * kv_dim + d : 0;
-    const uint32_t bytes = copy ? 16 : 0;  // 0: cp.async fills the 16 bytes with zeros
-    const uint32_t k_dst = static_cast<uint32_t>(__cvta_generic_to_shared(k_s + key * kStride + d));
-    const uint32_t v_dst = static_cast<uint32_t>(__cvta_generic_to_shared(v_s + key * kStride + d));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(k_dst), "l"(kb + offset),
-                 "r"(bytes));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_dst), "l"(vb + offset),
-                 "r"(bytes));
-  }
-}
-template <int D, int kKeys, int kStride>
-__device__ __forceinline__ void IssueKvRows(const float* kb, const float* vb, int kv_dim, int k0,
-                                            int from, int to, int last_key, bool zero_tail,
-                                            __nv_bfloat16* k_s, __nv_bfloat16* v_s) {
-  for (int idx = threadIdx.x; idx < kKeys * D / 8; idx += blockDim.x) {
-    const int key = idx / (D / 8), d = (idx % (D / 8)) * 8, at = k0 + key;
-    const bool copy = at >= from && at <= to && at <= last_key;
-    if (!copy && !(zero_tail && at > last_key)) continue;
-    const uint4 z = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(k_s + key * kStride + d) =
-        copy ? LoadBf16x8(kb + static_cast<int64_t>(at) * kv_dim + d) : z;
-    *reinterpret_cast<uint4*>(v_s + key * kStride + d) =
-        copy ? LoadBf16x8(vb + static_cast<int64_t>(at) * kv_dim + d) : z;
-  }
-}
 __device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void WaitCopies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
+// `bytes` (<= the copy's size) from global to shared memory, asynchronously; the rest of the
+// destination is zero-filled (bytes 0: all of it).
+__device__ __forceinline__ void CopyAsync16(void* shared, const void* global, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global), "r"(bytes));
+}
+__device__ __forceinline__ void CopyAsync4(void* shared, const void* global, uint32_t bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global), "r"(bytes));
+}
+
+// Shared memory of two K/V stages of kKeys keys at head size head_dim (bf16, padded rows).
+template <int kKeys>
+constexpr size_t KvStagesBytes(int head_dim) {
+  return 2 * 2 * kKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
+}
+
+// A block's K/V tiles in shared memory (KvStagesBytes), two stages deep so that tile t + 1's
+// copies land while tile t is computed; the kernels read every tile as TileT [key][d] rows,
+// kStride apart (padded by 8: the fragment loads hit 32 distinct banks), and run their MMAs on
+// TileT.
+//   bf16 cache: bf16 tiles, cp.async straight into the stage's rows.
+//   fp32 cache: bf16 tiles, rounded on the way, synchronously.
+//   fp8 cache: f16 tiles. cp.async copies the raw codes and row scales into the stage (the
+//     copies stay asynchronous: converting on the way left a step's loads exposed); once they
+//     land, Ready converts them into the one f16 tile, codes times row scale (HeadScale's powers
+//     of two: exact in f16, one cvt and one multiply a pair where bf16 took six instructions,
+//     which made the kernel instruction-bound at 39 % of DRAM bandwidth).
+// Issue(tile, ...) copies keys k0 + [0, kKeys) that lie in [from, to], and zeros for keys past
+// last_key when zero_tail; keys outside both are left as they were.
+template <int D, int kKeys, typename CacheT>
+struct KvTiles {
+  static constexpr int kStride = D + 8;
+  static constexpr bool kRaw = kIsFp8Cache<CacheT>;
+  using TileT = std::conditional_t<kRaw, __half, __nv_bfloat16>;
+  static constexpr int kTileElems = kKeys * kStride;  // K or V
+  // fp8: a stage is K codes, V codes ([kKeys][D] bytes each), then K and V scales ([kKeys] each).
+  static constexpr int kRawStageBytes = 2 * kKeys * D + 2 * kKeys * 4;
+  static_assert(!kRaw || 2 * kRawStageBytes + 2 * kTileElems * 2 <= KvStagesBytes<kKeys>(D),
+                "the fp8 stages and their bf16 tile fit the bf16 stages' shared memory");
+  uint8_t* base;
+
+  __device__ __forceinline__ TileT* K(int tile) const {
+    TileT* tiles = reinterpret_cast<TileT*>(base + (kRaw ? 2 * kRawStageBytes : 0));
+    return kRaw ? tiles : tiles + (tile & 1) * 2 * kTileElems;
+  }
+  __device__ __forceinline__ TileT* V(int tile) const { return K(tile) + kTileElems; }
+
+  __device__ __forceinline__ void Issue(const KvHeadRows<CacheT>& rows, int tile, int k0, int from,
+                                        int to, int last_key, bool zero_tail) const {
+    constexpr int kPiece = kRaw ? 16 : 8;  // elements a copy moves
+#pragma unroll 8
+    for (int idx = threadIdx.x; idx < kKeys * D / kPiece; idx += blockDim.x) {
+      const int key = idx / (D / kPiece), d = (idx % (D / kPiece)) * kPiece, at = k0 + key;
+      const bool copy = at >= from && at <= to && at <= last_key;
+      if (!copy && !(zero_tail && at > last_key)) continue;
+      const int64_t offset = copy ? static_cast<int64_t>(at) * rows.kv_dim + d : 0;
+      if constexpr (kRaw) {
+        uint8_t* stage = base + (tile & 1) * kRawStageBytes;
+        CopyAsync16(stage + key * D + d, rows.k + offset, copy ? 16 : 0);
+        CopyAsync16(stage + kKeys * D + key * D + d, rows.v + offset, copy ? 16 : 0);
+        if (d == 0) {
+          const int64_t scale_at = copy ? static_cast<int64_t>(at) * rows.kv_heads : 0;
+          float* scales = reinterpret_cast<float*>(stage + 2 * kKeys * D);
+          CopyAsync4(scales + key, rows.k_scale + scale_at, copy ? 4 : 0);
+          CopyAsync4(scales + kKeys + key, rows.v_scale + scale_at, copy ? 4 : 0);
+        }
+      } else if constexpr (std::is_same_v<CacheT, __nv_bfloat16>) {
+        CopyAsync16(K(tile) + key * kStride + d, rows.k + offset, copy ? 16 : 0);
+        CopyAsync16(V(tile) + key * kStride + d, rows.v + offset, copy ? 16 : 0);
+      } else {
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(K(tile) + key * kStride + d) =
+            copy ? LoadBf16x8(rows.k + offset) : z;
+        *reinterpret_cast<uint4*>(V(tile) + key * kStride + d) =
+            copy ? LoadBf16x8(rows.v + offset) : z;
+      }
+    }
+  }
+
+  // Called by every thread once tile `tile`'s copies have landed and a barrier has passed; the
+  // tile is readable after it.
+  __device__ __forceinline__ void Ready(int tile) const {
+    if constexpr (kRaw) {
+      const uint8_t* stage = base + (tile & 1) * kRawStageBytes;
+      const float* scales = reinterpret_cast<const float*>(stage + 2 * kKeys * D);
+      for (int idx = threadIdx.x; idx < kKeys * D / 8; idx += blockDim.x) {
+        const int key = idx / (D / 8), d = (idx % (D / 8)) * 8;
+        const uint2 k_codes = *reinterpret_cast<const uint2*>(stage + key * D + d);
+        const uint2 v_codes = *reinterpret_cast<const uint2*>(stage + kKeys * D + key * D + d);
+        *reinterpret_cast<uint4*>(K(tile) + key * kStride + d) =
+            Fp8x8ToF16(k_codes, __float2half2_rn(scales[key]));
+        *reinterpret_cast<uint4*>(V(tile) + key * kStride + d) =
+            Fp8x8ToF16(v_codes, __float2half2_rn(scales[kKeys + key]));
+      }
+      __syncthreads();
+    }
+  }
+};
 
 // B fragments of P V for 16 keys starting at row `key0` of the staged V tile and d tiles j, j + 1
 // (8 d each): ldmatrix.x4.trans, lanes 0-15 addressing keys key0 + (lane & 15) at d 8 j, lanes
 // 16-31 the same keys at d 8 j + 8. b[0], b[1] feed d tile j; b[2], b[3] d tile j + 1.
-template <int kStride>
-__device__ __forceinline__ void LoadVFragments(const __nv_bfloat16* v_s, int key0, int j, int lane,
+template <int kStride, typename TileT>
+__device__ __forceinline__ void LoadVFragments(const TileT* v_s, int key0, int j, int lane,
                                                uint32_t* b) {
   const uint32_t address = static_cast<uint32_t>(
       __cvta_generic_to_shared(v_s + (key0 + (lane & 15)) * kStride + 8 * j + (lane >> 4) * 8));
@@ -105,10 +167,10 @@ __device__ __forceinline__ float QuadSum(float v) {
 // the rows' running max m (which must be finite after this step: the callers guarantee a valid
 // key per row) and this lane's part of their sums l, rescales o and adds P V, V rows from key0.
 // The S accumulators of key tiles 2i and 2i + 1 are exactly the A fragment of 16 keys.
-template <int D, int kTiles, int kStride>
-__device__ __forceinline__ void SoftmaxAccumulate(float (&s)[kTiles][4], const __nv_bfloat16* v_s,
-                                                  int key0, int lane, float& m_lo, float& m_hi,
-                                                  float& l_lo, float& l_hi, float (&o)[D / 8][4]) {
+template <int D, int kTiles, int kStride, typename TileT>
+__device__ __forceinline__ void SoftmaxAccumulate(float (&s)[kTiles][4], const TileT* v_s, int key0,
+                                                  int lane, float& m_lo, float& m_hi, float& l_lo,
+                                                  float& l_hi, float (&o)[D / 8][4]) {
   float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
@@ -145,24 +207,18 @@ __device__ __forceinline__ void SoftmaxAccumulate(float (&s)[kTiles][4], const _
   }
 #pragma unroll
   for (int ks = 0; ks < kTiles / 2; ++ks) {
-    const uint32_t pa[4] = {PackBf16x2(s[2 * ks][0], s[2 * ks][1]),
-                            PackBf16x2(s[2 * ks][2], s[2 * ks][3]),
-                            PackBf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                            PackBf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+    const uint32_t pa[4] = {Pack<TileT>(s[2 * ks][0], s[2 * ks][1]),
+                            Pack<TileT>(s[2 * ks][2], s[2 * ks][3]),
+                            Pack<TileT>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                            Pack<TileT>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
 #pragma unroll
     for (int j = 0; j < D / 8; j += 2) {
       uint32_t b[4];
       LoadVFragments<kStride>(v_s, key0 + 16 * ks, j, lane, b);
-      MmaBf16(o[j], pa, b[0], b[1]);
-      MmaBf16(o[j + 1], pa, b[2], b[3]);
+      Mma<TileT>(o[j], pa, b[0], b[1]);
+      Mma<TileT>(o[j + 1], pa, b[2], b[3]);
     }
   }
-}
-
-// Shared memory of two K/V stages of kKeys keys at head size head_dim (bf16, padded rows).
-template <int kKeys>
-constexpr size_t KvStagesBytes(int head_dim) {
-  return 2 * 2 * kKeys * (head_dim + 8) * sizeof(__nv_bfloat16);
 }
 
 // Launches kernel_of(D) for head_dim D = 32, 64 or 128 (the callers' Supports functions) with

@@ -3,7 +3,8 @@
 // in exp2. The split-KV kernel (attention_flash.cu) gives each query row its own block and
 // re-reads every key per row on CUDA cores (5.1 ms a layer at prefill 2048 on qwen3-30b-a3b,
 // ncu); this kernel stages each K/V tile once per 64 queries. On the fp32 cache the K/V
-// conversion and staging dominate; with kv_cache=bf16 (KvCache) tiles are plain 16-byte copies.
+// conversion and staging dominate; with kv_cache=bf16 (KvCache) tiles are plain 16-byte copies;
+// fp8 codes are converted (times their row's scale) as they are staged.
 //
 // Napkin math, qwen3-30b-a3b prefill of 2048 tokens, one layer: QK^T and PV over the causal
 // half, 32 heads x 2048^2 / 2 x 128 x 2 x 2 = 34 GFLOP -> ~0.1 ms at 400 TFLOP/s of mma.sync;
@@ -28,28 +29,26 @@ constexpr int kKeys = 64;     // per shared-memory tile
 // sits at position *position + i and sees keys [0, that position].
 template <int D, typename CacheT>
 __global__ void __launch_bounds__(128)
-    FlashPrefillKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache, int n,
-                       int q_heads, int kv_heads, const int* position, int capacity, float* out) {
-  constexpr int kKStride = D + 8;  // bf16 per K and V row: 16-byte aligned, conflict-free
-  constexpr int kStage = 2 * kKeys * kKStride;  // K then V
-  extern __shared__ __align__(16) __nv_bfloat16 kv_stages[];
+    FlashPrefillKernel(const float* q, const KvCache cache, int n, int q_heads, int kv_heads,
+                       const int* position, float* out) {
+  using Tiles = KvTiles<D, kKeys, CacheT>;
+  using TileT = typename Tiles::TileT;
+  constexpr int kKStride = Tiles::kStride;  // bf16 per K and V row: 16-byte aligned, conflict-free
+  extern __shared__ __align__(16) uint8_t kv_stages[];
+  const Tiles tiles{kv_stages};
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int head = blockIdx.x, batch = blockIdx.z;
   const int tile = gridDim.y - 1 - blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int kv_head = head / (q_heads / kv_heads), kv_dim = kv_heads * D;
+  const int kv_head = head / (q_heads / kv_heads);
   const int pos0 = *position;
   // Rows past the chunk's end compute as copies of its last row and are not written.
   const int i_lo = tile * kQueries + warp * 16 + g, i_hi = i_lo + 8;
   const int qpos_lo = pos0 + min(i_lo, n - 1), qpos_hi = pos0 + min(i_hi, n - 1);
   const int last_key = pos0 + min(tile * kQueries + kQueries - 1, n - 1);
-  const CacheT* kb = k_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  const CacheT* vb = v_cache + static_cast<int64_t>(batch) * capacity * kv_dim + kv_head * D;
-  auto k_stage = [&](int i) { return kv_stages + (i & 1) * kStage; };
-  auto v_stage = [&](int i) { return kv_stages + (i & 1) * kStage + kKeys * kKStride; };
-  IssueKvRows<D, kKeys, kKStride>(kb, vb, kv_dim, 0, 0, last_key, last_key, true, k_stage(0),
-                                  v_stage(0));
+  const KvHeadRows<CacheT> kv = HeadRows<CacheT>(cache, batch, kv_head, kv_heads, D);
+  tiles.Issue(kv, 0, 0, 0, last_key, last_key, true);
   CommitCopies();
 
   // Q as A fragments, scaled by log2(e) / sqrt(D) so the softmax runs on exp2.
@@ -62,10 +61,10 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const int d = 16 * s + 2 * t;
-    qf[s][0] = PackBf16x2(q_lo[d] * qscale, q_lo[d + 1] * qscale);
-    qf[s][1] = PackBf16x2(q_hi[d] * qscale, q_hi[d + 1] * qscale);
-    qf[s][2] = PackBf16x2(q_lo[d + 8] * qscale, q_lo[d + 9] * qscale);
-    qf[s][3] = PackBf16x2(q_hi[d + 8] * qscale, q_hi[d + 9] * qscale);
+    qf[s][0] = Pack<TileT>(q_lo[d] * qscale, q_lo[d + 1] * qscale);
+    qf[s][1] = Pack<TileT>(q_hi[d] * qscale, q_hi[d + 1] * qscale);
+    qf[s][2] = Pack<TileT>(q_lo[d + 8] * qscale, q_lo[d + 9] * qscale);
+    qf[s][3] = Pack<TileT>(q_hi[d + 8] * qscale, q_hi[d + 9] * qscale);
   }
   float o[D / 8][4];
 #pragma unroll
@@ -74,18 +73,18 @@ __global__ void __launch_bounds__(128)
 
   for (int k0 = 0, step = 0; k0 <= last_key; k0 += kKeys, ++step) {
     if (k0 + kKeys <= last_key) {  // the next tile into the other stage (consumed a step ago)
-      IssueKvRows<D, kKeys, kKStride>(kb, vb, kv_dim, k0 + kKeys, k0 + kKeys, last_key, last_key,
-                                      true, k_stage(step + 1), v_stage(step + 1));
+      tiles.Issue(kv, step + 1, k0 + kKeys, k0 + kKeys, last_key, last_key, true);
       CommitCopies();
       WaitCopies<1>();
     } else {
       WaitCopies<0>();
     }
     __syncthreads();  // this tile's copies, from every thread, have landed
+    tiles.Ready(step);
     // K and V rows alike, [key][d] in bf16: the PV fragments come from ldmatrix.trans, so V
     // needs no transposed copy.
-    const __nv_bfloat16* k_s = k_stage(step);
-    const __nv_bfloat16* v_s = v_stage(step);
+    const TileT* k_s = tiles.K(step);
+    const TileT* v_s = tiles.V(step);
 
     // S = Q K^T (16 x 64 per warp): B fragment (k = d, n = key) from K rows.
     float s[kKeys / 8][4];
@@ -97,7 +96,7 @@ __global__ void __launch_bounds__(128)
       for (int j = 0; j < kKeys / 8; ++j) {
         const uint32_t* kr =
             reinterpret_cast<const uint32_t*>(k_s + (8 * j + g) * kKStride + 16 * ks + 2 * t);
-        MmaBf16(s[j], qf[ks], kr[0], kr[4]);
+        Mma<TileT>(s[j], qf[ks], kr[0], kr[4]);
       }
       // Causal mask, then the online softmax update for rows g (lo) and g + 8 (hi). Key 0 is in
       // every row's first tile, so the running max is finite from then on.
@@ -109,7 +108,7 @@ __global__ void __launch_bounds__(128)
         if (key > qpos_lo) s[j][c] = -INFINITY;
         if (key > qpos_hi) s[j][2 + c] = -INFINITY;
       }
-    SoftmaxAccumulate<D, kKeys / 8, kKStride>(s, v_s, 0, lane, m_lo, m_hi, l_lo, l_hi, o);
+    SoftmaxAccumulate<D, kKeys / 8, kKStride, TileT>(s, v_s, 0, lane, m_lo, m_hi, l_lo, l_hi, o);
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
   const float inv_lo = 1.f / QuadSum(l_lo), inv_hi = 1.f / QuadSum(l_hi);
@@ -131,9 +130,8 @@ void LaunchFlashPrefill(const float* q, const KvCache& cache, int rows, int n, i
                         cudaStream_t stream) {
   const dim3 grid(q_heads, CeilDiv(n, kQueries), rows / n), block(128);
   LaunchForHeadDim<kKeys>([](auto d) { return FlashPrefillKernel<decltype(d)::value, CacheT>; },
-                          head_dim, grid, block, stream, q, static_cast<const CacheT*>(cache.k),
-                          static_cast<const CacheT*>(cache.v), n, q_heads, kv_heads, position,
-                          cache.capacity, out);
+                          head_dim, grid, block, stream, q, cache, n, q_heads, kv_heads, position,
+                          out);
 }
 
 }  // namespace
@@ -145,12 +143,10 @@ bool FlashPrefillSupports(int head_dim) {
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream) {
-  if (cache.bf16)
-    LaunchFlashPrefill<__nv_bfloat16>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out,
-                                      stream);
-  else
-    LaunchFlashPrefill<float>(q, cache, rows, n, q_heads, kv_heads, head_dim, position, out,
-                              stream);
+  WithCacheType(cache.dtype, [&](auto type) {
+    LaunchFlashPrefill<decltype(type)>(q, cache, rows, n, q_heads, kv_heads, head_dim, position,
+                                       out, stream);
+  });
 }
 
 ProbeKernel FlashPrefillProbeKernel() {

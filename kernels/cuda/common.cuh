@@ -26,6 +26,16 @@ __device__ __forceinline__ int2 RowSequencePosition(int row, int n, const int* p
   return ragged ? ragged[row] : make_int2(row / n, *position + row % n);
 }
 
+// Two floats as one register of two bf16 or two f16, rounded to nearest; lo in the low half.
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

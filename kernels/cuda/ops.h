@@ -50,15 +50,23 @@ void SequenceLengths(const int* position, int n, int batch, int32_t* seq_q, int3
 // ---- attention
 // RoPE cos/sin for positions [0, capacity): table[p * head_dim/2 + i], angles in double.
 void BuildRopeTable(int capacity, int head_dim, double theta, float2* table, cudaStream_t stream);
-// One layer's KV cache: K and V, each [batch, capacity, kv_dim], fp32 or (kv_cache=bf16) bf16.
-// bf16 halves the bytes decode attention reads (142 -> 71 MB a layer at batch 64, context 544, on
-// qwen3-30b-a3b) and is what the prefill kernel's tensor cores take anyway.
+// One layer's KV cache: K and V, each [batch, capacity, kv_dim]: fp32, bf16 (kv_cache=bf16) or
+// E4M3 codes (kv_cache=fp8) with their scales, one fp32 each (token, kv head) in k_scale and
+// v_scale, [batch, capacity, kv_heads] (kv_cache.cuh). bf16 halves the bytes decode attention
+// reads (142 -> 71 MB a layer at batch 64, context 544, on qwen3-30b-a3b) and fp8 halves them
+// again (37 MB with its scales); the tensor-core kernels stage every type as bf16 tiles.
+enum class KvDtype { kFp32, kBf16, kFp8 };
 struct KvCache {
   void* k = nullptr;
   void* v = nullptr;
-  bool bf16 = false;
+  KvDtype dtype = KvDtype::kFp32;
   int capacity = 0;
+  float* k_scale = nullptr;  // kFp8 only
+  float* v_scale = nullptr;
 };
+inline int KvBytesPerElement(KvDtype dtype) {
+  return dtype == KvDtype::kFp32 ? 4 : dtype == KvDtype::kBf16 ? 2 : 1;
+}
 // The projections' outputs for one layer: q rows (q_heads * d wide) q_stride floats apart, k and
 // v rows (kv_heads * d wide) kv_stride apart: three buffers, or one [rows, q | k | v] buffer
 // from the fused q/k/v GEMM (strides q_dim + 2 kv_dim).
@@ -72,11 +80,11 @@ struct QkvRows {
 // Per-head RMSNorm of q and k when the gains are given (qwen3 q_norm/k_norm), RoPE (HF
 // rotate_half) from the table; rotated q goes to q_out [rows, q_heads * d] (in.q itself allowed
 // when its stride is q_heads * d), rotated k and v rows are appended to the cache at
-// *position + (row % n), rounded to bf16 for a bf16 cache. One warp per head vector: 36 warps at
-// batch 1 on qwen3-30b-a3b, ~80 KB touched.
-// Ragged rows (serving): with `ragged` ([rows] (sequence, position) pairs on the device), row r
-// belongs to sequence ragged[r].x at position ragged[r].y instead, for this and the attention
-// kernels below; `position` and `n` (then 1) are unused.
+// *position + (row % n), rounded to bf16 for a bf16 cache (to E4M3 under the head's scale for fp8).
+// One warp per head vector: 36 warps at batch 1 on qwen3-30b-a3b, ~80 KB touched. Ragged rows
+// (serving): with `ragged` ([rows] (sequence, position) pairs on the device), row r belongs to
+// sequence ragged[r].x at position ragged[r].y instead, for this and the attention kernels below;
+// `position` and `n` (then 1) are unused.
 void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
                       int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
                       const float2* rope, const int* position, const KvCache& cache,
@@ -108,7 +116,8 @@ inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_
 int FlashSplits(int rows, int kv_heads, int capacity);
 bool FlashSupports(int q_heads, int kv_heads, int head_dim);
 // Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core kernel
-// (attention_prefill.cu; bf16 Q, K, V and P, fp32 accumulate) when FlashPrefillSupports(head_dim);
+// (attention_prefill.cu; bf16 Q, K, V and P, f16 over an fp8 cache, fp32 accumulate) when
+// FlashPrefillSupports(head_dim);
 // AttentionFlash dispatches to it by itself (`splits` and `partial` are then unused).
 constexpr int kFlashPrefillMinTokens = 16;
 bool FlashPrefillSupports(int head_dim);
@@ -116,7 +125,8 @@ void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream);
 // Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128 take the
-// tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, fp32 accumulate); it
+// tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, f16 over an fp8 cache,
+// fp32 accumulate); it
 // writes the same partials as the CUDA-core kernel, merged by the same combine.
 bool FlashDecodeMmaSupports(int head_dim);
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,

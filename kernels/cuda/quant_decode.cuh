@@ -231,13 +231,6 @@ __device__ __forceinline__ void StagePaddedInput(const float* x, int rows, int k
 // The tensor-core expert kernels' decode (moe_fused_mma.cu's mma.sync tiles, sm90a/moe_wgmma.cu's
 // shared-memory tiles): 8 codes at a time into 8 exact bf16 weights.
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-
 // Run s (0 <= s < 2 for FP8, < 4 for FP4) of 16 bytes of codes as 8 bf16 weights, element i in half
 // i of the result. FP8: codes to f16 bit patterns by shifts (the E4M3 sign, exponent and mantissa
 // land in f16's sign and low exponent and mantissa bits: the value times 2^-8, subnormals included;
