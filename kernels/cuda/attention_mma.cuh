@@ -69,8 +69,8 @@ constexpr size_t KvStagesBytes(int head_dim) {
 //   fp8 cache: f16 tiles. cp.async copies the raw codes and row scales into the stage (the
 //     copies stay asynchronous: converting on the way left a step's loads exposed); once they
 //     land, Ready converts them into the one f16 tile, codes times row scale (HeadScale's powers
-//     of two: exact in f16, one cvt and one multiply a pair where bf16 took six instructions,
-//     which made the kernel instruction-bound at 39 % of DRAM bandwidth).
+//     of two: exact in f16). One cvt and one multiply a pair: a bf16 tile takes six
+//     instructions a pair, enough to make the kernel instruction-bound.
 // Issue(tile, ...) copies keys k0 + [0, kKeys) that lie in [from, to], and zeros for keys past
 // last_key when zero_tail; keys outside both are left as they were.
 template <int D, int kKeys, typename CacheT>
