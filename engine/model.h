@@ -77,8 +77,9 @@ class Model {
   virtual std::optional<double> last_forward_device_ms() const { return std::nullopt; }
   // Device memory in use now (total - free, whole device); nullopt on the CPU.
   virtual std::optional<int64_t> device_memory_used_bytes() const { return std::nullopt; }
-  // Bytes per element of the KV cache (the roofline counts them): 4 for fp32, 2 for bf16.
-  virtual int kv_cache_bytes_per_element() const { return 4; }
+  // Bytes decode attention reads per element of the KV cache (the roofline counts them): 4 for
+  // fp32, 2 for bf16, 1 + 4 / head_dim for fp8 (codes and their per-head scales).
+  virtual double kv_cache_bytes_per_element() const { return 4; }
 };
 
 // Checks the arguments every Forward implementation must check (batch started, shape, id range,

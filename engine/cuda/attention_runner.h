@@ -52,6 +52,11 @@ class AttentionRunner {
   // (whose per-head scales add 8 bytes a token and kv head, K and V together).
   cuda::KvDtype kv_dtype() const;
   int kv_cache_bytes_per_element() const { return cuda::KvBytesPerElement(kv_dtype()); }
+  // What decode attention reads per element: the above, plus fp8's scales (one fp32 a head row).
+  double kv_read_bytes_per_element() const {
+    return kv_cache_bytes_per_element() +
+           (kv_dtype() == cuda::KvDtype::kFp8 ? 4.0 / config_.head_dim : 0.0);
+  }
   char* k_cache() const { return k_cache_; }
   char* v_cache() const { return v_cache_; }
   const float2* rope() const { return rope_; }

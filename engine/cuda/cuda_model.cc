@@ -82,8 +82,8 @@ class CudaModel final : public Model {
   int position() const override { return position_; }
   double graph_capture_seconds() const override { return capture_seconds_; }
   std::optional<double> last_forward_device_ms() const override { return last_step_ms_; }
-  int kv_cache_bytes_per_element() const override {
-    return attention_.kv_cache_bytes_per_element();
+  double kv_cache_bytes_per_element() const override {
+    return attention_.kv_read_bytes_per_element();
   }
   std::optional<int64_t> device_memory_used_bytes() const override {
     size_t free = 0, total = 0;
