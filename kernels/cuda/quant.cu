@@ -3,6 +3,7 @@
 #include "core/quant/dequantize.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/quant.h"
+#include "kernels/cuda/quant_decode.cuh"
 
 namespace infersweep::cuda {
 namespace {
@@ -48,6 +49,83 @@ __device__ __forceinline__ void DequantizeSpan(const MatrixRef& w, Out* out) {
 template <typename Out>
 __global__ void DequantizeKernel(MatrixRef w, Out* out) {
   DequantizeSpan(w, out);
+}
+
+// The bf16 copy of an FP8 (tensor or channel scale), NVFP4 or MXFP4 matrix with 16-byte code
+// rows: a thread a 16-byte chunk of codes (16 FP8 or 32 FP4 weights), decoded exactly by the
+// tensor-core kernels' DecodeRun, times the row's factor in fp32, rounded to bf16: the same
+// single rounding of the same product as DequantizeElement, so the same bits, at vector loads
+// instead of a byte and a scale load per weight.
+// Napkin: a qwen3-30b-a3b layer's q, k, v and o (18.9M weights) in FP8: 19 MB read, 38 MB
+// written -> ~13 us at 4.46 TB/s.
+template <QuantFormat F>
+__global__ void DequantizeRunsKernel(QuantExpertTable t, uint16_t* out) {
+  constexpr int kRuns = IsFp4(F) ? 4 : 2;  // 8-weight runs a chunk
+  const int64_t chunks_per_row = t.cols / (8 * kRuns);
+  const int64_t chunks = t.rows * chunks_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += stride) {
+    const int64_t row = c / chunks_per_row;
+    const uint4 codes = __ldg(static_cast<const uint4*>(t.matrix_codes) + c);
+    uint32_t scale_bits = 0;  // NVFP4: the chunk's two E4M3 group scales; MXFP4: its E8M0 one
+    if constexpr (F == QuantFormat::kNvfp4)
+      scale_bits = __ldg(static_cast<const uint16_t*>(t.matrix_scales) + c);
+    else if constexpr (F == QuantFormat::kMxfp4)
+      scale_bits = __ldg(static_cast<const uint8_t*>(t.matrix_scales) + c);
+    const float factor = QuantRowFactor<F>(t, 0, row);
+    uint4* dst = reinterpret_cast<uint4*>(out) + c * kRuns;
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r) {
+      const uint4 run = DecodeRun<F>(codes, scale_bits, r);
+      uint32_t words[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        words[i] = PackBf16x2(__uint_as_float(words[i] << 16) * factor,
+                              __uint_as_float(words[i] & 0xffff0000u) * factor);
+      dst[r] = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  }
+}
+
+// Whether DequantizeRunsKernel takes w into out.
+bool DequantizeRunsSupports(const MatrixRef& w, const void* out) {
+  const QuantFormat f = w.quant.format;
+  const bool format = f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel ||
+                      f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4;
+  return format && w.cols % (IsFp4(f) ? 32 : 16) == 0 &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 16 == 0;
+}
+
+void LaunchDequantizeRuns(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
+  QuantExpertTable t;
+  t.matrix_codes = w.data;
+  t.matrix_scales = w.quant.scale;
+  t.matrix_global_scale = w.quant.global_scale;
+  t.format = w.quant.format;
+  t.scale_dtype = w.quant.scale_dtype;
+  t.rows = static_cast<int>(w.rows);
+  t.cols = static_cast<int>(w.cols);
+  constexpr int kThreads = 256;
+  const int64_t chunks = w.rows * w.cols / (IsFp4(t.format) ? 32 : 16);
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(CeilDiv(chunks, int64_t{kThreads}), 132 * 16)));
+  switch (t.format) {
+    case QuantFormat::kFp8Tensor:
+      LaunchPlain(DequantizeRunsKernel<QuantFormat::kFp8Tensor>, blocks, kThreads, 0, stream, t,
+                  out);
+      break;
+    case QuantFormat::kFp8Channel:
+      LaunchPlain(DequantizeRunsKernel<QuantFormat::kFp8Channel>, blocks, kThreads, 0, stream, t,
+                  out);
+      break;
+    case QuantFormat::kNvfp4:
+      LaunchPlain(DequantizeRunsKernel<QuantFormat::kNvfp4>, blocks, kThreads, 0, stream, t, out);
+      break;
+    default:
+      LaunchPlain(DequantizeRunsKernel<QuantFormat::kMxfp4>, blocks, kThreads, 0, stream, t, out);
+  }
 }
 
 // Matrix blockIdx.y of `matrices` (all [rows, cols]) into out + blockIdx.y * rows * cols.
@@ -169,7 +247,10 @@ void LaunchGemvW4A16(const X* x, int rows, const MatrixRef& w, float* y, cudaStr
 }  // namespace
 
 void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
-  LaunchDequantize(w, out, stream);
+  if (DequantizeRunsSupports(w, out))
+    LaunchDequantizeRuns(w, out, stream);
+  else
+    LaunchDequantize(w, out, stream);
 }
 
 void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream) {

@@ -19,7 +19,9 @@ namespace infersweep::cuda {
 
 // ---- dequantization (qgemm=dequant_bf16 at upload; qgemm=reference; tests)
 // out[n, k] = the exact fp32 weight (core/quant/dequantize.h, the CPU's formula), rounded to
-// bf16 (nearest even) for the bf16 variant. Eight elements a thread (cols % 8 == 0), grid-stride.
+// bf16 (nearest even) for the bf16 variant. Eight elements a thread (cols % 8 == 0), grid-stride;
+// the bf16 copy of FP8 tensor/channel, NVFP4 and MXFP4 matrices with 16-byte code rows decodes
+// a 16-byte chunk of codes a thread instead (the same bits).
 // Expert [768, 2048] nvfp4 -> bf16: reads 0.88 MB, writes 3.1 MB: ~0.9 us of bandwidth (+ launch).
 void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream);
 void DequantizeToF32(const MatrixRef& w, float* out, cudaStream_t stream);
