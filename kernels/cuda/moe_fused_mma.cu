@@ -638,14 +638,7 @@ bool GemmQuantMmaSupports(const MatrixRef& w) {
 
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream) {
-  QuantExpertTable t;
-  t.matrix_codes = w.data;
-  t.matrix_scales = w.quant.scale;
-  t.matrix_global_scale = w.quant.global_scale;
-  t.format = w.quant.format;
-  t.scale_dtype = w.quant.scale_dtype;
-  t.rows = static_cast<int>(w.rows);
-  t.cols = static_cast<int>(w.cols);
+  const QuantExpertTable t = MatrixQuantTable(w);
   const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
   auto launch = [&](auto kernel) {
     Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),

@@ -99,14 +99,7 @@ bool DequantizeRunsSupports(const MatrixRef& w, const void* out) {
 }
 
 void LaunchDequantizeRuns(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
-  QuantExpertTable t;
-  t.matrix_codes = w.data;
-  t.matrix_scales = w.quant.scale;
-  t.matrix_global_scale = w.quant.global_scale;
-  t.format = w.quant.format;
-  t.scale_dtype = w.quant.scale_dtype;
-  t.rows = static_cast<int>(w.rows);
-  t.cols = static_cast<int>(w.cols);
+  const QuantExpertTable t = MatrixQuantTable(w);
   constexpr int kThreads = 256;
   const int64_t chunks = w.rows * w.cols / (IsFp4(t.format) ? 32 : 16);
   const int blocks = static_cast<int>(

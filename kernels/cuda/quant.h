@@ -93,6 +93,18 @@ struct QuantExpertTable {
   int rows = 0;
   int cols = 0;
 };
+// The table of one quantized matrix (no per-expert tables: the matrix_* fields).
+inline QuantExpertTable MatrixQuantTable(const MatrixRef& w) {
+  QuantExpertTable t;
+  t.matrix_codes = w.data;
+  t.matrix_scales = w.quant.scale;
+  t.matrix_global_scale = w.quant.global_scale;
+  t.format = w.quant.format;
+  t.scale_dtype = w.quant.scale_dtype;
+  t.rows = static_cast<int>(w.rows);
+  t.cols = static_cast<int>(w.cols);
+  return t;
+}
 // The format is quantized, cols % 32 (FP4) or % 16 (FP8), and `slots` rows of staged
 // activations ([slots, cols] floats, padded) fit in shared memory.
 bool MoeQuantSupports(const QuantExpertTable& t, int slots);
