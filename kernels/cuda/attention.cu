@@ -122,14 +122,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
       k_amax = fmaxf(k_amax, fmaxf(fabsf(r[j].x), fabsf(r[j].y)));
       v_amax = fmaxf(v_amax, fmaxf(fabsf(v1[j]), fabsf(v2[j])));
     }
-    k_scale = HeadScale(WarpMax(k_amax));
-    v_scale = HeadScale(WarpMax(v_amax));
-    if (lane == 0) {
-      const int64_t scale_slot =
-          (static_cast<int64_t>(batch) * cache.capacity + pos) * kv_heads + kv_head;
-      cache.k_scale[scale_slot] = k_scale.x;
-      cache.v_scale[scale_slot] = v_scale.x;
-    }
+    StoreHeadScales(cache, static_cast<int64_t>(batch) * cache.capacity + pos, kv_heads, kv_head,
+                    k_amax, v_amax, &k_scale, &v_scale);
   }
 #pragma unroll
   for (int j = 0; j < kRopePerLane; ++j) {
@@ -205,12 +199,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
       k_amax = fmaxf(k_amax, fabsf(rotated(i)));
       v_amax = fmaxf(v_amax, fabsf(vh[i]));
     }
-    k_scale = HeadScale(WarpMax(k_amax));
-    v_scale = HeadScale(WarpMax(v_amax));
-    if (lane == 0) {
-      cache.k_scale[cache_row * kv_heads + kv_head] = k_scale.x;
-      cache.v_scale[cache_row * kv_heads + kv_head] = v_scale.x;
-    }
+    StoreHeadScales(cache, cache_row, kv_heads, kv_head, k_amax, v_amax, &k_scale, &v_scale);
   }
   CacheT* const k_row = static_cast<CacheT*>(cache.k) + cache_row * kv_dim + kv_head * head_dim;
   CacheT* const v_row = static_cast<CacheT*>(cache.v) + cache_row * kv_dim + kv_head * head_dim;

@@ -64,10 +64,7 @@ __device__ __forceinline__ KvHeadRows<CacheT> HeadRows(const KvCache& cache, int
           kv_heads};
 }
 
-// Eight cache elements from a 16-byte-aligned address as eight bf16 (one 16-byte word).
-__device__ __forceinline__ uint4 LoadBf16x8(const __nv_bfloat16* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
+// Eight fp32 cache elements from a 16-byte-aligned address as eight bf16 (one 16-byte word).
 __device__ __forceinline__ uint4 LoadBf16x8(const float* p) {
   const float4 lo = __ldg(reinterpret_cast<const float4*>(p));
   const float4 hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -104,6 +101,20 @@ __device__ __forceinline__ float2 HeadScale(float amax) {
   if (m == 0.5f) --e;                           // exactly a power of two: itself
   e = max(-14, min(15, e));
   return make_float2(ldexpf(1.f, e), ldexpf(1.f, -e));
+}
+
+// The (scale, 1 / scale) pairs of a K and a V head vector going into an fp8 cache at row
+// `cache_row` ([batch, capacity] flattened) of kv head `kv_head`, from this lane's part of their
+// absolute maxima; the whole warp calls it, lane 0 stores the scales.
+__device__ __forceinline__ void StoreHeadScales(const KvCache& cache, int64_t cache_row,
+                                                int kv_heads, int kv_head, float k_amax,
+                                                float v_amax, float2* k_scale, float2* v_scale) {
+  *k_scale = HeadScale(WarpMax(k_amax));
+  *v_scale = HeadScale(WarpMax(v_amax));
+  if ((threadIdx.x & 31) == 0) {
+    cache.k_scale[cache_row * kv_heads + kv_head] = k_scale->x;
+    cache.v_scale[cache_row * kv_heads + kv_head] = v_scale->x;
+  }
 }
 
 }  // namespace infersweep::cuda
