@@ -28,14 +28,15 @@
 #include "absl/time/time.h"
 #include "agent/agent.h"
 #include "agent/inventory.h"
+#include "api/trial.h"
 #include "cli/client_flags.h"
 #include "cli/commands.h"
+#include "coordinator/agent_identity.h"
 #include "coordinator/client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/server.h"
 #include "coordinator/sweep_spec.h"
 #include "harness/report.h"
-#include "api/trial.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
 
@@ -110,6 +111,8 @@ struct CoordinatorArgs {
   double connect_rate = 5, connect_burst = 50;
   std::string auth_token_env;
   std::string agent_token_file;
+  std::string agent_tokens_file;
+  std::string agent_cert_binding = "on";
   std::string user_token_file;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string metrics_listen = "127.0.0.1:9464";
@@ -152,6 +155,17 @@ int RunCoordinator(const CoordinatorArgs& args) {
     if (!token.ok()) return Fail(token.status());
     options.agent_token = *std::move(token);
   }
+  if (!args.agent_tokens_file.empty()) {
+    if (!options.agent_token.empty())
+      return Usage(
+          "--agent-tokens-file and a shared agent token (--agent-token-file, --auth-token-env) "
+          "are alternatives; give one");
+    absl::StatusOr<std::map<std::string, std::string>> tokens =
+        ReadAgentTokensFile(args.agent_tokens_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    options.agent_tokens = *std::move(tokens);
+  }
+  options.bind_agent_to_certificate = args.agent_cert_binding == "on";
   if (!args.user_token_file.empty()) {
     absl::StatusOr<std::string> token = rpc::ReadTokenFile(args.user_token_file);
     if (!token.ok()) return Fail(token.status());
@@ -178,7 +192,11 @@ int RunCoordinator(const CoordinatorArgs& args) {
       args.max_trials, args.max_attempts, limit_text(options.agent_message_limit).c_str(),
       limit_text(options.user_call_limit).c_str(), limit_text(options.connect_limit).c_str());
   std::printf("# authentication: agents %s, users %s\n",
-              options.agent_token.empty() ? "off" : "token", options.user_token.empty() ? "off" : "token");
+              !options.agent_tokens.empty() ? "per-agent tokens"
+              : options.agent_token.empty() ? "off"
+                                            : "shared token",
+              options.user_token.empty() ? "off" : "token");
+  std::printf("# agent identity: %s\n", server.agent_identity().c_str());
   const char* transport = "plaintext";
   if (options.tls.server_enabled())
     transport = options.tls.client_ca_file.empty() ? "TLS"
@@ -1244,7 +1262,16 @@ void AddServiceCommands(CLI::App& app) {
                     "environment variable holding the token agents must present (or "
                     "--agent-token-file)");
     cmd->add_option("--agent-token-file", args.agent_token_file,
-                    "file holding the token agents must present (docs/SERVICE.md)");
+                    "file holding the token every agent must present (shared: it does not bind "
+                    "agent ids; docs/SECURITY.md)");
+    cmd->add_option("--agent-tokens-file", args.agent_tokens_file,
+                    "file of 'AGENT_ID TOKEN' lines: each agent's own token, binding its id "
+                    "(instead of --agent-token-file)");
+    cmd->add_option("--agent-cert-binding", args.agent_cert_binding,
+                    "with mutual TLS, an agent's client certificate must name its agent id (CN or "
+                    "DNS name): on or off")
+        ->check(CLI::IsMember({"on", "off"}))
+        ->capture_default_str();
     cmd->add_option("--user-token-file", args.user_token_file,
                     "file holding the bearer token every user-API call must carry");
     cmd->add_option("--tls-cert", args.tls_cert,

@@ -169,6 +169,22 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                          .Register(r);
   lease_requeued_ = &lease_lost.Add({{"outcome", "requeued"}});
   lease_exhausted_ = &lease_lost.Add({{"outcome", "attempts_exhausted"}});
+  identity_refused_ = &BuildCounter()
+                           .Name("infersweep_agent_identity_refused_total")
+                           .Help(
+                               "Agent streams refused by reason (certificate: the client "
+                               "certificate does not name the agent id of the Hello; conflict: "
+                               "the id is connected with another credential)")
+                           .Register(r);
+  for (const char* reason : {"certificate", "conflict"})
+    identity_refused_->Add({{"reason", reason}});
+  result_conflicts_ = &BuildCounter()
+                           .Name("infersweep_result_conflicts_total")
+                           .Help(
+                               "Agent results refused because their (trial, attempt) is stored "
+                               "with other content (a byte-identical replay is acknowledged)")
+                           .Register(r)
+                           .Add({});
   series_ = &BuildGauge()
                  .Name("infersweep_metrics_config_series")
                  .Help("Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
@@ -302,6 +318,11 @@ void CoordinatorMetrics::CountAuthFailure(const std::string& api) {
 void CoordinatorMetrics::CountLeaseLost(bool requeued) {
   (requeued ? lease_requeued_ : lease_exhausted_)->Increment();
 }
+
+void CoordinatorMetrics::CountAgentIdentityRefused(const std::string& reason) {
+  identity_refused_->Add({{"reason", reason}}).Increment();
+}
+void CoordinatorMetrics::CountResultConflict() { result_conflicts_->Increment(); }
 
 std::string CoordinatorMetrics::Serialize() const {
   std::ostringstream out;

@@ -82,6 +82,11 @@ class CoordinatorMetrics {
   void CountAuthFailure(const std::string& api);
   // A lost lease: requeued, or the trial ended as ERROR at the attempt cap.
   void CountLeaseLost(bool requeued);
+  // An agent stream refused because its credentials do not prove the agent id it names
+  // (`reason` "certificate"), or because another credential holds that id's stream ("conflict").
+  void CountAgentIdentityRefused(const std::string& reason);
+  // An agent result refused because its (trial, attempt) is stored with other content.
+  void CountResultConflict();
 
   // The text exposition of every metric (what GET /metrics returns), for tests and debugging.
   std::string Serialize() const;
@@ -121,6 +126,8 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>* auth_failures_ = nullptr;
   prometheus::Counter* lease_requeued_ = nullptr;
   prometheus::Counter* lease_exhausted_ = nullptr;
+  prometheus::Family<prometheus::Counter>* identity_refused_ = nullptr;
+  prometheus::Counter* result_conflicts_ = nullptr;
   prometheus::Gauge* series_ = nullptr;
 
   mutable std::mutex mu_;  // guards the key sets and Listen

@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -21,6 +20,7 @@
 #include "api/model_config.h"
 #include "api/model_description.h"
 #include "api/status_macros.h"
+#include "api/untrusted_regex.h"
 
 namespace infersweep {
 namespace {
@@ -419,13 +419,10 @@ absl::Status ParseSelectorNode(const Parser& p, const Entry& e, Selector* s) {
       s->sm_archs.assign(sms.begin(), sms.end());
     } else if (f.key == "gpu_name") {
       ASSIGN_OR_RETURN(s->gpu_name_regex, p.Text(f.value, field));
-      try {
-        std::regex re(s->gpu_name_regex, std::regex::ECMAScript);
-      } catch (const std::regex_error& err) {
-        return p.Error(f.value, field,
-                       absl::StrCat("'", s->gpu_name_regex, "' is not a valid regular expression: ",
-                                    err.what()));
-      }
+      // RE2, bounded: a pattern is untrusted input and must not cost the coordinator its stack
+      // or its memory (api/untrusted_regex.h).
+      if (auto re = CompileUntrustedRegex(s->gpu_name_regex); !re.ok())
+        return p.Error(f.value, field, re.status().message());
     } else if (f.key == "min_memory_gb") {
       ASSIGN_OR_RETURN(double gb, p.Number(f.value, field, 0, 1e6));
       s->min_memory_bytes = static_cast<int64_t>(std::llround(gb * 1e9));

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "api/digest.h"
 #include "api/status_macros.h"
 #include "storage/codec.h"
 #include "storage/schema.h"
@@ -1045,6 +1046,8 @@ class SqliteStore final : public Store {
                                         "' attempt ", result.attempt);
     if (result.trial_id.empty())
       return absl::InvalidArgumentError("recording a result: empty trial id");
+    // What a duplicate of an agent's result must repeat: its content as sent, canonical JSON.
+    const std::string digest = sub.agent_id.empty() ? "" : Sha256Hex(ToJson(result).dump());
 
     int64_t sweep_id = 0;
     std::string model, config_string, state, leased_to, workload_key, trial_model_key;
@@ -1071,16 +1074,25 @@ class SqliteStore final : public Store {
       trial_layers = q.Int(8);
     }
     {
-      ASSIGN_OR_RETURN(
-          Stmt q,
-          Prepare("SELECT agent_id, status FROM results WHERE trial_id = ? AND attempt = ?", op));
+      ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT agent_id, status, result_digest FROM results "
+                                       "WHERE trial_id = ? AND attempt = ?",
+                                       op));
       q.Bind(result.trial_id).Bind(result.attempt);
       ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) {
-        // Already stored: idempotent. Unless the coordinator stored that attempt itself (its
-        // lease was lost for the last time): then the agent's late result is refused, not
-        // acknowledged and dropped.
-        if (sub.agent_id.empty() || q.Text(0) == sub.agent_id) return absl::OkStatus();
+        // Already stored: a replay of the same content is idempotent. Other content for the same
+        // attempt is refused, so the stored row and the agent's own log cannot silently
+        // disagree (rows stored before digests existed have none and stay idempotent). When the
+        // coordinator stored that attempt itself (its lease was lost for the last time), the
+        // agent's late result is refused, not acknowledged and dropped.
+        if (sub.agent_id.empty()) return absl::OkStatus();
+        if (q.Text(0) == sub.agent_id) {
+          if (q.IsNull(2) || q.Text(2) == digest) return absl::OkStatus();
+          return absl::AlreadyExistsError(absl::StrCat(
+              op, " from agent '", sub.agent_id, "' refused: that attempt is stored as ", q.Text(1),
+              " with other content (a replay must be identical; sha256 ", digest.substr(0, 12),
+              " against the stored ", q.Text(2).substr(0, 12), ")"));
+        }
         return absl::PermissionDeniedError(
             absl::StrCat(op, " from agent '", sub.agent_id,
                          "' rejected: that attempt is already recorded as ", q.Text(1),
@@ -1177,13 +1189,14 @@ class SqliteStore final : public Store {
     {
       ASSIGN_OR_RETURN(
           Stmt ins,
-          Prepare("INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
-                  "model, status, config_string, result_json, output_tok_s, "
-                  "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms, "
-                  "config_id, model_key, model_layers, workload, engine_version, software, "
-                  "result_blob) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  op));
+          Prepare(
+              "INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
+              "model, status, config_string, result_json, output_tok_s, "
+              "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms, "
+              "config_id, model_key, model_layers, workload, engine_version, software, "
+              "result_blob, result_digest) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+              op));
       ins.Bind(stored.trial_id)
           .Bind(stored.attempt)
           .Bind(sweep_id)
@@ -1205,7 +1218,8 @@ class SqliteStore final : public Store {
           .Bind(stored.workload)
           .Bind(engine_version)
           .Bind(software)
-          .BindBlob(blob);
+          .BindBlob(blob)
+          .Bind(digest.empty() ? std::optional<std::string>() : std::optional<std::string>(digest));
       RETURN_IF_ERROR(ins.Run());
       result_id = sqlite3_last_insert_rowid(db_);
     }

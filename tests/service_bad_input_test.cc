@@ -1,5 +1,8 @@
 // Bad input at the coordinator's edges: rejected with a clear gRPC status or an Error message,
 // nothing stored changes, and the coordinator keeps serving everyone else.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <chrono>
@@ -8,14 +11,11 @@
 #include <memory>
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/str_cat.h"
+#include "api/trial.h"
+#include "coordinator/agent_identity.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
-#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 #include "storage/store.h"
@@ -116,6 +116,17 @@ TEST_F(BadInput, MalformedSpecIsInvalidArgumentWithLine) {
                  "indent.yaml", 3, "malformed YAML");
   // Well-formed YAML of the wrong shape.
   ExpectRejected("name: shape\nmodel: preset:tiny-moe\nmatrix: [cpu]\n", "shape.yaml", 3, "matrix");
+}
+
+// A selector regex of 20,000 nested groups in a 40 KB spec: refused with the line and the bound
+// it breaks, and the coordinator keeps serving (a recursive regex compiler overflows its stack).
+TEST_F(BadInput, DeeplyNestedSelectorRegexIsRefusedAndTheCoordinatorKeepsServing) {
+  const std::string nested = std::string(20000, '(') + "a" + std::string(20000, ')');
+  ExpectRejected(absl::StrCat("name: nest\nmodel: preset:tiny-moe\nmatrix: {device: [cuda]}\n",
+                              "selector:\n  gpu_name: \"", nested, "\"\n"),
+                 "nest.yaml", 5, "selector.gpu_name: the pattern is 40001 characters");
+  auto ok = client_->SubmitSweep(kValidSweep, "valid.yaml");
+  EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
 TEST_F(BadInput, UnknownAxisIsInvalidArgumentWithLine) {
@@ -234,6 +245,54 @@ TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) 
   EXPECT_EQ(trial->state, TrialState::kQueued);
   EXPECT_EQ(server_->stats().bad_messages, 5);
   EXPECT_TRUE(rogue.End().ok());
+}
+
+// A result for an attempt that is stored already: a replay of the same content is acknowledged
+// (the agent drops it from its spool); other content is refused with a permanent Error, logged
+// and counted, and the stored row stays as it was.
+TEST_F(BadInput, AConflictingDuplicateResultIsRefusedAndAnIdenticalReplayAcknowledged) {
+  auto submitted = client_->SubmitSweep(
+      "name: dup\nmodel: preset:tiny-moe\nlayers: 1\nmatrix: {device: [cpu], matmul: [naive]}\n"
+      "workload: {prompt: 8, output: 4, batch: [1], repeats: 1}\n",
+      "dup.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  RawAgent agent(address_);
+  ASSERT_TRUE(agent.Hello("cpu-host"));
+  ASSERT_TRUE(agent.Next().has_welcome());
+  v1::CoordinatorMessage assignment = agent.Next();
+  ASSERT_TRUE(assignment.has_assignment()) << assignment.DebugString();
+  const std::string trial = assignment.assignment().trial_id();
+  const int attempt = assignment.assignment().attempt();
+  auto result = [&](const std::string& reason) {
+    TrialResult r;
+    r.trial_id = trial;
+    r.attempt = attempt;
+    r.status = TrialStatus::kOk;
+    r.model = "preset:tiny-moe";
+    r.config = {{"device", "cpu"}, {"matmul", "naive"}};
+    r.device = "cpu";
+    r.reason = reason;
+    return ToJson(r).dump();
+  };
+  ASSERT_TRUE(agent.Result(trial, attempt, result("first")));
+  EXPECT_TRUE(agent.Next().has_ack());
+  ASSERT_TRUE(agent.Result(trial, attempt, result("first")));  // a replay from the spool
+  EXPECT_TRUE(agent.Next().has_ack());
+  ASSERT_TRUE(agent.Result(trial, attempt, result("second")));
+  v1::CoordinatorMessage m = agent.Next();
+  ASSERT_TRUE(m.has_error()) << m.DebugString();
+  EXPECT_EQ(m.error().trial_id(), trial);
+  EXPECT_TRUE(m.error().permanent());
+  EXPECT_EQ(m.error().code(), static_cast<int>(absl::StatusCode::kAlreadyExists));
+  EXPECT_THAT(m.error().message(), HasSubstr("stored as OK with other content"));
+  EXPECT_EQ(server_->stats().results_conflicting, 1);
+  EXPECT_THAT(server_->MetricsText(), HasSubstr("infersweep_result_conflicts_total 1"));
+  ResultQuery q;
+  auto stored = server_->store()->QueryResults(q);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), 1u);
+  EXPECT_EQ((*stored)[0].result.reason, "first");
+  EXPECT_TRUE(agent.End().ok());
 }
 
 TEST_F(BadInput, ResultBeforeHelloClosesTheStreamAndOthersAreStillServed) {
@@ -404,6 +463,90 @@ TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
   EXPECT_TRUE(good.Next().has_welcome());
   EXPECT_EQ(server_->stats().auth_failures, 4);
   EXPECT_TRUE(good.End().ok());
+}
+
+// Per-agent tokens: a token proves the one agent id it belongs to. Another agent's token, or a
+// token for an id the file does not list, is refused with the same words as a wrong token.
+class AgentTokens : public BadInput {
+ protected:
+  void Configure(CoordinatorOptions& o) override {
+    o.agent_tokens = {{"gpu-host-1", "token-of-gpu-host-1"}, {"gpu-host-2", "token-of-gpu-host-2"}};
+  }
+};
+
+TEST_F(AgentTokens, AnAgentsTokenProvesOnlyItsOwnId) {
+  const struct {
+    const char* id;
+    const char* token;
+  } refused[] = {{"gpu-host-1", "token-of-gpu-host-2"},
+                 {"gpu-host-3", "token-of-gpu-host-1"},
+                 {"gpu-host-1", ""}};
+  for (const auto& r : refused) {
+    RawAgent agent(address_);
+    ASSERT_TRUE(agent.Hello(r.id, r.token));
+    EXPECT_FALSE(agent.Next().has_welcome()) << r.id << " with " << r.token;
+    const grpc::Status status = agent.End();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+    EXPECT_EQ(status.error_message(), "Hello: missing or invalid credentials");
+  }
+  EXPECT_EQ(server_->stats().auth_failures, 3);
+  RawAgent good(address_);
+  ASSERT_TRUE(good.Hello("gpu-host-2", "token-of-gpu-host-2"));
+  EXPECT_TRUE(good.Next().has_welcome());
+  EXPECT_TRUE(good.End().ok());
+}
+
+TEST(AuthOptions, SharedAndPerAgentTokensAreAlternatives) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "auth-opts-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  CoordinatorOptions o;
+  o.agent_token = "shared-token-0123456789";
+  o.agent_tokens = {{"a", "token-of-a-0123456789"}};
+  o.log = [](const std::string&) {};
+  CoordinatorServer server(o);
+  auto port = server.Start("127.0.0.1:0", tmpl + "/c.db");
+  ASSERT_FALSE(port.ok());
+  EXPECT_EQ(port.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(port.status().message()), HasSubstr("alternatives"));
+  server.Stop();
+  std::filesystem::remove_all(tmpl);
+}
+
+TEST(AuthHelpers, AgentTokensFileErrorsNameTheLine) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "agent-tokens-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::string path = tmpl + "/agents.tokens";
+  auto write = [&](const std::string& text) {
+    { std::ofstream(path) << text; }
+    std::filesystem::permissions(
+        path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  };
+  write("# id token\n\ngpu-host-1  0123456789abcdef0\ngpu-host-2\t0123456789abcdef1\n");
+  auto tokens = ReadAgentTokensFile(path);
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(tokens->size(), 2u);
+  EXPECT_EQ(tokens->at("gpu-host-2"), "0123456789abcdef1");
+  const std::pair<std::string, std::string> bad[] = {
+      {"gpu-host-1\n", ":1: expected 'AGENT_ID TOKEN', got 1 field(s)"},
+      {"gpu host 1 0123456789abcdef0\n", ":1: expected 'AGENT_ID TOKEN', got 4 field(s)"},
+      {"a/b 0123456789abcdef0\n", ":1: agent id 'a/b' is not"},
+      {"a short\n", ":1: the token of 'a' has 5 characters; at least 16"},
+      {"a 0123456789abcdef0\n# x\na 0123456789abcdef1\n", ":3: agent id 'a' given twice"},
+      {"a 0123456789abcdef0\nb 0123456789abcdef0\n", ":2: the token of 'b' is another agent's"},
+      {"# nobody\n", "lists no agent"},
+  };
+  for (const auto& [text, message] : bad) {
+    write(text);
+    auto r = ReadAgentTokensFile(path);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(message)) << text;
+    EXPECT_THAT(std::string(r.status().message()), Not(HasSubstr("0123456789abcdef"))) << text;
+  }
+  write("a 0123456789abcdef0\n");
+  std::filesystem::permissions(path, std::filesystem::perms::others_read,
+                               std::filesystem::perm_options::add);
+  EXPECT_EQ(ReadAgentTokensFile(path).status().code(), absl::StatusCode::kPermissionDenied);
+  std::filesystem::remove_all(tmpl);
 }
 
 TEST(AuthOptions, EqualAgentAndUserTokensAreRefusedAtStart) {
