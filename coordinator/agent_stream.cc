@@ -218,6 +218,17 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
                                                               conn->hello.gpus(0).sm())
                                                : ""));
 
+  {
+    // The trial counters of what this agent may run start at 0 (coordinator/metrics.h).
+    std::set<int> sms;
+    for (const SlotInfo& slot : conn->slots) sms.insert(slot.sm);
+    std::vector<std::string> models;
+    if (auto sweeps = store_->ListSweeps(); sweeps.ok())
+      for (const SweepRecord& s : *sweeps)
+        if (s.state == "active") models.push_back(s.model);
+    for (const std::string& model : models)
+      for (int sm : sms) metrics_->DeclareTrialSeries(model, sm);
+  }
   std::thread writer([conn, stream] { conn->WriterLoop(stream); });
   Wake();
 

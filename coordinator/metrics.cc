@@ -228,7 +228,10 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
   // Trials by status: keyed by (model, sm_arch); every status of a key is one series.
   const auto trial_key = std::make_pair(model, arch);
   if (trial_keys_.count(trial_key) != 0 || trial_keys_.size() < cap) {
-    trial_keys_.insert(trial_key);
+    if (trial_keys_.insert(trial_key).second) {
+      for (TrialStatus s : kAllStatuses)
+        trials_->Add({{"status", StatusLabel(s)}, {"sm_arch", arch}, {"model", model}});
+    }
     trials_->Add({{"status", status}, {"sm_arch", arch}, {"model", model}}).Increment();
   } else {
     dropped_->Increment();
@@ -302,6 +305,16 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
     serving_tpot_p99_->Add(labels).Set(p.tpot_ms.p99 / 1000.0);
     if (p.request_goodput) serving_goodput_->Add(labels).Set(*p.request_goodput);
   }
+}
+
+void CoordinatorMetrics::DeclareTrialSeries(const std::string& model, int sm) {
+  const std::string arch = SmArchLabel(sm);
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto key = std::make_pair(model, arch);
+  if (trial_keys_.count(key) != 0 || trial_keys_.size() >= options_.max_config_series) return;
+  trial_keys_.insert(key);
+  for (TrialStatus s : kAllStatuses)
+    trials_->Add({{"status", StatusLabel(s)}, {"sm_arch", arch}, {"model", model}});
 }
 
 void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); }

@@ -69,6 +69,10 @@ class CoordinatorMetrics {
   // `gpu` is the GPU's name ("cpu" for CPU results); `model` and `config` as stored.
   void OnResult(const std::string& model, int sm, const std::string& gpu,
                 const BackendConfig& config, const TrialResult& r);
+  // Exports infersweep_trials_total for every status of (model, sm) at 0 unless it exists, so
+  // that increase() over a range counts the first result too (OpenMetrics: a counter's series
+  // should exist before its first increment). Within the (model, sm_arch) cap.
+  void DeclareTrialSeries(const std::string& model, int sm);
   void SetAgentsConnected(int n);
   void SetQueueDepth(int64_t n);
   void SetLeasedTrials(int64_t n);

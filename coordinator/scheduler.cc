@@ -315,6 +315,8 @@ int CoordinatorServer::Impl::LeaseAndAssignLocked(const std::vector<Placement>& 
       Log(absl::StrCat("leasing ", p.trial->trial_id, ": ", leased[i].status().message()));
       continue;
     }
+    metrics_->DeclareTrialSeries(leased[i]->model,
+                                 p.conn->slots[static_cast<size_t>(p.slots[0])].sm);
     TrialRequest req;
     req.trial_id = leased[i]->trial_id;
     req.attempt = leased[i]->attempt;

@@ -57,6 +57,11 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
       if (a.connected) (void)store_->SetAgentConnected(a.agent_id, false, NowMs());
   }
   RecoverHeld();
+  if (auto keys = store_->ResultModelArchs(); keys.ok()) {
+    for (const auto& [model, sm] : *keys) metrics_->DeclareTrialSeries(model, sm);
+  } else {
+    Log(absl::StrCat("listing stored (model, sm) for the metrics: ", keys.status().message()));
+  }
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<int> metrics_port = metrics_->Listen(options_.metrics_listen);
     if (!metrics_port.ok()) return metrics_port.status();

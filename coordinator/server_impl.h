@@ -193,6 +193,10 @@ class CoordinatorServer::Impl {
   // (counted in stats_.auth_failures) otherwise.
   grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
+  // One log line for a refused submit: the caller's address, the spec's source and why (rate
+  // limit refusals are counted in metrics instead: a flood must not flood the log).
+  void LogRefusedSubmit(const std::string& peer, const std::string& source,
+                        const grpc::Status& status);
   grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
   grpc::Status ListSweeps(v1::ListSweepsResponse* resp);
   grpc::Status CancelSweep(const v1::CancelSweepRequest& req, v1::CancelSweepResponse* resp);
@@ -218,8 +222,10 @@ class CoordinatorServer::Impl {
     explicit SweepServiceImpl(Impl* impl) : impl_(impl) {}
     grpc::Status SubmitSweep(grpc::ServerContext* context, const v1::SubmitSweepRequest* req,
                              v1::SubmitSweepResponse* resp) override {
-      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
-      return impl_->SubmitSweep(*req, resp);
+      grpc::Status s = impl_->CheckUser(context);
+      if (s.ok()) s = impl_->SubmitSweep(*req, resp);
+      if (!s.ok()) impl_->LogRefusedSubmit(context->peer(), req->source(), s);
+      return s;
     }
     grpc::Status GetSweep(grpc::ServerContext* context, const v1::GetSweepRequest* req,
                           v1::SweepInfo* resp) override {

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -17,10 +18,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/model_description.h"
 #include "coordinator/regressions.h"
 #include "coordinator/server_impl.h"
 #include "coordinator/sweep_spec.h"
-#include "api/model_description.h"
 
 namespace infersweep {
 
@@ -95,6 +96,19 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
   }
   absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweepRecord(*spec), *trials);
   if (!id.ok()) return rpc::ToGrpcStatus(id.status());
+  {
+    // The trial counters of the connected archs start at 0 (coordinator/metrics.h).
+    std::set<int> sms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [agent, conn] : conns_)
+        for (const SlotInfo& slot : conn->slots) sms.insert(slot.sm);
+    }
+    std::set<std::string> models;
+    for (const TrialRecord& t : *trials) models.insert(t.model);
+    for (const std::string& model : models)
+      for (int sm : sms) metrics_->DeclareTrialSeries(model, sm);
+  }
   resp->set_sweep_id(*id);
   resp->set_trial_count(static_cast<int64_t>(trials->size()));
   for (const std::string& w : *warnings) resp->add_warnings(w);
@@ -102,6 +116,17 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
                    warnings->empty() ? "" : "; warning: ", absl::StrJoin(*warnings, "; ")));
   Wake();
   return grpc::Status::OK;
+}
+
+void CoordinatorServer::Impl::LogRefusedSubmit(const std::string& peer, const std::string& source,
+                                               const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) return;
+  constexpr size_t kMaxShown = 512;
+  std::string why = status.error_message();
+  if (why.size() > kMaxShown) why = absl::StrCat(why.substr(0, kMaxShown), "...");
+  Log(absl::StrCat("submit of '", source.substr(0, 128), "' from ", peer, " refused: ",
+                   absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())),
+                   ": ", why));
 }
 
 void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_counts,

@@ -257,7 +257,8 @@ class SqliteStore final : public Store {
  public:
   // `checkpointer`: a second connection to the same file that folds the WAL into the database
   // in the background (null for in-memory databases).
-  SqliteStore(sqlite3* db, sqlite3* checkpointer) : db_(db), checkpointer_(checkpointer) {
+  SqliteStore(sqlite3* db, sqlite3* checkpointer, int64_t wal_limit_bytes)
+      : db_(db), checkpointer_(checkpointer), wal_limit_bytes_(wal_limit_bytes) {
     if (checkpointer_ != nullptr) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
   ~SqliteStore() override {
@@ -599,6 +600,20 @@ class SqliteStore final : public Store {
       ASSIGN_OR_RETURN(bool row, q.Step());
       if (!row) break;
       out[q.Text(0)] = q.Int(1);
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::vector<std::pair<std::string, int>>> ResultModelArchs() override {
+    absl::MutexLock lock(&mu_);
+    // A scan of the results_best index, (model, sm) first.
+    ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT DISTINCT model, sm FROM results",
+                                     "listing the (model, sm) of stored results"));
+    std::vector<std::pair<std::string, int>> out;
+    for (;;) {
+      ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      out.emplace_back(q.Text(0), static_cast<int>(q.Int(1)));
     }
     return out;
   }
@@ -1454,22 +1469,39 @@ class SqliteStore final : public Store {
   }
 
   // The WAL is checkpointed here, every kCheckpointIntervalMs, not by the commit that crosses
-  // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE:
-  // it never waits for a writer or blocks one.
+  // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE
+  // never waits for a writer or blocks one, but under sustained ingest a writer always has a
+  // transaction open when the checkpoint finishes, so the WAL never starts over and grows
+  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint waits for the writer's commit,
+  // copies what PASSIVE left (little: it keeps up), and empties the file; writers wait for it
+  // (a few ms) instead of the disk filling.
   static constexpr int kCheckpointIntervalMs = 250;
   void CheckpointLoop() {
+    int64_t page_size = 4096;
+    {
+      sqlite3_stmt* stmt = nullptr;
+      if (sqlite3_prepare_v2(checkpointer_, "PRAGMA page_size", -1, &stmt, nullptr) == SQLITE_OK &&
+          sqlite3_step(stmt) == SQLITE_ROW)
+        page_size = sqlite3_column_int64(stmt, 0);
+      sqlite3_finalize(stmt);
+    }
     absl::MutexLock lock(&checkpoint_mu_);
     for (;;) {
       checkpoint_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
                                       absl::Milliseconds(kCheckpointIntervalMs));
       if (stopping_) return;
-      sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr,
-                                nullptr);
+      int wal_frames = 0;
+      const int rc = sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE,
+                                               &wal_frames, nullptr);
+      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_)
+        sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr,
+                                  nullptr);
     }
   }
 
   sqlite3* const db_;
   sqlite3* const checkpointer_;
+  const int64_t wal_limit_bytes_;
   absl::Mutex checkpoint_mu_;
   bool stopping_ ABSL_GUARDED_BY(checkpoint_mu_) = false;
   std::thread checkpoint_thread_;
@@ -1552,6 +1584,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
   if (sqlite3_db_filename(db, "main") != nullptr && *sqlite3_db_filename(db, "main") != '\0') {
     if (absl::Status s = Pragma(db, "PRAGMA wal_autocheckpoint = 0", "wal_autocheckpoint"); !s.ok())
       return fail(s);
+    // A WAL that starts over is cut back to the limit, not left at its largest.
+    const std::string limit =
+        absl::StrCat("PRAGMA journal_size_limit = ", std::max<int64_t>(0, options.wal_limit_bytes));
+    if (absl::Status s = Pragma(db, limit.c_str(), "journal_size_limit"); !s.ok()) return fail(s);
     if (sqlite3_open_v2(path.c_str(), &checkpointer, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX,
                         nullptr) != SQLITE_OK) {
       absl::Status s = SqliteError(checkpointer, SQLITE_CANTOPEN,
@@ -1569,7 +1605,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
       return fail(s);
     }
   }
-  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer));
+  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer, options.wal_limit_bytes));
 }
 
 }  // namespace infersweep

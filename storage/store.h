@@ -132,6 +132,9 @@ struct ResultSubmission {
 struct StoreOptions {
   // How long a call waits for another connection's lock before failing with Unavailable.
   int busy_timeout_ms = 5000;
+  // The WAL is emptied (a TRUNCATE checkpoint) once it holds more than this, also under
+  // sustained ingest; it is cut back to this size whenever it starts over.
+  int64_t wal_limit_bytes = 32 << 20;
 };
 
 struct StoredResult {
@@ -263,6 +266,8 @@ class Store {
 
   // Stored results of one sweep by status name ("OK": 12, ...).
   virtual absl::StatusOr<std::map<std::string, int64_t>> CountResults(int64_t sweep_id) = 0;
+  // Every (model, sm) results are stored under, for metrics that start from 0 at start-up.
+  virtual absl::StatusOr<std::vector<std::pair<std::string, int>>> ResultModelArchs() = 0;
 
   // Newest first, parsed (StoredResult::result filled).
   virtual absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) = 0;

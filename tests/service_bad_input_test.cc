@@ -58,7 +58,7 @@ class BadInput : public ::testing::Test {
     CoordinatorOptions o;
     o.max_trials_per_sweep = 8;
     o.tick_ms = 50;
-    o.log = [](const std::string&) {};
+    o.log = [this](const std::string& line) { log_.Add("coordinator", line); };
     Configure(o);
     server_ = std::make_unique<CoordinatorServer>(o);
     auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
@@ -102,11 +102,16 @@ class BadInput : public ::testing::Test {
     EXPECT_THAT(std::string(r.status().message()), HasSubstr(absl::StrCat(source, ":", line)));
     EXPECT_THAT(std::string(r.status().message()), HasSubstr(needle));
     EXPECT_EQ(Count(), before);
+    // The coordinator logs the refusal with the caller and the reason.
+    EXPECT_THAT(log_.Text(),
+                HasSubstr(absl::StrCat("submit of '", source, "' from ipv4:127.0.0.1:")));
+    EXPECT_THAT(log_.Text(), HasSubstr(absl::StrCat(" refused: INVALID_ARGUMENT: ", source, ":")));
   }
 
   std::string dir_, address_;
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<ServiceClient> client_;
+  LineLog log_;
 };
 
 TEST_F(BadInput, MalformedSpecIsInvalidArgumentWithLine) {
@@ -293,6 +298,41 @@ TEST_F(BadInput, AConflictingDuplicateResultIsRefusedAndAnIdenticalReplayAcknowl
   ASSERT_EQ(stored->size(), 1u);
   EXPECT_EQ((*stored)[0].result.reason, "first");
   EXPECT_TRUE(agent.End().ok());
+}
+
+// The trial counters of a (model, arch) exist at 0 once the coordinator knows the pair: at
+// submit for the connected agents' archs, and after a restart for what the database holds.
+TEST_F(BadInput, TrialCountersExistFromZeroBeforeTheFirstResult) {
+  const std::string series =
+      "infersweep_trials_total{model=\"preset:tiny-moe\",sm_arch=\"cpu\",status=\"TIMEOUT\"} 0";
+  RawAgent agent(address_);
+  ASSERT_TRUE(agent.Hello("cpu-host"));
+  ASSERT_TRUE(agent.Next().has_welcome());
+  EXPECT_THAT(server_->MetricsText(), Not(HasSubstr("infersweep_trials_total{")));
+  auto submitted = client_->SubmitSweep(
+      "name: z\nmodel: preset:tiny-moe\nlayers: 1\nmatrix: {device: [cpu], matmul: [naive]}\n",
+      "z.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  EXPECT_THAT(server_->MetricsText(), HasSubstr(series));
+  v1::CoordinatorMessage assignment = agent.Next();
+  ASSERT_TRUE(assignment.has_assignment()) << assignment.DebugString();
+  const std::string trial = assignment.assignment().trial_id();
+  ASSERT_TRUE(agent.Result(trial, 1, ValidResultJson(trial, 1)));
+  ASSERT_TRUE(agent.Next().has_ack());
+  EXPECT_TRUE(agent.End().ok());
+
+  // After a restart, the stored (model, arch) is exported from 0 again.
+  client_.reset();
+  server_->Stop();
+  CoordinatorOptions o;
+  o.log = [](const std::string&) {};
+  server_ = std::make_unique<CoordinatorServer>(o);
+  auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_THAT(server_->MetricsText(), HasSubstr(series));
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("infersweep_trials_total{model=\"preset:tiny-moe\",sm_arch=\"cpu\","
+                        "status=\"OK\"} 0"));
 }
 
 TEST_F(BadInput, ResultBeforeHelloClosesTheStreamAndOthersAreStillServed) {
