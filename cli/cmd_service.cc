@@ -655,7 +655,7 @@ struct ResultsArgs {
   IdentityArgs identity;
   std::string sm_arch, gpu, model, status, since, until, format = "table";
   std::vector<std::string> axes;
-  int limit = 1000;
+  int limit = rpc::kDefaultQueryRows;
   bool show_kernels = false;
 };
 
@@ -753,9 +753,10 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
 }
 
 int RunResults(const ResultsArgs& args) {
-  if (args.limit < 1)
-    return Usage(absl::StrCat("--limit must be at least 1, got ", args.limit,
-                              " (the coordinator returns at most 10000)"));
+  if (args.limit < 1 || args.limit > rpc::kMaxQueryRows)
+    return Usage(absl::StrCat("--limit ", args.limit, ": must lie in [1, ", rpc::kMaxQueryRows,
+                              "] (the coordinator returns at most ", rpc::kMaxQueryRows,
+                              " results a query)"));
   v1::QueryResultsRequest req;
   IdentityArgs identity = args.identity;
   if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
@@ -905,10 +906,18 @@ void PrintServingFigures(const Row& row, const std::string& load_point) {
       std::printf("# serving       %s\n", ServingPointText(p).c_str());
 }
 
+// --batch of best and compare: one lockstep batch size.
+absl::Status CheckBatchFlag(int batch) {
+  if (batch >= 1 && batch <= kMaxBatchSize) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--batch ", batch, ": must lie in [1, ", kMaxBatchSize, "] (a batch size)"));
+}
+
 int RunBest(const BestArgs& args) {
   absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
   if (!sm.ok())
     return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+  if (absl::Status s = CheckBatchFlag(args.batch); !s.ok()) return Fail(s);
   if (args.format != "table" && args.format != "json")
     return Usage(absl::StrCat("--format '", args.format, "': expected table or json"));
   if (args.model.empty() && args.identity.sweep <= 0)
@@ -998,7 +1007,7 @@ absl::StatusOr<std::map<GroupKey, std::vector<Row>>> MatchingByGroup(ServiceClie
   req.set_model(model);
   req.set_sm(sm);
   req.set_status("OK");
-  req.set_limit(10000);
+  req.set_limit(rpc::kMaxQueryRows);
   req.set_with_kernels(true);  // compare says what each side ran
   ApplyIdentity(identity, &req);
   for (const auto& [axis, value] : config) (*req.mutable_axis_values())[axis] = value;
@@ -1029,6 +1038,7 @@ std::optional<Row> Fastest(const std::vector<Row>& rows, int batch) {
 
 int RunCompare(const CompareArgs& args) {
   if (args.model.empty()) return Usage("--model is required");
+  if (absl::Status s = CheckBatchFlag(args.batch); !s.ok()) return Fail(s);
   IdentityArgs identity = args.identity;
   if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
   std::vector<std::pair<std::string, int>> sides;  // config text, sm
@@ -1362,7 +1372,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--since", args.since, "finished at or after: 24h (ago), 2025-01-31, RFC 3339");
     cmd->add_option("--until", args.until, "finished before (same forms as --since)");
     cmd->add_option("--limit", args.limit,
-                    "at most this many results, newest first: 1 to 10000 (the coordinator's cap)")
+                    absl::StrCat("at most this many results, newest first: 1 to ",
+                                 rpc::kMaxQueryRows, " (the coordinator's cap)"))
         ->capture_default_str();
     cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
     cmd->add_flag("--show-kernels", args.show_kernels,
@@ -1388,7 +1399,8 @@ void AddServiceCommands(CLI::App& app) {
                     "load points: goodput, output_tok_s, output_tok_s_per_user, p99_ttft_ms or "
                     "p99_tpot_ms")
         ->capture_default_str();
-    cmd->add_option("--batch", args.batch, "lockstep batch size the metric is read at")
+    cmd->add_option("--batch", args.batch,
+                    absl::StrCat("lockstep batch size the metric is read at, 1 to ", kMaxBatchSize))
         ->capture_default_str();
     cmd->add_flag("--serving", args.serving,
                   "rank serving load points, never lockstep batches (implied by --load-point "
@@ -1410,7 +1422,8 @@ void AddServiceCommands(CLI::App& app) {
                                               "the axes they leave out)");
     cmd->add_option("--sm-arch", args.sm_archs,
                     "SM architecture(s): sm_90, 90, sm_90a, or cpu (CPU results)");
-    cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
+    cmd->add_option("--batch", args.batch, absl::StrCat("batch size, 1 to ", kMaxBatchSize))
+        ->capture_default_str();
     AddIdentityFlags(cmd, &args.identity);
     cmd->callback([] { std::exit(RunCompare(args)); });
   }

@@ -31,6 +31,11 @@ namespace infersweep {
 inline constexpr size_t kDefaultMaxSweepTrials = 10000;
 // Longest spec text accepted.
 inline constexpr size_t kMaxSweepSpecBytes = 1 << 20;
+// Longest free text of a spec, in bytes: the name (shown in every table and log line), the
+// model (a preset or a checkpoint path), and each axis name or value.
+inline constexpr size_t kMaxSweepNameBytes = 128;
+inline constexpr size_t kMaxSweepModelBytes = 4096;
+inline constexpr size_t kMaxSweepWordBytes = 128;
 
 struct SweepAxis {
   std::vector<std::string> values;  // as written, in order, no duplicates

@@ -645,8 +645,9 @@ class SqliteStore final : public Store {
       return absl::InvalidArgumentError(absl::StrCat("Best: unknown metric '", q.metric,
                                                      "' (known: output_tok_s, ttft_ms, tpot_ms, "
                                                      "prefill_tok_s)"));
-    if (q.batch < 1)
-      return absl::InvalidArgumentError(absl::StrCat("Best: batch must be >= 1, got ", q.batch));
+    if (q.batch < 1 || q.batch > kMaxBatchSize)
+      return absl::InvalidArgumentError(
+          absl::StrCat("Best: batch ", q.batch, " must lie in [1, ", kMaxBatchSize, "]"));
     const std::string op = absl::StrCat("finding the best ", q.metric, " at batch ", q.batch,
                                         " for ", q.model, " on sm ", q.sm);
     BestAnswer answer;

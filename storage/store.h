@@ -172,7 +172,7 @@ struct BestQuery {
   // goodput (request_goodput), output_tok_s (output_throughput), output_tok_s_per_user,
   // p99_ttft_ms or p99_tpot_ms. Higher- or lower-is-better as the name implies.
   std::string metric = "output_tok_s";
-  int batch = 1;  // >= 1; lockstep only
+  int batch = 1;  // 1..kMaxBatchSize; lockstep only
   // Ranks serving load points (serving_points) instead of lockstep batches; implied by a
   // load_point or a metric only serving points have. The two are never ranked together.
   bool serving = false;
@@ -274,7 +274,8 @@ class Store {
   // The same rows with the JSON as stored and not parsed: what the coordinator passes on.
   virtual absl::StatusOr<std::vector<StoredResult>> QueryResultRows(const ResultQuery& q) = 0;
   // The fastest OK figure by `metric` at `batch` within one (model identity, workload) group of
-  // (model, sm): see BestAnswer. InvalidArgument for an unknown metric or a batch < 1.
+  // (model, sm): see BestAnswer. InvalidArgument for an unknown metric or a batch outside
+  // [1, kMaxBatchSize].
   virtual absl::StatusOr<BestAnswer> Best(const BestQuery& q) = 0;
 
   virtual absl::Status UpsertAgent(const AgentRecord& agent) = 0;

@@ -399,6 +399,77 @@ TEST_F(BadInput, QueryArgumentsAreChecked) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
 }
 
+// The query bounds the CLI checks hold for a client calling gRPC directly too: a limit or batch
+// outside its range (an explicit 0 included; unset means the default), an SM that is no arch,
+// and free text over its cap are INVALID_ARGUMENT naming the field and the range.
+TEST_F(BadInput, QueryBoundsAndFreeTextAreCheckedAtTheServer) {
+  auto expect_invalid = [](const absl::Status& status, const std::string& needle) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(needle));
+  };
+  for (const int limit : {0, -1, 10001}) {
+    v1::QueryResultsRequest q;
+    q.set_limit(limit);
+    expect_invalid(client_->QueryResults(q).status(),
+                   absl::StrCat("limit: ", limit, " must lie in [1, 10000]"));
+  }
+  v1::QueryResultsRequest at_cap;
+  at_cap.set_limit(10000);
+  EXPECT_TRUE(client_->QueryResults(at_cap).ok());
+  EXPECT_TRUE(client_->QueryResults(v1::QueryResultsRequest()).ok());  // unset: the default
+
+  for (const int batch : {0, -1, 1025}) {
+    v1::BestRequest b;
+    b.set_model("preset:tiny-moe");
+    b.set_sm(90);
+    b.set_batch(batch);
+    expect_invalid(client_->Best(b).status(),
+                   absl::StrCat("batch: ", batch, " must lie in [1, 1024]"));
+  }
+  v1::BestRequest unset_batch;
+  unset_batch.set_model("preset:tiny-moe");
+  unset_batch.set_sm(90);
+  EXPECT_TRUE(client_->Best(unset_batch).ok());
+
+  for (const int limit : {0, -1, 100001}) {
+    v1::RegressionsRequest r;
+    r.set_limit(limit);
+    expect_invalid(client_->Regressions(r).status(),
+                   absl::StrCat("limit: ", limit, " must lie in [1, 100000]"));
+  }
+  EXPECT_TRUE(client_->Regressions(v1::RegressionsRequest()).ok());
+
+  v1::BestRequest bad_sm = unset_batch;
+  bad_sm.set_sm(-5);
+  expect_invalid(client_->Best(bad_sm).status(), "sm: -5 is not an SM architecture");
+
+  const std::string huge(100000, 'x');
+  v1::BestRequest long_model = unset_batch;
+  long_model.set_model(huge);
+  const absl::Status long_model_status = client_->Best(long_model).status();
+  expect_invalid(long_model_status, "model: 100000 bytes; the limit is 4096");
+  EXPECT_LT(long_model_status.message().size(), 200u);  // never echoed whole
+  v1::QueryResultsRequest long_axis;
+  (*long_axis.mutable_axis_values())["matmul"] = huge;
+  expect_invalid(client_->QueryResults(long_axis).status(),
+                 "axis_values['matmul']: 100000 bytes; the limit is 128");
+  v1::QueryResultsRequest long_status;
+  long_status.set_status(huge);
+  expect_invalid(client_->QueryResults(long_status).status(), "status: 100000 bytes");
+  v1::RegressionsRequest long_workload;
+  long_workload.set_workload(huge);
+  expect_invalid(client_->Regressions(long_workload).status(), "workload: 100000 bytes");
+}
+
+// A sweep name over its cap is refused at Submit, naming the line, and nothing is stored.
+TEST_F(BadInput, SweepNameOverTheCapIsRefused) {
+  std::string yaml = kValidSweep;
+  yaml.replace(yaml.find("waits"), 5, std::string(100000, 'w'));
+  ExpectRejected(
+      yaml, "long.yaml", 1,
+      "name: 'wwwwwwwwwwwwwwwwwwwwwwwwwwwwwwww...' is 100000 bytes long; the limit is 128");
+}
+
 // ------------------------------------------------------------------------------ authentication
 
 constexpr char kAgentToken[] = "agent-secret-0123456789";

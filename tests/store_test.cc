@@ -619,6 +619,11 @@ TEST_F(QueryTest, BestPicksTheFastestOkResult) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BestOf(*store_, "preset:tiny", 90, "output_tok_s", 0).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // No workload has a batch over kMaxBatchSize: such a query is a mistake, not "none found".
+  const absl::Status over =
+      BestOf(*store_, "preset:tiny", 90, "output_tok_s", kMaxBatchSize + 1).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kInvalidArgument) << over;
+  EXPECT_THAT(std::string(over.message()), HasSubstr("must lie in [1, 1024]"));
 }
 
 // Every metric at every batch ranks within one group through result_batches: ordered by its

@@ -397,6 +397,71 @@ INSTANTIATE_TEST_SUITE_P(
                 {"spec.yaml:3", "matrix.device", "','"}}),
     [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
 
+// The free text of a spec is capped (docs/SWEEPS.md, "Free text"): a name of 128 bytes, a model of
+// 4096, an axis name or value of 128, each on one line; over a cap the error names the line, the
+// field, the length and the cap, and quotes only the text's start.
+TEST(SweepSpecTest, FreeTextIsCapped) {
+  const std::string tail = "model: preset:tiny\nmatrix: {device: [cpu]}\n";
+  const SweepSpec at_cap =
+      ParseOrDie("name: " + std::string(kMaxSweepNameBytes, 'n') + "\n" + tail);
+  EXPECT_EQ(at_cap.name.size(), kMaxSweepNameBytes);
+  const std::string huge(100000, 'n');
+  for (const size_t size : {kMaxSweepNameBytes + 1, huge.size()}) {
+    absl::StatusOr<SweepSpec> spec = Parse("name: " + huge.substr(0, size) + "\n" + tail);
+    ASSERT_FALSE(spec.ok()) << size;
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(spec.status().message(),
+                HasSubstr(absl::StrCat("spec.yaml:1: name: '", huge.substr(0, 32), "...' is ", size,
+                                       " bytes long; the limit is ", kMaxSweepNameBytes)));
+    EXPECT_LT(spec.status().message().size(), 200u);
+  }
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"name: \"two\\nlines\"\n" + tail,
+       {"spec.yaml:1: name: contains a control character (byte 0x0a)"}},
+      {"name: \"bell\\a\"\n" + tail, {"spec.yaml:1: name", "byte 0x07"}},
+      {"name: t\nmodel: preset:" + std::string(kMaxSweepModelBytes, 'm') +
+           "\nmatrix: {device: [cpu]}\n",
+       {"spec.yaml:2: model: '", "is 4103 bytes long; the limit is 4096"}},
+      {"name: t\nmodel: preset:tiny\nmatrix:\n  device: [cpu]\n  matmul: [naive, " +
+           std::string(kMaxSweepWordBytes + 1, 'v') + "]\n",
+       {"spec.yaml:5: matrix.matmul: '", "is 129 bytes long; the limit is 128"}},
+      {"name: t\nmodel: preset:tiny\nmatrix:\n  device: [cpu]\n  " +
+           std::string(kMaxSweepWordBytes + 1, 'a') + ": [x]\n",
+       {"spec.yaml:5: matrix: '", "is 129 bytes long"}},
+      {"name: t\nmodel: preset:tiny\nmatrix: {device: [cpu]}\ninclude:\n  - {device: cpu, "
+       "matmul: " +
+           std::string(kMaxSweepWordBytes + 1, 'v') + "}\n",
+       {"spec.yaml:5: include[0].matmul: '", "is 129 bytes long"}},
+  };
+  for (const auto& [yaml, want] : cases) {
+    absl::StatusOr<SweepSpec> spec = Parse(yaml);
+    ASSERT_FALSE(spec.ok()) << yaml.substr(0, 80);
+    for (const std::string& w : want) EXPECT_THAT(spec.status().message(), HasSubstr(w));
+  }
+}
+
+// Batch sizes and load points increase: a list that repeats or goes down is refused at the
+// line of the value out of order.
+TEST(SweepSpecTest, ListsOfBatchesAndLoadPointsIncrease) {
+  const std::string head = "name: t\nmodel: preset:tiny\nmatrix: {device: [cpu]}\nworkload:\n";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {head + "  batch: [8, 1]\n",
+       {"spec.yaml:5: workload.batch: 1 after 8: the values must increase"}},
+      {head + "  batch:\n    - 1\n    - 4\n    - 4\n", {"spec.yaml:8: workload.batch: 4 after 4"}},
+      {head + "  mode: serving\n  concurrency: [4, 1]\n  requests: 2\n",
+       {"spec.yaml:6: workload.concurrency: 1 after 4"}},
+      {head + "  mode: serving\n  rate: [2, 0.5]\n  requests: 2\n",
+       {"spec.yaml:6: workload.rate: 0.5 after 2"}},
+  };
+  for (const auto& [yaml, want] : cases) {
+    absl::StatusOr<SweepSpec> spec = Parse(yaml);
+    ASSERT_FALSE(spec.ok()) << yaml;
+    for (const std::string& w : want) EXPECT_THAT(spec.status().message(), HasSubstr(w)) << yaml;
+  }
+  EXPECT_EQ(ParseOrDie(head + "  batch: [1, 8, 64]\n").workload.batch_sizes,
+            (std::vector<int>{1, 8, 64}));
+}
+
 TEST(SweepSpecTest, CapIsCheckedBeforeExpansion) {
   const std::string yaml = Replace(kExample, "repeats: 1 ", "repeats: 1000 ");
   const SweepSpec spec = ParseOrDie(yaml);
