@@ -1504,9 +1504,8 @@ class SqliteStore final : public Store {
   // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE
   // never waits for a writer or blocks one, but under sustained ingest a writer always has a
   // transaction open when the checkpoint finishes, so the WAL never starts over and grows
-  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint waits for the writer's commit,
-  // copies what PASSIVE left (little: it keeps up), and empties the file; writers wait for it
-  // (a few ms) instead of the disk filling.
+  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint copies what PASSIVE left and
+  // empties the file while this store's calls wait for it, instead of the disk filling.
   static constexpr int kCheckpointIntervalMs = 250;
   void CheckpointLoop() {
     int64_t page_size = 4096;
@@ -1525,9 +1524,13 @@ class SqliteStore final : public Store {
       int wal_frames = 0;
       const int rc = sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE,
                                                &wal_frames, nullptr);
-      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_)
+      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_) {
+        // The store's own lock holds this store's writers back meanwhile: SQLite queues nobody,
+        // so a writer that commits back to back would otherwise starve the checkpoint.
+        absl::MutexLock writers(&mu_);
         sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr,
                                   nullptr);
+      }
     }
   }
 
