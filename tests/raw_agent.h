@@ -58,8 +58,11 @@ struct RawAgent {
   std::unique_ptr<Stream> stream;
 };
 
-inline std::string ValidResultJson(const std::string& trial_id, int attempt) {
+// An OK CPU result of `trial_id`'s attempt; `reason` tells two results of one attempt apart.
+inline std::string ValidResultJson(const std::string& trial_id, int attempt,
+                                   const std::string& reason = "") {
   TrialResult r;
+  r.reason = reason;
   r.trial_id = trial_id;
   r.attempt = attempt;
   r.status = TrialStatus::kOk;

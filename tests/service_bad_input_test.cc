@@ -268,17 +268,7 @@ TEST_F(BadInput, AConflictingDuplicateResultIsRefusedAndAnIdenticalReplayAcknowl
   ASSERT_TRUE(assignment.has_assignment()) << assignment.DebugString();
   const std::string trial = assignment.assignment().trial_id();
   const int attempt = assignment.assignment().attempt();
-  auto result = [&](const std::string& reason) {
-    TrialResult r;
-    r.trial_id = trial;
-    r.attempt = attempt;
-    r.status = TrialStatus::kOk;
-    r.model = "preset:tiny-moe";
-    r.config = {{"device", "cpu"}, {"matmul", "naive"}};
-    r.device = "cpu";
-    r.reason = reason;
-    return ToJson(r).dump();
-  };
+  auto result = [&](const std::string& reason) { return ValidResultJson(trial, attempt, reason); };
   ASSERT_TRUE(agent.Result(trial, attempt, result("first")));
   EXPECT_TRUE(agent.Next().has_ack());
   ASSERT_TRUE(agent.Result(trial, attempt, result("first")));  // a replay from the spool

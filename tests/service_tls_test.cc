@@ -353,15 +353,7 @@ TEST_F(Tls, ACertificateThatDoesNotNameTheAgentIdCannotImpersonateIt) {
               HasSubstr("infersweep_agent_identity_refused_total{reason=\"conflict\"} 1"));
 
   // The victim's stream is still the agent's: its result is acknowledged and stored.
-  TrialResult genuine;
-  genuine.trial_id = trial;
-  genuine.attempt = attempt;
-  genuine.status = TrialStatus::kOk;
-  genuine.model = "preset:tiny-moe";
-  genuine.config = {{"device", "cpu"}, {"matmul", "naive"}};
-  genuine.device = "cpu";
-  genuine.reason = "genuine";
-  ASSERT_TRUE(victim.Result(trial, attempt, ToJson(genuine).dump()));
+  ASSERT_TRUE(victim.Result(trial, attempt, ValidResultJson(trial, attempt, "genuine")));
   v1::CoordinatorMessage ack = victim.Next();
   ASSERT_TRUE(ack.has_ack()) << ack.DebugString();
   auto stored = server_->store()->QueryResults(ResultQuery{});
