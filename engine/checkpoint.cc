@@ -75,9 +75,10 @@ bool IsPlainFileName(const std::string& name) {
          name.find("..") == std::string::npos && name.find('\0') == std::string::npos;
 }
 
-// tensor name -> shard file name, from model.safetensors.index.json.
-absl::StatusOr<std::map<std::string, std::string>> ParseIndex(const std::string& text,
-                                                              const std::string& path) {
+}  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(const std::string& text,
+                                                                         const std::string& path) {
   json root;
   try {
     root = json::parse(text);
@@ -110,6 +111,8 @@ absl::StatusOr<std::map<std::string, std::string>> ParseIndex(const std::string&
   }
   return out;
 }
+
+namespace {
 
 // "model.layers.<L>.mlp.<rest>" split into "model.layers.<L>." and "<rest>".
 struct MlpName {
@@ -265,7 +268,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   if (PathExists(index_path)) {
     absl::StatusOr<std::string> text = ReadTextFile(index_path);
     if (!text.ok()) return text.status();
-    absl::StatusOr<std::map<std::string, std::string>> weight_map = ParseIndex(*text, index_path);
+    absl::StatusOr<std::map<std::string, std::string>> weight_map =
+        ParseSafetensorsIndex(*text, index_path);
     if (!weight_map.ok()) return weight_map.status();
 
     // Open each distinct shard once, in name order so errors are deterministic.
