@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/untrusted_json.h"
 #include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
 
@@ -79,12 +80,9 @@ bool IsPlainFileName(const std::string& name) {
 
 absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(const std::string& text,
                                                                          const std::string& path) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
-  }
+  absl::StatusOr<json> parsed = ParseUntrustedJson(text, path);
+  if (!parsed.ok()) return parsed.status();
+  const json& root = *parsed;
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": must be a JSON object, found ", root.type_name()));
