@@ -31,6 +31,9 @@ namespace infersweep {
 inline constexpr size_t kDefaultMaxSweepTrials = 10000;
 // Longest spec text accepted.
 inline constexpr size_t kMaxSweepSpecBytes = 1 << 20;
+// Deepest nesting of YAML collections accepted (block levels and flow brackets together; a
+// spec needs 3). yaml-cpp parses recursively, so the text is checked before it sees it.
+inline constexpr int kMaxSweepSpecDepth = 64;
 
 struct SweepAxis {
   std::vector<std::string> values;  // as written, in order, no duplicates
@@ -72,7 +75,8 @@ struct SweepSpec {
 using ConfigNormalizer = std::function<absl::StatusOr<BackendConfig>(const BackendConfig&)>;
 
 // Parses and validates a spec: structure, types, ranges, and every axis and value through
-// `normalize` on each device of the sweep. Never throws.
+// `normalize` on each device of the sweep. Never throws. The text must be printable (a control
+// byte is an error naming its line and column) and nest at most kMaxSweepSpecDepth levels.
 absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml, std::string_view source,
                                          const ConfigNormalizer& normalize = NormalizeBackendConfig);
 
