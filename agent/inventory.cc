@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -16,24 +18,46 @@
 
 namespace infersweep {
 
-absl::StatusOr<int> ParseSmArch(std::string_view text_in) {
-  const absl::string_view text(text_in.data(), text_in.size());
-  const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  if (t == "cpu") return 0;  // CPU-only hosts store their results under SM 0
-  // The whole word: an optional "sm_" or "sm", the SM number (no sign, no leading zero), and at
-  // most one architecture-specific suffix letter (sm_90a, sm_100f), which names the same SM.
-  absl::string_view v = t;
-  if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
-  if (!v.empty() && (v.back() == 'a' || v.back() == 'f')) v.remove_suffix(1);
+namespace {
+
+// The SM of one of the accepted spellings: "sm_90", "sm_90a", "sm_100f", "90"; nullopt for
+// anything else.
+std::optional<int> SmOfExactForm(absl::string_view v) {
+  // An architecture-specific suffix letter names the same SM; only the sm_ form carries one.
+  if (absl::ConsumePrefix(&v, "sm_") && !v.empty() && (v.back() == 'a' || v.back() == 'f'))
+    v.remove_suffix(1);
   const bool digits = !v.empty() && v.size() <= 4 && v.front() != '0' &&
                       std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
   int sm = 0;
-  if (!digits || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", text,
-        "' is not an SM architecture (expected sm_NN, NN or sm_NNa with NN in 10..1000, "
-        "e.g. sm_90, 90, sm_90a; or cpu)"));
+  if (!digits || !absl::SimpleAtoi(v, &sm) || sm < 10 || sm > 1000) return std::nullopt;
   return sm;
+}
+
+}  // namespace
+
+absl::StatusOr<int> ParseSmArch(std::string_view text_in, bool allow_cpu) {
+  const absl::string_view text(text_in.data(), text_in.size());
+  if (allow_cpu && text == "cpu") return 0;  // CPU-only hosts store their results under SM 0
+  if (std::optional<int> sm = SmOfExactForm(text)) return *sm;
+  // A near miss (case, whitespace, a missing '_' or suffix on the bare number) is refused too,
+  // so that every spelling of an arch that is accepted means one thing; the hint names the
+  // accepted spelling.
+  std::string near = absl::AsciiStrToLower(text);
+  std::erase_if(near, [](char c) { return absl::ascii_isspace(static_cast<unsigned char>(c)); });
+  std::string hint;
+  if (near == "cpu") {
+    if (allow_cpu) hint = "cpu";
+  } else {
+    absl::string_view v = near;
+    if (!absl::ConsumePrefix(&v, "sm_")) absl::ConsumePrefix(&v, "sm");
+    const std::string canonical = absl::StrCat("sm_", v);
+    if (SmOfExactForm(canonical)) hint = canonical;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", text, "' is not an SM architecture",
+                   hint.empty() ? "" : absl::StrCat(": did you mean ", hint, "?"),
+                   " (expected sm_NN, sm_NNa or NN with NN in 10..1000, e.g. sm_90, sm_90a, 90",
+                   allow_cpu ? "; or cpu" : "", ")"));
 }
 
 absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
@@ -55,7 +79,7 @@ absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
   GpuInfo gpu;
   gpu.name = std::string(absl::StripAsciiWhitespace(text.substr(0, mid)));
   const absl::string_view sm_text = text.substr(mid + 1, last - mid - 1);
-  auto sm = ParseSmArch(std::string_view(sm_text.data(), sm_text.size()));
+  auto sm = ParseSmArch(std::string_view(sm_text.data(), sm_text.size()), /*allow_cpu=*/false);
   if (!sm.ok())
     return absl::InvalidArgumentError(absl::StrCat("--test-fake-gpu '", text, "': ", sm.status().message()));
   gpu.sm = *sm;

@@ -35,9 +35,10 @@ struct Inventory {
   std::vector<std::string> backends;  // "axis=value" this build can run
 };
 
-// "sm_90", "90", "sm_90a", "SM90" -> 90; "cpu" -> 0 (the SM CPU results are stored under). The
-// whole word must be an arch: "90x", "+90" or "sm_90zzz" is an error naming the text.
-absl::StatusOr<int> ParseSmArch(std::string_view text);
+// "sm_90", "sm_90a", "sm_100f", "90" -> the SM; with allow_cpu, "cpu" -> 0 (the SM CPU results
+// are stored under). Nothing else: "90x", "+90", " 90", "SM_90" or "sm90" is an error naming
+// the text, with the accepted spelling as a hint where there is one ("did you mean sm_90?").
+absl::StatusOr<int> ParseSmArch(std::string_view text, bool allow_cpu = true);
 
 // TEST ONLY. "NAME:SM:MEMORY_GIB[:LINK]", e.g. "NVIDIA H200:90:141" or "NVIDIA RTX PRO
 // 6000:sm_120:96:pcie"; the name may contain colons. LINK, when given, is nvlink, p2p or pcie:

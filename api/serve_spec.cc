@@ -1,6 +1,8 @@
 #include "api/serve_spec.h"
 
 #include <cmath>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -19,6 +21,13 @@ using nlohmann::json;
 absl::Status FieldError(absl::string_view field, absl::string_view value, absl::string_view want) {
   return absl::InvalidArgumentError(
       absl::StrCat("--serve field '", field, "': '", value, "' is not ", want));
+}
+
+// Load points are served in the order given, each once: a repeated or descending list is a typo.
+absl::Status NotIncreasing(absl::string_view field, absl::string_view value) {
+  return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "': '", value,
+                                                 "': load points must increase (e.g. ", field,
+                                                 field == "rate" ? "=1:2:4)" : "=1:4:16)"));
 }
 
 // "N" or "A-B" (A <= B), each in [lo, hi].
@@ -118,6 +127,7 @@ absl::Status ValidateServeSpec(const ServeSpec& spec, std::string_view what_view
 
 absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
   ServeSpec spec;
+  std::set<std::string, std::less<>> seen;
   for (absl::string_view item :
        absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
     std::pair<absl::string_view, absl::string_view> kv =
@@ -126,6 +136,8 @@ absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
     if (value.empty())
       return absl::InvalidArgumentError(
           absl::StrCat("--serve item '", item, "' is not of the form field=value"));
+    if (!seen.emplace(field).second)
+      return absl::InvalidArgumentError(absl::StrCat("--serve field '", field, "' given twice"));
     auto as_int = [&](int* out, int lo, int hi) -> absl::Status {
       if (!absl::SimpleAtoi(value, out)) return FieldError(field, value, "an integer");
       if (*out < lo || *out > hi)
@@ -138,6 +150,8 @@ absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
         int n;
         if (!absl::SimpleAtoi(c, &n) || n < 1 || n > 4096)
           return FieldError(field, c, "a concurrency in [1, 4096] (load points as 1:4:16)");
+        if (!spec.concurrency.empty() && n <= spec.concurrency.back())
+          return NotIncreasing(field, value);
         spec.concurrency.push_back(n);
       }
     } else if (field == "rate") {
@@ -145,6 +159,7 @@ absl::StatusOr<ServeSpec> ParseServeSpec(std::string_view text) {
         double rate;
         if (!absl::SimpleAtod(r, &rate) || !(rate > 0) || !std::isfinite(rate))
           return FieldError(field, r, "a positive request rate in requests/s (load points as 1:4)");
+        if (!spec.rate.empty() && rate <= spec.rate.back()) return NotIncreasing(field, value);
         spec.rate.push_back(rate);
       }
     } else if (field == "max_concurrency") {
@@ -215,10 +230,13 @@ absl::Status ValidateSlo(const Slo& slo, std::string_view what_view) {
 
 absl::StatusOr<Slo> ParseSlo(std::string_view text) {
   Slo slo;
+  std::set<std::string, std::less<>> seen;
   for (absl::string_view item :
        absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
     std::pair<absl::string_view, absl::string_view> kv =
         absl::StrSplit(item, absl::MaxSplits('=', 1));
+    if (!seen.emplace(kv.first).second)
+      return absl::InvalidArgumentError(absl::StrCat("--slo field '", kv.first, "' given twice"));
     double value;
     if (!absl::SimpleAtod(kv.second, &value) || !(value > 0) || !std::isfinite(value))
       return absl::InvalidArgumentError(

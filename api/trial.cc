@@ -1,8 +1,12 @@
 #include "api/trial.h"
 
+#include <set>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "api/status_macros.h"
 #include "api/untrusted_json.h"
@@ -108,7 +112,8 @@ absl::Status ValidateWorkload(const Workload& w) {
   if (w.batch_sizes.empty() || w.batch_sizes.size() > 16)
     return bad("batch", w.batch_sizes.size(), "1..16 batch sizes");
   for (int b : w.batch_sizes)
-    if (b < 1 || b > 1024) return bad("batch", b, "[1, 1024]");
+    if (b < 1 || b > kMaxBatchSize)
+      return bad("batch", b, absl::StrCat("[1, ", kMaxBatchSize, "]"));
   if (w.repeats < 1 || w.repeats > 100) return bad("repeats", w.repeats, "[1, 100]");
   if (w.warmup < 0 || w.warmup > 100) return bad("warmup", w.warmup, "[0, 100]");
   if (!(w.timeout_s >= 1 && w.timeout_s <= 86400)) return bad("timeout", w.timeout_s, "[1, 86400] s");
@@ -120,8 +125,12 @@ absl::Status ValidateWorkload(const Workload& w) {
 
 absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
   Workload w;
+  std::set<std::string, std::less<>> seen;
   for (absl::string_view item : absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
     std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    if (!seen.emplace(kv.first).second)
+      return absl::InvalidArgumentError(
+          absl::StrCat("workload field '", kv.first, "' given twice"));
     auto as_int = [&](int* out) -> absl::Status {
       if (!absl::SimpleAtoi(kv.second, out))
         return absl::InvalidArgumentError(
@@ -147,6 +156,11 @@ absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
         if (!absl::SimpleAtoi(b, &size))
           return absl::InvalidArgumentError(
               absl::StrCat("workload field 'batch': '", b, "' is not an integer"));
+        // Each size is timed once, in order: a repeated or descending list is a typo.
+        if (!w.batch_sizes.empty() && size <= w.batch_sizes.back())
+          return absl::InvalidArgumentError(
+              absl::StrCat("workload field 'batch': '", kv.second,
+                           "': batch sizes must increase (e.g. batch=1:4:16)"));
         w.batch_sizes.push_back(size);
       }
     } else {
@@ -157,6 +171,22 @@ absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
   }
   RETURN_IF_ERROR(ValidateWorkload(w));
   return w;
+}
+
+std::string WorkloadString(const Workload& w) {
+  // The shortest text that reads back to the same timeout.
+  std::string timeout = absl::StrFormat("%.17g", w.timeout_s);
+  for (int digits = 6; digits < 17; ++digits) {
+    std::string s = absl::StrFormat("%.*g", digits, w.timeout_s);
+    double back = 0;
+    if (absl::SimpleAtod(s, &back) && back == w.timeout_s) {
+      timeout = s;
+      break;
+    }
+  }
+  return absl::StrCat("prompt=", w.prompt_len, ",output=", w.output_len,
+                      ",batch=", absl::StrJoin(w.batch_sizes, ":"), ",repeats=", w.repeats,
+                      ",warmup=", w.warmup, ",timeout=", timeout);
 }
 
 std::string WorkloadKey(const Workload& w) {

@@ -37,12 +37,19 @@ struct Workload {
   Slo slo;  // serving only: the goodput's bounds and the SLO search's (empty: neither)
 };
 
+// The largest batch size a workload, and a query at one batch size, takes.
+inline constexpr int kMaxBatchSize = 1024;
+
 // Bounds: prompt 1..65536, output 2..65536, batch 1..1024 each (at most 16 sizes),
 // repeats 1..100, warmup 0..100, timeout 1..86400 s; a serving workload's spec and SLO as
 // ValidateServeSpec and ValidateSlo check them. Errors name the field.
 absl::Status ValidateWorkload(const Workload& w);
-// "prompt=128,output=32,batch=1:8:64,repeats=3,warmup=1,timeout=600" (every key optional).
+// "prompt=128,output=32,batch=1:8:64,repeats=3,warmup=1,timeout=600": every key optional and
+// given once, a key left out keeps Workload{}'s default, batch sizes increase.
 absl::StatusOr<Workload> ParseWorkload(std::string_view text);
+// The lockstep fields as ParseWorkload reads them back, every key written:
+// "prompt=128,output=32,batch=1,repeats=3,warmup=1,timeout=600".
+std::string WorkloadString(const Workload& w);
 
 // The workload's part of a result's identity: what changes its figures (the prompt and output
 // lengths, and whether a warm-up ran), not the procedure (repeats, timeout) or the batch list

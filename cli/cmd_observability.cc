@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "agent/inventory.h"
 #include "cli/client_flags.h"
@@ -39,7 +38,7 @@ struct RegressionsArgs {
   std::string workload;
   std::string model_key;
   int layers = 0;
-  int limit = 100000;
+  int limit = kMaxRegressionResults;
   bool flagged_only = false;
   bool fail_on_regression = false;
 };
@@ -78,6 +77,9 @@ absl::StatusOr<std::vector<RegressionRow>> RemoteRegressions(const std::string& 
 }
 
 int RunRegressions(const RegressionsArgs& args) {
+  if (args.limit < 1 || args.limit > kMaxRegressionResults)
+    return Usage(absl::StrCat("--limit ", args.limit, ": must lie in [1, ", kMaxRegressionResults,
+                              "] (OK results read)"));
   RegressionQuery q;
   q.metric = args.metric;
   q.limit = args.limit;
@@ -95,13 +97,9 @@ int RunRegressions(const RegressionsArgs& args) {
     return Usage(absl::StrCat("--metric: ", d.status().message()));
   if (!args.model.empty()) q.model = args.model;
   if (!args.sm_arch.empty()) {
-    if (absl::AsciiStrToLower(args.sm_arch) == "cpu") {
-      q.sm = 0;
-    } else {
-      absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
-      if (!sm.ok()) return Usage(absl::StrCat("--sm-arch: ", sm.status().message()));
-      q.sm = *sm;
-    }
+    absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
+    if (!sm.ok()) return Usage(absl::StrCat("--sm-arch: ", sm.status().message()));
+    q.sm = *sm;
   }
   if (args.sweep < 0 || args.layers < 0) return Usage("--sweep and --layers must be >= 1");
   if (args.sweep > 0) q.sweep_id = args.sweep;
@@ -178,13 +176,16 @@ void AddObservabilityCommands(CLI::App& app) {
                   "changes smaller than this % of the history's median are never flagged")
       ->capture_default_str();
   cmd->add_option("--model", args.model, "only this model");
-  cmd->add_option("--sm-arch", args.sm_arch, "only this SM architecture (sm_90, 90, cpu)");
+  cmd->add_option("--sm-arch", args.sm_arch,
+                  "only this SM architecture: sm_90, 90, sm_90a, or cpu (CPU results)");
   cmd->add_option("--sweep", args.sweep, "only this sweep's results");
   cmd->add_option("--workload", args.workload, "only this workload: prompt=N,output=N[,warmup=N]");
   cmd->add_option("--layers", args.layers, "only models run with this many layers");
   cmd->add_option("--model-key", args.model_key,
                   "only this model identity (\"unknown\": results stored without one)");
-  cmd->add_option("--limit", args.limit, "read at most this many newest OK results")
+  cmd->add_option(
+         "--limit", args.limit,
+         absl::StrCat("read at most this many newest OK results, 1 to ", kMaxRegressionResults))
       ->capture_default_str();
   cmd->add_flag("--flagged-only", args.flagged_only, "print only regressions and improvements");
   cmd->add_flag("--fail-on-regression", args.fail_on_regression,

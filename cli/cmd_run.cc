@@ -1,14 +1,22 @@
 // `infersweep run`: trials of one model under one or more backend configs, each in an isolated
 // worker process; and `infersweep worker`, that process.
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "api/model_config.h"
+#include "api/model_description.h"
+#include "api/status_macros.h"
 #include "cli/commands.h"
 #include "engine/backends.h"
 #include "engine/fault_injection.h"
@@ -31,7 +39,17 @@ absl::StatusOr<std::vector<BackendConfig>> ExpandConfigArg(const std::string& te
           absl::StrCat("--config item '", item, "' is not of the form axis=value[|value...]"));
     if (axes.count(kv.first))
       return absl::InvalidArgumentError(absl::StrCat("--config axis '", kv.first, "' given twice"));
-    axes[kv.first] = absl::StrSplit(kv.second, '|', absl::SkipEmpty());
+    std::vector<std::string>& values = axes[kv.first];
+    for (absl::string_view value : absl::StrSplit(kv.second, '|')) {
+      if (value.empty())
+        return absl::InvalidArgumentError(
+            absl::StrCat("--config axis '", kv.first, "': '", kv.second,
+                         "' has an empty alternative (values separated by single '|')"));
+      if (std::find(values.begin(), values.end(), value) != values.end())
+        return absl::InvalidArgumentError(
+            absl::StrCat("--config axis '", kv.first, "': value '", value, "' given twice"));
+      values.emplace_back(value);
+    }
   }
   std::vector<BackendConfig> configs;
   for (const BackendConfig& c : ExpandMatrix(axes)) {
@@ -47,7 +65,7 @@ struct RunArgs {
   int layers = 0;
   uint64_t seed = 1;
   std::vector<std::string> configs;
-  std::string workload = "prompt=64,output=16,batch=1,repeats=3,warmup=1";
+  std::string workload = WorkloadString(Workload{});
   std::string json_out;
   std::string inject_fault;
   std::string quantize;
@@ -71,6 +89,44 @@ std::optional<std::vector<BackendConfig>> ExpandConfigArgs(const RunArgs& args) 
     configs.insert(configs.end(), expanded->begin(), expanded->end());
   }
   return configs;
+}
+
+// The model and --layers, as far as they are known without loading weights: a preset must exist
+// and take the layer count; a checkpoint folder must exist, and the layer count must lie within
+// its config.json's when that reads. Workers report everything else about the model.
+absl::Status CheckModelArgs(const std::string& model, int layers) {
+  ASSIGN_OR_RETURN(const ModelDescription description, ParseModelDescription(model));
+  absl::string_view preset = description.model;
+  const std::vector<std::string> known = PresetNames();
+  int model_layers = 0;
+  if (absl::ConsumePrefix(&preset, "preset:")) {
+    if (std::find(known.begin(), known.end(), preset) == known.end())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--model '", model, "': unknown preset '", preset,
+                       "' (known presets: ", absl::StrJoin(known, ", "), ")"));
+    ASSIGN_OR_RETURN(const ModelConfig config, PresetConfig(std::string(preset)));
+    model_layers = config.num_layers;
+  } else {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(description.model, ec))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--model '", model, "': no such checkpoint folder (or preset:NAME; known presets: ",
+          absl::StrJoin(known, ", "), ")"));
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(description.model);
+    if (!config.ok()) return absl::OkStatus();  // the worker names the file and the field
+    model_layers = config->num_layers;
+  }
+  if (layers < 0 || layers > model_layers)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--layers ", layers, ": must lie in [1, ", model_layers, "], the layer count of ",
+        description.model, " (leave it out for all ", model_layers, ")"));
+  if (layers > 0 && absl::StartsWith(description.model, "preset:")) {
+    if (absl::StatusOr<ModelConfig> shaped = PresetConfig(std::string(preset), layers);
+        !shaped.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--layers ", layers, ": ", shaped.status().message()));
+  }
+  return absl::OkStatus();
 }
 
 // Writes `doc` to `path`, indented; false (and the error on stderr) when it cannot.
@@ -113,6 +169,7 @@ int RunServing(const RunArgs& args) {
   }
   auto model = WithQuantization(args.model, args.quantize);
   if (!model.ok()) return fail("", model.status());
+  if (absl::Status s = CheckModelArgs(*model, args.layers); !s.ok()) return fail("", s);
   auto fault = ParseFaultInjection(args.inject_fault);
   if (!fault.ok()) return fail("", fault.status());
   // Only its timeout applies: the serve spec replaces the lockstep fields.
@@ -222,6 +279,10 @@ int RunTrials(const RunArgs& args) {
     std::fprintf(stderr, "error: %s\n", std::string(model.status().message()).c_str());
     return 2;
   }
+  if (absl::Status s = CheckModelArgs(*model, args.layers); !s.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   auto workload = ParseWorkload(args.workload);
   if (!workload.ok()) {
     std::fprintf(stderr, "error: --workload: %s\n",
@@ -292,7 +353,8 @@ void AddRunCommands(CLI::App& app) {
   CLI::App* run =
       app.add_subcommand("run", "run backend configs in isolated workers; judge and time them");
   run->add_option("--model", args.model, "checkpoint folder or preset:NAME")->capture_default_str();
-  run->add_option("--layers", args.layers, "presets: override the layer count");
+  run->add_option("--layers", args.layers,
+                  "presets: run the first N of the model's layers (1 to its layer count)");
   run->add_option("--seed", args.seed, "presets: synthetic weight seed")->capture_default_str();
   run->add_option("--quantize", args.quantize,
                   "quantize the linear layers on load (fp8_tensor, fp8_channel, fp8_block128, "
@@ -300,7 +362,8 @@ void AddRunCommands(CLI::App& app) {
   run->add_option("--config", args.configs,
                   "axis=value[|value...],... (repeatable; '|' alternatives expand to a matrix)");
   run->add_option("--workload", args.workload,
-                  "prompt=N,output=N,batch=B1:B2,repeats=N,warmup=N,timeout=S")
+                  "prompt=N,output=N,batch=B1:B2:...,repeats=N,warmup=N,timeout=S: each key at "
+                  "most once, batch sizes increasing; a key left out keeps the default")
       ->capture_default_str();
   run->add_option("--json", args.json_out, "write results as JSON (docs/RESULTS.md)");
   run->add_option("--serve", args.serve,

@@ -28,14 +28,15 @@
 #include "absl/time/time.h"
 #include "agent/agent.h"
 #include "agent/inventory.h"
+#include "api/trial.h"
 #include "cli/client_flags.h"
 #include "cli/commands.h"
+#include "coordinator/agent_identity.h"
 #include "coordinator/client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/server.h"
 #include "coordinator/sweep_spec.h"
 #include "harness/report.h"
-#include "api/trial.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
 
@@ -110,6 +111,8 @@ struct CoordinatorArgs {
   double connect_rate = 5, connect_burst = 50;
   std::string auth_token_env;
   std::string agent_token_file;
+  std::string agent_tokens_file;
+  std::string agent_cert_binding = "on";
   std::string user_token_file;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string metrics_listen = "127.0.0.1:9464";
@@ -152,6 +155,17 @@ int RunCoordinator(const CoordinatorArgs& args) {
     if (!token.ok()) return Fail(token.status());
     options.agent_token = *std::move(token);
   }
+  if (!args.agent_tokens_file.empty()) {
+    if (!options.agent_token.empty())
+      return Usage(
+          "--agent-tokens-file and a shared agent token (--agent-token-file, --auth-token-env) "
+          "are alternatives; give one");
+    absl::StatusOr<std::map<std::string, std::string>> tokens =
+        ReadAgentTokensFile(args.agent_tokens_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    options.agent_tokens = *std::move(tokens);
+  }
+  options.bind_agent_to_certificate = args.agent_cert_binding == "on";
   if (!args.user_token_file.empty()) {
     absl::StatusOr<std::string> token = rpc::ReadTokenFile(args.user_token_file);
     if (!token.ok()) return Fail(token.status());
@@ -178,7 +192,11 @@ int RunCoordinator(const CoordinatorArgs& args) {
       args.max_trials, args.max_attempts, limit_text(options.agent_message_limit).c_str(),
       limit_text(options.user_call_limit).c_str(), limit_text(options.connect_limit).c_str());
   std::printf("# authentication: agents %s, users %s\n",
-              options.agent_token.empty() ? "off" : "token", options.user_token.empty() ? "off" : "token");
+              !options.agent_tokens.empty() ? "per-agent tokens"
+              : options.agent_token.empty() ? "off"
+                                            : "shared token",
+              options.user_token.empty() ? "off" : "token");
+  std::printf("# agent identity: %s\n", server.agent_identity().c_str());
   const char* transport = "plaintext";
   if (options.tls.server_enabled())
     transport = options.tls.client_ca_file.empty() ? "TLS"
@@ -636,7 +654,7 @@ struct ResultsArgs {
   IdentityArgs identity;
   std::string sm_arch, gpu, model, status, since, until, format = "table";
   std::vector<std::string> axes;
-  int limit = 1000;
+  int limit = rpc::kDefaultQueryRows;
   bool show_kernels = false;
 };
 
@@ -734,9 +752,10 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
 }
 
 int RunResults(const ResultsArgs& args) {
-  if (args.limit < 1)
-    return Usage(absl::StrCat("--limit must be at least 1, got ", args.limit,
-                              " (the coordinator returns at most 10000)"));
+  if (args.limit < 1 || args.limit > rpc::kMaxQueryRows)
+    return Usage(absl::StrCat("--limit ", args.limit, ": must lie in [1, ", rpc::kMaxQueryRows,
+                              "] (the coordinator returns at most ", rpc::kMaxQueryRows,
+                              " results a query)"));
   v1::QueryResultsRequest req;
   IdentityArgs identity = args.identity;
   if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
@@ -886,10 +905,18 @@ void PrintServingFigures(const Row& row, const std::string& load_point) {
       std::printf("# serving       %s\n", ServingPointText(p).c_str());
 }
 
+// --batch of best and compare: one lockstep batch size.
+absl::Status CheckBatchFlag(int batch) {
+  if (batch >= 1 && batch <= kMaxBatchSize) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--batch ", batch, ": must lie in [1, ", kMaxBatchSize, "] (a batch size)"));
+}
+
 int RunBest(const BestArgs& args) {
   absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
   if (!sm.ok())
     return Fail(absl::InvalidArgumentError(absl::StrCat("--sm-arch: ", sm.status().message())));
+  if (absl::Status s = CheckBatchFlag(args.batch); !s.ok()) return Fail(s);
   if (args.format != "table" && args.format != "json")
     return Usage(absl::StrCat("--format '", args.format, "': expected table or json"));
   if (args.model.empty() && args.identity.sweep <= 0)
@@ -979,7 +1006,7 @@ absl::StatusOr<std::map<GroupKey, std::vector<Row>>> MatchingByGroup(ServiceClie
   req.set_model(model);
   req.set_sm(sm);
   req.set_status("OK");
-  req.set_limit(10000);
+  req.set_limit(rpc::kMaxQueryRows);
   req.set_with_kernels(true);  // compare says what each side ran
   ApplyIdentity(identity, &req);
   for (const auto& [axis, value] : config) (*req.mutable_axis_values())[axis] = value;
@@ -1010,6 +1037,7 @@ std::optional<Row> Fastest(const std::vector<Row>& rows, int batch) {
 
 int RunCompare(const CompareArgs& args) {
   if (args.model.empty()) return Usage("--model is required");
+  if (absl::Status s = CheckBatchFlag(args.batch); !s.ok()) return Fail(s);
   IdentityArgs identity = args.identity;
   if (absl::Status s = CheckIdentityArgs(&identity); !s.ok()) return Fail(s);
   std::vector<std::pair<std::string, int>> sides;  // config text, sm
@@ -1243,7 +1271,16 @@ void AddServiceCommands(CLI::App& app) {
                     "environment variable holding the token agents must present (or "
                     "--agent-token-file)");
     cmd->add_option("--agent-token-file", args.agent_token_file,
-                    "file holding the token agents must present (docs/SERVICE.md)");
+                    "file holding the token every agent must present (shared: it does not bind "
+                    "agent ids; docs/SECURITY.md)");
+    cmd->add_option("--agent-tokens-file", args.agent_tokens_file,
+                    "file of 'AGENT_ID TOKEN' lines: each agent's own token, binding its id "
+                    "(instead of --agent-token-file)");
+    cmd->add_option("--agent-cert-binding", args.agent_cert_binding,
+                    "with mutual TLS, an agent's client certificate must name its agent id (CN or "
+                    "DNS name): on or off")
+        ->check(CLI::IsMember({"on", "off"}))
+        ->capture_default_str();
     cmd->add_option("--user-token-file", args.user_token_file,
                     "file holding the bearer token every user-API call must carry");
     cmd->add_option("--tls-cert", args.tls_cert,
@@ -1334,7 +1371,8 @@ void AddServiceCommands(CLI::App& app) {
     cmd->add_option("--since", args.since, "finished at or after: 24h (ago), 2025-01-31, RFC 3339");
     cmd->add_option("--until", args.until, "finished before (same forms as --since)");
     cmd->add_option("--limit", args.limit,
-                    "at most this many results, newest first: 1 to 10000 (the coordinator's cap)")
+                    absl::StrCat("at most this many results, newest first: 1 to ",
+                                 rpc::kMaxQueryRows, " (the coordinator's cap)"))
         ->capture_default_str();
     cmd->add_option("--format", args.format, "table, csv or json")->capture_default_str();
     cmd->add_flag("--show-kernels", args.show_kernels,
@@ -1360,7 +1398,8 @@ void AddServiceCommands(CLI::App& app) {
                     "load points: goodput, output_tok_s, output_tok_s_per_user, p99_ttft_ms or "
                     "p99_tpot_ms")
         ->capture_default_str();
-    cmd->add_option("--batch", args.batch, "lockstep batch size the metric is read at")
+    cmd->add_option("--batch", args.batch,
+                    absl::StrCat("lockstep batch size the metric is read at, 1 to ", kMaxBatchSize))
         ->capture_default_str();
     cmd->add_flag("--serving", args.serving,
                   "rank serving load points, never lockstep batches (implied by --load-point "
@@ -1382,7 +1421,8 @@ void AddServiceCommands(CLI::App& app) {
                                               "the axes they leave out)");
     cmd->add_option("--sm-arch", args.sm_archs,
                     "SM architecture(s): sm_90, 90, sm_90a, or cpu (CPU results)");
-    cmd->add_option("--batch", args.batch, "batch size")->capture_default_str();
+    cmd->add_option("--batch", args.batch, absl::StrCat("batch size, 1 to ", kMaxBatchSize))
+        ->capture_default_str();
     AddIdentityFlags(cmd, &args.identity);
     cmd->callback([] { std::exit(RunCompare(args)); });
   }

@@ -16,9 +16,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/server_impl.h"
-#include "api/version.h"
 #include "api/trial.h"
+#include "api/version.h"
+#include "coordinator/agent_identity.h"
+#include "coordinator/server_impl.h"
 
 namespace infersweep {
 
@@ -28,20 +29,9 @@ using coordinator_internal::GrpcError;
 using coordinator_internal::NowMs;
 using coordinator_internal::RateLimitMessage;
 
-constexpr size_t kMaxAgentIdLength = 128;
 constexpr size_t kMaxTextField = 256;
 constexpr int kMaxSlots = 256;
 constexpr size_t kMaxProgressText = 4096;
-
-bool ValidAgentId(const std::string& id) {
-  if (id.empty() || id.size() > kMaxAgentIdLength) return false;
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-' || c == ':';
-    if (!ok) return false;
-  }
-  return true;
-}
 
 const char* MessageName(const v1::AgentMessage& m) {
   switch (m.msg_case()) {
@@ -138,20 +128,32 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
     return reject(grpc::StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("protocol error: the first message on a stream must be Hello, got ",
                                MessageName(msg)));
-  // Authentication comes before any other check, so that a stranger learns nothing else.
-  if (!options_.agent_token.empty() &&
-      !rpc::ConstantTimeEquals(msg.hello().auth_token(), options_.agent_token)) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.auth_failures;
+  // Authentication comes before any other check, so that a stranger learns nothing else; it
+  // also checks that the credentials prove the agent id the Hello names.
+  const absl::StatusOr<AgentCredential> credential = agent_auth_.Authenticate(
+      msg.hello().agent_id(), msg.hello().auth_token(), PeerCredentialsOf(*context));
+  if (!credential.ok()) {
+    if (credential.status().code() == absl::StatusCode::kUnauthenticated) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.auth_failures;
+      }
+      metrics_->CountAuthFailure("agent");
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.identity_refused;
+      }
+      metrics_->CountAgentIdentityRefused("certificate");
     }
-    metrics_->CountAuthFailure("agent");
-    return reject(grpc::StatusCode::UNAUTHENTICATED, "Hello: missing or invalid credentials");
+    return reject(static_cast<grpc::StatusCode>(credential.status().code()),
+                  std::string(credential.status().message()));
   }
   if (absl::Status s = ValidateHello(msg.hello()); !s.ok())
     return reject(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 
   auto conn = std::make_shared<Conn>();
+  conn->credential = *credential;
   conn->hello = msg.hello();
   conn->hello.clear_auth_token();
   conn->agent_id = conn->hello.agent_id();
@@ -175,9 +177,21 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
   welcome.mutable_welcome()->set_lease_ms(options_.lease_ms);
   conn->Enqueue(std::move(welcome));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (stopping_) return GrpcError(grpc::StatusCode::UNAVAILABLE, "coordinator is stopping");
     if (auto it = conns_.find(id); it != conns_.end()) {
+      if (it->second->credential.fingerprint != conn->credential.fingerprint) {
+        // Another credential claims a connected agent's id: refused, and the connected stream
+        // keeps its leases. An agent that really moved reconnects once its old stream is
+        // noticed dead (keepalive).
+        ++stats_.identity_refused;
+        lock.unlock();
+        metrics_->CountAgentIdentityRefused("conflict");
+        return reject(grpc::StatusCode::ALREADY_EXISTS,
+                      absl::StrCat("Hello: agent '", id,
+                                   "' is connected with another credential; this stream is "
+                                   "refused (the connected one stays)"));
+      }
       // The same agent again (it reconnected before its old stream was noticed dead): the new
       // stream replaces the old one.
       it->second->superseded = true;
@@ -204,6 +218,17 @@ grpc::Status CoordinatorServer::Impl::Connect(grpc::ServerContext* context, Agen
                                                               conn->hello.gpus(0).sm())
                                                : ""));
 
+  {
+    // The trial counters of what this agent may run start at 0 (coordinator/metrics.h).
+    std::set<int> sms;
+    for (const SlotInfo& slot : conn->slots) sms.insert(slot.sm);
+    std::vector<std::string> models;
+    if (auto sweeps = store_->ListSweeps(); sweeps.ok())
+      for (const SweepRecord& s : *sweeps)
+        if (s.state == "active") models.push_back(s.model);
+    for (const std::string& model : models)
+      for (int sm : sms) metrics_->DeclareTrialSeries(model, sm);
+  }
   std::thread writer([conn, stream] { conn->WriterLoop(stream); });
   Wake();
 
@@ -465,6 +490,15 @@ void CoordinatorServer::Impl::Answer(PendingResult& pending, const absl::Status&
     return;
   }
   switch (s.code()) {
+    case absl::StatusCode::kAlreadyExists:
+      // The attempt is stored with other content: refused (the stored row stays), logged by
+      // Reject and counted, so the disagreement with the agent's own log is visible.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.results_conflicting;
+      }
+      metrics_->CountResultConflict();
+      return Reject(conn, std::string(s.message()), tid, attempt, s.code());
     case absl::StatusCode::kPermissionDenied:
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kInvalidArgument:

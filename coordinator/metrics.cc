@@ -169,6 +169,22 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                          .Register(r);
   lease_requeued_ = &lease_lost.Add({{"outcome", "requeued"}});
   lease_exhausted_ = &lease_lost.Add({{"outcome", "attempts_exhausted"}});
+  identity_refused_ = &BuildCounter()
+                           .Name("infersweep_agent_identity_refused_total")
+                           .Help(
+                               "Agent streams refused by reason (certificate: the client "
+                               "certificate does not name the agent id of the Hello; conflict: "
+                               "the id is connected with another credential)")
+                           .Register(r);
+  for (const char* reason : {"certificate", "conflict"})
+    identity_refused_->Add({{"reason", reason}});
+  result_conflicts_ = &BuildCounter()
+                           .Name("infersweep_result_conflicts_total")
+                           .Help(
+                               "Agent results refused because their (trial, attempt) is stored "
+                               "with other content (a byte-identical replay is acknowledged)")
+                           .Register(r)
+                           .Add({});
   series_ = &BuildGauge()
                  .Name("infersweep_metrics_config_series")
                  .Help("Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
@@ -212,7 +228,10 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
   // Trials by status: keyed by (model, sm_arch); every status of a key is one series.
   const auto trial_key = std::make_pair(model, arch);
   if (trial_keys_.count(trial_key) != 0 || trial_keys_.size() < cap) {
-    trial_keys_.insert(trial_key);
+    if (trial_keys_.insert(trial_key).second) {
+      for (TrialStatus s : kAllStatuses)
+        trials_->Add({{"status", StatusLabel(s)}, {"sm_arch", arch}, {"model", model}});
+    }
     trials_->Add({{"status", status}, {"sm_arch", arch}, {"model", model}}).Increment();
   } else {
     dropped_->Increment();
@@ -288,6 +307,16 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
   }
 }
 
+void CoordinatorMetrics::DeclareTrialSeries(const std::string& model, int sm) {
+  const std::string arch = SmArchLabel(sm);
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto key = std::make_pair(model, arch);
+  if (trial_keys_.count(key) != 0 || trial_keys_.size() >= options_.max_config_series) return;
+  trial_keys_.insert(key);
+  for (TrialStatus s : kAllStatuses)
+    trials_->Add({{"status", StatusLabel(s)}, {"sm_arch", arch}, {"model", model}});
+}
+
 void CoordinatorMetrics::SetAgentsConnected(int n) { agents_connected_->Set(n); }
 void CoordinatorMetrics::SetQueueDepth(int64_t n) { queue_depth_->Set(static_cast<double>(n)); }
 void CoordinatorMetrics::SetLeasedTrials(int64_t n) { leased_->Set(static_cast<double>(n)); }
@@ -302,6 +331,11 @@ void CoordinatorMetrics::CountAuthFailure(const std::string& api) {
 void CoordinatorMetrics::CountLeaseLost(bool requeued) {
   (requeued ? lease_requeued_ : lease_exhausted_)->Increment();
 }
+
+void CoordinatorMetrics::CountAgentIdentityRefused(const std::string& reason) {
+  identity_refused_->Add({{"reason", reason}}).Increment();
+}
+void CoordinatorMetrics::CountResultConflict() { result_conflicts_->Increment(); }
 
 std::string CoordinatorMetrics::Serialize() const {
   std::ostringstream out;

@@ -69,6 +69,10 @@ class CoordinatorMetrics {
   // `gpu` is the GPU's name ("cpu" for CPU results); `model` and `config` as stored.
   void OnResult(const std::string& model, int sm, const std::string& gpu,
                 const BackendConfig& config, const TrialResult& r);
+  // Exports infersweep_trials_total for every status of (model, sm) at 0 unless it exists, so
+  // that increase() over a range counts the first result too (OpenMetrics: a counter's series
+  // should exist before its first increment). Within the (model, sm_arch) cap.
+  void DeclareTrialSeries(const std::string& model, int sm);
   void SetAgentsConnected(int n);
   void SetQueueDepth(int64_t n);
   void SetLeasedTrials(int64_t n);
@@ -82,6 +86,11 @@ class CoordinatorMetrics {
   void CountAuthFailure(const std::string& api);
   // A lost lease: requeued, or the trial ended as ERROR at the attempt cap.
   void CountLeaseLost(bool requeued);
+  // An agent stream refused because its credentials do not prove the agent id it names
+  // (`reason` "certificate"), or because another credential holds that id's stream ("conflict").
+  void CountAgentIdentityRefused(const std::string& reason);
+  // An agent result refused because its (trial, attempt) is stored with other content.
+  void CountResultConflict();
 
   // The text exposition of every metric (what GET /metrics returns), for tests and debugging.
   std::string Serialize() const;
@@ -121,6 +130,8 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>* auth_failures_ = nullptr;
   prometheus::Counter* lease_requeued_ = nullptr;
   prometheus::Counter* lease_exhausted_ = nullptr;
+  prometheus::Family<prometheus::Counter>* identity_refused_ = nullptr;
+  prometheus::Counter* result_conflicts_ = nullptr;
   prometheus::Gauge* series_ = nullptr;
 
   mutable std::mutex mu_;  // guards the key sets and Listen

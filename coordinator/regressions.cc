@@ -232,7 +232,9 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
 absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const RegressionQuery& q) {
   if (absl::Status s = ValidateRegressionOptions(q.options); !s.ok()) return s;
   if (absl::StatusOr<Direction> d = MetricDirection(q.metric); !d.ok()) return d.status();
-  if (q.limit < 1) return absl::InvalidArgumentError("limit must be >= 1");
+  if (q.limit < 1 || q.limit > kMaxRegressionResults)
+    return absl::InvalidArgumentError(
+        absl::StrCat("limit ", q.limit, " must lie in [1, ", kMaxRegressionResults, "]"));
   ResultQuery rq;
   rq.status = TrialStatus::kOk;
   rq.model = q.model;

@@ -104,6 +104,9 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
                                           std::string_view metric,
                                           const RegressionOptions& options);
 
+// The most OK results one judgement reads (RegressionQuery::limit), and its default.
+inline constexpr int kMaxRegressionResults = 100000;
+
 struct RegressionQuery {
   std::string metric = "output_tok_s";
   std::optional<std::string> model;
@@ -112,7 +115,7 @@ struct RegressionQuery {
   std::optional<std::string> model_key;  // as ResultQuery's
   std::optional<std::string> workload;
   std::optional<int> layers;
-  int limit = 100000;  // newest OK results read from the store
+  int limit = kMaxRegressionResults;  // newest OK results read from the store, >= 1
   RegressionOptions options;
 };
 absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const RegressionQuery& q);

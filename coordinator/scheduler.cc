@@ -9,15 +9,14 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/server_impl.h"
-#include "api/version.h"
 #include "api/trial.h"
+#include "api/version.h"
+#include "coordinator/server_impl.h"
 
 namespace infersweep {
 
@@ -104,13 +103,11 @@ bool CoordinatorServer::Impl::MatchesLocked(const Selector& sel, const SlotInfo&
   if (!sel.gpu_name_regex.empty()) {
     auto it = regex_cache_.find(sel.gpu_name_regex);
     if (it == regex_cache_.end()) {
-      try {
-        it = regex_cache_.emplace(sel.gpu_name_regex, std::regex(sel.gpu_name_regex)).first;
-      } catch (const std::regex_error&) {
-        return false;  // validated at submit; a stored bad pattern matches nothing
-      }
+      // Validated at submit; a stored pattern that no longer compiles matches nothing.
+      absl::StatusOr<std::unique_ptr<re2::RE2>> re = CompileUntrustedRegex(sel.gpu_name_regex);
+      it = regex_cache_.emplace(sel.gpu_name_regex, re.ok() ? *std::move(re) : nullptr).first;
     }
-    if (!std::regex_search(slot.gpu_name, it->second)) return false;
+    if (it->second == nullptr || !RegexSearch(*it->second, slot.gpu_name)) return false;
   }
   return true;
 }
@@ -318,6 +315,8 @@ int CoordinatorServer::Impl::LeaseAndAssignLocked(const std::vector<Placement>& 
       Log(absl::StrCat("leasing ", p.trial->trial_id, ": ", leased[i].status().message()));
       continue;
     }
+    metrics_->DeclareTrialSeries(leased[i]->model,
+                                 p.conn->slots[static_cast<size_t>(p.slots[0])].sm);
     TrialRequest req;
     req.trial_id = leased[i]->trial_id;
     req.attempt = leased[i]->attempt;

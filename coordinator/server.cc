@@ -25,6 +25,19 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
   if (!options_.agent_token.empty() && options_.agent_token == options_.user_token)
     return absl::InvalidArgumentError(
         "the agent token and the user token must differ (each must not work on the other API)");
+  for (const auto& [id, token] : options_.agent_tokens)
+    if (!options_.user_token.empty() && token == options_.user_token)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the token of agent '", id, "' is the user token; each must not work on the other API"));
+  {
+    AgentAuthOptions auth;
+    auth.shared_token = options_.agent_token;
+    auth.agent_tokens = options_.agent_tokens;
+    auth.bind_to_certificate = options_.bind_agent_to_certificate;
+    absl::StatusOr<AgentAuthenticator> authenticator = AgentAuthenticator::Create(std::move(auth));
+    if (!authenticator.ok()) return authenticator.status();
+    agent_auth_ = *std::move(authenticator);
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       rpc::MakeServerCredentials(options_.tls);
   if (!credentials.ok()) return credentials.status();
@@ -44,6 +57,11 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
       if (a.connected) (void)store_->SetAgentConnected(a.agent_id, false, NowMs());
   }
   RecoverHeld();
+  if (auto keys = store_->ResultModelArchs(); keys.ok()) {
+    for (const auto& [model, sm] : *keys) metrics_->DeclareTrialSeries(model, sm);
+  } else {
+    Log(absl::StrCat("listing stored (model, sm) for the metrics: ", keys.status().message()));
+  }
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<int> metrics_port = metrics_->Listen(options_.metrics_listen);
     if (!metrics_port.ok()) return metrics_port.status();
@@ -72,6 +90,7 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
                                                                 : "mutual TLS";
   Log(absl::StrCat("listening on ", address, " (port ", port, ", ", transport, "), database ",
                    db_path));
+  Log(agent_identity());
   return port;
 }
 
@@ -135,6 +154,7 @@ absl::StatusOr<int> CoordinatorServer::Start(const std::string& address,
 }
 void CoordinatorServer::Stop() { impl_->Stop(); }
 void CoordinatorServer::Wait() { impl_->Wait(); }
+std::string CoordinatorServer::agent_identity() { return impl_->agent_identity(); }
 Store* CoordinatorServer::store() { return impl_->store(); }
 int CoordinatorServer::metrics_port() { return impl_->metrics_port(); }
 std::string CoordinatorServer::MetricsText() { return impl_->MetricsText(); }

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -54,6 +55,11 @@ struct CoordinatorOptions {
   // Both are compared in constant time and never logged; they must differ when both are set.
   std::string agent_token;
   std::string user_token;
+  // Per-agent tokens instead of agent_token: agent id -> its token. A Hello's token must be the
+  // one of the agent id it names (docs/SECURITY.md "Agent identity").
+  std::map<std::string, std::string> agent_tokens;
+  // With mutual TLS, an agent's client certificate must name its agent id (CN or DNS name).
+  bool bind_agent_to_certificate = true;
   // TLS on the gRPC port (docs/SERVICE.md "TLS"): tls.cert_file + tls.key_file serve TLS;
   // tls.client_ca_file also requires client certificates from that CA (mutual TLS). Empty:
   // plaintext.
@@ -81,6 +87,9 @@ struct CoordinatorStats {
   int64_t requeued = 0;           // lost leases whose trial went back to the queue
   int64_t attempts_exhausted = 0;  // lost leases that ended their trial as ERROR (attempt cap)
   int64_t store_errors = 0;        // results the store could not take now (busy, full): retried
+  int64_t identity_refused = 0;    // agent streams whose credentials do not prove their agent id,
+                                   // or that claim a connected agent's id with another credential
+  int64_t results_conflicting = 0;  // results refused: their attempt is stored with other content
 };
 
 class CoordinatorServer {
@@ -98,6 +107,9 @@ class CoordinatorServer {
   // Blocks until Stop() is called from another thread.
   void Wait();
 
+  // How agent ids are bound to credentials, in words (docs/SECURITY.md "Agent identity");
+  // valid after Start.
+  std::string agent_identity();
   // The store, for tests and in-process tools; valid between Start and destruction.
   Store* store();
   // The port /metrics is served on; 0 when options.metrics_listen is empty or before Start.

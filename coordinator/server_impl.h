@@ -23,7 +23,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <regex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -32,10 +31,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "api/backend_config.h"
+#include "api/untrusted_regex.h"
+#include "coordinator/agent_identity.h"
 #include "coordinator/metrics.h"
 #include "coordinator/rate_limit.h"
 #include "coordinator/server.h"
-#include "api/backend_config.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/log_line.h"
 #include "proto/rpc.h"
@@ -82,6 +83,7 @@ struct Conn {
   grpc::ServerContext* context = nullptr;
   std::atomic<int64_t> bad_messages{0};
   std::atomic<bool> superseded{false};
+  AgentCredential credential;  // what a replacing stream must present again
 
   std::mutex out_mu;
   std::condition_variable out_cv;
@@ -169,6 +171,10 @@ class CoordinatorServer::Impl {
     stopped_cv_.wait(lock, [&] { return stopping_; });
   }
   Store* store() { return store_.get(); }
+  std::string agent_identity() const {
+    return agent_auth_.Describe(options_.tls.server_enabled() &&
+                                !options_.tls.client_ca_file.empty());
+  }
   int metrics_port() { return metrics_->port(); }
   std::string MetricsText() { return metrics_->Serialize(); }
   CoordinatorStats stats() {
@@ -189,6 +195,10 @@ class CoordinatorServer::Impl {
   // (counted in stats_.auth_failures) otherwise.
   grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
+  // One log line for a refused submit: the caller's address, the spec's source and why (rate
+  // limit refusals are counted in metrics instead: a flood must not flood the log).
+  void LogRefusedSubmit(const std::string& peer, const std::string& source,
+                        const grpc::Status& status);
   grpc::Status GetSweep(const v1::GetSweepRequest& req, v1::SweepInfo* resp);
   grpc::Status ListSweeps(v1::ListSweepsResponse* resp);
   grpc::Status CancelSweep(const v1::CancelSweepRequest& req, v1::CancelSweepResponse* resp);
@@ -214,8 +224,10 @@ class CoordinatorServer::Impl {
     explicit SweepServiceImpl(Impl* impl) : impl_(impl) {}
     grpc::Status SubmitSweep(grpc::ServerContext* context, const v1::SubmitSweepRequest* req,
                              v1::SubmitSweepResponse* resp) override {
-      if (grpc::Status a = impl_->CheckUser(context); !a.ok()) return a;
-      return impl_->SubmitSweep(*req, resp);
+      grpc::Status s = impl_->CheckUser(context);
+      if (s.ok()) s = impl_->SubmitSweep(*req, resp);
+      if (!s.ok()) impl_->LogRefusedSubmit(context->peer(), req->source(), s);
+      return s;
     }
     grpc::Status GetSweep(grpc::ServerContext* context, const v1::GetSweepRequest* req,
                           v1::SweepInfo* resp) override {
@@ -353,10 +365,11 @@ class CoordinatorServer::Impl {
   bool stopping_ = false;
   std::map<std::string, std::shared_ptr<Conn>> conns_;            // agent id -> live stream
   std::map<std::string, std::map<std::string, Held>> held_;       // agent id -> trial id -> held
-  std::map<std::string, std::regex> regex_cache_;
+  std::map<std::string, std::unique_ptr<re2::RE2>> regex_cache_;  // nullptr: does not compile
   RateLimiter agent_limiter_;    // per agent id, messages after Hello
   RateLimiter user_limiter_;     // per peer host, SweepService calls
   RateLimiter connect_limiter_;  // per peer host, Connect streams
+  AgentAuthenticator agent_auth_;  // set in Start
   size_t rr_ = 0;  // round-robin start among agents
   // Queue scans: how many queued trials one scan reads, and when a scan that changed nothing
   // may run again without an event (scheduler thread only).

@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -22,6 +21,7 @@
 #include "api/model_config.h"
 #include "api/model_description.h"
 #include "api/status_macros.h"
+#include "api/untrusted_regex.h"
 
 namespace infersweep {
 namespace {
@@ -117,9 +117,27 @@ class Parser {
     return n.Scalar();
   }
 
+  // Text of at most `max_bytes`, without control characters: it is stored, and printed in
+  // tables and log lines.
+  absl::StatusOr<std::string> FreeText(const YAML::Node& n, absl::string_view field,
+                                       size_t max_bytes) const {
+    ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    if (s.size() > max_bytes)
+      return Error(n, field,
+                   absl::StrCat("'", s.substr(0, 32), "...' is ", s.size(),
+                                " bytes long; the limit is ", max_bytes));
+    for (const char c : s)
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+        return Error(n, field,
+                     absl::StrCat("contains a control character (byte 0x",
+                                  absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2),
+                                  "); keep it to one line of text"));
+    return s;
+  }
+
   // A config word (axis name or value): it ends up in "a=b,c=d" strings.
   absl::StatusOr<std::string> Word(const YAML::Node& n, absl::string_view field) const {
-    ASSIGN_OR_RETURN(std::string s, Text(n, field));
+    ASSIGN_OR_RETURN(std::string s, FreeText(n, field, kMaxSweepWordBytes));
     if (s.find_first_of(",= \t\r\n") != std::string::npos)
       return Error(n, field, absl::StrCat("'", s, "' contains ',', '=' or whitespace"));
     return s;
@@ -180,6 +198,19 @@ class Parser {
 };
 
 std::string KnownKeys(const auto& keys) { return absl::StrJoin(keys, ", "); }
+
+// Batch sizes and load points run in the order given, each once: a repeated or descending list
+// is a typo. `n` is the list's node (or its one scalar).
+template <typename T>
+absl::Status CheckIncreasing(const Parser& p, const YAML::Node& n, absl::string_view field,
+                             const std::vector<T>& values) {
+  for (size_t i = 1; i < values.size(); ++i)
+    if (values[i] <= values[i - 1])
+      return p.Error(n.IsSequence() ? n[i] : n, field,
+                     absl::StrCat(values[i], " after ", values[i - 1],
+                                  ": the values must increase (e.g. [1, 4, 16])"));
+  return absl::OkStatus();
+}
 
 absl::Status ParseMatrix(const Parser& p, const Entry& e, SweepSpec* spec) {
   spec->matrix_line = LineOf(e.key_node);
@@ -301,6 +332,7 @@ absl::Status ParseServingWorkload(const Parser& p, const Entry& e, const std::ve
       continue;
     } else if (f.key == "concurrency") {
       ASSIGN_OR_RETURN(std::vector<int64_t> points, p.IntList(f.value, field, 1, 4096, 64));
+      RETURN_IF_ERROR(CheckIncreasing(p, f.value, field, points));
       spec.concurrency.assign(points.begin(), points.end());
     } else if (f.key == "rate") {
       std::vector<YAML::Node> items;
@@ -317,6 +349,7 @@ absl::Status ParseServingWorkload(const Parser& p, const Entry& e, const std::ve
         if (!(rate > 0)) return p.Error(item, field, "a request rate must be positive");
         spec.rate.push_back(rate);
       }
+      RETURN_IF_ERROR(CheckIncreasing(p, f.value, field, spec.rate));
     } else if (f.key == "max_concurrency") {
       ASSIGN_OR_RETURN(spec.max_concurrency, p.Int(f.value, field, 0, 4096));
     } else if (f.key == "isl") {
@@ -391,6 +424,7 @@ absl::Status ParseWorkloadNode(const Parser& p, const Entry& e, Workload* w) {
     } else if (f.key == "batch") {
       ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
                             p.IntList(f.value, field, -kIntMax, kIntMax, 16));
+      RETURN_IF_ERROR(CheckIncreasing(p, f.value, field, sizes));
       w->batch_sizes.assign(sizes.begin(), sizes.end());
     } else {
       const bool serving =
@@ -420,13 +454,10 @@ absl::Status ParseSelectorNode(const Parser& p, const Entry& e, Selector* s) {
       s->sm_archs.assign(sms.begin(), sms.end());
     } else if (f.key == "gpu_name") {
       ASSIGN_OR_RETURN(s->gpu_name_regex, p.Text(f.value, field));
-      try {
-        std::regex re(s->gpu_name_regex, std::regex::ECMAScript);
-      } catch (const std::regex_error& err) {
-        return p.Error(f.value, field,
-                       absl::StrCat("'", s->gpu_name_regex, "' is not a valid regular expression: ",
-                                    err.what()));
-      }
+      // RE2, bounded: a pattern is untrusted input and must not cost the coordinator its stack
+      // or its memory (api/untrusted_regex.h).
+      if (auto re = CompileUntrustedRegex(s->gpu_name_regex); !re.ok())
+        return p.Error(f.value, field, re.status().message());
     } else if (f.key == "min_memory_gb") {
       ASSIGN_OR_RETURN(double gb, p.Number(f.value, field, 0, 1e6));
       s->min_memory_bytes = static_cast<int64_t>(std::llround(gb * 1e9));
@@ -742,9 +773,9 @@ absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& 
   for (const Entry& e : entries) {
     const std::string& key = e.key;
     if (key == "name") {
-      ASSIGN_OR_RETURN(spec.name, p.Text(e.value, key));
+      ASSIGN_OR_RETURN(spec.name, p.FreeText(e.value, key, kMaxSweepNameBytes));
     } else if (key == "model") {
-      ASSIGN_OR_RETURN(spec.model, p.Text(e.value, key));
+      ASSIGN_OR_RETURN(spec.model, p.FreeText(e.value, key, kMaxSweepModelBytes));
       spec.model_line = LineOf(e.value);
     } else if (key == "layers") {
       ASSIGN_OR_RETURN(spec.layers, p.Int(e.value, key, 0, 4096));

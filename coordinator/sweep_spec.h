@@ -34,6 +34,11 @@ inline constexpr size_t kMaxSweepSpecBytes = 1 << 20;
 // Deepest nesting of YAML collections accepted (block levels and flow brackets together; a
 // spec needs 3). yaml-cpp parses recursively, so the text is checked before it sees it.
 inline constexpr int kMaxSweepSpecDepth = 64;
+// Longest free text of a spec, in bytes: the name (shown in every table and log line), the
+// model (a preset or a checkpoint path), and each axis name or value.
+inline constexpr size_t kMaxSweepNameBytes = 128;
+inline constexpr size_t kMaxSweepModelBytes = 4096;
+inline constexpr size_t kMaxSweepWordBytes = 128;
 
 struct SweepAxis {
   std::vector<std::string> values;  // as written, in order, no duplicates

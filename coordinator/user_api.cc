@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -17,10 +18,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/model_description.h"
 #include "coordinator/regressions.h"
 #include "coordinator/server_impl.h"
 #include "coordinator/sweep_spec.h"
-#include "api/model_description.h"
 
 namespace infersweep {
 
@@ -29,9 +30,49 @@ namespace {
 using coordinator_internal::GrpcError;
 using coordinator_internal::RateLimitMessage;
 
-constexpr int kMaxQueryRows = 10000;
 // A page of results stays below the message limit with room for the envelope.
 constexpr size_t kMaxResultPageBytes = rpc::kMaxMessageBytes - 256 * 1024;
+
+// Caps on the free text of a query, in bytes, at or above what is stored (a sweep's model is at
+// most kMaxSweepModelBytes, docs/SWEEPS.md): text over one is refused, so that replies, errors
+// and logs never carry it whole.
+constexpr size_t kMaxQueryModelBytes = kMaxSweepModelBytes;
+constexpr size_t kMaxQueryModelKeyBytes = kMaxSweepModelBytes + 256;  // the model, then its shape
+constexpr size_t kMaxQueryWorkloadBytes = 1024;
+constexpr size_t kMaxQueryWordBytes = kMaxSweepWordBytes;  // status, metric, axis, load point
+constexpr size_t kMaxQueryGpuNameBytes = 256;
+constexpr size_t kMaxQueryAxes = 64;
+
+grpc::Status InvalidArgument(const std::string& message) {
+  return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, message);
+}
+
+grpc::Status CheckText(absl::string_view field, const std::string& value, size_t max_bytes) {
+  if (value.size() <= max_bytes) return grpc::Status::OK;
+  return InvalidArgument(
+      absl::StrCat(field, ": ", value.size(), " bytes; the limit is ", max_bytes));
+}
+
+// An SM as results store it: 0 for CPU results, else a compute capability of 10..1000.
+grpc::Status CheckSm(int sm) {
+  if (sm == 0 || (sm >= 10 && sm <= 1000)) return grpc::Status::OK;
+  return InvalidArgument(
+      absl::StrCat("sm: ", sm, " is not an SM architecture (0 for CPU results, or 10..1000)"));
+}
+
+// The identity filters QueryResults, Best and Regressions share.
+template <typename Request>
+grpc::Status CheckIdentityFilters(const Request& req) {
+  if (req.has_model_key())
+    if (grpc::Status s = CheckText("model_key", req.model_key(), kMaxQueryModelKeyBytes); !s.ok())
+      return s;
+  if (req.has_workload())
+    if (grpc::Status s = CheckText("workload", req.workload(), kMaxQueryWorkloadBytes); !s.ok())
+      return s;
+  if (req.has_layers() && req.layers() < 1)
+    return InvalidArgument(absl::StrCat("layers: ", req.layers(), " must be >= 1"));
+  return grpc::Status::OK;
+}
 
 }  // namespace
 
@@ -95,6 +136,19 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
   }
   absl::StatusOr<int64_t> id = store_->CreateSweep(MakeSweepRecord(*spec), *trials);
   if (!id.ok()) return rpc::ToGrpcStatus(id.status());
+  {
+    // The trial counters of the connected archs start at 0 (coordinator/metrics.h).
+    std::set<int> sms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [agent, conn] : conns_)
+        for (const SlotInfo& slot : conn->slots) sms.insert(slot.sm);
+    }
+    std::set<std::string> models;
+    for (const TrialRecord& t : *trials) models.insert(t.model);
+    for (const std::string& model : models)
+      for (int sm : sms) metrics_->DeclareTrialSeries(model, sm);
+  }
   resp->set_sweep_id(*id);
   resp->set_trial_count(static_cast<int64_t>(trials->size()));
   for (const std::string& w : *warnings) resp->add_warnings(w);
@@ -102,6 +156,17 @@ grpc::Status CoordinatorServer::Impl::SubmitSweep(const v1::SubmitSweepRequest& 
                    warnings->empty() ? "" : "; warning: ", absl::StrJoin(*warnings, "; ")));
   Wake();
   return grpc::Status::OK;
+}
+
+void CoordinatorServer::Impl::LogRefusedSubmit(const std::string& peer, const std::string& source,
+                                               const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) return;
+  constexpr size_t kMaxShown = 512;
+  std::string why = status.error_message();
+  if (why.size() > kMaxShown) why = absl::StrCat(why.substr(0, kMaxShown), "...");
+  Log(absl::StrCat("submit of '", source.substr(0, 128), "' from ", peer, " refused: ",
+                   absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())),
+                   ": ", why));
 }
 
 void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_counts,
@@ -219,6 +284,30 @@ void FillRow(const StoredResult& r, std::string json, v1::ResultRow* row) {
 
 grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest& req,
                                                    v1::QueryResultsResponse* resp) {
+  if (req.has_sm())
+    if (grpc::Status s = CheckSm(req.sm()); !s.ok()) return s;
+  if (req.has_gpu_name())
+    if (grpc::Status s = CheckText("gpu_name", req.gpu_name(), kMaxQueryGpuNameBytes); !s.ok())
+      return s;
+  if (req.has_model())
+    if (grpc::Status s = CheckText("model", req.model(), kMaxQueryModelBytes); !s.ok()) return s;
+  if (req.has_status())
+    if (grpc::Status s = CheckText("status", req.status(), kMaxQueryWordBytes); !s.ok()) return s;
+  if (grpc::Status s = CheckIdentityFilters(req); !s.ok()) return s;
+  if (req.axis_values_size() > static_cast<int>(kMaxQueryAxes))
+    return InvalidArgument(absl::StrCat("axis_values: ", req.axis_values_size(),
+                                        " axes; the limit is ", kMaxQueryAxes));
+  for (const auto& [axis, value] : req.axis_values()) {
+    if (grpc::Status s = CheckText("axis_values key", axis, kMaxQueryWordBytes); !s.ok()) return s;
+    if (grpc::Status s =
+            CheckText(absl::StrCat("axis_values['", axis, "']"), value, kMaxQueryWordBytes);
+        !s.ok())
+      return s;
+  }
+  if (req.has_limit() && (req.limit() < 1 || req.limit() > rpc::kMaxQueryRows))
+    return InvalidArgument(absl::StrCat("limit: ", req.limit(), " must lie in [1, ",
+                                        rpc::kMaxQueryRows, "] (unset: ", rpc::kDefaultQueryRows,
+                                        ")"));
   ResultQuery q;
   if (req.has_sm()) q.sm = req.sm();
   if (req.has_gpu_name()) q.gpu_name = req.gpu_name();
@@ -239,10 +328,7 @@ grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest
   for (const auto& [axis, value] : req.axis_values()) q.axis_values[axis] = value;
   if (req.has_since_unix_ms()) q.since_unix_ms = req.since_unix_ms();
   if (req.has_until_unix_ms()) q.until_unix_ms = req.until_unix_ms();
-  if (req.limit() < 0)
-    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
-                     absl::StrCat("limit must be >= 0, got ", req.limit()));
-  q.limit = req.limit() == 0 ? 1000 : std::min(req.limit(), kMaxQueryRows);
+  q.limit = req.has_limit() ? req.limit() : rpc::kDefaultQueryRows;
   // The stored JSON goes out as it is: the client parses it (the store's parse and a second
   // serialisation here would be most of a query's time).
   absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResultRows(q);
@@ -260,6 +346,16 @@ grpc::Status CoordinatorServer::Impl::QueryResults(const v1::QueryResultsRequest
 }
 
 grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestResponse* resp) {
+  if (grpc::Status s = CheckText("model", req.model(), kMaxQueryModelBytes); !s.ok()) return s;
+  if (grpc::Status s = CheckText("metric", req.metric(), kMaxQueryWordBytes); !s.ok()) return s;
+  if (req.has_load_point())
+    if (grpc::Status s = CheckText("load_point", req.load_point(), kMaxQueryWordBytes); !s.ok())
+      return s;
+  if (grpc::Status s = CheckSm(req.sm()); !s.ok()) return s;
+  if (grpc::Status s = CheckIdentityFilters(req); !s.ok()) return s;
+  if (req.has_batch() && (req.batch() < 1 || req.batch() > kMaxBatchSize))
+    return InvalidArgument(
+        absl::StrCat("batch: ", req.batch(), " must lie in [1, ", kMaxBatchSize, "] (unset: 1)"));
   BestQuery q;
   q.model = req.model();
   if (req.has_sweep_id()) {
@@ -272,7 +368,7 @@ grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestR
     return GrpcError(grpc::StatusCode::INVALID_ARGUMENT, "best: model (or sweep_id) is required");
   q.sm = req.sm();
   q.metric = req.metric().empty() ? "output_tok_s" : req.metric();
-  q.batch = req.batch() == 0 ? 1 : req.batch();
+  q.batch = req.has_batch() ? req.batch() : 1;
   if (req.has_model_key()) q.model_key = req.model_key();
   if (req.has_workload()) q.workload = req.workload();
   if (req.has_layers()) q.layers = req.layers();
@@ -299,6 +395,17 @@ grpc::Status CoordinatorServer::Impl::Best(const v1::BestRequest& req, v1::BestR
 
 grpc::Status CoordinatorServer::Impl::Regressions(const v1::RegressionsRequest& req,
                                                   v1::RegressionsResponse* resp) {
+  if (grpc::Status s = CheckText("metric", req.metric(), kMaxQueryWordBytes); !s.ok()) return s;
+  if (grpc::Status s = CheckText("test", req.test(), kMaxQueryWordBytes); !s.ok()) return s;
+  if (req.has_model())
+    if (grpc::Status s = CheckText("model", req.model(), kMaxQueryModelBytes); !s.ok()) return s;
+  if (req.has_sm())
+    if (grpc::Status s = CheckSm(req.sm()); !s.ok()) return s;
+  if (grpc::Status s = CheckIdentityFilters(req); !s.ok()) return s;
+  if (req.has_limit() && (req.limit() < 1 || req.limit() > kMaxRegressionResults))
+    return InvalidArgument(absl::StrCat("limit: ", req.limit(), " must lie in [1, ",
+                                        kMaxRegressionResults, "] (unset: ", kMaxRegressionResults,
+                                        ")"));
   RegressionQuery q;
   if (!req.metric().empty()) q.metric = req.metric();
   if (req.has_model()) q.model = req.model();
@@ -317,10 +424,7 @@ grpc::Status CoordinatorServer::Impl::Regressions(const v1::RegressionsRequest& 
   if (req.z_threshold() != 0) q.options.z_threshold = req.z_threshold();
   if (req.iqr_k() != 0) q.options.iqr_k = req.iqr_k();
   if (req.has_min_change()) q.options.min_change = req.min_change();
-  if (req.limit() < 0)
-    return GrpcError(grpc::StatusCode::INVALID_ARGUMENT,
-                     absl::StrCat("limit must be >= 0, got ", req.limit()));
-  if (req.limit() != 0) q.limit = req.limit();
+  if (req.has_limit()) q.limit = req.limit();
   absl::StatusOr<std::vector<RegressionRow>> rows = FindRegressions(*store_, q);
   if (!rows.ok()) return rpc::ToGrpcStatus(rows.status());
   for (const RegressionRow& r : *rows) *resp->add_series() = ToProto(r);

@@ -1,9 +1,15 @@
 #include "proto/rpc.h"
 
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <sys/stat.h>
 
 #include <fstream>
+#include <memory>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -22,6 +28,78 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::stri
     return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " is empty"));
   return pem;
 }
+
+namespace {
+
+// OpenSSL's reason for the last failure on this thread, and the error queue cleared.
+std::string OpenSslReason() {
+  const unsigned long code = ERR_peek_last_error();
+  ERR_clear_error();
+  if (code == 0) return "no PEM block found";
+  const char* reason = ERR_reason_error_string(code);
+  return reason != nullptr ? reason : absl::StrCat("OpenSSL error ", code);
+}
+
+using UniqueBio = std::unique_ptr<BIO, decltype(&BIO_free)>;
+using UniqueX509 = std::unique_ptr<X509, decltype(&X509_free)>;
+using UniqueKey = std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)>;
+
+UniqueBio MemoryBio(const std::string& pem) {
+  return UniqueBio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
+}
+
+// The certificates of a PEM file, in order; an error naming `what` and `path` when it holds none
+// or a damaged one.
+absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& pem,
+                                                          const std::string& what,
+                                                          const std::string& path) {
+  ERR_clear_error();
+  UniqueBio bio = MemoryBio(pem);
+  std::vector<UniqueX509> certs;
+  while (X509* cert = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr))
+    certs.emplace_back(cert, &X509_free);
+  // The loop ends at the end of the data (PEM_R_NO_START_LINE) or at a damaged block.
+  const unsigned long last = ERR_peek_last_error();
+  const bool at_end =
+      ERR_GET_LIB(last) == ERR_LIB_PEM && ERR_GET_REASON(last) == PEM_R_NO_START_LINE;
+  if (certs.empty() || (last != 0 && !at_end))
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " file ", path, " is not a PEM certificate",
+                     certs.empty() ? "" : " chain", " (", OpenSslReason(), ")"));
+  ERR_clear_error();
+  return certs;
+}
+
+// A certificate, its key and the pair checked as OpenSSL sees them, so that gRPC never gets a
+// pair it cannot use (it would log raw handshake errors and fail to bind, naming no file).
+absl::Status CheckCertificateAndKey(const std::string& cert_pem, const std::string& cert_path,
+                                    const std::string& key_pem, const std::string& key_path) {
+  absl::StatusOr<std::vector<UniqueX509>> certs =
+      ParseCertificates(cert_pem, "TLS certificate", cert_path);
+  if (!certs.ok()) return certs.status();
+  ERR_clear_error();
+  UniqueBio bio = MemoryBio(key_pem);
+  UniqueKey key(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
+  if (key == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("TLS private key file ", key_path,
+                                                   " is not an unencrypted PEM private key (",
+                                                   OpenSslReason(), ")"));
+  if (X509_check_private_key(certs->front().get(), key.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TLS private key file ", key_path, " does not match the certificate in ", cert_path));
+  }
+  X509* leaf = certs->front().get();
+  if (X509_cmp_current_time(X509_get0_notAfter(leaf)) < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("the TLS certificate in ", cert_path, " has expired"));
+  if (X509_cmp_current_time(X509_get0_notBefore(leaf)) > 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("the TLS certificate in ", cert_path, " is not valid yet"));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status CheckSecretFileMode(const std::string& path, const std::string& what) {
   struct stat st {};
@@ -49,11 +127,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
   absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
   if (!key.ok()) return key.status();
+  if (absl::Status s = CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file); !s.ok())
+    return s;
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
   if (!tls.client_ca_file.empty()) {
     absl::StatusOr<std::string> ca = ReadPemFile(tls.client_ca_file, "TLS client CA");
     if (!ca.ok()) return ca.status();
+    if (auto certs = ParseCertificates(*ca, "TLS client CA", tls.client_ca_file); !certs.ok())
+      return certs.status();
     options.pem_root_certs = *std::move(ca);
     options.client_certificate_request =
         GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
@@ -75,6 +157,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.ca_file.empty()) {
     absl::StatusOr<std::string> ca = ReadPemFile(tls.ca_file, "TLS CA");
     if (!ca.ok()) return ca.status();
+    if (auto certs = ParseCertificates(*ca, "TLS CA", tls.ca_file); !certs.ok())
+      return certs.status();
     options.pem_root_certs = *std::move(ca);
   }
   if (!tls.cert_file.empty()) {
@@ -83,6 +167,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
     absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
     if (!key.ok()) return key.status();
+    if (absl::Status s = CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file); !s.ok())
+      return s;
     options.pem_cert_chain = *std::move(cert);
     options.pem_private_key = *std::move(key);
   }

@@ -20,6 +20,10 @@ inline constexpr int kProtocolVersion = 1;
 // Most spooled results an agent lists in its Hello (Hello.spooled); an agent with more lists
 // none and leaves Hello.reports_spool false.
 inline constexpr int kMaxHelloSpooled = 10000;
+// Rows of one QueryResults reply: at most kMaxQueryRows, kDefaultQueryRows when the request
+// leaves its limit unset.
+inline constexpr int kMaxQueryRows = 10000;
+inline constexpr int kDefaultQueryRows = 1000;
 
 // Keepalive pings on idle connections: sent every kKeepaliveTimeMs, dead after no answer for
 // kKeepaliveTimeoutMs.

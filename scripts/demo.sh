@@ -28,7 +28,7 @@ pids+=($!)
 # A GPU host sweeps the CUDA backends, anything else the CPU ones.
 if "$B" agents --coordinator "$GRPC" >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
    grep -q INFERSWEEP_HAVE_CUDA build/CMakeCache.txt 2>/dev/null; then
-  SPEC=sweeps/demo-gpu.yaml MODEL=preset:qwen3-30b-a3b SM=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+  SPEC=sweeps/demo-gpu.yaml MODEL=preset:qwen3-30b-a3b SM=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
 else
   SPEC=sweeps/demo-cpu.yaml MODEL=preset:tiny-moe SM=cpu
 fi

@@ -5,7 +5,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev nlohmann-json3-dev libcli11-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev
-  libsqlite3-dev sqlite3
+  libsqlite3-dev sqlite3 libre2-dev libssl-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev prometheus
   zlib1g-dev

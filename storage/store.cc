@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "api/digest.h"
 #include "api/status_macros.h"
 #include "api/untrusted_json.h"
 #include "storage/codec.h"
@@ -256,7 +257,8 @@ class SqliteStore final : public Store {
  public:
   // `checkpointer`: a second connection to the same file that folds the WAL into the database
   // in the background (null for in-memory databases).
-  SqliteStore(sqlite3* db, sqlite3* checkpointer) : db_(db), checkpointer_(checkpointer) {
+  SqliteStore(sqlite3* db, sqlite3* checkpointer, int64_t wal_limit_bytes)
+      : db_(db), checkpointer_(checkpointer), wal_limit_bytes_(wal_limit_bytes) {
     if (checkpointer_ != nullptr) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
   ~SqliteStore() override {
@@ -602,6 +604,20 @@ class SqliteStore final : public Store {
     return out;
   }
 
+  absl::StatusOr<std::vector<std::pair<std::string, int>>> ResultModelArchs() override {
+    absl::MutexLock lock(&mu_);
+    // A scan of the results_best index, (model, sm) first.
+    ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT DISTINCT model, sm FROM results",
+                                     "listing the (model, sm) of stored results"));
+    std::vector<std::pair<std::string, int>> out;
+    for (;;) {
+      ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      out.emplace_back(q.Text(0), static_cast<int>(q.Int(1)));
+    }
+    return out;
+  }
+
   absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) override {
     return Query(q, /*parse=*/true);
   }
@@ -629,8 +645,9 @@ class SqliteStore final : public Store {
       return absl::InvalidArgumentError(absl::StrCat("Best: unknown metric '", q.metric,
                                                      "' (known: output_tok_s, ttft_ms, tpot_ms, "
                                                      "prefill_tok_s)"));
-    if (q.batch < 1)
-      return absl::InvalidArgumentError(absl::StrCat("Best: batch must be >= 1, got ", q.batch));
+    if (q.batch < 1 || q.batch > kMaxBatchSize)
+      return absl::InvalidArgumentError(
+          absl::StrCat("Best: batch ", q.batch, " must lie in [1, ", kMaxBatchSize, "]"));
     const std::string op = absl::StrCat("finding the best ", q.metric, " at batch ", q.batch,
                                         " for ", q.model, " on sm ", q.sm);
     BestAnswer answer;
@@ -1045,6 +1062,8 @@ class SqliteStore final : public Store {
                                         "' attempt ", result.attempt);
     if (result.trial_id.empty())
       return absl::InvalidArgumentError("recording a result: empty trial id");
+    // What a duplicate of an agent's result must repeat: its content as sent, canonical JSON.
+    const std::string digest = sub.agent_id.empty() ? "" : Sha256Hex(ToJson(result).dump());
 
     int64_t sweep_id = 0;
     std::string model, config_string, state, leased_to, workload_key, trial_model_key;
@@ -1071,16 +1090,25 @@ class SqliteStore final : public Store {
       trial_layers = q.Int(8);
     }
     {
-      ASSIGN_OR_RETURN(
-          Stmt q,
-          Prepare("SELECT agent_id, status FROM results WHERE trial_id = ? AND attempt = ?", op));
+      ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT agent_id, status, result_digest FROM results "
+                                       "WHERE trial_id = ? AND attempt = ?",
+                                       op));
       q.Bind(result.trial_id).Bind(result.attempt);
       ASSIGN_OR_RETURN(bool row, q.Step());
       if (row) {
-        // Already stored: idempotent. Unless the coordinator stored that attempt itself (its
-        // lease was lost for the last time): then the agent's late result is refused, not
-        // acknowledged and dropped.
-        if (sub.agent_id.empty() || q.Text(0) == sub.agent_id) return absl::OkStatus();
+        // Already stored: a replay of the same content is idempotent. Other content for the same
+        // attempt is refused, so the stored row and the agent's own log cannot silently
+        // disagree (rows stored before digests existed have none and stay idempotent). When the
+        // coordinator stored that attempt itself (its lease was lost for the last time), the
+        // agent's late result is refused, not acknowledged and dropped.
+        if (sub.agent_id.empty()) return absl::OkStatus();
+        if (q.Text(0) == sub.agent_id) {
+          if (q.IsNull(2) || q.Text(2) == digest) return absl::OkStatus();
+          return absl::AlreadyExistsError(absl::StrCat(
+              op, " from agent '", sub.agent_id, "' refused: that attempt is stored as ", q.Text(1),
+              " with other content (a replay must be identical; sha256 ", digest.substr(0, 12),
+              " against the stored ", q.Text(2).substr(0, 12), ")"));
+        }
         return absl::PermissionDeniedError(
             absl::StrCat(op, " from agent '", sub.agent_id,
                          "' rejected: that attempt is already recorded as ", q.Text(1),
@@ -1177,13 +1205,14 @@ class SqliteStore final : public Store {
     {
       ASSIGN_OR_RETURN(
           Stmt ins,
-          Prepare("INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
-                  "model, status, config_string, result_json, output_tok_s, "
-                  "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms, "
-                  "config_id, model_key, model_layers, workload, engine_version, software, "
-                  "result_blob) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  op));
+          Prepare(
+              "INSERT INTO results (trial_id, attempt, sweep_id, agent_id, gpu_name, sm, "
+              "model, status, config_string, result_json, output_tok_s, "
+              "output_tok_s_max_batch, max_batch, ttft_ms_p50, tpot_ms, finished_ms, "
+              "config_id, model_key, model_layers, workload, engine_version, software, "
+              "result_blob, result_digest) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+              op));
       ins.Bind(stored.trial_id)
           .Bind(stored.attempt)
           .Bind(sweep_id)
@@ -1205,7 +1234,8 @@ class SqliteStore final : public Store {
           .Bind(stored.workload)
           .Bind(engine_version)
           .Bind(software)
-          .BindBlob(blob);
+          .BindBlob(blob)
+          .Bind(digest.empty() ? std::optional<std::string>() : std::optional<std::string>(digest));
       RETURN_IF_ERROR(ins.Run());
       result_id = sqlite3_last_insert_rowid(db_);
     }
@@ -1440,22 +1470,39 @@ class SqliteStore final : public Store {
   }
 
   // The WAL is checkpointed here, every kCheckpointIntervalMs, not by the commit that crosses
-  // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE:
-  // it never waits for a writer or blocks one.
+  // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE
+  // never waits for a writer or blocks one, but under sustained ingest a writer always has a
+  // transaction open when the checkpoint finishes, so the WAL never starts over and grows
+  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint waits for the writer's commit,
+  // copies what PASSIVE left (little: it keeps up), and empties the file; writers wait for it
+  // (a few ms) instead of the disk filling.
   static constexpr int kCheckpointIntervalMs = 250;
   void CheckpointLoop() {
+    int64_t page_size = 4096;
+    {
+      sqlite3_stmt* stmt = nullptr;
+      if (sqlite3_prepare_v2(checkpointer_, "PRAGMA page_size", -1, &stmt, nullptr) == SQLITE_OK &&
+          sqlite3_step(stmt) == SQLITE_ROW)
+        page_size = sqlite3_column_int64(stmt, 0);
+      sqlite3_finalize(stmt);
+    }
     absl::MutexLock lock(&checkpoint_mu_);
     for (;;) {
       checkpoint_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
                                       absl::Milliseconds(kCheckpointIntervalMs));
       if (stopping_) return;
-      sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr,
-                                nullptr);
+      int wal_frames = 0;
+      const int rc = sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE,
+                                               &wal_frames, nullptr);
+      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_)
+        sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr,
+                                  nullptr);
     }
   }
 
   sqlite3* const db_;
   sqlite3* const checkpointer_;
+  const int64_t wal_limit_bytes_;
   absl::Mutex checkpoint_mu_;
   bool stopping_ ABSL_GUARDED_BY(checkpoint_mu_) = false;
   std::thread checkpoint_thread_;
@@ -1538,6 +1585,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
   if (sqlite3_db_filename(db, "main") != nullptr && *sqlite3_db_filename(db, "main") != '\0') {
     if (absl::Status s = Pragma(db, "PRAGMA wal_autocheckpoint = 0", "wal_autocheckpoint"); !s.ok())
       return fail(s);
+    // A WAL that starts over is cut back to the limit, not left at its largest.
+    const std::string limit =
+        absl::StrCat("PRAGMA journal_size_limit = ", std::max<int64_t>(0, options.wal_limit_bytes));
+    if (absl::Status s = Pragma(db, limit.c_str(), "journal_size_limit"); !s.ok()) return fail(s);
     if (sqlite3_open_v2(path.c_str(), &checkpointer, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX,
                         nullptr) != SQLITE_OK) {
       absl::Status s = SqliteError(checkpointer, SQLITE_CANTOPEN,
@@ -1555,7 +1606,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
       return fail(s);
     }
   }
-  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer));
+  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer, options.wal_limit_bytes));
 }
 
 }  // namespace infersweep

@@ -132,6 +132,9 @@ struct ResultSubmission {
 struct StoreOptions {
   // How long a call waits for another connection's lock before failing with Unavailable.
   int busy_timeout_ms = 5000;
+  // The WAL is emptied (a TRUNCATE checkpoint) once it holds more than this, also under
+  // sustained ingest; it is cut back to this size whenever it starts over.
+  int64_t wal_limit_bytes = 32 << 20;
 };
 
 struct StoredResult {
@@ -169,7 +172,7 @@ struct BestQuery {
   // goodput (request_goodput), output_tok_s (output_throughput), output_tok_s_per_user,
   // p99_ttft_ms or p99_tpot_ms. Higher- or lower-is-better as the name implies.
   std::string metric = "output_tok_s";
-  int batch = 1;  // >= 1; lockstep only
+  int batch = 1;  // 1..kMaxBatchSize; lockstep only
   // Ranks serving load points (serving_points) instead of lockstep batches; implied by a
   // load_point or a metric only serving points have. The two are never ranked together.
   bool serving = false;
@@ -263,13 +266,16 @@ class Store {
 
   // Stored results of one sweep by status name ("OK": 12, ...).
   virtual absl::StatusOr<std::map<std::string, int64_t>> CountResults(int64_t sweep_id) = 0;
+  // Every (model, sm) results are stored under, for metrics that start from 0 at start-up.
+  virtual absl::StatusOr<std::vector<std::pair<std::string, int>>> ResultModelArchs() = 0;
 
   // Newest first, parsed (StoredResult::result filled).
   virtual absl::StatusOr<std::vector<StoredResult>> QueryResults(const ResultQuery& q) = 0;
   // The same rows with the JSON as stored and not parsed: what the coordinator passes on.
   virtual absl::StatusOr<std::vector<StoredResult>> QueryResultRows(const ResultQuery& q) = 0;
   // The fastest OK figure by `metric` at `batch` within one (model identity, workload) group of
-  // (model, sm): see BestAnswer. InvalidArgument for an unknown metric or a batch < 1.
+  // (model, sm): see BestAnswer. InvalidArgument for an unknown metric or a batch outside
+  // [1, kMaxBatchSize].
   virtual absl::StatusOr<BestAnswer> Best(const BestQuery& q) = 0;
 
   virtual absl::Status UpsertAgent(const AgentRecord& agent) = 0;

@@ -1,18 +1,22 @@
 // The agent's result spool: durable across reopen, replayed in spool order, emptied by acks.
-#include "agent/spool.h"
-
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <filesystem>
 #include <string>
-
-#include <gtest/gtest.h>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "agent/inventory.h"
+#include "agent/spool.h"
 
 namespace infersweep {
 namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 class SpoolTest : public ::testing::Test {
  protected:
@@ -119,23 +123,19 @@ TEST(InventoryTest, SmArchForms) {
   EXPECT_EQ(*ParseSmArch("sm_90"), 90);
   EXPECT_EQ(*ParseSmArch("90"), 90);
   EXPECT_EQ(*ParseSmArch("sm_90a"), 90);
-  EXPECT_EQ(*ParseSmArch("SM_120"), 120);
-  EXPECT_EQ(*ParseSmArch("sm100f"), 100);
+  EXPECT_EQ(*ParseSmArch("sm_120"), 120);
+  EXPECT_EQ(*ParseSmArch("sm_100f"), 100);
+  EXPECT_EQ(*ParseSmArch("cpu"), 0);
   EXPECT_FALSE(ParseSmArch("").ok());
   EXPECT_FALSE(ParseSmArch("sm_").ok());
   EXPECT_FALSE(ParseSmArch("hopper").ok());
   EXPECT_FALSE(ParseSmArch("-90").ok());
 }
 
-// The whole word is the arch: a prefix (sm_ or sm), the SM number, at most one suffix letter
-// (a or f). Anything else is refused with an error naming the text, never read as its digits.
+// The whole word is the arch, spelt one way: sm_ and the SM number with at most one suffix
+// letter (a or f), the bare number, or cpu. Anything else is refused with an error naming the
+// text, never read as its digits.
 TEST(InventoryTest, SmArchIsTheWholeWord) {
-  EXPECT_EQ(*ParseSmArch("sm_120"), 120);
-  EXPECT_EQ(*ParseSmArch("sm_120a"), 120);
-  EXPECT_EQ(*ParseSmArch("SM_90"), 90);
-  EXPECT_EQ(*ParseSmArch("sm90"), 90);
-  EXPECT_EQ(*ParseSmArch("cpu"), 0);
-  EXPECT_EQ(*ParseSmArch("CPU"), 0);
   for (const char* bad :
        {"+90", "90x", "sm_90zzz", "120abc", "sm90a1", "sm_90af", "90 a", "9 0", "sm_-90", "sm_+90",
         "0x5a", "1001", "99999999999", "sm_", "a", "cpu0", "sm_cpu", "0090", "sm_9"}) {
@@ -146,6 +146,35 @@ TEST(InventoryTest, SmArchIsTheWholeWord) {
           << sm.status();
     }
   }
+}
+
+// Whitespace, another case, a missing '_' or a suffix on the bare number: refused too, with the
+// accepted spelling as a hint.
+TEST(InventoryTest, SmArchNearMissesAreRefusedWithAHint) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" 90", "sm_90"},    {"90 ", "sm_90"},       {"SM_90", "sm_90"},    {"Sm_90A", "sm_90a"},
+      {"sm90", "sm_90"},   {"SM120", "sm_120"},    {"sm100f", "sm_100f"}, {"90a", "sm_90a"},
+      {"sm_ 90", "sm_90"}, {"\tsm_90\n", "sm_90"}, {"CPU", "cpu"},        {" cpu", "cpu"},
+  };
+  for (const auto& [text, hint] : cases) {
+    absl::StatusOr<int> sm = ParseSmArch(text);
+    ASSERT_FALSE(sm.ok()) << "'" << text << "' read as " << *sm;
+    EXPECT_THAT(std::string(sm.status().message()),
+                HasSubstr(absl::StrCat("'", text, "' is not an SM architecture: did you mean ",
+                                       hint, "?")));
+  }
+  // Without a near miss there is no hint.
+  EXPECT_THAT(std::string(ParseSmArch("hopper").status().message()),
+              Not(HasSubstr("did you mean")));
+}
+
+// Where the command takes no CPU (a fake GPU's SM), cpu is no SM.
+TEST(InventoryTest, SmArchWithoutCpu) {
+  EXPECT_EQ(*ParseSmArch("sm_90", /*allow_cpu=*/false), 90);
+  absl::StatusOr<int> cpu = ParseSmArch("cpu", /*allow_cpu=*/false);
+  ASSERT_FALSE(cpu.ok());
+  EXPECT_THAT(std::string(cpu.status().message()), Not(HasSubstr("or cpu")));
+  EXPECT_FALSE(ParseFakeGpu("NVIDIA H200:cpu:141").ok());
 }
 
 TEST(InventoryTest, FakeGpuLabel) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/model_config.h"
 #include "engine/backends.h"
@@ -19,10 +20,10 @@
 #include "engine/sampler.h"
 #include "engine/synthetic.h"
 #include "engine/weights.h"
+#include "harness/child_process.h"
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
 #include "harness/measure.h"
-#include "harness/child_process.h"
 #include "harness/runner.h"
 #include "harness/verdict.h"
 #include "tests/test_util.h"
@@ -31,6 +32,7 @@ namespace infersweep {
 namespace {
 
 using testing::HasSubstr;
+using testing::Not;
 
 TEST(BackendConfig, ParsesAndNormalizesWithDefaults) {
   auto parsed = ParseBackendConfig("matmul=blocked, threads=2");
@@ -434,6 +436,46 @@ TEST(Workload, ParsesAndRejectsBadValues) {
   EXPECT_THAT(ParseWorkload("output=1").status().message(), HasSubstr("'output'"));
   EXPECT_THAT(ParseWorkload("prompt=abc").status().message(), HasSubstr("not an integer"));
   EXPECT_THAT(ParseWorkload("flavour=1").status().message(), HasSubstr("unknown workload field"));
+}
+
+// A key given twice, and batch sizes that repeat or go down, are typos: refused naming the key.
+TEST(Workload, RefusesARepeatedKeyAndBatchSizesThatDoNotIncrease) {
+  for (const char* text :
+       {"prompt=64,prompt=32", "output=8,batch=1,output=16", "timeout=5,timeout=5"}) {
+    absl::StatusOr<Workload> w = ParseWorkload(text);
+    ASSERT_FALSE(w.ok()) << text;
+    EXPECT_THAT(w.status().message(), HasSubstr("given twice")) << text;
+  }
+  EXPECT_THAT(ParseWorkload("prompt=64,prompt=32").status().message(),
+              HasSubstr("workload field 'prompt' given twice"));
+  for (const char* batch : {"4:1", "1:4:2", "2:2"}) {
+    absl::StatusOr<Workload> w = ParseWorkload(absl::StrCat("batch=", batch));
+    ASSERT_FALSE(w.ok()) << batch;
+    EXPECT_THAT(w.status().message(), HasSubstr(absl::StrCat("workload field 'batch': '", batch,
+                                                             "': batch sizes must increase")));
+  }
+  EXPECT_TRUE(ParseWorkload("batch=1:2:64").ok());
+}
+
+// WorkloadString writes every lockstep key; ParseWorkload reads it back, and the empty text is
+// Workload{}: the defaults `run --help` shows are the ones a partial --workload keeps.
+TEST(Workload, StringReadsBackAndTheDefaultsAreWorkloadsOwn) {
+  const Workload defaults;
+  EXPECT_EQ(WorkloadString(defaults),
+            "prompt=128,output=32,batch=1,repeats=3,warmup=1,timeout=600");
+  Workload w;
+  w.prompt_len = 7;
+  w.output_len = 5;
+  w.batch_sizes = {1, 8, 64};
+  w.repeats = 2;
+  w.warmup = 0;
+  w.timeout_s = 12.5;
+  absl::StatusOr<Workload> back = ParseWorkload(WorkloadString(w));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(ToJson(*back), ToJson(w));
+  absl::StatusOr<Workload> empty = ParseWorkload("");
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(ToJson(*empty), ToJson(defaults));
 }
 
 TEST(Verdict, DegenerateRepetition) {
@@ -1110,5 +1152,62 @@ TEST(RunCommand, CpuMatrixEndToEnd) {
   }
 }
 
+// `run` checks its flags before any worker starts: each bad one exits 2 with an error naming
+// the flag and what it takes, and prints no result row.
+TEST(RunCommand, BadFlagsAreUsageErrorsBeforeAnyWorkerStarts) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--layers -1", "--layers -1: must lie in [1, 4], the layer count of preset:tiny-moe"},
+      {"--layers 100000", "--layers 100000: must lie in [1, 4]"},
+      {"--layers 5", "--layers 5: must lie in [1, 4]"},
+      {"--model preset:nope", "unknown preset 'nope' (known presets: "},
+      {"--model preset:nope@nvfp4", "unknown preset 'nope'"},
+      {"--model /no/such/folder", "--model '/no/such/folder': no such checkpoint folder"},
+      {"--model tests/fixtures/hf/qwen3_moe --layers 9", "--layers 9: must lie in [1, 4]"},
+      {"--workload prompt=64,prompt=32", "--workload: workload field 'prompt' given twice"},
+      {"--workload batch=4:1", "'batch': '4:1': batch sizes must increase"},
+      {"--config 'matmul=naive||blocked'", "'naive||blocked' has an empty alternative"},
+      {"--config 'matmul=|naive'", "empty alternative"},
+      {"--config 'matmul=naive|'", "empty alternative"},
+      {"--config 'matmul=naive|naive'", "value 'naive' given twice"},
+      {"--serve concurrency=1,isl=8,isl=16,requests=2", "--serve field 'isl' given twice"},
+      {"--serve concurrency=4:1,requests=2", "'concurrency': '4:1': load points must increase"},
+      {"--serve rate=2:1,requests=2", "'rate': '2:1': load points must increase"},
+      {"--serve concurrency=1,requests=2 --slo ttft_ms=5,ttft_ms=9",
+       "--slo field 'ttft_ms' given twice"},
+      {"--serve concurrency=1,requests=2 --layers 7", "--layers 7: must lie in [1, 4]"},
+  };
+  for (const auto& [flags, want] : cases) {
+    int exit_code = -1;
+    // From the source tree, where the fixture path resolves.
+    const std::string out = RunCommand(
+        absl::StrCat("cd '", SourceDir(), "' && '", WorkerBinary(), "' run ", flags, " 2>&1"),
+        &exit_code);
+    EXPECT_EQ(exit_code, 2) << flags << "\n" << out;
+    EXPECT_THAT(out, HasSubstr(want)) << flags;
+    EXPECT_THAT(out, Not(HasSubstr("# config"))) << flags;
+    EXPECT_THAT(out, Not(HasSubstr("ERROR"))) << flags;
+  }
+}
+
+// A partial --workload keeps the defaults `run --help` shows for the keys it leaves out.
+TEST(RunCommand, PartialWorkloadKeepsTheDefaultsTheHelpShows) {
+  int exit_code = -1;
+  const std::string help = RunCommand(WorkerBinary() + " run --help 2>&1", &exit_code);
+  ASSERT_EQ(exit_code, 0) << help;
+  const size_t at = help.find("--workload TEXT=");
+  ASSERT_NE(at, std::string::npos) << help;
+  const std::string shown = help.substr(at + 16, help.find_first_of(" \n", at + 16) - at - 16);
+  absl::StatusOr<Workload> defaults = ParseWorkload(shown);
+  ASSERT_TRUE(defaults.ok()) << shown << ": " << defaults.status();
+  const std::string out = RunCommand(WorkerBinary() +
+                                         " run --model preset:tiny-moe --layers 1 "
+                                         "--workload batch=1,repeats=1,warmup=0 2>&1",
+                                     &exit_code);
+  ASSERT_EQ(exit_code, 0) << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("workload: prompt ", defaults->prompt_len,
+                                          " tokens, output ", defaults->output_len, " tokens")))
+      << "--help shows " << shown << "\n"
+      << out;
+}
 }  // namespace
 }  // namespace infersweep

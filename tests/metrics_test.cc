@@ -218,6 +218,30 @@ TEST(CoordinatorMetricsTest, CpuResultsAndUnsupportedResults) {
   EXPECT_EQ(Count(s, "infersweep_output_tokens_per_second"), 2u);  // the CPU result's 2 batches
 }
 
+// Every status of a (model, sm_arch) is exported from 0 before its first result, and from the
+// first result on when nothing declared it: increase() then counts the first increment.
+TEST(CoordinatorMetricsTest, TrialCountersStartAtZeroForEveryStatus) {
+  CoordinatorMetrics m;
+  m.DeclareTrialSeries("preset:tiny-moe", 90);
+  std::vector<Sample> s = ParseExposition(m.Serialize());
+  EXPECT_EQ(Count(s, "infersweep_trials_total"), 6u);
+  for (const char* status : {"OK", "INCORRECT", "CRASHED", "UNSUPPORTED", "TIMEOUT", "ERROR"})
+    EXPECT_EQ(Find(s, "infersweep_trials_total",
+                   {{"model", "preset:tiny-moe"}, {"sm_arch", "sm_90"}, {"status", status}}),
+              0)
+        << status;
+  m.OnResult("preset:tiny-moe", 90, "NVIDIA H200", *ParseBackendConfig("device=cuda"),
+             Result(TrialStatus::kOk, 50, 20, 5));
+  m.DeclareTrialSeries("preset:tiny-moe", 90);  // declaring again keeps the count
+  m.OnResult("preset:other", 0, "cpu", *ParseBackendConfig("device=cpu"),
+             Result(TrialStatus::kCrashed, 50, 20, 5));
+  s = ParseExposition(m.Serialize());
+  EXPECT_EQ(Count(s, "infersweep_trials_total"), 12u);
+  EXPECT_EQ(Find(s, "infersweep_trials_total", {{"sm_arch", "sm_90"}, {"status", "OK"}}), 1);
+  EXPECT_EQ(Find(s, "infersweep_trials_total", {{"sm_arch", "cpu"}, {"status", "CRASHED"}}), 1);
+  EXPECT_EQ(Find(s, "infersweep_trials_total", {{"sm_arch", "cpu"}, {"status", "OK"}}), 0);
+}
+
 TEST(CoordinatorMetricsTest, CardinalityCapDropsNewSeriesOnly) {
   CoordinatorMetricsOptions options;
   options.max_config_series = 3;

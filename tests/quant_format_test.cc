@@ -444,6 +444,14 @@ TEST(QuantScheme, UnsupportedAndMalformedDeclarationsAreClearErrors) {
        nullptr, absl::StatusCode::kInvalidArgument, "must be a list of module names"},
       {"{}", "{not json", absl::StatusCode::kInvalidArgument,
        "hf_quant_config.json: not valid JSON"},
+      {R"j({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["re:(x"]}})j",
+       nullptr, absl::StatusCode::kInvalidArgument,
+       "\"modules_to_not_convert\"[0] 're:(x': not a valid regular expression"},
+      {R"j({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert":
+          ["lm_head", "re:((((((((((((((((((a))))))))))))))))))"]}})j",
+       nullptr, absl::StatusCode::kInvalidArgument,
+       "\"modules_to_not_convert\"[1] 're:((((((((((((((((((a))))))))))))))))))': the pattern "
+       "nests groups 18 deep; the limit is 16"},
   };
   for (const Case& c : cases) {
     auto scheme =

@@ -328,6 +328,13 @@ TEST(FindRegressionsTest, ReadsTheStore) {
     EXPECT_EQ((*rows)[0].judgement.history_points, 7);
     EXPECT_DOUBLE_EQ((*rows)[0].judgement.latest, 70);
     EXPECT_EQ((*rows)[0].judgement.verdict, RegressionVerdict::kRegression);
+    for (const int limit : {0, kMaxRegressionResults + 1}) {
+      RegressionQuery bounded = q;
+      bounded.limit = limit;
+      const absl::Status s = FindRegressions(**store, bounded).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << limit;
+      EXPECT_NE(s.message().find("must lie in [1, 100000]"), std::string::npos) << s;
+    }
     q.metric = "nope";
     EXPECT_FALSE(FindRegressions(**store, q).ok());
 

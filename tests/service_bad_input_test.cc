@@ -1,5 +1,8 @@
 // Bad input at the coordinator's edges: rejected with a clear gRPC status or an Error message,
 // nothing stored changes, and the coordinator keeps serving everyone else.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <chrono>
@@ -8,14 +11,11 @@
 #include <memory>
 #include <string>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/str_cat.h"
+#include "api/trial.h"
+#include "coordinator/agent_identity.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
-#include "api/trial.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
 #include "storage/store.h"
@@ -58,7 +58,7 @@ class BadInput : public ::testing::Test {
     CoordinatorOptions o;
     o.max_trials_per_sweep = 8;
     o.tick_ms = 50;
-    o.log = [](const std::string&) {};
+    o.log = [this](const std::string& line) { log_.Add("coordinator", line); };
     Configure(o);
     server_ = std::make_unique<CoordinatorServer>(o);
     auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
@@ -102,11 +102,16 @@ class BadInput : public ::testing::Test {
     EXPECT_THAT(std::string(r.status().message()), HasSubstr(absl::StrCat(source, ":", line)));
     EXPECT_THAT(std::string(r.status().message()), HasSubstr(needle));
     EXPECT_EQ(Count(), before);
+    // The coordinator logs the refusal with the caller and the reason.
+    EXPECT_THAT(log_.Text(),
+                HasSubstr(absl::StrCat("submit of '", source, "' from ipv4:127.0.0.1:")));
+    EXPECT_THAT(log_.Text(), HasSubstr(absl::StrCat(" refused: INVALID_ARGUMENT: ", source, ":")));
   }
 
   std::string dir_, address_;
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<ServiceClient> client_;
+  LineLog log_;
 };
 
 TEST_F(BadInput, MalformedSpecIsInvalidArgumentWithLine) {
@@ -116,6 +121,17 @@ TEST_F(BadInput, MalformedSpecIsInvalidArgumentWithLine) {
                  "indent.yaml", 3, "malformed YAML");
   // Well-formed YAML of the wrong shape.
   ExpectRejected("name: shape\nmodel: preset:tiny-moe\nmatrix: [cpu]\n", "shape.yaml", 3, "matrix");
+}
+
+// A selector regex of 20,000 nested groups in a 40 KB spec: refused with the line and the bound
+// it breaks, and the coordinator keeps serving (a recursive regex compiler overflows its stack).
+TEST_F(BadInput, DeeplyNestedSelectorRegexIsRefusedAndTheCoordinatorKeepsServing) {
+  const std::string nested = std::string(20000, '(') + "a" + std::string(20000, ')');
+  ExpectRejected(absl::StrCat("name: nest\nmodel: preset:tiny-moe\nmatrix: {device: [cuda]}\n",
+                              "selector:\n  gpu_name: \"", nested, "\"\n"),
+                 "nest.yaml", 5, "selector.gpu_name: the pattern is 40001 characters");
+  auto ok = client_->SubmitSweep(kValidSweep, "valid.yaml");
+  EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
 TEST_F(BadInput, UnknownAxisIsInvalidArgumentWithLine) {
@@ -243,6 +259,89 @@ TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) 
   EXPECT_TRUE(rogue.End().ok());
 }
 
+// A result for an attempt that is stored already: a replay of the same content is acknowledged
+// (the agent drops it from its spool); other content is refused with a permanent Error, logged
+// and counted, and the stored row stays as it was.
+TEST_F(BadInput, AConflictingDuplicateResultIsRefusedAndAnIdenticalReplayAcknowledged) {
+  auto submitted = client_->SubmitSweep(
+      "name: dup\nmodel: preset:tiny-moe\nlayers: 1\nmatrix: {device: [cpu], matmul: [naive]}\n"
+      "workload: {prompt: 8, output: 4, batch: [1], repeats: 1}\n",
+      "dup.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  RawAgent agent(address_);
+  ASSERT_TRUE(agent.Hello("cpu-host"));
+  ASSERT_TRUE(agent.Next().has_welcome());
+  v1::CoordinatorMessage assignment = agent.Next();
+  ASSERT_TRUE(assignment.has_assignment()) << assignment.DebugString();
+  const std::string trial = assignment.assignment().trial_id();
+  const int attempt = assignment.assignment().attempt();
+  auto result = [&](const std::string& reason) {
+    TrialResult r;
+    r.trial_id = trial;
+    r.attempt = attempt;
+    r.status = TrialStatus::kOk;
+    r.model = "preset:tiny-moe";
+    r.config = {{"device", "cpu"}, {"matmul", "naive"}};
+    r.device = "cpu";
+    r.reason = reason;
+    return ToJson(r).dump();
+  };
+  ASSERT_TRUE(agent.Result(trial, attempt, result("first")));
+  EXPECT_TRUE(agent.Next().has_ack());
+  ASSERT_TRUE(agent.Result(trial, attempt, result("first")));  // a replay from the spool
+  EXPECT_TRUE(agent.Next().has_ack());
+  ASSERT_TRUE(agent.Result(trial, attempt, result("second")));
+  v1::CoordinatorMessage m = agent.Next();
+  ASSERT_TRUE(m.has_error()) << m.DebugString();
+  EXPECT_EQ(m.error().trial_id(), trial);
+  EXPECT_TRUE(m.error().permanent());
+  EXPECT_EQ(m.error().code(), static_cast<int>(absl::StatusCode::kAlreadyExists));
+  EXPECT_THAT(m.error().message(), HasSubstr("stored as OK with other content"));
+  EXPECT_EQ(server_->stats().results_conflicting, 1);
+  EXPECT_THAT(server_->MetricsText(), HasSubstr("infersweep_result_conflicts_total 1"));
+  ResultQuery q;
+  auto stored = server_->store()->QueryResults(q);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), 1u);
+  EXPECT_EQ((*stored)[0].result.reason, "first");
+  EXPECT_TRUE(agent.End().ok());
+}
+
+// The trial counters of a (model, arch) exist at 0 once the coordinator knows the pair: at
+// submit for the connected agents' archs, and after a restart for what the database holds.
+TEST_F(BadInput, TrialCountersExistFromZeroBeforeTheFirstResult) {
+  const std::string series =
+      "infersweep_trials_total{model=\"preset:tiny-moe\",sm_arch=\"cpu\",status=\"TIMEOUT\"} 0";
+  RawAgent agent(address_);
+  ASSERT_TRUE(agent.Hello("cpu-host"));
+  ASSERT_TRUE(agent.Next().has_welcome());
+  EXPECT_THAT(server_->MetricsText(), Not(HasSubstr("infersweep_trials_total{")));
+  auto submitted = client_->SubmitSweep(
+      "name: z\nmodel: preset:tiny-moe\nlayers: 1\nmatrix: {device: [cpu], matmul: [naive]}\n",
+      "z.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  EXPECT_THAT(server_->MetricsText(), HasSubstr(series));
+  v1::CoordinatorMessage assignment = agent.Next();
+  ASSERT_TRUE(assignment.has_assignment()) << assignment.DebugString();
+  const std::string trial = assignment.assignment().trial_id();
+  ASSERT_TRUE(agent.Result(trial, 1, ValidResultJson(trial, 1)));
+  ASSERT_TRUE(agent.Next().has_ack());
+  EXPECT_TRUE(agent.End().ok());
+
+  // After a restart, the stored (model, arch) is exported from 0 again.
+  client_.reset();
+  server_->Stop();
+  CoordinatorOptions o;
+  o.log = [](const std::string&) {};
+  server_ = std::make_unique<CoordinatorServer>(o);
+  auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_THAT(server_->MetricsText(), HasSubstr(series));
+  EXPECT_THAT(server_->MetricsText(),
+              HasSubstr("infersweep_trials_total{model=\"preset:tiny-moe\",sm_arch=\"cpu\","
+                        "status=\"OK\"} 0"));
+}
+
 TEST_F(BadInput, ResultBeforeHelloClosesTheStreamAndOthersAreStillServed) {
   const Counts before = Count();
   RawAgent early(address_);
@@ -305,6 +404,77 @@ TEST_F(BadInput, QueryArgumentsAreChecked) {
   auto missing = client_->GetSweep(12345);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+// The query bounds the CLI checks hold for a client calling gRPC directly too: a limit or batch
+// outside its range (an explicit 0 included; unset means the default), an SM that is no arch,
+// and free text over its cap are INVALID_ARGUMENT naming the field and the range.
+TEST_F(BadInput, QueryBoundsAndFreeTextAreCheckedAtTheServer) {
+  auto expect_invalid = [](const absl::Status& status, const std::string& needle) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(needle));
+  };
+  for (const int limit : {0, -1, 10001}) {
+    v1::QueryResultsRequest q;
+    q.set_limit(limit);
+    expect_invalid(client_->QueryResults(q).status(),
+                   absl::StrCat("limit: ", limit, " must lie in [1, 10000]"));
+  }
+  v1::QueryResultsRequest at_cap;
+  at_cap.set_limit(10000);
+  EXPECT_TRUE(client_->QueryResults(at_cap).ok());
+  EXPECT_TRUE(client_->QueryResults(v1::QueryResultsRequest()).ok());  // unset: the default
+
+  for (const int batch : {0, -1, 1025}) {
+    v1::BestRequest b;
+    b.set_model("preset:tiny-moe");
+    b.set_sm(90);
+    b.set_batch(batch);
+    expect_invalid(client_->Best(b).status(),
+                   absl::StrCat("batch: ", batch, " must lie in [1, 1024]"));
+  }
+  v1::BestRequest unset_batch;
+  unset_batch.set_model("preset:tiny-moe");
+  unset_batch.set_sm(90);
+  EXPECT_TRUE(client_->Best(unset_batch).ok());
+
+  for (const int limit : {0, -1, 100001}) {
+    v1::RegressionsRequest r;
+    r.set_limit(limit);
+    expect_invalid(client_->Regressions(r).status(),
+                   absl::StrCat("limit: ", limit, " must lie in [1, 100000]"));
+  }
+  EXPECT_TRUE(client_->Regressions(v1::RegressionsRequest()).ok());
+
+  v1::BestRequest bad_sm = unset_batch;
+  bad_sm.set_sm(-5);
+  expect_invalid(client_->Best(bad_sm).status(), "sm: -5 is not an SM architecture");
+
+  const std::string huge(100000, 'x');
+  v1::BestRequest long_model = unset_batch;
+  long_model.set_model(huge);
+  const absl::Status long_model_status = client_->Best(long_model).status();
+  expect_invalid(long_model_status, "model: 100000 bytes; the limit is 4096");
+  EXPECT_LT(long_model_status.message().size(), 200u);  // never echoed whole
+  v1::QueryResultsRequest long_axis;
+  (*long_axis.mutable_axis_values())["matmul"] = huge;
+  expect_invalid(client_->QueryResults(long_axis).status(),
+                 "axis_values['matmul']: 100000 bytes; the limit is 128");
+  v1::QueryResultsRequest long_status;
+  long_status.set_status(huge);
+  expect_invalid(client_->QueryResults(long_status).status(), "status: 100000 bytes");
+  v1::RegressionsRequest long_workload;
+  long_workload.set_workload(huge);
+  expect_invalid(client_->Regressions(long_workload).status(), "workload: 100000 bytes");
+}
+
+// A sweep name over its cap is refused at Submit, naming the line, and nothing is stored.
+TEST_F(BadInput, SweepNameOverTheCapIsRefused) {
+  std::string yaml = kValidSweep;
+  yaml.replace(yaml.find("waits"), 5, std::string(100000, 'w'));
+  ExpectRejected(
+      yaml, "long.yaml", 1,
+      "name: 'wwwwwwwwwwwwwwwwwwwwwwwwwwwwwwww...' is 100000 bytes long; the limit is 128");
 }
 
 // ------------------------------------------------------------------------------ authentication
@@ -411,6 +581,90 @@ TEST_F(Auth, AgentStreamNeedsTheAgentToken) {
   EXPECT_TRUE(good.Next().has_welcome());
   EXPECT_EQ(server_->stats().auth_failures, 4);
   EXPECT_TRUE(good.End().ok());
+}
+
+// Per-agent tokens: a token proves the one agent id it belongs to. Another agent's token, or a
+// token for an id the file does not list, is refused with the same words as a wrong token.
+class AgentTokens : public BadInput {
+ protected:
+  void Configure(CoordinatorOptions& o) override {
+    o.agent_tokens = {{"gpu-host-1", "token-of-gpu-host-1"}, {"gpu-host-2", "token-of-gpu-host-2"}};
+  }
+};
+
+TEST_F(AgentTokens, AnAgentsTokenProvesOnlyItsOwnId) {
+  const struct {
+    const char* id;
+    const char* token;
+  } refused[] = {{"gpu-host-1", "token-of-gpu-host-2"},
+                 {"gpu-host-3", "token-of-gpu-host-1"},
+                 {"gpu-host-1", ""}};
+  for (const auto& r : refused) {
+    RawAgent agent(address_);
+    ASSERT_TRUE(agent.Hello(r.id, r.token));
+    EXPECT_FALSE(agent.Next().has_welcome()) << r.id << " with " << r.token;
+    const grpc::Status status = agent.End();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+    EXPECT_EQ(status.error_message(), "Hello: missing or invalid credentials");
+  }
+  EXPECT_EQ(server_->stats().auth_failures, 3);
+  RawAgent good(address_);
+  ASSERT_TRUE(good.Hello("gpu-host-2", "token-of-gpu-host-2"));
+  EXPECT_TRUE(good.Next().has_welcome());
+  EXPECT_TRUE(good.End().ok());
+}
+
+TEST(AuthOptions, SharedAndPerAgentTokensAreAlternatives) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "auth-opts-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  CoordinatorOptions o;
+  o.agent_token = "shared-token-0123456789";
+  o.agent_tokens = {{"a", "token-of-a-0123456789"}};
+  o.log = [](const std::string&) {};
+  CoordinatorServer server(o);
+  auto port = server.Start("127.0.0.1:0", tmpl + "/c.db");
+  ASSERT_FALSE(port.ok());
+  EXPECT_EQ(port.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(port.status().message()), HasSubstr("alternatives"));
+  server.Stop();
+  std::filesystem::remove_all(tmpl);
+}
+
+TEST(AuthHelpers, AgentTokensFileErrorsNameTheLine) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "agent-tokens-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::string path = tmpl + "/agents.tokens";
+  auto write = [&](const std::string& text) {
+    { std::ofstream(path) << text; }
+    std::filesystem::permissions(
+        path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  };
+  write("# id token\n\ngpu-host-1  0123456789abcdef0\ngpu-host-2\t0123456789abcdef1\n");
+  auto tokens = ReadAgentTokensFile(path);
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(tokens->size(), 2u);
+  EXPECT_EQ(tokens->at("gpu-host-2"), "0123456789abcdef1");
+  const std::pair<std::string, std::string> bad[] = {
+      {"gpu-host-1\n", ":1: expected 'AGENT_ID TOKEN', got 1 field(s)"},
+      {"gpu host 1 0123456789abcdef0\n", ":1: expected 'AGENT_ID TOKEN', got 4 field(s)"},
+      {"a/b 0123456789abcdef0\n", ":1: agent id 'a/b' is not"},
+      {"a short\n", ":1: the token of 'a' has 5 characters; at least 16"},
+      {"a 0123456789abcdef0\n# x\na 0123456789abcdef1\n", ":3: agent id 'a' given twice"},
+      {"a 0123456789abcdef0\nb 0123456789abcdef0\n", ":2: the token of 'b' is another agent's"},
+      {"# nobody\n", "lists no agent"},
+  };
+  for (const auto& [text, message] : bad) {
+    write(text);
+    auto r = ReadAgentTokensFile(path);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(message)) << text;
+    EXPECT_THAT(std::string(r.status().message()), Not(HasSubstr("0123456789abcdef"))) << text;
+  }
+  write("a 0123456789abcdef0\n");
+  std::filesystem::permissions(path, std::filesystem::perms::others_read,
+                               std::filesystem::perm_options::add);
+  EXPECT_EQ(ReadAgentTokensFile(path).status().code(), absl::StatusCode::kPermissionDenied);
+  std::filesystem::remove_all(tmpl);
 }
 
 TEST(AuthOptions, EqualAgentAndUserTokensAreRefusedAtStart) {

@@ -194,17 +194,59 @@ TEST_F(Cli, SpecOverTheSizeLimitIsRefusedBeforeSending) {
   EXPECT_THAT(out, Not(HasSubstr("the limit is")));
 }
 
-// `results --limit` below 1 is a usage error, not "everything"; the help gives the range.
-TEST_F(Cli, ResultsLimitBelowOneIsAUsageError) {
-  for (const char* limit : {"0", "-5"}) {
+// `results --limit` outside 1..10000 is a usage error, not "everything" or a silent cap; the
+// help gives the range.
+TEST_F(Cli, ResultsLimitOutsideItsRangeIsAUsageError) {
+  for (const char* limit : {"0", "-5", "10001"}) {
     int rc = 0;
     const std::string out =
         Run(absl::StrCat("results --limit ", limit, " --coordinator 127.0.0.1:1"), &rc);
     EXPECT_EQ(rc, 2) << out;
-    EXPECT_THAT(out, HasSubstr("--limit must be at least 1")) << out;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("--limit ", limit, ": must lie in [1, 10000]"))) << out;
   }
   int rc = 0;
-  EXPECT_THAT(Run("results --help", &rc), HasSubstr("10000"));
+  EXPECT_THAT(Run("results --help", &rc), HasSubstr("1 to 10000"));
+}
+
+// Every bounded flag of the query commands is checked before the coordinator is asked (none
+// listens here): exit 2 and an error naming the flag and its range. The bounds are the
+// coordinator's (tests/service_bad_input_test.cc holds it to them).
+TEST_F(Cli, QueryFlagsOutsideTheirRangeAreUsageErrors) {
+  const std::string at = " --coordinator 127.0.0.1:1";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"best --model preset:tiny-moe --sm-arch 90 --batch 0", "--batch 0: must lie in [1, 1024]"},
+      {"best --model preset:tiny-moe --sm-arch 90 --batch -1", "--batch -1: must lie in [1, 1024]"},
+      {"best --model preset:tiny-moe --sm-arch 90 --batch 1025",
+       "--batch 1025: must lie in [1, 1024]"},
+      {"compare --model preset:tiny-moe --sm-arch 90 --config matmul=naive --config "
+       "matmul=blocked --batch -1",
+       "--batch -1: must lie in [1, 1024]"},
+      {"compare --model preset:tiny-moe --sm-arch 90 --config matmul=naive --config "
+       "matmul=blocked --batch 0",
+       "--batch 0: must lie in [1, 1024]"},
+      {"regressions --limit 0", "--limit 0: must lie in [1, 100000]"},
+      {"regressions --limit -3", "--limit -3: must lie in [1, 100000]"},
+      {"regressions --limit 100001", "--limit 100001: must lie in [1, 100000]"},
+      {"results --sm-arch ' 90'",
+       "--sm-arch: ' 90' is not an SM architecture: did you mean sm_90?"},
+      {"results --sm-arch SM_90", "'SM_90' is not an SM architecture: did you mean sm_90?"},
+      {"best --model preset:tiny-moe --sm-arch sm90", "did you mean sm_90?"},
+      {"compare --model m --config matmul=naive --sm-arch 90 --sm-arch 'sm_120 '",
+       "did you mean sm_120?"},
+      {"regressions --sm-arch CPU", "'CPU' is not an SM architecture: did you mean cpu?"},
+  };
+  for (const auto& [args, want] : cases) {
+    int rc = 0;
+    const std::string out = Run(args + at, &rc);
+    EXPECT_EQ(rc, 2) << args << "\n" << out;
+    EXPECT_THAT(out, HasSubstr(want)) << args;
+  }
+  for (const char* command : {"best", "compare"}) {
+    int rc = 0;
+    EXPECT_THAT(Run(absl::StrCat(command, " --help"), &rc), HasSubstr("1 to 1024")) << command;
+  }
+  int rc = 0;
+  EXPECT_THAT(Run("regressions --help", &rc), HasSubstr("1 to 100000"));
 }
 
 // Every user command's --token-file help says that $INFERSWEEP_USER_TOKEN holds the token

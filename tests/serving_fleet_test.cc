@@ -594,7 +594,7 @@ TEST_F(ServingStoreTest, AResultOfTheOtherKindIsRefusedAndNothingIsStored) {
   EXPECT_EQ(store_->GetTrial(lockstep_ids[0])->state, TrialState::kQueued);
 }
 
-// A database from the build before serving points (no serving_points table, one version older)
+// A database from the build before serving points (no serving_points table nor anything newer)
 // opens, keeps its results and its ranking, and takes serving results from then on.
 TEST_F(ServingStoreTest, ADatabaseFromBeforeServingPointsIsMigrated) {
   Workload lockstep;
@@ -604,7 +604,8 @@ TEST_F(ServingStoreTest, ADatabaseFromBeforeServingPointsIsMigrated) {
   {
     RawDb raw(path_);
     ASSERT_EQ(raw.Exec("DROP TABLE serving_points"), SQLITE_OK);
-    ASSERT_EQ(raw.Exec(absl::StrCat("PRAGMA user_version = ", LatestSchemaVersion() - 1)),
+    ASSERT_EQ(raw.Exec("ALTER TABLE results DROP COLUMN result_digest"), SQLITE_OK);
+    ASSERT_EQ(raw.Exec(absl::StrCat("PRAGMA user_version = ", LatestSchemaVersion() - 2)),
               SQLITE_OK);
   }
   Open();

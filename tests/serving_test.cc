@@ -610,6 +610,30 @@ TEST(ServeSpec, BadInputNamesTheField) {
   EXPECT_THAT(ParseSlo("p99=3").status().message(), HasSubstr("unknown --slo field 'p99'"));
 }
 
+// A field given twice, and load points that repeat or go down, are typos: refused naming the
+// field.
+TEST(ServeSpec, RefusesARepeatedFieldAndLoadPointsThatDoNotIncrease) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"concurrency=1,isl=8,isl=16,requests=2", "--serve field 'isl' given twice"},
+      {"concurrency=1,requests=2,requests=3", "--serve field 'requests' given twice"},
+      {"concurrency=1,concurrency=2,requests=2", "--serve field 'concurrency' given twice"},
+      {"concurrency=4:1,requests=2",
+       "--serve field 'concurrency': '4:1': load points must increase"},
+      {"concurrency=1:4:4,requests=2", "'concurrency': '1:4:4': load points must increase"},
+      {"rate=2:1,requests=2", "--serve field 'rate': '2:1': load points must increase"},
+  };
+  for (const auto& [text, want] : cases) {
+    auto spec = ParseServeSpec(text);
+    EXPECT_FALSE(spec.ok()) << text;
+    EXPECT_THAT(spec.status().message(), HasSubstr(want)) << text;
+  }
+  EXPECT_THAT(ParseSlo("ttft_ms=5,ttft_ms=9").status().message(),
+              HasSubstr("--slo field 'ttft_ms' given twice"));
+  EXPECT_THAT(ParseSlo("tpot_ms=5,percentile=90,percentile=99").status().message(),
+              HasSubstr("--slo field 'percentile' given twice"));
+  EXPECT_TRUE(ParseServeSpec("rate=0.5:2:8,requests=2").ok());
+}
+
 TEST(ServeCli, PrintsOneLinePerLoadPointWithItsVerdict) {
   int code = -1;
   const std::string out =

@@ -6,10 +6,12 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -617,6 +619,11 @@ TEST_F(QueryTest, BestPicksTheFastestOkResult) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BestOf(*store_, "preset:tiny", 90, "output_tok_s", 0).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // No workload has a batch over kMaxBatchSize: such a query is a mistake, not "none found".
+  const absl::Status over =
+      BestOf(*store_, "preset:tiny", 90, "output_tok_s", kMaxBatchSize + 1).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kInvalidArgument) << over;
+  EXPECT_THAT(std::string(over.message()), HasSubstr("must lie in [1, 1024]"));
 }
 
 // Every metric at every batch ranks within one group through result_batches: ordered by its
@@ -837,6 +844,48 @@ TEST_F(StoreTest, TheWalIsCheckpointedInTheBackground) {
       },
       5))
       << std::filesystem::file_size(path_) << " bytes in the database file";
+}
+
+// Sustained ingest (a writer that never pauses) leaves a PASSIVE checkpoint no moment to start
+// the WAL over; the store empties it past its limit instead, so it stays near the limit.
+TEST(StoreWalTest, TheWalStaysBoundedUnderSustainedIngest) {
+  TempDir dir;
+  const std::string path = dir.File("coord.db");
+  StoreOptions options;
+  options.wal_limit_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path, options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  // 20,000 results in groups of 40, one group every 5 ms: 2.5 s, ten checkpoint intervals.
+  constexpr int kResults = 20000, kGroup = 40;
+  std::vector<TrialRecord> trials;
+  for (int i = 0; i < kResults; ++i) trials.push_back(MakeTrial(i % 2 ? kNaive : kFlash, 0));
+  absl::StatusOr<int64_t> id = (*store)->CreateSweep(MakeSweep("wal", 0), trials);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    for (int first = 0; first < kResults; first += kGroup) {
+      std::vector<ResultSubmission> group;
+      for (int i = first; i < first + kGroup; ++i)
+        group.push_back(
+            {"", "NVIDIA H200", 90,
+             MakeResult(absl::StrCat(*id, "-", i), 1, TrialStatus::kOk, 10, 10, kFlash)});
+      EXPECT_TRUE((*store)->RecordResults(group).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    done = true;
+  });
+  int64_t largest_wal = 0;
+  while (!done) {
+    std::error_code ec;
+    largest_wal = std::max<int64_t>(
+        largest_wal, static_cast<int64_t>(std::filesystem::file_size(path + "-wal", ec)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  writer.join();
+  const int64_t database = static_cast<int64_t>(std::filesystem::file_size(path));
+  // The limit, plus what the writer adds between two checkpoints (unbounded, it passes 100 MiB).
+  EXPECT_LT(largest_wal, 16 << 20) << "the database holds " << database << " bytes";
+  EXPECT_GT(database, 8 << 20) << "too little was written to test the bound";
 }
 
 // Group commit: one transaction, and a refused result leaves the others stored.

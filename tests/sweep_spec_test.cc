@@ -275,24 +275,33 @@ INSTANTIATE_TEST_SUITE_P(
                 {"spec.yaml:5", "malformed YAML"}},
         BadCase{"Empty", "", {"spec.yaml", "empty sweep spec"}},
         BadCase{"TopLevelList", "- a\n- b\n", {"spec.yaml:1", "must be a map"}},
-        BadCase{"MissingModel", "name: t\nmatrix: {device: [cuda]}\n",
+        BadCase{"MissingModel",
+                "name: t\nmatrix: {device: [cuda]}\n",
                 {"spec.yaml:1", "model", "missing"}},
         BadCase{"MissingMatrix", kHead + "device: cpu\n", {"spec.yaml:1", "matrix", "missing"}},
-        BadCase{"MatrixNotAMap", kHead + "matrix: [cuda, cpu]\n",
+        BadCase{"MatrixNotAMap",
+                kHead + "matrix: [cuda, cpu]\n",
                 {"spec.yaml:3", "matrix", "map of axis"}},
-        BadCase{"AxisNotAList", kHead + "matrix:\n  device: cuda\n",
+        BadCase{"AxisNotAList",
+                kHead + "matrix:\n  device: cuda\n",
                 {"spec.yaml:4", "matrix.device", "must be a list"}},
-        BadCase{"EmptyList", kHead + "matrix:\n  device: [cuda]\n  moe: []\n",
+        BadCase{"EmptyList",
+                kHead + "matrix:\n  device: [cuda]\n  moe: []\n",
                 {"spec.yaml:5", "matrix.moe", "empty list"}},
-        BadCase{"NonScalarValue", kHead + "matrix:\n  device: [cuda]\n  attention: [[naive]]\n",
+        BadCase{"NonScalarValue",
+                kHead + "matrix:\n  device: [cuda]\n  attention: [[naive]]\n",
                 {"spec.yaml:5", "matrix.attention", "expected a single value", "a list"}},
-        BadCase{"NullValue", kHead + "matrix:\n  device: [cuda]\n  attention:\n    -\n",
+        BadCase{"NullValue",
+                kHead + "matrix:\n  device: [cuda]\n  attention:\n    -\n",
                 {"spec.yaml:", "matrix.attention", "null"}},
-        BadCase{"DuplicateValue", kHead + "matrix:\n  device: [cuda]\n  graphs: [on, on]\n",
+        BadCase{"DuplicateValue",
+                kHead + "matrix:\n  device: [cuda]\n  graphs: [on, on]\n",
                 {"spec.yaml:5", "matrix.graphs", "duplicate value 'on'"}},
-        BadCase{"DuplicateKey", kHead + "matrix: {device: [cuda]}\nmodel: other\n",
+        BadCase{"DuplicateKey",
+                kHead + "matrix: {device: [cuda]}\nmodel: other\n",
                 {"spec.yaml:4", "duplicate key 'model'", "line 2"}},
-        BadCase{"UnknownTopLevelKey", kHead + "matirx: {device: [cuda]}\n",
+        BadCase{"UnknownTopLevelKey",
+                kHead + "matirx: {device: [cuda]}\n",
                 {"spec.yaml:3", "unknown top-level key 'matirx'"}},
         BadCase{"UnknownAxis",
                 kHead + "matrix:\n  device: [cuda]\n  atention: [naive, flash]\n",
@@ -300,42 +309,69 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"UnknownValue",
                 kHead + "matrix:\n  device: [cuda]\n  attention:\n    - naive\n    - flsh\n",
                 {"spec.yaml:7", "matrix.attention", "'flsh'", "attention"}},
-        BadCase{"UnknownDevice", kHead + "matrix:\n  device: [tpu]\n",
+        BadCase{"UnknownDevice",
+                kHead + "matrix:\n  device: [tpu]\n",
                 {"spec.yaml:4", "matrix.device", "'tpu'"}},
-        BadCase{"NoDevice", kHead + "matrix:\n  attention: [flash]\n",
-                {"spec.yaml:3", "no device"}},
-        BadCase{"DeviceTwice", kHead + "device: cuda\nmatrix: {device: [cuda]}\n",
+        BadCase{
+            "NoDevice", kHead + "matrix:\n  attention: [flash]\n", {"spec.yaml:3", "no device"}},
+        BadCase{"DeviceTwice",
+                kHead + "device: cuda\nmatrix: {device: [cuda]}\n",
                 {"spec.yaml:3", "device", "both", "line 4"}},
-        BadCase{"WorkloadOutOfRange", kHead + "matrix: {device: [cpu]}\nworkload: {prompt: 0}\n",
+        BadCase{"WorkloadOutOfRange",
+                kHead + "matrix: {device: [cpu]}\nworkload: {prompt: 0}\n",
                 {"spec.yaml:4", "prompt", "[1, 65536]"}},
         BadCase{"WorkloadBatchLine",
                 kHead + "matrix: {device: [cpu]}\nworkload:\n  prompt: 16\n  batch: [1, 2000]\n",
                 {"spec.yaml:6", "batch", "2000"}},
-        BadCase{"WorkloadNotANumber", kHead + "matrix: {device: [cpu]}\nworkload: {output: lots}\n",
+        BadCase{"WorkloadNotANumber",
+                kHead + "matrix: {device: [cpu]}\nworkload: {output: lots}\n",
                 {"spec.yaml:4", "workload.output", "'lots' is not an integer"}},
-        BadCase{"WorkloadUnknownKey", kHead + "matrix: {device: [cpu]}\nworkload:\n  tokens: 5\n",
+        BadCase{"WorkloadUnknownKey",
+                kHead + "matrix: {device: [cpu]}\nworkload:\n  tokens: 5\n",
                 {"spec.yaml:5", "unknown key 'tokens'"}},
-        BadCase{"WorkloadNotAMap", kHead + "matrix: {device: [cpu]}\nworkload: 5\n",
+        BadCase{"WorkloadNotAMap",
+                kHead + "matrix: {device: [cpu]}\nworkload: 5\n",
                 {"spec.yaml:4", "workload", "expected a map"}},
-        BadCase{"SelectorP2pType", kHead + "matrix: {device: [cuda]}\nselector: {p2p: maybe}\n",
+        BadCase{"SelectorP2pType",
+                kHead + "matrix: {device: [cuda]}\nselector: {p2p: maybe}\n",
                 {"spec.yaml:4", "selector.p2p", "'maybe' is not true or false"}},
-        BadCase{"SelectorSmType", kHead + "matrix: {device: [cuda]}\nselector: {sm: ninety}\n",
+        BadCase{"SelectorSmType",
+                kHead + "matrix: {device: [cuda]}\nselector: {sm: ninety}\n",
                 {"spec.yaml:4", "selector.sm", "'ninety' is not an integer"}},
-        BadCase{"SelectorGpusList", kHead + "matrix: {device: [cuda]}\nselector:\n  gpus: [1]\n",
+        BadCase{"SelectorGpusList",
+                kHead + "matrix: {device: [cuda]}\nselector:\n  gpus: [1]\n",
                 {"spec.yaml:5", "selector.gpus", "expected a single value"}},
-        BadCase{"SelectorRegex", kHead + "matrix: {device: [cuda]}\nselector: {gpu_name: \"(H\"}\n",
+        BadCase{"SelectorRegex",
+                kHead + "matrix: {device: [cuda]}\nselector: {gpu_name: \"(H\"}\n",
                 {"spec.yaml:4", "selector.gpu_name", "regular expression"}},
-        BadCase{"SelectorMemory", kHead + "matrix: {device: [cuda]}\nselector: {min_memory_gb: -1}\n",
+        BadCase{"SelectorRegexTooLong",
+                kHead + "matrix: {device: [cuda]}\nselector: {gpu_name: \"" +
+                    std::string(300, 'a') + "\"}\n",
+                {"spec.yaml:4", "selector.gpu_name", "300 characters; the limit is 256"}},
+        BadCase{"SelectorRegexNestedTooDeep",
+                kHead + "matrix: {device: [cuda]}\nselector: {gpu_name: \"" + std::string(20, '(') +
+                    "H200" + std::string(20, ')') + "\"}\n",
+                {"spec.yaml:4", "selector.gpu_name", "nests groups 20 deep; the limit is 16"}},
+        BadCase{"SelectorRegexTooCostly",
+                kHead + "matrix: {device: [cuda]}\nselector: {gpu_name: \"\\\\pL{500}\"}\n",
+                {"spec.yaml:4", "selector.gpu_name", "too costly to compile"}},
+        BadCase{"SelectorMemory",
+                kHead + "matrix: {device: [cuda]}\nselector: {min_memory_gb: -1}\n",
                 {"spec.yaml:4", "selector.min_memory_gb"}},
-        BadCase{"SelectorDevice", kHead + "matrix: {device: [cuda]}\nselector: {device: cpu}\n",
+        BadCase{"SelectorDevice",
+                kHead + "matrix: {device: [cuda]}\nselector: {device: cpu}\n",
                 {"spec.yaml:4", "selector.device"}},
-        BadCase{"SelectorUnknownKey", kHead + "matrix: {device: [cuda]}\nselector: {vram: 80}\n",
+        BadCase{"SelectorUnknownKey",
+                kHead + "matrix: {device: [cuda]}\nselector: {vram: 80}\n",
                 {"spec.yaml:4", "unknown key 'vram'"}},
-        BadCase{"RepeatsZero", kHead + "matrix: {device: [cpu]}\nrepeats: 0\n",
+        BadCase{"RepeatsZero",
+                kHead + "matrix: {device: [cpu]}\nrepeats: 0\n",
                 {"spec.yaml:4", "repeats", "outside"}},
-        BadCase{"LayersNotInt", kHead + "layers: four\nmatrix: {device: [cpu]}\n",
+        BadCase{"LayersNotInt",
+                kHead + "layers: four\nmatrix: {device: [cpu]}\n",
                 {"spec.yaml:3", "layers"}},
-        BadCase{"IncludeNotAList", kHead + "matrix: {device: [cuda]}\ninclude: {moe: fused}\n",
+        BadCase{"IncludeNotAList",
+                kHead + "matrix: {device: [cuda]}\ninclude: {moe: fused}\n",
                 {"spec.yaml:4", "include", "list of maps"}},
         BadCase{"IncludeWithoutDevice",
                 kHead + "matrix: {device: [cuda]}\ninclude:\n  - {moe: fused}\n",
@@ -343,20 +379,89 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"IncludeUnknownValue",
                 kHead + "matrix: {device: [cuda]}\ninclude:\n  - device: cuda\n    moe: fusd\n",
                 {"spec.yaml:6", "include[0].moe", "'fusd'"}},
-        BadCase{"ExcludeUnknownAxis",
-                kHead + "matrix: {device: [cuda], moe: [loop, fused]}\nexclude:\n  - {graphs: on}\n",
-                {"spec.yaml:5", "exclude[0]", "'graphs' is not a matrix axis"}},
-        BadCase{"ExcludeUnknownValue",
-                kHead + "matrix: {device: [cuda], moe: [loop, fused]}\nexclude:\n  - {moe: grouped}\n",
-                {"spec.yaml:5", "exclude[0].moe", "'grouped'", "loop, fused"}},
+        BadCase{
+            "ExcludeUnknownAxis",
+            kHead + "matrix: {device: [cuda], moe: [loop, fused]}\nexclude:\n  - {graphs: on}\n",
+            {"spec.yaml:5", "exclude[0]", "'graphs' is not a matrix axis"}},
+        BadCase{
+            "ExcludeUnknownValue",
+            kHead + "matrix: {device: [cuda], moe: [loop, fused]}\nexclude:\n  - {moe: grouped}\n",
+            {"spec.yaml:5", "exclude[0].moe", "'grouped'", "loop, fused"}},
         BadCase{"ExcludeEverything",
                 kHead + "matrix: {device: [cuda], moe: [loop]}\nexclude:\n  - {moe: loop}\n",
                 {"spec.yaml:5", "drop every combination"}},
-        BadCase{"EmptyExcludeEntry", kHead + "matrix: {device: [cuda]}\nexclude:\n  - {}\n",
+        BadCase{"EmptyExcludeEntry",
+                kHead + "matrix: {device: [cuda]}\nexclude:\n  - {}\n",
                 {"spec.yaml:5", "exclude[0]", "empty entry"}},
-        BadCase{"CommaInValue", kHead + "matrix: {device: [\"cuda,x\"]}\n",
+        BadCase{"CommaInValue",
+                kHead + "matrix: {device: [\"cuda,x\"]}\n",
                 {"spec.yaml:3", "matrix.device", "','"}}),
     [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
+
+// The free text of a spec is capped (docs/SWEEPS.md, "Free text"): a name of 128 bytes, a model of
+// 4096, an axis name or value of 128, each on one line; over a cap the error names the line, the
+// field, the length and the cap, and quotes only the text's start.
+TEST(SweepSpecTest, FreeTextIsCapped) {
+  const std::string tail = "model: preset:tiny\nmatrix: {device: [cpu]}\n";
+  const SweepSpec at_cap =
+      ParseOrDie("name: " + std::string(kMaxSweepNameBytes, 'n') + "\n" + tail);
+  EXPECT_EQ(at_cap.name.size(), kMaxSweepNameBytes);
+  const std::string huge(100000, 'n');
+  for (const size_t size : {kMaxSweepNameBytes + 1, huge.size()}) {
+    absl::StatusOr<SweepSpec> spec = Parse("name: " + huge.substr(0, size) + "\n" + tail);
+    ASSERT_FALSE(spec.ok()) << size;
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(spec.status().message(),
+                HasSubstr(absl::StrCat("spec.yaml:1: name: '", huge.substr(0, 32), "...' is ", size,
+                                       " bytes long; the limit is ", kMaxSweepNameBytes)));
+    EXPECT_LT(spec.status().message().size(), 200u);
+  }
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"name: \"two\\nlines\"\n" + tail,
+       {"spec.yaml:1: name: contains a control character (byte 0x0a)"}},
+      {"name: \"bell\\a\"\n" + tail, {"spec.yaml:1: name", "byte 0x07"}},
+      {"name: t\nmodel: preset:" + std::string(kMaxSweepModelBytes, 'm') +
+           "\nmatrix: {device: [cpu]}\n",
+       {"spec.yaml:2: model: '", "is 4103 bytes long; the limit is 4096"}},
+      {"name: t\nmodel: preset:tiny\nmatrix:\n  device: [cpu]\n  matmul: [naive, " +
+           std::string(kMaxSweepWordBytes + 1, 'v') + "]\n",
+       {"spec.yaml:5: matrix.matmul: '", "is 129 bytes long; the limit is 128"}},
+      {"name: t\nmodel: preset:tiny\nmatrix:\n  device: [cpu]\n  " +
+           std::string(kMaxSweepWordBytes + 1, 'a') + ": [x]\n",
+       {"spec.yaml:5: matrix: '", "is 129 bytes long"}},
+      {"name: t\nmodel: preset:tiny\nmatrix: {device: [cpu]}\ninclude:\n  - {device: cpu, "
+       "matmul: " +
+           std::string(kMaxSweepWordBytes + 1, 'v') + "}\n",
+       {"spec.yaml:5: include[0].matmul: '", "is 129 bytes long"}},
+  };
+  for (const auto& [yaml, want] : cases) {
+    absl::StatusOr<SweepSpec> spec = Parse(yaml);
+    ASSERT_FALSE(spec.ok()) << yaml.substr(0, 80);
+    for (const std::string& w : want) EXPECT_THAT(spec.status().message(), HasSubstr(w));
+  }
+}
+
+// Batch sizes and load points increase: a list that repeats or goes down is refused at the
+// line of the value out of order.
+TEST(SweepSpecTest, ListsOfBatchesAndLoadPointsIncrease) {
+  const std::string head = "name: t\nmodel: preset:tiny\nmatrix: {device: [cpu]}\nworkload:\n";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {head + "  batch: [8, 1]\n",
+       {"spec.yaml:5: workload.batch: 1 after 8: the values must increase"}},
+      {head + "  batch:\n    - 1\n    - 4\n    - 4\n", {"spec.yaml:8: workload.batch: 4 after 4"}},
+      {head + "  mode: serving\n  concurrency: [4, 1]\n  requests: 2\n",
+       {"spec.yaml:6: workload.concurrency: 1 after 4"}},
+      {head + "  mode: serving\n  rate: [2, 0.5]\n  requests: 2\n",
+       {"spec.yaml:6: workload.rate: 0.5 after 2"}},
+  };
+  for (const auto& [yaml, want] : cases) {
+    absl::StatusOr<SweepSpec> spec = Parse(yaml);
+    ASSERT_FALSE(spec.ok()) << yaml;
+    for (const std::string& w : want) EXPECT_THAT(spec.status().message(), HasSubstr(w)) << yaml;
+  }
+  EXPECT_EQ(ParseOrDie(head + "  batch: [1, 8, 64]\n").workload.batch_sizes,
+            (std::vector<int>{1, 8, 64}));
+}
 
 TEST(SweepSpecTest, CapIsCheckedBeforeExpansion) {
   const std::string yaml = Replace(kExample, "repeats: 1 ", "repeats: 1000 ");

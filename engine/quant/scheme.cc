@@ -2,12 +2,11 @@
 
 #include <fnmatch.h>
 
-#include <regex>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/untrusted_json.h"
+#include "api/untrusted_regex.h"
 #include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
 
@@ -48,7 +47,14 @@ absl::StatusOr<std::vector<std::string>> StringList(const json& object, const ch
     if (!v.is_string())
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": \"", key, "\" must hold strings, found ", v.type_name()));
-    out.push_back(v.get<std::string>());
+    std::string name = v.get<std::string>();
+    // "re:<regex>" entries are compiled here, bounded, so a bad one is an error at load.
+    if (name.starts_with("re:"))
+      if (auto re = CompileUntrustedRegex(std::string_view(name).substr(3)); !re.ok())
+        return absl::InvalidArgumentError(absl::StrCat(source, ": \"", key, "\"[", out.size(),
+                                                       "] '", name.substr(0, 64),
+                                                       "': ", re.status().message()));
+    out.push_back(std::move(name));
   }
   return out;
 }
@@ -192,13 +198,10 @@ bool ModulePatternMatches(std::string_view pattern_view, std::string_view module
        dot = module.rfind('.', dot - 1))
     scopes.push_back(module.substr(0, dot));
   if (pattern.starts_with("re:")) {
-    try {
-      const std::regex re(pattern.substr(3));
-      for (const std::string& s : scopes)
-        if (std::regex_search(s, re, std::regex_constants::match_continuous)) return true;
-    } catch (const std::regex_error&) {
-      return false;  // an unreadable pattern matches nothing
-    }
+    auto re = CompileUntrustedRegex(std::string_view(pattern).substr(3));
+    if (!re.ok()) return false;  // refused at load (StringList); matches nothing here
+    for (const std::string& s : scopes)
+      if (RegexMatchesPrefix(**re, s)) return true;
     return false;
   }
   const std::string suffix_pattern = "*." + pattern;
