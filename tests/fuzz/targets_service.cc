@@ -1,8 +1,9 @@
 // Targets: what reaches the coordinator and the agents over the network. A sweep spec the
-// coordinator accepts expands within the cap into normalized trials; an agent's result JSON is
-// taken the way the coordinator's OnResult takes it and survives the round trip through its
-// stored form; gRPC messages are parsed from bytes as the server parses them and then validated
-// the way the coordinator validates a Hello.
+// coordinator accepts expands within the cap into normalized trials, and its GPU-name pattern
+// compiles and matches as the scheduler's does; an agent's result JSON is taken the way the
+// coordinator's OnResult takes it and survives the round trip through its stored form; gRPC
+// messages are parsed from bytes as the server parses them and then validated the way the
+// coordinator validates a Hello.
 #include <google/protobuf/text_format.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "api/trial.h"
+#include "api/untrusted_regex.h"
 #include "coordinator/server_impl.h"
 #include "coordinator/sweep_spec.h"
 #include "proto/infersweep.pb.h"
@@ -131,6 +133,18 @@ Outcome SubmitSpec(std::string_view yaml, std::string_view source) {
       return Broken("selector device != config device");
     if (absl::Status s = ValidateWorkload(t.workload); !s.ok())
       return Broken(absl::StrCat("trial workload invalid: ", s.message()));
+  }
+  // The scheduler's matching of the selector against each slot's GPU name
+  // (coordinator/scheduler.cc): a pattern the parser took must compile there too, or the trials
+  // would wait forever.
+  if (const std::string& pattern = spec->selector.gpu_name_regex; !pattern.empty()) {
+    absl::StatusOr<std::unique_ptr<re2::RE2>> re = CompileUntrustedRegex(pattern);
+    if (!re.ok())
+      return Broken(absl::StrCat("accepted gpu_name '", pattern.substr(0, 80),
+                                 "' that the scheduler cannot compile: ", re.status().message()));
+    for (const char* gpu : {"NVIDIA H200", "NVIDIA GeForce RTX 5090", "cpu", ""})
+      (void)RegexSearch(**re, gpu);
+    (void)RegexSearch(**re, std::string(256, 'H'));
   }
   (void)MakeSweepRecord(*spec);
   return Accepted();

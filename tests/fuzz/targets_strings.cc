@@ -32,73 +32,68 @@ Outcome Workloads(std::string_view input) {
   return Accepted();
 }
 
-Outcome ServeSpecs(std::string_view input) {
-  absl::StatusOr<ServeSpec> spec = ParseServeSpec(input);
-  if (!spec.ok()) return Rejected(spec.status(), "--serve");
-  if (absl::Status s = ValidateServeSpec(*spec); !s.ok())
-    return Broken(absl::StrCat("accepted, but ValidateServeSpec says: ", s.message()));
-  const std::string text = ServeSpecString(*spec);
-  absl::StatusOr<ServeSpec> back = ParseServeSpec(text);
+// The contract of a parser with a string form: what it accepts passes `validate`, and its
+// string form parses back to the same string form.
+template <typename T, typename Parse, typename Validate, typename Print>
+Outcome RoundTrip(std::string_view input, std::string_view must_name, Parse parse,
+                  Validate validate, Print print) {
+  absl::StatusOr<T> value = parse(input);
+  if (!value.ok()) return Rejected(value.status(), must_name);
+  if (absl::Status s = validate(*value); !s.ok())
+    return Broken(absl::StrCat("accepted, but validation says: ", s.message()));
+  const std::string text = print(*value);
+  absl::StatusOr<T> back = parse(text);
   if (!back.ok())
     return Broken(absl::StrCat("'", text, "' does not parse back: ", back.status().message()));
-  if (ServeSpecString(*back) != text)
-    return Broken(absl::StrCat("'", text, "' parses back as '", ServeSpecString(*back), "'"));
-  absl::StatusOr<ServeSpec> from_json = ServeSpecFromJson(ToJson(*spec), "serve");
-  if (!from_json.ok() || ServeSpecString(*from_json) != text)
-    return Broken(absl::StrCat("'", text, "' does not survive its JSON form"));
+  if (print(*back) != text)
+    return Broken(absl::StrCat("'", text, "' parses back as '", print(*back), "'"));
   return Accepted();
+}
+
+absl::Status Valid(const auto&) { return absl::OkStatus(); }
+
+Outcome ServeSpecs(std::string_view input) {
+  Outcome o = RoundTrip<ServeSpec>(
+      input, "--serve", ParseServeSpec, [](const ServeSpec& s) { return ValidateServeSpec(s); },
+      ServeSpecString);
+  if (!o.accepted) return o;
+  // The JSON form trial requests carry.
+  const ServeSpec spec = *ParseServeSpec(input);
+  absl::StatusOr<ServeSpec> from_json = ServeSpecFromJson(ToJson(spec), "serve");
+  if (!from_json.ok() || ServeSpecString(*from_json) != ServeSpecString(spec))
+    return Broken(absl::StrCat("'", ServeSpecString(spec), "' does not survive its JSON form"));
+  return o;
 }
 
 Outcome Slos(std::string_view input) {
-  absl::StatusOr<Slo> slo = ParseSlo(input);
-  if (!slo.ok()) return Rejected(slo.status(), "--slo");
-  if (absl::Status s = ValidateSlo(*slo); !s.ok())
-    return Broken(absl::StrCat("accepted, but ValidateSlo says: ", s.message()));
-  const std::string text = SloString(*slo);
-  absl::StatusOr<Slo> back = ParseSlo(text);
-  if (!back.ok() || SloString(*back) != text)
-    return Broken(absl::StrCat("'", text, "' does not parse back to itself"));
-  return Accepted();
+  return RoundTrip<Slo>(
+      input, "--slo", ParseSlo, [](const Slo& s) { return ValidateSlo(s); }, SloString);
 }
 
 Outcome BackendConfigs(std::string_view input) {
-  absl::StatusOr<BackendConfig> config = ParseBackendConfig(input);
-  if (!config.ok()) return Rejected(config.status());
-  const std::string text = BackendConfigString(*config);
-  absl::StatusOr<BackendConfig> back = ParseBackendConfig(text);
-  if (!back.ok())
-    return Broken(absl::StrCat("'", text, "' does not parse back: ", back.status().message()));
-  if (*back != *config)
-    return Broken(absl::StrCat("'", text, "' parses back as '", BackendConfigString(*back), "'"));
-  absl::StatusOr<BackendConfig> normalized = NormalizeBackendConfig(*config);
+  Outcome o = RoundTrip<BackendConfig>(input, "", ParseBackendConfig, Valid<BackendConfig>,
+                                       BackendConfigString);
+  if (!o.accepted) return o;
+  // Normalizing (the registry's defaults, unknown axes refused) is idempotent.
+  absl::StatusOr<BackendConfig> normalized = NormalizeBackendConfig(*ParseBackendConfig(input));
   if (!normalized.ok()) return Rejected(normalized.status());
   absl::StatusOr<BackendConfig> again = NormalizeBackendConfig(*normalized);
   if (!again.ok() || *again != *normalized)
     return Broken(
         absl::StrCat("normalizing '", BackendConfigString(*normalized), "' again changes it"));
-  return Accepted();
+  return o;
 }
 
 Outcome FaultInjections(std::string_view input) {
-  absl::StatusOr<FaultInjection> fault = ParseFaultInjection(input);
-  if (!fault.ok()) return Rejected(fault.status(), "--test-inject-fault");
-  const std::string text = FaultInjectionString(*fault);
-  absl::StatusOr<FaultInjection> back = ParseFaultInjection(text);
-  if (!back.ok())
-    return Broken(absl::StrCat("'", text, "' does not parse back: ", back.status().message()));
-  if (back->kind != fault->kind || back->target != fault->target)
-    return Broken(absl::StrCat("'", text, "' parses back as '", FaultInjectionString(*back), "'"));
-  return Accepted();
+  return RoundTrip<FaultInjection>(input, "--test-inject-fault", ParseFaultInjection,
+                                   Valid<FaultInjection>, FaultInjectionString);
 }
 
 Outcome ModelDescriptions(std::string_view input) {
-  absl::StatusOr<ModelDescription> d = ParseModelDescription(std::string(input));
-  if (!d.ok()) return Rejected(d.status(), "model");
-  const std::string text = ModelDescriptionString(*d);
-  absl::StatusOr<ModelDescription> back = ParseModelDescription(text);
-  if (!back.ok() || back->model != d->model || back->quantize != d->quantize)
-    return Broken(absl::StrCat("'", text, "' does not parse back to the same description"));
-  return Accepted();
+  return RoundTrip<ModelDescription>(
+      input, "model",
+      [](std::string_view text) { return ParseModelDescription(std::string(text)); },
+      Valid<ModelDescription>, ModelDescriptionString);
 }
 
 }  // namespace
