@@ -1,14 +1,15 @@
 #include "agent/agent.h"
 
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <deque>
 #include <fstream>
 #include <optional>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/str_cat.h"
+#include "api/private_file.h"
 #include "core/wall_clock.h"
 #include "engine/fault_injection.h"
 #include "harness/runner.h"
@@ -490,6 +491,9 @@ void Agent::OnError(const v1::Error& e) {
 void Agent::AppendResultsLog(const std::string& result_json) {
   if (options_.results_log_path.empty()) return;
   std::lock_guard<std::mutex> lock(results_log_mu_);
+  // A copy of every result: owner-only whatever the umask (docs/SECURITY.md).
+  if (absl::Status s = CreatePrivateFile(options_.results_log_path, 0600); !s.ok())
+    Log(absl::StrCat("results log: ", s.message()));
   std::ofstream out(options_.results_log_path, std::ios::app);
   out << result_json << '\n';
   out.flush();

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "api/private_file.h"
 #include "core/wall_clock.h"
 
 namespace infersweep {
@@ -66,6 +67,9 @@ std::vector<int> SlotsFromText(const std::string& text) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Spool>> Spool::Open(const std::string& path) {
+  // Owner-only whatever the umask: unacknowledged results (docs/SECURITY.md).
+  if (absl::Status s = CreatePrivateFile(path, 0600); !s.ok())
+    return absl::UnavailableError(absl::StrCat("spool ", path, ": ", s.message()));
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(path.c_str(), &db,
                                  SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,

@@ -8,7 +8,11 @@
 
 namespace infersweep {
 
-// 64 lowercase hex digits.
-std::string Sha256Hex(std::string_view bytes);
+// The 32 bytes of the digest.
+std::string Sha256(std::string_view bytes);
+// Lowercase hex of `bytes`.
+std::string HexOf(std::string_view bytes);
+// HexOf(Sha256(bytes)): 64 hex digits.
+inline std::string Sha256Hex(std::string_view bytes) { return HexOf(Sha256(bytes)); }
 
 }  // namespace infersweep

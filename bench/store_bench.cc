@@ -11,6 +11,7 @@
 #include <sys/utsname.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,13 +48,16 @@ struct Options {
   int batch = 10'000;
   int runs = 20;
   bool keep = false;
+  // Results from an agent, as the coordinator stores them: each trial leased first, each result
+  // with its agent id (and so its content digest).
+  bool agent = false;
 };
 
 // What --help prints: every flag with its meaning and default (from Options).
 std::string Usage() {
   const Options d;
   std::string out =
-      "usage: store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--keep]\n"
+      "usage: store_bench [--rows N] [--db PATH] [--batch B] [--runs R] [--agent] [--keep]\n"
       "Fills a Store with N results, then times QueryResults and Best.\n";
   auto flag = [&out](std::string name, const std::string& meaning) {
     name.resize(std::max<size_t>(name.size() + 1, 13), ' ');
@@ -64,6 +68,9 @@ std::string Usage() {
   flag("--batch B", absl::StrCat("results per write transaction (default ", d.batch, ")"));
   flag("--runs R",
        absl::StrCat("timed runs of each query; the median is printed (default ", d.runs, ")"));
+  flag("--agent",
+       "lease every trial to an agent and record its results as the agent's (with their "
+       "content digests), as the coordinator does; default: coordinator-made results");
   flag("--keep", "keep the database afterwards (default: removed)");
   flag("--help", "print this and exit");
   return out;
@@ -89,6 +96,8 @@ Options ParseArgs(int argc, char** argv) {
       o.runs = std::atoi(value("--runs"));
     } else if (!std::strcmp(argv[i], "--keep")) {
       o.keep = true;
+    } else if (!std::strcmp(argv[i], "--agent")) {
+      o.agent = true;
     } else if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
       std::printf("%s", Usage().c_str());
       std::exit(0);
@@ -251,7 +260,38 @@ int Main(int argc, char** argv) {
   }
   const double trials_ms = Ms(Clock::now() - t_trials);
 
-  // Results.
+  // Leases, for results stored as an agent's.
+  constexpr char kAgent[] = "bench-agent";
+  double lease_ms = 0;
+  if (o.agent) {
+    const auto t_lease = Clock::now();
+    for (int64_t done = 0; done < o.rows;) {
+      const int64_t n = std::min<int64_t>(o.batch, o.rows - done);
+      std::vector<LeaseRequest> leases(n);
+      for (int64_t i = 0; i < n; ++i)
+        leases[i] = {trial_ids[done + i], kAgent, int64_t{1} << 50, LeasePlace{"NVIDIA H200", 90}};
+      for (const absl::StatusOr<TrialRecord>& t : store.LeaseTrials(leases))
+        Check(t.status(), "LeaseTrials");
+      done += n;
+    }
+    lease_ms = Ms(Clock::now() - t_lease);
+  }
+
+  // Results. A sampler reads the database's and the WAL's sizes every 20 ms: the peak is what
+  // the ingest needs on disk.
+  std::atomic<bool> inserting{true};
+  std::atomic<int64_t> peak_disk{0}, peak_wal{0};
+  std::thread sampler([&] {
+    while (inserting) {
+      std::error_code ec;
+      const auto db = static_cast<int64_t>(std::filesystem::file_size(o.db, ec));
+      const auto wal = static_cast<int64_t>(std::filesystem::file_size(o.db + "-wal", ec));
+      const int64_t w = ec ? 0 : wal;
+      peak_wal = std::max<int64_t>(peak_wal, w);
+      peak_disk = std::max<int64_t>(peak_disk, db + w);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
   std::mt19937_64 rng(42);
   const int64_t t0_ms = 1'700'000'000'000;
   const auto t_insert = Clock::now();
@@ -261,6 +301,7 @@ int Main(int argc, char** argv) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t k = done + i;
       ResultSubmission& s = batch[i];
+      if (o.agent) s.agent_id = kAgent;
       s.sm = kSms[rng() % kSms.size()];
       s.gpu_name = s.sm == 90 ? "NVIDIA H200" : absl::StrCat("GPU sm_", s.sm);
       TrialResult& r = s.result;
@@ -305,11 +346,20 @@ int Main(int argc, char** argv) {
     done += n;
   }
   const double insert_ms = Ms(Clock::now() - t_insert);
+  inserting = false;
+  sampler.join();
   std::printf("create_trials          %10.0f ms  (%lld trials, %.1f us/trial)\n", trials_ms,
               static_cast<long long>(o.rows), trials_ms * 1000 / o.rows);
+  if (o.agent)
+    std::printf("lease_trials           %10.0f ms  (%.1f us/trial, %d a transaction)\n", lease_ms,
+                lease_ms * 1000 / o.rows, o.batch);
   std::printf("insert_results         %10.0f ms  (%.0f results/s, %.1f us/result)\n", insert_ms,
               o.rows / (insert_ms / 1000), insert_ms * 1000 / o.rows);
   std::error_code ec;
+  std::printf(
+      "peak_on_disk              %9.0f MiB        (database + WAL during the insert, "
+      "sampled every 20 ms; WAL at most %.0f MiB)\n",
+      peak_disk / 1048576.0, peak_wal / 1048576.0);
   std::printf("# db size after insert: %.0f MiB (+ wal %.0f MiB)\n",
               std::filesystem::file_size(o.db, ec) / 1048576.0,
               std::filesystem::exists(o.db + "-wal") ? std::filesystem::file_size(o.db + "-wal", ec) / 1048576.0 : 0.0);

@@ -102,6 +102,7 @@ int WaitForSignal() {
 struct CoordinatorArgs {
   std::string listen = "127.0.0.1:7070";
   std::string db = "data/infersweep.db";
+  bool db_group_read = false;
   double lease_s = 60;
   int max_attempts = 3;
   size_t max_trials = 10000;
@@ -138,6 +139,7 @@ int RunCoordinator(const CoordinatorArgs& args) {
   options.max_trials_per_sweep = args.max_trials;
   options.max_attempts = args.max_attempts;
   options.db_busy_timeout_ms = args.db_busy_timeout_ms;
+  options.db_file_mode = args.db_group_read ? 0640 : 0600;
   options.agent_message_limit = {args.agent_rate, args.agent_burst};
   options.user_call_limit = {args.user_rate, args.user_burst};
   options.connect_limit = {args.connect_rate, args.connect_burst};
@@ -314,9 +316,10 @@ std::string ProgressLine(const v1::SweepInfo& s) {
                     std::string(static_cast<size_t>(std::min(busy, kWidth - filled)), '>');
   bar.resize(kWidth, '.');
   const int64_t queued = std::max<int64_t>(0, s.trials_total() - s.trials_done() - s.trials_running());
-  return absl::StrFormat("sweep %d [%s] %d/%d done, %d running, %d queued | %s | %s",
+  return absl::StrFormat("sweep %d [%s] %d/%d done, %d running, %d queued | %s | %s%s",
                          s.sweep_id(), bar, s.trials_done(), s.trials_total(), s.trials_running(),
-                         queued, StatusCounts(s), s.state());
+                         queued, StatusCounts(s), s.state(),
+                         s.waiting().empty() ? "" : absl::StrCat(" | waiting: ", s.waiting()));
 }
 
 // Whether a failed call may succeed when it is made again: the coordinator is restarting or
@@ -445,12 +448,14 @@ int RunStatus(const std::string& coordinator, int64_t sweep_id, bool once) {
               "done", "running", "total", " created");
   std::printf("#%6s %-24s %-28s %-10s %8s %8s %8s %-19s\n", "", "", "", "", "(trials)",
               "(trials)", "(trials)", " (local time)");
-  for (const v1::SweepInfo& s : list->sweeps())
+  for (const v1::SweepInfo& s : list->sweeps()) {
     std::printf(" %6lld %-24s %-28s %-10s %8lld %8lld %8lld %-19s\n",
                 static_cast<long long>(s.sweep_id()), s.name().c_str(), s.model().c_str(),
                 s.state().c_str(), static_cast<long long>(s.trials_done()),
                 static_cast<long long>(s.trials_running()),
                 static_cast<long long>(s.trials_total()), FormatUnixMs(s.created_unix_ms()).c_str());
+    if (!s.waiting().empty()) std::printf("#        waiting: %s\n", s.waiting().c_str());
+  }
   if (list->sweeps().empty()) std::printf("# no sweeps yet: infersweep submit sweep.yaml\n");
   return 0;
 }
@@ -1242,6 +1247,9 @@ void AddServiceCommands(CLI::App& app) {
     CLI::App* cmd = app.add_subcommand("coordinator", "run the coordinator (gRPC service + SQLite)");
     cmd->add_option("--listen", args.listen, "host:port to bind")->capture_default_str();
     cmd->add_option("--db", args.db, "SQLite database file")->capture_default_str();
+    cmd->add_flag("--db-group-read", args.db_group_read,
+                  "create the database 0640 instead of 0600, for a group reader such as Grafana's "
+                  "SQLite data source (whatever the umask)");
     cmd->add_option("--lease-s", args.lease_s, "trial lease without a heartbeat, seconds")
         ->capture_default_str();
     cmd->add_option("--max-trials", args.max_trials, "cap on the trials of one sweep")

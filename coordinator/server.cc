@@ -48,6 +48,7 @@ absl::StatusOr<int> CoordinatorServer::Impl::Start(const std::string& address,
   }
   StoreOptions store_options;
   store_options.busy_timeout_ms = options_.db_busy_timeout_ms;
+  store_options.file_mode = options_.db_file_mode;
   auto store = Store::Open(db_path, store_options);
   if (!store.ok()) return store.status();
   store_ = *std::move(store);

@@ -43,6 +43,8 @@ struct CoordinatorOptions {
   // How long a database write waits for another connection's lock before it fails as
   // UNAVAILABLE (the agent keeps the result spooled and sends it again).
   int db_busy_timeout_ms = 5000;
+  // The mode a new database file gets, whatever the umask: 0600, or 0640 with a group reader.
+  unsigned db_file_mode = 0600;
   // Request-rate limits (docs/SECURITY.md "Limits"); rate 0 disables one. Over the limit, a
   // user-API call or a stream open fails with RESOURCE_EXHAUSTED, and an agent message is
   // dropped (a Result is answered with a retryable Error, so it stays in the agent's spool).

@@ -195,6 +195,9 @@ class CoordinatorServer::Impl {
   // (counted in stats_.auth_failures) otherwise.
   grpc::Status CheckUser(grpc::ServerContext* context);
   grpc::Status SubmitSweep(const v1::SubmitSweepRequest& req, v1::SubmitSweepResponse* resp);
+  // Why some of a sweep's queued trials cannot be placed: the selectors no connected agent
+  // matches, in words (SweepInfo.waiting); empty when each has a matching agent.
+  std::string UnmatchedSelectors(int64_t sweep_id);
   // One log line for a refused submit: the caller's address, the spec's source and why (rate
   // limit refusals are counted in metrics instead: a flood must not flood the log).
   void LogRefusedSubmit(const std::string& peer, const std::string& source,

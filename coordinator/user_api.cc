@@ -169,6 +169,47 @@ void CoordinatorServer::Impl::LogRefusedSubmit(const std::string& peer, const st
                    ": ", why));
 }
 
+namespace {
+
+std::string DescribeSelector(const Selector& s) {
+  std::vector<std::string> parts = {absl::StrCat("device ", s.device)};
+  if (!s.sm_archs.empty())
+    parts.push_back(absl::StrCat("sm [", absl::StrJoin(s.sm_archs, ", "), "]"));
+  if (!s.gpu_name_regex.empty()) parts.push_back(absl::StrCat("gpu_name '", s.gpu_name_regex, "'"));
+  if (s.min_memory_bytes > 0)
+    parts.push_back(absl::StrCat("min_memory_gb ", static_cast<double>(s.min_memory_bytes) / 1e9));
+  if (s.gpus_needed > 1) parts.push_back(absl::StrCat("gpus ", s.gpus_needed));
+  if (s.needs_p2p) parts.push_back("p2p");
+  return absl::StrJoin(parts, ", ");
+}
+
+}  // namespace
+
+std::string CoordinatorServer::Impl::UnmatchedSelectors(int64_t sweep_id) {
+  absl::StatusOr<std::vector<Selector>> selectors = store_->QueuedSelectors(sweep_id);
+  if (!selectors.ok() || selectors->empty()) return "";
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> unmatched;
+  for (const Selector& sel : *selectors) {
+    bool matched = false;
+    for (const auto& [id, conn] : conns_) {
+      int slots = 0;
+      for (const SlotInfo& slot : conn->slots) slots += MatchesLocked(sel, slot) ? 1 : 0;
+      // A CPU trial takes one slot; a GPU trial its GPU count (peer access aside).
+      matched = matched || slots >= (sel.device == "cpu" ? 1 : sel.gpus_needed);
+    }
+    if (!matched) unmatched.push_back(absl::StrCat("{", DescribeSelector(sel), "}"));
+  }
+  if (unmatched.empty()) return "";
+  std::set<std::string> devices;
+  for (const auto& [id, conn] : conns_)
+    for (const SlotInfo& slot : conn->slots)
+      devices.insert(slot.gpu ? absl::StrCat(slot.gpu_name, " sm_", slot.sm) : "cpu");
+  return absl::StrCat("no connected agent matches the selector ", absl::StrJoin(unmatched, " or "),
+                      " of its queued trials (connected: ", conns_.size(), " agent(s)",
+                      devices.empty() ? "" : absl::StrCat(": ", absl::StrJoin(devices, ", ")), ")");
+}
+
 void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_counts,
                                             v1::SweepInfo* out) {
   out->set_sweep_id(s.id);
@@ -191,6 +232,8 @@ void CoordinatorServer::Impl::FillSweepInfo(const SweepRecord& s, bool with_coun
         if (h.sweep_id == s.id && !h.foreign) ++running;
   }
   out->set_trials_running(running);
+  if (s.state == "active" && s.trials_done + running < s.trials_total)
+    out->set_waiting(UnmatchedSelectors(s.id));
   if (!with_counts) return;
   if (auto counts = store_->CountResults(s.id); counts.ok())
     for (const auto& [status, n] : *counts) (*out->mutable_status_counts())[status] = n;

@@ -331,9 +331,10 @@ CREATE INDEX serving_points_sweep ON serving_points(sweep_id);
       {"results.result_digest: the content of an agent's result, so that a duplicate with other "
        "content is refused",
        R"sql(
--- SHA-256 of the canonical JSON of the result as the agent sent it (api/digest.h); NULL for
--- results stored before it existed and for results the coordinator made itself.
-ALTER TABLE results ADD COLUMN result_digest TEXT;
+-- The first 16 bytes of the SHA-256 of the canonical JSON of the result as the agent sent it
+-- (api/digest.h); NULL for results stored before it existed and for results the coordinator
+-- made itself.
+ALTER TABLE results ADD COLUMN result_digest BLOB;
 )sql"},
   };
   return migrations;

@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "api/digest.h"
+#include "api/private_file.h"
 #include "api/status_macros.h"
 #include "api/untrusted_json.h"
 #include "storage/codec.h"
@@ -87,6 +88,8 @@ class Stmt {
   Stmt& BindBlob(std::string_view v) {
     return Check(sqlite3_bind_blob64(stmt_, ++next_, v.data(), v.size(), SQLITE_TRANSIENT));
   }
+  // NULL for an empty value.
+  Stmt& BindBlobOrNull(std::string_view v) { return v.empty() ? BindNull() : BindBlob(v); }
 
   // true: a row is ready; false: done.
   absl::StatusOr<bool> Step() {
@@ -195,6 +198,24 @@ absl::StatusOr<json> ParseStoredJson(const std::string& text, absl::string_view 
   absl::StatusOr<json> j = ParseUntrustedJson(text, absl::StrCat("stored ", what));
   if (!j.ok()) return absl::DataLossError(j.status().message());
   return j;
+}
+
+// SelectorJson's text back; DataLoss naming `where` when it is damaged.
+absl::StatusOr<Selector> SelectorFromStoredJson(const std::string& text, const std::string& where) {
+  absl::StatusOr<json> selector = ParseStoredJson(text, where + " selector");
+  if (!selector.ok()) return selector.status();
+  Selector s;
+  try {
+    s.sm_archs = selector->value("sm", std::vector<int>{});
+    s.gpu_name_regex = selector->value("gpu_name", std::string());
+    s.min_memory_bytes = selector->value("min_memory_bytes", int64_t{0});
+    s.gpus_needed = selector->value("gpus", 1);
+    s.needs_p2p = selector->value("p2p", false);
+    s.device = selector->value("device", std::string("cuda"));
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat(where, ": stored JSON is malformed: ", e.what()));
+  }
+  return s;
 }
 
 // The N of " layers=N" in a ModelIdentityKey; 0 when it names none.
@@ -429,6 +450,23 @@ class SqliteStore final : public Store {
       if (!row) break;
       ASSIGN_OR_RETURN(TrialRecord t, ReadTrial(q));
       out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::vector<Selector>> QueuedSelectors(int64_t sweep_id) override {
+    absl::MutexLock lock(&mu_);
+    const std::string op = absl::StrCat("listing the selectors of sweep ", sweep_id, "'s queue");
+    ASSIGN_OR_RETURN(Stmt q, Prepare("SELECT DISTINCT selector_json FROM trials "
+                                     "WHERE sweep_id = ? AND state = 'queued'",
+                                     op));
+    q.Bind(sweep_id);
+    std::vector<Selector> out;
+    for (;;) {
+      ASSIGN_OR_RETURN(bool row, q.Step());
+      if (!row) break;
+      ASSIGN_OR_RETURN(Selector s, SelectorFromStoredJson(q.Text(0), op));
+      out.push_back(std::move(s));
     }
     return out;
   }
@@ -846,17 +884,7 @@ class SqliteStore final : public Store {
           absl::StrCat(where, ": stored config '", q.Text(5), "': ", config.status().message()));
     t.config = *std::move(config);
     ASSIGN_OR_RETURN(json workload, ParseStoredJson(q.Text(6), where + " workload"));
-    ASSIGN_OR_RETURN(json selector, ParseStoredJson(q.Text(7), where + " selector"));
-    try {
-      t.selector.sm_archs = selector.value("sm", std::vector<int>{});
-      t.selector.gpu_name_regex = selector.value("gpu_name", std::string());
-      t.selector.min_memory_bytes = selector.value("min_memory_bytes", int64_t{0});
-      t.selector.gpus_needed = selector.value("gpus", 1);
-      t.selector.needs_p2p = selector.value("p2p", false);
-      t.selector.device = selector.value("device", std::string("cuda"));
-    } catch (const json::exception& e) {
-      return absl::DataLossError(absl::StrCat(where, ": stored JSON is malformed: ", e.what()));
-    }
+    ASSIGN_OR_RETURN(t.selector, SelectorFromStoredJson(q.Text(7), where));
     absl::StatusOr<Workload> w = WorkloadFromJson(workload);
     if (!w.ok())
       return absl::DataLossError(absl::StrCat(where, ": stored workload: ", w.status().message()));
@@ -1063,7 +1091,9 @@ class SqliteStore final : public Store {
     if (result.trial_id.empty())
       return absl::InvalidArgumentError("recording a result: empty trial id");
     // What a duplicate of an agent's result must repeat: its content as sent, canonical JSON.
-    const std::string digest = sub.agent_id.empty() ? "" : Sha256Hex(ToJson(result).dump());
+    // The first 16 bytes of its SHA-256 are kept (a 2^-128 chance that other content matches).
+    const std::string digest =
+        sub.agent_id.empty() ? "" : Sha256(ToJson(result).dump()).substr(0, 16);
 
     int64_t sweep_id = 0;
     std::string model, config_string, state, leased_to, workload_key, trial_model_key;
@@ -1103,11 +1133,12 @@ class SqliteStore final : public Store {
         // agent's late result is refused, not acknowledged and dropped.
         if (sub.agent_id.empty()) return absl::OkStatus();
         if (q.Text(0) == sub.agent_id) {
-          if (q.IsNull(2) || q.Text(2) == digest) return absl::OkStatus();
+          if (q.IsNull(2) || q.Blob(2) == digest) return absl::OkStatus();
           return absl::AlreadyExistsError(absl::StrCat(
               op, " from agent '", sub.agent_id, "' refused: that attempt is stored as ", q.Text(1),
-              " with other content (a replay must be identical; sha256 ", digest.substr(0, 12),
-              " against the stored ", q.Text(2).substr(0, 12), ")"));
+              " with other content (a replay must be identical; sha256 ",
+              HexOf(digest.substr(0, 6)), " against the stored ", HexOf(q.Blob(2).substr(0, 6)),
+              ")"));
         }
         return absl::PermissionDeniedError(
             absl::StrCat(op, " from agent '", sub.agent_id,
@@ -1235,7 +1266,7 @@ class SqliteStore final : public Store {
           .Bind(engine_version)
           .Bind(software)
           .BindBlob(blob)
-          .Bind(digest.empty() ? std::optional<std::string>() : std::optional<std::string>(digest));
+          .BindBlobOrNull(digest);
       RETURN_IF_ERROR(ins.Run());
       result_id = sqlite3_last_insert_rowid(db_);
     }
@@ -1473,9 +1504,8 @@ class SqliteStore final : public Store {
   // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE
   // never waits for a writer or blocks one, but under sustained ingest a writer always has a
   // transaction open when the checkpoint finishes, so the WAL never starts over and grows
-  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint waits for the writer's commit,
-  // copies what PASSIVE left (little: it keeps up), and empties the file; writers wait for it
-  // (a few ms) instead of the disk filling.
+  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint copies what PASSIVE left and
+  // empties the file while this store's calls wait for it, instead of the disk filling.
   static constexpr int kCheckpointIntervalMs = 250;
   void CheckpointLoop() {
     int64_t page_size = 4096;
@@ -1494,9 +1524,13 @@ class SqliteStore final : public Store {
       int wal_frames = 0;
       const int rc = sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE,
                                                &wal_frames, nullptr);
-      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_)
+      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_) {
+        // The store's own lock holds this store's writers back meanwhile: SQLite queues nobody,
+        // so a writer that commits back to back would otherwise starve the checkpoint.
+        absl::MutexLock writers(&mu_);
         sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr,
                                   nullptr);
+      }
     }
   }
 
@@ -1535,6 +1569,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
                                                    const StoreOptions& options) {
+  // Every result, owner-only whatever the umask (group-read for a dashboard's reader when asked).
+  if (absl::Status s = CreatePrivateFile(path, options.file_mode); !s.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("opening database '", path, "': ", s.message()));
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(
       path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);

@@ -34,7 +34,7 @@ struct SweepRecord {
 // Which agents may run a trial (from the sweep's selector).
 struct Selector {
   std::vector<int> sm_archs;        // empty = any, e.g. {90, 120}
-  std::string gpu_name_regex;       // empty = any (RE2/std::regex ECMAScript)
+  std::string gpu_name_regex;       // empty = any (RE2 syntax, searched in the GPU name)
   int64_t min_memory_bytes = 0;
   int gpus_needed = 1;
   // The leased GPUs must reach each other by peer access (every pair), as the custom and fused
@@ -135,6 +135,9 @@ struct StoreOptions {
   // The WAL is emptied (a TRUNCATE checkpoint) once it holds more than this, also under
   // sustained ingest; it is cut back to this size whenever it starts over.
   int64_t wal_limit_bytes = 32 << 20;
+  // The mode a new database file (and so its -wal and -shm) gets, whatever the umask: 0600, or
+  // 0640 for a group reader (a Grafana SQLite data source).
+  unsigned file_mode = 0600;
 };
 
 struct StoredResult {
@@ -215,6 +218,8 @@ class Store {
   // Trials per state, for the coordinator's metrics (one index scan: call it at most about once
   // a second).
   virtual absl::StatusOr<TrialCounts> CountTrials() = 0;
+  // The distinct selectors of a sweep's queued trials.
+  virtual absl::StatusOr<std::vector<Selector>> QueuedSelectors(int64_t sweep_id) = 0;
   virtual absl::StatusOr<TrialRecord> GetTrial(const std::string& trial_id) = 0;
   // Queued -> leased, attempt += 1, for a slot described by `place`; fails
   // (FailedPrecondition) if the trial is not queued.

@@ -517,7 +517,8 @@ def check_units(b, err):
 
 # The flags that turn TLS and the tokens on (docs/SECURITY.md): every coordinator and agent that
 # deploy/ starts must pass them.
-COORDINATOR_SECURITY = (("--tls-cert",), ("--tls-key",), ("--agent-token-file", "--auth-token-env"),
+COORDINATOR_SECURITY = (("--tls-cert",), ("--tls-key",),
+                        ("--agent-tokens-file", "--agent-token-file", "--auth-token-env"),
                         ("--user-token-file",))
 AGENT_SECURITY = (("--tls-ca",), ("--token-file", "--auth-token-env"))
 

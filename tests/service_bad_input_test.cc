@@ -342,6 +342,39 @@ TEST_F(BadInput, TrialCountersExistFromZeroBeforeTheFirstResult) {
                         "status=\"OK\"} 0"));
 }
 
+// A sweep whose selector no connected agent matches says so, naming the selector, in its status
+// and in `status`'s output, instead of waiting without a word.
+TEST_F(BadInput, ASweepNoConnectedAgentMatchesSaysSo) {
+  auto submitted = client_->SubmitSweep(kValidSweep, "waits.yaml");  // sm 75
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  auto info = client_->GetSweep(submitted->sweep_id());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->waiting(),
+            "no connected agent matches the selector {device cpu, sm [75]} of its queued trials "
+            "(connected: 0 agent(s))");
+  RawAgent agent(address_);
+  ASSERT_TRUE(agent.Hello("cpu-host"));
+  ASSERT_TRUE(agent.Next().has_welcome());
+  info = client_->GetSweep(submitted->sweep_id());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(info->waiting(), HasSubstr("(connected: 1 agent(s): cpu)"));
+  int rc = -1;
+  const std::string out =
+      RunCommand(absl::StrCat(INFERSWEEP_BINARY, " status --coordinator ", address_, " 2>&1"), &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("waiting: no connected agent matches the selector {device cpu, sm "
+                             "[75]}"));
+  // A sweep an agent can take has nothing to say.
+  auto runnable = client_->SubmitSweep(
+      "name: r\nmodel: preset:tiny-moe\nlayers: 1\nmatrix: {device: [cpu], matmul: [naive]}\n",
+      "r.yaml");
+  ASSERT_TRUE(runnable.ok()) << runnable.status();
+  info = client_->GetSweep(runnable->sweep_id());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->waiting(), "");
+  EXPECT_TRUE(agent.End().ok());
+}
+
 TEST_F(BadInput, ResultBeforeHelloClosesTheStreamAndOthersAreStillServed) {
   const Counts before = Count();
   RawAgent early(address_);

@@ -1,8 +1,11 @@
 // The fleet end to end: a real coordinator on 127.0.0.1:0 with a SQLite file, three in-process
 // agents (two labelled sm_120, one sm_90; trials run on the CPU in `infersweep worker` children),
 // a sweep selected for sm_120, and the user API and CLI over the stored results.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <filesystem>
@@ -16,17 +19,13 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "agent/agent.h"
+#include "api/trial.h"
 #include "coordinator/client.h"
 #include "coordinator/server.h"
-#include "api/trial.h"
 #include "storage/store.h"
-
 #include "tests/test_util.h"
 
 namespace infersweep {
@@ -437,6 +436,42 @@ TEST_F(Fleet, SweepSubmittedBeforeTheAgentConnectsCompletes) {
   Agent* agent = StartAgent("late", "NVIDIA RTX PRO 6000:120:96");
   ASSERT_TRUE(WaitForSweepDone(client, sweep, 30)) << Log();
   EXPECT_EQ(agent->stats().connects, 1) << "the agent had to reconnect: " << Log();
+}
+
+// The database, the spool and the results log hold results: they are created owner-only
+// (their -wal and -shm too) even under a umask that would leave them world-readable.
+TEST_F(Fleet, ResultFilesAreOwnerOnlyWhateverTheUmask) {
+  const mode_t old_umask = umask(0);
+  StartCoordinator(QuietOptions());
+  AgentOptions o;
+  o.coordinator = address_;
+  o.agent_id = "private";
+  o.spool_path = dir_ + "/private.spool.db";
+  o.results_log_path = dir_ + "/private.results.jsonl";
+  o.test_fake_gpus = {"NVIDIA RTX PRO 6000:120:96"};
+  o.worker_argv = {INFERSWEEP_BINARY, "worker"};
+  o.log = [this](const std::string& line) { Remember("private", line); };
+  auto agent = std::make_unique<Agent>(o);
+  ASSERT_TRUE(agent->Start().ok());
+  agents_.push_back(std::move(agent));
+  std::string one = kSweep;
+  one.replace(one.find("[naive, blocked]"), 16, "[blocked]");
+  ServiceClient client(address_);
+  auto submitted = client.SubmitSweep(one, "one.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(WaitForSweepDone(client, submitted->sweep_id(), 30)) << Log();
+  umask(old_umask);
+  int checked = 0;
+  for (const std::string& file :
+       {dir_ + "/coordinator.db", dir_ + "/coordinator.db-wal", dir_ + "/coordinator.db-shm",
+        o.spool_path, o.spool_path + "-wal", o.spool_path + "-shm", o.results_log_path}) {
+    struct stat st {};
+    if (stat(file.c_str(), &st) != 0) continue;  // a -wal or -shm may be gone
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << file;
+    ++checked;
+  }
+  EXPECT_GE(checked, 3);
+  EXPECT_TRUE(std::filesystem::file_size(o.results_log_path) > 0);
 }
 
 TEST_F(Fleet, UnsupportedConfigIsRecordedWithoutDispatch) {
