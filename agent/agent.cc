@@ -609,10 +609,8 @@ void Agent::SlotLoop(Slot* slot) {
       slot->current = job;
     }
     TrialResult result;
-    auto parsed = nlohmann::json::parse(job.request_json, nullptr, /*allow_exceptions=*/false);
     absl::StatusOr<TrialRequest> request =
-        parsed.is_discarded() ? absl::InvalidArgumentError("request_json is not valid JSON")
-                              : TrialRequestFromJson(parsed);
+        TrialRequestFromJsonText(job.request_json, "request_json");
     if (!request.ok()) {
       result.status = TrialStatus::kError;
       result.reason = absl::StrCat("bad assignment: ", request.status().message());

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "api/status_macros.h"
+#include "api/untrusted_json.h"
 #include "nlohmann/json.hpp"
 
 namespace infersweep {
@@ -607,6 +608,8 @@ int64_t ModelConfig::TotalParams() const { return CountParams<int64_t>(*this, fa
 int64_t ModelConfig::ActiveParams() const { return CountParams<int64_t>(*this, true); }
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
+  // Messages quote values through Show(), whose dump() recurses per level.
+  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
   const json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return MalformedJson(json_text, source);
   if (!root.is_object()) {

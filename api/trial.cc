@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "api/status_macros.h"
+#include "api/untrusted_json.h"
 
 namespace infersweep {
 namespace {
@@ -588,6 +589,32 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
   RETURN_IF_ERROR(ReadOpt(j, "ttft_ms_at_slo_percentile", &p.ttft_ms_at_slo_percentile, where));
   RETURN_IF_ERROR(ReadOpt(j, "tpot_ms_at_slo_percentile", &p.tpot_ms_at_slo_percentile, where));
   return p;
+}
+
+namespace {
+
+// Parses with the nesting bound, then `from_json`; errors start with `what`.
+template <typename T>
+absl::StatusOr<T> FromJsonText(std::string_view text, std::string_view what,
+                               absl::StatusOr<T> (*from_json)(const json&)) {
+  ASSIGN_OR_RETURN(const json j, ParseUntrustedJson(text, what));
+  absl::StatusOr<T> value = from_json(j);
+  if (!value.ok())
+    return absl::Status(
+        value.status().code(),
+        absl::StrCat(absl::string_view(what.data(), what.size()), ": ", value.status().message()));
+  return value;
+}
+
+}  // namespace
+
+absl::StatusOr<TrialRequest> TrialRequestFromJsonText(std::string_view text,
+                                                      std::string_view what) {
+  return FromJsonText<TrialRequest>(text, what, TrialRequestFromJson);
+}
+
+absl::StatusOr<TrialResult> TrialResultFromJsonText(std::string_view text, std::string_view what) {
+  return FromJsonText<TrialResult>(text, what, TrialResultFromJson);
 }
 
 }  // namespace infersweep

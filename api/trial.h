@@ -230,5 +230,10 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const nlohmann::json& j, std::
 absl::StatusOr<Workload> WorkloadFromJson(const nlohmann::json& j);
 absl::StatusOr<TrialRequest> TrialRequestFromJson(const nlohmann::json& j);
 absl::StatusOr<TrialResult> TrialResultFromJson(const nlohmann::json& j);
+// The same from JSON text that comes from another process (an agent's Result, an Assignment, a
+// stored row): ParseUntrustedJson (api/untrusted_json.h), then the parser above. Errors start
+// with `what`: "result_json: not valid JSON: ...", "result_json: result.status: unknown 'X'".
+absl::StatusOr<TrialRequest> TrialRequestFromJsonText(std::string_view text, std::string_view what);
+absl::StatusOr<TrialResult> TrialResultFromJsonText(std::string_view text, std::string_view what);
 
 }  // namespace infersweep

@@ -561,10 +561,9 @@ std::vector<std::string> IdentityContext(const IdentityArgs& a) {
 }
 
 absl::StatusOr<Row> ParseRow(const v1::ResultRow& r) {
-  auto j = nlohmann::json::parse(r.result_json(), nullptr, false);
-  if (j.is_discarded()) return absl::DataLossError("coordinator sent a result that is not JSON");
-  absl::StatusOr<TrialResult> result = TrialResultFromJson(j);
-  if (!result.ok()) return result.status();
+  absl::StatusOr<TrialResult> result =
+      TrialResultFromJsonText(r.result_json(), "the coordinator's result_json");
+  if (!result.ok()) return absl::DataLossError(result.status().message());
   Row row;
   row.sweep_id = r.sweep_id();
   row.agent_id = r.agent_id();

@@ -398,16 +398,10 @@ void CoordinatorServer::Impl::OnResult(const std::shared_ptr<Conn>& conn_ptr, co
   if (r.attempt() < 1)
     return Reject(conn, absl::StrCat("Result for ", tid, ": attempt must be >= 1, got ", r.attempt()),
                   tid, r.attempt());
-  auto parsed = nlohmann::json::parse(r.result_json(), nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded())
-    return Reject(conn, absl::StrCat("Result for ", tid, ": result_json is not valid JSON"), tid,
-                  r.attempt());
-  absl::StatusOr<TrialResult> result = TrialResultFromJson(parsed);
+  absl::StatusOr<TrialResult> result = TrialResultFromJsonText(r.result_json(), "result_json");
   if (!result.ok())
-    return Reject(conn,
-                  absl::StrCat("Result for ", tid, ": result_json is not a TrialResult: ",
-                               result.status().message()),
-                  tid, r.attempt());
+    return Reject(conn, absl::StrCat("Result for ", tid, ": ", result.status().message()), tid,
+                  r.attempt());
   if (result->trial_id != tid || result->attempt != r.attempt())
     return Reject(conn,
                   absl::StrCat("Result names trial ", tid, " attempt ", r.attempt(),

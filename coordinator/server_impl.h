@@ -186,6 +186,8 @@ class CoordinatorServer::Impl {
 
   // AgentService.
   grpc::Status Connect(grpc::ServerContext* context, AgentStream* stream);
+  // The checks a Hello passes before its stream is accepted (public for the fuzz harness).
+  absl::Status ValidateHello(const v1::Hello& hello) const;
 
   // SweepService.
   // RESOURCE_EXHAUSTED when the caller's address is over the user-call rate limit; else OK when
@@ -295,7 +297,6 @@ class CoordinatorServer::Impl {
     sched_cv_.notify_all();
   }
 
-  absl::Status ValidateHello(const v1::Hello& hello) const;
   void RecoverHeld();
   void ReconcileHeldLocked(Conn& conn, int64_t now);
   void OnHeartbeat(Conn& conn, const v1::Heartbeat& hb);

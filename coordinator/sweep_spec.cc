@@ -1,5 +1,6 @@
 #include "coordinator/sweep_spec.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -591,6 +592,157 @@ absl::Status ValidateAgainstRegistry(const Parser& p, const ConfigNormalizer& no
   return absl::OkStatus();
 }
 
+// "NUL", "ESC", ...: the name of a control byte in messages.
+std::string ControlByteName(unsigned char c) {
+  static constexpr const char* kNames[32] = {"NUL", "SOH", "STX", "ETX", "EOT", "ENQ", "ACK", "BEL",
+                                             "BS",  "TAB", "LF",  "VT",  "FF",  "CR",  "SO",  "SI",
+                                             "DLE", "DC1", "DC2", "DC3", "DC4", "NAK", "SYN", "ETB",
+                                             "CAN", "EM",  "SUB", "ESC", "FS",  "GS",  "RS",  "US"};
+  return c < 32 ? kNames[c] : "DEL";
+}
+
+// What yaml-cpp reports badly, checked before it sees the text: a control byte (it names
+// neither the byte nor where it is) and nesting deeper than kMaxSweepSpecDepth (it recurses
+// per level and gives up at 500 with "bad file"). The nesting scan follows YAML as far as
+// depth needs: block levels by indentation and "- " entries, flow collections by brackets
+// outside quotes and comments, block scalars' bodies skipped. Where it is unsure it counts
+// low; yaml-cpp's own limit stays behind it (ParseSpecUnsafe).
+absl::Status CheckSpecText(absl::string_view yaml, const Parser& p) {
+  auto error_at = [&](int line, size_t column, absl::string_view message) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(p.source(), ":", line, ":", column, ": ", message));
+  };
+  {
+    int line = 1;
+    size_t line_start = 0;
+    for (size_t i = 0; i < yaml.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(yaml[i]);
+      if (c == '\n') {
+        ++line;
+        line_start = i + 1;
+      } else if ((c < 0x20 && c != '\t' && c != '\r') || c == 0x7f) {
+        return error_at(
+            line, i - line_start + 1,
+            absl::StrCat("control byte 0x", absl::Hex(c, absl::kZeroPad2), " (", ControlByteName(c),
+                         "); a sweep spec is printable text (tabs and newlines "
+                         "allowed)"));
+      }
+    }
+  }
+  std::vector<size_t> block;  // columns of the open block levels, innermost last
+  int flow = 0;               // open flow collections, '[' and '{'
+  char quote = 0;             // the quote of a quoted scalar still open at the end of a line
+  constexpr size_t kNone = std::string::npos;
+  size_t block_scalar_parent = kNone;  // in a block scalar's body: its parent's column
+  int line = 0;
+  for (absl::string_view rest = yaml; !rest.empty() || line == 0;) {
+    ++line;
+    const size_t nl = rest.find('\n');
+    absl::string_view text = rest.substr(0, nl);
+    rest = nl == absl::string_view::npos ? absl::string_view() : rest.substr(nl + 1);
+    if (!text.empty() && text.back() == '\r') text.remove_suffix(1);
+    size_t indent = 0;
+    while (indent < text.size() && text[indent] == ' ') ++indent;
+    const bool blank = indent == text.size() || text[indent] == '#';
+    if (block_scalar_parent != kNone) {
+      if (blank || indent > block_scalar_parent) continue;
+      block_scalar_parent = kNone;
+    }
+    auto too_deep = [&](size_t i) {
+      return static_cast<int>(block.size()) + flow > kMaxSweepSpecDepth
+                 ? error_at(line, i + 1,
+                            absl::StrCat("YAML nested deeper than ", kMaxSweepSpecDepth,
+                                         " levels; the limit is ", kMaxSweepSpecDepth))
+                 : absl::OkStatus();
+    };
+    size_t pos = 0, node_start = 0, parent = 0;
+    if (quote == 0 && flow == 0) {
+      if (blank || text[0] == '%') continue;
+      if (absl::StartsWith(text, "---") || absl::StartsWith(text, "...")) {
+        block.clear();
+        pos = 3;
+        while (pos < text.size() && text[pos] == ' ') ++pos;
+      } else {
+        while (!block.empty() && block.back() >= indent) block.pop_back();
+        pos = indent;
+      }
+      // "- " entries (and "? " / ": " of complex keys) open a level each.
+      while (pos < text.size() && (text[pos] == '-' || text[pos] == '?' || text[pos] == ':') &&
+             (pos + 1 == text.size() || text[pos + 1] == ' ')) {
+        parent = pos;
+        block.push_back(pos);
+        RETURN_IF_ERROR(too_deep(pos));
+        ++pos;
+        while (pos < text.size() && text[pos] == ' ') ++pos;
+      }
+      if (pos < text.size() && text[pos] != '#') {
+        block.push_back(pos);
+        RETURN_IF_ERROR(too_deep(pos));
+      }
+      node_start = pos;
+    } else {
+      node_start = std::string::npos;
+    }
+    for (size_t i = pos; i < text.size(); ++i) {
+      const char c = text[i];
+      if (quote != 0) {
+        if (quote == '"' && c == '\\') {
+          ++i;
+        } else if (c == quote) {
+          if (quote == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
+            ++i;  // '' is an escaped quote
+          } else {
+            quote = 0;
+          }
+        }
+        continue;
+      }
+      if (c == '#' && (i == 0 || text[i - 1] == ' ' || text[i - 1] == '\t')) break;
+      if (flow > 0) {
+        if (c == '"' || c == '\'') {
+          quote = c;
+        } else if (c == '[' || c == '{') {
+          ++flow;
+          RETURN_IF_ERROR(too_deep(i));
+        } else if (c == ']' || c == '}') {
+          --flow;
+        }
+        continue;
+      }
+      // Block context: flow collections, quoted and block scalars begin only where a node does.
+      if (i == node_start) {
+        if (c == '&' || c == '!') {  // an anchor or a tag before the node
+          while (i < text.size() && text[i] != ' ') ++i;
+          while (i + 1 < text.size() && text[i + 1] == ' ') ++i;
+          node_start = i + 1;
+          continue;
+        }
+        if (c == '[' || c == '{') {
+          ++flow;
+          RETURN_IF_ERROR(too_deep(i));
+          continue;
+        }
+        if (c == '"' || c == '\'') {
+          quote = c;
+          continue;
+        }
+        if (c == '|' || c == '>') {
+          block_scalar_parent = parent;
+          break;
+        }
+      }
+      if (c == ':' && (i + 1 == text.size() || text[i + 1] == ' ' || text[i + 1] == '\t')) {
+        parent = block.empty() ? 0 : block.back();
+        size_t j = i + 1;
+        while (j < text.size() && (text[j] == ' ' || text[j] == '\t')) ++j;
+        node_start = j;
+        i = j - 1;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& p,
                                           const ConfigNormalizer& normalize) {
   SweepSpec spec;
@@ -599,6 +751,12 @@ absl::StatusOr<SweepSpec> ParseSpecUnsafe(absl::string_view yaml, const Parser& 
   YAML::Node root;
   try {
     root = YAML::Load(spec.yaml);
+  } catch (const YAML::DeepRecursion& e) {
+    // What CheckSpecText's scan missed: yaml-cpp's own bound (it says only "bad file").
+    return p.Error(
+        e.mark.is_null() ? 0 : e.mark.line + 1, "",
+        absl::StrCat("YAML nested too deep (", e.depth(), " levels of parsing); the limit is ",
+                     kMaxSweepSpecDepth, " levels of nesting"));
   } catch (const YAML::Exception& e) {
     return p.Error(e.mark.is_null() ? 0 : e.mark.line + 1, "",
                    absl::StrCat("malformed YAML: ", e.msg));
@@ -673,6 +831,7 @@ absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml_text, std::string
   if (yaml.size() > kMaxSweepSpecBytes)
     return p.Error(
         0, "", absl::StrCat("spec is ", yaml.size(), " bytes; the limit is ", kMaxSweepSpecBytes));
+  RETURN_IF_ERROR(CheckSpecText(yaml, p));
   try {
     return ParseSpecUnsafe(yaml, p, OrDefault(normalize));
   } catch (const YAML::Exception& e) {

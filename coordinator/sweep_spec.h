@@ -31,6 +31,9 @@ namespace infersweep {
 inline constexpr size_t kDefaultMaxSweepTrials = 10000;
 // Longest spec text accepted.
 inline constexpr size_t kMaxSweepSpecBytes = 1 << 20;
+// Deepest nesting of YAML collections accepted (block levels and flow brackets together; a
+// spec needs 3). yaml-cpp parses recursively, so the text is checked before it sees it.
+inline constexpr int kMaxSweepSpecDepth = 64;
 // Longest free text of a spec, in bytes: the name (shown in every table and log line), the
 // model (a preset or a checkpoint path), and each axis name or value.
 inline constexpr size_t kMaxSweepNameBytes = 128;
@@ -77,7 +80,8 @@ struct SweepSpec {
 using ConfigNormalizer = std::function<absl::StatusOr<BackendConfig>(const BackendConfig&)>;
 
 // Parses and validates a spec: structure, types, ranges, and every axis and value through
-// `normalize` on each device of the sweep. Never throws.
+// `normalize` on each device of the sweep. Never throws. The text must be printable (a control
+// byte is an error naming its line and column) and nest at most kMaxSweepSpecDepth levels.
 absl::StatusOr<SweepSpec> ParseSweepSpec(std::string_view yaml, std::string_view source,
                                          const ConfigNormalizer& normalize = NormalizeBackendConfig);
 

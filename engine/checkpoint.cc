@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/untrusted_json.h"
 #include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
 
@@ -75,15 +76,13 @@ bool IsPlainFileName(const std::string& name) {
          name.find("..") == std::string::npos && name.find('\0') == std::string::npos;
 }
 
-// tensor name -> shard file name, from model.safetensors.index.json.
-absl::StatusOr<std::map<std::string, std::string>> ParseIndex(const std::string& text,
-                                                              const std::string& path) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
-  }
+}  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(const std::string& text,
+                                                                         const std::string& path) {
+  absl::StatusOr<json> parsed = ParseUntrustedJson(text, path);
+  if (!parsed.ok()) return parsed.status();
+  const json& root = *parsed;
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": must be a JSON object, found ", root.type_name()));
@@ -110,6 +109,8 @@ absl::StatusOr<std::map<std::string, std::string>> ParseIndex(const std::string&
   }
   return out;
 }
+
+namespace {
 
 // "model.layers.<L>.mlp.<rest>" split into "model.layers.<L>." and "<rest>".
 struct MlpName {
@@ -265,7 +266,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   if (PathExists(index_path)) {
     absl::StatusOr<std::string> text = ReadTextFile(index_path);
     if (!text.ok()) return text.status();
-    absl::StatusOr<std::map<std::string, std::string>> weight_map = ParseIndex(*text, index_path);
+    absl::StatusOr<std::map<std::string, std::string>> weight_map =
+        ParseSafetensorsIndex(*text, index_path);
     if (!weight_map.ok()) return weight_map.status();
 
     // Open each distinct shard once, in name order so errors are deterministic.

@@ -32,6 +32,11 @@ struct HostTensor {
 // quantization_config), read without opening any weight file.
 absl::StatusOr<QuantScheme> ReadCheckpointQuantScheme(const std::string& dir);
 
+// tensor name -> shard file name, from the text of model.safetensors.index.json (`path` names it
+// in errors). Every shard must be a plain file name next to the index.
+absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(const std::string& text,
+                                                                         const std::string& path);
+
 class Checkpoint {
  public:
   // Opens <dir>/config.json, its quantization declaration and the safetensors file(s); validates

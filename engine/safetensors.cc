@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/untrusted_json.h"
 #include "nlohmann/json.hpp"
 
 namespace infersweep {
@@ -146,10 +147,12 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const uint8_t* json_begin, uin
     return true;
   };
 
+  const std::string_view text(reinterpret_cast<const char*>(json_begin), json_size);
+  if (absl::Status s = CheckJsonDepth(text, absl::StrCat(file, ": header")); !s.ok()) return s;
   json root;
   try {
-    root = json::parse(json_begin, json_begin + json_size, track_keys);
-  } catch (const json::parse_error& e) {
+    root = json::parse(text, track_keys);
+  } catch (const json::exception& e) {  // out_of_range too: a number that overflows a double
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": header is not valid JSON: ", Shorten(e.what())));
   }

@@ -159,14 +159,11 @@ TrialResult TrialRunner::Run(const TrialRequest& request, const std::vector<int>
     if (const size_t nl = w.out_buffer.find('\n'); nl != std::string::npos) {
       const std::string line = w.out_buffer.substr(0, nl);
       w.out_buffer.erase(0, nl + 1);
-      auto parsed = nlohmann::json::parse(line, nullptr, false);
-      if (parsed.is_discarded())
-        return fail(TrialStatus::kError,
-                    "worker wrote a line that is not JSON: " + line.substr(0, 200));
-      auto worker_result = TrialResultFromJson(parsed);
+      auto worker_result = TrialResultFromJsonText(line, "worker result");
       if (!worker_result.ok())
         return fail(TrialStatus::kError,
-                    absl::StrCat("worker result invalid: ", worker_result.status().message()));
+                    absl::StrCat(worker_result.status().message().substr(0, 400),
+                                 " (line: ", line.substr(0, 200), ")"));
       take_stderr_lines();
       if (worker_result->status != TrialStatus::kOk)
         worker_result->stderr_tail = absl::StrJoin(w.stderr_tail, "\n");

@@ -23,6 +23,7 @@
 #include "api/digest.h"
 #include "api/private_file.h"
 #include "api/status_macros.h"
+#include "api/untrusted_json.h"
 #include "storage/codec.h"
 #include "storage/schema.h"
 
@@ -194,9 +195,8 @@ json SelectorJson(const Selector& s) {
 }
 
 absl::StatusOr<json> ParseStoredJson(const std::string& text, absl::string_view what) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded())
-    return absl::DataLossError(absl::StrCat("stored ", what, " is not valid JSON"));
+  absl::StatusOr<json> j = ParseUntrustedJson(text, absl::StrCat("stored ", what));
+  if (!j.ok()) return absl::DataLossError(j.status().message());
   return j;
 }
 

@@ -230,6 +230,13 @@ TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) 
   m = rogue.Next();
   ASSERT_TRUE(m.has_error());
   EXPECT_THAT(m.error().message(), HasSubstr("not valid JSON"));
+  // Two megabytes of nested arrays: refused before any parsing, naming the bound.
+  ASSERT_TRUE(rogue.Result(queued_trial, 1, std::string(1 << 20, '[') + std::string(1 << 20, ']')));
+  m = rogue.Next();
+  ASSERT_TRUE(m.has_error());
+  EXPECT_THAT(m.error().message(),
+              HasSubstr("result_json: JSON nested deeper than 64 levels (at byte 64); the limit "
+                        "is 64"));
   ASSERT_TRUE(rogue.Result(queued_trial, 1, ValidResultJson("other-trial", 1)));
   m = rogue.Next();
   ASSERT_TRUE(m.has_error());
@@ -248,7 +255,7 @@ TEST_F(BadInput, ResultForATrialTheAgentDoesNotHoldIsRefusedAndNothingIsStored) 
   auto trial = server_->store()->GetTrial(queued_trial);
   ASSERT_TRUE(trial.ok());
   EXPECT_EQ(trial->state, TrialState::kQueued);
-  EXPECT_EQ(server_->stats().bad_messages, 5);
+  EXPECT_EQ(server_->stats().bad_messages, 6);
   EXPECT_TRUE(rogue.End().ok());
 }
 

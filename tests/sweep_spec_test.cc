@@ -19,6 +19,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kExample[] = R"(name: moe-backends-h200
 model: preset:qwen3-30b-a3b
@@ -510,6 +511,78 @@ TEST(SweepSpecTest, ExpandReportsTheLineOfAnInvalidValueInABuiltSpec) {
   ASSERT_FALSE(trials.ok());
   EXPECT_THAT(trials.status().message(),
               AllOf(HasSubstr("spec.yaml:8"), HasSubstr("moe"), HasSubstr("grouped-typo")));
+}
+
+// Control bytes are named with their line and column (yaml-cpp alone names neither: "unknown
+// escape character:" for a NUL in a quoted scalar, nothing at all in a plain one).
+TEST(SweepSpecTest, ControlByteIsNamedWithLineAndColumn) {
+  absl::StatusOr<SweepSpec> spec =
+      Parse(Replace(kExample, "moe-backends", std::string("moe\0b", 5)));
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(std::string(spec.status().message()),
+            "spec.yaml:1:10: control byte 0x00 (NUL); a sweep spec is printable text (tabs and "
+            "newlines allowed)");
+  spec = Parse(Replace(kExample, "gpu_name: \"H200", "gpu_name: \"\x1b[1mH200"));
+  ASSERT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), HasSubstr("spec.yaml:15:33: control byte 0x1b (ESC)"));
+  spec = Parse(Replace(kExample, "naive, flash",
+                       "naive, fl\x7f"
+                       "ash"));
+  ASSERT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), HasSubstr("spec.yaml:7:24: control byte 0x7f (DEL)"));
+  // Tabs and CRLF line ends are text.
+  EXPECT_TRUE(Parse(Replace(kExample, "layers: 4  ", "layers: 4\t")).ok());
+}
+
+std::string Nested(const std::string& open, int depth, const std::string& inner,
+                   const std::string& close) {
+  std::string out;
+  for (int i = 0; i < depth; ++i) out += open;
+  out += inner;
+  for (int i = 0; i < depth; ++i) out += close;
+  return out;
+}
+
+// Nesting past kMaxSweepSpecDepth is named with its line, column and the limit, in every YAML
+// form (yaml-cpp alone stops at 500 levels with "malformed YAML: bad file").
+TEST(SweepSpecTest, DeepNestingIsNamedWithTheLimit) {
+  const std::string limit = "YAML nested deeper than 64 levels; the limit is 64";
+  // Flow collections: the 64th '[' under `matrix:` is the 65th level.
+  absl::StatusOr<SweepSpec> spec =
+      Parse("model: preset:tiny\nmatrix: " + Nested("[", 500, "a", "]") + "\n");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(std::string(spec.status().message()), "spec.yaml:2:72: " + limit);
+  spec = Parse("model: preset:tiny\nmatrix: {device: " + Nested("{a: ", 500, "b", "}") + "}\n");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), AllOf(HasSubstr("spec.yaml:2:"), HasSubstr(limit)));
+  // Block mappings by indentation.
+  std::string block = "model: preset:tiny\n";
+  for (int i = 0; i < 500; ++i) block += std::string(i, ' ') + "a:\n";
+  spec = Parse(block);
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(std::string(spec.status().message()), "spec.yaml:66:65: " + limit);
+  // Compact sequences, "- - - x".
+  spec = Parse("model: preset:tiny\nmatrix:\n  device:\n" + Nested("- ", 500, "cpu", ""));
+  ASSERT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), AllOf(HasSubstr("spec.yaml:4:"), HasSubstr(limit)));
+}
+
+// Brackets inside quoted scalars, comments and block scalars are text, not nesting; nesting up
+// to the limit is left to the parser.
+TEST(SweepSpecTest, BracketsInTextAreNotNesting) {
+  const std::string deep = std::string(100, '[');
+  EXPECT_TRUE(Parse(Replace(kExample, "name: moe-backends-h200", "name: \"" + deep + "\"")).ok());
+  EXPECT_TRUE(Parse(Replace(kExample, "name: moe-backends-h200", "name: '" + deep + "'")).ok());
+  EXPECT_TRUE(Parse(Replace(kExample, "name: moe-backends-h200", "name: a" + deep)).ok());
+  EXPECT_TRUE(Parse(Replace(kExample, "seed: 1 ", "seed: 1 # " + deep)).ok());
+  // A block scalar's body is text (whether a field takes several lines is another rule).
+  const absl::StatusOr<SweepSpec> block =
+      Parse(Replace(kExample, "name: moe-backends-h200", "name: |\n  " + deep + "\n  {{{"));
+  EXPECT_THAT(std::string(block.status().message()), Not(HasSubstr("nested")));
+  absl::StatusOr<SweepSpec> spec =
+      Parse("model: preset:tiny\nmatrix: " + Nested("[", 63, "a", "]") + "\n");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), Not(HasSubstr("nested")));
 }
 
 TEST(SweepSpecTest, LoadsAFile) {

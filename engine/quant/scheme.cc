@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/untrusted_json.h"
 #include "api/untrusted_regex.h"
 #include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
@@ -22,11 +23,15 @@ bool Glob(const std::string& pattern, const std::string& name) {
 }
 
 absl::StatusOr<json> ParseJson(std::string_view text, absl::string_view source) {
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", e.what()));
-  }
+  return ParseUntrustedJson(text, std::string_view(source.data(), source.size()));
+}
+
+// The member `key` of `object`, or null when it is absent: compared, never converted, so a
+// member of an unexpected type reads as unsupported instead of throwing.
+const json& Member(const json& object, const char* key) {
+  static const json* const kNull = new json();
+  const auto it = object.find(key);
+  return it == object.end() ? *kNull : *it;
 }
 
 // A list of strings under `key` (absent or null: empty).
@@ -107,15 +112,15 @@ absl::StatusOr<QuantScheme> FromCompressedTensors(const json& qc) {
     if (!group.is_object() || !group.contains("weights") || !group["weights"].is_object())
       return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"weights\""));
     const json& w = group["weights"];
-    const std::string type = w.value("type", ""), strategy = w.value("strategy", "");
-    const int bits = w.value("num_bits", 0);
+    const json &type = Member(w, "type"), &strategy = Member(w, "strategy");
+    const bool float8 = type == "float" && Member(w, "num_bits") == 8;
     QuantFormat format = QuantFormat::kNone;
-    if (type == "float" && bits == 8 && strategy == "tensor") {
+    if (float8 && strategy == "tensor") {
       format = QuantFormat::kFp8Tensor;
-    } else if (type == "float" && bits == 8 && strategy == "channel") {
+    } else if (float8 && strategy == "channel") {
       format = QuantFormat::kFp8Channel;
-    } else if (type == "float" && bits == 8 && strategy == "block" &&
-               w.value("block_structure", json()) == json({kFp8BlockSize, kFp8BlockSize})) {
+    } else if (float8 && strategy == "block" &&
+               Member(w, "block_structure") == json({kFp8BlockSize, kFp8BlockSize})) {
       format = QuantFormat::kFp8Block128;
     } else {
       return absl::UnimplementedError(absl::StrCat(
