@@ -45,7 +45,7 @@ void Check(const absl::Status& s, const char* what) {
 struct Options {
   int64_t rows = 1'000'000;
   std::string db = "/tmp/infersweep_store_bench.db";
-  int batch = 10'000;
+  int batch = 512;  // the coordinator's group commit cap
   int runs = 20;
   bool keep = false;
   // Results from an agent, as the coordinator stores them: each trial leased first, each result

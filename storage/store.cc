@@ -278,9 +278,15 @@ class SqliteStore final : public Store {
  public:
   // `checkpointer`: a second connection to the same file that folds the WAL into the database
   // in the background (null for in-memory databases).
-  SqliteStore(sqlite3* db, sqlite3* checkpointer, int64_t wal_limit_bytes)
-      : db_(db), checkpointer_(checkpointer), wal_limit_bytes_(wal_limit_bytes) {
-    if (checkpointer_ != nullptr) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+  SqliteStore(sqlite3* db, sqlite3* checkpointer, int64_t wal_limit_bytes, int64_t page_size)
+      : db_(db),
+        checkpointer_(checkpointer),
+        wal_limit_bytes_(wal_limit_bytes),
+        page_size_(page_size) {
+    if (checkpointer_ != nullptr) {
+      sqlite3_wal_hook(db_, &SqliteStore::OnWalCommit, this);
+      checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+    }
   }
   ~SqliteStore() override {
     {
@@ -1504,31 +1510,42 @@ class SqliteStore final : public Store {
   // SQLite's page threshold: a commit never pays for copying the WAL (the ingest p99). PASSIVE
   // never waits for a writer or blocks one, but under sustained ingest a writer always has a
   // transaction open when the checkpoint finishes, so the WAL never starts over and grows
-  // without end. Past wal_limit_bytes_, a TRUNCATE checkpoint copies what PASSIVE left and
-  // empties the file while this store's calls wait for it, instead of the disk filling.
+  // without end. Past wal_limit_bytes_ (seen by the commit that crosses it, through the WAL
+  // hook, so the checkpoint does not wait for the next interval), a RESTART checkpoint copies
+  // what PASSIVE left while this store's calls wait for it (a few ms): the next commit then
+  // writes the WAL from its start, and journal_size_limit cuts the file back to the limit.
+  // (TRUNCATE would free the whole file under the wait, tens of ms at 32 MiB.)
   static constexpr int kCheckpointIntervalMs = 250;
-  void CheckpointLoop() {
-    int64_t page_size = 4096;
-    {
-      sqlite3_stmt* stmt = nullptr;
-      if (sqlite3_prepare_v2(checkpointer_, "PRAGMA page_size", -1, &stmt, nullptr) == SQLITE_OK &&
-          sqlite3_step(stmt) == SQLITE_ROW)
-        page_size = sqlite3_column_int64(stmt, 0);
-      sqlite3_finalize(stmt);
+  static int OnWalCommit(void* store, sqlite3*, const char*, int wal_frames) {
+    auto* self = static_cast<SqliteStore*>(store);
+    if (static_cast<int64_t>(wal_frames) * self->page_size_ > self->wal_limit_bytes_) {
+      absl::MutexLock lock(&self->checkpoint_mu_);
+      self->wal_over_limit_ = true;
     }
-    absl::MutexLock lock(&checkpoint_mu_);
+    return SQLITE_OK;
+  }
+  void CheckpointLoop() {
+    auto wake = [this] {
+      checkpoint_mu_.AssertReaderHeld();
+      return stopping_ || wal_over_limit_;
+    };
     for (;;) {
-      checkpoint_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
-                                      absl::Milliseconds(kCheckpointIntervalMs));
-      if (stopping_) return;
+      {
+        absl::MutexLock lock(&checkpoint_mu_);
+        checkpoint_mu_.AwaitWithTimeout(absl::Condition(&wake),
+                                        absl::Milliseconds(kCheckpointIntervalMs));
+        if (stopping_) return;
+        wal_over_limit_ = false;
+      }
       int wal_frames = 0;
       const int rc = sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_PASSIVE,
                                                &wal_frames, nullptr);
-      if (rc == SQLITE_OK && wal_frames * page_size > wal_limit_bytes_) {
+      if (rc == SQLITE_OK && wal_frames * page_size_ > wal_limit_bytes_) {
         // The store's own lock holds this store's writers back meanwhile: SQLite queues nobody,
-        // so a writer that commits back to back would otherwise starve the checkpoint.
+        // so a writer that commits back to back would otherwise starve the checkpoint. (The WAL
+        // hook takes checkpoint_mu_ under mu_; this takes mu_ without checkpoint_mu_.)
         absl::MutexLock writers(&mu_);
-        sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr,
+        sqlite3_wal_checkpoint_v2(checkpointer_, nullptr, SQLITE_CHECKPOINT_RESTART, nullptr,
                                   nullptr);
       }
     }
@@ -1537,8 +1554,10 @@ class SqliteStore final : public Store {
   sqlite3* const db_;
   sqlite3* const checkpointer_;
   const int64_t wal_limit_bytes_;
+  const int64_t page_size_;
   absl::Mutex checkpoint_mu_;
   bool stopping_ ABSL_GUARDED_BY(checkpoint_mu_) = false;
+  bool wal_over_limit_ ABSL_GUARDED_BY(checkpoint_mu_) = false;
   std::thread checkpoint_thread_;
   absl::Mutex mu_;
   std::unordered_map<std::string, sqlite3_stmt*> cache_ ABSL_GUARDED_BY(mu_);
@@ -1644,7 +1663,16 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
       return fail(s);
     }
   }
-  return std::unique_ptr<Store>(new SqliteStore(db, checkpointer, options.wal_limit_bytes));
+  int64_t page_size = 4096;
+  {
+    sqlite3_stmt* stmt = nullptr;
+    if (sqlite3_prepare_v2(db, "PRAGMA page_size", -1, &stmt, nullptr) == SQLITE_OK &&
+        sqlite3_step(stmt) == SQLITE_ROW)
+      page_size = sqlite3_column_int64(stmt, 0);
+    sqlite3_finalize(stmt);
+  }
+  return std::unique_ptr<Store>(
+      new SqliteStore(db, checkpointer, options.wal_limit_bytes, page_size));
 }
 
 }  // namespace infersweep

@@ -132,8 +132,8 @@ struct ResultSubmission {
 struct StoreOptions {
   // How long a call waits for another connection's lock before failing with Unavailable.
   int busy_timeout_ms = 5000;
-  // The WAL is emptied (a TRUNCATE checkpoint) once it holds more than this, also under
-  // sustained ingest; it is cut back to this size whenever it starts over.
+  // The WAL starts over (a RESTART checkpoint) once it holds more than this, also under
+  // sustained ingest, and is cut back to this size when it does.
   int64_t wal_limit_bytes = 32 << 20;
   // The mode a new database file (and so its -wal and -shm) gets, whatever the umask: 0600, or
   // 0640 for a group reader (a Grafana SQLite data source).
