@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/cuda/check.h"
+
 namespace {
 
 constexpr int kPasses = 64;
@@ -48,11 +50,7 @@ void Measure(int blocks, int warps) {
   StraightLine<kFmas><<<blocks, threads>>>(sink, cycles);
   std::vector<long long> host(blocks * warps);
   cudaMemcpy(host.data(), cycles, sizeof(long long) * host.size(), cudaMemcpyDeviceToHost);
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    std::fprintf(stderr, "icache_probe: %s\n", cudaGetErrorString(error));
-    std::exit(1);
-  }
+  CUDA_OR_DIE(cudaGetLastError());
   double mean = 0;
   for (long long c : host) mean += static_cast<double>(c);
   mean /= host.size();

@@ -121,11 +121,11 @@ class CudaModel final : public Model {
         return absl::UnimplementedError(
             "device=cuda: ragged steps of hybrid models are not built (the Gated DeltaNet "
             "layers' conv and recurrent states are kept per lockstep sequence, not per KV slot)");
-    if (options_.attention == Attention::kCudnn)
-      return absl::UnimplementedError(
-          "attention=cudnn runs lockstep batches only: its graph reads KV slot b for sequence b, "
-          "and a ragged step's decode rows sit in any slot (cuDNN's paged K/V load is not "
-          "wired)");
+    if (!attention_.plan().ragged_rows)
+      return absl::UnimplementedError(absl::StrCat(
+          "attention=", AxisValueName(options_.attention),
+          " runs lockstep batches only: its graph reads KV slot b for sequence b, and a ragged "
+          "step's decode rows sit in any slot (cuDNN's paged K/V load is not wired)"));
     DestroyGraphs();
     if (auto s = attention_.AllocateCache(slots + 1, max_tokens); !s.ok()) return s;
     if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;

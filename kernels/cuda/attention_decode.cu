@@ -180,10 +180,6 @@ void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, in
 
 }  // namespace
 
-bool FlashDecodeMmaSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
-}
-
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, const int* position, int splits,
                              float* partial_acc, float* partial_max, float* partial_sum,

@@ -23,8 +23,7 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kTile = 32;         // keys per shared-memory tile
-constexpr int kMaxHeadDim = 128;  // keeps shared memory under the 48 KB default
-constexpr int kMaxGroup = 16;     // q heads per kv head
+constexpr int kMaxHeadDim = kFlashMaxHeadDim;  // keeps shared memory under the 48 KB default
 
 // Eight cache elements from a 16-byte-aligned address to eight floats.
 __device__ __forceinline__ void Load8AsFloat(const __nv_bfloat16* p, float* out) {
@@ -184,11 +183,6 @@ int FlashSplits(int rows, int kv_heads, int capacity) {
   const int want = CeilDiv(kFlashBlockTarget, blocks);
   const int splits = std::min(std::min(want, CeilDiv(capacity, kTile)), kMaxFlashSplits);
   return std::max(1, splits);
-}
-
-bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
-  return head_dim <= kMaxHeadDim && head_dim % 8 == 0 && q_heads % kv_heads == 0 &&
-         q_heads / kv_heads <= kMaxGroup;
 }
 
 void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,

@@ -136,10 +136,6 @@ void LaunchFlashPrefill(const float* q, const KvCache& cache, int rows, int n, i
 
 }  // namespace
 
-bool FlashPrefillSupports(int head_dim) {
-  return head_dim == 64 || head_dim == 128 || head_dim == 32;
-}
-
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream) {

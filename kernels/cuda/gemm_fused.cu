@@ -193,11 +193,6 @@ int TotalRows(const GemvArgs& a) {
 
 void SetProgrammaticLaunch(bool on) { ProgrammaticLaunchFlag() = on; }
 
-bool GemvSupports(int rows, int k) {
-  return rows >= 1 && rows <= kGemvMaxRows && k % 8 == 0 &&
-         static_cast<int64_t>(rows) * k * sizeof(float) <= kGemvMaxSharedBytes;
-}
-
 bool GemvStreams(const GemvArgs& args) {
   return TotalRows(args) > kGemvStreamRowsPerSm * MultiprocessorCount();
 }

@@ -41,9 +41,9 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kThreads = 256;       // two warpgroups, 64 weight rows each
-constexpr int kRowsPerTile = 128;   // weight rows a block owns (wgmma's A)
+constexpr int kRowsPerTile = kMoeWgmmaRowsPerTile;  // weight rows a block owns (wgmma's A)
 constexpr int kPairsPerTile = 128;  // pairs a block owns: wgmma's N (both groups)
-constexpr int kChunk = 64;          // K elements a stage: one 128-byte row
+constexpr int kChunk = kMoeWgmmaChunk;  // K elements a stage: one 128-byte row
 constexpr int kStages = 3;
 constexpr int kRowBytes = kChunk * 2;
 constexpr int kATileBytes = kRowsPerTile * kRowBytes;   // 16 KB
@@ -502,20 +502,6 @@ void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
 }
 
 }  // namespace
-
-bool MoeWgmmaSupports(int hidden, int inter) {
-  return hidden >= kRowsPerTile && hidden % kRowsPerTile == 0 && inter >= kChunk &&
-         inter % kChunk == 0;
-}
-
-bool MoeWgmmaQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
-                           const QuantExpertTable& down, int hidden, int inter) {
-  const QuantFormat f = gate.format;
-  if (up.format != f || down.format != f || !MoeWgmmaSupports(hidden, inter)) return false;
-  // MXFP4's scale rows (K / 32 bytes) are read 4 bytes at a time: K % 128.
-  if (f == QuantFormat::kMxfp4) return inter % 128 == 0;
-  return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
-}
 
 void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   switch (m.quant ? m.quant[0].format : QuantFormat::kNone) {
