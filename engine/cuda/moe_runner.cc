@@ -13,8 +13,8 @@ namespace {
 
 // router = xn . Wr^T in fp32 (fp32 input, fp32 accumulate) for the non-GEMV paths. From
 // kRouterCublasMinRows rows on, cuBLASLt's fp32 GEMM runs it on fp32 copies of the router
-// weights (MakeRouterCopies): our kernels measured 22 us a layer at batch 64 (warp per expert)
-// and 163 us at prefill 2048 (128 register-tiled blocks).
+// weights (MakeRouterCopies), faster there than our router kernels (a warp per expert for
+// decode batches, register-tiled blocks for prefill).
 constexpr int kRouterCublasMinRows = 16;
 
 }  // namespace
@@ -124,8 +124,8 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
   const bool own = view_ && !view_->gate_table.empty();
   // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) of bf16
   // experts go to cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA
-  // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
-  // tokens).
+  // kernels re-read an expert's weights for every 64 of its pairs, so their reads grow with the
+  // chunk.
   constexpr int kMoeMmaMaxPairsPerExpert = 16;
   const bool many_pairs = rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
   // moe=wgmma configs have no grouped_ runner: its kernels read each expert once per 128
@@ -204,9 +204,8 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     a.out = moe_out_;
     a.y = out;
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill), bf16
-    // or quantized. Decode batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert)
-    // they measured 22.0 ms a step against wgmma's 23.8 in bf16, 16.9 against 21.1 on FP8
-    // experts and 25.3 against 26.3 on NVFP4: wgmma's smallest N (32) is mostly padding there.
+    // or quantized. Decode batches keep the mma.sync kernels, faster there in bf16, FP8 and
+    // NVFP4: at batch 64 an expert has ~4 pairs, and wgmma's smallest N (32) is mostly padding.
     a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
     if (quant_grouped) a.quant = view_->quant_tables[l].data();
     cuda::MoeGrouped(a, stream_);
