@@ -2,8 +2,8 @@
 // independent FMAs (N x 16 bytes of SASS), timed by clock64 per warp. While the body fits a cache
 // level, a warp per SM sub-partition issues ~1 FMA a cycle; past it, each pass refetches the body
 // from the next level (L2 at the end), and cycles per FMA rise. The persistent decode kernel's
-// per-layer path is ~4,700 SASS instructions (~75 KB; docs/PERFORMANCE.md, sixteenth session):
-// whether that fits is what this measures.
+// per-layer path is ~4,700 SASS instructions (~75 KB, cuobjdump): whether that fits is what this
+// measures.
 //   icache_probe [blocks] [warps_per_block]   (defaults 1, 4; the kernel's shape is 132, 18)
 #include <cuda_runtime.h>
 

@@ -2,8 +2,8 @@
 // each get its first bytes as soon as the others, and its share of the DRAM bandwidth? And what
 // do the decode kernel's 4 KB bulk copies reach, against larger copies and plain loads? It asks
 // the hardware, with no decode kernel around it, about what the persistent decode kernel's
-// timeline shows (docs/PERFORMANCE.md, nineteenth session): at the MLP's start the same SMs get
-// their first expert weights ~1-2 us after the others in every layer.
+// timeline shows: at the MLP's start the same SMs get their first expert weights later than the
+// others in every layer.
 //
 // One block an SM (all of its shared memory), one thread keeping `in_flight` bulk copies of
 // `unit` bytes (cp.async.bulk with mbarrier completion, as the decode kernel's rings) of the
