@@ -1,4 +1,5 @@
 #include "agent/spool.h"
+#include "api/status_macros.h"
 
 #include <sqlite3.h>
 
@@ -82,12 +83,12 @@ absl::StatusOr<std::unique_ptr<Spool>> Spool::Open(const std::string& path) {
   sqlite3_busy_timeout(db, 5000);
   std::unique_ptr<Spool> spool(new Spool(db));
   for (const char* sql : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"}) {
-    if (auto s = spool->Exec(sql); !s.ok()) return s;
+    RETURN_IF_ERROR(spool->Exec(sql));
   }
   int64_t version = 0;
   {
     Stmt st(db, "PRAGMA user_version");
-    if (auto s = st.Prepared(); !s.ok()) return s;
+    RETURN_IF_ERROR(st.Prepared());
     if (st.Step() == SQLITE_ROW) version = st.Int(0);
   }
   if (version > kSchemaVersion)
@@ -136,7 +137,7 @@ absl::StatusOr<int64_t> Spool::Put(const SpooledResult& result) {
           "ON CONFLICT (trial_id, attempt) DO UPDATE SET result_json = excluded.result_json, "
           "slots = excluded.slots "
           "RETURNING seq");
-  if (auto s = st.Prepared(); !s.ok()) return s;
+  RETURN_IF_ERROR(st.Prepared());
   st.Bind(1, result.trial_id);
   st.Bind(2, static_cast<int64_t>(result.attempt));
   st.Bind(3, result.result_json);
@@ -153,7 +154,7 @@ absl::StatusOr<std::vector<SpooledResult>> Spool::All() {
   Stmt st(db_,
           "SELECT seq, trial_id, attempt, result_json, slots, spooled_unix_ms "
           "FROM spooled_results ORDER BY seq");
-  if (auto s = st.Prepared(); !s.ok()) return s;
+  RETURN_IF_ERROR(st.Prepared());
   std::vector<SpooledResult> out;
   int rc;
   while ((rc = st.Step()) == SQLITE_ROW) {
@@ -173,7 +174,7 @@ absl::StatusOr<std::vector<SpooledResult>> Spool::All() {
 absl::Status Spool::Remove(const std::string& trial_id, int attempt) {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt st(db_, "DELETE FROM spooled_results WHERE trial_id = ?1 AND attempt = ?2");
-  if (auto s = st.Prepared(); !s.ok()) return s;
+  RETURN_IF_ERROR(st.Prepared());
   st.Bind(1, trial_id);
   st.Bind(2, static_cast<int64_t>(attempt));
   if (st.Step() != SQLITE_DONE) return st.Error("remove");
@@ -183,7 +184,7 @@ absl::Status Spool::Remove(const std::string& trial_id, int attempt) {
 absl::StatusOr<int64_t> Spool::Count() {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt st(db_, "SELECT COUNT(*) FROM spooled_results");
-  if (auto s = st.Prepared(); !s.ok()) return s;
+  RETURN_IF_ERROR(st.Prepared());
   if (st.Step() != SQLITE_ROW) return st.Error("count");
   return st.Int(0);
 }

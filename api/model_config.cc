@@ -609,7 +609,7 @@ int64_t ModelConfig::ActiveParams() const { return CountParams<int64_t>(*this, t
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
   // Messages quote values through Show(), whose dump() recurses per level.
-  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckJsonDepth(json_text, source));
   const json root = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return MalformedJson(json_text, source);
   if (!root.is_object()) {

@@ -1,4 +1,5 @@
 #include "api/untrusted_json.h"
+#include "api/status_macros.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -48,7 +49,7 @@ absl::Status CheckJsonDepth(std::string_view text, std::string_view what, int ma
 
 absl::StatusOr<nlohmann::json> ParseUntrustedJson(std::string_view text, std::string_view what,
                                                   int max_depth) {
-  if (absl::Status s = CheckJsonDepth(text, what, max_depth); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckJsonDepth(text, what, max_depth));
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {

@@ -1,4 +1,5 @@
 #include "engine/backends.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 
@@ -76,7 +77,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
         absl::StrCat("kv-slot-swap is committed by the CPU reference only; device=", device,
                      " would run the trial without the fault"));
   if (device == "cpu") {
-    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+    RETURN_IF_ERROR(MaterializeHostWeights(host));
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?
       ModelWeights probe = host.weights;
       std::vector<uint8_t> scratch;

@@ -1,4 +1,5 @@
 #include "engine/checkpoint.h"
+#include "api/status_macros.h"
 
 #include <sys/stat.h>
 
@@ -303,7 +304,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single_path);
   if (!f.ok()) return f.status();
   ckpt->files_.push_back(*std::move(f));
-  if (absl::Status s = index_file(0); !s.ok()) return s;
+  RETURN_IF_ERROR(index_file(0));
   return ckpt;
 }
 
@@ -594,8 +595,8 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     for (const std::string& name : direct) {
       const Hit hit = find(name);
       if (hit.entry == nullptr) continue;
-      if (absl::Status s = check_dtype(hit, spec); !s.ok()) return s;
-      if (absl::Status s = check_shape(hit, spec); !s.ok()) return s;
+      RETURN_IF_ERROR(check_dtype(hit, spec));
+      RETURN_IF_ERROR(check_shape(hit, spec));
       out.push_back({spec.name, absl::StrCat(Basename(hit.file->path()), ":", name),
                      hit.entry->dtype, spec.shape, hit.file->Data(*hit.entry)});
       resolved = true;
@@ -605,7 +606,7 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       const std::string& name = fused[k];
       const Hit hit = find(name);
       if (hit.entry == nullptr) continue;
-      if (absl::Status s = check_dtype(hit, spec); !s.ok()) return s;
+      RETURN_IF_ERROR(check_dtype(hit, spec));
       // gate_up_proj: [E, 2*I, H], gate rows first; down_proj: [E, H, I].
       const int64_t rows = spec.shape[0];
       const int64_t cols = spec.shape[1];

@@ -1,4 +1,5 @@
 #include "engine/cpu_model.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <cmath>
@@ -60,8 +61,7 @@ class CpuModel final : public Model {
 
   absl::Status Forward(std::span<const int32_t> tokens, int n, LogitsMode mode,
                        std::vector<float>* logits) override {
-    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
-      return s;
+    RETURN_IF_ERROR(ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n));
     std::vector<SequenceRows> seqs;
     for (int b = 0; b < batch_; ++b) seqs.push_back({b, position_, static_cast<int64_t>(b) * n, n});
     Step(seqs, tokens, mode == LogitsMode::kAll, logits);
@@ -106,7 +106,7 @@ class CpuModel final : public Model {
   absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
                           std::vector<float>* last_logits) override {
     if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
-    if (auto s = ValidateRaggedChunks(config_, slots_, chunks); !s.ok()) return s;
+    RETURN_IF_ERROR(ValidateRaggedChunks(config_, slots_, chunks));
     std::vector<SequenceRows> seqs;
     std::vector<int32_t> tokens;
     for (const RaggedChunk& c : chunks) {

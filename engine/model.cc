@@ -1,4 +1,5 @@
 #include "engine/model.h"
+#include "api/status_macros.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"
@@ -29,7 +30,7 @@ absl::Status ValidateRaggedChunks(const ModelConfig& config, const KvSlotAllocat
   if (chunks.empty()) return absl::InvalidArgumentError("RaggedStep: no chunks");
   std::vector<bool> seen(slots.slots(), false);
   for (const RaggedChunk& c : chunks) {
-    if (auto s = slots.CheckAppend(c.slot, static_cast<int>(c.tokens.size())); !s.ok()) return s;
+    RETURN_IF_ERROR(slots.CheckAppend(c.slot, static_cast<int>(c.tokens.size())));
     if (seen[c.slot])
       return absl::InvalidArgumentError(
           absl::StrCat("RaggedStep: KV slot ", c.slot, " appears twice in one step"));
@@ -46,7 +47,7 @@ absl::Status ValidateRaggedChunks(const ModelConfig& config, const KvSlotAllocat
 absl::Status Model::ForwardGreedy(std::span<const int32_t> tokens, int n,
                                   std::vector<int32_t>* next) {
   std::vector<float> logits;
-  if (auto s = Forward(tokens, n, LogitsMode::kLast, &logits); !s.ok()) return s;
+  RETURN_IF_ERROR(Forward(tokens, n, LogitsMode::kLast, &logits));
   const size_t vocab = static_cast<size_t>(config().vocab_size);
   next->resize(logits.size() / vocab);
   RecordLaunch("greedy_pick");  // the launch log (core/launch_log.h): the host's pick
@@ -75,7 +76,7 @@ absl::Status Model::RaggedStep(std::span<const RaggedChunk>, std::vector<float>*
 absl::Status Model::RaggedStepGreedy(std::span<const RaggedChunk> chunks,
                                      std::vector<int32_t>* next) {
   std::vector<float> logits;
-  if (auto s = RaggedStep(chunks, &logits); !s.ok()) return s;
+  RETURN_IF_ERROR(RaggedStep(chunks, &logits));
   const size_t vocab = static_cast<size_t>(config().vocab_size);
   next->resize(chunks.size());
   RecordLaunch("greedy_pick");

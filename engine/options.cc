@@ -161,7 +161,7 @@ const char* AxisValueName(Matmul v) { return NameOf(v); }
 const char* AxisValueName(AllReduce v) { return NameOf(v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
-  if (auto s = ExpectDevice(normalized, "cuda"); !s.ok()) return s;
+  RETURN_IF_ERROR(ExpectDevice(normalized, "cuda"));
   const std::string device = "cuda";
   CudaOptions o;
   for (absl::Status s :
@@ -176,14 +176,14 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
 }
 
 absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
-  if (auto s = ExpectDevice(normalized, "cpu"); !s.ok()) return s;
+  RETURN_IF_ERROR(ExpectDevice(normalized, "cpu"));
   CpuOptions o;
   RETURN_IF_ERROR(ParseAxis(normalized, "cpu", &o.matmul));
   const std::string threads = ValueOf(normalized, "cpu", "threads");
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
     return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
                                                    "' is neither a positive number nor all"));
-  if (auto s = ParseParallel(normalized, "cpu", &o.parallel); !s.ok()) return s;
+  RETURN_IF_ERROR(ParseParallel(normalized, "cpu", &o.parallel));
   return o;
 }
 

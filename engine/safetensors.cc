@@ -1,4 +1,5 @@
 #include "engine/safetensors.h"
+#include "api/status_macros.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -148,7 +149,7 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const uint8_t* json_begin, uin
   };
 
   const std::string_view text(reinterpret_cast<const char*>(json_begin), json_size);
-  if (absl::Status s = CheckJsonDepth(text, absl::StrCat(file, ": header")); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckJsonDepth(text, absl::StrCat(file, ": header")));
   json root;
   try {
     root = json::parse(text, track_keys);

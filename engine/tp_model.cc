@@ -1,4 +1,5 @@
 #include "engine/tp_model.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <cstring>
@@ -146,7 +147,7 @@ class TensorParallelCpuModel final : public Model {
 
   absl::Status StartBatch(int batch, int max_tokens) override {
     for (auto& rank : ranks_)
-      if (auto s = rank->StartBatch(batch, max_tokens); !s.ok()) return s;
+      RETURN_IF_ERROR(rank->StartBatch(batch, max_tokens));
     batch_ = batch;
     capacity_ = max_tokens;
     return absl::OkStatus();
@@ -156,9 +157,7 @@ class TensorParallelCpuModel final : public Model {
                        std::vector<float>* logits) override {
     // Checked here, before any rank starts: a rank that failed alone would leave the others
     // waiting in the all-reduce.
-    if (auto s = ValidateForwardArgs(host_.config, batch_, capacity_, position(), tokens, n);
-        !s.ok())
-      return s;
+    RETURN_IF_ERROR(ValidateForwardArgs(host_.config, batch_, capacity_, position(), tokens, n));
     const int tp = static_cast<int>(ranks_.size());
     std::vector<std::vector<float>> partial(tp);
     std::vector<absl::Status> status(tp);

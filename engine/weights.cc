@@ -1,4 +1,5 @@
 #include "engine/weights.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <atomic>
@@ -114,7 +115,7 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
     config->head_dim = options.head_dim_override;
     const std::string source =
         absl::StrCat("preset '", preset, "' with head_dim ", options.head_dim_override);
-    if (auto valid = ValidateModelConfig(*config, source); !valid.ok()) return valid;
+    RETURN_IF_ERROR(ValidateModelConfig(*config, source));
   }
   auto model = std::make_unique<HostModel>();
   model->config = *config;
@@ -129,7 +130,7 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
     model->tensors[i] = {spec.name, "synthetic:" + spec.name, DType::kBF16, spec.shape, nullptr};
   }
   if (options.materialize_host)
-    if (auto s = MaterializeHostWeights(*model); !s.ok()) return s;
+    RETURN_IF_ERROR(MaterializeHostWeights(*model));
   return model;
 }
 
@@ -410,7 +411,7 @@ absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& mode
   if (!bound.ok()) return bound.status();
   model->weights = std::move(*bound);
   if (description->quantize != QuantFormat::kNone) {
-    if (auto s = QuantizeHostModel(*model, description->quantize); !s.ok()) return s;
+    RETURN_IF_ERROR(QuantizeHostModel(*model, description->quantize));
     model->source = ModelDescriptionString(*description);
   }
   model->load_seconds =

@@ -1,4 +1,5 @@
 #include "harness/allreduce_bench.h"
+#include "api/status_macros.h"
 
 #include <chrono>
 #include <thread>
@@ -36,7 +37,7 @@ absl::Status ValidateAllReduceBenchOptions(const AllReduceBenchOptions& o) {
 
 absl::StatusOr<std::vector<AllReduceBenchRow>> RunCpuAllReduceBench(
     const AllReduceBenchOptions& o) {
-  if (auto s = ValidateAllReduceBenchOptions(o); !s.ok()) return s;
+  RETURN_IF_ERROR(ValidateAllReduceBenchOptions(o));
   std::vector<AllReduceBenchRow> rows;
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.size_factor) {
     AllReduceBenchRow row;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "harness/allreduce_bench.h"
@@ -26,7 +27,7 @@ namespace {
 constexpr double kNvlinkGbPerS = 450.0;
 
 absl::Status ValidateCuda(const AllReduceBenchOptions& o) {
-  if (auto s = ValidateAllReduceBenchOptions(o); !s.ok()) return s;
+  RETURN_IF_ERROR(ValidateAllReduceBenchOptions(o));
   if (o.allreduce.empty()) return absl::InvalidArgumentError("--allreduce: no value given");
   for (const std::string& v : o.allreduce)
     if (v != "nccl" && v != "custom" && v != "fused")
@@ -170,7 +171,7 @@ absl::Status RankRow(Communicator& comm, RankBuffers& b, AllReduce kind, int64_t
 
 absl::StatusOr<std::vector<AllReduceBenchRow>> RunCudaAllReduceBench(
     const AllReduceBenchOptions& o) {
-  if (auto s = ValidateCuda(o); !s.ok()) return s;
+  RETURN_IF_ERROR(ValidateCuda(o));
 #ifndef INFERSWEEP_HAVE_CUDA
   return absl::FailedPreconditionError(
       "allreduce-bench --device cuda: this build has no CUDA (configure with INFERSWEEP_CUDA=ON)");
@@ -189,7 +190,7 @@ absl::StatusOr<std::vector<AllReduceBenchRow>> RunCudaAllReduceBench(
   std::vector<RankBuffers> buffers(o.ranks);
   for (int r = 0; r < o.ranks; ++r) {
     buffers[r].device = r;
-    if (auto s = buffers[r].Allocate(o.max_bytes, o.fused_row); !s.ok()) return s;
+    RETURN_IF_ERROR(buffers[r].Allocate(o.max_bytes, o.fused_row));
   }
   std::vector<AllReduceBenchRow> rows;
   for (const std::string& value : o.allreduce) {

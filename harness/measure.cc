@@ -1,4 +1,5 @@
 #include "harness/measure.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <chrono>
@@ -54,7 +55,7 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   std::vector<int32_t> prompt(static_cast<size_t>(batch) * w.prompt_len);
   for (size_t i = 0; i < prompt.size(); ++i)
     prompt[i] = static_cast<int32_t>(Mix64(0xbe7c4 + i + 7919ull * repeat) % vocab);
-  if (auto s = model.StartBatch(batch, w.prompt_len + w.output_len); !s.ok()) return s;
+  RETURN_IF_ERROR(model.StartBatch(batch, w.prompt_len + w.output_len));
   RepeatTiming t;
   // Greedy decoding, the token picked where the logits are (Model::ForwardGreedy): what a step
   // costs a serving engine, which hands back token ids, not logits.
@@ -68,7 +69,7 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   {
     std::optional<ScopedLaunchRecording> record;
     if (logs) record.emplace(&logs->prefill);
-    if (auto s = model.ForwardGreedy(prompt, w.prompt_len, &next); !s.ok()) return s;
+    RETURN_IF_ERROR(model.ForwardGreedy(prompt, w.prompt_len, &next));
   }
   auto last = Clock::now();
   const std::optional<double> prefill_device_ms = model.last_forward_device_ms();
@@ -80,7 +81,7 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
     {
       std::optional<ScopedLaunchRecording> record;
       if (logs && step == last_step) record.emplace(&logs->decode);
-      if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
+      RETURN_IF_ERROR(model.ForwardGreedy(next, 1, &next));
     }
     const auto now = Clock::now();
     const double step_ms = t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);

@@ -1,4 +1,5 @@
 #include "harness/verdict.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <cmath>
@@ -48,13 +49,13 @@ absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector
     prefill_pass.ranges.push_back({first, first + prefix});
     if (steps > 0) decode_pass.ranges.push_back({first + prefix, first + len});
   }
-  if (auto s = model.StartBatch(batch, len); !s.ok()) return s;
+  RETURN_IF_ERROR(model.StartBatch(batch, len));
   std::vector<int32_t> chunk(static_cast<size_t>(batch) * prefix);
   for (int b = 0; b < batch; ++b)
     std::copy_n(tokens.begin() + static_cast<size_t>(b) * len, prefix,
                 chunk.begin() + static_cast<size_t>(b) * prefix);
   std::vector<float> prefill, step;
-  if (auto s = model.Forward(chunk, prefix, LogitsMode::kAll, &prefill); !s.ok()) return s;
+  RETURN_IF_ERROR(model.Forward(chunk, prefix, LogitsMode::kAll, &prefill));
   std::vector<float> all(static_cast<size_t>(batch) * len * vocab);
   for (int b = 0; b < batch; ++b)
     std::copy_n(prefill.begin() + static_cast<size_t>(b) * prefix * vocab,
@@ -63,7 +64,7 @@ absl::Status TeacherForced(Model& model, const EvalSpec& spec, const std::vector
   std::vector<int32_t> next(batch);
   for (int i = prefix; i < len; ++i) {
     for (int b = 0; b < batch; ++b) next[b] = tokens[static_cast<size_t>(b) * len + i];
-    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &step); !s.ok()) return s;
+    RETURN_IF_ERROR(model.Forward(next, 1, LogitsMode::kLast, &step));
     for (int b = 0; b < batch; ++b)
       std::copy_n(step.begin() + static_cast<size_t>(b) * vocab, vocab,
                   all.begin() + (static_cast<size_t>(b) * len + i) * vocab);
@@ -80,17 +81,14 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
   const int vocab = model.config().vocab_size;
   EvalOutputs out;
   const std::vector<int32_t> prompts = EvalTokens(spec, vocab, spec.prompts * spec.prompt_len, 1);
-  if (auto s = TeacherForced(model, spec, prompts, spec.prompts, &out); !s.ok()) return s;
+  RETURN_IF_ERROR(TeacherForced(model, spec, prompts, spec.prompts, &out));
   if (spec.prompts > 1)  // batch 1 has decode kernels of its own
-    if (auto s = TeacherForced(model, spec, prompts, 1, &out); !s.ok()) return s;
+    RETURN_IF_ERROR(TeacherForced(model, spec, prompts, 1, &out));
 
   const std::vector<int32_t> starts = FreeRunStarts(spec, vocab);
-  if (auto s = model.StartBatch(spec.prompts, spec.free_run_prompt_len + spec.free_run_len);
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(model.StartBatch(spec.prompts, spec.free_run_prompt_len + spec.free_run_len));
   std::vector<float> logits;
-  if (auto s = model.Forward(starts, spec.free_run_prompt_len, LogitsMode::kLast, &logits); !s.ok())
-    return s;
+  RETURN_IF_ERROR(model.Forward(starts, spec.free_run_prompt_len, LogitsMode::kLast, &logits));
   out.free.assign(spec.prompts, {});
   std::vector<int32_t> next(spec.prompts);
   for (int step = 0; step < spec.free_run_len; ++step) {
@@ -100,7 +98,7 @@ absl::StatusOr<EvalOutputs> RunEval(Model& model, const EvalSpec& spec) {
       out.free[b].push_back(next[b]);
     }
     if (step + 1 == spec.free_run_len) break;
-    if (auto s = model.Forward(next, 1, LogitsMode::kLast, &logits); !s.ok()) return s;
+    RETURN_IF_ERROR(model.Forward(next, 1, LogitsMode::kLast, &logits));
   }
   return out;
 }
@@ -152,9 +150,9 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicksOnFreeRuns(
     std::copy_n(free[s].begin(), run_len - 1,
                 rows.begin() + static_cast<size_t>(s) * len + start_len);
   }
-  if (auto st = reference.StartBatch(spec.prompts, len); !st.ok()) return st;
+  RETURN_IF_ERROR(reference.StartBatch(spec.prompts, len));
   std::vector<float> logits;
-  if (auto st = reference.Forward(rows, len, LogitsMode::kAll, &logits); !st.ok()) return st;
+  RETURN_IF_ERROR(reference.Forward(rows, len, LogitsMode::kAll, &logits));
   std::vector<std::vector<int32_t>> picks(spec.prompts, std::vector<int32_t>(run_len));
   for (int s = 0; s < spec.prompts; ++s)
     for (int i = 0; i < run_len; ++i) {  // token i follows position start_len - 1 + i

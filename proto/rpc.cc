@@ -1,4 +1,5 @@
 #include "proto/rpc.h"
+#include "api/status_macros.h"
 
 #include <openssl/bio.h>
 #include <openssl/err.h>
@@ -124,11 +125,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
         "TLS needs both a server certificate and its private key (--tls-cert, --tls-key)");
   absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
   if (!cert.ok()) return cert.status();
-  if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckSecretFileMode(tls.key_file, "TLS private key"));
   absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
   if (!key.ok()) return key.status();
-  if (absl::Status s = CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file); !s.ok())
-    return s;
+  RETURN_IF_ERROR(CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file));
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
   if (!tls.client_ca_file.empty()) {
@@ -164,11 +164,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.cert_file.empty()) {
     absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
     if (!cert.ok()) return cert.status();
-    if (auto s = CheckSecretFileMode(tls.key_file, "TLS private key"); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckSecretFileMode(tls.key_file, "TLS private key"));
     absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
     if (!key.ok()) return key.status();
-    if (absl::Status s = CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file); !s.ok())
-      return s;
+    RETURN_IF_ERROR(CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file));
     options.pem_cert_chain = *std::move(cert);
     options.pem_private_key = *std::move(key);
   }
@@ -215,7 +214,7 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
-  if (auto s = CheckSecretFileMode(path, "token"); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckSecretFileMode(path, "token"));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
   std::stringstream text;

@@ -147,7 +147,7 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
   a.h = t.Upload(std::vector<uint16_t>(static_cast<size_t>(pairs) * c.inter, 0));
   a.out = t.Upload(std::vector<float>(static_cast<size_t>(pairs) * c.hidden, NAN));
   a.y = t.Upload(y0);
-  a.wgmma = c.wgmma;
+  a.kernel = cuda::MoeGroupedKernelFor(/*quantized=*/false, c.wgmma, pairs, c.experts);
   cuda::MoeGrouped(a, nullptr);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

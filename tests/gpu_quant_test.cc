@@ -549,7 +549,7 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
   a.out = dout;
   a.y = dy;
   a.quant = tables;
-  a.wgmma = wgmma;
+  a.kernel = cuda::MoeGroupedKernelFor(/*quantized=*/true, wgmma, pairs, c.experts);
   cuda::MoeGrouped(a, nullptr);
   CUDA_EXPECT_OK(cudaGetLastError());
   CUDA_EXPECT_OK(cudaDeviceSynchronize());

@@ -105,7 +105,7 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
           {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, max_tokens}, stream_);
       if (!made.ok()) return made.status();
       cudnn_ = std::move(*made);
-      if (auto s = cudnn_->Prepare(batch, 1); !s.ok()) return s;
+      RETURN_IF_ERROR(cudnn_->Prepare(batch, 1));
       break;
     }
   }
@@ -148,18 +148,18 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     LinearRunner::AddSegment(a, lw.q, lw.q_bias, q_raw);
     LinearRunner::AddSegment(a, lw.k, lw.k_bias, k_);
     LinearRunner::AddSegment(a, lw.v, lw.v_bias, v_);
-    if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
+    RETURN_IF_ERROR(linear_.RunGemv(a, /*projection=*/true));
   } else {
     const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
     if (linear_.QkvContiguous(lw)) {  // one GEMM into [rows, q | k | v]
       const int q_rows = static_cast<int>(lw.q.rows), width = q_rows + 2 * kv_dim;
       const MatrixRef qkv{lw.q.data, DType::kBF16, width, lw.q.cols};
-      if (auto s = linear_.cublaslt()->Run(xb, rows, qkv, qkv_, stream_); !s.ok()) return s;
+      RETURN_IF_ERROR(linear_.cublaslt()->Run(xb, rows, qkv, qkv_, stream_));
       projected = {qkv_, width, qkv_ + q_rows, qkv_ + q_rows + kv_dim, width};
     } else {
-      if (auto s = linear_.Gemm(xn, xb, rows, lw.q, lw.q_bias, q_raw); !s.ok()) return s;
-      if (auto s = linear_.Gemm(xn, xb, rows, lw.k, lw.k_bias, k_); !s.ok()) return s;
-      if (auto s = linear_.Gemm(xn, xb, rows, lw.v, lw.v_bias, v_); !s.ok()) return s;
+      RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, lw.q, lw.q_bias, q_raw));
+      RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, lw.k, lw.k_bias, k_));
+      RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, lw.v, lw.v_bias, v_));
     }
   }
   if (gated) {  // [q_h | gate_h] per head -> q_ and gate_
@@ -182,17 +182,14 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
                            config_.head_dim, q_norm, k_norm, eps, rope_, d_position, cache, stream_,
                            row_map);
   if (!ragged) {
-    if (auto s = Attend(cache, 0, rows, n, d_position, nullptr); !s.ok()) return s;
+    RETURN_IF_ERROR(Attend(cache, 0, rows, n, d_position, nullptr));
   } else {
     if (ragged->decode_rows > 0)
-      if (auto s = Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map); !s.ok()) return s;
+      RETURN_IF_ERROR(Attend(cache, 0, ragged->decode_rows, 1, d_position, row_map));
     // A prefill chunk is a lockstep chunk of one sequence: its slot's cache, its first row's
     // position (the pair's .y) as the chunk's position.
     for (const RaggedRows::Chunk& c : ragged->chunks) {
-      if (auto s = Attend(SlotCache(cache, c.slot), c.first_row, c.tokens, c.tokens,
-                          reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr);
-          !s.ok())
-        return s;
+      RETURN_IF_ERROR(Attend(SlotCache(cache, c.slot), c.first_row, c.tokens, c.tokens, reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr));
     }
   }
   if (gated) cuda::SigmoidGate(attn_, gate_, static_cast<int64_t>(rows) * q_dim, stream_);
@@ -204,11 +201,10 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     LinearRunner::AddSegment(a, lw.o, lw.o_bias, out);
     a.accumulate = true;
     a.scale = o_scale;
-    if (auto s = linear_.RunGemv(a, /*projection=*/true); !s.ok()) return s;
+    RETURN_IF_ERROR(linear_.RunGemv(a, /*projection=*/true));
   } else {
     const uint16_t* ab = linear_.PrepareInput(attn_, static_cast<int64_t>(rows) * q_dim);
-    if (auto s = linear_.GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, out); !s.ok())
-      return s;
+    RETURN_IF_ERROR(linear_.GemmAccumulate(attn_, ab, rows, lw.o, lw.o_bias, o_scale, out));
   }
   CHECK_LAUNCH();
   return absl::OkStatus();

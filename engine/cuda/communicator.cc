@@ -1,4 +1,5 @@
 #include "engine/cuda/communicator.h"
+#include "api/status_macros.h"
 
 #include <nccl.h>
 
@@ -117,9 +118,7 @@ class PeerCommunicator final : public Communicator {
 absl::StatusOr<void*> AllocatePeerBuffer(int64_t max_bytes) {
   void* p = nullptr;
   const size_t bytes = cuda::PeerBufferBytes(max_bytes);
-  if (auto s = CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc of the all-reduce peer buffer");
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc of the all-reduce peer buffer"));
   if (auto s = CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset of the all-reduce signals");
       !s.ok()) {
     cudaFree(p);
@@ -204,7 +203,7 @@ absl::Status Communicator::SumAddNorm(float* partial, int rows, int n, float* re
                                       const MatrixRef& gain, float eps, float* out,
                                       cudaStream_t stream) {
   const int64_t count = int64_t{rows} * n;
-  if (auto s = Sum(partial, count, cuda::ReduceDType::kFp32, stream); !s.ok()) return s;
+  RETURN_IF_ERROR(Sum(partial, count, cuda::ReduceDType::kFp32, stream));
   cuda::AddScaled(residual, partial, 1.f, count, stream);
   cuda::RmsNorm(residual, rows, n, gain, eps, out, stream);
   return CudaStatus(cudaGetLastError(), "add and norm launch");
@@ -213,7 +212,7 @@ absl::Status Communicator::SumAddNorm(float* partial, int rows, int n, float* re
 absl::StatusOr<NcclId> MakeNcclId() {
   DisableNvls();
   ncclUniqueId id;
-  if (auto s = NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id)); !s.ok()) return s;
+  RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id)));
   NcclId out;
   std::memcpy(out.data(), &id, sizeof(id));
   return out;
@@ -221,21 +220,19 @@ absl::StatusOr<NcclId> MakeNcclId() {
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const NcclId& id, int ranks,
                                                                    int rank) {
-  if (auto s = CheckRanks(ranks, rank); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckRanks(ranks, rank));
   DisableNvls();
   ncclUniqueId unique;
   std::memcpy(&unique, id.data(), sizeof(unique));
   ncclComm_t comm = nullptr;
-  if (auto s = NcclStatus("ncclCommInitRank", ncclCommInitRank(&comm, ranks, unique, rank));
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(NcclStatus("ncclCommInitRank", ncclCommInitRank(&comm, ranks, unique, rank)));
   return std::unique_ptr<Communicator>(new NcclCommunicator(comm, ranks, rank));
 }
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicators(
     AllReduce kind, const std::vector<int>& devices, int64_t max_bytes) {
   const int ranks = static_cast<int>(devices.size());
-  if (auto s = CheckRanks(ranks, 0); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckRanks(ranks, 0));
   std::vector<std::unique_ptr<Communicator>> out;
   if (kind == AllReduce::kNccl) {
     if (std::set<int>(devices.begin(), devices.end()).size() != devices.size())
@@ -250,7 +247,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
     for (int r = 0; r < ranks; ++r) out.emplace_back(new NcclCommunicator(comms[r], ranks, r));
     return out;
   }
-  if (auto s = CheckPeerKind(kind, max_bytes); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckPeerKind(kind, max_bytes));
   int previous = 0;
   CUDA_OR_DIE(cudaGetDevice(&previous));
   struct Buffers {  // every rank's buffer, freed on its device once no rank maps it
@@ -307,8 +304,8 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
 
 absl::StatusOr<std::unique_ptr<PeerRank>> PeerRank::Create(AllReduce kind, int ranks, int rank,
                                                            int64_t max_bytes) {
-  if (auto s = CheckRanks(ranks, rank); !s.ok()) return s;
-  if (auto s = CheckPeerKind(kind, max_bytes); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckRanks(ranks, rank));
+  RETURN_IF_ERROR(CheckPeerKind(kind, max_bytes));
   auto own = AllocatePeerBuffer(max_bytes);
   if (!own.ok()) return own.status();
   cudaIpcMemHandle_t handle;

@@ -1,4 +1,5 @@
 #include "engine/cuda/cuda_model.h"
+#include "api/status_macros.h"
 
 #include <cuda_runtime.h>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/launch_log.h"
 #include "engine/cuda/attention_runner.h"
+#include "engine/cuda/collective_runner.h"
 #include "engine/cuda/communicator.h"
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_attention_runner.h"
@@ -59,11 +61,7 @@ class CudaModel final : public Model {
         linear_attention_(context_, linear_),
         moe_(context_, linear_, dw_.get(), view_.get(), std::move(grouped)),
         persistent_(context_),
-        comm_(rank.comm),
-        rank_comm_(rank.comm != nullptr),
-        max_message_bytes_(rank.max_message_bytes),
-        vocab_begin_(vocab_begin),
-        lm_rows_(w_.lm_head.rows) {
+        collective_(context_, rank.comm, rank.max_message_bytes, vocab_begin, w_.lm_head.rows) {
     CUDA_OR_DIE(cudaEventCreate(&step_start_));
     CUDA_OR_DIE(cudaEventCreate(&step_end_));
   }
@@ -96,14 +94,14 @@ class CudaModel final : public Model {
       return absl::InvalidArgumentError("StartBatch: batch and max_tokens must be positive");
     if (batch != batch_ || max_tokens != capacity_) {
       DestroyGraphs();
-      if (auto s = attention_.AllocateCache(batch, max_tokens); !s.ok()) return s;
-      if (auto s = linear_attention_.AllocateState(batch); !s.ok()) return s;
+      RETURN_IF_ERROR(attention_.AllocateCache(batch, max_tokens));
+      RETURN_IF_ERROR(linear_attention_.AllocateState(batch));
       // A library GEMM's plans for the decode batch's rows, before its graph is captured.
       if (view_ && view_->scaled)
-        if (auto s = view_->scaled->PrepareRows(batch); !s.ok()) return s;
+        RETURN_IF_ERROR(view_->scaled->PrepareRows(batch));
     }
     linear_attention_.ResetState();
-    if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
+    RETURN_IF_ERROR(moe_.MakeRouterCopies());
     serving_ = false;
     batch_ = batch;
     capacity_ = max_tokens;
@@ -127,8 +125,8 @@ class CudaModel final : public Model {
           " runs lockstep batches only: its graph reads KV slot b for sequence b, and a ragged "
           "step's decode rows sit in any slot (cuDNN's paged K/V load is not wired)"));
     DestroyGraphs();
-    if (auto s = attention_.AllocateCache(slots + 1, max_tokens); !s.ok()) return s;
-    if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
+    RETURN_IF_ERROR(attention_.AllocateCache(slots + 1, max_tokens));
+    RETURN_IF_ERROR(moe_.MakeRouterCopies());
     slots_.Reset(slots, max_tokens);
     serving_ = true;
     batch_ = 0;  // no lockstep batch: Forward refuses until the next StartBatch
@@ -171,8 +169,7 @@ class CudaModel final : public Model {
   // One step: the logits to *logits, or (next non-null) each sequence's greedy token to *next.
   absl::Status Step(std::span<const int32_t> tokens, int n, LogitsMode mode,
                     std::vector<float>* logits, std::vector<int32_t>* next) {
-    if (auto s = ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n); !s.ok())
-      return s;
+    RETURN_IF_ERROR(ValidateForwardArgs(config_, batch_, capacity_, position_, tokens, n));
     const bool greedy = next != nullptr;
     if (greedy && batch_ > 65535)  // cuda::GreedyTokens runs a grid row a sequence
       return absl::InvalidArgumentError(
@@ -182,22 +179,20 @@ class CudaModel final : public Model {
     MaybeCommitProcessFault(fault_);
     const int rows = batch_ * n;
     const int out_rows = mode == LogitsMode::kAll ? rows : batch_;
-    if (auto s = EnsureScratch(rows, out_rows); !s.ok()) return s;
+    RETURN_IF_ERROR(EnsureScratch(rows, out_rows));
     // Inputs go through pinned staging buffers so a captured graph can replay the copies.
-    std::copy(tokens.begin(), tokens.end(), h_tokens_);
-    *h_position_ = position_;
-    for (int b = 0; b < batch_; ++b) h_last_rows_[b] = b * n + n - 1;
+    std::copy(tokens.begin(), tokens.end(), h_tokens_.get());
+    *h_position_.get() = position_;
+    for (int b = 0; b < batch_; ++b) h_last_rows_.get()[b] = b * n + n - 1;
 
     const bool use_graph = CapturesDecode(options_.graphs) && n == 1 && mode == LogitsMode::kLast;
-    if (auto s = RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0),
-                         [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); });
-        !s.ok())
-      return s;
+    RETURN_IF_ERROR(RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0), [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); }));
     if (persistent_.timeline() && n == 1 && batch_ == 1) persistent_.ReportTimeline();  // TEST ONLY
     if (greedy)
-      next->assign(h_next_, h_next_ + out_rows);
+      next->assign(h_next_.get(), h_next_.get() + out_rows);
     else
-      logits->assign(h_logits_, h_logits_ + static_cast<size_t>(out_rows) * config_.vocab_size);
+      logits->assign(h_logits_.get(),
+                     h_logits_.get() + static_cast<size_t>(out_rows) * config_.vocab_size);
     position_ += n;
     return absl::OkStatus();
   }
@@ -220,10 +215,7 @@ class CudaModel final : public Model {
         std::copy_n(tokens.begin() + static_cast<size_t>(b) * n + start, len,
                     piece.begin() + static_cast<size_t>(b) * len);
       const bool last = start + len == n;
-      if (auto s = Step(piece, len, LogitsMode::kLast, last ? logits : nullptr,
-                        last ? next : &discarded);
-          !s.ok())
-        return s;
+      RETURN_IF_ERROR(Step(piece, len, LogitsMode::kLast, last ? logits : nullptr, last ? next : &discarded));
       device_ms += last_step_ms_.value_or(0);
     }
     last_step_ms_ = device_ms;
@@ -267,7 +259,7 @@ class CudaModel final : public Model {
       RecordGraphReplay(graph_launches_[graph_key]);
     } else {
       CUDA_OR_DIE(cudaEventRecord(step_start_, stream_));
-      if (auto s = enqueue(); !s.ok()) return s;
+      RETURN_IF_ERROR(enqueue());
     }
     CUDA_OR_DIE(cudaEventRecord(step_end_, stream_));
     CUDA_OR_DIE(cudaStreamSynchronize(stream_));
@@ -284,7 +276,7 @@ class CudaModel final : public Model {
   absl::Status Ragged(std::span<const RaggedChunk> chunks, std::vector<float>* logits,
                       std::vector<int32_t>* next) {
     if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
-    if (auto s = ValidateRaggedChunks(config_, slots_, chunks); !s.ok()) return s;
+    RETURN_IF_ERROR(ValidateRaggedChunks(config_, slots_, chunks));
     MaybeCommitProcessFault(fault_);
     std::vector<int> order;  // step order -> chunk index
     for (size_t i = 0; i < chunks.size(); ++i)
@@ -304,9 +296,9 @@ class CudaModel final : public Model {
       while (rows < decodes) rows *= 2;
       sequences = rows;
     }
-    if (auto s = EnsureScratch(rows, sequences); !s.ok()) return s;
+    RETURN_IF_ERROR(EnsureScratch(rows, sequences));
     RaggedRows plan;
-    plan.rows = d_ragged_;
+    plan.rows = d_ragged_.get();
     plan.decode_rows = use_graph ? rows : decodes;
     int row = 0;
     for (int k = 0; k < static_cast<int>(order.size()); ++k) {
@@ -315,32 +307,26 @@ class CudaModel final : public Model {
       const int count = static_cast<int>(c.tokens.size());
       if (count > 1) plan.chunks.push_back({row, count, c.slot});
       for (int t = 0; t < count; ++t, ++row) {
-        h_tokens_[row] = c.tokens[t];
-        h_ragged_[row] = make_int2(c.slot, length + t);
+        h_tokens_.get()[row] = c.tokens[t];
+        h_ragged_.get()[row] = make_int2(c.slot, length + t);
       }
-      h_last_rows_[k] = row - 1;
+      h_last_rows_.get()[k] = row - 1;
     }
     for (; row < rows; ++row) {  // padding rows: token 0 at position 0 of the spare slot
-      h_tokens_[row] = 0;
-      h_ragged_[row] = make_int2(slots_.slots(), 0);
-      h_last_rows_[row] = row;
+      h_tokens_.get()[row] = 0;
+      h_ragged_.get()[row] = make_int2(slots_.slots(), 0);
+      h_last_rows_.get()[row] = row;
     }
     const bool greedy = next != nullptr;
-    if (auto s = RunStep(use_graph, -(2 * rows + (greedy ? 1 : 0)) - 1,
-                         [&] {
-                           return EnqueueStep(rows, longest, sequences, LogitsMode::kLast, greedy,
-                                              &plan);
-                         });
-        !s.ok())
-      return s;
+    RETURN_IF_ERROR(RunStep(use_graph, -(2 * rows + (greedy ? 1 : 0)) - 1, [&] { return EnqueueStep(rows, longest, sequences, LogitsMode::kLast, greedy, &plan); }));
     const size_t vocab = config_.vocab_size;
     if (greedy) {
       next->resize(chunks.size());
-      for (size_t k = 0; k < chunks.size(); ++k) (*next)[order[k]] = h_next_[k];
+      for (size_t k = 0; k < chunks.size(); ++k) (*next)[order[k]] = h_next_.get()[k];
     } else {
       logits->resize(chunks.size() * vocab);
       for (size_t k = 0; k < chunks.size(); ++k)
-        std::copy_n(h_logits_ + k * vocab, vocab, logits->data() + order[k] * vocab);
+        std::copy_n(h_logits_.get() + k * vocab, vocab, logits->data() + order[k] * vocab);
     }
     for (const RaggedChunk& c : chunks) slots_.Advance(c.slot, static_cast<int>(c.tokens.size()));
     return absl::OkStatus();
@@ -361,14 +347,15 @@ class CudaModel final : public Model {
     // also gathers the embedding rows and zeroes the persistent kernel's barrier counters: one
     // launch in place of two copies, an embedding kernel and a memset, measurably shorter steps
     // on the H200 at batch 1 and 64 (docs/PERFORMANCE.md).
-    cuda::StepInputArgs in{h_tokens_, h_position_, rows, d_tokens_, d_position_, w_.embed, x_};
+    cuda::StepInputArgs in{h_tokens_.get(),   h_position_.get(), rows,    d_tokens_.get(),
+                           d_position_.get(), w_.embed,          x_.get()};
     if (persistent) {
       in.zero = persistent_.barrier();
       in.zero_count = persistent_.counters();
     }
     if (ragged) {
-      in.host_ragged = h_ragged_;
-      in.ragged = d_ragged_;
+      in.host_ragged = h_ragged_.get();
+      in.ragged = d_ragged_.get();
     }
     cuda::StepInputs(in, stream_);
     CHECK_LAUNCH();
@@ -391,42 +378,44 @@ class CudaModel final : public Model {
                                     "takes batch 1)"));
     }
     if (persistent)
-      persistent_.Launch(x_, attention_.k_cache(), attention_.v_cache(), capacity_,
-                         attention_.rope(), d_position_, attention_.qkv(), attention_.attn(),
+      persistent_.Launch(x_.get(), attention_.k_cache(), attention_.v_cache(), capacity_,
+                         attention_.rope(), d_position_.get(), attention_.qkv(), attention_.attn(),
                          moe_.router());
     // The blocks add their outputs into x_ (the residual stream); with a communicator (tp > 1,
     // or a named allreduce at tp=1) into partial_, which the seam sums over the ranks before
     // the residual add, as row-parallel o and down projections need.
-    float* const out = comm_ ? partial_ : x_;
+    float* const x = x_.get();
+    float* const out = collective_.active() ? collective_.partial() : x;
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
-      if (comm_) ClearPartial(rows);
+      if (collective_.active()) collective_.ClearPartial(rows);
       if (config_.AttentionKind(l) == LayerAttention::kLinear) {
-        if (auto s = linear_attention_.Run(l, rows, n, gemv, x_, out); !s.ok()) return s;
-      } else if (auto s = attention_.Run(l, rows, n, gemv, x_, out, d_position_, ragged); !s.ok()) {
+        RETURN_IF_ERROR(linear_attention_.Run(l, rows, n, gemv, x, out));
+      } else if (auto s = attention_.Run(l, rows, n, gemv, x, out, d_position_.get(), ragged);
+                 !s.ok()) {
         return s;
       }
-      if (auto s = ReduceIntoResidual(rows); !s.ok()) return s;
-      if (comm_) ClearPartial(rows);
+      RETURN_IF_ERROR(collective_.ReduceIntoResidual(x, rows));
+      if (collective_.active()) collective_.ClearPartial(rows);
       if (config_.IsMoeLayer(l)) {
-        if (auto s = moe_.Run(l, rows, n, gemv, x_, out); !s.ok()) return s;
-      } else if (auto s = linear_.DenseMlp(w_.layers[l], rows, gemv, x_, out); !s.ok()) {
+        RETURN_IF_ERROR(moe_.Run(l, rows, n, gemv, x, out));
+      } else if (auto s = linear_.DenseMlp(w_.layers[l], rows, gemv, x, out); !s.ok()) {
         return s;
       }
-      if (auto s = ReduceIntoResidual(rows); !s.ok()) return s;
+      RETURN_IF_ERROR(collective_.ReduceIntoResidual(x, rows));
       if (fault_.kind == FaultInjection::Kind::kNanLayer && l == static_cast<int>(fault_.value))
-        cuda::SetNan(x_, stream_);
+        cuda::SetNan(x, stream_);
       CHECK_LAUNCH();
     }
     const int out_rows = mode == LogitsMode::kAll ? rows : sequences;
-    const float* final_in = x_;
+    const float* final_in = x_.get();
     if (mode == LogitsMode::kLast && rows != sequences) {  // (else x's rows are the last ones)
-      CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_, h_last_rows_, sequences * sizeof(int),
+      CUDA_OR_DIE(cudaMemcpyAsync(d_last_rows_.get(), h_last_rows_.get(), sequences * sizeof(int),
                                   cudaMemcpyHostToDevice, stream_));
-      cuda::GatherRows(x_, d_last_rows_, sequences, hidden, linear_.o(), stream_);
+      cuda::GatherRows(x_.get(), d_last_rows_.get(), sequences, hidden, linear_.o(), stream_);
       final_in = linear_.o();
     }
     // A rank's lm_head writes its vocabulary shard's logits, gathered below into full rows.
-    float* const lm_out = sharded_vocab() ? shard_logits_ : logits_;
+    float* const lm_out = collective_.sharded_vocab() ? collective_.shard_logits() : logits_.get();
     // gemm=fused|tma: the final norm and the lm_head in one GEMV launch (a vocabulary-sized
     // matrix is streamed: cuda::GemvStreams), for the decode rows and a prefill's last rows, in
     // place of a norm kernel and cuBLASLt's GEMM: the streamed GEMV reads a vocabulary-sized
@@ -435,7 +424,7 @@ class CudaModel final : public Model {
       LinearRunner::FusedGemv g =
           LinearRunner::GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);
       LinearRunner::AddSegment(g, w_.lm_head, {}, lm_out);
-      if (auto s = linear_.RunGemv(g); !s.ok()) return s;
+      RETURN_IF_ERROR(linear_.RunGemv(g));
     } else {
       if (UsesFusedGemv(options_.gemm) && LaunchRecording())
         RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": lm_head, ",
@@ -443,97 +432,24 @@ class CudaModel final : public Model {
                                     ": final norm and lm_head unfused (cuBLASLt for bf16 "
                                     "weights), not the fused GEMV"));
       const uint16_t* fb = linear_.NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);
-      if (auto s = linear_.Gemm(linear_.xn(), fb, out_rows, w_.lm_head, {}, lm_out); !s.ok())
-        return s;
+      RETURN_IF_ERROR(linear_.Gemm(linear_.xn(), fb, out_rows, w_.lm_head, {}, lm_out));
     }
-    if (sharded_vocab())
-      if (auto s = GatherLogits(out_rows); !s.ok()) return s;
+    if (collective_.sharded_vocab())
+      RETURN_IF_ERROR(collective_.GatherLogits(logits_.get(), out_rows));
     if (fault_.kind == FaultInjection::Kind::kStuckToken)
-      cuda::ForceToken(logits_, out_rows, config_.vocab_size,
+      cuda::ForceToken(logits_.get(), out_rows, config_.vocab_size,
                        static_cast<int>(fault_.value) % config_.vocab_size, stream_);
     CHECK_LAUNCH();
     if (greedy) {
-      cuda::GreedyTokens(logits_, out_rows, config_.vocab_size, greedy_scratch_, h_next_, stream_);
+      cuda::GreedyTokens(logits_.get(), out_rows, config_.vocab_size, greedy_scratch_,
+                         h_next_.get(), stream_);
       CHECK_LAUNCH();
     } else {
-      CUDA_OR_DIE(cudaMemcpyAsync(
-          h_logits_, logits_, static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
-          cudaMemcpyDeviceToHost, stream_));
+      CUDA_OR_DIE(
+          cudaMemcpyAsync(h_logits_.get(), logits_.get(),
+                          static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream_));
     }
-    return absl::OkStatus();
-  }
-
-  void ClearPartial(int rows) {
-    CUDA_OR_DIE(cudaMemsetAsync(
-        partial_, 0, static_cast<size_t>(rows) * config_.hidden_size * sizeof(float), stream_));
-  }
-
-  // x_ += the ranks' sum of partial_ (no-op without a communicator).
-  absl::Status ReduceIntoResidual(int rows) {
-    if (!comm_) return absl::OkStatus();
-    const int64_t count = static_cast<int64_t>(rows) * config_.hidden_size;
-    if (auto s = SumOverRanks(partial_, count); !s.ok()) return s;
-    cuda::AddScaled(x_, partial_, 1.f, count, stream_);
-    CHECK_LAUNCH();
-    return absl::OkStatus();
-  }
-
-  // Whether this rank's lm_head holds a shard of the vocabulary (tp > 1: a rank's model).
-  bool sharded_vocab() const { return rank_comm_; }
-
-  // The full logits [out_rows, vocab] on every rank: zeros, this rank's shard written at its
-  // vocabulary columns, then summed over the ranks. Each logit is one rank's value plus exact
-  // zeros, so every rank holds the same bits. The message is padded to whole 16-byte packs.
-  absl::Status GatherLogits(int out_rows) {
-    const int64_t vocab = config_.vocab_size;
-    const int64_t count = LogitsCount(out_rows);
-    CUDA_OR_DIE(cudaMemsetAsync(logits_, 0, static_cast<size_t>(count) * sizeof(float), stream_));
-    CUDA_OR_DIE(cudaMemcpy2DAsync(logits_ + vocab_begin_, vocab * sizeof(float), shard_logits_,
-                                  lm_rows_ * sizeof(float), lm_rows_ * sizeof(float), out_rows,
-                                  cudaMemcpyDeviceToDevice, stream_));
-    return SumOverRanks(logits_, count);
-  }
-
-  // The elements of `out_rows` rows of logits, padded (tp > 1) to a multiple of 4 fp32 values.
-  int64_t LogitsCount(int out_rows) const {
-    const int64_t count = static_cast<int64_t>(out_rows) * config_.vocab_size;
-    return sharded_vocab() ? (count + 3) / 4 * 4 : count;
-  }
-
-  // data[count] (fp32) summed over the ranks, in calls of at most max_message_bytes_ each.
-  absl::Status SumOverRanks(float* data, int64_t count) {
-    const int64_t chunk = max_message_bytes_ > 0 ? max_message_bytes_ / 16 * 4 : count;
-    for (int64_t done = 0; done < count; done += chunk)
-      if (auto s = comm_->Sum(data + done, std::min(chunk, count - done), cuda::ReduceDType::kFp32,
-                              stream_);
-          !s.ok())
-        return s;
-    return absl::OkStatus();
-  }
-
-  // The communicator of a named all-reduce (options_.parallel.RunsCollective()): a rank's, as it
-  // was given; else nccl's once, a single-rank communicator on this GPU; custom's peer buffer
-  // sized for `rows` rows, made again when the rows grow.
-  absl::Status EnsureCommunicator(int rows) {
-    if (!options_.parallel.RunsCollective() || rank_comm_) return absl::OkStatus();
-    const int64_t bytes = static_cast<int64_t>(rows) * config_.hidden_size * sizeof(float);
-    if (comm_ && (comm_->kind() == AllReduce::kNccl || bytes <= comm_bytes_))
-      return absl::OkStatus();
-    comm_.reset();
-    if (options_.parallel.allreduce == AllReduce::kNccl) {
-      auto id = MakeNcclId();
-      if (!id.ok()) return id.status();
-      auto made = MakeNcclCommunicator(*id, 1, 0);
-      if (!made.ok()) return made.status();
-      comm_ = std::move(*made);
-    } else {
-      int device = 0;
-      CUDA_OR_DIE(cudaGetDevice(&device));
-      auto made = MakeLocalCommunicators(options_.parallel.allreduce, {device}, bytes);
-      if (!made.ok()) return made.status();
-      comm_ = std::move((*made)[0]);
-    }
-    comm_bytes_ = bytes;
     return absl::OkStatus();
   }
 
@@ -548,47 +464,26 @@ class CudaModel final : public Model {
     DestroyGraphs();  // they point at old buffers
     FreeScratch();
     const size_t r = rows;
-    auto x = DeviceAlloc<float>(r * config_.hidden_size);
-    if (!x.ok()) return x.status();
-    x_ = *x;
-    auto logits = DeviceAlloc<float>(LogitsCount(out_rows));
-    if (!logits.ok()) return logits.status();
-    logits_ = *logits;
-    if (sharded_vocab()) {
-      auto shard = DeviceAlloc<float>(static_cast<size_t>(out_rows) * lm_rows_);
-      if (!shard.ok()) return shard.status();
-      shard_logits_ = *shard;
-    }
-    if (options_.parallel.RunsCollective()) {
-      auto partial = DeviceAlloc<float>(r * config_.hidden_size);
-      if (!partial.ok()) return partial.status();
-      partial_ = *partial;
-      if (auto s = EnsureCommunicator(rows); !s.ok()) return s;
-    }
-    if (auto s = linear_.AllocateScratch(rows); !s.ok()) return s;
-    if (auto s = attention_.AllocateScratch(rows, capacity_); !s.ok()) return s;
-    if (auto s = linear_attention_.AllocateScratch(rows); !s.ok()) return s;
-    if (auto s = moe_.AllocateScratch(rows); !s.ok()) return s;
-    auto tokens = DeviceAlloc<int32_t>(r);
-    auto last = DeviceAlloc<int>(r);
-    auto pos = DeviceAlloc<int>(1);
-    auto ragged = DeviceAlloc<int2>(r);
-    for (const auto* s : {&tokens.status(), &last.status(), &pos.status(), &ragged.status()})
-      if (!s->ok()) return *s;
-    d_tokens_ = *tokens;
-    d_last_rows_ = *last;
-    d_position_ = *pos;
-    d_ragged_ = *ragged;
-    CUDA_OR_DIE(cudaMallocHost(&h_ragged_, r * sizeof(int2)));
-    CUDA_OR_DIE(cudaMallocHost(&h_tokens_, r * sizeof(int32_t)));
-    CUDA_OR_DIE(cudaMallocHost(&h_last_rows_, r * sizeof(int)));
-    CUDA_OR_DIE(cudaMallocHost(&h_position_, sizeof(int)));
-    CUDA_OR_DIE(cudaMallocHost(&h_logits_,
-                               static_cast<size_t>(out_rows) * config_.vocab_size * sizeof(float)));
-    CUDA_OR_DIE(cudaMallocHost(&h_next_, static_cast<size_t>(out_rows) * sizeof(int32_t)));
+    RETURN_IF_ERROR(x_.Allocate(r * config_.hidden_size));
+    RETURN_IF_ERROR(logits_.Allocate(collective_.LogitsCount(out_rows)));
+    RETURN_IF_ERROR(collective_.AllocateScratch(rows, out_rows));
+    RETURN_IF_ERROR(linear_.AllocateScratch(rows));
+    RETURN_IF_ERROR(attention_.AllocateScratch(rows, capacity_));
+    RETURN_IF_ERROR(linear_attention_.AllocateScratch(rows));
+    RETURN_IF_ERROR(moe_.AllocateScratch(rows));
+    RETURN_IF_ERROR(d_tokens_.Allocate(r));
+    RETURN_IF_ERROR(d_last_rows_.Allocate(r));
+    RETURN_IF_ERROR(d_position_.Allocate(1));
+    RETURN_IF_ERROR(d_ragged_.Allocate(r));
+    RETURN_IF_ERROR(h_ragged_.Allocate(r));
+    RETURN_IF_ERROR(h_tokens_.Allocate(r));
+    RETURN_IF_ERROR(h_last_rows_.Allocate(r));
+    RETURN_IF_ERROR(h_position_.Allocate(1));
+    RETURN_IF_ERROR(h_logits_.Allocate(static_cast<size_t>(out_rows) * config_.vocab_size));
+    RETURN_IF_ERROR(h_next_.Allocate(out_rows));
     // The kernels read and write these host buffers through their device mappings.
-    for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_position_),
-                    static_cast<void*>(h_next_), static_cast<void*>(h_ragged_)}) {
+    for (void* p : {static_cast<void*>(h_tokens_.get()), static_cast<void*>(h_position_.get()),
+                    static_cast<void*>(h_next_.get()), static_cast<void*>(h_ragged_.get())}) {
       void* mapped = nullptr;
       CUDA_OR_DIE(cudaHostGetDevicePointer(&mapped, p, 0));
       if (mapped != p)
@@ -596,12 +491,10 @@ class CudaModel final : public Model {
             "pinned host memory is not mapped at its own address (no unified addressing?): the "
             "step kernels cannot read it");
     }
-    auto keys = DeviceAlloc<unsigned long long>(out_rows);
-    if (!keys.ok()) return keys.status();
-    greedy_scratch_.keys = *keys;
-    auto tickets = DeviceAlloc<unsigned>(out_rows);
-    if (!tickets.ok()) return tickets.status();
-    greedy_scratch_.tickets = *tickets;
+    RETURN_IF_ERROR(greedy_keys_.Allocate(out_rows));
+    RETURN_IF_ERROR(greedy_tickets_.Allocate(out_rows));
+    greedy_scratch_.keys = greedy_keys_.get();
+    greedy_scratch_.tickets = greedy_tickets_.get();
     CUDA_OR_DIE(cudaMemset(greedy_scratch_.keys, 0, out_rows * sizeof(unsigned long long)));
     CUDA_OR_DIE(cudaMemset(greedy_scratch_.tickets, 0, out_rows * sizeof(unsigned)));
     scratch_rows_ = rows;
@@ -621,26 +514,19 @@ class CudaModel final : public Model {
     attention_.FreeScratch();
     linear_attention_.FreeScratch();
     moe_.FreeScratch();
-    for (float* p : {x_, logits_, partial_, shard_logits_})
-      if (p) cudaFree(p);
-    for (int* p : {d_tokens_, d_last_rows_, d_position_})
-      if (p) cudaFree(p);
-    for (void* p : {static_cast<void*>(greedy_scratch_.keys),
-                    static_cast<void*>(greedy_scratch_.tickets), static_cast<void*>(d_ragged_)})
-      if (p) cudaFree(p);
+    collective_.FreeScratch();
+    for (DeviceBuffer<float>* b : {&x_, &logits_}) b->reset();
+    for (DeviceBuffer<int>* b : {&d_tokens_, &d_last_rows_, &d_position_}) b->reset();
+    d_ragged_.reset();
+    greedy_keys_.reset();
+    greedy_tickets_.reset();
     greedy_scratch_ = {};
-    for (void* p : {static_cast<void*>(h_tokens_), static_cast<void*>(h_last_rows_),
-                    static_cast<void*>(h_position_), static_cast<void*>(h_logits_),
-                    static_cast<void*>(h_next_), static_cast<void*>(h_ragged_)})
-      if (p) cudaFreeHost(p);
-    d_ragged_ = nullptr;
-    h_ragged_ = nullptr;
-    x_ = logits_ = partial_ = shard_logits_ = nullptr;
-    d_tokens_ = d_last_rows_ = d_position_ = nullptr;
-    h_tokens_ = nullptr;
-    h_last_rows_ = h_position_ = nullptr;
-    h_logits_ = nullptr;
-    h_next_ = nullptr;
+    h_tokens_.reset();
+    h_last_rows_.reset();
+    h_position_.reset();
+    h_logits_.reset();
+    h_next_.reset();
+    h_ragged_.reset();
     scratch_rows_ = 0;
     logit_rows_ = 0;
   }
@@ -660,28 +546,19 @@ class CudaModel final : public Model {
   PersistentDecoder persistent_;  // graphs=persistent: ready() once prepared
   int batch_ = 0, capacity_ = 0, position_ = 0, scratch_rows_ = 0, scratch_capacity_ = 0,
       logit_rows_ = 0;
-  float *x_ = nullptr,  // [rows, hidden]: the residual stream
-      *logits_ = nullptr,
-        *partial_ = nullptr;  // [rows, hidden]: a block's output before the all-reduce (comm_ only)
-  float* shard_logits_ = nullptr;  // [rows, lm_rows_]: a rank's vocabulary shard (tp > 1 only)
-  // The collective seam (engine/cuda/communicator.h): null unless the config names an
-  // all-reduce or runs tp > 1; comm_bytes_ is the message it was made for. A rank's (tp > 1,
-  // rank_comm_) is shared with the process's later models and takes messages of at most
-  // max_message_bytes_ (0: any).
-  std::shared_ptr<Communicator> comm_;
-  const bool rank_comm_;
-  const int64_t max_message_bytes_;
-  int64_t comm_bytes_ = 0;
-  const int64_t vocab_begin_;  // the first vocabulary row of this rank's lm_head
-  const int64_t lm_rows_;      // its rows
-  int *d_tokens_ = nullptr, *d_last_rows_ = nullptr, *d_position_ = nullptr;
-  int32_t* h_tokens_ = nullptr;
-  int *h_last_rows_ = nullptr, *h_position_ = nullptr;
-  float* h_logits_ = nullptr;
-  int32_t* h_next_ = nullptr;  // ForwardGreedy's tokens, written by cuda::GreedyTokens
-  cuda::GreedyScratch greedy_scratch_{};
-  int2* d_ragged_ = nullptr;  // ragged steps: each row's (KV slot, position)
-  int2* h_ragged_ = nullptr;  // its pinned staging copy, read by the step's first kernel
+  DeviceBuffer<float> x_;       // [rows, hidden]: the residual stream
+  DeviceBuffer<float> logits_;  // [out_rows, vocab] (padded: CollectiveRunner::LogitsCount)
+  CollectiveRunner collective_;
+  DeviceBuffer<int> d_tokens_, d_last_rows_, d_position_;
+  PinnedBuffer<int32_t> h_tokens_;
+  PinnedBuffer<int> h_last_rows_, h_position_;
+  PinnedBuffer<float> h_logits_;
+  PinnedBuffer<int32_t> h_next_;  // ForwardGreedy's tokens, written by cuda::GreedyTokens
+  DeviceBuffer<unsigned long long> greedy_keys_;
+  DeviceBuffer<unsigned> greedy_tickets_;
+  cuda::GreedyScratch greedy_scratch_{};  // views of the two above
+  DeviceBuffer<int2> d_ragged_;           // ragged steps: each row's (KV slot, position)
+  PinnedBuffer<int2> h_ragged_;  // its pinned staging copy, read by the step's first kernel
   bool serving_ = false;
   KvSlotAllocator slots_;  // serving: the sequences' slots and lengths
   // Lockstep decode graphs by 2 * batch + (greedy step); ragged decode buckets by
@@ -734,7 +611,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
     if (rank.comm->ranks() != tp)
       return absl::InvalidArgumentError(absl::StrCat("tp=", tp, ": the rank's communicator joins ",
                                                      rank.comm->ranks(), " ranks"));
-    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+    RETURN_IF_ERROR(MaterializeHostWeights(host));
     auto made = ShardHostModel(host, tp, rank.comm->rank(), options.parallel.expert_parallel);
     if (!made.ok()) return absl::UnimplementedError(made.status().message());
     shard = *std::move(made);
@@ -744,7 +621,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
       return absl::UnimplementedError(absl::StrCat("rank shard: ", why));
   }
   if (options.test_kernel == TestKernel::kSm100a)
-    if (absl::Status s = RunSm100aTestKernel(); !s.ok()) return s;
+    RETURN_IF_ERROR(RunSm100aTestKernel());
   const ModelConfig& c = shard ? shard->host->config : host.config;
   auto weights = shard ? UploadShardWeights(host, shard->host->weights) : UploadWeights(host);
   if (!weights.ok()) return weights.status();
@@ -772,7 +649,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
                                            std::move(grouped), std::move(view), rank,
                                            shard ? shard->vocab_begin : 0);
   if (IsPersistent(options.graphs))
-    if (auto s = model->PreparePersistentDecode(); !s.ok()) return s;
+    RETURN_IF_ERROR(model->PreparePersistentDecode());
   return std::unique_ptr<Model>(std::move(model));
 }
 

@@ -1,4 +1,5 @@
 #include "engine/cuda/cudnn_attention.h"
+#include "api/status_macros.h"
 
 #include <cmath>
 #include <limits>
@@ -138,7 +139,7 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(const Sha
   if (!handle.ok()) return handle.status();
   std::unique_ptr<CudnnAttention> attention(
       new CudnnAttention(shape, stream, std::move(*handle)));
-  if (absl::Status s = attention->Prepare(1, 1); !s.ok()) return s;
+  RETURN_IF_ERROR(attention->Prepare(1, 1));
   return attention;
 }
 
@@ -154,7 +155,7 @@ absl::StatusOr<const cudnn::Plan*> CudnnAttention::PlanFor(int batch, int s_q) {
                                             ", s_q ", s_q, " before the graph capture"));
   absl::StatusOr<cudnn::Plan> plan = BuildPlan(*handle_, shape_, batch, s_q);
   if (!plan.ok()) return plan.status();
-  if (absl::Status s = workspace_.Reserve(*plan); !s.ok()) return s;
+  RETURN_IF_ERROR(workspace_.Reserve(*plan));
   return &plans_.emplace(std::make_pair(batch, s_q), std::move(*plan)).first->second;
 }
 

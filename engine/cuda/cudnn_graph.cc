@@ -1,4 +1,5 @@
 #include "engine/cuda/cudnn_graph.h"
+#include "api/status_macros.h"
 
 #include <dlfcn.h>
 
@@ -43,7 +44,7 @@ std::string LastError(const Api* api) {
 
 absl::StatusOr<const Api*> LoadApi(size_t min_version) {
   absl::StatusOr<const CudnnLibrary*> library = ProcessCudnn();
-  if (absl::Status s = RequireCudnn(library, min_version, "cuDNN's graph API"); !s.ok()) return s;
+  RETURN_IF_ERROR(RequireCudnn(library, min_version, "cuDNN's graph API"));
   static const absl::StatusOr<Api>* api = [](void* handle) {
     Api a{};
     const char* missing = nullptr;
@@ -125,7 +126,7 @@ absl::Status GraphBuilder::Check(cudnnStatus_t status, const char* step) const {
 absl::StatusOr<Descriptor> GraphBuilder::Make(cudnnBackendDescriptorType_t type,
                                               const char* step) const {
   cudnnBackendDescriptor_t raw = nullptr;
-  if (absl::Status s = Check(api_->create_descriptor(type, &raw), step); !s.ok()) return s;
+  RETURN_IF_ERROR(Check(api_->create_descriptor(type, &raw), step));
   return Descriptor(api_, raw);
 }
 
@@ -157,7 +158,7 @@ absl::StatusOr<int> GraphBuilder::Tensor(const TensorSpec& spec) {
             &spec.reordering);
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(d->raw());
   const std::string step = absl::StrCat("tensor ", spec.uid);
-  if (absl::Status st = Check(s, step.c_str()); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, step.c_str()));
   tensors_.push_back(std::move(*d));
   return static_cast<int>(tensors_.size()) - 1;
 }
@@ -175,7 +176,7 @@ absl::Status GraphBuilder::Matmul(int a, int b, int c, int m_override, int n_ove
                             &padding);
   }
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
-  if (absl::Status st = Check(s, "matmul descriptor"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "matmul descriptor"));
   absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul op");
   if (!op.ok()) return op.status();
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
@@ -192,7 +193,7 @@ absl::Status GraphBuilder::Matmul(int a, int b, int c, int m_override, int n_ove
   if (s == CUDNN_STATUS_SUCCESS && k_override >= 0)
     s = bind(CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, tensors_[k_override].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
-  if (absl::Status st = Check(s, "matmul operation"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "matmul operation"));
   helpers_.push_back(std::move(*desc));
   operations_.push_back(std::move(*op));
   return absl::OkStatus();
@@ -210,7 +211,7 @@ absl::Status GraphBuilder::Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t 
   if (s == CUDNN_STATUS_SUCCESS && axis >= 0)
     s = api_->set_attribute(desc->raw(), CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
-  if (absl::Status st = Check(s, "pointwise descriptor"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "pointwise descriptor"));
   absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pw op");
   if (!op.ok()) return op.status();
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
@@ -225,7 +226,7 @@ absl::Status GraphBuilder::Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t 
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, tensors_[y].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
   const std::string step = absl::StrCat("pointwise operation (mode ", static_cast<int>(mode), ")");
-  if (absl::Status st = Check(s, step.c_str()); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, step.c_str()));
   helpers_.push_back(std::move(*desc));
   operations_.push_back(std::move(*op));
   return absl::OkStatus();
@@ -241,7 +242,7 @@ absl::Status GraphBuilder::Reduction(cudnnReduceTensorOp_t op_kind, int x, int y
     s = api_->set_attribute(desc->raw(), CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1,
                             &math);
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
-  if (absl::Status st = Check(s, "reduction descriptor"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "reduction descriptor"));
   absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "red op");
   if (!op.ok()) return op.status();
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
@@ -251,7 +252,7 @@ absl::Status GraphBuilder::Reduction(cudnnReduceTensorOp_t op_kind, int x, int y
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, tensors_[y].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_REDUCTION_DESC, desc->raw());
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
-  if (absl::Status st = Check(s, "reduction operation"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "reduction operation"));
   helpers_.push_back(std::move(*desc));
   operations_.push_back(std::move(*op));
   return absl::OkStatus();
@@ -278,7 +279,7 @@ absl::Status GraphBuilder::BlockScaleDequantize(int x, int scale, int y,
     s = api_->set_attribute(op->raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_BLOCK_SIZE,
                             CUDNN_TYPE_INT32, static_cast<int64_t>(block.size()), block.data());
   if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
-  if (absl::Status st = Check(s, "block-scale dequantize operation"); !st.ok()) return st;
+  RETURN_IF_ERROR(Check(s, "block-scale dequantize operation"));
   operations_.push_back(std::move(*op));
   return absl::OkStatus();
 }
@@ -340,11 +341,11 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
       st = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
                                CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
     if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(plan->raw());
-    if (absl::Status c = Check(st, "execution plan"); !c.ok()) return c;
+    RETURN_IF_ERROR(Check(st, "execution plan"));
     Plan out;
     st = api_->get_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                              CUDNN_TYPE_INT64, 1, nullptr, &out.workspace_bytes);
-    if (absl::Status c = Check(st, "plan's workspace size"); !c.ok()) return c;
+    RETURN_IF_ERROR(Check(st, "plan's workspace size"));
     out.plan = std::make_shared<Descriptor>(std::move(*plan));
     out.engine = engine;
     return out;

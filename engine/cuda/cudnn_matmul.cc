@@ -1,4 +1,5 @@
 #include "engine/cuda/cudnn_matmul.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 #include <vector>
@@ -113,7 +114,7 @@ absl::Status CudnnQuantGemm::Prepare(const MatrixRef& w) {
   if (IsFp4(w.quant.format))
     return Fp4Answer(*handle_, w.quant.format, static_cast<int>(w.rows),
                      static_cast<int>(w.cols));
-  if (absl::Status s = Fp8Layout(w); !s.ok()) return s;
+  RETURN_IF_ERROR(Fp8Layout(w));
   if (weights_.count(w.data)) return absl::OkStatus();
   auto scales = DeviceAlloc<float>(w.rows);
   if (!scales.ok()) return scales.status();
@@ -127,7 +128,7 @@ absl::StatusOr<const cudnn::Plan*> CudnnQuantGemm::PlanFor(int m, int n, int k) 
   if (it != plans_.end()) return &it->second;
   absl::StatusOr<cudnn::Plan> plan = BuildFp8Plan(*handle_, m, n, k);
   if (!plan.ok()) return plan.status();
-  if (absl::Status s = workspace_.Reserve(*plan); !s.ok()) return s;
+  RETURN_IF_ERROR(workspace_.Reserve(*plan));
   return &plans_.emplace(std::make_tuple(m, n, k), std::move(*plan)).first->second;
 }
 
@@ -154,7 +155,7 @@ absl::Status CudnnQuantGemm::Grow(int rows, int k) {
 absl::Status CudnnQuantGemm::PrepareRows(int rows) {
   int max_k = 0;
   for (const auto& [code, weight] : weights_) {
-    if (absl::Status s = PlanFor(rows, weight.n, weight.k).status(); !s.ok()) return s;
+    RETURN_IF_ERROR(PlanFor(rows, weight.n, weight.k).status());
     max_k = std::max(max_k, weight.k);
   }
   return Grow(rows, max_k);
@@ -173,11 +174,11 @@ absl::Status CudnnQuantGemm::Run(const float* x, int rows, const MatrixRef& w, f
                      weight.k > scratch_k_))
     return absl::InternalError(absl::StrCat("qgemm=cudnn: no plan or scratch for ", rows,
                                             " rows made before the graph capture"));
-  if (absl::Status s = Grow(rows, weight.k); !s.ok()) return s;
+  RETURN_IF_ERROR(Grow(rows, weight.k));
   absl::StatusOr<const cudnn::Plan*> plan = PlanFor(rows, weight.n, weight.k);
   if (!plan.ok()) return plan.status();
   cuda::QuantizeFp8RowGroups(x, rows, weight.k, weight.k, codes_, scales_, stream);
-  if (absl::Status s = handle_->SetStream(stream); !s.ok()) return s;
+  RETURN_IF_ERROR(handle_->SetStream(stream));
   RecordLaunch("cudnn:fp8 matmul (E4M3 x E4M3, row x column scales)");
   return cudnn::Execute(*handle_, **plan, {kA, kB, kAScale, kBScale, kY},
                         {codes_, const_cast<void*>(w.data), scales_, weight.row_scales, y},

@@ -4,13 +4,16 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <memory>
 #include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "kernels/cuda/check.h"
 
 namespace infersweep {
@@ -25,6 +28,60 @@ absl::StatusOr<T*> DeviceAlloc(size_t count) {
       !s.ok())
     return absl::ResourceExhaustedError(s.message());
   return static_cast<T*>(p);
+}
+
+// A device allocation that frees itself: the runners own their buffers through it.
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  // `count` elements (at least one), the previous allocation freed first.
+  absl::Status Allocate(size_t count) {
+    p_.reset();
+    ASSIGN_OR_RETURN(T * p, DeviceAlloc<T>(count));
+    p_.reset(p);
+    return absl::OkStatus();
+  }
+  T* get() const { return p_.get(); }
+  explicit operator bool() const { return p_ != nullptr; }
+  void reset() { p_.reset(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { cudaFree(p); }
+  };
+  std::unique_ptr<T, Free> p_;
+};
+
+// Pinned host memory that frees itself, mapped into the device's address space (unified
+// addressing): the step kernels read and write it in place.
+template <typename T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  absl::Status Allocate(size_t count) {
+    p_.reset();
+    T* p = nullptr;
+    RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    p_.reset(p);
+    return absl::OkStatus();
+  }
+  T* get() const { return p_.get(); }
+  void reset() { p_.reset(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { cudaFreeHost(p); }
+  };
+  std::unique_ptr<T, Free> p_;
+};
+
+// Allocates each (buffer, count) pair; 0 counts are skipped (the buffer left empty).
+template <typename T>
+absl::Status AllocateBuffers(std::initializer_list<std::pair<DeviceBuffer<T>*, size_t>> buffers) {
+  for (auto [buffer, count] : buffers)
+    if (count > 0) RETURN_IF_ERROR(buffer->Allocate(count));
+  return absl::OkStatus();
 }
 
 // A float buffer of each (pointer, count) pair, 0 counts skipped (the pointer left as it is).

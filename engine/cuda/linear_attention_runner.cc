@@ -1,4 +1,5 @@
 #include "engine/cuda/linear_attention_runner.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 
@@ -103,16 +104,16 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
     LinearRunner::AddSegment(g, la.in_proj_qkv, {}, projected_);
     LinearRunner::AddSegment(g, la.in_proj_z, {}, z_);
     LinearRunner::AddSegment(g, la.in_proj_b, {}, b_);
-    if (auto s = linear_.RunGemv(g); !s.ok()) return s;
+    RETURN_IF_ERROR(linear_.RunGemv(g));
     LinearRunner::FusedGemv ga = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
     LinearRunner::AddSegment(ga, la.in_proj_a, {}, a_);
-    if (auto s = linear_.RunGemv(ga); !s.ok()) return s;
+    RETURN_IF_ERROR(linear_.RunGemv(ga));
   } else {
     const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
     const float* xn = linear_.xn();
     for (auto [w, y] : {std::pair{&la.in_proj_qkv, projected_}, std::pair{&la.in_proj_z, z_},
                         std::pair{&la.in_proj_b, b_}, std::pair{&la.in_proj_a, a_}})
-      if (auto s = linear_.Gemm(xn, xb, rows, *w, {}, y); !s.ok()) return s;
+      RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, *w, {}, y));
   }
   const int slot = state_index_[l];
   const bool fused = options_.linear_attn == LinearAttn::kFused;
@@ -140,11 +141,10 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
     LinearRunner::FusedGemv g = LinearRunner::GemvInput(out_, rows, value_dim, {});
     LinearRunner::AddSegment(g, la.out_proj, {}, out);
     g.accumulate = true;
-    if (auto s = linear_.RunGemv(g); !s.ok()) return s;
+    RETURN_IF_ERROR(linear_.RunGemv(g));
   } else {
     const uint16_t* ob = linear_.PrepareInput(out_, static_cast<int64_t>(rows) * value_dim);
-    if (auto s = linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, out); !s.ok())
-      return s;
+    RETURN_IF_ERROR(linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, out));
   }
   CHECK_LAUNCH();
   return absl::OkStatus();

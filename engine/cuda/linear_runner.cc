@@ -1,4 +1,5 @@
 #include "engine/cuda/linear_runner.h"
+#include "api/status_macros.h"
 
 #include <algorithm>
 
@@ -47,7 +48,7 @@ absl::Status LinearRunner::AllocateScratch(int rows) {
   // graphs, where it cannot grow: it is reserved here.
   const bool register_dequant = options_.qgemm == QGemm::kW4A16 || options_.qgemm == QGemm::kW8A16;
   if (rows >= kQuantBf16CopyMinRows && gemm_ && register_dequant) {
-    if (auto s = ReserveBf16Copy(LargestQuantizedDense()); !s.ok()) return s;
+    RETURN_IF_ERROR(ReserveBf16Copy(LargestQuantizedDense()));
   }
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
   const size_t inter = MaxIntermediate();
@@ -78,7 +79,7 @@ void LinearRunner::FreeScratch() {
 absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows,
                                 const MatrixRef& w, const MatrixRef& bias, float* y) {
   if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
-    if (auto s = view_->scaled->Run(x, rows, w, y, stream_); !s.ok()) return s;
+    RETURN_IF_ERROR(view_->scaled->Run(x, rows, w, y, stream_));
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
     cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
@@ -91,7 +92,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
                                   " rows: quantized linears dequantized to bf16, then cuBLASLt"));
     auto copy = QuantBf16Copy(w);
     if (!copy.ok()) return copy.status();
-    if (auto s = gemm_->Run(x_bf16, rows, *copy, y, stream_); !s.ok()) return s;
+    RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, *copy, y, stream_));
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (w.quantized() && x_bf16 && rows >= cuda::kQuantMmaMinRows &&
              (w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4) &&
@@ -115,7 +116,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
       cuda::GemvW8A16(x, rows, w, y, stream_);
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else if (gemm_ && w.dtype == DType::kBF16) {
-    if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_); !s.ok()) return s;
+    RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_));
     if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   } else {
     if (gemm_ && !w.quantized() && LaunchRecording())
@@ -134,11 +135,11 @@ absl::Status LinearRunner::GemmAccumulate(const float* x, const uint16_t* x_bf16
                                           const MatrixRef& w, const MatrixRef& bias, float scale,
                                           float* y) {
   if (gemm_ && w.dtype == DType::kBF16 && !w.quantized() && bias.empty()) {
-    if (auto s = gemm_->Run(x_bf16, rows, w, y, stream_, scale, 1.f); !s.ok()) return s;
+    RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_, scale, 1.f));
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
-  if (auto s = Gemm(x, x_bf16, rows, w, bias, o_); !s.ok()) return s;
+  RETURN_IF_ERROR(Gemm(x, x_bf16, rows, w, bias, o_));
   cuda::AddScaled(y, o_, scale, static_cast<int64_t>(rows) * w.rows, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
@@ -183,7 +184,7 @@ absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
 // allocated at the first quantized prefill. Decode batches of kQuantBf16CopyMinRows+ rows take
 // the dense copy too (reserved by AllocateScratch); smaller ones keep the quantized kernels.
 absl::StatusOr<MatrixRef> LinearRunner::QuantBf16Copy(const MatrixRef& w) {
-  if (auto s = ReserveBf16Copy(static_cast<size_t>(w.numel())); !s.ok()) return s;
+  RETURN_IF_ERROR(ReserveBf16Copy(static_cast<size_t>(w.numel())));
   cuda::DequantizeToBf16(w, bf16_copy_, stream_);
   CHECK_LAUNCH();
   return MatrixRef{bf16_copy_, DType::kBF16, w.rows, w.cols};
@@ -252,7 +253,7 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
       one.seg[0] = g.seg[s];
       one.w[0] = g.w[s];
       one.bias[0] = g.bias[s];
-      if (auto st = RunGemv(one, projection); !st.ok()) return st;
+      RETURN_IF_ERROR(RunGemv(one, projection));
     }
     return absl::OkStatus();
   }
@@ -283,11 +284,11 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
     for (int s = 0; s < g.segments; ++s) {
       const cuda::GemvSegment& seg = g.seg[s];
       if (!g.accumulate && g.scale == 1.f) {
-        if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], seg.y); !st.ok()) return st;
+        RETURN_IF_ERROR(Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], seg.y));
         continue;
       }
       // y_ is free on the GEMV path; accumulating segments (o, down) are [rows, hidden].
-      if (auto st = Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_); !st.ok()) return st;
+      RETURN_IF_ERROR(Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_));
       const int64_t count = static_cast<int64_t>(g.rows) * seg.n;
       if (!g.accumulate) CUDA_OR_DIE(cudaMemsetAsync(seg.y, 0, count * sizeof(float), stream_));
       cuda::AddScaled(seg.y, y_, g.scale, count, stream_);
@@ -330,18 +331,18 @@ absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv,
     FusedGemv a = GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
     AddSegment(a, lw.mlp.gate, {}, gate_);
     AddSegment(a, lw.mlp.up, {}, up_);
-    if (auto s = RunGemv(a); !s.ok()) return s;
+    RETURN_IF_ERROR(RunGemv(a));
     cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
     FusedGemv d = GemvInput(gate_, rows, inter, {});
     AddSegment(d, lw.mlp.down, {}, out);
     d.accumulate = true;
-    if (auto s = RunGemv(d); !s.ok()) return s;
+    RETURN_IF_ERROR(RunGemv(d));
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
   cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
   const uint16_t* mb = PrepareInput(xn_, elems);
-  if (auto s = Mlp(lw.mlp, xn_, mb, rows, y_); !s.ok()) return s;
+  RETURN_IF_ERROR(Mlp(lw.mlp, xn_, mb, rows, y_));
   cuda::AddScaled(out, y_, 1.f, elems, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
@@ -354,7 +355,7 @@ absl::Status LinearRunner::MlpGemv(const ExpertWeights& e, const float* in, int 
   AddSegment(a, e.gate, {}, gate_);
   AddSegment(a, e.up, {}, up_);
   if (!extra.empty()) AddSegment(a, extra, {}, extra_out);
-  if (auto s = RunGemv(a); !s.ok()) return s;
+  RETURN_IF_ERROR(RunGemv(a));
   cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
   FusedGemv d = GemvInput(gate_, rows, inter, {});
   AddSegment(d, e.down, {}, y);
@@ -364,8 +365,8 @@ absl::Status LinearRunner::MlpGemv(const ExpertWeights& e, const float* in, int 
 absl::Status LinearRunner::Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16,
                                int rows, float* y) {
   const int inter = static_cast<int>(e.gate.rows);
-  if (auto s = Gemm(in, in_bf16, rows, e.gate, {}, gate_); !s.ok()) return s;
-  if (auto s = Gemm(in, in_bf16, rows, e.up, {}, up_); !s.ok()) return s;
+  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.gate, {}, gate_));
+  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.up, {}, up_));
   cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
   const uint16_t* hb = PrepareInput(gate_, static_cast<int64_t>(rows) * inter);
   return Gemm(gate_, hb, rows, e.down, {}, y);

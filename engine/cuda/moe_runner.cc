@@ -359,10 +359,10 @@ absl::Status MoeRunner::GroupedExperts(const LayerWeights& lw, int rows, const H
     down_problems.push_back(
         {gate + h_row, static_cast<const uint16_t*>(w.down.data), out + in_row, count});
   }
-  if (auto s = grouped_->Run(gate_problems, inter, hidden, stream_); !s.ok()) return s;
-  if (auto s = grouped_->Run(up_problems, inter, hidden, stream_); !s.ok()) return s;
+  RETURN_IF_ERROR(grouped_->Run(gate_problems, inter, hidden, stream_));
+  RETURN_IF_ERROR(grouped_->Run(up_problems, inter, hidden, stream_));
   cuda::SiluMulBf16(gate, up, h_elems, gate, stream_);
-  if (auto s = grouped_->Run(down_problems, hidden, inter, stream_); !s.ok()) return s;
+  RETURN_IF_ERROR(grouped_->Run(down_problems, hidden, inter, stream_));
   cuda::CombinePairsBf16(out, pair_position_, expert_weights_, rows, config_.num_experts_per_tok,
                          hidden, x, stream_);
   CHECK_LAUNCH();

@@ -1,4 +1,5 @@
 #include "engine/cuda/weight_upload.h"
+#include "api/status_macros.h"
 
 #include <cuda_runtime.h>
 
@@ -131,7 +132,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   // Quantized models are quantized on the host (or read so): upload what the host holds.
   const bool quantized = host.quant_format != QuantFormat::kNone;
   if (quantized)
-    if (auto s = MaterializeHostWeights(host); !s.ok()) return s;
+    RETURN_IF_ERROR(MaterializeHostWeights(host));
   auto dw = std::make_shared<DeviceWeights>();
   dw->tensors = host.tensors;
   // A layer's q, k and v weights share one allocation, back to back, when all three are dense
@@ -206,7 +207,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   auto bound = BindWeights(host.config, host.specs, dw->tensors);
   if (!bound.ok()) return bound.status();
   dw->weights = std::move(*bound);
-  if (auto s = BuildExpertPointerTables(*dw); !s.ok()) return s;
+  RETURN_IF_ERROR(BuildExpertPointerTables(*dw));
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -252,13 +253,13 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
   };
   auto upload_mlp = [&](ExpertWeights& e) -> absl::Status {
     for (MatrixRef* m : {&e.gate, &e.up, &e.down})
-      if (auto s = upload(*m); !s.ok()) return s;
+      RETURN_IF_ERROR(upload(*m));
     return absl::OkStatus();
   };
   ModelWeights& w = dw->weights;
   w = shard;
   for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head})
-    if (auto s = upload(*m); !s.ok()) return s;
+    RETURN_IF_ERROR(upload(*m));
   for (LayerWeights& l : w.layers) {
     const bool qkv_together = !l.q.empty() && !l.k.empty() && !l.v.empty() &&
                               l.q.dtype == DType::kBF16 && l.k.dtype == DType::kBF16 &&
@@ -272,12 +273,12 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
       uint8_t* at = *buffer;
       for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
         const size_t part = static_cast<size_t>(m->numel()) * 2;
-        if (auto s = upload(*m, at); !s.ok()) return s;
+        RETURN_IF_ERROR(upload(*m, at));
         at += part;
       }
     } else {
       for (MatrixRef* m : {&l.q, &l.k, &l.v})
-        if (auto s = upload(*m); !s.ok()) return s;
+        RETURN_IF_ERROR(upload(*m));
     }
     LinearAttentionWeights& la = l.linear_attn;
     for (auto list :
@@ -288,13 +289,13 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
           std::vector<MatrixRef*>{&la.in_proj_qkv, &la.in_proj_z, &la.in_proj_b, &la.in_proj_a,
                                   &la.conv, &la.dt_bias, &la.a_log, &la.norm, &la.out_proj}})
       for (MatrixRef* m : list)
-        if (auto s = upload(*m); !s.ok()) return s;
-    if (auto s = upload_mlp(l.mlp); !s.ok()) return s;
-    if (auto s = upload_mlp(l.shared_expert); !s.ok()) return s;
+        RETURN_IF_ERROR(upload(*m));
+    RETURN_IF_ERROR(upload_mlp(l.mlp));
+    RETURN_IF_ERROR(upload_mlp(l.shared_expert));
     for (ExpertWeights& e : l.experts)
-      if (auto s = upload_mlp(e); !s.ok()) return s;
+      RETURN_IF_ERROR(upload_mlp(e));
   }
-  if (auto s = BuildExpertPointerTables(*dw); !s.ok()) return s;
+  RETURN_IF_ERROR(BuildExpertPointerTables(*dw));
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -311,8 +312,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     // Corrupt a host copy the CPU's way, find which linear it hit, upload that scale alone.
     ModelWeights host_copy = host.weights;
     std::vector<uint8_t> corrupted;
-    if (auto s = CorruptQuantScale(host_copy, host, fault.value, fault.target, &corrupted); !s.ok())
-      return s;
+    RETURN_IF_ERROR(CorruptQuantScale(host_copy, host, fault.value, fault.target, &corrupted));
     for (size_t l = 0; l < host_copy.layers.size(); ++l) {
       const std::vector<MatrixRef*> host_linears = LayerLinears(host_copy.layers[l]);
       const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
@@ -341,7 +341,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     for (LayerWeights& layer : view->weights.layers)
       for (MatrixRef* m : LayerLinears(layer))
         if (m->quantized())
-          if (auto s = view->scaled->Prepare(*m); !s.ok()) return s;
+          RETURN_IF_ERROR(view->scaled->Prepare(*m));
     CUDA_OR_DIE(cudaDeviceSynchronize());
     return view;
   }
@@ -349,7 +349,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
   const bool keep_codes = KeepsQuantCodes(qgemm);
   if (keep_codes) {
     if (RoutesOnDevice(options.moe) && host.config.is_moe())
-      if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
+      RETURN_IF_ERROR(BuildExpertTables(host.config, *view));
     return view;
   }
   for (LayerWeights& layer : view->weights.layers)
@@ -365,7 +365,7 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     }
   CUDA_OR_DIE(cudaDeviceSynchronize());
   if (RoutesOnDevice(options.moe) && host.config.is_moe())
-    if (auto s = BuildExpertTables(host.config, *view); !s.ok()) return s;
+    RETURN_IF_ERROR(BuildExpertTables(host.config, *view));
   return view;
 }
 

@@ -81,7 +81,6 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill); decode
     // batches keep the mma.sync kernels, where wgmma's smallest N (32) is mostly padding.
     const bool want_wgmma = o.moe == Moe::kWgmma && many_pairs;
-    const bool wide = pairs > cuda::kMoeWidePairsPerExpert * s.experts;
     if (quant_grouped) {
       const bool wgmma = want_wgmma && cuda::MoeWgmmaQuantSupports(layer.gate, layer.up, layer.down,
                                                                    s.hidden, s.inter);
@@ -89,9 +88,7 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
         launcher_fallback("moe=wgmma: ", QuantFormatName(layer.gate.format), " experts, hidden ",
                           s.hidden, ", inter ", s.inter,
                           ": the quantized mma.sync grouped kernels");
-      plan.grouped = wgmma  ? cuda::MoeGroupedKernel::kQuantWgmma
-                     : wide ? cuda::MoeGroupedKernel::kQuantMma8
-                            : cuda::MoeGroupedKernel::kQuantMma4;
+      plan.grouped = cuda::MoeGroupedKernelFor(/*quantized=*/true, wgmma, pairs, s.experts);
     } else {
       const bool wgmma = want_wgmma && cuda::MoeWgmmaSupports(s.hidden, s.inter);
       if (want_wgmma && !wgmma)
@@ -99,9 +96,7 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
             "moe=wgmma: hidden ", s.hidden, ", inter ", s.inter,
             " (the wgmma tiles take hidden % 128 == 0, inter % 64 == 0): the mma.sync "
             "grouped kernels");
-      plan.grouped = wgmma  ? cuda::MoeGroupedKernel::kWgmma
-                     : wide ? cuda::MoeGroupedKernel::kMma8
-                            : cuda::MoeGroupedKernel::kMma4;
+      plan.grouped = cuda::MoeGroupedKernelFor(/*quantized=*/false, wgmma, pairs, s.experts);
     }
     if (copies)
       fallback("qgemm=", AxisValueName(o.qgemm), ": ", chunk,

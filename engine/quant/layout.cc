@@ -1,4 +1,5 @@
 #include "engine/quant/layout.h"
+#include "api/status_macros.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -72,7 +73,7 @@ absl::StatusOr<std::vector<QuantPartLayout>> QuantLayout(QuantFormat format, int
            absl::StrCat("for one scale per 128x128 block of [N, K] = [", rows, ", ", cols, "]")}};
     }
     case QuantFormat::kNvfp4: {
-      if (auto s = need_groups(kNvfp4GroupSize); !s.ok()) return s;
+      RETURN_IF_ERROR(need_groups(kNvfp4GroupSize));
       return std::vector<QuantPartLayout>{
           {QuantPart::kData,
            ".weight",
@@ -95,7 +96,7 @@ absl::StatusOr<std::vector<QuantPartLayout>> QuantLayout(QuantFormat format, int
           activation};
     }
     case QuantFormat::kMxfp4: {
-      if (auto s = need_groups(kMxfp4GroupSize); !s.ok()) return s;
+      RETURN_IF_ERROR(need_groups(kMxfp4GroupSize));
       const int64_t blocks = cols / kMxfp4GroupSize;
       return std::vector<QuantPartLayout>{
           {QuantPart::kData,

@@ -275,15 +275,15 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
                                   " rows: x padded to ", kMinBlockRows,
                                   " rows (no 128-block FP8 algorithm for fewer)"));
     const size_t x_bytes = sizeof(float) * kMinBlockRows * K, y_bytes = sizeof(float) * kMinBlockRows * N;
-    if (auto s = Grow(&pad_x_, &pad_x_bytes_, x_bytes, stream); !s.ok()) return s;
-    if (auto s = Grow(&pad_y_, &pad_y_bytes_, y_bytes, stream); !s.ok()) return s;
+    RETURN_IF_ERROR(Grow(&pad_x_, &pad_x_bytes_, x_bytes, stream));
+    RETURN_IF_ERROR(Grow(&pad_y_, &pad_y_bytes_, y_bytes, stream));
     float* px = static_cast<float*>(pad_x_);
     cudaMemcpyAsync(px, x, sizeof(float) * rows * K, cudaMemcpyDeviceToDevice, stream);
     for (int r = rows; r < kMinBlockRows; ++r)
       cudaMemcpyAsync(px + static_cast<int64_t>(r) * K, x + static_cast<int64_t>(rows - 1) * K,
                       sizeof(float) * K, cudaMemcpyDeviceToDevice, stream);
     float* py = static_cast<float*>(pad_y_);
-    if (auto s = Run(px, kMinBlockRows, w, py, stream); !s.ok()) return s;
+    RETURN_IF_ERROR(Run(px, kMinBlockRows, w, py, stream));
     cudaMemcpyAsync(y, py, sizeof(float) * rows * N, cudaMemcpyDeviceToDevice, stream);
     return absl::OkStatus();
   }
@@ -304,8 +304,8 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
       break;
   }
   const size_t code_bytes = static_cast<size_t>(rows) * (fp4 ? K / 2 : K);
-  if (auto s = Grow(&codes_, &codes_bytes_, code_bytes, stream); !s.ok()) return s;
-  if (auto s = Grow(&scales_, &scales_bytes_, scale_bytes, stream); !s.ok()) return s;
+  RETURN_IF_ERROR(Grow(&codes_, &codes_bytes_, code_bytes, stream));
+  RETURN_IF_ERROR(Grow(&scales_, &scales_bytes_, scale_bytes, stream));
 
   uint8_t* codes = static_cast<uint8_t*>(codes_);
   float* slot = reinterpret_cast<float*>(slots_ + 1);  // nvfp4: x's global scale

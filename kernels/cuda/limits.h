@@ -101,6 +101,17 @@ constexpr bool MoeWgmmaQuantSupports(const QuantMatrixShape& gate, const QuantMa
 enum class MoeGroupedKernel { kMma4, kMma8, kWgmma, kQuantMma4, kQuantMma8, kQuantWgmma };
 // More pairs an expert than this (on average) take the 64-pair mma.sync passes.
 constexpr int kMoeWidePairsPerExpert = 24;
+// The grouped variant for `pairs` routed (row, expert) pairs over `experts`: wgmma when chosen,
+// else the 64-pair mma.sync passes when the experts are wide, the 32-pair ones when not.
+constexpr MoeGroupedKernel MoeGroupedKernelFor(bool quantized, bool wgmma, int pairs,
+                                               int experts) {
+  const bool wide = pairs > kMoeWidePairsPerExpert * experts;
+  if (quantized)
+    return wgmma  ? MoeGroupedKernel::kQuantWgmma
+           : wide ? MoeGroupedKernel::kQuantMma8
+                  : MoeGroupedKernel::kQuantMma4;
+  return wgmma ? MoeGroupedKernel::kWgmma : wide ? MoeGroupedKernel::kMma8 : MoeGroupedKernel::kMma4;
+}
 
 // ---- Gated DeltaNet (gated_delta.cu): a state column held in 8 lanes' registers.
 constexpr int kGatedDeltaLanesPerColumn = 8;
