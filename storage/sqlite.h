@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 
@@ -96,9 +97,8 @@ class Stmt {
   // Runs a statement to completion, ignoring any rows.
   absl::Status Run() {
     for (;;) {
-      absl::StatusOr<bool> row = Step();
-      if (!row.ok()) return row.status();
-      if (!*row) return absl::OkStatus();
+      ASSIGN_OR_RETURN(const bool row, Step());
+      if (!row) return absl::OkStatus();
     }
   }
 
