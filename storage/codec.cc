@@ -3,6 +3,8 @@
 #include <zlib.h>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
+#include "api/untrusted_json.h"
 
 namespace infersweep {
 namespace {
@@ -182,15 +184,20 @@ absl::StatusOr<std::string> ExpandKernelLogRefs(
     int64_t id = 0;
     while (end < text.size() && text[end] >= '0' && text[end] <= '9')
       id = id * 10 + (text[end++] - '0');
-    absl::StatusOr<std::string> body = log(id);
-    if (!body.ok()) return body.status();
+    ASSIGN_OR_RETURN(const std::string body, log(id));
     out.append(text, from, at - from);
     out.append("\"kernels\":");
-    out.append(*body);
+    out.append(body);
     from = end;
   }
   out.append(text, from, std::string::npos);
   return out;
+}
+
+absl::StatusOr<nlohmann::json> ParseStoredJson(const std::string& text, absl::string_view what) {
+  absl::StatusOr<nlohmann::json> j = ParseUntrustedJson(text, absl::StrCat("stored ", what));
+  if (!j.ok()) return absl::DataLossError(j.status().message());
+  return j;
 }
 
 }  // namespace infersweep

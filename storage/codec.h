@@ -5,10 +5,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace infersweep {
 
@@ -27,5 +29,9 @@ absl::StatusOr<std::string> ExpandKernelLogRefs(
 // The same JSON with every "kernels_ref":ID member removed, for readers that do not want the
 // kernel logs (they are most of a GPU result's bytes).
 std::string StripKernelLogRefs(std::string text);
+
+// JSON text read back from the database (a result, a trial's workload or selector), parsed as
+// untrusted JSON: DataLoss "stored <what>: ..." when it does not parse.
+absl::StatusOr<nlohmann::json> ParseStoredJson(const std::string& text, absl::string_view what);
 
 }  // namespace infersweep

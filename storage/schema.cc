@@ -2,20 +2,11 @@
 
 #include <sqlite3.h>
 
-#include <cerrno>
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
+#include "storage/sqlite.h"
 
 namespace infersweep {
-
-// Columns every query returning a StoredResult selects, in this order.
-// (Kept in sync with kResultCols in store.cc.)
-namespace {
-constexpr char kResultCols[] =
-    "sweep_id, agent_id, gpu_name, sm, result_json, result_id, result_blob, model_key, workload, "
-    "engine_version, software";
-}  // namespace
 
 const std::vector<Migration>& Migrations() {
   static const std::vector<Migration> migrations = {
@@ -340,53 +331,6 @@ ALTER TABLE results ADD COLUMN result_digest BLOB;
   return migrations;
 }
 
-absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation) {
-  // The errno of the failed system call, before anything here can change it: SQLite 3.40's
-  // sqlite3_system_errno() stays 0 for a refused WAL write, but errno still says why.
-  const int call_errno = errno;
-  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-  const std::string detail = absl::StrCat(operation, ": ", msg, " (sqlite code ", rc, ")");
-  switch (rc & 0xff) {
-    case SQLITE_BUSY:
-    case SQLITE_LOCKED:
-      return absl::UnavailableError(absl::StrCat("database is busy (another connection holds a "
-                                                 "lock; retry later) during ", detail));
-    case SQLITE_FULL:
-      return absl::ResourceExhaustedError(absl::StrCat("disk full during ", detail));
-    case SQLITE_IOERR: {
-      // A write the file system refused for lack of space or over a size limit or quota is a
-      // full disk too (SQLite reports only ENOSPC as SQLITE_FULL).
-      int err = db != nullptr ? sqlite3_system_errno(db) : 0;
-      if (err == 0) err = call_errno;
-      if (err == ENOSPC || err == EFBIG || err == EDQUOT)
-        return absl::ResourceExhaustedError(
-            absl::StrCat("disk full during ", detail, ": ", std::strerror(err)));
-      return absl::InternalError(detail);
-    }
-    case SQLITE_NOMEM:
-      return absl::ResourceExhaustedError(absl::StrCat("out of memory during ", detail));
-    case SQLITE_CONSTRAINT:
-      if (rc == SQLITE_CONSTRAINT_UNIQUE || rc == SQLITE_CONSTRAINT_PRIMARYKEY)
-        return absl::AlreadyExistsError(detail);
-      return absl::FailedPreconditionError(detail);
-    case SQLITE_CORRUPT:
-    case SQLITE_NOTADB:
-      return absl::DataLossError(detail);
-    case SQLITE_READONLY:
-    case SQLITE_PERM:
-    case SQLITE_CANTOPEN:
-      return absl::FailedPreconditionError(detail);
-    default:
-      return absl::InternalError(detail);
-  }
-}
-
-absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation) {
-  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, nullptr);
-  if (rc != SQLITE_OK) return SqliteError(db, rc, operation);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<int> SchemaVersion(sqlite3* db) {
   sqlite3_stmt* stmt = nullptr;
   int rc = sqlite3_prepare_v2(db, "PRAGMA user_version", -1, &stmt, nullptr);
@@ -428,21 +372,19 @@ absl::Status CheckForeignKeys(sqlite3* db, const std::string& op) {
 }  // namespace
 
 absl::Status Migrate(sqlite3* db) {
-  absl::StatusOr<int> version = SchemaVersion(db);
-  if (!version.ok()) return version.status();
+  ASSIGN_OR_RETURN(const int version, SchemaVersion(db));
   const int latest = LatestSchemaVersion();
-  if (*version > latest)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "database schema version ", *version, " is newer than this build supports (", latest,
-        "); use a newer infersweep or another database file"));
-  if (*version == latest) return absl::OkStatus();
+  if (version > latest)
+    return absl::FailedPreconditionError(
+        absl::StrCat("database schema version ", version, " is newer than this build supports (",
+                     latest, "); use a newer infersweep or another database file"));
+  if (version == latest) return absl::OkStatus();
   // A step may rebuild a table that others reference (CREATE, copy, DROP, RENAME): SQLite asks
   // for foreign keys off meanwhile (the pragma is a no-op inside a transaction) and a
   // foreign_key_check before the commit.
-  if (absl::Status s = ExecSql(db, "PRAGMA foreign_keys = OFF", "migrating the schema"); !s.ok())
-    return s;
+  RETURN_IF_ERROR(ExecSql(db, "PRAGMA foreign_keys = OFF", "migrating the schema"));
   absl::Status result = absl::OkStatus();
-  for (int v = *version; v < latest && result.ok(); ++v) {
+  for (int v = version; v < latest && result.ok(); ++v) {
     const std::string op = absl::StrCat("migrating the schema from version ", v, " to ", v + 1,
                                         " (", Migrations()[v].description, ")");
     if (absl::Status s = ExecSql(db, "BEGIN IMMEDIATE", op); !s.ok()) {
@@ -464,26 +406,6 @@ absl::Status Migrate(sqlite3* db) {
       result.ok() && !s.ok())
     result = s;
   return result;
-}
-
-std::string BestServingPointSql(absl::string_view column, bool higher_is_better, bool in_sweep) {
-  const char* dir = higher_is_better ? "DESC" : "ASC";
-  return absl::StrCat(
-      "SELECT ", kResultCols,
-      " FROM results WHERE result_id = (SELECT result_id "
-      "FROM serving_points WHERE model = ? AND sm = ? AND ok = 1 AND load_point = ? "
-      "AND model_key = ? AND workload = ? AND ",
-      in_sweep ? "sweep_id = ? AND " : "", column, " IS NOT NULL ORDER BY ", column, " ", dir,
-      ", sweep_id DESC, result_id DESC LIMIT 1)");
-}
-
-std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep) {
-  const char* dir = higher_is_better ? "DESC" : "ASC";
-  return absl::StrCat("SELECT ", kResultCols,
-                      " FROM results WHERE result_id = (SELECT result_id FROM result_batches"
-                      " WHERE group_id = ? AND ok = 1 AND ",
-                      in_sweep ? "sweep_id = ? AND " : "", column, " IS NOT NULL ORDER BY ", column,
-                      " ", dir, ", sweep_id DESC, result_id DESC LIMIT 1)");
 }
 
 }  // namespace infersweep

@@ -1,10 +1,8 @@
-// Schema of the coordinator's SQLite file and its migrations (docs/STORAGE.md), plus the small
-// SQLite helpers shared by storage/store.cc and the tests. Internal to storage/: other modules go
-// through storage/store.h.
+// Schema of the coordinator's SQLite file and its migrations (docs/STORAGE.md). Internal to
+// storage/: other modules go through storage/store.h.
 #pragma once
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,26 +28,5 @@ absl::StatusOr<int> SchemaVersion(sqlite3* db);
 // transaction that also bumps user_version, so a failure leaves the file at the last complete
 // version. A file newer than this build is a FailedPrecondition naming both versions.
 absl::Status Migrate(sqlite3* db);
-
-// Maps a SQLite result code to a Status naming the operation and carrying sqlite3_errmsg:
-// BUSY/LOCKED -> Unavailable ("database is busy ..."), FULL -> ResourceExhausted ("disk full
-// ..."), IOERR from a write refused with ENOSPC, EFBIG (file size limit) or EDQUOT ->
-// ResourceExhausted ("disk full ..."), NOMEM -> ResourceExhausted, unique/primary-key violations ->
-// AlreadyExists, other constraints -> FailedPrecondition, CORRUPT/NOTADB -> DataLoss,
-// READONLY/PERM/CANTOPEN -> FailedPrecondition, anything else -> Internal.
-absl::Status SqliteError(sqlite3* db, int rc, absl::string_view operation);
-
-// Runs statements without results or bound values (schema text, BEGIN/COMMIT); errors as above.
-absl::Status ExecSql(sqlite3* db, const char* sql, absl::string_view operation);
-
-// The text of the hot query, so tests can check its plan with EXPLAIN QUERY PLAN: the best
-// result by a result_batches metric `column` (from a fixed table in store.cc, never from
-// callers) within one result group, optionally one sweep's rows of it. Binds (group_id[,
-// sweep_id]).
-std::string BestInGroupSql(absl::string_view column, bool higher_is_better, bool in_sweep);
-// The same for a serving metric: the best serving_points row by `column` (a fixed table in
-// store.cc) of one (model, sm, load point, model identity, workload), optionally one sweep's.
-// Binds (model, sm, load_point, model_key, workload[, sweep_id]).
-std::string BestServingPointSql(absl::string_view column, bool higher_is_better, bool in_sweep);
 
 }  // namespace infersweep

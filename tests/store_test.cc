@@ -18,7 +18,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "storage/queries.h"
 #include "storage/schema.h"
+#include "storage/sqlite.h"
 #include "tests/raw_db.h"
 #include "tests/test_util.h"
 
