@@ -1,16 +1,16 @@
 #include "agent/metrics.h"
 
-#include <sstream>
-#include <vector>
-
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <sstream>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
-#include "coordinator/metrics_http.h"
+#include "proto/metrics_http.h"
 
 namespace infersweep {
 

@@ -37,7 +37,7 @@ class AgentMetrics {
   AgentMetrics& operator=(const AgentMetrics&) = delete;
 
   // Serves GET /metrics on `address` ("127.0.0.1:9465"; port 0 picks a free one; see
-  // coordinator/metrics_http.h). Returns the bound port. Fails (Unavailable) when the address
+  // proto/metrics_http.h). Returns the bound port. Fails (Unavailable) when the address
   // cannot be bound, FailedPrecondition if already listening.
   absl::StatusOr<int> Listen(const std::string& address);
   int port() const;

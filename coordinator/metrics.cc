@@ -1,8 +1,5 @@
 #include "coordinator/metrics.h"
 
-#include <sstream>
-#include <vector>
-
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
@@ -10,8 +7,11 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <sstream>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
-#include "coordinator/metrics_http.h"
+#include "proto/metrics_http.h"
 
 namespace infersweep {
 namespace {

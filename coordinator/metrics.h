@@ -59,7 +59,7 @@ class CoordinatorMetrics {
   CoordinatorMetrics& operator=(const CoordinatorMetrics&) = delete;
 
   // Serves GET /metrics on `address` ("127.0.0.1:9464"; port 0 picks a free one; see
-  // coordinator/metrics_http.h). Returns the bound port. Fails (Unavailable) when the address
+  // proto/metrics_http.h). Returns the bound port. Fails (Unavailable) when the address
   // cannot be bound, FailedPrecondition if already listening.
   absl::StatusOr<int> Listen(const std::string& address);
   // The bound port; 0 before Listen.

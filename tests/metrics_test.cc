@@ -18,9 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/metrics.h"
-#include "coordinator/metrics_http.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/metrics_http.h"
 #include "testing/http_get.h"
 
 namespace infersweep {

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "api/trial.h"
 #include "api/untrusted_regex.h"
-#include "coordinator/server_impl.h"
+#include "coordinator/agent_sessions.h"
 #include "coordinator/sweep_spec.h"
 #include "proto/infersweep.pb.h"
 #include "tests/fuzz/targets.h"
@@ -421,12 +421,10 @@ std::vector<std::string> AgentMessageSeeds() {
 
 // The coordinator's reading of an agent's message: Hello validation, a Result's JSON.
 Outcome AgentMessages(std::string_view input) {
-  static CoordinatorServer::Impl* const coordinator =
-      new CoordinatorServer::Impl(CoordinatorOptions{});
   v1::AgentMessage m;
   if (!m.ParseFromArray(input.data(), static_cast<int>(input.size()))) return {};
   if (m.has_hello()) {
-    absl::Status s = coordinator->ValidateHello(m.hello());
+    absl::Status s = coordinator::ValidateHello(m.hello());
     if (!s.ok()) return Rejected(s, "Hello");
     const v1::Hello& h = m.hello();
     if (h.gpus_size() > 256 || h.agent_id().empty() || h.agent_id().size() > 128)
