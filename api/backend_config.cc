@@ -34,6 +34,18 @@ std::string FusedNotInTheEngine(const char* tp) {
                       "over; it runs in allreduce-bench --device cuda");
 }
 
+// Why the CUDA ranks refuse ep=on (a conflict's reason: after ": ").
+std::string EpNotOnCudaRanks(const char* tp) {
+  return absl::StrCat("tp=", tp,
+                      ": the CUDA ranks shard every expert on its intermediate dimension; whole "
+                      "experts per rank leave the others' experts empty, which the MoE runners "
+                      "do not skip");
+}
+// Why graphs=persistent takes no collective (a conflict's reason: after ": ").
+constexpr char kPersistentNoSeam[] =
+    ": graphs=persistent runs every layer in one kernel, with no seam between its blocks for an "
+    "all-reduce";
+
 std::vector<BackendDescriptor> MakeRegistry() {
   // The CPU dequantizes quantized weights exactly (core/quant/dequantize.h): still fp32.
   const std::vector<std::string> any_format = {"bf16", "f16", "f32", "fp8", "nvfp4", "mxfp4"};
@@ -157,7 +169,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
        {"bf16", "fp8", "nvfp4"},
        {"kv_cache=fp32", "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
         absl::StrCat("gemm=reference", kPersistentGemm),
-        absl::StrCat("gemm=cublaslt", kPersistentGemm), absl::StrCat("gemm=tma", kPersistentGemm)},
+        absl::StrCat("gemm=cublaslt", kPersistentGemm), absl::StrCat("gemm=tma", kPersistentGemm),
+        absl::StrCat("tp=2", kPersistentNoSeam), absl::StrCat("tp=4", kPersistentNoSeam),
+        absl::StrCat("tp=8", kPersistentNoSeam), absl::StrCat("allreduce=nccl", kPersistentNoSeam),
+        absl::StrCat("allreduce=custom", kPersistentNoSeam)},
        kBf16,
        "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
        "warp's share of every phase's weights streamed into its own shared-memory ring "
@@ -180,15 +195,33 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
   // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.
   r.push_back({"tp", "1", "cuda", 80, 0, true, {}, {}, kFp32, "one GPU"});
+  // Quantized weights are not sharded for the CUDA ranks (a rank's column slices decode to fp32;
+  // the CPU reference runs them).
   for (const char* t : {"2", "4", "8"})
-    r.push_back({"tp", t, "cuda", 80, 0, true, {}, {}, kFp32,
-                 absl::StrCat(t, " GPUs of one agent, one rank process each on its shard "
-                                 "(sharded as on the CPU), joined through the trial's parent; "
-                                 "bf16 weights, lockstep batches, ep=off (the engine refuses "
-                                 "the rest with the reason)")});
+    r.push_back({"tp",
+                 t,
+                 "cuda",
+                 80,
+                 0,
+                 true,
+                 {"bf16", "f16", "f32"},
+                 {},
+                 kFp32,
+                 absl::StrCat(t,
+                              " GPUs of one agent, one rank process each on its shard "
+                              "(sharded as on the CPU), joined through the trial's parent; "
+                              "lockstep batches")});
   r.push_back({"ep", "off", "cuda", 80, 0, true, {}, {}, kFp32,
                "experts sharded on their intermediate dimension across the tp ranks"});
-  r.push_back({"ep", "on", "cuda", 80, 0, true, {}, {kEpNeedsRanks}, kFp32,
+  r.push_back({"ep",
+               "on",
+               "cuda",
+               80,
+               0,
+               true,
+               {},
+               {kEpNeedsRanks, EpNotOnCudaRanks("2"), EpNotOnCudaRanks("4"), EpNotOnCudaRanks("8")},
+               kFp32,
                "whole experts per rank (experts / tp each), the router replicated"});
   r.push_back({"allreduce", "auto", "cuda", 80, 0, true, {}, {}, kFp32,
                "the default: nccl at tp > 1; at tp=1 no all-reduce runs (no communicator, no "
@@ -319,21 +352,24 @@ bool Holds(const BackendConfig& config, const std::string& conflict, std::string
   return true;
 }
 
-// The first of d's conflict rows (and, on quantized weights, quantized conflict rows) that
-// `config` holds, as preflight states it; empty when none.
-std::string ConflictOf(const BackendDescriptor& d, const BackendConfig& config,
-                       std::string_view weight_format) {
+// Every one of d's conflict rows (and, on quantized weights, quantized conflict rows) that
+// `config` holds, as preflight states them.
+std::vector<std::string> ConflictsOf(const BackendDescriptor& d, const BackendConfig& config,
+                                     std::string_view weight_format) {
   const std::string name = absl::StrCat(d.axis, "=", d.value);
+  std::vector<std::string> out;
   std::string other, why;
   for (const std::string& conflict : d.conflicts)
     if (Holds(config, conflict, &other, &why))
-      return absl::StrCat(name, " cannot be combined with ", other, why.empty() ? "" : ": ", why);
-  if (!IsQuantizedFormat(weight_format)) return "";
-  for (const std::string& conflict : d.quantized_conflicts)
-    if (Holds(config, conflict, &other, &why))
-      return absl::StrCat(name, " cannot be combined with ", other, " on ",
-                          std::string(weight_format), " weights", why.empty() ? "" : ": ", why);
-  return "";
+      out.push_back(
+          absl::StrCat(name, " cannot be combined with ", other, why.empty() ? "" : ": ", why));
+  if (IsQuantizedFormat(weight_format))
+    for (const std::string& conflict : d.quantized_conflicts)
+      if (Holds(config, conflict, &other, &why))
+        out.push_back(absl::StrCat(name, " cannot be combined with ", other, " on ",
+                                   std::string(weight_format), " weights", why.empty() ? "" : ": ",
+                                   why));
+  return out;
 }
 
 }  // namespace
@@ -341,6 +377,13 @@ std::string ConflictOf(const BackendDescriptor& d, const BackendConfig& config,
 const std::vector<BackendDescriptor>& BackendRegistry() {
   static const std::vector<BackendDescriptor> registry = MakeRegistry();
   return registry;
+}
+
+std::vector<std::string> RegisteredValues(std::string_view device, std::string_view axis) {
+  std::vector<std::string> values;
+  for (const BackendDescriptor& d : BackendRegistry())
+    if (d.device == device && d.axis == axis) values.push_back(d.value);
+  return values;
 }
 
 std::string_view PrecisionClassName(PrecisionClass p) {
@@ -436,44 +479,54 @@ absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config
 PreflightResult Preflight(const BackendConfig& config, const PreflightTarget& target,
                           const std::vector<BackendDescriptor>& registry) {
   PreflightResult result;
-  auto unsupported = [&](std::string reason) {
-    result.supported = false;
-    result.reason = std::move(reason);
-    return result;
-  };
+  // Every reason that applies, in the config's axis order, then the tensor-parallel ones.
+  std::vector<std::string> reasons;
+  bool no_cuda_build = false, no_gpu = false;
   const std::string device = ConfigDevice(config);
   for (const auto& [axis, value] : config) {
     const BackendDescriptor* d = FindOn(registry, device, axis, value);
-    if (d == nullptr) return unsupported(absl::StrCat(axis, "=", value, " is not registered"));
+    if (d == nullptr) {
+      reasons.push_back(absl::StrCat(axis, "=", value, " is not registered"));
+      continue;
+    }
     const std::string name = absl::StrCat(axis, "=", value);
-    if (d->needs_cuda_build && !target.has_cuda_build)
-      return unsupported(absl::StrCat(name, " needs a build with CUDA backends"));
-    if (d->device == "cuda" && target.gpu_count == 0)
-      return unsupported(absl::StrCat(name, " needs a GPU; this host has none"));
-    if (d->device == "cuda" && d->min_sm > 0 && target.sm < d->min_sm)
-      return unsupported(absl::StrCat(name, " needs ", SmName(d->min_sm), " or newer; the GPU is ",
-                                      SmName(target.sm)));
-    if (d->device == "cuda" && d->max_sm > 0 && target.sm > d->max_sm)
-      return unsupported(absl::StrCat(name, " runs only up to ", SmName(d->max_sm),
-                                      " (arch-specific code); the GPU is ", SmName(target.sm)));
+    // A build without CUDA, or a host without a GPU, is said once: it refuses every CUDA axis.
+    if (d->needs_cuda_build && !target.has_cuda_build) {
+      if (!no_cuda_build)
+        reasons.push_back(absl::StrCat(name, " needs a build with CUDA backends"));
+      no_cuda_build = true;
+    } else if (d->device == "cuda" && target.gpu_count == 0) {
+      if (!no_gpu) reasons.push_back(absl::StrCat(name, " needs a GPU; this host has none"));
+      no_gpu = true;
+    } else if (d->device == "cuda" && d->min_sm > 0 && target.sm < d->min_sm) {
+      reasons.push_back(absl::StrCat(name, " needs ", SmName(d->min_sm), " or newer; the GPU is ",
+                                     SmName(target.sm)));
+    } else if (d->device == "cuda" && d->max_sm > 0 && target.sm > d->max_sm) {
+      reasons.push_back(absl::StrCat(name, " runs only up to ", SmName(d->max_sm),
+                                     " (arch-specific code); the GPU is ", SmName(target.sm)));
+    }
     if (!d->weight_formats.empty() && !target.weight_format.empty() &&
         std::find(d->weight_formats.begin(), d->weight_formats.end(), target.weight_format) ==
             d->weight_formats.end())
-      return unsupported(absl::StrCat(name, " does not take ", target.weight_format,
-                                      " weights (takes ", absl::StrJoin(d->weight_formats, ", "),
-                                      ")"));
-    if (std::string why = ConflictOf(*d, config, target.weight_format); !why.empty())
-      return unsupported(std::move(why));
+      reasons.push_back(absl::StrCat(name, " does not take ", target.weight_format,
+                                     " weights (takes ", absl::StrJoin(d->weight_formats, ", "),
+                                     ")"));
+    for (std::string& why : ConflictsOf(*d, config, target.weight_format))
+      reasons.push_back(std::move(why));
     result.precision = std::max(result.precision, d->precision);
   }
   const int tp = TensorParallelRanks(config);
-  if (device == "cuda" && tp > target.gpu_count)
-    return unsupported(absl::StrCat("tp=", tp, " needs ", tp, " GPUs of one host; this host has ",
-                                    target.gpu_count));
+  if (device == "cuda" && tp > target.gpu_count && !no_gpu && !no_cuda_build)
+    reasons.push_back(absl::StrCat("tp=", tp, " needs ", tp, " GPUs of one host; this host has ",
+                                   target.gpu_count));
   if (target.model)
     if (std::string why = TensorParallelRefusal(*target.model, tp, ExpertParallel(config));
         !why.empty())
-      return unsupported(std::move(why));
+      reasons.push_back(std::move(why));
+  if (!reasons.empty()) {
+    result.supported = false;
+    result.reason = absl::StrJoin(reasons, "; ");
+  }
   return result;
 }
 
@@ -528,17 +581,18 @@ std::string TensorParallelRefusal(const ModelConfig& model, int tp, bool expert_
       why.push_back(
           indivisible("shared_expert_intermediate_size", model.shared_expert_intermediate_size));
   }
-  for (std::string& reason : why)
-    if (!reason.empty()) return reason;
-  return "";
+  why.erase(std::remove(why.begin(), why.end(), std::string()), why.end());
+  return absl::StrJoin(why, "; ");
 }
 
 std::string RegistryConflict(const BackendConfig& config, std::string_view weight_format,
                              const std::vector<BackendDescriptor>& registry) {
+  std::vector<std::string> why;
   for (const auto& [axis, value] : config)
     if (const BackendDescriptor* d = FindOn(registry, ConfigDevice(config), axis, value))
-      if (std::string why = ConflictOf(*d, config, weight_format); !why.empty()) return why;
-  return "";
+      for (std::string& conflict : ConflictsOf(*d, config, weight_format))
+        why.push_back(std::move(conflict));
+  return absl::StrJoin(why, "; ");
 }
 
 std::vector<BackendConfig> ExpandMatrix(

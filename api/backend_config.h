@@ -51,6 +51,9 @@ struct BackendDescriptor {
 
 // Every registered backend value, for every axis and device: the one table.
 const std::vector<BackendDescriptor>& BackendRegistry();
+// The values of `axis` on `device`, in the table's order (test-only rows included): the order
+// of the engine's enum for that axis (engine/options.h), whose names these are.
+std::vector<std::string> RegisteredValues(std::string_view device, std::string_view axis);
 
 // Axes of a device and their default values (what an absent axis means).
 std::map<std::string, std::string> DefaultAxes(std::string_view device);
@@ -81,7 +84,7 @@ struct PreflightTarget {
 
 struct PreflightResult {
   bool supported = true;
-  std::string reason;  // why not, when !supported
+  std::string reason;  // why not, when !supported: every reason that applies, joined by "; "
   PrecisionClass precision = PrecisionClass::kFp32;  // the loosest class among its backends
 };
 
@@ -90,9 +93,9 @@ struct PreflightResult {
 PreflightResult Preflight(const BackendConfig& normalized, const PreflightTarget& target,
                           const std::vector<BackendDescriptor>& registry = BackendRegistry());
 
-// The first conflict row of the registry that a normalized config holds (with quantized
-// conflicts when `weight_format` is fp8, nvfp4 or mxfp4), stated as Preflight states it; empty
-// when none. Preflight's own conflict judgement, for building a model without a preflight
+// Every conflict row of the registry that a normalized config holds (with quantized conflicts
+// when `weight_format` is fp8, nvfp4 or mxfp4), stated as Preflight states them, joined by "; ";
+// empty when none. Preflight's own conflict judgement, for building a model without a preflight
 // (CreateModel): every conflict is stated once, in the registry.
 std::string RegistryConflict(const BackendConfig& normalized, std::string_view weight_format,
                              const std::vector<BackendDescriptor>& registry = BackendRegistry());

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#include "bench/cuda_check.h"
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i)
     if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
   cudaDeviceProp prop{};
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_OR_DIE(cudaGetDeviceProperties(&prop, 0));
   double layer_bytes = 0;
   for (const Shape& s : kPhases) layer_bytes += 2.0 * s.rows * s.k;
   std::printf("# %s, %d SMs; %d layers of %.1f MB of weights (roofline %.1f us a layer at 4.46 TB/s)\n",
@@ -155,42 +155,42 @@ int main(int argc, char** argv) {
   // Weights (distinct per layer), activations: x 2048 / attention out 4096 / h 6144 wide.
   std::vector<Phase> phases;
   float *x = nullptr, *attn = nullptr, *h = nullptr, *scratch = nullptr;
-  CHECK(cudaMalloc(&x, kMaxK * sizeof(float)));
-  CHECK(cudaMalloc(&attn, kMaxK * sizeof(float)));
-  CHECK(cudaMalloc(&h, 12288 * sizeof(float)));
-  CHECK(cudaMalloc(&scratch, 12288 * sizeof(float)));
-  CHECK(cudaMemset(x, 0, kMaxK * sizeof(float)));
-  CHECK(cudaMemset(attn, 0, kMaxK * sizeof(float)));
-  CHECK(cudaMemset(h, 0, 12288 * sizeof(float)));
+  CUDA_OR_DIE(cudaMalloc(&x, kMaxK * sizeof(float)));
+  CUDA_OR_DIE(cudaMalloc(&attn, kMaxK * sizeof(float)));
+  CUDA_OR_DIE(cudaMalloc(&h, 12288 * sizeof(float)));
+  CUDA_OR_DIE(cudaMalloc(&scratch, 12288 * sizeof(float)));
+  CUDA_OR_DIE(cudaMemset(x, 0, kMaxK * sizeof(float)));
+  CUDA_OR_DIE(cudaMemset(attn, 0, kMaxK * sizeof(float)));
+  CUDA_OR_DIE(cudaMemset(h, 0, 12288 * sizeof(float)));
   std::vector<void*> buffers;
   for (int l = 0; l < layers; ++l)
     for (int p = 0; p < kPhasesPerLayer; ++p) {
       const Shape s = kPhases[p];
       void* w = nullptr;
-      CHECK(cudaMalloc(&w, 2ull * s.rows * s.k));
-      CHECK(cudaMemset(w, 0, 2ull * s.rows * s.k));
+      CUDA_OR_DIE(cudaMalloc(&w, 2ull * s.rows * s.k));
+      CUDA_OR_DIE(cudaMemset(w, 0, 2ull * s.rows * s.k));
       buffers.push_back(w);
       const float* in = p == 1 ? attn : p == 4 ? h : x;
       float* out = p == 3 ? h : scratch;
       phases.push_back({static_cast<const uint16_t*>(w), in, out, s.rows, s.k});
     }
   cudaStream_t stream;
-  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OR_DIE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  CUDA_OR_DIE(cudaEventCreate(&start));
+  CUDA_OR_DIE(cudaEventCreate(&stop));
   // 1 warm-up and 5 timed runs of `launch` (all layers each), `prepare` before each outside the
   // timed span: the median, in us a layer.
   auto time_runs = [&](auto prepare, auto launch) {
     std::vector<float> ms;
     for (int run = 0; run < 6; ++run) {
       prepare();
-      CHECK(cudaEventRecord(start, stream));
+      CUDA_OR_DIE(cudaEventRecord(start, stream));
       launch();
-      CHECK(cudaEventRecord(stop, stream));
-      CHECK(cudaEventSynchronize(stop));
+      CUDA_OR_DIE(cudaEventRecord(stop, stream));
+      CUDA_OR_DIE(cudaEventSynchronize(stop));
       float t = 0;
-      CHECK(cudaEventElapsedTime(&t, start, stop));
+      CUDA_OR_DIE(cudaEventElapsedTime(&t, start, stop));
       if (run > 0) ms.push_back(t);
     }
     return Median(ms) * 1000.f / layers;
@@ -198,13 +198,13 @@ int main(int argc, char** argv) {
   auto time_graph = [&](auto record) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    CUDA_OR_DIE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     record();
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const float us = time_runs([] {}, [&] { CHECK(cudaGraphLaunch(exec, stream)); });
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
+    CUDA_OR_DIE(cudaStreamEndCapture(stream, &graph));
+    CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
+    const float us = time_runs([] {}, [&] { CUDA_OR_DIE(cudaGraphLaunch(exec, stream)); });
+    CUDA_OR_DIE(cudaGraphExecDestroy(exec));
+    CUDA_OR_DIE(cudaGraphDestroy(graph));
     return us;
   };
   infersweep::cuda::SetProgrammaticLaunch(true);
@@ -234,21 +234,26 @@ int main(int argc, char** argv) {
               gemv_us, 100.0 * layer_bytes / 4.46e6 / gemv_us);
 
   Phase* d_phases = nullptr;
-  CHECK(cudaMalloc(&d_phases, phases.size() * sizeof(Phase)));
+  CUDA_OR_DIE(cudaMalloc(&d_phases, phases.size() * sizeof(Phase)));
   unsigned* counters = nullptr;
-  CHECK(cudaMalloc(&counters, kCounterWords * sizeof(unsigned)));
+  CUDA_OR_DIE(cudaMalloc(&counters, kCounterWords * sizeof(unsigned)));
   std::vector<Phase> idle = phases;  // no rows: each phase only stages its input and meets the barrier
   for (Phase& ph : idle) ph.rows = 0;
-  auto run_persistent = [&](const std::vector<Phase>& list, bool two_level, int blocks, int threads) {
-    CHECK(cudaMemcpy(d_phases, list.data(), list.size() * sizeof(Phase), cudaMemcpyHostToDevice));
+  auto run_persistent = [&](const std::vector<Phase>& list, bool two_level, int blocks,
+                            int threads) {
+    CUDA_OR_DIE(
+        cudaMemcpy(d_phases, list.data(), list.size() * sizeof(Phase), cudaMemcpyHostToDevice));
     int count = static_cast<int>(list.size());
     void* kernel = two_level ? reinterpret_cast<void*>(PersistentChain<true>)
                              : reinterpret_cast<void*>(PersistentChain<false>);
     void* args[] = {&d_phases, &count, &counters};
     return time_runs(
-        [&] { CHECK(cudaMemsetAsync(counters, 0, kCounterWords * sizeof(unsigned), stream)); },
         [&] {
-          CHECK(cudaLaunchCooperativeKernel(kernel, dim3(blocks), dim3(threads), args, 0, stream));
+          CUDA_OR_DIE(cudaMemsetAsync(counters, 0, kCounterWords * sizeof(unsigned), stream));
+        },
+        [&] {
+          CUDA_OR_DIE(
+              cudaLaunchCooperativeKernel(kernel, dim3(blocks), dim3(threads), args, 0, stream));
         });
   };
   const int sms = prop.multiProcessorCount;

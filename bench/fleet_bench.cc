@@ -46,12 +46,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/client.h"
 #include "api/trial.h"
+#include "coordinator/client.h"
 #include "proto/infersweep.grpc.pb.h"
 #include "proto/rpc.h"
-#include "tests/http_get.h"
-#include "tests/process_util.h"
+#include "testing/http_get.h"
+#include "testing/process_util.h"
 
 namespace infersweep {
 namespace {

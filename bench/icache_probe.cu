@@ -2,14 +2,16 @@
 // independent FMAs (N x 16 bytes of SASS), timed by clock64 per warp. While the body fits a cache
 // level, a warp per SM sub-partition issues ~1 FMA a cycle; past it, each pass refetches the body
 // from the next level (L2 at the end), and cycles per FMA rise. The persistent decode kernel's
-// per-layer path is ~4,700 SASS instructions (~75 KB; docs/PERFORMANCE.md, sixteenth session):
-// whether that fits is what this measures.
+// per-layer path is ~4,700 SASS instructions (~75 KB, cuobjdump): whether that fits is what this
+// measures.
 //   icache_probe [blocks] [warps_per_block]   (defaults 1, 4; the kernel's shape is 132, 18)
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "kernels/cuda/check.h"
 
 namespace {
 
@@ -48,11 +50,7 @@ void Measure(int blocks, int warps) {
   StraightLine<kFmas><<<blocks, threads>>>(sink, cycles);
   std::vector<long long> host(blocks * warps);
   cudaMemcpy(host.data(), cycles, sizeof(long long) * host.size(), cudaMemcpyDeviceToHost);
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    std::fprintf(stderr, "icache_probe: %s\n", cudaGetErrorString(error));
-    std::exit(1);
-  }
+  CUDA_OR_DIE(cudaGetLastError());
   double mean = 0;
   for (long long c : host) mean += static_cast<double>(c);
   mean /= host.size();

@@ -2,8 +2,8 @@
 // each get its first bytes as soon as the others, and its share of the DRAM bandwidth? And what
 // do the decode kernel's 4 KB bulk copies reach, against larger copies and plain loads? It asks
 // the hardware, with no decode kernel around it, about what the persistent decode kernel's
-// timeline shows (docs/PERFORMANCE.md, nineteenth session): at the MLP's start the same SMs get
-// their first expert weights ~1-2 us after the others in every layer.
+// timeline shows: at the MLP's start the same SMs get their first expert weights later than the
+// others in every layer.
 //
 // One block an SM (all of its shared memory), one thread keeping `in_flight` bulk copies of
 // `unit` bytes (cp.async.bulk with mbarrier completion, as the decode kernel's rings) of the
@@ -24,7 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#include "bench/cuda_check.h"
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/sm90a/bulk_copy.cuh"
 
 namespace {
@@ -159,28 +159,30 @@ int main(int argc, char** argv) {
     return 2;
   }
   int device = 0, sms = 0, smem = 0;
-  CHECK(cudaGetDevice(&device));
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  CUDA_OR_DIE(cudaGetDevice(&device));
+  CUDA_OR_DIE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_OR_DIE(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // All of an SM's shared memory, so that no two blocks share one; the ring takes what it needs.
   cudaFuncAttributes attributes{};
-  CHECK(cudaFuncGetAttributes(&attributes, StreamKernel));
+  CUDA_OR_DIE(cudaFuncGetAttributes(&attributes, StreamKernel));
   const int dynamic = smem - static_cast<int>(attributes.sharedSizeBytes);
   if (in_flight * unit > dynamic) {
     std::fprintf(stderr, "%d units do not fit in %d bytes of shared memory\n", in_flight, dynamic);
     return 2;
   }
-  CHECK(cudaFuncSetAttribute(StreamKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
-  CHECK(cudaFuncSetAttribute(LoadKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
+  CUDA_OR_DIE(
+      cudaFuncSetAttribute(StreamKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
+  CUDA_OR_DIE(
+      cudaFuncSetAttribute(LoadKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
   float* sink = nullptr;
-  CHECK(cudaMalloc(&sink, sizeof(float)));
+  CUDA_OR_DIE(cudaMalloc(&sink, sizeof(float)));
   const size_t per_block = static_cast<size_t>(mb_per_sm) << 20;
   unsigned char* src = nullptr;
   unsigned long long *out = nullptr, *timer = nullptr;
-  CHECK(cudaMalloc(&src, per_block * sms));
-  CHECK(cudaMemset(src, 1, per_block * sms));
-  CHECK(cudaMalloc(&out, sizeof(unsigned long long) * kFields * sms));
-  CHECK(cudaMalloc(&timer, sizeof(unsigned long long)));
+  CUDA_OR_DIE(cudaMalloc(&src, per_block * sms));
+  CUDA_OR_DIE(cudaMemset(src, 1, per_block * sms));
+  CUDA_OR_DIE(cudaMalloc(&out, sizeof(unsigned long long) * kFields * sms));
+  CUDA_OR_DIE(cudaMalloc(&timer, sizeof(unsigned long long)));
   std::vector<std::vector<double>> first(sms), bandwidth(sms), skew(sms);
   std::vector<int> sm_of(sms, -1);
   std::vector<double> aggregate;  // GB/s, per run
@@ -188,16 +190,16 @@ int main(int argc, char** argv) {
   for (int run = 0; run <= runs; ++run) {  // run 0 warms up
     unsigned long long now = 0;
     ReadTimer<<<1, 1>>>(timer);
-    CHECK(cudaMemcpy(&now, timer, sizeof(now), cudaMemcpyDeviceToHost));
+    CUDA_OR_DIE(cudaMemcpy(&now, timer, sizeof(now), cudaMemcpyDeviceToHost));
     // Every block resident and spinning well before the start (a launch takes microseconds).
     if (loads)
       LoadKernel<<<sms, 512, dynamic>>>(src, per_block, now + 5'000'000ull, out, sink);
     else
       StreamKernel<<<sms, 32 * issuers, dynamic>>>(src, per_block, in_flight, unit,
                                                    now + 5'000'000ull, out);
-    CHECK(cudaGetLastError());
-    CHECK(cudaMemcpy(host.data(), out, sizeof(unsigned long long) * host.size(),
-                     cudaMemcpyDeviceToHost));
+    CUDA_OR_DIE(cudaGetLastError());
+    CUDA_OR_DIE(cudaMemcpy(host.data(), out, sizeof(unsigned long long) * host.size(),
+                           cudaMemcpyDeviceToHost));
     if (run == 0) continue;
     unsigned long long slowest = 0;  // the whole buffer's time: the last SM's
     for (int b = 0; b < sms; ++b)
@@ -258,9 +260,9 @@ int main(int argc, char** argv) {
   std::printf("sm block start_skew_us first_us gbps\n");
   for (const Row& r : rows)
     std::printf("%d %d %.2f %.2f %.1f\n", r.sm, r.block, r.skew_us, r.first_us, r.gbps);
-  CHECK(cudaFree(src));
-  CHECK(cudaFree(out));
-  CHECK(cudaFree(timer));
-  CHECK(cudaFree(sink));
+  CUDA_OR_DIE(cudaFree(src));
+  CUDA_OR_DIE(cudaFree(out));
+  CUDA_OR_DIE(cudaFree(timer));
+  CUDA_OR_DIE(cudaFree(sink));
   return 0;
 }

@@ -1,57 +1,99 @@
 #include "engine/options.h"
 
-#include <array>
+#include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
+#include "core/unreachable.h"
 
 namespace infersweep {
 namespace {
 
-template <typename E, size_t N>
-using Names = std::array<std::pair<E, const char*>, N>;
+// Each enum's names: its axis's values in the registry's order (the enum's order), on the
+// devices that have the axis. A count that differs from the enum's is a broken build.
+template <typename E>
+struct AxisOf;
+template <>
+struct AxisOf<Gemm> {
+  static constexpr const char* kAxis = "gemm";
+  static constexpr int kCount = 4;
+};
+template <>
+struct AxisOf<Attention> {
+  static constexpr const char* kAxis = "attention";
+  static constexpr int kCount = 3;
+};
+template <>
+struct AxisOf<KvCache> {
+  static constexpr const char* kAxis = "kv_cache";
+  static constexpr int kCount = 3;
+};
+template <>
+struct AxisOf<Moe> {
+  static constexpr const char* kAxis = "moe";
+  static constexpr int kCount = 4;
+};
+template <>
+struct AxisOf<Graphs> {
+  static constexpr const char* kAxis = "graphs";
+  static constexpr int kCount = 3;
+};
+template <>
+struct AxisOf<QGemm> {
+  static constexpr const char* kAxis = "qgemm";
+  static constexpr int kCount = 7;
+};
+template <>
+struct AxisOf<LinearAttn> {
+  static constexpr const char* kAxis = "linear_attn";
+  static constexpr int kCount = 2;
+};
+template <>
+struct AxisOf<TestKernel> {
+  static constexpr const char* kAxis = "test_kernel";
+  static constexpr int kCount = 2;
+};
+template <>
+struct AxisOf<Matmul> {
+  static constexpr const char* kAxis = "matmul";
+  static constexpr int kCount = 2;
+};
+// The CPU's reference first, then the CUDA values.
+template <>
+struct AxisOf<AllReduce> {
+  static constexpr const char* kAxis = "allreduce";
+  static constexpr int kCount = 5;
+};
+template <>
+struct AxisOf<bool> {  // ep: off, on
+  static constexpr const char* kAxis = "ep";
+  static constexpr int kCount = 2;
+};
 
-constexpr Names<Gemm, 4> kGemm = {{{Gemm::kReference, "reference"},
-                                   {Gemm::kCublasLt, "cublaslt"},
-                                   {Gemm::kFused, "fused"},
-                                   {Gemm::kTma, "tma"}}};
-constexpr Names<Attention, 3> kAttention = {
-    {{Attention::kNaive, "naive"}, {Attention::kFlash, "flash"}, {Attention::kCudnn, "cudnn"}}};
-constexpr Names<KvCache, 3> kKvCache = {
-    {{KvCache::kFp32, "fp32"}, {KvCache::kBf16, "bf16"}, {KvCache::kFp8, "fp8"}}};
-constexpr Names<Moe, 4> kMoe = {{{Moe::kLoop, "loop"},
-                                 {Moe::kGrouped, "grouped"},
-                                 {Moe::kFused, "fused"},
-                                 {Moe::kWgmma, "wgmma"}}};
-constexpr Names<Graphs, 3> kGraphs = {
-    {{Graphs::kOff, "off"}, {Graphs::kOn, "on"}, {Graphs::kPersistent, "persistent"}}};
-constexpr Names<QGemm, 7> kQGemm = {{{QGemm::kReference, "reference"},
-                                     {QGemm::kDequantBf16, "dequant_bf16"},
-                                     {QGemm::kW4A16, "w4a16"},
-                                     {QGemm::kW8A16, "w8a16"},
-                                     {QGemm::kFp8CublasLt, "fp8_cublaslt"},
-                                     {QGemm::kNativeFp4, "native_fp4"},
-                                     {QGemm::kCudnn, "cudnn"}}};
-constexpr Names<LinearAttn, 2> kLinearAttn = {
-    {{LinearAttn::kReference, "reference"}, {LinearAttn::kFused, "fused"}}};
-constexpr Names<TestKernel, 2> kTestKernel = {
-    {{TestKernel::kNone, "none"}, {TestKernel::kSm100a, "sm100a"}}};
-constexpr Names<Matmul, 2> kMatmul = {{{Matmul::kNaive, "naive"}, {Matmul::kBlocked, "blocked"}}};
-constexpr Names<AllReduce, 5> kAllReduce = {{{AllReduce::kReference, "reference"},
-                                             {AllReduce::kAuto, "auto"},
-                                             {AllReduce::kNccl, "nccl"},
-                                             {AllReduce::kCustom, "custom"},
-                                             {AllReduce::kFused, "fused"}}};
-constexpr Names<bool, 2> kSwitch = {{{false, "off"}, {true, "on"}}};
+template <typename E>
+const std::vector<std::string>& Names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> all;
+    for (const char* device : {"cpu", "cuda"})
+      for (std::string& v : RegisteredValues(device, AxisOf<E>::kAxis))
+        if (std::find(all.begin(), all.end(), v) == all.end()) all.push_back(std::move(v));
+    if (static_cast<int>(all.size()) != AxisOf<E>::kCount)
+      Unreachable("engine/options.h: an axis's enum and the registry's values differ in number");
+    return all;
+  }();
+  return names;
+}
 
-template <typename E, size_t N>
-const char* NameOf(const Names<E, N>& names, E value) {
-  for (const auto& [v, name] : names)
-    if (v == value) return name;
-  return "?";
+template <typename E>
+const char* NameOf(E value) {
+  const int i = static_cast<int>(value);
+  if (i < 0 || i >= AxisOf<E>::kCount) Unreachable("AxisValueName: a value outside its enum");
+  return Names<E>()[static_cast<size_t>(i)].c_str();
 }
 
 // The axis's value in `config`, or the device's default when the axis is absent.
@@ -64,24 +106,21 @@ std::string ValueOf(const BackendConfig& config, const std::string& device,
 }
 
 // `value` of `axis` as its enum; InvalidArgument naming the axis and the known values.
-template <typename E, size_t N>
-absl::Status ParseValue(const std::string& axis, const std::string& value, const Names<E, N>& names,
-                        E* out) {
-  for (const auto& [v, name] : names)
-    if (name == value) {
-      *out = v;
+template <typename E>
+absl::Status ParseValue(const std::string& axis, const std::string& value, E* out) {
+  const std::vector<std::string>& names = Names<E>();
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] == value) {
+      *out = static_cast<E>(i);
       return absl::OkStatus();
     }
-  std::vector<std::string> known;
-  for (const auto& [v, name] : names) known.emplace_back(name);
   return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "': unknown value '", value,
-                                                 "' (known: ", absl::StrJoin(known, ", "), ")"));
+                                                 "' (known: ", absl::StrJoin(names, ", "), ")"));
 }
 
-template <typename E, size_t N>
-absl::Status ParseAxis(const BackendConfig& config, const std::string& device,
-                       const std::string& axis, const Names<E, N>& names, E* out) {
-  return ParseValue(axis, ValueOf(config, device, axis), names, out);
+template <typename E>
+absl::Status ParseAxis(const BackendConfig& config, const std::string& device, E* out) {
+  return ParseValue(AxisOf<E>::kAxis, ValueOf(config, device, AxisOf<E>::kAxis), out);
 }
 
 absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
@@ -103,38 +142,35 @@ absl::Status ParseParallel(const BackendConfig& config, const std::string& devic
   if (!absl::SimpleAtoi(tp, &out->tp) || out->tp < 1)
     return absl::InvalidArgumentError(
         absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
-  if (auto s = ParseValue("ep", value_or("ep", "off"), kSwitch, &out->expert_parallel); !s.ok())
-    return s;
+  RETURN_IF_ERROR(ParseValue("ep", value_or("ep", "off"), &out->expert_parallel));
   return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "auto" : "reference"),
-                    kAllReduce, &out->allreduce);
+                    &out->allreduce);
 }
 
 }  // namespace
 
-const char* AxisValueName(Gemm v) { return NameOf(kGemm, v); }
-const char* AxisValueName(Attention v) { return NameOf(kAttention, v); }
-const char* AxisValueName(KvCache v) { return NameOf(kKvCache, v); }
-const char* AxisValueName(Moe v) { return NameOf(kMoe, v); }
-const char* AxisValueName(Graphs v) { return NameOf(kGraphs, v); }
-const char* AxisValueName(QGemm v) { return NameOf(kQGemm, v); }
-const char* AxisValueName(LinearAttn v) { return NameOf(kLinearAttn, v); }
-const char* AxisValueName(TestKernel v) { return NameOf(kTestKernel, v); }
-const char* AxisValueName(Matmul v) { return NameOf(kMatmul, v); }
-const char* AxisValueName(AllReduce v) { return NameOf(kAllReduce, v); }
+const char* AxisValueName(Gemm v) { return NameOf(v); }
+const char* AxisValueName(Attention v) { return NameOf(v); }
+const char* AxisValueName(KvCache v) { return NameOf(v); }
+const char* AxisValueName(Moe v) { return NameOf(v); }
+const char* AxisValueName(Graphs v) { return NameOf(v); }
+const char* AxisValueName(QGemm v) { return NameOf(v); }
+const char* AxisValueName(LinearAttn v) { return NameOf(v); }
+const char* AxisValueName(TestKernel v) { return NameOf(v); }
+const char* AxisValueName(Matmul v) { return NameOf(v); }
+const char* AxisValueName(AllReduce v) { return NameOf(v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
   if (auto s = ExpectDevice(normalized, "cuda"); !s.ok()) return s;
   const std::string device = "cuda";
   CudaOptions o;
-  for (absl::Status s : {ParseAxis(normalized, device, "gemm", kGemm, &o.gemm),
-                         ParseAxis(normalized, device, "attention", kAttention, &o.attention),
-                         ParseAxis(normalized, device, "kv_cache", kKvCache, &o.kv_cache),
-                         ParseAxis(normalized, device, "moe", kMoe, &o.moe),
-                         ParseAxis(normalized, device, "graphs", kGraphs, &o.graphs),
-                         ParseAxis(normalized, device, "qgemm", kQGemm, &o.qgemm),
-                         ParseAxis(normalized, device, "linear_attn", kLinearAttn, &o.linear_attn),
-                         ParseAxis(normalized, device, "test_kernel", kTestKernel, &o.test_kernel),
-                         ParseParallel(normalized, device, &o.parallel)})
+  for (absl::Status s :
+       {ParseAxis(normalized, device, &o.gemm), ParseAxis(normalized, device, &o.attention),
+        ParseAxis(normalized, device, &o.kv_cache), ParseAxis(normalized, device, &o.moe),
+        ParseAxis(normalized, device, &o.graphs), ParseAxis(normalized, device, &o.qgemm),
+        ParseAxis(normalized, device, &o.linear_attn),
+        ParseAxis(normalized, device, &o.test_kernel),
+        ParseParallel(normalized, device, &o.parallel)})
     if (!s.ok()) return s;
   return o;
 }
@@ -142,7 +178,7 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
 absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
   if (auto s = ExpectDevice(normalized, "cpu"); !s.ok()) return s;
   CpuOptions o;
-  if (auto s = ParseAxis(normalized, "cpu", "matmul", kMatmul, &o.matmul); !s.ok()) return s;
+  RETURN_IF_ERROR(ParseAxis(normalized, "cpu", &o.matmul));
   const std::string threads = ValueOf(normalized, "cpu", "threads");
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
     return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,

@@ -1,5 +1,6 @@
-// Typed backend options: the normalized config's axis values (engine/backend_config.h) parsed
-// once into one enum per axis, with named predicates for the behaviours several values share.
+// Typed backend options: the normalized config's axis values (api/backend_config.h) parsed once
+// into one enum per axis, with named predicates for the behaviours several values share. Each
+// enum lists its axis's values in the registry's order: their names are the registry's.
 #pragma once
 
 #include <string>
@@ -15,7 +16,7 @@ enum class Attention { kNaive, kFlash, kCudnn };
 enum class KvCache { kFp32, kBf16, kFp8 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
-enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kNativeFp4, kCudnn };
+enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kCudnn, kNativeFp4 };
 enum class LinearAttn { kReference, kFused };
 // TEST ONLY: sm100a launches a kernel built for sm_100a alone as the model is built, so the
 // capability probe's refusal of a missing kernel image can be exercised on any GPU.

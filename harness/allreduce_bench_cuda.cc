@@ -16,6 +16,7 @@
 
 #include "core/dtype.h"
 #include "engine/cuda/communicator.h"
+#include "kernels/cuda/check.h"
 #endif
 
 namespace infersweep {
@@ -51,14 +52,6 @@ float KnownSum(int ranks, int64_t i) {
   return static_cast<float>(ranks * (i % 251) + 3 * ranks * (ranks - 1) / 2);
 }
 
-absl::Status Cuda(const char* what, cudaError_t e) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-#define BENCH_CUDA(expr) \
-  if (absl::Status _s = Cuda(#expr, (expr)); !_s.ok()) return _s
-
 // One rank's buffers on its GPU.
 struct RankBuffers {
   int device = 0;
@@ -76,17 +69,18 @@ struct RankBuffers {
     if (stream) cudaStreamDestroy(stream);
   }
   absl::Status Allocate(int64_t max_bytes, int row) {
-    BENCH_CUDA(cudaSetDevice(device));
-    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    BENCH_CUDA(cudaEventCreate(&start));
-    BENCH_CUDA(cudaEventCreate(&end));
-    BENCH_CUDA(cudaMalloc(&data, max_bytes));
-    BENCH_CUDA(cudaMalloc(&residual, max_bytes));
-    BENCH_CUDA(cudaMalloc(&out, max_bytes));
-    BENCH_CUDA(cudaMalloc(&gain, row * sizeof(uint16_t)));
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device));
+    RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    RETURN_IF_CUDA_ERROR(cudaEventCreate(&start));
+    RETURN_IF_CUDA_ERROR(cudaEventCreate(&end));
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&data, max_bytes));
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&residual, max_bytes));
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&out, max_bytes));
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&gain, row * sizeof(uint16_t)));
     const std::vector<uint16_t> ones(row, FloatToBf16(1.f));
-    BENCH_CUDA(cudaMemcpy(gain, ones.data(), row * sizeof(uint16_t), cudaMemcpyHostToDevice));
-    BENCH_CUDA(cudaDeviceSynchronize());
+    RETURN_IF_CUDA_ERROR(
+        cudaMemcpy(gain, ones.data(), row * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize());
     return absl::OkStatus();
   }
 };
@@ -97,7 +91,7 @@ struct RankBuffers {
 absl::Status RankRow(Communicator& comm, RankBuffers& b, AllReduce kind, int64_t count, bool graph,
                      const AllReduceBenchOptions& o, std::barrier<>& ranks_done, double* ms,
                      int64_t* wrong) {
-  BENCH_CUDA(cudaSetDevice(b.device));
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(b.device));
   const int ranks = comm.ranks(), rank = comm.rank();
   const int n = static_cast<int>(std::min<int64_t>(o.fused_row, count));
   const int rows = static_cast<int>(count / n);
@@ -116,40 +110,40 @@ absl::Status RankRow(Communicator& comm, RankBuffers& b, AllReduce kind, int64_t
     for (int64_t i = 0; i < count; ++i) host[i] = KnownValue(rank, i);
     // On the rank's own stream: a plain cudaMemcpy from pageable memory may return before its
     // last bytes land, and the legacy stream does not order a non-blocking stream's kernels.
-    BENCH_CUDA(cudaMemcpyAsync(b.data, host.data(), count * sizeof(float), cudaMemcpyHostToDevice,
-                               b.stream));
-    BENCH_CUDA(cudaMemsetAsync(b.residual, 0, count * sizeof(float), b.stream));
-    BENCH_CUDA(cudaStreamSynchronize(b.stream));
+    RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(b.data, host.data(), count * sizeof(float),
+                                         cudaMemcpyHostToDevice, b.stream));
+    RETURN_IF_CUDA_ERROR(cudaMemsetAsync(b.residual, 0, count * sizeof(float), b.stream));
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(b.stream));
     return absl::OkStatus();
   };
   absl::Status status = fill();
   if (status.ok()) status = op();  // warm-up
-  if (status.ok()) status = Cuda("warm-up", cudaStreamSynchronize(b.stream));
+  if (status.ok()) status = CudaStatus(cudaStreamSynchronize(b.stream), "warm-up");
   ranks_done.arrive_and_wait();
   cudaGraphExec_t exec = nullptr;
   if (status.ok() && graph) {
     cudaGraph_t g = nullptr;
-    status = Cuda("cudaStreamBeginCapture",
-                  cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
+    status = CudaStatus(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal),
+                        "cudaStreamBeginCapture");
     for (int it = 0; status.ok() && it < o.iterations; ++it) status = op();
     const cudaError_t ended = cudaStreamEndCapture(b.stream, &g);
-    if (status.ok()) status = Cuda("cudaStreamEndCapture", ended);
-    if (status.ok()) status = Cuda("cudaGraphInstantiate", cudaGraphInstantiate(&exec, g, 0));
+    if (status.ok()) status = CudaStatus(ended, "cudaStreamEndCapture");
+    if (status.ok()) status = CudaStatus(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
     if (g) cudaGraphDestroy(g);
   }
   ranks_done.arrive_and_wait();
   if (status.ok()) {
     cudaEventRecord(b.start, b.stream);
     if (graph)
-      status = Cuda("cudaGraphLaunch", cudaGraphLaunch(exec, b.stream));
+      status = CudaStatus(cudaGraphLaunch(exec, b.stream), "cudaGraphLaunch");
     else
       for (int it = 0; status.ok() && it < o.iterations; ++it) status = op();
     cudaEventRecord(b.end, b.stream);
   }
-  if (status.ok()) status = Cuda("timed all-reduces", cudaStreamSynchronize(b.stream));
+  if (status.ok()) status = CudaStatus(cudaStreamSynchronize(b.stream), "timed all-reduces");
   float elapsed = 0;
   if (status.ok())
-    status = Cuda("cudaEventElapsedTime", cudaEventElapsedTime(&elapsed, b.start, b.end));
+    status = CudaStatus(cudaEventElapsedTime(&elapsed, b.start, b.end), "cudaEventElapsedTime");
   *ms = elapsed;
   if (exec) cudaGraphExecDestroy(exec);
   ranks_done.arrive_and_wait();
@@ -158,11 +152,11 @@ absl::Status RankRow(Communicator& comm, RankBuffers& b, AllReduce kind, int64_t
   if (status.ok()) status = fill();
   ranks_done.arrive_and_wait();
   if (status.ok()) status = op();
-  if (status.ok()) status = Cuda("checked all-reduce", cudaStreamSynchronize(b.stream));
+  if (status.ok()) status = CudaStatus(cudaStreamSynchronize(b.stream), "checked all-reduce");
   if (status.ok())
-    status =
-        Cuda("copy back", cudaMemcpy(host.data(), kind == AllReduce::kFused ? b.residual : b.data,
-                                     count * sizeof(float), cudaMemcpyDeviceToHost));
+    status = CudaStatus(cudaMemcpy(host.data(), kind == AllReduce::kFused ? b.residual : b.data,
+                                   count * sizeof(float), cudaMemcpyDeviceToHost),
+                        "copy back");
   *wrong = 0;
   if (status.ok())
     for (int64_t i = 0; i < count; ++i) *wrong += host[i] != KnownSum(ranks, i);

@@ -90,7 +90,7 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
   }
   t.wall_latency_ms = Ms(start, last);
   // NVML's energy counter moves in steps (tens of ms apart): a repeat shorter than a step can read
-  // no change, which is no reading, not 0 W (2 layers at batch 1 on the H200: 45 ms repeats).
+  // no change, which is no reading, not 0 W (short repeats: a few layers at batch 1).
   if (!std::isnan(energy_start)) {
     if (const std::optional<double> end = energy->ReadJoules(); end && *end > energy_start)
       t.energy_j = *end - energy_start;

@@ -35,8 +35,8 @@ quant_run() {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 
 # A GPU test binary under a time limit (TEST_TIMEOUT_S, default $2 s), its log to $OUT/$3, the
-# interesting lines on stdout: a hang ends the binary, not the device call (a hung persistent
-# test once spent a call's whole 600 s), and the stages after it still run.
+# interesting lines on stdout: a hang ends the binary, not the device call (which would otherwise
+# spend its whole time limit), and the stages after it still run.
 gpu_tests() {
   local binary=$1 limit=${TEST_TIMEOUT_S:-$2} log=$3 pattern=$4
   shift 4
@@ -74,7 +74,7 @@ for stage in $STAGES; do
     gpu_tests .carry/gpu_probe_test 180 gpu_probe_test.log '^#|OK \]|FAILED|Failure|error'
     timeout -k 5 120 $B run --model preset:tiny-moe --config 'device=cuda,attention=naive|flash,test_kernel=none|sm100a' \
       --workload prompt=16,output=4,batch=1,repeats=1,warmup=0,timeout=60 2>&1 | tee "$OUT/probe_run.log" ;;
-  cudnn)  # issue 37: the cuDNN backends' GPU tests (GpuCudnn.*), then beside attention=flash on qwen3-30b-a3b
+  cudnn)  # the cuDNN backends' GPU tests (GpuCudnn.*), then beside attention=flash on qwen3-30b-a3b
     # (48 layers): batch 1 and 64 decode (graphs=on), prefill 2048 (graphs=off), one run each
     gpu_tests .carry/gpu_probe_test 300 gpu_cudnn_test.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='GpuCudnn*:GpuProbe.*'
@@ -86,10 +86,10 @@ for stage in $STAGES; do
       --config 'device=cuda,gemm=fused,attention=flash|cudnn,kv_cache=bf16,moe=wgmma,graphs=off' \
       --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=600 \
       --json "$OUT/cudnn_prefill.json" 2>&1 | tee "$OUT/cudnn_prefill.log" | grep -vE "spread|load " ;;
-  cudnn_fp8)  # issue 37: qgemm=cudnn beside qgemm=fp8_cublaslt (both moe=loop: the library GEMMs
+  cudnn_fp8)  # qgemm=cudnn beside qgemm=fp8_cublaslt (both moe=loop: the library GEMMs
     # run the experts one by one, a host sync each layer) on qwen3-30b-a3b@fp8_channel quantized
-    # on the host, CUDNN_FP8_LAYERS layers (default 8: at 48 the loop's batch 64 takes ~0.4 s a
-    # step): batch 1 and 64 decode, then prefill 2048, graphs off
+    # on the host, CUDNN_FP8_LAYERS layers (default 8: at 48 the loop's host syncs make a batch-64
+    # step slow): batch 1 and 64 decode, then prefill 2048, graphs off
     $B run --model preset:qwen3-30b-a3b --layers "${CUDNN_FP8_LAYERS:-8}" --quantize fp8_channel \
       --config 'device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=loop,graphs=off,qgemm=fp8_cublaslt|cudnn' \
       --workload prompt=512,output=16,batch=1:64,repeats=3,warmup=1,timeout=600 \
@@ -152,7 +152,7 @@ for stage in $STAGES; do
     cuobjdump -sass -fun PersistentDecodeKernel "$B" 2>/dev/null | grep -cE "LDL|STL" ;;
   ab)  # graphs=persistent at batch 1: the builds AB_BINARIES in .carry (default infersweep_base, a
     # baseline build copied there, then infersweep) in turn, AB_ROUNDS times, each with its
-    # timeline: machines differ by ~1 % between calls, so a change is judged against its baseline
+    # timeline: lent machines differ between calls, so a change is judged against its baseline
     # within one call. An entry binary:n runs that build with TEST ONLY knobs n.
     for round in $(seq "${AB_ROUNDS:-2}"); do
       for entry in ${AB_BINARIES:-infersweep_base infersweep}; do
@@ -260,7 +260,7 @@ for r in csv.reader(sys.stdin):
     ncu --import "$OUT/pk.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/pk_source.csv.gz"
     rm -f "$OUT/pk.ncu-rep"
     grep -iE "duration|throughput|stall|warp cycles|issued" "$OUT/pk_details.txt" | head -40 ;;
-  quant)  # issue #6: batch-1 decode of qwen3-30b-a3b quantized on the host, fastest configs
+  quant)  # batch-1 decode of qwen3-30b-a3b quantized on the host, fastest configs
     # (FP4: qgemm=w4a16, FP8: qgemm=w8a16; QUANT_GRAPHS, default "persistent|on": the persistent
     # kernel, which streams fp8_tensor, fp8_channel and nvfp4, and the kernel chain). Each format
     # quantizes the 48 layers on the host first (tens of seconds on 16 cores; STAGES=quant_host
@@ -270,7 +270,7 @@ for r in csv.reader(sys.stdin):
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
     done ;;
-  quant_batch)  # issue 36: the quantized grouped MMA kernels' GPU tests (mma.sync and wgmma),
+  quant_batch)  # the quantized grouped MMA kernels' GPU tests (mma.sync and wgmma),
     # a bad expert scale under each moe value, then qwen3-30b-a3b, 48 layers, quantized on the
     # host: QUANT_FORMATS (default fp8_channel nvfp4) x QUANT_SHAPES (graphs:workload, default
     # batch 1 and 64 at graphs=on, prefill 2048 at graphs=off), moe=QUANT_MOE (default
@@ -296,7 +296,7 @@ for r in csv.reader(sys.stdin):
           tee "$OUT/quant_batch_${f}_$1.log" | grep -vE "timed by|spread"
       done
     done ;;
-  kv_fp8)  # issue 36: kv_cache=fp8 beside bf16: the KV kernels' GPU tests, then qwen3-30b-a3b
+  kv_fp8)  # kv_cache=fp8 beside bf16: the KV kernels' GPU tests, then qwen3-30b-a3b
     # (bf16 weights, 48 layers), the fast config at batch 64 and a 4k context (KV_WORKLOAD); the
     # prompt's prefill runs as chunks of 512 tokens a sequence (32,768 rows a step)
     gpu_tests .carry/gpu_kernels_test 120 gpu_kernels_kv.log '^#|OK \]|FAILED|Failure' \
@@ -305,7 +305,7 @@ for r in csv.reader(sys.stdin):
       --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16|fp8,moe=fused,graphs=on' \
       --workload "${KV_WORKLOAD:-prompt=4032,output=64,batch=64},repeats=3,warmup=1,timeout=900" \
       --json "$OUT/kv_fp8.json" 2>&1 | tee "$OUT/kv_fp8.log" | grep -vE "timed by|spread" ;;
-  kv_profile)  # issue 36: the decode attention kernels under kv_cache=bf16 and fp8 at batch 64 and a
+  kv_profile)  # the decode attention kernels under kv_cache=bf16 and fp8 at batch 64 and a
     # 4k context (qwen3-30b-a3b --layers 2, graphs off), from ncu: time, DRAM bytes and
     # throughput, instructions per cycle, occupancy, registers
     for kv in bf16 fp8; do
@@ -319,7 +319,7 @@ for r in csv.reader(sys.stdin):
       echo "## kv_cache=$kv"
       python3 scripts/ncu_table.py "$OUT/kvprofile_$kv.csv" --metrics | tail -9
     done ;;
-  quant_profile)  # issue 36: which kernel limits the quantized figures, from ncu: per-kernel time
+  quant_profile)  # which kernel limits the quantized figures, from ncu: per-kernel time
     # and DRAM bytes of qwen3-30b-a3b --layers 3 steps, graphs off, for each QUANT_FORMATS format
     # (default bf16 fp8_channel nvfp4; bf16: the dense model, beside) and each
     # QPROFILE_SHAPES (tokens:batch:new, default 1 prompt token x 64 rows x 2 decode steps, then a
@@ -394,7 +394,7 @@ for r in csv.reader(sys.stdin):
       --max-new-tokens 3 --batch 1 --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=naive,moe=fused,graphs=off,linear_attn=fused}" >"$OUT/ncu_hybrid.csv" 2>"$OUT/ncu_hybrid.err"
     python3 scripts/ncu_table.py "$OUT/ncu_hybrid.csv" ;;
-  serve)  # issue 33 on the H200: qwen3-30b-a3b bf16, 48 layers, ISL 1024 / OSL 256, the fast
+  serve)  # serving on the H200: qwen3-30b-a3b bf16, 48 layers, ISL 1024 / OSL 256, the fast
     # graphs=on config: lockstep batch 1 and 64, then served at concurrency 1, 8, 10 (the vLLM
     # anchor's), 64 and 256, prompts prefilled in 1024-token chunks, up to 8,192 a step, and
     # the highest concurrency meeting TTFT p99 <= 2 s and TPOT p99 <= 50 ms

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/client.h"
 #include "storage/codec.h"
-#include "tests/process_util.h"
+#include "testing/process_util.h"
 #include "tests/raw_db.h"
 #include "tests/test_util.h"
 

@@ -21,7 +21,7 @@
 #include "coordinator/metrics_http.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/http_get.h"
+#include "testing/http_get.h"
 
 namespace infersweep {
 namespace {

@@ -323,7 +323,7 @@ TEST(QuantExecutor, ModelDescriptions) {
 
 // The decode roofline of a quantized qwen3-30b-a3b counts its linears' stored bytes (codes and
 // scales), with the router and lm_head in bf16 and the fp32 KV cache, as the engine runs them:
-// batch 1 at context 544 (prompt 512 + half of 64 outputs), the H200's 4.46 TB/s. Issue #6's
+// batch 1 at context 544 (prompt 512 + half of 64 outputs), the H200's 4.46 TB/s. Coarser
 // estimates (~2,600 tok/s NVFP4, ~1,470 FP8) count every active parameter quantized and no KV:
 // the bf16 lm_head alone is 0.62 GB a step.
 TEST(QuantRoofline, CountsTheStoredBytesOfQuantizedLinears) {

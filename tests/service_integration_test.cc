@@ -422,9 +422,9 @@ TEST_F(Fleet, SpooledResultIsDeliveredAfterCoordinatorRestart) {
 // Preflight judges configs against the agent's inventory: an impossible one is stored as
 // UNSUPPORTED by the coordinator and never dispatched.
 // A sweep queued before any agent connects: the first message an agent gets must still be
-// Welcome (an Assignment that overtook it made the agent drop the stream and hang; found by the
-// README demo). The race is timing-dependent: this test did not reproduce it reliably against
-// the old code, so it guards the scenario rather than proving the fix.
+// Welcome (an Assignment that overtakes it makes the agent drop the stream and hang; the README
+// demo does this). The race is timing-dependent, so this test guards the scenario without
+// reproducing the race on every run.
 TEST_F(Fleet, SweepSubmittedBeforeTheAgentConnectsCompletes) {
   StartCoordinator(QuietOptions());
   std::string one = kSweep;

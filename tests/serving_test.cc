@@ -166,7 +166,7 @@ TEST(RaggedStep, LockstepOnlyEngineIsRefusedWithItsReason) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Served tokens against lone runs (issue 33's CPU acceptance)
+// Served tokens against lone runs (the CPU acceptance of continuous batching)
 
 TEST(Serving, TinyMoeAtConcurrency1And4MatchesLoneRuns) {
   auto host = LoadPreset("tiny-moe");

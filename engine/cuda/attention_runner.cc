@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "api/status_macros.h"
+#include "core/unreachable.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/ops.h"
@@ -15,6 +17,13 @@ AttentionRunner::AttentionRunner(const RunnerContext& context, LinearRunner& lin
       fault_(context.fault),
       stream_(context.stream),
       linear_(linear),
+      heads_{config_.num_q_heads, config_.num_kv_heads, config_.head_dim},
+      plan_([this] {
+        // The model refusal asked the same plan before the model was built.
+        absl::StatusOr<AttentionPlan> plan = PlanAttention(options_, heads_);
+        if (!plan.ok()) Unreachable("AttentionRunner: the model refusal let a refused plan by");
+        return *plan;
+      }()),
       cache_index_(config_.LayerSlots(LayerAttention::kFull)),
       cache_layers_(*std::max_element(cache_index_.begin(), cache_index_.end()) + 1) {}
 
@@ -34,15 +43,15 @@ void AttentionRunner::FreeCache() {
 }
 
 cuda::KvDtype AttentionRunner::kv_dtype() const {
-  switch (options_.kv_cache) {
+  switch (plan_.kv) {
     case KvCache::kBf16:
       return cuda::KvDtype::kBf16;
     case KvCache::kFp8:
       return cuda::KvDtype::kFp8;
     case KvCache::kFp32:
-      break;
+      return cuda::KvDtype::kFp32;
   }
-  return cuda::KvDtype::kFp32;
+  Unreachable("AttentionRunner::kv_dtype");
 }
 
 absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
@@ -64,7 +73,7 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   auto v = DeviceAlloc<char>(elems * kv_cache_bytes_per_element());
   if (!v.ok()) return v.status();
   v_cache_ = *v;
-  if (kv_dtype() == cuda::KvDtype::kFp8) {
+  if (plan_.kv_scales) {
     const size_t scales =
         static_cast<size_t>(cache_layers_) * batch * max_tokens * config_.num_kv_heads;
     auto k_scale = DeviceAlloc<float>(scales);
@@ -76,40 +85,40 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
   }
   batch_ = batch;
   capacity_ = max_tokens;
-  if (options_.attention == Attention::kCudnn) {
-    // cuDNN's kernel loads whole tiles of K and V past a sequence's KV length and multiplies
-    // their masked (zero) probabilities in: fresh memory's NaN bit patterns would make 0 x NaN.
+  if (plan_.zero_cache) {
     CUDA_OR_DIE(cudaMemsetAsync(k_cache_, 0, elems * kv_cache_bytes_per_element(), stream_));
     CUDA_OR_DIE(cudaMemsetAsync(v_cache_, 0, elems * kv_cache_bytes_per_element(), stream_));
-    // The decode plan is made here, outside any graph capture; a prefill's on first use.
-    cudnn_.reset();
-    if (seq_lens_) cudaFree(seq_lens_);
-    seq_lens_ = nullptr;
-    auto lens = DeviceAlloc<int32_t>(2 * static_cast<size_t>(batch));
-    if (!lens.ok()) return lens.status();
-    seq_lens_ = *lens;
-    auto made = CudnnAttention::Create(
-        {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, max_tokens}, stream_);
-    if (!made.ok()) return made.status();
-    cudnn_ = std::move(*made);
-    if (auto s = cudnn_->Prepare(batch, 1); !s.ok()) return s;
+  }
+  switch (plan_.path) {
+    case AttentionPath::kNaive:
+    case AttentionPath::kFlash:
+      break;
+    case AttentionPath::kCudnn: {
+      // The decode plan is made here, outside any graph capture; a prefill's on first use.
+      cudnn_.reset();
+      if (seq_lens_) cudaFree(seq_lens_);
+      seq_lens_ = nullptr;
+      auto lens = DeviceAlloc<int32_t>(2 * static_cast<size_t>(batch));
+      if (!lens.ok()) return lens.status();
+      seq_lens_ = *lens;
+      auto made = CudnnAttention::Create(
+          {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, max_tokens}, stream_);
+      if (!made.ok()) return made.status();
+      cudnn_ = std::move(*made);
+      if (auto s = cudnn_->Prepare(batch, 1); !s.ok()) return s;
+      break;
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
   const size_t r = rows, q_dim = config_.q_dim(), kv_dim = config_.kv_dim();
-  const size_t scores =
-      options_.attention == Attention::kFlash
-          ? static_cast<size_t>(cuda::FlashPartialFloats(rows, config_.num_q_heads,
-                                                         config_.num_kv_heads, config_.head_dim))
-      : options_.attention == Attention::kNaive
-          ? r * config_.num_q_heads * static_cast<size_t>(capacity)
-          : 0;  // cudnn: the scores stay in its kernel
+  const size_t scores = static_cast<size_t>(AttentionScoreFloats(plan_, heads_, rows, capacity));
   // Gated attention: q_proj's output is [q_h | gate_h] per head, twice q_dim.
   const size_t q_rows = config_.attn_output_gate ? 2 * q_dim : q_dim;
   const size_t gated = config_.attn_output_gate ? r * q_dim : 0;
-  const size_t cudnn_io = options_.attention == Attention::kCudnn ? r * q_dim : 0;
+  const size_t cudnn_io = plan_.cudnn_io ? r * q_dim : 0;
   return AllocateFloatBuffers({{&q_, r * q_dim},
                                {&k_, r * kv_dim},
                                {&qkv_, r * (q_rows + 2 * kv_dim)},
@@ -232,36 +241,35 @@ cuda::KvCache AttentionRunner::SlotCache(const cuda::KvCache& layer, int slot) c
 absl::Status AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, int rows, int n,
                                      const int* d_position, const int2* ragged) {
   const size_t offset = static_cast<size_t>(first_row) * config_.q_dim();
-  if (options_.attention == Attention::kCudnn) {
-    // Lockstep rows only: `rows` is `batch` sequences of n tokens, sequence b in cache slot b.
-    if (ragged != nullptr)
-      return absl::UnimplementedError(
-          "attention=cudnn: ragged decode rows sit in any KV slot; its graph reads slot b for "
-          "sequence b");
-    const int batch = rows / n;
-    const int64_t count = static_cast<int64_t>(rows) * config_.q_dim();
-    uint16_t* q = reinterpret_cast<uint16_t*>(cudnn_io_);
-    uint16_t* o = q + count;
-    cuda::SequenceLengths(d_position, n, batch, seq_lens_, seq_lens_ + batch, stream_);
-    cuda::ToBf16(q_ + offset, count, q, stream_);
-    if (auto s = cudnn_->Run(q, cache.k, cache.v, seq_lens_, seq_lens_ + batch, batch, n, o);
-        !s.ok())
-      return s;
-    cuda::UpcastToF32({o, DType::kBF16, rows, config_.q_dim()}, attn_ + offset, stream_);
-    return absl::OkStatus();
+  switch (plan_.path) {
+    case AttentionPath::kCudnn: {
+      // Lockstep rows only (plan_.ragged_rows is false: StartServing refuses): `rows` is `batch`
+      // sequences of n tokens, sequence b in cache slot b.
+      if (ragged != nullptr) Unreachable("attention=cudnn on ragged rows");
+      const int batch = rows / n;
+      const int64_t count = static_cast<int64_t>(rows) * config_.q_dim();
+      uint16_t* q = reinterpret_cast<uint16_t*>(cudnn_io_);
+      uint16_t* o = q + count;
+      cuda::SequenceLengths(d_position, n, batch, seq_lens_, seq_lens_ + batch, stream_);
+      cuda::ToBf16(q_ + offset, count, q, stream_);
+      RETURN_IF_ERROR(cudnn_->Run(q, cache.k, cache.v, seq_lens_, seq_lens_ + batch, batch, n, o));
+      cuda::UpcastToF32({o, DType::kBF16, rows, config_.q_dim()}, attn_ + offset, stream_);
+      return absl::OkStatus();
+    }
+    case AttentionPath::kFlash:
+      cuda::AttentionFlash(q_ + offset, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
+                           config_.head_dim, d_position,
+                           cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
+                           attn_ + offset, stream_, ragged);
+      return absl::OkStatus();
+    case AttentionPath::kNaive:
+      cuda::AttentionNaive(q_ + offset, static_cast<const float*>(cache.k),
+                           static_cast<const float*>(cache.v), rows, n, config_.num_q_heads,
+                           config_.num_kv_heads, config_.head_dim, d_position, capacity_, scores_,
+                           attn_ + offset, stream_, ragged);
+      return absl::OkStatus();
   }
-  if (options_.attention == Attention::kFlash) {
-    cuda::AttentionFlash(q_ + offset, cache, rows, n, config_.num_q_heads, config_.num_kv_heads,
-                         config_.head_dim, d_position,
-                         cuda::FlashSplits(rows, config_.num_kv_heads, capacity_), scores_,
-                         attn_ + offset, stream_, ragged);
-  } else {
-    cuda::AttentionNaive(q_ + offset, static_cast<const float*>(cache.k),
-                         static_cast<const float*>(cache.v), rows, n, config_.num_q_heads,
-                         config_.num_kv_heads, config_.head_dim, d_position, capacity_, scores_,
-                         attn_ + offset, stream_, ragged);
-  }
-  return absl::OkStatus();
+  Unreachable("AttentionRunner::Attend");
 }
 
 }  // namespace infersweep

@@ -11,6 +11,7 @@
 #include "engine/cuda/cudnn_attention.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
+#include "engine/plan/attention_plan.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep {
@@ -48,14 +49,15 @@ class AttentionRunner {
   absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out, const int* d_position,
                    const RaggedRows* ragged = nullptr);
 
+  // The plan every choice below reads (engine/plan/attention_plan.h).
+  const AttentionPlan& plan() const { return plan_; }
   // The KV cache's element type, and its bytes per element: 4 for fp32, 2 for bf16, 1 for fp8
   // (whose per-head scales add 8 bytes a token and kv head, K and V together).
   cuda::KvDtype kv_dtype() const;
-  int kv_cache_bytes_per_element() const { return cuda::KvBytesPerElement(kv_dtype()); }
+  int kv_cache_bytes_per_element() const { return plan_.kv_bytes_per_element; }
   // What decode attention reads per element: the above, plus fp8's scales (one fp32 a head row).
   double kv_read_bytes_per_element() const {
-    return kv_cache_bytes_per_element() +
-           (kv_dtype() == cuda::KvDtype::kFp8 ? 4.0 / config_.head_dim : 0.0);
+    return plan_.kv_bytes_per_element + (plan_.kv_scales ? 4.0 / config_.head_dim : 0.0);
   }
   char* k_cache() const { return k_cache_; }
   char* v_cache() const { return v_cache_; }
@@ -78,6 +80,8 @@ class AttentionRunner {
   const FaultInjection& fault_;
   cudaStream_t stream_;
   LinearRunner& linear_;
+  const AttentionHeads heads_;
+  const AttentionPlan plan_;
   const std::vector<int>
       cache_index_;         // layer -> its slot in the KV cache, -1 for linear attention
   const int cache_layers_;  // full-attention layers

@@ -30,12 +30,6 @@ absl::Status NcclStatus(const char* what, ncclResult_t r) {
                                           last && *last ? absl::StrCat(" (", last, ")") : ""));
 }
 
-absl::Status CudaStatus(const char* what, cudaError_t e) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
 absl::Status CheckRanks(int ranks, int rank) {
   if (ranks < 1 || ranks > cuda::kAllReduceMaxRanks)
     return absl::InvalidArgumentError(
@@ -102,7 +96,7 @@ class PeerCommunicator final : public Communicator {
                        " bytes) exceeds the peer buffers' ", peers_.staging_bytes, " bytes"));
     cuda::CustomAllReduce(peers_, data, count, dtype,
                           cuda::PickCustomAlgorithm(peers_.ranks, bytes), stream);
-    return CudaStatus("custom all-reduce launch", cudaGetLastError());
+    return CudaStatus(cudaGetLastError(), "custom all-reduce launch");
   }
 
   absl::Status SumAddNorm(float* partial, int rows, int n, float* residual, const MatrixRef& gain,
@@ -111,7 +105,7 @@ class PeerCommunicator final : public Communicator {
     if (kind_ != AllReduce::kFused || n % 4 != 0 || bytes > peers_.staging_bytes)
       return Communicator::SumAddNorm(partial, rows, n, residual, gain, eps, out, stream);
     cuda::FusedAllReduceAddNorm(peers_, partial, rows, n, residual, gain, eps, out, stream);
-    return CudaStatus("fused all-reduce launch", cudaGetLastError());
+    return CudaStatus(cudaGetLastError(), "fused all-reduce launch");
   }
 
  private:
@@ -123,10 +117,10 @@ class PeerCommunicator final : public Communicator {
 absl::StatusOr<void*> AllocatePeerBuffer(int64_t max_bytes) {
   void* p = nullptr;
   const size_t bytes = cuda::PeerBufferBytes(max_bytes);
-  if (auto s = CudaStatus("cudaMalloc of the all-reduce peer buffer", cudaMalloc(&p, bytes));
+  if (auto s = CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc of the all-reduce peer buffer");
       !s.ok())
     return s;
-  if (auto s = CudaStatus("cudaMemset of the all-reduce signals", cudaMemset(p, 0, bytes));
+  if (auto s = CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset of the all-reduce signals");
       !s.ok()) {
     cudaFree(p);
     return s;
@@ -178,8 +172,8 @@ class IpcPeerRank final : public PeerRank {
       cudaIpcMemHandle_t h;
       std::memcpy(&h, handles[r].data(), sizeof(h));
       void* p = nullptr;
-      if (auto s = CudaStatus(absl::StrCat("cudaIpcOpenMemHandle of rank ", r).c_str(),
-                              cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+      if (auto s = CudaStatus(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+                              absl::StrCat("cudaIpcOpenMemHandle of rank ", r).c_str());
           !s.ok()) {
         close_opened(opened);
         return s;
@@ -213,7 +207,7 @@ absl::Status Communicator::SumAddNorm(float* partial, int rows, int n, float* re
   if (auto s = Sum(partial, count, cuda::ReduceDType::kFp32, stream); !s.ok()) return s;
   cuda::AddScaled(residual, partial, 1.f, count, stream);
   cuda::RmsNorm(residual, rows, n, gain, eps, out, stream);
-  return CudaStatus("add and norm launch", cudaGetLastError());
+  return CudaStatus(cudaGetLastError(), "add and norm launch");
 }
 
 absl::StatusOr<NcclId> MakeNcclId() {
@@ -273,7 +267,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
   buffers->devices = devices;
   absl::Status status;
   for (int r = 0; r < ranks && status.ok(); ++r) {
-    status = CudaStatus("cudaSetDevice", cudaSetDevice(devices[r]));
+    status = CudaStatus(cudaSetDevice(devices[r]), "cudaSetDevice");
     if (!status.ok()) break;
     for (int peer : devices) {
       if (peer == devices[r]) continue;
@@ -287,7 +281,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
       }
       const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
-        status = CudaStatus("cudaDeviceEnablePeerAccess", e);
+        status = CudaStatus(e, "cudaDeviceEnablePeerAccess");
       cudaGetLastError();
     }
     if (!status.ok()) break;
@@ -318,7 +312,7 @@ absl::StatusOr<std::unique_ptr<PeerRank>> PeerRank::Create(AllReduce kind, int r
   auto own = AllocatePeerBuffer(max_bytes);
   if (!own.ok()) return own.status();
   cudaIpcMemHandle_t handle;
-  if (auto s = CudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, *own)); !s.ok()) {
+  if (auto s = CudaStatus(cudaIpcGetMemHandle(&handle, *own), "cudaIpcGetMemHandle"); !s.ok()) {
     cudaFree(*own);
     return s;
   }

@@ -121,11 +121,11 @@ class CudaModel final : public Model {
         return absl::UnimplementedError(
             "device=cuda: ragged steps of hybrid models are not built (the Gated DeltaNet "
             "layers' conv and recurrent states are kept per lockstep sequence, not per KV slot)");
-    if (options_.attention == Attention::kCudnn)
-      return absl::UnimplementedError(
-          "attention=cudnn runs lockstep batches only: its graph reads KV slot b for sequence b, "
-          "and a ragged step's decode rows sit in any slot (cuDNN's paged K/V load is not "
-          "wired)");
+    if (!attention_.plan().ragged_rows)
+      return absl::UnimplementedError(absl::StrCat(
+          "attention=", AxisValueName(options_.attention),
+          " runs lockstep batches only: its graph reads KV slot b for sequence b, and a ragged "
+          "step's decode rows sit in any slot (cuDNN's paged K/V load is not wired)"));
     DestroyGraphs();
     if (auto s = attention_.AllocateCache(slots + 1, max_tokens); !s.ok()) return s;
     if (auto s = moe_.MakeRouterCopies(); !s.ok()) return s;
@@ -429,8 +429,8 @@ class CudaModel final : public Model {
     float* const lm_out = sharded_vocab() ? shard_logits_ : logits_;
     // gemm=fused|tma: the final norm and the lm_head in one GEMV launch (a vocabulary-sized
     // matrix is streamed: cuda::GemvStreams), for the decode rows and a prefill's last rows, in
-    // place of a norm kernel and cuBLASLt's GEMM: on the H200 it streams qwen3-30b-a3b's 622 MB
-    // lm_head at 4.24 TB/s, as fast as cuBLASLt, with two kernels fewer (docs/PERFORMANCE.md).
+    // place of a norm kernel and cuBLASLt's GEMM: the streamed GEMV reads a vocabulary-sized
+    // lm_head as fast as cuBLASLt does, with two kernels fewer (docs/PERFORMANCE.md).
     if (UsesFusedGemv(options_.gemm) && cuda::GemvSupports(out_rows, hidden)) {
       LinearRunner::FusedGemv g =
           LinearRunner::GemvInput(final_in, out_rows, hidden, w_.final_norm, eps);

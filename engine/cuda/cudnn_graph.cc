@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cudnn_loader.h"
+#include "kernels/cuda/check.h"
 
 namespace infersweep::cudnn {
 
@@ -404,10 +405,12 @@ absl::Status Workspace::Reserve(const Plan& plan) {
   if (data_ != nullptr) cudaFree(data_);
   data_ = nullptr;
   bytes_ = 0;
-  if (cudaError_t e = cudaMalloc(&data_, plan.workspace_bytes); e != cudaSuccess) {
+  if (absl::Status s =
+          CudaStatus(cudaMalloc(&data_, plan.workspace_bytes),
+                     absl::StrCat("cuDNN workspace of ", plan.workspace_bytes, " bytes").c_str());
+      !s.ok()) {
     data_ = nullptr;
-    return absl::ResourceExhaustedError(absl::StrCat("cuDNN workspace of ", plan.workspace_bytes,
-                                                     " bytes: ", cudaGetErrorString(e)));
+    return absl::ResourceExhaustedError(s.message());
   }
   bytes_ = plan.workspace_bytes;
   return absl::OkStatus();

@@ -11,32 +11,19 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/check.h"
 
 namespace infersweep {
-
-// CUDA errors other than allocation failures are sticky: the context is lost, so the worker dies
-// loudly (the harness reports CRASHED with this line in the stderr tail).
-#define CUDA_OR_DIE(expr)                                                             \
-  do {                                                                                \
-    const cudaError_t _e = (expr);                                                    \
-    if (_e != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "CUDA error %s (%s) at %s:%d: %s\n", cudaGetErrorName(_e), \
-                   cudaGetErrorString(_e), __FILE__, __LINE__, #expr);                \
-      std::abort();                                                                   \
-    }                                                                                 \
-  } while (0)
-#define CHECK_LAUNCH() CUDA_OR_DIE(cudaGetLastError())
 
 template <typename T>
 absl::StatusOr<T*> DeviceAlloc(size_t count) {
   void* p = nullptr;
   if (count == 0) count = 1;
-  const cudaError_t e = cudaMalloc(&p, count * sizeof(T));
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes: ", cudaGetErrorString(e)));
-  }
+  if (absl::Status s =
+          CudaStatus(cudaMalloc(&p, count * sizeof(T)),
+                     absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes").c_str());
+      !s.ok())
+    return absl::ResourceExhaustedError(s.message());
   return static_cast<T*>(p);
 }
 

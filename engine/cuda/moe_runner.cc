@@ -3,22 +3,13 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 
 namespace infersweep {
-namespace {
-
-// router = xn . Wr^T in fp32 (fp32 input, fp32 accumulate) for the non-GEMV paths. From
-// kRouterCublasMinRows rows on, cuBLASLt's fp32 GEMM runs it on fp32 copies of the router
-// weights (MakeRouterCopies): our kernels measured 22 us a layer at batch 64 (warp per expert)
-// and 163 us at prefill 2048 (128 register-tiled blocks).
-constexpr int kRouterCublasMinRows = 16;
-
-}  // namespace
-
 MoeRunner::MoeRunner(const RunnerContext& context, LinearRunner& linear, const DeviceWeights* dw,
                      const QuantView* view, std::unique_ptr<cuda::CublasGroupedGemm> grouped)
     : config_(context.config),
@@ -104,9 +95,32 @@ absl::Status MoeRunner::MakeRouterCopies() {
   return absl::OkStatus();
 }
 
-// Decode steps (n == 1) use the device-indexed kernels when moe=fused (capturable, no host
-// sync); prefill chunks group rows by expert so each expert's weights are read once, not once
-// per token (a 32k-row prefill would otherwise re-read 2.4 TB per layer).
+// The layer's experts as the plan sees them (engine/plan/moe_plan.h).
+MoeLayerFacts MoeRunner::LayerFacts(int l) const {
+  const LayerWeights& lw = w_.layers[l];
+  MoeLayerFacts f;
+  f.quantized_tables = view_ && !view_->quant_tables.empty() &&
+                       view_->quant_tables[l][0].format != QuantFormat::kNone;
+  if (f.quantized_tables) {
+    auto shape = [](const cuda::QuantExpertTable& t) {
+      return cuda::QuantMatrixShape{t.format, t.rows, t.cols};
+    };
+    f.gate = shape(view_->quant_tables[l][0]);
+    f.up = shape(view_->quant_tables[l][1]);
+    f.down = shape(view_->quant_tables[l][2]);
+  }
+  f.experts_quantized_alike = ExpertsQuantizedAlike(l);
+  f.experts_bf16 = !lw.experts.empty() && lw.experts[0].gate.dtype == DType::kBF16 &&
+                   !lw.experts[0].gate.quantized();
+  f.router_f32_copy = !router_f32_.empty() && router_f32_[l] != nullptr;
+  f.shared_expert = !lw.shared_expert.gate.empty();
+  f.shared_down_cols = static_cast<int>(lw.shared_expert.down.cols);
+  return f;
+}
+
+// One plan a step (PlanMoe) decides the router, the experts and the shared expert; the switches
+// below run what it says. Prefill chunks group rows by expert so each expert's weights are read
+// once, not once per token.
 absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
   const LayerWeights& lw = w_.layers[l];
   const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
@@ -114,227 +128,158 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
   const int64_t elems = static_cast<int64_t>(rows) * hidden;
   const int skip =
       fault_.kind == FaultInjection::Kind::kZeroExpert ? static_cast<int>(fault_.value) : -1;
-  // moe=fused: many rows (batch >= 4 decode, prefill) take the expert-grouped tensor-core
-  // kernels, which read each expert once; a few decode rows take the per-pair GEMVs.
-  // Quantized experts (w4a16, w8a16) take their per-pair kernels at every decode batch.
-  const bool quant_experts = RoutesOnDevice(options_.moe) && view_ &&
-                             !view_->quant_tables.empty() &&
-                             view_->quant_tables[l][0].format != QuantFormat::kNone;
+  const MoePlan plan =
+      PlanMoe(options_, {config_.num_experts, k, hidden, inter}, LayerFacts(l), {rows, n, gemv});
+  if (LaunchRecording())
+    for (const std::string& f : plan.fallbacks) RecordFallback(f);
   // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
   const bool own = view_ && !view_->gate_table.empty();
-  // Long prefill chunks (more than kMoeMmaMaxPairsPerExpert pairs per expert on average) of bf16
-  // experts go to cuBLAS's grouped GEMMs, with a host sync (prefill is never captured): the MMA
-  // kernels re-read an expert's weights for every 64 of its pairs (77 ms a layer at 64 x 512
-  // tokens).
-  constexpr int kMoeMmaMaxPairsPerExpert = 16;
-  const bool many_pairs = rows * k > kMoeMmaMaxPairsPerExpert * config_.num_experts;
-  // moe=wgmma configs have no grouped_ runner: its kernels read each expert once per 128
-  // pairs, so every chunk stays on the device.
-  const bool long_prefill = n > 1 && grouped_ && !quant_experts &&
-                            lw.experts[0].gate.dtype == DType::kBF16 &&
-                            !lw.experts[0].gate.quantized() && many_pairs;
-  const bool grouped_mma = RoutesOnDevice(options_.moe) && !quant_experts && !long_prefill &&
-                           rows >= cuda::kMoeGroupedMinRows &&
-                           cuda::MoeGroupedSupports(config_.num_experts, hidden, inter);
-  // The grouped MMA kernels and the grouped GEMMs' gather read the normalised input in bf16
-  // (xn_bf16_): the norm writes it (the GEMV path converts its xn).
-  // qgemm=w4a16|w8a16 at 4+ rows (decode batches and prefill chunks): the quantized grouped MMA
-  // kernels decode the codes in registers. Formats they do not take (fp8 block-128) keep the
-  // per-pair kernels at decode and, in prefill chunks, the experts dequantized into bf16
-  // (PrefillExpertCopies) through the bf16 grouped kernels.
-  const bool quant_grouped_shape = quant_experts && rows >= cuda::kMoeGroupedMinRows &&
-                                   cuda::MoeGroupedSupports(config_.num_experts, hidden, inter) &&
-                                   ExpertsQuantizedAlike(l);
-  const bool quant_grouped =
-      quant_grouped_shape &&
-      cuda::MoeGroupedQuantSupports(view_->quant_tables[l][0], view_->quant_tables[l][1],
-                                    view_->quant_tables[l][2]);
-  const bool quant_prefill = quant_grouped_shape && n > 1 && !quant_grouped;
-  const bool bf16_input = grouped_mma || quant_grouped || quant_prefill ||
-                          options_.moe == Moe::kGrouped || long_prefill;
-  if (LaunchRecording()) {
-    RecordMoeFallbacks(l, rows, n, gemv, grouped_mma || quant_grouped, quant_prefill, long_prefill,
-                       many_pairs);
-  }
-  // The router runs in fp32 on every config: it is 0.5 MB a layer, and rounding its input to
-  // bf16 would flip near-tied routing decisions, a discrete error no bf16 GEMM elsewhere makes.
-  if (gemv) {  // RMSNorm + router in one launch; it also leaves the normalised x in xn
-    LinearRunner::FusedGemv a =
-        LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
-    a.normed_out = linear_.xn();
-    LinearRunner::AddSegment(a, lw.router, {}, router_);
-    if (auto s = linear_.RunGemv(a); !s.ok()) return s;
-    if (bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_, stream_);
-  } else {
-    cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, linear_.xn(),
-                  stream_, bf16_input ? xn_bf16_ : nullptr);
-    if (auto s = Router(l, rows); !s.ok()) return s;
+
+  switch (plan.router) {
+    case MoeRouter::kFusedGemv: {  // RMSNorm + router in one launch; it leaves xn normalised
+      LinearRunner::FusedGemv a =
+          LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
+      a.normed_out = linear_.xn();
+      LinearRunner::AddSegment(a, lw.router, {}, router_);
+      RETURN_IF_ERROR(linear_.RunGemv(a));
+      if (plan.bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_, stream_);
+      break;
+    }
+    case MoeRouter::kCublasLtF32:
+    case MoeRouter::kRouterKernel:
+    case MoeRouter::kReference:
+      cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, linear_.xn(),
+                    stream_, plan.bf16_input ? xn_bf16_ : nullptr);
+      RETURN_IF_ERROR(Router(l, rows, plan.router));
+      break;
   }
   cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
                    expert_weights_, stream_);
-  if (grouped_mma || quant_grouped || quant_prefill) {
-    std::array<const uint16_t* const*, 3> tables{};
-    if (quant_grouped) {
-      // the quantized tables below
-    } else if (quant_prefill) {
-      auto copies = PrefillExpertCopies(l);
-      if (!copies.ok()) return copies.status();
-      tables = *copies;
-    } else if (own) {
-      tables = {view_->gate_table[l], view_->up_table[l], view_->down_table[l]};
-    } else {
-      tables = {dw_->gate_table[l], dw_->up_table[l], dw_->down_table[l]};
-    }
-    cuda::MoeGroupedArgs a;
-    a.x_bf16 = xn_bf16_;
-    a.rows = rows;
-    a.k = k;
-    a.num_experts = config_.num_experts;
-    a.hidden = hidden;
-    a.inter = inter;
-    a.expert_ids = expert_ids_;
-    a.expert_weights = expert_weights_;
-    a.skip_expert = skip;
-    a.gate = tables[0];
-    a.up = tables[1];
-    a.down = tables[2];
-    a.offsets = expert_offsets_;
-    a.sorted_pairs = route_index_;
-    a.h = moe_bf16_;
-    a.out = moe_out_;
-    a.y = out;
-    // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill), bf16
-    // or quantized. Decode batches keep the mma.sync kernels: at batch 64 (~4 pairs an expert)
-    // they measured 22.0 ms a step against wgmma's 23.8 in bf16, 16.9 against 21.1 on FP8
-    // experts and 25.3 against 26.3 on NVFP4: wgmma's smallest N (32) is mostly padding there.
-    a.wgmma = options_.moe == Moe::kWgmma && many_pairs;
-    if (quant_grouped) a.quant = view_->quant_tables[l].data();
-    cuda::MoeGrouped(a, stream_);
-    CHECK_LAUNCH();
-  } else if (quant_experts && n == 1) {
-    const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
-    cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
-    cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], out,
-                              stream_);
-    CHECK_LAUNCH();
-  } else if (RoutesOnDevice(options_.moe) && n == 1) {
-    cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_,
-                    own ? view_->gate_table[l] : dw_->gate_table[l],
-                    own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
-    cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
-                         own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, out,
-                         stream_);
-    CHECK_LAUNCH();
-  } else {
-    // Read the routing on the host (a sync), then either one grouped GEMM per projection over
-    // every expert, or (the loop) one gather + MLP + scatter per expert.
-    const HostRouting routing = RouteOnHost(rows, skip);
-    if (options_.moe == Moe::kGrouped || long_prefill) {
-      if (auto s = GroupedExperts(lw, rows, routing, out); !s.ok()) return s;
-    } else {
-      CUDA_OR_DIE(
-          cudaMemsetAsync(linear_.y(), 0, static_cast<size_t>(elems) * sizeof(float), stream_));
-      for (int e = 0; e < config_.num_experts; ++e) {
-        const auto [first, count] = routing.spans[e];
-        if (count == 0) continue;
-        cuda::GatherRows(linear_.xn(), route_index_ + first, count, hidden, moe_in_, stream_);
-        const uint16_t* gb = linear_.PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
-        if (auto s = linear_.Mlp(lw.experts[e], moe_in_, gb, count, moe_out_); !s.ok()) return s;
-        cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
-                             linear_.y(), stream_);
-        CHECK_LAUNCH();
+
+  switch (plan.experts) {
+    case MoeExperts::kGrouped: {
+      std::array<const uint16_t* const*, 3> tables{};
+      const bool quant = plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
+                         plan.grouped == cuda::MoeGroupedKernel::kQuantMma8 ||
+                         plan.grouped == cuda::MoeGroupedKernel::kQuantWgmma;
+      if (plan.bf16_copies) {
+        ASSIGN_OR_RETURN(tables, PrefillExpertCopies(l));
+      } else if (!quant) {
+        tables =
+            own ? std::array<const uint16_t* const*, 3>{view_->gate_table[l], view_->up_table[l],
+                                                        view_->down_table[l]}
+                : std::array<const uint16_t* const*, 3>{dw_->gate_table[l], dw_->up_table[l],
+                                                        dw_->down_table[l]};
       }
-      cuda::AddScaled(out, linear_.y(), 1.f, elems, stream_);
+      cuda::MoeGroupedArgs a;
+      a.kernel = plan.grouped;
+      a.x_bf16 = xn_bf16_;
+      a.rows = rows;
+      a.k = k;
+      a.num_experts = config_.num_experts;
+      a.hidden = hidden;
+      a.inter = inter;
+      a.expert_ids = expert_ids_;
+      a.expert_weights = expert_weights_;
+      a.skip_expert = skip;
+      a.gate = tables[0];
+      a.up = tables[1];
+      a.down = tables[2];
+      a.offsets = expert_offsets_;
+      a.sorted_pairs = route_index_;
+      a.h = moe_bf16_;
+      a.out = moe_out_;
+      a.y = out;
+      if (quant) a.quant = view_->quant_tables[l].data();
+      cuda::MoeGrouped(a, stream_);
+      CHECK_LAUNCH();
+      break;
     }
-    // The routing's host vectors must outlive the async copies from them.
-    CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+    case MoeExperts::kPerPairQuantGemv: {
+      const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
+      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
+      cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], out,
+                                stream_);
+      CHECK_LAUNCH();
+      break;
+    }
+    case MoeExperts::kPerPairGemv:
+      cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_,
+                      own ? view_->gate_table[l] : dw_->gate_table[l],
+                      own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
+      cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
+                           own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, out,
+                           stream_);
+      CHECK_LAUNCH();
+      break;
+    case MoeExperts::kCublasGrouped:
+    case MoeExperts::kLoop: {
+      // The routing read on the host (a sync), then one grouped GEMM per projection over every
+      // expert, or one gather + MLP + scatter per expert.
+      const HostRouting routing = RouteOnHost(rows, skip);
+      if (plan.experts == MoeExperts::kCublasGrouped) {
+        RETURN_IF_ERROR(GroupedExperts(lw, rows, routing, out));
+      } else {
+        CUDA_OR_DIE(
+            cudaMemsetAsync(linear_.y(), 0, static_cast<size_t>(elems) * sizeof(float), stream_));
+        for (int e = 0; e < config_.num_experts; ++e) {
+          const auto [first, count] = routing.spans[e];
+          if (count == 0) continue;
+          cuda::GatherRows(linear_.xn(), route_index_ + first, count, hidden, moe_in_, stream_);
+          const uint16_t* gb = linear_.PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
+          RETURN_IF_ERROR(linear_.Mlp(lw.experts[e], moe_in_, gb, count, moe_out_));
+          cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
+                               linear_.y(), stream_);
+          CHECK_LAUNCH();
+        }
+        cuda::AddScaled(out, linear_.y(), 1.f, elems, stream_);
+      }
+      // The routing's host vectors must outlive the async copies from them.
+      CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+      break;
+    }
   }
-  const bool shared_gemv =
-      gemv && cuda::GemvSupports(rows, static_cast<int>(lw.shared_expert.down.cols));
-  if (shared_gemv && !lw.shared_expert.gate.empty()) {
-    // gate, up and the shared gate in one GEMV over the normalised input; down into o.
-    if (auto s = linear_.MlpGemv(lw.shared_expert, linear_.xn(), rows, lw.shared_expert_gate,
-                                 router_, linear_.o());
-        !s.ok())
-      return s;
-    cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
-    CHECK_LAUNCH();
-  } else if (!lw.shared_expert.gate.empty()) {
-    const uint16_t* sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
-    if (auto s = linear_.Mlp(lw.shared_expert, linear_.xn(), sb, rows, linear_.o()); !s.ok())
-      return s;
-    // Mlp reused the bf16 staging buffer: convert the input again for the gate.
-    sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
-    if (auto s = linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_); !s.ok())
-      return s;
-    cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
-    CHECK_LAUNCH();
+
+  switch (plan.shared) {
+    case MoeShared::kNone:
+      break;
+    case MoeShared::kFusedGemv:
+      // gate, up and the shared gate in one GEMV over the normalised input; down into o.
+      RETURN_IF_ERROR(linear_.MlpGemv(lw.shared_expert, linear_.xn(), rows, lw.shared_expert_gate,
+                                      router_, linear_.o()));
+      cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
+      CHECK_LAUNCH();
+      break;
+    case MoeShared::kUnfused: {
+      const uint16_t* sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
+      RETURN_IF_ERROR(linear_.Mlp(lw.shared_expert, linear_.xn(), sb, rows, linear_.o()));
+      // Mlp reused the bf16 staging buffer: convert the input again for the gate.
+      sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
+      RETURN_IF_ERROR(linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_));
+      cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
+      CHECK_LAUNCH();
+      break;
+    }
   }
   return absl::OkStatus();
 }
 
-// The launch log's fallbacks of one MoE block (core/launch_log.h): where the experts or the
-// shared expert run on something other than what the moe and gemm values name, from Moe's
-// dispatch decisions (the router's are recorded by Router).
-void MoeRunner::RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma,
-                                   bool quant_prefill, bool long_prefill, bool many_pairs) {
-  const char* moe = options_.moe == Moe::kWgmma ? "wgmma" : "fused";
-  const std::string chunk = absl::StrCat(n > 1 ? "prefill chunk of " : "decode of ", rows,
-                                         " rows (", rows * config_.num_experts_per_tok,
-                                         " pairs over ", config_.num_experts, " experts)");
-  if (long_prefill && RoutesOnDevice(options_.moe))  // (moe=grouped runs every chunk that way)
-    RecordFallback(absl::StrCat("moe=", moe, ": ", chunk,
-                                ", more than 16 pairs an expert: the experts on cuBLAS grouped "
-                                "GEMMs, with a host sync"));
-  if (quant_prefill)
-    RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ", chunk,
-                                ": the layer's experts dequantized to bf16, then the bf16 "
-                                "grouped mma.sync kernels"));
-  // Moe's else branch: the routing read on the host.
-  if (RoutesOnDevice(options_.moe) && !grouped_mma && !quant_prefill && n > 1 && !long_prefill)
-    RecordFallback(absl::StrCat(
-        "moe=", moe, ": ", chunk, ": the per-expert loop with a host sync (moe=loop's path): ",
-        rows < cuda::kMoeGroupedMinRows
-            ? "fewer rows than the grouped expert kernels take"
-            : "the grouped expert kernels do not take these experts (MoeGroupedSupports, or "
-              "quantized experts not all alike)"));
-  // moe=wgmma runs wgmma on chunks of more than 16 pairs an expert only (Moe's many_pairs).
-  if (options_.moe == Moe::kWgmma && grouped_mma && !many_pairs)
-    RecordFallback(absl::StrCat("moe=wgmma: ", chunk,
-                                ", 16 or fewer pairs an expert: the mma.sync grouped kernels, "
-                                "not wgmma"));
-  if (options_.moe == Moe::kWgmma && !grouped_mma && n == 1)
-    RecordFallback(
-        absl::StrCat("moe=wgmma: ", chunk, ": the per-pair expert GEMVs (moe=fused's), not wgmma"));
-  const ExpertWeights& shared = w_.layers[l].shared_expert;
-  if (gemv && !shared.gate.empty() && !cuda::GemvSupports(rows, static_cast<int>(shared.down.cols)))
-    RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(),
-                                ": the shared expert and its gate unfused (cuBLASLt for bf16 "
-                                "weights), not the fused GEMV"));
-}
-
-absl::Status MoeRunner::Router(int l, int rows) {
+absl::Status MoeRunner::Router(int l, int rows, MoeRouter path) {
   const MatrixRef& wr = w_.layers[l].router;
-  const bool fused = UsesFusedGemv(options_.gemm);
-  if (linear_.cublaslt() && rows >= kRouterCublasMinRows && !router_f32_.empty() &&
-      router_f32_[l]) {
-    if (fused && LaunchRecording())
-      RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": router of ", rows,
-                                  " rows (>= ", kRouterCublasMinRows,
-                                  "): cuBLASLt's fp32 GEMM, not the fused GEMV"));
-    return linear_.cublaslt()->RunF32(linear_.xn(), rows, router_f32_[l], static_cast<int>(wr.rows),
-                                      static_cast<int>(wr.cols), router_, stream_);
+  switch (path) {
+    case MoeRouter::kCublasLtF32:
+      return linear_.cublaslt()->RunF32(linear_.xn(), rows, router_f32_[l],
+                                        static_cast<int>(wr.rows), static_cast<int>(wr.cols),
+                                        router_, stream_);
+    case MoeRouter::kRouterKernel:
+      cuda::RouterGemm(linear_.xn(), rows, wr, router_, stream_);
+      break;
+    case MoeRouter::kReference:
+      cuda::GemmReference(linear_.xn(), rows, wr, {}, router_, stream_);
+      break;
+    case MoeRouter::kFusedGemv:
+      return absl::InternalError("MoeRunner::Router: the fused GEMV runs the router itself");
   }
-  if (linear_.cublaslt() && !fused && LaunchRecording())
-    RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": router of ", rows, " rows",
-                                rows < kRouterCublasMinRows
-                                    ? absl::StrCat(" (< ", kRouterCublasMinRows, ")")
-                                    : std::string(" (no fp32 copy of a quantized router)"),
-                                ": our fp32 router kernel, not cuBLASLt"));
-  if (linear_.cublaslt())  // the GPU reference (gemm=reference) keeps the reference GEMM
-    cuda::RouterGemm(linear_.xn(), rows, wr, router_, stream_);
-  else
-    cuda::GemmReference(linear_.xn(), rows, wr, {}, router_, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }

@@ -15,6 +15,7 @@
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
+#include "engine/plan/moe_plan.h"
 #include "kernels/cuda/moe_grouped.h"
 
 namespace infersweep {
@@ -55,9 +56,10 @@ class MoeRunner {
     std::vector<int> pair_position;
     std::vector<std::pair<int, int>> spans;  // per expert: first pair, count
   };
-  void RecordMoeFallbacks(int l, int rows, int n, bool gemv, bool grouped_mma, bool quant_prefill,
-                          bool long_prefill, bool many_pairs);
-  absl::Status Router(int l, int rows);
+  // The layer's experts as the plan sees them.
+  MoeLayerFacts LayerFacts(int l) const;
+  // router = xn . Wr^T in fp32 by `path` (not kFusedGemv, which Run launches with the norm).
+  absl::Status Router(int l, int rows, MoeRouter path);
   HostRouting RouteOnHost(int rows, int skip);
   absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing,
                               float* x);

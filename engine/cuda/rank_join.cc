@@ -12,6 +12,7 @@
 #include "engine/cuda/communicator.h"
 #include "engine/cuda/cuda_model.h"
 #include "engine/rank_context.h"
+#include "kernels/cuda/check.h"
 
 namespace infersweep {
 
@@ -27,12 +28,8 @@ absl::Status UseRankDevice(int rank, int ranks) {
   }
   const int device = (*devices)[rank];
   if (device >= count) return absl::OkStatus();  // the preflight refuses the trial
-  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InternalError(
-        absl::StrCat("rank ", rank, ": cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
-  }
-  return absl::OkStatus();
+  return CudaStatus(cudaSetDevice(device),
+                    absl::StrCat("rank ", rank, ": cudaSetDevice(", device, ")").c_str());
 }
 
 namespace {

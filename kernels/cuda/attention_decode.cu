@@ -1,9 +1,9 @@
 // Split-KV decode attention on tensor cores (attention=flash, chunks of fewer than
 // kFlashPrefillMinTokens tokens, head_dim 32/64/128): the q heads of one kv head are the rows of
 // an m16n8k16 MMA (a GQA group of up to 16), so each K/V tile is read from shared memory once
-// per block, not once per q head. The CUDA-core kernel (attention_flash.cu) gave each q head a
-// warp that re-read the whole tile from shared memory: 8x the tile's bytes, and at batch 64 it
-// was bound by that (~80 us a layer for 71 MB of bf16 K/V on qwen3-30b-a3b).
+// per block, not once per q head. The CUDA-core kernel (attention_flash.cu) gives each q head a
+// warp that re-reads the whole tile from shared memory: 8x the tile's bytes, which bounds it at
+// batch 64 well before DRAM does.
 //
 // Napkin math, qwen3-30b-a3b, batch 64, context 544, one layer: K and V are 64 x 544 x 512 x 2 x
 // 2 B = 71 MB (bf16 cache; 142 MB fp32) -> 16 us at 4.46 TB/s; 2 x 64 x 32 x 544 x 128 x 2 FLOP
@@ -179,10 +179,6 @@ void LaunchFlashDecode(const float* q, const KvCache& cache, int rows, int n, in
 }
 
 }  // namespace
-
-bool FlashDecodeMmaSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
-}
 
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, const int* position, int splits,

@@ -8,9 +8,8 @@
 //
 // Napkin math, qwen3-30b-a3b decode at batch 1, context 576: K and V of one layer are
 // 2 x 576 x 512 bf16 = 1.2 MB (2.4 MB in fp32); 48 layers = 57 MB -> 13 us at 4.46 TB/s. Batch
-// 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache measured 100 us for 142 MB). The
-// naive kernel re-read K and V once per q head (x8) with uncoalesced per-thread strides: ~5 ms per
-// token.
+// 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache's 142 MB, 32 us). The naive
+// kernel re-reads K and V once per q head (x8) with uncoalesced per-thread strides.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -23,8 +22,7 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kTile = 32;         // keys per shared-memory tile
-constexpr int kMaxHeadDim = 128;  // keeps shared memory under the 48 KB default
-constexpr int kMaxGroup = 16;     // q heads per kv head
+constexpr int kMaxHeadDim = kFlashMaxHeadDim;  // keeps shared memory under the 48 KB default
 
 // Eight cache elements from a 16-byte-aligned address to eight floats.
 __device__ __forceinline__ void Load8AsFloat(const __nv_bfloat16* p, float* out) {
@@ -84,8 +82,7 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
     const int count = min(kTile, end - t0);
     __syncthreads();  // previous tile fully consumed (and q_all written, first time)
     // 16-byte loads (8 elements), unrolled so a thread's share of the tile is in flight at once:
-    // scalar loads in a rolled loop waited out ~16 round trips per tile (120 us a layer at batch
-    // 64, 1.1 TB/s).
+    // scalar loads in a rolled loop would wait out ~16 round trips per tile.
     const int octs = head_dim / 8;
 #pragma unroll 4
     for (int i = threadIdx.x; i < count * octs; i += blockDim.x) {
@@ -104,8 +101,8 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
     // Lane j scores key t0 + j (kTile == 32: one key per lane).
     float score = -INFINITY;
     if (lane < count) {
-      // Four partial sums: one chain of head_dim dependent FMAs kept each warp ~18 cycles per
-      // instruction (ncu, batch 64).
+      // Four partial sums: one chain of head_dim dependent FMAs would stall each warp on every
+      // FMA's latency.
       float dot[4] = {0.f, 0.f, 0.f, 0.f};
       const float* kj = k_tile + lane * stride;
       const float* qw = q_all + warp * head_dim;
@@ -149,8 +146,8 @@ __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const 
 
 // One block per (row, q head), 128 threads (>= kMaxFlashSplits): merges the splits' partial
 // softmaxes. Each split's weight exp(max_s - max) / denom is computed once, in parallel, so the
-// per-dimension sums are independent loads (a loop that re-read each split's max per step was
-// 7.3 us at batch 1 over 18 splits).
+// per-dimension sums are independent loads (a loop that re-reads each split's max per step
+// makes them one dependent chain).
 __global__ void __launch_bounds__(128)
     FlashCombineKernel(const float* partial_acc, const float* partial_max, const float* partial_sum,
                        int splits, int head_dim, float* out) {
@@ -184,11 +181,6 @@ int FlashSplits(int rows, int kv_heads, int capacity) {
   const int want = CeilDiv(kFlashBlockTarget, blocks);
   const int splits = std::min(std::min(want, CeilDiv(capacity, kTile)), kMaxFlashSplits);
   return std::max(1, splits);
-}
-
-bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
-  return head_dim <= kMaxHeadDim && head_dim % 8 == 0 && q_heads % kv_heads == 0 &&
-         q_heads / kv_heads <= kMaxGroup;
 }
 
 void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q_heads,

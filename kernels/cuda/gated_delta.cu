@@ -105,8 +105,8 @@ __global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, cons
 }
 
 constexpr int kFusedColumns = 32;         // state columns a block
-constexpr int kFusedLanesPerColumn = 8;   // threads a column
-constexpr int kFusedMaxRowsPerLane = 32;  // dk <= 256
+constexpr int kFusedLanesPerColumn = kGatedDeltaLanesPerColumn;  // threads a column
+constexpr int kFusedMaxRowsPerLane = kGatedDeltaMaxRowsPerLane;  // dk <= 256
 
 // grid (batch * Hv, ceil(dv / 32)), 256 threads: lane group c (8 lanes) owns column
 // blockIdx.y * 32 + c, lane p of it rows p, p + 8, ... of that column, in registers.
@@ -234,11 +234,6 @@ void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
   LaunchPlain(GatedDeltaReferenceKernel, s.batch * s.value_heads, s.value_dim, 0, stream, mixed,
               s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
               state, out);
-}
-
-bool GatedDeltaFusedSupports(int key_dim) {
-  return key_dim % kFusedLanesPerColumn == 0 &&
-         key_dim <= kFusedLanesPerColumn * kFusedMaxRowsPerLane;
 }
 
 void GatedDeltaFused(const float* mixed, const float* g, const float* beta,

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "core/tensor_ref.h"
+#include "kernels/cuda/limits.h"
 
 namespace infersweep::cuda {
 
@@ -56,7 +57,6 @@ void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
 // column, dk / 8 rows each) for the whole step and writes it back once; the column sums are
 // 3-step shuffles. dk % 8 == 0 and dk <= 256 (GatedDeltaFusedSupports). Decode at batch 1 on
 // qwen3-next: 128 blocks, 2 MiB of state in and out a layer.
-bool GatedDeltaFusedSupports(int key_dim);
 void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
                      const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream);
 

@@ -1,23 +1,21 @@
 #include "kernels/cuda/gemm_cublaslt.h"
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
+#include "kernels/cuda/check.h"
 
 namespace infersweep::cuda {
 namespace {
 
-absl::Status Check(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": status ", static_cast<int>(s)));
-}
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::Create(size_t workspace_bytes) {
   auto gemm = std::unique_ptr<CublasLtGemm>(new CublasLtGemm());
-  if (auto s = Check(cublasLtCreate(&gemm->handle_), "create"); !s.ok()) return s;
-  if (cudaMalloc(&gemm->workspace_, workspace_bytes) != cudaSuccess)
-    return absl::ResourceExhaustedError("cuBLASLt workspace allocation failed");
+  RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&gemm->handle_), "cublasLtCreate"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMalloc(&gemm->workspace_, workspace_bytes), "the cuBLASLt workspace"));
   gemm->workspace_bytes_ = workspace_bytes;
   return gemm;
 }
@@ -40,29 +38,52 @@ absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K,
   const auto key = std::make_tuple(M, N, K, static_cast<int>(input_type));
   if (auto it = plans_.find(key); it != plans_.end()) return &it->second;
   Plan plan;
-  if (auto s = Check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(CublasStatus(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                               "cublasLtMatmulDescCreate"));
+  // Whatever fails below, the descriptors made so far go with the plan (none is cached).
+  auto destroy = [&plan] {
+    if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
+    if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
+    if (plan.c) cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.desc);
+  };
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof transa);
-  cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof transb);
-  cublasLtMatrixLayoutCreate(&plan.a, input_type, K, N, K);
-  cublasLtMatrixLayoutCreate(&plan.b, input_type, K, M, K);
-  cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N);
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                       &workspace_bytes_, sizeof workspace_bytes_);
+  // Every setup call's status; the first failure is returned once the descriptors are freed.
+  absl::Status setup;
+  auto check = [&setup](cublasStatus_t status, const char* what) {
+    if (setup.ok()) setup = CublasStatus(status, what);
+  };
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
+                                       sizeof transa),
+        "cuBLASLt plan: TRANSA");
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
+                                       sizeof transb),
+        "cuBLASLt plan: TRANSB");
+  check(cublasLtMatrixLayoutCreate(&plan.a, input_type, K, N, K), "cuBLASLt plan: layout of W");
+  check(cublasLtMatrixLayoutCreate(&plan.b, input_type, K, M, K), "cuBLASLt plan: layout of x");
+  check(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N), "cuBLASLt plan: layout of y");
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&pref), "cuBLASLt plan: preference");
+  check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes_, sizeof workspace_bytes_),
+        "cuBLASLt plan: workspace preference");
+  if (!setup.ok()) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    destroy();
+    return setup;
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b,
                                                             plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
+  if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
+    destroy();
     return absl::UnimplementedError(absl::StrCat(
         "cuBLASLt has no ", input_type == CUDA_R_32F ? "fp32" : "bf16", " algorithm for M=", M,
         " N=", N, " K=", K, " (cublasLtMatmulAlgoGetHeuristic: ", cublasLtGetStatusName(hs), ", ",
         found, " found)"));
+  }
   plan.algo = result.algo;
   return &(plans_[key] = plan);
 }
@@ -78,10 +99,10 @@ absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w
   auto plan = GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF);
   if (!plan.ok()) return plan.status();
   RecordLaunch("cublasLt:bf16 gemm");  // the launch log (core/launch_log.h): one per matmul call
-  return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, x_bf16,
-                              (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
-                              workspace_, workspace_bytes_, stream),
-               "matmul");
+  return CublasStatus(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, x_bf16,
+                                     (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c,
+                                     &(*plan)->algo, workspace_, workspace_bytes_, stream),
+                      "cublasLtMatmul (bf16)");
 }
 
 absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, int K, float* y,
@@ -90,10 +111,10 @@ absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, 
   if (!plan.ok()) return plan.status();
   const float alpha = 1.f, beta = 0.f;
   RecordLaunch("cublasLt:fp32 gemm");
-  return Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b, &beta,
-                              y, (*plan)->c, y, (*plan)->c, &(*plan)->algo, workspace_,
-                              workspace_bytes_, stream),
-               "fp32 matmul");
+  return CublasStatus(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b,
+                                     &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
+                                     workspace_, workspace_bytes_, stream),
+                      "cublasLtMatmul (fp32)");
 }
 
 }  // namespace infersweep::cuda

@@ -4,13 +4,13 @@
 // Napkin math, qwen3-30b-a3b batch-1 decode, per layer: q+k+v = 5120 x 2048 bf16 = 21 MB ->
 // 4.7 us at 4.46 TB/s; o = 2048 x 4096 = 16.8 MB -> 3.8 us; router 128 x 2048 = 0.5 MB -> a
 // latency-bound ~2 us. FLOPs are 2 per weight per row: 0.5 FLOP/byte at batch 1, so the bound is
-// bandwidth. cuBLASLt measured 8.4 us (q), 6.6 us (k), 6.7 us (v) and 8.3 + 3.2 us (o + split-K
-// reduce) on the H200, plus the ToBf16, RMSNorm and residual kernels this one absorbs.
+// bandwidth. At this size cuBLASLt is launch- and latency-bound: a GEMM each for q, k, v and o
+// (+ a split-K reduce), plus the ToBf16, RMSNorm and residual kernels this one absorbs.
 //
 // A matrix this small is only ~2 DRAM latencies long, so the design goal is one wave: every warp
 // issues all its weight loads at once, before anything else, and the x staging (16-byte loads,
-// all in flight) hides under them. A version that staged x first with scalar loads paid an L2
-// round trip per 512 floats in front of every block: 14-17 us for q+k+v on the H200.
+// all in flight) hides under them. Staging x first with scalar loads would put an L2 round
+// trip per 512 floats in front of every block.
 #include <algorithm>
 
 #include "kernels/cuda/gemm_fused_common.cuh"
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
 // in 4 KB batches (8 16-byte loads a lane), the next batch's loads in flight while it sums the
 // current one: 16 warps x 4 KB = 64 KB in flight an SM, 8.4 MB over 132 SMs, about the
 // bandwidth-latency product. Registers: two batches (64) + sums; 2 blocks of 256 an SM.
-// Measured (H200, ncu, three decode steps): 146.3-148.4 us, 4.24 TB/s (95 % of 4.46); cuBLASLt's
-// GEMM on the same shape 148.3-152.0 us.
+// It streams as fast as cuBLASLt's GEMM on the same shape (docs/PERFORMANCE.md), with the norm
+// fused in.
 constexpr int kStreamBlocksPerSm = 2;
 
 template <int kMaxRows>
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(256, kStreamBlocksPerSm) GemvStreamKernel(Gemv
     }
     if (next_w) load(next_w, next_c0, next);
     // GemvKernel's batch loop, written out again on purpose: sharing one helper moves the
-    // one-wave kernel's code, and the bf16 graphs=on step is ~3 % slower on the H200.
+    // one-wave kernel's generated code and slows the bf16 graphs=on step.
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int c = c0 + 32 * u;
@@ -193,11 +193,6 @@ int TotalRows(const GemvArgs& a) {
 
 void SetProgrammaticLaunch(bool on) { ProgrammaticLaunchFlag() = on; }
 
-bool GemvSupports(int rows, int k) {
-  return rows >= 1 && rows <= kGemvMaxRows && k % 8 == 0 &&
-         static_cast<int64_t>(rows) * k * sizeof(float) <= kGemvMaxSharedBytes;
-}
-
 bool GemvStreams(const GemvArgs& args) {
   return TotalRows(args) > kGemvStreamRowsPerSm * MultiprocessorCount();
 }
@@ -226,7 +221,7 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
   // (q+k+v: 2560 warps). Blocks are 8 warps even for small matrices: staging x (and its norm)
   // after the wait is the kernel's critical path, and 8 warps share it four times finer than 2.
-  // The 128-row router runs as 16 blocks of 8 warps: 64 blocks of 2 take ~4 us a layer longer.
+  // So the 128-row router runs as 16 blocks of 8 warps, not 64 blocks of 2.
   const int rows_per_warp = total > 24 * MultiprocessorCount() ? 2 : 1;
   const int warps_needed = CeilDiv(total, rows_per_warp);
   constexpr int kWarpsPerBlock = 8;

@@ -9,7 +9,7 @@ constexpr int kRowsPerBlock = 16;
 
 // One warp per (output feature n, chunk of kRowsPerBlock rows); lanes stride over K (coalesced
 // weight loads); the chunk's rows re-read the weight row from L1. Chunking the rows keeps
-// prefill parallel (a 2048-row, N=128 router once ran as 16 blocks: ~20 ms per layer).
+// prefill parallel (unchunked, a 2048-row, N=128 router would run as 16 blocks).
 // Each input element as the GEMM reads it: itself, or (the bf16 yardstick) rounded to bf16.
 __device__ __forceinline__ float Input(float v, bool bf16) {
   return bf16 ? __bfloat162float(__float2bfloat16(v)) : v;

@@ -4,17 +4,14 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/scaled_layout.h"
 #include "kernels/cuda/scaled_quant.h"
 
 namespace infersweep::cuda {
 namespace {
-
-absl::Status Check(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": status ", static_cast<int>(s)));
-}
 
 std::string Shape(const MatrixRef& w) { return absl::StrCat("[", w.rows, ", ", w.cols, "]"); }
 
@@ -35,7 +32,7 @@ absl::StatusOr<std::unique_ptr<ScaledGemm>> ScaledGemm::Create(ScaledGemmKind ki
     return absl::FailedPreconditionError("scaled GEMM: no CUDA device");
   }
   gemm->sm_ = 10 * major + minor;
-  if (auto s = Check(cublasLtCreate(&gemm->handle_), "create"); !s.ok()) return s;
+  RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&gemm->handle_), "cublasLtCreate"));
   if (cudaMalloc(&gemm->workspace_, workspace_bytes) != cudaSuccess ||
       cudaMalloc(reinterpret_cast<void**>(&gemm->slots_), 4 * sizeof(uint32_t)) != cudaSuccess) {
     cudaGetLastError();
@@ -117,10 +114,12 @@ absl::Status ScaledGemm::Prepare(const MatrixRef& w) {
       return absl::InternalError("scaled GEMM: reading an NVFP4 weight_scale_2");
     }
   }
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+  if (absl::Status s = CudaStatus(
+          cudaGetLastError(),
+          absl::StrCat("scaled GEMM: preparing the scales of weight ", Shape(w)).c_str());
+      !s.ok()) {
     cudaFree(weight.scales);
-    return absl::InternalError(absl::StrCat("scaled GEMM: preparing the scales of weight ",
-                                            Shape(w), ": ", cudaGetErrorString(e)));
+    return s;
   }
   weights_[w.data] = weight;
   return absl::OkStatus();
@@ -130,9 +129,8 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
                                                       const void* a_scale, const void* b_scale,
                                                       bool with_scales) {
   Plan plan;
-  if (auto s = Check(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(CublasStatus(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                               "cublasLtMatmulDescCreate"));
   auto destroy = [&plan] {
     if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
     if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
@@ -140,8 +138,17 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
     cublasLtMatmulDescDestroy(plan.desc);
   };
   const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof transa);
-  cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof transb);
+  // Every setup call's status; the first failure is returned once the descriptors are freed.
+  absl::Status setup;
+  auto check = [&setup](cublasStatus_t status, const char* what) {
+    if (setup.ok()) setup = CublasStatus(status, what);
+  };
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
+                                       sizeof transa),
+        "cuBLASLt plan: TRANSA");
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
+                                       sizeof transb),
+        "cuBLASLt plan: TRANSB");
   int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, b_mode = a_mode;
   const char* modes = "OUTER_VEC_32F";
   switch (mode) {
@@ -164,14 +171,18 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
       break;
   }
   if (with_scales) {
-    cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
-                                   sizeof a_mode);
-    cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
-                                   sizeof b_mode);
-    cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
-                                   sizeof a_scale);
-    cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
-                                   sizeof b_scale);
+    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
+                                         sizeof a_mode),
+          "cuBLASLt plan: A_SCALE_MODE");
+    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
+                                         sizeof b_mode),
+          "cuBLASLt plan: B_SCALE_MODE");
+    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                         sizeof a_scale),
+          "cuBLASLt plan: A_SCALE_POINTER");
+    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                         sizeof b_scale),
+          "cuBLASLt plan: B_SCALE_POINTER");
   } else {
     modes = "no scales";
   }
@@ -179,13 +190,19 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
   // elements (FP4 counts nibbles).
   const bool fp4 = mode == Mode::kNvfp4 || mode == Mode::kMxfp4;
   const cudaDataType_t type = fp4 ? CUDA_R_4F_E2M1 : CUDA_R_8F_E4M3;
-  cublasLtMatrixLayoutCreate(&plan.a, type, K, N, K);
-  cublasLtMatrixLayoutCreate(&plan.b, type, K, M, K);
-  cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N);
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                       &workspace_bytes_, sizeof workspace_bytes_);
+  check(cublasLtMatrixLayoutCreate(&plan.a, type, K, N, K), "cuBLASLt plan: layout of W");
+  check(cublasLtMatrixLayoutCreate(&plan.b, type, K, M, K), "cuBLASLt plan: layout of x");
+  check(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N), "cuBLASLt plan: layout of y");
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&pref), "cuBLASLt plan: preference");
+  check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes_, sizeof workspace_bytes_),
+        "cuBLASLt plan: workspace preference");
+  if (!setup.ok()) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    destroy();
+    return setup;
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(
@@ -308,16 +325,20 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
       QuantizeMxfp4(x, rows, K, codes, static_cast<uint8_t*>(scales_), stream);
       break;
   }
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return absl::InternalError(absl::StrCat(KindName(kind_), ": quantizing activations for weight ",
-                                            Shape(w), ": ", cudaGetErrorString(e)));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaGetLastError(),
+      absl::StrCat(KindName(kind_), ": quantizing activations for weight ", Shape(w)).c_str()));
   auto plan = GetPlan(weight.mode, rows, N, K, weight.scales, x_scales);
   if (!plan.ok()) return plan.status();
   if (!(*plan)->scales_in_epilogue) {  // the pointers differ per weight and per scratch growth
-    cublasLtMatmulDescSetAttribute((*plan)->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                   &weight.scales, sizeof weight.scales);
-    cublasLtMatmulDescSetAttribute((*plan)->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales,
-                                   sizeof x_scales);
+    RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute((*plan)->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                       &weight.scales, sizeof weight.scales),
+        "cuBLASLt: A_SCALE_POINTER"));
+    RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute((*plan)->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                       &x_scales, sizeof x_scales),
+        "cuBLASLt: B_SCALE_POINTER"));
   }
   const float alpha = 1.f, beta = 0.f;
   if (LaunchRecording()) {  // the launch log (core/launch_log.h): one per matmul call
@@ -333,10 +354,10 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
       RecordLaunch(kNames[static_cast<int>(weight.mode)]);
     }
   }
-  if (auto s = Check(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, codes,
-                                    (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
-                                    workspace_, workspace_bytes_, stream),
-                     fp4 ? "FP4 matmul" : "FP8 matmul");
+  if (auto s = CublasStatus(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a,
+                                           codes, (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c,
+                                           &(*plan)->algo, workspace_, workspace_bytes_, stream),
+                            fp4 ? "cublasLtMatmul (FP4)" : "cublasLtMatmul (FP8)");
       !s.ok())
     return absl::InternalError(
         absl::StrCat(s.message(), " (weight ", Shape(w), ", ", rows, " rows)"));

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/tensor_ref.h"
+#include "kernels/cuda/limits.h"
 
 namespace infersweep::cuda {
 
@@ -106,21 +107,12 @@ void AttentionNaive(const float* q, const float* k_cache, const float* v_cache, 
 // Flash attention (attention_flash.cu): same function as AttentionNaive on either cache, tiled
 // online softmax, K/V tiles shared by the q heads of a kv head, keys split over `splits` blocks
 // and merged. `partial` holds rows * q_heads * splits * (head_dim + 2) floats.
-constexpr int kMaxFlashSplits = 64;
-constexpr int kFlashBlockTarget =
-    1056;  // 8 blocks per SM: each walks its keys serially, tile by tile
-// Floats `partial` needs for `rows` rows (any split count FlashSplits picks).
-inline int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
-  return (static_cast<int64_t>(rows) + kFlashBlockTarget / kv_heads + 1) * q_heads * (head_dim + 2);
-}
+// Splits, partial floats and supported shapes: kernels/cuda/limits.h.
 int FlashSplits(int rows, int kv_heads, int capacity);
-bool FlashSupports(int q_heads, int kv_heads, int head_dim);
 // Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core kernel
 // (attention_prefill.cu; bf16 Q, K, V and P, f16 over an fp8 cache, fp32 accumulate) when
 // FlashPrefillSupports(head_dim);
 // AttentionFlash dispatches to it by itself (`splits` and `partial` are then unused).
-constexpr int kFlashPrefillMinTokens = 16;
-bool FlashPrefillSupports(int head_dim);
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream);
@@ -128,7 +120,6 @@ void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n
 // tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, f16 over an fp8 cache,
 // fp32 accumulate); it
 // writes the same partials as the CUDA-core kernel, merged by the same combine.
-bool FlashDecodeMmaSupports(int head_dim);
 void AttentionFlashDecodeMma(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                              int kv_heads, int head_dim, const int* position, int splits,
                              float* partial_acc, float* partial_max, float* partial_sum,
@@ -148,7 +139,7 @@ void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& b
 
 // MoE router logits y[M, N] = x . W^T for many rows (router.cu): fp32 x, fp32 accumulate in k
 // order, W bf16/f16/f32 upcast: warp-per-expert GEMV over 8 rows up to 256 rows, register-tiled
-// 32 x 64 tiles above. Measured (ncu, qwen3-30b-a3b): 23 us at batch 64, 163 us at prefill 2048.
+// 32 x 64 tiles above.
 void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_t stream);
 
 // ---- decode GEMV (gemm_fused.cu), the gemm=fused path for a few rows:
@@ -156,8 +147,6 @@ void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_
 // for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
 // with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k],
 // k % 8 == 0, rows <= kGemvMaxRows, rows * k * 4 <= kGemvMaxSharedBytes (GemvSupports).
-constexpr int kGemvMaxRows = 4;
-constexpr int kGemvMaxSharedBytes = 64 * 1024;  // rows * k floats of staged input
 struct GemvSegment {
   const uint16_t* w = nullptr;
   const void* bias = nullptr;  // [n] or null
@@ -179,7 +168,6 @@ struct GemvArgs {
   bool accumulate = false;
   float scale = 1.f;
 };
-bool GemvSupports(int rows, int k);
 void Gemv(const GemvArgs& args, cudaStream_t stream);
 // Above this many rows (all segments) an SM, Gemv streams the matrix with a grid of a few blocks
 // an SM walking its rows (the lm_head) instead of one wave of short-lived blocks.
@@ -187,8 +175,6 @@ constexpr int kGemvStreamRowsPerSm = 512;
 bool GemvStreams(const GemvArgs& args);
 
 // ---- MoE
-// Shared memory the fused gate/up kernel may use for its staged input (hidden * 4 bytes).
-constexpr int kMoeMaxSharedBytes = 200 * 1024;
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
 // One warp per row; E <= 1024, k <= 32. The k ids are distinct and in range even when the
 // logits are NaN.
@@ -213,10 +199,11 @@ void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, cons
 // expert's weights streamed once, then y[r] += sum_slot w[r, slot] * out[r * k + slot] in slot
 // order. No host sync: capturable. Inputs and h are rounded to bf16 (a bf16-class path).
 // Batch 64 on qwen3-30b-a3b: 126 of 128 experts touched, 1.19 GB a layer -> ~270 us at roofline;
-// measured 208 + 109 us (gate/up, down) + 12 us bucketing (4.5 us with the current kernel,
-// measured alone) + 5 us combine.
-constexpr int kMoeGroupedMinRows = 4;
+// the bucketing and the combine add a short launch each.
 struct MoeGroupedArgs {
+  // The variant the MoE plan chose (engine/plan/moe_plan.h): its shapes are supported (the plan
+  // asked kernels/cuda/limits.h).
+  MoeGroupedKernel kernel = MoeGroupedKernel::kMma4;
   const uint16_t* x_bf16 = nullptr;  // [rows, hidden], the normalised input
   int rows = 0, k = 0, num_experts = 0, hidden = 0, inter = 0;
   const int* expert_ids = nullptr;        // [rows * k] from RouterTopK
@@ -230,20 +217,11 @@ struct MoeGroupedArgs {
   uint16_t* h = nullptr;                  // scratch [rows * k, inter] bf16
   float* out = nullptr;                   // scratch [rows * k, hidden]
   float* y = nullptr;                     // [rows, hidden], accumulated into
-  // moe=wgmma: the expert GEMMs on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h), where
-  // MoeWgmmaSupports(hidden, inter); h then holds the pairs in bucketed order.
-  bool wgmma = false;
-  // Quantized experts (qgemm=w8a16 / w4a16): the gate, up and down tables, decoded to bf16 in
-  // registers on the same mma.sync tiles (gate/up/down above are then unused), where
-  // MoeGroupedQuantSupports; wgmma is ignored.
+  // Quantized experts (the kQuant* kernels): the gate, up and down tables, decoded to bf16 in
+  // registers (gate/up/down above are then unused). kWgmma and kQuantWgmma run the expert GEMMs
+  // on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h); h then holds the pairs in bucketed order.
   const QuantExpertTable* quant = nullptr;
 };
-bool MoeGroupedSupports(int num_experts, int hidden, int inter);
-// The quantized grouped kernels take FP8 tensor / channel, NVFP4 and MXFP4 experts of one format,
-// gate and up [inter, hidden], down [hidden, inter], hidden and inter multiples of 64 (FP8) or
-// 128 (FP4).
-bool MoeGroupedQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
-                             const QuantExpertTable& down);
 // y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
 // MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
 // in registers and fed to mma.sync, 32 or 64 rows a pass. qgemm=w4a16's dense linears take it

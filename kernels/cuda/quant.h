@@ -93,6 +93,16 @@ struct QuantExpertTable {
   int rows = 0;
   int cols = 0;
 };
+// A table's format and shape, as the shape limits (kernels/cuda/limits.h) read them.
+inline QuantMatrixShape ShapeOf(const QuantExpertTable& t) { return {t.format, t.rows, t.cols}; }
+inline bool MoeGroupedQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
+                                    const QuantExpertTable& down) {
+  return MoeGroupedQuantSupports(ShapeOf(gate), ShapeOf(up), ShapeOf(down));
+}
+inline bool MoeWgmmaQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
+                                  const QuantExpertTable& down, int hidden, int inter) {
+  return MoeWgmmaQuantSupports(ShapeOf(gate), ShapeOf(up), ShapeOf(down), hidden, inter);
+}
 // The table of one quantized matrix (no per-expert tables: the matrix_* fields).
 inline QuantExpertTable MatrixQuantTable(const MatrixRef& w) {
   QuantExpertTable t;

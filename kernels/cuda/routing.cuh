@@ -65,8 +65,8 @@ __device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, i
     // Two warp reductions (redux.sync) in place of five shuffle rounds: the largest key as an
     // ordered integer (keys are probabilities or -1, so the bits of those >= 0 order as they
     // do, the others below them), then the lowest expert index among the lanes holding it.
-    // H200, qwen3-30b-a3b batch 1 (persistent decode, 8 of 128 experts; timeline): top-k and
-    // x's staging are done 3.0 us after the o barrier.
+    // In the persistent decode, top-k and x's staging sit between the o barrier and the
+    // experts' streaming, so every reduction round is on the step's critical path.
     {
       const unsigned bits = __float_as_uint(best);
       const unsigned ordered = best_id == 0x7fffffff ? 0u

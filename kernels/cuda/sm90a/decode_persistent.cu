@@ -6,9 +6,9 @@
 // (the bf16 build has no down phase: each block's gate/up pairs are followed by their down
 // weights, tiled so that each warp sums a fixed column range of x's update, added by red.add
 // to a copy of x spread over L2 lines, x_adds, which the next layer reads with x).
-// Why: at batch 1 a layer's weights (113.8 MB on qwen3-30b-a3b, 25.5 us at 4.46 TB/s) were
-// streamed by 9 kernels, each paying its own ramp and tail, and the latency-bound kernels in
-// between (RoPE, attention, router, top-k) left DRAM idle: 62 us a layer (docs/PERFORMANCE.md).
+// Why: at batch 1 a layer's weights (113.8 MB on qwen3-30b-a3b, 25.5 us at 4.46 TB/s) take 9
+// kernels on the kernel chain (graphs=on), each paying its own ramp and tail, and the
+// latency-bound kernels in between (RoPE, attention, router, top-k) leave DRAM idle.
 //
 // How: each of a block's 16 consumer warps owns a fixed share of every phase's weight rows and a
 // private ring in shared memory; a lane of one of two producer warps keeps each ring filled
@@ -34,8 +34,8 @@
 // 13.1 us; nvfp4 33.5 MB, 7.5 us); 132 SMs x 16 warps x 12 KB rings (three 4 KB units) = 26 MB in
 // flight (the bandwidth-latency product is ~9 MB); K/V 1 MB at context 512; 5 grid barriers at
 // ~1 us (four in the bf16 build). FLOPs are 2 per weight: bandwidth-bound in bf16; the quantized
-// builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight). Measured:
-// 49.1 us a layer bf16, 43.7 fp8_channel, 47.2 nvfp4 (docs/PERFORMANCE.md).
+// builds' gate/up is bounded by the staged x's shared-memory reads (4 bytes a weight).
+// docs/PERFORMANCE.md has the measured time a layer.
 // Registers: 17 warps a block put 5 on one SM sub-partition, so 96 a thread at most; the kernel
 // sits at that cap, and a change anywhere can starve a loop elsewhere (check the spills).
 //
@@ -66,9 +66,10 @@ namespace {
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;  // the consumer warps
 // And the producer warps, each keeping kRingsPerProducer rings filled (one lane a ring). One
-// producer warp for all 16 rings was busy ~95 % of the time (ncu: its branchy, divergent issue
-// path serialised over the lanes), so the copies' issue rate bounds the streaming; two are
-// fastest on the H200 (four are slower again). More warps cost no registers up to 20: 17 to 20 all put 5 on one SM sub-partition (96 registers a thread).
+// producer warp for all 16 rings is nearly always busy (its branchy, divergent issue path
+// serialises over the lanes), so the copies' issue rate would bound the streaming; two are
+// fastest on the H200 (four are slower again). More warps cost no registers up to 20: 17 to 20 all
+// put 5 on one SM sub-partition (96 registers a thread).
 constexpr int kProducerWarps = 2;
 constexpr int kRingsPerProducer = kWarps / kProducerWarps;
 static_assert(kWarps % kProducerWarps == 0);
@@ -393,7 +394,7 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       break;
     case kGateUp: {
       // Quantized builds: gate and up units alternate, the consumer dots each pair with one read
-      // of x. bf16: the row's gate units, then its up units (pairs measured 2.4 % slower there).
+      // of x. bf16: the row's gate units, then its up units (alternating pairs is slower there).
       const int per_row = UnitsOfRow(d.hidden);
       const int p = F == QuantFormat::kNone ? unit >= per_row : unit & 1;  // 0: gate, 1: up
       row = (p ? routing.up[c.slot] : routing.gate[c.slot]) +
@@ -571,7 +572,7 @@ __device__ __forceinline__ float ConsumeUnit(Ring& r, Progress* progress, int el
 // The router's column for row i of x (num_experts bf16): sums[k] += xg * Wr[e, i] for the
 // lane's experts e = lane + 32 k, xg = x[i] * gain[i] on every lane. In registers: the warps'
 // sums meet once, after their rows (RouterSumsAt); shared-memory atomics on floats are
-// compare-and-swap loops on sm_90, and 16 warps adding to the same 128 words took ~3 us.
+// compare-and-swap loops on sm_90, and 16 warps adding to the same 128 words would serialise.
 __device__ __forceinline__ void ConsumeRouterColumn(Ring& r, Progress* progress, int num_experts,
                                                     float xg, float (&sums)[kMaxExperts / 32]) {
   const uint16_t* column = reinterpret_cast<const uint16_t*>(WaitUnit(r, 2 * num_experts));
@@ -731,9 +732,9 @@ __device__ __forceinline__ float RoundBf16(float v) {
 // reductions and sums the V rows with the lanes' weights broadcast. Its partial (max, sum,
 // unnormalised output) per head goes to global memory; the split that arrives last for h (a
 // counter per layer and kv head) combines the S partials into attn.
-// History (timeline, H200, qwen3-30b-a3b): one block per q head walking all keys in chunks of 512,
-// ~12 dependent DRAM round trips, 27 us a layer; then 16 lanes a key with shuffled dot products
-// and three block barriers a chunk, 14.4 us (6.4 of them scoring ~32 keys).
+// Why splits and a key a lane: one block per q head walking all keys in chunks of 512 chains
+// ~12 dependent DRAM round trips a layer, and 16 lanes a key need shuffled dot products and three
+// block barriers a chunk.
 
 struct AttentionShape {
   int hd, group, splits, q_dim, kv_dim;
@@ -880,7 +881,7 @@ __device__ __forceinline__ void StampAt(unsigned long long* at) {
 // The item's first chunk of keys was asked for by LoadKeyChunk during q/k/v. *loaded = layer once
 // the inputs have landed (the block's producers hold its o weights until then).
 // kSlicedCombine: every split combines a slice of its kv head's outputs once all have published
-// (the quantized builds, where it shortens attention by ~15 %); else the last split to publish
+// (the quantized builds, where it shortens attention); else the last split to publish
 // combines them all (the bf16 build, whose register allocation the sliced combine upsets).
 template <bool kSlicedCombine>
 __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape& sh,
@@ -1019,8 +1020,8 @@ __device__ void AttendSplit(const PersistentDecodeArgs& a, const AttentionShape&
     ConsumerSync();
     // The combine, spread over the kv head's splits: each takes a slice of the group's G x hd
     // outputs, a warp a float4 of them, lane s the split s's partial and its (max, sum), all
-    // loaded in one round trip. (One split combining everything took ~2.3 us a layer on the H200,
-    // qwen3-30b-a3b: the weights' round trip, then S / 2 loads a thread in batches of four.)
+    // loaded in one round trip. (One split combining everything would pay the weights' round
+    // trip, then S / 2 loads a thread in batches of four.)
     const int quads = G * hd / 4, per_split = (quads + S - 1) / S;
     const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
     for (int q = split * per_split + warp; q < min(quads, (split + 1) * per_split); q += kWarps) {

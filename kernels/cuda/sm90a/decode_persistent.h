@@ -114,8 +114,8 @@ struct PersistentDecodeArgs {
 constexpr int kPersistentPhases = 6;
 // The bf16 build's down sums (x_adds) are spread out: each 8 floats (the 32 bytes a lane adds by
 // two red.add.v4) at the start of a 128-byte line of their own. Every block adds to every element
-// of x: on x's own 64 lines the red.adds queue (the MLP phase's slowest block is ~5 % faster
-// with them spread; four dense copies of x cost the readers four loads an element).
+// of x: on x's own 64 lines the red.adds queue (spreading them shortens the MLP phase's slowest
+// block; four dense copies of x cost the readers four loads an element).
 INFERSWEEP_HD int PersistentAddIndex(int i) { return (i & ~7) * 4 | (i & 7); }
 inline size_t PersistentAddFloats(int hidden) { return static_cast<size_t>(hidden) * 4; }
 constexpr int kPersistentAttentionStamps = 4;

@@ -2,9 +2,9 @@
 // sm_90a only (this folder's target): the registry gives moe=wgmma the SM range [90, 90].
 //
 // moe=fused's mma.sync kernels (moe_fused_mma.cu) stream an expert's weights through registers
-// and re-read them for every 64 of its pairs, so long prefill chunks went to cuBLAS's grouped
-// GEMMs instead: ~220 TFLOP/s, SiLU and a gather as separate kernels, and a host sync per layer
-// to learn the group sizes. These kernels keep MoeGrouped's device-side bucketing and compute
+// and re-read them for every 64 of its pairs, so there long prefill chunks go to cuBLAS's grouped
+// GEMMs instead, with SiLU and a gather as separate kernels and a host sync per layer to learn
+// the group sizes. These kernels keep MoeGrouped's device-side bucketing and compute
 //   D[features, pairs] = W_e[features, K] . X[pairs, K]^T
 // ("swap AB": the variable pair count of an expert is wgmma's N, 32 to 128 a tile, so an expert
 // of up to 128 pairs costs one pass over its weights). A block owns 128 weight rows and up to 128
@@ -14,7 +14,7 @@
 // that wgmma reads through shared-memory descriptors, two chunks in flight ahead of the one being
 // multiplied. 64 accumulator registers a thread and 97 KB of ring let two blocks share an SM, so
 // one block's barriers, MMA waits, work-item lookup and epilogue hide under the other's
-// streaming (one block an SM with 128 accumulators a thread is latency-bound: ncu DRAM 48 %). Work
+// streaming (one block an SM with 128 accumulators a thread is latency-bound). Work
 // items (expert, 128-pair tile) are found from the offsets on the device: nothing reaches the
 // host, and the launch is capturable.
 //
@@ -41,9 +41,9 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kThreads = 256;       // two warpgroups, 64 weight rows each
-constexpr int kRowsPerTile = 128;   // weight rows a block owns (wgmma's A)
+constexpr int kRowsPerTile = kMoeWgmmaRowsPerTile;  // weight rows a block owns (wgmma's A)
 constexpr int kPairsPerTile = 128;  // pairs a block owns: wgmma's N (both groups)
-constexpr int kChunk = 64;          // K elements a stage: one 128-byte row
+constexpr int kChunk = kMoeWgmmaChunk;  // K elements a stage: one 128-byte row
 constexpr int kStages = 3;
 constexpr int kRowBytes = kChunk * 2;
 constexpr int kATileBytes = kRowsPerTile * kRowBytes;   // 16 KB
@@ -502,20 +502,6 @@ void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
 }
 
 }  // namespace
-
-bool MoeWgmmaSupports(int hidden, int inter) {
-  return hidden >= kRowsPerTile && hidden % kRowsPerTile == 0 && inter >= kChunk &&
-         inter % kChunk == 0;
-}
-
-bool MoeWgmmaQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
-                           const QuantExpertTable& down, int hidden, int inter) {
-  const QuantFormat f = gate.format;
-  if (up.format != f || down.format != f || !MoeWgmmaSupports(hidden, inter)) return false;
-  // MXFP4's scale rows (K / 32 bytes) are read 4 bytes at a time: K % 128.
-  if (f == QuantFormat::kMxfp4) return inter % 128 == 0;
-  return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
-}
 
 void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   switch (m.quant ? m.quant[0].format : QuantFormat::kNone) {

@@ -8,17 +8,13 @@
 
 namespace infersweep::cuda {
 
-// hidden a multiple of 128 and inter of 64 (the kernels' tiles; no ragged edges).
-bool MoeWgmmaSupports(int hidden, int inter);
+// The shapes the kernels take (no ragged edges): MoeWgmmaSupports and MoeWgmmaQuantSupports in
+// kernels/cuda/limits.h.
 // MoeGrouped's expert step after BucketPairs (offsets and sorted pairs written): args.h gets
 // silu(gate) * up in bf16 in bucketed order ([offsets[e] + i, inter]), args.out every pair's down
 // projection in fp32 at its pair index ([row * k + slot, hidden]), as MoeGrouped's combine reads.
 // Quantized experts (args.quant): FP8 tensor / channel, NVFP4 or MXFP4 codes, one format for the
 // three tables, decoded to bf16 in shared memory each K chunk.
 void MoeWgmmaExperts(const MoeGroupedArgs& args, cudaStream_t stream);
-// The quantized tables take the kernels: one format of those four, the shapes of
-// MoeWgmmaSupports, and MXFP4 inter % 128 == 0.
-bool MoeWgmmaQuantSupports(const QuantExpertTable& gate, const QuantExpertTable& up,
-                           const QuantExpertTable& down, int hidden, int inter);
 
 }  // namespace infersweep::cuda

@@ -1,7 +1,7 @@
-// Helpers for the fault tests that run real processes (tests/service_fault_test.cc,
-// tests/service_limits_test.cc): a child process in its own process group whose output the test
-// collects, and a TCP proxy on loopback that the test can cut to partition an agent from the
-// coordinator.
+// Helpers for the tests and benchmarks that run real processes (the fault tests through
+// tests/fleet_process.h, bench/fleet_bench.cc): a child process in its own process group whose
+// output the caller collects, and a TCP proxy on loopback that a test can cut to partition an
+// agent from the coordinator.
 #pragma once
 
 #include <arpa/inet.h>

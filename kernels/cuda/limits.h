@@ -1,0 +1,114 @@
+// The CUDA kernels' shape limits as host-only constexpr predicates: the kernels are built to
+// them, and the engine's plans (engine/plan/) read them to decide what runs, in every build,
+// CUDA or not (no CUDA header here).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/quant/format.h"
+
+namespace infersweep::cuda {
+
+// ---- Attention (attention_flash.cu, attention_decode.cu, attention_prefill.cu).
+constexpr int kFlashMaxHeadDim = 128;  // the CUDA-core kernel's shared memory under 48 KB
+constexpr int kFlashMaxGroup = 16;     // q heads per kv head
+constexpr int kMaxFlashSplits = 64;
+constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially
+// Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core prefill kernel.
+constexpr int kFlashPrefillMinTokens = 16;
+
+constexpr bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
+  return kv_heads > 0 && head_dim <= kFlashMaxHeadDim && head_dim % 8 == 0 &&
+         q_heads % kv_heads == 0 && q_heads / kv_heads <= kFlashMaxGroup;
+}
+// The tensor-core split-KV decode kernel.
+constexpr bool FlashDecodeMmaSupports(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+// The tensor-core prefill kernel.
+constexpr bool FlashPrefillSupports(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+// Floats the flash kernels' partials need for `rows` rows (any split count FlashSplits picks).
+constexpr int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
+  return (static_cast<int64_t>(rows) + kFlashBlockTarget / kv_heads + 1) * q_heads * (head_dim + 2);
+}
+
+// ---- Fused GEMV (gemm_fused.cu): rows * k floats of staged input in shared memory.
+constexpr int kGemvMaxRows = 4;
+constexpr int kGemvMaxSharedBytes = 64 * 1024;
+constexpr bool GemvSupports(int rows, int k) {
+  return rows >= 1 && rows <= kGemvMaxRows && k % 8 == 0 &&
+         static_cast<int64_t>(rows) * k * static_cast<int64_t>(sizeof(float)) <=
+             kGemvMaxSharedBytes;
+}
+
+// ---- MoE (moe_fused.cu, moe_fused_mma.cu).
+constexpr int kMoeMaxSharedBytes = 200 * 1024;  // the per-pair kernels' staged x
+constexpr int kMoeMaxExperts = 1024;
+constexpr int kMoeMaxTopK = 32;
+// The expert-grouped tensor-core kernels take batches of this many rows and more.
+constexpr int kMoeGroupedMinRows = 4;
+// moe=fused|wgmma's per-pair kernels: their shapes.
+constexpr bool MoeDeviceRoutingSupports(int num_experts, int top_k, int hidden, int inter) {
+  return num_experts <= kMoeMaxExperts && top_k <= kMoeMaxTopK && hidden % 8 == 0 &&
+         inter % 8 == 0 && int64_t{4} * hidden <= kMoeMaxSharedBytes;
+}
+// The bf16 expert-grouped MMA kernels.
+constexpr bool MoeGroupedSupports(int num_experts, int hidden, int inter) {
+  return num_experts >= 1 && num_experts <= kMoeMaxExperts && hidden % 32 == 0 && inter % 32 == 0;
+}
+// One quantized expert matrix as the grouped quantized kernels see it.
+struct QuantMatrixShape {
+  QuantFormat format = QuantFormat::kNone;
+  int64_t rows = 0, cols = 0;
+};
+// The quantized expert-grouped MMA kernels: gate and up [inter, hidden], down [hidden, inter],
+// one format they decode, rows of whole 16-byte lane loads.
+constexpr bool MoeGroupedQuantSupports(const QuantMatrixShape& gate, const QuantMatrixShape& up,
+                                       const QuantMatrixShape& down) {
+  const QuantFormat f = gate.format;
+  if (f != up.format || f != down.format) return false;
+  if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && f != QuantFormat::kNvfp4 &&
+      f != QuantFormat::kMxfp4)
+    return false;
+  const int unit = (f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4) ? 128 : 64;
+  return gate.cols % unit == 0 && down.cols % unit == 0 && gate.rows == up.rows &&
+         gate.cols == up.cols && down.rows == gate.cols && down.cols == gate.rows &&
+         gate.cols % 8 == 0 && down.cols % 8 == 0;
+}
+
+// moe=wgmma's sm_90a expert GEMMs (sm90a/moe_wgmma.cu): 128 weight rows a block, 64-element K
+// chunks (one 128-byte row a stage).
+constexpr int kMoeWgmmaRowsPerTile = 128;
+constexpr int kMoeWgmmaChunk = 64;
+constexpr bool MoeWgmmaSupports(int hidden, int inter) {
+  return hidden >= kMoeWgmmaRowsPerTile && hidden % kMoeWgmmaRowsPerTile == 0 &&
+         inter >= kMoeWgmmaChunk && inter % kMoeWgmmaChunk == 0;
+}
+// Quantized experts on wgmma: one format of FP8 tensor / channel, NVFP4 or MXFP4 (whose scale
+// rows, K / 32 bytes, are read 4 bytes at a time: inter % 128).
+constexpr bool MoeWgmmaQuantSupports(const QuantMatrixShape& gate, const QuantMatrixShape& up,
+                                     const QuantMatrixShape& down, int hidden, int inter) {
+  const QuantFormat f = gate.format;
+  if (up.format != f || down.format != f || !MoeWgmmaSupports(hidden, inter)) return false;
+  if (f == QuantFormat::kMxfp4) return inter % 128 == 0;
+  return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
+}
+// The grouped kernels' variants, chosen by the MoE plan (engine/plan/moe_plan.h): mma.sync over
+// 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers.
+enum class MoeGroupedKernel { kMma4, kMma8, kWgmma, kQuantMma4, kQuantMma8, kQuantWgmma };
+// More pairs an expert than this (on average) take the 64-pair mma.sync passes.
+constexpr int kMoeWidePairsPerExpert = 24;
+
+// ---- Gated DeltaNet (gated_delta.cu): a state column held in 8 lanes' registers.
+constexpr int kGatedDeltaLanesPerColumn = 8;
+constexpr int kGatedDeltaMaxRowsPerLane = 32;  // key head dim <= 256
+constexpr bool GatedDeltaFusedSupports(int key_dim) {
+  return key_dim % kGatedDeltaLanesPerColumn == 0 &&
+         key_dim <= kGatedDeltaLanesPerColumn * kGatedDeltaMaxRowsPerLane;
+}
+constexpr int kCausalConvMaxTaps = 8;
+
+}  // namespace infersweep::cuda

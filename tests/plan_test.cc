@@ -1,0 +1,255 @@
+// The plans (engine/plan/): one decision per op family that the launch, the scratch, the model
+// refusal and the capability probe read. The registry walk fails when a registered value lacks
+// a description, a plan case or a probe entry; the rest checks what the plans decide.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+#include <string>
+
+#include "api/backend_config.h"
+#include "api/model_config.h"
+#include "engine/options.h"
+#include "engine/plan/attention_plan.h"
+#include "engine/plan/model_limits.h"
+#include "engine/plan/moe_plan.h"
+#include "engine/plan/probe_plan.h"
+
+namespace infersweep {
+namespace {
+
+using ::testing::HasSubstr;
+
+CudaOptions OptionsWith(const std::string& axis, const std::string& value) {
+  absl::StatusOr<BackendConfig> config =
+      NormalizeBackendConfig({{"device", "cuda"}, {axis, value}});
+  EXPECT_TRUE(config.ok()) << axis << "=" << value << ": " << config.status();
+  absl::StatusOr<CudaOptions> o =
+      ParseCudaOptions(config.value_or(BackendConfig{{"device", "cuda"}}));
+  EXPECT_TRUE(o.ok()) << axis << "=" << value << ": " << o.status();
+  return o.value_or(CudaOptions{});
+}
+
+const char* PathName(AttentionPath p) {
+  switch (p) {
+    case AttentionPath::kNaive:
+      return "naive";
+    case AttentionPath::kFlash:
+      return "flash";
+    case AttentionPath::kCudnn:
+      return "cudnn";
+  }
+  return "?";
+}
+
+// Per axis: what the value's plan must say about it on a small MoE model (qwen3-style heads,
+// bf16 experts), or "" when it is right. An axis without an entry has no plan check: the walk
+// fails on it until one is written.
+using PlanCheck = std::function<std::string(const std::string& value, const CudaOptions&)>;
+
+std::map<std::string, PlanCheck> PlanChecks() {
+  const AttentionHeads heads{16, 4, 128};
+  const MoeShape moe{128, 8, 2048, 768};
+  MoeLayerFacts bf16;
+  bf16.experts_bf16 = true;
+  bf16.router_f32_copy = true;
+  auto moe_on = [moe, bf16](const CudaOptions& o, int rows, int n) {
+    return PlanMoe(o, moe, bf16, {rows, n, false});
+  };
+  return {
+      {"attention",
+       [heads](const std::string& v, const CudaOptions& o) -> std::string {
+         absl::StatusOr<AttentionPlan> p = PlanAttention(o, heads);
+         if (!p.ok()) return std::string(p.status().message());
+         return PathName(p->path) == v ? "" : absl::StrCat("planned ", PathName(p->path));
+       }},
+      {"kv_cache",
+       [heads](const std::string& v, const CudaOptions& o) -> std::string {
+         absl::StatusOr<AttentionPlan> p = PlanAttention(o, heads);
+         if (!p.ok()) return std::string(p.status().message());
+         const int bytes = v == "fp32" ? 4 : v == "bf16" ? 2 : v == "fp8" ? 1 : 0;
+         if (AxisValueName(p->kv) != v || p->kv_bytes_per_element != bytes)
+           return absl::StrCat("planned ", AxisValueName(p->kv), ", ", p->kv_bytes_per_element,
+                               " bytes an element");
+         return "";
+       }},
+      {"moe",
+       [moe_on](const std::string& v, const CudaOptions& o) -> std::string {
+         // Decode at batch 64 and a 2048-token prefill chunk.
+         const MoePlan decode = moe_on(o, 64, 1), prefill = moe_on(o, 2048, 2048);
+         const std::map<std::string, std::pair<MoeExperts, MoeExperts>> expect = {
+             {"loop", {MoeExperts::kLoop, MoeExperts::kLoop}},
+             {"grouped", {MoeExperts::kCublasGrouped, MoeExperts::kCublasGrouped}},
+             {"fused", {MoeExperts::kGrouped, MoeExperts::kGrouped}},
+             {"wgmma", {MoeExperts::kGrouped, MoeExperts::kGrouped}}};
+         auto it = expect.find(v);
+         if (it == expect.end()) return "no expected plan for this value";
+         if (decode.experts != it->second.first || prefill.experts != it->second.second)
+           return absl::StrCat("planned experts ", static_cast<int>(decode.experts), " / ",
+                               static_cast<int>(prefill.experts));
+         if (v == "wgmma" && prefill.grouped != cuda::MoeGroupedKernel::kWgmma)
+           return "a wgmma prefill chunk not on the wgmma kernels";
+         return "";
+       }},
+  };
+}
+
+TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
+  ModelConfig model = *PresetConfig("tiny-moe");
+  const std::map<std::string, PlanCheck> checks = PlanChecks();
+  // The axes whose values choose kernels through a plan.
+  const std::set<std::string> planned = {"attention", "kv_cache", "moe"};
+  int walked = 0;
+  for (const BackendDescriptor& d : BackendRegistry()) {
+    SCOPED_TRACE(absl::StrCat(d.device, ": ", d.axis, "=", d.value));
+    EXPECT_FALSE(d.description.empty());
+    if (d.device != "cuda" || d.axis == "device") continue;
+    const CudaOptions o = OptionsWith(d.axis, d.value);
+    absl::StatusOr<std::vector<ProbeEntry>> probe = ProbeEntriesOf(d.axis, o, model, false);
+    EXPECT_TRUE(probe.ok()) << probe.status();
+    if (planned.count(d.axis)) {
+      auto check = checks.find(d.axis);
+      ASSERT_NE(check, checks.end()) << "no plan check for axis " << d.axis;
+      EXPECT_EQ(check->second(d.value, o), "");
+    }
+    ++walked;
+  }
+  EXPECT_GT(walked, 30);
+}
+
+TEST(PlanRegistryWalk, EnumNamesAreTheRegistrysValuesInOrder) {
+  for (const char* axis :
+       {"gemm", "attention", "kv_cache", "moe", "graphs", "qgemm", "linear_attn"}) {
+    const std::vector<std::string> values = RegisteredValues("cuda", axis);
+    ASSERT_FALSE(values.empty()) << axis;
+    for (const std::string& v : values) {
+      const CudaOptions o = OptionsWith(axis, v);
+      const std::string name = std::string(axis) == "gemm"        ? AxisValueName(o.gemm)
+                               : std::string(axis) == "attention" ? AxisValueName(o.attention)
+                               : std::string(axis) == "kv_cache"  ? AxisValueName(o.kv_cache)
+                               : std::string(axis) == "moe"       ? AxisValueName(o.moe)
+                               : std::string(axis) == "graphs"    ? AxisValueName(o.graphs)
+                               : std::string(axis) == "qgemm"     ? AxisValueName(o.qgemm)
+                                                                  : AxisValueName(o.linear_attn);
+      EXPECT_EQ(name, v) << axis;
+    }
+  }
+}
+
+TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
+  const AttentionHeads hybrid{16, 2, 256};
+  CudaOptions o = OptionsWith("attention", "flash");
+  o.kv_cache = KvCache::kFp8;
+  const std::vector<std::string> why = AttentionRefusals(o, hybrid);
+  ASSERT_EQ(why.size(), 2u);
+  EXPECT_THAT(why[0], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[1], HasSubstr("kv_cache=fp8 is read by the tensor-core flash kernels only"));
+  EXPECT_FALSE(PlanAttention(o, hybrid).ok());
+  const AttentionHeads heads{16, 4, 128};
+  for (const char* v : {"naive", "flash", "cudnn"}) {
+    absl::StatusOr<AttentionPlan> p = PlanAttention(OptionsWith("attention", v), heads);
+    ASSERT_TRUE(p.ok()) << v;
+    const int64_t floats = AttentionScoreFloats(*p, heads, 64, 4096);
+    if (std::string(v) == "cudnn") {
+      EXPECT_EQ(floats, 0);  // its scores stay inside its kernel
+      EXPECT_TRUE(p->zero_cache);
+      EXPECT_FALSE(p->ragged_rows);
+    } else {
+      EXPECT_GT(floats, 0) << v;
+      EXPECT_TRUE(p->ragged_rows);
+    }
+  }
+}
+
+TEST(MoePlan, FallbacksComeFromThePlan) {
+  const MoeShape moe{128, 8, 2048, 768};
+  MoeLayerFacts bf16;
+  bf16.experts_bf16 = true;
+  bf16.router_f32_copy = true;
+  CudaOptions o = OptionsWith("moe", "wgmma");
+  o.gemm = Gemm::kFused;
+  // Decode at batch 2: too few rows for the grouped kernels; the per-pair GEMVs, said so.
+  MoePlan p = PlanMoe(o, moe, bf16, {2, 1, true});
+  EXPECT_EQ(p.experts, MoeExperts::kPerPairGemv);
+  EXPECT_EQ(p.router, MoeRouter::kFusedGemv);
+  ASSERT_EQ(p.fallbacks.size(), 1u);
+  EXPECT_THAT(p.fallbacks[0], HasSubstr("the per-pair expert GEMVs (moe=fused's), not wgmma"));
+  // Decode at batch 64: grouped mma.sync (16 or fewer pairs an expert), the router on cuBLASLt.
+  p = PlanMoe(o, moe, bf16, {64, 1, false});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kMma4);
+  EXPECT_EQ(p.router, MoeRouter::kCublasLtF32);
+  EXPECT_TRUE(p.bf16_input);
+  ASSERT_EQ(p.fallbacks.size(), 2u);
+  EXPECT_THAT(p.fallbacks[0], HasSubstr("16 or fewer pairs an expert"));
+  EXPECT_THAT(p.fallbacks[1], HasSubstr("cuBLASLt's fp32 GEMM, not the fused GEMV"));
+  // A shape wgmma does not take: the mma.sync kernels, said so.
+  p = PlanMoe(o, {128, 8, 2048 + 32, 768}, bf16, {2048, 2048, false});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kMma8);
+  EXPECT_THAT(p.fallbacks.back(), HasSubstr("the wgmma tiles take hidden % 128 == 0"));
+  // Quantized experts the grouped kernels take, on a prefill chunk: quantized wgmma.
+  MoeLayerFacts fp8;
+  fp8.quantized_tables = fp8.experts_quantized_alike = true;
+  fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 768, 2048};
+  fp8.down = {QuantFormat::kFp8Channel, 2048, 768};
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kQuantWgmma);
+  EXPECT_FALSE(p.bf16_copies);
+  // FP8 block-128 experts: the grouped quantized kernels refuse them; prefill copies to bf16.
+  fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_TRUE(p.bf16_copies);
+  EXPECT_THAT(p.fallbacks[0], HasSubstr("dequantized to bf16"));
+  // moe=fused on cuBLASLt: long bf16 prefill chunks go to cuBLAS's grouped GEMMs.
+  o.moe = Moe::kFused;
+  p = PlanMoe(o, moe, bf16, {2048, 2048, false});
+  EXPECT_EQ(p.experts, MoeExperts::kCublasGrouped);
+  EXPECT_THAT(p.fallbacks[0], HasSubstr("the experts on cuBLAS grouped GEMMs"));
+}
+
+TEST(ModelLimits, EveryReasonIsReported) {
+  ModelConfig c = *PresetConfig("tiny-moe");
+  c.head_dim = 256;
+  c.hidden_size = 2050;  // not a multiple of 4 or 8
+  CudaOptions o = OptionsWith("attention", "flash");
+  o.moe = Moe::kFused;
+  o.parallel.allreduce = AllReduce::kCustom;
+  const std::vector<std::string> why = CudaModelLimitRefusals(c, o);
+  ASSERT_EQ(why.size(), 3u) << ::testing::PrintToString(why);
+  EXPECT_THAT(why[0], HasSubstr("allreduce=custom moves 16-byte packs"));
+  EXPECT_THAT(why[1], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[2], HasSubstr("moe=fused supports"));
+}
+
+TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {
+  PreflightTarget h200;
+  h200.has_cuda_build = true;
+  h200.sm = 90;
+  h200.gpu_count = 1;
+  h200.weight_format = "nvfp4";
+  const BackendConfig tp2 = *NormalizeBackendConfig({{"device", "cuda"},
+                                                     {"tp", "2"},
+                                                     {"ep", "on"},
+                                                     {"gemm", "fused"},
+                                                     {"graphs", "persistent"},
+                                                     {"kv_cache", "bf16"}});
+  const PreflightResult r = Preflight(tp2, h200);
+  EXPECT_FALSE(r.supported);
+  EXPECT_THAT(r.reason, HasSubstr("ep=on cannot be combined with tp=2"));
+  EXPECT_THAT(r.reason, HasSubstr("graphs=persistent cannot be combined with tp=2"));
+  EXPECT_THAT(r.reason, HasSubstr("tp=2 does not take nvfp4 weights"));
+  EXPECT_THAT(r.reason, HasSubstr("tp=2 needs 2 GPUs of one host; this host has 1"));
+  // A host without a GPU says so once, not once per CUDA axis.
+  PreflightTarget cpu_only;
+  cpu_only.has_cuda_build = true;
+  const PreflightResult none = Preflight(tp2, cpu_only);
+  EXPECT_THAT(none.reason, HasSubstr("needs a GPU; this host has none"));
+  EXPECT_EQ(none.reason.find("needs a GPU"), none.reason.rfind("needs a GPU")) << none.reason;
+  EXPECT_THAT(none.reason, HasSubstr("ep=on cannot be combined with tp=2"));
+  EXPECT_THAT(none.reason, ::testing::Not(HasSubstr("tp=2 needs 2 GPUs")));
+}
+
+}  // namespace
+}  // namespace infersweep
