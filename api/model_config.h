@@ -1,4 +1,6 @@
 // Model architecture description, read from an HF config.json or from a named synthetic preset.
+// The description and its parameter counts are model_config.cc's; config.json is hf_config.cc's,
+// validation model_validation.cc's, the presets' table model_presets.cc's.
 #pragma once
 
 #include <string>

@@ -2,6 +2,9 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <utility>
+
+#include "api/status_macros.h"
 
 namespace infersweep::cli {
 namespace {
@@ -25,6 +28,11 @@ absl::StatusOr<std::string> UserToken() {
 }
 
 const rpc::TlsOptions& ClientTls() { return g_client_tls; }
+
+absl::StatusOr<ServiceClient> UserClient(const std::string& coordinator, int64_t timeout_ms) {
+  ASSIGN_OR_RETURN(std::string token, UserToken());
+  return ServiceClient(coordinator, timeout_ms, std::move(token), ClientTls());
+}
 
 void AddUserClientFlags(CLI::App* cmd) {
   cmd->add_option("--token-file", g_token_file,

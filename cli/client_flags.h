@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "coordinator/client.h"
 #include "proto/rpc.h"
 
 namespace infersweep::cli {
@@ -19,6 +20,11 @@ absl::StatusOr<std::string> UserToken();
 
 // TLS of the command (--tls-ca, --tls-cert, --tls-key).
 const rpc::TlsOptions& ClientTls();
+
+// A client of the coordinator at `coordinator` with the command's user token and TLS; every call
+// fails after `timeout_ms`. Fails where the token file cannot be read.
+absl::StatusOr<ServiceClient> UserClient(const std::string& coordinator,
+                                         int64_t timeout_ms = 30'000);
 
 // --token-file and the TLS flags (only one command runs per process, so they are shared).
 void AddUserClientFlags(CLI::App* cmd);

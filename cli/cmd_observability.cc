@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "agent/inventory.h"
+#include "api/status_macros.h"
 #include "cli/client_flags.h"
 #include "cli/commands.h"
+#include "cli/output.h"
+#include "cli/result_rows.h"
 #include "coordinator/client.h"
 #include "coordinator/regressions.h"
 #include "storage/store.h"
@@ -19,7 +21,6 @@
 namespace infersweep::cli {
 namespace {
 
-constexpr int kUsageError = 2;
 constexpr int kRegressionsFound = 3;
 
 struct RegressionsArgs {
@@ -43,11 +44,6 @@ struct RegressionsArgs {
   bool fail_on_regression = false;
 };
 
-int Usage(const std::string& message) {
-  std::fprintf(stderr, "error: %s\n", message.c_str());
-  return kUsageError;
-}
-
 // The same judgement made by the coordinator over its database (SweepService.Regressions).
 absl::StatusOr<std::vector<RegressionRow>> RemoteRegressions(const std::string& coordinator,
                                                              const RegressionQuery& q) {
@@ -66,13 +62,10 @@ absl::StatusOr<std::vector<RegressionRow>> RemoteRegressions(const std::string& 
   req.set_iqr_k(q.options.iqr_k);
   req.set_min_change(q.options.min_change);
   req.set_limit(q.limit);
-  absl::StatusOr<std::string> token = UserToken();
-  if (!token.ok()) return token.status();
-  ServiceClient client(coordinator, 120'000, *token, ClientTls());
-  absl::StatusOr<v1::RegressionsResponse> resp = client.Regressions(req);
-  if (!resp.ok()) return resp.status();
+  ASSIGN_OR_RETURN(ServiceClient client, UserClient(coordinator, 120'000));
+  ASSIGN_OR_RETURN(const v1::RegressionsResponse resp, client.Regressions(req));
   std::vector<RegressionRow> rows;
-  for (const v1::RegressionSeries& s : resp->series()) rows.push_back(FromProto(s));
+  for (const v1::RegressionSeries& s : resp.series()) rows.push_back(FromProto(s));
   return rows;
 }
 
@@ -97,8 +90,8 @@ int RunRegressions(const RegressionsArgs& args) {
     return Usage(absl::StrCat("--metric: ", d.status().message()));
   if (!args.model.empty()) q.model = args.model;
   if (!args.sm_arch.empty()) {
-    absl::StatusOr<int> sm = ParseSmArch(args.sm_arch);
-    if (!sm.ok()) return Usage(absl::StrCat("--sm-arch: ", sm.status().message()));
+    absl::StatusOr<int> sm = SmArchFlag(args.sm_arch);
+    if (!sm.ok()) return Fail(sm.status());
     q.sm = *sm;
   }
   if (args.sweep < 0 || args.layers < 0) return Usage("--sweep and --layers must be >= 1");
@@ -127,10 +120,7 @@ int RunRegressions(const RegressionsArgs& args) {
   } else {
     rows = RemoteRegressions(args.coordinator.empty() ? DefaultCoordinator() : args.coordinator, q);
   }
-  if (!rows.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(rows.status().message()).c_str());
-    return rows.status().code() == absl::StatusCode::kInvalidArgument ? kUsageError : 1;
-  }
+  if (!rows.ok()) return Fail(rows.status());
   bool regression = false;
   std::vector<RegressionRow> shown;
   for (RegressionRow& r : *rows) {

@@ -10,8 +10,12 @@ namespace infersweep::cli {
 void AddEngineCommands(CLI::App& app);
 // run (trials in isolated workers) and the hidden worker.
 void AddRunCommands(CLI::App& app);
-// coordinator, agent, submit, status, cancel, results, best, compare, agents (docs/SERVICE.md).
-void AddServiceCommands(CLI::App& app);
+// The fleet service (docs/SERVICE.md). coordinator and agent: its daemons.
+void AddDaemonCommands(CLI::App& app);
+// submit, status, cancel: sweeps and their progress.
+void AddSweepCommands(CLI::App& app);
+// results, best, compare, agents: what a coordinator has stored and knows.
+void AddQueryCommands(CLI::App& app);
 // allreduce-bench: the CPU ranks' all-reduce, nccl-tests style.
 void AddParallelCommands(CLI::App& app);
 // regressions: the stored history judged with a noise-aware test (docs/OBSERVABILITY.md).

@@ -7,7 +7,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   infersweep::cli::AddEngineCommands(app);
   infersweep::cli::AddRunCommands(app);
-  infersweep::cli::AddServiceCommands(app);
+  infersweep::cli::AddDaemonCommands(app);
+  infersweep::cli::AddSweepCommands(app);
+  infersweep::cli::AddQueryCommands(app);
   infersweep::cli::AddObservabilityCommands(app);
   infersweep::cli::AddParallelCommands(app);
   CLI11_PARSE(app, argc, argv);

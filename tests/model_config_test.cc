@@ -1029,6 +1029,44 @@ TEST(Presets, LayerOverride) {
   EXPECT_FALSE(PresetConfig("tiny-moe", 100000).ok());
 }
 
+#ifdef INFERSWEEP_SOURCE_DIR
+// 1234567 -> "1,234,567", as docs/MODELS.md writes parameter counts.
+std::string WithCommas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+// docs/MODELS.md's preset table has one row per preset, with its architecture and its exact
+// parameter counts.
+TEST(Presets, DocsTableListsEveryPresetWithItsCounts) {
+  std::ifstream in(std::filesystem::path(INFERSWEEP_SOURCE_DIR) / "docs" / "MODELS.md");
+  ASSERT_TRUE(in.good());
+  std::map<std::string, std::string> rows;  // preset name -> its table row
+  bool in_presets = false;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("## ", 0) == 0) in_presets = line == "## Presets";
+    if (!in_presets || line.rfind("| `", 0) != 0) continue;
+    const size_t end = line.find('`', 3);
+    ASSERT_NE(end, std::string::npos) << line;
+    EXPECT_TRUE(rows.emplace(line.substr(3, end - 3), line).second) << line;
+  }
+  const std::vector<std::string> names = PresetNames();
+  EXPECT_EQ(rows.size(), names.size());
+  for (const std::string& name : names) {
+    ASSERT_TRUE(rows.count(name)) << name << " has no row in docs/MODELS.md";
+    const ModelConfig c = MustPreset(name);
+    const std::string& row = rows[name];
+    EXPECT_THAT(row, HasSubstr("| " + std::string(ModelArchName(c.arch)) + " ")) << name;
+    EXPECT_THAT(row, HasSubstr(WithCommas(c.TotalParams()))) << name;
+    EXPECT_THAT(row, HasSubstr(WithCommas(c.ActiveParams()))) << name;
+  }
+}
+#endif
+
 TEST(Presets, UnknownNameListsKnownOnes) {
   absl::StatusOr<ModelConfig> c = PresetConfig("qwen9-1t");
   ASSERT_FALSE(c.ok());
