@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "api/status_macros.h"
 #include "cli/backends_markdown.h"
 #include "cli/commands.h"
 #include "engine/backends.h"
@@ -83,8 +84,8 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   PreflightResult preflight =
       Preflight(*normalized, MakePreflightTarget(devices, *model_description));
   if (!preflight.supported)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "UNSUPPORTED: ", BackendConfigString(*normalized), ": ", preflight.reason));
+    return absl::FailedPreconditionError(
+        absl::StrCat("UNSUPPORTED: ", BackendConfigString(*normalized), ": ", preflight.reason));
   // The capability probe, as a trial asks it: before any weights load.
   if (absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(*model_description, args.layers);
       shapes.ok())
@@ -125,13 +126,11 @@ struct Generation {
 absl::StatusOr<Generation> GenerateGreedy(Model& model, const std::vector<int32_t>& prompt,
                                           int max_new_tokens) {
   Generation gen;
-  if (auto s = model.StartBatch(1, static_cast<int>(prompt.size()) + max_new_tokens); !s.ok())
-    return s;
+  RETURN_IF_ERROR(model.StartBatch(1, static_cast<int>(prompt.size()) + max_new_tokens));
   std::vector<float> logits;
   auto start = std::chrono::steady_clock::now();
-  if (auto s = model.Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kLast, &logits);
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(
+      model.Forward(prompt, static_cast<int>(prompt.size()), LogitsMode::kLast, &logits));
   gen.prefill_seconds = Seconds(start);
   gen.prompt_last_logits = logits;
   start = std::chrono::steady_clock::now();
@@ -140,7 +139,7 @@ absl::StatusOr<Generation> GenerateGreedy(Model& model, const std::vector<int32_
   for (int step = 0; step < max_new_tokens; ++step) {
     gen.tokens.push_back(next[0]);
     if (step + 1 == max_new_tokens) break;
-    if (auto s = model.ForwardGreedy(next, 1, &next); !s.ok()) return s;
+    RETURN_IF_ERROR(model.ForwardGreedy(next, 1, &next));
   }
   gen.decode_seconds = Seconds(start);
   return gen;
@@ -166,8 +165,8 @@ int RunLogits(const ModelArgs& args, const std::string& tokens_text, const std::
   return 0;
 }
 
-// The prompt in every row of a batch (shifted per row), greedy: for profiling batched steps (ncu, nsys).
-// Prints the first row's tokens.
+// The prompt in every row of a batch (shifted per row), greedy: for profiling batched steps (ncu,
+// nsys). Prints the first row's tokens.
 int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch,
                      int max_new_tokens) {
   const int n = static_cast<int>(prompt.size()), vocab = model.config().vocab_size;
@@ -185,16 +184,18 @@ int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch
   for (int step = 0; step < max_new_tokens; ++step) {
     input.assign(batch, 0);
     for (int b = 0; b < batch; ++b)
-      input[b] = Greedy(std::span<const float>(logits).subspan(static_cast<size_t>(b) * vocab, vocab));
+      input[b] =
+          Greedy(std::span<const float>(logits).subspan(static_cast<size_t>(b) * vocab, vocab));
     first_row.push_back(input[0]);
     if (step + 1 < max_new_tokens)
       if (auto s = model.Forward(input, 1, LogitsMode::kLast, &logits); !s.ok()) return Fail(s);
   }
   const double decode = Seconds(start);
   std::printf("{\"tokens\":[%s]}\n", absl::StrJoin(first_row, ",").c_str());
-  std::fprintf(stderr, "# batch %d: prefill %d tokens a row: %.1f tok/s; decode: %.1f tok/s\n", batch,
-               n, static_cast<double>(batch) * n / prefill,
-               static_cast<double>(batch) * std::max(1, max_new_tokens - 1) / std::max(decode, 1e-9));
+  std::fprintf(
+      stderr, "# batch %d: prefill %d tokens a row: %.1f tok/s; decode: %.1f tok/s\n", batch, n,
+      static_cast<double>(batch) * n / prefill,
+      static_cast<double>(batch) * std::max(1, max_new_tokens - 1) / std::max(decode, 1e-9));
   return 0;
 }
 
@@ -274,7 +275,8 @@ void AddEngineCommands(CLI::App& app) {
   logits->add_option("--out", out, "output .npy file")->required();
   logits->callback([] { std::exit(RunLogits(args, tokens, out)); });
 
-  CLI::App* generate = app.add_subcommand("generate", "greedy generation; prints {\"tokens\":[...]}");
+  CLI::App* generate =
+      app.add_subcommand("generate", "greedy generation; prints {\"tokens\":[...]}");
   AddModelOptions(generate, args);
   generate->add_option("--tokens", tokens, "comma-separated prompt token ids")->required();
   generate->add_option("--max-new-tokens", max_new_tokens, "tokens to generate")

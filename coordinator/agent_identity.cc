@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "api/digest.h"
+#include "api/status_macros.h"
 #include "coordinator/rate_limit.h"
 #include "proto/rpc.h"
 
@@ -104,7 +105,7 @@ std::string AgentAuthenticator::Describe(bool client_certificates) const {
 }
 
 absl::StatusOr<std::map<std::string, std::string>> ReadAgentTokensFile(const std::string& path) {
-  if (absl::Status s = rpc::CheckSecretFileMode(path, "agent tokens"); !s.ok()) return s;
+  RETURN_IF_ERROR(rpc::CheckSecretFileMode(path, "agent tokens"));
   std::ifstream in(path);
   if (!in)
     return absl::InvalidArgumentError(absl::StrCat("agent tokens file ", path, ": cannot read it"));

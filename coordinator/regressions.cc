@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 
@@ -29,19 +30,19 @@ std::string_view RegressionVerdictName(RegressionVerdict v) {
 absl::StatusOr<RegressionTest> ParseRegressionTest(std::string_view name) {
   if (name == "z" || name == "robust-z" || name == "mad") return RegressionTest::kRobustZ;
   if (name == "iqr") return RegressionTest::kIqr;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown regression test '", absl::string_view(name.data(), name.size()),
-                   "' (known: z, iqr)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown regression test '",
+                                                 absl::string_view(name.data(), name.size()),
+                                                 "' (known: z, iqr)"));
 }
 
 absl::Status ValidateRegressionOptions(const RegressionOptions& o) {
   if (o.window < 1 || o.window > 100000)
-    return absl::InvalidArgumentError(absl::StrCat("window must be in [1, 100000], got ", o.window));
+    return absl::InvalidArgumentError(
+        absl::StrCat("window must be in [1, 100000], got ", o.window));
   if (o.min_history < 1 || o.min_history > o.window)
-    return absl::InvalidArgumentError(absl::StrCat("min history must be in [1, window=", o.window,
-                                                   "], got ", o.min_history));
-  if (!(o.z_threshold > 0))
-    return absl::InvalidArgumentError("z threshold must be > 0");
+    return absl::InvalidArgumentError(
+        absl::StrCat("min history must be in [1, window=", o.window, "], got ", o.min_history));
+  if (!(o.z_threshold > 0)) return absl::InvalidArgumentError("z threshold must be > 0");
   if (!(o.iqr_k >= 0)) return absl::InvalidArgumentError("IQR factor must be >= 0");
   if (!(o.min_change >= 0)) return absl::InvalidArgumentError("min change must be >= 0");
   return absl::OkStatus();
@@ -71,8 +72,9 @@ double MedianAbsoluteDeviation(const std::vector<double>& values) {
 
 double ModifiedZScore(double x, double median, double mad) {
   if (x == median) return 0;
-  if (mad == 0) return x > median ? std::numeric_limits<double>::infinity()
-                                  : -std::numeric_limits<double>::infinity();
+  if (mad == 0)
+    return x > median ? std::numeric_limits<double>::infinity()
+                      : -std::numeric_limits<double>::infinity();
   return 0.6745 * (x - median) / mad;
 }
 
@@ -125,10 +127,10 @@ absl::StatusOr<Direction> MetricDirection(std::string_view metric) {
   if (metric == "ttft_ms" || metric == "tpot_ms" || metric == "latency_ms" ||
       metric == "itl_p99_ms")
     return Direction::kLowerIsBetter;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown metric '", absl::string_view(metric.data(), metric.size()),
-      "' (known: output_tok_s, output_tok_s_per_seq, prefill_tok_s, ttft_ms, tpot_ms, "
-      "latency_ms, itl_p99_ms)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown metric '", absl::string_view(metric.data(), metric.size()),
+                   "' (known: output_tok_s, output_tok_s_per_seq, prefill_tok_s, ttft_ms, tpot_ms, "
+                   "latency_ms, itl_p99_ms)"));
 }
 
 std::optional<double> MetricValue(const BatchFigures& b, std::string_view metric) {
@@ -205,9 +207,8 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
   std::vector<RegressionRow> rows;
   rows.reserve(series.size());
   for (auto& [key, points] : series) {
-    std::stable_sort(points.begin(), points.end(), [](const Point& a, const Point& b) {
-      return a.finished_ms < b.finished_ms;
-    });
+    std::stable_sort(points.begin(), points.end(),
+                     [](const Point& a, const Point& b) { return a.finished_ms < b.finished_ms; });
     std::vector<double> values;
     values.reserve(points.size());
     for (const Point& p : points) values.push_back(p.value);
@@ -230,7 +231,7 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
 }
 
 absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const RegressionQuery& q) {
-  if (absl::Status s = ValidateRegressionOptions(q.options); !s.ok()) return s;
+  RETURN_IF_ERROR(ValidateRegressionOptions(q.options));
   if (absl::StatusOr<Direction> d = MetricDirection(q.metric); !d.ok()) return d.status();
   if (q.limit < 1 || q.limit > kMaxRegressionResults)
     return absl::InvalidArgumentError(
@@ -278,8 +279,8 @@ std::string FormatRegressionTable(const std::vector<RegressionRow>& rows,
     absl::StrAppend(&out, "# test: IQR fences, flagged outside [Q1 - ", FormatNumber(o.iqr_k),
                     "*IQR, Q3 + ", FormatNumber(o.iqr_k), "*IQR]");
   }
-  absl::StrAppend(&out, " and |change| >= ", FormatNumber(100 * o.min_change),
-                  "%; a series needs ", o.min_history, " history points to be judged\n");
+  absl::StrAppend(&out, " and |change| >= ", FormatNumber(100 * o.min_change), "%; a series needs ",
+                  o.min_history, " history points to be judged\n");
 
   const std::vector<std::string> header = {
       "model", "identity", "workload", "sm_arch", "gpu", "batch",   "config",
@@ -317,10 +318,10 @@ std::string FormatRegressionTable(const std::vector<RegressionRow>& rows,
   };
   absl::StrAppend(&out, line(header, true));
   for (const auto& row : table) absl::StrAppend(&out, line(row, false));
-  absl::StrAppend(&out, "# ", rows.size(), " series: ",
-                  counts[static_cast<int>(RegressionVerdict::kRegression)], " regression, ",
-                  counts[static_cast<int>(RegressionVerdict::kImprovement)], " improvement, ",
-                  counts[static_cast<int>(RegressionVerdict::kOk)], " ok, ",
+  absl::StrAppend(&out, "# ", rows.size(),
+                  " series: ", counts[static_cast<int>(RegressionVerdict::kRegression)],
+                  " regression, ", counts[static_cast<int>(RegressionVerdict::kImprovement)],
+                  " improvement, ", counts[static_cast<int>(RegressionVerdict::kOk)], " ok, ",
                   counts[static_cast<int>(RegressionVerdict::kTooFewPoints)],
                   " with too few points\n");
   return out;
