@@ -1207,7 +1207,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       __threadfence_block();
       r.free.pos = p->free_pos;
       // The consumer's reads of freed places before the copies that refill them: needed only
-      // when places were freed. (Fencing on every poll measured the same: knob 32768.)
+      // when places were freed (knob 32768 fences on every poll).
       if (r.consumed != fenced || always_fence) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         fenced = r.consumed;
@@ -1318,7 +1318,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     if (t < half) constants.rope[t] = rope;
     sync(&barriers, l, kQkv);
     // The o phase's gains (each row's x times its gain feeds the router), asked into L2 a phase
-    // ahead. (Asked after the attention barrier instead, the step measured the same.)
+    // ahead.
     GainsAhead(L.post_norm, a.norm_dtype, d.hidden);
     if (RunsAttention(a, position(), knob(11)))
       AttendSplit<F != QuantFormat::kNone>(
