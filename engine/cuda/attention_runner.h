@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "engine/cuda/cudnn_attention.h"
+#include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/plan/attention_plan.h"
@@ -30,7 +31,6 @@ struct RaggedRows {
 class AttentionRunner {
  public:
   AttentionRunner(const RunnerContext& context, LinearRunner& linear);
-  ~AttentionRunner();
   AttentionRunner(const AttentionRunner&) = delete;
   AttentionRunner& operator=(const AttentionRunner&) = delete;
 
@@ -59,14 +59,13 @@ class AttentionRunner {
   double kv_read_bytes_per_element() const {
     return plan_.kv_bytes_per_element + (plan_.kv_scales ? 4.0 / config_.head_dim : 0.0);
   }
-  char* k_cache() const { return k_cache_; }
-  char* v_cache() const { return v_cache_; }
-  const float2* rope() const { return rope_; }
-  float* qkv() const { return qkv_; }
-  float* attn() const { return attn_; }
+  char* k_cache() const { return k_cache_.get(); }
+  char* v_cache() const { return v_cache_.get(); }
+  const float2* rope() const { return rope_.get(); }
+  float* qkv() const { return qkv_.get(); }
+  float* attn() const { return attn_.get(); }
 
  private:
-  void FreeCache();
   // Layer l's cache, or (serving) one KV slot of it.
   cuda::KvCache LayerCache(int l) const;
   cuda::KvCache SlotCache(const cuda::KvCache& layer, int slot) const;
@@ -86,18 +85,18 @@ class AttentionRunner {
       cache_index_;         // layer -> its slot in the KV cache, -1 for linear attention
   const int cache_layers_;  // full-attention layers
   int batch_ = 0, capacity_ = 0;
-  std::unique_ptr<CudnnAttention> cudnn_;         // attention=cudnn: its plans, made with the cache
-  int32_t* seq_lens_ = nullptr;                   // attention=cudnn: [2, batch] s_q and KV lengths
-  char *k_cache_ = nullptr, *v_cache_ = nullptr;  // [cache layers, batch, capacity, kv_dim]
-  float *k_scale_ = nullptr, *v_scale_ = nullptr;  // kv_cache=fp8: [.., batch, capacity, kv_heads]
-  float2* rope_ = nullptr;                         // [capacity, rotary_dim / 2] cos/sin
-  float *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
-        *qkv_ = nullptr,  // [rows, q | k | v]: the fused q/k/v GEMM's output
-            *attn_ = nullptr,
-        *scores_ = nullptr,  // naive: materialised scores; flash: the splits' partial softmaxes
-            *q_gated_ = nullptr,   // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
-                *gate_ = nullptr,  // gated attention: [rows, q_dim]
-                    *cudnn_io_ = nullptr;  // attention=cudnn: bf16 Q and O, [rows, q_dim] each
+  std::unique_ptr<CudnnAttention> cudnn_;  // attention=cudnn: its plans, made with the cache
+  DeviceBuffer<int32_t> seq_lens_;         // attention=cudnn: [2, batch] s_q and KV lengths
+  DeviceBuffer<char> k_cache_, v_cache_;   // [cache layers, batch, capacity, kv_dim]
+  DeviceBuffer<float> k_scale_, v_scale_;  // kv_cache=fp8: [.., batch, capacity, kv_heads]
+  DeviceBuffer<float2> rope_;              // [capacity, rotary_dim / 2] cos/sin
+  DeviceBuffer<float> q_, k_, v_;
+  DeviceBuffer<float> qkv_;  // [rows, q | k | v]: the fused q/k/v GEMM's output
+  DeviceBuffer<float> attn_;
+  DeviceBuffer<float> scores_;   // naive: materialised scores; flash: the splits' partial softmaxes
+  DeviceBuffer<float> q_gated_;  // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
+  DeviceBuffer<float> gate_;     // gated attention: [rows, q_dim]
+  DeviceBuffer<float> cudnn_io_;  // attention=cudnn: bf16 Q and O, [rows, q_dim] each
 };
 
 }  // namespace infersweep

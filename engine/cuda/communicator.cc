@@ -115,15 +115,12 @@ class PeerCommunicator final : public Communicator {
   std::function<void()> release_;
 };
 
-absl::StatusOr<void*> AllocatePeerBuffer(int64_t max_bytes) {
-  void* p = nullptr;
+absl::StatusOr<DeviceBuffer<char>> AllocatePeerBuffer(int64_t max_bytes) {
   const size_t bytes = cuda::PeerBufferBytes(max_bytes);
-  RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc of the all-reduce peer buffer"));
-  if (auto s = CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset of the all-reduce signals");
-      !s.ok()) {
-    cudaFree(p);
-    return s;
-  }
+  DeviceBuffer<char> p;
+  RETURN_IF_ERROR(p.Allocate(bytes, "cudaMalloc of the all-reduce peer buffer"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemset(p.get(), 0, bytes), "cudaMemset of the all-reduce signals"));
   return p;
 }
 
@@ -139,13 +136,10 @@ absl::Status CheckPeerKind(AllReduce kind, int64_t max_bytes) {
 
 class IpcPeerRank final : public PeerRank {
  public:
-  IpcPeerRank(AllReduce kind, int ranks, int rank, int64_t max_bytes, void* own,
+  IpcPeerRank(AllReduce kind, int ranks, int rank, int64_t max_bytes, DeviceBuffer<char> own,
               const cudaIpcMemHandle_t& handle)
-      : kind_(kind), ranks_(ranks), rank_(rank), max_bytes_(max_bytes), own_(own) {
+      : kind_(kind), ranks_(ranks), rank_(rank), max_bytes_(max_bytes), own_(std::move(own)) {
     std::memcpy(handle_.data(), &handle, sizeof(handle));
-  }
-  ~IpcPeerRank() override {
-    if (own_) cudaFree(own_);
   }
   PeerHandle handle() const override { return handle_; }
 
@@ -165,7 +159,7 @@ class IpcPeerRank final : public PeerRank {
     };
     for (int r = 0; r < ranks_; ++r) {
       if (r == rank_) {
-        peers.base[r] = own_;
+        peers.base[r] = own_.get();
         continue;
       }
       cudaIpcMemHandle_t h;
@@ -180,12 +174,12 @@ class IpcPeerRank final : public PeerRank {
       opened.push_back(p);
       peers.base[r] = p;
     }
-    void* own = own_;
-    own_ = nullptr;
+    // The communicator owns the buffer now: the peers' mappings close before it is freed.
+    auto own = std::make_shared<DeviceBuffer<char>>(std::move(own_));
     return std::unique_ptr<Communicator>(
         new PeerCommunicator(kind_, peers, [own, opened, close_opened] {
           close_opened(opened);
-          cudaFree(own);
+          own->reset();
         }));
   }
 
@@ -193,7 +187,7 @@ class IpcPeerRank final : public PeerRank {
   const AllReduce kind_;
   const int ranks_, rank_;
   const int64_t max_bytes_;
-  void* own_;
+  DeviceBuffer<char> own_;  // empty once Connect hands it to the communicator
   PeerHandle handle_;
 };
 
@@ -252,11 +246,11 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
   CUDA_OR_DIE(cudaGetDevice(&previous));
   struct Buffers {  // every rank's buffer, freed on its device once no rank maps it
     std::vector<int> devices;
-    std::vector<void*> base;
+    std::vector<DeviceBuffer<char>> base;
     ~Buffers() {
       for (size_t r = 0; r < base.size(); ++r) {
         cudaSetDevice(devices[r]);
-        cudaFree(base[r]);
+        base[r].reset();
       }
     }
   };
@@ -287,7 +281,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
       status = p.status();
       break;
     }
-    buffers->base.push_back(*p);
+    buffers->base.push_back(*std::move(p));
   }
   CUDA_OR_DIE(cudaSetDevice(previous));
   if (!status.ok()) return status;
@@ -296,7 +290,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeLocalCommunicator
     peers.ranks = ranks;
     peers.rank = r;
     peers.staging_bytes = max_bytes;
-    for (int q = 0; q < ranks; ++q) peers.base[q] = buffers->base[q];
+    for (int q = 0; q < ranks; ++q) peers.base[q] = buffers->base[q].get();
     out.emplace_back(new PeerCommunicator(kind, peers, [buffers] {}));
   }
   return out;
@@ -309,11 +303,9 @@ absl::StatusOr<std::unique_ptr<PeerRank>> PeerRank::Create(AllReduce kind, int r
   auto own = AllocatePeerBuffer(max_bytes);
   if (!own.ok()) return own.status();
   cudaIpcMemHandle_t handle;
-  if (auto s = CudaStatus(cudaIpcGetMemHandle(&handle, *own), "cudaIpcGetMemHandle"); !s.ok()) {
-    cudaFree(*own);
-    return s;
-  }
-  return std::unique_ptr<PeerRank>(new IpcPeerRank(kind, ranks, rank, max_bytes, *own, handle));
+  RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&handle, own->get()), "cudaIpcGetMemHandle"));
+  return std::unique_ptr<PeerRank>(
+      new IpcPeerRank(kind, ranks, rank, max_bytes, *std::move(own), handle));
 }
 
 }  // namespace infersweep

@@ -574,13 +574,12 @@ class CudaModel final : public Model {
 // TEST ONLY (test_kernel=sm100a): the sm_100a-only kernel, launched once; where the binary has
 // no image for the GPU the launch's error comes back as Unimplemented, in the driver's words.
 absl::Status RunSm100aTestKernel() {
-  int* flag = nullptr;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess)
+  DeviceBuffer<int> flag;
+  if (!flag.Allocate(1).ok())
     return absl::ResourceExhaustedError("test_kernel=sm100a: cudaMalloc failed");
-  cudaError_t e = cuda::LaunchSm100aTestKernel(flag, nullptr);
+  cudaError_t e = cuda::LaunchSm100aTestKernel(flag.get(), nullptr);
   int value = 0;
-  if (e == cudaSuccess) e = cudaMemcpy(&value, flag, sizeof(int), cudaMemcpyDeviceToHost);
-  cudaFree(flag);
+  if (e == cudaSuccess) e = cudaMemcpy(&value, flag.get(), sizeof(int), cudaMemcpyDeviceToHost);
   if (e != cudaSuccess)
     return absl::UnimplementedError(absl::StrCat("test_kernel=sm100a: launch failed (",
                                                  cudaGetErrorName(e), ": ", cudaGetErrorString(e),

@@ -397,22 +397,12 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
                                    "); the last answer: ", last.message()));
 }
 
-Workspace::~Workspace() {
-  if (data_ != nullptr) cudaFree(data_);
-}
-
 absl::Status Workspace::Reserve(const Plan& plan) {
   if (plan.workspace_bytes <= bytes_) return absl::OkStatus();
-  if (data_ != nullptr) cudaFree(data_);
-  data_ = nullptr;
   bytes_ = 0;
-  if (absl::Status s =
-          CudaStatus(cudaMalloc(&data_, plan.workspace_bytes),
-                     absl::StrCat("cuDNN workspace of ", plan.workspace_bytes, " bytes").c_str());
-      !s.ok()) {
-    data_ = nullptr;
-    return absl::ResourceExhaustedError(s.message());
-  }
+  RETURN_IF_ERROR(
+      data_.Allocate(static_cast<size_t>(plan.workspace_bytes),
+                     absl::StrCat("cuDNN workspace of ", plan.workspace_bytes, " bytes")));
   bytes_ = plan.workspace_bytes;
   return absl::OkStatus();
 }

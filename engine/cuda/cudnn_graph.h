@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/cuda/device_util.h"
 
 namespace infersweep::cudnn {
 
@@ -115,12 +116,11 @@ class Workspace {
   Workspace() = default;
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
-  ~Workspace();
   absl::Status Reserve(const Plan& plan);
-  void* data() const { return data_; }
+  void* data() const { return data_.get(); }
 
  private:
-  void* data_ = nullptr;
+  DeviceBuffer<char> data_;
   int64_t bytes_ = 0;
 };
 

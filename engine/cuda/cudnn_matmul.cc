@@ -104,22 +104,16 @@ absl::StatusOr<std::unique_ptr<CudnnQuantGemm>> CudnnQuantGemm::Create() {
   return std::unique_ptr<CudnnQuantGemm>(new CudnnQuantGemm(std::move(*handle)));
 }
 
-CudnnQuantGemm::~CudnnQuantGemm() {
-  for (auto& [code, weight] : weights_) cudaFree(weight.row_scales);
-  for (void* p : {static_cast<void*>(codes_), static_cast<void*>(scales_)})
-    if (p != nullptr) cudaFree(p);
-}
-
 absl::Status CudnnQuantGemm::Prepare(const MatrixRef& w) {
   if (IsFp4(w.quant.format))
     return Fp4Answer(*handle_, w.quant.format, static_cast<int>(w.rows),
                      static_cast<int>(w.cols));
   RETURN_IF_ERROR(Fp8Layout(w));
   if (weights_.count(w.data)) return absl::OkStatus();
-  auto scales = DeviceAlloc<float>(w.rows);
-  if (!scales.ok()) return scales.status();
-  cuda::PrepareFp8WeightScales(w, cuda::Fp8ScaleLayout::kPerRow, *scales, nullptr);
-  weights_[w.data] = {static_cast<int>(w.rows), static_cast<int>(w.cols), *scales};
+  DeviceBuffer<float> scales;
+  RETURN_IF_ERROR(scales.Allocate(w.rows));
+  cuda::PrepareFp8WeightScales(w, cuda::Fp8ScaleLayout::kPerRow, scales.get(), nullptr);
+  weights_[w.data] = {static_cast<int>(w.rows), static_cast<int>(w.cols), std::move(scales)};
   return PlanFor(1, static_cast<int>(w.rows), static_cast<int>(w.cols)).status();
 }
 
@@ -136,17 +130,12 @@ absl::Status CudnnQuantGemm::Grow(int rows, int k) {
   if (rows <= scratch_rows_ && k <= scratch_k_) return absl::OkStatus();
   const int64_t new_rows = std::max<int64_t>(rows, scratch_rows_),
                 new_k = std::max<int64_t>(k, scratch_k_);
-  if (codes_ != nullptr) cudaFree(codes_);
-  if (scales_ != nullptr) cudaFree(scales_);
-  codes_ = nullptr;
-  scales_ = nullptr;
+  // The old scratch goes first: the new may need its memory.
+  codes_.reset();
+  scales_.reset();
   scratch_rows_ = scratch_k_ = 0;
-  auto codes = DeviceAlloc<uint8_t>(new_rows * new_k);
-  if (!codes.ok()) return codes.status();
-  codes_ = *codes;
-  auto scales = DeviceAlloc<float>(new_rows);
-  if (!scales.ok()) return scales.status();
-  scales_ = *scales;
+  RETURN_IF_ERROR(codes_.Allocate(new_rows * new_k));
+  RETURN_IF_ERROR(scales_.Allocate(new_rows));
   scratch_rows_ = new_rows;
   scratch_k_ = new_k;
   return absl::OkStatus();
@@ -177,12 +166,13 @@ absl::Status CudnnQuantGemm::Run(const float* x, int rows, const MatrixRef& w, f
   RETURN_IF_ERROR(Grow(rows, weight.k));
   absl::StatusOr<const cudnn::Plan*> plan = PlanFor(rows, weight.n, weight.k);
   if (!plan.ok()) return plan.status();
-  cuda::QuantizeFp8RowGroups(x, rows, weight.k, weight.k, codes_, scales_, stream);
+  cuda::QuantizeFp8RowGroups(x, rows, weight.k, weight.k, codes_.get(), scales_.get(), stream);
   RETURN_IF_ERROR(handle_->SetStream(stream));
   RecordLaunch("cudnn:fp8 matmul (E4M3 x E4M3, row x column scales)");
-  return cudnn::Execute(*handle_, **plan, {kA, kB, kAScale, kBScale, kY},
-                        {codes_, const_cast<void*>(w.data), scales_, weight.row_scales, y},
-                        workspace_.data());
+  return cudnn::Execute(
+      *handle_, **plan, {kA, kB, kAScale, kBScale, kY},
+      {codes_.get(), const_cast<void*>(w.data), scales_.get(), weight.row_scales.get(), y},
+      workspace_.data());
 }
 
 absl::Status ProbeCudnnQuantGemm(QuantFormat format, int n, int k) {

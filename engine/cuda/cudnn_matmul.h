@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "core/tensor_ref.h"
 #include "engine/cuda/cudnn_graph.h"
+#include "engine/cuda/device_util.h"
 #include "kernels/cuda/gemm_scaled.h"
 
 namespace infersweep {
@@ -45,7 +46,6 @@ class CudnnQuantGemm final : public cuda::QuantLinearGemm {
  public:
   // Unimplemented when cuDNN is missing or too old.
   static absl::StatusOr<std::unique_ptr<CudnnQuantGemm>> Create();
-  ~CudnnQuantGemm() override;
 
   // FP8: the weight's scale per output row; a plan for one row (Unimplemented with cuDNN's
   // words where no engine takes the graph). FP4: the block-scaled graph's answer (above).
@@ -58,7 +58,7 @@ class CudnnQuantGemm final : public cuda::QuantLinearGemm {
   friend absl::Status ProbeCudnnQuantGemm(QuantFormat format, int n, int k);
   struct Weight {
     int n = 0, k = 0;
-    float* row_scales = nullptr;  // device [n]
+    DeviceBuffer<float> row_scales;  // [n]
   };
   explicit CudnnQuantGemm(std::unique_ptr<cudnn::Handle> handle) : handle_(std::move(handle)) {}
   absl::StatusOr<const cudnn::Plan*> PlanFor(int m, int n, int k);
@@ -68,8 +68,8 @@ class CudnnQuantGemm final : public cuda::QuantLinearGemm {
   std::map<const void*, Weight> weights_;  // by the weight's code pointer
   std::map<std::tuple<int, int, int>, cudnn::Plan> plans_;
   cudnn::Workspace workspace_;
-  uint8_t* codes_ = nullptr;  // the activations' E4M3 codes
-  float* scales_ = nullptr;   // their per-token scales
+  DeviceBuffer<uint8_t> codes_;  // the activations' E4M3 codes
+  DeviceBuffer<float> scales_;   // their per-token scales
   int64_t scratch_rows_ = 0, scratch_k_ = 0;
 };
 

@@ -9,7 +9,10 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -18,14 +21,16 @@
 
 namespace infersweep {
 
+// `count` elements of T (at least one) on the device; ResourceExhausted naming `what` (by default
+// the bytes asked for) when cudaMalloc fails.
 template <typename T>
-absl::StatusOr<T*> DeviceAlloc(size_t count) {
+absl::StatusOr<T*> DeviceAlloc(size_t count, std::string_view what = {}) {
   void* p = nullptr;
   if (count == 0) count = 1;
-  if (absl::Status s =
-          CudaStatus(cudaMalloc(&p, count * sizeof(T)),
-                     absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes").c_str());
-      !s.ok())
+  const std::string label = what.empty()
+                                ? absl::StrCat("cudaMalloc of ", count * sizeof(T), " bytes")
+                                : std::string(what);
+  if (absl::Status s = CudaStatus(cudaMalloc(&p, count * sizeof(T)), label.c_str()); !s.ok())
     return absl::ResourceExhaustedError(s.message());
   return static_cast<T*>(p);
 }
@@ -35,10 +40,11 @@ template <typename T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  // `count` elements (at least one), the previous allocation freed first.
-  absl::Status Allocate(size_t count) {
+  // `count` elements (at least one), the previous allocation freed first; `what` names the
+  // allocation in the error (DeviceAlloc).
+  absl::Status Allocate(size_t count, std::string_view what = {}) {
     p_.reset();
-    ASSIGN_OR_RETURN(T * p, DeviceAlloc<T>(count));
+    ASSIGN_OR_RETURN(T * p, DeviceAlloc<T>(count, what));
     p_.reset(p);
     return absl::OkStatus();
   }
@@ -84,24 +90,22 @@ absl::Status AllocateBuffers(std::initializer_list<std::pair<DeviceBuffer<T>*, s
   return absl::OkStatus();
 }
 
-// A float buffer of each (pointer, count) pair, 0 counts skipped (the pointer left as it is).
-inline absl::Status AllocateFloatBuffers(
-    std::initializer_list<std::pair<float**, size_t>> buffers) {
-  for (auto [ptr, count] : buffers) {
-    if (count == 0) continue;
-    auto p = DeviceAlloc<float>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
+// Device allocations of any element types, each kept until the owner goes: the weights and
+// tables a model makes once, piece by piece, and never resizes.
+class DeviceAllocations {
+ public:
+  template <typename T>
+  absl::StatusOr<T*> Allocate(size_t count) {
+    ASSIGN_OR_RETURN(T * p, DeviceAlloc<T>(count));
+    owned_.emplace_back(p);
+    return p;
   }
-  return absl::OkStatus();
-}
 
-// Frees each buffer and nulls its pointer.
-inline void FreeFloatBuffers(std::initializer_list<float**> buffers) {
-  for (float** p : buffers) {
-    if (*p) cudaFree(*p);
-    *p = nullptr;
-  }
-}
+ private:
+  struct Free {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  std::vector<std::unique_ptr<void, Free>> owned_;
+};
 
 }  // namespace infersweep

@@ -35,11 +35,6 @@ LinearAttentionRunner::LinearAttentionRunner(const RunnerContext& context, Linea
       first_linear_layer_(static_cast<int>(std::find(state_index_.begin(), state_index_.end(), 0) -
                                            state_index_.begin())) {}
 
-LinearAttentionRunner::~LinearAttentionRunner() {
-  FreeScratch();
-  FreeFloatBuffers({&conv_state_, &recurrent_state_});
-}
-
 namespace {
 int64_t ConvStateFloats(const ModelConfig& c) {
   return static_cast<int64_t>(std::max(c.linear_conv_kernel_dim - 1, 0)) * c.linear_conv_dim();
@@ -51,15 +46,14 @@ int64_t RecurrentStateFloats(const ModelConfig& c) {
 }  // namespace
 
 absl::Status LinearAttentionRunner::AllocateState(int batch) {
-  FreeFloatBuffers({&conv_state_, &recurrent_state_});
+  conv_state_.reset();
+  recurrent_state_.reset();
   batch_ = 0;
   if (state_layers_ == 0) return absl::OkStatus();
   const size_t sequences = static_cast<size_t>(state_layers_) * batch;
-  if (auto s =
-          AllocateFloatBuffers({{&conv_state_, sequences * ConvStateFloats(config_)},
-                                {&recurrent_state_, sequences * RecurrentStateFloats(config_)}});
-      !s.ok())
-    return s;
+  RETURN_IF_ERROR(
+      AllocateBuffers<float>({{&conv_state_, sequences * ConvStateFloats(config_)},
+                              {&recurrent_state_, sequences * RecurrentStateFloats(config_)}}));
   batch_ = batch;
   return absl::OkStatus();
 }
@@ -68,9 +62,9 @@ void LinearAttentionRunner::ResetState() {
   if (batch_ == 0) return;
   const int64_t sequences = static_cast<int64_t>(state_layers_) * batch_;
   if (conv_state_)
-    CUDA_OR_DIE(cudaMemsetAsync(conv_state_, 0,
+    CUDA_OR_DIE(cudaMemsetAsync(conv_state_.get(), 0,
                                 sequences * ConvStateFloats(config_) * sizeof(float), stream_));
-  CUDA_OR_DIE(cudaMemsetAsync(recurrent_state_, 0,
+  CUDA_OR_DIE(cudaMemsetAsync(recurrent_state_.get(), 0,
                               sequences * RecurrentStateFloats(config_) * sizeof(float), stream_));
 }
 
@@ -78,18 +72,19 @@ absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
   if (!config_.has_linear_attention()) return absl::OkStatus();
   const size_t r = rows, conv = config_.linear_conv_dim(), value = config_.linear_value_dim(),
                heads = config_.linear_num_value_heads;
-  return AllocateFloatBuffers({{&projected_, r * conv},
-                               {&mixed_, r * conv},
-                               {&z_, r * value},
-                               {&a_, r * heads},
-                               {&b_, r * heads},
-                               {&g_, r * heads},
-                               {&beta_, r * heads},
-                               {&out_, r * value}});
+  return AllocateBuffers<float>({{&projected_, r * conv},
+                                 {&mixed_, r * conv},
+                                 {&z_, r * value},
+                                 {&a_, r * heads},
+                                 {&b_, r * heads},
+                                 {&g_, r * heads},
+                                 {&beta_, r * heads},
+                                 {&out_, r * value}});
 }
 
 void LinearAttentionRunner::FreeScratch() {
-  FreeFloatBuffers({&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_});
+  for (DeviceBuffer<float>* b : {&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_})
+    b->reset();
 }
 
 absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
@@ -101,50 +96,56 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
   // Input RMSNorm, then in_proj_qkv, z, b and a.
   if (gemv) {
     LinearRunner::FusedGemv g = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
-    LinearRunner::AddSegment(g, la.in_proj_qkv, {}, projected_);
-    LinearRunner::AddSegment(g, la.in_proj_z, {}, z_);
-    LinearRunner::AddSegment(g, la.in_proj_b, {}, b_);
+    LinearRunner::AddSegment(g, la.in_proj_qkv, {}, projected_.get());
+    LinearRunner::AddSegment(g, la.in_proj_z, {}, z_.get());
+    LinearRunner::AddSegment(g, la.in_proj_b, {}, b_.get());
     RETURN_IF_ERROR(linear_.RunGemv(g));
     LinearRunner::FusedGemv ga = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
-    LinearRunner::AddSegment(ga, la.in_proj_a, {}, a_);
+    LinearRunner::AddSegment(ga, la.in_proj_a, {}, a_.get());
     RETURN_IF_ERROR(linear_.RunGemv(ga));
   } else {
     const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
     const float* xn = linear_.xn();
-    for (auto [w, y] : {std::pair{&la.in_proj_qkv, projected_}, std::pair{&la.in_proj_z, z_},
-                        std::pair{&la.in_proj_b, b_}, std::pair{&la.in_proj_a, a_}})
+    for (auto [w, y] :
+         {std::pair{&la.in_proj_qkv, projected_.get()}, std::pair{&la.in_proj_z, z_.get()},
+          std::pair{&la.in_proj_b, b_.get()}, std::pair{&la.in_proj_a, a_.get()}})
       RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, *w, {}, y));
   }
   const int slot = state_index_[l];
   const bool fused = options_.linear_attn == LinearAttn::kFused;
-  float* conv_state =
-      conv_state_ ? conv_state_ + static_cast<int64_t>(slot) * batch_ * ConvStateFloats(config_)
-                  : nullptr;
+  float* conv_state = conv_state_ ? conv_state_.get() + static_cast<int64_t>(slot) * batch_ *
+                                                            ConvStateFloats(config_)
+                                  : nullptr;
   float* recurrent_state =
-      recurrent_state_ + static_cast<int64_t>(slot) * batch_ * RecurrentStateFloats(config_);
-  cuda::CausalConv(projected_, shape, la.conv, /*fuse_silu=*/fused, conv_state, mixed_, stream_);
+      recurrent_state_.get() + static_cast<int64_t>(slot) * batch_ * RecurrentStateFloats(config_);
+  cuda::CausalConv(projected_.get(), shape, la.conv, /*fuse_silu=*/fused, conv_state, mixed_.get(),
+                   stream_);
   if (!fused)
-    cuda::SiluInPlace(mixed_, static_cast<int64_t>(rows) * shape.conv_channels(), stream_);
-  cuda::GatedDeltaGates(mixed_, a_, b_, la.a_log, la.dt_bias, shape, g_, beta_, stream_);
+    cuda::SiluInPlace(mixed_.get(), static_cast<int64_t>(rows) * shape.conv_channels(), stream_);
+  cuda::GatedDeltaGates(mixed_.get(), a_.get(), b_.get(), la.a_log, la.dt_bias, shape, g_.get(),
+                        beta_.get(), stream_);
   if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_)
     cuda::ScaleInPlace(recurrent_state, static_cast<float>(fault_.value),
                        static_cast<int64_t>(batch_) * RecurrentStateFloats(config_), stream_);
   if (fused)
-    cuda::GatedDeltaFused(mixed_, g_, beta_, shape, recurrent_state, out_, stream_);
+    cuda::GatedDeltaFused(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state, out_.get(),
+                          stream_);
   else
-    cuda::GatedDeltaReference(mixed_, g_, beta_, shape, recurrent_state, out_, stream_);
-  cuda::RmsNormGated(out_, z_, static_cast<int64_t>(rows) * config_.linear_num_value_heads,
-                     config_.linear_value_head_dim, la.norm, eps, out_, stream_);
+    cuda::GatedDeltaReference(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state,
+                              out_.get(), stream_);
+  cuda::RmsNormGated(out_.get(), z_.get(),
+                     static_cast<int64_t>(rows) * config_.linear_num_value_heads,
+                     config_.linear_value_head_dim, la.norm, eps, out_.get(), stream_);
   CHECK_LAUNCH();
   // out_proj, added into `out` (the residual stream or its partial).
   if (gemv) {
-    LinearRunner::FusedGemv g = LinearRunner::GemvInput(out_, rows, value_dim, {});
+    LinearRunner::FusedGemv g = LinearRunner::GemvInput(out_.get(), rows, value_dim, {});
     LinearRunner::AddSegment(g, la.out_proj, {}, out);
     g.accumulate = true;
     RETURN_IF_ERROR(linear_.RunGemv(g));
   } else {
-    const uint16_t* ob = linear_.PrepareInput(out_, static_cast<int64_t>(rows) * value_dim);
-    RETURN_IF_ERROR(linear_.GemmAccumulate(out_, ob, rows, la.out_proj, {}, 1.f, out));
+    const uint16_t* ob = linear_.PrepareInput(out_.get(), static_cast<int64_t>(rows) * value_dim);
+    RETURN_IF_ERROR(linear_.GemmAccumulate(out_.get(), ob, rows, la.out_proj, {}, 1.f, out));
   }
   CHECK_LAUNCH();
   return absl::OkStatus();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
 
@@ -17,7 +18,6 @@ namespace infersweep {
 class LinearAttentionRunner {
  public:
   LinearAttentionRunner(const RunnerContext& context, LinearRunner& linear);
-  ~LinearAttentionRunner();
   LinearAttentionRunner(const LinearAttentionRunner&) = delete;
   LinearAttentionRunner& operator=(const LinearAttentionRunner&) = delete;
 
@@ -46,13 +46,13 @@ class LinearAttentionRunner {
   const int state_layers_;              // linear-attention layers
   const int first_linear_layer_;        // (num_layers when there is none)
   int batch_ = 0;
-  float *conv_state_ = nullptr,     // [linear layers, batch, K - 1, conv channels]
-      *recurrent_state_ = nullptr;  // [linear layers, batch, Hv, dk, dv]
-  float *projected_ = nullptr,      // [rows, q | k | v]: in_proj_qkv's output
-      *mixed_ = nullptr,            // [rows, q | k | v]: after the conv (q, k then normalised)
-          *z_ = nullptr,            // [rows, Hv * dv]
-              *a_ = nullptr, *b_ = nullptr, *g_ = nullptr, *beta_ = nullptr,     // [rows, Hv]
-                                                               *out_ = nullptr;  // [rows, Hv * dv]
+  DeviceBuffer<float> conv_state_;       // [linear layers, batch, K - 1, conv channels]
+  DeviceBuffer<float> recurrent_state_;  // [linear layers, batch, Hv, dk, dv]
+  DeviceBuffer<float> projected_;        // [rows, q | k | v]: in_proj_qkv's output
+  DeviceBuffer<float> mixed_;            // [rows, q | k | v]: after the conv (q, k then normalised)
+  DeviceBuffer<float> z_;                // [rows, Hv * dv]
+  DeviceBuffer<float> a_, b_, g_, beta_;  // [rows, Hv]
+  DeviceBuffer<float> out_;               // [rows, Hv * dv]
 };
 
 }  // namespace infersweep

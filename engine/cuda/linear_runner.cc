@@ -19,11 +19,6 @@ LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::C
       gemm_(std::move(gemm)),
       view_(view) {}
 
-LinearRunner::~LinearRunner() {
-  FreeScratch();
-  if (bf16_copy_) cudaFree(bf16_copy_);
-}
-
 // The most elements of a quantized linear that Gemm dequantizes into the bf16 copy: the dense
 // projections, MLPs and lm_head (the experts run on their codes).
 size_t LinearRunner::LargestQuantizedDense() const {
@@ -54,26 +49,17 @@ absl::Status LinearRunner::AllocateScratch(int rows) {
   const size_t inter = MaxIntermediate();
   const size_t widest = std::max({hidden, static_cast<size_t>(config_.q_dim()), inter,
                                   static_cast<size_t>(config_.linear_value_dim())});
-  for (auto [ptr, count] :
+  for (auto [buffer, count] :
        {std::pair{&xn_, r * hidden}, std::pair{&o_, r * hidden}, std::pair{&y_, r * hidden},
-        std::pair{&gate_, r * inter}, std::pair{&up_, r * inter}}) {
-    auto p = DeviceAlloc<float>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
-  }
+        std::pair{&gate_, r * inter}, std::pair{&up_, r * inter}})
+    RETURN_IF_ERROR(buffer->Allocate(count));
   // The bf16 staging holds a GEMM's input, or the MoE pairs' gathered rows (moe=grouped).
-  auto bf16 = DeviceAlloc<uint16_t>(std::max(r * widest, r * k * hidden));
-  if (!bf16.ok()) return bf16.status();
-  bf16_ = *bf16;
-  return absl::OkStatus();
+  return bf16_.Allocate(std::max(r * widest, r * k * hidden));
 }
 
 void LinearRunner::FreeScratch() {
-  for (float* p : {xn_, o_, y_, gate_, up_})
-    if (p) cudaFree(p);
-  if (bf16_) cudaFree(bf16_);
-  xn_ = o_ = y_ = gate_ = up_ = nullptr;
-  bf16_ = nullptr;
+  for (DeviceBuffer<float>* b : {&xn_, &o_, &y_, &gate_, &up_}) b->reset();
+  bf16_.reset();
 }
 
 absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows,
@@ -139,8 +125,8 @@ absl::Status LinearRunner::GemmAccumulate(const float* x, const uint16_t* x_bf16
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(Gemm(x, x_bf16, rows, w, bias, o_));
-  cuda::AddScaled(y, o_, scale, static_cast<int64_t>(rows) * w.rows, stream_);
+  RETURN_IF_ERROR(Gemm(x, x_bf16, rows, w, bias, o_.get()));
+  cuda::AddScaled(y, o_.get(), scale, static_cast<int64_t>(rows) * w.rows, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -164,12 +150,9 @@ absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
   if (capturing != cudaStreamCaptureStatusNone)
     return absl::InternalError(absl::StrCat("the bf16 copy of a quantized linear (", count,
                                             " elements) was not reserved before the capture"));
-  if (bf16_copy_) cudaFree(bf16_copy_);  // synchronises: nothing still reads it
-  bf16_copy_ = nullptr;
+  // The old copy is freed first (cudaFree synchronises: nothing still reads it).
   bf16_copy_count_ = 0;
-  auto buffer = DeviceAlloc<uint16_t>(count);
-  if (!buffer.ok()) return buffer.status();
-  bf16_copy_ = *buffer;
+  RETURN_IF_ERROR(bf16_copy_.Allocate(count));
   bf16_copy_count_ = count;
   return absl::OkStatus();
 }
@@ -185,23 +168,23 @@ absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
 // the dense copy too (reserved by AllocateScratch); smaller ones keep the quantized kernels.
 absl::StatusOr<MatrixRef> LinearRunner::QuantBf16Copy(const MatrixRef& w) {
   RETURN_IF_ERROR(ReserveBf16Copy(static_cast<size_t>(w.numel())));
-  cuda::DequantizeToBf16(w, bf16_copy_, stream_);
+  cuda::DequantizeToBf16(w, bf16_copy_.get(), stream_);
   CHECK_LAUNCH();
-  return MatrixRef{bf16_copy_, DType::kBF16, w.rows, w.cols};
+  return MatrixRef{bf16_copy_.get(), DType::kBF16, w.rows, w.cols};
 }
 
 const uint16_t* LinearRunner::PrepareInput(const float* x, int64_t count) {
   if (!gemm_) return nullptr;
-  cuda::ToBf16(x, count, bf16_, stream_);
+  cuda::ToBf16(x, count, bf16_.get(), stream_);
   CHECK_LAUNCH();
-  return bf16_;
+  return bf16_.get();
 }
 
 const uint16_t* LinearRunner::NormAndPrepare(const float* x, int rows, int n, const MatrixRef& gain,
                                              float eps) {
-  cuda::RmsNorm(x, rows, n, gain, eps, xn_, stream_, gemm_ ? bf16_ : nullptr);
+  cuda::RmsNorm(x, rows, n, gain, eps, xn_.get(), stream_, gemm_ ? bf16_.get() : nullptr);
   CHECK_LAUNCH();
-  return gemm_ ? bf16_ : nullptr;
+  return gemm_ ? bf16_.get() : nullptr;
 }
 
 // The attention projections' GEMV: TMA-streamed with gemm=tma (sm_90a), else register-streamed.
@@ -276,9 +259,9 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
               "GEMV (QuantGemvSupports is false)"));
     const float* in = g.x;
     if (g.norm_gain) {
-      cuda::RmsNorm(g.x, g.rows, g.k, MatrixRef{g.norm_gain, g.norm_dtype, 1, g.k}, g.norm_eps, xn_,
-                    stream_);
-      in = xn_;
+      cuda::RmsNorm(g.x, g.rows, g.k, MatrixRef{g.norm_gain, g.norm_dtype, 1, g.k}, g.norm_eps,
+                    xn_.get(), stream_);
+      in = xn_.get();
     }
     const uint16_t* in_bf16 = PrepareInput(in, static_cast<int64_t>(g.rows) * g.k);
     for (int s = 0; s < g.segments; ++s) {
@@ -288,10 +271,10 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
         continue;
       }
       // y_ is free on the GEMV path; accumulating segments (o, down) are [rows, hidden].
-      RETURN_IF_ERROR(Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_));
+      RETURN_IF_ERROR(Gemm(in, in_bf16, g.rows, g.w[s], g.bias[s], y_.get()));
       const int64_t count = static_cast<int64_t>(g.rows) * seg.n;
       if (!g.accumulate) CUDA_OR_DIE(cudaMemsetAsync(seg.y, 0, count * sizeof(float), stream_));
-      cuda::AddScaled(seg.y, y_, g.scale, count, stream_);
+      cuda::AddScaled(seg.y, y_.get(), g.scale, count, stream_);
     }
   }
   CHECK_LAUNCH();
@@ -329,21 +312,21 @@ absl::Status LinearRunner::DenseMlp(const LayerWeights& lw, int rows, bool gemv,
   if (gemv) {
     const int inter = static_cast<int>(lw.mlp.gate.rows);
     FusedGemv a = GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
-    AddSegment(a, lw.mlp.gate, {}, gate_);
-    AddSegment(a, lw.mlp.up, {}, up_);
+    AddSegment(a, lw.mlp.gate, {}, gate_.get());
+    AddSegment(a, lw.mlp.up, {}, up_.get());
     RETURN_IF_ERROR(RunGemv(a));
-    cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
-    FusedGemv d = GemvInput(gate_, rows, inter, {});
+    cuda::SiluMul(gate_.get(), up_.get(), static_cast<int64_t>(rows) * inter, gate_.get(), stream_);
+    FusedGemv d = GemvInput(gate_.get(), rows, inter, {});
     AddSegment(d, lw.mlp.down, {}, out);
     d.accumulate = true;
     RETURN_IF_ERROR(RunGemv(d));
     CHECK_LAUNCH();
     return absl::OkStatus();
   }
-  cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_, stream_);
-  const uint16_t* mb = PrepareInput(xn_, elems);
-  RETURN_IF_ERROR(Mlp(lw.mlp, xn_, mb, rows, y_));
-  cuda::AddScaled(out, y_, 1.f, elems, stream_);
+  cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, xn_.get(), stream_);
+  const uint16_t* mb = PrepareInput(xn_.get(), elems);
+  RETURN_IF_ERROR(Mlp(lw.mlp, xn_.get(), mb, rows, y_.get()));
+  cuda::AddScaled(out, y_.get(), 1.f, elems, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -352,12 +335,12 @@ absl::Status LinearRunner::MlpGemv(const ExpertWeights& e, const float* in, int 
                                    const MatrixRef& extra, float* extra_out, float* y) {
   const int hidden = static_cast<int>(e.gate.cols), inter = static_cast<int>(e.gate.rows);
   FusedGemv a = GemvInput(in, rows, hidden, {});
-  AddSegment(a, e.gate, {}, gate_);
-  AddSegment(a, e.up, {}, up_);
+  AddSegment(a, e.gate, {}, gate_.get());
+  AddSegment(a, e.up, {}, up_.get());
   if (!extra.empty()) AddSegment(a, extra, {}, extra_out);
   RETURN_IF_ERROR(RunGemv(a));
-  cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
-  FusedGemv d = GemvInput(gate_, rows, inter, {});
+  cuda::SiluMul(gate_.get(), up_.get(), static_cast<int64_t>(rows) * inter, gate_.get(), stream_);
+  FusedGemv d = GemvInput(gate_.get(), rows, inter, {});
   AddSegment(d, e.down, {}, y);
   return RunGemv(d);
 }
@@ -365,11 +348,11 @@ absl::Status LinearRunner::MlpGemv(const ExpertWeights& e, const float* in, int 
 absl::Status LinearRunner::Mlp(const ExpertWeights& e, const float* in, const uint16_t* in_bf16,
                                int rows, float* y) {
   const int inter = static_cast<int>(e.gate.rows);
-  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.gate, {}, gate_));
-  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.up, {}, up_));
-  cuda::SiluMul(gate_, up_, static_cast<int64_t>(rows) * inter, gate_, stream_);
-  const uint16_t* hb = PrepareInput(gate_, static_cast<int64_t>(rows) * inter);
-  return Gemm(gate_, hb, rows, e.down, {}, y);
+  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.gate, {}, gate_.get()));
+  RETURN_IF_ERROR(Gemm(in, in_bf16, rows, e.up, {}, up_.get()));
+  cuda::SiluMul(gate_.get(), up_.get(), static_cast<int64_t>(rows) * inter, gate_.get(), stream_);
+  const uint16_t* hb = PrepareInput(gate_.get(), static_cast<int64_t>(rows) * inter);
+  return Gemm(gate_.get(), hb, rows, e.down, {}, y);
 }
 
 }  // namespace infersweep

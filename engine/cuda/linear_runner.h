@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "engine/cuda/device_util.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
 #include "kernels/cuda/gemm_cublaslt.h"
@@ -22,7 +23,6 @@ class LinearRunner {
   // model's view of its weights, else null; both outlive the runner.
   LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::CublasLtGemm> gemm,
                const QuantView* view);
-  ~LinearRunner();
   LinearRunner(const LinearRunner&) = delete;
   LinearRunner& operator=(const LinearRunner&) = delete;
 
@@ -31,10 +31,10 @@ class LinearRunner {
   void FreeScratch();
 
   cuda::CublasLtGemm* cublaslt() const { return gemm_.get(); }
-  float* xn() const { return xn_; }         // [rows, hidden]: the normalised input
-  uint16_t* bf16() const { return bf16_; }  // bf16 staging of a GEMM's input
-  float* o() const { return o_; }           // [rows, hidden]
-  float* y() const { return y_; }           // [rows, hidden]
+  float* xn() const { return xn_.get(); }         // [rows, hidden]: the normalised input
+  uint16_t* bf16() const { return bf16_.get(); }  // bf16 staging of a GEMM's input
+  float* o() const { return o_.get(); }           // [rows, hidden]
+  float* y() const { return y_.get(); }           // [rows, hidden]
   // Whether the step being enqueued is a prefill chunk (n > 1): quantized linears then run on
   // tensor cores from a bf16 copy (as they do from kQuantBf16CopyMinRows decode rows).
   void set_prefill(bool prefill) { prefill_ = prefill; }
@@ -104,9 +104,9 @@ class LinearRunner {
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
   const QuantView* view_;
   bool prefill_ = false;
-  float *xn_ = nullptr, *o_ = nullptr, *y_ = nullptr, *gate_ = nullptr, *up_ = nullptr;
-  uint16_t* bf16_ = nullptr;
-  uint16_t* bf16_copy_ = nullptr;  // QuantBf16Copy
+  DeviceBuffer<float> xn_, o_, y_, gate_, up_;
+  DeviceBuffer<uint16_t> bf16_;
+  DeviceBuffer<uint16_t> bf16_copy_;  // QuantBf16Copy
   size_t bf16_copy_count_ = 0;
 };
 

@@ -22,73 +22,46 @@ MoeRunner::MoeRunner(const RunnerContext& context, LinearRunner& linear, const D
       view_(view),
       grouped_(std::move(grouped)) {}
 
-MoeRunner::~MoeRunner() {
-  FreeScratch();
-  for (void* p : {static_cast<void*>(prefill_experts_), static_cast<void*>(prefill_expert_tables_)})
-    if (p) cudaFree(p);
-  for (MatrixRef* p : prefill_expert_refs_)
-    if (p) cudaFree(p);
-  for (float* p : router_f32_)
-    if (p) cudaFree(p);
-}
-
 absl::Status MoeRunner::AllocateScratch(int rows) {
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
   const size_t moe_inter = std::max(config_.moe_intermediate_size, 1);
-  for (auto [ptr, count] :
+  for (auto [buffer, count] :
        {std::pair{&router_, r * std::max(config_.num_experts, 1) + 1},
         std::pair{&expert_weights_, r * k}, std::pair{&moe_h_, r * k * moe_inter},
         std::pair{&moe_out_, r * k * hidden}, std::pair{&moe_in_, r * k * hidden},
-        std::pair{&route_weight_, r * k}}) {
-    auto p = DeviceAlloc<float>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
-  }
-  for (auto [ptr, count] :
+        std::pair{&route_weight_, r * k}})
+    RETURN_IF_ERROR(buffer->Allocate(count));
+  for (auto [buffer, count] :
        {std::pair{&expert_ids_, r * k}, std::pair{&route_index_, r * k},
         std::pair{&pair_position_, r * k},
-        std::pair{&expert_offsets_, static_cast<size_t>(std::max(config_.num_experts, 0) + 1)}}) {
-    auto p = DeviceAlloc<int>(count);
-    if (!p.ok()) return p.status();
-    *ptr = *p;
-  }
-  auto xn_bf16 = DeviceAlloc<uint16_t>(r * hidden);
-  if (!xn_bf16.ok()) return xn_bf16.status();
-  xn_bf16_ = *xn_bf16;
-  auto moe_bf16 = DeviceAlloc<uint16_t>(r * k * (2 * moe_inter + hidden));
-  if (!moe_bf16.ok()) return moe_bf16.status();
-  moe_bf16_ = *moe_bf16;
+        std::pair{&expert_offsets_, static_cast<size_t>(std::max(config_.num_experts, 0) + 1)}})
+    RETURN_IF_ERROR(buffer->Allocate(count));
+  RETURN_IF_ERROR(xn_bf16_.Allocate(r * hidden));
+  RETURN_IF_ERROR(moe_bf16_.Allocate(r * k * (2 * moe_inter + hidden)));
   return absl::OkStatus();
 }
 
 void MoeRunner::FreeScratch() {
-  for (float* p : {router_, expert_weights_, moe_h_, moe_out_, moe_in_, route_weight_})
-    if (p) cudaFree(p);
-  for (int* p : {expert_ids_, route_index_, pair_position_, expert_offsets_})
-    if (p) cudaFree(p);
-  if (xn_bf16_) cudaFree(xn_bf16_);
-  if (moe_bf16_) cudaFree(moe_bf16_);
-  router_ = expert_weights_ = moe_h_ = moe_out_ = moe_in_ = route_weight_ = nullptr;
-  expert_ids_ = route_index_ = pair_position_ = expert_offsets_ = nullptr;
-  xn_bf16_ = moe_bf16_ = nullptr;
+  for (DeviceBuffer<float>* b :
+       {&router_, &expert_weights_, &moe_h_, &moe_out_, &moe_in_, &route_weight_})
+    b->reset();
+  for (DeviceBuffer<int>* b : {&expert_ids_, &route_index_, &pair_position_, &expert_offsets_})
+    b->reset();
+  xn_bf16_.reset();
+  moe_bf16_.reset();
 }
 
 // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
 // graph capture: 1 MB a layer on qwen3-30b-a3b.
 absl::Status MoeRunner::MakeRouterCopies() {
   if (!linear_.cublaslt() || !config_.is_moe() || !router_f32_.empty()) return absl::OkStatus();
-  std::vector<float*> copies(config_.num_layers, nullptr);
+  // Kept only when every copy is made: a failure frees the ones before it.
+  std::vector<DeviceBuffer<float>> copies(config_.num_layers);
   for (int l = 0; l < config_.num_layers; ++l) {
     const MatrixRef& wr = w_.layers[l].router;
     if (wr.empty() || wr.quantized()) continue;  // the reference GEMM dequantizes those
-    auto copy = DeviceAlloc<float>(static_cast<size_t>(wr.rows * wr.cols));
-    if (!copy.ok()) {
-      for (float* p : copies)
-        if (p) cudaFree(p);
-      return copy.status();
-    }
-    copies[l] = *copy;
-    cuda::UpcastToF32(wr, copies[l], stream_);
+    RETURN_IF_ERROR(copies[l].Allocate(static_cast<size_t>(wr.rows * wr.cols)));
+    cuda::UpcastToF32(wr, copies[l].get(), stream_);
     CHECK_LAUNCH();
   }
   router_f32_ = std::move(copies);
@@ -112,7 +85,7 @@ MoeLayerFacts MoeRunner::LayerFacts(int l) const {
   f.experts_quantized_alike = ExpertsQuantizedAlike(l);
   f.experts_bf16 = !lw.experts.empty() && lw.experts[0].gate.dtype == DType::kBF16 &&
                    !lw.experts[0].gate.quantized();
-  f.router_f32_copy = !router_f32_.empty() && router_f32_[l] != nullptr;
+  f.router_f32_copy = !router_f32_.empty() && router_f32_[l];
   f.shared_expert = !lw.shared_expert.gate.empty();
   f.shared_down_cols = static_cast<int>(lw.shared_expert.down.cols);
   return f;
@@ -140,21 +113,21 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       LinearRunner::FusedGemv a =
           LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       a.normed_out = linear_.xn();
-      LinearRunner::AddSegment(a, lw.router, {}, router_);
+      LinearRunner::AddSegment(a, lw.router, {}, router_.get());
       RETURN_IF_ERROR(linear_.RunGemv(a));
-      if (plan.bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_, stream_);
+      if (plan.bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_.get(), stream_);
       break;
     }
     case MoeRouter::kCublasLtF32:
     case MoeRouter::kRouterKernel:
     case MoeRouter::kReference:
       cuda::RmsNorm(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps, linear_.xn(),
-                    stream_, plan.bf16_input ? xn_bf16_ : nullptr);
+                    stream_, plan.bf16_input ? xn_bf16_.get() : nullptr);
       RETURN_IF_ERROR(Router(l, rows, plan.router));
       break;
   }
-  cuda::RouterTopK(router_, rows, config_.num_experts, k, config_.norm_topk_prob, expert_ids_,
-                   expert_weights_, stream_);
+  cuda::RouterTopK(router_.get(), rows, config_.num_experts, k, config_.norm_topk_prob,
+                   expert_ids_.get(), expert_weights_.get(), stream_);
 
   switch (plan.experts) {
     case MoeExperts::kGrouped: {
@@ -173,22 +146,22 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       }
       cuda::MoeGroupedArgs a;
       a.kernel = plan.grouped;
-      a.x_bf16 = xn_bf16_;
+      a.x_bf16 = xn_bf16_.get();
       a.rows = rows;
       a.k = k;
       a.num_experts = config_.num_experts;
       a.hidden = hidden;
       a.inter = inter;
-      a.expert_ids = expert_ids_;
-      a.expert_weights = expert_weights_;
+      a.expert_ids = expert_ids_.get();
+      a.expert_weights = expert_weights_.get();
       a.skip_expert = skip;
       a.gate = tables[0];
       a.up = tables[1];
       a.down = tables[2];
-      a.offsets = expert_offsets_;
-      a.sorted_pairs = route_index_;
-      a.h = moe_bf16_;
-      a.out = moe_out_;
+      a.offsets = expert_offsets_.get();
+      a.sorted_pairs = route_index_.get();
+      a.h = moe_bf16_.get();
+      a.out = moe_out_.get();
       a.y = out;
       if (quant) a.quant = view_->quant_tables[l].data();
       cuda::MoeGrouped(a, stream_);
@@ -197,17 +170,18 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     }
     case MoeExperts::kPerPairQuantGemv: {
       const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
-      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_, t[0], t[1], moe_h_, stream_);
-      cuda::MoeDownCombineQuant(moe_h_, rows, k, expert_ids_, expert_weights_, skip, t[2], out,
-                                stream_);
+      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_.get(), t[0], t[1], moe_h_.get(),
+                           stream_);
+      cuda::MoeDownCombineQuant(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(),
+                                skip, t[2], out, stream_);
       CHECK_LAUNCH();
       break;
     }
     case MoeExperts::kPerPairGemv:
-      cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_,
-                      own ? view_->gate_table[l] : dw_->gate_table[l],
-                      own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_, stream_);
-      cuda::MoeDownCombine(moe_h_, rows, k, expert_ids_, expert_weights_, skip,
+      cuda::MoeGateUp(
+          linear_.xn(), rows, k, expert_ids_.get(), own ? view_->gate_table[l] : dw_->gate_table[l],
+          own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_.get(), stream_);
+      cuda::MoeDownCombine(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(), skip,
                            own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, out,
                            stream_);
       CHECK_LAUNCH();
@@ -225,11 +199,13 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
         for (int e = 0; e < config_.num_experts; ++e) {
           const auto [first, count] = routing.spans[e];
           if (count == 0) continue;
-          cuda::GatherRows(linear_.xn(), route_index_ + first, count, hidden, moe_in_, stream_);
-          const uint16_t* gb = linear_.PrepareInput(moe_in_, static_cast<int64_t>(count) * hidden);
-          RETURN_IF_ERROR(linear_.Mlp(lw.experts[e], moe_in_, gb, count, moe_out_));
-          cuda::ScatterAddRows(moe_out_, route_index_ + first, route_weight_ + first, count, hidden,
-                               linear_.y(), stream_);
+          cuda::GatherRows(linear_.xn(), route_index_.get() + first, count, hidden, moe_in_.get(),
+                           stream_);
+          const uint16_t* gb =
+              linear_.PrepareInput(moe_in_.get(), static_cast<int64_t>(count) * hidden);
+          RETURN_IF_ERROR(linear_.Mlp(lw.experts[e], moe_in_.get(), gb, count, moe_out_.get()));
+          cuda::ScatterAddRows(moe_out_.get(), route_index_.get() + first,
+                               route_weight_.get() + first, count, hidden, linear_.y(), stream_);
           CHECK_LAUNCH();
         }
         cuda::AddScaled(out, linear_.y(), 1.f, elems, stream_);
@@ -246,8 +222,8 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     case MoeShared::kFusedGemv:
       // gate, up and the shared gate in one GEMV over the normalised input; down into o.
       RETURN_IF_ERROR(linear_.MlpGemv(lw.shared_expert, linear_.xn(), rows, lw.shared_expert_gate,
-                                      router_, linear_.o()));
-      cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
+                                      router_.get(), linear_.o()));
+      cuda::AddSigmoidGated(out, linear_.o(), router_.get(), rows, hidden, stream_);
       CHECK_LAUNCH();
       break;
     case MoeShared::kUnfused: {
@@ -255,8 +231,9 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       RETURN_IF_ERROR(linear_.Mlp(lw.shared_expert, linear_.xn(), sb, rows, linear_.o()));
       // Mlp reused the bf16 staging buffer: convert the input again for the gate.
       sb = linear_.PrepareInput(linear_.xn(), static_cast<int64_t>(rows) * hidden);
-      RETURN_IF_ERROR(linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_));
-      cuda::AddSigmoidGated(out, linear_.o(), router_, rows, hidden, stream_);
+      RETURN_IF_ERROR(
+          linear_.Gemm(linear_.xn(), sb, rows, lw.shared_expert_gate, {}, router_.get()));
+      cuda::AddSigmoidGated(out, linear_.o(), router_.get(), rows, hidden, stream_);
       CHECK_LAUNCH();
       break;
     }
@@ -268,14 +245,14 @@ absl::Status MoeRunner::Router(int l, int rows, MoeRouter path) {
   const MatrixRef& wr = w_.layers[l].router;
   switch (path) {
     case MoeRouter::kCublasLtF32:
-      return linear_.cublaslt()->RunF32(linear_.xn(), rows, router_f32_[l],
+      return linear_.cublaslt()->RunF32(linear_.xn(), rows, router_f32_[l].get(),
                                         static_cast<int>(wr.rows), static_cast<int>(wr.cols),
-                                        router_, stream_);
+                                        router_.get(), stream_);
     case MoeRouter::kRouterKernel:
-      cuda::RouterGemm(linear_.xn(), rows, wr, router_, stream_);
+      cuda::RouterGemm(linear_.xn(), rows, wr, router_.get(), stream_);
       break;
     case MoeRouter::kReference:
-      cuda::GemmReference(linear_.xn(), rows, wr, {}, router_, stream_);
+      cuda::GemmReference(linear_.xn(), rows, wr, {}, router_.get(), stream_);
       break;
     case MoeRouter::kFusedGemv:
       return absl::InternalError("MoeRunner::Router: the fused GEMV runs the router itself");
@@ -288,9 +265,9 @@ MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
   const int k = config_.num_experts_per_tok;
   std::vector<int> ids(static_cast<size_t>(rows) * k);
   std::vector<float> weights(ids.size());
-  CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_, ids.size() * sizeof(int),
+  CUDA_OR_DIE(cudaMemcpyAsync(ids.data(), expert_ids_.get(), ids.size() * sizeof(int),
                               cudaMemcpyDeviceToHost, stream_));
-  CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_, ids.size() * sizeof(float),
+  CUDA_OR_DIE(cudaMemcpyAsync(weights.data(), expert_weights_.get(), ids.size() * sizeof(float),
                               cudaMemcpyDeviceToHost, stream_));
   CUDA_OR_DIE(cudaStreamSynchronize(stream_));
   HostRouting r;
@@ -316,12 +293,12 @@ MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
     r.index[position] = static_cast<int>(p / k);
     r.index_weight[position] = weights[p];
   }
-  CUDA_OR_DIE(cudaMemcpyAsync(route_index_, r.index.data(), r.index.size() * sizeof(int),
+  CUDA_OR_DIE(cudaMemcpyAsync(route_index_.get(), r.index.data(), r.index.size() * sizeof(int),
                               cudaMemcpyHostToDevice, stream_));
-  CUDA_OR_DIE(cudaMemcpyAsync(route_weight_, r.index_weight.data(), r.index.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream_));
+  CUDA_OR_DIE(cudaMemcpyAsync(route_weight_.get(), r.index_weight.data(),
+                              r.index.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
   if (grouped_)  // only the grouped runner's combine reads it
-    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_, r.pair_position.data(),
+    CUDA_OR_DIE(cudaMemcpyAsync(pair_position_.get(), r.pair_position.data(),
                                 r.pair_position.size() * sizeof(int), cudaMemcpyHostToDevice,
                                 stream_));
   return r;
@@ -338,10 +315,10 @@ absl::Status MoeRunner::GroupedExperts(const LayerWeights& lw, int rows, const H
   if (pairs == 0) return absl::OkStatus();
   // The norm wrote xn in bf16 too (Moe): gather those rows, half the bytes of fp32 rows and no
   // conversion after.
-  cuda::GatherRowsBf16(xn_bf16_, route_index_, pairs, hidden, linear_.bf16(), stream_);
+  cuda::GatherRowsBf16(xn_bf16_.get(), route_index_.get(), pairs, hidden, linear_.bf16(), stream_);
   const uint16_t* xb = linear_.bf16();
   const int64_t h_elems = static_cast<int64_t>(pairs) * inter;
-  uint16_t* gate = moe_bf16_;
+  uint16_t* gate = moe_bf16_.get();
   uint16_t* up = gate + h_elems;
   uint16_t* out = up + h_elems;  // [pairs, hidden]
   std::vector<cuda::GroupedProblem> gate_problems, up_problems, down_problems;
@@ -363,8 +340,8 @@ absl::Status MoeRunner::GroupedExperts(const LayerWeights& lw, int rows, const H
   RETURN_IF_ERROR(grouped_->Run(up_problems, inter, hidden, stream_));
   cuda::SiluMulBf16(gate, up, h_elems, gate, stream_);
   RETURN_IF_ERROR(grouped_->Run(down_problems, hidden, inter, stream_));
-  cuda::CombinePairsBf16(out, pair_position_, expert_weights_, rows, config_.num_experts_per_tok,
-                         hidden, x, stream_);
+  cuda::CombinePairsBf16(out, pair_position_.get(), expert_weights_.get(), rows,
+                         config_.num_experts_per_tok, hidden, x, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -388,20 +365,16 @@ absl::StatusOr<std::array<const uint16_t* const*, 3>> MoeRunner::PrefillExpertCo
   const size_t per_matrix =
       static_cast<size_t>(config_.moe_intermediate_size) * config_.hidden_size;
   if (!prefill_experts_) {
-    auto buffer = DeviceAlloc<uint16_t>(3 * experts * per_matrix);
-    if (!buffer.ok()) return buffer.status();
-    prefill_experts_ = *buffer;
+    RETURN_IF_ERROR(prefill_experts_.Allocate(3 * experts * per_matrix));
     std::vector<const uint16_t*> list(3 * experts);
-    for (size_t i = 0; i < list.size(); ++i) list[i] = prefill_experts_ + i * per_matrix;
-    auto tables = DeviceAlloc<const uint16_t*>(list.size());
-    if (!tables.ok()) return tables.status();
-    prefill_expert_tables_ = *tables;
-    CUDA_OR_DIE(cudaMemcpy(prefill_expert_tables_, list.data(), list.size() * sizeof(list[0]),
+    for (size_t i = 0; i < list.size(); ++i) list[i] = prefill_experts_.get() + i * per_matrix;
+    RETURN_IF_ERROR(prefill_expert_tables_.Allocate(list.size()));
+    CUDA_OR_DIE(cudaMemcpy(prefill_expert_tables_.get(), list.data(), list.size() * sizeof(list[0]),
                            cudaMemcpyHostToDevice));
   }
   // The layer's 3E quantized experts as one device array (made at the layer's first prefill),
   // dequantized in one launch: 384 launches a layer cost more than the bytes.
-  if (prefill_expert_refs_.empty()) prefill_expert_refs_.assign(config_.num_layers, nullptr);
+  if (prefill_expert_refs_.empty()) prefill_expert_refs_.resize(config_.num_layers);
   if (!prefill_expert_refs_[l]) {
     const LayerWeights& lw = w_.layers[l];
     std::vector<MatrixRef> refs;
@@ -410,19 +383,18 @@ absl::StatusOr<std::array<const uint16_t* const*, 3>> MoeRunner::PrefillExpertCo
         refs.push_back(m == 0   ? lw.experts[e].gate
                        : m == 1 ? lw.experts[e].up
                                 : lw.experts[e].down);
-    auto d = DeviceAlloc<MatrixRef>(refs.size());
-    if (!d.ok()) return d.status();
+    DeviceBuffer<MatrixRef> d;
+    RETURN_IF_ERROR(d.Allocate(refs.size()));
     CUDA_OR_DIE(
-        cudaMemcpy(*d, refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
-    prefill_expert_refs_[l] = *d;
+        cudaMemcpy(d.get(), refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
+    prefill_expert_refs_[l] = std::move(d);
   }
   const MatrixRef& shape = w_.layers[l].experts[0].gate;
-  cuda::DequantizeManyToBf16(prefill_expert_refs_[l], 3 * experts, shape.rows, shape.cols,
-                             prefill_experts_, stream_);
+  cuda::DequantizeManyToBf16(prefill_expert_refs_[l].get(), 3 * experts, shape.rows, shape.cols,
+                             prefill_experts_.get(), stream_);
   CHECK_LAUNCH();
-  return std::array<const uint16_t* const*, 3>{prefill_expert_tables_,
-                                               prefill_expert_tables_ + experts,
-                                               prefill_expert_tables_ + 2 * experts};
+  const uint16_t* const* tables = prefill_expert_tables_.get();
+  return std::array<const uint16_t* const*, 3>{tables, tables + experts, tables + 2 * experts};
 }
 
 }  // namespace infersweep

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
@@ -27,7 +28,6 @@ class MoeRunner {
   // configs for long prefill chunks), else null.
   MoeRunner(const RunnerContext& context, LinearRunner& linear, const DeviceWeights* dw,
             const QuantView* view, std::unique_ptr<cuda::CublasGroupedGemm> grouped);
-  ~MoeRunner();
   MoeRunner(const MoeRunner&) = delete;
   MoeRunner& operator=(const MoeRunner&) = delete;
 
@@ -44,7 +44,7 @@ class MoeRunner {
   absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out);
 
   // [rows, experts] router logits, + 1 float (graphs=persistent's sum of squares of x).
-  float* router() const { return router_; }
+  float* router() const { return router_.get(); }
 
  private:
   // The routing of `rows` rows read back to the host: pairs (row, slot) grouped by expert, with
@@ -75,16 +75,14 @@ class MoeRunner {
   const DeviceWeights* dw_;
   const QuantView* view_;
   std::unique_ptr<cuda::CublasGroupedGemm> grouped_;
-  std::vector<float*> router_f32_;  // per layer (MakeRouterCopies); null for dense layers
-  float *router_ = nullptr, *expert_weights_ = nullptr, *moe_h_ = nullptr, *moe_out_ = nullptr,
-        *moe_in_ = nullptr, *route_weight_ = nullptr;
-  int *expert_ids_ = nullptr, *route_index_ = nullptr, *pair_position_ = nullptr,
-      *expert_offsets_ = nullptr;
-  uint16_t* xn_bf16_ = nullptr;          // the block's normalised input in bf16
-  uint16_t* moe_bf16_ = nullptr;         // moe=grouped: gate | up | pair outputs, bf16
-  uint16_t* prefill_experts_ = nullptr;  // PrefillExpertCopies: [gate | up | down][expert]
-  const uint16_t** prefill_expert_tables_ = nullptr;
-  std::vector<MatrixRef*> prefill_expert_refs_;  // per layer: its experts' refs on the device
+  std::vector<DeviceBuffer<float>> router_f32_;  // per layer (MakeRouterCopies); none: dense layer
+  DeviceBuffer<float> router_, expert_weights_, moe_h_, moe_out_, moe_in_, route_weight_;
+  DeviceBuffer<int> expert_ids_, route_index_, pair_position_, expert_offsets_;
+  DeviceBuffer<uint16_t> xn_bf16_;          // the block's normalised input in bf16
+  DeviceBuffer<uint16_t> moe_bf16_;         // moe=grouped: gate | up | pair outputs, bf16
+  DeviceBuffer<uint16_t> prefill_experts_;  // PrefillExpertCopies: [gate | up | down][expert]
+  DeviceBuffer<const uint16_t*> prefill_expert_tables_;
+  std::vector<DeviceBuffer<MatrixRef>> prefill_expert_refs_;  // per layer: its experts' refs
 };
 
 }  // namespace infersweep

@@ -69,11 +69,6 @@ PersistentDecoder::PersistentDecoder(const RunnerContext& context)
       fault_(context.fault),
       stream_(context.stream) {}
 
-PersistentDecoder::~PersistentDecoder() {
-  if (buffer_) cudaFree(buffer_);
-  for (void* p : copies_) cudaFree(p);
-}
-
 // graphs=persistent: builds the kernel's per-layer tables on the device, for a model that
 // CudaModelRefusal let through (layer kinds and shapes). Unimplemented (UNSUPPORTED to the
 // harness) with the reason for what only the weights tell: linears not all bf16 or not all in
@@ -105,9 +100,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
     const int64_t row_bytes = m.cols / 16, padded = (row_bytes + 15) / 16 * 16;
     if (row_bytes == padded) return m.quant.scale;
-    auto copy = DeviceAlloc<uint8_t>(static_cast<size_t>(m.rows * padded));
+    auto copy = copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded));
     if (!copy.ok()) return copy.status();
-    copies_.push_back(*copy);
     CUDA_OR_DIE(cudaMemset(*copy, 0, m.rows * padded));
     CUDA_OR_DIE(cudaMemcpy2D(*copy, padded, m.quant.scale, row_bytes, row_bytes, m.rows,
                              cudaMemcpyDeviceToDevice));
@@ -119,9 +113,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
     CUDA_OR_DIE(cudaMemcpy(rows.data(), m.data, rows.size() * 2, cudaMemcpyDeviceToHost));
     for (int64_t e = 0; e < m.rows; ++e)
       for (int64_t i = 0; i < m.cols; ++i) columns[i * m.rows + e] = rows[e * m.cols + i];
-    auto copy = DeviceAlloc<uint16_t>(columns.size());
+    auto copy = copies_.Allocate<uint16_t>(columns.size());
     if (!copy.ok()) return copy.status();
-    copies_.push_back(*copy);
     CUDA_OR_DIE(cudaMemcpy(*copy, columns.data(), columns.size() * 2, cudaMemcpyHostToDevice));
     return *copy;
   };
@@ -130,9 +123,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   auto down_tiles = [&](const std::vector<std::array<const MatrixRef*, 3>>& mlps)
       -> absl::StatusOr<std::vector<const void*>> {
     const MatrixRef& first = *mlps[0][2];
-    auto copy = DeviceAlloc<uint16_t>(static_cast<size_t>(first.numel()) * mlps.size());
+    auto copy = copies_.Allocate<uint16_t>(static_cast<size_t>(first.numel()) * mlps.size());
     if (!copy.ok()) return copy.status();
-    copies_.push_back(*copy);
     std::vector<const void*> tiles;
     for (const auto& mlp : mlps) {
       const MatrixRef& down = *mlp[2];
@@ -273,10 +265,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   const size_t counter_bytes = cuda::PersistentDecodeCounters(shape) * sizeof(unsigned);
   const size_t total = layers_bytes + quant_bytes + tables_bytes + h_bytes + x_mlp_bytes +
                        x_adds_bytes + partial_bytes + counter_bytes + 6 * 256 + timeline_bytes;
-  auto buffer = DeviceAlloc<char>(total);
-  if (!buffer.ok()) return buffer.status();
-  buffer_ = *buffer;
-  char* base = *buffer;
+  RETURN_IF_ERROR(buffer_.Allocate(total));
+  char* base = buffer_.get();
   const void** device_tables = reinterpret_cast<const void**>(base + layers_bytes + quant_bytes);
   for (int l = 0, at = 0; l < c.num_layers; ++l)
     for (int proj = 0; proj < 3; ++proj)

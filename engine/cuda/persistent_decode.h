@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "api/model_config.h"
 #include "core/quant/format.h"
+#include "engine/cuda/device_util.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/options.h"
 #include "kernels/cuda/sm90a/decode_persistent.h"
@@ -34,7 +35,6 @@ std::string PersistentDecodeRefusal(const ModelConfig& config, QuantFormat forma
 class PersistentDecoder {
  public:
   explicit PersistentDecoder(const RunnerContext& context);
-  ~PersistentDecoder();
   PersistentDecoder(const PersistentDecoder&) = delete;
   PersistentDecoder& operator=(const PersistentDecoder&) = delete;
 
@@ -63,8 +63,8 @@ class PersistentDecoder {
   const FaultInjection& fault_;
   cudaStream_t stream_;
   cuda::PersistentDecodeArgs args_;  // layers null: not prepared
-  void* buffer_ = nullptr;
-  std::vector<void*> copies_;
+  DeviceBuffer<char> buffer_;        // what args_ points into
+  DeviceAllocations copies_;
   std::string timeline_path_;  // TEST ONLY
 };
 

@@ -20,10 +20,9 @@ namespace {
 
 // Copies a list of device pointers into a device array owned by `buffers`.
 absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list,
-                                            std::vector<void*>& buffers) {
-  auto d = DeviceAlloc<const void*>(list.size());
+                                            DeviceAllocations& buffers) {
+  auto d = buffers.Allocate<const void*>(list.size());
   if (!d.ok()) return d.status();
-  buffers.push_back(*d);
   CUDA_OR_DIE(cudaMemcpy(*d, list.data(), list.size() * sizeof(void*), cudaMemcpyHostToDevice));
   return *d;
 }
@@ -31,7 +30,7 @@ absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list
 // The device table of one projection of a layer's quantized experts.
 absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
     const std::vector<ExpertWeights>& experts, MatrixRef ExpertWeights::*projection,
-    std::vector<void*>& buffers) {
+    DeviceAllocations& buffers) {
   const MatrixRef& first = experts.front().*projection;
   cuda::QuantExpertTable t;
   t.format = first.quant.format;
@@ -114,7 +113,7 @@ absl::Status BuildExpertPointerTables(DeviceWeights& dw) {
     }
     for (auto [list, table] : {std::pair{&gate, &dw.gate_table}, std::pair{&up, &dw.up_table},
                                std::pair{&down, &dw.down_table}}) {
-      auto d = DeviceAlloc<const uint16_t*>(list->size());
+      auto d = dw.buffers.Allocate<const uint16_t*>(list->size());
       if (!d.ok()) return d.status();
       CUDA_OR_DIE(
           cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
@@ -154,9 +153,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     if (index[0] < 0 || index[1] < 0 || index[2] < 0) continue;
     size_t total = 0;
     for (int i : index) total += static_cast<size_t>(host.specs[i].numel()) * 2;
-    auto buffer = DeviceAlloc<uint8_t>(total);
+    auto buffer = dw->buffers.Allocate<uint8_t>(total);
     if (!buffer.ok()) return buffer.status();
-    dw->buffers.push_back(*buffer);
     size_t offset = 0;
     for (int i : index) {
       placed[i] = *buffer + offset;
@@ -168,9 +166,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     const HostTensor& t = host.tensors[i];
     const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(t.dtype);
     if (!placed[i]) {
-      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
       if (!buffer.ok()) return buffer.status();
-      dw->buffers.push_back(*buffer);
       placed[i] = *buffer;
     }
     uint8_t* const buffer = placed[i];
@@ -196,9 +193,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     if (host.specs[i].kind != WeightKind::kCenteredNorm) continue;
     HostTensor& t = dw->tensors[i];
     const int64_t n = host.specs[i].numel();
-    auto gain = DeviceAlloc<float>(n);
+    auto gain = dw->buffers.Allocate<float>(n);
     if (!gain.ok()) return gain.status();
-    dw->buffers.push_back(*gain);
     cuda::UpcastToF32(MatrixRef{t.data, t.dtype, 1, n}, *gain, nullptr, 1.f);
     CHECK_LAUNCH();
     t.data = *gain;
@@ -232,18 +228,16 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
           "device=cuda, tp > 1: quantized weights are not sharded for the CUDA engine");
     const size_t bytes = static_cast<size_t>(m.numel()) * DTypeSize(m.dtype);
     if (!at) {
-      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
       if (!buffer.ok()) return buffer.status();
-      dw->buffers.push_back(*buffer);
       at = *buffer;
     }
     CUDA_OR_DIE(cudaMemcpy(at, m.data, bytes, cudaMemcpyHostToDevice));
     const auto norm = centered.find(m.data);
     m.data = at;
     if (norm != centered.end() && norm->second == m.numel()) {
-      auto gain = DeviceAlloc<float>(m.numel());
+      auto gain = dw->buffers.Allocate<float>(m.numel());
       if (!gain.ok()) return gain.status();
-      dw->buffers.push_back(*gain);
       cuda::UpcastToF32(MatrixRef{m.data, m.dtype, 1, m.numel()}, *gain, nullptr, 1.f);
       CHECK_LAUNCH();
       m.data = *gain;
@@ -267,9 +261,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
                               !l.v.quantized();
     if (qkv_together) {
       const size_t bytes = static_cast<size_t>(l.q.numel() + l.k.numel() + l.v.numel()) * 2;
-      auto buffer = DeviceAlloc<uint8_t>(bytes);
+      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
       if (!buffer.ok()) return buffer.status();
-      dw->buffers.push_back(*buffer);
       uint8_t* at = *buffer;
       for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
         const size_t part = static_cast<size_t>(m->numel()) * 2;
@@ -318,9 +311,8 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
       for (size_t i = 0; i < host_linears.size(); ++i) {
         if (host_linears[i]->quant.scale != corrupted.data()) continue;
-        auto scale = DeviceAlloc<uint8_t>(corrupted.size());
+        auto scale = view->buffers.Allocate<uint8_t>(corrupted.size());
         if (!scale.ok()) return scale.status();
-        view->buffers.push_back(*scale);
         CUDA_OR_DIE(cudaMemcpy(*scale, corrupted.data(), corrupted.size(), cudaMemcpyHostToDevice));
         view_linears[i]->quant.scale = *scale;
       }
@@ -356,9 +348,8 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
       const size_t count = static_cast<size_t>(m->rows * m->cols);
-      auto buffer = DeviceAlloc<uint16_t>(count);
+      auto buffer = view->buffers.Allocate<uint16_t>(count);
       if (!buffer.ok()) return buffer.status();
-      view->buffers.push_back(*buffer);
       cuda::DequantizeToBf16(*m, *buffer, nullptr);
       CHECK_LAUNCH();
       *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/cuda/device_util.h"
 #include "engine/fault_injection.h"
 #include "engine/options.h"
 #include "engine/weights.h"
@@ -21,19 +22,12 @@ namespace infersweep {
 
 // The model's weights on the device, shared by every CudaModel of one HostModel.
 struct DeviceWeights {
-  std::vector<void*> buffers;
+  DeviceAllocations buffers;        // the weights and the tables below
   std::vector<HostTensor> tensors;  // device pointers, parallel to the specs
   ModelWeights weights;
   // Per MoE layer: device tables of expert weight pointers for the device-indexed kernels.
   std::vector<const uint16_t**> gate_table, up_table, down_table;
   double load_seconds = 0;
-
-  ~DeviceWeights() {
-    for (void* b : buffers) cudaFree(b);
-    for (auto* t : gate_table) cudaFree(t);
-    for (auto* t : up_table) cudaFree(t);
-    for (auto* t : down_table) cudaFree(t);
-  }
 };
 
 // `host`'s weights on the device, uploaded (or generated in place) at the first call and kept in
@@ -53,7 +47,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
 // applied to it alone, so the shared weights (and the reference built on them) stay intact.
 struct QuantView {
   ModelWeights weights;
-  std::vector<void*> buffers;
+  DeviceAllocations buffers;  // the view's copies and scales, and the tables below
   // fp8_cublaslt, native_fp4, cudnn: the library GEMM, scales in its layouts
   std::unique_ptr<cuda::QuantLinearGemm> scaled;
   // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
@@ -61,9 +55,6 @@ struct QuantView {
   // quantized experts' tables (gate, up, down) for w4a16 / w8a16.
   std::vector<const uint16_t**> gate_table, up_table, down_table;
   std::vector<std::array<cuda::QuantExpertTable, 3>> quant_tables;
-  ~QuantView() {
-    for (void* b : buffers) cudaFree(b);
-  }
 };
 
 // The view of a quantized model's weights for `options.qgemm` (and the TEST ONLY
