@@ -210,7 +210,6 @@ constexpr QuantFormat kAllFormats[] = {QuantFormat::kFp8Tensor, QuantFormat::kFp
                                        QuantFormat::kFp8Block128, QuantFormat::kNvfp4,
                                        QuantFormat::kMxfp4};
 
-bool IsFp4Format(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
 
 // sum_k x[k] * w[n, k] in double, and sum_k |x[k] * w[n, k]| (the scale of fp32 rounding).
 std::pair<double, double> ExactDot(const float* x, const std::vector<float>& w, int64_t n,
@@ -238,7 +237,7 @@ TEST_F(GpuQuant, FusedQuantGemvMatchesTheExactDequantReference) {
                         {48, {17, 3, 2}}};  // FP8 only: K = 3 chunks of 16
   for (QuantFormat format : kAllFormats) {
     for (const Case& c : cases) {
-      if (IsFp4Format(format) && c.k % 32 != 0) continue;
+      if (IsFp4(format) && c.k % 32 != 0) continue;
       for (int rows : {1, 3, 9}) {
         const int segments = c.n[1] == 0 ? 1 : 3;
         SCOPED_TRACE(QuantFormatName(format) + " k " + std::to_string(c.k) + " n0 " +
@@ -315,7 +314,7 @@ TEST_F(GpuQuant, FusedQuantGemvMatchesTheExactDequantReference) {
           }
         }
         // GemvW8A16 is the same kernel without fusions (FP8 only).
-        if (!IsFp4Format(format) && segments == 1) {
+        if (!IsFp4(format) && segments == 1) {
           float* dy_plain = nullptr;
           CUDA_EXPECT_OK(cudaMalloc(&dy_plain, rows * c.n[0] * sizeof(float)));
           cuda::GemvW8A16(dx, rows, dm[0]->ref, dy_plain, nullptr);
@@ -437,7 +436,7 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
                         {48, 80, 3, 2, 2}};  // the last: FP8 only
   for (QuantFormat format : kAllFormats) {
     for (Case c : cases) {
-      if (IsFp4Format(format) && (c.hidden % 32 != 0 || c.inter % 32 != 0)) continue;
+      if (IsFp4(format) && (c.hidden % 32 != 0 || c.inter % 32 != 0)) continue;
       SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
                    std::to_string(c.inter) + " k " + std::to_string(c.k));
       DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);

@@ -12,6 +12,7 @@
 #include "api/model_config.h"
 #include "engine/options.h"
 #include "engine/plan/attention_plan.h"
+#include "engine/plan/linear_plan.h"
 #include "engine/plan/model_limits.h"
 #include "engine/plan/moe_plan.h"
 #include "engine/plan/probe_plan.h"
@@ -58,6 +59,23 @@ std::map<std::string, PlanCheck> PlanChecks() {
     return PlanMoe(o, moe, bf16, {rows, n, false});
   };
   return {
+      {"qgemm",
+       [](const std::string& v, const CudaOptions& o) -> std::string {
+         // q_proj of qwen3-30b-a3b at one decode row, in the format the value takes; under
+         // dequant_bf16 the linear finds the bf16 copy the load made.
+         LinearWeightFacts w{DType::kBF16, QuantFormat::kNvfp4, 4096, 2048};
+         if (v == "w8a16" || v == "fp8_cublaslt") w.format = QuantFormat::kFp8Channel;
+         if (v == "dequant_bf16") w.format = QuantFormat::kNone;
+         const LinearPlan p = PlanLinear(o, w, {true, 1, false, true});
+         const std::map<std::string, LinearPath> expect = {
+             {"reference", LinearPath::kQuantReference}, {"dequant_bf16", LinearPath::kCublasLt},
+             {"w4a16", LinearPath::kQuantGemvFp4},       {"w8a16", LinearPath::kQuantGemvFp8},
+             {"fp8_cublaslt", LinearPath::kScaledGemm},  {"cudnn", LinearPath::kScaledGemm},
+             {"native_fp4", LinearPath::kScaledGemm}};
+         auto it = expect.find(v);
+         if (it == expect.end()) return "no expected plan for this value";
+         return p.path == it->second ? "" : absl::StrCat("planned path ", static_cast<int>(p.path));
+       }},
       {"attention",
        [heads](const std::string& v, const CudaOptions& o) -> std::string {
          absl::StatusOr<AttentionPlan> p = PlanAttention(o, heads);
@@ -99,7 +117,7 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   ModelConfig model = *PresetConfig("tiny-moe");
   const std::map<std::string, PlanCheck> checks = PlanChecks();
   // The axes whose values choose kernels through a plan.
-  const std::set<std::string> planned = {"attention", "kv_cache", "moe"};
+  const std::set<std::string> planned = {"attention", "kv_cache", "moe", "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
     SCOPED_TRACE(absl::StrCat(d.device, ": ", d.axis, "=", d.value));
@@ -135,6 +153,47 @@ TEST(PlanRegistryWalk, EnumNamesAreTheRegistrysValuesInOrder) {
       EXPECT_EQ(name, v) << axis;
     }
   }
+}
+
+TEST(LinearPlan, QuantizedLinearsTakeTheirKernelByRowsFormatAndShape) {
+  const CudaOptions w4a16 = OptionsWith("qgemm", "w4a16");
+  const LinearWeightFacts nvfp4{DType::kBF16, QuantFormat::kNvfp4, 4096, 2048};
+  const LinearWeightFacts fp8{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
+  // Decode rows: the GEMV, then (8+ rows, FP4 only) the register-decoding MMA, then (16+ rows or a
+  // prefill chunk) tensor cores on a bf16 copy, which the launch log names.
+  EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 4, false, true}).path, LinearPath::kQuantGemvFp4);
+  EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 8, false, true}).path, LinearPath::kQuantMma);
+  EXPECT_EQ(PlanLinear(w4a16, fp8, {true, 8, false, true}).path, LinearPath::kQuantGemvFp8);
+  const LinearStep batch16{true, 16, false, true};
+  const LinearPlan copy = PlanLinear(w4a16, nvfp4, batch16);
+  EXPECT_EQ(copy.path, LinearPath::kQuantBf16Copy);
+  EXPECT_THAT(LinearFallback(w4a16, copy, nvfp4, batch16),
+              HasSubstr("decode batch of 16 rows: quantized linears dequantized to bf16"));
+  EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 2, true, true}).path, LinearPath::kQuantBf16Copy);
+  // Without cuBLASLt a batch stays on the codes.
+  EXPECT_EQ(PlanLinear(w4a16, nvfp4, {false, 64, false, true}).path, LinearPath::kQuantMma);
+  // A K no kernel takes is refused with the shape, never run on another kernel.
+  const LinearPlan odd =
+      PlanLinear(w4a16, {DType::kBF16, QuantFormat::kNvfp4, 64, 48}, {true, 1, false, true});
+  EXPECT_EQ(odd.path, LinearPath::kRefused);
+  EXPECT_THAT(odd.refusal, HasSubstr("needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (64 x 48)"));
+  LinearWeightFacts misaligned = nvfp4;
+  misaligned.codes_aligned = false;
+  EXPECT_EQ(PlanLinear(w4a16, misaligned, {true, 1, false, true}).path, LinearPath::kRefused);
+  // Codes under dequant_bf16 mean the load went wrong: refused, not run.
+  const LinearPlan dequant =
+      PlanLinear(OptionsWith("qgemm", "dequant_bf16"), nvfp4, {true, 1, false, true});
+  EXPECT_EQ(dequant.path, LinearPath::kRefused);
+  EXPECT_THAT(dequant.refusal, HasSubstr("replaces the codes at load"));
+  // Dense weights: cuBLASLt takes bf16; anything else is the reference GEMM, named in the log.
+  const CudaOptions cublaslt = OptionsWith("gemm", "cublaslt");
+  const LinearWeightFacts f32{DType::kF32, QuantFormat::kNone, 64, 64};
+  const LinearStep one{true, 1, false, true};
+  const LinearPlan dense = PlanLinear(cublaslt, f32, one);
+  EXPECT_EQ(dense.path, LinearPath::kReference);
+  EXPECT_THAT(LinearFallback(cublaslt, dense, f32, one),
+              HasSubstr("F32 weight [64, 64]: the reference GEMM (cuBLASLt takes bf16 weights)"));
+  EXPECT_EQ(LinearFallback(cublaslt, dense, f32, {false, 1, false, false}), "");
 }
 
 TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {

@@ -41,6 +41,9 @@ inline std::string QuantFormatName(QuantFormat format) {
   return "?";
 }
 
+// The E2M1 formats: two codes a byte, a scale per 16 (NVFP4) or 32 (MXFP4) along K.
+constexpr bool IsFp4(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
+
 inline constexpr QuantFormat kQuantFormats[] = {
     QuantFormat::kNone,        QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel,
     QuantFormat::kFp8Block128, QuantFormat::kNvfp4,     QuantFormat::kMxfp4};

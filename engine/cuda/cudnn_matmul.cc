@@ -14,7 +14,6 @@ namespace {
 
 enum Uid : int64_t { kA = 1, kB, kAScale, kBScale, kY, kVirtual = 100 };
 
-bool IsFp4(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
 
 // Y[m, n] = (A[m, k] . B[k, n]) * a_scale[m] * b_scale[n], A and B E4M3, fp32 math and out.
 absl::StatusOr<cudnn::Plan> BuildFp8Plan(const cudnn::Handle& handle, int m, int n, int k) {

@@ -1,9 +1,9 @@
 #include "engine/cuda/linear_runner.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/quant.h"
@@ -62,55 +62,63 @@ void LinearRunner::FreeScratch() {
   bf16_.reset();
 }
 
+LinearPlan LinearRunner::Plan(const MatrixRef& w, int rows, bool bf16_input,
+                              bool record_fallback) const {
+  LinearWeightFacts facts;
+  facts.dtype = w.dtype;
+  facts.format = w.quantized() ? w.quant.format : QuantFormat::kNone;
+  facts.rows = w.rows;
+  facts.cols = w.cols;
+  facts.codes_aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  const LinearStep step{gemm_ != nullptr, rows, prefill_, bf16_input};
+  LinearPlan plan = PlanLinear(options_, facts, step);
+  if (record_fallback && LaunchRecording()) {
+    const std::string fallback = LinearFallback(options_, plan, facts, step);
+    if (!fallback.empty()) RecordFallback(fallback);
+  }
+  return plan;
+}
+
 absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows,
                                 const MatrixRef& w, const MatrixRef& bias, float* y) {
-  if (w.quantized() && view_ && view_->scaled) {  // qgemm=fp8_cublaslt | native_fp4
-    RETURN_IF_ERROR(view_->scaled->Run(x, rows, w, y, stream_));
-    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-  } else if (w.quantized() && options_.qgemm == QGemm::kReference) {  // exact dequantization
-    cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
-  } else if (w.quantized() && (prefill_ || rows >= kQuantBf16CopyMinRows) && gemm_ && x_bf16) {
-    // qgemm=w4a16|w8a16 on a prefill chunk or a wide decode batch: tensor cores on a bf16 copy
-    // (QuantBf16Copy).
-    if (LaunchRecording())
-      RecordFallback(absl::StrCat("qgemm=", AxisValueName(options_.qgemm), ": ",
-                                  prefill_ ? "prefill chunk" : "decode batch", " of ", rows,
-                                  " rows: quantized linears dequantized to bf16, then cuBLASLt"));
-    auto copy = QuantBf16Copy(w);
-    if (!copy.ok()) return copy.status();
-    RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, *copy, y, stream_));
-    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-  } else if (w.quantized() && x_bf16 && rows >= cuda::kQuantMmaMinRows &&
-             (w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4) &&
-             cuda::GemmQuantMmaSupports(w)) {
-    // qgemm=w4a16 on a decode batch: the codes decoded in registers onto tensor cores, every
-    // weight read once a pass of 32 or 64 rows (the GEMV below re-reads and re-decodes it every
-    // 4). FP8 keeps the GEMV, which measures faster at batch 64 on qwen3-30b-a3b: its decode
-    // is cheaper, and this kernel's one block per 64 output features leaves most SMs idle on
-    // the 512-feature k and v projections.
-    cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
-    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-  } else if (w.quantized()) {  // qgemm=w4a16|w8a16 (dequant_bf16 replaced the codes at build)
-    const bool fp4 = w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
-    if (fp4 ? !cuda::W4A16Supports(w) : !cuda::QuantGemvSupports(w))
-      return absl::UnimplementedError(absl::StrCat("qgemm=", AxisValueName(options_.qgemm),
-                                                   " needs K % 32 == 0 (FP4) or % 16 == 0 (FP8) (",
-                                                   w.rows, " x ", w.cols, ")"));
-    if (fp4)
+  const LinearPlan plan = Plan(w, rows, x_bf16 != nullptr, /*record_fallback=*/true);
+  switch (plan.path) {
+    case LinearPath::kScaledGemm:  // qgemm=fp8_cublaslt | native_fp4 | cudnn
+      if (!view_ || !view_->scaled)
+        return absl::InternalError("a scaled-GEMM linear without the view's scaled GEMM");
+      RETURN_IF_ERROR(view_->scaled->Run(x, rows, w, y, stream_));
+      break;
+    case LinearPath::kQuantReference:  // exact dequantization; adds the bias itself
+      cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
+      CHECK_LAUNCH();
+      return absl::OkStatus();
+    case LinearPath::kQuantBf16Copy: {  // tensor cores on a bf16 copy (QuantBf16Copy)
+      ASSIGN_OR_RETURN(MatrixRef copy, QuantBf16Copy(w));
+      RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, copy, y, stream_));
+      break;
+    }
+    case LinearPath::kQuantMma:
+      // The codes decoded in registers onto tensor cores, every weight read once a pass of 32 or
+      // 64 rows (the GEMV re-reads and re-decodes it every 4).
+      cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
+      break;
+    case LinearPath::kQuantGemvFp4:
       cuda::GemvW4A16(x, rows, w, y, stream_);
-    else
+      break;
+    case LinearPath::kQuantGemvFp8:
       cuda::GemvW8A16(x, rows, w, y, stream_);
-    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-  } else if (gemm_ && w.dtype == DType::kBF16) {
-    RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_));
-    if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
-  } else {
-    if (gemm_ && !w.quantized() && LaunchRecording())
-      RecordFallback(absl::StrCat("gemm=", GemmValue(), ": ", std::string(DTypeName(w.dtype)),
-                                  " weight [", w.rows, ", ", w.cols,
-                                  "]: the reference GEMM (cuBLASLt takes bf16 weights)"));
-    cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
+      break;
+    case LinearPath::kCublasLt:
+      RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_));
+      break;
+    case LinearPath::kReference:  // adds the bias itself
+      cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
+      CHECK_LAUNCH();
+      return absl::OkStatus();
+    case LinearPath::kRefused:
+      return absl::UnimplementedError(plan.refusal);
   }
+  if (!bias.empty()) cuda::AddBias(y, rows, bias, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -120,7 +128,8 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
 absl::Status LinearRunner::GemmAccumulate(const float* x, const uint16_t* x_bf16, int rows,
                                           const MatrixRef& w, const MatrixRef& bias, float scale,
                                           float* y) {
-  if (gemm_ && w.dtype == DType::kBF16 && !w.quantized() && bias.empty()) {
+  if (bias.empty() &&
+      Plan(w, rows, x_bf16 != nullptr, /*record_fallback=*/false).path == LinearPath::kCublasLt) {
     RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_, scale, 1.f));
     CHECK_LAUNCH();
     return absl::OkStatus();

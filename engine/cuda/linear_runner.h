@@ -12,6 +12,7 @@
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
+#include "engine/plan/linear_plan.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/ops.h"
 
@@ -91,8 +92,10 @@ class LinearRunner {
   // written and read back by cuBLASLt), the quantized GEMV one byte a weight every 4 rows, so
   // from ~20 rows the copy moves fewer bytes; the FP4 MMA kernel (GemmQuantMma) reads the codes
   // once but runs one block per 64 features, latency-bound on the 512-feature projections.
-  static constexpr int kQuantBf16CopyMinRows = 16;
   absl::StatusOr<MatrixRef> QuantBf16Copy(const MatrixRef& w);
+  // The plan for y = x . W^T at `rows` rows (engine/plan/linear_plan.h); with `record_fallback`,
+  // its fallback line goes to the launch log.
+  LinearPlan Plan(const MatrixRef& w, int rows, bool bf16_input, bool record_fallback) const;
   // Grows the bf16 copy to `count` elements (refused inside a stream capture).
   absl::Status ReserveBf16Copy(size_t count);
   size_t LargestQuantizedDense() const;

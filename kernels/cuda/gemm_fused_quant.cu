@@ -151,11 +151,9 @@ void LaunchGemvQuant(const GemvArgs& a, const QuantGemvWeights& qw, cudaStream_t
 
 bool QuantGemvSupports(const MatrixRef& w) {
   const QuantFormat f = w.quant.format;
-  if (f == QuantFormat::kNone || w.rows <= 0 || w.cols <= 0 || w.rows > (1 << 30)) return false;
-  const int chunk = IsFp4(f) ? 32 : 16;
-  return w.cols % chunk == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
-         (f != QuantFormat::kNvfp4 || reinterpret_cast<uintptr_t>(w.quant.scale) % 2 == 0) &&
-         PaddedFloats(static_cast<int>(w.cols)) * int64_t{4} <= kMaxSharedBytes;
+  static_assert(kQuantGemvMaxSharedBytes == kMaxSharedBytes);
+  return QuantGemvShapeSupports(f, w.rows, w.cols) && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+         (f != QuantFormat::kNvfp4 || reinterpret_cast<uintptr_t>(w.quant.scale) % 2 == 0);
 }
 
 void GemvQuant(const GemvArgs& a, const QuantGemvWeights& qw, cudaStream_t stream) {

@@ -44,6 +44,30 @@ constexpr bool GemvSupports(int rows, int k) {
              kGemvMaxSharedBytes;
 }
 
+// ---- Quantized dense linears (quant.cu, gemm_fused_quant.cu, moe_fused_mma.cu): the shape
+// half of each kernel's Supports (the other half is the codes' and scales' alignment).
+// qgemm=w4a16's GEMV: FP4 codes, 32 a 16-byte load.
+constexpr int kW4A16Chunk = 32;
+constexpr bool W4A16ShapeSupports(QuantFormat f, int64_t cols) {
+  return IsFp4(f) && cols % kW4A16Chunk == 0;
+}
+// The quantized GEMV (w8a16, and w4a16 with a norm fused): a 16-byte load of codes per lane
+// step, up to 4 rows of the padded input staged in 200 KB of shared memory.
+constexpr int kQuantGemvMaxSharedBytes = 200 * 1024;
+constexpr int QuantGemvPaddedFloats(int64_t k) { return static_cast<int>(k + 4 * ((k + 31) >> 5)); }
+constexpr bool QuantGemvShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
+  if (f == QuantFormat::kNone || rows <= 0 || cols <= 0 || rows > (int64_t{1} << 30)) return false;
+  return cols % (IsFp4(f) ? 32 : 16) == 0 &&
+         QuantGemvPaddedFloats(cols) * int64_t{4} <= kQuantGemvMaxSharedBytes;
+}
+// The quantized mma.sync GEMM (GemmQuantMma): FP8 tensor / channel, NVFP4 or MXFP4, K in whole
+// 64 (FP8) or 128 (FP4) element tiles; the dense linears take it from kQuantMmaMinRows rows.
+constexpr int kQuantMmaMinRows = 8;
+constexpr bool QuantMmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
+  if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && !IsFp4(f)) return false;
+  return rows >= 1 && cols % (IsFp4(f) ? 128 : 64) == 0;
+}
+
 // ---- MoE (moe_fused.cu, moe_fused_mma.cu).
 constexpr int kMoeMaxSharedBytes = 200 * 1024;  // the per-pair kernels' staged x
 constexpr int kMoeMaxExperts = 1024;
@@ -103,14 +127,15 @@ enum class MoeGroupedKernel { kMma4, kMma8, kWgmma, kQuantMma4, kQuantMma8, kQua
 constexpr int kMoeWidePairsPerExpert = 24;
 // The grouped variant for `pairs` routed (row, expert) pairs over `experts`: wgmma when chosen,
 // else the 64-pair mma.sync passes when the experts are wide, the 32-pair ones when not.
-constexpr MoeGroupedKernel MoeGroupedKernelFor(bool quantized, bool wgmma, int pairs,
-                                               int experts) {
+constexpr MoeGroupedKernel MoeGroupedKernelFor(bool quantized, bool wgmma, int pairs, int experts) {
   const bool wide = pairs > kMoeWidePairsPerExpert * experts;
   if (quantized)
     return wgmma  ? MoeGroupedKernel::kQuantWgmma
            : wide ? MoeGroupedKernel::kQuantMma8
                   : MoeGroupedKernel::kQuantMma4;
-  return wgmma ? MoeGroupedKernel::kWgmma : wide ? MoeGroupedKernel::kMma8 : MoeGroupedKernel::kMma4;
+  return wgmma  ? MoeGroupedKernel::kWgmma
+         : wide ? MoeGroupedKernel::kMma8
+                : MoeGroupedKernel::kMma4;
 }
 
 // ---- Gated DeltaNet (gated_delta.cu): a state column held in 8 lanes' registers.

@@ -614,12 +614,8 @@ void LaunchQuantExperts(const MoeGroupedArgs& a, bool many_pairs, cudaStream_t s
 }  // namespace
 
 bool GemmQuantMmaSupports(const MatrixRef& w) {
-  const QuantFormat f = w.quant.format;
-  if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && f != QuantFormat::kNvfp4 &&
-      f != QuantFormat::kMxfp4)
-    return false;
-  const int unit = IsFp4(f) ? 128 : 64;
-  return w.rows >= 1 && w.cols % unit == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  return QuantMmaShapeSupports(w.quant.format, w.rows, w.cols) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,

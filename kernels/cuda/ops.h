@@ -225,10 +225,10 @@ struct MoeGroupedArgs {
 // y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
 // MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
 // in registers and fed to mma.sync, 32 or 64 rows a pass. qgemm=w4a16's dense linears take it
-// from kQuantMmaMinRows decode rows (LinearRunner::Gemm; FP8 keeps the quantized GEMV there).
+// from kQuantMmaMinRows decode rows (limits.h; engine/plan/linear_plan.h: FP8 keeps the quantized
+// GEMV there).
 // Batch 64, q_proj of qwen3-30b-a3b NVFP4 [4096, 2048]: 4.7 MB, ~1 us of bandwidth, 64 blocks
 // of 64 features: expect latency, a few us.
-constexpr int kQuantMmaMinRows = 8;
 bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream);

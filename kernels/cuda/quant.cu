@@ -259,8 +259,8 @@ void DequantizeManyToBf16(const MatrixRef* matrices, int count, int64_t rows, in
 }
 
 bool W4A16Supports(const MatrixRef& w) {
-  const bool fp4 = w.quant.format == QuantFormat::kNvfp4 || w.quant.format == QuantFormat::kMxfp4;
-  return fp4 && w.cols % kChunk == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  static_assert(kW4A16Chunk == kChunk);
+  return W4A16ShapeSupports(w.quant.format, w.cols) && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
 void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {

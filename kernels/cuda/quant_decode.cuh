@@ -23,8 +23,6 @@
 
 namespace infersweep::cuda {
 
-constexpr bool IsFp4(QuantFormat f) { return f == QuantFormat::kNvfp4 || f == QuantFormat::kMxfp4; }
-
 // Weights per 16-byte chunk of codes.
 template <QuantFormat F>
 constexpr int ChunkElements() {
@@ -35,7 +33,7 @@ constexpr int ChunkElements() {
 // each reading its own chunk's activations with 16-byte loads (lanes 128 or 64 bytes apart),
 // hit distinct banks: without it 8 lanes of a quarter-warp land on the same 4 banks.
 __host__ __device__ constexpr int PaddedIndex(int e) { return e + 4 * (e >> 5); }
-__host__ __device__ constexpr int PaddedFloats(int k) { return k + 4 * ((k + 31) >> 5); }
+__host__ __device__ constexpr int PaddedFloats(int k) { return QuantGemvPaddedFloats(k); }
 
 // The raw scale bits of one chunk, loaded with the codes (before the PDL wait) and decoded once
 // the loads are in flight: nvfp4 two E4M3 bytes, mxfp4 one E8M0 byte, fp8 block-128 the
