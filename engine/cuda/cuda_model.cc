@@ -20,6 +20,7 @@
 #include "engine/cuda/persistent_decode.h"
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
+#include "engine/plan/memory_plan.h"
 #include "engine/tp_model.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/moe_grouped.h"
@@ -568,7 +569,8 @@ class CudaModel final : public Model {
   double capture_seconds_ = 0;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;
   std::optional<double> last_step_ms_;
-  static constexpr int kMaxStepRows = 32768;  // a lockstep step's rows (ChunkedPrefill)
+  // A lockstep step's rows (ChunkedPrefill); the memory plan sizes scratch by them.
+  static constexpr int kMaxStepRows = kMaxLockstepStepRows;
 };
 
 // TEST ONLY (test_kernel=sm100a): the sm_100a-only kernel, launched once; where the binary has
