@@ -1,13 +1,13 @@
 // allreduce-bench: the tensor-parallel all-reduce's nccl-tests-style table
-// (harness/allreduce_bench.h).
+// (bench/allreduce_bench.h).
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "bench/allreduce_bench.h"
 #include "cli/commands.h"
-#include "harness/allreduce_bench.h"
 
 namespace infersweep::cli {
 namespace {

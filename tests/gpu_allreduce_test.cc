@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "api/backend_config.h"
+#include "bench/allreduce_bench.h"
 #include "core/dtype.h"
 #include "engine/backends.h"
 #include "engine/weights.h"
-#include "harness/allreduce_bench.h"
 #include "harness/executor.h"
 #include "tests/gpu_trial.h"
 #ifdef INFERSWEEP_HAVE_CUDA

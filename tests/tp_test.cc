@@ -18,13 +18,13 @@
 #include <vector>
 
 #include "api/backend_config.h"
+#include "bench/allreduce_bench.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
 #include "engine/options.h"
 #include "engine/sampler.h"
 #include "engine/tp_model.h"
 #include "engine/weights.h"
-#include "harness/allreduce_bench.h"
 #include "kernels/cpu/allreduce.h"
 #include "tests/test_util.h"
 

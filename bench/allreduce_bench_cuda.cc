@@ -11,7 +11,7 @@
 #include "api/status_macros.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "harness/allreduce_bench.h"
+#include "bench/allreduce_bench.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
 

@@ -1,4 +1,4 @@
-#include "harness/allreduce_bench.h"
+#include "bench/allreduce_bench.h"
 #include "api/status_macros.h"
 
 #include <chrono>
