@@ -21,6 +21,16 @@ std::string BackendConfigString(const BackendConfig& config);
 // Parses "axis=value,axis=value". Errors name the offending item; duplicate axes are errors.
 absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text);
 
+// The device a backend runs on: the device axis's values, in the registry's order. Configs,
+// selectors and stored rows spell it as text; it is parsed once where it comes in (ParseDevice,
+// NormalizeBackendConfig) and compared as this enum everywhere else.
+enum class Device { kCpu, kCuda };
+// The registry's spelling of a device ("cpu", "cuda"); a C string, as AxisValueName's.
+const char* DeviceName(Device device);
+// `name` as a Device; InvalidArgument "<field>: unknown value '<name>' (known: cpu, cuda)" for a
+// name the registry's device axis does not hold.
+absl::StatusOr<Device> ParseDevice(std::string_view name, std::string_view field);
+
 // How close to the fp32 reference a backend is meant to be; sets the verdict thresholds.
 enum class PrecisionClass { kFp32, kBf16, kFp8, kFp4 };
 std::string_view PrecisionClassName(PrecisionClass p);
@@ -29,7 +39,7 @@ std::string_view PrecisionClassName(PrecisionClass p);
 struct BackendDescriptor {
   std::string axis;
   std::string value;
-  std::string device;  // "cpu" or "cuda"
+  Device device = Device::kCpu;  // the device the value runs on
   // Inclusive SM range for cuda backends, e.g. {90, 90} for sm_90a-only code; 0 = unbounded.
   int min_sm = 0;
   int max_sm = 0;
@@ -53,19 +63,24 @@ struct BackendDescriptor {
 const std::vector<BackendDescriptor>& BackendRegistry();
 // The values of `axis` on `device`, in the table's order (test-only rows included): the order
 // of the engine's enum for that axis (engine/options.h), whose names these are.
-std::vector<std::string> RegisteredValues(std::string_view device, std::string_view axis);
+std::vector<std::string> RegisteredValues(Device device, std::string_view axis);
 
 // Axes of a device and their default values (what an absent axis means).
-std::map<std::string, std::string> DefaultAxes(std::string_view device);
+std::map<std::string, std::string> DefaultAxes(Device device);
 // Axes added after results were stored (tp, ep, allreduce; cuda's linear_attn and the TEST ONLY
 // test_kernel) and the values
 // that mean what a config without them always meant: a normalized config leaves them out at
 // these values, so every earlier config string (stored results, their identities) still names
 // the same run.
-std::map<std::string, std::string> ImplicitAxes(std::string_view device);
+std::map<std::string, std::string> ImplicitAxes(Device device);
 
-// The device a config targets ("cpu" when no device axis is given).
-std::string ConfigDevice(const BackendConfig& config);
+// The device a config targets (cpu when no device axis is given); InvalidArgument naming the
+// device axis for a device the registry does not know. For configs from outside.
+absl::StatusOr<Device> ParseConfigDevice(const BackendConfig& config);
+// The device of a normalized config, whose device NormalizeBackendConfig has checked (cpu when no
+// device axis is given). A device the registry does not know reads as cpu too: configs from
+// outside go through ParseConfigDevice or NormalizeBackendConfig first.
+Device ConfigDevice(const BackendConfig& normalized);
 
 // Fills in defaults, leaves out tp=1, ep=off and the device's default allreduce, and rejects
 // unknown axes or values (InvalidArgument naming them): a user's typo, not UNSUPPORTED.

@@ -36,10 +36,10 @@ std::string Conflicts(const BackendDescriptor& d) {
 // Table cells must not end the cell early: a '|' in the text is escaped.
 std::string Cell(const std::string& text) { return absl::StrReplaceAll(text, {{"|", "\\|"}}); }
 
-std::vector<std::string> Devices(const std::vector<BackendDescriptor>& registry) {
-  std::vector<std::string> devices;
+std::vector<Device> Devices(const std::vector<BackendDescriptor>& registry) {
+  std::vector<Device> devices;
   for (const BackendDescriptor& d : registry)
-    if (d.axis == "device") devices.push_back(d.value);
+    if (d.axis == "device") devices.push_back(d.device);
   return devices;
 }
 
@@ -66,8 +66,8 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "\n"
       "## Defaults\n"
       "\n");
-  for (const std::string& device : Devices(registry)) {
-    absl::StrAppend(&md, "- `", device, "`: `",
+  for (Device device : Devices(registry)) {
+    absl::StrAppend(&md, "- `", DeviceName(device), "`: `",
                     absl::StrJoin(DefaultAxes(device), ",", absl::PairFormatter("=")), "`\n");
   }
   absl::StrAppend(
@@ -83,9 +83,9 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const BackendDescriptor& d : registry) {
     if (d.test_only) continue;
-    absl::StrAppend(&md, "| ", d.axis, " | ", d.value, " | ", d.device, " | ", SmRange(d), " | ",
-                    absl::StrJoin(d.weight_formats, " "), " | ", Conflicts(d), " | ",
-                    std::string(PrecisionClassName(d.precision)), " | ", Cell(d.description),
+    absl::StrAppend(&md, "| ", d.axis, " | ", d.value, " | ", DeviceName(d.device), " | ",
+                    SmRange(d), " | ", absl::StrJoin(d.weight_formats, " "), " | ", Conflicts(d),
+                    " | ", std::string(PrecisionClassName(d.precision)), " | ", Cell(d.description),
                     " |\n");
   }
   absl::StrAppend(
@@ -123,7 +123,7 @@ std::string BackendsText(const std::vector<BackendDescriptor>& registry) {
   for (const BackendDescriptor& d : registry) {
     if (d.test_only) continue;
     const std::string sm = SmRange(d);
-    absl::StrAppend(&out, d.axis, "=", d.value, "  ", d.device, "  ",
+    absl::StrAppend(&out, d.axis, "=", d.value, "  ", DeviceName(d.device), "  ",
                     sm.empty() ? "any sm" : absl::StrCat("sm ", sm), "  ",
                     std::string(PrecisionClassName(d.precision)), "  ", d.description, "\n");
   }

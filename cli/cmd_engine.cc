@@ -68,12 +68,13 @@ struct Loaded {
 
 // --backend picks the device's reference; --config overrides axes (a fast config).
 absl::StatusOr<Loaded> Load(const ModelArgs& args) {
-  if (args.backend != "cpu" && args.backend != "cuda")
+  const absl::StatusOr<Device> device = ParseDevice(args.backend, "--backend");
+  if (!device.ok())
     return absl::InvalidArgumentError(
         absl::StrCat("--backend ", args.backend, ": expected cpu or cuda"));
   auto overrides = ParseBackendConfig(args.config);
   if (!overrides.ok()) return overrides.status();
-  BackendConfig config = DefaultAxes(args.backend);
+  BackendConfig config = DefaultAxes(*device);
   if (args.threads > 0) config["threads"] = absl::StrCat(args.threads);
   for (const auto& [axis, value] : *overrides) config[axis] = value;
   auto normalized = NormalizeBackendConfig(config);

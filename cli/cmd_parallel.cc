@@ -6,19 +6,15 @@
 #include <string>
 #include <vector>
 
+#include "api/backend_config.h"
 #include "bench/allreduce_bench.h"
 #include "cli/commands.h"
 
 namespace infersweep::cli {
 namespace {
 
-int RunAllReduceBench(const AllReduceBenchOptions& options, const std::string& device) {
-  if (device != "cpu" && device != "cuda") {
-    std::fprintf(stderr, "allreduce-bench: --device: unknown value '%s' (known: cpu, cuda)\n",
-                 device.c_str());
-    return 2;
-  }
-  const bool cuda = device == "cuda";
+int RunAllReduceBench(const AllReduceBenchOptions& options, Device device) {
+  const bool cuda = device == Device::kCuda;
   auto rows = cuda ? RunCudaAllReduceBench(options) : RunCpuAllReduceBench(options);
   if (!rows.ok()) {
     std::fprintf(stderr, "allreduce-bench: %s\n", std::string(rows.status().message()).c_str());
@@ -66,12 +62,17 @@ void AddParallelCommands(CLI::App& app) {
       ->capture_default_str();
   CLI::Option* ranks = bench->get_option("--ranks");
   bench->callback([max_bytes, ranks] {
-    if (device == "cuda") {
+    const absl::StatusOr<Device> parsed = ParseDevice(device, "--device");
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "allreduce-bench: %s\n", std::string(parsed.status().message()).c_str());
+      std::exit(2);
+    }
+    if (*parsed == Device::kCuda) {
       if (max_bytes->count() == 0) options.max_bytes = int64_t{256} << 20;
       if (ranks->count() == 0) options.ranks = 1;
       if (!values.empty()) options.allreduce = values;
     }
-    std::exit(RunAllReduceBench(options, device));
+    std::exit(RunAllReduceBench(options, *parsed));
   });
 }
 

@@ -32,7 +32,7 @@ AgentInventory InventoryOf(const v1::Hello& hello) {
 
 bool SelectorMatcher::Matches(const Selector& sel, const SlotInfo& slot) {
   // CPU trials run on the host's CPU, so any slot can take one; CUDA trials need a GPU slot.
-  if (sel.device != "cpu" && !slot.gpu) return false;
+  if (sel.device != Device::kCpu && !slot.gpu) return false;
   if (!sel.sm_archs.empty() &&
       std::find(sel.sm_archs.begin(), sel.sm_archs.end(), slot.sm) == sel.sm_archs.end())
     return false;
@@ -60,7 +60,7 @@ bool SelectorMatcher::Matches(const Selector& sel, const SlotInfo& slot) {
 }
 
 std::string DescribeSelector(const Selector& s) {
-  std::vector<std::string> parts = {absl::StrCat("device ", s.device)};
+  std::vector<std::string> parts = {absl::StrCat("device ", DeviceName(s.device))};
   if (!s.sm_archs.empty())
     parts.push_back(absl::StrCat("sm [", absl::StrJoin(s.sm_archs, ", "), "]"));
   if (!s.gpu_name_regex.empty()) parts.push_back(absl::StrCat("gpu_name '", s.gpu_name_regex, "'"));

@@ -260,8 +260,9 @@ bool Scheduler::TryPlace(const TrialRecord& trial, const std::vector<const Agent
     return true;
   }
   // A GPU config's tensor-parallel ranks take a GPU each, whatever the selector asks for.
-  const int needed = std::max({1, trial.selector.gpus_needed,
-                               ConfigDevice(*config) == "cuda" ? TensorParallelRanks(*config) : 1});
+  const int needed =
+      std::max({1, trial.selector.gpus_needed,
+                ConfigDevice(*config) == Device::kCuda ? TensorParallelRanks(*config) : 1});
   // Preflight depends on the slot's SM and its agent's build and GPU count only: once per kind.
   std::map<std::tuple<int, bool, int>, PreflightResult> preflight;
   auto judge = [&](const AgentInventory& agent, const SlotInfo& slot) -> const PreflightResult& {
@@ -338,8 +339,9 @@ void Scheduler::RecordCoordinatorResult(const TrialRecord& trial, TrialStatus st
   r.reason = reason;
   r.model = trial.model;
   r.config = trial.config;
-  r.device =
-      ConfigDevice(trial.config) == "cpu" || slot == nullptr || !slot->gpu ? "cpu" : slot->gpu_name;
+  r.device = ConfigDevice(trial.config) == Device::kCpu || slot == nullptr || !slot->gpu
+                 ? "cpu"
+                 : slot->gpu_name;
   r.sm = slot ? slot->sm : 0;
   r.engine_version = EngineVersion();
   r.started_unix_ms = r.finished_unix_ms = NowMs();

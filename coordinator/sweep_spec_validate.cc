@@ -43,7 +43,7 @@ absl::Status CheckCombination(const Parser& p, const ConfigNormalizer& normalize
                               int fallback_line, absl::string_view field) {
   absl::StatusOr<BackendConfig> normalized = normalize(raw);
   if (normalized.ok()) return absl::OkStatus();
-  const std::string device = ConfigDevice(raw);
+  const std::string device = DeviceName(ConfigDevice(raw));
   for (const auto& [axis, value] : raw) {
     BackendConfig single = {{"device", device}, {axis, value}};
     if (absl::StatusOr<BackendConfig> one = normalize(single); !one.ok()) {

@@ -221,7 +221,7 @@ std::string UserApi::UnmatchedSelectors(int64_t sweep_id) {
       int slots = 0;
       for (const SlotInfo& slot : agent->slots) slots += matcher_.Matches(sel, slot) ? 1 : 0;
       // A CPU trial takes one slot; a GPU trial its GPU count (peer access aside).
-      matched = matched || slots >= (sel.device == "cpu" ? 1 : sel.gpus_needed);
+      matched = matched || slots >= (sel.device == Device::kCpu ? 1 : sel.gpus_needed);
     }
     if (!matched) unmatched.push_back(absl::StrCat("{", DescribeSelector(sel), "}"));
   }

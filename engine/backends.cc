@@ -63,7 +63,6 @@ BackendConfig ReferenceConfigFor(const BackendConfig& normalized) {
 
 absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const BackendConfig& config,
                                                    const FaultInjection& fault) {
-  const std::string device = ConfigDevice(config);
   // Conflicts between axis values are the registry's alone; a model built without a preflight
   // (the CLI's logits and generate) still refuses them, with the registry's reason.
   if (const std::string why = RegistryConflict(config, WeightFormat(host)); !why.empty())
@@ -72,11 +71,17 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
     return absl::InvalidArgumentError(
         "bad-state needs a model with linear-attention layers (qwen3_next, qwen3_5): this model "
         "has no recurrent state to corrupt");
-  if (fault.kind == FaultInjection::Kind::kKvSlotSwap && device != "cpu")
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv-slot-swap is committed by the CPU reference only; device=", device,
-                     " would run the trial without the fault"));
-  if (device == "cpu") {
+  // A config that skipped NormalizeBackendConfig may name a device the registry does not know.
+  const absl::StatusOr<Device> parsed_device = ParseConfigDevice(config);
+  if (!parsed_device.ok())
+    return absl::UnimplementedError(
+        absl::StrCat("device=", config.at("device"), ": this build has no implementation for it"));
+  const Device device = *parsed_device;
+  if (fault.kind == FaultInjection::Kind::kKvSlotSwap && device != Device::kCpu)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv-slot-swap is committed by the CPU reference only; device=", DeviceName(device),
+        " would run the trial without the fault"));
+  if (device == Device::kCpu) {
     RETURN_IF_ERROR(MaterializeHostWeights(host));
     if (fault.kind == FaultInjection::Kind::kBadQuantScale) {  // can these weights take it?
       ModelWeights probe = host.weights;
@@ -106,7 +111,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
     return MakeCpuModel(host, options);
   }
 #ifdef INFERSWEEP_HAVE_CUDA
-  if (device == "cuda") {
+  if (device == Device::kCuda) {
     auto options = ParseCudaOptions(config);
     if (!options.ok()) return options.status();
     // A checkpoint may ship lm_head quantized against its declaration; the CUDA engine streams
@@ -124,21 +129,22 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
   }
 #endif
   return absl::UnimplementedError(
-      absl::StrCat("device=", device, ": this build has no implementation for it"));
+      absl::StrCat("device=", DeviceName(device), ": this build has no implementation for it"));
 }
 
 absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
                                                            const BackendConfig& reference) {
 #ifdef INFERSWEEP_HAVE_CUDA
-  if (ConfigDevice(reference) == "cuda") {
+  if (ConfigDevice(reference) == Device::kCuda) {
     auto options = ParseCudaOptions(reference);
     if (!options.ok()) return options.status();
     options->bf16_gemm_inputs = true;
     return MakeCudaModel(host, *options, {});
   }
 #endif
-  return absl::UnimplementedError(absl::StrCat(
-      "device=", ConfigDevice(reference), ": no bf16 yardstick (its configs are all fp32-class)"));
+  return absl::UnimplementedError(
+      absl::StrCat("device=", DeviceName(ConfigDevice(reference)),
+                   ": no bf16 yardstick (its configs are all fp32-class)"));
 }
 
 }  // namespace infersweep

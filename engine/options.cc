@@ -79,7 +79,7 @@ template <typename E>
 const std::vector<std::string>& Names() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> all;
-    for (const char* device : {"cpu", "cuda"})
+    for (Device device : {Device::kCpu, Device::kCuda})
       for (std::string& v : RegisteredValues(device, AxisOf<E>::kAxis))
         if (std::find(all.begin(), all.end(), v) == all.end()) all.push_back(std::move(v));
     if (static_cast<int>(all.size()) != AxisOf<E>::kCount)
@@ -97,8 +97,7 @@ const char* NameOf(E value) {
 }
 
 // The axis's value in `config`, or the device's default when the axis is absent.
-std::string ValueOf(const BackendConfig& config, const std::string& device,
-                    const std::string& axis) {
+std::string ValueOf(const BackendConfig& config, Device device, const std::string& axis) {
   if (auto it = config.find(axis); it != config.end()) return it->second;
   const auto implicit = ImplicitAxes(device);
   if (auto it = implicit.find(axis); it != implicit.end()) return it->second;
@@ -119,21 +118,23 @@ absl::Status ParseValue(const std::string& axis, const std::string& value, E* ou
 }
 
 template <typename E>
-absl::Status ParseAxis(const BackendConfig& config, const std::string& device, E* out) {
+absl::Status ParseAxis(const BackendConfig& config, Device device, E* out) {
   return ParseValue(AxisOf<E>::kAxis, ValueOf(config, device, AxisOf<E>::kAxis), out);
 }
 
-absl::Status ExpectDevice(const BackendConfig& config, const std::string& device) {
-  if (ConfigDevice(config) == device) return absl::OkStatus();
+absl::Status ExpectDevice(const BackendConfig& config, Device device) {
+  const absl::StatusOr<Device> given = ParseConfigDevice(config);
+  if (given.ok() && *given == device) return absl::OkStatus();
+  // A device the registry does not know is named as the config spells it.
   return absl::InvalidArgumentError(
-      absl::StrCat("device=", ConfigDevice(config), ": not a device=", device, " config"));
+      absl::StrCat("device=", given.ok() ? DeviceName(*given) : config.at("device"),
+                   ": not a device=", DeviceName(device), " config"));
 }
 
 // tp, ep and allreduce of either device.
 // tp, ep and allreduce, absent from a normalized config at their defaults (1, off, the device's
 // all-reduce), are parsed into `out` as it comes.
-absl::Status ParseParallel(const BackendConfig& config, const std::string& device,
-                           ParallelOptions* out) {
+absl::Status ParseParallel(const BackendConfig& config, Device device, ParallelOptions* out) {
   auto value_or = [&](const char* axis, const char* default_value) {
     auto it = config.find(axis);
     return it != config.end() ? it->second : std::string(default_value);
@@ -143,7 +144,8 @@ absl::Status ParseParallel(const BackendConfig& config, const std::string& devic
     return absl::InvalidArgumentError(
         absl::StrCat("config axis 'tp': '", tp, "' is not a positive rank count"));
   RETURN_IF_ERROR(ParseValue("ep", value_or("ep", "off"), &out->expert_parallel));
-  return ParseValue("allreduce", value_or("allreduce", device == "cuda" ? "auto" : "reference"),
+  return ParseValue("allreduce",
+                    value_or("allreduce", device == Device::kCuda ? "auto" : "reference"),
                     &out->allreduce);
 }
 
@@ -161,8 +163,8 @@ const char* AxisValueName(Matmul v) { return NameOf(v); }
 const char* AxisValueName(AllReduce v) { return NameOf(v); }
 
 absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
-  RETURN_IF_ERROR(ExpectDevice(normalized, "cuda"));
-  const std::string device = "cuda";
+  const Device device = Device::kCuda;
+  RETURN_IF_ERROR(ExpectDevice(normalized, device));
   CudaOptions o;
   for (absl::Status s :
        {ParseAxis(normalized, device, &o.gemm), ParseAxis(normalized, device, &o.attention),
@@ -176,14 +178,15 @@ absl::StatusOr<CudaOptions> ParseCudaOptions(const BackendConfig& normalized) {
 }
 
 absl::StatusOr<CpuOptions> ParseCpuOptions(const BackendConfig& normalized) {
-  RETURN_IF_ERROR(ExpectDevice(normalized, "cpu"));
+  const Device device = Device::kCpu;
+  RETURN_IF_ERROR(ExpectDevice(normalized, device));
   CpuOptions o;
-  RETURN_IF_ERROR(ParseAxis(normalized, "cpu", &o.matmul));
-  const std::string threads = ValueOf(normalized, "cpu", "threads");
+  RETURN_IF_ERROR(ParseAxis(normalized, device, &o.matmul));
+  const std::string threads = ValueOf(normalized, device, "threads");
   if (threads != "all" && (!absl::SimpleAtoi(threads, &o.threads) || o.threads <= 0))
     return absl::InvalidArgumentError(absl::StrCat("config axis 'threads': '", threads,
                                                    "' is neither a positive number nor all"));
-  RETURN_IF_ERROR(ParseParallel(normalized, "cpu", &o.parallel));
+  RETURN_IF_ERROR(ParseParallel(normalized, device, &o.parallel));
   return o;
 }
 

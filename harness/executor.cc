@@ -110,11 +110,11 @@ std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request
   const Slo& slo = request.workload.slo;
   if (fault.kind == FaultInjection::Kind::kDelay && fault.value > 0)  // TEST ONLY: a slow trial
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(fault.value * 1e3)));
-  if (ConfigDevice(config) == "cuda" && !energy_meter_)
+  if (ConfigDevice(config) == Device::kCuda && !energy_meter_)
     energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
   const ServeTrialResult trial =
       RunServeTrial(*host_, config, spec, slo, fault,
-                    ConfigDevice(config) == "cuda" ? energy_meter_.get() : nullptr);
+                    ConfigDevice(config) == Device::kCuda ? energy_meter_.get() : nullptr);
   result->verdict.precision_class = std::string(PrecisionClassName(preflight.precision));
   for (const LoadPointResult& point : trial.points)
     result->serving.push_back(ToServingPoint(point, slo));
@@ -188,7 +188,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   auto config = NormalizeBackendConfig(request.config);
   if (!config.ok()) return finish(TrialStatus::kError, std::string(config.status().message()));
   result.config = *config;
-  if (ConfigDevice(*config) == "cpu") {
+  if (ConfigDevice(*config) == Device::kCpu) {
     result.device = "cpu";
   } else {
     result.software = software_;
@@ -220,7 +220,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   if (request.workload.serve) {
     // Rank processes call their collectives in the same order only where they run the same
     // steps; a serving run's steps follow each process's own clock.
-    if (ConfigDevice(*config) == "cuda" && TensorParallelRanks(*config) > 1)
+    if (ConfigDevice(*config) == Device::kCuda && TensorParallelRanks(*config) > 1)
       return finish(TrialStatus::kUnsupported,
                     absl::StrCat("tp=", TensorParallelRanks(*config),
                                  ": serving runs are not built over CUDA rank processes (each "
@@ -276,7 +276,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   // it does, the ceilings widen to its drift (WidenedToYardstick). Only on failure, so it costs
   // nothing on the common path.
   if (verdict == TrialStatus::kIncorrect && preflight.precision != PrecisionClass::kFp32 &&
-      result.verdict.non_finite == 0 && ConfigDevice(reference_config) == "cuda") {
+      result.verdict.non_finite == 0 && ConfigDevice(reference_config) == Device::kCuda) {
     say("bf16 yardstick of " + BackendConfigString(reference_config));
     auto yardstick = Reference(reference_config, /*bf16_yardstick=*/true);
     if (!yardstick.ok())
@@ -303,7 +303,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
         QuantBytesPerElement(host_->quant_format, host_->config.hidden_size,
                              host_->config.hidden_size);
   measure.bytes_per_kv_element = (*model)->kv_cache_bytes_per_element();
-  if (ConfigDevice(*config) == "cuda") {
+  if (ConfigDevice(*config) == Device::kCuda) {
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
     measure.energy = energy_meter_.get();
   }

@@ -53,7 +53,7 @@ void CloseAndReap(PipedChild& child) {
 int RankProcesses(const TrialRequest& request) {
   const int tp = TensorParallelRanks(request.config);
   auto config = NormalizeBackendConfig(request.config);
-  if (config.ok() && ConfigDevice(*config) == "cuda" && tp > 1) return tp;
+  if (config.ok() && ConfigDevice(*config) == Device::kCuda && tp > 1) return tp;
   auto fault = ParseFaultInjection(request.inject_fault);
   const bool rank_fault = fault.ok() && (fault->kind == FaultInjection::Kind::kRankKill ||
                                          fault->kind == FaultInjection::Kind::kRankHang);
@@ -293,7 +293,7 @@ int RankWorkerMain() {
     auto config = request.ok() ? NormalizeBackendConfig(request->config)
                                : absl::StatusOr<BackendConfig>(request.status());
     // A CUDA rank takes its GPU before any other CUDA call (the executor's, the reference's).
-    absl::Status device = config.ok() && ConfigDevice(*config) == "cuda"
+    absl::Status device = config.ok() && ConfigDevice(*config) == Device::kCuda
                               ? UseRankDevice(rank, ranks)
                               : absl::OkStatus();
     SetRankContext({rank, ranks, [ranks](const std::string& mine) {

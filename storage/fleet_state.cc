@@ -28,23 +28,28 @@ json SelectorJson(const Selector& s) {
           {"min_memory_bytes", s.min_memory_bytes},
           {"gpus", s.gpus_needed},
           {"p2p", s.needs_p2p},
-          {"device", s.device}};
+          {"device", DeviceName(s.device)}};
 }
 
 // SelectorJson's text back; DataLoss naming `where` when it is damaged.
 absl::StatusOr<Selector> SelectorFromStoredJson(const std::string& text, const std::string& where) {
   ASSIGN_OR_RETURN(const json selector, ParseStoredJson(text, where + " selector"));
   Selector s;
+  std::string device_name;  // parsed below: a device the registry does not know is damage too
   try {
     s.sm_archs = selector.value("sm", std::vector<int>{});
     s.gpu_name_regex = selector.value("gpu_name", std::string());
     s.min_memory_bytes = selector.value("min_memory_bytes", int64_t{0});
     s.gpus_needed = selector.value("gpus", 1);
     s.needs_p2p = selector.value("p2p", false);
-    s.device = selector.value("device", std::string("cuda"));
+    device_name = selector.value("device", std::string(DeviceName(Device::kCuda)));
   } catch (const json::exception& e) {
     return absl::DataLossError(absl::StrCat(where, ": stored JSON is malformed: ", e.what()));
   }
+  absl::StatusOr<Device> parsed = ParseDevice(device_name, "selector device");
+  if (!parsed.ok())
+    return absl::DataLossError(absl::StrCat(where, ": ", parsed.status().message()));
+  s.device = *parsed;
   return s;
 }
 
@@ -440,7 +445,7 @@ absl::StatusOr<LostLease> FleetState::LoseLeaseLocked(const std::string& trial_i
   sub.result.attempt = t.attempt;
   sub.result.status = TrialStatus::kError;
   sub.result.reason = lost.reason;
-  sub.result.device = ConfigDevice(t.config) == "cpu" || t.lease_place.gpu_name.empty()
+  sub.result.device = ConfigDevice(t.config) == Device::kCpu || t.lease_place.gpu_name.empty()
                           ? "cpu"
                           : t.lease_place.gpu_name;
   sub.result.sm = t.lease_place.sm;

@@ -40,7 +40,7 @@ struct Selector {
   // The leased GPUs must reach each other by peer access (every pair), as the custom and fused
   // all-reduces need.
   bool needs_p2p = false;
-  std::string device = "cuda";      // "cpu" trials run on CPU agents
+  Device device = Device::kCuda;    // cpu trials run on CPU agents
 };
 
 // Where a leased trial runs: the GPU name and SM of the agent slot it was leased for ("cpu" and 0

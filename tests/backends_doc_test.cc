@@ -48,7 +48,8 @@ TEST(BackendsDocTest, OneTableRowPerRegistryRow) {
   const std::string md = cli::BackendsMarkdown();
   int test_only = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
-    const std::string row = absl::StrCat("| ", d.axis, " | ", d.value, " | ", d.device, " |");
+    const std::string row =
+        absl::StrCat("| ", d.axis, " | ", d.value, " | ", DeviceName(d.device), " |");
     if (d.test_only) {
       ++test_only;
       EXPECT_EQ(md.find(row), std::string::npos) << "a TEST ONLY row is listed: " << row;
@@ -64,11 +65,12 @@ TEST(BackendsDocTest, OneTableRowPerRegistryRow) {
 
 TEST(BackendsDocTest, SmRangeAndConflictsAreShown) {
   std::vector<BackendDescriptor> registry;
-  registry.push_back({"device", "cuda", "cuda", 80, 0, true, {}, {}, PrecisionClass::kFp32, "gpu"});
+  registry.push_back(
+      {"device", "cuda", Device::kCuda, 80, 0, true, {}, {}, PrecisionClass::kFp32, "gpu"});
   BackendDescriptor hopper;
   hopper.axis = "x";
   hopper.value = "hopper";
-  hopper.device = "cuda";
+  hopper.device = Device::kCuda;
   hopper.min_sm = hopper.max_sm = 90;
   hopper.weight_formats = {"bf16"};
   hopper.conflicts = {"y=a: because", "y=b"};

@@ -76,7 +76,7 @@ std::string ExpectedRefusal(const LocalDevices& devices, const std::string& mode
     if (!preflight.supported) return preflight.reason;
   }
 #ifdef INFERSWEEP_HAVE_CUDA
-  if (ConfigDevice(config) == "cuda") {
+  if (ConfigDevice(config) == Device::kCuda) {
     auto options = ParseCudaOptions(config);
     EXPECT_TRUE(options.ok()) << options.status();
     if (options.ok()) return CudaModelRefusal(host.config, host.quant_format, *options);
@@ -155,7 +155,7 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   // (tests/gpu_tp_test.cc runs it through the trial runner).
   std::map<std::string, std::vector<std::string>> axes, parallel_axes = {{"device", {"cuda"}}};
   for (const BackendDescriptor& d : BackendRegistry())
-    if (d.device == "cuda" && !d.test_only && !(d.axis == "tp" && d.value != "1"))
+    if (d.device == Device::kCuda && !d.test_only && !(d.axis == "tp" && d.value != "1"))
       (d.axis == "tp" || d.axis == "ep" || d.axis == "allreduce" ? parallel_axes : axes)[d.axis]
           .push_back(d.value);
   std::vector<BackendConfig> configs = ExpandMatrix(axes);

@@ -126,8 +126,17 @@ TEST(Preflight, KvCacheFp8IsAnFp8ClassValueForFlashOnly) {
 // SM ranges, judged against a registry of the test's own (an sm_90a-only kernel).
 TEST(Preflight, GatesOnSmRange) {
   std::vector<BackendDescriptor> registry = {
-      {"device", "cuda", "cuda", 80, 0, true, {}, {}, PrecisionClass::kFp32, ""},
-      {"gemm", "hopper_only", "cuda", 90, 90, true, {"bf16"}, {}, PrecisionClass::kBf16, ""}};
+      {"device", "cuda", Device::kCuda, 80, 0, true, {}, {}, PrecisionClass::kFp32, ""},
+      {"gemm",
+       "hopper_only",
+       Device::kCuda,
+       90,
+       90,
+       true,
+       {"bf16"},
+       {},
+       PrecisionClass::kBf16,
+       ""}};
   const BackendConfig config = {{"device", "cuda"}, {"gemm", "hopper_only"}};
   EXPECT_TRUE(Preflight(config, {true, 90, 1, "bf16"}, registry).supported);
   EXPECT_THAT(Preflight(config, {true, 120, 1, "bf16"}, registry).reason,
@@ -827,7 +836,7 @@ TEST(Executor, EveryCpuConfigIsOk) {
   TrialExecutor executor(LocalDevices{});
   std::map<std::string, std::vector<std::string>> kernel_axes, parallel_axes;
   for (const BackendDescriptor& d : BackendRegistry()) {
-    if (d.device != "cpu") continue;
+    if (d.device != Device::kCpu) continue;
     const bool parallel = d.axis == "tp" || d.axis == "ep" || d.axis == "allreduce";
     (parallel ? parallel_axes : kernel_axes)[d.axis].push_back(d.value);
   }

@@ -230,7 +230,7 @@ TEST_F(IdentityFleet, ResultsShowTheKernelsAndCompareNamesADifference) {
     t.model = "preset:tiny-moe";
     t.layers = 7;
     t.config = *ParseBackendConfig("device=cpu,matmul=naive,threads=1");
-    t.selector.device = "cpu";
+    t.selector.device = Device::kCpu;
   }
   absl::StatusOr<int64_t> id = store->CreateSweep(sweep, trials);
   ASSERT_TRUE(id.ok()) << id.status();

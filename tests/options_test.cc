@@ -11,13 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
 
 namespace infersweep {
 namespace {
 
 // A normalized config of `device` with one axis set.
-BackendConfig With(const std::string& device, const std::string& axis, const std::string& value) {
+BackendConfig With(Device device, const std::string& axis, const std::string& value) {
   BackendConfig config = DefaultAxes(device);
   config[axis] = value;
   return config;
@@ -29,7 +30,7 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
     if (d.axis == "device") continue;
     const BackendConfig config = With(d.device, d.axis, d.value);
     SCOPED_TRACE(BackendConfigString(config));
-    if (d.device == "cuda") {
+    if (d.device == Device::kCuda) {
       auto o = ParseCudaOptions(config);
       ASSERT_TRUE(o.ok()) << o.status();
       std::string name;
@@ -69,12 +70,12 @@ TEST(Options, EveryRegisteredValueParsesAndNamesItself) {
 // Axes added after results were stored leave a normalized config at their implicit values, so a
 // config string from before them still names the same run; any other value stays in it.
 TEST(Options, ImplicitAxesAreLeftOutAtTheirValues) {
-  for (const char* device : {"cpu", "cuda"}) {
-    BackendConfig config = {{"device", device}};
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    BackendConfig config = {{"device", DeviceName(device)}};
     for (const auto& [axis, value] : ImplicitAxes(device)) config[axis] = value;
     auto normalized = NormalizeBackendConfig(config);
     ASSERT_TRUE(normalized.ok()) << normalized.status();
-    EXPECT_EQ(*normalized, DefaultAxes(device)) << device;
+    EXPECT_EQ(*normalized, DefaultAxes(device)) << DeviceName(device);
   }
   auto fused = NormalizeBackendConfig({{"device", "cuda"}, {"linear_attn", "fused"}});
   ASSERT_TRUE(fused.ok()) << fused.status();
@@ -82,12 +83,12 @@ TEST(Options, ImplicitAxesAreLeftOutAtTheirValues) {
   auto parsed = ParseCudaOptions(*fused);
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->linear_attn, LinearAttn::kFused);
-  EXPECT_EQ(ImplicitAxes("cuda").at("linear_attn"), "reference");
-  EXPECT_EQ(ImplicitAxes("cpu").count("linear_attn"), 0u);
+  EXPECT_EQ(ImplicitAxes(Device::kCuda).at("linear_attn"), "reference");
+  EXPECT_EQ(ImplicitAxes(Device::kCpu).count("linear_attn"), 0u);
 }
 
 TEST(Options, DefaultsAreTheReferenceValues) {
-  auto cuda = ParseCudaOptions(DefaultAxes("cuda"));
+  auto cuda = ParseCudaOptions(DefaultAxes(Device::kCuda));
   ASSERT_TRUE(cuda.ok()) << cuda.status();
   EXPECT_EQ(cuda->gemm, Gemm::kReference);
   EXPECT_EQ(cuda->attention, Attention::kNaive);
@@ -118,7 +119,7 @@ TEST(Options, PredicatesNameTheirValues) {
   auto holds = [&](const std::string& axis, auto predicate) {
     std::set<std::string> out;
     for (const std::string& v : values(axis)) {
-      auto o = ParseCudaOptions(With("cuda", axis, v));
+      auto o = ParseCudaOptions(With(Device::kCuda, axis, v));
       EXPECT_TRUE(o.ok()) << o.status();
       if (o.ok() && predicate(*o)) out.insert(v);
     }
@@ -146,22 +147,62 @@ TEST(Options, PredicatesNameTheirValues) {
 
 TEST(Options, UnregisteredValuesAreErrorsNamingTheAxis) {
   for (const char* axis : {"gemm", "attention", "kv_cache", "moe", "graphs", "qgemm"}) {
-    auto o = ParseCudaOptions(With("cuda", axis, "warp_drive"));
+    auto o = ParseCudaOptions(With(Device::kCuda, axis, "warp_drive"));
     ASSERT_FALSE(o.ok()) << axis;
     EXPECT_TRUE(absl::IsInvalidArgument(o.status())) << o.status();
     EXPECT_THAT(std::string(o.status().message()),
                 testing::HasSubstr(std::string("'") + axis + "': unknown value 'warp_drive'"));
   }
-  auto matmul = ParseCpuOptions(With("cpu", "matmul", "strassen"));
+  auto matmul = ParseCpuOptions(With(Device::kCpu, "matmul", "strassen"));
   EXPECT_FALSE(matmul.ok());
   EXPECT_THAT(std::string(matmul.status().message()), testing::HasSubstr("'matmul'"));
   for (const char* threads : {"0", "-2", "many"}) {
-    auto t = ParseCpuOptions(With("cpu", "threads", threads));
+    auto t = ParseCpuOptions(With(Device::kCpu, "threads", threads));
     EXPECT_FALSE(t.ok()) << threads;
   }
   // Each device's parser takes its own configs only.
-  EXPECT_FALSE(ParseCudaOptions(DefaultAxes("cpu")).ok());
-  EXPECT_FALSE(ParseCpuOptions(DefaultAxes("cuda")).ok());
+  EXPECT_EQ(ParseCudaOptions(DefaultAxes(Device::kCpu)).status().message(),
+            "device=cpu: not a device=cuda config");
+  EXPECT_EQ(ParseCpuOptions(DefaultAxes(Device::kCuda)).status().message(),
+            "device=cuda: not a device=cpu config");
+  // A device the registry does not know is named as the config spells it.
+  EXPECT_EQ(ParseCpuOptions({{"device", "tpu"}}).status().message(),
+            "device=tpu: not a device=cpu config");
+}
+
+// The device axis is parsed once into Device: every registered device's name round-trips, and
+// any other name is an InvalidArgument naming the field it came from and the known devices.
+TEST(Options, DeviceNamesRoundTripAndAnUnknownDeviceIsRefused) {
+  std::vector<std::string> registered;
+  for (const BackendDescriptor& d : BackendRegistry()) {
+    if (d.axis != "device") continue;
+    registered.push_back(d.value);
+    EXPECT_EQ(DeviceName(d.device), d.value);
+    absl::StatusOr<Device> parsed = ParseDevice(d.value, "--device");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, d.device);
+    EXPECT_EQ(DefaultAxes(d.device).at("device"), d.value);
+  }
+  EXPECT_EQ(registered, (std::vector<std::string>{"cpu", "cuda"}));
+
+  for (const char* unknown : {"tpu", "CUDA", "gpu", ""}) {
+    absl::StatusOr<Device> parsed = ParseDevice(unknown, "--device");
+    ASSERT_FALSE(parsed.ok()) << unknown;
+    EXPECT_TRUE(absl::IsInvalidArgument(parsed.status())) << parsed.status();
+    EXPECT_EQ(parsed.status().message(),
+              absl::StrCat("--device: unknown value '", unknown, "' (known: cpu, cuda)"));
+  }
+
+  // A config without a device axis targets the CPU; an unknown device names the config's axis.
+  EXPECT_EQ(ParseConfigDevice({}).value_or(Device::kCuda), Device::kCpu);
+  EXPECT_EQ(ParseConfigDevice({{"device", "cuda"}}).value_or(Device::kCpu), Device::kCuda);
+  EXPECT_EQ(ConfigDevice(*NormalizeBackendConfig({{"device", "cuda"}})), Device::kCuda);
+  const std::string tpu = "config axis 'device': unknown value 'tpu' (known: cpu, cuda)";
+  EXPECT_EQ(ParseConfigDevice({{"device", "tpu"}}).status().message(), tpu);
+  EXPECT_EQ(NormalizeBackendConfig({{"device", "tpu"}}).status().message(), tpu);
+  EXPECT_EQ(NormalizeBackendConfig({{"device", "cpu"}, {"gemm", "fused"}}).status().message(),
+            "config axis 'gemm' is not an axis of cpu (known: allreduce, device, ep, matmul, "
+            "threads, tp)");
 }
 
 // RegistryConflict is Preflight's conflict judgement: on every pair of CUDA values, for dense and
@@ -170,7 +211,7 @@ TEST(Options, UnregisteredValuesAreErrorsNamingTheAxis) {
 TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
   std::map<std::string, std::vector<std::string>> axes;
   for (const BackendDescriptor& d : BackendRegistry())
-    if (d.device == "cuda") axes[d.axis].push_back(d.value);
+    if (d.device == Device::kCuda) axes[d.axis].push_back(d.value);
   // A registry without sm bounds or weight formats: only conflicts can refuse.
   std::vector<BackendDescriptor> open = BackendRegistry();
   for (BackendDescriptor& d : open) {

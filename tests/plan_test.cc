@@ -120,9 +120,9 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   const std::set<std::string> planned = {"attention", "kv_cache", "moe", "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
-    SCOPED_TRACE(absl::StrCat(d.device, ": ", d.axis, "=", d.value));
+    SCOPED_TRACE(absl::StrCat(DeviceName(d.device), ": ", d.axis, "=", d.value));
     EXPECT_FALSE(d.description.empty());
-    if (d.device != "cuda" || d.axis == "device") continue;
+    if (d.device != Device::kCuda || d.axis == "device") continue;
     const CudaOptions o = OptionsWith(d.axis, d.value);
     absl::StatusOr<std::vector<ProbeEntry>> probe = ProbeEntriesOf(d.axis, o, model, false);
     EXPECT_TRUE(probe.ok()) << probe.status();
@@ -139,7 +139,7 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
 TEST(PlanRegistryWalk, EnumNamesAreTheRegistrysValuesInOrder) {
   for (const char* axis :
        {"gemm", "attention", "kv_cache", "moe", "graphs", "qgemm", "linear_attn"}) {
-    const std::vector<std::string> values = RegisteredValues("cuda", axis);
+    const std::vector<std::string> values = RegisteredValues(Device::kCuda, axis);
     ASSERT_FALSE(values.empty()) << axis;
     for (const std::string& v : values) {
       const CudaOptions o = OptionsWith(axis, v);

@@ -78,7 +78,7 @@ TEST(QuantPreflight, QgemmAxisJudgesArchAndWeightFormat) {
   ASSERT_TRUE(cpu.ok());
   EXPECT_EQ(Preflight(*cpu, {false, 0, 0, "mxfp4"}).precision, PrecisionClass::kFp32);
   // The GPU reference's defaults include the axis.
-  EXPECT_EQ(DefaultAxes("cuda").at("qgemm"), "reference");
+  EXPECT_EQ(DefaultAxes(Device::kCuda).at("qgemm"), "reference");
 }
 
 // The fast decode configs on quantized weights: gemm=fused takes every format (quantized

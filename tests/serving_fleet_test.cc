@@ -399,7 +399,7 @@ class ServingStoreTest : public ::testing::Test {
       t.layers = 1;
       t.config = c;
       t.workload = workload;
-      t.selector.device = "cpu";
+      t.selector.device = Device::kCpu;
       trials.push_back(t);
     }
     SweepRecord s;

@@ -153,7 +153,7 @@ TEST_F(StoreTest, CreateSweepStoresTrialsWithAssignedIds) {
   EXPECT_EQ(t->selector.sm_archs, (std::vector<int>{90, 120}));
   EXPECT_EQ(t->selector.gpu_name_regex, "H200|H100");
   EXPECT_EQ(t->selector.min_memory_bytes, 80'000'000'000);
-  EXPECT_EQ(t->selector.device, "cuda");
+  EXPECT_EQ(t->selector.device, Device::kCuda);
   EXPECT_EQ(t->state, TrialState::kQueued);
   EXPECT_EQ(t->attempt, 0);
   EXPECT_TRUE(t->leased_to.empty());
@@ -780,6 +780,39 @@ TEST_F(IdentityTest, ResultsAreStoredCompressedAndADamagedOneIsNamed) {
   ASSERT_FALSE(broken.ok());
   EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(broken.status().message(), HasSubstr("result row " + victim));
+}
+
+// A selector's device is stored as its name and read back as the enum; a stored name the registry
+// does not know is a damaged row, named, not a trial sent to the wrong agents.
+TEST_F(StoreTest, SelectorDeviceIsStoredByNameAndAnUnknownOneIsNamed) {
+  absl::StatusOr<int64_t> id =
+      store_->CreateSweep(MakeSweep("devices"), {MakeTrial(kCpu), MakeTrial(kFlash)});
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::string cpu_trial = absl::StrCat(*id, "-0");
+  absl::StatusOr<TrialRecord> cpu = store_->GetTrial(cpu_trial);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->selector.device, Device::kCpu);
+  absl::StatusOr<TrialRecord> cuda = store_->GetTrial(absl::StrCat(*id, "-1"));
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ(cuda->selector.device, Device::kCuda);
+
+  RawDb raw(path_);
+  const std::string where = " WHERE trial_id = '" + cpu_trial + "'";
+  EXPECT_THAT(raw.Query("SELECT selector_json FROM trials" + where),
+              HasSubstr(R"("device":"cpu")"));
+  ASSERT_EQ(
+      raw.Exec(R"(UPDATE trials SET selector_json = replace(selector_json, '"device":"cpu"', )"
+               R"('"device":"tpu"'))" +
+               where),
+      SQLITE_OK);
+  store_.reset();
+  store_ = OpenOrDie(path_);
+  absl::StatusOr<TrialRecord> damaged = store_->GetTrial(cpu_trial);
+  ASSERT_FALSE(damaged.ok());
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(damaged.status().message(), HasSubstr("trial '" + cpu_trial + "'"));
+  EXPECT_THAT(damaged.status().message(),
+              HasSubstr("selector device: unknown value 'tpu' (known: cpu, cuda)"));
 }
 
 // A kernel log is stored once for every result that ran the same kernels, and reads give each

@@ -160,7 +160,7 @@ TEST(SweepSpecTest, ExampleExpandsToTenTrials) {
     EXPECT_EQ(t.model, "preset:qwen3-30b-a3b");
     EXPECT_EQ(t.layers, 4);
     EXPECT_EQ(t.state, TrialState::kQueued);
-    EXPECT_EQ(t.selector.device, "cuda");
+    EXPECT_EQ(t.selector.device, Device::kCuda);
     EXPECT_EQ(t.selector.sm_archs, (std::vector<int>{90}));
     EXPECT_EQ(t.workload.batch_sizes, (std::vector<int>{1, 8}));
     // Normalized: the defaults of the cuda device are filled in.
@@ -226,7 +226,7 @@ matrix:
   ASSERT_EQ(trials.size(), 4u);
   for (const TrialRecord& t : trials) {
     EXPECT_EQ(t.config.at("device"), "cpu");
-    EXPECT_EQ(t.selector.device, "cpu");
+    EXPECT_EQ(t.selector.device, Device::kCpu);
     EXPECT_EQ(t.model, "preset:tiny");
     EXPECT_EQ(t.workload.prompt_len, Workload().prompt_len);  // defaults
   }
@@ -612,7 +612,7 @@ TEST(SweepSpecRealRegistryTest, CpuSweepExpandsWithRealDefaults) {
     absl::StatusOr<BackendConfig> normalized = NormalizeBackendConfig(t.config);
     ASSERT_TRUE(normalized.ok());
     EXPECT_EQ(*normalized, t.config);  // already normalized: defaults filled in
-    EXPECT_EQ(t.selector.device, "cpu");
+    EXPECT_EQ(t.selector.device, Device::kCpu);
   }
   EXPECT_EQ((*trials)[0].trial_id, "4-0");
 }

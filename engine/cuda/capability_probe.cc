@@ -66,7 +66,7 @@ class DeviceProbe final : public CapabilityProbe {
   absl::Status Probe(const BackendConfig& config, const ModelConfig& model,
                      const std::string& weight_format) override {
     // The static preflight refuses device=cuda without a GPU; the CPU has nothing to ask.
-    if (ConfigDevice(config) != "cuda" || devices_.gpu_count == 0) return absl::OkStatus();
+    if (ConfigDevice(config) != Device::kCuda || devices_.gpu_count == 0) return absl::OkStatus();
     absl::StatusOr<CudaOptions> options = ParseCudaOptions(config);
     if (!options.ok()) return options.status();
     const bool quantized = weight_format != "bf16" && weight_format != "f16" &&
