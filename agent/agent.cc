@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/private_file.h"
+#include "api/status_macros.h"
 #include "core/wall_clock.h"
 #include "engine/fault_injection.h"
 #include "harness/runner.h"
@@ -95,24 +96,19 @@ absl::Status Agent::Start() {
     Log(absl::StrCat("[TEST-FAULT] every trial runs with the injected fault '",
                      options_.test_inject_fault, "'"));
   }
-  auto credentials = rpc::MakeChannelCredentials(options_.tls);
-  if (!credentials.ok()) return credentials.status();
-  credentials_ = *std::move(credentials);
-  auto inventory = DetectInventory(options_.test_fake_gpus);
-  if (!inventory.ok()) return inventory.status();
-  inventory_ = *std::move(inventory);
-  auto spool = Spool::Open(options_.spool_path);
-  if (!spool.ok()) return spool.status();
-  spool_ = *std::move(spool);
+  ASSIGN_OR_RETURN(auto credentials, rpc::MakeChannelCredentials(options_.tls));
+  credentials_ = std::move(credentials);
+  ASSIGN_OR_RETURN(auto inventory, DetectInventory(options_.test_fake_gpus));
+  inventory_ = std::move(inventory);
+  ASSIGN_OR_RETURN(auto spool, Spool::Open(options_.spool_path));
+  spool_ = std::move(spool);
   if (auto n = spool_->Count(); n.ok() && *n > 0)
     Log(absl::StrCat(*n, " unacknowledged result(s) in the spool; they are sent after connecting"));
   if (!options_.metrics_listen.empty()) {
     auto metrics = std::make_unique<AgentMetrics>();
-    absl::StatusOr<int> port = metrics->Listen(options_.metrics_listen);
-    if (!port.ok()) return port.status();
+    ASSIGN_OR_RETURN(int port, metrics->Listen(options_.metrics_listen));
     metrics_ = std::move(metrics);
-    Log(absl::StrCat("metrics on http://", options_.metrics_listen, "/metrics (port ", *port,
-                     ")"));
+    Log(absl::StrCat("metrics on http://", options_.metrics_listen, "/metrics (port ", port, ")"));
     UpdateSpoolMetric();
   }
 
@@ -618,8 +614,8 @@ void Agent::SlotLoop(Slot* slot) {
       request->trial_id = job.trial_id;
       request->attempt = job.attempt;
       if (!options_.test_inject_fault.empty()) request->inject_fault = options_.test_inject_fault;
-      Log(absl::StrCat("running ", job.trial_id, " attempt ", job.attempt, " on slot ",
-                       slot->index, ": ", BackendConfigString(request->config)));
+      Log(absl::StrCat("running ", job.trial_id, " attempt ", job.attempt, " on slot ", slot->index,
+                       ": ", BackendConfigString(request->config)));
       if (metrics_) metrics_->TrialStarted(job.trial_id, BackendConfigString(request->config));
       result = slot->runner->Run(*request, JobDevices(job));
     }

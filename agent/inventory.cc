@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "api/backend_config.h"
+#include "api/status_macros.h"
 #include "engine/backends.h"
 #include "harness/executor.h"
 
@@ -81,7 +82,8 @@ absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
   const absl::string_view sm_text = text.substr(mid + 1, last - mid - 1);
   auto sm = ParseSmArch(std::string_view(sm_text.data(), sm_text.size()), /*allow_cpu=*/false);
   if (!sm.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--test-fake-gpu '", text, "': ", sm.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--test-fake-gpu '", text, "': ", sm.status().message()));
   gpu.sm = *sm;
   double gib = 0;
   if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text.substr(last + 1)), &gib) || gib <= 0 ||
@@ -179,10 +181,9 @@ absl::StatusOr<Inventory> DetectInventory(const std::vector<std::string>& fake_g
     DetectTopology(inv.gpus);
   } else {
     for (const std::string& text : fake_gpus) {
-      auto gpu = ParseFakeGpu(text);
-      if (!gpu.ok()) return gpu.status();
-      gpu->index = static_cast<int>(inv.gpus.size());
-      inv.gpus.push_back(*std::move(gpu));
+      ASSIGN_OR_RETURN(auto gpu, ParseFakeGpu(text));
+      gpu.index = static_cast<int>(inv.gpus.size());
+      inv.gpus.push_back(std::move(gpu));
     }
     FakeTopology(inv.gpus);
   }

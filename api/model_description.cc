@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "api/model_config.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 
@@ -17,9 +18,9 @@ absl::StatusOr<ModelDescription> ParseModelDescription(const std::string& text) 
     return d;
   }
   if (absl::StartsWith(text, "preset:"))
-    return absl::InvalidArgumentError(absl::StrCat("model '", text, "': '@", suffix,
-                                                   "' is not a quantization format (known: ",
-                                                   QuantFormatNames(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", text, "': '@", suffix,
+                     "' is not a quantization format (known: ", QuantFormatNames(), ")"));
   return d;  // a folder whose name holds an '@'
 }
 
@@ -32,25 +33,23 @@ absl::StatusOr<std::string> WithQuantization(const std::string& model, const std
   if (format.empty() || format == "none") return model;
   const std::optional<QuantFormat> q = QuantFormatFromName(format);
   if (!q)
-    return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, ": unknown format (known: ",
-                                                   QuantFormatNames(), ")"));
-  auto d = ParseModelDescription(model);
-  if (!d.ok()) return d.status();
-  if (d->quantize != QuantFormat::kNone && d->quantize != *q)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--quantize ", format, ": unknown format (known: ", QuantFormatNames(), ")"));
+  ASSIGN_OR_RETURN(auto d, ParseModelDescription(model));
+  if (d.quantize != QuantFormat::kNone && d.quantize != *q)
     return absl::InvalidArgumentError(absl::StrCat("--quantize ", format, " conflicts with '",
                                                    model, "', which names another format"));
-  d->quantize = *q;
-  return ModelDescriptionString(*d);
+  d.quantize = *q;
+  return ModelDescriptionString(d);
 }
 
 absl::StatusOr<ModelIdentity> DescribePreset(const std::string& name, int num_layers_override,
                                              uint64_t seed, QuantFormat quantize) {
-  auto config = PresetConfig(name, num_layers_override);
-  if (!config.ok()) return config.status();
+  ASSIGN_OR_RETURN(auto config, PresetConfig(name, num_layers_override));
   ModelIdentity id;
   id.source = "preset";
   id.name = name;
-  id.layers = config->num_layers;
+  id.layers = config.num_layers;
   id.seed = seed;
   id.weights = quantize != QuantFormat::kNone ? QuantFormatName(quantize) : "bf16";
   return id;

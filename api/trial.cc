@@ -50,7 +50,8 @@ absl::Status ReadOpt(const json& j, const char* key, std::optional<double>* v,
                      absl::string_view where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return absl::OkStatus();
-  if (!it->is_number()) return absl::InvalidArgumentError(absl::StrCat(where, ".", key, ": not a number"));
+  if (!it->is_number())
+    return absl::InvalidArgumentError(absl::StrCat(where, ".", key, ": not a number"));
   *v = it->get<double>();
   return absl::OkStatus();
 }
@@ -116,7 +117,8 @@ absl::Status ValidateWorkload(const Workload& w) {
       return bad("batch", b, absl::StrCat("[1, ", kMaxBatchSize, "]"));
   if (w.repeats < 1 || w.repeats > 100) return bad("repeats", w.repeats, "[1, 100]");
   if (w.warmup < 0 || w.warmup > 100) return bad("warmup", w.warmup, "[0, 100]");
-  if (!(w.timeout_s >= 1 && w.timeout_s <= 86400)) return bad("timeout", w.timeout_s, "[1, 86400] s");
+  if (!(w.timeout_s >= 1 && w.timeout_s <= 86400))
+    return bad("timeout", w.timeout_s, "[1, 86400] s");
   if (w.serve) RETURN_IF_ERROR(ValidateServeSpec(*w.serve, "workload"));
   if (!w.slo.empty() && !w.serve)
     return absl::InvalidArgumentError("workload field 'slo': an SLO applies to serving workloads");
@@ -126,8 +128,10 @@ absl::Status ValidateWorkload(const Workload& w) {
 absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
   Workload w;
   std::set<std::string, std::less<>> seen;
-  for (absl::string_view item : absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
-    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+  for (absl::string_view item :
+       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
     if (!seen.emplace(kv.first).second)
       return absl::InvalidArgumentError(
           absl::StrCat("workload field '", kv.first, "' given twice"));
@@ -164,9 +168,9 @@ absl::StatusOr<Workload> ParseWorkload(std::string_view text) {
         w.batch_sizes.push_back(size);
       }
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown workload field '", kv.first,
-          "' (known: prompt, output, batch, repeats, warmup, timeout)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown workload field '", kv.first,
+                       "' (known: prompt, output, batch, repeats, warmup, timeout)"));
     }
   }
   RETURN_IF_ERROR(ValidateWorkload(w));
@@ -197,9 +201,8 @@ std::string WorkloadKey(const Workload& w) {
 absl::StatusOr<std::string> CanonicalWorkloadKey(std::string_view text) {
   if (absl::StartsWith(absl::string_view(text.data(), text.size()), kServeWorkloadKeyPrefix))
     return CanonicalServeWorkloadKey(text);
-  absl::StatusOr<Workload> w = ParseWorkload(text);
-  if (!w.ok()) return w.status();
-  return WorkloadKey(*w);
+  ASSIGN_OR_RETURN(Workload w, ParseWorkload(text));
+  return WorkloadKey(w);
 }
 
 json KernelsJson(const BatchFigures& b) {
@@ -235,9 +238,14 @@ absl::StatusOr<Workload> WorkloadFromJson(const json& j) {
 }
 
 json ToJson(const TrialRequest& r) {
-  return {{"trial_id", r.trial_id}, {"attempt", r.attempt},   {"model", r.model},
-          {"layers", r.layers},     {"seed", r.seed},         {"config", r.config},
-          {"workload", ToJson(r.workload)}, {"inject_fault", r.inject_fault}};
+  return {{"trial_id", r.trial_id},
+          {"attempt", r.attempt},
+          {"model", r.model},
+          {"layers", r.layers},
+          {"seed", r.seed},
+          {"config", r.config},
+          {"workload", ToJson(r.workload)},
+          {"inject_fault", r.inject_fault}};
 }
 
 absl::StatusOr<TrialRequest> TrialRequestFromJson(const json& j) {
@@ -251,9 +259,8 @@ absl::StatusOr<TrialRequest> TrialRequestFromJson(const json& j) {
   RETURN_IF_ERROR(Read(j, "inject_fault", &r.inject_fault, "request"));
   if (r.model.empty()) return absl::InvalidArgumentError("request.model: missing");
   if (j.contains("workload")) {
-    auto w = WorkloadFromJson(j["workload"]);
-    if (!w.ok()) return w.status();
-    r.workload = *w;
+    ASSIGN_OR_RETURN(auto w, WorkloadFromJson(j["workload"]));
+    r.workload = w;
   }
   return r;
 }
@@ -261,26 +268,27 @@ absl::StatusOr<TrialRequest> TrialRequestFromJson(const json& j) {
 json ToJson(const TrialResult& r) {
   json batches = json::array();
   for (const BatchFigures& b : r.batches) {
-    batches.push_back({{"batch", b.batch},
-                       {"ttft_ms", SpreadJson(b.ttft_ms)},
-                       {"tpot_ms", SpreadJson(b.tpot_ms)},
-                       {"latency_ms", SpreadJson(b.latency_ms)},
-                       {"prefill_tok_s", SpreadJson(b.prefill_tok_s)},
-                       {"output_tok_s", SpreadJson(b.output_tok_s)},
-                       {"output_tok_s_per_seq", SpreadJson(b.output_tok_s_per_seq)},
-                       {"itl_ms", {{"p50", b.itl_ms.p50}, {"p90", b.itl_ms.p90}, {"p99", b.itl_ms.p99}}},
-                       {"decode_bytes_per_step", b.decode_bytes_per_step},
-                       {"achieved_gb_s", b.achieved_gb_s},
-                       {"roofline_tok_s", OptJson(b.roofline_tok_s)},
-                       {"roofline_fraction", OptJson(b.roofline_fraction)},
-                       {"prefill_flops", b.prefill_flops},
-                       {"prefill_roofline_tok_s", OptJson(b.prefill_roofline_tok_s)},
-                       {"prefill_roofline_fraction", OptJson(b.prefill_roofline_fraction)},
-                       {"avg_power_w", OptJson(b.avg_power_w)},
-                       {"joules_per_output_token", OptJson(b.joules_per_output_token)},
-                       {"timer", b.timer},
-                       {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
-                       {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
+    batches.push_back(
+        {{"batch", b.batch},
+         {"ttft_ms", SpreadJson(b.ttft_ms)},
+         {"tpot_ms", SpreadJson(b.tpot_ms)},
+         {"latency_ms", SpreadJson(b.latency_ms)},
+         {"prefill_tok_s", SpreadJson(b.prefill_tok_s)},
+         {"output_tok_s", SpreadJson(b.output_tok_s)},
+         {"output_tok_s_per_seq", SpreadJson(b.output_tok_s_per_seq)},
+         {"itl_ms", {{"p50", b.itl_ms.p50}, {"p90", b.itl_ms.p90}, {"p99", b.itl_ms.p99}}},
+         {"decode_bytes_per_step", b.decode_bytes_per_step},
+         {"achieved_gb_s", b.achieved_gb_s},
+         {"roofline_tok_s", OptJson(b.roofline_tok_s)},
+         {"roofline_fraction", OptJson(b.roofline_fraction)},
+         {"prefill_flops", b.prefill_flops},
+         {"prefill_roofline_tok_s", OptJson(b.prefill_roofline_tok_s)},
+         {"prefill_roofline_fraction", OptJson(b.prefill_roofline_fraction)},
+         {"avg_power_w", OptJson(b.avg_power_w)},
+         {"joules_per_output_token", OptJson(b.joules_per_output_token)},
+         {"timer", b.timer},
+         {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
+         {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
     if (b.prefill_kernels || b.decode_kernels) batches.back()["kernels"] = KernelsJson(b);
   }
   const VerdictMetrics& v = r.verdict;
@@ -352,7 +360,8 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
   std::string status;
   RETURN_IF_ERROR(Read(j, "status", &status, "result"));
   auto parsed = TrialStatusFromName(status);
-  if (!parsed) return absl::InvalidArgumentError(absl::StrCat("result.status: unknown '", status, "'"));
+  if (!parsed)
+    return absl::InvalidArgumentError(absl::StrCat("result.status: unknown '", status, "'"));
   r.status = *parsed;
   RETURN_IF_ERROR(Read(j, "trial_id", &r.trial_id, "result"));
   RETURN_IF_ERROR(Read(j, "attempt", &r.attempt, "result"));

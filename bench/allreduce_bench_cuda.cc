@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "api/status_macros.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "bench/allreduce_bench.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -197,8 +197,7 @@ absl::StatusOr<std::vector<AllReduceBenchRow>> RunCudaAllReduceBench(
     const AllReduce kind = value == "nccl"     ? AllReduce::kNccl
                            : value == "custom" ? AllReduce::kCustom
                                                : AllReduce::kFused;
-    auto comms = MakeLocalCommunicators(kind, devices, o.max_bytes);
-    if (!comms.ok()) return comms.status();
+    ASSIGN_OR_RETURN(auto comms, MakeLocalCommunicators(kind, devices, o.max_bytes));
     for (bool graph : {false, true})
       for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.size_factor) {
         AllReduceBenchRow row;
@@ -214,7 +213,7 @@ absl::StatusOr<std::vector<AllReduceBenchRow>> RunCudaAllReduceBench(
           std::vector<std::jthread> threads;
           for (int r = 0; r < o.ranks; ++r)
             threads.emplace_back([&, r] {
-              status[r] = RankRow(*(*comms)[r], buffers[r], kind, row.count, graph, o, ranks_done,
+              status[r] = RankRow(comms[r], buffers[r], kind, row.count, graph, o, ranks_done,
                                   &ms[r], &wrong[r]);
             });
         }

@@ -72,39 +72,34 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   if (!device.ok())
     return absl::InvalidArgumentError(
         absl::StrCat("--backend ", args.backend, ": expected cpu or cuda"));
-  auto overrides = ParseBackendConfig(args.config);
-  if (!overrides.ok()) return overrides.status();
+  ASSIGN_OR_RETURN(auto overrides, ParseBackendConfig(args.config));
   BackendConfig config = DefaultAxes(*device);
   if (args.threads > 0) config["threads"] = absl::StrCat(args.threads);
-  for (const auto& [axis, value] : *overrides) config[axis] = value;
-  auto normalized = NormalizeBackendConfig(config);
-  if (!normalized.ok()) return normalized.status();
-  auto model_description = WithQuantization(args.model, args.quantize);
-  if (!model_description.ok()) return model_description.status();
+  for (const auto& [axis, value] : overrides) config[axis] = value;
+  ASSIGN_OR_RETURN(auto normalized, NormalizeBackendConfig(config));
+  ASSIGN_OR_RETURN(auto model_description, WithQuantization(args.model, args.quantize));
   const LocalDevices devices = ProbeLocalDevices();
   PreflightResult preflight =
-      Preflight(*normalized, MakePreflightTarget(devices, *model_description));
+      Preflight(normalized, MakePreflightTarget(devices, model_description));
   if (!preflight.supported)
     return absl::FailedPreconditionError(
-        absl::StrCat("UNSUPPORTED: ", BackendConfigString(*normalized), ": ", preflight.reason));
+        absl::StrCat("UNSUPPORTED: ", BackendConfigString(normalized), ": ", preflight.reason));
   // The capability probe, as a trial asks it: before any weights load.
-  if (absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(*model_description, args.layers);
+  if (absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(model_description, args.layers);
       shapes.ok())
     if (absl::Status probed = MakeDeviceProbe(devices)->Probe(
-            *normalized, *shapes, DeclaredWeightFormat(*model_description));
+            normalized, *shapes, DeclaredWeightFormat(model_description));
         !probed.ok())
       return absl::FailedPreconditionError(
           absl::StrCat(absl::IsUnimplemented(probed) ? "UNSUPPORTED: " : "",
-                       BackendConfigString(*normalized), ": capability probe: ", probed.message()));
+                       BackendConfigString(normalized), ": capability probe: ", probed.message()));
   Loaded loaded;
-  auto host = LoadHostModel(*model_description, {args.layers, args.seed});
-  if (!host.ok()) return host.status();
-  for (const std::string& warning : (*host)->warnings)
+  ASSIGN_OR_RETURN(auto host, LoadHostModel(model_description, {args.layers, args.seed}));
+  for (const std::string& warning : host.warnings)
     std::fprintf(stderr, "warning: %s\n", warning.c_str());
-  loaded.host = std::move(*host);
-  auto model = CreateModel(*loaded.host, *normalized);
-  if (!model.ok()) return model.status();
-  loaded.model = std::move(*model);
+  loaded.host = std::move(host);
+  ASSIGN_OR_RETURN(auto model, CreateModel(*loaded.host, normalized));
+  loaded.model = std::move(model);
   return loaded;
 }
 

@@ -53,9 +53,8 @@ absl::StatusOr<std::vector<BackendConfig>> ExpandConfigArg(const std::string& te
   }
   std::vector<BackendConfig> configs;
   for (const BackendConfig& c : ExpandMatrix(axes)) {
-    auto normalized = NormalizeBackendConfig(c);
-    if (!normalized.ok()) return normalized.status();
-    configs.push_back(*normalized);
+    ASSIGN_OR_RETURN(auto normalized, NormalizeBackendConfig(c));
+    configs.push_back(normalized);
   }
   return configs;
 }

@@ -246,12 +246,11 @@ absl::StatusOr<std::vector<RegressionRow>> FindRegressions(Store& store, const R
   rq.layers = q.layers;
   rq.with_kernels = false;  // the figures are all a series needs
   rq.limit = q.limit;
-  absl::StatusOr<std::vector<StoredResult>> results = store.QueryResults(rq);
-  if (!results.ok()) return results.status();
+  ASSIGN_OR_RETURN(std::vector<StoredResult> results, store.QueryResults(rq));
   // QueryResults gives the newest first; AnalyzeResults breaks equal finish times by position,
   // so reverse to keep the store's order (oldest first) among ties.
-  std::reverse(results->begin(), results->end());
-  return AnalyzeResults(*results, q.metric, q.options);
+  std::reverse(results.begin(), results.end());
+  return AnalyzeResults(results, q.metric, q.options);
 }
 
 namespace {

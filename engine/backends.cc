@@ -1,9 +1,9 @@
 #include "engine/backends.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "engine/cpu_model.h"
 #include "engine/options.h"
 #include "engine/quant/layout.h"
@@ -93,17 +93,16 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
                          "--quantize",
                          fault.target.empty() ? "" : ", and a target they have", ")"));
     }
-    auto parsed = ParseCpuOptions(config);
-    if (!parsed.ok()) return parsed.status();
+    ASSIGN_OR_RETURN(auto parsed, ParseCpuOptions(config));
     CpuModelOptions options;
     options.fault = fault;
-    options.matmul = parsed->matmul == Matmul::kBlocked ? cpu::MatmulVariant::kBlocked
-                                                        : cpu::MatmulVariant::kNaive;
-    options.threads = parsed->threads;
-    if (parsed->parallel.tp > 1) {
+    options.matmul = parsed.matmul == Matmul::kBlocked ? cpu::MatmulVariant::kBlocked
+                                                       : cpu::MatmulVariant::kNaive;
+    options.threads = parsed.threads;
+    if (parsed.parallel.tp > 1) {
       TensorParallelOptions parallel;
-      parallel.tp = parsed->parallel.tp;
-      parallel.expert_parallel = parsed->parallel.expert_parallel;
+      parallel.tp = parsed.parallel.tp;
+      parallel.expert_parallel = parsed.parallel.expert_parallel;
       parallel.matmul = options.matmul;
       parallel.fault = fault;
       return MakeTensorParallelCpuModel(host, parallel);
@@ -112,20 +111,18 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
   }
 #ifdef INFERSWEEP_HAVE_CUDA
   if (device == Device::kCuda) {
-    auto options = ParseCudaOptions(config);
-    if (!options.ok()) return options.status();
+    ASSIGN_OR_RETURN(auto options, ParseCudaOptions(config));
     // A checkpoint may ship lm_head quantized against its declaration; the CUDA engine streams
     // lm_head as bf16 only.
     if (host.weights.lm_head.quantized())
       return absl::UnimplementedError(
           "device=cuda: lm_head is stored quantized, which only the CPU reference runs");
     // tp > 1: this rank process's shard, joined to the other ranks (engine/rank_context.h).
-    if (options->parallel.tp > 1) {
-      auto rank = JoinCudaRank(options->parallel);
-      if (!rank.ok()) return rank.status();
-      return MakeCudaModel(host, *options, fault, *rank);
+    if (options.parallel.tp > 1) {
+      ASSIGN_OR_RETURN(auto rank, JoinCudaRank(options.parallel));
+      return MakeCudaModel(host, options, fault, rank);
     }
-    return MakeCudaModel(host, *options, fault);
+    return MakeCudaModel(host, options, fault);
   }
 #endif
   return absl::UnimplementedError(
@@ -136,10 +133,9 @@ absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
                                                            const BackendConfig& reference) {
 #ifdef INFERSWEEP_HAVE_CUDA
   if (ConfigDevice(reference) == Device::kCuda) {
-    auto options = ParseCudaOptions(reference);
-    if (!options.ok()) return options.status();
-    options->bf16_gemm_inputs = true;
-    return MakeCudaModel(host, *options, {});
+    ASSIGN_OR_RETURN(auto options, ParseCudaOptions(reference));
+    options.bf16_gemm_inputs = true;
+    return MakeCudaModel(host, options, {});
   }
 #endif
   return absl::UnimplementedError(

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "api/model_description.h"
+#include "api/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace infersweep {
@@ -135,9 +136,8 @@ std::shared_ptr<CapabilityProbe> MakeCachedDeviceProbe(const LocalDevices& devic
 }
 
 absl::StatusOr<ModelConfig> DescribeModelShapes(const std::string& model, int num_layers_override) {
-  absl::StatusOr<ModelDescription> description = ParseModelDescription(model);
-  if (!description.ok()) return description.status();
-  const std::string& m = description->model;
+  ASSIGN_OR_RETURN(ModelDescription description, ParseModelDescription(model));
+  const std::string& m = description.model;
   if (absl::StartsWith(m, "preset:")) return PresetConfig(m.substr(7), num_layers_override);
   absl::StatusOr<ModelConfig> config = LoadModelConfig(m);
   if (config.ok() && num_layers_override > 0 && num_layers_override < config->num_layers)

@@ -1,5 +1,4 @@
 #include "engine/checkpoint.h"
-#include "api/status_macros.h"
 
 #include <sys/stat.h>
 
@@ -15,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "api/untrusted_json.h"
 #include "engine/quant/layout.h"
 #include "nlohmann/json.hpp"
@@ -58,8 +58,9 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
     const int err = errno;
-    return absl::Status(absl::ErrnoToStatusCode(err),
-                        absl::StrCat(path, ": cannot open: ", std::generic_category().message(err)));
+    return absl::Status(
+        absl::ErrnoToStatusCode(err),
+        absl::StrCat(path, ": cannot open: ", std::generic_category().message(err)));
   }
   std::string text;
   char buf[1 << 16];
@@ -81,9 +82,8 @@ bool IsPlainFileName(const std::string& name) {
 
 absl::StatusOr<std::map<std::string, std::string>> ParseSafetensorsIndex(const std::string& text,
                                                                          const std::string& path) {
-  absl::StatusOr<json> parsed = ParseUntrustedJson(text, path);
-  if (!parsed.ok()) return parsed.status();
-  const json& root = *parsed;
+  ASSIGN_OR_RETURN(json parsed, ParseUntrustedJson(text, path));
+  const json& root = parsed;
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": must be a JSON object, found ", root.type_name()));
@@ -183,9 +183,8 @@ bool IsQuantizedDType(DType t) {
 }
 
 std::string DTypeList(const std::vector<DType>& dtypes) {
-  return absl::StrJoin(dtypes, " or ", [](std::string* out, DType t) {
-    absl::StrAppend(out, Sv(DTypeName(t)));
-  });
+  return absl::StrJoin(dtypes, " or ",
+                       [](std::string* out, DType t) { absl::StrAppend(out, Sv(DTypeName(t))); });
 }
 
 // Equal after dropping size-1 dimensions: a scale [N] may be stored [N, 1], a scalar [] as [1].
@@ -238,16 +237,14 @@ std::string Checkpoint::Fingerprint() const {
 }
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
-  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
-  if (!config.ok()) return config.status();
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
 
-  absl::StatusOr<QuantScheme> scheme = ReadCheckpointQuantScheme(dir);
-  if (!scheme.ok()) return scheme.status();
+  ASSIGN_OR_RETURN(QuantScheme scheme, ReadCheckpointQuantScheme(dir));
 
   auto ckpt = std::make_unique<Checkpoint>();
   ckpt->dir_ = dir;
-  ckpt->config_ = *std::move(config);
-  ckpt->quant_ = *std::move(scheme);
+  ckpt->config_ = std::move(config);
+  ckpt->quant_ = std::move(scheme);
 
   // Maps every tensor of files_[i], rejecting a name that a second file also holds.
   auto index_file = [&ckpt](size_t i) -> absl::Status {
@@ -255,9 +252,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     for (const SafetensorsEntry& t : f.header().tensors) {
       const auto [it, inserted] = ckpt->tensor_file_.emplace(t.name, i);
       if (!inserted) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", t.name, "' is in two shards: ",
-                         Basename(ckpt->files_[it->second]->path()), " and ", Basename(f.path())));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", t.name, "' is in two shards: ", Basename(ckpt->files_[it->second]->path()),
+            " and ", Basename(f.path())));
       }
     }
     return absl::OkStatus();
@@ -265,10 +262,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 
   const std::string index_path = JoinPath(dir, kIndexName);
   if (PathExists(index_path)) {
-    absl::StatusOr<std::string> text = ReadTextFile(index_path);
-    if (!text.ok()) return text.status();
+    ASSIGN_OR_RETURN(std::string text, ReadTextFile(index_path));
     absl::StatusOr<std::map<std::string, std::string>> weight_map =
-        ParseSafetensorsIndex(*text, index_path);
+        ParseSafetensorsIndex(text, index_path);
     if (!weight_map.ok()) return weight_map.status();
 
     // Open each distinct shard once, in name order so errors are deterministic.
@@ -288,9 +284,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     for (const auto& [tensor, shard] : *weight_map) {
       const auto it = ckpt->tensor_file_.find(tensor);
       if (it == ckpt->tensor_file_.end() || it->second != shard_slot.at(shard)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path, " maps tensor '", tensor, "' to shard '", shard,
-                         "', but that shard has no such tensor"));
+        return absl::InvalidArgumentError(absl::StrCat(index_path, " maps tensor '", tensor,
+                                                       "' to shard '", shard,
+                                                       "', but that shard has no such tensor"));
       }
     }
     return ckpt;
@@ -301,24 +297,21 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     return absl::NotFoundError(
         absl::StrCat(dir, ": no ", kSingleName, " or ", kIndexName, " in this folder"));
   }
-  absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single_path);
-  if (!f.ok()) return f.status();
-  ckpt->files_.push_back(*std::move(f));
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f, SafetensorsFile::Open(single_path));
+  ckpt->files_.push_back(std::move(f));
   RETURN_IF_ERROR(index_file(0));
   return ckpt;
 }
 
 absl::StatusOr<QuantScheme> ReadCheckpointQuantScheme(const std::string& dir) {
-  absl::StatusOr<std::string> config = ReadTextFile(JoinPath(dir, "config.json"));
-  if (!config.ok()) return config.status();
+  ASSIGN_OR_RETURN(std::string config, ReadTextFile(JoinPath(dir, "config.json")));
   const std::string hf_path = JoinPath(dir, "hf_quant_config.json");
   std::optional<std::string> hf_quant_config;
   if (PathExists(hf_path)) {
-    absl::StatusOr<std::string> text = ReadTextFile(hf_path);
-    if (!text.ok()) return text.status();
-    hf_quant_config = *std::move(text);
+    ASSIGN_OR_RETURN(std::string text, ReadTextFile(hf_path));
+    hf_quant_config = std::move(text);
   }
-  absl::StatusOr<QuantScheme> scheme = ParseQuantScheme(*config, hf_quant_config);
+  absl::StatusOr<QuantScheme> scheme = ParseQuantScheme(config, hf_quant_config);
   if (!scheme.ok()) return Annotate(scheme.status(), absl::StrCat(dir, ": "));
   return scheme;
 }
@@ -521,15 +514,15 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
   };
   auto check_dtype = [&](const Hit& hit, const TensorSpec& spec) -> absl::Status {
     const DType got = hit.entry->dtype;
-    if (spec.dtypes.empty() ? SupportedDType(got)
-                            : std::find(spec.dtypes.begin(), spec.dtypes.end(), got) !=
-                                  spec.dtypes.end())
+    if (spec.dtypes.empty()
+            ? SupportedDType(got)
+            : std::find(spec.dtypes.begin(), spec.dtypes.end(), got) != spec.dtypes.end())
       return absl::OkStatus();
     const std::string what = describe(hit, spec.name);
     if (!spec.dtypes.empty())
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": dtype ", Sv(DTypeName(got)), ", expected ", DTypeList(spec.dtypes), " ",
-          spec.rule, " (", QuantFormatName(spec.quant), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": dtype ", Sv(DTypeName(got)), ", expected ", DTypeList(spec.dtypes),
+                       " ", spec.rule, " (", QuantFormatName(spec.quant), ")"));
     if (IsQuantizedDType(got))
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": dtype ", Sv(DTypeName(got)),
@@ -545,10 +538,9 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
     if (is_scale ? SameIgnoringUnitDims(hit.entry->shape, spec.shape)
                  : hit.entry->shape == spec.shape)
       return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat(describe(hit, spec.name), " has shape ", FormatShape(hit.entry->shape),
-                     ", expected ", FormatShape(spec.shape), spec.rule.empty() ? "" : " ",
-                     spec.rule));
+    return absl::InvalidArgumentError(absl::StrCat(
+        describe(hit, spec.name), " has shape ", FormatShape(hit.entry->shape), ", expected ",
+        FormatShape(spec.shape), spec.rule.empty() ? "" : " ", spec.rule));
   };
 
   std::vector<HostTensor> out;
@@ -611,31 +603,28 @@ absl::StatusOr<std::vector<HostTensor>> Checkpoint::Resolve(
       const int64_t rows = spec.shape[0];
       const int64_t cols = spec.shape[1];
       const std::vector<int64_t> want =
-          expert.proj == Proj::kDown
-              ? std::vector<int64_t>{config_.num_experts, rows, cols}
-              : std::vector<int64_t>{config_.num_experts, 2 * rows, cols};
+          expert.proj == Proj::kDown ? std::vector<int64_t>{config_.num_experts, rows, cols}
+                                     : std::vector<int64_t>{config_.num_experts, 2 * rows, cols};
       if (hit.entry->shape != want || expert.expert >= config_.num_experts) {
         return absl::InvalidArgumentError(absl::StrCat(
             Basename(hit.file->path()), ": fused tensor '", name, "' (for '", spec.name,
             "') has shape ", FormatShape(hit.entry->shape), ", expected ", FormatShape(want),
             expert.proj == Proj::kDown ? " [experts, hidden, intermediate]"
-                                        : " [experts, 2 * intermediate, hidden]"));
+                                       : " [experts, 2 * intermediate, hidden]"));
       }
       // Offsets stay inside the tensor: expert < shape[0] and the shape matched exactly.
       int64_t offset = expert.expert * want[1] * want[2];
       if (expert.proj == Proj::kUp) offset += rows * cols;
       const uint8_t* base = hit.file->Data(*hit.entry);
       out.push_back({spec.name, absl::StrCat(Basename(hit.file->path()), ":", name),
-                     hit.entry->dtype, spec.shape,
-                     base + offset * DTypeSize(hit.entry->dtype)});
+                     hit.entry->dtype, spec.shape, base + offset * DTypeSize(hit.entry->dtype)});
       resolved = true;
     }
     if (resolved) continue;
     std::vector<std::string> grouped;
-    absl::StatusOr<std::optional<HostTensor>> ungrouped = Ungroup(spec, &grouped);
-    if (!ungrouped.ok()) return ungrouped.status();
-    if (ungrouped->has_value()) {
-      out.push_back(**std::move(ungrouped));
+    ASSIGN_OR_RETURN(std::optional<HostTensor> ungrouped, Ungroup(spec, &grouped));
+    if (ungrouped.has_value()) {
+      out.push_back(*std::move(ungrouped));
       continue;
     }
     if (is_part && spec.optional) {

@@ -1,5 +1,4 @@
 #include "engine/cpu_model.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/kv_slots.h"
 #include "kernels/cpu/attention.h"
@@ -82,8 +82,7 @@ class CpuModel final : public Model {
 
   absl::StatusOr<int> AdmitSequence() override {
     if (!serving_) return absl::FailedPreconditionError("AdmitSequence before StartServing");
-    auto slot = slots_.Acquire();
-    if (!slot.ok()) return slot.status();
+    ASSIGN_OR_RETURN(auto slot, slots_.Acquire());
     // A linear-attention layer's state is the sequence's whole past: a new one starts at zero.
     // The KV cache needs no clearing: attention reads a slot only up to its sequence's length.
     const int64_t history = std::max(config_.linear_conv_kernel_dim - 1, 0);
@@ -92,10 +91,10 @@ class CpuModel final : public Model {
                           config_.linear_key_head_dim * config_.linear_value_head_dim;
     for (int l = 0; l < config_.num_layers; ++l) {
       if (config_.AttentionKind(l) != LayerAttention::kLinear) continue;
-      std::fill_n(conv_state_[l].data() + *slot * conv, conv, 0.f);
-      std::fill_n(recurrent_state_[l].data() + *slot * state, state, 0.f);
+      std::fill_n(conv_state_[l].data() + slot * conv, conv, 0.f);
+      std::fill_n(recurrent_state_[l].data() + slot * state, state, 0.f);
     }
-    return *slot;
+    return slot;
   }
 
   absl::Status RetireSequence(int slot) override {

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 namespace {
@@ -39,17 +40,16 @@ void SetRankContext(RankContext context) { Context() = std::move(context); }
 const RankContext& CurrentRankContext() { return Context(); }
 
 absl::StatusOr<std::vector<int>> RankDevices(int ranks) {
-  auto listed = TestRankDevices();
-  if (!listed.ok()) return listed.status();
-  if (listed->empty()) {
+  ASSIGN_OR_RETURN(auto listed, TestRankDevices());
+  if (listed.empty()) {
     std::vector<int> devices(ranks);
     for (int r = 0; r < ranks; ++r) devices[r] = r;
     return devices;
   }
-  if (static_cast<int>(listed->size()) != ranks)
-    return absl::InvalidArgumentError(absl::StrCat("INFERSWEEP_RANK_DEVICES lists ", listed->size(),
+  if (static_cast<int>(listed.size()) != ranks)
+    return absl::InvalidArgumentError(absl::StrCat("INFERSWEEP_RANK_DEVICES lists ", listed.size(),
                                                    " GPUs for ", ranks, " ranks"));
-  return *listed;
+  return listed;
 }
 
 int TestRankDeviceCount(int gpu_count) {

@@ -1,5 +1,4 @@
 #include "engine/safetensors.h"
-#include "api/status_macros.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -18,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "api/untrusted_json.h"
 #include "nlohmann/json.hpp"
 
@@ -44,8 +44,7 @@ std::string FormatShape(const std::vector<int64_t>& shape) {
 }
 
 absl::Status TensorError(absl::string_view file, absl::string_view tensor, absl::string_view what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat(file, ": tensor '", Shorten(tensor), "': ", what));
+  return absl::InvalidArgumentError(absl::StrCat(file, ": tensor '", Shorten(tensor), "': ", what));
 }
 
 // Validates one header entry against the data section size. Everything except the overlap check
@@ -124,10 +123,10 @@ absl::StatusOr<SafetensorsEntry> ParseEntry(absl::string_view file, const std::s
     return TensorError(file, name, "shape byte size overflows 64 bits");
   }
   if (end - begin != want_bytes) {
-    return TensorError(file, name,
-                       absl::StrCat(offsets, " span ", end - begin, " bytes but ",
-                                    Sv(DTypeName(entry.dtype)), " ", FormatShape(entry.shape),
-                                    " needs ", want_bytes));
+    return TensorError(
+        file, name,
+        absl::StrCat(offsets, " span ", end - begin, " bytes but ", Sv(DTypeName(entry.dtype)), " ",
+                     FormatShape(entry.shape), " needs ", want_bytes));
   }
   entry.data_begin = begin;
   entry.data_end = end;
@@ -170,8 +169,8 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const uint8_t* json_begin, uin
   for (const auto& [key, value] : root.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            file, ": \"__metadata__\" must be an object, found ", value.type_name()));
+        return absl::InvalidArgumentError(
+            absl::StrCat(file, ": \"__metadata__\" must be an object, found ", value.type_name()));
       }
       for (const auto& [mkey, mvalue] : value.items()) {
         if (!mvalue.is_string()) {
@@ -183,9 +182,8 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const uint8_t* json_begin, uin
       }
       continue;
     }
-    absl::StatusOr<SafetensorsEntry> entry = ParseEntry(file, key, value, data_size);
-    if (!entry.ok()) return entry.status();
-    header.tensors.push_back(*std::move(entry));
+    ASSIGN_OR_RETURN(SafetensorsEntry entry, ParseEntry(file, key, value, data_size));
+    header.tensors.push_back(std::move(entry));
   }
 
   std::sort(header.tensors.begin(), header.tensors.end(),
@@ -198,10 +196,10 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const uint8_t* json_begin, uin
   for (const SafetensorsEntry& t : header.tensors) {
     if (t.data_begin == t.data_end) continue;
     if (prev != nullptr && t.data_begin < prev->data_end) {
-      return TensorError(file, t.name,
-                         absl::StrCat("data_offsets [", t.data_begin, ", ", t.data_end,
-                                      "] overlap tensor '", Shorten(prev->name), "' [",
-                                      prev->data_begin, ", ", prev->data_end, "]"));
+      return TensorError(
+          file, t.name,
+          absl::StrCat("data_offsets [", t.data_begin, ", ", t.data_end, "] overlap tensor '",
+                       Shorten(prev->name), "' [", prev->data_begin, ", ", prev->data_end, "]"));
     }
     prev = &t;
   }
@@ -217,15 +215,14 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const uint8_t* bytes, s
     return absl::InvalidArgumentError(absl::StrCat(file, ": null buffer"));
   }
   if (size < 8) {
-    return absl::DataLossError(absl::StrCat(
-        file, ": file is ", size, " bytes, too short for the 8-byte header length"));
+    return absl::DataLossError(
+        absl::StrCat(file, ": file is ", size, " bytes, too short for the 8-byte header length"));
   }
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(bytes[i]) << (8 * i);
   if (header_len > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": header length ", header_len,
-                                                   " exceeds the limit of ", kMaxHeaderBytes,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        file, ": header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes, " bytes"));
   }
   if (header_len > size - 8) {
     return absl::DataLossError(absl::StrCat(file, ": header length ", header_len,
@@ -279,15 +276,13 @@ MappedFile::~MappedFile() {
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  absl::StatusOr<std::unique_ptr<MappedFile>> mapped = MappedFile::Open(path);
-  if (!mapped.ok()) return mapped.status();
-  absl::StatusOr<SafetensorsHeader> header =
-      ParseSafetensorsHeader((*mapped)->data(), (*mapped)->size(), path);
-  if (!header.ok()) return header.status();
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> mapped, MappedFile::Open(path));
+  ASSIGN_OR_RETURN(SafetensorsHeader header,
+                   ParseSafetensorsHeader(mapped.data(), mapped.size(), path));
 
   auto out = std::make_unique<SafetensorsFile>();
-  out->file_ = *std::move(mapped);
-  out->header_ = *std::move(header);
+  out->file_ = std::move(mapped);
+  out->header_ = std::move(header);
   for (size_t i = 0; i < out->header_.tensors.size(); ++i) {
     out->index_.emplace(out->header_.tensors[i].name, i);
   }

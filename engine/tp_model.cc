@@ -1,5 +1,4 @@
 #include "engine/tp_model.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "kernels/cpu/allreduce.h"
 #include "kernels/cpu/parallel.h"
@@ -146,8 +146,7 @@ class TensorParallelCpuModel final : public Model {
   int position() const override { return ranks_[0]->position(); }
 
   absl::Status StartBatch(int batch, int max_tokens) override {
-    for (auto& rank : ranks_)
-      RETURN_IF_ERROR(rank->StartBatch(batch, max_tokens));
+    for (auto& rank : ranks_) RETURN_IF_ERROR(rank->StartBatch(batch, max_tokens));
     batch_ = batch;
     capacity_ = max_tokens;
     return absl::OkStatus();
@@ -323,9 +322,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTensorParallelCpuModel(
     return absl::UnimplementedError(why);
   std::vector<std::unique_ptr<RankShard>> shards;
   for (int r = 0; r < options.tp; ++r) {
-    auto shard = ShardHostModel(host, options.tp, r, options.expert_parallel);
-    if (!shard.ok()) return shard.status();
-    shards.push_back(*std::move(shard));
+    ASSIGN_OR_RETURN(auto shard, ShardHostModel(host, options.tp, r, options.expert_parallel));
+    shards.push_back(std::move(shard));
   }
   return std::make_unique<TensorParallelCpuModel>(host, std::move(shards), options);
 }

@@ -1,5 +1,4 @@
 #include "engine/weights.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
 #include "engine/synthetic.h"
@@ -109,28 +109,26 @@ MatrixRef* Slot(ModelWeights& w, const TensorSpec& spec) {
 
 absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& preset,
                                                          const LoadOptions& options) {
-  auto config = PresetConfig(preset, options.num_layers_override);
-  if (!config.ok()) return config.status();
+  ASSIGN_OR_RETURN(auto config, PresetConfig(preset, options.num_layers_override));
   if (options.head_dim_override != 0) {
-    config->head_dim = options.head_dim_override;
+    config.head_dim = options.head_dim_override;
     const std::string source =
         absl::StrCat("preset '", preset, "' with head_dim ", options.head_dim_override);
-    RETURN_IF_ERROR(ValidateModelConfig(*config, source));
+    RETURN_IF_ERROR(ValidateModelConfig(config, source));
   }
   auto model = std::make_unique<HostModel>();
-  model->config = *config;
+  model->config = config;
   model->source = "preset:" + preset;
   model->seed = options.seed;
   model->is_synthetic = true;
   model->host_materialized = false;
-  model->specs = ModelTensorSpecs(*config);
+  model->specs = ModelTensorSpecs(config);
   model->tensors.resize(model->specs.size());
   for (size_t i = 0; i < model->specs.size(); ++i) {
     const TensorSpec& spec = model->specs[i];
     model->tensors[i] = {spec.name, "synthetic:" + spec.name, DType::kBF16, spec.shape, nullptr};
   }
-  if (options.materialize_host)
-    RETURN_IF_ERROR(MaterializeHostWeights(*model));
+  if (options.materialize_host) RETURN_IF_ERROR(MaterializeHostWeights(*model));
   return model;
 }
 
@@ -139,7 +137,8 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
 std::vector<MatrixRef*> LayerLinears(LayerWeights& l) {
   std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
   for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});
-  linears.insert(linears.end(), {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
+  linears.insert(linears.end(),
+                 {&l.shared_expert.gate, &l.shared_expert.up, &l.shared_expert.down});
   LinearAttentionWeights& la = l.linear_attn;
   linears.insert(linears.end(), {&la.in_proj_qkv, &la.in_proj_z, &la.out_proj});
   return linears;
@@ -158,9 +157,8 @@ absl::Status MaterializeHostWeights(HostModel& model) {
       GenerateSyntheticBf16(model.seed, model.specs[i], model.config.tie_word_embeddings, 0,
                             model.specs[i].numel(), model.synthetic[i].data());
   });
-  auto bound = BindWeights(model.config, model.specs, model.tensors);
-  if (!bound.ok()) return bound.status();
-  model.weights = std::move(*bound);
+  ASSIGN_OR_RETURN(auto bound, BindWeights(model.config, model.specs, model.tensors));
+  model.weights = std::move(bound);
   model.host_materialized = true;
   return absl::OkStatus();
 }
@@ -215,16 +213,16 @@ absl::StatusOr<MatrixRef*> WeightSlot(ModelWeights& weights, const HostModel& mo
 
 absl::StatusOr<MatrixRef> FindWeight(const HostModel& model, const std::string& canonical) {
   // WeightSlot only navigates; the weights are not modified.
-  auto slot = WeightSlot(const_cast<ModelWeights&>(model.weights), model, canonical);
-  if (!slot.ok()) return slot.status();
-  return **slot;
+  ASSIGN_OR_RETURN(auto slot,
+                   WeightSlot(const_cast<ModelWeights&>(model.weights), model, canonical));
+  return *slot;
 }
 
 absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
   if (model.quant_format != QuantFormat::kNone)
-    return absl::InvalidArgumentError(absl::StrCat(
-        model.source, " is already quantized (", QuantFormatName(model.quant_format),
-        "); quantizing takes dense bf16, f16 or f32 weights"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(model.source, " is already quantized (", QuantFormatName(model.quant_format),
+                     "); quantizing takes dense bf16, f16 or f32 weights"));
   // A synthetic model not yet on the host is streamed: each quantizable tensor is generated in
   // bf16 into a per-thread buffer, quantized and dropped, so the dense copy (61 GB for
   // qwen3-30b-a3b) never exists; the tensors that stay dense are generated as usual. The bytes
@@ -297,15 +295,14 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
       specs.push_back(part);
     }
   }
-  auto bound = BindWeights(model.config, specs, tensors);
-  if (!bound.ok()) return bound.status();
+  ASSIGN_OR_RETURN(auto bound, BindWeights(model.config, specs, tensors));
   for (int64_t i = 0; i < count; ++i)  // the bf16 copies of quantized linears are not read again
     if (quantized[i] && i < static_cast<int64_t>(model.synthetic.size()))
       std::vector<uint16_t>().swap(model.synthetic[i]);
   model.quantized = std::move(storage);
   model.specs = std::move(specs);
   model.tensors = std::move(tensors);
-  model.weights = std::move(*bound);
+  model.weights = std::move(bound);
   model.quant_format = format;
   // The stored tensors are host buffers of codes and scales now, no longer a function of the
   // seed: devices must copy them rather than generate weights in place.
@@ -315,17 +312,15 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
 
 absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model_arg,
                                             const LoadOptions& options) {
-  auto description = ParseModelDescription(model_arg);
-  if (!description.ok()) return description.status();
+  ASSIGN_OR_RETURN(auto description, ParseModelDescription(model_arg));
   const QuantFormat quantize =
-      options.quantize != QuantFormat::kNone ? options.quantize : description->quantize;
-  const std::string& path = description->model;
+      options.quantize != QuantFormat::kNone ? options.quantize : description.quantize;
+  const std::string& path = description.model;
   ModelIdentity id;
   if (absl::StartsWith(path, "preset:"))
     return DescribePreset(path.substr(7), options.num_layers_override, options.seed, quantize);
-  auto checkpoint = Checkpoint::Open(path);
-  if (!checkpoint.ok()) return checkpoint.status();
-  const Checkpoint& ckpt = **checkpoint;
+  ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::Open(path));
+  const Checkpoint& ckpt = *checkpoint;
   std::error_code ec;
   const std::filesystem::path absolute = std::filesystem::weakly_canonical(path, ec);
   id.source = "checkpoint";
@@ -344,9 +339,8 @@ absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model_arg,
       return id;
     }
   }
-  auto first = ckpt.Resolve({ModelTensorSpecs(ckpt.config()).front()});
-  if (!first.ok()) return first.status();
-  switch ((*first)[0].dtype) {
+  ASSIGN_OR_RETURN(auto first, ckpt.Resolve({ModelTensorSpecs(ckpt.config()).front()}));
+  switch (first[0].dtype) {
     case DType::kF16:
       id.weights = "f16";
       break;
@@ -362,29 +356,25 @@ absl::StatusOr<ModelIdentity> DescribeModel(const std::string& model_arg,
 absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& model_arg,
                                                          const LoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  auto description = ParseModelDescription(model_arg);
-  if (!description.ok()) return description.status();
+  ASSIGN_OR_RETURN(auto description, ParseModelDescription(model_arg));
   if (options.quantize != QuantFormat::kNone) {
-    if (description->quantize != QuantFormat::kNone && description->quantize != options.quantize)
-      return absl::InvalidArgumentError(absl::StrCat("model '", model_arg, "' names format ",
-                                                     QuantFormatName(description->quantize),
-                                                     " but the load asks for ",
-                                                     QuantFormatName(options.quantize)));
-    description->quantize = options.quantize;
+    if (description.quantize != QuantFormat::kNone && description.quantize != options.quantize)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model '", model_arg, "' names format ", QuantFormatName(description.quantize),
+          " but the load asks for ", QuantFormatName(options.quantize)));
+    description.quantize = options.quantize;
   }
-  const std::string& path = description->model;
+  const std::string& path = description.model;
   std::unique_ptr<HostModel> model;
   if (absl::StartsWith(path, "preset:")) {
     LoadOptions synthetic = options;
     // Quantized presets are generated tensor by tensor as they are quantized (QuantizeHostModel).
-    if (description->quantize != QuantFormat::kNone) synthetic.materialize_host = false;
-    auto made = MakeSynthetic(path.substr(7), synthetic);
-    if (!made.ok()) return made.status();
-    model = std::move(*made);
+    if (description.quantize != QuantFormat::kNone) synthetic.materialize_host = false;
+    ASSIGN_OR_RETURN(auto made, MakeSynthetic(path.substr(7), synthetic));
+    model = std::move(made);
   } else {
-    auto checkpoint = Checkpoint::Open(path);
-    if (!checkpoint.ok()) return checkpoint.status();
-    const Checkpoint& ckpt = **checkpoint;
+    ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::Open(path));
+    const Checkpoint& ckpt = *checkpoint;
     model = std::make_unique<HostModel>();
     model->config = ckpt.config();
     model->source = path;
@@ -395,24 +385,22 @@ absl::StatusOr<std::unique_ptr<HostModel>> LoadHostModel(const std::string& mode
     if (!specs.ok())
       return absl::Status(specs.status().code(),
                           absl::StrCat(path, ": ", specs.status().message()));
-    auto tensors = ckpt.Resolve(*specs);
-    if (!tensors.ok()) return tensors.status();
+    ASSIGN_OR_RETURN(auto tensors, ckpt.Resolve(*specs));
     // Optional parts the checkpoint does not hold (activation scales) leave the table, so every
     // spec has bytes behind it.
     for (size_t i = 0; i < specs->size(); ++i) {
-      if ((*tensors)[i].data == nullptr) continue;
+      if (tensors[i].data == nullptr) continue;
       if ((*specs)[i].quant != QuantFormat::kNone) model->quant_format = (*specs)[i].quant;
       model->specs.push_back((*specs)[i]);
-      model->tensors.push_back((*tensors)[i]);
+      model->tensors.push_back(tensors[i]);
     }
-    model->checkpoint = std::move(*checkpoint);
+    model->checkpoint = std::move(checkpoint);
   }
-  auto bound = BindWeights(model->config, model->specs, model->tensors);
-  if (!bound.ok()) return bound.status();
-  model->weights = std::move(*bound);
-  if (description->quantize != QuantFormat::kNone) {
-    RETURN_IF_ERROR(QuantizeHostModel(*model, description->quantize));
-    model->source = ModelDescriptionString(*description);
+  ASSIGN_OR_RETURN(auto bound, BindWeights(model->config, model->specs, model->tensors));
+  model->weights = std::move(bound);
+  if (description.quantize != QuantFormat::kNone) {
+    RETURN_IF_ERROR(QuantizeHostModel(*model, description.quantize));
+    model->source = ModelDescriptionString(description);
   }
   model->load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "core/wall_clock.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
@@ -65,9 +66,8 @@ absl::Status TrialExecutor::EnsureModel(const TrialRequest& request) {
   host_.reset();
   reference_cache_.clear();
   // Synthetic host copies are generated only when a CPU model needs them.
-  auto host = LoadHostModel(request.model, {request.layers, request.seed, false});
-  if (!host.ok()) return host.status();
-  host_ = std::move(*host);
+  ASSIGN_OR_RETURN(auto host, LoadHostModel(request.model, {request.layers, request.seed, false}));
+  host_ = std::move(host);
   model_key_ = key;
   return absl::OkStatus();
 }
@@ -83,22 +83,19 @@ absl::Status TrialExecutor::ProbeCapabilities(const TrialRequest& request,
 }
 
 absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
-                                                             bool bf16_yardstick) {
+                                                            bool bf16_yardstick) {
   const std::string key = absl::StrCat(BackendConfigString(config), bf16_yardstick ? " bf16" : "");
   if (auto it = reference_cache_.find(key); it != reference_cache_.end()) return &it->second;
-  auto model =
-      bf16_yardstick ? CreateBf16Yardstick(*host_, config) : CreateModel(*host_, config);
-  if (!model.ok()) return model.status();
-  auto outputs = RunEval(**model, eval_);
-  if (!outputs.ok()) return outputs.status();
-  return &(reference_cache_[key] = std::move(*outputs));
+  ASSIGN_OR_RETURN(auto model, bf16_yardstick ? CreateBf16Yardstick(*host_, config)
+                                              : CreateModel(*host_, config));
+  ASSIGN_OR_RETURN(auto outputs, RunEval(*model, eval_));
+  return &(reference_cache_[key] = std::move(outputs));
 }
 
 absl::StatusOr<std::vector<std::vector<int32_t>>> TrialExecutor::ReferencePicks(
     const BackendConfig& reference_config, const std::vector<std::vector<int32_t>>& free) {
-  auto model = CreateModel(*host_, reference_config);
-  if (!model.ok()) return model.status();
-  return ReferencePicksOnFreeRuns(**model, eval_, free);
+  ASSIGN_OR_RETURN(auto model, CreateModel(*host_, reference_config));
+  return ReferencePicksOnFreeRuns(*model, eval_, free);
 }
 
 std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request,
@@ -235,9 +232,9 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   // A reference that cannot run this model (Unimplemented: e.g. the GPU reference on a hybrid)
   // leaves nothing to judge against on this device: UNSUPPORTED, with its reason.
   if (!reference.ok())
-    return finish(absl::IsUnimplemented(reference.status()) ? TrialStatus::kUnsupported
-                                                             : TrialStatus::kError,
-                  absl::StrCat("reference: ", reference.status().message()));
+    return finish(
+        absl::IsUnimplemented(reference.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
+        absl::StrCat("reference: ", reference.status().message()));
 
   say("config under test " + BackendConfigString(*config));
   if (fault->kind == FaultInjection::Kind::kDelay && fault->value > 0)  // TEST ONLY: a slow trial
@@ -247,9 +244,9 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   // Unimplemented: the config cannot run this model's shapes or weights (a backend's model-side
   // requirements, checked as the model is built), not a failure.
   if (!model.ok())
-    return finish(absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported
-                                                         : TrialStatus::kError,
-                  std::string(model.status().message()));
+    return finish(
+        absl::IsUnimplemented(model.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
+        std::string(model.status().message()));
   // Host load plus the first upload (or on-device generation) of the weights, when there was one.
   result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
   auto outputs = RunEval(**model, eval_);
@@ -268,8 +265,8 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
       return finish(TrialStatus::kError,
                     absl::StrCat("reference on the free runs: ", made.status().message()));
     picks = std::move(*made);
-    verdict = JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict,
-                           &*picks);
+    verdict =
+        JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict, &*picks);
   }
   // A finite config below fp32 that misses its class's ceilings: does bf16 rounding alone miss
   // them on this model? The bf16 yardstick (the GPU reference with bf16 GEMM inputs) says; where
@@ -299,9 +296,8 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   measure.bf16_tflops = KnownBf16Tflops(result.device);
   measure.bytes_per_weight = WeightFormat(*host_) == "f32" ? 4 : 2;
   if (host_->quant_format != QuantFormat::kNone)
-    measure.quantized_bytes_per_weight =
-        QuantBytesPerElement(host_->quant_format, host_->config.hidden_size,
-                             host_->config.hidden_size);
+    measure.quantized_bytes_per_weight = QuantBytesPerElement(
+        host_->quant_format, host_->config.hidden_size, host_->config.hidden_size);
   measure.bytes_per_kv_element = (*model)->kv_cache_bytes_per_element();
   if (ConfigDevice(*config) == Device::kCuda) {
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);

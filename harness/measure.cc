@@ -1,11 +1,11 @@
 #include "harness/measure.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/roofline.h"
 #include "engine/synthetic.h"
@@ -84,7 +84,8 @@ absl::StatusOr<RepeatTiming> RunOnce(Model& model, const Workload& w, int batch,
       RETURN_IF_ERROR(model.ForwardGreedy(next, 1, &next));
     }
     const auto now = Clock::now();
-    const double step_ms = t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);
+    const double step_ms =
+        t.device_timed ? model.last_forward_device_ms().value_or(0) : Ms(last, now);
     t.itl_ms.push_back(step_ms);
     t.latency_ms += step_ms;
     last = now;
@@ -105,7 +106,8 @@ double Percentile(std::vector<double> values, double p) {
   if (values.empty()) return 0;
   std::sort(values.begin(), values.end());
   const double rank = std::ceil(p / 100.0 * values.size());
-  const size_t index = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(values.size())));
+  const size_t index =
+      static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(values.size())));
   return values[index - 1];
 }
 
@@ -123,25 +125,24 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
   std::vector<double> wall_ttft, wall_tpot, power, joules_per_token;
   bool device_timed = false;
   for (int r = 0; r < w.repeats; ++r) {
-    auto t = RunOnce(model, w, batch, r, options.energy);
-    if (!t.ok()) return t.status();
-    device_timed = t->device_timed;
-    wall_ttft.push_back(t->wall_ttft_ms);
-    wall_tpot.push_back((t->wall_latency_ms - t->wall_ttft_ms) / (w.output_len - 1));
-    if (t->energy_j) {
-      power.push_back(*t->energy_j / (t->wall_latency_ms * 1e-3));
-      joules_per_token.push_back(*t->energy_j / (static_cast<double>(batch) * w.output_len));
+    ASSIGN_OR_RETURN(auto t, RunOnce(model, w, batch, r, options.energy));
+    device_timed = t.device_timed;
+    wall_ttft.push_back(t.wall_ttft_ms);
+    wall_tpot.push_back((t.wall_latency_ms - t.wall_ttft_ms) / (w.output_len - 1));
+    if (t.energy_j) {
+      power.push_back(t.energy_j / (t.wall_latency_ms * 1e-3));
+      joules_per_token.push_back(t.energy_j / (static_cast<double>(batch) * w.output_len));
     }
-    ttft.push_back(t->ttft_ms);
-    latency.push_back(t->latency_ms);
-    tpot.push_back((t->latency_ms - t->ttft_ms) / (w.output_len - 1));
-    prefill.push_back(1e3 * batch * w.prompt_len / t->ttft_ms);
-    output.push_back(1e3 * batch * w.output_len / t->latency_ms);
-    per_seq.push_back(1e3 * w.output_len / t->latency_ms);
-    itl.insert(itl.end(), t->itl_ms.begin(), t->itl_ms.end());
+    ttft.push_back(t.ttft_ms);
+    latency.push_back(t.latency_ms);
+    tpot.push_back((t.latency_ms - t.ttft_ms) / (w.output_len - 1));
+    prefill.push_back(1e3 * batch * w.prompt_len / t.ttft_ms);
+    output.push_back(1e3 * batch * w.output_len / t.latency_ms);
+    per_seq.push_back(1e3 * w.output_len / t.latency_ms);
+    itl.insert(itl.end(), t.itl_ms.begin(), t.itl_ms.end());
     if (options.progress)
       options.progress(absl::StrFormat("batch %d repeat %d/%d: ttft %.2f ms, tpot %.3f ms", batch,
-                                       r + 1, w.repeats, t->ttft_ms, tpot.back()));
+                                       r + 1, w.repeats, t.ttft_ms, tpot.back()));
   }
   if (w.warmup == 0) {
     // No warm-up to record in: one more untimed prefill and decode step after the timed repeats,
@@ -172,10 +173,9 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
   }
   // Roofline at the mean decode context (prompt + half the output).
   const int64_t context = w.prompt_len + w.output_len / 2;
-  const DecodeTraffic traffic = DecodeBytesPerStep(model.config(), batch, context,
-                                                   options.bytes_per_weight,
-                                                   options.bytes_per_kv_element,
-                                                   options.quantized_bytes_per_weight);
+  const DecodeTraffic traffic =
+      DecodeBytesPerStep(model.config(), batch, context, options.bytes_per_weight,
+                         options.bytes_per_kv_element, options.quantized_bytes_per_weight);
   f.decode_bytes_per_step = traffic.total();
   f.achieved_gb_s = traffic.total() / (f.tpot_ms.median * 1e-3) / 1e9;
   if (options.bandwidth_gb_s) {

@@ -1,5 +1,4 @@
 #include "proto/rpc.h"
-#include "api/status_macros.h"
 
 #include <openssl/bio.h>
 #include <openssl/err.h>
@@ -14,12 +13,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "api/status_macros.h"
 
 namespace infersweep::rpc {
 
 absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, ": cannot read it"));
+  if (!in)
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, ": cannot read it"));
   std::stringstream text;
   text << in.rdbuf();
   if (in.bad())
@@ -75,9 +76,8 @@ absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& pem
 // pair it cannot use (it would log raw handshake errors and fail to bind, naming no file).
 absl::Status CheckCertificateAndKey(const std::string& cert_pem, const std::string& cert_path,
                                     const std::string& key_pem, const std::string& key_path) {
-  absl::StatusOr<std::vector<UniqueX509>> certs =
-      ParseCertificates(cert_pem, "TLS certificate", cert_path);
-  if (!certs.ok()) return certs.status();
+  ASSIGN_OR_RETURN(std::vector<UniqueX509> certs,
+                   ParseCertificates(cert_pem, "TLS certificate", cert_path));
   ERR_clear_error();
   UniqueBio bio = MemoryBio(key_pem);
   UniqueKey key(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
@@ -85,12 +85,12 @@ absl::Status CheckCertificateAndKey(const std::string& cert_pem, const std::stri
     return absl::InvalidArgumentError(absl::StrCat("TLS private key file ", key_path,
                                                    " is not an unencrypted PEM private key (",
                                                    OpenSslReason(), ")"));
-  if (X509_check_private_key(certs->front().get(), key.get()) != 1) {
+  if (X509_check_private_key(certs.front().get(), key.get()) != 1) {
     ERR_clear_error();
     return absl::InvalidArgumentError(absl::StrCat(
         "TLS private key file ", key_path, " does not match the certificate in ", cert_path));
   }
-  X509* leaf = certs->front().get();
+  X509* leaf = certs.front().get();
   if (X509_cmp_current_time(X509_get0_notAfter(leaf)) < 0)
     return absl::InvalidArgumentError(
         absl::StrCat("the TLS certificate in ", cert_path, " has expired"));
@@ -123,22 +123,18 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (tls.cert_file.empty() || tls.key_file.empty())
     return absl::InvalidArgumentError(
         "TLS needs both a server certificate and its private key (--tls-cert, --tls-key)");
-  absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
-  if (!cert.ok()) return cert.status();
+  ASSIGN_OR_RETURN(std::string cert, ReadPemFile(tls.cert_file, "TLS certificate"));
   RETURN_IF_ERROR(CheckSecretFileMode(tls.key_file, "TLS private key"));
-  absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
-  if (!key.ok()) return key.status();
-  RETURN_IF_ERROR(CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file));
+  ASSIGN_OR_RETURN(std::string key, ReadPemFile(tls.key_file, "TLS private key"));
+  RETURN_IF_ERROR(CheckCertificateAndKey(cert, tls.cert_file, key, tls.key_file));
   grpc::SslServerCredentialsOptions options;
-  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
+  options.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
   if (!tls.client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(tls.client_ca_file, "TLS client CA");
-    if (!ca.ok()) return ca.status();
-    if (auto certs = ParseCertificates(*ca, "TLS client CA", tls.client_ca_file); !certs.ok())
+    ASSIGN_OR_RETURN(std::string ca, ReadPemFile(tls.client_ca_file, "TLS client CA"));
+    if (auto certs = ParseCertificates(ca, "TLS client CA", tls.client_ca_file); !certs.ok())
       return certs.status();
-    options.pem_root_certs = *std::move(ca);
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    options.pem_root_certs = std::move(ca);
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   } else {
     options.client_certificate_request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
   }
@@ -155,21 +151,18 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
         "a TLS client certificate needs its private key and vice versa (--tls-cert, --tls-key)");
   grpc::SslCredentialsOptions options;
   if (!tls.ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(tls.ca_file, "TLS CA");
-    if (!ca.ok()) return ca.status();
-    if (auto certs = ParseCertificates(*ca, "TLS CA", tls.ca_file); !certs.ok())
+    ASSIGN_OR_RETURN(std::string ca, ReadPemFile(tls.ca_file, "TLS CA"));
+    if (auto certs = ParseCertificates(ca, "TLS CA", tls.ca_file); !certs.ok())
       return certs.status();
-    options.pem_root_certs = *std::move(ca);
+    options.pem_root_certs = std::move(ca);
   }
   if (!tls.cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
-    if (!cert.ok()) return cert.status();
+    ASSIGN_OR_RETURN(std::string cert, ReadPemFile(tls.cert_file, "TLS certificate"));
     RETURN_IF_ERROR(CheckSecretFileMode(tls.key_file, "TLS private key"));
-    absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS private key");
-    if (!key.ok()) return key.status();
-    RETURN_IF_ERROR(CheckCertificateAndKey(*cert, tls.cert_file, *key, tls.key_file));
-    options.pem_cert_chain = *std::move(cert);
-    options.pem_private_key = *std::move(key);
+    ASSIGN_OR_RETURN(std::string key, ReadPemFile(tls.key_file, "TLS private key"));
+    RETURN_IF_ERROR(CheckCertificateAndKey(cert, tls.cert_file, key, tls.key_file));
+    options.pem_cert_chain = std::move(cert);
+    options.pem_private_key = std::move(key);
   }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::SslCredentials(options);
   if (!creds) return absl::InvalidArgumentError("cannot build the TLS channel credentials");
@@ -225,7 +218,8 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   while (!token.empty() && (token.back() == ' ' || token.back() == '\t' || token.back() == '\n' ||
                             token.back() == '\r' || token.back() == '\v' || token.back() == '\f'))
     token.pop_back();
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
+  if (token.empty())
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
   return token;
 }
 

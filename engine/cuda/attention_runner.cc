@@ -73,10 +73,10 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
       // The decode plan is made here, outside any graph capture; a prefill's on first use.
       cudnn_.reset();
       RETURN_IF_ERROR(seq_lens_.Allocate(2 * static_cast<size_t>(batch)));
-      auto made = CudnnAttention::Create(
-          {config_.num_q_heads, config_.num_kv_heads, config_.head_dim, max_tokens}, stream_);
-      if (!made.ok()) return made.status();
-      cudnn_ = std::move(*made);
+      ASSIGN_OR_RETURN(auto made, CudnnAttention::Create({config_.num_q_heads, config_.num_kv_heads,
+                                                          config_.head_dim, max_tokens},
+                                                         stream_));
+      cudnn_ = std::move(made);
       RETURN_IF_ERROR(cudnn_->Prepare(batch, 1));
       break;
     }
@@ -164,7 +164,9 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     // A prefill chunk is a lockstep chunk of one sequence: its slot's cache, its first row's
     // position (the pair's .y) as the chunk's position.
     for (const RaggedRows::Chunk& c : ragged->chunks) {
-      RETURN_IF_ERROR(Attend(SlotCache(cache, c.slot), c.first_row, c.tokens, c.tokens, reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1, nullptr));
+      RETURN_IF_ERROR(Attend(SlotCache(cache, c.slot), c.first_row, c.tokens, c.tokens,
+                             reinterpret_cast<const int*>(ragged->rows + c.first_row) + 1,
+                             nullptr));
     }
   }
   if (gated)

@@ -67,11 +67,10 @@ class DeviceProbe final : public CapabilityProbe {
                      const std::string& weight_format) override {
     // The static preflight refuses device=cuda without a GPU; the CPU has nothing to ask.
     if (ConfigDevice(config) != Device::kCuda || devices_.gpu_count == 0) return absl::OkStatus();
-    absl::StatusOr<CudaOptions> options = ParseCudaOptions(config);
-    if (!options.ok()) return options.status();
+    ASSIGN_OR_RETURN(CudaOptions options, ParseCudaOptions(config));
     const bool quantized = weight_format != "bf16" && weight_format != "f16" &&
                            weight_format != "f32" && !weight_format.empty();
-    ASSIGN_OR_RETURN(std::vector<ProbeEntry> entries, ProbeEntries(*options, model, quantized));
+    ASSIGN_OR_RETURN(std::vector<ProbeEntry> entries, ProbeEntries(options, model, quantized));
     for (const ProbeEntry& entry : entries) {
       if (entry.is_kernel) {
         RETURN_IF_ERROR(ProbeKernelImage(entry.by, KernelOf(entry.kernel)));
@@ -81,9 +80,10 @@ class DeviceProbe final : public CapabilityProbe {
         case ProbeLibraryId::kCudnnAttention: {
           // cuDNN loads, is new enough, and finalizes a decode plan for the model's heads (the KV
           // length is a device tensor; 4096 stands for any capacity).
-          absl::StatusOr<std::unique_ptr<CudnnAttention>> attention = CudnnAttention::Create(
-              {model.num_q_heads, model.num_kv_heads, model.head_dim, 4096}, nullptr);
-          if (!attention.ok()) return attention.status();
+          ASSIGN_OR_RETURN(
+              std::unique_ptr<CudnnAttention> attention,
+              CudnnAttention::Create({model.num_q_heads, model.num_kv_heads, model.head_dim, 4096},
+                                     nullptr));
           break;
         }
         case ProbeLibraryId::kCudnnQuantGemm: {

@@ -1,5 +1,4 @@
 #include "engine/cuda/communicator.h"
-#include "api/status_macros.h"
 
 #include <nccl.h>
 
@@ -10,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/ops.h"
@@ -300,12 +300,11 @@ absl::StatusOr<std::unique_ptr<PeerRank>> PeerRank::Create(AllReduce kind, int r
                                                            int64_t max_bytes) {
   RETURN_IF_ERROR(CheckRanks(ranks, rank));
   RETURN_IF_ERROR(CheckPeerKind(kind, max_bytes));
-  auto own = AllocatePeerBuffer(max_bytes);
-  if (!own.ok()) return own.status();
+  ASSIGN_OR_RETURN(auto own, AllocatePeerBuffer(max_bytes));
   cudaIpcMemHandle_t handle;
-  RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&handle, own->get()), "cudaIpcGetMemHandle"));
+  RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&handle, own.get()), "cudaIpcGetMemHandle"));
   return std::unique_ptr<PeerRank>(
-      new IpcPeerRank(kind, ranks, rank, max_bytes, *std::move(own), handle));
+      new IpcPeerRank(kind, ranks, rank, max_bytes, std::move(own), handle));
 }
 
 }  // namespace infersweep

@@ -1,5 +1,4 @@
 #include "engine/cuda/cuda_model.h"
-#include "api/status_macros.h"
 
 #include <cuda_runtime.h>
 
@@ -9,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/cuda/attention_runner.h"
 #include "engine/cuda/collective_runner.h"
@@ -98,8 +98,7 @@ class CudaModel final : public Model {
       RETURN_IF_ERROR(attention_.AllocateCache(batch, max_tokens));
       RETURN_IF_ERROR(linear_attention_.AllocateState(batch));
       // A library GEMM's plans for the decode batch's rows, before its graph is captured.
-      if (view_ && view_->scaled)
-        RETURN_IF_ERROR(view_->scaled->PrepareRows(batch));
+      if (view_ && view_->scaled) RETURN_IF_ERROR(view_->scaled->PrepareRows(batch));
     }
     linear_attention_.ResetState();
     RETURN_IF_ERROR(moe_.MakeRouterCopies());
@@ -187,7 +186,8 @@ class CudaModel final : public Model {
     for (int b = 0; b < batch_; ++b) h_last_rows_.get()[b] = b * n + n - 1;
 
     const bool use_graph = CapturesDecode(options_.graphs) && n == 1 && mode == LogitsMode::kLast;
-    RETURN_IF_ERROR(RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0), [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); }));
+    RETURN_IF_ERROR(RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0),
+                            [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); }));
     if (persistent_.timeline() && n == 1 && batch_ == 1) persistent_.ReportTimeline();  // TEST ONLY
     if (greedy)
       next->assign(h_next_.get(), h_next_.get() + out_rows);
@@ -216,7 +216,8 @@ class CudaModel final : public Model {
         std::copy_n(tokens.begin() + static_cast<size_t>(b) * n + start, len,
                     piece.begin() + static_cast<size_t>(b) * len);
       const bool last = start + len == n;
-      RETURN_IF_ERROR(Step(piece, len, LogitsMode::kLast, last ? logits : nullptr, last ? next : &discarded));
+      RETURN_IF_ERROR(
+          Step(piece, len, LogitsMode::kLast, last ? logits : nullptr, last ? next : &discarded));
       device_ms += last_step_ms_.value_or(0);
     }
     last_step_ms_ = device_ms;
@@ -319,7 +320,9 @@ class CudaModel final : public Model {
       h_last_rows_.get()[row] = row;
     }
     const bool greedy = next != nullptr;
-    RETURN_IF_ERROR(RunStep(use_graph, -(2 * rows + (greedy ? 1 : 0)) - 1, [&] { return EnqueueStep(rows, longest, sequences, LogitsMode::kLast, greedy, &plan); }));
+    RETURN_IF_ERROR(RunStep(use_graph, -(2 * rows + (greedy ? 1 : 0)) - 1, [&] {
+      return EnqueueStep(rows, longest, sequences, LogitsMode::kLast, greedy, &plan);
+    }));
     const size_t vocab = config_.vocab_size;
     if (greedy) {
       next->resize(chunks.size());
@@ -621,44 +624,38 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
         !why.empty())
       return absl::UnimplementedError(absl::StrCat("rank shard: ", why));
   }
-  if (options.test_kernel == TestKernel::kSm100a)
-    RETURN_IF_ERROR(RunSm100aTestKernel());
+  if (options.test_kernel == TestKernel::kSm100a) RETURN_IF_ERROR(RunSm100aTestKernel());
   const ModelConfig& c = shard ? shard->host->config : host.config;
-  auto weights = shard ? UploadShardWeights(host, shard->host->weights) : UploadWeights(host);
-  if (!weights.ok()) return weights.status();
+  ASSIGN_OR_RETURN(auto weights,
+                   shard ? UploadShardWeights(host, shard->host->weights) : UploadWeights(host));
   std::unique_ptr<cuda::CublasLtGemm> gemm;
   if (UsesCublasLt(options.gemm)) {
-    auto made = cuda::CublasLtGemm::Create();
-    if (!made.ok()) return made.status();
-    gemm = std::move(*made);
+    ASSIGN_OR_RETURN(auto made, cuda::CublasLtGemm::Create());
+    gemm = std::move(made);
   }
   std::unique_ptr<QuantView> view;
   if (host.quant_format != QuantFormat::kNone) {
-    auto made = BuildQuantView(host, **weights, options, fault);
-    if (!made.ok()) return made.status();
-    view = std::move(*made);
+    ASSIGN_OR_RETURN(auto made, BuildQuantView(host, *weights, options, fault));
+    view = std::move(made);
   }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;
   // moe=fused also takes long prefill chunks to the grouped GEMMs (bf16 experts, cuBLAS configs).
   if (c.is_moe() && (options.moe == Moe::kGrouped ||
                      (options.moe == Moe::kFused && UsesCublasLt(options.gemm)))) {
-    auto made = cuda::CublasGroupedGemm::Create();
-    if (!made.ok()) return made.status();
-    grouped = std::move(*made);
+    ASSIGN_OR_RETURN(auto made, cuda::CublasGroupedGemm::Create());
+    grouped = std::move(made);
   }
-  auto model = std::make_unique<CudaModel>(c, std::move(*weights), options, fault, std::move(gemm),
+  auto model = std::make_unique<CudaModel>(c, std::move(weights), options, fault, std::move(gemm),
                                            std::move(grouped), std::move(view), rank,
                                            shard ? shard->vocab_begin : 0);
-  if (IsPersistent(options.graphs))
-    RETURN_IF_ERROR(model->PreparePersistentDecode());
+  if (IsPersistent(options.graphs)) RETURN_IF_ERROR(model->PreparePersistentDecode());
   return std::unique_ptr<Model>(std::move(model));
 }
 
 absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {
-  auto weights = UploadWeights(host);
-  if (!weights.ok()) return weights.status();
+  ASSIGN_OR_RETURN(auto weights, UploadWeights(host));
   if (index >= host.specs.size()) return absl::OutOfRangeError("tensor index");
-  const HostTensor& t = (*weights)->tensors[index];
+  const HostTensor& t = weights.tensors[index];
   std::vector<uint8_t> bytes(static_cast<size_t>(host.specs[index].numel()) * DTypeSize(t.dtype));
   CUDA_OR_DIE(cudaMemcpy(bytes.data(), t.data, bytes.size(), cudaMemcpyDeviceToHost));
   return bytes;

@@ -1,11 +1,11 @@
 #include "engine/cuda/cudnn_attention.h"
-#include "api/status_macros.h"
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 
 namespace infersweep {
@@ -27,8 +27,8 @@ enum Uid : int64_t {
 // The SDPA graph for `batch` sequences of `s_q` new tokens over caches of shape.capacity.
 absl::StatusOr<cudnn::Plan> BuildPlan(const cudnn::Handle& handle,
                                       const CudnnAttention::Shape& shape, int batch, int s_q) {
-  const int64_t b = batch, hq = shape.q_heads, hk = shape.kv_heads, d = shape.head_dim,
-                sq = s_q, skv = shape.capacity;
+  const int64_t b = batch, hq = shape.q_heads, hk = shape.kv_heads, d = shape.head_dim, sq = s_q,
+                skv = shape.capacity;
   cudnn::GraphBuilder g(handle);
   int64_t next_virtual = kVirtual;
   auto real = [&](int64_t uid, cudnnDataType_t type, std::vector<int64_t> dims,
@@ -44,18 +44,20 @@ absl::StatusOr<cudnn::Plan> BuildPlan(const cudnn::Handle& handle,
   };
   const std::vector<int64_t> scores = {b, hq, sq, skv}, per_row = {b, hq, sq, 1};
   // Q and O: [b][s_q][heads][d]; K^T and V: one layer's cache, [b][capacity][kv_heads][d].
-  absl::StatusOr<int> q = real(kQ, CUDNN_DATA_BFLOAT16, {b, hq, sq, d}, {sq * hq * d, d, hq * d, 1});
+  absl::StatusOr<int> q =
+      real(kQ, CUDNN_DATA_BFLOAT16, {b, hq, sq, d}, {sq * hq * d, d, hq * d, 1});
   absl::StatusOr<int> kt =
       real(kK, CUDNN_DATA_BFLOAT16, {b, hk, d, skv}, {skv * hk * d, d, 1, hk * d});
   absl::StatusOr<int> v =
       real(kV, CUDNN_DATA_BFLOAT16, {b, hk, skv, d}, {skv * hk * d, d, hk * d, 1});
-  absl::StatusOr<int> o = real(kO, CUDNN_DATA_BFLOAT16, {b, hq, sq, d}, {sq * hq * d, d, hq * d, 1});
+  absl::StatusOr<int> o =
+      real(kO, CUDNN_DATA_BFLOAT16, {b, hq, sq, d}, {sq * hq * d, d, hq * d, 1});
   absl::StatusOr<int> seq_q = real(kSeqQ, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1});
   absl::StatusOr<int> seq_kv = real(kSeqKv, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1});
   absl::StatusOr<int> scale = scalar(kScale);
   absl::StatusOr<int> negative_infinity = scalar(kNegativeInfinity);
-  for (const absl::StatusOr<int>* t : {&q, &kt, &v, &o, &seq_q, &seq_kv, &scale,
-                                       &negative_infinity})
+  for (const absl::StatusOr<int>* t :
+       {&q, &kt, &v, &o, &seq_q, &seq_kv, &scale, &negative_infinity})
     if (!t->ok()) return t->status();
 
   // Each step's output is a new virtual tensor; `Step` chains them and stops at the first error.
@@ -78,30 +80,30 @@ absl::StatusOr<cudnn::Plan> BuildPlan(const cudnn::Handle& handle,
   int x = pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, scores, s, *scale);
   // Padding: rows past the sequence's s_q and columns past its KV length read -inf.
   {
-    const int row = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32,
-                              scores, x, -1, -1, 2);
-    const int col = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32,
-                              scores, x, -1, -1, 3);
+    const int row = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
+                              x, -1, -1, 2);
+    const int col = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
+                              x, -1, -1, 3);
     const int row_in = pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN,
                                  scores, row, *seq_q);
     const int col_in = pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN,
                                  scores, col, *seq_kv);
-    const int keep = pointwise(CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN,
-                               CUDNN_DATA_BOOLEAN, scores, row_in, col_in);
+    const int keep = pointwise(CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN,
+                               scores, row_in, col_in);
     x = pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, scores, x,
                   *negative_infinity, keep);
   }
   // Bottom-right causal: new token `row` sits at position KV length - s_q + row and sees the
   // columns up to it (row + s_kv - s_q >= col).
   {
-    const int row = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32,
-                              scores, x, -1, -1, 2);
-    const int col = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32,
-                              scores, x, -1, -1, 3);
+    const int row = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
+                              x, -1, -1, 2);
+    const int col = pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
+                              x, -1, -1, 3);
     const int shifted = pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
                                   row, *seq_kv, -1, 3);
-    const int diagonal = pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_INT32, CUDNN_DATA_INT32,
-                                   scores, shifted, *seq_q, -1, 3);
+    const int diagonal = pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_INT32, CUDNN_DATA_INT32, scores,
+                                   shifted, *seq_q, -1, 3);
     const int keep = pointwise(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, CUDNN_DATA_BOOLEAN,
                                scores, diagonal, col);
     x = pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, scores, x,
@@ -135,10 +137,8 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(const Sha
   if (!api.ok())
     return absl::Status(api.status().code(),
                         absl::StrCat("attention=cudnn: ", api.status().message()));
-  absl::StatusOr<std::unique_ptr<cudnn::Handle>> handle = cudnn::Handle::Create(*api, stream);
-  if (!handle.ok()) return handle.status();
-  std::unique_ptr<CudnnAttention> attention(
-      new CudnnAttention(shape, stream, std::move(*handle)));
+  ASSIGN_OR_RETURN(std::unique_ptr<cudnn::Handle> handle, cudnn::Handle::Create(*api, stream));
+  std::unique_ptr<CudnnAttention> attention(new CudnnAttention(shape, stream, std::move(handle)));
   RETURN_IF_ERROR(attention->Prepare(1, 1));
   return attention;
 }
@@ -151,12 +151,11 @@ absl::StatusOr<const cudnn::Plan*> CudnnAttention::PlanFor(int batch, int s_q) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(stream_, &capturing);
   if (capturing != cudaStreamCaptureStatusNone)
-    return absl::InternalError(absl::StrCat("attention=cudnn: no plan for batch ", batch,
-                                            ", s_q ", s_q, " before the graph capture"));
-  absl::StatusOr<cudnn::Plan> plan = BuildPlan(*handle_, shape_, batch, s_q);
-  if (!plan.ok()) return plan.status();
-  RETURN_IF_ERROR(workspace_.Reserve(*plan));
-  return &plans_.emplace(std::make_pair(batch, s_q), std::move(*plan)).first->second;
+    return absl::InternalError(absl::StrCat("attention=cudnn: no plan for batch ", batch, ", s_q ",
+                                            s_q, " before the graph capture"));
+  ASSIGN_OR_RETURN(cudnn::Plan plan, BuildPlan(*handle_, shape_, batch, s_q));
+  RETURN_IF_ERROR(workspace_.Reserve(plan));
+  return &plans_.emplace(std::make_pair(batch, s_q), std::move(plan)).first->second;
 }
 
 absl::Status CudnnAttention::Prepare(int batch, int s_q) { return PlanFor(batch, s_q).status(); }
@@ -164,17 +163,20 @@ absl::Status CudnnAttention::Prepare(int batch, int s_q) { return PlanFor(batch,
 absl::Status CudnnAttention::Run(const uint16_t* q, const void* k_cache, const void* v_cache,
                                  const int32_t* seq_q, const int32_t* seq_kv, int batch, int s_q,
                                  uint16_t* out) {
-  absl::StatusOr<const cudnn::Plan*> plan = PlanFor(batch, s_q);
-  if (!plan.ok()) return plan.status();
+  ASSIGN_OR_RETURN(const cudnn::Plan* plan, PlanFor(batch, s_q));
   float scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
   float negative_infinity = -std::numeric_limits<float>::infinity();
   const std::vector<int64_t> uids = {kQ, kK, kV, kO, kSeqQ, kSeqKv, kScale, kNegativeInfinity};
-  const std::vector<void*> pointers = {const_cast<uint16_t*>(q), const_cast<void*>(k_cache),
-                                       const_cast<void*>(v_cache), out,
-                                       const_cast<int32_t*>(seq_q), const_cast<int32_t*>(seq_kv),
-                                       &scale, &negative_infinity};
+  const std::vector<void*> pointers = {const_cast<uint16_t*>(q),
+                                       const_cast<void*>(k_cache),
+                                       const_cast<void*>(v_cache),
+                                       out,
+                                       const_cast<int32_t*>(seq_q),
+                                       const_cast<int32_t*>(seq_kv),
+                                       &scale,
+                                       &negative_infinity};
   RecordLaunch("cudnn:sdpa fprop (bf16)");
-  return cudnn::Execute(*handle_, **plan, uids, pointers, workspace_.data());
+  return cudnn::Execute(*handle_, *plan, uids, pointers, workspace_.data());
 }
 
 }  // namespace infersweep

@@ -1,9 +1,9 @@
 #include "engine/cuda/cudnn_graph.h"
-#include "api/status_macros.h"
 
 #include <dlfcn.h>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "engine/cudnn_loader.h"
 #include "kernels/cuda/check.h"
 
@@ -117,9 +117,8 @@ absl::Status GraphBuilder::Check(cudnnStatus_t status, const char* step) const {
   // NOT_SUPPORTED (3000s): this cuDNN or this GPU does not take the graph; the rest are
   // mistakes in the graph or the library failing.
   const bool unsupported = status / 1000 == 3;
-  const std::string message =
-      absl::StrCat(step, ": ", api_->error_string(status), why.empty() ? "" : " (", why,
-                   why.empty() ? "" : ")");
+  const std::string message = absl::StrCat(step, ": ", api_->error_string(status),
+                                           why.empty() ? "" : " (", why, why.empty() ? "" : ")");
   return unsupported ? absl::UnimplementedError(message) : absl::InternalError(message);
 }
 
@@ -131,11 +130,10 @@ absl::StatusOr<Descriptor> GraphBuilder::Make(cudnnBackendDescriptorType_t type,
 }
 
 absl::StatusOr<int> GraphBuilder::Tensor(const TensorSpec& spec) {
-  absl::StatusOr<Descriptor> d = Make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor");
-  if (!d.ok()) return d.status();
+  ASSIGN_OR_RETURN(Descriptor d, Make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor"));
   const int64_t rank = static_cast<int64_t>(spec.dims.size()), alignment = 16;
   auto set = [&](cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t n,
-                 const void* value) { return api_->set_attribute(d->raw(), name, type, n, value); };
+                 const void* value) { return api_->set_attribute(d.raw(), name, type, n, value); };
   cudnnStatus_t s = set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &spec.type);
   if (s == CUDNN_STATUS_SUCCESS)
     s = set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, rank, spec.dims.data());
@@ -156,115 +154,108 @@ absl::StatusOr<int> GraphBuilder::Tensor(const TensorSpec& spec) {
   if (s == CUDNN_STATUS_SUCCESS && spec.reordering != CUDNN_TENSOR_REORDERING_NONE)
     s = set(CUDNN_ATTR_TENSOR_REORDERING_MODE, CUDNN_TYPE_TENSOR_REORDERING_MODE, 1,
             &spec.reordering);
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(d->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(d.raw());
   const std::string step = absl::StrCat("tensor ", spec.uid);
   RETURN_IF_ERROR(Check(s, step.c_str()));
-  tensors_.push_back(std::move(*d));
+  tensors_.push_back(std::move(d));
   return static_cast<int>(tensors_.size()) - 1;
 }
 
 absl::Status GraphBuilder::Matmul(int a, int b, int c, int m_override, int n_override,
                                   int k_override, bool padded) {
-  absl::StatusOr<Descriptor> desc = Make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
-  if (!desc.ok()) return desc.status();
+  ASSIGN_OR_RETURN(Descriptor desc, Make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul"));
   const cudnnDataType_t math = CUDNN_DATA_FLOAT;
-  cudnnStatus_t s = api_->set_attribute(desc->raw(), CUDNN_ATTR_MATMUL_COMP_TYPE,
-                                        CUDNN_TYPE_DATA_TYPE, 1, &math);
+  cudnnStatus_t s =
+      api_->set_attribute(desc.raw(), CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &math);
   if (s == CUDNN_STATUS_SUCCESS && padded) {
     const double padding = 0.0;
-    s = api_->set_attribute(desc->raw(), CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, 1,
+    s = api_->set_attribute(desc.raw(), CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, 1,
                             &padding);
   }
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc.raw());
   RETURN_IF_ERROR(Check(s, "matmul descriptor"));
-  absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul op");
-  if (!op.ok()) return op.status();
+  ASSIGN_OR_RETURN(Descriptor op, Make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul op"));
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
-    return api_->set_attribute(op->raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+    return api_->set_attribute(op.raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
   };
   s = bind(CUDNN_ATTR_OPERATION_MATMUL_ADESC, tensors_[a].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_MATMUL_BDESC, tensors_[b].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_MATMUL_CDESC, tensors_[c].raw());
-  if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_MATMUL_DESC, desc->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_MATMUL_DESC, desc.raw());
   if (s == CUDNN_STATUS_SUCCESS && m_override >= 0)
     s = bind(CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, tensors_[m_override].raw());
   if (s == CUDNN_STATUS_SUCCESS && n_override >= 0)
     s = bind(CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, tensors_[n_override].raw());
   if (s == CUDNN_STATUS_SUCCESS && k_override >= 0)
     s = bind(CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, tensors_[k_override].raw());
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op.raw());
   RETURN_IF_ERROR(Check(s, "matmul operation"));
-  helpers_.push_back(std::move(*desc));
-  operations_.push_back(std::move(*op));
+  helpers_.push_back(std::move(desc));
+  operations_.push_back(std::move(op));
   return absl::OkStatus();
 }
 
 absl::Status GraphBuilder::Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t math, int x, int y,
                                      int b, int t, int64_t axis) {
-  absl::StatusOr<Descriptor> desc = Make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "pointwise");
-  if (!desc.ok()) return desc.status();
-  cudnnStatus_t s = api_->set_attribute(desc->raw(), CUDNN_ATTR_POINTWISE_MODE,
+  ASSIGN_OR_RETURN(Descriptor desc, Make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "pointwise"));
+  cudnnStatus_t s = api_->set_attribute(desc.raw(), CUDNN_ATTR_POINTWISE_MODE,
                                         CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
   if (s == CUDNN_STATUS_SUCCESS)
-    s = api_->set_attribute(desc->raw(), CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1,
+    s = api_->set_attribute(desc.raw(), CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1,
                             &math);
   if (s == CUDNN_STATUS_SUCCESS && axis >= 0)
-    s = api_->set_attribute(desc->raw(), CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
+    s = api_->set_attribute(desc.raw(), CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc.raw());
   RETURN_IF_ERROR(Check(s, "pointwise descriptor"));
-  absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pw op");
-  if (!op.ok()) return op.status();
+  ASSIGN_OR_RETURN(Descriptor op, Make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pw op"));
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
-    return api_->set_attribute(op->raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+    return api_->set_attribute(op.raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
   };
-  s = bind(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, desc->raw());
+  s = bind(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, desc.raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, tensors_[x].raw());
   if (s == CUDNN_STATUS_SUCCESS && b >= 0)
     s = bind(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, tensors_[b].raw());
   if (s == CUDNN_STATUS_SUCCESS && t >= 0)
     s = bind(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, tensors_[t].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, tensors_[y].raw());
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op.raw());
   const std::string step = absl::StrCat("pointwise operation (mode ", static_cast<int>(mode), ")");
   RETURN_IF_ERROR(Check(s, step.c_str()));
-  helpers_.push_back(std::move(*desc));
-  operations_.push_back(std::move(*op));
+  helpers_.push_back(std::move(desc));
+  operations_.push_back(std::move(op));
   return absl::OkStatus();
 }
 
 absl::Status GraphBuilder::Reduction(cudnnReduceTensorOp_t op_kind, int x, int y) {
-  absl::StatusOr<Descriptor> desc = Make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction");
-  if (!desc.ok()) return desc.status();
+  ASSIGN_OR_RETURN(Descriptor desc, Make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction"));
   const cudnnDataType_t math = CUDNN_DATA_FLOAT;
-  cudnnStatus_t s = api_->set_attribute(desc->raw(), CUDNN_ATTR_REDUCTION_OPERATOR,
+  cudnnStatus_t s = api_->set_attribute(desc.raw(), CUDNN_ATTR_REDUCTION_OPERATOR,
                                         CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &op_kind);
   if (s == CUDNN_STATUS_SUCCESS)
-    s = api_->set_attribute(desc->raw(), CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1,
+    s = api_->set_attribute(desc.raw(), CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1,
                             &math);
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(desc.raw());
   RETURN_IF_ERROR(Check(s, "reduction descriptor"));
-  absl::StatusOr<Descriptor> op = Make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "red op");
-  if (!op.ok()) return op.status();
+  ASSIGN_OR_RETURN(Descriptor op, Make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "red op"));
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
-    return api_->set_attribute(op->raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+    return api_->set_attribute(op.raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
   };
   s = bind(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, tensors_[x].raw());
   if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, tensors_[y].raw());
-  if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_REDUCTION_DESC, desc->raw());
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = bind(CUDNN_ATTR_OPERATION_REDUCTION_DESC, desc.raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op.raw());
   RETURN_IF_ERROR(Check(s, "reduction operation"));
-  helpers_.push_back(std::move(*desc));
-  operations_.push_back(std::move(*op));
+  helpers_.push_back(std::move(desc));
+  operations_.push_back(std::move(op));
   return absl::OkStatus();
 }
 
 absl::Status GraphBuilder::BlockScaleDequantize(int x, int scale, int y,
                                                 const std::vector<int32_t>& block) {
-  absl::StatusOr<Descriptor> op =
-      Make(CUDNN_BACKEND_OPERATION_BLOCK_SCALE_DEQUANTIZE_DESCRIPTOR, "block-scale dequantize");
-  if (!op.ok()) return op.status();
+  ASSIGN_OR_RETURN(Descriptor op, Make(CUDNN_BACKEND_OPERATION_BLOCK_SCALE_DEQUANTIZE_DESCRIPTOR,
+                                       "block-scale dequantize"));
   auto bind = [&](cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
-    return api_->set_attribute(op->raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+    return api_->set_attribute(op.raw(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
   };
   const cudnnDataType_t math = CUDNN_DATA_FLOAT;
   cudnnStatus_t s = bind(CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_XDESC, tensors_[x].raw());
@@ -273,14 +264,14 @@ absl::Status GraphBuilder::BlockScaleDequantize(int x, int scale, int y,
   if (s == CUDNN_STATUS_SUCCESS)
     s = bind(CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_YDESC, tensors_[y].raw());
   if (s == CUDNN_STATUS_SUCCESS)
-    s = api_->set_attribute(op->raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_MATH_PREC,
+    s = api_->set_attribute(op.raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_MATH_PREC,
                             CUDNN_TYPE_DATA_TYPE, 1, &math);
   if (s == CUDNN_STATUS_SUCCESS)
-    s = api_->set_attribute(op->raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_BLOCK_SIZE,
+    s = api_->set_attribute(op.raw(), CUDNN_ATTR_OPERATION_BLOCK_SCALE_DEQUANTIZE_BLOCK_SIZE,
                             CUDNN_TYPE_INT32, static_cast<int64_t>(block.size()), block.data());
-  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op->raw());
+  if (s == CUDNN_STATUS_SUCCESS) s = api_->finalize(op.raw());
   RETURN_IF_ERROR(Check(s, "block-scale dequantize operation"));
-  operations_.push_back(std::move(*op));
+  operations_.push_back(std::move(op));
   return absl::OkStatus();
 }
 
@@ -333,20 +324,19 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
   // A plan from `config`, or cuDNN's refusal.
   auto plan_from = [&](cudnnBackendDescriptor_t config,
                        const std::string& engine) -> absl::StatusOr<Plan> {
-    absl::StatusOr<Descriptor> plan = Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan");
-    if (!plan.ok()) return plan.status();
-    cudnnStatus_t st = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+    ASSIGN_OR_RETURN(Descriptor plan, Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan"));
+    cudnnStatus_t st = api_->set_attribute(plan.raw(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
                                            CUDNN_TYPE_HANDLE, 1, &raw_handle);
     if (st == CUDNN_STATUS_SUCCESS)
-      st = api_->set_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+      st = api_->set_attribute(plan.raw(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
                                CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
-    if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(plan->raw());
+    if (st == CUDNN_STATUS_SUCCESS) st = api_->finalize(plan.raw());
     RETURN_IF_ERROR(Check(st, "execution plan"));
     Plan out;
-    st = api_->get_attribute(plan->raw(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                             CUDNN_TYPE_INT64, 1, nullptr, &out.workspace_bytes);
+    st = api_->get_attribute(plan.raw(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64,
+                             1, nullptr, &out.workspace_bytes);
     RETURN_IF_ERROR(Check(st, "plan's workspace size"));
-    out.plan = std::make_shared<Descriptor>(std::move(*plan));
+    out.plan = std::make_shared<Descriptor>(std::move(plan));
     out.engine = engine;
     return out;
   };
@@ -391,10 +381,9 @@ absl::StatusOr<Plan> GraphBuilder::Build(const std::string& what) {
     if (plan.ok()) return plan;
     last = plan.status();
   }
-  return absl::Status(last.code(),
-                      absl::StrCat(what, ": cuDNN takes the graph with none of its ", engines,
-                                   " engines (heuristics offered ", count,
-                                   "); the last answer: ", last.message()));
+  return absl::Status(last.code(), absl::StrCat(what, ": cuDNN takes the graph with none of its ",
+                                                engines, " engines (heuristics offered ", count,
+                                                "); the last answer: ", last.message()));
 }
 
 absl::Status Workspace::Reserve(const Plan& plan) {
@@ -415,9 +404,8 @@ absl::Status Execute(const Handle& handle, const Plan& plan, const std::vector<i
       s != CUDNN_STATUS_SUCCESS)
     return absl::InternalError(absl::StrCat("variant pack: ", api->error_string(s)));
   Descriptor owned(api, pack);
-  cudnnStatus_t s =
-      api->set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
-                         static_cast<int64_t>(uids.size()), uids.data());
+  cudnnStatus_t s = api->set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
+                                       static_cast<int64_t>(uids.size()), uids.data());
   if (s == CUDNN_STATUS_SUCCESS)
     s = api->set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
                            static_cast<int64_t>(pointers.size()), pointers.data());

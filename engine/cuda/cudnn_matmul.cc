@@ -1,10 +1,10 @@
 #include "engine/cuda/cudnn_matmul.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/scaled_quant.h"
@@ -13,7 +13,6 @@ namespace infersweep {
 namespace {
 
 enum Uid : int64_t { kA = 1, kB, kAScale, kBScale, kY, kVirtual = 100 };
-
 
 // Y[m, n] = (A[m, k] . B[k, n]) * a_scale[m] * b_scale[n], A and B E4M3, fp32 math and out.
 absl::StatusOr<cudnn::Plan> BuildFp8Plan(const cudnn::Handle& handle, int m, int n, int k) {
@@ -71,12 +70,12 @@ absl::StatusOr<cudnn::Plan> BuildFp4Plan(const cudnn::Handle& handle, QuantForma
 
 // The FP4 answer: cuDNN's refusal, or (where it offers a plan) the part not built here.
 absl::Status Fp4Answer(const cudnn::Handle& handle, QuantFormat format, int n, int k) {
-  absl::StatusOr<cudnn::Plan> plan = BuildFp4Plan(handle, format, n, k);
-  if (!plan.ok()) return plan.status();
-  return absl::UnimplementedError(absl::StrCat(
-      "qgemm=cudnn: cuDNN offers a block-scaled ", QuantFormatName(format), " plan here (",
-      plan->engine, "), but running it (FP4 activations quantized into cuDNN's F8_128x4 scale "
-      "tiles) is not built"));
+  ASSIGN_OR_RETURN(cudnn::Plan plan, BuildFp4Plan(handle, format, n, k));
+  return absl::UnimplementedError(
+      absl::StrCat("qgemm=cudnn: cuDNN offers a block-scaled ", QuantFormatName(format),
+                   " plan here (", plan.engine,
+                   "), but running it (FP4 activations quantized into cuDNN's F8_128x4 scale "
+                   "tiles) is not built"));
 }
 
 absl::Status Fp8Layout(const MatrixRef& w) {
@@ -96,17 +95,14 @@ absl::Status Fp8Layout(const MatrixRef& w) {
 absl::StatusOr<std::unique_ptr<CudnnQuantGemm>> CudnnQuantGemm::Create() {
   absl::StatusOr<const cudnn::Api*> api = cudnn::LoadApi(kCudnnMatmulMinVersion);
   if (!api.ok())
-    return absl::Status(api.status().code(),
-                        absl::StrCat("qgemm=cudnn: ", api.status().message()));
-  absl::StatusOr<std::unique_ptr<cudnn::Handle>> handle = cudnn::Handle::Create(*api, nullptr);
-  if (!handle.ok()) return handle.status();
-  return std::unique_ptr<CudnnQuantGemm>(new CudnnQuantGemm(std::move(*handle)));
+    return absl::Status(api.status().code(), absl::StrCat("qgemm=cudnn: ", api.status().message()));
+  ASSIGN_OR_RETURN(std::unique_ptr<cudnn::Handle> handle, cudnn::Handle::Create(*api, nullptr));
+  return std::unique_ptr<CudnnQuantGemm>(new CudnnQuantGemm(std::move(handle)));
 }
 
 absl::Status CudnnQuantGemm::Prepare(const MatrixRef& w) {
   if (IsFp4(w.quant.format))
-    return Fp4Answer(*handle_, w.quant.format, static_cast<int>(w.rows),
-                     static_cast<int>(w.cols));
+    return Fp4Answer(*handle_, w.quant.format, static_cast<int>(w.rows), static_cast<int>(w.cols));
   RETURN_IF_ERROR(Fp8Layout(w));
   if (weights_.count(w.data)) return absl::OkStatus();
   DeviceBuffer<float> scales;
@@ -119,10 +115,9 @@ absl::Status CudnnQuantGemm::Prepare(const MatrixRef& w) {
 absl::StatusOr<const cudnn::Plan*> CudnnQuantGemm::PlanFor(int m, int n, int k) {
   auto it = plans_.find({m, n, k});
   if (it != plans_.end()) return &it->second;
-  absl::StatusOr<cudnn::Plan> plan = BuildFp8Plan(*handle_, m, n, k);
-  if (!plan.ok()) return plan.status();
-  RETURN_IF_ERROR(workspace_.Reserve(*plan));
-  return &plans_.emplace(std::make_tuple(m, n, k), std::move(*plan)).first->second;
+  ASSIGN_OR_RETURN(cudnn::Plan plan, BuildFp8Plan(*handle_, m, n, k));
+  RETURN_IF_ERROR(workspace_.Reserve(plan));
+  return &plans_.emplace(std::make_tuple(m, n, k), std::move(plan)).first->second;
 }
 
 absl::Status CudnnQuantGemm::Grow(int rows, int k) {
@@ -158,27 +153,25 @@ absl::Status CudnnQuantGemm::Run(const float* x, int rows, const MatrixRef& w, f
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(stream, &capturing);
   const bool in_capture = capturing != cudaStreamCaptureStatusNone;
-  if (in_capture && (!plans_.count({rows, weight.n, weight.k}) || rows > scratch_rows_ ||
-                     weight.k > scratch_k_))
+  if (in_capture &&
+      (!plans_.count({rows, weight.n, weight.k}) || rows > scratch_rows_ || weight.k > scratch_k_))
     return absl::InternalError(absl::StrCat("qgemm=cudnn: no plan or scratch for ", rows,
                                             " rows made before the graph capture"));
   RETURN_IF_ERROR(Grow(rows, weight.k));
-  absl::StatusOr<const cudnn::Plan*> plan = PlanFor(rows, weight.n, weight.k);
-  if (!plan.ok()) return plan.status();
+  ASSIGN_OR_RETURN(const cudnn::Plan* plan, PlanFor(rows, weight.n, weight.k));
   cuda::QuantizeFp8RowGroups(x, rows, weight.k, weight.k, codes_.get(), scales_.get(), stream);
   RETURN_IF_ERROR(handle_->SetStream(stream));
   RecordLaunch("cudnn:fp8 matmul (E4M3 x E4M3, row x column scales)");
   return cudnn::Execute(
-      *handle_, **plan, {kA, kB, kAScale, kBScale, kY},
+      *handle_, *plan, {kA, kB, kAScale, kBScale, kY},
       {codes_.get(), const_cast<void*>(w.data), scales_.get(), weight.row_scales.get(), y},
       workspace_.data());
 }
 
 absl::Status ProbeCudnnQuantGemm(QuantFormat format, int n, int k) {
-  absl::StatusOr<std::unique_ptr<CudnnQuantGemm>> gemm = CudnnQuantGemm::Create();
-  if (!gemm.ok()) return gemm.status();
-  if (IsFp4(format)) return Fp4Answer(*(*gemm)->handle_, format, n, k);
-  return BuildFp8Plan(*(*gemm)->handle_, 1, n, k).status();
+  ASSIGN_OR_RETURN(std::unique_ptr<CudnnQuantGemm> gemm, CudnnQuantGemm::Create());
+  if (IsFp4(format)) return Fp4Answer(gemm.handle_, format, n, k);
+  return BuildFp8Plan(gemm.handle_, 1, n, k).status();
 }
 
 }  // namespace infersweep

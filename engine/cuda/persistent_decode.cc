@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "api/status_macros.h"
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/persistent_debug.h"
 
@@ -100,12 +101,11 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
     const int64_t row_bytes = m.cols / 16, padded = (row_bytes + 15) / 16 * 16;
     if (row_bytes == padded) return m.quant.scale;
-    auto copy = copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded));
-    if (!copy.ok()) return copy.status();
-    CUDA_OR_DIE(cudaMemset(*copy, 0, m.rows * padded));
-    CUDA_OR_DIE(cudaMemcpy2D(*copy, padded, m.quant.scale, row_bytes, row_bytes, m.rows,
+    ASSIGN_OR_RETURN(auto copy, copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded)));
+    CUDA_OR_DIE(cudaMemset(copy, 0, m.rows * padded));
+    CUDA_OR_DIE(cudaMemcpy2D(copy, padded, m.quant.scale, row_bytes, row_bytes, m.rows,
                              cudaMemcpyDeviceToDevice));
-    return *copy;
+    return copy;
   };
   // The kernel streams the router's column i with o's row i (PersistentLayer::router).
   auto transposed = [&](const MatrixRef& m) -> absl::StatusOr<const uint16_t*> {
@@ -113,24 +113,23 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
     CUDA_OR_DIE(cudaMemcpy(rows.data(), m.data, rows.size() * 2, cudaMemcpyDeviceToHost));
     for (int64_t e = 0; e < m.rows; ++e)
       for (int64_t i = 0; i < m.cols; ++i) columns[i * m.rows + e] = rows[e * m.cols + i];
-    auto copy = copies_.Allocate<uint16_t>(columns.size());
-    if (!copy.ok()) return copy.status();
-    CUDA_OR_DIE(cudaMemcpy(*copy, columns.data(), columns.size() * 2, cudaMemcpyHostToDevice));
-    return *copy;
+    ASSIGN_OR_RETURN(auto copy, copies_.Allocate<uint16_t>(columns.size()));
+    CUDA_OR_DIE(cudaMemcpy(copy, columns.data(), columns.size() * 2, cudaMemcpyHostToDevice));
+    return copy;
   };
   // The bf16 build's down projections, tiled for the gate/up phase that folds them in
   // (cuda::PersistentDownTiles): one copy a layer, every expert's (or the dense MLP's) in turn.
   auto down_tiles = [&](const std::vector<std::array<const MatrixRef*, 3>>& mlps)
       -> absl::StatusOr<std::vector<const void*>> {
     const MatrixRef& first = *mlps[0][2];
-    auto copy = copies_.Allocate<uint16_t>(static_cast<size_t>(first.numel()) * mlps.size());
-    if (!copy.ok()) return copy.status();
+    ASSIGN_OR_RETURN(auto copy,
+                     copies_.Allocate<uint16_t>(static_cast<size_t>(first.numel()) * mlps.size()));
     std::vector<const void*> tiles;
     for (const auto& mlp : mlps) {
       const MatrixRef& down = *mlp[2];
       if (down.rows != first.rows || down.cols != first.cols)
         return absl::InternalError("experts of one layer with different down shapes");
-      uint16_t* dst = *copy + first.numel() * static_cast<int64_t>(tiles.size());
+      uint16_t* dst = copy + first.numel() * static_cast<int64_t>(tiles.size());
       cuda::PersistentDownTiles(static_cast<const uint16_t*>(down.data), dst,
                                 static_cast<int>(down.rows), static_cast<int>(down.cols), stream_);
       tiles.push_back(dst);
@@ -197,9 +196,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       for (int i = 0; i < 4; ++i) {
         quant[l].factor[i] = factor_of(*attention[i]);
         if (format != QuantFormat::kNvfp4) continue;
-        auto groups = groups_of(*attention[i]);
-        if (!groups.ok()) return groups.status();
-        quant[l].groups[i] = *groups;
+        ASSIGN_OR_RETURN(auto groups, groups_of(*attention[i]));
+        quant[l].groups[i] = groups;
       }
     }
     std::vector<std::array<const MatrixRef*, 3>> mlps;  // each expert's, or the dense MLP
@@ -209,9 +207,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       mlps.push_back({&lw.mlp.gate, &lw.mlp.up, &lw.mlp.down});
     std::vector<const void*> tiled;
     if (format == QuantFormat::kNone) {
-      auto tiles = down_tiles(mlps);
-      if (!tiles.ok()) return tiles.status();
-      tiled = *std::move(tiles);
+      ASSIGN_OR_RETURN(auto tiles, down_tiles(mlps));
+      tiled = std::move(tiles);
     }
     for (size_t e = 0; e < mlps.size(); ++e)
       for (int proj = 0; proj < 3; ++proj) {
@@ -220,9 +217,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
         if (format == QuantFormat::kNone) continue;
         tables[l][proj][1].push_back(factor_of(*mlp[proj]));
         if (format != QuantFormat::kNvfp4) continue;
-        auto groups = groups_of(*mlp[proj]);
-        if (!groups.ok()) return groups.status();
-        tables[l][proj][2].push_back(*groups);
+        ASSIGN_OR_RETURN(auto groups, groups_of(*mlp[proj]));
+        tables[l][proj][2].push_back(groups);
       }
     p.input_norm = lw.input_norm.data;
     p.post_norm = lw.post_attention_norm.data;
@@ -231,9 +227,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       p.k_norm = lw.k_norm.data;
     }
     if (moe) {
-      auto router = transposed(lw.router);
-      if (!router.ok()) return router.status();
-      p.router = *router;
+      ASSIGN_OR_RETURN(auto router, transposed(lw.router));
+      p.router = router;
       p.inter = c.moe_intermediate_size;
       p.top_k = c.num_experts_per_tok;
     } else {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "engine/cuda/communicator.h"
 #include "engine/cuda/cuda_model.h"
 #include "engine/rank_context.h"
@@ -17,8 +18,7 @@
 namespace infersweep {
 
 absl::Status UseRankDevice(int rank, int ranks) {
-  auto devices = RankDevices(ranks);
-  if (!devices.ok()) return devices.status();
+  ASSIGN_OR_RETURN(auto devices, RankDevices(ranks));
   if (rank < 0 || rank >= ranks)
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", ranks));
   int count = 0;
@@ -26,7 +26,7 @@ absl::Status UseRankDevice(int rank, int ranks) {
     cudaGetLastError();
     count = 0;
   }
-  const int device = (*devices)[rank];
+  const int device = devices[rank];
   if (device >= count) return absl::OkStatus();  // the preflight refuses the trial
   return CudaStatus(cudaSetDevice(device),
                     absl::StrCat("rank ", rank, ": cudaSetDevice(", device, ")").c_str());
@@ -47,36 +47,31 @@ absl::StatusOr<std::shared_ptr<Communicator>> JoinNccl(const RankContext& contex
         "there"));
   std::string mine;
   if (context.rank == 0) {
-    auto id = MakeNcclId();
-    if (!id.ok()) return id.status();
-    mine = HexBytes(id->data(), id->size());
+    ASSIGN_OR_RETURN(auto id, MakeNcclId());
+    mine = HexBytes(id.data(), id.size());
   }
-  auto lines = context.exchange(mine);
-  if (!lines.ok()) return lines.status();
+  ASSIGN_OR_RETURN(auto lines, context.exchange(mine));
   NcclId id;
-  if (auto s = BytesFromHex(lines->front(), id.data(), id.size()); !s.ok())
+  if (auto s = BytesFromHex(lines.front(), id.data(), id.size()); !s.ok())
     return absl::InvalidArgumentError(absl::StrCat("rank 0's ncclUniqueId: ", s.message()));
-  auto comm = MakeNcclCommunicator(id, context.ranks, context.rank);
-  if (!comm.ok()) return comm.status();
-  return std::shared_ptr<Communicator>(std::move(*comm));
+  ASSIGN_OR_RETURN(auto comm, MakeNcclCommunicator(id, context.ranks, context.rank));
+  return std::shared_ptr<Communicator>(std::move(comm));
 }
 
 // Every rank makes its peer buffer and sends its CUDA IPC handle; each opens the others'.
 absl::StatusOr<std::shared_ptr<Communicator>> JoinPeers(const RankContext& context,
                                                         AllReduce kind) {
-  auto peer = PeerRank::Create(kind, context.ranks, context.rank, kCudaRankMessageBytes);
-  if (!peer.ok()) return peer.status();
-  const PeerHandle own = (*peer)->handle();
-  auto lines = context.exchange(HexBytes(own.data(), own.size()));
-  if (!lines.ok()) return lines.status();
-  std::vector<PeerHandle> handles(lines->size());
-  for (size_t r = 0; r < lines->size(); ++r)
-    if (auto s = BytesFromHex((*lines)[r], handles[r].data(), handles[r].size()); !s.ok())
+  ASSIGN_OR_RETURN(auto peer,
+                   PeerRank::Create(kind, context.ranks, context.rank, kCudaRankMessageBytes));
+  const PeerHandle own = peer.handle();
+  ASSIGN_OR_RETURN(auto lines, context.exchange(HexBytes(own.data(), own.size())));
+  std::vector<PeerHandle> handles(lines.size());
+  for (size_t r = 0; r < lines.size(); ++r)
+    if (auto s = BytesFromHex(lines[r], handles[r].data(), handles[r].size()); !s.ok())
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", r, "'s peer buffer handle: ", s.message()));
-  auto comm = (*peer)->Connect(handles);
-  if (!comm.ok()) return comm.status();
-  return std::shared_ptr<Communicator>(std::move(*comm));
+  ASSIGN_OR_RETURN(auto comm, peer.Connect(handles));
+  return std::shared_ptr<Communicator>(std::move(comm));
 }
 
 }  // namespace
@@ -101,12 +96,11 @@ absl::StatusOr<CudaRank> JoinCudaRank(const ParallelOptions& parallel) {
         absl::StrCat("rank ", context.rank, " joined allreduce=", AxisValueName(joined_kind),
                      " already; a second collective (", AxisValueName(kind), ") is not made"));
   }
-  auto devices = RankDevices(context.ranks);
-  if (!devices.ok()) return devices.status();
-  absl::StatusOr<std::shared_ptr<Communicator>> comm =
-      kind == AllReduce::kNccl ? JoinNccl(context, *devices) : JoinPeers(context, kind);
-  if (!comm.ok()) return comm.status();
-  joined.comm = *std::move(comm);
+  ASSIGN_OR_RETURN(auto devices, RankDevices(context.ranks));
+  ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, kind == AllReduce::kNccl
+                                                           ? JoinNccl(context, devices)
+                                                           : JoinPeers(context, kind));
+  joined.comm = std::move(comm);
   joined.max_message_bytes = kind == AllReduce::kNccl ? 0 : kCudaRankMessageBytes;
   joined_kind = kind;
   return joined;

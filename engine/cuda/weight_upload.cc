@@ -1,5 +1,4 @@
 #include "engine/cuda/weight_upload.h"
-#include "api/status_macros.h"
 
 #include <cuda_runtime.h>
 
@@ -9,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "engine/cuda/cudnn_matmul.h"
 #include "engine/cuda/device_util.h"
 #include "engine/quant/layout.h"
@@ -21,10 +21,9 @@ namespace {
 // Copies a list of device pointers into a device array owned by `buffers`.
 absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list,
                                             DeviceAllocations& buffers) {
-  auto d = buffers.Allocate<const void*>(list.size());
-  if (!d.ok()) return d.status();
-  CUDA_OR_DIE(cudaMemcpy(*d, list.data(), list.size() * sizeof(void*), cudaMemcpyHostToDevice));
-  return *d;
+  ASSIGN_OR_RETURN(auto d, buffers.Allocate<const void*>(list.size()));
+  CUDA_OR_DIE(cudaMemcpy(d, list.data(), list.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  return d;
 }
 
 // The device table of one projection of a layer's quantized experts.
@@ -50,11 +49,10 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
     list[e_count + e] = m.quant.scale;
     list[2 * e_count + e] = m.quant.global_scale;
   }
-  auto d = UploadPointers(list, buffers);
-  if (!d.ok()) return d.status();
-  t.codes = *d;
-  t.scales = *d + e_count;
-  if (t.format == QuantFormat::kNvfp4) t.global_scales = *d + 2 * e_count;
+  ASSIGN_OR_RETURN(auto d, UploadPointers(list, buffers));
+  t.codes = d;
+  t.scales = d + e_count;
+  if (t.format == QuantFormat::kNvfp4) t.global_scales = d + 2 * e_count;
   return t;
 }
 
@@ -71,14 +69,13 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
           {&ExpertWeights::up, 1},
           {&ExpertWeights::down, config.num_experts_per_tok}};
       for (int p = 0; p < 3; ++p) {
-        auto t = MakeQuantExpertTable(experts, parts[p].first, view.buffers);
-        if (!t.ok()) return t.status();
-        if (!cuda::MoeQuantSupports(*t, parts[p].second))
+        ASSIGN_OR_RETURN(auto t, MakeQuantExpertTable(experts, parts[p].first, view.buffers));
+        if (!cuda::MoeQuantSupports(t, parts[p].second))
           return absl::UnimplementedError(absl::StrCat(
               "moe=fused on quantized experts needs K % 32 (FP4) or % 16 (FP8) and top-k x K x 4 "
               "bytes of staged activations <= ",
-              cuda::kMoeMaxSharedBytes, " (expert [", t->rows, ", ", t->cols, "])"));
-        quant[p] = *t;
+              cuda::kMoeMaxSharedBytes, " (expert [", t.rows, ", ", t.cols, "])"));
+        quant[p] = t;
       }
     } else if (!experts.empty() && experts.front().gate.dtype != DType::kBF16) {
       return absl::UnimplementedError("moe=fused takes bf16 or quantized experts");
@@ -93,9 +90,8 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
     for (auto [list, table] :
          {std::pair{&lists[0], &view.gate_table}, std::pair{&lists[1], &view.up_table},
           std::pair{&lists[2], &view.down_table}}) {
-      auto d = UploadPointers(*list, view.buffers);
-      if (!d.ok()) return d.status();
-      table->push_back(reinterpret_cast<const uint16_t**>(*d));
+      ASSIGN_OR_RETURN(auto d, UploadPointers(*list, view.buffers));
+      table->push_back(reinterpret_cast<const uint16_t**>(d));
     }
   }
   return absl::OkStatus();
@@ -113,11 +109,10 @@ absl::Status BuildExpertPointerTables(DeviceWeights& dw) {
     }
     for (auto [list, table] : {std::pair{&gate, &dw.gate_table}, std::pair{&up, &dw.up_table},
                                std::pair{&down, &dw.down_table}}) {
-      auto d = dw.buffers.Allocate<const uint16_t*>(list->size());
-      if (!d.ok()) return d.status();
+      ASSIGN_OR_RETURN(auto d, dw.buffers.Allocate<const uint16_t*>(list->size()));
       CUDA_OR_DIE(
-          cudaMemcpy(*d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
-      table->push_back(*d);
+          cudaMemcpy(d, list->data(), list->size() * sizeof(void*), cudaMemcpyHostToDevice));
+      table->push_back(d);
     }
   }
   return absl::OkStatus();
@@ -130,8 +125,7 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
   const auto start = std::chrono::steady_clock::now();
   // Quantized models are quantized on the host (or read so): upload what the host holds.
   const bool quantized = host.quant_format != QuantFormat::kNone;
-  if (quantized)
-    RETURN_IF_ERROR(MaterializeHostWeights(host));
+  if (quantized) RETURN_IF_ERROR(MaterializeHostWeights(host));
   auto dw = std::make_shared<DeviceWeights>();
   dw->tensors = host.tensors;
   // A layer's q, k and v weights share one allocation, back to back, when all three are dense
@@ -153,11 +147,10 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     if (index[0] < 0 || index[1] < 0 || index[2] < 0) continue;
     size_t total = 0;
     for (int i : index) total += static_cast<size_t>(host.specs[i].numel()) * 2;
-    auto buffer = dw->buffers.Allocate<uint8_t>(total);
-    if (!buffer.ok()) return buffer.status();
+    ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(total));
     size_t offset = 0;
     for (int i : index) {
-      placed[i] = *buffer + offset;
+      placed[i] = buffer + offset;
       offset += static_cast<size_t>(host.specs[i].numel()) * 2;
     }
   }
@@ -166,9 +159,8 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     const HostTensor& t = host.tensors[i];
     const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(t.dtype);
     if (!placed[i]) {
-      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
-      if (!buffer.ok()) return buffer.status();
-      placed[i] = *buffer;
+      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
+      placed[i] = buffer;
     }
     uint8_t* const buffer = placed[i];
     dw->tensors[i].data = buffer;
@@ -193,16 +185,14 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
     if (host.specs[i].kind != WeightKind::kCenteredNorm) continue;
     HostTensor& t = dw->tensors[i];
     const int64_t n = host.specs[i].numel();
-    auto gain = dw->buffers.Allocate<float>(n);
-    if (!gain.ok()) return gain.status();
-    cuda::UpcastToF32(MatrixRef{t.data, t.dtype, 1, n}, *gain, nullptr, 1.f);
+    ASSIGN_OR_RETURN(auto gain, dw->buffers.Allocate<float>(n));
+    cuda::UpcastToF32(MatrixRef{t.data, t.dtype, 1, n}, gain, nullptr, 1.f);
     CHECK_LAUNCH();
-    t.data = *gain;
+    t.data = gain;
     t.dtype = DType::kF32;
   }
-  auto bound = BindWeights(host.config, host.specs, dw->tensors);
-  if (!bound.ok()) return bound.status();
-  dw->weights = std::move(*bound);
+  ASSIGN_OR_RETURN(auto bound, BindWeights(host.config, host.specs, dw->tensors));
+  dw->weights = std::move(bound);
   RETURN_IF_ERROR(BuildExpertPointerTables(*dw));
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
@@ -228,32 +218,28 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
           "device=cuda, tp > 1: quantized weights are not sharded for the CUDA engine");
     const size_t bytes = static_cast<size_t>(m.numel()) * DTypeSize(m.dtype);
     if (!at) {
-      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
-      if (!buffer.ok()) return buffer.status();
-      at = *buffer;
+      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
+      at = buffer;
     }
     CUDA_OR_DIE(cudaMemcpy(at, m.data, bytes, cudaMemcpyHostToDevice));
     const auto norm = centered.find(m.data);
     m.data = at;
     if (norm != centered.end() && norm->second == m.numel()) {
-      auto gain = dw->buffers.Allocate<float>(m.numel());
-      if (!gain.ok()) return gain.status();
-      cuda::UpcastToF32(MatrixRef{m.data, m.dtype, 1, m.numel()}, *gain, nullptr, 1.f);
+      ASSIGN_OR_RETURN(auto gain, dw->buffers.Allocate<float>(m.numel()));
+      cuda::UpcastToF32(MatrixRef{m.data, m.dtype, 1, m.numel()}, gain, nullptr, 1.f);
       CHECK_LAUNCH();
-      m.data = *gain;
+      m.data = gain;
       m.dtype = DType::kF32;
     }
     return absl::OkStatus();
   };
   auto upload_mlp = [&](ExpertWeights& e) -> absl::Status {
-    for (MatrixRef* m : {&e.gate, &e.up, &e.down})
-      RETURN_IF_ERROR(upload(*m));
+    for (MatrixRef* m : {&e.gate, &e.up, &e.down}) RETURN_IF_ERROR(upload(*m));
     return absl::OkStatus();
   };
   ModelWeights& w = dw->weights;
   w = shard;
-  for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head})
-    RETURN_IF_ERROR(upload(*m));
+  for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head}) RETURN_IF_ERROR(upload(*m));
   for (LayerWeights& l : w.layers) {
     const bool qkv_together = !l.q.empty() && !l.k.empty() && !l.v.empty() &&
                               l.q.dtype == DType::kBF16 && l.k.dtype == DType::kBF16 &&
@@ -261,17 +247,15 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
                               !l.v.quantized();
     if (qkv_together) {
       const size_t bytes = static_cast<size_t>(l.q.numel() + l.k.numel() + l.v.numel()) * 2;
-      auto buffer = dw->buffers.Allocate<uint8_t>(bytes);
-      if (!buffer.ok()) return buffer.status();
-      uint8_t* at = *buffer;
+      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
+      uint8_t* at = buffer;
       for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
         const size_t part = static_cast<size_t>(m->numel()) * 2;
         RETURN_IF_ERROR(upload(*m, at));
         at += part;
       }
     } else {
-      for (MatrixRef* m : {&l.q, &l.k, &l.v})
-        RETURN_IF_ERROR(upload(*m));
+      for (MatrixRef* m : {&l.q, &l.k, &l.v}) RETURN_IF_ERROR(upload(*m));
     }
     LinearAttentionWeights& la = l.linear_attn;
     for (auto list :
@@ -281,12 +265,10 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
                                   &l.o_bias},
           std::vector<MatrixRef*>{&la.in_proj_qkv, &la.in_proj_z, &la.in_proj_b, &la.in_proj_a,
                                   &la.conv, &la.dt_bias, &la.a_log, &la.norm, &la.out_proj}})
-      for (MatrixRef* m : list)
-        RETURN_IF_ERROR(upload(*m));
+      for (MatrixRef* m : list) RETURN_IF_ERROR(upload(*m));
     RETURN_IF_ERROR(upload_mlp(l.mlp));
     RETURN_IF_ERROR(upload_mlp(l.shared_expert));
-    for (ExpertWeights& e : l.experts)
-      RETURN_IF_ERROR(upload_mlp(e));
+    for (ExpertWeights& e : l.experts) RETURN_IF_ERROR(upload_mlp(e));
   }
   RETURN_IF_ERROR(BuildExpertPointerTables(*dw));
   CUDA_OR_DIE(cudaDeviceSynchronize());
@@ -311,29 +293,25 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       const std::vector<MatrixRef*> view_linears = LayerLinears(view->weights.layers[l]);
       for (size_t i = 0; i < host_linears.size(); ++i) {
         if (host_linears[i]->quant.scale != corrupted.data()) continue;
-        auto scale = view->buffers.Allocate<uint8_t>(corrupted.size());
-        if (!scale.ok()) return scale.status();
-        CUDA_OR_DIE(cudaMemcpy(*scale, corrupted.data(), corrupted.size(), cudaMemcpyHostToDevice));
-        view_linears[i]->quant.scale = *scale;
+        ASSIGN_OR_RETURN(auto scale, view->buffers.Allocate<uint8_t>(corrupted.size()));
+        CUDA_OR_DIE(cudaMemcpy(scale, corrupted.data(), corrupted.size(), cudaMemcpyHostToDevice));
+        view_linears[i]->quant.scale = scale;
       }
     }
   }
   if (UsesScaledGemm(qgemm)) {  // codes as uploaded, scales rearranged
     if (qgemm == QGemm::kCudnn) {
-      auto cudnn = CudnnQuantGemm::Create();
-      if (!cudnn.ok()) return cudnn.status();
-      view->scaled = std::move(*cudnn);
+      ASSIGN_OR_RETURN(auto cudnn, CudnnQuantGemm::Create());
+      view->scaled = std::move(cudnn);
     } else {
-      auto scaled = cuda::ScaledGemm::Create(qgemm == QGemm::kFp8CublasLt
-                                                 ? cuda::ScaledGemmKind::kFp8
-                                                 : cuda::ScaledGemmKind::kFp4);
-      if (!scaled.ok()) return scaled.status();
-      view->scaled = std::move(*scaled);
+      ASSIGN_OR_RETURN(auto scaled, cuda::ScaledGemm::Create(qgemm == QGemm::kFp8CublasLt
+                                                                 ? cuda::ScaledGemmKind::kFp8
+                                                                 : cuda::ScaledGemmKind::kFp4));
+      view->scaled = std::move(scaled);
     }
     for (LayerWeights& layer : view->weights.layers)
       for (MatrixRef* m : LayerLinears(layer))
-        if (m->quantized())
-          RETURN_IF_ERROR(view->scaled->Prepare(*m));
+        if (m->quantized()) RETURN_IF_ERROR(view->scaled->Prepare(*m));
     CUDA_OR_DIE(cudaDeviceSynchronize());
     return view;
   }
@@ -348,11 +326,10 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
       const size_t count = static_cast<size_t>(m->rows * m->cols);
-      auto buffer = view->buffers.Allocate<uint16_t>(count);
-      if (!buffer.ok()) return buffer.status();
-      cuda::DequantizeToBf16(*m, *buffer, nullptr);
+      ASSIGN_OR_RETURN(auto buffer, view->buffers.Allocate<uint16_t>(count));
+      cuda::DequantizeToBf16(*m, buffer, nullptr);
       CHECK_LAUNCH();
-      *m = MatrixRef{*buffer, DType::kBF16, m->rows, m->cols};
+      *m = MatrixRef{buffer, DType::kBF16, m->rows, m->cols};
     }
   CUDA_OR_DIE(cudaDeviceSynchronize());
   if (RoutesOnDevice(options.moe) && host.config.is_moe())

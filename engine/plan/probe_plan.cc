@@ -1,6 +1,7 @@
 #include "engine/plan/probe_plan.h"
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 
 namespace infersweep {
 namespace {
@@ -133,9 +134,8 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntries(const CudaOptions& o, const
   std::vector<ProbeEntry> all;
   for (const char* axis : {"device", "attention", "kv_cache", "gemm", "moe", "graphs", "qgemm",
                            "linear_attn", "test_kernel", "tp", "ep", "allreduce"}) {
-    absl::StatusOr<std::vector<ProbeEntry>> e = ProbeEntriesOf(axis, o, model, quantized_weights);
-    if (!e.ok()) return e.status();
-    all.insert(all.end(), e->begin(), e->end());
+    ASSIGN_OR_RETURN(std::vector<ProbeEntry> e, ProbeEntriesOf(axis, o, model, quantized_weights));
+    all.insert(all.end(), e.begin(), e.end());
   }
   return all;
 }

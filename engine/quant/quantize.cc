@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "api/status_macros.h"
 #include "core/quant/codecs.h"
 
 namespace infersweep {
@@ -103,8 +104,7 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
   if (dense.dtype != DType::kBF16 && dense.dtype != DType::kF16 && dense.dtype != DType::kF32)
     return absl::InvalidArgumentError(absl::StrCat(
         "QuantizeMatrix: dense dtype ", DTypeName(dense.dtype).data(), " (bf16, f16 or f32 only)"));
-  auto layout = QuantLayout(format, dense.rows, dense.cols);
-  if (!layout.ok()) return layout.status();
+  ASSIGN_OR_RETURN(auto layout, QuantLayout(format, dense.rows, dense.cols));
   const int64_t rows = dense.rows, cols = dense.cols;
   std::vector<float> w(static_cast<size_t>(rows * cols));
   const int64_t n = rows * cols;
@@ -132,7 +132,7 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
   q.format = format;
   q.rows = rows;
   q.cols = cols;
-  for (const QuantPartLayout& part : *layout)
+  for (const QuantPartLayout& part : layout)
     if (!part.optional) q.layout.push_back(part);
 
   const int64_t scale_count = QuantScaleCount(format, rows, cols);

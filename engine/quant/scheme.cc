@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/status_macros.h"
 #include "api/untrusted_json.h"
 #include "api/untrusted_regex.h"
 #include "engine/quant/layout.h"
@@ -80,21 +81,18 @@ absl::StatusOr<QuantFormat> ModelOptFormat(const json& algo, const json& group_s
 }
 
 absl::StatusOr<QuantScheme> FromHfQuantConfig(std::string_view text) {
-  auto root = ParseJson(text, kHfQuantConfig);
-  if (!root.ok()) return root.status();
-  if (!root->is_object() || !root->contains("quantization") || !(*root)["quantization"].is_object())
+  ASSIGN_OR_RETURN(auto root, ParseJson(text, kHfQuantConfig));
+  if (!root.is_object() || !root.contains("quantization") || !root["quantization"].is_object())
     return absl::InvalidArgumentError(
         absl::StrCat(kHfQuantConfig, ": missing the \"quantization\" object"));
-  const json& q = (*root)["quantization"];
+  const json& q = root["quantization"];
   QuantScheme scheme;
   scheme.source = kHfQuantConfig;
-  auto format =
-      ModelOptFormat(q.value("quant_algo", json()), q.value("group_size", json()), kHfQuantConfig);
-  if (!format.ok()) return format.status();
-  scheme.format = *format;
-  auto excluded = StringList(q, "exclude_modules", kHfQuantConfig);
-  if (!excluded.ok()) return excluded.status();
-  scheme.excluded = std::move(*excluded);
+  ASSIGN_OR_RETURN(auto format, ModelOptFormat(q.value("quant_algo", json()),
+                                               q.value("group_size", json()), kHfQuantConfig));
+  scheme.format = format;
+  ASSIGN_OR_RETURN(auto excluded, StringList(q, "exclude_modules", kHfQuantConfig));
+  scheme.excluded = std::move(excluded);
   return scheme;
 }
 
@@ -131,13 +129,11 @@ absl::StatusOr<QuantScheme> FromCompressedTensors(const json& qc) {
       return absl::UnimplementedError(
           absl::StrCat(source, ": groups with different formats are not supported"));
     scheme.format = format;
-    auto targets = StringList(group, "targets", where);
-    if (!targets.ok()) return targets.status();
-    scheme.targets.insert(scheme.targets.end(), targets->begin(), targets->end());
+    ASSIGN_OR_RETURN(auto targets, StringList(group, "targets", where));
+    scheme.targets.insert(scheme.targets.end(), targets.begin(), targets.end());
   }
-  auto ignore = StringList(qc, "ignore", source);
-  if (!ignore.ok()) return ignore.status();
-  scheme.excluded = std::move(*ignore);
+  ASSIGN_OR_RETURN(auto ignore, StringList(qc, "ignore", source));
+  scheme.excluded = std::move(ignore);
   return scheme;
 }
 
@@ -157,14 +153,13 @@ absl::StatusOr<QuantScheme> FromQuantizationConfig(const json& qc) {
     // Newer exports flatten the hf_quant_config.json fields; older ones nest "quantization".
     const json& q =
         qc.contains("quantization") && qc["quantization"].is_object() ? qc["quantization"] : qc;
-    auto format =
-        ModelOptFormat(q.value("quant_algo", json()), q.value("group_size", json()), scheme.source);
-    if (!format.ok()) return format.status();
-    scheme.format = *format;
-    auto excluded =
-        StringList(q, q.contains("exclude_modules") ? "exclude_modules" : "ignore", scheme.source);
-    if (!excluded.ok()) return excluded.status();
-    scheme.excluded = std::move(*excluded);
+    ASSIGN_OR_RETURN(auto format, ModelOptFormat(q.value("quant_algo", json()),
+                                                 q.value("group_size", json()), scheme.source));
+    scheme.format = format;
+    ASSIGN_OR_RETURN(
+        auto excluded,
+        StringList(q, q.contains("exclude_modules") ? "exclude_modules" : "ignore", scheme.source));
+    scheme.excluded = std::move(excluded);
     return scheme;
   }
   if (method == "mxfp4") {
@@ -182,9 +177,8 @@ absl::StatusOr<QuantScheme> FromQuantizationConfig(const json& qc) {
         absl::StrCat(kConfigQuant, ": quant_method '", method,
                      "' is not supported (fp8, fbgemm_fp8, compressed-tensors, modelopt, mxfp4)"));
   }
-  auto excluded = StringList(qc, excluded_key, scheme.source);
-  if (!excluded.ok()) return excluded.status();
-  scheme.excluded = std::move(*excluded);
+  ASSIGN_OR_RETURN(auto excluded, StringList(qc, excluded_key, scheme.source));
+  scheme.excluded = std::move(excluded);
   return scheme;
 }
 
@@ -236,11 +230,10 @@ std::string QuantScheme::Describe() const {
 absl::StatusOr<QuantScheme> ParseQuantScheme(std::string_view config_json,
                                              std::optional<std::string_view> hf_quant_config) {
   if (hf_quant_config) return FromHfQuantConfig(*hf_quant_config);
-  auto config = ParseJson(config_json, "config.json");
-  if (!config.ok()) return config.status();
-  if (!config->is_object()) return absl::InvalidArgumentError("config.json: not an object");
-  const auto qc = config->find("quantization_config");
-  if (qc == config->end() || qc->is_null()) return QuantScheme{};
+  ASSIGN_OR_RETURN(auto config, ParseJson(config_json, "config.json"));
+  if (!config.is_object()) return absl::InvalidArgumentError("config.json: not an object");
+  const auto qc = config.find("quantization_config");
+  if (qc == config.end() || qc->is_null()) return QuantScheme{};
   return FromQuantizationConfig(*qc);
 }
 

@@ -6,10 +6,7 @@
 #include "kernels/cuda/check.h"
 
 namespace infersweep::cuda {
-namespace {
-
-
-}  // namespace
+namespace {}  // namespace
 
 absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::Create(size_t workspace_bytes) {
   auto gemm = std::unique_ptr<CublasLtGemm>(new CublasLtGemm());
@@ -74,8 +71,8 @@ absl::StatusOr<CublasLtGemm::Plan*> CublasLtGemm::GetPlan(int M, int N, int K,
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b,
-                                                            plan.c, plan.c, pref, 1, &result, &found);
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(
+      handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
     destroy();
@@ -95,26 +92,26 @@ absl::Status CublasLtGemm::Probe(int M, int N, int K, cudaDataType input_type) {
 
 absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w, float* y,
                                cudaStream_t stream, float alpha, float beta) {
-  if (w.dtype != DType::kBF16) return absl::InvalidArgumentError("cuBLASLt path takes bf16 weights");
-  auto plan = GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF);
-  if (!plan.ok()) return plan.status();
+  if (w.dtype != DType::kBF16)
+    return absl::InvalidArgumentError("cuBLASLt path takes bf16 weights");
+  ASSIGN_OR_RETURN(auto plan,
+                   GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF));
   RecordLaunch("cublasLt:bf16 gemm");  // the launch log (core/launch_log.h): one per matmul call
-  return CublasStatus(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w.data, (*plan)->a, x_bf16,
-                                     (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c,
-                                     &(*plan)->algo, workspace_, workspace_bytes_, stream),
-                      "cublasLtMatmul (bf16)");
+  return CublasStatus(
+      cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x_bf16, plan.b, &beta, y, plan.c,
+                     y, plan.c, &plan.algo, workspace_, workspace_bytes_, stream),
+      "cublasLtMatmul (bf16)");
 }
 
 absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, int K, float* y,
                                   cudaStream_t stream) {
-  auto plan = GetPlan(M, N, K, CUDA_R_32F);
-  if (!plan.ok()) return plan.status();
+  ASSIGN_OR_RETURN(auto plan, GetPlan(M, N, K, CUDA_R_32F));
   const float alpha = 1.f, beta = 0.f;
   RecordLaunch("cublasLt:fp32 gemm");
-  return CublasStatus(cublasLtMatmul(handle_, (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b,
-                                     &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo,
-                                     workspace_, workspace_bytes_, stream),
-                      "cublasLtMatmul (fp32)");
+  return CublasStatus(
+      cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, y, plan.c, y, plan.c,
+                     &plan.algo, workspace_, workspace_bytes_, stream),
+      "cublasLtMatmul (fp32)");
 }
 
 }  // namespace infersweep::cuda
