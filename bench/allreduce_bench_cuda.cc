@@ -213,7 +213,7 @@ absl::StatusOr<std::vector<AllReduceBenchRow>> RunCudaAllReduceBench(
           std::vector<std::jthread> threads;
           for (int r = 0; r < o.ranks; ++r)
             threads.emplace_back([&, r] {
-              status[r] = RankRow(comms[r], buffers[r], kind, row.count, graph, o, ranks_done,
+              status[r] = RankRow(*comms[r], buffers[r], kind, row.count, graph, o, ranks_done,
                                   &ms[r], &wrong[r]);
             });
         }

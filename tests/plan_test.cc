@@ -12,6 +12,7 @@
 #include "api/model_config.h"
 #include "engine/options.h"
 #include "engine/plan/attention_plan.h"
+#include "engine/plan/linear_attention_plan.h"
 #include "engine/plan/linear_plan.h"
 #include "engine/plan/model_limits.h"
 #include "engine/plan/moe_plan.h"
@@ -59,6 +60,14 @@ std::map<std::string, PlanCheck> PlanChecks() {
     return PlanMoe(o, moe, bf16, {rows, n, false});
   };
   return {
+      {"linear_attn",
+       [](const std::string& v, const CudaOptions& o) -> std::string {
+         const LinearAttentionPlan p = PlanLinearAttention(o);
+         const bool fused = p.delta_rule == DeltaRulePath::kFused;
+         if (v == "reference" && !fused && !p.silu_in_conv) return "";
+         if (v == "fused" && fused && p.silu_in_conv) return "";
+         return absl::StrCat("planned fused=", fused, ", silu in conv=", p.silu_in_conv);
+       }},
       {"qgemm",
        [](const std::string& v, const CudaOptions& o) -> std::string {
          // q_proj of qwen3-30b-a3b at one decode row, in the format the value takes; under
@@ -117,7 +126,7 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   ModelConfig model = *PresetConfig("tiny-moe");
   const std::map<std::string, PlanCheck> checks = PlanChecks();
   // The axes whose values choose kernels through a plan.
-  const std::set<std::string> planned = {"attention", "kv_cache", "moe", "qgemm"};
+  const std::set<std::string> planned = {"attention", "kv_cache", "linear_attn", "moe", "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
     SCOPED_TRACE(absl::StrCat(DeviceName(d.device), ": ", d.axis, "=", d.value));

@@ -655,7 +655,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
 absl::StatusOr<std::vector<uint8_t>> CopyDeviceTensorToHost(HostModel& host, size_t index) {
   ASSIGN_OR_RETURN(auto weights, UploadWeights(host));
   if (index >= host.specs.size()) return absl::OutOfRangeError("tensor index");
-  const HostTensor& t = weights.tensors[index];
+  const HostTensor& t = weights->tensors[index];
   std::vector<uint8_t> bytes(static_cast<size_t>(host.specs[index].numel()) * DTypeSize(t.dtype));
   CUDA_OR_DIE(cudaMemcpy(bytes.data(), t.data, bytes.size(), cudaMemcpyDeviceToHost));
   return bytes;

@@ -170,8 +170,8 @@ absl::Status CudnnQuantGemm::Run(const float* x, int rows, const MatrixRef& w, f
 
 absl::Status ProbeCudnnQuantGemm(QuantFormat format, int n, int k) {
   ASSIGN_OR_RETURN(std::unique_ptr<CudnnQuantGemm> gemm, CudnnQuantGemm::Create());
-  if (IsFp4(format)) return Fp4Answer(gemm.handle_, format, n, k);
-  return BuildFp8Plan(gemm.handle_, 1, n, k).status();
+  if (IsFp4(format)) return Fp4Answer(*gemm->handle_, format, n, k);
+  return BuildFp8Plan(*gemm->handle_, 1, n, k).status();
 }
 
 }  // namespace infersweep

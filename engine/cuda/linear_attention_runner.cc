@@ -1,9 +1,10 @@
 #include "engine/cuda/linear_attention_runner.h"
-#include "api/status_macros.h"
 
 #include <algorithm>
 
+#include "api/status_macros.h"
 #include "engine/cuda/device_util.h"
+#include "engine/plan/linear_attention_plan.h"
 #include "kernels/cuda/gated_delta.h"
 
 namespace infersweep {
@@ -112,27 +113,31 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
       RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, *w, {}, y));
   }
   const int slot = state_index_[l];
-  const bool fused = options_.linear_attn == LinearAttn::kFused;
+  const LinearAttentionPlan plan = PlanLinearAttention(options_);
   float* conv_state = conv_state_ ? conv_state_.get() + static_cast<int64_t>(slot) * batch_ *
                                                             ConvStateFloats(config_)
                                   : nullptr;
   float* recurrent_state =
       recurrent_state_.get() + static_cast<int64_t>(slot) * batch_ * RecurrentStateFloats(config_);
-  cuda::CausalConv(projected_.get(), shape, la.conv, /*fuse_silu=*/fused, conv_state, mixed_.get(),
+  cuda::CausalConv(projected_.get(), shape, la.conv, plan.silu_in_conv, conv_state, mixed_.get(),
                    stream_);
-  if (!fused)
+  if (!plan.silu_in_conv)
     cuda::SiluInPlace(mixed_.get(), static_cast<int64_t>(rows) * shape.conv_channels(), stream_);
   cuda::GatedDeltaGates(mixed_.get(), a_.get(), b_.get(), la.a_log, la.dt_bias, shape, g_.get(),
                         beta_.get(), stream_);
   if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_)
     cuda::ScaleInPlace(recurrent_state, static_cast<float>(fault_.value),
                        static_cast<int64_t>(batch_) * RecurrentStateFloats(config_), stream_);
-  if (fused)
-    cuda::GatedDeltaFused(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state, out_.get(),
-                          stream_);
-  else
-    cuda::GatedDeltaReference(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state,
-                              out_.get(), stream_);
+  switch (plan.delta_rule) {
+    case DeltaRulePath::kFused:
+      cuda::GatedDeltaFused(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state, out_.get(),
+                            stream_);
+      break;
+    case DeltaRulePath::kReference:
+      cuda::GatedDeltaReference(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state,
+                                out_.get(), stream_);
+      break;
+  }
   cuda::RmsNormGated(out_.get(), z_.get(),
                      static_cast<int64_t>(rows) * config_.linear_num_value_heads,
                      config_.linear_value_head_dim, la.norm, eps, out_.get(), stream_);

@@ -63,14 +63,14 @@ absl::StatusOr<std::shared_ptr<Communicator>> JoinPeers(const RankContext& conte
                                                         AllReduce kind) {
   ASSIGN_OR_RETURN(auto peer,
                    PeerRank::Create(kind, context.ranks, context.rank, kCudaRankMessageBytes));
-  const PeerHandle own = peer.handle();
+  const PeerHandle own = peer->handle();
   ASSIGN_OR_RETURN(auto lines, context.exchange(HexBytes(own.data(), own.size())));
   std::vector<PeerHandle> handles(lines.size());
   for (size_t r = 0; r < lines.size(); ++r)
     if (auto s = BytesFromHex(lines[r], handles[r].data(), handles[r].size()); !s.ok())
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", r, "'s peer buffer handle: ", s.message()));
-  ASSIGN_OR_RETURN(auto comm, peer.Connect(handles));
+  ASSIGN_OR_RETURN(auto comm, peer->Connect(handles));
   return std::shared_ptr<Communicator>(std::move(comm));
 }
 

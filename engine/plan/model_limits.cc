@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/plan/attention_plan.h"
+#include "engine/plan/linear_attention_plan.h"
 #include "engine/plan/moe_plan.h"
 #include "kernels/cuda/limits.h"
 
@@ -23,25 +24,7 @@ std::vector<std::string> CudaModelLimitRefusals(const ModelConfig& c, const Cuda
       break;
   }
   // Linear attention (Gated DeltaNet layers).
-  switch (o.linear_attn) {
-    case LinearAttn::kReference:
-      break;
-    case LinearAttn::kFused:
-      if (!c.has_linear_attention())
-        why.push_back(absl::StrCat("linear_attn=", AxisValueName(o.linear_attn),
-                                   ": the model has no linear-attention layers (linear_attn="
-                                   "reference stands for every value)"));
-      else if (!cuda::GatedDeltaFusedSupports(c.linear_key_head_dim))
-        why.push_back(absl::StrCat(
-            "linear_attn=fused holds a state column in ", cuda::kGatedDeltaLanesPerColumn,
-            " lanes' registers: key head dim ", c.linear_key_head_dim, " must be a multiple of ",
-            cuda::kGatedDeltaLanesPerColumn,
-            " and <= ", cuda::kGatedDeltaLanesPerColumn * cuda::kGatedDeltaMaxRowsPerLane));
-      break;
-  }
-  if (c.has_linear_attention() && c.linear_conv_kernel_dim > cuda::kCausalConvMaxTaps)
-    why.push_back(absl::StrCat("device=cuda: the causal conv takes <= ", cuda::kCausalConvMaxTaps,
-                               " taps, not ", c.linear_conv_kernel_dim));
+  for (std::string& reason : LinearAttentionRefusals(o, c)) why.push_back(std::move(reason));
   // Attention and the KV cache.
   for (std::string& reason : AttentionRefusals(o, {c.num_q_heads, c.num_kv_heads, c.head_dim}))
     why.push_back(std::move(reason));

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/status_macros.h"
+#include "engine/plan/linear_attention_plan.h"
 
 namespace infersweep {
 namespace {
@@ -98,9 +99,10 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
         break;
     }
   } else if (axis == "linear_attn") {
-    switch (o.linear_attn) {
-      case LinearAttn::kReference:
-      case LinearAttn::kFused:
+    // Both delta-rule kernels live beside kRmsNorm in the sm_90 image every config loads.
+    switch (PlanLinearAttention(o).delta_rule) {
+      case DeltaRulePath::kReference:
+      case DeltaRulePath::kFused:
         break;
     }
   } else if (axis == "test_kernel") {

@@ -98,8 +98,8 @@ absl::Status CublasLtGemm::Run(const uint16_t* x_bf16, int M, const MatrixRef& w
                    GetPlan(M, static_cast<int>(w.rows), static_cast<int>(w.cols), CUDA_R_16BF));
   RecordLaunch("cublasLt:bf16 gemm");  // the launch log (core/launch_log.h): one per matmul call
   return CublasStatus(
-      cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x_bf16, plan.b, &beta, y, plan.c,
-                     y, plan.c, &plan.algo, workspace_, workspace_bytes_, stream),
+      cublasLtMatmul(handle_, plan->desc, &alpha, w.data, plan->a, x_bf16, plan->b, &beta, y,
+                     plan->c, y, plan->c, &plan->algo, workspace_, workspace_bytes_, stream),
       "cublasLtMatmul (bf16)");
 }
 
@@ -109,8 +109,8 @@ absl::Status CublasLtGemm::RunF32(const float* x, int M, const float* w, int N, 
   const float alpha = 1.f, beta = 0.f;
   RecordLaunch("cublasLt:fp32 gemm");
   return CublasStatus(
-      cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, y, plan.c, y, plan.c,
-                     &plan.algo, workspace_, workspace_bytes_, stream),
+      cublasLtMatmul(handle_, plan->desc, &alpha, w, plan->a, x, plan->b, &beta, y, plan->c, y,
+                     plan->c, &plan->algo, workspace_, workspace_bytes_, stream),
       "cublasLtMatmul (fp32)");
 }
 

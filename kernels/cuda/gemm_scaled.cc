@@ -330,22 +330,22 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
       cudaGetLastError(),
       absl::StrCat(KindName(kind_), ": quantizing activations for weight ", Shape(w)).c_str()));
   ASSIGN_OR_RETURN(auto plan, GetPlan(weight.mode, rows, N, K, weight.scales, x_scales));
-  if (!plan.scales_in_epilogue) {  // the pointers differ per weight and per scratch growth
-    RETURN_IF_ERROR(
-        CublasStatus(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                    &weight.scales, sizeof weight.scales),
-                     "cuBLASLt: A_SCALE_POINTER"));
-    RETURN_IF_ERROR(
-        CublasStatus(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                    &x_scales, sizeof x_scales),
-                     "cuBLASLt: B_SCALE_POINTER"));
+  if (!plan->scales_in_epilogue) {  // the pointers differ per weight and per scratch growth
+    RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                       &weight.scales, sizeof weight.scales),
+        "cuBLASLt: A_SCALE_POINTER"));
+    RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales,
+                                       sizeof x_scales),
+        "cuBLASLt: B_SCALE_POINTER"));
   }
   const float alpha = 1.f, beta = 0.f;
   if (LaunchRecording()) {  // the launch log (core/launch_log.h): one per matmul call
     static const char* const kNames[] = {"cublasLt:fp8 gemm (row scales)",
                                          "cublasLt:fp8 gemm (128-block scales)",
                                          "cublasLt:nvfp4 gemm", "cublasLt:mxfp4 gemm"};
-    if (plan.scales_in_epilogue) {
+    if (plan->scales_in_epilogue) {
       RecordLaunch("cublasLt:fp8 gemm (unscaled)");
       RecordFallback(absl::StrCat(KindName(kind_), ": weight ", Shape(w), " at ", rows,
                                   " rows: no outer-vector-scaled FP8 algorithm; an unscaled FP8 "
@@ -355,13 +355,13 @@ absl::Status ScaledGemm::Run(const float* x, int rows, const MatrixRef& w, float
     }
   }
   if (auto s = CublasStatus(
-          cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, codes, plan.b, &beta, y,
-                         plan.c, y, plan.c, &plan.algo, workspace_, workspace_bytes_, stream),
+          cublasLtMatmul(handle_, plan->desc, &alpha, w.data, plan->a, codes, plan->b, &beta, y,
+                         plan->c, y, plan->c, &plan->algo, workspace_, workspace_bytes_, stream),
           fp4 ? "cublasLtMatmul (FP4)" : "cublasLtMatmul (FP8)");
       !s.ok())
     return absl::InternalError(
         absl::StrCat(s.message(), " (weight ", Shape(w), ", ", rows, " rows)"));
-  if (plan.scales_in_epilogue)
+  if (plan->scales_in_epilogue)
     ScaleOutput(y, rows, N, static_cast<const float*>(scales_),
                 static_cast<const float*>(weight.scales), nullptr, 1.f, stream);
   if (weight.mode == Mode::kNvfp4)
