@@ -17,6 +17,7 @@
 #include "engine/plan/model_limits.h"
 #include "engine/plan/moe_plan.h"
 #include "engine/plan/probe_plan.h"
+#include "engine/plan/step_plan.h"
 
 namespace infersweep {
 namespace {
@@ -60,6 +61,16 @@ std::map<std::string, PlanCheck> PlanChecks() {
     return PlanMoe(o, moe, bf16, {rows, n, false});
   };
   return {
+      {"graphs",
+       [](const std::string& v, const CudaOptions& o) -> std::string {
+         // A batch-1 decode step with the persistent kernel built when the value builds it.
+         const StepPlan p = PlanStep(o, {1, 1, false, 2048, 768, IsPersistent(o.graphs)});
+         const bool captured = CapturesStep(o, 1, true);
+         const bool persistent = p.layers == StepLayers::kPersistent;
+         if (captured != (v != "off") || persistent != (v == "persistent"))
+           return absl::StrCat("planned captured=", captured, ", persistent=", persistent);
+         return CapturesStep(o, 16, true) ? "a prefill chunk captured" : "";
+       }},
       {"linear_attn",
        [](const std::string& v, const CudaOptions& o) -> std::string {
          const LinearAttentionPlan p = PlanLinearAttention(o);
@@ -126,7 +137,8 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   ModelConfig model = *PresetConfig("tiny-moe");
   const std::map<std::string, PlanCheck> checks = PlanChecks();
   // The axes whose values choose kernels through a plan.
-  const std::set<std::string> planned = {"attention", "kv_cache", "linear_attn", "moe", "qgemm"};
+  const std::set<std::string> planned = {"attention",   "graphs", "kv_cache",
+                                         "linear_attn", "moe",    "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
     SCOPED_TRACE(absl::StrCat(DeviceName(d.device), ": ", d.axis, "=", d.value));
@@ -203,6 +215,37 @@ TEST(LinearPlan, QuantizedLinearsTakeTheirKernelByRowsFormatAndShape) {
   EXPECT_THAT(LinearFallback(cublaslt, dense, f32, one),
               HasSubstr("F32 weight [64, 64]: the reference GEMM (cuBLASLt takes bf16 weights)"));
   EXPECT_EQ(LinearFallback(cublaslt, dense, f32, {false, 1, false, false}), "");
+}
+
+TEST(StepPlan, FusedGemvAndPersistentLayersFallBackByRowsAndSayWhy) {
+  CudaOptions o = OptionsWith("gemm", "fused");
+  o.graphs = Graphs::kPersistent;
+  // Batch 1 decode: the persistent kernel; batch 4: the chain with the fused GEMV, logged.
+  EXPECT_EQ(PlanStep(o, {1, 1, false, 2048, 768, true}).layers, StepLayers::kPersistent);
+  const StepPlan four = PlanStep(o, {4, 1, false, 2048, 768, true});
+  EXPECT_EQ(four.layers, StepLayers::kChain);
+  EXPECT_TRUE(four.fused_gemv);
+  ASSERT_EQ(four.fallbacks.size(), 1u);
+  EXPECT_THAT(four.fallbacks[0], HasSubstr("graphs=persistent: decode of 4 rows"));
+  // A ragged batch-1 step is not the persistent kernel's either.
+  EXPECT_EQ(PlanStep(o, {1, 1, true, 2048, 768, true}).layers, StepLayers::kChain);
+  // 64 rows: past the GEMV's rows, both fallbacks named; a prefill chunk names only the GEMV's.
+  const StepPlan wide = PlanStep(o, {64, 1, false, 2048, 768, true});
+  EXPECT_FALSE(wide.fused_gemv);
+  ASSERT_EQ(wide.fallbacks.size(), 2u);
+  EXPECT_THAT(wide.fallbacks[0], HasSubstr("gemm=fused: decode, 64 rows (> 4)"));
+  const StepPlan chunk = PlanStep(o, {256, 256, false, 2048, 768, true});
+  ASSERT_EQ(chunk.fallbacks.size(), 1u);
+  EXPECT_THAT(chunk.fallbacks[0], HasSubstr("prefill chunk"));
+  // K the GEMV cannot stage: refused by shape, named with the widest K.
+  const StepPlan odd = PlanStep(o, {2, 1, false, 2052, 768, false});
+  EXPECT_FALSE(odd.fused_gemv);
+  EXPECT_THAT(odd.fallbacks.at(0), HasSubstr("2 rows of K up to 2052"));
+  // Graph capture: decode steps with last-row logits only.
+  EXPECT_TRUE(CapturesStep(o, 1, true));
+  EXPECT_FALSE(CapturesStep(o, 1, false));
+  o.graphs = Graphs::kOff;
+  EXPECT_FALSE(CapturesStep(o, 1, true));
 }
 
 TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {

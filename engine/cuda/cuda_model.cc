@@ -21,6 +21,7 @@
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
 #include "engine/plan/memory_plan.h"
+#include "engine/plan/step_plan.h"
 #include "engine/tp_model.h"
 #include "kernels/cuda/gemm_cublaslt.h"
 #include "kernels/cuda/moe_grouped.h"
@@ -185,7 +186,7 @@ class CudaModel final : public Model {
     *h_position_.get() = position_;
     for (int b = 0; b < batch_; ++b) h_last_rows_.get()[b] = b * n + n - 1;
 
-    const bool use_graph = CapturesDecode(options_.graphs) && n == 1 && mode == LogitsMode::kLast;
+    const bool use_graph = CapturesStep(options_, n, mode == LogitsMode::kLast);
     RETURN_IF_ERROR(RunStep(use_graph, 2 * batch_ + (greedy ? 1 : 0),
                             [&] { return EnqueueStep(rows, n, batch_, mode, greedy, nullptr); }));
     if (persistent_.timeline() && n == 1 && batch_ == 1) persistent_.ReportTimeline();  // TEST ONLY
@@ -291,7 +292,7 @@ class CudaModel final : public Model {
         longest = std::max(longest, static_cast<int>(chunks[i].tokens.size()));
         tokens += static_cast<int>(chunks[i].tokens.size());
       }
-    const bool use_graph = CapturesDecode(options_.graphs) && longest == 1;
+    const bool use_graph = CapturesStep(options_, longest, /*last_logits_only=*/true);
     int rows = tokens, sequences = static_cast<int>(chunks.size());
     if (use_graph) {
       rows = 1;
@@ -346,11 +347,13 @@ class CudaModel final : public Model {
     const float eps = config_.rms_norm_eps;
     // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
     // for prefill chunks and larger batches) a chain of kernels per layer.
-    const bool persistent = persistent_.ready() && rows == 1 && n == 1 && !ragged;
+    const StepPlan step = PlanStep(options_, {rows, n, ragged != nullptr,
+                                              std::max({hidden, q_dim, config_.linear_value_dim()}),
+                                              linear_.MaxIntermediate(), persistent_.ready()});
+    const bool persistent = step.layers == StepLayers::kPersistent;
     // The token ids and position, read from pinned host memory by the step's first kernel, which
     // also gathers the embedding rows and zeroes the persistent kernel's barrier counters: one
-    // launch in place of two copies, an embedding kernel and a memset, measurably shorter steps
-    // on the H200 at batch 1 and 64 (docs/PERFORMANCE.md).
+    // launch in place of two copies, an embedding kernel and a memset.
     cuda::StepInputArgs in{h_tokens_.get(),   h_position_.get(), rows,    d_tokens_.get(),
                            d_position_.get(), w_.embed,          x_.get()};
     if (persistent) {
@@ -365,22 +368,9 @@ class CudaModel final : public Model {
     CHECK_LAUNCH();
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
     linear_.set_prefill(n > 1);
-    const bool gemv =
-        UsesFusedGemv(options_.gemm) &&
-        cuda::GemvSupports(rows, std::max({hidden, q_dim, config_.linear_value_dim()})) &&
-        cuda::GemvSupports(rows, linear_.MaxIntermediate());
-    if (LaunchRecording()) {  // the launch log's fallbacks (core/launch_log.h)
-      if (UsesFusedGemv(options_.gemm) && !gemv && !persistent)
-        RecordFallback(absl::StrCat(
-            "gemm=", linear_.GemmValue(), ": ", n > 1 ? "prefill chunk, " : "decode, ",
-            LinearRunner::GemvRefusal(rows, std::max({hidden, q_dim, linear_.MaxIntermediate()})),
-            ": the layers' linears unfused (cuBLASLt for bf16 weights), not the fused GEMV"));
-      if (persistent_.ready() && n == 1 && (rows > 1 || ragged))
-        RecordFallback(absl::StrCat("graphs=persistent: ", ragged ? "ragged " : "", "decode of ",
-                                    rows,
-                                    " rows: the graphs=on kernel chain (the persistent kernel "
-                                    "takes batch 1)"));
-    }
+    const bool gemv = step.fused_gemv;
+    if (LaunchRecording())  // the launch log's fallbacks (core/launch_log.h)
+      for (const std::string& fallback : step.fallbacks) RecordFallback(fallback);
     if (persistent)
       persistent_.Launch(x_.get(), attention_.k_cache(), attention_.v_cache(), capacity_,
                          attention_.rope(), d_position_.get(), attention_.qkv(), attention_.attn(),
@@ -432,7 +422,7 @@ class CudaModel final : public Model {
     } else {
       if (UsesFusedGemv(options_.gemm) && LaunchRecording())
         RecordFallback(absl::StrCat("gemm=", linear_.GemmValue(), ": lm_head, ",
-                                    LinearRunner::GemvRefusal(out_rows, hidden),
+                                    GemvRefusal(out_rows, hidden),
                                     ": final norm and lm_head unfused (cuBLASLt for bf16 "
                                     "weights), not the fused GEMV"));
       const uint16_t* fb = linear_.NormAndPrepare(final_in, out_rows, hidden, w_.final_norm, eps);

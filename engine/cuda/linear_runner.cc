@@ -208,14 +208,6 @@ void LinearRunner::ProjectionGemv(const cuda::GemvArgs& a) {
   cuda::Gemv(a, stream_);
 }
 
-std::string LinearRunner::GemvRefusal(int rows, int k) {
-  if (rows > cuda::kGemvMaxRows) return absl::StrCat(rows, " rows (> ", cuda::kGemvMaxRows, ")");
-  return absl::StrCat(rows, " rows of K up to ", k,
-                      " (the GEMV takes K % 8 == 0 and rows x K x 4 bytes of shared memory up "
-                      "to ",
-                      cuda::kGemvMaxSharedBytes, ")");
-}
-
 int LinearRunner::MaxIntermediate() const {
   return std::max({config_.intermediate_size, config_.moe_intermediate_size,
                    config_.shared_expert_intermediate_size, 1});

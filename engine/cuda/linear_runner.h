@@ -81,8 +81,6 @@ class LinearRunner {
 
   // The gemm axis's value, for the launch log's fallback lines.
   const char* GemmValue() const { return AxisValueName(options_.gemm); }
-  // Why the fused GEMV does not take `rows` rows of width up to `k` (GemvSupports is false).
-  static std::string GemvRefusal(int rows, int k);
   // The widest MLP of the model (dense, expert or shared expert).
   int MaxIntermediate() const;
 
