@@ -12,6 +12,7 @@
 #include "api/model_config.h"
 #include "engine/options.h"
 #include "engine/plan/attention_plan.h"
+#include "engine/plan/collective_plan.h"
 #include "engine/plan/linear_attention_plan.h"
 #include "engine/plan/linear_plan.h"
 #include "engine/plan/model_limits.h"
@@ -61,6 +62,32 @@ std::map<std::string, PlanCheck> PlanChecks() {
     return PlanMoe(o, moe, bf16, {rows, n, false});
   };
   return {
+      {"allreduce",
+       [](const std::string& v, const CudaOptions& o) -> std::string {
+         // tp=1: a named all-reduce runs over one rank, auto runs none; a rank process (tp > 1)
+         // always runs one, auto's being NCCL's.
+         absl::StatusOr<CollectivePlan> one = PlanCollective(o.parallel, false, 4096);
+         ParallelOptions ranks = o.parallel;
+         ranks.tp = 2;
+         absl::StatusOr<CollectivePlan> two = PlanCollective(ranks, true, 4096);
+         if (!one.ok() || !two.ok()) return "refused";
+         const std::map<std::string, std::pair<CollectiveTransport, int64_t>> expect = {
+             {"auto", {CollectiveTransport::kNone, 0}},
+             {"nccl", {CollectiveTransport::kNccl, 0}},
+             {"custom", {CollectiveTransport::kPeerBuffers, 4096}},
+             {"fused", {CollectiveTransport::kPeerBuffers, 4096}}};
+         auto it = expect.find(v);
+         if (it == expect.end()) return "no expected plan for this value";
+         if (one->transport != it->second.first || one->max_message_bytes != it->second.second)
+           return absl::StrCat("tp=1: planned transport ", static_cast<int>(one->transport));
+         const bool peers = v == "custom" || v == "fused";
+         if (two->transport !=
+                 (peers ? CollectiveTransport::kPeerBuffers : CollectiveTransport::kNccl) ||
+             two->max_message_bytes != (peers ? kRankMessageBytes : 0) ||
+             AxisValueName(two->kind) != (v == "auto" ? std::string("nccl") : v))
+           return absl::StrCat("tp=2: planned ", AxisValueName(two->kind));
+         return "";
+       }},
       {"graphs",
        [](const std::string& v, const CudaOptions& o) -> std::string {
          // A batch-1 decode step with the persistent kernel built when the value builds it.
@@ -137,8 +164,8 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   ModelConfig model = *PresetConfig("tiny-moe");
   const std::map<std::string, PlanCheck> checks = PlanChecks();
   // The axes whose values choose kernels through a plan.
-  const std::set<std::string> planned = {"attention",   "graphs", "kv_cache",
-                                         "linear_attn", "moe",    "qgemm"};
+  const std::set<std::string> planned = {"allreduce",   "attention", "graphs", "kv_cache",
+                                         "linear_attn", "moe",       "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
     SCOPED_TRACE(absl::StrCat(DeviceName(d.device), ": ", d.axis, "=", d.value));
@@ -215,6 +242,14 @@ TEST(LinearPlan, QuantizedLinearsTakeTheirKernelByRowsFormatAndShape) {
   EXPECT_THAT(LinearFallback(cublaslt, dense, f32, one),
               HasSubstr("F32 weight [64, 64]: the reference GEMM (cuBLASLt takes bf16 weights)"));
   EXPECT_EQ(LinearFallback(cublaslt, dense, f32, {false, 1, false, false}), "");
+}
+
+TEST(CollectivePlan, TheCpusAllReduceIsRefusedOnACudaModel) {
+  ParallelOptions p;
+  p.allreduce = AllReduce::kReference;
+  absl::StatusOr<CollectivePlan> plan = PlanCollective(p, false, 4096);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("allreduce=reference: the CPU's all-reduce"));
 }
 
 TEST(StepPlan, FusedGemvAndPersistentLayersFallBackByRowsAndSayWhy) {

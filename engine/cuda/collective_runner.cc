@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "api/status_macros.h"
+#include "engine/plan/collective_plan.h"
 #include "kernels/cuda/ops.h"
 
 namespace infersweep {
@@ -73,21 +74,31 @@ absl::Status CollectiveRunner::SumOverRanks(float* data, int64_t count) {
 }
 
 absl::Status CollectiveRunner::EnsureCommunicator(int rows) {
-  if (!options_.parallel.RunsCollective() || rank_comm_) return absl::OkStatus();
+  if (rank_comm_) return absl::OkStatus();
   const int64_t bytes = static_cast<int64_t>(rows) * config_.hidden_size * sizeof(float);
-  if (comm_ && (comm_->kind() == AllReduce::kNccl || bytes <= comm_bytes_)) return absl::OkStatus();
-  comm_.reset();
-  if (options_.parallel.allreduce == AllReduce::kNccl) {
-    ASSIGN_OR_RETURN(auto id, MakeNcclId());
-    ASSIGN_OR_RETURN(comm_, MakeNcclCommunicator(id, 1, 0));
-  } else {
-    int device = 0;
-    CUDA_OR_DIE(cudaGetDevice(&device));
-    ASSIGN_OR_RETURN(auto made,
-                     MakeLocalCommunicators(options_.parallel.allreduce, {device}, bytes));
-    comm_ = std::move(made[0]);
+  ASSIGN_OR_RETURN(const CollectivePlan plan,
+                   PlanCollective(options_.parallel, /*rank_process=*/false, bytes));
+  switch (plan.transport) {
+    case CollectiveTransport::kNone:
+      return absl::OkStatus();
+    case CollectiveTransport::kNccl: {  // made once: NCCL takes messages of any size
+      if (comm_) return absl::OkStatus();
+      ASSIGN_OR_RETURN(auto id, MakeNcclId());
+      ASSIGN_OR_RETURN(comm_, MakeNcclCommunicator(id, 1, 0));
+      break;
+    }
+    case CollectiveTransport::kPeerBuffers: {  // made again when the step's message grows
+      if (comm_ && plan.max_message_bytes <= comm_bytes_) return absl::OkStatus();
+      comm_.reset();
+      int device = 0;
+      CUDA_OR_DIE(cudaGetDevice(&device));
+      ASSIGN_OR_RETURN(auto made,
+                       MakeLocalCommunicators(plan.kind, {device}, plan.max_message_bytes));
+      comm_ = std::move(made[0]);
+      break;
+    }
   }
-  comm_bytes_ = bytes;
+  comm_bytes_ = plan.max_message_bytes;
   return absl::OkStatus();
 }
 

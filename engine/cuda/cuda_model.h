@@ -26,10 +26,6 @@ struct CudaRank {
   int64_t max_message_bytes = 0;
 };
 
-// The peer buffer of a rank process's custom or fused all-reduce: 8 MiB, 1024 rows of a
-// 2048-wide fp32 residual stream or 13 rows of a 151936-entry vocabulary a call.
-inline constexpr int64_t kCudaRankMessageBytes = int64_t{8} << 20;
-
 // This process's CudaRank for `parallel` (tp > 1): joined once, through the rank context the
 // rank worker set (engine/rank_context.h); nccl (allreduce=auto or nccl) from rank 0's
 // ncclUniqueId, custom and fused from every rank's peer buffer handle. Unimplemented outside a

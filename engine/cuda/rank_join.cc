@@ -12,6 +12,7 @@
 #include "api/status_macros.h"
 #include "engine/cuda/communicator.h"
 #include "engine/cuda/cuda_model.h"
+#include "engine/plan/collective_plan.h"
 #include "engine/rank_context.h"
 #include "kernels/cuda/check.h"
 
@@ -62,7 +63,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> JoinNccl(const RankContext& contex
 absl::StatusOr<std::shared_ptr<Communicator>> JoinPeers(const RankContext& context,
                                                         AllReduce kind) {
   ASSIGN_OR_RETURN(auto peer,
-                   PeerRank::Create(kind, context.ranks, context.rank, kCudaRankMessageBytes));
+                   PeerRank::Create(kind, context.ranks, context.rank, kRankMessageBytes));
   const PeerHandle own = peer->handle();
   ASSIGN_OR_RETURN(auto lines, context.exchange(HexBytes(own.data(), own.size())));
   std::vector<PeerHandle> handles(lines.size());
@@ -88,8 +89,8 @@ absl::StatusOr<CudaRank> JoinCudaRank(const ParallelOptions& parallel) {
   // with the process).
   static CudaRank& joined = *new CudaRank;
   static AllReduce joined_kind = AllReduce::kAuto;
-  const AllReduce kind =
-      parallel.allreduce == AllReduce::kAuto ? AllReduce::kNccl : parallel.allreduce;
+  ASSIGN_OR_RETURN(const CollectivePlan plan, PlanCollective(parallel, /*rank_process=*/true, 0));
+  const AllReduce kind = plan.kind;
   if (joined.comm) {
     if (joined_kind == kind) return joined;
     return absl::FailedPreconditionError(
@@ -97,11 +98,21 @@ absl::StatusOr<CudaRank> JoinCudaRank(const ParallelOptions& parallel) {
                      " already; a second collective (", AxisValueName(kind), ") is not made"));
   }
   ASSIGN_OR_RETURN(auto devices, RankDevices(context.ranks));
-  ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm, kind == AllReduce::kNccl
-                                                           ? JoinNccl(context, devices)
-                                                           : JoinPeers(context, kind));
+  std::shared_ptr<Communicator> comm;
+  switch (plan.transport) {
+    case CollectiveTransport::kNccl: {
+      ASSIGN_OR_RETURN(comm, JoinNccl(context, devices));
+      break;
+    }
+    case CollectiveTransport::kPeerBuffers: {
+      ASSIGN_OR_RETURN(comm, JoinPeers(context, kind));
+      break;
+    }
+    case CollectiveTransport::kNone:
+      return absl::InternalError("a rank process without a collective");
+  }
   joined.comm = std::move(comm);
-  joined.max_message_bytes = kind == AllReduce::kNccl ? 0 : kCudaRankMessageBytes;
+  joined.max_message_bytes = plan.max_message_bytes;
   joined_kind = kind;
   return joined;
 }

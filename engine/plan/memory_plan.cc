@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "core/tensor_ref.h"
 #include "engine/plan/attention_plan.h"
+#include "engine/plan/collective_plan.h"
 #include "engine/plan/moe_plan.h"
 #include "engine/tensor_spec.h"
 #include "kernels/cuda/limits.h"
@@ -404,18 +405,23 @@ class Planner {
       Add(MemoryPool::kWorkspaces, "cuDNN matmul workspace", kCudnnWorkspaceAllowanceBytes,
           /*allowance=*/true);
     // The collective: custom and fused all-reduces hold a peer buffer (signals, then staging:
-    // kCudaRankMessageBytes in a rank process, a step's partial sums at tp=1); nccl its own.
+    // kRankMessageBytes in a rank process, a step's partial sums at tp=1); nccl its own.
     // Signals: 3 flags x 64 blocks x 8 ranks + 64 call counts, uint32, rounded to 4 KiB.
     constexpr int64_t kSignalBytes = (int64_t{(3 * 64 * 8 + 64) * 4} + 4095) / 4096 * 4096;
-    constexpr int64_t kRankMessageBytes = int64_t{8} << 20;  // kCudaRankMessageBytes
-    if (!o_.parallel.RunsCollective()) return;
-    const AllReduce kind = o_.parallel.allreduce;
-    if (kind == AllReduce::kCustom || kind == AllReduce::kFused) {
-      const int64_t staging =
-          tp() > 1 ? kRankMessageBytes : int64_t{plan_.step_rows} * c_.hidden_size * kFloat;
-      Add(MemoryPool::kWorkspaces, "all-reduce peer buffer", kSignalBytes + staging);
-    } else {
-      Add(MemoryPool::kWorkspaces, "NCCL buffers", kNcclAllowanceBytes, /*allowance=*/true);
+    // allreduce=reference (the CPU's) is refused before a CUDA model is made: no buffers.
+    const CollectivePlan collective =
+        PlanCollective(o_.parallel, tp() > 1, int64_t{plan_.step_rows} * c_.hidden_size * kFloat)
+            .value_or(CollectivePlan{});
+    switch (collective.transport) {
+      case CollectiveTransport::kNone:
+        break;
+      case CollectiveTransport::kPeerBuffers:
+        Add(MemoryPool::kWorkspaces, "all-reduce peer buffer",
+            kSignalBytes + collective.max_message_bytes);
+        break;
+      case CollectiveTransport::kNccl:
+        Add(MemoryPool::kWorkspaces, "NCCL buffers", kNcclAllowanceBytes, /*allowance=*/true);
+        break;
     }
   }
 
