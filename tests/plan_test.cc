@@ -62,6 +62,18 @@ std::map<std::string, PlanCheck> PlanChecks() {
     return PlanMoe(o, moe, bf16, {rows, n, false});
   };
   return {
+      {"gemm",
+       [](const std::string& v, const CudaOptions& o) -> std::string {
+         // A bf16 linear under the runner the value builds, and a batch-1 decode step.
+         const LinearPath linear = PlanLinear(o, {DType::kBF16, QuantFormat::kNone, 4096, 2048},
+                                              {UsesCublasLt(o.gemm), 1, false, true})
+                                       .path;
+         const bool gemv = PlanStep(o, {1, 1, false, 2048, 768, false}).fused_gemv;
+         if (linear != (v == "reference" ? LinearPath::kReference : LinearPath::kCublasLt))
+           return absl::StrCat("planned linear path ", static_cast<int>(linear));
+         if (gemv != (v == "fused" || v == "tma")) return absl::StrCat("planned gemv=", gemv);
+         return "";
+       }},
       {"allreduce",
        [](const std::string& v, const CudaOptions& o) -> std::string {
          // tp=1: a named all-reduce runs over one rank, auto runs none; a rank process (tp > 1)
@@ -164,8 +176,8 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
   ModelConfig model = *PresetConfig("tiny-moe");
   const std::map<std::string, PlanCheck> checks = PlanChecks();
   // The axes whose values choose kernels through a plan.
-  const std::set<std::string> planned = {"allreduce",   "attention", "graphs", "kv_cache",
-                                         "linear_attn", "moe",       "qgemm"};
+  const std::set<std::string> planned = {"allreduce", "attention",   "gemm", "graphs",
+                                         "kv_cache",  "linear_attn", "moe",  "qgemm"};
   int walked = 0;
   for (const BackendDescriptor& d : BackendRegistry()) {
     SCOPED_TRACE(absl::StrCat(DeviceName(d.device), ": ", d.axis, "=", d.value));
@@ -178,6 +190,10 @@ TEST(PlanRegistryWalk, EveryCudaValueHasADescriptionAPlanCaseAndAProbeEntry) {
       auto check = checks.find(d.axis);
       ASSERT_NE(check, checks.end()) << "no plan check for axis " << d.axis;
       EXPECT_EQ(check->second(d.value, o), "");
+    } else {
+      // Rank counts and the TEST ONLY kernel choose processes and a probe entry, no kernel path.
+      EXPECT_TRUE(d.axis == "tp" || d.axis == "ep" || d.axis == "test_kernel")
+          << "axis " << d.axis << " has no plan: add its plan and a check above";
     }
     ++walked;
   }
