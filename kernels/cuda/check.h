@@ -1,8 +1,10 @@
 // The one way CUDA-side calls are checked, in kernels, the engine, the harness and the benches:
 //  - CUDA_OR_DIE(expr) / CHECK_LAUNCH(): a sticky CUDA error loses the context, so the process
 //    dies loudly, naming the call and where (the harness reports CRASHED with that line);
-//  - CudaStatus / CublasStatus / NcclStatus: a call whose failure the caller can answer (an
-//    allocation, a library's refusal of a shape) as an absl::Status naming the call;
+//  - CudaStatus / CublasStatus: a call whose failure the caller can answer (an allocation, a
+//    library's refusal of a shape) as an absl::Status naming the call (NCCL's NcclStatus, in
+//    engine/cuda/communicator.cc, and cuDNN's, through its run-time loader in
+//    engine/cuda/cudnn_graph.cc, have the same shape: the kernels link neither library);
 //  - RETURN_IF_CUDA_ERROR(expr): CudaStatus, returned when it is not OK.
 #pragma once
 
