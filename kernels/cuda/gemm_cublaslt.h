@@ -3,15 +3,16 @@
 // workspace is preallocated).
 #pragma once
 
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
 #include <map>
 #include <memory>
 #include <tuple>
 
-#include <cublasLt.h>
-#include <cuda_runtime.h>
-
 #include "absl/status/statusor.h"
 #include "core/tensor_ref.h"
+#include "kernels/cuda/cublaslt_plan.h"
 
 namespace infersweep::cuda {
 
@@ -33,11 +34,7 @@ class CublasLtGemm {
   absl::Status Probe(int M, int N, int K, cudaDataType input_type);
 
  private:
-  struct Plan {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-  };
+  using Plan = LtPlan;
   absl::StatusOr<Plan*> GetPlan(int M, int N, int K, cudaDataType input_type);
 
   cublasLtHandle_t handle_ = nullptr;

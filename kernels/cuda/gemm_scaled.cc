@@ -43,12 +43,7 @@ absl::StatusOr<std::unique_ptr<ScaledGemm>> ScaledGemm::Create(ScaledGemmKind ki
 }
 
 ScaledGemm::~ScaledGemm() {
-  for (auto& [key, plan] : plans_) {
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.desc);
-  }
+  for (auto& [key, plan] : plans_) plan.Destroy();
   for (auto& [data, weight] : weights_) cudaFree(weight.scales);
   for (void* p : {codes_, scales_, pad_x_, pad_y_, workspace_, static_cast<void*>(slots_)})
     if (p) cudaFree(p);
@@ -128,27 +123,6 @@ absl::Status ScaledGemm::Prepare(const MatrixRef& w) {
 absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, int K,
                                                       const void* a_scale, const void* b_scale,
                                                       bool with_scales) {
-  Plan plan;
-  RETURN_IF_ERROR(CublasStatus(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                               "cublasLtMatmulDescCreate"));
-  auto destroy = [&plan] {
-    if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
-    if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
-    if (plan.c) cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.desc);
-  };
-  const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-  // Every setup call's status; the first failure is returned once the descriptors are freed.
-  absl::Status setup;
-  auto check = [&setup](cublasStatus_t status, const char* what) {
-    if (setup.ok()) setup = CublasStatus(status, what);
-  };
-  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
-                                       sizeof transa),
-        "cuBLASLt plan: TRANSA");
-  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
-                                       sizeof transb),
-        "cuBLASLt plan: TRANSB");
   int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, b_mode = a_mode;
   const char* modes = "OUTER_VEC_32F";
   switch (mode) {
@@ -170,52 +144,38 @@ absl::StatusOr<ScaledGemm::Plan> ScaledGemm::MakePlan(Mode mode, int M, int N, i
       modes = "VEC32_UE8M0";
       break;
   }
-  if (with_scales) {
-    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
-                                         sizeof a_mode),
-          "cuBLASLt plan: A_SCALE_MODE");
-    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
-                                         sizeof b_mode),
-          "cuBLASLt plan: B_SCALE_MODE");
-    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
-                                         sizeof a_scale),
-          "cuBLASLt plan: A_SCALE_POINTER");
-    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
-                                         sizeof b_scale),
-          "cuBLASLt plan: B_SCALE_POINTER");
-  } else {
-    modes = "no scales";
-  }
-  // Column-major view: y^T [N, M] = W (K x N, transposed) . x^T (K x M); leading dimensions in
-  // elements (FP4 counts nibbles).
+  if (!with_scales) modes = "no scales";
   const bool fp4 = mode == Mode::kNvfp4 || mode == Mode::kMxfp4;
-  const cudaDataType_t type = fp4 ? CUDA_R_4F_E2M1 : CUDA_R_8F_E4M3;
-  check(cublasLtMatrixLayoutCreate(&plan.a, type, K, N, K), "cuBLASLt plan: layout of W");
-  check(cublasLtMatrixLayoutCreate(&plan.b, type, K, M, K), "cuBLASLt plan: layout of x");
-  check(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_32F, N, M, N), "cuBLASLt plan: layout of y");
-  cublasLtMatmulPreference_t pref = nullptr;
-  check(cublasLtMatmulPreferenceCreate(&pref), "cuBLASLt plan: preference");
-  check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &workspace_bytes_, sizeof workspace_bytes_),
-        "cuBLASLt plan: workspace preference");
-  if (!setup.ok()) {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    destroy();
-    return setup;
-  }
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(
-      handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
-    destroy();
-    return absl::UnimplementedError(absl::StrCat(
-        KindName(kind_), ": cuBLASLt (", cublasLtGetVersion(), ") has no ", fp4 ? "FP4" : "FP8",
-        " algorithm with ", modes, " for weight [", N, ", ", K, "] and ", M, " rows on sm_", sm_,
-        " (heuristic status ", static_cast<int>(hs), ")"));
-  }
-  plan.algo = result.algo;
+  LtPlanSpec spec;
+  spec.input_type = fp4 ? CUDA_R_4F_E2M1 : CUDA_R_8F_E4M3;
+  spec.M = M;
+  spec.N = N;
+  spec.K = K;
+  spec.workspace_bytes = workspace_bytes_;
+  if (with_scales)
+    spec.configure = [&](cublasLtMatmulDesc_t desc, const LtCheck& check) {
+      check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
+                                           sizeof a_mode),
+            "cuBLASLt plan: A_SCALE_MODE");
+      check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
+                                           sizeof b_mode),
+            "cuBLASLt plan: B_SCALE_MODE");
+      check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                           sizeof a_scale),
+            "cuBLASLt plan: A_SCALE_POINTER");
+      check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                           sizeof b_scale),
+            "cuBLASLt plan: B_SCALE_POINTER");
+    };
+  spec.no_algorithm = [&](cublasStatus_t status) {
+    return absl::StrCat(KindName(kind_), ": cuBLASLt (", cublasLtGetVersion(), ") has no ",
+                        fp4 ? "FP4" : "FP8", " algorithm with ", modes, " for weight [", N, ", ", K,
+                        "] and ", M, " rows on sm_", sm_, " (heuristic status ",
+                        static_cast<int>(status), ")");
+  };
+  ASSIGN_OR_RETURN(LtPlan made, MakeLtPlan(handle_, spec));
+  Plan plan;
+  static_cast<LtPlan&>(plan) = made;
   return plan;
 }
 

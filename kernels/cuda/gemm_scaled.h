@@ -30,16 +30,17 @@
 // has no algorithm for are Unimplemented, naming the shape.
 #pragma once
 
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <tuple>
 
-#include <cublasLt.h>
-#include <cuda_runtime.h>
-
 #include "absl/status/statusor.h"
 #include "core/tensor_ref.h"
+#include "kernels/cuda/cublaslt_plan.h"
 
 namespace infersweep::cuda {
 
@@ -89,10 +90,7 @@ class ScaledGemm final : public QuantLinearGemm {
     void* scales = nullptr;  // device, in the layout of `mode`
     float global = 1.f;      // nvfp4: the weight's scale_2
   };
-  struct Plan {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
+  struct Plan : LtPlan {
     bool scales_in_epilogue = false;  // fp8 per-row scales: cuBLASLt took no outer vectors
   };
 
