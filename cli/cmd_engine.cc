@@ -95,7 +95,7 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
                        BackendConfigString(normalized), ": capability probe: ", probed.message()));
   Loaded loaded;
   ASSIGN_OR_RETURN(auto host, LoadHostModel(model_description, {args.layers, args.seed}));
-  for (const std::string& warning : host.warnings)
+  for (const std::string& warning : host->warnings)
     std::fprintf(stderr, "warning: %s\n", warning.c_str());
   loaded.host = std::move(host);
   ASSIGN_OR_RETURN(auto model, CreateModel(*loaded.host, normalized));

@@ -278,7 +278,7 @@ MappedFile::~MappedFile() {
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> mapped, MappedFile::Open(path));
   ASSIGN_OR_RETURN(SafetensorsHeader header,
-                   ParseSafetensorsHeader(mapped.data(), mapped.size(), path));
+                   ParseSafetensorsHeader(mapped->data(), mapped->size(), path));
 
   auto out = std::make_unique<SafetensorsFile>();
   out->file_ = std::move(mapped);

@@ -130,8 +130,8 @@ absl::StatusOr<BatchFigures> MeasureBatch(Model& model, const Workload& w, int b
     wall_ttft.push_back(t.wall_ttft_ms);
     wall_tpot.push_back((t.wall_latency_ms - t.wall_ttft_ms) / (w.output_len - 1));
     if (t.energy_j) {
-      power.push_back(t.energy_j / (t.wall_latency_ms * 1e-3));
-      joules_per_token.push_back(t.energy_j / (static_cast<double>(batch) * w.output_len));
+      power.push_back(*t.energy_j / (t.wall_latency_ms * 1e-3));
+      joules_per_token.push_back(*t.energy_j / (static_cast<double>(batch) * w.output_len));
     }
     ttft.push_back(t.ttft_ms);
     latency.push_back(t.latency_ms);
