@@ -56,6 +56,36 @@ absl::Status ReadOpt(const json& j, const char* key, std::optional<double>* v,
   return absl::OkStatus();
 }
 
+// "planned_memory": {"total_bytes": N, "pools": {"weights": N, "copies": N, ...}}.
+json PlannedMemoryJson(const PlannedMemory& m) {
+  json pools = json::object();
+  for (const auto& [pool, bytes] : m.pool_bytes) pools[pool] = bytes;
+  return {{"total_bytes", m.total_bytes}, {"pools", pools}};
+}
+
+absl::StatusOr<PlannedMemory> PlannedMemoryFromJson(const json& j, absl::string_view where) {
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not an object"));
+  auto byte_count = [&](const json& v, absl::string_view name) -> absl::StatusOr<int64_t> {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0)
+      return absl::InvalidArgumentError(absl::StrCat(where, ".", name, ": not a byte count"));
+    return v.get<int64_t>();
+  };
+  PlannedMemory m;
+  auto total = j.find("total_bytes");
+  if (total == j.end())
+    return absl::InvalidArgumentError(absl::StrCat(where, ".total_bytes: missing"));
+  ASSIGN_OR_RETURN(m.total_bytes, byte_count(*total, "total_bytes"));
+  if (auto pools = j.find("pools"); pools != j.end() && !pools->is_null()) {
+    if (!pools->is_object())
+      return absl::InvalidArgumentError(absl::StrCat(where, ".pools: not an object"));
+    for (const auto& [pool, bytes] : pools->items()) {
+      ASSIGN_OR_RETURN(int64_t n, byte_count(bytes, absl::StrCat("pools.", pool)));
+      m.pool_bytes[pool] = n;
+    }
+  }
+  return m;
+}
+
 json PhaseJson(const std::optional<PhaseKernels>& p) {
   if (!p) return nullptr;
   json launches = json::array();
@@ -100,6 +130,22 @@ std::string_view TrialStatusName(TrialStatus s) { return kStatusNames[static_cas
 std::optional<TrialStatus> TrialStatusFromName(std::string_view name) {
   for (int i = 0; i < 6; ++i)
     if (kStatusNames[i] == name) return static_cast<TrialStatus>(i);
+  return std::nullopt;
+}
+
+std::string_view BatchMemoryVerdictName(BatchMemoryVerdict v) {
+  switch (v) {
+    case BatchMemoryVerdict::kDoesNotFit:
+      return "DOES_NOT_FIT";
+    case BatchMemoryVerdict::kOutOfMemory:
+      return "OUT_OF_MEMORY";
+  }
+  return "DOES_NOT_FIT";
+}
+
+std::optional<BatchMemoryVerdict> BatchMemoryVerdictFromName(std::string_view name) {
+  for (BatchMemoryVerdict v : {BatchMemoryVerdict::kDoesNotFit, BatchMemoryVerdict::kOutOfMemory})
+    if (BatchMemoryVerdictName(v) == name) return v;
   return std::nullopt;
 }
 
@@ -290,6 +336,13 @@ json ToJson(const TrialResult& r) {
          {"wall_ttft_ms", b.wall_ttft_ms ? SpreadJson(*b.wall_ttft_ms) : json(nullptr)},
          {"wall_tpot_ms", b.wall_tpot_ms ? SpreadJson(*b.wall_tpot_ms) : json(nullptr)}});
     if (b.prefill_kernels || b.decode_kernels) batches.back()["kernels"] = KernelsJson(b);
+    if (b.memory_verdict) {
+      batches.back()["memory_verdict"] = BatchMemoryVerdictName(*b.memory_verdict);
+      batches.back()["memory_reason"] = b.memory_reason;
+    }
+    if (b.planned_memory) batches.back()["planned_memory"] = PlannedMemoryJson(*b.planned_memory);
+    if (b.device_memory_used_bytes)
+      batches.back()["device_memory_used_bytes"] = *b.device_memory_used_bytes;
   }
   const VerdictMetrics& v = r.verdict;
   json out = {{"trial_id", r.trial_id},
@@ -465,6 +518,27 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
           return absl::InvalidArgumentError(absl::StrCat(kw, ": not an object"));
         RETURN_IF_ERROR(ReadPhase(*kernels, "prefill", &b.prefill_kernels, kw));
         RETURN_IF_ERROR(ReadPhase(*kernels, "decode", &b.decode_kernels, kw));
+      }
+      // Results written before the memory verdicts existed have none of these.
+      if (auto v = bj.find("memory_verdict"); v != bj.end() && !v->is_null()) {
+        const std::optional<BatchMemoryVerdict> verdict =
+            v->is_string() ? BatchMemoryVerdictFromName(v->get<std::string>()) : std::nullopt;
+        if (!verdict)
+          return absl::InvalidArgumentError(absl::StrCat(
+              w, ".memory_verdict: not DOES_NOT_FIT or OUT_OF_MEMORY (", v->dump(), ")"));
+        b.memory_verdict = verdict;
+        RETURN_IF_ERROR(Read(bj, "memory_reason", &b.memory_reason, w));
+      }
+      if (auto planned = bj.find("planned_memory"); planned != bj.end() && !planned->is_null()) {
+        ASSIGN_OR_RETURN(PlannedMemory memory,
+                         PlannedMemoryFromJson(*planned, w + ".planned_memory"));
+        b.planned_memory = std::move(memory);
+      }
+      if (auto used = bj.find("device_memory_used_bytes"); used != bj.end() && !used->is_null()) {
+        if (!used->is_number_integer() || used->get<int64_t>() < 0)
+          return absl::InvalidArgumentError(
+              absl::StrCat(w, ".device_memory_used_bytes: not a byte count"));
+        b.device_memory_used_bytes = used->get<int64_t>();
       }
       r.batches.push_back(b);
     }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -90,9 +91,31 @@ struct PhaseKernels {
   std::vector<std::string> fallbacks;
 };
 
+// Why a requested batch size has no figures (docs/VERDICTS.md "Memory"): the memory plan says
+// it does not fit in the device's free memory, so it never ran; or an allocation failed while it
+// ran. The trial's other batch sizes keep their figures either way.
+enum class BatchMemoryVerdict { kDoesNotFit, kOutOfMemory };
+std::string_view BatchMemoryVerdictName(BatchMemoryVerdict v);  // "DOES_NOT_FIT", "OUT_OF_MEMORY"
+std::optional<BatchMemoryVerdict> BatchMemoryVerdictFromName(std::string_view name);
+
+// The device memory the plan (engine/plan/memory_plan.h) gives a batch size, in all and by pool
+// ("weights", "copies", "KV", ...; docs/MEMORY.md).
+struct PlannedMemory {
+  int64_t total_bytes = 0;
+  std::map<std::string, int64_t> pool_bytes;
+};
+
 // Figures for one batch size; each Spread is over repeats (median, min, max).
 struct BatchFigures {
   int batch = 1;
+  // Set: the batch has no figures, and memory_reason says why ("needs 80.12 GiB on the device
+  // (...), 12.00 GiB free" or the allocation that failed). Every figure below is then zero.
+  std::optional<BatchMemoryVerdict> memory_verdict;
+  std::string memory_reason;
+  // CUDA configs: what the memory plan gave this batch size (absent where no plan was made), and
+  // the device memory in use (total - free) once the batch ran: planned against measured.
+  std::optional<PlannedMemory> planned_memory;
+  std::optional<int64_t> device_memory_used_bytes;
   Spread ttft_ms;               // request start -> first token
   Spread tpot_ms;               // (latency - ttft) / (output_len - 1)
   Spread latency_ms;            // request start -> last token
@@ -125,6 +148,9 @@ struct BatchFigures {
   // (MeasureBatch); absent in results written before the launch log existed.
   std::optional<PhaseKernels> prefill_kernels;
   std::optional<PhaseKernels> decode_kernels;
+
+  // Whether the batch ran and has figures (no memory verdict).
+  bool measured() const { return !memory_verdict.has_value(); }
 };
 
 struct VerdictMetrics {

@@ -88,7 +88,15 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context,
       if (!r.reason.empty()) std::printf("#   %s: %s\n", r.trial_id.c_str(), r.reason.c_str());
       continue;
     }
-    for (const BatchFigures& b : r.batches)
+    for (const BatchFigures& b : r.batches) {
+      if (!b.measured()) {
+        std::printf(" %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5d %-11s %s: %s\n",
+                    static_cast<long long>(row.sweep_id), r.trial_id.c_str(), agent.c_str(),
+                    row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
+                    config.c_str(), b.batch, status.c_str(),
+                    S(BatchMemoryVerdictName(*b.memory_verdict)).c_str(), b.memory_reason.c_str());
+        continue;
+      }
       std::printf(
           " %6lld %-10s %-14s %-22s %6s %-5s %-5s %-38s %5d %-11s %9.2f %9.3f %10.1f %10.1f "
           "%6.1f\n",
@@ -96,6 +104,7 @@ void PrintResultsTable(const std::vector<Row>& rows, const std::string& context,
           row.gpu_name.c_str(), SmColumn(row.sm).c_str(), model.c_str(), workload.c_str(),
           config.c_str(), b.batch, status.c_str(), b.ttft_ms.median, b.tpot_ms.median,
           b.output_tok_s.median, b.prefill_tok_s.median, 100 * r.verdict.top1_agreement);
+    }
     if (show_kernels)
       for (const BatchFigures& b : r.batches) {
         std::printf("#   %s batch %d: what ran\n", r.trial_id.c_str(), b.batch);
@@ -129,9 +138,20 @@ void PrintResultsCsv(const std::vector<Row>& rows) {
       std::printf("%s,,,,,,%s\n", prefix.c_str(), suffix.c_str());
       continue;
     }
-    for (const BatchFigures& b : r.batches)
+    for (const BatchFigures& b : r.batches) {
+      if (!b.measured()) {  // no figures: the batch's memory verdict in the reason column
+        std::printf("%s,%d,,,,,%s\n", prefix.c_str(), b.batch,
+                    absl::StrCat(absl::StrFormat("%.6g", r.verdict.top1_agreement), ",",
+                                 absl::StrFormat("%.6g", r.verdict.kl_mean), ",",
+                                 r.peak_memory_bytes, ",", r.finished_unix_ms, ",",
+                                 CsvField(absl::StrCat(S(BatchMemoryVerdictName(*b.memory_verdict)),
+                                                       ": ", b.memory_reason)))
+                        .c_str());
+        continue;
+      }
       std::printf("%s,%d,%.6g,%.6g,%.6g,%.6g,%s\n", prefix.c_str(), b.batch, b.ttft_ms.median,
                   b.tpot_ms.median, b.output_tok_s.median, b.prefill_tok_s.median, suffix.c_str());
+    }
   }
 }
 

@@ -47,7 +47,7 @@ nlohmann::json RowJson(const Row& row) {
 
 const BatchFigures* FindBatch(const TrialResult& r, int batch) {
   for (const BatchFigures& b : r.batches)
-    if (b.batch == batch) return &b;
+    if (b.batch == batch && b.measured()) return &b;
   return nullptr;
 }
 

@@ -253,6 +253,7 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
 
   // Latest figures per batch size.
   for (const BatchFigures& b : r.batches) {
+    if (!b.measured()) continue;  // a memory verdict: no figures to show
     const SeriesKey key{model, arch, gpu, config_string, b.batch};
     if (series_keys_.count(key) == 0) {
       if (series_keys_.size() >= cap) {

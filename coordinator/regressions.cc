@@ -198,6 +198,7 @@ std::vector<RegressionRow> AnalyzeResults(const std::vector<StoredResult>& resul
     const std::string model_key = s.model_key.value_or(ModelIdentityKey(s.result.model_identity));
     const std::string workload = s.workload.value_or(s.result.workload);
     for (const BatchFigures& b : s.result.batches) {
+      if (!b.measured()) continue;  // a memory verdict: no figures
       std::optional<double> v = MetricValue(b, metric);
       if (!v || !std::isfinite(*v)) continue;
       series[Key{s.result.model, model_key, workload, s.sm, s.gpu_name, config, b.batch}].push_back(

@@ -37,6 +37,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kKvSlotSwap, "kv-slot-swap", true},
     {FaultInjection::Kind::kRankKill, "rank-kill", true},
     {FaultInjection::Kind::kRankHang, "rank-hang", true},
+    {FaultInjection::Kind::kHogGpuMemory, "hog-gpu-memory", true},
 };
 
 std::atomic<int> process_rank{-1};
@@ -69,13 +70,18 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
       return absl::InvalidArgumentError(absl::StrCat("--test-inject-fault ", std::string(text),
                                                      ": ", k.name, " needs a number, as ", k.name,
                                                      ":1"));
+    if (k.kind == FaultInjection::Kind::kHogGpuMemory && !(fault.value > 0 && fault.value < 1))
+      return absl::InvalidArgumentError(
+          absl::StrCat("--test-inject-fault ", std::string(text),
+                       ": hog-gpu-memory takes the fraction of free memory to hold, in (0, 1), "
+                       "as hog-gpu-memory:0.9"));
     return fault;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
                    "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
                    "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S, "
-                   "rank-kill:R, rank-hang:R)"));
+                   "rank-kill:R, rank-hang:R, hog-gpu-memory:F)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {

@@ -40,6 +40,9 @@ struct FaultInjection {
     kRankKill,       // "rank-kill:R"   the rank process R of a supervised trial SIGKILLs itself
                      //                 on its first forward (harness/rank_supervisor.h)
     kRankHang,       // "rank-hang:R"   the rank process R never returns from its first forward
+    kHogGpuMemory,   // "hog-gpu-memory:F" before a CUDA trial's memory plan, the worker takes
+                     //                 F (0 < F < 1) of the GPU's free memory and holds it for
+                     //                 the trial: another tenant on the GPU (harness only)
   };
   Kind kind = Kind::kNone;
   double value = 0;

@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -9,8 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/model_description.h"
 #include "api/status_macros.h"
 #include "core/wall_clock.h"
+#include "engine/checkpoint.h"
+#include "engine/device_memory.h"
 #include "engine/quant/layout.h"
 #include "engine/roofline.h"
 #include "harness/serving.h"
@@ -22,6 +26,20 @@ int64_t PeakRssBytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+// The stored format of a model's quantized linears, known without loading: a "@<format>" suffix
+// or the checkpoint's declaration; kNone for dense weights and where it takes loading to know.
+// The memory plan needs the format itself (fp8_channel, not the family "fp8"): their scales
+// differ in size.
+QuantFormat DeclaredQuantFormat(const std::string& model) {
+  absl::StatusOr<ModelDescription> description = ParseModelDescription(model);
+  if (!description.ok()) return QuantFormat::kNone;
+  if (description->quantize != QuantFormat::kNone) return description->quantize;
+  if (absl::StartsWith(description->model, "preset:")) return QuantFormat::kNone;
+  absl::StatusOr<QuantScheme> scheme = ReadCheckpointQuantScheme(description->model);
+  if (!scheme.ok() || !scheme->quantized()) return QuantFormat::kNone;
+  return scheme->format;
 }
 
 }  // namespace
@@ -80,6 +98,65 @@ absl::Status TrialExecutor::ProbeCapabilities(const TrialRequest& request,
   absl::Status s = probe_->Probe(config, *shapes, DeclaredWeightFormat(request.model));
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat("capability probe: ", s.message()));
+}
+
+std::optional<MemoryDecision> TrialExecutor::DecideTrialMemory(
+    const TrialRequest& request, const BackendConfig& config, const Progress& progress,
+    std::map<int, PlannedMemory>* planned) {
+  auto unchecked = [&](absl::string_view why) {
+    if (progress) progress(absl::StrCat("memory not checked before loading: ", why));
+    return std::nullopt;
+  };
+  // A model whose shapes cannot be read fails to load too, and the load says why.
+  absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(request.model, request.layers);
+  if (!shapes.ok()) return unchecked(shapes.status().message());
+  const QuantFormat format = DeclaredQuantFormat(request.model);
+  const std::string weight_format = format == QuantFormat::kNone ? "" : QuantFormatName(format);
+  const Workload& w = request.workload;
+  std::vector<BatchMemoryPlan> plans;
+  for (int batch : w.batch_sizes) {
+    MemoryWorkload workload;
+    workload.batch = batch;
+    workload.prompt_tokens = w.prompt_len;
+    workload.generated_tokens = w.output_len;
+    // A plan the engine refuses (the attention plan's Unimplemented) is refused again, with the
+    // same words, when the model is built.
+    absl::StatusOr<MemoryPlan> plan = PlanMemory(config, *shapes, weight_format, workload);
+    if (!plan.ok()) return unchecked(plan.status().message());
+    (*planned)[batch] = PlannedMemoryOf(*plan);
+    plans.push_back({batch, *std::move(plan)});
+  }
+  // The correctness check (RunEval) before any batch: eval_.prompts sequences, the prefill's
+  // every row of logits, then decode steps.
+  MemoryWorkload eval;
+  eval.batch = std::max(eval_.prompts, 1);
+  eval.prompt_tokens = std::max(eval_.prompt_len - eval_.decode_steps, 1);
+  eval.generated_tokens = std::max(
+      eval_.decode_steps, eval_.free_run_prompt_len + eval_.free_run_len - eval.prompt_tokens);
+  eval.all_logits = true;
+  absl::StatusOr<MemoryPlan> judging = PlanMemory(config, *shapes, weight_format, eval);
+  if (!judging.ok()) return unchecked(judging.status().message());
+
+  // Another model's weights on the device would be dropped by the load anyway: drop them
+  // before the free memory is read. This model's, kept from an earlier trial, are the plan's
+  // weights pool already in place.
+  if (host_ && ModelKey(request) != model_key_) {
+    host_.reset();
+    reference_cache_.clear();
+    model_key_.clear();
+  }
+  absl::StatusOr<int64_t> free = CurrentDeviceFreeBytes();
+  if (!free.ok()) return unchecked(free.status().message());
+  int64_t free_for_trial = *free;
+  if (host_ && host_->device_weights)
+    free_for_trial += plans.front().plan.bytes(MemoryPool::kWeights);
+
+  MemoryDecisionOptions options;
+  options.judging = &*judging;
+  options.every_batch_or_none = TensorParallelRanks(config) > 1;
+  absl::StatusOr<MemoryDecision> decision = DecideMemory(plans, free_for_trial, options);
+  if (!decision.ok()) return unchecked(decision.status().message());
+  return *std::move(decision);
 }
 
 absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
@@ -206,6 +283,22 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     return finish(absl::IsUnimplemented(probed) ? TrialStatus::kUnsupported : TrialStatus::kError,
                   std::string(probed.message()));
 
+  // Then device memory, also before any weights load: each batch size's plan against the GPU's
+  // free memory (harness/memory_verdict.h). Serving trials are not planned yet.
+  std::shared_ptr<void> hog;  // TEST ONLY: held until the trial ends
+  std::optional<MemoryDecision> memory;
+  std::map<int, PlannedMemory> planned;
+  if (ConfigDevice(*config) == Device::kCuda && !request.workload.serve) {
+    if (fault->kind == FaultInjection::Kind::kHogGpuMemory) {
+      absl::StatusOr<std::shared_ptr<void>> held = HoldDeviceMemory(fault->value);
+      if (!held.ok()) return finish(TrialStatus::kError, std::string(held.status().message()));
+      hog = *std::move(held);
+    }
+    memory = DecideTrialMemory(request, *config, progress, &planned);
+    if (memory && memory->unsupported)
+      return finish(TrialStatus::kUnsupported, *memory->unsupported);
+  }
+
   say("loading " + request.model);
   if (auto s = EnsureModel(request); !s.ok())
     return finish(TrialStatus::kError, absl::StrCat("load: ", s.message()));
@@ -303,15 +396,50 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
     measure.energy = energy_meter_.get();
   }
+  // A batch size the plan refused, or one whose allocation fails as it runs, gets a verdict of
+  // its own and no figures; the other sizes keep theirs.
+  auto unmeasured = [&](int batch, BatchMemoryVerdict verdict, std::string reason) {
+    BatchFigures b;
+    b.batch = batch;
+    b.memory_verdict = verdict;
+    b.memory_reason = std::move(reason);
+    if (auto it = planned.find(batch); it != planned.end()) b.planned_memory = it->second;
+    say(absl::StrCat("batch ", batch, ": ", std::string(BatchMemoryVerdictName(verdict)), ": ",
+                     b.memory_reason));
+    result.batches.push_back(std::move(b));
+  };
   for (int batch : request.workload.batch_sizes) {
+    if (memory)
+      if (auto it = memory->does_not_fit.find(batch); it != memory->does_not_fit.end()) {
+        unmeasured(batch, BatchMemoryVerdict::kDoesNotFit, it->second);
+        continue;
+      }
     auto figures = MeasureBatch(**model, request.workload, batch, measure);
+    // cudaErrorMemoryAllocation surfaces as ResourceExhausted naming the allocation
+    // (kernels/cuda/check.h).
+    if (!figures.ok() && ConfigDevice(*config) == Device::kCuda &&
+        absl::IsResourceExhausted(figures.status())) {
+      unmeasured(batch, BatchMemoryVerdict::kOutOfMemory, std::string(figures.status().message()));
+      continue;
+    }
     if (!figures.ok()) return finish(TrialStatus::kError, std::string(figures.status().message()));
-    result.batches.push_back(*figures);
+    if (auto it = planned.find(batch); it != planned.end()) figures->planned_memory = it->second;
     // Nothing is freed during a run, so the reading after the largest batch is the peak.
-    if (const std::optional<int64_t> used = (*model)->device_memory_used_bytes())
+    if (const std::optional<int64_t> used = (*model)->device_memory_used_bytes()) {
+      figures->device_memory_used_bytes = *used;
       peak_device_bytes = std::max(peak_device_bytes.value_or(0), *used);
+    }
+    result.batches.push_back(*std::move(figures));
   }
   result.graph_capture_seconds = (*model)->graph_capture_seconds();
+  // The plan lets the smallest size run, so nothing measured means it ran out of memory (the
+  // first entry) and no larger size ran either: the config cannot run this workload here.
+  if (std::none_of(result.batches.begin(), result.batches.end(),
+                   [](const BatchFigures& b) { return b.measured(); }))
+    return finish(
+        TrialStatus::kUnsupported,
+        absl::StrCat("no batch size ran: batch ", result.batches.front().batch,
+                     " ran out of device memory: ", result.batches.front().memory_reason));
   return finish(TrialStatus::kOk, "");
 }
 

@@ -16,6 +16,7 @@
 #include "engine/weights.h"
 #include "harness/gpu_sampler.h"
 #include "harness/measure.h"
+#include "harness/memory_verdict.h"
 #include "harness/verdict.h"
 
 namespace infersweep {
@@ -54,6 +55,16 @@ class TrialExecutor {
   std::optional<int64_t> ExecuteServing(const TrialRequest& request, const BackendConfig& config,
                                         const FaultInjection& fault,
                                         const PreflightResult& preflight, TrialResult* result);
+  // The memory verdict of a lockstep CUDA trial before its weights load (harness/
+  // memory_verdict.h): each batch size's plan, and the correctness check's, against the GPU's
+  // free memory, with this worker's resident weights of the same model counted as free and
+  // another model's dropped first. Fills `planned` with each batch size's plan. nullopt where it
+  // cannot be decided (shapes unknown before loading, a plan the engine refuses, no free-memory
+  // figure), said through `progress`: the load or the model's build then say why.
+  std::optional<MemoryDecision> DecideTrialMemory(const TrialRequest& request,
+                                                  const BackendConfig& config,
+                                                  const Progress& progress,
+                                                  std::map<int, PlannedMemory>* planned);
   // The model's identity (DescribeModel), cached per ModelKey.
   ModelIdentity Identity(const TrialRequest& request);
   // The eval outputs of the reference (bf16_yardstick: of its bf16 yardstick), cached per model.

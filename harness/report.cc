@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/plan/memory_plan.h"
 
 namespace infersweep {
 namespace {
@@ -112,6 +113,13 @@ std::string FormatResultRows(const TrialResult& r) {
     return out;
   }
   for (const BatchFigures& b : r.batches) {
+    if (!b.measured()) {  // a memory verdict stands in place of the figures
+      const std::string verdict =
+          *b.memory_verdict == BatchMemoryVerdict::kDoesNotFit ? "does not fit" : "out of memory";
+      out += absl::StrFormat(" %-40s %5d %-11s %s\n", config, b.batch, verdict, "-");
+      out += absl::StrFormat("#   batch %d %s: %s\n", b.batch, verdict, b.memory_reason);
+      continue;
+    }
     out += absl::StrFormat(
         " %-40s %5d %-11s %10.2f %9.3f %10.1f %11.1f %9.3f %8.2f %6s %6.1f %9.3g %9.3g\n", config,
         b.batch, TrialStatusName(r.status), b.ttft_ms.median, b.tpot_ms.median,
@@ -134,6 +142,11 @@ std::string FormatResultRows(const TrialResult& r) {
       out += absl::StrFormat("#   roofline %.1f tok/s: %.3f GB read a step at %.0f GB/s\n",
                              *b.roofline_tok_s, b.decode_bytes_per_step / 1e9,
                              *b.roofline_tok_s * b.decode_bytes_per_step / b.batch / 1e9);
+    if (b.planned_memory)
+      out += absl::StrFormat(
+          "#   device memory planned %s, in use after the batch %s\n",
+          FormatMemoryBytes(b.planned_memory->total_bytes),
+          b.device_memory_used_bytes ? FormatMemoryBytes(*b.device_memory_used_bytes) : "-");
     if (b.prefill_roofline_tok_s && b.prefill_roofline_fraction)
       out += absl::StrFormat(
           "#   prefill roofline %.0f tok/s: %.4g TFLOP a prefill at the device's bf16 tensor rate; "

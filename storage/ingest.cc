@@ -18,7 +18,7 @@ using nlohmann::json;
 
 const BatchFigures* FindBatch(const TrialResult& r, int batch) {
   for (const BatchFigures& b : r.batches)
-    if (b.batch == batch) return &b;
+    if (b.batch == batch && b.measured()) return &b;
   return nullptr;
 }
 
@@ -188,7 +188,7 @@ absl::Status Ingest::RecordOneLocked(const ResultSubmission& sub) {
   }
   const BatchFigures* largest = nullptr;
   for (const BatchFigures& b : stored.batches)
-    if (largest == nullptr || b.batch > largest->batch) largest = &b;
+    if (b.measured() && (largest == nullptr || b.batch > largest->batch)) largest = &b;
   if (largest != nullptr) {
     tok_s_max = largest->output_tok_s.median;
     max_batch = largest->batch;
@@ -264,6 +264,8 @@ absl::Status Ingest::RecordOneLocked(const ResultSubmission& sub) {
                                    "WHERE group_id = ?3",
                                    op + ": groups"));
     for (const BatchFigures& b : stored.batches) {
+      // A memory verdict's batch has no figures to rank; the result's JSON keeps it.
+      if (!b.measured()) continue;
       ASSIGN_OR_RETURN(int64_t group_id,
                        GroupIdLocked(model, sub.sm, b.batch, group_key, stored.workload, op));
       ins.Reset();

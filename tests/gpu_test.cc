@@ -10,6 +10,7 @@
 
 #include "engine/backends.h"
 #include "engine/npy.h"
+#include "engine/plan/memory_plan.h"
 #include "engine/sampler.h"
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
@@ -249,6 +250,53 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
 // A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
 // time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 512 tokens) that the
 // energy counter, which moves in steps tens of ms apart, moves between readings.
+// Another tenant holding 90 % of the GPU before the trial starts: the memory plan says the model
+// does not fit, UNSUPPORTED with what it needs and what is free, before any weight loads; no
+// out-of-memory.
+TEST(Gpu, AConfigThatCannotFitIsUnsupportedBeforeAnyWeightLoads) {
+  REQUIRE_GPU();
+  TrialRequest request = GpuRequest("preset:qwen3-30b-a3b", "device=cuda", "hog-gpu-memory:0.9");
+  request.layers = 0;  // all 48: 57 GiB of bf16 weights against ~14 GiB left free
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult result = executor.Execute(request);
+  EXPECT_EQ(result.status, TrialStatus::kUnsupported) << result.reason;
+  EXPECT_THAT(result.reason, ::testing::StartsWith("batch 1: needs "));
+  EXPECT_THAT(result.reason, ::testing::HasSubstr("(weights 56.87 GiB, "));
+  EXPECT_THAT(result.reason, ::testing::HasSubstr(" free"));
+  EXPECT_EQ(result.load_seconds, 0);  // nothing loaded
+  EXPECT_TRUE(result.batches.empty());
+}
+
+// A batch size the GPU cannot hold gets "does not fit" with the plan's breakdown; the size that
+// fits runs and carries its planned and measured memory; the trial is OK.
+TEST(Gpu, ABatchThatCannotFitGetsItsOwnVerdictAndTheOthersRun) {
+  REQUIRE_GPU();
+  TrialRequest request = GpuRequest("preset:qwen3-30b-a3b", "device=cuda");
+  request.layers = 8;
+  request.workload.prompt_len = 8192;  // batch 1024: 256 GiB of fp32 KV cache
+  request.workload.batch_sizes = {1, 1024};
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult result = executor.Execute(request);
+  ASSERT_EQ(result.status, TrialStatus::kOk) << result.reason;
+  ASSERT_EQ(result.batches.size(), 2u);
+  const BatchFigures& fits = result.batches[0];
+  EXPECT_TRUE(fits.measured());
+  EXPECT_GT(fits.output_tok_s.median, 0);
+  ASSERT_TRUE(fits.planned_memory.has_value());
+  ASSERT_TRUE(fits.device_memory_used_bytes.has_value());
+  EXPECT_GT(fits.planned_memory->total_bytes, 0);
+  EXPECT_GT(*fits.device_memory_used_bytes, 0);
+  std::printf("batch 1: planned %s, in use after it %s\n",
+              FormatMemoryBytes(fits.planned_memory->total_bytes).c_str(),
+              FormatMemoryBytes(*fits.device_memory_used_bytes).c_str());
+  const BatchFigures& refused = result.batches[1];
+  EXPECT_EQ(refused.batch, 1024);
+  EXPECT_EQ(refused.memory_verdict, BatchMemoryVerdict::kDoesNotFit);
+  EXPECT_THAT(refused.memory_reason, ::testing::StartsWith("needs "));
+  EXPECT_THAT(refused.memory_reason, ::testing::HasSubstr(" free"));
+  EXPECT_EQ(refused.output_tok_s.median, 0);
+}
+
 TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
   REQUIRE_GPU();
   TrialRequest request = GpuRequest("preset:qwen3-30b-a3b",

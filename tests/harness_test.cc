@@ -24,6 +24,7 @@
 #include "harness/executor.h"
 #include "harness/gpu_sampler.h"
 #include "harness/measure.h"
+#include "harness/report.h"
 #include "harness/runner.h"
 #include "harness/verdict.h"
 #include "tests/test_util.h"
@@ -1128,6 +1129,96 @@ TEST(TrialJson, RoundTrips) {
   EXPECT_THAT(
       TrialResultFromJson(nlohmann::json{{"status", "OK"}, {"sm", "ninety"}}).status().message(),
       HasSubstr("result.sm"));
+}
+
+// A batch's memory verdict, its planned memory and the device memory in use after it round-trip;
+// results written before they existed read without them; a verdict of another name is refused.
+TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
+  TrialExecutor executor(LocalDevices{});
+  TrialResult result = executor.Execute(TinyRequest("device=cpu"));
+  ASSERT_EQ(result.status, TrialStatus::kOk) << result.reason;
+  ASSERT_FALSE(result.batches.empty());
+  EXPECT_TRUE(result.batches[0].measured());
+  // CPU configs are not planned: none of the new fields is written.
+  const nlohmann::json cpu = ToJson(result).at("batches").at(0);
+  for (const char* key :
+       {"memory_verdict", "memory_reason", "planned_memory", "device_memory_used_bytes"})
+    EXPECT_FALSE(cpu.contains(key)) << key;
+
+  result.batches[0].planned_memory =
+      PlannedMemory{3 << 20, {{"weights", 2 << 20}, {"KV", 1 << 20}}};
+  result.batches[0].device_memory_used_bytes = 5 << 20;
+  BatchFigures refused;
+  refused.batch = 512;
+  refused.memory_verdict = BatchMemoryVerdict::kDoesNotFit;
+  refused.memory_reason = "needs 80.00 GiB on the device (weights 50.00 GiB, ...), 70.00 GiB free";
+  refused.planned_memory = PlannedMemory{int64_t{80} << 30, {{"weights", int64_t{50} << 30}}};
+  BatchFigures out_of_memory;
+  out_of_memory.batch = 1024;
+  out_of_memory.memory_verdict = BatchMemoryVerdict::kOutOfMemory;
+  out_of_memory.memory_reason = "attention KV cache: cudaMalloc: cudaErrorMemoryAllocation";
+  const size_t measured = result.batches.size();  // the refused batches come after these
+  result.batches.push_back(refused);
+  result.batches.push_back(out_of_memory);
+
+  const nlohmann::json j = ToJson(result);
+  EXPECT_EQ(j.at("batches").at(measured).at("memory_verdict"), "DOES_NOT_FIT");
+  EXPECT_EQ(j.at("batches").at(measured + 1).at("memory_verdict"), "OUT_OF_MEMORY");
+  EXPECT_EQ(j.at("batches").at(0).at("planned_memory").at("pools").at("KV"), 1 << 20);
+  auto back = TrialResultFromJson(nlohmann::json::parse(j.dump()));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(ToJson(*back), j);
+  ASSERT_EQ(back->batches.size(), measured + 2);
+  EXPECT_TRUE(back->batches[0].measured());
+  EXPECT_EQ(back->batches[0].device_memory_used_bytes, 5 << 20);
+  ASSERT_TRUE(back->batches[0].planned_memory.has_value());
+  EXPECT_EQ(back->batches[0].planned_memory->total_bytes, 3 << 20);
+  EXPECT_EQ(back->batches[0].planned_memory->pool_bytes.at("weights"), 2 << 20);
+  EXPECT_FALSE(back->batches[measured].measured());
+  EXPECT_EQ(back->batches[measured].memory_verdict, BatchMemoryVerdict::kDoesNotFit);
+  EXPECT_EQ(back->batches[measured].memory_reason, refused.memory_reason);
+  EXPECT_EQ(back->batches[measured].planned_memory->total_bytes, int64_t{80} << 30);
+  EXPECT_EQ(back->batches[measured + 1].memory_verdict, BatchMemoryVerdict::kOutOfMemory);
+
+  // The table shows the verdict in place of a refused batch's figures.
+  const std::string table = FormatResultRows(*back);
+  EXPECT_THAT(table, HasSubstr("batch 512 does not fit: needs 80.00 GiB on the device"));
+  EXPECT_THAT(table, HasSubstr("batch 1024 out of memory: attention KV cache"));
+  EXPECT_THAT(table, HasSubstr("device memory planned 3.0 MiB, in use after the batch 5.0 MiB"));
+
+  nlohmann::json bad = j;
+  bad["batches"][measured]["memory_verdict"] = "TOO_BIG";
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("result.batches[].memory_verdict: not DOES_NOT_FIT or OUT_OF_MEMORY"));
+  bad = j;
+  bad["batches"][0]["planned_memory"]["pools"]["KV"] = -1;
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("planned_memory.pools.KV: not a byte count"));
+  bad = j;
+  bad["batches"][0]["planned_memory"].erase("total_bytes");
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("planned_memory.total_bytes: missing"));
+  bad = j;
+  bad["batches"][0]["device_memory_used_bytes"] = "lots";
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("device_memory_used_bytes: not a byte count"));
+}
+
+// hog-gpu-memory:F takes a fraction of free memory in (0, 1); on a CPU config it does nothing.
+TEST(Executor, HogGpuMemoryFaultTakesAFractionAndLeavesCpuTrialsAlone) {
+  absl::StatusOr<FaultInjection> hog = ParseFaultInjection("hog-gpu-memory:0.9");
+  ASSERT_TRUE(hog.ok()) << hog.status();
+  EXPECT_EQ(hog->kind, FaultInjection::Kind::kHogGpuMemory);
+  EXPECT_EQ(FaultInjectionString(*hog), "hog-gpu-memory:0.9");
+  for (const char* bad :
+       {"hog-gpu-memory:1", "hog-gpu-memory:0", "hog-gpu-memory:-0.5", "hog-gpu-memory:90"})
+    EXPECT_THAT(std::string(ParseFaultInjection(bad).status().message()), HasSubstr("in (0, 1)"))
+        << bad;
+  TrialExecutor executor(LocalDevices{});
+  TrialRequest request = TinyRequest("device=cpu");
+  request.inject_fault = "hog-gpu-memory:0.9";
+  const TrialResult result = executor.Execute(request);
+  EXPECT_EQ(result.status, TrialStatus::kOk) << result.reason;
 }
 
 }  // namespace

@@ -860,6 +860,43 @@ TEST_F(StoreTest, KernelLogsAreStoredOnceAndReadBackWhole) {
   EXPECT_THAT(rows.status().message(), HasSubstr("kernel log 1 is missing"));
 }
 
+// A batch with a memory verdict keeps it (and every batch its planned memory) through the
+// store, and is never ranked: it has no figures. The result's own figures are its largest
+// measured batch's.
+TEST_F(StoreTest, MemoryVerdictsRoundTripAndAreNotRanked) {
+  const int64_t id = CreateSweep(1);
+  TrialResult r = MakeResult(absl::StrCat(id, "-0"), 1, TrialStatus::kOk, 10, 10, kFlash);
+  r.batches[0].planned_memory = PlannedMemory{3 << 20, {{"weights", 2 << 20}, {"KV", 1 << 20}}};
+  r.batches[0].device_memory_used_bytes = 4 << 20;
+  BatchFigures& refused = r.batches[1];  // batch 8
+  refused = BatchFigures{};
+  refused.batch = 8;
+  refused.memory_verdict = BatchMemoryVerdict::kDoesNotFit;
+  refused.memory_reason = "needs 80.00 GiB on the device (...), 14.00 GiB free";
+  refused.planned_memory = PlannedMemory{int64_t{80} << 30, {{"weights", int64_t{50} << 30}}};
+  ASSERT_TRUE(store_->RecordResult("", "NVIDIA H200", 90, r).ok());
+
+  absl::StatusOr<std::vector<StoredResult>> rows = store_->QueryResults(ResultQuery{});
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  const TrialResult& back = (*rows)[0].result;
+  EXPECT_EQ(ToJson(back).at("batches"), ToJson(r).at("batches"));
+  ASSERT_EQ(back.batches.size(), 2u);
+  EXPECT_EQ(back.batches[1].memory_verdict, BatchMemoryVerdict::kDoesNotFit);
+  EXPECT_EQ(back.batches[1].memory_reason, refused.memory_reason);
+  EXPECT_EQ(back.batches[0].device_memory_used_bytes, 4 << 20);
+
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("SELECT group_concat(max_batch) FROM results"), "1");
+  EXPECT_EQ(raw.Count("result_batches"), 1);
+  absl::StatusOr<std::optional<StoredResult>> best =
+      BestOf(*store_, "preset:tiny", 90, "output_tok_s", 8);
+  ASSERT_TRUE(best.ok()) << best.status();
+  EXPECT_FALSE(best->has_value());
+  best = BestOf(*store_, "preset:tiny", 90, "output_tok_s", 1);
+  ASSERT_TRUE(best.ok() && best->has_value()) << best.status();
+}
+
 // Commits never copy the WAL into the database (SQLite's auto-checkpoint is off): a connection
 // of the store's own does it in the background, so the WAL stays bounded.
 TEST_F(StoreTest, TheWalIsCheckpointedInTheBackground) {
