@@ -16,9 +16,9 @@
 namespace infersweep {
 namespace {
 
-constexpr TrialStatus kAllStatuses[] = {TrialStatus::kOk,          TrialStatus::kIncorrect,
-                                        TrialStatus::kCrashed,     TrialStatus::kUnsupported,
-                                        TrialStatus::kTimeout,     TrialStatus::kError};
+constexpr TrialStatus kAllStatuses[] = {TrialStatus::kOk,      TrialStatus::kIncorrect,
+                                        TrialStatus::kCrashed, TrialStatus::kUnsupported,
+                                        TrialStatus::kTimeout, TrialStatus::kError};
 
 std::string StatusLabel(TrialStatus s) {
   const std::string_view name = TrialStatusName(s);
@@ -37,26 +37,30 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
   auto& r = *registry_;
   output_tok_s_ = &BuildGauge()
                        .Name("infersweep_output_tokens_per_second")
-                       .Help("Output token throughput of the latest result of a config at one "
-                             "batch size (median over repeats), tokens per second")
+                       .Help(
+                           "Output token throughput of the latest result of a config at one "
+                           "batch size (median over repeats), tokens per second")
                        .Register(r);
   ttft_ = &BuildGauge()
                .Name("infersweep_ttft_seconds")
-               .Help("Time to first token of the latest result of a config at one batch size "
-                     "(median over repeats), seconds")
+               .Help(
+                   "Time to first token of the latest result of a config at one batch size "
+                   "(median over repeats), seconds")
                .Register(r);
   tpot_ = &BuildGauge()
                .Name("infersweep_tpot_seconds")
-               .Help("Time per output token after the first, latest result of a config at one "
-                     "batch size (median over repeats), seconds")
+               .Help(
+                   "Time per output token after the first, latest result of a config at one "
+                   "batch size (median over repeats), seconds")
                .Register(r);
   roofline_ = &BuildGauge()
                    .Name("infersweep_roofline_ratio")
-                   .Help("Fraction of its roofline the latest result of a config at one batch "
-                         "size reached (median over repeats): kind=decode, the memory roofline "
-                         "of a decode step; kind=prefill, the compute roofline of the prefill "
-                         "(docs/METRICS.md). Absent where the device's read bandwidth or tensor "
-                         "rate is not known")
+                   .Help(
+                       "Fraction of its roofline the latest result of a config at one batch "
+                       "size reached (median over repeats): kind=decode, the memory roofline "
+                       "of a decode step; kind=prefill, the compute roofline of the prefill "
+                       "(docs/METRICS.md). Absent where the device's read bandwidth or tensor "
+                       "rate is not known")
                    .Register(r);
   serving_load_ = &BuildGauge()
                        .Name("infersweep_serving_load")
@@ -104,9 +108,17 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                  .Register(r);
   config_status_ = &BuildGauge()
                         .Name("infersweep_config_status")
-                        .Help("1 for the status of the latest result of a config on an SM "
-                              "architecture, 0 for its other statuses")
+                        .Help(
+                            "1 for the status of the latest result of a config on an SM "
+                            "architecture, 0 for its other statuses")
                         .Register(r);
+  memory_verdict_ = &BuildGauge()
+                         .Name("infersweep_batch_memory_verdict")
+                         .Help(
+                             "1 when the latest result of a config at a batch size on a GPU "
+                             "has that memory verdict (DOES_NOT_FIT: refused by the memory "
+                             "plan; OUT_OF_MEMORY: an allocation failed as it ran), else 0")
+                         .Register(r);
   agents_connected_ = &BuildGauge()
                            .Name("infersweep_agents_connected")
                            .Help("Agents with an open stream to the coordinator")
@@ -140,8 +152,9 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                        .Add({}, group_buckets);
   dropped_ = &BuildCounter()
                   .Name("infersweep_metrics_series_dropped_total")
-                  .Help("New label sets not exported because of the cardinality cap (one per "
-                        "capped family and result; see infersweep_metrics_config_series_limit)")
+                  .Help(
+                      "New label sets not exported because of the cardinality cap (one per "
+                      "capped family and result; see infersweep_metrics_config_series_limit)")
                   .Register(r)
                   .Add({});
   rate_limited_ = &BuildCounter()
@@ -187,8 +200,9 @@ CoordinatorMetrics::CoordinatorMetrics(CoordinatorMetricsOptions options)
                            .Add({});
   series_ = &BuildGauge()
                  .Name("infersweep_metrics_config_series")
-                 .Help("Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
-                       "keys are dropped once it reaches infersweep_metrics_config_series_limit")
+                 .Help(
+                     "Distinct (model, sm_arch, gpu, config, batch) keys exported now; new "
+                     "keys are dropped once it reaches infersweep_metrics_config_series_limit")
                  .Register(r)
                  .Add({});
   BuildGauge()
@@ -251,9 +265,8 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
     dropped_->Increment();
   }
 
-  // Latest figures per batch size.
+  // Latest figures per batch size, or its memory verdict.
   for (const BatchFigures& b : r.batches) {
-    if (!b.measured()) continue;  // a memory verdict: no figures to show
     const SeriesKey key{model, arch, gpu, config_string, b.batch};
     if (series_keys_.count(key) == 0) {
       if (series_keys_.size() >= cap) {
@@ -267,11 +280,23 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
                                        {"gpu", gpu},
                                        {"config", config_string},
                                        {"batch", absl::StrCat(b.batch)}};
+    // The verdict's series exist from a key's first verdict on; a later measured result of the
+    // key sets them to 0.
+    if (b.memory_verdict || memory_verdict_keys_.count(key) != 0) {
+      memory_verdict_keys_.insert(key);
+      for (BatchMemoryVerdict v :
+           {BatchMemoryVerdict::kDoesNotFit, BatchMemoryVerdict::kOutOfMemory}) {
+        prometheus::Labels with_verdict = labels;
+        with_verdict["verdict"] = std::string(BatchMemoryVerdictName(v));
+        memory_verdict_->Add(with_verdict).Set(b.memory_verdict == v ? 1 : 0);
+      }
+    }
+    if (!b.measured()) continue;  // a memory verdict: no figures to show
     output_tok_s_->Add(labels).Set(b.output_tok_s.median);
     ttft_->Add(labels).Set(b.ttft_ms.median / 1000.0);
     tpot_->Add(labels).Set(b.tpot_ms.median / 1000.0);
-    for (const auto& [kind, fraction] :
-         {std::pair{"decode", b.roofline_fraction}, std::pair{"prefill", b.prefill_roofline_fraction}}) {
+    for (const auto& [kind, fraction] : {std::pair{"decode", b.roofline_fraction},
+                                         std::pair{"prefill", b.prefill_roofline_fraction}}) {
       if (!fraction) continue;
       prometheus::Labels with_kind = labels;
       with_kind["kind"] = kind;

@@ -120,6 +120,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>* serving_goodput_ = nullptr;
   prometheus::Family<prometheus::Counter>* trials_ = nullptr;
   prometheus::Family<prometheus::Gauge>* config_status_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* memory_verdict_ = nullptr;
   prometheus::Gauge* agents_connected_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* leased_ = nullptr;
@@ -136,6 +137,7 @@ class CoordinatorMetrics {
 
   mutable std::mutex mu_;  // guards the key sets and Listen
   std::set<SeriesKey> series_keys_;
+  std::set<SeriesKey> memory_verdict_keys_;  // keys with infersweep_batch_memory_verdict series
   std::set<ConfigKey> config_keys_;
   std::set<ServingKey> serving_keys_;
   std::set<std::pair<std::string, std::string>> trial_keys_;

@@ -111,7 +111,7 @@ TrialResult Result(TrialStatus status, double tok_s_b1, double ttft_ms, double t
   b8.output_tok_s.median = 4 * tok_s_b1;
   b1.roofline_fraction = 0.397;  // a GPU with known figures: batch 1 has both rooflines
   b1.prefill_roofline_fraction = 0.39;
-  b8.roofline_fraction = 0.55;   // batch 8: the decode one only
+  b8.roofline_fraction = 0.55;  // batch 8: the decode one only
   r.batches = {b1, b8};
   return r;
 }
@@ -160,9 +160,8 @@ TEST(CoordinatorMetricsTest, ServesEveryMetricOverHttp) {
   EXPECT_EQ(Find(s, "infersweep_trials_total",
                  {{"status", "OK"}, {"sm_arch", "sm_90"}, {"model", "preset:tiny-moe"}}),
             1);
-  const std::map<std::string, std::string> cfg = {{"model", "preset:tiny-moe"},
-                                                  {"sm_arch", "sm_90"},
-                                                  {"config", "device=cuda,graphs=on"}};
+  const std::map<std::string, std::string> cfg = {
+      {"model", "preset:tiny-moe"}, {"sm_arch", "sm_90"}, {"config", "device=cuda,graphs=on"}};
   auto status_of = [&](const std::vector<Sample>& samples, const std::string& status) {
     auto labels = cfg;
     labels["status"] = status;
@@ -204,8 +203,7 @@ TEST(CoordinatorMetricsTest, CpuResultsAndUnsupportedResults) {
   CoordinatorMetrics m;
   TrialResult unsupported;
   unsupported.status = TrialStatus::kUnsupported;  // no figures: only status and count
-  m.OnResult("preset:tiny-moe", 90, "NVIDIA H200", *ParseBackendConfig("device=cuda"),
-             unsupported);
+  m.OnResult("preset:tiny-moe", 90, "NVIDIA H200", *ParseBackendConfig("device=cuda"), unsupported);
   m.OnResult("preset:tiny-moe", 0, "cpu", *ParseBackendConfig("device=cpu"),
              Result(TrialStatus::kOk, 50, 20, 5));
   const std::vector<Sample> s = ParseExposition(m.Serialize());
@@ -216,6 +214,33 @@ TEST(CoordinatorMetricsTest, CpuResultsAndUnsupportedResults) {
                  {{"sm_arch", "cpu"}, {"gpu", "cpu"}, {"batch", "1"}}),
             50);
   EXPECT_EQ(Count(s, "infersweep_output_tokens_per_second"), 2u);  // the CPU result's 2 batches
+}
+
+// A batch the memory plan refused is a verdict series of its (config, batch, GPU), with no
+// figures; a later measured result of that batch sets the verdict back to 0.
+TEST(CoordinatorMetricsTest, MemoryVerdictsArePerConfigBatchAndGpu) {
+  CoordinatorMetrics m;
+  const BackendConfig config = *ParseBackendConfig("device=cuda");
+  TrialResult r = Result(TrialStatus::kOk, 50, 20, 5);
+  r.batches[1].memory_verdict = BatchMemoryVerdict::kDoesNotFit;
+  r.batches[1].memory_reason = "needs 80.00 GiB on the device (...), 70.00 GiB free";
+  m.OnResult("preset:tiny-moe", 90, "NVIDIA H200", config, r);
+  std::vector<Sample> s = ParseExposition(m.Serialize());
+  const std::map<std::string, std::string> batch8 = {
+      {"gpu", "NVIDIA H200"}, {"config", "device=cuda"}, {"batch", "8"}};
+  auto with = [&](const char* verdict) {
+    std::map<std::string, std::string> labels = batch8;
+    labels["verdict"] = verdict;
+    return labels;
+  };
+  EXPECT_EQ(Find(s, "infersweep_batch_memory_verdict", with("DOES_NOT_FIT")), 1);
+  EXPECT_EQ(Find(s, "infersweep_batch_memory_verdict", with("OUT_OF_MEMORY")), 0);
+  EXPECT_EQ(Count(s, "infersweep_batch_memory_verdict"), 2u);      // batch 1 ran: no verdict series
+  EXPECT_EQ(Count(s, "infersweep_output_tokens_per_second"), 1u);  // only batch 1 has figures
+  m.OnResult("preset:tiny-moe", 90, "NVIDIA H200", config, Result(TrialStatus::kOk, 50, 20, 5));
+  s = ParseExposition(m.Serialize());
+  EXPECT_EQ(Find(s, "infersweep_batch_memory_verdict", with("DOES_NOT_FIT")), 0);
+  EXPECT_EQ(Find(s, "infersweep_output_tokens_per_second", batch8), 200);
 }
 
 // Every status of a (model, sm_arch) is exported from 0 before its first result, and from the
