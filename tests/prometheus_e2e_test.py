@@ -16,7 +16,8 @@ and of the alert rules through Prometheus's HTTP API (/api/v1/query):
   they must return data when the agent reports infersweep_agent_gpu_sampler_nvml 1. Likewise
   infersweep_roofline_ratio only needs to succeed: results carry a roofline only from GPUs with
   measured figures (docs/METRICS.md), never from this CPU sweep (tests/metrics_test.cc checks
-  its values).
+  its values); so does infersweep_batch_memory_verdict, whose verdicts come from CUDA trials'
+  memory plans (tests/metrics_test.cc checks it too).
 - alert expressions must succeed, but they are legitimately empty while the system is healthy
   (AgentDown, ConfigTurnedIncorrect...). So each vector selector inside them
   (`up{job="infersweep-agent"}`, `infersweep_config_status{status="OK"}`, ...) is evaluated on
@@ -156,7 +157,7 @@ def is_gpu_family(expr):
 
 
 def needs_measured_gpu(expr):
-    return re.search(r"\binfersweep_roofline_ratio\b", expr) is not None
+    return re.search(r"\binfersweep_(roofline_ratio|batch_memory_verdict)\b", expr) is not None
 
 
 def main():
