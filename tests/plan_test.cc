@@ -68,7 +68,7 @@ std::map<std::string, PlanCheck> PlanChecks() {
          const LinearPath linear = PlanLinear(o, {DType::kBF16, QuantFormat::kNone, 4096, 2048},
                                               {UsesCublasLt(o.gemm), 1, false, true})
                                        .path;
-         const bool gemv = PlanStep(o, {1, 1, false, 2048, 768, false}).fused_gemv;
+         const bool gemv = PlanStep(o, {1, 1, false, 2048, 768, false, true}).fused_gemv;
          if (linear != (v == "reference" ? LinearPath::kReference : LinearPath::kCublasLt))
            return absl::StrCat("planned linear path ", static_cast<int>(linear));
          if (gemv != (v == "fused" || v == "tma")) return absl::StrCat("planned gemv=", gemv);
@@ -272,24 +272,26 @@ TEST(StepPlan, FusedGemvAndPersistentLayersFallBackByRowsAndSayWhy) {
   CudaOptions o = OptionsWith("gemm", "fused");
   o.graphs = Graphs::kPersistent;
   // Batch 1 decode: the persistent kernel; batch 4: the chain with the fused GEMV, logged.
-  EXPECT_EQ(PlanStep(o, {1, 1, false, 2048, 768, true}).layers, StepLayers::kPersistent);
-  const StepPlan four = PlanStep(o, {4, 1, false, 2048, 768, true});
+  EXPECT_EQ(PlanStep(o, {1, 1, false, 2048, 768, true, true}).layers, StepLayers::kPersistent);
+  const StepPlan four = PlanStep(o, {4, 1, false, 2048, 768, true, true});
   EXPECT_EQ(four.layers, StepLayers::kChain);
   EXPECT_TRUE(four.fused_gemv);
   ASSERT_EQ(four.fallbacks.size(), 1u);
   EXPECT_THAT(four.fallbacks[0], HasSubstr("graphs=persistent: decode of 4 rows"));
   // A ragged batch-1 step is not the persistent kernel's either.
-  EXPECT_EQ(PlanStep(o, {1, 1, true, 2048, 768, true}).layers, StepLayers::kChain);
+  EXPECT_EQ(PlanStep(o, {1, 1, true, 2048, 768, true, true}).layers, StepLayers::kChain);
   // 64 rows: past the GEMV's rows, both fallbacks named; a prefill chunk names only the GEMV's.
-  const StepPlan wide = PlanStep(o, {64, 1, false, 2048, 768, true});
+  const StepPlan wide = PlanStep(o, {64, 1, false, 2048, 768, true, true});
+  // Unrecorded steps (every step but the launch log's) format no fallback text.
+  EXPECT_TRUE(PlanStep(o, {64, 1, false, 2048, 768, true}).fallbacks.empty());
   EXPECT_FALSE(wide.fused_gemv);
   ASSERT_EQ(wide.fallbacks.size(), 2u);
   EXPECT_THAT(wide.fallbacks[0], HasSubstr("gemm=fused: decode, 64 rows (> 4)"));
-  const StepPlan chunk = PlanStep(o, {256, 256, false, 2048, 768, true});
+  const StepPlan chunk = PlanStep(o, {256, 256, false, 2048, 768, true, true});
   ASSERT_EQ(chunk.fallbacks.size(), 1u);
   EXPECT_THAT(chunk.fallbacks[0], HasSubstr("prefill chunk"));
   // K the GEMV cannot stage: refused by shape, named with the widest K.
-  const StepPlan odd = PlanStep(o, {2, 1, false, 2052, 768, false});
+  const StepPlan odd = PlanStep(o, {2, 1, false, 2052, 768, false, true});
   EXPECT_FALSE(odd.fused_gemv);
   EXPECT_THAT(odd.fallbacks.at(0), HasSubstr("2 rows of K up to 2052"));
   // Graph capture: decode steps with last-row logits only.
@@ -332,13 +334,14 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
   CudaOptions o = OptionsWith("moe", "wgmma");
   o.gemm = Gemm::kFused;
   // Decode at batch 2: too few rows for the grouped kernels; the per-pair GEMVs, said so.
-  MoePlan p = PlanMoe(o, moe, bf16, {2, 1, true});
+  MoePlan p = PlanMoe(o, moe, bf16, {2, 1, true, true});
   EXPECT_EQ(p.experts, MoeExperts::kPerPairGemv);
   EXPECT_EQ(p.router, MoeRouter::kFusedGemv);
   ASSERT_EQ(p.fallbacks.size(), 1u);
   EXPECT_THAT(p.fallbacks[0], HasSubstr("the per-pair expert GEMVs (moe=fused's), not wgmma"));
   // Decode at batch 64: grouped mma.sync (16 or fewer pairs an expert), the router on cuBLASLt.
-  p = PlanMoe(o, moe, bf16, {64, 1, false});
+  p = PlanMoe(o, moe, bf16, {64, 1, false, true});
+  EXPECT_TRUE(PlanMoe(o, moe, bf16, {64, 1, false}).fallbacks.empty());  // not recording
   EXPECT_EQ(p.experts, MoeExperts::kGrouped);
   EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kMma4);
   EXPECT_EQ(p.router, MoeRouter::kCublasLtF32);
@@ -347,7 +350,7 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
   EXPECT_THAT(p.fallbacks[0], HasSubstr("16 or fewer pairs an expert"));
   EXPECT_THAT(p.fallbacks[1], HasSubstr("cuBLASLt's fp32 GEMM, not the fused GEMV"));
   // A shape wgmma does not take: the mma.sync kernels, said so.
-  p = PlanMoe(o, {128, 8, 2048 + 32, 768}, bf16, {2048, 2048, false});
+  p = PlanMoe(o, {128, 8, 2048 + 32, 768}, bf16, {2048, 2048, false, true});
   EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kMma8);
   EXPECT_THAT(p.fallbacks.back(), HasSubstr("the wgmma tiles take hidden % 128 == 0"));
   // Quantized experts the grouped kernels take, on a prefill chunk: quantized wgmma.
@@ -355,18 +358,18 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
   fp8.quantized_tables = fp8.experts_quantized_alike = true;
   fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 768, 2048};
   fp8.down = {QuantFormat::kFp8Channel, 2048, 768};
-  p = PlanMoe(o, moe, fp8, {2048, 2048, false});
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
   EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kQuantWgmma);
   EXPECT_FALSE(p.bf16_copies);
   // FP8 block-128 experts: the grouped quantized kernels refuse them; prefill copies to bf16.
   fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
-  p = PlanMoe(o, moe, fp8, {2048, 2048, false});
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
   EXPECT_EQ(p.experts, MoeExperts::kGrouped);
   EXPECT_TRUE(p.bf16_copies);
   EXPECT_THAT(p.fallbacks[0], HasSubstr("dequantized to bf16"));
   // moe=fused on cuBLASLt: long bf16 prefill chunks go to cuBLAS's grouped GEMMs.
   o.moe = Moe::kFused;
-  p = PlanMoe(o, moe, bf16, {2048, 2048, false});
+  p = PlanMoe(o, moe, bf16, {2048, 2048, false, true});
   EXPECT_EQ(p.experts, MoeExperts::kCublasGrouped);
   EXPECT_THAT(p.fallbacks[0], HasSubstr("the experts on cuBLAS grouped GEMMs"));
 }

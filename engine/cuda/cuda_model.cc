@@ -347,9 +347,10 @@ class CudaModel final : public Model {
     const float eps = config_.rms_norm_eps;
     // graphs=persistent, batch-1 decode: every layer in one cooperative kernel. Otherwise (and
     // for prefill chunks and larger batches) a chain of kernels per layer.
-    const StepPlan step = PlanStep(options_, {rows, n, ragged != nullptr,
-                                              std::max({hidden, q_dim, config_.linear_value_dim()}),
-                                              linear_.MaxIntermediate(), persistent_.ready()});
+    const StepPlan step =
+        PlanStep(options_,
+                 {rows, n, ragged != nullptr, std::max({hidden, q_dim, config_.linear_value_dim()}),
+                  linear_.MaxIntermediate(), persistent_.ready(), LaunchRecording()});
     const bool persistent = step.layers == StepLayers::kPersistent;
     // The token ids and position, read from pinned host memory by the step's first kernel, which
     // also gathers the embedding rows and zeroes the persistent kernel's barrier counters: one
@@ -369,8 +370,8 @@ class CudaModel final : public Model {
     // gemm=fused|tma: decode steps take our GEMV path, with the norms and residual adds fused in.
     linear_.set_prefill(n > 1);
     const bool gemv = step.fused_gemv;
-    if (LaunchRecording())  // the launch log's fallbacks (core/launch_log.h)
-      for (const std::string& fallback : step.fallbacks) RecordFallback(fallback);
+    // The launch log's fallbacks (core/launch_log.h), filled while it records.
+    for (const std::string& fallback : step.fallbacks) RecordFallback(fallback);
     if (persistent)
       persistent_.Launch(x_.get(), attention_.k_cache(), attention_.v_cache(), capacity_,
                          attention_.rope(), d_position_.get(), attention_.qkv(), attention_.attn(),

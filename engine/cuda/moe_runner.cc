@@ -101,10 +101,10 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
   const int64_t elems = static_cast<int64_t>(rows) * hidden;
   const int skip =
       fault_.kind == FaultInjection::Kind::kZeroExpert ? static_cast<int>(fault_.value) : -1;
-  const MoePlan plan =
-      PlanMoe(options_, {config_.num_experts, k, hidden, inter}, LayerFacts(l), {rows, n, gemv});
-  if (LaunchRecording())
-    for (const std::string& f : plan.fallbacks) RecordFallback(f);
+  const bool recording = LaunchRecording();
+  const MoePlan plan = PlanMoe(options_, {config_.num_experts, k, hidden, inter}, LayerFacts(l),
+                               {rows, n, gemv, recording});
+  for (const std::string& f : plan.fallbacks) RecordFallback(f);
   // A quantized model's view holds its own bf16 tables (dequant_bf16's copies).
   const bool own = view_ && !view_->gate_table.empty();
 

@@ -24,17 +24,21 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
   const int rows = step.rows, pairs = rows * s.top_k;
   const bool device_routing = RoutesOnDevice(o.moe);
   const char* moe_name = AxisValueName(o.moe);
-  const std::string chunk = absl::StrCat(step.n > 1 ? "prefill chunk of " : "decode of ", rows,
-                                         " rows (", pairs, " pairs over ", s.experts, " experts)");
+  const std::string chunk =
+      step.explain ? absl::StrCat(step.n > 1 ? "prefill chunk of " : "decode of ", rows, " rows (",
+                                  pairs, " pairs over ", s.experts, " experts)")
+                   : std::string();
   // The fallbacks in the order the steps run into them: the experts' and the shared expert's
   // (decided first), the router's, then the grouped launcher's.
   std::vector<std::string> router_fallbacks, launcher_fallbacks;
-  auto fallback = [&](auto&&... parts) { plan.fallbacks.push_back(absl::StrCat(parts...)); };
+  auto fallback = [&](auto&&... parts) {
+    if (step.explain) plan.fallbacks.push_back(absl::StrCat(parts...));
+  };
   auto router_fallback = [&](auto&&... parts) {
-    router_fallbacks.push_back(absl::StrCat(parts...));
+    if (step.explain) router_fallbacks.push_back(absl::StrCat(parts...));
   };
   auto launcher_fallback = [&](auto&&... parts) {
-    launcher_fallbacks.push_back(absl::StrCat(parts...));
+    if (step.explain) launcher_fallbacks.push_back(absl::StrCat(parts...));
   };
 
   // The router runs in fp32 on every config: rounding its input to bf16 would flip near-tied

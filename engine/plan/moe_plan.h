@@ -37,6 +37,9 @@ struct MoeStep {
   int rows = 0;
   int n = 0;          // tokens a sequence: 1 for decode, the chunk length for prefill
   bool gemv = false;  // the fused-GEMV path (gemm=fused|tma on decode rows)
+  // Fill MoePlan::fallbacks: the launch log is recording. Steps that are not recorded format no
+  // text (the plan runs every layer of every step).
+  bool explain = false;
 };
 
 enum class MoeRouter {
@@ -66,7 +69,7 @@ struct MoePlan {
   bool bf16_input = false;  // the norm also writes its output in bf16 (grouped paths read it)
   MoeShared shared = MoeShared::kNone;
   // Where the step runs on something other than what the moe and gemm values name, in words
-  // (core/launch_log.h's fallbacks).
+  // (core/launch_log.h's fallbacks); empty unless MoeStep::explain.
   std::vector<std::string> fallbacks;
 };
 

@@ -14,6 +14,7 @@ StepPlan PlanStep(const CudaOptions& o, const StepShape& s) {
                                                                          : StepLayers::kChain;
   plan.fused_gemv = UsesFusedGemv(o.gemm) && cuda::GemvSupports(s.rows, s.gemv_k) &&
                     cuda::GemvSupports(s.rows, s.intermediate);
+  if (!s.explain) return plan;
   switch (plan.layers) {
     case StepLayers::kPersistent:
       break;

@@ -23,12 +23,13 @@ struct StepShape {
   int gemv_k = 0;        // the widest K of the layers' GEMVs (hidden, q_dim, linear value dim)
   int intermediate = 0;  // the widest MLP intermediate (the down projection's K)
   bool persistent_ready = false;  // the persistent kernel's tables are built
+  bool explain = false;           // fill StepPlan::fallbacks: the launch log is recording
 };
 
 struct StepPlan {
   StepLayers layers = StepLayers::kChain;
   bool fused_gemv = false;  // gemm=fused|tma's GEMV path with norms and residual adds fused in
-  std::vector<std::string> fallbacks;  // for the launch log
+  std::vector<std::string> fallbacks;  // for the launch log; empty unless StepShape::explain
 };
 
 StepPlan PlanStep(const CudaOptions& options, const StepShape& step);
