@@ -1,5 +1,6 @@
 #include "api/serve_spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <string>
@@ -280,6 +281,19 @@ std::vector<LoadPoint> LoadPoints(const ServeSpec& spec) {
   for (int c : spec.concurrency) points.push_back({false, c, 0});
   for (double r : spec.rate) points.push_back({true, spec.max_concurrency, r});
   return points;
+}
+
+int ServingSlots(const ServeSpec& spec, const LoadPoint& point) {
+  if (!point.open_loop || point.concurrency > 0) return point.concurrency;
+  return spec.requests > 0 ? std::min(spec.requests + spec.warmup, kUncappedServingSlots)
+                           : kUncappedServingSlots;
+}
+
+int64_t LargestRaggedStepRows(const ServeSpec& spec, int slots) {
+  const int64_t take = spec.chunk > 0 ? std::min(spec.chunk, spec.isl_max) : spec.isl_max;
+  if (spec.prefill_tokens > 0) return slots + std::max<int64_t>(spec.prefill_tokens, take);
+  if (spec.chunk > 0) return slots + take;
+  return int64_t{slots} * spec.isl_max;
 }
 
 std::string ServeWorkloadKey(const ServeSpec& spec, const Slo& slo) {

@@ -68,6 +68,17 @@ struct LoadPoint {
 std::string LoadPointName(const LoadPoint& point);
 std::vector<LoadPoint> LoadPoints(const ServeSpec& spec);
 
+// KV slots a load point reserves (Model::StartServing): a closed loop's concurrency; an open
+// loop's cap, or without one its warm-up and timed requests, at most kUncappedServingSlots (a
+// duration-bound spec: that many).
+inline constexpr int kUncappedServingSlots = 256;
+int ServingSlots(const ServeSpec& spec, const LoadPoint& point);
+// The most rows one ragged step feeds with `slots` sequences in flight (the serving scheduler,
+// harness/serving.cc): a decode row a sequence plus the prompt tokens the step takes: every
+// waiting prompt whole (chunk 0 and no prefill_tokens), one chunk (chunk > 0), or up to
+// prefill_tokens (one chunk or prompt at least).
+int64_t LargestRaggedStepRows(const ServeSpec& spec, int slots);
+
 // The spec's part of a serving result's identity: what changes its figures, less the load
 // points (each figure carries its own): "serve:isl=64,osl=16,requests=8,warmup=0,chunk=0,seed=1"
 // (",prefill_tokens=N" after the chunk when set)

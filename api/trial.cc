@@ -1,5 +1,6 @@
 #include "api/trial.h"
 
+#include <cstdint>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -343,6 +344,7 @@ json ToJson(const TrialResult& r) {
     if (b.planned_memory) batches.back()["planned_memory"] = PlannedMemoryJson(*b.planned_memory);
     if (b.device_memory_used_bytes)
       batches.back()["device_memory_used_bytes"] = *b.device_memory_used_bytes;
+    if (b.measured_memory_bytes) batches.back()["measured_memory_bytes"] = *b.measured_memory_bytes;
   }
   const VerdictMetrics& v = r.verdict;
   json out = {{"trial_id", r.trial_id},
@@ -393,6 +395,7 @@ json ToJson(const TrialResult& r) {
               {"batches", batches},
               {"started_unix_ms", r.started_unix_ms},
               {"finished_unix_ms", r.finished_unix_ms}};
+  if (r.model_memory_bytes) out["model_memory_bytes"] = *r.model_memory_bytes;
   // Lockstep results carry neither key, so their JSON reads as it did before serving existed.
   if (!r.serving.empty()) {
     json points = json::array();
@@ -455,6 +458,11 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
   RETURN_IF_ERROR(Read(j, "load_seconds", &r.load_seconds, "result"));
   RETURN_IF_ERROR(Read(j, "graph_capture_seconds", &r.graph_capture_seconds, "result"));
   RETURN_IF_ERROR(Read(j, "peak_memory_bytes", &r.peak_memory_bytes, "result"));
+  if (auto held = j.find("model_memory_bytes"); held != j.end() && !held->is_null()) {
+    if (!held->is_number_integer())
+      return absl::InvalidArgumentError("result.model_memory_bytes: not a whole number of bytes");
+    r.model_memory_bytes = held->get<int64_t>();
+  }
   RETURN_IF_ERROR(Read(j, "started_unix_ms", &r.started_unix_ms, "result"));
   RETURN_IF_ERROR(Read(j, "finished_unix_ms", &r.finished_unix_ms, "result"));
   if (auto it = j.find("verdict"); it != j.end()) {
@@ -540,6 +548,13 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
               absl::StrCat(w, ".device_memory_used_bytes: not a byte count"));
         b.device_memory_used_bytes = used->get<int64_t>();
       }
+      // Signed: another process freeing memory during the trial can leave it below zero.
+      if (auto held = bj.find("measured_memory_bytes"); held != bj.end() && !held->is_null()) {
+        if (!held->is_number_integer())
+          return absl::InvalidArgumentError(
+              absl::StrCat(w, ".measured_memory_bytes: not a whole number of bytes"));
+        b.measured_memory_bytes = held->get<int64_t>();
+      }
       r.batches.push_back(b);
     }
   }
@@ -616,6 +631,8 @@ json ToJson(const ServingPoint& p) {
   if (p.tpot_ms_at_slo_percentile) j["tpot_ms_at_slo_percentile"] = *p.tpot_ms_at_slo_percentile;
   if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
   if (!p.first_mismatch.empty()) j["first_mismatch"] = p.first_mismatch;
+  if (!p.reason.empty()) j["reason"] = p.reason;
+  if (p.slots_capped_at) j["slots_capped_at"] = *p.slots_capped_at;
   return j;
 }
 
@@ -643,6 +660,13 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
   RETURN_IF_ERROR(Read(j, "requests_checked", &p.requests_checked, where));
   RETURN_IF_ERROR(Read(j, "requests_matching", &p.requests_matching, where));
   RETURN_IF_ERROR(Read(j, "first_mismatch", &p.first_mismatch, where));
+  RETURN_IF_ERROR(Read(j, "reason", &p.reason, where));
+  if (auto cap = j.find("slots_capped_at"); cap != j.end() && !cap->is_null()) {
+    if (!cap->is_number_integer() || cap->get<int64_t>() < 1 || cap->get<int64_t>() > INT32_MAX)
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".slots_capped_at: not a positive slot count"));
+    p.slots_capped_at = cap->get<int>();
+  }
   RETURN_IF_ERROR(Read(j, "steps", &p.steps, where));
   RETURN_IF_ERROR(Read(j, "peak_running", &p.peak_running, where));
   RETURN_IF_ERROR(Read(j, "completed", &p.completed, where));

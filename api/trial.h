@@ -112,10 +112,13 @@ struct BatchFigures {
   // (...), 12.00 GiB free" or the allocation that failed). Every figure below is then zero.
   std::optional<BatchMemoryVerdict> memory_verdict;
   std::string memory_reason;
-  // CUDA configs: what the memory plan gave this batch size (absent where no plan was made), and
-  // the device memory in use (total - free) once the batch ran: planned against measured.
+  // CUDA configs: what the memory plan gave this batch size (absent where no plan was made); the
+  // device memory in use (total - free, every process's) once the batch ran; and what this
+  // trial held then: in use less what was in use before the trial (the CUDA context, other
+  // tenants), planned against measured.
   std::optional<PlannedMemory> planned_memory;
   std::optional<int64_t> device_memory_used_bytes;
+  std::optional<int64_t> measured_memory_bytes;
   Spread ttft_ms;               // request start -> first token
   Spread tpot_ms;               // (latency - ttft) / (output_len - 1)
   Spread latency_ms;            // request start -> last token
@@ -159,8 +162,8 @@ struct VerdictMetrics {
   double top1_agreement = 0;    // fraction of positions with the same argmax
   double kl_mean = 0;           // mean KL(ref || test) per position, nats
   double kl_max = 0;
-  int64_t non_finite = 0;       // NaN or Inf logits in the test config
-  bool degenerate = false;      // free-running generation of the test config is degenerate
+  int64_t non_finite = 0;   // NaN or Inf logits in the test config
+  bool degenerate = false;  // free-running generation of the test config is degenerate
   bool reference_degenerate = false;
   double free_run_agreement = 0;  // fraction of greedy tokens equal to the reference's
   // Measured only when the test's free runs loop where the reference's do not: the fraction of
@@ -170,8 +173,8 @@ struct VerdictMetrics {
   // Set when the thresholds were widened to the model's own bf16 drift: the bf16 yardstick's
   // kl_mean against the reference (harness/verdict.h, WidenedToYardstick).
   std::optional<double> yardstick_kl_mean;
-  std::string worst_pass;         // the forward pass with the largest kl_mean of its own
-  double worst_pass_kl_mean = 0;  // that pass's kl_mean, nats
+  std::string worst_pass;             // the forward pass with the largest kl_mean of its own
+  double worst_pass_kl_mean = 0;      // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable
 };
 
@@ -183,7 +186,13 @@ struct ServingDistribution {
 };
 struct ServingPoint {
   LoadPoint point;
+  // UNSUPPORTED: the memory plan refused the point's KV slots (reason: its breakdown) and
+  // nothing was served; every figure is zero.
   TrialStatus verdict = TrialStatus::kOk;
+  std::string reason;
+  // An open-loop point served with fewer KV slots than it asked for: the memory plan's cap on
+  // the requests in flight (docs/VERDICTS.md "Memory").
+  std::optional<int> slots_capped_at;
   int requests_checked = 0, requests_matching = 0;
   std::string first_mismatch;  // the first served request that parted from its lone run
   int steps = 0, peak_running = 0;
@@ -220,7 +229,7 @@ struct TrialResult {
   std::string stderr_tail;  // last lines of the worker's stderr on CRASHED/TIMEOUT/ERROR
   std::string model;
   BackendConfig config;
-  std::string device;       // "cpu" or the GPU's name
+  std::string device;  // "cpu" or the GPU's name
   int sm = 0;
   std::string engine_version;  // the build: "infersweep <git describe>"
   // Identity (docs/RESULTS.md "Identity"): with model, config, device and sm, what the figures
@@ -233,6 +242,10 @@ struct TrialResult {
   // GPU configs: device memory in use at its highest reading (total - free, after each repeat);
   // CPU configs: the worker's peak RSS.
   int64_t peak_memory_bytes = 0;
+  // CUDA configs with a memory plan: what the trial held on the device once the model under test
+  // was built, before any batch ran (weights, copies, library handles; BatchFigures'
+  // measured_memory_bytes says how it is measured).
+  std::optional<int64_t> model_memory_bytes;
   VerdictMetrics verdict;
   std::vector<BatchFigures> batches;
   // Serving workloads: one entry per load point of the spec, in its order (also when a point

@@ -346,17 +346,45 @@ absl::StatusOr<int> RunBest(const BestArgs& args) {
                         g.first_sweep(), g.last_sweep()});
     return AskForGroup(absl::StrCat("best ", args.metric, " for ", scope), groups);
   }
+  // The configs that do not fit at this batch size, per GPU: an answer too, beside the best.
+  auto print_does_not_fit = [&] {
+    for (const v1::MemoryVerdictRow& m : resp.does_not_fit())
+      std::printf("# %s on %s at batch %d: %s (trial %s, sweep %lld): %s\n", m.config().c_str(),
+                  m.gpu_name().c_str(), m.batch(),
+                  m.verdict() == "DOES_NOT_FIT" ? "does not fit" : "ran out of memory",
+                  m.trial_id().c_str(), static_cast<long long>(m.sweep_id()), m.reason().c_str());
+  };
+  auto does_not_fit_json = [&] {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const v1::MemoryVerdictRow& m : resp.does_not_fit())
+      rows.push_back({{"config", m.config()},
+                      {"gpu_name", m.gpu_name()},
+                      {"batch", m.batch()},
+                      {"verdict", m.verdict()},
+                      {"reason", m.reason()},
+                      {"trial_id", m.trial_id()},
+                      {"sweep_id", m.sweep_id()}});
+    return rows;
+  };
   if (!resp.found()) {
     if (args.format == "json") {
-      std::printf("null\n");
+      std::printf("%s\n",
+                  resp.does_not_fit_size() == 0
+                      ? "null"
+                      : nlohmann::json{{"best", nullptr}, {"does_not_fit", does_not_fit_json()}}
+                            .dump(1)
+                            .c_str());
     } else {
       std::printf("# no OK result for %s with %s\n", scope.c_str(), args.metric.c_str());
+      print_does_not_fit();
     }
     return 1;
   }
   ASSIGN_OR_RETURN(const Row row, ParseRow(resp.row()));
   if (args.format == "json") {
-    std::printf("%s\n", RowJson(row).dump(1).c_str());
+    nlohmann::json out = RowJson(row);
+    if (resp.does_not_fit_size() > 0) out["does_not_fit"] = does_not_fit_json();
+    std::printf("%s\n", out.dump(1).c_str());
     return 0;
   }
   const v1::ResultGroup& group = resp.groups(0);
@@ -371,6 +399,7 @@ absl::StatusOr<int> RunBest(const BestArgs& args) {
   } else {
     PrintFigures(row, args.batch);
   }
+  print_does_not_fit();
   std::printf("%s\n", BackendConfigString(row.result.config).c_str());
   return 0;
 }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -18,8 +19,10 @@
 #include "api/model_description.h"
 #include "api/status_macros.h"
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "engine/backends.h"
 #include "engine/fault_injection.h"
+#include "engine/plan/memory_plan.h"
 #include "harness/executor.h"
 #include "harness/rank_supervisor.h"
 #include "harness/report.h"
@@ -345,6 +348,66 @@ int RunTrials(const RunArgs& args) {
   return 0;
 }
 
+// `memory-plan`: each CUDA config's memory plan at each batch size of the workload, pool by pool,
+// computed on the host as a trial computes it before loading (docs/MEMORY.md); against
+// `free_gib` when given, with the verdict a trial would reach. Needs no GPU.
+int PlanTrialMemory(const RunArgs& args, double free_gib) {
+  auto model = WithQuantization(args.model, args.quantize);
+  if (!model.ok()) return Fail(model.status());
+  if (auto s = CheckModelArgs(*model, args.layers); !s.ok()) return Fail(s);
+  auto configs = ExpandConfigArgs(args);
+  if (!configs) return kUsageError;
+  auto workload = ParseWorkload(args.workload);
+  if (!workload.ok()) return Fail(workload.status());
+  if (free_gib < 0) return Usage("--free-gib: must be >= 0");
+  absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(*model, args.layers);
+  if (!shapes.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(shapes.status().message()).c_str());
+    return 1;
+  }
+  const QuantFormat format = DeclaredQuantFormat(*model);
+  const std::string weight_format = format == QuantFormat::kNone ? "" : QuantFormatName(format);
+  const int64_t free_bytes = static_cast<int64_t>(free_gib * static_cast<double>(int64_t{1} << 30));
+  std::printf("# memory plan: %s%s, prompt %d + output %d tokens a sequence%s\n", model->c_str(),
+              args.layers > 0 ? absl::StrCat(", ", args.layers, " layers").c_str() : "",
+              workload->prompt_len, workload->output_len,
+              free_gib > 0 ? absl::StrFormat(", %.2f GiB free", free_gib).c_str() : "");
+  int failures = 0;
+  for (const BackendConfig& config : *configs) {
+    absl::StatusOr<BackendConfig> normalized = NormalizeBackendConfig(config);
+    const std::string name = BackendConfigString(normalized.ok() ? *normalized : config);
+    if (!normalized.ok() || ConfigDevice(*normalized) != Device::kCuda) {
+      std::printf("%s: %s\n", name.c_str(),
+                  normalized.ok() ? "not a CUDA config: nothing to plan"
+                                  : std::string(normalized.status().message()).c_str());
+      continue;
+    }
+    for (int batch : workload->batch_sizes) {
+      MemoryWorkload w;
+      w.batch = batch;
+      w.prompt_tokens = workload->prompt_len;
+      w.generated_tokens = workload->output_len;
+      absl::StatusOr<MemoryPlan> plan = PlanMemory(*normalized, *shapes, weight_format, w);
+      if (!plan.ok()) {
+        ++failures;
+        std::printf("%s batch %d: %s\n", name.c_str(), batch,
+                    std::string(plan.status().message()).c_str());
+        continue;
+      }
+      if (free_gib > 0) {
+        std::printf("%s batch %d: %s: %s\n", name.c_str(), batch,
+                    Fits(*plan, free_bytes) ? "fits" : "does not fit",
+                    MemoryVerdictText(*plan, free_bytes).c_str());
+      } else {
+        std::string text = MemoryVerdictText(*plan, 0);
+        text = text.substr(0, text.rfind(", "));  // no free figure to hold it against
+        std::printf("%s batch %d: %s\n", name.c_str(), batch, text.c_str());
+      }
+    }
+  }
+  return failures > 0 ? 1 : 0;
+}
+
 }  // namespace
 
 void AddRunCommands(CLI::App& app) {
@@ -380,6 +443,21 @@ void AddRunCommands(CLI::App& app) {
                   "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
                   "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S");
   run->callback([] { std::exit(RunTrials(args)); });
+
+  static RunArgs plan_args;
+  static double free_gib = 0;
+  CLI::App* plan = app.add_subcommand(
+      "memory-plan", "the device memory each CUDA config needs, pool by pool, before any load");
+  plan->add_option("--model", plan_args.model, "checkpoint folder or preset:NAME")
+      ->capture_default_str();
+  plan->add_option("--layers", plan_args.layers, "presets: the first N of the model's layers");
+  plan->add_option("--quantize", plan_args.quantize, "the weight format, as run's");
+  plan->add_option("--config", plan_args.configs, "axis=value[|value...],... (repeatable)");
+  plan->add_option("--workload", plan_args.workload, "prompt=N,output=N,batch=B1:B2:...")
+      ->capture_default_str();
+  plan->add_option("--free-gib", free_gib,
+                   "hold each plan against this much free device memory (GiB): fits or not");
+  plan->callback([] { std::exit(PlanTrialMemory(plan_args, free_gib)); });
 
   CLI::App* worker = app.add_subcommand("worker", "internal: serve trial requests on stdin");
   worker->group("");  // hidden from --help

@@ -75,6 +75,8 @@ std::string ProgressLine(const v1::SweepInfo& s) {
 }
 
 std::string ServingPointText(const ServingPoint& p) {
+  if (p.verdict == TrialStatus::kUnsupported)
+    return absl::StrCat(LoadPointName(p.point), " UNSUPPORTED: ", p.reason);
   std::string text = absl::StrFormat(
       "%s %s: output_tok_s=%.1f output_tok_s_per_user=%.1f median_ttft_ms=%.3f "
       "p99_ttft_ms=%.3f median_tpot_ms=%.3f p99_tpot_ms=%.3f completed=%d matching=%d/%d",
@@ -83,6 +85,8 @@ std::string ServingPointText(const ServingPoint& p) {
       p.completed, p.requests_matching, p.requests_checked);
   if (p.request_goodput) absl::StrAppendFormat(&text, " goodput=%.3f", *p.request_goodput);
   if (p.meets_slo) absl::StrAppend(&text, " meets_slo=", *p.meets_slo ? "yes" : "no");
+  if (p.slots_capped_at)
+    absl::StrAppend(&text, " slots_capped_at=", *p.slots_capped_at, " (memory plan)");
   return text;
 }
 

@@ -309,6 +309,7 @@ void CoordinatorMetrics::OnResult(const std::string& model, int sm, const std::s
   // a serving figure).
   if (r.status != TrialStatus::kOk) return;
   for (const ServingPoint& p : r.serving) {
+    if (p.verdict != TrialStatus::kOk) continue;  // refused by the memory plan: nothing served
     const std::string load_point = LoadPointName(p.point);
     const ServingKey key{model, arch, gpu, config_string, load_point};
     if (serving_keys_.count(key) == 0) {

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -13,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/backend_config.h"
 #include "api/model_description.h"
 #include "api/status_macros.h"
 #include "coordinator/regressions.h"
@@ -35,6 +37,9 @@ constexpr size_t kMaxQueryWorkloadBytes = 1024;
 constexpr size_t kMaxQueryWordBytes = kMaxSweepWordBytes;  // status, metric, axis, load point
 constexpr size_t kMaxQueryGpuNameBytes = 256;
 constexpr size_t kMaxQueryAxes = 64;
+// Results `best` reads for the memory verdicts beside its answer, newest first: a sweep's worth
+// and more, parsed without their kernel logs.
+constexpr int kMaxMemoryVerdictResults = 2000;
 
 absl::Status CheckText(absl::string_view field, const std::string& value, size_t max_bytes) {
   if (value.size() <= max_bytes) return absl::OkStatus();
@@ -401,9 +406,42 @@ absl::Status UserApi::BestOf(const v1::BestRequest& req, v1::BestResponse* resp)
     out->set_last_sweep(g.last_sweep);
     out->set_last_finished_unix_ms(g.last_finished_unix_ms);
   }
+  if (!q.serving && !q.load_point) RETURN_IF_ERROR(AddMemoryVerdicts(q, resp));
   if (!best.best) return absl::OkStatus();
   resp->set_found(true);
   FillRow(*best.best, std::move(best.best->result_json), resp->mutable_row());
+  return absl::OkStatus();
+}
+
+absl::Status UserApi::AddMemoryVerdicts(const BestQuery& best, v1::BestResponse* resp) {
+  ResultQuery q;
+  q.model = best.model;
+  q.sm = best.sm;
+  q.model_key = best.model_key;
+  q.workload = best.workload;
+  q.layers = best.layers;
+  q.sweep_id = best.sweep_id;
+  q.with_kernels = false;
+  q.limit = kMaxMemoryVerdictResults;
+  ASSIGN_OR_RETURN(const std::vector<StoredResult> results, services_.store.QueryResults(q));
+  // Newest first: a (config, GPU)'s first result with an entry at the batch size decides.
+  std::set<std::pair<std::string, std::string>> decided;
+  for (const StoredResult& stored : results) {
+    const TrialResult& r = stored.result;
+    const auto entry = std::find_if(r.batches.begin(), r.batches.end(),
+                                    [&](const BatchFigures& b) { return b.batch == best.batch; });
+    if (entry == r.batches.end()) continue;
+    const std::string config = BackendConfigString(r.config);
+    if (!decided.insert({config, stored.gpu_name}).second || entry->measured()) continue;
+    v1::MemoryVerdictRow* row = resp->add_does_not_fit();
+    row->set_config(config);
+    row->set_gpu_name(stored.gpu_name);
+    row->set_batch(entry->batch);
+    row->set_verdict(std::string(BatchMemoryVerdictName(*entry->memory_verdict)));
+    row->set_reason(entry->memory_reason);
+    row->set_trial_id(r.trial_id);
+    row->set_sweep_id(stored.sweep_id);
+  }
   return absl::OkStatus();
 }
 

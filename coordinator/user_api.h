@@ -69,6 +69,9 @@ class UserApi final : public v1::SweepService::Service {
   absl::Status Agents(v1::ListAgentsResponse* resp);
   absl::Status Query(const v1::QueryResultsRequest& req, v1::QueryResultsResponse* resp);
   absl::Status BestOf(const v1::BestRequest& req, v1::BestResponse* resp);
+  // The lockstep configs that do not fit at the query's batch size (BestResponse.does_not_fit),
+  // from the newest kMaxMemoryVerdictResults results that match it.
+  absl::Status AddMemoryVerdicts(const BestQuery& best, v1::BestResponse* resp);
   absl::Status RegressionsOf(const v1::RegressionsRequest& req, v1::RegressionsResponse* resp);
 
   void FillSweepInfo(const SweepRecord& s, bool with_counts, v1::SweepInfo* out);

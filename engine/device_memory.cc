@@ -3,8 +3,8 @@
 #ifndef INFERSWEEP_HAVE_CUDA
 namespace infersweep {
 
-absl::StatusOr<int64_t> CurrentDeviceFreeBytes() {
-  return absl::UnimplementedError("device free memory: this build has no CUDA");
+absl::StatusOr<DeviceMemoryInfo> CurrentDeviceMemory() {
+  return absl::UnimplementedError("device memory: this build has no CUDA");
 }
 
 absl::StatusOr<std::shared_ptr<void>> HoldDeviceMemory(double) {

@@ -28,10 +28,8 @@ int64_t PeakRssBytes() {
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
 
-// The stored format of a model's quantized linears, known without loading: a "@<format>" suffix
-// or the checkpoint's declaration; kNone for dense weights and where it takes loading to know.
-// The memory plan needs the format itself (fp8_channel, not the family "fp8"): their scales
-// differ in size.
+}  // namespace
+
 QuantFormat DeclaredQuantFormat(const std::string& model) {
   absl::StatusOr<ModelDescription> description = ParseModelDescription(model);
   if (!description.ok()) return QuantFormat::kNone;
@@ -41,8 +39,6 @@ QuantFormat DeclaredQuantFormat(const std::string& model) {
   if (!scheme.ok() || !scheme->quantized()) return QuantFormat::kNone;
   return scheme->format;
 }
-
-}  // namespace
 
 TrialExecutor::TrialExecutor(LocalDevices devices, EvalSpec eval,
                              std::shared_ptr<CapabilityProbe> probe)
@@ -100,12 +96,15 @@ absl::Status TrialExecutor::ProbeCapabilities(const TrialRequest& request,
   return absl::Status(s.code(), absl::StrCat("capability probe: ", s.message()));
 }
 
-std::optional<MemoryDecision> TrialExecutor::DecideTrialMemory(
-    const TrialRequest& request, const BackendConfig& config, const Progress& progress,
-    std::map<int, PlannedMemory>* planned) {
+TrialExecutor::TrialMemory TrialExecutor::DecideTrialMemory(const TrialRequest& request,
+                                                            const BackendConfig& config,
+                                                            const Progress& progress) {
+  TrialMemory memory;
   auto unchecked = [&](absl::string_view why) {
     if (progress) progress(absl::StrCat("memory not checked before loading: ", why));
-    return std::nullopt;
+    memory.decision.reset();
+    memory.serving.reset();
+    return memory;
   };
   // A model whose shapes cannot be read fails to load too, and the load says why.
   absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(request.model, request.layers);
@@ -113,21 +112,34 @@ std::optional<MemoryDecision> TrialExecutor::DecideTrialMemory(
   const QuantFormat format = DeclaredQuantFormat(request.model);
   const std::string weight_format = format == QuantFormat::kNone ? "" : QuantFormatName(format);
   const Workload& w = request.workload;
+  // A plan the engine refuses (the attention plan's Unimplemented) is refused again, with the
+  // same words, when the model is built.
   std::vector<BatchMemoryPlan> plans;
-  for (int batch : w.batch_sizes) {
-    MemoryWorkload workload;
-    workload.batch = batch;
-    workload.prompt_tokens = w.prompt_len;
-    workload.generated_tokens = w.output_len;
-    // A plan the engine refuses (the attention plan's Unimplemented) is refused again, with the
-    // same words, when the model is built.
-    absl::StatusOr<MemoryPlan> plan = PlanMemory(config, *shapes, weight_format, workload);
-    if (!plan.ok()) return unchecked(plan.status().message());
-    (*planned)[batch] = PlannedMemoryOf(*plan);
-    plans.push_back({batch, *std::move(plan)});
+  if (!w.serve) {
+    for (int batch : w.batch_sizes) {
+      MemoryWorkload workload;
+      workload.batch = batch;
+      workload.prompt_tokens = w.prompt_len;
+      workload.generated_tokens = w.output_len;
+      absl::StatusOr<MemoryPlan> plan = PlanMemory(config, *shapes, weight_format, workload);
+      if (!plan.ok()) return unchecked(plan.status().message());
+      memory.plans[batch] = *plan;
+      plans.push_back({batch, *std::move(plan)});
+    }
   }
-  // The correctness check (RunEval) before any batch: eval_.prompts sequences, the prefill's
-  // every row of logits, then decode steps.
+  // A serving trial's plan at a slot count: the slots, each a prompt and its output long, and
+  // the largest ragged step the scheduler feeds them.
+  const auto slots_plan = [&](int slots) {
+    MemoryWorkload workload;
+    workload.batch = slots;
+    workload.prompt_tokens = w.serve ? w.serve->isl_max : 0;
+    workload.generated_tokens = w.serve ? w.serve->osl_max : 0;
+    workload.serving = true;
+    workload.ragged_step_rows = w.serve ? LargestRaggedStepRows(*w.serve, slots) : 0;
+    return PlanMemory(config, *shapes, weight_format, workload);
+  };
+  // The lockstep correctness check (RunEval) before any batch: eval_.prompts sequences, the
+  // prefill's every row of logits, then decode steps.
   MemoryWorkload eval;
   eval.batch = std::max(eval_.prompts, 1);
   eval.prompt_tokens = std::max(eval_.prompt_len - eval_.decode_steps, 1);
@@ -145,18 +157,32 @@ std::optional<MemoryDecision> TrialExecutor::DecideTrialMemory(
     reference_cache_.clear();
     model_key_.clear();
   }
-  absl::StatusOr<int64_t> free = CurrentDeviceFreeBytes();
-  if (!free.ok()) return unchecked(free.status().message());
-  int64_t free_for_trial = *free;
-  if (host_ && host_->device_weights)
-    free_for_trial += plans.front().plan.bytes(MemoryPool::kWeights);
+  absl::StatusOr<DeviceMemoryInfo> device = CurrentDeviceMemory();
+  if (!device.ok()) return unchecked(device.status().message());
+  memory.free_bytes = device->free_bytes;
+  memory.baseline_used_bytes = device->used_bytes();
+  if (host_ && host_->device_weights) {
+    const int64_t resident = judging->bytes(MemoryPool::kWeights);
+    memory.free_bytes += resident;
+    *memory.baseline_used_bytes -= resident;
+  }
 
+  if (w.serve) {
+    // The served tokens are judged by a second model of the weights (lone runs or the
+    // reference), not planned here; the lockstep check is not run.
+    absl::StatusOr<ServingMemoryDecision> decision =
+        DecideServingMemory(*w.serve, slots_plan, memory.free_bytes);
+    if (!decision.ok()) return unchecked(decision.status().message());
+    memory.serving = *std::move(decision);
+    return memory;
+  }
   MemoryDecisionOptions options;
   options.judging = &*judging;
   options.every_batch_or_none = TensorParallelRanks(config) > 1;
-  absl::StatusOr<MemoryDecision> decision = DecideMemory(plans, free_for_trial, options);
+  absl::StatusOr<MemoryDecision> decision = DecideMemory(plans, memory.free_bytes, options);
   if (!decision.ok()) return unchecked(decision.status().message());
-  return *std::move(decision);
+  memory.decision = *std::move(decision);
+  return memory;
 }
 
 absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
@@ -175,11 +201,9 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> TrialExecutor::ReferencePicks(
   return ReferencePicksOnFreeRuns(*model, eval_, free);
 }
 
-std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request,
-                                                     const BackendConfig& config,
-                                                     const FaultInjection& fault,
-                                                     const PreflightResult& preflight,
-                                                     TrialResult* result) {
+std::optional<int64_t> TrialExecutor::ExecuteServing(
+    const TrialRequest& request, const BackendConfig& config, const FaultInjection& fault,
+    const PreflightResult& preflight, const ServingMemoryDecision* memory, TrialResult* result) {
   const ServeSpec& spec = *request.workload.serve;
   const Slo& slo = request.workload.slo;
   if (fault.kind == FaultInjection::Kind::kDelay && fault.value > 0)  // TEST ONLY: a slow trial
@@ -188,7 +212,7 @@ std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request
     energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
   const ServeTrialResult trial =
       RunServeTrial(*host_, config, spec, slo, fault,
-                    ConfigDevice(config) == Device::kCuda ? energy_meter_.get() : nullptr);
+                    ConfigDevice(config) == Device::kCuda ? energy_meter_.get() : nullptr, memory);
   result->verdict.precision_class = std::string(PrecisionClassName(preflight.precision));
   for (const LoadPointResult& point : trial.points)
     result->serving.push_back(ToServingPoint(point, slo));
@@ -208,8 +232,9 @@ std::optional<int64_t> TrialExecutor::ExecuteServing(const TrialRequest& request
   // The served requests are the verdict: a load point (or SLO probe) whose checked requests
   // fail (fp32: tokens parting from their lone runs; below fp32: a sample's logits beyond the
   // class's ceilings against the reference) makes the trial INCORRECT, its figures kept.
+  // A point the memory plan refused was never served: its verdict stands beside the others'.
   auto judge = [&](const ServingPoint& p, absl::string_view role) {
-    if (p.verdict == TrialStatus::kOk) return;
+    if (p.verdict == TrialStatus::kOk || p.verdict == TrialStatus::kUnsupported) return;
     result->verdict.failures.push_back(
         absl::StrCat(role, LoadPointName(p.point), ": ", p.requests_matching, " of ",
                      p.requests_checked, " checked served requests pass",
@@ -283,21 +308,63 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     return finish(absl::IsUnimplemented(probed) ? TrialStatus::kUnsupported : TrialStatus::kError,
                   std::string(probed.message()));
 
-  // Then device memory, also before any weights load: each batch size's plan against the GPU's
-  // free memory (harness/memory_verdict.h). Serving trials are not planned yet.
+  // Rank processes call their collectives in the same order only where they run the same
+  // steps; a serving run's steps follow each process's own clock.
+  if (request.workload.serve && ConfigDevice(*config) == Device::kCuda &&
+      TensorParallelRanks(*config) > 1)
+    return finish(TrialStatus::kUnsupported,
+                  absl::StrCat("tp=", TensorParallelRanks(*config),
+                               ": serving runs are not built over CUDA rank processes (each "
+                               "rank would batch the arrivals by its own clock)"));
+
+  // Then device memory, also before any weights load: each batch size's plan, or each load
+  // point's KV slots, against the GPU's free memory (harness/memory_verdict.h).
   std::shared_ptr<void> hog;  // TEST ONLY: held until the trial ends
-  std::optional<MemoryDecision> memory;
-  std::map<int, PlannedMemory> planned;
-  if (ConfigDevice(*config) == Device::kCuda && !request.workload.serve) {
+  TrialMemory memory;
+  auto planned_of = [&](int batch) -> std::optional<PlannedMemory> {
+    auto it = memory.plans.find(batch);
+    if (it == memory.plans.end()) return std::nullopt;
+    return PlannedMemoryOf(it->second);
+  };
+  // A batch size the plan refused, or one whose allocation fails as it runs, gets a verdict of
+  // its own and no figures; the other sizes keep theirs.
+  auto unmeasured = [&](int batch, BatchMemoryVerdict verdict, std::string reason) {
+    BatchFigures b;
+    b.batch = batch;
+    b.memory_verdict = verdict;
+    b.memory_reason = std::move(reason);
+    b.planned_memory = planned_of(batch);
+    say(absl::StrCat("batch ", batch, ": ", std::string(BatchMemoryVerdictName(verdict)), ": ",
+                     b.memory_reason));
+    result.batches.push_back(std::move(b));
+  };
+  if (ConfigDevice(*config) == Device::kCuda) {
     if (fault->kind == FaultInjection::Kind::kHogGpuMemory) {
       absl::StatusOr<std::shared_ptr<void>> held = HoldDeviceMemory(fault->value);
       if (!held.ok()) return finish(TrialStatus::kError, std::string(held.status().message()));
       hog = *std::move(held);
     }
-    memory = DecideTrialMemory(request, *config, progress, &planned);
-    if (memory && memory->unsupported)
-      return finish(TrialStatus::kUnsupported, *memory->unsupported);
+    memory = DecideTrialMemory(request, *config, progress);
+    if (memory.decision && memory.decision->unsupported) {
+      // The result names each batch size that does not fit, as a trial that runs would.
+      for (int batch : request.workload.batch_sizes)
+        if (auto it = memory.decision->does_not_fit.find(batch);
+            it != memory.decision->does_not_fit.end())
+          unmeasured(batch, BatchMemoryVerdict::kDoesNotFit, it->second);
+      return finish(TrialStatus::kUnsupported, *memory.decision->unsupported);
+    }
+    if (memory.serving && memory.serving->unsupported)
+      return finish(TrialStatus::kUnsupported, *memory.serving->unsupported);
+    if (memory.serving && memory.serving->slot_cap > 0)
+      say(absl::StrCat("memory plan: at most ", memory.serving->slot_cap,
+                       " KV slots fit; open-loop points are capped there"));
   }
+  // What this trial holds on the device now: in use, less what was before it.
+  auto trial_memory_bytes = [&](const Model& m) -> std::optional<int64_t> {
+    const std::optional<int64_t> used = m.device_memory_used_bytes();
+    if (!used || !memory.baseline_used_bytes) return std::nullopt;
+    return *used - *memory.baseline_used_bytes;
+  };
 
   say("loading " + request.model);
   if (auto s = EnsureModel(request); !s.ok())
@@ -308,14 +375,8 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
   if (!preflight.supported) return finish(TrialStatus::kUnsupported, preflight.reason);
 
   if (request.workload.serve) {
-    // Rank processes call their collectives in the same order only where they run the same
-    // steps; a serving run's steps follow each process's own clock.
-    if (ConfigDevice(*config) == Device::kCuda && TensorParallelRanks(*config) > 1)
-      return finish(TrialStatus::kUnsupported,
-                    absl::StrCat("tp=", TensorParallelRanks(*config),
-                                 ": serving runs are not built over CUDA rank processes (each "
-                                 "rank would batch the arrivals by its own clock)"));
-    peak_device_bytes = ExecuteServing(request, *config, *fault, preflight, &result);
+    peak_device_bytes = ExecuteServing(request, *config, *fault, preflight,
+                                       memory.serving ? &*memory.serving : nullptr, &result);
     return finish(result.status, result.reason);
   }
 
@@ -342,6 +403,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
         std::string(model.status().message()));
   // Host load plus the first upload (or on-device generation) of the weights, when there was one.
   result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
+  result.model_memory_bytes = trial_memory_bytes(**model);
   auto outputs = RunEval(**model, eval_);
   if (!outputs.ok()) return finish(TrialStatus::kError, std::string(outputs.status().message()));
   const int vocab = host_->config.vocab_size;
@@ -396,21 +458,10 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     if (!energy_meter_) energy_meter_ = OpenGpuEnergyMeter(devices_.gpu_pci_bus_id);
     measure.energy = energy_meter_.get();
   }
-  // A batch size the plan refused, or one whose allocation fails as it runs, gets a verdict of
-  // its own and no figures; the other sizes keep theirs.
-  auto unmeasured = [&](int batch, BatchMemoryVerdict verdict, std::string reason) {
-    BatchFigures b;
-    b.batch = batch;
-    b.memory_verdict = verdict;
-    b.memory_reason = std::move(reason);
-    if (auto it = planned.find(batch); it != planned.end()) b.planned_memory = it->second;
-    say(absl::StrCat("batch ", batch, ": ", std::string(BatchMemoryVerdictName(verdict)), ": ",
-                     b.memory_reason));
-    result.batches.push_back(std::move(b));
-  };
   for (int batch : request.workload.batch_sizes) {
-    if (memory)
-      if (auto it = memory->does_not_fit.find(batch); it != memory->does_not_fit.end()) {
+    if (memory.decision)
+      if (auto it = memory.decision->does_not_fit.find(batch);
+          it != memory.decision->does_not_fit.end()) {
         unmeasured(batch, BatchMemoryVerdict::kDoesNotFit, it->second);
         continue;
       }
@@ -419,16 +470,21 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     // (kernels/cuda/check.h).
     if (!figures.ok() && ConfigDevice(*config) == Device::kCuda &&
         absl::IsResourceExhausted(figures.status())) {
-      unmeasured(batch, BatchMemoryVerdict::kOutOfMemory, std::string(figures.status().message()));
+      // The allocation that failed, and the plan it ran under: the figures to fix the plan by.
+      std::string reason(figures.status().message());
+      if (auto it = memory.plans.find(batch); it != memory.plans.end())
+        absl::StrAppend(&reason, "; the plan: ", MemoryVerdictText(it->second, memory.free_bytes));
+      unmeasured(batch, BatchMemoryVerdict::kOutOfMemory, std::move(reason));
       continue;
     }
     if (!figures.ok()) return finish(TrialStatus::kError, std::string(figures.status().message()));
-    if (auto it = planned.find(batch); it != planned.end()) figures->planned_memory = it->second;
+    figures->planned_memory = planned_of(batch);
     // Nothing is freed during a run, so the reading after the largest batch is the peak.
     if (const std::optional<int64_t> used = (*model)->device_memory_used_bytes()) {
       figures->device_memory_used_bytes = *used;
       peak_device_bytes = std::max(peak_device_bytes.value_or(0), *used);
     }
+    figures->measured_memory_bytes = trial_memory_bytes(**model);
     result.batches.push_back(*std::move(figures));
   }
   result.graph_capture_seconds = (*model)->graph_capture_seconds();

@@ -29,6 +29,12 @@ TrialResult StartedResult(const TrialRequest& request);
 // be described: what a parent reports for a trial its worker did not answer.
 void NameRequestedModel(const TrialRequest& request, TrialResult* result);
 
+// The stored format of a model's quantized linears, known without loading: a "@<format>" suffix
+// or the checkpoint's declaration; kNone for dense weights and where it takes loading to know.
+// The memory plan needs the format itself (fp8_channel, not the family "fp8"): their scales
+// differ in size.
+QuantFormat DeclaredQuantFormat(const std::string& model);
+
 class TrialExecutor {
  public:
   using Progress = std::function<void(const std::string&)>;
@@ -52,19 +58,28 @@ class TrialExecutor {
   // GPU's energy meter on GPU configs), its figures and verdict put into `result`, whose status
   // and reason it sets.
   // Returns the device memory in use after serving (GPU configs).
+  // `memory`: the memory plan's decision (CUDA configs; null where none was made).
   std::optional<int64_t> ExecuteServing(const TrialRequest& request, const BackendConfig& config,
                                         const FaultInjection& fault,
-                                        const PreflightResult& preflight, TrialResult* result);
-  // The memory verdict of a lockstep CUDA trial before its weights load (harness/
-  // memory_verdict.h): each batch size's plan, and the correctness check's, against the GPU's
-  // free memory, with this worker's resident weights of the same model counted as free and
-  // another model's dropped first. Fills `planned` with each batch size's plan. nullopt where it
-  // cannot be decided (shapes unknown before loading, a plan the engine refuses, no free-memory
-  // figure), said through `progress`: the load or the model's build then say why.
-  std::optional<MemoryDecision> DecideTrialMemory(const TrialRequest& request,
-                                                  const BackendConfig& config,
-                                                  const Progress& progress,
-                                                  std::map<int, PlannedMemory>* planned);
+                                        const PreflightResult& preflight,
+                                        const ServingMemoryDecision* memory, TrialResult* result);
+  // The memory verdict of a CUDA trial before its weights load (harness/memory_verdict.h):
+  // each batch size's plan and the correctness check's (lockstep), or each load point's KV slots
+  // (serving), against the GPU's free memory, with this worker's resident weights of the same model
+  // counted as free and another model's dropped first. decision is nullopt where it cannot be
+  // decided (shapes unknown before loading, a plan the engine refuses, no free-memory figure), said
+  // through `progress`: the load or the model's build then say why.
+  struct TrialMemory {
+    std::optional<MemoryDecision> decision;        // lockstep trials
+    std::optional<ServingMemoryDecision> serving;  // serving trials
+    std::map<int, MemoryPlan> plans;               // each batch size's
+    int64_t free_bytes = 0;                        // free for this trial when it was decided
+    // Device memory in use before the trial, resident weights of this model excluded (at the
+    // plan's figure): a batch's measured memory is what is in use after it, less this.
+    std::optional<int64_t> baseline_used_bytes;
+  };
+  TrialMemory DecideTrialMemory(const TrialRequest& request, const BackendConfig& config,
+                                const Progress& progress);
   // The model's identity (DescribeModel), cached per ModelKey.
   ModelIdentity Identity(const TrialRequest& request);
   // The eval outputs of the reference (bf16_yardstick: of its bf16 yardstick), cached per model.
@@ -80,9 +95,9 @@ class TrialExecutor {
   std::string model_key_;
   std::unique_ptr<HostModel> host_;
   std::map<std::string, EvalOutputs> reference_cache_;  // by reference config string
-  std::unique_ptr<GpuEnergyMeter> energy_meter_;         // opened by the first GPU trial
-  std::map<std::string, ModelIdentity> identities_;      // by ModelKey
-  SoftwareStack software_;                               // what GPU trials run on
+  std::unique_ptr<GpuEnergyMeter> energy_meter_;        // opened by the first GPU trial
+  std::map<std::string, ModelIdentity> identities_;     // by ModelKey
+  SoftwareStack software_;                              // what GPU trials run on
 };
 
 }  // namespace infersweep

@@ -6,12 +6,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/serve_spec.h"
 #include "api/trial.h"
 #include "engine/plan/memory_plan.h"
 
@@ -29,7 +31,8 @@ struct MemoryDecision {
   std::optional<std::string> unsupported;
   // The batch sizes that fit, in the order given: the ones to run.
   std::vector<int> run;
-  // The batch sizes that do not fit, each with MemoryVerdictText's words.
+  // The batch sizes that do not fit, each with MemoryVerdictText's words; kept when the trial is
+  // UNSUPPORTED, so its result names them too.
   std::map<int, std::string> does_not_fit;
 };
 
@@ -50,6 +53,32 @@ struct MemoryDecisionOptions {
 absl::StatusOr<MemoryDecision> DecideMemory(const std::vector<BatchMemoryPlan>& batches,
                                             int64_t free_bytes,
                                             const MemoryDecisionOptions& options = {});
+
+// A serving trial's memory decision (docs/VERDICTS.md "Memory"): every load point's KV slots
+// (ServingSlots) planned against the free memory, before any weight loads.
+struct ServingMemoryDecision {
+  // Set: no load point can be served; the trial is UNSUPPORTED with this reason.
+  std::optional<std::string> unsupported;
+  // > 0: the most KV slots that fit, below what some point asks for. Open-loop points (and SLO
+  // probes) reserve no more; closed-loop points above it are in does_not_fit.
+  int slot_cap = 0;
+  // The closed-loop points refused, by LoadPointName, each with MemoryVerdictText's words.
+  std::map<std::string, std::string> does_not_fit;
+};
+
+// The plan of a serving trial at `slots` KV slots.
+using SlotMemoryPlanner = std::function<absl::StatusOr<MemoryPlan>(int slots)>;
+
+// The decision for `spec`'s load points against `free_bytes`. The largest slot count any point
+// asks for fitting: nothing is capped. Else the cap is the most slots that fit (bisection over
+// `plan`, which grows with the slots), and a closed-loop point above it does not fit. No slot
+// fitting, or every point a refused closed loop: UNSUPPORTED, with the smallest refused point's
+// words. `judging` (optional): a plan the trial's correctness check needs, refused like the
+// lockstep one. Errors: `plan`'s, and InvalidArgument for a spec without load points.
+absl::StatusOr<ServingMemoryDecision> DecideServingMemory(const ServeSpec& spec,
+                                                          const SlotMemoryPlanner& plan,
+                                                          int64_t free_bytes,
+                                                          const MemoryPlan* judging = nullptr);
 
 // A plan's figures as a result carries them (api/trial.h): the total and each pool by name.
 PlannedMemory PlannedMemoryOf(const MemoryPlan& plan);

@@ -142,11 +142,22 @@ std::string FormatResultRows(const TrialResult& r) {
       out += absl::StrFormat("#   roofline %.1f tok/s: %.3f GB read a step at %.0f GB/s\n",
                              *b.roofline_tok_s, b.decode_bytes_per_step / 1e9,
                              *b.roofline_tok_s * b.decode_bytes_per_step / b.batch / 1e9);
-    if (b.planned_memory)
-      out += absl::StrFormat(
-          "#   device memory planned %s, in use after the batch %s\n",
-          FormatMemoryBytes(b.planned_memory->total_bytes),
-          b.device_memory_used_bytes ? FormatMemoryBytes(*b.device_memory_used_bytes) : "-");
+    if (b.planned_memory) {
+      std::string measured = "-";
+      if (b.measured_memory_bytes) {
+        std::vector<std::string> notes;
+        if (b.planned_memory->total_bytes > 0)
+          notes.push_back(absl::StrFormat("%.0f %% of the plan",
+                                          100.0 * static_cast<double>(*b.measured_memory_bytes) /
+                                              static_cast<double>(b.planned_memory->total_bytes)));
+        if (b.device_memory_used_bytes)
+          notes.push_back(FormatMemoryBytes(*b.device_memory_used_bytes) + " in use on the device");
+        measured = FormatMemoryBytes(*b.measured_memory_bytes);
+        if (!notes.empty()) absl::StrAppend(&measured, " (", absl::StrJoin(notes, "; "), ")");
+      }
+      out += absl::StrFormat("#   device memory planned %s, measured %s\n",
+                             FormatMemoryBytes(b.planned_memory->total_bytes), measured);
+    }
     if (b.prefill_roofline_tok_s && b.prefill_roofline_fraction)
       out += absl::StrFormat(
           "#   prefill roofline %.0f tok/s: %.4g TFLOP a prefill at the device's bf16 tensor rate; "
@@ -154,10 +165,13 @@ std::string FormatResultRows(const TrialResult& r) {
           *b.prefill_roofline_tok_s, b.prefill_flops / 1e12, 100 * *b.prefill_roofline_fraction);
   }
   out += YardstickLine(v);
-  out += absl::StrFormat("#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)\n",
-                         r.load_seconds, r.graph_capture_seconds,
-                         r.peak_memory_bytes / (1024.0 * 1024.0 * 1024.0),
-                         r.device == "cpu" ? "host RSS" : "device");
+  out += absl::StrFormat(
+      "#   load %.2f s, graph capture %.2f s, peak memory %.2f GiB (%s)%s\n", r.load_seconds,
+      r.graph_capture_seconds, r.peak_memory_bytes / (1024.0 * 1024.0 * 1024.0),
+      r.device == "cpu" ? "host RSS" : "device",
+      r.model_memory_bytes
+          ? absl::StrCat(", the model built held ", FormatMemoryBytes(*r.model_memory_bytes))
+          : "");
   return out;
 }
 

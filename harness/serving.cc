@@ -21,9 +21,6 @@
 namespace infersweep {
 namespace {
 
-// Open loop without a cap: KV slots reserved when the spec gives no bound of its own.
-constexpr int kUncappedSlots = 256;
-
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -256,13 +253,20 @@ bool MeetsSlo(const ServeMetrics& metrics, const Slo& slo) {
 
 absl::StatusOr<LoadPointResult> RunLoadPoint(Model& model, const ServeSpec& spec,
                                              const LoadPoint& point, const Slo& slo,
-                                             GpuEnergyMeter* energy) {
+                                             GpuEnergyMeter* energy, int slot_cap) {
   LoadPointResult result;
   result.point = point;
-  int slots = point.concurrency;
-  if (point.open_loop && slots == 0)
-    slots =
-        spec.requests > 0 ? std::min(spec.requests + spec.warmup, kUncappedSlots) : kUncappedSlots;
+  int slots = ServingSlots(spec, point);
+  if (slot_cap > 0 && slots > slot_cap) {
+    // Fewer slots hold an open loop's arrivals back until a sequence retires; a closed loop's
+    // concurrency is the load itself.
+    if (!point.open_loop)
+      return absl::FailedPreconditionError(
+          absl::StrCat(LoadPointName(point), ": ", slots, " sequences in flight, above the ",
+                       slot_cap, " KV slots the memory plan allows"));
+    slots = slot_cap;
+    result.slots_capped_at = slot_cap;
+  }
   RETURN_IF_ERROR(model.StartServing(slots, spec.isl_max + spec.osl_max));
 
   if (spec.warmup > 0) {
@@ -480,7 +484,8 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
 
 absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
                                         const ServedJudge& judge,
-                                        std::span<const LoadPointResult> served, int rate_probes) {
+                                        std::span<const LoadPointResult> served, int rate_probes,
+                                        int slot_cap) {
   SloSearch search;
   const bool open_loop = spec.concurrency.empty();
   // Serves one load and says whether it meets the SLO.
@@ -493,7 +498,7 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
     if (auto it = std::find_if(served.begin(), served.end(), same); it != served.end()) {
       result = *it;  // a listed load point, served and judged already
     } else {
-      ASSIGN_OR_RETURN(result, RunLoadPoint(model, spec, point, slo));
+      ASSIGN_OR_RETURN(result, RunLoadPoint(model, spec, point, slo, nullptr, slot_cap));
       result.requests_checked = result.requests_matching = 0;  // not judged (yet)
     }
     const bool meets = MeetsSlo(result.metrics, slo);
@@ -517,6 +522,10 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
   if (!open_loop) {
     int lo = *std::min_element(spec.concurrency.begin(), spec.concurrency.end());
     int hi = *std::max_element(spec.concurrency.begin(), spec.concurrency.end());
+    if (slot_cap > 0) {  // no load above the slots that fit is probed
+      if (lo > slot_cap) return judged();
+      hi = std::min(hi, slot_cap);
+    }
     ASSIGN_OR_RETURN(const bool top, probe({false, hi, 0}));
     if (top || lo == hi) return judged();
     ASSIGN_OR_RETURN(const bool bottom, probe({false, lo, 0}));
@@ -543,8 +552,8 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
 }
 
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
-                               const Slo& slo, const FaultInjection& fault,
-                               GpuEnergyMeter* energy) {
+                               const Slo& slo, const FaultInjection& fault, GpuEnergyMeter* energy,
+                               const ServingMemoryDecision* memory) {
   ServeTrialResult trial;
   auto fail = [&](TrialStatus status, std::string reason) {
     trial.status = status;
@@ -576,8 +585,19 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
                  : CheckServedAgainstReference(**model, **judge_model, preflight.precision,
                                                kServedReferenceSample, result, &reference_logits);
   };
+  const int slot_cap = memory ? memory->slot_cap : 0;
   for (const LoadPoint& point : LoadPoints(spec)) {
-    auto result = RunLoadPoint(**model, spec, point, slo, energy);
+    if (memory)
+      if (auto it = memory->does_not_fit.find(LoadPointName(point));
+          it != memory->does_not_fit.end()) {
+        LoadPointResult refused;
+        refused.point = point;
+        refused.verdict = TrialStatus::kUnsupported;
+        refused.unsupported_reason = it->second;
+        trial.points.push_back(std::move(refused));
+        continue;
+      }
+    auto result = RunLoadPoint(**model, spec, point, slo, energy, slot_cap);
     if (!result.ok())
       return fail(
           absl::IsUnimplemented(result.status()) ? TrialStatus::kUnsupported : TrialStatus::kError,
@@ -587,7 +607,7 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
     trial.points.push_back(std::move(*result));
   }
   if (!slo.empty()) {
-    auto search = SearchSloLoad(**model, spec, slo, judge, trial.points);
+    auto search = SearchSloLoad(**model, spec, slo, judge, trial.points, 5, slot_cap);
     if (!search.ok())
       return fail(TrialStatus::kError, absl::StrCat("slo search: ", search.status().message()));
     trial.slo_search = std::move(*search);
@@ -610,6 +630,8 @@ ServingPoint ToServingPoint(const LoadPointResult& r, const Slo& slo) {
   p.requests_checked = r.requests_checked;
   p.requests_matching = r.requests_matching;
   p.first_mismatch = r.mismatch;
+  p.reason = r.unsupported_reason;
+  p.slots_capped_at = r.slots_capped_at;
   p.steps = r.steps;
   p.peak_running = r.peak_running;
   p.completed = m.completed;
@@ -660,6 +682,8 @@ std::string FormatLoadPointLine(const LoadPointResult& r, const Slo& slo) {
 }
 
 std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
+  if (p.verdict == TrialStatus::kUnsupported)  // the memory plan refused it: nothing served
+    return absl::StrFormat("%-28s %-9s %s\n", LoadPointName(p.point), "UNSUPPORTED", p.reason);
   std::string line = absl::StrFormat(
       "%-28s %-9s completed=%d matching=%d/%d steps=%d peak_running=%d duration_s=%.3f",
       LoadPointName(p.point),
@@ -685,12 +709,13 @@ std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
   }
   if (p.energy_j_per_output_token)
     absl::StrAppendFormat(&line, " energy_j_per_output_token=%.4f", *p.energy_j_per_output_token);
+  if (p.slots_capped_at) absl::StrAppendFormat(&line, " slots_capped_at=%d", *p.slots_capped_at);
   if (p.reference_kl_mean)
-    absl::StrAppend(&line,
-                    absl::StrFormat("\n#   judged against the reference on %d sampled requests "
-                                    "through ragged steps: kl_mean %.3g, top1 %.3f",
-                                    p.requests_checked, *p.reference_kl_mean,
-                                    p.reference_top1.value_or(0)));
+    absl::StrAppend(
+        &line,
+        absl::StrFormat("\n#   judged against the reference on %d sampled requests "
+                        "through ragged steps: kl_mean %.3g, top1 %.3f",
+                        p.requests_checked, *p.reference_kl_mean, p.reference_top1.value_or(0)));
   if (!p.first_mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", p.first_mismatch);
   return line + "\n";
 }

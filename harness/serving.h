@@ -25,6 +25,7 @@
 #include "engine/model.h"
 #include "engine/weights.h"
 #include "harness/gpu_sampler.h"
+#include "harness/memory_verdict.h"
 
 namespace infersweep {
 
@@ -85,13 +86,19 @@ struct LoadPointResult {
   std::string mismatch;  // the first mismatch, described
   // CheckServedAgainstReference: the sample's KL to the reference (mean, nats) and top-1 agreement.
   std::optional<double> reference_kl_mean, reference_top1;
+  // The memory plan's part (harness/memory_verdict.h): an UNSUPPORTED point's reason (its slots
+  // do not fit; nothing was served), or the KV slots an open-loop point was capped at.
+  std::string unsupported_reason;
+  std::optional<int> slots_capped_at;
 };
 
 // Serves one load point on `model` (StartServing, then admissions, ragged steps, retirements).
-// Unimplemented when the model runs no ragged steps.
+// Unimplemented when the model runs no ragged steps. `slot_cap` > 0: at most that many KV slots
+// (the memory plan's cap): an open-loop point reserves no more, a closed loop above it is
+// refused (FailedPrecondition).
 absl::StatusOr<LoadPointResult> RunLoadPoint(Model& model, const ServeSpec& spec,
                                              const LoadPoint& point, const Slo& slo,
-                                             GpuEnergyMeter* energy = nullptr);
+                                             GpuEnergyMeter* energy = nullptr, int slot_cap = 0);
 
 // The request run alone: a lockstep batch of 1, its prompt fed as the server feeds a lone
 // request (pieces of `chunk` tokens; the whole prompt when 0), then greedy decode.
@@ -140,10 +147,12 @@ struct SloSearch {
 };
 // `judge` sets the answer's verdict (CheckServedTokens or CheckServedAgainstReference).
 using ServedJudge = std::function<absl::Status(LoadPointResult*)>;
+// `slot_cap` > 0 (the memory plan's): closed-loop probes stay at or below it, open-loop ones
+// reserve no more slots.
 absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, const Slo& slo,
                                         const ServedJudge& judge,
                                         std::span<const LoadPointResult> served = {},
-                                        int rate_probes = 5);
+                                        int rate_probes = 5, int slot_cap = 0);
 
 // A serving trial on host weights: the config under test (with `fault`, TEST ONLY) serves each
 // load point of the spec, judged by CheckServedTokens against a fault-free model of the same config
@@ -160,10 +169,13 @@ struct ServeTrialResult {
   // serving, so it is the peak reading).
   std::optional<int64_t> device_memory_used_bytes;
 };
-// `energy` (GPU configs, optional): the listed load points' energy per output token.
+// `energy` (GPU configs, optional): the listed load points' energy per output token. `memory`
+// (CUDA configs, optional): the memory plan's decision; its refused points are UNSUPPORTED with
+// its words and not served, and the others run under its slot cap.
 ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, const ServeSpec& spec,
                                const Slo& slo, const FaultInjection& fault = {},
-                               GpuEnergyMeter* energy = nullptr);
+                               GpuEnergyMeter* energy = nullptr,
+                               const ServingMemoryDecision* memory = nullptr);
 
 // A load point as a result carries it (api/trial.h); with an SLO, whether its percentiles meet it.
 ServingPoint ToServingPoint(const LoadPointResult& result, const Slo& slo);

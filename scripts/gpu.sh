@@ -52,6 +52,16 @@ for stage in $STAGES; do
     for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
+  ptests)  # the GPU test binaries at once, each under its limit (PTESTS_TIMEOUT_S, default
+    # 330 s); then the memory-verdict tests alone, since one holds 90 % of the GPU
+    for t in gpu_kernels_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
+      gpu_tests ".carry/$t" "${PTESTS_TIMEOUT_S:-330}" "$t.log" '^#|OK \]|FAILED|Failure|error' &
+    done
+    gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='-*Fit*' &
+    wait
+    gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
+      --gtest_filter='*Fit*' ;;
   tp)  # the collective seam: its GPU tests (custom/fused ranks as streams of one GPU, NCCL's
     # single-rank communicator, the engine at tp=1 through the seam judged OK), allreduce-bench
     # --device cuda (4 KB to 256 MB, eager and graph), and batch 1 and 64 decode with the seam

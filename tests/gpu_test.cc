@@ -162,7 +162,8 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   std::vector<BackendConfig> configs = ExpandMatrix(axes);
   for (const BackendConfig& c : ExpandMatrix(parallel_axes)) configs.push_back(c);
   const std::vector<std::string> must_run = {
-      "device=cuda", "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
+      "device=cuda",
+      "device=cuda,gemm=cublaslt,attention=flash,moe=grouped",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on",
       "device=cuda,gemm=tma,attention=flash,kv_cache=bf16,moe=wgmma,graphs=on",
       "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent",
@@ -211,9 +212,9 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
 
 // Serving on the GPU: ragged steps (decode rows at their own positions beside prefill chunks of
 // other sequences), each config judged as a serving trial judges it. The fp32 reference's served
-// tokens equal its lone runs' exactly; bf16- and fp8-class configs (graphs=on replays a graph per bucket of
-// decode rows, the spare slot taking the padding rows) meet the reference's picks. Hybrids are
-// refused with the reason.
+// tokens equal its lone runs' exactly; bf16- and fp8-class configs (graphs=on replays a graph per
+// bucket of decode rows, the spare slot taking the padding rows) meet the reference's picks.
+// Hybrids are refused with the reason.
 TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
   REQUIRE_GPU();
   auto host = LoadHostModel("preset:tiny-moe", LoadOptions{2, 1, false});
@@ -247,12 +248,9 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
   EXPECT_THAT(refused.reason, ::testing::HasSubstr("ragged steps of hybrid models"));
 }
 
-// A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
-// time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 512 tokens) that the
-// energy counter, which moves in steps tens of ms apart, moves between readings.
 // Another tenant holding 90 % of the GPU before the trial starts: the memory plan says the model
 // does not fit, UNSUPPORTED with what it needs and what is free, before any weight loads; no
-// out-of-memory.
+// out-of-memory. The batch size carries its "does not fit" with the plan.
 TEST(Gpu, AConfigThatCannotFitIsUnsupportedBeforeAnyWeightLoads) {
   REQUIRE_GPU();
   TrialRequest request = GpuRequest("preset:qwen3-30b-a3b", "device=cuda", "hog-gpu-memory:0.9");
@@ -264,7 +262,11 @@ TEST(Gpu, AConfigThatCannotFitIsUnsupportedBeforeAnyWeightLoads) {
   EXPECT_THAT(result.reason, ::testing::HasSubstr("(weights 56.87 GiB, "));
   EXPECT_THAT(result.reason, ::testing::HasSubstr(" free"));
   EXPECT_EQ(result.load_seconds, 0);  // nothing loaded
-  EXPECT_TRUE(result.batches.empty());
+  ASSERT_EQ(result.batches.size(), 1u);
+  EXPECT_EQ(result.batches[0].memory_verdict, BatchMemoryVerdict::kDoesNotFit);
+  EXPECT_THAT(result.batches[0].memory_reason, ::testing::StartsWith("needs "));
+  ASSERT_TRUE(result.batches[0].planned_memory.has_value());
+  EXPECT_GT(result.batches[0].planned_memory->pool_bytes.at("weights"), int64_t{56} << 30);
 }
 
 // A batch size the GPU cannot hold gets "does not fit" with the plan's breakdown; the size that
@@ -286,9 +288,24 @@ TEST(Gpu, ABatchThatCannotFitGetsItsOwnVerdictAndTheOthersRun) {
   ASSERT_TRUE(fits.device_memory_used_bytes.has_value());
   EXPECT_GT(fits.planned_memory->total_bytes, 0);
   EXPECT_GT(*fits.device_memory_used_bytes, 0);
-  std::printf("batch 1: planned %s, in use after it %s\n",
-              FormatMemoryBytes(fits.planned_memory->total_bytes).c_str(),
-              FormatMemoryBytes(*fits.device_memory_used_bytes).c_str());
+  // Planned against measured: what the trial holds (in use less what was before it) beside the
+  // plan's total, and the model once built beside its weights, copies and workspaces.
+  ASSERT_TRUE(fits.measured_memory_bytes.has_value());
+  ASSERT_TRUE(result.model_memory_bytes.has_value());
+  const auto& pools = fits.planned_memory->pool_bytes;
+  const int64_t planned_model = pools.at("weights") + pools.at("copies") + pools.at("workspaces");
+  std::printf(
+      "batch 1: planned %s, measured %s (%.1f %%); model built: planned %s, measured %s "
+      "(%.1f %%); in use on the device %s\n",
+      FormatMemoryBytes(fits.planned_memory->total_bytes).c_str(),
+      FormatMemoryBytes(*fits.measured_memory_bytes).c_str(),
+      100.0 * *fits.measured_memory_bytes / fits.planned_memory->total_bytes,
+      FormatMemoryBytes(planned_model).c_str(),
+      FormatMemoryBytes(*result.model_memory_bytes).c_str(),
+      100.0 * *result.model_memory_bytes / planned_model,
+      FormatMemoryBytes(*fits.device_memory_used_bytes).c_str());
+  EXPECT_GT(*fits.measured_memory_bytes, fits.planned_memory->total_bytes / 2);
+  EXPECT_LT(*fits.measured_memory_bytes, fits.planned_memory->total_bytes * 3 / 2);
   const BatchFigures& refused = result.batches[1];
   EXPECT_EQ(refused.batch, 1024);
   EXPECT_EQ(refused.memory_verdict, BatchMemoryVerdict::kDoesNotFit);
@@ -297,6 +314,9 @@ TEST(Gpu, ABatchThatCannotFitGetsItsOwnVerdictAndTheOthersRun) {
   EXPECT_EQ(refused.output_tok_s.median, 0);
 }
 
+// A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load
+// time includes the upload. Long enough (qwen3-30b-a3b shapes, 2 layers, 512 tokens) that the
+// energy counter, which moves in steps tens of ms apart, moves between readings.
 TEST(Gpu, TrialIsTimedByEventsWithEnergyAndDeviceMemory) {
   REQUIRE_GPU();
   TrialRequest request = GpuRequest("preset:qwen3-30b-a3b",
@@ -669,7 +689,8 @@ TEST(Gpu, LongLockstepPrefillRunsAsChunksAndMatchesAHandChunkedOne) {
   auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda"));
   ASSERT_TRUE(config.ok()) << config.status();
   std::vector<int32_t> prompt(static_cast<size_t>(batch) * prompt_len);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 3) % vocab);
+  for (size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<int32_t>((i * 7919 + 3) % vocab);
   auto whole = CreateModel(**host, *config);
   auto chunked = CreateModel(**host, *config);
   auto greedy = CreateModel(**host, *config);
@@ -694,7 +715,8 @@ TEST(Gpu, LongLockstepPrefillRunsAsChunksAndMatchesAHandChunkedOne) {
   ASSERT_TRUE((*greedy)->ForwardGreedy(prompt, prompt_len, &picked).ok());
   ASSERT_EQ(picked.size(), static_cast<size_t>(batch));
   for (int b = 0; b < batch; ++b)
-    EXPECT_EQ(picked[b], Greedy({want.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)}))
+    EXPECT_EQ(picked[b],
+              Greedy({want.data() + static_cast<size_t>(b) * vocab, static_cast<size_t>(vocab)}))
         << "sequence " << b;
 }
 

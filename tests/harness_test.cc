@@ -114,7 +114,10 @@ TEST(Preflight, KvCacheFp8IsAnFp8ClassValueForFlashOnly) {
        "kv_cache=fp8 cannot be combined with attention=naive"},
       {{{"device", "cuda"}, {"attention", "cudnn"}, {"kv_cache", "fp8"}},
        "cuDNN's fused attention reads bf16 K and V"},
-      {{{"device", "cuda"}, {"gemm", "fused"}, {"attention", "flash"}, {"kv_cache", "fp8"},
+      {{{"device", "cuda"},
+        {"gemm", "fused"},
+        {"attention", "flash"},
+        {"kv_cache", "fp8"},
         {"graphs", "persistent"}},
        "the persistent kernel's own attention reads a bf16 cache"}};
   for (const auto& [axes, reason] : refused) {
@@ -1141,13 +1144,16 @@ TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
   EXPECT_TRUE(result.batches[0].measured());
   // CPU configs are not planned: none of the new fields is written.
   const nlohmann::json cpu = ToJson(result).at("batches").at(0);
-  for (const char* key :
-       {"memory_verdict", "memory_reason", "planned_memory", "device_memory_used_bytes"})
+  for (const char* key : {"memory_verdict", "memory_reason", "planned_memory",
+                          "device_memory_used_bytes", "measured_memory_bytes"})
     EXPECT_FALSE(cpu.contains(key)) << key;
+  EXPECT_FALSE(ToJson(result).contains("model_memory_bytes"));
 
   result.batches[0].planned_memory =
       PlannedMemory{3 << 20, {{"weights", 2 << 20}, {"KV", 1 << 20}}};
   result.batches[0].device_memory_used_bytes = 5 << 20;
+  result.batches[0].measured_memory_bytes = 4 << 20;
+  result.model_memory_bytes = 2 << 20;
   BatchFigures refused;
   refused.batch = 512;
   refused.memory_verdict = BatchMemoryVerdict::kDoesNotFit;
@@ -1171,6 +1177,8 @@ TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
   ASSERT_EQ(back->batches.size(), measured + 2);
   EXPECT_TRUE(back->batches[0].measured());
   EXPECT_EQ(back->batches[0].device_memory_used_bytes, 5 << 20);
+  EXPECT_EQ(back->batches[0].measured_memory_bytes, 4 << 20);
+  EXPECT_EQ(back->model_memory_bytes, 2 << 20);
   ASSERT_TRUE(back->batches[0].planned_memory.has_value());
   EXPECT_EQ(back->batches[0].planned_memory->total_bytes, 3 << 20);
   EXPECT_EQ(back->batches[0].planned_memory->pool_bytes.at("weights"), 2 << 20);
@@ -1184,7 +1192,8 @@ TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
   const std::string table = FormatResultRows(*back);
   EXPECT_THAT(table, HasSubstr("batch 512 does not fit: needs 80.00 GiB on the device"));
   EXPECT_THAT(table, HasSubstr("batch 1024 out of memory: attention KV cache"));
-  EXPECT_THAT(table, HasSubstr("device memory planned 3.0 MiB, in use after the batch 5.0 MiB"));
+  EXPECT_THAT(table, HasSubstr("device memory planned 3.0 MiB, measured 4.0 MiB (133 % of the "
+                               "plan; 5.0 MiB in use on the device)"));
 
   nlohmann::json bad = j;
   bad["batches"][measured]["memory_verdict"] = "TOO_BIG";
@@ -1202,6 +1211,14 @@ TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
   bad["batches"][0]["device_memory_used_bytes"] = "lots";
   EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
               HasSubstr("device_memory_used_bytes: not a byte count"));
+  bad = j;
+  bad["batches"][0]["measured_memory_bytes"] = 1.5;
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("measured_memory_bytes: not a whole number of bytes"));
+  bad = j;
+  bad["model_memory_bytes"] = "some";
+  EXPECT_THAT(std::string(TrialResultFromJson(bad).status().message()),
+              HasSubstr("result.model_memory_bytes: not a whole number of bytes"));
 }
 
 // hog-gpu-memory:F takes a fraction of free memory in (0, 1); on a CPU config it does nothing.

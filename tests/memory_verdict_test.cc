@@ -10,6 +10,7 @@
 
 #include "api/backend_config.h"
 #include "api/model_config.h"
+#include "api/serve_spec.h"
 
 namespace infersweep {
 namespace {
@@ -64,7 +65,9 @@ TEST(MemoryVerdict, TheSmallestBatchNotFittingMakesTheTrialUnsupported) {
             "batch 1: needs 10.25 GiB on the device (weights 10.00 GiB, copies 0 B, KV 256.0 MiB, "
             "recurrent state 0 B, scratch 0 B, workspaces 0 B, graph pools 0 B), 10.00 GiB free");
   EXPECT_TRUE(d->run.empty());
-  EXPECT_TRUE(d->does_not_fit.empty());
+  // Every size that does not fit keeps its words for the result's per-batch verdicts.
+  EXPECT_EQ(d->does_not_fit.size(), 3u);
+  EXPECT_THAT(d->does_not_fit.at(64), StartsWith("needs 26.00 GiB on the device"));
 }
 
 TEST(MemoryVerdict, ThePlanFitsExactlyTheFreeBytes) {
@@ -90,6 +93,7 @@ TEST(MemoryVerdict, RanksRunEveryBatchOrNone) {
   ASSERT_TRUE(d->unsupported.has_value());
   EXPECT_THAT(*d->unsupported, StartsWith("batch 64: needs 26.00 GiB on the device"));
   EXPECT_TRUE(d->run.empty());
+  EXPECT_THAT(d->does_not_fit, ::testing::ElementsAre(::testing::Key(64)));
   EXPECT_THAT(DecideMemory(ThreeBatches(), 40 * kGiB, options)->run, ElementsAre(1, 8, 64));
 }
 
@@ -158,6 +162,128 @@ TEST(MemoryVerdict, Qwen3MoeOnAnH200) {
   EXPECT_THAT(*d->unsupported, StartsWith("batch 1: needs 5"));
   EXPECT_THAT(*d->unsupported, HasSubstr("(weights 56.87 GiB, "));
   EXPECT_THAT(*d->unsupported, HasSubstr("13.90 GiB free"));
+}
+
+// A serving model of 10 GiB of weights whose KV slot takes 1 GiB: the planner the executor
+// passes, counting the slots it was asked for.
+SlotMemoryPlanner SlotsOf(std::vector<int>* asked = nullptr) {
+  return [asked](int slots) -> absl::StatusOr<MemoryPlan> {
+    if (asked) asked->push_back(slots);
+    return PlanOf(10, slots);
+  };
+}
+
+ServeSpec SpecOf(const std::string& text) {
+  absl::StatusOr<ServeSpec> spec = ParseServeSpec(text);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.value_or(ServeSpec{});
+}
+
+TEST(ServingMemory, EveryPointThatFitsRunsUncapped) {
+  absl::StatusOr<ServingMemoryDecision> d =
+      DecideServingMemory(SpecOf("concurrency=1:8,requests=8"), SlotsOf(), 18 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->unsupported.has_value());
+  EXPECT_EQ(d->slot_cap, 0);
+  EXPECT_TRUE(d->does_not_fit.empty());
+}
+
+// 20 GiB free hold 10 slots: concurrency 16 and 64 do not fit (each with its breakdown), 1
+// and 8 run, and the cap is 10.
+TEST(ServingMemory, ClosedLoopPointsAboveTheCapDoNotFit) {
+  std::vector<int> asked;
+  absl::StatusOr<ServingMemoryDecision> d =
+      DecideServingMemory(SpecOf("concurrency=1:8:16:64,requests=8"), SlotsOf(&asked), 20 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->unsupported.has_value());
+  EXPECT_EQ(d->slot_cap, 10);
+  ASSERT_EQ(d->does_not_fit.size(), 2u);
+  EXPECT_EQ(d->does_not_fit.at("concurrency=16"),
+            "16 KV slots: needs 26.00 GiB on the device (weights 10.00 GiB, copies 0 B, KV 16.00 "
+            "GiB, recurrent state 0 B, scratch 0 B, workspaces 0 B, graph pools 0 B), 20.00 GiB "
+            "free");
+  EXPECT_THAT(d->does_not_fit.at("concurrency=64"), StartsWith("64 KV slots: needs 74.00 GiB"));
+  // The bisection asks for few plans: log2(64) and the refused points', not every count.
+  EXPECT_LE(asked.size(), 12u);
+}
+
+// An open loop's slots (its cap, or its requests) are capped, never refused, while one fits.
+TEST(ServingMemory, OpenLoopPointsAreCapped) {
+  absl::StatusOr<ServingMemoryDecision> d =
+      DecideServingMemory(SpecOf("rate=1:4,max_concurrency=32,requests=16"), SlotsOf(), 20 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->unsupported.has_value());
+  EXPECT_EQ(d->slot_cap, 10);
+  EXPECT_TRUE(d->does_not_fit.empty());
+  // No cap: the warm-up and timed requests are its slots (here 16).
+  d = DecideServingMemory(SpecOf("rate=2,requests=12,warmup=4"), SlotsOf(), 26 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->slot_cap, 0);
+  d = DecideServingMemory(SpecOf("rate=2,requests=12,warmup=4"), SlotsOf(), 25 * kGiB);
+  EXPECT_EQ(d->slot_cap, 15);
+}
+
+TEST(ServingMemory, NothingFittingIsUnsupported) {
+  absl::StatusOr<ServingMemoryDecision> d =
+      DecideServingMemory(SpecOf("rate=2,requests=4"), SlotsOf(), 10 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(d->unsupported.has_value());
+  EXPECT_THAT(*d->unsupported, StartsWith("1 KV slot: needs 11.00 GiB on the device"));
+  // Every point a refused closed loop: the smallest's words.
+  d = DecideServingMemory(SpecOf("concurrency=16:32,requests=4"), SlotsOf(), 20 * kGiB);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(d->unsupported.has_value());
+  EXPECT_THAT(*d->unsupported, StartsWith("concurrency=16: 16 KV slots: needs 26.00 GiB"));
+  // The correctness check's plan is refused first.
+  const MemoryPlan judging = PlanOf(30, 0);
+  d = DecideServingMemory(SpecOf("concurrency=1,requests=4"), SlotsOf(), 20 * kGiB, &judging);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_THAT(d->unsupported.value_or(""), StartsWith("correctness check: needs 30.00 GiB"));
+}
+
+TEST(ServingMemory, APlannerErrorIsPassedOn) {
+  const SlotMemoryPlanner broken = [](int) -> absl::StatusOr<MemoryPlan> {
+    return absl::UnimplementedError("attention plan: no");
+  };
+  EXPECT_THAT(
+      std::string(
+          DecideServingMemory(SpecOf("concurrency=2,requests=2"), broken, kGiB).status().message()),
+      HasSubstr("attention plan: no"));
+}
+
+// The scheduler's largest step: whole prompts of every slot, one chunk, or the token budget.
+TEST(ServingMemory, LargestRaggedStepRowsFollowTheScheduler) {
+  EXPECT_EQ(LargestRaggedStepRows(SpecOf("concurrency=8,isl=100,requests=8"), 8), 800);
+  EXPECT_EQ(LargestRaggedStepRows(SpecOf("concurrency=8,isl=100,chunk=32,requests=8"), 8), 40);
+  EXPECT_EQ(LargestRaggedStepRows(
+                SpecOf("concurrency=8,isl=100,chunk=32,prefill_tokens=96,requests=8"), 8),
+            104);
+  EXPECT_EQ(ServingSlots(SpecOf("rate=2,requests=300"), {true, 0, 2}), kUncappedServingSlots);
+  EXPECT_EQ(ServingSlots(SpecOf("rate=2,max_concurrency=4,requests=300"), {true, 4, 2}), 4);
+  EXPECT_EQ(ServingSlots(SpecOf("concurrency=3,requests=3"), {false, 3, 0}), 3);
+}
+
+// A ragged step's rows size the serving plan's scratch, not the lockstep prefill's.
+TEST(ServingMemory, TheServingPlanSizesScratchByTheRaggedStep) {
+  absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<ModelConfig> model = PresetConfig("qwen3-30b-a3b", 2);
+  ASSERT_TRUE(model.ok()) << model.status();
+  MemoryWorkload w;
+  w.batch = 8;
+  w.prompt_tokens = 1024;
+  w.generated_tokens = 64;
+  w.serving = true;
+  w.ragged_step_rows = 40;
+  absl::StatusOr<MemoryPlan> chunked = PlanMemory(*config, *model, "", w);
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  EXPECT_EQ(chunked->step_rows, 40);
+  EXPECT_EQ(chunked->kv_sequences, 9);  // the slots and one spare
+  w.ragged_step_rows = 8 * 1024;
+  absl::StatusOr<MemoryPlan> whole = PlanMemory(*config, *model, "", w);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->step_rows, 8192);
+  EXPECT_GT(whole->bytes(MemoryPool::kScratch), chunked->bytes(MemoryPool::kScratch));
 }
 
 }  // namespace

@@ -222,6 +222,12 @@ TEST(ServingJson, WorkloadAndResultRoundTrip) {
   r.status = TrialStatus::kIncorrect;
   r.serving = {MakePoint(1, 100, 2, TrialStatus::kOk),
                MakePoint(4, 300, 5, TrialStatus::kIncorrect)};
+  r.serving[0].slots_capped_at = 3;  // the memory plan's cap and a refused point's words
+  ServingPoint refused;
+  refused.point = {false, 64, 0};
+  refused.verdict = TrialStatus::kUnsupported;
+  refused.reason = "64 KV slots: needs 90.00 GiB on the device (...), 80.00 GiB free";
+  r.serving.push_back(refused);
   ServingSloSearch search;
   search.found = true;
   search.best = MakePoint(3, 250, 4, TrialStatus::kOk);
@@ -233,8 +239,13 @@ TEST(ServingJson, WorkloadAndResultRoundTrip) {
   EXPECT_EQ(j["serving"][1]["verdict"], "INCORRECT");
   absl::StatusOr<TrialResult> parsed = TrialResultFromJson(j);
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  ASSERT_EQ(parsed->serving.size(), 2u);
+  ASSERT_EQ(parsed->serving.size(), 3u);
   EXPECT_EQ(ToJson(*parsed), j);
+  EXPECT_EQ(parsed->serving[0].slots_capped_at, 3);
+  EXPECT_FALSE(parsed->serving[1].slots_capped_at.has_value());
+  EXPECT_EQ(parsed->serving[2].verdict, TrialStatus::kUnsupported);
+  EXPECT_EQ(parsed->serving[2].reason, refused.reason);
+  EXPECT_FALSE(j["serving"][1].contains("reason"));
   // A lockstep result's JSON has neither key.
   EXPECT_FALSE(ToJson(TrialResult{}).contains("serving"));
 
@@ -242,6 +253,10 @@ TEST(ServingJson, WorkloadAndResultRoundTrip) {
   bad["serving"][0]["mode"] = "burst";
   EXPECT_THAT(TrialResultFromJson(bad).status().message(),
               HasSubstr("result.serving[].mode: unknown 'burst'"));
+  bad = j;
+  bad["serving"][0]["slots_capped_at"] = 0;
+  EXPECT_THAT(TrialResultFromJson(bad).status().message(),
+              HasSubstr("result.serving[].slots_capped_at: not a positive slot count"));
   bad = j;
   bad["serving"][0]["p99_ttft_ms"] = "slow";
   EXPECT_THAT(TrialResultFromJson(bad).status().message(),

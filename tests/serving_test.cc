@@ -224,6 +224,45 @@ TEST(Serving, TinyMoeAtPoissonRateMatchesLoneRuns) {
   EXPECT_LE(capped_trial.points[0].peak_running, 2);
 }
 
+// The memory plan's decision on a served trial: a refused closed-loop point is UNSUPPORTED with
+// its words and never served; an open-loop point runs on the capped slots (fewer in flight) and
+// says so; the other points run and match their lone runs.
+TEST(Serving, TheMemoryPlanRefusesAndCapsLoadPoints) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  ServingMemoryDecision memory;
+  memory.slot_cap = 2;
+  memory.does_not_fit["concurrency=4"] = "4 KV slots: needs 9.00 GiB on the device (...)";
+  const ServeSpec closed = Spec("concurrency=2:4,isl=8-24,osl=3-8,requests=6");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, closed, {}, {}, nullptr, &memory);
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  ASSERT_EQ(trial.points.size(), 2u);
+  EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk);
+  EXPECT_EQ(trial.points[0].requests_matching, 6);
+  EXPECT_EQ(trial.points[1].verdict, TrialStatus::kUnsupported);
+  EXPECT_EQ(trial.points[1].unsupported_reason, memory.does_not_fit.at("concurrency=4"));
+  EXPECT_EQ(trial.points[1].steps, 0);  // nothing served
+  const ServingPoint refused = ToServingPoint(trial.points[1], {});
+  EXPECT_EQ(refused.reason, memory.does_not_fit.at("concurrency=4"));
+  EXPECT_THAT(FormatServingPointLine(refused, {}), HasSubstr("UNSUPPORTED 4 KV slots: needs"));
+
+  const ServeSpec open = Spec("rate=400,max_concurrency=6,isl=8-24,osl=3-8,requests=6");
+  const ServeTrialResult capped = RunServeTrial(*host, kCpu, open, {}, {}, nullptr, &memory);
+  ExpectAllMatch(capped, open);
+  EXPECT_LE(capped.points[0].peak_running, 2);
+  EXPECT_EQ(capped.points[0].slots_capped_at, 2);
+  EXPECT_EQ(ToServingPoint(capped.points[0], {}).slots_capped_at, 2);
+  EXPECT_THAT(FormatServingPointLine(ToServingPoint(capped.points[0], {}), {}),
+              HasSubstr(" slots_capped_at=2"));
+
+  // A closed loop above a cap is refused by RunLoadPoint itself, never run on fewer slots.
+  auto model = CreateModel(*host, kCpu);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto above = RunLoadPoint(**model, closed, {false, 4, 0}, {}, nullptr, 2);
+  EXPECT_EQ(above.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(above.status().message(), HasSubstr("above the 2 KV slots the memory plan allows"));
+}
+
 // Linear-attention layers keep their conv and recurrent state per slot.
 TEST(Serving, HybridModelKeepsStatePerSlot) {
   auto host = LoadPreset("tiny-hybrid");

@@ -8,11 +8,11 @@
 
 namespace infersweep {
 
-absl::StatusOr<int64_t> CurrentDeviceFreeBytes() {
+absl::StatusOr<DeviceMemoryInfo> CurrentDeviceMemory() {
   size_t free = 0, total = 0;
   if (absl::Status s = CudaStatus(cudaMemGetInfo(&free, &total), "cudaMemGetInfo"); !s.ok())
-    return absl::InternalError(absl::StrCat("device free memory: ", s.message()));
-  return static_cast<int64_t>(free);
+    return absl::InternalError(absl::StrCat("device memory: ", s.message()));
+  return DeviceMemoryInfo{static_cast<int64_t>(free), static_cast<int64_t>(total)};
 }
 
 absl::StatusOr<std::shared_ptr<void>> HoldDeviceMemory(double fraction) {

@@ -143,23 +143,40 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host) {
         it->second[j] = static_cast<int>(i);
       }
   }
+  auto bytes_of = [&](size_t i) {
+    return static_cast<size_t>(host.specs[i].numel()) * DTypeSize(host.tensors[i].dtype);
+  };
+  std::vector<std::array<int, 3>> groups;
+  std::vector<bool> grouped(host.specs.size(), false);
   for (const auto& [layer, index] : qkv) {
     if (index[0] < 0 || index[1] < 0 || index[2] < 0) continue;
-    size_t total = 0;
-    for (int i : index) total += static_cast<size_t>(host.specs[i].numel()) * 2;
-    ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(total));
+    groups.push_back(index);
+    for (int i : index) grouped[i] = true;
+  }
+  // Every tensor in one arena: sized first, then carved in the same order.
+  size_t arena_bytes = 0;
+  for (const auto& index : groups)
+    arena_bytes +=
+        DeviceArena::Aligned(bytes_of(index[0]) + bytes_of(index[1]) + bytes_of(index[2]));
+  for (size_t i = 0; i < host.specs.size(); ++i)
+    if (!grouped[i]) arena_bytes += DeviceArena::Aligned(bytes_of(i));
+  DeviceArena arena;
+  RETURN_IF_ERROR(arena.Reserve(dw->buffers, arena_bytes));
+  for (const auto& index : groups) {
+    ASSIGN_OR_RETURN(uint8_t * buffer,
+                     arena.Carve(bytes_of(index[0]) + bytes_of(index[1]) + bytes_of(index[2])));
     size_t offset = 0;
     for (int i : index) {
       placed[i] = buffer + offset;
-      offset += static_cast<size_t>(host.specs[i].numel()) * 2;
+      offset += bytes_of(i);
     }
   }
   for (size_t i = 0; i < host.specs.size(); ++i) {
     const TensorSpec& spec = host.specs[i];
     const HostTensor& t = host.tensors[i];
-    const size_t bytes = static_cast<size_t>(spec.numel()) * DTypeSize(t.dtype);
+    const size_t bytes = bytes_of(i);
     if (!placed[i]) {
-      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
+      ASSIGN_OR_RETURN(uint8_t * buffer, arena.Carve(bytes));
       placed[i] = buffer;
     }
     uint8_t* const buffer = placed[i];
@@ -210,16 +227,25 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
     if (host.specs[i].kind == WeightKind::kCenteredNorm)
       centered[host.tensors[i].data] = host.specs[i].numel();
   auto dw = std::make_shared<DeviceWeights>();
-  // Copies m to `at` (or a buffer of its own) and points m there.
-  auto upload = [&](MatrixRef& m, uint8_t* at = nullptr) -> absl::Status {
+  // Two passes over the shard: the first sizes the arena every matrix is carved from, the second
+  // carves and copies.
+  bool sizing = true;
+  size_t arena_bytes = 0;
+  DeviceArena arena;
+  // Copies m to `at` (in_group: its place in a group counted whole) or to a piece of the arena of
+  // its own, and points m there.
+  auto upload = [&](MatrixRef& m, uint8_t* at = nullptr, bool in_group = false) -> absl::Status {
     if (m.empty()) return absl::OkStatus();
     if (m.quantized())
       return absl::UnimplementedError(
           "device=cuda, tp > 1: quantized weights are not sharded for the CUDA engine");
     const size_t bytes = static_cast<size_t>(m.numel()) * DTypeSize(m.dtype);
+    if (sizing) {
+      if (!in_group) arena_bytes += DeviceArena::Aligned(bytes);
+      return absl::OkStatus();
+    }
     if (!at) {
-      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
-      at = buffer;
+      ASSIGN_OR_RETURN(at, arena.Carve(bytes));
     }
     CUDA_OR_DIE(cudaMemcpy(at, m.data, bytes, cudaMemcpyHostToDevice));
     const auto norm = centered.find(m.data);
@@ -238,38 +264,49 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
     return absl::OkStatus();
   };
   ModelWeights& w = dw->weights;
-  w = shard;
-  for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head}) RETURN_IF_ERROR(upload(*m));
-  for (LayerWeights& l : w.layers) {
-    const bool qkv_together = !l.q.empty() && !l.k.empty() && !l.v.empty() &&
-                              l.q.dtype == DType::kBF16 && l.k.dtype == DType::kBF16 &&
-                              l.v.dtype == DType::kBF16 && !l.q.quantized() && !l.k.quantized() &&
-                              !l.v.quantized();
-    if (qkv_together) {
-      const size_t bytes = static_cast<size_t>(l.q.numel() + l.k.numel() + l.v.numel()) * 2;
-      ASSIGN_OR_RETURN(auto buffer, dw->buffers.Allocate<uint8_t>(bytes));
-      uint8_t* at = buffer;
-      for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
-        const size_t part = static_cast<size_t>(m->numel()) * 2;
-        RETURN_IF_ERROR(upload(*m, at));
-        at += part;
+  auto walk = [&]() -> absl::Status {
+    w = shard;
+    for (MatrixRef* m : {&w.embed, &w.final_norm, &w.lm_head}) RETURN_IF_ERROR(upload(*m));
+    for (LayerWeights& l : w.layers) {
+      const bool qkv_together = !l.q.empty() && !l.k.empty() && !l.v.empty() &&
+                                l.q.dtype == DType::kBF16 && l.k.dtype == DType::kBF16 &&
+                                l.v.dtype == DType::kBF16 && !l.q.quantized() && !l.k.quantized() &&
+                                !l.v.quantized();
+      if (qkv_together) {
+        const size_t bytes = static_cast<size_t>(l.q.numel() + l.k.numel() + l.v.numel()) * 2;
+        uint8_t* at = nullptr;
+        if (sizing) {
+          arena_bytes += DeviceArena::Aligned(bytes);
+        } else {
+          ASSIGN_OR_RETURN(at, arena.Carve(bytes));
+        }
+        for (MatrixRef* m : {&l.q, &l.k, &l.v}) {
+          const size_t part = static_cast<size_t>(m->numel()) * 2;
+          RETURN_IF_ERROR(upload(*m, at, /*in_group=*/true));
+          if (!sizing) at += part;
+        }
+      } else {
+        for (MatrixRef* m : {&l.q, &l.k, &l.v}) RETURN_IF_ERROR(upload(*m));
       }
-    } else {
-      for (MatrixRef* m : {&l.q, &l.k, &l.v}) RETURN_IF_ERROR(upload(*m));
+      LinearAttentionWeights& la = l.linear_attn;
+      for (auto list :
+           {std::vector<MatrixRef*>{&l.input_norm, &l.post_attention_norm, &l.router,
+                                    &l.shared_expert_gate},
+            std::vector<MatrixRef*>{&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm, &l.o,
+                                    &l.o_bias},
+            std::vector<MatrixRef*>{&la.in_proj_qkv, &la.in_proj_z, &la.in_proj_b, &la.in_proj_a,
+                                    &la.conv, &la.dt_bias, &la.a_log, &la.norm, &la.out_proj}})
+        for (MatrixRef* m : list) RETURN_IF_ERROR(upload(*m));
+      RETURN_IF_ERROR(upload_mlp(l.mlp));
+      RETURN_IF_ERROR(upload_mlp(l.shared_expert));
+      for (ExpertWeights& e : l.experts) RETURN_IF_ERROR(upload_mlp(e));
     }
-    LinearAttentionWeights& la = l.linear_attn;
-    for (auto list :
-         {std::vector<MatrixRef*>{&l.input_norm, &l.post_attention_norm, &l.router,
-                                  &l.shared_expert_gate},
-          std::vector<MatrixRef*>{&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm, &l.o,
-                                  &l.o_bias},
-          std::vector<MatrixRef*>{&la.in_proj_qkv, &la.in_proj_z, &la.in_proj_b, &la.in_proj_a,
-                                  &la.conv, &la.dt_bias, &la.a_log, &la.norm, &la.out_proj}})
-      for (MatrixRef* m : list) RETURN_IF_ERROR(upload(*m));
-    RETURN_IF_ERROR(upload_mlp(l.mlp));
-    RETURN_IF_ERROR(upload_mlp(l.shared_expert));
-    for (ExpertWeights& e : l.experts) RETURN_IF_ERROR(upload_mlp(e));
-  }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(walk());
+  RETURN_IF_ERROR(arena.Reserve(dw->buffers, arena_bytes));
+  sizing = false;
+  RETURN_IF_ERROR(walk());
   RETURN_IF_ERROR(BuildExpertPointerTables(*dw));
   CUDA_OR_DIE(cudaDeviceSynchronize());
   dw->load_seconds =
@@ -322,11 +359,20 @@ absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const
       RETURN_IF_ERROR(BuildExpertTables(host.config, *view));
     return view;
   }
+  // dequant_bf16: a bf16 copy of every quantized linear, all in one arena.
+  size_t arena_bytes = 0;
+  for (LayerWeights& layer : view->weights.layers)
+    for (MatrixRef* m : LayerLinears(layer))
+      if (m->quantized())
+        arena_bytes += DeviceArena::Aligned(static_cast<size_t>(m->rows * m->cols) * 2);
+  DeviceArena arena;
+  RETURN_IF_ERROR(arena.Reserve(view->buffers, arena_bytes));
   for (LayerWeights& layer : view->weights.layers)
     for (MatrixRef* m : LayerLinears(layer)) {
       if (!m->quantized()) continue;
       const size_t count = static_cast<size_t>(m->rows * m->cols);
-      ASSIGN_OR_RETURN(auto buffer, view->buffers.Allocate<uint16_t>(count));
+      ASSIGN_OR_RETURN(uint8_t * bytes, arena.Carve(count * 2));
+      auto* buffer = reinterpret_cast<uint16_t*>(bytes);
       cuda::DequantizeToBf16(*m, buffer, nullptr);
       CHECK_LAUNCH();
       *m = MatrixRef{buffer, DType::kBF16, m->rows, m->cols};

@@ -1,6 +1,7 @@
 #include "engine/plan/memory_plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -77,6 +78,12 @@ class Planner {
     if (!w_.all_logits) chunk = std::min(chunk, LockstepPrefillChunkTokens(w_.batch, chunk));
     prefill_tokens_ = chunk;
     prefill_rows_ = w_.batch * chunk;
+    if (w_.serving && w_.ragged_step_rows > 0) {
+      if (w_.ragged_step_rows > std::numeric_limits<int>::max())
+        return absl::InvalidArgumentError(absl::StrCat(
+            "memory plan: a ragged step of ", w_.ragged_step_rows, " rows is beyond the engine's"));
+      prefill_rows_ = static_cast<int>(w_.ragged_step_rows);
+    }
     plan_.step_rows = std::max(w_.batch, prefill_rows_);
     plan_.logit_rows = w_.all_logits ? plan_.step_rows : w_.batch;
     return absl::OkStatus();

@@ -42,6 +42,9 @@ struct MemoryWorkload {
   bool all_logits = false;
   // StartServing: the KV cache holds batch slots and one spare (padding rows of a graph bucket).
   bool serving = false;
+  // Serving: the largest ragged step's rows (LargestRaggedStepRows: decode rows and the prompt
+  // tokens one step takes), which size the scratch in place of the lockstep prefill's.
+  int64_t ragged_step_rows = 0;
 
   int context_tokens() const { return prompt_tokens + generated_tokens; }
 };
