@@ -52,9 +52,10 @@ for stage in $STAGES; do
     for t in gpu_kernels_test gpu_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
-  ptests)  # the GPU test binaries at once, each under its limit (PTESTS_TIMEOUT_S, default
-    # 330 s); then the memory-verdict tests alone, since one holds 90 % of the GPU
-    for t in gpu_kernels_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test; do
+  ptests)  # the GPU test binaries (PTESTS, default every one but gpu_test) and gpu_test at
+    # once, each under its limit (PTESTS_TIMEOUT_S, default 330 s); then the memory-verdict tests
+    # alone, since one holds 90 % of the GPU
+    for t in ${PTESTS:-gpu_kernels_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test}; do
       gpu_tests ".carry/$t" "${PTESTS_TIMEOUT_S:-330}" "$t.log" '^#|OK \]|FAILED|Failure|error' &
     done
     gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
@@ -62,6 +63,16 @@ for stage in $STAGES; do
     wait
     gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
       --gtest_filter='*Fit*' ;;
+  memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
+    # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
+    # dequant_bf16), batches 1 and 64: each (config, batch) OK or "does not fit" (decided before
+    # loading where the plan says so), planned against measured memory for each OK one
+    for layers in ${MEMORY_LAYERS:-8 16}; do
+      timeout -k 5 "${MEMORY_TIMEOUT_S:-400}" $B run --model preset:qwen3.5-397b-a17b@nvfp4 --layers "$layers" \
+        --config "${MEMORY_CONFIG:-device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused,qgemm=w4a16|dequant_bf16}" \
+        --workload prompt=128,output=16,batch=1:64,repeats=1,warmup=0,timeout=600 \
+        --json "$OUT/memory_$layers.json" 2>&1 | tee "$OUT/memory_$layers.log" | grep -vE "spread over|timed by"
+    done ;;
   tp)  # the collective seam: its GPU tests (custom/fused ranks as streams of one GPU, NCCL's
     # single-rank communicator, the engine at tp=1 through the seam judged OK), allreduce-bench
     # --device cuda (4 KB to 256 MB, eager and graph), and batch 1 and 64 decode with the seam
