@@ -112,6 +112,9 @@ std::string FormatResultRows(const TrialResult& r) {
     out += YardstickLine(v);
     return out;
   }
+  // A trial refused as a whole (the memory plan's UNSUPPORTED) still lists its batch sizes.
+  if (r.status != TrialStatus::kOk && !r.reason.empty())
+    out += absl::StrFormat("#   %s: %s\n", TrialStatusName(r.status), r.reason);
   for (const BatchFigures& b : r.batches) {
     if (!b.measured()) {  // a memory verdict stands in place of the figures
       const std::string verdict =

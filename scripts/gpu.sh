@@ -53,10 +53,13 @@ for stage in $STAGES; do
       gpu_tests ".carry/$t" 540 "$t.log" '^#|OK \]|FAILED|Failure|error'
     done ;;
   ptests)  # the GPU test binaries (PTESTS, default every one but gpu_test) and gpu_test at
-    # once, each under its limit (PTESTS_TIMEOUT_S, default 330 s); then the memory-verdict tests
-    # alone, since one holds 90 % of the GPU
-    for t in ${PTESTS:-gpu_kernels_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test}; do
-      gpu_tests ".carry/$t" "${PTESTS_TIMEOUT_S:-330}" "$t.log" '^#|OK \]|FAILED|Failure|error' &
+    # once, each under its limit (PTESTS_TIMEOUT_S, default 330 s); then the memory tests (*Fit*)
+    # alone, since one holds 90 % of the GPU and the others measure the device's memory in use
+    for t in ${PTESTS:-gpu_kernels_test gpu_quant_test gpu_scaled_gemm_test gpu_probe_test gpu_tp_test}; do
+      # gpu_tp_test's two ranks share this GPU through the TEST ONLY device map
+      [ "$t" = gpu_tp_test ] && ranks=0,0 || ranks=
+      INFERSWEEP_RANK_DEVICES=$ranks gpu_tests ".carry/$t" "${PTESTS_TIMEOUT_S:-330}" "$t.log" \
+        '^#|OK \]|FAILED|Failure|error' &
     done
     gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='-*Fit*' &

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backends.h"
 #include "engine/npy.h"
 #include "engine/plan/memory_plan.h"
@@ -318,6 +319,39 @@ TEST(Gpu, ABatchThatCannotFitGetsItsOwnVerdictAndTheOthersRun) {
   EXPECT_THAT(refused.memory_reason, ::testing::StartsWith("needs "));
   EXPECT_THAT(refused.memory_reason, ::testing::HasSubstr(" free"));
   EXPECT_EQ(refused.output_tok_s.median, 0);
+}
+
+// The plan against what the tiny presets hold on the GPU, per config: the trial's measured memory
+// after each batch within 10 % of the plan, give or take kUnplannedBytes: the kernels' code and
+// the runtime's own, loaded lazily as kernels first run, which no plan of the model's counts and
+// which dominates a model of a few MiB. Each pool's planned figure is printed beside the measure.
+TEST(Gpu, TinyPresetsFitTheirMemoryPlan) {
+  REQUIRE_GPU();
+  constexpr int64_t kUnplannedBytes = int64_t{64} << 20;
+  TrialExecutor executor(ProbeLocalDevices());
+  for (const char* preset :
+       {"preset:tiny-dense", "preset:tiny-moe", "preset:tiny-qwen2-moe", "preset:tiny-hybrid"}) {
+    for (const char* config :
+         {"device=cuda", "device=cuda,gemm=fused,moe=fused,graphs=on,kv_cache=bf16"}) {
+      SCOPED_TRACE(absl::StrCat(preset, " ", config));
+      const TrialResult result = executor.Execute(GpuRequest(preset, config));
+      if (result.status == TrialStatus::kUnsupported) continue;  // the registry's refusal
+      ASSERT_EQ(result.status, TrialStatus::kOk) << result.reason;
+      for (const BatchFigures& b : result.batches) {
+        ASSERT_TRUE(b.planned_memory.has_value());
+        ASSERT_TRUE(b.measured_memory_bytes.has_value());
+        std::string pools;
+        for (const auto& [pool, bytes] : b.planned_memory->pool_bytes)
+          if (bytes > 0) absl::StrAppend(&pools, " ", pool, " ", FormatMemoryBytes(bytes));
+        std::printf("# %s %s batch %d: planned %s (%s), measured %s\n", preset, config, b.batch,
+                    FormatMemoryBytes(b.planned_memory->total_bytes).c_str(), pools.c_str() + 1,
+                    FormatMemoryBytes(*b.measured_memory_bytes).c_str());
+        EXPECT_NEAR(static_cast<double>(*b.measured_memory_bytes),
+                    static_cast<double>(b.planned_memory->total_bytes),
+                    0.1 * static_cast<double>(b.planned_memory->total_bytes) + kUnplannedBytes);
+      }
+    }
+  }
 }
 
 // A GPU trial is timed by CUDA events, reports NVML energy and device memory, and its load

@@ -1191,6 +1191,15 @@ TEST(TrialJson, MemoryVerdictsAndPlannedMemoryRoundTrip) {
   // The table shows the verdict in place of a refused batch's figures.
   const std::string table = FormatResultRows(*back);
   EXPECT_THAT(table, HasSubstr("batch 512 does not fit: needs 80.00 GiB on the device"));
+  EXPECT_THAT(table, Not(HasSubstr("#   OK:")));
+  // A trial the plan refused whole keeps its batch entries, and its reason heads them.
+  TrialResult refused_trial;
+  refused_trial.status = TrialStatus::kUnsupported;
+  refused_trial.reason = "batch 512: needs 80.00 GiB on the device (...), 70.00 GiB free";
+  refused_trial.batches = {refused};
+  const std::string refused_table = FormatResultRows(refused_trial);
+  EXPECT_THAT(refused_table, HasSubstr("#   UNSUPPORTED: batch 512: needs 80.00 GiB"));
+  EXPECT_THAT(refused_table, HasSubstr("batch 512 does not fit: needs 80.00 GiB"));
   EXPECT_THAT(table, HasSubstr("batch 1024 out of memory: attention KV cache"));
   EXPECT_THAT(table, HasSubstr("device memory planned 3.0 MiB, measured 4.0 MiB (133 % of the "
                                "plan; 5.0 MiB in use on the device)"));
