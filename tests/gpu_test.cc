@@ -321,10 +321,10 @@ TEST(Gpu, ABatchThatCannotFitGetsItsOwnVerdictAndTheOthersRun) {
   EXPECT_EQ(refused.output_tok_s.median, 0);
 }
 
-// The plan against what the tiny presets hold on the GPU, per config: the trial's measured memory
-// after each batch within 10 % of the plan, give or take kUnplannedBytes: the kernels' code and
+// The plan against what the tiny presets hold on the GPU, per config: what the trial holds after
+// each batch lies within a tenth of the plan, give or take kUnplannedBytes: the kernels' code and
 // the runtime's own, loaded lazily as kernels first run, which no plan of the model's counts and
-// which dominates a model of a few MiB. Each pool's planned figure is printed beside the measure.
+// which outweighs a tiny model's own. Each pool's planned figure is printed beside the reading.
 TEST(Gpu, TinyPresetsFitTheirMemoryPlan) {
   REQUIRE_GPU();
   constexpr int64_t kUnplannedBytes = int64_t{64} << 20;
