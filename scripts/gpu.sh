@@ -208,6 +208,18 @@ for stage in $STAGES; do
           --json "$OUT/ab_prefill_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
       done
     done ;;
+  b64)  # batch-64 decode alone (graphs=persistent: the kernel chain) for each AB_BINARIES build in
+    # turn, AB_ROUNDS times: the A/B of a batch-64 change, or a bisection over builds of several
+    # commits in one call
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+        echo "# round $round: $b"
+        .carry/$b run --model preset:qwen3-30b-a3b \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
+          --workload prompt=512,output=64,batch=64,repeats=3,warmup=1,timeout=300 \
+          --json "$OUT/b64_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
+      done
+    done ;;
   quant_ab)  # the quantized persistent builds at batch 1, like ab: each QUANT_FORMATS format
     # (default "nvfp4 fp8_channel") with each AB_BINARIES build in turn, AB_ROUNDS times
     for round in $(seq "${AB_ROUNDS:-1}"); do

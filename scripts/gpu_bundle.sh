@@ -11,7 +11,8 @@ cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer|tp|probe
 # use, PACK=tp, PACK=probe and PACK=quant what STAGES=tp, STAGES=probe and
 # STAGES=quant_batch|quant_profile use alone, PACK=fixtures what
-# STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests).
+# STAGES=quant_fixtures|quant_host use (plus the CPU-runnable fixture tests), PACK=ab the CLI
+# alone beside EXTRA_CARRY's builds of other commits (STAGES=b64).
 case ${PACK:-gpu} in
   gpu) BINARIES="cli/infersweep tests/gpu_test tests/gpu_quant_test tests/gpu_kernels_test tests/gpu_scaled_gemm_test tests/gpu_allreduce_test tests/gpu_probe_test tests/gpu_tp_test" ;;
   tp) BINARIES="cli/infersweep tests/gpu_allreduce_test tests/gpu_tp_test" ;;
@@ -19,7 +20,8 @@ case ${PACK:-gpu} in
   quant) BINARIES="cli/infersweep tests/gpu_quant_test" ;;
   probes) BINARIES="cli/infersweep bench/decode_chain_probe bench/icache_probe bench/sm_stream_probe" ;;
   fixtures) BINARIES="cli/infersweep tests/quant_fixtures_test tests/hf_fixtures_test tests/harness_test bench/quantize_bench" ;;
-  *) echo "PACK must be gpu, tp, probe, quant, probes or fixtures" >&2; exit 2 ;;
+  ab) BINARIES="cli/infersweep" ;;  # with EXTRA_CARRY builds of other commits, for STAGES=b64
+  *) echo "PACK must be gpu, tp, probe, quant, probes, fixtures or ab" >&2; exit 2 ;;
 esac
 cmake --build "$BUILD" -j"$(nproc)" --target $(for b in $BINARIES; do basename "$b"; done)
 rm -rf .carry && mkdir -p .carry/lib
