@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <utility>
 
@@ -157,21 +158,65 @@ class TensorParallelCpuModel final : public Model {
     // Checked here, before any rank starts: a rank that failed alone would leave the others
     // waiting in the all-reduce.
     RETURN_IF_ERROR(ValidateForwardArgs(host_.config, batch_, capacity_, position(), tokens, n));
+    return RunRanksAndGather(
+        [&](Model& rank, std::vector<float>* partial) {
+          return rank.Forward(tokens, n, mode, partial);
+        },
+        logits);
+  }
+
+  // Serving: every rank holds the same slots (each rank's allocator sees the same admissions and
+  // retirements) and runs the same ragged step on its shard, the all-reduces between them as in
+  // a lockstep step; the lm_head's shards gather into each chunk's last row of logits.
+  absl::Status StartServing(int slots, int max_tokens) override {
+    for (auto& rank : ranks_) RETURN_IF_ERROR(rank->StartServing(slots, max_tokens));
+    batch_ = 0;  // no lockstep batch until the next StartBatch
+    capacity_ = max_tokens;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int> AdmitSequence() override {
+    ASSIGN_OR_RETURN(const int slot, ranks_[0]->AdmitSequence());
+    for (size_t r = 1; r < ranks_.size(); ++r) {
+      ASSIGN_OR_RETURN(const int other, ranks_[r]->AdmitSequence());
+      if (other != slot)
+        return absl::InternalError(absl::StrCat("tp: rank ", r, " admitted a sequence to slot ",
+                                                other, ", rank 0 to slot ", slot));
+    }
+    return slot;
+  }
+  absl::Status RetireSequence(int slot) override {
+    for (auto& rank : ranks_) RETURN_IF_ERROR(rank->RetireSequence(slot));
+    return absl::OkStatus();
+  }
+  absl::Status RaggedStep(std::span<const RaggedChunk> chunks,
+                          std::vector<float>* last_logits) override {
+    // The ranks check the chunks the same way before their first all-reduce (they hold the same
+    // slots), so a refused step is refused by all of them and none waits.
+    return RunRanksAndGather(
+        [&](Model& rank, std::vector<float>* partial) { return rank.RaggedStep(chunks, partial); },
+        last_logits);
+  }
+
+ private:
+  // Runs `step` on every rank at once (rank 0 on the caller's thread, so an active launch log
+  // records its ops), then gathers the lm_head's vocabulary shards of the rows each returned.
+  absl::Status RunRanksAndGather(
+      const std::function<absl::Status(Model&, std::vector<float>*)>& step,
+      std::vector<float>* logits) {
     const int tp = static_cast<int>(ranks_.size());
     std::vector<std::vector<float>> partial(tp);
     std::vector<absl::Status> status(tp);
     auto run_rank = [&](int r) {
       cpu::ScopedInlineParallelFor own_thread;
-      status[r] = ranks_[r]->Forward(tokens, n, mode, &partial[r]);
+      status[r] = step(*ranks_[r], &partial[r]);
     };
     {
       std::vector<std::jthread> threads;
       for (int r = 1; r < tp; ++r) threads.emplace_back(run_rank, r);
-      run_rank(0);  // on the caller's thread, so an active launch log records rank 0's ops
+      run_rank(0);
     }
     for (const absl::Status& s : status)
       if (!s.ok()) return s;
-    // Gather the lm_head's vocabulary shards into full rows.
     RecordLaunch("gather_logits");
     const int64_t vocab = host_.config.vocab_size;
     const int64_t rows =
@@ -186,7 +231,6 @@ class TensorParallelCpuModel final : public Model {
     return absl::OkStatus();
   }
 
- private:
   const HostModel& host_;
   std::vector<std::unique_ptr<RankShard>> shards_;
   cpu::ThreadAllReduce allreduce_;

@@ -263,6 +263,31 @@ TEST(Serving, TheMemoryPlanRefusesAndCapsLoadPoints) {
   EXPECT_THAT(above.status().message(), HasSubstr("above the 2 KV slots the memory plan allows"));
 }
 
+// Tensor parallelism serves (CPU ranks as threads): every rank admits to the same slot and runs
+// the same ragged step on its shard. A hybrid in NVFP4 at tp=2, a MoE at tp=2 with whole experts
+// a rank, and Qwen2-MoE in FP8 at tp=4 each serve tokens identical to their lone runs (fp32
+// arithmetic on every rank, the partial sums added in rank order).
+TEST(Serving, TensorParallelRanksServeWhatTheirLoneRunsGive) {
+  struct Case {
+    std::string model;
+    BackendConfig config;
+  };
+  const std::vector<Case> cases = {
+      {"preset:tiny-hybrid@nvfp4", {{"device", "cpu"}, {"tp", "2"}}},
+      {"preset:tiny-moe", {{"device", "cpu"}, {"tp", "2"}, {"ep", "on"}}},
+      {"preset:tiny-qwen2-moe@fp8_channel", {{"device", "cpu"}, {"tp", "4"}}},
+  };
+  const ServeSpec spec = Spec("concurrency=1:3,isl=6-20,osl=3-8,requests=6,chunk=5");
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.model);
+    auto host = LoadHostModel(c.model);
+    ASSERT_TRUE(host.ok()) << host.status();
+    const ServeTrialResult trial = RunServeTrial(**host, c.config, spec, {});
+    ExpectAllMatch(trial, spec);
+    EXPECT_EQ(trial.points.back().peak_running, 3);  // the ranks did batch
+  }
+}
+
 // Linear-attention layers keep their conv and recurrent state per slot.
 TEST(Serving, HybridModelKeepsStatePerSlot) {
   auto host = LoadPreset("tiny-hybrid");
