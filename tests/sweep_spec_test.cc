@@ -57,10 +57,13 @@ absl::StatusOr<BackendConfig> TestNormalize(const BackendConfig& config) {
   if (!kAxes.count(device))
     return absl::InvalidArgumentError(
         absl::StrCat("config axis 'device': unknown value '", device, "' (known: cpu, cuda)"));
-  BackendConfig out = device == "cuda"
-                          ? BackendConfig{{"device", "cuda"}, {"gemm", "reference"},
-                                          {"attention", "naive"}, {"moe", "loop"}, {"graphs", "off"}}
-                          : BackendConfig{{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
+  BackendConfig out =
+      device == "cuda" ? BackendConfig{{"device", "cuda"},
+                                       {"gemm", "reference"},
+                                       {"attention", "naive"},
+                                       {"moe", "loop"},
+                                       {"graphs", "off"}}
+                       : BackendConfig{{"device", "cpu"}, {"matmul", "naive"}, {"threads", "all"}};
   for (const auto& [axis, value] : config) {
     if (axis == "device") continue;
     auto a = kAxes.at(device).find(axis);
@@ -68,9 +71,9 @@ absl::StatusOr<BackendConfig> TestNormalize(const BackendConfig& config) {
       return absl::InvalidArgumentError(
           absl::StrCat("config axis '", axis, "' is not an axis of ", device));
     if (std::find(a->second.begin(), a->second.end(), value) == a->second.end())
-      return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "': unknown value '",
-                                                     value, "' (known: ",
-                                                     absl::StrJoin(a->second, ", "), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config axis '", axis, "': unknown value '", value,
+                       "' (known: ", absl::StrJoin(a->second, ", "), ")"));
     out[axis] = value;
   }
   return out;
@@ -139,9 +142,9 @@ TEST(SweepSpecTest, ParsesTheExample) {
 }
 
 TEST(SweepSpecTest, SelectorP2pIsABoolean) {
-  absl::StatusOr<SweepSpec> spec =
-      Parse("name: t\nmodel: preset:tiny\nmatrix: {device: [cuda]}\n"
-            "selector: {gpus: 2, p2p: true}\n");
+  absl::StatusOr<SweepSpec> spec = Parse(
+      "name: t\nmodel: preset:tiny\nmatrix: {device: [cuda]}\n"
+      "selector: {gpus: 2, p2p: true}\n");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->selector.gpus_needed, 2);
   EXPECT_TRUE(spec->selector.needs_p2p);
@@ -173,8 +176,9 @@ TEST(SweepSpecTest, ExampleExpandsToTenTrials) {
 }
 
 TEST(SweepSpecTest, IncludeCanAddBackAnExcludedCombination) {
-  const std::string yaml = Replace(kExample, "{device: cuda, attention: flash, moe: fused, graphs: on}",
-                                   "{device: cuda, attention: flash, moe: loop, graphs: on}");
+  const std::string yaml =
+      Replace(kExample, "{device: cuda, attention: flash, moe: fused, graphs: on}",
+              "{device: cuda, attention: flash, moe: loop, graphs: on}");
   const std::vector<TrialRecord> trials = ExpandOrDie(yaml);
   ASSERT_EQ(trials.size(), 11u);
   EXPECT_EQ(trials.back().config.at("moe"), "loop");
@@ -183,8 +187,9 @@ TEST(SweepSpecTest, IncludeCanAddBackAnExcludedCombination) {
 }
 
 TEST(SweepSpecTest, IncludeMayUseAxesOutsideTheMatrix) {
-  const std::string yaml = Replace(kExample, "{device: cuda, attention: flash, moe: fused, graphs: on}",
-                                   "{device: cuda, gemm: cublaslt, moe: fused}");
+  const std::string yaml =
+      Replace(kExample, "{device: cuda, attention: flash, moe: fused, graphs: on}",
+              "{device: cuda, gemm: cublaslt, moe: fused}");
   const std::vector<TrialRecord> trials = ExpandOrDie(yaml);
   ASSERT_EQ(trials.size(), 11u);
   EXPECT_EQ(trials.back().config.at("gemm"), "cublaslt");
@@ -238,8 +243,8 @@ TEST(SweepSpecTest, DevicesMixInOneMatrixWhenEveryAxisExistsOnEach) {
   absl::StatusOr<SweepSpec> spec = ParseSweepSpec(
       "model: m\nmatrix:\n  device: [cpu, cuda]\n  threads: [2]\n", "mixed.yaml", TestNormalize);
   ASSERT_FALSE(spec.ok());
-  EXPECT_THAT(spec.status().message(), AllOf(HasSubstr("mixed.yaml:4"), HasSubstr("threads"),
-                                            HasSubstr("cuda")));
+  EXPECT_THAT(spec.status().message(),
+              AllOf(HasSubstr("mixed.yaml:4"), HasSubstr("threads"), HasSubstr("cuda")));
 }
 
 struct BadCase {
@@ -470,9 +475,10 @@ TEST(SweepSpecTest, CapIsCheckedBeforeExpansion) {
   absl::StatusOr<std::vector<TrialRecord>> trials = Expand(spec, 1);
   ASSERT_FALSE(trials.ok());
   EXPECT_EQ(trials.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(trials.status().message(),
-              AllOf(HasSubstr("spec.yaml:5"), HasSubstr("12 combinations"), HasSubstr("1000 repeats"),
-                    HasSubstr("13000 trials"), HasSubstr("cap of 10000")));
+  EXPECT_THAT(
+      trials.status().message(),
+      AllOf(HasSubstr("spec.yaml:5"), HasSubstr("12 combinations"), HasSubstr("1000 repeats"),
+            HasSubstr("13000 trials"), HasSubstr("cap of 10000")));
   // A higher cap lets it through (the bound counts before excludes and dedup: 10 x 1000 made).
   trials = Expand(spec, 1, 13000);
   ASSERT_TRUE(trials.ok()) << trials.status();
@@ -634,7 +640,8 @@ TEST(SweepSpecRealRegistryTest, UnknownValueNamesAxisValueAndLine) {
 // The specs shipped in sweeps/ (the README demo's defaults) stay valid against the real registry
 // as axes are added: each parses and expands to at least one trial per combination.
 TEST(SweepSpecRealRegistryTest, ShippedSpecsParseAndExpand) {
-  for (const char* name : {"demo-cpu.yaml", "demo-gpu.yaml", "serving-cpu.yaml"}) {
+  for (const char* name :
+       {"demo-cpu.yaml", "demo-gpu.yaml", "serving-cpu.yaml", "hunt-serving.yaml"}) {
     const std::string path = SourceDir() + "/sweeps/" + name;
     absl::StatusOr<SweepSpec> spec = LoadSweepSpecFile(path);
     ASSERT_TRUE(spec.ok()) << spec.status();
