@@ -423,7 +423,16 @@ absl::Status UserApi::AddMemoryVerdicts(const BestQuery& best, v1::BestResponse*
   q.sweep_id = best.sweep_id;
   q.with_kernels = false;
   q.limit = kMaxMemoryVerdictResults;
-  ASSIGN_OR_RETURN(const std::vector<StoredResult> results, services_.store.QueryResults(q));
+  // The ranking stands without them: a result that no longer parses (DataLoss) or a busy store
+  // leaves the verdicts out rather than failing the answer.
+  absl::StatusOr<std::vector<StoredResult>> read = services_.store.QueryResults(q);
+  if (!read.ok()) {
+    services_.Log(
+        absl::StrCat("best for ", best.model, " on sm_", best.sm,
+                     ": answered without its memory verdicts: ", read.status().ToString()));
+    return absl::OkStatus();
+  }
+  const std::vector<StoredResult>& results = *read;
   // Newest first: a (config, GPU)'s first result with an entry at the batch size decides.
   std::set<std::pair<std::string, std::string>> decided;
   for (const StoredResult& stored : results) {

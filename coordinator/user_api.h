@@ -70,7 +70,8 @@ class UserApi final : public v1::SweepService::Service {
   absl::Status Query(const v1::QueryResultsRequest& req, v1::QueryResultsResponse* resp);
   absl::Status BestOf(const v1::BestRequest& req, v1::BestResponse* resp);
   // The lockstep configs that do not fit at the query's batch size (BestResponse.does_not_fit),
-  // from the newest kMaxMemoryVerdictResults results that match it.
+  // from the newest kMaxMemoryVerdictResults results that match it; where they cannot be read,
+  // the answer goes without them and the log says why.
   absl::Status AddMemoryVerdicts(const BestQuery& best, v1::BestResponse* resp);
   absl::Status RegressionsOf(const v1::RegressionsRequest& req, v1::RegressionsResponse* resp);
 

@@ -1,15 +1,16 @@
 // `best` answers which configs do not fit at a batch size, per GPU, beside the fastest one: the
 // coordinator's Best over gRPC on loopback, from results in its SQLite store, and the
 // `infersweep best` process printing them (docs/VERDICTS.md "Memory").
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
@@ -17,6 +18,7 @@
 #include "coordinator/server.h"
 #include "storage/store.h"
 #include "tests/fleet_process.h"
+#include "tests/raw_db.h"
 
 namespace infersweep {
 namespace {
@@ -55,6 +57,10 @@ class BestMemoryVerdicts : public ::testing::Test {
     dir_ = tmpl;
     CoordinatorOptions o;
     o.tick_ms = 50;
+    o.log = [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(log_mu_);
+      log_ += line + "\n";
+    };
     server_ = std::make_unique<CoordinatorServer>(o);
     auto port = server_->Start("127.0.0.1:0", dir_ + "/c.db");
     ASSERT_TRUE(port.ok()) << port.status();
@@ -132,11 +138,19 @@ class BestMemoryVerdicts : public ::testing::Test {
   static std::vector<std::string> Named(const v1::BestResponse& resp) {
     std::vector<std::string> out;
     for (const v1::MemoryVerdictRow& m : resp.does_not_fit())
-      out.push_back(absl::StrCat(m.config(), " @ ", m.gpu_name(), " ", m.batch(), " ", m.verdict()));
+      out.push_back(
+          absl::StrCat(m.config(), " @ ", m.gpu_name(), " ", m.batch(), " ", m.verdict()));
     return out;
   }
 
+  std::string Log() {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    return log_;
+  }
+
   std::string dir_, address_;
+  std::mutex log_mu_;
+  std::string log_;
   int64_t sweep_ = 0;
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<ServiceClient> client_;
@@ -171,6 +185,22 @@ TEST_F(BestMemoryVerdicts, BestNamesTheConfigsThatDoNotFitPerGpu) {
   EXPECT_EQ(served->does_not_fit_size(), 0);
 }
 
+// A stored result that no longer parses does not take the ranking down with it: best answers
+// without its verdicts, and the coordinator's log says why.
+TEST_F(BestMemoryVerdicts, AnUnreadableResultLeavesTheRankingStanding) {
+  {
+    RawDb raw(dir_ + "/c.db");
+    ASSERT_EQ(raw.Exec(absl::StrCat("UPDATE results SET result_blob = x'00ff' WHERE trial_id = '",
+                                    sweep_, "-3'")),
+              SQLITE_OK);
+  }
+  const v1::BestResponse at64 = Best(64);
+  ASSERT_TRUE(at64.found());
+  EXPECT_EQ(at64.does_not_fit_size(), 0);
+  EXPECT_THAT(Log(), HasSubstr("best for preset:tiny on sm_90: answered without its memory "
+                               "verdicts: DATA_LOSS"));
+}
+
 // `infersweep best` prints them under the figures, the config still its last line; --format
 // json carries them under "does_not_fit".
 TEST_F(BestMemoryVerdicts, TheBestCommandPrintsThem) {
@@ -181,10 +211,9 @@ TEST_F(BestMemoryVerdicts, TheBestCommandPrintsThem) {
       &rc);
   EXPECT_EQ(rc, 0) << table;
   const std::string naive = BackendConfigString(kNaive);
-  EXPECT_THAT(table,
-              HasSubstr(absl::StrCat("# ", naive, " on NVIDIA H200 at batch 64: does not fit (trial ",
-                                     sweep_, "-3, sweep ", sweep_,
-                                     "): needs 260.00 GiB on the device (...)")));
+  EXPECT_THAT(table, HasSubstr(absl::StrCat(
+                         "# ", naive, " on NVIDIA H200 at batch 64: does not fit (trial ", sweep_,
+                         "-3, sweep ", sweep_, "): needs 260.00 GiB on the device (...)")));
   EXPECT_THAT(table, HasSubstr("on NVIDIA H100 80GB HBM3 at batch 64: ran out of memory"));
   EXPECT_THAT(table, Not(HasSubstr(BackendConfigString(kFlashOff) + " on NVIDIA H200")));
   EXPECT_THAT(table, testing::EndsWith(BackendConfigString(kFlashOff) + "\n"));
