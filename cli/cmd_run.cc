@@ -399,9 +399,7 @@ int PlanTrialMemory(const RunArgs& args, double free_gib) {
                     Fits(*plan, free_bytes) ? "fits" : "does not fit",
                     MemoryVerdictText(*plan, free_bytes).c_str());
       } else {
-        std::string text = MemoryVerdictText(*plan, 0);
-        text = text.substr(0, text.rfind(", "));  // no free figure to hold it against
-        std::printf("%s batch %d: %s\n", name.c_str(), batch, text.c_str());
+        std::printf("%s batch %d: %s\n", name.c_str(), batch, MemoryNeedsText(*plan).c_str());
       }
     }
   }

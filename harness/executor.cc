@@ -359,9 +359,9 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
       say(absl::StrCat("memory plan: at most ", memory.serving->slot_cap,
                        " KV slots fit; open-loop points are capped there"));
   }
-  // What this trial holds on the device now: in use, less what was before it.
-  auto trial_memory_bytes = [&](const Model& m) -> std::optional<int64_t> {
-    const std::optional<int64_t> used = m.device_memory_used_bytes();
+  // What this trial holds on the device at a reading of what is in use: that, less what was in
+  // use before the trial.
+  auto trial_memory_bytes = [&](std::optional<int64_t> used) -> std::optional<int64_t> {
     if (!used || !memory.baseline_used_bytes) return std::nullopt;
     return *used - *memory.baseline_used_bytes;
   };
@@ -403,7 +403,7 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
         std::string(model.status().message()));
   // Host load plus the first upload (or on-device generation) of the weights, when there was one.
   result.load_seconds = host_->load_seconds + host_->device_upload_seconds;
-  result.model_memory_bytes = trial_memory_bytes(**model);
+  result.model_memory_bytes = trial_memory_bytes((*model)->device_memory_used_bytes());
   auto outputs = RunEval(**model, eval_);
   if (!outputs.ok()) return finish(TrialStatus::kError, std::string(outputs.status().message()));
   const int vocab = host_->config.vocab_size;
@@ -480,11 +480,12 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     if (!figures.ok()) return finish(TrialStatus::kError, std::string(figures.status().message()));
     figures->planned_memory = planned_of(batch);
     // Nothing is freed during a run, so the reading after the largest batch is the peak.
-    if (const std::optional<int64_t> used = (*model)->device_memory_used_bytes()) {
+    const std::optional<int64_t> used = (*model)->device_memory_used_bytes();
+    if (used) {
       figures->device_memory_used_bytes = *used;
       peak_device_bytes = std::max(peak_device_bytes.value_or(0), *used);
     }
-    figures->measured_memory_bytes = trial_memory_bytes(**model);
+    figures->measured_memory_bytes = trial_memory_bytes(used);
     result.batches.push_back(*std::move(figures));
   }
   result.graph_capture_seconds = (*model)->graph_capture_seconds();

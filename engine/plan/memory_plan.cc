@@ -541,14 +541,17 @@ std::string FormatMemoryBytes(int64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
-std::string MemoryVerdictText(const MemoryPlan& plan, int64_t free_bytes) {
+std::string MemoryNeedsText(const MemoryPlan& plan) {
   std::vector<std::string> pools;
   for (MemoryPool pool : kMemoryPools)
     pools.push_back(absl::StrCat(MemoryPoolName(pool), " ", FormatMemoryBytes(plan.bytes(pool))));
   return absl::StrCat("needs ", FormatMemoryBytes(plan.total_bytes()), " on the device",
                       plan.tp > 1 ? absl::StrCat(" a rank (tp=", plan.tp, ")") : std::string(),
-                      " (", absl::StrJoin(pools, ", "), "), ", FormatMemoryBytes(free_bytes),
-                      " free");
+                      " (", absl::StrJoin(pools, ", "), ")");
+}
+
+std::string MemoryVerdictText(const MemoryPlan& plan, int64_t free_bytes) {
+  return absl::StrCat(MemoryNeedsText(plan), ", ", FormatMemoryBytes(free_bytes), " free");
 }
 
 }  // namespace infersweep

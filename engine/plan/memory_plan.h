@@ -117,7 +117,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const BackendConfig& normalized, const Mod
 bool Fits(const MemoryPlan& plan, int64_t free_bytes);
 
 // "needs 61.5 GiB on the device (weights 56.9 GiB, copies 0 B, KV 384.0 MiB, recurrent state
-// 0 B, scratch 1.2 GiB, workspaces 32.0 MiB, graph pools 0 B), 139.2 GiB free".
+// 0 B, scratch 1.2 GiB, workspaces 32.0 MiB, graph pools 0 B)": the total and each pool.
+std::string MemoryNeedsText(const MemoryPlan& plan);
+// MemoryNeedsText and what it is held against: "needs ... (..., graph pools 0 B), 139.2 GiB free".
 std::string MemoryVerdictText(const MemoryPlan& plan, int64_t free_bytes);
 
 // Bytes in the unit that reads best: "0 B", "512 B", "3.0 KiB", "384.0 MiB", "56.88 GiB".
