@@ -439,7 +439,8 @@ void AddRunCommands(CLI::App& app) {
                 "each batch size, and the fallbacks taken");
   run->add_option("--test-inject-fault", args.inject_fault,
                   "TEST ONLY: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
-                  "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S");
+                  "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S, "
+                  "state-slot-swap:S");
   run->callback([] { std::exit(RunTrials(args)); });
 
   static RunArgs plan_args;

@@ -67,10 +67,13 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
   // (the CLI's logits and generate) still refuses them, with the registry's reason.
   if (const std::string why = RegistryConflict(config, WeightFormat(host)); !why.empty())
     return absl::UnimplementedError(why);
-  if (fault.kind == FaultInjection::Kind::kBadState && !host.config.has_linear_attention())
-    return absl::InvalidArgumentError(
-        "bad-state needs a model with linear-attention layers (qwen3_next, qwen3_5): this model "
-        "has no recurrent state to corrupt");
+  if ((fault.kind == FaultInjection::Kind::kBadState ||
+       fault.kind == FaultInjection::Kind::kStateSlotSwap) &&
+      !host.config.has_linear_attention())
+    return absl::InvalidArgumentError(absl::StrCat(
+        fault.kind == FaultInjection::Kind::kBadState ? "bad-state" : "state-slot-swap",
+        " needs a model with linear-attention layers (qwen3_next, qwen3_5): this model has no "
+        "recurrent state to corrupt"));
   // A config that skipped NormalizeBackendConfig may name a device the registry does not know.
   const absl::StatusOr<Device> parsed_device = ParseConfigDevice(config);
   if (!parsed_device.ok())

@@ -161,26 +161,29 @@ class CpuModel final : public Model {
     }
   }
 
-  // kv-slot-swap (TEST ONLY): from step `value` on, the first step with two sequences that
-  // hold tokens swaps the caches and states of the two lowest such slots once, as a scheduler
-  // that loses track of which slot is whose would.
+  // kv-slot-swap and state-slot-swap (TEST ONLY): from step `value` on, the first step with two
+  // sequences that hold tokens swaps the caches and states (state-slot-swap: the recurrent states
+  // alone) of the two lowest such slots once, as a scheduler that loses track of which slot is
+  // whose would.
   void MaybeSwapSlots() {
     const int64_t step = steps_++;
-    if (fault_.kind != FaultInjection::Kind::kKvSlotSwap || slots_swapped_ ||
+    const bool states_only = fault_.kind == FaultInjection::Kind::kStateSlotSwap;
+    if ((fault_.kind != FaultInjection::Kind::kKvSlotSwap && !states_only) || slots_swapped_ ||
         step < static_cast<int64_t>(fault_.value))
       return;
-    std::vector<int> used;
-    for (int slot : slots_.InUse())
-      if (slots_.length(slot) > 0) used.push_back(slot);
-    if (used.size() < 2) return;
-    const int a = used[0], b = used[1];
+    const auto pair = slots_.TwoLowestHoldingTokens();
+    if (!pair) return;
+    const auto [a, b] = *pair;
     auto swap_slot_rows = [&](std::vector<float>& v, int64_t per_slot) {
       std::swap_ranges(v.begin() + a * per_slot, v.begin() + (a + 1) * per_slot,
                        v.begin() + b * per_slot);
     };
     const int slots = slots_.slots();
     for (int l = 0; l < config_.num_layers; ++l) {
-      for (auto* v : {&k_cache_[l], &v_cache_[l], &conv_state_[l], &recurrent_state_[l]})
+      std::vector<std::vector<float>*> swapped = {&recurrent_state_[l]};
+      if (!states_only)
+        swapped = {&k_cache_[l], &v_cache_[l], &conv_state_[l], &recurrent_state_[l]};
+      for (auto* v : swapped)
         if (!v->empty()) swap_slot_rows(*v, static_cast<int64_t>(v->size()) / slots);
     }
     slots_swapped_ = true;

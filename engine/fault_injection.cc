@@ -35,6 +35,7 @@ constexpr KindName kKinds[] = {
     {FaultInjection::Kind::kDelay, "delay", true},
     {FaultInjection::Kind::kBadState, "bad-state", true},
     {FaultInjection::Kind::kKvSlotSwap, "kv-slot-swap", true},
+    {FaultInjection::Kind::kStateSlotSwap, "state-slot-swap", true},
     {FaultInjection::Kind::kRankKill, "rank-kill", true},
     {FaultInjection::Kind::kRankHang, "rank-hang", true},
     {FaultInjection::Kind::kHogGpuMemory, "hog-gpu-memory", true},
@@ -81,7 +82,7 @@ absl::StatusOr<FaultInjection> ParseFaultInjection(std::string_view text) {
       absl::StrCat("--test-inject-fault: unknown fault '", std::string(text),
                    "' (known: nan-layer:L, zero-expert:E, bad-scale:F, bad-quant-scale:F[@WEIGHT], "
                    "stuck-token:T, segv, abort, hang, delay:S, bad-state:F, kv-slot-swap:S, "
-                   "rank-kill:R, rank-hang:R, hog-gpu-memory:F)"));
+                   "state-slot-swap:S, rank-kill:R, rank-hang:R, hog-gpu-memory:F)"));
 }
 
 std::string FaultInjectionString(const FaultInjection& fault) {

@@ -37,6 +37,9 @@ struct FaultInjection {
                      //                 with two sequences holding tokens swaps the KV caches
                      //                 (and linear states) of the two lowest such slots, once:
                      //                 a scheduler that gives a sequence another's slot (CPU)
+    kStateSlotSwap,  // "state-slot-swap:S" as kv-slot-swap, the Gated DeltaNet layers'
+                     //                 recurrent states alone: a sequence carries another's
+                     //                 state into its next chunk (hybrid models; CPU and CUDA)
     kRankKill,       // "rank-kill:R"   the rank process R of a supervised trial SIGKILLs itself
                      //                 on its first forward (harness/rank_supervisor.h)
     kRankHang,       // "rank-hang:R"   the rank process R never returns from its first forward

@@ -50,4 +50,12 @@ std::vector<int> KvSlotAllocator::InUse() const {
   return used;
 }
 
+std::optional<std::pair<int, int>> KvSlotAllocator::TwoLowestHoldingTokens() const {
+  std::vector<int> holding;
+  for (int slot : InUse())
+    if (length_[slot] > 0) holding.push_back(slot);
+  if (holding.size() < 2) return std::nullopt;
+  return std::pair{holding[0], holding[1]};
+}
+
 }  // namespace infersweep

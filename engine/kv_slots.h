@@ -3,6 +3,8 @@
 // gives it back when it retires; its cache rows live in that slot until then.
 #pragma once
 
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -31,6 +33,8 @@ class KvSlotAllocator {
   int length(int slot) const { return length_[slot]; }
   // Occupied slots, lowest first.
   std::vector<int> InUse() const;
+  // The two lowest slots whose sequences hold tokens (what the slot-swap faults swap), if two do.
+  std::optional<std::pair<int, int>> TwoLowestHoldingTokens() const;
 
  private:
   int max_tokens_ = 0;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backends.h"
+#include "engine/fault_injection.h"
 #include "engine/npy.h"
 #include "engine/plan/memory_plan.h"
 #include "engine/sampler.h"
@@ -215,7 +216,6 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
 // other sequences), each config judged as a serving trial judges it. The fp32 reference's served
 // tokens equal its lone runs' exactly; bf16- and fp8-class configs (graphs=on replays a graph per
 // bucket of decode rows, the spare slot taking the padding rows) meet the reference's picks.
-// Hybrids are refused with the reason.
 TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
   REQUIRE_GPU();
   auto host = LoadHostModel("preset:tiny-moe", LoadOptions{2, 1, false});
@@ -240,13 +240,49 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
       EXPECT_GT(trial.points.back().peak_running, 1);  // continuous batching did batch
     }
   }
+}
+
+// Hybrid models served on the GPU: the Gated DeltaNet layers' conv and recurrent states are kept
+// per slot, decode rows and prefill chunks (chunk=5 splits each prompt over steps, the state
+// carried between them) in one step, each config judged as a serving trial judges it. A
+// scheduler that hands one sequence another's recurrent state (state-slot-swap) is INCORRECT.
+TEST(Gpu, HybridModelsServeWithStatePerSlot) {
+  REQUIRE_GPU();
   auto hybrid = LoadHostModel("preset:tiny-hybrid", LoadOptions{2, 1, false});
   ASSERT_TRUE(hybrid.ok()) << hybrid.status();
-  auto spec = ParseServeSpec("concurrency=2,isl=8,osl=4,requests=2");
-  const ServeTrialResult refused =
-      RunServeTrial(**hybrid, *ParseBackendConfig("device=cuda"), *spec, {});
-  EXPECT_EQ(refused.status, TrialStatus::kUnsupported);
-  EXPECT_THAT(refused.reason, ::testing::HasSubstr("ragged steps of hybrid models"));
+  for (const std::string text :
+       {"device=cuda", "device=cuda,linear_attn=reference",
+        "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused",
+        "device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
+        "linear_attn=fused"}) {
+    for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
+                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
+      SCOPED_TRACE(text + " " + load);
+      auto spec = ParseServeSpec(load);
+      ASSERT_TRUE(spec.ok()) << spec.status();
+      const ServeTrialResult trial = RunServeTrial(**hybrid, *ParseBackendConfig(text), *spec, {});
+      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+      for (const LoadPointResult& p : trial.points) {
+        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
+        EXPECT_EQ(p.metrics.completed, spec->requests);
+        EXPECT_GT(p.requests_checked, 0);
+      }
+      EXPECT_GT(trial.points.back().peak_running, 1);
+    }
+  }
+  auto spec = ParseServeSpec("concurrency=1:4,isl=12-24,osl=8,requests=6");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  for (const std::string text :
+       {"device=cuda", "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on"}) {
+    SCOPED_TRACE(text);
+    const ServeTrialResult swapped = RunServeTrial(**hybrid, *ParseBackendConfig(text), *spec, {},
+                                                   *ParseFaultInjection("state-slot-swap:0"));
+    ASSERT_EQ(swapped.status, TrialStatus::kOk) << swapped.reason;
+    ASSERT_EQ(swapped.points.size(), 2u);
+    EXPECT_EQ(swapped.points[0].verdict, TrialStatus::kOk) << swapped.points[0].mismatch;
+    EXPECT_EQ(swapped.points[1].verdict, TrialStatus::kIncorrect);
+    EXPECT_LT(swapped.points[1].requests_matching, swapped.points[1].requests_checked);
+  }
 }
 
 // Another tenant holding 90 % of the GPU before the trial starts: the memory plan says the model

@@ -321,6 +321,30 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
   }
 }
 
+// A sequence handed another's recurrent state (a Gated DeltaNet layer's, its KV cache kept) is
+// INCORRECT; a model without linear-attention layers has no state to swap and is refused.
+TEST(Serving, StateSlotSwapIsIncorrect) {
+  auto fault = ParseFaultInjection("state-slot-swap:0");
+  ASSERT_TRUE(fault.ok()) << fault.status();
+  EXPECT_EQ(FaultInjectionString(*fault), "state-slot-swap:0");
+  auto host = LoadPreset("tiny-hybrid");
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("concurrency=1:4,isl=12-24,osl=8,requests=6,chunk=5");
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {}, *fault);
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  ASSERT_EQ(trial.points.size(), 2u);
+  EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk) << trial.points[0].mismatch;
+  EXPECT_EQ(trial.points[1].verdict, TrialStatus::kIncorrect);
+  EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
+
+  auto dense = LoadPreset("tiny-moe");
+  ASSERT_NE(dense, nullptr);
+  auto refused = CreateModel(*dense, kCpu, *fault);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("state-slot-swap needs a model with linear-attention layers"));
+}
+
 // The judge of non-fp32 configs (their tokens may leave the lone run's at a near-tie): a sample of
 // served requests replayed teacher-forced through ragged steps, its logits against the
 // reference's. Correct serving is within every class's KL ceilings (here the model is the

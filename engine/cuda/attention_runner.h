@@ -17,17 +17,6 @@
 
 namespace infersweep {
 
-// A ragged step's rows (serving: continuous batching). Rows [0, decode_rows) are one token of a
-// sequence each, at their own positions; each prefill chunk's rows follow, contiguous.
-struct RaggedRows {
-  const int2* rows = nullptr;  // device [rows]: each row's (KV slot, position)
-  int decode_rows = 0;
-  struct Chunk {
-    int first_row = 0, tokens = 0, slot = 0;
-  };
-  std::vector<Chunk> chunks;  // the prefill chunks (2+ tokens)
-};
-
 class AttentionRunner {
  public:
   AttentionRunner(const RunnerContext& context, LinearRunner& linear);

@@ -115,11 +115,6 @@ class CudaModel final : public Model {
   absl::Status StartServing(int slots, int max_tokens) override {
     if (slots <= 0 || max_tokens <= 0)
       return absl::InvalidArgumentError("StartServing: slots and max_tokens must be positive");
-    for (int l = 0; l < config_.num_layers; ++l)
-      if (config_.AttentionKind(l) == LayerAttention::kLinear)
-        return absl::UnimplementedError(
-            "device=cuda: ragged steps of hybrid models are not built (the Gated DeltaNet "
-            "layers' conv and recurrent states are kept per lockstep sequence, not per KV slot)");
     if (!attention_.plan().ragged_rows)
       return absl::UnimplementedError(absl::StrCat(
           "attention=", AxisValueName(options_.attention),
@@ -127,8 +122,13 @@ class CudaModel final : public Model {
           "step's decode rows sit in any slot (cuDNN's paged K/V load is not wired)"));
     DestroyGraphs();
     RETURN_IF_ERROR(attention_.AllocateCache(slots + 1, max_tokens));
+    // The Gated DeltaNet layers' conv and recurrent states, per slot and the spare; a sequence's
+    // first row (position 0) starts them from zero, so admission needs no clearing.
+    RETURN_IF_ERROR(linear_attention_.AllocateState(slots + 1));
     RETURN_IF_ERROR(moe_.MakeRouterCopies());
     slots_.Reset(slots, max_tokens);
+    ragged_steps_ = 0;
+    states_swapped_ = false;
     serving_ = true;
     batch_ = 0;  // no lockstep batch: Forward refuses until the next StartBatch
     capacity_ = max_tokens;
@@ -281,6 +281,7 @@ class CudaModel final : public Model {
     if (!serving_) return absl::FailedPreconditionError("RaggedStep before StartServing");
     RETURN_IF_ERROR(ValidateRaggedChunks(config_, slots_, chunks));
     MaybeCommitProcessFault(fault_);
+    MaybeSwapStates();
     std::vector<int> order;  // step order -> chunk index
     for (size_t i = 0; i < chunks.size(); ++i)
       if (chunks[i].tokens.size() == 1) order.push_back(static_cast<int>(i));
@@ -337,6 +338,20 @@ class CudaModel final : public Model {
     return absl::OkStatus();
   }
 
+  // state-slot-swap (TEST ONLY): from ragged step `value` on, the first step with two sequences
+  // holding tokens swaps the recurrent states of the two lowest such slots once, as a scheduler
+  // that hands a sequence another's state would.
+  void MaybeSwapStates() {
+    const int64_t step = ragged_steps_++;
+    if (fault_.kind != FaultInjection::Kind::kStateSlotSwap || states_swapped_ ||
+        step < static_cast<int64_t>(fault_.value))
+      return;
+    const auto pair = slots_.TwoLowestHoldingTokens();
+    if (!pair) return;
+    linear_attention_.SwapRecurrentStates(pair->first, pair->second);
+    states_swapped_ = true;
+  }
+
   // One forward pass: embeddings, every layer, final norm, lm_head, then the logits to pinned
   // memory or (greedy) each sequence's greedy token.
   // `sequences`: the rows of logits (kLast), each the last row of its sequence; `ragged`: the
@@ -384,7 +399,7 @@ class CudaModel final : public Model {
     for (int l = 0; l < (persistent ? 0 : config_.num_layers); ++l) {
       if (collective_.active()) collective_.ClearPartial(rows);
       if (config_.AttentionKind(l) == LayerAttention::kLinear) {
-        RETURN_IF_ERROR(linear_attention_.Run(l, rows, n, gemv, x, out));
+        RETURN_IF_ERROR(linear_attention_.Run(l, rows, n, gemv, x, out, ragged));
       } else if (auto s = attention_.Run(l, rows, n, gemv, x, out, d_position_.get(), ragged);
                  !s.ok()) {
         return s;
@@ -555,7 +570,9 @@ class CudaModel final : public Model {
   DeviceBuffer<int2> d_ragged_;           // ragged steps: each row's (KV slot, position)
   PinnedBuffer<int2> h_ragged_;  // its pinned staging copy, read by the step's first kernel
   bool serving_ = false;
-  KvSlotAllocator slots_;  // serving: the sequences' slots and lengths
+  KvSlotAllocator slots_;        // serving: the sequences' slots and lengths
+  int64_t ragged_steps_ = 0;     // since StartServing (state-slot-swap counts them)
+  bool states_swapped_ = false;  // state-slot-swap has struck
   // Lockstep decode graphs by 2 * batch + (greedy step); ragged decode buckets by
   // -(2 * rows + (greedy step)) - 1.
   std::map<int, cudaGraphExec_t> graphs_;

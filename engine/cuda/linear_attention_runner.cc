@@ -69,6 +69,15 @@ void LinearAttentionRunner::ResetState() {
                               sequences * RecurrentStateFloats(config_) * sizeof(float), stream_));
 }
 
+void LinearAttentionRunner::SwapRecurrentStates(int a, int b) {
+  const int64_t per_slot = RecurrentStateFloats(config_);
+  for (int layer = 0; layer < state_layers_; ++layer) {
+    float* base = recurrent_state_.get() + static_cast<int64_t>(layer) * batch_ * per_slot;
+    cuda::SwapInPlace(base + a * per_slot, base + b * per_slot, per_slot, stream_);
+  }
+  CHECK_LAUNCH();
+}
+
 absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
   if (!config_.has_linear_attention()) return absl::OkStatus();
   const size_t r = rows, conv = config_.linear_conv_dim(), value = config_.linear_value_dim(),
@@ -88,7 +97,8 @@ void LinearAttentionRunner::FreeScratch() {
     b->reset();
 }
 
-absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
+absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out,
+                                        const RaggedRows* ragged) {
   const LayerWeights& lw = w_.layers[l];
   const LinearAttentionWeights& la = lw.linear_attn;
   const int hidden = config_.hidden_size, value_dim = config_.linear_value_dim();
@@ -119,24 +129,57 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
                                   : nullptr;
   float* recurrent_state =
       recurrent_state_.get() + static_cast<int64_t>(slot) * batch_ * RecurrentStateFloats(config_);
-  cuda::CausalConv(projected_.get(), shape, la.conv, plan.silu_in_conv, conv_state, mixed_.get(),
-                   stream_);
+  // The sequences of the step, each a run of the rows with its own states: a lockstep batch is
+  // one launch over `batch_` sequences of n rows; a ragged step's decode rows are one launch of
+  // one-row sequences, and each prefill chunk a launch of its own.
+  struct Sequences {
+    int first_row;
+    cuda::GatedDeltaShape shape;
+  };
+  std::vector<Sequences> launches;
+  if (!ragged) {
+    launches.push_back({0, shape});
+  } else {
+    cuda::GatedDeltaShape decode = ShapeOf(config_, ragged->decode_rows, 1);
+    decode.ragged = ragged->rows;
+    if (ragged->decode_rows > 0) launches.push_back({0, decode});
+    for (const RaggedRows::Chunk& c : ragged->chunks) {
+      cuda::GatedDeltaShape chunk = ShapeOf(config_, 1, c.tokens);
+      chunk.ragged = ragged->rows + c.first_row;
+      launches.push_back({c.first_row, chunk});
+    }
+  }
+  const int64_t conv_width = shape.conv_channels();
+  for (const Sequences& s : launches) {
+    const int64_t at = s.first_row;
+    cuda::CausalConv(projected_.get() + at * conv_width, s.shape, la.conv, plan.silu_in_conv,
+                     conv_state, mixed_.get() + at * conv_width, stream_);
+  }
   if (!plan.silu_in_conv)
-    cuda::SiluInPlace(mixed_.get(), static_cast<int64_t>(rows) * shape.conv_channels(), stream_);
-  cuda::GatedDeltaGates(mixed_.get(), a_.get(), b_.get(), la.a_log, la.dt_bias, shape, g_.get(),
+    cuda::SiluInPlace(mixed_.get(), static_cast<int64_t>(rows) * conv_width, stream_);
+  cuda::GatedDeltaShape all_rows = shape;  // the gates run a block a row, whatever the sequences
+  all_rows.batch = rows;
+  all_rows.n = 1;
+  cuda::GatedDeltaGates(mixed_.get(), a_.get(), b_.get(), la.a_log, la.dt_bias, all_rows, g_.get(),
                         beta_.get(), stream_);
   if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_)
     cuda::ScaleInPlace(recurrent_state, static_cast<float>(fault_.value),
                        static_cast<int64_t>(batch_) * RecurrentStateFloats(config_), stream_);
-  switch (plan.delta_rule) {
-    case DeltaRulePath::kFused:
-      cuda::GatedDeltaFused(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state, out_.get(),
-                            stream_);
-      break;
-    case DeltaRulePath::kReference:
-      cuda::GatedDeltaReference(mixed_.get(), g_.get(), beta_.get(), shape, recurrent_state,
-                                out_.get(), stream_);
-      break;
+  const int heads = config_.linear_num_value_heads;
+  for (const Sequences& s : launches) {
+    const int64_t at = s.first_row;
+    const float* mixed = mixed_.get() + at * conv_width;
+    const float* g = g_.get() + at * heads;
+    const float* beta = beta_.get() + at * heads;
+    float* o = out_.get() + at * value_dim;
+    switch (plan.delta_rule) {
+      case DeltaRulePath::kFused:
+        cuda::GatedDeltaFused(mixed, g, beta, s.shape, recurrent_state, o, stream_);
+        break;
+      case DeltaRulePath::kReference:
+        cuda::GatedDeltaReference(mixed, g, beta, s.shape, recurrent_state, o, stream_);
+        break;
+    }
   }
   cuda::RmsNormGated(out_.get(), z_.get(),
                      static_cast<int64_t>(rows) * config_.linear_num_value_heads,

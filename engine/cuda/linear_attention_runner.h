@@ -21,19 +21,25 @@ class LinearAttentionRunner {
   LinearAttentionRunner(const LinearAttentionRunner&) = delete;
   LinearAttentionRunner& operator=(const LinearAttentionRunner&) = delete;
 
-  // States of `batch` sequences for every linear-attention layer (none for other models), in
-  // place of the last.
+  // States of `batch` sequences (lockstep) or slots (serving) for every linear-attention layer
+  // (none for other models), in place of the last.
   absl::Status AllocateState(int batch);
   // Zeroes every state (a fresh batch), on the model's stream.
   void ResetState();
+  // Swaps slots a's and b's recurrent states in every layer (TEST ONLY: state-slot-swap).
+  void SwapRecurrentStates(int a, int b);
   // Scratch for `rows` rows (freed first by FreeScratch).
   absl::Status AllocateScratch(int rows);
   void FreeScratch();
 
   // Layer l's linear attention over `rows` rows (`n` tokens a sequence) of the residual stream x,
   // its output added into `out` (x itself, or a partial that the collective seam reduces first).
-  // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows).
-  absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out);
+  // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows). With `ragged` (serving) the rows
+  // are a ragged step's: the decode rows' conv and delta rule run together, each reading and
+  // advancing its slot's states; each prefill chunk runs on its own over its slot's states, which
+  // carry its sequence from one chunk to the next.
+  absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out,
+                   const RaggedRows* ragged = nullptr);
 
  private:
   const ModelConfig& config_;

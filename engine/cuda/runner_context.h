@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "api/model_config.h"
 #include "engine/fault_injection.h"
 #include "engine/options.h"
@@ -18,6 +20,17 @@ struct RunnerContext {
   const CudaOptions& options;
   const FaultInjection& fault;  // TEST ONLY
   cudaStream_t stream;
+};
+
+// A ragged step's rows (serving: continuous batching). Rows [0, decode_rows) are one token of a
+// sequence each, at their own positions; each prefill chunk's rows follow, contiguous.
+struct RaggedRows {
+  const int2* rows = nullptr;  // device [rows]: each row's (KV slot, position)
+  int decode_rows = 0;
+  struct Chunk {
+    int first_row = 0, tokens = 0, slot = 0;
+  };
+  std::vector<Chunk> chunks;  // the prefill chunks (2+ tokens)
 };
 
 }  // namespace infersweep

@@ -284,13 +284,14 @@ class Planner {
     return absl::OkStatus();
   }
 
-  // LinearAttentionRunner::AllocateState: per linear-attention layer and sequence, the conv's
-  // last kernel - 1 inputs and the [value heads, key dim, value dim] recurrent state, in fp32.
+  // LinearAttentionRunner::AllocateState: per linear-attention layer and sequence (serving: per
+  // slot and the spare, as the KV cache), the conv's last kernel - 1 inputs and the [value heads,
+  // key dim, value dim] recurrent state, in fp32.
   void RecurrentState() {
     int state_layers = 0;
     for (int l = 0; l < c_.num_layers; ++l)
       state_layers += c_.AttentionKind(l) == LayerAttention::kLinear ? 1 : 0;
-    const int64_t sequences = int64_t{state_layers} * w_.batch;
+    const int64_t sequences = int64_t{state_layers} * plan_.kv_sequences;
     Add(MemoryPool::kRecurrentState, "conv state",
         sequences * std::max(c_.linear_conv_kernel_dim - 1, 0) * c_.linear_conv_dim() * kFloat);
     Add(MemoryPool::kRecurrentState, "recurrent state",

@@ -8,19 +8,31 @@ constexpr int kMaxConvTaps = 8;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// Sequence seq's state slot (GatedDeltaShape::ragged), and whether it starts from zero states.
+struct SequenceState {
+  int slot;
+  bool fresh;
+};
+__device__ __forceinline__ SequenceState StateOf(const int2* ragged, int seq, int n) {
+  if (ragged == nullptr) return {seq, false};
+  const int2 first = ragged[static_cast<int64_t>(seq) * n];
+  return {first.x, first.y == 0};
+}
+
 // grid (ceil(channels / 256), batch), a thread a channel of one sequence.
 template <bool kSilu>
 __global__ void CausalConvKernel(const float* in, int n, int channels, int taps, const void* w,
-                                 DType w_dtype, float* state, float* out) {
+                                 DType w_dtype, const int2* ragged, float* state, float* out) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, seq = blockIdx.y;
   if (c >= channels) return;
   const int history = taps - 1;
+  const SequenceState own = StateOf(ragged, seq, n);
   float weights[kMaxConvTaps], past[kMaxConvTaps];
-  float* st = state + static_cast<int64_t>(seq) * history * channels + c;
+  float* st = state + static_cast<int64_t>(own.slot) * history * channels + c;
 #pragma unroll
   for (int j = 0; j < kMaxConvTaps; ++j) {
     weights[j] = j < taps ? LoadAsFloat(w, w_dtype, static_cast<int64_t>(c) * taps + j) : 0.f;
-    past[j] = j < history ? st[static_cast<int64_t>(j) * channels] : 0.f;
+    past[j] = j < history && !own.fresh ? st[static_cast<int64_t>(j) * channels] : 0.f;
   }
   for (int t = 0; t < n; ++t) {
     const int64_t r = static_cast<int64_t>(seq) * n + t;
@@ -78,11 +90,15 @@ __global__ void GatedDeltaGatesKernel(float* mixed, int channels, int key_heads,
 // grid batch * Hv, dv threads: thread j walks column j of its head's state through the tokens.
 __global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, const float* g,
                                           const float* beta, int n, int key_heads, int dk,
-                                          int value_heads, int dv, float* state, float* out) {
+                                          int value_heads, int dv, const int2* ragged, float* state,
+                                          float* out) {
   const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads, j = threadIdx.x;
   const int kh = h / (value_heads / key_heads);
   const int key_width = key_heads * dk;
-  float* s = state + static_cast<int64_t>(blockIdx.x) * dk * dv + j;
+  const SequenceState own = StateOf(ragged, seq, n);
+  float* s = state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + j;
+  if (own.fresh)
+    for (int i = 0; i < dk; ++i) s[static_cast<int64_t>(i) * dv] = 0.f;
   for (int t = 0; t < n; ++t) {
     const int64_t row = static_cast<int64_t>(seq) * n + t;
     const float* q = mixed + row * channels + kh * dk;
@@ -104,7 +120,7 @@ __global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, cons
   }
 }
 
-constexpr int kFusedColumns = 32;         // state columns a block
+constexpr int kFusedColumns = 32;                                // state columns a block
 constexpr int kFusedLanesPerColumn = kGatedDeltaLanesPerColumn;  // threads a column
 constexpr int kFusedMaxRowsPerLane = kGatedDeltaMaxRowsPerLane;  // dk <= 256
 
@@ -112,20 +128,23 @@ constexpr int kFusedMaxRowsPerLane = kGatedDeltaMaxRowsPerLane;  // dk <= 256
 // blockIdx.y * 32 + c, lane p of it rows p, p + 8, ... of that column, in registers.
 __global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
     GatedDeltaFusedKernel(const float* mixed, int channels, const float* g, const float* beta,
-                          int n, int key_heads, int dk, int value_heads, int dv, float* state,
-                          float* out) {
+                          int n, int key_heads, int dk, int value_heads, int dv, const int2* ragged,
+                          float* state, float* out) {
   const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
+  const SequenceState own = StateOf(ragged, seq, n);
   const int part = threadIdx.x % kFusedLanesPerColumn;
   const int j = blockIdx.y * kFusedColumns + threadIdx.x / kFusedLanesPerColumn;
   const bool active = j < dv;  // inactive lanes still take part in the shuffles
   const int kh = h / (value_heads / key_heads);
   const int key_width = key_heads * dk, per_lane = dk / kFusedLanesPerColumn;
-  float* s = state + static_cast<int64_t>(blockIdx.x) * dk * dv + (active ? j : 0);
+  float* s =
+      state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + (active ? j : 0);
   float col[kFusedMaxRowsPerLane];
 #pragma unroll
   for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
-    col[m] = m < per_lane && active ? s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv]
-                                    : 0.f;
+    col[m] = m < per_lane && active && !own.fresh
+                 ? s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv]
+                 : 0.f;
   for (int t = 0; t < n; ++t) {
     const int64_t row = static_cast<int64_t>(seq) * n + t;
     const float* q = mixed + row * channels + kh * dk + part;
@@ -201,6 +220,15 @@ __global__ void ScaleKernel(float* x, float factor, int64_t n) {
     x[i] *= factor;
 }
 
+__global__ void SwapKernel(float* a, float* b, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float t = a[i];
+    a[i] = b[i];
+    b[i] = t;
+  }
+}
+
 int ElementwiseBlocks(int64_t n) {
   return static_cast<int>(std::min<int64_t>(CeilDiv(n, 256), 4096));
 }
@@ -213,7 +241,7 @@ void CausalConv(const float* in, const GatedDeltaShape& s, const MatrixRef& weig
   const dim3 grid(CeilDiv(channels, 256), s.batch);
   auto* kernel = fuse_silu ? CausalConvKernel<true> : CausalConvKernel<false>;
   LaunchPlain(kernel, grid, 256, 0, stream, in, s.n, channels, s.kernel, weight.data, weight.dtype,
-              state, out);
+              s.ragged, state, out);
 }
 
 void SiluInPlace(float* x, int64_t n, cudaStream_t stream) {
@@ -233,7 +261,7 @@ void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
                          const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream) {
   LaunchPlain(GatedDeltaReferenceKernel, s.batch * s.value_heads, s.value_dim, 0, stream, mixed,
               s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
-              state, out);
+              s.ragged, state, out);
 }
 
 void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
@@ -241,7 +269,7 @@ void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
   const dim3 grid(s.batch * s.value_heads, CeilDiv(s.value_dim, kFusedColumns));
   LaunchPlain(GatedDeltaFusedKernel, grid, kFusedColumns * kFusedLanesPerColumn, 0, stream, mixed,
               s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
-              state, out);
+              s.ragged, state, out);
 }
 
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
@@ -262,6 +290,10 @@ void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream) {
 
 void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream) {
   LaunchPlain(ScaleKernel, ElementwiseBlocks(n), 256, 0, stream, x, factor, n);
+}
+
+void SwapInPlace(float* a, float* b, int64_t n, cudaStream_t stream) {
+  LaunchPlain(SwapKernel, ElementwiseBlocks(n), 256, 0, stream, a, b, n);
 }
 
 }  // namespace infersweep::cuda

@@ -25,6 +25,11 @@ struct GatedDeltaShape {
   int n = 0;                                                       // tokens a sequence this step
   int key_heads = 0, value_heads = 0, key_dim = 0, value_dim = 0;  // head sizes dk, dv
   int kernel = 0;                                                  // conv taps (<= 8)
+  // Served rows (device, null for a lockstep batch): each row's (slot, position). Sequence b's
+  // conv and recurrent states are then slot ragged[b * n].x's, and a sequence whose first row
+  // sits at position 0 starts from zero states (a new sequence, or a graph bucket's padding rows
+  // in the spare slot). Null: sequence b's states are slot b's, carried in.
+  const int2* ragged = nullptr;
   int conv_channels() const { return 2 * key_heads * key_dim + value_heads * value_dim; }
   int rows() const { return batch * n; }
 };
@@ -73,5 +78,7 @@ void SplitGatedQuery(const float* src, int src_stride, int rows, int heads, int 
 void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream);
 // x *= factor, n elements (TEST ONLY faults).
 void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream);
+// Swaps a[i] and b[i], n elements (TEST ONLY faults).
+void SwapInPlace(float* a, float* b, int64_t n, cudaStream_t stream);
 
 }  // namespace infersweep::cuda
