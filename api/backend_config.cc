@@ -59,9 +59,25 @@ std::vector<BackendDescriptor> MakeRegistry() {
   std::vector<BackendDescriptor> r;
   // ---- CPU: the reference device; its axes run everywhere, CI included.
   r.push_back({"device", "cpu", kCpu, 0, 0, false, {}, {}, kFp32, "host CPU, fp32 arithmetic"});
-  r.push_back({"matmul", "naive", kCpu, 0, 0, false, any_format, {}, kFp32,
+  r.push_back({"matmul",
+               "naive",
+               kCpu,
+               0,
+               0,
+               false,
+               any_format,
+               {},
+               kFp32,
                "one dot product per output; the reference"});
-  r.push_back({"matmul", "blocked", kCpu, 0, 0, false, any_format, {}, kFp32,
+  r.push_back({"matmul",
+               "blocked",
+               kCpu,
+               0,
+               0,
+               false,
+               any_format,
+               {},
+               kFp32,
                "weight rows decoded once per block, 4 accumulators"});
   for (const char* t : {"1", "2", "4", "8", "all"})
     r.push_back({"threads", t, kCpu, 0, 0, false, {}, {}, kFp32, "worker threads"});
@@ -69,16 +85,49 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // shard of the host's weights, so the sharded model is judged against tp=1 on one host.
   r.push_back({"tp", "1", kCpu, 0, 0, false, {}, {}, kFp32, "one rank: the whole model"});
   for (const char* t : {"2", "4", "8"})
-    r.push_back({"tp", t, kCpu, 0, 0, false, {}, {}, kFp32,
-                 absl::StrCat(t, " ranks as threads, weights sharded as vLLM and SGLang shard "
-                                 "them (q/k/v and gate/up by columns, o and down by rows, the "
-                                 "lm_head by vocabulary), each rank's kernels on its own thread; "
-                                 "the threads axis does not apply")});
-  r.push_back({"ep", "off", kCpu, 0, 0, false, {}, {}, kFp32,
+    r.push_back({"tp",
+                 t,
+                 kCpu,
+                 0,
+                 0,
+                 false,
+                 {},
+                 {},
+                 kFp32,
+                 absl::StrCat(t,
+                              " ranks as threads, weights sharded as vLLM and SGLang shard "
+                              "them (q/k/v and gate/up by columns, o and down by rows, the "
+                              "lm_head by vocabulary), each rank's kernels on its own thread; "
+                              "the threads axis does not apply")});
+  r.push_back({"ep",
+               "off",
+               kCpu,
+               0,
+               0,
+               false,
+               {},
+               {},
+               kFp32,
                "experts sharded on their intermediate dimension across the tp ranks"});
-  r.push_back({"ep", "on", kCpu, 0, 0, false, {}, {kEpNeedsRanks}, kFp32,
+  r.push_back({"ep",
+               "on",
+               kCpu,
+               0,
+               0,
+               false,
+               {},
+               {kEpNeedsRanks},
+               kFp32,
                "whole experts per rank (experts / tp each), the router replicated"});
-  r.push_back({"allreduce", "reference", kCpu, 0, 0, false, {}, {}, kFp32,
+  r.push_back({"allreduce",
+               "reference",
+               kCpu,
+               0,
+               0,
+               false,
+               {},
+               {},
+               kFp32,
                "every rank sums its share of the elements over the ranks' partials in rank "
                "order 0..tp-1, then every rank copies the whole sum: deterministic, and bitwise "
                "the same on every rank"});
@@ -86,28 +135,74 @@ std::vector<BackendDescriptor> MakeRegistry() {
   r.push_back({"device", "cuda", kCuda, 80, 0, true, {}, {}, kFp32, "one NVIDIA GPU"});
   // gemm runs the dense linears; in a quantized model those are the bf16 ones (lm_head,
   // router, excluded modules), so it takes the quantized formats too.
-  r.push_back({"gemm", "reference", kCuda, 80, 0, true, any_format, {}, kFp32,
+  r.push_back({"gemm",
+               "reference",
+               kCuda,
+               80,
+               0,
+               true,
+               any_format,
+               {},
+               kFp32,
                "simple fp32-accumulate kernels: the GPU reference"});
-  r.push_back({"gemm", "cublaslt", kCuda, 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
+  r.push_back({"gemm",
+               "cublaslt",
+               kCuda,
+               80,
+               0,
+               true,
+               {"bf16", "fp8", "nvfp4", "mxfp4"},
+               {},
+               kBf16,
                "cuBLASLt bf16 tensor cores, fp32 accumulate (activations rounded to bf16)"});
   // In a quantized model gemm=fused keeps the fused GEMV for the bf16 linears and runs the
   // quantized ones through qgemm's fused kernel (w4a16, w8a16) or its copies.
-  r.push_back({"gemm", "fused", kCuda, 80, 0, true, {"bf16", "fp8", "nvfp4", "mxfp4"}, {}, kBf16,
+  r.push_back({"gemm",
+               "fused",
+               kCuda,
+               80,
+               0,
+               true,
+               {"bf16", "fp8", "nvfp4", "mxfp4"},
+               {},
+               kBf16,
                "decode (<= 4 rows): our GEMV with RMSNorm, bias and residual fused in, fp32 "
                "activations (bf16 weights, or qgemm's in-register dequantization); more rows: "
                "cuBLASLt"});
-  r.push_back({"gemm", "tma", kCuda, 90, 90, true, {"bf16"}, {}, kBf16,
+  r.push_back({"gemm",
+               "tma",
+               kCuda,
+               90,
+               90,
+               true,
+               {"bf16"},
+               {},
+               kBf16,
                "as gemm=fused, with the q/k/v and o GEMVs streaming weight tiles through the "
                "Hopper TMA engine (cp.async.bulk + mbarrier ring); machine code for sm_90a only"});
-  r.push_back({"attention", "naive", kCuda, 80, 0, true, {}, {}, kFp32,
-               "materialised scores, fp32"});
-  r.push_back({"attention", "flash", kCuda, 80, 0, true, {}, {}, kBf16,
+  r.push_back(
+      {"attention", "naive", kCuda, 80, 0, true, {}, {}, kFp32, "materialised scores, fp32"});
+  r.push_back({"attention",
+               "flash",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kBf16,
                "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
                "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
                "cores (mma.sync), fp32 accumulate"});
   // cuDNN is dlopened at run time (engine/cudnn_loader.h): the capability probe refuses the
   // value where cuDNN is missing, too old, or finalizes no plan for the model's shapes.
-  r.push_back({"attention", "cudnn", kCuda, 80, 0, true, {},
+  r.push_back({"attention",
+               "cudnn",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
                {"kv_cache=fp32: cuDNN's fused attention reads bf16 K and V",
                 "kv_cache=fp8: cuDNN's fused attention reads bf16 K and V",
                 "graphs=persistent: its batch-1 decode step runs the persistent kernel's own "
@@ -117,19 +212,48 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "padding and bottom-right causal masks from device sequence lengths, softmax and "
                "P.V as one cuDNN kernel over the bf16 KV cache in place (GQA broadcast); "
                "lockstep batches (no serving)"});
-  r.push_back({"kv_cache", "fp32", kCuda, 80, 0, true, {}, {}, kFp32,
-               "K and V cached in fp32"});
-  r.push_back({"kv_cache", "bf16", kCuda, 80, 0, true, {}, {"attention=naive"}, kBf16,
+  r.push_back({"kv_cache", "fp32", kCuda, 80, 0, true, {}, {}, kFp32, "K and V cached in fp32"});
+  r.push_back({"kv_cache",
+               "bf16",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {"attention=naive"},
+               kBf16,
                "K and V rounded to bf16 as they are appended: half the bytes decode attention "
                "reads; attention=flash only (the naive kernel is the fp32 reference)"});
-  r.push_back({"kv_cache", "fp8", kCuda, 80, 0, true, {}, {"attention=naive"}, kFp8,
+  r.push_back({"kv_cache",
+               "fp8",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {"attention=naive"},
+               kFp8,
                "K and V as E4M3 codes with one fp32 scale per token and kv head each (amax / "
                "448), set as they are appended: a quarter of fp32's bytes (+3 % for the scales "
                "at head_dim 128); the flash tensor-core kernels convert them to bf16 as they "
                "stage K/V tiles; head_dim 32, 64 or 128"});
-  r.push_back({"moe", "loop", kCuda, 80, 0, true, {}, {"graphs=on", "graphs=persistent"}, kFp32,
+  r.push_back({"moe",
+               "loop",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {"graphs=on", "graphs=persistent"},
+               kFp32,
                "per-expert GEMMs on gathered rows; host sync to read the routing"});
-  r.push_back({"moe", "grouped", kCuda, 80, 0, true, {"bf16"},
+  r.push_back({"moe",
+               "grouped",
+               kCuda,
+               80,
+               0,
+               true,
+               {"bf16"},
                {"graphs=on", "graphs=persistent", "gemm=reference"},
                kBf16,
                "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
@@ -137,15 +261,32 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // Quantized experts: read in place by w4a16/w8a16's per-pair expert kernels at every decode
   // batch, or as dequant_bf16's bf16 copies; qgemm=reference (exact dequantization in the
   // reference GEMM) has no fused runner.
-  r.push_back({"moe", "fused", kCuda, 80, 0, true, quantized_or_bf16, {}, kBf16,
-               "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
-               "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
-               "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
-               "quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
-               "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
-               "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
-               {"qgemm=reference"}});
-  r.push_back({"moe", "wgmma", kCuda, 90, 90, true, quantized_or_bf16, {}, kBf16,
+  r.push_back(
+      {"moe",
+       "fused",
+       kCuda,
+       80,
+       0,
+       true,
+       quantized_or_bf16,
+       {},
+       kBf16,
+       "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
+       "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
+       "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
+       "quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
+       "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
+       "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
+       {"qgemm=reference"}});
+  r.push_back({"moe",
+               "wgmma",
+               kCuda,
+               90,
+               90,
+               true,
+               quantized_or_bf16,
+               {},
+               kBf16,
                "as moe=fused, with the expert-grouped GEMMs of prefill chunks (more than 16 pairs "
                "an expert; decode batches: moe=fused's) on Hopper warpgroup MMAs (wgmma) from a "
                "cp.async ring of swizzled shared-memory tiles, device-side group sizes, SiLU "
@@ -154,7 +295,15 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "for sm_90a only",
                {"qgemm=reference"}});
   r.push_back({"graphs", "off", kCuda, 80, 0, true, {}, {}, kFp32, "eager launches"});
-  r.push_back({"graphs", "on", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"graphs",
+               "on",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "decode step captured once per batch size and replayed"});
   // The model's side (linears bf16, or fp8_tensor / fp8_channel / nvfp4 codes, without biases or
   // shared experts, shapes) is checked when the model is built: UNSUPPORTED with the reason
@@ -188,10 +337,26 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // linear_attn: how Gated DeltaNet layers (qwen3_next, qwen3_5) run; a value other than the
   // reference on a model without them is UNSUPPORTED (CudaModelRefusal), as qgemm is on dense
   // models.
-  r.push_back({"linear_attn", "reference", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"linear_attn",
+               "reference",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "causal conv, then SiLU, then the gated delta rule a thread a state column, the "
                "state in global memory, fp32: the GPU reference for linear attention"});
-  r.push_back({"linear_attn", "fused", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"linear_attn",
+               "fused",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
@@ -214,8 +379,17 @@ std::vector<BackendDescriptor> MakeRegistry() {
                  absl::StrCat(t,
                               " GPUs of one agent, one rank process each on its shard "
                               "(sharded as on the CPU), joined through the trial's parent; "
-                              "lockstep batches")});
-  r.push_back({"ep", "off", kCuda, 80, 0, true, {}, {}, kFp32,
+                              "serving steps planned on rank 0's clock, so every rank runs the "
+                              "same ragged steps")});
+  r.push_back({"ep",
+               "off",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "experts sharded on their intermediate dimension across the tp ranks"});
   r.push_back({"ep",
                "on",
@@ -227,18 +401,48 @@ std::vector<BackendDescriptor> MakeRegistry() {
                {kEpNeedsRanks, EpNotOnCudaRanks("2"), EpNotOnCudaRanks("4"), EpNotOnCudaRanks("8")},
                kFp32,
                "whole experts per rank (experts / tp each), the router replicated"});
-  r.push_back({"allreduce", "auto", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"allreduce",
+               "auto",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "the default: nccl at tp > 1; at tp=1 no all-reduce runs (no communicator, no "
                "launch)"});
-  r.push_back({"allreduce", "nccl", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"allreduce",
+               "nccl",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "ncclAllReduce, capturable in a CUDA graph; at tp=1 a single-rank communicator: "
                "the o projection's and the MLP/MoE's outputs pass through it before the "
                "residual add"});
-  r.push_back({"allreduce", "custom", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"allreduce",
+               "custom",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "one-shot (<= 512 KB or 2 ranks) and two-shot kernels over the ranks' peer "
                "buffers, per-block flags, peers summed in a fixed rank order; at tp=1 over one "
                "peer buffer"});
-  r.push_back({"allreduce", "fused", kCuda, 80, 0, true, {},
+  r.push_back({"allreduce",
+               "fused",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
                {FusedNotInTheEngine("1"), FusedNotInTheEngine("2"), FusedNotInTheEngine("4"),
                 FusedNotInTheEngine("8")},
                kFp32,
@@ -246,36 +450,89 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // qgemm: how quantized linears run (docs/QUANTIZATION.md). Dense linears (and dense models)
   // follow `gemm`; a value other than the reference on a dense model is UNSUPPORTED, so sweeps
   // over qgemm do not repeat the same dense run.
-  r.push_back({"qgemm", "reference", kCuda, 80, 0, true, {}, {}, kFp32,
+  r.push_back({"qgemm",
+               "reference",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
                "exact dequantization to fp32 as the reference GEMM reads each weight (the CPU's "
                "formula), fp32 accumulate: the GPU reference for quantized weights"});
-  r.push_back({"qgemm", "dequant_bf16", kCuda, 80, 0, true, quantized_formats, {}, kBf16,
+  r.push_back({"qgemm",
+               "dequant_bf16",
+               kCuda,
+               80,
+               0,
+               true,
+               quantized_formats,
+               {},
+               kBf16,
                "weights dequantized to bf16 once at upload, then the gemm axis's GEMM"});
-  r.push_back({"qgemm", "w4a16", kCuda, 80, 0, true, fp4_formats, {}, kBf16,
+  r.push_back({"qgemm",
+               "w4a16",
+               kCuda,
+               80,
+               0,
+               true,
+               fp4_formats,
+               {},
+               kBf16,
                "FP4 weights dequantized in registers inside the GEMV/GEMM, bf16 activations, "
                "fp32 accumulate (Hopper's FP4 path: no FP4 tensor cores)"});
-  r.push_back({"qgemm", "w8a16", kCuda, 80, 0, true, {"fp8"}, {}, kBf16,
+  r.push_back({"qgemm",
+               "w8a16",
+               kCuda,
+               80,
+               0,
+               true,
+               {"fp8"},
+               {},
+               kBf16,
                "FP8 E4M3 weights dequantized in registers inside the GEMV (tensor, channel and "
                "block-128 scales), fp32 activations and accumulate"});
   // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
   // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
   // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
-  r.push_back({"qgemm", "fp8_cublaslt", kCuda, 90, 0, true, {"fp8"},
-               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp8,
+  r.push_back({"qgemm",
+               "fp8_cublaslt",
+               kCuda,
+               90,
+               0,
+               true,
+               {"fp8"},
+               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               kFp8,
                "FP8 E4M3 tensor cores through cuBLASLt: weights as loaded, activations quantized "
                "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
                "weights), scales applied by cuBLASLt or an epilogue, fp32 accumulate and output; "
                "128-block scales need sm_90's cuBLASLt modes"});
   // cuDNN is dlopened at run time; its answer for FP4 on GPUs without FP4 tensor cores is its
   // own refusal, given by the capability probe (sm_90 is in range on purpose).
-  r.push_back({"qgemm", "cudnn", kCuda, 90, 0, true, quantized_formats,
-               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp8,
+  r.push_back({"qgemm",
+               "cudnn",
+               kCuda,
+               90,
+               0,
+               true,
+               quantized_formats,
+               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               kFp8,
                "cuDNN's matmul graph: FP8 E4M3 x E4M3 (fp8_tensor, fp8_channel weights as "
                "loaded, activations quantized per token on the device) with the row and column "
                "scales fused into its epilogue, fp32 out; block-scaled FP4 (nvfp4, mxfp4) is "
                "cuDNN's on sm_100+ and refused in cuDNN's words elsewhere"});
-  r.push_back({"qgemm", "native_fp4", kCuda, 100, 0, true, fp4_formats,
-               {"moe=fused", "moe=wgmma", "moe=grouped"}, kFp4,
+  r.push_back({"qgemm",
+               "native_fp4",
+               kCuda,
+               100,
+               0,
+               true,
+               fp4_formats,
+               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               kFp4,
                "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
                "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
@@ -311,8 +568,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
   return r;
 }
 
-const BackendDescriptor* Find(const std::vector<BackendDescriptor>& registry,
-                              std::string_view axis, std::string_view value) {
+const BackendDescriptor* Find(const std::vector<BackendDescriptor>& registry, std::string_view axis,
+                              std::string_view value) {
   for (const BackendDescriptor& d : registry)
     if (d.axis == axis && d.value == value) return &d;
   return nullptr;
@@ -442,7 +699,8 @@ std::string BackendConfigString(const BackendConfig& config) {
 
 absl::StatusOr<BackendConfig> ParseBackendConfig(std::string_view text) {
   BackendConfig config;
-  for (absl::string_view item : absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
+  for (absl::string_view item :
+       absl::StrSplit(absl::string_view(text.data(), text.size()), ',', absl::SkipWhitespace())) {
     std::vector<absl::string_view> kv = absl::StrSplit(item, '=');
     if (kv.size() != 2 || absl::StripAsciiWhitespace(kv[0]).empty() ||
         absl::StripAsciiWhitespace(kv[1]).empty())
@@ -469,7 +727,8 @@ std::map<std::string, std::string> ImplicitAxes(Device device) {
 std::map<std::string, std::string> DefaultAxes(Device device) {
   if (device == Device::kCuda)  // the GPU reference: every axis at its most conservative value
     return {{"device", DeviceName(device)}, {"gemm", "reference"}, {"attention", "naive"},
-            {"kv_cache", "fp32"}, {"moe", "loop"}, {"graphs", "off"}, {"qgemm", "reference"}};
+            {"kv_cache", "fp32"},           {"moe", "loop"},       {"graphs", "off"},
+            {"qgemm", "reference"}};
   return {{"device", DeviceName(device)}, {"matmul", "naive"}, {"threads", "all"}};
 }
 
@@ -503,9 +762,9 @@ absl::StatusOr<BackendConfig> NormalizeBackendConfig(const BackendConfig& config
                                                      " (known: ", absl::StrJoin(axes, ", "), ")"));
     }
     if (std::find(known_values.begin(), known_values.end(), value) == known_values.end())
-      return absl::InvalidArgumentError(absl::StrCat("config axis '", axis, "': unknown value '",
-                                                     value, "' (known: ",
-                                                     absl::StrJoin(known_values, ", "), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config axis '", axis, "': unknown value '", value,
+                       "' (known: ", absl::StrJoin(known_values, ", "), ")"));
     normalized[axis] = value;
   }
   for (const auto& [axis, value] : ImplicitAxes(device))

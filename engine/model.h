@@ -69,6 +69,11 @@ class Model {
   // The default runs RaggedStep and picks on the host.
   virtual absl::Status RaggedStepGreedy(std::span<const RaggedChunk> chunks,
                                         std::vector<int32_t>* next);
+  // Rank 0's `value` on every rank of a model whose tensor-parallel ranks are processes (each
+  // passes its own; the serving scheduler's clock and its decisions from measured figures, so
+  // that every rank plans the same steps and none waits in a collective the others skip);
+  // `value` itself in a model of one process.
+  virtual absl::StatusOr<double> RankZeroValue(double value) { return value; }
   // Seconds spent capturing CUDA graphs so far (0 where there are none).
   virtual double graph_capture_seconds() const { return 0; }
   // Device time of the last Forward or ForwardGreedy, from events recorded on its stream around

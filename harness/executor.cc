@@ -308,15 +308,6 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     return finish(absl::IsUnimplemented(probed) ? TrialStatus::kUnsupported : TrialStatus::kError,
                   std::string(probed.message()));
 
-  // Rank processes call their collectives in the same order only where they run the same
-  // steps; a serving run's steps follow each process's own clock.
-  if (request.workload.serve && ConfigDevice(*config) == Device::kCuda &&
-      TensorParallelRanks(*config) > 1)
-    return finish(TrialStatus::kUnsupported,
-                  absl::StrCat("tp=", TensorParallelRanks(*config),
-                               ": serving runs are not built over CUDA rank processes (each "
-                               "rank would batch the arrivals by its own clock)"));
-
   // Then device memory, also before any weights load: each batch size's plan, or each load
   // point's KV slots, against the GPU's free memory (harness/memory_verdict.h).
   std::shared_ptr<void> hog;  // TEST ONLY: held until the trial ends

@@ -105,7 +105,8 @@ absl::Status RunPhase(Model& model, const ServeSpec& spec, const Phase& phase,
   std::vector<int> prefill;   // chunk -> prompt tokens it feeds (0: a decode row)
   std::vector<int32_t> next;
   while (true) {
-    const double now = now_s();
+    // Rank 0's clock: tensor-parallel rank processes admit the same arrivals at the same step.
+    ASSIGN_OR_RETURN(const double now, model.RankZeroValue(now_s()));
     if (phase.open_loop) {
       while (may_issue(next_arrival) && next_arrival <= now) {
         waiting.push_back(issue(next_arrival));
@@ -501,7 +502,10 @@ absl::StatusOr<SloSearch> SearchSloLoad(Model& model, const ServeSpec& spec, con
       ASSIGN_OR_RETURN(result, RunLoadPoint(model, spec, point, slo, nullptr, slot_cap));
       result.requests_checked = result.requests_matching = 0;  // not judged (yet)
     }
-    const bool meets = MeetsSlo(result.metrics, slo);
+    // Each rank measures its own percentiles; rank 0's verdict steers every rank's bisection.
+    ASSIGN_OR_RETURN(const double rank_zero_meets,
+                     model.RankZeroValue(MeetsSlo(result.metrics, slo) ? 1 : 0));
+    const bool meets = rank_zero_meets != 0;
     if (meets &&
         (!search.found || (open_loop ? point.rate > search.best.point.rate
                                      : point.concurrency > search.best.point.concurrency))) {

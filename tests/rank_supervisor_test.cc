@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
+#include "api/serve_spec.h"
 #include "harness/runner.h"
 #include "tests/test_util.h"
 
@@ -105,6 +106,34 @@ TEST(RankSupervisor, TheRunnerSupervisesRankFaults) {
   EXPECT_THAT(killed.reason, HasSubstr("rank 1 killed by signal 9"));
   const TrialResult ok = runner.Run(Request("device=cpu,tp=2", ""));
   EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+}
+
+// A serving trial over rank processes: a rank killed mid-serve is CRASHED naming it, a rank that
+// hangs in a ragged step is TIMEOUT naming it, and no rank process is left either way; without
+// a fault the ranks serve and judge the same steps, and rank 0's result is OK.
+TEST(RankSupervisor, ARankThatDiesOrHangsMidServeIsNamed) {
+  auto serving = [](const std::string& fault) {
+    TrialRequest r = Request("device=cpu,tp=2", fault);
+    auto spec = ParseServeSpec("concurrency=3,isl=6-12,osl=3-6,requests=4");
+    EXPECT_TRUE(spec.ok()) << spec.status();
+    r.workload.serve = *spec;
+    r.workload.timeout_s = 6;
+    return r;
+  };
+  const SupervisedTrial ok = RunRankTrial(serving(""), 2, "", Options());
+  EXPECT_EQ(ok.result.status, TrialStatus::kOk) << ok.result.reason << ok.result.stderr_tail;
+  ASSERT_FALSE(ok.result.serving.empty());
+  EXPECT_EQ(ok.result.serving[0].verdict, TrialStatus::kOk);
+  EXPECT_EQ(ok.result.serving[0].completed, 4);
+  ExpectNoRankLeft(ok);
+  const SupervisedTrial killed = RunRankTrial(serving("rank-kill:1"), 2, "", Options());
+  EXPECT_EQ(killed.result.status, TrialStatus::kCrashed) << killed.result.reason;
+  EXPECT_THAT(killed.result.reason, HasSubstr("rank 1 killed by signal 9 (SIGKILL"));
+  ExpectNoRankLeft(killed);
+  const SupervisedTrial hung = RunRankTrial(serving("rank-hang:1"), 2, "", Options());
+  EXPECT_EQ(hung.result.status, TrialStatus::kTimeout) << hung.result.reason;
+  EXPECT_THAT(hung.result.reason, HasSubstr("no result from rank 1 within 6 s"));
+  ExpectNoRankLeft(hung);
 }
 
 // CUDA configs with tp > 1 run one rank process a GPU; tp=1 and the CPU's tp (threads of one

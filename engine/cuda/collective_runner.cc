@@ -1,6 +1,8 @@
 #include "engine/cuda/collective_runner.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "api/status_macros.h"
@@ -63,6 +65,27 @@ absl::Status CollectiveRunner::GatherLogits(float* logits, int out_rows) {
                                 lm_rows_ * sizeof(float), lm_rows_ * sizeof(float), out_rows,
                                 cudaMemcpyDeviceToDevice, stream_));
   return SumOverRanks(logits, count);
+}
+
+absl::StatusOr<double> CollectiveRunner::RankZeroValue(double value) {
+  if (!rank_comm_) return value;
+  if (!agreed_) RETURN_IF_ERROR(agreed_.Allocate(4));
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  float pieces[4] = {};
+  if (comm_->rank() == 0)
+    for (int i = 0; i < 4; ++i) pieces[i] = static_cast<float>((bits >> (16 * i)) & 0xffff);
+  CUDA_OR_DIE(
+      cudaMemcpyAsync(agreed_.get(), pieces, sizeof pieces, cudaMemcpyHostToDevice, stream_));
+  RETURN_IF_ERROR(SumOverRanks(agreed_.get(), 4));
+  CUDA_OR_DIE(
+      cudaMemcpyAsync(pieces, agreed_.get(), sizeof pieces, cudaMemcpyDeviceToHost, stream_));
+  CUDA_OR_DIE(cudaStreamSynchronize(stream_));
+  bits = 0;
+  for (int i = 0; i < 4; ++i) bits |= static_cast<uint64_t>(pieces[i]) << (16 * i);
+  double agreed = 0;
+  std::memcpy(&agreed, &bits, sizeof agreed);
+  return agreed;
 }
 
 absl::Status CollectiveRunner::SumOverRanks(float* data, int64_t count) {

@@ -44,6 +44,9 @@ class CollectiveRunner {
   // vocabulary columns, then summed over the ranks. Each logit is one rank's value plus exact
   // zeros, so every rank holds the same bits. The message is padded to whole 16-byte packs.
   absl::Status GatherLogits(float* logits, int out_rows);
+  // Rank 0's `value` on every rank (tp > 1; Model::RankZeroValue): its 64 bits as four 16-bit
+  // pieces in fp32, zeros from the other ranks, summed over the ranks (exact), outside any graph.
+  absl::StatusOr<double> RankZeroValue(double value);
 
  private:
   // data[count] (fp32) summed over the ranks, in calls of at most max_message_bytes_ each.
@@ -63,6 +66,7 @@ class CollectiveRunner {
   const int64_t lm_rows_;
   DeviceBuffer<float> partial_;       // [rows, hidden]: a block's output before the all-reduce
   DeviceBuffer<float> shard_logits_;  // [rows, lm_rows_]: a rank's vocabulary shard (tp > 1)
+  DeviceBuffer<float> agreed_;        // [4]: RankZeroValue's pieces
 };
 
 }  // namespace infersweep

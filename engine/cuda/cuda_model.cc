@@ -147,6 +147,9 @@ class CudaModel final : public Model {
                           std::vector<float>* last_logits) override {
     return Ragged(chunks, last_logits, nullptr);
   }
+  absl::StatusOr<double> RankZeroValue(double value) override {
+    return collective_.RankZeroValue(value);
+  }
   absl::Status RaggedStepGreedy(std::span<const RaggedChunk> chunks,
                                 std::vector<int32_t>* next) override {
     return Ragged(chunks, nullptr, next);
