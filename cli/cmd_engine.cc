@@ -1,10 +1,17 @@
-// `infersweep logits`, `generate` and `demo`: run the engine once, in process; `backends`: the
-// backend registry, as text or as docs/BACKENDS.md.
+// `infersweep logits`, `generate` and `demo`: run the engine once, in process (a CUDA config with
+// tp > 1: in rank processes of this binary); `backends`: the backend registry, as text or as
+// docs/BACKENDS.md.
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -20,8 +27,10 @@
 #include "engine/backends.h"
 #include "engine/capability_probe.h"
 #include "engine/npy.h"
+#include "engine/rank_context.h"
 #include "engine/sampler.h"
 #include "engine/weights.h"
+#include "harness/rank_supervisor.h"
 
 namespace infersweep::cli {
 namespace {
@@ -34,6 +43,9 @@ struct ModelArgs {
   int threads = 0;
   std::string config;
   std::string quantize;
+  // Set by the parent of a CUDA tp > 1 run on each of its rank processes (RunAsRanks): this
+  // process is a rank, and rank 0 writes what the command prints there.
+  std::string rank_output;
 };
 
 void AddModelOptions(CLI::App* cmd, ModelArgs& args) {
@@ -47,6 +59,7 @@ void AddModelOptions(CLI::App* cmd, ModelArgs& args) {
   cmd->add_option("--quantize", args.quantize,
                   "quantize the linear layers on load: fp8_tensor, fp8_channel, fp8_block128, "
                   "nvfp4, mxfp4 (docs/QUANTIZATION.md)");
+  cmd->add_option("--rank-output", args.rank_output)->group("");  // RunAsRanks's rank processes
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
@@ -66,8 +79,9 @@ struct Loaded {
   std::unique_ptr<Model> model;
 };
 
-// --backend picks the device's reference; --config overrides axes (a fast config).
-absl::StatusOr<Loaded> Load(const ModelArgs& args) {
+// --backend picks the device's reference; --config overrides axes (a fast config). The config
+// is judged as a trial judges it (preflight, then the capability probe) before anything loads.
+absl::StatusOr<BackendConfig> CheckedConfig(const ModelArgs& args) {
   const absl::StatusOr<Device> device = ParseDevice(args.backend, "--backend");
   if (!device.ok())
     return absl::InvalidArgumentError(
@@ -84,7 +98,6 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   if (!preflight.supported)
     return absl::FailedPreconditionError(
         absl::StrCat("UNSUPPORTED: ", BackendConfigString(normalized), ": ", preflight.reason));
-  // The capability probe, as a trial asks it: before any weights load.
   if (absl::StatusOr<ModelConfig> shapes = DescribeModelShapes(model_description, args.layers);
       shapes.ok())
     if (absl::Status probed = MakeDeviceProbe(devices)->Probe(
@@ -93,6 +106,11 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
       return absl::FailedPreconditionError(
           absl::StrCat(absl::IsUnimplemented(probed) ? "UNSUPPORTED: " : "",
                        BackendConfigString(normalized), ": capability probe: ", probed.message()));
+  return normalized;
+}
+
+absl::StatusOr<Loaded> Load(const ModelArgs& args, const BackendConfig& normalized) {
+  ASSIGN_OR_RETURN(auto model_description, WithQuantization(args.model, args.quantize));
   Loaded loaded;
   ASSIGN_OR_RETURN(auto host, LoadHostModel(model_description, {args.layers, args.seed}));
   for (const std::string& warning : host->warnings)
@@ -103,13 +121,119 @@ absl::StatusOr<Loaded> Load(const ModelArgs& args) {
   return loaded;
 }
 
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
-
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
   return 1;
+}
+
+// ---- tp > 1 on CUDA: the command in rank processes.
+// The engine runs a CUDA tp > 1 model as one process a rank (engine/rank_context.h), so `logits`
+// and `generate` start tp processes of this binary under the rank supervisor, as a trial does:
+// each builds its shard and joins the ranks' collective; every rank runs the same steps; rank 0
+// writes what the command prints into a file, which the parent then prints. A rank that dies or
+// hangs fails the command naming it, and no rank is left running.
+
+// The ranks of a checked config when its command must run in rank processes, else 0.
+int CommandRanks(const BackendConfig& config) {
+  TrialRequest request;
+  request.config = config;
+  return ConfigDevice(config) == Device::kCuda ? RankProcesses(request) : 0;
+}
+
+// The parent: `command` (the subcommand and its own options) in `ranks` processes.
+int RunAsRanks(const ModelArgs& args, const BackendConfig& config, int ranks,
+               const std::vector<std::string>& command) {
+  char path[] = "/tmp/infersweep-rank-output-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) return Fail(absl::InternalError("mkstemp for the rank output failed"));
+  close(fd);
+  RankSupervisorOptions options;
+  options.rank_argv = {"/proc/self/exe"};
+  options.rank_argv.insert(options.rank_argv.end(), command.begin(), command.end());
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--model", args.model},
+                                                        {"--backend", args.backend},
+                                                        {"--layers", absl::StrCat(args.layers)},
+                                                        {"--seed", absl::StrCat(args.seed)},
+                                                        {"--config", args.config},
+                                                        {"--quantize", args.quantize},
+                                                        {"--rank-output", path}})
+    if (!value.empty()) options.rank_argv.insert(options.rank_argv.end(), {flag, value});
+  TrialRequest request;
+  request.trial_id = command.front();
+  request.model = args.model;
+  request.config = config;
+  request.workload.timeout_s = 3600;
+  const SupervisedTrial ran = RunRankTrial(request, ranks, "", options);
+  if (!ran.ranks.empty() && !ran.ranks[0].stderr_tail.empty())
+    std::fprintf(stderr, "%s\n", ran.ranks[0].stderr_tail.c_str());
+  int rc = 0;
+  if (ran.result.status != TrialStatus::kOk) {
+    std::fprintf(stderr, "error: %s over %d rank processes: %s\n",
+                 std::string(TrialStatusName(ran.result.status)).c_str(), ranks,
+                 ran.result.reason.c_str());
+    rc = 1;
+  } else if (std::ifstream in(path); in) {
+    std::cout << in.rdbuf();
+    std::cout.flush();
+  }
+  unlink(path);
+  return rc;
+}
+
+// A rank process (--rank-output): joins the ranks as a trial's rank worker does, and answers
+// the supervisor once the command is done.
+class RankChild {
+ public:
+  explicit RankChild(const ModelArgs& args) : path_(args.rank_output) {}
+  bool active() const { return !path_.empty(); }
+
+  // Reads the assignment, takes the rank's GPU and the exchange through the parent.
+  absl::Status Join() {
+    std::string line;
+    if (!std::getline(std::cin, line))
+      return absl::UnavailableError("rank process: no assignment on stdin");
+    auto parsed = nlohmann::json::parse(line, nullptr, false);
+    if (parsed.is_discarded() || !parsed.is_object() || !parsed.contains("rank") ||
+        !parsed.contains("ranks"))
+      return absl::InvalidArgumentError("rank assignment: not a JSON object with rank and ranks");
+    rank_ = parsed["rank"].get<int>();
+    const int ranks = parsed["ranks"].get<int>();
+    SetProcessRank(rank_);
+    RETURN_IF_ERROR(UseRankDevice(rank_, ranks));
+    SetRankContext({rank_, ranks, [ranks](const std::string& mine) {
+                      return ExchangeThroughParent(std::cin, std::cout, ranks, mine);
+                    }});
+    return absl::OkStatus();
+  }
+  bool writes_output() const { return !active() || rank_ == 0; }
+  // Where the command prints: stdout, or rank 0's file (the other ranks print nothing).
+  std::FILE* Output() {
+    if (!active()) return stdout;
+    if (!file_) file_ = std::fopen(rank_ == 0 ? path_.c_str() : "/dev/null", "w");
+    return file_;
+  }
+  // The answer the supervisor reads, then the wait for it to close stdin; the exit code.
+  int Answer(const absl::Status& status) {
+    if (file_) std::fclose(file_);
+    file_ = nullptr;
+    nlohmann::json answer = {{"status", status.ok() ? "OK" : "ERROR"}};
+    if (!status.ok()) answer["reason"] = std::string(status.message());
+    std::cout << answer.dump() << std::endl;
+    std::string line;
+    while (std::getline(std::cin, line)) {
+    }
+    return status.ok() ? 0 : 1;
+  }
+
+ private:
+  std::string path_;
+  int rank_ = 0;
+  std::FILE* file_ = nullptr;
+};
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
 struct Generation {
@@ -141,32 +265,53 @@ absl::StatusOr<Generation> GenerateGreedy(Model& model, const std::vector<int32_
   return gen;
 }
 
+// Runs `command` here, or (a CUDA config with tp > 1) in rank processes, each running it as
+// rank (RankChild); the exit code.
+int RunEngineCommand(const ModelArgs& args, const std::vector<std::string>& argv,
+                     const std::function<absl::Status(const BackendConfig&, RankChild&)>& command) {
+  RankChild child(args);
+  if (child.active()) {
+    if (absl::Status joined = child.Join(); !joined.ok()) return child.Answer(joined);
+    absl::StatusOr<BackendConfig> config = CheckedConfig(args);
+    return child.Answer(config.ok() ? command(*config, child) : config.status());
+  }
+  absl::StatusOr<BackendConfig> config = CheckedConfig(args);
+  if (!config.ok()) return Fail(config.status());
+  if (const int ranks = CommandRanks(*config); ranks > 1)
+    return RunAsRanks(args, *config, ranks, argv);
+  const absl::Status done = command(*config, child);
+  return done.ok() ? 0 : Fail(done);
+}
+
 int RunLogits(const ModelArgs& args, const std::string& tokens_text, const std::string& out) {
   auto tokens = ParseTokens(tokens_text);
   if (!tokens.ok()) return Fail(tokens.status());
-  auto loaded = Load(args);
-  if (!loaded.ok()) return Fail(loaded.status());
-  Model& model = *loaded->model;
-  const int n = static_cast<int>(tokens->size());
-  if (auto s = model.StartBatch(1, n); !s.ok()) return Fail(s);
-  std::vector<float> logits;
-  const auto start = std::chrono::steady_clock::now();
-  if (auto s = model.Forward(*tokens, n, LogitsMode::kAll, &logits); !s.ok()) return Fail(s);
-  const double seconds = Seconds(start);
-  if (auto s = WriteNpyFloat32(out, {n, model.config().vocab_size}, logits.data()); !s.ok())
-    return Fail(s);
-  std::fprintf(stderr, "# %s on %s: %d tokens in %.3f s (%.1f tok/s prefill), wrote %s\n",
-               loaded->host->source.c_str(), model.device().c_str(), n, seconds, n / seconds,
-               out.c_str());
-  return 0;
+  return RunEngineCommand(
+      args, {"logits", "--tokens", tokens_text, "--out", out},
+      [&](const BackendConfig& config, RankChild& rank) -> absl::Status {
+        ASSIGN_OR_RETURN(Loaded loaded, Load(args, config));
+        Model& model = *loaded.model;
+        const int n = static_cast<int>(tokens->size());
+        RETURN_IF_ERROR(model.StartBatch(1, n));
+        std::vector<float> logits;
+        const auto start = std::chrono::steady_clock::now();
+        RETURN_IF_ERROR(model.Forward(*tokens, n, LogitsMode::kAll, &logits));
+        const double seconds = Seconds(start);
+        if (!rank.writes_output()) return absl::OkStatus();
+        RETURN_IF_ERROR(WriteNpyFloat32(out, {n, model.config().vocab_size}, logits.data()));
+        std::fprintf(stderr, "# %s on %s: %d tokens in %.3f s (%.1f tok/s prefill), wrote %s\n",
+                     loaded.host->source.c_str(), model.device().c_str(), n, seconds, n / seconds,
+                     out.c_str());
+        return absl::OkStatus();
+      });
 }
 
 // The prompt in every row of a batch (shifted per row), greedy: for profiling batched steps (ncu,
-// nsys). Prints the first row's tokens.
-int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch,
-                     int max_new_tokens) {
+// nsys). Prints the first row's tokens to `out`.
+absl::Status GenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch,
+                           int max_new_tokens, std::FILE* out) {
   const int n = static_cast<int>(prompt.size()), vocab = model.config().vocab_size;
-  if (auto s = model.StartBatch(batch, n + max_new_tokens); !s.ok()) return Fail(s);
+  RETURN_IF_ERROR(model.StartBatch(batch, n + max_new_tokens));
   std::vector<int32_t> input;
   // Row b's prompt is shifted by b token ids, so rows route to different experts like a real batch.
   for (int b = 0; b < batch; ++b)
@@ -174,7 +319,7 @@ int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch
   std::vector<float> logits;
   std::vector<int32_t> first_row;
   auto start = std::chrono::steady_clock::now();
-  if (auto s = model.Forward(input, n, LogitsMode::kLast, &logits); !s.ok()) return Fail(s);
+  RETURN_IF_ERROR(model.Forward(input, n, LogitsMode::kLast, &logits));
   const double prefill = Seconds(start);
   start = std::chrono::steady_clock::now();
   for (int step = 0; step < max_new_tokens; ++step) {
@@ -184,15 +329,15 @@ int RunGenerateBatch(Model& model, const std::vector<int32_t>& prompt, int batch
           Greedy(std::span<const float>(logits).subspan(static_cast<size_t>(b) * vocab, vocab));
     first_row.push_back(input[0]);
     if (step + 1 < max_new_tokens)
-      if (auto s = model.Forward(input, 1, LogitsMode::kLast, &logits); !s.ok()) return Fail(s);
+      RETURN_IF_ERROR(model.Forward(input, 1, LogitsMode::kLast, &logits));
   }
   const double decode = Seconds(start);
-  std::printf("{\"tokens\":[%s]}\n", absl::StrJoin(first_row, ",").c_str());
+  std::fprintf(out, "{\"tokens\":[%s]}\n", absl::StrJoin(first_row, ",").c_str());
   std::fprintf(
       stderr, "# batch %d: prefill %d tokens a row: %.1f tok/s; decode: %.1f tok/s\n", batch, n,
       static_cast<double>(batch) * n / prefill,
       static_cast<double>(batch) * std::max(1, max_new_tokens - 1) / std::max(decode, 1e-9));
-  return 0;
+  return absl::OkStatus();
 }
 
 int RunGenerate(const ModelArgs& args, const std::string& tokens_text, int max_new_tokens,
@@ -201,26 +346,30 @@ int RunGenerate(const ModelArgs& args, const std::string& tokens_text, int max_n
   if (!tokens.ok()) return Fail(tokens.status());
   if (max_new_tokens <= 0) return Fail(absl::InvalidArgumentError("--max-new-tokens must be > 0"));
   if (batch <= 0) return Fail(absl::InvalidArgumentError("--batch must be > 0"));
-  auto loaded = Load(args);
-  if (!loaded.ok()) return Fail(loaded.status());
-  if (batch > 1) return RunGenerateBatch(*loaded->model, *tokens, batch, max_new_tokens);
-  auto gen = GenerateGreedy(*loaded->model, *tokens, max_new_tokens);
-  if (!gen.ok()) return Fail(gen.status());
-  std::string json = "{\"tokens\":[";
-  for (size_t i = 0; i < gen->tokens.size(); ++i)
-    absl::StrAppend(&json, i ? "," : "", gen->tokens[i]);
-  std::printf("%s]}\n", json.c_str());
-  std::fprintf(stderr, "# prefill %zu tokens: %.1f tok/s; decode %d tokens: %.1f tok/s\n",
-               tokens->size(), tokens->size() / gen->prefill_seconds, max_new_tokens,
-               std::max(1, max_new_tokens - 1) / std::max(gen->decode_seconds, 1e-9));
-  return 0;
+  return RunEngineCommand(
+      args,
+      {"generate", "--tokens", tokens_text, "--max-new-tokens", absl::StrCat(max_new_tokens),
+       "--batch", absl::StrCat(batch)},
+      [&](const BackendConfig& config, RankChild& rank) -> absl::Status {
+        ASSIGN_OR_RETURN(Loaded loaded, Load(args, config));
+        if (batch > 1)
+          return GenerateBatch(*loaded.model, *tokens, batch, max_new_tokens, rank.Output());
+        ASSIGN_OR_RETURN(Generation gen, GenerateGreedy(*loaded.model, *tokens, max_new_tokens));
+        std::fprintf(rank.Output(), "{\"tokens\":[%s]}\n", absl::StrJoin(gen.tokens, ",").c_str());
+        std::fprintf(stderr, "# prefill %zu tokens: %.1f tok/s; decode %d tokens: %.1f tok/s\n",
+                     tokens->size(), tokens->size() / gen.prefill_seconds, max_new_tokens,
+                     std::max(1, max_new_tokens - 1) / std::max(gen.decode_seconds, 1e-9));
+        return absl::OkStatus();
+      });
 }
 
 // The README's first command: a tiny synthetic model generating tokens on the CPU reference.
 int RunDemo(ModelArgs args, int max_new_tokens) {
   std::vector<int32_t> prompt;
   for (int i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 500);
-  auto loaded = Load(args);
+  auto config = CheckedConfig(args);
+  if (!config.ok()) return Fail(config.status());
+  auto loaded = Load(args, *config);
   if (!loaded.ok()) return Fail(loaded.status());
   const ModelConfig& c = loaded->host->config;
   std::printf("# model %s (%s): %d layers, hidden %d, %d experts top-%d, vocab %d, %.2fM params\n",

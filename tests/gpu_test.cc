@@ -37,16 +37,6 @@ bool HaveGpu() { return ProbeLocalDevices().gpu_count > 0; }
 #define REQUIRE_GPU() \
   if (!HaveGpu()) GTEST_SKIP() << "no GPU on this machine"
 
-double RelMaxError(const std::vector<float>& a, const std::vector<float>& ref) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a[i]) - ref[i]);
-    diff = std::isnan(d) ? INFINITY : std::max(diff, d);
-    scale = std::max(scale, std::fabs(static_cast<double>(ref[i])));
-  }
-  return diff / scale;
-}
-
 // The logits of every prompt position, the prompt fed one token a step (decode steps: a hybrid's
 // linear layers then take the recurrent form of the delta rule, as the GPU's kernels do in
 // prefill too).

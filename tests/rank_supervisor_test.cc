@@ -10,6 +10,9 @@
 
 #include <cerrno>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -134,6 +137,45 @@ TEST(RankSupervisor, ARankThatDiesOrHangsMidServeIsNamed) {
   EXPECT_EQ(hung.result.status, TrialStatus::kTimeout) << hung.result.reason;
   EXPECT_THAT(hung.result.reason, HasSubstr("no result from rank 1 within 6 s"));
   ExpectNoRankLeft(hung);
+}
+
+// `logits` and `generate` as rank processes (how the CLI runs a CUDA config with tp > 1): each
+// rank joins through its assignment and answers; rank 0 alone writes the command's output (the
+// .npy, the tokens line into --rank-output), the same bytes the command writes in one process.
+TEST(RankSupervisor, EngineCommandsRunAsRanks) {
+  const std::string dir = MakeTempDir("infersweep-rank-cli");
+  ASSERT_FALSE(dir.empty());
+  const std::string model_args =
+      " --model preset:tiny-moe --backend cpu --config tp=2 --tokens 3,1,4,1,5,9";
+  int rc = 0;
+  RunCommand(WorkerBinary() + " logits" + model_args + " --out " + dir + "/one.npy 2>&1", &rc);
+  ASSERT_EQ(rc, 0);
+  const std::string tokens =
+      RunCommand(WorkerBinary() + " generate" + model_args + " --max-new-tokens 5", &rc);
+  ASSERT_EQ(rc, 0);
+  for (const std::string command : {"logits", "generate"}) {
+    RankSupervisorOptions options;
+    options.rank_argv = {WorkerBinary(),    command,         "--model",
+                         "preset:tiny-moe", "--backend",     "cpu",
+                         "--config",        "tp=2",          "--tokens",
+                         "3,1,4,1,5,9",     "--rank-output", dir + "/" + command + ".out"};
+    if (command == "logits")
+      options.rank_argv.insert(options.rank_argv.end(), {"--out", dir + "/ranks.npy"});
+    else
+      options.rank_argv.insert(options.rank_argv.end(), {"--max-new-tokens", "5"});
+    const SupervisedTrial t = RunRankTrial(Request("device=cpu,tp=2", ""), 2, "", options);
+    EXPECT_EQ(t.result.status, TrialStatus::kOk) << command << ": " << t.result.reason;
+    ExpectNoRankLeft(t);
+  }
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_FALSE(read(dir + "/one.npy").empty());
+  EXPECT_EQ(read(dir + "/ranks.npy"), read(dir + "/one.npy"));
+  EXPECT_EQ(read(dir + "/generate.out"), tokens);
+  EXPECT_THAT(tokens, testing::StartsWith("{\"tokens\":["));
+  std::filesystem::remove_all(dir);
 }
 
 // CUDA configs with tp > 1 run one rank process a GPU; tp=1 and the CPU's tp (threads of one

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +28,17 @@ inline std::string SourceDir() {
 inline std::string WorkerBinary() {
   const char* env = std::getenv("INFERSWEEP_BINARY");
   return env ? env : INFERSWEEP_BINARY;
+}
+
+// max |a - ref| over max |ref| (infinite where a difference is NaN).
+inline double RelMaxError(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - ref[i]);
+    diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+    scale = std::max(scale, std::fabs(static_cast<double>(ref[i])));
+  }
+  return diff / scale;
 }
 
 // The fixture folders under `root` (those holding an expected.json), sorted; none when `root` is

@@ -83,7 +83,7 @@ absl::StatusOr<CudaRank> JoinCudaRank(const ParallelOptions& parallel) {
     return absl::UnimplementedError(absl::StrCat(
         "tp=", parallel.tp, ": the CUDA engine runs tp > 1 as ", parallel.tp,
         " rank processes, one a GPU, joined by the trial's parent (harness/rank_supervisor.h); "
-        "this process is not one of them (logits and generate run tp=1)"));
+        "this process is not one of them"));
   // One collective a process, kept for the process's life (never destroyed: NCCL's and the
   // peer buffers' teardown after the CUDA runtime's at exit could hang; the driver frees them
   // with the process).
