@@ -210,8 +210,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kBf16,
                "cuDNN 9's fused flash attention (SDPA) through its graph API: Q.K^T, scale, "
                "padding and bottom-right causal masks from device sequence lengths, softmax and "
-               "P.V as one cuDNN kernel over the bf16 KV cache in place (GQA broadcast); "
-               "lockstep batches (no serving)"});
+               "P.V as one cuDNN kernel over the bf16 KV cache in place (GQA broadcast); serving: "
+               "a ragged step's decode rows as a batch of every KV slot (per-slot lengths), each "
+               "prefill chunk as one sequence"});
   r.push_back({"kv_cache", "fp32", kCuda, 80, 0, true, {}, {}, kFp32, "K and V cached in fp32"});
   r.push_back({"kv_cache",
                "bf16",

@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "api/serve_spec.h"
 #include "engine/backends.h"
 #include "engine/capability_probe.h"
 #include "engine/cudnn_loader.h"
 #include "harness/executor.h"
 #include "harness/runner.h"
+#include "harness/serving.h"
 #include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 
@@ -145,6 +147,35 @@ TEST(GpuCudnn, AttentionIsOkByTheHarness) {
   }
 }
 
+// attention=cudnn serves: a ragged step's decode rows as a batch of every KV slot, each prefill
+// chunk as one sequence over its slot's cache; the served tokens are judged as a serving trial
+// judges them, eagerly and with each decode bucket's graph, on a MoE and a hybrid.
+TEST(GpuCudnn, AttentionServes) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  auto spec = ParseServeSpec("concurrency=1:4,isl=8-30,osl=4-10,requests=8,chunk=6");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  for (const auto& [model, axes] : std::vector<std::pair<const char*, const char*>>{
+           {"preset:tiny-moe", ",moe=fused"},
+           {"preset:tiny-hybrid", ",moe=fused,linear_attn=fused"}}) {
+    auto host = LoadHostModel(model, {2, 1, false});
+    ASSERT_TRUE(host.ok()) << host.status();
+    for (const char* graphs : {"off", "on"}) {
+      const std::string config =
+          absl::StrCat("device=cuda,attention=cudnn,kv_cache=bf16,graphs=", graphs, axes);
+      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(config), *spec, {});
+      std::cout << "# served " << model << " " << config << ": " << TrialStatusName(trial.status)
+                << " " << trial.reason << std::endl;
+      ASSERT_EQ(trial.status, TrialStatus::kOk) << model << " " << config << ": " << trial.reason;
+      for (const LoadPointResult& p : trial.points) {
+        EXPECT_EQ(p.verdict, TrialStatus::kOk)
+            << config << " " << LoadPointName(p.point) << ": " << p.mismatch;
+        EXPECT_EQ(p.metrics.completed, spec->requests);
+      }
+    }
+  }
+}
+
 // Every position's logits of a 40-token prompt (prefill crosses no tile edge evenly) under
 // attention=cudnn against attention=flash on the same bf16 cache: equal to bf16 rounding. A
 // wrong causal shift or padding bound moves whole rows, far past the bound.
@@ -155,10 +186,10 @@ TEST(GpuCudnn, AttentionMatchesFlash) {
   ASSERT_TRUE(host.ok()) << host.status();
   std::vector<int32_t> prompt(40);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 37 + 11) % 200);
-  const std::vector<float> flash = AllLogits(
-      **host, *ParseBackendConfig("device=cuda,attention=flash,kv_cache=bf16"), prompt);
-  const std::vector<float> cudnn = AllLogits(
-      **host, *ParseBackendConfig("device=cuda,attention=cudnn,kv_cache=bf16"), prompt);
+  const std::vector<float> flash =
+      AllLogits(**host, *ParseBackendConfig("device=cuda,attention=flash,kv_cache=bf16"), prompt);
+  const std::vector<float> cudnn =
+      AllLogits(**host, *ParseBackendConfig("device=cuda,attention=cudnn,kv_cache=bf16"), prompt);
   ASSERT_EQ(flash.size(), cudnn.size());
   ASSERT_FALSE(flash.empty());
   float peak = 0, worst = 0;
@@ -188,7 +219,8 @@ TEST(GpuCudnn, Fp8MatmulIsOkAndABadScaleIsIncorrect) {
     std::cout << "# " << model << " " << config << ": " << TrialStatusName(ok.status) << " "
               << ok.reason << " (top1 " << ok.verdict.top1_agreement << ")" << std::endl;
     EXPECT_EQ(ok.status, TrialStatus::kOk) << model << " " << config << ": " << ok.reason;
-    const TrialResult bad = executor.Execute(GpuRequest(model, config, "bad-quant-scale:1000@model.layers.0.self_attn.o_proj.weight"));
+    const TrialResult bad = executor.Execute(
+        GpuRequest(model, config, "bad-quant-scale:1000@model.layers.0.self_attn.o_proj.weight"));
     EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << model << " " << config << ": " << bad.reason;
   }
 }

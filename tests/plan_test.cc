@@ -318,10 +318,9 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
     if (std::string(v) == "cudnn") {
       EXPECT_EQ(floats, 0);  // its scores stay inside its kernel
       EXPECT_TRUE(p->zero_cache);
-      EXPECT_FALSE(p->ragged_rows);
     } else {
       EXPECT_GT(floats, 0) << v;
-      EXPECT_TRUE(p->ragged_rows);
+      EXPECT_FALSE(p->zero_cache);
     }
   }
 }

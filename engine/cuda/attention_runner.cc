@@ -78,6 +78,8 @@ absl::Status AttentionRunner::AllocateCache(int batch, int max_tokens) {
                                                          stream_));
       cudnn_ = std::move(made);
       RETURN_IF_ERROR(cudnn_->Prepare(batch, 1));
+      // Serving: the decode rows' bf16 Q and O as rows of their slots, every slot one query.
+      RETURN_IF_ERROR(slot_io_.Allocate(static_cast<size_t>(batch) * config_.q_dim()));
       break;
     }
   }
@@ -217,9 +219,23 @@ absl::Status AttentionRunner::Attend(const cuda::KvCache& cache, int first_row, 
   const size_t offset = static_cast<size_t>(first_row) * config_.q_dim();
   switch (plan_.path) {
     case AttentionPath::kCudnn: {
-      // Lockstep rows only (plan_.ragged_rows is false: StartServing refuses): `rows` is `batch`
-      // sequences of n tokens, sequence b in cache slot b.
-      if (ragged != nullptr) Unreachable("attention=cudnn on ragged rows");
+      const int q_dim = config_.q_dim();
+      if (ragged != nullptr) {
+        // A ragged step's decode rows: each row's query goes to its slot's row of a batch of every
+        // slot (the cache's `batch_`, spare included), each slot one query over its own KV
+        // length (1 where no row decodes), and the outputs come back to the rows. One plan, made
+        // with the cache, serves every such step and its graph's replays.
+        uint16_t* q = reinterpret_cast<uint16_t*>(slot_io_.get());
+        uint16_t* o = q + static_cast<int64_t>(batch_) * q_dim;
+        cuda::SlotLengths(ragged, rows, batch_, seq_lens_.get(), seq_lens_.get() + batch_, stream_);
+        cuda::RowsToSlotsBf16(q_.get() + offset, rows, q_dim, ragged, q, stream_);
+        RETURN_IF_ERROR(cudnn_->Run(q, cache.k, cache.v, seq_lens_.get(), seq_lens_.get() + batch_,
+                                    batch_, 1, o));
+        cuda::SlotsToRowsF32(o, rows, q_dim, ragged, attn_.get() + offset, stream_);
+        return absl::OkStatus();
+      }
+      // A lockstep chunk: `rows` is `batch` sequences of n tokens, sequence b in cache slot b (a
+      // ragged step's prefill chunk: one sequence, its slot's cache).
       const int batch = rows / n;
       const int64_t count = static_cast<int64_t>(rows) * config_.q_dim();
       uint16_t* q = reinterpret_cast<uint16_t*>(cudnn_io_.get());

@@ -76,6 +76,7 @@ class AttentionRunner {
   int batch_ = 0, capacity_ = 0;
   std::unique_ptr<CudnnAttention> cudnn_;  // attention=cudnn: its plans, made with the cache
   DeviceBuffer<int32_t> seq_lens_;         // attention=cudnn: [2, batch] s_q and KV lengths
+  DeviceBuffer<float> slot_io_;  // attention=cudnn serving: bf16 Q and O, [batch, q_dim] each
   DeviceBuffer<char> k_cache_, v_cache_;   // [cache layers, batch, capacity, kv_dim]
   DeviceBuffer<float> k_scale_, v_scale_;  // kv_cache=fp8: [.., batch, capacity, kv_heads]
   DeviceBuffer<float2> rope_;              // [capacity, rotary_dim / 2] cos/sin

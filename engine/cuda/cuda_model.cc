@@ -115,11 +115,6 @@ class CudaModel final : public Model {
   absl::Status StartServing(int slots, int max_tokens) override {
     if (slots <= 0 || max_tokens <= 0)
       return absl::InvalidArgumentError("StartServing: slots and max_tokens must be positive");
-    if (!attention_.plan().ragged_rows)
-      return absl::UnimplementedError(absl::StrCat(
-          "attention=", AxisValueName(options_.attention),
-          " runs lockstep batches only: its graph reads KV slot b for sequence b, and a ragged "
-          "step's decode rows sit in any slot (cuDNN's paged K/V load is not wired)"));
     DestroyGraphs();
     RETURN_IF_ERROR(attention_.AllocateCache(slots + 1, max_tokens));
     // The Gated DeltaNet layers' conv and recurrent states, per slot and the spare; a sequence's

@@ -63,7 +63,6 @@ absl::StatusOr<AttentionPlan> PlanAttention(const CudaOptions& options, const At
     case Attention::kCudnn:
       plan.path = AttentionPath::kCudnn;
       plan.zero_cache = true;
-      plan.ragged_rows = false;
       plan.cudnn_io = true;
       break;
   }

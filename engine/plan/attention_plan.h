@@ -35,9 +35,6 @@ struct AttentionPlan {
   // cuDNN's kernel loads whole tiles past a sequence's KV length and multiplies their masked
   // (zero) probabilities in: the cache starts zeroed, so 0 x NaN never happens.
   bool zero_cache = false;
-  // Serving's ragged steps put a sequence's rows at any KV slot; cuDNN's graph reads slot b for
-  // sequence b.
-  bool ragged_rows = true;
   bool cudnn_io = false;  // q and o staged in bf16 for cuDNN
 };
 

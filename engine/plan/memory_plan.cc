@@ -334,8 +334,10 @@ class Planner {
         scores * kFloat);
     Add(MemoryPool::kScratch, "RoPE table",
         int64_t{plan_.capacity_tokens} * (c_.rotary_dim() / 2) * 8 +
-            (attention_.path == AttentionPath::kCudnn ? 2 * int64_t{plan_.kv_sequences} * kInt
-                                                      : 0));
+            (attention_.path == AttentionPath::kCudnn
+                 ? 2 * int64_t{plan_.kv_sequences} * kInt +
+                       int64_t{plan_.kv_sequences} * q_dim * kFloat  // serving's per-slot Q, O
+                 : 0));
     // LinearAttentionRunner: projected, mixed [rows, conv]; z, out [rows, value]; a, b, g, beta
     // [rows, value heads].
     if (c_.has_linear_attention())

@@ -64,6 +64,32 @@ __global__ void SequenceLengthsKernel(const int* position, int n, int batch, int
   }
 }
 
+// One block: every slot a one-token query over one key, then each decode row's slot over its
+// position's keys.
+__global__ void SlotLengthsKernel(const int2* ragged, int rows, int slots, int32_t* seq_q,
+                                  int32_t* seq_kv) {
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    seq_q[s] = 1;
+    seq_kv[s] = 1;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) seq_kv[ragged[r].x] = ragged[r].y + 1;
+}
+
+// grid rows: row r's `width` values to (to_slots) or from its slot's row.
+template <bool kToSlots>
+__global__ void SlotRowsKernel(const void* in, int width, const int2* ragged, void* out) {
+  const int64_t row = blockIdx.x, slot = ragged[blockIdx.x].x;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    if constexpr (kToSlots)
+      static_cast<__nv_bfloat16*>(out)[slot * width + i] =
+          __float2bfloat16(static_cast<const float*>(in)[row * width + i]);
+    else
+      static_cast<float*>(out)[row * width + i] =
+          __bfloat162float(static_cast<const __nv_bfloat16*>(in)[slot * width + i]);
+  }
+}
+
 __global__ void SetNanKernel(float* x) { x[0] = __int_as_float(0x7fc00000); }
 
 __global__ void ForceTokenKernel(float* logits, int vocab, int stuck) {
@@ -112,6 +138,23 @@ void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream) {
 void SequenceLengths(const int* position, int n, int batch, int32_t* seq_q, int32_t* seq_kv,
                      cudaStream_t stream) {
   LaunchPlain(SequenceLengthsKernel, 1, 256, 0, stream, position, n, batch, seq_q, seq_kv);
+}
+
+void SlotLengths(const int2* ragged, int rows, int slots, int32_t* seq_q, int32_t* seq_kv,
+                 cudaStream_t stream) {
+  LaunchPlain(SlotLengthsKernel, 1, 1024, 0, stream, ragged, rows, slots, seq_q, seq_kv);
+}
+
+void RowsToSlotsBf16(const float* rows_in, int rows, int width, const int2* ragged,
+                     uint16_t* slots_out, cudaStream_t stream) {
+  LaunchPlain(SlotRowsKernel<true>, rows, 256, 0, stream, static_cast<const void*>(rows_in), width,
+              ragged, static_cast<void*>(slots_out));
+}
+
+void SlotsToRowsF32(const uint16_t* slots_in, int rows, int width, const int2* ragged,
+                    float* rows_out, cudaStream_t stream) {
+  LaunchPlain(SlotRowsKernel<false>, rows, 256, 0, stream, static_cast<const void*>(slots_in),
+              width, ragged, static_cast<void*>(rows_out));
 }
 
 void SetNan(float* x, cudaStream_t stream) { LaunchPlain(SetNanKernel, 1, 1, 0, stream, x); }

@@ -47,6 +47,17 @@ void ToBf16(const float* x, int64_t n, uint16_t* out, cudaStream_t stream);
 // position).
 void SequenceLengths(const int* position, int n, int batch, int32_t* seq_q, int32_t* seq_kv,
                      cudaStream_t stream);
+// A ragged step's decode rows as a batch of every slot (attention=cudnn serving): each of `slots`
+// slots a one-token query; seq_kv of a decode row's slot its position + 1, 1 for the others.
+void SlotLengths(const int2* ragged, int rows, int slots, int32_t* seq_q, int32_t* seq_kv,
+                 cudaStream_t stream);
+// Row r of `rows` [rows, width] rows to (bf16) or from (fp32) row ragged[r].x of a per-slot
+// array [slots, width]. 4 + 2 bytes a value each way: 64 decode rows of 4096 values move
+// 1.5 MB (~1 us).
+void RowsToSlotsBf16(const float* rows_in, int rows, int width, const int2* ragged,
+                     uint16_t* slots_out, cudaStream_t stream);
+void SlotsToRowsF32(const uint16_t* slots_in, int rows, int width, const int2* ragged,
+                    float* rows_out, cudaStream_t stream);
 
 // ---- attention
 // RoPE cos/sin for positions [0, capacity): table[p * head_dim/2 + i], angles in double.
