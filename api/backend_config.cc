@@ -365,23 +365,16 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
   // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.
   r.push_back({"tp", "1", kCuda, 80, 0, true, {}, {}, kFp32, "one GPU"});
-  // Quantized weights are not sharded for the CUDA ranks (a rank's column slices decode to fp32;
-  // the CPU reference runs them).
+  // Quantized weights shard as their codes and scales (ShardHostModel); a model whose cuts fall
+  // inside its scale groups or blocks is refused when the ranks build it (QuantizedShardRefusal).
   for (const char* t : {"2", "4", "8"})
-    r.push_back({"tp",
-                 t,
-                 kCuda,
-                 80,
-                 0,
-                 true,
-                 {"bf16", "f16", "f32"},
-                 {},
-                 kFp32,
+    r.push_back({"tp", t, kCuda, 80, 0, true, {}, {}, kFp32,
                  absl::StrCat(t,
                               " GPUs of one agent, one rank process each on its shard "
-                              "(sharded as on the CPU), joined through the trial's parent; "
-                              "serving steps planned on rank 0's clock, so every rank runs the "
-                              "same ragged steps")});
+                              "(sharded as on the CPU; quantized weights as their codes and "
+                              "scales, cut on their scale groups and blocks), joined through the "
+                              "trial's parent; serving steps planned on rank 0's clock, so every "
+                              "rank runs the same ragged steps")});
   r.push_back({"ep",
                "off",
                kCuda,

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,18 +33,33 @@ struct TensorParallelOptions {
 
 // One rank's shard of a host model: a host model of its own whose config has the rank's head
 // counts and sizes and whose weights view the host's (row slices) or own copies (column slices,
-// stacked row ranges, quantized slices decoded exactly to fp32).
+// stacked row ranges). A quantized matrix stays quantized in its format, its codes and scales
+// sliced alike (group scales with their K columns, per-channel scales with their rows, per-tensor,
+// global and input scales shared), wherever the cut falls on its scale grid; a cut inside an
+// NVFP4 / MXFP4 group or an FP8 128-block is decoded exactly to fp32 instead and named in
+// off_grid. Either way each shard row decodes bit-identically to the host's.
 struct RankShard {
   int rank = 0;
   int64_t vocab_begin = 0;  // the first vocabulary row of its lm_head shard
   std::unique_ptr<HostModel> host;
   std::vector<std::vector<uint8_t>> owned;  // the copies its weights point into
+  // The quantized weights this shard holds decoded to fp32, one line each: canonical name,
+  // format and shape, and the cut that falls inside a scale group or block.
+  std::vector<std::string> off_grid;
 };
 
 // Rank `rank` of `tp`'s shard of `host` (materialized). InvalidArgument when the model cannot be
 // sharded so (TensorParallelRefusal's reason).
 absl::StatusOr<std::unique_ptr<RankShard>> ShardHostModel(const HostModel& host, int tp, int rank,
                                                           bool expert_parallel);
+
+// Why the ranks' shards of `host` cannot all keep its quantized weights quantized: every rank's
+// cuts inside a scale group or block (RankShard::off_grid; the first few named, and a count),
+// for engines that take quantized shards only (CUDA). Empty when every cut of every rank falls
+// on its weight's scale grid, or the weights are dense. Errors as ShardHostModel's. Copies no
+// weights.
+absl::StatusOr<std::string> QuantizedShardRefusal(const HostModel& host, int tp,
+                                                  bool expert_parallel);
 
 // `host` (materialized) must outlive the model. Unimplemented with TensorParallelRefusal's reason
 // when the model's shapes cannot be sharded over tp ranks.

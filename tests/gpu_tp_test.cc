@@ -2,9 +2,9 @@
 // it: tp=2 runs as two rank processes (harness/rank_supervisor.h), each its shard of the model,
 // joined by the custom all-reduce over CUDA IPC. On one GPU the TEST ONLY map
 // INFERSWEEP_RANK_DEVICES=0,0 puts both ranks there (NCCL takes one rank a GPU, so nccl is
-// refused there). The ranks' logits are judged against the GPU reference at tp=1; a killed rank
-// makes the trial CRASHED naming it. Skipped (not failed) on machines without a GPU: CI compiles
-// it, the GPU machine runs it (scripts/gpu.sh stage tp).
+// refused there). The ranks' logits, on bf16 and on quantized shards, are judged against the GPU
+// reference at tp=1; a killed rank makes the trial CRASHED naming it. Skipped (not failed) on
+// machines without a GPU: CI compiles it, the GPU machine runs it (scripts/gpu.sh stage tp).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -77,6 +77,59 @@ TEST_F(GpuTp, TwoRanksOnOneGpuMatchTpOne) {
     EXPECT_EQ(fast.status, TrialStatus::kOk) << model << ": " << fast.reason << "\n"
                                              << fast.stderr_tail;
   }
+}
+
+// Quantized weights at tp=2: each rank uploads its shard's codes and scales (cut on their scale
+// groups, ShardHostModel) and runs them through the qgemm under test; the logits are judged
+// against the GPU reference at tp=1 on the whole quantized model. The fp32-class runs
+// (qgemm=reference) hold 1e-4 relative and every greedy token; the others are OK in their class.
+// A model whose cuts fall inside FP8 128-blocks (tiny-moe's 32-wide heads) is UNSUPPORTED naming
+// a weight and its cut, and bad-quant-scale (a tensor of the whole model) is refused at tp=2.
+TEST_F(GpuTp, QuantizedShardsOnTwoRanksMatchTpOne) {
+  BothRanksOnGpu0 map;
+  struct Case {
+    const char* model;
+    const char* config;
+    bool fp32;
+  };
+  const Case cases[] = {
+      {"preset:tiny-moe@nvfp4", "device=cuda,qgemm=reference", true},
+      {"preset:tiny-moe@nvfp4", "device=cuda,gemm=fused,attention=flash,moe=fused,qgemm=w4a16",
+       false},
+      {"preset:tiny-dense@nvfp4", "device=cuda,gemm=cublaslt,qgemm=w4a16", false},
+      {"preset:tiny-moe@mxfp4", "device=cuda,qgemm=reference", true},
+      {"preset:tiny-moe@mxfp4", "device=cuda,gemm=fused,moe=fused,qgemm=w4a16", false},
+      {"preset:tiny-moe@fp8_channel", "device=cuda,qgemm=reference", true},
+      {"preset:tiny-moe@fp8_channel", "device=cuda,gemm=fused,moe=fused,qgemm=w8a16", false},
+      {"preset:tiny-qwen2-moe@fp8_channel",
+       "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=w8a16", false},
+      {"preset:tiny-moe@fp8_tensor", "device=cuda,gemm=cublaslt,qgemm=dequant_bf16", false},
+      {"preset:tiny-dense@fp8_channel", "device=cuda,gemm=cublaslt,qgemm=fp8_cublaslt", false},
+      {"preset:tiny-dense@fp8_tensor", "device=cuda,gemm=cublaslt,qgemm=cudnn,graphs=off", false},
+  };
+  for (const Case& c : cases) {
+    const std::string config = std::string(c.config) + ",tp=2,allreduce=custom";
+    const TrialResult r = RunTrial(c.model, config);
+    EXPECT_EQ(r.status, TrialStatus::kOk) << c.model << " " << config << ": " << r.reason << "\n"
+                                          << r.stderr_tail;
+    EXPECT_FALSE(r.batches.empty()) << c.model << " " << config;
+    if (c.fp32) {
+      EXPECT_LE(r.verdict.max_rel_error, 1e-4) << c.model << " " << config;
+      EXPECT_EQ(r.verdict.top1_agreement, 1.0) << c.model << " " << config;
+    }
+  }
+  const TrialResult block =
+      RunTrial("preset:tiny-moe@fp8_block128", "device=cuda,qgemm=w8a16,tp=2,allreduce=custom");
+  EXPECT_EQ(block.status, TrialStatus::kUnsupported) << block.reason;
+  EXPECT_THAT(block.reason, HasSubstr("device=cuda runs quantized shards only"));
+  EXPECT_THAT(block.reason, HasSubstr("model.layers.0.self_attn.q_proj.weight (fp8_block128 "
+                                      "[128, 128]): rank 1's rows [64, 128) start inside a "
+                                      "128-row scale block"));
+  const TrialResult fault =
+      RunTrial("preset:tiny-moe@nvfp4", "device=cuda,tp=2,allreduce=custom", "bad-quant-scale:16");
+  EXPECT_EQ(fault.status, TrialStatus::kError) << fault.reason;
+  EXPECT_THAT(fault.reason,
+              HasSubstr("bad-quant-scale corrupts a scale tensor of the whole model"));
 }
 
 // A rank SIGKILLed mid-trial (its first step): CRASHED naming rank 1, the other rank (waiting

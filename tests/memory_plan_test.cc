@@ -280,6 +280,29 @@ TEST(MemoryPlan, TensorParallelRanksHoldTheirShard) {
   EXPECT_GT(rank.bytes(MemoryPool::kWorkspaces), 0);  // the ranks' all-reduce
 }
 
+// A rank's quantized linears are its shard's codes and scales: every quantized linear of
+// qwen3-30b-a3b splits in two at tp=2 (heads, KV heads and expert widths, 128-blocks whole), so
+// the codes halve, as do the group and block scales; nvfp4's global scales (one fp32 a linear:
+// 48 layers x (q, k, v, o + 128 experts x 3) = 18,624) stay whole.
+TEST(MemoryPlan, TensorParallelRanksHoldQuantizedShards) {
+  const ModelConfig c = Preset("qwen3-30b-a3b");
+  CudaOptions tp2 = Bf16Kv();
+  tp2.parallel.tp = 2;
+  for (QuantFormat f : {QuantFormat::kNvfp4, QuantFormat::kFp8Block128, QuantFormat::kMxfp4}) {
+    SCOPED_TRACE(QuantFormatName(f));
+    const MemoryPlan one = Plan(Bf16Kv(), c, f, Workload(1));
+    const MemoryPlan rank = Plan(tp2, c, f, Workload(1));
+    const std::string codes = QuantFormatName(f) + " codes",
+                      scales = QuantFormatName(f) + " scales";
+    const int64_t global = f == QuantFormat::kNvfp4 ? int64_t{18'624} * 4 : 0;
+    ASSERT_GT(one.item_bytes(MemoryPool::kWeights, codes), 0);
+    EXPECT_EQ(rank.item_bytes(MemoryPool::kWeights, codes),
+              one.item_bytes(MemoryPool::kWeights, codes) / 2);
+    EXPECT_EQ(rank.item_bytes(MemoryPool::kWeights, scales) - global,
+              (one.item_bytes(MemoryPool::kWeights, scales) - global) / 2);
+  }
+}
+
 TEST(MemoryPlan, RefusedAttentionIsAnError) {
   CudaOptions o;
   o.attention = Attention::kFlash;  // head_dim 256 is more than flash takes

@@ -403,8 +403,18 @@ TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {
   EXPECT_FALSE(r.supported);
   EXPECT_THAT(r.reason, HasSubstr("ep=on cannot be combined with tp=2"));
   EXPECT_THAT(r.reason, HasSubstr("graphs=persistent cannot be combined with tp=2"));
-  EXPECT_THAT(r.reason, HasSubstr("tp=2 does not take nvfp4 weights"));
   EXPECT_THAT(r.reason, HasSubstr("tp=2 needs 2 GPUs of one host; this host has 1"));
+  // The ranks take quantized shards: tp=2, 4 and 8 refuse no weight format of their own.
+  EXPECT_THAT(r.reason, ::testing::Not(HasSubstr("does not take")));
+  for (const char* tp : {"2", "4", "8"})
+    for (const char* format : {"fp8", "nvfp4", "mxfp4"}) {
+      PreflightTarget gpus = h200;
+      gpus.gpu_count = 8;
+      gpus.weight_format = format;
+      const PreflightResult q =
+          Preflight(*NormalizeBackendConfig({{"device", "cuda"}, {"tp", tp}}), gpus);
+      EXPECT_TRUE(q.supported) << "tp=" << tp << " on " << format << ": " << q.reason;
+    }
   // A host without a GPU says so once, not once per CUDA axis.
   PreflightTarget cpu_only;
   cpu_only.has_cuda_build = true;

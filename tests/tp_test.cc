@@ -1,14 +1,16 @@
 // Tensor and expert parallelism on the CPU reference (engine/tp_model.h): every rank count that
 // shards a model gives tp=1's logits (within 1e-5 of max|logit|) and tp=1's greedy tokens, on the
 // tiny presets and on the transformers fixtures; the all-reduce adds the ranks in a fixed order,
-// bitwise the same on every rank; preflight refuses a rank count that does not divide a
-// dimension, naming it.
+// bitwise the same on every rank; quantized shards keep their format where every cut falls on
+// the scale grid, decode bit-identically to the host's rows either way, and the cuts off the grid
+// are named; preflight refuses a rank count that does not divide a dimension, naming it.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <span>
@@ -17,8 +19,10 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "api/backend_config.h"
 #include "bench/allreduce_bench.h"
+#include "core/quant/dequantize.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
 #include "engine/options.h"
@@ -26,6 +30,7 @@
 #include "engine/tp_model.h"
 #include "engine/weights.h"
 #include "kernels/cpu/allreduce.h"
+#include "kernels/cpu/matmul.h"
 #include "tests/test_util.h"
 
 namespace infersweep {
@@ -190,9 +195,15 @@ const std::string kFixtures = SourceDir() + "/tests/fixtures/hf";
 
 // Presets ("preset:tiny-moe", a quantized one) and transformers' fixture folders.
 std::vector<std::string> Models() {
-  std::vector<std::string> models = {"preset:tiny-moe", "preset:tiny-dense",
-                                     "preset:tiny-qwen2-moe", "preset:tiny-hybrid",
-                                     "preset:tiny-moe@nvfp4"};
+  std::vector<std::string> models = {"preset:tiny-moe",
+                                     "preset:tiny-dense",
+                                     "preset:tiny-qwen2-moe",
+                                     "preset:tiny-hybrid",
+                                     "preset:tiny-moe@nvfp4",
+                                     "preset:tiny-moe@mxfp4",
+                                     "preset:tiny-hybrid@nvfp4",
+                                     "preset:tiny-qwen2-moe@fp8_channel",
+                                     "preset:tiny-dense@fp8_block128"};
   for (const std::string& name : FixtureNames(kFixtures)) models.push_back(kFixtures + "/" + name);
   return models;
 }
@@ -297,6 +308,228 @@ TEST(TensorParallel, ShardsCoverTheVocabularyAndHeads) {
   for (int e = 0; e < c.num_experts; ++e)
     EXPECT_EQ(experts[e].gate.empty(), e / (c.num_experts / 4) != 1) << "expert " << e;
   EXPECT_EQ(experts[2].gate.rows, c.moe_intermediate_size);
+}
+
+// ---- Quantized shards: codes and scales sliced on the scale grid, decoded exactly off it.
+
+// Every linear of `w` that is not empty, by canonical name, with `fn(name, matrix)`: the lm_head,
+// then per layer the attention, MLP, expert, shared-expert and Gated DeltaNet projections.
+template <typename Weights, typename Fn>
+void ForEachLinear(Weights& w, Fn fn) {
+  auto visit = [&](const std::string& name, auto& m) {
+    if (!m.empty()) fn(name + ".weight", m);
+  };
+  visit("lm_head", w.lm_head);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    auto& layer = w.layers[l];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    visit(p + "self_attn.q_proj", layer.q);
+    visit(p + "self_attn.k_proj", layer.k);
+    visit(p + "self_attn.v_proj", layer.v);
+    visit(p + "self_attn.o_proj", layer.o);
+    auto mlp = [&](const std::string& prefix, auto& e) {
+      visit(prefix + "gate_proj", e.gate);
+      visit(prefix + "up_proj", e.up);
+      visit(prefix + "down_proj", e.down);
+    };
+    mlp(p + "mlp.", layer.mlp);
+    for (size_t e = 0; e < layer.experts.size(); ++e)
+      mlp(p + "mlp.experts." + std::to_string(e) + ".", layer.experts[e]);
+    mlp(p + "mlp.shared_expert.", layer.shared_expert);
+    auto& la = layer.linear_attn;
+    visit(p + "linear_attn.in_proj_qkv", la.in_proj_qkv);
+    visit(p + "linear_attn.in_proj_z", la.in_proj_z);
+    visit(p + "linear_attn.in_proj_b", la.in_proj_b);
+    visit(p + "linear_attn.in_proj_a", la.in_proj_a);
+    visit(p + "linear_attn.out_proj", la.out_proj);
+  }
+}
+
+// `host` with every quantized linear replaced by its exact fp32 decoding (held in `storage`):
+// its shards are plain fp32 row and column cuts, the oracle for the quantized shards.
+std::unique_ptr<HostModel> DecodedCopy(const HostModel& host,
+                                       std::vector<std::vector<float>>* storage) {
+  auto out = std::make_unique<HostModel>();
+  out->config = host.config;
+  out->source = host.source;
+  out->weights = host.weights;
+  ForEachLinear(out->weights, [&](const std::string&, MatrixRef& m) {
+    if (!m.quantized()) return;
+    storage->push_back(DequantizeMatrix(m));
+    m = MatrixRef{storage->back().data(), DType::kF32, m.rows, m.cols, {}};
+  });
+  return out;
+}
+
+struct QuantShardCase {
+  std::string preset;
+  QuantFormat format;
+  int head_dim = 0;  // 0: the preset's
+  // Whether rank `rank` of `tp` holds `name` decoded to fp32: its cut falls inside a scale group
+  // or block. Derived by hand from the preset's shapes.
+  std::function<bool(const std::string& name, int tp, int rank, bool ep)> decoded;
+};
+
+std::vector<QuantShardCase> QuantShardCases() {
+  std::vector<QuantShardCase> cases;
+  const auto never = [](const std::string&, int, int, bool) { return false; };
+  for (const char* preset : {"tiny-dense", "tiny-moe", "tiny-qwen2-moe", "tiny-hybrid"}) {
+    // Per-tensor and per-row scales go with any cut; NVFP4's 16-column groups with every K cut
+    // of these shapes (o: 32 a head; down: 16+ a rank).
+    for (QuantFormat f : {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel, QuantFormat::kNvfp4})
+      cases.push_back({preset, f, 0, never});
+    // MXFP4's 32-column groups: at tp=4 an expert's down_proj keeps 64 / 4 = 16 columns.
+    cases.push_back(
+        {preset, QuantFormat::kMxfp4, 0, [](const std::string& name, int tp, int, bool ep) {
+           return tp == 4 && !ep && name.find(".mlp.experts.") != std::string::npos &&
+                  name.ends_with("down_proj.weight");
+         }});
+  }
+  // FP8 128-blocks with 128-wide heads: attention cuts are whole blocks; the MLP's 384 / tp rows
+  // and columns are not, except rank 0's, which start at 0 (a partial last block keeps its scale).
+  cases.push_back({"tiny-dense", QuantFormat::kFp8Block128, 128,
+                   [](const std::string& name, int, int rank, bool) {
+                     return rank > 0 && name.find(".mlp.") != std::string::npos;
+                   }});
+  // With 32-wide heads every cut but rank 0's starts inside a block; at tp=4 rank 1 replicates
+  // KV head 0 (rows [0, 32)), which does not; ep=on experts are whole.
+  cases.push_back({"tiny-moe", QuantFormat::kFp8Block128, 0,
+                   [](const std::string& name, int tp, int rank, bool ep) {
+                     if (ep && name.find(".mlp.experts.") != std::string::npos) return false;
+                     const bool kv = name.find(".k_proj.") != std::string::npos ||
+                                     name.find(".v_proj.") != std::string::npos;
+                     return rank > 0 && !(tp == 4 && rank == 1 && kv);
+                   }});
+  return cases;
+}
+
+// Every shard of every quantized tiny preset at tp=2 and 4 (and ep=on for the MoE ones): each
+// linear decodes bit-identically to the same rows and columns of the host's decoded weights; a
+// quantized one stays quantized, in its format, exactly where its cut falls on its scale grid,
+// and the shard names the others in off_grid.
+TEST(QuantizedShards, KeepTheirFormatOnTheScaleGridAndDecodeExactly) {
+  for (const QuantShardCase& qc : QuantShardCases()) {
+    LoadOptions options;
+    options.quantize = qc.format;
+    options.head_dim_override = qc.head_dim;
+    auto host = LoadHostModel("preset:" + qc.preset, options);
+    ASSERT_TRUE(host.ok()) << qc.preset << ": " << host.status();
+    ASSERT_EQ((*host)->quant_format, qc.format);
+    std::vector<std::vector<float>> storage;
+    const std::unique_ptr<HostModel> decoded = DecodedCopy(**host, &storage);
+    int quantized_slices = 0;
+    for (int tp : {2, 4}) {
+      for (bool ep : {false, true}) {
+        if (!TensorParallelRefusal((*host)->config, tp, ep).empty()) continue;
+        for (int rank = 0; rank < tp; ++rank) {
+          SCOPED_TRACE(absl::StrCat(qc.preset, "@", QuantFormatName(qc.format), " head_dim ",
+                                    qc.head_dim, " tp=", tp, " ep=", ep, " rank ", rank));
+          auto shard = ShardHostModel(**host, tp, rank, ep);
+          auto oracle = ShardHostModel(*decoded, tp, rank, ep);
+          ASSERT_TRUE(shard.ok()) << shard.status();
+          ASSERT_TRUE(oracle.ok()) << oracle.status();
+          std::vector<std::pair<std::string, MatrixRef>> got, want;
+          ForEachLinear((*shard)->host->weights, [&](const std::string& n, const MatrixRef& m) {
+            got.push_back({n, m});
+          });
+          ForEachLinear((*oracle)->host->weights, [&](const std::string& n, const MatrixRef& m) {
+            want.push_back({n, m});
+          });
+          ASSERT_EQ(got.size(), want.size());
+          std::vector<std::string> expect_off_grid;
+          for (size_t i = 0; i < got.size(); ++i) {
+            const auto& [name, m] = got[i];
+            ASSERT_EQ(name, want[i].first);
+            ASSERT_EQ(m.rows, want[i].second.rows) << name;
+            ASSERT_EQ(m.cols, want[i].second.cols) << name;
+            std::vector<float> a(m.cols), b(m.cols);
+            for (int64_t r = 0; r < m.rows; ++r) {
+              cpu::DecodeRow(m, r, a.data());
+              cpu::DecodeRow(want[i].second, r, b.data());
+              ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                  << name << " row " << r;
+            }
+            auto original = FindWeight(**host, name);
+            ASSERT_TRUE(original.ok()) << original.status();
+            if (!original->quantized()) {
+              EXPECT_FALSE(m.quantized()) << name;
+              continue;
+            }
+            if (qc.decoded(name, tp, rank, ep)) {
+              EXPECT_FALSE(m.quantized()) << name << " should be decoded";
+              EXPECT_EQ(m.dtype, DType::kF32) << name;
+              expect_off_grid.push_back(name);
+            } else {
+              EXPECT_EQ(m.quant.format, qc.format) << name << " should stay quantized";
+              EXPECT_EQ(m.quant.scale_dtype, original->quant.scale_dtype) << name;
+              EXPECT_EQ(m.quant.global_scale, original->quant.global_scale) << name;
+              ++quantized_slices;
+            }
+          }
+          std::vector<std::string> off_grid;
+          for (const std::string& line : (*shard)->off_grid)
+            off_grid.push_back(line.substr(0, line.find(" (")));
+          EXPECT_EQ(off_grid, expect_off_grid);
+        }
+      }
+    }
+    EXPECT_GT(quantized_slices, 0) << qc.preset;
+  }
+}
+
+// What the CUDA ranks refuse: every rank's off-grid cuts, the first few named with their cut;
+// nothing where every cut falls on the scale grid, or on dense weights.
+TEST(QuantizedShards, RefusalNamesTheCutsOffTheScaleGrid) {
+  auto load = [](const std::string& preset, QuantFormat format) {
+    LoadOptions options;
+    options.quantize = format;
+    auto host = LoadHostModel("preset:" + preset, options);
+    EXPECT_TRUE(host.ok()) << host.status();
+    return *std::move(host);
+  };
+  for (QuantFormat f : {QuantFormat::kNone, QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel,
+                        QuantFormat::kNvfp4}) {
+    const auto host = load("tiny-moe", f);
+    for (int tp : {2, 4})
+      for (bool ep : {false, true}) {
+        auto why = QuantizedShardRefusal(*host, tp, ep);
+        ASSERT_TRUE(why.ok()) << why.status();
+        EXPECT_EQ(*why, "") << QuantFormatName(f) << " tp=" << tp;
+      }
+  }
+  const auto mxfp4 = load("tiny-moe", QuantFormat::kMxfp4);
+  EXPECT_EQ(*QuantizedShardRefusal(*mxfp4, 2, false), "");
+  EXPECT_EQ(*QuantizedShardRefusal(*mxfp4, 4, true), "");
+  // 4 layers x 8 experts x 4 ranks: each expert's down_proj keeps 16 columns.
+  EXPECT_THAT(*QuantizedShardRefusal(*mxfp4, 4, false),
+              testing::StartsWith(
+                  "tp=4 cuts 128 quantized weight slices inside their scale groups or blocks, "
+                  "where no quantized shard holds them exactly: "
+                  "model.layers.0.mlp.experts.0.down_proj.weight (mxfp4 [128, 64]): rank 0's "
+                  "columns [0, 16) end inside a 32-column scale group; "));
+  EXPECT_THAT(*QuantizedShardRefusal(*mxfp4, 4, false), testing::EndsWith("; and 125 more"));
+  // Rank 1's cuts of every linear at tp=2: 4 layers x (q, k, v, o + 8 experts x 3).
+  const auto block = load("tiny-moe", QuantFormat::kFp8Block128);
+  EXPECT_THAT(*QuantizedShardRefusal(*block, 2, false),
+              HasSubstr("tp=2 cuts 112 quantized weight slices inside their scale groups or "
+                        "blocks, where no quantized shard holds them exactly: "
+                        "model.layers.0.self_attn.q_proj.weight (fp8_block128 [128, 128]): rank "
+                        "1's rows [64, 128) start inside a 128-row scale block; "));
+  // A stack of row ranges must also land on the blocks: rank 0's k rows go to row 32.
+  const auto hybrid = load("tiny-hybrid", QuantFormat::kFp8Block128);
+  EXPECT_THAT(*QuantizedShardRefusal(*hybrid, 2, false),
+              HasSubstr("model.layers.0.linear_attn.in_proj_qkv.weight (fp8_block128 [256, 128]): "
+                        "rank 0's rows [64, 96) (at row 32 of its stack) start inside a 128-row "
+                        "scale block"));
+  // A rank's shard names its own off-grid cuts, the refusal's lines.
+  auto rank1 = ShardHostModel(*block, 2, 1, false);
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  EXPECT_THAT((*rank1)->off_grid,
+              testing::Contains("model.layers.0.self_attn.o_proj.weight (fp8_block128 [128, 128]): "
+                                "rank 1's columns [64, 128) start inside a 128-column scale "
+                                "block"));
+  EXPECT_EQ(QuantizedShardRefusal(*block, 8, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // ---- Preflight: the registry's tp, ep and allreduce rows and the model's dimensions.

@@ -621,7 +621,21 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
     if (rank.comm->ranks() != tp)
       return absl::InvalidArgumentError(absl::StrCat("tp=", tp, ": the rank's communicator joins ",
                                                      rank.comm->ranks(), " ranks"));
+    if (fault.kind == FaultInjection::Kind::kBadQuantScale)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tp=", tp,
+          ": bad-quant-scale corrupts a scale tensor of the whole model, which no rank holds "
+          "(each holds its shard); it runs at tp=1"));
     RETURN_IF_ERROR(MaterializeHostWeights(host));
+    // Every rank judges every rank's cuts, so that all of them refuse together, before any
+    // weight is sliced or uploaded.
+    auto off_grid = QuantizedShardRefusal(host, tp, options.parallel.expert_parallel);
+    if (!off_grid.ok()) return absl::UnimplementedError(off_grid.status().message());
+    if (!off_grid->empty())
+      return absl::UnimplementedError(
+          absl::StrCat("device=cuda runs quantized shards only (the CPU reference decodes such "
+                       "cuts exactly to fp32): ",
+                       *off_grid));
     auto made = ShardHostModel(host, tp, rank.comm->rank(), options.parallel.expert_parallel);
     if (!made.ok()) return absl::UnimplementedError(made.status().message());
     shard = *std::move(made);
@@ -641,7 +655,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeCudaModel(HostModel& host, const Cuda
   }
   std::unique_ptr<QuantView> view;
   if (host.quant_format != QuantFormat::kNone) {
-    ASSIGN_OR_RETURN(auto made, BuildQuantView(host, *weights, options, fault));
+    ASSIGN_OR_RETURN(auto made,
+                     BuildQuantView(shard ? *shard->host : host, *weights, options, fault));
     view = std::move(made);
   }
   std::unique_ptr<cuda::CublasGroupedGemm> grouped;

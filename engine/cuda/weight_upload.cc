@@ -232,13 +232,45 @@ absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostMode
   bool sizing = true;
   size_t arena_bytes = 0;
   DeviceArena arena;
+  // `bytes` at `from` into a piece of the arena of their own (nullptr while sizing).
+  auto copy = [&](const void* from, size_t bytes) -> absl::StatusOr<uint8_t*> {
+    if (sizing) {
+      arena_bytes += DeviceArena::Aligned(bytes);
+      return nullptr;
+    }
+    ASSIGN_OR_RETURN(uint8_t * at, arena.Carve(bytes));
+    CUDA_OR_DIE(cudaMemcpy(at, from, bytes, cudaMemcpyHostToDevice));
+    return at;
+  };
+  // A quantized matrix as UploadWeights places a checkpoint's: its codes, its scale tensor and
+  // its global and input scales, each a piece of the arena, m pointed at all of them.
+  auto upload_quantized = [&](MatrixRef& m) -> absl::Status {
+    QuantRef& q = m.quant;
+    const int64_t row_bytes = IsFp4(q.format) ? m.cols / 2 : m.cols * DTypeSize(m.dtype);
+    ASSIGN_OR_RETURN(uint8_t * codes, copy(m.data, static_cast<size_t>(m.rows * row_bytes)));
+    ASSIGN_OR_RETURN(uint8_t * scale,
+                     copy(q.scale, static_cast<size_t>(QuantScaleCount(q.format, m.rows, m.cols) *
+                                                       DTypeSize(q.scale_dtype))));
+    uint8_t* global = nullptr;
+    uint8_t* input = nullptr;
+    if (q.global_scale) {
+      ASSIGN_OR_RETURN(global, copy(q.global_scale, sizeof(float)));
+    }
+    if (q.input_scale) {
+      ASSIGN_OR_RETURN(input, copy(q.input_scale, sizeof(float)));
+    }
+    if (sizing) return absl::OkStatus();
+    m.data = codes;
+    q.scale = scale;
+    if (q.global_scale) q.global_scale = global;
+    if (q.input_scale) q.input_scale = input;
+    return absl::OkStatus();
+  };
   // Copies m to `at` (in_group: its place in a group counted whole) or to a piece of the arena of
   // its own, and points m there.
   auto upload = [&](MatrixRef& m, uint8_t* at = nullptr, bool in_group = false) -> absl::Status {
     if (m.empty()) return absl::OkStatus();
-    if (m.quantized())
-      return absl::UnimplementedError(
-          "device=cuda, tp > 1: quantized weights are not sharded for the CUDA engine");
+    if (m.quantized()) return upload_quantized(m);
     const size_t bytes = static_cast<size_t>(m.numel()) * DTypeSize(m.dtype);
     if (sizing) {
       if (!in_group) arena_bytes += DeviceArena::Aligned(bytes);

@@ -34,11 +34,11 @@ struct DeviceWeights {
 // host.device_weights for the next.
 absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadWeights(HostModel& host);
 
-// A tensor-parallel rank's shard (ShardHostModel's weights, dense, on the host) on the device:
-// every matrix copied as it is, a layer's q, k and v back to back when all three are bf16 (one
-// GEMM, as UploadWeights places them), zero-centred norms (known by their pointers into `host`'s
-// tensors) as UploadWeights makes them, and the expert pointer tables. Unimplemented for
-// quantized matrices.
+// A tensor-parallel rank's shard (ShardHostModel's weights, on the host) on the device: every
+// matrix copied as it is (a quantized one as its codes, scale tensor and global and input scales,
+// as UploadWeights places a checkpoint's), a layer's q, k and v back to back when all three are
+// bf16 (one GEMM, as UploadWeights places them), zero-centred norms (known by their pointers into
+// `host`'s tensors) as UploadWeights makes them, and the expert pointer tables.
 absl::StatusOr<std::shared_ptr<DeviceWeights>> UploadShardWeights(const HostModel& host,
                                                                   const ModelWeights& shard);
 
@@ -59,7 +59,9 @@ struct QuantView {
 
 // The view of a quantized model's weights for `options.qgemm` (and the TEST ONLY
 // bad-quant-scale `fault`): scaled-GEMM layouts, bf16 copies, or the codes as uploaded; with
-// the expert tables when a device-routed MoE runner reads them.
+// the expert tables when a device-routed MoE runner reads them. `host` is the model `dw` holds:
+// a tensor-parallel rank's shard (RankShard::host, its config the rank's shapes), which takes no
+// bad-quant-scale fault (the fault names a tensor of the whole model).
 absl::StatusOr<std::unique_ptr<QuantView>> BuildQuantView(HostModel& host, const DeviceWeights& dw,
                                                           const CudaOptions& options,
                                                           const FaultInjection& fault);

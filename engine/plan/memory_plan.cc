@@ -91,7 +91,8 @@ class Planner {
 
   // UploadWeights (tp=1) and UploadShardWeights (tp > 1), engine/cuda/weight_upload.cc: every
   // stored tensor at its dtype's bytes, zero-centred norms also as fp32 gains, and per layer the
-  // expert pointer tables.
+  // expert pointer tables. A rank's quantized linears are its shard's codes and scales: the
+  // layout of the rank's shapes (ShardHostModel keeps them quantized on their scale grid).
   absl::Status Weights() {
     std::vector<TensorSpec> specs = ModelTensorSpecs(c_);
     if (quantized()) {
