@@ -442,6 +442,41 @@ for r in csv.reader(sys.stdin):
       --serve "${SERVE_LOAD:-concurrency=1:8:10:64:256,isl=1024,osl=256,duration=4,warmup=1,chunk=1024,prefill_tokens=8192}" \
       --slo "${SERVE_SLO:-ttft_ms=2000,tpot_ms=50}" \
       --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" ;;
+  fleet_sweep)  # sweeps through a local fleet (a coordinator and one agent on this machine, as
+    # scripts/demo.sh runs them): FLEET_SWEEPS (default the hunt's serving sweeps at tp=1 and 2;
+    # the agent's ranks share this GPU through the TEST ONLY map), then each sweep's results
+    free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+    grpc=127.0.0.1:$(free_port) data=$(mktemp -d)
+    $B coordinator --listen "$grpc" --db "$data/infersweep.db" --metrics-listen "127.0.0.1:$(free_port)" \
+      >"$OUT/fleet_coordinator.log" 2>&1 &
+    coordinator=$!
+    sleep 1
+    INFERSWEEP_RANK_DEVICES=0,0 $B agent --coordinator "$grpc" --id h200 --spool "$data/spool.db" \
+      --metrics-listen "127.0.0.1:$(free_port)" >"$OUT/fleet_agent.log" 2>&1 &
+    agent=$!
+    for spec in ${FLEET_SWEEPS:-sweeps/hunt-serving.yaml sweeps/hunt-serving-tp2.yaml}; do
+      name=$(basename "$spec" .yaml)
+      start=$(date +%s)
+      timeout "${FLEET_TIMEOUT_S:-280}" $B submit "$spec" --coordinator "$grpc" --wait >"$OUT/fleet_$name.log" 2>&1
+      echo "# $spec: $(( $(date +%s) - start )) s"
+      $B results --coordinator "$grpc" --format table >"$OUT/fleet_${name}_results.txt" 2>&1
+      grep -E "^#|summary|OK|UNSUPPORTED|INCORRECT|CRASHED|TIMEOUT|ERROR" "$OUT/fleet_$name.log" | tail -8
+    done
+    $B results --coordinator "$grpc" --format json >"$OUT/fleet_results.json" 2>&1
+    kill $agent $coordinator 2>/dev/null; wait $agent $coordinator 2>/dev/null ;;
+  hunt_figures)  # served against lockstep: qwen3-next-80b-a3b fp8_channel (48 layers) at
+    # concurrency 1, 10 and 64, and qwen3.5-397b-a17b@nvfp4 (HUNT_397B_LAYERS) at 1 and 64; ISL
+    # 512, OSL 64, the hybrid fast config (graphs=on, naive attention at head_dim 256)
+    for job in ${HUNT_JOBS:-"qwen3-next-80b-a3b fp8_channel w8a16 48 1:10:64" "qwen3.5-397b-a17b nvfp4 w4a16 ${HUNT_397B_LAYERS:-8} 1:64"}; do
+      set -- $job
+      c="device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,qgemm=$3,linear_attn=fused"
+      $B run --model "preset:$1" --layers "$4" --quantize "$2" --config "$c" \
+        --workload "prompt=512,output=64,batch=$5,repeats=3,warmup=1,timeout=900" \
+        --json "$OUT/hunt_lockstep_$1.json" 2>&1 | tee "$OUT/hunt_lockstep_$1.log" | grep -vE "timed by"
+      $B run --model "preset:$1" --layers "$4" --quantize "$2" --config "$c" \
+        --workload timeout=900 --serve "concurrency=$5,isl=512,osl=64,requests=${HUNT_REQUESTS:-64},warmup=1" \
+        --json "$OUT/hunt_serve_$1.json" 2>&1 | tee "$OUT/hunt_serve_$1.log"
+    done ;;
   hybrid_397b)  # qwen3.5-397b-a17b@nvfp4, 4 layers: every config judged, none CRASHED
     $B run --model preset:qwen3.5-397b-a17b --layers 4 --quantize nvfp4 \
       --config 'device=cuda,gemm=reference|fused,attention=naive,moe=loop|fused,graphs=off|on|persistent,qgemm=reference|dequant_bf16|w4a16,linear_attn=reference|fused' \

@@ -640,8 +640,8 @@ TEST(SweepSpecRealRegistryTest, UnknownValueNamesAxisValueAndLine) {
 // The specs shipped in sweeps/ (the README demo's defaults) stay valid against the real registry
 // as axes are added: each parses and expands to at least one trial per combination.
 TEST(SweepSpecRealRegistryTest, ShippedSpecsParseAndExpand) {
-  for (const char* name :
-       {"demo-cpu.yaml", "demo-gpu.yaml", "serving-cpu.yaml", "hunt-serving.yaml"}) {
+  for (const char* name : {"demo-cpu.yaml", "demo-gpu.yaml", "serving-cpu.yaml",
+                           "hunt-serving.yaml", "hunt-serving-tp2.yaml"}) {
     const std::string path = SourceDir() + "/sweeps/" + name;
     absl::StatusOr<SweepSpec> spec = LoadSweepSpecFile(path);
     ASSERT_TRUE(spec.ok()) << spec.status();

@@ -110,12 +110,17 @@ __device__ __forceinline__ float Dot8Bf16(const uint4 packed, const float* x) {
 // touching anything that kernel writes (and before any global write), and may read before it only
 // data from earlier kernels and the weights. A kernel calls AllowDependentsToLaunch() right after
 // its own wait, so when the next kernel starts, every kernel but the one before it has finished.
-// Both are no-ops when the kernel was launched without the attribute.
+// Both are no-ops when the kernel was launched without the attribute, and compile to nothing
+// for GPUs before sm_90, where SetProgrammaticLaunch leaves launches plain.
 __device__ __forceinline__ void WaitForPrerequisites() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void AllowDependentsToLaunch() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // Whether this thread's launches use programmatic dependent launch (SetProgrammaticLaunch).

@@ -191,7 +191,16 @@ int TotalRows(const GemvArgs& a) {
 
 }  // namespace
 
-void SetProgrammaticLaunch(bool on) { ProgrammaticLaunchFlag() = on; }
+// Programmatic dependent launch needs sm_90; before it the launches stay plain.
+void SetProgrammaticLaunch(bool on) {
+  static const bool supported = [] {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+  }();
+  ProgrammaticLaunchFlag() = on && supported;
+}
 
 bool GemvStreams(const GemvArgs& args) {
   return TotalRows(args) > kGemvStreamRowsPerSm * MultiprocessorCount();
