@@ -1,5 +1,7 @@
 #include "cli/backends_markdown.h"
 
+#include <algorithm>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -88,6 +90,33 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
                     " | ", std::string(PrecisionClassName(d.precision)), " | ", Cell(d.description),
                     " |\n");
   }
+  // Every combination the registry refuses, once a pair, with the reason preflight gives.
+  absl::StrAppend(
+      &md,
+      "\n"
+      "## What is refused, and why\n"
+      "\n"
+      "A config is refused for the GPU it needs (the SM column), for what a library or the\n"
+      "driver answers (the capability probe, in its words; see Notes), or for one of these\n"
+      "combinations, each with the reason preflight gives:\n"
+      "\n");
+  std::set<std::pair<std::string, std::string>> listed;
+  for (const BackendDescriptor& d : registry) {
+    if (d.test_only) continue;
+    const std::string self = absl::StrCat(d.axis, "=", d.value);
+    auto list = [&](const std::string& entry, const char* scope) {
+      const std::string other = ConflictName(entry);
+      const auto pair = std::minmax(self, other);
+      if (!listed.insert({pair.first, pair.second}).second) return;
+      const size_t colon = entry.find(": ");
+      absl::StrAppend(&md, "- `", self, "` with `", other, "`", scope, ": ",
+                      colon == std::string::npos ? "declared by the registry"
+                                                 : Cell(entry.substr(colon + 2)),
+                      "\n");
+    };
+    for (const std::string& c : d.conflicts) list(c, "");
+    for (const std::string& c : d.quantized_conflicts) list(c, " (quantized weights)");
+  }
   absl::StrAppend(
       &md,
       "\n"
@@ -112,8 +141,10 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "  no image for the GPU (`cudaFuncGetAttributes`), a cuBLASLt heuristic with no algorithm,\n"
       "  a library missing or too old. Each refusal is `UNSUPPORTED` with the library's words\n"
       "  and the shape (`engine/capability_probe.h`).\n"
-      "- CUDA kernels are built for sm_90 with PTX for newer archs, except `kernels/cuda/sm90a/`\n"
-      "  (sm_90a machine code only: `gemm=tma`, `moe=wgmma`, `graphs=persistent`).\n"
+      "- CUDA kernels are built for the archs `INFERSWEEP_CUDA_ARCHS` names (default sm_90 with\n"
+      "  PTX for newer archs; `fleet`: sm_80, 86, 89, 90, 100 and 120 machine code and PTX),\n"
+      "  except `kernels/cuda/sm90a/` (sm_90a machine code only: `gemm=tma`, `moe=wgmma`,\n"
+      "  `graphs=persistent`). The probe's answers are kept per GPU and arch.\n"
       "- Measured figures per config: [PERFORMANCE.md](PERFORMANCE.md).\n");
   return md;
 }
