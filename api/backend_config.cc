@@ -38,13 +38,6 @@ std::string FusedNotInTheEngine(const char* tp) {
                       "over; it runs in allreduce-bench --device cuda");
 }
 
-// Why the CUDA ranks refuse ep=on (a conflict's reason: after ": ").
-std::string EpNotOnCudaRanks(const char* tp) {
-  return absl::StrCat("tp=", tp,
-                      ": the CUDA ranks shard every expert on its intermediate dimension; whole "
-                      "experts per rank leave the others' experts empty, which the MoE runners "
-                      "do not skip");
-}
 // Why graphs=persistent takes no collective (a conflict's reason: after ": ").
 constexpr char kPersistentNoSeam[] =
     ": graphs=persistent runs every layer in one kernel, with no seam between its blocks for an "
@@ -392,9 +385,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                {},
-               {kEpNeedsRanks, EpNotOnCudaRanks("2"), EpNotOnCudaRanks("4"), EpNotOnCudaRanks("8")},
+               {kEpNeedsRanks},
                kFp32,
-               "whole experts per rank (experts / tp each), the router replicated"});
+               "whole experts per rank (experts / tp each), the router replicated: every moe "
+               "value leaves out the pairs routed to experts the rank does not hold (fused and "
+               "wgmma on the device, capturable), and the all-reduce adds the ranks' partials"});
   r.push_back({"allreduce",
                "auto",
                kCuda,

@@ -134,6 +134,32 @@ absl::StatusOr<std::unique_ptr<HostModel>> MakeSynthetic(const std::string& pres
 
 }  // namespace
 
+absl::StatusOr<HeldExperts> HeldExpertRange(const std::vector<ExpertWeights>& experts) {
+  if (experts.empty()) return HeldExperts{};
+  auto held = [](const ExpertWeights& e) { return !e.gate.empty(); };
+  const int n = static_cast<int>(experts.size());
+  HeldExperts r;
+  while (r.begin < n && !held(experts[r.begin])) ++r.begin;
+  r.end = r.begin;
+  while (r.end < n && held(experts[r.end])) ++r.end;
+  if (r.begin == n)
+    return absl::FailedPreconditionError(
+        absl::StrCat("a MoE layer holds none of its ", n, " experts"));
+  for (int e = 0; e < n; ++e) {
+    const ExpertWeights& x = experts[e];
+    const bool whole = !x.gate.empty() && !x.up.empty() && !x.down.empty();
+    const bool none = x.gate.empty() && x.up.empty() && x.down.empty();
+    if (r.holds(e) && !whole)
+      return absl::FailedPreconditionError(
+          absl::StrCat("expert ", e, " is held in part (gate, up and down go together)"));
+    if (!r.holds(e) && !none)
+      return absl::FailedPreconditionError(absl::StrCat("the experts held are not one run: expert ",
+                                                        e, " is held outside [", r.begin, ", ",
+                                                        r.end, ")"));
+  }
+  return r;
+}
+
 std::vector<MatrixRef*> LayerLinears(LayerWeights& l) {
   std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
   for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});

@@ -88,6 +88,20 @@ struct HostModel {
 // out_proj (empty ones included).
 std::vector<MatrixRef*> LayerLinears(LayerWeights& layer);
 
+// The experts of a layer that this model holds, [begin, end): all of them, except on a rank at
+// ep=on, whose shard (engine/tp_model.h) keeps its run of whole experts and leaves the others'
+// ExpertWeights empty. A dense layer's (no experts) is [0, 0). The device-routed MoE kernels take
+// it as the range of experts they run; a pair routed outside it contributes nothing on this rank.
+// FailedPrecondition where an expert inside the run is empty (or only part of one is held), or
+// where a MoE layer holds none.
+struct HeldExperts {
+  int begin = 0;
+  int end = 0;
+  int count() const { return end - begin; }
+  bool holds(int expert) const { return expert >= begin && expert < end; }
+};
+absl::StatusOr<HeldExperts> HeldExpertRange(const std::vector<ExpertWeights>& experts);
+
 // Generates a synthetic model's host copy if it was loaded without one (GPU-only runs skip it).
 absl::Status MaterializeHostWeights(HostModel& model);
 

@@ -64,13 +64,21 @@ struct MoeCase {
   int idle_expert;     // routed from no row
   int skip_expert;     // TEST ONLY zero-expert fault; -1: none
   bool wgmma = false;  // moe=wgmma's sm_90a expert GEMMs
+  // The experts held, [held_begin, held_end) (held_end -1: all), as a rank at ep=on holds them:
+  // the others' table entries are null and their pairs contribute nothing.
+  int held_begin = 0, held_end = -1;
+  bool per_pair = false;  // moe=fused's per-pair GEMVs (MoeGateUp + MoeDownCombine), fp32 x and h
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
 
 // The grouped MoE against a host computation in double over the same bf16 roundings
-// (x and h rounded to bf16, as the kernels document): y = y0 + sum_slot w * Wd (silu(Wg x) * Wu x).
-void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out) {
+// (x and h rounded to bf16, as the kernels document): y = y0 + sum_slot w * Wd (silu(Wg x) * Wu x)
+// over the pairs of held experts other than the skipped one. Per-pair: the same sums over fp32 x
+// and h.
+void CheckMoe(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out) {
+  const int held_end = c.held_end < 0 ? c.experts : c.held_end;
+  auto runs = [&](int e) { return e != c.skip_expert && e >= c.held_begin && e < held_end; };
   std::mt19937 rng(1234 + c.rows);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
   const int pairs = c.rows * c.k;
@@ -104,30 +112,60 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
     gate.push_back(random_bf16(static_cast<size_t>(c.inter) * c.hidden, scale));
     up.push_back(random_bf16(static_cast<size_t>(c.inter) * c.hidden, scale));
     down.push_back(random_bf16(static_cast<size_t>(c.hidden) * c.inter, 1.f / std::sqrt(static_cast<float>(c.inter))));
-    gate_ptr.push_back(t.Upload(gate.back()));
-    up_ptr.push_back(t.Upload(up.back()));
-    down_ptr.push_back(t.Upload(down.back()));
+    const bool held = e >= c.held_begin && e < held_end;
+    gate_ptr.push_back(held ? t.Upload(gate.back()) : nullptr);
+    up_ptr.push_back(held ? t.Upload(up.back()) : nullptr);
+    down_ptr.push_back(held ? t.Upload(down.back()) : nullptr);
   }
   // Host reference.
   std::vector<double> y_ref(y0.begin(), y0.end());
   for (int p = 0; p < pairs; ++p) {
     const int r = p / c.k, e = ids[p];
-    if (e == c.skip_expert) continue;
-    std::vector<float> h(c.inter);
+    if (!runs(e)) continue;
+    std::vector<double> h(c.inter);
     for (int f = 0; f < c.inter; ++f) {
       double g = 0, u = 0;
       for (int i = 0; i < c.hidden; ++i) {
-        const double xi = Bf16ToFloat(x_bf16[static_cast<size_t>(r) * c.hidden + i]);
+        const size_t xi_at = static_cast<size_t>(r) * c.hidden + i;
+        const double xi = c.per_pair ? x[xi_at] : Bf16ToFloat(x_bf16[xi_at]);
         g += Bf16ToFloat(gate[e][static_cast<size_t>(f) * c.hidden + i]) * xi;
         u += Bf16ToFloat(up[e][static_cast<size_t>(f) * c.hidden + i]) * xi;
       }
-      h[f] = RoundBf16(static_cast<float>(g / (1 + std::exp(-g)) * u));
+      const double silu_mul = g / (1 + std::exp(-g)) * u;
+      h[f] = c.per_pair ? silu_mul : RoundBf16(static_cast<float>(silu_mul));
     }
     for (int j = 0; j < c.hidden; ++j) {
       double o = 0;
       for (int f = 0; f < c.inter; ++f) o += Bf16ToFloat(down[e][static_cast<size_t>(j) * c.inter + f]) * h[f];
       y_ref[static_cast<size_t>(r) * c.hidden + j] += weights[p] * o;
     }
+  }
+  if (c.per_pair) {
+    // h starts as NaN: the pairs of experts not held must write their zeros, not leave it.
+    float* h = t.Upload(std::vector<float>(static_cast<size_t>(pairs) * c.inter, NAN));
+    float* y = t.Upload(y0);
+    const int* d_ids = t.Upload(ids);
+    cuda::MoeGateUp(t.Upload(x), c.rows, c.k, d_ids, c.held_begin, held_end, t.Upload(gate_ptr),
+                    t.Upload(up_ptr), c.hidden, c.inter, h, nullptr);
+    cuda::MoeDownCombine(h, c.rows, c.k, d_ids, t.Upload(weights), c.skip_expert, c.held_begin,
+                         held_end, t.Upload(down_ptr), c.hidden, c.inter, y, nullptr);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> y_got = t.Download(y, y0.size());
+    double worst = 0, scale_ref = 0;
+    for (size_t i = 0; i < y_got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(y_got[i])) << "y[" << i << "]";
+      worst = std::max(worst, std::fabs(y_got[i] - y_ref[i]));
+      scale_ref = std::max(scale_ref, std::fabs(y_ref[i] - y0[i]));
+    }
+    // fp32 sums over bf16 weights in another order than the host's doubles; no pair run here:
+    // y untouched.
+    if (scale_ref == 0)
+      EXPECT_EQ(worst, 0) << "rows " << c.rows;
+    else
+      EXPECT_LT(worst / scale_ref, 1e-4) << "rows " << c.rows << " max abs error " << worst;
+    *y_out = y_got;
+    return;
   }
   cuda::MoeGroupedArgs a;
   a.x_bf16 = t.Upload(x_bf16);
@@ -139,6 +177,8 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
   a.expert_ids = t.Upload(ids);
   a.expert_weights = t.Upload(weights);
   a.skip_expert = c.skip_expert;
+  a.expert_begin = c.held_begin;
+  a.expert_end = held_end;
   a.gate = t.Upload(gate_ptr);
   a.up = t.Upload(up_ptr);
   a.down = t.Upload(down_ptr);
@@ -157,7 +197,7 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
   int expected_first = 0;
   for (int e = 0; e < c.experts; ++e) {
     int count = 0;
-    for (int id : ids) count += id == e && e != c.skip_expert;
+    for (int id : ids) count += id == e && runs(e);
     EXPECT_EQ(offsets[e], expected_first) << "expert " << e;
     expected_first += count;
   }
@@ -169,8 +209,12 @@ void CheckMoeGrouped(GpuKernels& t, const MoeCase& c, std::vector<float>* y_out)
     scale_ref = std::max(scale_ref, std::fabs(y_ref[i] - y0[i]));
   }
   // fp32 accumulation in another order, and h rounding to bf16 that may land one ulp (2^-8)
-  // apart where the sums differ in the last bits: far below 1e-2 of the MoE output's size.
-  EXPECT_LT(worst / scale_ref, 1e-2) << "rows " << c.rows << " max abs error " << worst;
+  // apart where the sums differ in the last bits: far below 1e-2 of the MoE output's size. No
+  // pair run here: y untouched.
+  if (scale_ref == 0)
+    EXPECT_EQ(worst, 0) << "rows " << c.rows;
+  else
+    EXPECT_LT(worst / scale_ref, 1e-2) << "rows " << c.rows << " max abs error " << worst;
   *y_out = y;
 }
 
@@ -178,23 +222,70 @@ TEST_F(GpuKernels, MoeGroupedMatchesHostMath) {
   std::vector<float> y;
   // Decode batch (kernels with 32 pairs a pass): a crowded expert needs 2 passes, one is idle,
   // inter not a multiple of the 64-feature block.
-  CheckMoeGrouped(*this, {64, 4, 16, 256, 96, 3, 7, -1}, &y);
+  CheckMoe(*this, {64, 4, 16, 256, 96, 3, 7, -1}, &y);
   // Many pairs per expert (prefill kernels, 64 pairs a pass), a crowded expert of 320 pairs.
-  CheckMoeGrouped(*this, {320, 8, 32, 128, 64, 5, 0, -1}, &y);
+  CheckMoe(*this, {320, 8, 32, 128, 64, 5, 0, -1}, &y);
   // Fewer rows than a tile.
-  CheckMoeGrouped(*this, {4, 2, 8, 64, 32, -1, 1, -1}, &y);
+  CheckMoe(*this, {4, 2, 8, 64, 32, -1, 1, -1}, &y);
 }
 
 TEST_F(GpuKernels, MoeGroupedLeavesOutTheSkippedExpertAndIsDeterministic) {
   std::vector<float> first, second, with_all;
   const MoeCase c{64, 4, 16, 256, 96, 3, 7, 3};
-  CheckMoeGrouped(*this, c, &first);
-  CheckMoeGrouped(*this, c, &second);
+  CheckMoe(*this, c, &first);
+  CheckMoe(*this, c, &second);
   EXPECT_EQ(first, second) << "same inputs, different bits";
   MoeCase all = c;
   all.skip_expert = -1;
-  CheckMoeGrouped(*this, all, &with_all);
+  CheckMoe(*this, all, &with_all);
   EXPECT_NE(first, with_all) << "skipping the crowded expert changed nothing";
+}
+
+// A rank's experts at ep=on: its tables hold [held_begin, held_end), the other experts' entries
+// null, and every path (the per-pair GEMVs, the grouped mma.sync kernels at decode and prefill
+// sizes, wgmma on sm_90a) leaves the other experts' pairs out, as the host math does. Two ranks'
+// partials add up to the whole: (y_low - y0) + (y_high - y0) = y_all - y0 to fp32 rounding. A
+// rank whose experts no pair reaches leaves y as it was.
+TEST_F(GpuKernels, MoeKernelsRunOnlyTheHeldExperts) {
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  const bool sm90 = prop.major == 9 && prop.minor == 0;
+  std::vector<MoeCase> cases = {
+      {4, 2, 8, 256, 96, -1, 1, -1, false, 0, -1, /*per_pair=*/true},
+      {64, 4, 16, 256, 96, 3, 7, -1},  // the crowded expert 3 in the lower half
+      {320, 8, 32, 128, 64, 5, 0, -1},
+  };
+  if (sm90) cases.push_back({600, 4, 16, 256, 128, 3, 7, -1, /*wgmma=*/true});
+  for (const MoeCase& all : cases) {
+    SCOPED_TRACE(testing::Message() << "rows " << all.rows << " experts " << all.experts
+                                    << (all.per_pair ? " per-pair"
+                                        : all.wgmma  ? " wgmma"
+                                                     : ""));
+    std::vector<float> y_all, y_low, y_high, y_idle;
+    CheckMoe(*this, all, &y_all);
+    MoeCase low = all, high = all, idle = all;
+    low.held_end = high.held_begin = all.experts / 2;
+    CheckMoe(*this, low, &y_low);
+    CheckMoe(*this, high, &y_high);
+    ASSERT_EQ(y_low.size(), y_all.size());
+    ASSERT_EQ(y_high.size(), y_all.size());
+    // The idle expert alone: no pair is routed to it.
+    idle.held_begin = all.idle_expert;
+    idle.held_end = all.idle_expert + 1;
+    CheckMoe(*this, idle, &y_idle);
+    // y_idle is y0 (CheckMoe checks it bit for bit); the halves' partials add up to the whole.
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < y_all.size(); ++i) {
+      const double y0 = y_idle[i];
+      const double sum = (y_low[i] - y0) + (y_high[i] - y0);
+      worst = std::max(worst, std::fabs(sum - (y_all[i] - y0)));
+      scale = std::max(scale, std::fabs(y_all[i] - y0));
+    }
+    ASSERT_GT(scale, 0);
+    EXPECT_LT(worst / scale, 1e-5) << "max abs error " << worst;
+    EXPECT_NE(y_low, y_all) << "the upper half's experts changed nothing";
+    EXPECT_NE(y_high, y_all) << "the lower half's experts changed nothing";
+  }
 }
 
 // moe=wgmma's kernels (sm_90a machine code: Hopper only). Experts of more than 128 pairs take
@@ -209,15 +300,15 @@ TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
   std::vector<float> y, again, skipped;
   // 600 pairs on expert 3: four tiles of 128 and one of 88; ~129 pairs on each of the others
   // (a full tile and a tile of a few).
-  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &y);
-  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &again);
+  CheckMoe(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &y);
+  CheckMoe(*this, {600, 4, 16, 256, 128, 3, 7, -1, true}, &again);
   EXPECT_EQ(y, again) << "same inputs, different bits";
-  CheckMoeGrouped(*this, {600, 4, 16, 256, 128, 3, 7, 3, true}, &skipped);
+  CheckMoe(*this, {600, 4, 16, 256, 128, 3, 7, 3, true}, &skipped);
   EXPECT_NE(y, skipped) << "skipping the crowded expert changed nothing";
   // ~53 pairs an expert: wgmma N of 64 for most, 32 or 96 for some.
-  CheckMoeGrouped(*this, {200, 4, 16, 128, 64, -1, 7, -1, true}, &y);
-  CheckMoeGrouped(*this, {64, 8, 128, 512, 192, -1, 5, -1, true}, &y);
-  CheckMoeGrouped(*this, {4, 2, 8, 128, 64, -1, 1, -1, true}, &y);
+  CheckMoe(*this, {200, 4, 16, 128, 64, -1, 7, -1, true}, &y);
+  CheckMoe(*this, {64, 8, 128, 512, 192, -1, 5, -1, true}, &y);
+  CheckMoe(*this, {4, 2, 8, 128, 64, -1, 1, -1, true}, &y);
 }
 
 // The bucketing alone, exactly against a host counting sort: offsets, and every expert's pairs in
@@ -225,11 +316,14 @@ TEST_F(GpuKernels, MoeGroupedOnWgmmaMatchesHostMath) {
 struct BucketCase {
   int pairs, experts, skip_expert;
   int only_expert;  // every pair routed to it; -1: random ids
+  int held_begin = 0, held_end = -1;  // the experts bucketed (held_end -1: all)
 };
 
 void CheckBucketPairs(GpuKernels& t, const BucketCase& c) {
   SCOPED_TRACE(testing::Message() << "pairs " << c.pairs << " experts " << c.experts << " skip "
-                                  << c.skip_expert << " only " << c.only_expert);
+                                  << c.skip_expert << " only " << c.only_expert << " held ["
+                                  << c.held_begin << ", " << c.held_end << ")");
+  const int held_end = c.held_end < 0 ? c.experts : c.held_end;
   std::mt19937 rng(77 + c.pairs + c.experts);
   std::uniform_int_distribution<int> pick(0, c.experts - 1);
   std::vector<int> ids(c.pairs);
@@ -241,13 +335,15 @@ void CheckBucketPairs(GpuKernels& t, const BucketCase& c) {
   for (int e = 0; e < c.experts; ++e) {
     want_offsets[e] = static_cast<int>(want_sorted.size());
     for (int p = 0; p < c.pairs; ++p)
-      if (ids[p] == e && e != c.skip_expert) want_sorted.push_back(p);
+      if (ids[p] == e && e != c.skip_expert && e >= c.held_begin && e < held_end)
+        want_sorted.push_back(p);
   }
   want_offsets[c.experts] = static_cast<int>(want_sorted.size());
   want_sorted.resize(c.pairs, -7);
   int* offsets = t.Upload(std::vector<int>(c.experts + 1, -7));
   int* sorted = t.Upload(std::vector<int>(c.pairs, -7));
-  cuda::BucketPairs(t.Upload(ids), c.pairs, c.experts, c.skip_expert, offsets, sorted, nullptr);
+  cuda::BucketPairs(t.Upload(ids), c.pairs, c.experts, c.skip_expert, c.held_begin, held_end,
+                    offsets, sorted, nullptr);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(t.Download(offsets, c.experts + 1), want_offsets);
@@ -265,6 +361,12 @@ TEST_F(GpuKernels, BucketPairsMatchesACountingSort) {
       {3000, 8, 7, 7},      // every pair skipped
       {5000, 1024, 0, -1},  // the most experts, five chunks
       {0, 4, -1, -1},       // no pairs
+      // A rank's experts at ep=on: the others' pairs left out, their counts 0.
+      {512, 128, -1, -1, 32, 64},       // the second of four ranks
+      {3000, 8, -1, -1, 4, 8},          // the upper half, across three chunks
+      {512, 128, 40, -1, 32, 64},       // and a skipped expert among the held ones
+      {1000, 16, -1, 3, 8, 16},         // every pair routed to another rank's expert
+      {5000, 1024, -1, -1, 896, 1024},  // the last of eight ranks, five chunks
   };
   for (const BucketCase& c : cases) CheckBucketPairs(*this, c);
 }
@@ -606,7 +708,7 @@ TEST_F(GpuKernels, LargeSharedMemoryKernelsRunOnEveryDevice) {
     ASSERT_EQ(cudaGetDeviceProperties(&prop, d), cudaSuccess);
     if (prop.major == 9 && prop.minor == 0) {  // moe=wgmma's 97 KB ring
       std::vector<float> y;
-      CheckMoeGrouped(*this, {64, 8, 128, 256, 128, -1, 5, -1, true}, &y);
+      CheckMoe(*this, {64, 8, 128, 256, 128, -1, 5, -1, true}, &y);
     }
   }
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -345,7 +346,11 @@ struct DeviceExperts {
   void* table = nullptr;
   cuda::QuantExpertTable t;
 
-  DeviceExperts(QuantFormat format, int count, int64_t rows, int64_t cols, uint32_t seed) {
+  // The table holds the experts [held_begin, held_end) (held_end -1: all), as a rank at ep=on
+  // holds them: the others' entries are null; `dequantized` has every expert.
+  DeviceExperts(QuantFormat format, int count, int64_t rows, int64_t cols, uint32_t seed,
+                int held_begin = 0, int held_end = -1) {
+    if (held_end < 0) held_end = count;
     std::vector<const void*> pointers(3 * count, nullptr);
     for (int e = 0; e < count; ++e) {
       const std::vector<float> w = RandomValues(rows * cols, seed + e);
@@ -354,10 +359,11 @@ struct DeviceExperts {
       dequantized.push_back(DequantizeMatrix(q->View()));
       matrices.push_back(std::make_unique<DeviceMatrix>(*q));
       const MatrixRef& m = matrices.back()->ref;
+      t.scale_dtype = m.quant.scale_dtype;
+      if (e < held_begin || e >= held_end) continue;
       pointers[e] = m.data;
       pointers[count + e] = m.quant.scale;
       pointers[2 * count + e] = m.quant.global_scale;
-      t.scale_dtype = m.quant.scale_dtype;
     }
     EXPECT_EQ(cudaMalloc(&table, pointers.size() * sizeof(void*)), cudaSuccess);
     EXPECT_EQ(
@@ -379,7 +385,8 @@ struct DeviceExperts {
 // are not checked, as the grouped kernels never bucket them, and h may be off by its bf16
 // rounding), and y = y0 + the routed, weighted down(h) over the pairs not routed to `skip`,
 // against the kernel's own h (which isolates the down projection). `sum_tol` bounds the fp32
-// rounding of a sum relative to the sum of its |terms|.
+// rounding of a sum relative to the sum of its |terms|. Pairs of experts outside [held_begin,
+// held_end) add nothing to y; the per-pair kernels (h in fp32) write their h as 0.
 struct MoeOutputs {
   int hidden, inter, k, rows, skip;
   const std::vector<float>& x;
@@ -388,10 +395,21 @@ struct MoeOutputs {
   const std::vector<float>& y0;
   const std::vector<float>& h;
   const std::vector<float>& y;
+  int held_begin = 0, held_end = std::numeric_limits<int>::max();
+  bool Held(int e) const { return e >= held_begin && e < held_end; }
 };
 void ExpectMoeMatchesExact(const MoeOutputs& m, const DeviceExperts& gate, const DeviceExperts& up,
                            const DeviceExperts& down, double sum_tol, bool h_in_bf16) {
   for (int p = 0; p < m.rows * m.k; ++p) {
+    if (!m.Held(m.ids[p])) {
+      if (!h_in_bf16) {
+        for (int i = 0; i < m.inter; ++i) {
+          ASSERT_EQ(m.h[static_cast<size_t>(p) * m.inter + i], 0.f)
+              << "h pair " << p << " (expert not held) out " << i;
+        }
+      }
+      continue;
+    }
     if (h_in_bf16 && m.ids[p] == m.skip) continue;
     const float* xr = m.x.data() + (p / m.k) * m.hidden;
     for (int i = 0; i < m.inter; ++i) {
@@ -410,7 +428,7 @@ void ExpectMoeMatchesExact(const MoeOutputs& m, const DeviceExperts& gate, const
       double want = m.y0[r * m.hidden + j], magnitude = std::fabs(want);
       for (int slot = 0; slot < m.k; ++slot) {
         const int p = r * m.k + slot;
-        if (m.ids[p] == m.skip) continue;
+        if (m.ids[p] == m.skip || !m.Held(m.ids[p])) continue;
         auto [d, dm] = ExactDot(m.h.data() + static_cast<size_t>(p) * m.inter,
                                 down.dequantized[m.ids[p]], j, m.inter);
         want += m.route[p] * d;
@@ -461,8 +479,9 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
       float* dy = ToDevice(y0);
       float* dh = nullptr;
       CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(float)));
-      cuda::MoeGateUpQuant(dx, c.rows, c.k, dids, gate.t, up.t, dh, nullptr);
-      cuda::MoeDownCombineQuant(dh, c.rows, c.k, dids, droute, skip, down.t, dy, nullptr);
+      cuda::MoeGateUpQuant(dx, c.rows, c.k, dids, 0, c.experts, gate.t, up.t, dh, nullptr);
+      cuda::MoeDownCombineQuant(dh, c.rows, c.k, dids, droute, skip, 0, c.experts, down.t, dy,
+                                nullptr);
       CUDA_EXPECT_OK(cudaGetLastError());
       CUDA_EXPECT_OK(cudaDeviceSynchronize());
       const std::vector<float> h = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
@@ -477,8 +496,48 @@ TEST_F(GpuQuant, MoeExpertKernelsMatchTheExactDequantReference) {
   }
 }
 
+// A rank's quantized experts at ep=on: the tables hold experts [2, 6) of 8, the others' entries
+// null. The per-pair kernels write h = 0 for the other experts' pairs and leave them out of y
+// (the grouped kernels' cases of held experts are among theirs below).
+TEST_F(GpuQuant, QuantExpertKernelsRunOnlyTheHeldExperts) {
+  const int hidden = 128, inter = 64, experts = 8, k = 2, rows = 6, begin = 2, end = 6;
+  for (QuantFormat format : kAllFormats) {
+    SCOPED_TRACE(QuantFormatName(format));
+    DeviceExperts gate(format, experts, inter, hidden, 100, begin, end);
+    DeviceExperts up(format, experts, inter, hidden, 200, begin, end);
+    DeviceExperts down(format, experts, hidden, inter, 300, begin, end);
+    const int pairs = rows * k;
+    std::vector<int> ids(pairs);
+    std::vector<float> route(pairs);
+    for (int p = 0; p < pairs; ++p) {  // every expert, held or not, a few times
+      ids[p] = (p * 3) % experts;
+      route[p] = 0.2f + 0.05f * p;
+    }
+    const std::vector<float> x = RandomValues(rows * hidden, 61);
+    const std::vector<float> y0 = RandomValues(rows * hidden, 67);
+    int* dids = ToDevice(ids);
+    float* droute = ToDevice(route);
+    float* dx = ToDevice(x);
+    float* dy = ToDevice(y0);
+    // h starts as NaN: the pairs of experts not held must write their zeros, not leave it.
+    float* dh = ToDevice(std::vector<float>(static_cast<size_t>(pairs) * inter, NAN));
+    cuda::MoeGateUpQuant(dx, rows, k, dids, begin, end, gate.t, up.t, dh, nullptr);
+    cuda::MoeDownCombineQuant(dh, rows, k, dids, droute, -1, begin, end, down.t, dy, nullptr);
+    CUDA_EXPECT_OK(cudaGetLastError());
+    CUDA_EXPECT_OK(cudaDeviceSynchronize());
+    const std::vector<float> h = ToHost(dh, static_cast<size_t>(pairs) * inter);
+    const std::vector<float> y = ToHost(dy, static_cast<size_t>(rows) * hidden);
+    for (void* p : {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+                    static_cast<void*>(dy), static_cast<void*>(dh)})
+      cudaFree(p);
+    ExpectMoeMatchesExact({hidden, inter, k, rows, -1, x, ids, route, y0, h, y, begin, end}, gate,
+                          up, down, 4e-6, /*h_in_bf16=*/false);
+  }
+}
+
 struct GroupedCase {
   int hidden, inter, experts, k, rows;
+  int held_begin = 0, held_end = -1;  // the experts held (held_end -1: all)
 };
 
 // One case of the grouped quantized expert kernels (MoeGrouped with quant tables): h =
@@ -488,9 +547,10 @@ struct GroupedCase {
 // memory), whose h is in bucketed order; else moe=fused's mma.sync kernels. FP8 block-128 is
 // refused by both.
 void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma) {
-  DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100);
-  DeviceExperts up(format, c.experts, c.inter, c.hidden, 200);
-  DeviceExperts down(format, c.experts, c.hidden, c.inter, 300);
+  const int held_end = c.held_end < 0 ? c.experts : c.held_end;
+  DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100, c.held_begin, held_end);
+  DeviceExperts up(format, c.experts, c.inter, c.hidden, 200, c.held_begin, held_end);
+  DeviceExperts down(format, c.experts, c.hidden, c.inter, 300, c.held_begin, held_end);
   const bool supported = cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t);
   if (format == QuantFormat::kFp8Block128) {
     EXPECT_FALSE(supported);
@@ -542,6 +602,8 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
   a.expert_ids = dids;
   a.expert_weights = droute;
   a.skip_expert = skip;
+  a.expert_begin = c.held_begin;
+  a.expert_end = held_end;
   a.offsets = offsets;
   a.sorted_pairs = sorted;
   a.h = dh;
@@ -570,19 +632,27 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
   std::vector<float> h(h_bits.size());
   for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
 
-  ExpectMoeMatchesExact({c.hidden, c.inter, c.k, c.rows, skip, x, ids, route, y0, h, y}, gate, up,
-                        down, 1e-5, /*h_in_bf16=*/true);
+  ExpectMoeMatchesExact(
+      {c.hidden, c.inter, c.k, c.rows, skip, x, ids, route, y0, h, y, c.held_begin, held_end}, gate,
+      up, down, 1e-5, /*h_in_bf16=*/true);
 }
 
 // moe=fused's quantized grouped MMA kernels (qgemm=w8a16 / w4a16 at 4+ rows). Shapes:
 // qwen3-30b-a3b's at batch 8 (the 4-tile kernels), a batch whose tiles and features do not fill
 // a pass, and more than 24 pairs an expert (the 8-tile kernels).
 TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
-  const GroupedCase cases[] = {{2048, 768, 128, 8, 8}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}};
+  // The last two: a rank's experts at ep=on (the others' table entries null, their pairs left
+  // out).
+  const GroupedCase cases[] = {{2048, 768, 128, 8, 8},
+                               {256, 128, 8, 2, 5},
+                               {128, 256, 4, 3, 40},
+                               {256, 128, 8, 2, 5, 2, 6},
+                               {128, 256, 4, 3, 40, 0, 2}};
   for (QuantFormat format : kAllFormats) {
     for (const GroupedCase& c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                   std::to_string(c.inter) + " rows " + std::to_string(c.rows));
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
+                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
       CheckGroupedQuantCase(format, c, /*wgmma=*/false);
     }
   }
@@ -596,11 +666,18 @@ TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
-  const GroupedCase cases[] = {{256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}, {256, 128, 2, 2, 160}};
+  // The last two: a rank's experts at ep=on (the others' table entries null, their pairs left
+  // out).
+  const GroupedCase cases[] = {{256, 128, 8, 2, 5},
+                               {128, 256, 4, 3, 40},
+                               {256, 128, 2, 2, 160},
+                               {128, 256, 4, 3, 40, 2, 4},
+                               {256, 128, 8, 2, 20, 4, 8}};
   for (QuantFormat format : kAllFormats) {
     for (const GroupedCase& c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                   std::to_string(c.inter) + " rows " + std::to_string(c.rows));
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
+                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
       CheckGroupedQuantCase(format, c, /*wgmma=*/true);
     }
   }

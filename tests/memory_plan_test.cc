@@ -8,6 +8,7 @@
 
 #include "api/model_config.h"
 #include "core/quant/format.h"
+#include "core/tensor_ref.h"
 
 namespace infersweep {
 namespace {
@@ -301,6 +302,28 @@ TEST(MemoryPlan, TensorParallelRanksHoldQuantizedShards) {
     EXPECT_EQ(rank.item_bytes(MemoryPool::kWeights, scales) - global,
               (one.item_bytes(MemoryPool::kWeights, scales) - global) / 2);
   }
+}
+
+// ep=on: a rank's prefill copies of quantized experts (fp8 block-128 under w8a16) hold its own
+// experts, 64 of qwen3-30b-a3b's 128 at tp=2, their pointer table still a slot for every expert.
+TEST(MemoryPlan, ExpertParallelRanksCopyTheirOwnExperts) {
+  const ModelConfig c = Preset("qwen3-30b-a3b");
+  CudaOptions o;
+  o.gemm = Gemm::kCublasLt;
+  o.qgemm = QGemm::kW8A16;
+  o.moe = Moe::kFused;
+  CudaOptions ep = o;
+  ep.parallel.tp = 2;
+  ep.parallel.expert_parallel = true;
+  const std::string item = "MoE prefill: one layer's experts in bf16";
+  const int64_t one =
+      Plan(o, c, QuantFormat::kFp8Block128, Workload(1)).item_bytes(MemoryPool::kCopies, item);
+  const int64_t rank =
+      Plan(ep, c, QuantFormat::kFp8Block128, Workload(1)).item_bytes(MemoryPool::kCopies, item);
+  // 3 x 128 x 768 x 2048 x 2 bytes of copies, 3 x 128 pointers, 48 layers x 3 x 128 MatrixRefs.
+  const int64_t refs = 48 * 3 * 128 * static_cast<int64_t>(sizeof(MatrixRef));
+  EXPECT_EQ(one, 1'207'959'552 + 3 * 128 * 8 + refs);
+  EXPECT_EQ(rank, 1'207'959'552 / 2 + 3 * 128 * 8 + refs / 2);
 }
 
 TEST(MemoryPlan, RefusedAttentionIsAnError) {

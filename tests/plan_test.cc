@@ -401,7 +401,8 @@ TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {
                                                      {"kv_cache", "bf16"}});
   const PreflightResult r = Preflight(tp2, h200);
   EXPECT_FALSE(r.supported);
-  EXPECT_THAT(r.reason, HasSubstr("ep=on cannot be combined with tp=2"));
+  // ep=on runs at CUDA tp > 1 (each rank's MoE leaves out the experts it does not hold).
+  EXPECT_THAT(r.reason, ::testing::Not(HasSubstr("ep=on")));
   EXPECT_THAT(r.reason, HasSubstr("graphs=persistent cannot be combined with tp=2"));
   EXPECT_THAT(r.reason, HasSubstr("tp=2 needs 2 GPUs of one host; this host has 1"));
   // The ranks take quantized shards: tp=2, 4 and 8 refuse no weight format of their own.
@@ -421,8 +422,38 @@ TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {
   const PreflightResult none = Preflight(tp2, cpu_only);
   EXPECT_THAT(none.reason, HasSubstr("needs a GPU; this host has none"));
   EXPECT_EQ(none.reason.find("needs a GPU"), none.reason.rfind("needs a GPU")) << none.reason;
-  EXPECT_THAT(none.reason, HasSubstr("ep=on cannot be combined with tp=2"));
+  EXPECT_THAT(none.reason, HasSubstr("graphs=persistent cannot be combined with tp=2"));
   EXPECT_THAT(none.reason, ::testing::Not(HasSubstr("tp=2 needs 2 GPUs")));
+}
+
+// ep=on at CUDA tp=2, 4 and 8 is the registry's to run: supported on a host with the GPUs, with
+// each moe value and graphs on or off; its one registry refusal is a single rank.
+TEST(Preflight, ExpertParallelRunsOnCudaRanks) {
+  PreflightTarget h200x8;
+  h200x8.has_cuda_build = true;
+  h200x8.sm = 90;
+  h200x8.gpu_count = 8;
+  h200x8.weight_format = "bf16";
+  for (const char* tp : {"2", "4", "8"})
+    for (const char* moe : {"loop", "grouped", "fused", "wgmma"})
+      for (const char* graphs : {"off", "on"}) {
+        if (std::string(graphs) == "on" &&
+            (std::string(moe) == "loop" || std::string(moe) == "grouped"))
+          continue;  // their host sync conflicts with graphs=on at any tp
+        const BackendConfig config = *NormalizeBackendConfig({{"device", "cuda"},
+                                                              {"tp", tp},
+                                                              {"ep", "on"},
+                                                              {"gemm", "cublaslt"},
+                                                              {"moe", moe},
+                                                              {"graphs", graphs},
+                                                              {"allreduce", "custom"}});
+        const PreflightResult r = Preflight(config, h200x8);
+        EXPECT_TRUE(r.supported) << BackendConfigString(config) << ": " << r.reason;
+        EXPECT_EQ(RegistryConflict(config, "bf16"), "") << BackendConfigString(config);
+      }
+  const BackendConfig one_rank =
+      *NormalizeBackendConfig({{"device", "cuda"}, {"ep", "on"}, {"moe", "fused"}});
+  EXPECT_THAT(Preflight(one_rank, h200x8).reason, HasSubstr("ep=on cannot be combined with tp=1"));
 }
 
 }  // namespace

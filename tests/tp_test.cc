@@ -532,6 +532,60 @@ TEST(QuantizedShards, RefusalNamesTheCutsOffTheScaleGrid) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The experts a shard holds, as the CUDA MoE runners read them (HeldExpertRange): every rank's
+// run of experts / tp at ep=on, all of them at ep=off and tp=1, none of a dense layer; anything
+// but one run of whole experts is refused.
+TEST(TensorParallel, HeldExpertsAreTheRanksRun) {
+  auto host = LoadHostModel("preset:tiny-qwen2-moe");
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(MaterializeHostWeights(**host).ok());
+  const ModelConfig& c = (*host)->config;
+  ASSERT_EQ(c.num_experts, 8);
+  ASSERT_FALSE(c.IsMoeLayer(1));  // the preset's MLP-only layer
+  for (int tp : {2, 4})           // its 4 q heads take no more ranks
+    for (int rank = 0; rank < tp; ++rank) {
+      auto shard = ShardHostModel(**host, tp, rank, /*expert_parallel=*/true);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      const ModelWeights& w = (*shard)->host->weights;
+      auto held = HeldExpertRange(w.layers[0].experts);
+      ASSERT_TRUE(held.ok()) << held.status();
+      EXPECT_EQ(held->begin, rank * 8 / tp) << "tp=" << tp << " rank " << rank;
+      EXPECT_EQ(held->end, (rank + 1) * 8 / tp) << "tp=" << tp << " rank " << rank;
+      EXPECT_TRUE(held->holds(held->begin));
+      EXPECT_FALSE(held->holds(held->end));
+      auto dense = HeldExpertRange(w.layers[1].experts);
+      ASSERT_TRUE(dense.ok()) << dense.status();
+      EXPECT_EQ(dense->count(), 0);
+    }
+  auto sharded = ShardHostModel(**host, 2, 1, /*expert_parallel=*/false);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  auto all = HeldExpertRange((*sharded)->host->weights.layers[0].experts);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->begin, 0);
+  EXPECT_EQ(all->end, 8);
+  auto whole = HeldExpertRange((*host)->weights.layers[0].experts);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->count(), 8);
+
+  // Rank 1 of 4 holds experts 2 and 3; edits that break its run are refused.
+  auto shard = ShardHostModel(**host, 4, 1, /*expert_parallel=*/true);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  const std::vector<ExpertWeights> experts = (*shard)->host->weights.layers[0].experts;
+  std::vector<ExpertWeights> split = experts;
+  split[6] = experts[2];  // a second run
+  EXPECT_THAT(HeldExpertRange(split).status().message(),
+              HasSubstr("not one run: expert 6 is held outside [2, 4)"));
+  std::vector<ExpertWeights> part = experts;
+  part[3].down = MatrixRef{};  // gate and up without down
+  EXPECT_THAT(HeldExpertRange(part).status().message(), HasSubstr("expert 3 is held in part"));
+  std::vector<ExpertWeights> stray = experts;
+  stray[0].up = experts[2].up;  // outside the run, up alone
+  EXPECT_THAT(HeldExpertRange(stray).status().message(),
+              HasSubstr("expert 0 is held outside [2, 4)"));
+  const std::vector<ExpertWeights> none(8);
+  EXPECT_EQ(HeldExpertRange(none).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 // ---- Preflight: the registry's tp, ep and allreduce rows and the model's dimensions.
 
 PreflightResult PreflightOn(const std::string& preset, const BackendConfig& config,

@@ -20,7 +20,15 @@ MoeRunner::MoeRunner(const RunnerContext& context, LinearRunner& linear, const D
       linear_(linear),
       dw_(dw),
       view_(view),
-      grouped_(std::move(grouped)) {}
+      grouped_(std::move(grouped)) {
+  for (const LayerWeights& lw : w_.layers) {
+    absl::StatusOr<HeldExperts> held = HeldExpertRange(lw.experts);
+    if (!held.ok() && held_status_.ok())
+      held_status_ = absl::FailedPreconditionError(
+          absl::StrCat("layer ", held_.size(), ": ", held.status().message()));
+    held_.push_back(held.value_or(HeldExperts{}));
+  }
+}
 
 absl::Status MoeRunner::AllocateScratch(int rows) {
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
@@ -68,9 +76,10 @@ absl::Status MoeRunner::MakeRouterCopies() {
   return absl::OkStatus();
 }
 
-// The layer's experts as the plan sees them (engine/plan/moe_plan.h).
+// The layer's experts as the plan sees them (engine/plan/moe_plan.h), from the ones held here.
 MoeLayerFacts MoeRunner::LayerFacts(int l) const {
   const LayerWeights& lw = w_.layers[l];
+  const HeldExperts& held = held_[l];
   MoeLayerFacts f;
   f.quantized_tables = view_ && !view_->quant_tables.empty() &&
                        view_->quant_tables[l][0].format != QuantFormat::kNone;
@@ -83,8 +92,8 @@ MoeLayerFacts MoeRunner::LayerFacts(int l) const {
     f.down = shape(view_->quant_tables[l][2]);
   }
   f.experts_quantized_alike = ExpertsQuantizedAlike(l);
-  f.experts_bf16 = !lw.experts.empty() && lw.experts[0].gate.dtype == DType::kBF16 &&
-                   !lw.experts[0].gate.quantized();
+  f.experts_bf16 = held.count() > 0 && lw.experts[held.begin].gate.dtype == DType::kBF16 &&
+                   !lw.experts[held.begin].gate.quantized();
   f.router_f32_copy = !router_f32_.empty() && router_f32_[l];
   f.shared_expert = !lw.shared_expert.gate.empty();
   f.shared_down_cols = static_cast<int>(lw.shared_expert.down.cols);
@@ -95,7 +104,9 @@ MoeLayerFacts MoeRunner::LayerFacts(int l) const {
 // below run what it says. Prefill chunks group rows by expert so each expert's weights are read
 // once, not once per token.
 absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out) {
+  RETURN_IF_ERROR(held_status_);
   const LayerWeights& lw = w_.layers[l];
+  const HeldExperts& held = held_[l];
   const int hidden = config_.hidden_size, k = config_.num_experts_per_tok;
   const int inter = config_.moe_intermediate_size;
   const int64_t elems = static_cast<int64_t>(rows) * hidden;
@@ -155,6 +166,8 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       a.expert_ids = expert_ids_.get();
       a.expert_weights = expert_weights_.get();
       a.skip_expert = skip;
+      a.expert_begin = held.begin;
+      a.expert_end = held.end;
       a.gate = tables[0];
       a.up = tables[1];
       a.down = tables[2];
@@ -170,27 +183,28 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     }
     case MoeExperts::kPerPairQuantGemv: {
       const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
-      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_.get(), t[0], t[1], moe_h_.get(),
-                           stream_);
+      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_.get(), held.begin, held.end, t[0],
+                           t[1], moe_h_.get(), stream_);
       cuda::MoeDownCombineQuant(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(),
-                                skip, t[2], out, stream_);
+                                skip, held.begin, held.end, t[2], out, stream_);
       CHECK_LAUNCH();
       break;
     }
     case MoeExperts::kPerPairGemv:
-      cuda::MoeGateUp(
-          linear_.xn(), rows, k, expert_ids_.get(), own ? view_->gate_table[l] : dw_->gate_table[l],
-          own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_.get(), stream_);
+      cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_.get(), held.begin, held.end,
+                      own ? view_->gate_table[l] : dw_->gate_table[l],
+                      own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_.get(),
+                      stream_);
       cuda::MoeDownCombine(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(), skip,
-                           own ? view_->down_table[l] : dw_->down_table[l], hidden, inter, out,
-                           stream_);
+                           held.begin, held.end, own ? view_->down_table[l] : dw_->down_table[l],
+                           hidden, inter, out, stream_);
       CHECK_LAUNCH();
       break;
     case MoeExperts::kCublasGrouped:
     case MoeExperts::kLoop: {
       // The routing read on the host (a sync), then one grouped GEMM per projection over every
       // expert, or one gather + MLP + scatter per expert.
-      const HostRouting routing = RouteOnHost(rows, skip);
+      const HostRouting routing = RouteOnHost(rows, skip, held);
       if (plan.experts == MoeExperts::kCublasGrouped) {
         RETURN_IF_ERROR(GroupedExperts(lw, rows, routing, out));
       } else {
@@ -261,7 +275,7 @@ absl::Status MoeRunner::Router(int l, int rows, MoeRouter path) {
   return absl::OkStatus();
 }
 
-MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
+MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip, const HeldExperts& held) {
   const int k = config_.num_experts_per_tok;
   std::vector<int> ids(static_cast<size_t>(rows) * k);
   std::vector<float> weights(ids.size());
@@ -274,9 +288,10 @@ MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
   r.pair_position.assign(ids.size(), -1);
   r.spans.assign(config_.num_experts, {0, 0});
   // Counting sort by expert, pairs in order within an expert: O(pairs + experts). (Scanning
-  // every pair once per expert would take 2M steps a layer at prefill 2048.)
+  // every pair once per expert would take 2M steps a layer at prefill 2048.) Pairs of experts
+  // that do not run here are left out: their experts' spans stay empty.
   for (size_t p = 0; p < ids.size(); ++p)
-    if (ids[p] != skip) ++r.spans[ids[p]].second;
+    if (RunsExpert(held, skip, ids[p])) ++r.spans[ids[p]].second;
   int next = 0;
   for (auto& [first, count] : r.spans) {
     first = next;
@@ -287,7 +302,7 @@ MoeRunner::HostRouting MoeRunner::RouteOnHost(int rows, int skip) {
   std::vector<int> fill(config_.num_experts, 0);
   for (size_t p = 0; p < ids.size(); ++p) {
     const int e = ids[p];
-    if (e == skip) continue;
+    if (!RunsExpert(held, skip, e)) continue;
     const int position = r.spans[e].first + fill[e]++;
     r.pair_position[p] = position;
     r.index[position] = static_cast<int>(p / k);
@@ -346,40 +361,57 @@ absl::Status MoeRunner::GroupedExperts(const LayerWeights& lw, int rows, const H
   return absl::OkStatus();
 }
 
-// Whether every expert matrix of layer l is quantized, gate and up [inter, hidden] and down
-// [hidden, inter]: what PrefillExpertCopies takes. A checkpoint that left some experts dense
+// Whether every expert matrix of layer l held here is quantized, gate and up [inter, hidden] and
+// down [hidden, inter]: what PrefillExpertCopies takes. A checkpoint that left some experts dense
 // keeps the per-expert loop.
 bool MoeRunner::ExpertsQuantizedAlike(int l) const {
   const int64_t inter = config_.moe_intermediate_size, hidden = config_.hidden_size;
-  for (const ExpertWeights& x : w_.layers[l].experts)
+  const HeldExperts& held = held_[l];
+  if (held.count() == 0) return false;
+  for (int e = held.begin; e < held.end; ++e) {
+    const ExpertWeights& x = w_.layers[l].experts[e];
     for (const MatrixRef* w : {&x.gate, &x.up, &x.down})
       if (!w->quantized() || w->rows * w->cols != inter * hidden ||
           w->cols != (w == &x.down ? inter : hidden))
         return false;
+  }
   return true;
 }
 
-// Layer l's experts dequantized into the expert scratch; its gate, up and down tables.
+// Layer l's experts held here dequantized into the expert scratch; its gate, up and down tables
+// (null for the experts not held, which the grouped kernels never index).
 absl::StatusOr<std::array<const uint16_t* const*, 3>> MoeRunner::PrefillExpertCopies(int l) {
   const int experts = config_.num_experts;
+  const HeldExperts& held = held_[l];
+  const int count = held.count();
   const size_t per_matrix =
       static_cast<size_t>(config_.moe_intermediate_size) * config_.hidden_size;
   if (!prefill_experts_) {
-    RETURN_IF_ERROR(prefill_experts_.Allocate(3 * experts * per_matrix));
-    std::vector<const uint16_t*> list(3 * experts);
-    for (size_t i = 0; i < list.size(); ++i) list[i] = prefill_experts_.get() + i * per_matrix;
+    // Copy m of held expert e is matrix m * count + (e - begin) of the scratch.
+    RETURN_IF_ERROR(prefill_experts_.Allocate(3 * count * per_matrix));
+    std::vector<const uint16_t*> list(3 * experts, nullptr);
+    for (int m = 0; m < 3; ++m)
+      for (int e = held.begin; e < held.end; ++e)
+        list[m * experts + e] =
+            prefill_experts_.get() + static_cast<size_t>(m * count + e - held.begin) * per_matrix;
     RETURN_IF_ERROR(prefill_expert_tables_.Allocate(list.size()));
     CUDA_OR_DIE(cudaMemcpy(prefill_expert_tables_.get(), list.data(), list.size() * sizeof(list[0]),
                            cudaMemcpyHostToDevice));
+    prefill_tables_held_ = held;
+  } else if (prefill_tables_held_.begin != held.begin || prefill_tables_held_.end != held.end) {
+    return absl::UnimplementedError(absl::StrCat(
+        "layer ", l, " holds experts [", held.begin, ", ", held.end, "), an earlier layer [",
+        prefill_tables_held_.begin, ", ", prefill_tables_held_.end,
+        "): the prefill copies' tables are made for one run of experts"));
   }
-  // The layer's 3E quantized experts as one device array (made at the layer's first prefill),
-  // dequantized in one launch: 384 launches a layer cost more than the bytes.
+  // The layer's 3 x count quantized experts as one device array (made at the layer's first
+  // prefill), dequantized in one launch: 384 launches a layer cost more than the bytes.
   if (prefill_expert_refs_.empty()) prefill_expert_refs_.resize(config_.num_layers);
   if (!prefill_expert_refs_[l]) {
     const LayerWeights& lw = w_.layers[l];
     std::vector<MatrixRef> refs;
     for (int m = 0; m < 3; ++m)
-      for (int e = 0; e < experts; ++e)
+      for (int e = held.begin; e < held.end; ++e)
         refs.push_back(m == 0   ? lw.experts[e].gate
                        : m == 1 ? lw.experts[e].up
                                 : lw.experts[e].down);
@@ -389,8 +421,8 @@ absl::StatusOr<std::array<const uint16_t* const*, 3>> MoeRunner::PrefillExpertCo
         cudaMemcpy(d.get(), refs.data(), refs.size() * sizeof(MatrixRef), cudaMemcpyHostToDevice));
     prefill_expert_refs_[l] = std::move(d);
   }
-  const MatrixRef& shape = w_.layers[l].experts[0].gate;
-  cuda::DequantizeManyToBf16(prefill_expert_refs_[l].get(), 3 * experts, shape.rows, shape.cols,
+  const MatrixRef& shape = w_.layers[l].experts[held.begin].gate;
+  cuda::DequantizeManyToBf16(prefill_expert_refs_[l].get(), 3 * count, shape.rows, shape.cols,
                              prefill_experts_.get(), stream_);
   CHECK_LAUNCH();
   const uint16_t* const* tables = prefill_expert_tables_.get();

@@ -2,7 +2,11 @@
 // the experts by the moe axis: the per-expert loop with a host sync (loop), cuBLAS grouped GEMMs
 // (grouped, and long bf16 prefill chunks of fused), per-pair GEMVs and expert-grouped MMAs on
 // device-side routing (fused, wgmma), quantized experts in registers (w4a16, w8a16); then the
-// shared expert. Owns the routing and expert scratch and the router's fp32 copies.
+// shared expert. Owns the routing and expert scratch and the router's fp32 copies. A rank at ep=on
+// holds a run of whole experts (engine/weights.h's HeldExpertRange): the routing stays over every
+// expert, and each path leaves out the pairs routed to experts it does not hold (the host routing
+// for loop and grouped, the kernels' expert range for fused and wgmma), so the all-reduce of the
+// ranks' partial sums adds each pair once.
 #pragma once
 
 #include <array>
@@ -17,6 +21,7 @@
 #include "engine/cuda/runner_context.h"
 #include "engine/cuda/weight_upload.h"
 #include "engine/plan/moe_plan.h"
+#include "engine/weights.h"
 #include "kernels/cuda/moe_grouped.h"
 
 namespace infersweep {
@@ -58,9 +63,13 @@ class MoeRunner {
   };
   // The layer's experts as the plan sees them.
   MoeLayerFacts LayerFacts(int l) const;
+  // Whether expert e's pairs run here (held, and not the TEST ONLY zero-expert fault's `skip`).
+  static bool RunsExpert(const HeldExperts& held, int skip, int e) {
+    return held.holds(e) && e != skip;
+  }
   // router = xn . Wr^T in fp32 by `path` (not kFusedGemv, which Run launches with the norm).
   absl::Status Router(int l, int rows, MoeRouter path);
-  HostRouting RouteOnHost(int rows, int skip);
+  HostRouting RouteOnHost(int rows, int skip, const HeldExperts& held);
   absl::Status GroupedExperts(const LayerWeights& lw, int rows, const HostRouting& routing,
                               float* x);
   bool ExpertsQuantizedAlike(int l) const;
@@ -75,6 +84,10 @@ class MoeRunner {
   const DeviceWeights* dw_;
   const QuantView* view_;
   std::unique_ptr<cuda::CublasGroupedGemm> grouped_;
+  // Per layer: the experts this model holds ([0, 0) for dense layers); an error where a layer's
+  // experts are not one run of whole experts (Run returns it).
+  std::vector<HeldExperts> held_;
+  absl::Status held_status_;
   std::vector<DeviceBuffer<float>> router_f32_;  // per layer (MakeRouterCopies); none: dense layer
   DeviceBuffer<float> router_, expert_weights_, moe_h_, moe_out_, moe_in_, route_weight_;
   DeviceBuffer<int> expert_ids_, route_index_, pair_position_, expert_offsets_;
@@ -82,6 +95,7 @@ class MoeRunner {
   DeviceBuffer<uint16_t> moe_bf16_;         // moe=grouped: gate | up | pair outputs, bf16
   DeviceBuffer<uint16_t> prefill_experts_;  // PrefillExpertCopies: [gate | up | down][expert]
   DeviceBuffer<const uint16_t*> prefill_expert_tables_;
+  HeldExperts prefill_tables_held_;  // the experts prefill_expert_tables_ point at
   std::vector<DeviceBuffer<MatrixRef>> prefill_expert_refs_;  // per layer: its experts' refs
 };
 

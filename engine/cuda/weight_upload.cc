@@ -26,11 +26,12 @@ absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list
   return d;
 }
 
-// The device table of one projection of a layer's quantized experts.
+// The device table of one projection of a layer's quantized experts; the experts this model does
+// not hold (ep=on: `held` is the rank's run) keep null entries.
 absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
-    const std::vector<ExpertWeights>& experts, MatrixRef ExpertWeights::*projection,
-    DeviceAllocations& buffers) {
-  const MatrixRef& first = experts.front().*projection;
+    const std::vector<ExpertWeights>& experts, const HeldExperts& held,
+    MatrixRef ExpertWeights::*projection, DeviceAllocations& buffers) {
+  const MatrixRef& first = experts[held.begin].*projection;
   cuda::QuantExpertTable t;
   t.format = first.quant.format;
   t.scale_dtype = first.quant.scale_dtype;
@@ -38,7 +39,7 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
   t.cols = static_cast<int>(first.cols);
   const size_t e_count = experts.size();
   std::vector<const void*> list(3 * e_count, nullptr);  // codes | scales | scale_2
-  for (size_t e = 0; e < e_count; ++e) {
+  for (size_t e = held.begin; e < static_cast<size_t>(held.end); ++e) {
     const MatrixRef& m = experts[e].*projection;
     if (m.quant.format != t.format || m.quant.scale_dtype != t.scale_dtype || m.rows != t.rows ||
         m.cols != t.cols || reinterpret_cast<uintptr_t>(m.data) % 16 != 0)
@@ -61,15 +62,16 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
 absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
   for (size_t l = 0; l < view.weights.layers.size(); ++l) {
     const std::vector<ExpertWeights>& experts = view.weights.layers[l].experts;
+    ASSIGN_OR_RETURN(const HeldExperts held, HeldExpertRange(experts));
     std::array<cuda::QuantExpertTable, 3> quant{};
     std::vector<const void*> lists[3];
-    if (!experts.empty() && experts.front().gate.quantized()) {
+    if (held.count() > 0 && experts[held.begin].gate.quantized()) {
       const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
           {&ExpertWeights::gate, 1},
           {&ExpertWeights::up, 1},
           {&ExpertWeights::down, config.num_experts_per_tok}};
       for (int p = 0; p < 3; ++p) {
-        ASSIGN_OR_RETURN(auto t, MakeQuantExpertTable(experts, parts[p].first, view.buffers));
+        ASSIGN_OR_RETURN(auto t, MakeQuantExpertTable(experts, held, parts[p].first, view.buffers));
         if (!cuda::MoeQuantSupports(t, parts[p].second))
           return absl::UnimplementedError(absl::StrCat(
               "moe=fused on quantized experts needs K % 32 (FP4) or % 16 (FP8) and top-k x K x 4 "
@@ -77,7 +79,7 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
               cuda::kMoeMaxSharedBytes, " (expert [", t.rows, ", ", t.cols, "])"));
         quant[p] = t;
       }
-    } else if (!experts.empty() && experts.front().gate.dtype != DType::kBF16) {
+    } else if (held.count() > 0 && experts[held.begin].gate.dtype != DType::kBF16) {
       return absl::UnimplementedError("moe=fused takes bf16 or quantized experts");
     } else {
       for (const ExpertWeights& e : experts) {

@@ -55,6 +55,10 @@ class Planner {
   bool quantized() const { return format_ != QuantFormat::kNone; }
   int tp() const { return o_.parallel.tp; }
   int top_k() const { return std::max(1, c_.num_experts_per_tok); }
+  // The experts a rank holds whole: experts / tp at ep=on, else all (sharded at ep=off).
+  int experts_held() const {
+    return tp() > 1 && o_.parallel.expert_parallel ? c_.num_experts / tp() : c_.num_experts;
+  }
   int moe_layers() const {
     int n = 0;
     for (int l = 0; l < c_.num_layers; ++l) n += c_.IsMoeLayer(l) ? 1 : 0;
@@ -106,12 +110,10 @@ class Planner {
     // ep=on: the rank holds experts / tp whole experts, the others' stay empty.
     const int64_t vocab_rows =
         tp() > 1 ? full_.vocab_size / tp() + (full_.vocab_size % tp() > 0 ? 1 : 0) : c_.vocab_size;
-    const int experts_held =
-        tp() > 1 && o_.parallel.expert_parallel ? c_.num_experts / tp() : c_.num_experts;
     int64_t dense = 0, codes = 0, scales = 0, gains = 0;
     for (const TensorSpec& s : specs) {
       if (s.optional) continue;  // the quantizer writes no activation scales
-      if (s.expert >= experts_held) continue;
+      if (s.expert >= experts_held()) continue;
       int64_t numel = s.numel();
       if (s.name == "lm_head.weight") numel = vocab_rows * c_.hidden_size;
       if (s.quant == QuantFormat::kNone) {
@@ -180,14 +182,15 @@ class Planner {
       Add(MemoryPool::kCopies,
           "bf16 copy of the largest quantized linear (w4a16/w8a16 on cuBLASLt)", largest * 2);
     }
-    // MoeRunner::PrefillExpertCopies: a layer's experts dequantized to bf16 for the grouped
-    // kernels, one layer at a time, with their pointer table and per layer the MatrixRef array.
+    // MoeRunner::PrefillExpertCopies: a layer's experts (those the rank holds) dequantized to
+    // bf16 for the grouped kernels, one layer at a time, with their pointer table (every expert's
+    // slot) and per layer the MatrixRef array.
     if (moe && quantized() && prefill && PrefillMoePlan().bf16_copies) {
-      const int64_t e = c_.num_experts;
+      const int64_t e = c_.num_experts, held = experts_held();
       const int64_t per_matrix = int64_t{c_.moe_intermediate_size} * c_.hidden_size;
       Add(MemoryPool::kCopies, "MoE prefill: one layer's experts in bf16",
-          3 * e * per_matrix * 2 + 3 * e * kPointer +
-              int64_t{moe_layers()} * 3 * e * static_cast<int64_t>(sizeof(MatrixRef)));
+          3 * held * per_matrix * 2 + 3 * e * kPointer +
+              int64_t{moe_layers()} * 3 * held * static_cast<int64_t>(sizeof(MatrixRef)));
     }
     // MoeRunner::MakeRouterCopies: cuBLASLt configs keep each (bf16) router in fp32.
     if (moe && UsesCublasLt(o_.gemm))

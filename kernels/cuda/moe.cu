@@ -30,10 +30,12 @@ __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts,
 // grid (ceil(inter / 8), pairs), 256 threads: warp w computes output i = blockIdx.x * 8 + w for
 // both gate and up. Its first 2 x kUnroll weight loads (all of a 2048-wide row) are issued
 // before x is staged in shared memory (16-byte loads, all in flight), so the staging and its
-// barrier hide under their DRAM latency. Needs hidden % 8 == 0.
-__global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
-                                const uint16_t* const* gate, const uint16_t* const* up, int hidden,
-                                int inter, float* h) {
+// barrier hide under their DRAM latency. Needs hidden % 8 == 0. A pair of an expert outside
+// [expert_begin, expert_end) writes zeros (the down kernel then adds 0 for it) and reads no
+// weights: the block's pair is one, so the whole block leaves before any barrier.
+__global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids, int expert_begin,
+                                int expert_end, const uint16_t* const* gate,
+                                const uint16_t* const* up, int hidden, int inter, float* h) {
   extern __shared__ float xs[];
   constexpr int kUnroll = 8;
   WaitForPrerequisites();  // the expert ids are the previous kernel's output
@@ -43,6 +45,10 @@ __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
   const bool active = out < inter;
   const int chunks = hidden / 8;
   const int e = expert_ids[pair];
+  if (e < expert_begin || e >= expert_end) {
+    if (active && lane == 0) h[static_cast<int64_t>(pair) * inter + out] = 0.f;
+    return;
+  }
   const int64_t offset = static_cast<int64_t>(active ? out : 0) * hidden;
   const uint4* g = reinterpret_cast<const uint4*>(gate[e] + offset);
   const uint4* u = reinterpret_cast<const uint4*>(up[e] + offset);
@@ -87,23 +93,27 @@ __global__ void MoeGateUpKernel(const float* x, int k, const int* expert_ids,
 // address is computed once by lane `slot` and shuffled to the lanes that need it: resolving
 // expert id -> pointer table -> row per item put two dependent loads in front of every weight
 // load. h is read through L1 (8 warps share it). Each lane's items and their order are fixed,
-// so the sum is deterministic.
+// so the sum is deterministic. A slot of an expert outside [expert_begin, expert_end) has no row
+// (its weights read as zeros, its h is MoeGateUp's zeros) and weight 0: it adds exactly 0.
 // Batch 1, qwen3-30b-a3b: 8 x 2048 x 768 x 2 B = 25 MB -> 5.6 us.
 __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, const float* weights,
-                                     int skip_expert, int k, const uint16_t* const* down,
-                                     int hidden, int inter, float* y) {
+                                     int skip_expert, int expert_begin, int expert_end, int k,
+                                     const uint16_t* const* down, int hidden, int inter, float* y) {
   constexpr int kUnroll = 12;  // 24 items a lane at qwen3-30b-a3b shapes: two batches
   const int row = blockIdx.y;
   const int out = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (out >= hidden) return;
   const int chunks = inter / 8, items = k * chunks;
-  // Lane s < k holds slot s: its row of Wd[e_s], its routing weight (0 for a skipped expert).
+  // Lane s < k holds slot s: its row of Wd[e_s] (null for an expert not held here), its routing
+  // weight (0 for a skipped expert or one not held here).
   const uint4* my_row = nullptr;
   float my_weight = 0.f;
   if (lane < k) {
     const int e = expert_ids[row * k + lane];
-    my_row = reinterpret_cast<const uint4*>(down[e] + static_cast<int64_t>(out) * inter);
-    my_weight = e == skip_expert ? 0.f : weights[row * k + lane];
+    if (e >= expert_begin && e < expert_end) {
+      my_row = reinterpret_cast<const uint4*>(down[e] + static_cast<int64_t>(out) * inter);
+      my_weight = e == skip_expert ? 0.f : weights[row * k + lane];
+    }
   }
   const float* hr = h + static_cast<int64_t>(row) * k * inter;
   float total = 0.f;
@@ -120,7 +130,8 @@ __global__ void MoeDownCombineKernel(const float* h, const int* expert_ids, cons
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), slot));
       slot_weight[i] = __shfl_sync(0xffffffffu, my_weight, slot);
       slot_of[i] = slot;
-      if (base + lane + 32 * i < items) w[i] = __ldcs(slot_row + (item - slot * chunks));
+      if (base + lane + 32 * i < items)
+        w[i] = slot_row ? __ldcs(slot_row + (item - slot * chunks)) : make_uint4(0, 0, 0, 0);
     }
   };
   load(0);  // the routing is two kernels back (top-k): readable before the wait
@@ -225,19 +236,20 @@ void RouterTopK(const float* logits, int rows, int num_experts, int k, bool reno
                                                      expert_ids, expert_weights);
 }
 
-void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
-               const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream) {
+void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, int expert_begin,
+               int expert_end, const uint16_t* const* gate, const uint16_t* const* up, int hidden,
+               int inter, float* h, cudaStream_t stream) {
   ConfigureMoeSharedMemory();
   Launch(MoeGateUpKernel, dim3(CeilDiv(inter, 8), rows * k), dim3(256), hidden * sizeof(float),
-         stream, x, k, expert_ids, gate, up, hidden, inter, h);
+         stream, x, k, expert_ids, expert_begin, expert_end, gate, up, hidden, inter, h);
 }
 
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
-                    int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
-                    cudaStream_t stream) {
+                    int skip_expert, int expert_begin, int expert_end, const uint16_t* const* down,
+                    int hidden, int inter, float* y, cudaStream_t stream) {
   ConfigureMoeSharedMemory();
   Launch(MoeDownCombineKernel, dim3(CeilDiv(hidden, 8), rows), dim3(256), 0, stream, h, expert_ids,
-         weights, skip_expert, k, down, hidden, inter, y);
+         weights, skip_expert, expert_begin, expert_end, k, down, hidden, inter, y);
 }
 
 void CombinePairsBf16(const uint16_t* src, const int* position, const float* weights, int rows,

@@ -51,17 +51,17 @@ __device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4&
 // Buckets the pairs by expert: offsets[e] = the pairs of experts before e, and
 // sorted_pairs[offsets[e] + i] = the i-th pair (in pair order) routed to e. Pairs routed to
 // skip_expert (TEST ONLY zero-expert fault; -1 in production), or to an id outside
-// [0, num_experts), are left out. One block; the pairs go in parts of kBucketPart, warp w taking
-// the w-th run of 32 x rounds pairs of a part, 32 a round. Every id is read once, all of a
-// thread's loads in flight together. __match_any_sync groups a round's lanes by expert; the
-// lowest lane of each group adds the group to the warp's row of a count table (and remembers
-// what the warp's earlier rounds held), a scan down each expert's column gives the pairs of that
-// expert in earlier warps, and a block scan of the totals gives the offsets. A pair's slot is
-// then next[e] + earlier warps + earlier rounds + lower lanes of its group: pair order within
-// each expert, so the bucketing (and every sum after it) is deterministic without sorting.
-// Four barriers for one part (up to 8,192 pairs), four more a further part.
-// One block: at decode batches (512 pairs at batch 64) its time is close to the floor of any
-// one-block kernel (the launch and one pass over the ids); long prefill chunks add parts.
+// [expert_begin, expert_end) (the experts held here, within [0, num_experts)), are left out. One
+// block; the pairs go in parts of kBucketPart, warp w taking the w-th run of 32 x rounds pairs of a
+// part, 32 a round. Every id is read once, all of a thread's loads in flight together.
+// __match_any_sync groups a round's lanes by expert; the lowest lane of each group adds the group
+// to the warp's row of a count table (and remembers what the warp's earlier rounds held), a scan
+// down each expert's column gives the pairs of that expert in earlier warps, and a block scan of
+// the totals gives the offsets. A pair's slot is then next[e] + earlier warps + earlier rounds +
+// lower lanes of its group: pair order within each expert, so the bucketing (and every sum after
+// it) is deterministic without sorting. Four barriers for one part (up to 8,192 pairs), four more a
+// further part. One block: at decode batches (512 pairs at batch 64) its time is close to the floor
+// of any one-block kernel (the launch and one pass over the ids); long prefill chunks add parts.
 constexpr int kBucketThreads = 1024;
 constexpr int kBucketWarps = kBucketThreads / 32;
 constexpr int kBucketRounds = 8;                             // 32-pair rounds per warp and part
@@ -88,7 +88,7 @@ __device__ __forceinline__ int WarpInclusiveScan(int v) {
 
 __global__ void __launch_bounds__(kBucketThreads)
     BucketPairsKernel(const int* expert_ids, int pairs, int num_experts, int skip_expert,
-                      int* offsets, int* sorted_pairs) {
+                      int expert_begin, int expert_end, int* offsets, int* sorted_pairs) {
   __shared__ int total[kBucketMaxExperts];       // per expert: its pairs in all parts
   __shared__ int next[kBucketMaxExperts];        // per expert: the first slot of this part's pairs
   __shared__ int part_count[kBucketMaxExperts];  // per expert: its pairs in this part
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kBucketThreads)
       if (r >= rounds) break;
       const int e = ids[r];
       const bool kept =
-          first_pair + 32 * r < pairs && e >= 0 && e < num_experts && e != skip_expert;
+          first_pair + 32 * r < pairs && e >= expert_begin && e < expert_end && e != skip_expert;
       ids[r] = kept ? e : -1;
       peers[r] = __match_any_sync(0xffffffffu, ids[r]);
     }
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kBucketThreads)
   count(true);
   for (int pair = kBucketPart + threadIdx.x; pair < pairs; pair += kBucketThreads) {
     const int e = expert_ids[pair];  // later parts: only their totals for now
-    if (e >= 0 && e < num_experts && e != skip_expert) atomicAdd(&total[e], 1);
+    if (e >= expert_begin && e < expert_end && e != skip_expert) atomicAdd(&total[e], 1);
   }
   __syncthreads();
   scan_columns();
@@ -278,18 +278,19 @@ __device__ __forceinline__ void ForEachOutput(const int* sorted, int first, int 
   }
 }
 
-// grid (ceil(inter / 64), experts), 128 threads. Warp w of block (b, e) computes features
-// f = 64 b + 16 w + [0, 16) of expert e's gate and up projections for every pair routed to e,
-// kTiles x 8 pairs a pass, and writes h = silu(gate) * up in bf16 at [pair, f] (the down
-// projection's input). x is the normalised input in bf16, [rows, hidden]; pair p reads row p / k.
+// grid (ceil(inter / 64), experts held), 128 threads. Warp w of block (b, y) computes features
+// f = 64 b + 16 w + [0, 16) of expert e = expert_begin + y's gate and up projections for every
+// pair routed to e, kTiles x 8 pairs a pass, and writes h = silu(gate) * up in bf16 at [pair, f]
+// (the down projection's input). x is the normalised input in bf16, [rows, hidden]; pair p reads
+// row p / k. The experts not held here have no block, so their null table entries are never read.
 // Batch 64, qwen3-30b-a3b: 126 of 128 experts, 2 x 768 x 2048 x 2 B each = 793 MB a layer,
 // 178 us at 4.46 TB/s; 512 pairs x 6.3 MFLOP = 3.2 GFLOP on tensor cores (~5 us of MMA).
 template <int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     GroupedGateUpKernel(const uint16_t* x, int k, const int* offsets, const int* sorted,
-                        const uint16_t* const* gate, const uint16_t* const* up, int hidden,
-                        int inter, uint16_t* h) {
-  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+                        int expert_begin, const uint16_t* const* gate, const uint16_t* const* up,
+                        int hidden, int inter, uint16_t* h) {
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int chunks = hidden / 32;
   const int64_t lo_row = min(f0 + g, inter - 1), hi_row = min(f0 + g + 8, inter - 1);
@@ -324,14 +325,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// grid (ceil(hidden / 64), experts), 128 threads: out[pair, f] = Wd[e][f] . h[pair] in fp32 for
-// the pairs of expert e, as above with one weight matrix and h as the input.
+// grid (ceil(hidden / 64), experts held), 128 threads: out[pair, f] = Wd[e][f] . h[pair] in fp32
+// for the pairs of expert e = expert_begin + blockIdx.y, as above with one weight matrix and h as
+// the input.
 // Batch 64: 126 experts x 2048 x 768 x 2 B = 396 MB a layer, 89 us at 4.46 TB/s.
 template <int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
-    GroupedDownKernel(const uint16_t* h, const int* offsets, const int* sorted,
+    GroupedDownKernel(const uint16_t* h, const int* offsets, const int* sorted, int expert_begin,
                       const uint16_t* const* down, int hidden, int inter, float* out) {
-  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int chunks = inter / 32;
   const int64_t lo_row = min(f0 + g, hidden - 1), hi_row = min(f0 + g + 8, hidden - 1);
@@ -469,9 +471,10 @@ __device__ __forceinline__ void StreamQuantExpert(const uint4* const (&w)[2 * kM
 template <QuantFormat F, int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     GroupedGateUpQuantKernel(const uint16_t* x, int k, const int* offsets, const int* sorted,
-                             QuantExpertTable gate, QuantExpertTable up, uint16_t* h) {
+                             int expert_begin, QuantExpertTable gate, QuantExpertTable up,
+                             uint16_t* h) {
   constexpr int kRuns = QuantRuns<F>();
-  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hidden = gate.cols, inter = gate.rows;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int units = hidden / (32 * kRuns);
@@ -518,9 +521,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <QuantFormat F, int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     GroupedDownQuantKernel(const uint16_t* h, const int* offsets, const int* sorted,
-                           QuantExpertTable down, int dense_rows, float* out) {
+                           int expert_begin, QuantExpertTable down, int dense_rows, float* out) {
   constexpr int kRuns = QuantRuns<F>();
-  const int e = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hidden = down.rows, inter = down.cols;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int units = inter / (32 * kRuns);
@@ -555,10 +558,12 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // One block per row: y[r] += sum over slots (in slot order: deterministic) of w[r, slot] *
-// out[r * k + slot], skipping pairs of skip_expert. Batch 64: 4 MB read, ~1 us at 4.46 TB/s.
+// out[r * k + slot], skipping pairs of skip_expert and of experts outside [expert_begin,
+// expert_end) (left out of the buckets: their out rows are never written).
+// Batch 64: 4 MB read, ~1 us at 4.46 TB/s.
 __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_ids,
-                                           const float* weights, int skip_expert, int k, int hidden,
-                                           float* y) {
+                                           const float* weights, int skip_expert, int expert_begin,
+                                           int expert_end, int k, int hidden, float* y) {
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int row = blockIdx.x, quads = hidden / 4;
@@ -566,8 +571,8 @@ __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_i
   for (int j = threadIdx.x; j < quads; j += blockDim.x) {
     float4 acc = y4[j];
     for (int slot = 0; slot < k; ++slot) {
-      const int pair = row * k + slot;
-      if (expert_ids[pair] == skip_expert) continue;
+      const int pair = row * k + slot, e = expert_ids[pair];
+      if (e == skip_expert || e < expert_begin || e >= expert_end) continue;
       const float wt = weights[pair];
       const float4 v =
           reinterpret_cast<const float4*>(out + static_cast<int64_t>(pair) * hidden)[j];
@@ -580,27 +585,30 @@ __global__ void CombineExpertOutputsKernel(const float* out, const int* expert_i
   }
 }
 
+// The experts' launches take one block row per expert held (MoeGrouped launches none when it
+// holds none).
 template <int kTiles>
 void LaunchExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
-  Launch(GroupedGateUpKernel<kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts),
-         dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, a.offsets, a.sorted_pairs, a.gate, a.up,
-         a.hidden, a.inter, a.h);
-  Launch(GroupedDownKernel<kTiles, 4>, dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts),
+  const int held = a.expert_end - a.expert_begin;
+  Launch(GroupedGateUpKernel<kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), held),
+         dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, a.offsets, a.sorted_pairs, a.expert_begin,
+         a.gate, a.up, a.hidden, a.inter, a.h);
+  Launch(GroupedDownKernel<kTiles, 4>, dim3(CeilDiv(a.hidden, kBlockFeatures), held),
          dim3(kWarps * 32), 0, stream, static_cast<const uint16_t*>(a.h), a.offsets,
-         static_cast<const int*>(a.sorted_pairs), a.down, a.hidden, a.inter, a.out);
+         static_cast<const int*>(a.sorted_pairs), a.expert_begin, a.down, a.hidden, a.inter, a.out);
 }
 
 template <QuantFormat F, int kTiles>
 void LaunchQuantExperts(const MoeGroupedArgs& a, cudaStream_t stream) {
   const QuantExpertTable* t = a.quant;
-  Launch(GroupedGateUpQuantKernel<F, kTiles, 2>,
-         dim3(CeilDiv(a.inter, kBlockFeatures), a.num_experts), dim3(kWarps * 32), 0, stream,
-         a.x_bf16, a.k, static_cast<const int*>(a.offsets), static_cast<const int*>(a.sorted_pairs),
-         t[0], t[1], a.h);
-  Launch(GroupedDownQuantKernel<F, kTiles, 2>,
-         dim3(CeilDiv(a.hidden, kBlockFeatures), a.num_experts), dim3(kWarps * 32), 0, stream,
-         static_cast<const uint16_t*>(a.h), static_cast<const int*>(a.offsets),
-         static_cast<const int*>(a.sorted_pairs), t[2], 0, a.out);
+  const int held = a.expert_end - a.expert_begin;
+  Launch(GroupedGateUpQuantKernel<F, kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), held),
+         dim3(kWarps * 32), 0, stream, a.x_bf16, a.k, static_cast<const int*>(a.offsets),
+         static_cast<const int*>(a.sorted_pairs), a.expert_begin, t[0], t[1], a.h);
+  Launch(GroupedDownQuantKernel<F, kTiles, 2>, dim3(CeilDiv(a.hidden, kBlockFeatures), held),
+         dim3(kWarps * 32), 0, stream, static_cast<const uint16_t*>(a.h),
+         static_cast<const int*>(a.offsets), static_cast<const int*>(a.sorted_pairs),
+         a.expert_begin, t[2], 0, a.out);
 }
 
 template <QuantFormat F>
@@ -611,58 +619,10 @@ void LaunchQuantExperts(const MoeGroupedArgs& a, bool many_pairs, cudaStream_t s
     LaunchQuantExperts<F, 4>(a, stream);
 }
 
-}  // namespace
-
-bool GemmQuantMmaSupports(const MatrixRef& w) {
-  return QuantMmaShapeSupports(w.quant.format, w.rows, w.cols) &&
-         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
-}
-
-void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
-                  cudaStream_t stream) {
-  const QuantExpertTable t = MatrixQuantTable(w);
-  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
-  auto launch = [&](auto kernel) {
-    Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),
-           static_cast<const int*>(nullptr), t, rows, y);
-  };
-  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
-  switch (t.format) {
-    case QuantFormat::kFp8Tensor:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 4, 2>);
-      break;
-    case QuantFormat::kFp8Channel:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 4, 2>);
-      break;
-    case QuantFormat::kNvfp4:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 4, 2>);
-      break;
-    default:  // GemmQuantMmaSupports admits no other format
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 4, 2>);
-      break;
-  }
-}
-
-void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert, int* offsets,
-                 int* sorted_pairs, cudaStream_t stream) {
-  static PerDeviceOnce configure;  // the attribute is per device
-  configure([] {                   // up to 64 KB of count table for 1024 experts
-    cudaFuncSetAttribute(BucketPairsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         BucketTableBytes(kBucketMaxExperts));
-  });
-  Launch(BucketPairsKernel, dim3(1), dim3(kBucketThreads), BucketTableBytes(num_experts), stream,
-         expert_ids, pairs, num_experts, skip_expert, offsets, sorted_pairs);
-}
-
-void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
-  const int pairs = a.rows * a.k;
-  BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.offsets, a.sorted_pairs, stream);
-  // 8 tiles (64 pairs a pass) re-read an expert's weights less often when it has many pairs
-  // (prefill); decode batches average a few pairs an expert and take 4.
+// MoeGrouped's expert kernels by the plan's variant, over the experts held (at least one).
+// 8 tiles (64 pairs a pass) re-read an expert's weights less often when it has many pairs
+// (prefill); decode batches average a few pairs an expert and take 4.
+void LaunchExpertKernels(const MoeGroupedArgs& a, cudaStream_t stream) {
   switch (a.kernel) {
     case MoeGroupedKernel::kMma4:
       LaunchExperts<4>(a, stream);
@@ -697,9 +657,69 @@ void MoeGrouped(const MoeGroupedArgs& a, cudaStream_t stream) {
       break;
     }
   }
+}
+
+}  // namespace
+
+bool GemmQuantMmaSupports(const MatrixRef& w) {
+  return QuantMmaShapeSupports(w.quant.format, w.rows, w.cols) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+}
+
+void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
+                  cudaStream_t stream) {
+  const QuantExpertTable t = MatrixQuantTable(w);
+  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
+  auto launch = [&](auto kernel) {
+    Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),
+           static_cast<const int*>(nullptr), 0, t, rows, y);
+  };
+  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
+  switch (t.format) {
+    case QuantFormat::kFp8Tensor:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 4, 2>);
+      break;
+    case QuantFormat::kFp8Channel:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 4, 2>);
+      break;
+    case QuantFormat::kNvfp4:
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 4, 2>);
+      break;
+    default:  // GemmQuantMmaSupports admits no other format
+      wide ? launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 8, 2>)
+           : launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 4, 2>);
+      break;
+  }
+}
+
+void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert,
+                 int expert_begin, int expert_end, int* offsets, int* sorted_pairs,
+                 cudaStream_t stream) {
+  static PerDeviceOnce configure;  // the attribute is per device
+  configure([] {                   // up to 64 KB of count table for 1024 experts
+    cudaFuncSetAttribute(BucketPairsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         BucketTableBytes(kBucketMaxExperts));
+  });
+  Launch(BucketPairsKernel, dim3(1), dim3(kBucketThreads), BucketTableBytes(num_experts), stream,
+         expert_ids, pairs, num_experts, skip_expert, std::max(expert_begin, 0),
+         std::min(expert_end, num_experts), offsets, sorted_pairs);
+}
+
+void MoeGrouped(const MoeGroupedArgs& args, cudaStream_t stream) {
+  MoeGroupedArgs a = args;
+  a.expert_begin = std::max(args.expert_begin, 0);
+  a.expert_end = std::min(args.expert_end, args.num_experts);
+  const int pairs = a.rows * a.k;
+  BucketPairs(a.expert_ids, pairs, a.num_experts, a.skip_expert, a.expert_begin, a.expert_end,
+              a.offsets, a.sorted_pairs, stream);
+  // With no expert held every pair's output is another rank's: the combine adds nothing.
+  if (a.expert_end > a.expert_begin) LaunchExpertKernels(a, stream);
   Launch(CombineExpertOutputsKernel, dim3(a.rows), dim3(256), 0, stream,
-         static_cast<const float*>(a.out), a.expert_ids, a.expert_weights, a.skip_expert, a.k,
-         a.hidden, a.y);
+         static_cast<const float*>(a.out), a.expert_ids, a.expert_weights, a.skip_expert,
+         a.expert_begin, a.expert_end, a.k, a.hidden, a.y);
 }
 
 }  // namespace infersweep::cuda

@@ -35,11 +35,13 @@ __device__ __forceinline__ MatrixRef ExpertScales(const QuantExpertTable& t, con
 
 // grid (ceil(inter / 16), pairs), 256 threads: warp w computes outputs [2w, 2w + 2) of the
 // block's 16 for both gate and up of pair blockIdx.y's expert. Its first weight loads (all of a
-// 2048-wide row at qwen3-30b-a3b shapes) are issued before x is staged in shared memory.
+// 2048-wide row at qwen3-30b-a3b shapes) are issued before x is staged in shared memory. A pair
+// of an expert outside [expert_begin, expert_end) writes zeros and reads no table entry; the
+// block's pair is one, so the whole block leaves before any barrier.
 template <QuantFormat F>
 __global__ void __launch_bounds__(kWarps * 32)
-    MoeGateUpQuantKernel(const float* x, int k, const int* expert_ids, QuantExpertTable gate,
-                         QuantExpertTable up, float* h) {
+    MoeGateUpQuantKernel(const float* x, int k, const int* expert_ids, int expert_begin,
+                         int expert_end, QuantExpertTable gate, QuantExpertTable up, float* h) {
   extern __shared__ float xs[];  // [PaddedFloats(hidden)]
   __shared__ float scratch[32];
   constexpr int kChunk = ChunkElements<F>();
@@ -54,6 +56,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const bool active = first < inter;
   const int chunks = hidden / kChunk;
   const int e = expert_ids[pair];
+  if (e < expert_begin || e >= expert_end) {
+    if (lane == 0)
+      for (int rr = 0; rr < kRowsPerWarp; ++rr)
+        if (first + rr < inter) h[static_cast<int64_t>(pair) * inter + first + rr] = 0.f;
+    return;
+  }
   const uint8_t* codes[2] = {static_cast<const uint8_t*>(gate.codes[e]),
                              static_cast<const uint8_t*>(up.codes[e])};
   const void* scales[2] = {gate.scales[e], up.scales[e]};
@@ -129,11 +137,14 @@ __global__ void __launch_bounds__(kWarps * 32)
 // slots, and each slot's pointers are read once by lane `slot` and shuffled to the lanes that
 // need them. h (the previous kernel's output) is staged in padded shared memory after the wait;
 // the weights (the routing is two kernels back) are loaded before it. Each lane's items and
-// their order are fixed, so the sum is deterministic.
+// their order are fixed, so the sum is deterministic. A slot of an expert outside
+// [expert_begin, expert_end) has no codes (its items read as zero codes and scales, its h is
+// MoeGateUpQuant's zeros) and factor 0: it adds exactly 0.
 template <QuantFormat F>
 __global__ void __launch_bounds__(kWarps * 32)
     MoeDownCombineQuantKernel(const float* h, const int* expert_ids, const float* weights,
-                              int skip_expert, int k, QuantExpertTable down, float* y) {
+                              int skip_expert, int expert_begin, int expert_end, int k,
+                              QuantExpertTable down, float* y) {
   extern __shared__ float hs[];  // [k][PaddedFloats(inter)]
   __shared__ float scratch[32];
   constexpr int kChunk = ChunkElements<F>();
@@ -148,14 +159,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   int out[kRowsPerWarp];
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) out[rr] = min(first + rr, hidden - 1);
-  // Lane s < k holds slot s: its expert's codes and scales, routing weight (0 for a skipped
-  // expert) and row factors.
+  // Lane s < k holds slot s: its expert's codes and scales (null for an expert not held here),
+  // routing weight (0 for a skipped expert) and row factors.
   const uint8_t* my_codes = nullptr;
   const void* my_scales = nullptr;
   float my_weight = 0.f;
   uint32_t my_row_bits[kRowsPerWarp] = {};
-  if (lane < k) {
-    const int e = expert_ids[row * k + lane];
+  const int e = lane < k ? expert_ids[row * k + lane] : -1;
+  if (lane < k && e >= expert_begin && e < expert_end) {
     my_codes = static_cast<const uint8_t*>(down.codes[e]);
     my_scales = down.scales[e];
     const void* global = F == QuantFormat::kNvfp4 ? down.global_scales[e] : nullptr;
@@ -181,11 +192,15 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (active && base + lane + 32 * i < items) {
 #pragma unroll
         for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-          const uint4* w = reinterpret_cast<const uint4*>(
-              slot_codes + static_cast<int64_t>(out[rr]) * inter * kRowBytes2 / 2);
-          packed[rr][i] = __ldcs(w + c);
-          scale_bits[rr][i] =
-              LoadChunkScaleBits<F>(slot_scales, down.scale_dtype, out[rr], c, inter);
+          packed[rr][i] = make_uint4(0, 0, 0, 0);
+          scale_bits[rr][i] = 0;
+          if (slot_codes) {
+            const uint4* w = reinterpret_cast<const uint4*>(
+                slot_codes + static_cast<int64_t>(out[rr]) * inter * kRowBytes2 / 2);
+            packed[rr][i] = __ldcs(w + c);
+            scale_bits[rr][i] =
+                LoadChunkScaleBits<F>(slot_scales, down.scale_dtype, out[rr], c, inter);
+          }
         }
       }
     }
@@ -201,7 +216,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   float my_factor[kRowsPerWarp];
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr)
-    my_factor[rr] = my_weight * DecodeRowFactor<F>(my_row_bits[rr], down.scale_dtype);
+    my_factor[rr] =
+        my_codes ? my_weight * DecodeRowFactor<F>(my_row_bits[rr], down.scale_dtype) : 0.f;
   const int ld = PaddedFloats(inter);
   float total[kRowsPerWarp] = {};
   for (int base = 0; base < items; base += 32 * kUnroll) {
@@ -245,24 +261,25 @@ void ConfigureShared() {
 }
 
 template <QuantFormat F>
-void LaunchGateUp(const float* x, int rows, int k, const int* expert_ids,
-                  const QuantExpertTable& gate, const QuantExpertTable& up, float* h,
-                  cudaStream_t stream) {
+void LaunchGateUp(const float* x, int rows, int k, const int* expert_ids, int expert_begin,
+                  int expert_end, const QuantExpertTable& gate, const QuantExpertTable& up,
+                  float* h, cudaStream_t stream) {
   ConfigureShared<F>();
   const dim3 grid(CeilDiv(gate.rows, kWarps * kRowsPerWarp), rows * k);
   Launch(MoeGateUpQuantKernel<F>, grid, dim3(kWarps * 32),
          static_cast<size_t>(PaddedFloats(gate.cols)) * sizeof(float), stream, x, k, expert_ids,
-         gate, up, h);
+         expert_begin, expert_end, gate, up, h);
 }
 
 template <QuantFormat F>
 void LaunchDown(const float* h, int rows, int k, const int* expert_ids, const float* weights,
-                int skip_expert, const QuantExpertTable& down, float* y, cudaStream_t stream) {
+                int skip_expert, int expert_begin, int expert_end, const QuantExpertTable& down,
+                float* y, cudaStream_t stream) {
   ConfigureShared<F>();
   const dim3 grid(CeilDiv(down.rows, kWarps * kRowsPerWarp), rows);
   Launch(MoeDownCombineQuantKernel<F>, grid, dim3(kWarps * 32),
          static_cast<size_t>(k) * PaddedFloats(down.cols) * sizeof(float), stream, h, expert_ids,
-         weights, skip_expert, k, down, y);
+         weights, skip_expert, expert_begin, expert_end, k, down, y);
 }
 
 }  // namespace
@@ -274,46 +291,48 @@ bool MoeQuantSupports(const QuantExpertTable& t, int slots) {
          static_cast<int64_t>(slots) * PaddedFloats(t.cols) * 4 <= kMoeMaxSharedBytes;
 }
 
-void MoeGateUpQuant(const float* x, int rows, int k, const int* expert_ids,
-                    const QuantExpertTable& gate, const QuantExpertTable& up, float* h,
-                    cudaStream_t stream) {
+void MoeGateUpQuant(const float* x, int rows, int k, const int* expert_ids, int expert_begin,
+                    int expert_end, const QuantExpertTable& gate, const QuantExpertTable& up,
+                    float* h, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return;  // an empty grid is a launch error
+  auto launch = [&](auto launcher) {
+    launcher(x, rows, k, expert_ids, expert_begin, expert_end, gate, up, h, stream);
+  };
   switch (gate.format) {
     case QuantFormat::kNvfp4:
-      return LaunchGateUp<QuantFormat::kNvfp4>(x, rows, k, expert_ids, gate, up, h, stream);
+      return launch(LaunchGateUp<QuantFormat::kNvfp4>);
     case QuantFormat::kMxfp4:
-      return LaunchGateUp<QuantFormat::kMxfp4>(x, rows, k, expert_ids, gate, up, h, stream);
+      return launch(LaunchGateUp<QuantFormat::kMxfp4>);
     case QuantFormat::kFp8Tensor:
-      return LaunchGateUp<QuantFormat::kFp8Tensor>(x, rows, k, expert_ids, gate, up, h, stream);
+      return launch(LaunchGateUp<QuantFormat::kFp8Tensor>);
     case QuantFormat::kFp8Channel:
-      return LaunchGateUp<QuantFormat::kFp8Channel>(x, rows, k, expert_ids, gate, up, h, stream);
+      return launch(LaunchGateUp<QuantFormat::kFp8Channel>);
     case QuantFormat::kFp8Block128:
-      return LaunchGateUp<QuantFormat::kFp8Block128>(x, rows, k, expert_ids, gate, up, h, stream);
+      return launch(LaunchGateUp<QuantFormat::kFp8Block128>);
     case QuantFormat::kNone:
       return;
   }
 }
 
 void MoeDownCombineQuant(const float* h, int rows, int k, const int* expert_ids,
-                         const float* weights, int skip_expert, const QuantExpertTable& down,
-                         float* y, cudaStream_t stream) {
+                         const float* weights, int skip_expert, int expert_begin, int expert_end,
+                         const QuantExpertTable& down, float* y, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return;
+  auto launch = [&](auto launcher) {
+    launcher(h, rows, k, expert_ids, weights, skip_expert, expert_begin, expert_end, down, y,
+             stream);
+  };
   switch (down.format) {
     case QuantFormat::kNvfp4:
-      return LaunchDown<QuantFormat::kNvfp4>(h, rows, k, expert_ids, weights, skip_expert, down, y,
-                                             stream);
+      return launch(LaunchDown<QuantFormat::kNvfp4>);
     case QuantFormat::kMxfp4:
-      return LaunchDown<QuantFormat::kMxfp4>(h, rows, k, expert_ids, weights, skip_expert, down, y,
-                                             stream);
+      return launch(LaunchDown<QuantFormat::kMxfp4>);
     case QuantFormat::kFp8Tensor:
-      return LaunchDown<QuantFormat::kFp8Tensor>(h, rows, k, expert_ids, weights, skip_expert, down,
-                                                 y, stream);
+      return launch(LaunchDown<QuantFormat::kFp8Tensor>);
     case QuantFormat::kFp8Channel:
-      return LaunchDown<QuantFormat::kFp8Channel>(h, rows, k, expert_ids, weights, skip_expert,
-                                                  down, y, stream);
+      return launch(LaunchDown<QuantFormat::kFp8Channel>);
     case QuantFormat::kFp8Block128:
-      return LaunchDown<QuantFormat::kFp8Block128>(h, rows, k, expert_ids, weights, skip_expert,
-                                                   down, y, stream);
+      return launch(LaunchDown<QuantFormat::kFp8Block128>);
     case QuantFormat::kNone:
       return;
   }

@@ -191,19 +191,26 @@ bool GemvStreams(const GemvArgs& args);
 // logits are NaN.
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
                 int* expert_ids, float* expert_weights, cudaStream_t stream);
+// The MoE expert kernels run the experts [expert_begin, expert_end) of the pointer tables (a
+// rank's own at ep=on, whose tables hold null for the other ranks' experts; [0, num_experts)
+// otherwise): a pair routed to an expert outside it reads no weights and contributes nothing
+// here (the rank that holds the expert adds it in the all-reduce).
 // Device-indexed expert MLP for pairs p = (row, slot): h[p] = silu(Wg[e]·x) * (Wu[e]·x),
-// e = expert_ids[p]; weights bf16, [inter, hidden] each, addressed through pointer tables.
+// e = expert_ids[p]; weights bf16, [inter, hidden] each, addressed through pointer tables. A pair
+// of an expert outside [expert_begin, expert_end) gets h[p] = 0.
 // Batch-1 decode of qwen3-30b-a3b: 8 pairs x 2 x 768 x 2048 x 2 B = 50 MB/layer -> ~11 us.
-void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, const uint16_t* const* gate,
-               const uint16_t* const* up, int hidden, int inter, float* h, cudaStream_t stream);
+void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, int expert_begin,
+               int expert_end, const uint16_t* const* gate, const uint16_t* const* up, int hidden,
+               int inter, float* h, cudaStream_t stream);
 // Down projection and combine in one launch: y[r] += sum_slot w[r, slot] * Wd[e]·h[r, slot] (fixed
 // slot order: deterministic), into the residual stream directly; Wd [hidden, inter] bf16. Pairs
-// whose expert is `skip_expert` are left out (TEST ONLY zero-expert fault; -1 in production).
+// whose expert is `skip_expert` (TEST ONLY zero-expert fault; -1 in production) or outside
+// [expert_begin, expert_end) are left out (h from MoeGateUp over the same range).
 // Batch-1 decode of qwen3-30b-a3b: 25 MB/layer -> ~6 us. k * inter * 4 bytes of shared memory (24
 // KB for qwen3-30b-a3b).
 void MoeDownCombine(const float* h, int rows, int k, const int* expert_ids, const float* weights,
-                    int skip_expert, const uint16_t* const* down, int hidden, int inter, float* y,
-                    cudaStream_t stream);
+                    int skip_expert, int expert_begin, int expert_end, const uint16_t* const* down,
+                    int hidden, int inter, float* y, cudaStream_t stream);
 // Expert-grouped MoE on tensor cores (moe_fused_mma.cu), for many rows (moe=fused with
 // rows >= kMoeGroupedMinRows, decode and prefill): pairs bucketed by expert on the device
 // (deterministic order), gate/up and down as bf16 mma.sync over each expert's pairs with each
@@ -220,6 +227,10 @@ struct MoeGroupedArgs {
   const int* expert_ids = nullptr;        // [rows * k] from RouterTopK
   const float* expert_weights = nullptr;  // [rows * k]
   int skip_expert = -1;                   // TEST ONLY zero-expert fault
+  // The experts run here: pairs of experts outside [expert_begin, expert_end) are left out of the
+  // buckets and the combine, and only these experts' weights are read (0 <= begin <= end <=
+  // num_experts).
+  int expert_begin = 0, expert_end = 0;
   const uint16_t* const* gate = nullptr;  // per-expert device pointer tables, bf16 [inter, hidden]
   const uint16_t* const* up = nullptr;
   const uint16_t* const* down = nullptr;  // bf16 [hidden, inter]
@@ -245,10 +256,12 @@ void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y
                   cudaStream_t stream);
 // MoeGrouped's first step, exposed for its test: offsets[num_experts + 1] = exclusive prefix sums
 // of the per-expert pair counts, sorted_pairs[offsets[e] + i] = the i-th pair (in pair order)
-// routed to expert e; pairs of skip_expert are left out. num_experts <= 1024; one block, any
-// number of pairs.
-void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert, int* offsets,
-                 int* sorted_pairs, cudaStream_t stream);
+// routed to expert e; pairs of skip_expert, or of an expert outside [expert_begin, expert_end),
+// are left out (their experts' counts are 0). num_experts <= 1024; one block, any number of
+// pairs.
+void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert,
+                 int expert_begin, int expert_end, int* offsets, int* sorted_pairs,
+                 cudaStream_t stream);
 void MoeGrouped(const MoeGroupedArgs& args, cudaStream_t stream);
 // y[r] += sum_slot weights[r, slot] * src[position[r, slot]] over slots with position >= 0, in
 // slot order (deterministic; no atomics although rows repeat across experts). src holds the

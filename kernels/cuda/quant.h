@@ -119,19 +119,22 @@ inline QuantExpertTable MatrixQuantTable(const MatrixRef& w) {
 // activations ([slots, cols] floats, padded) fit in shared memory.
 bool MoeQuantSupports(const QuantExpertTable& t, int slots);
 // h[p] = silu(Wg[e] . x[p / k]) * (Wu[e] . x[p / k]) for pairs p < rows * k, e = expert_ids[p];
-// gate and up [inter, hidden]. grid (ceil(inter / 16), pairs), 8 warps of 2 outputs each.
+// gate and up [inter, hidden]; h[p] = 0 for a pair of an expert outside [expert_begin,
+// expert_end), whose table entries are not read (ops.h's MoeGateUp). grid (ceil(inter / 16),
+// pairs), 8 warps of 2 outputs each.
 // Batch-1 decode of qwen3-30b-a3b: 8 pairs x 2 x 0.88 MB = 14 MB nvfp4 -> 3.2 us (fp8 25 MB ->
 // 5.6 us; bf16 50 MB -> 11 us).
-void MoeGateUpQuant(const float* x, int rows, int k, const int* expert_ids,
-                    const QuantExpertTable& gate, const QuantExpertTable& up, float* h,
-                    cudaStream_t stream);
+void MoeGateUpQuant(const float* x, int rows, int k, const int* expert_ids, int expert_begin,
+                    int expert_end, const QuantExpertTable& gate, const QuantExpertTable& up,
+                    float* h, cudaStream_t stream);
 // y[r] += sum_slot weights[r, slot] * Wd[e] . h[r, slot] in a fixed order (deterministic), into
-// the residual stream; Wd [hidden, inter]; pairs whose expert is `skip_expert` are left out
-// (TEST ONLY zero-expert fault; -1 in production). Each block stages its row's k slots of h in
-// shared memory (k * inter * 4 bytes, padded: 27 KB for qwen3-30b-a3b).
+// the residual stream; Wd [hidden, inter]; pairs whose expert is `skip_expert` (TEST ONLY
+// zero-expert fault; -1 in production) or outside [expert_begin, expert_end) are left out. Each
+// block stages its row's k slots of h in shared memory (k * inter * 4 bytes, padded: 27 KB for
+// qwen3-30b-a3b).
 // Batch 1, qwen3-30b-a3b: 8 x 0.88 MB = 7 MB nvfp4 -> 1.6 us (fp8 12.6 MB -> 2.8 us).
 void MoeDownCombineQuant(const float* h, int rows, int k, const int* expert_ids,
-                         const float* weights, int skip_expert, const QuantExpertTable& down,
-                         float* y, cudaStream_t stream);
+                         const float* weights, int skip_expert, int expert_begin, int expert_end,
+                         const QuantExpertTable& down, float* y, cudaStream_t stream);
 
 }  // namespace infersweep::cuda
