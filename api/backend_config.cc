@@ -38,6 +38,18 @@ std::string FusedNotInTheEngine(const char* tp) {
                       "over; it runs in allreduce-bench --device cuda");
 }
 
+// Why the host-routed MoE runners take no CUDA graph (a conflict's reason: after ": ").
+constexpr char kHostRouting[] =
+    ": the runner reads the routing on the host (a device sync a step), which a captured graph "
+    "cannot replay";
+// Why the scaled GEMMs take no fused or grouped MoE runner (a conflict's reason: after ": ").
+constexpr char kScaledGemmExperts[] =
+    ": it runs the linears' GEMMs; the fused and grouped MoE runners run the experts through "
+    "their own kernels, which would bypass it";
+// Why the fused expert runners take no qgemm=reference (a conflict's reason: after ": ").
+constexpr char kReferenceExperts[] =
+    ": qgemm=reference is the exact dequantization the reference GEMM reads; the fused expert "
+    "kernels decode the codes themselves, so the reference would not be what ran";
 // Why graphs=persistent takes no collective (a conflict's reason: after ": ").
 constexpr char kPersistentNoSeam[] =
     ": graphs=persistent runs every layer in one kernel, with no seam between its blocks for an "
@@ -214,7 +226,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                {},
-               {"attention=naive"},
+               {"attention=naive: the naive kernel is the fp32 reference, reading an fp32 cache"},
                kBf16,
                "K and V rounded to bf16 as they are appended: half the bytes decode attention "
                "reads; attention=flash only (the naive kernel is the fp32 reference)"});
@@ -225,33 +237,37 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                {},
-               {"attention=naive"},
+               {"attention=naive: the naive kernel is the fp32 reference, reading an fp32 cache"},
                kFp8,
                "K and V as E4M3 codes with one fp32 scale per token and kv head each (amax / "
                "448), set as they are appended: a quarter of fp32's bytes (+3 % for the scales "
                "at head_dim 128); the flash tensor-core kernels convert them to bf16 as they "
                "stage K/V tiles; head_dim 32, 64 or 128"});
-  r.push_back({"moe",
-               "loop",
-               kCuda,
-               80,
-               0,
-               true,
-               {},
-               {"graphs=on", "graphs=persistent"},
-               kFp32,
-               "per-expert GEMMs on gathered rows; host sync to read the routing"});
-  r.push_back({"moe",
-               "grouped",
-               kCuda,
-               80,
-               0,
-               true,
-               {"bf16"},
-               {"graphs=on", "graphs=persistent", "gemm=reference"},
-               kBf16,
-               "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
-               "to read the routing"});
+  r.push_back(
+      {"moe",
+       "loop",
+       kCuda,
+       80,
+       0,
+       true,
+       {},
+       {absl::StrCat("graphs=on", kHostRouting), absl::StrCat("graphs=persistent", kHostRouting)},
+       kFp32,
+       "per-expert GEMMs on gathered rows; host sync to read the routing"});
+  r.push_back(
+      {"moe",
+       "grouped",
+       kCuda,
+       80,
+       0,
+       true,
+       {"bf16"},
+       {absl::StrCat("graphs=on", kHostRouting), absl::StrCat("graphs=persistent", kHostRouting),
+        "gemm=reference: cuBLAS's grouped GEMMs are bf16 tensor-core GEMMs; the fp32 "
+        "reference config keeps moe=loop's fp32 GEMMs"},
+       kBf16,
+       "rows gathered by expert, gate/up/down as cuBLAS grouped GEMMs (bf16); host sync "
+       "to read the routing"});
   // Quantized experts: read in place by w4a16/w8a16's per-pair expert kernels at every decode
   // batch, or as dequant_bf16's bf16 copies; qgemm=reference (exact dequantization in the
   // reference GEMM) has no fused runner.
@@ -271,7 +287,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
        "quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
        "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
        "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
-       {"qgemm=reference"}});
+       {absl::StrCat("qgemm=reference", kReferenceExperts)}});
   r.push_back({"moe",
                "wgmma",
                kCuda,
@@ -287,7 +303,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "fused: no host sync even for long prefill chunks; FP8 / FP4 codes decoded to "
                "bf16 in shared memory each K chunk (fp8 block-128: as moe=fused); machine code "
                "for sm_90a only",
-               {"qgemm=reference"}});
+               {absl::StrCat("qgemm=reference", kReferenceExperts)}});
   r.push_back({"graphs", "off", kCuda, 80, 0, true, {}, {}, kFp32, "eager launches"});
   r.push_back({"graphs",
                "on",
@@ -314,7 +330,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
        90,
        true,
        {"bf16", "fp8", "nvfp4"},
-       {"kv_cache=fp32", "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
+       {"kv_cache=fp32: the persistent kernel's own attention reads a bf16 cache",
+        "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
         absl::StrCat("gemm=reference", kPersistentGemm),
         absl::StrCat("gemm=cublaslt", kPersistentGemm), absl::StrCat("gemm=tma", kPersistentGemm),
         absl::StrCat("tp=2", kPersistentNoSeam), absl::StrCat("tp=4", kPersistentNoSeam),
@@ -327,7 +344,12 @@ std::vector<BackendDescriptor> MakeRegistry() {
        "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
        "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
        "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
-       {"qgemm=reference", "qgemm=fp8_cublaslt", "qgemm=native_fp4"}});
+       {"qgemm=reference: its batch-1 decode step streams the codes through the kernel's own "
+        "GEMVs (qgemm=w8a16 / w4a16's numerics), not the reference's",
+        "qgemm=fp8_cublaslt: its batch-1 decode step streams the codes through the kernel's own "
+        "GEMVs, not cuBLASLt's FP8 GEMMs",
+        "qgemm=native_fp4: its batch-1 decode step streams the codes through the kernel's own "
+        "GEMVs, not cuBLASLt's FP4 GEMMs"}});
   // linear_attn: how Gated DeltaNet layers (qwen3_next, qwen3_5) run; a value other than the
   // reference on a model without them is UNSUPPORTED (CudaModelRefusal), as qgemm is on dense
   // models.
@@ -361,7 +383,15 @@ std::vector<BackendDescriptor> MakeRegistry() {
   // Quantized weights shard as their codes and scales (ShardHostModel); a model whose cuts fall
   // inside its scale groups or blocks is refused when the ranks build it (QuantizedShardRefusal).
   for (const char* t : {"2", "4", "8"})
-    r.push_back({"tp", t, kCuda, 80, 0, true, {}, {}, kFp32,
+    r.push_back({"tp",
+                 t,
+                 kCuda,
+                 80,
+                 0,
+                 true,
+                 {},
+                 {},
+                 kFp32,
                  absl::StrCat(t,
                               " GPUs of one agent, one rank process each on its shard "
                               "(sharded as on the CPU; quantized weights as their codes and "
@@ -492,7 +522,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                {"fp8"},
-               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               {absl::StrCat("moe=fused", kScaledGemmExperts),
+                absl::StrCat("moe=wgmma", kScaledGemmExperts),
+                absl::StrCat("moe=grouped", kScaledGemmExperts)},
                kFp8,
                "FP8 E4M3 tensor cores through cuBLASLt: weights as loaded, activations quantized "
                "to E4M3 on the device each call (per tensor, per token, or 1 x 128 for block-wise "
@@ -507,7 +539,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                quantized_formats,
-               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               {absl::StrCat("moe=fused", kScaledGemmExperts),
+                absl::StrCat("moe=wgmma", kScaledGemmExperts),
+                absl::StrCat("moe=grouped", kScaledGemmExperts)},
                kFp8,
                "cuDNN's matmul graph: FP8 E4M3 x E4M3 (fp8_tensor, fp8_channel weights as "
                "loaded, activations quantized per token on the device) with the row and column "
@@ -520,7 +554,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                0,
                true,
                fp4_formats,
-               {"moe=fused", "moe=wgmma", "moe=grouped"},
+               {absl::StrCat("moe=fused", kScaledGemmExperts),
+                absl::StrCat("moe=wgmma", kScaledGemmExperts),
+                absl::StrCat("moe=grouped", kScaledGemmExperts)},
                kFp4,
                "block-scaled FP4 tensor cores through cuBLASLt (VEC16_UE4M3 for NVFP4, "
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "

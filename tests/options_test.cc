@@ -238,7 +238,8 @@ TEST(Options, RegistryConflictIsPreflightsConflictJudgement) {
   EXPECT_EQ(
       RegistryConflict(
           *NormalizeBackendConfig({{"device", "cuda"}, {"moe", "loop"}, {"graphs", "on"}}), "bf16"),
-      "moe=loop cannot be combined with graphs=on");
+      "moe=loop cannot be combined with graphs=on: the runner reads the routing on the host (a "
+      "device sync a step), which a captured graph cannot replay");
 }
 
 }  // namespace

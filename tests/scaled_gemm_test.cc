@@ -3,19 +3,18 @@
 // activation quantization was measured to add (docs/VERDICTS.md), cuBLASLt's tiled block-scale
 // layout against the documentation's description, and the activation quantizers' formulas
 // against the weight quantizer they copy. The GPU side: tests/gpu_scaled_gemm_test.cc.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
 
 #include "api/backend_config.h"
 #include "engine/backends.h"
@@ -66,14 +65,20 @@ TEST(ScaledGemmPreflight, FusedAndGroupedMoeRunnersDoNotTakeTheScaledGemms) {
   EXPECT_EQ(
       Preflight(Cuda({{"gemm", "cublaslt"}, {"moe", "fused"}, {"qgemm", "fp8_cublaslt"}}), h200)
           .reason,
-      "qgemm=fp8_cublaslt cannot be combined with moe=fused");
+      "qgemm=fp8_cublaslt cannot be combined with moe=fused: it runs the linears' GEMMs; the fused "
+      "and grouped MoE "
+      "runners run the experts through their own kernels, which would bypass it");
   EXPECT_EQ(
       Preflight(Cuda({{"gemm", "cublaslt"}, {"moe", "grouped"}, {"qgemm", "fp8_cublaslt"}}), h200)
           .reason,
-      "qgemm=fp8_cublaslt cannot be combined with moe=grouped");
+      "qgemm=fp8_cublaslt cannot be combined with moe=grouped: it runs the linears' GEMMs; the "
+      "fused and grouped MoE "
+      "runners run the experts through their own kernels, which would bypass it");
   EXPECT_EQ(Preflight(Cuda({{"gemm", "cublaslt"}, {"moe", "fused"}, {"qgemm", "native_fp4"}}), b200)
                 .reason,
-            "qgemm=native_fp4 cannot be combined with moe=fused");
+            "qgemm=native_fp4 cannot be combined with moe=fused: it runs the linears' GEMMs; the "
+            "fused and grouped MoE "
+            "runners run the experts through their own kernels, which would bypass it");
   EXPECT_TRUE(
       Preflight(Cuda({{"gemm", "cublaslt"}, {"moe", "loop"}, {"qgemm", "fp8_cublaslt"}}), h200)
           .supported);
