@@ -679,5 +679,44 @@ TEST(SweepSpecRealRegistryTest, GpuDemoCarriesThePersistentKernel) {
   EXPECT_GT(refused, 0);
 }
 
+// The hunt's serving sweeps on an H200 (two ranks on the TEST ONLY map for tp=2): preflight lets
+// through every config but those the GPU or a backend's own design refuses, each with that
+// reason: native_fp4 needs FP4 tensor cores; moe=loop reads the routing on the host, which no
+// CUDA graph replays; qgemm=cudnn runs the linears' GEMMs, which the fused expert runners
+// bypass. (cuDNN's own refusal of FP4 on sm_90 comes from the capability probe, at run time.)
+TEST(SweepSpecRealRegistryTest, TheHuntIsRefusedOnlyForHardwareAndDesignLimits) {
+  const PreflightTarget h200{
+      .has_cuda_build = true, .sm = 90, .gpu_count = 2, .weight_format = "nvfp4"};
+  for (const char* name : {"hunt-serving.yaml", "hunt-serving-tp2.yaml"}) {
+    absl::StatusOr<SweepSpec> spec = LoadSweepSpecFile(SourceDir() + "/sweeps/" + name);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    absl::StatusOr<std::vector<TrialRecord>> trials = ExpandSweep(*spec, 1);
+    ASSERT_TRUE(trials.ok()) << trials.status();
+    int runnable = 0;
+    for (const TrialRecord& trial : *trials) {
+      absl::StatusOr<BackendConfig> config = NormalizeBackendConfig(trial.config);
+      ASSERT_TRUE(config.ok()) << config.status();
+      const PreflightResult verdict = Preflight(*config, h200);
+      const std::string text = BackendConfigString(*config);
+      if (verdict.supported) {
+        ++runnable;
+        continue;
+      }
+      const bool fp4_cores = config->at("qgemm") == "native_fp4";
+      const bool host_routing = config->at("moe") == "loop" && config->at("graphs") == "on";
+      const bool scaled_experts = config->at("qgemm") == "cudnn" && config->at("moe") != "loop";
+      EXPECT_TRUE(fp4_cores || host_routing || scaled_experts)
+          << name << " " << text << ": " << verdict.reason;
+      if (scaled_experts)
+        EXPECT_THAT(verdict.reason, HasSubstr("MoE runners run the experts through their own"));
+      if (fp4_cores) EXPECT_THAT(verdict.reason, HasSubstr("sm")) << text;
+      if (host_routing)
+        EXPECT_THAT(verdict.reason, HasSubstr("reads the routing on the host")) << text;
+    }
+    // 48, less native_fp4's 12, moe=loop's 6 under graphs and cudnn's 8 beside the expert runners
+    EXPECT_EQ(runnable, 22) << name;
+  }
+}
+
 }  // namespace
 }  // namespace infersweep
