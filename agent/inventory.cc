@@ -15,6 +15,7 @@
 #include "api/backend_config.h"
 #include "api/status_macros.h"
 #include "engine/backends.h"
+#include "engine/rank_context.h"
 #include "harness/executor.h"
 
 namespace infersweep {
@@ -106,7 +107,11 @@ std::vector<GpuInfo> DetectGpus() {
   // engine's probe describes the first GPU and every GPU is assumed to be the same.
   const LocalDevices devices = ProbeLocalDevices();
   std::vector<GpuInfo> gpus;
-  for (int i = 0; i < devices.gpu_count; ++i) {
+  // TEST ONLY: where INFERSWEEP_RANK_DEVICES places more ranks than this host has GPUs ("0,0"),
+  // the agent offers that many GPU slots, so that a tp trial is leased here and its ranks share
+  // the GPUs the map names (engine/rank_context.h).
+  const int slots = std::max(devices.gpu_count, TestRankDeviceCount(devices.gpu_count));
+  for (int i = 0; i < slots; ++i) {
     GpuInfo g;
     g.index = i;
     g.name = devices.gpu_name.empty() ? "GPU" : devices.gpu_name;

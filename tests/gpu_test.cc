@@ -262,6 +262,9 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
   }
   auto spec = ParseServeSpec("concurrency=1:4,isl=12-24,osl=8,requests=6");
   ASSERT_TRUE(spec.ok()) << spec.status();
+  // The fp32 reference is judged by lone runs (one sequence at a time: nothing to swap at
+  // concurrency 1); a bf16-class config by teacher-forced replays of several requests at once,
+  // which the fault strikes too, so its concurrency-1 point may be INCORRECT as well.
   for (const std::string text :
        {"device=cuda", "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on"}) {
     SCOPED_TRACE(text);
@@ -269,7 +272,8 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
                                                    *ParseFaultInjection("state-slot-swap:0"));
     ASSERT_EQ(swapped.status, TrialStatus::kOk) << swapped.reason;
     ASSERT_EQ(swapped.points.size(), 2u);
-    EXPECT_EQ(swapped.points[0].verdict, TrialStatus::kOk) << swapped.points[0].mismatch;
+    if (text == "device=cuda")
+      EXPECT_EQ(swapped.points[0].verdict, TrialStatus::kOk) << swapped.points[0].mismatch;
     EXPECT_EQ(swapped.points[1].verdict, TrialStatus::kIncorrect);
     EXPECT_LT(swapped.points[1].requests_matching, swapped.points[1].requests_checked);
   }
