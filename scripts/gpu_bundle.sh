@@ -6,7 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
-cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/dev/null
+# CUDA_ARCHS: the portable kernels' GPU architectures (INFERSWEEP_CUDA_ARCHS: default 90, the
+# lent H200's; "fleet" for a bundle that runs on every GPU generation from sm_80 on).
+cmake -S . -B "$BUILD" -G Ninja -DINFERSWEEP_CUDA=ON -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} \
+  -DINFERSWEEP_CUDA_ARCHS="${CUDA_ARCHS:-90}" >/dev/null
 # The device tool carries at most 64 MiB (working tree included), less than every binary
 # together: PACK=gpu (default) packs what STAGES=test|bench|best|matrix|quant|profile|peer|tp|probe
 # use, PACK=tp, PACK=probe and PACK=quant what STAGES=tp, STAGES=probe and
