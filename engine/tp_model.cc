@@ -110,15 +110,24 @@ class Slicer {
         }
       return {out, DType::kF32, rows, m.cols, {}};
     }
-    const int64_t row_bytes = m.cols * DTypeSize(m.dtype);
+    return {StackRowBytes(m.data, m.cols * DTypeSize(m.dtype), ranges, rows),
+            m.dtype,
+            rows,
+            m.cols,
+            {}};
+  }
+
+  // The rows `ranges` of `row_bytes` bytes each from `data`, stacked in a copy `rows` rows long.
+  const uint8_t* StackRowBytes(const void* data, int64_t row_bytes,
+                               const std::vector<Range>& ranges, int64_t rows) {
     std::vector<uint8_t>& bytes = owned_->emplace_back(rows * row_bytes);
     int64_t row = 0;
     for (const Range& r : ranges) {
-      std::memcpy(bytes.data() + row * row_bytes, Bytes(m.data) + r.begin * row_bytes,
+      std::memcpy(bytes.data() + row * row_bytes, Bytes(data) + r.begin * row_bytes,
                   r.count * row_bytes);
       row += r.count;
     }
-    return {bytes.data(), m.dtype, rows, m.cols, {}};
+    return bytes.data();
   }
 
   // Columns [c.begin, c.end) of m: a view of a dense vector (one row), else a copy; a quantized
@@ -228,14 +237,7 @@ class Slicer {
         out.quant.scale = Bytes(m.quant.scale) + r.begin / grid.tile_rows * scale_row_bytes;
       return out;
     }
-    std::vector<uint8_t>& codes = owned_->emplace_back(rows * row_bytes);
-    int64_t row = 0;
-    for (const Range& r : ranges) {
-      std::memcpy(codes.data() + row * row_bytes, Bytes(m.data) + r.begin * row_bytes,
-                  r.count * row_bytes);
-      row += r.count;
-    }
-    out.data = codes.data();
+    out.data = StackRowBytes(m.data, row_bytes, ranges, rows);
     if (grid.tile_rows == 0) return out;
     std::vector<uint8_t> scales;
     for (const Range& r : ranges) {

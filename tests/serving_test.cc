@@ -300,6 +300,22 @@ TEST(Serving, HybridModelKeepsStatePerSlot) {
   }
 }
 
+// Served at concurrency 1 and 4 under a slot-swap fault on the CPU: one sequence at a time has
+// nothing to swap (OK); four are INCORRECT, the served requests parting from their lone runs.
+void ExpectSwapIncorrectAtConcurrencyFour(const std::string& preset, const FaultInjection& fault,
+                                          const std::string& chunk) {
+  auto host = LoadPreset(preset);
+  ASSERT_NE(host, nullptr);
+  const ServeSpec spec = Spec("concurrency=1:4,isl=12-24,osl=8,requests=6" + chunk);
+  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {}, fault);
+  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  ASSERT_EQ(trial.points.size(), 2u);
+  EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk) << trial.points[0].mismatch;
+  EXPECT_EQ(trial.points[1].verdict, TrialStatus::kIncorrect);
+  EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
+  EXPECT_THAT(trial.points[1].mismatch, HasSubstr("served"));
+}
+
 // A scheduling bug (a sequence reading another's KV slot) is INCORRECT; with one sequence at a
 // time there is nothing to swap.
 TEST(Serving, KvSlotSwapIsIncorrect) {
@@ -308,16 +324,7 @@ TEST(Serving, KvSlotSwapIsIncorrect) {
   EXPECT_EQ(FaultInjectionString(*fault), "kv-slot-swap:0");
   for (const std::string name : {"tiny-moe", "tiny-hybrid"}) {
     SCOPED_TRACE(name);
-    auto host = LoadPreset(name);
-    ASSERT_NE(host, nullptr);
-    const ServeSpec spec = Spec("concurrency=1:4,isl=12-24,osl=8,requests=6");
-    const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {}, *fault);
-    ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-    ASSERT_EQ(trial.points.size(), 2u);
-    EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk) << trial.points[0].mismatch;
-    EXPECT_EQ(trial.points[1].verdict, TrialStatus::kIncorrect);
-    EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
-    EXPECT_THAT(trial.points[1].mismatch, HasSubstr("served"));
+    ExpectSwapIncorrectAtConcurrencyFour(name, *fault, "");
   }
 }
 
@@ -327,15 +334,7 @@ TEST(Serving, StateSlotSwapIsIncorrect) {
   auto fault = ParseFaultInjection("state-slot-swap:0");
   ASSERT_TRUE(fault.ok()) << fault.status();
   EXPECT_EQ(FaultInjectionString(*fault), "state-slot-swap:0");
-  auto host = LoadPreset("tiny-hybrid");
-  ASSERT_NE(host, nullptr);
-  const ServeSpec spec = Spec("concurrency=1:4,isl=12-24,osl=8,requests=6,chunk=5");
-  const ServeTrialResult trial = RunServeTrial(*host, kCpu, spec, {}, *fault);
-  ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-  ASSERT_EQ(trial.points.size(), 2u);
-  EXPECT_EQ(trial.points[0].verdict, TrialStatus::kOk) << trial.points[0].mismatch;
-  EXPECT_EQ(trial.points[1].verdict, TrialStatus::kIncorrect);
-  EXPECT_LT(trial.points[1].requests_matching, trial.points[1].requests_checked);
+  ExpectSwapIncorrectAtConcurrencyFour("tiny-hybrid", *fault, ",chunk=5");
 
   auto dense = LoadPreset("tiny-moe");
   ASSERT_NE(dense, nullptr);
