@@ -37,17 +37,6 @@ Expected ReadExpected(const std::string& dir) {
   return {j.at("prompt").get<std::vector<int32_t>>(), j.at("greedy").get<std::vector<int32_t>>()};
 }
 
-// max|ours - ref| / max|ref| over every logit.
-double RelativeMaxError(const std::vector<float>& ours, const std::vector<float>& ref) {
-  double max_diff = 0, max_ref = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(ours[i]) - ref[i]);
-    max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
-    max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
-  }
-  return max_diff / max_ref;
-}
-
 // The hybrid fixtures, generated where transformers has their model classes; absent otherwise.
 const std::vector<std::string> kHybridFixtures = {"qwen3_next", "qwen3_5_moe"};
 
@@ -77,7 +66,7 @@ void ExpectMatchesTransformers(const std::string& name, cpu::MatmulVariant varia
   ASSERT_TRUE(model->StartBatch(1, n + static_cast<int>(expected.greedy.size())).ok());
   std::vector<float> logits;
   ASSERT_TRUE(model->Forward(expected.prompt, n, LogitsMode::kAll, &logits).ok());
-  const double rel = RelativeMaxError(logits, ref->data);
+  const double rel = RelMaxError(logits, ref->data);
   std::printf("# %s: max|ours - transformers| / max|transformers| = %.3g\n", name.c_str(), rel);
   EXPECT_LE(rel, 1e-4) << name;
 

@@ -36,17 +36,6 @@ using json = nlohmann::json;
 
 constexpr uint16_t kBf16MinusOne = 0xBF80;
 
-// max|a - b| / max|b|.
-double RelativeMaxError(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
-    diff = std::isnan(d) ? INFINITY : std::max(diff, d);
-    ref = std::max(ref, std::fabs(static_cast<double>(b[i])));
-  }
-  return diff / ref;
-}
-
 std::vector<int32_t> Prompt(int n, int vocab, uint32_t seed = 7) {
   std::mt19937 rng(seed);
   std::vector<int32_t> p(n);
@@ -80,14 +69,14 @@ TEST(GatedDeltaKernels, ChunkedMatchesRecurrentAcrossChunkBoundaries) {
                            state_r.data(), out_r.data());
   cpu::GatedDeltaChunked(q.data(), k.data(), v.data(), g.data(), beta.data(), n, dk, dv, 64,
                          state_c.data(), out_c.data());
-  EXPECT_LE(RelativeMaxError(out_c, out_r), 1e-5);
-  EXPECT_LE(RelativeMaxError(state_c, state_r), 1e-5);
+  EXPECT_LE(RelMaxError(out_c, out_r), 1e-5);
+  EXPECT_LE(RelMaxError(state_c, state_r), 1e-5);
   // Other chunk sizes, one of them not dividing n, compute the same recurrence.
   for (int chunk : {1, 7, 150}) {
     std::vector<float> s = start, o(n * dv);
     cpu::GatedDeltaChunked(q.data(), k.data(), v.data(), g.data(), beta.data(), n, dk, dv, chunk,
                            s.data(), o.data());
-    EXPECT_LE(RelativeMaxError(o, out_r), 1e-5) << "chunk " << chunk;
+    EXPECT_LE(RelMaxError(o, out_r), 1e-5) << "chunk " << chunk;
   }
 }
 
@@ -176,7 +165,7 @@ TEST(HybridModel, ChunkedPrefillMatchesTokenByTokenDecode) {
     ASSERT_TRUE(model->Forward({&prompt[t], 1}, 1, LogitsMode::kLast, &step).ok());
     steps.insert(steps.end(), step.begin(), step.end());
   }
-  const double rel = RelativeMaxError(prefill, steps);
+  const double rel = RelMaxError(prefill, steps);
   std::printf("# prefill vs decode: max rel %.3g\n", rel);
   EXPECT_LE(rel, 1e-5);
 
@@ -186,7 +175,7 @@ TEST(HybridModel, ChunkedPrefillMatchesTokenByTokenDecode) {
   ASSERT_TRUE(model->Forward({prompt.data(), 70}, 70, LogitsMode::kAll, &first).ok());
   ASSERT_TRUE(model->Forward({prompt.data() + 70, 30}, 30, LogitsMode::kAll, &rest).ok());
   first.insert(first.end(), rest.begin(), rest.end());
-  EXPECT_LE(RelativeMaxError(first, prefill), 1e-5);
+  EXPECT_LE(RelMaxError(first, prefill), 1e-5);
 
   // Batch rows keep their own state.
   const std::vector<int32_t> other = Prompt(n, vocab, 11);
@@ -197,8 +186,8 @@ TEST(HybridModel, ChunkedPrefillMatchesTokenByTokenDecode) {
   ASSERT_TRUE(model->Forward(both, n, LogitsMode::kAll, &batched).ok());
   const std::vector<float> row0(batched.begin(), batched.begin() + n * vocab);
   const std::vector<float> row1(batched.begin() + n * vocab, batched.end());
-  EXPECT_LE(RelativeMaxError(row0, prefill), 1e-6);
-  EXPECT_LE(RelativeMaxError(row1, PrefillLogits(*host, other)), 1e-6);
+  EXPECT_LE(RelMaxError(row0, prefill), 1e-6);
+  EXPECT_LE(RelMaxError(row1, PrefillLogits(*host, other)), 1e-6);
 }
 
 // (1 + w) with w = -1 is zero: the final norm silences every logit. A plain gain of -1 would
