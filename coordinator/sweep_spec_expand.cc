@@ -150,6 +150,10 @@ absl::StatusOr<std::vector<TrialRecord>> ExpandSweep(const SweepSpec& spec, int6
       t.workload = spec.workload;
       t.selector = spec.selector;
       t.selector.device = ConfigDevice(config);
+      // A GPU config's tensor-parallel ranks take a GPU each (the scheduler leases them so), which
+      // the queued trial's selector says, so that a sweep waiting for a larger agent names it.
+      if (t.selector.device == Device::kCuda)
+        t.selector.gpus_needed = std::max(t.selector.gpus_needed, TensorParallelRanks(config));
       t.priority = spec.priority;
       t.state = TrialState::kQueued;
       trials.push_back(std::move(t));

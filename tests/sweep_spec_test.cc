@@ -713,6 +713,8 @@ TEST(SweepSpecRealRegistryTest, TheHuntIsRefusedOnlyForHardwareAndDesignLimits) 
       if (host_routing)
         EXPECT_THAT(verdict.reason, HasSubstr("reads the routing on the host")) << text;
     }
+    if (std::string(name) == "hunt-serving-tp2.yaml")
+      for (const TrialRecord& trial : *trials) EXPECT_EQ(trial.selector.gpus_needed, 2);
     // tp=1: 48, less native_fp4's 12, moe=loop's 6 under graphs and cudnn's 8 beside the expert
     // runners; tp=2: 8, less moe=loop's 2 under graphs.
     EXPECT_EQ(runnable, std::string(name) == "hunt-serving.yaml" ? 22 : 6) << name;
