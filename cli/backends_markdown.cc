@@ -59,7 +59,7 @@ std::string BackendsMarkdown(const std::vector<BackendDescriptor>& registry) {
       "\n"
       "A backend config is a map axis → value, e.g.\n"
       "`device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on`. Every value is\n"
-      "one row of the registry (`BackendRegistry()` in `api/backend_config.cc`), listed below:\n"
+      "one row of the registry (`BackendRegistry()` in `api/backend_registry.cc`), listed below:\n"
       "the device it runs on, the SM range it needs, the weight formats it takes, the values it\n"
       "cannot be combined with, and its precision class (which sets the verdict thresholds).\n"
       "`Preflight` judges a config from these rows alone, before any weight loads, and answers\n"
