@@ -133,13 +133,6 @@ int Fail(const absl::Status& status) {
 // writes what the command prints into a file, which the parent then prints. A rank that dies or
 // hangs fails the command naming it, and no rank is left running.
 
-// The ranks of a checked config when its command must run in rank processes, else 0.
-int CommandRanks(const BackendConfig& config) {
-  TrialRequest request;
-  request.config = config;
-  return ConfigDevice(config) == Device::kCuda ? RankProcesses(request) : 0;
-}
-
 // The parent: `command` (the subcommand and its own options) in `ranks` processes.
 int RunAsRanks(const ModelArgs& args, const BackendConfig& config, int ranks,
                const std::vector<std::string>& command) {
@@ -277,7 +270,9 @@ int RunEngineCommand(const ModelArgs& args, const std::vector<std::string>& argv
   }
   absl::StatusOr<BackendConfig> config = CheckedConfig(args);
   if (!config.ok()) return Fail(config.status());
-  if (const int ranks = CommandRanks(*config); ranks > 1)
+  // A CUDA config's tensor-parallel ranks run one process each (the CPU's run as threads here).
+  if (const int ranks = TensorParallelRanks(*config);
+      ConfigDevice(*config) == Device::kCuda && ranks > 1)
     return RunAsRanks(args, *config, ranks, argv);
   const absl::Status done = command(*config, child);
   return done.ok() ? 0 : Fail(done);

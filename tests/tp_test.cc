@@ -180,17 +180,6 @@ ModelRun RunModel(Model& model, int batch, int n, int new_tokens) {
   return run;
 }
 
-// max|a - b| / max|b|.
-double RelativeMaxError(const std::vector<float>& a, const std::vector<float>& b) {
-  double max_diff = 0, max_ref = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
-    max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
-    max_ref = std::max(max_ref, std::fabs(static_cast<double>(b[i])));
-  }
-  return max_diff / max_ref;
-}
-
 const std::string kFixtures = SourceDir() + "/tests/fixtures/hf";
 
 // Presets ("preset:tiny-moe", a quantized one) and transformers' fixture folders.
@@ -248,7 +237,7 @@ TEST_P(TensorParallelTest, LogitsAndGreedyMatchOneRank) {
       ASSERT_TRUE(model.ok()) << model.status();
       const ModelRun got = RunModel(**model, batch, n, new_tokens);
       ASSERT_EQ(got.prefill.size(), want.prefill.size());
-      const double rel = RelativeMaxError(got.prefill, want.prefill);
+      const double rel = RelMaxError(got.prefill, want.prefill);
       std::printf("# %s tp=%d ep=%s: max|tp - tp1| / max|tp1| = %.3g\n", source.c_str(), tp,
                   ep ? "on" : "off", rel);
       EXPECT_LE(rel, 1e-5);
