@@ -415,9 +415,10 @@ TEST(ModelLimits, EveryReasonIsReported) {
 }
 
 // The hybrids at their real head size (256): attention=flash on every cache, fp8 included, with
-// the fused expert and linear-attention kernels, refuses nothing.
+// the fused expert and linear-attention kernels, refuses nothing, on the real presets and on the
+// tiny one the GPU tests run.
 TEST(ModelLimits, HybridsAtHeadDim256TakeFlashOnEveryCache) {
-  for (const char* name : {"qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+  for (const char* name : {"qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-hybrid-hd256"}) {
     const ModelConfig c = *PresetConfig(name);
     ASSERT_EQ(c.head_dim, 256) << name;
     for (const KvCache kv : {KvCache::kFp32, KvCache::kBf16, KvCache::kFp8}) {
