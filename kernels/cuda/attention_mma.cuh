@@ -281,35 +281,31 @@ struct HeadDimShape {
 
 // Launches kernel_of(D) for head_dim D = 32, 64, 128 or 256 (the callers' Supports functions)
 // with shape_of(D)'s threads and dynamic shared memory. D = 128 and 256 need more than the 48 KB
-// default, raised once per kernel and device.
+// default, raised once per kernel and device before its first launch there.
 template <typename KernelOf, typename ShapeOf, typename... Args>
 void LaunchForHeadDim(KernelOf kernel_of, ShapeOf shape_of, int head_dim, dim3 grid,
                       cudaStream_t stream, Args... args) {
-  using D128 = std::integral_constant<int, 128>;
-  using D256 = std::integral_constant<int, 256>;
-  static PerDeviceOnce configure;  // the attribute is per device
-  configure([&] {
-    cudaFuncSetAttribute(kernel_of(D128{}), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         shape_of(D128{}).smem);
-    cudaFuncSetAttribute(kernel_of(D256{}), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         shape_of(D256{}).smem);
-  });
-  auto launch = [&](auto d) {
+  static PerDeviceOnce configure_128, configure_256;  // the attribute is per device
+  auto launch = [&](auto d, PerDeviceOnce* configure) {
     const HeadDimShape shape = shape_of(d);
+    if (configure)
+      (*configure)([&] {
+        cudaFuncSetAttribute(kernel_of(d), cudaFuncAttributeMaxDynamicSharedMemorySize, shape.smem);
+      });
     Launch(kernel_of(d), grid, dim3(shape.threads), shape.smem, stream, args...);
   };
   switch (head_dim) {
     case 32:
-      launch(std::integral_constant<int, 32>{});
+      launch(std::integral_constant<int, 32>{}, nullptr);
       break;
     case 64:
-      launch(std::integral_constant<int, 64>{});
+      launch(std::integral_constant<int, 64>{}, nullptr);
       break;
     case 128:
-      launch(D128{});
+      launch(std::integral_constant<int, 128>{}, &configure_128);
       break;
     default:
-      launch(D256{});
+      launch(std::integral_constant<int, 256>{}, &configure_256);
   }
 }
 
