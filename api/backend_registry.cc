@@ -192,9 +192,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
                {},
                {},
                kBf16,
-               "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
-               "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
-               "cores (mma.sync), fp32 accumulate"});
+               "decode: split-KV tiled online softmax + combine, each K/V tile shared by the q "
+               "heads of a kv head (GQA groups up to 16), on bf16 tensor cores (mma.sync) at "
+               "head_dim 32, 64, 128 and 256, in fp32 on CUDA cores at the other multiples of 8 "
+               "up to 256; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor cores "
+               "(mma.sync) at head_dim 32, 64, 128 and 256; fp32 accumulate"});
   // cuDNN is dlopened at run time (engine/cudnn_loader.h): the capability probe refuses the
   // value where cuDNN is missing, too old, or finalizes no plan for the model's shapes.
   r.push_back({"attention",
@@ -237,8 +239,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kFp8,
                "K and V as E4M3 codes with one fp32 scale per token and kv head each (amax / "
                "448), set as they are appended: a quarter of fp32's bytes (+3 % for the scales "
-               "at head_dim 128); the flash tensor-core kernels convert them to bf16 as they "
-               "stage K/V tiles; head_dim 32, 64 or 128"});
+               "at head_dim 128, +1.6 % at 256); the flash tensor-core kernels convert them to "
+               "f16 (times their scale) as they stage K/V tiles; head_dim 32, 64, 128 or 256"});
   r.push_back(
       {"moe",
        "loop",

@@ -461,7 +461,7 @@ void CheckFlashAttention(GpuKernels& t, const FlashCase& c, std::mt19937& rng) {
   float* partial = t.Upload(
       std::vector<float>(cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
   // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values), and fp8 where
-  // the tensor-core kernels read it (head_dim 32, 64, 128).
+  // the tensor-core kernels read it (head_dim 32, 64, 128, 256).
   for (const cuda::KvDtype dtype :
        {cuda::KvDtype::kBf16, cuda::KvDtype::kFp32, cuda::KvDtype::kFp8}) {
     const bool fp8 = dtype == cuda::KvDtype::kFp8;
@@ -505,6 +505,27 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
         FlashCase{2, 2, 4, 2, 32, 70, 2e-2}, FlashCase{2, 3, 6, 2, 96, 50, 1e-4},
         FlashCase{64, 1, 8, 1, 128, 543, 2e-2},
         FlashCase{1, 1, 8, 1, 128, 1500, 2e-2}})  // 47 splits, a long context at batch 1
+    CheckFlashAttention(*this, c, rng);
+}
+
+// Head size 256 (qwen3-next's and qwen3.5's gated attention), on every cache type. Decode chunks
+// run the tensor-core split-KV kernel's two-warp build (32-key tiles, Q staged in shared memory):
+// GQA groups of 16 (32 q / 2 kv heads, qwen3.5) and 8 (qwen3-next) as MMA rows, a batch-1 context
+// of 4096 keys over 64 splits of two full tiles each, batch 64 with splits of a full tile and a
+// partial one, a multi-token chunk and splits that end inside a tile. Prefill chunks run the
+// tensor-core prefill kernel's 32-key build with Q staged in shared memory: chunk lengths that
+// are not multiples of the 64-query tile, causal masks inside 32-key tiles, pos0 > 0. Head sizes
+// above 128 that the tensor-core kernels are not built for (192, 248) take the CUDA-core kernel's
+// eight-accumulator build, a group of 16 (512 threads, 78 KB of shared memory) among them.
+TEST_F(GpuKernels, FlashAttentionAtHeadDim256MatchesHostMath) {
+  std::mt19937 rng(256);
+  for (const FlashCase& c :
+       {FlashCase{1, 1, 32, 2, 256, 4095, 2e-2}, FlashCase{64, 1, 16, 2, 256, 543, 2e-2},
+        FlashCase{4, 1, 16, 2, 256, 130, 2e-2}, FlashCase{2, 3, 32, 2, 256, 100, 2e-2},
+        FlashCase{1, 1, 16, 2, 256, 1500, 2e-2}, FlashCase{3, 2, 8, 8, 256, 20, 2e-2},
+        FlashCase{2, 100, 16, 2, 256, 5, 2e-2}, FlashCase{1, 130, 32, 2, 256, 0, 2e-2},
+        FlashCase{3, 16, 8, 2, 256, 40, 2e-2}, FlashCase{1, 70, 16, 1, 256, 33, 2e-2},
+        FlashCase{2, 3, 32, 2, 248, 50, 1e-4}, FlashCase{1, 20, 6, 2, 192, 30, 1e-4}})
     CheckFlashAttention(*this, c, rng);
 }
 
@@ -704,6 +725,9 @@ TEST_F(GpuKernels, LargeSharedMemoryKernelsRunOnEveryDevice) {
     CheckGemv(*this, 4, 4096, 64);                                  // 64 KB of staged input
     CheckBucketPairs(*this, {5000, 1024, 0, -1});                   // 65 KB of count table
     CheckFlashAttention(*this, {2, 100, 8, 2, 128, 5, 2e-2}, rng);  // 64 KB of K/V stages
+    CheckFlashAttention(*this, {2, 40, 16, 2, 256, 5, 2e-2}, rng);  // 99 KB: stages and Q
+    CheckFlashAttention(*this, {2, 1, 16, 2, 256, 70, 2e-2}, rng);  // 75 KB: stages and Q
+    CheckFlashAttention(*this, {1, 2, 32, 2, 248, 40, 1e-4}, rng);  // 78 KB of fp32 tiles and q
     cudaDeviceProp prop{};
     ASSERT_EQ(cudaGetDeviceProperties(&prop, d), cudaSuccess);
     if (prop.major == 9 && prop.minor == 0) {  // moe=wgmma's 97 KB ring
@@ -724,11 +748,12 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   struct Case {
     int batch, n, q_heads, kv_heads, d, pos0;
   };
-  // d = 512: pairs past the 128 a warp holds in registers take the kernel's late-read path.
+  // d = 256: every pair held in registers, the largest head an fp8 cache takes; d = 512: pairs
+  // past the 128 a warp holds in registers take the kernel's late-read path.
   for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9},
-                        Case{1, 2, 2, 1, 512, 3}}) {
+                        Case{1, 2, 2, 1, 512, 3}, Case{2, 2, 8, 2, 256, 6}}) {
     for (const cuda::KvDtype dtype : {cuda::KvDtype::kFp32, cuda::KvDtype::kBf16, cuda::KvDtype::kFp8}) {
-      // An fp8 cache holds a head's pairs in registers (kv_cache=fp8 is refused past 128).
+      // An fp8 cache holds a head's pairs in registers (kv_cache=fp8 is refused past 256).
       if (dtype == cuda::KvDtype::kFp8 && c.d > 256) continue;
       const bool bf16 = dtype == cuda::KvDtype::kBf16, fp8 = dtype == cuda::KvDtype::kFp8;
       SCOPED_TRACE(testing::Message() << "d " << c.d << " cache " << (fp8 ? "fp8" : bf16 ? "bf16" : "fp32"));

@@ -162,8 +162,10 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=fp8,moe=fused,graphs=on"};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);
-  for (const char* preset :
-       {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe", "preset:tiny-hybrid"}) {
+  // tiny-hybrid-hd256: the hybrids' gated attention at qwen3-next's head size (256), which the
+  // flash configs of must_run take on the tensor-core kernels.
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe",
+                             "preset:tiny-hybrid", "preset:tiny-hybrid-hd256"}) {
     auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
     ASSERT_TRUE(host.ok()) << host.status();
     int ok = 0;
@@ -187,9 +189,9 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
     for (const std::string& text : must_run) {
       // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
       // tma, wgmma and persistent are sm_90a machine code.
-      // tiny-hybrid's Gated DeltaNet layers likewise.
+      // tiny-hybrid's (and tiny-hybrid-hd256's) Gated DeltaNet layers likewise.
       if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
-           std::string(preset) == "preset:tiny-hybrid") &&
+           std::string(preset).rfind("preset:tiny-hybrid", 0) == 0) &&
           text.find("persistent") != std::string::npos)
         continue;
       if (devices.sm != 90 &&
@@ -963,6 +965,54 @@ TEST(GpuProvenance, PersistentDecodeShowsThePersistentKernel) {
   EXPECT_THAT(d4.fallbacks,
               testing::Contains("graphs=persistent: decode of 4 rows: the graphs=on kernel chain "
                                 "(the persistent kernel takes batch 1)"));
+}
+
+// Hybrids at qwen3-next's head size (tiny-hybrid-hd256: 8 q and 2 kv heads of 256, partial RoPE
+// over 64 dims): attention=flash on a bf16 and an fp8 cache under graphs=on is OK against the
+// reference and runs the tensor-core kernels' head_dim 256 builds, prefill and decode, with no
+// CUDA-core or naive attention launched and no attention fallback recorded. Served (decode rows
+// beside prefill chunks of 16+ tokens, and chunk=5 splitting prompts into decode-sized chunks),
+// the same configs meet the reference's picks.
+TEST(GpuProvenance, HybridAtHeadDim256RunsFlashOnTensorCores) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  auto host = LoadHostModel("preset:tiny-hybrid-hd256", LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  for (const char* kv : {"bf16", "fp8"}) {
+    const std::string config = absl::StrCat("device=cuda,gemm=fused,attention=flash,kv_cache=", kv,
+                                            ",moe=fused,graphs=on,linear_attn=fused");
+    SCOPED_TRACE(config);
+    const TrialResult r = executor.Execute(GpuRequest("preset:tiny-hybrid-hd256", config));
+    ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+    std::printf("# tiny-hybrid-hd256 %s: top1 %.3f kl_mean %.2g max_rel %.2g\n", config.c_str(),
+                r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
+    for (const BatchFigures& b : r.batches) {
+      ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+      // The 16-token prompt is one prefill chunk; each decode step is one row a sequence.
+      EXPECT_GT(LaunchesOf(*b.prefill_kernels, "FlashPrefillKernel<256, "), 0) << Listing(b);
+      EXPECT_GT(LaunchesOf(*b.decode_kernels, "FlashDecodeKernel<256, "), 0) << Listing(b);
+      for (const PhaseKernels* p : {&*b.prefill_kernels, &*b.decode_kernels}) {
+        EXPECT_EQ(LaunchesOf(*p, "FlashPartialKernel<"), 0) << Listing(b);
+        EXPECT_EQ(LaunchesOf(*p, "AttentionNaiveKernel"), 0) << Listing(b);
+        EXPECT_THAT(p->fallbacks,
+                    testing::Not(testing::Contains(testing::HasSubstr("attention=flash"))))
+            << Listing(b);
+      }
+    }
+    for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
+                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
+      SCOPED_TRACE(load);
+      auto spec = ParseServeSpec(load);
+      ASSERT_TRUE(spec.ok()) << spec.status();
+      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(config), *spec, {});
+      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+      for (const LoadPointResult& p : trial.points) {
+        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
+        EXPECT_EQ(p.metrics.completed, spec->requests);
+        EXPECT_GT(p.requests_checked, 0);
+      }
+    }
+  }
 }
 #endif
 

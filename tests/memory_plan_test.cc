@@ -161,6 +161,25 @@ TEST(MemoryPlan, DecodeScratch) {
             262'144);
 }
 
+// qwen3.5-397b-a17b, 8 layers, attention=flash on an fp8 cache at head_dim 256 (32 q / 2 kv heads),
+// decode only at batch 64 and 4096 tokens:
+//   flash partials: (64 rows + 1056 / 2 + 1) x 32 heads x (256 + 2) floats x 4 = 19,583,232 bytes;
+//   KV: 2 layers x 2 x 512 x 4096 x 1 byte = 8,388,608 of codes + 2 layers x 2 x 2 heads x 4096
+//   x 4 bytes = 131,072 of scales: 8,519,680 bytes a sequence.
+TEST(MemoryPlan, FlashAtHeadDim256) {
+  CudaOptions o;
+  o.attention = Attention::kFlash;
+  o.kv_cache = KvCache::kFp8;
+  MemoryWorkload w;
+  w.batch = 64;
+  w.generated_tokens = 4096;
+  const MemoryPlan p = Plan(o, Preset("qwen3.5-397b-a17b", 8), QuantFormat::kNone, w);
+  EXPECT_EQ(p.step_rows, 64);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "attention runner: scores (attention=flash)"),
+            19'583'232);
+  EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{8'519'680} * 64);
+}
+
 // Lockstep prefill of 64 x 1024 rows runs as chunks of 32768 / 64 = 512 tokens a sequence.
 TEST(MemoryPlan, PrefillChunksAtTheEnginesStepRows) {
   const MemoryPlan p = Plan(Bf16Kv(), Preset("qwen3-30b-a3b"), QuantFormat::kNone, Workload(64));
@@ -328,10 +347,10 @@ TEST(MemoryPlan, ExpertParallelRanksCopyTheirOwnExperts) {
 
 TEST(MemoryPlan, RefusedAttentionIsAnError) {
   CudaOptions o;
-  o.attention = Attention::kFlash;  // head_dim 256 is more than flash takes
-  EXPECT_EQ(PlanMemory(o, Preset("qwen3.5-397b-a17b", 8), QuantFormat::kNone, Workload(1))
-                .status()
-                .code(),
+  o.attention = Attention::kFlash;
+  ModelConfig wide = Preset("qwen3.5-397b-a17b", 8);
+  wide.head_dim = 512;  // more than flash takes
+  EXPECT_EQ(PlanMemory(o, wide, QuantFormat::kNone, Workload(1)).status().code(),
             absl::StatusCode::kUnimplemented);
   MemoryWorkload empty;
   EXPECT_EQ(

@@ -19,6 +19,7 @@
 #include "engine/plan/moe_plan.h"
 #include "engine/plan/probe_plan.h"
 #include "engine/plan/step_plan.h"
+#include "kernels/cuda/limits.h"
 
 namespace infersweep {
 namespace {
@@ -302,14 +303,40 @@ TEST(StepPlan, FusedGemvAndPersistentLayersFallBackByRowsAndSayWhy) {
 }
 
 TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
-  const AttentionHeads hybrid{16, 2, 256};
   CudaOptions o = OptionsWith("attention", "flash");
   o.kv_cache = KvCache::kFp8;
-  const std::vector<std::string> why = AttentionRefusals(o, hybrid);
+  // Past the flash kernels' head sizes: both refusals.
+  const AttentionHeads wide{16, 2, 512};
+  const std::vector<std::string> why = AttentionRefusals(o, wide);
   ASSERT_EQ(why.size(), 2u);
-  EXPECT_THAT(why[0], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[0], HasSubstr("attention=flash supports head_dim <= 256"));
   EXPECT_THAT(why[1], HasSubstr("kv_cache=fp8 is read by the tensor-core flash kernels only"));
-  EXPECT_FALSE(PlanAttention(o, hybrid).ok());
+  EXPECT_THAT(why[1], HasSubstr("must be 32, 64, 128 or 256"));
+  EXPECT_FALSE(PlanAttention(o, wide).ok());
+  // A head size the CUDA-core kernel takes and the tensor-core ones do not: flash, not fp8.
+  const AttentionHeads odd{16, 2, 192};
+  EXPECT_TRUE(AttentionRefusals(OptionsWith("attention", "flash"), odd).empty());
+  ASSERT_EQ(AttentionRefusals(o, odd).size(), 1u);
+  EXPECT_THAT(AttentionRefusals(o, odd)[0], HasSubstr("head_dim 192 must be 32, 64, 128 or 256"));
+  // The hybrids' gated attention (qwen3-next: 16 q and 2 kv heads of 256; qwen3.5: 32 and 2, a
+  // GQA group of 16): flash on every cache, the fp8 one with its scales, and the partials sized
+  // for any split count.
+  for (const AttentionHeads& hybrid : {AttentionHeads{16, 2, 256}, AttentionHeads{32, 2, 256}}) {
+    for (const KvCache kv : {KvCache::kFp32, KvCache::kBf16, KvCache::kFp8}) {
+      CudaOptions flash = OptionsWith("attention", "flash");
+      flash.kv_cache = kv;
+      absl::StatusOr<AttentionPlan> p = PlanAttention(flash, hybrid);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->path, AttentionPath::kFlash);
+      EXPECT_EQ(p->kv_scales, kv == KvCache::kFp8);
+      EXPECT_EQ(p->kv_bytes_per_element, kv == KvCache::kFp8 ? 1 : kv == KvCache::kBf16 ? 2 : 4);
+      // (rows + 1056 / kv_heads + 1) x q_heads x (head_dim + 2): 64 rows, 64 + 528 + 1 slots.
+      EXPECT_EQ(AttentionScoreFloats(*p, hybrid, 64, 4096),
+                int64_t{64 + 528 + 1} * hybrid.q_heads * 258);
+      EXPECT_GE(AttentionScoreFloats(*p, hybrid, 1, 4096),
+                int64_t{1} * hybrid.q_heads * cuda::kMaxFlashSplits * 258);
+    }
+  }
   const AttentionHeads heads{16, 4, 128};
   for (const char* v : {"naive", "flash", "cudnn"}) {
     absl::StatusOr<AttentionPlan> p = PlanAttention(OptionsWith("attention", v), heads);
@@ -375,7 +402,7 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
 
 TEST(ModelLimits, EveryReasonIsReported) {
   ModelConfig c = *PresetConfig("tiny-moe");
-  c.head_dim = 256;
+  c.head_dim = 512;
   c.hidden_size = 2050;  // not a multiple of 4 or 8
   CudaOptions o = OptionsWith("attention", "flash");
   o.moe = Moe::kFused;
@@ -383,8 +410,25 @@ TEST(ModelLimits, EveryReasonIsReported) {
   const std::vector<std::string> why = CudaModelLimitRefusals(c, o);
   ASSERT_EQ(why.size(), 3u) << ::testing::PrintToString(why);
   EXPECT_THAT(why[0], HasSubstr("allreduce=custom moves 16-byte packs"));
-  EXPECT_THAT(why[1], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[1], HasSubstr("attention=flash supports head_dim <= 256"));
   EXPECT_THAT(why[2], HasSubstr("moe=fused supports"));
+}
+
+// The hybrids at their real head size (256): attention=flash on every cache, fp8 included, with
+// the fused expert and linear-attention kernels, refuses nothing, on the real presets and on the
+// tiny one the GPU tests run.
+TEST(ModelLimits, HybridsAtHeadDim256TakeFlashOnEveryCache) {
+  for (const char* name : {"qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-hybrid-hd256"}) {
+    const ModelConfig c = *PresetConfig(name);
+    ASSERT_EQ(c.head_dim, 256) << name;
+    for (const KvCache kv : {KvCache::kFp32, KvCache::kBf16, KvCache::kFp8}) {
+      CudaOptions o = OptionsWith("attention", "flash");
+      o.kv_cache = kv;
+      o.moe = Moe::kFused;
+      o.linear_attn = LinearAttn::kFused;
+      EXPECT_THAT(CudaModelLimitRefusals(c, o), testing::IsEmpty()) << name;
+    }
+  }
 }
 
 TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {

@@ -11,8 +11,10 @@
 namespace infersweep::cuda {
 
 // ---- Attention (attention_flash.cu, attention_decode.cu, attention_prefill.cu).
-constexpr int kFlashMaxHeadDim = 128;  // the CUDA-core kernel's shared memory under 48 KB
-constexpr int kFlashMaxGroup = 16;     // q heads per kv head
+// The CUDA-core kernel's accumulators are head_dim / 32 floats a lane, its shared memory 82 KB at
+// head_dim 256 (opted into above the 48 KB default).
+constexpr int kFlashMaxHeadDim = 256;
+constexpr int kFlashMaxGroup = 16;  // q heads per kv head
 constexpr int kMaxFlashSplits = 64;
 constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially
 // Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core prefill kernel.
@@ -24,11 +26,11 @@ constexpr bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
 }
 // The tensor-core split-KV decode kernel.
 constexpr bool FlashDecodeMmaSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 // The tensor-core prefill kernel.
 constexpr bool FlashPrefillSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 // Floats the flash kernels' partials need for `rows` rows (any split count FlashSplits picks).
 constexpr int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {

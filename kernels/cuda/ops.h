@@ -127,7 +127,7 @@ int FlashSplits(int rows, int kv_heads, int capacity);
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream);
-// Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128 take the
+// Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128/256 take the
 // tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, f16 over an fp8 cache,
 // fp32 accumulate); it
 // writes the same partials as the CUDA-core kernel, merged by the same combine.
