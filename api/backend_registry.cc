@@ -374,6 +374,19 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
+  r.push_back({"linear_attn",
+               "fused_decode",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "decode rows as one launch a layer after the projections' one GEMV: conv and "
+               "SiLU, q/k L2 norm, gates, the gated delta rule over a value head's whole [dk, dv] "
+               "state in one block's registers, and the gated RMSNorm; prefill chunks as "
+               "linear_attn=fused. fp32; dk <= 128, dv <= 128"});
   // Tensor and expert parallelism: tp > 1 runs one rank process a GPU (harness/rank_supervisor.h),
   // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
   // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.

@@ -118,20 +118,26 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
     EXPECT_LE(vs_hf, 1e-4) << dir;
     if ((*host)->config.has_linear_attention()) {
       // Hybrids: the CPU prefill runs the chunked delta rule, the GPU's kernels the recurrent
-      // one; against the CPU fed a token a step (the recurrent rule) both GPU values of
-      // linear_attn are within 1e-5.
+      // one; against the CPU fed a token a step (the recurrent rule) every GPU value of
+      // linear_attn is within 1e-5. Fed a token a step, linear_attn=fused_decode runs every
+      // position through its decode kernel.
       const auto cpu_recurrent = StepwiseLogits(**host, {{"device", "cpu"}}, prompt);
       const auto fused = AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused"}}, prompt);
+      const auto decode =
+          StepwiseLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused_decode"}}, prompt);
       const double ref_vs_recurrent = RelMaxError(gpu, cpu_recurrent),
                    fused_vs_recurrent = RelMaxError(fused, cpu_recurrent),
+                   decode_vs_recurrent = RelMaxError(decode, cpu_recurrent),
                    cpu_chunked_vs_recurrent = RelMaxError(cpu, cpu_recurrent);
       std::printf(
           "# %s: vs the CPU fed a token a step: GPU reference %.3g, linear_attn=fused "
-          "%.3g (the CPU's chunked prefill vs its recurrent steps: %.3g)\n",
+          "%.3g, linear_attn=fused_decode fed a token a step %.3g (the CPU's chunked prefill "
+          "vs its recurrent steps: %.3g)\n",
           entry.path().filename().c_str(), ref_vs_recurrent, fused_vs_recurrent,
-          cpu_chunked_vs_recurrent);
+          decode_vs_recurrent, cpu_chunked_vs_recurrent);
       EXPECT_LE(ref_vs_recurrent, 1e-5) << dir;
       EXPECT_LE(fused_vs_recurrent, 1e-5) << dir;
+      EXPECT_LE(decode_vs_recurrent, 1e-5) << dir;
     }
   }
 }
@@ -246,7 +252,9 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
        {"device=cuda", "device=cuda,linear_attn=reference",
         "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused",
         "device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
-        "linear_attn=fused"}) {
+        "linear_attn=fused",
+        "device=cuda,linear_attn=fused_decode",
+        "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused_decode"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
       SCOPED_TRACE(text + " " + load);
@@ -811,7 +819,7 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
 
 // Hybrid models (Gated DeltaNet layers): graphs=persistent is UNSUPPORTED with the reason, and the
 // bad-state fault (the first linear-attention layer's recurrent state scaled) is INCORRECT under
-// both linear_attn values, eager and under graphs; the same configs without it are OK.
+// every linear_attn value, eager and under graphs; the same configs without it are OK.
 TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -824,6 +832,9 @@ TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
        {"device=cuda,linear_attn=fused",
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
         "fused",
+        "device=cuda,linear_attn=fused_decode",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
+        "fused_decode",
         "device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on,linear_attn=reference"}) {
     const TrialResult ok = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
     EXPECT_EQ(ok.status, TrialStatus::kOk) << config << ": " << ok.reason;
@@ -1012,6 +1023,56 @@ TEST(GpuProvenance, HybridAtHeadDim256RunsFlashOnTensorCores) {
         EXPECT_GT(p.requests_checked, 0);
       }
     }
+  }
+}
+
+// linear_attn=fused_decode on tiny-hybrid under graphs=on: a decode step runs each
+// linear-attention layer as the projections' one GEMV, GatedDeltaDecodeKernel and out_proj's
+// GEMV, 3 launches; linear_attn=fused runs the same two GEMVs around the conv, gates, delta rule
+// and gated norm, 6. Prefill chunks keep linear_attn=fused's kernels.
+TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
+  ASSERT_TRUE(model.ok()) << model.status();
+  int linear_layers = 0;
+  for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  ASSERT_GT(linear_layers, 0);
+  const std::vector<std::string> chain = {"CausalConvKernel<", "GatedDeltaGatesKernel",
+                                          "GatedDeltaFusedKernel", "RmsNormGatedKernel"};
+  auto total = [](const PhaseKernels& p) {
+    int64_t n = 0;
+    for (const KernelCount& k : p.kernels) n += k.count;
+    return n;
+  };
+  std::map<std::string, TrialResult> results;
+  for (const std::string value : {"fused", "fused_decode"}) {
+    const TrialResult r = executor.Execute(
+        GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=" + value));
+    ASSERT_EQ(r.status, TrialStatus::kOk) << value << ": " << r.reason;
+    ASSERT_EQ(r.batches.size(), 2u) << value;
+    results[value] = r;
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    const BatchFigures& fused = results["fused"].batches[i];
+    const BatchFigures& decode = results["fused_decode"].batches[i];
+    ASSERT_TRUE(fused.decode_kernels.has_value() && decode.decode_kernels.has_value());
+    ASSERT_TRUE(decode.prefill_kernels.has_value());
+    std::printf("%s%s", Listing(fused).c_str(), Listing(decode).c_str());
+    const PhaseKernels& f = *fused.decode_kernels;
+    const PhaseKernels& d = *decode.decode_kernels;
+    EXPECT_TRUE(d.graph) << Listing(decode);
+    for (const std::string& name : chain) {
+      EXPECT_EQ(LaunchesOf(f, name), linear_layers) << name << Listing(fused);
+      EXPECT_EQ(LaunchesOf(d, name), 0) << name << Listing(decode);
+      EXPECT_GT(LaunchesOf(*decode.prefill_kernels, name), 0) << name << Listing(decode);
+    }
+    EXPECT_EQ(LaunchesOf(f, "GatedDeltaDecodeKernel"), 0) << Listing(fused);
+    EXPECT_EQ(LaunchesOf(d, "GatedDeltaDecodeKernel"), linear_layers) << Listing(decode);
+    EXPECT_EQ(LaunchesOf(*decode.prefill_kernels, "GatedDeltaDecodeKernel"), 0) << Listing(decode);
+    // The GEMVs are the same two a layer under both values (in_proj_qkv, z, b and a as one).
+    EXPECT_EQ(LaunchesOf(d, "GemvKernel<"), LaunchesOf(f, "GemvKernel<")) << Listing(decode);
+    EXPECT_EQ(total(f) - total(d), 3 * linear_layers) << Listing(fused) << Listing(decode);
   }
 }
 #endif

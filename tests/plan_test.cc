@@ -115,9 +115,11 @@ std::map<std::string, PlanCheck> PlanChecks() {
        [](const std::string& v, const CudaOptions& o) -> std::string {
          const LinearAttentionPlan p = PlanLinearAttention(o);
          const bool fused = p.delta_rule == DeltaRulePath::kFused;
-         if (v == "reference" && !fused && !p.silu_in_conv) return "";
-         if (v == "fused" && fused && p.silu_in_conv) return "";
-         return absl::StrCat("planned fused=", fused, ", silu in conv=", p.silu_in_conv);
+         if (v == "reference" && !fused && !p.silu_in_conv && !p.decode_fused) return "";
+         if (v == "fused" && fused && p.silu_in_conv && !p.decode_fused) return "";
+         if (v == "fused_decode" && fused && p.silu_in_conv && p.decode_fused) return "";
+         return absl::StrCat("planned fused=", fused, ", silu in conv=", p.silu_in_conv,
+                             ", decode fused=", p.decode_fused);
        }},
       {"qgemm",
        [](const std::string& v, const CudaOptions& o) -> std::string {
@@ -398,6 +400,36 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
   p = PlanMoe(o, moe, bf16, {2048, 2048, false, true});
   EXPECT_EQ(p.experts, MoeExperts::kCublasGrouped);
   EXPECT_THAT(p.fallbacks[0], HasSubstr("the experts on cuBLAS grouped GEMMs"));
+}
+
+// linear_attn=fused_decode: decode rows in one launch, prefill chunks on linear_attn=fused's
+// kernels; refused, with both head dims named, where a value head's state does not fit one
+// block (dk > 128 or dv > 128), and where the model has no linear-attention layers.
+TEST(LinearAttentionPlan, FusedDecodeTakesDecodeRowsAndRefusesHeadsPastOneBlock) {
+  const LinearAttentionPlan p = PlanLinearAttention(OptionsWith("linear_attn", "fused_decode"));
+  EXPECT_TRUE(p.decode_fused);
+  EXPECT_EQ(p.delta_rule, DeltaRulePath::kFused);
+  EXPECT_TRUE(p.silu_in_conv);
+  EXPECT_FALSE(PlanLinearAttention(OptionsWith("linear_attn", "fused")).decode_fused);
+  EXPECT_FALSE(PlanLinearAttention(OptionsWith("linear_attn", "reference")).decode_fused);
+
+  const CudaOptions o = OptionsWith("linear_attn", "fused_decode");
+  for (const char* preset : {"tiny-hybrid", "qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+    const ModelConfig model = *PresetConfig(preset);
+    EXPECT_THAT(LinearAttentionRefusals(o, model), testing::IsEmpty()) << preset;
+  }
+  ModelConfig wide = *PresetConfig("tiny-hybrid");
+  wide.linear_value_head_dim = 256;
+  EXPECT_THAT(LinearAttentionRefusals(o, wide),
+              testing::ElementsAre(testing::AllOf(HasSubstr("linear_attn=fused_decode"),
+                                                  HasSubstr("value head dim 256 <= 128"))));
+  EXPECT_THAT(LinearAttentionRefusals(OptionsWith("linear_attn", "fused"), wide),
+              testing::IsEmpty());
+  wide.linear_key_head_dim = 192;  // linear_attn=fused takes it, the decode kernel does not
+  EXPECT_THAT(LinearAttentionRefusals(o, wide),
+              testing::ElementsAre(HasSubstr("key head dim 192 must be <= 128")));
+  EXPECT_THAT(LinearAttentionRefusals(o, *PresetConfig("tiny-moe")),
+              testing::ElementsAre(HasSubstr("the model has no linear-attention layers")));
 }
 
 TEST(ModelLimits, EveryReasonIsReported) {

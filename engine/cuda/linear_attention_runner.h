@@ -37,7 +37,8 @@ class LinearAttentionRunner {
   // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows). With `ragged` (serving) the rows
   // are a ragged step's: the decode rows' conv and delta rule run together, each reading and
   // advancing its slot's states; each prefill chunk runs on its own over its slot's states, which
-  // carry its sequence from one chunk to the next.
+  // carry its sequence from one chunk to the next. With linear_attn=fused_decode the one-row
+  // sequences (a lockstep decode step, a ragged step's decode rows) take GatedDeltaDecode.
   absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out,
                    const RaggedRows* ragged = nullptr);
 
@@ -59,6 +60,9 @@ class LinearAttentionRunner {
   DeviceBuffer<float> z_;                // [rows, Hv * dv]
   DeviceBuffer<float> a_, b_, g_, beta_;  // [rows, Hv]
   DeviceBuffer<float> out_;               // [rows, Hv * dv]
+  // [rows, Hk]: GatedDeltaDecode's key-head arrival counts, zeroed once; each launch leaves them
+  // zero.
+  DeviceBuffer<unsigned> arrivals_;
 };
 
 }  // namespace infersweep

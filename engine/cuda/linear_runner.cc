@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "api/status_macros.h"
 #include "core/launch_log.h"
+#include "core/unreachable.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemm_tma.h"
@@ -295,6 +296,8 @@ LinearRunner::FusedGemv LinearRunner::GemvInput(const float* x, int rows, int k,
 }
 
 void LinearRunner::AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+  if (a.segments == cuda::kGemvMaxSegments)
+    Unreachable("LinearRunner::AddSegment: more segments than the GEMV takes");
   a.w[a.segments] = w;
   a.bias[a.segments] = bias;
   cuda::GemvSegment& s = a.seg[a.segments++];

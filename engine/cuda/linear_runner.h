@@ -58,8 +58,8 @@ class LinearRunner {
   // A fused GEMV launch (gemm=fused|tma, decode rows): the kernel's args plus each segment's
   // weights and bias, whose kind picks the kernel (RunGemv).
   struct FusedGemv : cuda::GemvArgs {
-    MatrixRef w[3];
-    MatrixRef bias[3];
+    MatrixRef w[cuda::kGemvMaxSegments];
+    MatrixRef bias[cuda::kGemvMaxSegments];
   };
   // A GEMV over `rows` rows of x [rows, k], RMS-normalised by `norm` first when it is given.
   static FusedGemv GemvInput(const float* x, int rows, int k, const MatrixRef& norm,

@@ -20,6 +20,9 @@ enum class DeltaRulePath {
 struct LinearAttentionPlan {
   DeltaRulePath delta_rule = DeltaRulePath::kReference;
   bool silu_in_conv = false;  // the causal conv applies SiLU; else a separate pass over its output
+  // One-row sequences (decode rows) take GatedDeltaDecode: conv, gates, delta rule and gated
+  // RMSNorm in one launch. Sequences of more rows (prefill chunks) take the path above.
+  bool decode_fused = false;
 };
 
 LinearAttentionPlan PlanLinearAttention(const CudaOptions& options);

@@ -343,13 +343,14 @@ class Planner {
                        int64_t{plan_.kv_sequences} * q_dim * kFloat  // serving's per-slot Q, O
                  : 0));
     // LinearAttentionRunner: projected, mixed [rows, conv]; z, out [rows, value]; a, b, g, beta
-    // [rows, value heads].
+    // [rows, value heads] (fp32); the decode kernel's key-head arrival counts [rows, key heads].
     if (c_.has_linear_attention())
       Add(MemoryPool::kScratch, "linear attention runner",
           r *
-              (2 * int64_t{c_.linear_conv_dim()} + 2 * int64_t{c_.linear_value_dim()} +
-               4 * int64_t{c_.linear_num_value_heads}) *
-              kFloat);
+                  (2 * int64_t{c_.linear_conv_dim()} + 2 * int64_t{c_.linear_value_dim()} +
+                   4 * int64_t{c_.linear_num_value_heads}) *
+                  kFloat +
+              r * c_.linear_num_key_heads * kInt);
     // MoeRunner (allocated for dense models too): router logits, pair weights, h, out, in,
     // route weights (fp32); ids, route index, positions, offsets (int); bf16 xn and h.
     const int64_t experts = std::max(c_.num_experts, 1),

@@ -99,7 +99,8 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
         break;
     }
   } else if (axis == "linear_attn") {
-    // Both delta-rule kernels live beside kRmsNorm in the sm_90 image every config loads.
+    // The delta-rule kernels and the decode kernel live beside kRmsNorm in the sm_90 image every
+    // config loads.
     switch (PlanLinearAttention(o).delta_rule) {
       case DeltaRulePath::kReference:
       case DeltaRulePath::kFused:

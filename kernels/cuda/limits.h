@@ -147,6 +147,16 @@ constexpr bool GatedDeltaFusedSupports(int key_dim) {
   return key_dim % kGatedDeltaLanesPerColumn == 0 &&
          key_dim <= kGatedDeltaLanesPerColumn * kGatedDeltaMaxRowsPerLane;
 }
+// The decode kernel (GatedDeltaDecode): a block holds a whole value head's [dk, dv] state, 8 lanes
+// a column and dk / 8 rows a lane, so the gated RMSNorm over the head's dv outputs is a block
+// reduction: dk <= 128 keeps a lane's slice at 16 registers, dv <= 128 the block at 1024 threads.
+constexpr int kGatedDeltaDecodeMaxRowsPerLane = 16;
+constexpr int kGatedDeltaDecodeMaxColumns = 128;
+constexpr bool GatedDeltaDecodeSupports(int key_dim, int value_dim) {
+  return key_dim % kGatedDeltaLanesPerColumn == 0 &&
+         key_dim <= kGatedDeltaLanesPerColumn * kGatedDeltaDecodeMaxRowsPerLane && value_dim > 0 &&
+         value_dim <= kGatedDeltaDecodeMaxColumns;
+}
 constexpr int kCausalConvMaxTaps = 8;
 
 }  // namespace infersweep::cuda

@@ -155,9 +155,11 @@ void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_
 
 // ---- decode GEMV (gemm_fused.cu), the gemm=fused path for a few rows:
 //   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
-// for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
+// for up to kGemvMaxSegments segments s (separate W, bias, y; e.g. q, k and v in one launch; a
+// linear-attention layer's qkv, z, b and a), where xin is x or,
 // with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k],
 // k % 8 == 0, rows <= kGemvMaxRows, rows * k * 4 <= kGemvMaxSharedBytes (GemvSupports).
+constexpr int kGemvMaxSegments = 4;
 struct GemvSegment {
   const uint16_t* w = nullptr;
   const void* bias = nullptr;  // [n] or null
@@ -174,7 +176,7 @@ struct GemvArgs {
   DType norm_dtype = DType::kBF16;
   float norm_eps = 0.f;
   float* normed_out = nullptr;  // [rows, k] or null
-  GemvSegment seg[3];
+  GemvSegment seg[kGemvMaxSegments];
   int segments = 0;
   bool accumulate = false;
   float scale = 1.f;
