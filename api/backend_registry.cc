@@ -387,6 +387,21 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "SiLU, q/k L2 norm, gates, the gated delta rule over a value head's whole [dk, dv] "
                "state in one block's registers, and the gated RMSNorm; prefill chunks as "
                "linear_attn=fused. fp32; dk <= 128, dv <= 128"});
+  r.push_back({"linear_attn",
+               "chunked",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "prefill sequences of 16+ tokens in the chunked form of the gated delta rule, 32 "
+               "tokens a chunk: a chunk-parallel pass (k.k and q.k products, the chunk's "
+               "triangular solve, its state-independent terms) then a pass a value head that "
+               "carries the state chunk to chunk, every product on tensor cores as 3xTF32 "
+               "(mma.sync, fp32-class); shorter sequences as linear_attn=fused, decode rows as "
+               "linear_attn=fused_decode. dk and dv multiples of 16, <= 128"});
   // Tensor and expert parallelism: tp > 1 runs one rank process a GPU (harness/rank_supervisor.h),
   // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
   // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.

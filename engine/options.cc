@@ -51,7 +51,7 @@ struct AxisOf<QGemm> {
 template <>
 struct AxisOf<LinearAttn> {
   static constexpr const char* kAxis = "linear_attn";
-  static constexpr int kCount = 3;
+  static constexpr int kCount = 4;
 };
 template <>
 struct AxisOf<TestKernel> {

@@ -17,7 +17,7 @@ enum class KvCache { kFp32, kBf16, kFp8 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
 enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kCudnn, kNativeFp4 };
-enum class LinearAttn { kReference, kFused, kFusedDecode };
+enum class LinearAttn { kReference, kFused, kFusedDecode, kChunked };
 // TEST ONLY: sm100a launches a kernel built for sm_100a alone as the model is built, so the
 // capability probe's refusal of a missing kernel image can be exercised on any GPU.
 enum class TestKernel { kNone, kSm100a };

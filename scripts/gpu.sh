@@ -420,6 +420,30 @@ for r in csv.reader(sys.stdin):
         --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/hybrid_prefill_$f.json" 2>&1 | tee "$OUT/hybrid_prefill_$f.log" | grep -vE "timed by"
     done ;;
+  hybrid_ab)  # qwen3-next-80b-a3b fp8_channel (HYBRID_FORMATS), 48 layers, quantized on the host:
+    # decode at batch 1 and 64 (prompt 512, 64 tokens) and prefill 4096, each AB_BINARIES build
+    # under its fastest config: HYBRID_CONFIG_BASE for the first (the kernels main had), then
+    # HYBRID_CONFIG (flash at head_dim 256 on a bf16 cache, linear_attn=chunked) for the rest.
+    # The hybrids' headline rows, against the previous main's, in one call.
+    base_cfg=${HYBRID_CONFIG_BASE:-attention=naive,linear_attn=fused}
+    new_cfg=${HYBRID_CONFIG:-attention=flash,kv_cache=bf16,linear_attn=chunked}
+    first=1
+    for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+      cfg=$new_cfg
+      if ((first)); then cfg=$base_cfg; first=0; fi
+      for f in ${HYBRID_FORMATS:-fp8_channel}; do
+        q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
+        echo "# $b $f: $cfg"
+        .carry/$b run --model preset:qwen3-next-80b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$q,$cfg" \
+          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/hybrid_ab_decode_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+        .carry/$b run --model preset:qwen3-next-80b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,moe=fused,graphs=off,qgemm=$q,$cfg" \
+          --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/hybrid_ab_prefill_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
+    done ;;
   hybrid_profile)  # per-kernel times of qwen3-next-80b-a3b batch-1 steps, 4 layers (3 linear, 1
     # full), bf16, graphs off so ncu sees each kernel: every kernel but the weight generator's
     ncu --clock-control none --cache-control none --target-processes all \

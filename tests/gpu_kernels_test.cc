@@ -1071,6 +1071,95 @@ TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
   }
 }
 
+// linear_attn=chunked's kernels (GatedDeltaChunked) against the CPU's recurrent rule: lockstep
+// sequences of 100 then 37 tokens (three and a partial 32-token chunks, then one and a partial)
+// with the state carried between the calls, then a served sequence of 50 tokens whose slot holds
+// another's state but whose first row sits at position 0 (it starts from zero). Head sizes of the
+// hidden fixtures (16), tiny-hybrid (32), qwen3-next (128) and dv 48 (the 16-column state pass),
+// value heads sharing key heads. fp32 class: within 1e-5 of each output's largest magnitude.
+TEST_F(GpuKernels, GatedDeltaChunkedMatchesTheRecurrentRule) {
+  struct Case {
+    int batch, key_heads, value_heads, dk, dv;
+  };
+  for (const Case c : {Case{2, 2, 4, 16, 16}, Case{2, 2, 4, 32, 32}, Case{1, 2, 4, 128, 128},
+                       Case{2, 1, 2, 64, 48}}) {
+    ASSERT_TRUE(cuda::GatedDeltaChunkedSupports(c.dk, c.dv));
+    cuda::GatedDeltaShape s{c.batch, 0, c.key_heads, c.value_heads, c.dk, c.dv, 4};
+    const int channels = s.conv_channels(), key_width = c.key_heads * c.dk, hv = c.value_heads;
+    std::mt19937 rng(91 + c.dk + c.dv);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    std::vector<float> state(static_cast<size_t>(c.batch) * hv * c.dk * c.dv, 0.f);
+    float* d_state = Upload(state);
+    // One call: `seqs` sequences of n rows, sequence b on state slot slots[b].
+    auto run = [&](int n, int seqs, const std::vector<int>& slots, const int2* ragged,
+                   const std::string& what) {
+      s.n = n;
+      s.batch = seqs;
+      s.ragged = ragged;
+      const int rows = s.rows();
+      // The rows as the gates leave them: q and k L2-normalised per key head, q times dk^-0.5.
+      std::vector<float> mixed(static_cast<size_t>(rows) * channels), g(rows * hv),
+          beta(rows * hv);
+      for (float& v : mixed) v = uni(rng);
+      for (int r = 0; r < rows; ++r) {
+        float* row = mixed.data() + static_cast<size_t>(r) * channels;
+        cpu::L2NormalizeRows(row, 2 * c.key_heads, c.dk);
+        for (int i = 0; i < key_width; ++i) row[i] *= 1.f / std::sqrt(static_cast<float>(c.dk));
+      }
+      for (float& v : g) v = -0.02f - 0.6f * (uni(rng) + 1.f);
+      for (float& v : beta) v = 0.5f * (uni(rng) + 1.f);
+      std::vector<float> out(static_cast<size_t>(rows) * hv * c.dv);
+      for (int seq = 0; seq < seqs; ++seq)
+        for (int h = 0; h < hv; ++h) {
+          const int kh = h / (hv / c.key_heads);
+          std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
+          for (int t = 0; t < n; ++t) {
+            const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
+            std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
+            std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
+            std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
+            gh[t] = g[(seq * n + t) * hv + h];
+            bh[t] = beta[(seq * n + t) * hv + h];
+          }
+          float* st =
+              state.data() + (static_cast<size_t>(slots[seq]) * hv + h) * c.dk * c.dv;
+          if (ragged) std::fill_n(st, c.dk * c.dv, 0.f);  // position 0: a new sequence
+          cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk,
+                                   c.dv, st, o.data());
+          for (int t = 0; t < n; ++t)
+            std::copy_n(o.data() + t * c.dv, c.dv,
+                        out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
+        }
+      std::vector<float> terms(
+          cuda::GatedDeltaChunkedScratchFloats(rows, hv, c.dk, c.dv), 0.f);
+      float* d_terms = Upload(terms);
+      cuda::GatedDeltaChunkScratch scratch;
+      scratch.w = d_terms;
+      scratch.q = scratch.w + static_cast<int64_t>(rows) * hv * c.dk;
+      scratch.u = scratch.q + static_cast<int64_t>(rows) * hv * c.dk;
+      scratch.g = scratch.u + static_cast<int64_t>(rows) * hv * c.dv;
+      float* d_out = Upload(std::vector<float>(out.size(), 0.f));
+      cuda::GatedDeltaChunked(Upload(mixed), Upload(g), Upload(beta), s, scratch, d_state, d_out,
+                              nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      const double out_err = RelMax(Download(d_out, out.size()), out);
+      const double state_err = RelMax(Download(d_state, state.size()), state);
+      std::printf("# chunked gated delta %s dk %d dv %d: out %.2g, state %.2g\n", what.c_str(),
+                  c.dk, c.dv, out_err, state_err);
+      EXPECT_LE(out_err, 1e-5) << what << " dk " << c.dk << " dv " << c.dv;
+      EXPECT_LE(state_err, 1e-5) << what << " dk " << c.dk << " dv " << c.dv;
+    };
+    std::vector<int> lockstep(c.batch);
+    for (int b = 0; b < c.batch; ++b) lockstep[b] = b;
+    run(100, c.batch, lockstep, nullptr, "lockstep n 100");
+    run(37, c.batch, lockstep, nullptr, "lockstep n 37, state carried");
+    const int slot = c.batch - 1;
+    std::vector<int2> rows(50);
+    for (int t = 0; t < 50; ++t) rows[t] = make_int2(slot, t);
+    run(50, 1, {slot}, reinterpret_cast<const int2*>(Upload(rows)), "served from position 0");
+  }
+}
+
 // The fused decode kernel (GatedDeltaDecode) against the kernel chain it replaces (CausalConv
 // with SiLU, GatedDeltaGates, GatedDeltaFused, RmsNormGated) over three consecutive decode steps,
 // both starting from the same random conv and recurrent states and carrying them: lockstep

@@ -120,11 +120,18 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
       // Hybrids: the CPU prefill runs the chunked delta rule, the GPU's kernels the recurrent
       // one; against the CPU fed a token a step (the recurrent rule) every GPU value of
       // linear_attn is within 1e-5. Fed a token a step, linear_attn=fused_decode runs every
-      // position through its decode kernel.
+      // position through its decode kernel. linear_attn=chunked runs the 80-token prompt as
+      // three 32-token chunks on tensor cores (3xTF32): within 1e-4, fp32's bar.
       const auto cpu_recurrent = StepwiseLogits(**host, {{"device", "cpu"}}, prompt);
       const auto fused = AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused"}}, prompt);
       const auto decode =
           StepwiseLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused_decode"}}, prompt);
+      const auto chunked =
+          AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "chunked"}}, prompt);
+      const double chunked_vs_recurrent = RelMaxError(chunked, cpu_recurrent);
+      std::printf("# %s: linear_attn=chunked vs the CPU fed a token a step %.3g\n",
+                  entry.path().filename().c_str(), chunked_vs_recurrent);
+      EXPECT_LE(chunked_vs_recurrent, 1e-4) << dir;
       const double ref_vs_recurrent = RelMaxError(gpu, cpu_recurrent),
                    fused_vs_recurrent = RelMaxError(fused, cpu_recurrent),
                    decode_vs_recurrent = RelMaxError(decode, cpu_recurrent),
@@ -254,7 +261,10 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
         "device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
         "linear_attn=fused",
         "device=cuda,linear_attn=fused_decode",
-        "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused_decode"}) {
+        "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused_decode",
+        "device=cuda,linear_attn=chunked",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
+        "linear_attn=chunked"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
       SCOPED_TRACE(text + " " + load);
@@ -835,6 +845,9 @@ TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
         "device=cuda,linear_attn=fused_decode",
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
         "fused_decode",
+        "device=cuda,linear_attn=chunked",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
+        "chunked",
         "device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on,linear_attn=reference"}) {
     const TrialResult ok = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
     EXPECT_EQ(ok.status, TrialStatus::kOk) << config << ": " << ok.reason;
@@ -1073,6 +1086,35 @@ TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
     // The GEMVs are the same two a layer under both values (in_proj_qkv, z, b and a as one).
     EXPECT_EQ(LaunchesOf(d, "GemvKernel<"), LaunchesOf(f, "GemvKernel<")) << Listing(decode);
     EXPECT_EQ(total(f) - total(d), 3 * linear_layers) << Listing(fused) << Listing(decode);
+  }
+}
+
+// linear_attn=chunked on tiny-hybrid under graphs=on: the 16-token prompt's prefill runs the
+// linear-attention layers' delta rule as the chunked form's two passes and no recurrent kernel; decode steps run the decode kernel, as
+// linear_attn=fused_decode does.
+TEST(GpuProvenance, ChunkedRunsPrefillInTheChunkedForm) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
+  ASSERT_TRUE(model.ok()) << model.status();
+  int linear_layers = 0;
+  for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  ASSERT_GT(linear_layers, 0);
+  const TrialResult r = executor.Execute(
+      GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=chunked"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  for (const BatchFigures& b : r.batches) {
+    ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+    const PhaseKernels& prefill = *b.prefill_kernels;
+    const PhaseKernels& decode = *b.decode_kernels;
+    EXPECT_GT(LaunchesOf(prefill, "GatedDeltaChunkPrepareKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(prefill, "GatedDeltaChunkStateKernel<"),
+              LaunchesOf(prefill, "GatedDeltaChunkPrepareKernel"))
+        << Listing(b);
+    EXPECT_EQ(LaunchesOf(prefill, "GatedDeltaFusedKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaChunkPrepareKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaDecodeKernel"), linear_layers) << Listing(b);
   }
 }
 #endif

@@ -190,6 +190,22 @@ TEST(MemoryPlan, PrefillChunksAtTheEnginesStepRows) {
   EXPECT_EQ(Plan(Bf16Kv(), Preset("qwen3-30b-a3b"), QuantFormat::kNone, chunked).step_rows, 8192);
 }
 
+// linear_attn=chunked on qwen3-next (32 value heads, dk = dv = 128): its terms are
+// 2 x 128 + 128 + 1 = 385 floats a row and value head, at the step's rows; other values hold none.
+TEST(MemoryPlan, ChunkedDeltaRuleTermsAtTheStepRows) {
+  CudaOptions o = Bf16Kv();
+  o.linear_attn = LinearAttn::kChunked;
+  const MemoryPlan p = Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4));
+  EXPECT_EQ(p.step_rows, 4096);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms"),
+            int64_t{4096} * 32 * 385 * 4);
+  o.linear_attn = LinearAttn::kFusedDecode;
+  EXPECT_EQ(Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4))
+                .item_bytes(MemoryPool::kScratch,
+                            "linear attention runner: chunked delta rule terms"),
+            0);
+}
+
 // ---- Invariants over every preset, weight format and batch.
 TEST(MemoryPlan, EveryPresetAndFormat) {
   for (const std::string& name : PresetNames()) {

@@ -115,11 +115,14 @@ std::map<std::string, PlanCheck> PlanChecks() {
        [](const std::string& v, const CudaOptions& o) -> std::string {
          const LinearAttentionPlan p = PlanLinearAttention(o);
          const bool fused = p.delta_rule == DeltaRulePath::kFused;
-         if (v == "reference" && !fused && !p.silu_in_conv && !p.decode_fused) return "";
+         const bool chunked = p.delta_rule == DeltaRulePath::kChunked;
+         if (v == "reference" && !fused && !chunked && !p.silu_in_conv && !p.decode_fused)
+           return "";
          if (v == "fused" && fused && p.silu_in_conv && !p.decode_fused) return "";
          if (v == "fused_decode" && fused && p.silu_in_conv && p.decode_fused) return "";
-         return absl::StrCat("planned fused=", fused, ", silu in conv=", p.silu_in_conv,
-                             ", decode fused=", p.decode_fused);
+         if (v == "chunked" && chunked && p.silu_in_conv && p.decode_fused) return "";
+         return absl::StrCat("planned fused=", fused, ", chunked=", chunked,
+                             ", silu in conv=", p.silu_in_conv, ", decode fused=", p.decode_fused);
        }},
       {"qgemm",
        [](const std::string& v, const CudaOptions& o) -> std::string {
@@ -430,6 +433,34 @@ TEST(LinearAttentionPlan, FusedDecodeTakesDecodeRowsAndRefusesHeadsPastOneBlock)
               testing::ElementsAre(HasSubstr("key head dim 192 must be <= 128")));
   EXPECT_THAT(LinearAttentionRefusals(o, *PresetConfig("tiny-moe")),
               testing::ElementsAre(HasSubstr("the model has no linear-attention layers")));
+}
+
+// linear_attn=chunked: prefill sequences in the chunked form, decode rows in the decode kernel;
+// refused, naming both head dims, where a head is not whole 16-row MMA tiles up to 128, and
+// where the model has no linear-attention layers. The memory plan counts its terms.
+TEST(LinearAttentionPlan, ChunkedTakesPrefillAndRefusesHeadsOffItsTiles) {
+  const CudaOptions o = OptionsWith("linear_attn", "chunked");
+  const LinearAttentionPlan p = PlanLinearAttention(o);
+  EXPECT_EQ(p.delta_rule, DeltaRulePath::kChunked);
+  EXPECT_TRUE(p.decode_fused);
+  EXPECT_TRUE(p.silu_in_conv);
+  for (const char* preset :
+       {"tiny-hybrid", "tiny-hybrid-hd256", "qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+    const ModelConfig model = *PresetConfig(preset);
+    EXPECT_THAT(LinearAttentionRefusals(o, model), testing::IsEmpty()) << preset;
+  }
+  ModelConfig odd = *PresetConfig("tiny-hybrid");
+  odd.linear_value_head_dim = 40;  // the other values take it
+  EXPECT_THAT(LinearAttentionRefusals(o, odd),
+              testing::ElementsAre(testing::AllOf(
+                  HasSubstr("linear_attn=chunked runs its products in 16-row MMA tiles"),
+                  HasSubstr("key head dim 32 and value head dim 40 must be multiples of 16"))));
+  EXPECT_THAT(LinearAttentionRefusals(OptionsWith("linear_attn", "fused_decode"), odd),
+              testing::IsEmpty());
+  EXPECT_THAT(LinearAttentionRefusals(o, *PresetConfig("tiny-moe")),
+              testing::ElementsAre(HasSubstr("the model has no linear-attention layers")));
+  // 2 x 128 + 128 + 1 floats a row and value head.
+  EXPECT_EQ(cuda::GatedDeltaChunkedScratchFloats(4096, 32, 128, 128), int64_t{4096} * 32 * 385);
 }
 
 TEST(ModelLimits, EveryReasonIsReported) {

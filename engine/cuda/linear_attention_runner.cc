@@ -90,15 +90,32 @@ absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
                                           {&g_, r * heads},
                                           {&beta_, r * heads},
                                           {&out_, r * value}}));
+  if (PlanLinearAttention(options_).delta_rule == DeltaRulePath::kChunked)
+    RETURN_IF_ERROR(chunk_terms_.Allocate(cuda::GatedDeltaChunkedScratchFloats(
+        rows, config_.linear_num_value_heads, config_.linear_key_head_dim,
+        config_.linear_value_head_dim)));
   RETURN_IF_ERROR(arrivals_.Allocate(r * key_heads));
   CUDA_OR_DIE(cudaMemsetAsync(arrivals_.get(), 0, r * key_heads * sizeof(unsigned), stream_));
   return absl::OkStatus();
 }
 
 void LinearAttentionRunner::FreeScratch() {
-  for (DeviceBuffer<float>* b : {&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_})
+  for (DeviceBuffer<float>* b :
+       {&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_, &chunk_terms_})
     b->reset();
   arrivals_.reset();
+}
+
+cuda::GatedDeltaChunkScratch LinearAttentionRunner::ChunkTerms(int rows) const {
+  const int64_t key = static_cast<int64_t>(rows) * config_.linear_num_value_heads *
+                      config_.linear_key_head_dim;
+  cuda::GatedDeltaChunkScratch terms;
+  terms.w = chunk_terms_.get();
+  terms.q = terms.w + key;
+  terms.u = terms.q + key;
+  terms.g = terms.u + static_cast<int64_t>(rows) * config_.linear_num_value_heads *
+                          config_.linear_value_head_dim;
+  return terms;
 }
 
 absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out,
@@ -203,6 +220,13 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
       const float* beta = beta_.get() + at * heads;
       float* o = out_.get() + at * value_dim;
       switch (plan.delta_rule) {
+        case DeltaRulePath::kChunked:
+          if (s.shape.n >= cuda::kGatedDeltaChunkedMinTokens) {
+            cuda::GatedDeltaChunked(mixed, g, beta, s.shape, ChunkTerms(s.shape.rows()),
+                                    recurrent_state, o, stream_);
+            break;
+          }
+          [[fallthrough]];
         case DeltaRulePath::kFused:
           cuda::GatedDeltaFused(mixed, g, beta, s.shape, recurrent_state, o, stream_);
           break;

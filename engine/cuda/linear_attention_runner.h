@@ -12,6 +12,7 @@
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
+#include "kernels/cuda/gated_delta.h"
 
 namespace infersweep {
 
@@ -43,6 +44,8 @@ class LinearAttentionRunner {
                    const RaggedRows* ragged = nullptr);
 
  private:
+  // chunk_terms_ laid out for a launch of `rows` rows.
+  cuda::GatedDeltaChunkScratch ChunkTerms(int rows) const;
   const ModelConfig& config_;
   const ModelWeights& w_;
   const CudaOptions& options_;
@@ -60,6 +63,8 @@ class LinearAttentionRunner {
   DeviceBuffer<float> z_;                // [rows, Hv * dv]
   DeviceBuffer<float> a_, b_, g_, beta_;  // [rows, Hv]
   DeviceBuffer<float> out_;               // [rows, Hv * dv]
+  // linear_attn=chunked: the chunked form's terms (cuda::GatedDeltaChunkScratch), for `rows`.
+  DeviceBuffer<float> chunk_terms_;
   // [rows, Hk]: GatedDeltaDecode's key-head arrival counts, zeroed once; each launch leaves them
   // zero.
   DeviceBuffer<unsigned> arrivals_;

@@ -14,6 +14,8 @@ LinearAttentionPlan PlanLinearAttention(const CudaOptions& o) {
       return {DeltaRulePath::kFused, /*silu_in_conv=*/true};
     case LinearAttn::kFusedDecode:
       return {DeltaRulePath::kFused, /*silu_in_conv=*/true, /*decode_fused=*/true};
+    case LinearAttn::kChunked:
+      return {DeltaRulePath::kChunked, /*silu_in_conv=*/true, /*decode_fused=*/true};
   }
   Unreachable("PlanLinearAttention: a value outside LinearAttn");
 }
@@ -25,6 +27,7 @@ std::vector<std::string> LinearAttentionRefusals(const CudaOptions& o, const Mod
     case DeltaRulePath::kReference:
       break;
     case DeltaRulePath::kFused:
+    case DeltaRulePath::kChunked:
       if (!c.has_linear_attention())
         why.push_back(absl::StrCat("linear_attn=", AxisValueName(o.linear_attn),
                                    ": the model has no linear-attention layers (linear_attn="
@@ -35,6 +38,13 @@ std::vector<std::string> LinearAttentionRefusals(const CudaOptions& o, const Mod
             cuda::kGatedDeltaLanesPerColumn, " lanes' registers: key head dim ",
             c.linear_key_head_dim, " must be a multiple of ", cuda::kGatedDeltaLanesPerColumn,
             " and <= ", cuda::kGatedDeltaLanesPerColumn * cuda::kGatedDeltaMaxRowsPerLane));
+      if (plan.delta_rule == DeltaRulePath::kChunked && c.has_linear_attention() &&
+          !cuda::GatedDeltaChunkedSupports(c.linear_key_head_dim, c.linear_value_head_dim))
+        why.push_back(absl::StrCat(
+            "linear_attn=", AxisValueName(o.linear_attn), " runs its products in 16-row MMA "
+            "tiles: key head dim ", c.linear_key_head_dim, " and value head dim ",
+            c.linear_value_head_dim, " must be multiples of 16 and <= ",
+            cuda::kGatedDeltaChunkedMaxHeadDim));
       break;
   }
   if (plan.decode_fused && c.has_linear_attention() &&

@@ -15,6 +15,9 @@ namespace infersweep {
 enum class DeltaRulePath {
   kReference,  // one thread a state column, token by token: the reference
   kFused,      // a state column in registers over 8 lanes, gates and decay applied in place
+  // Sequences of kGatedDeltaChunkedMinTokens+ rows in the chunked form on tensor cores, shorter
+  // ones as kFused.
+  kChunked,
 };
 
 struct LinearAttentionPlan {

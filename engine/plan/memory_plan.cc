@@ -12,6 +12,7 @@
 #include "core/tensor_ref.h"
 #include "engine/plan/attention_plan.h"
 #include "engine/plan/collective_plan.h"
+#include "engine/plan/linear_attention_plan.h"
 #include "engine/plan/moe_plan.h"
 #include "engine/tensor_spec.h"
 #include "kernels/cuda/limits.h"
@@ -351,6 +352,14 @@ class Planner {
                    4 * int64_t{c_.linear_num_value_heads}) *
                   kFloat +
               r * c_.linear_num_key_heads * kInt);
+    // linear_attn=chunked: the chunked form's terms for every row.
+    if (c_.has_linear_attention() &&
+        PlanLinearAttention(o_).delta_rule == DeltaRulePath::kChunked)
+      Add(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms",
+          cuda::GatedDeltaChunkedScratchFloats(r, c_.linear_num_value_heads,
+                                               c_.linear_key_head_dim,
+                                               c_.linear_value_head_dim) *
+              kFloat);
     // MoeRunner (allocated for dense models too): router logits, pair weights, h, out, in,
     // route weights (fp32); ids, route index, positions, offsets (int); bf16 xn and h.
     const int64_t experts = std::max(c_.num_experts, 1),

@@ -99,11 +99,12 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
         break;
     }
   } else if (axis == "linear_attn") {
-    // The delta-rule kernels and the decode kernel live beside kRmsNorm in the sm_90 image every
-    // config loads.
+    // The delta-rule kernels, the chunked form's and the decode kernel live beside kRmsNorm in
+    // the sm_90 image every config loads.
     switch (PlanLinearAttention(o).delta_rule) {
       case DeltaRulePath::kReference:
       case DeltaRulePath::kFused:
+      case DeltaRulePath::kChunked:
         break;
     }
   } else if (axis == "test_kernel") {

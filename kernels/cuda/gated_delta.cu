@@ -1,5 +1,5 @@
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gated_delta.cuh"
 
 namespace infersweep::cuda {
 namespace {
@@ -7,17 +7,6 @@ namespace {
 constexpr int kMaxConvTaps = 8;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// Sequence seq's state slot (GatedDeltaShape::ragged), and whether it starts from zero states.
-struct SequenceState {
-  int slot;
-  bool fresh;
-};
-__device__ __forceinline__ SequenceState StateOf(const int2* ragged, int seq, int n) {
-  if (ragged == nullptr) return {seq, false};
-  const int2 first = ragged[static_cast<int64_t>(seq) * n];
-  return {first.x, first.y == 0};
-}
 
 // grid (ceil(channels / 256), batch), a thread a channel of one sequence.
 template <bool kSilu>

@@ -65,6 +65,32 @@ void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
 void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
                      const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream);
 
+// The chunked form's per-row terms, written by its first pass and read by its second (fp32,
+// GatedDeltaChunkedScratchFloats(rows, ...) floats in all).
+struct GatedDeltaChunkScratch {
+  float* w = nullptr;  // [rows, Hv, dk]: T (beta e^G k), what a row's update takes from the state
+  float* q = nullptr;  // [rows, Hv, dk]: e^G q - P W, what its output takes from the state
+  float* u = nullptr;  // [rows, Hv, dv]: T (beta v)
+  float* g = nullptr;  // [rows, Hv]: G, the cumulative log decay within the row's chunk
+};
+
+// The gated delta rule over each sequence's n tokens as GatedDeltaFused computes it, in the
+// chunked form (kernels/cpu/gated_delta.h's GatedDeltaChunked), kGatedDeltaChunk tokens a chunk,
+// its products on tensor cores as 3xTF32 (fp32-class); GatedDeltaChunkedSupports(dk, dv).
+//   Pass 1, grid (chunks, batch * Hv): per chunk and value head, A = beta_t e^(G_t - G_s)
+//     k_t.k_s and P = e^(G_t - G_s) q_t.k_s on MMAs, T = (I + A)^-1 by forward substitution, then
+//     W, U, Qeff = e^G Q - P W and G into `scratch`, and the chunk's own output P U into `out`.
+//   Pass 2, grid (batch * Hv, dv / 32 or 16): the state's columns in shared memory through the
+//     sequence's chunks in order: D = U - W S, out += Qeff S, S = e^(G_last) S +
+//     (e^(G_last - G) K)^T D.
+// Napkin math, qwen3-next on an H200, a 4096-token prompt, one layer (Hv 32, dk = dv = 128):
+// pass 1 runs 4096 blocks of 0.8 M multiply-adds (x3 for the TF32 split): 20 GFLOP, ~0.1 ms at
+// a third of the TF32 rate, and writes 200 MB of terms; pass 2 streams them back from L2/DRAM
+// (~50 us) while 128 blocks walk 128 chunks each, ~1-2 us a chunk: 0.15-0.25 ms.
+void GatedDeltaChunked(const float* mixed, const float* g, const float* beta,
+                       const GatedDeltaShape& s, const GatedDeltaChunkScratch& scratch,
+                       float* state, float* out, cudaStream_t stream);
+
 // The weights and buffers of GatedDeltaDecode. Row b of the launch is sequence b (one token).
 struct GatedDeltaDecodeOperands {
   const float* projected = nullptr;  // [batch, conv_channels]: in_proj_qkv's output, pre-conv

@@ -158,5 +158,19 @@ constexpr bool GatedDeltaDecodeSupports(int key_dim, int value_dim) {
          value_dim <= kGatedDeltaDecodeMaxColumns;
 }
 constexpr int kCausalConvMaxTaps = 8;
+// The chunked form (gated_delta_chunked.cu): chunks of 32 tokens, a warp's lanes; head sizes in
+// whole 16-row MMA tiles up to 128, which keeps its two passes' shared memory under 80 KB.
+// Sequences of kGatedDeltaChunkedMinTokens+ rows take it, shorter ones the recurrent kernel.
+constexpr int kGatedDeltaChunk = 32;
+constexpr int kGatedDeltaChunkedMaxHeadDim = 128;
+constexpr int kGatedDeltaChunkedMinTokens = 16;
+constexpr bool GatedDeltaChunkedSupports(int key_dim, int value_dim) {
+  return key_dim > 0 && value_dim > 0 && key_dim % 16 == 0 && value_dim % 16 == 0 &&
+         key_dim <= kGatedDeltaChunkedMaxHeadDim && value_dim <= kGatedDeltaChunkedMaxHeadDim;
+}
+constexpr int64_t GatedDeltaChunkedScratchFloats(int64_t rows, int value_heads, int key_dim,
+                                                 int value_dim) {
+  return rows * value_heads * (2 * int64_t{key_dim} + value_dim + 1);
+}
 
 }  // namespace infersweep::cuda
