@@ -1,9 +1,10 @@
 #include "agent/inventory.h"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -17,6 +18,8 @@
 #include "engine/backends.h"
 #include "engine/rank_context.h"
 #include "harness/executor.h"
+#include "harness/gpu_sampler.h"
+#include "harness/nvml_library.h"
 
 namespace infersweep {
 
@@ -101,73 +104,79 @@ absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text_in) {
   return gpu;
 }
 
-std::vector<GpuInfo> DetectGpus() {
-  // TODO(nvml): nvmlInit_v2, nvmlDeviceGetCount_v2, then per device the name, the CUDA compute
-  // capability (major*10+minor), nvmlDeviceGetMemoryInfo and the driver version. Until then the
-  // engine's probe describes the first GPU and every GPU is assumed to be the same.
-  const LocalDevices devices = ProbeLocalDevices();
+std::vector<GpuInfo> GpusOf(const LocalDevices& devices, const std::string& driver_version,
+                            int slots) {
   std::vector<GpuInfo> gpus;
-  // TEST ONLY: where INFERSWEEP_RANK_DEVICES places more ranks than this host has GPUs ("0,0"),
-  // the agent offers that many GPU slots, so that a tp trial is leased here and its ranks share
-  // the GPUs the map names (engine/rank_context.h).
-  const int slots = std::max(devices.gpu_count, TestRankDeviceCount(devices.gpu_count));
-  for (int i = 0; i < slots; ++i) {
+  if (devices.gpus.empty()) return gpus;
+  for (int i = 0; i < std::max(slots, static_cast<int>(devices.gpus.size())); ++i) {
+    const LocalGpu& d = devices.gpus[i < static_cast<int>(devices.gpus.size()) ? i : 0];
     GpuInfo g;
     g.index = i;
-    g.name = devices.gpu_name.empty() ? "GPU" : devices.gpu_name;
-    g.sm = devices.sm;
-    g.memory_bytes = devices.gpu_memory_bytes;
+    g.name = d.name.empty() ? "GPU" : d.name;
+    g.sm = d.sm;
+    g.memory_bytes = d.memory_bytes;
+    g.pci_bus_id = d.pci_bus_id;
+    g.driver_version = driver_version;
+    g.cuda_version = devices.cuda_driver_version;
     gpus.push_back(std::move(g));
   }
   return gpus;
 }
 
-void FakeTopology(std::vector<GpuInfo>& gpus) {
-  auto peer = [](const GpuInfo& g) {
-    return g.test_fake_link == "nvlink" || g.test_fake_link == "p2p";
-  };
-  for (GpuInfo& a : gpus)
+std::vector<GpuInfo> DetectGpus() {
+  const LocalDevices devices = ProbeLocalDevices();
+  // TEST ONLY: where INFERSWEEP_RANK_DEVICES places more ranks than this host has GPUs ("0,0"),
+  // the agent offers that many GPU slots, so that a tp trial is leased here and its ranks share
+  // the GPUs the map names (engine/rank_context.h).
+  return GpusOf(devices, NvidiaDriverVersion(),
+                std::max(devices.gpu_count, TestRankDeviceCount(devices.gpu_count)));
+}
+
+void SetTopology(std::vector<GpuInfo>& gpus,
+                 const std::function<PeerLink(const GpuInfo& a, const GpuInfo& b)>& link) {
+  for (GpuInfo& a : gpus) {
+    a.p2p_peers.clear();
+    a.nvlink_peers.clear();
     for (const GpuInfo& b : gpus) {
-      if (a.index == b.index) continue;
-      if (peer(a) && peer(b)) a.p2p_peers.push_back(b.index);
-      if (a.test_fake_link == "nvlink" && b.test_fake_link == "nvlink")
-        a.nvlink_peers.push_back(b.index);
+      if (a.index == b.index || (!a.pci_bus_id.empty() && a.pci_bus_id == b.pci_bus_id)) continue;
+      const PeerLink l = link(a, b);
+      if (l.p2p) a.p2p_peers.push_back(b.index);
+      if (l.nvlink) a.nvlink_peers.push_back(b.index);
     }
+  }
+}
+
+void FakeTopology(std::vector<GpuInfo>& gpus) {
+  SetTopology(gpus, [](const GpuInfo& a, const GpuInfo& b) {
+    auto peer = [](const GpuInfo& g) {
+      return g.test_fake_link == "nvlink" || g.test_fake_link == "p2p";
+    };
+    return PeerLink{peer(a) && peer(b),
+                    a.test_fake_link == "nvlink" && b.test_fake_link == "nvlink"};
+  });
 }
 
 void DetectTopology(std::vector<GpuInfo>& gpus) {
   if (gpus.size() < 2) return;
-  void* nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (nvml == nullptr) return;
-  // nvml.h's signatures, spelled with plain types: nvmlReturn_t is int (0 = success),
-  // nvmlDevice_t an opaque pointer, nvmlGpuP2PStatus_t an int (0 = OK).
-  using Init = int (*)();
-  using Shutdown = int (*)();
-  using GetHandle = int (*)(unsigned int, void**);
-  using GetP2PStatus = int (*)(void*, void*, int, int*);
-  constexpr int kP2PCapsRead = 0, kP2PCapsNvlink = 2, kP2PStatusOk = 0;
-  auto init = reinterpret_cast<Init>(dlsym(nvml, "nvmlInit_v2"));
-  auto shutdown = reinterpret_cast<Shutdown>(dlsym(nvml, "nvmlShutdown"));
-  auto get_handle = reinterpret_cast<GetHandle>(dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2"));
-  auto get_p2p = reinterpret_cast<GetP2PStatus>(dlsym(nvml, "nvmlDeviceGetP2PStatus"));
-  if (init != nullptr && shutdown != nullptr && get_handle != nullptr && get_p2p != nullptr &&
-      init() == 0) {
-    std::vector<void*> handles(gpus.size(), nullptr);
-    bool all = true;
-    for (size_t i = 0; i < gpus.size(); ++i)
-      all = all && get_handle(static_cast<unsigned int>(i), &handles[i]) == 0;
-    for (size_t i = 0; all && i < gpus.size(); ++i)
-      for (size_t j = 0; j < gpus.size(); ++j) {
-        if (i == j) continue;
-        int status = -1;
-        if (get_p2p(handles[i], handles[j], kP2PCapsRead, &status) == 0 && status == kP2PStatusOk)
-          gpus[i].p2p_peers.push_back(static_cast<int>(j));
-        if (get_p2p(handles[i], handles[j], kP2PCapsNvlink, &status) == 0 && status == kP2PStatusOk)
-          gpus[i].nvlink_peers.push_back(static_cast<int>(j));
-      }
-    shutdown();
+  for (const GpuInfo& g : gpus)
+    if (g.pci_bus_id.empty()) return;
+  std::unique_ptr<NvmlLibrary> nvml = NvmlLibrary::Open();
+  if (!nvml || nvml->get_p2p_status == nullptr) return;
+  std::map<std::string, nvml::Device> handles;
+  for (const GpuInfo& g : gpus) {
+    nvml::Device device = nullptr;
+    if (nvml->get_handle_by_pci(g.pci_bus_id.c_str(), &device) != nvml::kSuccess) return;
+    handles[g.pci_bus_id] = device;
   }
-  dlclose(nvml);
+  SetTopology(gpus, [&](const GpuInfo& a, const GpuInfo& b) {
+    auto reaches = [&](int caps) {
+      int status = -1;
+      return nvml->get_p2p_status(handles[a.pci_bus_id], handles[b.pci_bus_id], caps, &status) ==
+                 nvml::kSuccess &&
+             status == nvml::kP2PStatusOk;
+    };
+    return PeerLink{reaches(nvml::kP2PCapsRead), reaches(nvml::kP2PCapsNvlink)};
+  });
 }
 
 std::string HostName() {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -10,13 +11,16 @@
 
 namespace infersweep {
 
+struct LocalDevices;  // engine/backends.h
+
 struct GpuInfo {
   int index = 0;
   std::string name;
   int sm = 0;  // 90 for sm_90
   int64_t memory_bytes = 0;
-  std::string driver_version;
-  std::string cuda_version;
+  std::string driver_version;  // the NVIDIA driver's ("580.65.06"), from NVML
+  std::string cuda_version;    // the CUDA version the driver supports ("13.0")
+  std::string pci_bus_id;      // "0000:3b:00.0"; empty for fake GPUs
   bool test_fake = false;  // labelled with --test-fake-gpu: a CPU pretending, for tests only
   // The indices of the GPUs this one reaches by peer access (P2P), and of those linked to it by
   // NVLink; empty where unknown.
@@ -45,15 +49,33 @@ absl::StatusOr<int> ParseSmArch(std::string_view text, bool allow_cpu = true);
 // fake GPUs with nvlink reach each other by NVLink, those with nvlink or p2p by peer access.
 absl::StatusOr<GpuInfo> ParseFakeGpu(std::string_view text);
 
-// The GPUs of this machine, from the engine's device probe (engine/backends.h): none in a build
-// without CUDA. NVML (driver version, per-GPU names) is not wired in yet.
+// A slot per CUDA device of `devices`, in CUDA's numbering (the one CUDA_VISIBLE_DEVICES gives
+// the agent's workers), each with its own name, SM, memory and PCI bus id, so a host of mixed
+// GPUs offers each as what it is; `driver_version` (NVML's) and the CUDA version on each.
+// TEST ONLY: `slots` past the device count (INFERSWEEP_RANK_DEVICES placing several ranks on one
+// GPU) are copies of GPU 0.
+std::vector<GpuInfo> GpusOf(const LocalDevices& devices, const std::string& driver_version,
+                            int slots);
+
+// The GPUs of this machine: GpusOf the engine's device probe (engine/backends.h) and NVML's
+// driver version; none in a build without CUDA.
 std::vector<GpuInfo> DetectGpus();
 
 std::string HostName();
 
-// Fills each GPU's p2p_peers and nvlink_peers from NVML (libnvidia-ml through dlopen), pairs
-// in NVML's device order, which is the PCI bus order the slots follow when CUDA_DEVICE_ORDER is
-// PCI_BUS_ID; leaves them empty where NVML is absent or does not answer.
+// How GPU a reaches GPU b.
+struct PeerLink {
+  bool p2p = false;     // peer access
+  bool nvlink = false;  // over NVLink
+};
+// Sets each GPU's p2p_peers and nvlink_peers from `link`, over every ordered pair of slots that
+// are different GPUs (slots sharing a PCI bus id, TEST ONLY copies, are no peers of each other).
+void SetTopology(std::vector<GpuInfo>& gpus,
+                 const std::function<PeerLink(const GpuInfo& a, const GpuInfo& b)>& link);
+
+// SetTopology from NVML (libnvidia-ml through dlopen), each slot found by its PCI bus id, so
+// CUDA's numbering need not be NVML's; leaves the peers empty where NVML is absent, does not
+// answer, or a slot has no bus id.
 void DetectTopology(std::vector<GpuInfo>& gpus);
 
 // Fake GPUs' peers from their link kinds (TEST ONLY).

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "api/backend_config.h"
@@ -14,7 +15,16 @@
 
 namespace infersweep {
 
-// What this process can offer: whether CUDA backends were compiled in, and the first GPU.
+// One CUDA device, as this process numbers it (CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER apply).
+struct LocalGpu {
+  std::string name;
+  int sm = 0;
+  int64_t memory_bytes = 0;
+  std::string pci_bus_id;  // "0000:3b:00.0": the device in NVML, whatever CUDA's numbering
+};
+
+// What this process can offer: whether CUDA backends were compiled in, its GPUs, and the first
+// GPU's facts on their own (what a trial's worker, which sees its slot's GPUs alone, runs on).
 struct LocalDevices {
   bool has_cuda_build = false;
   int gpu_count = 0;
@@ -22,6 +32,7 @@ struct LocalDevices {
   std::string gpu_name;
   int64_t gpu_memory_bytes = 0;
   std::string gpu_pci_bus_id;  // of CUDA device 0, e.g. "0000:3b:00.0" (finds it in NVML)
+  std::vector<LocalGpu> gpus;  // every CUDA device, by ordinal (gpus[0] is the fields above)
   // The libraries this build runs on, as they report their versions ("13.0", "13.0.0"); empty
   // without CUDA. The NVIDIA driver's own version comes from NVML (harness/gpu_sampler.h).
   std::string cuda_driver_version;  // the CUDA version the driver supports

@@ -1,86 +1,8 @@
 #include "harness/gpu_sampler.h"
 
-#include <dlfcn.h>
+#include "harness/nvml_library.h"
 
 namespace infersweep {
-namespace {
-
-// The few NVML types used here, as the NVML API reference defines them (nvml.h is not part of
-// every CUDA toolkit install, and this file must build without one).
-namespace nvml {
-using Return = int;  // nvmlReturn_t
-constexpr Return kSuccess = 0;
-using Device = struct DeviceOpaque*;  // nvmlDevice_t
-struct Utilization {                  // nvmlUtilization_t
-  unsigned int gpu;
-  unsigned int memory;
-};
-struct Memory {  // nvmlMemory_t
-  unsigned long long total;
-  unsigned long long free;
-  unsigned long long used;
-};
-constexpr int kTemperatureGpu = 0;     // NVML_TEMPERATURE_GPU
-constexpr unsigned kNameBufferSize = 96;  // NVML_DEVICE_NAME_V2_BUFFER_SIZE
-constexpr unsigned kSystemDriverVersionBufferSize = 80;  // NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
-}  // namespace nvml
-
-// libnvidia-ml.so.1 through dlopen: only the functions below, resolved once, initialised for the
-// object's lifetime (NVML counts nvmlInit/nvmlShutdown pairs, so several objects may coexist).
-class NvmlLibrary {
- public:
-  static std::unique_ptr<NvmlLibrary> Open() {
-    void* handle = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) return nullptr;
-    auto lib = std::unique_ptr<NvmlLibrary>(new NvmlLibrary(handle));
-    if (!lib->Resolve() || lib->init() != nvml::kSuccess) return nullptr;
-    lib->initialised_ = true;
-    return lib;
-  }
-  ~NvmlLibrary() {
-    if (initialised_) shutdown();
-    dlclose(handle_);
-  }
-
-  nvml::Return (*init)() = nullptr;
-  nvml::Return (*shutdown)() = nullptr;
-  nvml::Return (*get_count)(unsigned int*) = nullptr;
-  nvml::Return (*get_handle)(unsigned int, nvml::Device*) = nullptr;
-  nvml::Return (*get_handle_by_pci)(const char*, nvml::Device*) = nullptr;
-  nvml::Return (*get_name)(nvml::Device, char*, unsigned int) = nullptr;
-  nvml::Return (*get_power)(nvml::Device, unsigned int*) = nullptr;
-  nvml::Return (*get_energy)(nvml::Device, unsigned long long*) = nullptr;
-  nvml::Return (*get_util)(nvml::Device, nvml::Utilization*) = nullptr;
-  nvml::Return (*get_memory)(nvml::Device, nvml::Memory*) = nullptr;
-  nvml::Return (*get_temp)(nvml::Device, int, unsigned int*) = nullptr;
-  // Optional: resolved when present, not required to open.
-  nvml::Return (*get_driver_version)(char*, unsigned int) = nullptr;
-
- private:
-  explicit NvmlLibrary(void* handle) : handle_(handle) {}
-  template <typename F>
-  bool Load(F& fn, const char* symbol) {
-    fn = reinterpret_cast<F>(dlsym(handle_, symbol));
-    return fn != nullptr;
-  }
-  bool Resolve() {
-    Load(get_driver_version, "nvmlSystemGetDriverVersion");
-    return Load(init, "nvmlInit_v2") && Load(shutdown, "nvmlShutdown") &&
-           Load(get_count, "nvmlDeviceGetCount_v2") &&
-           Load(get_handle, "nvmlDeviceGetHandleByIndex_v2") &&
-           Load(get_handle_by_pci, "nvmlDeviceGetHandleByPciBusId_v2") &&
-           Load(get_name, "nvmlDeviceGetName") && Load(get_power, "nvmlDeviceGetPowerUsage") &&
-           Load(get_energy, "nvmlDeviceGetTotalEnergyConsumption") &&
-           Load(get_util, "nvmlDeviceGetUtilizationRates") &&
-           Load(get_memory, "nvmlDeviceGetMemoryInfo") &&
-           Load(get_temp, "nvmlDeviceGetTemperature");
-  }
-
-  void* handle_;
-  bool initialised_ = false;
-};
-
-}  // namespace
 
 std::string NvidiaDriverVersion() {
   std::unique_ptr<NvmlLibrary> lib = NvmlLibrary::Open();

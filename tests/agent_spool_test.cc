@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "agent/inventory.h"
 #include "agent/spool.h"
+#include "engine/backends.h"
 
 namespace infersweep {
 namespace {
@@ -215,6 +216,61 @@ TEST(InventoryTest, FakeGpuTopology) {
   EXPECT_TRUE(gpus[2].nvlink_peers.empty());
   EXPECT_TRUE(gpus[3].p2p_peers.empty());
   EXPECT_TRUE(gpus[4].p2p_peers.empty());
+}
+
+
+// A host of mixed GPUs offers each as what it is: a slot per CUDA device with that device's name,
+// SM, memory and PCI bus id, the driver's versions on each; TEST ONLY slots past the devices
+// (a rank device map sharing GPUs) copy GPU 0; no devices, no slots.
+TEST(InventoryTest, EachGpuIsOfferedAsWhatItIs) {
+  LocalDevices devices;
+  devices.has_cuda_build = true;
+  devices.cuda_driver_version = "13.0";
+  devices.gpus = {{"NVIDIA H200", 90, int64_t{141} << 30, "00000000:19:00.0"},
+                  {"NVIDIA L40S", 89, int64_t{48} << 30, "00000000:3B:00.0"}};
+  std::vector<GpuInfo> gpus = GpusOf(devices, "580.95.05", 2);
+  ASSERT_EQ(gpus.size(), 2u);
+  EXPECT_EQ(gpus[0].name, "NVIDIA H200");
+  EXPECT_EQ(gpus[0].sm, 90);
+  EXPECT_EQ(gpus[0].memory_bytes, int64_t{141} << 30);
+  EXPECT_EQ(gpus[1].index, 1);
+  EXPECT_EQ(gpus[1].name, "NVIDIA L40S");
+  EXPECT_EQ(gpus[1].sm, 89);
+  EXPECT_EQ(gpus[1].memory_bytes, int64_t{48} << 30);
+  EXPECT_EQ(gpus[1].pci_bus_id, "00000000:3B:00.0");
+  for (const GpuInfo& g : gpus) {
+    EXPECT_EQ(g.driver_version, "580.95.05");
+    EXPECT_EQ(g.cuda_version, "13.0");
+    EXPECT_FALSE(g.test_fake);
+  }
+  gpus = GpusOf(devices, "580.95.05", 3);
+  ASSERT_EQ(gpus.size(), 3u);
+  EXPECT_EQ(gpus[2].index, 2);
+  EXPECT_EQ(gpus[2].name, "NVIDIA H200");
+  EXPECT_EQ(gpus[2].pci_bus_id, gpus[0].pci_bus_id);
+  EXPECT_TRUE(GpusOf(LocalDevices{}, "580.95.05", 2).empty());
+}
+
+// Peers are set over every ordered pair of different GPUs: slots that share a PCI bus id (one
+// GPU offered twice under a rank device map) are no peers of each other.
+TEST(InventoryTest, TopologyPairsDifferentGpusOnly) {
+  std::vector<GpuInfo> gpus(3);
+  for (int i = 0; i < 3; ++i) gpus[i].index = i;
+  gpus[0].pci_bus_id = gpus[2].pci_bus_id = "00000000:19:00.0";
+  gpus[1].pci_bus_id = "00000000:3B:00.0";
+  std::vector<std::pair<int, int>> asked;
+  SetTopology(gpus, [&](const GpuInfo& a, const GpuInfo& b) {
+    asked.emplace_back(a.index, b.index);
+    return PeerLink{true, a.index + b.index == 1};
+  });
+  EXPECT_THAT(asked, testing::UnorderedElementsAre(std::pair{0, 1}, std::pair{1, 0},
+                                                   std::pair{1, 2}, std::pair{2, 1}));
+  EXPECT_EQ(gpus[0].p2p_peers, (std::vector<int>{1}));
+  EXPECT_EQ(gpus[0].nvlink_peers, (std::vector<int>{1}));
+  EXPECT_EQ(gpus[1].p2p_peers, (std::vector<int>{0, 2}));
+  EXPECT_EQ(gpus[1].nvlink_peers, (std::vector<int>{0}));
+  EXPECT_EQ(gpus[2].p2p_peers, (std::vector<int>{1}));
+  EXPECT_TRUE(gpus[2].nvlink_peers.empty());
 }
 
 }  // namespace

@@ -171,7 +171,9 @@ TEST_F(BestMemoryVerdicts, BestNamesTheConfigsThatDoNotFitPerGpu) {
                                    flash + " @ NVIDIA H100 80GB HBM3 64 OUT_OF_MEMORY"));
   for (const v1::MemoryVerdictRow& m : at64.does_not_fit()) {
     EXPECT_EQ(m.sweep_id(), sweep_);
-    if (m.config() == naive) EXPECT_EQ(m.reason(), "needs 260.00 GiB on the device (...)");
+    if (m.config() == naive) {
+      EXPECT_EQ(m.reason(), "needs 260.00 GiB on the device (...)");
+    }
   }
   // At batch 1 only naive does not fit.
   EXPECT_THAT(Named(Best(1)), UnorderedElementsAre(naive + " @ NVIDIA H200 1 DOES_NOT_FIT"));

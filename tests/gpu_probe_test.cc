@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "agent/inventory.h"
 #include "api/serve_spec.h"
 #include "engine/backends.h"
 #include "engine/capability_probe.h"
 #include "engine/cudnn_loader.h"
 #include "harness/executor.h"
+#include "harness/gpu_sampler.h"
 #include "harness/runner.h"
 #include "harness/serving.h"
 #include "tests/gpu_trial.h"
@@ -123,6 +125,30 @@ TEST(GpuProbe, CudnnLoadsAtRunTime) {
 #ifdef INFERSWEEP_HAVE_CUDA  // the version a CUDA build's trials record (TrialResult.software)
   EXPECT_EQ(ProbeLocalDevices().cudnn_version, CudnnVersionText((*cudnn)->version));
 #endif
+}
+
+// The agent offers each GPU as the CUDA runtime describes it, with NVML's driver version, the
+// CUDA version the driver supports and its PCI bus id (agent/inventory.h).
+TEST(GpuProbe, TheAgentOffersEachGpuAsTheRuntimeDescribesIt) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  const std::vector<GpuInfo> gpus = DetectGpus();
+  ASSERT_GE(gpus.size(), static_cast<size_t>(devices.gpu_count));
+  ASSERT_EQ(devices.gpus.size(), static_cast<size_t>(devices.gpu_count));
+  for (int i = 0; i < devices.gpu_count; ++i) {
+    const GpuInfo& g = gpus[i];
+    std::cout << "# GPU " << i << ": " << g.name << " sm_" << g.sm << " "
+              << g.memory_bytes / (1 << 20) << " MiB bus " << g.pci_bus_id << " driver "
+              << g.driver_version << " CUDA " << g.cuda_version << std::endl;
+    EXPECT_EQ(g.index, i);
+    EXPECT_EQ(g.name, devices.gpus[i].name);
+    EXPECT_EQ(g.sm, devices.gpus[i].sm);
+    EXPECT_EQ(g.memory_bytes, devices.gpus[i].memory_bytes);
+    EXPECT_FALSE(g.pci_bus_id.empty());
+    EXPECT_EQ(g.driver_version, NvidiaDriverVersion());
+    EXPECT_FALSE(g.driver_version.empty());
+    EXPECT_EQ(g.cuda_version, devices.cuda_driver_version);
+  }
 }
 
 // attention=cudnn, judged by the harness against the reference: OK eagerly and with its decode

@@ -292,8 +292,9 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
                                                    *ParseFaultInjection("state-slot-swap:0"));
     ASSERT_EQ(swapped.status, TrialStatus::kOk) << swapped.reason;
     ASSERT_EQ(swapped.points.size(), 2u);
-    if (text == "device=cuda")
+    if (text == "device=cuda") {
       EXPECT_EQ(swapped.points[0].verdict, TrialStatus::kOk) << swapped.points[0].mismatch;
+    }
     EXPECT_EQ(swapped.points[1].verdict, TrialStatus::kIncorrect);
     EXPECT_LT(swapped.points[1].requests_matching, swapped.points[1].requests_checked);
   }

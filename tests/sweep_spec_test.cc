@@ -707,14 +707,19 @@ TEST(SweepSpecRealRegistryTest, TheHuntIsRefusedOnlyForHardwareAndDesignLimits) 
       const bool scaled_experts = config->at("qgemm") == "cudnn" && config->at("moe") != "loop";
       EXPECT_TRUE(fp4_cores || host_routing || scaled_experts)
           << name << " " << text << ": " << verdict.reason;
-      if (scaled_experts)
+      if (scaled_experts) {
         EXPECT_THAT(verdict.reason, HasSubstr("MoE runners run the experts through their own"));
-      if (fp4_cores) EXPECT_THAT(verdict.reason, HasSubstr("sm")) << text;
-      if (host_routing)
+      }
+      if (fp4_cores) {
+        EXPECT_THAT(verdict.reason, HasSubstr("sm")) << text;
+      }
+      if (host_routing) {
         EXPECT_THAT(verdict.reason, HasSubstr("reads the routing on the host")) << text;
+      }
     }
-    if (std::string(name) == "hunt-serving-tp2.yaml")
+    if (std::string(name) == "hunt-serving-tp2.yaml") {
       for (const TrialRecord& trial : *trials) EXPECT_EQ(trial.selector.gpus_needed, 2);
+    }
     // tp=1: 48, less native_fp4's 12, moe=loop's 6 under graphs and cudnn's 8 beside the expert
     // runners; tp=2: 8, less moe=loop's 2 under graphs.
     EXPECT_EQ(runnable, std::string(name) == "hunt-serving.yaml" ? 22 : 6) << name;

@@ -50,14 +50,23 @@ LocalDevices ProbeLocalDevices() {
     cudaGetLastError();  // clear the (non-sticky) "no device" error
     return devices;
   }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return devices;
-  devices.gpu_count = count;
-  devices.sm = prop.major * 10 + prop.minor;
-  devices.gpu_name = prop.name;
-  devices.gpu_memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
-  char bus_id[32] = {};
-  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), 0) == cudaSuccess) devices.gpu_pci_bus_id = bus_id;
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) break;
+    LocalGpu gpu;
+    gpu.name = prop.name;
+    gpu.sm = prop.major * 10 + prop.minor;
+    gpu.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+    char bus_id[32] = {};
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), d) == cudaSuccess) gpu.pci_bus_id = bus_id;
+    devices.gpus.push_back(std::move(gpu));
+  }
+  if (devices.gpus.empty()) return devices;
+  devices.gpu_count = static_cast<int>(devices.gpus.size());
+  devices.sm = devices.gpus[0].sm;
+  devices.gpu_name = devices.gpus[0].name;
+  devices.gpu_memory_bytes = devices.gpus[0].memory_bytes;
+  devices.gpu_pci_bus_id = devices.gpus[0].pci_bus_id;
   return devices;
 }
 
