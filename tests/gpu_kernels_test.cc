@@ -967,6 +967,42 @@ double RelMax(const std::vector<float>& got, const std::vector<float>& want) {
   return diff / std::max(scale, 1e-30);
 }
 
+// The CPU's recurrent rule over `seqs` sequences of n rows of `mixed` (as the gates leave them:
+// q and k normalised, q scaled), g and beta [rows, Hv]; sequence b reads and advances slot
+// slots[b] of `state` ([slots, Hv, dk, dv]), from zeros where `fresh`. Returns out [rows, Hv * dv].
+struct HostDeltaShape {
+  int key_heads, value_heads, dk, dv;
+};
+std::vector<float> HostDeltaRule(const std::vector<float>& mixed, const std::vector<float>& g,
+                                 const std::vector<float>& beta, int seqs, int n,
+                                 const HostDeltaShape& c, const std::vector<int>& slots,
+                                 bool fresh, std::vector<float>& state) {
+  const int hv = c.value_heads, key_width = c.key_heads * c.dk;
+  const int channels = 2 * key_width + hv * c.dv;
+  std::vector<float> out(static_cast<size_t>(seqs) * n * hv * c.dv);
+  for (int seq = 0; seq < seqs; ++seq)
+    for (int h = 0; h < hv; ++h) {
+      const int kh = h / (hv / c.key_heads);
+      std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
+      for (int t = 0; t < n; ++t) {
+        const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
+        std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
+        std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
+        std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
+        gh[t] = g[(seq * n + t) * hv + h];
+        bh[t] = beta[(seq * n + t) * hv + h];
+      }
+      float* st = state.data() + (static_cast<size_t>(slots[seq]) * hv + h) * c.dk * c.dv;
+      if (fresh) std::fill_n(st, c.dk * c.dv, 0.f);
+      cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk, c.dv,
+                               st, o.data());
+      for (int t = 0; t < n; ++t)
+        std::copy_n(o.data() + t * c.dv, c.dv,
+                    out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
+    }
+  return out;
+}
+
 TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
   struct Case {
     int batch, key_heads, value_heads, dk, dv, taps;
@@ -1016,26 +1052,11 @@ TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
           beta[r * hv + h] = cpu::Sigmoid(b[r * hv + h]);
           g[r * hv + h] = -std::exp(a_log[h]) * cpu::Softplus(a[r * hv + h] + dt_bias[h]);
         }
-      std::vector<float> out(static_cast<size_t>(rows) * hv * c.dv);
-      for (int seq = 0; seq < c.batch; ++seq)
-        for (int h = 0; h < hv; ++h) {
-          const int kh = h / (hv / c.key_heads);
-          std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
-          for (int t = 0; t < n; ++t) {
-            const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
-            std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
-            std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
-            std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
-            gh[t] = g[(seq * n + t) * hv + h];
-            bh[t] = beta[(seq * n + t) * hv + h];
-          }
-          float* state = rec_state.data() + (static_cast<size_t>(seq) * hv + h) * c.dk * c.dv;
-          cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk,
-                                   c.dv, state, o.data());
-          for (int t = 0; t < n; ++t)
-            std::copy_n(o.data() + t * c.dv, c.dv,
-                        out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
-        }
+      std::vector<int> slots(c.batch);
+      for (int b = 0; b < c.batch; ++b) slots[b] = b;
+      const std::vector<float> out =
+          HostDeltaRule(mixed, g, beta, c.batch, n, {c.key_heads, hv, c.dk, c.dv}, slots,
+                        /*fresh=*/false, rec_state);
       for (int fused = 0; fused < 2; ++fused) {
         const std::string what = std::string(fused ? "fused" : "reference") + " dk " +
                                  std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " n " +
@@ -1108,28 +1129,10 @@ TEST_F(GpuKernels, GatedDeltaChunkedMatchesTheRecurrentRule) {
       }
       for (float& v : g) v = -0.02f - 0.6f * (uni(rng) + 1.f);
       for (float& v : beta) v = 0.5f * (uni(rng) + 1.f);
-      std::vector<float> out(static_cast<size_t>(rows) * hv * c.dv);
-      for (int seq = 0; seq < seqs; ++seq)
-        for (int h = 0; h < hv; ++h) {
-          const int kh = h / (hv / c.key_heads);
-          std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
-          for (int t = 0; t < n; ++t) {
-            const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
-            std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
-            std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
-            std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
-            gh[t] = g[(seq * n + t) * hv + h];
-            bh[t] = beta[(seq * n + t) * hv + h];
-          }
-          float* st =
-              state.data() + (static_cast<size_t>(slots[seq]) * hv + h) * c.dk * c.dv;
-          if (ragged) std::fill_n(st, c.dk * c.dv, 0.f);  // position 0: a new sequence
-          cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk,
-                                   c.dv, st, o.data());
-          for (int t = 0; t < n; ++t)
-            std::copy_n(o.data() + t * c.dv, c.dv,
-                        out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
-        }
+      // A served sequence's first row at position 0: it starts from zero states.
+      const std::vector<float> out =
+          HostDeltaRule(mixed, g, beta, seqs, n, {c.key_heads, hv, c.dk, c.dv}, slots,
+                        /*fresh=*/ragged != nullptr, state);
       std::vector<float> terms(
           cuda::GatedDeltaChunkedScratchFloats(rows, hv, c.dk, c.dv), 0.f);
       float* d_terms = Upload(terms);

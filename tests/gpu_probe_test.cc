@@ -184,8 +184,7 @@ TEST(GpuCudnn, AttentionAtHeadDim256IsOkOrRefusedByCudnn) {
   for (const char* graphs : {"off", "on"}) {
     const std::string config = absl::StrCat(
         "device=cuda,attention=cudnn,kv_cache=bf16,moe=fused,linear_attn=fused,graphs=", graphs);
-    const TrialResult r =
-        executor.Execute(GpuRequest("preset:tiny-hybrid-hd256", config), nullptr);
+    const TrialResult r = executor.Execute(GpuRequest("preset:tiny-hybrid-hd256", config), nullptr);
     std::cout << "# tiny-hybrid-hd256 " << config << ": " << TrialStatusName(r.status) << " "
               << r.reason << std::endl;
     if (r.status == TrialStatus::kUnsupported) {

@@ -217,6 +217,29 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
   }
 }
 
+// Serves `config` on `host` under `load`: the trial and every load point OK, every request
+// completed and some judged. Returns the trial (status kError where the load does not parse).
+ServeTrialResult ExpectServedOk(HostModel& host, const std::string& config,
+                                const std::string& load) {
+  SCOPED_TRACE(config + " " + load);
+  auto spec = ParseServeSpec(load);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  if (!spec.ok()) {
+    ServeTrialResult unparsed;
+    unparsed.status = TrialStatus::kError;
+    unparsed.reason = std::string(spec.status().message());
+    return unparsed;
+  }
+  const ServeTrialResult trial = RunServeTrial(host, *ParseBackendConfig(config), *spec, {});
+  EXPECT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  for (const LoadPointResult& p : trial.points) {
+    EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
+    EXPECT_EQ(p.metrics.completed, spec->requests);
+    EXPECT_GT(p.requests_checked, 0);
+  }
+  return trial;
+}
+
 // Serving on the GPU: ragged steps (decode rows at their own positions beside prefill chunks of
 // other sequences), each config judged as a serving trial judges it. The fp32 reference's served
 // tokens equal its lone runs' exactly; bf16- and fp8-class configs (graphs=on replays a graph per
@@ -232,16 +255,8 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=6"}) {
-      SCOPED_TRACE(text + " " + load);
-      auto spec = ParseServeSpec(load);
-      ASSERT_TRUE(spec.ok()) << spec.status();
-      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(text), *spec, {});
-      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-      for (const LoadPointResult& p : trial.points) {
-        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
-        EXPECT_EQ(p.metrics.completed, spec->requests);
-        EXPECT_GT(p.requests_checked, 0);
-      }
+      const ServeTrialResult trial = ExpectServedOk(**host, text, load);
+      ASSERT_FALSE(trial.points.empty()) << text << " " << load << ": " << trial.reason;
       EXPECT_GT(trial.points.back().peak_running, 1);  // continuous batching did batch
     }
   }
@@ -267,16 +282,8 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
         "linear_attn=chunked"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
-      SCOPED_TRACE(text + " " + load);
-      auto spec = ParseServeSpec(load);
-      ASSERT_TRUE(spec.ok()) << spec.status();
-      const ServeTrialResult trial = RunServeTrial(**hybrid, *ParseBackendConfig(text), *spec, {});
-      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-      for (const LoadPointResult& p : trial.points) {
-        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
-        EXPECT_EQ(p.metrics.completed, spec->requests);
-        EXPECT_GT(p.requests_checked, 0);
-      }
+      const ServeTrialResult trial = ExpectServedOk(**hybrid, text, load);
+      ASSERT_FALSE(trial.points.empty()) << text << " " << load << ": " << trial.reason;
       EXPECT_GT(trial.points.back().peak_running, 1);
     }
   }
@@ -1025,19 +1032,20 @@ TEST(GpuProvenance, HybridAtHeadDim256RunsFlashOnTensorCores) {
       }
     }
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
-                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
-      SCOPED_TRACE(load);
-      auto spec = ParseServeSpec(load);
-      ASSERT_TRUE(spec.ok()) << spec.status();
-      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(config), *spec, {});
-      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-      for (const LoadPointResult& p : trial.points) {
-        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
-        EXPECT_EQ(p.metrics.completed, spec->requests);
-        EXPECT_GT(p.requests_checked, 0);
-      }
-    }
+                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"})
+      ExpectServedOk(**host, config, load);
   }
+}
+
+// The linear-attention layers of tiny-hybrid at the GPU tests' layer count (0 where the preset
+// does not load).
+int TinyHybridLinearLayers() {
+  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
+  EXPECT_TRUE(model.ok()) << model.status();
+  int linear_layers = 0;
+  if (model.ok())
+    for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  return linear_layers;
 }
 
 // linear_attn=fused_decode on tiny-hybrid under graphs=on: a decode step runs each
@@ -1047,10 +1055,7 @@ TEST(GpuProvenance, HybridAtHeadDim256RunsFlashOnTensorCores) {
 TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
   REQUIRE_GPU();
   TrialExecutor executor(ProbeLocalDevices());
-  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
-  ASSERT_TRUE(model.ok()) << model.status();
-  int linear_layers = 0;
-  for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  const int linear_layers = TinyHybridLinearLayers();
   ASSERT_GT(linear_layers, 0);
   const std::vector<std::string> chain = {"CausalConvKernel<", "GatedDeltaGatesKernel",
                                           "GatedDeltaFusedKernel", "RmsNormGatedKernel"};
@@ -1091,15 +1096,12 @@ TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
 }
 
 // linear_attn=chunked on tiny-hybrid under graphs=on: the 16-token prompt's prefill runs the
-// linear-attention layers' delta rule as the chunked form's two passes and no recurrent kernel; decode steps run the decode kernel, as
-// linear_attn=fused_decode does.
+// linear-attention layers' delta rule as the chunked form's two passes and no recurrent kernel;
+// decode steps run the decode kernel, as linear_attn=fused_decode does.
 TEST(GpuProvenance, ChunkedRunsPrefillInTheChunkedForm) {
   REQUIRE_GPU();
   TrialExecutor executor(ProbeLocalDevices());
-  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
-  ASSERT_TRUE(model.ok()) << model.status();
-  int linear_layers = 0;
-  for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  const int linear_layers = TinyHybridLinearLayers();
   ASSERT_GT(linear_layers, 0);
   const TrialResult r = executor.Execute(
       GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=chunked"));

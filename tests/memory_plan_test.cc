@@ -200,10 +200,10 @@ TEST(MemoryPlan, ChunkedDeltaRuleTermsAtTheStepRows) {
   EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms"),
             int64_t{4096} * 32 * 385 * 4);
   o.linear_attn = LinearAttn::kFusedDecode;
-  EXPECT_EQ(Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4))
-                .item_bytes(MemoryPool::kScratch,
-                            "linear attention runner: chunked delta rule terms"),
-            0);
+  EXPECT_EQ(
+      Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4))
+          .item_bytes(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms"),
+      0);
 }
 
 // ---- Invariants over every preset, weight format and batch.

@@ -107,8 +107,8 @@ void LinearAttentionRunner::FreeScratch() {
 }
 
 cuda::GatedDeltaChunkScratch LinearAttentionRunner::ChunkTerms(int rows) const {
-  const int64_t key = static_cast<int64_t>(rows) * config_.linear_num_value_heads *
-                      config_.linear_key_head_dim;
+  const int64_t key =
+      static_cast<int64_t>(rows) * config_.linear_num_value_heads * config_.linear_key_head_dim;
   cuda::GatedDeltaChunkScratch terms;
   terms.w = chunk_terms_.get();
   terms.q = terms.w + key;

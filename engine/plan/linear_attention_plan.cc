@@ -40,11 +40,11 @@ std::vector<std::string> LinearAttentionRefusals(const CudaOptions& o, const Mod
             " and <= ", cuda::kGatedDeltaLanesPerColumn * cuda::kGatedDeltaMaxRowsPerLane));
       if (plan.delta_rule == DeltaRulePath::kChunked && c.has_linear_attention() &&
           !cuda::GatedDeltaChunkedSupports(c.linear_key_head_dim, c.linear_value_head_dim))
-        why.push_back(absl::StrCat(
-            "linear_attn=", AxisValueName(o.linear_attn), " runs its products in 16-row MMA "
-            "tiles: key head dim ", c.linear_key_head_dim, " and value head dim ",
-            c.linear_value_head_dim, " must be multiples of 16 and <= ",
-            cuda::kGatedDeltaChunkedMaxHeadDim));
+        why.push_back(
+            absl::StrCat("linear_attn=", AxisValueName(o.linear_attn),
+                         " runs its products in 16-row MMA tiles: key head dim ",
+                         c.linear_key_head_dim, " and value head dim ", c.linear_value_head_dim,
+                         " must be multiples of 16 and <= ", cuda::kGatedDeltaChunkedMaxHeadDim));
       break;
   }
   if (plan.decode_fused && c.has_linear_attention() &&

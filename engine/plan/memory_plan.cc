@@ -353,11 +353,9 @@ class Planner {
                   kFloat +
               r * c_.linear_num_key_heads * kInt);
     // linear_attn=chunked: the chunked form's terms for every row.
-    if (c_.has_linear_attention() &&
-        PlanLinearAttention(o_).delta_rule == DeltaRulePath::kChunked)
+    if (c_.has_linear_attention() && PlanLinearAttention(o_).delta_rule == DeltaRulePath::kChunked)
       Add(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms",
-          cuda::GatedDeltaChunkedScratchFloats(r, c_.linear_num_value_heads,
-                                               c_.linear_key_head_dim,
+          cuda::GatedDeltaChunkedScratchFloats(r, c_.linear_num_value_heads, c_.linear_key_head_dim,
                                                c_.linear_value_head_dim) *
               kFloat);
     // MoeRunner (allocated for dense models too): router logits, pair weights, h, out, in,

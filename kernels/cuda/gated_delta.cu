@@ -109,6 +109,38 @@ __global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, cons
   }
 }
 
+// One token of the gated delta rule on a state column held by kGatedDeltaLanesPerColumn lanes,
+// rows part, part + 8, ... of it in `col` (per_lane of them): col *= decay; d = beta (v - col.k);
+// col += k d; returns col.q summed over the column's lanes (each of them gets the sum). q and k
+// point at the lane's first row; inactive lanes pass v = 0 and still take part in the shuffles.
+template <int kRows>
+__device__ __forceinline__ float DeltaRuleColumnStep(float (&col)[kRows], int per_lane,
+                                                     const float* q, const float* k, float v,
+                                                     float decay, float beta) {
+  constexpr int kLanes = kGatedDeltaLanesPerColumn;
+  float kv = 0.f;
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < per_lane) {
+      col[m] *= decay;
+      kv += col[m] * k[kLanes * m];
+    }
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1)
+    kv += __shfl_xor_sync(0xffffffffu, kv, offset);
+  const float d = beta * (v - kv);
+  float o = 0.f;
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < per_lane) {
+      col[m] += k[kLanes * m] * d;
+      o += col[m] * q[kLanes * m];
+    }
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1) o += __shfl_xor_sync(0xffffffffu, o, offset);
+  return o;
+}
+
 constexpr int kFusedColumns = 32;                                // state columns a block
 constexpr int kFusedLanesPerColumn = kGatedDeltaLanesPerColumn;  // threads a column
 constexpr int kFusedMaxRowsPerLane = kGatedDeltaMaxRowsPerLane;  // dk <= 256
@@ -139,29 +171,8 @@ __global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
     const float* q = mixed + row * channels + kh * dk + part;
     const float* k = q + key_width;
     const float v = active ? mixed[row * channels + 2 * key_width + h * dv + j] : 0.f;
-    const float decay = expf(g[row * value_heads + h]);
-    const float b = beta[row * value_heads + h];
-    float kv = 0.f;
-#pragma unroll
-    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
-      if (m < per_lane) {
-        col[m] *= decay;
-        kv += col[m] * k[kFusedLanesPerColumn * m];
-      }
-#pragma unroll
-    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
-      kv += __shfl_xor_sync(0xffffffffu, kv, offset);
-    const float d = b * (v - kv);
-    float o = 0.f;
-#pragma unroll
-    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
-      if (m < per_lane) {
-        col[m] += k[kFusedLanesPerColumn * m] * d;
-        o += col[m] * q[kFusedLanesPerColumn * m];
-      }
-#pragma unroll
-    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
-      o += __shfl_xor_sync(0xffffffffu, o, offset);
+    const float o = DeltaRuleColumnStep(col, per_lane, q, k, v, expf(g[row * value_heads + h]),
+                                        beta[row * value_heads + h]);
     if (active && part == 0) out[row * value_heads * dv + h * dv + j] = o;
   }
   if (!active) return;
@@ -284,27 +295,7 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   const float* q = qk + part;
   const float* k = qk + dk + part;
   const float v = active ? vs[j] : 0.f;
-  float kv = 0.f;
-#pragma unroll
-  for (int m = 0; m < kDecodeRows; ++m)
-    if (m < per_lane) {
-      col[m] *= decay;
-      kv += col[m] * k[kDecodeLanes * m];
-    }
-#pragma unroll
-  for (int offset = 1; offset < kDecodeLanes; offset <<= 1)
-    kv += __shfl_xor_sync(0xffffffffu, kv, offset);
-  const float d = beta * (v - kv);
-  float o = 0.f;
-#pragma unroll
-  for (int m = 0; m < kDecodeRows; ++m)
-    if (m < per_lane) {
-      col[m] += k[kDecodeLanes * m] * d;
-      o += col[m] * q[kDecodeLanes * m];
-    }
-#pragma unroll
-  for (int offset = 1; offset < kDecodeLanes; offset <<= 1)
-    o += __shfl_xor_sync(0xffffffffu, o, offset);
+  const float o = DeltaRuleColumnStep(col, per_lane, q, k, v, decay, beta);
 
   // The gated RMSNorm over the head's dv outputs (a column's o is in each of its 8 lanes).
   const float sum_sq = BlockSum(active && part == 0 ? o * o : 0.f, scratch);

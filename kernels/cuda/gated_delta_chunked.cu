@@ -102,14 +102,14 @@ __global__ void __launch_bounds__(kPrepareThreads)
   const int kh = h / (value_heads / key_heads), key_width = key_heads * dk;
   const int t0 = blockIdx.x * kChunk, len = min(kChunk, n - t0);
   const int ks = dk + kRowPad, vs = dv + kRowPad, cs = kChunk + kRowPad;
-  float* k_s = smem;               // [kChunk][ks]: k, then beta e^G k
-  float* q_s = k_s + kChunk * ks;  // [kChunk][ks]
-  float* v_s = q_s + kChunk * ks;  // [kChunk][vs]: v, then beta v
-  float* a_s = v_s + kChunk * vs;  // [kChunk][cs]: A, then P T
-  float* p_s = a_s + kChunk * cs;  // [kChunk][cs]: P
-  float* t_s = p_s + kChunk * cs;  // [kChunk][cs]: T
-  float* cum = t_s + kChunk * cs;  // [kChunk]: G
-  float* b_s = cum + kChunk;       // [kChunk]: beta
+  float* k_s = smem;                                         // [kChunk][ks]: k, then beta e^G k
+  float* q_s = k_s + kChunk * ks;                            // [kChunk][ks]
+  float* v_s = q_s + kChunk * ks;                            // [kChunk][vs]: v, then beta v
+  float* a_s = v_s + kChunk * vs;                            // [kChunk][cs]: A, then P T
+  float* p_s = a_s + kChunk * cs;                            // [kChunk][cs]: P
+  float* t_s = p_s + kChunk * cs;                            // [kChunk][cs]: T
+  float* cum = t_s + kChunk * cs;                            // [kChunk]: G
+  float* b_s = cum + kChunk;                                 // [kChunk]: beta
   const int64_t first = static_cast<int64_t>(seq) * n + t0;  // the chunk's first row
   // Tokens past the sequence's end are zeros (k, q, v, beta and g): their A, P, W and U rows are
   // zero and their G is the last token's, so they change nothing.
@@ -121,8 +121,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
   for (int idx = threadIdx.x; idx < kChunk * dv; idx += blockDim.x) {
     const int t = idx / dv, j = idx % dv;
-    v_s[t * vs + j] =
-        t < len ? mixed[(first + t) * channels + 2 * key_width + h * dv + j] : 0.f;
+    v_s[t * vs + j] = t < len ? mixed[(first + t) * channels + 2 * key_width + h * dv + j] : 0.f;
   }
   if (threadIdx.x < 32) {  // warp 0: G, the inclusive scan of g, a lane a token
     const int t = threadIdx.x;
