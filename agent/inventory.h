@@ -21,7 +21,7 @@ struct GpuInfo {
   std::string driver_version;  // the NVIDIA driver's ("580.65.06"), from NVML
   std::string cuda_version;    // the CUDA version the driver supports ("13.0")
   std::string pci_bus_id;      // "0000:3b:00.0"; empty for fake GPUs
-  bool test_fake = false;  // labelled with --test-fake-gpu: a CPU pretending, for tests only
+  bool test_fake = false;      // labelled with --test-fake-gpu: a CPU pretending, for tests only
   // The indices of the GPUs this one reaches by peer access (P2P), and of those linked to it by
   // NVLink; empty where unknown.
   std::vector<int> p2p_peers;

@@ -22,8 +22,8 @@ struct Memory {  // nvmlMemory_t
   unsigned long long free;
   unsigned long long used;
 };
-constexpr int kTemperatureGpu = 0;        // NVML_TEMPERATURE_GPU
-constexpr unsigned kNameBufferSize = 96;  // NVML_DEVICE_NAME_V2_BUFFER_SIZE
+constexpr int kTemperatureGpu = 0;                       // NVML_TEMPERATURE_GPU
+constexpr unsigned kNameBufferSize = 96;                 // NVML_DEVICE_NAME_V2_BUFFER_SIZE
 constexpr unsigned kSystemDriverVersionBufferSize = 80;  // NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
 constexpr int kP2PCapsRead = 0;                          // NVML_P2P_CAPS_INDEX_READ
 constexpr int kP2PCapsNvlink = 2;                        // NVML_P2P_CAPS_INDEX_NVLINK

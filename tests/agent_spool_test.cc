@@ -218,7 +218,6 @@ TEST(InventoryTest, FakeGpuTopology) {
   EXPECT_TRUE(gpus[4].p2p_peers.empty());
 }
 
-
 // A host of mixed GPUs offers each as what it is: a slot per CUDA device with that device's name,
 // SM, memory and PCI bus id, the driver's versions on each; TEST ONLY slots past the devices
 // (a rank device map sharing GPUs) copy GPU 0; no devices, no slots.
