@@ -588,6 +588,22 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
                "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
                "such a GPU"});
+  // E4M3 x E4M3 mma.sync (m16n8k32) is sm_89's.
+  r.push_back({"qgemm",
+               "w8a8",
+               kCuda,
+               89,
+               0,
+               true,
+               {"fp8"},
+               {},
+               kFp8,
+               "FP8 E4M3 weights as loaded times activations quantized to E4M3 on the device (one "
+               "scale a row, amax / 448) on E4M3 x E4M3 tensor cores (mma.sync m16n8k32, fp32 "
+               "accumulate), the weight's and the row's scales on the sums: dense linears at 8+ "
+               "rows and the grouped experts (moe=fused, and moe=wgmma's), nothing decoded; "
+               "decode GEMV rows as qgemm=w8a16. Tensor and channel scales; block-128 weights "
+               "take qgemm=w8a16's kernels"});
   // TEST ONLY: the sm100a kernel's row claims every arch from sm_80 on purpose (its image is
   // sm_100a's alone): the static table lets it through, so the capability probe's refusal of a
   // missing kernel image is what a test of it sees.

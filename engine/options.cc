@@ -46,7 +46,7 @@ struct AxisOf<Graphs> {
 template <>
 struct AxisOf<QGemm> {
   static constexpr const char* kAxis = "qgemm";
-  static constexpr int kCount = 7;
+  static constexpr int kCount = 8;
 };
 template <>
 struct AxisOf<LinearAttn> {

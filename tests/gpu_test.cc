@@ -19,6 +19,7 @@
 #include "harness/report.h"
 #include "harness/runner.h"
 #include "harness/serving.h"
+#include "kernels/cuda/limits.h"
 #include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 #ifdef INFERSWEEP_HAVE_CUDA
@@ -610,6 +611,55 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
       ASSERT_FALSE(made.ok());
       EXPECT_TRUE(absl::IsUnimplemented(made.status())) << made.status();
       EXPECT_EQ(std::string(made.status().message()), conflict);
+    }
+  }
+}
+
+// qgemm=w8a8 (E4M3 activations on E4M3 x E4M3 tensor cores) on tiny-moe and tiny-qwen2-moe (a
+// dense MLP layer, a shared expert): FP8 tensor and channel weights OK in the fp8 class under
+// moe=fused, eager and under graphs, and under moe=wgmma; its prefill chunks (16 tokens) and
+// batch-4 decode steps run the E4M3 grouped kernels and no decoding ones; an expert's down_proj
+// with one scale x1000 is INCORRECT. FP8 block-128 weights take w8a16's kernels and are OK.
+TEST(Gpu, W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect) {
+  REQUIRE_GPU();
+  if (ProbeLocalDevices().sm < cuda::kFp8MmaMinSm) GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
+  TrialExecutor executor;
+  auto launches = [](const PhaseKernels& p, const std::string& prefix) {
+    int64_t n = 0;
+    for (const KernelCount& k : p.kernels)
+      if (k.name.rfind(prefix, 0) == 0) n += k.count;
+    return n;
+  };
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-qwen2-moe"}) {
+    for (const char* format : {"fp8_tensor", "fp8_channel", "fp8_block128"}) {
+      const std::string model = std::string(preset) + "@" + format;
+      const bool e4m3 = std::string(format) != "fp8_block128";
+      for (const std::string config :
+           {"device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=w8a8",
+            "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=off,qgemm=w8a8",
+            "device=cuda,gemm=fused,attention=flash,moe=wgmma,graphs=off,qgemm=w8a8"}) {
+        SCOPED_TRACE(model + " " + config);
+        const TrialResult ok = executor.Execute(GpuRequest(model, config));
+        ASSERT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+        EXPECT_EQ(ok.verdict.precision_class, "fp8");
+        for (const BatchFigures& b : ok.batches) {
+          ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+          const int64_t grouped = launches(*b.prefill_kernels, "GroupedGateUpFp8Kernel<");
+          EXPECT_EQ(grouped > 0, e4m3) << FormatKernels(b);
+          EXPECT_EQ(launches(*b.prefill_kernels, "GroupedGateUpQuantKernel<"), 0)
+              << FormatKernels(b);
+          if (b.batch >= 4 && e4m3) {
+            EXPECT_GT(launches(*b.decode_kernels, "GroupedDownFp8Kernel<"), 0) << FormatKernels(b);
+          }
+        }
+        const TrialResult bad = executor.Execute(GpuRequest(
+            model, config, "bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight"));
+        EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << bad.reason;
+        std::printf("# %s %-70s %s (top1 %.3f, kl %.2g); an expert's scale x1000: %s\n",
+                    model.c_str(), config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
+                    ok.verdict.top1_agreement, ok.verdict.kl_mean,
+                    std::string(TrialStatusName(bad.status)).c_str());
+      }
     }
   }
 }

@@ -206,6 +206,23 @@ TEST(MemoryPlan, ChunkedDeltaRuleTermsAtTheStepRows) {
       0);
 }
 
+// qgemm=w8a8 on qwen3-30b-a3b fp8_channel, 4 x 1024 prompt rows a step: the linear runner's
+// E4M3 rows at the widest K (the dense intermediate, 6144) and a scale each, and the MoE runner's
+// x [4096, 2048] and h [4096 x 8, 768] codes and their scales:
+//   4096 x 6144 + 4096 x 4 + 4096 x 2048 + 32768 x 768 + (4096 + 32768) x 4 = 58,884,096 bytes.
+TEST(MemoryPlan, W8a8ActivationCodesAtTheStepRows) {
+  CudaOptions o = Bf16Kv();
+  o.qgemm = QGemm::kW8A8;
+  const MemoryPlan p = Plan(o, Preset("qwen3-30b-a3b"), QuantFormat::kFp8Channel, Workload(4));
+  EXPECT_EQ(p.step_rows, 4096);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales"),
+            58'884'096);
+  o.qgemm = QGemm::kW8A16;
+  EXPECT_EQ(Plan(o, Preset("qwen3-30b-a3b"), QuantFormat::kFp8Channel, Workload(4))
+                .item_bytes(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales"),
+            0);
+}
+
 // ---- Invariants over every preset, weight format and batch.
 TEST(MemoryPlan, EveryPresetAndFormat) {
   for (const std::string& name : PresetNames()) {

@@ -129,14 +129,15 @@ std::map<std::string, PlanCheck> PlanChecks() {
          // q_proj of qwen3-30b-a3b at one decode row, in the format the value takes; under
          // dequant_bf16 the linear finds the bf16 copy the load made.
          LinearWeightFacts w{DType::kBF16, QuantFormat::kNvfp4, 4096, 2048};
-         if (v == "w8a16" || v == "fp8_cublaslt") w.format = QuantFormat::kFp8Channel;
+         if (v == "w8a16" || v == "fp8_cublaslt" || v == "w8a8")
+           w.format = QuantFormat::kFp8Channel;
          if (v == "dequant_bf16") w.format = QuantFormat::kNone;
          const LinearPlan p = PlanLinear(o, w, {true, 1, false, true});
          const std::map<std::string, LinearPath> expect = {
              {"reference", LinearPath::kQuantReference}, {"dequant_bf16", LinearPath::kCublasLt},
              {"w4a16", LinearPath::kQuantGemvFp4},       {"w8a16", LinearPath::kQuantGemvFp8},
              {"fp8_cublaslt", LinearPath::kScaledGemm},  {"cudnn", LinearPath::kScaledGemm},
-             {"native_fp4", LinearPath::kScaledGemm}};
+             {"native_fp4", LinearPath::kScaledGemm},    {"w8a8", LinearPath::kQuantGemvFp8}};
          auto it = expect.find(v);
          if (it == expect.end()) return "no expected plan for this value";
          return p.path == it->second ? "" : absl::StrCat("planned path ", static_cast<int>(p.path));
@@ -355,6 +356,56 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
       EXPECT_FALSE(p->zero_cache);
     }
   }
+}
+
+// qgemm=w8a8: FP8 tensor and channel linears take the E4M3 x E4M3 MMA from 8 rows and on every
+// prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; block-128 weights
+// and a K off the 64-element units take w8a16's paths. Grouped FP8 experts take the E4M3 kernels
+// (64-pair passes when wide), under moe=wgmma too, which the log says; block-128 experts do not.
+TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
+  const CudaOptions w8a8 = OptionsWith("qgemm", "w8a8");
+  const LinearWeightFacts channel{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
+  const LinearWeightFacts tensor{DType::kBF16, QuantFormat::kFp8Tensor, 512, 2048};
+  const LinearWeightFacts block{DType::kBF16, QuantFormat::kFp8Block128, 4096, 2048};
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 4, false, true}).path, LinearPath::kQuantGemvFp8);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 8, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, tensor, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 2, true, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {false, 2048, true, false}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, block, {true, 64, false, true}).path, LinearPath::kQuantBf16Copy);
+  EXPECT_EQ(
+      PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Channel, 512, 2080}, {true, 8, false, true})
+          .path,
+      LinearPath::kQuantGemvFp8);
+  LinearWeightFacts misaligned = channel;
+  misaligned.codes_aligned = false;
+  EXPECT_NE(PlanLinear(w8a8, misaligned, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(OptionsWith("qgemm", "w8a16"), channel, {true, 8, false, true}).path,
+            LinearPath::kQuantGemvFp8);
+
+  const MoeShape moe{128, 8, 2048, 768};
+  MoeLayerFacts fp8;
+  fp8.quantized_tables = fp8.experts_quantized_alike = true;
+  fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 768, 2048};
+  fp8.down = {QuantFormat::kFp8Channel, 2048, 768};
+  CudaOptions o = w8a8;
+  o.moe = Moe::kFused;
+  o.gemm = Gemm::kFused;
+  MoePlan p = PlanMoe(o, moe, fp8, {64, 1, false, true});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma4);
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_FALSE(p.bf16_copies);
+  o.moe = Moe::kWgmma;
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_THAT(p.fallbacks,
+              testing::Contains(HasSubstr("qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels")));
+  fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_NE(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_TRUE(p.bf16_copies);
 }
 
 TEST(MoePlan, FallbacksComeFromThePlan) {

@@ -108,6 +108,8 @@ class LinearRunner {
   DeviceBuffer<float> xn_, o_, y_, gate_, up_;
   DeviceBuffer<uint16_t> bf16_;
   DeviceBuffer<uint16_t> bf16_copy_;  // QuantBf16Copy
+  DeviceBuffer<uint8_t> fp8_codes_;   // qgemm=w8a8: [rows, widest K] E4M3
+  DeviceBuffer<float> fp8_scales_;    // qgemm=w8a8: [rows]
   size_t bf16_copy_count_ = 0;
 };
 

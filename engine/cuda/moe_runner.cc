@@ -46,6 +46,11 @@ absl::Status MoeRunner::AllocateScratch(int rows) {
     RETURN_IF_ERROR(buffer->Allocate(count));
   RETURN_IF_ERROR(xn_bf16_.Allocate(r * hidden));
   RETURN_IF_ERROR(moe_bf16_.Allocate(r * k * (2 * moe_inter + hidden)));
+  // qgemm=w8a8's grouped kernels: the input rows and the pairs' h as E4M3 codes, a scale each.
+  if (QuantizesActivationsFp8(options_.qgemm)) {
+    RETURN_IF_ERROR(fp8_codes_.Allocate(r * hidden + r * k * moe_inter));
+    RETURN_IF_ERROR(fp8_scales_.Allocate(r + r * k));
+  }
   return absl::OkStatus();
 }
 
@@ -57,6 +62,8 @@ void MoeRunner::FreeScratch() {
     b->reset();
   xn_bf16_.reset();
   moe_bf16_.reset();
+  fp8_codes_.reset();
+  fp8_scales_.reset();
 }
 
 // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
@@ -143,7 +150,9 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
   switch (plan.experts) {
     case MoeExperts::kGrouped: {
       std::array<const uint16_t* const*, 3> tables{};
-      const bool quant = plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
+      const bool fp8 = plan.grouped == cuda::MoeGroupedKernel::kFp8Mma4 ||
+                       plan.grouped == cuda::MoeGroupedKernel::kFp8Mma8;
+      const bool quant = fp8 || plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantMma8 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantWgmma;
       if (plan.bf16_copies) {
@@ -177,6 +186,13 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       a.out = moe_out_.get();
       a.y = out;
       if (quant) a.quant = view_->quant_tables[l].data();
+      if (fp8) {
+        a.x_f32 = linear_.xn();
+        a.x_fp8 = fp8_codes_.get();
+        a.h_fp8 = fp8_codes_.get() + static_cast<int64_t>(rows) * hidden;
+        a.x_scale = fp8_scales_.get();
+        a.h_scale = fp8_scales_.get() + rows;
+      }
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
       break;

@@ -366,6 +366,11 @@ class Planner {
         (r * experts + 1 + r * k + r * k * moe_inter + 2 * r * k * hidden + r * k) * kFloat +
             (3 * r * k + std::max(c_.num_experts, 0) + 1) * kInt + r * hidden * 2 +
             r * k * (2 * moe_inter + hidden) * 2);
+    // qgemm=w8a8: the linear runner's E4M3 input rows and scales (GemmFp8Mma), and the MoE
+    // runner's x and h codes and scales.
+    if (QuantizesActivationsFp8(o_.qgemm) && quantized())
+      Add(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales",
+          r * widest + r * kFloat + r * hidden + r * k * moe_inter + (r + r * k) * kFloat);
     // CollectiveRunner: the blocks' partial sums, and a rank's lm_head shard of logits.
     if (o_.parallel.RunsCollective())
       Add(MemoryPool::kScratch, "collective: partial sums", r * hidden * kFloat);

@@ -85,7 +85,17 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill); decode
     // batches keep the mma.sync kernels, where wgmma's smallest N (32) is mostly padding.
     const bool want_wgmma = o.moe == Moe::kWgmma && many_pairs;
-    if (quant_grouped) {
+    const bool fp8_mma =
+        quant_grouped && QuantizesActivationsFp8(o.qgemm) &&
+        cuda::Fp8MmaShapeSupports(layer.gate.format, layer.gate.rows, layer.gate.cols) &&
+        cuda::Fp8MmaShapeSupports(layer.down.format, layer.down.rows, layer.down.cols);
+    if (fp8_mma) {
+      // qgemm=w8a8: E4M3 inputs onto the codes, whatever the moe value's kernels would decode.
+      const bool wide = pairs > cuda::kMoeWidePairsPerExpert * s.experts;
+      plan.grouped = wide ? cuda::MoeGroupedKernel::kFp8Mma8 : cuda::MoeGroupedKernel::kFp8Mma4;
+      if (want_wgmma)
+        launcher_fallback("moe=wgmma: qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels");
+    } else if (quant_grouped) {
       const bool wgmma = want_wgmma && cuda::MoeWgmmaQuantSupports(layer.gate, layer.up, layer.down,
                                                                    s.hidden, s.inter);
       if (want_wgmma && !wgmma)

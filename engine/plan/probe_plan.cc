@@ -90,6 +90,7 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
       case QGemm::kDequantBf16:
       case QGemm::kW4A16:
       case QGemm::kW8A16:
+      case QGemm::kW8A8:  // its E4M3 kernels live in the image every config loads (sm_89+)
       case QGemm::kFp8CublasLt:  // cuBLASLt's scaled heuristics: refused in its words at build
       case QGemm::kNativeFp4:
         break;

@@ -123,8 +123,25 @@ constexpr bool MoeWgmmaQuantSupports(const QuantMatrixShape& gate, const QuantMa
   return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
 }
 // The grouped kernels' variants, chosen by the MoE plan (engine/plan/moe_plan.h): mma.sync over
-// 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers.
-enum class MoeGroupedKernel { kMma4, kMma8, kWgmma, kQuantMma4, kQuantMma8, kQuantWgmma };
+// 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers;
+// or FP8 experts' E4M3 codes straight onto E4M3 x E4M3 mma.sync with E4M3 inputs (qgemm=w8a8).
+enum class MoeGroupedKernel {
+  kMma4,
+  kMma8,
+  kWgmma,
+  kQuantMma4,
+  kQuantMma8,
+  kQuantWgmma,
+  kFp8Mma4,
+  kFp8Mma8
+};
+// E4M3 x E4M3 mma.sync (m16n8k32) needs sm_89.
+constexpr int kFp8MmaMinSm = 89;
+// qgemm=w8a8's tensor-core kernels: FP8 tensor or channel scales, K in whole 64-element units.
+constexpr bool Fp8MmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
+  return (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) && rows >= 1 &&
+         cols % 64 == 0;
+}
 // More pairs an expert than this (on average) take the 64-pair mma.sync passes.
 constexpr int kMoeWidePairsPerExpert = 24;
 // The grouped variant for `pairs` routed (row, expert) pairs over `experts`: wgmma when chosen,

@@ -245,6 +245,14 @@ struct MoeGroupedArgs {
   // registers (gate/up/down above are then unused). kWgmma and kQuantWgmma run the expert GEMMs
   // on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h); h then holds the pairs in bucketed order.
   const QuantExpertTable* quant = nullptr;
+  // kFp8Mma*: the FP8 tables' codes times E4M3 inputs. x_f32 (the normalised input, [rows,
+  // hidden]) is quantized to x_fp8 with one scale a row (x_scale), and h (bf16, as above) to
+  // h_fp8 with one a pair (h_scale), each by QuantizeRowsE4M3.
+  const float* x_f32 = nullptr;
+  uint8_t* x_fp8 = nullptr;  // scratch [rows, hidden]
+  float* x_scale = nullptr;  // scratch [rows]
+  uint8_t* h_fp8 = nullptr;  // scratch [rows * k, inter]
+  float* h_scale = nullptr;  // scratch [rows * k]
 };
 // y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
 // MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
@@ -256,6 +264,22 @@ struct MoeGroupedArgs {
 bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream);
+// y[r] = W . x[r] for r < rows, fp32 out, W FP8 E4M3 [n, k] (tensor or channel scales): x is
+// quantized to E4M3 with one scale a row (QuantizeRowsE4M3 into x_codes [rows, k] and x_scales
+// [rows]), then the codes go straight onto E4M3 x E4M3 mma.sync (m16n8k32, fp32 accumulate;
+// sm_89+), the weight's and the row's scales multiplying the sums. qgemm=w8a8's dense linears
+// at kQuantMmaMinRows rows and more.
+// Napkin math, a 2048-token prefill chunk through q_proj of qwen3-30b-a3b [4096, 2048]: 34 GFLOP
+// at H200's ~990 dense FP8 TFLOP/s is 35 us; mma.sync reaches perhaps a third of it (~100 us),
+// against ~60 us of bf16 wgmma at its rate: the win is in the bytes (8 MB of codes, not a 16 MB
+// bf16 copy made per call) and in decode batches, where nothing is decoded.
+bool GemmFp8MmaSupports(const MatrixRef& w);  // FP8 tensor / channel, k % 64, aligned codes
+void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, float* x_scales,
+                float* y, cudaStream_t stream);
+// codes[r] = E4M3(x[r] / scale[r]) with scale[r] = max |x[r]| / 448 (1 for an all-zero row),
+// round to nearest, saturating: x fp32 or bf16 (dtype) [rows, cols], cols even. One block a row.
+void QuantizeRowsE4M3(const void* x, DType dtype, int rows, int cols, uint8_t* codes, float* scales,
+                      cudaStream_t stream);
 // MoeGrouped's first step, exposed for its test: offsets[num_experts + 1] = exclusive prefix sums
 // of the per-expert pair counts, sorted_pairs[offsets[e] + i] = the i-th pair (in pair order)
 // routed to expert e; pairs of skip_expert, or of an expert outside [expert_begin, expert_end),
