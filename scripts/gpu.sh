@@ -306,6 +306,23 @@ for r in csv.reader(sys.stdin):
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
     done ;;
+  fp8_figures)  # qwen3-30b-a3b fp8_channel (FP8_FORMATS), 48 layers quantized on the host: decode
+    # at batch 1 (graphs=persistent) and 64 (prompt 512, 64 tokens), prefill 2048 (moe=wgmma),
+    # under qgemm=w8a16 (the codes decoded to bf16) and w8a8 (E4M3 activations on E4M3 tensor
+    # cores), one binary, one call: the FP8 rows of the quantized figures.
+    for f in ${FP8_FORMATS:-fp8_channel}; do
+      for q in ${FP8_QGEMMS:-w8a16 w8a8}; do
+        echo "# $f qgemm=$q"
+        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent,qgemm=$q" \
+          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/fp8_decode_${f}_$q.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off,qgemm=$q" \
+          --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/fp8_prefill_${f}_$q.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
+    done ;;
   quant_batch)  # the quantized grouped MMA kernels' GPU tests (mma.sync and wgmma),
     # a bad expert scale under each moe value, then qwen3-30b-a3b, 48 layers, quantized on the
     # host: QUANT_FORMATS (default fp8_channel nvfp4) x QUANT_SHAPES (graphs:workload, default
