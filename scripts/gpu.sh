@@ -66,6 +66,22 @@ for stage in $STAGES; do
     wait
     gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
       --gtest_filter='*Fit*' ;;
+  new_tests)  # the GPU tests of the unverified work first, in parallel, each under its limit
+    # (NEW_TIMEOUT_S, default 300 s): flash at head_dim 256, the fused decode step, the chunked
+    # prefill, qgemm=w8a8, cuDNN at head_dim 256, the agent's per-GPU inventory, and the two
+    # corrected assertions of the hunt's tests; before the whole suites (STAGES=ptests)
+    t=${NEW_TIMEOUT_S:-300}
+    gpu_tests .carry/gpu_kernels_test "$t" new_kernels.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuKernels.GatedDelta*:GpuKernels.FlashAttention*:GpuKernels.QkNormRopeAppendMatchesHostMath:GpuKernels.LargeSharedMemoryKernelsRunOnEveryDevice' &
+    gpu_tests .carry/gpu_quant_test "$t" new_quant.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='*Fp8*:*E4m3*' &
+    gpu_tests .carry/gpu_probe_test "$t" new_probe.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuProbe.TheAgentOffersEachGpuAsTheRuntimeDescribesIt:GpuCudnn.AttentionAtHeadDim256IsOkOrRefusedByCudnn' &
+    INFERSWEEP_RANK_DEVICES=0,0 gpu_tests .carry/gpu_tp_test "$t" new_tp.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuTp.ExpertParallelQuantizedExpertsMatchTpOne' &
+    gpu_tests .carry/gpu_test "$t" new_gpu.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuProvenance.HybridAtHeadDim256RunsFlashOnTensorCores:GpuProvenance.FusedDecodeRunsALinearAttentionLayerInThreeLaunches:GpuProvenance.ChunkedRunsPrefillInTheChunkedForm:Gpu.ReferenceMatchesCpuAndTransformersOnFixtures:Gpu.HybridModelsServeWithStatePerSlot:Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect' &
+    wait ;;
   memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
     # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
     # dequant_bf16), batches 1 and 64: each (config, batch) OK or "does not fit" (decided before
