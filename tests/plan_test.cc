@@ -408,6 +408,25 @@ TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   EXPECT_TRUE(p.bf16_copies);
 }
 
+// Preflight of qgemm=w8a8: FP8 weights on sm_89 and newer, beside moe=fused and (on sm_90)
+// moe=wgmma (no conflict: its grouped kernels serve both); refused on sm_86 naming sm_89, and on
+// FP4 or bf16 weights.
+TEST(W8a8Preflight, Fp8WeightsOnSm89AndNewerBesideTheFusedExpertRunners) {
+  for (const char* moe : {"fused", "wgmma"}) {
+    auto config = NormalizeBackendConfig(
+        {{"device", "cuda"}, {"gemm", "fused"}, {"moe", moe}, {"qgemm", "w8a8"}});
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_TRUE(Preflight(*config, {true, 90, 1, "fp8"}).supported) << moe;
+    if (std::string(moe) == "fused") {  // moe=wgmma is sm_90's
+      EXPECT_TRUE(Preflight(*config, {true, 89, 1, "fp8"}).supported);
+      EXPECT_EQ(Preflight(*config, {true, 86, 1, "fp8"}).reason,
+                "qgemm=w8a8 needs sm_89 or newer; the GPU is sm_86");
+    }
+    EXPECT_FALSE(Preflight(*config, {true, 90, 1, "nvfp4"}).supported) << moe;
+    EXPECT_FALSE(Preflight(*config, {true, 90, 1, "bf16"}).supported) << moe;
+  }
+}
+
 TEST(MoePlan, FallbacksComeFromThePlan) {
   const MoeShape moe{128, 8, 2048, 768};
   MoeLayerFacts bf16;
