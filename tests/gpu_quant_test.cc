@@ -543,6 +543,49 @@ struct GroupedCase {
   int held_begin = 0, held_end = -1;  // the experts held (held_end -1: all)
 };
 
+// A grouped case's random routing (ids, route weights; the pairs of `skip` are left out) and the
+// MoeGrouped arguments every variant shares (device buffers: the caller's).
+struct GroupedRouting {
+  std::vector<int> ids;
+  std::vector<float> route;
+  int skip = -1;
+};
+GroupedRouting RandomRouting(const GroupedCase& c) {
+  GroupedRouting r;
+  const int pairs = c.rows * c.k;
+  r.ids.resize(pairs);
+  r.route.resize(pairs);
+  std::mt19937 rng(11);
+  for (int p = 0; p < pairs; ++p) {
+    r.ids[p] = static_cast<int>(rng() % c.experts);
+    r.route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
+  }
+  r.skip = r.ids[1];
+  return r;
+}
+cuda::MoeGroupedArgs GroupedArgs(const GroupedCase& c, int held_end, int skip, const int* ids,
+                                 const float* route, int* offsets, int* sorted, uint16_t* h,
+                                 float* out, float* y, const cuda::QuantExpertTable* tables) {
+  cuda::MoeGroupedArgs a;
+  a.rows = c.rows;
+  a.k = c.k;
+  a.num_experts = c.experts;
+  a.hidden = c.hidden;
+  a.inter = c.inter;
+  a.expert_ids = ids;
+  a.expert_weights = route;
+  a.skip_expert = skip;
+  a.expert_begin = c.held_begin;
+  a.expert_end = held_end;
+  a.offsets = offsets;
+  a.sorted_pairs = sorted;
+  a.h = h;
+  a.out = out;
+  a.y = y;
+  a.quant = tables;
+  return a;
+}
+
 // One case of the grouped quantized expert kernels (MoeGrouped with quant tables): h =
 // silu(gate) * up rounded to bf16 and the weighted combine of down(h) into the residual (one
 // expert skipped), against double sums over the CPU's exact dequantization with the
@@ -567,14 +610,7 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
     ASSERT_TRUE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, c.hidden, c.inter));
   }
   const int pairs = c.rows * c.k;
-  std::vector<int> ids(pairs);
-  std::vector<float> route(pairs);
-  std::mt19937 rng(11);
-  for (int p = 0; p < pairs; ++p) {
-    ids[p] = static_cast<int>(rng() % c.experts);
-    route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
-  }
-  const int skip = ids[1];
+  const auto [ids, route, skip] = RandomRouting(c);
   const std::vector<float> x_raw = RandomValues(c.rows * c.hidden, 61);
   std::vector<uint16_t> x_bf16(x_raw.size());
   std::vector<float> x(x_raw.size());
@@ -595,24 +631,9 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
   CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
   CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
   const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
-  cuda::MoeGroupedArgs a;
+  cuda::MoeGroupedArgs a =
+      GroupedArgs(c, held_end, skip, dids, droute, offsets, sorted, dh, dout, dy, tables);
   a.x_bf16 = dx;
-  a.rows = c.rows;
-  a.k = c.k;
-  a.num_experts = c.experts;
-  a.hidden = c.hidden;
-  a.inter = c.inter;
-  a.expert_ids = dids;
-  a.expert_weights = droute;
-  a.skip_expert = skip;
-  a.expert_begin = c.held_begin;
-  a.expert_end = held_end;
-  a.offsets = offsets;
-  a.sorted_pairs = sorted;
-  a.h = dh;
-  a.out = dout;
-  a.y = dy;
-  a.quant = tables;
   a.kernel = cuda::MoeGroupedKernelFor(/*quantized=*/true, wgmma, pairs, c.experts);
   cuda::MoeGrouped(a, nullptr);
   CUDA_EXPECT_OK(cudaGetLastError());
@@ -838,14 +859,7 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   DeviceExperts down(format, c.experts, c.hidden, c.inter, 300, c.held_begin, held_end);
   ASSERT_TRUE(cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t));
   const int pairs = c.rows * c.k;
-  std::vector<int> ids(pairs);
-  std::vector<float> route(pairs);
-  std::mt19937 rng(11);
-  for (int p = 0; p < pairs; ++p) {
-    ids[p] = static_cast<int>(rng() % c.experts);
-    route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
-  }
-  const int skip = ids[1];
+  const auto [ids, route, skip] = RandomRouting(c);
   const std::vector<float> x = RandomValues(c.rows * c.hidden, 61);
   const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
   int* dids = ToDevice(ids);
@@ -867,23 +881,8 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   CUDA_EXPECT_OK(cudaMalloc(&x_scales, c.rows * sizeof(float)));
   CUDA_EXPECT_OK(cudaMalloc(&h_scales, pairs * sizeof(float)));
   const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
-  cuda::MoeGroupedArgs a;
-  a.rows = c.rows;
-  a.k = c.k;
-  a.num_experts = c.experts;
-  a.hidden = c.hidden;
-  a.inter = c.inter;
-  a.expert_ids = dids;
-  a.expert_weights = droute;
-  a.skip_expert = skip;
-  a.expert_begin = c.held_begin;
-  a.expert_end = held_end;
-  a.offsets = offsets;
-  a.sorted_pairs = sorted;
-  a.h = dh;
-  a.out = dout;
-  a.y = dy;
-  a.quant = tables;
+  cuda::MoeGroupedArgs a =
+      GroupedArgs(c, held_end, skip, dids, droute, offsets, sorted, dh, dout, dy, tables);
   a.x_f32 = dx;
   a.x_fp8 = x_codes;
   a.x_scale = x_scales;
