@@ -925,6 +925,65 @@ TEST_F(GpuKernels, RouterTopKMatchesHostMath) {
   }
 }
 
+// The router's GEMV with its top-k in the same launch (GemvTopK, moe=fused's decode rows): the
+// logits are the plain GEMV's bit for bit, and the ids and weights RouterTopK's on those logits,
+// at 1 and 4 rows, E = 128 (qwen3-30b-a3b), 512 (qwen3-next) and 60 (a last block short of
+// warps), k 8, 10 and 4; three launches on one counter (each must leave it zero for the next).
+TEST_F(GpuKernels, RouterGemvFusesTheTopK) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  unsigned* counter = Upload(std::vector<unsigned>{0u});
+  for (const auto& [rows, experts, k] :
+       {std::tuple{1, 128, 8}, std::tuple{4, 512, 10}, std::tuple{1, 60, 4}}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows, E " << experts << ", k " << k);
+    const int hidden = 2048;
+    std::vector<float> x(static_cast<size_t>(rows) * hidden), gain(hidden);
+    std::vector<uint16_t> w(static_cast<size_t>(experts) * hidden);
+    for (float& v : x) v = 3.f * uni(rng);
+    for (float& v : gain) v = 1.f + 0.5f * uni(rng);
+    for (uint16_t& v : w) v = FloatToBf16(0.05f * uni(rng));
+    cuda::GemvArgs a;
+    a.x = Upload(x);
+    a.rows = rows;
+    a.k = hidden;
+    a.norm_gain = Upload(gain);
+    a.norm_dtype = DType::kF32;
+    a.norm_eps = 1e-6f;
+    a.seg[0].w = Upload(w);
+    a.seg[0].n = experts;
+    a.seg[0].ld = experts;
+    a.segments = 1;
+    ASSERT_FALSE(cuda::GemvStreams(a));
+    const size_t logits = static_cast<size_t>(rows) * experts, picks = static_cast<size_t>(rows) * k;
+    // The plain GEMV, then RouterTopK on its logits: what the fused launch must equal.
+    a.seg[0].y = Upload(std::vector<float>(logits, NAN));
+    cuda::Gemv(a, nullptr);
+    int* want_ids = Upload(std::vector<int>(picks, -1));
+    float* want_w = Upload(std::vector<float>(picks, NAN));
+    cuda::RouterTopK(a.seg[0].y, rows, experts, k, true, want_ids, want_w, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> want_logits = Download(a.seg[0].y, logits);
+    for (int launch = 0; launch < 3; ++launch) {
+      cuda::GemvArgs f = a;
+      f.seg[0].y = Upload(std::vector<float>(logits, NAN));
+      f.topk.counter = counter;
+      f.topk.expert_ids = Upload(std::vector<int>(picks, -1));
+      f.topk.expert_weights = Upload(std::vector<float>(picks, NAN));
+      f.topk.num_experts = experts;
+      f.topk.k = k;
+      f.topk.renormalize = true;
+      cuda::Gemv(f, nullptr);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(Download(f.seg[0].y, logits), want_logits) << "launch " << launch;
+      EXPECT_EQ(Download(f.topk.expert_ids, picks), Download(want_ids, picks)) << "launch " << launch;
+      EXPECT_EQ(Download(f.topk.expert_weights, picks), Download(want_w, picks))
+          << "launch " << launch;
+      EXPECT_EQ(Download(counter, 1)[0], 0u) << "launch " << launch << " left the count";
+    }
+  }
+}
+
 // The router GEMM stays fp32 (fp32 input, fp32 accumulate): it must match double math to fp32
 // rounding, at shapes that are not multiples of its 8-row, 128-expert and 32-k tiles.
 TEST_F(GpuKernels, RouterGemmIsFp32Exact) {

@@ -1019,6 +1019,29 @@ TEST(GpuProvenance, GraphsOnDecodeIsAReplayOfTheCapturedKernels) {
   }
 }
 
+// moe=fused at batch 1: each MoE layer's router GEMV picks its experts in the same launch
+// (GemvKernel's top-k build, one a layer), and no RouterTopK kernel runs; at batch 4 (the router
+// kernel and the grouped experts) RouterTopK still does.
+TEST(GpuProvenance, BatchOneRouterGemvPicksTheExperts) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r =
+      executor.Execute(GpuRequest("preset:tiny-moe", std::string(kFastConfig) + "on"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  const BatchFigures& one = r.batches[0];
+  ASSERT_EQ(one.batch, 1);
+  ASSERT_TRUE(one.decode_kernels.has_value());
+  auto moe_layers = PresetConfig("tiny-moe", GpuRequest("preset:tiny-moe", "device=cuda").layers);
+  ASSERT_TRUE(moe_layers.ok()) << moe_layers.status();
+  EXPECT_EQ(LaunchesOf(*one.decode_kernels, "GemvKernel<1, 1, true>"), moe_layers->num_layers)
+      << Listing(one);
+  EXPECT_EQ(LaunchesOf(*one.decode_kernels, "RouterTopKKernel"), 0) << Listing(one);
+  ASSERT_TRUE(r.batches[1].decode_kernels.has_value());
+  EXPECT_GT(LaunchesOf(*r.batches[1].decode_kernels, "RouterTopKKernel"), 0)
+      << Listing(r.batches[1]);
+}
+
 // graphs=persistent: the batch-1 decode step is the persistent kernel (in a graph) instead of
 // the per-layer chain; at batch 4 the chain runs, recorded as the fallback it is.
 TEST(GpuProvenance, PersistentDecodeShowsThePersistentKernel) {

@@ -289,6 +289,10 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
       cuda::AddScaled(seg.y, y_.get(), g.scale, count, stream_);
     }
   }
+  // cuda::Gemv runs a router's top-k itself (GemvTopK); the other kernels above do not.
+  if (g.topk.counter && !(k0 == Kind::kBf16 && !projection))
+    cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
+                     g.topk.expert_ids, g.topk.expert_weights, stream_);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }

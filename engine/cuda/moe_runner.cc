@@ -51,6 +51,9 @@ absl::Status MoeRunner::AllocateScratch(int rows) {
     RETURN_IF_ERROR(fp8_codes_.Allocate(r * hidden + r * k * moe_inter));
     RETURN_IF_ERROR(fp8_scales_.Allocate(r + r * k));
   }
+  // The fused router's block count, zero between launches (each launch's last block resets it).
+  RETURN_IF_ERROR(topk_counter_.Allocate(1));
+  CUDA_OR_DIE(cudaMemsetAsync(topk_counter_.get(), 0, sizeof(unsigned), stream_));
   return absl::OkStatus();
 }
 
@@ -64,6 +67,7 @@ void MoeRunner::FreeScratch() {
   moe_bf16_.reset();
   fp8_codes_.reset();
   fp8_scales_.reset();
+  topk_counter_.reset();
 }
 
 // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
@@ -132,6 +136,13 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
           LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       a.normed_out = linear_.xn();
       LinearRunner::AddSegment(a, lw.router, {}, router_.get());
+      // The top-k in the same launch: its last block picks the experts (cuda::GemvTopK).
+      a.topk.counter = topk_counter_.get();
+      a.topk.expert_ids = expert_ids_.get();
+      a.topk.expert_weights = expert_weights_.get();
+      a.topk.num_experts = config_.num_experts;
+      a.topk.k = k;
+      a.topk.renormalize = config_.norm_topk_prob;
       RETURN_IF_ERROR(linear_.RunGemv(a));
       if (plan.bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_.get(), stream_);
       break;
@@ -144,8 +155,9 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       RETURN_IF_ERROR(Router(l, rows, plan.router));
       break;
   }
-  cuda::RouterTopK(router_.get(), rows, config_.num_experts, k, config_.norm_topk_prob,
-                   expert_ids_.get(), expert_weights_.get(), stream_);
+  if (plan.router != MoeRouter::kFusedGemv)
+    cuda::RouterTopK(router_.get(), rows, config_.num_experts, k, config_.norm_topk_prob,
+                     expert_ids_.get(), expert_weights_.get(), stream_);
 
   switch (plan.experts) {
     case MoeExperts::kGrouped: {

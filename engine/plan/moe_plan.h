@@ -43,7 +43,7 @@ struct MoeStep {
 };
 
 enum class MoeRouter {
-  kFusedGemv,     // the RMSNorm and the router in one fused-GEMV launch
+  kFusedGemv,     // the RMSNorm, the router and its top-k in one fused-GEMV launch
   kCublasLtF32,   // cuBLASLt's fp32 GEMM on the router's fp32 copy
   kRouterKernel,  // our fp32 router kernel
   kReference,     // the reference GEMM (gemm=reference)

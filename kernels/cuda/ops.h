@@ -168,6 +168,19 @@ struct GemvSegment {
   int n = 0;
   int ld = 0;  // row stride of y
 };
+// A router GEMV's top-k, fused into its launch (MoE decode rows): once every block has written
+// its logits, the last block to finish (an atomic count in `counter`, zero before the launch and
+// left zero after it) picks each row's k experts as RouterTopK does, from segment 0's output.
+// Up to kGemvTopKMaxExperts experts (16 logits a lane keep the kernel's registers in check);
+// more, and Gemv runs RouterTopK after the GEMV instead.
+constexpr int kGemvTopKMaxExperts = 512;
+struct GemvTopK {
+  unsigned* counter = nullptr;  // null: no top-k
+  int* expert_ids = nullptr;    // [rows, k]
+  float* expert_weights = nullptr;
+  int num_experts = 0, k = 0;
+  bool renormalize = false;
+};
 struct GemvArgs {
   const float* x = nullptr;  // [rows, k]
   int rows = 0;
@@ -180,6 +193,7 @@ struct GemvArgs {
   int segments = 0;
   bool accumulate = false;
   float scale = 1.f;
+  GemvTopK topk;  // one segment only (the router)
 };
 void Gemv(const GemvArgs& args, cudaStream_t stream);
 // Above this many rows (all segments) an SM, Gemv streams the matrix with a grid of a few blocks
