@@ -1168,6 +1168,26 @@ TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
   }
 }
 
+// tiny-hybrid's shared expert is as wide as its experts: at decode it runs as one more pair a row
+// in the per-pair expert kernels (MoeShared::kFoldedPair), its gate a segment of the router's
+// GEMV, so no shared-expert launch is left (the gated add is the tell); prefill chunks keep it
+// apart. The verdict is judged against the reference, as the hybrid configs' are in
+// Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported.
+TEST(GpuProvenance, TheSharedExpertRidesWithTheRoutedPairsAtDecode) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r = executor.Execute(
+      GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=fused_decode"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  for (const BatchFigures& b : r.batches) {
+    ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+    EXPECT_EQ(LaunchesOf(*b.decode_kernels, "SigmoidGatedKernel"), 0) << Listing(b);
+    EXPECT_GT(LaunchesOf(*b.decode_kernels, "MoeGateUpKernel"), 0) << Listing(b);
+    EXPECT_GT(LaunchesOf(*b.prefill_kernels, "SigmoidGatedKernel"), 0) << Listing(b);
+  }
+}
+
 // linear_attn=chunked on tiny-hybrid under graphs=on: the 16-token prompt's prefill runs the
 // linear-attention layers' delta rule as the chunked form's two passes and no recurrent kernel;
 // decode steps run the decode kernel, as linear_attn=fused_decode does.

@@ -427,6 +427,45 @@ TEST(W8a8Preflight, Fp8WeightsOnSm89AndNewerBesideTheFusedExpertRunners) {
   }
 }
 
+// The shared expert runs as one more pair a row in the per-pair expert kernels where its weights
+// sit in their tables and the fused router GEMV writes its gate: decode rows only. Elsewhere it
+// keeps its own launches: the fused GEMV pair at decode, the unfused MLP on the grouped batches.
+TEST(MoePlan, TheSharedExpertRidesWithTheRoutedPairsOnDecodeRows) {
+  const MoeShape moe{512, 10, 2048, 512};
+  MoeLayerFacts layer;
+  layer.experts_bf16 = true;
+  layer.router_f32_copy = true;
+  layer.shared_expert = true;
+  layer.shared_down_cols = 512;
+  layer.shared_in_tables = true;
+  const CudaOptions o = OptionsWith("moe", "fused");
+  MoePlan p = PlanMoe(o, moe, layer, {1, 1, true});
+  EXPECT_EQ(p.experts, MoeExperts::kPerPairGemv);
+  EXPECT_EQ(p.shared, MoeShared::kFoldedPair);
+  // Quantized tables the down kernel takes with the extra slot: folded too.
+  MoeLayerFacts fp8 = layer;
+  fp8.experts_bf16 = false;
+  fp8.quantized_tables = fp8.experts_quantized_alike = true;
+  fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 512, 2048};
+  fp8.down = {QuantFormat::kFp8Channel, 2048, 512};
+  p = PlanMoe(o, moe, fp8, {1, 1, true});
+  EXPECT_EQ(p.experts, MoeExperts::kPerPairQuantGemv);
+  EXPECT_EQ(p.shared, MoeShared::kFoldedPair);
+  // Not in the tables (qwen2_moe's wider shared expert, a rank's run at ep=on): its own GEMVs.
+  MoeLayerFacts apart = layer;
+  apart.shared_in_tables = false;
+  EXPECT_EQ(PlanMoe(o, moe, apart, {1, 1, true}).shared, MoeShared::kFusedGemv);
+  // Decode rows without the fused GEMV (gemm=cublaslt): the router runs alone, so the shared gate
+  // has no launch to ride in.
+  p = PlanMoe(o, moe, layer, {1, 1, false});
+  EXPECT_NE(p.router, MoeRouter::kFusedGemv);
+  EXPECT_EQ(p.shared, MoeShared::kUnfused);
+  // A batch of 64 rows runs the grouped kernels: the shared expert keeps its own GEMMs.
+  p = PlanMoe(o, moe, layer, {64, 1, false});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_EQ(p.shared, MoeShared::kUnfused);
+}
+
 TEST(MoePlan, FallbacksComeFromThePlan) {
   const MoeShape moe{128, 8, 2048, 768};
   MoeLayerFacts bf16;

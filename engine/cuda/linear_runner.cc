@@ -292,7 +292,7 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   // cuda::Gemv runs a router's top-k itself (GemvTopK); the other kernels above do not.
   if (g.topk.counter && !(k0 == Kind::kBf16 && !projection))
     cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
-                     g.topk.expert_ids, g.topk.expert_weights, stream_);
+                     g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }

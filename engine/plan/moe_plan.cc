@@ -151,9 +151,16 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
       break;
   }
 
-  // The shared expert: gate, up and its sigmoid gate in one fused GEMV where the rows fit.
+  // The shared expert: one more pair a row in the per-pair expert kernels where it fits their
+  // tables (decode rows, the fused router), else gate, up and its sigmoid gate in one fused GEMV
+  // where the rows fit.
+  const bool per_pair =
+      plan.experts == MoeExperts::kPerPairGemv || plan.experts == MoeExperts::kPerPairQuantGemv;
   if (!layer.shared_expert) {
     plan.shared = MoeShared::kNone;
+  } else if (layer.shared_in_tables && per_pair && plan.router == MoeRouter::kFusedGemv &&
+             s.top_k < 32) {
+    plan.shared = MoeShared::kFoldedPair;
   } else if (step.gemv && cuda::GemvSupports(rows, layer.shared_down_cols)) {
     plan.shared = MoeShared::kFusedGemv;
   } else {

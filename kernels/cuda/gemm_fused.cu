@@ -30,7 +30,7 @@ __device__ __forceinline__ int SegmentOfRow(const GemvArgs& a, int* row) {
 }
 
 // The row's top-k of the logits at segment 0's output (WarpTopK, as RouterTopK): lane s < k
-// writes slot s.
+// writes slot s, lane k the folded shared expert's slot when there is one (StoreRouting).
 template <int kPerLane>
 __device__ __forceinline__ void RouterTopKRow(const GemvArgs& a, int r, int lane) {
   const GemvTopK& t = a.topk;
@@ -38,10 +38,8 @@ __device__ __forceinline__ void RouterTopKRow(const GemvArgs& a, int r, int lane
   float weight;
   WarpTopK<kPerLane>(a.seg[0].y + static_cast<int64_t>(r) * a.seg[0].ld, t.num_experts, t.k,
                      t.renormalize, &id, &weight);
-  if (lane < t.k) {
-    t.expert_ids[static_cast<int64_t>(r) * t.k + lane] = id;
-    t.expert_weights[static_cast<int64_t>(r) * t.k + lane] = weight;
-  }
+  StoreRouting(r, lane, t.k, t.num_experts, id, weight, t.shared_logit, t.expert_ids,
+               t.expert_weights);
 }
 
 // Called by every thread of a block once its warps have stored their logits: every thread fences
@@ -276,7 +274,8 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   auto separate_topk = [&] {
     if (args.topk.counter)
       RouterTopK(args.seg[0].y, args.rows, args.topk.num_experts, args.topk.k,
-                 args.topk.renormalize, args.topk.expert_ids, args.topk.expert_weights, stream);
+                 args.topk.renormalize, args.topk.expert_ids, args.topk.expert_weights, stream,
+                 args.topk.shared_logit);
   };
   if (GemvStreams(args)) {
     const dim3 grid(kStreamBlocksPerSm * MultiprocessorCount()), block(256);

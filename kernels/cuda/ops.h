@@ -174,12 +174,16 @@ struct GemvSegment {
 // Up to kGemvTopKMaxExperts experts (16 logits a lane keep the kernel's registers in check);
 // more, and Gemv runs RouterTopK after the GEMV instead.
 constexpr int kGemvTopKMaxExperts = 512;
+// With shared_logit (a shared expert folded in as one more pair a row), each row has k + 1 slots:
+// slot k is expert num_experts (the tables' extra entry) with weight sigmoid(shared_logit[r]),
+// the shared expert's gate; the top-k's k slots are as without it.
 struct GemvTopK {
   unsigned* counter = nullptr;  // null: no top-k
-  int* expert_ids = nullptr;    // [rows, k]
+  int* expert_ids = nullptr;    // [rows, k] ([rows, k + 1] with shared_logit)
   float* expert_weights = nullptr;
   int num_experts = 0, k = 0;
   bool renormalize = false;
+  const float* shared_logit = nullptr;  // [rows] or null
 };
 struct GemvArgs {
   const float* x = nullptr;  // [rows, k]
@@ -204,9 +208,11 @@ bool GemvStreams(const GemvArgs& args);
 // ---- MoE
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
 // One warp per row; E <= 1024, k <= 32. The k ids are distinct and in range even when the
-// logits are NaN.
+// logits are NaN. With shared_logit, rows have k + 1 slots, the last the folded shared expert's
+// (GemvTopK): expert E, weight sigmoid(shared_logit[r]).
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
-                int* expert_ids, float* expert_weights, cudaStream_t stream);
+                int* expert_ids, float* expert_weights, cudaStream_t stream,
+                const float* shared_logit = nullptr);
 // The MoE expert kernels run the experts [expert_begin, expert_end) of the pointer tables (a
 // rank's own at ep=on, whose tables hold null for the other ranks' experts; [0, num_experts)
 // otherwise): a pair routed to an expert outside it reads no weights and contributes nothing
