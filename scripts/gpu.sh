@@ -68,7 +68,7 @@ for stage in $STAGES; do
       --gtest_filter='*Fit*' ;;
   new_tests)  # the GPU tests of the unverified work first, in parallel, each under its limit
     # (NEW_TIMEOUT_S, default 300 s): flash at head_dim 256, the fused decode step, the chunked
-    # prefill, qgemm=w8a8, the router's fused top-k, cuDNN at head_dim 256, the agent's per-GPU
+    # prefill, qgemm=w8a8, the router's fused top-k, the shared expert folded into the pairs, cuDNN at head_dim 256, the agent's per-GPU
     # inventory, and the two corrected assertions of the hunt's tests; before the whole suites
     # (STAGES=ptests)
     t=${NEW_TIMEOUT_S:-300}
@@ -81,7 +81,7 @@ for stage in $STAGES; do
     INFERSWEEP_RANK_DEVICES=0,0 gpu_tests .carry/gpu_tp_test "$t" new_tp.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='GpuTp.ExpertParallelQuantizedExpertsMatchTpOne' &
     gpu_tests .carry/gpu_test "$t" new_gpu.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='GpuProvenance.HybridAtHeadDim256RunsFlashOnTensorCores:GpuProvenance.FusedDecodeRunsALinearAttentionLayerInThreeLaunches:GpuProvenance.ChunkedRunsPrefillInTheChunkedForm:Gpu.ReferenceMatchesCpuAndTransformersOnFixtures:Gpu.HybridModelsServeWithStatePerSlot:Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect:GpuProvenance.BatchOneRouterGemvPicksTheExperts' &
+      --gtest_filter='GpuProvenance.HybridAtHeadDim256RunsFlashOnTensorCores:GpuProvenance.FusedDecodeRunsALinearAttentionLayerInThreeLaunches:GpuProvenance.ChunkedRunsPrefillInTheChunkedForm:Gpu.ReferenceMatchesCpuAndTransformersOnFixtures:Gpu.HybridModelsServeWithStatePerSlot:Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect:GpuProvenance.BatchOneRouterGemvPicksTheExperts:GpuProvenance.TheSharedExpertRidesWithTheRoutedPairsAtDecode' &
     wait ;;
   memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
     # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
