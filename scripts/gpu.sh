@@ -68,9 +68,9 @@ for stage in $STAGES; do
       --gtest_filter='*Fit*' ;;
   new_tests)  # the GPU tests of the unverified work first, in parallel, each under its limit
     # (NEW_TIMEOUT_S, default 300 s): flash at head_dim 256, the fused decode step, the chunked
-    # prefill, qgemm=w8a8, the router's fused top-k, the shared expert folded into the pairs, cuDNN at head_dim 256, the agent's per-GPU
-    # inventory, and the two corrected assertions of the hunt's tests; before the whole suites
-    # (STAGES=ptests)
+    # prefill, qgemm=w8a8, the router's fused top-k, the shared expert folded into the pairs,
+    # cuDNN at head_dim 256, the agent's per-GPU inventory, and the two corrected assertions of
+    # the hunt's tests; before the whole suites (STAGES=ptests)
     t=${NEW_TIMEOUT_S:-300}
     gpu_tests .carry/gpu_kernels_test "$t" new_kernels.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='GpuKernels.GatedDelta*:GpuKernels.FlashAttention*:GpuKernels.QkNormRopeAppendMatchesHostMath:GpuKernels.LargeSharedMemoryKernelsRunOnEveryDevice:GpuKernels.RouterGemvFusesTheTopK:GpuKernels.RouterTopKMatchesHostMath' &

@@ -52,13 +52,14 @@ CudaOptions Bf16Kv() {
 //   48 layers                                              = 29,909,790,720
 //   + final norm 2048                                      = 30,532,122,624 params (30.5B)
 //   bf16: x 2 bytes                                        = 61,064,245,248 bytes
-//   expert pointer tables: 48 layers x 3 x 128 x 8 bytes    =        147,456 bytes
+//   expert pointer tables: 48 layers x 3 x (128 experts + the shared expert's entry) x 8
+//                                                          =        148,608 bytes
 TEST(MemoryPlan, Qwen3MoeBf16Weights) {
   const ModelConfig c = Preset("qwen3-30b-a3b");
   for (int batch : {1, 64}) {
     const MemoryPlan p = Plan(Bf16Kv(), c, QuantFormat::kNone, Workload(batch));
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "dense tensors (bf16)"), 61'064'245'248);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 61'064'245'248 + 147'456);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 61'064'245'248 + 148'608);
     // No quantized linears, no cuBLASLt, no graphs: no copies.
     EXPECT_EQ(p.bytes(MemoryPool::kCopies), 0);
     // KV (bf16): 48 layers x 2 (K, V) x 4 kv heads x 128 x 2048 tokens x 2 bytes
@@ -76,7 +77,7 @@ TEST(MemoryPlan, Qwen3MoeBf16Weights) {
 //   dense a layer: (4,352 + 262,144) x 2 = 532,992 bytes
 //   a layer: 311,427,072 + 38,928,384 + 1,552 + 532,992 = 350,890,000 bytes
 //   48 layers = 16,842,720,000; + (622,329,856 + 2,048) x 2 = 1,244,663,808 of embed, lm_head,
-//   final norm = 18,087,383,808; + pointer tables 147,456 = 18,087,531,264 bytes.
+//   final norm = 18,087,383,808; + pointer tables 148,608 = 18,087,532,416 bytes.
 TEST(MemoryPlan, Qwen3MoeNvfp4Weights) {
   const ModelConfig c = Preset("qwen3-30b-a3b");
   for (int batch : {1, 64}) {
@@ -86,7 +87,7 @@ TEST(MemoryPlan, Qwen3MoeNvfp4Weights) {
               (int64_t{38'928'384} + 1'552) * 48);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "dense tensors (bf16)"),
               int64_t{532'992} * 48 + 1'244'663'808);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 18'087'531'264);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 18'087'532'416);
     EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{201'326'592} * batch);
   }
   // qgemm=dequant_bf16 keeps a bf16 copy of every quantized linear:
@@ -128,8 +129,8 @@ TEST(MemoryPlan, Qwen3MoeFp8Kv) {
 //     4096x8192 = 117,440,512 (3 linears) x 6: 52,554,629,120 elements over 12,338 linears.
 //   codes / 2 = 26,277,314,560; scales / 16 = 3,284,664,320 + 12,338 x 4 = 3,284,713,672.
 //   zero-centred gains in fp32: (8 x 8192 + 2 x 512 + 4096) x 4 = 282,624.
-//   pointer tables: 8 x 3 x 512 x 8 = 98,304.
-//   weights: 4,109,120,512 + 26,277,314,560 + 3,284,713,672 + 282,624 + 98,304 = 33,671,529,672.
+//   pointer tables: 8 x 3 x (512 + the shared expert's entry) x 8 = 98,496.
+//   weights: 4,109,120,512 + 26,277,314,560 + 3,284,713,672 + 282,624 + 98,496 = 33,671,529,864.
 //   KV (bf16): 2 layers x 2 x 512 x 2048 x 2 bytes = 8,388,608 a sequence.
 //   state: 6 layers x (conv 3 x 12288 + recurrent 64 x 128 x 128) x 4 bytes = 26,050,560 a
 //   sequence.
@@ -141,7 +142,7 @@ TEST(MemoryPlan, Qwen35Nvfp4EightLayers) {
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "nvfp4 codes"), 26'277'314'560);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "nvfp4 scales"), 3'284'713'672);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "zero-centred norm gains (fp32)"), 282'624);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 33'671'529'672);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 33'671'529'864);
     EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{8'388'608} * batch);
     EXPECT_EQ(p.bytes(MemoryPool::kRecurrentState), int64_t{26'050'560} * batch);
   }
