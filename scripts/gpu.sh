@@ -209,15 +209,28 @@ for stage in $STAGES; do
         grep -v "^# block" "$t" | tail -11
       done
     done ;;
+  mini_ab)  # a short A/B for a call with little device time left: qwen3-30b-a3b at MINI_LAYERS
+    # (default 12) layers, batch 1, graphs=on and persistent, each AB_BINARIES build in turn,
+    # AB_ROUNDS times (default 2); fits an H100's memory
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+        echo "# round $round: $b"
+        timeout -k 5 90 .carry/$b run --model preset:qwen3-30b-a3b --layers "${MINI_LAYERS:-12}" \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on|persistent' \
+          --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=120 \
+          --json "$OUT/mini_ab_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
+    done ;;
   ab_figures)  # the landed figures for each AB_BINARIES build in turn, AB_ROUNDS times, in one
-    # call: graphs=persistent at batch 1 and 64 (64 runs the kernel chain), prefill 2048 with
-    # moe=wgmma. A refactor is judged against the previous main's build within one call.
+    # call: graphs=persistent at batch 1 and 64 (64 runs the kernel chain; AB_BATCHES=1 on a GPU
+    # that does not hold batch 64's 98 GB), prefill 2048 with moe=wgmma. A refactor is judged
+    # against the previous main's build within one call.
     for round in $(seq "${AB_ROUNDS:-1}"); do
       for b in ${AB_BINARIES:-infersweep_base infersweep}; do
         echo "# round $round: $b"
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
-          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --workload prompt=512,output=64,batch=${AB_BATCHES:-1:64},repeats=3,warmup=1,timeout=900 \
           --json "$OUT/ab_decode_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off' \
