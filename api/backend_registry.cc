@@ -281,9 +281,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
        kBf16,
        "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
        "GEMVs (fp32 activations), a shared expert as wide as the experts among them as one "
-       "more pair a row (its gate in the router's GEMV); 4+ rows (batched decode, prefill) are bucketed by "
-       "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
-       "quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
+       "more pair a row (its gate in the router's GEMV); 4+ rows (batched decode, prefill) "
+       "are bucketed by expert on the device and run as bf16 tensor-core MMAs, each expert "
+       "read once; quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
        "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
        "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
        {absl::StrCat("qgemm=reference", kReferenceExperts)}});

@@ -57,9 +57,9 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
           "aligned codes");
     add(e, m);
   }
-  if (shared != nullptr) {
+  if (shared != nullptr) {  // BuildExpertTables passes one only where it fits
     if (!fits(*shared))
-      return absl::InternalError("the shared expert's codes are not 16-byte aligned");
+      return absl::InternalError("the shared expert does not fit the experts' table");
     add(experts.size(), *shared);
   }
   ASSIGN_OR_RETURN(auto d, UploadPointers(list, buffers));
@@ -78,7 +78,15 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
     ASSIGN_OR_RETURN(const HeldExperts held, HeldExpertRange(experts));
     std::array<cuda::QuantExpertTable, 3> quant{};
     std::vector<const void*> lists[3];
-    const bool shared = SharedExpertFitsExpertTables(layer, held);
+    // The quantized kernels read codes in 16-byte loads: a shared expert whose codes are not so
+    // aligned keeps its own launches rather than an entry.
+    auto aligned = [](const ExpertWeights& e) {
+      return reinterpret_cast<uintptr_t>(e.gate.data) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(e.up.data) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(e.down.data) % 16 == 0;
+    };
+    const bool shared = SharedExpertFitsExpertTables(layer, held) &&
+                        (!layer.shared_expert.gate.quantized() || aligned(layer.shared_expert));
     view.shared_in_table.push_back(shared);
     if (held.count() > 0 && experts[held.begin].gate.quantized()) {
       const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
