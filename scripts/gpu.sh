@@ -62,7 +62,13 @@ for stage in $STAGES; do
         '^#|OK \]|FAILED|Failure|error' &
     done
     gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='-*Fit*' &
+      --gtest_filter='-*Fit*:GpuMatrix.*' &
+    # The registry's whole matrix (some 13,800 configs a tiny preset), a preset a process
+    for shard in 0 1 2 3 4; do
+      GTEST_TOTAL_SHARDS=5 GTEST_SHARD_INDEX=$shard gpu_tests .carry/gpu_test \
+        "${PTESTS_TIMEOUT_S:-330}" "gpu_matrix_$shard.log" 'OK \]|FAILED|Failure|error' \
+        --gtest_filter='GpuMatrix.*' &
+    done
     wait
     gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
       --gtest_filter='*Fit*' ;;

@@ -152,8 +152,12 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
 
 // Every registered GPU config is OK against the GPU reference, or UNSUPPORTED with the reason
 // ExpectedRefusal derives from the registry and the model. The fast configs the presets exist
-// for must be among the OK ones, so a registry that refused too much fails here too.
-TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
+// for must be among the OK ones, so a registry that refused too much fails here too. One
+// instance a tiny preset, so a run can spread the presets over processes (gtest's
+// GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX).
+class GpuMatrix : public testing::TestWithParam<const char*> {};
+
+TEST_P(GpuMatrix, EveryRegisteredConfigIsOkOnTinyPresets) {
   REQUIRE_GPU();
   // The kernel axes are crossed with each other, the tensor-parallel ones (tp, ep, allreduce)
   // with each other on the default kernels: the collective seam adds the same two calls a layer
@@ -176,47 +180,56 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=fp8,moe=fused,graphs=on"};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);
-  // tiny-hybrid-hd256: the hybrids' gated attention at qwen3-next's head size (256), which the
-  // flash configs of must_run take on the tensor-core kernels.
-  for (const char* preset : {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe",
-                             "preset:tiny-hybrid", "preset:tiny-hybrid-hd256"}) {
-    auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
-    ASSERT_TRUE(host.ok()) << host.status();
-    int ok = 0;
-    for (const BackendConfig& config : configs) {
-      TrialRequest request = GpuRequest(preset, "device=cuda");
-      request.config = config;
-      const TrialResult r = executor.Execute(request);
-      const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
-      const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
-      EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
-      if (!refusal.empty()) {
-        EXPECT_EQ(r.reason, refusal) << preset << " " << BackendConfigString(config);
-      }
-      ok += r.status == TrialStatus::kOk;
-      std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
-                  BackendConfigString(r.config).c_str(),
-                  std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
-                  r.verdict.kl_mean, r.verdict.max_rel_error);
+  const char* const preset = GetParam();
+  auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  int ok = 0;
+  for (const BackendConfig& config : configs) {
+    TrialRequest request = GpuRequest(preset, "device=cuda");
+    request.config = config;
+    const TrialResult r = executor.Execute(request);
+    const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
+    const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
+    EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
+    if (!refusal.empty()) {
+      EXPECT_EQ(r.reason, refusal) << preset << " " << BackendConfigString(config);
     }
-    EXPECT_GT(ok, 0) << preset;
-    for (const std::string& text : must_run) {
-      // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
-      // tma, wgmma and persistent are sm_90a machine code.
-      // tiny-hybrid's (and tiny-hybrid-hd256's) Gated DeltaNet layers likewise.
-      if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
-           std::string(preset).rfind("preset:tiny-hybrid", 0) == 0) &&
-          text.find("persistent") != std::string::npos)
-        continue;
-      if (devices.sm != 90 &&
-          (text.find("tma") != std::string::npos || text.find("persistent") != std::string::npos))
-        continue;
-      auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
-      ASSERT_TRUE(config.ok()) << config.status();
-      EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
-    }
+    ok += r.status == TrialStatus::kOk;
+    std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
+                BackendConfigString(r.config).c_str(),
+                std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
+                r.verdict.kl_mean, r.verdict.max_rel_error);
+  }
+  EXPECT_GT(ok, 0) << preset;
+  for (const std::string& text : must_run) {
+    // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
+    // tma, wgmma and persistent are sm_90a machine code.
+    // tiny-hybrid's (and tiny-hybrid-hd256's) Gated DeltaNet layers likewise.
+    if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
+         std::string(preset).rfind("preset:tiny-hybrid", 0) == 0) &&
+        text.find("persistent") != std::string::npos)
+      continue;
+    if (devices.sm != 90 &&
+        (text.find("tma") != std::string::npos || text.find("persistent") != std::string::npos))
+      continue;
+    auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
   }
 }
+
+// tiny-hybrid-hd256: the hybrids' gated attention at qwen3-next's head size (256), which the
+// flash configs of must_run take on the tensor-core kernels.
+INSTANTIATE_TEST_SUITE_P(TinyPresets, GpuMatrix,
+                         testing::Values("preset:tiny-moe", "preset:tiny-dense",
+                                         "preset:tiny-qwen2-moe", "preset:tiny-hybrid",
+                                         "preset:tiny-hybrid-hd256"),
+                         [](const testing::TestParamInfo<const char*>& info) {
+                           std::string name = std::string(info.param).substr(7);  // "preset:"
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
 
 // Serves `config` on `host` under `load`: the trial and every load point OK, every request
 // completed and some judged. Returns the trial (status kError where the load does not parse).
@@ -1019,9 +1032,10 @@ TEST(GpuProvenance, GraphsOnDecodeIsAReplayOfTheCapturedKernels) {
   }
 }
 
-// moe=fused at batch 1: each MoE layer's router GEMV picks its experts in the same launch
-// (GemvKernel's top-k build, one a layer), and no RouterTopK kernel runs; at batch 4 (the router
-// kernel and the grouped experts) RouterTopK still does.
+// moe=fused decode: each MoE layer's router GEMV picks its experts in the same launch
+// (GemvKernel's top-k build, one a layer), and no RouterTopK kernel runs, at batch 1 (the
+// per-pair experts) and at batch 4 (the grouped experts) alike; prefill's router is cuBLASLt's
+// fp32 GEMM, so RouterTopK runs after it.
 TEST(GpuProvenance, BatchOneRouterGemvPicksTheExperts) {
   REQUIRE_GPU();
   TrialExecutor executor(ProbeLocalDevices());
@@ -1037,9 +1051,13 @@ TEST(GpuProvenance, BatchOneRouterGemvPicksTheExperts) {
   EXPECT_EQ(LaunchesOf(*one.decode_kernels, "GemvKernel<1, 1, true>"), moe_layers->num_layers)
       << Listing(one);
   EXPECT_EQ(LaunchesOf(*one.decode_kernels, "RouterTopKKernel"), 0) << Listing(one);
-  ASSERT_TRUE(r.batches[1].decode_kernels.has_value());
-  EXPECT_GT(LaunchesOf(*r.batches[1].decode_kernels, "RouterTopKKernel"), 0)
-      << Listing(r.batches[1]);
+  const BatchFigures& four = r.batches[1];
+  ASSERT_TRUE(four.decode_kernels.has_value() && four.prefill_kernels.has_value());
+  EXPECT_EQ(LaunchesOf(*four.decode_kernels, "GemvKernel<1, 4, true>"), moe_layers->num_layers)
+      << Listing(four);
+  EXPECT_EQ(LaunchesOf(*four.decode_kernels, "RouterTopKKernel"), 0) << Listing(four);
+  EXPECT_EQ(LaunchesOf(*four.prefill_kernels, "RouterTopKKernel"), moe_layers->num_layers)
+      << Listing(four);
 }
 
 // graphs=persistent: the batch-1 decode step is the persistent kernel (in a graph) instead of
