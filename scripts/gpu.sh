@@ -40,7 +40,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 gpu_tests() {
   local binary=$1 limit=${TEST_TIMEOUT_S:-$2} log=$3 pattern=$4
   shift 4
-  timeout -k 5 "$limit" "$binary" "$@" 2>&1 | tee "$OUT/$log" | grep -E "$pattern"
+  # stdbuf: the tests' printf lines reach the log as they happen, not lost in a buffer when the
+  # process dies
+  timeout -k 5 "$limit" stdbuf -oL "$binary" "$@" 2>&1 | tee "$OUT/$log" | grep -E "$pattern"
   local rc=${PIPESTATUS[0]}
   if ((rc == 124 || rc == 137)); then echo "# $binary: killed after $limit s (TEST_TIMEOUT_S)"; fi
   return 0
@@ -62,12 +64,12 @@ for stage in $STAGES; do
         '^#|OK \]|FAILED|Failure|error' &
     done
     gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='-*Fit*:GpuMatrix.*' &
+      --gtest_filter='-*Fit*:*GpuMatrix.*' &
     # The registry's whole matrix (some 13,800 configs a tiny preset), a preset a process
     for shard in 0 1 2 3 4; do
       GTEST_TOTAL_SHARDS=5 GTEST_SHARD_INDEX=$shard gpu_tests .carry/gpu_test \
         "${PTESTS_TIMEOUT_S:-330}" "gpu_matrix_$shard.log" 'OK \]|FAILED|Failure|error' \
-        --gtest_filter='GpuMatrix.*' &
+        --gtest_filter='*GpuMatrix.*' &
     done
     wait
     gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
@@ -89,6 +91,23 @@ for stage in $STAGES; do
     gpu_tests .carry/gpu_test "$t" new_gpu.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='GpuProvenance.HybridAtHeadDim256RunsFlashOnTensorCores:GpuProvenance.FusedDecodeRunsALinearAttentionLayerInThreeLaunches:GpuProvenance.ChunkedRunsPrefillInTheChunkedForm:Gpu.ReferenceMatchesCpuAndTransformersOnFixtures:Gpu.HybridModelsServeWithStatePerSlot:Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect:GpuProvenance.BatchOneRouterGemvPicksTheExperts:GpuProvenance.TheSharedExpertRidesWithTheRoutedPairsAtDecode' &
     wait ;;
+  diagnose)  # a GPU test that died, pinned: DIAG_FILTER (default the quantized fused configs'
+    # test) for each DIAG_BINARIES build in .carry (default gpu_test_base, the previous main's,
+    # then gpu_test), line-buffered, then under compute-sanitizer's memcheck where the GPU
+    # machine has it (the faulting kernel, thread and address)
+    filter=${DIAG_FILTER:-Gpu.FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect}
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for b in ${DIAG_BINARIES:-gpu_test_base gpu_test}; do
+      echo "# $b: $filter"
+      gpu_tests ".carry/$b" "${DIAG_TIMEOUT_S:-120}" "diagnose_$b.log" '^#|OK \]|FAILED|Failure|error' \
+        --gtest_filter="$filter"
+      if [ -n "$sanitizer" ]; then
+        echo "# $b under $sanitizer"
+        timeout -k 5 "${SANITIZER_TIMEOUT_S:-240}" stdbuf -oL "$sanitizer" --tool memcheck \
+          --print-limit 10 ".carry/$b" --gtest_filter="$filter" 2>&1 |
+          tee "$OUT/sanitizer_$b.log" | grep -E '^#|OK \]|FAILED|=========' | head -80
+      fi
+    done ;;
   memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
     # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
     # dequant_bf16), batches 1 and 64: each (config, batch) OK or "does not fit" (decided before
