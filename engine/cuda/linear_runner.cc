@@ -242,14 +242,21 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   for (int s = 1; s < g.segments; ++s)
     uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
   if (!uniform) {
+    // A segment a launch; a router's top-k once after the last (it reads the shared expert's
+    // logit, a later segment, too).
     for (int s = 0; s < g.segments; ++s) {
       FusedGemv one = g;
       one.segments = 1;
       one.seg[0] = g.seg[s];
       one.w[0] = g.w[s];
       one.bias[0] = g.bias[s];
+      one.topk = {};
       RETURN_IF_ERROR(RunGemv(one, projection));
     }
+    if (g.topk.counter)
+      cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
+                       g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
+    CHECK_LAUNCH();
     return absl::OkStatus();
   }
   if (k0 == Kind::kBf16) {
