@@ -93,15 +93,16 @@ for stage in $STAGES; do
     wait ;;
   diagnose)  # a GPU test that died, pinned: DIAG_FILTER (default the quantized fused configs'
     # test) for each DIAG_BINARIES build in .carry (default gpu_test_base, the previous main's,
-    # then gpu_test), line-buffered, then under compute-sanitizer's memcheck where the GPU
-    # machine has it (the faulting kernel, thread and address)
+    # then gpu_test), line-buffered; a build whose run does not pass runs it again under
+    # compute-sanitizer's memcheck where the GPU machine has it (the faulting kernel, thread and
+    # address)
     filter=${DIAG_FILTER:-Gpu.FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect}
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
     for b in ${DIAG_BINARIES:-gpu_test_base gpu_test}; do
       echo "# $b: $filter"
       gpu_tests ".carry/$b" "${DIAG_TIMEOUT_S:-120}" "diagnose_$b.log" '^#|OK \]|FAILED|Failure|error' \
         --gtest_filter="$filter"
-      if [ -n "$sanitizer" ]; then
+      if [ -n "$sanitizer" ] && ! grep -q '^\[  PASSED  \]' "$OUT/diagnose_$b.log"; then
         echo "# $b under $sanitizer"
         timeout -k 5 "${SANITIZER_TIMEOUT_S:-240}" stdbuf -oL "$sanitizer" --tool memcheck \
           --print-limit 10 ".carry/$b" --gtest_filter="$filter" 2>&1 |
