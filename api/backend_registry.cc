@@ -603,8 +603,9 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "scale a row, amax / 448) on E4M3 x E4M3 tensor cores (mma.sync m16n8k32, fp32 "
                "accumulate), the weight's and the row's scales on the sums: dense linears at 8+ "
                "rows and the grouped experts (moe=fused, and moe=wgmma's), nothing decoded; "
-               "decode GEMV rows as qgemm=w8a16. Tensor and channel scales; block-128 weights "
-               "take qgemm=w8a16's kernels"});
+               "decode GEMV rows as qgemm=w8a16. Tensor and channel scales (K a multiple of 64), "
+               "and block-128 scales (K a multiple of 128: each k block's sums scaled apart); "
+               "other shapes take qgemm=w8a16's kernels"});
   // TEST ONLY: the sm100a kernel's row claims every arch from sm_80 on purpose (its image is
   // sm_100a's alone): the static table lets it through, so the capability probe's refusal of a
   // missing kernel image is what a test of it sees.

@@ -792,9 +792,9 @@ std::vector<float> ExpectE4m3Rows(const std::vector<float>& x, int rows, int col
 constexpr double kFp8MmaSumTolerance = 1.0 / 1024;
 
 // GemmFp8Mma (qgemm=w8a8's dense linears): the rows' E4M3 codes and scales, then y against double
-// sums over those values times the CPU's exact dequantization of W; FP8 tensor and channel scales,
-// out features that do not fill a 16-row tile or a 64-feature block, 4- and 8-tile passes. FP8
-// block-128 and the FP4 formats are refused.
+// sums over those values times the CPU's exact dequantization of W; FP8 tensor, channel and
+// block-128 scales, out features that do not fill a 16-row tile or a 64-feature block, 4- and
+// 8-tile passes. Block-128 with a K of no whole 128-block, and the FP4 formats, are refused.
 TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
@@ -814,7 +814,9 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
       ASSERT_TRUE(q.ok()) << q.status();
       const std::vector<float> dq = DequantizeMatrix(q->View());
       DeviceMatrix dm(*q);
-      if (format != QuantFormat::kFp8Tensor && format != QuantFormat::kFp8Channel) {
+      const bool e4m3 = format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
+                        (format == QuantFormat::kFp8Block128 && c.k % 128 == 0);
+      if (!e4m3) {
         EXPECT_FALSE(cuda::GemmFp8MmaSupports(dm.ref));
         continue;
       }
@@ -857,7 +859,8 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100, c.held_begin, held_end);
   DeviceExperts up(format, c.experts, c.inter, c.hidden, 200, c.held_begin, held_end);
   DeviceExperts down(format, c.experts, c.hidden, c.inter, 300, c.held_begin, held_end);
-  ASSERT_TRUE(cuda::MoeGroupedQuantSupports(gate.t, up.t, down.t));
+  ASSERT_TRUE(cuda::MoeGroupedFp8Supports(cuda::ShapeOf(gate.t), cuda::ShapeOf(up.t),
+                                          cuda::ShapeOf(down.t)));
   const int pairs = c.rows * c.k;
   const auto [ids, route, skip] = RandomRouting(c);
   const std::vector<float> x = RandomValues(c.rows * c.hidden, 61);
@@ -911,7 +914,8 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   ExpectMoeMatchesExact(m, gate, up, down, kFp8MmaSumTolerance, /*h_in_bf16=*/true);
 }
 
-// qgemm=w8a8's grouped expert kernels, FP8 tensor and channel experts: qwen3-30b-a3b's shapes at
+// qgemm=w8a8's grouped expert kernels, FP8 tensor, channel and block-128 experts (every K here a
+// whole number of 128-blocks): qwen3-30b-a3b's shapes at
 // batch 8, tiles and features that do not fill a pass, more than 24 pairs an expert (64-pair
 // passes), and a rank's experts at ep=on.
 TEST_F(GpuQuant, GroupedFp8ExpertKernelsMatchTheExactE4m3Reference) {
@@ -921,7 +925,8 @@ TEST_F(GpuQuant, GroupedFp8ExpertKernelsMatchTheExactE4m3Reference) {
     GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
   const GroupedCase cases[] = {
       {2048, 768, 128, 8, 8}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}, {256, 128, 8, 2, 5, 2, 6}};
-  for (QuantFormat format : {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel}) {
+  for (QuantFormat format :
+       {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel, QuantFormat::kFp8Block128}) {
     for (const GroupedCase& c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
                    std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +

@@ -632,7 +632,8 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
 // dense MLP layer, a shared expert): FP8 tensor and channel weights OK in the fp8 class under
 // moe=fused, eager and under graphs, and under moe=wgmma; its prefill chunks (16 tokens) and
 // batch-4 decode steps run the E4M3 grouped kernels and no decoding ones; an expert's down_proj
-// with one scale x1000 is INCORRECT. FP8 block-128 weights take w8a16's kernels and are OK.
+// with one scale x1000 is INCORRECT. FP8 block-128 weights are OK too: their 128-wide dense
+// linears take the E4M3 kernels, their experts (64 wide, no whole 128-block) w8a16's.
 TEST(Gpu, W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect) {
   REQUIRE_GPU();
   if (ProbeLocalDevices().sm < cuda::kFp8MmaMinSm) GTEST_SKIP() << "E4M3 mma.sync needs sm_89";

@@ -359,9 +359,10 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
 }
 
 // qgemm=w8a8: FP8 tensor and channel linears take the E4M3 x E4M3 MMA from 8 rows and on every
-// prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; block-128 weights
-// and a K off the 64-element units take w8a16's paths. Grouped FP8 experts take the E4M3 kernels
-// (64-pair passes when wide), under moe=wgmma too, which the log says; block-128 experts do not.
+// prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; a K off the
+// 64-element units takes w8a16's paths, and so does a block-128 K off the 128-element blocks.
+// Grouped FP8 experts take the E4M3 kernels (64-pair passes when wide), under moe=wgmma too,
+// which the log says; block-128 experts too where their K are whole blocks.
 TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   const CudaOptions w8a8 = OptionsWith("qgemm", "w8a8");
   const LinearWeightFacts channel{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
@@ -372,7 +373,11 @@ TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   EXPECT_EQ(PlanLinear(w8a8, tensor, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
   EXPECT_EQ(PlanLinear(w8a8, channel, {true, 2, true, true}).path, LinearPath::kQuantFp8Mma);
   EXPECT_EQ(PlanLinear(w8a8, channel, {false, 2048, true, false}).path, LinearPath::kQuantFp8Mma);
-  EXPECT_EQ(PlanLinear(w8a8, block, {true, 64, false, true}).path, LinearPath::kQuantBf16Copy);
+  EXPECT_EQ(PlanLinear(w8a8, block, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Block128, 4096, 2112},
+                       {true, 64, false, true})
+                .path,
+            LinearPath::kQuantBf16Copy);
   EXPECT_EQ(
       PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Channel, 512, 2080}, {true, 8, false, true})
           .path,
@@ -404,6 +409,13 @@ TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
               testing::Contains(HasSubstr("qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels")));
   fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
   p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_FALSE(p.bf16_copies);
+  // 64-wide experts: their down projection has no whole 128-block of K.
+  const MoeShape narrow{128, 8, 2048, 64};
+  fp8.gate = fp8.up = {QuantFormat::kFp8Block128, 64, 2048};
+  fp8.down = {QuantFormat::kFp8Block128, 2048, 64};
+  p = PlanMoe(o, narrow, fp8, {2048, 2048, false, true});
   EXPECT_NE(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
   EXPECT_TRUE(p.bf16_copies);
 }

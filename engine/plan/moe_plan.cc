@@ -75,8 +75,12 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
   const bool long_prefill =
       step.n > 1 && UsesCublasGrouped(o) && !quant && layer.experts_bf16 && many_pairs;
   const bool quant_grouped_shape = quant && grouped_shape && layer.experts_quantized_alike;
+  // qgemm=w8a8: E4M3 inputs onto the FP8 codes (block-128 too, which the decoding kernels lack).
+  const bool fp8_mma = quant_grouped_shape && QuantizesActivationsFp8(o.qgemm) &&
+                       cuda::MoeGroupedFp8Supports(layer.gate, layer.up, layer.down);
   const bool quant_grouped =
-      quant_grouped_shape && cuda::MoeGroupedQuantSupports(layer.gate, layer.up, layer.down);
+      quant_grouped_shape &&
+      (fp8_mma || cuda::MoeGroupedQuantSupports(layer.gate, layer.up, layer.down));
   const bool copies = quant_grouped_shape && step.n > 1 && !quant_grouped;
   const bool bf16_grouped = device_routing && !quant && !long_prefill && grouped_shape;
   if (bf16_grouped || quant_grouped || copies) {
@@ -85,10 +89,6 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill); decode
     // batches keep the mma.sync kernels, where wgmma's smallest N (32) is mostly padding.
     const bool want_wgmma = o.moe == Moe::kWgmma && many_pairs;
-    const bool fp8_mma =
-        quant_grouped && QuantizesActivationsFp8(o.qgemm) &&
-        cuda::Fp8MmaShapeSupports(layer.gate.format, layer.gate.rows, layer.gate.cols) &&
-        cuda::Fp8MmaShapeSupports(layer.down.format, layer.down.rows, layer.down.cols);
     if (fp8_mma) {
       // qgemm=w8a8: E4M3 inputs onto the codes, whatever the moe value's kernels would decode.
       const bool wide = pairs > cuda::kMoeWidePairsPerExpert * s.experts;

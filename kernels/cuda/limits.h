@@ -137,10 +137,22 @@ enum class MoeGroupedKernel {
 };
 // E4M3 x E4M3 mma.sync (m16n8k32) needs sm_89.
 constexpr int kFp8MmaMinSm = 89;
-// qgemm=w8a8's tensor-core kernels: FP8 tensor or channel scales, K in whole 64-element units.
+// qgemm=w8a8's tensor-core kernels: FP8 tensor or channel scales with K in whole 64-element
+// units, or block-128 scales with K in whole 128-element blocks (each block's products are summed
+// apart, then scaled).
 constexpr bool Fp8MmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
-  return (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) && rows >= 1 &&
-         cols % 64 == 0;
+  if (rows < 1 || cols < 1) return false;
+  if (f == QuantFormat::kFp8Block128) return cols % 128 == 0;
+  return (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) && cols % 64 == 0;
+}
+// qgemm=w8a8's grouped expert kernels (kFp8Mma4 / kFp8Mma8): gate and up [inter, hidden] and
+// down [hidden, inter] in one FP8 format that Fp8MmaShapeSupports takes.
+constexpr bool MoeGroupedFp8Supports(const QuantMatrixShape& gate, const QuantMatrixShape& up,
+                                     const QuantMatrixShape& down) {
+  return gate.format == up.format && gate.format == down.format && gate.rows == up.rows &&
+         gate.cols == up.cols && down.rows == gate.cols && down.cols == gate.rows &&
+         Fp8MmaShapeSupports(gate.format, gate.rows, gate.cols) &&
+         Fp8MmaShapeSupports(down.format, down.rows, down.cols);
 }
 // More pairs an expert than this (on average) take the 64-pair mma.sync passes.
 constexpr int kMoeWidePairsPerExpert = 24;

@@ -7,6 +7,7 @@
 // per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/moe_runner.cc).
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "core/unreachable.h"
 #include "kernels/cuda/common.cuh"
@@ -264,13 +265,24 @@ __device__ __forceinline__ void LoadStage(const uint4* const (&w)[2 * kMats], in
 // expert's last pair). Two register stages of kUnroll chunks, so one stage's loads are in flight
 // while the other's MMAs run; `a` holds chunks [0, kUnroll) on entry.
 // kE4M3: the chunks are 64 E4M3 codes (MmaChunkE4M3), else 32 bf16 values (MmaChunk).
-template <int kMats, int kTiles, int kUnroll, bool kE4M3 = false>
+// With block_scale (FP8 block-128 weights, kUnroll 2: a stage is one 128-wide k block), a block's
+// products gather apart and are added into acc times block_scale(m, block), matrix m's scale of
+// that k block for the warp's 16 rows (one 128-row block).
+template <int kMats, int kTiles, int kUnroll, bool kE4M3 = false,
+          typename BlockScale = std::nullptr_t>
 __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
                                              const uint4* const (&rows)[kTiles], int tiles,
                                              int chunks, uint4 (&a)[kUnroll][2 * kMats],
-                                             float (&acc)[kMats][kTiles][4]) {
+                                             float (&acc)[kMats][kTiles][4],
+                                             BlockScale block_scale = nullptr) {
+  constexpr bool kBlocks = !std::is_same_v<BlockScale, std::nullptr_t>;
+  static_assert(!kBlocks || (kE4M3 && kUnroll * 64 == 128), "a stage is one 128-wide k block");
   uint4 b[kUnroll][2 * kMats];
   auto compute = [&](const uint4(&stage)[kUnroll][2 * kMats], int c0) {
+    float part[kBlocks ? kMats : 1][kBlocks ? kTiles : 1][4] = {};
+    if constexpr (kBlocks) {
+      if (c0 >= chunks) return;  // past the last block: no scale to read
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (c0 + u >= chunks) break;
@@ -280,11 +292,23 @@ __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
         const uint4 x = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int m = 0; m < kMats; ++m) {
-          if constexpr (kE4M3)
+          if constexpr (kBlocks)
+            MmaChunkE4M3(part[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+          else if constexpr (kE4M3)
             MmaChunkE4M3(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
           else
             MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
         }
+      }
+    }
+    if constexpr (kBlocks) {
+#pragma unroll
+      for (int m = 0; m < kMats; ++m) {
+        const float s = block_scale(m, c0 / kUnroll);
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] += s * part[m][j][i];
       }
     }
   };
@@ -596,9 +620,38 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Napkin math, batch 64 on qwen3-30b-a3b: the same 595 MB of FP8 codes a layer as the w8a16
 // kernels (133 us at 4.46 TB/s), with no decode instructions (theirs, ~45 us of issue, are what
 // keeps those kernels below the bandwidth) and a quarter of the bf16 inputs' bytes.
+// Block-128 weights have no row scale: their scales multiply each k block's sums (Fp8BlockScale).
 template <QuantFormat F>
 __device__ __forceinline__ float Fp8RowScale(const QuantExpertTable& t, int e, int64_t row) {
-  return QuantRowFactor<F>(t, e, row) * (1.f / 256.f);
+  if constexpr (F == QuantFormat::kFp8Block128)
+    return 1.f;
+  else
+    return QuantRowFactor<F>(t, e, row) * (1.f / 256.f);
+}
+// Expert e's block-128 scale of the block of rows holding `row` and of k block `block`: scales
+// [ceil(rows / 128), ceil(cols / 128)] in fp32, bf16 or f16.
+__device__ __forceinline__ float Fp8BlockScale(const QuantExpertTable& t, int e, int64_t row,
+                                               int block) {
+  constexpr QuantFormat kBlock = QuantFormat::kFp8Block128;
+  // LoadChunkScaleBits counts k in 16-element chunks, eight to a 128-wide block.
+  const uint32_t bits =
+      LoadChunkScaleBits<kBlock>(TableScales(t, e), t.scale_dtype, row, 8 * block, t.cols);
+  return DecodeChunkScale<kBlock>(bits, t.scale_dtype).lo;
+}
+// StreamExpert's block_scale for matrices `tables` (gate, up; or down) of expert e at the warp's
+// 16 rows from f0 (within one 128-row block: f0 is a multiple of 16); null (no block scales) for
+// tensor and channel scales.
+template <QuantFormat F, int kMats>
+__device__ __forceinline__ auto Fp8BlockScales(const QuantExpertTable* const (&tables)[kMats],
+                                               int e, int64_t f0) {
+  if constexpr (F == QuantFormat::kFp8Block128) {
+    return [tables, e, f0](int m, int block) {
+      return Fp8BlockScale(*tables[m], e, min(f0, static_cast<int64_t>(tables[m]->rows - 1)),
+                           block);
+    };
+  } else {
+    return nullptr;
+  }
 }
 // The lane's first 16 bytes of expert e's row `row` of FP8 codes.
 template <QuantFormat F>
@@ -629,6 +682,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   LoadStage<2, kUnroll>(wc, 0, chunks, a);  // before the wait: weights only
   const float scale[4] = {Fp8RowScale<F>(gate, e, lo_row), Fp8RowScale<F>(gate, e, hi_row),
                           Fp8RowScale<F>(up, e, lo_row), Fp8RowScale<F>(up, e, hi_row)};
+  const QuantExpertTable* const mats[2] = {&gate, &up};
+  const auto block_scale = Fp8BlockScales<F, 2>(mats, e, f0);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets[e], count = offsets[e + 1] - first;
@@ -638,7 +693,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     float acc[2][kTiles][4] = {};
     if (base > 0) LoadStage<2, kUnroll>(wc, 0, chunks, a);
     StreamExpert<2, kTiles, kUnroll, /*kE4M3=*/true>(wc, rows, CeilDivDevice(count - base, 8),
-                                                     chunks, a, acc);
+                                                     chunks, a, acc, block_scale);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
 #pragma unroll
@@ -675,6 +730,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint4 a[kUnroll][2];
   LoadStage<1, kUnroll>(wc, 0, chunks, a);
   const float scale[2] = {Fp8RowScale<F>(down, e, lo_row), Fp8RowScale<F>(down, e, hi_row)};
+  const QuantExpertTable* const mats[1] = {&down};
+  const auto block_scale = Fp8BlockScales<F, 1>(mats, e, f0);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int first = offsets ? offsets[e] : 0;
@@ -685,7 +742,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     float acc[1][kTiles][4] = {};
     if (base > 0) LoadStage<1, kUnroll>(wc, 0, chunks, a);
     StreamExpert<1, kTiles, kUnroll, /*kE4M3=*/true>(wc, rows, CeilDivDevice(count - base, 8),
-                                                     chunks, a, acc);
+                                                     chunks, a, acc, block_scale);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
       ForEachOutput(sorted, first, count, base, j, t, acc[0][j], [&](int pair, float lo, float hi) {
@@ -782,6 +839,8 @@ void LaunchFp8Experts(const MoeGroupedArgs& a, cudaStream_t stream) {
     LaunchFp8Experts<QuantFormat::kFp8Tensor, kTiles>(a, stream);
   else if (a.quant[0].format == QuantFormat::kFp8Channel)
     LaunchFp8Experts<QuantFormat::kFp8Channel, kTiles>(a, stream);
+  else if (a.quant[0].format == QuantFormat::kFp8Block128)
+    LaunchFp8Experts<QuantFormat::kFp8Block128, kTiles>(a, stream);
   else
     Unreachable("MoeGrouped: E4M3 experts of a format Fp8MmaShapeSupports refuses");
 }
@@ -887,6 +946,9 @@ void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, 
   if (t.format == QuantFormat::kFp8Tensor)
     wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 8, 2>)
          : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 4, 2>);
+  else if (t.format == QuantFormat::kFp8Block128)
+    wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Block128, 8, 2>)
+         : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Block128, 4, 2>);
   else  // GemmFp8MmaSupports admits no other format
     wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Channel, 8, 2>)
          : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Channel, 4, 2>);

@@ -284,16 +284,17 @@ struct MoeGroupedArgs {
 bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream);
-// y[r] = W . x[r] for r < rows, fp32 out, W FP8 E4M3 [n, k] (tensor or channel scales): x is
-// quantized to E4M3 with one scale a row (QuantizeRowsE4M3 into x_codes [rows, k] and x_scales
-// [rows]), then the codes go straight onto E4M3 x E4M3 mma.sync (m16n8k32, fp32 accumulate;
-// sm_89+), the weight's and the row's scales multiplying the sums. qgemm=w8a8's dense linears
-// at kQuantMmaMinRows rows and more.
+// y[r] = W . x[r] for r < rows, fp32 out, W FP8 E4M3 [n, k] (tensor, channel or block-128
+// scales): x is quantized to E4M3 with one scale a row (QuantizeRowsE4M3 into x_codes [rows, k]
+// and x_scales [rows]), then the codes go straight onto E4M3 x E4M3 mma.sync (m16n8k32, fp32
+// accumulate; sm_89+), the weight's scales (a row's, or each 128 x 128 block's on that block's
+// sums) and the row's multiplying the sums. qgemm=w8a8's dense linears at kQuantMmaMinRows rows
+// and more.
 // Napkin math, a 2048-token prefill chunk through q_proj of qwen3-30b-a3b [4096, 2048]: 34 GFLOP
 // at H200's ~990 dense FP8 TFLOP/s is 35 us; mma.sync reaches perhaps a third of it (~100 us),
 // against ~60 us of bf16 wgmma at its rate: the win is in the bytes (8 MB of codes, not a 16 MB
 // bf16 copy made per call) and in decode batches, where nothing is decoded.
-bool GemmFp8MmaSupports(const MatrixRef& w);  // FP8 tensor / channel, k % 64, aligned codes
+bool GemmFp8MmaSupports(const MatrixRef& w);  // Fp8MmaShapeSupports, aligned codes
 void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, float* x_scales,
                 float* y, cudaStream_t stream);
 // codes[r] = E4M3(x[r] / scale[r]) with scale[r] = max |x[r]| / 448 (1 for an all-zero row),
