@@ -192,9 +192,11 @@ std::vector<BackendDescriptor> MakeRegistry() {
                {},
                {},
                kBf16,
-               "decode: tiled online softmax in fp32, K/V tiles shared across a GQA group, "
-               "split-KV + combine; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor "
-               "cores (mma.sync), fp32 accumulate"});
+               "decode: split-KV tiled online softmax + combine, each K/V tile shared by the q "
+               "heads of a kv head (GQA groups up to 16), on bf16 tensor cores (mma.sync) at "
+               "head_dim 32, 64, 128 and 256, in fp32 on CUDA cores at the other multiples of 8 "
+               "up to 256; prefill chunks of 16+ tokens: FlashAttention-2 on bf16 tensor cores "
+               "(mma.sync) at head_dim 32, 64, 128 and 256; fp32 accumulate"});
   // cuDNN is dlopened at run time (engine/cudnn_loader.h): the capability probe refuses the
   // value where cuDNN is missing, too old, or finalizes no plan for the model's shapes.
   r.push_back({"attention",
@@ -237,8 +239,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                kFp8,
                "K and V as E4M3 codes with one fp32 scale per token and kv head each (amax / "
                "448), set as they are appended: a quarter of fp32's bytes (+3 % for the scales "
-               "at head_dim 128); the flash tensor-core kernels convert them to bf16 as they "
-               "stage K/V tiles; head_dim 32, 64 or 128"});
+               "at head_dim 128, +1.6 % at 256); the flash tensor-core kernels convert them to "
+               "f16 (times their scale) as they stage K/V tiles; head_dim 32, 64, 128 or 256"});
   r.push_back(
       {"moe",
        "loop",
@@ -278,9 +280,10 @@ std::vector<BackendDescriptor> MakeRegistry() {
        {},
        kBf16,
        "device-side routing, no host sync (capturable): 1-3 rows take per-pair expert "
-       "GEMVs (fp32 activations); 4+ rows (batched decode, prefill) are bucketed by "
-       "expert on the device and run as bf16 tensor-core MMAs, each expert read once; "
-       "quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
+       "GEMVs (fp32 activations), a shared expert as wide as the experts among them as one "
+       "more pair a row (its gate in the router's GEMV); 4+ rows (batched decode, prefill) "
+       "are bucketed by expert on the device and run as bf16 tensor-core MMAs, each expert "
+       "read once; quantized experts (w4a16, w8a16) likewise: per-pair GEMVs below 4 rows, and from 4 "
        "rows the same MMAs with FP8 / FP4 codes decoded to bf16 in registers (fp8 "
        "block-128: per-pair GEMVs at decode, a bf16 copy of the layer's experts in prefill)",
        {absl::StrCat("qgemm=reference", kReferenceExperts)}});
@@ -372,6 +375,34 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "conv fused with its SiLU; the gated delta rule with a [dk, 32] state slice a "
                "block held in registers through the step's tokens and written back once (decode "
                "and prefill), fp32"});
+  r.push_back({"linear_attn",
+               "fused_decode",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "decode rows as one launch a layer after the projections' one GEMV: conv and "
+               "SiLU, q/k L2 norm, gates, the gated delta rule over a value head's whole [dk, dv] "
+               "state in one block's registers, and the gated RMSNorm; prefill chunks as "
+               "linear_attn=fused. fp32; dk <= 128, dv <= 128"});
+  r.push_back({"linear_attn",
+               "chunked",
+               kCuda,
+               80,
+               0,
+               true,
+               {},
+               {},
+               kFp32,
+               "prefill sequences of 16+ tokens in the chunked form of the gated delta rule, 32 "
+               "tokens a chunk: a chunk-parallel pass (k.k and q.k products, the chunk's "
+               "triangular solve, its state-independent terms) then a pass a value head that "
+               "carries the state chunk to chunk, every product on tensor cores as 3xTF32 "
+               "(mma.sync, fp32-class); shorter sequences as linear_attn=fused, decode rows as "
+               "linear_attn=fused_decode. dk and dv multiples of 16, <= 128"});
   // Tensor and expert parallelism: tp > 1 runs one rank process a GPU (harness/rank_supervisor.h),
   // each on its shard (engine/tp_model.h's ShardHostModel); at tp=1 allreduce=nccl and custom run
   // the collective seam (engine/cuda/communicator.h) over one rank, and auto, the default, none.
@@ -558,6 +589,23 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "VEC32_UE8M0 for MXFP4), activations quantized to FP4 on the device each call: "
                "sm_100 / sm_120 only (on sm_90 preflight answers UNSUPPORTED); not yet run on "
                "such a GPU"});
+  // E4M3 x E4M3 mma.sync (m16n8k32) is sm_89's.
+  r.push_back({"qgemm",
+               "w8a8",
+               kCuda,
+               89,
+               0,
+               true,
+               {"fp8"},
+               {},
+               kFp8,
+               "FP8 E4M3 weights as loaded times activations quantized to E4M3 on the device (one "
+               "scale a row, amax / 448) on E4M3 x E4M3 tensor cores (mma.sync m16n8k32, fp32 "
+               "accumulate), the weight's and the row's scales on the sums: dense linears at 8+ "
+               "rows and the grouped experts (moe=fused, and moe=wgmma's), nothing decoded; "
+               "decode GEMV rows as qgemm=w8a16. Tensor and channel scales (K a multiple of 64), "
+               "and block-128 scales (K a multiple of 128: each k block's sums scaled apart); "
+               "other shapes take qgemm=w8a16's kernels"});
   // TEST ONLY: the sm100a kernel's row claims every arch from sm_80 on purpose (its image is
   // sm_100a's alone): the static table lets it through, so the capability probe's refusal of a
   // missing kernel image is what a test of it sees.

@@ -118,8 +118,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
 
 // Synthetic presets at real shapes: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b,
-// qwen3-next-80b-a3b, qwen3.5-397b-a17b, tiny-moe, tiny-dense, tiny-qwen2-moe, tiny-hybrid
-// (docs/MODELS.md). num_layers_override > 0 truncates (or extends) the layer count.
+// qwen3-next-80b-a3b, qwen3.5-397b-a17b, tiny-moe, tiny-dense, tiny-qwen2-moe, tiny-hybrid,
+// tiny-hybrid-hd256 (docs/MODELS.md). num_layers_override > 0 truncates (or extends) the layer
+// count.
 absl::StatusOr<ModelConfig> PresetConfig(std::string_view name, int num_layers_override = 0);
 std::vector<std::string> PresetNames();
 

@@ -88,6 +88,11 @@ constexpr PresetRow kPresets[] = {
   {"tiny-hybrid", ModelArch::kQwen3Next, {128, 4, 4, 2, 32}, 0,
      {8, 2, 64, true, 64},
      512, 1e6, 1e-6f, 4096, {2, 4, 32, 32, 2}},
+  // tiny-hybrid with qwen3-next's full-attention head size (256, partial RoPE over 64 dims) and
+  // a GQA group of 4: the flash kernels' head_dim 256 end to end.
+  {"tiny-hybrid-hd256", ModelArch::kQwen3Next, {128, 4, 8, 2, 256}, 0,
+     {8, 2, 64, true, 64},
+     512, 1e6, 1e-6f, 4096, {2, 4, 32, 32, 2}},
 };
 // clang-format on
 

@@ -46,12 +46,12 @@ struct AxisOf<Graphs> {
 template <>
 struct AxisOf<QGemm> {
   static constexpr const char* kAxis = "qgemm";
-  static constexpr int kCount = 7;
+  static constexpr int kCount = 8;
 };
 template <>
 struct AxisOf<LinearAttn> {
   static constexpr const char* kAxis = "linear_attn";
-  static constexpr int kCount = 2;
+  static constexpr int kCount = 4;
 };
 template <>
 struct AxisOf<TestKernel> {

@@ -16,8 +16,17 @@ enum class Attention { kNaive, kFlash, kCudnn };
 enum class KvCache { kFp32, kBf16, kFp8 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
-enum class QGemm { kReference, kDequantBf16, kW4A16, kW8A16, kFp8CublasLt, kCudnn, kNativeFp4 };
-enum class LinearAttn { kReference, kFused };
+enum class QGemm {
+  kReference,
+  kDequantBf16,
+  kW4A16,
+  kW8A16,
+  kFp8CublasLt,
+  kCudnn,
+  kNativeFp4,
+  kW8A8
+};
+enum class LinearAttn { kReference, kFused, kFusedDecode, kChunked };
 // TEST ONLY: sm100a launches a kernel built for sm_100a alone as the model is built, so the
 // capability probe's refusal of a missing kernel image can be exercised on any GPU.
 enum class TestKernel { kNone, kSm100a };
@@ -54,8 +63,14 @@ constexpr bool RoutesOnDevice(Moe m) { return m == Moe::kFused || m == Moe::kWgm
 constexpr bool CapturesDecode(Graphs g) { return g != Graphs::kOff; }
 // graphs=persistent: batch-1 decode steps as one cooperative kernel over every layer.
 constexpr bool IsPersistent(Graphs g) { return g == Graphs::kPersistent; }
-// qgemm=w4a16 and w8a16 dequantize the codes in registers inside the GEMV and expert kernels.
-constexpr bool DequantizesInRegisters(QGemm q) { return q == QGemm::kW4A16 || q == QGemm::kW8A16; }
+// qgemm=w4a16 and w8a16 dequantize the codes in registers inside the GEMV and expert kernels;
+// w8a8 too on its GEMV rows (decode), its batches of rows taking E4M3 x E4M3 tensor cores.
+constexpr bool DequantizesInRegisters(QGemm q) {
+  return q == QGemm::kW4A16 || q == QGemm::kW8A16 || q == QGemm::kW8A8;
+}
+// qgemm=w8a8: batches of rows quantized to E4M3 (one scale a row) onto E4M3 x E4M3 mma.sync with
+// the FP8 codes as loaded: dense linears at kQuantMmaMinRows rows and more, grouped experts.
+constexpr bool QuantizesActivationsFp8(QGemm q) { return q == QGemm::kW8A8; }
 // qgemm=fp8_cublaslt and native_fp4 run quantized linears as cuBLASLt scaled GEMMs, qgemm=cudnn
 // as cuDNN's matmul graphs: a library reads the codes in place.
 constexpr bool UsesScaledGemm(QGemm q) {

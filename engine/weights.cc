@@ -160,6 +160,19 @@ absl::StatusOr<HeldExperts> HeldExpertRange(const std::vector<ExpertWeights>& ex
   return r;
 }
 
+bool SharedExpertFitsExpertTables(const LayerWeights& layer, const HeldExperts& held) {
+  const int experts = static_cast<int>(layer.experts.size());
+  if (layer.shared_expert.gate.empty() || experts == 0 || held.begin != 0 || held.end != experts)
+    return false;
+  auto alike = [](const MatrixRef& a, const MatrixRef& b) {
+    return a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols &&
+           a.quant.format == b.quant.format && a.quant.scale_dtype == b.quant.scale_dtype;
+  };
+  const ExpertWeights& e = layer.experts[0];
+  const ExpertWeights& s = layer.shared_expert;
+  return alike(s.gate, e.gate) && alike(s.up, e.up) && alike(s.down, e.down);
+}
+
 std::vector<MatrixRef*> LayerLinears(LayerWeights& l) {
   std::vector<MatrixRef*> linears = {&l.q, &l.k, &l.v, &l.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down};
   for (ExpertWeights& e : l.experts) linears.insert(linears.end(), {&e.gate, &e.up, &e.down});

@@ -102,6 +102,13 @@ struct HeldExperts {
 };
 absl::StatusOr<HeldExperts> HeldExpertRange(const std::vector<ExpertWeights>& experts);
 
+// The shared expert can ride in the device expert tables as one more expert, index num_experts,
+// its pair a row run by the routed experts' kernels: the layer holds every expert (not a rank's
+// run at ep=on) and a shared expert whose gate, up and down match the experts' in dtype,
+// quantization format, scale dtype and shape (qwen3-next and qwen3.5: 512 and 1024 wide like
+// their experts; qwen2_moe's wider one does not).
+bool SharedExpertFitsExpertTables(const LayerWeights& layer, const HeldExperts& held);
+
 // Generates a synthetic model's host copy if it was loaded without one (GPU-only runs skip it).
 absl::Status MaterializeHostWeights(HostModel& model);
 

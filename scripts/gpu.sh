@@ -40,7 +40,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 gpu_tests() {
   local binary=$1 limit=${TEST_TIMEOUT_S:-$2} log=$3 pattern=$4
   shift 4
-  timeout -k 5 "$limit" "$binary" "$@" 2>&1 | tee "$OUT/$log" | grep -E "$pattern"
+  # stdbuf: the tests' printf lines reach the log as they happen, not lost in a buffer when the
+  # process dies
+  timeout -k 5 "$limit" stdbuf -oL "$binary" "$@" 2>&1 | tee "$OUT/$log" | grep -E "$pattern"
   local rc=${PIPESTATUS[0]}
   if ((rc == 124 || rc == 137)); then echo "# $binary: killed after $limit s (TEST_TIMEOUT_S)"; fi
   return 0
@@ -62,10 +64,51 @@ for stage in $STAGES; do
         '^#|OK \]|FAILED|Failure|error' &
     done
     gpu_tests .carry/gpu_test "${PTESTS_TIMEOUT_S:-330}" gpu_test.log '^#|OK \]|FAILED|Failure|error' \
-      --gtest_filter='-*Fit*' &
+      --gtest_filter='-*Fit*:*GpuMatrix.*' &
+    # The registry's whole matrix (some 13,800 configs a tiny preset), a preset a process
+    for shard in 0 1 2 3 4; do
+      GTEST_TOTAL_SHARDS=5 GTEST_SHARD_INDEX=$shard gpu_tests .carry/gpu_test \
+        "${PTESTS_TIMEOUT_S:-330}" "gpu_matrix_$shard.log" 'OK \]|FAILED|Failure|error' \
+        --gtest_filter='*GpuMatrix.*' &
+    done
     wait
     gpu_tests .carry/gpu_test 120 gpu_memory_test.log '^#|OK \]|FAILED|Failure|error|planned' \
       --gtest_filter='*Fit*' ;;
+  new_tests)  # the GPU tests of the unverified work first, in parallel, each under its limit
+    # (NEW_TIMEOUT_S, default 300 s): flash at head_dim 256, the fused decode step, the chunked
+    # prefill, qgemm=w8a8, the router's fused top-k, the shared expert folded into the pairs,
+    # cuDNN at head_dim 256, the agent's per-GPU inventory, and the two corrected assertions of
+    # the hunt's tests; before the whole suites (STAGES=ptests)
+    t=${NEW_TIMEOUT_S:-300}
+    gpu_tests .carry/gpu_kernels_test "$t" new_kernels.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuKernels.GatedDelta*:GpuKernels.FlashAttention*:GpuKernels.QkNormRopeAppendMatchesHostMath:GpuKernels.LargeSharedMemoryKernelsRunOnEveryDevice:GpuKernels.RouterGemvFusesTheTopK:GpuKernels.RouterTopKMatchesHostMath' &
+    gpu_tests .carry/gpu_quant_test "$t" new_quant.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='*Fp8*:*E4m3*' &
+    gpu_tests .carry/gpu_probe_test "$t" new_probe.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuProbe.TheAgentOffersEachGpuAsTheRuntimeDescribesIt:GpuCudnn.AttentionAtHeadDim256IsOkOrRefusedByCudnn' &
+    INFERSWEEP_RANK_DEVICES=0,0 gpu_tests .carry/gpu_tp_test "$t" new_tp.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuTp.ExpertParallelQuantizedExpertsMatchTpOne' &
+    gpu_tests .carry/gpu_test "$t" new_gpu.log '^#|OK \]|FAILED|Failure|error' \
+      --gtest_filter='GpuProvenance.HybridAtHeadDim256RunsFlashOnTensorCores:GpuProvenance.FusedDecodeRunsALinearAttentionLayerInThreeLaunches:GpuProvenance.ChunkedRunsPrefillInTheChunkedForm:Gpu.ReferenceMatchesCpuAndTransformersOnFixtures:Gpu.HybridModelsServeWithStatePerSlot:Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect:GpuProvenance.BatchOneRouterGemvPicksTheExperts:GpuProvenance.TheSharedExpertRidesWithTheRoutedPairsAtDecode' &
+    wait ;;
+  diagnose)  # a GPU test that died, pinned: DIAG_FILTER (default the quantized fused configs'
+    # test) for each DIAG_BINARIES build in .carry (default gpu_test_base, the previous main's,
+    # then gpu_test), line-buffered; a build whose run does not pass runs it again under
+    # compute-sanitizer's memcheck where the GPU machine has it (the faulting kernel, thread and
+    # address)
+    filter=${DIAG_FILTER:-Gpu.FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect}
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for b in ${DIAG_BINARIES:-gpu_test_base gpu_test}; do
+      echo "# $b: $filter"
+      gpu_tests ".carry/$b" "${DIAG_TIMEOUT_S:-120}" "diagnose_$b.log" '^#|OK \]|FAILED|Failure|error' \
+        --gtest_filter="$filter"
+      if [ -n "$sanitizer" ] && ! grep -q '^\[  PASSED  \]' "$OUT/diagnose_$b.log"; then
+        echo "# $b under $sanitizer"
+        timeout -k 5 "${SANITIZER_TIMEOUT_S:-240}" stdbuf -oL "$sanitizer" --tool memcheck \
+          --print-limit 10 ".carry/$b" --gtest_filter="$filter" 2>&1 |
+          tee "$OUT/sanitizer_$b.log" | grep -E '^#|OK \]|FAILED|=========' | head -80
+      fi
+    done ;;
   memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
     # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
     # dequant_bf16), batches 1 and 64: each (config, batch) OK or "does not fit" (decided before
@@ -192,15 +235,28 @@ for stage in $STAGES; do
         grep -v "^# block" "$t" | tail -11
       done
     done ;;
+  mini_ab)  # a short A/B for a call with little device time left: qwen3-30b-a3b at MINI_LAYERS
+    # (default 12) layers, batch 1, graphs=on and persistent, each AB_BINARIES build in turn,
+    # AB_ROUNDS times (default 2); fits an H100's memory
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+        echo "# round $round: $b"
+        timeout -k 5 90 .carry/$b run --model preset:qwen3-30b-a3b --layers "${MINI_LAYERS:-12}" \
+          --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on|persistent' \
+          --workload prompt=512,output=64,batch=1,repeats=3,warmup=1,timeout=120 \
+          --json "$OUT/mini_ab_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
+    done ;;
   ab_figures)  # the landed figures for each AB_BINARIES build in turn, AB_ROUNDS times, in one
-    # call: graphs=persistent at batch 1 and 64 (64 runs the kernel chain), prefill 2048 with
-    # moe=wgmma. A refactor is judged against the previous main's build within one call.
+    # call: graphs=persistent at batch 1 and 64 (64 runs the kernel chain; AB_BATCHES=1 on a GPU
+    # that does not hold batch 64's 98 GB), prefill 2048 with moe=wgmma. A refactor is judged
+    # against the previous main's build within one call.
     for round in $(seq "${AB_ROUNDS:-1}"); do
       for b in ${AB_BINARIES:-infersweep_base infersweep}; do
         echo "# round $round: $b"
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent' \
-          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --workload prompt=512,output=64,batch=${AB_BATCHES:-1:64},repeats=3,warmup=1,timeout=900 \
           --json "$OUT/ab_decode_${b}_$round.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|spread"
         .carry/$b run --model preset:qwen3-30b-a3b \
           --config 'device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off' \
@@ -305,6 +361,23 @@ for r in csv.reader(sys.stdin):
       quant_run "$B" "$f" "${QUANT_GRAPHS:-persistent|on}" "$OUT/timeline_$f.txt" \
         --json "$OUT/bench_quant_$f.json" 2>&1 | tee "$OUT/bench_quant_$f.log"
       [ -f "$OUT/timeline_$f.txt" ] && grep -v "^# block" "$OUT/timeline_$f.txt" | tail -11
+    done ;;
+  fp8_figures)  # qwen3-30b-a3b fp8_channel (FP8_FORMATS), 48 layers quantized on the host: decode
+    # at batch 1 (graphs=persistent) and 64 (prompt 512, 64 tokens), prefill 2048 (moe=wgmma),
+    # under qgemm=w8a16 (the codes decoded to bf16) and w8a8 (E4M3 activations on E4M3 tensor
+    # cores), one binary, one call: the FP8 rows of the quantized figures.
+    for f in ${FP8_FORMATS:-fp8_channel}; do
+      for q in ${FP8_QGEMMS:-w8a16 w8a8}; do
+        echo "# $f qgemm=$q"
+        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent,qgemm=$q" \
+          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/fp8_decode_${f}_$q.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+        $B run --model preset:qwen3-30b-a3b --quantize "$f" \
+          --config "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=wgmma,graphs=off,qgemm=$q" \
+          --workload prompt=2048,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/fp8_prefill_${f}_$q.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
     done ;;
   quant_batch)  # the quantized grouped MMA kernels' GPU tests (mma.sync and wgmma),
     # a bad expert scale under each moe value, then qwen3-30b-a3b, 48 layers, quantized on the
@@ -419,6 +492,31 @@ for r in csv.reader(sys.stdin):
         --config "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=off,qgemm=$q,linear_attn=fused" \
         --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/hybrid_prefill_$f.json" 2>&1 | tee "$OUT/hybrid_prefill_$f.log" | grep -vE "timed by"
+    done ;;
+  hybrid_ab)  # qwen3-next-80b-a3b fp8_channel (HYBRID_FORMATS), 48 layers, quantized on the host:
+    # decode at batch 1 and 64 (prompt 512, 64 tokens) and prefill 4096, each AB_BINARIES build
+    # under its fastest config: HYBRID_CONFIG_BASE for the first (the kernels main had), then
+    # HYBRID_CONFIG (flash at head_dim 256 on a bf16 cache, linear_attn=chunked) for the rest.
+    # The hybrids' headline rows, against the previous main's, in one call.
+    # HYBRID_LAYERS (default 48) fewer layers where the GPU holds less than the whole model.
+    base_cfg=${HYBRID_CONFIG_BASE:-attention=naive,linear_attn=fused}
+    new_cfg=${HYBRID_CONFIG:-attention=flash,kv_cache=bf16,linear_attn=chunked}
+    first=1
+    for b in ${AB_BINARIES:-infersweep_base infersweep}; do
+      cfg=$new_cfg
+      if ((first)); then cfg=$base_cfg; first=0; fi
+      for f in ${HYBRID_FORMATS:-fp8_channel}; do
+        q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
+        echo "# $b $f: $cfg"
+        .carry/$b run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
+          --config "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$q,$cfg" \
+          --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/hybrid_ab_decode_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+        .carry/$b run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
+          --config "device=cuda,gemm=fused,moe=fused,graphs=off,qgemm=$q,$cfg" \
+          --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
+          --json "$OUT/hybrid_ab_prefill_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
+      done
     done ;;
   hybrid_profile)  # per-kernel times of qwen3-next-80b-a3b batch-1 steps, 4 layers (3 linear, 1
     # full), bf16, graphs off so ncu sees each kernel: every kernel but the weight generator's

@@ -461,7 +461,7 @@ void CheckFlashAttention(GpuKernels& t, const FlashCase& c, std::mt19937& rng) {
   float* partial = t.Upload(
       std::vector<float>(cuda::FlashPartialFloats(rows, c.q_heads, c.kv_heads, c.d), 0.f));
   // kv_cache=bf16 and kv_cache=fp32 (holding the same, bf16-representable values), and fp8 where
-  // the tensor-core kernels read it (head_dim 32, 64, 128).
+  // the tensor-core kernels read it (head_dim 32, 64, 128, 256).
   for (const cuda::KvDtype dtype :
        {cuda::KvDtype::kBf16, cuda::KvDtype::kFp32, cuda::KvDtype::kFp8}) {
     const bool fp8 = dtype == cuda::KvDtype::kFp8;
@@ -505,6 +505,27 @@ TEST_F(GpuKernels, FlashAttentionMatchesHostMath) {
         FlashCase{2, 2, 4, 2, 32, 70, 2e-2}, FlashCase{2, 3, 6, 2, 96, 50, 1e-4},
         FlashCase{64, 1, 8, 1, 128, 543, 2e-2},
         FlashCase{1, 1, 8, 1, 128, 1500, 2e-2}})  // 47 splits, a long context at batch 1
+    CheckFlashAttention(*this, c, rng);
+}
+
+// Head size 256 (qwen3-next's and qwen3.5's gated attention), on every cache type. Decode chunks
+// run the tensor-core split-KV kernel's two-warp build (32-key tiles, Q staged in shared memory):
+// GQA groups of 16 (32 q / 2 kv heads, qwen3.5) and 8 (qwen3-next) as MMA rows, a batch-1 context
+// of 4096 keys over 64 splits of two full tiles each, batch 64 with splits of a full tile and a
+// partial one, a multi-token chunk and splits that end inside a tile. Prefill chunks run the
+// tensor-core prefill kernel's 32-key build with Q staged in shared memory: chunk lengths that
+// are not multiples of the 64-query tile, causal masks inside 32-key tiles, pos0 > 0. Head sizes
+// above 128 that the tensor-core kernels are not built for (192, 248) take the CUDA-core kernel's
+// eight-accumulator build, a group of 16 (512 threads, 78 KB of shared memory) among them.
+TEST_F(GpuKernels, FlashAttentionAtHeadDim256MatchesHostMath) {
+  std::mt19937 rng(256);
+  for (const FlashCase& c :
+       {FlashCase{1, 1, 32, 2, 256, 4095, 2e-2}, FlashCase{64, 1, 16, 2, 256, 543, 2e-2},
+        FlashCase{4, 1, 16, 2, 256, 130, 2e-2}, FlashCase{2, 3, 32, 2, 256, 100, 2e-2},
+        FlashCase{1, 1, 16, 2, 256, 1500, 2e-2}, FlashCase{3, 2, 8, 8, 256, 20, 2e-2},
+        FlashCase{2, 100, 16, 2, 256, 5, 2e-2}, FlashCase{1, 130, 32, 2, 256, 0, 2e-2},
+        FlashCase{3, 16, 8, 2, 256, 40, 2e-2}, FlashCase{1, 70, 16, 1, 256, 33, 2e-2},
+        FlashCase{2, 3, 32, 2, 248, 50, 1e-4}, FlashCase{1, 20, 6, 2, 192, 30, 1e-4}})
     CheckFlashAttention(*this, c, rng);
 }
 
@@ -704,6 +725,9 @@ TEST_F(GpuKernels, LargeSharedMemoryKernelsRunOnEveryDevice) {
     CheckGemv(*this, 4, 4096, 64);                                  // 64 KB of staged input
     CheckBucketPairs(*this, {5000, 1024, 0, -1});                   // 65 KB of count table
     CheckFlashAttention(*this, {2, 100, 8, 2, 128, 5, 2e-2}, rng);  // 64 KB of K/V stages
+    CheckFlashAttention(*this, {2, 40, 16, 2, 256, 5, 2e-2}, rng);  // 99 KB: stages and Q
+    CheckFlashAttention(*this, {2, 1, 16, 2, 256, 70, 2e-2}, rng);  // 75 KB: stages and Q
+    CheckFlashAttention(*this, {1, 2, 32, 2, 248, 40, 1e-4}, rng);  // 78 KB of fp32 tiles and q
     cudaDeviceProp prop{};
     ASSERT_EQ(cudaGetDeviceProperties(&prop, d), cudaSuccess);
     if (prop.major == 9 && prop.minor == 0) {  // moe=wgmma's 97 KB ring
@@ -724,11 +748,12 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   struct Case {
     int batch, n, q_heads, kv_heads, d, pos0;
   };
-  // d = 512: pairs past the 128 a warp holds in registers take the kernel's late-read path.
+  // d = 256: every pair held in registers, the largest head an fp8 cache takes; d = 512: pairs
+  // past the 128 a warp holds in registers take the kernel's late-read path.
   for (const Case& c : {Case{2, 3, 8, 2, 128, 4}, Case{1, 1, 4, 4, 16, 0}, Case{3, 2, 6, 3, 64, 9},
-                        Case{1, 2, 2, 1, 512, 3}}) {
+                        Case{1, 2, 2, 1, 512, 3}, Case{2, 2, 8, 2, 256, 6}}) {
     for (const cuda::KvDtype dtype : {cuda::KvDtype::kFp32, cuda::KvDtype::kBf16, cuda::KvDtype::kFp8}) {
-      // An fp8 cache holds a head's pairs in registers (kv_cache=fp8 is refused past 128).
+      // An fp8 cache holds a head's pairs in registers (kv_cache=fp8 is refused past 256).
       if (dtype == cuda::KvDtype::kFp8 && c.d > 256) continue;
       const bool bf16 = dtype == cuda::KvDtype::kBf16, fp8 = dtype == cuda::KvDtype::kFp8;
       SCOPED_TRACE(testing::Message() << "d " << c.d << " cache " << (fp8 ? "fp8" : bf16 ? "bf16" : "fp32"));
@@ -900,6 +925,65 @@ TEST_F(GpuKernels, RouterTopKMatchesHostMath) {
   }
 }
 
+// The router's GEMV with its top-k in the same launch (GemvTopK, moe=fused's decode rows): the
+// logits are the plain GEMV's bit for bit, and the ids and weights RouterTopK's on those logits,
+// at 1 and 4 rows, E = 128 (qwen3-30b-a3b), 512 (qwen3-next) and 60 (a last block short of
+// warps), k 8, 10 and 4; three launches on one counter (each must leave it zero for the next).
+TEST_F(GpuKernels, RouterGemvFusesTheTopK) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  unsigned* counter = Upload(std::vector<unsigned>{0u});
+  for (const auto& [rows, experts, k] :
+       {std::tuple{1, 128, 8}, std::tuple{4, 512, 10}, std::tuple{1, 60, 4}}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows, E " << experts << ", k " << k);
+    const int hidden = 2048;
+    std::vector<float> x(static_cast<size_t>(rows) * hidden), gain(hidden);
+    std::vector<uint16_t> w(static_cast<size_t>(experts) * hidden);
+    for (float& v : x) v = 3.f * uni(rng);
+    for (float& v : gain) v = 1.f + 0.5f * uni(rng);
+    for (uint16_t& v : w) v = FloatToBf16(0.05f * uni(rng));
+    cuda::GemvArgs a;
+    a.x = Upload(x);
+    a.rows = rows;
+    a.k = hidden;
+    a.norm_gain = Upload(gain);
+    a.norm_dtype = DType::kF32;
+    a.norm_eps = 1e-6f;
+    a.seg[0].w = Upload(w);
+    a.seg[0].n = experts;
+    a.seg[0].ld = experts;
+    a.segments = 1;
+    ASSERT_FALSE(cuda::GemvStreams(a));
+    const size_t logits = static_cast<size_t>(rows) * experts, picks = static_cast<size_t>(rows) * k;
+    // The plain GEMV, then RouterTopK on its logits: what the fused launch must equal.
+    a.seg[0].y = Upload(std::vector<float>(logits, NAN));
+    cuda::Gemv(a, nullptr);
+    int* want_ids = Upload(std::vector<int>(picks, -1));
+    float* want_w = Upload(std::vector<float>(picks, NAN));
+    cuda::RouterTopK(a.seg[0].y, rows, experts, k, true, want_ids, want_w, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> want_logits = Download(a.seg[0].y, logits);
+    for (int launch = 0; launch < 3; ++launch) {
+      cuda::GemvArgs f = a;
+      f.seg[0].y = Upload(std::vector<float>(logits, NAN));
+      f.topk.counter = counter;
+      f.topk.expert_ids = Upload(std::vector<int>(picks, -1));
+      f.topk.expert_weights = Upload(std::vector<float>(picks, NAN));
+      f.topk.num_experts = experts;
+      f.topk.k = k;
+      f.topk.renormalize = true;
+      cuda::Gemv(f, nullptr);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(Download(f.seg[0].y, logits), want_logits) << "launch " << launch;
+      EXPECT_EQ(Download(f.topk.expert_ids, picks), Download(want_ids, picks)) << "launch " << launch;
+      EXPECT_EQ(Download(f.topk.expert_weights, picks), Download(want_w, picks))
+          << "launch " << launch;
+      EXPECT_EQ(Download(counter, 1)[0], 0u) << "launch " << launch << " left the count";
+    }
+  }
+}
+
 // The router GEMM stays fp32 (fp32 input, fp32 accumulate): it must match double math to fp32
 // rounding, at shapes that are not multiples of its 8-row, 128-expert and 32-k tiles.
 TEST_F(GpuKernels, RouterGemmIsFp32Exact) {
@@ -940,6 +1024,42 @@ double RelMax(const std::vector<float>& got, const std::vector<float>& want) {
     scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
   }
   return diff / std::max(scale, 1e-30);
+}
+
+// The CPU's recurrent rule over `seqs` sequences of n rows of `mixed` (as the gates leave them:
+// q and k normalised, q scaled), g and beta [rows, Hv]; sequence b reads and advances slot
+// slots[b] of `state` ([slots, Hv, dk, dv]), from zeros where `fresh`. Returns out [rows, Hv * dv].
+struct HostDeltaShape {
+  int key_heads, value_heads, dk, dv;
+};
+std::vector<float> HostDeltaRule(const std::vector<float>& mixed, const std::vector<float>& g,
+                                 const std::vector<float>& beta, int seqs, int n,
+                                 const HostDeltaShape& c, const std::vector<int>& slots,
+                                 bool fresh, std::vector<float>& state) {
+  const int hv = c.value_heads, key_width = c.key_heads * c.dk;
+  const int channels = 2 * key_width + hv * c.dv;
+  std::vector<float> out(static_cast<size_t>(seqs) * n * hv * c.dv);
+  for (int seq = 0; seq < seqs; ++seq)
+    for (int h = 0; h < hv; ++h) {
+      const int kh = h / (hv / c.key_heads);
+      std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
+      for (int t = 0; t < n; ++t) {
+        const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
+        std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
+        std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
+        std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
+        gh[t] = g[(seq * n + t) * hv + h];
+        bh[t] = beta[(seq * n + t) * hv + h];
+      }
+      float* st = state.data() + (static_cast<size_t>(slots[seq]) * hv + h) * c.dk * c.dv;
+      if (fresh) std::fill_n(st, c.dk * c.dv, 0.f);
+      cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk, c.dv,
+                               st, o.data());
+      for (int t = 0; t < n; ++t)
+        std::copy_n(o.data() + t * c.dv, c.dv,
+                    out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
+    }
+  return out;
 }
 
 TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
@@ -991,26 +1111,11 @@ TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
           beta[r * hv + h] = cpu::Sigmoid(b[r * hv + h]);
           g[r * hv + h] = -std::exp(a_log[h]) * cpu::Softplus(a[r * hv + h] + dt_bias[h]);
         }
-      std::vector<float> out(static_cast<size_t>(rows) * hv * c.dv);
-      for (int seq = 0; seq < c.batch; ++seq)
-        for (int h = 0; h < hv; ++h) {
-          const int kh = h / (hv / c.key_heads);
-          std::vector<float> q(n * c.dk), k(n * c.dk), v(n * c.dv), gh(n), bh(n), o(n * c.dv);
-          for (int t = 0; t < n; ++t) {
-            const float* row = mixed.data() + (static_cast<size_t>(seq) * n + t) * channels;
-            std::copy_n(row + kh * c.dk, c.dk, q.data() + t * c.dk);
-            std::copy_n(row + key_width + kh * c.dk, c.dk, k.data() + t * c.dk);
-            std::copy_n(row + 2 * key_width + h * c.dv, c.dv, v.data() + t * c.dv);
-            gh[t] = g[(seq * n + t) * hv + h];
-            bh[t] = beta[(seq * n + t) * hv + h];
-          }
-          float* state = rec_state.data() + (static_cast<size_t>(seq) * hv + h) * c.dk * c.dv;
-          cpu::GatedDeltaRecurrent(q.data(), k.data(), v.data(), gh.data(), bh.data(), n, c.dk,
-                                   c.dv, state, o.data());
-          for (int t = 0; t < n; ++t)
-            std::copy_n(o.data() + t * c.dv, c.dv,
-                        out.data() + ((static_cast<size_t>(seq) * n + t) * hv + h) * c.dv);
-        }
+      std::vector<int> slots(c.batch);
+      for (int b = 0; b < c.batch; ++b) slots[b] = b;
+      const std::vector<float> out =
+          HostDeltaRule(mixed, g, beta, c.batch, n, {c.key_heads, hv, c.dk, c.dv}, slots,
+                        /*fresh=*/false, rec_state);
       for (int fused = 0; fused < 2; ++fused) {
         const std::string what = std::string(fused ? "fused" : "reference") + " dk " +
                                  std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " n " +
@@ -1043,6 +1148,174 @@ TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
         EXPECT_EQ(conv_state_err, 0) << what;
       }
     }
+  }
+}
+
+// linear_attn=chunked's kernels (GatedDeltaChunked) against the CPU's recurrent rule: lockstep
+// sequences of 100 then 37 tokens (three and a partial 32-token chunks, then one and a partial)
+// with the state carried between the calls, then a served sequence of 50 tokens whose slot holds
+// another's state but whose first row sits at position 0 (it starts from zero). Head sizes of the
+// hidden fixtures (16), tiny-hybrid (32), qwen3-next (128) and dv 48 (the 16-column state pass),
+// value heads sharing key heads. fp32 class: within 1e-5 of each output's largest magnitude.
+TEST_F(GpuKernels, GatedDeltaChunkedMatchesTheRecurrentRule) {
+  struct Case {
+    int batch, key_heads, value_heads, dk, dv;
+  };
+  for (const Case c : {Case{2, 2, 4, 16, 16}, Case{2, 2, 4, 32, 32}, Case{1, 2, 4, 128, 128},
+                       Case{2, 1, 2, 64, 48}}) {
+    ASSERT_TRUE(cuda::GatedDeltaChunkedSupports(c.dk, c.dv));
+    cuda::GatedDeltaShape s{c.batch, 0, c.key_heads, c.value_heads, c.dk, c.dv, 4};
+    const int channels = s.conv_channels(), key_width = c.key_heads * c.dk, hv = c.value_heads;
+    std::mt19937 rng(91 + c.dk + c.dv);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    std::vector<float> state(static_cast<size_t>(c.batch) * hv * c.dk * c.dv, 0.f);
+    float* d_state = Upload(state);
+    // One call: `seqs` sequences of n rows, sequence b on state slot slots[b].
+    auto run = [&](int n, int seqs, const std::vector<int>& slots, const int2* ragged,
+                   const std::string& what) {
+      s.n = n;
+      s.batch = seqs;
+      s.ragged = ragged;
+      const int rows = s.rows();
+      // The rows as the gates leave them: q and k L2-normalised per key head, q times dk^-0.5.
+      std::vector<float> mixed(static_cast<size_t>(rows) * channels), g(rows * hv),
+          beta(rows * hv);
+      for (float& v : mixed) v = uni(rng);
+      for (int r = 0; r < rows; ++r) {
+        float* row = mixed.data() + static_cast<size_t>(r) * channels;
+        cpu::L2NormalizeRows(row, 2 * c.key_heads, c.dk);
+        for (int i = 0; i < key_width; ++i) row[i] *= 1.f / std::sqrt(static_cast<float>(c.dk));
+      }
+      for (float& v : g) v = -0.02f - 0.6f * (uni(rng) + 1.f);
+      for (float& v : beta) v = 0.5f * (uni(rng) + 1.f);
+      // A served sequence's first row at position 0: it starts from zero states.
+      const std::vector<float> out =
+          HostDeltaRule(mixed, g, beta, seqs, n, {c.key_heads, hv, c.dk, c.dv}, slots,
+                        /*fresh=*/ragged != nullptr, state);
+      std::vector<float> terms(
+          cuda::GatedDeltaChunkedScratchFloats(rows, hv, c.dk, c.dv), 0.f);
+      float* d_terms = Upload(terms);
+      cuda::GatedDeltaChunkScratch scratch;
+      scratch.w = d_terms;
+      scratch.q = scratch.w + static_cast<int64_t>(rows) * hv * c.dk;
+      scratch.u = scratch.q + static_cast<int64_t>(rows) * hv * c.dk;
+      scratch.g = scratch.u + static_cast<int64_t>(rows) * hv * c.dv;
+      float* d_out = Upload(std::vector<float>(out.size(), 0.f));
+      cuda::GatedDeltaChunked(Upload(mixed), Upload(g), Upload(beta), s, scratch, d_state, d_out,
+                              nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      const double out_err = RelMax(Download(d_out, out.size()), out);
+      const double state_err = RelMax(Download(d_state, state.size()), state);
+      std::printf("# chunked gated delta %s dk %d dv %d: out %.2g, state %.2g\n", what.c_str(),
+                  c.dk, c.dv, out_err, state_err);
+      EXPECT_LE(out_err, 1e-5) << what << " dk " << c.dk << " dv " << c.dv;
+      EXPECT_LE(state_err, 1e-5) << what << " dk " << c.dk << " dv " << c.dv;
+    };
+    std::vector<int> lockstep(c.batch);
+    for (int b = 0; b < c.batch; ++b) lockstep[b] = b;
+    run(100, c.batch, lockstep, nullptr, "lockstep n 100");
+    run(37, c.batch, lockstep, nullptr, "lockstep n 37, state carried");
+    const int slot = c.batch - 1;
+    std::vector<int2> rows(50);
+    for (int t = 0; t < 50; ++t) rows[t] = make_int2(slot, t);
+    run(50, 1, {slot}, reinterpret_cast<const int2*>(Upload(rows)), "served from position 0");
+  }
+}
+
+// The fused decode kernel (GatedDeltaDecode) against the kernel chain it replaces (CausalConv
+// with SiLU, GatedDeltaGates, GatedDeltaFused, RmsNormGated) over three consecutive decode steps,
+// both starting from the same random conv and recurrent states and carrying them: lockstep
+// batches and ragged rows (slots out of order, one row a fresh sequence at position 0 whose slot
+// holds stale values), GQA ratios 1, 2 and 4, dv not a multiple of 32, qwen3-next's head shape.
+// Outputs and recurrent states within 1e-5 of their largest magnitude, conv states exact, and
+// the key-head arrival counts back at zero after every launch.
+TEST_F(GpuKernels, GatedDeltaDecodeMatchesTheKernelChain) {
+  struct Case {
+    int batch, key_heads, value_heads, dk, dv, taps;
+    bool ragged;
+  };
+  for (const Case c : {Case{1, 2, 2, 32, 32, 2, false}, Case{3, 2, 4, 32, 32, 4, false},
+                       Case{2, 1, 4, 64, 48, 3, false}, Case{1, 16, 32, 128, 128, 4, false},
+                       Case{4, 2, 4, 32, 32, 4, true}, Case{3, 16, 32, 128, 128, 4, true}}) {
+    const std::string what = "batch " + std::to_string(c.batch) + " Hk " +
+                             std::to_string(c.key_heads) + " Hv " + std::to_string(c.value_heads) +
+                             " dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) +
+                             (c.ragged ? " ragged" : " lockstep");
+    ASSERT_TRUE(cuda::GatedDeltaDecodeSupports(c.dk, c.dv)) << what;
+    cuda::GatedDeltaShape s{c.batch, 1, c.key_heads, c.value_heads, c.dk, c.dv, c.taps};
+    const int channels = s.conv_channels(), hv = c.value_heads, value = hv * c.dv;
+    // Ragged rows take slots in reverse order past two spare ones; the last row is fresh.
+    const int slots = c.ragged ? c.batch + 2 : c.batch;
+    std::vector<int2> rows(c.batch);
+    for (int r = 0; r < c.batch; ++r)
+      rows[r] = make_int2(slots - 1 - r, r + 1 == c.batch ? 0 : 7 + r);
+    if (c.ragged) s.ragged = Upload(rows);
+    std::mt19937 rng(31 + c.dk + c.batch);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    std::vector<uint16_t> conv_w(static_cast<size_t>(channels) * c.taps);
+    for (auto& w : conv_w) w = FloatToBf16(0.5f * uni(rng));
+    std::vector<float> a_log(hv), dt_bias(hv), gain(c.dv);
+    for (int h = 0; h < hv; ++h) a_log[h] = 0.3f * uni(rng), dt_bias[h] = 0.5f * uni(rng);
+    for (float& v : gain) v = uni(rng);
+    std::vector<float> conv_state(static_cast<size_t>(slots) * (c.taps - 1) * channels);
+    std::vector<float> rec_state(static_cast<size_t>(slots) * hv * c.dk * c.dv);
+    for (float& v : conv_state) v = uni(rng);
+    for (float& v : rec_state) v = 0.2f * uni(rng);
+    float* d_conv[2] = {Upload(conv_state), Upload(conv_state)};  // chain, fused
+    float* d_rec[2] = {Upload(rec_state), Upload(rec_state)};
+    const std::vector<unsigned> zeros(static_cast<size_t>(c.batch) * c.key_heads, 0u);
+    unsigned* d_arrivals = Upload(zeros);
+    cuda::GatedDeltaDecodeOperands ops;
+    ops.conv = MatrixRef{Upload(conv_w), DType::kBF16, channels, c.taps};
+    ops.a_log = MatrixRef{Upload(a_log), DType::kF32, 1, hv};
+    ops.dt_bias = MatrixRef{Upload(dt_bias), DType::kF32, 1, hv};
+    ops.norm = MatrixRef{Upload(gain), DType::kF32, 1, c.dv};
+    ops.eps = 1e-6f;
+    ops.key_head_arrivals = d_arrivals;
+    for (int step = 0; step < 3; ++step) {
+      const std::string at = what + " step " + std::to_string(step);
+      std::vector<float> in(static_cast<size_t>(c.batch) * channels), z(c.batch * value),
+          a(c.batch * hv), b(c.batch * hv);
+      for (float& v : in) v = uni(rng);
+      for (float& v : z) v = 2.f * uni(rng);
+      for (float& v : a) v = uni(rng);
+      for (float& v : b) v = 2.f * uni(rng);
+      const float *d_in = Upload(in), *d_z = Upload(z), *d_a = Upload(a), *d_b = Upload(b);
+      // The chain.
+      float* d_mixed = Upload(std::vector<float>(in.size()));
+      float* d_g = Upload(std::vector<float>(a.size()));
+      float* d_beta = Upload(std::vector<float>(a.size()));
+      float* d_chain = Upload(std::vector<float>(z.size()));
+      cuda::CausalConv(d_in, s, ops.conv, /*fuse_silu=*/true, d_conv[0], d_mixed, nullptr);
+      cuda::GatedDeltaGates(d_mixed, d_a, d_b, ops.a_log, ops.dt_bias, s, d_g, d_beta, nullptr);
+      cuda::GatedDeltaFused(d_mixed, d_g, d_beta, s, d_rec[0], d_chain, nullptr);
+      cuda::RmsNormGated(d_chain, d_z, static_cast<int64_t>(c.batch) * hv, c.dv, ops.norm, ops.eps,
+                         d_chain, nullptr);
+      // The fused kernel.
+      ops.projected = d_in;
+      ops.z = d_z;
+      ops.a = d_a;
+      ops.b = d_b;
+      ops.conv_state = d_conv[1];
+      ops.state = d_rec[1];
+      ops.out = Upload(std::vector<float>(z.size(), NAN));
+      cuda::GatedDeltaDecode(ops, s, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << at;
+      const double out_err = RelMax(Download(ops.out, z.size()), Download(d_chain, z.size()));
+      const double state_err =
+          RelMax(Download(d_rec[1], rec_state.size()), Download(d_rec[0], rec_state.size()));
+      const double conv_err =
+          RelMax(Download(d_conv[1], conv_state.size()), Download(d_conv[0], conv_state.size()));
+      std::printf("# gated delta decode %s: out %.2g, state %.2g, conv state %.2g\n", at.c_str(),
+                  out_err, state_err, conv_err);
+      EXPECT_LE(out_err, 1e-5) << at;
+      EXPECT_LE(state_err, 1e-5) << at;
+      EXPECT_EQ(conv_err, 0) << at;
+      EXPECT_EQ(Download(d_arrivals, zeros.size()), zeros) << at;
+    }
+    // The states moved: the decode steps did not leave them as they started.
+    EXPECT_GT(RelMax(Download(d_rec[1], rec_state.size()), rec_state), 1e-3) << what;
+    EXPECT_GT(RelMax(Download(d_conv[1], conv_state.size()), conv_state), 1e-3) << what;
   }
 }
 

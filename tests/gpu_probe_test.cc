@@ -173,6 +173,28 @@ TEST(GpuCudnn, AttentionIsOkByTheHarness) {
   }
 }
 
+// attention=cudnn at the hybrids' head size (tiny-hybrid-hd256: head_dim 256, 8 q / 2 kv heads,
+// partial RoPE, the output gate): OK against the reference where the installed cuDNN finalizes
+// a plan for 256-wide heads, else UNSUPPORTED with cuDNN's reason (naming attention=cudnn);
+// never INCORRECT or CRASHED.
+TEST(GpuCudnn, AttentionAtHeadDim256IsOkOrRefusedByCudnn) {
+  const LocalDevices devices = ProbeLocalDevices();
+  if (devices.gpu_count == 0) GTEST_SKIP() << "no GPU on this machine";
+  TrialExecutor executor(devices);
+  for (const char* graphs : {"off", "on"}) {
+    const std::string config = absl::StrCat(
+        "device=cuda,attention=cudnn,kv_cache=bf16,moe=fused,linear_attn=fused,graphs=", graphs);
+    const TrialResult r = executor.Execute(GpuRequest("preset:tiny-hybrid-hd256", config), nullptr);
+    std::cout << "# tiny-hybrid-hd256 " << config << ": " << TrialStatusName(r.status) << " "
+              << r.reason << std::endl;
+    if (r.status == TrialStatus::kUnsupported) {
+      EXPECT_THAT(r.reason, HasSubstr("attention=cudnn")) << config;
+    } else {
+      EXPECT_EQ(r.status, TrialStatus::kOk) << config << ": " << r.reason;
+    }
+  }
+}
+
 // attention=cudnn serves: a ragged step's decode rows as a batch of every KV slot, each prefill
 // chunk as one sequence over its slot's cache; the served tokens are judged as a serving trial
 // judges them, eagerly and with each decode bucket's graph, on a MoE and a hybrid.

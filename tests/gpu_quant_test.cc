@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/quant/codecs.h"
 #include "core/quant/dequantize.h"
 #include "engine/quant/layout.h"
 #include "engine/quant/quantize.h"
@@ -211,7 +212,6 @@ constexpr QuantFormat kAllFormats[] = {QuantFormat::kFp8Tensor, QuantFormat::kFp
                                        QuantFormat::kFp8Block128, QuantFormat::kNvfp4,
                                        QuantFormat::kMxfp4};
 
-
 // sum_k x[k] * w[n, k] in double, and sum_k |x[k] * w[n, k]| (the scale of fp32 rounding).
 std::pair<double, double> ExactDot(const float* x, const std::vector<float>& w, int64_t n,
                                    int64_t cols) {
@@ -396,6 +396,8 @@ struct MoeOutputs {
   const std::vector<float>& h;
   const std::vector<float>& y;
   int held_begin = 0, held_end = std::numeric_limits<int>::max();
+  // What the down projection read, where it is not h (qgemm=w8a8: h's E4M3 codes times scales).
+  const std::vector<float>* down_input = nullptr;
   bool Held(int e) const { return e >= held_begin && e < held_end; }
 };
 void ExpectMoeMatchesExact(const MoeOutputs& m, const DeviceExperts& gate, const DeviceExperts& up,
@@ -429,7 +431,8 @@ void ExpectMoeMatchesExact(const MoeOutputs& m, const DeviceExperts& gate, const
       for (int slot = 0; slot < m.k; ++slot) {
         const int p = r * m.k + slot;
         if (m.ids[p] == m.skip || !m.Held(m.ids[p])) continue;
-        auto [d, dm] = ExactDot(m.h.data() + static_cast<size_t>(p) * m.inter,
+        const std::vector<float>& h = m.down_input ? *m.down_input : m.h;
+        auto [d, dm] = ExactDot(h.data() + static_cast<size_t>(p) * m.inter,
                                 down.dequantized[m.ids[p]], j, m.inter);
         want += m.route[p] * d;
         magnitude += m.route[p] * dm;
@@ -540,6 +543,49 @@ struct GroupedCase {
   int held_begin = 0, held_end = -1;  // the experts held (held_end -1: all)
 };
 
+// A grouped case's random routing (ids, route weights; the pairs of `skip` are left out) and the
+// MoeGrouped arguments every variant shares (device buffers: the caller's).
+struct GroupedRouting {
+  std::vector<int> ids;
+  std::vector<float> route;
+  int skip = -1;
+};
+GroupedRouting RandomRouting(const GroupedCase& c) {
+  GroupedRouting r;
+  const int pairs = c.rows * c.k;
+  r.ids.resize(pairs);
+  r.route.resize(pairs);
+  std::mt19937 rng(11);
+  for (int p = 0; p < pairs; ++p) {
+    r.ids[p] = static_cast<int>(rng() % c.experts);
+    r.route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
+  }
+  r.skip = r.ids[1];
+  return r;
+}
+cuda::MoeGroupedArgs GroupedArgs(const GroupedCase& c, int held_end, int skip, const int* ids,
+                                 const float* route, int* offsets, int* sorted, uint16_t* h,
+                                 float* out, float* y, const cuda::QuantExpertTable* tables) {
+  cuda::MoeGroupedArgs a;
+  a.rows = c.rows;
+  a.k = c.k;
+  a.num_experts = c.experts;
+  a.hidden = c.hidden;
+  a.inter = c.inter;
+  a.expert_ids = ids;
+  a.expert_weights = route;
+  a.skip_expert = skip;
+  a.expert_begin = c.held_begin;
+  a.expert_end = held_end;
+  a.offsets = offsets;
+  a.sorted_pairs = sorted;
+  a.h = h;
+  a.out = out;
+  a.y = y;
+  a.quant = tables;
+  return a;
+}
+
 // One case of the grouped quantized expert kernels (MoeGrouped with quant tables): h =
 // silu(gate) * up rounded to bf16 and the weighted combine of down(h) into the residual (one
 // expert skipped), against double sums over the CPU's exact dequantization with the
@@ -564,14 +610,7 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
     ASSERT_TRUE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, c.hidden, c.inter));
   }
   const int pairs = c.rows * c.k;
-  std::vector<int> ids(pairs);
-  std::vector<float> route(pairs);
-  std::mt19937 rng(11);
-  for (int p = 0; p < pairs; ++p) {
-    ids[p] = static_cast<int>(rng() % c.experts);
-    route[p] = 0.1f + 0.8f * static_cast<float>(rng() % 1000) / 1000.f;
-  }
-  const int skip = ids[1];
+  const auto [ids, route, skip] = RandomRouting(c);
   const std::vector<float> x_raw = RandomValues(c.rows * c.hidden, 61);
   std::vector<uint16_t> x_bf16(x_raw.size());
   std::vector<float> x(x_raw.size());
@@ -592,24 +631,9 @@ void CheckGroupedQuantCase(QuantFormat format, const GroupedCase& c, bool wgmma)
   CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
   CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
   const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
-  cuda::MoeGroupedArgs a;
+  cuda::MoeGroupedArgs a =
+      GroupedArgs(c, held_end, skip, dids, droute, offsets, sorted, dh, dout, dy, tables);
   a.x_bf16 = dx;
-  a.rows = c.rows;
-  a.k = c.k;
-  a.num_experts = c.experts;
-  a.hidden = c.hidden;
-  a.inter = c.inter;
-  a.expert_ids = dids;
-  a.expert_weights = droute;
-  a.skip_expert = skip;
-  a.expert_begin = c.held_begin;
-  a.expert_end = held_end;
-  a.offsets = offsets;
-  a.sorted_pairs = sorted;
-  a.h = dh;
-  a.out = dout;
-  a.y = dy;
-  a.quant = tables;
   a.kernel = cuda::MoeGroupedKernelFor(/*quantized=*/true, wgmma, pairs, c.experts);
   cuda::MoeGrouped(a, nullptr);
   CUDA_EXPECT_OK(cudaGetLastError());
@@ -732,6 +756,182 @@ TEST_F(GpuQuant, DenseQuantMmaMatchesTheExactDequantReference) {
           ASSERT_NEAR(y[m * c.n + n], want, 1e-5 * magnitude + 1e-30)
               << "[" << m << ", " << n << "]";
         }
+    }
+  }
+}
+
+// ---- qgemm=w8a8: E4M3 activations onto E4M3 x E4M3 mma.sync.
+
+// Rows quantized on the device (QuantizeRowsE4M3): each row's scale is max |x| / 448 and its codes
+// are the host's E4M3 rounding of x / scale (ties to even, saturating), code for code. Returns
+// the values the kernels multiplied: code times scale.
+std::vector<float> ExpectE4m3Rows(const std::vector<float>& x, int rows, int cols,
+                                  const uint8_t* codes, const float* scales) {
+  const std::vector<uint8_t> c = ToHost(codes, static_cast<size_t>(rows) * cols);
+  const std::vector<float> s = ToHost(scales, static_cast<size_t>(rows));
+  std::vector<float> values(c.size());
+  int mismatches = 0;
+  for (int r = 0; r < rows; ++r) {
+    float amax = 0.f;
+    for (int i = 0; i < cols; ++i) amax = std::max(amax, std::fabs(x[r * cols + i]));
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    EXPECT_EQ(s[r], scale) << "row " << r;
+    const float inv = 1.f / scale;
+    for (int i = 0; i < cols; ++i) {
+      const size_t at = static_cast<size_t>(r) * cols + i;
+      mismatches += c[at] != FloatToE4M3(x[at] * inv);
+      values[at] = E4M3ToFloat(c[at]) * s[r];
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "E4M3 codes that differ from the host's rounding";
+  return values;
+}
+
+// Hopper's FP8 MMAs add their products into the fp32 accumulator at reduced precision (about 14
+// bits): the sums are judged at 2^-10 of the sum of their |terms|, not fp32's 1e-5.
+constexpr double kFp8MmaSumTolerance = 1.0 / 1024;
+
+// GemmFp8Mma (qgemm=w8a8's dense linears): the rows' E4M3 codes and scales, then y against double
+// sums over those values times the CPU's exact dequantization of W; FP8 tensor, channel and
+// block-128 scales, out features that do not fill a 16-row tile or a 64-feature block, 4- and
+// 8-tile passes. Block-128 with a K of no whole 128-block, and the FP4 formats, are refused.
+TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
+  cudaDeviceProp props{};
+  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
+  if (props.major * 10 + props.minor < cuda::kFp8MmaMinSm)
+    GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
+  struct Case {
+    int64_t n, k;
+    int rows;
+  };
+  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {64, 64, 1}};
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
+                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
+      const std::vector<float> w = RandomValues(c.n * c.k, 71);
+      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
+      ASSERT_TRUE(q.ok()) << q.status();
+      const std::vector<float> dq = DequantizeMatrix(q->View());
+      DeviceMatrix dm(*q);
+      const bool e4m3 = format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
+                        (format == QuantFormat::kFp8Block128 && c.k % 128 == 0);
+      if (!e4m3) {
+        EXPECT_FALSE(cuda::GemmFp8MmaSupports(dm.ref));
+        continue;
+      }
+      ASSERT_TRUE(cuda::GemmFp8MmaSupports(dm.ref));
+      const std::vector<float> x = RandomValues(c.rows * c.k, 73);
+      float* dx = ToDevice(x);
+      uint8_t* codes = nullptr;
+      float *scales = nullptr, *dy = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&codes, c.rows * c.k));
+      CUDA_EXPECT_OK(cudaMalloc(&scales, c.rows * sizeof(float)));
+      CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
+      cuda::GemmFp8Mma(dx, c.rows, dm.ref, codes, scales, dy, nullptr);
+      CUDA_EXPECT_OK(cudaGetLastError());
+      CUDA_EXPECT_OK(cudaDeviceSynchronize());
+      const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, static_cast<int>(c.k), codes, scales);
+      const std::vector<float> y = ToHost(dy, c.rows * c.n);
+      for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
+                      static_cast<void*>(dy)})
+        cudaFree(p);
+      double worst = 0;
+      for (int m = 0; m < c.rows; ++m)
+        for (int64_t n = 0; n < c.n; ++n) {
+          auto [want, magnitude] = ExactDot(xq.data() + m * c.k, dq, n, c.k);
+          worst = std::max(worst, std::fabs(y[m * c.n + n] - want) / (magnitude + 1e-30));
+          ASSERT_NEAR(y[m * c.n + n], want, kFp8MmaSumTolerance * magnitude + 1e-30)
+              << "[" << m << ", " << n << "]";
+        }
+      std::printf("# w8a8 dense %s: worst error %.3g of the sum of |terms|\n",
+                  Name(format, {c.n, c.k}).c_str(), worst);
+    }
+  }
+}
+
+// One case of qgemm=w8a8's grouped expert kernels (MoeGrouped, kFp8Mma4 / kFp8Mma8): the input
+// rows' and the pairs' E4M3 codes and scales, h = silu(gate) * up in bf16 against double sums
+// over the input's E4M3 values, and the weighted combine of down into the residual (one expert
+// skipped) against the h codes' values: the exact dequantization of the weights throughout.
+void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
+  const int held_end = c.held_end < 0 ? c.experts : c.held_end;
+  DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100, c.held_begin, held_end);
+  DeviceExperts up(format, c.experts, c.inter, c.hidden, 200, c.held_begin, held_end);
+  DeviceExperts down(format, c.experts, c.hidden, c.inter, 300, c.held_begin, held_end);
+  ASSERT_TRUE(cuda::MoeGroupedFp8Supports(cuda::ShapeOf(gate.t), cuda::ShapeOf(up.t),
+                                          cuda::ShapeOf(down.t)));
+  const int pairs = c.rows * c.k;
+  const auto [ids, route, skip] = RandomRouting(c);
+  const std::vector<float> x = RandomValues(c.rows * c.hidden, 61);
+  const std::vector<float> y0 = RandomValues(c.rows * c.hidden, 67);
+  int* dids = ToDevice(ids);
+  float* droute = ToDevice(route);
+  float* dx = ToDevice(x);
+  float* dy = ToDevice(y0);
+  int *offsets = nullptr, *sorted = nullptr;
+  uint16_t* dh = nullptr;
+  uint8_t *x_codes = nullptr, *h_codes = nullptr;
+  float *dout = nullptr, *x_scales = nullptr, *h_scales = nullptr;
+  CUDA_EXPECT_OK(cudaMalloc(&offsets, (c.experts + 1) * sizeof(int)));
+  CUDA_EXPECT_OK(cudaMalloc(&sorted, pairs * sizeof(int)));
+  // h starts as zeros: the pairs the kernels leave out (skipped, not held) quantize to zeros.
+  CUDA_EXPECT_OK(cudaMalloc(&dh, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
+  CUDA_EXPECT_OK(cudaMemset(dh, 0, static_cast<size_t>(pairs) * c.inter * sizeof(uint16_t)));
+  CUDA_EXPECT_OK(cudaMalloc(&dout, static_cast<size_t>(pairs) * c.hidden * sizeof(float)));
+  CUDA_EXPECT_OK(cudaMalloc(&x_codes, static_cast<size_t>(c.rows) * c.hidden));
+  CUDA_EXPECT_OK(cudaMalloc(&h_codes, static_cast<size_t>(pairs) * c.inter));
+  CUDA_EXPECT_OK(cudaMalloc(&x_scales, c.rows * sizeof(float)));
+  CUDA_EXPECT_OK(cudaMalloc(&h_scales, pairs * sizeof(float)));
+  const cuda::QuantExpertTable tables[3] = {gate.t, up.t, down.t};
+  cuda::MoeGroupedArgs a =
+      GroupedArgs(c, held_end, skip, dids, droute, offsets, sorted, dh, dout, dy, tables);
+  a.x_f32 = dx;
+  a.x_fp8 = x_codes;
+  a.x_scale = x_scales;
+  a.h_fp8 = h_codes;
+  a.h_scale = h_scales;
+  a.kernel = pairs > cuda::kMoeWidePairsPerExpert * c.experts ? cuda::MoeGroupedKernel::kFp8Mma8
+                                                              : cuda::MoeGroupedKernel::kFp8Mma4;
+  cuda::MoeGrouped(a, nullptr);
+  CUDA_EXPECT_OK(cudaGetLastError());
+  CUDA_EXPECT_OK(cudaDeviceSynchronize());
+  const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, c.hidden, x_codes, x_scales);
+  const std::vector<uint16_t> h_bits = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
+  std::vector<float> h(h_bits.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
+  const std::vector<float> hq = ExpectE4m3Rows(h, pairs, c.inter, h_codes, h_scales);
+  const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
+  for (void* p :
+       {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
+        static_cast<void*>(dy), static_cast<void*>(offsets), static_cast<void*>(sorted),
+        static_cast<void*>(dh), static_cast<void*>(dout), static_cast<void*>(x_codes),
+        static_cast<void*>(h_codes), static_cast<void*>(x_scales), static_cast<void*>(h_scales)})
+    cudaFree(p);
+  MoeOutputs m{c.hidden, c.inter, c.k, c.rows, skip,         xq,      ids,
+               route,    y0,      h,   y,      c.held_begin, held_end};
+  m.down_input = &hq;
+  ExpectMoeMatchesExact(m, gate, up, down, kFp8MmaSumTolerance, /*h_in_bf16=*/true);
+}
+
+// qgemm=w8a8's grouped expert kernels, FP8 tensor, channel and block-128 experts (every K here a
+// whole number of 128-blocks): qwen3-30b-a3b's shapes at
+// batch 8, tiles and features that do not fill a pass, more than 24 pairs an expert (64-pair
+// passes), and a rank's experts at ep=on.
+TEST_F(GpuQuant, GroupedFp8ExpertKernelsMatchTheExactE4m3Reference) {
+  cudaDeviceProp props{};
+  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
+  if (props.major * 10 + props.minor < cuda::kFp8MmaMinSm)
+    GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
+  const GroupedCase cases[] = {
+      {2048, 768, 128, 8, 8}, {256, 128, 8, 2, 5}, {128, 256, 4, 3, 40}, {256, 128, 8, 2, 5, 2, 6}};
+  for (QuantFormat format :
+       {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel, QuantFormat::kFp8Block128}) {
+    for (const GroupedCase& c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
+                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
+      CheckGroupedFp8Case(format, c);
     }
   }
 }

@@ -19,6 +19,7 @@
 #include "harness/report.h"
 #include "harness/runner.h"
 #include "harness/serving.h"
+#include "kernels/cuda/limits.h"
 #include "tests/gpu_trial.h"
 #include "tests/test_util.h"
 #ifdef INFERSWEEP_HAVE_CUDA
@@ -118,28 +119,45 @@ TEST(Gpu, ReferenceMatchesCpuAndTransformersOnFixtures) {
     EXPECT_LE(vs_hf, 1e-4) << dir;
     if ((*host)->config.has_linear_attention()) {
       // Hybrids: the CPU prefill runs the chunked delta rule, the GPU's kernels the recurrent
-      // one; against the CPU fed a token a step (the recurrent rule) both GPU values of
-      // linear_attn are within 1e-5.
+      // one; against the CPU fed a token a step (the recurrent rule) every GPU value of
+      // linear_attn is within 1e-5. Fed a token a step, linear_attn=fused_decode runs every
+      // position through its decode kernel. linear_attn=chunked runs the 80-token prompt as
+      // three 32-token chunks on tensor cores (3xTF32): within 1e-4, fp32's bar.
       const auto cpu_recurrent = StepwiseLogits(**host, {{"device", "cpu"}}, prompt);
       const auto fused = AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused"}}, prompt);
+      const auto decode =
+          StepwiseLogits(**host, {{"device", "cuda"}, {"linear_attn", "fused_decode"}}, prompt);
+      const auto chunked =
+          AllLogits(**host, {{"device", "cuda"}, {"linear_attn", "chunked"}}, prompt);
+      const double chunked_vs_recurrent = RelMaxError(chunked, cpu_recurrent);
+      std::printf("# %s: linear_attn=chunked vs the CPU fed a token a step %.3g\n",
+                  entry.path().filename().c_str(), chunked_vs_recurrent);
+      EXPECT_LE(chunked_vs_recurrent, 1e-4) << dir;
       const double ref_vs_recurrent = RelMaxError(gpu, cpu_recurrent),
                    fused_vs_recurrent = RelMaxError(fused, cpu_recurrent),
+                   decode_vs_recurrent = RelMaxError(decode, cpu_recurrent),
                    cpu_chunked_vs_recurrent = RelMaxError(cpu, cpu_recurrent);
       std::printf(
           "# %s: vs the CPU fed a token a step: GPU reference %.3g, linear_attn=fused "
-          "%.3g (the CPU's chunked prefill vs its recurrent steps: %.3g)\n",
+          "%.3g, linear_attn=fused_decode fed a token a step %.3g (the CPU's chunked prefill "
+          "vs its recurrent steps: %.3g)\n",
           entry.path().filename().c_str(), ref_vs_recurrent, fused_vs_recurrent,
-          cpu_chunked_vs_recurrent);
+          decode_vs_recurrent, cpu_chunked_vs_recurrent);
       EXPECT_LE(ref_vs_recurrent, 1e-5) << dir;
       EXPECT_LE(fused_vs_recurrent, 1e-5) << dir;
+      EXPECT_LE(decode_vs_recurrent, 1e-5) << dir;
     }
   }
 }
 
 // Every registered GPU config is OK against the GPU reference, or UNSUPPORTED with the reason
 // ExpectedRefusal derives from the registry and the model. The fast configs the presets exist
-// for must be among the OK ones, so a registry that refused too much fails here too.
-TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
+// for must be among the OK ones, so a registry that refused too much fails here too. One
+// instance a tiny preset, so a run can spread the presets over processes (gtest's
+// GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX).
+class GpuMatrix : public testing::TestWithParam<const char*> {};
+
+TEST_P(GpuMatrix, EveryRegisteredConfigIsOkOnTinyPresets) {
   REQUIRE_GPU();
   // The kernel axes are crossed with each other, the tensor-parallel ones (tp, ep, allreduce)
   // with each other on the default kernels: the collective seam adds the same two calls a layer
@@ -162,44 +180,78 @@ TEST(Gpu, EveryRegisteredConfigIsOkOnTinyPresets) {
       "device=cuda,gemm=fused,attention=flash,kv_cache=fp8,moe=fused,graphs=on"};
   const LocalDevices devices = ProbeLocalDevices();
   TrialExecutor executor(devices);
-  for (const char* preset :
-       {"preset:tiny-moe", "preset:tiny-dense", "preset:tiny-qwen2-moe", "preset:tiny-hybrid"}) {
-    auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
-    ASSERT_TRUE(host.ok()) << host.status();
-    int ok = 0;
-    for (const BackendConfig& config : configs) {
-      TrialRequest request = GpuRequest(preset, "device=cuda");
-      request.config = config;
-      const TrialResult r = executor.Execute(request);
-      const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
-      const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
-      EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
-      if (!refusal.empty()) {
-        EXPECT_EQ(r.reason, refusal) << preset << " " << BackendConfigString(config);
-      }
-      ok += r.status == TrialStatus::kOk;
-      std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
-                  BackendConfigString(r.config).c_str(),
-                  std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
-                  r.verdict.kl_mean, r.verdict.max_rel_error);
+  const char* const preset = GetParam();
+  auto host = LoadHostModel(preset, LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  int ok = 0;
+  for (const BackendConfig& config : configs) {
+    TrialRequest request = GpuRequest(preset, "device=cuda");
+    request.config = config;
+    const TrialResult r = executor.Execute(request);
+    const std::string refusal = ExpectedRefusal(devices, preset, **host, config);
+    const TrialStatus want = refusal.empty() ? TrialStatus::kOk : TrialStatus::kUnsupported;
+    EXPECT_EQ(r.status, want) << preset << " " << BackendConfigString(config) << ": " << r.reason;
+    if (!refusal.empty()) {
+      EXPECT_EQ(r.reason, refusal) << preset << " " << BackendConfigString(config);
     }
-    EXPECT_GT(ok, 0) << preset;
-    for (const std::string& text : must_run) {
-      // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
-      // tma, wgmma and persistent are sm_90a machine code.
-      // tiny-hybrid's Gated DeltaNet layers likewise.
-      if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
-           std::string(preset) == "preset:tiny-hybrid") &&
-          text.find("persistent") != std::string::npos)
-        continue;
-      if (devices.sm != 90 &&
-          (text.find("tma") != std::string::npos || text.find("persistent") != std::string::npos))
-        continue;
-      auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
-      ASSERT_TRUE(config.ok()) << config.status();
-      EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
-    }
+    ok += r.status == TrialStatus::kOk;
+    std::printf("# %s %-60s %-11s top1 %.3f kl_mean %.2g max_rel %.2g\n", preset,
+                BackendConfigString(r.config).c_str(),
+                std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
+                r.verdict.kl_mean, r.verdict.max_rel_error);
   }
+  EXPECT_GT(ok, 0) << preset;
+  for (const std::string& text : must_run) {
+    // tiny-qwen2-moe's attention biases and shared expert keep it off the persistent kernel;
+    // tma, wgmma and persistent are sm_90a machine code.
+    // tiny-hybrid's (and tiny-hybrid-hd256's) Gated DeltaNet layers likewise.
+    if ((std::string(preset) == "preset:tiny-qwen2-moe" ||
+         std::string(preset).rfind("preset:tiny-hybrid", 0) == 0) &&
+        text.find("persistent") != std::string::npos)
+      continue;
+    if (devices.sm != 90 &&
+        (text.find("tma") != std::string::npos || text.find("persistent") != std::string::npos))
+      continue;
+    auto config = NormalizeBackendConfig(*ParseBackendConfig(text));
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(ExpectedRefusal(devices, preset, **host, *config), "") << preset << " " << text;
+  }
+}
+
+// tiny-hybrid-hd256: the hybrids' gated attention at qwen3-next's head size (256), which the
+// flash configs of must_run take on the tensor-core kernels.
+INSTANTIATE_TEST_SUITE_P(TinyPresets, GpuMatrix,
+                         testing::Values("preset:tiny-moe", "preset:tiny-dense",
+                                         "preset:tiny-qwen2-moe", "preset:tiny-hybrid",
+                                         "preset:tiny-hybrid-hd256"),
+                         [](const testing::TestParamInfo<const char*>& info) {
+                           std::string name = std::string(info.param).substr(7);  // "preset:"
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
+
+// Serves `config` on `host` under `load`: the trial and every load point OK, every request
+// completed and some judged. Returns the trial (status kError where the load does not parse).
+ServeTrialResult ExpectServedOk(HostModel& host, const std::string& config,
+                                const std::string& load) {
+  SCOPED_TRACE(config + " " + load);
+  auto spec = ParseServeSpec(load);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  if (!spec.ok()) {
+    ServeTrialResult unparsed;
+    unparsed.status = TrialStatus::kError;
+    unparsed.reason = std::string(spec.status().message());
+    return unparsed;
+  }
+  const ServeTrialResult trial = RunServeTrial(host, *ParseBackendConfig(config), *spec, {});
+  EXPECT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
+  for (const LoadPointResult& p : trial.points) {
+    EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
+    EXPECT_EQ(p.metrics.completed, spec->requests);
+    EXPECT_GT(p.requests_checked, 0);
+  }
+  return trial;
 }
 
 // Serving on the GPU: ragged steps (decode rows at their own positions beside prefill chunks of
@@ -217,16 +269,8 @@ TEST(Gpu, ServedRequestsMatchTheirLoneRunsOrTheReference) {
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=persistent"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=6"}) {
-      SCOPED_TRACE(text + " " + load);
-      auto spec = ParseServeSpec(load);
-      ASSERT_TRUE(spec.ok()) << spec.status();
-      const ServeTrialResult trial = RunServeTrial(**host, *ParseBackendConfig(text), *spec, {});
-      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-      for (const LoadPointResult& p : trial.points) {
-        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
-        EXPECT_EQ(p.metrics.completed, spec->requests);
-        EXPECT_GT(p.requests_checked, 0);
-      }
+      const ServeTrialResult trial = ExpectServedOk(**host, text, load);
+      ASSERT_FALSE(trial.points.empty()) << text << " " << load << ": " << trial.reason;
       EXPECT_GT(trial.points.back().peak_running, 1);  // continuous batching did batch
     }
   }
@@ -244,19 +288,16 @@ TEST(Gpu, HybridModelsServeWithStatePerSlot) {
        {"device=cuda", "device=cuda,linear_attn=reference",
         "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused",
         "device=cuda,gemm=cublaslt,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
-        "linear_attn=fused"}) {
+        "linear_attn=fused",
+        "device=cuda,linear_attn=fused_decode",
+        "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,linear_attn=fused_decode",
+        "device=cuda,linear_attn=chunked",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,"
+        "linear_attn=chunked"}) {
     for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
                                    "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"}) {
-      SCOPED_TRACE(text + " " + load);
-      auto spec = ParseServeSpec(load);
-      ASSERT_TRUE(spec.ok()) << spec.status();
-      const ServeTrialResult trial = RunServeTrial(**hybrid, *ParseBackendConfig(text), *spec, {});
-      ASSERT_EQ(trial.status, TrialStatus::kOk) << trial.reason;
-      for (const LoadPointResult& p : trial.points) {
-        EXPECT_EQ(p.verdict, TrialStatus::kOk) << LoadPointName(p.point) << ": " << p.mismatch;
-        EXPECT_EQ(p.metrics.completed, spec->requests);
-        EXPECT_GT(p.requests_checked, 0);
-      }
+      const ServeTrialResult trial = ExpectServedOk(**hybrid, text, load);
+      ASSERT_FALSE(trial.points.empty()) << text << " " << load << ": " << trial.reason;
       EXPECT_GT(trial.points.back().peak_running, 1);
     }
   }
@@ -587,6 +628,56 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
   }
 }
 
+// qgemm=w8a8 (E4M3 activations on E4M3 x E4M3 tensor cores) on tiny-moe and tiny-qwen2-moe (a
+// dense MLP layer, a shared expert): FP8 tensor and channel weights OK in the fp8 class under
+// moe=fused, eager and under graphs, and under moe=wgmma; its prefill chunks (16 tokens) and
+// batch-4 decode steps run the E4M3 grouped kernels and no decoding ones; an expert's down_proj
+// with one scale x1000 is INCORRECT. FP8 block-128 weights are OK too: their 128-wide dense
+// linears take the E4M3 kernels, their experts (64 wide, no whole 128-block) w8a16's.
+TEST(Gpu, W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect) {
+  REQUIRE_GPU();
+  if (ProbeLocalDevices().sm < cuda::kFp8MmaMinSm) GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
+  TrialExecutor executor;
+  auto launches = [](const PhaseKernels& p, const std::string& prefix) {
+    int64_t n = 0;
+    for (const KernelCount& k : p.kernels)
+      if (k.name.rfind(prefix, 0) == 0) n += k.count;
+    return n;
+  };
+  for (const char* preset : {"preset:tiny-moe", "preset:tiny-qwen2-moe"}) {
+    for (const char* format : {"fp8_tensor", "fp8_channel", "fp8_block128"}) {
+      const std::string model = std::string(preset) + "@" + format;
+      const bool e4m3 = std::string(format) != "fp8_block128";
+      for (const std::string config :
+           {"device=cuda,gemm=fused,attention=flash,moe=fused,graphs=on,qgemm=w8a8",
+            "device=cuda,gemm=fused,attention=flash,moe=fused,graphs=off,qgemm=w8a8",
+            "device=cuda,gemm=fused,attention=flash,moe=wgmma,graphs=off,qgemm=w8a8"}) {
+        SCOPED_TRACE(model + " " + config);
+        const TrialResult ok = executor.Execute(GpuRequest(model, config));
+        ASSERT_EQ(ok.status, TrialStatus::kOk) << ok.reason;
+        EXPECT_EQ(ok.verdict.precision_class, "fp8");
+        for (const BatchFigures& b : ok.batches) {
+          ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+          const int64_t grouped = launches(*b.prefill_kernels, "GroupedGateUpFp8Kernel<");
+          EXPECT_EQ(grouped > 0, e4m3) << FormatKernels(b);
+          EXPECT_EQ(launches(*b.prefill_kernels, "GroupedGateUpQuantKernel<"), 0)
+              << FormatKernels(b);
+          if (b.batch >= 4 && e4m3) {
+            EXPECT_GT(launches(*b.decode_kernels, "GroupedDownFp8Kernel<"), 0) << FormatKernels(b);
+          }
+        }
+        const TrialResult bad = executor.Execute(GpuRequest(
+            model, config, "bad-quant-scale:1000@model.layers.0.mlp.experts.2.down_proj.weight"));
+        EXPECT_EQ(bad.status, TrialStatus::kIncorrect) << bad.reason;
+        std::printf("# %s %-70s %s (top1 %.3f, kl %.2g); an expert's scale x1000: %s\n",
+                    model.c_str(), config.c_str(), std::string(TrialStatusName(ok.status)).c_str(),
+                    ok.verdict.top1_agreement, ok.verdict.kl_mean,
+                    std::string(TrialStatusName(bad.status)).c_str());
+      }
+    }
+  }
+}
+
 TEST(Gpu, NumericFaultsAreIncorrect) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -810,7 +901,7 @@ TEST(Gpu, PersistentDecodeRefusesWhatItCannotStream) {
 
 // Hybrid models (Gated DeltaNet layers): graphs=persistent is UNSUPPORTED with the reason, and the
 // bad-state fault (the first linear-attention layer's recurrent state scaled) is INCORRECT under
-// both linear_attn values, eager and under graphs; the same configs without it are OK.
+// every linear_attn value, eager and under graphs; the same configs without it are OK.
 TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
   REQUIRE_GPU();
   TrialExecutor executor;
@@ -823,6 +914,12 @@ TEST(Gpu, HybridFaultsAreIncorrectAndPersistentIsUnsupported) {
        {"device=cuda,linear_attn=fused",
         "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
         "fused",
+        "device=cuda,linear_attn=fused_decode",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
+        "fused_decode",
+        "device=cuda,linear_attn=chunked",
+        "device=cuda,gemm=fused,attention=flash,kv_cache=bf16,moe=fused,graphs=on,linear_attn="
+        "chunked",
         "device=cuda,gemm=cublaslt,attention=flash,moe=fused,graphs=on,linear_attn=reference"}) {
     const TrialResult ok = executor.Execute(GpuRequest("preset:tiny-hybrid", config));
     EXPECT_EQ(ok.status, TrialStatus::kOk) << config << ": " << ok.reason;
@@ -936,6 +1033,34 @@ TEST(GpuProvenance, GraphsOnDecodeIsAReplayOfTheCapturedKernels) {
   }
 }
 
+// moe=fused decode: each MoE layer's router GEMV picks its experts in the same launch
+// (GemvKernel's top-k build, one a layer), and no RouterTopK kernel runs, at batch 1 (the
+// per-pair experts) and at batch 4 (the grouped experts) alike; prefill's router is cuBLASLt's
+// fp32 GEMM, so RouterTopK runs after it.
+TEST(GpuProvenance, BatchOneRouterGemvPicksTheExperts) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r =
+      executor.Execute(GpuRequest("preset:tiny-moe", std::string(kFastConfig) + "on"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  const BatchFigures& one = r.batches[0];
+  ASSERT_EQ(one.batch, 1);
+  ASSERT_TRUE(one.decode_kernels.has_value());
+  auto moe_layers = PresetConfig("tiny-moe", GpuRequest("preset:tiny-moe", "device=cuda").layers);
+  ASSERT_TRUE(moe_layers.ok()) << moe_layers.status();
+  EXPECT_EQ(LaunchesOf(*one.decode_kernels, "GemvKernel<1, 1, true>"), moe_layers->num_layers)
+      << Listing(one);
+  EXPECT_EQ(LaunchesOf(*one.decode_kernels, "RouterTopKKernel"), 0) << Listing(one);
+  const BatchFigures& four = r.batches[1];
+  ASSERT_TRUE(four.decode_kernels.has_value() && four.prefill_kernels.has_value());
+  EXPECT_EQ(LaunchesOf(*four.decode_kernels, "GemvKernel<1, 4, true>"), moe_layers->num_layers)
+      << Listing(four);
+  EXPECT_EQ(LaunchesOf(*four.decode_kernels, "RouterTopKKernel"), 0) << Listing(four);
+  EXPECT_EQ(LaunchesOf(*four.prefill_kernels, "RouterTopKKernel"), moe_layers->num_layers)
+      << Listing(four);
+}
+
 // graphs=persistent: the batch-1 decode step is the persistent kernel (in a graph) instead of
 // the per-layer chain; at batch 4 the chain runs, recorded as the fallback it is.
 TEST(GpuProvenance, PersistentDecodeShowsThePersistentKernel) {
@@ -964,6 +1089,149 @@ TEST(GpuProvenance, PersistentDecodeShowsThePersistentKernel) {
   EXPECT_THAT(d4.fallbacks,
               testing::Contains("graphs=persistent: decode of 4 rows: the graphs=on kernel chain "
                                 "(the persistent kernel takes batch 1)"));
+}
+
+// Hybrids at qwen3-next's head size (tiny-hybrid-hd256: 8 q and 2 kv heads of 256, partial RoPE
+// over 64 dims): attention=flash on a bf16 and an fp8 cache under graphs=on is OK against the
+// reference and runs the tensor-core kernels' head_dim 256 builds, prefill and decode, with no
+// CUDA-core or naive attention launched and no attention fallback recorded. Served (decode rows
+// beside prefill chunks of 16+ tokens, and chunk=5 splitting prompts into decode-sized chunks),
+// the same configs meet the reference's picks.
+TEST(GpuProvenance, HybridAtHeadDim256RunsFlashOnTensorCores) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  auto host = LoadHostModel("preset:tiny-hybrid-hd256", LoadOptions{2, 1, false});
+  ASSERT_TRUE(host.ok()) << host.status();
+  for (const char* kv : {"bf16", "fp8"}) {
+    const std::string config = absl::StrCat("device=cuda,gemm=fused,attention=flash,kv_cache=", kv,
+                                            ",moe=fused,graphs=on,linear_attn=fused");
+    SCOPED_TRACE(config);
+    const TrialResult r = executor.Execute(GpuRequest("preset:tiny-hybrid-hd256", config));
+    ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+    std::printf("# tiny-hybrid-hd256 %s: top1 %.3f kl_mean %.2g max_rel %.2g\n", config.c_str(),
+                r.verdict.top1_agreement, r.verdict.kl_mean, r.verdict.max_rel_error);
+    for (const BatchFigures& b : r.batches) {
+      ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+      // The 16-token prompt is one prefill chunk; each decode step is one row a sequence.
+      EXPECT_GT(LaunchesOf(*b.prefill_kernels, "FlashPrefillKernel<256, "), 0) << Listing(b);
+      EXPECT_GT(LaunchesOf(*b.decode_kernels, "FlashDecodeKernel<256, "), 0) << Listing(b);
+      for (const PhaseKernels* p : {&*b.prefill_kernels, &*b.decode_kernels}) {
+        EXPECT_EQ(LaunchesOf(*p, "FlashPartialKernel<"), 0) << Listing(b);
+        EXPECT_EQ(LaunchesOf(*p, "AttentionNaiveKernel"), 0) << Listing(b);
+        EXPECT_THAT(p->fallbacks,
+                    testing::Not(testing::Contains(testing::HasSubstr("attention=flash"))))
+            << Listing(b);
+      }
+    }
+    for (const std::string load : {"concurrency=1:5,isl=8-40,osl=4-12,requests=10,warmup=2",
+                                   "concurrency=4,isl=10-30,osl=4-8,requests=8,chunk=5"})
+      ExpectServedOk(**host, config, load);
+  }
+}
+
+// The linear-attention layers of tiny-hybrid at the GPU tests' layer count (0 where the preset
+// does not load).
+int TinyHybridLinearLayers() {
+  auto model = PresetConfig("tiny-hybrid", GpuRequest("preset:tiny-hybrid", "device=cuda").layers);
+  EXPECT_TRUE(model.ok()) << model.status();
+  int linear_layers = 0;
+  if (model.ok())
+    for (int slot : model->LayerSlots(LayerAttention::kLinear)) linear_layers += slot >= 0;
+  return linear_layers;
+}
+
+// linear_attn=fused_decode on tiny-hybrid under graphs=on: a decode step runs each
+// linear-attention layer as the projections' one GEMV, GatedDeltaDecodeKernel and out_proj's
+// GEMV, 3 launches; linear_attn=fused runs the same two GEMVs around the conv, gates, delta rule
+// and gated norm, 6. Prefill chunks keep linear_attn=fused's kernels.
+TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const int linear_layers = TinyHybridLinearLayers();
+  ASSERT_GT(linear_layers, 0);
+  const std::vector<std::string> chain = {"CausalConvKernel<", "GatedDeltaGatesKernel",
+                                          "GatedDeltaFusedKernel", "RmsNormGatedKernel"};
+  auto total = [](const PhaseKernels& p) {
+    int64_t n = 0;
+    for (const KernelCount& k : p.kernels) n += k.count;
+    return n;
+  };
+  std::map<std::string, TrialResult> results;
+  for (const std::string value : {"fused", "fused_decode"}) {
+    const TrialResult r = executor.Execute(
+        GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=" + value));
+    ASSERT_EQ(r.status, TrialStatus::kOk) << value << ": " << r.reason;
+    ASSERT_EQ(r.batches.size(), 2u) << value;
+    results[value] = r;
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    const BatchFigures& fused = results["fused"].batches[i];
+    const BatchFigures& decode = results["fused_decode"].batches[i];
+    ASSERT_TRUE(fused.decode_kernels.has_value() && decode.decode_kernels.has_value());
+    ASSERT_TRUE(decode.prefill_kernels.has_value());
+    std::printf("%s%s", Listing(fused).c_str(), Listing(decode).c_str());
+    const PhaseKernels& f = *fused.decode_kernels;
+    const PhaseKernels& d = *decode.decode_kernels;
+    EXPECT_TRUE(d.graph) << Listing(decode);
+    for (const std::string& name : chain) {
+      EXPECT_EQ(LaunchesOf(f, name), linear_layers) << name << Listing(fused);
+      EXPECT_EQ(LaunchesOf(d, name), 0) << name << Listing(decode);
+      EXPECT_GT(LaunchesOf(*decode.prefill_kernels, name), 0) << name << Listing(decode);
+    }
+    EXPECT_EQ(LaunchesOf(f, "GatedDeltaDecodeKernel"), 0) << Listing(fused);
+    EXPECT_EQ(LaunchesOf(d, "GatedDeltaDecodeKernel"), linear_layers) << Listing(decode);
+    EXPECT_EQ(LaunchesOf(*decode.prefill_kernels, "GatedDeltaDecodeKernel"), 0) << Listing(decode);
+    // The GEMVs are the same two a layer under both values (in_proj_qkv, z, b and a as one).
+    EXPECT_EQ(LaunchesOf(d, "GemvKernel<"), LaunchesOf(f, "GemvKernel<")) << Listing(decode);
+    EXPECT_EQ(total(f) - total(d), 3 * linear_layers) << Listing(fused) << Listing(decode);
+  }
+}
+
+// tiny-hybrid's shared expert is as wide as its experts: at batch-1 decode it runs as one more
+// pair a row in the per-pair expert kernels (MoeShared::kFoldedPair), its gate a segment of the
+// router's GEMV, so no shared-expert launch is left (the gated add is the tell); batch 4's
+// grouped experts and the prefill chunks keep it apart. The verdict is judged against the reference, as the hybrid configs' are in
+// Gpu.HybridFaultsAreIncorrectAndPersistentIsUnsupported.
+TEST(GpuProvenance, TheSharedExpertRidesWithTheRoutedPairsAtDecode) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const TrialResult r = executor.Execute(
+      GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=fused_decode"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  for (const BatchFigures& b : r.batches) {
+    ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+    const bool folded = b.batch == 1;
+    EXPECT_EQ(LaunchesOf(*b.decode_kernels, "SigmoidGatedKernel") == 0, folded) << Listing(b);
+    EXPECT_EQ(LaunchesOf(*b.decode_kernels, "MoeGateUpKernel") > 0, folded) << Listing(b);
+    EXPECT_GT(LaunchesOf(*b.prefill_kernels, "SigmoidGatedKernel"), 0) << Listing(b);
+  }
+}
+
+// linear_attn=chunked on tiny-hybrid under graphs=on: the 16-token prompt's prefill runs the
+// linear-attention layers' delta rule as the chunked form's two passes and no recurrent kernel;
+// decode steps run the decode kernel, as linear_attn=fused_decode does.
+TEST(GpuProvenance, ChunkedRunsPrefillInTheChunkedForm) {
+  REQUIRE_GPU();
+  TrialExecutor executor(ProbeLocalDevices());
+  const int linear_layers = TinyHybridLinearLayers();
+  ASSERT_GT(linear_layers, 0);
+  const TrialResult r = executor.Execute(
+      GpuRequest("preset:tiny-hybrid", std::string(kFastConfig) + "on,linear_attn=chunked"));
+  ASSERT_EQ(r.status, TrialStatus::kOk) << r.reason;
+  ASSERT_EQ(r.batches.size(), 2u);
+  for (const BatchFigures& b : r.batches) {
+    ASSERT_TRUE(b.prefill_kernels.has_value() && b.decode_kernels.has_value());
+    const PhaseKernels& prefill = *b.prefill_kernels;
+    const PhaseKernels& decode = *b.decode_kernels;
+    EXPECT_GT(LaunchesOf(prefill, "GatedDeltaChunkPrepareKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(prefill, "GatedDeltaChunkStateKernel<"),
+              LaunchesOf(prefill, "GatedDeltaChunkPrepareKernel"))
+        << Listing(b);
+    EXPECT_EQ(LaunchesOf(prefill, "GatedDeltaFusedKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaChunkPrepareKernel"), 0) << Listing(b);
+    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaDecodeKernel"), linear_layers) << Listing(b);
+  }
 }
 #endif
 

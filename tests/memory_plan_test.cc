@@ -52,13 +52,14 @@ CudaOptions Bf16Kv() {
 //   48 layers                                              = 29,909,790,720
 //   + final norm 2048                                      = 30,532,122,624 params (30.5B)
 //   bf16: x 2 bytes                                        = 61,064,245,248 bytes
-//   expert pointer tables: 48 layers x 3 x 128 x 8 bytes    =        147,456 bytes
+//   expert pointer tables: 48 layers x 3 x (128 experts + the shared expert's entry) x 8
+//                                                          =        148,608 bytes
 TEST(MemoryPlan, Qwen3MoeBf16Weights) {
   const ModelConfig c = Preset("qwen3-30b-a3b");
   for (int batch : {1, 64}) {
     const MemoryPlan p = Plan(Bf16Kv(), c, QuantFormat::kNone, Workload(batch));
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "dense tensors (bf16)"), 61'064'245'248);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 61'064'245'248 + 147'456);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 61'064'245'248 + 148'608);
     // No quantized linears, no cuBLASLt, no graphs: no copies.
     EXPECT_EQ(p.bytes(MemoryPool::kCopies), 0);
     // KV (bf16): 48 layers x 2 (K, V) x 4 kv heads x 128 x 2048 tokens x 2 bytes
@@ -76,7 +77,7 @@ TEST(MemoryPlan, Qwen3MoeBf16Weights) {
 //   dense a layer: (4,352 + 262,144) x 2 = 532,992 bytes
 //   a layer: 311,427,072 + 38,928,384 + 1,552 + 532,992 = 350,890,000 bytes
 //   48 layers = 16,842,720,000; + (622,329,856 + 2,048) x 2 = 1,244,663,808 of embed, lm_head,
-//   final norm = 18,087,383,808; + pointer tables 147,456 = 18,087,531,264 bytes.
+//   final norm = 18,087,383,808; + pointer tables 148,608 = 18,087,532,416 bytes.
 TEST(MemoryPlan, Qwen3MoeNvfp4Weights) {
   const ModelConfig c = Preset("qwen3-30b-a3b");
   for (int batch : {1, 64}) {
@@ -86,7 +87,7 @@ TEST(MemoryPlan, Qwen3MoeNvfp4Weights) {
               (int64_t{38'928'384} + 1'552) * 48);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "dense tensors (bf16)"),
               int64_t{532'992} * 48 + 1'244'663'808);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 18'087'531'264);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 18'087'532'416);
     EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{201'326'592} * batch);
   }
   // qgemm=dequant_bf16 keeps a bf16 copy of every quantized linear:
@@ -128,8 +129,8 @@ TEST(MemoryPlan, Qwen3MoeFp8Kv) {
 //     4096x8192 = 117,440,512 (3 linears) x 6: 52,554,629,120 elements over 12,338 linears.
 //   codes / 2 = 26,277,314,560; scales / 16 = 3,284,664,320 + 12,338 x 4 = 3,284,713,672.
 //   zero-centred gains in fp32: (8 x 8192 + 2 x 512 + 4096) x 4 = 282,624.
-//   pointer tables: 8 x 3 x 512 x 8 = 98,304.
-//   weights: 4,109,120,512 + 26,277,314,560 + 3,284,713,672 + 282,624 + 98,304 = 33,671,529,672.
+//   pointer tables: 8 x 3 x (512 + the shared expert's entry) x 8 = 98,496.
+//   weights: 4,109,120,512 + 26,277,314,560 + 3,284,713,672 + 282,624 + 98,496 = 33,671,529,864.
 //   KV (bf16): 2 layers x 2 x 512 x 2048 x 2 bytes = 8,388,608 a sequence.
 //   state: 6 layers x (conv 3 x 12288 + recurrent 64 x 128 x 128) x 4 bytes = 26,050,560 a
 //   sequence.
@@ -141,7 +142,7 @@ TEST(MemoryPlan, Qwen35Nvfp4EightLayers) {
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "nvfp4 codes"), 26'277'314'560);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "nvfp4 scales"), 3'284'713'672);
     EXPECT_EQ(p.item_bytes(MemoryPool::kWeights, "zero-centred norm gains (fp32)"), 282'624);
-    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 33'671'529'672);
+    EXPECT_EQ(p.bytes(MemoryPool::kWeights), 33'671'529'864);
     EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{8'388'608} * batch);
     EXPECT_EQ(p.bytes(MemoryPool::kRecurrentState), int64_t{26'050'560} * batch);
   }
@@ -161,6 +162,25 @@ TEST(MemoryPlan, DecodeScratch) {
             262'144);
 }
 
+// qwen3.5-397b-a17b, 8 layers, attention=flash on an fp8 cache at head_dim 256 (32 q / 2 kv heads),
+// decode only at batch 64 and 4096 tokens:
+//   flash partials: (64 rows + 1056 / 2 + 1) x 32 heads x (256 + 2) floats x 4 = 19,583,232 bytes;
+//   KV: 2 layers x 2 x 512 x 4096 x 1 byte = 8,388,608 of codes + 2 layers x 2 x 2 heads x 4096
+//   x 4 bytes = 131,072 of scales: 8,519,680 bytes a sequence.
+TEST(MemoryPlan, FlashAtHeadDim256) {
+  CudaOptions o;
+  o.attention = Attention::kFlash;
+  o.kv_cache = KvCache::kFp8;
+  MemoryWorkload w;
+  w.batch = 64;
+  w.generated_tokens = 4096;
+  const MemoryPlan p = Plan(o, Preset("qwen3.5-397b-a17b", 8), QuantFormat::kNone, w);
+  EXPECT_EQ(p.step_rows, 64);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "attention runner: scores (attention=flash)"),
+            19'583'232);
+  EXPECT_EQ(p.bytes(MemoryPool::kKvCache), int64_t{8'519'680} * 64);
+}
+
 // Lockstep prefill of 64 x 1024 rows runs as chunks of 32768 / 64 = 512 tokens a sequence.
 TEST(MemoryPlan, PrefillChunksAtTheEnginesStepRows) {
   const MemoryPlan p = Plan(Bf16Kv(), Preset("qwen3-30b-a3b"), QuantFormat::kNone, Workload(64));
@@ -169,6 +189,39 @@ TEST(MemoryPlan, PrefillChunksAtTheEnginesStepRows) {
   MemoryWorkload chunked = Workload(64);
   chunked.prefill_chunk_tokens = 128;
   EXPECT_EQ(Plan(Bf16Kv(), Preset("qwen3-30b-a3b"), QuantFormat::kNone, chunked).step_rows, 8192);
+}
+
+// linear_attn=chunked on qwen3-next (32 value heads, dk = dv = 128): its terms are
+// 2 x 128 + 128 + 1 = 385 floats a row and value head, at the step's rows; other values hold none.
+TEST(MemoryPlan, ChunkedDeltaRuleTermsAtTheStepRows) {
+  CudaOptions o = Bf16Kv();
+  o.linear_attn = LinearAttn::kChunked;
+  const MemoryPlan p = Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4));
+  EXPECT_EQ(p.step_rows, 4096);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms"),
+            int64_t{4096} * 32 * 385 * 4);
+  o.linear_attn = LinearAttn::kFusedDecode;
+  EXPECT_EQ(
+      Plan(o, Preset("qwen3-next-80b-a3b", 8), QuantFormat::kNone, Workload(4))
+          .item_bytes(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms"),
+      0);
+}
+
+// qgemm=w8a8 on qwen3-30b-a3b fp8_channel, 4 x 1024 prompt rows a step: the linear runner's
+// E4M3 rows at the widest K (the dense intermediate, 6144) and a scale each, and the MoE runner's
+// x [4096, 2048] and h [4096 x 8, 768] codes and their scales:
+//   4096 x 6144 + 4096 x 4 + 4096 x 2048 + 32768 x 768 + (4096 + 32768) x 4 = 58,884,096 bytes.
+TEST(MemoryPlan, W8a8ActivationCodesAtTheStepRows) {
+  CudaOptions o = Bf16Kv();
+  o.qgemm = QGemm::kW8A8;
+  const MemoryPlan p = Plan(o, Preset("qwen3-30b-a3b"), QuantFormat::kFp8Channel, Workload(4));
+  EXPECT_EQ(p.step_rows, 4096);
+  EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales"),
+            58'884'096);
+  o.qgemm = QGemm::kW8A16;
+  EXPECT_EQ(Plan(o, Preset("qwen3-30b-a3b"), QuantFormat::kFp8Channel, Workload(4))
+                .item_bytes(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales"),
+            0);
 }
 
 // ---- Invariants over every preset, weight format and batch.
@@ -328,10 +381,10 @@ TEST(MemoryPlan, ExpertParallelRanksCopyTheirOwnExperts) {
 
 TEST(MemoryPlan, RefusedAttentionIsAnError) {
   CudaOptions o;
-  o.attention = Attention::kFlash;  // head_dim 256 is more than flash takes
-  EXPECT_EQ(PlanMemory(o, Preset("qwen3.5-397b-a17b", 8), QuantFormat::kNone, Workload(1))
-                .status()
-                .code(),
+  o.attention = Attention::kFlash;
+  ModelConfig wide = Preset("qwen3.5-397b-a17b", 8);
+  wide.head_dim = 512;  // more than flash takes
+  EXPECT_EQ(PlanMemory(o, wide, QuantFormat::kNone, Workload(1)).status().code(),
             absl::StatusCode::kUnimplemented);
   MemoryWorkload empty;
   EXPECT_EQ(

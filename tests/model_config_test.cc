@@ -951,11 +951,42 @@ TEST(Presets, TinyHybridHasBothLayerKindsAndSharedExperts) {
             (std::vector<int64_t>{1, 128}));
 }
 
+// tiny-hybrid at qwen3-next's attention head size: 8 q and 2 kv heads of 256 (the q_proj gated,
+// twice q_dim), RoPE over the first 64 dims, the linear layers and experts tiny-hybrid's.
+TEST(Presets, TinyHybridHd256HasQwen3NextsHeadSize) {
+  const ModelConfig c = MustPreset("tiny-hybrid-hd256");
+  const ModelConfig base = MustPreset("tiny-hybrid");
+  EXPECT_EQ(c.arch, ModelArch::kQwen3Next);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.num_q_heads, 8);
+  EXPECT_EQ(c.num_kv_heads, 2);
+  EXPECT_TRUE(c.attn_output_gate);
+  EXPECT_EQ(c.layer_attention, base.layer_attention);
+  EXPECT_EQ(c.linear_key_head_dim, base.linear_key_head_dim);
+  EXPECT_EQ(c.num_experts, base.num_experts);
+  // Exact counts (docs/MODELS.md): tiny-hybrid's plus two full-attention layers' larger q, k, v,
+  // o and norms.
+  EXPECT_EQ(c.TotalParams(), 2'992'848);
+  EXPECT_EQ(c.ActiveParams(), 2'403'024);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const TensorSpec& spec : ModelTensorSpecs(c)) shapes[spec.name] = spec.shape;
+  EXPECT_EQ(shapes.at("model.layers.1.self_attn.q_proj.weight"),
+            (std::vector<int64_t>{2 * 8 * 256, 128}));
+  EXPECT_EQ(shapes.at("model.layers.1.self_attn.k_proj.weight"),
+            (std::vector<int64_t>{2 * 256, 128}));
+  EXPECT_EQ(shapes.at("model.layers.1.self_attn.o_proj.weight"),
+            (std::vector<int64_t>{128, 8 * 256}));
+  EXPECT_EQ(shapes.at("model.layers.1.self_attn.q_norm.weight"), (std::vector<int64_t>{256}));
+  EXPECT_EQ(shapes.count("model.layers.0.self_attn.q_proj.weight"), 0u);
+}
+
 TEST(Presets, AllNamesLoad) {
   const std::vector<std::string> names = PresetNames();
-  EXPECT_THAT(names, ElementsAre("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
-                                 "qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-moe",
-                                 "tiny-dense", "tiny-qwen2-moe", "tiny-hybrid"));
+  EXPECT_THAT(names,
+              ElementsAre("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b",
+                          "qwen3.5-397b-a17b", "tiny-moe", "tiny-dense", "tiny-qwen2-moe",
+                          "tiny-hybrid", "tiny-hybrid-hd256"));
   for (const std::string& name : names) {
     absl::StatusOr<ModelConfig> c = PresetConfig(name);
     ASSERT_TRUE(c.ok()) << name << ": " << c.status();

@@ -138,11 +138,13 @@ TEST(Options, PredicatesNameTheirValues) {
   EXPECT_EQ(holds("graphs", [](const CudaOptions& o) { return IsPersistent(o.graphs); }),
             (S{"persistent"}));
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return DequantizesInRegisters(o.qgemm); }),
-            (S{"w4a16", "w8a16"}));
+            (S{"w4a16", "w8a16", "w8a8"}));
+  EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return QuantizesActivationsFp8(o.qgemm); }),
+            (S{"w8a8"}));
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return UsesScaledGemm(o.qgemm); }),
             (S{"cudnn", "fp8_cublaslt", "native_fp4"}));
   EXPECT_EQ(holds("qgemm", [](const CudaOptions& o) { return KeepsQuantCodes(o.qgemm); }),
-            (S{"reference", "w4a16", "w8a16"}));
+            (S{"reference", "w4a16", "w8a16", "w8a8"}));
 }
 
 TEST(Options, UnregisteredValuesAreErrorsNamingTheAxis) {

@@ -19,6 +19,7 @@
 #include "engine/plan/moe_plan.h"
 #include "engine/plan/probe_plan.h"
 #include "engine/plan/step_plan.h"
+#include "kernels/cuda/limits.h"
 
 namespace infersweep {
 namespace {
@@ -114,23 +115,29 @@ std::map<std::string, PlanCheck> PlanChecks() {
        [](const std::string& v, const CudaOptions& o) -> std::string {
          const LinearAttentionPlan p = PlanLinearAttention(o);
          const bool fused = p.delta_rule == DeltaRulePath::kFused;
-         if (v == "reference" && !fused && !p.silu_in_conv) return "";
-         if (v == "fused" && fused && p.silu_in_conv) return "";
-         return absl::StrCat("planned fused=", fused, ", silu in conv=", p.silu_in_conv);
+         const bool chunked = p.delta_rule == DeltaRulePath::kChunked;
+         if (v == "reference" && !fused && !chunked && !p.silu_in_conv && !p.decode_fused)
+           return "";
+         if (v == "fused" && fused && p.silu_in_conv && !p.decode_fused) return "";
+         if (v == "fused_decode" && fused && p.silu_in_conv && p.decode_fused) return "";
+         if (v == "chunked" && chunked && p.silu_in_conv && p.decode_fused) return "";
+         return absl::StrCat("planned fused=", fused, ", chunked=", chunked,
+                             ", silu in conv=", p.silu_in_conv, ", decode fused=", p.decode_fused);
        }},
       {"qgemm",
        [](const std::string& v, const CudaOptions& o) -> std::string {
          // q_proj of qwen3-30b-a3b at one decode row, in the format the value takes; under
          // dequant_bf16 the linear finds the bf16 copy the load made.
          LinearWeightFacts w{DType::kBF16, QuantFormat::kNvfp4, 4096, 2048};
-         if (v == "w8a16" || v == "fp8_cublaslt") w.format = QuantFormat::kFp8Channel;
+         if (v == "w8a16" || v == "fp8_cublaslt" || v == "w8a8")
+           w.format = QuantFormat::kFp8Channel;
          if (v == "dequant_bf16") w.format = QuantFormat::kNone;
          const LinearPlan p = PlanLinear(o, w, {true, 1, false, true});
          const std::map<std::string, LinearPath> expect = {
              {"reference", LinearPath::kQuantReference}, {"dequant_bf16", LinearPath::kCublasLt},
              {"w4a16", LinearPath::kQuantGemvFp4},       {"w8a16", LinearPath::kQuantGemvFp8},
              {"fp8_cublaslt", LinearPath::kScaledGemm},  {"cudnn", LinearPath::kScaledGemm},
-             {"native_fp4", LinearPath::kScaledGemm}};
+             {"native_fp4", LinearPath::kScaledGemm},    {"w8a8", LinearPath::kQuantGemvFp8}};
          auto it = expect.find(v);
          if (it == expect.end()) return "no expected plan for this value";
          return p.path == it->second ? "" : absl::StrCat("planned path ", static_cast<int>(p.path));
@@ -302,14 +309,40 @@ TEST(StepPlan, FusedGemvAndPersistentLayersFallBackByRowsAndSayWhy) {
 }
 
 TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
-  const AttentionHeads hybrid{16, 2, 256};
   CudaOptions o = OptionsWith("attention", "flash");
   o.kv_cache = KvCache::kFp8;
-  const std::vector<std::string> why = AttentionRefusals(o, hybrid);
+  // Past the flash kernels' head sizes: both refusals.
+  const AttentionHeads wide{16, 2, 512};
+  const std::vector<std::string> why = AttentionRefusals(o, wide);
   ASSERT_EQ(why.size(), 2u);
-  EXPECT_THAT(why[0], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[0], HasSubstr("attention=flash supports head_dim <= 256"));
   EXPECT_THAT(why[1], HasSubstr("kv_cache=fp8 is read by the tensor-core flash kernels only"));
-  EXPECT_FALSE(PlanAttention(o, hybrid).ok());
+  EXPECT_THAT(why[1], HasSubstr("must be 32, 64, 128 or 256"));
+  EXPECT_FALSE(PlanAttention(o, wide).ok());
+  // A head size the CUDA-core kernel takes and the tensor-core ones do not: flash, not fp8.
+  const AttentionHeads odd{16, 2, 192};
+  EXPECT_TRUE(AttentionRefusals(OptionsWith("attention", "flash"), odd).empty());
+  ASSERT_EQ(AttentionRefusals(o, odd).size(), 1u);
+  EXPECT_THAT(AttentionRefusals(o, odd)[0], HasSubstr("head_dim 192 must be 32, 64, 128 or 256"));
+  // The hybrids' gated attention (qwen3-next: 16 q and 2 kv heads of 256; qwen3.5: 32 and 2, a
+  // GQA group of 16): flash on every cache, the fp8 one with its scales, and the partials sized
+  // for any split count.
+  for (const AttentionHeads& hybrid : {AttentionHeads{16, 2, 256}, AttentionHeads{32, 2, 256}}) {
+    for (const KvCache kv : {KvCache::kFp32, KvCache::kBf16, KvCache::kFp8}) {
+      CudaOptions flash = OptionsWith("attention", "flash");
+      flash.kv_cache = kv;
+      absl::StatusOr<AttentionPlan> p = PlanAttention(flash, hybrid);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->path, AttentionPath::kFlash);
+      EXPECT_EQ(p->kv_scales, kv == KvCache::kFp8);
+      EXPECT_EQ(p->kv_bytes_per_element, kv == KvCache::kFp8 ? 1 : kv == KvCache::kBf16 ? 2 : 4);
+      // (rows + 1056 / kv_heads + 1) x q_heads x (head_dim + 2): 64 rows, 64 + 528 + 1 slots.
+      EXPECT_EQ(AttentionScoreFloats(*p, hybrid, 64, 4096),
+                int64_t{64 + 528 + 1} * hybrid.q_heads * 258);
+      EXPECT_GE(AttentionScoreFloats(*p, hybrid, 1, 4096),
+                int64_t{1} * hybrid.q_heads * cuda::kMaxFlashSplits * 258);
+    }
+  }
   const AttentionHeads heads{16, 4, 128};
   for (const char* v : {"naive", "flash", "cudnn"}) {
     absl::StatusOr<AttentionPlan> p = PlanAttention(OptionsWith("attention", v), heads);
@@ -323,6 +356,126 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
       EXPECT_FALSE(p->zero_cache);
     }
   }
+}
+
+// qgemm=w8a8: FP8 tensor and channel linears take the E4M3 x E4M3 MMA from 8 rows and on every
+// prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; a K off the
+// 64-element units takes w8a16's paths, and so does a block-128 K off the 128-element blocks.
+// Grouped FP8 experts take the E4M3 kernels (64-pair passes when wide), under moe=wgmma too,
+// which the log says; block-128 experts too where their K are whole blocks.
+TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
+  const CudaOptions w8a8 = OptionsWith("qgemm", "w8a8");
+  const LinearWeightFacts channel{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
+  const LinearWeightFacts tensor{DType::kBF16, QuantFormat::kFp8Tensor, 512, 2048};
+  const LinearWeightFacts block{DType::kBF16, QuantFormat::kFp8Block128, 4096, 2048};
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 4, false, true}).path, LinearPath::kQuantGemvFp8);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 8, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, tensor, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 2, true, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {false, 2048, true, false}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, block, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Block128, 4096, 2112},
+                       {true, 64, false, true})
+                .path,
+            LinearPath::kQuantBf16Copy);
+  EXPECT_EQ(
+      PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Channel, 512, 2080}, {true, 8, false, true})
+          .path,
+      LinearPath::kQuantGemvFp8);
+  LinearWeightFacts misaligned = channel;
+  misaligned.codes_aligned = false;
+  EXPECT_NE(PlanLinear(w8a8, misaligned, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(OptionsWith("qgemm", "w8a16"), channel, {true, 8, false, true}).path,
+            LinearPath::kQuantGemvFp8);
+
+  const MoeShape moe{128, 8, 2048, 768};
+  MoeLayerFacts fp8;
+  fp8.quantized_tables = fp8.experts_quantized_alike = true;
+  fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 768, 2048};
+  fp8.down = {QuantFormat::kFp8Channel, 2048, 768};
+  CudaOptions o = w8a8;
+  o.moe = Moe::kFused;
+  o.gemm = Gemm::kFused;
+  MoePlan p = PlanMoe(o, moe, fp8, {64, 1, false, true});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma4);
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_FALSE(p.bf16_copies);
+  o.moe = Moe::kWgmma;
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_THAT(p.fallbacks,
+              testing::Contains(HasSubstr("qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels")));
+  fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
+  p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_FALSE(p.bf16_copies);
+  // 64-wide experts: their down projection has no whole 128-block of K.
+  const MoeShape narrow{128, 8, 2048, 64};
+  fp8.gate = fp8.up = {QuantFormat::kFp8Block128, 64, 2048};
+  fp8.down = {QuantFormat::kFp8Block128, 2048, 64};
+  p = PlanMoe(o, narrow, fp8, {2048, 2048, false, true});
+  EXPECT_NE(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
+  EXPECT_TRUE(p.bf16_copies);
+}
+
+// Preflight of qgemm=w8a8: FP8 weights on sm_89 and newer, beside moe=fused and (on sm_90)
+// moe=wgmma (no conflict: its grouped kernels serve both); refused on sm_86 naming sm_89, and on
+// FP4 or bf16 weights.
+TEST(W8a8Preflight, Fp8WeightsOnSm89AndNewerBesideTheFusedExpertRunners) {
+  for (const char* moe : {"fused", "wgmma"}) {
+    auto config = NormalizeBackendConfig(
+        {{"device", "cuda"}, {"gemm", "fused"}, {"moe", moe}, {"qgemm", "w8a8"}});
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_TRUE(Preflight(*config, {true, 90, 1, "fp8"}).supported) << moe;
+    if (std::string(moe) == "fused") {  // moe=wgmma is sm_90's
+      EXPECT_TRUE(Preflight(*config, {true, 89, 1, "fp8"}).supported);
+      EXPECT_EQ(Preflight(*config, {true, 86, 1, "fp8"}).reason,
+                "qgemm=w8a8 needs sm_89 or newer; the GPU is sm_86");
+    }
+    EXPECT_FALSE(Preflight(*config, {true, 90, 1, "nvfp4"}).supported) << moe;
+    EXPECT_FALSE(Preflight(*config, {true, 90, 1, "bf16"}).supported) << moe;
+  }
+}
+
+// The shared expert runs as one more pair a row in the per-pair expert kernels where its weights
+// sit in their tables and the fused router GEMV writes its gate: decode rows only. Elsewhere it
+// keeps its own launches: the fused GEMV pair at decode, the unfused MLP on the grouped batches.
+TEST(MoePlan, TheSharedExpertRidesWithTheRoutedPairsOnDecodeRows) {
+  const MoeShape moe{512, 10, 2048, 512};
+  MoeLayerFacts layer;
+  layer.experts_bf16 = true;
+  layer.router_f32_copy = true;
+  layer.shared_expert = true;
+  layer.shared_down_cols = 512;
+  layer.shared_in_tables = true;
+  const CudaOptions o = OptionsWith("moe", "fused");
+  MoePlan p = PlanMoe(o, moe, layer, {1, 1, true});
+  EXPECT_EQ(p.experts, MoeExperts::kPerPairGemv);
+  EXPECT_EQ(p.shared, MoeShared::kFoldedPair);
+  // Quantized tables the down kernel takes with the extra slot: folded too.
+  MoeLayerFacts fp8 = layer;
+  fp8.experts_bf16 = false;
+  fp8.quantized_tables = fp8.experts_quantized_alike = true;
+  fp8.gate = fp8.up = {QuantFormat::kFp8Channel, 512, 2048};
+  fp8.down = {QuantFormat::kFp8Channel, 2048, 512};
+  p = PlanMoe(o, moe, fp8, {1, 1, true});
+  EXPECT_EQ(p.experts, MoeExperts::kPerPairQuantGemv);
+  EXPECT_EQ(p.shared, MoeShared::kFoldedPair);
+  // Not in the tables (qwen2_moe's wider shared expert, a rank's run at ep=on): its own GEMVs.
+  MoeLayerFacts apart = layer;
+  apart.shared_in_tables = false;
+  EXPECT_EQ(PlanMoe(o, moe, apart, {1, 1, true}).shared, MoeShared::kFusedGemv);
+  // Decode rows without the fused GEMV (gemm=cublaslt): the router runs alone, so the shared gate
+  // has no launch to ride in.
+  p = PlanMoe(o, moe, layer, {1, 1, false});
+  EXPECT_NE(p.router, MoeRouter::kFusedGemv);
+  EXPECT_EQ(p.shared, MoeShared::kUnfused);
+  // A batch of 64 rows runs the grouped kernels: the shared expert keeps its own GEMMs.
+  p = PlanMoe(o, moe, layer, {64, 1, false});
+  EXPECT_EQ(p.experts, MoeExperts::kGrouped);
+  EXPECT_EQ(p.shared, MoeShared::kUnfused);
 }
 
 TEST(MoePlan, FallbacksComeFromThePlan) {
@@ -373,9 +526,67 @@ TEST(MoePlan, FallbacksComeFromThePlan) {
   EXPECT_THAT(p.fallbacks[0], HasSubstr("the experts on cuBLAS grouped GEMMs"));
 }
 
+// linear_attn=fused_decode: decode rows in one launch, prefill chunks on linear_attn=fused's
+// kernels; refused, with both head dims named, where a value head's state does not fit one
+// block (dk > 128 or dv > 128), and where the model has no linear-attention layers.
+TEST(LinearAttentionPlan, FusedDecodeTakesDecodeRowsAndRefusesHeadsPastOneBlock) {
+  const LinearAttentionPlan p = PlanLinearAttention(OptionsWith("linear_attn", "fused_decode"));
+  EXPECT_TRUE(p.decode_fused);
+  EXPECT_EQ(p.delta_rule, DeltaRulePath::kFused);
+  EXPECT_TRUE(p.silu_in_conv);
+  EXPECT_FALSE(PlanLinearAttention(OptionsWith("linear_attn", "fused")).decode_fused);
+  EXPECT_FALSE(PlanLinearAttention(OptionsWith("linear_attn", "reference")).decode_fused);
+
+  const CudaOptions o = OptionsWith("linear_attn", "fused_decode");
+  for (const char* preset : {"tiny-hybrid", "qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+    const ModelConfig model = *PresetConfig(preset);
+    EXPECT_THAT(LinearAttentionRefusals(o, model), testing::IsEmpty()) << preset;
+  }
+  ModelConfig wide = *PresetConfig("tiny-hybrid");
+  wide.linear_value_head_dim = 256;
+  EXPECT_THAT(LinearAttentionRefusals(o, wide),
+              testing::ElementsAre(testing::AllOf(HasSubstr("linear_attn=fused_decode"),
+                                                  HasSubstr("value head dim 256 <= 128"))));
+  EXPECT_THAT(LinearAttentionRefusals(OptionsWith("linear_attn", "fused"), wide),
+              testing::IsEmpty());
+  wide.linear_key_head_dim = 192;  // linear_attn=fused takes it, the decode kernel does not
+  EXPECT_THAT(LinearAttentionRefusals(o, wide),
+              testing::ElementsAre(HasSubstr("key head dim 192 must be <= 128")));
+  EXPECT_THAT(LinearAttentionRefusals(o, *PresetConfig("tiny-moe")),
+              testing::ElementsAre(HasSubstr("the model has no linear-attention layers")));
+}
+
+// linear_attn=chunked: prefill sequences in the chunked form, decode rows in the decode kernel;
+// refused, naming both head dims, where a head is not whole 16-row MMA tiles up to 128, and
+// where the model has no linear-attention layers. The memory plan counts its terms.
+TEST(LinearAttentionPlan, ChunkedTakesPrefillAndRefusesHeadsOffItsTiles) {
+  const CudaOptions o = OptionsWith("linear_attn", "chunked");
+  const LinearAttentionPlan p = PlanLinearAttention(o);
+  EXPECT_EQ(p.delta_rule, DeltaRulePath::kChunked);
+  EXPECT_TRUE(p.decode_fused);
+  EXPECT_TRUE(p.silu_in_conv);
+  for (const char* preset :
+       {"tiny-hybrid", "tiny-hybrid-hd256", "qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+    const ModelConfig model = *PresetConfig(preset);
+    EXPECT_THAT(LinearAttentionRefusals(o, model), testing::IsEmpty()) << preset;
+  }
+  ModelConfig odd = *PresetConfig("tiny-hybrid");
+  odd.linear_value_head_dim = 40;  // the other values take it
+  EXPECT_THAT(LinearAttentionRefusals(o, odd),
+              testing::ElementsAre(testing::AllOf(
+                  HasSubstr("linear_attn=chunked runs its products in 16-row MMA tiles"),
+                  HasSubstr("key head dim 32 and value head dim 40 must be multiples of 16"))));
+  EXPECT_THAT(LinearAttentionRefusals(OptionsWith("linear_attn", "fused_decode"), odd),
+              testing::IsEmpty());
+  EXPECT_THAT(LinearAttentionRefusals(o, *PresetConfig("tiny-moe")),
+              testing::ElementsAre(HasSubstr("the model has no linear-attention layers")));
+  // 2 x 128 + 128 + 1 floats a row and value head.
+  EXPECT_EQ(cuda::GatedDeltaChunkedScratchFloats(4096, 32, 128, 128), int64_t{4096} * 32 * 385);
+}
+
 TEST(ModelLimits, EveryReasonIsReported) {
   ModelConfig c = *PresetConfig("tiny-moe");
-  c.head_dim = 256;
+  c.head_dim = 512;
   c.hidden_size = 2050;  // not a multiple of 4 or 8
   CudaOptions o = OptionsWith("attention", "flash");
   o.moe = Moe::kFused;
@@ -383,8 +594,25 @@ TEST(ModelLimits, EveryReasonIsReported) {
   const std::vector<std::string> why = CudaModelLimitRefusals(c, o);
   ASSERT_EQ(why.size(), 3u) << ::testing::PrintToString(why);
   EXPECT_THAT(why[0], HasSubstr("allreduce=custom moves 16-byte packs"));
-  EXPECT_THAT(why[1], HasSubstr("attention=flash supports head_dim <= 128"));
+  EXPECT_THAT(why[1], HasSubstr("attention=flash supports head_dim <= 256"));
   EXPECT_THAT(why[2], HasSubstr("moe=fused supports"));
+}
+
+// The hybrids at their real head size (256): attention=flash on every cache, fp8 included, with
+// the fused expert and linear-attention kernels, refuses nothing, on the real presets and on the
+// tiny one the GPU tests run.
+TEST(ModelLimits, HybridsAtHeadDim256TakeFlashOnEveryCache) {
+  for (const char* name : {"qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "tiny-hybrid-hd256"}) {
+    const ModelConfig c = *PresetConfig(name);
+    ASSERT_EQ(c.head_dim, 256) << name;
+    for (const KvCache kv : {KvCache::kFp32, KvCache::kBf16, KvCache::kFp8}) {
+      CudaOptions o = OptionsWith("attention", "flash");
+      o.kv_cache = kv;
+      o.moe = Moe::kFused;
+      o.linear_attn = LinearAttn::kFused;
+      EXPECT_THAT(CudaModelLimitRefusals(c, o), testing::IsEmpty()) << name;
+    }
+  }
 }
 
 TEST(Preflight, ConfigOnlyConflictsAreTheRegistrysAndEveryReasonIsGiven) {

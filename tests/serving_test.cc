@@ -288,15 +288,18 @@ TEST(Serving, TensorParallelRanksServeWhatTheirLoneRunsGive) {
   }
 }
 
-// Linear-attention layers keep their conv and recurrent state per slot.
+// Linear-attention layers keep their conv and recurrent state per slot, beside full-attention
+// layers of head size 32 and of qwen3-next's 256 (partial RoPE over 64 dims).
 TEST(Serving, HybridModelKeepsStatePerSlot) {
-  auto host = LoadPreset("tiny-hybrid");
-  ASSERT_NE(host, nullptr);
-  for (const std::string text : {"concurrency=3,isl=6-20,osl=3-8,requests=6",
-                                 "concurrency=3,isl=6-20,osl=3-8,requests=6,chunk=4"}) {
-    SCOPED_TRACE(text);
-    const ServeSpec spec = Spec(text);
-    ExpectAllMatch(RunServeTrial(*host, kCpu, spec, {}), spec);
+  for (const std::string name : {"tiny-hybrid", "tiny-hybrid-hd256"}) {
+    auto host = LoadPreset(name);
+    ASSERT_NE(host, nullptr);
+    for (const std::string text : {"concurrency=3,isl=6-20,osl=3-8,requests=6",
+                                   "concurrency=3,isl=6-20,osl=3-8,requests=6,chunk=4"}) {
+      SCOPED_TRACE(name + " " + text);
+      const ServeSpec spec = Spec(text);
+      ExpectAllMatch(RunServeTrial(*host, kCpu, spec, {}), spec);
+    }
   }
 }
 

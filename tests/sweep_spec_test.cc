@@ -720,9 +720,9 @@ TEST(SweepSpecRealRegistryTest, TheHuntIsRefusedOnlyForHardwareAndDesignLimits) 
     if (std::string(name) == "hunt-serving-tp2.yaml") {
       for (const TrialRecord& trial : *trials) EXPECT_EQ(trial.selector.gpus_needed, 2);
     }
-    // tp=1: 48, less native_fp4's 12, moe=loop's 6 under graphs and cudnn's 8 beside the expert
-    // runners; tp=2: 8, less moe=loop's 2 under graphs.
-    EXPECT_EQ(runnable, std::string(name) == "hunt-serving.yaml" ? 22 : 6) << name;
+    // tp=1: 96, less native_fp4's 24, moe=loop's 12 under graphs and cudnn's 16 beside the
+    // expert runners; tp=2: 16, less moe=loop's 4 under graphs.
+    EXPECT_EQ(runnable, std::string(name) == "hunt-serving.yaml" ? 44 : 12) << name;
   }
 }
 

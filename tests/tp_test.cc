@@ -575,6 +575,47 @@ TEST(TensorParallel, HeldExpertsAreTheRanksRun) {
   EXPECT_EQ(HeldExpertRange(none).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// The shared expert rides in the device expert tables where it is shaped like the experts and
+// every expert is held: qwen3-next-style layers (tiny-hybrid, 64 = 64) at tp=1 and tp=2 without
+// ep, not at ep=on (a rank's run of whole experts beside its slice of the shared expert) and not
+// qwen2_moe's wider shared expert (128 against 64).
+TEST(TensorParallel, TheSharedExpertFitsTheExpertTablesWhereShapedLikeThem) {
+  auto hybrid = LoadHostModel("preset:tiny-hybrid");
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  ASSERT_TRUE(MaterializeHostWeights(**hybrid).ok());
+  const LayerWeights& layer = (*hybrid)->weights.layers[0];
+  auto held = HeldExpertRange(layer.experts);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_TRUE(SharedExpertFitsExpertTables(layer, *held));
+  auto sliced = ShardHostModel(**hybrid, 2, 1, /*expert_parallel=*/false);
+  ASSERT_TRUE(sliced.ok()) << sliced.status();
+  const LayerWeights& slice = (*sliced)->host->weights.layers[0];
+  EXPECT_TRUE(SharedExpertFitsExpertTables(slice, *HeldExpertRange(slice.experts)));
+  auto run = ShardHostModel(**hybrid, 2, 0, /*expert_parallel=*/true);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const LayerWeights& ranks = (*run)->host->weights.layers[0];
+  EXPECT_FALSE(SharedExpertFitsExpertTables(ranks, *HeldExpertRange(ranks.experts)));
+  // A layer holding a run short of every expert keeps it out, and so does one mismatch of dtype
+  // or shape.
+  LayerWeights other = layer;
+  other.experts.back() = ExpertWeights{};
+  auto short_run = HeldExpertRange(other.experts);
+  ASSERT_TRUE(short_run.ok()) << short_run.status();
+  EXPECT_FALSE(SharedExpertFitsExpertTables(other, *short_run));
+  other = layer;
+  other.shared_expert.down.dtype = DType::kF32;
+  EXPECT_FALSE(SharedExpertFitsExpertTables(other, *held));
+  other = layer;
+  other.shared_expert.gate.rows *= 2;
+  EXPECT_FALSE(SharedExpertFitsExpertTables(other, *held));
+
+  auto qwen2 = LoadHostModel("preset:tiny-qwen2-moe");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  ASSERT_TRUE(MaterializeHostWeights(**qwen2).ok());
+  const LayerWeights& wide = (*qwen2)->weights.layers[0];
+  EXPECT_FALSE(SharedExpertFitsExpertTables(wide, *HeldExpertRange(wide.experts)));
+}
+
 // ---- Preflight: the registry's tp, ep and allreduce rows and the model's dimensions.
 
 PreflightResult PreflightOn(const std::string& preset, const BackendConfig& config,

@@ -81,20 +81,41 @@ void LinearAttentionRunner::SwapRecurrentStates(int a, int b) {
 absl::Status LinearAttentionRunner::AllocateScratch(int rows) {
   if (!config_.has_linear_attention()) return absl::OkStatus();
   const size_t r = rows, conv = config_.linear_conv_dim(), value = config_.linear_value_dim(),
-               heads = config_.linear_num_value_heads;
-  return AllocateBuffers<float>({{&projected_, r * conv},
-                                 {&mixed_, r * conv},
-                                 {&z_, r * value},
-                                 {&a_, r * heads},
-                                 {&b_, r * heads},
-                                 {&g_, r * heads},
-                                 {&beta_, r * heads},
-                                 {&out_, r * value}});
+               heads = config_.linear_num_value_heads, key_heads = config_.linear_num_key_heads;
+  RETURN_IF_ERROR(AllocateBuffers<float>({{&projected_, r * conv},
+                                          {&mixed_, r * conv},
+                                          {&z_, r * value},
+                                          {&a_, r * heads},
+                                          {&b_, r * heads},
+                                          {&g_, r * heads},
+                                          {&beta_, r * heads},
+                                          {&out_, r * value}}));
+  if (PlanLinearAttention(options_).delta_rule == DeltaRulePath::kChunked)
+    RETURN_IF_ERROR(chunk_terms_.Allocate(cuda::GatedDeltaChunkedScratchFloats(
+        rows, config_.linear_num_value_heads, config_.linear_key_head_dim,
+        config_.linear_value_head_dim)));
+  RETURN_IF_ERROR(arrivals_.Allocate(r * key_heads));
+  CUDA_OR_DIE(cudaMemsetAsync(arrivals_.get(), 0, r * key_heads * sizeof(unsigned), stream_));
+  return absl::OkStatus();
 }
 
 void LinearAttentionRunner::FreeScratch() {
-  for (DeviceBuffer<float>* b : {&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_})
+  for (DeviceBuffer<float>* b :
+       {&projected_, &mixed_, &z_, &a_, &b_, &g_, &beta_, &out_, &chunk_terms_})
     b->reset();
+  arrivals_.reset();
+}
+
+cuda::GatedDeltaChunkScratch LinearAttentionRunner::ChunkTerms(int rows) const {
+  const int64_t key =
+      static_cast<int64_t>(rows) * config_.linear_num_value_heads * config_.linear_key_head_dim;
+  cuda::GatedDeltaChunkScratch terms;
+  terms.w = chunk_terms_.get();
+  terms.q = terms.w + key;
+  terms.u = terms.q + key;
+  terms.g = terms.u + static_cast<int64_t>(rows) * config_.linear_num_value_heads *
+                          config_.linear_value_head_dim;
+  return terms;
 }
 
 absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, float* out,
@@ -104,16 +125,14 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
   const int hidden = config_.hidden_size, value_dim = config_.linear_value_dim();
   const float eps = config_.rms_norm_eps;
   const cuda::GatedDeltaShape shape = ShapeOf(config_, batch_, n);
-  // Input RMSNorm, then in_proj_qkv, z, b and a.
+  // Input RMSNorm, then in_proj_qkv, z, b and a: one GEMV launch of four segments.
   if (gemv) {
     LinearRunner::FusedGemv g = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
     LinearRunner::AddSegment(g, la.in_proj_qkv, {}, projected_.get());
     LinearRunner::AddSegment(g, la.in_proj_z, {}, z_.get());
     LinearRunner::AddSegment(g, la.in_proj_b, {}, b_.get());
+    LinearRunner::AddSegment(g, la.in_proj_a, {}, a_.get());
     RETURN_IF_ERROR(linear_.RunGemv(g));
-    LinearRunner::FusedGemv ga = LinearRunner::GemvInput(x, rows, hidden, lw.input_norm, eps);
-    LinearRunner::AddSegment(ga, la.in_proj_a, {}, a_.get());
-    RETURN_IF_ERROR(linear_.RunGemv(ga));
   } else {
     const uint16_t* xb = linear_.NormAndPrepare(x, rows, hidden, lw.input_norm, eps);
     const float* xn = linear_.xn();
@@ -149,41 +168,78 @@ absl::Status LinearAttentionRunner::Run(int l, int rows, int n, bool gemv, float
       launches.push_back({c.first_row, chunk});
     }
   }
-  const int64_t conv_width = shape.conv_channels();
-  for (const Sequences& s : launches) {
-    const int64_t at = s.first_row;
-    cuda::CausalConv(projected_.get() + at * conv_width, s.shape, la.conv, plan.silu_in_conv,
-                     conv_state, mixed_.get() + at * conv_width, stream_);
-  }
-  if (!plan.silu_in_conv)
-    cuda::SiluInPlace(mixed_.get(), static_cast<int64_t>(rows) * conv_width, stream_);
-  cuda::GatedDeltaShape all_rows = shape;  // the gates run a block a row, whatever the sequences
-  all_rows.batch = rows;
-  all_rows.n = 1;
-  cuda::GatedDeltaGates(mixed_.get(), a_.get(), b_.get(), la.a_log, la.dt_bias, all_rows, g_.get(),
-                        beta_.get(), stream_);
   if (fault_.kind == FaultInjection::Kind::kBadState && l == first_linear_layer_)
     cuda::ScaleInPlace(recurrent_state, static_cast<float>(fault_.value),
                        static_cast<int64_t>(batch_) * RecurrentStateFloats(config_), stream_);
-  const int heads = config_.linear_num_value_heads;
-  for (const Sequences& s : launches) {
-    const int64_t at = s.first_row;
-    const float* mixed = mixed_.get() + at * conv_width;
-    const float* g = g_.get() + at * heads;
-    const float* beta = beta_.get() + at * heads;
-    float* o = out_.get() + at * value_dim;
-    switch (plan.delta_rule) {
-      case DeltaRulePath::kFused:
-        cuda::GatedDeltaFused(mixed, g, beta, s.shape, recurrent_state, o, stream_);
-        break;
-      case DeltaRulePath::kReference:
-        cuda::GatedDeltaReference(mixed, g, beta, s.shape, recurrent_state, o, stream_);
-        break;
-    }
+  // With plan.decode_fused the one-row sequences (a lockstep decode step, or a ragged step's
+  // decode rows, which come first) run as one GatedDeltaDecode launch; the kernel chain below
+  // takes the rest, rows [chain_row, rows).
+  int chain_row = 0;
+  if (plan.decode_fused && (ragged ? ragged->decode_rows > 0 : n == 1)) {
+    const Sequences decode = launches.front();
+    launches.erase(launches.begin());
+    cuda::GatedDeltaDecodeOperands ops;
+    ops.projected = projected_.get();
+    ops.z = z_.get();
+    ops.a = a_.get();
+    ops.b = b_.get();
+    ops.conv = la.conv;
+    ops.a_log = la.a_log;
+    ops.dt_bias = la.dt_bias;
+    ops.norm = la.norm;
+    ops.eps = eps;
+    ops.conv_state = conv_state;
+    ops.state = recurrent_state;
+    ops.key_head_arrivals = arrivals_.get();
+    ops.out = out_.get();
+    cuda::GatedDeltaDecode(ops, decode.shape, stream_);
+    chain_row = decode.shape.batch;
   }
-  cuda::RmsNormGated(out_.get(), z_.get(),
-                     static_cast<int64_t>(rows) * config_.linear_num_value_heads,
-                     config_.linear_value_head_dim, la.norm, eps, out_.get(), stream_);
+  const int chain_rows = rows - chain_row;
+  const int64_t conv_width = shape.conv_channels();
+  const int heads = config_.linear_num_value_heads;
+  if (chain_rows > 0) {
+    for (const Sequences& s : launches) {
+      const int64_t at = s.first_row;
+      cuda::CausalConv(projected_.get() + at * conv_width, s.shape, la.conv, plan.silu_in_conv,
+                       conv_state, mixed_.get() + at * conv_width, stream_);
+    }
+    if (!plan.silu_in_conv)
+      cuda::SiluInPlace(mixed_.get() + chain_row * conv_width,
+                        static_cast<int64_t>(chain_rows) * conv_width, stream_);
+    cuda::GatedDeltaShape all_rows = shape;  // the gates run a block a row, whatever the sequences
+    all_rows.batch = chain_rows;
+    all_rows.n = 1;
+    cuda::GatedDeltaGates(mixed_.get() + chain_row * conv_width, a_.get() + chain_row * heads,
+                          b_.get() + chain_row * heads, la.a_log, la.dt_bias, all_rows,
+                          g_.get() + chain_row * heads, beta_.get() + chain_row * heads, stream_);
+    for (const Sequences& s : launches) {
+      const int64_t at = s.first_row;
+      const float* mixed = mixed_.get() + at * conv_width;
+      const float* g = g_.get() + at * heads;
+      const float* beta = beta_.get() + at * heads;
+      float* o = out_.get() + at * value_dim;
+      switch (plan.delta_rule) {
+        case DeltaRulePath::kChunked:
+          if (s.shape.n >= cuda::kGatedDeltaChunkedMinTokens) {
+            cuda::GatedDeltaChunked(mixed, g, beta, s.shape, ChunkTerms(s.shape.rows()),
+                                    recurrent_state, o, stream_);
+            break;
+          }
+          [[fallthrough]];
+        case DeltaRulePath::kFused:
+          cuda::GatedDeltaFused(mixed, g, beta, s.shape, recurrent_state, o, stream_);
+          break;
+        case DeltaRulePath::kReference:
+          cuda::GatedDeltaReference(mixed, g, beta, s.shape, recurrent_state, o, stream_);
+          break;
+      }
+    }
+    float* chain_out = out_.get() + static_cast<int64_t>(chain_row) * value_dim;
+    cuda::RmsNormGated(chain_out, z_.get() + static_cast<int64_t>(chain_row) * value_dim,
+                       static_cast<int64_t>(chain_rows) * heads, config_.linear_value_head_dim,
+                       la.norm, eps, chain_out, stream_);
+  }
   CHECK_LAUNCH();
   // out_proj, added into `out` (the residual stream or its partial).
   if (gemv) {

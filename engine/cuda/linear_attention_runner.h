@@ -12,6 +12,7 @@
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/linear_runner.h"
 #include "engine/cuda/runner_context.h"
+#include "kernels/cuda/gated_delta.h"
 
 namespace infersweep {
 
@@ -37,11 +38,14 @@ class LinearAttentionRunner {
   // `gemv`: the fused GEMV path (gemm=fused|tma, decode rows). With `ragged` (serving) the rows
   // are a ragged step's: the decode rows' conv and delta rule run together, each reading and
   // advancing its slot's states; each prefill chunk runs on its own over its slot's states, which
-  // carry its sequence from one chunk to the next.
+  // carry its sequence from one chunk to the next. With linear_attn=fused_decode the one-row
+  // sequences (a lockstep decode step, a ragged step's decode rows) take GatedDeltaDecode.
   absl::Status Run(int l, int rows, int n, bool gemv, float* x, float* out,
                    const RaggedRows* ragged = nullptr);
 
  private:
+  // chunk_terms_ laid out for a launch of `rows` rows.
+  cuda::GatedDeltaChunkScratch ChunkTerms(int rows) const;
   const ModelConfig& config_;
   const ModelWeights& w_;
   const CudaOptions& options_;
@@ -59,6 +63,11 @@ class LinearAttentionRunner {
   DeviceBuffer<float> z_;                // [rows, Hv * dv]
   DeviceBuffer<float> a_, b_, g_, beta_;  // [rows, Hv]
   DeviceBuffer<float> out_;               // [rows, Hv * dv]
+  // linear_attn=chunked: the chunked form's terms (cuda::GatedDeltaChunkScratch), for `rows`.
+  DeviceBuffer<float> chunk_terms_;
+  // [rows, Hk]: GatedDeltaDecode's key-head arrival counts, zeroed once; each launch leaves them
+  // zero.
+  DeviceBuffer<unsigned> arrivals_;
 };
 
 }  // namespace infersweep

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "api/status_macros.h"
 #include "core/launch_log.h"
+#include "core/unreachable.h"
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemm_tma.h"
@@ -41,7 +42,7 @@ size_t LinearRunner::LargestQuantizedDense() const {
 absl::Status LinearRunner::AllocateScratch(int rows) {
   // Decode batches of kQuantBf16CopyMinRows+ rows dequantize into the copy inside captured
   // graphs, where it cannot grow: it is reserved here.
-  const bool register_dequant = options_.qgemm == QGemm::kW4A16 || options_.qgemm == QGemm::kW8A16;
+  const bool register_dequant = DequantizesInRegisters(options_.qgemm);
   if (rows >= kQuantBf16CopyMinRows && gemm_ && register_dequant) {
     RETURN_IF_ERROR(ReserveBf16Copy(LargestQuantizedDense()));
   }
@@ -53,13 +54,19 @@ absl::Status LinearRunner::AllocateScratch(int rows) {
        {std::pair{&xn_, r * hidden}, std::pair{&o_, r * hidden}, std::pair{&y_, r * hidden},
         std::pair{&gate_, r * inter}, std::pair{&up_, r * inter}})
     RETURN_IF_ERROR(buffer->Allocate(count));
+  // qgemm=w8a8: a GEMM's input rows as E4M3 codes and their scales (GemmFp8Mma).
+  if (QuantizesActivationsFp8(options_.qgemm)) {
+    RETURN_IF_ERROR(fp8_codes_.Allocate(r * widest));
+    RETURN_IF_ERROR(fp8_scales_.Allocate(r));
+  }
   // The bf16 staging holds a GEMM's input, or the MoE pairs' gathered rows (moe=grouped).
   return bf16_.Allocate(std::max(r * widest, r * k * hidden));
 }
 
 void LinearRunner::FreeScratch() {
-  for (DeviceBuffer<float>* b : {&xn_, &o_, &y_, &gate_, &up_}) b->reset();
+  for (DeviceBuffer<float>* b : {&xn_, &o_, &y_, &gate_, &up_, &fp8_scales_}) b->reset();
   bf16_.reset();
+  fp8_codes_.reset();
 }
 
 LinearPlan LinearRunner::Plan(const MatrixRef& w, int rows, bool bf16_input,
@@ -101,6 +108,10 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
       // The codes decoded in registers onto tensor cores, every weight read once a pass of 32 or
       // 64 rows (the GEMV re-reads and re-decodes it every 4).
       cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
+      break;
+    case LinearPath::kQuantFp8Mma:
+      // qgemm=w8a8: the rows quantized to E4M3, then E4M3 x E4M3 tensor cores on the codes.
+      cuda::GemmFp8Mma(x, rows, w, fp8_codes_.get(), fp8_scales_.get(), y, stream_);
       break;
     case LinearPath::kQuantGemvFp4:
       cuda::GemvW4A16(x, rows, w, y, stream_);
@@ -231,14 +242,21 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   for (int s = 1; s < g.segments; ++s)
     uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
   if (!uniform) {
+    // A segment a launch; a router's top-k once after the last (it reads the shared expert's
+    // logit, a later segment, too).
     for (int s = 0; s < g.segments; ++s) {
       FusedGemv one = g;
       one.segments = 1;
       one.seg[0] = g.seg[s];
       one.w[0] = g.w[s];
       one.bias[0] = g.bias[s];
+      one.topk = {};
       RETURN_IF_ERROR(RunGemv(one, projection));
     }
+    if (g.topk.counter)
+      cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
+                       g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
+    CHECK_LAUNCH();
     return absl::OkStatus();
   }
   if (k0 == Kind::kBf16) {
@@ -278,6 +296,10 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
       cuda::AddScaled(seg.y, y_.get(), g.scale, count, stream_);
     }
   }
+  // cuda::Gemv runs a router's top-k itself (GemvTopK); the other kernels above do not.
+  if (g.topk.counter && !(k0 == Kind::kBf16 && !projection))
+    cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
+                     g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
   CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -295,6 +317,8 @@ LinearRunner::FusedGemv LinearRunner::GemvInput(const float* x, int rows, int k,
 }
 
 void LinearRunner::AddSegment(FusedGemv& a, const MatrixRef& w, const MatrixRef& bias, float* y) {
+  if (a.segments == cuda::kGemvMaxSegments)
+    Unreachable("LinearRunner::AddSegment: more segments than the GEMV takes");
   a.w[a.segments] = w;
   a.bias[a.segments] = bias;
   cuda::GemvSegment& s = a.seg[a.segments++];

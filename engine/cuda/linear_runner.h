@@ -58,8 +58,8 @@ class LinearRunner {
   // A fused GEMV launch (gemm=fused|tma, decode rows): the kernel's args plus each segment's
   // weights and bias, whose kind picks the kernel (RunGemv).
   struct FusedGemv : cuda::GemvArgs {
-    MatrixRef w[3];
-    MatrixRef bias[3];
+    MatrixRef w[cuda::kGemvMaxSegments];
+    MatrixRef bias[cuda::kGemvMaxSegments];
   };
   // A GEMV over `rows` rows of x [rows, k], RMS-normalised by `norm` first when it is given.
   static FusedGemv GemvInput(const float* x, int rows, int k, const MatrixRef& norm,
@@ -108,6 +108,8 @@ class LinearRunner {
   DeviceBuffer<float> xn_, o_, y_, gate_, up_;
   DeviceBuffer<uint16_t> bf16_;
   DeviceBuffer<uint16_t> bf16_copy_;  // QuantBf16Copy
+  DeviceBuffer<uint8_t> fp8_codes_;   // qgemm=w8a8: [rows, widest K] E4M3
+  DeviceBuffer<float> fp8_scales_;    // qgemm=w8a8: [rows]
   size_t bf16_copy_count_ = 0;
 };
 

@@ -33,19 +33,30 @@ MoeRunner::MoeRunner(const RunnerContext& context, LinearRunner& linear, const D
 absl::Status MoeRunner::AllocateScratch(int rows) {
   const size_t r = rows, hidden = config_.hidden_size, k = std::max(1, config_.num_experts_per_tok);
   const size_t moe_inter = std::max(config_.moe_intermediate_size, 1);
+  // A shared expert may run as one more pair a row (MoeShared::kFoldedPair): its gate's logit
+  // after the router's, its slot after the top-k's.
+  const size_t shared = config_.shared_expert_intermediate_size > 0 ? 1 : 0, slots = k + shared;
   for (auto [buffer, count] :
-       {std::pair{&router_, r * std::max(config_.num_experts, 1) + 1},
-        std::pair{&expert_weights_, r * k}, std::pair{&moe_h_, r * k * moe_inter},
+       {std::pair{&router_, r * (std::max(config_.num_experts, 1) + shared) + 1},
+        std::pair{&expert_weights_, r * slots}, std::pair{&moe_h_, r * slots * moe_inter},
         std::pair{&moe_out_, r * k * hidden}, std::pair{&moe_in_, r * k * hidden},
         std::pair{&route_weight_, r * k}})
     RETURN_IF_ERROR(buffer->Allocate(count));
   for (auto [buffer, count] :
-       {std::pair{&expert_ids_, r * k}, std::pair{&route_index_, r * k},
+       {std::pair{&expert_ids_, r * slots}, std::pair{&route_index_, r * k},
         std::pair{&pair_position_, r * k},
         std::pair{&expert_offsets_, static_cast<size_t>(std::max(config_.num_experts, 0) + 1)}})
     RETURN_IF_ERROR(buffer->Allocate(count));
   RETURN_IF_ERROR(xn_bf16_.Allocate(r * hidden));
   RETURN_IF_ERROR(moe_bf16_.Allocate(r * k * (2 * moe_inter + hidden)));
+  // qgemm=w8a8's grouped kernels: the input rows and the pairs' h as E4M3 codes, a scale each.
+  if (QuantizesActivationsFp8(options_.qgemm)) {
+    RETURN_IF_ERROR(fp8_codes_.Allocate(r * hidden + r * k * moe_inter));
+    RETURN_IF_ERROR(fp8_scales_.Allocate(r + r * k));
+  }
+  // The fused router's block count, zero between launches (each launch's last block resets it).
+  RETURN_IF_ERROR(topk_counter_.Allocate(1));
+  CUDA_OR_DIE(cudaMemsetAsync(topk_counter_.get(), 0, sizeof(unsigned), stream_));
   return absl::OkStatus();
 }
 
@@ -57,6 +68,9 @@ void MoeRunner::FreeScratch() {
     b->reset();
   xn_bf16_.reset();
   moe_bf16_.reset();
+  fp8_codes_.reset();
+  fp8_scales_.reset();
+  topk_counter_.reset();
 }
 
 // fp32 copies of the MoE routers for cuBLASLt's fp32 GEMM (Router), made once, outside any
@@ -97,6 +111,13 @@ MoeLayerFacts MoeRunner::LayerFacts(int l) const {
   f.router_f32_copy = !router_f32_.empty() && router_f32_[l];
   f.shared_expert = !lw.shared_expert.gate.empty();
   f.shared_down_cols = static_cast<int>(lw.shared_expert.down.cols);
+  // The per-pair kernels read the view's tables where it built them, else the shared upload's.
+  const std::vector<bool>& in_table =
+      view_ && !view_->shared_in_table.empty() ? view_->shared_in_table : dw_->shared_in_table;
+  f.shared_in_tables = static_cast<size_t>(l) < in_table.size() && in_table[l];
+  if (f.shared_in_tables && f.quantized_tables)  // the down kernel stages top-k + 1 slots
+    f.shared_in_tables =
+        cuda::MoeQuantSupports(view_->quant_tables[l][2], config_.num_experts_per_tok + 1);
   return f;
 }
 
@@ -125,6 +146,19 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
           LinearRunner::GemvInput(x, rows, hidden, lw.post_attention_norm, config_.rms_norm_eps);
       a.normed_out = linear_.xn();
       LinearRunner::AddSegment(a, lw.router, {}, router_.get());
+      // The top-k in the same launch: its last block picks the experts (cuda::GemvTopK).
+      a.topk.counter = topk_counter_.get();
+      a.topk.expert_ids = expert_ids_.get();
+      a.topk.expert_weights = expert_weights_.get();
+      a.topk.num_experts = config_.num_experts;
+      a.topk.k = k;
+      a.topk.renormalize = config_.norm_topk_prob;
+      if (plan.shared == MoeShared::kFoldedPair) {
+        // The shared expert's gate logit after the router's, its pair after the top-k's.
+        float* shared_logit = router_.get() + static_cast<int64_t>(rows) * config_.num_experts;
+        LinearRunner::AddSegment(a, lw.shared_expert_gate, {}, shared_logit);
+        a.topk.shared_logit = shared_logit;
+      }
       RETURN_IF_ERROR(linear_.RunGemv(a));
       if (plan.bf16_input) cuda::ToBf16(linear_.xn(), elems, xn_bf16_.get(), stream_);
       break;
@@ -137,13 +171,21 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       RETURN_IF_ERROR(Router(l, rows, plan.router));
       break;
   }
-  cuda::RouterTopK(router_.get(), rows, config_.num_experts, k, config_.norm_topk_prob,
-                   expert_ids_.get(), expert_weights_.get(), stream_);
+  if (plan.router != MoeRouter::kFusedGemv)
+    cuda::RouterTopK(router_.get(), rows, config_.num_experts, k, config_.norm_topk_prob,
+                     expert_ids_.get(), expert_weights_.get(), stream_);
 
+  // Pairs a row, and the end of the expert range, of the per-pair kernels: with the shared
+  // expert folded in, one more pair a row, on the tables' entry after the experts'
+  // (kFoldedPair needs every expert held, so held.end is num_experts).
+  const bool folded = plan.shared == MoeShared::kFoldedPair;
+  const int slots = folded ? k + 1 : k, end = folded ? held.end + 1 : held.end;
   switch (plan.experts) {
     case MoeExperts::kGrouped: {
       std::array<const uint16_t* const*, 3> tables{};
-      const bool quant = plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
+      const bool fp8 = plan.grouped == cuda::MoeGroupedKernel::kFp8Mma4 ||
+                       plan.grouped == cuda::MoeGroupedKernel::kFp8Mma8;
+      const bool quant = fp8 || plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantMma8 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantWgmma;
       if (plan.bf16_copies) {
@@ -177,26 +219,33 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
       a.out = moe_out_.get();
       a.y = out;
       if (quant) a.quant = view_->quant_tables[l].data();
+      if (fp8) {
+        a.x_f32 = linear_.xn();
+        a.x_fp8 = fp8_codes_.get();
+        a.h_fp8 = fp8_codes_.get() + static_cast<int64_t>(rows) * hidden;
+        a.x_scale = fp8_scales_.get();
+        a.h_scale = fp8_scales_.get() + rows;
+      }
       cuda::MoeGrouped(a, stream_);
       CHECK_LAUNCH();
       break;
     }
     case MoeExperts::kPerPairQuantGemv: {
       const std::array<cuda::QuantExpertTable, 3>& t = view_->quant_tables[l];
-      cuda::MoeGateUpQuant(linear_.xn(), rows, k, expert_ids_.get(), held.begin, held.end, t[0],
+      cuda::MoeGateUpQuant(linear_.xn(), rows, slots, expert_ids_.get(), held.begin, end, t[0],
                            t[1], moe_h_.get(), stream_);
-      cuda::MoeDownCombineQuant(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(),
-                                skip, held.begin, held.end, t[2], out, stream_);
+      cuda::MoeDownCombineQuant(moe_h_.get(), rows, slots, expert_ids_.get(),
+                                expert_weights_.get(), skip, held.begin, end, t[2], out, stream_);
       CHECK_LAUNCH();
       break;
     }
     case MoeExperts::kPerPairGemv:
-      cuda::MoeGateUp(linear_.xn(), rows, k, expert_ids_.get(), held.begin, held.end,
+      cuda::MoeGateUp(linear_.xn(), rows, slots, expert_ids_.get(), held.begin, end,
                       own ? view_->gate_table[l] : dw_->gate_table[l],
                       own ? view_->up_table[l] : dw_->up_table[l], hidden, inter, moe_h_.get(),
                       stream_);
-      cuda::MoeDownCombine(moe_h_.get(), rows, k, expert_ids_.get(), expert_weights_.get(), skip,
-                           held.begin, held.end, own ? view_->down_table[l] : dw_->down_table[l],
+      cuda::MoeDownCombine(moe_h_.get(), rows, slots, expert_ids_.get(), expert_weights_.get(),
+                           skip, held.begin, end, own ? view_->down_table[l] : dw_->down_table[l],
                            hidden, inter, out, stream_);
       CHECK_LAUNCH();
       break;
@@ -232,6 +281,7 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
 
   switch (plan.shared) {
     case MoeShared::kNone:
+    case MoeShared::kFoldedPair:  // ran with the routed experts' pairs
       break;
     case MoeShared::kFusedGemv:
       // gate, up and the shared gate in one GEMV over the normalised input; down into o.

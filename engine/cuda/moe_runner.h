@@ -93,6 +93,9 @@ class MoeRunner {
   DeviceBuffer<int> expert_ids_, route_index_, pair_position_, expert_offsets_;
   DeviceBuffer<uint16_t> xn_bf16_;          // the block's normalised input in bf16
   DeviceBuffer<uint16_t> moe_bf16_;         // moe=grouped: gate | up | pair outputs, bf16
+  DeviceBuffer<uint8_t> fp8_codes_;         // qgemm=w8a8: x [rows, hidden] | h [pairs, inter]
+  DeviceBuffer<float> fp8_scales_;          // qgemm=w8a8: x's [rows] | h's [pairs]
+  DeviceBuffer<unsigned> topk_counter_;     // the fused router's block count (cuda::GemvTopK)
   DeviceBuffer<uint16_t> prefill_experts_;  // PrefillExpertCopies: [gate | up | down][expert]
   DeviceBuffer<const uint16_t*> prefill_expert_tables_;
   HeldExperts prefill_tables_held_;  // the experts prefill_expert_tables_ point at

@@ -81,7 +81,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   auto unsupported = [](const std::string& why) {
     return absl::UnimplementedError(absl::StrCat("graphs=persistent: ", why));
   };
-  // The registry leaves qgemm=dequant_bf16 (bf16 copies), w8a16 and w4a16 (the codes).
+  // The registry leaves qgemm=dequant_bf16 (bf16 copies), w8a16, w8a8 and w4a16 (the codes).
   QuantFormat format = QuantFormat::kNone;
   DType scale_dtype = DType::kF32;
   if (quantized_view && options_.qgemm != QGemm::kDequantBf16 && !w_.layers.empty()) {

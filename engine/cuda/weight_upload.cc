@@ -27,9 +27,10 @@ absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list
 }
 
 // The device table of one projection of a layer's quantized experts; the experts this model does
-// not hold (ep=on: `held` is the rank's run) keep null entries.
+// not hold (ep=on: `held` is the rank's run) keep null entries. Its last entry, index
+// num_experts, is `shared`'s (the shared expert's projection) when given, else null.
 absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
-    const std::vector<ExpertWeights>& experts, const HeldExperts& held,
+    const std::vector<ExpertWeights>& experts, const HeldExperts& held, const MatrixRef* shared,
     MatrixRef ExpertWeights::*projection, DeviceAllocations& buffers) {
   const MatrixRef& first = experts[held.begin].*projection;
   cuda::QuantExpertTable t;
@@ -37,18 +38,29 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
   t.scale_dtype = first.quant.scale_dtype;
   t.rows = static_cast<int>(first.rows);
   t.cols = static_cast<int>(first.cols);
-  const size_t e_count = experts.size();
+  const size_t e_count = experts.size() + 1;  // the experts, then the shared expert's entry
   std::vector<const void*> list(3 * e_count, nullptr);  // codes | scales | scale_2
-  for (size_t e = held.begin; e < static_cast<size_t>(held.end); ++e) {
-    const MatrixRef& m = experts[e].*projection;
-    if (m.quant.format != t.format || m.quant.scale_dtype != t.scale_dtype || m.rows != t.rows ||
-        m.cols != t.cols || reinterpret_cast<uintptr_t>(m.data) % 16 != 0)
-      return absl::UnimplementedError(
-          "moe=fused needs every expert in one format, scale dtype and shape, with 16-byte "
-          "aligned codes");
+  auto fits = [&](const MatrixRef& m) {
+    return m.quant.format == t.format && m.quant.scale_dtype == t.scale_dtype &&
+           m.rows == t.rows && m.cols == t.cols && reinterpret_cast<uintptr_t>(m.data) % 16 == 0;
+  };
+  auto add = [&](size_t e, const MatrixRef& m) {
     list[e] = m.data;
     list[e_count + e] = m.quant.scale;
     list[2 * e_count + e] = m.quant.global_scale;
+  };
+  for (size_t e = held.begin; e < static_cast<size_t>(held.end); ++e) {
+    const MatrixRef& m = experts[e].*projection;
+    if (!fits(m))
+      return absl::UnimplementedError(
+          "moe=fused needs every expert in one format, scale dtype and shape, with 16-byte "
+          "aligned codes");
+    add(e, m);
+  }
+  if (shared != nullptr) {  // BuildExpertTables passes one only where it fits
+    if (!fits(*shared))
+      return absl::InternalError("the shared expert does not fit the experts' table");
+    add(experts.size(), *shared);
   }
   ASSIGN_OR_RETURN(auto d, UploadPointers(list, buffers));
   t.codes = d;
@@ -61,17 +73,30 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
 // pointer tables of bf16 experts (dequant_bf16's copies, or experts a checkpoint left dense).
 absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
   for (size_t l = 0; l < view.weights.layers.size(); ++l) {
-    const std::vector<ExpertWeights>& experts = view.weights.layers[l].experts;
+    const LayerWeights& layer = view.weights.layers[l];
+    const std::vector<ExpertWeights>& experts = layer.experts;
     ASSIGN_OR_RETURN(const HeldExperts held, HeldExpertRange(experts));
     std::array<cuda::QuantExpertTable, 3> quant{};
     std::vector<const void*> lists[3];
+    // The quantized kernels read codes in 16-byte loads: a shared expert whose codes are not so
+    // aligned keeps its own launches rather than an entry.
+    auto aligned = [](const ExpertWeights& e) {
+      return reinterpret_cast<uintptr_t>(e.gate.data) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(e.up.data) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(e.down.data) % 16 == 0;
+    };
+    const bool shared = SharedExpertFitsExpertTables(layer, held) &&
+                        (!layer.shared_expert.gate.quantized() || aligned(layer.shared_expert));
+    view.shared_in_table.push_back(shared);
     if (held.count() > 0 && experts[held.begin].gate.quantized()) {
       const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
           {&ExpertWeights::gate, 1},
           {&ExpertWeights::up, 1},
           {&ExpertWeights::down, config.num_experts_per_tok}};
       for (int p = 0; p < 3; ++p) {
-        ASSIGN_OR_RETURN(auto t, MakeQuantExpertTable(experts, held, parts[p].first, view.buffers));
+        const MatrixRef* shared_part = shared ? &(layer.shared_expert.*parts[p].first) : nullptr;
+        ASSIGN_OR_RETURN(auto t, MakeQuantExpertTable(experts, held, shared_part, parts[p].first,
+                                                      view.buffers));
         if (!cuda::MoeQuantSupports(t, parts[p].second))
           return absl::UnimplementedError(absl::StrCat(
               "moe=fused on quantized experts needs K % 32 (FP4) or % 16 (FP8) and top-k x K x 4 "
@@ -86,6 +111,11 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
         lists[0].push_back(e.gate.data);
         lists[1].push_back(e.up.data);
         lists[2].push_back(e.down.data);
+      }
+      if (!experts.empty()) {  // the shared expert's entry, index num_experts
+        lists[0].push_back(shared ? layer.shared_expert.gate.data : nullptr);
+        lists[1].push_back(shared ? layer.shared_expert.up.data : nullptr);
+        lists[2].push_back(shared ? layer.shared_expert.down.data : nullptr);
       }
     }
     view.quant_tables.push_back(quant);
@@ -104,11 +134,17 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
 absl::Status BuildExpertPointerTables(DeviceWeights& dw) {
   for (const LayerWeights& layer : dw.weights.layers) {
     std::vector<const uint16_t*> gate, up, down;
-    for (const ExpertWeights& e : layer.experts) {
+    auto add = [&](const ExpertWeights& e) {
       gate.push_back(static_cast<const uint16_t*>(e.gate.data));
       up.push_back(static_cast<const uint16_t*>(e.up.data));
       down.push_back(static_cast<const uint16_t*>(e.down.data));
-    }
+    };
+    for (const ExpertWeights& e : layer.experts) add(e);
+    // A MoE layer's shared expert entry (index num_experts), null where it does not fit.
+    const absl::StatusOr<HeldExperts> held = HeldExpertRange(layer.experts);
+    const bool shared = held.ok() && SharedExpertFitsExpertTables(layer, *held);
+    if (!layer.experts.empty()) add(shared ? layer.shared_expert : ExpertWeights{});
+    dw.shared_in_table.push_back(shared);
     for (auto [list, table] : {std::pair{&gate, &dw.gate_table}, std::pair{&up, &dw.up_table},
                                std::pair{&down, &dw.down_table}}) {
       ASSIGN_OR_RETURN(auto d, dw.buffers.Allocate<const uint16_t*>(list->size()));

@@ -25,8 +25,11 @@ struct DeviceWeights {
   DeviceAllocations buffers;        // the weights and the tables below
   std::vector<HostTensor> tensors;  // device pointers, parallel to the specs
   ModelWeights weights;
-  // Per MoE layer: device tables of expert weight pointers for the device-indexed kernels.
+  // Per MoE layer: device tables of expert weight pointers for the device-indexed kernels, one
+  // entry an expert and one more (index num_experts) for the shared expert where
+  // SharedExpertFitsExpertTables (shared_in_table[l]), null otherwise.
   std::vector<const uint16_t**> gate_table, up_table, down_table;
+  std::vector<bool> shared_in_table;
   double load_seconds = 0;
 };
 
@@ -52,9 +55,11 @@ struct QuantView {
   std::unique_ptr<cuda::QuantLinearGemm> scaled;
   // moe=fused, per layer (empty for dense layers), built from `weights` so that the fault shows
   // there too: device pointer tables of dequant_bf16's bf16 copies of the experts, or the
-  // quantized experts' tables (gate, up, down) for w4a16 / w8a16.
+  // quantized experts' tables (gate, up, down) for w4a16 / w8a16; each with the shared expert's
+  // entry as DeviceWeights' tables have it (shared_in_table).
   std::vector<const uint16_t**> gate_table, up_table, down_table;
   std::vector<std::array<cuda::QuantExpertTable, 3>> quant_tables;
+  std::vector<bool> shared_in_table;
 };
 
 // The view of a quantized model's weights for `options.qgemm` (and the TEST ONLY

@@ -30,7 +30,7 @@ std::vector<std::string> AttentionRefusals(const CudaOptions& options, const Att
       if (!cuda::FlashDecodeMmaSupports(h.head_dim))
         why.push_back(
             absl::StrCat("kv_cache=fp8 is read by the tensor-core flash kernels only: head_dim ",
-                         h.head_dim, " must be 32, 64 or 128"));
+                         h.head_dim, " must be 32, 64, 128 or 256"));
       break;
   }
   return why;

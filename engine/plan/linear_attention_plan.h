@@ -15,11 +15,17 @@ namespace infersweep {
 enum class DeltaRulePath {
   kReference,  // one thread a state column, token by token: the reference
   kFused,      // a state column in registers over 8 lanes, gates and decay applied in place
+  // Sequences of kGatedDeltaChunkedMinTokens+ rows in the chunked form on tensor cores, shorter
+  // ones as kFused.
+  kChunked,
 };
 
 struct LinearAttentionPlan {
   DeltaRulePath delta_rule = DeltaRulePath::kReference;
   bool silu_in_conv = false;  // the causal conv applies SiLU; else a separate pass over its output
+  // One-row sequences (decode rows) take GatedDeltaDecode: conv, gates, delta rule and gated
+  // RMSNorm in one launch. Sequences of more rows (prefill chunks) take the path above.
+  bool decode_fused = false;
 };
 
 LinearAttentionPlan PlanLinearAttention(const CudaOptions& options);

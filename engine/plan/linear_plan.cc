@@ -24,6 +24,10 @@ LinearPlan PlanLinear(const CudaOptions& o, const LinearWeightFacts& w, const Li
     return plan;
   } else if (o.qgemm == QGemm::kReference) {
     plan.path = LinearPath::kQuantReference;
+  } else if (QuantizesActivationsFp8(o.qgemm) && (s.prefill || s.rows >= cuda::kQuantMmaMinRows) &&
+             cuda::Fp8MmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
+    // Prefill chunks and decode batches of 8+ rows; fewer rows keep the GEMV (below).
+    plan.path = LinearPath::kQuantFp8Mma;
   } else if ((s.prefill || s.rows >= kQuantBf16CopyMinRows) && s.cublaslt && s.bf16_input) {
     plan.path = LinearPath::kQuantBf16Copy;
   } else if (s.bf16_input && s.rows >= cuda::kQuantMmaMinRows && IsFp4(w.format) &&
@@ -62,6 +66,7 @@ std::string LinearFallback(const CudaOptions& o, const LinearPlan& plan, const L
     case LinearPath::kScaledGemm:
     case LinearPath::kQuantReference:
     case LinearPath::kQuantMma:
+    case LinearPath::kQuantFp8Mma:
     case LinearPath::kQuantGemvFp4:
     case LinearPath::kQuantGemvFp8:
     case LinearPath::kCublasLt:

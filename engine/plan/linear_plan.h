@@ -21,6 +21,7 @@ enum class LinearPath {
   kQuantReference,  // qgemm=reference: the exact dequantizing reference GEMM
   kQuantBf16Copy,   // the weight dequantized into a bf16 copy, then cuBLASLt
   kQuantMma,        // FP4 codes decoded in registers onto mma.sync (decode batches)
+  kQuantFp8Mma,     // qgemm=w8a8: rows quantized to E4M3 onto E4M3 x E4M3 mma.sync
   kQuantGemvFp4,    // qgemm=w4a16's GEMV
   kQuantGemvFp8,    // qgemm=w8a16's GEMV
   kCublasLt,        // a bf16 weight on cuBLASLt

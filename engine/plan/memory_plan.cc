@@ -12,6 +12,7 @@
 #include "core/tensor_ref.h"
 #include "engine/plan/attention_plan.h"
 #include "engine/plan/collective_plan.h"
+#include "engine/plan/linear_attention_plan.h"
 #include "engine/plan/moe_plan.h"
 #include "engine/tensor_spec.h"
 #include "kernels/cuda/limits.h"
@@ -131,9 +132,10 @@ class Planner {
     Add(MemoryPool::kWeights, absl::StrCat(QuantFormatName(format_), " codes"), codes);
     Add(MemoryPool::kWeights, absl::StrCat(QuantFormatName(format_), " scales"), scales);
     Add(MemoryPool::kWeights, "zero-centred norm gains (fp32)", gains);
-    // BuildExpertPointerTables: gate, up and down pointers of every expert slot a MoE layer.
+    // BuildExpertPointerTables: gate, up and down pointers of every expert slot a MoE layer, and
+    // of the shared expert's slot.
     Add(MemoryPool::kWeights, "expert pointer tables",
-        int64_t{moe_layers()} * 3 * c_.num_experts * kPointer);
+        int64_t{moe_layers()} * 3 * (c_.num_experts + 1) * kPointer);
     return absl::OkStatus();
   }
 
@@ -211,7 +213,7 @@ class Planner {
           bytes);
       return;
     }
-    const int64_t e = c_.num_experts;
+    const int64_t e = c_.num_experts + 1;  // the experts' entries and the shared expert's
     if (!KeepsQuantCodes(o_.qgemm)) {
       // qgemm=dequant_bf16: each quantized linear replaced by a bf16 copy (the codes stay, the
       // shared upload keeps them for the reference).
@@ -343,21 +345,36 @@ class Planner {
                        int64_t{plan_.kv_sequences} * q_dim * kFloat  // serving's per-slot Q, O
                  : 0));
     // LinearAttentionRunner: projected, mixed [rows, conv]; z, out [rows, value]; a, b, g, beta
-    // [rows, value heads].
+    // [rows, value heads] (fp32); the decode kernel's key-head arrival counts [rows, key heads].
     if (c_.has_linear_attention())
       Add(MemoryPool::kScratch, "linear attention runner",
           r *
-              (2 * int64_t{c_.linear_conv_dim()} + 2 * int64_t{c_.linear_value_dim()} +
-               4 * int64_t{c_.linear_num_value_heads}) *
+                  (2 * int64_t{c_.linear_conv_dim()} + 2 * int64_t{c_.linear_value_dim()} +
+                   4 * int64_t{c_.linear_num_value_heads}) *
+                  kFloat +
+              r * c_.linear_num_key_heads * kInt);
+    // linear_attn=chunked: the chunked form's terms for every row.
+    if (c_.has_linear_attention() && PlanLinearAttention(o_).delta_rule == DeltaRulePath::kChunked)
+      Add(MemoryPool::kScratch, "linear attention runner: chunked delta rule terms",
+          cuda::GatedDeltaChunkedScratchFloats(r, c_.linear_num_value_heads, c_.linear_key_head_dim,
+                                               c_.linear_value_head_dim) *
               kFloat);
     // MoeRunner (allocated for dense models too): router logits, pair weights, h, out, in,
     // route weights (fp32); ids, route index, positions, offsets (int); bf16 xn and h.
+    // A shared expert adds a logit and a pair slot a row (MoeShared::kFoldedPair).
     const int64_t experts = std::max(c_.num_experts, 1),
-                  moe_inter = std::max(c_.moe_intermediate_size, 1);
+                  moe_inter = std::max(c_.moe_intermediate_size, 1),
+                  shared = c_.shared_expert_intermediate_size > 0 ? 1 : 0, slots = k + shared;
     Add(MemoryPool::kScratch, "MoE runner",
-        (r * experts + 1 + r * k + r * k * moe_inter + 2 * r * k * hidden + r * k) * kFloat +
-            (3 * r * k + std::max(c_.num_experts, 0) + 1) * kInt + r * hidden * 2 +
+        (r * (experts + shared) + 1 + r * slots + r * slots * moe_inter + 2 * r * k * hidden +
+         r * k) * kFloat +
+            (r * slots + 2 * r * k + std::max(c_.num_experts, 0) + 1) * kInt + r * hidden * 2 +
             r * k * (2 * moe_inter + hidden) * 2);
+    // qgemm=w8a8: the linear runner's E4M3 input rows and scales (GemmFp8Mma), and the MoE
+    // runner's x and h codes and scales.
+    if (QuantizesActivationsFp8(o_.qgemm) && quantized())
+      Add(MemoryPool::kScratch, "qgemm=w8a8: E4M3 activations and their scales",
+          r * widest + r * kFloat + r * hidden + r * k * moe_inter + (r + r * k) * kFloat);
     // CollectiveRunner: the blocks' partial sums, and a rank's lm_head shard of logits.
     if (o_.parallel.RunsCollective())
       Add(MemoryPool::kScratch, "collective: partial sums", r * hidden * kFloat);

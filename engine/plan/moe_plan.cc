@@ -75,8 +75,12 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
   const bool long_prefill =
       step.n > 1 && UsesCublasGrouped(o) && !quant && layer.experts_bf16 && many_pairs;
   const bool quant_grouped_shape = quant && grouped_shape && layer.experts_quantized_alike;
+  // qgemm=w8a8: E4M3 inputs onto the FP8 codes (block-128 too, which the decoding kernels lack).
+  const bool fp8_mma = quant_grouped_shape && QuantizesActivationsFp8(o.qgemm) &&
+                       cuda::MoeGroupedFp8Supports(layer.gate, layer.up, layer.down);
   const bool quant_grouped =
-      quant_grouped_shape && cuda::MoeGroupedQuantSupports(layer.gate, layer.up, layer.down);
+      quant_grouped_shape &&
+      (fp8_mma || cuda::MoeGroupedQuantSupports(layer.gate, layer.up, layer.down));
   const bool copies = quant_grouped_shape && step.n > 1 && !quant_grouped;
   const bool bf16_grouped = device_routing && !quant && !long_prefill && grouped_shape;
   if (bf16_grouped || quant_grouped || copies) {
@@ -85,7 +89,13 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
     // moe=wgmma: chunks of more than kMoeMmaMaxPairsPerExpert pairs an expert (prefill); decode
     // batches keep the mma.sync kernels, where wgmma's smallest N (32) is mostly padding.
     const bool want_wgmma = o.moe == Moe::kWgmma && many_pairs;
-    if (quant_grouped) {
+    if (fp8_mma) {
+      // qgemm=w8a8: E4M3 inputs onto the codes, whatever the moe value's kernels would decode.
+      const bool wide = pairs > cuda::kMoeWidePairsPerExpert * s.experts;
+      plan.grouped = wide ? cuda::MoeGroupedKernel::kFp8Mma8 : cuda::MoeGroupedKernel::kFp8Mma4;
+      if (want_wgmma)
+        launcher_fallback("moe=wgmma: qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels");
+    } else if (quant_grouped) {
       const bool wgmma = want_wgmma && cuda::MoeWgmmaQuantSupports(layer.gate, layer.up, layer.down,
                                                                    s.hidden, s.inter);
       if (want_wgmma && !wgmma)
@@ -141,9 +151,16 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
       break;
   }
 
-  // The shared expert: gate, up and its sigmoid gate in one fused GEMV where the rows fit.
+  // The shared expert: one more pair a row in the per-pair expert kernels where it fits their
+  // tables (decode rows, the fused router), else gate, up and its sigmoid gate in one fused GEMV
+  // where the rows fit.
+  const bool per_pair =
+      plan.experts == MoeExperts::kPerPairGemv || plan.experts == MoeExperts::kPerPairQuantGemv;
   if (!layer.shared_expert) {
     plan.shared = MoeShared::kNone;
+  } else if (layer.shared_in_tables && per_pair && plan.router == MoeRouter::kFusedGemv &&
+             s.top_k < 32) {
+    plan.shared = MoeShared::kFoldedPair;
   } else if (step.gemv && cuda::GemvSupports(rows, layer.shared_down_cols)) {
     plan.shared = MoeShared::kFusedGemv;
   } else {

@@ -31,6 +31,9 @@ struct MoeLayerFacts {
   bool router_f32_copy = false;           // cuBLASLt's fp32 copy of the router exists
   bool shared_expert = false;
   int shared_down_cols = 0;
+  // The shared expert has an entry in the tables the per-pair expert kernels read (index
+  // `experts`: SharedExpertFitsExpertTables), and the down kernel takes top_k + 1 slots a row.
+  bool shared_in_tables = false;
 };
 
 struct MoeStep {
@@ -43,7 +46,7 @@ struct MoeStep {
 };
 
 enum class MoeRouter {
-  kFusedGemv,     // the RMSNorm and the router in one fused-GEMV launch
+  kFusedGemv,     // the RMSNorm, the router and its top-k in one fused-GEMV launch
   kCublasLtF32,   // cuBLASLt's fp32 GEMM on the router's fp32 copy
   kRouterKernel,  // our fp32 router kernel
   kReference,     // the reference GEMM (gemm=reference)
@@ -57,7 +60,15 @@ enum class MoeExperts {
   kGrouped,           // device routing; the expert-grouped tensor-core kernels (`grouped`)
 };
 
-enum class MoeShared { kNone, kFusedGemv, kUnfused };
+enum class MoeShared {
+  kNone,
+  // The shared expert as one more pair a row in the per-pair expert kernels (its gate's logit a
+  // segment of the router's fused GEMV, its sigmoid the pair's weight, written by the top-k):
+  // no launches of its own.
+  kFoldedPair,
+  kFusedGemv,  // gate, up and its gate in one fused GEMV, down in another, then the gated add
+  kUnfused,
+};
 
 struct MoePlan {
   MoeRouter router = MoeRouter::kReference;

@@ -90,6 +90,7 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
       case QGemm::kDequantBf16:
       case QGemm::kW4A16:
       case QGemm::kW8A16:
+      case QGemm::kW8A8:  // its E4M3 kernels live in the image every config loads (sm_89+)
       case QGemm::kFp8CublasLt:  // cuBLASLt's scaled heuristics: refused in its words at build
       case QGemm::kNativeFp4:
         break;
@@ -99,10 +100,12 @@ absl::StatusOr<std::vector<ProbeEntry>> ProbeEntriesOf(const std::string& axis,
         break;
     }
   } else if (axis == "linear_attn") {
-    // Both delta-rule kernels live beside kRmsNorm in the sm_90 image every config loads.
+    // The delta-rule kernels, the chunked form's and the decode kernel live beside kRmsNorm in
+    // the sm_90 image every config loads.
     switch (PlanLinearAttention(o).delta_rule) {
       case DeltaRulePath::kReference:
       case DeltaRulePath::kFused:
+      case DeltaRulePath::kChunked:
         break;
     }
   } else if (axis == "test_kernel") {

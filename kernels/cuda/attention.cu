@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   const int64_t slot =
       (static_cast<int64_t>(batch) * cache.capacity + pos) * kv_dim + kv_head * head_dim;
   // An fp8 cache stores the head under its scales (the (scale, 1 / scale) pairs); CudaModelRefusal
-  // keeps its head_dim <= 128, so every pair is held and none is read late.
+  // keeps its head_dim <= 256 (the tensor-core kernels' sizes), so every pair is held and none is
+  // read late.
   float2 k_scale = make_float2(1.f, 1.f), v_scale = k_scale;
   if constexpr (kIsFp8Cache<CacheT>) {
     float k_amax = 0.f, v_amax = 0.f;

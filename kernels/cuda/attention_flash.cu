@@ -1,7 +1,7 @@
 // Flash attention: tiled online softmax over the KV cache, split across blocks along the keys
 // (split-KV) so that batch-1 decode still fills the GPU, then a small combine kernel. Head sizes
-// 32, 64 and 128 take the tensor-core kernels (attention_decode.cu, attention_prefill.cu); this
-// file's CUDA-core partial kernel serves the others.
+// 32, 64, 128 and 256 take the tensor-core kernels (attention_decode.cu, attention_prefill.cu);
+// this file's CUDA-core partial kernel serves the others (multiples of 8 up to 256).
 //
 // The cache is fp32 or bf16 (KvCache, kv_cache=; fp8 takes the tensor-core kernels only); tiles
 // are fp32 in shared memory.
@@ -10,6 +10,14 @@
 // 2 x 576 x 512 bf16 = 1.2 MB (2.4 MB in fp32); 48 layers = 57 MB -> 13 us at 4.46 TB/s. Batch
 // 64 at context 544: 71 MB a layer in bf16, 16 us (the fp32 cache's 142 MB, 32 us). The naive
 // kernel re-reads K and V once per q head (x8) with uncoalesced per-thread strides.
+//
+// Napkin math for the build above 128 (LaunchFlashPartial<256>), at qwen3-next's shapes (16 q
+// and 2 kv heads of 256) and context 4096, one layer: K and V are 4096 x 2 x 512 x 2 B = 8 MB in
+// bf16 a sequence -> 1.9 us at 4.46 TB/s at batch 1, and 512 MB -> 115 us at batch 64. Each of a
+// group's 8 warps reads the whole K and V tile from shared memory as fp32: 8 x 4096 x 2 KB =
+// 67 MB a (row, kv head), 8.6 GB at batch 64 -> ~260 us at 132 SMs x 128 B a clock, twice the
+// DRAM time; FLOPs (4 x 16 x 4096 x 256 = 67 MFLOP a row) are no limit. That is why head_dim 256
+// takes the tensor-core decode kernel, which reads each tile from shared memory once a block.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -21,8 +29,16 @@
 namespace infersweep::cuda {
 namespace {
 
-constexpr int kTile = 32;         // keys per shared-memory tile
-constexpr int kMaxHeadDim = kFlashMaxHeadDim;  // keeps shared memory under the 48 KB default
+constexpr int kTile = 32;  // keys per shared-memory tile
+// The partial kernel is built twice: for head sizes up to 128 (four accumulators a lane, shared
+// memory under the 48 KB default) and up to kFlashMaxHeadDim (eight, shared memory opted into).
+constexpr int kSmallHeadDim = 128;
+
+// Dynamic shared memory of the partial kernel: K and V tiles of padded fp32 rows, and the group's
+// scaled q rows. At head_dim 256 and a group of 16: 82 KB.
+constexpr size_t FlashPartialSharedBytes(int head_dim, int group) {
+  return (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
+}
 
 // Eight cache elements from a 16-byte-aligned address to eight floats.
 __device__ __forceinline__ void Load8AsFloat(const __nv_bfloat16* p, float* out) {
@@ -40,8 +56,9 @@ __device__ __forceinline__ void Load8AsFloat(const float* p, float* out) { LoadF
 // grid (rows, kv_heads, splits); block = group warps (one warp per q head of this kv head).
 // Each block walks its slice of keys [begin, end) in tiles: K and V tiles are loaded once into
 // shared memory and used by every q head of the group (GQA sharing). Lane i owns head dims
-// i, i+32, ... of the accumulator. Writes partial (max, sum, acc) per (row, q head, split).
-template <typename CacheT>
+// i, i+32, ... of the accumulator (kMaxHeadDim / 32 of them; head_dim <= kMaxHeadDim). Writes
+// partial (max, sum, acc) per (row, q head, split).
+template <int kMaxHeadDim, typename CacheT>
 __global__ void FlashPartialKernel(const float* q, const CacheT* k_cache, const CacheT* v_cache,
                                    int n, int q_heads, int kv_heads, int head_dim,
                                    const int* position, const int2* ragged, int capacity,
@@ -172,6 +189,43 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+// Launches the partial kernel built for head sizes up to kMaxHeadDim; above 128 its shared memory
+// limit is raised (once per device) to what head_dim 256 with a group of 16 takes.
+template <int kMaxHeadDim, typename CacheT>
+void LaunchFlashPartial(dim3 grid, dim3 block, size_t shared, cudaStream_t stream, const float* q,
+                        const KvCache& cache, int n, int q_heads, int kv_heads, int head_dim,
+                        const int* position, const int2* ragged, int splits, float* partial_acc,
+                        float* partial_max, float* partial_sum) {
+  if constexpr (kMaxHeadDim > kSmallHeadDim) {
+    static PerDeviceOnce configure;  // the attribute is per device
+    configure([] {
+      cudaFuncSetAttribute(FlashPartialKernel<kMaxHeadDim, CacheT>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           FlashPartialSharedBytes(kMaxHeadDim, kFlashMaxGroup));
+    });
+  }
+  Launch(FlashPartialKernel<kMaxHeadDim, CacheT>, grid, block, shared, stream, q,
+         static_cast<const CacheT*>(cache.k), static_cast<const CacheT*>(cache.v), n, q_heads,
+         kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc, partial_max,
+         partial_sum);
+}
+
+// The partial kernel on a bf16 or fp32 cache, built for head_dim's range.
+template <typename CacheT>
+void LaunchFlashPartial(dim3 grid, dim3 block, size_t shared, cudaStream_t stream, const float* q,
+                        const KvCache& cache, int n, int q_heads, int kv_heads, int head_dim,
+                        const int* position, const int2* ragged, int splits, float* partial_acc,
+                        float* partial_max, float* partial_sum) {
+  if (head_dim <= kSmallHeadDim)
+    LaunchFlashPartial<kSmallHeadDim, CacheT>(grid, block, shared, stream, q, cache, n, q_heads,
+                                              kv_heads, head_dim, position, ragged, splits,
+                                              partial_acc, partial_max, partial_sum);
+  else
+    LaunchFlashPartial<kFlashMaxHeadDim, CacheT>(grid, block, shared, stream, q, cache, n, q_heads,
+                                                 kv_heads, head_dim, position, ragged, splits,
+                                                 partial_acc, partial_max, partial_sum);
+}
+
 }  // namespace
 
 int FlashSplits(int rows, int kv_heads, int capacity) {
@@ -195,12 +249,12 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
   float* partial_acc = partial;
   float* partial_max = partial + slots * head_dim;
   float* partial_sum = partial_max + slots;
-  const size_t shared = (2 * kTile * (head_dim + 1) + group * head_dim) * sizeof(float);
+  const size_t shared = FlashPartialSharedBytes(head_dim, group);
   const dim3 grid(rows, kv_heads, splits), block(32 * group);
   if (!FlashDecodeMmaSupports(head_dim) && LaunchRecording())  // the launch log's fallbacks
     RecordFallback("attention=flash: head_dim " + std::to_string(head_dim) +
                    ": the fp32 CUDA-core split-KV kernel, not the tensor-core kernels (head_dim "
-                   "32, 64 or 128)");
+                   "32, 64, 128 or 256)");
   if (FlashDecodeMmaSupports(head_dim)) {  // tensor cores (attention_decode.cu)
     AttentionFlashDecodeMma(q, cache, rows, n, q_heads, kv_heads, head_dim, position, splits,
                             partial_acc, partial_max, partial_sum, stream, ragged);
@@ -210,15 +264,12 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
                  head_dim);
     std::abort();
   } else if (cache.dtype == KvDtype::kBf16) {
-    Launch(FlashPartialKernel<__nv_bfloat16>, grid, block, shared, stream, q,
-           static_cast<const __nv_bfloat16*>(cache.k), static_cast<const __nv_bfloat16*>(cache.v),
-           n, q_heads, kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc,
-           partial_max, partial_sum);
+    LaunchFlashPartial<__nv_bfloat16>(grid, block, shared, stream, q, cache, n, q_heads, kv_heads,
+                                      head_dim, position, ragged, splits, partial_acc, partial_max,
+                                      partial_sum);
   } else {
-    Launch(FlashPartialKernel<float>, grid, block, shared, stream, q,
-           static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), n, q_heads,
-           kv_heads, head_dim, position, ragged, cache.capacity, splits, partial_acc, partial_max,
-           partial_sum);
+    LaunchFlashPartial<float>(grid, block, shared, stream, q, cache, n, q_heads, kv_heads, head_dim,
+                              position, ragged, splits, partial_acc, partial_max, partial_sum);
   }
   Launch(FlashCombineKernel, dim3(rows * q_heads), dim3(128), 0, stream, partial_acc, partial_max,
          partial_sum, splits, head_dim, out);

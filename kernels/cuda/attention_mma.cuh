@@ -1,7 +1,8 @@
 // Pieces shared by the tensor-core attention kernels (attention_prefill.cu, attention_decode.cu):
-// the m16n8k16 MMA, K/V tile staging from any cache type, and the transposed
-// V fragments. Fragment layouts are PTX's for mma.m16n8k16 (.row.col): lane (g, t) = (lane / 4,
-// lane % 4) holds rows g and g + 8 of A and C, and column g of B.
+// the m16n8k16 MMA, K/V tile staging from any cache type, Q staged in shared memory at head size
+// 256, the transposed V fragments and the launch per head size. Fragment layouts are PTX's for
+// mma.m16n8k16 (.row.col): lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of A and C,
+// and column g of B.
 #pragma once
 
 #include <cstdint>
@@ -221,27 +222,90 @@ __device__ __forceinline__ void SoftmaxAccumulate(float (&s)[kTiles][4], const T
   }
 }
 
-// Launches kernel_of(D) for head_dim D = 32, 64 or 128 (the callers' Supports functions) with
-// two K/V stages of dynamic shared memory; D = 128 needs more than the 48 KB default, raised once
-// per kernel.
-template <int kKeys, typename KernelOf, typename... Args>
-void LaunchForHeadDim(KernelOf kernel_of, int head_dim, dim3 grid, dim3 block, cudaStream_t stream,
-                      Args... args) {
-  static PerDeviceOnce configure;  // the attribute is per device
-  configure([&] {
-    cudaFuncSetAttribute(kernel_of(std::integral_constant<int, 128>{}),
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, KvStagesBytes<kKeys>(128));
-  });
-  const size_t smem = KvStagesBytes<kKeys>(head_dim);
+// Head sizes above 128 keep Q in shared memory rather than in registers: the output
+// accumulators alone take D / 2 registers a lane (128 at D = 256), and Q's A fragments would add
+// D / 4 more, past what a thread holds without spilling. Each MMA step then loads its A fragment
+// from the staged tile (four 32-bit shared loads).
+template <int D>
+constexpr bool kQInShared = D > 128;
+
+// Bytes of a staged Q tile of `rows` rows at head size D (none where Q stays in registers): bf16
+// or f16 rows padded by 8 elements like the K/V rows, so the fragment loads hit 32 distinct banks.
+template <int D>
+constexpr size_t QTileBytes(int rows) {
+  return kQInShared<D> ? static_cast<size_t>(rows) * (D + 8) * sizeof(__nv_bfloat16) : 0;
+}
+
+// Stages `rows` rows of Q into q_s as TileT [row][d] (row stride D + 8), each element times
+// `scale`: row r is the D floats at row_of(r), or zeros where that is nullptr. The block's
+// threads share the rows; a barrier must pass before any fragment is read.
+template <int D, typename TileT, typename RowOf>
+__device__ __forceinline__ void StageQ(TileT* q_s, int rows, float scale, RowOf row_of) {
+  for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
+    const int r = idx / (D / 8), d = (idx % (D / 8)) * 8;
+    const float* src = row_of(r);
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (src) {
+      const float4 lo = *reinterpret_cast<const float4*>(src + d);
+      const float4 hi = *reinterpret_cast<const float4*>(src + d + 4);
+      packed = make_uint4(
+          Pack<TileT>(lo.x * scale, lo.y * scale), Pack<TileT>(lo.z * scale, lo.w * scale),
+          Pack<TileT>(hi.x * scale, hi.y * scale), Pack<TileT>(hi.z * scale, hi.w * scale));
+    }
+    *reinterpret_cast<uint4*>(q_s + r * (D + 8) + d) = packed;
+  }
+}
+
+// The A fragment of staged Q rows row0 + [0, 16) at d [16 ks, 16 ks + 16): a[0], a[2] row
+// row0 + g at d 16 ks + 2t (+8), a[1], a[3] row row0 + g + 8 (the layout the register-held
+// fragments have).
+template <int D, typename TileT>
+__device__ __forceinline__ void LoadQFragment(const TileT* q_s, int row0, int ks, int g, int t,
+                                              uint32_t* a) {
+  constexpr int kStride = D + 8;
+  const uint32_t* lo =
+      reinterpret_cast<const uint32_t*>(q_s + (row0 + g) * kStride + 16 * ks + 2 * t);
+  const uint32_t* hi = lo + 4 * kStride;  // 8 rows on: 8 x kStride elements, 2 a word
+  a[0] = lo[0];
+  a[1] = hi[0];
+  a[2] = lo[4];
+  a[3] = hi[4];
+}
+
+// A tensor-core kernel's launch shape at one head size: threads a block and dynamic shared
+// memory.
+struct HeadDimShape {
+  int threads;
+  size_t smem;
+};
+
+// Launches kernel_of(D) for head_dim D = 32, 64, 128 or 256 (the callers' Supports functions)
+// with shape_of(D)'s threads and dynamic shared memory. D = 128 and 256 need more than the 48 KB
+// default, raised once per kernel and device before its first launch there.
+template <typename KernelOf, typename ShapeOf, typename... Args>
+void LaunchForHeadDim(KernelOf kernel_of, ShapeOf shape_of, int head_dim, dim3 grid,
+                      cudaStream_t stream, Args... args) {
+  static PerDeviceOnce configure_128, configure_256;  // the attribute is per device
+  auto launch = [&](auto d, PerDeviceOnce* configure) {
+    const HeadDimShape shape = shape_of(d);
+    if (configure)
+      (*configure)([&] {
+        cudaFuncSetAttribute(kernel_of(d), cudaFuncAttributeMaxDynamicSharedMemorySize, shape.smem);
+      });
+    Launch(kernel_of(d), grid, dim3(shape.threads), shape.smem, stream, args...);
+  };
   switch (head_dim) {
     case 32:
-      Launch(kernel_of(std::integral_constant<int, 32>{}), grid, block, smem, stream, args...);
+      launch(std::integral_constant<int, 32>{}, nullptr);
       break;
     case 64:
-      Launch(kernel_of(std::integral_constant<int, 64>{}), grid, block, smem, stream, args...);
+      launch(std::integral_constant<int, 64>{}, nullptr);
+      break;
+    case 128:
+      launch(std::integral_constant<int, 128>{}, &configure_128);
       break;
     default:
-      Launch(kernel_of(std::integral_constant<int, 128>{}), grid, block, smem, stream, args...);
+      launch(std::integral_constant<int, 256>{}, &configure_256);
   }
 }
 

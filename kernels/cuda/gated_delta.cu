@@ -1,5 +1,5 @@
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gated_delta.cuh"
 
 namespace infersweep::cuda {
 namespace {
@@ -7,17 +7,6 @@ namespace {
 constexpr int kMaxConvTaps = 8;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// Sequence seq's state slot (GatedDeltaShape::ragged), and whether it starts from zero states.
-struct SequenceState {
-  int slot;
-  bool fresh;
-};
-__device__ __forceinline__ SequenceState StateOf(const int2* ragged, int seq, int n) {
-  if (ragged == nullptr) return {seq, false};
-  const int2 first = ragged[static_cast<int64_t>(seq) * n];
-  return {first.x, first.y == 0};
-}
 
 // grid (ceil(channels / 256), batch), a thread a channel of one sequence.
 template <bool kSilu>
@@ -120,6 +109,38 @@ __global__ void GatedDeltaReferenceKernel(const float* mixed, int channels, cons
   }
 }
 
+// One token of the gated delta rule on a state column held by kGatedDeltaLanesPerColumn lanes,
+// rows part, part + 8, ... of it in `col` (per_lane of them): col *= decay; d = beta (v - col.k);
+// col += k d; returns col.q summed over the column's lanes (each of them gets the sum). q and k
+// point at the lane's first row; inactive lanes pass v = 0 and still take part in the shuffles.
+template <int kRows>
+__device__ __forceinline__ float DeltaRuleColumnStep(float (&col)[kRows], int per_lane,
+                                                     const float* q, const float* k, float v,
+                                                     float decay, float beta) {
+  constexpr int kLanes = kGatedDeltaLanesPerColumn;
+  float kv = 0.f;
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < per_lane) {
+      col[m] *= decay;
+      kv += col[m] * k[kLanes * m];
+    }
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1)
+    kv += __shfl_xor_sync(0xffffffffu, kv, offset);
+  const float d = beta * (v - kv);
+  float o = 0.f;
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < per_lane) {
+      col[m] += k[kLanes * m] * d;
+      o += col[m] * q[kLanes * m];
+    }
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1) o += __shfl_xor_sync(0xffffffffu, o, offset);
+  return o;
+}
+
 constexpr int kFusedColumns = 32;                                // state columns a block
 constexpr int kFusedLanesPerColumn = kGatedDeltaLanesPerColumn;  // threads a column
 constexpr int kFusedMaxRowsPerLane = kGatedDeltaMaxRowsPerLane;  // dk <= 256
@@ -150,35 +171,144 @@ __global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
     const float* q = mixed + row * channels + kh * dk + part;
     const float* k = q + key_width;
     const float v = active ? mixed[row * channels + 2 * key_width + h * dv + j] : 0.f;
-    const float decay = expf(g[row * value_heads + h]);
-    const float b = beta[row * value_heads + h];
-    float kv = 0.f;
-#pragma unroll
-    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
-      if (m < per_lane) {
-        col[m] *= decay;
-        kv += col[m] * k[kFusedLanesPerColumn * m];
-      }
-#pragma unroll
-    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
-      kv += __shfl_xor_sync(0xffffffffu, kv, offset);
-    const float d = b * (v - kv);
-    float o = 0.f;
-#pragma unroll
-    for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
-      if (m < per_lane) {
-        col[m] += k[kFusedLanesPerColumn * m] * d;
-        o += col[m] * q[kFusedLanesPerColumn * m];
-      }
-#pragma unroll
-    for (int offset = 1; offset < kFusedLanesPerColumn; offset <<= 1)
-      o += __shfl_xor_sync(0xffffffffu, o, offset);
+    const float o = DeltaRuleColumnStep(col, per_lane, q, k, v, expf(g[row * value_heads + h]),
+                                        beta[row * value_heads + h]);
     if (active && part == 0) out[row * value_heads * dv + h * dv + j] = o;
   }
   if (!active) return;
 #pragma unroll
   for (int m = 0; m < kFusedMaxRowsPerLane; ++m)
     if (m < per_lane) s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv] = col[m];
+}
+
+// Channel c's conv (SiLU applied) for the row at x, its K-1 earlier inputs from `history`
+// ([K-1, channels], oldest first; null: a fresh sequence's zeros), summed in CausalConvKernel's
+// order.
+__device__ __forceinline__ float ConvSiluAt(const float* x, const float* history, int channels,
+                                            int c, int taps, const void* w, DType w_dtype) {
+  const int64_t w0 = static_cast<int64_t>(c) * taps;
+  float acc = 0.f;
+  for (int j = 0; j + 1 < taps; ++j)
+    acc += LoadAsFloat(w, w_dtype, w0 + j) *
+           (history ? history[static_cast<int64_t>(j) * channels + c] : 0.f);
+  acc += LoadAsFloat(w, w_dtype, w0 + taps - 1) * x[c];
+  return acc * Sigmoid(acc);
+}
+
+// Advances channel c's history by the input x[c] to [h1, ..., h(K-2), x[c]] (`old`: the history
+// itself, or null for a fresh sequence's zeros). Ascending j reads entry j + 1 before writing it.
+__device__ __forceinline__ void AdvanceHistory(const float* x, const float* old, int channels,
+                                               int c, int taps, float* history) {
+  for (int j = 0; j + 1 < taps; ++j)
+    history[static_cast<int64_t>(j) * channels + c] =
+        j + 2 < taps ? (old ? old[static_cast<int64_t>(j + 1) * channels + c] : 0.f) : x[c];
+}
+
+constexpr int kDecodeRows = kGatedDeltaDecodeMaxRowsPerLane;
+constexpr int kDecodeLanes = kGatedDeltaLanesPerColumn;
+constexpr int kDecodeMaxThreads = kDecodeLanes * kGatedDeltaDecodeMaxColumns;
+
+// grid batch * Hv, 8 * roundup(dv, 32) threads (gated_delta.h: GatedDeltaDecode). Thread t is
+// lane t % 8 of column t / 8 for the delta rule; for the conv it takes channels t, t + blockDim
+// of the head's 2 dk + dv (q, k, then v).
+__global__ void __launch_bounds__(kDecodeMaxThreads)
+    GatedDeltaDecodeKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
+                           int dv, int taps, const int2* ragged) {
+  __shared__ float qk[2 * kDecodeLanes * kDecodeRows];  // q then k, normalised
+  __shared__ float vs[kGatedDeltaDecodeMaxColumns];
+  __shared__ float scratch[32];
+  __shared__ float gate[2];
+  __shared__ bool last_arrival;
+  const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
+  const int ratio = value_heads / key_heads, kh = h / ratio;
+  const int key_width = key_heads * dk, channels = 2 * key_width + value_heads * dv;
+  const SequenceState own = StateOf(ragged, seq, 1);
+  const int t = threadIdx.x, part = t % kDecodeLanes, j = t / kDecodeLanes;
+  const bool active = j < dv;  // inactive lanes still take part in the shuffles
+  const int per_lane = dk / kDecodeLanes;
+
+  // The state slice first: its loads are in flight through the conv below.
+  float* s =
+      ops.state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + (active ? j : 0);
+  float col[kDecodeRows];
+#pragma unroll
+  for (int m = 0; m < kDecodeRows; ++m)
+    col[m] = m < per_lane && active && !own.fresh
+                 ? s[static_cast<int64_t>(part + kDecodeLanes * m) * dv]
+                 : 0.f;
+
+  // Conv + SiLU of the head's channels: i < 2 dk is key head kh's q (i < dk) or k channel, the
+  // rest head h's v channels. The v history is this block's alone and advances at once.
+  const float* x = ops.projected + static_cast<int64_t>(seq) * channels;
+  float* history = ops.conv_state + static_cast<int64_t>(own.slot) * (taps - 1) * channels;
+  const float* old = own.fresh ? nullptr : history;
+  for (int i = t; i < 2 * dk + dv; i += blockDim.x) {
+    const bool is_v = i >= 2 * dk;
+    const int c = is_v ? 2 * key_width + h * dv + (i - 2 * dk)
+                       : (i < dk ? kh * dk + i : key_width + kh * dk + (i - dk));
+    const float y = ConvSiluAt(x, old, channels, c, taps, ops.conv.data, ops.conv.dtype);
+    if (is_v) {
+      vs[i - 2 * dk] = y;
+      AdvanceHistory(x, old, channels, c, taps, history);
+    } else {
+      qk[i] = y;
+    }
+  }
+  __syncthreads();  // every q/k history read of this block is done
+
+  const int warp = t >> 5, lane = t & 31;
+  if (warp < 2) {  // warp 0 normalises q (and scales it by dk^-0.5), warp 1 k
+    float* vec = qk + warp * dk;
+    float sum_sq = 0.f;
+    for (int i = lane; i < dk; i += 32) sum_sq += vec[i] * vec[i];
+    const float inv = 1.f / sqrtf(WarpSum(sum_sq) + 1e-6f);
+    const float q_scale = 1.f / sqrtf(static_cast<float>(dk));
+    for (int i = lane; i < dk; i += 32) vec[i] = warp == 0 ? vec[i] * inv * q_scale : vec[i] * inv;
+  } else if (warp == 2 && lane == 0) {  // g and beta, as GatedDeltaGatesKernel
+    const int64_t i = static_cast<int64_t>(seq) * value_heads + h;
+    const float xa = ops.a[i] + LoadAsFloat(ops.dt_bias.data, ops.dt_bias.dtype, h);
+    const float softplus = xa > 20.f ? xa : log1pf(expf(xa));
+    gate[0] = expf(-expf(LoadAsFloat(ops.a_log.data, ops.a_log.dtype, h)) * softplus);  // decay
+    gate[1] = Sigmoid(ops.b[i]);                                                        // beta
+  } else if (warp == 3 && lane == 0) {
+    // This block has read key head kh's q/k history; the last of its value heads to get here
+    // advances it (gated_delta.h).
+    unsigned* arrivals = ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh;
+    __threadfence();
+    const bool last = atomicAdd(arrivals, 1u) == static_cast<unsigned>(ratio - 1);
+    if (last) {
+      atomicExch(arrivals, 0u);
+      __threadfence();
+    }
+    last_arrival = last;
+  }
+  __syncthreads();
+  if (last_arrival)
+    for (int i = t; i < 2 * dk; i += blockDim.x) {
+      const int c = i < dk ? kh * dk + i : key_width + kh * dk + (i - dk);
+      AdvanceHistory(x, old, channels, c, taps, history);
+    }
+
+  // The delta rule for the one token, as GatedDeltaFusedKernel: the column sums over the 8 lanes
+  // as shuffles.
+  const float decay = gate[0], beta = gate[1];
+  const float* q = qk + part;
+  const float* k = qk + dk + part;
+  const float v = active ? vs[j] : 0.f;
+  const float o = DeltaRuleColumnStep(col, per_lane, q, k, v, decay, beta);
+
+  // The gated RMSNorm over the head's dv outputs (a column's o is in each of its 8 lanes).
+  const float sum_sq = BlockSum(active && part == 0 ? o * o : 0.f, scratch);
+  const float inv = 1.f / sqrtf(sum_sq / dv + ops.eps);
+  if (active && part == 0) {
+    const int64_t at = (static_cast<int64_t>(seq) * value_heads + h) * dv + j;
+    const float z = ops.z[at];
+    ops.out[at] = o * inv * LoadAsFloat(ops.norm.data, ops.norm.dtype, j) * (z * Sigmoid(z));
+  }
+  if (!active) return;
+#pragma unroll
+  for (int m = 0; m < kDecodeRows; ++m)
+    if (m < per_lane) s[static_cast<int64_t>(part + kDecodeLanes * m) * dv] = col[m];
 }
 
 // grid vectors, 128 threads.
@@ -270,6 +400,13 @@ void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
   LaunchPlain(GatedDeltaFusedKernel, grid, kFusedColumns * kFusedLanesPerColumn, 0, stream, mixed,
               s.conv_channels(), g, beta, s.n, s.key_heads, s.key_dim, s.value_heads, s.value_dim,
               s.ragged, state, out);
+}
+
+void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
+                      cudaStream_t stream) {
+  const int threads = kDecodeLanes * CeilDiv(s.value_dim, 32) * 32;
+  LaunchPlain(GatedDeltaDecodeKernel, s.batch * s.value_heads, threads, 0, stream, ops, s.key_heads,
+              s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
 }
 
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,

@@ -65,6 +65,76 @@ void GatedDeltaReference(const float* mixed, const float* g, const float* beta,
 void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
                      const GatedDeltaShape& s, float* state, float* out, cudaStream_t stream);
 
+// The chunked form's per-row terms, written by its first pass and read by its second (fp32,
+// GatedDeltaChunkedScratchFloats(rows, ...) floats in all).
+struct GatedDeltaChunkScratch {
+  float* w = nullptr;  // [rows, Hv, dk]: T (beta e^G k), what a row's update takes from the state
+  float* q = nullptr;  // [rows, Hv, dk]: e^G q - P W, what its output takes from the state
+  float* u = nullptr;  // [rows, Hv, dv]: T (beta v)
+  float* g = nullptr;  // [rows, Hv]: G, the cumulative log decay within the row's chunk
+};
+
+// The gated delta rule over each sequence's n tokens as GatedDeltaFused computes it, in the
+// chunked form (kernels/cpu/gated_delta.h's GatedDeltaChunked), kGatedDeltaChunk tokens a chunk,
+// its products on tensor cores as 3xTF32 (fp32-class); GatedDeltaChunkedSupports(dk, dv).
+//   Pass 1, grid (chunks, batch * Hv): per chunk and value head, A = beta_t e^(G_t - G_s)
+//     k_t.k_s and P = e^(G_t - G_s) q_t.k_s on MMAs, T = (I + A)^-1 by forward substitution, then
+//     W, U, Qeff = e^G Q - P W and G into `scratch`, and the chunk's own output P U into `out`.
+//   Pass 2, grid (batch * Hv, dv / 32 or 16): the state's columns in shared memory through the
+//     sequence's chunks in order: D = U - W S, out += Qeff S, S = e^(G_last) S +
+//     (e^(G_last - G) K)^T D.
+// Napkin math, qwen3-next on an H200, a 4096-token prompt, one layer (Hv 32, dk = dv = 128):
+// pass 1 runs 4096 blocks of 0.8 M multiply-adds (x3 for the TF32 split): 20 GFLOP, ~0.1 ms at
+// a third of the TF32 rate, and writes 200 MB of terms; pass 2 streams them back from L2/DRAM
+// (~50 us) while 128 blocks walk 128 chunks each, ~1-2 us a chunk: 0.15-0.25 ms.
+void GatedDeltaChunked(const float* mixed, const float* g, const float* beta,
+                       const GatedDeltaShape& s, const GatedDeltaChunkScratch& scratch,
+                       float* state, float* out, cudaStream_t stream);
+
+// The weights and buffers of GatedDeltaDecode. Row b of the launch is sequence b (one token).
+struct GatedDeltaDecodeOperands {
+  const float* projected = nullptr;  // [batch, conv_channels]: in_proj_qkv's output, pre-conv
+  const float* z = nullptr;          // [batch, Hv * dv]: the output gate
+  const float* a = nullptr;          // [batch, Hv]
+  const float* b = nullptr;          // [batch, Hv]
+  MatrixRef conv;                    // [conv_channels, K]
+  MatrixRef a_log, dt_bias;          // [Hv]
+  MatrixRef norm;                    // [dv]: the gated RMSNorm's gain
+  float eps = 0.f;
+  float* conv_state = nullptr;  // [slots, K-1, conv_channels], carried in and out
+  float* state = nullptr;       // [slots, Hv, dk, dv], carried in and out
+  // [batch, Hk], zero before the launch and left zero after it: how many of a key head's value
+  // heads have read its q/k conv state (GatedDeltaDecode's ordering of the conv-state update).
+  unsigned* key_head_arrivals = nullptr;
+  float* out = nullptr;  // [batch, Hv * dv]: the gated RMSNorm of the delta rule's output
+};
+
+// A decode step of one-row sequences (s.n == 1; lockstep or GatedDeltaShape::ragged rows) in one
+// launch: what CausalConv (with SiLU), GatedDeltaGates, GatedDeltaFused and RmsNormGated compute
+// for those rows. dk % 8 == 0, dk <= 128, dv <= 128 (GatedDeltaDecodeSupports).
+// grid batch * Hv, 8 * roundup(dv, 32) threads: block (b, h) convolves its key head's 2 dk q/k
+// channels and its own dv v channels from the conv state, normalises q and k, computes g and
+// beta, runs the delta rule over the head's whole [dk, dv] state (8 lanes a column, dk / 8 rows
+// a lane, in registers, loaded before the conv so its DRAM latency overlaps it) and normalises
+// the head's output with a block reduction.
+// Conv state: head h's v channels are its block's alone, so the block writes them back at once.
+// The q/k channels of key head kh are read by its Hv / Hk value heads' blocks, which run in no
+// fixed order, so none may overwrite them before all have read them: each block, once its
+// threads have read them (a barrier), counts itself in key_head_arrivals[b, kh] (a fence, then
+// an atomic add), and the block that arrives last writes the advanced q/k history and resets the
+// count to zero. Nothing waits on another block, so any number of blocks may be resident.
+//
+// Napkin math, qwen3-next-80b-a3b on an H200 (Hk 16, Hv 32, dk = dv = 128, conv 8192 x 4):
+// a sequence moves its 2 MiB recurrent state in and out, its conv state (3 x 8192 x 4 B = 96 KB)
+// in and out, 32 KB of conv input, 16 KB of z and 64 KB of conv weights (shared across the
+// batch, from L2); ~7 dk dv = 115 KFLOP a head (decay, k.S, update, S.q), 3.7 MFLOP a sequence,
+// negligible against the bytes. Batch 1: 32 blocks of 1024 threads, each with its 64 KB state
+// slice in flight at once, about 2 DRAM round trips deep: ~3 us expected, against ~10 us for the
+// four launches it replaces. Batch 64: 2048 blocks, 268 MB of state traffic: ~61 us at 4.4 TB/s,
+// ~70 us expected with one 1024-thread block an SM alternating its load and compute phases.
+void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
+                      cudaStream_t stream);
+
 // out = x * rsqrt(mean(x^2) + eps) * gain * silu(z) over `vectors` vectors of `dim` (the plain
 // gain: Qwen3-Next's RMSNormGated). In place allowed (out == x).
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,

@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/gemm_fused_common.cuh"
 #include "kernels/cuda/probe_kernels.h"
+#include "kernels/cuda/routing.cuh"
 
 namespace infersweep::cuda {
 namespace {
@@ -28,11 +29,53 @@ __device__ __forceinline__ int SegmentOfRow(const GemvArgs& a, int* row) {
   return s;
 }
 
+// The row's top-k of the logits at segment 0's output (WarpTopK, as RouterTopK): lane s < k
+// writes slot s, lane k the folded shared expert's slot when there is one (StoreRouting).
+template <int kPerLane>
+__device__ __forceinline__ void RouterTopKRow(const GemvArgs& a, int r, int lane) {
+  const GemvTopK& t = a.topk;
+  int id;
+  float weight;
+  WarpTopK<kPerLane>(a.seg[0].y + static_cast<int64_t>(r) * a.seg[0].ld, t.num_experts, t.k,
+                     t.renormalize, &id, &weight);
+  StoreRouting(r, lane, t.k, t.num_experts, id, weight, t.shared_logit, t.expert_ids,
+               t.expert_weights);
+}
+
+// Called by every thread of a block once its warps have stored their logits: every thread fences
+// its stores device-wide, the block counts itself in (an atomic add), and the last block of the
+// grid picks the top-k, warp r row r, reading every block's logits through L2 (WarpTopK's
+// __ldcg), then zeroes the count for the next launch.
+__device__ __forceinline__ void RouterTopKTail(const GemvArgs& a, int lane) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(a.topk.counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int r = threadIdx.x >> 5;
+  if (r < a.rows) {
+    const int e = a.topk.num_experts;
+    if (e <= 128)
+      RouterTopKRow<4>(a, r, lane);
+    else if (e <= 256)
+      RouterTopKRow<8>(a, r, lane);
+    else  // e <= kGemvTopKMaxExperts (Gemv)
+      RouterTopKRow<16>(a, r, lane);
+  }
+  if (threadIdx.x == 0) *a.topk.counter = 0;
+}
+
 // Warp w owns outputs [w * kRowsPerWarp, +kRowsPerWarp) across the segments. The warp's weight
 // loads are issued first; x (times the gain) is staged in shared memory under their latency, and
 // the RMSNorm factor 1/rms(x) is applied to the finished dot product.
 // kMaxRows: activation rows compiled for (1 for batch-1 decode keeps registers low).
-template <int kRowsPerWarp, int kMaxRows>
+// kTopK: the router's GEMV with its top-k (GemvTopK) in the same launch.
+template <int kRowsPerWarp, int kMaxRows, bool kTopK = false>
 __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
   extern __shared__ float xs[];  // [rows][k]: x * gain
   __shared__ float scratch[32];
@@ -65,41 +108,46 @@ __global__ void __launch_bounds__(256) GemvKernel(GemvArgs a) {
   AllowDependentsToLaunch();
   float inv[kMaxRows];
   StageGemvInput<kMaxRows>(a, xs, scratch, inv);
-  if (!active) return;
-
-  float acc[kRowsPerWarp][kMaxRows] = {};
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
-    if (c0 != lane) {
+  if constexpr (!kTopK) {
+    if (!active) return;
+  }
+  // With kTopK every thread goes on to the tail's barriers; inactive warps skip the sums.
+  if (active) {
+    float acc[kRowsPerWarp][kMaxRows] = {};
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kGemvUnroll) {
+      if (c0 != lane) {
 #pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr)
+        for (int rr = 0; rr < kRowsPerWarp; ++rr)
 #pragma unroll
-        for (int u = 0; u < kGemvUnroll; ++u)
-          if (c0 + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + c0 + 32 * u);
+          for (int u = 0; u < kGemvUnroll; ++u)
+            if (c0 + 32 * u < chunks) packed[rr][u] = __ldcs(wrow[rr] + c0 + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= chunks) break;
+#pragma unroll
+        for (int r = 0; r < kMaxRows; ++r) {
+          if (r >= a.rows) break;
+#pragma unroll
+          for (int rr = 0; rr < kRowsPerWarp; ++rr)
+            acc[rr][r] += Dot8Bf16(packed[rr][u], xs + static_cast<int64_t>(r) * k + c * 8);
+        }
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= chunks) break;
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      if (first + rr >= total) break;
+      const GemvSegment& seg = a.seg[seg_of[rr]];
 #pragma unroll
       for (int r = 0; r < kMaxRows; ++r) {
         if (r >= a.rows) break;
-#pragma unroll
-        for (int rr = 0; rr < kRowsPerWarp; ++rr)
-          acc[rr][r] += Dot8Bf16(packed[rr][u], xs + static_cast<int64_t>(r) * k + c * 8);
+        const float dot = WarpSum(acc[rr][r]) * inv[r];
+        if (lane == 0) StoreGemvOutput(a, seg, local[rr], r, dot);
       }
     }
   }
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    if (first + rr >= total) break;
-    const GemvSegment& seg = a.seg[seg_of[rr]];
-#pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r >= a.rows) break;
-      const float dot = WarpSum(acc[rr][r]) * inv[r];
-      if (lane == 0) StoreGemvOutput(a, seg, local[rr], r, dot);
-    }
-  }
+  if constexpr (kTopK) RouterTopKTail(a, lane);
 }
 
 // Matrices of many more rows than the GPU holds warps, the lm_head above all (qwen3-30b-a3b:
@@ -152,8 +200,8 @@ __global__ void __launch_bounds__(256, kStreamBlocksPerSm) GemvStreamKernel(Gemv
       next_w = next_row < total ? row_weights(next_row) : nullptr;
     }
     if (next_w) load(next_w, next_c0, next);
-    // GemvKernel's batch loop, written out again on purpose: sharing one helper moves the
-    // one-wave kernel's generated code and slows the bf16 graphs=on step.
+      // GemvKernel's batch loop, written out again on purpose: sharing one helper moves the
+      // one-wave kernel's generated code and slows the bf16 graphs=on step.
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int c = c0 + 32 * u;
@@ -213,18 +261,29 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
                                reinterpret_cast<const void*>(GemvKernel<2, 1>),
                                reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows>),
                                reinterpret_cast<const void*>(GemvKernel<2, kGemvMaxRows>),
+                               reinterpret_cast<const void*>(GemvKernel<1, 1, true>),
+                               reinterpret_cast<const void*>(GemvKernel<1, kGemvMaxRows, true>),
                                reinterpret_cast<const void*>(GemvStreamKernel<1>),
                                reinterpret_cast<const void*>(GemvStreamKernel<kGemvMaxRows>)})
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxSharedBytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kGemvMaxSharedBytes);
   });
   const size_t smem = static_cast<size_t>(args.rows) * args.k * sizeof(float);
   const int total = TotalRows(args);
+  // A top-k the launch below does not fuse: its own kernel after it.
+  auto separate_topk = [&] {
+    if (args.topk.counter)
+      RouterTopK(args.seg[0].y, args.rows, args.topk.num_experts, args.topk.k,
+                 args.topk.renormalize, args.topk.expert_ids, args.topk.expert_weights, stream,
+                 args.topk.shared_logit);
+  };
   if (GemvStreams(args)) {
     const dim3 grid(kStreamBlocksPerSm * MultiprocessorCount()), block(256);
     if (args.rows == 1)
       Launch(GemvStreamKernel<1>, grid, block, smem, stream, args);
     else
       Launch(GemvStreamKernel<kGemvMaxRows>, grid, block, smem, stream, args);
+    separate_topk();
     return;
   }
   // Two rows a warp once there are more rows than ~24 resident warps per SM can take one each
@@ -236,6 +295,14 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   constexpr int kWarpsPerBlock = 8;
   const int blocks = CeilDiv(warps_needed, kWarpsPerBlock);
   const dim3 grid(blocks), block(kWarpsPerBlock * 32);
+  if (args.topk.counter && rows_per_warp == 1 &&
+      args.topk.num_experts <= kGemvTopKMaxExperts) {  // the router: its top-k in the same launch
+    if (args.rows == 1)
+      Launch(GemvKernel<1, 1, true>, grid, block, smem, stream, args);
+    else
+      Launch(GemvKernel<1, kGemvMaxRows, true>, grid, block, smem, stream, args);
+    return;
+  }
   if (args.rows == 1) {
     if (rows_per_warp == 2)
       Launch(GemvKernel<2, 1>, grid, block, smem, stream, args);
@@ -246,6 +313,7 @@ void Gemv(const GemvArgs& args, cudaStream_t stream) {
   } else {
     Launch(GemvKernel<1, kGemvMaxRows>, grid, block, smem, stream, args);
   }
+  separate_topk();
 }
 
 ProbeKernel FusedGemvProbeKernel() {

@@ -11,8 +11,10 @@
 namespace infersweep::cuda {
 
 // ---- Attention (attention_flash.cu, attention_decode.cu, attention_prefill.cu).
-constexpr int kFlashMaxHeadDim = 128;  // the CUDA-core kernel's shared memory under 48 KB
-constexpr int kFlashMaxGroup = 16;     // q heads per kv head
+// The CUDA-core kernel's accumulators are head_dim / 32 floats a lane, its shared memory 82 KB at
+// head_dim 256 (opted into above the 48 KB default).
+constexpr int kFlashMaxHeadDim = 256;
+constexpr int kFlashMaxGroup = 16;  // q heads per kv head
 constexpr int kMaxFlashSplits = 64;
 constexpr int kFlashBlockTarget = 1056;  // 8 blocks per SM: each walks its keys serially
 // Prefill chunks of kFlashPrefillMinTokens+ tokens take the tensor-core prefill kernel.
@@ -24,11 +26,11 @@ constexpr bool FlashSupports(int q_heads, int kv_heads, int head_dim) {
 }
 // The tensor-core split-KV decode kernel.
 constexpr bool FlashDecodeMmaSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 // The tensor-core prefill kernel.
 constexpr bool FlashPrefillSupports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 // Floats the flash kernels' partials need for `rows` rows (any split count FlashSplits picks).
 constexpr int64_t FlashPartialFloats(int rows, int q_heads, int kv_heads, int head_dim) {
@@ -121,8 +123,37 @@ constexpr bool MoeWgmmaQuantSupports(const QuantMatrixShape& gate, const QuantMa
   return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
 }
 // The grouped kernels' variants, chosen by the MoE plan (engine/plan/moe_plan.h): mma.sync over
-// 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers.
-enum class MoeGroupedKernel { kMma4, kMma8, kWgmma, kQuantMma4, kQuantMma8, kQuantWgmma };
+// 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers;
+// or FP8 experts' E4M3 codes straight onto E4M3 x E4M3 mma.sync with E4M3 inputs (qgemm=w8a8).
+enum class MoeGroupedKernel {
+  kMma4,
+  kMma8,
+  kWgmma,
+  kQuantMma4,
+  kQuantMma8,
+  kQuantWgmma,
+  kFp8Mma4,
+  kFp8Mma8
+};
+// E4M3 x E4M3 mma.sync (m16n8k32) needs sm_89.
+constexpr int kFp8MmaMinSm = 89;
+// qgemm=w8a8's tensor-core kernels: FP8 tensor or channel scales with K in whole 64-element
+// units, or block-128 scales with K in whole 128-element blocks (each block's products are summed
+// apart, then scaled).
+constexpr bool Fp8MmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
+  if (rows < 1 || cols < 1) return false;
+  if (f == QuantFormat::kFp8Block128) return cols % 128 == 0;
+  return (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) && cols % 64 == 0;
+}
+// qgemm=w8a8's grouped expert kernels (kFp8Mma4 / kFp8Mma8): gate and up [inter, hidden] and
+// down [hidden, inter] in one FP8 format that Fp8MmaShapeSupports takes.
+constexpr bool MoeGroupedFp8Supports(const QuantMatrixShape& gate, const QuantMatrixShape& up,
+                                     const QuantMatrixShape& down) {
+  return gate.format == up.format && gate.format == down.format && gate.rows == up.rows &&
+         gate.cols == up.cols && down.rows == gate.cols && down.cols == gate.rows &&
+         Fp8MmaShapeSupports(gate.format, gate.rows, gate.cols) &&
+         Fp8MmaShapeSupports(down.format, down.rows, down.cols);
+}
 // More pairs an expert than this (on average) take the 64-pair mma.sync passes.
 constexpr int kMoeWidePairsPerExpert = 24;
 // The grouped variant for `pairs` routed (row, expert) pairs over `experts`: wgmma when chosen,
@@ -145,6 +176,30 @@ constexpr bool GatedDeltaFusedSupports(int key_dim) {
   return key_dim % kGatedDeltaLanesPerColumn == 0 &&
          key_dim <= kGatedDeltaLanesPerColumn * kGatedDeltaMaxRowsPerLane;
 }
+// The decode kernel (GatedDeltaDecode): a block holds a whole value head's [dk, dv] state, 8 lanes
+// a column and dk / 8 rows a lane, so the gated RMSNorm over the head's dv outputs is a block
+// reduction: dk <= 128 keeps a lane's slice at 16 registers, dv <= 128 the block at 1024 threads.
+constexpr int kGatedDeltaDecodeMaxRowsPerLane = 16;
+constexpr int kGatedDeltaDecodeMaxColumns = 128;
+constexpr bool GatedDeltaDecodeSupports(int key_dim, int value_dim) {
+  return key_dim % kGatedDeltaLanesPerColumn == 0 &&
+         key_dim <= kGatedDeltaLanesPerColumn * kGatedDeltaDecodeMaxRowsPerLane && value_dim > 0 &&
+         value_dim <= kGatedDeltaDecodeMaxColumns;
+}
 constexpr int kCausalConvMaxTaps = 8;
+// The chunked form (gated_delta_chunked.cu): chunks of 32 tokens, a warp's lanes; head sizes in
+// whole 16-row MMA tiles up to 128, which keeps its two passes' shared memory under 80 KB.
+// Sequences of kGatedDeltaChunkedMinTokens+ rows take it, shorter ones the recurrent kernel.
+constexpr int kGatedDeltaChunk = 32;
+constexpr int kGatedDeltaChunkedMaxHeadDim = 128;
+constexpr int kGatedDeltaChunkedMinTokens = 16;
+constexpr bool GatedDeltaChunkedSupports(int key_dim, int value_dim) {
+  return key_dim > 0 && value_dim > 0 && key_dim % 16 == 0 && value_dim % 16 == 0 &&
+         key_dim <= kGatedDeltaChunkedMaxHeadDim && value_dim <= kGatedDeltaChunkedMaxHeadDim;
+}
+constexpr int64_t GatedDeltaChunkedScratchFloats(int64_t rows, int value_heads, int key_dim,
+                                                 int value_dim) {
+  return rows * value_heads * (2 * int64_t{key_dim} + value_dim + 1);
+}
 
 }  // namespace infersweep::cuda

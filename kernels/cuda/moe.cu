@@ -11,7 +11,8 @@ namespace {
 // registers, not once per round of the top-k.
 template <int kPerLane>
 __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts, int k,
-                                 bool renormalize, int* expert_ids, float* expert_weights) {
+                                 bool renormalize, int* expert_ids, float* expert_weights,
+                                 const float* shared_logit) {
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -21,10 +22,7 @@ __global__ void RouterTopKKernel(const float* logits, int rows, int num_experts,
   float weight;
   WarpTopK<kPerLane>(logits + static_cast<int64_t>(row) * num_experts, num_experts, k,
                      renormalize, &id, &weight);
-  if (lane < k) {
-    expert_ids[static_cast<int64_t>(row) * k + lane] = id;
-    expert_weights[static_cast<int64_t>(row) * k + lane] = weight;
-  }
+  StoreRouting(row, lane, k, num_experts, id, weight, shared_logit, expert_ids, expert_weights);
 }
 
 // grid (ceil(inter / 8), pairs), 256 threads: warp w computes output i = blockIdx.x * 8 + w for
@@ -220,20 +218,21 @@ void ConfigureMoeSharedMemory() {
 }  // namespace
 
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
-                int* expert_ids, float* expert_weights, cudaStream_t stream) {
+                int* expert_ids, float* expert_weights, cudaStream_t stream,
+                const float* shared_logit) {
   const dim3 grid(CeilDiv(rows, 4)), block(128);
+  auto launch = [&](auto kernel) {
+    Launch(kernel, grid, block, 0, stream, logits, rows, num_experts, k, renormalize, expert_ids,
+           expert_weights, shared_logit);
+  };
   if (num_experts <= 128)
-    Launch(RouterTopKKernel<4>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
-                                                    expert_ids, expert_weights);
+    launch(RouterTopKKernel<4>);
   else if (num_experts <= 256)
-    Launch(RouterTopKKernel<8>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
-                                                    expert_ids, expert_weights);
+    launch(RouterTopKKernel<8>);
   else if (num_experts <= 512)  // qwen3-next, qwen3.5: half the per-lane rounds of <32>
-    Launch(RouterTopKKernel<16>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
-                                                     expert_ids, expert_weights);
+    launch(RouterTopKKernel<16>);
   else
-    Launch(RouterTopKKernel<32>, grid, block, 0, stream, logits, rows, num_experts, k, renormalize,
-                                                     expert_ids, expert_weights);
+    launch(RouterTopKKernel<32>);
 }
 
 void MoeGateUp(const float* x, int rows, int k, const int* expert_ids, int expert_begin,

@@ -7,6 +7,7 @@
 // per expert) go to cuBLAS's grouped GEMMs instead (engine/cuda/moe_runner.cc).
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "core/unreachable.h"
 #include "kernels/cuda/common.cuh"
@@ -46,6 +47,32 @@ __device__ __forceinline__ void MmaChunk(float* c, const uint4& lo, const uint4&
                                          const uint4& b) {
   Mma16816(c, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
   Mma16816(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+}
+
+// E4M3 x E4M3, fp32 accumulate (sm_89+; the registry keeps qgemm=w8a8 off older GPUs, whose
+// builds compile a trap here).
+__device__ __forceinline__ void Mma16832E4M3(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// MmaChunk's twin over 64 E4M3 codes: lane (g, t) holds physical k [16t, 16t + 16) of weight
+// rows g and g + 8 and of input column g, one 16-byte load each (the same 64 bytes a bf16 chunk
+// takes). m16n8k32 gives that lane logical k {4t..4t+3} and {16+4t..16+4t+3} of A and B alike;
+// the first MMA maps them to physical [16t, 16t + 8), the second to [16t + 8, 16t + 16), the
+// same permutation on both operands.
+__device__ __forceinline__ void MmaChunkE4M3(float* c, const uint4& lo, const uint4& hi,
+                                             const uint4& b) {
+  Mma16832E4M3(c, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+  Mma16832E4M3(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
 // Buckets the pairs by expert: offsets[e] = the pairs of experts before e, and
@@ -208,10 +235,10 @@ __global__ void __launch_bounds__(kBucketThreads)
 
 // The input rows of up to kTiles x 8 pairs of expert `e` (columns of the MMA tiles): lane (g, t)
 // serves column g of each tile, so it keeps the address of that pair's row, offset by t.
-template <int kTiles>
+template <int kTiles, typename T>
 __device__ __forceinline__ void PairRows(const int* sorted, int first, int count, int base,
-                                         const uint16_t* rows, int64_t row_stride, int row_div,
-                                         int g, int t, const uint4** out) {
+                                         const T* rows, int64_t row_stride, int row_div, int g,
+                                         int t, const uint4** out) {
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
     const int s = base + 8 * j + g;
@@ -237,13 +264,25 @@ __device__ __forceinline__ void LoadStage(const uint4* const (&w)[2 * kMats], in
 // `chunks` k chunks, for the first `tiles` tiles (rows[j]: the lane's pair row, null past the
 // expert's last pair). Two register stages of kUnroll chunks, so one stage's loads are in flight
 // while the other's MMAs run; `a` holds chunks [0, kUnroll) on entry.
-template <int kMats, int kTiles, int kUnroll>
+// kE4M3: the chunks are 64 E4M3 codes (MmaChunkE4M3), else 32 bf16 values (MmaChunk).
+// With block_scale (FP8 block-128 weights, kUnroll 2: a stage is one 128-wide k block), a block's
+// products gather apart and are added into acc times block_scale(m, block), matrix m's scale of
+// that k block for the warp's 16 rows (one 128-row block).
+template <int kMats, int kTiles, int kUnroll, bool kE4M3 = false,
+          typename BlockScale = std::nullptr_t>
 __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
                                              const uint4* const (&rows)[kTiles], int tiles,
                                              int chunks, uint4 (&a)[kUnroll][2 * kMats],
-                                             float (&acc)[kMats][kTiles][4]) {
+                                             float (&acc)[kMats][kTiles][4],
+                                             BlockScale block_scale = nullptr) {
+  constexpr bool kBlocks = !std::is_same_v<BlockScale, std::nullptr_t>;
+  static_assert(!kBlocks || (kE4M3 && kUnroll * 64 == 128), "a stage is one 128-wide k block");
   uint4 b[kUnroll][2 * kMats];
   auto compute = [&](const uint4(&stage)[kUnroll][2 * kMats], int c0) {
+    float part[kBlocks ? kMats : 1][kBlocks ? kTiles : 1][4] = {};
+    if constexpr (kBlocks) {
+      if (c0 >= chunks) return;  // past the last block: no scale to read
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (c0 + u >= chunks) break;
@@ -252,8 +291,24 @@ __device__ __forceinline__ void StreamExpert(const uint4* const (&w)[2 * kMats],
         if (j >= tiles) break;  // warp-uniform
         const uint4 x = rows[j] ? __ldg(rows[j] + 4 * (c0 + u)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int m = 0; m < kMats; ++m)
-          MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+        for (int m = 0; m < kMats; ++m) {
+          if constexpr (kBlocks)
+            MmaChunkE4M3(part[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+          else if constexpr (kE4M3)
+            MmaChunkE4M3(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+          else
+            MmaChunk(acc[m][j], stage[u][2 * m], stage[u][2 * m + 1], x);
+        }
+      }
+    }
+    if constexpr (kBlocks) {
+#pragma unroll
+      for (int m = 0; m < kMats; ++m) {
+        const float s = block_scale(m, c0 / kUnroll);
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] += s * part[m][j][i];
       }
     }
   };
@@ -557,6 +612,148 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// qgemm=w8a8: FP8 experts (tensor or channel scales) on E4M3 x E4M3 mma.sync, their codes fed to
+// the MMAs as loaded, the inputs quantized to E4M3 with one scale a row beforehand
+// (QuantizeRowsE4M3). The sums are exact products of the codes accumulated in fp32; the weight
+// row's scale (QuantRowFactor's, less its 2^8, which belongs to the bf16 decode) and the input
+// row's multiply them.
+// Napkin math, batch 64 on qwen3-30b-a3b: the same 595 MB of FP8 codes a layer as the w8a16
+// kernels (133 us at 4.46 TB/s), with no decode instructions (theirs, ~45 us of issue, are what
+// keeps those kernels below the bandwidth) and a quarter of the bf16 inputs' bytes.
+// Block-128 weights have no row scale: their scales multiply each k block's sums (Fp8BlockScale).
+template <QuantFormat F>
+__device__ __forceinline__ float Fp8RowScale(const QuantExpertTable& t, int e, int64_t row) {
+  if constexpr (F == QuantFormat::kFp8Block128)
+    return 1.f;
+  else
+    return QuantRowFactor<F>(t, e, row) * (1.f / 256.f);
+}
+// Expert e's block-128 scale of the block of rows holding `row` and of k block `block`: scales
+// [ceil(rows / 128), ceil(cols / 128)] in fp32, bf16 or f16.
+__device__ __forceinline__ float Fp8BlockScale(const QuantExpertTable& t, int e, int64_t row,
+                                               int block) {
+  constexpr QuantFormat kBlock = QuantFormat::kFp8Block128;
+  // LoadChunkScaleBits counts k in 16-element chunks, eight to a 128-wide block.
+  const uint32_t bits =
+      LoadChunkScaleBits<kBlock>(TableScales(t, e), t.scale_dtype, row, 8 * block, t.cols);
+  return DecodeChunkScale<kBlock>(bits, t.scale_dtype).lo;
+}
+// StreamExpert's block_scale for matrices `tables` (gate, up; or down) of expert e at the warp's
+// 16 rows from f0 (within one 128-row block: f0 is a multiple of 16); null (no block scales) for
+// tensor and channel scales.
+template <QuantFormat F, int kMats>
+__device__ __forceinline__ auto Fp8BlockScales(const QuantExpertTable* const (&tables)[kMats],
+                                               int e, int64_t f0) {
+  if constexpr (F == QuantFormat::kFp8Block128) {
+    return [tables, e, f0](int m, int block) {
+      return Fp8BlockScale(*tables[m], e, min(f0, static_cast<int64_t>(tables[m]->rows - 1)),
+                           block);
+    };
+  } else {
+    return nullptr;
+  }
+}
+// The lane's first 16 bytes of expert e's row `row` of FP8 codes.
+template <QuantFormat F>
+__device__ __forceinline__ const uint4* Fp8RowCodes(const QuantExpertTable& t, int e, int64_t row,
+                                                    int lane_t) {
+  const uint4* codes;
+  const void* no_scales;
+  QuantRowPointers<F>(t, e, row, lane_t, &codes, &no_scales);
+  return codes;
+}
+
+// GroupedGateUpKernel over FP8 gate and up codes and E4M3 inputs x [rows, hidden] (x_scale a
+// row): same grid, tiles and bf16 output.
+template <QuantFormat F, int kTiles, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32)
+    GroupedGateUpFp8Kernel(const uint8_t* x, const float* x_scale, int k, const int* offsets,
+                           const int* sorted, int expert_begin, QuantExpertTable gate,
+                           QuantExpertTable up, uint16_t* h) {
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int hidden = gate.cols, inter = gate.rows;
+  const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
+  const int chunks = hidden / 64;
+  const int64_t lo_row = min(f0 + g, inter - 1), hi_row = min(f0 + g + 8, inter - 1);
+  const uint4* const wc[4] = {Fp8RowCodes<F>(gate, e, lo_row, t),
+                              Fp8RowCodes<F>(gate, e, hi_row, t), Fp8RowCodes<F>(up, e, lo_row, t),
+                              Fp8RowCodes<F>(up, e, hi_row, t)};
+  uint4 a[kUnroll][4];
+  LoadStage<2, kUnroll>(wc, 0, chunks, a);  // before the wait: weights only
+  const float scale[4] = {Fp8RowScale<F>(gate, e, lo_row), Fp8RowScale<F>(gate, e, hi_row),
+                          Fp8RowScale<F>(up, e, lo_row), Fp8RowScale<F>(up, e, hi_row)};
+  const QuantExpertTable* const mats[2] = {&gate, &up};
+  const auto block_scale = Fp8BlockScales<F, 2>(mats, e, f0);
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  const int first = offsets[e], count = offsets[e + 1] - first;
+  for (int base = 0; base < count; base += 8 * kTiles) {
+    const uint4* rows[kTiles];
+    PairRows<kTiles>(sorted, first, count, base, x, hidden, k, g, t, rows);
+    float acc[2][kTiles][4] = {};
+    if (base > 0) LoadStage<2, kUnroll>(wc, 0, chunks, a);
+    StreamExpert<2, kTiles, kUnroll, /*kE4M3=*/true>(wc, rows, CeilDivDevice(count - base, 8),
+                                                     chunks, a, acc, block_scale);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {  // pair 2t + q of tile j: features g (c[q]) and g + 8
+        const int s = base + 8 * j + 2 * t + q;
+        if (s >= count) continue;
+        const int pair = sorted[first + s];
+        const float xs = x_scale[pair / k];
+        const float gate_lo = acc[0][j][q] * scale[0] * xs,
+                    gate_hi = acc[0][j][2 + q] * scale[1] * xs;
+        const float up_lo = acc[1][j][q] * scale[2] * xs, up_hi = acc[1][j][2 + q] * scale[3] * xs;
+        uint16_t* out = h + static_cast<int64_t>(pair) * inter;
+        if (f0 + g < inter) out[f0 + g] = Bf16Bits(gate_lo / (1.f + expf(-gate_lo)) * up_lo);
+        if (f0 + g + 8 < inter)
+          out[f0 + g + 8] = Bf16Bits(gate_hi / (1.f + expf(-gate_hi)) * up_hi);
+      }
+  }
+}
+
+// GroupedDownKernel over FP8 down codes and E4M3 inputs h [pairs, inter] (h_scale a pair); with
+// offsets null, one dense matrix over dense_rows input rows in order (GemmFp8Mma).
+template <QuantFormat F, int kTiles, int kUnroll>
+__global__ void __launch_bounds__(kWarps * 32)
+    GroupedDownFp8Kernel(const uint8_t* h, const float* h_scale, const int* offsets,
+                         const int* sorted, int expert_begin, QuantExpertTable down, int dense_rows,
+                         float* out) {
+  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int hidden = down.rows, inter = down.cols;
+  const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
+  const int chunks = inter / 64;
+  const int64_t lo_row = min(f0 + g, hidden - 1), hi_row = min(f0 + g + 8, hidden - 1);
+  const uint4* const wc[2] = {Fp8RowCodes<F>(down, e, lo_row, t),
+                              Fp8RowCodes<F>(down, e, hi_row, t)};
+  uint4 a[kUnroll][2];
+  LoadStage<1, kUnroll>(wc, 0, chunks, a);
+  const float scale[2] = {Fp8RowScale<F>(down, e, lo_row), Fp8RowScale<F>(down, e, hi_row)};
+  const QuantExpertTable* const mats[1] = {&down};
+  const auto block_scale = Fp8BlockScales<F, 1>(mats, e, f0);
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  const int first = offsets ? offsets[e] : 0;
+  const int count = offsets ? offsets[e + 1] - first : dense_rows;
+  for (int base = 0; base < count; base += 8 * kTiles) {
+    const uint4* rows[kTiles];
+    PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, t, rows);
+    float acc[1][kTiles][4] = {};
+    if (base > 0) LoadStage<1, kUnroll>(wc, 0, chunks, a);
+    StreamExpert<1, kTiles, kUnroll, /*kE4M3=*/true>(wc, rows, CeilDivDevice(count - base, 8),
+                                                     chunks, a, acc, block_scale);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      ForEachOutput(sorted, first, count, base, j, t, acc[0][j], [&](int pair, float lo, float hi) {
+        const float hs = h_scale[pair];
+        float* o = out + static_cast<int64_t>(pair) * hidden;
+        if (f0 + g < hidden) o[f0 + g] = lo * scale[0] * hs;
+        if (f0 + g + 8 < hidden) o[f0 + g + 8] = hi * scale[1] * hs;
+      });
+  }
+}
+
 // One block per row: y[r] += sum over slots (in slot order: deterministic) of w[r, slot] *
 // out[r * k + slot], skipping pairs of skip_expert and of experts outside [expert_begin,
 // expert_end) (left out of the buckets: their out rows are never written).
@@ -619,6 +816,35 @@ void LaunchQuantExperts(const MoeGroupedArgs& a, bool many_pairs, cudaStream_t s
     LaunchQuantExperts<F, 4>(a, stream);
 }
 
+template <QuantFormat F, int kTiles>
+void LaunchFp8Experts(const MoeGroupedArgs& a, cudaStream_t stream) {
+  const QuantExpertTable* t = a.quant;
+  const int held = a.expert_end - a.expert_begin, pairs = a.rows * a.k;
+  QuantizeRowsE4M3(a.x_f32, DType::kF32, a.rows, a.hidden, a.x_fp8, a.x_scale, stream);
+  Launch(GroupedGateUpFp8Kernel<F, kTiles, 2>, dim3(CeilDiv(a.inter, kBlockFeatures), held),
+         dim3(kWarps * 32), 0, stream, static_cast<const uint8_t*>(a.x_fp8),
+         static_cast<const float*>(a.x_scale), a.k, static_cast<const int*>(a.offsets),
+         static_cast<const int*>(a.sorted_pairs), a.expert_begin, t[0], t[1], a.h);
+  // Pairs of experts not held here leave their h rows as they were: quantized too, never read.
+  QuantizeRowsE4M3(a.h, DType::kBF16, pairs, a.inter, a.h_fp8, a.h_scale, stream);
+  Launch(GroupedDownFp8Kernel<F, kTiles, 2>, dim3(CeilDiv(a.hidden, kBlockFeatures), held),
+         dim3(kWarps * 32), 0, stream, static_cast<const uint8_t*>(a.h_fp8),
+         static_cast<const float*>(a.h_scale), static_cast<const int*>(a.offsets),
+         static_cast<const int*>(a.sorted_pairs), a.expert_begin, t[2], 0, a.out);
+}
+
+template <int kTiles>
+void LaunchFp8Experts(const MoeGroupedArgs& a, cudaStream_t stream) {
+  if (a.quant[0].format == QuantFormat::kFp8Tensor)
+    LaunchFp8Experts<QuantFormat::kFp8Tensor, kTiles>(a, stream);
+  else if (a.quant[0].format == QuantFormat::kFp8Channel)
+    LaunchFp8Experts<QuantFormat::kFp8Channel, kTiles>(a, stream);
+  else if (a.quant[0].format == QuantFormat::kFp8Block128)
+    LaunchFp8Experts<QuantFormat::kFp8Block128, kTiles>(a, stream);
+  else
+    Unreachable("MoeGrouped: E4M3 experts of a format Fp8MmaShapeSupports refuses");
+}
+
 // MoeGrouped's expert kernels by the plan's variant, over the experts held (at least one).
 // 8 tiles (64 pairs a pass) re-read an expert's weights less often when it has many pairs
 // (prefill); decode batches average a few pairs an expert and take 4.
@@ -633,6 +859,12 @@ void LaunchExpertKernels(const MoeGroupedArgs& a, cudaStream_t stream) {
     case MoeGroupedKernel::kWgmma:
     case MoeGroupedKernel::kQuantWgmma:
       MoeWgmmaExperts(a, stream);
+      break;
+    case MoeGroupedKernel::kFp8Mma4:
+      LaunchFp8Experts<4>(a, stream);
+      break;
+    case MoeGroupedKernel::kFp8Mma8:
+      LaunchFp8Experts<8>(a, stream);
       break;
     case MoeGroupedKernel::kQuantMma4:
     case MoeGroupedKernel::kQuantMma8: {
@@ -693,6 +925,33 @@ void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y
            : launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 4, 2>);
       break;
   }
+}
+
+bool GemmFp8MmaSupports(const MatrixRef& w) {
+  return Fp8MmaShapeSupports(w.quant.format, w.rows, w.cols) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+}
+
+void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, float* x_scales,
+                float* y, cudaStream_t stream) {
+  const QuantExpertTable t = MatrixQuantTable(w);
+  QuantizeRowsE4M3(x, DType::kF32, rows, t.cols, x_codes, x_scales, stream);
+  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
+  auto launch = [&](auto kernel) {
+    Launch(kernel, grid, block, 0, stream, static_cast<const uint8_t*>(x_codes),
+           static_cast<const float*>(x_scales), static_cast<const int*>(nullptr),
+           static_cast<const int*>(nullptr), 0, t, rows, y);
+  };
+  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
+  if (t.format == QuantFormat::kFp8Tensor)
+    wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 8, 2>)
+         : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 4, 2>);
+  else if (t.format == QuantFormat::kFp8Block128)
+    wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Block128, 8, 2>)
+         : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Block128, 4, 2>);
+  else  // GemmFp8MmaSupports admits no other format
+    wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Channel, 8, 2>)
+         : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Channel, 4, 2>);
 }
 
 void BucketPairs(const int* expert_ids, int pairs, int num_experts, int skip_expert,

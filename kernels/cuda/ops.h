@@ -127,7 +127,7 @@ int FlashSplits(int rows, int kv_heads, int capacity);
 void AttentionFlashPrefill(const float* q, const KvCache& cache, int rows, int n, int q_heads,
                            int kv_heads, int head_dim, const int* position, float* out,
                            cudaStream_t stream);
-// Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128 take the
+// Decode chunks (fewer than kFlashPrefillMinTokens tokens) with head_dim 32/64/128/256 take the
 // tensor-core split-KV kernel (attention_decode.cu; bf16 Q, K, V and P, f16 over an fp8 cache,
 // fp32 accumulate); it
 // writes the same partials as the CUDA-core kernel, merged by the same combine.
@@ -155,9 +155,11 @@ void RouterGemm(const float* x, int M, const MatrixRef& w, float* y, cudaStream_
 
 // ---- decode GEMV (gemm_fused.cu), the gemm=fused path for a few rows:
 //   y_s[r, n] = (accumulate ? y_s[r, n] : 0) + scale * (xin[r] . W_s[n]) + bias_s[n]
-// for up to 3 segments s (separate W, bias, y; e.g. q, k and v in one launch), where xin is x or,
+// for up to kGemvMaxSegments segments s (separate W, bias, y; e.g. q, k and v in one launch; a
+// linear-attention layer's qkv, z, b and a), where xin is x or,
 // with a norm gain, RMSNorm(x) * gain (then optionally written to `normed_out`). W bf16 [n, k],
 // k % 8 == 0, rows <= kGemvMaxRows, rows * k * 4 <= kGemvMaxSharedBytes (GemvSupports).
+constexpr int kGemvMaxSegments = 4;
 struct GemvSegment {
   const uint16_t* w = nullptr;
   const void* bias = nullptr;  // [n] or null
@@ -165,6 +167,23 @@ struct GemvSegment {
   float* y = nullptr;
   int n = 0;
   int ld = 0;  // row stride of y
+};
+// A router GEMV's top-k, fused into its launch (MoE decode rows): once every block has written
+// its logits, the last block to finish (an atomic count in `counter`, zero before the launch and
+// left zero after it) picks each row's k experts as RouterTopK does, from segment 0's output.
+// Up to kGemvTopKMaxExperts experts (16 logits a lane keep the kernel's registers in check);
+// more, and Gemv runs RouterTopK after the GEMV instead.
+constexpr int kGemvTopKMaxExperts = 512;
+// With shared_logit (a shared expert folded in as one more pair a row), each row has k + 1 slots:
+// slot k is expert num_experts (the tables' extra entry) with weight sigmoid(shared_logit[r]),
+// the shared expert's gate; the top-k's k slots are as without it.
+struct GemvTopK {
+  unsigned* counter = nullptr;  // null: no top-k
+  int* expert_ids = nullptr;    // [rows, k] ([rows, k + 1] with shared_logit)
+  float* expert_weights = nullptr;
+  int num_experts = 0, k = 0;
+  bool renormalize = false;
+  const float* shared_logit = nullptr;  // [rows] or null
 };
 struct GemvArgs {
   const float* x = nullptr;  // [rows, k]
@@ -174,10 +193,11 @@ struct GemvArgs {
   DType norm_dtype = DType::kBF16;
   float norm_eps = 0.f;
   float* normed_out = nullptr;  // [rows, k] or null
-  GemvSegment seg[3];
+  GemvSegment seg[kGemvMaxSegments];
   int segments = 0;
   bool accumulate = false;
   float scale = 1.f;
+  GemvTopK topk;  // one segment only (the router)
 };
 void Gemv(const GemvArgs& args, cudaStream_t stream);
 // Above this many rows (all segments) an SM, Gemv streams the matrix with a grid of a few blocks
@@ -188,9 +208,11 @@ bool GemvStreams(const GemvArgs& args);
 // ---- MoE
 // Softmax over E router logits per row (fp32), top-k (ties: lower index), optional renormalise.
 // One warp per row; E <= 1024, k <= 32. The k ids are distinct and in range even when the
-// logits are NaN.
+// logits are NaN. With shared_logit, rows have k + 1 slots, the last the folded shared expert's
+// (GemvTopK): expert E, weight sigmoid(shared_logit[r]).
 void RouterTopK(const float* logits, int rows, int num_experts, int k, bool renormalize,
-                int* expert_ids, float* expert_weights, cudaStream_t stream);
+                int* expert_ids, float* expert_weights, cudaStream_t stream,
+                const float* shared_logit = nullptr);
 // The MoE expert kernels run the experts [expert_begin, expert_end) of the pointer tables (a
 // rank's own at ep=on, whose tables hold null for the other ranks' experts; [0, num_experts)
 // otherwise): a pair routed to an expert outside it reads no weights and contributes nothing
@@ -243,6 +265,14 @@ struct MoeGroupedArgs {
   // registers (gate/up/down above are then unused). kWgmma and kQuantWgmma run the expert GEMMs
   // on sm_90a warpgroup MMAs (sm90a/moe_wgmma.h); h then holds the pairs in bucketed order.
   const QuantExpertTable* quant = nullptr;
+  // kFp8Mma*: the FP8 tables' codes times E4M3 inputs. x_f32 (the normalised input, [rows,
+  // hidden]) is quantized to x_fp8 with one scale a row (x_scale), and h (bf16, as above) to
+  // h_fp8 with one a pair (h_scale), each by QuantizeRowsE4M3.
+  const float* x_f32 = nullptr;
+  uint8_t* x_fp8 = nullptr;  // scratch [rows, hidden]
+  float* x_scale = nullptr;  // scratch [rows]
+  uint8_t* h_fp8 = nullptr;  // scratch [rows * k, inter]
+  float* h_scale = nullptr;  // scratch [rows * k]
 };
 // y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
 // MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
@@ -254,6 +284,23 @@ struct MoeGroupedArgs {
 bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream);
+// y[r] = W . x[r] for r < rows, fp32 out, W FP8 E4M3 [n, k] (tensor, channel or block-128
+// scales): x is quantized to E4M3 with one scale a row (QuantizeRowsE4M3 into x_codes [rows, k]
+// and x_scales [rows]), then the codes go straight onto E4M3 x E4M3 mma.sync (m16n8k32, fp32
+// accumulate; sm_89+), the weight's scales (a row's, or each 128 x 128 block's on that block's
+// sums) and the row's multiplying the sums. qgemm=w8a8's dense linears at kQuantMmaMinRows rows
+// and more.
+// Napkin math, a 2048-token prefill chunk through q_proj of qwen3-30b-a3b [4096, 2048]: 34 GFLOP
+// at H200's ~990 dense FP8 TFLOP/s is 35 us; mma.sync reaches perhaps a third of it (~100 us),
+// against ~60 us of bf16 wgmma at its rate: the win is in the bytes (8 MB of codes, not a 16 MB
+// bf16 copy made per call) and in decode batches, where nothing is decoded.
+bool GemmFp8MmaSupports(const MatrixRef& w);  // Fp8MmaShapeSupports, aligned codes
+void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, float* x_scales,
+                float* y, cudaStream_t stream);
+// codes[r] = E4M3(x[r] / scale[r]) with scale[r] = max |x[r]| / 448 (1 for an all-zero row),
+// round to nearest, saturating: x fp32 or bf16 (dtype) [rows, cols], cols even. One block a row.
+void QuantizeRowsE4M3(const void* x, DType dtype, int rows, int cols, uint8_t* codes, float* scales,
+                      cudaStream_t stream);
 // MoeGrouped's first step, exposed for its test: offsets[num_experts + 1] = exclusive prefix sums
 // of the per-expert pair counts, sorted_pairs[offsets[e] + i] = the i-th pair (in pair order)
 // routed to expert e; pairs of skip_expert, or of an expert outside [expert_begin, expert_end),

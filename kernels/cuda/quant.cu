@@ -2,6 +2,7 @@
 
 #include "core/quant/dequantize.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/quant_decode.cuh"
 
@@ -237,6 +238,27 @@ void LaunchGemvW4A16(const X* x, int rows, const MatrixRef& w, float* y, cudaStr
   }
 }
 
+// grid rows, 256 threads: the row's largest magnitude (a block reduction), then its E4M3 codes,
+// two a thread step (cvt.rn.satfinite.e4m3x2). The row stays in L1/L2 between the two passes.
+template <typename In>
+__global__ void QuantizeRowsE4M3Kernel(const In* x, int cols, uint8_t* codes, float* scales) {
+  __shared__ float scratch[32];
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  const int64_t row = blockIdx.x;
+  const In* xr = x + row * cols;
+  float amax = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(ToFloat(xr[c])));
+  amax = BlockMax(amax, scratch);
+  const float scale = amax > 0.f ? amax / 448.f : 1.f;
+  const float inv = 1.f / scale;
+  if (threadIdx.x == 0) scales[row] = scale;
+  uint16_t* out = reinterpret_cast<uint16_t*>(codes + row * cols);
+  for (int c = 2 * threadIdx.x; c < cols; c += 2 * blockDim.x)
+    out[c / 2] = __nv_cvt_float2_to_fp8x2(
+        make_float2(ToFloat(xr[c]) * inv, ToFloat(xr[c + 1]) * inv), __NV_SATFINITE, __NV_E4M3);
+}
+
 }  // namespace
 
 void DequantizeToBf16(const MatrixRef& w, uint16_t* out, cudaStream_t stream) {
@@ -260,7 +282,8 @@ void DequantizeManyToBf16(const MatrixRef* matrices, int count, int64_t rows, in
 
 bool W4A16Supports(const MatrixRef& w) {
   static_assert(kW4A16Chunk == kChunk);
-  return W4A16ShapeSupports(w.quant.format, w.cols) && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  return W4A16ShapeSupports(w.quant.format, w.cols) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
 void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
@@ -269,6 +292,17 @@ void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStrea
 
 void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream) {
   LaunchGemvW4A16(x, rows, w, y, stream);
+}
+
+void QuantizeRowsE4M3(const void* x, DType dtype, int rows, int cols, uint8_t* codes, float* scales,
+                      cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (dtype == DType::kBF16)
+    Launch(QuantizeRowsE4M3Kernel<__nv_bfloat16>, dim3(rows), dim3(256), 0, stream,
+           static_cast<const __nv_bfloat16*>(x), cols, codes, scales);
+  else
+    Launch(QuantizeRowsE4M3Kernel<float>, dim3(rows), dim3(256), 0, stream,
+           static_cast<const float*>(x), cols, codes, scales);
 }
 
 }  // namespace infersweep::cuda

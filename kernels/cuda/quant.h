@@ -55,15 +55,15 @@ void GemvW4A16(const float* x, int rows, const MatrixRef& w, float* y, cudaStrea
 void GemvW4A16Bf16(const uint16_t* x, int rows, const MatrixRef& w, float* y, cudaStream_t stream);
 
 // ---- fused quantized GEMV (gemm=fused with qgemm=w4a16 / w8a16; gemm_fused_quant.cu):
-// gemm_fused.cu's GemvArgs contract (up to 3 segments, optional RMSNorm of x, bias, residual add,
-// scale) with quantized weights: segment s reads weights.w[s] (its rows are seg[s].n;
+// gemm_fused.cu's GemvArgs contract (up to kGemvMaxSegments segments, optional RMSNorm of x, bias,
+// residual add, scale) with quantized weights: segment s reads weights.w[s] (its rows are seg[s].n;
 // GemvSegment::w is unused). Every segment has the same format, nvfp4, mxfp4 or any fp8 layout.
 // Dequantized in registers, fp32 activations and accumulate (quant_decode.cuh: matches the
 // exact-dequant reference to fp32 rounding of the sums). Any rows (4 per block, grid.y over the
 // rest). Napkin math for qwen3-30b-a3b in gemm_fused_quant.cu: q+k+v nvfp4 5.9 MB -> 1.3 us at 4.46
 // TB/s.
 struct QuantGemvWeights {
-  MatrixRef w[3];
+  MatrixRef w[kGemvMaxSegments];
 };
 // cols % 32 (FP4) or % 16 (FP8), 16-byte aligned codes, one padded row of x in shared memory.
 bool QuantGemvSupports(const MatrixRef& w);

@@ -100,4 +100,21 @@ __device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, i
   *my_weight = renormalize ? weight_of_slot / chosen_sum : weight_of_slot;
 }
 
+// Stores one row's routing from WarpTopK's lanes: lane s < k its slot s; with shared_logit (a
+// shared expert folded in as one more pair), lane k the shared slot, expert num_experts with
+// the shared gate's weight sigmoid(logit). Rows then have k + 1 slots (k <= 31). The logit is
+// read through L2: the fused router GEMV's other blocks wrote it in the same launch.
+__device__ __forceinline__ void StoreRouting(int row, int lane, int k, int num_experts, int id,
+                                             float weight, const float* shared_logit,
+                                             int* expert_ids, float* expert_weights) {
+  const int64_t base = static_cast<int64_t>(row) * (k + (shared_logit ? 1 : 0));
+  if (lane < k) {
+    expert_ids[base + lane] = id;
+    expert_weights[base + lane] = weight;
+  } else if (shared_logit && lane == k) {
+    expert_ids[base + k] = num_experts;
+    expert_weights[base + k] = 1.f / (1.f + expf(-__ldcg(shared_logit + row)));
+  }
+}
+
 }  // namespace infersweep::cuda

@@ -26,8 +26,9 @@ constexpr int kMaxStages = 4;
 constexpr int kSharedBudget = 200 * 1024;
 
 struct TmaPlan {
-  int rows_per_block[3];
-  int first_block[4];  // segment s owns blocks [first_block[s], first_block[s + 1])
+  int rows_per_block[kGemvMaxSegments];
+  // Segment s owns blocks [first_block[s], first_block[s + 1]).
+  int first_block[kGemvMaxSegments + 1];
   int stages;
 };
 
