@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -21,12 +22,13 @@
 
 namespace infersweep {
 
-// TEST ONLY: INFERSWEEP_POISON_DEVICE_MEMORY=1 fills every device allocation with 0xFF bytes
-// (NaN floats and bf16, -1 ints, unmapped pointers) as it is made. A fresh process's memory reads
-// as zeros, which hides a read before the write (a zero index, a zero pointer skipped, a zero
-// logit); memory that earlier models left behind does not. Poisoned, such a read shows in any
-// process: a NaN verdict, or an illegal address at the kernel that made it. Read at each
-// allocation, so a test can set it for the models it builds.
+// TEST ONLY: INFERSWEEP_POISON_DEVICE_MEMORY=1 fills every device allocation, and the pinned host
+// staging the step kernels read in place, with 0xFF bytes as it is made: NaN floats and bf16, -1
+// ints, unmapped pointers. A fresh process's memory reads as zeros, which hides a read before the
+// write (a zero index, a zero pointer skipped, a zero logit); memory that earlier models left
+// behind does not. Poisoned, such a read shows in any process: a NaN verdict, or an illegal
+// address at the kernel that made it. Read at each allocation, so a test can set it for the
+// models it builds.
 inline bool PoisonsDeviceMemory() {
   const char* v = std::getenv("INFERSWEEP_POISON_DEVICE_MEMORY");
   return v != nullptr && v[0] != '\0' && std::string_view(v) != "0";
@@ -86,7 +88,9 @@ class PinnedBuffer {
   absl::Status Allocate(size_t count) {
     p_.reset();
     T* p = nullptr;
-    RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
+    RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, bytes));
+    if (PoisonsDeviceMemory()) std::memset(static_cast<void*>(p), 0xFF, bytes);  // as DeviceAlloc
     p_.reset(p);
     return absl::OkStatus();
   }
