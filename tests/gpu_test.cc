@@ -25,6 +25,7 @@
 #include "tests/test_util.h"
 #ifdef INFERSWEEP_HAVE_CUDA
 #include "engine/cuda/cuda_model.h"
+#include "engine/cuda/device_util.h"
 #endif
 
 namespace infersweep {
@@ -1250,6 +1251,27 @@ TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
   const TrialResult ok = runner.Run(GpuRequest("preset:tiny-moe", config));
   EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason << ok.stderr_tail;
 }
+
+#ifdef INFERSWEEP_HAVE_CUDA
+// INFERSWEEP_POISON_DEVICE_MEMORY's values: which allocations each poisons (host logic: runs
+// without a GPU).
+TEST(PoisonSetting, NamesTheAllocationsItPoisons) {
+  EXPECT_FALSE(PoisonsAllocation(nullptr, 0));
+  EXPECT_FALSE(PoisonsAllocation("", 0));
+  EXPECT_FALSE(PoisonsAllocation("0", 5));
+  EXPECT_TRUE(PoisonsAllocation("1", 0));
+  EXPECT_TRUE(PoisonsAllocation("1", 123456));
+  EXPECT_TRUE(PoisonsAllocation("yes", 7));  // no range in it: every allocation
+  EXPECT_FALSE(PoisonsAllocation("10-20", 9));
+  EXPECT_TRUE(PoisonsAllocation("10-20", 10));
+  EXPECT_TRUE(PoisonsAllocation("10-20", 19));
+  EXPECT_FALSE(PoisonsAllocation("10-20", 20));
+  EXPECT_TRUE(PoisonsAllocation("0-3,79-80", 79));
+  EXPECT_TRUE(PoisonsAllocation("0-3,79-80", 2));
+  EXPECT_FALSE(PoisonsAllocation("0-3,79-80", 3));
+  EXPECT_FALSE(PoisonsAllocation("0-3,79-80", 80));
+}
+#endif
 
 // Device memory poisoned as it is allocated (INFERSWEEP_POISON_DEVICE_MEMORY, which the worker
 // processes inherit): a kernel that reads scratch, a cache or a pointer table before anything

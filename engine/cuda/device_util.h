@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,10 +30,16 @@ namespace infersweep {
 // behind does not. Poisoned, such a read shows in any process: a NaN verdict, or an illegal
 // address at the kernel that made it. Read at each allocation, so a test can set it for the
 // models it builds.
-inline bool PoisonsDeviceMemory() {
-  const char* v = std::getenv("INFERSWEEP_POISON_DEVICE_MEMORY");
-  return v != nullptr && v[0] != '\0' && std::string_view(v) != "0";
-}
+// INFERSWEEP_POISON_DEVICE_MEMORY=A-B[,C-D...] poisons only the process's allocations in [A, B),
+// [C, D), ... (counted from 0 over DeviceAlloc and PinnedBuffer), so a bisection over them finds
+// the allocations read before they are written (scripts/poison_bisect.sh);
+// INFERSWEEP_POISON_LOG=FILE appends each poisoned allocation's number, size and label there,
+// with the return addresses of its callers.
+absl::Status PoisonAllocation(void* p, size_t bytes, bool device, std::string_view label);
+// Whether INFERSWEEP_POISON_DEVICE_MEMORY's value `setting` poisons allocation `number`: "1" (or
+// any value but "0" that holds no range) every one; "A-B[,C-D...]" those in [A, B), [C, D), ...;
+// null, empty or "0" none.
+bool PoisonsAllocation(const char* setting, int64_t number);
 
 // `count` elements of T (at least one) on the device; ResourceExhausted naming `what` (by default
 // the bytes asked for) when cudaMalloc fails.
@@ -45,12 +52,9 @@ absl::StatusOr<T*> DeviceAlloc(size_t count, std::string_view what = {}) {
                                 : std::string(what);
   if (absl::Status s = CudaStatus(cudaMalloc(&p, count * sizeof(T)), label.c_str()); !s.ok())
     return absl::ResourceExhaustedError(s.message());
-  if (PoisonsDeviceMemory()) {
-    if (absl::Status s = CudaStatus(cudaMemset(p, 0xFF, count * sizeof(T)), label.c_str());
-        !s.ok()) {
-      cudaFree(p);
-      return s;
-    }
+  if (absl::Status s = PoisonAllocation(p, count * sizeof(T), /*device=*/true, label); !s.ok()) {
+    cudaFree(p);
+    return s;
   }
   return static_cast<T*>(p);
 }
@@ -90,7 +94,7 @@ class PinnedBuffer {
     T* p = nullptr;
     const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
     RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, bytes));
-    if (PoisonsDeviceMemory()) std::memset(static_cast<void*>(p), 0xFF, bytes);  // as DeviceAlloc
+    RETURN_IF_ERROR(PoisonAllocation(p, bytes, /*device=*/false, "pinned staging"));
     p_.reset(p);
     return absl::OkStatus();
   }
