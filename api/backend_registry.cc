@@ -328,7 +328,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
        90,
        90,
        true,
-       {"bf16", "fp8", "nvfp4"},
+       {"bf16", "fp8", "nvfp4", "mxfp4"},
        {"kv_cache=fp32: the persistent kernel's own attention reads a bf16 cache",
         "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
         absl::StrCat("gemm=reference", kPersistentGemm),
@@ -340,8 +340,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
        "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
        "warp's share of every phase's weights streamed into its own shared-memory ring "
        "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
-       "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
-       "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
+       "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8, "
+       "nvfp4 or mxfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
        "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
        {"qgemm=reference: its batch-1 decode step streams the codes through the kernel's own "
         "GEMVs (qgemm=w8a16 / w4a16's numerics), not the reference's",

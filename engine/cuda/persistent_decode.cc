@@ -37,7 +37,7 @@ cuda::PersistentDecodeShape PersistentDecodeShapeFor(const ModelConfig& c, Quant
 std::string PersistentDecodeRefusal(const ModelConfig& c, QuantFormat format) {
   const std::string prefix = "graphs=persistent: ";
   // The kernel's bulk copies take 16-byte rows: 8 bf16 weights, 16 fp8 codes, 32 fp4 codes.
-  const int row_align = format == QuantFormat::kNone ? 8 : format == QuantFormat::kNvfp4 ? 32 : 16;
+  const int row_align = format == QuantFormat::kNone ? 8 : IsFp4(format) ? 32 : 16;
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string where = absl::StrCat(prefix, "layer ", l, ": ");
     if (c.AttentionKind(l) == LayerAttention::kLinear)
@@ -75,7 +75,7 @@ PersistentDecoder::PersistentDecoder(const RunnerContext& context)
 // harness) with the reason for what only the weights tell: linears not all bf16 or not all in
 // the streamed format, misaligned rows, no GPU memory for the tiled copies. A quantized model
 // streams its view: dequant_bf16's bf16 copies, or (w8a16, w4a16) the codes, fp8_tensor /
-// fp8_channel / nvfp4, with their scales.
+// fp8_channel / nvfp4 / mxfp4, with their scales.
 absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   const ModelConfig& c = config_;
   auto unsupported = [](const std::string& why) {
@@ -93,13 +93,15 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   std::vector<cuda::PersistentLayer> layers(c.num_layers);
   std::vector<cuda::PersistentQuant> quant(c.num_layers);
   // Per layer and projection (gate, up, down), one entry per expert (or the dense MLP): the
-  // codes, then (quantized) the factor sources, then (nvfp4) the group scales. Uploaded below;
+  // codes, then (quantized) the factor sources, then (FP4) the group scales. Uploaded below;
   // the layers point into them.
   std::vector<std::array<std::array<std::vector<const void*>, 3>, 3>> tables(c.num_layers);
-  // nvfp4 group scales whose rows are not a multiple of 16 bytes are copied into padded rows
-  // (the kernel's bulk copies take 16-byte pieces); the rest are read in place.
+  // FP4 group scales (a byte per 16 weights for nvfp4, per 32 for mxfp4) whose rows are not a
+  // multiple of 16 bytes are copied into padded rows (the kernel's bulk copies take 16-byte
+  // pieces); the rest are read in place.
   auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
-    const int64_t row_bytes = m.cols / 16, padded = (row_bytes + 15) / 16 * 16;
+    const int64_t row_bytes = m.cols / (format == QuantFormat::kNvfp4 ? 16 : 32),
+                  padded = (row_bytes + 15) / 16 * 16;
     if (row_bytes == padded) return m.quant.scale;
     ASSIGN_OR_RETURN(auto copy, copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded)));
     CUDA_OR_DIE(cudaMemset(copy, 0, m.rows * padded));
@@ -195,7 +197,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       const MatrixRef* attention[4] = {&lw.q, &lw.k, &lw.v, &lw.o};
       for (int i = 0; i < 4; ++i) {
         quant[l].factor[i] = factor_of(*attention[i]);
-        if (format != QuantFormat::kNvfp4) continue;
+        if (!IsFp4(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*attention[i]));
         quant[l].groups[i] = groups;
       }
@@ -216,7 +218,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
         tables[l][proj][0].push_back(proj == 2 && !tiled.empty() ? tiled[e] : mlp[proj]->data);
         if (format == QuantFormat::kNone) continue;
         tables[l][proj][1].push_back(factor_of(*mlp[proj]));
-        if (format != QuantFormat::kNvfp4) continue;
+        if (!IsFp4(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*mlp[proj]));
         tables[l][proj][2].push_back(groups);
       }

@@ -251,7 +251,7 @@ class Planner {
   }
 
   // PersistentDecoder::Prepare (engine/cuda/persistent_decode.cc): the bf16 build tiles every
-  // down projection into a copy and transposes each router; NVFP4 group scales whose rows are
+  // down projection into a copy and transposes each router; FP4 group scales whose rows are
   // not 16-byte multiples are copied into padded rows.
   void PersistentCopies() {
     const bool bf16_build = !quantized() || o_.qgemm == QGemm::kDequantBf16;
@@ -264,14 +264,15 @@ class Planner {
         if (moe) routers += int64_t{c_.num_experts} * c_.hidden_size * 2;
       }
     }
-    if (!bf16_build && format_ == QuantFormat::kNvfp4)
+    if (!bf16_build && IsFp4(format_))
       for (const QuantLinear& q : linears_) {
-        const int64_t row_bytes = q.cols / 16, rounded = (row_bytes + 15) / 16 * 16;
+        const int64_t row_bytes = q.cols / (format_ == QuantFormat::kNvfp4 ? 16 : 32),
+                      rounded = (row_bytes + 15) / 16 * 16;
         if (row_bytes != rounded) padded += q.rows * rounded;
       }
     Add(MemoryPool::kCopies, "graphs=persistent: tiled down projections (bf16)", tiles);
     Add(MemoryPool::kCopies, "graphs=persistent: transposed routers (bf16)", routers);
-    Add(MemoryPool::kCopies, "graphs=persistent: padded nvfp4 group scales", padded);
+    Add(MemoryPool::kCopies, "graphs=persistent: padded FP4 group scales", padded);
   }
 
   // AttentionRunner::AllocateCache: K and V of every full-attention layer, per sequence and
@@ -384,10 +385,10 @@ class Planner {
     }
     if (quantized() && UsesScaledGemm(o_.qgemm)) ScaledGemmScratch();
     if (IsPersistent(o_.graphs)) {
-      // PersistentDecoder's buffer: the expert pointer tables (codes, factors, nvfp4 groups);
+      // PersistentDecoder's buffer: the expert pointer tables (codes, factors, FP4 groups);
       // its layer tables, partials and counters are the kernel's (not counted here).
       const int kinds = !quantized() || o_.qgemm == QGemm::kDequantBf16 ? 1
-                        : format_ == QuantFormat::kNvfp4                ? 3
+                        : IsFp4(format_)                                ? 3
                                                                         : 2;
       int64_t mlps = 0;
       for (int l = 0; l < c_.num_layers; ++l) mlps += c_.IsMoeLayer(l) ? c_.num_experts : 1;
