@@ -543,6 +543,28 @@ struct GroupedCase {
   int held_begin = 0, held_end = -1;  // the experts held (held_end -1: all)
 };
 
+// moe=wgmma's shapes: one tile an expert with N 32 (a few pairs), features that fill one block
+// row, more than 128 pairs an expert (two tiles, the second a partial N), and (the last two) a
+// rank's experts at ep=on (the others' table entries null, their pairs left out).
+const GroupedCase kWgmmaCases[] = {{256, 128, 8, 2, 5},
+                                   {128, 256, 4, 3, 40},
+                                   {256, 128, 2, 2, 160},
+                                   {128, 256, 4, 3, 40, 2, 4},
+                                   {256, 128, 8, 2, 20, 4, 8}};
+
+// check(format, case) for each format and case, the pair named in failures.
+template <typename Formats, typename Cases, typename Check>
+void ForEachGroupedCase(const Formats& formats, const Cases& cases, Check check) {
+  for (QuantFormat format : formats) {
+    for (const GroupedCase& c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
+                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
+      check(format, c);
+    }
+  }
+}
+
 // A grouped case's random routing (ids, route weights; the pairs of `skip` are left out) and the
 // MoeGrouped arguments every variant shares (device buffers: the caller's).
 struct GroupedRouting {
@@ -683,28 +705,14 @@ TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
 }
 
 // moe=wgmma's quantized expert kernels (sm_90a: prefill chunks' experts under moe=wgmma), the
-// same check. Shapes: one tile an expert with N 32 (a few pairs), features that fill one block
-// row, and more than 128 pairs an expert (two tiles, the second a partial N); MXFP4's scales
-// need inter % 128.
+// same check on kWgmmaCases; MXFP4's scales need inter % 128.
 TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
-  // The last two: a rank's experts at ep=on (the others' table entries null, their pairs left
-  // out).
-  const GroupedCase cases[] = {{256, 128, 8, 2, 5},
-                               {128, 256, 4, 3, 40},
-                               {256, 128, 2, 2, 160},
-                               {128, 256, 4, 3, 40, 2, 4},
-                               {256, 128, 8, 2, 20, 4, 8}};
-  for (QuantFormat format : kAllFormats) {
-    for (const GroupedCase& c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
-                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
-      CheckGroupedQuantCase(format, c, /*wgmma=*/true);
-    }
-  }
+  ForEachGroupedCase(kAllFormats, kWgmmaCases, [](QuantFormat format, const GroupedCase& c) {
+    CheckGroupedQuantCase(format, c, /*wgmma=*/true);
+  });
   // MXFP4 with inter % 128 != 0 is refused (its scale rows are read 4 bytes at a time).
   DeviceExperts gate(QuantFormat::kMxfp4, 2, 192, 256, 100),
       up(QuantFormat::kMxfp4, 2, 192, 256, 200), down(QuantFormat::kMxfp4, 2, 256, 192, 300);
@@ -896,9 +904,9 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c, bool wgmma = 
   a.x_scale = x_scales;
   a.h_fp8 = h_codes;
   a.h_scale = h_scales;
-  a.kernel = wgmma ? cuda::MoeGroupedKernel::kFp8Wgmma
+  a.kernel = wgmma                                              ? cuda::MoeGroupedKernel::kFp8Wgmma
              : pairs > cuda::kMoeWidePairsPerExpert * c.experts ? cuda::MoeGroupedKernel::kFp8Mma8
-                                                                 : cuda::MoeGroupedKernel::kFp8Mma4;
+                                                                : cuda::MoeGroupedKernel::kFp8Mma4;
   cuda::MoeGrouped(a, nullptr);
   CUDA_EXPECT_OK(cudaGetLastError());
   CUDA_EXPECT_OK(cudaDeviceSynchronize());
@@ -912,7 +920,8 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c, bool wgmma = 
     const int placed = ToHost(offsets, static_cast<size_t>(c.experts + 1))[c.experts];
     std::vector<float> h_by_pair(h.size(), 0.f), hq_by_pair(hq.size(), 0.f);
     for (int i = 0; i < placed; ++i) {
-      const size_t from = static_cast<size_t>(i) * c.inter, to = static_cast<size_t>(order[i]) * c.inter;
+      const size_t from = static_cast<size_t>(i) * c.inter,
+                   to = static_cast<size_t>(order[i]) * c.inter;
       std::copy_n(h.begin() + from, c.inter, h_by_pair.begin() + to);
       std::copy_n(hq.begin() + from, c.inter, hq_by_pair.begin() + to);
     }
@@ -955,25 +964,15 @@ TEST_F(GpuQuant, GroupedFp8ExpertKernelsMatchTheExactE4m3Reference) {
 }
 
 // qgemm=w8a8's experts on E4M3 wgmma (sm_90a: moe=wgmma's long prefill chunks), FP8 tensor and
-// channel: one tile an expert with N 32, more than 128 pairs an expert (two tiles, the second a
-// partial N), and a rank's experts at ep=on. A K of no whole 128-element chunk is refused.
+// channel, on kWgmmaCases (every K a whole 128-element chunk). A K of no whole chunk is refused.
 TEST_F(GpuQuant, GroupedWgmmaFp8ExpertKernelsMatchTheExactE4m3Reference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
-  const GroupedCase cases[] = {{256, 128, 8, 2, 5},
-                               {128, 256, 4, 3, 40},
-                               {256, 128, 2, 2, 160},
-                               {128, 256, 4, 3, 40, 2, 4},
-                               {256, 128, 8, 2, 20, 4, 8}};
-  for (QuantFormat format : {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel}) {
-    for (const GroupedCase& c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
-                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
-      CheckGroupedFp8Case(format, c, /*wgmma=*/true);
-    }
-  }
+  const QuantFormat fp8[] = {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel};
+  ForEachGroupedCase(fp8, kWgmmaCases, [](QuantFormat format, const GroupedCase& c) {
+    CheckGroupedFp8Case(format, c, /*wgmma=*/true);
+  });
   const cuda::QuantMatrixShape gate{QuantFormat::kFp8Channel, 192, 256},
       down{QuantFormat::kFp8Channel, 256, 192};
   EXPECT_FALSE(cuda::MoeWgmmaFp8Supports(gate, gate, down, 256, 192));
