@@ -109,6 +109,11 @@ for stage in $STAGES; do
           tee "$OUT/sanitizer_$b.log" | grep -E '^#|OK \]|FAILED|=========' | head -80
       fi
     done ;;
+  poison)  # device memory poisoned as it is allocated (INFERSWEEP_POISON_DEVICE_MEMORY) under the
+    # tiny presets' fast configs, each in a worker; launches synchronous (CUDA_LAUNCH_BLOCKING), so
+    # a kernel that faults on what it read before a write is named by the CHECK_LAUNCH after it
+    CUDA_LAUNCH_BLOCKING=1 gpu_tests .carry/gpu_test "${POISON_TIMEOUT_S:-240}" gpu_poison.log \
+      '^#|OK \]|FAILED|Failure|error|CUDA' --gtest_filter='Gpu.PoisonedDeviceMemory*' ;;
   memory)  # memory as a verdict on the hunt's model: qwen3.5-397b-a17b@nvfp4 at MEMORY_LAYERS
     # (default "8 16") layers under MEMORY_CONFIG (the fast hybrid configs, qgemm=w4a16 and
     # dequant_bf16), batches 1 and 64: each (config, batch) OK or "does not fit" (decided before

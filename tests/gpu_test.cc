@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -1248,6 +1249,44 @@ TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
   EXPECT_EQ(runner.Run(hang).status, TrialStatus::kTimeout);
   const TrialResult ok = runner.Run(GpuRequest("preset:tiny-moe", config));
   EXPECT_EQ(ok.status, TrialStatus::kOk) << ok.reason << ok.stderr_tail;
+}
+
+// Device memory poisoned as it is allocated (INFERSWEEP_POISON_DEVICE_MEMORY, which the worker
+// processes inherit): a kernel that reads scratch, a cache or a pointer table before anything
+// wrote it sees NaN and -1, not the zeros of a fresh process's memory. The fast configs of the
+// tiny presets, bf16, FP8 (block-128 too) and FP4, eager, under graphs and persistent, stay OK.
+// Such a read shows here as INCORRECT, or as CRASHED with the CUDA error's site in the worker's
+// stderr, in any process: run whole, gpu_test's earlier models leave such garbage behind by chance.
+TEST(Gpu, PoisonedDeviceMemoryLeavesTheFastConfigsOk) {
+  REQUIRE_GPU();
+  RunnerOptions options;
+  options.worker_argv = {WorkerBinary(), "worker"};
+  TrialRunner runner(options);
+  const std::string fast = "device=cuda,gemm=fused,attention=flash,moe=fused";
+  const std::pair<std::string, std::string> cases[] = {
+      {"preset:tiny-moe", fast + ",kv_cache=bf16,graphs=on"},
+      {"preset:tiny-moe", fast + ",kv_cache=bf16,graphs=persistent"},
+      {"preset:tiny-qwen2-moe", fast + ",graphs=on"},
+      {"preset:tiny-hybrid", fast + ",kv_cache=bf16,graphs=on,linear_attn=fused_decode"},
+      {"preset:tiny-hybrid", fast + ",kv_cache=bf16,graphs=off,linear_attn=chunked"},
+      {"preset:tiny-moe@fp8_channel", fast + ",graphs=on,qgemm=w8a16"},
+      {"preset:tiny-moe@fp8_channel", fast + ",graphs=on,qgemm=w8a8"},
+      {"preset:tiny-moe@fp8_block128", fast + ",graphs=on,qgemm=w8a16"},
+      {"preset:tiny-moe@fp8_block128", fast + ",graphs=on,qgemm=dequant_bf16"},
+      {"preset:tiny-qwen2-moe@fp8_block128", fast + ",graphs=on,qgemm=w8a16"},
+      {"preset:tiny-moe@nvfp4", fast + ",graphs=on,qgemm=w4a16"},
+      {"preset:tiny-moe", "device=cuda,gemm=reference,attention=naive"},
+  };
+  setenv("INFERSWEEP_POISON_DEVICE_MEMORY", "1", 1);
+  for (const auto& [model, config] : cases) {
+    const TrialResult r = runner.Run(GpuRequest(model, config));
+    EXPECT_EQ(r.status, TrialStatus::kOk) << model << " " << config << ": " << r.reason << "\n"
+                                          << r.stderr_tail;
+    std::printf("# poisoned %s %-70s %s (top1 %.3f, kl %.2g)\n", model.c_str(), config.c_str(),
+                std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
+                r.verdict.kl_mean);
+  }
+  unsetenv("INFERSWEEP_POISON_DEVICE_MEMORY");
 }
 
 }  // namespace

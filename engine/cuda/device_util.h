@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -21,6 +22,18 @@
 
 namespace infersweep {
 
+// TEST ONLY: INFERSWEEP_POISON_DEVICE_MEMORY=1 fills every device allocation, and the pinned host
+// staging the step kernels read in place, with 0xFF bytes as it is made: NaN floats and bf16, -1
+// ints, unmapped pointers. A fresh process's memory reads as zeros, which hides a read before the
+// write (a zero index, a zero pointer skipped, a zero logit); memory that earlier models left
+// behind does not. Poisoned, such a read shows in any process: a NaN verdict, or an illegal
+// address at the kernel that made it. Read at each allocation, so a test can set it for the
+// models it builds.
+inline bool PoisonsDeviceMemory() {
+  const char* v = std::getenv("INFERSWEEP_POISON_DEVICE_MEMORY");
+  return v != nullptr && v[0] != '\0' && std::string_view(v) != "0";
+}
+
 // `count` elements of T (at least one) on the device; ResourceExhausted naming `what` (by default
 // the bytes asked for) when cudaMalloc fails.
 template <typename T>
@@ -32,6 +45,13 @@ absl::StatusOr<T*> DeviceAlloc(size_t count, std::string_view what = {}) {
                                 : std::string(what);
   if (absl::Status s = CudaStatus(cudaMalloc(&p, count * sizeof(T)), label.c_str()); !s.ok())
     return absl::ResourceExhaustedError(s.message());
+  if (PoisonsDeviceMemory()) {
+    if (absl::Status s = CudaStatus(cudaMemset(p, 0xFF, count * sizeof(T)), label.c_str());
+        !s.ok()) {
+      cudaFree(p);
+      return s;
+    }
+  }
   return static_cast<T*>(p);
 }
 
@@ -68,7 +88,9 @@ class PinnedBuffer {
   absl::Status Allocate(size_t count) {
     p_.reset();
     T* p = nullptr;
-    RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
+    RETURN_IF_CUDA_ERROR(cudaMallocHost(&p, bytes));
+    if (PoisonsDeviceMemory()) std::memset(static_cast<void*>(p), 0xFF, bytes);  // as DeviceAlloc
     p_.reset(p);
     return absl::OkStatus();
   }
