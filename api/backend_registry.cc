@@ -602,7 +602,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "FP8 E4M3 weights as loaded times activations quantized to E4M3 on the device (one "
                "scale a row, amax / 448) on E4M3 x E4M3 tensor cores (mma.sync m16n8k32, fp32 "
                "accumulate), the weight's and the row's scales on the sums: dense linears at 8+ "
-               "rows and the grouped experts (moe=fused, and moe=wgmma's), nothing decoded; "
+               "rows and the grouped experts (moe=fused; moe=wgmma's long prefill chunks on "
+               "E4M3 wgmma k32 where hidden and inter are multiples of 128), nothing decoded; "
                "decode GEMV rows as qgemm=w8a16. Tensor and channel scales (K a multiple of 64), "
                "and block-128 scales (K a multiple of 128: each k block's sums scaled apart); "
                "other shapes take qgemm=w8a16's kernels"});
