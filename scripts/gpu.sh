@@ -76,8 +76,8 @@ for stage in $STAGES; do
       --gtest_filter='*Fit*' ;;
   new_tests)  # the GPU tests of the unverified work first, in parallel, each under its limit
     # (NEW_TIMEOUT_S, default 300 s): the E4M3 kernels (wgmma included), graphs=persistent on
-    # mxfp4 codes against the kernel chain, and the fused quantized configs (persistent on every
-    # FP4 and FP8 format); before the whole suites (STAGES=ptests)
+    # mxfp4 and fp8_block128 codes against the kernel chain, and the fused quantized configs
+    # (persistent on every FP4 and FP8 format); before the whole suites (STAGES=ptests)
     t=${NEW_TIMEOUT_S:-300}
     gpu_tests .carry/gpu_quant_test "$t" new_quant.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='*Fp8*:*E4m3*' &
