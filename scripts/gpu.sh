@@ -352,7 +352,7 @@ for r in csv.reader(sys.stdin):
     grep -iE "duration|throughput|stall|warp cycles|issued" "$OUT/pk_details.txt" | head -40 ;;
   quant)  # batch-1 decode of qwen3-30b-a3b quantized on the host, fastest configs
     # (FP4: qgemm=w4a16, FP8: qgemm=w8a16; QUANT_GRAPHS, default "persistent|on": the persistent
-    # kernel, which streams fp8_tensor, fp8_channel and nvfp4, and the kernel chain). Each format
+    # kernel, which streams every format, and the kernel chain). Each format
     # quantizes the 48 layers on the host first (tens of seconds on 16 cores; STAGES=quant_host
     # measures it); QUANT_FORMATS picks a subset, e.g. QUANT_FORMATS="nvfp4 fp8_block128".
     for f in ${QUANT_FORMATS:-nvfp4 mxfp4 fp8_block128 fp8_channel}; do
