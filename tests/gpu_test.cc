@@ -1255,7 +1255,8 @@ TEST(Gpu, ProcessFaultsAreCrashedOrTimeout) {
 // wrote it sees NaN and -1, not the zeros of a fresh process's memory. The fast configs of the
 // tiny presets, bf16, FP8 (block-128 too) and FP4, eager, under graphs and persistent, stay OK.
 // Such a read shows here as INCORRECT, or as CRASHED with the CUDA error's site in the worker's
-// stderr, in any process: run whole, gpu_test's earlier models leave such garbage behind by chance.
+// stderr, whatever ran before; unpoisoned, it shows only where earlier models happened to leave
+// garbage behind.
 TEST(Gpu, PoisonedDeviceMemoryLeavesTheFastConfigsOk) {
   REQUIRE_GPU();
   RunnerOptions options;

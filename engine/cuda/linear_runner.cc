@@ -242,8 +242,8 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   for (int s = 1; s < g.segments; ++s)
     uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
   if (!uniform) {
-    // A segment a launch; a router's top-k once after the last (it reads the shared expert's
-    // logit, a later segment, too).
+    // A segment a launch; a router's top-k once after the last (below: it reads the shared
+    // expert's logit, a later segment, too).
     for (int s = 0; s < g.segments; ++s) {
       FusedGemv one = g;
       one.segments = 1;
@@ -253,13 +253,7 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
       one.topk = {};
       RETURN_IF_ERROR(RunGemv(one, projection));
     }
-    if (g.topk.counter)
-      cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
-                       g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
-    CHECK_LAUNCH();
-    return absl::OkStatus();
-  }
-  if (k0 == Kind::kBf16) {
+  } else if (k0 == Kind::kBf16) {
     if (projection)
       ProjectionGemv(g);
     else
@@ -296,8 +290,9 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
       cuda::AddScaled(seg.y, y_.get(), g.scale, count, stream_);
     }
   }
-  // cuda::Gemv runs a router's top-k itself (GemvTopK); the other kernels above do not.
-  if (g.topk.counter && !(k0 == Kind::kBf16 && !projection))
+  // cuda::Gemv runs a router's top-k itself (GemvTopK); the other paths above do not.
+  const bool topk_in_gemv = uniform && k0 == Kind::kBf16 && !projection;
+  if (g.topk.counter && !topk_in_gemv)
     cuda::RouterTopK(g.seg[0].y, g.rows, g.topk.num_experts, g.topk.k, g.topk.renormalize,
                      g.topk.expert_ids, g.topk.expert_weights, stream_, g.topk.shared_logit);
   CHECK_LAUNCH();

@@ -26,6 +26,9 @@ absl::StatusOr<const void**> UploadPointers(const std::vector<const void*>& list
   return d;
 }
 
+// The quantized kernels read codes in 16-byte loads.
+bool CodesAligned(const MatrixRef& m) { return reinterpret_cast<uintptr_t>(m.data) % 16 == 0; }
+
 // The device table of one projection of a layer's quantized experts; the experts this model does
 // not hold (ep=on: `held` is the rank's run) keep null entries. Its last entry, index
 // num_experts, is `shared`'s (the shared expert's projection) when given, else null.
@@ -41,8 +44,8 @@ absl::StatusOr<cuda::QuantExpertTable> MakeQuantExpertTable(
   const size_t e_count = experts.size() + 1;  // the experts, then the shared expert's entry
   std::vector<const void*> list(3 * e_count, nullptr);  // codes | scales | scale_2
   auto fits = [&](const MatrixRef& m) {
-    return m.quant.format == t.format && m.quant.scale_dtype == t.scale_dtype &&
-           m.rows == t.rows && m.cols == t.cols && reinterpret_cast<uintptr_t>(m.data) % 16 == 0;
+    return m.quant.format == t.format && m.quant.scale_dtype == t.scale_dtype && m.rows == t.rows &&
+           m.cols == t.cols && CodesAligned(m);
   };
   auto add = [&](size_t e, const MatrixRef& m) {
     list[e] = m.data;
@@ -78,15 +81,12 @@ absl::Status BuildExpertTables(const ModelConfig& config, QuantView& view) {
     ASSIGN_OR_RETURN(const HeldExperts held, HeldExpertRange(experts));
     std::array<cuda::QuantExpertTable, 3> quant{};
     std::vector<const void*> lists[3];
-    // The quantized kernels read codes in 16-byte loads: a shared expert whose codes are not so
-    // aligned keeps its own launches rather than an entry.
-    auto aligned = [](const ExpertWeights& e) {
-      return reinterpret_cast<uintptr_t>(e.gate.data) % 16 == 0 &&
-             reinterpret_cast<uintptr_t>(e.up.data) % 16 == 0 &&
-             reinterpret_cast<uintptr_t>(e.down.data) % 16 == 0;
-    };
+    // A shared expert whose quantized codes are not 16-byte aligned keeps its own launches
+    // rather than an entry.
+    const ExpertWeights& se = layer.shared_expert;
     const bool shared = SharedExpertFitsExpertTables(layer, held) &&
-                        (!layer.shared_expert.gate.quantized() || aligned(layer.shared_expert));
+                        (!se.gate.quantized() ||
+                         (CodesAligned(se.gate) && CodesAligned(se.up) && CodesAligned(se.down)));
     view.shared_in_table.push_back(shared);
     if (held.count() > 0 && experts[held.begin].gate.quantized()) {
       const std::pair<MatrixRef ExpertWeights::*, int> parts[] = {
