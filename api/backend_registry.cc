@@ -328,7 +328,7 @@ std::vector<BackendDescriptor> MakeRegistry() {
        90,
        90,
        true,
-       {"bf16", "fp8", "nvfp4"},
+       {"bf16", "fp8", "nvfp4", "mxfp4"},
        {"kv_cache=fp32: the persistent kernel's own attention reads a bf16 cache",
         "kv_cache=fp8: the persistent kernel's own attention reads a bf16 cache",
         absl::StrCat("gemm=reference", kPersistentGemm),
@@ -340,8 +340,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
        "batch-1 decode steps as one cooperative kernel over every layer: each consumer "
        "warp's share of every phase's weights streamed into its own shared-memory ring "
        "by a producer warp (cp.async.bulk + mbarriers), running ahead across phases and "
-       "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8 / "
-       "nvfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
+       "layers; grid barriers between phases; fp32 activations; bf16 weights, or fp8, "
+       "nvfp4 or mxfp4 codes with their scales (qgemm=w8a16 / w4a16) dequantized in registers; "
        "captured like graphs=on. Other steps as graphs=on. sm_90a machine code only",
        {"qgemm=reference: its batch-1 decode step streams the codes through the kernel's own "
         "GEMVs (qgemm=w8a16 / w4a16's numerics), not the reference's",
@@ -602,7 +602,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                "FP8 E4M3 weights as loaded times activations quantized to E4M3 on the device (one "
                "scale a row, amax / 448) on E4M3 x E4M3 tensor cores (mma.sync m16n8k32, fp32 "
                "accumulate), the weight's and the row's scales on the sums: dense linears at 8+ "
-               "rows and the grouped experts (moe=fused, and moe=wgmma's), nothing decoded; "
+               "rows and the grouped experts (moe=fused; moe=wgmma's long prefill chunks on "
+               "E4M3 wgmma k32 where hidden and inter are multiples of 128), nothing decoded; "
                "decode GEMV rows as qgemm=w8a16. Tensor and channel scales (K a multiple of 64), "
                "and block-128 scales (K a multiple of 128: each k block's sums scaled apart); "
                "other shapes take qgemm=w8a16's kernels"});

@@ -543,6 +543,28 @@ struct GroupedCase {
   int held_begin = 0, held_end = -1;  // the experts held (held_end -1: all)
 };
 
+// moe=wgmma's shapes: one tile an expert with N 32 (a few pairs), features that fill one block
+// row, more than 128 pairs an expert (two tiles, the second a partial N), and (the last two) a
+// rank's experts at ep=on (the others' table entries null, their pairs left out).
+const GroupedCase kWgmmaCases[] = {{256, 128, 8, 2, 5},
+                                   {128, 256, 4, 3, 40},
+                                   {256, 128, 2, 2, 160},
+                                   {128, 256, 4, 3, 40, 2, 4},
+                                   {256, 128, 8, 2, 20, 4, 8}};
+
+// check(format, case) for each format and case, the pair named in failures.
+template <typename Formats, typename Cases, typename Check>
+void ForEachGroupedCase(const Formats& formats, const Cases& cases, Check check) {
+  for (QuantFormat format : formats) {
+    for (const GroupedCase& c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
+                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
+                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
+      check(format, c);
+    }
+  }
+}
+
 // A grouped case's random routing (ids, route weights; the pairs of `skip` are left out) and the
 // MoeGrouped arguments every variant shares (device buffers: the caller's).
 struct GroupedRouting {
@@ -683,28 +705,14 @@ TEST_F(GpuQuant, GroupedQuantExpertKernelsMatchTheExactDequantReference) {
 }
 
 // moe=wgmma's quantized expert kernels (sm_90a: prefill chunks' experts under moe=wgmma), the
-// same check. Shapes: one tile an expert with N 32 (a few pairs), features that fill one block
-// row, and more than 128 pairs an expert (two tiles, the second a partial N); MXFP4's scales
-// need inter % 128.
+// same check on kWgmmaCases; MXFP4's scales need inter % 128.
 TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
-  // The last two: a rank's experts at ep=on (the others' table entries null, their pairs left
-  // out).
-  const GroupedCase cases[] = {{256, 128, 8, 2, 5},
-                               {128, 256, 4, 3, 40},
-                               {256, 128, 2, 2, 160},
-                               {128, 256, 4, 3, 40, 2, 4},
-                               {256, 128, 8, 2, 20, 4, 8}};
-  for (QuantFormat format : kAllFormats) {
-    for (const GroupedCase& c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " hidden " + std::to_string(c.hidden) + " inter " +
-                   std::to_string(c.inter) + " rows " + std::to_string(c.rows) + " held " +
-                   std::to_string(c.held_begin) + ".." + std::to_string(c.held_end));
-      CheckGroupedQuantCase(format, c, /*wgmma=*/true);
-    }
-  }
+  ForEachGroupedCase(kAllFormats, kWgmmaCases, [](QuantFormat format, const GroupedCase& c) {
+    CheckGroupedQuantCase(format, c, /*wgmma=*/true);
+  });
   // MXFP4 with inter % 128 != 0 is refused (its scale rows are read 4 bytes at a time).
   DeviceExperts gate(QuantFormat::kMxfp4, 2, 192, 256, 100),
       up(QuantFormat::kMxfp4, 2, 192, 256, 200), down(QuantFormat::kMxfp4, 2, 256, 192, 300);
@@ -850,17 +858,22 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
   }
 }
 
-// One case of qgemm=w8a8's grouped expert kernels (MoeGrouped, kFp8Mma4 / kFp8Mma8): the input
-// rows' and the pairs' E4M3 codes and scales, h = silu(gate) * up in bf16 against double sums
-// over the input's E4M3 values, and the weighted combine of down into the residual (one expert
-// skipped) against the h codes' values: the exact dequantization of the weights throughout.
-void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
+// One case of qgemm=w8a8's grouped expert kernels (MoeGrouped, kFp8Mma4 / kFp8Mma8, or with
+// `wgmma` kFp8Wgmma, whose h is in bucketed order): the input rows' and the pairs' E4M3 codes and
+// scales, h = silu(gate) * up in bf16 against double sums over the input's E4M3 values, and the
+// weighted combine of down into the residual (one expert skipped) against the h codes' values:
+// the exact dequantization of the weights throughout.
+void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c, bool wgmma = false) {
   const int held_end = c.held_end < 0 ? c.experts : c.held_end;
   DeviceExperts gate(format, c.experts, c.inter, c.hidden, 100, c.held_begin, held_end);
   DeviceExperts up(format, c.experts, c.inter, c.hidden, 200, c.held_begin, held_end);
   DeviceExperts down(format, c.experts, c.hidden, c.inter, 300, c.held_begin, held_end);
   ASSERT_TRUE(cuda::MoeGroupedFp8Supports(cuda::ShapeOf(gate.t), cuda::ShapeOf(up.t),
                                           cuda::ShapeOf(down.t)));
+  if (wgmma) {
+    ASSERT_TRUE(cuda::MoeWgmmaFp8Supports(cuda::ShapeOf(gate.t), cuda::ShapeOf(up.t),
+                                          cuda::ShapeOf(down.t), c.hidden, c.inter));
+  }
   const int pairs = c.rows * c.k;
   const auto [ids, route, skip] = RandomRouting(c);
   const std::vector<float> x = RandomValues(c.rows * c.hidden, 61);
@@ -891,8 +904,9 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   a.x_scale = x_scales;
   a.h_fp8 = h_codes;
   a.h_scale = h_scales;
-  a.kernel = pairs > cuda::kMoeWidePairsPerExpert * c.experts ? cuda::MoeGroupedKernel::kFp8Mma8
-                                                              : cuda::MoeGroupedKernel::kFp8Mma4;
+  a.kernel = wgmma                                              ? cuda::MoeGroupedKernel::kFp8Wgmma
+             : pairs > cuda::kMoeWidePairsPerExpert * c.experts ? cuda::MoeGroupedKernel::kFp8Mma8
+                                                                : cuda::MoeGroupedKernel::kFp8Mma4;
   cuda::MoeGrouped(a, nullptr);
   CUDA_EXPECT_OK(cudaGetLastError());
   CUDA_EXPECT_OK(cudaDeviceSynchronize());
@@ -900,7 +914,20 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c) {
   const std::vector<uint16_t> h_bits = ToHost(dh, static_cast<size_t>(pairs) * c.inter);
   std::vector<float> h(h_bits.size());
   for (size_t i = 0; i < h.size(); ++i) h[i] = Bf16ToFloat(h_bits[i]);
-  const std::vector<float> hq = ExpectE4m3Rows(h, pairs, c.inter, h_codes, h_scales);
+  std::vector<float> hq = ExpectE4m3Rows(h, pairs, c.inter, h_codes, h_scales);
+  if (wgmma) {  // bucketed position i holds pair sorted[i]: h and its codes back to pair order
+    const std::vector<int> order = ToHost(sorted, static_cast<size_t>(pairs));
+    const int placed = ToHost(offsets, static_cast<size_t>(c.experts + 1))[c.experts];
+    std::vector<float> h_by_pair(h.size(), 0.f), hq_by_pair(hq.size(), 0.f);
+    for (int i = 0; i < placed; ++i) {
+      const size_t from = static_cast<size_t>(i) * c.inter,
+                   to = static_cast<size_t>(order[i]) * c.inter;
+      std::copy_n(h.begin() + from, c.inter, h_by_pair.begin() + to);
+      std::copy_n(hq.begin() + from, c.inter, hq_by_pair.begin() + to);
+    }
+    h = std::move(h_by_pair);
+    hq = std::move(hq_by_pair);
+  }
   const std::vector<float> y = ToHost(dy, static_cast<size_t>(c.rows) * c.hidden);
   for (void* p :
        {static_cast<void*>(dids), static_cast<void*>(droute), static_cast<void*>(dx),
@@ -934,6 +961,21 @@ TEST_F(GpuQuant, GroupedFp8ExpertKernelsMatchTheExactE4m3Reference) {
       CheckGroupedFp8Case(format, c);
     }
   }
+}
+
+// qgemm=w8a8's experts on E4M3 wgmma (sm_90a: moe=wgmma's long prefill chunks), FP8 tensor and
+// channel, on kWgmmaCases (every K a whole 128-element chunk). A K of no whole chunk is refused.
+TEST_F(GpuQuant, GroupedWgmmaFp8ExpertKernelsMatchTheExactE4m3Reference) {
+  cudaDeviceProp props{};
+  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
+  if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "moe=wgmma is sm_90a machine code";
+  const QuantFormat fp8[] = {QuantFormat::kFp8Tensor, QuantFormat::kFp8Channel};
+  ForEachGroupedCase(fp8, kWgmmaCases, [](QuantFormat format, const GroupedCase& c) {
+    CheckGroupedFp8Case(format, c, /*wgmma=*/true);
+  });
+  const cuda::QuantMatrixShape gate{QuantFormat::kFp8Channel, 192, 256},
+      down{QuantFormat::kFp8Channel, 256, 192};
+  EXPECT_FALSE(cuda::MoeWgmmaFp8Supports(gate, gate, down, 256, 192));
 }
 
 TEST(QuantW4A16, SupportsOnlyFp4WithWholeChunks) {

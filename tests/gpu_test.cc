@@ -573,10 +573,9 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
                     bad.verdict.top1_agreement, bad.verdict.kl_mean, bad.verdict.max_rel_error);
         EXPECT_NE(bad.status, TrialStatus::kError) << model << " " << runner << ": " << bad.reason;
       }
-      // graphs=persistent streams fp8_tensor, fp8_channel and nvfp4 codes (w8a16 / w4a16) and
-      // says why not for the rest (ExpectedRefusal: fp8_block128 when the model is built, mxfp4
-      // at preflight, tiny-qwen2-moe for its attention biases); tiny-moe's fp8_tensor,
-      // fp8_channel and nvfp4 must stream.
+      // graphs=persistent streams the codes of every format (w8a16 / w4a16) and says why not for
+      // the rest (ExpectedRefusal: tiny-qwen2-moe for its attention biases); tiny-moe's must
+      // stream.
       {
         const std::string persistent = fast + ",kv_cache=bf16,graphs=persistent" + qgemm;
         auto normalized = NormalizeBackendConfig(*ParseBackendConfig(persistent));
@@ -584,9 +583,7 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
         const std::string refusal =
             ExpectedRefusal(ProbeLocalDevices(), model, **host, *normalized);
         const bool streamed = refusal.empty();
-        if (std::string(preset) == "preset:tiny-moe" &&
-            (std::string(format) == "fp8_tensor" || std::string(format) == "fp8_channel" ||
-             std::string(format) == "nvfp4")) {
+        if (std::string(preset) == "preset:tiny-moe") {
           EXPECT_TRUE(streamed) << model << " " << persistent << ": " << refusal;
         }
         const TrialResult ok = executor.Execute(GpuRequest(model, persistent));
@@ -721,8 +718,8 @@ TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
   };
   // Quantized models (model@format) run both with the quantized GEMVs (qgemm=w8a16 / w4a16):
   // the chain's kernels and the persistent kernel decode the same codes in registers. tiny-moe's
-  // nvfp4 group-scale rows (8 and 4 bytes) take the padded copies; tiny-dense the dense MLP's
-  // scale tables.
+  // FP4 group-scale rows (nvfp4: 8 and 4 bytes; mxfp4: 4 and 2) take the padded copies, and
+  // fp8 block-128's blocks are expanded to fp32 rows; tiny-dense the dense MLP's scale tables.
   // tiny-moe at 1100 keys: head_dim 32 (a lane owns one output dim), and 35 keys a split (32
   // splits at most) walk two chunks, the second copied in after the barrier, the new key in it.
   // Attention sums V per lane in vectors of head_dim / 32 (2, 4, 8) or one at a time (any other):
@@ -731,7 +728,9 @@ TEST(Gpu, PersistentDecodeMatchesTheKernelChain) {
        {Case{"preset:tiny-moe", 1100}, Case{"preset:tiny-dense", 40},
         Case{"preset:tiny-moe", 70, 64}, Case{"preset:tiny-dense", 70, 96},
         Case{"preset:qwen3-30b-a3b", 520}, Case{"preset:tiny-moe@fp8_channel", 70},
-        Case{"preset:tiny-moe@nvfp4", 70}, Case{"preset:tiny-dense@fp8_tensor", 40},
+        Case{"preset:tiny-moe@nvfp4", 70}, Case{"preset:tiny-moe@mxfp4", 70},
+        Case{"preset:tiny-moe@fp8_block128", 70}, Case{"preset:qwen3-30b-a3b@fp8_block128", 520},
+        Case{"preset:tiny-dense@fp8_tensor", 40}, Case{"preset:tiny-dense@mxfp4", 40},
         Case{"preset:qwen3-30b-a3b@fp8_channel", 520}, Case{"preset:qwen3-30b-a3b@nvfp4", 520}}) {
     LoadOptions options{2, 11, false};
     options.head_dim_override = c.head_dim;

@@ -172,7 +172,7 @@ TEST(Preflight, Sm90aBackendsAreExactlySm90) {
   }
 }
 
-// graphs=persistent: Hopper machine code, bf16 weights or fp8 / nvfp4 codes read in registers
+// graphs=persistent: Hopper machine code, bf16 weights or fp8 / FP4 codes read in registers
 // (qgemm=w8a16 / w4a16, or dequant_bf16's copies), a bf16 KV cache, gemm=fused, and no
 // host-syncing MoE runner (batch > 1 steps take graphs=on's captured chain).
 TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
@@ -186,15 +186,16 @@ TEST(Preflight, PersistentDecodeNeedsHopperStreamableWeightsAndCache) {
   for (int sm : {80, 89, 100, 120})
     EXPECT_THAT(Preflight(*config, {true, sm, 1, "bf16"}).reason, HasSubstr("graphs=persistent"))
         << sm;
-  EXPECT_THAT(Preflight(*config, {true, 90, 1, "mxfp4"}).reason,
-              HasSubstr("graphs=persistent does not take mxfp4 weights"));
-  for (const char* qgemm : {"w4a16", "dequant_bf16"}) {
-    BackendConfig fp4 = base;
-    fp4["qgemm"] = qgemm;
-    const PreflightResult streamed =
-        Preflight(*NormalizeBackendConfig(fp4), {true, 90, 1, "nvfp4"});
-    EXPECT_TRUE(streamed.supported) << qgemm << ": " << streamed.reason;
-  }
+  EXPECT_THAT(Preflight(*config, {true, 90, 1, "f32"}).reason,
+              HasSubstr("graphs=persistent does not take f32 weights"));
+  for (const char* format : {"nvfp4", "mxfp4"})
+    for (const char* qgemm : {"w4a16", "dequant_bf16"}) {
+      BackendConfig fp4 = base;
+      fp4["qgemm"] = qgemm;
+      const PreflightResult streamed =
+          Preflight(*NormalizeBackendConfig(fp4), {true, 90, 1, format});
+      EXPECT_TRUE(streamed.supported) << format << " " << qgemm << ": " << streamed.reason;
+    }
   BackendConfig fp8 = base;
   fp8["qgemm"] = "w8a16";
   EXPECT_TRUE(Preflight(*NormalizeBackendConfig(fp8), {true, 90, 1, "fp8"}).supported);

@@ -317,6 +317,36 @@ TEST(MemoryPlan, CopiesComeWithTheirConfigs) {
             2 * kGraphAllowanceBytes);
 }
 
+// graphs=persistent on codes with scales along K: FP4 group-scale rows that are not 16-byte
+// multiples are copied into padded rows, fp8 block-128's blocks are expanded to an fp32 row a
+// weight row, and each expert has codes, factor and group tables. tiny-moe (4 layers, hidden
+// 128, q_dim 128, kv_dim 64, 8 experts of 64): every row's scales take 16 bytes, nvfp4's (a byte
+// per 16 weights: 8 or 4), mxfp4's (per 32: 4 or 2) and block-128's (one fp32) alike.
+//   a layer: q, o 128 rows + k, v 64 rows = 384 rows; experts 8 x (64 + 64 + 128) = 2048 rows
+//   4 layers x 2432 rows x 16 bytes = 155,648 bytes
+//   tables: 4 layers x 8 experts x 3 projections x 3 kinds x 8 bytes = 2,304 bytes (fp8 tensor
+//   and channel: 2 kinds, 1,536 bytes, and no group scales)
+TEST(MemoryPlan, PersistentGroupScalesArePaddedRows) {
+  CudaOptions o = Bf16Kv();
+  o.gemm = Gemm::kFused;
+  o.attention = Attention::kFlash;
+  o.moe = Moe::kFused;
+  o.graphs = Graphs::kPersistent;
+  const ModelConfig moe = Preset("tiny-moe");
+  const std::string groups = "graphs=persistent: padded group scales (FP4, fp8 block-128)";
+  const std::string tables = "graphs=persistent: expert tables";
+  for (QuantFormat f : {QuantFormat::kNvfp4, QuantFormat::kMxfp4, QuantFormat::kFp8Block128}) {
+    o.qgemm = IsFp4(f) ? QGemm::kW4A16 : QGemm::kW8A16;
+    const MemoryPlan p = Plan(o, moe, f, Workload(1));
+    EXPECT_EQ(p.item_bytes(MemoryPool::kCopies, groups), 155'648) << QuantFormatName(f);
+    EXPECT_EQ(p.item_bytes(MemoryPool::kScratch, tables), 2'304) << QuantFormatName(f);
+  }
+  o.qgemm = QGemm::kW8A16;
+  const MemoryPlan fp8 = Plan(o, moe, QuantFormat::kFp8Channel, Workload(1));
+  EXPECT_EQ(fp8.item_bytes(MemoryPool::kCopies, groups), 0);
+  EXPECT_EQ(fp8.item_bytes(MemoryPool::kScratch, tables), 1'536);
+}
+
 TEST(MemoryPlan, TensorParallelRanksHoldTheirShard) {
   const ModelConfig c = Preset("qwen3-30b-a3b");
   CudaOptions tp2 = Bf16Kv();

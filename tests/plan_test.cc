@@ -361,8 +361,10 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
 // qgemm=w8a8: FP8 tensor and channel linears take the E4M3 x E4M3 MMA from 8 rows and on every
 // prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; a K off the
 // 64-element units takes w8a16's paths, and so does a block-128 K off the 128-element blocks.
-// Grouped FP8 experts take the E4M3 kernels (64-pair passes when wide), under moe=wgmma too,
-// which the log says; block-128 experts too where their K are whole blocks.
+// Grouped FP8 experts take the E4M3 kernels (64-pair passes when wide); under moe=wgmma, long
+// chunks take E4M3 wgmma where hidden and inter are whole 128-element chunks, else the mma.sync
+// kernels, which the log says; block-128 experts take the mma.sync ones where their K are whole
+// blocks.
 TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   const CudaOptions w8a8 = OptionsWith("qgemm", "w8a8");
   const LinearWeightFacts channel{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
@@ -404,9 +406,18 @@ TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   EXPECT_FALSE(p.bf16_copies);
   o.moe = Moe::kWgmma;
   p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
+  EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Wgmma);
+  EXPECT_THAT(p.fallbacks, testing::IsEmpty());
+  // A K of 64-wide chunks but not 128-wide ones (inter 704): the mma.sync kernels, said so.
+  const MoeShape odd{128, 8, 2048, 704};
+  MoeLayerFacts odd_fp8 = fp8;
+  odd_fp8.gate = odd_fp8.up = {QuantFormat::kFp8Channel, 704, 2048};
+  odd_fp8.down = {QuantFormat::kFp8Channel, 2048, 704};
+  p = PlanMoe(o, odd, odd_fp8, {2048, 2048, false, true});
   EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);
   EXPECT_THAT(p.fallbacks,
               testing::Contains(HasSubstr("qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels")));
+  // Block-128 experts: the mma.sync kernels (the wgmma ones scale whole rows only).
   fp8.gate.format = fp8.up.format = fp8.down.format = QuantFormat::kFp8Block128;
   p = PlanMoe(o, moe, fp8, {2048, 2048, false, true});
   EXPECT_EQ(p.grouped, cuda::MoeGroupedKernel::kFp8Mma8);

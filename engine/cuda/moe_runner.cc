@@ -184,7 +184,8 @@ absl::Status MoeRunner::Run(int l, int rows, int n, bool gemv, float* x, float* 
     case MoeExperts::kGrouped: {
       std::array<const uint16_t* const*, 3> tables{};
       const bool fp8 = plan.grouped == cuda::MoeGroupedKernel::kFp8Mma4 ||
-                       plan.grouped == cuda::MoeGroupedKernel::kFp8Mma8;
+                       plan.grouped == cuda::MoeGroupedKernel::kFp8Mma8 ||
+                       plan.grouped == cuda::MoeGroupedKernel::kFp8Wgmma;
       const bool quant = fp8 || plan.grouped == cuda::MoeGroupedKernel::kQuantMma4 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantMma8 ||
                          plan.grouped == cuda::MoeGroupedKernel::kQuantWgmma;

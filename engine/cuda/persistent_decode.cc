@@ -3,14 +3,24 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "api/status_macros.h"
+#include "core/dtype.h"
+#include "core/quant/format.h"
+#include "core/tensor_ref.h"
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/persistent_debug.h"
 
 namespace infersweep {
+namespace {
+
+// The formats whose scales run along K, which the kernel streams behind each unit's codes.
+bool HasGroupScales(QuantFormat f) { return IsFp4(f) || f == QuantFormat::kFp8Block128; }
+
+}  // namespace
 
 QuantFormat PersistentStreamFormat(QuantFormat weights, QGemm qgemm) {
   return qgemm == QGemm::kDequantBf16 ? QuantFormat::kNone : weights;
@@ -37,7 +47,7 @@ cuda::PersistentDecodeShape PersistentDecodeShapeFor(const ModelConfig& c, Quant
 std::string PersistentDecodeRefusal(const ModelConfig& c, QuantFormat format) {
   const std::string prefix = "graphs=persistent: ";
   // The kernel's bulk copies take 16-byte rows: 8 bf16 weights, 16 fp8 codes, 32 fp4 codes.
-  const int row_align = format == QuantFormat::kNone ? 8 : format == QuantFormat::kNvfp4 ? 32 : 16;
+  const int row_align = format == QuantFormat::kNone ? 8 : IsFp4(format) ? 32 : 16;
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string where = absl::StrCat(prefix, "layer ", l, ": ");
     if (c.AttentionKind(l) == LayerAttention::kLinear)
@@ -75,7 +85,7 @@ PersistentDecoder::PersistentDecoder(const RunnerContext& context)
 // harness) with the reason for what only the weights tell: linears not all bf16 or not all in
 // the streamed format, misaligned rows, no GPU memory for the tiled copies. A quantized model
 // streams its view: dequant_bf16's bf16 copies, or (w8a16, w4a16) the codes, fp8_tensor /
-// fp8_channel / nvfp4, with their scales.
+// fp8_channel / fp8_block128 / nvfp4 / mxfp4, with their scales.
 absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   const ModelConfig& c = config_;
   auto unsupported = [](const std::string& why) {
@@ -93,13 +103,35 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   std::vector<cuda::PersistentLayer> layers(c.num_layers);
   std::vector<cuda::PersistentQuant> quant(c.num_layers);
   // Per layer and projection (gate, up, down), one entry per expert (or the dense MLP): the
-  // codes, then (quantized) the factor sources, then (nvfp4) the group scales. Uploaded below;
+  // codes, then (quantized) the factor sources, then (FP4, fp8 block-128) the group scales.
+  // Uploaded below;
   // the layers point into them.
   std::vector<std::array<std::array<std::vector<const void*>, 3>, 3>> tables(c.num_layers);
-  // nvfp4 group scales whose rows are not a multiple of 16 bytes are copied into padded rows
-  // (the kernel's bulk copies take 16-byte pieces); the rest are read in place.
+  // FP4 group scales (a byte per 16 weights for nvfp4, per 32 for mxfp4) whose rows are not a
+  // multiple of 16 bytes are copied into padded rows (the kernel's bulk copies take 16-byte
+  // pieces); the rest are read in place. fp8 block-128's scales ([ceil(rows / 128),
+  // ceil(cols / 128)], any scale dtype) are expanded to a row of fp32 scales a weight row, padded
+  // to 16 bytes: the kernel streams a row's scales behind its codes.
   auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
-    const int64_t row_bytes = m.cols / 16, padded = (row_bytes + 15) / 16 * 16;
+    if (format == QuantFormat::kFp8Block128) {
+      const int64_t blocks = CeilDiv64(m.cols, kFp8BlockSize);
+      const int64_t row_floats = (blocks * 4 + 15) / 16 * 4;
+      std::vector<uint8_t> scales(static_cast<size_t>(CeilDiv64(m.rows, kFp8BlockSize) * blocks *
+                                                      DTypeSize(m.quant.scale_dtype)));
+      CUDA_OR_DIE(cudaMemcpy(scales.data(), m.quant.scale, scales.size(), cudaMemcpyDeviceToHost));
+      std::vector<float> rows(static_cast<size_t>(m.rows * row_floats), 0.f);
+      for (int64_t r = 0; r < m.rows; ++r)
+        for (int64_t b = 0; b < blocks; ++b)
+          rows[r * row_floats + b] =
+              LoadAsFloat(scales.data(), m.quant.scale_dtype,
+                          QuantScaleIndex(format, m.cols, r, b * kFp8BlockSize));
+      ASSIGN_OR_RETURN(auto copy, copies_.Allocate<float>(rows.size()));
+      CUDA_OR_DIE(
+          cudaMemcpy(copy, rows.data(), rows.size() * sizeof(float), cudaMemcpyHostToDevice));
+      return copy;
+    }
+    const int64_t row_bytes = m.cols / (format == QuantFormat::kNvfp4 ? 16 : 32),
+                  padded = (row_bytes + 15) / 16 * 16;
     if (row_bytes == padded) return m.quant.scale;
     ASSIGN_OR_RETURN(auto copy, copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded)));
     CUDA_OR_DIE(cudaMemset(copy, 0, m.rows * padded));
@@ -195,7 +227,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       const MatrixRef* attention[4] = {&lw.q, &lw.k, &lw.v, &lw.o};
       for (int i = 0; i < 4; ++i) {
         quant[l].factor[i] = factor_of(*attention[i]);
-        if (format != QuantFormat::kNvfp4) continue;
+        if (!HasGroupScales(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*attention[i]));
         quant[l].groups[i] = groups;
       }
@@ -216,7 +248,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
         tables[l][proj][0].push_back(proj == 2 && !tiled.empty() ? tiled[e] : mlp[proj]->data);
         if (format == QuantFormat::kNone) continue;
         tables[l][proj][1].push_back(factor_of(*mlp[proj]));
-        if (format != QuantFormat::kNvfp4) continue;
+        if (!HasGroupScales(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*mlp[proj]));
         tables[l][proj][2].push_back(groups);
       }

@@ -251,8 +251,8 @@ class Planner {
   }
 
   // PersistentDecoder::Prepare (engine/cuda/persistent_decode.cc): the bf16 build tiles every
-  // down projection into a copy and transposes each router; NVFP4 group scales whose rows are
-  // not 16-byte multiples are copied into padded rows.
+  // down projection into a copy and transposes each router; FP4 group scales whose rows are
+  // not 16-byte multiples are copied into padded rows, and fp8 block-128's are expanded to rows.
   void PersistentCopies() {
     const bool bf16_build = !quantized() || o_.qgemm == QGemm::kDequantBf16;
     int64_t tiles = 0, routers = 0, padded = 0;
@@ -264,14 +264,19 @@ class Planner {
         if (moe) routers += int64_t{c_.num_experts} * c_.hidden_size * 2;
       }
     }
-    if (!bf16_build && format_ == QuantFormat::kNvfp4)
+    if (!bf16_build && IsFp4(format_))
       for (const QuantLinear& q : linears_) {
-        const int64_t row_bytes = q.cols / 16, rounded = (row_bytes + 15) / 16 * 16;
+        const int64_t row_bytes = q.cols / (format_ == QuantFormat::kNvfp4 ? 16 : 32),
+                      rounded = (row_bytes + 15) / 16 * 16;
         if (row_bytes != rounded) padded += q.rows * rounded;
       }
+    // fp8 block-128: every linear's block scales expanded to an fp32 row a weight row.
+    if (!bf16_build && format_ == QuantFormat::kFp8Block128)
+      for (const QuantLinear& q : linears_)
+        padded += q.rows * ((CeilDiv64(q.cols, kFp8BlockSize) * 4 + 15) / 16 * 16);
     Add(MemoryPool::kCopies, "graphs=persistent: tiled down projections (bf16)", tiles);
     Add(MemoryPool::kCopies, "graphs=persistent: transposed routers (bf16)", routers);
-    Add(MemoryPool::kCopies, "graphs=persistent: padded nvfp4 group scales", padded);
+    Add(MemoryPool::kCopies, "graphs=persistent: padded group scales (FP4, fp8 block-128)", padded);
   }
 
   // AttentionRunner::AllocateCache: K and V of every full-attention layer, per sequence and
@@ -384,11 +389,12 @@ class Planner {
     }
     if (quantized() && UsesScaledGemm(o_.qgemm)) ScaledGemmScratch();
     if (IsPersistent(o_.graphs)) {
-      // PersistentDecoder's buffer: the expert pointer tables (codes, factors, nvfp4 groups);
+      // PersistentDecoder's buffer: the expert pointer tables (codes, factors, FP4 and fp8
+      // block-128 groups);
       // its layer tables, partials and counters are the kernel's (not counted here).
-      const int kinds = !quantized() || o_.qgemm == QGemm::kDequantBf16 ? 1
-                        : format_ == QuantFormat::kNvfp4                ? 3
-                                                                        : 2;
+      const int kinds = !quantized() || o_.qgemm == QGemm::kDequantBf16          ? 1
+                        : IsFp4(format_) || format_ == QuantFormat::kFp8Block128 ? 3
+                                                                                 : 2;
       int64_t mlps = 0;
       for (int l = 0; l < c_.num_layers; ++l) mlps += c_.IsMoeLayer(l) ? c_.num_experts : 1;
       Add(MemoryPool::kScratch, "graphs=persistent: expert tables", mlps * 3 * kinds * kPointer);

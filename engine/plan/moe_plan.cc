@@ -90,11 +90,17 @@ MoePlan PlanMoe(const CudaOptions& o, const MoeShape& s, const MoeLayerFacts& la
     // batches keep the mma.sync kernels, where wgmma's smallest N (32) is mostly padding.
     const bool want_wgmma = o.moe == Moe::kWgmma && many_pairs;
     if (fp8_mma) {
-      // qgemm=w8a8: E4M3 inputs onto the codes, whatever the moe value's kernels would decode.
+      // qgemm=w8a8: E4M3 inputs onto the codes, whatever the moe value's kernels would decode;
+      // moe=wgmma's on wgmma k32 where the K are whole 128-byte chunks.
       const bool wide = pairs > cuda::kMoeWidePairsPerExpert * s.experts;
-      plan.grouped = wide ? cuda::MoeGroupedKernel::kFp8Mma8 : cuda::MoeGroupedKernel::kFp8Mma4;
-      if (want_wgmma)
-        launcher_fallback("moe=wgmma: qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels");
+      if (want_wgmma &&
+          cuda::MoeWgmmaFp8Supports(layer.gate, layer.up, layer.down, s.hidden, s.inter)) {
+        plan.grouped = cuda::MoeGroupedKernel::kFp8Wgmma;
+      } else {
+        plan.grouped = wide ? cuda::MoeGroupedKernel::kFp8Mma8 : cuda::MoeGroupedKernel::kFp8Mma4;
+        if (want_wgmma)
+          launcher_fallback("moe=wgmma: qgemm=w8a8: the E4M3 x E4M3 mma.sync grouped kernels");
+      }
     } else if (quant_grouped) {
       const bool wgmma = want_wgmma && cuda::MoeWgmmaQuantSupports(layer.gate, layer.up, layer.down,
                                                                    s.hidden, s.inter);

@@ -122,9 +122,21 @@ constexpr bool MoeWgmmaQuantSupports(const QuantMatrixShape& gate, const QuantMa
   if (f == QuantFormat::kMxfp4) return inter % 128 == 0;
   return f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel || f == QuantFormat::kNvfp4;
 }
+// qgemm=w8a8's experts on wgmma (kFp8Wgmma): FP8 tensor / channel codes and E4M3 inputs straight
+// into wgmma k32, 128 of them (one 128-byte row) a K chunk: hidden and inter whole chunks.
+constexpr int kMoeWgmmaFp8Chunk = 128;
+constexpr bool MoeWgmmaFp8Supports(const QuantMatrixShape& gate, const QuantMatrixShape& up,
+                                   const QuantMatrixShape& down, int hidden, int inter) {
+  const QuantFormat f = gate.format;
+  return up.format == f && down.format == f &&
+         (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) &&
+         MoeWgmmaSupports(hidden, inter) && hidden % kMoeWgmmaFp8Chunk == 0 &&
+         inter % kMoeWgmmaFp8Chunk == 0;
+}
 // The grouped kernels' variants, chosen by the MoE plan (engine/plan/moe_plan.h): mma.sync over
 // 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers;
-// or FP8 experts' E4M3 codes straight onto E4M3 x E4M3 mma.sync with E4M3 inputs (qgemm=w8a8).
+// or FP8 experts' E4M3 codes straight onto E4M3 x E4M3 mma.sync, or wgmma, with E4M3 inputs
+// (qgemm=w8a8).
 enum class MoeGroupedKernel {
   kMma4,
   kMma8,
@@ -133,7 +145,8 @@ enum class MoeGroupedKernel {
   kQuantMma8,
   kQuantWgmma,
   kFp8Mma4,
-  kFp8Mma8
+  kFp8Mma8,
+  kFp8Wgmma
 };
 // E4M3 x E4M3 mma.sync (m16n8k32) needs sm_89.
 constexpr int kFp8MmaMinSm = 89;

@@ -858,6 +858,7 @@ void LaunchExpertKernels(const MoeGroupedArgs& a, cudaStream_t stream) {
       break;
     case MoeGroupedKernel::kWgmma:
     case MoeGroupedKernel::kQuantWgmma:
+    case MoeGroupedKernel::kFp8Wgmma:
       MoeWgmmaExperts(a, stream);
       break;
     case MoeGroupedKernel::kFp8Mma4:

@@ -26,9 +26,10 @@
 // scales them by 1 / rms(x) in its top-k, and hands the routing to its producers at once.
 //
 // Weights: bf16, or in their own builds of the kernel (the template's QuantFormat) the codes of
-// fp8_tensor, fp8_channel or nvfp4 weights as qgemm=w8a16 / w4a16 read them: each ring unit is
-// a row's codes (nvfp4: then their E4M3 group scales), decoded in registers (quant_decode.cuh's
-// exact decodes), the row's scale or scale_2 applied to its sum. The router stays bf16.
+// fp8 (tensor, channel or block-128), nvfp4 or mxfp4 weights as qgemm=w8a16 / w4a16 read them:
+// each ring unit is a row's codes (then, FP4 and block-128, their group scales), decoded in
+// registers (quant_decode.cuh's exact decodes), the row's scale or scale_2 applied to its sum.
+// The router stays bf16.
 //
 // Napkin math, qwen3-30b-a3b, one layer: weights 113.8 MB -> 25.5 us at 4.46 TB/s (fp8 58.4 MB,
 // 13.1 us; nvfp4 33.5 MB, 7.5 us); 132 SMs x 16 warps x 12 KB rings (three 4 KB units) = 26 MB in
@@ -110,25 +111,40 @@ struct StreamLayer {
 };
 
 // Quantized builds (F other than kNone): bytes of `elems` weights of a row as streamed. fp8: one
-// code a weight; nvfp4: two codes a byte, then the unit's group scales (one E4M3 byte per 16
-// weights) in rows padded to 16 bytes (the bulk copies' granule), streamed into the same ring
-// unit. bf16: the router's columns in every build, and every weight in the kNone build.
+// code a weight; FP4: two codes a byte. The formats with scales along K then stream the unit's
+// group scales into the same ring unit, in rows padded to 16 bytes (the bulk copies' granule):
+// nvfp4 one E4M3 byte per 16 weights, mxfp4 one E8M0 byte per 32, fp8 block-128 one fp32 per 128
+// (its [rows / 128, cols / 128] blocks expanded to a row each when the model is built). bf16: the
+// router's columns in every build, and every weight in the kNone build.
+template <QuantFormat F>
+constexpr bool kHasGroups = IsFp4(F) || F == QuantFormat::kFp8Block128;
+template <QuantFormat F>
+constexpr int kGroupElems = F == QuantFormat::kNvfp4         ? 16
+                            : F == QuantFormat::kMxfp4       ? 32
+                            : F == QuantFormat::kFp8Block128 ? 128
+                                                             : 1;
+template <QuantFormat F>
+constexpr int kGroupScaleBytes = F == QuantFormat::kFp8Block128 ? 4 : 1;
 template <QuantFormat F>
 INFERSWEEP_HD int CodeBytes(int elems) {
-  return F == QuantFormat::kNone ? 2 * elems : F == QuantFormat::kNvfp4 ? elems / 2 : elems;
+  return F == QuantFormat::kNone ? 2 * elems : IsFp4(F) ? elems / 2 : elems;
 }
 template <QuantFormat F>
 INFERSWEEP_HD int GroupBytes(int elems) {
-  return F == QuantFormat::kNvfp4 ? (elems / 16 + 15) / 16 * 16 : 0;
+  if constexpr (kHasGroups<F>)
+    return ((elems + kGroupElems<F> - 1) / kGroupElems<F> * kGroupScaleBytes<F> + 15) / 16 * 16;
+  else
+    return 0;
 }
 template <QuantFormat F>
 INFERSWEEP_HD int UnitBytes(int elems) {
   return CodeBytes<F>(elems) + GroupBytes<F>(elems);
 }
 // Device pointer tables a layer's experts have, staged per expert for the top-k: the codes (or
-// bf16 weights) of gate, up, down; quantized, their factor sources; nvfp4, their group scales.
+// bf16 weights) of gate, up, down; quantized, their factor sources; FP4 and fp8 block-128, their
+// group scales.
 INFERSWEEP_HD constexpr int ExpertTables(QuantFormat f) {
-  return f == QuantFormat::kNone ? 3 : f == QuantFormat::kNvfp4 ? 9 : 6;
+  return f == QuantFormat::kNone ? 3 : IsFp4(f) || f == QuantFormat::kFp8Block128 ? 9 : 6;
 }
 
 // The floats the o phase's staged expert pointers take (ExpertTables of them an expert).
@@ -144,8 +160,8 @@ INFERSWEEP_HD int RouterSumsAt(int hidden, int q_dim, int num_experts, QuantForm
 }
 
 // The experts a quantized build's top-k picked, past Routing's codes: each slot's factor source
-// and (nvfp4) group scales, per projection (gate, up, down). In dynamic shared memory, so that
-// the bf16 build keeps its static size (its rings are exactly three 4 KB units).
+// and (FP4, fp8 block-128) group scales, per projection (gate, up, down). In dynamic shared memory,
+// so that the bf16 build keeps its static size (its rings are exactly three 4 KB units).
 struct RoutingQuant {
   const void* factor[3][kMaxTopK];
   const unsigned char* groups[3][kMaxTopK];
@@ -356,7 +372,7 @@ __device__ __forceinline__ int QkvMatrix(const Dims& d, int item, int* row) {
   return m;
 }
 
-// A unit's bulk copies: its codes (or bf16 weights) and, nvfp4, its group scales.
+// A unit's bulk copies: its codes (or bf16 weights) and its group scales (FP4, fp8 block-128).
 struct UnitCopy {
   const unsigned char* codes;
   const unsigned char* groups;
@@ -377,7 +393,7 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       int r;
       const int m = QkvMatrix(d, item, &r);
       row = (m == 0 ? L.q : m == 1 ? L.k : L.v) + static_cast<int64_t>(r) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4)
+      if constexpr (kHasGroups<F>)
         groups = static_cast<const unsigned char*>(quant[c.layer].groups[m]) + r * GroupBytes<F>(k);
       break;
     }
@@ -388,7 +404,7 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
                                                        static_cast<int64_t>(item) * num_experts),
                 nullptr, CodeBytes<QuantFormat::kNone>(num_experts), 0};
       row = L.o + static_cast<int64_t>(item) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4)
+      if constexpr (kHasGroups<F>)
         groups =
             static_cast<const unsigned char*>(quant[c.layer].groups[3]) + item * GroupBytes<F>(k);
       break;
@@ -399,8 +415,7 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       const int p = F == QuantFormat::kNone ? unit >= per_row : unit & 1;  // 0: gate, 1: up
       row = (p ? routing.up[c.slot] : routing.gate[c.slot]) +
             static_cast<int64_t>(c.j) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4)
-        groups = rq->groups[p][c.slot] + c.j * GroupBytes<F>(k);
+      if constexpr (kHasGroups<F>) groups = rq->groups[p][c.slot] + c.j * GroupBytes<F>(k);
       unit = F == QuantFormat::kNone ? unit - (p ? per_row : 0) : unit >> 1;
       break;
     }
@@ -411,8 +426,7 @@ __device__ __forceinline__ UnitCopy UnitSource(const Cursor& c, const StreamLaye
       }
       k = L.inter;
       row = routing.down[c.slot] + static_cast<int64_t>(item) * CodeBytes<F>(k);
-      if constexpr (F == QuantFormat::kNvfp4)
-        groups = rq->groups[2][c.slot] + item * GroupBytes<F>(k);
+      if constexpr (kHasGroups<F>) groups = rq->groups[2][c.slot] + item * GroupBytes<F>(k);
       unit = c.j;
       break;
   }
@@ -456,7 +470,7 @@ __device__ __forceinline__ int Pump(Ring& r, const StreamLayer* layers,
       BulkCopyTx(r.base + off, u.codes, u.code_bytes, bar, r.policy);
     else
       BulkCopyTx(r.base + off, u.codes, u.code_bytes, bar);
-    if constexpr (F == QuantFormat::kNvfp4)
+    if constexpr (kHasGroups<F>)
       if (u.group_bytes) BulkCopyTx(r.base + off + u.code_bytes, u.groups, u.group_bytes, bar);
     r.issue = place;
     ++r.issued;
@@ -496,7 +510,7 @@ __device__ __forceinline__ float Dot8E2M1(uint32_t word, float4 lo, float4 hi) {
 
 // 8-weight chunk c of a unit (in shared memory, `elems` weights) dotted with its staged
 // activations lo and hi. Quantized builds leave out what multiplies whole rows (the factor:
-// RowFactor); nvfp4's group scales (the unit's tail) multiply each chunk's sum.
+// RowFactor); group scales (the unit's tail: FP4, fp8 block-128) multiply each chunk's sum.
 template <QuantFormat F>
 __device__ __forceinline__ float Dot8(const unsigned char* unit, int c, int elems, float4 lo,
                                       float4 hi) {
@@ -506,6 +520,12 @@ __device__ __forceinline__ float Dot8(const unsigned char* unit, int c, int elem
   } else if constexpr (F == QuantFormat::kNvfp4) {
     const __half_raw scale = __nv_cvt_fp8_to_halfraw(unit[CodeBytes<F>(elems) + c / 2], __NV_E4M3);
     return Dot8E2M1(reinterpret_cast<const uint32_t*>(unit)[c], lo, hi) * __half2float(scale);
+  } else if constexpr (F == QuantFormat::kMxfp4) {  // one E8M0 scale per 4 chunks
+    return Dot8E2M1(reinterpret_cast<const uint32_t*>(unit)[c], lo, hi) *
+           E8M0ToFloat(unit[CodeBytes<F>(elems) + c / 4]);
+  } else if constexpr (F == QuantFormat::kFp8Block128) {  // one fp32 scale per 16 chunks
+    return Dot8Fp8(reinterpret_cast<const uint2*>(unit)[c], lo, hi) *
+           reinterpret_cast<const float*>(unit + CodeBytes<F>(elems))[c / 16];
   } else {
     return Dot8Fp8(reinterpret_cast<const uint2*>(unit)[c], lo, hi);
   }
@@ -533,12 +553,13 @@ __device__ __forceinline__ void UnitDot2(const unsigned char* a, const unsigned 
 }
 
 // What multiplies row `row`'s dot product in a quantized build (1 in the bf16 one): the fp8
-// tensor or channel scale, or nvfp4's scale_2 times the 2^14 its decode leaves out.
+// tensor or channel scale; the 2^14 that FP4's decode leaves out, times nvfp4's scale_2.
 template <QuantFormat F>
 __device__ __forceinline__ float RowFactor(const void* factor, int row, DType scale_dtype) {
   if constexpr (F == QuantFormat::kFp8Tensor) return LoadAsFloat(factor, scale_dtype, 0);
   if constexpr (F == QuantFormat::kFp8Channel) return LoadAsFloat(factor, scale_dtype, row);
   if constexpr (F == QuantFormat::kNvfp4) return *static_cast<const float*>(factor) * kE2M1F16Scale;
+  if constexpr (F == QuantFormat::kMxfp4) return kE2M1F16Scale;  // every scale is a group's
   return 1.f;
 }
 
@@ -1133,7 +1154,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                  L.inter,
                  L.top_k};
   }
-  // Quantized builds: every layer's scales, read by the producers (nvfp4's group scales) and
+  // Quantized builds: every layer's scales, read by the producers (the group scales) and
   // the consumers (the row factors).
   PersistentQuant* quant = nullptr;
   RoutingQuant* rq = nullptr;
@@ -1150,7 +1171,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   d.kv_dim = a.shape.kv_heads * d.head_dim;
   d.warps = gridDim.x * kWarps;
   float* xs = reinterpret_cast<float*>(smem + table_bytes);
-  // Every expert's weight pointers (quantized builds: then their factor sources and nvfp4 group
+  // Every expert's weight pointers (quantized builds: then their factor sources and group
   // scales), staged in the o phase past its staged attention output (and past the gate/up
   // phase's x; the down projection's h overwrites them after the top-k).
   const void** expert_ptr = reinterpret_cast<const void**>(xs + max(d.hidden, d.q_dim));
@@ -1417,7 +1438,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
           if constexpr (F != QuantFormat::kNone)
             for (int p = 0; p < 3; ++p) {
               rq->factor[p][lane] = expert_ptr[(3 + p) * num_experts + id];
-              if constexpr (F == QuantFormat::kNvfp4)
+              if constexpr (kHasGroups<F>)
                 rq->groups[p][lane] =
                     static_cast<const unsigned char*>(expert_ptr[(6 + p) * num_experts + id]);
             }
@@ -1441,7 +1462,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if constexpr (F != QuantFormat::kNone)
         for (int p = 0; p < 3; ++p) {
           rq->factor[p][0] = quant[l].expert_factor[p][0];
-          if constexpr (F == QuantFormat::kNvfp4)
+          if constexpr (kHasGroups<F>)
             rq->groups[p][0] = static_cast<const unsigned char*>(quant[l].expert_groups[p][0]);
         }
       PublishRouting(&routing, l);
@@ -1569,6 +1590,10 @@ const void* KernelFor(QuantFormat format) {
       return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
     case QuantFormat::kNvfp4:
       return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+    case QuantFormat::kMxfp4:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kMxfp4>);
+    case QuantFormat::kFp8Block128:
+      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Block128>);
     default:
       return nullptr;
   }
@@ -1625,10 +1650,11 @@ std::string PersistentDownTilesUnsupported(int hidden, int inter) {
 std::string PersistentDecodeUnsupported(const PersistentDecodeShape& s) {
   const int q_dim = s.q_heads * s.head_dim;
   if (!KernelFor(s.format))
-    return absl::StrCat("streams bf16, fp8_tensor, fp8_channel and nvfp4 weights, not ",
-                        QuantFormatName(s.format));
-  // Quantized rows of codes must stay 16-byte aligned: fp8 one byte a weight, nvfp4 half.
-  const int align = s.format == QuantFormat::kNone ? 8 : s.format == QuantFormat::kNvfp4 ? 32 : 16;
+    return absl::StrCat(
+        "streams bf16, fp8 (tensor, channel, block-128), nvfp4 and mxfp4 weights, not ",
+        QuantFormatName(s.format));
+  // Quantized rows of codes must stay 16-byte aligned: fp8 one byte a weight, FP4 half.
+  const int align = s.format == QuantFormat::kNone ? 8 : IsFp4(s.format) ? 32 : 16;
   if (s.hidden % align || q_dim % align || s.max_inter % align)
     return absl::StrCat(QuantFormatName(s.format), " weights: hidden (", s.hidden, "), q_dim (",
                         q_dim, ") and the MLP widths (", s.max_inter, ") must be multiples of ",
@@ -1719,6 +1745,12 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream, boo
       break;
     case QuantFormat::kNvfp4:
       launch(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+      break;
+    case QuantFormat::kMxfp4:
+      launch(PersistentDecodeKernel<QuantFormat::kMxfp4>);
+      break;
+    case QuantFormat::kFp8Block128:
+      launch(PersistentDecodeKernel<QuantFormat::kFp8Block128>);
       break;
     default:
       launch(PersistentDecodeKernel<QuantFormat::kNone>);

@@ -15,7 +15,7 @@ namespace infersweep::cuda {
 
 // One decoder layer as the kernel reads it. Device pointers; row-major weights, every row
 // 16-byte aligned: bf16, or (PersistentDecodeShape::format) the codes of quantized ones, fp8
-// E4M3 [rows, cols] or nvfp4 [rows, cols / 2] (low nibble first), their scales in
+// E4M3 [rows, cols] or FP4 [rows, cols / 2] (low nibble first), their scales in
 // PersistentQuant. The router stays bf16 (it is never quantized).
 struct PersistentLayer {
   const void* q = nullptr;           // [q_dim, hidden]
@@ -41,22 +41,23 @@ struct PersistentLayer {
   int nan_after = 0;       // fault injection (nan-layer): x[0] = NaN after this layer
 };
 
-// A quantized layer's scales (PersistentDecodeShape::format fp8_tensor, fp8_channel or nvfp4),
-// per projection; device pointers. What multiplies a row's dot product, its "factor": the fp8
-// tensor scale ([1]) or channel scale ([rows]), in PersistentDecodeArgs::scale_dtype, or nvfp4's
-// scale_2 (fp32 [1]). nvfp4's group scales (E4M3 [rows, cols / 16]) are streamed with the codes.
+// A quantized layer's scales (PersistentDecodeShape::format fp8_tensor, fp8_channel, nvfp4 or
+// mxfp4), per projection; device pointers. What multiplies a row's dot product, its "factor":
+// the fp8 tensor scale ([1]) or channel scale ([rows]), in PersistentDecodeArgs::scale_dtype,
+// nvfp4's scale_2 (fp32 [1]); mxfp4 has none (its entry is unread). FP4's group scales (nvfp4
+// E4M3 [rows, cols / 16], mxfp4 E8M0 [rows, cols / 32]) are streamed with the codes.
 struct PersistentQuant {
   const void* factor[4] = {};  // q, k, v, o
-  const void* groups[4] = {};  // q, k, v, o: nvfp4 only
+  const void* groups[4] = {};  // q, k, v, o: FP4 only
   // gate, up, down: device tables, one entry per expert (one for a dense layer's MLP).
   const void* const* expert_factor[3] = {};
-  const void* const* expert_groups[3] = {};  // nvfp4 only
+  const void* const* expert_groups[3] = {};  // FP4 only
 };
 
 // The shapes the kernel is compiled around, checked before any launch.
 struct PersistentDecodeShape {
-  // The weights' format: kNone (bf16), kFp8Tensor, kFp8Channel or kNvfp4; each has its own
-  // build of the kernel.
+  // The weights' format: kNone (bf16), kFp8Tensor, kFp8Channel, kNvfp4 or kMxfp4; each has its
+  // own build of the kernel.
   QuantFormat format = QuantFormat::kNone;
   int num_layers = 0;
   int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0;

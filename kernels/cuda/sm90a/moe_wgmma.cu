@@ -53,9 +53,12 @@ constexpr int kBTileBytes = kPairsPerTile * kRowBytes;  // 16 KB
 // stages of [B tile | the chunk's codes, row-major | FP4: each row's group scales, 4 bytes],
 // then the one decoded bf16 A tile. Plus slack to align the ring to 1 KB; two blocks an SM
 // (bf16 2 x 97 KB of the 227 KB, FP8 89 KB, FP4 81 KB).
-template <QuantFormat F>
+// kE4M3 (qgemm=w8a8, FP8 tensor / channel): the codes go into the A tile as loaded, beside E4M3
+// inputs in the B tile, 128 of them a 128-byte row: the bf16 layout, nothing decoded.
+template <QuantFormat F, bool kE4M3 = false>
 struct Layout {
-  static constexpr bool kQuant = F != QuantFormat::kNone;
+  static constexpr bool kQuant = F != QuantFormat::kNone && !kE4M3;  // codes decoded to bf16
+  static constexpr int kChunkElements = kE4M3 ? kMoeWgmmaFp8Chunk : kChunk;  // K a stage
   static constexpr int kCodeRowBytes = !kQuant ? 0 : IsFp4(F) ? kChunk / 2 : kChunk;
   static constexpr int kCodeTileBytes = kRowsPerTile * kCodeRowBytes;
   static constexpr int kScaleTileBytes = IsFp4(F) ? kRowsPerTile * 4 : 0;
@@ -118,17 +121,16 @@ __device__ __forceinline__ void PinAccumulators(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x N] += A[64 x 16] . B[N x 16]^T: A and B K-major bf16 in shared memory (descriptors),
-// fp32 accumulate, N in {32, 64, 96, 128}. Thread (warp w of the group, lane g * 4 + t) holds
-// d[4j + 2h + q] = row 16w + g + 8h, column 8j + 2t + q (j < N / 8; the rest untouched).
-template <int kN>
-__device__ __forceinline__ void Wgmma64xNx16(float (&d)[64], uint64_t a, uint64_t b);
+// d[64 x N] += A[64 x K] . B[N x K]^T over one 32-byte K step: A and B K-major in shared memory
+// (descriptors), bf16 (K 16) or, with kE4M3, E4M3 (K 32), fp32 accumulate, N in {32, 64, 96,
+// 128}. Thread (warp w of the group, lane g * 4 + t) holds d[4j + 2h + q] = row 16w + g + 8h,
+// column 8j + 2t + q (j < N / 8; the rest untouched).
 // Every shape takes all 64 accumulators as operands %0-%63 (an N-column shape names the first
 // N / 2 in its instruction; the rest stay untouched), the descriptors as %64 and %65, and the
-// scale-d flag (1: accumulate) as %66.
-#define INFERSWEEP_WGMMA_BF16(shape, accumulators)                                             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned." shape \
-               ".f32.bf16.bf16 {" accumulators "}, %64, %65, p, 1, 1, 0, 0;\n}\n"              \
+// scale-d flag (1: accumulate) as %66. bf16 names its operands' (no) transposes; E4M3 has none.
+#define INFERSWEEP_WGMMA(op, tail, accumulators)                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned." op    \
+               " {" accumulators "}, %64, %65, p, 1, 1" tail ";\n}\n"                          \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
                  "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),     \
                  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
@@ -141,43 +143,51 @@ __device__ __forceinline__ void Wgmma64xNx16(float (&d)[64], uint64_t a, uint64_
                  "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
                  "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                            \
                : "l"(a), "l"(b), "r"(1))
-template <>
-__device__ __forceinline__ void Wgmma64xNx16<32>(float (&d)[64], uint64_t a, uint64_t b) {
-  INFERSWEEP_WGMMA_BF16("m64n32k16",
-                        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15");
+#define INFERSWEEP_ACC32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define INFERSWEEP_ACC64                                                     \
+  INFERSWEEP_ACC32                                                           \
+  ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, " \
+  "%30, %31"
+#define INFERSWEEP_ACC96                                                     \
+  INFERSWEEP_ACC64                                                           \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+  "%46, %47"
+#define INFERSWEEP_ACC128                                                    \
+  INFERSWEEP_ACC96                                                           \
+  ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, " \
+  "%62, %63"
+#define INFERSWEEP_WGMMA_N(n, accumulators)                            \
+  if constexpr (kE4M3)                                                 \
+    INFERSWEEP_WGMMA("m64n" #n "k32.f32.e4m3.e4m3", "", accumulators); \
+  else                                                                 \
+    INFERSWEEP_WGMMA("m64n" #n "k16.f32.bf16.bf16", ", 0, 0", accumulators)
+template <int kN, bool kE4M3>
+__device__ __forceinline__ void WgmmaStep(float (&d)[64], uint64_t a, uint64_t b) {
+  static_assert(kN == 32 || kN == 64 || kN == 96 || kN == 128, "wgmma N of this kernel");
+  if constexpr (kN == 32) {
+    INFERSWEEP_WGMMA_N(32, INFERSWEEP_ACC32);
+  } else if constexpr (kN == 64) {
+    INFERSWEEP_WGMMA_N(64, INFERSWEEP_ACC64);
+  } else if constexpr (kN == 96) {
+    INFERSWEEP_WGMMA_N(96, INFERSWEEP_ACC96);
+  } else {
+    INFERSWEEP_WGMMA_N(128, INFERSWEEP_ACC128);
+  }
 }
-template <>
-__device__ __forceinline__ void Wgmma64xNx16<64>(float (&d)[64], uint64_t a, uint64_t b) {
-  INFERSWEEP_WGMMA_BF16(
-      "m64n64k16",
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31");
-}
-template <>
-__device__ __forceinline__ void Wgmma64xNx16<96>(float (&d)[64], uint64_t a, uint64_t b) {
-  INFERSWEEP_WGMMA_BF16(
-      "m64n96k16",
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47");
-}
-template <>
-__device__ __forceinline__ void Wgmma64xNx16<128>(float (&d)[64], uint64_t a, uint64_t b) {
-  INFERSWEEP_WGMMA_BF16(
-      "m64n128k16",
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63");
-}
-#undef INFERSWEEP_WGMMA_BF16
+#undef INFERSWEEP_WGMMA_N
+#undef INFERSWEEP_ACC128
+#undef INFERSWEEP_ACC96
+#undef INFERSWEEP_ACC64
+#undef INFERSWEEP_ACC32
+#undef INFERSWEEP_WGMMA
 
-// One K chunk (4 steps of 16): acc += the group's 64 rows of the A tile . kN pairs of the B tile.
-template <int kN>
+// One K chunk (one 128-byte row: 4 steps of 32 bytes, 16 bf16 or 32 E4M3 each): acc += the
+// group's 64 rows of the A tile . kN pairs of the B tile.
+template <int kN, bool kE4M3>
 __device__ __forceinline__ void MmaChunk(float (&acc)[64], uint32_t a_rows, uint32_t b_tile) {
 #pragma unroll
-  for (int ks = 0; ks < kChunk / 16; ++ks)
-    Wgmma64xNx16<kN>(acc, TileDescriptor(a_rows + 32 * ks), TileDescriptor(b_tile + 32 * ks));
+  for (int ks = 0; ks < kRowBytes / 32; ++ks)
+    WgmmaStep<kN, kE4M3>(acc, TileDescriptor(a_rows + 32 * ks), TileDescriptor(b_tile + 32 * ks));
 }
 
 struct WorkItem {
@@ -231,33 +241,36 @@ struct ExpertGemm {
   float* out = nullptr;
   // Quantized: the codes and scales of w0 / w1 (which are then unused).
   QuantExpertTable q0, q1;
+  // kE4M3: the input as E4M3 codes (rows as `input`'s) and a scale a row (input is unused).
+  const uint8_t* input_fp8 = nullptr;
+  const float* input_scale = nullptr;
 };
 
 __device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// The cp.async copies of one thread. bf16: 16-byte chunk `chunk` of tile rows r0 + 32 i, 4 rows
-// of A (weights) and up to 4 of B (pairs; null past the tile's pairs, whose rows then stay
-// stale). Quantized: B likewise, and 16-byte pieces of the codes (FP8 2 a thread, FP4 1), and
-// for FP4 threads < 128 their row's 4 bytes of group scales.
-template <QuantFormat F>
+// The cp.async copies of one thread. bf16 (and kE4M3's codes and inputs): 16-byte chunk `chunk` of
+// tile rows r0 + 32 i, 4 rows of A (weights) and up to 4 of B (pairs; null past the tile's pairs,
+// whose rows then stay stale). Quantized: B likewise, and 16-byte pieces of the codes (FP8 2 a
+// thread, FP4 1), and for FP4 threads < 128 their row's 4 bytes of group scales.
+template <QuantFormat F, bool kE4M3 = false>
 struct TileCopies {
-  using L = Layout<F>;
+  using L = Layout<F, kE4M3>;
   static constexpr int kCodePiecesPerRow = L::kQuant ? L::kCodeRowBytes / 16 : 1;
   static constexpr int kCodeCopies = L::kQuant ? kRowsPerTile * kCodePiecesPerRow / kThreads : 0;
-  const uint16_t* a_src[kRowsPerTile / 32];
+  const uint8_t* a_src[kRowsPerTile / 32];  // bf16 weights, or (kE4M3) codes
   const uint8_t* code_src[kCodeCopies > 0 ? kCodeCopies : 1];
   int code_dst[kCodeCopies > 0 ? kCodeCopies : 1];
   const uint8_t* scale_src = nullptr;
-  const uint16_t* b_src[kPairsPerTile / 32];
+  const uint8_t* b_src[kPairsPerTile / 32];  // bf16 inputs, or (kE4M3) E4M3 codes
   uint32_t ring;  // the stage ring in shared memory, 1 KB aligned
   uint8_t* ring_generic;
   int chunk, r0;
 
   __device__ __forceinline__ void Issue(int step) const {  // K chunk `step` into its stage
     const uint32_t stage = ring + (step % kStages) * L::kStageBytes;
-    const int k0 = step * kChunk;
+    const int64_t k0 = int64_t{step} * kRowBytes;  // byte offset: one 128-byte row a chunk
     if constexpr (L::kQuant) {
 #pragma unroll
       for (int i = 0; i < kCodeCopies; ++i)
@@ -312,11 +325,11 @@ struct TileCopies {
 // rows [64w, 64w + 64): for gate/up those interleave 8 gate and 8 up rows of the same features
 // (the copies' row map), so a thread's accumulator rows 16q + g and 16q + g + 8 are the gate and
 // the up of one feature, and SiLU(gate) * up happens in registers.
-template <QuantFormat F, bool kGateUp, int kN>
-__device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies<F>& copies, int e,
-                                            int first, int count, int f0) {
-  using L = Layout<F>;
-  const int steps = a.depth / kChunk, group = threadIdx.x >> 7;
+template <QuantFormat F, bool kGateUp, int kN, bool kE4M3>
+__device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopies<F, kE4M3>& copies,
+                                            int e, int first, int count, int f0) {
+  using L = Layout<F, kE4M3>;
+  const int steps = a.depth / L::kChunkElements, group = threadIdx.x >> 7;
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -343,7 +356,7 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
       a_tile = copies.ring + L::DecodedOffset();
     }
     WgmmaFence();
-    MmaChunk<kN>(acc, a_tile + group * 64 * kRowBytes, stage + L::kBOffset);
+    MmaChunk<kN, kE4M3>(acc, a_tile + group * 64 * kRowBytes, stage + L::kBOffset);
     WgmmaCommit();
     WgmmaWait<0>();
   }
@@ -352,17 +365,19 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
 
   const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
   // What scales a whole weight row (quantized; 1 for bf16): gate/up this thread's feature's
-  // gate and up rows, down its two features.
+  // gate and up rows, down its two features. E4M3 codes were not decoded: their scale alone (not
+  // the decode's 2^8), and each pair's input scale below.
   float factor[2] = {1.f, 1.f};
-  if constexpr (L::kQuant) {
+  if constexpr (L::kQuant || kE4M3) {
+    const float decoded = kE4M3 ? 1.f / 256.f : 1.f;
     if constexpr (kGateUp) {
       const int feature = f0 + 32 * group + 8 * w + g;
-      factor[0] = QuantRowFactor<F>(a.q0, e, feature);
-      factor[1] = QuantRowFactor<F>(a.q1, e, feature);
+      factor[0] = QuantRowFactor<F>(a.q0, e, feature) * decoded;
+      factor[1] = QuantRowFactor<F>(a.q1, e, feature) * decoded;
     } else {
       const int feature = f0 + 64 * group + 16 * w + g;
-      factor[0] = QuantRowFactor<F>(a.q0, e, feature);
-      factor[1] = QuantRowFactor<F>(a.q0, e, feature + 8);
+      factor[0] = QuantRowFactor<F>(a.q0, e, feature) * decoded;
+      factor[1] = QuantRowFactor<F>(a.q0, e, feature + 8) * decoded;
     }
   }
 #pragma unroll
@@ -371,25 +386,32 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
     for (int q = 0; q < 2; ++q) {
       const int pair_in_tile = 8 * j + 2 * t + q;
       if (pair_in_tile >= count) continue;
+      // kE4M3: the input row's scale (gate/up: the pair's row of x; down: its bucketed h row).
+      float in_scale = 1.f;
+      if constexpr (kE4M3)
+        in_scale = a.input_scale[kGateUp ? a.sorted_pairs[first + pair_in_tile] / a.k
+                                         : first + pair_in_tile];
       if constexpr (kGateUp) {
-        const float gate = acc[4 * j + q] * factor[0], up = acc[4 * j + 2 + q] * factor[1];
+        const float gate = acc[4 * j + q] * factor[0] * in_scale,
+                    up = acc[4 * j + 2 + q] * factor[1] * in_scale;
         a.h[static_cast<int64_t>(first + pair_in_tile) * a.features + f0 + 32 * group + 8 * w + g] =
             __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
       } else {
         float* out = a.out +
                      static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0 +
                      64 * group + 16 * w + g;
-        out[0] = acc[4 * j + q] * factor[0];
-        out[8] = acc[4 * j + 2 + q] * factor[1];
+        out[0] = acc[4 * j + q] * factor[0] * in_scale;
+        out[8] = acc[4 * j + 2 + q] * factor[1] * in_scale;
       }
     }
   }
 }
 
-// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads, Layout<F>::kSharedBytes.
-template <QuantFormat F, bool kGateUp>
+// grid (features / (kGateUp ? 64 : 128), work items), kThreads threads,
+// Layout<F, kE4M3>::kSharedBytes.
+template <QuantFormat F, bool kGateUp, bool kE4M3 = false>
 __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
-  using L = Layout<F>;
+  using L = Layout<F, kE4M3>;
   extern __shared__ uint8_t shared_raw[];
   __shared__ WorkItem item;
   WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
@@ -400,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   const int e = item.expert, first = item.first, count = item.count;
   const int f0 = blockIdx.x * (kGateUp ? kRowsPerTile / 2 : kRowsPerTile);
 
-  TileCopies<F> copies;
+  TileCopies<F, kE4M3> copies;
   copies.ring = (SharedAddress(shared_raw) + 1023) & ~1023u;
   copies.ring_generic = shared_raw + (copies.ring - SharedAddress(shared_raw));
   copies.chunk = threadIdx.x & 7;
@@ -428,42 +450,59 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
       copies.scale_src =
           static_cast<const uint8_t*>(TableScales(table, e)) + feature_of(r) * scale_row_bytes;
     }
+  } else if constexpr (kE4M3) {  // a row of codes is a.depth bytes
+#pragma unroll
+    for (int i = 0; i < kRowsPerTile / 32; ++i) {
+      const int r = copies.r0 + 32 * i;
+      const QuantExpertTable& table = kGateUp && r % 16 >= 8 ? a.q1 : a.q0;
+      copies.a_src[i] = static_cast<const uint8_t*>(TableCodes(table, e)) +
+                        static_cast<int64_t>(feature_of(r)) * a.depth + copies.chunk * 16;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < kRowsPerTile / 32; ++i) {
       const int r = copies.r0 + 32 * i;
       const uint16_t* const* table = kGateUp && r % 16 >= 8 ? a.w1 : a.w0;
-      copies.a_src[i] = table[e] + static_cast<int64_t>(feature_of(r)) * a.depth + copies.chunk * 8;
+      copies.a_src[i] = reinterpret_cast<const uint8_t*>(
+          table[e] + static_cast<int64_t>(feature_of(r)) * a.depth + copies.chunk * 8);
     }
   }
 #pragma unroll
   for (int j = 0; j < kPairsPerTile / 32; ++j) {
     const int r = copies.r0 + 32 * j;
     const int64_t row = r >= count ? -1 : kGateUp ? a.sorted_pairs[first + r] / a.k : first + r;
-    copies.b_src[j] = row < 0 ? nullptr : a.input + row * a.depth + copies.chunk * 8;
+    if (row < 0)
+      copies.b_src[j] = nullptr;
+    else if constexpr (kE4M3)
+      copies.b_src[j] = a.input_fp8 + row * a.depth + copies.chunk * 16;
+    else
+      copies.b_src[j] =
+          reinterpret_cast<const uint8_t*>(a.input + row * a.depth + copies.chunk * 8);
   }
   // The tile's pairs rounded up to wgmma's N in steps of 32 (stale B columns past `count` feed
   // only outputs that are never written). One instantiation per N keeps every wgmma of a loop
   // the same shape (mixed shapes on the same accumulators make ptxas serialize them).
   switch (CeilDivDevice(count, 32)) {
     case 1:
-      return ComputeTile<F, kGateUp, 32>(a, copies, e, first, count, f0);
+      return ComputeTile<F, kGateUp, 32, kE4M3>(a, copies, e, first, count, f0);
     case 2:
-      return ComputeTile<F, kGateUp, 64>(a, copies, e, first, count, f0);
+      return ComputeTile<F, kGateUp, 64, kE4M3>(a, copies, e, first, count, f0);
     case 3:
-      return ComputeTile<F, kGateUp, 96>(a, copies, e, first, count, f0);
+      return ComputeTile<F, kGateUp, 96, kE4M3>(a, copies, e, first, count, f0);
     default:
-      return ComputeTile<F, kGateUp, 128>(a, copies, e, first, count, f0);
+      return ComputeTile<F, kGateUp, 128, kE4M3>(a, copies, e, first, count, f0);
   }
 }
 
-template <QuantFormat F>
+// kE4M3: x is quantized to E4M3 (a scale a row) before gate/up, and h (a scale a bucketed row)
+// before down (QuantizeRowsE4M3).
+template <QuantFormat F, bool kE4M3 = false>
 void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
-  constexpr int kShared = Layout<F>::kSharedBytes;
+  constexpr int kShared = Layout<F, kE4M3>::kSharedBytes;
   static PerDeviceOnce configure;  // the attribute is per device
   configure([] {
-    for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<F, true>),
-                               reinterpret_cast<const void*>(ExpertGemmKernel<F, false>)})
+    for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<F, true, kE4M3>),
+                               reinterpret_cast<const void*>(ExpertGemmKernel<F, false, kE4M3>)})
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
   });
   const int pairs = m.rows * m.k;
@@ -486,8 +525,13 @@ void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
     gate_up.q0 = m.quant[0];
     gate_up.q1 = m.quant[1];
   }
-  Launch(ExpertGemmKernel<F, true>, dim3(m.inter / (kRowsPerTile / 2), items), dim3(kThreads),
-         kShared, stream, gate_up);
+  if constexpr (kE4M3) {
+    QuantizeRowsE4M3(m.x_f32, DType::kF32, m.rows, m.hidden, m.x_fp8, m.x_scale, stream);
+    gate_up.input_fp8 = m.x_fp8;
+    gate_up.input_scale = m.x_scale;
+  }
+  Launch(ExpertGemmKernel<F, true, kE4M3>, dim3(m.inter / (kRowsPerTile / 2), items),
+         dim3(kThreads), kShared, stream, gate_up);
   ExpertGemm down = gate_up;
   down.input = m.h;
   down.w0 = m.down;
@@ -497,13 +541,24 @@ void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
   down.h = nullptr;
   down.out = m.out;
   if (m.quant) down.q0 = m.quant[2];
-  Launch(ExpertGemmKernel<F, false>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads), kShared,
-         stream, down);
+  if constexpr (kE4M3) {
+    // Rows past the bucketed pairs hold stale values: quantized too, never read.
+    QuantizeRowsE4M3(m.h, DType::kBF16, pairs, m.inter, m.h_fp8, m.h_scale, stream);
+    down.input_fp8 = m.h_fp8;
+    down.input_scale = m.h_scale;
+  }
+  Launch(ExpertGemmKernel<F, false, kE4M3>, dim3(m.hidden / kRowsPerTile, items), dim3(kThreads),
+         kShared, stream, down);
 }
 
 }  // namespace
 
 void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
+  if (m.kernel == MoeGroupedKernel::kFp8Wgmma) {  // MoeWgmmaFp8Supports: FP8 tensor / channel
+    if (m.quant[0].format == QuantFormat::kFp8Tensor)
+      return LaunchExpertGemms<QuantFormat::kFp8Tensor, true>(m, stream);
+    return LaunchExpertGemms<QuantFormat::kFp8Channel, true>(m, stream);
+  }
   switch (m.quant ? m.quant[0].format : QuantFormat::kNone) {
     case QuantFormat::kNone:
       return LaunchExpertGemms<QuantFormat::kNone>(m, stream);
