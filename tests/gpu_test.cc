@@ -1299,7 +1299,7 @@ TEST(Gpu, PoisonedDeviceMemoryLeavesTheFastConfigsOk) {
       {"preset:tiny-moe@nvfp4", fast + ",graphs=on,qgemm=w4a16"},
       {"preset:tiny-moe", "device=cuda,gemm=reference,attention=naive"},
   };
-  setenv("INFERSWEEP_POISON_DEVICE_MEMORY", "1", 1);
+  ScopedEnv poison("INFERSWEEP_POISON_DEVICE_MEMORY", "1");
   for (const auto& [model, config] : cases) {
     const TrialResult r = runner.Run(GpuRequest(model, config));
     EXPECT_EQ(r.status, TrialStatus::kOk) << model << " " << config << ": " << r.reason << "\n"
@@ -1308,7 +1308,6 @@ TEST(Gpu, PoisonedDeviceMemoryLeavesTheFastConfigsOk) {
                 std::string(TrialStatusName(r.status)).c_str(), r.verdict.top1_agreement,
                 r.verdict.kl_mean);
   }
-  unsetenv("INFERSWEEP_POISON_DEVICE_MEMORY");
 }
 
 }  // namespace

@@ -37,11 +37,10 @@ class GpuTp : public testing::Test {
   }
 };
 
-// Both ranks on GPU 0 for one test, and the variable unset after it.
-class BothRanksOnGpu0 {
+// Both ranks on GPU 0 for one test, and the variable as it was after it.
+class BothRanksOnGpu0 : public ScopedEnv {
  public:
-  BothRanksOnGpu0() { setenv("INFERSWEEP_RANK_DEVICES", "0,0", 1); }
-  ~BothRanksOnGpu0() { unsetenv("INFERSWEEP_RANK_DEVICES"); }
+  BothRanksOnGpu0() : ScopedEnv("INFERSWEEP_RANK_DEVICES", "0,0") {}
 };
 
 // `prompt_len` 0: GpuRequest's.

@@ -1042,9 +1042,7 @@ std::vector<std::string> VisibleDevicesLog(const std::string& path) {
 // given order), and a worker that saw other devices is not reused; without devices the worker
 // inherits this process's environment. The worker is wrapped in a shell that logs what it sees.
 TEST(Runner, WorkerSeesTheTrialsDevicesAlone) {
-  const char* saved = std::getenv("CUDA_VISIBLE_DEVICES");
-  const std::string restore = saved ? saved : "";
-  unsetenv("CUDA_VISIBLE_DEVICES");
+  ScopedEnv inherited("CUDA_VISIBLE_DEVICES", nullptr);
   const std::string log = testing::TempDir() + "/visible_devices.log";
   std::remove(log.c_str());
   RunnerOptions options;
@@ -1063,7 +1061,7 @@ TEST(Runner, WorkerSeesTheTrialsDevicesAlone) {
   EXPECT_THAT(VisibleDevicesLog(log), ::testing::ElementsAre("1", "2,0", "unset", "3"));
 
   // Under a CUDA_VISIBLE_DEVICES of its own, the worker gets the entries the indices name.
-  setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,5,7", 1);
+  ScopedEnv own("CUDA_VISIBLE_DEVICES", "GPU-aaa,5,7");
   std::remove(log.c_str());
   {
     TrialRunner runner(options);
@@ -1074,11 +1072,25 @@ TEST(Runner, WorkerSeesTheTrialsDevicesAlone) {
     EXPECT_THAT(past.reason, HasSubstr("device 3 is past this process's CUDA_VISIBLE_DEVICES"));
   }
   EXPECT_THAT(VisibleDevicesLog(log), ::testing::ElementsAre("7,GPU-aaa"));
-  if (saved) {
-    setenv("CUDA_VISIBLE_DEVICES", restore.c_str(), 1);
-  } else {
-    unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
+// The tests' environment helper puts back what the variable held: a value, or nothing.
+TEST(ScopedEnv, PutsBackWhatTheVariableHeld) {
+  constexpr char kName[] = "INFERSWEEP_TEST_SCOPED_ENV";
+  setenv(kName, "outer", 1);
+  {
+    ScopedEnv inner(kName, "inner");
+    EXPECT_STREQ(std::getenv(kName), "inner");
+    {
+      ScopedEnv unset(kName, nullptr);
+      EXPECT_EQ(std::getenv(kName), nullptr);
+    }
+    EXPECT_STREQ(std::getenv(kName), "inner");
   }
+  EXPECT_STREQ(std::getenv(kName), "outer");
+  unsetenv(kName);
+  { ScopedEnv set(kName, "x"); }
+  EXPECT_EQ(std::getenv(kName), nullptr);
 }
 
 TEST(ChildVisibleDevices, MapsIndicesThroughTheInheritedList) {

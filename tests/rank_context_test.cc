@@ -11,15 +11,15 @@
 
 #include "api/backend_config.h"
 #include "engine/backends.h"
+#include "tests/test_util.h"
 
 namespace infersweep {
 namespace {
 
-// Sets INFERSWEEP_RANK_DEVICES for one test, and unsets it after.
-class RankDevicesEnv {
+// INFERSWEEP_RANK_DEVICES for a scope (null: unset), as it was after.
+class RankDevicesEnv : public ScopedEnv {
  public:
-  explicit RankDevicesEnv(const char* value) { setenv("INFERSWEEP_RANK_DEVICES", value, 1); }
-  ~RankDevicesEnv() { unsetenv("INFERSWEEP_RANK_DEVICES"); }
+  explicit RankDevicesEnv(const char* value) : ScopedEnv("INFERSWEEP_RANK_DEVICES", value) {}
 };
 
 TEST(RankContext, BootstrapBytesSurviveTheirHexLine) {
@@ -41,7 +41,7 @@ TEST(RankContext, BootstrapBytesSurviveTheirHexLine) {
 }
 
 TEST(RankContext, RankRRunsOnGpuRUnlessTheTestMapSaysOtherwise) {
-  unsetenv("INFERSWEEP_RANK_DEVICES");
+  RankDevicesEnv unset(nullptr);
   auto plain = RankDevices(4);
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_EQ(*plain, (std::vector<int>{0, 1, 2, 3}));
@@ -71,7 +71,7 @@ TEST(RankContext, PreflightCountsTheRanksTheTestMapPlaces) {
   one_gpu.sm = 90;
   auto config = NormalizeBackendConfig(*ParseBackendConfig("device=cuda,tp=2,allreduce=custom"));
   ASSERT_TRUE(config.ok()) << config.status();
-  unsetenv("INFERSWEEP_RANK_DEVICES");
+  RankDevicesEnv unset(nullptr);
   const PreflightResult refused = Preflight(*config, MakePreflightTarget(one_gpu, nullptr));
   EXPECT_FALSE(refused.supported);
   EXPECT_EQ(refused.reason, "tp=2 needs 2 GPUs of one host; this host has 1");

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,32 @@ inline std::string WorkerBinary() {
   const char* env = std::getenv("INFERSWEEP_BINARY");
   return env ? env : INFERSWEEP_BINARY;
 }
+
+// Sets the environment variable `name` to `value` (null: unsets it) for a scope, and puts back
+// what it held before when the scope ends, so a value set from outside (scripts/gpu.sh sets some
+// for a whole test binary) outlives the test that changed it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) saved_ = old;
+    if (value != nullptr)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (saved_)
+      setenv(name_.c_str(), saved_->c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> saved_;
+};
 
 // max |a - ref| over max |ref| (infinite where a difference is NaN).
 inline double RelMaxError(const std::vector<float>& a, const std::vector<float>& ref) {
