@@ -84,6 +84,22 @@ for stage in $STAGES; do
     gpu_tests .carry/gpu_test "$t" new_gpu.log '^#|OK \]|FAILED|Failure|error' \
       --gtest_filter='Gpu.PersistentDecodeMatchesTheKernelChain:Gpu.FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect:Gpu.W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect' &
     wait ;;
+  ordering)  # gpu_test's sequence (ORDER_FILTER, default every test but the memory ones and the
+    # matrix) three ways at once, each under ORDER_TIMEOUT_S (default 420 s): as built, with plain
+    # launches (INFERSWEEP_PLAIN_LAUNCHES: no programmatic dependent launch) and with every launch
+    # synchronous (CUDA_LAUNCH_BLOCKING). A fault in the first alone is an ordering race between
+    # kernels; in the first two, one between the host and the device or inside a kernel.
+    f=${ORDER_FILTER:--*Fit*:*GpuMatrix.*}
+    t=${ORDER_TIMEOUT_S:-420}
+    gpu_tests .carry/gpu_test "$t" order_default.log 'FAILED  \]|illegal|CUDA error' --gtest_filter="$f" &
+    INFERSWEEP_PLAIN_LAUNCHES=1 gpu_tests .carry/gpu_test "$t" order_plain.log \
+      'FAILED  \]|illegal|CUDA error' --gtest_filter="$f" &
+    CUDA_LAUNCH_BLOCKING=1 gpu_tests .carry/gpu_test "$t" order_blocking.log \
+      'FAILED  \]|illegal|CUDA error' --gtest_filter="$f" &
+    wait
+    for l in order_default order_plain order_blocking; do
+      echo "# $l: $(grep -c '^\[       OK \]' "$OUT/$l.log") tests OK; last: $(grep -E '^\[ RUN|illegal' "$OUT/$l.log" | tail -1)"
+    done ;;
   diagnose)  # a GPU test that died, pinned: DIAG_FILTER (default the quantized fused configs'
     # test) for each DIAG_BINARIES build in .carry (default gpu_test_base, the previous main's,
     # then gpu_test), line-buffered; a build whose run does not pass runs it again under

@@ -12,6 +12,8 @@
 // all in flight) hides under them. Staging x first with scalar loads would put an L2 round
 // trip per 512 floats in front of every block.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/gemm_fused_common.cuh"
 #include "kernels/cuda/probe_kernels.h"
@@ -239,9 +241,13 @@ int TotalRows(const GemvArgs& a) {
 
 }  // namespace
 
-// Programmatic dependent launch needs sm_90; before it the launches stay plain.
+// Programmatic dependent launch needs sm_90; before it the launches stay plain. TEST ONLY:
+// INFERSWEEP_PLAIN_LAUNCHES=1 keeps them plain everywhere, so a fault that goes away with it is
+// an ordering one (a kernel reading before its wait what an earlier kernel writes).
 void SetProgrammaticLaunch(bool on) {
   static const bool supported = [] {
+    const char* plain = std::getenv("INFERSWEEP_PLAIN_LAUNCHES");
+    if (plain != nullptr && plain[0] != '\0' && std::string(plain) != "0") return false;
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
