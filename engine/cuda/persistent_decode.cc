@@ -13,14 +13,9 @@
 #include "core/tensor_ref.h"
 #include "engine/cuda/device_util.h"
 #include "engine/cuda/persistent_debug.h"
+#include "kernels/cuda/limits.h"
 
 namespace infersweep {
-namespace {
-
-// The formats whose scales run along K, which the kernel streams behind each unit's codes.
-bool HasGroupScales(QuantFormat f) { return IsFp4(f) || f == QuantFormat::kFp8Block128; }
-
-}  // namespace
 
 QuantFormat PersistentStreamFormat(QuantFormat weights, QGemm qgemm) {
   return qgemm == QGemm::kDequantBf16 ? QuantFormat::kNone : weights;
@@ -115,7 +110,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
   auto groups_of = [&](const MatrixRef& m) -> absl::StatusOr<const void*> {
     if (format == QuantFormat::kFp8Block128) {
       const int64_t blocks = CeilDiv64(m.cols, kFp8BlockSize);
-      const int64_t row_floats = (blocks * 4 + 15) / 16 * 4;
+      const int64_t row_floats = cuda::PersistentGroupRowBytes(format, m.cols) / 4;
       std::vector<uint8_t> scales(static_cast<size_t>(CeilDiv64(m.rows, kFp8BlockSize) * blocks *
                                                       DTypeSize(m.quant.scale_dtype)));
       CUDA_OR_DIE(cudaMemcpy(scales.data(), m.quant.scale, scales.size(), cudaMemcpyDeviceToHost));
@@ -130,8 +125,8 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
           cudaMemcpy(copy, rows.data(), rows.size() * sizeof(float), cudaMemcpyHostToDevice));
       return copy;
     }
-    const int64_t row_bytes = m.cols / (format == QuantFormat::kNvfp4 ? 16 : 32),
-                  padded = (row_bytes + 15) / 16 * 16;
+    const int64_t row_bytes = m.cols / cuda::PersistentGroupWeights(format),
+                  padded = cuda::PersistentGroupRowBytes(format, m.cols);
     if (row_bytes == padded) return m.quant.scale;
     ASSIGN_OR_RETURN(auto copy, copies_.Allocate<uint8_t>(static_cast<size_t>(m.rows * padded)));
     CUDA_OR_DIE(cudaMemset(copy, 0, m.rows * padded));
@@ -227,7 +222,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
       const MatrixRef* attention[4] = {&lw.q, &lw.k, &lw.v, &lw.o};
       for (int i = 0; i < 4; ++i) {
         quant[l].factor[i] = factor_of(*attention[i]);
-        if (!HasGroupScales(format)) continue;
+        if (!cuda::PersistentStreamsGroupScales(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*attention[i]));
         quant[l].groups[i] = groups;
       }
@@ -248,7 +243,7 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
         tables[l][proj][0].push_back(proj == 2 && !tiled.empty() ? tiled[e] : mlp[proj]->data);
         if (format == QuantFormat::kNone) continue;
         tables[l][proj][1].push_back(factor_of(*mlp[proj]));
-        if (!HasGroupScales(format)) continue;
+        if (!cuda::PersistentStreamsGroupScales(format)) continue;
         ASSIGN_OR_RETURN(auto groups, groups_of(*mlp[proj]));
         tables[l][proj][2].push_back(groups);
       }

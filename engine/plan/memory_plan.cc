@@ -264,16 +264,15 @@ class Planner {
         if (moe) routers += int64_t{c_.num_experts} * c_.hidden_size * 2;
       }
     }
-    if (!bf16_build && IsFp4(format_))
+    // FP4 rows of group scales already 16-byte multiples are read in place; fp8 block-128's are
+    // always expanded.
+    if (!bf16_build && cuda::PersistentStreamsGroupScales(format_))
       for (const QuantLinear& q : linears_) {
-        const int64_t row_bytes = q.cols / (format_ == QuantFormat::kNvfp4 ? 16 : 32),
-                      rounded = (row_bytes + 15) / 16 * 16;
-        if (row_bytes != rounded) padded += q.rows * rounded;
+        const int64_t rounded = cuda::PersistentGroupRowBytes(format_, q.cols);
+        if (format_ == QuantFormat::kFp8Block128 ||
+            q.cols / cuda::PersistentGroupWeights(format_) != rounded)
+          padded += q.rows * rounded;
       }
-    // fp8 block-128: every linear's block scales expanded to an fp32 row a weight row.
-    if (!bf16_build && format_ == QuantFormat::kFp8Block128)
-      for (const QuantLinear& q : linears_)
-        padded += q.rows * ((CeilDiv64(q.cols, kFp8BlockSize) * 4 + 15) / 16 * 16);
     Add(MemoryPool::kCopies, "graphs=persistent: tiled down projections (bf16)", tiles);
     Add(MemoryPool::kCopies, "graphs=persistent: transposed routers (bf16)", routers);
     Add(MemoryPool::kCopies, "graphs=persistent: padded group scales (FP4, fp8 block-128)", padded);
@@ -392,9 +391,9 @@ class Planner {
       // PersistentDecoder's buffer: the expert pointer tables (codes, factors, FP4 and fp8
       // block-128 groups);
       // its layer tables, partials and counters are the kernel's (not counted here).
-      const int kinds = !quantized() || o_.qgemm == QGemm::kDequantBf16          ? 1
-                        : IsFp4(format_) || format_ == QuantFormat::kFp8Block128 ? 3
-                                                                                 : 2;
+      const int kinds = !quantized() || o_.qgemm == QGemm::kDequantBf16 ? 1
+                        : cuda::PersistentStreamsGroupScales(format_)   ? 3
+                                                                        : 2;
       int64_t mlps = 0;
       for (int l = 0; l < c_.num_layers; ++l) mlps += c_.IsMoeLayer(l) ? c_.num_experts : 1;
       Add(MemoryPool::kScratch, "graphs=persistent: expert tables", mlps * 3 * kinds * kPointer);

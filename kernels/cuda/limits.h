@@ -70,6 +70,28 @@ constexpr bool QuantMmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) 
   return rows >= 1 && cols % (IsFp4(f) ? 128 : 64) == 0;
 }
 
+// ---- graphs=persistent (sm90a/decode_persistent.cu). Where a format's scales run along K (FP4's
+// groups, fp8 block-128's blocks), each row's scales stream behind its codes, in rows padded to
+// 16 bytes (the bulk copies' granule): nvfp4 one E4M3 byte per 16 weights, mxfp4 one E8M0 byte
+// per 32, fp8 block-128 one fp32 per 128 (its blocks expanded to a row each at model build).
+constexpr bool PersistentStreamsGroupScales(QuantFormat f) {
+  return IsFp4(f) || f == QuantFormat::kFp8Block128;
+}
+// The weights one streamed group scale covers (1 where none stream).
+constexpr int PersistentGroupWeights(QuantFormat f) {
+  return f == QuantFormat::kNvfp4         ? static_cast<int>(kNvfp4GroupSize)
+         : f == QuantFormat::kMxfp4       ? static_cast<int>(kMxfp4GroupSize)
+         : f == QuantFormat::kFp8Block128 ? static_cast<int>(kFp8BlockSize)
+                                          : 1;
+}
+// Bytes of the streamed group scales of a row of `cols` weights (0 where none stream).
+template <typename Int>
+constexpr Int PersistentGroupRowBytes(QuantFormat f, Int cols) {
+  if (!PersistentStreamsGroupScales(f)) return 0;
+  const Int weights = PersistentGroupWeights(f), bytes = f == QuantFormat::kFp8Block128 ? 4 : 1;
+  return ((cols + weights - 1) / weights * bytes + 15) / 16 * 16;
+}
+
 // ---- MoE (moe_fused.cu, moe_fused_mma.cu).
 constexpr int kMoeMaxSharedBytes = 200 * 1024;  // the per-pair kernels' staged x
 constexpr int kMoeMaxExperts = 1024;

@@ -55,6 +55,7 @@
 #include "core/quant/format.h"
 #include "core/tensor_ref.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/limits.h"
 #include "kernels/cuda/probe_kernels.h"
 #include "kernels/cuda/quant_decode.cuh"
 #include "kernels/cuda/routing.cuh"
@@ -112,29 +113,17 @@ struct StreamLayer {
 
 // Quantized builds (F other than kNone): bytes of `elems` weights of a row as streamed. fp8: one
 // code a weight; FP4: two codes a byte. The formats with scales along K then stream the unit's
-// group scales into the same ring unit, in rows padded to 16 bytes (the bulk copies' granule):
-// nvfp4 one E4M3 byte per 16 weights, mxfp4 one E8M0 byte per 32, fp8 block-128 one fp32 per 128
-// (its [rows / 128, cols / 128] blocks expanded to a row each when the model is built). bf16: the
-// router's columns in every build, and every weight in the kNone build.
+// group scales into the same ring unit (limits.h: PersistentGroupRowBytes). bf16: the router's
+// columns in every build, and every weight in the kNone build.
 template <QuantFormat F>
-constexpr bool kHasGroups = IsFp4(F) || F == QuantFormat::kFp8Block128;
-template <QuantFormat F>
-constexpr int kGroupElems = F == QuantFormat::kNvfp4         ? 16
-                            : F == QuantFormat::kMxfp4       ? 32
-                            : F == QuantFormat::kFp8Block128 ? 128
-                                                             : 1;
-template <QuantFormat F>
-constexpr int kGroupScaleBytes = F == QuantFormat::kFp8Block128 ? 4 : 1;
+constexpr bool kHasGroups = PersistentStreamsGroupScales(F);
 template <QuantFormat F>
 INFERSWEEP_HD int CodeBytes(int elems) {
   return F == QuantFormat::kNone ? 2 * elems : IsFp4(F) ? elems / 2 : elems;
 }
 template <QuantFormat F>
 INFERSWEEP_HD int GroupBytes(int elems) {
-  if constexpr (kHasGroups<F>)
-    return ((elems + kGroupElems<F> - 1) / kGroupElems<F> * kGroupScaleBytes<F> + 15) / 16 * 16;
-  else
-    return 0;
+  return PersistentGroupRowBytes(F, elems);
 }
 template <QuantFormat F>
 INFERSWEEP_HD int UnitBytes(int elems) {
@@ -144,7 +133,7 @@ INFERSWEEP_HD int UnitBytes(int elems) {
 // bf16 weights) of gate, up, down; quantized, their factor sources; FP4 and fp8 block-128, their
 // group scales.
 INFERSWEEP_HD constexpr int ExpertTables(QuantFormat f) {
-  return f == QuantFormat::kNone ? 3 : IsFp4(f) || f == QuantFormat::kFp8Block128 ? 9 : 6;
+  return f == QuantFormat::kNone ? 3 : PersistentStreamsGroupScales(f) ? 9 : 6;
 }
 
 // The floats the o phase's staged expert pointers take (ExpertTables of them an expert).
@@ -1579,24 +1568,39 @@ int TableBytes(const PersistentDecodeShape& s) {
   return StreamTableBytes(s.num_layers) + (quant + 127) / 128 * 128;
 }
 
-// The kernel's build for the weights' format; null for a format it has none for.
-const void* KernelFor(QuantFormat format) {
+// Calls fn with the kernel's build for the weights' format; false (fn not called) for a format
+// it has none for.
+template <typename Fn>
+bool WithKernelFor(QuantFormat format, Fn&& fn) {
   switch (format) {
     case QuantFormat::kNone:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kNone>);
+      fn(PersistentDecodeKernel<QuantFormat::kNone>);
+      return true;
     case QuantFormat::kFp8Tensor:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Tensor>);
+      fn(PersistentDecodeKernel<QuantFormat::kFp8Tensor>);
+      return true;
     case QuantFormat::kFp8Channel:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
+      fn(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
+      return true;
     case QuantFormat::kNvfp4:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+      fn(PersistentDecodeKernel<QuantFormat::kNvfp4>);
+      return true;
     case QuantFormat::kMxfp4:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kMxfp4>);
+      fn(PersistentDecodeKernel<QuantFormat::kMxfp4>);
+      return true;
     case QuantFormat::kFp8Block128:
-      return reinterpret_cast<const void*>(PersistentDecodeKernel<QuantFormat::kFp8Block128>);
+      fn(PersistentDecodeKernel<QuantFormat::kFp8Block128>);
+      return true;
     default:
-      return nullptr;
+      return false;
   }
+}
+
+// The kernel's build for the weights' format; null for a format it has none for.
+const void* KernelFor(QuantFormat format) {
+  const void* kernel = nullptr;
+  WithKernelFor(format, [&](auto build) { kernel = reinterpret_cast<const void*>(build); });
+  return kernel;
 }
 
 // Per-warp ring bytes left by the layer tables, the staged activations and the static shared
@@ -1736,25 +1740,8 @@ void PersistentDecode(const PersistentDecodeArgs& args, cudaStream_t stream, boo
     LaunchWithAttributes(kernel, dim3(sms), dim3(kBlockThreads), smem, stream, cooperative, 1, args,
                          table_bytes, stage_floats, ring_bytes, knobs);
   };
-  switch (args.shape.format) {  // PersistentDecodeUnsupported refused the others
-    case QuantFormat::kFp8Tensor:
-      launch(PersistentDecodeKernel<QuantFormat::kFp8Tensor>);
-      break;
-    case QuantFormat::kFp8Channel:
-      launch(PersistentDecodeKernel<QuantFormat::kFp8Channel>);
-      break;
-    case QuantFormat::kNvfp4:
-      launch(PersistentDecodeKernel<QuantFormat::kNvfp4>);
-      break;
-    case QuantFormat::kMxfp4:
-      launch(PersistentDecodeKernel<QuantFormat::kMxfp4>);
-      break;
-    case QuantFormat::kFp8Block128:
-      launch(PersistentDecodeKernel<QuantFormat::kFp8Block128>);
-      break;
-    default:
-      launch(PersistentDecodeKernel<QuantFormat::kNone>);
-  }
+  // PersistentDecodeUnsupported refused the formats without a build; the bf16 one otherwise.
+  if (!WithKernelFor(args.shape.format, launch)) launch(PersistentDecodeKernel<QuantFormat::kNone>);
 }
 
 ProbeKernel PersistentDecodeProbeKernel() {
