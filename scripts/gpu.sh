@@ -446,10 +446,12 @@ for r in csv.reader(sys.stdin):
     # and DRAM bytes of qwen3-30b-a3b --layers 3 steps, graphs off, for each QUANT_FORMATS format
     # (default bf16 fp8_channel nvfp4; bf16: the dense model, beside) and each
     # QPROFILE_SHAPES (tokens:batch:new, default 1 prompt token x 64 rows x 2 decode steps, then a
-    # 2048-token prefill), QPROFILE_CONFIG (default the fast config's kernels at graphs=off).
+    # 2048-token prefill), QPROFILE_CONFIG (default the fast config's kernels at graphs=off),
+    # QPROFILE_QGEMM (default w8a16 for FP8, w4a16 for FP4).
     for f in ${QUANT_FORMATS:-bf16 fp8_channel nvfp4}; do
       q=w8a16 quantize="--quantize $f"
       case $f in nvfp4|mxfp4) q=w4a16 ;; bf16) q=reference quantize= ;; esac
+      if [ "$f" != bf16 ] && [ -n "${QPROFILE_QGEMM:-}" ]; then q=$QPROFILE_QGEMM; fi
       for shape in ${QPROFILE_SHAPES:-1:64:2 2048:1:1}; do
         IFS=: read -r tokens batch new <<<"$shape"
         ncu --clock-control none --cache-control none --launch-count "${PROFILE_LAUNCHES:-400}" \
@@ -533,13 +535,18 @@ for r in csv.reader(sys.stdin):
       done
     done ;;
   hybrid_profile)  # per-kernel times of qwen3-next-80b-a3b batch-1 steps, 4 layers (3 linear, 1
-    # full), bf16, graphs off so ncu sees each kernel: every kernel but the weight generator's
+    # full), bf16 (PROFILE_QUANTIZE: a format, quantized on the host), graphs off so ncu sees each
+    # kernel: every kernel but the weight generator's. PROFILE_PROMPT tokens (default 8) then
+    # PROFILE_NEW_TOKENS (default 3) decode steps at PROFILE_BATCH rows (default 1).
+    quantize=
+    if [ -n "${PROFILE_QUANTIZE:-}" ]; then quantize="--quantize $PROFILE_QUANTIZE"; fi
     ncu --clock-control none --cache-control none --target-processes all \
       --kernel-name-base demangled --kernel-name "regex:^(?!.*Synthetic)" \
       --launch-skip "${PROFILE_SKIP:-0}" --launch-count "${PROFILE_LAUNCHES:-200}" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --print-units base \
-      $B generate --model preset:qwen3-next-80b-a3b --layers 4 --tokens 1,2,3,4,5,6,7,8 \
-      --max-new-tokens 3 --batch 1 --backend cuda \
+      $B generate --model preset:qwen3-next-80b-a3b --layers 4 $quantize \
+      --tokens "$(seq -s, 1 "${PROFILE_PROMPT:-8}")" --max-new-tokens "${PROFILE_NEW_TOKENS:-3}" \
+      --batch "${PROFILE_BATCH:-1}" --backend cuda \
       --config "${PROFILE_CONFIG:-gemm=fused,attention=naive,moe=fused,graphs=off,linear_attn=fused}" >"$OUT/ncu_hybrid.csv" 2>"$OUT/ncu_hybrid.err"
     python3 scripts/ncu_table.py "$OUT/ncu_hybrid.csv" ;;
   serve)  # serving on the H200: qwen3-30b-a3b bf16, 48 layers, ISL 1024 / OSL 256, the fast
@@ -578,13 +585,17 @@ for r in csv.reader(sys.stdin):
     kill $agent $coordinator 2>/dev/null; wait $agent $coordinator 2>/dev/null ;;
   hunt_figures)  # served against lockstep: qwen3-next-80b-a3b fp8_channel (48 layers) at
     # concurrency 1, 10 and 64, and qwen3.5-397b-a17b@nvfp4 (HUNT_397B_LAYERS) at 1 and 64; ISL
-    # 512, OSL 64, the hybrid fast config (graphs=on, naive attention at head_dim 256)
+    # 512, OSL 64, the hybrid fast config (graphs=on, flash attention at head_dim 256 on a bf16
+    # cache, chunked Gated DeltaNet prefill; HUNT_CONFIG another); HUNT_LOCKSTEP=0 skips the
+    # lockstep runs
     for job in ${HUNT_JOBS:-"qwen3-next-80b-a3b fp8_channel w8a16 48 1:10:64" "qwen3.5-397b-a17b nvfp4 w4a16 ${HUNT_397B_LAYERS:-8} 1:64"}; do
       set -- $job
-      c="device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,qgemm=$3,linear_attn=fused"
-      $B run --model "preset:$1" --layers "$4" --quantize "$2" --config "$c" \
-        --workload "prompt=512,output=64,batch=$5,repeats=3,warmup=1,timeout=900" \
-        --json "$OUT/hunt_lockstep_$1.json" 2>&1 | tee "$OUT/hunt_lockstep_$1.log" | grep -vE "timed by"
+      c="device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$3,${HUNT_CONFIG:-attention=flash,kv_cache=bf16,linear_attn=chunked}"
+      if [ "${HUNT_LOCKSTEP:-1}" != 0 ]; then
+        $B run --model "preset:$1" --layers "$4" --quantize "$2" --config "$c" \
+          --workload "prompt=512,output=64,batch=$5,repeats=3,warmup=1,timeout=900" \
+          --json "$OUT/hunt_lockstep_$1.json" 2>&1 | tee "$OUT/hunt_lockstep_$1.log" | grep -vE "timed by"
+      fi
       $B run --model "preset:$1" --layers "$4" --quantize "$2" --config "$c" \
         --workload timeout=900 --serve "concurrency=$5,isl=512,osl=64,requests=${HUNT_REQUESTS:-64},warmup=1" \
         --json "$OUT/hunt_serve_$1.json" 2>&1 | tee "$OUT/hunt_serve_$1.log"

@@ -121,6 +121,9 @@ absl::StatusOr<DeviceBuffer<char>> AllocatePeerBuffer(int64_t max_bytes) {
   RETURN_IF_ERROR(p.Allocate(bytes, "cudaMalloc of the all-reduce peer buffer"));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemset(p.get(), 0, bytes), "cudaMemset of the all-reduce signals"));
+  // The legacy stream's memset, finished before a rank's non-blocking stream reads the signals.
+  RETURN_IF_ERROR(
+      CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize after zeroing the signals"));
   return p;
 }
 

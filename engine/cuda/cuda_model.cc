@@ -503,8 +503,11 @@ class CudaModel final : public Model {
     RETURN_IF_ERROR(greedy_tickets_.Allocate(out_rows));
     greedy_scratch_.keys = greedy_keys_.get();
     greedy_scratch_.tickets = greedy_tickets_.get();
-    CUDA_OR_DIE(cudaMemset(greedy_scratch_.keys, 0, out_rows * sizeof(unsigned long long)));
-    CUDA_OR_DIE(cudaMemset(greedy_scratch_.tickets, 0, out_rows * sizeof(unsigned)));
+    // On the step's stream: a cudaMemset runs on the legacy stream, which stream_ (non-blocking)
+    // does not wait for, so the first greedy step could read keys not yet zeroed.
+    CUDA_OR_DIE(
+        cudaMemsetAsync(greedy_scratch_.keys, 0, out_rows * sizeof(unsigned long long), stream_));
+    CUDA_OR_DIE(cudaMemsetAsync(greedy_scratch_.tickets, 0, out_rows * sizeof(unsigned), stream_));
     scratch_rows_ = rows;
     logit_rows_ = out_rows;
     scratch_capacity_ = capacity_;

@@ -33,7 +33,11 @@ absl::Status PoisonAllocation(void* p, size_t bytes, bool device, std::string_vi
   if (!PoisonsAllocation(std::getenv("INFERSWEEP_POISON_DEVICE_MEMORY"), number))
     return absl::OkStatus();
   if (device) {
+    // cudaMemset runs on the legacy default stream, which does not order against the engine's
+    // non-blocking streams: without the wait, the poison could land after the engine's own
+    // cudaMemsetAsync of the buffer (the KV cache's zeros, say) and be read as its contents.
     RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0xFF, bytes), std::string(label).c_str()));
+    RETURN_IF_ERROR(CudaStatus(cudaDeviceSynchronize(), std::string(label).c_str()));
   } else {
     std::memset(p, 0xFF, bytes);
   }

@@ -40,6 +40,7 @@ void ReportPersistentTimeline(const cuda::PersistentDecodeArgs& args, int layers
   // Zeroed for the next step: a stamp left unwritten (a block that is not the combining split
   // this time) must not keep an older step's time.
   CUDA_OR_DIE(cudaMemset(args.timeline, 0, stamps.size() * 8));
+  CUDA_OR_DIE(cudaDeviceSynchronize());  // the legacy stream's memset, before the next step
 }
 
 // One persistent decode step's stamps (cuda::PersistentDecodeArgs::timeline) as a table of

@@ -335,6 +335,9 @@ absl::Status PersistentDecoder::Prepare(bool quantized_view) {
     args_.timeline = reinterpret_cast<unsigned long long*>(take(timeline_bytes));
     CUDA_OR_DIE(cudaMemset(args_.timeline, 0, timeline_bytes));
   }
+  // The copies and memsets above ran on the legacy stream, which the step's non-blocking stream
+  // does not wait for: they finish before the first step reads them.
+  CUDA_OR_DIE(cudaDeviceSynchronize());
   return absl::OkStatus();
 }
 
