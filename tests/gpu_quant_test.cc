@@ -721,13 +721,14 @@ TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
 
 // GemmQuantMma (qgemm=w8a16 / w4a16 dense linears at 8+ rows): y = W . x with x rounded to bf16,
 // against double sums over the CPU's exact dequantization; out features that do not fill a
-// 16-row tile or a 64-feature block, 4- and 8-tile passes. FP8 block-128 is refused.
+// 16-row tile or a 64-feature block, 4- and 8-tile passes, rows in slabs. FP8 block-128 is refused.
 TEST_F(GpuQuant, DenseQuantMmaMatchesTheExactDequantReference) {
   struct Case {
     int64_t n, k;
     int rows;
   };
-  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}};
+  // 1000 rows: a long chunk split into row slabs (16 blocks of 64 rows, the last one 40)
+  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {512, 256, 1000}};
   for (QuantFormat format : kAllFormats) {
     for (Case c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
@@ -802,7 +803,8 @@ constexpr double kFp8MmaSumTolerance = 1.0 / 1024;
 // GemmFp8Mma (qgemm=w8a8's dense linears): the rows' E4M3 codes and scales, then y against double
 // sums over those values times the CPU's exact dequantization of W; FP8 tensor, channel and
 // block-128 scales, out features that do not fill a 16-row tile or a 64-feature block, 4- and
-// 8-tile passes. Block-128 with a K of no whole 128-block, and the FP4 formats, are refused.
+// 8-tile passes, rows in slabs. Block-128 with a K of no whole 128-block, and the FP4 formats, are
+// refused.
 TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
@@ -812,7 +814,8 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
     int64_t n, k;
     int rows;
   };
-  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {64, 64, 1}};
+  const Case cases[] = {
+      {4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {64, 64, 1}, {512, 256, 1000}};
   for (QuantFormat format : kAllFormats) {
     for (Case c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +

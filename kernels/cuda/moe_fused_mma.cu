@@ -242,7 +242,7 @@ __device__ __forceinline__ void PairRows(const int* sorted, int first, int count
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
     const int s = base + 8 * j + g;
-    const int pair = sorted ? sorted[first + s] : s;  // null: one dense matrix, rows in order
+    const int pair = sorted ? sorted[first + s] : first + s;  // null: dense rows in order
     out[j] = s < count ? reinterpret_cast<const uint4*>(rows + (pair / row_div) * row_stride) + t
                        : nullptr;
   }
@@ -329,8 +329,19 @@ __device__ __forceinline__ void ForEachOutput(const int* sorted, int first, int 
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int s = base + 8 * j + 2 * t + q;
-    if (s < count) put(sorted ? sorted[first + s] : s, c[q], c[2 + q]);
+    if (s < count) put(sorted ? sorted[first + s] : first + s, c[q], c[2 + q]);
   }
+}
+
+// The rows of a dense matrix's slab (GemmQuantMma, GemmFp8Mma): its dense_rows input rows split
+// into gridDim.y slabs of whole passes of kTiles x 8 rows, slab y from *first, *count rows.
+template <int kTiles>
+__device__ __forceinline__ void DenseSlab(int dense_rows, int* first, int* count) {
+  constexpr int kPass = 8 * kTiles;
+  const int slab =
+      CeilDivDevice(CeilDivDevice(dense_rows, static_cast<int>(gridDim.y)), kPass) * kPass;
+  *first = static_cast<int>(blockIdx.y) * slab;
+  *count = max(0, min(slab, dense_rows - *first));
 }
 
 // grid (ceil(inter / 64), experts held), 128 threads. Warp w of block (b, y) computes features
@@ -578,7 +589,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     GroupedDownQuantKernel(const uint16_t* h, const int* offsets, const int* sorted,
                            int expert_begin, QuantExpertTable down, int dense_rows, float* out) {
   constexpr int kRuns = QuantRuns<F>();
-  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // offsets null: one dense matrix (expert 0), a slab of its rows a block row (DenseSlab)
+  const int e = expert_begin + (offsets ? static_cast<int>(blockIdx.y) : 0);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hidden = down.rows, inter = down.cols;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int units = inter / (32 * kRuns);
@@ -592,9 +605,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float factor[2] = {QuantRowFactor<F>(down, e, lo_row), QuantRowFactor<F>(down, e, hi_row)};
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  // offsets null: one dense matrix (GemmQuantMma) over dense_rows input rows in order
-  const int first = offsets ? offsets[e] : 0;
-  const int count = offsets ? offsets[e + 1] - first : dense_rows;
+  int first, count;  // offsets null: one dense matrix (GemmQuantMma), a slab of its rows
+  if (offsets) {
+    first = offsets[e];
+    count = offsets[e + 1] - first;
+  } else {
+    DenseSlab<kTiles>(dense_rows, &first, &count);
+  }
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, kRuns * t, rows);
@@ -714,13 +731,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // GroupedDownKernel over FP8 down codes and E4M3 inputs h [pairs, inter] (h_scale a pair); with
-// offsets null, one dense matrix over dense_rows input rows in order (GemmFp8Mma).
+// offsets null, one dense matrix (expert 0) over a slab of its dense_rows input rows a block row
+// (GemmFp8Mma).
 template <QuantFormat F, int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     GroupedDownFp8Kernel(const uint8_t* h, const float* h_scale, const int* offsets,
                          const int* sorted, int expert_begin, QuantExpertTable down, int dense_rows,
                          float* out) {
-  const int e = expert_begin + blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int e = expert_begin + (offsets ? static_cast<int>(blockIdx.y) : 0);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hidden = down.rows, inter = down.cols;
   const int f0 = blockIdx.x * kBlockFeatures + (threadIdx.x >> 5) * 16;
   const int chunks = inter / 64;
@@ -734,8 +753,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const auto block_scale = Fp8BlockScales<F, 1>(mats, e, f0);
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  const int first = offsets ? offsets[e] : 0;
-  const int count = offsets ? offsets[e + 1] - first : dense_rows;
+  int first, count;
+  if (offsets) {
+    first = offsets[e];
+    count = offsets[e + 1] - first;
+  } else {
+    DenseSlab<kTiles>(dense_rows, &first, &count);
+  }
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, t, rows);
@@ -899,15 +923,29 @@ bool GemmQuantMmaSupports(const MatrixRef& w) {
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
+// A dense matrix's grid: a block column per 64 output features and, so that narrow projections
+// (k and v: 8 columns) and long prefill chunks fill the GPU, its rows split into slabs of whole
+// passes until there are ~4 blocks an SM. A block's pass is latency-bound (its loads of the rows'
+// codes wait on L2 a chunk at a time), so slabs run side by side, not a block's passes in turn:
+// prefill 2048 on qwen3-30b-a3b's k projection is 8 x 32 blocks, not 8 blocks of 32 passes.
+dim3 DenseGrid(int features, int rows, bool wide) {
+  int device = 0, sms = 132;  // the shape only, never correctness, rides on the count
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int columns = CeilDiv(features, kBlockFeatures), pass = wide ? 64 : 32;
+  const int slabs = std::clamp(CeilDiv(4 * sms, columns), 1, CeilDiv(rows, pass));
+  return dim3(columns, slabs);
+}
+
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream) {
   const QuantExpertTable t = MatrixQuantTable(w);
-  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
+  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
+  const dim3 grid = DenseGrid(t.rows, rows, wide), block(kWarps * 32);
   auto launch = [&](auto kernel) {
     Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),
            static_cast<const int*>(nullptr), 0, t, rows, y);
   };
-  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
   switch (t.format) {
     case QuantFormat::kFp8Tensor:
       wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 8, 2>)
@@ -937,13 +975,13 @@ void GemmFp8Mma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, 
                 float* y, cudaStream_t stream) {
   const QuantExpertTable t = MatrixQuantTable(w);
   QuantizeRowsE4M3(x, DType::kF32, rows, t.cols, x_codes, x_scales, stream);
-  const dim3 grid(CeilDiv(t.rows, kBlockFeatures), 1), block(kWarps * 32);
+  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
+  const dim3 grid = DenseGrid(t.rows, rows, wide), block(kWarps * 32);
   auto launch = [&](auto kernel) {
     Launch(kernel, grid, block, 0, stream, static_cast<const uint8_t*>(x_codes),
            static_cast<const float*>(x_scales), static_cast<const int*>(nullptr),
            static_cast<const int*>(nullptr), 0, t, rows, y);
   };
-  const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
   if (t.format == QuantFormat::kFp8Tensor)
     wide ? launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 8, 2>)
          : launch(GroupedDownFp8Kernel<QuantFormat::kFp8Tensor, 4, 2>);
