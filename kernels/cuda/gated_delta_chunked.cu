@@ -296,7 +296,11 @@ void GatedDeltaChunked(const float* mixed, const float* g, const float* beta,
   LaunchPlain(GatedDeltaChunkPrepareKernel, dim3(CeilDiv(s.n, kChunk), heads), kPrepareThreads,
               PrepareSharedBytes(s.key_dim, s.value_dim), stream, mixed, channels, g, beta, s.n,
               s.key_heads, s.key_dim, s.value_heads, s.value_dim, scratch, out);
-  if (s.value_dim % 32 == 0)
+  // 32 state columns a block, or 16 where 32 would leave the GPU under two blocks an SM: the
+  // chunk-to-chunk pass is a chain of dependent tiles, so its speed is the blocks side by side
+  // (a 4096-token prompt of qwen3-next: 32 heads x 4 blocks of 128 chunks each, or x 8).
+  const bool wide = s.value_dim % 32 == 0 && heads * (s.value_dim / 32) >= 256;
+  if (wide)
     LaunchPlain(GatedDeltaChunkStateKernel<32>, dim3(heads, s.value_dim / 32), kStateThreads,
                 StateSharedBytes<32>(s.key_dim), stream, mixed, channels, s.n, s.key_heads,
                 s.key_dim, s.value_heads, s.value_dim, s.ragged, scratch, state, out);
