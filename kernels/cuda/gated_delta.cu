@@ -407,7 +407,7 @@ int ElementwiseBlocks(int64_t n) {
 void CausalConv(const float* in, const GatedDeltaShape& s, const MatrixRef& weight, bool fuse_silu,
                 float* state, float* out, cudaStream_t stream) {
   // Segments of 64 tokens: a 4096-token prompt of qwen3-next (8,192 channels) is 32 x 64 blocks
-  // of 64 steps, 512 MB of fp32 in and out, ~0.2 ms at 3 TB/s.
+  // of 64 steps, 268 MB of fp32 in and out, ~60 us at an H200's 4.46 TB/s.
   constexpr int kSegment = 64;
   const int channels = s.conv_channels(), segments = CeilDiv(s.n, kSegment);
   const dim3 grid(CeilDiv(channels, 256), s.batch, segments);
