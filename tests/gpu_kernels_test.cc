@@ -1155,14 +1155,15 @@ TEST_F(GpuKernels, GatedDeltaMatchesTheCpuReference) {
 // sequences of 100 then 37 tokens (three and a partial 32-token chunks, then one and a partial)
 // with the state carried between the calls, then a served sequence of 50 tokens whose slot holds
 // another's state but whose first row sits at position 0 (it starts from zero). Head sizes of the
-// hidden fixtures (16), tiny-hybrid (32), qwen3-next (128) and dv 48 (the 16-column state pass),
+// hidden fixtures (16), tiny-hybrid (32), qwen3-next (128), dv 48 (16 state columns a block) and
+// 16 sequences of qwen3-next's heads (64 heads x 4 blocks of 32 columns: the wide state pass),
 // value heads sharing key heads. fp32 class: within 1e-5 of each output's largest magnitude.
 TEST_F(GpuKernels, GatedDeltaChunkedMatchesTheRecurrentRule) {
   struct Case {
     int batch, key_heads, value_heads, dk, dv;
   };
   for (const Case c : {Case{2, 2, 4, 16, 16}, Case{2, 2, 4, 32, 32}, Case{1, 2, 4, 128, 128},
-                       Case{2, 1, 2, 64, 48}}) {
+                       Case{2, 1, 2, 64, 48}, Case{16, 2, 4, 128, 128}}) {
     ASSERT_TRUE(cuda::GatedDeltaChunkedSupports(c.dk, c.dv));
     cuda::GatedDeltaShape s{c.batch, 0, c.key_heads, c.value_heads, c.dk, c.dv, 4};
     const int channels = s.conv_channels(), key_width = c.key_heads * c.dk, hv = c.value_heads;

@@ -8,6 +8,16 @@ constexpr int kMaxConvTaps = 8;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// Channel c's conv input at token t of the sequence whose rows start at first_row: from `in` for
+// t >= 0, else (t in [-history, 0)) from the carried state st (oldest first), zeros for a fresh
+// sequence.
+__device__ __forceinline__ float ConvInputAt(const float* in, int64_t first_row, int t,
+                                             int channels, int c, bool fresh, const float* st,
+                                             int history) {
+  if (t >= 0) return in[(first_row + t) * channels + c];
+  return fresh ? 0.f : st[static_cast<int64_t>(t + history) * channels];
+}
+
 // grid (ceil(channels / 256), batch, segments), a thread a channel of one sequence's segment of
 // `segment` tokens: its first taps - 1 inputs are the tokens before the segment (before the
 // sequence: the carried state). Segments run side by side, so a long prompt is not one thread's
@@ -29,11 +39,10 @@ __global__ void CausalConvKernel(const float* in, int n, int channels, int taps,
 #pragma unroll
   for (int j = 0; j < kMaxConvTaps; ++j) {
     weights[j] = j < taps ? LoadAsFloat(w, w_dtype, static_cast<int64_t>(c) * taps + j) : 0.f;
-    const int t = t0 - history + j;  // the token tap j reads before the segment's first
-    past[j] = j >= history ? 0.f
-              : t >= 0     ? in[(first_row + t) * channels + c]
-              : own.fresh  ? 0.f
-                           : st[static_cast<int64_t>(t + history) * channels];
+    // the token tap j reads before the segment's first
+    past[j] = j < history ? ConvInputAt(in, first_row, t0 - history + j, channels, c, own.fresh, st,
+                                        history)
+                          : 0.f;
   }
   const int t_end = min(n, t0 + segment);
   for (int t = t0; t < t_end; ++t) {
@@ -70,11 +79,9 @@ __global__ void ConvStateKernel(const float* in, int n, int channels, int taps, 
   float next[kMaxConvTaps];
 #pragma unroll
   for (int j = 0; j < kMaxConvTaps; ++j) {
-    const int t = n - history + j;
-    next[j] = j >= history ? 0.f
-              : t >= 0     ? in[(static_cast<int64_t>(seq) * n + t) * channels + c]
-              : own.fresh  ? 0.f
-                           : st[static_cast<int64_t>(t + history) * channels];
+    next[j] = j < history ? ConvInputAt(in, static_cast<int64_t>(seq) * n, n - history + j,
+                                        channels, c, own.fresh, st, history)
+                          : 0.f;
   }
 #pragma unroll
   for (int j = 0; j < kMaxConvTaps; ++j)

@@ -40,30 +40,36 @@ __device__ __forceinline__ void MmaTf32(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// c += sum over k < depth of a(m0 + ., k) b(k, n0 + .), a 16 x 8 tile; depth % 8 == 0.
+// c += sum over k < depth of a(m0 + ., k) b(k, n0 + .), a 16 x 8 tile; depth % 8 == 0. The
+// high-by-high products and the two corrections accumulate apart, two chains of MMAs, not one.
 template <typename AFn, typename BFn>
 __device__ __forceinline__ void MmaTile(float (&c)[4], int m0, int n0, int depth, const AFn& a,
                                         const BFn& b) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float corr[4] = {0.f, 0.f, 0.f, 0.f};
   for (int k0 = 0; k0 < depth; k0 += 8) {
     const Tf32Split a0 = SplitTf32(a(m0 + g, k0 + t)), a1 = SplitTf32(a(m0 + g + 8, k0 + t)),
                     a2 = SplitTf32(a(m0 + g, k0 + t + 4)),
                     a3 = SplitTf32(a(m0 + g + 8, k0 + t + 4));
     const Tf32Split b0 = SplitTf32(b(k0 + t, n0 + g)), b1 = SplitTf32(b(k0 + t + 4, n0 + g));
     const uint32_t hi[4] = {a0.hi, a1.hi, a2.hi, a3.hi}, lo[4] = {a0.lo, a1.lo, a2.lo, a3.lo};
-    MmaTf32(c, lo, b0.hi, b1.hi);
-    MmaTf32(c, hi, b0.lo, b1.lo);
+    MmaTf32(corr, lo, b0.hi, b1.hi);
+    MmaTf32(corr, hi, b0.lo, b1.lo);
     MmaTf32(c, hi, b0.hi, b1.hi);
   }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) c[r] += corr[r];
 }
 
 // out(m, n, sum over k < depth of a(m, k) b(k, n)) for every m < rows, n < cols, the block's
-// warps taking the 16 x 8 output tiles in turn; rows % 16 == 0, cols % 8 == 0, depth % 8 == 0.
-// Each (m, n) is written by one lane. a and b read shared memory the caller has made ready.
+// warps taking the 16 x 8 output tiles in turn, warp `first_warp` the first tile (two products
+// with no barrier between them can start on different warps); rows % 16 == 0, cols % 8 == 0,
+// depth % 8 == 0. Each (m, n) is written by one lane. a and b read shared memory made ready.
 template <typename AFn, typename BFn, typename OutFn>
 __device__ __forceinline__ void BlockMatmul(int rows, int cols, int depth, const AFn& a,
-                                            const BFn& b, const OutFn& out) {
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+                                            const BFn& b, const OutFn& out, int first_warp = 0) {
+  const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  const int warp = ((threadIdx.x >> 5) + warps - first_warp) % warps;
   const int g = lane >> 2, t = lane & 3, tiles_n = cols / 8;
   for (int tile = warp; tile < rows / 16 * tiles_n; tile += warps) {
     const int m0 = tile / tiles_n * 16, n0 = tile % tiles_n * 8;
@@ -76,6 +82,13 @@ __device__ __forceinline__ void BlockMatmul(int rows, int cols, int depth, const
   }
 }
 
+// 16-byte global load and shared store (offsets in whole 4-float units: dk, dv and the tiles'
+// strides are multiples of 4).
+__device__ __forceinline__ float4 Load4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ void Store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
 size_t PrepareSharedBytes(int dk, int dv) {
   const int tiles = 2 * kChunk * (dk + kRowPad) + kChunk * (dv + kRowPad) +
                     3 * kChunk * (kChunk + kRowPad) + 2 * kChunk;
@@ -84,7 +97,7 @@ size_t PrepareSharedBytes(int dk, int dv) {
 template <int kCols>
 size_t StateSharedBytes(int dk) {
   const int tiles = dk * (kCols + 8) + 2 * kChunk * (dk + kRowPad) + dk * (kChunk + kRowPad) +
-                    kChunk * (kCols + 8);
+                    2 * kChunk * (kCols + 8);
   return static_cast<size_t>(tiles) * sizeof(float);
 }
 
@@ -112,16 +125,37 @@ __global__ void __launch_bounds__(kPrepareThreads)
   float* b_s = cum + kChunk;                                 // [kChunk]: beta
   const int64_t first = static_cast<int64_t>(seq) * n + t0;  // the chunk's first row
   // Tokens past the sequence's end are zeros (k, q, v, beta and g): their A, P, W and U rows are
-  // zero and their G is the last token's, so they change nothing.
-  for (int idx = threadIdx.x; idx < kChunk * dk; idx += blockDim.x) {
-    const int t = idx / dk, i = idx % dk;
-    const float* row = mixed + (first + (t < len ? t : 0)) * channels;
-    k_s[t * ks + i] = t < len ? row[key_width + kh * dk + i] : 0.f;
-    q_s[t * ks + i] = t < len ? row[kh * dk + i] : 0.f;
-  }
-  for (int idx = threadIdx.x; idx < kChunk * dv; idx += blockDim.x) {
-    const int t = idx / dv, j = idx % dv;
-    v_s[t * vs + j] = t < len ? mixed[(first + t) * channels + 2 * key_width + h * dv + j] : 0.f;
+  // zero and their G is the last token's, so they change nothing. A thread's 16-byte loads of
+  // the three tiles are all issued before any store, so the block waits on memory about once.
+  {
+    constexpr int kLoads = kChunk * kGatedDeltaChunkedMaxHeadDim / 4 / kPrepareThreads;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int k_quads = dk / 4, v_quads = dv / 4;
+    float4 kv[kLoads], qv[kLoads], vv[kLoads];
+#pragma unroll
+    for (int r = 0; r < kLoads; ++r) {
+      const int idx = threadIdx.x + r * kPrepareThreads;
+      const int tk = idx / k_quads, tv = idx / v_quads;
+      const float* krow = mixed + (first + tk) * channels;
+      const bool k_live = idx < kChunk * k_quads && tk < len,
+                 v_live = idx < kChunk * v_quads && tv < len;
+      kv[r] = k_live ? Load4(krow + key_width + kh * dk + idx % k_quads * 4) : zero;
+      qv[r] = k_live ? Load4(krow + kh * dk + idx % k_quads * 4) : zero;
+      vv[r] =
+          v_live
+              ? Load4(mixed + (first + tv) * channels + 2 * key_width + h * dv + idx % v_quads * 4)
+              : zero;
+    }
+#pragma unroll
+    for (int r = 0; r < kLoads; ++r) {
+      const int idx = threadIdx.x + r * kPrepareThreads;
+      if (idx < kChunk * k_quads) {
+        const int t = idx / k_quads, i = idx % k_quads * 4;
+        Store4(k_s + t * ks + i, kv[r]);
+        Store4(q_s + t * ks + i, qv[r]);
+      }
+      if (idx < kChunk * v_quads) Store4(v_s + idx / v_quads * vs + idx % v_quads * 4, vv[r]);
+    }
   }
   if (threadIdx.x < 32) {  // warp 0: G, the inclusive scan of g, a lane a token
     const int t = threadIdx.x;
@@ -204,15 +238,30 @@ __global__ void __launch_bounds__(kPrepareThreads)
   if (threadIdx.x < len) scratch.g[at(threadIdx.x)] = cum[threadIdx.x];
 }
 
+// One chunk's inputs to the state pass, held in registers from the chunk before: a thread's
+// share of the W, Qeff and K tiles (16-byte loads, kLoads each), their decays' G and, for the
+// first kChunk * kCols / 4 threads, four columns of one row of U and of the output so far.
+template <int kCols>
+struct ChunkInputs {
+  static constexpr int kLoads = kChunk * kGatedDeltaChunkedMaxHeadDim / 4 / kStateThreads;
+  static constexpr int kColQuads = kCols / 4, kRowQuads = kChunk * kColQuads;
+  static_assert(kRowQuads <= kStateThreads, "a thread a quad of a chunk's U and output columns");
+  float4 w[kLoads], q[kLoads], k[kLoads], u, out;
+  float g[kLoads], g_last;
+};
+
 // grid (batch * Hv, dv / kCols), 256 threads: state columns j0 + [0, kCols) of sequence seq's
 // value head h, in shared memory from the sequence's slot (zeros for a fresh sequence), through
 // its chunks in order: D = U - W S, out += Qeff S, then S = e^(G_last) S +
-// (e^(G_last - G) K)^T D; written back at the end.
+// (e^(G_last - G) K)^T D; written back at the end. The chain is latency-bound (a chunk's
+// products are 32 x kCols x 128 three times), so the next chunk's loads are issued before this
+// chunk's products and land in registers while they run.
 template <int kCols>
 __global__ void __launch_bounds__(kStateThreads)
     GatedDeltaChunkStateKernel(const float* mixed, int channels, int n, int key_heads, int dk,
                                int value_heads, int dv, const int2* ragged,
                                GatedDeltaChunkScratch scratch, float* state, float* out) {
+  using Inputs = ChunkInputs<kCols>;
   extern __shared__ float smem[];
   const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
   const int j0 = blockIdx.y * kCols;
@@ -226,41 +275,75 @@ __global__ void __launch_bounds__(kStateThreads)
   float* w_s = s_s + dk * ss;       // [kChunk][ks]: W
   float* q_s = w_s + kChunk * ks;   // [kChunk][ks]: Qeff
   float* kt_s = q_s + kChunk * ks;  // [dk][cs]: e^(G_last - G_s) k_s, transposed
-  float* d_s = kt_s + dk * cs;      // [kChunk][ss]: D's columns
+  float* d_s = kt_s + dk * cs;      // [kChunk][ss]: U, then D = U - W S
+  float* o_s = d_s + kChunk * ss;   // [kChunk][ss]: Qeff S
   float* st = state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + j0;
   for (int idx = threadIdx.x; idx < dk * kCols; idx += blockDim.x) {
     const int i = idx / kCols, j = idx % kCols;
     s_s[i * ss + j] = own.fresh ? 0.f : st[static_cast<int64_t>(i) * dv + j];
   }
-  for (int t0 = 0; t0 < n; t0 += kChunk) {
+
+  const int quads = dk / 4, items = kChunk * quads;  // a tile's 16-byte pieces
+  const int row_t = threadIdx.x / Inputs::kColQuads, row_j = threadIdx.x % Inputs::kColQuads * 4;
+  const bool row_thread = threadIdx.x < Inputs::kRowQuads;
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto load = [&](int t0, Inputs& in) {
     const int len = min(kChunk, n - t0);
     const int64_t first = static_cast<int64_t>(seq) * n + t0;
     auto at = [&](int t) { return (first + t) * value_heads + h; };
-    const float g_last = scratch.g[at(len - 1)];
-    for (int idx = threadIdx.x; idx < kChunk * dk; idx += blockDim.x) {
-      const int t = idx / dk, i = idx % dk;
-      const bool live = t < len;
-      w_s[t * ks + i] = live ? scratch.w[at(t) * dk + i] : 0.f;
-      q_s[t * ks + i] = live ? scratch.q[at(t) * dk + i] : 0.f;
-      kt_s[i * cs + t] = live ? expf(g_last - scratch.g[at(t)]) *
-                                    mixed[(first + t) * channels + key_width + kh * dk + i]
-                              : 0.f;
+    in.g_last = scratch.g[at(len - 1)];
+#pragma unroll
+    for (int r = 0; r < Inputs::kLoads; ++r) {
+      const int idx = threadIdx.x + r * kStateThreads, t = idx / quads, i = idx % quads * 4;
+      const bool live = idx < items && t < len;
+      in.w[r] = live ? Load4(scratch.w + at(t) * dk + i) : zero;
+      in.q[r] = live ? Load4(scratch.q + at(t) * dk + i) : zero;
+      in.k[r] = live ? Load4(mixed + (first + t) * channels + key_width + kh * dk + i) : zero;
+      in.g[r] = live ? scratch.g[at(t)] : 0.f;
     }
+    const bool row_live = row_thread && row_t < len;
+    in.u = row_live ? Load4(scratch.u + at(row_t) * dv + j0 + row_j) : zero;
+    in.out = row_live ? Load4(out + at(row_t) * dv + j0 + row_j) : zero;
+  };
+  auto stash = [&](const Inputs& in) {  // registers to the tiles; dead tokens are zeros
+#pragma unroll
+    for (int r = 0; r < Inputs::kLoads; ++r) {
+      const int idx = threadIdx.x + r * kStateThreads, t = idx / quads, i = idx % quads * 4;
+      if (idx >= items) break;
+      const float decay = expf(in.g_last - in.g[r]);  // G_last <= G: at most 1
+      const float k4[4] = {in.k[r].x, in.k[r].y, in.k[r].z, in.k[r].w};
+      Store4(w_s + t * ks + i, in.w[r]);
+      Store4(q_s + t * ks + i, in.q[r]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) kt_s[(i + c) * cs + t] = decay * k4[c];
+    }
+    if (row_thread) Store4(d_s + row_t * ss + row_j, in.u);
+  };
+
+  Inputs next;
+  load(0, next);
+  for (int t0 = 0; t0 < n; t0 += kChunk) {
+    const int len = min(kChunk, n - t0);
+    stash(next);
+    const float g_last = next.g_last;
+    const float4 partial = next.out;  // this chunk's output so far (P U)
+    if (t0 + kChunk < n) load(t0 + kChunk, next);
     __syncthreads();  // the tiles, and the state the previous chunk's update left
     BlockMatmul(
         kChunk, kCols, dk, [&](int t, int i) { return w_s[t * ks + i]; },
         [&](int i, int j) { return s_s[i * ss + j]; },
-        [&](int t, int j, float x) {
-          const float u = t < len ? scratch.u[at(t) * dv + j0 + j] : 0.f;
-          d_s[t * ss + j] = u - x;
-        });
+        [&](int t, int j, float x) { d_s[t * ss + j] -= x; });
     BlockMatmul(
         kChunk, kCols, dk, [&](int t, int i) { return q_s[t * ks + i]; },
         [&](int i, int j) { return s_s[i * ss + j]; },
-        [&](int t, int j, float x) {
-          if (t < len) out[at(t) * dv + j0 + j] += x;
-        });
-    __syncthreads();  // D is whole; nothing reads S until the update below is done
+        [&](int t, int j, float x) { o_s[t * ss + j] = x; }, kChunk / 16 * kCols / 8);
+    __syncthreads();  // D and Qeff S are whole; nothing reads S until the update below is done
+    if (row_thread && row_t < len) {
+      const float4 o = Load4(o_s + row_t * ss + row_j);
+      const int64_t row = (static_cast<int64_t>(seq) * n + t0 + row_t) * value_heads + h;
+      Store4(out + row * dv + j0 + row_j,
+             make_float4(partial.x + o.x, partial.y + o.y, partial.z + o.z, partial.w + o.w));
+    }
     const float decay = expf(g_last);
     BlockMatmul(
         dk, kCols, kChunk, [&](int i, int s) { return kt_s[i * cs + s]; },
