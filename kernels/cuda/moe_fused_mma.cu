@@ -333,10 +333,17 @@ __device__ __forceinline__ void ForEachOutput(const int* sorted, int first, int 
   }
 }
 
-// The rows of a dense matrix's slab (GemmQuantMma, GemmFp8Mma): its dense_rows input rows split
-// into gridDim.y slabs of whole passes of kTiles x 8 rows, slab y from *first, *count rows.
+// The rows a down-projection block walks: expert e's bucketed pairs [offsets[e],
+// offsets[e + 1]), or with offsets null one dense matrix's slab (GemmQuantMma, GemmFp8Mma): its
+// dense_rows input rows split into gridDim.y slabs of whole passes of kTiles x 8 rows, slab y.
 template <int kTiles>
-__device__ __forceinline__ void DenseSlab(int dense_rows, int* first, int* count) {
+__device__ __forceinline__ void RowsOf(const int* offsets, int e, int dense_rows, int* first,
+                                       int* count) {
+  if (offsets) {
+    *first = offsets[e];
+    *count = offsets[e + 1] - *first;
+    return;
+  }
   constexpr int kPass = 8 * kTiles;
   const int slab =
       CeilDivDevice(CeilDivDevice(dense_rows, static_cast<int>(gridDim.y)), kPass) * kPass;
@@ -589,7 +596,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     GroupedDownQuantKernel(const uint16_t* h, const int* offsets, const int* sorted,
                            int expert_begin, QuantExpertTable down, int dense_rows, float* out) {
   constexpr int kRuns = QuantRuns<F>();
-  // offsets null: one dense matrix (expert 0), a slab of its rows a block row (DenseSlab)
+  // offsets null: one dense matrix (expert 0), a slab of its rows a block row (RowsOf)
   const int e = expert_begin + (offsets ? static_cast<int>(blockIdx.y) : 0);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int hidden = down.rows, inter = down.cols;
@@ -605,13 +612,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float factor[2] = {QuantRowFactor<F>(down, e, lo_row), QuantRowFactor<F>(down, e, hi_row)};
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  int first, count;  // offsets null: one dense matrix (GemmQuantMma), a slab of its rows
-  if (offsets) {
-    first = offsets[e];
-    count = offsets[e + 1] - first;
-  } else {
-    DenseSlab<kTiles>(dense_rows, &first, &count);
-  }
+  int first, count;
+  RowsOf<kTiles>(offsets, e, dense_rows, &first, &count);
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, kRuns * t, rows);
@@ -754,12 +756,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   WaitForPrerequisites();
   AllowDependentsToLaunch();
   int first, count;
-  if (offsets) {
-    first = offsets[e];
-    count = offsets[e + 1] - first;
-  } else {
-    DenseSlab<kTiles>(dense_rows, &first, &count);
-  }
+  RowsOf<kTiles>(offsets, e, dense_rows, &first, &count);
   for (int base = 0; base < count; base += 8 * kTiles) {
     const uint4* rows[kTiles];
     PairRows<kTiles>(sorted, first, count, base, h, inter, 1, g, t, rows);
