@@ -800,11 +800,44 @@ std::vector<float> ExpectE4m3Rows(const std::vector<float>& x, int rows, int col
 // bits): the sums are judged at 2^-10 of the sum of their |terms|, not fp32's 1e-5.
 constexpr double kFp8MmaSumTolerance = 1.0 / 1024;
 
-// GemmFp8Mma (qgemm=w8a8's dense linears): the rows' E4M3 codes and scales, then y against double
-// sums over those values times the CPU's exact dequantization of W; FP8 tensor, channel and
-// block-128 scales, out features that do not fill a 16-row tile or a 64-feature block, 4- and
-// 8-tile passes, rows in slabs. Block-128 with a K of no whole 128-block, and the FP4 formats, are
-// refused.
+using DenseFp8Gemm = void (*)(const float*, int, const MatrixRef&, uint8_t*, float*, float*,
+                              cudaStream_t);
+
+// One dense qgemm=w8a8 GEMM of `rows` rows through `gemm`: the rows' E4M3 codes and scales, then
+// y against double sums over those values times the CPU's exact dequantization `dq` of W.
+void CheckDenseFp8(DenseFp8Gemm gemm, const char* what, QuantFormat format, const DeviceMatrix& dm,
+                   const std::vector<float>& dq, int64_t n, int64_t k, int rows) {
+  const std::vector<float> x = RandomValues(rows * k, 73);
+  float* dx = ToDevice(x);
+  uint8_t* codes = nullptr;
+  float *scales = nullptr, *dy = nullptr;
+  CUDA_EXPECT_OK(cudaMalloc(&codes, rows * k));
+  CUDA_EXPECT_OK(cudaMalloc(&scales, rows * sizeof(float)));
+  CUDA_EXPECT_OK(cudaMalloc(&dy, rows * n * sizeof(float)));
+  CUDA_EXPECT_OK(cudaMemset(dy, 0xFF, rows * n * sizeof(float)));  // NaN where nothing writes
+  gemm(dx, rows, dm.ref, codes, scales, dy, nullptr);
+  CUDA_EXPECT_OK(cudaGetLastError());
+  CUDA_EXPECT_OK(cudaDeviceSynchronize());
+  const std::vector<float> xq = ExpectE4m3Rows(x, rows, static_cast<int>(k), codes, scales);
+  const std::vector<float> y = ToHost(dy, rows * n);
+  for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
+                  static_cast<void*>(dy)})
+    cudaFree(p);
+  double worst = 0;
+  for (int m = 0; m < rows; ++m)
+    for (int64_t f = 0; f < n; ++f) {
+      auto [want, magnitude] = ExactDot(xq.data() + m * k, dq, f, k);
+      worst = std::max(worst, std::fabs(y[m * n + f] - want) / (magnitude + 1e-30));
+      ASSERT_NEAR(y[m * n + f], want, kFp8MmaSumTolerance * magnitude + 1e-30)
+          << "[" << m << ", " << f << "]";
+    }
+  std::printf("# w8a8 dense %s %s rows %d: worst error %.3g of the sum of |terms|\n", what,
+              Name(format, {n, k}).c_str(), rows, worst);
+}
+
+// GemmFp8Mma (qgemm=w8a8's dense linears): FP8 tensor, channel and block-128 scales, out
+// features that do not fill a 16-row tile or a 64-feature block, 4- and 8-tile passes, rows in
+// slabs. Block-128 with a K of no whole 128-block, and the FP4 formats, are refused.
 TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
@@ -823,7 +856,6 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
       const std::vector<float> w = RandomValues(c.n * c.k, 71);
       auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
       ASSERT_TRUE(q.ok()) << q.status();
-      const std::vector<float> dq = DequantizeMatrix(q->View());
       DeviceMatrix dm(*q);
       const bool e4m3 = format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
                         (format == QuantFormat::kFp8Block128 && c.k % 128 == 0);
@@ -832,31 +864,40 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
         continue;
       }
       ASSERT_TRUE(cuda::GemmFp8MmaSupports(dm.ref));
-      const std::vector<float> x = RandomValues(c.rows * c.k, 73);
-      float* dx = ToDevice(x);
-      uint8_t* codes = nullptr;
-      float *scales = nullptr, *dy = nullptr;
-      CUDA_EXPECT_OK(cudaMalloc(&codes, c.rows * c.k));
-      CUDA_EXPECT_OK(cudaMalloc(&scales, c.rows * sizeof(float)));
-      CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
-      cuda::GemmFp8Mma(dx, c.rows, dm.ref, codes, scales, dy, nullptr);
-      CUDA_EXPECT_OK(cudaGetLastError());
-      CUDA_EXPECT_OK(cudaDeviceSynchronize());
-      const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, static_cast<int>(c.k), codes, scales);
-      const std::vector<float> y = ToHost(dy, c.rows * c.n);
-      for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
-                      static_cast<void*>(dy)})
-        cudaFree(p);
-      double worst = 0;
-      for (int m = 0; m < c.rows; ++m)
-        for (int64_t n = 0; n < c.n; ++n) {
-          auto [want, magnitude] = ExactDot(xq.data() + m * c.k, dq, n, c.k);
-          worst = std::max(worst, std::fabs(y[m * c.n + n] - want) / (magnitude + 1e-30));
-          ASSERT_NEAR(y[m * c.n + n], want, kFp8MmaSumTolerance * magnitude + 1e-30)
-              << "[" << m << ", " << n << "]";
-        }
-      std::printf("# w8a8 dense %s: worst error %.3g of the sum of |terms|\n",
-                  Name(format, {c.n, c.k}).c_str(), worst);
+      CheckDenseFp8(cuda::GemmFp8Mma, "mma.sync", format, dm, DequantizeMatrix(q->View()), c.n, c.k,
+                    c.rows);
+    }
+  }
+}
+
+// GemmFp8Wgmma (qgemm=w8a8's dense linears on sm_90a): FP8 tensor and channel scales, one and
+// several 128-feature tiles, row tiles of 1 to 128 rows (wgmma N 32 to 128) and a last one part
+// full; the other formats and shapes off the 128-row tiles or 128-element K chunks are refused.
+TEST_F(GpuQuant, DenseFp8WgmmaMatchesTheExactE4m3Reference) {
+  cudaDeviceProp props{};
+  CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
+  if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "the sm_90a kernels need sm_90";
+  struct Case {
+    int64_t n, k;
+    int rows;
+  };
+  const Case cases[] = {{4096, 2048, 64}, {128, 128, 1},  {256, 384, 130},
+                        {512, 256, 1000}, {384, 128, 97}, {192, 256, 8}};
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
+                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
+      const bool takes =
+          (format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel) &&
+          c.n % 128 == 0;
+      EXPECT_EQ(cuda::Fp8WgmmaShapeSupports(format, c.n, c.k), takes);
+      if (!takes) continue;
+      const std::vector<float> w = RandomValues(c.n * c.k, 71);
+      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
+      ASSERT_TRUE(q.ok()) << q.status();
+      DeviceMatrix dm(*q);
+      CheckDenseFp8(cuda::GemmFp8Wgmma, "wgmma", format, dm, DequantizeMatrix(q->View()), c.n, c.k,
+                    c.rows);
     }
   }
 }

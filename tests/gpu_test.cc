@@ -630,12 +630,14 @@ TEST(Gpu, FusedQuantizedConfigsAreOkAndBadScaleIsIncorrect) {
 // qgemm=w8a8 (E4M3 activations on E4M3 x E4M3 tensor cores) on tiny-moe and tiny-qwen2-moe (a
 // dense MLP layer, a shared expert): FP8 tensor and channel weights OK in the fp8 class under
 // moe=fused, eager and under graphs, and under moe=wgmma; its prefill chunks (16 tokens) and
-// batch-4 decode steps run the E4M3 grouped kernels and no decoding ones; an expert's down_proj
+// batch-4 decode steps run the E4M3 grouped kernels and no decoding ones, and on sm_90 the prefill
+// chunks' 128-wide dense linears E4M3 wgmma; an expert's down_proj
 // with one scale x1000 is INCORRECT. FP8 block-128 weights are OK too: their 128-wide dense
 // linears take the E4M3 kernels, their experts (64 wide, no whole 128-block) w8a16's.
 TEST(Gpu, W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect) {
   REQUIRE_GPU();
   if (ProbeLocalDevices().sm < cuda::kFp8MmaMinSm) GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
+  const bool hopper = ProbeLocalDevices().sm == 90;
   TrialExecutor executor;
   auto launches = [](const PhaseKernels& p, const std::string& prefix) {
     int64_t n = 0;
@@ -663,6 +665,12 @@ TEST(Gpu, W8a8ConfigsRunE4m3TensorCoresAndABadExpertScaleIsIncorrect) {
               << FormatKernels(b);
           if (b.batch >= 4 && e4m3) {
             EXPECT_GT(launches(*b.decode_kernels, "GroupedDownFp8Kernel<"), 0) << FormatKernels(b);
+          }
+          // On sm_90 the 128-wide dense linears' prefill (q, o, the MLPs) runs on E4M3 wgmma
+          // (moe=fused: the experts are not on it).
+          if (config.find("moe=fused") != std::string::npos) {
+            EXPECT_EQ(launches(*b.prefill_kernels, "ExpertGemmKernel<") > 0, e4m3 && hopper)
+                << FormatKernels(b);
           }
         }
         const TrialResult bad = executor.Execute(GpuRequest(

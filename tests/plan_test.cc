@@ -359,12 +359,12 @@ TEST(AttentionPlan, ScratchIsSizedForEveryPathAndRefusalsNameEveryReason) {
 }
 
 // qgemm=w8a8: FP8 tensor and channel linears take the E4M3 x E4M3 MMA from 8 rows and on every
-// prefill chunk, ahead of the bf16 copy; fewer decode rows keep the w8a16 GEMV; a K off the
-// 64-element units takes w8a16's paths, and so does a block-128 K off the 128-element blocks.
-// Grouped FP8 experts take the E4M3 kernels (64-pair passes when wide); under moe=wgmma, long
-// chunks take E4M3 wgmma where hidden and inter are whole 128-element chunks, else the mma.sync
-// kernels, which the log says; block-128 experts take the mma.sync ones where their K are whole
-// blocks.
+// prefill chunk, ahead of the bf16 copy (E4M3 wgmma where the device runs sm_90a code); fewer
+// decode rows keep the w8a16 GEMV; a K off the 64-element units takes w8a16's paths, and so does a
+// block-128 K off the 128-element blocks. Grouped FP8 experts take the E4M3 kernels (64-pair passes
+// when wide); under moe=wgmma, long chunks take E4M3 wgmma where hidden and inter are whole
+// 128-element chunks, else the mma.sync kernels, which the log says; block-128 experts take the
+// mma.sync ones where their K are whole blocks.
 TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   const CudaOptions w8a8 = OptionsWith("qgemm", "w8a8");
   const LinearWeightFacts channel{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
@@ -389,6 +389,29 @@ TEST(LinearPlan, W8a8TakesE4m3TensorCoresOnBatchesOfFp8Rows) {
   EXPECT_NE(PlanLinear(w8a8, misaligned, {true, 64, false, true}).path, LinearPath::kQuantFp8Mma);
   EXPECT_EQ(PlanLinear(OptionsWith("qgemm", "w8a16"), channel, {true, 8, false, true}).path,
             LinearPath::kQuantGemvFp8);
+  // On sm_90a: E4M3 wgmma on prefill chunks and from kFp8WgmmaMinRows decode rows, for tensor
+  // and channel scales with whole 128-row tiles and 128-element K chunks; mma.sync otherwise.
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, 2, true, true, true}).path,
+            LinearPath::kQuantFp8Wgmma);
+  EXPECT_EQ(PlanLinear(w8a8, tensor, {false, 2048, true, false, true}).path,
+            LinearPath::kQuantFp8Wgmma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, kFp8WgmmaMinRows, false, true, true}).path,
+            LinearPath::kQuantFp8Wgmma);
+  EXPECT_EQ(PlanLinear(w8a8, channel, {true, kFp8WgmmaMinRows - 1, false, true, true}).path,
+            LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, block, {true, 2, true, true, true}).path, LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Channel, 64, 2048},
+                       {true, 2, true, true, true})
+                .path,
+            LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, {DType::kBF16, QuantFormat::kFp8Channel, 4096, 2112},
+                       {true, 2, true, true, true})
+                .path,
+            LinearPath::kQuantFp8Mma);
+  EXPECT_EQ(PlanLinear(w8a8, misaligned, {true, 2, true, true, true}).path,
+            LinearPath::kQuantBf16Copy);
+  EXPECT_EQ(PlanLinear(OptionsWith("qgemm", "w8a16"), channel, {true, 2, true, true, true}).path,
+            LinearPath::kQuantBf16Copy);
 
   const MoeShape moe{128, 8, 2048, 768};
   MoeLayerFacts fp8;

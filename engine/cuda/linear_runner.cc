@@ -9,6 +9,7 @@
 #include "engine/cuda/device_util.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemm_tma.h"
+#include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep {
 
@@ -18,7 +19,14 @@ LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::C
       options_(context.options),
       stream_(context.stream),
       gemm_(std::move(gemm)),
-      view_(view) {}
+      view_(view) {
+  int device = 0, major = 0, minor = 0;
+  wgmma_ =
+      cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+      major == 9 && minor == 0;
+}
 
 // The most elements of a quantized linear that Gemm dequantizes into the bf16 copy: the dense
 // projections, MLPs and lm_head (the experts run on their codes).
@@ -77,7 +85,7 @@ LinearPlan LinearRunner::Plan(const MatrixRef& w, int rows, bool bf16_input,
   facts.rows = w.rows;
   facts.cols = w.cols;
   facts.codes_aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
-  const LinearStep step{gemm_ != nullptr, rows, prefill_, bf16_input};
+  const LinearStep step{gemm_ != nullptr, rows, prefill_, bf16_input, wgmma_};
   LinearPlan plan = PlanLinear(options_, facts, step);
   if (record_fallback && LaunchRecording()) {
     const std::string fallback = LinearFallback(options_, plan, facts, step);
@@ -112,6 +120,9 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     case LinearPath::kQuantFp8Mma:
       // qgemm=w8a8: the rows quantized to E4M3, then E4M3 x E4M3 tensor cores on the codes.
       cuda::GemmFp8Mma(x, rows, w, fp8_codes_.get(), fp8_scales_.get(), y, stream_);
+      break;
+    case LinearPath::kQuantFp8Wgmma:  // the same on Hopper's E4M3 wgmma, 128 x 128 tiles
+      cuda::GemmFp8Wgmma(x, rows, w, fp8_codes_.get(), fp8_scales_.get(), y, stream_);
       break;
     case LinearPath::kQuantGemvFp4:
       cuda::GemvW4A16(x, rows, w, y, stream_);

@@ -105,6 +105,7 @@ class LinearRunner {
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
   const QuantView* view_;
   bool prefill_ = false;
+  bool wgmma_ = false;  // compute capability 9.0: the sm_90a kernels run (LinearStep::wgmma)
   DeviceBuffer<float> xn_, o_, y_, gate_, up_;
   DeviceBuffer<uint16_t> bf16_;
   DeviceBuffer<uint16_t> bf16_copy_;  // QuantBf16Copy

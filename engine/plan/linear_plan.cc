@@ -24,6 +24,10 @@ LinearPlan PlanLinear(const CudaOptions& o, const LinearWeightFacts& w, const Li
     return plan;
   } else if (o.qgemm == QGemm::kReference) {
     plan.path = LinearPath::kQuantReference;
+  } else if (QuantizesActivationsFp8(o.qgemm) && s.wgmma &&
+             (s.prefill || s.rows >= kFp8WgmmaMinRows) &&
+             cuda::Fp8WgmmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
+    plan.path = LinearPath::kQuantFp8Wgmma;
   } else if (QuantizesActivationsFp8(o.qgemm) && (s.prefill || s.rows >= cuda::kQuantMmaMinRows) &&
              cuda::Fp8MmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
     // Prefill chunks and decode batches of 8+ rows; fewer rows keep the GEMV (below).
@@ -67,6 +71,7 @@ std::string LinearFallback(const CudaOptions& o, const LinearPlan& plan, const L
     case LinearPath::kQuantReference:
     case LinearPath::kQuantMma:
     case LinearPath::kQuantFp8Mma:
+    case LinearPath::kQuantFp8Wgmma:
     case LinearPath::kQuantGemvFp4:
     case LinearPath::kQuantGemvFp8:
     case LinearPath::kCublasLt:

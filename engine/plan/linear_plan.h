@@ -15,6 +15,9 @@ namespace infersweep {
 // From this many decode rows, quantized dense linears under qgemm=w4a16|w8a16 run on tensor
 // cores from a bf16 copy of the weight (as prefill chunks do).
 constexpr int kQuantBf16CopyMinRows = 16;
+// From this many decode rows (and on every prefill chunk), qgemm=w8a8's dense linears take E4M3
+// wgmma on sm_90a: a 128-row tile is one pass over the weight.
+constexpr int kFp8WgmmaMinRows = 64;
 
 enum class LinearPath {
   kScaledGemm,      // qgemm=fp8_cublaslt|native_fp4|cudnn: the scaled GEMM on the codes
@@ -22,6 +25,7 @@ enum class LinearPath {
   kQuantBf16Copy,   // the weight dequantized into a bf16 copy, then cuBLASLt
   kQuantMma,        // FP4 codes decoded in registers onto mma.sync (decode batches)
   kQuantFp8Mma,     // qgemm=w8a8: rows quantized to E4M3 onto E4M3 x E4M3 mma.sync
+  kQuantFp8Wgmma,   // qgemm=w8a8 on sm_90a: the same rows onto E4M3 wgmma (GemmFp8Wgmma)
   kQuantGemvFp4,    // qgemm=w4a16's GEMV
   kQuantGemvFp8,    // qgemm=w8a16's GEMV
   kCublasLt,        // a bf16 weight on cuBLASLt
@@ -43,6 +47,7 @@ struct LinearStep {
   int rows = 0;
   bool prefill = false;
   bool bf16_input = false;  // x is also staged in bf16
+  bool wgmma = false;       // the device runs the sm_90a kernels (compute capability 9.0)
 };
 
 struct LinearPlan {

@@ -155,6 +155,12 @@ constexpr bool MoeWgmmaFp8Supports(const QuantMatrixShape& gate, const QuantMatr
          MoeWgmmaSupports(hidden, inter) && hidden % kMoeWgmmaFp8Chunk == 0 &&
          inter % kMoeWgmmaFp8Chunk == 0;
 }
+// qgemm=w8a8's dense linears on the same tiles (GemmFp8Wgmma): FP8 tensor / channel codes,
+// features in whole 128-row tiles and K in whole chunks.
+constexpr bool Fp8WgmmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
+  return (f == QuantFormat::kFp8Tensor || f == QuantFormat::kFp8Channel) && rows > 0 &&
+         rows % kMoeWgmmaRowsPerTile == 0 && cols > 0 && cols % kMoeWgmmaFp8Chunk == 0;
+}
 // The grouped kernels' variants, chosen by the MoE plan (engine/plan/moe_plan.h): mma.sync over
 // 32 (x4) or 64 (x8) pairs a pass, or wgmma; bf16 experts or quantized ones decoded in registers;
 // or FP8 experts' E4M3 codes straight onto E4M3 x E4M3 mma.sync, or wgmma, with E4M3 inputs

@@ -289,7 +289,7 @@ void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y
 // and x_scales [rows]), then the codes go straight onto E4M3 x E4M3 mma.sync (m16n8k32, fp32
 // accumulate; sm_89+), the weight's scales (a row's, or each 128 x 128 block's on that block's
 // sums) and the row's multiplying the sums. qgemm=w8a8's dense linears at kQuantMmaMinRows rows
-// and more.
+// and more, where GemmFp8Wgmma (kernels/cuda/sm90a/moe_wgmma.h) does not take them.
 // Napkin math, a 2048-token prefill chunk through q_proj of qwen3-30b-a3b [4096, 2048]: 34 GFLOP
 // at H200's ~990 dense FP8 TFLOP/s is 35 us; mma.sync reaches perhaps a third of it (~100 us),
 // against ~60 us of bf16 wgmma at its rate: the win is in the bytes (8 MB of codes, not a 16 MB

@@ -244,6 +244,9 @@ struct ExpertGemm {
   // kE4M3: the input as E4M3 codes (rows as `input`'s) and a scale a row (input is unused).
   const uint8_t* input_fp8 = nullptr;
   const float* input_scale = nullptr;
+  // A dense matrix (GemmFp8Wgmma), with offsets and sorted_pairs null: expert 0 over input rows
+  // [0, dense_rows), block y the 128 rows from 128 y, each row's result at its own index.
+  int dense_rows = 0;
 };
 
 __device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
@@ -397,9 +400,9 @@ __device__ __forceinline__ void ComputeTile(const ExpertGemm& a, const TileCopie
         a.h[static_cast<int64_t>(first + pair_in_tile) * a.features + f0 + 32 * group + 8 * w + g] =
             __bfloat16_as_ushort(__float2bfloat16_rn(gate / (1.f + expf(-gate)) * up));
       } else {
-        float* out = a.out +
-                     static_cast<int64_t>(a.sorted_pairs[first + pair_in_tile]) * a.features + f0 +
-                     64 * group + 16 * w + g;
+        const int64_t row =
+            a.sorted_pairs ? a.sorted_pairs[first + pair_in_tile] : first + pair_in_tile;
+        float* out = a.out + row * a.features + f0 + 64 * group + 16 * w + g;
         out[0] = acc[4 * j + q] * factor[0] * in_scale;
         out[8] = acc[4 * j + 2 + q] * factor[1] * in_scale;
       }
@@ -416,7 +419,14 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   __shared__ WorkItem item;
   WaitForPrerequisites();  // the offsets and the inputs are earlier kernels' outputs
   AllowDependentsToLaunch();
-  if (threadIdx.x < 32) FindWorkItem(a.offsets, a.num_experts, blockIdx.y, &item);
+  if (a.offsets == nullptr) {  // dense: no lookup
+    if (threadIdx.x == 0) {
+      const int first = blockIdx.y * kPairsPerTile;
+      item = {0, first, min(kPairsPerTile, a.dense_rows - first)};
+    }
+  } else if (threadIdx.x < 32) {
+    FindWorkItem(a.offsets, a.num_experts, blockIdx.y, &item);
+  }
   __syncthreads();
   if (item.expert < 0) return;
   const int e = item.expert, first = item.first, count = item.count;
@@ -496,15 +506,22 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
 
 // kE4M3: x is quantized to E4M3 (a scale a row) before gate/up, and h (a scale a bucketed row)
 // before down (QuantizeRowsE4M3).
-template <QuantFormat F, bool kE4M3 = false>
-void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
-  constexpr int kShared = Layout<F, kE4M3>::kSharedBytes;
+// Format F's kernels take Layout<F, kE4M3>::kSharedBytes of dynamic shared memory.
+template <QuantFormat F, bool kE4M3>
+void ConfigureExpertGemms() {
   static PerDeviceOnce configure;  // the attribute is per device
   configure([] {
     for (const void* kernel : {reinterpret_cast<const void*>(ExpertGemmKernel<F, true, kE4M3>),
                                reinterpret_cast<const void*>(ExpertGemmKernel<F, false, kE4M3>)})
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Layout<F, kE4M3>::kSharedBytes);
   });
+}
+
+template <QuantFormat F, bool kE4M3 = false>
+void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
+  constexpr int kShared = Layout<F, kE4M3>::kSharedBytes;
+  ConfigureExpertGemms<F, kE4M3>();
   const int pairs = m.rows * m.k;
   if (pairs == 0) return;
   // Items: sum over experts of ceil(pairs_e / 128) <= pairs / 128 + (experts with pairs); blocks
@@ -551,7 +568,38 @@ void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
          kShared, stream, down);
 }
 
+// y = x . W^T for one dense FP8 tensor / channel matrix W [features, K]: the down kernel's
+// tiles over expert 0, with x quantized to E4M3 a row at a time first.
+template <QuantFormat F>
+void LaunchDenseFp8(const float* x, int rows, const QuantExpertTable& w, uint8_t* x_codes,
+                    float* x_scales, float* y, cudaStream_t stream) {
+  ConfigureExpertGemms<F, true>();
+  QuantizeRowsE4M3(x, DType::kF32, rows, w.cols, x_codes, x_scales, stream);
+  ExpertGemm g;
+  g.num_experts = 1;
+  g.features = w.rows;
+  g.depth = w.cols;
+  g.out = y;
+  g.q0 = w;
+  g.input_fp8 = x_codes;
+  g.input_scale = x_scales;
+  g.dense_rows = rows;
+  Launch(ExpertGemmKernel<F, false, true>,
+         dim3(w.rows / kRowsPerTile, CeilDiv(rows, kPairsPerTile)), dim3(kThreads),
+         Layout<F, true>::kSharedBytes, stream, g);
+}
+
 }  // namespace
+
+void GemmFp8Wgmma(const float* x, int rows, const MatrixRef& w, uint8_t* x_codes, float* x_scales,
+                  float* y, cudaStream_t stream) {
+  if (rows <= 0) return;
+  const QuantExpertTable t = MatrixQuantTable(w);
+  if (t.format == QuantFormat::kFp8Tensor)
+    return LaunchDenseFp8<QuantFormat::kFp8Tensor>(x, rows, t, x_codes, x_scales, y, stream);
+  // Fp8WgmmaShapeSupports admits no other format
+  LaunchDenseFp8<QuantFormat::kFp8Channel>(x, rows, t, x_codes, x_scales, y, stream);
+}
 
 void MoeWgmmaExperts(const MoeGroupedArgs& m, cudaStream_t stream) {
   if (m.kernel == MoeGroupedKernel::kFp8Wgmma) {  // MoeWgmmaFp8Supports: FP8 tensor / channel
