@@ -514,7 +514,9 @@ for r in csv.reader(sys.stdin):
     # under its fastest config: HYBRID_CONFIG_BASE for the first (the kernels main had), then
     # HYBRID_CONFIG (flash at head_dim 256 on a bf16 cache, linear_attn=chunked) for the rest.
     # The hybrids' headline rows, against the previous main's, in one call.
-    # HYBRID_LAYERS (default 48) fewer layers where the GPU holds less than the whole model.
+    # HYBRID_LAYERS (default 48) fewer layers where the GPU holds less than the whole model;
+    # HYBRID_QGEMM another qgemm than the format's (w8a16 or w4a16), e.g. w8a8;
+    # HYBRID_PREFILL_MOE the prefill's moe (default fused; wgmma for long chunks' experts).
     base_cfg=${HYBRID_CONFIG_BASE:-attention=naive,linear_attn=fused}
     new_cfg=${HYBRID_CONFIG:-attention=flash,kv_cache=bf16,linear_attn=chunked}
     first=1
@@ -523,13 +525,14 @@ for r in csv.reader(sys.stdin):
       if ((first)); then cfg=$base_cfg; first=0; fi
       for f in ${HYBRID_FORMATS:-fp8_channel}; do
         q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
-        echo "# $b $f: $cfg"
+        q=${HYBRID_QGEMM:-$q}
+        echo "# $b $f qgemm=$q: $cfg"
         .carry/$b run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
           --config "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$q,$cfg" \
           --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
           --json "$OUT/hybrid_ab_decode_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
         .carry/$b run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
-          --config "device=cuda,gemm=fused,moe=fused,graphs=off,qgemm=$q,$cfg" \
+          --config "device=cuda,gemm=fused,moe=${HYBRID_PREFILL_MOE:-fused},graphs=off,qgemm=$q,$cfg" \
           --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
           --json "$OUT/hybrid_ab_prefill_${b}_$f.json" 2>&1 | grep -E " OK | INCORRECT| ERROR| UNSUPPORTED|CRASHED|spread"
       done
