@@ -504,8 +504,6 @@ __global__ void __launch_bounds__(kThreads, 2) ExpertGemmKernel(ExpertGemm a) {
   }
 }
 
-// kE4M3: x is quantized to E4M3 (a scale a row) before gate/up, and h (a scale a bucketed row)
-// before down (QuantizeRowsE4M3).
 // Format F's kernels take Layout<F, kE4M3>::kSharedBytes of dynamic shared memory.
 template <QuantFormat F, bool kE4M3>
 void ConfigureExpertGemms() {
@@ -518,6 +516,8 @@ void ConfigureExpertGemms() {
   });
 }
 
+// kE4M3: x is quantized to E4M3 (a scale a row) before gate/up, and h (a scale a bucketed row)
+// before down (QuantizeRowsE4M3).
 template <QuantFormat F, bool kE4M3 = false>
 void LaunchExpertGemms(const MoeGroupedArgs& m, cudaStream_t stream) {
   constexpr int kShared = Layout<F, kE4M3>::kSharedBytes;
