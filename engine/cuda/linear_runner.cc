@@ -7,6 +7,7 @@
 #include "core/launch_log.h"
 #include "core/unreachable.h"
 #include "engine/cuda/device_util.h"
+#include "kernels/cuda/compute_capability.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/sm90a/gemm_tma.h"
 #include "kernels/cuda/sm90a/moe_wgmma.h"
@@ -20,12 +21,8 @@ LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::C
       stream_(context.stream),
       gemm_(std::move(gemm)),
       view_(view) {
-  int device = 0, major = 0, minor = 0;
-  wgmma_ =
-      cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-      major == 9 && minor == 0;
+  const absl::StatusOr<int> sm = CurrentComputeCapability("linear runner");
+  wgmma_ = sm.ok() && *sm == 90;
 }
 
 // The most elements of a quantized linear that Gemm dequantizes into the bf16 copy: the dense

@@ -7,6 +7,7 @@
 #include "api/status_macros.h"
 #include "core/launch_log.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/compute_capability.h"
 #include "kernels/cuda/scaled_layout.h"
 #include "kernels/cuda/scaled_quant.h"
 
@@ -24,14 +25,7 @@ const char* KindName(ScaledGemmKind kind) {
 absl::StatusOr<std::unique_ptr<ScaledGemm>> ScaledGemm::Create(ScaledGemmKind kind,
                                                                size_t workspace_bytes) {
   auto gemm = std::unique_ptr<ScaledGemm>(new ScaledGemm(kind));
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return absl::FailedPreconditionError("scaled GEMM: no CUDA device");
-  }
-  gemm->sm_ = 10 * major + minor;
+  ASSIGN_OR_RETURN(gemm->sm_, CurrentComputeCapability("scaled GEMM"));
   RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&gemm->handle_), "cublasLtCreate"));
   if (cudaMalloc(&gemm->workspace_, workspace_bytes) != cudaSuccess ||
       cudaMalloc(reinterpret_cast<void**>(&gemm->slots_), 4 * sizeof(uint32_t)) != cudaSuccess) {
