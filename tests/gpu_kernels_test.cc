@@ -1320,7 +1320,7 @@ TEST_F(GpuKernels, GatedDeltaDecodeMatchesTheKernelChain) {
   }
 }
 
-// The gated RMSNorm and the gated attention's split and sigmoid gate against host math.
+// The gated RMSNorm and the gated attention's output gate against host math.
 TEST_F(GpuKernels, GatedNormAndGatedQueryMatchHostMath) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> uni(-2.f, 2.f);
@@ -1337,21 +1337,94 @@ TEST_F(GpuKernels, GatedNormAndGatedQueryMatchHostMath) {
                      1e-6f, d_x, nullptr);
   EXPECT_LE(RelMax(Download(d_x, x.size()), want), 1e-6);
 
+  // The output gate, read in place from q_proj's [q_h | gate_h] rows (a padded stride).
   const int rows = 3, heads = 4, d = 16, stride = 2 * heads * d + 8;
-  std::vector<float> src(rows * stride);
+  std::vector<float> src(rows * stride), attn(rows * heads * d);
   for (float& v : src) v = uni(rng);
-  float* d_q = Upload(std::vector<float>(rows * heads * d));
-  float* d_gate = Upload(std::vector<float>(rows * heads * d));
-  cuda::SplitGatedQuery(Upload(src), stride, rows, heads, d, d_q, d_gate, nullptr);
-  cuda::SigmoidGate(d_q, d_gate, rows * heads * d, nullptr);
-  const std::vector<float> got = Download(d_q, rows * heads * d);
+  for (float& v : attn) v = uni(rng);
+  float* d_attn = Upload(attn);
+  cuda::SigmoidGateHeads(d_attn, Upload(src), stride, rows, heads, d, nullptr);
+  const std::vector<float> got = Download(d_attn, attn.size());
   for (int r = 0; r < rows; ++r)
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d; ++i) {
-        const float q = src[r * stride + h * 2 * d + i], gate = src[r * stride + h * 2 * d + d + i];
-        EXPECT_NEAR(got[(r * heads + h) * d + i], q * cpu::Sigmoid(gate), 1e-6f)
+        const float gate = src[r * stride + h * 2 * d + d + i];
+        const int at = (r * heads + h) * d + i;
+        EXPECT_NEAR(got[at], attn[at] * cpu::Sigmoid(gate), 1e-6f)
             << "row " << r << " head " << h << " dim " << i;
       }
+}
+
+// Partial RoPE (qwen3-next: the norm over the whole head, RoPE over its first rotary_dim dims)
+// against host math, q read from gated attention's [q_h | gate_h] rows (heads 2 d apart) and k,
+// v appended to an fp32 cache: head sizes a warp holds in registers (64, 256) and one past them
+// (320, the late-read path), positions after the prompt's start.
+TEST_F(GpuKernels, QkNormPartialRopeAppendReadsGatedHeadsInPlace) {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uni(-2.f, 2.f);
+  struct Case {
+    int rows, q_heads, kv_heads, d, rotary, pos0;
+  };
+  for (const Case& c :
+       {Case{2, 4, 2, 64, 16, 3}, Case{3, 8, 2, 256, 64, 5}, Case{1, 2, 1, 320, 80, 0}}) {
+    SCOPED_TRACE(testing::Message() << "d " << c.d << " rotary " << c.rotary);
+    const int half = c.rotary / 2, q_stride = 2 * c.q_heads * c.d + 4, kv_dim = c.kv_heads * c.d;
+    const int capacity = c.pos0 + c.rows + 1;  // one sequence, rows at pos0, pos0 + 1, ...
+    const float eps = 1e-6f;
+    std::vector<float> q(static_cast<size_t>(c.rows) * q_stride), k(c.rows * kv_dim), v(k.size());
+    std::vector<float> q_gain(c.d), k_gain(c.d);
+    for (auto* vec : {&q, &k, &v, &q_gain, &k_gain})
+      for (float& x : *vec) x = uni(rng);
+    std::vector<float2> rope(static_cast<size_t>(capacity) * half);
+    for (int p = 0; p < capacity; ++p)
+      for (int i = 0; i < half; ++i) {
+        const double angle = p * std::pow(1e4, -2.0 * i / c.rotary);
+        rope[p * half + i] = {static_cast<float>(std::cos(angle)),
+                              static_cast<float>(std::sin(angle))};
+      }
+    auto expect = [&](const float* in, const std::vector<float>& gain, int pos, int i) {
+      double sum_sq = 0;
+      for (int j = 0; j < c.d; ++j) sum_sq += static_cast<double>(in[j]) * in[j];
+      const double inv = 1.0 / std::sqrt(sum_sq / c.d + eps);
+      auto normed = [&](int j) { return in[j] * inv * gain[j]; };
+      if (i >= c.rotary) return normed(i);
+      const float2 cs = rope[pos * half + i % half];
+      return i < half ? normed(i) * cs.x - normed(i + half) * cs.y
+                      : normed(i) * cs.x + normed(i - half) * cs.y;
+    };
+    float* d_q_out = Upload(std::vector<float>(c.rows * c.q_heads * c.d, NAN));
+    const size_t cache_elems = static_cast<size_t>(capacity) * kv_dim;
+    float* kc = Upload(std::vector<float>(cache_elems, 0.f));
+    float* vc = Upload(std::vector<float>(cache_elems, 0.f));
+    cuda::QkvRows in{Upload(q), q_stride, Upload(k), Upload(v), kv_dim};
+    in.q_head_stride = 2 * c.d;
+    cuda::QkNormPartialRopeAppend(in, d_q_out, c.rows, c.rows, c.q_heads, c.kv_heads, c.d, c.rotary,
+                                  MatrixRef{Upload(q_gain), DType::kF32, 1, c.d},
+                                  MatrixRef{Upload(k_gain), DType::kF32, 1, c.d}, eps, Upload(rope),
+                                  Upload(std::vector<int>{c.pos0}),
+                                  cuda::KvCache{kc, vc, cuda::KvDtype::kFp32, capacity}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got_q = Download(d_q_out, c.rows * c.q_heads * c.d);
+    const std::vector<float> got_k = Download(kc, cache_elems), got_v = Download(vc, cache_elems);
+    for (int r = 0; r < c.rows; ++r) {
+      const int pos = c.pos0 + r;
+      for (int h = 0; h < c.q_heads; ++h)
+        for (int i = 0; i < c.d; ++i) {
+          const double want = expect(&q[r * q_stride + h * 2 * c.d], q_gain, pos, i);
+          ASSERT_NEAR(got_q[(r * c.q_heads + h) * c.d + i], want, 1e-4 * (1 + std::fabs(want)))
+              << "q row " << r << " head " << h << " dim " << i;
+        }
+      for (int h = 0; h < c.kv_heads; ++h)
+        for (int i = 0; i < c.d; ++i) {
+          const size_t slot = static_cast<size_t>(pos) * kv_dim + h * c.d + i;
+          const double want = expect(&k[r * kv_dim + h * c.d], k_gain, pos, i);
+          ASSERT_NEAR(got_k[slot], want, 1e-4 * (1 + std::fabs(want)))
+              << "k row " << r << " head " << h << " dim " << i;
+          ASSERT_EQ(got_v[slot], v[r * kv_dim + h * c.d + i])
+              << "v row " << r << " head " << h << " dim " << i;
+        }
+    }
+  }
 }
 
 #else

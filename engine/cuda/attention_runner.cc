@@ -100,13 +100,11 @@ absl::Status AttentionRunner::AllocateScratch(int rows, int capacity) {
                                  {&attn_, r * q_dim},
                                  {&scores_, scores},
                                  {&q_gated_, 2 * gated},
-                                 {&gate_, gated},
                                  {&cudnn_io_, cudnn_io}});
 }
 
 void AttentionRunner::FreeScratch() {
-  for (DeviceBuffer<float>* b :
-       {&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &gate_, &cudnn_io_})
+  for (DeviceBuffer<float>* b : {&q_, &k_, &v_, &qkv_, &attn_, &scores_, &q_gated_, &cudnn_io_})
     b->reset();
 }
 
@@ -138,12 +136,11 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
       RETURN_IF_ERROR(linear_.Gemm(xn, xb, rows, lw.v, lw.v_bias, v_.get()));
     }
   }
-  if (gated) {  // [q_h | gate_h] per head -> q_ and gate_
-    cuda::SplitGatedQuery(projected.q, projected.q_stride, rows, config_.num_q_heads,
-                          config_.head_dim, q_.get(), gate_.get(), stream_);
-    projected.q = q_.get();
-    projected.q_stride = q_dim;
-  }
+  // Gated attention: q_proj's rows are [q_h | gate_h] per head; the RoPE kernel reads the q halves
+  // and the output gate the others, in place.
+  const float* const gated_rows = projected.q;
+  const int gated_stride = projected.q_stride;
+  if (gated) projected.q_head_stride = 2 * config_.head_dim;
   const cuda::KvCache cache = LayerCache(l);
   const MatrixRef q_norm = config_.qk_norm ? lw.q_norm : MatrixRef{};
   const MatrixRef k_norm = config_.qk_norm ? lw.k_norm : MatrixRef{};
@@ -172,7 +169,8 @@ absl::Status AttentionRunner::Run(int l, int rows, int n, bool gemv, float* x, f
     }
   }
   if (gated)
-    cuda::SigmoidGate(attn_.get(), gate_.get(), static_cast<int64_t>(rows) * q_dim, stream_);
+    cuda::SigmoidGateHeads(attn_.get(), gated_rows, gated_stride, rows, config_.num_q_heads,
+                           config_.head_dim, stream_);
   CHECK_LAUNCH();
   const bool bad_scale = fault_.kind == FaultInjection::Kind::kBadScale && l == 0;
   const float o_scale = bad_scale ? static_cast<float>(fault_.value) : 1.f;

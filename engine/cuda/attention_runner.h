@@ -85,7 +85,6 @@ class AttentionRunner {
   DeviceBuffer<float> attn_;
   DeviceBuffer<float> scores_;   // naive: materialised scores; flash: the splits' partial softmaxes
   DeviceBuffer<float> q_gated_;  // gated attention: [rows, 2 q_dim], q_proj's [q_h | gate_h] rows
-  DeviceBuffer<float> gate_;     // gated attention: [rows, q_dim]
   DeviceBuffer<float> cudnn_io_;  // attention=cudnn: bf16 Q and O, [rows, q_dim] each
 };
 

@@ -336,7 +336,7 @@ class Planner {
         AttentionScoreFloats(attention_, {c_.num_q_heads, c_.num_kv_heads, c_.head_dim},
                              static_cast<int>(r), plan_.capacity_tokens);
     Add(MemoryPool::kScratch, "attention runner: projections and outputs",
-        (r * q_dim + r * kv_dim + r * (q_rows + 2 * kv_dim) + r * kv_dim + r * q_dim + 3 * gated +
+        (r * q_dim + r * kv_dim + r * (q_rows + 2 * kv_dim) + r * kv_dim + r * q_dim + 2 * gated +
          (attention_.cudnn_io ? r * q_dim : 0)) *
             kFloat);
     Add(MemoryPool::kScratch,

@@ -30,11 +30,11 @@ constexpr int kRopeWarps = 4;
 constexpr int kRopePerLane = 4;  // pairs (i, i + half) a lane holds: head_dim <= 256
 template <typename CacheT>
 __global__ void __launch_bounds__(kRopeWarps * 32)
-    QkNormRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
-                           int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
-                           int head_dim, const void* q_norm, const void* k_norm, DType norm_dtype,
-                           float eps, const float2* rope, const int* position, const int2* ragged,
-                           const KvCache cache) {
+    QkNormRopeAppendKernel(const float* q, int q_stride, int q_head_stride, const float* k,
+                           const float* v, int kv_stride, float* q_out, int n, int q_heads,
+                           int kv_heads, int head_dim, const void* q_norm, const void* k_norm,
+                           DType norm_dtype, float eps, const float2* rope, const int* position,
+                           const int2* ragged, const KvCache cache) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + threadIdx.x / 32;
   const bool active = head < q_heads + kv_heads;
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   if (!active) return;
   const int kv_head = head - q_heads;
   const int kv_dim = kv_heads * head_dim;
-  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * head_dim
+  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * q_head_stride
                           : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
   const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
   float x1[kRopePerLane], x2[kRopePerLane], v1[kRopePerLane], v2[kRopePerLane];
@@ -147,65 +147,115 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
 // Partial RoPE (qwen3_next, qwen3_5): the same norm as QkNormRopeAppendKernel over the whole head,
 // then pairs (i, i + rotary_dim / 2) of the first rotary_dim dims rotated, the rest passed
 // through. A warp a head vector, staged in shared memory ([kRopeWarps][head_dim]) because a
-// lane's pair partner is not its own element.
+// lane's pair partner is not its own element. q heads sit q_head_stride floats apart in a row
+// (2 head_dim for gated attention's [q_h | gate_h], read in place).
+// As QkNormRopeAppendKernel, a batch-1 launch is pure latency: the gains and RoPE factors are
+// read before the wait, then one round of loads brings the head (and its v) into registers.
+// Looping over the head with loads and stores interleaved costs a dependent L2 round trip a
+// 32-element slice: 8 of them for a 256-wide head.
+constexpr int kPartialHeld = 8;  // elements a lane holds: head_dim <= 256 in one round of loads
 template <typename CacheT>
 __global__ void __launch_bounds__(kRopeWarps * 32)
-    QkNormPartialRopeAppendKernel(const float* q, int q_stride, const float* k, const float* v,
-                                  int kv_stride, float* q_out, int n, int q_heads, int kv_heads,
-                                  int head_dim, int rotary_dim, const void* q_norm,
+    QkNormPartialRopeAppendKernel(const float* q, int q_stride, int q_head_stride, const float* k,
+                                  const float* v, int kv_stride, float* q_out, int n, int q_heads,
+                                  int kv_heads, int head_dim, int rotary_dim, const void* q_norm,
                                   const void* k_norm, DType norm_dtype, float eps,
                                   const float2* rope, const int* position, const int2* ragged,
                                   const KvCache cache) {
   extern __shared__ float staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int row = blockIdx.x, head = blockIdx.y * kRopeWarps + warp;
-  if (head >= q_heads + kv_heads) return;  // a whole warp; the kernel has no block barriers
+  const bool active = head < q_heads + kv_heads;
   const int2 sequence_position = RowSequencePosition(row, n, position, ragged);
   const int batch = sequence_position.x, pos = sequence_position.y;
   const bool is_q = head < q_heads;
   const void* gain = is_q ? q_norm : k_norm;
-  const int kv_head = head - q_heads;
-  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * head_dim
-                          : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
-  float* normed = staged + warp * head_dim;
-  float sum_sq = 0.f;
-  for (int i = lane; i < head_dim; i += 32) {
-    normed[i] = vec[i];
-    sum_sq += normed[i] * normed[i];
-  }
-  const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
-  for (int i = lane; i < head_dim; i += 32)
-    normed[i] = normed[i] * inv * (gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f);
-  __syncwarp();
   const int half = rotary_dim / 2;
-  const int kv_dim = kv_heads * head_dim;
+  auto factors = [&](int i) {  // element i's RoPE (cos, sin); identity past rotary_dim
+    return i < rotary_dim ? rope[static_cast<int64_t>(pos) * half + i % half]
+                          : make_float2(1.f, 0.f);
+  };
+  float g[kPartialHeld];
+  float2 cs[kPartialHeld];
+#pragma unroll
+  for (int j = 0; j < kPartialHeld; ++j) {
+    const int i = lane + 32 * j;
+    g[j] = 1.f;
+    cs[j] = make_float2(1.f, 0.f);
+    if (!active || i >= head_dim) continue;
+    if (gain) g[j] = LoadAsFloat(gain, norm_dtype, i);
+    cs[j] = factors(i);
+  }
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  if (!active) return;  // a whole warp; the kernel has no block barriers
+  const int kv_head = head - q_heads;
+  const float* vec = is_q ? q + static_cast<int64_t>(row) * q_stride + head * q_head_stride
+                          : k + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
   const float* vh = v + static_cast<int64_t>(row) * kv_stride + kv_head * head_dim;
-  auto rotated = [&](int i) {
+  float x[kPartialHeld], vx[kPartialHeld];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPartialHeld; ++j) {
+    const int i = lane + 32 * j;
+    x[j] = vx[j] = 0.f;
+    if (i >= head_dim) continue;
+    x[j] = vec[i];
+    if (!is_q) vx[j] = vh[i];
+    sum_sq += x[j] * x[j];
+  }
+  constexpr int kHeld = 32 * kPartialHeld;  // elements past it (head_dim > 256) are read late
+  for (int i = kHeld + lane; i < head_dim; i += 32) sum_sq += vec[i] * vec[i];
+  const float inv = gain ? rsqrtf(WarpSum(sum_sq) / head_dim + eps) : 1.f;
+  float* normed = staged + warp * head_dim;
+#pragma unroll
+  for (int j = 0; j < kPartialHeld; ++j)
+    if (lane + 32 * j < head_dim) normed[lane + 32 * j] = x[j] * inv * g[j];
+  for (int i = kHeld + lane; i < head_dim; i += 32)
+    normed[i] = vec[i] * inv * (gain ? LoadAsFloat(gain, norm_dtype, i) : 1.f);
+  __syncwarp();
+  auto rotated = [&](int i, float2 c) {
     if (i >= rotary_dim) return normed[i];
-    const float2 c = rope[static_cast<int64_t>(pos) * half + i % half];
     return i < half ? normed[i] * c.x - normed[i + half] * c.y
                     : normed[i] * c.x + normed[i - half] * c.y;
   };
   if (is_q) {
-    for (int i = lane; i < head_dim; i += 32)
-      q_out[(static_cast<int64_t>(row) * q_heads + head) * head_dim + i] = rotated(i);
+    float* const q_row = q_out + (static_cast<int64_t>(row) * q_heads + head) * head_dim;
+#pragma unroll
+    for (int j = 0; j < kPartialHeld; ++j)
+      if (lane + 32 * j < head_dim) q_row[lane + 32 * j] = rotated(lane + 32 * j, cs[j]);
+    for (int i = kHeld + lane; i < head_dim; i += 32) q_row[i] = rotated(i, factors(i));
     return;
   }
+  float r[kPartialHeld];
+#pragma unroll
+  for (int j = 0; j < kPartialHeld; ++j)
+    r[j] = lane + 32 * j < head_dim ? rotated(lane + 32 * j, cs[j]) : 0.f;
   const int64_t cache_row = static_cast<int64_t>(batch) * cache.capacity + pos;
-  // An fp8 cache stores the head under its scales (the (scale, 1 / scale) pairs).
+  // An fp8 cache stores the head under its scales (the (scale, 1 / scale) pairs); CudaModelRefusal
+  // keeps its head_dim <= 256, so every element is held and none is read late.
   float2 k_scale = make_float2(1.f, 1.f), v_scale = k_scale;
   if constexpr (kIsFp8Cache<CacheT>) {
     float k_amax = 0.f, v_amax = 0.f;
-    for (int i = lane; i < head_dim; i += 32) {
-      k_amax = fmaxf(k_amax, fabsf(rotated(i)));
-      v_amax = fmaxf(v_amax, fabsf(vh[i]));
+#pragma unroll
+    for (int j = 0; j < kPartialHeld; ++j) {
+      k_amax = fmaxf(k_amax, fabsf(r[j]));
+      v_amax = fmaxf(v_amax, fabsf(vx[j]));
     }
     StoreHeadScales(cache, cache_row, kv_heads, kv_head, k_amax, v_amax, &k_scale, &v_scale);
   }
+  const int kv_dim = kv_heads * head_dim;
   CacheT* const k_row = static_cast<CacheT*>(cache.k) + cache_row * kv_dim + kv_head * head_dim;
   CacheT* const v_row = static_cast<CacheT*>(cache.v) + cache_row * kv_dim + kv_head * head_dim;
-  for (int i = lane; i < head_dim; i += 32) {
-    StoreKv(k_row + i, rotated(i) * k_scale.y);
+#pragma unroll
+  for (int j = 0; j < kPartialHeld; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= head_dim) continue;
+    StoreKv(k_row + i, r[j] * k_scale.y);
+    StoreKv(v_row + i, vx[j] * v_scale.y);
+  }
+  for (int i = kHeld + lane; i < head_dim; i += 32) {
+    StoreKv(k_row + i, rotated(i, factors(i)) * k_scale.y);
     StoreKv(v_row + i, vh[i] * v_scale.y);
   }
 }
@@ -269,9 +319,10 @@ void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_he
                       cudaStream_t stream, const int2* ragged) {
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   WithCacheType(cache.dtype, [&](auto type) {
-    Launch(QkNormRopeAppendKernel<decltype(type)>, grid, block, 0, stream, in.q, in.q_stride, in.k,
-           in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, q_norm.data, k_norm.data,
-           q_norm.dtype, eps, rope, position, ragged, cache);
+    Launch(QkNormRopeAppendKernel<decltype(type)>, grid, block, 0, stream, in.q, in.q_stride,
+           in.q_head_stride > 0 ? in.q_head_stride : head_dim, in.k, in.v, in.kv_stride, q_out, n,
+           q_heads, kv_heads, head_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position,
+           ragged, cache);
   });
 }
 
@@ -283,10 +334,10 @@ void QkNormPartialRopeAppend(const QkvRows& in, float* q_out, int rows, int n, i
   const dim3 grid(rows, CeilDiv(q_heads + kv_heads, kRopeWarps)), block(kRopeWarps * 32);
   const size_t smem = sizeof(float) * kRopeWarps * head_dim;
   WithCacheType(cache.dtype, [&](auto type) {
-    LaunchPlain(QkNormPartialRopeAppendKernel<decltype(type)>, grid, block, smem, stream, in.q,
-                in.q_stride, in.k, in.v, in.kv_stride, q_out, n, q_heads, kv_heads, head_dim,
-                rotary_dim, q_norm.data, k_norm.data, q_norm.dtype, eps, rope, position, ragged,
-                cache);
+    Launch(QkNormPartialRopeAppendKernel<decltype(type)>, grid, block, smem, stream, in.q,
+           in.q_stride, in.q_head_stride > 0 ? in.q_head_stride : head_dim, in.k, in.v,
+           in.kv_stride, q_out, n, q_heads, kv_heads, head_dim, rotary_dim, q_norm.data,
+           k_norm.data, q_norm.dtype, eps, rope, position, ragged, cache);
   });
 }
 

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gated_delta.cuh"
 
@@ -227,43 +229,29 @@ __global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
     if (m < per_lane) s[static_cast<int64_t>(part + kFusedLanesPerColumn * m) * dv] = col[m];
 }
 
-// Channel c's conv (SiLU applied) for the row at x, its K-1 earlier inputs from `history`
-// ([K-1, channels], oldest first; null: a fresh sequence's zeros), summed in CausalConvKernel's
-// order.
-__device__ __forceinline__ float ConvSiluAt(const float* x, const float* history, int channels,
-                                            int c, int taps, const void* w, DType w_dtype) {
-  const int64_t w0 = static_cast<int64_t>(c) * taps;
-  float acc = 0.f;
-  for (int j = 0; j + 1 < taps; ++j)
-    acc += LoadAsFloat(w, w_dtype, w0 + j) *
-           (history ? history[static_cast<int64_t>(j) * channels + c] : 0.f);
-  acc += LoadAsFloat(w, w_dtype, w0 + taps - 1) * x[c];
-  return acc * Sigmoid(acc);
-}
-
-// Advances channel c's history by the input x[c] to [h1, ..., h(K-2), x[c]] (`old`: the history
-// itself, or null for a fresh sequence's zeros). Ascending j reads entry j + 1 before writing it.
-__device__ __forceinline__ void AdvanceHistory(const float* x, const float* old, int channels,
-                                               int c, int taps, float* history) {
-  for (int j = 0; j + 1 < taps; ++j)
-    history[static_cast<int64_t>(j) * channels + c] =
-        j + 2 < taps ? (old ? old[static_cast<int64_t>(j + 1) * channels + c] : 0.f) : x[c];
-}
-
 constexpr int kDecodeRows = kGatedDeltaDecodeMaxRowsPerLane;
 constexpr int kDecodeLanes = kGatedDeltaLanesPerColumn;
 constexpr int kDecodeMaxThreads = kDecodeLanes * kGatedDeltaDecodeMaxColumns;
 
-// grid batch * Hv, 8 * roundup(dv, 32) threads (gated_delta.h: GatedDeltaDecode). Thread t is
-// lane t % 8 of column t / 8 for the delta rule; for the conv it takes channels t, t + blockDim
-// of the head's 2 dk + dv (q, k, then v).
+// Threads a GatedDeltaDecodeKernel block: 8 a state column, and at least one a conv channel.
+int DecodeThreads(const GatedDeltaShape& s) {
+  return std::max(kDecodeLanes * CeilDiv(s.value_dim, 32) * 32,
+                  CeilDiv(2 * s.key_dim + s.value_dim, 32) * 32);
+}
+
+// grid batch * Hv, DecodeThreads (gated_delta.h: GatedDeltaDecode). Thread t is lane t % 8 of
+// column t / 8 for the delta rule, and convolves channel t of the head's 2 dk + dv (q, k, then v).
+// At batch 1 the launch is a chain of dependent memory round trips, so each round is issued at
+// once: before the wait for the in_proj GEMVs, what only this kernel writes (the state, the conv
+// history: the whole window of the thread's channel, its taps unrolled) and the weights; after
+// it, their outputs (x, a, b, z). The conv history then advances from those registers, with no
+// second read.
 __global__ void __launch_bounds__(kDecodeMaxThreads)
     GatedDeltaDecodeKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
                            int dv, int taps, const int2* ragged) {
   __shared__ float qk[2 * kDecodeLanes * kDecodeRows];  // q then k, normalised
   __shared__ float vs[kGatedDeltaDecodeMaxColumns];
   __shared__ float scratch[32];
-  __shared__ float gate[2];
   __shared__ bool last_arrival;
   const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
   const int ratio = value_heads / key_heads, kh = h / ratio;
@@ -273,7 +261,6 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   const bool active = j < dv;  // inactive lanes still take part in the shuffles
   const int per_lane = dk / kDecodeLanes;
 
-  // The state slice first: its loads are in flight through the conv below.
   float* s =
       ops.state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + (active ? j : 0);
   float col[kDecodeRows];
@@ -282,24 +269,59 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     col[m] = m < per_lane && active && !own.fresh
                  ? s[static_cast<int64_t>(part + kDecodeLanes * m) * dv]
                  : 0.f;
-
-  // Conv + SiLU of the head's channels: i < 2 dk is key head kh's q (i < dk) or k channel, the
-  // rest head h's v channels. The v history is this block's alone and advances at once.
-  const float* x = ops.projected + static_cast<int64_t>(seq) * channels;
+  // Channel c: i < 2 dk is key head kh's q (i < dk) or k channel, the rest head h's v channels.
+  // past[i < taps - 1]: its earlier inputs, oldest first (zeros for a fresh sequence).
+  const bool convolves = t < 2 * dk + dv, is_v = t >= 2 * dk;
+  const int c = is_v ? 2 * key_width + h * dv + (t - 2 * dk)
+                     : (t < dk ? kh * dk + t : key_width + kh * dk + (t - dk));
   float* history = ops.conv_state + static_cast<int64_t>(own.slot) * (taps - 1) * channels;
-  const float* old = own.fresh ? nullptr : history;
-  for (int i = t; i < 2 * dk + dv; i += blockDim.x) {
-    const bool is_v = i >= 2 * dk;
-    const int c = is_v ? 2 * key_width + h * dv + (i - 2 * dk)
-                       : (i < dk ? kh * dk + i : key_width + kh * dk + (i - dk));
-    const float y = ConvSiluAt(x, old, channels, c, taps, ops.conv.data, ops.conv.dtype);
+  float w[kMaxConvTaps], past[kMaxConvTaps];
+#pragma unroll
+  for (int i = 0; i < kMaxConvTaps; ++i) {
+    w[i] = past[i] = 0.f;
+    if (!convolves || i >= taps) continue;
+    w[i] = LoadAsFloat(ops.conv.data, ops.conv.dtype, static_cast<int64_t>(c) * taps + i);
+    if (i + 1 < taps && !own.fresh) past[i] = history[static_cast<int64_t>(i) * channels + c];
+  }
+  const float norm_gain = active ? LoadAsFloat(ops.norm.data, ops.norm.dtype, j) : 0.f;
+  const float dt_bias = LoadAsFloat(ops.dt_bias.data, ops.dt_bias.dtype, h);
+  const float a_log = LoadAsFloat(ops.a_log.data, ops.a_log.dtype, h);
+
+  WaitForPrerequisites();  // x, a, b and z are the in_proj GEMVs' outputs
+  AllowDependentsToLaunch();
+  const int64_t gate_at = static_cast<int64_t>(seq) * value_heads + h;
+  const float x_c = convolves ? ops.projected[static_cast<int64_t>(seq) * channels + c] : 0.f;
+  const float a_in = ops.a[gate_at], b_in = ops.b[gate_at];
+  const float z = active ? ops.z[gate_at * dv + j] : 0.f;
+
+  // Conv + SiLU, summed in CausalConvKernel's order; the v history is this block's alone and
+  // advances at once.
+  auto advance_history = [&] {  // [h1, ..., h(K-2), x]
+#pragma unroll
+    for (int i = 0; i + 1 < kMaxConvTaps; ++i)
+      if (i + 1 < taps)
+        history[static_cast<int64_t>(i) * channels + c] = i + 2 < taps ? past[i + 1] : x_c;
+  };
+  if (convolves) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxConvTaps; ++i) {
+      if (i + 1 < taps) acc += w[i] * past[i];
+      if (i + 1 == taps) acc += w[i] * x_c;
+    }
+    const float y = acc * Sigmoid(acc);
     if (is_v) {
-      vs[i - 2 * dk] = y;
-      AdvanceHistory(x, old, channels, c, taps, history);
+      vs[t - 2 * dk] = y;
+      advance_history();
     } else {
-      qk[i] = y;
+      qk[t] = y;
     }
   }
+  // g and beta, as GatedDeltaGatesKernel (every thread its own copy).
+  const float xa = a_in + dt_bias;
+  const float softplus = xa > 20.f ? xa : log1pf(expf(xa));
+  const float decay = expf(-expf(a_log) * softplus);
+  const float beta = Sigmoid(b_in);
   __syncthreads();  // every q/k history read of this block is done
 
   const int warp = t >> 5, lane = t & 31;
@@ -310,13 +332,7 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     const float inv = 1.f / sqrtf(WarpSum(sum_sq) + 1e-6f);
     const float q_scale = 1.f / sqrtf(static_cast<float>(dk));
     for (int i = lane; i < dk; i += 32) vec[i] = warp == 0 ? vec[i] * inv * q_scale : vec[i] * inv;
-  } else if (warp == 2 && lane == 0) {  // g and beta, as GatedDeltaGatesKernel
-    const int64_t i = static_cast<int64_t>(seq) * value_heads + h;
-    const float xa = ops.a[i] + LoadAsFloat(ops.dt_bias.data, ops.dt_bias.dtype, h);
-    const float softplus = xa > 20.f ? xa : log1pf(expf(xa));
-    gate[0] = expf(-expf(LoadAsFloat(ops.a_log.data, ops.a_log.dtype, h)) * softplus);  // decay
-    gate[1] = Sigmoid(ops.b[i]);                                                        // beta
-  } else if (warp == 3 && lane == 0) {
+  } else if (warp == 2 && lane == 0) {
     // This block has read key head kh's q/k history; the last of its value heads to get here
     // advances it (gated_delta.h).
     unsigned* arrivals = ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh;
@@ -329,15 +345,10 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     last_arrival = last;
   }
   __syncthreads();
-  if (last_arrival)
-    for (int i = t; i < 2 * dk; i += blockDim.x) {
-      const int c = i < dk ? kh * dk + i : key_width + kh * dk + (i - dk);
-      AdvanceHistory(x, old, channels, c, taps, history);
-    }
+  if (last_arrival && convolves && !is_v) advance_history();
 
   // The delta rule for the one token, as GatedDeltaFusedKernel: the column sums over the 8 lanes
   // as shuffles.
-  const float decay = gate[0], beta = gate[1];
   const float* q = qk + part;
   const float* k = qk + dk + part;
   const float v = active ? vs[j] : 0.f;
@@ -346,11 +357,7 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   // The gated RMSNorm over the head's dv outputs (a column's o is in each of its 8 lanes).
   const float sum_sq = BlockSum(active && part == 0 ? o * o : 0.f, scratch);
   const float inv = 1.f / sqrtf(sum_sq / dv + ops.eps);
-  if (active && part == 0) {
-    const int64_t at = (static_cast<int64_t>(seq) * value_heads + h) * dv + j;
-    const float z = ops.z[at];
-    ops.out[at] = o * inv * LoadAsFloat(ops.norm.data, ops.norm.dtype, j) * (z * Sigmoid(z));
-  }
+  if (active && part == 0) ops.out[gate_at * dv + j] = o * inv * norm_gain * (z * Sigmoid(z));
   if (!active) return;
 #pragma unroll
   for (int m = 0; m < kDecodeRows; ++m)
@@ -371,23 +378,19 @@ __global__ void RmsNormGatedKernel(const float* x, const float* z, int dim, cons
   }
 }
 
-// grid rows: head h's q and gate from [q_h | gate_h] at src + h * 2d.
-__global__ void SplitGatedQueryKernel(const float* src, int src_stride, int heads, int head_dim,
-                                      float* q, float* gate) {
+// grid (rows, ceil(heads * d / 256)), 256 threads, an element a thread: at batch 1 one round of
+// loads (the gate before the wait: q_proj wrote it kernels ago), not a loop of L2 round trips.
+__global__ void SigmoidGateHeadsKernel(float* x, const float* gated, int gated_stride, int heads,
+                                       int head_dim) {
+  const int width = heads * head_dim, i = blockIdx.y * blockDim.x + threadIdx.x;
   const int64_t row = blockIdx.x;
-  const int width = heads * head_dim;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) {
-    const int h = i / head_dim, d = i % head_dim;
-    const float* head = src + row * src_stride + static_cast<int64_t>(h) * 2 * head_dim;
-    q[row * width + i] = head[d];
-    gate[row * width + i] = head[head_dim + d];
-  }
-}
-
-__global__ void SigmoidGateKernel(float* x, const float* gate, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[i] *= Sigmoid(gate[i]);
+  const int h = i / head_dim, d = i % head_dim;
+  const float gate =
+      i < width ? gated[row * gated_stride + static_cast<int64_t>(h) * 2 * head_dim + head_dim + d]
+                : 0.f;
+  WaitForPrerequisites();  // x is the attention's output, the kernel before this one
+  AllowDependentsToLaunch();
+  if (i < width) x[row * width + i] *= Sigmoid(gate);
 }
 
 __global__ void ScaleKernel(float* x, float factor, int64_t n) {
@@ -456,9 +459,8 @@ void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
 
 void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
                       cudaStream_t stream) {
-  const int threads = kDecodeLanes * CeilDiv(s.value_dim, 32) * 32;
-  LaunchPlain(GatedDeltaDecodeKernel, s.batch * s.value_heads, threads, 0, stream, ops, s.key_heads,
-              s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
+  Launch(GatedDeltaDecodeKernel, s.batch * s.value_heads, DecodeThreads(s), 0, stream, ops,
+         s.key_heads, s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
 }
 
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
@@ -467,14 +469,10 @@ void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, cons
               gain.dtype, eps, out);
 }
 
-void SplitGatedQuery(const float* src, int src_stride, int rows, int heads, int head_dim, float* q,
-                     float* gate, cudaStream_t stream) {
-  LaunchPlain(SplitGatedQueryKernel, rows, 256, 0, stream, src, src_stride, heads, head_dim, q,
-              gate);
-}
-
-void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream) {
-  LaunchPlain(SigmoidGateKernel, ElementwiseBlocks(n), 256, 0, stream, x, gate, n);
+void SigmoidGateHeads(float* x, const float* gated, int gated_stride, int rows, int heads,
+                      int head_dim, cudaStream_t stream) {
+  const dim3 grid(rows, CeilDiv(heads * head_dim, 256));
+  Launch(SigmoidGateHeadsKernel, grid, 256, 0, stream, x, gated, gated_stride, heads, head_dim);
 }
 
 void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream) {

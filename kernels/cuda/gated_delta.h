@@ -112,10 +112,11 @@ struct GatedDeltaDecodeOperands {
 // A decode step of one-row sequences (s.n == 1; lockstep or GatedDeltaShape::ragged rows) in one
 // launch: what CausalConv (with SiLU), GatedDeltaGates, GatedDeltaFused and RmsNormGated compute
 // for those rows. dk % 8 == 0, dk <= 128, dv <= 128 (GatedDeltaDecodeSupports).
-// grid batch * Hv, 8 * roundup(dv, 32) threads: block (b, h) convolves its key head's 2 dk q/k
-// channels and its own dv v channels from the conv state, normalises q and k, computes g and
-// beta, runs the delta rule over the head's whole [dk, dv] state (8 lanes a column, dk / 8 rows
-// a lane, in registers, loaded before the conv so its DRAM latency overlaps it) and normalises
+// grid batch * Hv, 8 * roundup(dv, 32) threads (one a conv channel, 2 dk + dv, if that is more):
+// block (b, h) convolves its key head's 2 dk q/k channels and its own dv v channels from the
+// conv state, normalises q and k, computes g and beta, runs the delta rule over the head's whole
+// [dk, dv] state (8 lanes a column, dk / 8 rows a lane, in registers, loaded before the conv so
+// its DRAM latency overlaps it) and normalises
 // the head's output with a block reduction.
 // Conv state: head h's v channels are its block's alone, so the block writes them back at once.
 // The q/k channels of key head kh are read by its Hv / Hk value heads' blocks, which run in no
@@ -140,12 +141,10 @@ void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
                   float eps, float* out, cudaStream_t stream);
 
-// Gated attention: q_proj's rows hold [q_h | gate_h] per head. From src ([rows, src_stride],
-// the heads at its start) to q [rows, heads * d] and gate [rows, heads * d].
-void SplitGatedQuery(const float* src, int src_stride, int rows, int heads, int head_dim, float* q,
-                     float* gate, cudaStream_t stream);
-// x *= sigmoid(gate), n elements.
-void SigmoidGate(float* x, const float* gate, int64_t n, cudaStream_t stream);
+// Gated attention's output gate: x [rows, heads * d] *= sigmoid(gate), the gate read in place
+// from q_proj's rows (`gated`, gated_stride floats apart), which hold [q_h | gate_h] per head.
+void SigmoidGateHeads(float* x, const float* gated, int gated_stride, int rows, int heads,
+                      int head_dim, cudaStream_t stream);
 // x *= factor, n elements (TEST ONLY faults).
 void ScaleInPlace(float* x, float factor, int64_t n, cudaStream_t stream);
 // Swaps a[i] and b[i], n elements (TEST ONLY faults).

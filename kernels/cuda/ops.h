@@ -79,24 +79,26 @@ struct KvCache {
 inline int KvBytesPerElement(KvDtype dtype) {
   return dtype == KvDtype::kFp32 ? 4 : dtype == KvDtype::kBf16 ? 2 : 1;
 }
-// The projections' outputs for one layer: q rows (q_heads * d wide) q_stride floats apart, k and
-// v rows (kv_heads * d wide) kv_stride apart: three buffers, or one [rows, q | k | v] buffer
-// from the fused q/k/v GEMM (strides q_dim + 2 kv_dim).
+// The projections' outputs for one layer: q rows q_stride floats apart, their heads
+// q_head_stride apart (0: d, the heads packed; 2 d for gated attention's [q_h | gate_h]), k and v
+// rows (kv_heads * d wide) kv_stride apart: three buffers, or one [rows, q | k | v] buffer from
+// the fused q/k/v GEMM (strides q_dim + 2 kv_dim).
 struct QkvRows {
   const float* q = nullptr;
   int q_stride = 0;
   const float* k = nullptr;
   const float* v = nullptr;
   int kv_stride = 0;
+  int q_head_stride = 0;
 };
 // Per-head RMSNorm of q and k when the gains are given (qwen3 q_norm/k_norm), RoPE (HF
 // rotate_half) from the table; rotated q goes to q_out [rows, q_heads * d] (in.q itself allowed
-// when its stride is q_heads * d), rotated k and v rows are appended to the cache at
-// *position + (row % n), rounded to bf16 for a bf16 cache (to E4M3 under the head's scale for fp8).
-// One warp per head vector: 36 warps at batch 1 on qwen3-30b-a3b, ~80 KB touched. Ragged rows
-// (serving): with `ragged` ([rows] (sequence, position) pairs on the device), row r belongs to
-// sequence ragged[r].x at position ragged[r].y instead, for this and the attention kernels below;
-// `position` and `n` (then 1) are unused.
+// when its heads are packed and its stride is q_heads * d), rotated k and v rows are appended to
+// the cache at *position + (row % n), rounded to bf16 for a bf16 cache (to E4M3 under the head's
+// scale for fp8). One warp per head vector: 36 warps at batch 1 on qwen3-30b-a3b, ~80 KB touched.
+// Ragged rows (serving): with `ragged` ([rows] (sequence, position) pairs on the device), row r
+// belongs to sequence ragged[r].x at position ragged[r].y instead, for this and the attention
+// kernels below; `position` and `n` (then 1) are unused.
 void QkNormRopeAppend(const QkvRows& in, float* q_out, int rows, int n, int q_heads, int kv_heads,
                       int head_dim, const MatrixRef& q_norm, const MatrixRef& k_norm, float eps,
                       const float2* rope, const int* position, const KvCache& cache,
