@@ -235,8 +235,9 @@ int LinearRunner::MaxIntermediate() const {
 // bf16 weights: our GEMV (TMA-streamed for the projections with gemm=tma). Quantized codes
 // with qgemm=w4a16|w8a16: the quantized GEMV with the same fusions. Anything else (qgemm=
 // reference, a shape the quantized GEMV does not take): RMSNorm into xn_ (the only normed_out
-// in use), Gemm per segment, then the epilogue. Segments of different kinds (a checkpoint
-// that left some projections dense) run one launch each.
+// in use), Gemm per segment, then the epilogue. Segments of different kinds (a quantized
+// model's bf16 in_proj b and a, a checkpoint that left some projections dense) run a launch a
+// kind.
 absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   enum class Kind { kBf16, kQuant, kOther };
   const bool in_registers = DequantizesInRegisters(options_.qgemm);
@@ -250,16 +251,26 @@ absl::Status LinearRunner::RunGemv(const FusedGemv& g, bool projection) {
   for (int s = 1; s < g.segments; ++s)
     uniform = uniform && kind(g.w[s]) == k0 && g.w[s].quant.format == g.w[0].quant.format;
   if (!uniform) {
-    // A segment a launch; a router's top-k once after the last (below: it reads the shared
-    // expert's logit, a later segment, too).
+    // A launch a kind of weight, its segments in order (a quantized in_proj's q|k|v and z in one,
+    // its bf16 b and a in another); a router's top-k once after the last (below: it reads the
+    // shared expert's logit, a later segment, too).
+    bool launched[cuda::kGemvMaxSegments] = {};
     for (int s = 0; s < g.segments; ++s) {
-      FusedGemv one = g;
-      one.segments = 1;
-      one.seg[0] = g.seg[s];
-      one.w[0] = g.w[s];
-      one.bias[0] = g.bias[s];
-      one.topk = {};
-      RETURN_IF_ERROR(RunGemv(one, projection));
+      if (launched[s]) continue;
+      FusedGemv group = g;
+      group.segments = 0;
+      group.topk = {};
+      for (int t = s; t < g.segments; ++t) {
+        if (launched[t] || kind(g.w[t]) != kind(g.w[s]) ||
+            g.w[t].quant.format != g.w[s].quant.format)
+          continue;
+        group.seg[group.segments] = g.seg[t];
+        group.w[group.segments] = g.w[t];
+        group.bias[group.segments] = g.bias[t];
+        ++group.segments;
+        launched[t] = true;
+      }
+      RETURN_IF_ERROR(RunGemv(group, projection));
     }
   } else if (k0 == Kind::kBf16) {
     if (projection)
