@@ -1,6 +1,9 @@
+#include <cooperative_groups.h>
+
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/compute_capability.h"
 #include "kernels/cuda/gated_delta.cuh"
 
 namespace infersweep::cuda {
@@ -96,6 +99,13 @@ __global__ void SiluKernel(float* x, int64_t n) {
     x[i] = x[i] * Sigmoid(x[i]);
 }
 
+// The log of a head's state decay: g = -exp(A_log) * softplus(a + dt_bias).
+__device__ __forceinline__ float GatedDeltaLogDecay(float a, float dt_bias, float a_log) {
+  const float x = a + dt_bias;
+  const float softplus = x > 20.f ? x : log1pf(expf(x));
+  return -expf(a_log) * softplus;
+}
+
 // grid (rows, ceil(2 Hk / 4)), 128 threads: a warp a q or k head vector (decode: the 32 vectors
 // of qwen3-next over 8 blocks, one round each), then block y = 0's threads a value head's gates.
 constexpr int kGatesWarps = 4;
@@ -118,9 +128,8 @@ __global__ void GatedDeltaGatesKernel(float* mixed, int channels, int key_heads,
   for (int h = threadIdx.x; h < value_heads; h += blockDim.x) {
     const int64_t i = static_cast<int64_t>(row) * value_heads + h;
     beta[i] = Sigmoid(b[i]);
-    const float x = a[i] + LoadAsFloat(dt_bias, dt_bias_dtype, h);
-    const float softplus = x > 20.f ? x : log1pf(expf(x));
-    g[i] = -expf(LoadAsFloat(a_log, a_log_dtype, h)) * softplus;
+    g[i] = GatedDeltaLogDecay(a[i], LoadAsFloat(dt_bias, dt_bias_dtype, h),
+                              LoadAsFloat(a_log, a_log_dtype, h));
   }
 }
 
@@ -233,19 +242,40 @@ constexpr int kDecodeRows = kGatedDeltaDecodeMaxRowsPerLane;
 constexpr int kDecodeLanes = kGatedDeltaLanesPerColumn;
 constexpr int kDecodeMaxThreads = kDecodeLanes * kGatedDeltaDecodeMaxColumns;
 
-// Threads a GatedDeltaDecodeKernel block: 8 a state column, and at least one a conv channel.
-int DecodeThreads(const GatedDeltaShape& s) {
-  return std::max(kDecodeLanes * CeilDiv(s.value_dim, 32) * 32,
-                  CeilDiv(2 * s.key_dim + s.value_dim, 32) * 32);
+constexpr int kDecodeSplit = 4;  // blocks (one cluster) a value head on sm_90
+
+// Threads a GatedDeltaDecodeKernel block holding `columns` of the head's state: 8 a column, and
+// at least one a conv channel (the key head's 2 dk and the block's v channels).
+int DecodeThreads(const GatedDeltaShape& s, int columns) {
+  return std::max(kDecodeLanes * CeilDiv(columns, 32) * 32,
+                  CeilDiv(2 * s.key_dim + columns, 32) * 32);
 }
 
-// grid batch * Hv, DecodeThreads (gated_delta.h: GatedDeltaDecode). Thread t is lane t % 8 of
-// column t / 8 for the delta rule, and convolves channel t of the head's 2 dk + dv (q, k, then v).
-// At batch 1 the launch is a chain of dependent memory round trips, so each round is issued at
-// once: before the wait for the in_proj GEMVs, what only this kernel writes (the state, the conv
-// history: the whole window of the thread's channel, its taps unrolled) and the weights; after
-// it, their outputs (x, a, b, z). The conv history then advances from those registers, with no
-// second read.
+// The sum of `mine` over the kSplit blocks of this block's cluster, in rank order, so every
+// block gets the same total: each block's value in its shared memory, read by the others
+// through distributed shared memory (sm_90). Every thread of every block calls it.
+template <int kSplit>
+__device__ __forceinline__ float ClusterSum(float mine) {
+  if constexpr (kSplit == 1) {
+    return mine;
+  } else {
+#if __CUDA_ARCH__ >= 900
+    __shared__ float value;
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    if (threadIdx.x == 0) value = mine;
+    cluster.sync();
+    float total = 0.f;
+#pragma unroll
+    for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&value, r);
+    cluster.sync();  // no block leaves while another still reads its value
+    return total;
+#else
+    return mine;  // never launched: GatedDeltaDecode splits heads only on sm_90 and later
+#endif
+  }
+}
+
+template <int kSplit>
 __global__ void __launch_bounds__(kDecodeMaxThreads)
     GatedDeltaDecodeKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
                            int dv, int taps, const int2* ragged) {
@@ -253,12 +283,16 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   __shared__ float vs[kGatedDeltaDecodeMaxColumns];
   __shared__ float scratch[32];
   __shared__ bool last_arrival;
-  const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
+  // Block (seq, h, slice) holds the head's state columns [slice * columns, +columns).
+  const int head_block = blockIdx.x / kSplit, slice = blockIdx.x % kSplit;
+  const int seq = head_block / value_heads, h = head_block % value_heads;
   const int ratio = value_heads / key_heads, kh = h / ratio;
   const int key_width = key_heads * dk, channels = 2 * key_width + value_heads * dv;
+  const int columns = dv / kSplit;
   const SequenceState own = StateOf(ragged, seq, 1);
-  const int t = threadIdx.x, part = t % kDecodeLanes, j = t / kDecodeLanes;
-  const bool active = j < dv;  // inactive lanes still take part in the shuffles
+  const int t = threadIdx.x, part = t % kDecodeLanes, local = t / kDecodeLanes;
+  const bool active = local < columns;  // inactive lanes still take part in the shuffles
+  const int j = slice * columns + local;
   const int per_lane = dk / kDecodeLanes;
 
   float* s =
@@ -271,8 +305,8 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
                  : 0.f;
   // Channel c: i < 2 dk is key head kh's q (i < dk) or k channel, the rest head h's v channels.
   // past[i < taps - 1]: its earlier inputs, oldest first (zeros for a fresh sequence).
-  const bool convolves = t < 2 * dk + dv, is_v = t >= 2 * dk;
-  const int c = is_v ? 2 * key_width + h * dv + (t - 2 * dk)
+  const bool convolves = t < 2 * dk + columns, is_v = t >= 2 * dk;
+  const int c = is_v ? 2 * key_width + h * dv + slice * columns + (t - 2 * dk)
                      : (t < dk ? kh * dk + t : key_width + kh * dk + (t - dk));
   float* history = ops.conv_state + static_cast<int64_t>(own.slot) * (taps - 1) * channels;
   float w[kMaxConvTaps], past[kMaxConvTaps];
@@ -318,9 +352,7 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     }
   }
   // g and beta, as GatedDeltaGatesKernel (every thread its own copy).
-  const float xa = a_in + dt_bias;
-  const float softplus = xa > 20.f ? xa : log1pf(expf(xa));
-  const float decay = expf(-expf(a_log) * softplus);
+  const float decay = expf(GatedDeltaLogDecay(a_in, dt_bias, a_log));
   const float beta = Sigmoid(b_in);
   __syncthreads();  // every q/k history read of this block is done
 
@@ -337,7 +369,7 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     // advances it (gated_delta.h).
     unsigned* arrivals = ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh;
     __threadfence();
-    const bool last = atomicAdd(arrivals, 1u) == static_cast<unsigned>(ratio - 1);
+    const bool last = atomicAdd(arrivals, 1u) == static_cast<unsigned>(ratio * kSplit - 1);
     if (last) {
       atomicExch(arrivals, 0u);
       __threadfence();
@@ -351,11 +383,12 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   // as shuffles.
   const float* q = qk + part;
   const float* k = qk + dk + part;
-  const float v = active ? vs[j] : 0.f;
+  const float v = active ? vs[local] : 0.f;
   const float o = DeltaRuleColumnStep(col, per_lane, q, k, v, decay, beta);
 
-  // The gated RMSNorm over the head's dv outputs (a column's o is in each of its 8 lanes).
-  const float sum_sq = BlockSum(active && part == 0 ? o * o : 0.f, scratch);
+  // The gated RMSNorm over the head's dv outputs (a column's o is in each of its 8 lanes), the
+  // block's columns summed, then the cluster's blocks.
+  const float sum_sq = ClusterSum<kSplit>(BlockSum(active && part == 0 ? o * o : 0.f, scratch));
   const float inv = 1.f / sqrtf(sum_sq / dv + ops.eps);
   if (active && part == 0) ops.out[gate_at * dv + j] = o * inv * norm_gain * (z * Sigmoid(z));
   if (!active) return;
@@ -459,8 +492,30 @@ void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
 
 void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
                       cudaStream_t stream) {
-  Launch(GatedDeltaDecodeKernel, s.batch * s.value_heads, DecodeThreads(s), 0, stream, ops,
-         s.key_heads, s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
+  // sm_90: a head's columns over a cluster of kDecodeSplit blocks, 4x the SMs (the kernel is a
+  // chain of dependent rounds; one 1,024-thread block a head leaves 100 of 132 SMs idle at
+  // batch 1).
+  static const bool clusters = [] {
+    const absl::StatusOr<int> sm = CurrentComputeCapability("Gated DeltaNet decode");
+    return sm.ok() && *sm >= 90;
+  }();
+  if (clusters && s.value_dim % kDecodeSplit == 0) {
+    cudaLaunchAttribute attributes[2];
+    attributes[0].id = cudaLaunchAttributeClusterDimension;
+    attributes[0].val.clusterDim.x = kDecodeSplit;
+    attributes[0].val.clusterDim.y = 1;
+    attributes[0].val.clusterDim.z = 1;
+    attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[1].val.programmaticStreamSerializationAllowed = 1;
+    LaunchWithAttributes(GatedDeltaDecodeKernel<kDecodeSplit>,
+                         s.batch * s.value_heads * kDecodeSplit,
+                         DecodeThreads(s, s.value_dim / kDecodeSplit), 0, stream, attributes,
+                         ProgrammaticLaunchFlag() ? 2 : 1, ops, s.key_heads, s.key_dim,
+                         s.value_heads, s.value_dim, s.kernel, s.ragged);
+    return;
+  }
+  Launch(GatedDeltaDecodeKernel<1>, s.batch * s.value_heads, DecodeThreads(s, s.value_dim), 0,
+         stream, ops, s.key_heads, s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
 }
 
 void RmsNormGated(const float* x, const float* z, int64_t vectors, int dim, const MatrixRef& gain,
