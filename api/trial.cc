@@ -627,6 +627,7 @@ json ToJson(const ServingPoint& p) {
   if (p.meets_slo) j["meets_slo"] = *p.meets_slo;
   if (p.reference_kl_mean) j["reference_kl_mean"] = *p.reference_kl_mean;
   if (p.reference_top1) j["reference_top1"] = *p.reference_top1;
+  if (p.yardstick_kl_mean) j["yardstick_kl_mean"] = *p.yardstick_kl_mean;
   if (p.ttft_ms_at_slo_percentile) j["ttft_ms_at_slo_percentile"] = *p.ttft_ms_at_slo_percentile;
   if (p.tpot_ms_at_slo_percentile) j["tpot_ms_at_slo_percentile"] = *p.tpot_ms_at_slo_percentile;
   if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
@@ -693,6 +694,7 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
   RETURN_IF_ERROR(ReadOpt(j, "energy_j_per_output_token", &p.energy_j_per_output_token, where));
   RETURN_IF_ERROR(ReadOpt(j, "reference_kl_mean", &p.reference_kl_mean, where));
   RETURN_IF_ERROR(ReadOpt(j, "reference_top1", &p.reference_top1, where));
+  RETURN_IF_ERROR(ReadOpt(j, "yardstick_kl_mean", &p.yardstick_kl_mean, where));
   RETURN_IF_ERROR(ReadOpt(j, "ttft_ms_at_slo_percentile", &p.ttft_ms_at_slo_percentile, where));
   RETURN_IF_ERROR(ReadOpt(j, "tpot_ms_at_slo_percentile", &p.tpot_ms_at_slo_percentile, where));
   return p;

@@ -213,6 +213,9 @@ struct ServingPoint {
   // Configs below fp32, judged on a sample of served requests teacher-forced against the
   // reference: the sample's KL to it (mean, nats) and top-1 agreement.
   std::optional<double> reference_kl_mean, reference_top1;
+  // Set when the ceilings were widened to the model's own bf16 drift: the bf16 yardstick's KL to
+  // the reference on the same requests (mean, nats).
+  std::optional<double> yardstick_kl_mean;
 };
 // The SLO search's answer: the highest load whose percentiles meet the SLO, with every probe.
 struct ServingSloSearch {

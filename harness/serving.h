@@ -86,6 +86,9 @@ struct LoadPointResult {
   std::string mismatch;  // the first mismatch, described
   // CheckServedAgainstReference: the sample's KL to the reference (mean, nats) and top-1 agreement.
   std::optional<double> reference_kl_mean, reference_top1;
+  // Set when the ceilings were widened to the model's own bf16 drift: the bf16 yardstick's KL to
+  // the reference on the same sampled requests (mean, nats).
+  std::optional<double> yardstick_kl_mean;
   // The memory plan's part (harness/memory_verdict.h): an UNSUPPORTED point's reason (its slots
   // do not fit; nothing was served), or the KV slots an open-loop point was capped at.
   std::string unsupported_reason;
@@ -127,12 +130,21 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
 // the plain fp32 engine, ~20 s a 1,280-token request of qwen3-30b-a3b on an H200, so the budget
 // bounds a load point's judging. `cache` (optional) keeps the reference's logits by fed sequence
 // across load points.
+// A sample that misses the class's ceilings while finite is judged again, as a run's verdict is
+// (harness/verdict.h, WidenedToYardstick), when `yardstick` gives a model: the bf16 yardstick
+// (engine/backends.h) runs the same requests, and where its own KL to the reference misses the
+// class's ceilings they widen to its drift (yardstick_kl_mean says so).
 constexpr int kServedReferenceSample = 4;         // requests a load point's reference check takes
 constexpr int64_t kServedReferenceTokens = 2048;  // prompt and output tokens it feeds, at most
 using ReferenceLogits = std::map<std::vector<int32_t>, std::vector<float>>;
+struct ServedYardstick {
+  std::function<absl::StatusOr<Model*>()> model;  // made on first need; empty: none
+  ReferenceLogits logits;                         // its logits, by fed sequence
+};
 absl::Status CheckServedAgainstReference(Model& model, Model& reference, PrecisionClass precision,
                                          int sample, LoadPointResult* result,
-                                         ReferenceLogits* cache = nullptr);
+                                         ReferenceLogits* cache = nullptr,
+                                         ServedYardstick* yardstick = nullptr);
 
 // The highest load that meets the SLO at its percentile, by bisection between the lowest and the
 // highest load point of the spec: over integer concurrency (closed loop, when the spec has

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "api/status_macros.h"
 #include "engine/backends.h"
 #include "engine/cpu_model.h"
 #include "engine/sampler.h"
@@ -396,6 +397,76 @@ TEST(Serving, NonFp32ClassesAreJudgedByKlToTheReferenceOnServedRequests) {
   EXPECT_LT(bad->requests_matching, bad->requests_checked);
   EXPECT_GT(*bad->reference_kl_mean, 0.01);
   EXPECT_THAT(bad->mismatch, HasSubstr("KL to the reference"));
+}
+
+// A model whose own bf16 rounding misses the class's ceilings (a run's verdict widens them to the
+// bf16 yardstick's drift) is judged the same way when served: the yardstick runs the sampled
+// requests, and a config within twice its drift is OK. Without a yardstick, or against one that
+// meets the class's ceilings (nothing to widen), the same served requests stay INCORRECT.
+TEST(Serving, ServedRequestsAreJudgedByCeilingsWidenedToTheBf16Yardstick) {
+  auto host = LoadPreset("tiny-moe");
+  ASSERT_NE(host, nullptr);
+  auto reference = CreateModel(*host, kCpu);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const FaultInjection drift = *ParseFaultInjection("bad-scale:1.6");
+  auto served = CreateModel(*host, kCpu, drift);
+  ASSERT_TRUE(served.ok()) << served.status();
+  const ServeSpec spec = Spec("concurrency=4,isl=12-24,osl=12,requests=6,warmup=1");
+  auto point = RunLoadPoint(**served, spec, {false, 4, 0}, {});
+  ASSERT_TRUE(point.ok()) << point.status();
+  ReferenceLogits cache;
+
+  ASSERT_TRUE(
+      CheckServedAgainstReference(**served, **reference, PrecisionClass::kBf16, 4, &*point, &cache)
+          .ok());
+  EXPECT_EQ(point->verdict, TrialStatus::kIncorrect);
+  EXPECT_FALSE(point->yardstick_kl_mean.has_value());
+  const double kl_mean = *point->reference_kl_mean;
+
+  // A yardstick as far from the reference as the served config: the ceilings widen to twice it.
+  std::unique_ptr<Model> drifted_model;
+  int made = 0;
+  ServedYardstick drifted;
+  drifted.model = [&]() -> absl::StatusOr<Model*> {
+    ++made;
+    ASSIGN_OR_RETURN(drifted_model, CreateModel(*host, kCpu, drift));
+    return drifted_model.get();
+  };
+  ASSERT_TRUE(CheckServedAgainstReference(**served, **reference, PrecisionClass::kBf16, 4, &*point,
+                                          &cache, &drifted)
+                  .ok());
+  EXPECT_EQ(point->verdict, TrialStatus::kOk) << point->mismatch;
+  EXPECT_EQ(point->requests_matching, point->requests_checked);
+  ASSERT_TRUE(point->yardstick_kl_mean.has_value());
+  EXPECT_NEAR(*point->yardstick_kl_mean, kl_mean, 1e-6 * kl_mean);
+  EXPECT_EQ(made, 1);
+  EXPECT_EQ(drifted.logits.size(), 4u);
+  EXPECT_THAT(FormatLoadPointLine(*point, {}), HasSubstr("widened to this model's bf16 drift"));
+  auto stored = ServingPointFromJson(ToJson(ToServingPoint(*point, {})), "point");
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->yardstick_kl_mean, point->yardstick_kl_mean);
+
+  // A yardstick within the class's ceilings widens nothing: still INCORRECT.
+  std::unique_ptr<Model> clean_model;
+  ServedYardstick clean;
+  clean.model = [&]() -> absl::StatusOr<Model*> {
+    ASSIGN_OR_RETURN(clean_model, CreateModel(*host, kCpu));
+    return clean_model.get();
+  };
+  ASSERT_TRUE(CheckServedAgainstReference(**served, **reference, PrecisionClass::kBf16, 4, &*point,
+                                          &cache, &clean)
+                  .ok());
+  EXPECT_EQ(point->verdict, TrialStatus::kIncorrect);
+  EXPECT_FALSE(point->yardstick_kl_mean.has_value());
+  EXPECT_THAT(point->mismatch, HasSubstr("bf16 class ceiling"));
+
+  // A yardstick that fails to load is an error, not a verdict.
+  ServedYardstick broken;
+  broken.model = []() -> absl::StatusOr<Model*> { return absl::InternalError("no device"); };
+  EXPECT_EQ(CheckServedAgainstReference(**served, **reference, PrecisionClass::kBf16, 4, &*point,
+                                        &cache, &broken)
+                .code(),
+            absl::StatusCode::kInternal);
 }
 
 // Only the CPU reference commits kv-slot-swap: elsewhere the request is refused, not run clean.
