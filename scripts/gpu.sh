@@ -496,18 +496,29 @@ for r in csv.reader(sys.stdin):
         --workload prompt=64,output=8,batch=1,repeats=1,warmup=0,timeout=600 2>&1 |
         grep -E " OK | INCORRECT|judged by|reason" | cut -c1-60,170-400
     done ;;
-  hybrid_figures)  # qwen3-next-80b-a3b, 48 layers, quantized on the host: batch 1 and 64
-    # (prompt 512, 64 tokens), prefill 4096; the fastest registered config of each format
+  hybrid_figures)  # qwen3-next-80b-a3b, 48 layers, quantized on the host: the hybrids' headline rows under the
+    # fastest registered config of each format: batch 1 and 64 (prompt 512, 64 tokens), prefill
+    # 4096 (moe=wgmma: long chunks' experts on wgmma; decode rows take moe=fused's kernels either
+    # way), and served at concurrency 10 (ISL 512, OSL 64, 40 requests). HYBRID_LAYERS fewer
+    # layers where the GPU holds less than the model (24 on an 80 GB H100); HYBRID_SERVE=0 skips
+    # the served row.
+    cfg=${HYBRID_CONFIG:-attention=flash,kv_cache=bf16,linear_attn=chunked}
     for f in ${HYBRID_FORMATS:-fp8_channel nvfp4}; do
       q=w8a16; case $f in nvfp4|mxfp4) q=w4a16 ;; esac
-      $B run --model preset:qwen3-next-80b-a3b --quantize "$f" \
-        --config "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=on,qgemm=$q,linear_attn=fused" \
+      $B run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
+        --config "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$q,$cfg" \
         --workload prompt=512,output=64,batch=1:64,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/hybrid_decode_$f.json" 2>&1 | tee "$OUT/hybrid_decode_$f.log" | grep -vE "timed by"
-      $B run --model preset:qwen3-next-80b-a3b --quantize "$f" \
-        --config "device=cuda,gemm=fused,attention=naive,moe=fused,graphs=off,qgemm=$q,linear_attn=fused" \
+      $B run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
+        --config "device=cuda,gemm=fused,moe=${HYBRID_PREFILL_MOE:-wgmma},graphs=off,qgemm=$q,$cfg" \
         --workload prompt=4096,output=2,batch=1,repeats=3,warmup=1,timeout=900 \
         --json "$OUT/hybrid_prefill_$f.json" 2>&1 | tee "$OUT/hybrid_prefill_$f.log" | grep -vE "timed by"
+      if [ "${HYBRID_SERVE:-1}" != 0 ]; then
+        $B run --model preset:qwen3-next-80b-a3b --layers "${HYBRID_LAYERS:-48}" --quantize "$f" \
+          --config "device=cuda,gemm=fused,moe=fused,graphs=on,qgemm=$q,$cfg" --workload timeout=900 \
+          --serve concurrency=10,isl=512,osl=64,requests=40,warmup=1 \
+          --json "$OUT/hybrid_serve_$f.json" 2>&1 | tee "$OUT/hybrid_serve_$f.log" | grep -vE "timed by"
+      fi
     done ;;
   hybrid_ab)  # qwen3-next-80b-a3b fp8_channel (HYBRID_FORMATS), 48 layers, quantized on the host:
     # decode at batch 1 and 64 (prompt 512, 64 tokens) and prefill 4096, each AB_BINARIES build
