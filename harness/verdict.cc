@@ -191,7 +191,10 @@ std::optional<Thresholds> WidenedToYardstick(PrecisionClass precision,
   if (yardstick.non_finite > 0 || !std::isfinite(yardstick.kl_mean) ||
       !std::isfinite(yardstick.kl_max))
     return std::nullopt;
-  if (yardstick.kl_mean <= th.max_kl_mean && yardstick.kl_max <= th.max_kl &&
+  // Twice the yardstick's KL within the class's ceilings, and its top-1 above the floor: the
+  // ceilings already hold a correct config's drift. Past half of them the widened ceilings take
+  // over where the class's leave off, so they never jump as the drift crosses the ceiling.
+  if (2 * yardstick.kl_mean <= th.max_kl_mean && 2 * yardstick.kl_max <= th.max_kl &&
       yardstick.top1_agreement >= th.min_top1)
     return std::nullopt;
   Thresholds wide = th;

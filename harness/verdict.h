@@ -86,8 +86,10 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicksOnFreeRuns(
 // layers of qwen3-next where qwen3-30b-a3b stays at 0.001 at 48), no correct bf16 kernel gets
 // closer to the reference than rounding alone does: the KL ceilings become twice the
 // yardstick's and the top-1 floors its agreement less 0.15, never tighter than the class's.
-// nullopt when the yardstick meets the class's own thresholds (nothing to widen) or is not
-// finite.
+// nullopt when twice the yardstick's KL is within the class's ceilings and its top-1 meets the
+// class's floor (nothing to widen), or when it is not finite. The trigger is twice its KL, not
+// its KL: a yardstick just under a ceiling leaves a correct config no room, and the ceilings
+// would jump from the class's to twice the drift as it crossed.
 std::optional<Thresholds> WidenedToYardstick(PrecisionClass precision,
                                              const VerdictMetrics& yardstick);
 

@@ -316,9 +316,10 @@ TEST(Verdict, EvalTeacherForcesDecodeStepsAtTheBatchAndAtBatchOne) {
 // (8 positions are noisier than 160): KL 0.018 on one pass (correct backends on tiny-moe's
 // quantized weights measured up to 0.0187) and a quarter of the wrong path's noise on every
 // position stay OK; a pass with its argmaxes flipped at small KL is INCORRECT by its top-1
-// agreement. The bf16 yardstick's drift widens the ceilings only where it exceeds them, to twice
-// its KL and its top-1 less 0.15; a config as far from the reference as twice the yardstick's drift
-// passes under them, garbage does not; a yardstick within the class's ceilings widens nothing.
+// agreement. The bf16 yardstick's drift widens the ceilings only where twice it exceeds them, to
+// twice its KL and its top-1 less 0.15; a config as far from the reference as twice the
+// yardstick's drift passes under them, garbage does not; a yardstick within half the class's
+// ceilings widens nothing, and one between half and all of them widens to twice its drift.
 TEST(Verdict, CeilingsWidenToTheBf16YardsticksDriftOnlyWhereItExceedsThem) {
   EvalSpec spec;
   auto eval = TinyMoeReferenceEval(spec);
@@ -354,10 +355,26 @@ TEST(Verdict, CeilingsWidenToTheBf16YardsticksDriftOnlyWhereItExceedsThem) {
   EXPECT_EQ(
       JudgeOutputs(ref, perturbed(1.5, 3), vocab, PrecisionClass::kBf16, &test, nullptr, &*wide),
       TrialStatus::kIncorrect);
-  // A yardstick within the ceilings, or not finite, widens nothing.
+  // A yardstick within half the ceilings, or not finite, widens nothing.
   JudgeOutputs(ref, perturbed(0.05, 4), vocab, PrecisionClass::kBf16, &drift);
-  ASSERT_LE(drift.kl_mean, bf16.max_kl_mean);
+  ASSERT_LE(2 * drift.kl_mean, bf16.max_kl_mean);
+  ASSERT_LE(2 * drift.kl_max, bf16.max_kl);
+  ASSERT_GE(drift.top1_agreement, bf16.min_top1);
   EXPECT_FALSE(WidenedToYardstick(PrecisionClass::kBf16, drift).has_value());
+  // Within the ceilings but past half of them: a config 1.4 times as far (twice the KL) passes
+  // under the widened ceilings, where the class's alone would leave it no room.
+  JudgeOutputs(ref, perturbed(0.22, 5), vocab, PrecisionClass::kBf16, &drift);
+  ASSERT_LE(drift.kl_mean, bf16.max_kl_mean);
+  ASSERT_GT(2 * drift.kl_mean, bf16.max_kl_mean);
+  const std::optional<Thresholds> near = WidenedToYardstick(PrecisionClass::kBf16, drift);
+  ASSERT_TRUE(near.has_value());
+  EXPECT_DOUBLE_EQ(near->max_kl_mean, 2 * drift.kl_mean);
+  const EvalOutputs farther = perturbed(0.22 * 1.4, 6);
+  EXPECT_EQ(JudgeOutputs(ref, farther, vocab, PrecisionClass::kBf16, &test),
+            TrialStatus::kIncorrect);
+  EXPECT_EQ(JudgeOutputs(ref, farther, vocab, PrecisionClass::kBf16, &test, nullptr, &*near),
+            TrialStatus::kOk)
+      << absl::StrJoin(test.failures, "; ");
   drift.kl_mean = INFINITY;
   EXPECT_FALSE(WidenedToYardstick(PrecisionClass::kBf16, drift).has_value());
 }
