@@ -290,6 +290,7 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
   std::atomic<int64_t> next{0};
   cpu::ParallelFor(cpu::NumThreads(), 1, [&](int64_t, int64_t) {
     std::vector<uint16_t> scratch;  // this thread's bf16 copy of the tensor being quantized
+    std::vector<float> dense;       // and the quantizer's fp32 copy of it
     for (int64_t at = next++; at < count; at = next++) {
       const int64_t i = order[at];
       const TensorSpec& spec = model.specs[i];
@@ -306,7 +307,7 @@ absl::Status QuantizeHostModel(HostModel& model, QuantFormat format) {
                               scratch.data());
         tensor.data = scratch.data();
       }
-      quantized[i] = QuantizeMatrix(format, ToRef(spec, tensor));
+      quantized[i] = QuantizeMatrix(format, ToRef(spec, tensor), &dense);
     }
   });
   if (stream) model.host_materialized = true;

@@ -71,28 +71,34 @@ INFERSWEEP_HD uint8_t FloatToE2M1(float x) {
 }
 
 // Nearest float8_e4m3fn code, ties to even; |x| > 448 saturates to 448; NaN stays NaN.
+// Branch-free integer arithmetic on the bits (no dependence on the rounding mode): the host
+// quantizer calls it once per weight, and a data-dependent rounding branch mispredicts on about
+// half of them.
 INFERSWEEP_HD uint8_t FloatToE4M3(float x) {
   const uint32_t u = BitsFromFloat(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7f;
-  const float a = FloatFromBits(magnitude);
-  if (a >= 448.0f) return sign | 0x7e;
-  if (a < 0.015625f) {  // below 2^-6: subnormal codes m * 2^-9, m = 0..8 (8 is the first normal)
-    // a * 512 is exact; round half to even by hand (no dependence on the rounding mode).
-    const float scaled = a * 512.0f;
-    uint32_t m = static_cast<uint32_t>(scaled);
-    const float rest = scaled - static_cast<float>(m);
-    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
-    return static_cast<uint8_t>(sign | m);
-  }
-  // Normal: keep 3 of fp32's 23 mantissa bits, round half to even; a carry bumps the exponent.
-  const uint32_t exponent = (magnitude >> 23) - 120u;  // e4m3 biased exponent, 1..15
-  const uint32_t mantissa = magnitude & 0x7fffffu;
-  uint32_t code = (exponent << 3) | (mantissa >> 20);
-  const uint32_t dropped = mantissa & 0xfffffu, half = 0x80000u;
-  if (dropped > half || (dropped == half && (code & 1u))) ++code;
-  return static_cast<uint8_t>(sign | code);  // a < 448 keeps code <= 0x7e
+  const uint32_t exponent = magnitude >> 23, mantissa = magnitude & 0x7fffffu;
+  // Normal (2^-6 <= |x| < 448): keep 3 of fp32's 23 mantissa bits, round half to even; a carry
+  // bumps the exponent. E4M3's biased exponent is fp32's less 120.
+  uint32_t normal = ((exponent - 120u) << 3) | (mantissa >> 20);
+  const uint32_t dropped = mantissa & 0xfffffu;
+  normal += static_cast<uint32_t>(dropped > 0x80000u) |
+            (static_cast<uint32_t>(dropped == 0x80000u) & normal & 1u);
+  // Subnormal (|x| < 2^-6): m = |x| * 2^9 rounded half to even, m = 0..8 (8 is the first normal),
+  // from the integer significand: |x| * 2^9 = significand * 2^-(141 - exponent) (fp32's own
+  // subnormals, exponent 0, are far below half a code and give 0 at the clamped shift).
+  const uint32_t significand = exponent != 0 ? (mantissa | 0x800000u) : mantissa;
+  const int wanted = 141 - static_cast<int>(exponent);
+  const uint32_t shift = static_cast<uint32_t>(wanted < 1 ? 1 : (wanted > 31 ? 31 : wanted));
+  const uint32_t whole = significand >> shift, rest = significand & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t subnormal = whole + (static_cast<uint32_t>(rest > half) |
+                                      (static_cast<uint32_t>(rest == half) & whole & 1u));
+  uint32_t code = magnitude < 0x3c800000u ? subnormal : normal;  // 2^-6
+  code = magnitude >= 0x43e00000u ? 0x7eu : code;                // 448 and above (and Inf)
+  code = magnitude > 0x7f800000u ? 0x7fu : code;                 // NaN
+  return static_cast<uint8_t>(sign | code);
 }
 
 // The MX scale exponent of a group whose largest magnitude is `amax`: the smallest e in

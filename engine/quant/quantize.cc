@@ -24,12 +24,22 @@ void AppendBytes(std::vector<uint8_t>& out, const T& value) {
   std::memcpy(out.data() + at, &value, sizeof(T));
 }
 
-// amax over rows [r0, r1) x cols [k0, k1) of a row-major fp32 matrix.
+// amax over rows [r0, r1) x cols [k0, k1) of a row-major fp32 matrix of finite values. Eight
+// running maxima, not one: one would be a chain of dependent max instructions, a few cycles a
+// weight; the max of non-negative finite values is the same in any order.
 float Amax(const std::vector<float>& w, int64_t cols, int64_t r0, int64_t r1, int64_t k0,
            int64_t k1) {
+  constexpr int kLanes = 8;
+  float lane[kLanes] = {};
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = w.data() + r * cols;
+    int64_t k = k0;
+    for (; k + kLanes <= k1; k += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] = std::max(lane[j], std::fabs(row[k + j]));
+    for (; k < k1; ++k) lane[0] = std::max(lane[0], std::fabs(row[k]));
+  }
   float amax = 0;
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(w[r * cols + k]));
+  for (float m : lane) amax = std::max(amax, m);
   return amax;
 }
 
@@ -98,7 +108,8 @@ MatrixRef QuantizedMatrix::View() const {
   return ref;
 }
 
-absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixRef& dense) {
+absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixRef& dense,
+                                               std::vector<float>* scratch) {
   if (dense.quantized())
     return absl::InvalidArgumentError("QuantizeMatrix: the matrix is already quantized");
   if (dense.dtype != DType::kBF16 && dense.dtype != DType::kF16 && dense.dtype != DType::kF32)
@@ -106,7 +117,9 @@ absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixR
         "QuantizeMatrix: dense dtype ", DTypeName(dense.dtype).data(), " (bf16, f16 or f32 only)"));
   ASSIGN_OR_RETURN(auto layout, QuantLayout(format, dense.rows, dense.cols));
   const int64_t rows = dense.rows, cols = dense.cols;
-  std::vector<float> w(static_cast<size_t>(rows * cols));
+  std::vector<float> own;
+  std::vector<float>& w = scratch ? *scratch : own;
+  w.resize(static_cast<size_t>(rows * cols));  // every element is written below
   const int64_t n = rows * cols;
   switch (dense.dtype) {  // one loop per dtype: no per-element dispatch
     case DType::kBF16:

@@ -29,7 +29,10 @@ struct QuantizedMatrix {
 //   nvfp4: scale_2 = amax_tensor / (6 * 448), group scale = E4M3(amax_group / 6 / scale_2);
 //   mxfp4: the smallest power of two 2^e with 6 * 2^e >= amax_group (no element saturates).
 // An all-zero tensor, row, block or group gets scale 1 (2^-127 for mxfp4). `dense` is bf16, f16
-// or f32; non-finite weights are an error.
-absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixRef& dense);
+// or f32; non-finite weights are an error. `scratch` (optional) holds the fp32 copy of `dense`
+// the quantizer works on: a caller quantizing many matrices on one thread passes the same one,
+// so each copy reuses the last one's pages instead of faulting in fresh ones.
+absl::StatusOr<QuantizedMatrix> QuantizeMatrix(QuantFormat format, const MatrixRef& dense,
+                                               std::vector<float>* scratch = nullptr);
 
 }  // namespace infersweep
