@@ -59,24 +59,35 @@ std::vector<uint8_t> Fp8Codes(const std::vector<float>& w, int64_t rows, int64_t
 }
 
 // Packs E2M1 codes of w[r, k] / group_scale(r, k), two per byte, low nibble = even k. Groups
-// (16 or 32) are even, so a byte's two elements share a scale.
+// (16 or 32) are even, so a byte's two elements share a scale. A group's codes are formed in one
+// fixed-length loop, then paired, so the compiler can run the divisions and the encoder's
+// comparisons several weights at a time.
+template <int kGroup>
+void PackE2M1Groups(const std::vector<float>& w, int64_t rows, int64_t cols, QuantFormat format,
+                    const std::vector<float>& group_scales, uint8_t* packed) {
+  uint8_t codes[kGroup];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k0 = 0; k0 < cols; k0 += kGroup) {
+      const float scale = group_scales[QuantScaleIndex(format, cols, r, k0)];
+      const float* in = w.data() + r * cols + k0;
+      uint8_t* out = packed + (r * cols + k0) / 2;
+      if (!(scale > 0)) {
+        std::fill(out, out + kGroup / 2, uint8_t{0});
+        continue;
+      }
+      for (int k = 0; k < kGroup; ++k) codes[k] = FloatToE2M1(in[k] / scale);
+      for (int k = 0; k < kGroup / 2; ++k)
+        out[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+    }
+}
+
 std::vector<uint8_t> PackE2M1(const std::vector<float>& w, int64_t rows, int64_t cols,
                               QuantFormat format, const std::vector<float>& group_scales) {
   std::vector<uint8_t> packed(static_cast<size_t>(rows * cols / 2));
-  const int64_t group = format == QuantFormat::kNvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k0 = 0; k0 < cols; k0 += group) {
-      const float scale = group_scales[QuantScaleIndex(format, cols, r, k0)];
-      const float* in = w.data() + r * cols + k0;
-      uint8_t* out = packed.data() + (r * cols + k0) / 2;
-      if (!(scale > 0)) {
-        std::fill(out, out + group / 2, uint8_t{0});
-        continue;
-      }
-      for (int64_t k = 0; k < group; k += 2)
-        out[k / 2] = static_cast<uint8_t>(FloatToE2M1(in[k] / scale) |
-                                          (FloatToE2M1(in[k + 1] / scale) << 4));
-    }
+  if (format == QuantFormat::kNvfp4)
+    PackE2M1Groups<kNvfp4GroupSize>(w, rows, cols, format, group_scales, packed.data());
+  else
+    PackE2M1Groups<kMxfp4GroupSize>(w, rows, cols, format, group_scales, packed.data());
   return packed;
 }
 
