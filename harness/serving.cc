@@ -350,6 +350,17 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
 
 namespace {
 
+// One output position's distance from the reference: KL(ref || test) and whether the argmaxes
+// agree.
+struct PositionScore {
+  double kl;
+  bool agree;
+};
+PositionScore ScorePosition(const float* ref, const float* test, int vocab) {
+  const size_t n = static_cast<size_t>(vocab);
+  return {LogitsKl(ref, test, vocab), Greedy({ref, n}) == Greedy({test, n})};
+}
+
 // The reference's logits at every output position of a served request: [osl, vocab], the prompt
 // a chunk, then the served tokens but the last.
 absl::StatusOr<std::vector<float>> ReferenceOutputLogits(Model& reference,
@@ -446,11 +457,10 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
       const int k = whose[c];
       const float* test = logits.data() + c * vocab;
       const float* ref = expected[k]->data() + static_cast<size_t>(judged[k]) * vocab;
-      const double kl = LogitsKl(ref, test, vocab);
-      kl_sum[k] += kl;
-      kl_worst[k] = std::max(kl_worst[k], kl);
-      agree +=
-          Greedy({ref, static_cast<size_t>(vocab)}) == Greedy({test, static_cast<size_t>(vocab)});
+      const PositionScore score = ScorePosition(ref, test, vocab);
+      kl_sum[k] += score.kl;
+      kl_worst[k] = std::max(kl_worst[k], score.kl);
+      agree += score.agree;
       ++positions;
       if (++judged[k] == static_cast<int>(picked[k]->tokens.size())) {
         RETURN_IF_ERROR(model.RetireSequence(slot[k]));
@@ -509,14 +519,12 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
   int64_t drift_agree = 0;
   for (int k = 0; k < n; ++k)
     for (size_t at = 0; at < picked[k]->tokens.size(); ++at) {
-      const float* ref = expected[k]->data() + at * vocab;
-      const float* bf16_out = drifted[k]->data() + at * vocab;
-      const double kl = LogitsKl(ref, bf16_out, vocab);
-      if (!std::isfinite(kl)) ++drift.non_finite;
-      drift_total += kl;
-      drift.kl_max = std::max(drift.kl_max, kl);
-      drift_agree += Greedy({ref, static_cast<size_t>(vocab)}) ==
-                     Greedy({bf16_out, static_cast<size_t>(vocab)});
+      const PositionScore score =
+          ScorePosition(expected[k]->data() + at * vocab, drifted[k]->data() + at * vocab, vocab);
+      if (!std::isfinite(score.kl)) ++drift.non_finite;
+      drift_total += score.kl;
+      drift.kl_max = std::max(drift.kl_max, score.kl);
+      drift_agree += score.agree;
     }
   drift.kl_mean = drift_total / positions;
   drift.top1_agreement = static_cast<double>(drift_agree) / positions;
