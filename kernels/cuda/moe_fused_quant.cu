@@ -18,7 +18,10 @@ namespace infersweep::cuda {
 namespace {
 
 constexpr int kWarps = 8;        // 256 threads
-constexpr int kRowsPerWarp = 2;  // outputs per warp: they share each activation read
+constexpr int kRowsPerWarp = 2;  // gate/up outputs per warp: they share each activation read
+// Down outputs per warp: one, so a lane's share of all k slots' chunks is one round of loads and
+// the grid is hidden / 8 blocks (256 at hidden 2048, every SM).
+constexpr int kDownRowsPerWarp = 1;
 
 // A MatrixRef of expert e's scales, for the row-factor helpers.
 __device__ __forceinline__ MatrixRef ExpertScales(const QuantExpertTable& t, const void* scales,
@@ -130,8 +133,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// grid (ceil(hidden / 16), rows), 256 threads: warp w computes outputs j of row r for j in
-// [2w, 2w + 2) of the block's 16, over all k slots: y[r, j] += sum_slot weight_slot *
+// grid (ceil(hidden / 8), rows), 256 threads: warp w computes output j = 8 blockIdx.x + w of
+// row r, over all k slots: y[r, j] += sum_slot weight_slot *
 // factor(e_slot, j) * (Wd[e_slot][j] . h[r, slot]). As in MoeDownCombine, the k slots' chunks
 // are one flat list of (slot, chunk) items so a lane keeps kUnroll loads in flight across
 // slots, and each slot's pointers are read once by lane `slot` and shuffled to the lanes that
@@ -148,23 +151,25 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ float hs[];  // [k][PaddedFloats(inter)]
   __shared__ float scratch[32];
   constexpr int kChunk = ChunkElements<F>();
-  constexpr int kUnroll = 6;  // 24 FP4 or 48 FP8 items a lane at qwen3-30b-a3b: 1 or 2 batches
+  // 12 FP4 or 24 FP8 items a lane at qwen3-30b-a3b, 11 FP8 at qwen3-next: one batch, one
+  // round of loads.
+  constexpr int kUnroll = 12;
   constexpr int kRowBytes2 = IsFp4(F) ? 1 : 2;
   const int row = blockIdx.y;
   const int hidden = down.rows, inter = down.cols;
   const int lane = threadIdx.x & 31;
-  const int first = (blockIdx.x * kWarps + threadIdx.x / 32) * kRowsPerWarp;
+  const int first = (blockIdx.x * kWarps + threadIdx.x / 32) * kDownRowsPerWarp;
   const bool active = first < hidden;
   const int chunks = inter / kChunk, items = k * chunks;
-  int out[kRowsPerWarp];
+  int out[kDownRowsPerWarp];
 #pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) out[rr] = min(first + rr, hidden - 1);
+  for (int rr = 0; rr < kDownRowsPerWarp; ++rr) out[rr] = min(first + rr, hidden - 1);
   // Lane s < k holds slot s: its expert's codes and scales (null for an expert not held here),
   // routing weight (0 for a skipped expert) and row factors.
   const uint8_t* my_codes = nullptr;
   const void* my_scales = nullptr;
   float my_weight = 0.f;
-  uint32_t my_row_bits[kRowsPerWarp] = {};
+  uint32_t my_row_bits[kDownRowsPerWarp] = {};
   const int e = lane < k ? expert_ids[row * k + lane] : -1;
   if (lane < k && e >= expert_begin && e < expert_end) {
     my_codes = static_cast<const uint8_t*>(down.codes[e]);
@@ -172,11 +177,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     const void* global = F == QuantFormat::kNvfp4 ? down.global_scales[e] : nullptr;
     my_weight = e == skip_expert ? 0.f : weights[row * k + lane];
 #pragma unroll
-    for (int rr = 0; rr < kRowsPerWarp; ++rr)
+    for (int rr = 0; rr < kDownRowsPerWarp; ++rr)
       my_row_bits[rr] = LoadRowFactorBits<F>(ExpertScales(down, my_scales, global), out[rr]);
   }
-  uint4 packed[kRowsPerWarp][kUnroll];
-  uint32_t scale_bits[kRowsPerWarp][kUnroll];
+  uint4 packed[kDownRowsPerWarp][kUnroll];
+  uint32_t scale_bits[kDownRowsPerWarp][kUnroll];
   int slot_of[kUnroll];
   // Issues batch `base`'s loads (every lane runs the shuffles: the loop bounds are warp-uniform).
   auto load = [&](int base) {
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       slot_of[i] = slot;
       if (active && base + lane + 32 * i < items) {
 #pragma unroll
-        for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+        for (int rr = 0; rr < kDownRowsPerWarp; ++rr) {
           packed[rr][i] = make_uint4(0, 0, 0, 0);
           scale_bits[rr][i] = 0;
           if (slot_codes) {
@@ -213,27 +218,27 @@ __global__ void __launch_bounds__(kWarps * 32)
                       0.f, nullptr, hs, scratch, inv);
   if (!active) return;  // warp-uniform: the shuffles below see every lane
 
-  float my_factor[kRowsPerWarp];
+  float my_factor[kDownRowsPerWarp];
 #pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr)
+  for (int rr = 0; rr < kDownRowsPerWarp; ++rr)
     my_factor[rr] =
         my_codes ? my_weight * DecodeRowFactor<F>(my_row_bits[rr], down.scale_dtype) : 0.f;
   const int ld = PaddedFloats(inter);
-  float total[kRowsPerWarp] = {};
+  float total[kDownRowsPerWarp] = {};
   for (int base = 0; base < items; base += 32 * kUnroll) {
     if (base > 0) load(base);
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      float factor[kRowsPerWarp];
+      float factor[kDownRowsPerWarp];
 #pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr)
+      for (int rr = 0; rr < kDownRowsPerWarp; ++rr)
         factor[rr] = __shfl_sync(0xffffffffu, my_factor[rr], slot_of[i]);
       const int item = base + lane + 32 * i;
       if (item >= items) continue;
       const int c = item - slot_of[i] * chunks;
       const float* hc = hs + slot_of[i] * ld + PaddedIndex(c * kChunk);
 #pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      for (int rr = 0; rr < kDownRowsPerWarp; ++rr) {
         float part = 0.f;
         ChunkDot<F, 1>(packed[rr][i], DecodeChunkScale<F>(scale_bits[rr][i], down.scale_dtype), hc,
                        0, 1, &part);
@@ -242,7 +247,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 #pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+  for (int rr = 0; rr < kDownRowsPerWarp; ++rr) {
     if (first + rr >= hidden) break;
     const float sum = WarpSum(total[rr]);
     if (lane == 0) y[static_cast<int64_t>(row) * hidden + first + rr] += sum;
@@ -276,7 +281,7 @@ void LaunchDown(const float* h, int rows, int k, const int* expert_ids, const fl
                 int skip_expert, int expert_begin, int expert_end, const QuantExpertTable& down,
                 float* y, cudaStream_t stream) {
   ConfigureShared<F>();
-  const dim3 grid(CeilDiv(down.rows, kWarps * kRowsPerWarp), rows);
+  const dim3 grid(CeilDiv(down.rows, kWarps * kDownRowsPerWarp), rows);
   Launch(MoeDownCombineQuantKernel<F>, grid, dim3(kWarps * 32),
          static_cast<size_t>(k) * PaddedFloats(down.cols) * sizeof(float), stream, h, expert_ids,
          weights, skip_expert, expert_begin, expert_end, k, down, y);
