@@ -389,6 +389,7 @@ json ToJson(const TrialResult& r) {
                 {"free_run_agreement", v.free_run_agreement},
                 {"loop_reference_agreement", OptJson(v.loop_reference_agreement)},
                 {"yardstick_kl_mean", OptJson(v.yardstick_kl_mean)},
+                {"yardstick", v.yardstick},
                 {"worst_pass", v.worst_pass},
                 {"worst_pass_kl_mean", v.worst_pass_kl_mean},
                 {"failures", v.failures}}},
@@ -479,6 +480,8 @@ absl::StatusOr<TrialResult> TrialResultFromJson(const json& j) {
     RETURN_IF_ERROR(
         ReadOpt(*it, "loop_reference_agreement", &v.loop_reference_agreement, "result.verdict"));
     RETURN_IF_ERROR(ReadOpt(*it, "yardstick_kl_mean", &v.yardstick_kl_mean, "result.verdict"));
+    if (v.yardstick_kl_mean) v.yardstick = "bf16";  // a result without the field: the bf16 one
+    RETURN_IF_ERROR(Read(*it, "yardstick", &v.yardstick, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass", &v.worst_pass, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "worst_pass_kl_mean", &v.worst_pass_kl_mean, "result.verdict"));
     RETURN_IF_ERROR(Read(*it, "failures", &v.failures, "result.verdict"));
@@ -627,7 +630,10 @@ json ToJson(const ServingPoint& p) {
   if (p.meets_slo) j["meets_slo"] = *p.meets_slo;
   if (p.reference_kl_mean) j["reference_kl_mean"] = *p.reference_kl_mean;
   if (p.reference_top1) j["reference_top1"] = *p.reference_top1;
-  if (p.yardstick_kl_mean) j["yardstick_kl_mean"] = *p.yardstick_kl_mean;
+  if (p.yardstick_kl_mean) {
+    j["yardstick_kl_mean"] = *p.yardstick_kl_mean;
+    j["yardstick"] = p.yardstick;
+  }
   if (p.ttft_ms_at_slo_percentile) j["ttft_ms_at_slo_percentile"] = *p.ttft_ms_at_slo_percentile;
   if (p.tpot_ms_at_slo_percentile) j["tpot_ms_at_slo_percentile"] = *p.tpot_ms_at_slo_percentile;
   if (p.energy_j_per_output_token) j["energy_j_per_output_token"] = *p.energy_j_per_output_token;
@@ -695,6 +701,7 @@ absl::StatusOr<ServingPoint> ServingPointFromJson(const json& j, std::string_vie
   RETURN_IF_ERROR(ReadOpt(j, "reference_kl_mean", &p.reference_kl_mean, where));
   RETURN_IF_ERROR(ReadOpt(j, "reference_top1", &p.reference_top1, where));
   RETURN_IF_ERROR(ReadOpt(j, "yardstick_kl_mean", &p.yardstick_kl_mean, where));
+  RETURN_IF_ERROR(Read(j, "yardstick", &p.yardstick, where));
   RETURN_IF_ERROR(ReadOpt(j, "ttft_ms_at_slo_percentile", &p.ttft_ms_at_slo_percentile, where));
   RETURN_IF_ERROR(ReadOpt(j, "tpot_ms_at_slo_percentile", &p.tpot_ms_at_slo_percentile, where));
   return p;

@@ -170,9 +170,11 @@ struct VerdictMetrics {
   // the looping runs' tokens that the reference picks too, fed the same runs (a loop the
   // reference walks too is the model's, not the config's: docs/VERDICTS.md).
   std::optional<double> loop_reference_agreement;
-  // Set when the thresholds were widened to the model's own bf16 drift: the bf16 yardstick's
-  // kl_mean against the reference (harness/verdict.h, WidenedToYardstick).
+  // Set when the thresholds were widened to the model's own drift under its inputs' rounding:
+  // the yardstick's kl_mean against the reference (harness/verdict.h, WidenedToYardstick), and
+  // which yardstick ("bf16", "e4m3": CreateYardstick).
   std::optional<double> yardstick_kl_mean;
+  std::string yardstick;
   std::string worst_pass;             // the forward pass with the largest kl_mean of its own
   double worst_pass_kl_mean = 0;      // that pass's kl_mean, nats
   std::vector<std::string> failures;  // which thresholds failed, human-readable
@@ -213,9 +215,10 @@ struct ServingPoint {
   // Configs below fp32, judged on a sample of served requests teacher-forced against the
   // reference: the sample's KL to it (mean, nats) and top-1 agreement.
   std::optional<double> reference_kl_mean, reference_top1;
-  // Set when the ceilings were widened to the model's own bf16 drift: the bf16 yardstick's KL to
-  // the reference on the same requests (mean, nats).
+  // Set when the ceilings were widened to the model's own drift: the yardstick's KL to the
+  // reference on the same requests (mean, nats), and which yardstick ("bf16", "e4m3").
   std::optional<double> yardstick_kl_mean;
+  std::string yardstick;
 };
 // The SLO search's answer: the highest load whose percentiles meet the SLO, with every probe.
 struct ServingSloSearch {

@@ -132,18 +132,40 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(HostModel& host, const Backen
       absl::StrCat("device=", DeviceName(device), ": this build has no implementation for it"));
 }
 
-absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
-                                                           const BackendConfig& reference) {
+absl::StatusOr<std::unique_ptr<Model>> CreateYardstick(HostModel& host,
+                                                       const BackendConfig& reference,
+                                                       Yardstick yardstick) {
+  if (yardstick == Yardstick::kNone)
+    return absl::InvalidArgumentError("CreateYardstick: Yardstick::kNone is the reference itself");
 #ifdef INFERSWEEP_HAVE_CUDA
   if (ConfigDevice(reference) == Device::kCuda) {
     ASSIGN_OR_RETURN(auto options, ParseCudaOptions(reference));
-    options.bf16_gemm_inputs = true;
+    options.yardstick = yardstick;
     return MakeCudaModel(host, options, {});
   }
 #endif
-  return absl::UnimplementedError(
-      absl::StrCat("device=", DeviceName(ConfigDevice(reference)),
-                   ": no bf16 yardstick (its configs are all fp32-class)"));
+  return absl::UnimplementedError(absl::StrCat("device=", DeviceName(ConfigDevice(reference)),
+                                               ": no ", YardstickName(yardstick),
+                                               " yardstick (its configs are all fp32-class)"));
+}
+
+Yardstick YardstickFor(const BackendConfig& normalized) {
+  if (ConfigDevice(normalized) != Device::kCuda) return Yardstick::kBf16;
+  const absl::StatusOr<CudaOptions> options = ParseCudaOptions(normalized);
+  if (!options.ok()) return Yardstick::kBf16;
+  switch (options->qgemm) {
+    case QGemm::kW8A8:
+    case QGemm::kFp8CublasLt:
+    case QGemm::kCudnn:
+      return Yardstick::kE4m3;
+    case QGemm::kReference:
+    case QGemm::kDequantBf16:
+    case QGemm::kW4A16:
+    case QGemm::kW8A16:
+    case QGemm::kNativeFp4:
+      return Yardstick::kBf16;
+  }
+  return Yardstick::kBf16;
 }
 
 }  // namespace infersweep

@@ -11,6 +11,7 @@
 #include "api/backend_config.h"
 #include "engine/fault_injection.h"
 #include "engine/model.h"
+#include "engine/options.h"
 #include "engine/weights.h"
 
 namespace infersweep {
@@ -57,12 +58,18 @@ PreflightTarget MakePreflightTarget(const LocalDevices& devices, const std::stri
 // (gemm=reference, attention=naive, moe=loop, graphs=off) for cuda configs.
 BackendConfig ReferenceConfigFor(const BackendConfig& normalized);
 
-// The bf16 yardstick of a device's reference config: the reference with its GEMM inputs rounded
-// to bf16 (CudaOptions::bf16_gemm_inputs). Its distance from the reference is what bf16 rounding
-// alone costs on a model; the verdict widens the bf16 class's ceilings to it where a model is
-// more sensitive than they assume (harness/verdict.h). Unimplemented on the CPU.
-absl::StatusOr<std::unique_ptr<Model>> CreateBf16Yardstick(HostModel& host,
-                                                           const BackendConfig& reference);
+// A yardstick of a device's reference config: the reference with its GEMM inputs rounded as a
+// class of configs rounds them (CudaOptions::yardstick, engine/options.h). Its distance from the
+// reference is what that rounding alone costs on a model; the verdict widens the class's
+// ceilings to it where a model is more sensitive than they assume (harness/verdict.h).
+// Unimplemented on the CPU, and for Yardstick::kNone.
+absl::StatusOr<std::unique_ptr<Model>> CreateYardstick(HostModel& host,
+                                                       const BackendConfig& reference,
+                                                       Yardstick yardstick);
+
+// The yardstick a normalized config is measured by: E4M3 where its quantized linears take E4M3
+// activations (qgemm=w8a8, fp8_cublaslt, cudnn), else bf16.
+Yardstick YardstickFor(const BackendConfig& normalized);
 
 // `host` must outlive the model; CPU models generate its host copy if it has none yet.
 // `fault` is TEST ONLY.

@@ -151,6 +151,18 @@ absl::Status ParseParallel(const BackendConfig& config, Device device, ParallelO
 
 }  // namespace
 
+const char* YardstickName(Yardstick y) {
+  switch (y) {
+    case Yardstick::kNone:
+      return "none";
+    case Yardstick::kBf16:
+      return "bf16";
+    case Yardstick::kE4m3:
+      return "e4m3";
+  }
+  return "none";
+}
+
 const char* AxisValueName(Gemm v) { return NameOf(v); }
 const char* AxisValueName(Attention v) { return NameOf(v); }
 const char* AxisValueName(KvCache v) { return NameOf(v); }

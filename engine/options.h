@@ -16,6 +16,13 @@ enum class Attention { kNaive, kFlash, kCudnn };
 enum class KvCache { kFp32, kBf16, kFp8 };
 enum class Moe { kLoop, kGrouped, kFused, kWgmma };
 enum class Graphs { kOff, kOn, kPersistent };
+// The reference with its GEMM inputs rounded as a class of configs rounds them: none (the
+// reference itself); every input to bf16 (the bf16 yardstick); the inputs of quantized weights
+// to E4M3 with one scale a row, amax / 448, and the others to bf16, as qgemm=w8a8 and the E4M3
+// scaled GEMMs quantize activations (the E4M3 yardstick).
+enum class Yardstick { kNone, kBf16, kE4m3 };
+const char* YardstickName(Yardstick y);
+
 enum class QGemm {
   kReference,
   kDequantBf16,
@@ -105,10 +112,10 @@ struct CudaOptions {
   LinearAttn linear_attn = LinearAttn::kReference;
   TestKernel test_kernel = TestKernel::kNone;  // TEST ONLY
   ParallelOptions parallel = {1, false, AllReduce::kAuto};
-  // The bf16 yardstick (CreateBf16Yardstick): the reference GEMM rounds its inputs to bf16, as
-  // every bf16-class GEMM does, and computes the rest as the reference does. Not an axis value:
-  // the harness builds it to measure how far bf16 rounding alone moves a model's logits.
-  bool bf16_gemm_inputs = false;
+  // A yardstick (CreateYardstick): the reference GEMM rounds its inputs as a class of configs
+  // does and computes the rest as the reference does. Not an axis value: the harness builds it
+  // to measure how far that rounding alone moves a model's logits.
+  Yardstick yardstick = Yardstick::kNone;
 };
 
 struct CpuOptions {

@@ -186,11 +186,12 @@ TrialExecutor::TrialMemory TrialExecutor::DecideTrialMemory(const TrialRequest& 
 }
 
 absl::StatusOr<const EvalOutputs*> TrialExecutor::Reference(const BackendConfig& config,
-                                                            bool bf16_yardstick) {
-  const std::string key = absl::StrCat(BackendConfigString(config), bf16_yardstick ? " bf16" : "");
+                                                            Yardstick yardstick) {
+  const std::string key = absl::StrCat(BackendConfigString(config), " ", YardstickName(yardstick));
   if (auto it = reference_cache_.find(key); it != reference_cache_.end()) return &it->second;
-  ASSIGN_OR_RETURN(auto model, bf16_yardstick ? CreateBf16Yardstick(*host_, config)
-                                              : CreateModel(*host_, config));
+  ASSIGN_OR_RETURN(auto model, yardstick != Yardstick::kNone
+                                   ? CreateYardstick(*host_, config, yardstick)
+                                   : CreateModel(*host_, config));
   ASSIGN_OR_RETURN(auto outputs, RunEval(*model, eval_));
   return &(reference_cache_[key] = std::move(outputs));
 }
@@ -414,23 +415,26 @@ TrialResult TrialExecutor::Execute(const TrialRequest& request, const Progress& 
     verdict =
         JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict, &*picks);
   }
-  // A finite config below fp32 that misses its class's ceilings: does bf16 rounding alone miss
-  // them on this model? The bf16 yardstick (the GPU reference with bf16 GEMM inputs) says; where
-  // it does, the ceilings widen to its drift (WidenedToYardstick). Only on failure, so it costs
-  // nothing on the common path.
+  // A finite config below fp32 that misses its class's ceilings: does its inputs' rounding
+  // alone miss them on this model? Its yardstick (the GPU reference with the GEMM inputs rounded
+  // as the config rounds them: bf16, or E4M3 rows: YardstickFor) says; where it does, the
+  // ceilings widen to its drift (WidenedToYardstick). Only on failure, so it costs nothing on
+  // the common path.
   if (verdict == TrialStatus::kIncorrect && preflight.precision != PrecisionClass::kFp32 &&
       result.verdict.non_finite == 0 && ConfigDevice(reference_config) == Device::kCuda) {
-    say("bf16 yardstick of " + BackendConfigString(reference_config));
-    auto yardstick = Reference(reference_config, /*bf16_yardstick=*/true);
+    const Yardstick kind = YardstickFor(*config);
+    const std::string name = absl::StrCat(YardstickName(kind), " yardstick");
+    say(absl::StrCat(name, " of ", BackendConfigString(reference_config)));
+    auto yardstick = Reference(reference_config, kind);
     if (!yardstick.ok())
-      return finish(TrialStatus::kError,
-                    absl::StrCat("bf16 yardstick: ", yardstick.status().message()));
+      return finish(TrialStatus::kError, absl::StrCat(name, ": ", yardstick.status().message()));
     VerdictMetrics drift;
     JudgeOutputs(**reference, **yardstick, vocab, PrecisionClass::kBf16, &drift);
     if (const std::optional<Thresholds> wide = WidenedToYardstick(preflight.precision, drift)) {
       verdict = JudgeOutputs(**reference, *outputs, vocab, preflight.precision, &result.verdict,
                              picks ? &*picks : nullptr, &*wide);
       result.verdict.yardstick_kl_mean = drift.kl_mean;
+      result.verdict.yardstick = YardstickName(kind);
     }
   }
   if (verdict != TrialStatus::kOk)  // garbage is not worth timing

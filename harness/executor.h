@@ -82,9 +82,9 @@ class TrialExecutor {
                                 const Progress& progress);
   // The model's identity (DescribeModel), cached per ModelKey.
   ModelIdentity Identity(const TrialRequest& request);
-  // The eval outputs of the reference (bf16_yardstick: of its bf16 yardstick), cached per model.
+  // The eval outputs of the reference (or of its `yardstick`, CreateYardstick), cached per model.
   absl::StatusOr<const EvalOutputs*> Reference(const BackendConfig& reference_config,
-                                               bool bf16_yardstick = false);
+                                               Yardstick yardstick = Yardstick::kNone);
   // The reference's picks on a test config's free runs (ReferencePicksOnFreeRuns).
   absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicks(
       const BackendConfig& reference_config, const std::vector<std::vector<int32_t>>& free);

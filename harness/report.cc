@@ -86,13 +86,14 @@ std::string FormatColumnHeader() {
 
 namespace {
 
-// Where the verdict's ceilings were widened to the model's own bf16 drift (docs/VERDICTS.md).
+// Where the verdict's ceilings were widened to the model's own drift (docs/VERDICTS.md).
 std::string YardstickLine(const VerdictMetrics& v) {
   if (!v.yardstick_kl_mean) return "";
+  const std::string& name = v.yardstick.empty() ? std::string("bf16") : v.yardstick;
   return absl::StrFormat(
-      "#   judged by ceilings widened to this model's bf16 drift: the bf16 yardstick's kl_mean "
+      "#   judged by ceilings widened to this model's %s drift: the %s yardstick's kl_mean "
       "%.3g against the reference\n",
-      *v.yardstick_kl_mean);
+      name, name, *v.yardstick_kl_mean);
 }
 
 }  // namespace

@@ -475,6 +475,7 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
   result->reference_kl_mean = total / positions;
   result->reference_top1 = static_cast<double>(agree) / positions;
   result->yardstick_kl_mean.reset();
+  result->yardstick.clear();
   // Sets the verdict under `th`: `ceilings` names them in the mismatch.
   auto judge = [&](const Thresholds& th, std::string_view ceilings) {
     result->requests_checked = result->requests_matching = 0;
@@ -529,7 +530,8 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
   drift.kl_mean = drift_total / positions;
   drift.top1_agreement = static_cast<double>(drift_agree) / positions;
   if (const std::optional<Thresholds> wide = WidenedToYardstick(precision, drift)) {
-    judge(*wide, "ceiling widened to the bf16 yardstick's drift");
+    result->yardstick = YardstickName(yardstick->kind);
+    judge(*wide, absl::StrCat("ceiling widened to the ", result->yardstick, " yardstick's drift"));
     result->yardstick_kl_mean = drift.kl_mean;
   }
   return absl::OkStatus();
@@ -636,17 +638,18 @@ ServeTrialResult RunServeTrial(HostModel& host, const BackendConfig& config, con
     return fail(TrialStatus::kError, std::string(judge_model.status().message()));
   std::map<int, std::vector<int32_t>> lone_runs;
   ReferenceLogits reference_logits;
-  // The bf16 yardstick of a GPU reference, made only when a load point misses the class's
-  // ceilings (it holds a third model on the device).
-  std::unique_ptr<Model> bf16_yardstick;
+  // The config's yardstick of a GPU reference (YardstickFor), made only when a load point misses
+  // the class's ceilings (it holds a third model on the device).
+  std::unique_ptr<Model> yardstick_model;
   ServedYardstick yardstick;
+  yardstick.kind = YardstickFor(*normalized);
   if (ConfigDevice(ReferenceConfigFor(*normalized)) == Device::kCuda)
     yardstick.model = [&]() -> absl::StatusOr<Model*> {
-      if (!bf16_yardstick) {
-        ASSIGN_OR_RETURN(bf16_yardstick,
-                         CreateBf16Yardstick(host, ReferenceConfigFor(*normalized)));
+      if (!yardstick_model) {
+        ASSIGN_OR_RETURN(yardstick_model,
+                         CreateYardstick(host, ReferenceConfigFor(*normalized), yardstick.kind));
       }
-      return bf16_yardstick.get();
+      return yardstick_model.get();
     };
   const ServedJudge judge = [&](LoadPointResult* result) {
     return exact ? CheckServedTokens(**judge_model, spec.chunk, result, &lone_runs)
@@ -728,6 +731,7 @@ ServingPoint ToServingPoint(const LoadPointResult& r, const Slo& slo) {
   p.reference_kl_mean = r.reference_kl_mean;
   p.reference_top1 = r.reference_top1;
   p.yardstick_kl_mean = r.yardstick_kl_mean;
+  p.yardstick = r.yardstick;
   return p;
 }
 
@@ -788,9 +792,9 @@ std::string FormatServingPointLine(const ServingPoint& p, const Slo& slo) {
                         p.requests_checked, *p.reference_kl_mean, p.reference_top1.value_or(0)));
   if (p.yardstick_kl_mean)
     absl::StrAppendFormat(&line,
-                          "\n#   judged by ceilings widened to this model's bf16 drift: the bf16 "
+                          "\n#   judged by ceilings widened to this model's %s drift: the %s "
                           "yardstick's kl_mean %.3g on the same requests",
-                          *p.yardstick_kl_mean);
+                          p.yardstick, p.yardstick, *p.yardstick_kl_mean);
   if (!p.first_mismatch.empty()) absl::StrAppend(&line, "\n#   first mismatch: ", p.first_mismatch);
   return line + "\n";
 }

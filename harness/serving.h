@@ -23,6 +23,7 @@
 #include "api/trial.h"
 #include "engine/fault_injection.h"
 #include "engine/model.h"
+#include "engine/options.h"
 #include "engine/weights.h"
 #include "harness/gpu_sampler.h"
 #include "harness/memory_verdict.h"
@@ -86,9 +87,10 @@ struct LoadPointResult {
   std::string mismatch;  // the first mismatch, described
   // CheckServedAgainstReference: the sample's KL to the reference (mean, nats) and top-1 agreement.
   std::optional<double> reference_kl_mean, reference_top1;
-  // Set when the ceilings were widened to the model's own bf16 drift: the bf16 yardstick's KL to
-  // the reference on the same sampled requests (mean, nats).
+  // Set when the ceilings were widened to the model's own drift: the yardstick's KL to the
+  // reference on the same sampled requests (mean, nats), and which yardstick ("bf16", "e4m3").
   std::optional<double> yardstick_kl_mean;
+  std::string yardstick;
   // The memory plan's part (harness/memory_verdict.h): an UNSUPPORTED point's reason (its slots
   // do not fit; nothing was served), or the KV slots an open-loop point was capped at.
   std::string unsupported_reason;
@@ -138,6 +140,7 @@ constexpr int kServedReferenceSample = 4;         // requests a load point's ref
 constexpr int64_t kServedReferenceTokens = 2048;  // prompt and output tokens it feeds, at most
 using ReferenceLogits = std::map<std::vector<int32_t>, std::vector<float>>;
 struct ServedYardstick {
+  Yardstick kind = Yardstick::kBf16;              // which (its name in the mismatch and report)
   std::function<absl::StatusOr<Model*>()> model;  // made on first need; empty: none
   ReferenceLogits logits;                         // its logits, by fed sequence
 };

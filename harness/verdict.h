@@ -80,8 +80,9 @@ bool IsDegenerate(const std::vector<int32_t>& tokens);
 absl::StatusOr<std::vector<std::vector<int32_t>>> ReferencePicksOnFreeRuns(
     Model& reference, const EvalSpec& spec, const std::vector<std::vector<int32_t>>& free);
 
-// The thresholds of a class widened to a model's own bf16 drift, `yardstick` being the bf16
-// yardstick's metrics against the reference (CreateBf16Yardstick). On a model more sensitive to
+// The thresholds of a class widened to a model's own drift, `yardstick` being the metrics of the
+// config's yardstick against the reference (CreateYardstick, YardstickFor: bf16 inputs, or E4M3
+// rows where the config quantizes activations to E4M3). On a model more sensitive to
 // bf16 rounding than the fixed ceilings assume (deep synthetic hybrids: kl_mean 0.03 at 16
 // layers of qwen3-next where qwen3-30b-a3b stays at 0.001 at 48), no correct bf16 kernel gets
 // closer to the reference than rounding alone does: the KL ceilings become twice the

@@ -985,6 +985,61 @@ void CheckGroupedFp8Case(QuantFormat format, const GroupedCase& c, bool wgmma = 
   ExpectMoeMatchesExact(m, gate, up, down, kFp8MmaSumTolerance, /*h_in_bf16=*/true);
 }
 
+// The E4M3 yardstick's GEMM (GemmReference, GemmInputs::kE4m3Rows): every quantized format's
+// weights times each row rounded to E4M3 with its scale amax / 448, as qgemm=w8a8 rounds it
+// (QuantizeRowsE4M3 gives the codes the host check reads), against the exact sum on the
+// rounded rows; the same reference on exact inputs is farther than the tolerance from it.
+void ReferenceE4m3Rows(const float* x, int rows, const MatrixRef& w, uint8_t* codes, float* scales,
+                       float* y, cudaStream_t stream) {
+  cuda::QuantizeRowsE4M3(x, DType::kF32, rows, static_cast<int>(w.cols), codes, scales, stream);
+  cuda::GemmReference(x, rows, w, {}, y, stream, cuda::GemmInputs::kE4m3Rows);
+}
+
+TEST_F(GpuQuant, E4m3YardstickGemmRoundsEachRowAsW8a8Does) {
+  struct Case {
+    int64_t n, k;
+    int rows;
+  };
+  const Case cases[] = {{256, 2048, 3}, {64, 64, 1}, {200, 256, 17}};
+  for (QuantFormat format : kAllFormats) {
+    for (Case c : cases) {
+      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
+                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
+      const std::vector<float> w = RandomValues(c.n * c.k, 71);
+      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
+      ASSERT_TRUE(q.ok()) << q.status();
+      DeviceMatrix dm(*q);
+      const std::vector<float> dq = DequantizeMatrix(q->View());
+      CheckDenseFp8(ReferenceE4m3Rows, "reference", format, dm, dq, c.n, c.k, c.rows);
+
+      // Exact inputs (the reference itself): some output misses the rounded rows' sum.
+      const std::vector<float> x = RandomValues(c.rows * c.k, 73);  // CheckDenseFp8's rows
+      float* dx = ToDevice(x);
+      uint8_t* codes = nullptr;
+      float *scales = nullptr, *dy = nullptr;
+      CUDA_EXPECT_OK(cudaMalloc(&codes, c.rows * c.k));
+      CUDA_EXPECT_OK(cudaMalloc(&scales, c.rows * sizeof(float)));
+      CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
+      cuda::QuantizeRowsE4M3(dx, DType::kF32, c.rows, static_cast<int>(c.k), codes, scales,
+                             nullptr);
+      cuda::GemmReference(dx, c.rows, dm.ref, {}, dy, nullptr, cuda::GemmInputs::kExact);
+      CUDA_EXPECT_OK(cudaDeviceSynchronize());
+      const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, static_cast<int>(c.k), codes, scales);
+      const std::vector<float> y = ToHost(dy, c.rows * c.n);
+      for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
+                      static_cast<void*>(dy)})
+        cudaFree(p);
+      double farthest = 0;
+      for (int m = 0; m < c.rows; ++m)
+        for (int64_t f = 0; f < c.n; ++f) {
+          auto [want, magnitude] = ExactDot(xq.data() + m * c.k, dq, f, c.k);
+          farthest = std::max(farthest, std::fabs(y[m * c.n + f] - want) / (magnitude + 1e-30));
+        }
+      EXPECT_GT(farthest, kFp8MmaSumTolerance);
+    }
+  }
+}
+
 // qgemm=w8a8's grouped expert kernels, FP8 tensor, channel and block-128 experts (every K here a
 // whole number of 128-blocks): qwen3-30b-a3b's shapes at
 // batch 8, tiles and features that do not fill a pass, more than 24 pairs an expert (64-pair

@@ -379,6 +379,50 @@ TEST(Verdict, CeilingsWidenToTheBf16YardsticksDriftOnlyWhereItExceedsThem) {
   EXPECT_FALSE(WidenedToYardstick(PrecisionClass::kBf16, drift).has_value());
 }
 
+// The yardstick a config is measured by rounds its GEMM inputs as the config does: E4M3 rows
+// where its quantized linears take E4M3 activations, bf16 otherwise. The result names it, and a
+// stored result from before the field reads as the bf16 one.
+TEST(Verdict, ConfigsWithE4m3ActivationsAreMeasuredByTheE4m3Yardstick) {
+  const std::pair<const char*, Yardstick> cases[] = {
+      {"device=cuda,gemm=fused,moe=fused,qgemm=w8a8", Yardstick::kE4m3},
+      {"device=cuda,gemm=cublaslt,qgemm=fp8_cublaslt", Yardstick::kE4m3},
+      {"device=cuda,gemm=cublaslt,qgemm=cudnn", Yardstick::kE4m3},
+      {"device=cuda,gemm=fused,moe=fused,qgemm=w8a16", Yardstick::kBf16},
+      {"device=cuda,gemm=fused,moe=fused,qgemm=w4a16", Yardstick::kBf16},
+      {"device=cuda,gemm=fused,kv_cache=fp8,attention=flash", Yardstick::kBf16},
+      {"device=cpu", Yardstick::kBf16}};
+  for (const auto& [text, want] : cases) {
+    auto parsed = ParseBackendConfig(text);
+    ASSERT_TRUE(parsed.ok()) << text << ": " << parsed.status();
+    auto normalized = NormalizeBackendConfig(*parsed);
+    ASSERT_TRUE(normalized.ok()) << text << ": " << normalized.status();
+    EXPECT_EQ(YardstickFor(*normalized), want) << text;
+  }
+  EXPECT_STREQ(YardstickName(Yardstick::kE4m3), "e4m3");
+
+  auto host = LoadHostModel("preset:tiny-moe");
+  ASSERT_TRUE(host.ok()) << host.status();
+  const BackendConfig cpu = *NormalizeBackendConfig(*ParseBackendConfig("device=cpu"));
+  auto none = CreateYardstick(**host, cpu, Yardstick::kNone);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  auto on_cpu = CreateYardstick(**host, cpu, Yardstick::kE4m3);
+  EXPECT_EQ(on_cpu.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(on_cpu.status().message()), testing::HasSubstr("no e4m3 yardstick"));
+
+  TrialResult r;
+  r.trial_id = "t";
+  r.verdict.yardstick_kl_mean = 0.2;
+  r.verdict.yardstick = "e4m3";
+  auto back = TrialResultFromJson(ToJson(r));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->verdict.yardstick, "e4m3");
+  nlohmann::json stored = ToJson(r);
+  stored["verdict"].erase("yardstick");
+  auto old = TrialResultFromJson(stored);
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->verdict.yardstick, "bf16");
+}
+
 TEST(Verdict, EachForwardPassMeetsThePassThresholdsOnItsOwn) {
   EvalSpec spec;
   auto eval = TinyMoeReferenceEval(spec);

@@ -13,6 +13,22 @@
 #include "kernels/cuda/sm90a/moe_wgmma.h"
 
 namespace infersweep {
+namespace {
+
+// How the reference GEMM reads its inputs under a yardstick (CudaOptions::yardstick).
+cuda::GemmInputs ReferenceInputs(Yardstick y) {
+  switch (y) {
+    case Yardstick::kNone:
+      return cuda::GemmInputs::kExact;
+    case Yardstick::kBf16:
+      return cuda::GemmInputs::kBf16;
+    case Yardstick::kE4m3:
+      return cuda::GemmInputs::kE4m3Rows;
+  }
+  Unreachable("ReferenceInputs: a Yardstick outside its enum");
+}
+
+}  // namespace
 
 LinearRunner::LinearRunner(const RunnerContext& context, std::unique_ptr<cuda::CublasLtGemm> gemm,
                            const QuantView* view)
@@ -101,7 +117,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
       RETURN_IF_ERROR(view_->scaled->Run(x, rows, w, y, stream_));
       break;
     case LinearPath::kQuantReference:  // exact dequantization; adds the bias itself
-      cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
+      cuda::GemmReference(x, rows, w, bias, y, stream_, ReferenceInputs(options_.yardstick));
       CHECK_LAUNCH();
       return absl::OkStatus();
     case LinearPath::kQuantBf16Copy: {  // tensor cores on a bf16 copy (QuantBf16Copy)
@@ -131,7 +147,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
       RETURN_IF_ERROR(gemm_->Run(x_bf16, rows, w, y, stream_));
       break;
     case LinearPath::kReference:  // adds the bias itself
-      cuda::GemmReference(x, rows, w, bias, y, stream_, options_.bf16_gemm_inputs);
+      cuda::GemmReference(x, rows, w, bias, y, stream_, ReferenceInputs(options_.yardstick));
       CHECK_LAUNCH();
       return absl::OkStatus();
     case LinearPath::kRefused:

@@ -146,9 +146,12 @@ void AttentionFlash(const float* q, const KvCache& cache, int rows, int n, int q
 // Reference: one warp per output feature, rows looped; W read once from DRAM, rows re-read
 // from L1/L2. Simple on purpose: it is the GPU link of the trust chain, not a fast path.
 // Quantized W (qgemm=reference) is dequantized exactly element by element as it is read.
-// bf16_inputs: each x element rounded to bf16 as it is read (the bf16 yardstick, CudaOptions).
+// `inputs`: each x element as it is read, exact, rounded to bf16 (the bf16 yardstick), or for a
+// quantized W rounded to E4M3 with its row's scale amax / 448 (bf16 for a dense W: the E4M3
+// yardstick, CudaOptions::yardstick).
+enum class GemmInputs { kExact, kBf16, kE4m3Rows };
 void GemmReference(const float* x, int M, const MatrixRef& w, const MatrixRef& bias, float* y,
-                   cudaStream_t stream, bool bf16_inputs = false);
+                   cudaStream_t stream, GemmInputs inputs = GemmInputs::kExact);
 
 // MoE router logits y[M, N] = x . W^T for many rows (router.cu): fp32 x, fp32 accumulate in k
 // order, W bf16/f16/f32 upcast: warp-per-expert GEMV over 8 rows up to 256 rows, register-tiled
