@@ -1229,95 +1229,100 @@ TEST_F(GpuKernels, GatedDeltaChunkedMatchesTheRecurrentRule) {
 // batches and ragged rows (slots out of order, one row a fresh sequence at position 0 whose slot
 // holds stale values), GQA ratios 1, 2 and 4, dv not a multiple of 32, qwen3-next's head shape.
 // Outputs and recurrent states within 1e-5 of their largest magnitude, conv states exact, and
-// the key-head arrival counts back at zero after every launch.
+// the key-head arrival counts back at zero after every launch. Both state layouts (columns,
+// rows), each case under each.
 TEST_F(GpuKernels, GatedDeltaDecodeMatchesTheKernelChain) {
   struct Case {
     int batch, key_heads, value_heads, dk, dv, taps;
     bool ragged;
   };
-  for (const Case c : {Case{1, 2, 2, 32, 32, 2, false}, Case{3, 2, 4, 32, 32, 4, false},
-                       Case{2, 1, 4, 64, 48, 3, false}, Case{1, 16, 32, 128, 128, 4, false},
-                       Case{4, 2, 4, 32, 32, 4, true}, Case{3, 16, 32, 128, 128, 4, true}}) {
-    const std::string what = "batch " + std::to_string(c.batch) + " Hk " +
-                             std::to_string(c.key_heads) + " Hv " + std::to_string(c.value_heads) +
-                             " dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) +
-                             (c.ragged ? " ragged" : " lockstep");
-    ASSERT_TRUE(cuda::GatedDeltaDecodeSupports(c.dk, c.dv)) << what;
-    cuda::GatedDeltaShape s{c.batch, 1, c.key_heads, c.value_heads, c.dk, c.dv, c.taps};
-    const int channels = s.conv_channels(), hv = c.value_heads, value = hv * c.dv;
-    // Ragged rows take slots in reverse order past two spare ones; the last row is fresh.
-    const int slots = c.ragged ? c.batch + 2 : c.batch;
-    std::vector<int2> rows(c.batch);
-    for (int r = 0; r < c.batch; ++r)
-      rows[r] = make_int2(slots - 1 - r, r + 1 == c.batch ? 0 : 7 + r);
-    if (c.ragged) s.ragged = Upload(rows);
-    std::mt19937 rng(31 + c.dk + c.batch);
-    std::uniform_real_distribution<float> uni(-1.f, 1.f);
-    std::vector<uint16_t> conv_w(static_cast<size_t>(channels) * c.taps);
-    for (auto& w : conv_w) w = FloatToBf16(0.5f * uni(rng));
-    std::vector<float> a_log(hv), dt_bias(hv), gain(c.dv);
-    for (int h = 0; h < hv; ++h) a_log[h] = 0.3f * uni(rng), dt_bias[h] = 0.5f * uni(rng);
-    for (float& v : gain) v = uni(rng);
-    std::vector<float> conv_state(static_cast<size_t>(slots) * (c.taps - 1) * channels);
-    std::vector<float> rec_state(static_cast<size_t>(slots) * hv * c.dk * c.dv);
-    for (float& v : conv_state) v = uni(rng);
-    for (float& v : rec_state) v = 0.2f * uni(rng);
-    float* d_conv[2] = {Upload(conv_state), Upload(conv_state)};  // chain, fused
-    float* d_rec[2] = {Upload(rec_state), Upload(rec_state)};
-    const std::vector<unsigned> zeros(static_cast<size_t>(c.batch) * c.key_heads, 0u);
-    unsigned* d_arrivals = Upload(zeros);
-    cuda::GatedDeltaDecodeOperands ops;
-    ops.conv = MatrixRef{Upload(conv_w), DType::kBF16, channels, c.taps};
-    ops.a_log = MatrixRef{Upload(a_log), DType::kF32, 1, hv};
-    ops.dt_bias = MatrixRef{Upload(dt_bias), DType::kF32, 1, hv};
-    ops.norm = MatrixRef{Upload(gain), DType::kF32, 1, c.dv};
-    ops.eps = 1e-6f;
-    ops.key_head_arrivals = d_arrivals;
-    for (int step = 0; step < 3; ++step) {
-      const std::string at = what + " step " + std::to_string(step);
-      std::vector<float> in(static_cast<size_t>(c.batch) * channels), z(c.batch * value),
-          a(c.batch * hv), b(c.batch * hv);
-      for (float& v : in) v = uni(rng);
-      for (float& v : z) v = 2.f * uni(rng);
-      for (float& v : a) v = uni(rng);
-      for (float& v : b) v = 2.f * uni(rng);
-      const float *d_in = Upload(in), *d_z = Upload(z), *d_a = Upload(a), *d_b = Upload(b);
-      // The chain.
-      float* d_mixed = Upload(std::vector<float>(in.size()));
-      float* d_g = Upload(std::vector<float>(a.size()));
-      float* d_beta = Upload(std::vector<float>(a.size()));
-      float* d_chain = Upload(std::vector<float>(z.size()));
-      cuda::CausalConv(d_in, s, ops.conv, /*fuse_silu=*/true, d_conv[0], d_mixed, nullptr);
-      cuda::GatedDeltaGates(d_mixed, d_a, d_b, ops.a_log, ops.dt_bias, s, d_g, d_beta, nullptr);
-      cuda::GatedDeltaFused(d_mixed, d_g, d_beta, s, d_rec[0], d_chain, nullptr);
-      cuda::RmsNormGated(d_chain, d_z, static_cast<int64_t>(c.batch) * hv, c.dv, ops.norm, ops.eps,
-                         d_chain, nullptr);
-      // The fused kernel.
-      ops.projected = d_in;
-      ops.z = d_z;
-      ops.a = d_a;
-      ops.b = d_b;
-      ops.conv_state = d_conv[1];
-      ops.state = d_rec[1];
-      ops.out = Upload(std::vector<float>(z.size(), NAN));
-      cuda::GatedDeltaDecode(ops, s, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << at;
-      const double out_err = RelMax(Download(ops.out, z.size()), Download(d_chain, z.size()));
-      const double state_err =
-          RelMax(Download(d_rec[1], rec_state.size()), Download(d_rec[0], rec_state.size()));
-      const double conv_err =
-          RelMax(Download(d_conv[1], conv_state.size()), Download(d_conv[0], conv_state.size()));
-      std::printf("# gated delta decode %s: out %.2g, state %.2g, conv state %.2g\n", at.c_str(),
-                  out_err, state_err, conv_err);
-      EXPECT_LE(out_err, 1e-5) << at;
-      EXPECT_LE(state_err, 1e-5) << at;
-      EXPECT_EQ(conv_err, 0) << at;
-      EXPECT_EQ(Download(d_arrivals, zeros.size()), zeros) << at;
+  using Layout = cuda::GatedDeltaDecodeLayout;
+  for (const Layout layout : {Layout::kColumns, Layout::kRows})
+    for (const Case c : {Case{1, 2, 2, 32, 32, 2, false}, Case{3, 2, 4, 32, 32, 4, false},
+                         Case{2, 1, 4, 64, 48, 3, false}, Case{1, 16, 32, 128, 128, 4, false},
+                         Case{4, 2, 4, 32, 32, 4, true}, Case{3, 16, 32, 128, 128, 4, true},
+                         Case{9, 16, 32, 128, 128, 4, true}}) {
+      const std::string what = std::string(layout == Layout::kRows ? "rows" : "columns") +
+                               " batch " + std::to_string(c.batch) + " Hk " +
+                               std::to_string(c.key_heads) + " Hv " +
+                               std::to_string(c.value_heads) + " dk " + std::to_string(c.dk) +
+                               " dv " + std::to_string(c.dv) + (c.ragged ? " ragged" : " lockstep");
+      ASSERT_TRUE(cuda::GatedDeltaDecodeSupports(c.dk, c.dv)) << what;
+      cuda::GatedDeltaShape s{c.batch, 1, c.key_heads, c.value_heads, c.dk, c.dv, c.taps};
+      const int channels = s.conv_channels(), hv = c.value_heads, value = hv * c.dv;
+      // Ragged rows take slots in reverse order past two spare ones; the last row is fresh.
+      const int slots = c.ragged ? c.batch + 2 : c.batch;
+      std::vector<int2> rows(c.batch);
+      for (int r = 0; r < c.batch; ++r)
+        rows[r] = make_int2(slots - 1 - r, r + 1 == c.batch ? 0 : 7 + r);
+      if (c.ragged) s.ragged = Upload(rows);
+      std::mt19937 rng(31 + c.dk + c.batch);
+      std::uniform_real_distribution<float> uni(-1.f, 1.f);
+      std::vector<uint16_t> conv_w(static_cast<size_t>(channels) * c.taps);
+      for (auto& w : conv_w) w = FloatToBf16(0.5f * uni(rng));
+      std::vector<float> a_log(hv), dt_bias(hv), gain(c.dv);
+      for (int h = 0; h < hv; ++h) a_log[h] = 0.3f * uni(rng), dt_bias[h] = 0.5f * uni(rng);
+      for (float& v : gain) v = uni(rng);
+      std::vector<float> conv_state(static_cast<size_t>(slots) * (c.taps - 1) * channels);
+      std::vector<float> rec_state(static_cast<size_t>(slots) * hv * c.dk * c.dv);
+      for (float& v : conv_state) v = uni(rng);
+      for (float& v : rec_state) v = 0.2f * uni(rng);
+      float* d_conv[2] = {Upload(conv_state), Upload(conv_state)};  // chain, fused
+      float* d_rec[2] = {Upload(rec_state), Upload(rec_state)};
+      const std::vector<unsigned> zeros(static_cast<size_t>(c.batch) * c.key_heads, 0u);
+      unsigned* d_arrivals = Upload(zeros);
+      cuda::GatedDeltaDecodeOperands ops;
+      ops.conv = MatrixRef{Upload(conv_w), DType::kBF16, channels, c.taps};
+      ops.a_log = MatrixRef{Upload(a_log), DType::kF32, 1, hv};
+      ops.dt_bias = MatrixRef{Upload(dt_bias), DType::kF32, 1, hv};
+      ops.norm = MatrixRef{Upload(gain), DType::kF32, 1, c.dv};
+      ops.eps = 1e-6f;
+      ops.key_head_arrivals = d_arrivals;
+      for (int step = 0; step < 3; ++step) {
+        const std::string at = what + " step " + std::to_string(step);
+        std::vector<float> in(static_cast<size_t>(c.batch) * channels), z(c.batch * value),
+            a(c.batch * hv), b(c.batch * hv);
+        for (float& v : in) v = uni(rng);
+        for (float& v : z) v = 2.f * uni(rng);
+        for (float& v : a) v = uni(rng);
+        for (float& v : b) v = 2.f * uni(rng);
+        const float *d_in = Upload(in), *d_z = Upload(z), *d_a = Upload(a), *d_b = Upload(b);
+        // The chain.
+        float* d_mixed = Upload(std::vector<float>(in.size()));
+        float* d_g = Upload(std::vector<float>(a.size()));
+        float* d_beta = Upload(std::vector<float>(a.size()));
+        float* d_chain = Upload(std::vector<float>(z.size()));
+        cuda::CausalConv(d_in, s, ops.conv, /*fuse_silu=*/true, d_conv[0], d_mixed, nullptr);
+        cuda::GatedDeltaGates(d_mixed, d_a, d_b, ops.a_log, ops.dt_bias, s, d_g, d_beta, nullptr);
+        cuda::GatedDeltaFused(d_mixed, d_g, d_beta, s, d_rec[0], d_chain, nullptr);
+        cuda::RmsNormGated(d_chain, d_z, static_cast<int64_t>(c.batch) * hv, c.dv, ops.norm,
+                           ops.eps, d_chain, nullptr);
+        // The fused kernel.
+        ops.projected = d_in;
+        ops.z = d_z;
+        ops.a = d_a;
+        ops.b = d_b;
+        ops.conv_state = d_conv[1];
+        ops.state = d_rec[1];
+        ops.out = Upload(std::vector<float>(z.size(), NAN));
+        cuda::GatedDeltaDecode(ops, s, nullptr, layout);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << at;
+        const double out_err = RelMax(Download(ops.out, z.size()), Download(d_chain, z.size()));
+        const double state_err =
+            RelMax(Download(d_rec[1], rec_state.size()), Download(d_rec[0], rec_state.size()));
+        const double conv_err =
+            RelMax(Download(d_conv[1], conv_state.size()), Download(d_conv[0], conv_state.size()));
+        std::printf("# gated delta decode %s: out %.2g, state %.2g, conv state %.2g\n", at.c_str(),
+                    out_err, state_err, conv_err);
+        EXPECT_LE(out_err, 1e-5) << at;
+        EXPECT_LE(state_err, 1e-5) << at;
+        EXPECT_EQ(conv_err, 0) << at;
+        EXPECT_EQ(Download(d_arrivals, zeros.size()), zeros) << at;
+      }
+      // The states moved: the decode steps did not leave them as they started.
+      EXPECT_GT(RelMax(Download(d_rec[1], rec_state.size()), rec_state), 1e-3) << what;
+      EXPECT_GT(RelMax(Download(d_conv[1], conv_state.size()), conv_state), 1e-3) << what;
     }
-    // The states moved: the decode steps did not leave them as they started.
-    EXPECT_GT(RelMax(Download(d_rec[1], rec_state.size()), rec_state), 1e-3) << what;
-    EXPECT_GT(RelMax(Download(d_conv[1], conv_state.size()), conv_state), 1e-3) << what;
-  }
 }
 
 // The gated RMSNorm and the gated attention's output gate against host math.

@@ -1150,7 +1150,7 @@ int TinyHybridLinearLayers() {
 }
 
 // linear_attn=fused_decode on tiny-hybrid under graphs=on: a decode step runs each
-// linear-attention layer as the projections' one GEMV, GatedDeltaDecodeKernel and out_proj's
+// linear-attention layer as the projections' one GEMV, GatedDeltaDecode's kernel and out_proj's
 // GEMV, 3 launches; linear_attn=fused runs the same two GEMVs around the conv, gates, delta rule
 // and gated norm, 6. Prefill chunks keep linear_attn=fused's kernels.
 TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
@@ -1187,9 +1187,9 @@ TEST(GpuProvenance, FusedDecodeRunsALinearAttentionLayerInThreeLaunches) {
       EXPECT_EQ(LaunchesOf(d, name), 0) << name << Listing(decode);
       EXPECT_GT(LaunchesOf(*decode.prefill_kernels, name), 0) << name << Listing(decode);
     }
-    EXPECT_EQ(LaunchesOf(f, "GatedDeltaDecodeKernel"), 0) << Listing(fused);
-    EXPECT_EQ(LaunchesOf(d, "GatedDeltaDecodeKernel"), linear_layers) << Listing(decode);
-    EXPECT_EQ(LaunchesOf(*decode.prefill_kernels, "GatedDeltaDecodeKernel"), 0) << Listing(decode);
+    EXPECT_EQ(LaunchesOf(f, "GatedDeltaDecode"), 0) << Listing(fused);
+    EXPECT_EQ(LaunchesOf(d, "GatedDeltaDecode"), linear_layers) << Listing(decode);
+    EXPECT_EQ(LaunchesOf(*decode.prefill_kernels, "GatedDeltaDecode"), 0) << Listing(decode);
     // The GEMVs are the same two a layer under both values (in_proj_qkv, z, b and a as one).
     EXPECT_EQ(LaunchesOf(d, "GemvKernel<"), LaunchesOf(f, "GemvKernel<")) << Listing(decode);
     EXPECT_EQ(total(f) - total(d), 3 * linear_layers) << Listing(fused) << Listing(decode);
@@ -1239,7 +1239,7 @@ TEST(GpuProvenance, ChunkedRunsPrefillInTheChunkedForm) {
         << Listing(b);
     EXPECT_EQ(LaunchesOf(prefill, "GatedDeltaFusedKernel"), 0) << Listing(b);
     EXPECT_EQ(LaunchesOf(decode, "GatedDeltaChunkPrepareKernel"), 0) << Listing(b);
-    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaDecodeKernel"), linear_layers) << Listing(b);
+    EXPECT_EQ(LaunchesOf(decode, "GatedDeltaDecode"), linear_layers) << Listing(b);
   }
 }
 #endif

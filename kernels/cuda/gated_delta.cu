@@ -275,6 +275,81 @@ __device__ __forceinline__ float ClusterSum(float mine) {
   }
 }
 
+// ---- Pieces of both decode kernels: a block convolves key head kh's 2 dk q/k channels and
+// some of value head h's v channels (its "conv channels": index i < 2 dk + the v channels it
+// holds), from the conv state.
+
+// The conv channel behind a block's index i: q (i < dk) or k of key head kh, else the v channel
+// v_first + i - 2 dk.
+__device__ __forceinline__ int DecodeConvChannel(int i, int dk, int kh, int key_width,
+                                                 int v_first) {
+  return i >= 2 * dk ? v_first + (i - 2 * dk)
+                     : (i < dk ? kh * dk + i : key_width + kh * dk + (i - dk));
+}
+
+// One conv channel's taps and its earlier inputs past[i < taps - 1], oldest first (zeros for a
+// fresh sequence); loaded before the PDL wait (weights, and history from earlier steps).
+struct DecodeConvTaps {
+  float w[kMaxConvTaps], past[kMaxConvTaps];
+};
+// Zeros where the thread convolves no channel (`convolves` false).
+__device__ __forceinline__ DecodeConvTaps LoadDecodeConvTaps(bool convolves, const MatrixRef& conv,
+                                                             const float* history, int channels,
+                                                             int c, int taps, bool fresh) {
+  DecodeConvTaps tap;
+#pragma unroll
+  for (int i = 0; i < kMaxConvTaps; ++i) {
+    tap.w[i] = tap.past[i] = 0.f;
+    if (!convolves || i >= taps) continue;
+    tap.w[i] = LoadAsFloat(conv.data, conv.dtype, static_cast<int64_t>(c) * taps + i);
+    if (i + 1 < taps && !fresh) tap.past[i] = history[static_cast<int64_t>(i) * channels + c];
+  }
+  return tap;
+}
+
+// Conv + SiLU of the new input x, summed in CausalConvKernel's order.
+__device__ __forceinline__ float DecodeConvSilu(const DecodeConvTaps& tap, float x, int taps) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxConvTaps; ++i) {
+    if (i + 1 < taps) acc += tap.w[i] * tap.past[i];
+    if (i + 1 == taps) acc += tap.w[i] * x;
+  }
+  return acc * Sigmoid(acc);
+}
+
+// The channel's history advanced past x: [h1, ..., h(K-2), x].
+__device__ __forceinline__ void AdvanceDecodeConvHistory(float* history, int channels, int c,
+                                                         const DecodeConvTaps& tap, float x,
+                                                         int taps) {
+#pragma unroll
+  for (int i = 0; i + 1 < kMaxConvTaps; ++i)
+    if (i + 1 < taps)
+      history[static_cast<int64_t>(i) * channels + c] = i + 2 < taps ? tap.past[i + 1] : x;
+}
+
+// Warp 0 normalises q (and scales it by dk^-0.5), warp 1 k; qk holds q then k.
+__device__ __forceinline__ void NormaliseDecodeQk(float* qk, int dk, int warp, int lane) {
+  float* vec = qk + warp * dk;
+  float sum_sq = 0.f;
+  for (int i = lane; i < dk; i += 32) sum_sq += vec[i] * vec[i];
+  const float inv = 1.f / sqrtf(WarpSum(sum_sq) + 1e-6f);
+  const float q_scale = 1.f / sqrtf(static_cast<float>(dk));
+  for (int i = lane; i < dk; i += 32) vec[i] = warp == 0 ? vec[i] * inv * q_scale : vec[i] * inv;
+}
+
+// This block has read key head kh's q/k history for its sequence; whether it is the last of the
+// `readers` blocks that do (it then advances that history: gated_delta.h). One thread calls it.
+__device__ __forceinline__ bool LastKeyHeadReader(unsigned* arrivals, unsigned readers) {
+  __threadfence();
+  const bool last = atomicAdd(arrivals, 1u) == readers - 1;
+  if (last) {
+    atomicExch(arrivals, 0u);
+    __threadfence();
+  }
+  return last;
+}
+
 template <int kSplit>
 __global__ void __launch_bounds__(kDecodeMaxThreads)
     GatedDeltaDecodeKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
@@ -303,20 +378,12 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
     col[m] = m < per_lane && active && !own.fresh
                  ? s[static_cast<int64_t>(part + kDecodeLanes * m) * dv]
                  : 0.f;
-  // Channel c: i < 2 dk is key head kh's q (i < dk) or k channel, the rest head h's v channels.
-  // past[i < taps - 1]: its earlier inputs, oldest first (zeros for a fresh sequence).
+  // Thread t convolves the block's conv channel t.
   const bool convolves = t < 2 * dk + columns, is_v = t >= 2 * dk;
-  const int c = is_v ? 2 * key_width + h * dv + slice * columns + (t - 2 * dk)
-                     : (t < dk ? kh * dk + t : key_width + kh * dk + (t - dk));
+  const int c = DecodeConvChannel(t, dk, kh, key_width, 2 * key_width + h * dv + slice * columns);
   float* history = ops.conv_state + static_cast<int64_t>(own.slot) * (taps - 1) * channels;
-  float w[kMaxConvTaps], past[kMaxConvTaps];
-#pragma unroll
-  for (int i = 0; i < kMaxConvTaps; ++i) {
-    w[i] = past[i] = 0.f;
-    if (!convolves || i >= taps) continue;
-    w[i] = LoadAsFloat(ops.conv.data, ops.conv.dtype, static_cast<int64_t>(c) * taps + i);
-    if (i + 1 < taps && !own.fresh) past[i] = history[static_cast<int64_t>(i) * channels + c];
-  }
+  const DecodeConvTaps tap =
+      LoadDecodeConvTaps(convolves, ops.conv, history, channels, c, taps, own.fresh);
   const float norm_gain = active ? LoadAsFloat(ops.norm.data, ops.norm.dtype, j) : 0.f;
   const float dt_bias = LoadAsFloat(ops.dt_bias.data, ops.dt_bias.dtype, h);
   const float a_log = LoadAsFloat(ops.a_log.data, ops.a_log.dtype, h);
@@ -328,25 +395,12 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   const float a_in = ops.a[gate_at], b_in = ops.b[gate_at];
   const float z = active ? ops.z[gate_at * dv + j] : 0.f;
 
-  // Conv + SiLU, summed in CausalConvKernel's order; the v history is this block's alone and
-  // advances at once.
-  auto advance_history = [&] {  // [h1, ..., h(K-2), x]
-#pragma unroll
-    for (int i = 0; i + 1 < kMaxConvTaps; ++i)
-      if (i + 1 < taps)
-        history[static_cast<int64_t>(i) * channels + c] = i + 2 < taps ? past[i + 1] : x_c;
-  };
+  // The v history is this block's alone and advances at once.
   if (convolves) {
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxConvTaps; ++i) {
-      if (i + 1 < taps) acc += w[i] * past[i];
-      if (i + 1 == taps) acc += w[i] * x_c;
-    }
-    const float y = acc * Sigmoid(acc);
+    const float y = DecodeConvSilu(tap, x_c, taps);
     if (is_v) {
       vs[t - 2 * dk] = y;
-      advance_history();
+      AdvanceDecodeConvHistory(history, channels, c, tap, x_c, taps);
     } else {
       qk[t] = y;
     }
@@ -357,27 +411,15 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
   __syncthreads();  // every q/k history read of this block is done
 
   const int warp = t >> 5, lane = t & 31;
-  if (warp < 2) {  // warp 0 normalises q (and scales it by dk^-0.5), warp 1 k
-    float* vec = qk + warp * dk;
-    float sum_sq = 0.f;
-    for (int i = lane; i < dk; i += 32) sum_sq += vec[i] * vec[i];
-    const float inv = 1.f / sqrtf(WarpSum(sum_sq) + 1e-6f);
-    const float q_scale = 1.f / sqrtf(static_cast<float>(dk));
-    for (int i = lane; i < dk; i += 32) vec[i] = warp == 0 ? vec[i] * inv * q_scale : vec[i] * inv;
+  if (warp < 2) {
+    NormaliseDecodeQk(qk, dk, warp, lane);
   } else if (warp == 2 && lane == 0) {
-    // This block has read key head kh's q/k history; the last of its value heads to get here
-    // advances it (gated_delta.h).
-    unsigned* arrivals = ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh;
-    __threadfence();
-    const bool last = atomicAdd(arrivals, 1u) == static_cast<unsigned>(ratio * kSplit - 1);
-    if (last) {
-      atomicExch(arrivals, 0u);
-      __threadfence();
-    }
-    last_arrival = last;
+    last_arrival = LastKeyHeadReader(
+        ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh, ratio * kSplit);
   }
   __syncthreads();
-  if (last_arrival && convolves && !is_v) advance_history();
+  if (last_arrival && convolves && !is_v)
+    AdvanceDecodeConvHistory(history, channels, c, tap, x_c, taps);
 
   // The delta rule for the one token, as GatedDeltaFusedKernel: the column sums over the 8 lanes
   // as shuffles.
@@ -395,6 +437,145 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
 #pragma unroll
   for (int m = 0; m < kDecodeRows; ++m)
     if (m < per_lane) s[static_cast<int64_t>(part + kDecodeLanes * m) * dv] = col[m];
+}
+
+constexpr int kRowsThreads = 256;
+constexpr int kRowsWarps = kRowsThreads / 32;
+constexpr int kRowsPerWarp = kGatedDeltaDecodeMaxColumns / kRowsWarps;  // dk <= 128
+// Conv channels a thread takes: 2 dk + dv <= 384.
+constexpr int kRowsConvPerThread =
+    (3 * kGatedDeltaDecodeMaxColumns + kRowsThreads - 1) / kRowsThreads;
+
+// The row layout: grid batch * Hv, 256 threads; block (seq, h) holds the head's whole [dk, dv]
+// state, warp w rows [w dk / 8, (w + 1) dk / 8), lane l columns [4 l, 4 l + 4) as float4s, so a
+// warp reads and writes each state row as dv contiguous floats (512 bytes at dv 128) where the
+// column layout touches 16 bytes of each of 8 rows a warp access. Both column sums come from one
+// pass over the old state (k.S for the update; q.S, since o = decay q.S + d (k.q) once S takes
+// k d), summed over the 8 warps through shared memory. dv % 4 == 0.
+__global__ void __launch_bounds__(kRowsThreads, 2)
+    GatedDeltaDecodeRowsKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
+                               int dv, int taps, const int2* ragged) {
+  constexpr int kMaxDim = kGatedDeltaDecodeMaxColumns;
+  __shared__ float qk[2 * kMaxDim];  // q then k, normalised
+  __shared__ float vs[kMaxDim];
+  __shared__ __align__(16) float partial[2][kRowsWarps][kMaxDim];  // k.S, q.S per warp
+  __shared__ __align__(16) float delta[kMaxDim];
+  __shared__ float scratch[32];
+  __shared__ float k_dot_q;
+  __shared__ bool last_arrival;
+  const int seq = blockIdx.x / value_heads, h = blockIdx.x % value_heads;
+  const int ratio = value_heads / key_heads, kh = h / ratio;
+  const int key_width = key_heads * dk, channels = 2 * key_width + value_heads * dv;
+  const SequenceState own = StateOf(ragged, seq, 1);
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int rows = dk / kRowsWarps, first_row = warp * rows;
+  const bool holds = 4 * lane < dv;  // this lane holds state columns
+
+  float* s = ops.state + (static_cast<int64_t>(own.slot) * value_heads + h) * dk * dv + 4 * lane;
+  float4 st[kRowsPerWarp];
+#pragma unroll
+  for (int m = 0; m < kRowsPerWarp; ++m)
+    st[m] = m < rows && holds && !own.fresh
+                ? *reinterpret_cast<const float4*>(s + static_cast<int64_t>(first_row + m) * dv)
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+  // Thread t convolves the block's conv channels t, t + 256, ...
+  const int conv_channels = 2 * dk + dv, v_first = 2 * key_width + h * dv;
+  float* history = ops.conv_state + static_cast<int64_t>(own.slot) * (taps - 1) * channels;
+  DecodeConvTaps tap[kRowsConvPerThread];
+#pragma unroll
+  for (int u = 0; u < kRowsConvPerThread; ++u) {
+    const int i = t + u * kRowsThreads;
+    tap[u] = LoadDecodeConvTaps(i < conv_channels, ops.conv, history, channels,
+                                DecodeConvChannel(i, dk, kh, key_width, v_first), taps, own.fresh);
+  }
+  const float norm_gain = t < dv ? LoadAsFloat(ops.norm.data, ops.norm.dtype, t) : 0.f;
+  const float dt_bias = LoadAsFloat(ops.dt_bias.data, ops.dt_bias.dtype, h);
+  const float a_log = LoadAsFloat(ops.a_log.data, ops.a_log.dtype, h);
+
+  WaitForPrerequisites();  // x, a, b and z are the in_proj GEMVs' outputs
+  AllowDependentsToLaunch();
+  const int64_t gate_at = static_cast<int64_t>(seq) * value_heads + h;
+  const float a_in = ops.a[gate_at], b_in = ops.b[gate_at];
+  const float z = t < dv ? ops.z[gate_at * dv + t] : 0.f;
+  float x_c[kRowsConvPerThread];
+#pragma unroll
+  for (int u = 0; u < kRowsConvPerThread; ++u) {
+    const int i = t + u * kRowsThreads;
+    if (i >= conv_channels) continue;
+    const int c = DecodeConvChannel(i, dk, kh, key_width, v_first);
+    x_c[u] = ops.projected[static_cast<int64_t>(seq) * channels + c];
+    const float y = DecodeConvSilu(tap[u], x_c[u], taps);
+    if (i >= 2 * dk) {  // the v history is this block's alone and advances at once
+      vs[i - 2 * dk] = y;
+      AdvanceDecodeConvHistory(history, channels, c, tap[u], x_c[u], taps);
+    } else {
+      qk[i] = y;
+    }
+  }
+  const float decay = expf(GatedDeltaLogDecay(a_in, dt_bias, a_log));
+  const float beta = Sigmoid(b_in);
+  __syncthreads();  // every q/k history read of this block is done
+
+  if (warp < 2) {
+    NormaliseDecodeQk(qk, dk, warp, lane);
+  } else if (warp == 2 && lane == 0) {
+    last_arrival = LastKeyHeadReader(
+        ops.key_head_arrivals + static_cast<int64_t>(seq) * key_heads + kh, ratio);
+  }
+  __syncthreads();
+  if (last_arrival) {
+#pragma unroll
+    for (int u = 0; u < kRowsConvPerThread; ++u)
+      if (const int i = t + u * kRowsThreads; i < 2 * dk)
+        AdvanceDecodeConvHistory(history, channels, DecodeConvChannel(i, dk, kh, key_width, 0),
+                                 tap[u], x_c[u], taps);
+  }
+  if (warp == 0) {
+    float kq = 0.f;
+    for (int i = lane; i < dk; i += 32) kq += qk[i] * qk[dk + i];
+    kq = WarpSum(kq);
+    if (lane == 0) k_dot_q = kq;
+  }
+  // The warp's share of the column sums over the old state.
+  float4 ks = make_float4(0.f, 0.f, 0.f, 0.f), qs = ks;
+#pragma unroll
+  for (int m = 0; m < kRowsPerWarp; ++m) {
+    if (m >= rows) break;
+    const float kr = qk[dk + first_row + m], qr = qk[first_row + m];
+    ks.x += st[m].x * kr, ks.y += st[m].y * kr, ks.z += st[m].z * kr, ks.w += st[m].w * kr;
+    qs.x += st[m].x * qr, qs.y += st[m].y * qr, qs.z += st[m].z * qr, qs.w += st[m].w * qr;
+  }
+  if (holds) {
+    *reinterpret_cast<float4*>(&partial[0][warp][4 * lane]) = ks;
+    *reinterpret_cast<float4*>(&partial[1][warp][4 * lane]) = qs;
+  }
+  __syncthreads();
+
+  // Thread j < dv: column j's delta d = beta (v - decay k.S) and output decay q.S + d (k.q),
+  // then the gated RMSNorm over the head's dv outputs.
+  float o = 0.f;
+  if (t < dv) {
+    float k_s = 0.f, q_s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kRowsWarps; ++w) k_s += partial[0][w][t], q_s += partial[1][w][t];
+    const float d = beta * (vs[t] - decay * k_s);
+    delta[t] = d;
+    o = decay * q_s + d * k_dot_q;
+  }
+  const float sum_sq = BlockSum(o * o, scratch);  // its barriers publish delta
+  const float inv = 1.f / sqrtf(sum_sq / dv + ops.eps);
+  if (t < dv) ops.out[gate_at * dv + t] = o * inv * norm_gain * (z * Sigmoid(z));
+  if (!holds) return;
+  // S = decay S + k d, row by row.
+  const float4 d = *reinterpret_cast<const float4*>(&delta[4 * lane]);
+#pragma unroll
+  for (int m = 0; m < kRowsPerWarp; ++m) {
+    if (m >= rows) break;
+    const float kr = qk[dk + first_row + m];
+    const float4 next = make_float4(fmaf(kr, d.x, st[m].x * decay), fmaf(kr, d.y, st[m].y * decay),
+                                    fmaf(kr, d.z, st[m].z * decay), fmaf(kr, d.w, st[m].w * decay));
+    *reinterpret_cast<float4*>(s + static_cast<int64_t>(first_row + m) * dv) = next;
+  }
 }
 
 // grid vectors, 128 threads.
@@ -490,8 +671,18 @@ void GatedDeltaFused(const float* mixed, const float* g, const float* beta,
               s.ragged, state, out);
 }
 
+GatedDeltaDecodeLayout GatedDeltaDecodeLayoutFor(const GatedDeltaShape& s) {
+  return s.value_dim % 4 == 0 ? GatedDeltaDecodeLayout::kRows : GatedDeltaDecodeLayout::kColumns;
+}
+
 void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, GatedDeltaDecodeLayout layout) {
+  if (layout == GatedDeltaDecodeLayout::kAuto) layout = GatedDeltaDecodeLayoutFor(s);
+  if (layout == GatedDeltaDecodeLayout::kRows && s.value_dim % 4 == 0) {
+    Launch(GatedDeltaDecodeRowsKernel, s.batch * s.value_heads, kRowsThreads, 0, stream, ops,
+           s.key_heads, s.key_dim, s.value_heads, s.value_dim, s.kernel, s.ragged);
+    return;
+  }
   // sm_90: a head's columns over a cluster of kDecodeSplit blocks, 4x the SMs (the kernel is a
   // chain of dependent rounds; one 1,024-thread block a head leaves 100 of 132 SMs idle at
   // batch 1).

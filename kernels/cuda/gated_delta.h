@@ -112,12 +112,10 @@ struct GatedDeltaDecodeOperands {
 // A decode step of one-row sequences (s.n == 1; lockstep or GatedDeltaShape::ragged rows) in one
 // launch: what CausalConv (with SiLU), GatedDeltaGates, GatedDeltaFused and RmsNormGated compute
 // for those rows. dk % 8 == 0, dk <= 128, dv <= 128 (GatedDeltaDecodeSupports).
-// grid batch * Hv, 8 * roundup(dv, 32) threads (one a conv channel, 2 dk + dv, if that is more):
-// block (b, h) convolves its key head's 2 dk q/k channels and its own dv v channels from the
-// conv state, normalises q and k, computes g and beta, runs the delta rule over the head's whole
-// [dk, dv] state (8 lanes a column, dk / 8 rows a lane, in registers, loaded before the conv so
-// its DRAM latency overlaps it) and normalises
-// the head's output with a block reduction.
+// A head's block(s) convolve its key head's 2 dk q/k channels and its own dv v channels from the
+// conv state, normalise q and k, compute g and beta, run the delta rule over the head's [dk, dv]
+// state (in registers, loaded before the conv so that its DRAM latency overlaps it) and
+// normalise the head's output with a block reduction.
 // Conv state: head h's v channels are its block's alone, so the block writes them back at once.
 // The q/k channels of key head kh are read by its Hv / Hk value heads' blocks, which run in no
 // fixed order, so none may overwrite them before all have read them: each block, once its
@@ -129,12 +127,22 @@ struct GatedDeltaDecodeOperands {
 // a sequence moves its 2 MiB recurrent state in and out, its conv state (3 x 8192 x 4 B = 96 KB)
 // in and out, 32 KB of conv input, 16 KB of z and 64 KB of conv weights (shared across the
 // batch, from L2); ~7 dk dv = 115 KFLOP a head (decay, k.S, update, S.q), 3.7 MFLOP a sequence,
-// negligible against the bytes. Batch 1: 32 blocks of 1024 threads, each with its 64 KB state
-// slice in flight at once, about 2 DRAM round trips deep: ~3 us expected, against ~10 us for the
-// four launches it replaces. Batch 64: 2048 blocks, 268 MB of state traffic: ~61 us at 4.4 TB/s,
-// ~70 us expected with one 1024-thread block an SM alternating its load and compute phases.
+// negligible against the bytes. Batch 64: 268 MB of state traffic, ~61 us at 4.4 TB/s.
+//
+// Two layouts of a head's state over the threads (GatedDeltaDecodeLayout):
+// - kRows (dv % 4 == 0; what kAuto takes): one 256-thread block a head, a warp dk / 8 whole
+//   rows, a lane 4 columns as float4s, so every state access is a coalesced row; the column sums
+//   k.S and q.S come from one pass over the old state and meet in shared memory. 2048 blocks at
+//   batch 64, two resident an SM with 128 KB of state in flight.
+// - kColumns (any dv): 8 lanes a column, dk / 8 rows a lane; a warp access touches 16 bytes of
+//   each of 8 rows. On sm_90 a head's columns split over a cluster of 4 blocks (the gated norm's
+//   sum through distributed shared memory).
+// bench/gated_delta_probe times both at batches 1-128 (docs/PERFORMANCE.md).
+enum class GatedDeltaDecodeLayout { kAuto, kColumns, kRows };
+GatedDeltaDecodeLayout GatedDeltaDecodeLayoutFor(const GatedDeltaShape& s);
 void GatedDeltaDecode(const GatedDeltaDecodeOperands& ops, const GatedDeltaShape& s,
-                      cudaStream_t stream);
+                      cudaStream_t stream,
+                      GatedDeltaDecodeLayout layout = GatedDeltaDecodeLayout::kAuto);
 
 // out = x * rsqrt(mean(x^2) + eps) * gain * silu(z) over `vectors` vectors of `dim` (the plain
 // gain: Qwen3-Next's RMSNormGated). In place allowed (out == x).
