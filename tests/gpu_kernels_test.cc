@@ -871,14 +871,16 @@ TEST_F(GpuKernels, QkNormRopeAppendMatchesHostMath) {
   }
 }
 
-// Softmax + top-k against double math: ids exactly (ties to the lower index), weights to fp32
-// rounding, renormalised or not; an all-NaN row (a NaN fault upstream) still yields k distinct,
+// Softmax + top-k against double math, under both selections (a scan up to 4 experts a lane, a
+// tournament from 8): ids exactly (ties to the lower index), weights to fp32 rounding,
+// renormalised or not; an all-NaN row (a NaN fault upstream) still yields k distinct,
 // valid ids so that the expert kernels after it read nothing out of range.
 TEST_F(GpuKernels, RouterTopKMatchesHostMath) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> uni(-4.f, 4.f);
-  for (auto [rows, experts, k] : {std::tuple{1, 128, 8}, std::tuple{5, 60, 4}, std::tuple{3, 256, 8},
-                                  std::tuple{2, 1024, 32}, std::tuple{4, 8, 2}}) {
+  for (auto [rows, experts, k] :
+       {std::tuple{1, 128, 8}, std::tuple{5, 60, 4}, std::tuple{3, 256, 8}, std::tuple{3, 200, 10},
+        std::tuple{3, 512, 10}, std::tuple{2, 1024, 32}, std::tuple{4, 8, 2}}) {
     for (const bool renormalize : {true, false}) {
       std::vector<float> logits(static_cast<size_t>(rows) * experts);
       for (float& v : logits) v = uni(rng);
@@ -887,6 +889,8 @@ TEST_F(GpuKernels, RouterTopKMatchesHostMath) {
       const int top = static_cast<int>(std::max_element(r0, r0 + experts) - r0);
       r0[(top + 3) % experts] = r0[top];
       if (experts > 20) r0[10] = r0[11] = r0[12] = r0[top] - 0.5f;
+      // A tie within one lane (experts 8 and 40, both lane 8's): the lower index first.
+      if (experts > 64 && top % 32 != 8) r0[8] = r0[40] = r0[top] - 0.25f;
       if (rows > 2)  // the last row NaN throughout
         std::fill(logits.end() - experts, logits.end(), NAN);
       int* ids = Upload(std::vector<int>(static_cast<size_t>(rows) * k, -1));
