@@ -98,6 +98,21 @@ std::vector<float> RandomValues(size_t n, uint32_t seed) {
   return v;
 }
 
+// One dense GEMM case of the w8a8 checks: a weight [n, k] times `rows` input rows.
+struct DenseCase {
+  int64_t n, k;
+  int rows;
+};
+std::string DenseCaseName(QuantFormat format, const DenseCase& c) {
+  return QuantFormatName(format) + " [" + std::to_string(c.n) + ", " + std::to_string(c.k) +
+         "] rows " + std::to_string(c.rows);
+}
+// The case's weight: normal values (seed 71) quantized to `format`.
+absl::StatusOr<QuantizedMatrix> RandomDenseWeight(QuantFormat format, const DenseCase& c) {
+  const std::vector<float> w = RandomValues(c.n * c.k, 71);
+  return QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
+}
+
 struct Shape {
   int64_t rows, cols;
 };
@@ -835,6 +850,21 @@ void CheckDenseFp8(DenseFp8Gemm gemm, const char* what, QuantFormat format, cons
               Name(format, {n, k}).c_str(), rows, worst);
 }
 
+// check(format, case, the quantized weight, its device copy) for every format and case, each
+// under its trace.
+template <typename Check>
+void ForEachDenseWeight(std::initializer_list<DenseCase> cases, Check check) {
+  for (QuantFormat format : kAllFormats) {
+    for (const DenseCase& c : cases) {
+      SCOPED_TRACE(DenseCaseName(format, c));
+      auto q = RandomDenseWeight(format, c);
+      ASSERT_TRUE(q.ok()) << q.status();
+      const DeviceMatrix dm(*q);
+      check(format, c, *q, dm);
+    }
+  }
+}
+
 // GemmFp8Mma (qgemm=w8a8's dense linears): FP8 tensor, channel and block-128 scales, out
 // features that do not fill a 16-row tile or a 64-feature block, 4- and 8-tile passes, rows in
 // slabs. Block-128 with a K of no whole 128-block, and the FP4 formats, are refused.
@@ -843,31 +873,19 @@ TEST_F(GpuQuant, DenseFp8MmaMatchesTheExactE4m3Reference) {
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major * 10 + props.minor < cuda::kFp8MmaMinSm)
     GTEST_SKIP() << "E4M3 mma.sync needs sm_89";
-  struct Case {
-    int64_t n, k;
-    int rows;
-  };
-  const Case cases[] = {
-      {4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {64, 64, 1}, {512, 256, 1000}};
-  for (QuantFormat format : kAllFormats) {
-    for (Case c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
-                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
-      const std::vector<float> w = RandomValues(c.n * c.k, 71);
-      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
-      ASSERT_TRUE(q.ok()) << q.status();
-      DeviceMatrix dm(*q);
-      const bool e4m3 = format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
-                        (format == QuantFormat::kFp8Block128 && c.k % 128 == 0);
-      if (!e4m3) {
-        EXPECT_FALSE(cuda::GemmFp8MmaSupports(dm.ref));
-        continue;
-      }
-      ASSERT_TRUE(cuda::GemmFp8MmaSupports(dm.ref));
-      CheckDenseFp8(cuda::GemmFp8Mma, "mma.sync", format, dm, DequantizeMatrix(q->View()), c.n, c.k,
-                    c.rows);
-    }
-  }
+  ForEachDenseWeight(
+      {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {64, 64, 1}, {512, 256, 1000}},
+      [](QuantFormat format, const DenseCase& c, const QuantizedMatrix& q, const DeviceMatrix& dm) {
+        const bool e4m3 = format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel ||
+                          (format == QuantFormat::kFp8Block128 && c.k % 128 == 0);
+        if (!e4m3) {
+          EXPECT_FALSE(cuda::GemmFp8MmaSupports(dm.ref));
+          return;
+        }
+        ASSERT_TRUE(cuda::GemmFp8MmaSupports(dm.ref));
+        CheckDenseFp8(cuda::GemmFp8Mma, "mma.sync", format, dm, DequantizeMatrix(q.View()), c.n,
+                      c.k, c.rows);
+      });
 }
 
 // GemmFp8Wgmma (qgemm=w8a8's dense linears on sm_90a): FP8 tensor and channel scales, one and
@@ -877,29 +895,22 @@ TEST_F(GpuQuant, DenseFp8WgmmaMatchesTheExactE4m3Reference) {
   cudaDeviceProp props{};
   CUDA_EXPECT_OK(cudaGetDeviceProperties(&props, 0));
   if (props.major != 9 || props.minor != 0) GTEST_SKIP() << "the sm_90a kernels need sm_90";
-  struct Case {
-    int64_t n, k;
-    int rows;
-  };
-  const Case cases[] = {{4096, 2048, 64}, {128, 128, 1},  {256, 384, 130},
-                        {512, 256, 1000}, {384, 128, 97}, {192, 256, 8}};
-  for (QuantFormat format : kAllFormats) {
-    for (Case c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
-                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
-      const bool takes =
-          (format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel) &&
-          c.n % 128 == 0;
-      EXPECT_EQ(cuda::Fp8WgmmaShapeSupports(format, c.n, c.k), takes);
-      if (!takes) continue;
-      const std::vector<float> w = RandomValues(c.n * c.k, 71);
-      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
-      ASSERT_TRUE(q.ok()) << q.status();
-      DeviceMatrix dm(*q);
-      CheckDenseFp8(cuda::GemmFp8Wgmma, "wgmma", format, dm, DequantizeMatrix(q->View()), c.n, c.k,
-                    c.rows);
-    }
-  }
+  ForEachDenseWeight(
+      {{4096, 2048, 64},
+       {128, 128, 1},
+       {256, 384, 130},
+       {512, 256, 1000},
+       {384, 128, 97},
+       {192, 256, 8}},
+      [](QuantFormat format, const DenseCase& c, const QuantizedMatrix& q, const DeviceMatrix& dm) {
+        const bool takes =
+            (format == QuantFormat::kFp8Tensor || format == QuantFormat::kFp8Channel) &&
+            c.n % 128 == 0;
+        EXPECT_EQ(cuda::Fp8WgmmaShapeSupports(format, c.n, c.k), takes);
+        if (!takes) return;
+        CheckDenseFp8(cuda::GemmFp8Wgmma, "wgmma", format, dm, DequantizeMatrix(q.View()), c.n, c.k,
+                      c.rows);
+      });
 }
 
 // One case of qgemm=w8a8's grouped expert kernels (MoeGrouped, kFp8Mma4 / kFp8Mma8, or with
@@ -996,48 +1007,37 @@ void ReferenceE4m3Rows(const float* x, int rows, const MatrixRef& w, uint8_t* co
 }
 
 TEST_F(GpuQuant, E4m3YardstickGemmRoundsEachRowAsW8a8Does) {
-  struct Case {
-    int64_t n, k;
-    int rows;
-  };
-  const Case cases[] = {{256, 2048, 3}, {64, 64, 1}, {200, 256, 17}};
-  for (QuantFormat format : kAllFormats) {
-    for (Case c : cases) {
-      SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
-                   std::to_string(c.k) + "] rows " + std::to_string(c.rows));
-      const std::vector<float> w = RandomValues(c.n * c.k, 71);
-      auto q = QuantizeMatrix(format, {w.data(), DType::kF32, c.n, c.k});
-      ASSERT_TRUE(q.ok()) << q.status();
-      DeviceMatrix dm(*q);
-      const std::vector<float> dq = DequantizeMatrix(q->View());
-      CheckDenseFp8(ReferenceE4m3Rows, "reference", format, dm, dq, c.n, c.k, c.rows);
+  ForEachDenseWeight({{256, 2048, 3}, {64, 64, 1}, {200, 256, 17}}, [](QuantFormat format,
+                                                                       const DenseCase& c,
+                                                                       const QuantizedMatrix& q,
+                                                                       const DeviceMatrix& dm) {
+    const std::vector<float> dq = DequantizeMatrix(q.View());
+    CheckDenseFp8(ReferenceE4m3Rows, "reference", format, dm, dq, c.n, c.k, c.rows);
 
-      // Exact inputs (the reference itself): some output misses the rounded rows' sum.
-      const std::vector<float> x = RandomValues(c.rows * c.k, 73);  // CheckDenseFp8's rows
-      float* dx = ToDevice(x);
-      uint8_t* codes = nullptr;
-      float *scales = nullptr, *dy = nullptr;
-      CUDA_EXPECT_OK(cudaMalloc(&codes, c.rows * c.k));
-      CUDA_EXPECT_OK(cudaMalloc(&scales, c.rows * sizeof(float)));
-      CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
-      cuda::QuantizeRowsE4M3(dx, DType::kF32, c.rows, static_cast<int>(c.k), codes, scales,
-                             nullptr);
-      cuda::GemmReference(dx, c.rows, dm.ref, {}, dy, nullptr, cuda::GemmInputs::kExact);
-      CUDA_EXPECT_OK(cudaDeviceSynchronize());
-      const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, static_cast<int>(c.k), codes, scales);
-      const std::vector<float> y = ToHost(dy, c.rows * c.n);
-      for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
-                      static_cast<void*>(dy)})
-        cudaFree(p);
-      double farthest = 0;
-      for (int m = 0; m < c.rows; ++m)
-        for (int64_t f = 0; f < c.n; ++f) {
-          auto [want, magnitude] = ExactDot(xq.data() + m * c.k, dq, f, c.k);
-          farthest = std::max(farthest, std::fabs(y[m * c.n + f] - want) / (magnitude + 1e-30));
-        }
-      EXPECT_GT(farthest, kFp8MmaSumTolerance);
-    }
-  }
+    // Exact inputs (the reference itself): some output misses the rounded rows' sum.
+    const std::vector<float> x = RandomValues(c.rows * c.k, 73);  // CheckDenseFp8's rows
+    float* dx = ToDevice(x);
+    uint8_t* codes = nullptr;
+    float *scales = nullptr, *dy = nullptr;
+    CUDA_EXPECT_OK(cudaMalloc(&codes, c.rows * c.k));
+    CUDA_EXPECT_OK(cudaMalloc(&scales, c.rows * sizeof(float)));
+    CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
+    cuda::QuantizeRowsE4M3(dx, DType::kF32, c.rows, static_cast<int>(c.k), codes, scales, nullptr);
+    cuda::GemmReference(dx, c.rows, dm.ref, {}, dy, nullptr, cuda::GemmInputs::kExact);
+    CUDA_EXPECT_OK(cudaDeviceSynchronize());
+    const std::vector<float> xq = ExpectE4m3Rows(x, c.rows, static_cast<int>(c.k), codes, scales);
+    const std::vector<float> y = ToHost(dy, c.rows * c.n);
+    for (void* p : {static_cast<void*>(dx), static_cast<void*>(codes), static_cast<void*>(scales),
+                    static_cast<void*>(dy)})
+      cudaFree(p);
+    double farthest = 0;
+    for (int m = 0; m < c.rows; ++m)
+      for (int64_t f = 0; f < c.n; ++f) {
+        auto [want, magnitude] = ExactDot(xq.data() + m * c.k, dq, f, c.k);
+        farthest = std::max(farthest, std::fabs(y[m * c.n + f] - want) / (magnitude + 1e-30));
+      }
+    EXPECT_GT(farthest, kFp8MmaSumTolerance);
+  });
 }
 
 // qgemm=w8a8's grouped expert kernels, FP8 tensor, channel and block-128 experts (every K here a
