@@ -506,15 +506,15 @@ absl::Status CheckServedAgainstReference(Model& model, Model& reference, Precisi
     result->verdict = ok ? TrialStatus::kOk : TrialStatus::kIncorrect;
   };
   judge(ThresholdsFor(precision), std::string(PrecisionClassName(precision)) + " class ceiling");
-  // Missed, but finite: does bf16 rounding alone miss the ceilings on this model? The bf16
-  // yardstick's drift on the same requests says; where it does, they widen to it, as a run's
+  // Missed, but finite: does the config's input rounding alone miss the ceilings on this model?
+  // Its yardstick's drift on the same requests says; where it does, they widen to it, as a run's
   // verdict does (WidenedToYardstick).
   if (result->verdict != TrialStatus::kIncorrect || !yardstick || !yardstick->model ||
       !std::isfinite(total) || precision == PrecisionClass::kFp32)
     return absl::OkStatus();
-  ASSIGN_OR_RETURN(Model * bf16, yardstick->model());
+  ASSIGN_OR_RETURN(Model * rounded, yardstick->model());
   ASSIGN_OR_RETURN(const std::vector<const std::vector<float>*> drifted,
-                   outputs_of(*bf16, &yardstick->logits));
+                   outputs_of(*rounded, &yardstick->logits));
   VerdictMetrics drift;
   double drift_total = 0;
   int64_t drift_agree = 0;

@@ -133,9 +133,9 @@ absl::Status CheckServedTokens(Model& alone, int chunk, LoadPointResult* result,
 // bounds a load point's judging. `cache` (optional) keeps the reference's logits by fed sequence
 // across load points.
 // A sample that misses the class's ceilings while finite is judged again, as a run's verdict is
-// (harness/verdict.h, WidenedToYardstick), when `yardstick` gives a model: the bf16 yardstick
-// (engine/backends.h) runs the same requests, and where its own KL to the reference misses the
-// class's ceilings they widen to its drift (yardstick_kl_mean says so).
+// (harness/verdict.h, WidenedToYardstick), when `yardstick` gives a model: the config's yardstick
+// (bf16 or E4M3, engine/backends.h's YardstickFor) runs the same requests, and where its own KL to
+// the reference misses the class's ceilings they widen to its drift (yardstick_kl_mean says so).
 constexpr int kServedReferenceSample = 4;         // requests a load point's reference check takes
 constexpr int64_t kServedReferenceTokens = 2048;  // prompt and output tokens it feeds, at most
 using ReferenceLogits = std::map<std::vector<int32_t>, std::vector<float>>;

@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(kFusedColumns* kFusedLanesPerColumn)
 constexpr int kDecodeRows = kGatedDeltaDecodeMaxRowsPerLane;
 constexpr int kDecodeLanes = kGatedDeltaLanesPerColumn;
 constexpr int kDecodeMaxThreads = kDecodeLanes * kGatedDeltaDecodeMaxColumns;
+constexpr int kDecodeMaxKeyDim = kDecodeLanes * kDecodeRows;  // dk <= 128
 
 constexpr int kDecodeSplit = 4;  // blocks (one cluster) a value head on sm_90
 
@@ -354,7 +355,7 @@ template <int kSplit>
 __global__ void __launch_bounds__(kDecodeMaxThreads)
     GatedDeltaDecodeKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
                            int dv, int taps, const int2* ragged) {
-  __shared__ float qk[2 * kDecodeLanes * kDecodeRows];  // q then k, normalised
+  __shared__ float qk[2 * kDecodeMaxKeyDim];  // q then k, normalised
   __shared__ float vs[kGatedDeltaDecodeMaxColumns];
   __shared__ float scratch[32];
   __shared__ bool last_arrival;
@@ -441,10 +442,10 @@ __global__ void __launch_bounds__(kDecodeMaxThreads)
 
 constexpr int kRowsThreads = 256;
 constexpr int kRowsWarps = kRowsThreads / 32;
-constexpr int kRowsPerWarp = kGatedDeltaDecodeMaxColumns / kRowsWarps;  // dk <= 128
+constexpr int kRowsPerWarp = kDecodeMaxKeyDim / kRowsWarps;
 // Conv channels a thread takes: 2 dk + dv <= 384.
 constexpr int kRowsConvPerThread =
-    (3 * kGatedDeltaDecodeMaxColumns + kRowsThreads - 1) / kRowsThreads;
+    (2 * kDecodeMaxKeyDim + kGatedDeltaDecodeMaxColumns + kRowsThreads - 1) / kRowsThreads;
 
 // The row layout: grid batch * Hv, 256 threads; block (seq, h) holds the head's whole [dk, dv]
 // state, warp w rows [w dk / 8, (w + 1) dk / 8), lane l columns [4 l, 4 l + 4) as float4s, so a
@@ -455,11 +456,11 @@ constexpr int kRowsConvPerThread =
 __global__ void __launch_bounds__(kRowsThreads, 2)
     GatedDeltaDecodeRowsKernel(GatedDeltaDecodeOperands ops, int key_heads, int dk, int value_heads,
                                int dv, int taps, const int2* ragged) {
-  constexpr int kMaxDim = kGatedDeltaDecodeMaxColumns;
-  __shared__ float qk[2 * kMaxDim];  // q then k, normalised
-  __shared__ float vs[kMaxDim];
-  __shared__ __align__(16) float partial[2][kRowsWarps][kMaxDim];  // k.S, q.S per warp
-  __shared__ __align__(16) float delta[kMaxDim];
+  constexpr int kMaxDv = kGatedDeltaDecodeMaxColumns;
+  __shared__ float qk[2 * kDecodeMaxKeyDim];  // q then k, normalised
+  __shared__ float vs[kMaxDv];
+  __shared__ __align__(16) float partial[2][kRowsWarps][kMaxDv];  // k.S, q.S per warp
+  __shared__ __align__(16) float delta[kMaxDv];
   __shared__ float scratch[32];
   __shared__ float k_dot_q;
   __shared__ bool last_arrival;

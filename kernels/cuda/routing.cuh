@@ -57,7 +57,6 @@ __device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, i
     p[i] /= sum;
     key[i] = p[i] == p[i] ? p[i] : -1.f;
   }
-  unsigned chosen = 0;  // bit i: expert lane + 32 i already taken
   float chosen_sum = 0.f;
   int id = 0;
   float weight_of_slot = 0.f;
@@ -109,6 +108,7 @@ __device__ __forceinline__ void WarpTopK(const float* logits, int num_experts, i
       chosen_sum += weight;
     }
   } else {
+    unsigned chosen = 0;  // bit i: expert lane + 32 i already taken
     for (int slot = 0; slot < k; ++slot) {
       float best = -INFINITY;
       int best_id = 0x7fffffff;
