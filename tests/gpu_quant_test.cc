@@ -171,6 +171,59 @@ TEST_F(GpuQuant, DequantizeMatchesTheCpuExactly) {
   }
 }
 
+// The tensor-core kernels' decode (DecodeRun, through the bf16 copy it makes) against the CPU bit
+// for bit over every code and every finite scale. FP4: random codes (E2M1's subnormal 0.5 and
+// both zeros among them) under group scales that run through all E4M3 codes but NaN (its
+// subnormals, 448, negative ones) or all E8M0 codes but NaN (2^-127 .. 2^127: the largest
+// overflow to infinity on both sides). FP8: every E4M3 code but NaN (subnormals included), in
+// turn, under each row's channel scale.
+TEST_F(GpuQuant, QuantDecodeIsExactForEveryCodeAndScale) {
+  const Shape s{64, 1024};
+  for (QuantFormat format : {QuantFormat::kNvfp4, QuantFormat::kMxfp4, QuantFormat::kFp8Channel}) {
+    SCOPED_TRACE(Name(format, s));
+    const std::vector<float> w = RandomValues(s.rows * s.cols, 5);
+    auto q = QuantizeMatrix(format, {w.data(), DType::kF32, s.rows, s.cols});
+    ASSERT_TRUE(q.ok()) << q.status();
+    std::vector<uint8_t>& codes = q->parts[0];
+    std::mt19937 rng(17);
+    int subnormal_codes = 0;
+    if (IsFp4(format)) {
+      for (uint8_t& code : codes) {
+        code = static_cast<uint8_t>(rng());
+        subnormal_codes += (code & 7) == 1;
+      }
+      std::vector<uint8_t>& scales = q->parts[1];
+      for (size_t i = 0; i < scales.size(); ++i) {
+        const uint8_t c = static_cast<uint8_t>(i % 256);
+        const bool nan = format == QuantFormat::kNvfp4 ? (c & 0x7f) == 0x7f : c == 0xff;
+        scales[i] = nan ? static_cast<uint8_t>(c - 1) : c;
+      }
+    } else {
+      for (size_t i = 0; i < codes.size(); ++i) {
+        const uint8_t c = static_cast<uint8_t>(i % 256);
+        codes[i] = (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c - 1) : c;
+        subnormal_codes += (c & 0x7f) != 0 && (c & 0x78) == 0;
+      }
+    }
+    EXPECT_GT(subnormal_codes, 1000) << "the codes hold the format's subnormals";
+    const std::vector<float> cpu = DequantizeMatrix(q->View());
+    DeviceMatrix dm(*q);
+    uint16_t* bf16 = nullptr;
+    CUDA_EXPECT_OK(cudaMalloc(&bf16, cpu.size() * sizeof(uint16_t)));
+    cuda::DequantizeToBf16(dm.ref, bf16, nullptr);
+    CUDA_EXPECT_OK(cudaGetLastError());
+    CUDA_EXPECT_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = ToHost(bf16, cpu.size());
+    cudaFree(bf16);
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      const size_t byte = IsFp4(format) ? i / 2 : i;
+      ASSERT_EQ(got[i], FloatToBf16(cpu[i]))
+          << "element " << i << " (cpu " << cpu[i] << ", code byte 0x" << std::hex
+          << static_cast<int>(codes[byte]) << ")";
+    }
+  }
+}
+
 // y = x . W^T against a double-precision sum over the CPU's dequantized W.
 TEST_F(GpuQuant, W4A16GemvMatchesTheExactDequantReference) {
   const Shape shapes[] = {{768, 2048}, {2048, 768}, {37, 96}, {5, 32}, {129, 1056}};

@@ -440,13 +440,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 // exact bf16 weights and fed to MmaChunk with the activations of the same k (the order of k
 // within a unit is the same permutation for weights and inputs, so every dot product is
 // unchanged). What multiplies a whole row (FP8 tensor / channel scales, NVFP4's scale_2, and the
-// 2^8 of the FP8 decode below) scales the fp32 sums at the end; the FP4 group scales (times
-// 2^14, see the decode) multiply the decoded weights, exactly: E2M1 x E4M3 or x E8M0 products
-// have at most 6 significant bits, within bf16's 8.
+// 2^8 of the FP8 and NVFP4 decodes, QuantRowFactor) scales the fp32 sums at the end; the FP4
+// group scales multiply the decoded weights in bf16 (DecodeRun), exactly: E2M1 x E4M3 or x E8M0
+// products have at most 6 significant bits, within bf16's 8.
 // Napkin math, batch 64 on qwen3-30b-a3b: 126 experts x 3 x 768 x 2048 weights a layer = 595 M
-// weights: 335 MB NVFP4 (75 us at 4.46 TB/s), 595 MB FP8 (133 us); the decode is ~6 integer and
-// conversion instructions per weight once per pass (~45 us of issue over 132 SMs), the MMAs the
-// same ~5 us as bf16's.
+// weights: 335 MB NVFP4 (75 us at 4.46 TB/s), 595 MB FP8 (133 us); the decode is ~3 integer and
+// conversion instructions per weight (FP4: shifts, a bf16x2 multiply and a byte permute per
+// pair) once per pass (~25 us of issue over 132 SMs), the MMAs the same ~5 us as bf16's.
 template <QuantFormat F>
 constexpr int QuantRuns() {
   return IsFp4(F) ? 4 : 2;
@@ -515,12 +515,14 @@ __device__ __forceinline__ void StreamQuantExpert(const uint4* const (&w)[2 * kM
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (u0 + u >= units) break;
+      RunScales scales[2 * kMats];
+#pragma unroll
+      for (int m = 0; m < 2 * kMats; ++m) scales[m] = RunScalesOf<F>(stage.scales[u][m]);
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         uint4 wv[2 * kMats];
 #pragma unroll
-        for (int m = 0; m < 2 * kMats; ++m)
-          wv[m] = DecodeRun<F>(stage.codes[u][m], stage.scales[u][m], r);
+        for (int m = 0; m < 2 * kMats; ++m) wv[m] = DecodeRun<F>(stage.codes[u][m], scales[m], r);
 #pragma unroll
         for (int j = 0; j < kTiles; ++j) {
           if (j >= tiles) break;  // warp-uniform
@@ -541,8 +543,11 @@ __device__ __forceinline__ void StreamQuantExpert(const uint4* const (&w)[2 * kM
 }
 
 // GroupedGateUpKernel over quantized gate and up tables (same grid, tiles and output).
+// The decode batches' variant (4 tiles) is held to 168 registers, 3 blocks (12 warps) an SM:
+// FP4's would take ~200 (2 blocks), and with one block's loads in flight per warp pair the extra
+// block covers more of the memory latency than the few spilled registers cost.
 template <QuantFormat F, int kTiles, int kUnroll>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, kTiles == 4 ? 3 : 1)
     GroupedGateUpQuantKernel(const uint16_t* x, int k, const int* offsets, const int* sorted,
                              int expert_begin, QuantExpertTable gate, QuantExpertTable up,
                              uint16_t* h) {

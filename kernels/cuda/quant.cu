@@ -75,10 +75,11 @@ __global__ void DequantizeRunsKernel(QuantExpertTable t, uint16_t* out) {
     else if constexpr (F == QuantFormat::kMxfp4)
       scale_bits = __ldg(static_cast<const uint8_t*>(t.matrix_scales) + c);
     const float factor = QuantRowFactor<F>(t, 0, row);
+    const RunScales scales = RunScalesOf<F>(scale_bits);
     uint4* dst = reinterpret_cast<uint4*>(out) + c * kRuns;
 #pragma unroll
     for (int r = 0; r < kRuns; ++r) {
-      const uint4 run = DecodeRun<F>(codes, scale_bits, r);
+      const uint4 run = DecodeRun<F>(codes, scales, r);
       uint32_t words[4] = {run.x, run.y, run.z, run.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i)

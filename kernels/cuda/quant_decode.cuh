@@ -227,38 +227,87 @@ __device__ __forceinline__ void StagePaddedInput(const float* x, int rows, int k
 }
 
 // The tensor-core expert kernels' decode (moe_fused_mma.cu's mma.sync tiles, sm90a/moe_wgmma.cu's
-// shared-memory tiles): 8 codes at a time into 8 exact bf16 weights.
+// shared-memory tiles, quant.cu's bf16 copies): 8 codes at a time into 8 exact bf16 weights.
+
+// a * b on two bf16 lanes, rounded once (fma with -0, which leaves every product as it is;
+// sm_80+). bf16 keeps fp32's exponent range, and these products are exact in it.
+__device__ __forceinline__ uint32_t MulBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// What multiplies an FP4 unit's runs, as bf16x2 with both lanes alike: `lo` for runs 0 and 1,
+// `hi` for runs 2 and 3. NVFP4: the two E4M3 group scales (bits [0, 8) and [8, 16)) times
+// 2^118, exact (E4M3's 4 significant bits; 2^-9 .. 448 times 2^118 stays below bf16's largest
+// power, 2^127), NaN kept; the decoded weights come out times 2^-8 (QuantRowFactor gives it back
+// per row, as for FP8). MXFP4: the E8M0 scale 2^(c - 127) itself (c = 0 is bf16's subnormal
+// 2^-127, 255 NaN). FP8: unused.
+struct RunScales {
+  uint32_t lo = 0, hi = 0;
+};
+template <QuantFormat F>
+__device__ __forceinline__ RunScales RunScalesOf(uint32_t scale_bits) {
+  RunScales r;
+  if constexpr (F == QuantFormat::kNvfp4) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(scale_bits & 0xffffu), __NV_E4M3);
+    const float2 f =
+        HalfBitsToFloat2(static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16));
+    const uint32_t both = PackBf16x2(f.x * 0x1p118f, f.y * 0x1p118f);
+    r.lo = __byte_perm(both, 0, 0x1010);
+    r.hi = __byte_perm(both, 0, 0x3232);
+  } else if constexpr (F == QuantFormat::kMxfp4) {
+    const uint32_t c = scale_bits & 0xffu;
+    const uint32_t bits = c == 0 ? 0x0040u : c == 0xff ? 0x7fc0u : c << 7;
+    r.lo = r.hi = bits * 0x10001u;
+  }
+  return r;
+}
 
 // Run s (0 <= s < 2 for FP8, < 4 for FP4) of 16 bytes of codes as 8 bf16 weights, element i in half
-// i of the result. FP8: codes to f16 bit patterns by shifts (the E4M3 sign, exponent and mantissa
-// land in f16's sign and low exponent and mantissa bits: the value times 2^-8, subnormals included;
-// the NaN code is not a weight a checkpoint holds), widened to fp32 and packed to bf16, exact.
-// FP4: E2M1PairToF16x2Bits (the value times 2^-14), times the group scale times 2^14.
+// i of the result.
+// FP8: bytes 0 and 2 (then 1 and 3) of a word straight to bf16 bit patterns by shifts: the E4M3
+// sign to bit 15 (31), exponent and mantissa to bits [4, 11) ([20, 27)), bf16's four lowest
+// exponent bits and its first three mantissa bits: the value times 2^-120 exactly, E4M3's
+// subnormals on bf16's (the NaN code is not a weight a checkpoint holds). One bf16x2 multiply by
+// 2^112 makes it the value times 2^-8 (QuantRowFactor gives the 2^8 back), and byte permutes
+// put the bytes back in order. 9 instructions for 4 weights, no conversion.
+// FP4: word s's 8 codes straight to bf16 bit patterns, two at a time: codes p and p + 4 (bits
+// [4p, 4p + 4) and [16 + 4p, 20 + 4p)) take one shift for their signs (to bits 15 and 31) and one
+// for their exponent and mantissa (to bits [6, 9) and [22, 25), bf16's two lowest exponent bits
+// and its first mantissa bit). That is the code's value times 2^-126 exactly: E2M1's subnormal
+// 0.5 lands on bf16's subnormal 2^-127, which bf16 arithmetic keeps. One bf16x2 multiply by the
+// run's scale (RunScalesOf; MXFP4 first times 2^126) gives the weights, and byte permutes put
+// the pairs (p, p + 4) back in element order. About 5 instructions for 2 weights, no conversion.
 template <QuantFormat F>
-__device__ __forceinline__ uint4 DecodeRun(const uint4& codes, uint32_t scale_bits, int s) {
+__device__ __forceinline__ uint4 DecodeRun(const uint4& codes, const RunScales& scales, int s) {
   if constexpr (IsFp4(F)) {
     const uint32_t word = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
-    float group;
-    if constexpr (F == QuantFormat::kNvfp4)
-      group = E4M3ToFloat(static_cast<uint8_t>(s < 2 ? scale_bits & 0xffu : scale_bits >> 8));
-    else
-      group = E8M0ToFloat(static_cast<uint8_t>(scale_bits));
-    group *= kE2M1F16Scale;
-    float2 p[4];  // p[j] = elements j and j + 4
+    const uint32_t scale = s < 2 ? scales.lo : scales.hi;
+    constexpr uint32_t kMagnitude = 0x01c001c0u, kSign = 0x80008000u;
+    uint32_t v[4] = {((word << 6) & kMagnitude) | ((word << 12) & kSign),
+                     ((word << 2) & kMagnitude) | ((word << 8) & kSign),
+                     ((word >> 2) & kMagnitude) | ((word << 4) & kSign),
+                     ((word >> 6) & kMagnitude) | (word & kSign)};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = HalfBitsToFloat2(E2M1PairToF16x2Bits(word >> (4 * j)));
-    return make_uint4(
-        PackBf16x2(p[0].x * group, p[1].x * group), PackBf16x2(p[2].x * group, p[3].x * group),
-        PackBf16x2(p[0].y * group, p[1].y * group), PackBf16x2(p[2].y * group, p[3].y * group));
+    for (int p = 0; p < 4; ++p) {
+      if constexpr (F == QuantFormat::kMxfp4) v[p] = MulBf16x2(v[p], 0x7e807e80u);  // 2^126
+      v[p] = MulBf16x2(v[p], scale);
+    }
+    return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410),
+                      __byte_perm(v[0], v[1], 0x7632), __byte_perm(v[2], v[3], 0x7632));
   } else {
+    constexpr uint32_t kMagnitude = 0x07f007f0u, kSign = 0x80008000u;
+    constexpr uint32_t kTwo112 = 0x77807780u;  // bf16 2^112, both lanes
     uint32_t out[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // word h of the run: elements 4h .. 4h + 3, one per byte
       const uint32_t w = h == 0 ? (s == 0 ? codes.x : codes.z) : (s == 0 ? codes.y : codes.w);
-      const float2 even = HalfBitsToFloat2(((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u));
-      const float2 odd = HalfBitsToFloat2((w & 0x80008000u) | ((w >> 1) & 0x3f803f80u));
-      out[2 * h] = PackBf16x2(even.x, odd.x);      // bytes 0, 1
-      out[2 * h + 1] = PackBf16x2(even.y, odd.y);  // bytes 2, 3
+      const uint32_t even = MulBf16x2(((w << 4) & kMagnitude) | ((w << 8) & kSign), kTwo112);
+      const uint32_t odd = MulBf16x2(((w >> 4) & kMagnitude) | (w & kSign), kTwo112);
+      out[2 * h] = __byte_perm(even, odd, 0x5410);      // bytes 0, 1
+      out[2 * h + 1] = __byte_perm(even, odd, 0x7632);  // bytes 2, 3
     }
     return make_uint4(out[0], out[1], out[2], out[3]);
   }
@@ -275,12 +324,12 @@ __device__ __forceinline__ const void* TableGlobalScale(const QuantExpertTable& 
   return t.codes ? t.global_scales[e] : t.matrix_global_scale;
 }
 
-// What multiplies row `row` of expert e's sums: FP8 its tensor or channel scale times 2^8,
-// NVFP4 its scale_2, MXFP4 1.
+// What multiplies row `row` of expert e's sums (DecodeRun's weights): FP8 its tensor or channel
+// scale times 2^8, NVFP4 its scale_2 times 2^8, MXFP4 1.
 template <QuantFormat F>
 __device__ __forceinline__ float QuantRowFactor(const QuantExpertTable& t, int e, int64_t row) {
   if constexpr (F == QuantFormat::kNvfp4) {
-    return __ldg(static_cast<const float*>(TableGlobalScale(t, e)));
+    return __ldg(static_cast<const float*>(TableGlobalScale(t, e))) * 256.f;
   } else if constexpr (F == QuantFormat::kMxfp4) {
     return 1.f;
   } else {

@@ -319,7 +319,7 @@ struct TileCopies {
         run.y = bytes.y;
       }
       *reinterpret_cast<uint4*>(decoded + SwizzledOffset(row, chunk)) =
-          DecodeRun<F>(run, scale_bits, 0);
+          DecodeRun<F>(run, RunScalesOf<F>(scale_bits), 0);
     }
   }
 };

@@ -1,0 +1,266 @@
+// Quantized MoE probe: one MoE layer's experts (cuda::MoeGrouped: bucketing, gate/up + SiLU, down,
+// combine) on qwen3-30b-a3b's shapes (128 experts, top 8, hidden 2048, inter 768) for each
+// quantized format the grouped kernels take, at decode batches and prefill chunks, under the
+// variant the MoE plan picks (MoeGroupedKernelFor) and, from 256 rows, the wgmma one.
+//
+// Bytes a layer reads: the codes and scales of every expert some row routes to (3 matrices of
+// 768 x 2048: NVFP4 0.5625 B a weight, MXFP4 0.53125, FP8 1, plus a scale a row) and the
+// activations (small beside them). Roofline: those bytes at --gbps (default 4,460 GB/s, the
+// H200 figure docs/PERFORMANCE.md holds every row against; 3,350 on an H100).
+// Each point: 8 layers (each its own experts, so that no layer finds its weights in L2) captured
+// in one CUDA graph, median of 7 timed replays after 2 warm-ups; routing is uniform at random,
+// the same for every layer.
+// Usage: moe_quant_probe [--gbps G]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/quant/format.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/limits.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
+
+namespace {
+
+using infersweep::DType;
+using infersweep::QuantFormat;
+namespace cuda = infersweep::cuda;
+
+constexpr int kExperts = 128, kTopK = 8, kHidden = 2048, kInter = 768;
+constexpr int kLayers = 8, kRepeats = 7;
+
+std::vector<void*> allocations;  // a format's device memory, freed after its points
+
+template <typename T>
+T* Allocate(size_t count) {
+  T* d = nullptr;
+  CUDA_OR_DIE(cudaMalloc(&d, count * sizeof(T)));
+  allocations.push_back(d);
+  return d;
+}
+
+template <typename T>
+T* DeviceCopy(const T* host, size_t count) {
+  T* d = Allocate<T>(count);
+  CUDA_OR_DIE(cudaMemcpy(d, host, count * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+T* DeviceCopy(const std::vector<T>& host) {
+  return DeviceCopy(host.data(), host.size());
+}
+
+// `count` bytes base + (random & mask), from one random pool (every matrix of a kind has the same
+// bytes at its own address: timing reads no meaning into them).
+const uint8_t* RandomBytes(size_t count, uint8_t mask, uint8_t base) {
+  static std::vector<uint8_t> pool;
+  static uint8_t pool_mask = 0, pool_base = 0;
+  if (pool.size() < count || pool_mask != mask || pool_base != base) {
+    pool.resize(std::max(pool.size(), count));
+    std::mt19937 rng(mask * 256 + base);
+    for (uint8_t& b : pool) b = static_cast<uint8_t>(base + (rng() & mask));
+    pool_mask = mask;
+    pool_base = base;
+  }
+  return pool.data();
+}
+
+// One matrix kind (gate, up or down) of every expert of a layer: random codes (FP8 without the
+// NaN code, exponents 4..11), E4M3 group scales near 1 (NVFP4), E8M0 ones near 2^-3 (MXFP4),
+// fp32 channel scales (FP8), one global scale per expert (NVFP4).
+cuda::QuantExpertTable Table(QuantFormat f, int rows, int cols) {
+  const bool fp4 = infersweep::IsFp4(f);
+  const size_t code_bytes = static_cast<size_t>(rows) * cols / (fp4 ? 2 : 1);
+  const size_t groups = static_cast<size_t>(rows) * cols / (f == QuantFormat::kNvfp4 ? 16 : 32);
+  std::vector<const void*> codes(kExperts), scales(kExperts), globals(kExperts);
+  for (int e = 0; e < kExperts; ++e) {
+    codes[e] = fp4 ? DeviceCopy(RandomBytes(code_bytes, 0xff, 0), code_bytes)
+                   : DeviceCopy(RandomBytes(code_bytes, 0x3f, 0x20), code_bytes);
+    if (f == QuantFormat::kNvfp4) {
+      scales[e] = DeviceCopy(RandomBytes(groups, 0x0f, 0x30), groups);
+      globals[e] = DeviceCopy(std::vector<float>{1.f / 1024});
+    } else if (f == QuantFormat::kMxfp4) {
+      scales[e] = DeviceCopy(RandomBytes(groups, 0x03, 122), groups);
+    } else {
+      scales[e] = DeviceCopy(std::vector<float>(rows, 1.f / 64));
+    }
+  }
+  cuda::QuantExpertTable t;
+  t.codes = DeviceCopy(codes);
+  t.scales = DeviceCopy(scales);
+  t.global_scales = f == QuantFormat::kNvfp4 ? DeviceCopy(globals) : nullptr;
+  t.format = f;
+  t.scale_dtype = DType::kF32;
+  t.rows = rows;
+  t.cols = cols;
+  return t;
+}
+
+// Bytes of one expert's three matrices: codes and scales.
+double ExpertBytes(QuantFormat f) {
+  const double weights = 3.0 * kHidden * kInter;
+  switch (f) {
+    case QuantFormat::kNvfp4:
+      return weights * (0.5 + 1.0 / 16);
+    case QuantFormat::kMxfp4:
+      return weights * (0.5 + 1.0 / 32);
+    default:
+      return weights + 4.0 * (2 * kInter + kHidden);
+  }
+}
+
+struct Point {
+  double us = 0, gbps = 0;
+};
+
+// tables: [layer][gate, up, down].
+Point TimeLayer(QuantFormat f, const std::vector<cuda::QuantExpertTable>& tables, int rows,
+                cuda::MoeGroupedKernel kernel) {
+  std::vector<void*> scratch;
+  auto scratch_alloc = [&](auto** p, size_t count) {
+    CUDA_OR_DIE(cudaMalloc(p, count * sizeof(**p)));
+    scratch.push_back(*p);
+  };
+  const int pairs = rows * kTopK;
+  std::vector<int> ids(pairs);
+  std::vector<float> weights(pairs, 1.f / kTopK);
+  std::set<int> touched;
+  std::mt19937 rng(rows);
+  for (int r = 0; r < rows; ++r) {
+    std::vector<int> all(kExperts);
+    for (int e = 0; e < kExperts; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int s = 0; s < kTopK; ++s) {
+      ids[r * kTopK + s] = all[s];
+      touched.insert(all[s]);
+    }
+  }
+  std::vector<uint16_t> x_host(static_cast<size_t>(rows) * kHidden);
+  for (size_t i = 0; i < x_host.size(); ++i) x_host[i] = 0x3c00 + (i * 37 % 256);  // ~1 in bf16
+  cuda::MoeGroupedArgs a;
+  a.kernel = kernel;
+  uint16_t* x = nullptr;
+  scratch_alloc(&x, x_host.size());
+  CUDA_OR_DIE(cudaMemcpy(x, x_host.data(), x_host.size() * 2, cudaMemcpyHostToDevice));
+  a.x_bf16 = x;
+  a.rows = rows;
+  a.k = kTopK;
+  a.num_experts = kExperts;
+  a.hidden = kHidden;
+  a.inter = kInter;
+  int* d_ids = nullptr;
+  float* d_weights = nullptr;
+  scratch_alloc(&d_ids, ids.size());
+  scratch_alloc(&d_weights, weights.size());
+  CUDA_OR_DIE(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OR_DIE(cudaMemcpy(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+  a.expert_ids = d_ids;
+  a.expert_weights = d_weights;
+  a.expert_begin = 0;
+  a.expert_end = kExperts;
+  scratch_alloc(&a.offsets, kExperts + 1);
+  scratch_alloc(&a.sorted_pairs, pairs);
+  scratch_alloc(&a.h, static_cast<size_t>(pairs) * kInter);
+  scratch_alloc(&a.out, static_cast<size_t>(pairs) * kHidden);
+  scratch_alloc(&a.y, static_cast<size_t>(rows) * kHidden);
+  CUDA_OR_DIE(cudaMemset(a.y, 0, sizeof(float) * rows * kHidden));
+
+  cudaStream_t stream;
+  CUDA_OR_DIE(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OR_DIE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int l = 0; l < kLayers; ++l) {
+    a.quant = tables.data() + 3 * l;  // read on the host: the kernels take the tables by value
+    cuda::MoeGrouped(a, stream);
+  }
+  CUDA_OR_DIE(cudaStreamEndCapture(stream, &graph));
+  CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CUDA_OR_DIE(cudaEventCreate(&start));
+  CUDA_OR_DIE(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int r = 0; r < kRepeats + 2; ++r) {
+    CUDA_OR_DIE(cudaEventRecord(start, stream));
+    CUDA_OR_DIE(cudaGraphLaunch(exec, stream));
+    CUDA_OR_DIE(cudaEventRecord(stop, stream));
+    CUDA_OR_DIE(cudaEventSynchronize(stop));
+    float t = 0.f;
+    CUDA_OR_DIE(cudaEventElapsedTime(&t, start, stop));
+    if (r >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CUDA_OR_DIE(cudaGraphExecDestroy(exec));
+  CUDA_OR_DIE(cudaGraphDestroy(graph));
+  CUDA_OR_DIE(cudaStreamDestroy(stream));
+  CUDA_OR_DIE(cudaEventDestroy(start));
+  CUDA_OR_DIE(cudaEventDestroy(stop));
+  for (void* d : scratch) CUDA_OR_DIE(cudaFree(d));
+  Point p;
+  p.us = 1e3 * ms[ms.size() / 2] / kLayers;
+  p.gbps = touched.size() * ExpertBytes(f) / p.us / 1e3;
+  return p;
+}
+
+const char* KernelName(cuda::MoeGroupedKernel k) {
+  switch (k) {
+    case cuda::MoeGroupedKernel::kQuantMma4:
+      return "mma x4";
+    case cuda::MoeGroupedKernel::kQuantMma8:
+      return "mma x8";
+    case cuda::MoeGroupedKernel::kQuantWgmma:
+      return "wgmma";
+    default:
+      return "?";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double gbps = 4460.0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--gbps") == 0 && i + 1 < argc) {
+      gbps = std::atof(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--gbps G]\n", argv[0]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  CUDA_OR_DIE(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# %s, %d SMs; roofline %.0f GB/s; us a layer, median of %d graphs of %d layers\n",
+              prop.name, prop.multiProcessorCount, gbps, kRepeats, kLayers);
+  std::printf("%-12s %6s %-7s %10s %10s %8s\n", "format", "rows", "kernel", "us", "GB/s", "%roof");
+  for (QuantFormat f : {QuantFormat::kNvfp4, QuantFormat::kMxfp4, QuantFormat::kFp8Channel}) {
+    std::vector<cuda::QuantExpertTable> tables;
+    for (int l = 0; l < kLayers; ++l) {
+      tables.push_back(Table(f, kInter, kHidden));
+      tables.push_back(Table(f, kInter, kHidden));
+      tables.push_back(Table(f, kHidden, kInter));
+    }
+    for (int rows : {1, 4, 16, 64, 256, 2048}) {
+      std::vector<cuda::MoeGroupedKernel> kernels = {
+          cuda::MoeGroupedKernelFor(true, false, rows * kTopK, kExperts)};
+      if (rows >= 256) kernels.push_back(cuda::MoeGroupedKernel::kQuantWgmma);
+      for (cuda::MoeGroupedKernel k : kernels) {
+        const Point p = TimeLayer(f, tables, rows, k);
+        std::printf("%-12s %6d %-7s %10.2f %10.0f %7.1f%%\n",
+                    infersweep::QuantFormatName(f).c_str(), rows, KernelName(k), p.us, p.gbps,
+                    100.0 * p.gbps / gbps);
+        std::fflush(stdout);
+      }
+    }
+    for (void* d : allocations) CUDA_OR_DIE(cudaFree(d));
+    allocations.clear();
+  }
+  return 0;
+}
