@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/graph_timing.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gated_delta.h"
 
@@ -27,6 +28,7 @@ namespace {
 using infersweep::DType;
 using infersweep::MatrixRef;
 namespace cuda = infersweep::cuda;
+namespace bench = infersweep::bench;
 
 constexpr int kKeyHeads = 16, kValueHeads = 32, kDim = 128, kTaps = 4;
 constexpr int kLaunches = 20, kRepeats = 7;
@@ -95,35 +97,15 @@ double TimeLayout(int batch, cuda::GatedDeltaDecodeLayout layout) {
   CUDA_OR_DIE(cudaMemset(ops.key_head_arrivals, 0, sizeof(unsigned) * batch * kKeyHeads));
   CUDA_OR_DIE(cudaMalloc(&ops.out, sizeof(float) * batch * value));
 
-  cudaStream_t stream;
-  CUDA_OR_DIE(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OR_DIE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < kLaunches; ++i) {
-    ops.conv_state = conv_states[i];
-    ops.state = states[i];
-    cuda::GatedDeltaDecode(ops, s, stream, layout);
-  }
-  CUDA_OR_DIE(cudaStreamEndCapture(stream, &graph));
-  CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CUDA_OR_DIE(cudaEventCreate(&start));
-  CUDA_OR_DIE(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int r = 0; r < kRepeats + 2; ++r) {
-    CUDA_OR_DIE(cudaEventRecord(start, stream));
-    CUDA_OR_DIE(cudaGraphLaunch(exec, stream));
-    CUDA_OR_DIE(cudaEventRecord(stop, stream));
-    CUDA_OR_DIE(cudaEventSynchronize(stop));
-    float t = 0.f;
-    CUDA_OR_DIE(cudaEventElapsedTime(&t, start, stop));
-    if (r >= 2) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CUDA_OR_DIE(cudaGraphExecDestroy(exec));
-  CUDA_OR_DIE(cudaGraphDestroy(graph));
-  CUDA_OR_DIE(cudaStreamDestroy(stream));
+  const double ms = bench::MedianGraphMs(
+      [&](cudaStream_t stream) {
+        for (int i = 0; i < kLaunches; ++i) {
+          ops.conv_state = conv_states[i];
+          ops.state = states[i];
+          cuda::GatedDeltaDecode(ops, s, stream, layout);
+        }
+      },
+      kRepeats);
   for (const void* p :
        {static_cast<const void*>(ops.projected), static_cast<const void*>(ops.z),
         static_cast<const void*>(ops.a), static_cast<const void*>(ops.b), ops.conv.data,
@@ -134,7 +116,7 @@ double TimeLayout(int batch, cuda::GatedDeltaDecodeLayout layout) {
     CUDA_OR_DIE(cudaFree(conv_states[i]));
     CUDA_OR_DIE(cudaFree(states[i]));
   }
-  return 1e3 * ms[ms.size() / 2] / kLaunches;  // us a launch
+  return 1e3 * ms / kLaunches;  // us a launch
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/graph_timing.h"
 #include "core/quant/format.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/limits.h"
@@ -33,6 +34,7 @@ namespace {
 using infersweep::DType;
 using infersweep::QuantFormat;
 namespace cuda = infersweep::cuda;
+namespace bench = infersweep::bench;
 
 constexpr int kExperts = 128, kTopK = 8, kHidden = 2048, kInter = 768;
 constexpr int kLayers = 8, kRepeats = 7;
@@ -173,39 +175,17 @@ Point TimeLayer(QuantFormat f, const std::vector<cuda::QuantExpertTable>& tables
   scratch_alloc(&a.y, static_cast<size_t>(rows) * kHidden);
   CUDA_OR_DIE(cudaMemset(a.y, 0, sizeof(float) * rows * kHidden));
 
-  cudaStream_t stream;
-  CUDA_OR_DIE(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OR_DIE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int l = 0; l < kLayers; ++l) {
-    a.quant = tables.data() + 3 * l;  // read on the host: the kernels take the tables by value
-    cuda::MoeGrouped(a, stream);
-  }
-  CUDA_OR_DIE(cudaStreamEndCapture(stream, &graph));
-  CUDA_OR_DIE(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CUDA_OR_DIE(cudaEventCreate(&start));
-  CUDA_OR_DIE(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int r = 0; r < kRepeats + 2; ++r) {
-    CUDA_OR_DIE(cudaEventRecord(start, stream));
-    CUDA_OR_DIE(cudaGraphLaunch(exec, stream));
-    CUDA_OR_DIE(cudaEventRecord(stop, stream));
-    CUDA_OR_DIE(cudaEventSynchronize(stop));
-    float t = 0.f;
-    CUDA_OR_DIE(cudaEventElapsedTime(&t, start, stop));
-    if (r >= 2) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CUDA_OR_DIE(cudaGraphExecDestroy(exec));
-  CUDA_OR_DIE(cudaGraphDestroy(graph));
-  CUDA_OR_DIE(cudaStreamDestroy(stream));
-  CUDA_OR_DIE(cudaEventDestroy(start));
-  CUDA_OR_DIE(cudaEventDestroy(stop));
+  const double ms = bench::MedianGraphMs(
+      [&](cudaStream_t stream) {
+        for (int l = 0; l < kLayers; ++l) {
+          a.quant = tables.data() + 3 * l;  // read on the host: kernels take the tables by value
+          cuda::MoeGrouped(a, stream);
+        }
+      },
+      kRepeats);
   for (void* d : scratch) CUDA_OR_DIE(cudaFree(d));
   Point p;
-  p.us = 1e3 * ms[ms.size() / 2] / kLayers;
+  p.us = 1e3 * ms / kLayers;
   p.gbps = touched.size() * ExpertBytes(f) / p.us / 1e3;
   return p;
 }
