@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "bench/graph_timing.h"
+#include "bench/probe.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gated_delta.h"
 
@@ -122,19 +122,9 @@ double TimeLayout(int batch, cuda::GatedDeltaDecodeLayout layout) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  double gbps = 4460.0;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--gbps") == 0 && i + 1 < argc) {
-      gbps = std::atof(argv[++i]);
-    } else {
-      std::fprintf(stderr, "usage: %s [--gbps G]\n", argv[0]);
-      return 2;
-    }
-  }
-  cudaDeviceProp prop;
-  CUDA_OR_DIE(cudaGetDeviceProperties(&prop, 0));
-  std::printf("# %s, %d SMs; roofline %.0f GB/s; us a launch, median of %d graphs of %d\n",
-              prop.name, prop.multiProcessorCount, gbps, kRepeats, kLaunches);
+  const double gbps = bench::RooflineGbpsFromArgs(argc, argv);
+  std::printf("# %s; roofline %.0f GB/s; us a launch, median of %d graphs of %d\n",
+              bench::DeviceLine().c_str(), gbps, kRepeats, kLaunches);
   std::printf("%6s %10s %10s %8s %10s %10s %8s  %s\n", "batch", "columns", "GB/s", "%roof", "rows",
               "GB/s", "%roof", "auto");
   const double channels = 2.0 * kKeyHeads * kDim + kValueHeads * kDim;

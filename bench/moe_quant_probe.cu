@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/graph_timing.h"
+#include "bench/probe.h"
 #include "core/quant/format.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/limits.h"
@@ -206,19 +206,9 @@ const char* KernelName(cuda::MoeGroupedKernel k) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  double gbps = 4460.0;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--gbps") == 0 && i + 1 < argc) {
-      gbps = std::atof(argv[++i]);
-    } else {
-      std::fprintf(stderr, "usage: %s [--gbps G]\n", argv[0]);
-      return 2;
-    }
-  }
-  cudaDeviceProp prop;
-  CUDA_OR_DIE(cudaGetDeviceProperties(&prop, 0));
-  std::printf("# %s, %d SMs; roofline %.0f GB/s; us a layer, median of %d graphs of %d layers\n",
-              prop.name, prop.multiProcessorCount, gbps, kRepeats, kLayers);
+  const double gbps = bench::RooflineGbpsFromArgs(argc, argv);
+  std::printf("# %s; roofline %.0f GB/s; us a layer, median of %d graphs of %d layers\n",
+              bench::DeviceLine().c_str(), gbps, kRepeats, kLayers);
   std::printf("%-12s %6s %-7s %10s %10s %8s\n", "format", "rows", "kernel", "us", "GB/s", "%roof");
   for (QuantFormat f : {QuantFormat::kNvfp4, QuantFormat::kMxfp4, QuantFormat::kFp8Channel}) {
     std::vector<cuda::QuantExpertTable> tables;

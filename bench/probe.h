@@ -1,16 +1,45 @@
-// The probes' timer: what `enqueue` launches on a stream, captured once into a CUDA graph and
-// replayed, the median of `repeats` timed replays after `warmups` untimed ones, in ms a replay.
+// What the GPU probes (bench/*_probe.cu) share: their one flag, the device line they print first,
+// and their timer.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/check.h"
 
 namespace infersweep::bench {
 
+// `--gbps G`, the bandwidth the probe's rows are held against (default 4,460 GB/s, the H200
+// figure docs/PERFORMANCE.md holds every row against; 3,350 on an H100); anything else prints the
+// usage and exits.
+inline double RooflineGbpsFromArgs(int argc, char** argv) {
+  double gbps = 4460.0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--gbps") == 0 && i + 1 < argc) {
+      gbps = std::atof(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--gbps G]\n", argv[0]);
+      std::exit(2);
+    }
+  }
+  return gbps;
+}
+
+// "<device name>, <SMs> SMs" of device 0.
+inline std::string DeviceLine() {
+  cudaDeviceProp prop;
+  CUDA_OR_DIE(cudaGetDeviceProperties(&prop, 0));
+  return std::string(prop.name) + ", " + std::to_string(prop.multiProcessorCount) + " SMs";
+}
+
+// What `enqueue` launches on a stream, captured once into a CUDA graph and replayed: the median
+// of `repeats` timed replays after `warmups` untimed ones, in ms a replay.
 template <typename Enqueue>
 double MedianGraphMs(Enqueue enqueue, int repeats, int warmups = 2) {
   cudaStream_t stream;
