@@ -13,9 +13,7 @@
 // Usage: gated_delta_probe [--gbps G]
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 

@@ -15,8 +15,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -39,26 +37,36 @@ namespace bench = infersweep::bench;
 constexpr int kExperts = 128, kTopK = 8, kHidden = 2048, kInter = 768;
 constexpr int kLayers = 8, kRepeats = 7;
 
-std::vector<void*> allocations;  // a format's device memory, freed after its points
+// Device memory freed together: a format's expert tables, or one point's inputs and scratch.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* d : owned_) CUDA_OR_DIE(cudaFree(d));
+  }
+  template <typename T>
+  T* Allocate(size_t count) {
+    T* d = nullptr;
+    CUDA_OR_DIE(cudaMalloc(&d, count * sizeof(T)));
+    owned_.push_back(d);
+    return d;
+  }
+  template <typename T>
+  T* Copy(const T* host, size_t count) {
+    T* d = Allocate<T>(count);
+    CUDA_OR_DIE(cudaMemcpy(d, host, count * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+  template <typename T>
+  T* Copy(const std::vector<T>& host) {
+    return Copy(host.data(), host.size());
+  }
 
-template <typename T>
-T* Allocate(size_t count) {
-  T* d = nullptr;
-  CUDA_OR_DIE(cudaMalloc(&d, count * sizeof(T)));
-  allocations.push_back(d);
-  return d;
-}
-
-template <typename T>
-T* DeviceCopy(const T* host, size_t count) {
-  T* d = Allocate<T>(count);
-  CUDA_OR_DIE(cudaMemcpy(d, host, count * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  return DeviceCopy(host.data(), host.size());
-}
+ private:
+  std::vector<void*> owned_;
+};
 
 // `count` bytes base + (random & mask), from one random pool (every matrix of a kind has the same
 // bytes at its own address: timing reads no meaning into them).
@@ -78,27 +86,27 @@ const uint8_t* RandomBytes(size_t count, uint8_t mask, uint8_t base) {
 // One matrix kind (gate, up or down) of every expert of a layer: random codes (FP8 without the
 // NaN code, exponents 4..11), E4M3 group scales near 1 (NVFP4), E8M0 ones near 2^-3 (MXFP4),
 // fp32 channel scales (FP8), one global scale per expert (NVFP4).
-cuda::QuantExpertTable Table(QuantFormat f, int rows, int cols) {
+cuda::QuantExpertTable Table(DeviceArena& arena, QuantFormat f, int rows, int cols) {
   const bool fp4 = infersweep::IsFp4(f);
   const size_t code_bytes = static_cast<size_t>(rows) * cols / (fp4 ? 2 : 1);
   const size_t groups = static_cast<size_t>(rows) * cols / (f == QuantFormat::kNvfp4 ? 16 : 32);
   std::vector<const void*> codes(kExperts), scales(kExperts), globals(kExperts);
   for (int e = 0; e < kExperts; ++e) {
-    codes[e] = fp4 ? DeviceCopy(RandomBytes(code_bytes, 0xff, 0), code_bytes)
-                   : DeviceCopy(RandomBytes(code_bytes, 0x3f, 0x20), code_bytes);
+    codes[e] = fp4 ? arena.Copy(RandomBytes(code_bytes, 0xff, 0), code_bytes)
+                   : arena.Copy(RandomBytes(code_bytes, 0x3f, 0x20), code_bytes);
     if (f == QuantFormat::kNvfp4) {
-      scales[e] = DeviceCopy(RandomBytes(groups, 0x0f, 0x30), groups);
-      globals[e] = DeviceCopy(std::vector<float>{1.f / 1024});
+      scales[e] = arena.Copy(RandomBytes(groups, 0x0f, 0x30), groups);
+      globals[e] = arena.Copy(std::vector<float>{1.f / 1024});
     } else if (f == QuantFormat::kMxfp4) {
-      scales[e] = DeviceCopy(RandomBytes(groups, 0x03, 122), groups);
+      scales[e] = arena.Copy(RandomBytes(groups, 0x03, 122), groups);
     } else {
-      scales[e] = DeviceCopy(std::vector<float>(rows, 1.f / 64));
+      scales[e] = arena.Copy(std::vector<float>(rows, 1.f / 64));
     }
   }
   cuda::QuantExpertTable t;
-  t.codes = DeviceCopy(codes);
-  t.scales = DeviceCopy(scales);
-  t.global_scales = f == QuantFormat::kNvfp4 ? DeviceCopy(globals) : nullptr;
+  t.codes = arena.Copy(codes);
+  t.scales = arena.Copy(scales);
+  t.global_scales = f == QuantFormat::kNvfp4 ? arena.Copy(globals) : nullptr;
   t.format = f;
   t.scale_dtype = DType::kF32;
   t.rows = rows;
@@ -126,11 +134,7 @@ struct Point {
 // tables: [layer][gate, up, down].
 Point TimeLayer(QuantFormat f, const std::vector<cuda::QuantExpertTable>& tables, int rows,
                 cuda::MoeGroupedKernel kernel) {
-  std::vector<void*> scratch;
-  auto scratch_alloc = [&](auto** p, size_t count) {
-    CUDA_OR_DIE(cudaMalloc(p, count * sizeof(**p)));
-    scratch.push_back(*p);
-  };
+  DeviceArena arena;
   const int pairs = rows * kTopK;
   std::vector<int> ids(pairs);
   std::vector<float> weights(pairs, 1.f / kTopK);
@@ -149,30 +153,21 @@ Point TimeLayer(QuantFormat f, const std::vector<cuda::QuantExpertTable>& tables
   for (size_t i = 0; i < x_host.size(); ++i) x_host[i] = 0x3c00 + (i * 37 % 256);  // ~1 in bf16
   cuda::MoeGroupedArgs a;
   a.kernel = kernel;
-  uint16_t* x = nullptr;
-  scratch_alloc(&x, x_host.size());
-  CUDA_OR_DIE(cudaMemcpy(x, x_host.data(), x_host.size() * 2, cudaMemcpyHostToDevice));
-  a.x_bf16 = x;
+  a.x_bf16 = arena.Copy(x_host);
   a.rows = rows;
   a.k = kTopK;
   a.num_experts = kExperts;
   a.hidden = kHidden;
   a.inter = kInter;
-  int* d_ids = nullptr;
-  float* d_weights = nullptr;
-  scratch_alloc(&d_ids, ids.size());
-  scratch_alloc(&d_weights, weights.size());
-  CUDA_OR_DIE(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OR_DIE(cudaMemcpy(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
-  a.expert_ids = d_ids;
-  a.expert_weights = d_weights;
+  a.expert_ids = arena.Copy(ids);
+  a.expert_weights = arena.Copy(weights);
   a.expert_begin = 0;
   a.expert_end = kExperts;
-  scratch_alloc(&a.offsets, kExperts + 1);
-  scratch_alloc(&a.sorted_pairs, pairs);
-  scratch_alloc(&a.h, static_cast<size_t>(pairs) * kInter);
-  scratch_alloc(&a.out, static_cast<size_t>(pairs) * kHidden);
-  scratch_alloc(&a.y, static_cast<size_t>(rows) * kHidden);
+  a.offsets = arena.Allocate<int>(kExperts + 1);
+  a.sorted_pairs = arena.Allocate<int>(pairs);
+  a.h = arena.Allocate<uint16_t>(static_cast<size_t>(pairs) * kInter);
+  a.out = arena.Allocate<float>(static_cast<size_t>(pairs) * kHidden);
+  a.y = arena.Allocate<float>(static_cast<size_t>(rows) * kHidden);
   CUDA_OR_DIE(cudaMemset(a.y, 0, sizeof(float) * rows * kHidden));
 
   const double ms = bench::MedianGraphMs(
@@ -183,7 +178,6 @@ Point TimeLayer(QuantFormat f, const std::vector<cuda::QuantExpertTable>& tables
         }
       },
       kRepeats);
-  for (void* d : scratch) CUDA_OR_DIE(cudaFree(d));
   Point p;
   p.us = 1e3 * ms / kLayers;
   p.gbps = touched.size() * ExpertBytes(f) / p.us / 1e3;
@@ -211,11 +205,12 @@ int main(int argc, char** argv) {
               bench::DeviceLine().c_str(), gbps, kRepeats, kLayers);
   std::printf("%-12s %6s %-7s %10s %10s %8s\n", "format", "rows", "kernel", "us", "GB/s", "%roof");
   for (QuantFormat f : {QuantFormat::kNvfp4, QuantFormat::kMxfp4, QuantFormat::kFp8Channel}) {
+    DeviceArena arena;  // this format's tables
     std::vector<cuda::QuantExpertTable> tables;
     for (int l = 0; l < kLayers; ++l) {
-      tables.push_back(Table(f, kInter, kHidden));
-      tables.push_back(Table(f, kInter, kHidden));
-      tables.push_back(Table(f, kHidden, kInter));
+      tables.push_back(Table(arena, f, kInter, kHidden));
+      tables.push_back(Table(arena, f, kInter, kHidden));
+      tables.push_back(Table(arena, f, kHidden, kInter));
     }
     for (int rows : {1, 4, 16, 64, 256, 2048}) {
       std::vector<cuda::MoeGroupedKernel> kernels = {
@@ -229,8 +224,6 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-    for (void* d : allocations) CUDA_OR_DIE(cudaFree(d));
-    allocations.clear();
   }
   return 0;
 }
