@@ -787,16 +787,19 @@ TEST_F(GpuQuant, GroupedWgmmaQuantExpertKernelsMatchTheExactDequantReference) {
   EXPECT_FALSE(cuda::MoeWgmmaQuantSupports(gate.t, up.t, down.t, 256, 192));
 }
 
-// GemmQuantMma (qgemm=w8a16 / w4a16 dense linears at 8+ rows): y = W . x with x rounded to bf16,
-// against double sums over the CPU's exact dequantization; out features that do not fill a
-// 16-row tile or a 64-feature block, 4- and 8-tile passes, rows in slabs. FP8 block-128 is refused.
+// GemmQuantMma (qgemm=w8a16 / w4a16 dense linears of decode batches): y = W . x with x rounded to
+// bf16, against double sums over the CPU's exact dequantization; out features that do not fill a
+// 16-row tile, 4- and 8-tile passes, rows in slabs, K split over the block's 8 warps unevenly
+// (9 FP4 units: 2 a warp, the fifth warp 1, the last three none; 17: the last 1) or not at all
+// (one unit). FP8 block-128 is refused.
 TEST_F(GpuQuant, DenseQuantMmaMatchesTheExactDequantReference) {
   struct Case {
     int64_t n, k;
     int rows;
   };
   // 1000 rows: a long chunk split into row slabs (16 blocks of 64 rows, the last one 40)
-  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9}, {512, 128, 33}, {512, 256, 1000}};
+  const Case cases[] = {{4096, 2048, 64}, {200, 256, 9},  {512, 128, 33}, {512, 256, 1000},
+                        {2560, 2176, 16}, {96, 1152, 20}, {40, 4096, 16}};
   for (QuantFormat format : kAllFormats) {
     for (Case c : cases) {
       SCOPED_TRACE(QuantFormatName(format) + " [" + std::to_string(c.n) + ", " +
@@ -821,6 +824,7 @@ TEST_F(GpuQuant, DenseQuantMmaMatchesTheExactDequantReference) {
       uint16_t* dx = ToDevice(x_bf16);
       float* dy = nullptr;
       CUDA_EXPECT_OK(cudaMalloc(&dy, c.rows * c.n * sizeof(float)));
+      CUDA_EXPECT_OK(cudaMemset(dy, 0xff, c.rows * c.n * sizeof(float)));  // NaN
       cuda::GemmQuantMma(dx, c.rows, dm.ref, dy, nullptr);
       CUDA_EXPECT_OK(cudaGetLastError());
       CUDA_EXPECT_OK(cudaDeviceSynchronize());

@@ -230,16 +230,22 @@ TEST(LinearPlan, QuantizedLinearsTakeTheirKernelByRowsFormatAndShape) {
   const CudaOptions w4a16 = OptionsWith("qgemm", "w4a16");
   const LinearWeightFacts nvfp4{DType::kBF16, QuantFormat::kNvfp4, 4096, 2048};
   const LinearWeightFacts fp8{DType::kBF16, QuantFormat::kFp8Channel, 4096, 2048};
-  // Decode rows: the GEMV, then (8+ rows, FP4 only) the register-decoding MMA, then (16+ rows or a
-  // prefill chunk) tensor cores on a bf16 copy, which the launch log names.
+  // Decode rows: the GEMV, then (8+ rows FP4, 16+ FP8, up to 32) the register-decoding MMA, then
+  // (33+ rows or a prefill chunk) tensor cores on a bf16 copy, which the launch log names.
   EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 4, false, true}).path, LinearPath::kQuantGemvFp4);
   EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 8, false, true}).path, LinearPath::kQuantMma);
   EXPECT_EQ(PlanLinear(w4a16, fp8, {true, 8, false, true}).path, LinearPath::kQuantGemvFp8);
-  const LinearStep batch16{true, 16, false, true};
-  const LinearPlan copy = PlanLinear(w4a16, nvfp4, batch16);
+  for (int rows : {16, 32}) {
+    EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, rows, false, true}).path, LinearPath::kQuantMma);
+    EXPECT_EQ(PlanLinear(w4a16, fp8, {true, rows, false, true}).path, LinearPath::kQuantMma);
+  }
+  const LinearWeightFacts block128{DType::kBF16, QuantFormat::kFp8Block128, 4096, 2048};
+  EXPECT_EQ(PlanLinear(w4a16, block128, {true, 16, false, true}).path, LinearPath::kQuantBf16Copy);
+  const LinearStep batch33{true, 33, false, true};
+  const LinearPlan copy = PlanLinear(w4a16, nvfp4, batch33);
   EXPECT_EQ(copy.path, LinearPath::kQuantBf16Copy);
-  EXPECT_THAT(LinearFallback(w4a16, copy, nvfp4, batch16),
-              HasSubstr("decode batch of 16 rows: quantized linears dequantized to bf16"));
+  EXPECT_THAT(LinearFallback(w4a16, copy, nvfp4, batch33),
+              HasSubstr("decode batch of 33 rows: quantized linears dequantized to bf16"));
   EXPECT_EQ(PlanLinear(w4a16, nvfp4, {true, 2, true, true}).path, LinearPath::kQuantBf16Copy);
   // Without cuBLASLt a batch stays on the codes.
   EXPECT_EQ(PlanLinear(w4a16, nvfp4, {false, 64, false, true}).path, LinearPath::kQuantMma);

@@ -61,8 +61,9 @@ size_t LinearRunner::LargestQuantizedDense() const {
 }
 
 absl::Status LinearRunner::AllocateScratch(int rows) {
-  // Decode batches of kQuantBf16CopyMinRows+ rows dequantize into the copy inside captured
-  // graphs, where it cannot grow: it is reserved here.
+  // Decode batches of kQuantBf16CopyMinRows+ rows may dequantize into the copy inside captured
+  // graphs, where it cannot grow (FP8 block-128, or more than kQuantMmaMaxRows rows): it is
+  // reserved here.
   const bool register_dequant = DequantizesInRegisters(options_.qgemm);
   if (rows >= kQuantBf16CopyMinRows && gemm_ && register_dequant) {
     RETURN_IF_ERROR(ReserveBf16Copy(LargestQuantizedDense()));
@@ -127,7 +128,7 @@ absl::Status LinearRunner::Gemm(const float* x, const uint16_t* x_bf16, int rows
     }
     case LinearPath::kQuantMma:
       // The codes decoded in registers onto tensor cores, every weight read once a pass of 32 or
-      // 64 rows (the GEMV re-reads and re-decodes it every 4).
+      // 64 rows (the GEMV re-reads and re-decodes it every 4), K split over a block's warps.
       cuda::GemmQuantMma(x_bf16, rows, w, y, stream_);
       break;
     case LinearPath::kQuantFp8Mma:
@@ -208,8 +209,9 @@ absl::Status LinearRunner::ReserveBf16Copy(size_t count) {
 // bf16 scratch (the same exact dequantization as dequant_bf16, then one bf16 rounding) and runs the
 // bf16 tensor-core paths: cuBLASLt for the dense projections, the grouped expert kernels for the
 // MoE. The scratch (one dense matrix, and one layer's experts: 1.2 GB for qwen3-30b-a3b) is
-// allocated at the first quantized prefill. Decode batches of kQuantBf16CopyMinRows+ rows take
-// the dense copy too (reserved by AllocateScratch); smaller ones keep the quantized kernels.
+// allocated at the first quantized prefill. Decode batches of more than kQuantMmaMaxRows rows
+// (FP8 block-128: kQuantBf16CopyMinRows+) take the dense copy too (reserved by AllocateScratch);
+// smaller ones keep the quantized kernels.
 absl::StatusOr<MatrixRef> LinearRunner::QuantBf16Copy(const MatrixRef& w) {
   RETURN_IF_ERROR(ReserveBf16Copy(static_cast<size_t>(w.numel())));
   cuda::DequantizeToBf16(w, bf16_copy_.get(), stream_);

@@ -88,8 +88,8 @@ class LinearRunner {
   // From this many rows a decode batch's quantized linears (qgemm=w4a16|w8a16, with cuBLASLt)
   // take the bf16 copy too. Napkin math: the copy moves ~5 bytes a weight (FP8 codes read, bf16
   // written and read back by cuBLASLt), the quantized GEMV one byte a weight every 4 rows, so
-  // from ~20 rows the copy moves fewer bytes; the FP4 MMA kernel (GemmQuantMma) reads the codes
-  // once but runs one block per 64 features, latency-bound on the 512-feature projections.
+  // from ~20 rows the copy moves fewer bytes; the MMA kernel (GemmQuantMma) reads the codes once
+  // a pass and takes decode batches up to kQuantMmaMaxRows rows.
   absl::StatusOr<MatrixRef> QuantBf16Copy(const MatrixRef& w);
   // The plan for y = x . W^T at `rows` rows (engine/plan/linear_plan.h); with `record_fallback`,
   // its fallback line goes to the launch log.

@@ -32,12 +32,17 @@ LinearPlan PlanLinear(const CudaOptions& o, const LinearWeightFacts& w, const Li
              cuda::Fp8MmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
     // Prefill chunks and decode batches of 8+ rows; fewer rows keep the GEMV (below).
     plan.path = LinearPath::kQuantFp8Mma;
+  } else if (s.bf16_input && !s.prefill && s.rows <= kQuantMmaMaxRows &&
+             s.rows >= (IsFp4(w.format) ? cuda::kQuantMmaMinRows : kQuantBf16CopyMinRows) &&
+             cuda::QuantMmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
+    // Decode batches on the codes: each weight byte read once, K split across a block's warps.
+    // FP8 keeps the GEMV below 16 rows, where its cheaper decode makes the re-reads pay.
+    plan.path = LinearPath::kQuantMma;
   } else if ((s.prefill || s.rows >= kQuantBf16CopyMinRows) && s.cublaslt && s.bf16_input) {
     plan.path = LinearPath::kQuantBf16Copy;
   } else if (s.bf16_input && s.rows >= cuda::kQuantMmaMinRows && IsFp4(w.format) &&
              cuda::QuantMmaShapeSupports(w.format, w.rows, w.cols) && w.codes_aligned) {
-    // FP8 keeps the GEMV on decode batches: its decode is cheaper, and the MMA kernel's one
-    // block per 64 output features leaves most SMs idle on narrow k and v projections.
+    // Without cuBLASLt, FP4 batches and chunks of every size stay on the codes.
     plan.path = LinearPath::kQuantMma;
   } else if (IsFp4(w.format)) {
     plan.path = LinearPath::kQuantGemvFp4;

@@ -13,8 +13,14 @@
 namespace infersweep {
 
 // From this many decode rows, quantized dense linears under qgemm=w4a16|w8a16 run on tensor
-// cores from a bf16 copy of the weight (as prefill chunks do).
+// cores: up to kQuantMmaMaxRows on the codes (GemmQuantMma, FP4 from its 8 rows), beyond that
+// (and on FP8 block-128, and on prefill chunks) from a bf16 copy of the weight.
 constexpr int kQuantBf16CopyMinRows = 16;
+// The most decode rows whose quantized dense linears read the codes (GemmQuantMma). Past it
+// the kernel's blocks of 16 features read 4x the inputs from L2 of a 64-feature block (n / 16 x
+// rows x K x 2 bytes: 64 MB for a 4096 x 2048 projection at 64 rows), and the bf16 copy's one
+// write and re-read of the weight costs less.
+constexpr int kQuantMmaMaxRows = 32;
 // From this many decode rows (and on every prefill chunk), qgemm=w8a8's dense linears take E4M3
 // wgmma on sm_90a: a 128-row tile is one pass over the weight.
 constexpr int kFp8WgmmaMinRows = 64;

@@ -193,4 +193,16 @@ class PerDeviceOnce {
 
 inline int CeilDiv(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
 
+// The current device's SM count (host side), read once: launchers size their grids
+// by it (the shape only, never correctness).
+inline int MultiprocessorCount() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms > 0 ? sms : 1;
+  }();
+  return count;
+}
+
 }  // namespace infersweep::cuda

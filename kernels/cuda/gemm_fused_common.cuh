@@ -51,17 +51,6 @@ __device__ __forceinline__ void StageGemvInput(const GemvArgs& a, float* xs, flo
   }
 }
 
-// The current device's SM count (host side), read once: the GEMV launchers size their grids by it.
-inline int MultiprocessorCount() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return sms > 0 ? sms : 1;
-  }();
-  return count;
-}
-
 // The fused epilogue of output `local` of segment `seg`, activation row r (lane 0 calls it).
 __device__ __forceinline__ void StoreGemvOutput(const GemvArgs& a, const GemvSegment& seg,
                                                 int local, int r, float dot) {

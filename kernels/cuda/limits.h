@@ -63,7 +63,7 @@ constexpr bool QuantGemvShapeSupports(QuantFormat f, int64_t rows, int64_t cols)
          QuantGemvPaddedFloats(cols) * int64_t{4} <= kQuantGemvMaxSharedBytes;
 }
 // The quantized mma.sync GEMM (GemmQuantMma): FP8 tensor / channel, NVFP4 or MXFP4, K in whole
-// 64 (FP8) or 128 (FP4) element tiles; the dense linears take it from kQuantMmaMinRows rows.
+// 64 (FP8) or 128 (FP4) element tiles; FP4 dense linears take it from kQuantMmaMinRows rows.
 constexpr int kQuantMmaMinRows = 8;
 constexpr bool QuantMmaShapeSupports(QuantFormat f, int64_t rows, int64_t cols) {
   if (f != QuantFormat::kFp8Tensor && f != QuantFormat::kFp8Channel && !IsFp4(f)) return false;

@@ -636,6 +636,88 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// The lane's unit scales `units` units further along its row (LoadUnitScale's stride of 4 a unit).
+template <QuantFormat F>
+__device__ __forceinline__ const void* AdvanceUnitScales(const void* scales, int units) {
+  if constexpr (F == QuantFormat::kNvfp4)
+    return static_cast<const uint16_t*>(scales) + 4 * units;
+  else if constexpr (F == QuantFormat::kMxfp4)
+    return static_cast<const uint8_t*>(scales) + 4 * units;
+  else
+    return scales;
+}
+
+// A dense quantized linear at decode batches (GemmQuantMma): y [rows, n] = x [rows, k] . W^T,
+// W's codes decoded in registers onto bf16 mma.sync as in GroupedDownQuantKernel, with K split
+// across the block's warps so that narrow projections still fill the GPU: grid (ceil(n / 16), row
+// slabs), kSlices warps. Block (b, y) owns features [16 b, 16 b + 16) of slab y's rows; warp w
+// streams units [w per, (w + 1) per) of K (per = ceil(units / kSlices)), every warp the same 16
+// weight rows, so each weight byte is read once a pass. The warps' partial sums meet in shared
+// memory and are added in warp order (deterministic), times the row factor.
+// Each block reads all of its rows' inputs from L2 (a warp its slice): n / 16 x rows x k x 2
+// bytes a matrix, 16 MB for q_proj of qwen3-30b-a3b at 16 rows, 64 MB at 64, which is why decode
+// batches past 32 rows take the bf16 copy instead (engine/plan/linear_plan.h).
+// Napkin math, batch 16 on qwen3-30b-a3b, NVFP4: q 4096 x 2048 is 4.7 MB of codes and scales
+// (1.1 us at 4.46 TB/s) over 256 blocks of 8 warps, two 128-weight units a warp, and 16 MB of
+// inputs from L2 (~3 us); k and v 0.6 MB each over 32 blocks; o 2048 x 4096 over 128 blocks.
+// Against the bf16 copy's write and re-read of 2 bytes a weight (~19 MB a layer) and two
+// launches a projection.
+template <QuantFormat F, int kTiles, int kSlices>
+__global__ void __launch_bounds__(kSlices * 32)
+    DenseQuantMmaKernel(const uint16_t* x, QuantExpertTable w, int rows, float* y) {
+  constexpr int kRuns = QuantRuns<F>(), kUnroll = 2;
+  constexpr int kPartials = kTiles * 4 * 32;  // a warp's C fragments
+  __shared__ float partial[kSlices][kPartials];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n = w.rows, k = w.cols, f0 = blockIdx.x * 16;
+  const int units = k / (32 * kRuns), per = CeilDivDevice(units, kSlices);
+  const int unit0 = min(units, warp * per), my_units = min(units, unit0 + per) - unit0;
+  const uint4* codes[2];
+  const void* scales[2];
+  QuantRowPointers<F>(w, 0, min(f0 + g, n - 1), t, &codes[0], &scales[0]);
+  QuantRowPointers<F>(w, 0, min(f0 + g + 8, n - 1), t, &codes[1], &scales[1]);
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    codes[m] += 4 * unit0;
+    scales[m] = AdvanceUnitScales<F>(scales[m], unit0);
+  }
+  QuantStage<1, kUnroll> a;
+  LoadQuantStage<F, 1, kUnroll>(codes, scales, 0, my_units, a);  // before the wait: weights only
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  int first, count;
+  RowsOf<kTiles>(nullptr, 0, rows, &first, &count);
+  for (int base = 0; base < count; base += 8 * kTiles) {
+    const uint4* in[kTiles];
+    PairRows<kTiles>(nullptr, first, count, base, x, k, 1, g, kRuns * t, in);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+      if (in[j]) in[j] += 4 * kRuns * unit0;
+    float acc[1][kTiles][4] = {};
+    if (base > 0) LoadQuantStage<F, 1, kUnroll>(codes, scales, 0, my_units, a);
+    if (my_units > 0)
+      StreamQuantExpert<F, 1, kTiles, kUnroll>(codes, scales, in, CeilDivDevice(count - base, 8),
+                                               my_units, a, acc);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][(j * 4 + i) * 32 + lane] = acc[0][j][i];
+    __syncthreads();
+    // Element (j, i, l) is lane l's c[i] of tile j: row 8 j + 2 (l % 4) + i % 2 of the pass,
+    // feature f0 + l / 4 + 8 (i / 2) (ForEachOutput's mapping).
+    for (int e = threadIdx.x; e < kPartials; e += kSlices * 32) {
+      const int l = e % 32, i = (e / 32) % 4, j = e / 128;
+      const int row = base + 8 * j + 2 * (l % 4) + i % 2, feature = f0 + l / 4 + 8 * (i / 2);
+      if (row >= count || feature >= n) continue;
+      float sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlices; ++s) sum += partial[s][e];
+      y[static_cast<int64_t>(first + row) * n + feature] = sum * QuantRowFactor<F>(w, 0, feature);
+    }
+    __syncthreads();  // the next pass rewrites partial
+  }
+}
+
 // qgemm=w8a8: FP8 experts (tensor or channel scales) on E4M3 x E4M3 mma.sync, their codes fed to
 // the MMAs as loaded, the inputs quantized to E4M3 with one scale a row beforehand
 // (QuantizeRowsE4M3). The sums are exact products of the codes accumulated in fp32; the weight
@@ -925,17 +1007,17 @@ bool GemmQuantMmaSupports(const MatrixRef& w) {
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
-// A dense matrix's grid: a block column per 64 output features and, so that narrow projections
-// (k and v: 8 columns) and long prefill chunks fill the GPU, its rows split into slabs of whole
-// passes until there are ~4 blocks an SM. A block's pass is latency-bound (its loads of the rows'
-// codes wait on L2 a chunk at a time), so slabs run side by side, not a block's passes in turn:
-// prefill 2048 on qwen3-30b-a3b's k projection is 8 x 32 blocks, not 8 blocks of 32 passes.
-dim3 DenseGrid(int features, int rows, bool wide) {
-  int device = 0, sms = 132;  // the shape only, never correctness, rides on the count
-  if (cudaGetDevice(&device) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int columns = CeilDiv(features, kBlockFeatures), pass = wide ? 64 : 32;
-  const int slabs = std::clamp(CeilDiv(4 * sms, columns), 1, CeilDiv(rows, pass));
+// A dense matrix's grid: a block column per block_features output features and, so that narrow
+// projections (k and v) and long prefill chunks fill the GPU, its rows split into slabs of whole
+// passes until there are ~blocks_per_sm blocks an SM. A block's pass is latency-bound (its loads
+// of the rows' codes wait on L2 a chunk at a time), so slabs run side by side, not a block's
+// passes in turn: prefill 2048 on qwen3-30b-a3b's k projection is 8 x 32 blocks, not 8 blocks of
+// 32 passes.
+dim3 DenseGrid(int features, int rows, bool wide, int block_features = kBlockFeatures,
+               int blocks_per_sm = 4) {
+  const int sms = MultiprocessorCount();
+  const int columns = CeilDiv(features, block_features), pass = wide ? 64 : 32;
+  const int slabs = std::clamp(CeilDiv(blocks_per_sm * sms, columns), 1, CeilDiv(rows, pass));
   return dim3(columns, slabs);
 }
 
@@ -943,27 +1025,27 @@ void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y
                   cudaStream_t stream) {
   const QuantExpertTable t = MatrixQuantTable(w);
   const bool wide = rows > 32;  // 8 tiles of 8 rows a pass, else 4
-  const dim3 grid = DenseGrid(t.rows, rows, wide), block(kWarps * 32);
-  auto launch = [&](auto kernel) {
-    Launch(kernel, grid, block, 0, stream, x_bf16, static_cast<const int*>(nullptr),
-           static_cast<const int*>(nullptr), 0, t, rows, y);
-  };
+  constexpr int kSlices = 8;    // warps a block, each a slice of K
+  // Slabs of rows until there are ~2 blocks of 8 warps an SM.
+  const dim3 grid = DenseGrid(t.rows, rows, wide, /*block_features=*/16, /*blocks_per_sm=*/2),
+             block(kSlices * 32);
+  auto launch = [&](auto kernel) { Launch(kernel, grid, block, 0, stream, x_bf16, t, rows, y); };
   switch (t.format) {
     case QuantFormat::kFp8Tensor:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Tensor, 4, 2>);
+      wide ? launch(DenseQuantMmaKernel<QuantFormat::kFp8Tensor, 8, kSlices>)
+           : launch(DenseQuantMmaKernel<QuantFormat::kFp8Tensor, 4, kSlices>);
       break;
     case QuantFormat::kFp8Channel:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kFp8Channel, 4, 2>);
+      wide ? launch(DenseQuantMmaKernel<QuantFormat::kFp8Channel, 8, kSlices>)
+           : launch(DenseQuantMmaKernel<QuantFormat::kFp8Channel, 4, kSlices>);
       break;
     case QuantFormat::kNvfp4:
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kNvfp4, 4, 2>);
+      wide ? launch(DenseQuantMmaKernel<QuantFormat::kNvfp4, 8, kSlices>)
+           : launch(DenseQuantMmaKernel<QuantFormat::kNvfp4, 4, kSlices>);
       break;
     default:  // GemmQuantMmaSupports admits no other format
-      wide ? launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 8, 2>)
-           : launch(GroupedDownQuantKernel<QuantFormat::kMxfp4, 4, 2>);
+      wide ? launch(DenseQuantMmaKernel<QuantFormat::kMxfp4, 8, kSlices>)
+           : launch(DenseQuantMmaKernel<QuantFormat::kMxfp4, 4, kSlices>);
       break;
   }
 }

@@ -280,12 +280,12 @@ struct MoeGroupedArgs {
   float* h_scale = nullptr;  // scratch [rows * k]
 };
 // y[r] = W . x[r] for r < rows, fp32 out, W quantized [n, k] (FP8 tensor / channel, NVFP4,
-// MXFP4), x bf16 [rows, k]: the grouped down kernel over one matrix, its codes decoded to bf16
-// in registers and fed to mma.sync, 32 or 64 rows a pass. qgemm=w4a16's dense linears take it
-// from kQuantMmaMinRows decode rows (limits.h; engine/plan/linear_plan.h: FP8 keeps the quantized
-// GEMV there).
-// Batch 64, q_proj of qwen3-30b-a3b NVFP4 [4096, 2048]: 4.7 MB, ~1 us of bandwidth, 64 blocks
-// of 64 features: expect latency, a few us.
+// MXFP4), x bf16 [rows, k]: its codes decoded to bf16 in registers and fed to mma.sync, 32 or 64
+// rows a pass, a block of 8 warps for each 16 output features, each warp a slice of K, their sums
+// added in shared memory in a fixed order. qgemm=w4a16|w8a16's dense linears take it on decode
+// batches of kQuantMmaMinRows (FP4; FP8 16) to kQuantMmaMaxRows rows (engine/plan/linear_plan.h).
+// Batch 16, q_proj of qwen3-30b-a3b NVFP4 [4096, 2048]: 4.7 MB, ~1 us of bandwidth, 256 blocks
+// of 8 warps and 16 MB of inputs from L2: expect a few DRAM latencies, a few us.
 bool GemmQuantMmaSupports(const MatrixRef& w);  // the format, k % 64 (FP8) or 128 (FP4)
 void GemmQuantMma(const uint16_t* x_bf16, int rows, const MatrixRef& w, float* y,
                   cudaStream_t stream);
