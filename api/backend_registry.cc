@@ -538,7 +538,8 @@ std::vector<BackendDescriptor> MakeRegistry() {
                {},
                kBf16,
                "FP8 E4M3 weights dequantized in registers inside the GEMV (tensor, channel and "
-               "block-128 scales), fp32 activations and accumulate"});
+               "block-128 scales), fp32 activations and accumulate; decode batches of 16-32 "
+               "rows (tensor, channel) onto bf16 tensor cores from the codes"});
   // The scaled GEMMs run the linears only: the fused and grouped MoE runners would bypass them.
   // FP8: cuBLASLt's FP8 GEMMs need sm_89, its outer-vector and 128-block scale modes sm_90, and
   // our activation quantizers are built for sm_90 (machine code + PTX): sm_90 or newer.
